@@ -1,0 +1,1 @@
+"""Gyre orchestrator service: rollouts, rewards, advantages, packing, weight relay, eval."""

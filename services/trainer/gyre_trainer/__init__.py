@@ -1,0 +1,1 @@
+"""Gyre trainer service: RL objectives, batch intake, weight publishing, checkpoints, SFT."""
