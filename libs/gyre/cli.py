@@ -1,0 +1,74 @@
+"""The `gyre` command: one entry point, subcommands imported only when run.
+
+Light processes (the orchestrator, `gyre --help`) must never pay for importing torch, so every
+subcommand is a ``"module:function"`` string resolved at dispatch time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (target "module:function(argv)", one-line help). Multi-word commands use spaces.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "rl": ("gyre.launcher:main", "Run inference, orchestrator and trainer locally with an embedded Redis."),
+    "inference": ("gyre_inference.main:main", "Serve a policy over the OpenAI API with gRPC weight control."),
+    "trainer": ("gyre_trainer.main:main", "Train on batches from Redis; publish weights; notify the orchestrator."),
+    "sft": ("gyre_trainer.sft:main", "Supervised fine-tuning on chat data (or generated data)."),
+    "orchestrator": ("gyre_orchestrator.main:main", "Run environments, score, compute advantages, stream batches."),
+    "eval": ("gyre_orchestrator.evaluate:main", "Evaluate a served model on an environment's held-out split."),
+    "model init": ("gyre.model_init:main", "Create a tiny Llama model and BPE tokenizer (HF format)."),
+    "report": ("gyre.report:main", "Draw reward / eval / step-time curves of a run as a PNG."),
+    "bench inference": ("gyre_inference.bench:main", "Benchmark the inference backend."),
+    "bench trainer": ("gyre_trainer.bench:main", "Benchmark the trainer step."),
+    "bench orchestrator": ("gyre_orchestrator.bench:main", "Benchmark orchestrator overhead per sample."),
+    "bench async": ("gyre.bench_async:main", "Compare max_async_level 0 vs 1 step times."),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: gyre <command> [@ config.toml ...] [--key value ...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "Run 'gyre <command> --help' to see every option of a command with its default."]
+    return "\n".join(lines)
+
+
+def resolve(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """Longest command name matching the start of argv -> (name, target, remaining argv)."""
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if len(argv) >= words and name in COMMANDS:
+            return name, COMMANDS[name][0], argv[words:]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from gyre import __version__
+
+        print(f"gyre {__version__}")
+        return 0
+    found = resolve(argv)
+    if found is None:
+        print(f"gyre: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    name, target, rest = found
+    module_name, func_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            print(f"gyre: command {name!r} is not available in this installation ({e})", file=sys.stderr)
+            return 2
+        raise
+    result = getattr(module, func_name)(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""`gyre inference` configuration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+
+from gyre.config.loader import Section
+from gyre.config.shared import ModelConfig, ServiceConfig
+
+
+class ServerConfig(Section):
+    host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 in a pod).")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API (0 = free port).")
+
+
+class ControlConfig(Section):
+    host: str = Field("127.0.0.1", description="gRPC bind address of InferenceControl.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port of InferenceControl.")
+
+
+class AuthConfig(Section):
+    api_key: SecretStr | None = Field(None, description="Bearer key required on /v1/* when set.")
+    control_token: SecretStr | None = Field(None, description="Shared secret required on gRPC control calls when set.")
+
+
+class EngineConfig(Section):
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Torch backend device.")
+    max_batch_size: int = Field(64, ge=1, description="Sequences decoded together by the torch backend.")
+    max_model_len: int | None = Field(None, ge=16, description="Context length (prompt + completion); default: the model's.")
+    seed: int = Field(0, description="Default sampling seed of the engine.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of GPU memory to use.")
+
+
+class InferenceConfig(ServiceConfig):
+    """Serve one policy model over an OpenAI-compatible HTTP API with gRPC weight control."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    backend: Literal["torch", "vllm"] = Field("torch", description="Generation backend.")
+    served_model_name: str | None = Field(None, description="Model id in the API (default: model.name).")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server.")
+    control: ControlConfig = Field(default_factory=ControlConfig, description="gRPC control server.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Authentication.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Backend engine.")

@@ -1,0 +1,312 @@
+"""Turn `argv` into a validated config model.
+
+Sources, highest priority first:
+
+1. CLI options ``--a.b value`` / ``--a.b=value`` (kebab or snake case; a bare ``--flag`` means true),
+2. TOML files given as ``@ file.toml`` (several allowed, merged left to right),
+3. environment variables ``GYRE_A__B`` (handled by pydantic-settings, see :class:`GyreSettings`),
+4. field defaults.
+
+Every error names the offending key; :func:`parse_or_exit` prints it and exits with status 2,
+as argparse does for usage errors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class Section(BaseModel):
+    """A nested config section: unknown keys are errors, defaults are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class GyreSettings(BaseSettings):
+    """Root of a service config: CLI/TOML values arrive as init kwargs, then env, then defaults."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GYRE_", env_nested_delimiter="__", extra="forbid", validate_default=True, case_sensitive=False
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # No .env files or secret dirs: one documented set of sources, nothing implicit.
+        return (init_settings, env_settings)
+
+
+class ConfigError(ValueError):
+    """A config source or value is invalid; the message names the key."""
+
+
+class HelpRequested(Exception):  # noqa: N818 - control flow, not an error
+    pass
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """Merge ``override`` into a copy of ``base``; nested tables merge, everything else replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _cli_value(raw: str) -> Any:
+    # Scalars stay strings so pydantic coerces them to the field's type ("3" -> 3, "true" -> True);
+    # only structured literals are parsed here.
+    if raw.lower() in ("none", "null"):
+        return None
+    if raw[:1] in "[{":
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            try:
+                return tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"cannot parse value {raw!r}: {e}") from e
+    return raw
+
+
+def _set_nested(target: dict, dotted: str, value: Any) -> None:
+    parts = [p.replace("-", "_") for p in dotted.split(".")]
+    if not all(parts):
+        raise ConfigError(f"bad option name --{dotted}")
+    node = target
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"option --{dotted} conflicts with a value given for {part}")
+    node[parts[-1]] = value
+
+
+def read_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
+
+
+def read_section(path: str, fields: set[str] | None) -> dict:
+    """``file.toml#name``: the ``[name]`` table of an experiment file plus the shared top-level keys.
+
+    An experiment file (what `gyre rl` and the Helm chart's ConfigMap hold) sets shared keys once at
+    top level and per-service keys in ``[inference]``, ``[trainer]``, ``[orchestrator]``. A service
+    reads its own table; top-level keys are inherited when the service's config has such a field.
+    """
+    file, _, section = path.partition("#")
+    data = read_toml(file)
+    if not section:
+        return data
+    if section not in data and section not in ("inference", "trainer", "orchestrator", "sft"):
+        raise ConfigError(f"{file}: no [{section}] table")
+    shared = {k: v for k, v in data.items() if not isinstance(v, dict) or k not in SECTION_NAMES}
+    if fields is not None:
+        shared = {k: v for k, v in shared.items() if k in fields}
+    return deep_merge(shared, data.get(section, {}))
+
+
+SECTION_NAMES = {"inference", "trainer", "orchestrator", "sft"}
+
+
+def collect(argv: list[str], fields: set[str] | None = None) -> dict:
+    """Merge ``@ file.toml`` arguments and ``--a.b value`` options into one nested dict."""
+    files: dict = {}
+    cli: dict = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            raise HelpRequested
+        if arg == "@" or (arg.startswith("@") and len(arg) > 1):
+            path = arg[1:] if arg != "@" else (argv[i + 1] if i + 1 < len(argv) else None)
+            if not path:
+                raise ConfigError("'@' must be followed by a TOML file path")
+            files = deep_merge(files, read_section(path, fields))
+            i += 1 if arg != "@" else 2
+            continue
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r} (options look like --a.b value; files like @ x.toml)")
+        name, eq, raw = arg[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or nxt.startswith("--") or nxt.startswith("@"):
+                raw, i = "true", i + 1  # bare flag
+            else:
+                raw, i = nxt, i + 2
+        else:
+            i += 1
+        _set_nested(cli, name, _cli_value(raw))
+    return deep_merge(files, cli)
+
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        sub = _model_type(field.annotation)
+        if sub is not None:
+            keys += _all_keys(sub, prefix + name + ".")
+    return keys
+
+
+def _model_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                return arg
+    return None
+
+
+def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
+    lines = []
+    known = _all_keys(cls)
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(key, known, n=1)
+            msg = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
+        elif "input" in e and not isinstance(e["input"], dict):
+            msg += f" (got {e['input']!r})"
+        lines.append(f"config key {key!r}: {msg}")
+    return "\n".join(lines)
+
+
+def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -> T:
+    """Build ``cls`` from argv (CLI + TOML), the environment and defaults. Raises ConfigError."""
+    values = deep_merge(collect(list(argv or []), set(cls.model_fields)), overrides)
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(cls, e)) from None
+
+
+def _type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    text = text or str(annotation).replace("typing.", "").replace("pathlib.", "")
+    return text.replace("NoneType", "None")
+
+
+def _default_repr(value: Any) -> str:
+    if isinstance(value, SecretStr):
+        return "<secret>"
+    if isinstance(value, BaseModel):
+        return ""
+    return json.dumps(value, default=str)
+
+
+def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
+    """Every option with its type, default and description (what `--help` prints)."""
+    out = [f"usage: {prog} [@ config.toml ...] [--key value ...]", ""]
+    if summary or cls.__doc__:
+        out += [(summary or cls.__doc__ or "").strip(), ""]
+    out += [
+        "Sources (highest first): --options > @ TOML files (merged left to right) > env GYRE_A__B > defaults.",
+        "Options accept kebab or snake case; a bare --flag means true; lists/tables as JSON ([1,2], {\"a\": 1}).",
+        "'@ experiment.toml#name' reads the [name] table of an experiment file plus its shared top-level keys.",
+        "",
+    ]
+
+    def walk(model: type[BaseModel], prefix: str, depth: int) -> None:
+        for name, field in model.model_fields.items():
+            sub = _model_type(field.annotation)
+            desc = (field.description or "").strip()
+            if sub is not None:
+                out.append(f"{'  ' * depth}[{prefix}{name}] {desc}")
+                walk(sub, prefix + name + ".", depth + 1)
+                continue
+            default = field.get_default(call_default_factory=True)
+            opt = f"{'  ' * depth}--{prefix}{name} {_type_name(field.annotation)}"
+            out.append(f"{opt}  (default: {_default_repr(default)})")
+            if desc:
+                out.append(f"{'  ' * depth}      {desc}")
+
+    walk(cls, "", 0)
+    return "\n".join(out)
+
+
+def parse_or_exit(cls: type[T], argv: list[str] | None, prog: str, summary: str = "") -> T:
+    """CLI front end: print help and exit 0, or print the error naming the key and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return load_config(cls, argv)
+    except HelpRequested:
+        print(help_text(cls, prog, summary))
+        raise SystemExit(0) from None
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def to_toml(model: BaseModel) -> str:
+    """Serialise a resolved config back to TOML so a child process can reload it with ``@ file``.
+
+    Secrets are written in clear (pydantic's SecretStr is revealed): the file is for that child.
+    """
+    return dump_toml(_plain(model.model_dump(exclude_none=True)))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple | set):
+        return [_plain(v) for v in value]
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "value") and not isinstance(value, int | float | str | bool):  # enums
+        return value.value
+    return value
+
+
+def dump_toml(data: dict) -> str:
+    scalars, tables = [], []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            scalars.append(f"{key} = {json.dumps(value)}")
+    out = scalars[:]
+    for key, value in tables:
+        out += _dump_table(key, value)
+    return "\n".join(out) + "\n"
+
+
+def _dump_table(name: str, table: dict) -> list[str]:
+    lines, subs = [f"\n[{name}]"], []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            subs.append((key, value))
+        else:
+            lines.append(f"{key} = {json.dumps(value)}")
+    for key, value in subs:
+        lines += _dump_table(f"{name}.{key}", value)
+    return lines

@@ -1,0 +1,85 @@
+"""`gyre orchestrator` configuration."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from gyre.config.loader import Section
+from gyre.config.shared import ServiceConfig
+
+
+class EnvConfig(Section):
+    name: str = Field("reverse_text", description="Built-in environment name or 'package.module:load_environment'.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment.")
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_tokens: int = Field(128, ge=1, description="Completion tokens per model turn.")
+    seed: int | None = Field(None, description="Base seed for requests (None = random).")
+
+
+class InferenceClientConfig(Section):
+    urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], description="Static replica base URLs.")
+    discovery: Literal["static", "dns", "kubernetes"] = Field("static", description="How replicas are found.")
+    dns_name: str | None = Field(None, description="dns: headless Service name resolved to replica IPs.")
+    kubernetes_service: str | None = Field(None, description="kubernetes: Service whose EndpointSlices are watched.")
+    namespace: str | None = Field(None, description="kubernetes: namespace (default: the pod's).")
+    http_port: int = Field(8000, description="dns/kubernetes: HTTP port of each replica.")
+    control_port: int = Field(50051, description="gRPC InferenceControl port of each replica (static: same host).")
+    control_urls: list[str] | None = Field(None, description="static: explicit host:port of each replica's control.")
+    refresh_s: float = Field(10.0, gt=0, description="Re-resolve replicas this often.")
+    api_key: str | None = Field(None, description="Bearer key for the HTTP API.")
+    control_token: str | None = Field(None, description="Shared secret for InferenceControl calls.")
+    max_concurrency: int = Field(64, ge=1, description="Requests in flight across replicas.")
+    timeout_s: float = Field(300.0, gt=0, description="HTTP timeout of one request.")
+    retries: int = Field(3, ge=0, description="Retries per request (with backoff) before the sample fails.")
+
+
+class AdvantageConfig(Section):
+    type: Literal["grpo", "drgrpo", "rloo", "opo"] = Field("drgrpo", description="Group advantage estimator.")
+    std_norm: Literal["group", "batch", "none"] = Field("group", description="grpo: std used for scaling.")
+    drop_zero_signal: bool = Field(True, description="Drop groups whose rewards are all equal.")
+
+
+class EvalConfig(Section):
+    interval: int | None = Field(None, ge=1, description="Evaluate every N steps (unset = off).")
+    num_examples: int = Field(32, ge=1, description="Held-out tasks per eval.")
+    k: int = Field(1, ge=1, description="Samples per task (avg@k, pass@k).")
+    temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
+    at_start: bool = Field(True, description="Also evaluate the starting policy (step 0).")
+
+
+class BatchConfig(Section):
+    seq_len: int = Field(2048, ge=16, description="Tokens per packed row (= trainer data.seq_len).")
+    dp_world_size: int = Field(1, ge=1, description="Trainer data-parallel ranks to split micro-batches over.")
+    stream_maxlen: int = Field(64, ge=2, description="Approximate bound of the batch stream length.")
+    inline_max_bytes: int = Field(8 << 20, ge=0, description="Larger payloads go to the shared volume.")
+
+
+class OrchestratorServerConfig(Section):
+    host: str = Field("127.0.0.1", description="gRPC bind address of gyre.v1.Orchestrator.")
+    port: int = Field(50061, ge=0, le=65535, description="gRPC port of gyre.v1.Orchestrator.")
+    control_token: str | None = Field(None, description="Shared secret required from the trainer when set.")
+
+
+class OrchestratorConfig(ServiceConfig):
+    """Run environments against inference, score, compute advantages, pack and stream batches."""
+
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
+    batch_size: int = Field(8, ge=1, description="Tasks per step.")
+    rollouts_per_example: int = Field(8, ge=1, description="Samples per task (the advantage group).")
+    max_async_level: int = Field(1, ge=0, description="Batch s uses samples from versions >= s-1-k.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after pushing this batch.")
+    seed: int = Field(0, description="Task sampler seed.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
+    inference: InferenceClientConfig = Field(default_factory=InferenceClientConfig, description="Inference replicas.")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages and filters.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Packing and streaming.")
+    server: OrchestratorServerConfig = Field(default_factory=OrchestratorServerConfig, description="gRPC server.")
+    ckpt_interval: int | None = Field(None, ge=1, description="Progress checkpoint every N steps (unset = off).")
+    resume_step: int | None = Field(None, ge=-1, description="Resume from this progress checkpoint (-1 = latest).")

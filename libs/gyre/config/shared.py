@@ -1,0 +1,42 @@
+"""Config sections every service shares (declared once; `gyre rl` sets them at top level)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from gyre.config.loader import GyreSettings, Section
+
+
+class RedisConfig(Section):
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL carrying the batch streams.")
+
+
+class LogConfig(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    file: Path | None = Field(None, description="Also append logs to this file.")
+
+
+class MetricsConfig(Section):
+    port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus /metrics port (0 = pick a free one; unset = service default)."
+    )
+
+
+class ModelConfig(Section):
+    name: str = Field("outputs/run/model", description="Model folder (HF format) or hub id.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."
+    )
+
+
+class ServiceConfig(GyreSettings):
+    """Keys every service has."""
+
+    run_id: str = Field("gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id (Redis keys, metric labels).")
+    output_dir: Path = Field(Path("outputs/run"), description="Shared volume: weights, checkpoints, events, logs.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus exposition.")

@@ -1,0 +1,105 @@
+"""`gyre trainer` and `gyre sft` configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from gyre.config.loader import Section
+from gyre.config.shared import ModelConfig, ServiceConfig
+
+
+class LossConfig(Section):
+    type: str = Field(
+        "ppo_clip",
+        description="Objective: aipo | ppo_clip | gspo | cispo | masked_is, or 'package.module:function'.",
+    )
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses are reduced (normalised by global counts)."
+    )
+    eps_low: float = Field(0.2, ge=0, description="Lower clip range (ppo_clip, gspo, cispo).")
+    eps_high: float = Field(0.28, ge=0, description="Upper clip range (DAPO clip-higher default 0.28).")
+    delta: float = Field(8.0, gt=0, description="aipo: truncation of the importance ratio.")
+    mask_low: float = Field(0.125, ge=0, description="masked_is: tokens with ratio below are masked.")
+    mask_high: float = Field(8.0, gt=0, description="masked_is: tokens with ratio above are masked.")
+    sequence_mask: bool = Field(False, description="masked_is: mask whole sequences on the geometric-mean ratio.")
+    kl_tau: float = Field(0.0, ge=0, description="Weight of the (log r)^2 regulariser toward the behaviour policy.")
+    ref_kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference (base) model.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr (linear/cosine).")
+
+
+class DataConfig(Section):
+    seq_len: int = Field(2048, ge=16, description="Tokens per packed micro-batch row.")
+    micro_batch_size: int = Field(1, ge=1, description="Packed rows per forward/backward.")
+
+
+class CkptConfig(Section):
+    interval: int | None = Field(None, ge=1, description="Full checkpoint every N steps (off when unset).")
+    keep_last: int | None = Field(2, ge=1, description="Keep the newest N checkpoints (unset = all).")
+    keep_interval: int | None = Field(None, ge=1, description="Also keep every checkpoint whose step is a multiple.")
+    resume_step: int | None = Field(None, ge=-1, description="Resume from this step (-1 = latest checkpoint).")
+
+
+class OrchestratorClientConfig(Section):
+    address: str = Field("127.0.0.1:50061", description="gRPC address of the orchestrator (NotifyWeights).")
+    timeout_s: float = Field(10.0, gt=0, description="Deadline of one NotifyWeights call.")
+    control_token: str | None = Field(None, description="Shared secret sent as gRPC metadata.")
+
+
+class TrainerServerConfig(Section):
+    host: str = Field("127.0.0.1", description="gRPC bind address of gyre.v1.Trainer.")
+    port: int = Field(50071, ge=0, le=65535, description="gRPC port of gyre.v1.Trainer (status + health).")
+
+
+class TrainerConfig(ServiceConfig):
+    """Consume batches from Redis, optimise the policy, publish weights, notify the orchestrator."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model to start from.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="RL objective.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimiser and schedule.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Batch shapes.")
+    ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
+    orchestrator: OrchestratorClientConfig = Field(default_factory=OrchestratorClientConfig, description="Orchestrator.")
+    server: TrainerServerConfig = Field(default_factory=TrainerServerConfig, description="gRPC status server.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this step (unset = run until stopped).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
+    seed: int = Field(0, description="Random seed.")
+    deterministic: bool = Field(False, description="Deterministic torch algorithms (tests).")
+    activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    weights_keep_last: int = Field(3, ge=1, description="Weight versions kept on the volume (plus those in use).")
+    bench: bool = Field(False, description="Benchmark on fake data: print tokens/s and MFU, then exit.")
+
+
+class SFTDataConfig(Section):
+    path: Path | None = Field(None, description="Chat-format JSONL ({'messages': [...]}) to train on.")
+    fake: bool = Field(False, description="Train on generated data instead of data.path.")
+    env: str | None = Field(None, description="Generate SFT data from this environment's reference answers.")
+    num_examples: int = Field(2000, ge=1, description="Examples to generate (fake/env modes).")
+    seq_len: int = Field(512, ge=16, description="Tokens per packed row.")
+    batch_size: int = Field(16, ge=1, description="Packed rows per optimiser step.")
+    micro_batch_size: int = Field(4, ge=1, description="Packed rows per forward/backward.")
+
+
+class SFTConfig(ServiceConfig):
+    """Supervised fine-tuning on chat data (loss on assistant tokens only)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model to fine-tune.")
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="Dataset.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Optimiser and schedule.")
+    ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
+    max_steps: int = Field(200, ge=1, description="Optimiser steps.")
+    epochs: int | None = Field(None, ge=1, description="Stop after this many passes over the data.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
+    seed: int = Field(0, description="Random seed.")
+    save_dir: Path | None = Field(None, description="Where the final HF model goes (default: {output_dir}/sft).")
