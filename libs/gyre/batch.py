@@ -1,0 +1,200 @@
+"""Training batch schema shared by the orchestrator (producer) and the trainer (consumer).
+
+A `TrainBatch` is what the orchestrator pushes for trainer step `s`. It is already split across
+data-parallel ranks: `micro_batches[rank][i]` is the i-th micro batch of that rank. A `MicroBatch`
+packs several samples back to back into one row of T tokens; attention never crosses samples
+because `position_ids` restart at 0 at every sample boundary.
+
+Invariants (checked by `MicroBatch.validate` / `TrainBatch.validate`):
+- every per-token array is 1-D of length T with the documented dtype;
+- `sample_lengths` and `sample_index` are 1-D of length n (samples in this row), lengths > 0,
+  `sum(sample_lengths) == T`;
+- `position_ids` of each sample are exactly `0, 1, ..., len-1`;
+- every rank has the same number of micro batches (FSDP ranks must step in lock-step);
+- `sample_index` values index into `TrainBatch.samples`.
+
+Global normalisers (`num_loss_tokens`, `num_samples`) live on the batch so that every rank divides
+by the global count, not by its own share. This module is numpy only (no torch).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: name -> dtype of the per-token arrays (length T).
+TOKEN_FIELDS: dict[str, np.dtype] = {
+    "input_ids": np.dtype(np.int32),
+    "position_ids": np.dtype(np.int32),
+    "loss_mask": np.dtype(np.bool_),
+    "advantages": np.dtype(np.float32),
+    "inference_logprobs": np.dtype(np.float32),
+}
+#: name -> dtype of the per-sample arrays (length n).
+SAMPLE_FIELDS: dict[str, np.dtype] = {
+    "sample_lengths": np.dtype(np.int32),
+    "sample_index": np.dtype(np.int32),
+}
+ARRAY_FIELDS: dict[str, np.dtype] = {**TOKEN_FIELDS, **SAMPLE_FIELDS}
+
+
+class BatchError(ValueError):
+    """A batch violates the schema (wrong dtype, shape, lengths, positions, ...)."""
+
+
+@dataclass
+class MicroBatch:
+    """One packed row of samples. See the module docstring for the invariants."""
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    inference_logprobs: np.ndarray
+    sample_lengths: np.ndarray
+    sample_index: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(np.count_nonzero(self.loss_mask))
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_lengths.shape[0])
+
+    def validate(self) -> MicroBatch:
+        """Raise `BatchError` unless every invariant holds; return self for chaining."""
+        for name, dtype in ARRAY_FIELDS.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray):
+                raise BatchError(f"{name}: expected numpy array, got {type(arr).__name__}")
+            if arr.dtype != dtype:
+                raise BatchError(f"{name}: expected dtype {dtype}, got {arr.dtype}")
+            if arr.ndim != 1:
+                raise BatchError(f"{name}: expected 1-D array, got shape {arr.shape}")
+        t = self.num_tokens
+        for name in TOKEN_FIELDS:
+            if getattr(self, name).shape[0] != t:
+                raise BatchError(f"{name}: length {getattr(self, name).shape[0]} != input_ids length {t}")
+        n = self.num_samples
+        if self.sample_index.shape[0] != n:
+            raise BatchError(f"sample_index: length {self.sample_index.shape[0]} != sample_lengths length {n}")
+        if n and int(self.sample_lengths.min()) <= 0:
+            raise BatchError("sample_lengths: every sample must have at least one token")
+        total = int(self.sample_lengths.sum(dtype=np.int64))
+        if total != t:
+            raise BatchError(f"sample_lengths sum to {total}, but the row has {t} tokens")
+        if n and int(self.sample_index.min()) < 0:
+            raise BatchError("sample_index: negative index")
+        if not np.array_equal(self.position_ids, expected_positions(self.sample_lengths)):
+            raise BatchError("position_ids must count 0..len-1 within every sample")
+        return self
+
+    @classmethod
+    def from_samples(cls, samples: list[dict[str, Any]]) -> MicroBatch:
+        """Concatenate samples into one row (a convenience for tests and tools, not the packer).
+
+        Each sample is a dict with `input_ids`, `loss_mask`, `advantages`, `inference_logprobs`
+        (sequences of length L) and `sample_index` (int); position ids are derived.
+        """
+        lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int32)
+
+        def cat(key: str, dtype: np.dtype) -> np.ndarray:
+            parts = [np.asarray(s[key], dtype=dtype) for s in samples]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+        return cls(
+            input_ids=cat("input_ids", TOKEN_FIELDS["input_ids"]),
+            position_ids=expected_positions(lengths),
+            loss_mask=cat("loss_mask", TOKEN_FIELDS["loss_mask"]),
+            advantages=cat("advantages", TOKEN_FIELDS["advantages"]),
+            inference_logprobs=cat("inference_logprobs", TOKEN_FIELDS["inference_logprobs"]),
+            sample_lengths=lengths,
+            sample_index=np.array([s["sample_index"] for s in samples], dtype=np.int32),
+        ).validate()
+
+    def equals(self, other: MicroBatch) -> bool:
+        """Exact equality of every array (dtype, shape and bytes; NaNs compare equal bitwise)."""
+        return all(
+            getattr(self, k).dtype == getattr(other, k).dtype
+            and getattr(self, k).shape == getattr(other, k).shape
+            and getattr(self, k).tobytes() == getattr(other, k).tobytes()
+            for k in ARRAY_FIELDS
+        )
+
+
+def expected_positions(sample_lengths: np.ndarray) -> np.ndarray:
+    """Position ids that restart at 0 for every sample: lengths [2, 3] -> [0, 1, 0, 1, 2]."""
+    lengths = np.asarray(sample_lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int32)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+
+
+@dataclass
+class TrainBatch:
+    """Everything trainer step `step` consumes; see the module docstring for the invariants.
+
+    `samples[j]` is JSON-able metadata of sample j (reward, advantage, min_version, max_version,
+    env, ...). `num_loss_tokens` / `num_samples` are the global normalisers over all ranks.
+    """
+
+    step: int
+    micro_batches: list[list[MicroBatch]]
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    num_loss_tokens: int = 0
+    num_samples: int = 0
+    created: float = field(default_factory=time.time)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(mb.num_tokens for rank in self.micro_batches for mb in rank)
+
+    def for_rank(self, rank: int) -> list[MicroBatch]:
+        """The micro batches data-parallel rank `rank` trains on."""
+        if not 0 <= rank < len(self.micro_batches):
+            raise BatchError(f"batch for step {self.step} has {len(self.micro_batches)} ranks, no rank {rank}")
+        return self.micro_batches[rank]
+
+    def validate(self) -> TrainBatch:
+        """Raise `BatchError` unless the batch and all its micro batches are consistent."""
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise BatchError(f"step must be a non-negative int, got {self.step!r}")
+        if not self.micro_batches:
+            raise BatchError("micro_batches: at least one rank is required")
+        counts = {len(rank) for rank in self.micro_batches}
+        if len(counts) != 1:
+            raise BatchError(f"every rank must have the same number of micro batches, got {sorted(counts)}")
+        for r, rank in enumerate(self.micro_batches):
+            for i, mb in enumerate(rank):
+                if not isinstance(mb, MicroBatch):
+                    raise BatchError(f"micro_batches[{r}][{i}]: expected MicroBatch, got {type(mb).__name__}")
+                try:
+                    mb.validate()
+                except BatchError as e:
+                    raise BatchError(f"micro_batches[{r}][{i}]: {e}") from None
+                if mb.num_samples and int(mb.sample_index.max()) >= len(self.samples):
+                    raise BatchError(
+                        f"micro_batches[{r}][{i}]: sample_index {int(mb.sample_index.max())} "
+                        f"out of range for {len(self.samples)} samples"
+                    )
+        for name in ("num_loss_tokens", "num_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise BatchError(f"{name} must be a non-negative int, got {value!r}")
+        if not isinstance(self.samples, list) or not all(isinstance(s, dict) for s in self.samples):
+            raise BatchError("samples must be a list of dicts")
+        return self

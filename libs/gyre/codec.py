@@ -1,0 +1,141 @@
+"""Wire codec of `TrainBatch`: msgpack with raw numpy buffers (no pickle, no JSON for arrays).
+
+Layout (a msgpack map, schema version `SCHEMA_VERSION`):
+
+    {"schema": 1, "step": int, "created": float, "num_loss_tokens": int, "num_samples": int,
+     "samples": [ {json-able metadata}, ... ],
+     "micro_batches": [ [ {field: {"dtype": "<i4", "shape": [T], "data": bytes}, ...}, ... ], ... ]}
+
+Arrays are stored as little-endian dtype strings plus raw bytes, so decoding is a zero-parse
+`np.frombuffer` (copied once so the result is writable and independent of the input buffer).
+Decoding never trusts the input: anything malformed raises `CodecError`, never a bare
+KeyError/TypeError, and a decoded batch has passed `TrainBatch.validate()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from gyre.batch import ARRAY_FIELDS, BatchError, MicroBatch, TrainBatch
+
+SCHEMA_VERSION = 1
+
+_TOP_KEYS = {"schema", "step", "created", "num_loss_tokens", "num_samples", "samples", "micro_batches"}
+
+
+class CodecError(ValueError):
+    """The bytes are not a valid encoded `TrainBatch`; `reason` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _encode_array(arr: np.ndarray, dtype: np.dtype) -> dict[str, Any]:
+    arr = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<"))
+    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def encode_batch(batch: TrainBatch) -> bytes:
+    """Validate `batch` and encode it; raises `CodecError` if it violates the schema."""
+    try:
+        batch.validate()
+    except BatchError as e:
+        raise CodecError(f"cannot encode invalid batch: {e}") from None
+    doc = {
+        "schema": SCHEMA_VERSION,
+        "step": batch.step,
+        "created": float(batch.created),
+        "num_loss_tokens": batch.num_loss_tokens,
+        "num_samples": batch.num_samples,
+        "samples": batch.samples,
+        "micro_batches": [
+            [{name: _encode_array(getattr(mb, name), dtype) for name, dtype in ARRAY_FIELDS.items()} for mb in rank]
+            for rank in batch.micro_batches
+        ],
+    }
+    try:
+        return msgpack.packb(doc, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        # e.g. sample metadata holding a non-serialisable object
+        raise CodecError(f"cannot encode batch: {e}") from None
+
+
+def _decode_array(name: str, obj: Any, dtype: np.dtype) -> np.ndarray:
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
+        raise CodecError(f"{name}: expected a map with dtype, shape and data")
+    expected = dtype.newbyteorder("<").str
+    if obj["dtype"] != expected:
+        raise CodecError(f"{name}: dtype {obj['dtype']!r}, expected {expected!r}")
+    shape, data = obj["shape"], obj["data"]
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
+        raise CodecError(f"{name}: shape {shape!r}, expected a 1-D shape")
+    if not isinstance(data, bytes):
+        raise CodecError(f"{name}: data must be bytes, got {type(data).__name__}")
+    if len(data) != shape[0] * dtype.itemsize:
+        raise CodecError(f"{name}: {len(data)} bytes do not hold shape {shape} of {expected}")
+    return np.frombuffer(data, dtype=expected).astype(dtype, copy=True)
+
+
+def _require_int(doc: dict, key: str) -> int:
+    value = doc[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CodecError(f"{key}: expected int, got {type(value).__name__}")
+    return value
+
+
+def decode_batch(data: bytes) -> TrainBatch:
+    """Decode and validate; raises `CodecError` on anything malformed (never returns a bad batch)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise CodecError(f"expected bytes, got {type(data).__name__}")
+    try:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises a zoo of types (ExtraData, FormatError, ValueError, ...)
+        raise CodecError(f"not a msgpack document: {type(e).__name__}: {e}") from None
+    if not isinstance(doc, dict):
+        raise CodecError(f"expected a map at top level, got {type(doc).__name__}")
+    if "schema" not in doc:
+        raise CodecError("missing key 'schema'")
+    if doc["schema"] != SCHEMA_VERSION:
+        raise CodecError(f"schema version {doc['schema']!r} is not supported (expected {SCHEMA_VERSION})")
+    missing = _TOP_KEYS - set(doc)
+    if missing:
+        raise CodecError(f"missing keys {sorted(missing)}")
+    unknown = set(doc) - _TOP_KEYS
+    if unknown:
+        raise CodecError(f"unknown keys {sorted(unknown)}")
+    created = doc["created"]
+    if isinstance(created, bool) or not isinstance(created, int | float):
+        raise CodecError(f"created: expected a number, got {type(created).__name__}")
+    if not isinstance(doc["samples"], list):
+        raise CodecError("samples: expected a list")
+    ranks = doc["micro_batches"]
+    if not isinstance(ranks, list) or not all(isinstance(rank, list) for rank in ranks):
+        raise CodecError("micro_batches: expected a list of lists")
+    micro_batches = []
+    for r, rank in enumerate(ranks):
+        decoded = []
+        for i, mb in enumerate(rank):
+            where = f"micro_batches[{r}][{i}]"
+            if not isinstance(mb, dict):
+                raise CodecError(f"{where}: expected a map")
+            if set(mb) != set(ARRAY_FIELDS):
+                raise CodecError(f"{where}: fields {sorted(mb)}, expected {sorted(ARRAY_FIELDS)}")
+            arrays = {name: _decode_array(f"{where}.{name}", mb[name], dtype) for name, dtype in ARRAY_FIELDS.items()}
+            decoded.append(MicroBatch(**arrays))
+        micro_batches.append(decoded)
+    batch = TrainBatch(
+        step=_require_int(doc, "step"),
+        micro_batches=micro_batches,
+        samples=doc["samples"],
+        num_loss_tokens=_require_int(doc, "num_loss_tokens"),
+        num_samples=_require_int(doc, "num_samples"),
+        created=float(created),
+    )
+    try:
+        return batch.validate()
+    except BatchError as e:
+        raise CodecError(str(e)) from None

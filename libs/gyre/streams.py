@@ -1,0 +1,357 @@
+"""Redis stream transport of training batches: orchestrator -> trainer.
+
+Keys (see docs/architecture.md, "Redis streams"):
+- `gyre:{run}:batches`      one entry per step: `step`, `schema`, and `payload` (codec bytes) or
+                            `path` + `digest` (sha256 hex of the spilled file) for large payloads.
+- `gyre:{run}:batches:dead` dead letters: the original fields plus `reason`.
+
+The trainer reads through the consumer group `trainer`. Delivery is at-least-once: an entry stays in
+the group's pending list until acked, and the trainer acks batch `s` only after weights `s` are
+published, so a trainer that dies mid-step finds the entry again (`reclaim`, XAUTOCLAIM) and nothing
+is lost. Replays are made harmless by step numbers: `StepReader` acks and skips steps that are
+already trained, buffers steps that arrive early and waits for a missing one, never skipping it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from gyre.codec import SCHEMA_VERSION, CodecError, decode_batch
+from gyre.fsio import write_atomic
+
+log = logging.getLogger(__name__)
+
+GROUP = "trainer"
+DEAD_MAXLEN = 1000  # dead letters are for inspection; keep the last ones, bounded
+
+
+def batches_key(run_id: str) -> str:
+    return f"gyre:{run_id}:batches"
+
+
+def dead_key(run_id: str) -> str:
+    return f"gyre:{run_id}:batches:dead"
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass
+class StreamEntry:
+    """One stream entry. `step` is None when the `step` field is missing or not a decimal int."""
+
+    id: str
+    fields: dict[str, bytes]
+    step: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self.step = int(self.fields["step"].decode("ascii"))
+        except (KeyError, ValueError, UnicodeDecodeError):
+            self.step = None
+
+    @property
+    def schema(self) -> int | None:
+        try:
+            return int(self.fields["schema"].decode("ascii"))
+        except (KeyError, ValueError, UnicodeDecodeError):
+            return None
+
+    @property
+    def spill_path(self) -> Path | None:
+        return Path(self.fields["path"].decode()) if "path" in self.fields else None
+
+    def load_payload(self) -> bytes:
+        """The codec bytes, inline or from the spilled file (sha256-verified); `CodecError` if unusable."""
+        if "payload" in self.fields:
+            return self.fields["payload"]
+        if "path" not in self.fields or "digest" not in self.fields:
+            raise CodecError(f"entry {self.id} has neither payload nor path+digest")
+        path = self.spill_path
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CodecError(f"entry {self.id}: cannot read spilled payload {path}: {e.strerror or e}") from None
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != self.fields["digest"].decode(errors="replace"):
+            raise CodecError(f"entry {self.id}: {path} has sha256 {digest}, entry says {self.fields['digest']!r}")
+        return data
+
+    def decode(self):
+        """Load and decode the `TrainBatch`; `CodecError` if malformed or its step disagrees with the entry's."""
+        if self.schema != SCHEMA_VERSION:
+            raise CodecError(f"entry {self.id}: schema {self.fields.get('schema')!r}, expected {SCHEMA_VERSION}")
+        batch = decode_batch(self.load_payload())
+        if batch.step != self.step:
+            raise CodecError(f"entry {self.id}: entry step {self.step} but batch step {batch.step}")
+        return batch
+
+
+@dataclass
+class PendingInfo:
+    """Summary of the group's pending entries (delivered, not yet acked)."""
+
+    count: int
+    min_id: str | None
+    max_id: str | None
+    consumers: dict[str, int]
+
+
+class BatchStream:
+    """Producer and consumer-group operations on `gyre:{run}:batches`.
+
+    `client` is a redis-py client (must NOT use decode_responses: payloads are bytes) or a URL.
+    The stream is bounded with approximate `MAXLEN ~ maxlen`: the producer must not run further
+    ahead of the trainer than that (max_async_level keeps it a handful of steps).
+    """
+
+    def __init__(self, client: redis.Redis | str, run_id: str, maxlen: int = 64, group: str = GROUP):
+        if isinstance(client, str):
+            client = redis.Redis.from_url(client)
+        if client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("BatchStream needs a redis client without decode_responses (payloads are bytes)")
+        if not run_id or any(c in run_id for c in "{}: \n"):
+            raise ValueError(f"run_id {run_id!r} must be non-empty without braces, colons or whitespace")
+        self.redis = client
+        self.run_id = run_id
+        self.key = batches_key(run_id)
+        self.dead_key = dead_key(run_id)
+        self.maxlen = maxlen
+        self.group = group
+
+    # ---- producer -------------------------------------------------------------------------------
+    def push(
+        self,
+        step: int,
+        payload: bytes,
+        *,
+        path_threshold: int | None = None,
+        spill_dir: Path | None = None,
+        schema: int = SCHEMA_VERSION,
+    ) -> str:
+        """Append batch `step`; payloads larger than `path_threshold` bytes go to `spill_dir/step_{s}.bin`.
+
+        The file is complete (written to a temp name, fsynced, renamed) before the entry that names
+        it exists, so a consumer never sees a partial file.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        fields: dict[str, bytes | str | int] = {"step": str(step), "schema": str(schema)}
+        if path_threshold is not None and len(payload) > path_threshold:
+            if spill_dir is None:
+                raise ValueError(f"payload of {len(payload)} bytes exceeds path_threshold but no spill_dir given")
+            path = write_atomic(Path(spill_dir) / f"step_{step}.bin", payload)
+            fields["path"] = str(path.resolve())
+            fields["digest"] = hashlib.sha256(payload).hexdigest()
+        else:
+            fields["payload"] = payload
+        return _str(self.redis.xadd(self.key, fields, maxlen=self.maxlen, approximate=True))
+
+    def latest_step(self) -> int | None:
+        """Step of the newest entry still in the stream (None if empty or unparsable)."""
+        newest = self.redis.xrevrange(self.key, count=1)
+        return self._entry(*newest[0]).step if newest else None
+
+    def length(self) -> int:
+        return int(self.redis.xlen(self.key))
+
+    # ---- consumer group -------------------------------------------------------------------------
+    def ensure_group(self, start_id: str = "0") -> None:
+        """Create the consumer group (and the stream) if missing; idempotent."""
+        try:
+            self.redis.xgroup_create(self.key, self.group, id=start_id, mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def read(self, consumer: str, block_ms: int | None = None, count: int = 16) -> list[StreamEntry]:
+        """New entries for `consumer` (XREADGROUP >); waits up to `block_ms` (None: don't wait)."""
+        if block_ms is not None and block_ms <= 0:
+            block_ms = None  # redis treats BLOCK 0 as "forever"; never hang a caller by accident
+        try:
+            reply = self.redis.xreadgroup(self.group, consumer, {self.key: ">"}, count=count, block=block_ms)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # the redis server restarted (no persistence) or someone deleted the key: recreate and retry
+            self.ensure_group()
+            reply = self.redis.xreadgroup(self.group, consumer, {self.key: ">"}, count=count, block=block_ms)
+        entries = []
+        for _key, items in reply or []:
+            for entry_id, fields in items:
+                entries.append(self._entry(entry_id, fields))
+        return entries
+
+    def ack(self, entry_id: str) -> int:
+        """XACK; returns 1 if the entry was pending, 0 if it was already acked."""
+        return int(self.redis.xack(self.key, self.group, entry_id))
+
+    def dead_letter(self, entry: StreamEntry, reason: str) -> str:
+        """Copy `entry` with `reason` to the dead stream and ack it, atomically (MULTI/EXEC)."""
+        fields = {**entry.fields, "reason": reason, "original_id": entry.id}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(self.dead_key, fields, maxlen=DEAD_MAXLEN, approximate=True)
+        pipe.xack(self.key, self.group, entry.id)
+        dead_id, _ = pipe.execute()
+        log.warning("dead-lettered entry %s (step %s) of %s: %s", entry.id, entry.step, self.key, reason)
+        return _str(dead_id)
+
+    def dead_letters(self) -> list[StreamEntry]:
+        return [self._entry(i, f) for i, f in self.redis.xrange(self.dead_key)]
+
+    def reclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
+        """Take over entries pending for more than `min_idle_ms` (e.g. from a dead consumer), via XAUTOCLAIM.
+
+        Redis 6.2 replies `[next_id, entries]` and reports entries trimmed from the stream as nil
+        (leaving them pending); 7.x replies `[next_id, entries, deleted_ids]` and drops them itself.
+        Both are handled: trimmed entries cannot be delivered, so they are acked and logged.
+        """
+        claimed: list[StreamEntry] = []
+        saw_trimmed = False
+        start = "0-0"
+        while True:
+            reply = self.redis.xautoclaim(self.key, self.group, consumer, min_idle_ms, start_id=start, count=count)
+            next_id, items = reply[0], reply[1]
+            deleted = reply[2] if len(reply) > 2 else []
+            for entry_id, fields in items:
+                if entry_id is None or fields is None:
+                    saw_trimmed = True
+                else:
+                    claimed.append(self._entry(entry_id, fields))
+            if deleted:
+                log.warning("pending entries of %s trimmed before delivery: %s", self.key, deleted)
+            start = _str(next_id)
+            if start == "0-0":
+                break
+        if saw_trimmed:
+            self._ack_trimmed(consumer)
+        return claimed
+
+    def _ack_trimmed(self, consumer: str) -> None:
+        # 6.2 only: find this consumer's pending ids that no longer exist in the stream
+        pending = self.redis.xpending_range(self.key, self.group, min="-", max="+", count=10_000, consumername=consumer)
+        gone = [p["message_id"] for p in pending if not self.redis.xrange(self.key, p["message_id"], p["message_id"])]
+        if gone:
+            log.warning("%d pending entries of %s were trimmed before delivery: %s", len(gone), self.key, gone)
+            self.redis.xack(self.key, self.group, *gone)
+
+    def pending(self) -> PendingInfo:
+        info = self.redis.xpending(self.key, self.group)
+        return PendingInfo(
+            count=int(info["pending"]),
+            min_id=_str(info["min"]) if info["min"] else None,
+            max_id=_str(info["max"]) if info["max"] else None,
+            consumers={_str(c["name"]): int(c["pending"]) for c in info["consumers"]},
+        )
+
+    @staticmethod
+    def _entry(entry_id: bytes | str, fields: dict) -> StreamEntry:
+        return StreamEntry(id=_str(entry_id), fields={_str(k): v for k, v in fields.items()})
+
+
+class StepReader:
+    """Delivers stream entries in strict step order, starting at `already_trained + 1`.
+
+    - entries with step <= already trained are replays: acked and skipped;
+    - entries that arrive early are buffered (still pending, so a crash loses nothing);
+    - a missing step is waited for, never skipped: `next()` returns None on timeout;
+    - entries whose `step` or `schema` cannot be understood go to the dead-letter stream.
+
+    Usage (the trainer acks only after publishing weights):
+
+        reader = StepReader(stream, "trainer-0", already_trained=resume_step)
+        while (entry := reader.next(block_ms=1000)) is None: ...
+        batch = entry.decode()          # CodecError -> reader.reject(entry, str(e)) and wait again
+        train(batch); publish(step)
+        reader.done(entry)              # ack + advance
+    """
+
+    def __init__(
+        self,
+        stream: BatchStream,
+        consumer: str,
+        already_trained: int = 0,
+        *,
+        reclaim_idle_ms: int = 0,
+        reclaim_every_s: float = 5.0,
+    ):
+        self.stream = stream
+        self.consumer = consumer
+        self.trained = already_trained
+        self.reclaim_idle_ms = reclaim_idle_ms
+        self.reclaim_every_s = reclaim_every_s
+        self._buffer: dict[str, StreamEntry] = {}  # entry id -> entry with step > trained
+        self._last_reclaim = float("-inf")
+        stream.ensure_group()
+
+    @property
+    def next_step(self) -> int:
+        return self.trained + 1
+
+    @property
+    def buffered_steps(self) -> list[int]:
+        return sorted({e.step for e in self._buffer.values()})
+
+    def next(self, block_ms: int = 1000) -> StreamEntry | None:
+        """The entry of step `next_step`, or None if it did not arrive within `block_ms`."""
+        deadline = time.monotonic() + block_ms / 1000
+        while True:
+            if time.monotonic() - self._last_reclaim >= self.reclaim_every_s:
+                # first call: take back what a previous incarnation of the trainer had in flight;
+                # later, while waiting: entries stuck on a consumer that died
+                self._last_reclaim = time.monotonic()
+                self._admit(self.stream.reclaim(self.consumer, self.reclaim_idle_ms))
+            ready = self._pop_next()
+            if ready is not None:
+                return ready
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                return None
+            self._admit(self.stream.read(self.consumer, block_ms=min(remaining_ms, 1000)))
+
+    def done(self, entry: StreamEntry) -> None:
+        """Mark `entry.step` trained: ack it, and ack any buffered duplicates of it."""
+        if entry.step != self.next_step:
+            raise ValueError(f"done() for step {entry.step}, but the next step to train is {self.next_step}")
+        self.stream.ack(entry.id)
+        self.trained = entry.step
+        self._buffer.pop(entry.id, None)
+        self._admit(list(self._buffer.values()))
+
+    def reject(self, entry: StreamEntry, reason: str) -> None:
+        """Dead-letter an entry whose payload is unusable; its step will be waited for again."""
+        self._buffer.pop(entry.id, None)
+        self.stream.dead_letter(entry, reason)
+
+    def _admit(self, entries: Iterable[StreamEntry]) -> None:
+        for entry in entries:
+            if entry.step is None:
+                self._buffer.pop(entry.id, None)
+                self.stream.dead_letter(entry, f"unparsable step {entry.fields.get('step')!r}")
+            elif entry.schema != SCHEMA_VERSION:
+                self._buffer.pop(entry.id, None)
+                self.stream.dead_letter(
+                    entry, f"unsupported schema {entry.fields.get('schema')!r} (expected {SCHEMA_VERSION})"
+                )
+            elif entry.step <= self.trained:
+                self._buffer.pop(entry.id, None)
+                self.stream.ack(entry.id)
+                log.info("skipping replayed step %d (entry %s): already trained", entry.step, entry.id)
+            else:
+                self._buffer[entry.id] = entry
+
+    def _pop_next(self) -> StreamEntry | None:
+        candidates = [e for e in self._buffer.values() if e.step == self.next_step]
+        if not candidates:
+            return None
+        # duplicates of a step (orchestrator re-pushed after a crash): the oldest entry wins, the
+        # others stay buffered and are acked by done() as replays
+        return min(candidates, key=lambda e: tuple(int(p) for p in e.id.split("-")))

@@ -1,0 +1,276 @@
+"""WeightStore: published policy weights on the shared volume, `{output_dir}/weights/step_{s}/`.
+
+Invariants (what readers may rely on):
+- A `step_{s}` folder exists only complete: the trainer writes into `.tmp-step_{s}-<uuid>/`, adds
+  `MANIFEST.json` (sha256 and size of every file), fsyncs the files and the folder, then renames it.
+  A publisher killed at any moment leaves at most a `.tmp-*` folder that `steps()`/`latest()` ignore
+  and `prune()` removes once stale.
+- The weights **digest** (sent over gRPC with the path) is the sha256 of the MANIFEST.json bytes, so
+  `verify(step, digest)` proves the reader sees exactly the version the trainer announced.
+- Versions that a holder (e.g. the orchestrator, for replicas still serving them) declared in use
+  via `set_in_use` are never pruned, nor is the latest one.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gyre.fsio import fsync_dir, write_atomic
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+IN_USE_DIR = ".in_use"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_HOLDER = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class WeightsError(RuntimeError):
+    """A weights version is missing, incomplete or corrupt (or does not match its digest)."""
+
+
+@dataclass(frozen=True)
+class PublishedWeights:
+    step: int
+    path: Path
+    digest: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    files: dict[str, dict]  # relative posix name -> {"sha256": hex, "bytes": int}
+    created: float
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        try:
+            doc = json.loads(data)
+            files = doc["files"]
+            manifest = cls(step=int(doc["step"]), files=dict(files), created=float(doc["created"]))
+            for name, meta in files.items():
+                if not isinstance(meta["sha256"], str) or not isinstance(meta["bytes"], int):
+                    raise TypeError(name)
+        except (ValueError, KeyError, TypeError) as e:
+            raise WeightsError(f"malformed {MANIFEST}: {type(e).__name__}: {e}") from None
+        return manifest
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+class WeightStore:
+    """Atomic publish / verify / latest / retention of weight versions under `root`."""
+
+    def __init__(self, root: Path | str, *, stale_tmp_s: float = 60.0):
+        self.root = Path(root)
+        self.stale_tmp_s = stale_tmp_s
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step_{_check_step(step)}"
+
+    # ---- publishing -----------------------------------------------------------------------------
+    def publish(self, step: int, write_fn: Callable[[Path], None]) -> PublishedWeights:
+        """Make version `step` from the files `write_fn(folder)` writes; returns its path and digest.
+
+        Republishing an existing step with identical files is a no-op that returns the existing
+        digest (a trainer restarted after publishing but before acking); different files replace it.
+        """
+        _check_step(step)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-step_{step}-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        # held while we work: prune() of another process skips a tmp folder that is still locked
+        lock_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            write_fn(tmp)
+            if (tmp / MANIFEST).exists():
+                raise WeightsError(f"write_fn must not write {MANIFEST} itself")
+            files = {}
+            for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                _fsync_file(file)
+                files[file.relative_to(tmp).as_posix()] = {"sha256": _sha256_file(file), "bytes": file.stat().st_size}
+            if not files:
+                raise WeightsError(f"write_fn wrote no files for step {step}")
+            manifest = json.dumps({"step": step, "files": files, "created": time.time()}, indent=1, sort_keys=True)
+            write_atomic(tmp / MANIFEST, manifest.encode())
+            for folder in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: -len(p.parts)):
+                fsync_dir(folder)
+            final = self.path(step)
+            if final.exists():
+                if self._same_files(final, files):
+                    shutil.rmtree(tmp)
+                    return PublishedWeights(step, final, self.digest(step))
+                # move the old version out of the way first: at no instant is an incomplete step_{s} visible
+                self._retire(final)
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            os.close(lock_fd)
+        published = PublishedWeights(step, final, hashlib.sha256(manifest.encode()).hexdigest())
+        log.info("published weights step %d at %s (digest %s)", step, final, published.digest[:12])
+        return published
+
+    def _same_files(self, folder: Path, files: dict) -> bool:
+        try:
+            return Manifest.from_bytes((folder / MANIFEST).read_bytes()).files == files
+        except (OSError, WeightsError):
+            return False
+
+    def _retire(self, folder: Path) -> None:
+        """Atomically hide `folder` (rename to `.tmp-delete-*`), then delete it."""
+        doomed = self.root / f".tmp-delete-{folder.name}-{uuid.uuid4().hex}"
+        os.rename(folder, doomed)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    # ---- reading --------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Complete versions (folder with a manifest), ascending."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in os.scandir(self.root):
+            m = _STEP_DIR.match(entry.name)
+            if m and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST)):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def _manifest_bytes(self, step: int) -> bytes:
+        try:
+            return (self.path(step) / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            state = "incomplete" if self.path(step).is_dir() else "missing"
+            raise WeightsError(f"weights step {step} are {state} ({self.path(step)})") from None
+
+    def digest(self, step: int) -> str:
+        return hashlib.sha256(self._manifest_bytes(step)).hexdigest()
+
+    def verify(self, step: int, digest: str | None = None) -> Manifest:
+        """Check the manifest (against `digest` if given) and every file's size and sha256."""
+        data = self._manifest_bytes(step)
+        if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+            raise WeightsError(f"weights step {step}: manifest digest differs from the announced {digest}")
+        manifest = Manifest.from_bytes(data)
+        if manifest.step != step:
+            raise WeightsError(f"weights step {step}: manifest says step {manifest.step}")
+        folder = self.path(step)
+        for name, meta in manifest.files.items():
+            file = folder / name
+            if not file.is_file():
+                raise WeightsError(f"weights step {step}: file {name} is missing")
+            if file.stat().st_size != meta["bytes"]:
+                size = file.stat().st_size
+                raise WeightsError(f"weights step {step}: file {name} has {size} bytes, not {meta['bytes']}")
+            if _sha256_file(file) != meta["sha256"]:
+                raise WeightsError(f"weights step {step}: file {name} does not match its sha256")
+        return manifest
+
+    # ---- retention ------------------------------------------------------------------------------
+    def set_in_use(self, holder: str, steps: Iterable[int]) -> None:
+        """Declare (replacing any previous declaration) the versions `holder` still needs."""
+        if not _HOLDER.match(holder):
+            raise ValueError(f"holder {holder!r} must match {_HOLDER.pattern}")
+        doc = {"holder": holder, "steps": sorted({_check_step(s) for s in steps}), "updated": time.time()}
+        write_atomic(self.root / IN_USE_DIR / f"{holder}.json", json.dumps(doc).encode())
+
+    def in_use(self) -> set[int]:
+        """Union of the versions every holder declared."""
+        used: set[int] = set()
+        folder = self.root / IN_USE_DIR
+        if not folder.is_dir():
+            return used
+        for file in folder.glob("*.json"):
+            try:
+                used.update(int(s) for s in json.loads(file.read_bytes())["steps"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                # written atomically, so this is outside interference; say so loudly
+                log.error("ignoring unreadable in-use file %s: %s", file, e)
+        return used
+
+    def prune(self, keep_last: int) -> list[int]:
+        """Delete complete versions that are not among the newest `keep_last`, not in use and not
+        the latest; also remove abandoned `.tmp-*` folders. Returns the deleted steps."""
+        if keep_last < 1:
+            raise ValueError("keep_last must be >= 1 (the latest version is always kept)")
+        steps = self.steps()
+        keep = set(steps[-keep_last:]) | self.in_use()
+        deleted = []
+        for step in steps:
+            if step not in keep:
+                self._retire(self.path(step))
+                deleted.append(step)
+        self._remove_stale_tmp()
+        if deleted:
+            log.info("pruned weights steps %s", deleted)
+        return deleted
+
+    def _remove_stale_tmp(self) -> None:
+        now = time.time()
+        for entry in os.scandir(self.root):
+            if not (entry.name.startswith(".tmp-") and entry.is_dir(follow_symlinks=False)):
+                continue
+            path = Path(entry.path)
+            try:
+                newest = max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.rglob("*")])
+            except FileNotFoundError:
+                continue  # being renamed or removed by its owner right now
+            if now - newest < self.stale_tmp_s or _is_locked(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_locked(folder: Path) -> bool:
+    """True while a live publisher holds the folder's flock (same-host publishers)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    finally:
+        os.close(fd)

