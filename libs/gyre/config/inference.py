@@ -28,7 +28,9 @@ class AuthConfig(Section):
 class EngineConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Torch backend device.")
     max_batch_size: int = Field(64, ge=1, description="Sequences decoded together by the torch backend.")
-    max_model_len: int | None = Field(None, ge=16, description="Context length (prompt + completion); default: the model's.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length (prompt + completion); default: the model's."
+    )
     seed: int = Field(0, description="Default sampling seed of the engine.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of GPU memory to use.")
 

@@ -95,10 +95,15 @@ def _set_nested(target: dict, dotted: str, value: Any) -> None:
         raise ConfigError(f"bad option name --{dotted}")
     node = target
     for part in parts[:-1]:
+        if node.get(part) == "true":  # `--ckpt --ckpt.interval 2`: the bare flag means {enabled = true}
+            node[part] = {"enabled": True}
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"option --{dotted} conflicts with a value given for {part}")
-    node[parts[-1]] = value
+    if value == "true" and isinstance(node.get(parts[-1]), dict):
+        node[parts[-1]]["enabled"] = True
+    else:
+        node[parts[-1]] = value
 
 
 def read_toml(path: str | Path) -> dict:
@@ -229,7 +234,7 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
         out += [(summary or cls.__doc__ or "").strip(), ""]
     out += [
         "Sources (highest first): --options > @ TOML files (merged left to right) > env GYRE_A__B > defaults.",
-        "Options accept kebab or snake case; a bare --flag means true; lists/tables as JSON ([1,2], {\"a\": 1}).",
+        'Options accept kebab or snake case; a bare --flag means true; lists/tables as JSON ([1,2], {"a": 1}).',
         "'@ experiment.toml#name' reads the [name] table of an experiment file plus its shared top-level keys.",
         "",
     ]

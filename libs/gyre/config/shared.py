@@ -35,7 +35,9 @@ class ModelConfig(Section):
 class ServiceConfig(GyreSettings):
     """Keys every service has."""
 
-    run_id: str = Field("gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id (Redis keys, metric labels).")
+    run_id: str = Field(
+        "gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id (Redis keys, metric labels)."
+    )
     output_dir: Path = Field(Path("outputs/run"), description="Shared volume: weights, checkpoints, events, logs.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")

@@ -70,7 +70,9 @@ class TrainerConfig(ServiceConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimiser and schedule.")
     data: DataConfig = Field(default_factory=DataConfig, description="Batch shapes.")
     ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
-    orchestrator: OrchestratorClientConfig = Field(default_factory=OrchestratorClientConfig, description="Orchestrator.")
+    orchestrator: OrchestratorClientConfig = Field(
+        default_factory=OrchestratorClientConfig, description="Orchestrator."
+    )
     server: TrainerServerConfig = Field(default_factory=TrainerServerConfig, description="gRPC status server.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this step (unset = run until stopped).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")

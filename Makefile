@@ -1,0 +1,55 @@
+# Gyre developer tasks. `make help` lists them.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-builtin-rules
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONSTRAINTS ?= constraints.txt
+DEMO_CONFIG ?= configs/reverse_text/demo.toml
+DEMO_OUT ?= outputs/demo
+PYTEST_ARGS ?=
+
+.PHONY: help install demo test test-fast lint format proto bench clean
+
+help: ## Show this help
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed ## Create .venv (if missing) and install gyre with dev extras (torch pinned by constraints.txt)
+
+demo: install ## The main job: tiny model, SFT warm-up, then async RL on reverse_text (CPU, < 15 min)
+	$(VENV)/bin/gyre rl @ $(DEMO_CONFIG) --output-dir $(DEMO_OUT)
+
+test: install ## Run the whole test suite (what CI runs)
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-fast: install ## Unit tests only
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+lint: install ## ruff check + format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install ## Apply ruff fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+proto: install ## Regenerate libs/gyre/v1 from proto/gyre/v1/*.proto
+	PY=$(PY) bash scripts/gen_proto.sh
+
+bench: install ## Run every benchmark (prints side-by-side ratios)
+	$(VENV)/bin/gyre bench inference
+	$(VENV)/bin/gyre bench trainer
+	$(VENV)/bin/gyre bench orchestrator
+	$(VENV)/bin/gyre bench async
+
+clean: ## Remove outputs and caches (keeps .venv)
+	rm -rf outputs .pytest_cache .ruff_cache

@@ -1,0 +1,74 @@
+"""`gyre rl` configuration: one experiment file for the three local services.
+
+Shared keys (``run_id``, ``output_dir``, ``redis``, ``log``, ``model``, ``max_steps``) are set once at
+top level; ``[inference]``, ``[trainer]``, ``[orchestrator]`` and ``[sft]`` hold each service's own
+keys and are validated against that service's config model when the launcher resolves them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from gyre.config.loader import GyreSettings, Section
+from gyre.config.shared import LogConfig, ModelConfig
+
+
+class RLRedisConfig(Section):
+    url: str | None = Field(None, description="External Redis URL; unset = start an embedded redis-server.")
+
+
+class RLModelConfig(ModelConfig):
+    name: str | None = Field(None, description="Base model folder or hub id (default: {output_dir}/model).")
+    init_preset: str | None = Field(
+        "tiny", description="If the model folder does not exist, create it with `gyre model init` at this preset."
+    )
+    init_seed: int = Field(0, description="Seed of the created model.")
+
+
+class RLCkptConfig(Section):
+    enabled: bool = Field(False, description="Write trainer + orchestrator checkpoints (a bare --ckpt enables).")
+    interval: int = Field(1, ge=1, description="Checkpoint every N steps when enabled.")
+    keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
+    resume_step: int | None = Field(None, ge=-1, description="Resume both services from this step (-1 = latest).")
+
+
+class SFTWarmupConfig(Section):
+    enabled: bool = Field(False, description="Run `gyre sft` before RL and start RL from its result.")
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keys of `gyre sft` (see `gyre sft --help`), e.g. {max_steps = 300}."
+    )
+
+
+class RLConfig(GyreSettings):
+    """Run inference, orchestrator and trainer as local processes with an embedded Redis."""
+
+    run_id: str = Field("gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id.")
+    output_dir: Path = Field(Path("outputs/run"), description="Local folder standing in for the shared volume.")
+    max_steps: int = Field(20, ge=1, description="RL steps (batches trained).")
+    redis: RLRedisConfig = Field(default_factory=RLRedisConfig, description="Redis.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Log level of every service.")
+    model: RLModelConfig = Field(default_factory=RLModelConfig, description="Base policy model.")
+    ckpt: RLCkptConfig = Field(default_factory=RLCkptConfig, description="Checkpoints and resume.")
+    sft: SFTWarmupConfig = Field(default_factory=SFTWarmupConfig, description="Optional SFT warm-up.")
+    inference_replicas: int = Field(1, ge=1, description="Local inference processes (the orchestrator balances).")
+    trainer_nproc: int = Field(1, ge=1, description="Trainer processes (>1 runs torchrun with FSDP2).")
+    console: Literal["progress", "all"] = Field(
+        "progress", description="progress: progress bar + warnings; all: every child log line, prefixed."
+    )
+    prometheus: bool = Field(False, description="Also start a local Prometheus scraping the three services.")
+    inference: dict[str, Any] = Field(default_factory=dict, description="[inference] keys (`gyre inference --help`).")
+    trainer: dict[str, Any] = Field(default_factory=dict, description="[trainer] keys (`gyre trainer --help`).")
+    orchestrator: dict[str, Any] = Field(
+        default_factory=dict, description="[orchestrator] keys (`gyre orchestrator --help`)."
+    )
+
+    @field_validator("ckpt", mode="before")
+    @classmethod
+    def _bare_ckpt_flag(cls, value: Any) -> Any:
+        # PRIME-RL style: `--ckpt` alone turns checkpointing on with defaults.
+        if isinstance(value, bool | str) and str(value).lower() in ("true", "false"):
+            return {"enabled": str(value).lower() == "true"}
+        return value

@@ -1,0 +1,434 @@
+"""`gyre rl`: the three services as local child processes around an embedded Redis.
+
+    gyre rl @ configs/reverse_text/demo.toml [--max-steps 5] [--ckpt] [--ckpt.resume-step 3]
+
+What it does, in order: start (or reuse) Redis; create the base model if missing; optionally run
+the SFT warm-up; resolve one config per service (written to ``{output_dir}/configs/``); start
+``inference`` (one or more replicas), ``trainer`` and ``orchestrator`` with one log file each;
+watch the event logs for the progress bar; and finish when trainer and orchestrator have both
+exited cleanly after ``max_steps``.
+
+Failure policy: any child that exits while the run is not finished (or exits non-zero) stops the
+run; the launcher names it, prints the end of its log and exits 1. Ctrl-C/SIGTERM terminates every
+child's process group and Redis before exiting. Children also get PDEATHSIG so a SIGKILLed
+launcher leaves no orphans behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
+from gyre.config.inference import InferenceConfig
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.config.rl import RLConfig
+from gyre.config.trainer import SFTConfig, TrainerConfig
+from gyre.net import free_port
+
+log = logging.getLogger("gyre.launcher")
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    """One service process; its stdout+stderr go to ``log_path`` and optionally to the console."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self, echo: bool, env: dict[str, str] | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed by the pump thread
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # own process group: Ctrl-C is handled here, children are stopped in order
+            preexec_fn=_set_pdeathsig,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        t = threading.Thread(target=self._pump, args=(self.proc.stdout, logf, echo), daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _pump(self, stream: IO[bytes], logf: IO[bytes], echo: bool) -> None:
+        with logf:
+            for line in iter(stream.readline, b""):
+                logf.write(line)
+                text = line.decode(errors="replace").rstrip()
+                if echo or " ERROR " in text or " WARNING " in text or "Traceback" in text:
+                    _console(f"[{self.name}] {text}")
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        for t in self._threads:
+            t.join(timeout=2)
+
+    def tail(self, n: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+
+_console_lock = threading.Lock()
+_bar: Any = None
+
+
+def _console(text: str) -> None:
+    with _console_lock:
+        if _bar is not None:
+            _bar.write(text)
+        else:
+            print(text, flush=True)
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def _gyre(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gyre.cli", *args]
+
+
+def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str, Any]:
+    """Build and validate one config per service; every port is chosen here so nothing collides."""
+    shared = {
+        "run_id": cfg.run_id,
+        "output_dir": str(cfg.output_dir),
+        "redis": {"url": redis_url},
+        "log": {"level": cfg.log.level},
+    }
+    model = {"name": model_name, "dtype": cfg.model.dtype}
+    replicas = []
+    for i in range(cfg.inference_replicas):
+        http, control = free_port(), free_port()
+        inf = {**shared, "model": model, "server": {"port": http}, "control": {"port": control}}
+        replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, inf))
+    orch_port, trainer_port = free_port(), free_port()
+    ckpt = cfg.ckpt
+    orchestrator = _validated(
+        OrchestratorConfig,
+        "orchestrator",
+        cfg.orchestrator,
+        {
+            **shared,
+            "max_steps": cfg.max_steps,
+            "server": {"port": orch_port},
+            "metrics": {"port": free_port()},
+            "inference": {
+                "urls": [f"http://127.0.0.1:{r.server.port}" for r in replicas],
+                "control_urls": [f"127.0.0.1:{r.control.port}" for r in replicas],
+            },
+            **({"ckpt_interval": ckpt.interval} if ckpt.enabled else {}),
+            **({"resume_step": ckpt.resume_step} if ckpt.resume_step is not None else {}),
+        },
+    )
+    trainer_ckpt = {"interval": ckpt.interval, "keep_last": ckpt.keep_last} if ckpt.enabled else {}
+    if ckpt.resume_step is not None:
+        trainer_ckpt["resume_step"] = ckpt.resume_step
+    trainer = _validated(
+        TrainerConfig,
+        "trainer",
+        cfg.trainer,
+        {
+            **shared,
+            "model": model,
+            "max_steps": cfg.max_steps,
+            "orchestrator": {"address": f"127.0.0.1:{orch_port}"},
+            "server": {"port": trainer_port},
+            "metrics": {"port": free_port()},
+            "ckpt": trainer_ckpt,
+        },
+    )
+    # The orchestrator packs rows for the trainer: keep their sequence lengths in agreement.
+    if orchestrator.batch.seq_len != trainer.data.seq_len:
+        raise ConfigError(
+            f"orchestrator.batch.seq_len ({orchestrator.batch.seq_len}) != trainer.data.seq_len "
+            f"({trainer.data.seq_len}): set both"
+        )
+    return {"inference": replicas, "orchestrator": orchestrator, "trainer": trainer}
+
+
+def _validated(cls, section: str, user: dict, launcher: dict):
+    """Launcher-chosen values (ports, paths) under the user's section; errors name the section."""
+    from gyre.config.loader import deep_merge
+
+    values = deep_merge(launcher, user)
+    # Ports and addresses are the launcher's: a user value would break the wiring.
+    for key in ("server", "control"):
+        if key in launcher and key in user and "port" in user[key]:
+            values[key]["port"] = launcher[key]["port"]
+    try:
+        return load_config(cls, [], **values)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("config key '", f"config key '{section.split('.')[0]}.")) from None
+
+
+def _write_config(path: Path, config: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(config))
+    path.chmod(0o600)  # may contain the API key / control token
+    return path
+
+
+def _wait_ready(url: str, child: Child, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RunFailed(f"{child.name} exited with status {child.poll()} before becoming ready")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RunFailed(f"{child.name} not ready after {timeout:.0f}s")
+
+
+class Launcher:
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.out = cfg.output_dir
+        self.children: list[Child] = []
+        self.redis = None
+        self.prometheus = None
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _redis_url(self) -> str:
+        if self.cfg.redis.url:
+            return self.cfg.redis.url
+        from gyre.redis_server import EmbeddedRedis
+
+        self.redis = EmbeddedRedis()
+        self.redis.start()
+        _console(f"embedded redis: {self.redis.url}")
+        return self.redis.url
+
+    def _base_model(self) -> str:
+        name = self.cfg.model.name or str(self.out / "model")
+        if not Path(name).exists() and self.cfg.model.init_preset:
+            _console(f"creating base model ({self.cfg.model.init_preset}) at {name}")
+            self._run_once(
+                "model-init",
+                _gyre(
+                    "model",
+                    "init",
+                    "--output-dir",
+                    name,
+                    "--preset",
+                    self.cfg.model.init_preset,
+                    "--seed",
+                    str(self.cfg.model.init_seed),
+                ),
+            )
+        return name
+
+    def _sft(self, base: str) -> str:
+        sft_dir = self.out / "sft"
+        if not self.cfg.sft.enabled:
+            return base
+        if (sft_dir / "config.json").exists():
+            _console(f"SFT warm-up already done: {sft_dir}")
+            return str(sft_dir)
+        values = {
+            "run_id": self.cfg.run_id,
+            "output_dir": str(self.out),
+            "model": {"name": base, "dtype": self.cfg.model.dtype},
+            "save_dir": str(sft_dir),
+            "log": {"level": self.cfg.log.level},
+        }
+        from gyre.config.loader import deep_merge
+
+        sft = load_config(SFTConfig, [], **deep_merge(values, self.cfg.sft.args))
+        path = _write_config(self.out / "configs" / "sft.toml", sft)
+        _console(f"SFT warm-up: {sft.max_steps} steps -> {sft_dir}")
+        self._run_once("sft", _gyre("sft", "@", str(path)), echo=True)
+        return str(sft_dir)
+
+    def _run_once(self, name: str, argv: list[str], echo: bool = False) -> None:
+        child = Child(name, argv, self.out / "logs" / f"{name}.log")
+        self.children.append(child)
+        child.start(echo=echo or self.cfg.console == "all")
+        code = child.proc.wait()
+        for t in child._threads:
+            t.join(timeout=5)
+        self.children.remove(child)
+        if code != 0:
+            raise RunFailed(f"{name} failed with status {code}; last lines of {child.log_path}:\n{child.tail()}")
+
+    # -- run ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        redis_url = self._redis_url()
+        model = self._sft(self._base_model())
+        configs = resolve_configs(self.cfg, model, redis_url)
+        cdir = self.out / "configs"
+        echo = self.cfg.console == "all"
+        replicas = []
+        for i, inf in enumerate(configs["inference"]):
+            name = "inference" if len(configs["inference"]) == 1 else f"inference-{i}"
+            child = Child(
+                name,
+                _gyre("inference", "@", str(_write_config(cdir / f"{name}.toml", inf))),
+                self.out / "logs" / f"{name}.log",
+            )
+            child.start(echo)
+            self.children.append(child)
+            replicas.append((child, f"http://127.0.0.1:{inf.server.port}"))
+        trainer_cfg = _write_config(cdir / "trainer.toml", configs["trainer"])
+        if self.cfg.trainer_nproc > 1:
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={self.cfg.trainer_nproc}",
+                "-m",
+                "gyre.cli",
+                "trainer",
+                "@",
+                str(trainer_cfg),
+            ]
+        else:
+            argv = _gyre("trainer", "@", str(trainer_cfg))
+        trainer = Child("trainer", argv, self.out / "logs" / "trainer.log")
+        trainer.start(echo)
+        self.children.append(trainer)
+        for child, url in replicas:
+            _wait_ready(url, child, timeout=300)
+        orch_cfg = _write_config(cdir / "orchestrator.toml", configs["orchestrator"])
+        orchestrator = Child(
+            "orchestrator", _gyre("orchestrator", "@", str(orch_cfg)), self.out / "logs" / "orchestrator.log"
+        )
+        orchestrator.start(echo)
+        self.children.append(orchestrator)
+        if self.cfg.prometheus:
+            self._start_prometheus(configs)
+        from gyre.progress import RunProgress
+
+        global _bar
+        progress = RunProgress(self.out, self.cfg.max_steps, start_step=self._start_step())
+        _bar = progress.bar
+        try:
+            while True:
+                progress.update()
+                done = {c.name: c.poll() for c in (trainer, orchestrator)}
+                for child in self.children:
+                    code = child.poll()
+                    if code is None:
+                        continue
+                    if code != 0 or child.name.startswith("inference"):
+                        raise RunFailed(
+                            f"{child.name} exited with status {code}; last lines of {child.log_path}:\n{child.tail()}"
+                        )
+                if all(code == 0 for code in done.values()):
+                    progress.update()
+                    break
+                time.sleep(0.5)
+        finally:
+            progress.close()
+            _bar = None
+        return 0
+
+    def _start_step(self) -> int:
+        rs = self.cfg.ckpt.resume_step
+        if rs is None:
+            return 0
+        if rs >= 0:
+            return rs
+        ckpts = sorted(self.out.glob("checkpoints/trainer/step_*"))
+        return int(ckpts[-1].name.split("_")[1]) if ckpts else 0
+
+    def _start_prometheus(self, configs: dict[str, Any]) -> None:
+        from gyre.prometheus import LocalPrometheus
+
+        targets = {
+            "inference": [f"127.0.0.1:{c.server.port}" for c in configs["inference"]],
+            "trainer": [f"127.0.0.1:{configs['trainer'].metrics.port}"],
+            "orchestrator": [f"127.0.0.1:{configs['orchestrator'].metrics.port}"],
+        }
+        self.prometheus = LocalPrometheus(self.out / "prometheus", targets, run_id=self.cfg.run_id)
+        self.prometheus.start()
+        _console(f"prometheus: {self.prometheus.url}")
+
+    def shutdown(self) -> None:
+        # Orchestrator first (stops issuing work), then trainer, then inference; Redis last.
+        order = sorted(
+            self.children,
+            key=lambda c: ("orchestrator", "trainer").index(c.name) if c.name in ("orchestrator", "trainer") else 2,
+        )
+        for child in order:
+            child.stop()
+        self.children.clear()
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_or_exit(RLConfig, argv, "gyre rl")
+    from gyre.logging import setup_logging
+
+    setup_logging(cfg.log.level, None, "launcher")
+    launcher = Launcher(cfg)
+
+    def _on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    started = time.monotonic()
+    try:
+        code = launcher.run()
+    except ConfigError as e:
+        print(f"gyre rl: error: {e}", file=sys.stderr)
+        code = 2
+    except RunFailed as e:
+        print(f"gyre rl: run failed: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("gyre rl: interrupted, stopping services", file=sys.stderr)
+        code = 130
+    finally:
+        launcher.shutdown()
+    if code == 0:
+        from gyre.report import summarize
+
+        print(summarize(cfg.output_dir, wall_seconds=time.monotonic() - started))
+    return code

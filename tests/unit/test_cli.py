@@ -1,0 +1,53 @@
+"""The `gyre` dispatcher: lazy subcommands, help, and `import gyre` never importing torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from gyre.cli import COMMANDS, resolve
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gyre.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_command():
+    out = run("--help")
+    assert out.returncode == 0
+    for name in COMMANDS:
+        assert name in out.stdout
+
+
+def test_unknown_command_exits_2():
+    out = run("frobnicate")
+    assert out.returncode == 2 and "unknown command" in out.stderr
+
+
+def test_two_word_commands_resolve_before_one_word():
+    assert resolve(["model", "init", "--seed", "1"])[0] == "model init"
+    assert resolve(["bench", "trainer"])[0] == "bench trainer"
+    assert resolve(["rl", "--max-steps", "2"])[2] == ["--max-steps", "2"]
+
+
+def test_every_command_target_is_importable_as_a_module_path():
+    for target, _ in COMMANDS.values():
+        module, func = target.split(":")
+        assert module and func.isidentifier()
+
+
+def test_importing_gyre_and_its_torch_free_modules_does_not_import_torch():
+    code = (
+        "import sys, gyre, gyre.cli, gyre.config, gyre.config.inference, gyre.config.trainer, "
+        "gyre.config.orchestrator\n"
+        "import importlib\n"
+        "for m in ['gyre.model_init', 'gyre.codec', 'gyre.streams', 'gyre.weights', 'gyre.envs']:\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except ModuleNotFoundError:\n"
+        "        pass\n"
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

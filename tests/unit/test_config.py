@@ -1,0 +1,162 @@
+"""The config loader: precedence CLI > @ TOML (merged left to right) > env GYRE_A__B > defaults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from gyre.config import ConfigError, load_config, to_toml
+from gyre.config.inference import InferenceConfig
+from gyre.config.loader import collect, help_text
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.config.trainer import SFTConfig, TrainerConfig
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("GYRE_"):
+            monkeypatch.delenv(key)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults():
+    cfg = load_config(TrainerConfig, [])
+    assert cfg.optim.lr == 1e-5
+    assert cfg.redis.url.startswith("redis://")
+    assert cfg.ckpt.interval is None
+
+
+def test_env_overrides_default(monkeypatch):
+    monkeypatch.setenv("GYRE_OPTIM__LR", "0.5")
+    monkeypatch.setenv("GYRE_RUN_ID", "from-env")
+    cfg = load_config(TrainerConfig, [])
+    assert cfg.optim.lr == 0.5 and cfg.run_id == "from-env"
+
+
+def test_toml_overrides_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("GYRE_OPTIM__LR", "0.5")
+    f = write(tmp_path, "a.toml", "[optim]\nlr = 0.25\n")
+    assert load_config(TrainerConfig, ["@", f]).optim.lr == 0.25
+
+
+def test_env_still_fills_keys_the_toml_does_not_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("GYRE_OPTIM__WEIGHT_DECAY", "0.1")
+    f = write(tmp_path, "a.toml", "[optim]\nlr = 0.25\n")
+    cfg = load_config(TrainerConfig, ["@", f])
+    assert cfg.optim.lr == 0.25 and cfg.optim.weight_decay == 0.1
+
+
+def test_cli_overrides_toml(tmp_path):
+    f = write(tmp_path, "a.toml", "[optim]\nlr = 0.25\n")
+    assert load_config(TrainerConfig, ["@", f, "--optim.lr", "0.125"]).optim.lr == 0.125
+    # position does not matter: CLI wins even when given before the file
+    assert load_config(TrainerConfig, ["--optim.lr=0.125", "@", f]).optim.lr == 0.125
+
+
+def test_multiple_files_merge_left_to_right(tmp_path):
+    a = write(tmp_path, "a.toml", 'run_id = "a"\n[optim]\nlr = 0.1\nweight_decay = 0.2\n')
+    b = write(tmp_path, "b.toml", "[optim]\nlr = 0.3\n")
+    cfg = load_config(TrainerConfig, ["@", a, "@", b])
+    assert cfg.run_id == "a" and cfg.optim.lr == 0.3 and cfg.optim.weight_decay == 0.2
+
+
+def test_kebab_and_snake_case_and_bare_flags():
+    cfg = load_config(TrainerConfig, ["--max-steps", "7", "--activation_checkpointing", "--ckpt.resume-step", "-1"])
+    assert cfg.max_steps == 7 and cfg.activation_checkpointing is True and cfg.ckpt.resume_step == -1
+
+
+def test_nested_keys_and_structured_values():
+    cfg = load_config(
+        OrchestratorConfig, ["--inference.urls", '["http://a:1", "http://b:2"]', "--env.args", '{"n": 3}']
+    )
+    assert cfg.inference.urls == ["http://a:1", "http://b:2"] and cfg.env.args == {"n": 3}
+
+
+def test_unknown_key_is_named_with_a_suggestion():
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainerConfig, ["--optim.lrr", "0.1"])
+    assert "optim.lrr" in str(e.value) and "optim.lr" in str(e.value)
+
+
+def test_unknown_key_in_toml_is_named(tmp_path):
+    f = write(tmp_path, "a.toml", "[loss]\ntyp = 'gspo'\n")
+    with pytest.raises(ConfigError, match=r"loss\.typ"):
+        load_config(TrainerConfig, ["@", f])
+
+
+def test_wrong_type_names_key_and_value():
+    with pytest.raises(ConfigError) as e:
+        load_config(InferenceConfig, ["--server.port", "eighty"])
+    assert "server.port" in str(e.value) and "eighty" in str(e.value)
+
+
+def test_bad_env_value_names_key(monkeypatch):
+    monkeypatch.setenv("GYRE_DATA__SEQ_LEN", "long")
+    with pytest.raises(ConfigError, match=r"data\.seq_len"):
+        load_config(TrainerConfig, [])
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(TrainerConfig, ["@", str(tmp_path / "nope.toml")])
+    bad = write(tmp_path, "bad.toml", "[optim\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(TrainerConfig, ["@", bad])
+
+
+def test_experiment_table_inherits_shared_keys(tmp_path):
+    exp = write(
+        tmp_path,
+        "exp.toml",
+        'run_id = "exp1"\nmax_steps = 4\n[redis]\nurl = "redis://r:1/0"\n'
+        "[inference.server]\nport = 9000\n[trainer.optim]\nlr = 0.01\n",
+    )
+    inf = load_config(InferenceConfig, ["@", exp + "#inference"])
+    assert (inf.run_id, inf.redis.url, inf.server.port) == ("exp1", "redis://r:1/0", 9000)
+    tr = load_config(TrainerConfig, ["@", exp + "#trainer"])
+    assert (tr.max_steps, tr.optim.lr, tr.run_id) == (4, 0.01, "exp1")
+
+
+def test_round_trip_through_toml_keeps_secrets(tmp_path):
+    cfg = load_config(InferenceConfig, ["--auth.api-key", "s3cret", "--server.port", "1234"])
+    path = write(tmp_path, "resolved.toml", to_toml(cfg))
+    again = load_config(InferenceConfig, ["@", path])
+    assert again == cfg and again.auth.api_key.get_secret_value() == "s3cret"
+
+
+def test_collect_rejects_stray_words():
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        collect(["lr=3"])
+
+
+@pytest.mark.parametrize("cls", [InferenceConfig, TrainerConfig, SFTConfig, OrchestratorConfig])
+def test_every_field_is_documented_and_in_help(cls):
+    text = help_text(cls, "gyre x")
+
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{cls.__name__}.{prefix}{name} has no description"
+            sub = getattr(field.annotation, "model_fields", None)
+            if sub is not None:
+                walk(field.annotation, prefix + name + ".")
+            else:
+                assert f"--{prefix}{name} " in text
+
+    walk(cls)
+
+
+def test_cli_exits_2_naming_the_key():
+    out = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "orchestrator", "--batch-size", "-3"], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert "batch_size" in out.stderr
