@@ -1,0 +1,58 @@
+"""Environment API (torch-free): tasks, rollouts against a `ModelClient`, parsers, rubrics, built-ins.
+
+See docs/environments.md. The orchestrator's side of the contract:
+
+    env = load_environment(cfg.env.name, **cfg.env.args)
+    source = env.tasks("train", seed=cfg.seed)            # source[i]: deterministic, index-addressable
+    rollout = await env.rollout(client, source[i], SamplingParams(**cfg.sampling.model_dump()))
+    score = await env.score(source[i], rollout)           # Score(reward, per_function, errors)
+    # train on rollout.token_ids / loss_mask / logprobs (see gyre.envs.sequence for the multi-turn rule)
+"""
+
+from gyre.envs.base import Environment, MultiTurnEnv, SingleTurnEnv, TaskSource
+from gyre.envs.parsers import Parser, XMLParser, parse_tool_calls
+from gyre.envs.registry import BUILTIN_ENVIRONMENTS, EnvironmentLoadError, load_environment
+from gyre.envs.rubric import Rubric
+from gyre.envs.sequence import SequenceBuilder
+from gyre.envs.tools import Tool, ToolEnv
+from gyre.envs.types import (
+    Message,
+    Messages,
+    ModelClient,
+    Rollout,
+    SamplingParams,
+    Score,
+    Split,
+    StopReason,
+    Task,
+    ToolCall,
+    Turn,
+)
+
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "Environment",
+    "EnvironmentLoadError",
+    "Message",
+    "Messages",
+    "ModelClient",
+    "MultiTurnEnv",
+    "Parser",
+    "Rollout",
+    "Rubric",
+    "SamplingParams",
+    "Score",
+    "SequenceBuilder",
+    "SingleTurnEnv",
+    "Split",
+    "StopReason",
+    "Task",
+    "TaskSource",
+    "Tool",
+    "ToolCall",
+    "ToolEnv",
+    "Turn",
+    "XMLParser",
+    "load_environment",
+    "parse_tool_calls",
+]

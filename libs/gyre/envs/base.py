@@ -1,0 +1,233 @@
+"""Environments: a task source, a rollout protocol and a rubric.
+
+    env = load_environment("reverse_text")
+    task = env.tasks("train", seed=0)[0]
+    rollout = await env.rollout(client, task, SamplingParams(max_tokens=64))
+    score = await env.score(task, rollout)
+
+Subclass `SingleTurnEnv` (one model turn), `MultiTurnEnv` (implement `env_response`, the environment's reply
+between model turns) or `gyre.envs.tools.ToolEnv` (the model calls Python functions), and implement
+`make_task(rng, task_id)`. An environment object holds no per-rollout state (that lives in the `state` dict),
+so one instance serves any number of concurrent rollouts.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable, Iterator
+from functools import cached_property
+from typing import Any
+
+from gyre.envs.parsers import Parser
+from gyre.envs.rubric import Rubric
+from gyre.envs.sequence import SequenceBuilder
+from gyre.envs.types import Messages, ModelClient, Rollout, SamplingParams, Score, Split, StopReason, Task, Turn
+
+# Attempts to draw a train task that is not in the eval split before giving up (task space too small).
+MAX_REDRAWS = 100
+
+
+class TaskSource:
+    """The tasks of one split, addressable by index: `source[i]` is a pure function of (environment args, split,
+    seed, i), so a sampler can checkpoint just an index and resume exactly. `size` is None for an endless split.
+    """
+
+    def __init__(self, make: Callable[[int], Task], size: int | None) -> None:
+        self._make = make
+        self.size = size
+
+    def __getitem__(self, index: int) -> Task:
+        if index < 0 or (self.size is not None and index >= self.size):
+            raise IndexError(f"task index {index} out of range (size {self.size})")
+        return self._make(index)
+
+    def __len__(self) -> int:
+        if self.size is None:
+            raise TypeError("this task source is endless; use .size (None) or iterate")
+        return self.size
+
+    def __iter__(self) -> Iterator[Task]:
+        return self.iter_from(0)
+
+    def iter_from(self, start: int) -> Iterator[Task]:
+        index = start
+        while self.size is None or index < self.size:
+            yield self._make(index)
+            index += 1
+
+
+class Environment:
+    """Base class. Constructor args shared by every environment:
+
+    - `system_prompt`: prepended to every prompt by `format_prompt` (None = no system message).
+    - `num_eval`: size of the held-out eval split; `eval_seed`: which held-out set it is.
+    - `max_turns`: model turns per rollout.
+
+    Splits: "eval" is a fixed set of `num_eval` distinct tasks (independent of the `seed` argument, so eval scores
+    compare across runs); "train" is endless, drawn from `seed`, and never contains an eval task (a draw that
+    collides is redrawn), so the splits are disjoint for every pair of seeds.
+    """
+
+    name = "environment"
+
+    def __init__(
+        self,
+        *,
+        system_prompt: str | None = None,
+        parser: Parser | None = None,
+        rubric: Rubric | None = None,
+        max_turns: int = 1,
+        num_eval: int = 256,
+        eval_seed: int = 1234,
+        tool_schemas: list[dict[str, Any]] | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if num_eval < 1:
+            raise ValueError(f"num_eval must be >= 1, got {num_eval}")
+        self.system_prompt = system_prompt
+        self.parser = parser or Parser()
+        self.rubric = rubric or Rubric(parser=self.parser)
+        self.max_turns = max_turns
+        self.num_eval = num_eval
+        self.eval_seed = eval_seed
+        # OpenAI function schemas sent with every model turn (and needed to render SFT examples).
+        self.tool_schemas = tool_schemas
+
+    # --- tasks -----------------------------------------------------------------------------------------------
+
+    def make_task(self, rng: random.Random, task_id: str) -> Task:
+        """Draw one task using only `rng` (that is what makes the splits deterministic)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement make_task(rng, task_id)")
+
+    def tasks(self, split: Split, seed: int = 0) -> TaskSource:
+        if split == "eval":
+            eval_tasks = self._eval_tasks
+            return TaskSource(eval_tasks.__getitem__, len(eval_tasks))
+        if split == "train":
+            return TaskSource(lambda index: self._train_task(seed, index), None)
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+    @cached_property
+    def _eval_tasks(self) -> list[Task]:
+        tasks: list[Task] = []
+        seen: set[str] = set()
+        for draw in range(self.num_eval * MAX_REDRAWS):
+            task = self.make_task(random.Random(f"{self.name}/eval/{self.eval_seed}/{draw}"), f"eval-{len(tasks)}")
+            if task.key not in seen:
+                seen.add(task.key)
+                tasks.append(task)
+                if len(tasks) == self.num_eval:
+                    return tasks
+        raise ValueError(f"{self.name}: could not draw {self.num_eval} distinct eval tasks; lower num_eval")
+
+    @cached_property
+    def _eval_keys(self) -> frozenset[str]:
+        return frozenset(task.key for task in self._eval_tasks)
+
+    def _train_task(self, seed: int, index: int) -> Task:
+        for attempt in range(MAX_REDRAWS):
+            rng = random.Random(f"{self.name}/train/{seed}/{index}/{attempt}")
+            task = self.make_task(rng, f"train-{seed}-{index}")
+            if task.key not in self._eval_keys:
+                return task
+        raise ValueError(f"{self.name}: train draws keep hitting the eval split; the task space is too small")
+
+    def format_prompt(self, user: str) -> Messages:
+        """System prompt (if any) + one user message."""
+        messages: Messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return messages + [{"role": "user", "content": user}]
+
+    # --- rollouts --------------------------------------------------------------------------------------------
+
+    def initial_state(self, task: Task) -> dict[str, Any]:
+        """Per-rollout scratch space handed to `env_response` and reward functions; extend in subclasses."""
+        return {"task_id": task.id, "answer": task.answer, "info": task.info, "turn": 0}
+
+    async def env_response(self, messages: Messages, state: dict[str, Any]) -> tuple[Messages, bool]:
+        """After each model turn: the messages the environment adds, and whether the episode is over."""
+        raise NotImplementedError
+
+    async def rollout(self, client: ModelClient, task: Task, sampling: SamplingParams) -> Rollout:
+        """Run one episode: model turn, environment reply, ... until done, `max_turns`, a length stop or drift.
+
+        Errors raised by `client.chat` propagate (the caller retries or drops the rollout); errors in the
+        environment's own hooks end the episode with `stop_reason == "error"` and keep what was done so far.
+        """
+        state = self.initial_state(task)
+        prompt = copy.deepcopy(task.prompt)
+        completion: Messages = []
+        turns: list[Turn] = []
+        sequence = SequenceBuilder()
+        error: str | None = None
+        stop: StopReason
+        while True:
+            turn = await client.chat(prompt + completion, tools=self.tool_schemas, sampling=sampling)
+            turns.append(turn)
+            if not sequence.add(turn):
+                stop = "drift"
+                break
+            completion.append(turn.assistant_message())
+            state["turn"] = len(turns)
+            if turn.finish_reason == "length":
+                stop = "length"
+                break
+            try:
+                reply, done = await self.env_response(prompt + completion, state)
+            except Exception as exc:  # environment bug: keep the episode so far, flag it
+                error, stop = f"env_response failed: {type(exc).__name__}: {exc}", "error"
+                break
+            if done:
+                completion += reply
+                stop = "done"
+                break
+            if len(turns) >= self.max_turns:
+                stop = "max_turns"  # the reply would never be answered: leave it out
+                break
+            completion += reply
+        return Rollout(
+            task_id=task.id,
+            prompt=prompt,
+            completion=completion,
+            turns=turns,
+            token_ids=sequence.token_ids,
+            loss_mask=sequence.loss_mask,
+            logprobs=sequence.logprobs,
+            prompt_len=sequence.prompt_len,
+            sequence_turns=sequence.num_turns,
+            policy_version_min=sequence.version_min or 0,
+            policy_version_max=sequence.version_max or 0,
+            stop_reason=stop,
+            error=error,
+            state=state,
+        )
+
+    async def score(self, task: Task, rollout: Rollout) -> Score:
+        return await self.rubric.score(task, rollout)
+
+    # --- supervised data ----------------------------------------------------------------------------------------
+
+    def sft_example(self, task: Task) -> Messages:
+        """The prompt plus the reference assistant reply (in exactly the format the rubric rewards).
+
+        Render it with `tools=env.tool_schemas` so tool environments get the same system prompt as in rollouts.
+        """
+        return copy.deepcopy(task.prompt) + [{"role": "assistant", "content": task.answer}]
+
+
+class MultiTurnEnv(Environment):
+    """Implement `env_response(messages, state) -> (new_messages, done)`, called after every model turn."""
+
+    def __init__(self, *, max_turns: int = 4, **kwargs: Any) -> None:
+        super().__init__(max_turns=max_turns, **kwargs)
+
+
+class SingleTurnEnv(Environment):
+    """One model turn, then done."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_turns=1, **kwargs)
+
+    async def env_response(self, messages: Messages, state: dict[str, Any]) -> tuple[Messages, bool]:
+        return [], True

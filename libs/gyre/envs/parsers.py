@@ -1,0 +1,132 @@
+"""Parsers: pull the answer (and tool calls) out of model text.
+
+`Parser` answers with the last assistant message's whole text; `XMLParser(["think", "answer"])` reads tagged
+fields. Parsers never raise on model output: malformed text gives None / empty results, which rewards score 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from gyre.envs.types import Message, Messages, ToolCall, decode_arguments
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def message_text(message: Message) -> str:
+    """A message's text: string content, or the concatenated text parts of list content."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+
+
+def assistant_texts(completion: str | Messages) -> list[str]:
+    """Text of every assistant message in order (a plain string counts as one assistant message)."""
+    if isinstance(completion, str):
+        return [completion]
+    return [message_text(m) for m in completion if m.get("role") == "assistant"]
+
+
+class Parser:
+    """Base parser: the answer is the last assistant message's text, stripped (None if there is none)."""
+
+    def parse(self, text: str) -> str:
+        return text.strip()
+
+    def parse_answer(self, completion: str | Messages) -> str | None:
+        texts = assistant_texts(completion)
+        if not texts:
+            return None
+        answer = self.parse(strip_tool_calls(texts[-1]))
+        return answer or None
+
+
+class XMLParser(Parser):
+    """Reads `<field>...</field>` blocks, e.g. `XMLParser(["think", "answer"])`.
+
+    `parse(text)` maps each field to the stripped content of its LAST block, or None when absent. A block left
+    open at the very end of the text (generation cut by max_tokens) still counts, so partial answers get
+    partial credit rather than none.
+    """
+
+    def __init__(self, fields: Sequence[str], answer_field: str | None = None) -> None:
+        if not fields:
+            raise ValueError("XMLParser needs at least one field")
+        for name in fields:
+            if not re.fullmatch(r"[A-Za-z_][\w-]*", name):
+                raise ValueError(f"invalid XML field name {name!r}")
+        self.fields = list(fields)
+        self.answer_field = answer_field or self.fields[-1]
+        if self.answer_field not in self.fields:
+            raise ValueError(f"answer_field {self.answer_field!r} is not one of {self.fields}")
+        self._patterns = {
+            name: re.compile(rf"<{re.escape(name)}>(.*?)(?:</{re.escape(name)}>|$)", re.DOTALL) for name in fields
+        }
+
+    def parse(self, text: str) -> dict[str, str | None]:  # type: ignore[override]
+        out: dict[str, str | None] = {}
+        for name, pattern in self._patterns.items():
+            matches = pattern.findall(text)
+            out[name] = matches[-1].strip() if matches else None
+        return out
+
+    def parse_answer(self, completion: str | Messages) -> str | None:
+        texts = assistant_texts(completion)
+        return self.parse(texts[-1])[self.answer_field] if texts else None
+
+    def format(self, **values: str) -> str:
+        """Render fields in declared order: `format(answer="42")` -> "<answer>42</answer>"."""
+        unknown = set(values) - set(self.fields)
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}; declared: {self.fields}")
+        return "\n".join(f"<{name}>{values[name]}</{name}>" for name in self.fields if name in values)
+
+    def format_reward(self, completion: str | Messages) -> float:
+        """Share of assistant messages in which every declared field appears exactly once, properly closed."""
+        texts = assistant_texts(completion)
+        if not texts:
+            return 0.0
+        good = sum(
+            all(text.count(f"<{name}>") == 1 and text.count(f"</{name}>") == 1 for name in self.fields)
+            for text in texts
+        )
+        return good / len(texts)
+
+
+def parse_tool_calls(text: str, id_prefix: str = "call") -> list[ToolCall]:
+    """Tool calls written as text: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+
+    For servers that return the raw completion instead of structured `tool_calls`. A malformed block still
+    yields a ToolCall (with `error` set) so the model is told what was wrong instead of being ignored.
+    """
+    calls = []
+    for i, body in enumerate(TOOL_CALL_RE.findall(text)):
+        call_id = f"{id_prefix}_{i}"
+        try:
+            obj: Any = json.loads(body)
+        except ValueError as exc:
+            calls.append(ToolCall(id=call_id, name="", error=f"tool call is not valid JSON: {exc}"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            calls.append(ToolCall(id=call_id, name="", error='tool call must be {"name": str, "arguments": {...}}'))
+            continue
+        raw = obj.get("arguments")
+        if isinstance(raw, dict):
+            calls.append(ToolCall(id=call_id, name=obj["name"], arguments=raw, raw_arguments=json.dumps(raw)))
+        elif raw is None or isinstance(raw, str):  # arguments sent as a JSON string (OpenAI style) or omitted
+            arguments, error = decode_arguments(raw)
+            calls.append(ToolCall(id=call_id, name=obj["name"], arguments=arguments, raw_arguments=raw, error=error))
+        else:
+            calls.append(ToolCall(id=call_id, name=obj["name"], error="arguments must be a JSON object"))
+    return calls
+
+
+def strip_tool_calls(text: str) -> str:
+    """The text with its `<tool_call>` blocks removed."""
+    return TOOL_CALL_RE.sub("", text)

@@ -1,0 +1,243 @@
+"""The data that crosses the environment boundary: tasks, model turns, rollouts, scores, and the model client.
+
+Messages are OpenAI chat messages (plain dicts): `{"role": "system"|"user"|"assistant"|"tool", "content": str}`;
+an assistant message may carry `tool_calls` in OpenAI shape
+(`[{"id", "type": "function", "function": {"name", "arguments": "<json text>"}}]`) and a tool message carries
+`tool_call_id`. These are exactly what the orchestrator sends to the inference server's `/v1/chat/completions`.
+
+Everything here is torch-free and JSON-friendly (`dataclasses.asdict` gives a dumpable dict).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Message = dict[str, Any]
+Messages = list[Message]
+Split = Literal["train", "eval"]
+# Why a rollout ended: the environment said so, the turn budget ran out, the model hit max_tokens, the
+# prompt of a later turn no longer extended the training sequence, or environment code raised.
+StopReason = Literal["done", "max_turns", "length", "drift", "error"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling settings; field names match `gyre.config.orchestrator.SamplingConfig`.
+
+    Environments pass the same object to every model turn of a rollout.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 128
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolCall:
+    """One function call requested by the model.
+
+    `arguments` is the decoded JSON object. `raw_arguments` keeps the JSON text exactly as the server returned
+    it, so the assistant message sent back on the next turn renders to the same tokens the model sampled.
+    `error` is set (and `arguments` is empty) when the arguments were not a JSON object; the tool is then not
+    run and the model is told why.
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    raw_arguments: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_openai(cls, call: Any) -> ToolCall:
+        """Build from an OpenAI tool call: a dict `{"id", "function": {"name", "arguments"}}` or the SDK object."""
+        if isinstance(call, dict):
+            call_id, function = call.get("id") or "", call.get("function") or call
+            name, raw = function.get("name"), function.get("arguments")
+        else:
+            call_id, name, raw = call.id or "", call.function.name, call.function.arguments
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tool call {call_id!r} has no function name")
+        if isinstance(raw, dict):
+            return cls(id=call_id, name=name, arguments=raw, raw_arguments=json.dumps(raw))
+        arguments, error = decode_arguments(raw)
+        return cls(id=call_id, name=name, arguments=arguments, raw_arguments=raw, error=error)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI `tool_calls` entry of an assistant message."""
+        text = self.raw_arguments if self.raw_arguments is not None else json.dumps(self.arguments)
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": text}}
+
+
+def decode_arguments(raw: Any) -> tuple[dict[str, Any], str | None]:
+    """Decode tool-call arguments text; returns `(arguments, None)` or `({}, reason)`."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}, None
+    try:
+        value = json.loads(raw)
+    except (TypeError, ValueError) as exc:
+        return {}, f"arguments are not valid JSON: {exc}"
+    if not isinstance(value, dict):
+        return {}, f"arguments must be a JSON object, got {type(value).__name__}"
+    return value, None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    """One model call as the inference server answered it.
+
+    Invariants (checked on construction):
+    - `completion_logprobs[i]` is the inference log-prob of `completion_token_ids[i]`, same length.
+    - `completion_token_ids` are exactly the tokens the model sampled, including the end-of-turn token
+      (`<|im_end|>`) when it sampled one (finish_reason "stop"), so the policy learns to end its turn and the
+      next turn's prompt (which the chat template renders with that token) extends this one.
+    - `prompt_token_ids` is the full prompt the server fed the model (chat template applied).
+    - `policy_version_min <= policy_version_max`: the weight versions that produced the completion (they differ
+      when weights were swapped mid-generation).
+    """
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    text: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"
+    policy_version_min: int = 0
+    policy_version_max: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.completion_logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"completion_logprobs ({len(self.completion_logprobs)}) must align 1:1 with "
+                f"completion_token_ids ({len(self.completion_token_ids)})"
+            )
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty: the server must report the prompt it generated from")
+        # A hair above 0 is float rounding of log(1); anything else is not a log-probability.
+        if any(not math.isfinite(lp) or lp > 1e-4 for lp in self.completion_logprobs):
+            raise ValueError("completion_logprobs must be finite log-probabilities (<= 0)")
+        if self.policy_version_min > self.policy_version_max:
+            raise ValueError(f"policy_version_min {self.policy_version_min} > max {self.policy_version_max}")
+
+    def assistant_message(self) -> Message:
+        """The assistant message to append to the conversation for the next turn.
+
+        Content is the server's text verbatim; structured tool calls (when the server parsed them) are kept in
+        OpenAI shape with their raw argument text, so the chat template re-renders what the model produced.
+        """
+        message: Message = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in self.tool_calls]
+        return message
+
+
+@runtime_checkable
+class ModelClient(Protocol):
+    """How an environment talks to the policy; the orchestrator implements it over the OpenAI API.
+
+    `chat` runs one model turn on `messages` (with `tools` as OpenAI function schemas, or None) and returns the
+    token-level record of it. It raises on transport failure after its own retries; environments do not catch
+    that (a half-finished rollout is useless for training), so the caller decides whether to retry the rollout.
+    Implementations must be safe to call concurrently.
+    """
+
+    async def chat(
+        self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, sampling: SamplingParams
+    ) -> Turn: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """One problem: the prompt to start from and what a correct answer is.
+
+    - `id`: unique and stable within an environment (e.g. "train-0-17", "eval-3").
+    - `prompt`: the opening messages (system + user); treat as read-only, rollouts copy it.
+    - `answer`: reference answer text (what the SFT example replies, what rewards compare against).
+    - `info`: JSON-serialisable metadata the environment needs (e.g. later turns' inputs, difficulty).
+    """
+
+    id: str
+    prompt: Messages
+    answer: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Content fingerprint (of the prompt): two tasks with the same key are the same problem."""
+        text = json.dumps(self.prompt, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(kw_only=True)
+class Rollout:
+    """One episode of a task, plus its training sequence.
+
+    Conversation: `prompt` (the task's messages) + `completion` (assistant, user/tool messages that followed).
+    `turns` holds every model call, including one rejected for drift (then it is not in `completion`).
+
+    Training sequence (see `gyre.envs.sequence`): `token_ids`, `loss_mask`, `logprobs` have equal length;
+    `loss_mask[t]` is True iff token t was sampled by the model; `logprobs[t]` is its inference log-prob there
+    and 0.0 elsewhere; `token_ids[:prompt_len]` is the first turn's prompt (never in the loss). It covers the
+    first `sequence_turns` turns; `sequence_turns < num_turns` only when `stop_reason == "drift"`.
+    `policy_version_min/max` span the turns in the sequence.
+    """
+
+    task_id: str
+    prompt: Messages
+    completion: Messages
+    turns: list[Turn]
+    token_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+    prompt_len: int
+    sequence_turns: int
+    policy_version_min: int
+    policy_version_max: int
+    stop_reason: StopReason
+    error: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def messages(self) -> Messages:
+        return self.prompt + self.completion
+
+    @property
+    def num_turns(self) -> int:
+        """Model turns taken in the episode (the completion holds `num_turns` assistant messages, or one fewer
+        after drift)."""
+        return len(self.turns)
+
+    @property
+    def truncated(self) -> bool:
+        """The episode did not end on its own terms (length, turn budget, drift, or an environment error)."""
+        return self.stop_reason != "done"
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Score:
+    """Result of a rubric: `reward = sum(weight_f * per_function[f])`.
+
+    `per_function` holds each reward function's unweighted value; `errors` names the functions that raised or
+    returned a non-finite/non-numeric value (they count as 0.0).
+    """
+
+    reward: float
+    per_function: dict[str, float]
+    errors: dict[str, str] = field(default_factory=dict)
