@@ -49,7 +49,7 @@ def check_metric_name(name: str, kind: str, labels: Sequence[str] = ()) -> None:
         raise ValueError(f"{kind} {name!r} must not end with _total (only counters do)")
     stem = name.removesuffix("_total")
     if stem.endswith(_RESERVED_SUFFIXES):
-        raise ValueError(f"metric {name!r} ends with a suffix Prometheus reserves for series of a metric")
+        raise ValueError(f"metric {name!r}: suffixes {_RESERVED_SUFFIXES} are reserved for the series of a metric")
     if any(stem.endswith(bad) or f"{bad}_" in stem for bad in _BAD_UNITS):
         raise ValueError(f"metric {name!r}: use base units (_seconds, _bytes, _ratio), not {_BAD_UNITS}")
     for label in labels:

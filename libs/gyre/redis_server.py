@@ -129,8 +129,8 @@ class EmbeddedRedis:
                 if self.proc.poll() is not None:
                     return False
                 try:
-                    if client.ping():
-                        return True
+                    # the pid check matters: if the port was taken, PING could reach someone else's server
+                    return client.info("server")["process_id"] == self.proc.pid
                 except redis.RedisError:
                     time.sleep(0.05)
             return False
