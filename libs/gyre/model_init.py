@@ -4,7 +4,7 @@ Nothing is downloaded: the weights come from `torch.manual_seed(seed)` and the t
 text this module generates from the same seed (prose, numbers, arithmetic, letters, reversed strings,
 calculator tool calls in JSON), so every built-in environment's text tokenises sensibly.
 
-    gyre model init --output-dir outputs/model --preset tiny --seed 0
+    gyre model init --output-dir outputs/run/model --preset tiny --seed 0
 
 The folder holds what `AutoModelForCausalLM` / `AutoTokenizer` (and vLLM) load offline:
 `config.json`, `generation_config.json`, `model.safetensors` (fp32), `tokenizer.json`,
@@ -20,6 +20,11 @@ Invariants:
 - `<tool_call>` / `</tool_call>` are single tokens but not *special*: `decode(..., skip_special_tokens=True)`
   keeps them, so the tool-call parser still sees them in completions.
 - `len(tokenizer) <= config.vocab_size` (equal for the built-in presets).
+- The chat template is append-only: the prompt for turn k+1 starts with (prompt for turn k) + (the reply
+  as sampled, ending in `<|im_end|>`), so multi-turn rollouts splice tokens without drift, provided a tool
+  call is sampled in the canonical form the template re-renders:
+  `<tool_call>\n{"name": "...", "arguments": {...}}\n</tool_call>` (after the text and a `\n`, if any).
+- Tool results use the ChatML `tool` role (`<|im_start|>tool\n...<|im_end|>`), not Qwen's user-wrapped form.
 
 Importing this module never imports torch or transformers; they are imported inside the functions.
 """
@@ -27,6 +32,7 @@ Importing this module never imports torch or transformers; they are imported ins
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -51,7 +57,6 @@ TOOL_CALL_END = "</tool_call>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # Added after training at the top of the vocabulary, never split, kept by skip_special_tokens.
 TOOL_TOKENS = (TOOL_CALL_START, TOOL_CALL_END)
-BYTE_ALPHABET_SIZE = 256
 MIN_VOCAB_SIZE = 320
 
 # Qwen2's pre-tokenizer split (GPT-4 style, digits one by one): single digits make arithmetic
@@ -237,12 +242,7 @@ def parameter_count(model_dir: Path | str) -> int:
         with path.open("rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(header_len))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                numel = 1
-                for dim in entry["shape"]:
-                    numel *= dim
-                total += numel
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
     return total
 
 

@@ -301,6 +301,32 @@ def test_chat_template_lists_tools_and_renders_tool_calls(tokenizer):
     assert "# Tools" not in no_tools and no_tools.startswith("<|im_start|>system\nUse the calculator.<|im_end|>")
 
 
+def test_template_is_append_only_across_turns(tokenizer):
+    # Multi-turn rollouts splice each turn's prompt onto the tokens sampled so far: the prompt for turn k+1
+    # must extend (prompt for turn k) + (sampled reply ending in <|im_end|>), in text and in token ids.
+    calc_call = {"name": "calculator", "arguments": {"expression": "17*3"}}
+    conversation = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "What is 17 * 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [calc_call]},
+        {"role": "tool", "content": '{"result": 51}'},
+        {"role": "assistant", "content": "17 * 3 = 51"},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    replies = {
+        2: '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17*3"}}\n</tool_call>',
+        4: "17 * 3 = 51",
+    }
+    for k, reply in replies.items():
+        render = {"tools": TOOLS, "add_generation_prompt": True, "tokenize": False}
+        prompt = tokenizer.apply_chat_template(conversation[:k], **render)
+        sampled = prompt + reply + IM_END
+        next_prompt = tokenizer.apply_chat_template(conversation[: k + 2], **render)
+        assert next_prompt.startswith(sampled)
+        sampled_ids = tokenizer.encode(prompt) + tokenizer.encode(reply + IM_END)
+        assert tokenizer.encode(next_prompt)[: len(sampled_ids)] == sampled_ids
+
+
 def test_assistant_mask_covers_replies_and_their_end_of_turn(tokenizer):
     messages = [
         {"role": "user", "content": "Reverse: abc"},
