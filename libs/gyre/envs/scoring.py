@@ -1,0 +1,52 @@
+"""Reward building blocks shared by the built-in environments (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+# Longer predictions are cut before grading: the model's budget is ~128 tokens, and it bounds the work
+# (LCS is quadratic, sympy parsing can be slow) no matter what text arrives.
+MAX_GRADED_CHARS = 2000
+
+
+def lcs_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common subsequence (not substring) of two sequences; O(len(a) * len(b))."""
+    if len(a) < len(b):
+        a, b = b, a
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
+
+
+def lcs_ratio(prediction: Sequence[Any], reference: Sequence[Any]) -> float:
+    """2 * LCS / (len(prediction) + len(reference)) in [0, 1]: 1 iff equal, 0 iff nothing in common (in order).
+
+    Works on strings (characters) or lists (e.g. of names). Two empty sequences count as equal.
+    """
+    prediction = prediction[:MAX_GRADED_CHARS]
+    total = len(prediction) + len(reference)
+    return 1.0 if total == 0 else 2.0 * lcs_length(prediction, reference) / total
+
+
+def math_equal(prediction: str | None, reference: str) -> bool:
+    """True iff math-verify finds the prediction's final answer equal to the reference.
+
+    Accepts plain numbers ("7", "7.0", "-3"), sentences ("The answer is 7."), LaTeX and `\\boxed{7}`; with several
+    numbers the last one counts. math-verify bounds its work with SIGALRM, which only the main thread may use,
+    so off the main thread it runs without that timeout (the input is already length-capped).
+    """
+    if not prediction:
+        return False
+    from math_verify import parse, verify  # sympy is heavy: import on first use
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(reference, parsing_timeout=timeout)
+    # The tail holds the final answer; cutting the head keeps "... so the answer is 7" gradable.
+    predicted = parse(prediction[-MAX_GRADED_CHARS:], parsing_timeout=timeout)
+    return bool(gold and predicted and verify(gold, predicted, timeout_seconds=timeout))
