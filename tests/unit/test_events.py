@@ -33,11 +33,13 @@ def test_contract_file_names(tmp_path):
 def test_append_and_read_back(tmp_path):
     path = events_dir(tmp_path) / TRAINER_STEPS
     with EventLog(path) as log:
-        written = log.append({"step": 1, "loss": np.float32(0.5), "grad_norm": math.inf, "num_tokens": np.int64(7)})
+        written = log.append(
+            {"step": 1, "loss": np.float32(0.5), "grad_norm": math.inf, "num_tokens": np.int64(7), "hist": np.arange(3)}
+        )
         log.append({"step": 2, "loss": 0.25, "time": 123.0})
     records = read_events(path)
     assert records == [written, {"step": 2, "loss": 0.25, "time": 123.0}]
-    assert records[0]["loss"] == 0.5 and records[0]["num_tokens"] == 7
+    assert records[0]["loss"] == 0.5 and records[0]["num_tokens"] == 7 and records[0]["hist"] == [0, 1, 2]
     assert records[0]["grad_norm"] is None  # non-finite floats become null so every line stays JSON
     assert isinstance(records[0]["time"], float)
     assert path.read_text().count("\n") == 2

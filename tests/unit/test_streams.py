@@ -160,6 +160,10 @@ def test_group_is_recreated_after_redis_lost_it(stream):
     stream.push(1, batch_bytes(1))  # producer recreates the stream, but not the group
     # the group is recreated from the start of the stream: what was pushed meanwhile is not lost
     assert [e.step for e in stream.read("c1", block_ms=100)] == [1]
+    stream.redis.delete(stream.key)
+    assert stream.reclaim("c1", min_idle_ms=0) == []  # reclaim recovers too
+    stream.push(2, batch_bytes(2))
+    assert [e.step for e in stream.read("c1", block_ms=100)] == [2]
 
 
 def test_rejects_decoding_clients_and_bad_run_ids(redis_url):
