@@ -261,7 +261,7 @@ class BatchStream:
             self.redis.xack(self.key, self.group, *gone)
 
     def pending(self) -> PendingInfo:
-        info = self.redis.xpending(self.key, self.group)
+        info = self._with_group(lambda: self.redis.xpending(self.key, self.group))
         return PendingInfo(
             count=int(info["pending"]),
             min_id=_str(info["min"]) if info["min"] else None,
