@@ -19,6 +19,7 @@ by the global count, not by its own share. This module is numpy only (no torch).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,6 +147,8 @@ class TrainBatch:
 
     `samples[j]` is JSON-able metadata of sample j (reward, advantage, min_version, max_version,
     env, ...). `num_loss_tokens` / `num_samples` are the global normalisers over all ranks.
+    `temperature` is the sampling temperature inference used: the trainer must compute log-probs
+    at the same temperature for them to be comparable with `inference_logprobs`.
     """
 
     step: int
@@ -154,6 +157,7 @@ class TrainBatch:
     num_loss_tokens: int = 0
     num_samples: int = 0
     created: float = field(default_factory=time.time)
+    temperature: float = 1.0
 
     @property
     def num_ranks(self) -> int:
@@ -195,6 +199,13 @@ class TrainBatch:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise BatchError(f"{name} must be a non-negative int, got {value!r}")
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, int | float)
+            or not math.isfinite(self.temperature)
+            or self.temperature <= 0
+        ):
+            raise BatchError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         if not isinstance(self.samples, list) or not all(isinstance(s, dict) for s in self.samples):
             raise BatchError("samples must be a list of dicts")
         return self

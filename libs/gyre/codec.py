@@ -2,7 +2,7 @@
 
 Layout (a msgpack map, schema version `SCHEMA_VERSION`):
 
-    {"schema": 1, "step": int, "created": float, "num_loss_tokens": int, "num_samples": int,
+    {"schema": 1, "step": int, "created": float, "temperature": float, "num_loss_tokens": int, "num_samples": int,
      "samples": [ {json-able metadata}, ... ],
      "micro_batches": [ [ {field: {"dtype": "<i4", "shape": [T], "data": bytes}, ...}, ... ], ... ]}
 
@@ -23,7 +23,9 @@ from gyre.batch import ARRAY_FIELDS, BatchError, MicroBatch, TrainBatch
 
 SCHEMA_VERSION = 1
 
-_TOP_KEYS = {"schema", "step", "created", "num_loss_tokens", "num_samples", "samples", "micro_batches"}
+_TOP_KEYS = {
+    "schema", "step", "created", "temperature", "num_loss_tokens", "num_samples", "samples", "micro_batches"
+}  # fmt: skip
 
 
 class CodecError(ValueError):
@@ -49,6 +51,7 @@ def encode_batch(batch: TrainBatch) -> bytes:
         "schema": SCHEMA_VERSION,
         "step": batch.step,
         "created": float(batch.created),
+        "temperature": float(batch.temperature),
         "num_loss_tokens": batch.num_loss_tokens,
         "num_samples": batch.num_samples,
         "samples": batch.samples,
@@ -107,9 +110,10 @@ def decode_batch(data: bytes) -> TrainBatch:
     unknown = set(doc) - _TOP_KEYS
     if unknown:
         raise CodecError(f"unknown keys {sorted(unknown)}")
-    created = doc["created"]
-    if isinstance(created, bool) or not isinstance(created, int | float):
-        raise CodecError(f"created: expected a number, got {type(created).__name__}")
+    created, temperature = doc["created"], doc["temperature"]
+    for key, value in (("created", created), ("temperature", temperature)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CodecError(f"{key}: expected a number, got {type(value).__name__}")
     if not isinstance(doc["samples"], list):
         raise CodecError("samples: expected a list")
     ranks = doc["micro_batches"]
@@ -134,6 +138,7 @@ def decode_batch(data: bytes) -> TrainBatch:
         num_loss_tokens=_require_int(doc, "num_loss_tokens"),
         num_samples=_require_int(doc, "num_samples"),
         created=float(created),
+        temperature=float(temperature),
     )
     try:
         return batch.validate()

@@ -39,16 +39,24 @@ def make_batch(step: int = 3, layout: list[list[list[int]]] | None = None, seed:
         ranks.append(rank)
     samples = [{"reward": float(i % 2), "env": "gsm8k", "min_version": 1, "max_version": 2} for i in range(index)]
     loss_tokens = sum(mb.num_loss_tokens for rank in ranks for mb in rank)
-    return TrainBatch(step=step, micro_batches=ranks, samples=samples, num_loss_tokens=loss_tokens, num_samples=index)
+    return TrainBatch(
+        step=step,
+        micro_batches=ranks,
+        samples=samples,
+        num_loss_tokens=loss_tokens,
+        num_samples=index,
+        temperature=0.7,
+    )
 
 
 def assert_same(a: TrainBatch, b: TrainBatch) -> None:
-    assert (a.step, a.samples, a.num_loss_tokens, a.num_samples, a.created) == (
+    assert (a.step, a.samples, a.num_loss_tokens, a.num_samples, a.created, a.temperature) == (
         b.step,
         b.samples,
         b.num_loss_tokens,
         b.num_samples,
         b.created,
+        b.temperature,
     )
     assert [len(r) for r in a.micro_batches] == [len(r) for r in b.micro_batches]
     for ra, rb in zip(a.micro_batches, b.micro_batches, strict=True):
@@ -112,6 +120,9 @@ def test_train_batch_validate_and_for_rank():
 
     with pytest.raises(BatchError, match="step"):
         TrainBatch(step=-1, micro_batches=[[]]).validate()
+    for bad in (0.0, -1.0, float("nan"), float("inf"), "1.0"):
+        with pytest.raises(BatchError, match="temperature"):
+            TrainBatch(step=1, micro_batches=[[]], temperature=bad).validate()
 
 
 # ---- codec round trip ---------------------------------------------------------------------------
@@ -173,6 +184,9 @@ def first_mb(doc):
         (lambda d: d.update(step="3"), "step"),
         (lambda d: d.update(step=True), "step"),
         (lambda d: d.update(created="now"), "created"),
+        (lambda d: d.pop("temperature"), "missing keys"),
+        (lambda d: d.update(temperature=None), "temperature"),
+        (lambda d: d.update(temperature=0.0), "temperature"),
         (lambda d: d.update(samples={"a": 1}), "samples"),
         (lambda d: d.update(micro_batches=[1]), "list of lists"),
         (lambda d: first_mb(d).pop("loss_mask"), "fields"),
