@@ -10,6 +10,8 @@ Invariants (checked by `MicroBatch.validate` / `TrainBatch.validate`):
 - `sample_lengths` and `sample_index` are 1-D of length n (samples in this row), lengths > 0,
   `sum(sample_lengths) == T`;
 - `position_ids` of each sample are exactly `0, 1, ..., len-1`;
+- `loss_mask` is false at the first token of every sample (nothing precedes it, so no model
+  log-prob exists for it: docs/architecture.md, "Alignment");
 - every rank has the same number of micro batches (FSDP ranks must step in lock-step);
 - `sample_index` values index into `TrainBatch.samples`.
 
@@ -96,6 +98,8 @@ class MicroBatch:
             raise BatchError("sample_index: negative index")
         if not np.array_equal(self.position_ids, expected_positions(self.sample_lengths)):
             raise BatchError("position_ids must count 0..len-1 within every sample")
+        if t and self.loss_mask[self.position_ids == 0].any():
+            raise BatchError("loss_mask must be false at the first token of every sample")
         return self
 
     @classmethod

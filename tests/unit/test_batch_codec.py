@@ -17,7 +17,7 @@ def make_micro_batch(lengths: list[int], rng: np.random.Generator, first_index: 
         samples.append(
             {
                 "input_ids": rng.integers(-(2**31), 2**31 - 1, size=n),
-                "loss_mask": rng.random(n) < 0.5,
+                "loss_mask": (rng.random(n) < 0.5) & (np.arange(n) > 0),  # never the first token
                 "advantages": rng.standard_normal(n),
                 "inference_logprobs": -rng.random(n) * 5,
                 "sample_index": first_index + j,
@@ -92,6 +92,7 @@ def test_micro_batch_counts_and_positions():
         (lambda mb: setattr(mb, "sample_lengths", np.array([5, 0], dtype=np.int32)), "at least one token"),
         (lambda mb: setattr(mb, "sample_index", np.array([0], dtype=np.int32)), "sample_index"),
         (lambda mb: setattr(mb, "inference_logprobs", [0.0] * 5), "numpy array"),
+        (lambda mb: mb.loss_mask.__setitem__(3, True), "first token"),
     ],
 )
 def test_micro_batch_validate_rejects(mutate, message):

@@ -288,7 +288,7 @@ def test_payload_arrays_survive_the_stream_bit_exact(stream, tmp_path):
         [
             {
                 "input_ids": rng.integers(0, 1000, n),
-                "loss_mask": rng.random(n) < 0.5,
+                "loss_mask": (rng.random(n) < 0.5) & (np.arange(n) > 0),
                 "advantages": rng.standard_normal(n),
                 "inference_logprobs": -rng.random(n),
                 "sample_index": 0,
