@@ -152,12 +152,16 @@ class Environment:
     async def rollout(self, client: ModelClient, task: Task, sampling: SamplingParams) -> Rollout:
         """Run one episode: model turn, environment reply, ... until done, `max_turns`, a length stop or drift.
 
+        On drift (see `gyre.envs.sequence`) the conversation is cut back to the last turn in the training sequence,
+        so the rubric scores exactly what the trainer sees.
+
         Errors raised by `client.chat` propagate (the caller retries or drops the rollout); errors in the
         environment's own hooks end the episode with `stop_reason == "error"` and keep what was done so far.
         """
         state = self.initial_state(task)
         prompt = copy.deepcopy(task.prompt)
         completion: Messages = []
+        answered = 0  # completion messages up to the last model turn in the training sequence
         turns: list[Turn] = []
         sequence = SequenceBuilder()
         error: str | None = None
@@ -166,9 +170,12 @@ class Environment:
             turn = await client.chat(prompt + completion, tools=self.tool_schemas, sampling=sampling)
             turns.append(turn)
             if not sequence.add(turn):
+                # Score what is trained: drop the environment messages the rejected turn answered.
+                del completion[answered:]
                 stop = "drift"
                 break
             completion.append(turn.assistant_message())
+            answered = len(completion)
             state["turn"] = len(turns)
             if turn.finish_reason == "length":
                 stop = "length"

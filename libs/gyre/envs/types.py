@@ -13,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 Message = dict[str, Any]
 Messages = list[Message]
 Split = Literal["train", "eval"]
+_TOOL_CALL_BLOCK = re.compile(r"\n?<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 # Why a rollout ended: the environment said so, the turn budget ran out, the model hit max_tokens, the
 # prompt of a later turn no longer extended the training sequence, or environment code raised.
 StopReason = Literal["done", "max_turns", "length", "drift", "error"]
@@ -105,6 +107,9 @@ class Turn:
       (`<|im_end|>`) when it sampled one (finish_reason "stop"), so the policy learns to end its turn and the
       next turn's prompt (which the chat template renders with that token) extends this one.
     - `prompt_token_ids` is the full prompt the server fed the model (chat template applied).
+    - `text` is the completion decoded without special tokens. `tool_calls` are the calls the server parsed out
+      of it (then `text` may or may not still contain the `<tool_call>` blocks); when the server does not parse
+      calls, they stay in `text` and `ToolEnv` parses them itself.
     - `policy_version_min <= policy_version_max`: the weight versions that produced the completion (they differ
       when weights were swapped mid-generation).
     """
@@ -135,13 +140,15 @@ class Turn:
     def assistant_message(self) -> Message:
         """The assistant message to append to the conversation for the next turn.
 
-        Content is the server's text verbatim; structured tool calls (when the server parsed them) are kept in
-        OpenAI shape with their raw argument text, so the chat template re-renders what the model produced.
+        Without structured tool calls the content is the server's text verbatim (any `<tool_call>` blocks in it
+        re-render as they were sampled). With them, the calls go in OpenAI shape with their raw argument text and
+        the content is the text minus any call blocks a server left in it (and the newline before them, which the
+        template adds back), so the chat template re-renders what the model produced instead of doubling it.
         """
-        message: Message = {"role": "assistant", "content": self.text}
-        if self.tool_calls:
-            message["tool_calls"] = [call.to_openai() for call in self.tool_calls]
-        return message
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        content = _TOOL_CALL_BLOCK.sub("", self.text).rstrip("\n")
+        return {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in self.tool_calls]}
 
 
 @runtime_checkable

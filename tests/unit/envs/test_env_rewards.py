@@ -1,0 +1,146 @@
+"""Each built-in environment's reward functions on hand-made good and bad answers."""
+
+from __future__ import annotations
+
+import pytest
+from gyre.envs import Parser, Rollout, Task, load_environment
+from gyre.envs.alphabet_sort import sorted_rounds_reward, split_names
+from gyre.envs.arithmetic import correct_answer
+from gyre.envs.reverse_text import lcs_reward
+from gyre.envs.scoring import lcs_length, lcs_ratio, math_equal
+
+
+def said(*texts: str) -> list[dict]:
+    return [{"role": "assistant", "content": t} for t in texts]
+
+
+def fake_rollout(task: Task, completion: list[dict], state: dict | None = None) -> Rollout:
+    return Rollout(
+        task_id=task.id,
+        prompt=task.prompt,
+        completion=completion,
+        turns=[],
+        token_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        prompt_len=0,
+        sequence_turns=0,
+        policy_version_min=0,
+        policy_version_max=0,
+        stop_reason="done",
+        state=state or {},
+    )
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "length"),
+    [("", "", 0), ("abc", "", 0), ("abcde", "ace", 3), ("abc", "cba", 1), ("abcbdab", "bdcaba", 4), ("xyz", "xyz", 3)],
+)
+def test_lcs_length_known_values(a, b, length):
+    assert lcs_length(a, b) == length == lcs_length(b, a)
+
+
+def test_lcs_ratio_bounds_and_lists():
+    assert lcs_ratio("edcba", "edcba") == 1.0
+    assert lcs_ratio("zzz", "abc") == 0.0
+    assert lcs_ratio("", "abc") == 0.0
+    assert lcs_ratio("edcb", "edcba") == pytest.approx(8 / 9)
+    assert lcs_ratio(["Ana", "Ben"], ["Ana", "Ben", "Tom"]) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    ("reply", "reward"),
+    [
+        ("olleh", 1.0),
+        ("  olleh\n", 1.0),  # surrounding whitespace is not the answer
+        ("hello", 0.4),  # the unreversed text only shares "ll" in order
+        ("olle", 8 / 9),
+        ("olleh olleh", 10 / 16),  # rambling on costs reward
+        ("", 0.0),
+    ],
+)
+def test_reverse_text_reward(reply, reward):
+    assert lcs_reward(said(reply), "olleh", Parser()) == pytest.approx(reward)
+
+
+@pytest.mark.parametrize(
+    ("reply", "ok"),
+    [
+        ("12", True),
+        ("12.0", True),
+        ("\\boxed{12}", True),
+        ("The answer is 12.", True),
+        ("First 5, then 12", True),  # the last number is the answer
+        ("13", False),
+        ("12 apples? no, 13", False),
+        ("twelve", False),
+        ("", False),
+    ],
+)
+def test_arithmetic_reward(reply, ok):
+    assert correct_answer(said(reply), "12", Parser()) == float(ok)
+
+
+def test_math_equal_handles_nothing_and_negatives():
+    assert math_equal(None, "3") is False
+    assert math_equal("-349", "-349") and not math_equal("349", "-349")
+
+
+def test_alphabet_sort_reward_per_round():
+    info = {"rounds": [["Tom", "Ana"], ["Ben"]]}  # sorted after round 1: Ana, Tom; after round 2: Ana, Ben, Tom
+    parser = Parser()
+    assert sorted_rounds_reward(said("Ana, Tom", "Ana, Ben, Tom"), info, parser) == 1.0
+    assert sorted_rounds_reward(said("Ana, Tom", "Ana, Ben, Tom."), info, parser) == 1.0
+    assert sorted_rounds_reward(said("Ana, Tom"), info, parser) == 0.5  # second round never answered
+    assert sorted_rounds_reward(said("Tom, Ana", "Tom, Ben, Ana"), info, parser) == pytest.approx((1 / 2 + 1 / 3) / 2)
+    assert sorted_rounds_reward(said("", ""), info, parser) == 0.0
+    # Only the assistant's messages are graded, not the environment's prompts in between.
+    mixed = [*said("Ana, Tom"), {"role": "user", "content": "Add: Ben"}, *said("Ana, Ben, Tom")]
+    assert sorted_rounds_reward(mixed, info, parser) == 1.0
+
+
+def test_split_names():
+    assert split_names("Ana, Ben and Tom.") == ["Ana", "Ben", "Tom"]
+    assert split_names("Ana\nBen") == ["Ana", "Ben"]
+    assert split_names(None) == []
+
+
+@pytest.mark.asyncio
+async def test_calculator_rubric_rewards_answer_and_tool_use():
+    env = load_environment("calculator")
+    task = env.tasks("eval")[0]
+    used = {"tool_calls": [{"turn": 1, "name": "calculator", "arguments": {}, "ok": True, "result": task.answer}]}
+    failed = {"tool_calls": [{"turn": 1, "name": "calculator", "arguments": {}, "ok": False, "result": "Error"}]}
+    cases = [
+        (said(task.answer), used, 1.2),
+        (said(task.answer), {"tool_calls": []}, 1.0),  # right without the tool: full answer credit only
+        (said("0"), used, 0.2),
+        (said(task.answer), failed, 1.0),
+        (said("0"), {}, 0.0),
+    ]
+    for completion, state, reward in cases:
+        score = await env.score(task, fake_rollout(task, completion, state))
+        assert score.reward == pytest.approx(reward), (completion, state)
+        assert set(score.per_function) == {"correct_answer", "used_calculator"} and not score.errors
+
+
+@pytest.mark.asyncio
+async def test_calculator_answer_ignores_a_trailing_tool_call_block():
+    env = load_environment("calculator")
+    task = env.tasks("eval")[1]
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+    score = await env.score(task, fake_rollout(task, said(call)))
+    assert score.per_function["correct_answer"] == 0.0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["reverse_text", "arithmetic", "alphabet_sort", "calculator"])
+async def test_reference_answers_earn_full_reward(name):
+    """The SFT example is exactly what the rubric rewards most, for every built-in (ties SFT to RL)."""
+    env = load_environment(name)
+    for task in list(env.tasks("eval"))[:20]:
+        messages = env.sft_example(task)
+        completion = messages[len(task.prompt) :]
+        state = {"tool_calls": [{"name": "calculator", "ok": True}]} if name == "calculator" else {}
+        score = await env.score(task, fake_rollout(task, completion, state))
+        assert score.reward == pytest.approx(sum(env.rubric.weights)), (task, score)

@@ -1,0 +1,191 @@
+"""Rollout protocol end to end with the scripted test double: training sequence, loss mask, log-probs, stops."""
+
+from __future__ import annotations
+
+import pytest
+from envs_doubles import END_ID, Reply, ScriptedClient, encode, render
+from gyre.envs import MultiTurnEnv, SequenceBuilder, SingleTurnEnv, Task, Turn, load_environment
+
+
+def check_alignment(rollout, client_turns: list[Turn]) -> None:
+    """The sequence holds each turn's sampled tokens (mask on, their log-probs) and nothing else masked."""
+    assert len(rollout.token_ids) == len(rollout.loss_mask) == len(rollout.logprobs)
+    masked_ids = [t for t, m in zip(rollout.token_ids, rollout.loss_mask, strict=True) if m]
+    masked_lps = [lp for lp, m in zip(rollout.logprobs, rollout.loss_mask, strict=True) if m]
+    used = client_turns[: rollout.sequence_turns]
+    assert masked_ids == [t for turn in used for t in turn.completion_token_ids]
+    assert masked_lps == [lp for turn in used for lp in turn.completion_logprobs]
+    assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, rollout.loss_mask, strict=True) if not m)
+    assert not any(rollout.loss_mask[: rollout.prompt_len])
+    assert rollout.token_ids[: rollout.prompt_len] == client_turns[0].prompt_token_ids
+
+
+class Echo(SingleTurnEnv):
+    name = "echo"
+
+    def make_task(self, rng, task_id):
+        return Task(id=task_id, prompt=self.format_prompt(str(rng.random())), answer="x")
+
+
+@pytest.mark.asyncio
+async def test_single_turn_sequence_is_prompt_plus_completion(sampling):
+    env = load_environment("reverse_text")
+    task = env.tasks("train", 0)[0]
+    client = ScriptedClient([Reply(task.answer, versions=(3, 4))])
+    rollout = await env.rollout(client, task, sampling)
+    prompt_ids = encode(render(task.prompt, None))
+    assert rollout.token_ids == prompt_ids + encode(task.answer) + [END_ID]
+    assert rollout.prompt_len == len(prompt_ids)
+    assert rollout.loss_mask == [False] * len(prompt_ids) + [True] * (len(task.answer) + 1)
+    assert (rollout.policy_version_min, rollout.policy_version_max) == (3, 4)
+    assert rollout.stop_reason == "done" and not rollout.truncated and rollout.num_turns == 1
+    assert rollout.completion == [{"role": "assistant", "content": task.answer}]
+    assert client.calls[0]["sampling"] is sampling and client.calls[0]["tools"] is None
+    assert (await env.score(task, rollout)).reward == 1.0
+
+
+@pytest.mark.asyncio
+async def test_multi_turn_interleaves_env_tokens_unmasked(sampling):
+    env = load_environment("alphabet_sort", num_rounds=3)
+    task = env.tasks("train", 0)[0]
+    replies = [m["content"] for m in env.sft_example(task) if m["role"] == "assistant"]
+    client = ScriptedClient([Reply(r, versions=(v, v)) for v, r in zip([5, 4, 6], replies, strict=True)])
+    rollout = await env.rollout(client, task, sampling)
+    turns = rollout.turns
+    assert rollout.num_turns == rollout.sequence_turns == 3 and rollout.stop_reason == "done"
+    check_alignment(rollout, turns)
+    # The environment's messages are in the sequence, unmasked, between the model's turns.
+    second_prompt = turns[1].prompt_token_ids
+    end_of_first = len(turns[0].prompt_token_ids) + len(turns[0].completion_token_ids)
+    assert rollout.token_ids[:end_of_first] == second_prompt[:end_of_first]
+    env_part = second_prompt[end_of_first:]
+    assert "".join(map(chr, env_part)).startswith("\n<user>Add: ")
+    assert not any(rollout.loss_mask[end_of_first : end_of_first + len(env_part)])
+    # Final sequence = the last prompt + the last completion (nothing lost, nothing duplicated).
+    assert rollout.token_ids == turns[2].prompt_token_ids + turns[2].completion_token_ids
+    assert (rollout.policy_version_min, rollout.policy_version_max) == (4, 6)
+    assert rollout.messages == env.sft_example(task)
+    assert (await env.score(task, rollout)).reward == 1.0
+
+
+@pytest.mark.asyncio
+async def test_drift_cuts_the_sample_at_the_last_consistent_turn(sampling):
+    env = load_environment("alphabet_sort", num_rounds=3)
+    task = env.tasks("train", 1)[0]
+    replies = [m["content"] for m in env.sft_example(task) if m["role"] == "assistant"]
+
+    def retokenise_differently(call: int, ids: list[int]) -> list[int]:
+        # On the third call the server re-tokenises the first assistant reply differently (a BPE merge).
+        if call == 2:
+            start = len(encode(render(task.prompt, None)))
+            return ids[:start] + [9999] + ids[start + 2 :]
+        return ids
+
+    client = ScriptedClient(replies, mutate_prompt=retokenise_differently)
+    rollout = await env.rollout(client, task, sampling)
+    assert rollout.stop_reason == "drift" and rollout.truncated
+    assert rollout.num_turns == 3 and rollout.sequence_turns == 2
+    check_alignment(rollout, rollout.turns)
+    assert rollout.token_ids == rollout.turns[1].prompt_token_ids + rollout.turns[1].completion_token_ids
+    # The rejected turn is recorded but is not part of the conversation that gets scored.
+    assert [m["role"] for m in rollout.completion] == ["assistant", "user", "assistant"]
+    assert len(client.calls) == 3
+
+
+def test_sequence_builder_rejects_without_changing_state():
+    builder = SequenceBuilder()
+    first = Turn(prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5], text="c")
+    assert builder.add(first)
+    before = (list(builder.token_ids), list(builder.loss_mask), list(builder.logprobs))
+    shorter = Turn(prompt_token_ids=[1, 2], completion_token_ids=[4], completion_logprobs=[-0.1], text="d")
+    changed = Turn(prompt_token_ids=[1, 2, 5, 6], completion_token_ids=[4], completion_logprobs=[-0.1], text="d")
+    assert not builder.add(shorter) and not builder.add(changed)
+    assert (builder.token_ids, builder.loss_mask, builder.logprobs) == before
+    exact = Turn(prompt_token_ids=[1, 2, 3], completion_token_ids=[7], completion_logprobs=[-0.2], text="e")
+    assert builder.add(exact)
+    assert builder.token_ids == [1, 2, 3, 7] and builder.loss_mask == [False, False, True, True]
+    assert builder.logprobs == [0.0, 0.0, -0.5, -0.2] and builder.num_turns == 2
+
+
+@pytest.mark.asyncio
+async def test_length_stop_ends_the_episode(sampling):
+    env = load_environment("alphabet_sort")
+    task = env.tasks("train", 0)[0]
+    client = ScriptedClient([Reply("Ana, B", finish_reason="length"), "unused"])
+    rollout = await env.rollout(client, task, sampling)
+    assert rollout.stop_reason == "length" and rollout.truncated and len(client.calls) == 1
+    assert rollout.token_ids[-1] != END_ID  # no end-of-turn token was sampled
+    check_alignment(rollout, rollout.turns)
+
+
+class Chatty(MultiTurnEnv):
+    """Never says done: replies 'go on' forever (the turn budget must stop it)."""
+
+    name = "chatty"
+
+    def make_task(self, rng, task_id):
+        return Task(id=task_id, prompt=[{"role": "user", "content": "hi"}])
+
+    async def env_response(self, messages, state):
+        return [{"role": "user", "content": f"go on {state['turn']}"}], False
+
+
+@pytest.mark.asyncio
+async def test_max_turns_stops_without_a_dangling_env_message(sampling):
+    env = Chatty(max_turns=3, num_eval=1)
+    rollout = await env.rollout(ScriptedClient(["a", "b", "c"]), env.tasks("eval")[0], sampling)
+    assert rollout.stop_reason == "max_turns" and rollout.num_turns == 3
+    assert rollout.completion[-1] == {"role": "assistant", "content": "c"}
+    assert [m["content"] for m in rollout.completion if m["role"] == "user"] == ["go on 1", "go on 2"]
+    check_alignment(rollout, rollout.turns)
+
+
+class Broken(MultiTurnEnv):
+    name = "broken"
+
+    def make_task(self, rng, task_id):
+        return Task(id=task_id, prompt=[{"role": "user", "content": "hi"}])
+
+    async def env_response(self, messages, state):
+        raise KeyError("oops")
+
+
+@pytest.mark.asyncio
+async def test_env_bug_ends_the_episode_with_an_error_and_keeps_the_turn(sampling):
+    env = Broken(num_eval=1)
+    rollout = await env.rollout(ScriptedClient(["a"]), env.tasks("eval")[0], sampling)
+    assert rollout.stop_reason == "error" and "KeyError" in rollout.error
+    assert rollout.sequence_turns == 1 and rollout.num_completion_tokens == 2
+
+
+@pytest.mark.asyncio
+async def test_client_errors_propagate(sampling):
+    class Down:
+        async def chat(self, messages, *, tools=None, sampling):
+            raise ConnectionError("replica down")
+
+    env = Echo(num_eval=1)
+    with pytest.raises(ConnectionError):
+        await env.rollout(Down(), env.tasks("eval")[0], sampling)
+
+
+@pytest.mark.asyncio
+async def test_rollout_does_not_mutate_the_task(sampling):
+    env = load_environment("alphabet_sort")
+    task = env.tasks("train", 0)[0]
+    before = [dict(m) for m in task.prompt]
+    await env.rollout(ScriptedClient(["x", "y"]), task, sampling)
+    assert task.prompt == before
+
+
+def test_turn_rejects_misaligned_or_invalid_records():
+    with pytest.raises(ValueError, match="align"):
+        Turn(prompt_token_ids=[1], completion_token_ids=[2, 3], completion_logprobs=[-1.0], text="")
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Turn(prompt_token_ids=[], completion_token_ids=[2], completion_logprobs=[-1.0], text="")
+    with pytest.raises(ValueError, match="log-prob"):
+        Turn(prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[0.5], text="")
+    with pytest.raises(ValueError, match="log-prob"):
+        Turn(prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[float("nan")], text="")
+    with pytest.raises(ValueError, match="policy_version"):
+        Turn(prompt_token_ids=[1], completion_token_ids=[], completion_logprobs=[], text="", policy_version_min=2)

@@ -1,0 +1,180 @@
+"""Tool calling: schemas from signatures, the tool protocol end to end, and failures the model is told about."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import pytest
+from envs_doubles import Reply, ScriptedClient
+from gyre.envs import Task, Tool, ToolCall, ToolEnv, load_environment
+from gyre.envs.tools import tool_calls_of
+
+
+def text_call(name: str, arguments: dict) -> str:
+    """A tool call as a server that does not parse calls returns it: raw text in the canonical form."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def structured_call(call_id: str, name: str, arguments: dict) -> ToolCall:
+    return ToolCall(id=call_id, name=name, arguments=arguments, raw_arguments=json.dumps(arguments))
+
+
+def test_schema_from_signature_and_docstring():
+    def search(
+        query: str, limit: int = 5, exact: bool = False, tags: list[str] | None = None, mode: Literal["a", "b"] = "a"
+    ):
+        """Search the notes.
+
+        More detail that is not part of the description.
+
+        Args:
+            query: what to look for,
+                over several lines
+            limit (int): how many results
+        """
+
+    schema = Tool.from_function(search).schema
+    assert schema["type"] == "function"
+    fn = schema["function"]
+    assert fn["name"] == "search" and fn["description"] == "Search the notes."
+    props = fn["parameters"]["properties"]
+    assert props["query"] == {"type": "string", "description": "what to look for, over several lines"}
+    assert props["limit"] == {"type": "integer", "description": "how many results"}
+    assert props["exact"] == {"type": "boolean"}
+    assert props["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert props["mode"] == {"enum": ["a", "b"]}
+    assert fn["parameters"]["required"] == ["query"]
+
+
+def test_declared_schema_wins_and_varargs_are_refused():
+    params = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    tool = Tool.from_function(lambda x: x, name="ident", description="Identity.", parameters=params)
+    assert tool.schema["function"] == {"name": "ident", "description": "Identity.", "parameters": params}
+    with pytest.raises(ValueError, match="keyword"):
+        Tool.from_function(lambda *xs: 0, name="sum_all")
+
+
+def test_calculator_env_sends_its_schema():
+    env = load_environment("calculator")
+    assert [s["function"]["name"] for s in env.tool_schemas] == ["calculator"]
+    assert env.tool_schemas[0]["function"]["parameters"]["required"] == ["expression"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("server_parses_calls", [True, False])
+async def test_calculator_rollout_end_to_end(sampling, server_parses_calls):
+    env = load_environment("calculator")
+    task = env.tasks("train", 0)[0]
+    arguments = {"expression": task.info["expression"]}
+    if server_parses_calls:
+        first = Reply("", tool_calls=[structured_call("call_abc", "calculator", arguments)])
+    else:
+        first = Reply(text_call("calculator", arguments))
+    client = ScriptedClient([first, Reply(task.answer)])
+    rollout = await env.rollout(client, task, sampling)
+    assert rollout.stop_reason == "done" and rollout.num_turns == rollout.sequence_turns == 2
+    assert client.calls[0]["tools"] == env.tool_schemas == client.calls[1]["tools"]
+    tool_message = rollout.completion[1]
+    assert tool_message["role"] == "tool" and tool_message["content"] == task.answer
+    assert tool_message["tool_call_id"] == ("call_abc" if server_parses_calls else "call_1_0")
+    if server_parses_calls:
+        assert rollout.completion[0]["tool_calls"][0]["id"] == "call_abc"
+    # The tool result is in the sequence but not in the loss.
+    second = rollout.turns[1]
+    end_first = len(rollout.turns[0].prompt_token_ids) + len(rollout.turns[0].completion_token_ids)
+    tool_tokens = second.prompt_token_ids[end_first:]
+    assert task.answer in "".join(map(chr, tool_tokens))
+    assert not any(rollout.loss_mask[end_first : len(second.prompt_token_ids)])
+    assert rollout.loss_mask[len(second.prompt_token_ids) :] == [True] * len(second.completion_token_ids)
+    assert rollout.state["tool_calls"] == [
+        {"turn": 1, "name": "calculator", "arguments": arguments, "ok": True, "result": task.answer}
+    ]
+    score = await env.score(task, rollout)
+    assert score.reward == pytest.approx(1.2) and score.per_function == {"correct_answer": 1.0, "used_calculator": 1.0}
+
+
+@pytest.mark.asyncio
+async def test_answer_without_tool_ends_the_episode(sampling):
+    env = load_environment("calculator")
+    task = env.tasks("train", 0)[1]
+    rollout = await env.rollout(ScriptedClient(["42"]), task, sampling)
+    assert rollout.stop_reason == "done" and rollout.num_turns == 1 and rollout.state["tool_calls"] == []
+
+
+@pytest.mark.asyncio
+async def test_tool_failures_become_messages_not_crashes(sampling):
+    env = load_environment("calculator", max_turns=6)
+    task = env.tasks("train", 0)[2]
+    replies = [
+        text_call("calculator", {"expression": "__import__('os').system('true')"}),
+        text_call("search", {"q": "x"}),
+        text_call("calculator", {"expr": "1+1"}),
+        "<tool_call>\n{not json}\n</tool_call>",
+        Reply(
+            "", tool_calls=[ToolCall.from_openai({"id": "c9", "function": {"name": "calculator", "arguments": "{x"}})]
+        ),
+        "7",
+    ]
+    rollout = await env.rollout(ScriptedClient(replies), task, sampling)
+    tool_texts = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert len(tool_texts) == 5 and all(t.startswith("Error: ") for t in tool_texts)
+    assert "not allowed" in tool_texts[0]
+    assert "unknown tool 'search'" in tool_texts[1] and "calculator" in tool_texts[1]
+    assert "TypeError" in tool_texts[2] and "expr" in tool_texts[2]
+    assert "not valid JSON" in tool_texts[3] and "not valid JSON" in tool_texts[4]
+    assert (
+        rollout.stop_reason == "done"
+        and rollout.sequence_turns == 6
+        and not any(c["ok"] for c in rollout.state["tool_calls"])
+    )
+    assert (await env.score(task, rollout)).per_function["used_calculator"] == 0.0
+
+
+class Slow(ToolEnv):
+    name = "slow"
+
+    def make_task(self, rng, task_id):
+        return Task(id=task_id, prompt=[{"role": "user", "content": "go"}])
+
+
+async def nap(seconds: float) -> str:
+    """Sleep, then say so."""
+    await asyncio.sleep(seconds)
+    return "slept"
+
+
+def shout(text: str) -> dict:
+    """Upper-case the text (returns JSON)."""
+    return {"text": text.upper() * 100}
+
+
+@pytest.mark.asyncio
+async def test_async_tools_time_out_and_outputs_are_capped(sampling):
+    env = Slow(tools=[nap, shout], tool_timeout=0.05, max_tool_output_chars=50, max_tool_calls=2, num_eval=1)
+    calls = text_call("nap", {"seconds": 5}) + text_call("nap", {"seconds": 0}) + text_call("shout", {"text": "a"})
+    rollout = await env.rollout(ScriptedClient([calls, "done"]), env.tasks("eval")[0], sampling)
+    results = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert results[0] == "Error: nap timed out after 0.05s"
+    assert results[1] == "slept"
+    assert results[2] == "Error: at most 2 tool calls per turn"
+    env = Slow(tools=[shout], max_tool_output_chars=50, num_eval=1)
+    rollout = await env.rollout(
+        ScriptedClient([text_call("shout", {"text": "a"}), "ok"]), env.tasks("eval")[0], sampling
+    )
+    assert rollout.completion[1]["content"] == json.dumps({"text": "A" * 100})[:50] + "...[truncated]"
+
+
+def test_tool_calls_of_reads_structured_and_text_calls():
+    structured = {"role": "assistant", "content": "", "tool_calls": [structured_call("x", "f", {"a": 1}).to_openai()]}
+    assert tool_calls_of(structured)[0].arguments == {"a": 1}
+    broken = {"role": "assistant", "content": "", "tool_calls": [{"id": "y", "function": {"arguments": "{}"}}]}
+    assert tool_calls_of(broken)[0].error and tool_calls_of(broken)[0].name == ""
+    assert tool_calls_of({"role": "user", "content": text_call("f", {})}) == []
+    assert tool_calls_of({"role": "assistant", "content": "no calls"}) == []
+
+
+def test_tool_names_must_be_unique():
+    with pytest.raises(ValueError, match="unique"):
+        Slow(tools=[nap, Tool.from_function(shout, name="nap")], num_eval=1)
