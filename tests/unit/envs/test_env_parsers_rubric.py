@@ -1,0 +1,171 @@
+"""Parsers (answers, tags, tool-call text) and the rubric's weighting, argument passing and error capture."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gyre.envs import Parser, Rollout, Rubric, Task, ToolCall, XMLParser, parse_tool_calls
+
+
+def test_plain_parser_takes_the_last_assistant_message():
+    completion = [
+        {"role": "assistant", "content": "first"},
+        {"role": "tool", "content": "ignored"},
+        {"role": "assistant", "content": [{"type": "text", "text": " 4"}, {"type": "text", "text": "2 "}]},
+    ]
+    assert Parser().parse_answer(completion) == "42"
+    assert Parser().parse_answer("  raw text ") == "raw text"
+    assert Parser().parse_answer([{"role": "user", "content": "no reply"}]) is None
+    assert Parser().parse_answer([{"role": "assistant", "content": None}]) is None
+    assert Parser().parse_answer([{"role": "assistant", "content": 'x <tool_call>{"name": "f"}</tool_call>'}]) == "x"
+
+
+def test_xml_parser_fields():
+    parser = XMLParser(["think", "answer"])
+    text = "<think>hmm</think>\n<answer>1</answer> then <answer> 2 </answer>"
+    assert parser.parse(text) == {"think": "hmm", "answer": "2"}  # the last block wins
+    assert parser.parse("<answer>cut off mid-gener") == {"think": None, "answer": "cut off mid-gener"}
+    assert parser.parse_answer([{"role": "assistant", "content": "no tags"}]) is None
+    assert parser.format(think="a", answer="b") == "<think>a</think>\n<answer>b</answer>"
+    assert parser.parse(parser.format(think="a", answer="b")) == {"think": "a", "answer": "b"}
+    with pytest.raises(ValueError, match="unknown"):
+        parser.format(reason="x")
+
+
+def test_xml_format_reward():
+    parser = XMLParser(["think", "answer"])
+    good = {"role": "assistant", "content": "<think>a</think><answer>b</answer>"}
+    missing = {"role": "assistant", "content": "<answer>b</answer>"}
+    doubled = {"role": "assistant", "content": "<think>a</think><answer>b</answer><answer>c</answer>"}
+    assert parser.format_reward([good]) == 1.0
+    assert parser.format_reward([good, missing]) == 0.5
+    assert parser.format_reward([doubled]) == 0.0
+    assert parser.format_reward([]) == 0.0
+
+
+def test_xml_parser_rejects_bad_declarations():
+    with pytest.raises(ValueError):
+        XMLParser([])
+    with pytest.raises(ValueError):
+        XMLParser(["a b"])
+    with pytest.raises(ValueError):
+        XMLParser(["think"], answer_field="answer")
+
+
+def test_parse_tool_calls_from_text():
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "calc", "arguments": {"expression": "1+2"}}\n</tool_call>'
+        '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"3\\"}"}</tool_call>'
+        "<tool_call>not json</tool_call>"
+        '<tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "calc", "arguments": [1]}</tool_call>'
+        '<tool_call>{"name": "calc"}'  # cut off by max_tokens
+    )
+    calls = parse_tool_calls(text, id_prefix="t")
+    assert [c.id for c in calls] == [f"t_{i}" for i in range(6)]
+    assert calls[0].name == "calc" and calls[0].arguments == {"expression": "1+2"} and calls[0].error is None
+    assert calls[1].arguments == {"expression": "3"} and calls[1].error is None
+    assert "not valid JSON" in calls[2].error
+    assert "name" in calls[3].error
+    assert "object" in calls[4].error
+    assert calls[5].name == "calc" and calls[5].arguments == {} and calls[5].error is None
+    assert parse_tool_calls("no calls here") == []
+
+
+def test_tool_call_from_openai_shapes():
+    class Fn:
+        name, arguments = "calc", '{"expression": "2"}'
+
+    class Call:
+        id, function = "c1", Fn()
+
+    assert ToolCall.from_openai(Call()).arguments == {"expression": "2"}
+    openai_dict = {"id": "c2", "type": "function", "function": {"name": "calc", "arguments": "[1, 2]"}}
+    assert ToolCall.from_openai(openai_dict).error == "arguments must be a JSON object, got list"
+    assert ToolCall.from_openai(openai_dict).to_openai() == openai_dict  # raw argument text is preserved
+    with pytest.raises(ValueError, match="name"):
+        ToolCall.from_openai({"id": "c3", "function": {"arguments": "{}"}})
+
+
+TASK = Task(id="t", prompt=[{"role": "user", "content": "q"}], answer="yes", info={"k": 1})
+ROLLOUT = Rollout(
+    task_id="t",
+    prompt=TASK.prompt,
+    completion=[{"role": "assistant", "content": "yes"}],
+    turns=[],
+    token_ids=[],
+    loss_mask=[],
+    logprobs=[],
+    prompt_len=0,
+    sequence_turns=0,
+    policy_version_min=0,
+    policy_version_max=0,
+    stop_reason="done",
+    state={"s": 2},
+)
+
+
+@pytest.mark.asyncio
+async def test_rubric_weights_and_argument_passing():
+    seen = {}
+
+    def exact(completion, answer, parser) -> float:
+        return parser.parse_answer(completion) == answer
+
+    async def from_state(state, info, task, prompt, messages, rollout) -> float:
+        await asyncio.sleep(0)
+        seen.update(state=state, info=info, task=task, prompt=prompt, messages=messages, rollout=rollout)
+        return state["s"] + info["k"]
+
+    def everything(**kwargs) -> float:
+        seen["kwargs"] = set(kwargs)
+        return 0.5
+
+    score = await Rubric([exact, from_state, everything], weights=[1.0, 0.5, -2.0]).score(TASK, ROLLOUT)
+    assert score.per_function == {"exact": 1.0, "from_state": 3.0, "everything": 0.5}
+    assert score.reward == pytest.approx(1.0 + 1.5 - 1.0) and score.errors == {}
+    assert seen["task"] is TASK and seen["rollout"] is ROLLOUT and seen["messages"] == ROLLOUT.messages
+    assert seen["kwargs"] == {
+        "completion",
+        "prompt",
+        "messages",
+        "answer",
+        "task",
+        "info",
+        "state",
+        "rollout",
+        "parser",
+    }
+
+
+@pytest.mark.asyncio
+async def test_rubric_errors_score_zero_and_are_reported():
+    def crash(completion) -> float:
+        raise RuntimeError("bug")
+
+    def nan(completion) -> float:
+        return float("nan")
+
+    def text(completion):
+        return "high"
+
+    def one(completion) -> float:
+        return 1.0
+
+    score = await Rubric([crash, nan, text, one]).score(TASK, ROLLOUT)
+    assert score.reward == 1.0
+    assert score.per_function == {"crash": 0.0, "nan": 0.0, "text": 0.0, "one": 1.0}
+    assert set(score.errors) == {"crash", "nan", "text"} and "RuntimeError: bug" in score.errors["crash"]
+
+
+def test_rubric_rejects_bad_declarations():
+    with pytest.raises(ValueError, match="completoin"):
+        Rubric([lambda completoin: 1.0])
+    with pytest.raises(ValueError, match="weights"):
+        Rubric([lambda completion: 1.0], weights=[1.0, 2.0])
+    rubric = Rubric().add(lambda completion: 1.0, name="a")
+    with pytest.raises(ValueError, match="already"):
+        rubric.add(lambda answer: 0.0, name="a")
+    with pytest.raises(ValueError, match="finite"):
+        rubric.add(lambda answer: 0.0, weight=float("inf"), name="b")

@@ -1,0 +1,103 @@
+"""`load_environment`: built-ins by name, external environments by import path, clear errors otherwise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from gyre.envs import BUILTIN_ENVIRONMENTS, Environment, EnvironmentLoadError, load_environment
+
+EXTERNAL = """
+import random
+from gyre.envs import Rubric, SingleTurnEnv, Task
+
+
+def shout(completion, answer, parser) -> float:
+    return float(parser.parse_answer(completion) == answer)
+
+
+class ShoutEnv(SingleTurnEnv):
+    name = "shout"
+
+    def __init__(self, word_count=1, **kwargs):
+        super().__init__(rubric=Rubric([shout]), **kwargs)
+        self.word_count = word_count
+
+    def make_task(self, rng: random.Random, task_id: str) -> Task:
+        words = " ".join(rng.choice(["hi", "yo", "hey"]) for _ in range(self.word_count))
+        return Task(id=task_id, prompt=self.format_prompt(words), answer=words.upper())
+
+
+def load_environment(word_count: int = 1, num_eval: int = 4) -> ShoutEnv:
+    return ShoutEnv(word_count=word_count, num_eval=num_eval, system_prompt="Shout it.")
+
+
+def not_an_env():
+    return 42
+"""
+
+
+@pytest.fixture
+def external_module(tmp_path, monkeypatch):
+    name = f"gyre_test_external_env_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(EXTERNAL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_ENVIRONMENTS))
+def test_builtins_load_by_name(name):
+    env = load_environment(name)
+    assert isinstance(env, Environment) and env.name == name
+
+
+def test_external_environment_by_import_path(external_module):
+    env = load_environment(f"{external_module}:load_environment", word_count=3)
+    assert env.name == "shout"
+    task = env.tasks("train", 0)[0]
+    assert len(task.answer.split()) == 3 and task.answer == task.prompt[-1]["content"].upper()
+    assert len(env.tasks("eval")) == 4
+
+
+def test_unknown_name_lists_the_builtins():
+    with pytest.raises(EnvironmentLoadError) as info:
+        load_environment("reverse")
+    message = str(info.value)
+    assert all(name in message for name in BUILTIN_ENVIRONMENTS) and "package.module:load_environment" in message
+
+
+def test_bad_arguments_name_what_is_accepted(external_module):
+    with pytest.raises(EnvironmentLoadError, match="min_length") as info:
+        load_environment("reverse_text", min_lenght=3)
+    assert "min_lenght" in str(info.value)
+    with pytest.raises(EnvironmentLoadError, match="word_count"):
+        load_environment(f"{external_module}:load_environment", words=2)
+
+
+def test_bad_import_paths(external_module):
+    with pytest.raises(EnvironmentLoadError, match="cannot import"):
+        load_environment("no_such_package_xyz.envs:load_environment")
+    with pytest.raises(EnvironmentLoadError, match="no callable 'missing'"):
+        load_environment(f"{external_module}:missing")
+    with pytest.raises(EnvironmentLoadError, match="not an Environment"):
+        load_environment(f"{external_module}:not_an_env")
+
+
+def test_loading_environments_never_imports_torch():
+    code = textwrap.dedent(
+        """
+        import sys
+        from gyre.envs import load_environment
+        for name in ["reverse_text", "arithmetic", "alphabet_sort", "calculator"]:
+            env = load_environment(name)
+            env.tasks("eval")[0]
+        from gyre.envs.scoring import math_equal
+        assert math_equal("7", "7")
+        assert "torch" not in sys.modules, "gyre.envs imported torch"
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
