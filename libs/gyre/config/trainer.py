@@ -27,12 +27,18 @@ class LossConfig(Section):
     sequence_mask: bool = Field(False, description="masked_is: mask whole sequences on the geometric-mean ratio.")
     kl_tau: float = Field(0.0, ge=0, description="Weight of the (log r)^2 regulariser toward the behaviour policy.")
     ref_kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference (base) model.")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="seq-mean-token-sum-norm (Dr.GRPO) constant; unset = most loss tokens of any sample in the batch.",
+    )
 
 
 class OptimConfig(Section):
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
@@ -48,17 +54,31 @@ class CkptConfig(Section):
     interval: int | None = Field(None, ge=1, description="Full checkpoint every N steps (off when unset).")
     keep_last: int | None = Field(2, ge=1, description="Keep the newest N checkpoints (unset = all).")
     keep_interval: int | None = Field(None, ge=1, description="Also keep every checkpoint whose step is a multiple.")
-    resume_step: int | None = Field(None, ge=-1, description="Resume from this step (-1 = latest checkpoint).")
+    resume_step: int | None = Field(
+        None,
+        ge=-1,
+        description="Unset = resume from the run's own progress (newest checkpoint / published weights) if any; "
+        "-1 = the same but a checkpoint must exist; N = rewind to checkpoint N (0 = base model), "
+        "deleting newer checkpoints and weights.",
+    )
 
 
 class OrchestratorClientConfig(Section):
     address: str = Field("127.0.0.1:50061", description="gRPC address of the orchestrator (NotifyWeights).")
     timeout_s: float = Field(10.0, gt=0, description="Deadline of one NotifyWeights call.")
     control_token: str | None = Field(None, description="Shared secret sent as gRPC metadata.")
+    retry_initial_s: float = Field(0.5, gt=0, description="First NotifyWeights retry delay (doubles per failure).")
+    retry_max_s: float = Field(30.0, gt=0, description="Longest delay between NotifyWeights retries.")
+
+
+class IntakeConfig(Section):
+    poll_ms: int = Field(
+        1000, ge=10, description="How long one Redis read blocks while waiting for a batch (then stop is re-checked)."
+    )
 
 
 class TrainerServerConfig(Section):
-    host: str = Field("127.0.0.1", description="gRPC bind address of gyre.v1.Trainer.")
+    host: str = Field("127.0.0.1", description="Bind address of the gRPC server and of /metrics (0.0.0.0 in pods).")
     port: int = Field(50071, ge=0, le=65535, description="gRPC port of gyre.v1.Trainer (status + health).")
 
 
@@ -74,6 +94,7 @@ class TrainerConfig(ServiceConfig):
         default_factory=OrchestratorClientConfig, description="Orchestrator."
     )
     server: TrainerServerConfig = Field(default_factory=TrainerServerConfig, description="gRPC status server.")
+    intake: IntakeConfig = Field(default_factory=IntakeConfig, description="Reading batches from Redis.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this step (unset = run until stopped).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
     seed: int = Field(0, description="Random seed.")

@@ -1,0 +1,295 @@
+"""Trainer checkpoints and the resume plan.
+
+A checkpoint of step `s` lives in `{output_dir}/checkpoints/trainer/step_{s}/`:
+
+    state/            torch.distributed.checkpoint (DCP) of {"model", "optim"}: one shard file per
+                      rank plus `.metadata`, so a checkpoint saved by N ranks loads on M ranks
+    scheduler.pt      LR scheduler state (identical on every rank; rank 0 writes it)
+    rng_rank{r}.pt    torch (+ CUDA) and python RNG state of rank r
+    progress.json     {"step", "world_size", "record", "created"}: written last
+
+DCP is used also for a single process, so there is one format and any world size can resume it.
+
+Atomicity: every rank writes into `.tmp-step_{s}` (a fixed name all ranks agree on without talking;
+rank 0 clears a leftover of a crashed attempt first), then rank 0 fsyncs and renames the folder.
+A `step_{s}` folder therefore exists only complete; a crash leaves at most a `.tmp-*` folder that
+`steps()` ignores and the next save removes. The shared volume must be visible to every rank
+(one node with torchrun, or a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from gyre.fsio import fsync_dir, write_atomic
+
+from gyre_trainer.dist import DistContext, barrier
+
+log = logging.getLogger(__name__)
+
+PROGRESS = "progress.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A requested checkpoint is missing or unusable."""
+
+
+class CheckpointManager:
+    """Save / load / list / prune trainer checkpoints under `root` (collective when distributed)."""
+
+    def __init__(self, root: Path | str, ctx: DistContext, keep_last: int | None = 2, keep_interval: int | None = None):
+        self.root = Path(root)
+        self.ctx = ctx
+        self.keep_last = keep_last
+        self.keep_interval = keep_interval
+
+    @property
+    def single(self) -> bool:
+        return not self.ctx.distributed
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step_{step}"
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints, ascending."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in os.scandir(self.root):
+            m = _STEP_DIR.match(entry.name)
+            if m and os.path.isfile(os.path.join(entry.path, PROGRESS)):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ---- save -----------------------------------------------------------------------------------
+    def save(self, step: int, model, optimizer, scheduler, record: dict[str, Any] | None = None) -> Path:
+        """Write checkpoint `step` atomically; every rank must call it. Returns the final folder."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        tmp = self.root / f".tmp-step_{step}"
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(self.ctx)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _single_process_ok():
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "state", no_dist=not self.ctx.distributed
+            )
+        torch.save(_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+        barrier(self.ctx)  # every shard is on disk before rank 0 declares the checkpoint complete
+        if self.ctx.is_main:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            progress = {"step": step, "world_size": self.ctx.world_size, "record": record, "created": time.time()}
+            write_atomic(tmp / PROGRESS, json.dumps(progress, indent=1).encode())
+            for file in tmp.rglob("*"):
+                if file.is_file():
+                    file.chmod(0o644)  # readable by other pods' users sharing the volume (fsGroup)
+                    _fsync_file(file)
+            for folder in [tmp / "state", tmp]:
+                fsync_dir(folder)
+            final = self.path(step)
+            if final.exists():  # a rewound run saving this step again: the old one must go first
+                self._retire(final)
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+            log.info("saved checkpoint step %d at %s", step, final)
+            self.prune()
+        barrier(self.ctx)
+        return self.path(step)
+
+    # ---- load -----------------------------------------------------------------------------------
+    def load(self, step: int, model, optimizer, scheduler) -> dict[str, Any]:
+        """Restore model, optimizer, scheduler and this rank's RNG from checkpoint `step`; returns progress.
+
+        Every rank must call it. A checkpoint saved with another world size loads too (DCP reshards);
+        ranks that have no RNG file of their own are reseeded from (step, rank).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        folder = self.path(step)
+        try:
+            progress = json.loads((folder / PROGRESS).read_bytes())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint step {step} at {folder} is missing or unreadable: {e}") from None
+        if progress.get("step") != step:
+            raise CheckpointError(f"checkpoint folder {folder} holds step {progress.get('step')}, not {step}")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=folder / "state", no_dist=self.single)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        rng_file = folder / f"rng_rank{self.ctx.rank}.pt"
+        if rng_file.exists():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            log.warning("checkpoint step %d has no RNG state for rank %d; reseeding", step, self.ctx.rank)
+            torch.manual_seed(step * 1_000_003 + self.ctx.rank)
+        log.info("loaded checkpoint step %d from %s (saved by %s ranks)", step, folder, progress.get("world_size"))
+        return progress
+
+    def read_record(self, step: int) -> dict[str, Any] | None:
+        """The step's event record stored with the checkpoint (None if absent)."""
+        try:
+            return json.loads((self.path(step) / PROGRESS).read_bytes()).get("record")
+        except (OSError, ValueError):
+            return None
+
+    # ---- retention ------------------------------------------------------------------------------
+    def prune(self) -> list[int]:
+        """Delete checkpoints outside `keep_last` newest and multiples of `keep_interval` (rank 0 only).
+
+        The newest checkpoint is always kept. Stale `.tmp-*` folders are removed too: they belong to
+        a crashed save (a live save of this trainer is never concurrent with prune).
+        """
+        steps = self.steps()
+        keep = set(steps[-self.keep_last :]) if self.keep_last else set(steps)
+        if steps:
+            keep.add(steps[-1])
+        if self.keep_interval:
+            keep |= {s for s in steps if s % self.keep_interval == 0}
+        deleted = [s for s in steps if s not in keep]
+        for s in deleted:
+            self._retire(self.path(s))
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(".tmp-") and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        if deleted:
+            log.info("pruned checkpoints %s", deleted)
+        return deleted
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""
+        doomed = [s for s in self.steps() if s > step]
+        for s in doomed:
+            self._retire(self.path(s))
+        return doomed
+
+    def _retire(self, folder: Path) -> None:
+        doomed = self.root / f".tmp-delete-{folder.name}-{uuid.uuid4().hex}"
+        os.rename(folder, doomed)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns that it "assumes" a single process when torch.distributed is off: that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- resume plan ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How a starting trainer reconstructs its state. See `plan_resume` for the rules.
+
+    - `trained_step`: the last committed step; training continues with batch `trained_step + 1`.
+    - `checkpoint_step`: load model, optimizer, scheduler and RNG from this checkpoint (None: fresh).
+    - `weights_step`: then overwrite the parameters with these published weights (None: don't).
+    - `republish`: the checkpoint is newer than every published version: publish it before training.
+    - `discard_after`: a rewind: checkpoints and weights newer than this step must be deleted first.
+    """
+
+    trained_step: int
+    checkpoint_step: int | None = None
+    weights_step: int | None = None
+    republish: bool = False
+    discard_after: int | None = None
+
+    @property
+    def exact(self) -> bool:
+        """True when the full training state (incl. optimizer moments) is that of `trained_step`."""
+        return self.weights_step is None
+
+
+def plan_resume(resume_step: int | None, checkpoints: list[int], latest_weights: int | None) -> ResumePlan:
+    """Decide where training resumes from the run's durable state.
+
+    A step `s` is **committed** once its weights version is published or its checkpoint is saved
+    (the trainer saves the checkpoint of `s`, when one is due, *before* publishing weights `s`).
+    The last committed step is `max(newest checkpoint, newest weights)`, and that is what a
+    restarted trainer treats as trained: it acks and skips replayed batches up to it and waits for
+    the next one. Hence every step trains exactly once, whichever instant a crash hits:
+
+    - before the checkpoint/publish of `s`: nothing of `s` is durable, batch `s` is still pending
+      in Redis (acked only after publishing) and is trained again from the state of `s-1`;
+    - between checkpoint `s` and publishing `s`: the checkpoint holds the exact post-step state;
+      weights `s` are published from it (`republish`) and training goes on at `s+1`;
+    - after publishing `s` (before or after the ack): `s` is committed and never trained again.
+
+    The resumed state is bit-exact when the newest checkpoint is the last committed step (always
+    true with `ckpt.interval = 1`). When published weights are newer than the newest checkpoint
+    (sparser checkpoints, or none), the parameters come from those weights (exact) but optimizer
+    moments come from the older checkpoint or start fresh: exactly-once still holds, bit-equality
+    with an uninterrupted run does not.
+
+    `resume_step`: None = automatic (the above; a fresh start when the run has no state yet),
+    -1 = the same but a checkpoint must exist, `s >= 0` = rewind to checkpoint `s` (0 = the base
+    model), abandoning newer checkpoints and weights.
+    """
+    newest_ckpt = checkpoints[-1] if checkpoints else None
+    if resume_step is not None and resume_step >= 0:
+        if resume_step and resume_step not in checkpoints:
+            raise CheckpointError(f"ckpt.resume_step={resume_step}: no such checkpoint (have {checkpoints or 'none'})")
+        newer = (newest_ckpt or 0) > resume_step or (latest_weights or 0) > resume_step
+        return ResumePlan(
+            trained_step=resume_step,
+            checkpoint_step=resume_step or None,
+            republish=bool(resume_step),  # idempotent when weights `s` still exist unchanged
+            discard_after=resume_step if newer else None,
+        )
+    if resume_step == -1 and newest_ckpt is None:
+        raise CheckpointError("ckpt.resume_step=-1: there is no checkpoint to resume from")
+    ckpt, weights = newest_ckpt or 0, latest_weights or 0
+    if ckpt == 0 and weights == 0:
+        return ResumePlan(trained_step=0)
+    if ckpt >= weights:
+        return ResumePlan(trained_step=ckpt, checkpoint_step=ckpt, republish=ckpt > weights)
+    return ResumePlan(trained_step=weights, checkpoint_step=newest_ckpt, weights_step=weights)

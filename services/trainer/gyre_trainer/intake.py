@@ -1,0 +1,162 @@
+"""Batch intake: batch `s` from `gyre:{run}:batches`, strictly in step order, on every rank.
+
+Rank 0 is the only Redis consumer. It reads through the consumer group with `gyre.streams.StepReader`
+(replays of trained steps are acked and skipped, early steps are buffered, a missing step is waited
+for, entries of a dead incarnation are reclaimed with XAUTOCLAIM), loads the payload (inline or from
+the shared volume), validates it, and broadcasts the codec bytes to the other ranks, which decode
+their own share (`batch.for_rank(rank)`).
+
+Why one reader and a broadcast rather than every rank reading the same entry: the exactly-once
+decisions (skip, dead-letter, ack) are then made in exactly one place, from one view of the stream;
+the other ranks need no Redis connection at all; and the ranks cannot disagree about which entry
+is batch `s` (two readers could, e.g. when a duplicate entry of a step is pending). The broadcast
+is a few MB per step over the local interconnect, negligible next to the step itself.
+
+Invariants:
+- `next()` returns batches with consecutive steps `trained + 1, trained + 2, ...` and the same batch
+  on every rank; it returns None on every rank at once when rank 0 decides to stop;
+- an entry is acked only by `commit()`, which the trainer calls after weights `s` are published,
+  so an uncommitted step is still pending in Redis after a crash;
+- an entry that cannot be trained (undecodable, wrong world size, token ids outside the vocabulary,
+  non-finite numbers) goes to the dead-letter stream with the reason, and its step is waited for
+  again (the orchestrator may re-push it); training never stops on bad input.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import redis
+from gyre.batch import TrainBatch
+from gyre.codec import CodecError, decode_batch
+from gyre.streams import BatchStream, StepReader, StreamEntry
+
+from gyre_trainer.dist import DistContext, broadcast_bytes
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "trainer-rank0"  # stable across restarts: a restarted trainer takes over its own pending entries
+_WAIT, _BATCH, _STOP = 0, 1, 2
+T = TypeVar("T")
+
+
+@dataclass
+class IntakeItem:
+    """Batch `step` as delivered to this rank; `entry` is set on rank 0 only (it is what gets acked)."""
+
+    step: int
+    batch: TrainBatch
+    num_bytes: int
+    entry: StreamEntry | None = None
+
+
+class BatchRejected(ValueError):
+    """A decoded batch that this trainer cannot train on; the message is the dead-letter reason."""
+
+
+def check_trainable(batch: TrainBatch, world_size: int, vocab_size: int) -> None:
+    """Raise `BatchRejected` unless this trainer can train `batch` (beyond the codec's schema checks)."""
+    if batch.num_ranks != world_size:
+        raise BatchRejected(f"batch is split for {batch.num_ranks} ranks, but the trainer runs {world_size}")
+    if not any(rank for rank in batch.micro_batches):
+        raise BatchRejected("batch has no micro batches")
+    for r, rank in enumerate(batch.micro_batches):
+        for i, mb in enumerate(rank):
+            where = f"micro_batches[{r}][{i}]"
+            if mb.num_tokens and (int(mb.input_ids.min()) < 0 or int(mb.input_ids.max()) >= vocab_size):
+                raise BatchRejected(f"{where}: token ids outside the model's vocabulary [0, {vocab_size})")
+            for name in ("advantages", "inference_logprobs"):
+                if not np.isfinite(getattr(mb, name)).all():
+                    raise BatchRejected(f"{where}: {name} contains NaN or infinity")
+
+
+class BatchIntake:
+    """Delivers batch after batch to every rank; see the module docstring for the invariants."""
+
+    def __init__(
+        self,
+        ctx: DistContext,
+        stream: BatchStream | None,
+        trained_step: int,
+        *,
+        vocab_size: int,
+        poll_ms: int = 1000,
+        reclaim_every_s: float = 5.0,
+        redis_retry_s: float = 1.0,
+    ):
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.poll_ms = poll_ms
+        self.redis_retry_s = redis_retry_s
+        self.trained_step = trained_step
+        self.rejected = 0
+        self.reader: StepReader | None = None
+        if ctx.is_main:
+            if stream is None:
+                raise ValueError("rank 0 needs the batch stream")
+            # reclaim_idle_ms=0: whatever is pending belongs to a previous incarnation of this trainer
+            self.reader = self._retry(
+                lambda: StepReader(stream, CONSUMER, trained_step, reclaim_idle_ms=0, reclaim_every_s=reclaim_every_s)
+            )
+
+    def next(self, should_stop: Callable[[], bool]) -> IntakeItem | None:
+        """Batch `trained_step + 1` on every rank, or None on every rank when rank 0 stops."""
+        if not self.ctx.is_main:
+            return self._receive()
+        while True:
+            if should_stop():
+                broadcast_bytes(None, self.ctx, (_STOP, 0))
+                return None
+            entry = self._retry(lambda: self.reader.next(block_ms=self.poll_ms))
+            if entry is None:
+                broadcast_bytes(None, self.ctx, (_WAIT, 0))  # heartbeat: the other ranks keep waiting
+                continue
+            try:
+                payload = entry.load_payload()
+                batch = decode_batch(payload)
+                if batch.step != entry.step:
+                    raise BatchRejected(f"entry says step {entry.step}, its batch says step {batch.step}")
+                check_trainable(batch, self.ctx.world_size, self.vocab_size)
+            except (CodecError, BatchRejected) as e:
+                self.rejected += 1
+                self._retry(lambda entry=entry, reason=str(e): self.reader.reject(entry, reason))
+                log.error("batch entry %s rejected: %s; waiting for step %d again", entry.id, e, entry.step)
+                broadcast_bytes(None, self.ctx, (_WAIT, 0))
+                continue
+            broadcast_bytes(payload, self.ctx, (_BATCH, batch.step))
+            return IntakeItem(step=batch.step, batch=batch, num_bytes=len(payload), entry=entry)
+
+    def commit(self, item: IntakeItem) -> None:
+        """Step `item.step` is durably published: ack its entry (rank 0) and move on to the next step."""
+        if self.ctx.is_main:
+            self._retry(lambda: self.reader.done(item.entry))
+        self.trained_step = item.step
+
+    def _receive(self) -> IntakeItem | None:
+        while True:
+            kind, step, data = broadcast_bytes(None, self.ctx)
+            if kind == _STOP:
+                return None
+            if kind == _BATCH:
+                # rank 0 validated these exact bytes; decoding them cannot fail differently here
+                return IntakeItem(step=step, batch=decode_batch(data), num_bytes=len(data))
+
+    def _retry(self, op: Callable[[], T]) -> T:
+        """Run a Redis operation until Redis answers: an outage delays training, never kills it.
+
+        Safe because every operation used here is idempotent or re-derivable (a reclaim re-reads
+        pending entries; an ack repeated after an unknown outcome is a no-op).
+        """
+        delay = self.redis_retry_s
+        while True:
+            try:
+                return op()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("redis unavailable (%s); retrying in %.1fs", e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)

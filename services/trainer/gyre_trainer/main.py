@@ -1,0 +1,38 @@
+"""`gyre trainer`: train on batches from Redis, publish weights, notify the orchestrator.
+
+gyre trainer @ exp.toml#trainer                      # one process
+torchrun --nproc-per-node 2 -m gyre_trainer.main @ exp.toml#trainer   # FSDP2 (gloo on CPU)
+gyre trainer @ exp.toml#trainer --bench              # tokens/s and MFU on fake data, then exit
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from gyre.config import parse_or_exit
+from gyre.config.trainer import TrainerConfig
+from gyre.logging import setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = parse_or_exit(TrainerConfig, argv, "gyre trainer")
+    if cfg.bench:
+        from gyre_trainer import bench
+
+        return bench.main([a for a in argv if a not in ("--bench", "--bench=true")])
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(cfg.log.level, cfg.log.file, "trainer" if rank == 0 else f"trainer-rank{rank}")
+    from gyre_trainer.service import run  # torch is imported only now, after the config is known to be valid
+
+    try:
+        return run(cfg)
+    except Exception:
+        logging.getLogger("gyre_trainer").exception("trainer failed")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

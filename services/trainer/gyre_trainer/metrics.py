@@ -1,0 +1,90 @@
+"""Prometheus metrics of the trainer (`gyre_trainer_*`), served by rank 0 on `metrics.port`.
+
+Gauges hold the last step's values; throughput is the `gyre_trainer_tokens_total` counter that
+dashboards `rate()`; MFU is a 0..1 ratio per rank (rank 0 gathers the other ranks' values, so one
+scrape target covers a whole torchrun job). Every series carries the `run_id` label so that
+dashboards can template by experiment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from gyre import metrics as m
+from prometheus_client import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9101
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
+PUBLISH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class TrainerMetrics:
+    """The trainer's metrics in their own registry (so tests can run several trainers in one process)."""
+
+    def __init__(self, run_id: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.run_id = run_id
+        r, label = self.registry, ("run_id",)
+
+        def gauge(name: str, doc: str):
+            return m.gauge(name, doc, label, registry=r).labels(run_id)
+
+        def counter(name: str, doc: str):
+            return m.counter(name, doc, label, registry=r).labels(run_id)
+
+        def histogram(name: str, doc: str, buckets):
+            return m.histogram(name, doc, label, registry=r, buckets=buckets).labels(run_id)
+
+        self.step = gauge("gyre_trainer_step", "Last trained and published step.")
+        self.loss = gauge("gyre_trainer_loss", "Loss of the last step.")
+        self.entropy = gauge("gyre_trainer_entropy", "Mean token entropy of the policy in the last step (nats).")
+        self.mismatch_kl = gauge("gyre_trainer_mismatch_kl", "KL between trainer and inference log-probs, last step.")
+        self.grad_norm = gauge("gyre_trainer_grad_norm", "Gradient norm before clipping, last step.")
+        self.lr = gauge("gyre_trainer_lr", "Learning rate of the last step.")
+        self.last_step_timestamp = gauge(
+            "gyre_trainer_last_step_timestamp_seconds", "Unix time the last step was published."
+        )
+        self.tokens = counter("gyre_trainer_tokens_total", "Tokens trained on (all ranks).")
+        self.rejected = counter("gyre_trainer_rejected_batches_total", "Batch entries sent to the dead-letter stream.")
+        self._mfu = m.gauge(
+            "gyre_trainer_mfu_ratio", "Model FLOPs utilisation (0..1) of the last step.", ("run_id", "rank"), registry=r
+        )
+        self.step_duration = histogram(
+            "gyre_trainer_step_duration_seconds", "Wall time of one training step.", STEP_BUCKETS
+        )
+        self.publish_duration = histogram(
+            "gyre_trainer_weight_publish_seconds", "Wall time to gather, write and publish one weights version.",
+            PUBLISH_BUCKETS,
+        )  # fmt: skip
+        self.checkpoint_duration = histogram(
+            "gyre_trainer_checkpoint_seconds", "Wall time to save one checkpoint.", PUBLISH_BUCKETS
+        )
+
+    def observe_step(self, record: dict[str, Any], mfu_per_rank: list[float]) -> None:
+        """Update everything from one step's event record (see docs/architecture.md, Event logs)."""
+        self.step.set(record["step"])
+        for gauge, key in (
+            (self.loss, "loss"),
+            (self.entropy, "entropy"),
+            (self.mismatch_kl, "mismatch_kl"),
+            (self.grad_norm, "grad_norm"),
+            (self.lr, "lr"),
+        ):
+            if record.get(key) is not None:
+                gauge.set(record[key])
+        self.tokens.inc(record["num_tokens"])
+        self.step_duration.observe(record["step_seconds"])
+        for rank, mfu in enumerate(mfu_per_rank):
+            self._mfu.labels(self.run_id, str(rank)).set(mfu)
+        self.last_step_timestamp.set(record.get("time", time.time()))
+
+
+def serve(metrics: TrainerMetrics, port: int | None, host: str) -> tuple[Any, int]:
+    """Start /metrics on `port` (unset: 9101; 0: a free port); returns (server, actual port), logged."""
+    server, actual = m.start_metrics_server(DEFAULT_PORT if port is None else port, metrics.registry, host=host)
+    log.info("metrics on http://%s:%d/metrics", host, actual)
+    return server, actual

@@ -1,0 +1,245 @@
+"""Weights out: servable HF folders on the shared volume, and NotifyWeights to the orchestrator.
+
+`write_hf_folder` writes what `AutoModelForCausalLM.from_pretrained` and vLLM load:
+`model.safetensors`, `config.json`, plus the tokenizer / chat template / generation config files
+copied from the base model folder. `WeightPublisher` puts such a folder under `weights/step_{s}`
+through `gyre.weights.WeightStore` (atomic, with MANIFEST.json and its digest) together with
+`gyre_step.json`, the step's event record, so that the record is committed atomically with the
+weights (a trainer killed between publishing and logging can log the step after restart).
+
+`WeightsNotifier` tells the orchestrator about each published version from a background thread:
+every call has a deadline, failures are retried with capped exponential backoff, and an older
+version whose notification keeps failing is dropped once a newer one is waiting (the orchestrator
+only needs the newest, and it discovers published versions on its own start). Nothing here ever
+raises into, or blocks, the training loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from gyre.weights import PublishedWeights, WeightStore
+
+log = logging.getLogger(__name__)
+
+STEP_RECORD = "gyre_step.json"
+WEIGHTS_FILE = "model.safetensors"
+# Files of a model folder that describe how to tokenize/generate, not the weights: copied verbatim.
+_COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def servable_tensors(state_dict: dict[str, Any], config) -> dict[str, Any]:
+    """Contiguous CPU tensors HF would save: a tied `lm_head.weight` is left out (it is the embedding)."""
+    tensors = {}
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    return tensors
+
+
+def write_hf_folder(folder: Path, state_dict: dict[str, Any], config, base_model: Path | str) -> None:
+    """Write a complete HF model folder (weights, config, tokenizer files of `base_model`) into `folder`."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(servable_tensors(state_dict, config), folder / WEIGHTS_FILE, metadata={"format": "pt"})
+    config.to_json_file(folder / "config.json")
+    copy_tokenizer_files(base_model, folder)
+    for file in folder.iterdir():
+        # inference pods may run as another user of the volume's group: never leave 0600 files behind
+        file.chmod(0o644)
+
+
+def copy_tokenizer_files(base_model: Path | str, folder: Path) -> list[str]:
+    """Copy tokenizer/generation files of `base_model` into `folder`; a hub id is resolved by transformers."""
+    base = Path(base_model)
+    if base.is_dir():
+        copied = [name for name in _COPIED_FILES if (base / name).is_file()]
+        for name in copied:
+            shutil.copyfile(base / name, folder / name)
+        if "tokenizer_config.json" not in copied and "tokenizer.json" not in copied:
+            raise FileNotFoundError(f"{base} has no tokenizer files; published weights would not be servable")
+        return copied
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(base_model)).save_pretrained(folder)
+    return sorted(p.name for p in folder.iterdir())
+
+
+class WeightPublisher:
+    """Publish `weights/step_{s}` (rank 0 only) and prune versions nobody needs any more."""
+
+    def __init__(self, store: WeightStore, base_model: Path | str, keep_last: int):
+        self.store = store
+        self.base_model = base_model
+        self.keep_last = keep_last
+
+    def publish(self, step: int, state_dict: dict[str, Any], config, record: dict[str, Any]) -> PublishedWeights:
+        def write(folder: Path) -> None:
+            write_hf_folder(folder, state_dict, config, self.base_model)
+            (folder / STEP_RECORD).write_text(json.dumps(record, sort_keys=True))
+            (folder / STEP_RECORD).chmod(0o644)
+
+        return self.store.publish(step, write)
+
+    def read_record(self, step: int) -> dict[str, Any] | None:
+        """The event record published with version `step` (None when missing)."""
+        try:
+            return json.loads((self.store.path(step) / STEP_RECORD).read_bytes())
+        except (OSError, ValueError):
+            return None
+
+    def prune(self) -> list[int]:
+        """Keep the newest `keep_last` versions and every version a holder declared in use."""
+        try:
+            return self.store.prune(self.keep_last)
+        except OSError as e:  # retention is housekeeping: a volume hiccup must not stop training
+            log.warning("pruning weights failed (will retry next step): %s", e)
+            return []
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete versions newer than `step` (a rewound run abandons them)."""
+        doomed = [s for s in self.store.steps() if s > step]
+        for s in doomed:
+            # hide it first (rename), so no reader ever sees a half-deleted version that still has a manifest
+            hidden = self.store.root / f".tmp-delete-step_{s}-{uuid.uuid4().hex}"
+            os.rename(self.store.path(s), hidden)
+            shutil.rmtree(hidden, ignore_errors=True)
+        return doomed
+
+
+class WeightsNotifier:
+    """Calls `gyre.v1.Orchestrator/NotifyWeights` for published versions from a daemon thread.
+
+    Invariants: `notify()` never blocks or raises; versions are sent in publish order; a version is
+    retried until the orchestrator accepts it or a newer version is queued; `delivered` lists the
+    steps the orchestrator acknowledged (for tests and metrics).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 10.0,
+        control_token: str | None = None,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 30.0,
+    ):
+        import grpc
+        from gyre.v1 import orchestrator_pb2_grpc
+
+        self.address = address
+        self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {control_token}"),) if control_token else ()
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.delivered: list[int] = []
+        self.failures = 0
+        self._queue: collections.deque[PublishedWeights] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self._channel = grpc.insecure_channel(address)
+        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        self._thread = threading.Thread(target=self._run, name="notify-weights", daemon=True)
+        self._thread.start()
+
+    def notify(self, published: PublishedWeights) -> None:
+        with self._cond:
+            self._queue.append(published)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until everything queued was delivered or dropped; True if so."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Give queued notifications `timeout` seconds, then stop the thread and the channel."""
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1.0)
+        self._channel.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                self._deliver(item)
+            except Exception:  # a bug here must not kill the thread silently nor reach the trainer
+                log.exception("NotifyWeights step %d: unexpected error; dropping it", item.step)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _deliver(self, item: PublishedWeights) -> None:
+        import grpc
+        from gyre.v1 import orchestrator_pb2
+
+        request = orchestrator_pb2.NotifyWeightsRequest(step=item.step, path=str(item.path), digest=item.digest)
+        delay = self.retry_initial_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                reply = self._stub.NotifyWeights(request, timeout=self.timeout_s, metadata=self.metadata)
+                self.delivered.append(item.step)
+                log.info(
+                    "orchestrator %s notified of weights step %d (accepted=%s, its latest %d)",
+                    self.address, item.step, reply.accepted, reply.latest_step,
+                )  # fmt: skip
+                return
+            except grpc.RpcError as e:
+                self.failures += 1
+                code = e.code() if hasattr(e, "code") else None
+                log.warning(
+                    "NotifyWeights step %d to %s failed (attempt %d, %s); retrying in %.1fs",
+                    item.step, self.address, attempt, code, delay,
+                )  # fmt: skip
+            with self._cond:
+                if self._queue:
+                    log.warning("dropping notification of step %d: step %d is newer", item.step, self._queue[-1].step)
+                    return
+                # jitter: many trainers (or restarts) must not hammer a recovering orchestrator in phase
+                self._cond.wait_for(lambda: self._closed or bool(self._queue), timeout=delay * random.uniform(0.8, 1.2))
+                if self._closed:
+                    return
+            delay = min(delay * 2, self.retry_max_s)

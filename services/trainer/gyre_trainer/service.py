@@ -1,0 +1,319 @@
+"""The RL trainer loop: batch `s` in, one optimizer step, weights `s` out, orchestrator notified.
+
+Per step, in this order (the order is what makes every step train exactly once, see
+`gyre_trainer.checkpoint.plan_resume` for the crash analysis):
+
+    1. batch s      rank 0 reads it from Redis (consumer group, strict order), all ranks get it
+    2. train        one optimizer step (gyre_trainer.step.train_step) on this rank's micro batches
+    3. checkpoint   when s % ckpt.interval == 0: model, optimizer, scheduler, RNG, progress (atomic)
+    4. publish      full state dict gathered on rank 0, weights/step_s written atomically  <- commit
+    5. log          one line in events/trainer_steps.jsonl, metrics, gRPC status
+    6. ack          the Redis entry of batch s
+    7. notify       Orchestrator/NotifyWeights(s) from a background thread (never blocks, never raises)
+
+On start the trainer resumes from the run's own durable state (checkpoints and published weights)
+and re-logs / re-publishes whatever a crash left half done, then continues with batch `s + 1`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gyre.config.trainer import TrainerConfig
+from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
+from gyre.weights import WeightStore
+
+from gyre_trainer import dist
+from gyre_trainer.checkpoint import CheckpointManager, ResumePlan, plan_resume
+from gyre_trainer.intake import BatchIntake, IntakeItem
+from gyre_trainer.metrics import TrainerMetrics, serve
+from gyre_trainer.publish import WEIGHTS_FILE, WeightPublisher, WeightsNotifier
+from gyre_trainer.server import TrainerServer, TrainerStatus
+
+log = logging.getLogger(__name__)
+
+# Fault injection for the crash-consistency tests: "after_publish:3,after_train:5" makes rank 0
+# SIGKILL itself at that point of that step (points: after_train, after_checkpoint, after_publish,
+# after_log, after_ack). Unset in production; reading one env var per step costs nothing.
+CRASH_ENV = "GYRE_TRAINER_CRASH_AT"
+
+
+def crash_point(name: str, step: int, ctx: dist.DistContext) -> None:
+    spec = os.environ.get(CRASH_ENV)
+    if spec and ctx.is_main and f"{name}:{step}" in spec.split(","):
+        log.warning("fault injection: SIGKILL at %s of step %d", name, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Trainer:
+    """Owns the model, optimizer, intake, publisher and servers of one trainer process (one rank)."""
+
+    def __init__(self, cfg: TrainerConfig, ctx: dist.DistContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.stop_requested = threading.Event()
+        self.output_dir = Path(cfg.output_dir)
+        self.store = WeightStore(self.output_dir / "weights")
+        self.publisher = WeightPublisher(self.store, cfg.model.name, cfg.weights_keep_last)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints" / "trainer", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
+        )
+        self.status = TrainerStatus(world_size=ctx.world_size)
+        self.metrics = TrainerMetrics(cfg.run_id)
+        self.server: TrainerServer | None = None
+        self.metrics_server = None
+        self.notifier: WeightsNotifier | None = None
+        self.events: EventLog | None = None
+        self.metrics_port: int | None = None
+        self.grpc_port: int | None = None
+        self._rejected_seen = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            self._start_servers()
+            self._build()
+            plan = self._resume()
+            self.intake = self._open_intake(plan.trained_step)
+            if self.server:
+                self.server.set_serving(True)
+            self._loop()
+            return 0
+        finally:
+            self._close()
+
+    def _start_servers(self) -> None:
+        if not self.ctx.is_main:
+            return
+        self.metrics_server, self.metrics_port = serve(self.metrics, self.cfg.metrics.port, self.cfg.server.host)
+        self.server = TrainerServer(self.status, self.cfg.server.host, self.cfg.server.port)
+        self.grpc_port = self.server.start()
+        self.events = EventLog(events_dir(self.output_dir) / TRAINER_STEPS)
+        o = self.cfg.orchestrator
+        self.notifier = WeightsNotifier(
+            o.address,
+            timeout_s=o.timeout_s,
+            control_token=o.control_token,
+            retry_initial_s=o.retry_initial_s,
+            retry_max_s=o.retry_max_s,
+        )
+
+    def _build(self) -> None:
+        from gyre_trainer.model import load_model, resolve_dtype
+        from gyre_trainer.optim import build_optimizer, build_scheduler
+        from gyre_trainer.perf import peak_flops
+
+        cfg, ctx = self.cfg, self.ctx
+        dist.seed_everything(cfg.seed, cfg.deterministic)
+        self.dtype = resolve_dtype(cfg.model.dtype, ctx.device)
+        model = load_model(cfg.model, ctx.device, self.dtype, activation_checkpointing=cfg.activation_checkpointing)
+        self.hf_config = model.config
+        self.model = dist.shard_model(model, ctx)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.max_steps)
+        self.ref_model = None
+        if cfg.loss.ref_kl_coef > 0:  # frozen copy of the base model for the k3 KL term
+            ref = load_model(cfg.model, ctx.device, self.dtype).eval().requires_grad_(False)
+            self.ref_model = dist.shard_model(ref, ctx)
+        self.peak_flops = peak_flops(ctx.device, self.dtype)
+
+    def _close(self) -> None:
+        if self.notifier:
+            self.notifier.close(timeout=2.0)
+        if self.server:
+            self.server.stop(grace=1.0)
+        if self.metrics_server:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+        if self.events:
+            self.events.close()
+
+    # ---- resume ---------------------------------------------------------------------------------
+    def _resume(self) -> ResumePlan:
+        """Reconstruct the state of the last committed step (rank 0 plans, every rank loads)."""
+        plan = None
+        if self.ctx.is_main:
+            plan = plan_resume(self.cfg.ckpt.resume_step, self.checkpoints.steps(), self.store.latest())
+            if plan.discard_after is not None:
+                dropped_ckpt = self.checkpoints.discard_after(plan.discard_after)
+                dropped_weights = self.publisher.discard_after(plan.discard_after)
+                log.warning(
+                    "rewinding to step %d: discarded checkpoints %s and weights %s",
+                    plan.discard_after, dropped_ckpt, dropped_weights,
+                )  # fmt: skip
+        plan = dist.broadcast_object(plan, self.ctx)
+        if plan.checkpoint_step is not None:
+            self.checkpoints.load(plan.checkpoint_step, self.model, self.optimizer, self.scheduler)
+        if plan.weights_step is not None:
+            self._load_published_weights(plan)
+        if plan.republish:  # the checkpoint is newer than every published version: commit it now
+            record = self.checkpoints.read_record(plan.trained_step) or {"step": plan.trained_step}
+            self._publish(plan.trained_step, record)
+        if self.ctx.is_main and plan.trained_step > 0:
+            self._log_if_missing(plan.trained_step)
+            if not plan.republish:  # the previous run may have died before its notification went out
+                self.notifier.notify(self._published(plan.trained_step))
+        self.status.step = plan.trained_step
+        self.metrics.step.set(plan.trained_step)
+        log.info("resuming after step %d (%s)", plan.trained_step, plan)
+        return plan
+
+    def _load_published_weights(self, plan: ResumePlan) -> None:
+        from safetensors.torch import load_file
+
+        path = self.store.path(plan.weights_step) / WEIGHTS_FILE
+        dist.load_full_state_dict(self.model, load_file(path))
+        # the schedule is a function of the number of updates: catch up the steps the checkpoint lacks
+        for _ in range(plan.weights_step - (plan.checkpoint_step or 0)):
+            self.scheduler.step()
+        log.warning(
+            "parameters restored from published weights step %d, optimizer state from %s: resumed state is not "
+            "bit-exact (set ckpt.interval=1 for exact resumes)",
+            plan.weights_step, f"checkpoint {plan.checkpoint_step}" if plan.checkpoint_step else "scratch",
+        )  # fmt: skip
+
+    def _log_if_missing(self, step: int) -> None:
+        """A crash between publishing and logging step `s` leaves it unlogged: log it from the sidecar."""
+        if any(r.get("step") == step for r in read_events(self.events.path)):
+            return
+        record = self.publisher.read_record(step) or self.checkpoints.read_record(step)
+        if record is not None:
+            self.events.append(record)
+            log.info("logged step %d from its published record (the previous run died before logging it)", step)
+
+    def _published(self, step: int):
+        from gyre.weights import PublishedWeights
+
+        return PublishedWeights(step, self.store.path(step), self.store.digest(step))
+
+    def _open_intake(self, trained_step: int) -> BatchIntake:
+        stream = None
+        if self.ctx.is_main:
+            import redis
+            from gyre.streams import BatchStream
+
+            client = redis.Redis.from_url(self.cfg.redis.url, socket_timeout=30, socket_connect_timeout=5)
+            stream = BatchStream(client, self.cfg.run_id)
+        return BatchIntake(
+            self.ctx, stream, trained_step, vocab_size=self.hf_config.vocab_size, poll_ms=self.cfg.intake.poll_ms
+        )
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        cfg, main = self.cfg, self.ctx.is_main
+        while cfg.max_steps is None or self.intake.trained_step < cfg.max_steps:
+            item = self.intake.next(self.stop_requested.is_set)
+            if item is None:
+                log.info("stop requested: leaving after step %d", self.intake.trained_step)
+                return
+            record, mfu_per_rank = self._train(item)
+            crash_point("after_train", item.step, self.ctx)
+            if cfg.ckpt.interval and item.step % cfg.ckpt.interval == 0:
+                start = time.perf_counter()
+                self.checkpoints.save(item.step, self.model, self.optimizer, self.scheduler, record)
+                self.metrics.checkpoint_duration.observe(time.perf_counter() - start)
+                crash_point("after_checkpoint", item.step, self.ctx)
+            self._publish(item.step, record)
+            if main:
+                self.events.append(record)
+                self.metrics.observe_step(record, mfu_per_rank)
+                self.metrics.rejected.inc(self.intake.rejected - self._rejected_seen)
+                self._rejected_seen = self.intake.rejected
+                self.status.update(item.step, record["num_tokens"])
+                crash_point("after_log", item.step, self.ctx)
+            self.intake.commit(item)
+            crash_point("after_ack", item.step, self.ctx)
+            if main:
+                self.publisher.prune()
+        log.info("reached max_steps=%d", cfg.max_steps)
+
+    def _train(self, item: IntakeItem) -> tuple[dict[str, Any], list[float]]:
+        """One optimizer step; returns the step's event record and every rank's MFU."""
+        from gyre_trainer.perf import MFUMeter, effective_seq_len, flops_per_token
+        from gyre_trainer.step import train_step
+
+        cfg, ctx = self.cfg, self.ctx
+        start = time.perf_counter()
+        result = train_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            item.batch,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            loss_cfg=cfg.loss,
+            micro_batch_size=cfg.data.micro_batch_size,
+            ref_model=self.ref_model,
+            max_grad_norm=cfg.optim.max_grad_norm,
+        )
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        seconds = time.perf_counter() - start
+        lengths = [int(n) for mb in item.batch.for_rank(ctx.rank) for n in mb.sample_lengths]
+        meter = MFUMeter(flops_per_token(self.hf_config, effective_seq_len(lengths)), self.peak_flops)
+        mfu_per_rank = [v[0] for v in dist.gather_floats([meter.reading(sum(lengths), seconds).mfu], ctx)]
+        return step_record(item, result.metrics, seconds, sum(mfu_per_rank) / len(mfu_per_rank)), mfu_per_rank
+
+    def _publish(self, step: int, record: dict[str, Any]) -> None:
+        """Gather the full weights (every rank), publish them and queue the notification (rank 0).
+
+        Publishing is the commit point of a step: from here on, a restarted trainer treats it as trained.
+        """
+        start = time.perf_counter()
+        state_dict = dist.full_state_dict(self.model, self.ctx)
+        if not self.ctx.is_main:
+            return
+        published = self.publisher.publish(step, state_dict, self.hf_config, record)
+        self.metrics.publish_duration.observe(time.perf_counter() - start)
+        crash_point("after_publish", step, self.ctx)
+        self.notifier.notify(published)
+
+
+def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu: float) -> dict[str, Any]:
+    """The `trainer_steps.jsonl` line of a step (docs/architecture.md, Event logs) plus a few extras."""
+    versions = [(s.get("min_version"), s.get("max_version")) for s in item.batch.samples]
+    mins = [v for v, _ in versions if isinstance(v, int)]
+    maxs = [v for _, v in versions if isinstance(v, int)]
+    record = {
+        "step": item.step,
+        "loss": metrics.get("loss"),
+        "entropy": metrics.get("entropy"),
+        "mismatch_kl": metrics.get("mismatch_kl"),
+        "grad_norm": metrics.get("grad_norm"),
+        "lr": metrics.get("lr"),
+        "num_tokens": int(metrics.get("num_tokens", item.batch.num_tokens)),
+        "num_samples": item.batch.num_samples,
+        "step_seconds": seconds,
+        "mfu": mfu,
+        "min_version": min(mins) if mins else None,
+        "max_version": max(maxs) if maxs else None,
+        "time": time.time(),
+    }
+    extras = ("num_loss_tokens", "clip_frac", "masked_frac", "ref_kl", "skipped")
+    record.update({k: metrics[k] for k in extras if k in metrics})
+    return record
+
+
+def run(cfg: TrainerConfig) -> int:
+    """Run the trainer until `max_steps` or SIGTERM/SIGINT (which finish the current step first)."""
+    ctx = dist.init_distributed(cfg.device)
+    trainer = Trainer(cfg, ctx)
+
+    def request_stop(signum, _frame) -> None:
+        log.info("signal %d: finishing the current step, then stopping", signum)
+        trainer.stop_requested.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    try:
+        return trainer.run()
+    finally:
+        dist.shutdown(ctx)

@@ -1,0 +1,143 @@
+"""Helpers for the trainer service tests: synthetic batches, a trainer subprocess, weight comparison.
+
+Batches are built directly as `TrainBatch` objects (random tokens, a prompt part outside the loss
+and a completion part inside it) and pushed with the real `BatchStream`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from gyre.batch import MicroBatch, TrainBatch
+from gyre.codec import encode_batch
+from gyre.events import TRAINER_STEPS, read_events
+from gyre.streams import BatchStream
+
+REPO = Path(__file__).resolve().parents[3]
+PYTHON = sys.executable
+
+
+def make_samples(step: int, num_samples: int = 4, vocab: int = 1024, seed: int = 0) -> list[dict]:
+    """`num_samples` samples of varying length for `step` (deterministic in (step, seed))."""
+    rng = np.random.default_rng(seed * 10_007 + step)
+    samples = []
+    for i in range(num_samples):
+        prompt, completion = int(rng.integers(3, 8)), int(rng.integers(4, 12))
+        n = prompt + completion
+        samples.append(
+            {
+                "input_ids": rng.integers(3, vocab, n),
+                "loss_mask": np.arange(n) >= prompt,
+                "advantages": np.full(n, 1.0 if i % 2 == 0 else -1.0),
+                "inference_logprobs": np.where(np.arange(n) >= prompt, -rng.uniform(4.0, 9.0, n), 0.0),
+                "sample_index": i,
+            }
+        )
+    return samples
+
+
+def make_batch(step: int, *, ranks: int = 1, rows_per_rank: int = 2, num_samples: int = 4, seed: int = 0) -> TrainBatch:
+    """Batch `step`: the samples dealt round-robin into `ranks * rows_per_rank` packed rows.
+
+    The same (step, num_samples, seed) gives the same samples whatever `ranks` is, so a 2-rank
+    batch and a 1-rank batch hold the same data (what the FSDP2-vs-single-process test needs).
+    """
+    samples = make_samples(step, num_samples, seed=seed)
+    rows = ranks * rows_per_rank
+    packed = [MicroBatch.from_samples(samples[r::rows]) for r in range(rows)]
+    if ranks == 1:
+        micro_batches = [packed]
+    else:
+        micro_batches = [packed[r * rows_per_rank : (r + 1) * rows_per_rank] for r in range(ranks)]
+    meta = [{"min_version": max(step - 2, 0), "max_version": step - 1} for _ in samples]
+    return TrainBatch(
+        step=step,
+        micro_batches=micro_batches,
+        samples=meta,
+        num_loss_tokens=int(sum(np.count_nonzero(s["loss_mask"]) for s in samples)),
+        num_samples=len(samples),
+        created=1.0,
+    ).validate()
+
+
+def push_batches(stream: BatchStream, steps, **kwargs) -> None:
+    for step in steps:
+        stream.push(step, encode_batch(make_batch(step, **kwargs)))
+
+
+def trainer_args(model_dir: Path, output_dir: Path, redis_url: str, run_id: str, max_steps: int, **extra) -> list[str]:
+    """argv of `gyre trainer` for a tiny deterministic CPU run on free ports."""
+    opts = {
+        "model.name": str(model_dir),
+        "output-dir": str(output_dir),
+        "redis.url": redis_url,
+        "run-id": run_id,
+        "max-steps": max_steps,
+        "device": "cpu",
+        "deterministic": "true",
+        "optim.lr": 1e-3,
+        "metrics.port": 0,
+        "server.port": 0,
+        "intake.poll-ms": 200,
+        "orchestrator.address": "127.0.0.1:9",  # nothing listens: notifications fail quietly
+        "orchestrator.timeout-s": 0.5,
+        **extra,
+    }
+    argv = []
+    for key, value in opts.items():
+        argv += [f"--{key}", str(value)]
+    return argv
+
+
+def child_env(threads: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env.pop("GYRE_TRAINER_CRASH_AT", None)
+    return env
+
+
+def start_trainer(argv: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
+    """`python -m gyre_trainer.main argv` in its own process group, logging to `log_path`."""
+    log = open(log_path, "ab")  # noqa: SIM115 - closed when the process is reaped by the caller
+    return subprocess.Popen(
+        [PYTHON, "-m", "gyre_trainer.main", *argv],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env or child_env(),
+        cwd=REPO,
+        start_new_session=True,
+    )
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    proc.wait(timeout=30)
+
+
+def wait_for_steps(output_dir: Path, n: int, proc: subprocess.Popen | None = None, timeout: float = 120) -> list[int]:
+    """Wait until the trained-steps log has `n` lines (or the process exits); returns the steps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = trained_steps(output_dir)
+        if len(steps) >= n or (proc is not None and proc.poll() is not None):
+            return steps
+        time.sleep(0.05)
+    raise TimeoutError(f"only {trained_steps(output_dir)} trained after {timeout}s")
+
+
+def trained_steps(output_dir: Path) -> list[int]:
+    return [r["step"] for r in read_events(Path(output_dir) / "events" / TRAINER_STEPS)]
+
+
+def load_weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(Path(folder) / "model.safetensors")

@@ -1,0 +1,93 @@
+"""CheckpointManager: exact save/load round trips, atomic folders, retention, clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gyre.config.shared import ModelConfig
+from gyre.config.trainer import OptimConfig
+from gyre_trainer.checkpoint import CheckpointError, CheckpointManager
+from gyre_trainer.model import load_model
+from gyre_trainer.optim import build_optimizer, build_scheduler
+
+
+def build(model_dir, seed=0):
+    torch.manual_seed(seed)
+    model = load_model(ModelConfig(name=str(model_dir)), "cpu", torch.float32)
+    cfg = OptimConfig(lr=1e-2, warmup_steps=3)
+    optimizer = build_optimizer(model, cfg)
+    return model, optimizer, build_scheduler(optimizer, cfg, max_steps=None)
+
+
+def train(model, optimizer, scheduler, step):
+    """One deterministic update that depends on the step (so every step moves the weights differently)."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(3, 1000, (2, 12), generator=g)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_save_load_resumes_bit_exactly(tiny_model_dir, ctx, tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt", ctx)
+    model, opt, sched = build(tiny_model_dir)
+    for step in (1, 2):
+        train(model, opt, sched, step)
+    manager.save(2, model, opt, sched, record={"step": 2, "loss": 1.5})
+    expected_noise = torch.rand(3)  # RNG state right after the save
+    train(model, opt, sched, 3)
+    expected = params(model)
+
+    model2, opt2, sched2 = build(tiny_model_dir, seed=123)  # different RNG, untrained optimizer
+    progress = manager.load(2, model2, opt2, sched2)
+    assert progress["step"] == 2 and progress["record"] == {"step": 2, "loss": 1.5}
+    assert manager.read_record(2) == {"step": 2, "loss": 1.5}
+    assert torch.equal(torch.rand(3), expected_noise)
+    assert sched2.last_epoch == 2 and opt2.param_groups[0]["lr"] == pytest.approx(1e-2)  # warmup 3/3 next
+    train(model2, opt2, sched2, 3)
+    got = params(model2)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_folder_appears_complete_and_leftovers_are_ignored(tiny_model_dir, ctx, tmp_path):
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, ctx)
+    model, opt, sched = build(tiny_model_dir)
+    train(model, opt, sched, 1)
+    # a save killed half way (no progress.json, still under .tmp-) and a step folder without progress
+    (root / ".tmp-step_7" / "state").mkdir(parents=True)
+    (root / "step_9").mkdir()
+    assert manager.steps() == [] and manager.latest() is None
+    path = manager.save(1, model, opt, sched)
+    assert path == root / "step_1"
+    assert sorted(p.name for p in path.iterdir()) == ["progress.json", "rng_rank0.pt", "scheduler.pt", "state"]
+    assert oct(os.stat(path / "progress.json").st_mode & 0o777) == "0o644"
+    assert manager.steps() == [1]
+    assert not (root / ".tmp-step_7").exists()  # cleaned by the next save's prune
+
+
+def test_retention_keeps_last_and_intervals(tiny_model_dir, ctx, tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt", ctx, keep_last=2, keep_interval=3)
+    model, opt, sched = build(tiny_model_dir)
+    train(model, opt, sched, 1)
+    for step in range(1, 8):
+        manager.save(step, model, opt, sched)
+    assert manager.steps() == [3, 6, 7]
+    assert manager.discard_after(4) == [6, 7]
+    assert manager.steps() == [3]
+
+
+def test_missing_checkpoint_is_a_clear_error(tiny_model_dir, ctx, tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt", ctx)
+    model, opt, sched = build(tiny_model_dir)
+    with pytest.raises(CheckpointError, match="checkpoint step 5"):
+        manager.load(5, model, opt, sched)

@@ -1,0 +1,106 @@
+"""BatchIntake on a real Redis: strict order, dead letters, ack only on commit, restart takeover."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gyre.batch import MicroBatch, TrainBatch
+from gyre.codec import encode_batch
+from gyre.streams import BatchStream
+from gyre_trainer.intake import BatchIntake, BatchRejected, check_trainable
+
+
+def batch(step: int, *, ranks: int = 1, token: int = 7, advantage: float = 1.0) -> TrainBatch:
+    sample = {
+        "input_ids": [3, 4, token, token],
+        "loss_mask": [False, False, True, True],
+        "advantages": [advantage] * 4,
+        "inference_logprobs": [0.0, 0.0, -1.0, -2.0],
+        "sample_index": 0,
+    }
+    mbs = [[MicroBatch.from_samples([sample])] for _ in range(ranks)]
+    return TrainBatch(step=step, micro_batches=mbs, samples=[{}], num_loss_tokens=2 * ranks, num_samples=ranks)
+
+
+@pytest.fixture
+def stream(redis_url, unique_run_id):
+    s = BatchStream(redis_url, unique_run_id)
+    yield s
+    s.redis.delete(s.key, s.dead_key)
+    s.redis.close()
+
+
+def intake(ctx, stream, trained=0):
+    return BatchIntake(ctx, stream, trained, vocab_size=1024, poll_ms=50, reclaim_every_s=0.2)
+
+
+def never():
+    return False
+
+
+def next_with_deadline(intake_, seconds=3.0):
+    """next(), but give up (stop) after `seconds` so a test cannot hang."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    return intake_.next(lambda: time.monotonic() > deadline)
+
+
+def test_steps_come_in_order_and_are_acked_only_on_commit(ctx, stream):
+    for step in (2, 3, 1):
+        stream.push(step, encode_batch(batch(step)))
+    reader = intake(ctx, stream)
+    got = []
+    for _ in range(3):
+        item = next_with_deadline(reader)
+        got.append(item.step)
+        assert stream.pending().count == 3 - len(got) + 1  # the delivered entry is still pending
+        reader.commit(item)
+    assert got == [1, 2, 3]
+    assert stream.pending().count == 0
+    assert next_with_deadline(reader, 0.3) is None  # step 4 is missing: waited for, never skipped
+
+
+def test_malformed_entries_are_dead_lettered_and_training_continues(ctx, stream, tmp_path):
+    stream.redis.xadd(stream.key, {"step": "1", "schema": "1", "payload": b"\x93garbage"})
+    stream.redis.xadd(stream.key, {"step": "x", "schema": "1", "payload": b""})
+    stream.push(1, encode_batch(batch(2)))  # entry says 1, batch says 2
+    stream.push(1, encode_batch(batch(1, ranks=2)))  # split for 2 ranks, trainer has 1
+    stream.push(1, encode_batch(batch(1, token=5000)))  # token outside the vocabulary
+    stream.push(1, encode_batch(batch(1, advantage=float("nan"))))
+    stream.push(1, encode_batch(batch(1)), path_threshold=10, spill_dir=tmp_path)  # the good one, spilled to a file
+    reader = intake(ctx, stream)
+    item = next_with_deadline(reader)
+    assert item.step == 1 and item.batch.micro_batches[0][0].input_ids.tolist() == [3, 4, 7, 7]
+    reasons = [d.fields["reason"].decode() for d in stream.dead_letters()]
+    assert len(reasons) == 6 and reader.rejected == 5  # the unparsable step is rejected by the StepReader itself
+    for expected in ("not a msgpack document", "unparsable step", "batch says step 2", "2 ranks", "vocabulary", "NaN"):
+        assert any(expected in r for r in reasons), (expected, reasons)
+
+
+def test_restarted_trainer_takes_over_pending_and_skips_trained_steps(ctx, stream):
+    for step in (1, 2, 3):
+        stream.push(step, encode_batch(batch(step)))
+    first = intake(ctx, stream)
+    item1 = next_with_deadline(first)
+    first.commit(item1)
+    next_with_deadline(first)  # step 2 delivered, then the trainer "dies" before committing it
+    assert stream.pending().count == 2  # 2 delivered-not-acked, 3 read into the buffer
+    # the new incarnation resumes after step 2 (it was published before the crash, not acked)
+    second = intake(ctx, stream, trained=2)
+    item3 = next_with_deadline(second)
+    assert item3.step == 3
+    second.commit(item3)
+    assert stream.pending().count == 0  # the replay of step 2 was acked and skipped
+
+
+def test_check_trainable_names_the_problem():
+    with pytest.raises(BatchRejected, match="split for 2 ranks"):
+        check_trainable(batch(1, ranks=2), world_size=1, vocab_size=1024)
+    with pytest.raises(BatchRejected, match=r"\[0, 7\)"):
+        check_trainable(batch(1, token=7), world_size=1, vocab_size=7)
+    b = batch(1)
+    b.micro_batches[0][0].inference_logprobs[2] = np.inf
+    with pytest.raises(BatchRejected, match="inference_logprobs contains NaN or infinity"):
+        check_trainable(b, world_size=1, vocab_size=1024)
+    check_trainable(batch(1), world_size=1, vocab_size=1024)

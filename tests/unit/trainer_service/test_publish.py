@@ -1,0 +1,92 @@
+"""Published weights: servable HF folders through WeightStore, reload in transformers, retention."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from gyre.weights import WeightStore
+from gyre_trainer.publish import STEP_RECORD, WeightPublisher, servable_tensors, write_hf_folder
+
+
+def trained_copy(model_dir):
+    """The tiny model with every parameter moved, as a trainer would have it after some steps."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+def test_published_weights_reload_in_transformers(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = trained_copy(tiny_model_dir)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    store = WeightStore(tmp_path / "weights")
+    published = WeightPublisher(store, tiny_model_dir, keep_last=2).publish(
+        3, state, model.config, {"step": 3, "loss": 0.5}
+    )
+    assert published.path == store.path(3)
+    manifest = store.verify(3, published.digest)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "chat_template.jinja", STEP_RECORD} <= set(
+        manifest.files
+    )
+    assert all(oct(os.stat(published.path / f).st_mode & 0o777) == "0o644" for f in manifest.files)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(published.path, dtype=torch.float32)
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    tokenizer = AutoTokenizer.from_pretrained(published.path)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert ids == AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    out = reloaded.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == len(ids) + 4
+    assert WeightPublisher(store, tiny_model_dir, 2).read_record(3) == {"step": 3, "loss": 0.5}
+
+
+def test_tied_embeddings_are_saved_once_and_reload(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    tensors = servable_tensors(model.state_dict(), config)
+    assert "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors
+    write_hf_folder(tmp_path / "tied", model.state_dict(), config, tiny_model_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
+    ids = torch.tensor([[5, 6, 7]])
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def test_base_model_without_tokenizer_is_refused(tmp_path, tiny_model_dir):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", bare)
+    model = trained_copy(tiny_model_dir)
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        write_hf_folder(tmp_path / "out", model.state_dict(), model.config, bare)
+
+
+def test_prune_keeps_newest_and_in_use_and_discard_after_rewinds(tmp_path, tiny_model_dir):
+    model = trained_copy(tiny_model_dir)
+    store = WeightStore(tmp_path / "weights")
+    publisher = WeightPublisher(store, tiny_model_dir, keep_last=2)
+    for step in range(1, 6):
+        publisher.publish(step, model.state_dict(), model.config, {"step": step})
+    store.set_in_use("orchestrator", [1])
+    assert publisher.prune() == [2, 3]
+    assert store.steps() == [1, 4, 5]
+    assert publisher.discard_after(1) == [4, 5]
+    assert store.steps() == [1]
+    assert not any(p.name.startswith(".tmp-") for p in store.root.iterdir())

@@ -1,0 +1,72 @@
+"""gRPC gyre.v1.Trainer status + health + reflection, and the gyre_trainer_* Prometheus metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from gyre.v1 import trainer_pb2, trainer_pb2_grpc
+from gyre_trainer.metrics import TrainerMetrics, serve
+from gyre_trainer.server import SERVICE_NAME, TrainerServer, TrainerStatus
+
+
+@pytest.fixture
+def server():
+    srv = TrainerServer(TrainerStatus(world_size=2), "127.0.0.1", 0)
+    srv.start()
+    yield srv
+    srv.stop(grace=0)
+
+
+def test_status_and_health(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        server.set_serving(True)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+        stub = trainer_pb2_grpc.TrainerStub(channel)
+        assert stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5).step == 0
+        server.status.update(step=3, tokens=100)
+        server.status.update(step=4, tokens=50)
+        reply = stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
+        assert (reply.step, reply.tokens, reply.world_size) == (4, 150, 2)
+        assert reply.last_step_unix > 0
+
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+        names = {s.name for r in replies for s in r.list_services_response.service}
+        assert {"gyre.v1.Trainer", "grpc.health.v1.Health"} <= names
+
+
+def test_metrics_exposition():
+    metrics = TrainerMetrics("exp1")
+    record = {"step": 3, "loss": 0.25, "entropy": 2.0, "mismatch_kl": 0.01, "grad_norm": 1.5, "lr": 1e-5,
+              "num_tokens": 640, "step_seconds": 0.7, "time": 1234.0}  # fmt: skip
+    metrics.observe_step(record, mfu_per_rank=[0.31, 0.29])
+    metrics.observe_step({**record, "step": 4, "loss": None}, mfu_per_rank=[0.3, 0.3])  # a missing value keeps the last
+    server, port = serve(metrics, 0, "127.0.0.1")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    lines = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"
+    }
+    assert lines['gyre_trainer_step{run_id="exp1"}'] == 4
+    assert lines['gyre_trainer_loss{run_id="exp1"}'] == 0.25
+    assert lines['gyre_trainer_tokens_total{run_id="exp1"}'] == 1280
+    assert lines['gyre_trainer_mfu_ratio{rank="1",run_id="exp1"}'] == 0.3
+    assert lines['gyre_trainer_step_duration_seconds_count{run_id="exp1"}'] == 2
+    assert lines['gyre_trainer_last_step_timestamp_seconds{run_id="exp1"}'] == 1234.0
+    for name in ("entropy", "mismatch_kl", "grad_norm", "lr"):
+        assert f'gyre_trainer_{name}{{run_id="exp1"}}' in lines
+    assert "# TYPE gyre_trainer_weight_publish_seconds histogram" in text
