@@ -31,8 +31,9 @@ def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression.
 
     Args:
-        expression: numbers with + - * / // % ** and parentheses, e.g. "3 * (4 + 5)"
+        expression: e.g. 3 * (4 + 5)
     """
+    # The schema text matches the one `gyre model init` trains its tokenizer on, so it costs few tokens.
     return format_number(evaluate(expression))
 
 

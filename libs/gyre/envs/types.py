@@ -193,7 +193,9 @@ class Rollout:
     """One episode of a task, plus its training sequence.
 
     Conversation: `prompt` (the task's messages) + `completion` (assistant, user/tool messages that followed).
-    `turns` holds every model call, including one rejected for drift (then it is not in `completion`).
+    `turns` holds every model call, including one rejected for drift; the conversation then ends at the last turn
+    in the training sequence (the rejected reply and the environment messages it answered are left out), so the
+    rubric scores exactly what the trainer sees.
 
     Training sequence (see `gyre.envs.sequence`): `token_ids`, `loss_mask`, `logprobs` have equal length;
     `loss_mask[t]` is True iff token t was sampled by the model; `logprobs[t]` is its inference log-prob there
