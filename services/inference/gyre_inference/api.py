@@ -1,0 +1,155 @@
+"""The FastAPI app: OpenAI routes, vLLM's /tokenize and /detokenize, probes and /metrics.
+
+Routes:
+- `GET /health` (liveness: the process answers), `GET /ready` (200 once the model is loaded, 503
+  before and while shutting down), `GET /metrics` (when `metrics.port` is unset).
+- `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, `POST /tokenize`,
+  `POST /detokenize`: these need `Authorization: Bearer <auth.api_key>` when a key is configured,
+  and answer 503 until the model is loaded.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gyre_inference.backend import Backend
+from gyre_inference.errors import APIError, error_body, error_response, install_error_handlers, unknown_model
+from gyre_inference.metrics import InferenceMetrics
+from gyre_inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from gyre_inference.serving import Serving
+from gyre_inference.text import ModelText
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+@dataclass
+class AppState:
+    """What the routes need; `text`/`serving` appear once the model is loaded."""
+
+    model_id: str
+    model_path: str
+    backend: Backend
+    metrics: InferenceMetrics
+    api_key: str | None = None
+    serve_metrics: bool = True
+    text: ModelText | None = None
+    serving: Serving | None = None
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def ready(self) -> bool:
+        return self.serving is not None and self.backend.ready and not self.draining
+
+
+class _Gate:
+    """ASGI middleware in front of the API routes: arrival time, API key, readiness.
+
+    Runs before the body is read, so a request without a valid key is refused with 401 whatever its body.
+    """
+
+    def __init__(self, app, state: AppState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(_PROTECTED):
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival"] = time.monotonic()
+        failure = None
+        if self.state.api_key is not None:
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.state.api_key}".encode()):
+                failure = APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
+                                   code="invalid_api_key")  # fmt: skip
+        if failure is None and not self.state.ready:
+            reason = "the server is shutting down" if self.state.draining else "the model is still loading"
+            failure = APIError(503, f"{reason}; retry shortly", code="not_ready")
+        if failure is None:
+            return await self.app(scope, receive, send)
+        endpoint = _ENDPOINTS.get(scope["path"])
+        if endpoint:
+            self.state.metrics.request_done(endpoint, "client_error" if failure.status < 500 else "server_error")
+        headers = {"www-authenticate": "Bearer"} if failure.status == 401 else None
+        await error_response(failure, headers)(scope, receive, send)
+
+
+def create_app(state: AppState) -> FastAPI:
+    app = FastAPI(title="Gyre inference", version="1", summary="OpenAI-compatible API of one policy model.")
+
+    def client_error(request: Request, status: int) -> None:
+        endpoint = _ENDPOINTS.get(request.url.path)
+        if endpoint and status < 500:
+            state.metrics.request_done(endpoint, "client_error")
+
+    install_error_handlers(app, on_client_error=client_error)
+    app.add_middleware(_Gate, state=state)
+
+    def arrival(request: Request) -> float:
+        return request.scope.get("state", {}).get("arrival", time.monotonic())
+
+    @app.get("/health", summary="Liveness: the process answers.")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready", summary="Readiness: the model is loaded and the server is not shutting down.")
+    async def ready():
+        if not state.ready:
+            return JSONResponse(error_body(503, "not ready", code="not_ready"), status_code=503)
+        return {"status": "ready", "model": state.model_id, "policy_version": state.backend.version}
+
+    if state.serve_metrics:
+
+        @app.get("/metrics", summary="Prometheus metrics (gyre_inference_*).")
+        async def metrics() -> Response:
+            return Response(state.metrics.exposition(), media_type=state.metrics.content_type)
+
+    @app.get("/v1/models", summary="The served model.")
+    async def models() -> dict:
+        card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "gyre",
+                "root": state.model_path, "max_model_len": state.backend.max_model_len,
+                "policy_version": state.backend.version}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions", summary="Chat completion (OpenAI), streaming or not.")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await state.serving.chat(body, arrival(request))
+
+    @app.post("/v1/completions", summary="Text completion (OpenAI legacy); prompt may be token ids.")
+    async def completions(body: CompletionRequest, request: Request):
+        return await state.serving.completions(body, arrival(request))
+
+    @app.post("/tokenize", summary="vLLM-compatible: prompt text or chat messages to token ids.")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        _check_model(state, body.model)
+        if isinstance(body, TokenizeChatRequest):
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            messages = [message.model_dump(exclude_none=True) for message in body.messages]
+            tokens = state.text.chat_prompt(messages, tools, body.add_generation_prompt)
+        else:
+            tokens = state.text.encode(body.prompt)
+        return {"count": len(tokens), "max_model_len": state.backend.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", summary="vLLM-compatible: token ids to text.")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        return {"prompt": state.text.decode(state.text.check_ids(body.tokens, "tokens"))}
+
+    return app
+
+
+def _check_model(state: AppState, model: str | None) -> None:
+    if model is not None and model != state.model_id:
+        raise unknown_model(model, state.model_id)

@@ -1,0 +1,116 @@
+"""The small interface every generation backend implements (torch and vLLM), and what crosses it.
+
+A backend turns prompt token ids plus sampling parameters into a stream of sampled tokens, each with
+its log-prob and the weights version that produced it; it can swap weights from a folder and go back
+to the base model. Everything text-shaped (chat templates, detokenization, stop strings, tool calls)
+lives in the HTTP layer, so both backends share it and behave the same.
+
+Log-prob rule (both backends, see docs/inference.md): `TokenEvent.logprob` is
+`log_softmax(logits / T)[token]` where T is the request's temperature (T = 1 when T = 0, i.e.
+greedy). top_p restricts which tokens can be sampled but does NOT renormalise the reported log-prob,
+so it equals what the trainer computes with `log_softmax(logits / T)`. (vLLM's processed log-probs
+are renormalised over the nucleus when top_p < 1; the vLLM backend documents that difference.)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one sequence (one choice of a request).
+
+    Invariants (checked by the HTTP layer before a request reaches a backend):
+    `0 <= temperature`, `0 < top_p <= 1`, `max_tokens >= 1`, `0 <= top_logprobs <= 20`, and
+    `len(prompt) + max_tokens <= backend.max_model_len`.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Generator seed of this sequence; None = drawn from the engine's own seeded RNG.
+    # Same seed + same prompt + same params + same weights => same tokens, whatever else is batched.
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Number of most likely alternatives to report per token (0 = only the sampled token's log-prob).
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sampled token.
+
+    `version` is the weights version that computed this token's logits. `finish_reason` is set on the
+    sequence's last token: "stop" (a stop token id was sampled; it is this token), "length" (max_tokens
+    reached). A sequence aborted by the caller simply ends without a final event.
+    """
+
+    token_id: int
+    logprob: float
+    version: int
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: FinishReason | None = None
+
+
+class WeightsIncompatibleError(ValueError):
+    """A weights folder cannot be loaded into the served model (missing/unknown tensors, wrong shapes)."""
+
+
+class Backend(ABC):
+    """Generation engine behind the HTTP API and the gRPC control server.
+
+    Lifecycle: construct (cheap) -> `await start()` (loads the model; `ready` becomes True) ->
+    `generate(...)` any number of times concurrently -> `await shutdown()`.
+    """
+
+    name: str
+
+    @property
+    @abstractmethod
+    def ready(self) -> bool:
+        """True once the model is loaded and generate() may be called."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Weights version served now (0 = base model)."""
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Longest prompt + completion, in tokens."""
+
+    @abstractmethod
+    def load_stats(self) -> tuple[int, int]:
+        """(running, waiting) sequences right now."""
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Stop generating; sequences still in flight end (their streams stop)."""
+
+    @abstractmethod
+    def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Stream the tokens of one sequence. Closing the iterator early aborts the sequence."""
+
+    @abstractmethod
+    async def update_weights(self, path: Path, version: int) -> None:
+        """Load the HF safetensors in `path` and serve them as `version` from the next decode step.
+
+        Sequences in flight continue on the new weights (their KV cache, computed by the old
+        weights, is kept). Raises WeightsIncompatibleError (old weights keep serving) when the
+        folder does not fit the model. The caller verifies the folder's manifest first.
+        """
+
+    @abstractmethod
+    async def reload_base(self) -> None:
+        """Serve the base model's weights again, as version 0."""

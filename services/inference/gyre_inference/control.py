@@ -1,0 +1,159 @@
+"""gRPC control plane: `gyre.v1.InferenceControl` + `grpc.health.v1` + reflection, on `control.port`.
+
+- UpdateWeights(step, path, digest): `path` must be a `.../step_{step}` folder of a WeightStore. Its
+  MANIFEST.json is verified (against `digest` when given; every file's size and sha256) BEFORE
+  anything is loaded, then the backend swaps the weights in between two decode steps. Any refusal
+  (corrupt, half-written or missing folder, wrong digest, tensors that do not fit the model) is
+  FAILED_PRECONDITION with the reason, and the old weights keep serving. Bad arguments are
+  INVALID_ARGUMENT; calls before the model is loaded are UNAVAILABLE. Updates are serialised.
+- ReloadWeights(): back to the base model, version 0. GetStatus(): model, version, load, readiness.
+- Health is NOT_SERVING until the model is loaded and again once shutdown starts.
+- With a control token configured, every InferenceControl call must carry metadata
+  `authorization: Bearer <token>` (else UNAUTHENTICATED). Health and reflection stay open, because
+  Kubernetes' native gRPC probes cannot send metadata and reflection only describes the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from gyre.v1 import inference_pb2, inference_pb2_grpc
+from gyre.weights import WeightsError, WeightStore
+
+from gyre_inference.backend import Backend, WeightsIncompatibleError
+from gyre_inference.metrics import InferenceMetrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceControl"].full_name
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class _TokenAuth(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(request, context):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong control token (metadata authorization: Bearer <token>)",
+            )
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(_OPEN_PREFIXES):
+            return await continuation(details)
+        metadata = {key: value for key, value in (details.invocation_metadata or ())}
+        given = metadata.get("authorization", "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self._expected):
+            return await continuation(details)
+        return self._deny
+
+
+class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
+    def __init__(self, backend: Backend, metrics: InferenceMetrics, model_id: str):
+        self.backend, self.metrics, self.model_id = backend, metrics, model_id
+        self._lock = asyncio.Lock()
+        self._last_seconds = 0.0
+
+    async def UpdateWeights(self, request, context):  # noqa: N802 (gRPC method name)
+        if not self.backend.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        path = Path(request.path)
+        match = _STEP_DIR.match(path.name) if request.path else None
+        if request.step < 0 or match is None or int(match.group(1)) != request.step:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"path must be a weights folder named step_{request.step} "
+                f"(got path={request.path!r}, step={request.step})",
+            )
+        digest = request.digest or None
+        refusal = await self._swap(f"weights step {request.step} from {path}", self._load(path, request.step, digest))
+        if refusal is not None:
+            await context.abort(*refusal)
+        return inference_pb2.UpdateWeightsResponse(step=self.backend.version, load_seconds=self._last_seconds)
+
+    async def ReloadWeights(self, request, context):  # noqa: N802
+        if not self.backend.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        refusal = await self._swap("the base weights", self.backend.reload_base())
+        if refusal is not None:
+            await context.abort(*refusal)
+        return inference_pb2.ReloadWeightsResponse(step=self.backend.version)
+
+    async def GetStatus(self, request, context):  # noqa: N802
+        running, waiting = self.backend.load_stats() if self.backend.ready else (0, 0)
+        return inference_pb2.GetInferenceStatusResponse(
+            model=self.model_id, step=self.backend.version, backend=self.backend.name,
+            running=running, waiting=waiting, ready=self.backend.ready,
+        )  # fmt: skip
+
+    async def _load(self, path: Path, step: int, digest: str | None) -> None:
+        await asyncio.to_thread(WeightStore(path.parent).verify, step, digest)
+        await self.backend.update_weights(path, step)
+
+    async def _swap(self, what: str, load) -> tuple[grpc.StatusCode, str] | None:
+        """Run one load under the lock; None on success, else the (code, message) to refuse the call with."""
+        async with self._lock:
+            started = time.perf_counter()
+            try:
+                await load
+            except Exception as error:
+                self.metrics.weight_update_done(False, time.perf_counter() - started)
+                expected = isinstance(error, WeightsError | WeightsIncompatibleError | OSError)
+                log.log(
+                    logging.WARNING if expected else logging.ERROR, "refused %s: %s", what, error, exc_info=not expected
+                )
+                code = grpc.StatusCode.FAILED_PRECONDITION if expected else grpc.StatusCode.INTERNAL
+                return code, f"refused {what}: {error}; still serving version {self.backend.version}"
+            self._last_seconds = time.perf_counter() - started
+            self.metrics.weight_update_done(True, self._last_seconds)
+            log.info("now serving version %d (%s, %.2fs)", self.backend.version, what, self._last_seconds)
+            return None
+
+
+class ControlServer:
+    """The grpc.aio server: control servicer, health, reflection, optional token auth."""
+
+    def __init__(self, backend: Backend, metrics: InferenceMetrics, model_id: str, token: str | None = None):
+        interceptors = [_TokenAuth(token)] if token else []
+        self.server = grpc.aio.server(interceptors=interceptors)
+        self.health = health.aio.HealthServicer()
+        inference_pb2_grpc.add_InferenceControlServicer_to_server(
+            InferenceControl(backend, metrics, model_id), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind and start (health NOT_SERVING); returns the bound port (useful with port 0)."""
+        try:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as error:
+            raise OSError(f"cannot bind gRPC control server to {host}:{port}: {error}") from None
+        if not bound:
+            raise OSError(f"cannot bind gRPC control server to {host}:{port}")
+        await self.set_serving(False)
+        await self.server.start()
+        return bound
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)

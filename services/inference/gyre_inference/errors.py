@@ -1,0 +1,98 @@
+"""OpenAI-shaped errors: every failure answers `{"error": {"message", "type", "param", "code"}}`.
+
+Client mistakes are 4xx and never take the server down: malformed JSON, validation errors (FastAPI's
+422 is turned into OpenAI's 400 with `param` naming the field), unknown routes and models, bad keys.
+Only a bug or an engine failure is a 5xx ("server_error").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "unavailable"}
+
+
+class APIError(Exception):
+    """Raise anywhere in a route to answer with this status and OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None, type=None) -> dict:
+    kind = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = error_body(error.status, error.message, error.param, error.code, error.type)
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str | None:
+    # ("body", "messages", 0, "user", "content") -> "messages.0.content": drop the body prefix and the
+    # names pydantic inserts for union members (tags and type names), keep field names and indices.
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (isinstance(p, str) and p.isidentifier())]
+    parts = [p for p in parts if p not in ("system", "user", "assistant", "tool", "str", "list", "int")]
+    return ".".join(parts) or None
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if loc == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return "request body must be a JSON object", None
+    param = _field_path(loc)
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return message, param
+
+
+def unknown_model(requested: str, served: str) -> APIError:
+    return APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
+                    param="model", code="model_not_found")  # fmt: skip
+
+
+def install_error_handlers(app: FastAPI, on_client_error: Callable[[Request, int], None] | None = None) -> None:
+    """Answer every error with OpenAI's JSON; `on_client_error(request, status)` is told about each 4xx/5xx."""
+
+    def seen(request: Request, status: int) -> None:
+        if on_client_error is not None:
+            on_client_error(request, status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        seen(request, error.status)
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        seen(request, 400)
+        message, param = validation_message(list(error.errors()))
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}"}.get(error.status_code, str(error.detail))
+        return JSONResponse(
+            error_body(error.status_code, message), status_code=error.status_code, headers=error.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(error).__name__}"), status_code=500)

@@ -1,0 +1,31 @@
+"""`gyre inference`: serve one policy model over the OpenAI API with gRPC weight control.
+
+    gyre inference --model.name outputs/run/model --server.port 8000 --control.port 50051
+    gyre inference @ exp.toml#inference            # the [inference] table of an experiment file
+    gyre inference --help                          # every option with its default
+
+Prints `ready: http://HOST:PORT control: HOST:PORT version: N` once the model is loaded; exits 0
+after a graceful SIGTERM, 1 when the model cannot be loaded or a port cannot be bound, 2 on a bad
+config key or value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from gyre.config import parse_or_exit
+from gyre.config.inference import InferenceConfig
+from gyre.logging import setup_logging
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_or_exit(InferenceConfig, None if argv is None else list(argv), "gyre inference")
+    setup_logging(config.log.level, config.log.file, service="inference")
+    from gyre_inference.service import run_service  # torch and friends load only past argument parsing
+
+    return asyncio.run(run_service(config))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""`gyre_inference_*` Prometheus metrics of one server (own registry, so tests can run several servers).
+
+Every series carries `run_id`; the only other labels are `endpoint` (chat, completions) and `outcome`
+(success, client_error, aborted, server_error for requests; success, error for weight updates), so
+cardinality stays bounded whatever clients send. Running/waiting/version gauges are read from the
+backend at scrape time, never pushed.
+
+Series (see docs/inference.md for how dashboards use them):
+- gyre_inference_requests_total{run_id, endpoint, outcome}            counter
+- gyre_inference_prompt_tokens_total{run_id}                           counter
+- gyre_inference_generation_tokens_total{run_id}                       counter
+- gyre_inference_time_to_first_token_seconds{run_id}                   histogram (first token of the first choice)
+- gyre_inference_request_latency_seconds{run_id, endpoint}             histogram (arrival -> last byte)
+- gyre_inference_running_requests{run_id}                              gauge (sequences decoding; one per choice)
+- gyre_inference_waiting_requests{run_id}                              gauge (sequences queued)
+- gyre_inference_policy_version{run_id}                                gauge (weights version served)
+- gyre_inference_weight_update_seconds{run_id}                         histogram (verify + load + swap)
+- gyre_inference_weight_updates_total{run_id, outcome}                 counter
+"""
+
+from __future__ import annotations
+
+from gyre.metrics import counter, gauge, histogram
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gyre_inference.backend import Backend
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+OUTCOMES = ("success", "client_error", "aborted", "server_error")
+
+
+class InferenceMetrics:
+    content_type = CONTENT_TYPE_LATEST  # text exposition 0.0.4 (what `promtool check metrics` reads)
+
+    def __init__(self, run_id: str, backend: Backend):
+        self.registry = CollectorRegistry()
+        r, run = self.registry, {"run_id": run_id}
+        self._requests = counter(
+            "gyre_inference_requests_total",
+            "Completion requests by endpoint and outcome.",
+            ["run_id", "endpoint", "outcome"],
+            r,
+        )
+        for endpoint in ("chat", "completions"):
+            for outcome in OUTCOMES:  # expose zeros, so rate() and ratios work from the first scrape
+                self._requests.labels(run_id, endpoint, outcome)
+        self.prompt_tokens = counter(
+            "gyre_inference_prompt_tokens_total", "Prompt tokens processed.", ["run_id"], r
+        ).labels(**run)
+        self.generation_tokens = counter(
+            "gyre_inference_generation_tokens_total", "Tokens generated (all choices).", ["run_id"], r
+        ).labels(**run)
+        self.time_to_first_token = histogram(
+            "gyre_inference_time_to_first_token_seconds",
+            "Request arrival to the first generated token.",
+            ["run_id"],
+            r,
+            buckets=TTFT_BUCKETS,
+        ).labels(**run)
+        self._latency = histogram(
+            "gyre_inference_request_latency_seconds",
+            "Request arrival to the last token of the response.",
+            ["run_id", "endpoint"],
+            r,
+            buckets=LATENCY_BUCKETS,
+        )
+        gauge("gyre_inference_running_requests", "Sequences decoding now (one per choice).", ["run_id"], r).labels(
+            **run
+        ).set_function(lambda: backend.load_stats()[0])
+        gauge("gyre_inference_waiting_requests", "Sequences queued for a batch slot.", ["run_id"], r).labels(
+            **run
+        ).set_function(lambda: backend.load_stats()[1])
+        gauge("gyre_inference_policy_version", "Weights version served (0 = base model).", ["run_id"], r).labels(
+            **run
+        ).set_function(lambda: backend.version)
+        self.weight_update_seconds = histogram(
+            "gyre_inference_weight_update_seconds",
+            "UpdateWeights/ReloadWeights duration: verify, load and swap.",
+            ["run_id"],
+            r,
+            buckets=UPDATE_BUCKETS,
+        ).labels(**run)
+        self._updates = counter(
+            "gyre_inference_weight_updates_total", "Weight updates by outcome.", ["run_id", "outcome"], r
+        )
+        for outcome in ("success", "error"):
+            self._updates.labels(run_id, outcome)
+        self.run_id = run_id
+
+    def request_done(self, endpoint: str, outcome: str, seconds: float | None = None) -> None:
+        self._requests.labels(self.run_id, endpoint, outcome).inc()
+        if seconds is not None:
+            self._latency.labels(self.run_id, endpoint).observe(seconds)
+
+    def weight_update_done(self, ok: bool, seconds: float) -> None:
+        self._updates.labels(self.run_id, "success" if ok else "error").inc()
+        if ok:
+            self.weight_update_seconds.observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,186 @@
+"""Strict request models of the OpenAI-compatible API (plus vLLM's extensions we implement).
+
+Strict means: unknown fields are errors, and values are never coerced across JSON types
+(`"logprobs": 0` is not a bool, `"n": "2"` is not an int, `"temperature": 1` is a fine float).
+Every validation failure becomes a 400 with OpenAI's error JSON naming the field (see errors.py).
+
+Fields OpenAI defines but this server cannot honour (penalties, logit_bias, echo, suffix, ...) are
+accepted only with their neutral value, so a client that sends the default explicitly still works
+and one that relies on the feature gets a clear 400 instead of a silently different answer.
+Responses are built as plain dicts in serving.py; their shape is documented in docs/inference.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = Field(False, description="Send a last chunk with usage and no choices before [DONE].")
+
+
+class SamplingRequest(StrictModel):
+    """Fields shared by chat and text completions."""
+
+    model: str = Field(description="Served model id (see GET /v1/models).")
+    n: int = Field(1, ge=1, le=MAX_N, description="Number of choices per prompt.")
+    temperature: float | None = Field(None, ge=0, le=2, description="Sampling temperature; 0 = greedy. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass. Default 1.")
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, max_length=MAX_STOP_STRINGS, description="Stop strings (excluded from the returned text)."
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=64, description="vLLM extension: extra token ids that end a choice."
+    )
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="Same seed + request + weights = same output.")
+    stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="Ignored.")
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="Not supported; only 0 is accepted.")
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="Not supported; only 0 is accepted.")
+    ignore_eos: bool = Field(False, description="vLLM extension: do not stop at the end-of-sequence token.")
+    return_token_ids: bool = Field(
+        False, description="vLLM extension: prompt_token_ids and per-choice token_ids in the response."
+    )
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+
+# ---- chat -------------------------------------------------------------------------------------------
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class FunctionCall(StrictModel):
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="JSON text of the arguments, as the model wrote it.")
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(StrictModel):
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(StrictModel):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(StrictModel):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+
+
+class ToolMessage(StrictModel):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    logprobs: bool = Field(False, description="Return the log-prob of every generated token.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token.")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["auto", "none"] | None = Field(
+        None, description="auto (default with tools): parse <tool_call> blocks; none: plain text, tools not shown."
+    )
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; several calls are always parsed.")
+    add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant header.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_completion_tokens or max_tokens, not both")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- text completions -------------------------------------------------------------------------------
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=1, description="Default 16 (OpenAI); null = the rest of the context.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Legacy: alternatives per token.")
+    echo: Literal[False] = Field(False, description="Not supported; only false.")
+    best_of: int | None = Field(None, ge=1, le=1, description="Not supported beyond 1.")
+    suffix: None = Field(None, description="Not supported.")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (a string or pre-tokenized ids each)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+
+# ---- vLLM-compatible tokenizer routes ---------------------------------------------------------------
+class TokenizeCompletionRequest(StrictModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="Accepted for vLLM compatibility; ChatML adds none.")
+
+
+class TokenizeChatRequest(StrictModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    add_special_tokens: bool = Field(False, description="Accepted for vLLM compatibility.")
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

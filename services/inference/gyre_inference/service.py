@@ -1,0 +1,146 @@
+"""Wiring and lifecycle of one inference replica: HTTP (uvicorn) + gRPC control on one event loop.
+
+Start-up order: bind both ports and answer at once (probes see "not ready" / NOT_SERVING while the
+model loads), load the tokenizer and the backend, then flip readiness and print
+`ready: http://HOST:PORT control: HOST:PORT version: N`.
+
+SIGTERM/SIGINT (graceful, bounded by `server.shutdown_grace_s`): readiness and gRPC health go down,
+uvicorn stops accepting connections and waits for in-flight requests (streams included) to finish,
+gRPC stops with the same grace, then the backend stops. A second signal does not force anything
+beyond the grace: the bound is the grace period itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+
+import uvicorn
+from gyre.config.inference import InferenceConfig
+
+from gyre_inference.api import AppState, create_app
+from gyre_inference.backend import Backend
+from gyre_inference.control import ControlServer
+from gyre_inference.metrics import InferenceMetrics
+from gyre_inference.serving import Serving
+
+log = logging.getLogger(__name__)
+
+
+def make_backend(config: InferenceConfig) -> Backend:
+    engine = config.engine
+    if config.backend == "vllm":
+        from gyre_inference.vllm_backend import VLLMBackend
+
+        return VLLMBackend(config.model.name, dtype=config.model.dtype, max_model_len=engine.max_model_len,
+                           seed=engine.seed, gpu_memory_utilization=engine.gpu_memory_utilization,
+                           max_num_seqs=engine.max_batch_size)  # fmt: skip
+    from gyre_inference.torch_backend import TorchBackend
+
+    return TorchBackend(config.model.name, device=engine.device, dtype=config.model.dtype,
+                        max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len,
+                        seed=engine.seed, threads=engine.threads)  # fmt: skip
+
+
+class _HTTPServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the service decides when and how to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot bind HTTP server to {host}:{port}: {error.strerror}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def run_service(config: InferenceConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit status."""
+    from gyre_inference.text import ModelText
+
+    backend = make_backend(config)
+    model_id = config.served_model_name or config.model.name
+    metrics = InferenceMetrics(config.run_id, backend)
+    api_key = config.auth.api_key.get_secret_value() if config.auth.api_key else None
+    token = config.auth.control_token.get_secret_value() if config.auth.control_token else None
+    state = AppState(model_id, config.model.name, backend, metrics, api_key, serve_metrics=config.metrics.port is None)
+    control = ControlServer(backend, metrics, model_id, token)
+    grace = config.server.shutdown_grace_s
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    try:
+        control_port = await control.start(config.control.host, config.control.port)
+        sock = _bind(config.server.host, config.server.port)
+    except OSError as error:
+        log.error("%s", error)
+        await control.stop(0)
+        return 1
+    http_port = sock.getsockname()[1]
+    http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="off",
+                                      timeout_graceful_shutdown=grace))  # fmt: skip
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    metrics_server = None
+    if config.metrics.port is not None:
+        from gyre.metrics import start_metrics_server
+
+        metrics_server, metrics_port = start_metrics_server(config.metrics.port, metrics.registry, config.server.host)
+        log.info("metrics: http://%s:%d/metrics", config.server.host, metrics_port)
+
+    status = 0
+    stopped = asyncio.create_task(stop.wait())
+    log.info("loading %s with the %s backend", config.model.name, backend.name)
+    loading = asyncio.create_task(_load(state, backend, config.model.name, ModelText))
+    try:
+        await asyncio.wait({loading, stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done() and loading.exception() is None and not stop.is_set():
+            await control.set_serving(True)
+            control_address = f"{config.control.host}:{control_port}"
+            line = (
+                f"ready: http://{config.server.host}:{http_port} control: {control_address} version: {backend.version}"
+            )
+            print(line, flush=True)
+            log.info("%s", line)
+            await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
+        elif loading.done() and loading.exception() is not None:
+            log.error("cannot load model %s: %s", config.model.name, loading.exception())
+            status = 1
+        if http_task.done() and http_task.exception() is not None:
+            log.error("HTTP server failed: %s", http_task.exception())
+            status = 1
+    finally:
+        log.info("shutting down (grace %.0fs)", grace)
+        state.draining = True
+        http.should_exit = True
+        await asyncio.gather(control.stop(grace), http_task, return_exceptions=True)
+        if not loading.done():
+            await asyncio.gather(loading, return_exceptions=True)  # a thread cannot be interrupted: let it end
+        await backend.shutdown()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        stopped.cancel()
+        log.info("stopped")
+    return status
+
+
+async def _load(state: AppState, backend: Backend, model_path: str, text_class) -> None:
+    state.text = await asyncio.to_thread(text_class, model_path)
+    await backend.start()
+    state.serving = Serving(backend, state.text, state.model_id, state.metrics)

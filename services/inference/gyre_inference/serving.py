@@ -1,0 +1,411 @@
+"""Chat and text completions on top of a Backend: prompts in, OpenAI-shaped responses and SSE chunks out.
+
+Per choice, tokens from the backend go through one `Choice`, which detokenizes, applies stop strings
+and (for chat with tools) holds back tool-call text. The rules clients rely on:
+
+- Alignment: `token_ids[i]` and `logprobs[i]` (and the i-th log-prob entry) belong to the same sampled
+  token, and these lists hold EVERY token the model sampled for the choice, in order, including the
+  end-of-turn token (finish "stop" by token) and the token that completed a stop string. Only the
+  text is cut: a stop string and whatever follows it in that last token are left out of `text`/`content`.
+  So `decode(token_ids)` may extend past the text, never fall short of it.
+- Versions: `policy_version_min`/`policy_version_max` are the oldest/newest weights version that
+  computed a token of the choice (min < max when a weight swap happened mid-generation; the tokens
+  after the swap were computed by the new weights on a KV cache the old ones wrote).
+  `policy_version` = `policy_version_max` (the version when the choice finished). The
+  `x-gyre-policy-version` header is the newest version in the response (non-streaming) or the
+  version served when the stream started (streaming). Stream chunks carry `policy_version` of
+  their tokens, and the finishing chunk of each choice also carries min/max.
+- Seeds: choice i of a request with `seed` s samples with a generator seeded from (s, prompt, i), so
+  the same request gives the same choices whatever else the server is doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gyre_inference.backend import Backend, SamplingParams, TokenEvent
+from gyre_inference.errors import APIError, error_body, unknown_model
+from gyre_inference.metrics import InferenceMetrics
+from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gyre_inference.text import IncrementalDecoder, ModelText
+from gyre_inference.tools import TOOL_CALL_START, parse_tool_calls
+
+VERSION_HEADER = "x-gyre-policy-version"
+
+
+def choice_seed(seed: int, prompt_index: int, choice_index: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{prompt_index}:{choice_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one backend token changed in a choice: the token's position, the text released, the finish."""
+
+    position: int  # index of the token in the choice's token_ids / logprobs
+    text: str
+    version: int
+    finish_reason: str | None  # set on the choice's last token only
+
+
+@dataclass
+class Choice:
+    """One choice's accumulated output; `add()` turns each backend token into the text to release now."""
+
+    index: int
+    text_codec: ModelText
+    stops: list[str]
+    parse_tools: bool
+    prompt_index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    text: str = ""
+    released: int = 0  # characters of `text` already handed out
+    finish_reason: str | None = None
+    tool_calls: list = field(default_factory=list)
+    version_min: int | None = None
+    version_max: int | None = None
+
+    def __post_init__(self):
+        self._decoder = IncrementalDecoder(self.text_codec)
+        # A stop string (or the tool-call tag) may begin in text not yet complete: keep that much back.
+        longest = max([len(s) for s in self.stops] + ([len(TOOL_CALL_START)] if self.parse_tools else []), default=0)
+        self._holdback = max(longest - 1, 0)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, event: TokenEvent) -> Delta:
+        position = len(self.token_ids)
+        self.token_ids.append(event.token_id)
+        self.logprobs.append(event.logprob)
+        self.top_logprobs.append(event.top_logprobs)
+        self.version_min = event.version if self.version_min is None else min(self.version_min, event.version)
+        self.version_max = event.version if self.version_max is None else max(self.version_max, event.version)
+        piece = self._decoder.push(event.token_id)
+        if event.finish_reason is not None:
+            piece += self._decoder.flush()
+        searched_from = len(self.text)
+        self.text += piece
+        finish = event.finish_reason
+        if self._cut_at_stop(searched_from):
+            finish = "stop"
+        if finish is None:
+            end = len(self.text) - self._holdback
+            if self.parse_tools and (tag := self.text.find(TOOL_CALL_START, self.released)) >= 0:
+                end = min(end, tag - 1 if self.text[tag - 1 : tag] == "\n" else tag)
+            return Delta(position, self._release(end), event.version, None)
+        self.finish_reason = finish
+        if self.parse_tools:
+            content, calls = parse_tool_calls(self.text)
+            if calls:
+                self.tool_calls = [call.to_openai() for call in calls]
+                self.text = content or ""
+                self.released = min(self.released, len(self.text))
+                self.finish_reason = "tool_calls" if finish == "stop" else finish
+        return Delta(position, self._release(len(self.text)), event.version, self.finish_reason)
+
+    def _cut_at_stop(self, searched_from: int) -> bool:
+        hits = [i for stop in self.stops if (i := self.text.find(stop, max(0, searched_from - len(stop) + 1))) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+        return bool(hits)
+
+    def _release(self, end: int) -> str:
+        if end <= self.released:
+            return ""
+        piece, self.released = self.text[self.released : end], end
+        return piece
+
+    def versions(self) -> dict:
+        return {
+            "policy_version": self.version_max,
+            "policy_version_min": self.version_min,
+            "policy_version_max": self.version_max,
+        }
+
+
+@dataclass
+class _Job:
+    """The choices of one request, each with its prompt (ids) and sampling params."""
+
+    kind: str  # "chat" | "completions"
+    request: SamplingRequest
+    prompts: list[list[int]]
+    choices: list[tuple[int, Choice, SamplingParams]]  # (prompt index, choice, params)
+    started: float
+    first_token_at: float | None = None
+
+
+class Serving:
+    def __init__(self, backend: Backend, text: ModelText, model_id: str, metrics: InferenceMetrics):
+        self.backend, self.text, self.model_id, self.metrics = backend, text, model_id, metrics
+
+    # ---- entry points -----------------------------------------------------------------------------
+    async def chat(self, request: ChatCompletionRequest, started: float):
+        self._check_model(request.model)
+        parse_tools = bool(request.tools) and request.tool_choice != "none"
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
+        messages = [message.model_dump(exclude_none=True) for message in request.messages]
+        prompt = self.text.chat_prompt(messages, tools, request.add_generation_prompt)
+        job = self._job("chat", request, [prompt], request.completion_limit, "messages", parse_tools, started)
+        return await self._respond(job)
+
+    async def completions(self, request: CompletionRequest, started: float):
+        self._check_model(request.model)
+        prompts = []
+        for i, prompt in enumerate(request.prompts()):
+            param = "prompt" if isinstance(request.prompt, str) or len(request.prompts()) == 1 else f"prompt.{i}"
+            prompts.append(self.text.check_ids(prompt, param) if isinstance(prompt, list) else self.text.encode(prompt))
+        job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started)
+        return await self._respond(job)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise unknown_model(model, self.model_id)
+
+    def _job(self, kind, request, prompts, limit, prompt_param, parse_tools, started) -> _Job:
+        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        stop_ids = set(request.stop_token_ids or []) | (set() if request.ignore_eos else set(self.text.eos_token_ids))
+        if isinstance(request, ChatCompletionRequest):
+            top = (request.top_logprobs or 0) if request.logprobs else 0
+        else:
+            top = request.logprobs or 0
+        choices = []
+        for p, prompt in enumerate(prompts):
+            max_tokens = self._budget(len(prompt), limit, prompt_param)
+            for i in range(request.n):
+                params = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=1.0 if request.temperature is None else request.temperature,
+                    top_p=1.0 if request.top_p is None else request.top_p,
+                    seed=None if request.seed is None else choice_seed(request.seed, p, i),
+                    stop_token_ids=frozenset(stop_ids),
+                    top_logprobs=top,
+                )
+                choices.append((p, Choice(len(choices), self.text, stops, parse_tools, p), params))
+        return _Job(kind, request, prompts, choices, started)
+
+    def _budget(self, prompt_len: int, requested: int | None, param: str) -> int:
+        limit = self.backend.max_model_len
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", param=param)
+        wanted = prompt_len + (requested or 1)
+        if wanted > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
+                f"({prompt_len} in the {param}, {requested or 1} in the completion). Please reduce the length "
+                f"of the {param} or completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested if requested is not None else limit - prompt_len
+
+    # ---- running ----------------------------------------------------------------------------------
+    async def _run_choice(self, job: _Job, prompt_index: int, choice: Choice, params: SamplingParams, sink) -> None:
+        """Feed the backend's tokens into `choice`, handing each Delta to `sink`; stops the backend early
+        (closing its stream aborts the sequence) when a stop string ends the choice."""
+        stream = self.backend.generate(job.prompts[prompt_index], params)
+        try:
+            async for event in stream:
+                if job.first_token_at is None:
+                    job.first_token_at = time.monotonic()
+                    self.metrics.time_to_first_token.observe(job.first_token_at - job.started)
+                delta = choice.add(event)
+                sink(choice, delta)
+                if choice.done:
+                    break
+        finally:
+            await stream.aclose()
+
+    async def _respond(self, job: _Job):
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in job.prompts))
+        if job.request.stream:
+            return StreamingResponse(
+                self._stream(job),
+                media_type="text/event-stream",
+                headers={VERSION_HEADER: str(self.backend.version), "cache-control": "no-cache"},
+            )
+        try:
+            await asyncio.gather(*(self._run_choice(job, p, c, params, _ignore) for p, c, params in job.choices))
+        except BaseException:
+            self._finish_metrics(job, "server_error")
+            raise
+        self._finish_metrics(job, "success")
+        body = self._chat_body(job) if job.kind == "chat" else self._completion_body(job)
+        newest = max(choice.version_max for _, choice, _ in job.choices)
+        return JSONResponse(body, headers={VERSION_HEADER: str(newest)})
+
+    def _finish_metrics(self, job: _Job, outcome: str) -> None:
+        self.metrics.generation_tokens.inc(sum(len(choice.token_ids) for _, choice, _ in job.choices))
+        self.metrics.request_done(job.kind, outcome, time.monotonic() - job.started)
+
+    async def _stream(self, job: _Job) -> AsyncIterator[str]:
+        """SSE: per choice a role chunk (chat), then one chunk per token that releases text or carries
+        token ids / log-probs, the finishing chunk, an optional usage chunk, then [DONE]."""
+        queue: asyncio.Queue = asyncio.Queue()
+        head = {"id": _request_id(job.kind), "object": _chunk_object(job), "created": int(time.time()),
+                "model": self.model_id}  # fmt: skip
+        every_token = job.request.return_token_ids or _wants_logprobs(job)
+
+        async def run(p: int, choice: Choice, params: SamplingParams) -> None:
+            try:
+                await self._run_choice(job, p, choice, params, lambda c, d: queue.put_nowait((c, d)))
+            except Exception as error:
+                queue.put_nowait(error)
+
+        outcome = "aborted"  # unless we get to the end: the client went away (or the server is stopping)
+        tasks = [asyncio.create_task(run(p, c, params)) for p, c, params in job.choices]
+        try:
+            if job.kind == "chat":
+                for _, choice, _ in job.choices:
+                    entry = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}  # fmt: skip
+                    chunk = {**head, "choices": [entry]}
+                    if choice.index == 0 and job.request.return_token_ids:
+                        chunk["prompt_token_ids"] = job.prompts[0]
+                    yield _sse(chunk)
+            remaining = len(job.choices)
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    outcome = "server_error"
+                    yield _sse(error_body(500, f"generation failed: {type(item).__name__}: {item}"))
+                    return
+                choice, delta = item
+                remaining -= delta.finish_reason is not None
+                if delta.text or delta.finish_reason or every_token:
+                    yield _sse({**head, "choices": [self._chunk_choice(job, choice, delta)]})
+            if job.request.stream_options and job.request.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": self._usage(job)})
+            yield "data: [DONE]\n\n"
+            outcome = "success"
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._finish_metrics(job, outcome)
+
+    # ---- response bodies --------------------------------------------------------------------------
+    def _usage(self, job: _Job) -> dict:
+        prompt_tokens = sum(len(p) for p in job.prompts)
+        completion_tokens = sum(len(choice.token_ids) for _, choice, _ in job.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+    def _chat_body(self, job: _Job) -> dict:
+        choices = []
+        for _, choice, _ in job.choices:
+            message = {"role": "assistant", "content": choice.text if (choice.text or not choice.tool_calls) else None}
+            if choice.tool_calls:
+                message["tool_calls"] = choice.tool_calls
+            entry = {"index": choice.index, "message": message, "logprobs": self._chat_logprobs(job, choice),
+                     "finish_reason": choice.finish_reason, **choice.versions()}  # fmt: skip
+            if job.request.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            choices.append(entry)
+        body = {"id": _request_id("chat"), "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_id, "choices": choices, "usage": self._usage(job)}  # fmt: skip
+        if job.request.return_token_ids:
+            body["prompt_token_ids"] = job.prompts[0]
+        return body
+
+    def _completion_body(self, job: _Job) -> dict:
+        choices = []
+        for p, choice, _ in job.choices:
+            entry = {"index": choice.index, "text": choice.text, "logprobs": self._legacy_logprobs(job, choice),
+                     "finish_reason": choice.finish_reason, **choice.versions()}  # fmt: skip
+            if job.request.return_token_ids:
+                entry["prompt_token_ids"] = job.prompts[p]
+                entry["token_ids"] = choice.token_ids
+            choices.append(entry)
+        body = {"id": _request_id("completions"), "object": "text_completion", "created": int(time.time()),
+                "model": self.model_id, "choices": choices, "usage": self._usage(job)}  # fmt: skip
+        if job.request.return_token_ids and len(job.prompts) == 1:
+            body["prompt_token_ids"] = job.prompts[0]
+        return body
+
+    def _chunk_choice(self, job: _Job, choice: Choice, delta: Delta) -> dict:
+        """The choice entry of the chunk for one token (the token at `delta.position`)."""
+        span = slice(delta.position, delta.position + 1)
+        entry = {"index": choice.index, "finish_reason": delta.finish_reason, "policy_version": delta.version}
+        if job.kind == "chat":
+            entry["delta"] = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+            if delta.finish_reason and choice.tool_calls:
+                entry["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice.tool_calls)]
+            entry["logprobs"] = self._chat_logprobs(job, choice, span)
+        else:
+            entry["text"] = delta.text
+            entry["logprobs"] = self._legacy_logprobs(job, choice, span)
+        if job.request.return_token_ids:
+            entry["token_ids"] = choice.token_ids[span]
+            if job.kind == "completions" and delta.position == 0:
+                entry["prompt_token_ids"] = job.prompts[choice.prompt_index]
+        if delta.finish_reason:
+            entry.update(choice.versions())
+        return entry
+
+    def _chat_logprobs(self, job: _Job, choice: Choice, span: slice = slice(None)) -> dict | None:
+        if not (isinstance(job.request, ChatCompletionRequest) and job.request.logprobs):
+            return None
+        content = []
+        for token_id, logprob, top in zip(
+            choice.token_ids[span], choice.logprobs[span], choice.top_logprobs[span], strict=True
+        ):
+            token, data = self.text.token(token_id)
+            alternatives = []
+            for alternative, alternative_logprob in top:
+                text, text_bytes = self.text.token(alternative)
+                alternatives.append({"token": text, "logprob": alternative_logprob, "bytes": text_bytes})
+            content.append({"token": token, "logprob": logprob, "bytes": data, "top_logprobs": alternatives})
+        return {"content": content}
+
+    def _legacy_logprobs(self, job: _Job, choice: Choice, span: slice = slice(None)) -> dict | None:
+        """OpenAI's legacy completions format; top_logprobs holds the alternatives plus the sampled token."""
+        if not (isinstance(job.request, CompletionRequest) and job.request.logprobs is not None):
+            return None
+        start = span.start or 0
+        offset = sum(len(self.text.token(t)[0]) for t in choice.token_ids[:start])
+        tokens, offsets, tops = [], [], []
+        for token_id, logprob, top in zip(
+            choice.token_ids[span], choice.logprobs[span], choice.top_logprobs[span], strict=True
+        ):
+            token = self.text.token(token_id)[0]
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            tops.append({self.text.token(t)[0]: lp for t, lp in top} | {token: logprob})
+        return {"tokens": tokens, "token_logprobs": choice.logprobs[span], "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+
+def _ignore(*_) -> None:
+    return None
+
+
+def _wants_logprobs(job: _Job) -> bool:
+    request = job.request
+    return bool(request.logprobs) if isinstance(request, ChatCompletionRequest) else request.logprobs is not None
+
+
+def _chunk_object(job: _Job) -> str:
+    return "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+
+
+def _request_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

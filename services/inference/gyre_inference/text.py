@@ -1,0 +1,144 @@
+"""Everything between text and token ids: chat rendering, encoding, streaming detokenization, token bytes.
+
+The prompt of a chat request is `encode(render_chat(messages, tools))`: the tokenizer's own chat
+template renders text (tools included, as `apply_chat_template(..., tools=...)` does), which is then
+tokenized without adding special tokens. POST /tokenize answers with exactly these ids, so a client
+doing multi-turn token bookkeeping sees what the model saw.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from gyre_inference.errors import APIError
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the printable character standing for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
+
+
+class ModelText:
+    """The served model's tokenizer plus the facts the API needs from its configs."""
+
+    def __init__(self, model_path: str | Path):
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        config = AutoConfig.from_pretrained(model_path)
+        self.vocab_size: int = max(getattr(config, "vocab_size", 0) or 0, len(self.tokenizer))
+        eos: set[int] = set()
+        try:
+            generation = GenerationConfig.from_pretrained(model_path)
+            eos.update(_as_ids(generation.eos_token_id))
+        except OSError:  # no generation_config.json
+            pass
+        eos.update(_as_ids(getattr(config, "eos_token_id", None)))
+        eos.update(_as_ids(self.tokenizer.eos_token_id))
+        # Token ids that end a turn unless the request says ignore_eos.
+        self.eos_token_ids = frozenset(eos)
+        self._token_text: dict[int, tuple[str, list[int]]] = {}
+
+    # ---- prompts --------------------------------------------------------------------------------
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True
+    ) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except TemplateError as error:  # the template's own raise_exception (unknown role, ...)
+            raise APIError(
+                400, f"messages cannot be rendered by the chat template: {error}", param="messages"
+            ) from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_prompt(self, messages, tools=None, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt))
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = [i for i in ids if i >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range (vocabulary size {self.vocab_size})", param=param)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- per-token text (log-prob entries) ------------------------------------------------------
+    def token(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, utf-8 bytes) of one token as OpenAI's log-prob entries show it.
+
+        Byte-level BPE tokens map back to their exact bytes (a token may hold part of a character; its
+        text then shows U+FFFD, its bytes are exact). Other tokenizers: the token decoded on its own.
+        """
+        cached = self._token_text.get(token_id)
+        if cached is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            table = _byte_decoder()
+            if piece is not None and all(ch in table for ch in piece):
+                data = bytes(table[ch] for ch in piece)
+            else:
+                data = self.tokenizer.decode([token_id]).encode()
+            cached = (data.decode("utf-8", errors="replace"), list(data))
+            self._token_text[token_id] = cached
+        return cached
+
+
+class IncrementalDecoder:
+    """Streaming detokenization (skip_special_tokens): text is released only once it is stable.
+
+    Text is emitted per token from a window of recent ids, holding back while the window ends in an
+    incomplete UTF-8 sequence, so concatenating every `push()` and the final `flush()` gives the same
+    text as decoding all ids at once (for byte-level BPE; this is the TGI/vLLM scheme).
+    """
+
+    def __init__(self, text: ModelText):
+        self._decode = text.decode
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # ids before this were already released
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the very end shows as U+FFFD)."""
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def dump_arguments(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
