@@ -143,7 +143,8 @@ class Environment:
 
     def initial_state(self, task: Task) -> dict[str, Any]:
         """Per-rollout scratch space handed to `env_response` and reward functions; extend in subclasses."""
-        return {"task_id": task.id, "answer": task.answer, "info": task.info, "turn": 0}
+        # A copy, so an environment that updates state["info"] never changes the task (tasks are shared).
+        return {"task_id": task.id, "answer": task.answer, "info": copy.deepcopy(task.info), "turn": 0}
 
     async def env_response(self, messages: Messages, state: dict[str, Any]) -> tuple[Messages, bool]:
         """After each model turn: the messages the environment adds, and whether the episode is over."""

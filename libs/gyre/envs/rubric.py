@@ -23,7 +23,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from gyre.envs.parsers import Parser
 from gyre.envs.types import Rollout, Score, Task
@@ -42,6 +41,7 @@ class Rubric:
         self.funcs: list[RewardFunc] = []
         self.weights: list[float] = []
         self.names: list[str] = []
+        self._wants: list[list[str] | None] = []  # argument names each function takes (None = all, **kwargs)
         funcs = funcs or []
         if weights is not None and len(weights) != len(funcs):
             raise ValueError(f"{len(funcs)} reward functions but {len(weights)} weights")
@@ -55,7 +55,7 @@ class Rubric:
             raise ValueError(f"reward function {name!r} is already in this rubric")
         if not math.isfinite(weight):
             raise ValueError(f"weight of {name!r} must be finite, got {weight}")
-        params = inspect.signature(func).parameters.values()
+        params = list(inspect.signature(func).parameters.values())
         for p in params:
             if p.kind is p.VAR_KEYWORD or p.default is not p.empty:
                 continue
@@ -64,6 +64,7 @@ class Rubric:
         self.funcs.append(func)
         self.weights.append(float(weight))
         self.names.append(name)
+        self._wants.append(None if any(p.kind is p.VAR_KEYWORD for p in params) else [p.name for p in params])
         return self
 
     async def score(self, task: Task, rollout: Rollout) -> Score:
@@ -81,9 +82,10 @@ class Rubric:
         per_function: dict[str, float] = {}
         errors: dict[str, str] = {}
         reward = 0.0
-        for func, weight, name in zip(self.funcs, self.weights, self.names, strict=True):
+        for func, weight, name, wants in zip(self.funcs, self.weights, self.names, self._wants, strict=True):
+            kwargs = available if wants is None else {arg: available[arg] for arg in wants if arg in available}
             try:
-                value = func(**_select(func, available))
+                value = func(**kwargs)
                 if inspect.isawaitable(value):
                     value = await value
                 value = float(value)
@@ -95,10 +97,3 @@ class Rubric:
             per_function[name] = value
             reward += weight * value
         return Score(reward=reward, per_function=per_function, errors=errors)
-
-
-def _select(func: RewardFunc, available: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(func).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return dict(available)
-    return {name: available[name] for name in params if name in available}

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+
 import pytest
 from envs_doubles import END_ID, Reply, ScriptedClient, encode, render
 from gyre.envs import MultiTurnEnv, SequenceBuilder, SingleTurnEnv, Task, Turn, load_environment
@@ -189,3 +193,34 @@ def test_turn_rejects_misaligned_or_invalid_records():
         Turn(prompt_token_ids=[1], completion_token_ids=[2], completion_logprobs=[float("nan")], text="")
     with pytest.raises(ValueError, match="policy_version"):
         Turn(prompt_token_ids=[1], completion_token_ids=[], completion_logprobs=[], text="", policy_version_min=2)
+
+
+@pytest.mark.asyncio
+async def test_one_environment_serves_concurrent_rollouts(sampling):
+    """Rollouts interleave on the event loop; each keeps its own state, messages and sequence."""
+    env = load_environment("alphabet_sort", num_rounds=3)
+    tasks = [env.tasks("train", 5)[i] for i in range(16)]
+
+    class Interleaving(ScriptedClient):
+        async def chat(self, messages, *, tools=None, sampling):
+            await asyncio.sleep(0)  # let the other rollouts run between turns
+            return await super().chat(messages, tools=tools, sampling=sampling)
+
+    clients = [Interleaving([m["content"] for m in env.sft_example(t) if m["role"] == "assistant"]) for t in tasks]
+    rollouts = await asyncio.gather(*(env.rollout(c, t, sampling) for c, t in zip(clients, tasks, strict=True)))
+    for task, rollout in zip(tasks, rollouts, strict=True):
+        assert rollout.task_id == task.id and rollout.messages == env.sft_example(task)
+        assert rollout.state["info"] == task.info and rollout.state["turn"] == 3
+        check_alignment(rollout, rollout.turns)
+        assert (await env.score(task, rollout)).reward == 1.0
+
+
+@pytest.mark.asyncio
+async def test_rollouts_dump_to_json(sampling):
+    env = load_environment("calculator")
+    task = env.tasks("train", 0)[0]
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
+    rollout = await env.rollout(ScriptedClient([call, "2"]), task, sampling)
+    record = json.loads(json.dumps(dataclasses.asdict(rollout)))
+    assert record["token_ids"] == rollout.token_ids and record["turns"][0]["text"] == call
+    assert record["state"]["tool_calls"][0]["result"] == "2"
