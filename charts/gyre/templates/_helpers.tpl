@@ -1,0 +1,288 @@
+{{/* ---------- names and labels ---------- */}}
+
+{{- define "gyre.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Resource name prefix; at most 40 characters so "<prefix>-inference-headless" stays a valid DNS label. */}}
+{{- define "gyre.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gyre.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels of every object. Call with (dict "root" $ "component" "inference"). */}}
+{{- define "gyre.labels" -}}
+helm.sh/chart: {{ include "gyre.chart" .root }}
+{{ include "gyre.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: gyre
+{{- end -}}
+
+{{/* Selector labels: instance + component (never the version, selectors are immutable). */}}
+{{- define "gyre.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gyre.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end -}}
+
+{{- define "gyre.runId" -}}
+{{- .Values.experiment.run_id | default .Release.Name -}}
+{{- end -}}
+
+{{- define "gyre.secretName" -}}
+{{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "gyre.fullname" .)) -}}
+{{- end -}}
+
+{{- define "gyre.claimName" -}}
+{{- .Values.persistence.existingClaim | default (printf "%s-data" (include "gyre.fullname" .)) -}}
+{{- end -}}
+
+{{/* In-cluster DNS name of a Service of this release: (dict "root" $ "service" "orchestrator"). */}}
+{{- define "gyre.serviceHost" -}}
+{{- printf "%s-%s.%s.svc.cluster.local" (include "gyre.fullname" .root) .service .root.Release.Namespace -}}
+{{- end -}}
+
+{{/* ---------- images, placement, security ---------- */}}
+
+{{- define "gyre.image" -}}
+{{- $tag := .image.tag | default .root.Chart.AppVersion -}}
+image: {{ printf "%s:%s" .image.repository $tag | quote }}
+imagePullPolicy: {{ .image.pullPolicy | default "IfNotPresent" }}
+{{- end -}}
+
+{{/*
+nodeSelector / tolerations / affinity of a component: its node pool's, plus its own.
+Call with (dict "root" $ "component" .Values.inference).
+*/}}
+{{- define "gyre.placement" -}}
+{{- $pools := .root.Values.nodePools -}}
+{{- $poolName := .component.nodePool -}}
+{{- if not (hasKey $pools $poolName) -}}
+{{- fail (printf "nodePool %q is not defined in nodePools (defined: %s)" $poolName (keys $pools | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- $pool := get $pools $poolName -}}
+{{- $selector := merge (deepCopy (.component.nodeSelector | default dict)) ($pool.nodeSelector | default dict) -}}
+{{- $tolerations := concat ($pool.tolerations | default list) (.component.tolerations | default list) -}}
+{{- $affinity := .component.affinity | default $pool.affinity -}}
+{{- with $selector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod security context (Pod Security Standards "restricted"). Call with (dict "user" 10001 "group" 10001 "fsGroup" 10001). */}}
+{{- define "gyre.podSecurityContext" -}}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: {{ .user }}
+  runAsGroup: {{ .group }}
+  fsGroup: {{ .fsGroup }}
+  fsGroupChangePolicy: OnRootMismatch
+  seccompProfile:
+    type: RuntimeDefault
+{{- end -}}
+
+{{- define "gyre.containerSecurityContext" -}}
+securityContext:
+  runAsNonRoot: true
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities:
+    drop: [ALL]
+  seccompProfile:
+    type: RuntimeDefault
+{{- end -}}
+
+{{- define "gyre.gyrePodSecurityContext" -}}
+{{- $s := .Values.podSecurity -}}
+{{ include "gyre.podSecurityContext" (dict "user" $s.runAsUser "group" $s.runAsGroup "fsGroup" $s.fsGroup) }}
+{{- end -}}
+
+{{/* ---------- volumes and environment shared by the Gyre containers ---------- */}}
+
+{{/* Writable places on a read-only root filesystem: /tmp, caches and (GPU pods) a memory-backed /dev/shm. */}}
+{{- define "gyre.volumes" -}}
+- name: experiment
+  configMap:
+    name: {{ include "gyre.fullname" .root }}-experiment
+- name: data
+  persistentVolumeClaim:
+    claimName: {{ include "gyre.claimName" .root }}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
+{{- if .shmSize }}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .shmSize }}
+{{- end }}
+{{- end -}}
+
+{{- define "gyre.volumeMounts" -}}
+- name: experiment
+  mountPath: /etc/gyre
+  readOnly: true
+- name: data
+  mountPath: {{ .root.Values.persistence.mountPath }}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /cache
+{{- if .shmSize }}
+- name: shm
+  mountPath: /dev/shm
+{{- end }}
+{{- end -}}
+
+{{/* Where libraries put caches: all under the /cache emptyDir (the root filesystem is read-only). */}}
+{{- define "gyre.cacheEnv" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /cache
+- name: HF_HOME
+  value: /cache/huggingface
+- name: TRITON_CACHE_DIR
+  value: /cache/triton
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: /cache/inductor
+- name: VLLM_CACHE_ROOT
+  value: /cache/vllm
+- name: MPLCONFIGDIR
+  value: /cache/matplotlib
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- end -}}
+
+{{/* A key of the release's Secret as an env var: (dict "root" $ "name" "GYRE_AUTH__API_KEY" "key" "api-key"). */}}
+{{- define "gyre.secretEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "gyre.secretName" .root }}
+      key: {{ .key }}
+{{- end -}}
+
+{{/*
+GYRE_REDIS__URL (the services' `redis.url`), with the password spliced in by Kubernetes' $(VAR)
+expansion so it never appears in the pod spec or a ConfigMap.
+*/}}
+{{- define "gyre.redisEnv" -}}
+{{- $ext := .Values.redis.external -}}
+{{- if $ext.url }}
+{{- if $ext.existingSecret }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $ext.existingSecret }}
+      key: {{ $ext.passwordKey }}
+{{- $u := urlParse $ext.url }}
+- name: GYRE_REDIS__URL
+  value: {{ printf "%s://:$(REDIS_PASSWORD)@%s%s" $u.scheme $u.host $u.path | quote }}
+{{- else }}
+- name: GYRE_REDIS__URL
+  value: {{ $ext.url | quote }}
+{{- end }}
+{{- else }}
+{{ include "gyre.secretEnv" (dict "root" . "name" "REDIS_PASSWORD" "key" "redis-password") }}
+- name: GYRE_REDIS__URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "gyre.serviceHost" (dict "root" . "service" "redis")) (int .Values.redis.port) | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* ---------- the experiment file ---------- */}}
+
+{{/* Path of the model every service loads: the generated one, or experiment.model.name. */}}
+{{- define "gyre.modelPath" -}}
+{{- printf "%s/model" (.Values.persistence.mountPath | trimSuffix "/") -}}
+{{- end -}}
+
+{{/*
+One TOML value. Numbers go through toJson, which prints integral floats as integers (Helm reads every
+number as a float; `toToml` would write `batch_size = 4.0`); JSON strings, numbers and booleans are
+valid TOML. Maps become inline tables, lists arrays.
+*/}}
+{{- define "gyre.tomlValue" -}}
+{{- if kindIs "map" . -}}
+{ {{- $first := true }}{{ range $k, $v := . }}{{ if not (kindIs "invalid" $v) }}{{ if not $first }}, {{ end }}{{ $first = false }}{{ include "gyre.tomlKey" $k }} = {{ include "gyre.tomlValue" $v }}{{ end }}{{ end -}} }
+{{- else if kindIs "slice" . -}}
+[{{ range $i, $v := . }}{{ if $i }}, {{ end }}{{ include "gyre.tomlValue" $v }}{{ end }}]
+{{- else -}}
+{{ toJson . }}
+{{- end -}}
+{{- end -}}
+
+{{- define "gyre.tomlKey" -}}
+{{- if regexMatch "^[A-Za-z0-9_-]+$" . -}}{{ . }}{{- else -}}{{ toJson . }}{{- end -}}
+{{- end -}}
+
+{{/* A TOML table body: scalars first, then [sub.tables]. Null values are left out (= the default). */}}
+{{- define "gyre.tomlTable" -}}
+{{- $prefix := .prefix -}}
+{{- range $k, $v := .table }}
+{{- if and (not (kindIs "map" $v)) (not (kindIs "invalid" $v)) }}
+{{ include "gyre.tomlKey" $k }} = {{ include "gyre.tomlValue" $v }}
+{{- end }}
+{{- end }}
+{{- range $k, $v := .table }}
+{{- if and (kindIs "map" $v) $v }}
+
+[{{ $prefix }}{{ include "gyre.tomlKey" $k }}]
+{{- include "gyre.tomlTable" (dict "prefix" (printf "%s%s." $prefix (include "gyre.tomlKey" $k)) "table" $v) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "gyre.experimentToml" -}}
+{{- $exp := deepCopy .Values.experiment -}}
+{{- $_ := set $exp "run_id" (include "gyre.runId" .) -}}
+{{- if and .Values.modelInit.enabled (($exp.model | default dict).name) -}}
+{{- fail "experiment.model.name must stay unset when modelInit.enabled (the services load the generated model)" -}}
+{{- end -}}
+{{- if and (not .Values.modelInit.enabled) (not (($exp.model | default dict).name)) -}}
+{{- fail "set experiment.model.name (a hub id or a path on the shared volume), or enable modelInit" -}}
+{{- end -}}
+# Experiment {{ include "gyre.runId" . }} (release {{ .Release.Name }}). Each service reads its table:
+#   gyre <service> @ /etc/gyre/experiment.toml#<service>
+# Addresses, ports, the shared volume, Redis and secrets are set on the command line by the chart.
+{{- include "gyre.tomlTable" (dict "prefix" "" "table" $exp) }}
+{{- end -}}
+
+{{/* torchrun processes per trainer pod. */}}
+{{- define "gyre.trainerNproc" -}}
+{{- $t := .Values.trainer -}}
+{{- if gt (int $t.nprocPerNode) 0 -}}{{ $t.nprocPerNode }}{{- else if gt (int $t.gpusPerNode) 0 -}}{{ $t.gpusPerNode }}{{- else -}}1{{- end -}}
+{{- end -}}
+
+{{/* monitoring.coreos.com objects: "true" when enabled, or auto and the cluster serves that kind. */}}
+{{- define "gyre.monitoringFor" -}}
+{{- $mode := .root.Values.monitoring.enabled -}}
+{{- if eq (toString $mode) "auto" -}}
+{{- if .root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" .kind) -}}true{{- end -}}
+{{- else if $mode -}}true{{- end -}}
+{{- end -}}
