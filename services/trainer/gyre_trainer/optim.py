@@ -1,0 +1,64 @@
+"""AdamW and the learning-rate schedule.
+
+Schedule (a multiplier of `OptimConfig.lr`, for the s-th optimizer update, s = 0, 1, ...; the
+scheduler's state is the number of updates taken, so it checkpoints and resumes exactly):
+- warmup, s < W:            (s + 1) / W  (the first update already moves; none is wasted at lr 0)
+- then, p = (s − W) / max(1, S − W − 1) clipped to [0, 1], with S = max_steps:
+  constant: 1;  linear: 1 − (1 − m)·p;  cosine: m + (1 − m)·(1 + cos(π·p)) / 2,  m = min_lr_ratio.
+The last update (s = S − 1) runs exactly at m·lr.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from gyre.config.trainer import OptimConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; weight decay only on matrices (not norms or biases).
+
+    Uses the fused kernel when every parameter lives on a GPU and foreach (multi-tensor) otherwise.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    on_gpu = all(p.device.type == "cuda" for p in params)
+    kwargs = {"fused": True} if on_gpu else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int | None) -> float:
+    """The schedule above: the multiplier of `cfg.lr` for optimizer update number `step` (0-based)."""
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.scheduler == "constant":
+        return 1.0
+    if max_steps is None:
+        raise ValueError(f"scheduler {cfg.scheduler!r} decays to max_steps; set max_steps or use 'constant'")
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, max_steps - warmup - 1)))
+    floor = cfg.min_lr_ratio
+    if cfg.scheduler == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    if cfg.scheduler == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown scheduler {cfg.scheduler!r}: use constant, linear or cosine")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int | None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following `lr_multiplier`; call `.step()` once after every optimizer update."""
+    # Fail now, not at the first step after warmup.
+    if cfg.scheduler != "constant" and max_steps is None:
+        raise ValueError(f"scheduler {cfg.scheduler!r} decays to max_steps; set max_steps or use 'constant'")
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))

@@ -1,0 +1,132 @@
+"""Packed log-probs on the real tiny model: attention never crosses samples, alignment, temperature."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gyre.config.shared import ModelConfig
+from gyre_trainer.model import load_model, packed_logprobs
+
+LENGTHS = [7, 1, 12, 5]  # a one-token sample too: it has no predicted token at all
+
+
+def alone(model, ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: one sample through the plain HF forward (no packing), shifted by hand."""
+    logits = model(input_ids=ids.unsqueeze(0)).logits[0].double() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = torch.zeros(len(ids), dtype=torch.float64, device=ids.device)
+    ent = torch.zeros(len(ids), dtype=torch.float64, device=ids.device)
+    for t in range(1, len(ids)):
+        lp[t] = logp[t - 1, ids[t]]
+        ent[t] = -(logp[t - 1].exp() * logp[t - 1]).sum()
+    return lp, ent
+
+
+def packed_row(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = torch.cat(samples)
+    positions = torch.cat([torch.arange(len(s)) for s in samples])
+    return ids, positions, torch.tensor([len(s) for s in samples])
+
+
+@pytest.fixture
+def samples():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 1024, (n,), generator=gen) for n in LENGTHS]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_equals_each_sample_alone(tiny_model64, samples, temperature):
+    ids, positions, lengths = packed_row(samples)
+    with torch.no_grad():
+        lp, ent = packed_logprobs(tiny_model64, ids, positions, lengths, temperature)
+        expected = [alone(tiny_model64, s, temperature) for s in samples]
+    assert lp.shape == ids.shape and ent.shape == ids.shape
+    torch.testing.assert_close(lp, torch.cat([e[0] for e in expected]), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ent, torch.cat([e[1] for e in expected]), rtol=1e-9, atol=1e-9)
+    starts = np.cumsum([0, *LENGTHS[:-1]])
+    assert lp[starts].tolist() == [0.0] * len(LENGTHS) and ent[starts].tolist() == [0.0] * len(LENGTHS)
+    assert (lp[lp != 0] < 0).all()
+
+
+def test_float32_packed_matches_alone_closely(tiny_model, samples):
+    ids, positions, lengths = packed_row(samples)
+    with torch.no_grad():
+        lp, _ = packed_logprobs(tiny_model, ids, positions, lengths)
+        expected = torch.cat([alone(tiny_model, s)[0] for s in samples]).float()
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_changing_one_sample_leaves_its_neighbours_untouched(tiny_model64, samples):
+    ids, positions, lengths = packed_row(samples)
+    edited = [s.clone() for s in samples]
+    edited[0][:] = 5  # the sample that everything after it would attend to if attention leaked
+    ids2, _, _ = packed_row(edited)
+    with torch.no_grad():
+        before, _ = packed_logprobs(tiny_model64, ids, positions, lengths)
+        after, _ = packed_logprobs(tiny_model64, ids2, positions, lengths)
+    first = LENGTHS[0]
+    assert not torch.allclose(before[:first], after[:first])
+    torch.testing.assert_close(before[first:], after[first:], rtol=0, atol=1e-12)
+
+
+def test_rows_of_a_micro_batch_are_independent_and_padding_is_its_own_segment(tiny_model64, samples):
+    row_a, row_b = samples[:2], samples[2:]  # 8 and 17 tokens: pad row a with a 9-token segment
+    pad = torch.zeros(9, dtype=torch.long)
+    ids_a, pos_a, len_a = packed_row([*row_a, pad])
+    ids_b, pos_b, len_b = packed_row(row_b)
+    with torch.no_grad():
+        lp, ent = packed_logprobs(
+            tiny_model64, torch.stack([ids_a, ids_b]), torch.stack([pos_a, pos_b]), [len_a, len_b]
+        )
+        single_a, _ = packed_logprobs(tiny_model64, *packed_row(row_a))
+        single_b, _ = packed_logprobs(tiny_model64, ids_b, pos_b, len_b)
+    assert lp.shape == (2, 17)
+    torch.testing.assert_close(lp[0, :8], single_a, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lp[1], single_b, rtol=1e-9, atol=1e-9)
+
+
+def test_gradients_flow_through_logprobs_only(tiny_model, samples):
+    ids, positions, lengths = packed_row(samples)
+    lp, ent = packed_logprobs(tiny_model, ids, positions, lengths)
+    assert lp.requires_grad and not ent.requires_grad
+    lp.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in tiny_model.parameters())
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_model_dir, samples):
+    ids, positions, lengths = packed_row(samples)
+    grads = []
+    for checkpointing in (False, True):
+        model = load_model(
+            ModelConfig(name=str(tiny_model_dir)), "cpu", torch.float64, activation_checkpointing=checkpointing
+        )
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == checkpointing
+        packed_logprobs(model, ids, positions, lengths)[0].sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
+
+
+def test_bad_inputs_are_rejected(tiny_model, samples, tmp_path):
+    ids, positions, lengths = packed_row(samples)
+    with pytest.raises(ValueError, match="sum to"):
+        packed_logprobs(tiny_model, ids, positions, lengths[:-1])
+    with pytest.raises(ValueError, match="temperature"):
+        packed_logprobs(tiny_model, ids, positions, lengths, temperature=0.0)
+    with pytest.raises(ValueError, match="disagree"):
+        packed_logprobs(tiny_model, ids.unsqueeze(0), positions, [lengths])
+    with pytest.raises(FileNotFoundError, match="gyre model init"):
+        load_model(ModelConfig(name=str(tmp_path / "missing")), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_equals_alone_on_gpu_in_bfloat16(tiny_model_dir, samples):
+    model = load_model(ModelConfig(name=str(tiny_model_dir)), "cuda")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    ids, positions, lengths = packed_row([s.cuda() for s in samples])
+    with torch.no_grad():
+        lp, _ = packed_logprobs(model, ids, positions, lengths)
+        expected = torch.cat([alone(model, s.cuda())[0] for s in samples])
+    torch.testing.assert_close(lp.double(), expected, rtol=0, atol=0.05)

@@ -1,0 +1,87 @@
+"""AdamW parameter groups and the learning-rate schedules, read off a real optimizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from gyre.config.trainer import OptimConfig
+from gyre_trainer.optim import build_optimizer, build_scheduler
+
+
+def model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2, bias=False))
+
+
+def lrs(cfg: OptimConfig, max_steps: int | None, steps: int) -> list[float]:
+    """The learning rate each of `steps` real optimizer updates ran with."""
+    net = model()
+    optimizer = build_optimizer(net, cfg)
+    scheduler = build_scheduler(optimizer, cfg, max_steps)
+    seen = []
+    for _ in range(steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        net(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return seen
+
+
+def test_constant_with_warmup():
+    got = lrs(OptimConfig(lr=0.1, scheduler="constant", warmup_steps=4), None, 7)
+    assert got == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1, 0.1])
+
+
+def test_linear_decays_to_min_lr_ratio_on_the_last_step():
+    got = lrs(OptimConfig(lr=1.0, scheduler="linear", warmup_steps=2, min_lr_ratio=0.1), 7, 7)
+    # after warmup, p = (s − 2) / (7 − 2 − 1) for s = 2..6 → 1 − 0.9·p
+    assert got == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1])
+
+
+def test_cosine_shape():
+    got = lrs(OptimConfig(lr=2.0, scheduler="cosine", warmup_steps=1, min_lr_ratio=0.0), 6, 8)
+    expected = [2.0] + [2.0 * 0.5 * (1 + math.cos(math.pi * (s - 1) / 4)) for s in range(1, 6)] + [0.0, 0.0]
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert got[3] == pytest.approx(1.0)  # halfway
+    assert all(a >= b for a, b in zip(got, got[1:], strict=False))  # never increases after warmup
+
+
+def test_scheduler_state_resumes_where_it_left_off():
+    cfg = OptimConfig(lr=1.0, scheduler="cosine", warmup_steps=2, min_lr_ratio=0.2)
+    straight = lrs(cfg, 10, 10)
+    net = model()
+    optimizer = build_optimizer(net, cfg)
+    scheduler = build_scheduler(optimizer, cfg, 10)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    state = (optimizer.state_dict(), scheduler.state_dict())
+    optimizer2 = build_optimizer(net, cfg)
+    scheduler2 = build_scheduler(optimizer2, cfg, 10)
+    optimizer2.load_state_dict(state[0])
+    scheduler2.load_state_dict(state[1])
+    resumed = []
+    for _ in range(6):
+        resumed.append(optimizer2.param_groups[0]["lr"])
+        optimizer2.step()
+        scheduler2.step()
+    assert resumed == pytest.approx(straight[4:])
+
+
+def test_decaying_schedules_need_max_steps():
+    net = model()
+    optimizer = build_optimizer(net, OptimConfig())
+    with pytest.raises(ValueError, match="max_steps"):
+        build_scheduler(optimizer, OptimConfig(scheduler="cosine", warmup_steps=5), None)
+
+
+def test_weight_decay_skips_norms_and_biases():
+    net = model()
+    optimizer = build_optimizer(net, OptimConfig(weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6))
+    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    assert decayed == {id(net[0].weight), id(net[2].weight)}
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(net.parameters()))
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.95) and optimizer.param_groups[0]["eps"] == 1e-6
+    assert optimizer.defaults["foreach"] is True  # CPU parameters: multi-tensor kernel
