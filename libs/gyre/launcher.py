@@ -120,6 +120,18 @@ class RunFailed(RuntimeError):
     pass
 
 
+def _thread_env(share: float) -> dict[str, str]:
+    """Split the CPU cores between the torch processes so they overlap instead of thrashing.
+
+    Inference and trainer each get half of the cores (the orchestrator one): on a 2-core laptop
+    that is one core each, which is what lets generation of batch s overlap training of step s-1.
+    A user's own OMP_NUM_THREADS wins.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, int((os.cpu_count() or 2) * share)))}
+
+
 def _gyre(*args: str) -> list[str]:
     return [sys.executable, "-m", "gyre.cli", *args]
 
@@ -307,7 +319,7 @@ class Launcher:
                 _gyre("inference", "@", str(_write_config(cdir / f"{name}.toml", inf))),
                 self.out / "logs" / f"{name}.log",
             )
-            child.start(echo)
+            child.start(echo, env=_thread_env(0.5 / len(configs["inference"])))
             self.children.append(child)
             replicas.append((child, f"http://127.0.0.1:{inf.server.port}"))
         trainer_cfg = _write_config(cdir / "trainer.toml", configs["trainer"])
@@ -327,7 +339,7 @@ class Launcher:
         else:
             argv = _gyre("trainer", "@", str(trainer_cfg))
         trainer = Child("trainer", argv, self.out / "logs" / "trainer.log")
-        trainer.start(echo)
+        trainer.start(echo, env=_thread_env(0.5))
         self.children.append(trainer)
         for child, url in replicas:
             _wait_ready(url, child, timeout=300)
@@ -335,7 +347,7 @@ class Launcher:
         orchestrator = Child(
             "orchestrator", _gyre("orchestrator", "@", str(orch_cfg)), self.out / "logs" / "orchestrator.log"
         )
-        orchestrator.start(echo)
+        orchestrator.start(echo, env=_thread_env(0))
         self.children.append(orchestrator)
         if self.cfg.prometheus:
             self._start_prometheus(configs)

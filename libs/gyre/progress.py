@@ -18,6 +18,7 @@ class RunProgress:
         self.dir = Path(output_dir) / EVENTS
         self.bar = tqdm(total=max_steps, initial=start_step, desc="rl", unit="step", dynamic_ncols=True)
         self.step = start_step
+        self._last_post: dict = {}
 
     def update(self) -> None:
         trainer = read_events(self.dir / "trainer_steps.jsonl")
@@ -45,7 +46,9 @@ class RunProgress:
             if step > self.step:
                 self.bar.update(step - self.step)
                 self.step = step
-        self.bar.set_postfix(post, refresh=True)
+        if post != self._last_post:  # redraw only on news: keeps non-TTY logs readable
+            self._last_post = post
+            self.bar.set_postfix(post, refresh=True)
 
     def close(self) -> None:
         self.bar.close()

@@ -1,0 +1,101 @@
+"""`gyre bench async`: the same short run with max_async_level 0 and 1, side by side.
+
+    gyre bench async [@ configs/ci.toml] [--max-steps 8] [--levels 0,1]
+
+Prints, per level, the steady-state step time (wall time between trainer steps, first step
+excluded: it includes start-up), and the idle fraction of the trainer and of inference; then the
+ratio k=1 ÷ k=0. With equal generation and training times the physical limit is 0.5: at k=0 the
+two alternate, at k=1 generation of batch s overlaps training of step s-1.
+
+Idle fractions come from the event logs: trainer busy = sum of its step_seconds; inference busy =
+sum of the orchestrator's batch generation seconds (the union of generation intervals, so
+overlapping batches are not counted twice), both over the same steady-state window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from gyre.events import read_events
+
+ROOT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ci.toml"
+
+
+def _union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def measure(output_dir: Path) -> dict[str, float]:
+    """Steady-state step time and idle fractions of one finished run."""
+    events = output_dir / "events"
+    trainer = read_events(events / "trainer_steps.jsonl")
+    orch = read_events(events / "orchestrator_steps.jsonl")
+    if len(trainer) < 3:
+        raise SystemExit(f"{output_dir}: need at least 3 trained steps to measure, got {len(trainer)}")
+    lo, hi = trainer[0]["time"], trainer[-1]["time"]
+    window = hi - lo
+    steps = len(trainer) - 1
+    train_busy = _union_seconds([(t["time"] - t["step_seconds"], t["time"]) for t in trainer[1:]], lo, hi)
+    gen_busy = _union_seconds([(o["time"] - o["step_seconds"], o["time"]) for o in orch], lo, hi)
+    return {
+        "step_seconds": window / steps,
+        "trainer_idle": 1 - train_busy / window,
+        "inference_idle": 1 - gen_busy / window,
+        "train_seconds": sum(t["step_seconds"] for t in trainer[1:]) / steps,
+        "generate_seconds": sum(o["step_seconds"] for o in orch[1:]) / max(1, len(orch) - 1),
+    }
+
+
+def run_level(config: str, level: int, max_steps: int, out: Path, extra: list[str]) -> dict[str, float]:
+    cmd = [
+        sys.executable, "-m", "gyre.cli", "rl", "@", config, "--output-dir", str(out), "--max-steps", str(max_steps),
+        "--orchestrator.max-async-level", str(level), *extra,
+    ]  # fmt: skip
+    print(f"$ {' '.join(cmd)}", flush=True)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"run with max_async_level={level} failed:\n{res.stderr[-3000:]}")
+    return measure(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gyre bench async", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", default=str(ROOT_CONFIG), help="Experiment file (default: configs/ci.toml).")
+    p.add_argument("--max-steps", type=int, default=8, help="RL steps per run (default 8).")
+    p.add_argument("--levels", default="0,1", help="Comma-separated max_async_level values (default 0,1).")
+    p.add_argument("--output-dir", type=Path, default=None, help="Keep the runs here (default: a temp folder).")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="Further `gyre rl` options after `--`.")
+    args = p.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    extra = [a for a in args.extra if a != "--"]
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-async-") as tmp:
+        base = args.output_dir or Path(tmp)
+        results = {k: run_level(args.config, k, args.max_steps, base / f"async{k}", extra) for k in levels}
+    print(
+        f"\n{'max_async_level':>16} {'step s':>8} {'train s':>8} {'gen s':>8} {'trainer idle':>13} {'infer idle':>11}"
+    )
+    for k, r in results.items():
+        print(
+            f"{k:>16} {r['step_seconds']:>8.2f} {r['train_seconds']:>8.2f} {r['generate_seconds']:>8.2f} "
+            f"{r['trainer_idle']:>13.1%} {r['inference_idle']:>11.1%}"
+        )
+    if 0 in results and 1 in results:
+        ratio = results[1]["step_seconds"] / results[0]["step_seconds"]
+        print(
+            f"\nstep time ratio k=1 / k=0: {ratio:.2f}  (physical limit 0.5 when generation == training; target <= 0.7)"
+        )
+    return 0
