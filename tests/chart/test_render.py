@@ -1,0 +1,140 @@
+"""The chart lints clean, renders for every supported shape of values, and every object it renders is
+valid Kubernetes 1.30 (strict: unknown fields fail). Monitoring objects appear exactly when the
+cluster serves monitoring.coreos.com/v1 (or when forced)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import helm_python
+import kubernetes_validate
+import pytest
+from chart_testlib import (
+    CHART,
+    KUBERNETES_VERSION,
+    MONITORING_APIS,
+    load_values,
+    manifests,
+    objects,
+    render,
+)
+
+EXTERNAL_REDIS = {
+    "redis": {
+        "external": {"url": "redis://redis.infra.svc.cluster.local:6379/0", "existingSecret": "infra-redis"},
+    }
+}
+EXISTING = {"secrets": {"existingSecret": "my-exp-secrets"}, "persistence": {"existingClaim": "team-volume"}}
+
+# name -> (values, capabilities added to the render)
+SCENARIOS = {
+    "default": ({}, ()),
+    "kind": (load_values("values-kind.yaml"), MONITORING_APIS),
+    "gpu-single-node": (load_values("values-gpu-single-node.yaml"), ()),
+    "multi-node": (load_values("values-multi-node.yaml"), MONITORING_APIS),
+    "external-redis": (EXTERNAL_REDIS, ()),
+    "existing-secret-and-claim": (EXISTING, ()),
+    "monitoring-present": ({}, MONITORING_APIS),
+    "monitoring-forced": ({"monitoring": {"enabled": True}}, ()),
+}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_lint_strict_has_no_errors_or_warnings(scenario):
+    values, _ = SCENARIOS[scenario]
+    report = helm_python.lint(CHART, values, strict=True, kube_version=f"v{KUBERNETES_VERSION}")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report["messages"]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_every_rendered_object_is_valid_kubernetes(scenario):
+    values, apis = SCENARIOS[scenario]
+    docs = manifests(render(values, api_versions=apis))
+    assert len(docs) >= 15
+    skipped = []
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            skipped.append(doc["kind"])  # CRDs: kubernetes-validate has no schema for them
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {error.message} at {list(error.path)}")
+    assert set(skipped) <= CRD_KINDS, f"only CRD kinds may lack a schema, got {skipped}"
+
+
+def kinds(values: dict, apis: tuple[str, ...] = ()) -> list[str]:
+    return [d["kind"] for d in manifests(render(values, api_versions=apis))]
+
+
+def test_monitoring_objects_only_when_the_crds_exist():
+    assert CRD_KINDS.isdisjoint(kinds({}))  # auto, plain cluster
+    present = manifests(render({"monitoring": {"additionalLabels": {"release": "kps"}}}, api_versions=MONITORING_APIS))
+    monitors = objects(present, "ServiceMonitor")
+    assert sorted(m["metadata"]["name"] for m in monitors) == ["exp-gyre-inference", "exp-gyre-orchestrator",
+                                                                "exp-gyre-trainer"]  # fmt: skip
+    rules = objects(present, "PrometheusRule")
+    assert len(rules) == 1 and "groups" in rules[0]["spec"]
+    for obj in monitors + rules:
+        assert obj["metadata"]["labels"]["release"] == "kps"  # kube-prometheus-stack's selector
+    # The switch overrides detection both ways (`helm template` has no cluster to ask).
+    assert kinds({"monitoring": {"enabled": True}}).count("ServiceMonitor") == 3
+    assert CRD_KINDS.isdisjoint(kinds({"monitoring": {"enabled": False}}, MONITORING_APIS))
+    assert "PrometheusRule" not in kinds({"monitoring": {"rules": {"enabled": False}}}, MONITORING_APIS)
+
+
+def test_service_monitors_scrape_ports_their_services_expose():
+    docs = manifests(render({}, api_versions=MONITORING_APIS))
+    services = objects(docs, "Service")
+    for monitor in objects(docs, "ServiceMonitor"):
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        matching = [s for s in services if selector.items() <= s["metadata"]["labels"].items()]
+        assert matching, f"{monitor['metadata']['name']} selects no Service"
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert all(endpoint["port"] in [p["name"] for p in s["spec"]["ports"]] for s in matching)
+
+
+def test_each_dashboard_file_becomes_a_configmap_for_the_grafana_sidecar(tmp_path):
+    chart = tmp_path / "gyre"
+    shutil.copytree(CHART, chart)
+    dashboard = {"title": "Gyre test dashboard", "panels": [{"type": "timeseries", "title": "reward"}]}
+    (chart / "dashboards").mkdir(exist_ok=True)
+    (chart / "dashboards" / "test_overview.json").write_text(json.dumps(dashboard))
+    files = sorted(p.name for p in (chart / "dashboards").glob("*.json"))
+
+    docs = manifests(render({}, chart=chart))
+    maps = [c for c in objects(docs, "ConfigMap") if "-dashboard-" in c["metadata"]["name"]]
+    assert sorted(name for c in maps for name in c["data"]) == files
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    ours = next(c for c in maps if "test_overview.json" in c["data"])
+    assert ours["metadata"]["name"] == "exp-gyre-dashboard-test-overview"
+    assert json.loads(ours["data"]["test_overview.json"]) == dashboard
+
+    off = manifests(render({"monitoring": {"dashboards": {"enabled": False}}}, chart=chart))
+    assert not [c for c in objects(off, "ConfigMap") if "-dashboard-" in c["metadata"]["name"]]
+
+
+def test_notes_give_the_exact_port_forward_and_curl_commands():
+    notes = render({})["gyre/templates/NOTES.txt"]
+    assert "kubectl -n rl port-forward svc/exp-gyre-inference 8000:8000" in notes
+    assert "kubectl -n rl get secret exp-gyre-secrets -o jsonpath='{.data.api-key}' | base64 -d" in notes
+    assert 'curl -s http://127.0.0.1:8000/v1/models -H "Authorization: Bearer $GYRE_API_KEY"' in notes
+    risky = render({"persistence": {"accessMode": "ReadWriteOnce"}, "networkPolicy": {"enabled": False}})
+    assert "WARNING: the shared volume is ReadWriteOnce" in risky["gyre/templates/NOTES.txt"]
+    assert "WARNING: networkPolicy.enabled=false" in risky["gyre/templates/NOTES.txt"]
+
+
+def test_helm_test_pod_calls_v1_models_with_the_api_key():
+    docs = manifests(render({}))
+    (pod,) = objects(docs, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    container = pod["spec"]["containers"][0]
+    script = container["args"][0]
+    assert "client.models.list()" in script
+    env = {e["name"]: e for e in container["env"]}
+    assert env["GYRE_BASE_URL"]["value"] == "http://exp-gyre-inference.rl.svc.cluster.local:8000/v1"
+    assert env["GYRE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "exp-gyre-secrets", "key": "api-key"}
+    assert "Pod" not in kinds({"tests": {"enabled": False}})

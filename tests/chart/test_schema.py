@@ -1,0 +1,194 @@
+"""values.schema.json: generated from its sources and fresh, closed everywhere, and it (or the
+templates) reject bad values with a message naming the key. values.yaml documents every value."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import helm_python
+import pytest
+from chart_testlib import CHART, render
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("gyre_chart_schema", CHART / "schema" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_schema_is_fresh():
+    generator = load_generator()
+    assert (CHART / "values.schema.json").read_text() == generator.render(), (
+        "charts/gyre/values.schema.json is stale: run .venv/bin/python charts/gyre/schema/generate.py"
+    )
+
+
+def walk(node, path="#"):
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            yield from walk(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from walk(value, f"{path}/{i}")
+
+
+# Free-form by nature: an environment's keyword arguments are defined by the environment.
+OPEN_BY_DESIGN = {"#/definitions/gyre.EnvConfig/properties/args"}
+
+
+def test_schema_is_draft7_and_every_object_is_closed():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    open_objects = []
+    for path, node in walk(schema):
+        types = node.get("type")
+        is_object = types == "object" or (isinstance(types, list) and "object" in types)
+        if is_object and node.get("additionalProperties", True) is True and path not in OPEN_BY_DESIGN:
+            open_objects.append(path)
+        assert "$defs" not in node and "prefixItems" not in node, f"{path}: not draft-07"
+    assert open_objects == []
+
+
+def test_chart_owned_keys_are_not_settable_in_the_experiment():
+    generator = load_generator()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defs = schema["definitions"]
+    tables = {"inference": "gyre.InferenceConfig", "orchestrator": "gyre.OrchestratorConfig",
+              "trainer": "gyre.TrainerConfig"}  # fmt: skip
+    for service, owned in generator.CHART_OWNED.items():
+        for dotted in owned:
+            node = defs[tables[service]]
+            *parents, leaf = dotted.split(".")
+            for part in parents:
+                node = defs[node["properties"][part]["$ref"].rsplit("/", 1)[1]]
+            assert leaf not in node["properties"], f"{service}.{dotted}"
+
+
+def schema_error(values: dict) -> str:
+    with pytest.raises(helm_python.HelmValuesError) as caught:
+        render(values)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "names"),
+    [
+        ({"replicaCount": 2}, ["replicaCount"]),
+        ({"inference": {"replica": 2}}, ["replica"]),
+        ({"inference": {"replicas": -1}}, ["/inference/replicas", "minimum"]),
+        ({"trainer": {"nnodes": 0}}, ["/trainer/nnodes", "minimum"]),
+        ({"inference": {"gpus": -1}}, ["/inference/gpus"]),
+        ({"experiment": {"trainer": {"optim": {"lrr": 1e-3}}}}, ["/experiment/trainer/optim", "lrr"]),
+        ({"experiment": {"trainer": {"optim": {"lr": -1}}}}, ["/experiment/trainer/optim/lr"]),
+        ({"experiment": {"orchestrator": {"batch_size": "many"}}}, ["/experiment/orchestrator/batch_size"]),
+        ({"experiment": {"inference": {"backend": "tgi"}}}, ["/experiment/inference/backend"]),
+        ({"experiment": {"inference": {"server": {"port": 9000}}}}, ["/experiment/inference", "server"]),
+        ({"experiment": {"inference": {"auth": {"api_key": "plain"}}}}, ["/experiment/inference", "auth"]),
+        ({"experiment": {"run_id": "has spaces"}}, ["/experiment/run_id"]),
+        ({"orchestrator": {"discovery": "static"}}, ["/orchestrator/discovery"]),
+        ({"redis": {"external": {"url": "redis://:hunter2@redis.infra:6379/0"}}}, ["/redis/external/url"]),
+        ({"secrets": {"apiKey": "plain"}}, ["apiKey"]),
+        ({"nodePools": {"gpu": {"nodeselector": {}}}}, ["nodeselector"]),
+        ({"inference": {"tolerations": [{"key": "a", "operater": "Exists"}]}}, ["operater"]),
+        ({"persistence": {"size": "lots"}}, ["/persistence/size"]),
+        ({"podSecurity": {"runAsUser": 0}}, ["/podSecurity/runAsUser"]),
+        ({"monitoring": {"enabled": "yes"}}, ["/monitoring/enabled"]),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_key(values, names):
+    message = schema_error(values)
+    for name in names:
+        assert name in message, message
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"experiment": {"model": {"name": "Qwen/Qwen3-0.6B"}}}, "experiment.model.name must stay unset"),
+        ({"modelInit": {"enabled": False}}, "set experiment.model.name"),
+        ({"inference": {"nodePool": "a100"}}, 'nodePool "a100" is not defined in nodePools'),
+    ],
+)
+def test_inconsistent_values_fail_with_a_clear_message(values, needle):
+    with pytest.raises(helm_python.HelmRenderError) as caught:
+        render(values)
+    assert needle in str(caught.value)
+
+
+def test_good_experiment_values_render_into_the_experiment_file():
+    import tomllib
+
+    from chart_testlib import experiment_toml, manifests
+
+    experiment = {
+        "max_steps": 12,
+        "log": {"level": "DEBUG"},
+        "trainer": {"optim": {"lr": 3e-6, "betas": [0.9, 0.95]}, "data": {"seq_len": 512}},
+        "orchestrator": {
+            "batch_size": 4,
+            "env": {"name": "reverse_text", "args": {"min_len": 3, "tag": "a b"}},
+            "sampling": {"temperature": 0.7},
+        },  # fmt: skip
+    }
+    docs = manifests(render({"experiment": experiment}))
+    parsed = tomllib.loads(experiment_toml(docs))
+    assert parsed["run_id"] == "exp" and parsed["max_steps"] == 12 and isinstance(parsed["max_steps"], int)
+    assert parsed["log"] == {"level": "DEBUG"}
+    assert parsed["trainer"] == {"optim": {"lr": 3e-6, "betas": [0.9, 0.95]}, "data": {"seq_len": 512}}
+    # Integers stay integers (Helm reads every number as a float; the file must say 4, not 4.0).
+    assert parsed["orchestrator"]["batch_size"] == 4 and isinstance(parsed["orchestrator"]["batch_size"], int)
+    assert parsed["orchestrator"]["env"] == {"name": "reverse_text", "args": {"min_len": 3, "tag": "a b"}}
+    assert parsed["orchestrator"]["sampling"] == {"temperature": 0.7}
+    # The orchestrator packs rows of the trainer's length (chart-owned, derived).
+    orchestrator = next(d for d in docs if d["kind"] == "Deployment" and "orchestrator" in d["metadata"]["name"])
+    args = orchestrator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--batch.seq-len") + 1] == "512"
+
+
+def documented_value_lines() -> list[tuple[int, str, bool]]:
+    """(line number, dotted key, documented?) for every leaf value of values.yaml.
+
+    A key is documented when the comment block right above it contains a `# --` line; as in helm-docs,
+    a documented map (resources, probes, labels) documents its entries. Keys inside list items
+    (examples such as tolerations) belong to that list's value and are not leaves.
+    """
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    out, stack, list_indent = [], [], None
+    for number, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if list_indent is not None and indent > list_indent:
+            continue
+        list_indent = None
+        if stripped.startswith("- "):
+            list_indent = indent
+            continue
+        match = re.match(r"([A-Za-z0-9_.\-/]+):(.*)$", stripped)
+        assert match, f"values.yaml:{number + 1}: cannot parse {line!r}"
+        key, rest = match[1], match[2].strip()
+        comments = []
+        for previous in reversed(lines[:number]):
+            if not previous.strip().startswith("#"):
+                break
+            comments.append(previous.strip())
+        stack = [entry for entry in stack if entry[0] < indent]
+        documented = any(c.startswith("# --") for c in comments) or any(d for _, _, d in stack)
+        stack.append((indent, key, documented))
+        following = next((ln for ln in lines[number + 1 :] if ln.strip() and not ln.strip().startswith("#")), "")
+        deeper = len(following) - len(following.lstrip()) > indent
+        is_parent = not rest and deeper and not following.strip().startswith("- ")
+        if not is_parent:
+            out.append((number + 1, ".".join(k for _, k, _ in stack), documented))
+    return out
+
+
+def test_every_value_is_documented():
+    leaves = documented_value_lines()
+    assert len(leaves) > 80
+    assert [f"line {n}: {key}" for n, key, documented in leaves if not documented] == []
