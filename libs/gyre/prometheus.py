@@ -9,6 +9,10 @@ alert expression against real data.
     prom.query("gyre_trainer_step")   # -> [{"metric": {...}, "value": [ts, "3"]}]
     prom.stop()
 
+Unless told otherwise (``rule_files=``), the server loads Gyre's alert rules
+(``deploy/prometheus/alerts.yaml``) when running from a source checkout, so a local run shows the same
+alerts at ``/alerts`` as a cluster.
+
 Every scraped series gets the target labels ``component`` (the job name), ``namespace="local"``
 and ``run_id``, so the dashboards' ``namespace`` / ``run_id`` template variables work unchanged on a
 local run. ``honor_labels`` is on: a label the service exports itself (e.g. ``run_id``) wins over
@@ -37,6 +41,8 @@ from gyre.net import free_port
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 LOCAL_NAMESPACE = "local"
+# libs/gyre/prometheus.py -> the repository root of a source checkout (absent in a wheel install)
+BUNDLED_RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yaml"
 
 
 class PrometheusError(RuntimeError):
@@ -46,6 +52,11 @@ class PrometheusError(RuntimeError):
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def bundled_rule_files() -> list[Path]:
+    """Gyre's alert rules when this is a source checkout (editable install), else nothing."""
+    return [BUNDLED_RULES] if BUNDLED_RULES.is_file() else []
 
 
 def render_config(
@@ -97,7 +108,7 @@ class LocalPrometheus:
         run_id: str,
         scrape_interval: str = "1s",
         *,
-        rule_files: list[Path] | tuple[Path, ...] = (),
+        rule_files: list[Path] | tuple[Path, ...] | None = None,
         binary: Path = PROMETHEUS,
         retention: str = "15d",
         startup_timeout: float = 60.0,
@@ -106,7 +117,8 @@ class LocalPrometheus:
         self.targets = {job: list(addresses) for job, addresses in targets.items()}
         self.run_id = run_id
         self.scrape_interval = scrape_interval
-        self.rule_files = tuple(Path(p) for p in rule_files)
+        # None: Gyre's own alert rules when available; () loads none
+        self.rule_files = tuple(Path(p) for p in (bundled_rule_files() if rule_files is None else rule_files))
         self.binary = Path(binary)
         self.retention = retention
         self.startup_timeout = startup_timeout
@@ -239,6 +251,13 @@ class LocalPrometheus:
     def query_range(self, promql: str, start: float, end: float, step: float = 1.0) -> list[dict]:
         """Range query (what a Grafana time-series panel runs); returns the matrix's series."""
         return self._get("/api/v1/query_range", query=promql, start=start, end=end, step=step)["result"]
+
+    def label_values(
+        self, label: str, match: str | None = None, start: float | None = None, end: float | None = None
+    ) -> list[str]:
+        """Values of `label` on series matching `match` (what Grafana's `label_values(match, label)` asks)."""
+        params = {"match[]": match, "start": start, "end": end}
+        return self._get(f"/api/v1/label/{urllib.parse.quote(label)}/values", **params)
 
     def targets_health(self) -> dict[str, str]:
         """{scrape url: "up" | "down" | "unknown"} of the active targets."""
