@@ -33,3 +33,48 @@ def make_batch(samples: list[dict], layout: list[list[list[int]]], step: int = 1
         num_loss_tokens=int(sum(np.count_nonzero(s["loss_mask"]) for s in samples)),
         num_samples=len(samples),
     ).validate()
+
+
+def set_behaviour_logprobs(model, samples: list[dict], noise: float, rng: np.random.Generator, offset=0.0) -> None:
+    """inference_logprobs = the model's own log-probs (each sample alone) − offset + N(0, noise) on loss tokens.
+
+    noise = offset = 0 reproduces "identical weights on both sides" (r = 1 up to float64 rounding).
+    """
+    import torch
+    from gyre_trainer.model import packed_logprobs
+
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.as_tensor(s["input_ids"], dtype=torch.long)
+            lp, _ = packed_logprobs(model, ids, torch.arange(len(ids)), [len(ids)])
+            jitter = rng.normal(0.0, noise, len(ids)) if noise else 0.0
+            s["inference_logprobs"] = np.where(s["loss_mask"], lp.numpy() - offset + jitter, 0.0).astype(np.float32)
+
+
+def flat_grad(model):
+    import torch
+
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def dp_worker(rank: int, world_size: int, init_file: str, model_dir: str, samples, layout, loss_cfg, out_file: str):
+    """One data-parallel rank over gloo: its share of the gradient, averaged over ranks like FSDP2/DDP do."""
+    import torch
+    import torch.distributed as dist
+    from gyre.config.shared import ModelConfig
+    from gyre_trainer.model import load_model
+    from gyre_trainer.step import compute_gradients
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model = load_model(ModelConfig(name=model_dir), "cpu", torch.float64)
+        batch = make_batch(samples, layout)
+        metrics = compute_gradients(model, batch, loss_cfg=loss_cfg, rank=rank, world_size=world_size)
+        grad = flat_grad(model)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)  # gloo has no AVG; FSDP2 averages
+        grad /= world_size
+        if rank == 0:
+            torch.save({"grad": grad, "metrics": metrics}, out_file)
+    finally:
+        dist.destroy_process_group()

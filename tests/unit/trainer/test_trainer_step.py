@@ -1,0 +1,261 @@
+"""train_step / sft_step on the real tiny model: split invariance, REINFORCE at r = 1, metrics, clipping."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from gyre.config.trainer import LossConfig, OptimConfig
+from gyre_trainer.model import packed_logprobs
+from gyre_trainer.optim import build_optimizer, build_scheduler
+from gyre_trainer.step import (
+    compute_gradients,
+    compute_sft_gradients,
+    data_parallel_scale,
+    optimizer_step,
+    sft_step,
+    train_step,
+)
+from trainer_core_lib import dp_worker, flat_grad, make_batch, random_samples, set_behaviour_logprobs
+
+LENGTHS = [9, 14, 6, 11, 8, 13, 7, 10]
+LAYOUTS = {
+    "1 micro-batch": [[list(range(8))]],
+    "2 micro-batches": [[[0, 1, 2, 3], [4, 5, 6, 7]]],
+    "4 micro-batches": [[[0, 1], [2, 3], [4, 5], [6, 7]]],
+    "8 single-sample rows": [[[i] for i in range(8)]],
+}
+
+
+@pytest.fixture
+def samples(tiny_model64):
+    rng = np.random.default_rng(0)
+    samples = random_samples(rng, LENGTHS)
+    set_behaviour_logprobs(tiny_model64, samples, noise=0.3, rng=rng)  # a mix of clipped and unclipped tokens
+    return samples
+
+
+def gradient(model, batch, loss_cfg, **kwargs) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    compute_gradients(model, batch, loss_cfg=loss_cfg, **kwargs)
+    return flat_grad(model).clone()
+
+
+def assert_same_gradient(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert want.norm() > 0
+    # Relative to the gradient's scale: behaviour log-probs travel as float32 (the batch schema), so
+    # "r = 1" is 1 ± 1e-7 and elements that nearly cancel carry that much absolute noise.
+    assert ((got - want).norm() / want.norm()).item() < 1e-6
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "loss_cfg",
+    [
+        LossConfig(type="ppo_clip", aggregation="token-mean"),
+        LossConfig(type="gspo", aggregation="seq-mean-token-mean", eps_low=0.05, eps_high=0.05),
+        LossConfig(type="masked_is", aggregation="seq-mean-token-sum-norm", sequence_mask=True, mask_high=1.2),
+        LossConfig(type="cispo", aggregation="token-mean", kl_tau=0.1),
+    ],
+    ids=lambda c: f"{c.type}-{c.aggregation}",
+)
+def test_splitting_the_batch_does_not_change_the_gradient(tiny_model64, samples, loss_cfg):
+    reference = gradient(tiny_model64, make_batch(samples, LAYOUTS["1 micro-batch"]), loss_cfg)
+    for name, layout in LAYOUTS.items():
+        for micro_batch_size in (1, 2, 3):  # > 1: rows of unequal length padded into one forward
+            got = gradient(tiny_model64, make_batch(samples, layout), loss_cfg, micro_batch_size=micro_batch_size)
+            assert_same_gradient(got, reference), (name, micro_batch_size)
+    # Two data-parallel ranks, each scaled by data_parallel_scale(2), averaged as FSDP2 averages.
+    two_ranks = make_batch(samples, [[[0, 1, 2], [3]], [[4, 5], [6, 7]]])
+    shares = [gradient(tiny_model64, two_ranks, loss_cfg, rank=r, world_size=2) for r in (0, 1)]
+    assert data_parallel_scale(2) == 2.0
+    assert_same_gradient((shares[0] + shares[1]) / 2, reference)
+
+
+def test_ratio_one_gives_the_reinforce_gradient_on_the_model(tiny_model64):
+    rng = np.random.default_rng(1)
+    samples = random_samples(rng, LENGTHS)
+    set_behaviour_logprobs(tiny_model64, samples, noise=0.0, rng=rng)  # identical weights on both sides
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+
+    def reinforce(per_sample_weight) -> torch.Tensor:
+        """∇ of −Σ_i w_i Σ_t A_i·m_t·lp_t, written out directly."""
+        tiny_model64.zero_grad(set_to_none=True)
+        for mb in batch.for_rank(0):
+            ids, pos = torch.from_numpy(mb.input_ids).long(), torch.from_numpy(mb.position_ids).long()
+            lp, _ = packed_logprobs(tiny_model64, ids, pos, mb.sample_lengths)
+            weight = torch.repeat_interleave(
+                torch.tensor([per_sample_weight(mb, k) for k in range(mb.num_samples)], dtype=torch.float64),
+                torch.from_numpy(mb.sample_lengths).long(),
+            )
+            adv, mask = torch.from_numpy(mb.advantages).double(), torch.from_numpy(mb.loss_mask)
+            (-(weight * adv * lp * mask).sum()).backward()
+        return flat_grad(tiny_model64).clone()
+
+    def loss_tokens(mb, k):
+        start = int(mb.sample_lengths[:k].sum())
+        return int(mb.loss_mask[start : start + mb.sample_lengths[k]].sum())
+
+    token_mean = reinforce(lambda mb, k: 1 / batch.num_loss_tokens)
+    seq_mean = reinforce(lambda mb, k: 1 / (loss_tokens(mb, k) * batch.num_samples))
+    for name in ("aipo", "ppo_clip", "gspo", "cispo", "masked_is"):
+        for aggregation, expected in (("token-mean", token_mean), ("seq-mean-token-mean", seq_mean)):
+            got = gradient(tiny_model64, batch, LossConfig(type=name, aggregation=aggregation))
+            assert_same_gradient(got, expected)
+
+
+def test_step_metrics_match_hand_computed_values(tiny_model64):
+    rng = np.random.default_rng(2)
+    samples = random_samples(rng, LENGTHS)
+    # r = e^−1 ≈ 0.37 on every loss token: ppo_clip clips exactly the tokens of samples with A < 0.
+    set_behaviour_logprobs(tiny_model64, samples, noise=0.0, rng=rng, offset=-1.0)
+    batch = make_batch(samples, LAYOUTS["4 micro-batches"])
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2)
+    optimizer = build_optimizer(tiny_model64, cfg)
+    scheduler = build_scheduler(optimizer, cfg, None)
+    before = flat_grad_norm_reference(tiny_model64, batch)
+    metrics = train_step(
+        tiny_model64, optimizer, scheduler, batch, loss_cfg=LossConfig(type="ppo_clip"), max_grad_norm=1e9
+    ).metrics
+
+    loss_tokens = [int(np.count_nonzero(s["loss_mask"])) for s in samples]
+    adv = [float(s["advantages"][0]) for s in samples]
+    total = sum(loss_tokens)
+    clipped = sum(n for n, a in zip(loss_tokens, adv, strict=True) if a < 0)
+    r = math.exp(-1.0)
+    # Unclipped tokens (A > 0) contribute −r·A, clipped ones (A < 0) −0.8·A.
+    loss = sum(-(r if a > 0 else 0.8) * a * n for n, a in zip(loss_tokens, adv, strict=True)) / total
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-6)
+    assert metrics["clip_frac"] == pytest.approx(clipped / total)
+    assert metrics["mismatch_kl"] == pytest.approx(r - (-1.0) - 1.0, rel=1e-6)  # r − log r − 1
+    assert metrics["num_loss_tokens"] == total and metrics["num_tokens"] == sum(LENGTHS)
+    assert metrics["num_samples"] == 8
+    assert 0 < metrics["entropy"] <= math.log(1024)
+    assert metrics["grad_norm"] == pytest.approx(before, rel=1e-9)
+    assert metrics["lr"] == pytest.approx(0.5e-3) and metrics["skipped"] == 0
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the schedule advanced
+    assert all(p.grad is None for p in tiny_model64.parameters())
+
+
+def flat_grad_norm_reference(model, batch) -> float:
+    norm = gradient(model, batch, LossConfig(type="ppo_clip")).norm().item()
+    model.zero_grad(set_to_none=True)
+    return norm
+
+
+def test_gradients_are_clipped_to_max_grad_norm(tiny_model64, samples):
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    optimizer = torch.optim.SGD(tiny_model64.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    start = torch.cat([p.detach().flatten() for p in tiny_model64.parameters()])
+    compute_gradients(tiny_model64, batch, loss_cfg=LossConfig())
+    metrics = optimizer_step(tiny_model64, optimizer, scheduler, max_grad_norm=1e-3)
+    moved = torch.cat([p.detach().flatten() for p in tiny_model64.parameters()]) - start
+    assert metrics["grad_norm"] > 1e-3
+    assert moved.norm().item() == pytest.approx(1e-3, rel=1e-6)  # SGD at lr 1 moves by the clipped gradient
+
+
+def test_a_non_finite_gradient_skips_the_update(tiny_model64, samples):
+    samples[3]["advantages"][:] = np.nan
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    optimizer = build_optimizer(tiny_model64, OptimConfig(lr=1e-2))
+    scheduler = build_scheduler(optimizer, OptimConfig(lr=1e-2), None)
+    start = [p.detach().clone() for p in tiny_model64.parameters()]
+    metrics = train_step(tiny_model64, optimizer, scheduler, batch, loss_cfg=LossConfig(), max_grad_norm=1.0).metrics
+    assert metrics["skipped"] == 1 and not math.isfinite(metrics["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(start, tiny_model64.parameters(), strict=True))
+    assert optimizer.state == {} or all(not s for s in optimizer.state.values())
+
+
+def test_global_normalisers_below_the_local_counts_are_rejected(tiny_model64, samples):
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    batch.num_loss_tokens = 3
+    with pytest.raises(ValueError, match="global normalisers"):
+        compute_gradients(tiny_model64, batch, loss_cfg=LossConfig())
+
+
+def test_a_user_objective_trains_through_train_step(tiny_model64, samples, tmp_path, monkeypatch):
+    (tmp_path / "user_reinforce.py").write_text(
+        "import torch\nfrom gyre_trainer.loss import LossOutput\n\n"
+        "def loss(lp, behaviour, adv, mask, lengths, cfg):\n"
+        "    return LossOutput(torch.where(mask, -adv * lp, 0.0), {'user_frac': mask.double()})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    optimizer = build_optimizer(tiny_model64, OptimConfig())
+    scheduler = build_scheduler(optimizer, OptimConfig(), None)
+    metrics = train_step(
+        tiny_model64, optimizer, scheduler, batch, loss_cfg=LossConfig(type="user_reinforce:loss"), max_grad_norm=1.0
+    ).metrics
+    assert metrics["user_frac"] == pytest.approx(1.0) and metrics["grad_norm"] > 0
+
+
+def sft_rows(rng, lengths_per_row):
+    batches = [make_batch(random_samples(rng, lengths), [[list(range(len(lengths)))]]) for lengths in lengths_per_row]
+    return [b.for_rank(0)[0] for b in batches]
+
+
+def test_sft_loss_is_the_token_mean_cross_entropy_and_split_invariant(tiny_model64):
+    rows = sft_rows(np.random.default_rng(3), [[12, 7], [9], [15, 4, 6]])
+    global_tokens = sum(int(r.loss_mask.sum()) for r in rows)
+    grads = []
+    for micro_batch_size, parts in ((3, [rows]), (1, [rows]), (2, [rows[:1], rows[1:]])):
+        tiny_model64.zero_grad(set_to_none=True)
+        for part in parts:  # parts play data-parallel ranks: each normalises by the global count
+            compute_sft_gradients(
+                tiny_model64, part, micro_batch_size=micro_batch_size, global_loss_tokens=global_tokens
+            )
+        grads.append(flat_grad(tiny_model64).clone())
+    for g in grads[1:]:
+        assert_same_gradient(g, grads[0])
+    # Reference: transformers' own next-token loss, sample by sample, prompt tokens ignored.
+    total, count = 0.0, 0
+    for row in rows:
+        start = 0
+        for n in row.sample_lengths:
+            ids = torch.from_numpy(row.input_ids[start : start + n]).long().unsqueeze(0)
+            labels = torch.where(torch.from_numpy(row.loss_mask[start : start + n]), ids, -100)
+            with torch.no_grad():
+                out = tiny_model64(input_ids=ids, labels=labels)
+            k = int((labels[0, 1:] != -100).sum())
+            total, count = total + out.loss.item() * k, count + k
+            start += n
+    cfg = OptimConfig(lr=1e-3)
+    optimizer = build_optimizer(tiny_model64, cfg)
+    scheduler = build_scheduler(optimizer, cfg, None)
+    metrics = sft_step(tiny_model64, optimizer, scheduler, rows, max_grad_norm=1.0, micro_batch_size=2).metrics
+    assert count == global_tokens  # every loss token has a predecessor: prompts are never empty
+    assert metrics["loss"] == pytest.approx(total / count, rel=1e-7)  # transformers' loss runs in float32
+    assert metrics["num_loss_tokens"] == count and metrics["grad_norm"] > 0
+
+
+def test_sft_reduces_the_loss(tiny_model):
+    rows = sft_rows(np.random.default_rng(4), [[20, 12], [16, 16]])
+    cfg = OptimConfig(lr=1e-2)
+    optimizer = build_optimizer(tiny_model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, None)
+    losses = [sft_step(tiny_model, optimizer, scheduler, rows, max_grad_norm=1.0).metrics["loss"] for _ in range(12)]
+    assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process(tiny_model_dir, tiny_model64, samples, tmp_path):
+    """Real torch.distributed: the ranks' averaged gradient and the all-reduced metrics equal one process's."""
+    loss_cfg = LossConfig(type="ppo_clip", aggregation="seq-mean-token-mean")
+    layout = [[[0, 1, 2], [3]], [[4, 5], [6, 7]]]
+    out = tmp_path / "rank0.pt"
+    mp.spawn(
+        dp_worker,
+        args=(2, str(tmp_path / "init"), str(tiny_model_dir), samples, layout, loss_cfg, str(out)),
+        nprocs=2,
+        join=True,
+    )
+    got = torch.load(out)
+    tiny_model64.zero_grad(set_to_none=True)
+    single = compute_gradients(tiny_model64, make_batch(samples, [[[0, 1, 2], [3], [4, 5], [6, 7]]]), loss_cfg=loss_cfg)
+    assert_same_gradient(got["grad"], flat_grad(tiny_model64))
+    for key in ("loss", "entropy", "clip_frac", "num_tokens", "num_loss_tokens"):
+        assert got["metrics"][key] == pytest.approx(single[key], rel=1e-9), key
