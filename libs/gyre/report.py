@@ -1,7 +1,8 @@
 """`gyre report OUTPUT_DIR`: the run's curves as a PNG and a summary table, from its event logs.
 
-The same picture as the Grafana overview, without Grafana: reward and eval reward, step time,
-throughput, and async lag per step. Reads only ``{output_dir}/events/*.jsonl``.
+The same picture as the Grafana overview dashboard's main panels, without Grafana: reward and eval
+reward, step rate, step time, async lag, MFU, trainer and inference tokens/s, weight sync latency,
+stale and dropped samples, per step. Reads only ``{output_dir}/events/*.jsonl``.
 """
 
 from __future__ import annotations
@@ -70,50 +71,111 @@ def summarize(output_dir: Path, wall_seconds: float | None = None) -> str:
     return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])
 
 
+def _steps(events: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the events that have a finite `key`."""
+    pairs = [(e["step"], e.get(key)) for e in events if isinstance(e.get(key), int | float)]
+    pairs = [(s, float(v)) for s, v in pairs if math.isfinite(v)]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _per_wall_second(events: list[dict], key: str | None, window: int = 3) -> tuple[list[int], list[float]]:
+    """(step, per-second rate over the last `window` steps) of `key` (None: of steps themselves).
+
+    The wall clock of step s is its event's `time`; the run's start is taken as the first event's time
+    minus its own `step_seconds`, so step 1 has a rate too. A trailing window smooths steps that land
+    together (with max_async_level >= 1 batches can be pushed back to back).
+    """
+    ordered = sorted((e for e in events if "time" in e), key=lambda e: e["step"])
+    if not ordered:
+        return [], []
+    times = [ordered[0]["time"] - float(ordered[0].get("step_seconds") or 0.0)] + [e["time"] for e in ordered]
+    steps, rates = [], []
+    for i in range(1, len(times)):
+        j = max(0, i - window)
+        if times[i] <= times[j]:
+            continue
+        amount = i - j if key is None else sum(float(e.get(key) or 0) for e in ordered[j:i])
+        steps.append(ordered[i - 1]["step"])
+        rates.append(amount / (times[i] - times[j]))
+    return steps, rates
+
+
+def _line(ax, xs, ys, label: str, **kwargs) -> None:
+    if xs:
+        ax.plot(xs, ys, label=label, marker=".", **kwargs)
+
+
 def draw(output_dir: Path, path: Path | None = None) -> Path:
-    """Write ``report.png`` (2x2 panels) into the output folder and return its path."""
+    """Write ``report.png`` into the output folder and return its path.
+
+    The nine panels are the main panels of the Grafana overview dashboard (same titles, same order),
+    computed from the event logs instead of Prometheus: per step rather than per second, so a
+    counter's ``rate()`` becomes the step's tokens over its duration. Inference throughput is
+    approximated by the orchestrator's batch tokens (prompt + completion of kept samples) per second of
+    batch generation, since the event logs do not record the inference servers' own counters.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     ev = _load(output_dir)
-    trainer, orch, evals = ev["trainer"], ev["orchestrator"], ev["eval"]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    ax = axes[0][0]
-    if orch:
-        ax.plot([o["step"] for o in orch], [o.get("reward_mean") for o in orch], label="train reward", marker=".")
-    if evals:
-        ax.plot([e["step"] for e in evals], [e["avg_at_k"] for e in evals], label="eval reward", marker="o")
-    ax.set(title="Reward", xlabel="step", ylabel="reward")
-    ax.legend(loc="lower right")
-    ax = axes[0][1]
-    if trainer:
-        ax.plot(
-            [t["step"] for t in trainer], [t.get("step_seconds") for t in trainer], label="trainer step", marker="."
-        )
-    if orch:
-        ax.plot([o["step"] for o in orch], [o.get("step_seconds") for o in orch], label="batch generation", marker=".")
-    ax.set(title="Step time", xlabel="step", ylabel="seconds")
-    ax.legend(loc="upper right")
-    ax = axes[1][0]
-    if trainer:
-        ax.plot(
-            [t["step"] for t in trainer],
-            [t["num_tokens"] / t["step_seconds"] if t.get("step_seconds") else None for t in trainer],
-            label="trainer tokens/s",
-            marker=".",
-        )
-    ax.set(title="Throughput", xlabel="step", ylabel="tokens/s")
-    ax = axes[1][1]
-    if orch:
-        ax.plot([o["step"] for o in orch], [o.get("lag_mean") for o in orch], label="mean lag", marker=".")
-        ax.plot([o["step"] for o in orch], [o.get("lag_max") for o in orch], label="max lag", marker=".")
-    ax.set(title="Async lag (policy versions behind)", xlabel="step", ylabel="steps")
-    ax.legend(loc="upper right")
+    trainer, orch, evals, relay = ev["trainer"], ev["orchestrator"], ev["eval"], ev["relay"]
+    fig, axes = plt.subplots(3, 3, figsize=(15, 11), constrained_layout=True)
+    (reward, rate, step_time), (lag, mfu, train_tps), (infer_tps, sync, dropped) = axes
+
+    _line(reward, *_steps(orch, "reward_mean"), "train reward")
+    _line(reward, *_steps(evals, "avg_at_k"), "eval reward (avg@k)")
+    reward.set(title="Reward", xlabel="step", ylabel="reward")
+
+    for events, label in ((trainer, "trainer"), (orch, "orchestrator")):
+        xs, per_s = _per_wall_second(events, None)
+        _line(rate, xs, [60 * v for v in per_s], label)
+    rate.set(title="Step rate", xlabel="step", ylabel="steps/min")
+
+    _line(step_time, *_steps(trainer, "step_seconds"), "trainer compute")
+    _line(step_time, *_steps(orch, "step_seconds"), "batch generation")
+    step_time.set(title="Step time", xlabel="step", ylabel="seconds")
+
+    _line(lag, *_steps(orch, "lag_mean"), "mean")
+    _line(lag, *_steps(orch, "lag_max"), "max")
+    lag.set(title="Async lag", xlabel="step", ylabel="steps")
+
+    xs, ys = _steps(trainer, "mfu")
+    _line(mfu, xs, [100 * y for y in ys], "mean over ranks")
+    mfu.set(title="MFU", xlabel="step", ylabel="%")
+
+    _line(train_tps, *_per_wall_second(trainer, "num_tokens"), "per wall second")
+    per_compute = [(t["step"], t["num_tokens"] / t["step_seconds"]) for t in trainer if t.get("step_seconds")]
+    _line(train_tps, [s for s, _ in per_compute], [v for _, v in per_compute], "per compute second")
+    train_tps.set(title="Trainer tokens/s", xlabel="step", ylabel="tokens/s")
+
+    gen = [(o["step"], o["num_tokens"] / o["step_seconds"]) for o in orch if o.get("step_seconds")]
+    _line(infer_tps, [s for s, _ in gen], [v for _, v in gen], "batch tokens per generation second")
+    infer_tps.set(title="Inference tokens/s", xlabel="step", ylabel="tokens/s")
+
+    for replica in sorted({r["replica"] for r in relay}):
+        ok = [r for r in relay if r["replica"] == replica and r.get("ok")]
+        _line(sync, [r["step"] for r in ok], [r["seconds"] for r in ok], f"UpdateWeights {replica}")
+    sync.set(title="Weight sync latency", xlabel="step", ylabel="seconds")
+
+    steps = [o["step"] for o in orch]
+    dropped.bar([s - 0.2 for s in steps], [o.get("dropped_stale", 0) for o in orch], width=0.4, label="stale samples")
+    dropped.bar(
+        [s + 0.2 for s in steps], [o.get("dropped_zero_signal", 0) for o in orch], width=0.4, label="zero-signal"
+    )
+    most = max([o.get("dropped_stale", 0) for o in orch] + [o.get("dropped_zero_signal", 0) for o in orch] + [0])
+    dropped.set(title="Stale and dropped samples", xlabel="step", ylabel="per step", ylim=(0, max(1, 1.1 * most)))
+
+    for ax in axes.flat:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize="small")
+        ax.grid(alpha=0.3)
     fig.suptitle(f"gyre run: {Path(output_dir).name}")
     path = path or Path(output_dir) / "report.png"
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
 

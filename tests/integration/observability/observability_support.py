@@ -152,12 +152,18 @@ def query_variables(model: dict) -> list[Variable]:
     return out
 
 
+def promql_regex_escape(value: str) -> str:
+    """Escape regex metacharacters inside a PromQL string literal, as Grafana does (`a.b` -> `a\\\\.b`):
+    the backslash itself must be doubled because the regex lives in a double-quoted string."""
+    return re.sub(r"([\\.+*?^$()\[\]{}|])", r"\\\\\1", value)
+
+
 def substitute(expr: str, values: dict[str, list[str]], rate_interval: str) -> str:
     """Grafana's interpolation for the variables the dashboards use: `=~` selectors get a regex
     alternation of the chosen values; `$__rate_interval` becomes a fixed window."""
     expr = expr.replace("$__rate_interval", rate_interval)
     for name, chosen in sorted(values.items(), key=lambda kv: -len(kv[0])):
-        regex = "|".join(re.escape(v) for v in chosen) if len(chosen) > 1 else re.escape(chosen[0])
+        regex = "|".join(promql_regex_escape(v) for v in chosen)
         expr = expr.replace(f"${{{name}}}", regex).replace(f"${name}", regex)
     assert "$" not in expr, f"unsubstituted variable left in {expr!r}"
     return expr

@@ -1,0 +1,83 @@
+"""`gyre report`: the overview dashboard's main panels drawn from event logs (PNG), and the per-second
+rates it derives from event times."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import pytest
+from gyre.events import EventLog
+from gyre.report import _per_wall_second, draw
+from observability_support import ROOT, dashboards
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def write_run(out, steps: int = 4) -> None:
+    """Event logs of a small run, shaped like the services write them (docs/architecture.md)."""
+    with EventLog(out / "events" / "trainer_steps.jsonl") as log:
+        for s in range(1, steps + 1):
+            log.append(
+                {"step": s, "loss": 0.1 / s, "entropy": 6.0, "mismatch_kl": 0.01, "grad_norm": 0.5, "lr": 1e-3,
+                 "num_tokens": 600, "num_samples": 16, "step_seconds": 2.0, "mfu": 0.01 * s,
+                 "min_version": s - 2, "max_version": s - 1, "time": 1000.0 + 5 * s}
+            )  # fmt: skip
+    with EventLog(out / "events" / "orchestrator_steps.jsonl") as log:
+        for s in range(1, steps + 1):
+            log.append(
+                {"step": s, "reward_mean": 0.1 * s, "reward_std": 0.1, "num_samples": 16, "dropped_stale": s % 2,
+                 "dropped_zero_signal": 0, "min_version": s - 2, "max_version": s - 1, "lag_mean": 0.5,
+                 "lag_max": 1, "num_tokens": 600, "step_seconds": 4.0, "time": 998.0 + 5 * s}
+            )  # fmt: skip
+    with EventLog(out / "events" / "weight_relay.jsonl") as log:
+        for s in range(1, steps + 1):
+            log.append({"step": s, "replica": "http://127.0.0.1:1", "ok": True, "seconds": 0.2, "time": 1001.0 + 5 * s})
+    with EventLog(out / "events" / "eval.jsonl") as log:
+        log.append({"step": 0, "env": "reverse_text", "avg_at_k": float("nan"), "pass_at_k": 0.0, "k": 1,
+                    "num_examples": 4, "time": 999.0})  # fmt: skip
+        log.append({"step": 2, "env": "reverse_text", "avg_at_k": 0.3, "pass_at_k": 0.0, "k": 1,
+                    "num_examples": 4, "time": 1011.0})  # fmt: skip
+
+
+def test_rates_come_from_event_times_over_a_trailing_window():
+    events = [{"step": s, "time": 100.0 + 10 * s, "step_seconds": 4.0, "num_tokens": 50 * s} for s in (1, 2, 3, 4)]
+    steps, per_s = _per_wall_second(events, None, window=2)
+    # the run starts at time(1) - step_seconds(1) = 106; step 1 took 4 s, later ones 10 s each
+    assert steps == [1, 2, 3, 4]
+    assert per_s == pytest.approx([1 / 4, 2 / 14, 2 / 20, 2 / 20])
+    steps, tokens = _per_wall_second(events, "num_tokens", window=2)
+    assert tokens == pytest.approx([50 / 4, (50 + 100) / 14, (100 + 150) / 20, (150 + 200) / 20])
+    assert _per_wall_second([], "num_tokens") == ([], [])
+
+
+def test_draws_the_overview_panels(tmp_path):
+    write_run(tmp_path)
+    png = draw(tmp_path)
+    assert png == tmp_path / "report.png"
+    assert png_size(png) == (1200, 880)  # 3 x 3 panels, 15 x 11 in at 80 dpi
+    overview = dashboards()["overview.json"]
+    main_titles = {p["title"] for p in overview["panels"] if p["type"] == "timeseries"}
+    for title in ("Reward", "Step rate", "Step time", "Async lag", "MFU", "Trainer tokens/s",
+                  "Inference tokens/s", "Weight sync latency", "Stale and dropped samples"):  # fmt: skip
+        assert title in main_titles, f"the report draws {title!r}, which the overview dashboard lacks"
+
+
+def test_report_cli_on_an_empty_and_on_a_non_run_folder(tmp_path):
+    (tmp_path / "run" / "events").mkdir(parents=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "report", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert png_size(tmp_path / "x.png") == (1200, 880)
+    bad = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "report", str(tmp_path / "nothing")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "not a gyre run output" in bad.stderr
