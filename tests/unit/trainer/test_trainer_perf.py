@@ -1,0 +1,106 @@
+"""FLOPs per token, peak FLOP/s and the MFU meter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gyre_trainer import perf
+from gyre_trainer.perf import MFUMeter, effective_seq_len, flops_per_token, gpu_peak_flops, non_embedding_params
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def counted_non_embedding(model) -> int:
+    """Stored parameters minus the input embedding table (a tied head is counted once, as the head)."""
+    total = sum(p.numel() for p in model.parameters())
+    if model.config.tie_word_embeddings:
+        return total  # the shared matrix is the LM head's; the lookup costs no matmul
+    return total - model.get_input_embeddings().weight.numel()
+
+
+def test_non_embedding_params_of_the_tiny_model(tiny_model):
+    assert non_embedding_params(tiny_model.config) == counted_non_embedding(tiny_model)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+        {"num_key_value_heads": 1, "head_dim": 48, "tie_word_embeddings": False},
+    ],
+)
+def test_non_embedding_params_of_gqa_bias_and_tied_variants(overrides):
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        **overrides,
+    )
+    assert non_embedding_params(config) == counted_non_embedding(LlamaForCausalLM(config))
+
+
+def test_flops_per_token_formula():
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4
+    )
+    n = non_embedding_params(config)
+    assert flops_per_token(config, 100) == 6 * n + 12 * 3 * 64 * 100
+    assert flops_per_token(config, 0, num_params=10) == 60
+
+
+def test_effective_seq_len_weights_each_token_by_its_own_sample():
+    assert effective_seq_len([4]) == 4
+    assert effective_seq_len([2, 6]) == pytest.approx((4 + 36) / 8)  # 5, not the row's 8 nor the mean 4
+    assert effective_seq_len([]) == 0
+
+
+def test_gpu_peak_table_matches_device_names():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA H100 NVL") == 835e12
+    assert gpu_peak_flops("NVIDIA H200") == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_peak_flops("NVIDIA L40S") == 362e12
+    assert gpu_peak_flops("NVIDIA L4") == 121e12
+    assert gpu_peak_flops("NVIDIA A10") == 125e12
+    assert gpu_peak_flops("NVIDIA GeForce GTX 1080") is None  # not in the table: measured instead
+
+
+def test_cpu_peak_is_measured_once_per_process(monkeypatch):
+    calls = []
+
+    def fake_measure(device, dtype, size=None, seconds=0.3):
+        calls.append((device, dtype))
+        return 1.5e11
+
+    monkeypatch.setattr(perf, "_MEASURED", {})
+    monkeypatch.setattr(perf, "measure_matmul_peak", fake_measure)
+    assert perf.peak_flops("cpu", torch.float32) == 1.5e11
+    assert perf.peak_flops(torch.device("cpu"), torch.float32) == 1.5e11
+    assert len(calls) == 1
+
+
+def test_measured_matmul_peak_is_a_plausible_rate():
+    peak = perf.measure_matmul_peak(torch.device("cpu"), torch.float32, size=256, seconds=0.05)
+    assert 1e8 < peak < 1e14  # between a 2010 laptop core and a whole modern server
+
+
+def test_mfu_meter_by_hand():
+    meter = MFUMeter(flops_per_token=1e6, peak_flops=1e10, world_size=2)
+    reading = meter.update(tokens=4000, seconds=2.0)
+    assert reading.tokens_per_s == 2000
+    assert reading.mfu == pytest.approx(2000 * 1e6 / 2e10)
+    meter.update(tokens=2000, seconds=2.0)
+    assert meter.total().tokens_per_s == 1500
+    assert meter.reading(10, 0.0).mfu == 0.0
+    with pytest.raises(ValueError):
+        MFUMeter(0.0, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_peak_comes_from_the_table_or_a_measurement():
+    peak = perf.peak_flops("cuda", torch.bfloat16)
+    table = gpu_peak_flops(torch.cuda.get_device_name())
+    assert peak == table if table else peak > 1e12
