@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gyre.config.loader import Section
 from gyre.config.shared import ModelConfig, ServiceConfig
@@ -108,10 +108,18 @@ class SFTDataConfig(Section):
     path: Path | None = Field(None, description="Chat-format JSONL ({'messages': [...]}) to train on.")
     fake: bool = Field(False, description="Train on generated data instead of data.path.")
     env: str | None = Field(None, description="Generate SFT data from this environment's reference answers.")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="Arguments of the environment (data.env).")
     num_examples: int = Field(2000, ge=1, description="Examples to generate (fake/env modes).")
     seq_len: int = Field(512, ge=16, description="Tokens per packed row.")
     batch_size: int = Field(16, ge=1, description="Packed rows per optimiser step.")
     micro_batch_size: int = Field(4, ge=1, description="Packed rows per forward/backward.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SFTDataConfig:
+        sources = [name for name, on in (("path", self.path is not None), ("fake", self.fake), ("env", self.env)) if on]
+        if len(sources) != 1:
+            raise ValueError(f"set exactly one of data.path, data.fake, data.env (got {sources or 'none'})")
+        return self
 
 
 class SFTConfig(ServiceConfig):
@@ -124,5 +132,6 @@ class SFTConfig(ServiceConfig):
     max_steps: int = Field(200, ge=1, description="Optimiser steps.")
     epochs: int | None = Field(None, ge=1, description="Stop after this many passes over the data.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
-    seed: int = Field(0, description="Random seed.")
+    seed: int = Field(0, description="Random seed (model init order, data shuffling, generated data).")
+    deterministic: bool = Field(False, description="Deterministic torch algorithms (tests).")
     save_dir: Path | None = Field(None, description="Where the final HF model goes (default: {output_dir}/sft).")

@@ -302,8 +302,11 @@ def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu
     return record
 
 
-def run(cfg: TrainerConfig) -> int:
-    """Run the trainer until `max_steps` or SIGTERM/SIGINT (which finish the current step first)."""
+def run(cfg: TrainerConfig, *, handle_signals: bool = True) -> int:
+    """Run the trainer until `max_steps` or SIGTERM/SIGINT (which finish the current step first).
+
+    `handle_signals=False` leaves the process's signal handlers alone (a trainer embedded in a test).
+    """
     ctx = dist.init_distributed(cfg.device)
     trainer = Trainer(cfg, ctx)
 
@@ -311,8 +314,9 @@ def run(cfg: TrainerConfig) -> int:
         log.info("signal %d: finishing the current step, then stopping", signum)
         trainer.stop_requested.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, request_stop)
+    if handle_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, request_stop)
     try:
         return trainer.run()
     finally:

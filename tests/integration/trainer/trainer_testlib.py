@@ -141,3 +141,72 @@ def load_weights(folder: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(Path(folder) / "model.safetensors")
+
+
+class RecordingOrchestrator:
+    """A real gRPC `gyre.v1.Orchestrator` server that records every NotifyWeights call.
+
+    `port` may be fixed (to bring an orchestrator "back up" on the address a trainer already uses).
+    """
+
+    def __init__(self, port: int = 0, token: str | None = None):
+        from concurrent import futures
+
+        import grpc
+        from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+        calls = self.calls = []
+        self.metadata: list[dict] = []
+        outer = self
+
+        class Servicer(orchestrator_pb2_grpc.OrchestratorServicer):
+            def NotifyWeights(self, request, context):  # noqa: N802
+                meta = dict(context.invocation_metadata())
+                outer.metadata.append(meta)
+                if token and meta.get("authorization") != f"Bearer {token}":
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad token")
+                calls.append((request.step, request.path, request.digest))
+                return orchestrator_pb2.NotifyWeightsResponse(accepted=True, latest_step=request.step)
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        self.server.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def steps(self) -> list[int]:
+        return [step for step, _, _ in self.calls]
+
+    def stop(self) -> None:
+        self.server.stop(0).wait()
+
+
+def run_in_process(argv: list[str]) -> int:
+    """`gyre trainer argv` inside this process (use with the `isolated_torch_state` fixture)."""
+    from gyre.config import load_config
+    from gyre.config.trainer import TrainerConfig
+    from gyre_trainer import service
+
+    return service.run(load_config(TrainerConfig, argv), handle_signals=False)
+
+
+def torchrun(argv: list[str], log_path: Path, nproc: int = 2, timeout: float = 300) -> int:
+    """`torchrun --standalone --nproc-per-node nproc -m gyre_trainer.main argv`; returns the exit code."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [*cmd, "-m", "gyre_trainer.main", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            return proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                kill_group(proc)

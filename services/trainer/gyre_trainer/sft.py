@@ -1,0 +1,338 @@
+"""`gyre sft`: supervised fine-tuning on chat conversations, loss on assistant tokens only.
+
+    gyre sft --model.name outputs/model --data.path chats.jsonl --max-steps 300
+    gyre sft --model.name outputs/model --data.env reverse_text --data.num-examples 2000
+    gyre sft --model.name outputs/model --data.fake                 # generated data, no files needed
+    torchrun --nproc-per-node 2 -m gyre_trainer.sft ...             # FSDP2, like the RL trainer
+
+Data: one source out of `data.path` (JSONL, one `{"messages": [...], "tools": [...]?}` per line),
+`data.env` (an environment's reference answers, `Environment.sft_example`) or `data.fake`
+(deterministic copy/count conversations). Every conversation is rendered with the tokenizer's chat
+template; the template's `{% generation %}` markers give the assistant-token mask (so a tool call
+and the end-of-turn token are learned, prompts and tool outputs are not). Conversations are
+packed back to back into rows of `data.seq_len` tokens (position ids restart per conversation, so
+attention never crosses them); one that does not fit is truncated, and said so.
+
+Step `s` always trains the same rows (epoch and offset follow from `s`; each epoch is a seeded
+shuffle), so resuming from a checkpoint continues the exact data order. The result is a
+servable HF folder (`save_dir`, default `{output_dir}/sft`) that `model.name` of an RL run can use.
+Checkpoints go to `{output_dir}/checkpoints/sft/` with the trainer's machinery; one line per step
+is appended to `{output_dir}/events/sft_steps.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gyre.config import parse_or_exit
+from gyre.config.trainer import SFTConfig, SFTDataConfig
+from gyre.logging import setup_logging
+
+log = logging.getLogger(__name__)
+
+SFT_STEPS = "sft_steps.jsonl"
+
+
+class SFTDataError(ValueError):
+    """The dataset is unusable; the message names the file and line (or the setting) at fault."""
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class PackedRow:
+    """Conversations back to back: what `gyre_trainer.step.sft_step` trains on (numpy, length T)."""
+
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # bool: assistant tokens
+    sample_lengths: np.ndarray  # int32, sums to T
+
+
+# ---- data sources -----------------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[Conversation]:
+    """Every line of `path` as a conversation; the first bad line is an `SFTDataError` naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SFTDataError(f"data.path {path}: {e.strerror or e}") from None
+    conversations = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            raise SFTDataError(f"{where}: not JSON ({e})") from None
+        messages = doc.get("messages") if isinstance(doc, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise SFTDataError(f'{where}: expected {{"messages": [...]}} with at least one message')
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise SFTDataError(f"{where}: messages[{i}] must be an object with a role")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise SFTDataError(f"{where}: no assistant message, nothing to learn")
+        tools = doc.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise SFTDataError(f"{where}: tools must be a list of function schemas")
+        conversations.append(Conversation(messages, tools))
+    if not conversations:
+        raise SFTDataError(f"data.path {path}: no conversations")
+    return conversations
+
+
+def environment_conversations(name: str, args: dict[str, Any], num: int, seed: int) -> list[Conversation]:
+    """The first `num` train tasks of environment `name` with their reference replies."""
+    from gyre.envs import load_environment
+
+    env = load_environment(name, **args)
+    source = env.tasks("train", seed=seed)
+    return [Conversation(env.sft_example(source[i]), env.tool_schemas) for i in range(num)]
+
+
+_WORDS = ("apple", "river", "stone", "cloud", "green", "quick", "seven", "tiger", "lemon", "paper", "north", "light")
+
+
+def fake_conversations(num: int, seed: int) -> list[Conversation]:
+    """Deterministic, learnable chats: repeat some words, or count between two numbers."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        if rng.random() < 0.5:
+            words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 6)))
+            prompt, answer = f"Repeat: {words}", words
+        else:
+            start = rng.randint(0, 20)
+            stop = start + rng.randint(2, 6)
+            prompt, answer = f"Count from {start} to {stop}.", " ".join(str(n) for n in range(start, stop + 1))
+        out.append(Conversation([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]))
+    return out
+
+
+def load_conversations(data: SFTDataConfig, seed: int) -> list[Conversation]:
+    if data.path is not None:
+        return read_jsonl(data.path)
+    if data.env:
+        return environment_conversations(data.env, data.env_args, data.num_examples, seed)
+    return fake_conversations(data.num_examples, seed)
+
+
+# ---- tokenisation and packing -----------------------------------------------------------------------
+
+
+def tokenize(conversation: Conversation, tokenizer) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered chat and the assistant mask from the template's generation markers."""
+    out = tokenizer.apply_chat_template(
+        conversation.messages,
+        tools=conversation.tools,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    if mask:
+        mask[0] = False  # the first token of a sample is never in the loss (nothing predicts it)
+    return ids, mask
+
+
+def pack(samples: Iterable[tuple[list[int], list[bool]]], seq_len: int) -> tuple[list[PackedRow], int, int]:
+    """Greedy in-order packing into rows of at most `seq_len` tokens; returns (rows, truncated, dropped).
+
+    A sample longer than `seq_len` is cut to `seq_len`; a sample with no loss token (left) is dropped.
+    """
+    rows: list[PackedRow] = []
+    row: list[tuple[list[int], list[bool]]] = []
+    used = truncated = dropped = 0
+    for ids, mask in samples:
+        if len(ids) > seq_len:
+            truncated += 1
+            ids, mask = ids[:seq_len], mask[:seq_len]
+        if not any(mask):
+            dropped += 1
+            continue
+        if used + len(ids) > seq_len:
+            rows.append(_packed_row(row))
+            row, used = [], 0
+        row.append((ids, mask))
+        used += len(ids)
+    if row:
+        rows.append(_packed_row(row))
+    return rows, truncated, dropped
+
+
+def _packed_row(samples: list[tuple[list[int], list[bool]]]) -> PackedRow:
+    return PackedRow(
+        input_ids=np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in samples]),
+        loss_mask=np.concatenate([np.asarray(mask, dtype=np.bool_) for _, mask in samples]),
+        sample_lengths=np.asarray([len(ids) for ids, _ in samples], dtype=np.int32),
+    )
+
+
+def prepare_rows(cfg: SFTConfig, tokenizer) -> list[PackedRow]:
+    """Load, render, mask and pack the dataset; `SFTDataError` when it cannot fill one batch."""
+    data = cfg.data
+    conversations = load_conversations(data, cfg.seed)
+    rows, truncated, dropped = pack((tokenize(c, tokenizer) for c in conversations), data.seq_len)
+    if dropped == len(conversations):
+        raise SFTDataError(
+            "no conversation has an assistant token to learn: does the chat template mark assistant turns "
+            "with {% generation %} ... {% endgeneration %}?"
+        )
+    if truncated or dropped:
+        log.warning("%d of %d conversations were cut to data.seq_len=%d; %d had nothing to learn and were dropped",
+                    truncated, len(conversations), data.seq_len, dropped)  # fmt: skip
+    if len(rows) < data.batch_size:
+        raise SFTDataError(
+            f"{len(conversations)} conversations pack into {len(rows)} rows of {data.seq_len} tokens, fewer "
+            f"than data.batch_size={data.batch_size}: add data or lower data.batch_size / data.seq_len"
+        )
+    log.info("%d conversations -> %d rows of <= %d tokens", len(conversations), len(rows), data.seq_len)
+    return rows
+
+
+def rows_for_step(rows: list[PackedRow], step: int, batch_size: int, seed: int) -> tuple[int, list[PackedRow]]:
+    """(epoch, rows) of optimizer step `step` (1-based): a pure function, so resumes continue exactly."""
+    steps_per_epoch = len(rows) // batch_size
+    epoch, index = divmod(step - 1, steps_per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(len(rows))
+    return epoch, [rows[i] for i in order[index * batch_size : (index + 1) * batch_size]]
+
+
+# ---- training -----------------------------------------------------------------------------------
+
+
+def run(cfg: SFTConfig) -> int:
+    from gyre.events import EventLog, events_dir
+    from tqdm import tqdm
+
+    from gyre_trainer import dist
+    from gyre_trainer.checkpoint import CheckpointManager, plan_resume
+    from gyre_trainer.model import load_model, load_tokenizer, resolve_dtype
+    from gyre_trainer.optim import build_optimizer, build_scheduler
+    from gyre_trainer.step import sft_step
+
+    ctx = dist.init_distributed(cfg.device)
+    try:
+        data = cfg.data
+        if data.batch_size % ctx.world_size or (data.batch_size // ctx.world_size) < 1:
+            raise SFTDataError(f"data.batch_size={data.batch_size} must be a multiple of the {ctx.world_size} ranks")
+        dist.seed_everything(cfg.seed, cfg.deterministic)
+        rows = prepare_rows(cfg, load_tokenizer(cfg.model))
+        steps_per_epoch = len(rows) // data.batch_size
+        total = min(cfg.max_steps, cfg.epochs * steps_per_epoch) if cfg.epochs else cfg.max_steps
+        log.info("%d steps per epoch; training %d steps", steps_per_epoch, total)
+
+        dtype = resolve_dtype(cfg.model.dtype, ctx.device)
+        model = dist.shard_model(load_model(cfg.model, ctx.device, dtype), ctx)
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, total)
+        output_dir = Path(cfg.output_dir)
+        checkpoints = CheckpointManager(
+            output_dir / "checkpoints" / "sft", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
+        )
+        plan = plan_resume(cfg.ckpt.resume_step, checkpoints.steps(), None)
+        if ctx.is_main and plan.discard_after is not None:
+            checkpoints.discard_after(plan.discard_after)
+        dist.barrier(ctx)
+        start = plan.checkpoint_step or 0
+        if start:
+            checkpoints.load(start, model, optimizer, scheduler)
+
+        events = EventLog(events_dir(output_dir) / SFT_STEPS) if ctx.is_main else None
+        bar = tqdm(total=total, initial=start, desc="sft", unit="step", disable=not ctx.is_main, file=sys.stderr)
+        for step in range(start + 1, total + 1):
+            epoch, batch = rows_for_step(rows, step, data.batch_size, cfg.seed)
+            began = time.perf_counter()
+            metrics = sft_step(
+                model,
+                optimizer,
+                scheduler,
+                batch[ctx.rank :: ctx.world_size],
+                max_grad_norm=cfg.optim.max_grad_norm,
+                micro_batch_size=data.micro_batch_size,
+                world_size=ctx.world_size,
+            ).metrics
+            record = {"step": step, "epoch": epoch, **metrics, "step_seconds": time.perf_counter() - began}
+            if events:
+                events.append(record)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch)
+            bar.update(1)
+            if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
+                checkpoints.save(step, model, optimizer, scheduler, record)
+        bar.close()
+        save_dir = Path(cfg.save_dir) if cfg.save_dir else output_dir / "sft"
+        state_dict = dist.full_state_dict(model, ctx)
+        if ctx.is_main:
+            save_hf_model(save_dir, state_dict, model.config, cfg.model.name)
+            log.info("SFT done after %d steps: %s (use it as model.name)", total, save_dir)
+            events.close()
+        dist.barrier(ctx)
+        return 0
+    finally:
+        dist.shutdown(ctx)
+
+
+def save_hf_model(save_dir: Path, state_dict, config, base_model: str) -> Path:
+    """Write the HF folder next to `save_dir` and swap it in with renames: never half a model there."""
+    from gyre.fsio import fsync_dir
+
+    from gyre_trainer.publish import write_hf_folder
+
+    save_dir = Path(save_dir)
+    save_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = save_dir.parent / f".tmp-{save_dir.name}-{uuid.uuid4().hex}"
+    try:
+        write_hf_folder(tmp, state_dict, config, base_model)
+        for file in tmp.iterdir():
+            fd = os.open(file, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        old = None
+        if save_dir.exists():
+            old = save_dir.parent / f".tmp-old-{save_dir.name}-{uuid.uuid4().hex}"
+            os.rename(save_dir, old)
+        os.rename(tmp, save_dir)
+        fsync_dir(save_dir.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return save_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = parse_or_exit(SFTConfig, argv, "gyre sft")
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}")
+    try:
+        return run(cfg)
+    except SFTDataError as e:
+        print(f"gyre sft: error: {e}", file=sys.stderr)
+        return 2
+    except Exception:
+        log.exception("sft failed")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""Exactly-once training across crashes: real Redis, a trainer subprocess killed with SIGKILL, restarts.
+
+Every run checkpoints every step (`ckpt.interval=1`), so besides "each step trained once, in order"
+the final weights must equal an uninterrupted run's bit for bit (deterministic mode, one thread).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from gyre.streams import BatchStream
+from trainer_testlib import (
+    child_env,
+    kill_group,
+    load_weights,
+    push_batches,
+    start_trainer,
+    trained_steps,
+    trainer_args,
+    wait_for_steps,
+)
+
+STEPS = 6
+pytestmark = pytest.mark.slow
+
+
+def run_to_end(argv, log, env=None, timeout=180) -> int:
+    proc = start_trainer(argv, log, env)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, redis_url, tmp_path_factory):
+    """Final weights of a run that trains steps 1..STEPS without interruption."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    stream = BatchStream(redis_url, "exactly-once-baseline")
+    stream.redis.delete(stream.key)
+    push_batches(stream, range(1, STEPS + 1))
+    argv = trainer_args(tiny_model, out, redis_url, "exactly-once-baseline", STEPS, **{"ckpt.interval": 1})
+    assert run_to_end(argv, out / "trainer.log") == 0, (out / "trainer.log").read_text()
+    assert trained_steps(out) == list(range(1, STEPS + 1))
+    return load_weights(out / "weights" / f"step_{STEPS}")
+
+
+def assert_same_weights(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), f"{name} differs from the uninterrupted run"
+
+
+def assert_exactly_once(out, stream) -> None:
+    assert trained_steps(out) == list(range(1, STEPS + 1))  # every step once, in order
+    assert stream.pending().count == 0  # and every batch acked
+
+
+def test_sigkill_mid_run_then_restart(tiny_model, redis_url, unique_run_id, tmp_path, uninterrupted):
+    stream = BatchStream(redis_url, unique_run_id)
+    push_batches(stream, range(1, STEPS + 1))
+    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
+    log = tmp_path / "trainer.log"
+    proc = start_trainer(argv, log)
+    try:
+        done = wait_for_steps(tmp_path, 2, proc, timeout=120)
+        assert proc.poll() is None, f"trainer exited early after {done}: {log.read_text()[-3000:]}"
+    finally:
+        kill_group(proc, signal.SIGKILL)  # wherever it is in step 3: training, checkpointing, publishing...
+    assert proc.returncode == -signal.SIGKILL
+    killed_after = trained_steps(tmp_path)
+    assert killed_after == list(range(1, len(killed_after) + 1)) and len(killed_after) < STEPS
+
+    assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
+    assert_exactly_once(tmp_path, stream)
+    assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
+
+
+def test_crash_in_every_commit_window(tiny_model, redis_url, unique_run_id, tmp_path, uninterrupted):
+    """Die at each point between training a step and acking it; the restarted trainer must neither
+    lose nor repeat a step (see gyre_trainer.checkpoint.plan_resume for the reasoning per window)."""
+    stream = BatchStream(redis_url, unique_run_id)
+    push_batches(stream, range(1, STEPS + 1))
+    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
+    log = tmp_path / "trainer.log"
+    windows = ["after_train:2", "after_checkpoint:3", "after_publish:4", "after_log:5"]
+    for point in windows:
+        env = {**child_env(), "GYRE_TRAINER_CRASH_AT": point}
+        assert run_to_end(argv, log, env) == -signal.SIGKILL, f"no crash at {point}: {log.read_text()[-3000:]}"
+    assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
+    assert_exactly_once(tmp_path, stream)
+    assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)

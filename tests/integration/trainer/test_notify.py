@@ -1,0 +1,136 @@
+"""Weights out, end to end: a trainer subprocess on a real Redis publishes every step, a real gRPC
+orchestrator hears about each one, malformed entries are dead-lettered, and a down orchestrator
+never hurts the trainer."""
+
+from __future__ import annotations
+
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from gyre.net import free_port
+from gyre.streams import BatchStream
+from gyre.v1 import trainer_pb2, trainer_pb2_grpc
+from gyre.weights import PublishedWeights, WeightStore
+from gyre_trainer.publish import WeightsNotifier
+from trainer_testlib import (
+    RecordingOrchestrator,
+    encode_batch,
+    kill_group,
+    make_batch,
+    start_trainer,
+    trained_steps,
+    trainer_args,
+    wait_for_steps,
+)
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not reached within {timeout}s")
+
+
+def fake_version(tmp_path, step: int) -> PublishedWeights:
+    return PublishedWeights(step, tmp_path / f"step_{step}", f"{step:064x}")
+
+
+def test_notifier_delivers_every_version_in_order_with_token(tmp_path):
+    orchestrator = RecordingOrchestrator(token="s3cret")
+    notifier = WeightsNotifier(orchestrator.address, timeout_s=2, control_token="s3cret")
+    try:
+        for step in (1, 2, 3):
+            notifier.notify(fake_version(tmp_path, step))
+        assert notifier.flush(timeout=10)
+        assert orchestrator.calls == [(s, str(tmp_path / f"step_{s}"), f"{s:064x}") for s in (1, 2, 3)]
+        assert notifier.delivered == [1, 2, 3]
+    finally:
+        notifier.close()
+        orchestrator.stop()
+
+
+def test_down_orchestrator_delays_notifications_and_never_raises(tmp_path):
+    port = free_port()
+    notifier = WeightsNotifier(f"127.0.0.1:{port}", timeout_s=0.5, retry_initial_s=0.1, retry_max_s=0.4)
+    try:
+        start = time.monotonic()
+        notifier.notify(fake_version(tmp_path, 1))
+        notifier.notify(fake_version(tmp_path, 2))
+        assert time.monotonic() - start < 0.1  # notify() never blocks the training loop
+        wait_until(lambda: notifier.failures >= 3, what="retries")
+        assert notifier.delivered == []
+        orchestrator = RecordingOrchestrator(port=port)  # the orchestrator comes (back) up
+        try:
+            wait_until(lambda: notifier.delivered, what="delivery after the orchestrator came up")
+            # version 1 kept failing while version 2 waited: only the newest matters, 1 was dropped
+            assert orchestrator.steps() == [2]
+        finally:
+            orchestrator.stop()
+    finally:
+        start = time.monotonic()
+        notifier.close(timeout=1.0)
+        assert time.monotonic() - start < 5
+
+
+@pytest.mark.slow
+def test_trainer_publishes_notifies_and_dead_letters(tiny_model, redis_url, unique_run_id, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    stream = BatchStream(redis_url, unique_run_id)
+    stream.push(1, encode_batch(make_batch(1)))
+    stream.redis.xadd(stream.key, {"step": "2", "schema": "1", "payload": b"not msgpack"})
+    stream.push(2, encode_batch(make_batch(2, ranks=2, rows_per_rank=1)))  # split for 2 ranks
+    stream.push(2, encode_batch(make_batch(2)))
+    stream.push(3, encode_batch(make_batch(3)), path_threshold=64, spill_dir=tmp_path / "out" / "batches")
+
+    orchestrator = RecordingOrchestrator()
+    grpc_port, metrics_port = free_port(), free_port()
+    argv = trainer_args(tiny_model, tmp_path / "out", redis_url, unique_run_id, max_steps=None)
+    argv = [a for a in argv if a not in ("--max-steps", "None")]
+    argv += ["--orchestrator.address", orchestrator.address, "--server.port", str(grpc_port)]
+    argv += ["--metrics.port", str(metrics_port)]
+    proc = start_trainer(argv, tmp_path / "trainer.log")
+    try:
+        assert wait_for_steps(tmp_path / "out", 3, proc, timeout=120) == [1, 2, 3], (
+            tmp_path / "trainer.log"
+        ).read_text()
+        wait_until(lambda: orchestrator.steps() == [1, 2, 3], what="NotifyWeights of steps 1..3")
+
+        store = WeightStore(tmp_path / "out" / "weights")
+        for step, path, digest in orchestrator.calls:
+            assert path == str(store.path(step))
+            store.verify(step, digest)  # the digest announced is the manifest's
+
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            status = trainer_pb2_grpc.TrainerStub(channel).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
+        assert (status.step, status.world_size) == (3, 1)
+        assert status.tokens == sum(make_batch(s).num_tokens for s in (1, 2, 3))
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert f'gyre_trainer_step{{run_id="{unique_run_id}"}} 3.0' in text
+        assert f'gyre_trainer_rejected_batches_total{{run_id="{unique_run_id}"}} 2.0' in text
+
+        reasons = sorted(d.fields["reason"].decode() for d in stream.dead_letters())
+        assert len(reasons) == 2
+        assert "not a msgpack document" in reasons[1] and "split for 2 ranks" in reasons[0]
+        assert stream.pending().count == 0
+
+        proc.send_signal(signal.SIGTERM)  # graceful: the waiting trainer leaves cleanly
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+        orchestrator.stop()
+        stream.redis.close()
+
+    assert trained_steps(tmp_path / "out") == [1, 2, 3]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    trained = AutoModelForCausalLM.from_pretrained(store.path(3))
+    moved = [n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))]
+    assert len(moved) == len(list(base.parameters()))  # every parameter was trained

@@ -1,0 +1,39 @@
+"""The same trainer under `torchrun --nproc-per-node 2` (gloo, FSDP2) matches one process after 2 steps.
+
+Both consume the same samples: the 2-rank batches deal the rows to the ranks, the 1-rank batches
+keep both rows on rank 0. The trainer's global normalisation makes the gradients equal up to
+float summation order, so the published weights agree within a tight tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gyre.streams import BatchStream
+from trainer_testlib import load_weights, push_batches, run_in_process, torchrun, trained_steps, trainer_args
+
+pytestmark = pytest.mark.slow
+
+
+def test_fsdp2_two_ranks_match_single_process(tiny_model, redis_url, unique_run_id, tmp_path, isolated_torch_state):
+    sharded_run, single_run = unique_run_id + "-fsdp", unique_run_id + "-single"
+    push_batches(BatchStream(redis_url, sharded_run), (1, 2), ranks=2, rows_per_rank=1, num_samples=6)
+    push_batches(BatchStream(redis_url, single_run), (1, 2), ranks=1, rows_per_rank=2, num_samples=6)
+    # ckpt.interval=1 also exercises the sharded DCP checkpoint (one shard file per rank)
+    opts = {"ckpt.interval": 1, "data.micro-batch-size": 1}
+
+    log = tmp_path / "torchrun.log"
+    rc = torchrun(trainer_args(tiny_model, tmp_path / "fsdp", redis_url, sharded_run, 2, **opts), log)
+    assert rc == 0, log.read_text()[-5000:]
+    assert run_in_process(trainer_args(tiny_model, tmp_path / "single", redis_url, single_run, 2, **opts)) == 0
+
+    assert trained_steps(tmp_path / "fsdp") == trained_steps(tmp_path / "single") == [1, 2]
+    sharded = load_weights(tmp_path / "fsdp" / "weights" / "step_2")
+    single = load_weights(tmp_path / "single" / "weights" / "step_2")
+    base = load_weights(tiny_model)
+    assert sharded.keys() == single.keys()
+    for name in single:
+        assert not torch.equal(single[name], base[name]), f"{name} did not train"
+        torch.testing.assert_close(sharded[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
+    shards = sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints" / "trainer" / "step_2" / "state").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]

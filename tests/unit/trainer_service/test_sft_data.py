@@ -1,0 +1,130 @@
+"""SFT data: JSONL / environment / generated sources, chat-template masks, packing, step order."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from gyre.config import load_config
+from gyre.config.trainer import SFTConfig
+from gyre_trainer.sft import (
+    Conversation,
+    SFTDataError,
+    environment_conversations,
+    fake_conversations,
+    main,
+    pack,
+    prepare_rows,
+    read_jsonl,
+    rows_for_step,
+    tokenize,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def learned_text(tokenizer, conversation) -> str:
+    ids, mask = tokenize(conversation, tokenizer)
+    assert len(ids) == len(mask) and not mask[0]
+    return tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+
+
+def test_only_assistant_tokens_are_learned(tokenizer):
+    chat = Conversation(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Say hi"},
+            {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": "Again"},
+            {"role": "assistant", "content": "hi again"},
+        ]
+    )
+    # both replies and their end-of-turn tokens; nothing of the system/user turns
+    assert learned_text(tokenizer, chat) == "hi<|im_end|>hi again<|im_end|>"
+
+
+def test_environment_reference_answers_including_tool_calls(tokenizer):
+    (reverse,) = environment_conversations("reverse_text", {}, 1, seed=0)
+    answer = reverse.messages[-1]["content"]
+    assert learned_text(tokenizer, reverse) == answer + "<|im_end|>"
+    (calc,) = environment_conversations("calculator", {}, 1, seed=0)
+    assert calc.tools  # rendered with the tool schemas, like in rollouts
+    text = learned_text(tokenizer, calc)
+    assert text.startswith("<tool_call>") and text.endswith(calc.messages[-1]["content"] + "<|im_end|>")
+    question = next(m["content"] for m in calc.messages if m["role"] == "user")
+    assert question not in text and "<|im_start|>tool" not in text  # prompt and tool output are not learned
+
+
+def test_fake_data_is_deterministic_and_varied():
+    a, b = fake_conversations(50, seed=3), fake_conversations(50, seed=3)
+    assert a == b and a != fake_conversations(50, seed=4)
+    assert len({c.messages[-1]["content"] for c in a}) > 40
+
+
+def test_packing_respects_seq_len_and_truncates():
+    samples = [([1] * 5, [False] + [True] * 4), ([2] * 4, [False, True, True, True]), ([3] * 12, [False] + [True] * 11)]
+    samples.append(([4] * 3, [False] * 3))  # nothing to learn: dropped
+    rows, truncated, dropped = pack(samples, seq_len=10)
+    assert (truncated, dropped) == (1, 1)
+    assert [r.sample_lengths.tolist() for r in rows] == [[5, 4], [10]]
+    assert rows[0].input_ids.tolist() == [1] * 5 + [2] * 4 and rows[0].input_ids.dtype == np.int32
+    assert rows[1].loss_mask.sum() == 9
+
+
+def test_each_step_has_fixed_rows_and_epochs_reshuffle():
+    rows = [object() for _ in range(10)]
+    epoch0 = [rows_for_step(rows, s, 3, seed=0) for s in (1, 2, 3)]
+    assert all(e == 0 for e, _ in epoch0)
+    seen = [id(r) for _, batch in epoch0 for r in batch]
+    assert len(set(seen)) == 9  # no row twice within an epoch
+    assert rows_for_step(rows, 4, 3, seed=0)[0] == 1
+    assert rows_for_step(rows, 2, 3, seed=0) == rows_for_step(rows, 2, 3, seed=0)
+
+
+def test_bad_jsonl_names_the_line(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path.write_text(json.dumps(good) + "\n\n" + '{"messages": [{"role": "user", "content": "no reply"}]}\n')
+    with pytest.raises(SFTDataError, match=r"chats.jsonl:3: no assistant message"):
+        read_jsonl(path)
+    path.write_text(json.dumps(good) + "\n{oops\n")
+    with pytest.raises(SFTDataError, match=r"chats.jsonl:2: not JSON"):
+        read_jsonl(path)
+    path.write_text(json.dumps(good) + "\n")
+    assert read_jsonl(path) == [Conversation(good["messages"])]
+
+
+def test_too_little_data_is_a_clear_error(tokenizer, tmp_path):
+    cfg = load_config(SFTConfig, ["--data.fake", "--data.num-examples", "3", "--data.batch-size", "16"])
+    with pytest.raises(SFTDataError, match="fewer than data.batch_size=16"):
+        prepare_rows(cfg, tokenizer)
+
+
+def test_cli_reports_data_errors_with_status_2(tmp_path, tiny_model_dir, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2]\n")
+    argv = [
+        "--model.name",
+        str(tiny_model_dir),
+        "--data.path",
+        str(bad),
+        "--output-dir",
+        str(tmp_path),
+        "--device",
+        "cpu",
+    ]
+    assert main(argv) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_exactly_one_data_source_is_required():
+    from gyre.config import ConfigError
+
+    with pytest.raises(ConfigError, match="exactly one of data.path, data.fake, data.env"):
+        load_config(SFTConfig, ["--data.fake", "--data.env", "reverse_text"])
