@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,12 +73,24 @@ class Child:
         self._threads.append(t)
 
     def _pump(self, stream: IO[bytes], logf: IO[bytes], echo: bool) -> None:
+        # Progress bars end their updates with \r, not \n: split on both so a child's tqdm bar shows
+        # up on the console (at most every few seconds), while the log file keeps the raw bytes.
+        pending, last_bar = b"", 0.0
         with logf:
-            for line in iter(stream.readline, b""):
-                logf.write(line)
-                text = line.decode(errors="replace").rstrip()
-                if echo or " ERROR " in text or " WARNING " in text or "Traceback" in text:
-                    _console(f"[{self.name}] {text}")
+            while chunk := stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536):
+                logf.write(chunk)
+                pending += chunk
+                *segments, pending = re.split(rb"(\r|\n)", pending)
+                for text, sep in zip(segments[::2], segments[1::2], strict=True):
+                    line = text.decode(errors="replace").rstrip()
+                    if not line:
+                        continue
+                    if sep == b"\r":
+                        if echo and time.monotonic() - last_bar > 5:
+                            last_bar = time.monotonic()
+                            _console(f"[{self.name}] {line}")
+                    elif echo or " ERROR " in line or " WARNING " in line or "Traceback" in line:
+                        _console(f"[{self.name}] {line}")
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()

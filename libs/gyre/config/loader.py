@@ -263,7 +263,10 @@ def parse_or_exit(cls: type[T], argv: list[str] | None, prog: str, summary: str 
     try:
         return load_config(cls, argv)
     except HelpRequested:
-        print(help_text(cls, prog, summary))
+        try:
+            print(help_text(cls, prog, summary), flush=True)
+        except BrokenPipeError:  # `gyre x --help | head`
+            sys.stdout = None
         raise SystemExit(0) from None
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
