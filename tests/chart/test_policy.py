@@ -473,3 +473,24 @@ def test_service_configs_accept_the_rendered_commands_and_environment(scenario, 
             expected = SCENARIOS[scenario].get("experiment", {}).get(key)
             if expected is not None and hasattr(cfg, key):
                 assert getattr(cfg, key) == expected
+
+
+def test_no_service_links_in_gyre_pods():
+    # Kubernetes would inject GYRE_INFERENCE_PORT=tcp://... for a release named "gyre"; the services
+    # read GYRE_* as configuration, so those variables must not exist.
+    docs = manifests(render({}, name="gyre"))
+    assert named(docs, "Service", "gyre-inference")
+    for comp, pod in pod_templates(docs).items():
+        assert pod["spec"]["enableServiceLinks"] is False, comp
+
+
+def test_long_release_names_give_valid_object_names():
+    release = "a-very-long-experiment-name-for-qwen3-8b-math-run-42"  # 52 characters
+    docs = manifests(render({"inference": {"replicas": 2}}, name=release))
+    dns_label = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        limit = 52 if doc["kind"] == "StatefulSet" else 63  # the pods' controller-revision-hash label
+        assert len(name) <= limit and dns_label.match(name), (doc["kind"], name)
+    for pvc_template in [t for d in objects(docs, "StatefulSet") for t in d["spec"].get("volumeClaimTemplates", [])]:
+        assert len(f"{pvc_template['metadata']['name']}-x-0") <= 253
