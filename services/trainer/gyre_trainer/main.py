@@ -19,10 +19,11 @@ from gyre.logging import setup_logging
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_or_exit(TrainerConfig, argv, "gyre trainer")
-    if cfg.bench:
-        from gyre_trainer import bench
+    if cfg.bench:  # the trainer's own model, shapes, loss and optimiser on fake packed batches
+        from gyre_trainer.bench import bench_from_config
 
-        return bench.main([a for a in argv if a not in ("--bench", "--bench=true")])
+        bench_from_config(cfg)
+        return 0
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(cfg.log.level, cfg.log.file, "trainer" if rank == 0 else f"trainer-rank{rank}")
     from gyre_trainer.service import run  # torch is imported only now, after the config is known to be valid

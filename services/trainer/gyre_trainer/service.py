@@ -72,6 +72,7 @@ class Trainer:
         self.metrics_server = None
         self.notifier: WeightsNotifier | None = None
         self.events: EventLog | None = None
+        self.intake: BatchIntake | None = None
         self.metrics_port: int | None = None
         self.grpc_port: int | None = None
         self._rejected_seen = 0
