@@ -15,8 +15,9 @@ and (for chat with tools) holds back tool-call text. The rules clients rely on:
   `x-gyre-policy-version` header is the newest version in the response (non-streaming) or the
   version served when the stream started (streaming). Stream chunks carry `policy_version` of
   their tokens, and the finishing chunk of each choice also carries min/max.
-- Seeds: choice i of a request with `seed` s samples with a generator seeded from (s, prompt, i), so
-  the same request gives the same choices whatever else the server is doing.
+- Seeds: choice i (counted per prompt) of a request with `seed` s samples with a generator seeded from
+  (s, i), so the same request gives the same choices whatever else the server is doing, and a prompt
+  in a batch gets the same choices as when sent alone.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from gyre_inference.tools import TOOL_CALL_START, parse_tool_calls
 VERSION_HEADER = "x-gyre-policy-version"
 
 
-def choice_seed(seed: int, prompt_index: int, choice_index: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{prompt_index}:{choice_index}".encode()).digest()
+def choice_seed(seed: int, choice_index: int) -> int:
+    """The generator seed of choice `choice_index` (per prompt) of a request with `seed`."""
+    digest = hashlib.sha256(f"{seed}:{choice_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
@@ -189,7 +191,7 @@ class Serving:
                     max_tokens=max_tokens,
                     temperature=1.0 if request.temperature is None else request.temperature,
                     top_p=1.0 if request.top_p is None else request.top_p,
-                    seed=None if request.seed is None else choice_seed(request.seed, p, i),
+                    seed=None if request.seed is None else choice_seed(request.seed, i),
                     stop_token_ids=frozenset(stop_ids),
                     top_logprobs=top,
                 )

@@ -104,6 +104,7 @@ class TorchBackend(Backend):
         self._waiting: deque[_Sequence] = deque()
         self._swap: _Swap | None = None
         self._stopping = False
+        self._admitting = 0  # sequences taken off the queue whose prefill is under way
         # Batch state, touched only by the engine thread.
         self._rows: list[_Sequence] = []
         self._cache = None  # transformers DynamicCache, right-aligned
@@ -125,7 +126,8 @@ class TorchBackend(Backend):
         return self._max_model_len
 
     def load_stats(self) -> tuple[int, int]:
-        return len(self._rows), len(self._waiting)
+        # read without the lock: a scrape may be off by the sequences moving between the two lists
+        return len(self._rows) + self._admitting, len(self._waiting)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -245,6 +247,7 @@ class TorchBackend(Backend):
                         seq = self._waiting.popleft()
                         if not seq.cancelled:
                             admitted.append(seq)
+                    self._admitting = len(admitted)
                 try:
                     if swap is not None:
                         self._apply_swap(swap)
@@ -252,6 +255,7 @@ class TorchBackend(Backend):
                     # Prefill newcomers, then one decode step for everyone: arrivals never starve the batch.
                     if admitted:
                         self._prefill(admitted)
+                        self._admitting = 0
                     if self._rows:
                         self._decode()
                 except Exception as error:  # a failed step fails its sequences, never the engine
@@ -261,6 +265,7 @@ class TorchBackend(Backend):
                     failed = {id(seq): seq for seq in self._rows + admitted}.values()
                     self._deliver([(seq, error) for seq in failed])
                     self._reset_batch()
+                    self._admitting = 0
         with self._cond:
             stranded = self._rows + list(self._waiting)
             self._waiting.clear()

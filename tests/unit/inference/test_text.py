@@ -1,0 +1,101 @@
+"""Detokenization, token bytes and the per-choice rules (stop strings, alignment, tool-call hold-back)."""
+
+from __future__ import annotations
+
+import json
+
+from gyre_inference.backend import TokenEvent
+from gyre_inference.serving import Choice
+from gyre_inference.text import IncrementalDecoder
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+TEXTS = ["Hello world, bye now.", "café naïve 東京 😀 → ok", "12+34=46\n\tx", ""]
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 1023), max_size=40))
+def test_streamed_text_equals_decoding_everything_at_once(model_text, ids):
+    decoder = IncrementalDecoder(model_text)
+    streamed = "".join(decoder.push(i) for i in ids) + decoder.flush()
+    assert streamed == model_text.decode(ids)
+
+
+def test_token_bytes_concatenate_to_the_utf8_of_the_text(model_text):
+    for text in TEXTS:
+        ids = model_text.encode(text)
+        assert b"".join(bytes(model_text.token(i)[1]) for i in ids) == text.encode()
+
+
+def _feed(choice: Choice, ids: list[int], versions=None, finish_last: str | None = "stop") -> list:
+    deltas = []
+    for n, token in enumerate(ids):
+        version = versions[n] if versions else 0
+        finish = finish_last if n == len(ids) - 1 else None
+        deltas.append(choice.add(TokenEvent(token, -0.5 - n, version, (), finish)))
+        if choice.done:
+            break
+    return deltas
+
+
+def test_a_stop_string_cuts_the_text_but_every_sampled_token_stays_aligned(model_text):
+    ids = model_text.encode("Hello world, bye now.")
+    choice = Choice(0, model_text, stops=[", b"], parse_tools=False)
+    deltas = _feed(choice, ids, finish_last=None)
+    assert choice.text == "Hello world" and choice.finish_reason == "stop"
+    # tokens up to and including the one that completed the stop string, each with its own log-prob
+    assert len(choice.token_ids) == len(choice.logprobs) == len(deltas) <= len(ids)
+    assert choice.token_ids == ids[: len(choice.token_ids)]
+    assert choice.logprobs == [-0.5 - n for n in range(len(choice.token_ids))]
+    assert ", b" in model_text.decode(choice.token_ids) and model_text.decode(choice.token_ids).startswith(choice.text)
+    # what was streamed is exactly the final text (the stop string was never released)
+    assert "".join(d.text for d in deltas) == "Hello world"
+    assert [d.position for d in deltas] == list(range(len(deltas)))
+    assert [d.finish_reason for d in deltas][-1] == "stop" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_the_earliest_of_several_stop_strings_wins(model_text):
+    choice = Choice(0, model_text, stops=["now", "wor"], parse_tools=False)
+    _feed(choice, model_text.encode("Hello world, bye now."), finish_last=None)
+    assert choice.text == "Hello "
+
+
+def test_without_stops_the_end_token_finishes_and_is_kept(model_text):
+    ids = model_text.encode("Hi there") + [2]  # <|im_end|>
+    choice = Choice(0, model_text, stops=[], parse_tools=False)
+    deltas = _feed(choice, ids)
+    assert choice.text == "Hi there" and choice.token_ids == ids and choice.finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == "Hi there"
+
+
+def test_versions_span_a_weight_swap(model_text):
+    ids = model_text.encode("one two three")
+    choice = Choice(0, model_text, stops=[], parse_tools=False)
+    _feed(choice, ids, versions=[3] * (len(ids) - 2) + [4, 4], finish_last="length")
+    assert choice.versions() == {"policy_version": 4, "policy_version_min": 3, "policy_version_max": 4}
+    assert choice.finish_reason == "length"
+
+
+def test_tool_call_text_is_held_back_then_returned_as_structured_calls(model_text):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    ids = model_text.encode("Let me add.\n" + call) + [2]
+    choice = Choice(0, model_text, stops=[], parse_tools=True)
+    deltas = _feed(choice, ids)
+    assert "".join(d.text for d in deltas) == "Let me add." == choice.text
+    assert choice.finish_reason == "tool_calls" and deltas[-1].finish_reason == "tool_calls"
+    assert [json.loads(c["function"]["arguments"]) for c in choice.tool_calls] == [{"a": 1}]
+    assert choice.token_ids == ids
+
+
+def test_truncated_tool_calls_keep_finish_reason_length(model_text):
+    ids = model_text.encode('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    choice = Choice(0, model_text, stops=[], parse_tools=True)
+    _feed(choice, ids, finish_last="length")
+    assert choice.finish_reason == "length" and choice.tool_calls
+
+
+def test_malformed_tool_calls_are_released_as_content_at_the_end(model_text):
+    text = '<tool_call>{"name": "f", "arguments": {]}</tool_call>'
+    choice = Choice(0, model_text, stops=[], parse_tools=True)
+    deltas = _feed(choice, model_text.encode(text) + [2])
+    assert "".join(d.text for d in deltas) == text and choice.tool_calls == [] and choice.finish_reason == "stop"

@@ -1,0 +1,172 @@
+"""The torch engine on the tiny model: log-probs, seeds, continuous batching, cancellation, weight swaps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
+from gyre_inference.torch_backend import TorchBackend
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest_asyncio.fixture
+async def backend(tiny_model):
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=8)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def _reference_logprobs(model, prompt, tokens, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+async def _run(backend, prompt, **params):
+    events = [e async for e in backend.generate(prompt, SamplingParams(**params))]
+    return [e.token_id for e in events], [e.logprob for e in events], events
+
+
+PROMPTS = [[1, 705, 201, 74, 75, 2, 201, 1, 739, 201], [5, 6], list(range(10, 60)), [300, 301, 302, 303]]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+async def test_logprobs_match_an_independent_forward_pass(backend, reference, temperature, top_p):
+    # concurrent prompts of different lengths: left padding, merging and trimming are all exercised
+    runs = await asyncio.gather(
+        *(
+            _run(backend, p, max_tokens=12 + 3 * i, temperature=temperature, top_p=top_p, seed=i)
+            for i, p in enumerate(PROMPTS)
+        )
+    )
+    for prompt, (tokens, logprobs, events) in zip(PROMPTS, runs, strict=True):
+        assert len(tokens) == 12 + 3 * PROMPTS.index(prompt) and events[-1].finish_reason == "length"
+        expected = _reference_logprobs(reference, prompt, tokens, temperature)
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4)
+        if temperature == 0:
+            with torch.no_grad():
+                greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False,
+                                            eos_token_id=None)  # fmt: skip
+            assert tokens == greedy[0, len(prompt) :].tolist()
+
+
+async def test_a_seed_gives_the_same_tokens_alone_or_in_any_batch(backend):
+    alone = await _run(backend, PROMPTS[0], max_tokens=16, seed=123)
+
+    async def late(prompt, delay, seed):
+        await asyncio.sleep(delay)
+        return await _run(backend, prompt, max_tokens=16, seed=seed)
+
+    batched = await asyncio.gather(late(PROMPTS[2], 0, 1), late(PROMPTS[0], 0.05, 123), late(PROMPTS[1], 0.01, 2))
+    assert batched[1][0] == alone[0]
+    assert torch.allclose(torch.tensor(batched[1][1]), torch.tensor(alone[1]), atol=1e-5)
+    other_seed = await _run(backend, PROMPTS[0], max_tokens=16, seed=124)
+    assert other_seed[0] != alone[0]
+
+
+async def test_new_sequences_join_a_running_batch_and_leave_when_closed(backend):
+    first = backend.generate(PROMPTS[2], SamplingParams(max_tokens=400, seed=0))
+    await first.__anext__()
+    second = backend.generate(PROMPTS[0], SamplingParams(max_tokens=300, seed=0))
+    await second.__anext__()  # the second sequence decodes while the first is still running
+
+    async def running_becomes(n):
+        for _ in range(200):
+            if backend.load_stats() == (n, 0):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert await running_becomes(2)
+    await second.aclose()  # closing a stream aborts its sequence: the row leaves the batch
+    assert await running_becomes(1)
+    await first.aclose()
+    assert await running_becomes(0)
+
+
+async def test_a_stop_token_ends_the_sequence_and_is_its_last_token(backend):
+    tokens, _, _ = await _run(backend, PROMPTS[1], max_tokens=20, temperature=0.0)
+    stop = tokens[5]
+    first = tokens.index(stop)
+    stop_ids = frozenset({stop})
+    stopped, _, events = await _run(backend, PROMPTS[1], max_tokens=20, temperature=0.0, stop_token_ids=stop_ids)
+    assert stopped == tokens[: first + 1] and events[-1].finish_reason == "stop"
+
+
+async def test_prompt_plus_completion_never_exceeds_the_context(tiny_model):
+    engine = TorchBackend(tiny_model, threads=1, max_model_len=32)
+    await engine.start()
+    try:
+        tokens, _, events = await _run(engine, list(range(3, 30)), max_tokens=100)
+        assert len(tokens) == 5 and events[-1].finish_reason == "length"
+    finally:
+        await engine.shutdown()
+
+
+def _save_perturbed(tiny_model, folder, scale=0.05, seed=1):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+async def test_weight_swap_between_steps_keeps_sequences_running(backend, reference, tiny_model, tmp_path):
+    new_model = _save_perturbed(tiny_model, tmp_path / "v1")
+    stream = backend.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0))
+    events = [await stream.__anext__() for _ in range(3)]
+    await backend.update_weights(tmp_path / "v1", 1)
+    events += [e async for e in stream]
+    versions = [e.version for e in events]
+    assert len(events) == 40 and versions[:3] == [0, 0, 0] and versions[-1] == 1
+    assert versions == sorted(versions)  # one switch, between two steps
+    assert backend.version == 1
+    # a request after the swap is served entirely by the new weights
+    tokens, logprobs, fresh = await _run(backend, PROMPTS[3], max_tokens=10, temperature=0.8, seed=5)
+    assert {e.version for e in fresh} == {1}
+    assert torch.allclose(torch.tensor(logprobs), _reference_logprobs(new_model, PROMPTS[3], tokens, 0.8), atol=1e-4)
+    await backend.reload_base()
+    tokens, logprobs, fresh = await _run(backend, PROMPTS[3], max_tokens=10, temperature=0.8, seed=5)
+    assert backend.version == 0 and {e.version for e in fresh} == {0}
+    assert torch.allclose(torch.tensor(logprobs), _reference_logprobs(reference, PROMPTS[3], tokens, 0.8), atol=1e-4)
+
+
+async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving(backend, tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    before = await _run(backend, PROMPTS[0], max_tokens=8, seed=9)
+    good = load_file(tiny_model / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    broken = {
+        "shape": {**good, name: torch.zeros(7, 3)},
+        "unknown": {**good, "not.a.weight": torch.zeros(2)},
+        "missing": {k: v for k, v in good.items() if k != name},
+    }
+    (tmp_path / "empty").mkdir()
+    for folder, tensors in broken.items():
+        (tmp_path / folder).mkdir()
+        save_file(tensors, str(tmp_path / folder / "model.safetensors"))
+    reasons = {"empty": "no \\*.safetensors", "shape": "has shape", "unknown": "does not have", "missing": "missing"}
+    for folder, reason in reasons.items():
+        with pytest.raises(WeightsIncompatibleError, match=reason):
+            await backend.update_weights(tmp_path / folder, 7)
+    assert backend.version == 0
+    after = await _run(backend, PROMPTS[0], max_tokens=8, seed=9)
+    assert after[:2] == before[:2]
