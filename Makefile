@@ -13,7 +13,7 @@ DEMO_CONFIG ?= configs/reverse_text/demo.toml
 DEMO_OUT ?= outputs/demo
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-fast lint format proto bench clean
+.PHONY: help install demo test test-fast lint format proto generated bench clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -44,6 +44,11 @@ format: install ## Apply ruff fixes and formatting
 
 proto: install ## Regenerate libs/gyre/v1 from proto/gyre/v1/*.proto
 	PY=$(PY) bash scripts/gen_proto.sh
+
+generated: install ## Regenerate derived files: chart values schema, dashboards, chart copy of alert rules
+	$(PY) charts/gyre/schema/generate.py
+	$(PY) deploy/grafana/build_dashboards.py
+	cp deploy/prometheus/alerts.yaml charts/gyre/prometheus/rules.yaml
 
 bench: install ## Run every benchmark (prints side-by-side ratios)
 	$(VENV)/bin/gyre bench inference
