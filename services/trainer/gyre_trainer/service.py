@@ -298,8 +298,9 @@ def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu
         "max_version": max(maxs) if maxs else None,
         "time": time.time(),
     }
-    extras = ("num_loss_tokens", "clip_frac", "masked_frac", "ref_kl", "skipped")
-    record.update({k: metrics[k] for k in extras if k in metrics})
+    if "num_loss_tokens" in metrics:
+        record["num_loss_tokens"] = int(metrics["num_loss_tokens"])
+    record.update({k: metrics[k] for k in ("clip_frac", "masked_frac", "ref_kl", "skipped") if k in metrics})
     return record
 
 

@@ -40,7 +40,7 @@ from gyre.config import parse_or_exit
 from gyre.config.trainer import SFTConfig, SFTDataConfig
 from gyre.logging import setup_logging
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gyre_trainer.sft")  # also when run as `python -m gyre_trainer.sft`
 
 SFT_STEPS = "sft_steps.jsonl"
 
