@@ -16,15 +16,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> Path:
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> Path:
     """Write `data` to `path` via a temp file in the same folder, fsync, rename, fsync the folder.
 
     Invariant: at every instant `path` is either absent, its previous content, or exactly `data`.
+    `mode` defaults to world-readable (mkstemp's 0600 would hide manifests from inference pods that
+    run as another user of the volume's group).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
