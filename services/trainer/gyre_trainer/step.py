@@ -149,7 +149,7 @@ def compute_gradients(
     """
     rows = batch.for_rank(rank)
     objective = get_loss(loss_cfg.type)
-    temperature = temperature if temperature is not None else float(getattr(batch, "temperature", 1.0))
+    temperature = temperature if temperature is not None else float(batch.temperature)
     local_loss_tokens = sum(mb.num_loss_tokens for mb in rows)
     if batch.num_loss_tokens < local_loss_tokens or (local_loss_tokens and batch.num_samples < 1):
         raise ValueError(

@@ -145,6 +145,19 @@ def test_step_metrics_match_hand_computed_values(tiny_model64):
     assert all(p.grad is None for p in tiny_model64.parameters())
 
 
+def test_log_probs_are_computed_at_the_batch_temperature(tiny_model64):
+    rng = np.random.default_rng(5)
+    samples = random_samples(rng, LENGTHS)
+    set_behaviour_logprobs(tiny_model64, samples, noise=0.0, rng=rng, temperature=0.5)
+    batch = make_batch(samples, LAYOUTS["1 micro-batch"])
+    batch.temperature = 0.5
+    assert compute_gradients(tiny_model64, batch, loss_cfg=LossConfig())["mismatch_kl"] < 1e-9
+    batch.temperature = 1.0  # the trainer at another temperature than inference: a visible mismatch
+    assert compute_gradients(tiny_model64, batch, loss_cfg=LossConfig())["mismatch_kl"] > 1e-3
+    override = compute_gradients(tiny_model64, batch, loss_cfg=LossConfig(), temperature=0.5)
+    assert override["mismatch_kl"] < 1e-9
+
+
 def flat_grad_norm_reference(model, batch) -> float:
     norm = gradient(model, batch, LossConfig(type="ppo_clip")).norm().item()
     model.zero_grad(set_to_none=True)

@@ -35,8 +35,11 @@ def make_batch(samples: list[dict], layout: list[list[list[int]]], step: int = 1
     ).validate()
 
 
-def set_behaviour_logprobs(model, samples: list[dict], noise: float, rng: np.random.Generator, offset=0.0) -> None:
-    """inference_logprobs = the model's own log-probs (each sample alone) − offset + N(0, noise) on loss tokens.
+def set_behaviour_logprobs(
+    model, samples: list[dict], noise: float, rng: np.random.Generator, offset=0.0, temperature=1.0
+) -> None:
+    """inference_logprobs = the model's own log-probs (each sample alone, at `temperature`) − offset + N(0, noise)
+    on loss tokens.
 
     noise = offset = 0 reproduces "identical weights on both sides" (r = 1 up to float64 rounding).
     """
@@ -46,7 +49,7 @@ def set_behaviour_logprobs(model, samples: list[dict], noise: float, rng: np.ran
     with torch.no_grad():
         for s in samples:
             ids = torch.as_tensor(s["input_ids"], dtype=torch.long)
-            lp, _ = packed_logprobs(model, ids, torch.arange(len(ids)), [len(ids)])
+            lp, _ = packed_logprobs(model, ids, torch.arange(len(ids)), [len(ids)], temperature)
             jitter = rng.normal(0.0, noise, len(ids)) if noise else 0.0
             s["inference_logprobs"] = np.where(s["loss_mask"], lp.numpy() - offset + jitter, 0.0).astype(np.float32)
 
