@@ -268,6 +268,12 @@ def train_step(
 
     `temperature` defaults to the batch's (the one inference sampled and scored at). `ref_model`
     (frozen, same tokenizer) enables the k3 KL term (`loss_cfg.ref_kl_coef`) and the `ref_kl` metric.
+
+    Metrics: `loss` (the full batch loss), `entropy` (mean over loss tokens), `mismatch_kl` (mean
+    r − log r − 1 over the loss tokens of each rank's first forward), the objective's stats
+    (`clip_frac` or `masked_frac`, fractions of loss tokens), `num_tokens`, `num_loss_tokens`,
+    `num_samples`, `grad_norm` (before clipping), `lr` (used by this update), `skipped` (1 = non-finite
+    gradient, no update).
     """
     metrics = compute_gradients(
         model,

@@ -106,10 +106,11 @@ def test_ratio_one_gives_the_reinforce_gradient_on_the_model(tiny_model64):
 
     token_mean = reinforce(lambda mb, k: 1 / batch.num_loss_tokens)
     seq_mean = reinforce(lambda mb, k: 1 / (loss_tokens(mb, k) * batch.num_samples))
-    for name in ("aipo", "ppo_clip", "gspo", "cispo", "masked_is"):
-        for aggregation, expected in (("token-mean", token_mean), ("seq-mean-token-mean", seq_mean)):
-            got = gradient(tiny_model64, batch, LossConfig(type=name, aggregation=aggregation))
-            assert_same_gradient(got, expected)
+    cases = [(name, "token-mean", token_mean) for name in ("aipo", "ppo_clip", "gspo", "cispo", "masked_is")]
+    cases += [(name, "seq-mean-token-mean", seq_mean) for name in ("gspo", "ppo_clip")]
+    for name, aggregation, expected in cases:
+        got = gradient(tiny_model64, batch, LossConfig(type=name, aggregation=aggregation))
+        assert_same_gradient(got, expected)
 
 
 def test_step_metrics_match_hand_computed_values(tiny_model64):
