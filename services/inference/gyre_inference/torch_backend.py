@@ -194,7 +194,10 @@ class TorchBackend(Backend):
             raise WeightsIncompatibleError(f"{path} holds no *.safetensors files")
         tensors: dict[str, torch.Tensor] = {}
         for file in files:
-            tensors.update(load_file(file))
+            try:
+                tensors.update(load_file(file))
+            except Exception as error:  # safetensors raises its own error type for a malformed file
+                raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
         state = self._model.state_dict(keep_vars=True)
         unknown = sorted(tensors.keys() - state.keys())
         if unknown:

@@ -96,6 +96,7 @@ def make_tool_model(tmp_path_factory) -> Path:
 
 class InferenceProcess:
     def __init__(self, model: Path, *args: str, log_dir: Path, timeout: float = 120.0):
+        self.model_name = str(model)  # the served model id (no served_model_name given)
         self.log_path = log_dir / f"inference-{os.getpid()}-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         cmd = [sys.executable, "-m", "gyre.cli", "inference", "--model.name", str(model), "--server.port", "0",
@@ -126,7 +127,8 @@ class InferenceProcess:
         self.lines.put(None)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def stop(self, timeout: float = 60.0) -> int:

@@ -1,0 +1,208 @@
+"""Bad input gets a 4xx with OpenAI's error JSON naming the problem; never a 5xx; the server stays up."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = "any", code: str | None = "any"):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error"}.get(
+        status, error["type"]
+    )
+    if param != "any":
+        assert error["param"] == param, error
+    if code != "any":
+        assert error["code"] == code, error
+    return error
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        # wrong types (strict: no coercion across JSON types)
+        ("/v1/chat/completions", {"n": "2"}, "n"),
+        ("/v1/chat/completions", {"logprobs": 0}, "logprobs"),
+        ("/v1/chat/completions", {"temperature": "hot"}, "temperature"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+        ("/v1/chat/completions", {"seed": 1.5}, "seed"),
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+        # values out of range
+        ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/chat/completions", {"n": -1}, "n"),
+        ("/v1/chat/completions", {"n": 129}, "n"),
+        ("/v1/chat/completions", {"max_tokens": -5}, "max_tokens"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens"),
+        ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
+        ("/v1/chat/completions", {"temperature": -0.1}, "temperature"),
+        ("/v1/chat/completions", {"top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0"),
+        ("/v1/chat/completions", {"stop": [""]}, "stop"),
+        # unknown fields, anywhere
+        ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "mood": "sad"}]}, "messages.0.mood"),
+        ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
+        # features this server does not implement are refused, not silently ignored
+        ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"suffix": "x"}, "suffix"),
+        ("/tokenize", {"prompt": 3}, None),
+        ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ],
+)
+def test_invalid_fields_are_400_naming_the_field(http, model_id, route, body, param):
+    base = {"model": model_id, **(CHAT if route == "/v1/chat/completions" else {})}
+    if route == "/v1/completions":
+        base |= {"prompt": "hi", "max_tokens": 2}
+    if route == "/tokenize":
+        base = {}
+    if route == "/detokenize":
+        base = {}
+    error = assert_error(http.post(route, json=base | body), 400)
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_cross_field_rules(http, model_id):
+    for body in (
+        {"top_logprobs": 2},
+        {"stream_options": {"include_usage": True}},
+        {"max_tokens": 2, "max_completion_tokens": 2},
+    ):
+        assert_error(http.post("/v1/chat/completions", json={"model": model_id, **CHAT, **body}), 400)
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"model": ', b"[1, 2]", b'"a string"', b"", b"\xff\xfe"])
+def test_bodies_that_are_not_a_json_object(http, body):
+    error = assert_error(
+        http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}), 400
+    )
+    assert "JSON" in error["message"]
+
+
+def test_prompts_too_long_for_the_context(http, model_id):
+    error = assert_error(
+        http.post("/v1/completions", json={"model": model_id, "prompt": [5] * 250, "max_tokens": 10}),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+    )
+    assert "256" in error["message"] and "260" in error["message"]
+    assert_error(http.post("/v1/completions", json={"model": model_id, "prompt": [5] * 300, "max_tokens": None}), 400,
+                 code="context_length_exceeded")  # fmt: skip
+    long_chat = {"model": model_id, "messages": [{"role": "user", "content": "word " * 400}]}
+    assert_error(
+        http.post("/v1/chat/completions", json=long_chat), 400, param="messages", code="context_length_exceeded"
+    )
+    assert_error(http.post("/v1/completions", json={"model": model_id, "prompt": ""}), 400, param="prompt")
+    assert_error(http.post("/v1/completions", json={"model": model_id, "prompt": [5, 99999]}), 400, param="prompt")
+    assert_error(http.post("/detokenize", json={"tokens": [99999]}), 400, param="tokens")
+
+
+def test_unknown_model_route_and_method(http):
+    assert_error(http.post("/v1/chat/completions", json={"model": "gpt-9", **CHAT}), 404, param="model",
+                 code="model_not_found")  # fmt: skip
+    assert_error(http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}), 404, code="model_not_found")
+    assert_error(http.get("/v1/nothing-here"), 404)
+    assert_error(http.get("/v1/chat/completions"), 405)
+
+
+def test_the_openai_client_sees_typed_errors(client, model_id):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "x"}], n=0)
+    assert error.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+
+
+def test_the_server_is_still_up_and_counted_the_client_errors(http, client, model_id):
+    assert http.get("/health").status_code == 200
+    assert client.completions.create(model=model_id, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    metrics = http.get("/metrics").text
+    assert 'gyre_inference_requests_total{endpoint="chat",outcome="client_error",run_id="api-tests"}' in metrics
+    assert 'gyre_inference_requests_total{endpoint="chat",outcome="server_error",run_id="api-tests"} 0.0' in metrics
+
+
+# ---- generated requests ---------------------------------------------------------------------------------
+def _tighten(schema: dict, model_id: str) -> dict:
+    """Keep generated requests cheap and able to reach generation: the served model id, n <= 2,
+    max_tokens <= 8, token ids inside the vocabulary. (Negative mode still violates all of these.)"""
+    limits = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8, "top_logprobs": 3, "logprobs": 3}
+
+    def integers(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                yield node
+            for value in node.values():
+                yield from integers(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from integers(value)
+
+    for component in schema["components"]["schemas"].values():
+        for name, prop in component.get("properties", {}).items():
+            if name == "model":
+                component["properties"][name] = {"type": "string", "enum": [model_id]}
+            elif name in limits:
+                for node in integers(prop):
+                    node["maximum"] = limits[name]
+            elif name in ("prompt", "tokens", "stop_token_ids"):
+                for node in integers(prop):
+                    node["maximum"] = 1023
+    return schema
+
+
+@pytest.mark.slow
+def test_generated_requests_never_get_a_server_error(server, http, model_id):
+    raw = _tighten(http.get("/openapi.json").json(), model_id)
+    schema = schemathesis.openapi.from_dict(raw)
+    schema.config.update(base_url=server.url)
+    started, seen = time.monotonic(), {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        post = operation.method.upper() == "POST"
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if post else (GenerationMode.POSITIVE,):
+            statuses = seen.setdefault((operation.label, mode.value), set())
+
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(max_examples=25 if post else 3, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            def check(case):
+                response = case.call(timeout=60)
+                statuses.add(response.status_code)  # noqa: B023 (check runs inside this iteration)
+                assert response.status_code < 500, (case.body, response.text)
+                if response.status_code >= 400:
+                    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+            check()
+    assert time.monotonic() - started < 60
+    # the positive requests really reached generation, the negative ones were refused
+    assert 200 in seen[("POST /v1/chat/completions", "positive")]
+    assert 200 in seen[("POST /v1/completions", "positive")]
+    assert seen[("POST /v1/chat/completions", "negative")] <= {400, 404}
+    assert http.get("/health").status_code == 200

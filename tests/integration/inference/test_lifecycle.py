@@ -1,0 +1,124 @@
+"""Start-up, readiness and shutdown: probes before the model is loaded, graceful SIGTERM, exit statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import InferenceProcess
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from gyre.v1 import inference_pb2, inference_pb2_grpc
+
+
+@pytest.mark.asyncio
+async def test_probes_say_not_ready_until_the_model_is_loaded(tiny_model):
+    """The same parts `gyre inference` wires (service.py), driven step by step in-process."""
+    from gyre_inference.api import AppState, create_app
+    from gyre_inference.control import ControlServer
+    from gyre_inference.metrics import InferenceMetrics
+    from gyre_inference.service import _bind, _HTTPServer, _load
+    from gyre_inference.text import ModelText
+    from gyre_inference.torch_backend import TorchBackend
+
+    backend = TorchBackend(tiny_model, threads=1)
+    metrics = InferenceMetrics("lifecycle", backend)
+    state = AppState("tiny", str(tiny_model), backend, metrics)
+    control = ControlServer(backend, metrics, "tiny")
+    control_port = await control.start("127.0.0.1", 0)
+    sock = _bind("127.0.0.1", 0)
+    http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, lifespan="off"))
+    serving = asyncio.create_task(http.serve(sockets=[sock]))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    stub = inference_pb2_grpc.InferenceControlStub(channel)
+    try:
+        async with httpx.AsyncClient(base_url=url) as client:
+            while not http.started:
+                await asyncio.sleep(0.01)
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await stub.GetStatus(inference_pb2.GetInferenceStatusRequest(), timeout=10)).ready is False
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(step=1, path="/w/step_1"), timeout=10)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (await client.get("/health")).status_code == 200  # alive while loading
+            assert (await client.get("/ready")).status_code == 503
+            loading = await client.get("/v1/models")
+            assert loading.status_code == 503 and loading.json()["error"]["code"] == "not_ready"
+
+            await _load(state, backend, str(tiny_model), ModelText)
+            await control.set_serving(True)
+            answer = await health.Check(health_pb2.HealthCheckRequest(service="gyre.v1.InferenceControl"), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            assert (await client.get("/ready")).json()["policy_version"] == 0
+            assert (await client.get("/v1/models")).status_code == 200
+    finally:
+        await channel.close()
+        http.should_exit = True
+        await serving
+        await control.stop(0)
+        await backend.shutdown()
+
+
+def test_sigterm_lets_in_flight_streams_finish_then_exits_cleanly(tiny_model, tmp_path):
+    server = InferenceProcess(tiny_model, log_dir=tmp_path)
+    result: dict = {}
+
+    def stream():
+        with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as client:
+            chunks = client.completions.create(model=server.model_name, prompt=[5, 6, 7], max_tokens=150, stream=True,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+            result["tokens"] = 0
+            for chunk in chunks:
+                result["tokens"] += len(chunk.choices[0].model_extra.get("token_ids", []))
+            result["finish"] = chunk.choices[0].finish_reason
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    while result.get("tokens", 0) < 3:
+        time.sleep(0.02)
+        assert worker.is_alive() or result.get("tokens", 0) >= 3, server.log()
+    server.proc.send_signal(signal.SIGTERM)
+    # draining: readiness goes down while the stream keeps going
+    deadline, unready = time.monotonic() + 10, False
+    while time.monotonic() < deadline and not unready:
+        try:
+            unready = httpx.get(f"{server.url}/ready", timeout=2).status_code == 503
+        except httpx.TransportError:
+            unready = True  # the listener is already closed: not taking new work either
+        time.sleep(0.05)
+    assert unready and worker.is_alive(), "the stream must still be running while the server drains"
+    worker.join(timeout=120)
+    assert result == {"tokens": 150, "finish": "length"}
+    assert server.stop(timeout=60) == 0
+    log = server.log()
+    assert "shutting down" in log and "stopped" in log
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gyre.cli", "inference", *args], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_bad_config_exits_2_naming_the_key():
+    result = run_cli("--engine.max-batch-size", "0")
+    assert result.returncode == 2 and "engine.max_batch_size" in result.stderr
+    result = run_cli("--engine.nope", "1")
+    assert result.returncode == 2 and "engine.nope" in result.stderr
+    help_text = run_cli("--help")
+    assert help_text.returncode == 0 and "server.shutdown_grace_s" in help_text.stdout
+
+
+def test_a_missing_model_exits_1_with_a_clear_message(tmp_path):
+    result = run_cli("--model.name", str(tmp_path / "no-model"), "--server.port", "0", "--control.port", "0")
+    assert result.returncode == 1 and "cannot load model" in result.stderr and "no-model" in result.stderr

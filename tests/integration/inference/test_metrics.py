@@ -1,0 +1,85 @@
+"""`gyre_inference_*` metrics: what traffic does to them, promtool-clean exposition, separate metrics port."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+EXPECTED = {
+    "gyre_inference_requests": "counter",
+    "gyre_inference_prompt_tokens": "counter",
+    "gyre_inference_generation_tokens": "counter",
+    "gyre_inference_time_to_first_token_seconds": "histogram",
+    "gyre_inference_request_latency_seconds": "histogram",
+    "gyre_inference_running_requests": "gauge",
+    "gyre_inference_waiting_requests": "gauge",
+    "gyre_inference_policy_version": "gauge",
+    "gyre_inference_weight_update_seconds": "histogram",
+    "gyre_inference_weight_updates": "counter",
+}
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(text: str, name: str, **labels) -> float:
+    return samples(text).get((name, tuple(sorted({"run_id": "api-tests", **labels}.items()))), 0.0)
+
+
+def test_traffic_moves_the_counters_and_histograms(server, client, model_id):
+    before = httpx.get(f"{server.url}/metrics").text
+    families = {f.name: f.type for f in text_string_to_metric_families(before)}
+    assert {name: families.get(name) for name in EXPECTED} == EXPECTED
+    response = client.completions.create(model=model_id, prompt=[5, 6, 7, 8], max_tokens=6, n=2,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    list(client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                        stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    after = httpx.get(f"{server.url}/metrics").text
+    assert response.usage.completion_tokens == 12
+    delta = [
+        value(after, name, **labels) - value(before, name, **labels)
+        for name, labels in [
+            ("gyre_inference_requests_total", {"endpoint": "completions", "outcome": "success"}),
+            ("gyre_inference_requests_total", {"endpoint": "chat", "outcome": "success"}),
+            ("gyre_inference_prompt_tokens_total", {}),
+            ("gyre_inference_generation_tokens_total", {}),
+            ("gyre_inference_time_to_first_token_seconds_count", {}),
+            ("gyre_inference_request_latency_seconds_count", {"endpoint": "chat"}),
+        ]
+    ]
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    chat_prompt = len(httpx.post(f"{server.url}/tokenize", json=chat).json()["tokens"])
+    assert delta == [1, 1, 4 + chat_prompt, 12 + 3, 2, 1]
+    assert value(after, "gyre_inference_running_requests") == 0 and value(after, "gyre_inference_policy_version") == 0
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+def test_promtool_accepts_the_exposition(server, client, model_id):
+    client.completions.create(model=model_id, prompt="hi", max_tokens=2)
+    text = httpx.get(f"{server.url}/metrics").text
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
+        result.stdout + result.stderr
+    )
+
+
+def test_a_separate_metrics_port(start_server):
+    from gyre.net import free_port
+
+    port = free_port()
+    server = start_server("--metrics.port", str(port), "--run-id", "metrics-port")
+    try:
+        assert httpx.get(f"{server.url}/metrics").status_code == 404  # not on the API port any more
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'gyre_inference_policy_version{run_id="metrics-port"} 0.0' in text
+    finally:
+        assert server.stop() == 0
