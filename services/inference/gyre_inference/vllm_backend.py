@@ -1,0 +1,212 @@
+"""vLLM backend: vLLM's async engine (V1 `AsyncLLM`) behind the same Backend interface (install `gyre[vllm]`).
+
+vLLM is imported lazily (only when this backend starts), so the module imports anywhere.
+
+How it maps onto vLLM:
+- generate: one vLLM request per sequence, prompt as token ids, DELTA outputs, no detokenization (the
+  HTTP layer owns text). `ignore_eos=True` plus our own `stop_token_ids`, so exactly the HTTP layer's
+  stop set applies. `logprobs=k` returns the sampled token's log-prob and the top k.
+- log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. after temperature
+  (T = 0 reports T = 1), like the torch backend. Difference: with top_p < 1 vLLM's processed
+  log-probs are renormalised over the nucleus, the torch backend's are not (docs/inference.md).
+- weights: pause the scheduler keeping requests (`pause_generation(mode="keep")`), load the folder's
+  safetensors in every worker through our worker extension (`model.load_weights`, which also
+  re-shards for tensor parallelism), resume, then reset the prefix cache so no new prompt reuses KV
+  blocks the old weights computed. Requests in flight keep their KV cache, as with the torch backend.
+- versions: a token is stamped with the version current when its output reaches us. Tokens cannot
+  be computed while paused, so the stamp is exact up to outputs already in transit at pause time
+  (vLLM flushes those during pause_generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gyre_inference.backend import Backend, SamplingParams, TokenEvent, WeightsIncompatibleError
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "gyre_inference.vllm_backend.GyreWorkerExtension"
+
+
+def safetensors_layout(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} of every *.safetensors file in `folder`, read from headers only."""
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise WeightsIncompatibleError(f"{folder} holds no *.safetensors files")
+    for file in files:
+        try:
+            with file.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    layout[name] = (entry["dtype"], tuple(entry["shape"]))
+        except (OSError, ValueError, KeyError, struct.error) as error:
+            raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
+    return layout
+
+
+def check_same_layout(base: Path, new: Path) -> None:
+    """New weights must have exactly the base checkpoint's tensor names and shapes (dtype may differ)."""
+    expected, given = safetensors_layout(base), safetensors_layout(new)
+    missing, unknown = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
+    if missing or unknown:
+        raise WeightsIncompatibleError(f"{new}: missing tensors {missing[:5]}, unknown tensors {unknown[:5]}")
+    for name, (_, shape) in given.items():
+        if shape != expected[name][1]:
+            raise WeightsIncompatibleError(f"{new}: {name} has shape {shape}, the model {expected[name][1]}")
+
+
+def token_events(
+    token_ids: Sequence[int],
+    logprobs: Sequence[Mapping[int, Any]] | None,
+    finish_reason: str | None,
+    version: int,
+    top_logprobs: int,
+) -> list[TokenEvent]:
+    """TokenEvents of one DELTA output of a vLLM request.
+
+    `logprobs[i]` maps token id -> vLLM `Logprob` (`.logprob`, `.rank`, rank 1 = most likely) and holds
+    the top-k plus the sampled token. `finish_reason` (set on the last delta) goes on its last token;
+    "abort" is not a finish: the stream just ends.
+    """
+    events = []
+    for i, token in enumerate(token_ids):
+        entries = logprobs[i] if logprobs is not None else {}
+        if token not in entries:
+            raise RuntimeError(f"vLLM returned no log-prob for sampled token {token}")
+        ranked = sorted(((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None), key=lambda x: x[0])
+        top = tuple((t, float(lp)) for rank, t, lp in ranked if rank <= top_logprobs)
+        last = i == len(token_ids) - 1
+        reason = finish_reason if last and finish_reason in ("stop", "length") else None
+        events.append(TokenEvent(int(token), float(entries[token].logprob), version, top, reason))
+    return events
+
+
+class GyreWorkerExtension:
+    """Mixed into vLLM's worker (engine arg `worker_extension_cls`); its methods run in every worker."""
+
+    def gyre_load_weights(self, path: str) -> None:
+        from safetensors import safe_open
+
+        def tensors() -> Iterable[tuple[str, Any]]:
+            for file in sorted(Path(path).glob("*.safetensors")):
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        yield name, f.get_tensor(name)
+
+        self.model_runner.model.load_weights(weights=tensors())
+
+
+class VLLMBackend(Backend):
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.85,
+        max_num_seqs: int = 64,
+        enable_prefix_caching: bool = True,
+    ):
+        self.model_path = Path(model_path)
+        self._engine_kwargs = dict(
+            model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", max_logprobs=20,
+            worker_extension_cls=EXTENSION,
+        )  # fmt: skip
+        self._engine = None
+        self._version = 0
+        self._max_model_len = 0
+        self._running = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def load_stats(self) -> tuple[int, int]:
+        # vLLM's scheduler owns the queue; we know how many of our sequences are in flight.
+        return self._running, 0
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs
+
+        try:
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError:  # older layouts export the V1 engine under its legacy name
+            from vllm import AsyncLLMEngine as AsyncLLM
+
+        args = AsyncEngineArgs(**{k: v for k, v in self._engine_kwargs.items() if v is not None})
+        self._engine = AsyncLLM.from_engine_args(args)
+        self._max_model_len = self._engine.model_config.max_model_len
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        vllm_params = VLLMSamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed,
+            stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
+            detokenize=False, output_kind=RequestOutputKind.DELTA,
+        )  # fmt: skip
+        stream = self._engine.generate({"prompt_token_ids": list(prompt)}, vllm_params, uuid.uuid4().hex)
+        self._running += 1
+        try:
+            async for output in stream:
+                completion = output.outputs[0]
+                finish = completion.finish_reason if output.finished else None
+                for event in token_events(
+                    completion.token_ids, completion.logprobs, finish, self._version, params.top_logprobs
+                ):
+                    yield event
+                if output.finished:
+                    return
+        finally:
+            self._running -= 1
+            await stream.aclose()  # aborts the vLLM request when we stop early
+
+    async def update_weights(self, path: Path, version: int) -> None:
+        await asyncio.to_thread(check_same_layout, self.model_path, Path(path))
+        await self._pause()
+        try:
+            await self._engine.collective_rpc("gyre_load_weights", args=(str(path),))
+            self._version = version
+        finally:
+            await self._engine.resume_generation()
+        if await self._engine.reset_prefix_cache() is False:
+            log.warning("vLLM kept prefix-cache blocks still in use: they were computed by the previous weights")
+
+    async def reload_base(self) -> None:
+        await self.update_weights(self.model_path, 0)
+
+    async def _pause(self) -> None:
+        try:
+            await self._engine.pause_generation(mode="keep", clear_cache=False)
+        except TypeError:  # vLLM before pause modes: utility calls still run between engine steps
+            log.warning("this vLLM cannot pause with requests kept; loading between engine steps instead")
