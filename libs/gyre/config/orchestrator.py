@@ -37,12 +37,29 @@ class InferenceClientConfig(Section):
     max_concurrency: int = Field(64, ge=1, description="Requests in flight across replicas.")
     timeout_s: float = Field(300.0, gt=0, description="HTTP timeout of one request.")
     retries: int = Field(3, ge=0, description="Retries per request (with backoff) before the sample fails.")
+    model: str | None = Field(None, description="Model id sent in requests (default: the first one /v1/models lists).")
+    health_interval_s: float = Field(2.0, gt=0, description="Probe every replica's GetStatus this often.")
+    failure_cooldown_s: float = Field(
+        5.0, gt=0, description="A failed replica leaves rotation this long (doubling per failure, max 60 s)."
+    )
+
+
+class RelayConfig(Section):
+    timeout_s: float = Field(120.0, gt=0, description="Deadline of one UpdateWeights call (load + swap).")
+    retries: int = Field(3, ge=0, description="UpdateWeights retries per replica before it leaves rotation.")
+    poll_store_s: float = Field(5.0, gt=0, description="Also look for new versions on the volume this often.")
 
 
 class AdvantageConfig(Section):
     type: Literal["grpo", "drgrpo", "rloo", "opo"] = Field("drgrpo", description="Group advantage estimator.")
     std_norm: Literal["group", "batch", "none"] = Field("group", description="grpo: std used for scaling.")
     drop_zero_signal: bool = Field(True, description="Drop groups whose rewards are all equal.")
+    oversample_limit: float = Field(
+        4.0,
+        ge=1,
+        description="A step generates at most this many x batch_size groups to replace dropped ones, then "
+        "closes with what it kept (never empty).",
+    )
 
 
 class EvalConfig(Section):
@@ -51,6 +68,7 @@ class EvalConfig(Section):
     k: int = Field(1, ge=1, description="Samples per task (avg@k, pass@k).")
     temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
     at_start: bool = Field(True, description="Also evaluate the starting policy (step 0).")
+    pass_threshold: float = Field(1.0, description="pass@k: a sample passes when its reward is >= this.")
 
 
 class BatchConfig(Section):
@@ -81,5 +99,20 @@ class OrchestratorConfig(ServiceConfig):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Packing and streaming.")
     server: OrchestratorServerConfig = Field(default_factory=OrchestratorServerConfig, description="gRPC server.")
+    relay: RelayConfig = Field(default_factory=RelayConfig, description="Weight relay to the replicas.")
+    max_inflight_groups: int | None = Field(
+        None, ge=1, description="Groups generated at once (default: ceil(max_concurrency / rollouts_per_example))."
+    )
+    sample_attempts: int = Field(
+        3, ge=1, description="Attempts per rollout (inference or environment errors) before the run fails."
+    )
+    final_weights_timeout_s: float = Field(
+        600.0, ge=0, description="After the last batch, wait this long for its weights to be relayed (0 = don't)."
+    )
     ckpt_interval: int | None = Field(None, ge=1, description="Progress checkpoint every N steps (unset = off).")
-    resume_step: int | None = Field(None, ge=-1, description="Resume from this progress checkpoint (-1 = latest).")
+    ckpt_keep_last: int = Field(3, ge=1, description="Keep the newest N progress checkpoints.")
+    resume_step: int | None = Field(
+        None,
+        ge=-1,
+        description="Resume from this progress checkpoint (-1 = latest, or a fresh start if there is none).",
+    )

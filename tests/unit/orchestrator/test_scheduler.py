@@ -1,0 +1,240 @@
+"""The async bound in a pure asyncio simulation: replicas, a relay and a trainer with varying speeds.
+
+A simulated trainer consumes batches in order, "trains" for a while, then publishes version s, which a
+simulated relay rolls out to the replicas one by one. Generation and training times are drawn per
+call, in regimes where either side is the bottleneck. Checked for k = 0, 1, 2:
+- every sample of batch s comes from versions >= s-1-k (admission), and every group was dispatched
+  when some replica served >= s-1-k (dispatch);
+- with k >= 1 generation of batch s+1 overlaps training of step s, and the allowance is used;
+- a generator that ignores the floor (sloppy routing to lagging replicas) produces stale samples:
+  they are dropped, counted and regenerated, and the bound still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+from gyre_orchestrator.scheduler import RolloutScheduler, VersionWatch
+
+pytestmark = pytest.mark.asyncio
+
+REGIMES = {
+    "generation_bound": ((0.002, 0.008), (0.0, 0.002)),  # (generation s, training s)
+    "training_bound": ((0.0, 0.002), (0.010, 0.025)),
+    "mixed": ((0.0, 0.010), (0.0, 0.015)),
+}
+
+
+@dataclass
+class SimSample:
+    reward: float
+    min_version: int
+    max_version: int
+
+
+class SimCluster:
+    def __init__(self, rng: random.Random, replicas: int, gen_s, relay_s: float, honest: bool):
+        self.rng = rng
+        self.served = [0] * replicas
+        self.versions = VersionWatch(0)
+        self.gen_s = gen_s
+        self.relay_s = relay_s
+        self.honest = honest
+        self.generated = 0
+
+    async def generate(self, task, floor: int) -> SimSample:
+        if self.honest:  # what InferenceClient.for_version does: only replicas serving >= floor
+            while not [i for i, v in enumerate(self.served) if v >= floor]:
+                await self.versions.wait_at_least(floor)
+            i = self.rng.choice([i for i, v in enumerate(self.served) if v >= floor])
+        else:
+            i = self.rng.randrange(len(self.served))
+        vmin = self.served[i]
+        await asyncio.sleep(self.rng.uniform(*self.gen_s))
+        self.generated += 1
+        # rewards vary within a group, so no group is zero-signal here
+        return SimSample(reward=self.rng.random(), min_version=vmin, max_version=self.served[i])
+
+    async def publish(self, version: int) -> None:
+        for i in self.rng.sample(range(len(self.served)), len(self.served)):
+            await asyncio.sleep(self.rng.uniform(0, self.relay_s))
+            self.served[i] = max(self.served[i], version)  # relays of s and s+1 may interleave
+            self.versions.set(max(self.served))
+
+
+async def simulate(k: int, regime: str, seed: int, honest: bool = True, steps: int = 8):
+    rng = random.Random(seed)
+    gen_s, train_s = REGIMES[regime]
+    cluster = SimCluster(rng, replicas=2, gen_s=gen_s, relay_s=0.004, honest=honest)
+    tasks = iter(range(10**6))
+    scheduler = RolloutScheduler(
+        cluster.generate,
+        lambda: next(tasks),
+        cluster.versions,
+        batch_size=3,
+        group_size=2,
+        max_async_level=k,
+        max_steps=steps,
+        max_inflight_groups=6,
+    )
+    dispatches: list[tuple[int, float]] = []  # (step, time) of each group's start
+    original = scheduler._start_group
+
+    def spy(st):
+        dispatches.append((st.step, time.monotonic()))
+        original(st)
+
+    scheduler._start_group = spy
+    batches, training = [], {}
+    relays: list[asyncio.Task] = []
+    for s in range(1, steps + 1):
+        st = await scheduler.next_batch()
+        assert st.step == s  # in order, each exactly once
+        batches.append(st)
+        started = time.monotonic()
+        await asyncio.sleep(rng.uniform(*train_s))
+        training[s] = (started, time.monotonic())
+        relays.append(asyncio.create_task(cluster.publish(s)))
+    await asyncio.gather(*relays)
+    await scheduler.stop()
+    return batches, dispatches, training
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+@pytest.mark.parametrize("k", [0, 1, 2])
+async def test_async_bound_holds(k, regime):
+    batches, dispatches, training = await simulate(k, regime, seed=k * 10 + len(regime))
+    for st in batches:
+        assert len(st.kept) == 3 and all(len(g.samples) == 2 for g in st.kept)
+        for group in st.kept:
+            assert group.dispatched_version >= st.step - 1 - k, "dispatched before a fresh enough version was served"
+            for sample in group.samples:
+                assert sample.min_version >= st.step - 1 - k, "admitted a stale sample"
+        assert st.dropped_stale == 0  # honest routing never produces stale samples
+    if k == 0:
+        # strictly on-policy: nothing for batch s+1 starts before step s finished training
+        for step, at in dispatches:
+            if step >= 2:
+                assert at >= training[step - 1][1]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+async def test_generation_overlaps_training(k):
+    batches, dispatches, training = await simulate(k, "training_bound", seed=3)
+    # groups of batch s started before the trainer finished step s-1 (the opposite of the k=0 check)
+    ahead = [s for s, at in dispatches if s - 1 in training and at < training[s - 1][1]]
+    assert len(ahead) >= len(training) - 1, "generation waited for training instead of running ahead"
+    lags = [(st.step - 1) - smp.min_version for st in batches for g in st.kept for smp in g.samples]
+    assert max(lags) == k  # the allowance is used when training is the bottleneck, never exceeded
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+async def test_stale_samples_are_dropped_counted_and_regenerated(k):
+    batches, _, _ = await simulate(k, "mixed", seed=7, honest=False, steps=10)
+    for st in batches:
+        assert len(st.kept) == 3
+        assert all(smp.min_version >= st.step - 1 - k for g in st.kept for smp in g.samples)
+    if k == 0:
+        assert sum(st.dropped_stale for st in batches) > 0  # lagging replicas were hit and filtered out
+
+
+@dataclass
+class Fixed:
+    reward: float
+    min_version: int = 0
+
+
+async def test_zero_signal_groups_are_replaced():
+    # tasks 0, 2, 4, ... give equal rewards (no signal): each is dropped and replaced by a fresh task
+    async def generate(task, floor):
+        await asyncio.sleep(0)
+        return Fixed(reward=0.5 if task % 2 == 0 else random.random())
+
+    tasks = iter(range(1000))
+    sched = RolloutScheduler(
+        generate, lambda: next(tasks), VersionWatch(0), batch_size=4, group_size=3, max_async_level=1, max_steps=1
+    )
+    st = await sched.next_batch()
+    assert len(st.kept) == 4 and all(g.task % 2 == 1 for g in st.kept)
+    assert st.dropped_zero_signal == st.started_groups - 4 >= 1
+    assert len(st.all_rewards) == 3 * st.started_groups  # the filtered groups still count as generated
+    await sched.stop()
+
+
+async def test_budget_closes_short_but_never_empty():
+    # only task 9 has signal: the step closes after its budget with that one group, not empty, not never
+    async def generate(task, floor):
+        await asyncio.sleep(0)
+        return Fixed(reward=random.random() if task == 9 else 1.0)
+
+    tasks = iter(range(1000))
+    sched = RolloutScheduler(
+        generate,
+        lambda: next(tasks),
+        VersionWatch(0),
+        batch_size=2,
+        group_size=2,
+        max_async_level=0,
+        max_steps=1,
+        oversample_limit=2,
+        max_inflight_groups=1,
+    )
+    st = await sched.next_batch()
+    assert [g.task for g in st.kept] == [9]
+    assert st.started_groups == 10  # budget of 4 spent, then one at a time until something survived
+    await sched.stop()
+
+
+async def test_failing_rollouts_fail_the_scheduler_loudly():
+    async def generate(task, floor):
+        raise ConnectionError("replica gone")
+
+    sched = RolloutScheduler(
+        generate,
+        lambda: 0,
+        VersionWatch(0),
+        batch_size=1,
+        group_size=1,
+        max_async_level=0,
+        max_steps=1,
+        sample_attempts=2,
+        retry_backoff_s=0.001,
+    )
+    with pytest.raises(RuntimeError, match="failed 2 times: replica gone"):
+        await asyncio.wait_for(sched.next_batch(), timeout=5)
+    await sched.stop()
+
+
+async def test_dispatch_waits_for_the_version():
+    versions = VersionWatch(0)
+    seen = []
+
+    async def generate(task, floor):
+        seen.append((floor, versions.value))
+        return Fixed(reward=random.random(), min_version=versions.value)
+
+    tasks = iter(range(1000))
+    sched = RolloutScheduler(
+        generate,
+        lambda: next(tasks),
+        versions,
+        batch_size=1,
+        group_size=2,
+        max_async_level=0,
+        start_step=5,
+        max_steps=5,
+    )
+    sched.start()
+    await asyncio.sleep(0.05)
+    assert seen == []  # batch 5 with k=0 needs version 4
+    versions.set(3)
+    await asyncio.sleep(0.05)
+    assert seen == []
+    versions.set(4)
+    st = await asyncio.wait_for(sched.next_batch(), timeout=5)
+    assert st.step == 5 and all(v >= 4 for _, v in seen)
+    await sched.stop()
