@@ -16,6 +16,7 @@ steps; the `helm test` pod's command must pass.
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import re
 import signal
@@ -206,16 +207,41 @@ class LocalCluster:
             time.sleep(1)
 
     def stop(self) -> None:
+        # torchrun starts its workers in their own sessions: remember every descendant before
+        # signalling, so none is orphaned if torchrun itself has to be SIGKILLed.
+        family = {pid for _, proc, _ in self.procs if proc.poll() is None for pid in _descendants(proc.pid)}
         for _, proc, _ in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         for _, proc, _ in self.procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(root: int) -> set[int]:
+    """PIDs of every live descendant of ``root`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def grpc_serving(port: int, service: str, timeout: float) -> bool:
