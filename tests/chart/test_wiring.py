@@ -15,8 +15,8 @@ steps; the `helm test` pod's command must pass.
 
 from __future__ import annotations
 
-import json
 import contextlib
+import json
 import os
 import re
 import signal
