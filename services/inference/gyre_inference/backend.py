@@ -35,7 +35,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    # Generator seed of this sequence; None = drawn from the engine's own seeded RNG.
+    # Seed of this sequence's random stream; None = drawn from the engine's own seeded RNG.
     # Same seed + same prompt + same params + same weights => same tokens, whatever else is batched.
     seed: int | None = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)

@@ -9,7 +9,6 @@ doing multi-turn token bookkeeping sees what the model saw.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +137,3 @@ def _as_ids(value) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
-
-
-def dump_arguments(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)

@@ -47,7 +47,7 @@ class _Sequence:
     prompt: list[int]
     params: SamplingParams
     queue: asyncio.Queue
-    generator: torch.Generator
+    rng: random.Random  # this sequence's own random stream: one uniform per sampled token
     generated: int = 0
     finished: bool = False  # its last token has been emitted
     cancelled: bool = False  # set by the asyncio side; the engine drops the row before its next step
@@ -105,6 +105,9 @@ class TorchBackend(Backend):
         self._swap: _Swap | None = None
         self._stopping = False
         self._admitting = 0  # sequences taken off the queue whose prefill is under way
+        self._outbox: list[tuple[_Sequence, object]] = []  # events waiting for the event loop
+        self._outbox_lock = threading.Lock()
+        self._outbox_scheduled = False
         # Batch state, touched only by the engine thread.
         self._rows: list[_Sequence] = []
         self._cache = None  # transformers DynamicCache, right-aligned
@@ -146,8 +149,7 @@ class TorchBackend(Backend):
         if not self.ready:
             raise BackendStoppedError("the torch engine is not running")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        generator = torch.Generator().manual_seed(seed & (2**63 - 1))
-        seq = _Sequence(list(prompt), params, asyncio.Queue(), generator)
+        seq = _Sequence(list(prompt), params, asyncio.Queue(), random.Random(seed))
         with self._cond:
             self._waiting.append(seq)
             self._cond.notify()
@@ -173,8 +175,6 @@ class TorchBackend(Backend):
     def _load_model(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        if self._threads:
-            torch.set_num_threads(self._threads)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.to(self.device).eval().requires_grad_(False)
         limit = getattr(model.config, "max_position_embeddings", None) or self._requested_max_len
@@ -237,6 +237,9 @@ class TorchBackend(Backend):
 
     # ---- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._threads:
+            # per thread: OpenMP's team size is a property of the calling thread, so set it here
+            torch.set_num_threads(self._threads)
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -304,9 +307,10 @@ class TorchBackend(Backend):
         self._keep([not self._finished(seq) for seq in self._rows])
 
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
+        # Without padding the causal mask is all there is: skip building a [B, 1, q, L] mask per layer call.
         out = self._model(
             input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
+            attention_mask=None if bool(mask.all()) else mask.to(self.device),
             position_ids=positions.to(self.device),
             past_key_values=cache,
             use_cache=True,
@@ -317,7 +321,7 @@ class TorchBackend(Backend):
     def _sample_and_emit(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         temperature = torch.tensor([seq.params.temperature for seq in seqs])
         top_p = torch.tensor([seq.params.top_p for seq in seqs])
-        uniform = torch.stack([torch.rand((), dtype=torch.float64, generator=seq.generator) for seq in seqs])
+        uniform = torch.tensor([seq.rng.random() for seq in seqs], dtype=torch.float64)
         tokens, logprobs = sample_next(logits, temperature, top_p, uniform)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         k = max(seq.params.top_logprobs for seq in seqs)
@@ -388,16 +392,27 @@ class TorchBackend(Backend):
         self._next_input = self._positions = torch.zeros(0, dtype=torch.long)
 
     def _deliver(self, items: list[tuple[_Sequence, object]]) -> None:
-        """Hand events to their sequences' asyncio queues in one loop callback per step."""
+        """Hand events to their sequences' asyncio queues.
+
+        Coalesced: while a delivery callback is scheduled but has not run yet (the event loop is busy),
+        further steps append to it instead of waking the loop again, so a busy loop costs the engine
+        no extra wake-ups and an idle loop still gets every token as soon as it is sampled.
+        """
         if not items or self._loop is None:
             return
-
-        def put_all() -> None:
-            for seq, item in items:
-                seq.queue.put_nowait(item)
-
+        with self._outbox_lock:
+            self._outbox.extend(items)
+            if self._outbox_scheduled:
+                return
+            self._outbox_scheduled = True
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
-            self._loop.call_soon_threadsafe(put_all)
+            self._loop.call_soon_threadsafe(self._drain_outbox)
+
+    def _drain_outbox(self) -> None:
+        with self._outbox_lock:
+            items, self._outbox, self._outbox_scheduled = self._outbox, [], False
+        for seq, item in items:
+            seq.queue.put_nowait(item)
 
 
 def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:

@@ -1,0 +1,171 @@
+"""`gyre bench inference`: throughput of the inference service, two ratios from one run.
+
+    gyre bench inference                          # tiny model made on the fly, ~2 minutes on 2 CPU cores
+    gyre bench inference --model outputs/run/model --clients 32 --max-tokens 64 --threads 2
+
+1. Concurrency (real HTTP): a `gyre inference` process is started; the official `openai` client sends
+   completions one at a time, then from `clients` concurrent clients. Ratio = aggregate tokens/s with
+   `clients` clients / tokens/s of one client at a time (target >= 8x at 32 clients).
+2. Engine vs transformers (in-process, same model, same threads): `clients` sequences of the same
+   prompt length and `max_tokens` new tokens, sampled at T=1, through the torch backend and through
+   `model.generate` on the same batch. Ratio = ours / transformers (target >= 1.0).
+Every request ignores EOS so all runs generate exactly the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from gyre.config import GyreSettings, parse_or_exit
+from pydantic import Field
+
+
+class InferenceBenchConfig(GyreSettings):
+    """Benchmark the inference service (see the module docstring)."""
+
+    model: Path | None = Field(None, description="Model folder; default: a fresh `tiny` model in a temp dir.")
+    clients: int = Field(32, ge=1, description="Concurrent clients (and the batch of the engine comparison).")
+    requests_per_client: int = Field(2, ge=1, description="Requests each concurrent client sends.")
+    sequential_requests: int = Field(6, ge=1, description="Requests sent one at a time for the baseline.")
+    prompt_tokens: int = Field(32, ge=1, description="Prompt length in tokens.")
+    max_tokens: int = Field(64, ge=1, description="Generated tokens per request.")
+    threads: int = Field(1, ge=1, description="torch threads of the server and of the engine comparison.")
+    repeats: int = Field(3, ge=1, description="Engine comparison: best of this many interleaved runs each.")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_or_exit(InferenceBenchConfig, None if argv is None else list(argv), "gyre bench inference")
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-") as scratch:
+        model = config.model
+        if model is None:
+            from gyre.model_init import init_model
+
+            model = init_model(Path(scratch) / "model", preset="tiny", seed=0)
+        prompt = [(7 * i + 3) % 900 + 5 for i in range(config.prompt_tokens)]
+        print(f"model {model}, prompt {config.prompt_tokens} tokens, {config.max_tokens} new tokens, "
+              f"{config.threads} thread(s)", flush=True)  # fmt: skip
+        single, crowd = _http_throughput(model, prompt, config)
+        ours, theirs = _engine_vs_transformers(model, prompt, config)
+    print()
+    print(f"{'measure':<44}{'tokens/s':>12}")
+    print(f"{'HTTP, 1 client at a time':<44}{single:>12.0f}")
+    print(f"{f'HTTP, {config.clients} concurrent clients':<44}{crowd:>12.0f}")
+    print(f"{f'torch backend, batch {config.clients}':<44}{ours:>12.0f}")
+    print(f"{f'transformers.generate, batch {config.clients}':<44}{theirs:>12.0f}")
+    print()
+    print(f"concurrency ratio ({config.clients} clients / 1):  {crowd / single:6.2f}x   (target >= 8)")
+    print(f"engine ratio (ours / transformers):    {ours / theirs:6.2f}x   (target >= 1.0)")
+    return 0
+
+
+def _http_throughput(model: Path, prompt: list[int], config: InferenceBenchConfig) -> tuple[float, float]:
+    from openai import AsyncOpenAI
+
+    command = [sys.executable, "-m", "gyre.cli", "inference", "--model.name", str(model), "--server.port", "0",
+               "--control.port", "0", "--engine.threads", str(config.threads),
+               "--engine.max-batch-size", str(max(64, config.clients)), "--log.level", "WARNING"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = None
+        for line in server.stdout:
+            if line.startswith("ready: "):
+                url = line.split()[1]
+                break
+        if url is None:
+            raise RuntimeError("the inference server did not start (see its log above)")
+
+        async def run() -> tuple[float, float]:
+            async with AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600) as client:
+                model_id = (await client.models.list()).data[0].id
+
+                async def one() -> int:
+                    response = await client.completions.create(
+                        model=model_id, prompt=prompt, max_tokens=config.max_tokens, temperature=1.0,
+                        extra_body={"ignore_eos": True},
+                    )  # fmt: skip
+                    return response.usage.completion_tokens
+
+                await one()  # warm-up
+                started = time.perf_counter()
+                tokens = 0
+                for _ in range(config.sequential_requests):
+                    tokens += await one()
+                single = tokens / (time.perf_counter() - started)
+                print(f"  1 client: {single:.0f} tokens/s", flush=True)
+
+                async def client_loop() -> int:
+                    return sum([await one() for _ in range(config.requests_per_client)])
+
+                started = time.perf_counter()
+                tokens = sum(await asyncio.gather(*(client_loop() for _ in range(config.clients))))
+                crowd = tokens / (time.perf_counter() - started)
+                print(f"  {config.clients} clients: {crowd:.0f} tokens/s", flush=True)
+                return single, crowd
+
+        return asyncio.run(run())
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, 9)
+
+
+def _engine_vs_transformers(model: Path, prompt: list[int], config: InferenceBenchConfig) -> tuple[float, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gyre_inference.backend import SamplingParams
+    from gyre_inference.torch_backend import TorchBackend
+
+    torch.set_num_threads(config.threads)
+    batch, new = config.clients, config.max_tokens
+
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt] * batch)
+
+    def theirs_once() -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                     top_p=1.0, top_k=0, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
+                                     pad_token_id=0)  # fmt: skip
+        return (out.shape[1] - ids.shape[1]) * batch / (time.perf_counter() - started)
+
+    async def ours_once(backend: TorchBackend) -> float:
+        async def sequence(seed: int) -> int:
+            return len([e async for e in backend.generate(prompt, SamplingParams(max_tokens=new, seed=seed))])
+
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(sequence(i) for i in range(batch))))
+        return tokens / (time.perf_counter() - started)
+
+    async def compare() -> tuple[float, float]:
+        backend = TorchBackend(model, threads=config.threads, max_batch_size=batch)
+        await backend.start()
+        try:
+            await ours_once(backend)  # warm-up both
+            theirs_once()
+            ours_rates, theirs_rates = [], []
+            for _ in range(config.repeats):  # interleaved, so load from elsewhere hits both alike
+                ours_rates.append(await ours_once(backend))
+                theirs_rates.append(theirs_once())
+            return max(ours_rates), max(theirs_rates)
+        finally:
+            await backend.shutdown()
+
+    ours_rate, theirs_rate = asyncio.run(compare())
+    print(f"  torch backend: {ours_rate:.0f} tokens/s, transformers.generate: {theirs_rate:.0f} tokens/s", flush=True)
+    return ours_rate, theirs_rate
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
