@@ -1,0 +1,45 @@
+"""`gyre orchestrator @ exp.toml#orchestrator [--key value ...]`: run the orchestrator until max_steps.
+
+Exit status: 0 when done, 2 for a bad config or environment, 1 when the run fails, 143 on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from gyre.config import parse_or_exit
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.logging import setup_logging
+
+log = logging.getLogger("gyre_orchestrator")
+
+
+async def serve(cfg: OrchestratorConfig) -> int:
+    from gyre_orchestrator.service import OrchestratorService  # imported after logging is set up
+
+    try:
+        service = OrchestratorService(cfg)
+    except ValueError as e:  # unknown environment, bad env args, inconsistent settings
+        log.error("%s", e)
+        return 2
+    run = asyncio.create_task(service.run())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, run.cancel)
+    try:
+        return await run
+    except asyncio.CancelledError:
+        log.info("stopped by signal")
+        return 143
+    except Exception:
+        log.exception("orchestrator failed")
+        return 1
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_or_exit(OrchestratorConfig, argv, "gyre orchestrator", OrchestratorConfig.__doc__ or "")
+    setup_logging(cfg.log.level, cfg.log.file, service="orchestrator")
+    if cfg.log.level != "DEBUG":  # the openai client's HTTP stack logs a line per request at INFO
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
+    return asyncio.run(serve(cfg))

@@ -1,0 +1,110 @@
+"""Prometheus metrics of the orchestrator (`gyre_orchestrator_*`), on one registry per service instance.
+
+Every metric carries the `run_id` label so one Prometheus can hold several experiments apart.
+Throughput is exposed as counters (`*_total`) that dashboards `rate()`; per-step values as gauges.
+"""
+
+from __future__ import annotations
+
+from gyre import metrics as m
+from prometheus_client import CollectorRegistry
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+RELAY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+OUTCOMES = ("ok", "truncated", "error", "stale")
+
+
+class OrchestratorMetrics:
+    """All orchestrator metrics. Create one per process (tests pass a fresh `CollectorRegistry`)."""
+
+    def __init__(self, run_id: str, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.run_id = run_id
+        r = self.registry
+        run = ("run_id",)
+        self.step = m.gauge("gyre_orchestrator_step", "Last batch step pushed to the stream.", run, r)
+        self.batches = m.counter("gyre_orchestrator_batches_total", "Batches pushed to the stream.", run, r)
+        self.samples = m.counter("gyre_orchestrator_samples_total", "Samples pushed in batches.", run, r)
+        self.reward_mean = m.gauge("gyre_orchestrator_reward_mean", "Mean reward of the last batch.", (*run, "env"), r)
+        self.reward_std = m.gauge(
+            "gyre_orchestrator_reward_std", "Reward standard deviation of the last batch.", (*run, "env"), r
+        )
+        self.eval_reward = m.gauge(
+            "gyre_orchestrator_eval_reward",
+            "Last evaluation of the held-out split; stat = avg_at_k (mean reward) or pass_at_k (fraction solved).",
+            (*run, "env", "stat"),
+            r,
+        )
+        self.rollouts = m.counter(
+            "gyre_orchestrator_rollouts_total",
+            "Finished rollouts by outcome: ok, truncated (length/turn budget/drift), error, stale (dropped).",
+            (*run, "env", "outcome"),
+            r,
+        )
+        self.rollout_latency = m.histogram(
+            "gyre_orchestrator_rollout_latency_seconds",
+            "Wall time of one rollout (all its model turns and environment replies) plus scoring.",
+            (*run, "env"),
+            r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.lag = m.histogram(
+            "gyre_orchestrator_policy_lag_steps",
+            "Off-policy lag of each trained sample: (step - 1) - oldest policy version that produced it.",
+            run,
+            r,
+            buckets=LAG_BUCKETS,
+        )
+        self.dropped_stale = m.counter(
+            "gyre_orchestrator_dropped_stale_samples_total",
+            "Samples dropped (and regenerated) because their policy version was below the async bound.",
+            run,
+            r,
+        )
+        self.dropped_zero_signal = m.counter(
+            "gyre_orchestrator_dropped_zero_signal_groups_total",
+            "Groups dropped because all their rewards were equal (no advantage signal).",
+            run,
+            r,
+        )
+        self.batch_tokens = m.counter(
+            "gyre_orchestrator_batch_tokens_total", "Tokens pushed in batches (padding excluded).", run, r
+        )
+        self.packing_efficiency = m.gauge(
+            "gyre_orchestrator_packing_efficiency_ratio",
+            "Tokens of the last batch / (rows x seq_len).",
+            run,
+            r,
+        )
+        self.batch_seconds = m.gauge(
+            "gyre_orchestrator_batch_generation_seconds",
+            "Wall time from the first dispatch of the last batch to its close.",
+            run,
+            r,
+        )
+        self.relay_duration = m.histogram(
+            "gyre_orchestrator_weight_relay_duration_seconds",
+            "Time from learning of a weights version to every replica in rotation serving it.",
+            run,
+            r,
+            buckets=RELAY_BUCKETS,
+        )
+        self.relay_calls = m.counter(
+            "gyre_orchestrator_weight_relay_calls_total", "UpdateWeights calls by result.", (*run, "result"), r
+        )
+        self.replica_version = m.gauge(
+            "gyre_orchestrator_replica_policy_version",
+            "Policy version each inference replica serves (-1 unknown).",
+            (*run, "replica"),
+            r,
+        )
+        self.replica_up = m.gauge(
+            "gyre_orchestrator_replica_up", "1 if the replica is in rotation, else 0.", (*run, "replica"), r
+        )
+        self.latest_weights = m.gauge(
+            "gyre_orchestrator_latest_weights_step", "Newest weights version the orchestrator knows of.", run, r
+        )
+
+    def labels(self, metric, **labels):
+        return metric.labels(run_id=self.run_id, **labels)

@@ -1,0 +1,283 @@
+"""Weight relay: bring every inference replica to the newest published weights version.
+
+The trainer announces a version with `NotifyWeights` (see `server.py`); the relay also finds versions
+on its own — on start (`WeightStore.latest()`: replicas are made to serve it before any rollout) and
+by polling the store every `poll_store_s`, so a lost notification only delays a version.
+
+Reconciliation, not fire-and-forget: a loop compares each replica's served version with the target
+and runs one updater task per lagging replica (`UpdateWeights(step, path, digest)` with a deadline,
+retried with backoff). A slow or dead replica therefore never holds back the others, and a replica
+that restarted on the base model (seen by the periodic `GetStatus` probe) is brought back up. Every
+call is logged to `weight_relay.jsonl`. Versions replicas still serve (plus the target) are declared
+with `WeightStore.set_in_use`, so the trainer's pruning never deletes weights in use.
+
+Versions only move forward: the target is never lowered, and a replica ahead of it is left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from gyre.events import EventLog
+from gyre.v1 import inference_pb2, inference_pb2_grpc
+from gyre.weights import WeightsError, WeightStore
+
+from gyre_orchestrator.replicas import Replica, ReplicaSet
+from gyre_orchestrator.scheduler import VersionWatch
+
+log = logging.getLogger(__name__)
+
+HOLDER = "orchestrator"
+
+
+@dataclass(frozen=True)
+class WeightsVersion:
+    step: int
+    path: str
+    digest: str
+
+
+class WeightRelay:
+    """Keeps replicas on the newest weights version. Use from one event loop; `start()` then `stop()`."""
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        store: WeightStore,
+        versions: VersionWatch,
+        *,
+        events: EventLog | None = None,
+        metrics: Any = None,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        probe_interval_s: float = 2.0,
+        probe_timeout_s: float = 5.0,
+        poll_store_s: float = 5.0,
+        control_token: str | None = None,
+        holder: str = HOLDER,
+    ):
+        self.replicas = replicas
+        self.store = store
+        self.versions = versions
+        self.events = events
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.poll_store_s = poll_store_s
+        self.metadata = (("authorization", f"Bearer {control_token}"),) if control_token else None
+        self.holder = holder
+        self.target: WeightsVersion | None = None
+        self.notified = 0  # NotifyWeights calls that brought a new version
+        self._learned_at: dict[int, float] = {}  # version -> when we learned of it (relay duration)
+        self._updaters: dict[str, asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._in_use: set[int] | None = None
+        self._last_probe = float("-inf")
+        self._last_poll = float("-inf")
+        replicas.add_listener(self._on_replicas_changed)
+
+    # ---- announcements --------------------------------------------------------------------------
+    @property
+    def latest_step(self) -> int:
+        return self.target.step if self.target else 0
+
+    def notify(self, step: int, path: str = "", digest: str = "") -> bool:
+        """Learn of version `step` (idempotent). Returns True if it is newer than what we had.
+
+        Raises `WeightsError` when the store does not hold that version or its manifest digest differs
+        from `digest`: relaying it would make every replica fail the same way.
+        """
+        if step < 1:
+            raise ValueError(f"weights step must be >= 1 (version 0 is the base model), got {step}")
+        if self.target is not None and step < self.target.step:
+            return False
+        actual = self.store.digest(step)  # WeightsError if missing or incomplete
+        if digest and digest != actual:
+            raise WeightsError(f"weights step {step}: digest {digest[:12]}… differs from the manifest's {actual[:12]}…")
+        new = WeightsVersion(step=step, path=path or str(self.store.path(step)), digest=actual)
+        if self.target == new or (self.target is not None and (self.target.step, self.target.digest) == (step, actual)):
+            return False
+        republished = self.target is not None and self.target.step == step
+        self.target = new
+        self._learned_at.setdefault(step, time.monotonic())
+        if republished:  # same step, different files: every replica on it must reload
+            log.warning("weights step %d were republished with new files; relaying again", step)
+            for r in self.replicas:
+                if r.version == step:
+                    r.version = step - 1
+        log.info("new weights version %d (%s)", step, new.path)
+        if self.metrics is not None:
+            self.metrics.labels(self.metrics.latest_weights).set(step)
+        self._wake.set()
+        return True
+
+    def poll_store(self) -> None:
+        """Pick up a version the trainer published but whose notification we missed."""
+        latest = self.store.latest()
+        if latest is not None and latest > self.latest_step:
+            try:
+                self.notify(latest)
+            except WeightsError as e:
+                log.warning("cannot use weights step %d found on the volume: %s", latest, e)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Find published versions, learn what replicas serve, start relaying; returns at once."""
+        self.poll_store()
+        await self.probe_all()
+        self._task = asyncio.create_task(self._run(), name="weight-relay")
+
+    async def stop(self) -> None:
+        tasks = [t for t in [self._task, *self._updaters.values()] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._updaters.clear()
+        self._task = None
+
+    async def wait_served(self, step: int, timeout: float | None = None) -> bool:
+        """True once every replica in rotation (and at least one) serves version >= step."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._all_serve(step):
+                return True
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            await asyncio.sleep(0.05 if remaining is None else min(0.05, remaining))
+
+    def _all_serve(self, step: int) -> bool:
+        live = [r for r in self.replicas if self.replicas.in_rotation(r)]
+        return bool(live) and all(r.version is not None and r.version >= step for r in live)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _on_replicas_changed(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            now = time.monotonic()
+            if now - self._last_poll >= self.poll_store_s:
+                self._last_poll = now
+                self.poll_store()
+            if now - self._last_probe >= self.probe_interval_s:
+                await self.probe_all()
+            self.reconcile()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=min(self.probe_interval_s, self.poll_store_s))
+
+    def reconcile(self) -> None:
+        """Start an updater for each lagging replica; publish versions, in-use set and metrics."""
+        target = self.target
+        if target is not None:
+            for r in self.replicas:
+                lagging = r.version is None or r.version < target.step
+                busy = r.url in self._updaters and not self._updaters[r.url].done()
+                if lagging and not busy and self.replicas.in_rotation(r):
+                    self._updaters[r.url] = asyncio.create_task(self._update(r), name=f"relay-{r.url}")
+        best = self.replicas.max_healthy_version()
+        if best is not None:
+            self.versions.set(best)
+        for step in [s for s in self._learned_at if self._all_serve(s)]:
+            seconds = time.monotonic() - self._learned_at.pop(step)
+            log.info("weights version %d served by every replica in rotation (%.2fs)", step, seconds)
+            if self.metrics is not None:
+                self.metrics.labels(self.metrics.relay_duration).observe(seconds)
+        self._declare_in_use()
+        self._export_replicas()
+
+    def _declare_in_use(self) -> None:
+        in_use = self.replicas.served_versions() | ({self.target.step} if self.target else set())
+        in_use = {s for s in in_use if s >= 1}  # version 0 is the base model, not in the store
+        if in_use != self._in_use:
+            try:
+                self.store.set_in_use(self.holder, in_use)
+                self._in_use = in_use
+            except OSError as e:
+                log.warning("cannot declare weights in use %s: %s", sorted(in_use), e)
+
+    def _export_replicas(self) -> None:
+        if self.metrics is None:
+            return
+        for r in self.replicas:
+            self.metrics.labels(self.metrics.replica_version, replica=r.url).set(-1 if r.version is None else r.version)
+            self.metrics.labels(self.metrics.replica_up, replica=r.url).set(1 if self.replicas.in_rotation(r) else 0)
+
+    # ---- gRPC -----------------------------------------------------------------------------------
+    def _stub(self, replica: Replica) -> inference_pb2_grpc.InferenceControlStub:
+        channel = replica.clients.get("channel")
+        if channel is None:
+            channel = replica.clients["channel"] = grpc.aio.insecure_channel(replica.endpoint.control)
+        return inference_pb2_grpc.InferenceControlStub(channel)
+
+    async def probe(self, replica: Replica) -> None:
+        """GetStatus: the authoritative served version (may go down after a restart) and readiness."""
+        try:
+            status = await self._stub(replica).GetStatus(
+                inference_pb2.GetInferenceStatusRequest(), timeout=self.probe_timeout_s, metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as e:
+            if self.replicas.in_rotation(replica):
+                self.replicas.mark_failed(replica, f"GetStatus: {e.code().name}: {e.details()}")
+            return
+        if not status.ready:
+            if self.replicas.in_rotation(replica):
+                self.replicas.mark_failed(replica, "GetStatus: not ready")
+            return
+        self.replicas.mark_ok(replica, int(status.step))
+
+    async def probe_all(self) -> None:
+        self._last_probe = time.monotonic()
+        # a failed replica is "in rotation" again once its cooldown is over: the probe is how it comes back
+        await asyncio.gather(*(self.probe(r) for r in self.replicas if self.replicas.in_rotation(r)))
+
+    async def _update(self, replica: Replica) -> None:
+        """Bring one replica to the target version (retries with backoff, then out of rotation)."""
+        for attempt in range(self.retries + 1):
+            target = self.target
+            if target is None or replica.url not in self.replicas.replicas:
+                return
+            if replica.version is not None and replica.version >= target.step:
+                return
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            start = time.monotonic()
+            error = None
+            try:
+                reply = await self._stub(replica).UpdateWeights(
+                    inference_pb2.UpdateWeightsRequest(step=target.step, path=target.path, digest=target.digest),
+                    timeout=self.timeout_s,
+                    metadata=self.metadata,
+                )
+            except grpc.aio.AioRpcError as e:
+                error = f"{e.code().name}: {e.details()}"
+            seconds = time.monotonic() - start
+            self._record(target.step, replica, error is None, seconds, error, attempt)
+            if error is None:
+                self.replicas.mark_ok(replica, int(reply.step))
+                log.info("replica %s now serves version %d (%.2fs)", replica.url, reply.step, seconds)
+                self.reconcile()
+                return
+            log.warning("UpdateWeights(%d) on %s failed: %s", target.step, replica.url, error)
+        self.replicas.mark_failed(replica, f"UpdateWeights failed {self.retries + 1} times: {error}")
+
+    def _record(self, step: int, replica: Replica, ok: bool, seconds: float, error: str | None, attempt: int) -> None:
+        if self.metrics is not None:
+            self.metrics.labels(self.metrics.relay_calls, result="ok" if ok else "error").inc()
+        if self.events is not None:
+            record = {"step": step, "replica": replica.url, "ok": ok, "seconds": seconds, "attempt": attempt}
+            if error:
+                record["error"] = error
+            self.events.append(record)

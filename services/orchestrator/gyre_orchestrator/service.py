@@ -1,0 +1,459 @@
+"""The orchestrator process: wires environment, replicas, relay, scheduler, packing, stream and eval.
+
+Life of a run (`OrchestratorService.run`):
+1. start the gRPC server (health NOT_SERVING), discover replicas, find published weights and make
+   the replicas serve the newest (`WeightRelay.start`), work out the resume point;
+2. health SERVING; the scheduler generates groups under the async bound; each closed step is scored
+   into advantages, packed, encoded and pushed to `gyre:{run}:batches`, then logged
+   (`orchestrator_steps.jsonl`, metrics) and checkpointed;
+3. every `eval.interval` versions (and at start) an evaluation runs in the background;
+4. after batch `max_steps`: wait (up to `final_weights_timeout_s`) until the trainer's final weights
+   are served by every replica, finish a due evaluation, shut down, exit 0.
+
+Invariant: batch `s` holds only samples whose oldest policy version is >= s-1-k, and every batch
+pushed is non-empty and passes `TrainBatch.validate()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import redis
+from gyre.codec import CodecError, encode_batch
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.envs import Rollout, SamplingParams, Score, Task, load_environment
+from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir
+from gyre.metrics import start_metrics_server
+from gyre.streams import BatchStream, StreamEntry
+from gyre.weights import WeightStore
+
+from gyre_orchestrator.advantages import compute_advantages
+from gyre_orchestrator.client import InferenceClient, close_replica_clients
+from gyre_orchestrator.evaluate import EvalResult, eval_sampling, evaluate
+from gyre_orchestrator.metrics import OrchestratorMetrics
+from gyre_orchestrator.packing import TrainSample, pack_batch
+from gyre_orchestrator.progress import Progress, ProgressStore, resume_point
+from gyre_orchestrator.relay import WeightRelay
+from gyre_orchestrator.replicas import ReplicaSet, make_discovery
+from gyre_orchestrator.scheduler import RolloutScheduler, StepState, VersionWatch
+from gyre_orchestrator.server import OrchestratorServer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 9102
+
+
+class RolloutFailed(RuntimeError):
+    """The environment itself failed during a rollout (not the model, not the network)."""
+
+
+@dataclass
+class ScoredRollout:
+    """A finished rollout with its score: what the scheduler admits and the packer trains on."""
+
+    task: Task
+    task_index: int
+    rollout: Rollout
+    score: Score
+    seconds: float
+
+    @property
+    def reward(self) -> float:
+        return self.score.reward
+
+    @property
+    def min_version(self) -> int:
+        return self.rollout.policy_version_min
+
+    @property
+    def max_version(self) -> int:
+        return self.rollout.policy_version_max
+
+
+class TaskSampler:
+    """The train split, read in index order from a saved position (its whole state is `index`)."""
+
+    def __init__(self, source, index: int = 0):
+        self.source = source
+        self.index = index
+
+    def next(self) -> tuple[int, Task]:
+        i = self.index
+        self.index += 1
+        return i, self.source[i]
+
+
+class OrchestratorService:
+    def __init__(self, cfg: OrchestratorConfig, *, metrics: OrchestratorMetrics | None = None):
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.env = load_environment(cfg.env.name, **cfg.env.args)
+        if cfg.advantage.type == "rloo" and cfg.rollouts_per_example < 2:
+            raise ValueError("advantage.type = 'rloo' needs rollouts_per_example >= 2")
+        self.metrics = metrics or OrchestratorMetrics(cfg.run_id)
+        self.sampling = SamplingParams(**cfg.sampling.model_dump())
+        self.events = EventLog(events_dir(self.out) / ORCHESTRATOR_STEPS)
+        self.eval_events = EventLog(events_dir(self.out) / EVAL)
+        self.relay_events = EventLog(events_dir(self.out) / WEIGHT_RELAY)
+        self.store = WeightStore(self.out / "weights")
+        self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last)
+        inf = cfg.inference
+        self.replicas = ReplicaSet(cooldown_s=inf.failure_cooldown_s)
+        self.discovery = make_discovery(inf, self.replicas, on_removed=self._on_removed)
+        self.client = InferenceClient(
+            self.replicas,
+            model=inf.model,
+            api_key=inf.api_key,
+            max_concurrency=inf.max_concurrency,
+            timeout_s=inf.timeout_s,
+            retries=inf.retries,
+        )
+        self.versions = VersionWatch(0)
+        self.relay = WeightRelay(
+            self.replicas,
+            self.store,
+            self.versions,
+            events=self.relay_events,
+            metrics=self.metrics,
+            timeout_s=cfg.relay.timeout_s,
+            retries=cfg.relay.retries,
+            probe_interval_s=inf.health_interval_s,
+            poll_store_s=cfg.relay.poll_store_s,
+            control_token=inf.control_token,
+        )
+        self.server = OrchestratorServer(
+            self.relay,
+            lambda: self.last_step,
+            host=cfg.server.host,
+            port=cfg.server.port,
+            control_token=cfg.server.control_token,
+        )
+        self.redis = redis.Redis.from_url(cfg.redis.url)
+        self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)
+        self.last_step = 0
+        self.sampler: TaskSampler | None = None
+        self.scheduler: RolloutScheduler | None = None
+        self.counters: dict[str, int] = {}
+        self._eval_queue: asyncio.Queue[int] = asyncio.Queue()
+        self._eval_task: asyncio.Task | None = None
+        self._evaluated: set[int] = set()
+        self._metrics_server = None
+        self.metrics_port: int | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def run(self) -> int:
+        try:
+            await self.start()
+            await self.loop()
+            await self.finish()
+            return 0
+        finally:
+            await self.close()
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        port = DEFAULT_METRICS_PORT if cfg.metrics.port is None else cfg.metrics.port
+        self._metrics_server, self.metrics_port = start_metrics_server(
+            port, self.metrics.registry, host=cfg.server.host
+        )
+        await self.server.start()
+        await self.discovery.start()
+        await self.relay.start()
+        if self.relay.target is not None:
+            step = self.relay.target.step
+            log.info("published weights up to version %d: making replicas serve it", step)
+            if not await self.relay.wait_served(step, timeout=cfg.relay.timeout_s):
+                log.warning("not every replica serves version %d yet; continuing (the relay keeps trying)", step)
+        point = resume_point(
+            cfg.resume_step,
+            self.progress,
+            await asyncio.to_thread(self.stream.latest_step),
+            self.store.latest(),
+            await asyncio.to_thread(self._stream_task_index),
+        )
+        self.last_step = point.start_step - 1
+        self.counters = {k: int(v) for k, v in point.counters.items()}
+        self.sampler = TaskSampler(self.env.tasks("train", seed=cfg.seed), point.task_index)
+        log.info("starting at step %d (%s), task index %d", point.start_step, point.reason, point.task_index)
+        g = cfg.rollouts_per_example
+        self.scheduler = RolloutScheduler(
+            self._generate,
+            self.sampler.next,
+            self.versions,
+            batch_size=cfg.batch_size,
+            group_size=g,
+            max_async_level=cfg.max_async_level,
+            start_step=point.start_step,
+            max_steps=cfg.max_steps,
+            max_inflight_groups=cfg.max_inflight_groups or math.ceil(cfg.inference.max_concurrency / g),
+            drop_zero_signal=cfg.advantage.drop_zero_signal,
+            oversample_limit=cfg.advantage.oversample_limit,
+            sample_attempts=cfg.sample_attempts,
+        )
+        if cfg.eval.interval is not None:
+            self.versions.add_listener(self._maybe_queue_eval)
+            if cfg.eval.at_start and point.start_step == 1:
+                self._eval_queue.put_nowait(0)
+            self._eval_task = asyncio.create_task(self._eval_loop(), name="eval")
+        await self.server.set_serving(True)
+
+    async def loop(self) -> None:
+        cfg = self.cfg
+        while cfg.max_steps is None or self.last_step < cfg.max_steps:
+            st = await self.scheduler.next_batch()
+            await self.push(st)
+
+    async def finish(self) -> None:
+        cfg = self.cfg
+        await self.scheduler.stop()
+        if cfg.max_steps is not None and cfg.final_weights_timeout_s > 0:
+            log.info("all %d batches pushed; waiting for weights version %d", cfg.max_steps, cfg.max_steps)
+            deadline = time.monotonic() + cfg.final_weights_timeout_s
+            while self.relay.latest_step < cfg.max_steps and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            served = self.relay.latest_step >= cfg.max_steps and await self.relay.wait_served(
+                cfg.max_steps, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if served:
+                log.info("final weights version %d served by every replica", cfg.max_steps)
+            else:
+                log.warning(
+                    "final weights version %d not relayed within %.0fs", cfg.max_steps, cfg.final_weights_timeout_s
+                )
+        if self._eval_task is not None:
+            # an evaluation that is due (e.g. of the final version) finishes before we exit
+            self._maybe_queue_eval(self.versions.value)
+            await self._eval_queue.join()
+
+    async def close(self) -> None:
+        await self.server.set_serving(False)
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        if self._eval_task is not None:
+            self._eval_task.cancel()
+            await asyncio.gather(self._eval_task, return_exceptions=True)
+        await self.relay.stop()
+        await self.discovery.stop()
+        await self.server.stop(grace=1.0)
+        await close_replica_clients(list(self.replicas))
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self.redis.close()
+        for events in (self.events, self.eval_events, self.relay_events):
+            events.close()
+
+    def _on_removed(self, removed) -> None:
+        for r in removed:
+            for gauge in (self.metrics.replica_version, self.metrics.replica_up):
+                with contextlib.suppress(KeyError):  # never exported
+                    gauge.remove(self.cfg.run_id, r.url)
+        task = asyncio.get_running_loop().create_task(close_replica_clients(removed))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- one rollout ----------------------------------------------------------------------------
+    async def _generate(self, item: tuple[int, Task], floor: int) -> ScoredRollout:
+        index, task = item
+        env_name = self.cfg.env.name
+        start = time.monotonic()
+        rollout = await self.env.rollout(self.client.for_version(floor), task, self.sampling)
+        if rollout.error:
+            self.metrics.labels(self.metrics.rollouts, env=env_name, outcome="error").inc()
+            raise RolloutFailed(f"task {task.id}: {rollout.error}")
+        score = await self.env.score(task, rollout)
+        seconds = time.monotonic() - start
+        outcome = "truncated" if rollout.truncated else "ok"
+        self.metrics.labels(self.metrics.rollouts, env=env_name, outcome=outcome).inc()
+        self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)
+        return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds)
+
+    # ---- one batch ------------------------------------------------------------------------------
+    def build_samples(self, st: StepState) -> tuple[list[TrainSample], int]:
+        """Advantages + per-sample metadata; returns (samples, number cut to seq_len)."""
+        cfg = self.cfg
+        groups = st.kept
+        rewards = [[s.reward for s in g.samples] for g in groups]
+        lengths = [[s.rollout.num_completion_tokens for s in g.samples] for g in groups]
+        advantages = compute_advantages(rewards, cfg.advantage.type, std_norm=cfg.advantage.std_norm, lengths=lengths)
+        samples: list[TrainSample] = []
+        cut = 0
+        for gi, (group, adv) in enumerate(zip(groups, advantages, strict=True)):
+            for s, a in zip(group.samples, adv, strict=True):
+                r = s.rollout
+                ids, mask, lps = r.token_ids, r.loss_mask, r.logprobs
+                if len(ids) > cfg.batch.seq_len:
+                    # the trainer cannot take it whole: keep the prefix, say so (counted in the event)
+                    cut += 1
+                    ids, mask, lps = ids[: cfg.batch.seq_len], mask[: cfg.batch.seq_len], lps[: cfg.batch.seq_len]
+                if not any(mask):
+                    continue  # nothing the model sampled survives: no loss tokens, nothing to learn
+                meta = {
+                    "reward": s.reward,
+                    "advantage": float(a),
+                    "min_version": s.min_version,
+                    "max_version": s.max_version,
+                    "lag": (st.step - 1) - s.min_version,
+                    "env": cfg.env.name,
+                    "task_id": s.task.id,
+                    "task_index": s.task_index,
+                    "group": gi,
+                    "num_turns": r.num_turns,
+                    "stop_reason": r.stop_reason,
+                    "num_tokens": len(ids),
+                    "num_loss_tokens": int(sum(mask)),
+                    "rewards": dict(s.score.per_function),
+                    "temperature": self.sampling.temperature,
+                }
+                samples.append(TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta))
+        return samples, cut
+
+    async def push(self, st: StepState) -> None:
+        cfg = self.cfg
+        start = time.monotonic()
+        samples, cut = self.build_samples(st)
+        if not samples:
+            raise RuntimeError(f"step {st.step}: every sample was empty after truncation; raise batch.seq_len")
+        packed = pack_batch(
+            st.step,
+            samples,
+            seq_len=cfg.batch.seq_len,
+            world_size=cfg.batch.dp_world_size,
+            temperature=self.sampling.temperature,
+        )
+        payload = await asyncio.to_thread(encode_batch, packed.batch)
+        await asyncio.to_thread(
+            self.stream.push,
+            st.step,
+            payload,
+            path_threshold=cfg.batch.inline_max_bytes,
+            spill_dir=self.out / "batches",
+        )
+        self.last_step = st.step
+        self._account(st, samples, packed, cut, time.monotonic() - start)
+
+    def _account(self, st: StepState, samples: list[TrainSample], packed, cut: int, build_seconds: float) -> None:
+        cfg, m = self.cfg, self.metrics
+        generated = np.asarray(st.all_rewards, dtype=np.float64)
+        lags = np.asarray([s.meta["lag"] for s in samples], dtype=np.float64)
+        num_tokens = int(sum(s.length for s in samples))
+        record = {
+            "step": st.step,
+            "reward_mean": float(generated.mean()),
+            "reward_std": float(generated.std()),
+            "num_samples": len(samples),
+            "dropped_stale": st.dropped_stale,
+            "dropped_zero_signal": st.dropped_zero_signal,
+            "min_version": min(s.meta["min_version"] for s in samples),
+            "max_version": max(s.meta["max_version"] for s in samples),
+            "lag_mean": float(lags.mean()),
+            "lag_max": int(lags.max()),
+            "num_tokens": num_tokens,
+            "step_seconds": st.seconds,
+            # extras beyond the contract
+            "env": cfg.env.name,
+            "reward_mean_trained": float(np.mean([s.meta["reward"] for s in samples])),
+            "num_groups": len(st.kept),
+            "num_rows": packed.num_rows,
+            "packing_efficiency": packed.efficiency,
+            "truncated_to_seq_len": cut,
+            "build_seconds": build_seconds,
+        }
+        self.events.append(record)
+        for key in ("num_samples", "dropped_stale", "dropped_zero_signal", "num_tokens"):
+            self.counters[key] = self.counters.get(key, 0) + int(record[key])
+        labels = m.labels
+        labels(m.step).set(st.step)
+        labels(m.batches).inc()
+        labels(m.samples).inc(len(samples))
+        labels(m.reward_mean, env=cfg.env.name).set(record["reward_mean"])
+        labels(m.reward_std, env=cfg.env.name).set(record["reward_std"])
+        labels(m.dropped_stale).inc(st.dropped_stale)
+        labels(m.rollouts, env=cfg.env.name, outcome="stale").inc(st.dropped_stale)
+        labels(m.dropped_zero_signal).inc(st.dropped_zero_signal)
+        labels(m.batch_tokens).inc(num_tokens)
+        labels(m.packing_efficiency).set(packed.efficiency)
+        labels(m.batch_seconds).set(st.seconds)
+        for lag in lags:
+            labels(m.lag).observe(lag)
+        log.info(
+            "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups",
+            st.step,
+            len(samples),
+            record["reward_mean"],
+            record["min_version"],
+            record["max_version"],
+            st.dropped_stale,
+            st.dropped_zero_signal,
+        )
+        if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
+            self.progress.save(Progress(step=st.step, task_index=self.sampler.index, counters=dict(self.counters)))
+
+    def _stream_task_index(self) -> int | None:
+        """One past the highest train task index in the newest batch of the stream (None if unknown)."""
+        newest = self.redis.xrevrange(self.stream.key, count=1)
+        if not newest:
+            return None
+        entry_id, fields = newest[0]
+        try:
+            batch = StreamEntry(id=entry_id.decode(), fields={k.decode(): v for k, v in fields.items()}).decode()
+        except CodecError as e:
+            log.warning("cannot read the newest batch in the stream (%s); task positions from the checkpoint", e)
+            return None
+        indices = [s["task_index"] for s in batch.samples if isinstance(s.get("task_index"), int)]
+        return max(indices) + 1 if indices else None
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def _maybe_queue_eval(self, version: int) -> None:
+        interval = self.cfg.eval.interval
+        if interval is None:
+            return
+        due = version - version % interval  # newest multiple of interval reached
+        limit = self.cfg.max_steps if self.cfg.max_steps is not None else due
+        if 0 < due <= limit and due not in self._evaluated:
+            self._evaluated.add(due)
+            self._eval_queue.put_nowait(due)
+
+    async def _eval_loop(self) -> None:
+        cfg = self.cfg
+        while True:
+            version = await self._eval_queue.get()
+            try:
+                result = await evaluate(
+                    self.env,
+                    self.client.for_version(version),
+                    env_name=cfg.env.name,
+                    num_examples=cfg.eval.num_examples,
+                    k=cfg.eval.k,
+                    sampling=eval_sampling(cfg),
+                    pass_threshold=cfg.eval.pass_threshold,
+                )
+                self._record_eval(version, result)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # an eval failure must not lose training progress
+                log.error("evaluation of version %d failed: %s", version, e)
+            finally:
+                self._eval_queue.task_done()
+
+    def _record_eval(self, version: int, result: EvalResult) -> None:
+        self.eval_events.append(result.record(step=version))
+        m = self.metrics
+        m.labels(m.eval_reward, env=result.env, stat="avg_at_k").set(result.avg_at_k)
+        m.labels(m.eval_reward, env=result.env, stat="pass_at_k").set(result.pass_at_k)
+        log.info(
+            "eval of version %d: avg@%d %.3f, pass@%d %.3f",
+            version,
+            result.k,
+            result.avg_at_k,
+            result.k,
+            result.pass_at_k,
+        )

@@ -1,0 +1,131 @@
+"""The orchestrator against two real inference processes, a real Redis and a simulated trainer.
+
+The trainer side is simulated (it does not train) but real at every interface the orchestrator sees:
+it reads the stream through the consumer group, decodes every batch, publishes weights with
+`WeightStore` and calls `NotifyWeights` over gRPC; the replicas really load each version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from conftest import SimulatedTrainer, orchestrator_config, publish_weights
+from gyre.events import read_events
+from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from gyre.weights import WeightStore
+from gyre_orchestrator.service import OrchestratorService
+from prometheus_client import generate_latest
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+
+
+async def run_with_trainer(cfg, tiny_model, steps: int, train_s: float = 0.0):
+    service = OrchestratorService(cfg)
+    trainer = SimulatedTrainer(
+        cfg.redis.url, cfg.run_id, cfg.output_dir, tiny_model, lambda: f"127.0.0.1:{service.server.port}", train_s
+    )
+    try:
+        code, _ = await asyncio.wait_for(asyncio.gather(service.run(), trainer.run(steps)), timeout=240)
+    finally:
+        trainer.close()
+    return service, trainer, code
+
+
+async def test_batches_flow_weights_relay_and_the_bound_holds(tmp_path, redis_url, unique_run_id, replicas, tiny_model):
+    k, steps = 1, 4
+    cfg = orchestrator_config(
+        tmp_path, redis_url, unique_run_id, replicas, max_steps=steps, max_async_level=k,
+        final_weights_timeout_s=60, eval={"interval": 2, "num_examples": 2},
+    )  # fmt: skip
+    service, trainer, code = await run_with_trainer(cfg, tiny_model, steps, train_s=0.2)
+    assert code == 0
+
+    # batches landed in the stream, decoded, in order, each with 2 groups x 4 samples
+    assert [b.step for b in trainer.batches] == [1, 2, 3, 4]
+    for batch in trainer.batches:
+        assert batch.num_samples == 8 and batch.temperature == cfg.sampling.temperature
+        assert all(mb.num_tokens <= cfg.batch.seq_len for rank in batch.micro_batches for mb in rank)
+        for sample in batch.samples:
+            # the async bound, as recorded per sample
+            assert sample["min_version"] >= batch.step - 1 - k
+            assert sample["lag"] == batch.step - 1 - sample["min_version"] <= k
+            assert sample["env"] == "reverse_text" and sample["num_loss_tokens"] >= 1
+    assert len({s["task_id"] for b in trainer.batches for s in b.samples}) == 2 * steps  # no task twice
+
+    # the final version was relayed to both replicas before the orchestrator exited
+    assert [r.status().step for r in replicas] == [steps, steps]
+    relay = read_events(cfg.output_dir / "events" / "weight_relay.jsonl")
+    for version in range(1, steps + 1):
+        ok = {e["replica"] for e in relay if e["step"] == version and e["ok"]}
+        assert ok <= {r.url for r in replicas} and len(ok) >= 1
+    assert {e["replica"] for e in relay if e["step"] == steps and e["ok"]} == {r.url for r in replicas}
+
+    # both replicas served rollouts (load balancing)
+    assert all(r.requests > 0 for r in service.replicas)
+
+    # event log and metrics
+    lines = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")
+    assert [e["step"] for e in lines] == [1, 2, 3, 4]
+    for e, batch in zip(lines, trainer.batches, strict=True):
+        assert e["num_samples"] == 8 and e["min_version"] >= e["step"] - 1 - k and e["lag_max"] <= k
+        assert e["num_tokens"] == sum(s["num_tokens"] for s in batch.samples)
+    evals = read_events(cfg.output_dir / "events" / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    assert all(e["k"] == 1 and e["num_examples"] == 2 and 0 <= e["pass_at_k"] <= 1 for e in evals)
+    text = generate_latest(service.metrics.registry).decode()
+    assert f'gyre_orchestrator_step{{run_id="{unique_run_id}"}} 4.0' in text
+    assert f'gyre_orchestrator_samples_total{{run_id="{unique_run_id}"}} 32.0' in text
+    assert "gyre_orchestrator_replica_policy_version" in text and "gyre_orchestrator_policy_lag_steps_bucket" in text
+
+
+async def test_on_start_published_weights_are_relayed_before_rollouts(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model
+):
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=3, resume_step=-1)
+    store = WeightStore(cfg.output_dir / "weights")
+    for step in (1, 2):
+        publish_weights(store, step, tiny_model)
+    service = OrchestratorService(cfg)
+    assert await asyncio.wait_for(service.run(), timeout=120) == 0
+    # published versions were discovered: the next batch is 3, and it came from version 2
+    trainer_view = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")
+    assert [e["step"] for e in trainer_view] == [3]
+    assert trainer_view[0]["min_version"] == 2
+    assert [r.status().step for r in replicas] == [2, 2]
+    assert store.in_use() == {2}
+
+
+async def test_notify_weights_makes_both_replicas_serve_it(tmp_path, redis_url, unique_run_id, replicas, tiny_model):
+    token = "s3cret"
+    cfg = orchestrator_config(
+        tmp_path, redis_url, unique_run_id, replicas, max_steps=2, max_async_level=0,
+        server={"port": 0, "control_token": token},
+    )  # fmt: skip
+    service = OrchestratorService(cfg)
+    run = asyncio.create_task(service.run())
+    while service.server.port is None or service.last_step < 1:
+        await asyncio.sleep(0.05)
+    address = f"127.0.0.1:{service.server.port}"
+    store = WeightStore(cfg.output_dir / "weights")
+    published = publish_weights(store, 1, tiny_model)
+    request = orchestrator_pb2.NotifyWeightsRequest(step=1, path=str(published.path), digest=published.digest)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await stub.NotifyWeights(request, timeout=10)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        auth = (("authorization", f"Bearer {token}"),)
+        bad = orchestrator_pb2.NotifyWeightsRequest(step=1, path=str(published.path), digest="0" * 64)
+        with pytest.raises(grpc.aio.AioRpcError) as wrong:
+            await stub.NotifyWeights(bad, timeout=10, metadata=auth)
+        assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        for _ in range(2):  # idempotent
+            reply = await stub.NotifyWeights(request, timeout=10, metadata=auth)
+            assert reply.accepted and reply.latest_step == 1
+        # step 2 (k=0) needs version 1: it is generated only once a replica serves it
+        assert await asyncio.wait_for(run, timeout=120) == 0
+    assert [r.status().step for r in replicas] == [1, 1]
+    batch2 = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")[-1]
+    assert batch2["step"] == 2 and batch2["min_version"] == 1
