@@ -37,7 +37,7 @@ class InferenceBenchConfig(GyreSettings):
     prompt_tokens: int = Field(32, ge=1, description="Prompt length in tokens.")
     max_tokens: int = Field(64, ge=1, description="Generated tokens per request.")
     threads: int = Field(1, ge=1, description="torch threads of the server and of the engine comparison.")
-    repeats: int = Field(3, ge=1, description="Engine comparison: best of this many interleaved runs each.")
+    repeats: int = Field(5, ge=1, description="Engine comparison: best of this many interleaved runs each.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

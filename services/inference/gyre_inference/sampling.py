@@ -44,13 +44,19 @@ def sample_next(
         sorted_probs = sorted_probs * (mass_before < top_p[nucleus_rows, None])
         index = _inverse_cdf(sorted_probs, uniform[nucleus_rows])
         tokens[nucleus_rows] = order.gather(1, index[:, None])[:, 0]
-    return torch.where(greedy, logits.argmax(dim=-1), tokens), logprobs
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logprobs
 
 
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Per row, the first index whose running sum of (non-negative) `weights` exceeds uniform * total."""
     cdf = weights.cumsum(dim=-1)
-    index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None].contiguous(), right=True)[:, 0]
-    # Float rounding can put the target at the very end of the CDF: clamp to the last index with weight.
-    last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(index, last)
+    index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None].contiguous(), right=True)
+    index = index.clamp_(max=weights.shape[-1] - 1)
+    picked_nothing = weights.gather(1, index)[:, 0] <= 0
+    if bool(picked_nothing.any()):
+        # Float rounding put the target at the very end of the CDF, past the last token with weight.
+        last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+        index = torch.where(picked_nothing[:, None], last, index)
+    return index[:, 0]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer
 
 from gyre_inference.backend import Backend, SamplingParams, TokenEvent, WeightsIncompatibleError
 from gyre_inference.sampling import sample_next
@@ -291,9 +292,7 @@ class TorchBackend(Backend):
             ids[row, length - n :] = torch.tensor(seq.prompt)
             mask[row, length - n :] = 1
             positions[row, length - n :] = torch.arange(n)
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = Cache(layer_class_to_replicate=_GrowingLayer)
         logits = self._forward(ids, mask, positions, cache)
         tokens = self._sample_and_emit(seqs, logits)
         self._merge(seqs, cache, mask, tokens, torch.tensor([len(seq.prompt) for seq in seqs]))
@@ -413,6 +412,40 @@ class TorchBackend(Backend):
             items, self._outbox, self._outbox_scheduled = self._outbox, [], False
         for seq, item in items:
             seq.queue.put_nowait(item)
+
+
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values are views of buffers with spare columns.
+
+    Appending a decode step is a copy into the spare columns instead of a `torch.cat` that reallocates
+    the whole cache at every step. When `keys`/`values` are replaced from outside (merging, dropping
+    rows, trimming), the next update re-buffers them (one copy) with fresh spare room.
+    """
+
+    SPARE = 64
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        old = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        new = old + key_states.shape[-2]
+        buffer = getattr(self, "_key_buffer", None)
+        owned = (
+            buffer is not None
+            and old > 0
+            and self.keys.data_ptr() == buffer.data_ptr()
+            and self.keys.shape[:2] == buffer.shape[:2]
+        )
+        if not owned or new > buffer.shape[-2]:
+            shape = (*key_states.shape[:2], new + self.SPARE, key_states.shape[-1])
+            keys, values = key_states.new_empty(shape), value_states.new_empty(shape)
+            if old:
+                keys[:, :, :old], values[:, :, :old] = self.keys, self.values
+            self._key_buffer, self._value_buffer = keys, values
+        self._key_buffer[:, :, old:new] = key_states
+        self._value_buffer[:, :, old:new] = value_states
+        self.keys, self.values = self._key_buffer[:, :, :new], self._value_buffer[:, :, :new]
+        return self.keys, self.values
 
 
 def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:

@@ -132,7 +132,7 @@ async def test_update_weights_while_16_streams_run(secure, stub, store, tool_mod
 
     async def stream(i: int):
         raw = await client.chat.completions.with_raw_response.create(
-            model=secure.model_name, messages=STORY, max_tokens=160, seed=i, stream=True, logprobs=True,
+            model=secure.model_name, messages=STORY, max_tokens=300, seed=i, stream=True, logprobs=True,
             extra_body={"return_token_ids": True, "ignore_eos": True},
         )  # fmt: skip
         chunks = []
@@ -158,7 +158,7 @@ async def test_update_weights_while_16_streams_run(secure, stub, store, tool_mod
         assert header == "0"
         tokens = [c.choices[0] for c in chunks if c.choices and c.choices[0].model_extra.get("token_ids")]
         versions = [c.model_extra["policy_version"] for c in tokens]
-        assert len(versions) == 160 and versions == sorted(versions) and versions[0] == 0
+        assert len(versions) == 300 and versions == sorted(versions) and versions[0] == 0
         last = tokens[-1].model_extra
         assert (last["policy_version_min"], last["policy_version_max"]) == (versions[0], versions[-1])
         assert last["policy_version"] == versions[-1]
