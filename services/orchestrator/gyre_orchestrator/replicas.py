@@ -129,8 +129,10 @@ class ReplicaSet:
         return replica.url in self.replicas and self.clock() >= replica.retry_at
 
     def mark_failed(self, replica: Replica, error: BaseException | str) -> None:
-        replica.failures += 1
         replica.last_error = str(error) or type(error).__name__
+        if self.clock() < replica.retry_at:
+            return  # already out: the other requests that were in flight when it broke are the same outage
+        replica.failures += 1
         cooldown = min(self.cooldown_s * 2 ** (replica.failures - 1), self.max_cooldown_s)
         replica.retry_at = self.clock() + cooldown
         log.warning(

@@ -104,8 +104,8 @@ def start_replica(tiny_model, tmp_path_factory):
     started: list[InferenceReplica] = []
     log_dir = tmp_path_factory.mktemp("orchestrator-inference-logs")
 
-    def start(*args: str) -> InferenceReplica:
-        replica = InferenceReplica(tiny_model, log_dir, *args)
+    def start(*args: str, model: Path | None = None) -> InferenceReplica:
+        replica = InferenceReplica(model or tiny_model, log_dir, *args)
         started.append(replica)
         return replica
 

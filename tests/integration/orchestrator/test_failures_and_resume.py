@@ -1,0 +1,105 @@
+"""Failure handling: a replica killed mid-step, and an orchestrator process stopped and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import orchestrator_config
+from gyre.events import read_events
+from gyre.streams import BatchStream
+from gyre_orchestrator.service import OrchestratorService
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.asyncio
+async def test_killing_a_replica_mid_step_does_not_fail_the_step(
+    tmp_path, redis_url, unique_run_id, replicas, start_replica
+):
+    doomed = start_replica()
+    cfg = orchestrator_config(
+        tmp_path, redis_url, unique_run_id, [replicas[0], doomed], max_steps=2, batch_size=4,
+        rollouts_per_example=4, sampling={"max_tokens": 32},
+    )  # fmt: skip
+    service = OrchestratorService(cfg)
+    run = asyncio.create_task(service.run())
+    while not (service.replicas.replicas and service.replicas.replicas[doomed.url].inflight > 0):
+        assert not run.done(), run
+        await asyncio.sleep(0.001)
+    doomed.kill()  # SIGKILL while it holds requests of step 1
+    assert service.last_step == 0
+    assert await asyncio.wait_for(run, timeout=120) == 0
+
+    steps = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")
+    assert [e["step"] for e in steps] == [1, 2]
+    assert all(e["num_samples"] == 16 for e in steps)  # nothing lost: every group completed
+    dead = service.replicas.replicas[doomed.url]
+    assert dead.failures == 1 and dead.last_error  # one outage, however many requests it broke
+    assert service.client.stats["retries"] >= 1  # the interrupted requests moved to the survivor
+
+
+def stream_steps(redis_url: str, run_id: str) -> list:
+    stream = BatchStream(redis_url, run_id)
+    try:
+        return [stream._entry(i, f) for i, f in stream.redis.xrange(stream.key)]
+    finally:
+        stream.redis.close()
+
+
+def orchestrator_cmd(cfg_path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path), *args]
+
+
+def test_resume_continues_at_the_right_step(tmp_path, redis_url, unique_run_id, replicas):
+    cfg = orchestrator_config(
+        tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, ckpt_interval=1, max_steps=1000,
+        batch_size=2, rollouts_per_example=2,
+    )  # fmt: skip
+    cfg_path = tmp_path / "orchestrator.toml"
+    from gyre.config import to_toml
+
+    cfg_path.write_text(to_toml(cfg))
+    events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
+    log1 = open(tmp_path / "run1.log", "w")  # noqa: SIM115
+    first = subprocess.Popen(orchestrator_cmd(cfg_path), stdout=log1, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_events(events)) < 3:
+            assert first.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(60) == 143  # stopped, not finished
+    finally:
+        if first.poll() is None:
+            first.kill()
+        log1.close()
+    pushed = [e.step for e in stream_steps(redis_url, unique_run_id)]
+    assert pushed == list(range(1, len(pushed) + 1)) and len(pushed) >= 3
+    last = pushed[-1]
+    # a crash between pushing a batch and checkpointing it: the stream is ahead of the checkpoints
+    # (SIGTERM can land in that window by itself; otherwise drop the newest checkpoint to make it so)
+    ckpt_dir = cfg.output_dir / "checkpoints" / "orchestrator"
+    newest = max(int(p.stem.split("_")[1]) for p in ckpt_dir.glob("step_*.json"))
+    if newest == last:
+        (ckpt_dir / f"step_{newest}.json").unlink()
+    assert max(int(p.stem.split("_")[1]) for p in ckpt_dir.glob("step_*.json")) < last
+
+    second = subprocess.run(
+        orchestrator_cmd(cfg_path, "--resume-step", "-1", "--max-steps", str(last + 2)),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    entries = stream_steps(redis_url, unique_run_id)
+    assert [e.step for e in entries] == list(range(1, last + 3))  # nothing repeated, nothing skipped
+    tasks = [s["task_id"] for e in entries for s in e.decode().samples]
+    assert len(tasks) == 2 * len(set(tasks))  # 2 samples per task, no task used in two groups
+    assert f"starting at step {last + 1}" in second.stderr
+    progress = json.loads((cfg.output_dir / "checkpoints" / "orchestrator" / f"step_{last + 2}.json").read_text())
+    assert progress["step"] == last + 2 and progress["counters"]["num_samples"] > 0
