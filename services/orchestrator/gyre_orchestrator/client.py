@@ -1,8 +1,8 @@
 """`InferenceClient`: the `gyre.envs.ModelClient` the orchestrator runs environments against.
 
 One `chat()` = one `/v1/chat/completions` call with the official `openai` client, asking the server
-for token ids (`extra_body={"return_token_ids": True}`) and log-probs, so the orchestrator trains on
-exactly the tokens the model sampled (docs/architecture.md, "Alignment").
+for token ids (`"return_token_ids": true`, the vLLM extension) and log-probs, so the orchestrator
+trains on exactly the tokens the model sampled (docs/architecture.md, "Alignment").
 
 - **Load balancing**: each request goes to the replica with the fewest requests in flight among
   those in rotation (`ReplicaSet.acquire`).
@@ -12,8 +12,8 @@ exactly the tokens the model sampled (docs/architecture.md, "Alignment").
   exponential backoff, `retries` times; 4xx errors are the request's fault and raise at once.
 - **Policy versions**: `for_version(v)` returns a view that only uses replicas known to serve a
   version >= v — how the async bound is enforced at dispatch. The version that produced each
-  completion is read from the response (per choice `policy_version_min/max`, else the
-  `x-gyre-policy-version` header) and fed back into the replica's known version.
+  completion is read from the response (per choice `policy_version_min/max`; a server without them
+  is taken to serve the replica's known version) and fed back into the replica's known version.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gyre_orchestrator.replicas import NoReplicaAvailable, Replica, ReplicaSet
 
 log = logging.getLogger(__name__)
 
-VERSION_HEADER = "x-gyre-policy-version"
+CONNECTIONS_PER_CLIENT = 8
 _RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError, openai.RateLimitError)
 
 
@@ -42,48 +42,46 @@ class BadResponse(InferenceError):
     """The server answered something that cannot be trained on (missing token ids, misaligned log-probs)."""
 
 
-def _extra(obj: Any, name: str) -> Any:
-    value = getattr(obj, name, None)
-    if value is None:
-        value = (getattr(obj, "model_extra", None) or {}).get(name)
-    return value
-
-
-def parse_turn(completion: Any, header_version: int | None, fallback_version: int | None) -> Turn:
-    """Build a `Turn` from an OpenAI ChatCompletion that carries gyre's token-level extras."""
-    if not completion.choices:
+def parse_turn(body: dict[str, Any], fallback_version: int | None) -> Turn:
+    """Build a `Turn` from a `/v1/chat/completions` JSON body that carries gyre's token-level extras:
+    top-level (or per-choice) `prompt_token_ids`, per-choice `token_ids`, `logprobs.content[].logprob`
+    and `policy_version_min/max`. Without per-choice versions, the replica's known version is used."""
+    if not isinstance(body, dict):
+        raise BadResponse(f"response is not a JSON object but {type(body).__name__}")
+    choices = body.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
         raise BadResponse("response has no choices")
-    choice = completion.choices[0]
-    prompt_ids = _extra(completion, "prompt_token_ids") or _extra(choice, "prompt_token_ids")
-    token_ids = _extra(choice, "token_ids")
+    choice = choices[0]
+    prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    token_ids = choice.get("token_ids")
     if prompt_ids is None or token_ids is None:
         raise BadResponse("response lacks prompt_token_ids / token_ids: is return_token_ids supported by the server?")
-    content = choice.logprobs.content if choice.logprobs is not None and choice.logprobs.content else []
-    logprobs = [float(item.logprob) for item in content]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    try:
+        logprobs = [float(item["logprob"]) for item in content]
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadResponse(f"malformed logprobs: {e}") from None
     if len(logprobs) != len(token_ids):
         raise BadResponse(f"{len(logprobs)} log-probs for {len(token_ids)} completion tokens")
-    vmin = _extra(choice, "policy_version_min")
-    vmax = _extra(choice, "policy_version_max")
+    vmin, vmax = choice.get("policy_version_min"), choice.get("policy_version_max")
     if vmin is None or vmax is None:
-        version = header_version if header_version is not None else fallback_version
-        if version is None:
-            raise BadResponse("response carries no policy version (per choice or x-gyre-policy-version header)")
-        vmin = version if vmin is None else vmin
-        vmax = version if vmax is None else vmax
-    message = choice.message
-    tool_calls = [ToolCall.from_openai(call) for call in (message.tool_calls or [])]
+        if fallback_version is None:
+            raise BadResponse("response carries no policy version and the replica's version is unknown")
+        vmin = fallback_version if vmin is None else vmin
+        vmax = fallback_version if vmax is None else vmax
+    message = choice.get("message") or {}
     try:
         return Turn(
-            prompt_token_ids=list(prompt_ids),
-            completion_token_ids=list(token_ids),
+            prompt_token_ids=[int(t) for t in prompt_ids],
+            completion_token_ids=[int(t) for t in token_ids],
             completion_logprobs=logprobs,
-            text=message.content or "",
-            tool_calls=tool_calls,
-            finish_reason=choice.finish_reason or "stop",
+            text=message.get("content") or "",
+            tool_calls=[ToolCall.from_openai(call) for call in (message.get("tool_calls") or [])],
+            finish_reason=choice.get("finish_reason") or "stop",
             policy_version_min=int(vmin),
             policy_version_max=int(vmax),
         )
-    except ValueError as e:
+    except (ValueError, TypeError, AttributeError) as e:
         raise BadResponse(str(e)) from None
 
 
@@ -111,6 +109,7 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.wait_for_replica_s = timeout_s if wait_for_replica_s is None else wait_for_replica_s
         self.min_version = min_version
+        self.max_concurrency = max_concurrency
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self.stats = {"requests": 0, "retries": 0}  # shared with every for_version() view
 
@@ -131,7 +130,7 @@ class InferenceClient:
             "top_p": sampling.top_p,
             "max_tokens": sampling.max_tokens,
             "logprobs": True,
-            "extra_body": {"return_token_ids": True},
+            "return_token_ids": True,  # gyre / vLLM extension: prompt and completion token ids
         }
         if sampling.seed is not None:
             request["seed"] = sampling.seed
@@ -176,23 +175,29 @@ class InferenceClient:
     async def _request(self, replica: Replica, request: dict[str, Any]) -> Turn:
         client = self._openai(replica)
         model = self.model or await self._model_name(replica, client)
-        raw = await client.chat.completions.with_raw_response.create(model=model, **request)
-        completion = raw.parse()
-        header = raw.headers.get(VERSION_HEADER)
-        header_version = int(header) if header is not None and header.strip().lstrip("-").isdigit() else None
-        return parse_turn(completion, header_version, replica.version)
+        # `post` with a plain JSON body: the official client still does auth, timeouts and maps HTTP
+        # errors to openai exceptions, but skips the typed-parameter transform and the pydantic response
+        # model, which cost more CPU than the rest of a rollout (see docs/benchmarks-orchestrator.md).
+        body = await client.post("/chat/completions", cast_to=object, body={"model": model, **request})
+        return parse_turn(body, replica.version)
 
     def _openai(self, replica: Replica) -> openai.AsyncOpenAI:
-        client = replica.clients.get("openai")
-        if client is None:
-            client = openai.AsyncOpenAI(
-                base_url=f"{replica.url}/v1",
-                api_key=self.api_key or "unused",
-                max_retries=0,  # retries are ours: they move to another replica
-                timeout=self.timeout_s,
-            )
-            replica.clients["openai"] = client
-        return client
+        # Several small connection pools per replica instead of one big one: httpx scans every pooled
+        # connection on each request, so CPU per request grows with the pool (measured in the bench).
+        pool = replica.clients.get("openai")
+        if pool is None:
+            size = max(1, -(-self.max_concurrency // CONNECTIONS_PER_CLIENT))
+            pool = replica.clients["openai"] = [self._new_openai(replica) for _ in range(size)]
+        replica.clients["next"] = (replica.clients.get("next", -1) + 1) % len(pool)
+        return pool[replica.clients["next"]]
+
+    def _new_openai(self, replica: Replica) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{replica.url}/v1",
+            api_key=self.api_key or "unused",
+            max_retries=0,  # retries are ours: they move to another replica
+            timeout=self.timeout_s,
+        )
 
     async def _model_name(self, replica: Replica, client: openai.AsyncOpenAI) -> str:
         # one /v1/models call per replica, however many requests start at once
@@ -219,8 +224,7 @@ def _describe(e: BaseException | None) -> str:
 async def close_replica_clients(replicas: list[Replica]) -> None:
     """Close the HTTP clients of replicas that left the set (and any gRPC channels the relay opened)."""
     for replica in replicas:
-        client = replica.clients.pop("openai", None)
-        if client is not None:
+        for client in replica.clients.pop("openai", None) or []:
             await client.close()
         channel = replica.clients.pop("channel", None)
         if channel is not None:

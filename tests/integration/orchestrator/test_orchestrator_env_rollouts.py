@@ -13,11 +13,11 @@ import asyncio
 import shutil
 
 import pytest
-from conftest import SimulatedTrainer, orchestrator_config
 from gyre.envs import SamplingParams, load_environment
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from gyre_orchestrator.service import OrchestratorService
+from orchestrator_testlib import SimulatedTrainer, orchestrator_config
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -11,11 +11,11 @@ import asyncio
 
 import grpc
 import pytest
-from conftest import SimulatedTrainer, orchestrator_config, publish_weights
 from gyre.events import read_events
 from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from gyre.weights import WeightStore
 from gyre_orchestrator.service import OrchestratorService
+from orchestrator_testlib import SimulatedTrainer, orchestrator_config, publish_weights
 from prometheus_client import generate_latest
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]

@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
-from conftest import orchestrator_config
 from gyre.events import read_events
 from gyre.streams import BatchStream
 from gyre_orchestrator.service import OrchestratorService
+from orchestrator_testlib import orchestrator_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,7 +40,8 @@ async def test_killing_a_replica_mid_step_does_not_fail_the_step(
     assert [e["step"] for e in steps] == [1, 2]
     assert all(e["num_samples"] == 16 for e in steps)  # nothing lost: every group completed
     dead = service.replicas.replicas[doomed.url]
-    assert dead.failures == 1 and dead.last_error  # one outage, however many requests it broke
+    # one outage counts once, however many in-flight requests it broke (probes after the cooldown add more)
+    assert 1 <= dead.failures <= 3 and dead.last_error
     assert service.client.stats["retries"] >= 1  # the interrupted requests moved to the survivor
 
 

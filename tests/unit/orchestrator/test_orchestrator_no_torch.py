@@ -1,0 +1,24 @@
+"""The orchestrator image has no torch: importing every orchestrator module must not pull it in."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+MODULES = ["advantages", "bench", "client", "evaluate", "main", "metrics", "packing", "progress", "relay",
+           "replicas", "scheduler", "server", "service"]  # fmt: skip
+
+
+def test_orchestrator_modules_never_import_torch():
+    code = (
+        "import sys\n"
+        + "".join(f"import gyre_orchestrator.{m}\n" for m in MODULES)
+        + "import gyre.envs, gyre.envs.registry\n"
+        + "from gyre.envs import load_environment\n"
+        + "for name in ('reverse_text', 'arithmetic', 'alphabet_sort', 'calculator'): load_environment(name)\n"
+        + "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules)\n"
+        + "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""

@@ -1,0 +1,236 @@
+"""ReplicaSet routing and health, and the three discovery modes (static, DNS, Kubernetes EndpointSlices).
+
+The Kubernetes watch runs the real `kubernetes` client (list + watch over HTTP) against a small HTTP
+server that speaks the EndpointSlice API: the JSON list and the newline-delimited watch stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from gyre_orchestrator.replicas import (
+    DnsDiscovery,
+    Endpoint,
+    KubernetesDiscovery,
+    NoReplicaAvailable,
+    ReplicaSet,
+    endpoints_from_slices,
+    static_endpoints,
+)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def two(clock=None) -> ReplicaSet:
+    return ReplicaSet(
+        [Endpoint("http://a:1", "a:2"), Endpoint("http://b:1", "b:2")], cooldown_s=5, max_cooldown_s=20,
+        clock=clock or Clock(),
+    )  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_least_inflight_wins():
+    rs = two()
+    first = await rs.acquire()
+    second = await rs.acquire()
+    assert {first.url, second.url} == {"http://a:1", "http://b:1"}  # spread, not piled on one
+    rs.release(first)
+    assert (await rs.acquire()).url == first.url
+
+
+@pytest.mark.asyncio
+async def test_failed_replica_leaves_rotation_and_comes_back_after_cooldown():
+    clock = Clock()
+    rs = two(clock)
+    a = rs.replicas["http://a:1"]
+    rs.mark_failed(a, "connection refused")
+    rs.mark_failed(a, "connection refused")  # same outage (still out): not escalated
+    assert a.failures == 1 and not rs.in_rotation(a)
+    assert [r.url for r in rs.eligible()] == ["http://b:1"]
+    clock.now += 5
+    assert rs.in_rotation(a)  # half-open: eligible again
+    rs.mark_failed(a, "still down")
+    assert a.failures == 2 and a.retry_at == clock.now + 10  # cooldown doubles
+    for _ in range(5):
+        clock.now = a.retry_at
+        rs.mark_failed(a, "down")
+    assert a.retry_at - clock.now == 20  # capped
+    rs.mark_ok(a, version=3)
+    assert rs.in_rotation(a) and a.failures == 0 and a.version == 3
+
+
+@pytest.mark.asyncio
+async def test_min_version_routing_and_waiting():
+    rs = ReplicaSet([Endpoint("http://a:1", "a:2"), Endpoint("http://b:1", "b:2")])
+    a, b = rs.replicas["http://a:1"], rs.replicas["http://b:1"]
+    rs.mark_ok(a, version=1)
+    assert (await rs.acquire(min_version=0)) in (a, b)
+    assert (await rs.acquire(min_version=1)) is a  # b's version is unknown: not trusted for >= 1
+    waiter = asyncio.create_task(rs.acquire(min_version=2, timeout=5))
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    rs.mark_ok(b, version=2)
+    assert await asyncio.wait_for(waiter, 1) is b
+    with pytest.raises(NoReplicaAvailable, match="version >= 3"):
+        await rs.acquire(min_version=3, timeout=0.05)
+
+
+@pytest.mark.asyncio
+async def test_observed_versions_only_go_up():
+    rs = two()
+    a = rs.replicas["http://a:1"]
+    rs.observe_version(a, 4)
+    rs.observe_version(a, 3)  # a completion that finished before a swap, arriving late
+    assert a.version == 4
+    rs.mark_ok(a, version=0)  # the relay's GetStatus is authoritative: a restarted replica
+    assert a.version == 0
+
+
+@pytest.mark.asyncio
+async def test_membership_changes():
+    rs = two()
+    removed = rs.set_endpoints([Endpoint("http://b:1", "b:2"), Endpoint("http://c:1", "c:2")])
+    assert [r.url for r in removed] == ["http://a:1"]
+    assert sorted(rs.replicas) == ["http://b:1", "http://c:1"]
+    with pytest.raises(NoReplicaAvailable, match="no inference replicas"):
+        await ReplicaSet().acquire(timeout=0.01)
+
+
+def test_static_endpoints():
+    eps = static_endpoints(["http://10.0.0.1:8000/", "http://[::1]:8001"], None, 50051)
+    assert eps == [Endpoint("http://10.0.0.1:8000", "10.0.0.1:50051"), Endpoint("http://[::1]:8001", "[::1]:50051")]
+    assert static_endpoints(["http://h:1"], ["h:9"], 0) == [Endpoint("http://h:1", "h:9")]
+    with pytest.raises(ValueError, match="control_urls"):
+        static_endpoints(["http://h:1"], [], 1)
+    with pytest.raises(ValueError, match="not an http"):
+        static_endpoints(["h:1"], None, 1)
+
+
+@pytest.mark.asyncio
+async def test_dns_discovery_resolves_every_address():
+    rs = ReplicaSet()
+    discovery = DnsDiscovery(rs, "localhost", 8000, 50051, refresh_s=0.05)
+    await discovery.start()
+    try:
+        assert "http://127.0.0.1:8000" in rs.replicas
+        assert rs.replicas["http://127.0.0.1:8000"].endpoint.control == "127.0.0.1:50051"
+        discovery.name = "no-such-host.invalid"  # lookups fail: the last known set is kept
+        await asyncio.sleep(0.2)
+        assert "http://127.0.0.1:8000" in rs.replicas
+    finally:
+        await discovery.stop()
+
+
+def slice_json(name: str, ips_ready: dict[str, bool], http=8000, control=50051) -> dict:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "resourceVersion": "1", "labels": {"kubernetes.io/service-name": "inf"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}} for ip, ready in ips_ready.items()],
+        "ports": [{"name": "http", "port": http, "protocol": "TCP"}, {"name": "control", "port": control}],
+    }
+
+
+def test_endpoints_from_slices_keeps_ready_ones_and_uses_named_ports():
+    eps = endpoints_from_slices(
+        [slice_json("a", {"10.0.0.2": True, "10.0.0.3": False}, http=9000, control=9001), slice_json("b", {})],
+        8000, 50051,
+    )  # fmt: skip
+    assert eps == [Endpoint("http://10.0.0.2:9000", "10.0.0.2:9001")]
+
+
+class FakeKubeAPI:
+    """List and watch of EndpointSlices over HTTP, as the API server serves them."""
+
+    def __init__(self):
+        self.slices: dict[str, dict] = {}
+        self.events: queue.Queue = queue.Queue()
+        self.requests: list[dict] = []
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # noqa: N802
+                url = urlsplit(self.path)
+                query = {k: v[0] for k, v in parse_qs(url.query).items()}
+                api.requests.append({"path": url.path, **query})
+                assert url.path == "/apis/discovery.k8s.io/v1/namespaces/gyre/endpointslices"
+                assert query["labelSelector"] == "kubernetes.io/service-name=inf"
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if query.get("watch") not in ("true", "True"):
+                    listing = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+                               "metadata": {"resourceVersion": "10"}, "items": list(api.slices.values())}  # fmt: skip
+                    body = json.dumps(listing)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body.encode())
+                    return
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                while True:
+                    try:
+                        event = api.events.get(timeout=1.0)
+                    except queue.Empty:
+                        break  # the API server ends watches now and then: the client must re-list
+                    line = (json.dumps(event) + "\n").encode()
+                    self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def wait_for(predicate, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_kubernetes_endpointslice_watch():
+    from kubernetes import client
+
+    fake = FakeKubeAPI()
+    fake.slices["s1"] = slice_json("s1", {"10.1.0.1": True, "10.1.0.2": False})
+    api = client.DiscoveryV1Api(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{fake.port}")))
+    rs = ReplicaSet()
+    discovery = KubernetesDiscovery(rs, "inf", "gyre", 8000, 50051, api=api, watch_timeout_s=5)
+    try:
+        await discovery.start()
+        assert sorted(rs.replicas) == ["http://10.1.0.1:8000"]  # only the ready endpoint
+        # a pod becomes ready, a new slice appears, then the first slice is deleted
+        fake.events.put({"type": "MODIFIED", "object": slice_json("s1", {"10.1.0.1": True, "10.1.0.2": True})})
+        await wait_for(lambda: sorted(rs.replicas) == ["http://10.1.0.1:8000", "http://10.1.0.2:8000"])
+        fake.events.put({"type": "ADDED", "object": slice_json("s2", {"10.2.0.1": True})})
+        await wait_for(lambda: "http://10.2.0.1:8000" in rs.replicas)
+        fake.events.put({"type": "DELETED", "object": slice_json("s1", {})})
+        await wait_for(lambda: sorted(rs.replicas) == ["http://10.2.0.1:8000"])
+        assert rs.replicas["http://10.2.0.1:8000"].endpoint.control == "10.2.0.1:50051"
+        # the watch resumed from the list's resourceVersion
+        assert any(r.get("watch") in ("true", "True") and r.get("resourceVersion") == "10" for r in fake.requests)
+    finally:
+        await discovery.stop()
+        fake.close()
