@@ -102,6 +102,12 @@ class OrchestratorMetrics:
         self.replica_up = m.gauge(
             "gyre_orchestrator_replica_up", "1 if the replica is in rotation, else 0.", (*run, "replica"), r
         )
+        self.max_async_level = m.gauge(
+            "gyre_orchestrator_max_async_level",
+            "The async bound k: batch s only holds samples from policy versions >= s-1-k.",
+            run,
+            r,
+        )
         self.latest_weights = m.gauge(
             "gyre_orchestrator_latest_weights_step", "Newest weights version the orchestrator knows of.", run, r
         )

@@ -164,6 +164,7 @@ class OrchestratorService:
         self._metrics_server, self.metrics_port = start_metrics_server(
             port, self.metrics.registry, host=cfg.server.host
         )
+        self.metrics.labels(self.metrics.max_async_level).set(cfg.max_async_level)
         await self.server.start()
         await self.discovery.start()
         await self.relay.start()

@@ -11,6 +11,7 @@ import asyncio
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gyre.events import read_events
 from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from gyre.weights import WeightStore
@@ -77,6 +78,7 @@ async def test_batches_flow_weights_relay_and_the_bound_holds(tmp_path, redis_ur
     text = generate_latest(service.metrics.registry).decode()
     assert f'gyre_orchestrator_step{{run_id="{unique_run_id}"}} 4.0' in text
     assert f'gyre_orchestrator_samples_total{{run_id="{unique_run_id}"}} 32.0' in text
+    assert f'gyre_orchestrator_max_async_level{{run_id="{unique_run_id}"}} 1.0' in text
     assert "gyre_orchestrator_replica_policy_version" in text and "gyre_orchestrator_policy_lag_steps_bucket" in text
 
 
@@ -124,6 +126,14 @@ async def test_notify_weights_makes_both_replicas_serve_it(tmp_path, redis_url, 
         for _ in range(2):  # idempotent
             reply = await stub.NotifyWeights(request, timeout=10, metadata=auth)
             assert reply.accepted and reply.latest_step == 1
+        # health needs no token (Kubernetes probes send none) and says SERVING once started
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        while {r.url: r.version for r in service.replicas} != {r.url: 1 for r in replicas}:
+            await asyncio.sleep(0.05)
+        status = await stub.GetStatus(orchestrator_pb2.GetOrchestratorStatusRequest(), timeout=10, metadata=auth)
+        assert status.latest_weights_step == 1 and list(status.in_use_steps) == [1]
+        assert {(r.address, r.step, r.healthy) for r in status.replicas} == {(r.url, 1, True) for r in replicas}
         # step 2 (k=0) needs version 1: it is generated only once a replica serves it
         assert await asyncio.wait_for(run, timeout=120) == 0
     assert [r.status().step for r in replicas] == [1, 1]
