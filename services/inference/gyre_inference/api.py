@@ -81,7 +81,7 @@ class _Gate:
             return await self.app(scope, receive, send)
         endpoint = _ENDPOINTS.get(scope["path"])
         if endpoint:
-            self.state.metrics.request_done(endpoint, "client_error" if failure.status < 500 else "server_error")
+            self.state.metrics.request_done(endpoint, "client_error" if failure.status < 500 else "unavailable")
         headers = {"www-authenticate": "Bearer"} if failure.status == 401 else None
         await error_response(failure, headers)(scope, receive, send)
 
@@ -125,11 +125,11 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI), streaming or not.")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await state.serving.chat(body, arrival(request))
+        return await state.serving.chat(body, arrival(request), request.is_disconnected)
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy); prompt may be token ids.")
     async def completions(body: CompletionRequest, request: Request):
-        return await state.serving.completions(body, arrival(request))
+        return await state.serving.completions(body, arrival(request), request.is_disconnected)
 
     @app.post("/tokenize", summary="vLLM-compatible: prompt text or chat messages to token ids.")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:

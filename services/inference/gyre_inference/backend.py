@@ -59,6 +59,10 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
 
 
+class BackendStoppedError(RuntimeError):
+    """The engine is not running (not started, shutting down, or stopped) so it cannot take this call."""
+
+
 class WeightsIncompatibleError(ValueError):
     """A weights folder cannot be loaded into the served model (missing/unknown tensors, wrong shapes)."""
 

@@ -1,7 +1,8 @@
 """`gyre_inference_*` Prometheus metrics of one server (own registry, so tests can run several servers).
 
 Every series carries `run_id`; the only other labels are `endpoint` (chat, completions) and `outcome`
-(success, client_error, aborted, server_error for requests; success, error for weight updates), so
+(requests: success, client_error (4xx), aborted (the client went away), unavailable (503: loading or
+shutting down), server_error (5xx); weight updates: success, error), so
 cardinality stays bounded whatever clients send. Running/waiting/version gauges are read from the
 backend at scrape time, never pushed.
 
@@ -29,7 +30,7 @@ from gyre_inference.backend import Backend
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-OUTCOMES = ("success", "client_error", "aborted", "server_error")
+OUTCOMES = ("success", "client_error", "aborted", "unavailable", "server_error")
 
 
 class InferenceMetrics:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 256  # prompts in one completions request (each gets n choices)
 
 
 class StrictModel(BaseModel):
@@ -151,7 +152,12 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    prompt: (
+        str
+        | TokenIds
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     max_tokens: int | None = Field(16, ge=1, description="Default 16 (OpenAI); null = the rest of the context.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Legacy: alternatives per token.")
     echo: Literal[False] = Field(False, description="Not supported; only false.")

@@ -30,9 +30,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gyre_inference.backend import Backend, SamplingParams, TokenEvent
+from gyre_inference.backend import Backend, BackendStoppedError, SamplingParams, TokenEvent
 from gyre_inference.errors import APIError, error_body, unknown_model
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -40,6 +40,7 @@ from gyre_inference.text import IncrementalDecoder, ModelText
 from gyre_inference.tools import TOOL_CALL_START, parse_tool_calls
 
 VERSION_HEADER = "x-gyre-policy-version"
+DISCONNECT_POLL_S = 0.25  # how often a running non-streaming request checks that its client is still there
 
 
 def choice_seed(seed: int, choice_index: int) -> int:
@@ -154,23 +155,25 @@ class Serving:
         self.backend, self.text, self.model_id, self.metrics = backend, text, model_id, metrics
 
     # ---- entry points -----------------------------------------------------------------------------
-    async def chat(self, request: ChatCompletionRequest, started: float):
+    async def chat(self, request: ChatCompletionRequest, started: float, is_disconnected=None):
+        """`started`: arrival time (time.monotonic); `is_disconnected`: async () -> bool, polled while
+        a non-streaming request runs."""
         self._check_model(request.model)
         parse_tools = bool(request.tools) and request.tool_choice != "none"
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
         messages = [message.model_dump(exclude_none=True) for message in request.messages]
         prompt = self.text.chat_prompt(messages, tools, request.add_generation_prompt)
         job = self._job("chat", request, [prompt], request.completion_limit, "messages", parse_tools, started)
-        return await self._respond(job)
+        return await self._respond(job, is_disconnected)
 
-    async def completions(self, request: CompletionRequest, started: float):
+    async def completions(self, request: CompletionRequest, started: float, is_disconnected=None):
         self._check_model(request.model)
         prompts = []
         for i, prompt in enumerate(request.prompts()):
             param = "prompt" if isinstance(request.prompt, str) or len(request.prompts()) == 1 else f"prompt.{i}"
             prompts.append(self.text.check_ids(prompt, param) if isinstance(prompt, list) else self.text.encode(prompt))
         job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started)
-        return await self._respond(job)
+        return await self._respond(job, is_disconnected)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -231,7 +234,7 @@ class Serving:
         finally:
             await stream.aclose()
 
-    async def _respond(self, job: _Job):
+    async def _respond(self, job: _Job, is_disconnected):
         self.metrics.prompt_tokens.inc(sum(len(p) for p in job.prompts))
         if job.request.stream:
             return StreamingResponse(
@@ -240,14 +243,35 @@ class Serving:
                 headers={VERSION_HEADER: str(self.backend.version), "cache-control": "no-cache"},
             )
         try:
-            await asyncio.gather(*(self._run_choice(job, p, c, params, _ignore) for p, c, params in job.choices))
+            outcome = await self._run_all(job, is_disconnected)
+        except BackendStoppedError:
+            self._finish_metrics(job, "unavailable")
+            raise APIError(
+                503, "the inference engine is not running (shutting down); retry", code="not_ready"
+            ) from None
         except BaseException:
             self._finish_metrics(job, "server_error")
             raise
-        self._finish_metrics(job, "success")
+        self._finish_metrics(job, outcome)
+        if outcome == "aborted":
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         body = self._chat_body(job) if job.kind == "chat" else self._completion_body(job)
         newest = max(choice.version_max for _, choice, _ in job.choices)
         return JSONResponse(body, headers={VERSION_HEADER: str(newest)})
+
+    async def _run_all(self, job: _Job, is_disconnected) -> str:
+        """Run every choice to its end: "success", or "aborted" when the client went away first (its
+        sequences are cancelled, freeing their batch slots, instead of generating for nobody)."""
+        work = asyncio.gather(*(self._run_choice(job, p, c, params, _ignore) for p, c, params in job.choices))
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+            if done:
+                work.result()
+                return "success"
+            if is_disconnected is not None and await is_disconnected():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return "aborted"
 
     def _finish_metrics(self, job: _Job, outcome: str) -> None:
         self.metrics.generation_tokens.inc(sum(len(choice.token_ids) for _, choice, _ in job.choices))
@@ -281,6 +305,10 @@ class Serving:
             remaining = len(job.choices)
             while remaining:
                 item = await queue.get()
+                if isinstance(item, BackendStoppedError):
+                    outcome = "unavailable"
+                    yield _sse(error_body(503, "the inference engine stopped (shutting down); retry", code="not_ready"))
+                    return
                 if isinstance(item, Exception):
                     outcome = "server_error"
                     yield _sse(error_body(500, f"generation failed: {type(item).__name__}: {item}"))
@@ -294,9 +322,11 @@ class Serving:
             yield "data: [DONE]\n\n"
             outcome = "success"
         finally:
+            # No await in here: when the client disconnects, Starlette cancels this generator's scope, and
+            # any await would be cancelled again before the bookkeeping. Cancelled tasks close their
+            # backend streams themselves, which aborts their sequences.
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             self._finish_metrics(job, outcome)
 
     # ---- response bodies --------------------------------------------------------------------------

@@ -33,14 +33,16 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from gyre_inference.backend import Backend, SamplingParams, TokenEvent, WeightsIncompatibleError
+from gyre_inference.backend import (
+    Backend,
+    BackendStoppedError,
+    SamplingParams,
+    TokenEvent,
+    WeightsIncompatibleError,
+)
 from gyre_inference.sampling import sample_next
 
 log = logging.getLogger(__name__)
-
-
-class BackendStoppedError(RuntimeError):
-    """The engine stopped (shutdown or a fatal error) while the sequence was still running."""
 
 
 @dataclass(eq=False)

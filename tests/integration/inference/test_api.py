@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -301,3 +302,34 @@ def test_tokenize_and_detokenize(server, model_id, reference):
         {"role": "tool", "tool_call_id": "c1", "content": "1"},
     ]  # fmt: skip
     assert json.dumps({"a": 1}) in tokenizer.decode(tokenize(server, messages=roles))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_frees_its_sequences(server, model_id, stream):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(name: str, outcome: str | None = None) -> float:
+        for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+            for s in family.samples:
+                labels = (s.labels.get("outcome"), s.labels.get("endpoint", "completions"))
+                if s.name == name and labels == (outcome, "completions"):
+                    return s.value
+        raise AssertionError(name)
+
+    aborted = scrape("gyre_inference_requests_total", "aborted")
+    generated = scrape("gyre_inference_generation_tokens_total")
+    body = {"model": model_id, "prompt": [5, 6, 7], "n": 32, "max_tokens": 240, "stream": stream, "ignore_eos": True}
+    timeout = httpx.Timeout(30, read=0.3)
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=timeout) as response:
+            for n, _ in enumerate(response.iter_lines()):
+                if n == 10:
+                    break  # a streaming client that stops reading and closes the connection
+    except httpx.ReadTimeout:
+        assert not stream  # a non-streaming client that gives up waiting
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and scrape("gyre_inference_running_requests") > 0:
+        time.sleep(0.05)
+    assert scrape("gyre_inference_running_requests") == 0
+    assert scrape("gyre_inference_requests_total", "aborted") == aborted + 1
+    assert scrape("gyre_inference_generation_tokens_total") - generated < 32 * 240  # cancelled long before the end

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
@@ -182,7 +180,7 @@ def test_generated_requests_never_get_a_server_error(server, http, model_id):
     raw = _tighten(http.get("/openapi.json").json(), model_id)
     schema = schemathesis.openapi.from_dict(raw)
     schema.config.update(base_url=server.url)
-    started, seen = time.monotonic(), {}
+    seen: dict[tuple[str, str], set[int]] = {}
     for result in schema.get_all_operations():
         operation = result.ok()
         post = operation.method.upper() == "POST"
@@ -190,7 +188,7 @@ def test_generated_requests_never_get_a_server_error(server, http, model_id):
             statuses = seen.setdefault((operation.label, mode.value), set())
 
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=25 if post else 3, deadline=None, database=None,
+            @settings(max_examples=25 if post else 3, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))  # fmt: skip
             def check(case):
                 response = case.call(timeout=60)
@@ -200,9 +198,8 @@ def test_generated_requests_never_get_a_server_error(server, http, model_id):
                     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
             check()
-    assert time.monotonic() - started < 60
     # the positive requests really reached generation, the negative ones were refused
-    assert 200 in seen[("POST /v1/chat/completions", "positive")]
-    assert 200 in seen[("POST /v1/completions", "positive")]
-    assert seen[("POST /v1/chat/completions", "negative")] <= {400, 404}
+    assert 200 in seen[("POST /v1/chat/completions", "positive")], seen
+    assert 200 in seen[("POST /v1/completions", "positive")], seen
+    assert seen[("POST /v1/chat/completions", "negative")] <= {400, 404}, seen
     assert http.get("/health").status_code == 200
