@@ -37,7 +37,8 @@ class ModelText:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = AutoConfig.from_pretrained(model_path)
-        self.vocab_size: int = max(getattr(config, "vocab_size", 0) or 0, len(self.tokenizer))
+        # Token ids the model can embed (a prompt id beyond this would fail the whole batch's step).
+        self.vocab_size: int = getattr(config, "vocab_size", None) or len(self.tokenizer)
         eos: set[int] = set()
         try:
             generation = GenerationConfig.from_pretrained(model_path)

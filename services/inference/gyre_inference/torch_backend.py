@@ -9,7 +9,8 @@ Batching scheme (simple, correct, and fast enough to beat one-at-a-time by an or
   are tracked per row, so padding never shifts a row's positions.
 - Between decode steps, waiting sequences are prefilled together (left-padded) and their cache is
   merged into the batch by left-padding whichever side is shorter. Finished or cancelled rows are
-  dropped by index; columns that became padding for every row are trimmed.
+  dropped by index; columns that became padding for every row are trimmed. Each layer's keys/values
+  live in a buffer with spare columns, so a decode step appends in place instead of re-concatenating.
 - A weight swap is applied between two steps. Rows in flight keep their KV cache (computed by the
   old weights) and continue on the new weights; every token reports the version that computed it.
 
@@ -113,7 +114,7 @@ class TorchBackend(Backend):
         self._outbox_scheduled = False
         # Batch state, touched only by the engine thread.
         self._rows: list[_Sequence] = []
-        self._cache = None  # transformers DynamicCache, right-aligned
+        self._cache = None  # transformers Cache of _GrowingLayer, right-aligned
         self._mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L] 1 = real column
         self._next_input = torch.zeros(0, dtype=torch.long)  # [B] last sampled token, fed at the next step
         self._positions = torch.zeros(0, dtype=torch.long)  # [B] position id of that token
@@ -181,7 +182,9 @@ class TorchBackend(Backend):
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.to(self.device).eval().requires_grad_(False)
         limit = getattr(model.config, "max_position_embeddings", None) or self._requested_max_len
-        if self._requested_max_len is not None and limit is not None and self._requested_max_len > limit:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings: set engine.max_model_len")
+        if self._requested_max_len is not None and self._requested_max_len > limit:
             raise ValueError(f"engine.max_model_len {self._requested_max_len} exceeds the model's context {limit}")
         self._max_model_len = self._requested_max_len or limit
         self._pad_id = model.config.pad_token_id or 0
