@@ -172,7 +172,8 @@ class WeightRelay:
             if now - self._last_poll >= self.poll_store_s:
                 self._last_poll = now
                 self.poll_store()
-            if now - self._last_probe >= self.probe_interval_s:
+            if now - self._last_probe >= self.probe_interval_s or self.replicas.probe_requested:
+                self.replicas.probe_requested = False
                 await self.probe_all()
             self.reconcile()
             with contextlib.suppress(TimeoutError):

@@ -84,6 +84,7 @@ class ReplicaSet:
         self.max_cooldown_s = max_cooldown_s
         self.clock = clock
         self.replicas: dict[str, Replica] = {}
+        self.probe_requested = False  # set when a replica answered with an older version than we knew
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
         self.set_endpoints(endpoints)
@@ -169,6 +170,10 @@ class ReplicaSet:
         """
         if replica.version is None or version > replica.version:
             replica.version = version
+            self._notify()
+        elif version < replica.version:
+            # most likely a restart on older weights: ask for a status probe now rather than at the next tick
+            self.probe_requested = True
             self._notify()
 
     def served_versions(self) -> set[int]:

@@ -12,9 +12,13 @@ import asyncio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from gyre.events import read_events
+from gyre.events import EventLog, read_events
 from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from gyre.weights import WeightStore
+from gyre_orchestrator.client import close_replica_clients
+from gyre_orchestrator.relay import WeightRelay
+from gyre_orchestrator.replicas import ReplicaSet, static_endpoints
+from gyre_orchestrator.scheduler import VersionWatch
 from gyre_orchestrator.service import OrchestratorService
 from orchestrator_testlib import SimulatedTrainer, orchestrator_config, publish_weights
 from prometheus_client import generate_latest
@@ -139,3 +143,25 @@ async def test_notify_weights_makes_both_replicas_serve_it(tmp_path, redis_url, 
     assert [r.status().step for r in replicas] == [1, 1]
     batch2 = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")[-1]
     assert batch2["step"] == 2 and batch2["min_version"] == 1
+
+
+async def test_relay_brings_back_a_replica_that_fell_back_to_the_base_model(tmp_path, replicas, tiny_model):
+    store = WeightStore(tmp_path / "weights")
+    publish_weights(store, 1, tiny_model)
+    replica_set = ReplicaSet(static_endpoints([r.url for r in replicas], [r.control for r in replicas], 0))
+    versions = VersionWatch(0)
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay = WeightRelay(replica_set, store, versions, events=events, probe_interval_s=0.2, poll_store_s=0.2)
+        try:
+            await relay.start()  # finds version 1 on the volume by itself
+            assert await relay.wait_served(1, timeout=60) and versions.value == 1
+            replicas[0].reload_base()  # what a restarted replica looks like: the base model, version 0
+            deadline = asyncio.get_running_loop().time() + 30
+            while [e["replica"] for e in read_events(events.path) if e["ok"]].count(replicas[0].url) < 2:
+                assert asyncio.get_running_loop().time() < deadline, "the relay did not notice the regression"
+                await asyncio.sleep(0.1)
+            assert [r.status().step for r in replicas] == [1, 1]
+            assert store.in_use() == {1}
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))

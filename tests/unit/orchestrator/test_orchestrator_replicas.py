@@ -92,8 +92,8 @@ async def test_observed_versions_only_go_up():
     rs = two()
     a = rs.replicas["http://a:1"]
     rs.observe_version(a, 4)
-    rs.observe_version(a, 3)  # a completion that finished before a swap, arriving late
-    assert a.version == 4
+    rs.observe_version(a, 3)  # a completion that finished before a swap, arriving late, or a restart
+    assert a.version == 4 and rs.probe_requested  # not lowered, but the relay is asked to probe now
     rs.mark_ok(a, version=0)  # the relay's GetStatus is authoritative: a restarted replica
     assert a.version == 0
 
