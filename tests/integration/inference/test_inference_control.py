@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import TOOL_MESSAGES, TOOLS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightStore
+from inference_testlib import TOOL_MESSAGES, TOOLS
 
 API_KEY, TOKEN = "sk-test-key", "control-secret"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import InferenceProcess
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gyre.v1 import inference_pb2, inference_pb2_grpc
+from inference_testlib import InferenceProcess
 
 
 @pytest.mark.asyncio

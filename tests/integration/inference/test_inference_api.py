@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import TOOL_ANSWER, TOOL_MESSAGES, TOOLS
+from inference_testlib import TOOL_ANSWER, TOOL_MESSAGES, TOOLS
 from openai import AsyncOpenAI
 
 STORY = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Tell me a story."}]
