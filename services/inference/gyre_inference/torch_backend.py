@@ -14,6 +14,10 @@ Batching scheme (simple, correct, and fast enough to beat one-at-a-time by an or
 - A weight swap is applied between two steps. Rows in flight keep their KV cache (computed by the
   old weights) and continue on the new weights; every token reports the version that computed it.
 
+Randomness: each sequence owns a `random.Random` seeded from its request (or from the engine's seeded
+generator) and draws one uniform per token, so its tokens do not depend on what else is batched. (A
+per-sequence `torch.Generator` gives the same guarantee but costs ~10 us per row per step to draw from.)
+
 Only full-attention decoder models are supported (Llama, Qwen2 without sliding window, ...).
 """
 
