@@ -243,9 +243,10 @@ def overview() -> db.Dashboard:
                     f" - min by (run_id) ({sel('gyre_orchestrator_replica_policy_version')} >= 0)",
                     "slowest replica behind {{run_id}}",
                 ),
+                (f"max by (run_id) ({sel('gyre_orchestrator_max_async_level')})", "bound k {{run_id}}"),
             ],
-            "Off-policy lag of trained samples ((step - 1) - oldest version that produced them), and how many "
-            "versions the slowest replica is behind the newest weights.",
+            "Off-policy lag of trained samples ((step - 1) - oldest version that produced them), how many "
+            "versions the slowest replica is behind the newest weights, and the configured bound k.",
             minimum=0,
         ),
         panel(

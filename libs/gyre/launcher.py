@@ -322,6 +322,8 @@ class Launcher:
         redis_url = self._redis_url()
         model = self._sft(self._base_model())
         configs = resolve_configs(self.cfg, model, redis_url)
+        if self.cfg.prometheus:  # before the services: a short run's first steps must be scraped too
+            self._start_prometheus(configs)
         cdir = self.out / "configs"
         echo = self.cfg.console == "all"
         replicas = []
@@ -362,8 +364,6 @@ class Launcher:
         )
         orchestrator.start(echo, env=_thread_env(0))
         self.children.append(orchestrator)
-        if self.cfg.prometheus:
-            self._start_prometheus(configs)
         from gyre.progress import RunProgress
 
         global _bar
