@@ -77,7 +77,6 @@ class WeightRelay:
         self.metadata = (("authorization", f"Bearer {control_token}"),) if control_token else None
         self.holder = holder
         self.target: WeightsVersion | None = None
-        self.notified = 0  # NotifyWeights calls that brought a new version
         self._learned_at: dict[int, float] = {}  # version -> when we learned of it (relay duration)
         self._updaters: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()

@@ -216,7 +216,13 @@ class OrchestratorService:
         cfg = self.cfg
         await self.scheduler.stop()
         if cfg.max_steps is not None and cfg.final_weights_timeout_s > 0:
-            log.info("all %d batches pushed; waiting for weights version %d", cfg.max_steps, cfg.max_steps)
+            log.info(
+                "all %d batches pushed; waiting up to %.0fs for weights version %d "
+                "(final_weights_timeout_s = 0 skips this when no trainer runs)",
+                cfg.max_steps,
+                cfg.final_weights_timeout_s,
+                cfg.max_steps,
+            )
             deadline = time.monotonic() + cfg.final_weights_timeout_s
             while self.relay.latest_step < cfg.max_steps and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
