@@ -43,7 +43,7 @@ pytestmark = [
 ]
 
 RUN_ID = "ci"  # configs/ci.toml
-STEPS = 6  # enough trainer steps for several 1 s scrapes of every per-step series, even on a fast machine
+STEPS = 8  # enough trainer steps for several 1 s scrapes of every per-step series, even on a fast machine
 # Grafana would pick $__rate_interval from the scrape interval (4 x 1 s here) and the zoom level;
 # 20 s holds a few trainer steps of this short run, so rates and histogram quantiles have data.
 RATE_INTERVAL = "20s"
@@ -152,7 +152,7 @@ def test_mfu_and_throughput_are_present_and_positive(run, prom):
         assert values and max(values) > 0, f"{what}: {expr} -> {values[:5]}"
     mfu = finite_values(prom.query_range(checks["trainer MFU"], run.start, run.end, step=1))
     assert all(0 <= v <= 1 for v in mfu), "MFU is a 0..1 ratio"
-    ranks = prom.query_range(checks["trainer MFU"], run.start, run.end, step=5)
+    ranks = prom.query_range(checks["trainer MFU"], run.start, run.end, step=1)
     assert {s["metric"]["rank"] for s in ranks} == {"0"} and ranks[0]["metric"]["component"] == "trainer"
 
 
