@@ -177,7 +177,7 @@ class InferenceClient:
         model = self.model or await self._model_name(replica, client)
         # `post` with a plain JSON body: the official client still does auth, timeouts and maps HTTP
         # errors to openai exceptions, but skips the typed-parameter transform and the pydantic response
-        # model, which cost more CPU than the rest of a rollout (see docs/benchmarks-orchestrator.md).
+        # model, which cost more CPU than the rest of a rollout (see docs/benchmarks.md).
         body = await client.post("/chat/completions", cast_to=object, body={"model": model, **request})
         return parse_turn(body, replica.version)
 
