@@ -48,6 +48,6 @@ def setup_logging(level: str = "INFO", file: Path | str | None = None, service: 
         root.addHandler(handler)
     root.setLevel(numeric)
     # chatty third-party loggers (a line per HTTP request) stay at WARNING unless we debug
-    for noisy in ("httpx", "httpcore", "urllib3", "filelock"):
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2", "urllib3", "filelock"):  # openai 3.x uses httpx2
         logging.getLogger(noisy).setLevel(logging.NOTSET if numeric <= logging.DEBUG else max(numeric, logging.WARNING))
     return root
