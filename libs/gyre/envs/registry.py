@@ -7,11 +7,11 @@ An external environment is a module with a function that takes keyword arguments
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 from gyre.envs.base import Environment
+from gyre.imports import load_callable
 
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "reverse_text": "gyre.envs.reverse_text:load_environment",
@@ -32,14 +32,10 @@ def load_environment(name: str, **args: Any) -> Environment:
             f"unknown environment {name!r}: built-ins are {', '.join(sorted(BUILTIN_ENVIRONMENTS))}, "
             "or give an import path 'package.module:load_environment'"
         )
-    module_name, _, attr = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EnvironmentLoadError(f"environment {name!r}: cannot import module {module_name!r}: {exc}") from exc
-    loader = getattr(module, attr, None)
-    if not callable(loader):
-        raise EnvironmentLoadError(f"environment {name!r}: module {module_name!r} has no callable {attr!r}")
+        loader = load_callable(target, f"environment {name!r}")
+    except ValueError as exc:
+        raise EnvironmentLoadError(str(exc)) from exc
     try:
         inspect.signature(loader).bind(**args)
     except TypeError as exc:

@@ -27,13 +27,13 @@ ranks gives the full-batch loss whatever the split.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from gyre.config.trainer import LossConfig
+from gyre.imports import load_callable
 from torch import Tensor
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -74,15 +74,7 @@ def get_loss(name: str) -> LossFn:
         return LOSSES[name]
     if ":" not in name:
         raise ValueError(f"unknown loss {name!r}: use one of {', '.join(LOSSES)} or 'package.module:function'")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"loss {name!r}: cannot import module {module_name!r}: {error}") from error
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"loss {name!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_callable(name, f"loss {name!r}")
 
 
 # --- helpers ------------------------------------------------------------------------------------------
