@@ -145,6 +145,11 @@ def _thread_env(share: float) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, int((os.cpu_count() or 2) * share)))}
 
 
+def _gpu_env(devices: str | None) -> dict[str, str]:
+    """Pin a service to GPUs (e.g. inference on GPU 0, trainer on 1-3); unset inherits the parent's."""
+    return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
+
+
 def _gyre(*args: str) -> list[str]:
     return [sys.executable, "-m", "gyre.cli", *args]
 
@@ -334,7 +339,7 @@ class Launcher:
                 _gyre("inference", "@", str(_write_config(cdir / f"{name}.toml", inf))),
                 self.out / "logs" / f"{name}.log",
             )
-            child.start(echo, env=_thread_env(0.5 / len(configs["inference"])))
+            child.start(echo, env=_thread_env(0.5 / len(configs["inference"])) | _gpu_env(self.cfg.inference_gpus))
             self.children.append(child)
             replicas.append((child, f"http://127.0.0.1:{inf.server.port}"))
         trainer_cfg = _write_config(cdir / "trainer.toml", configs["trainer"])
@@ -354,7 +359,7 @@ class Launcher:
         else:
             argv = _gyre("trainer", "@", str(trainer_cfg))
         trainer = Child("trainer", argv, self.out / "logs" / "trainer.log")
-        trainer.start(echo, env=_thread_env(0.5))
+        trainer.start(echo, env=_thread_env(0.5) | _gpu_env(self.cfg.trainer_gpus))
         self.children.append(trainer)
         for child, url in replicas:
             _wait_ready(url, child, timeout=300)

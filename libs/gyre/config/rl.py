@@ -55,6 +55,10 @@ class RLConfig(GyreSettings):
     sft: SFTWarmupConfig = Field(default_factory=SFTWarmupConfig, description="Optional SFT warm-up.")
     inference_replicas: int = Field(1, ge=1, description="Local inference processes (the orchestrator balances).")
     trainer_nproc: int = Field(1, ge=1, description="Trainer processes (>1 runs torchrun with FSDP2).")
+    inference_gpus: str | None = Field(
+        None, description="CUDA_VISIBLE_DEVICES of every inference replica, e.g. '0' (unset = inherit)."
+    )
+    trainer_gpus: str | None = Field(None, description="CUDA_VISIBLE_DEVICES of the trainer, e.g. '1,2,3'.")
     console: Literal["progress", "all"] = Field(
         "progress", description="progress: progress bar + warnings; all: every child log line, prefixed."
     )
