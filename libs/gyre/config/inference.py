@@ -13,6 +13,9 @@ from gyre.config.shared import ModelConfig, ServiceConfig
 class ServerConfig(Section):
     host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 in a pod).")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API (0 = free port).")
+    max_request_bytes: int = Field(
+        4 * 2**20, ge=1024, description="Largest request body accepted; a larger one gets 413 without being read."
+    )
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="On SIGTERM: how long in-flight requests (HTTP and gRPC) may finish before being cut."
     )
@@ -36,7 +39,10 @@ class EngineConfig(Section):
     )
     seed: int = Field(0, description="Default sampling seed of the engine.")
     threads: int | None = Field(
-        None, ge=1, description="Torch backend: CPU threads (torch.set_num_threads); default: torch's."
+        None,
+        ge=1,
+        description="Torch backend on CPU: torch threads; default: the CPUs the container may use "
+        "(affinity and cgroup quota) minus one for the HTTP loop, at least 1.",
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of GPU memory to use.")
 

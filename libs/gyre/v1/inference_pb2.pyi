@@ -5,14 +5,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("step", "path", "digest")
+    __slots__ = ("step", "path", "digest", "rollback")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
     digest: str
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+    rollback: bool
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., digest: _Optional[str] = ..., rollback: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("step", "load_seconds")

@@ -10,12 +10,14 @@ Routes:
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gyre_inference.backend import Backend
 from gyre_inference.errors import APIError, error_body, error_response, install_error_handlers, unknown_model
@@ -47,6 +49,7 @@ class AppState:
     text: ModelText | None = None
     serving: Serving | None = None
     draining: bool = False
+    max_request_bytes: int = 4 * 2**20
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -55,16 +58,26 @@ class AppState:
 
 
 class _Gate:
-    """ASGI middleware in front of the API routes: arrival time, API key, readiness.
+    """ASGI middleware in front of the routes: body size limit; for the API routes also arrival time, API
+    key, readiness.
 
-    Runs before the body is read, so a request without a valid key is refused with 401 whatever its body.
+    Runs before the body is read, so a request without a valid key is refused with 401 whatever its body,
+    and a body over `max_request_bytes` gets 413 without being read (by its Content-Length) or as soon as
+    the bytes read pass the limit (chunked uploads): nobody can make the server buffer or parse it.
     """
 
     def __init__(self, app, state: AppState):
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith(_PROTECTED):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.state.max_request_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            return await self._refuse(scope, receive, send, _too_large(limit))
+        receive = _limited(receive, limit)
+        if not scope["path"].startswith(_PROTECTED):
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrival"] = time.monotonic()
         failure = None
@@ -79,11 +92,44 @@ class _Gate:
             failure = APIError(503, f"{reason}; retry shortly", code="not_ready")
         if failure is None:
             return await self.app(scope, receive, send)
+        await self._refuse(scope, receive, send, failure)
+
+    async def _refuse(self, scope, receive, send, failure: APIError) -> None:
         endpoint = _ENDPOINTS.get(scope["path"])
         if endpoint:
             self.state.metrics.request_done(endpoint, "client_error" if failure.status < 500 else "unavailable")
         headers = {"www-authenticate": "Bearer"} if failure.status == 401 else None
         await error_response(failure, headers)(scope, receive, send)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds the limit of {limit} bytes (server.max_request_bytes)",
+                    code="request_too_large")  # fmt: skip
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` while the route reads the body (FastAPI re-raises HTTP exceptions as they are)."""
+
+    def __init__(self, limit: int):
+        error = _too_large(limit)
+        super().__init__(error.status, error.message)
+        self.code = error.code
+
+
+def _limited(receive, limit: int):
+    """`receive` that fails the request with 413 once more than `limit` body bytes have arrived."""
+    seen = 0
+
+    async def wrapped():
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _BodyTooLarge(limit)
+        return message
+
+    return wrapped
 
 
 def create_app(state: AppState) -> FastAPI:
@@ -137,15 +183,15 @@ def create_app(state: AppState) -> FastAPI:
         if isinstance(body, TokenizeChatRequest):
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
             messages = [message.model_dump(exclude_none=True) for message in body.messages]
-            tokens = state.text.chat_prompt(messages, tools, body.add_generation_prompt)
+            tokens = await asyncio.to_thread(state.text.chat_prompt, messages, tools, body.add_generation_prompt)
         else:
-            tokens = state.text.encode(body.prompt)
+            tokens = await asyncio.to_thread(state.text.encode, body.prompt)
         return {"count": len(tokens), "max_model_len": state.backend.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", summary="vLLM-compatible: token ids to text.")
     async def detokenize(body: DetokenizeRequest) -> dict:
         _check_model(state, body.model)
-        return {"prompt": state.text.decode(state.text.check_ids(body.tokens, "tokens"))}
+        return {"prompt": await asyncio.to_thread(state.text.decode, state.text.check_ids(body.tokens, "tokens"))}
 
     return app
 

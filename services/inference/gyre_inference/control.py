@@ -4,7 +4,8 @@
   MANIFEST.json is verified (against `digest` when given; every file's size and sha256) BEFORE
   anything is loaded, then the backend swaps the weights in between two decode steps. Any refusal
   (corrupt, half-written or missing folder, wrong digest, tensors that do not fit the model) is
-  FAILED_PRECONDITION with the reason, and the old weights keep serving. Bad arguments are
+  FAILED_PRECONDITION with the reason, and the old weights keep serving. So is a step older than the
+  version served (a late retry must not roll the policy back silently) unless `rollback` is set. Bad arguments are
   INVALID_ARGUMENT; calls before the model is loaded are UNAVAILABLE. Updates are serialised.
 - ReloadWeights(): back to the base model, version 0. GetStatus(): model, version, load, readiness.
 - Health is NOT_SERVING until the model is loaded and again once shutdown starts.
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceControl"].full_name
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class OlderVersionError(Exception):
+    """UpdateWeights for a step older than the one served, without `rollback`."""
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
@@ -79,7 +84,8 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
                 f"(got path={request.path!r}, step={request.step})",
             )
         digest = request.digest or None
-        refusal = await self._swap(f"weights step {request.step} from {path}", self._load(path, request.step, digest))
+        load = self._load(path, request.step, digest, request.rollback)
+        refusal = await self._swap(f"weights step {request.step} from {path}", load)
         if refusal is not None:
             await context.abort(*refusal)
         return inference_pb2.UpdateWeightsResponse(step=self.backend.version, load_seconds=self._last_seconds)
@@ -99,7 +105,10 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
             running=running, waiting=waiting, ready=self.backend.ready,
         )  # fmt: skip
 
-    async def _load(self, path: Path, step: int, digest: str | None) -> None:
+    async def _load(self, path: Path, step: int, digest: str | None, rollback: bool) -> None:
+        # Checked under the update lock: of two calls racing, the older step is refused after the newer one.
+        if step < self.backend.version and not rollback:
+            raise OlderVersionError(f"step {step} is older than the version served; set rollback to go back")
         await asyncio.to_thread(WeightStore(path.parent).verify, step, digest)
         await self.backend.update_weights(path, step)
 
@@ -111,7 +120,7 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
                 await load
             except Exception as error:
                 self.metrics.weight_update_done(False, time.perf_counter() - started)
-                expected = isinstance(error, WeightsError | WeightsIncompatibleError | OSError)
+                expected = isinstance(error, WeightsError | WeightsIncompatibleError | OSError | OlderVersionError)
                 log.log(
                     logging.WARNING if expected else logging.ERROR, "refused %s: %s", what, error, exc_info=not expected
                 )

@@ -40,12 +40,61 @@ def error_response(error: APIError, headers: dict[str, str] | None = None) -> JS
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
+_SCALARS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean", "none": "null"}
+
+
+def _is_member(part: Any) -> bool:
+    """A loc entry pydantic inserts to name a union member (`str`, `list[constrained-int]`, ...)."""
+    return isinstance(part, str) and (part in _SCALARS or not part.isidentifier())
+
+
 def _field_path(loc: tuple[Any, ...]) -> str | None:
     # ("body", "messages", 0, "user", "content") -> "messages.0.content": drop the body prefix and the
     # names pydantic inserts for union members (tags and type names), keep field names and indices.
     parts = [str(p) for p in loc[1:] if isinstance(p, int) or (isinstance(p, str) and p.isidentifier())]
-    parts = [p for p in parts if p not in ("system", "user", "assistant", "tool", "str", "list", "int")]
+    parts = [p for p in parts if p not in ("system", "developer", "user", "assistant", "tool", *_SCALARS)]
     return ".".join(parts) or None
+
+
+def _readable(member: str) -> str:
+    """`list[list[constrained-int]]` -> "a list of lists of integers"."""
+    member = member.replace("constrained-", "")
+    if member in _SCALARS:
+        return _SCALARS[member]
+    if member.startswith("list[") and member.endswith("]"):
+        return "a list of " + _plural(_readable(member[5:-1]))
+    return f"an object ({member})"
+
+
+def _plural(phrase: str) -> str:
+    noun = phrase.split(" ", 1)[1]  # drop the article
+    head, _, rest = noun.partition(" ")
+    return f"{head}s {rest}".rstrip()
+
+
+def _union_message(errors: list[dict]) -> str | None:
+    """One message for a value that matched no member of a multi-type field, instead of the first member's
+    complaint: the complaint of a member whose type the value had (it broke a constraint there), else
+    what the field accepts."""
+    first = tuple(errors[0].get("loc", ()))
+    cut = next((i for i, part in enumerate(first) if i and _is_member(part)), None)
+    if cut is None:
+        return None
+    prefix = first[:cut]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:cut] == prefix and len(e.get("loc", ())) > cut]
+    members = list(dict.fromkeys(e["loc"][cut] for e in same))
+    if len(members) < 2:
+        return None
+    right_type = [e for e in same if len(e["loc"]) > cut + 1 or not e["type"].endswith("_type")]
+    if right_type:
+        error = right_type[0]
+        return f"{_field_path(tuple(error['loc']))}: {_clean(error['msg'])} (as {_readable(error['loc'][cut])})"
+    accepted = ", ".join(_readable(m) for m in members[:-1]) + " or " + _readable(members[-1])
+    return f"{_field_path(prefix)}: must be {accepted}"
+
+
+def _clean(message: str) -> str:
+    return message.removeprefix("Value error, ")
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -56,15 +105,19 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if loc == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return "request body must be a JSON object", None
     param = _field_path(loc)
-    message = f"{param}: {first['msg']}" if param else first["msg"]
+    union = _union_message(errors)
+    if union is not None:
+        return union, param
+    message = f"{param}: {_clean(first['msg'])}" if param else _clean(first["msg"])
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return message, param
 
 
 def unknown_model(requested: str, served: str) -> APIError:
+    # OpenAI answers 404 with type invalid_request_error (not not_found_error) and code model_not_found.
     return APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
-                    param="model", code="model_not_found")  # fmt: skip
+                    param="model", code="model_not_found", type="invalid_request_error")  # fmt: skip
 
 
 def install_error_handlers(app: FastAPI, on_client_error: Callable[[Request, int], None] | None = None) -> None:
@@ -89,7 +142,9 @@ def install_error_handlers(app: FastAPI, on_client_error: Callable[[Request, int
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no route {request.method} {request.url.path}"}.get(error.status_code, str(error.detail))
         return JSONResponse(
-            error_body(error.status_code, message), status_code=error.status_code, headers=error.headers
+            error_body(error.status_code, message, code=getattr(error, "code", None)),
+            status_code=error.status_code,
+            headers=error.headers,
         )
 
     @app.exception_handler(Exception)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -37,8 +37,8 @@ class SamplingRequest(StrictModel):
     n: int = Field(1, ge=1, le=MAX_N, description="Number of choices per prompt.")
     temperature: float | None = Field(None, ge=0, le=2, description="Sampling temperature; 0 = greedy. Default 1.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass. Default 1.")
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(
-        None, max_length=MAX_STOP_STRINGS, description="Stop strings (excluded from the returned text)."
+    stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, max_length=MAX_STOP_STRINGS, description="Stop strings (excluded from the returned text); never empty."
     )
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, max_length=64, description="vLLM extension: extra token ids that end a choice."
@@ -93,11 +93,26 @@ class UserMessage(StrictModel):
     name: str | None = None
 
 
+class DeveloperMessage(StrictModel):
+    """OpenAI's newer name for system instructions; rendered as a system message."""
+
+    role: Literal["developer"]
+    content: Content
+    name: str | None = None
+
+
 class AssistantMessage(StrictModel):
+    """What `resp.choices[0].message.model_dump()` gives back: the fields this server never produces
+    (refusal, audio, annotations, the deprecated function_call) are accepted as null only."""
+
     role: Literal["assistant"]
     content: Content | None = None
     tool_calls: list[ToolCall] | None = None
     name: str | None = None
+    refusal: None = Field(None, description="Only null (this server never refuses).")
+    audio: None = Field(None, description="Only null (no audio output).")
+    annotations: None = Field(None, description="Only null (no web search).")
+    function_call: None = Field(None, description="Only null (deprecated; use tool_calls).")
 
 
 class ToolMessage(StrictModel):
@@ -106,7 +121,9 @@ class ToolMessage(StrictModel):
     tool_call_id: str | None = None
 
 
-ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+ChatMessage = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
 
 
 class FunctionDefinition(StrictModel):
@@ -121,6 +138,20 @@ class Tool(StrictModel):
     function: FunctionDefinition
 
 
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _only_text(self):
+        if self.type != "text":
+            raise ValueError(
+                f"type {self.type!r} is not supported: this server has no structured-output decoding; "
+                "use 'text' (or leave response_format out)"
+            )
+        return self
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
@@ -133,6 +164,14 @@ class ChatCompletionRequest(SamplingRequest):
     )
     parallel_tool_calls: bool | None = Field(None, description="Accepted; several calls are always parsed.")
     add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant header.")
+    response_format: ResponseFormat | None = Field(None, description='Only {"type": "text"}.')
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_needs_tools(cls, value, info):
+        if value is not None and not info.data.get("tools"):
+            raise ValueError("tool_choice is only allowed when tools are specified")
+        return value
 
     @model_validator(mode="after")
     def _check(self):

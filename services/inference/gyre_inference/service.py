@@ -76,7 +76,8 @@ async def run_service(config: InferenceConfig) -> int:
     metrics = InferenceMetrics(config.run_id, backend)
     api_key = config.auth.api_key.get_secret_value() if config.auth.api_key else None
     token = config.auth.control_token.get_secret_value() if config.auth.control_token else None
-    state = AppState(model_id, config.model.name, backend, metrics, api_key, serve_metrics=config.metrics.port is None)
+    state = AppState(model_id, config.model.name, backend, metrics, api_key, serve_metrics=config.metrics.port is None,
+                     max_request_bytes=config.server.max_request_bytes)  # fmt: skip
     control = ControlServer(backend, metrics, model_id, token)
     grace = config.server.shutdown_grace_s
 

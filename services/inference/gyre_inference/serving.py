@@ -80,8 +80,11 @@ class Choice:
 
     def __post_init__(self):
         self._decoder = IncrementalDecoder(self.text_codec)
-        # A stop string (or the tool-call tag) may begin in text not yet complete: keep that much back.
-        longest = max([len(s) for s in self.stops] + ([len(TOOL_CALL_START)] if self.parse_tools else []), default=0)
+        # A stop string (or the tool-call tag) may begin in text not yet complete: keep that much back. For
+        # the tag, one character more: the newline before it is dropped from the content once calls parse,
+        # so it must not be released while the tag after it is still partial.
+        tag = len("\n" + TOOL_CALL_START) if self.parse_tools else 0
+        longest = max([len(s) for s in self.stops] + [tag], default=0)
         self._holdback = max(longest - 1, 0)
 
     @property
@@ -162,18 +165,23 @@ class Serving:
         parse_tools = bool(request.tools) and request.tool_choice != "none"
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
         messages = [message.model_dump(exclude_none=True) for message in request.messages]
-        prompt = self.text.chat_prompt(messages, tools, request.add_generation_prompt)
+        # Template rendering and tokenization of a large prompt take long: never on the event loop.
+        prompt = await asyncio.to_thread(self.text.chat_prompt, messages, tools, request.add_generation_prompt)
         job = self._job("chat", request, [prompt], request.completion_limit, "messages", parse_tools, started)
         return await self._respond(job, is_disconnected)
 
     async def completions(self, request: CompletionRequest, started: float, is_disconnected=None):
         self._check_model(request.model)
+        prompts = await asyncio.to_thread(self._completion_prompts, request)
+        job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started)
+        return await self._respond(job, is_disconnected)
+
+    def _completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompts = []
         for i, prompt in enumerate(request.prompts()):
             param = "prompt" if isinstance(request.prompt, str) or len(request.prompts()) == 1 else f"prompt.{i}"
             prompts.append(self.text.check_ids(prompt, param) if isinstance(prompt, list) else self.text.encode(prompt))
-        job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started)
-        return await self._respond(job, is_disconnected)
+        return prompts
 
     def _check_model(self, model: str) -> None:
         if model != self.model_id:

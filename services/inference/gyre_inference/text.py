@@ -57,6 +57,8 @@ class ModelText:
     ) -> str:
         from jinja2 import TemplateError
 
+        # OpenAI's `developer` role is what chat templates know as `system`.
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False

@@ -45,6 +45,7 @@ from gyre_inference.backend import (
     TokenEvent,
     WeightsIncompatibleError,
 )
+from gyre_inference.cpus import default_engine_threads
 from gyre_inference.sampling import sample_next
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,12 @@ class TorchBackend(Backend):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def threads(self) -> int:
+        """torch threads of the engine on CPU: `engine.threads`, else what the container's CPU quota allows
+        minus one core for the HTTP loop (see cpus.py)."""
+        return self._threads or default_engine_threads()
 
     def load_stats(self) -> tuple[int, int]:
         # read without the lock: a scrape may be off by the sequences moving between the two lists
@@ -247,9 +254,9 @@ class TorchBackend(Backend):
 
     # ---- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
-        if self._threads:
+        if self.device.type == "cpu":
             # per thread: OpenMP's team size is a property of the calling thread, so set it here
-            torch.set_num_threads(self._threads)
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 with self._cond:

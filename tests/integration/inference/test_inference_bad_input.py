@@ -59,6 +59,17 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0"),
         ("/v1/chat/completions", {"stop": [""]}, "stop"),
+        ("/v1/chat/completions", {"stop": ""}, "stop"),  # a plain empty string too (OpenAI refuses it)
+        ("/v1/completions", {"stop": ""}, "stop"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # without tools
+        ("/v1/chat/completions", {"tool_choice": "none"}, "tool_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]},
+            "messages.0.refusal",
+        ),  # fmt: skip
         # unknown fields, anywhere
         ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "mood": "sad"}]}, "messages.0.mood"),
@@ -123,9 +134,14 @@ def test_prompts_too_long_for_the_context(http, model_id):
 
 
 def test_unknown_model_route_and_method(http):
-    assert_error(http.post("/v1/chat/completions", json={"model": "gpt-9", **CHAT}), 404, param="model",
-                 code="model_not_found")  # fmt: skip
-    assert_error(http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}), 404, code="model_not_found")
+    # OpenAI: 404, type invalid_request_error, code model_not_found
+    for route, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "x"}), ("/tokenize", {})):
+        response = http.post(route, json={"model": "gpt-9", "prompt": "x", **body} if route == "/tokenize" else
+                             {"model": "gpt-9", **body})  # fmt: skip
+        assert response.status_code == 404, response.text
+        assert response.json()["error"] | {"message": ""} == {
+            "message": "", "type": "invalid_request_error", "param": "model", "code": "model_not_found"
+        }  # fmt: skip
     assert_error(http.get("/v1/nothing-here"), 404)
     assert_error(http.get("/v1/chat/completions"), 405)
 
@@ -136,6 +152,95 @@ def test_the_openai_client_sees_typed_errors(client, model_id):
     assert error.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"stop": 5}, "stop: must be a string or a list of strings"),
+        ({"stop": ["a", ""]}, "stop.1: String should have at least 1 character"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: must be a string or a list of"),
+        ({"response_format": {"type": "json_object"}}, "no structured-output decoding"),
+        ({"tool_choice": "auto"}, "tool_choice is only allowed when tools are specified"),
+    ],
+)
+def test_messages_say_what_a_multi_type_field_accepts(http, model_id, body, says):
+    error = assert_error(http.post("/v1/chat/completions", json={"model": model_id, **CHAT, **body}), 400)
+    assert says in error["message"], error
+    completion = {"model": model_id, "prompt": 3.5}
+    message = assert_error(http.post("/v1/completions", json=completion), 400, param="prompt")["message"]
+    assert message == "prompt: must be a string, a list of integers, a list of strings or a list of lists of integers"
+
+
+def test_what_the_openai_client_sends_back_is_accepted(client, model_id):
+    """The assistant message as `model_dump()` gives it (null refusal/audio/function_call/annotations), the
+    developer role and response_format text: what real OpenAI clients send."""
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model=model_id, messages=messages, max_tokens=4,
+                                           response_format={"type": "text"})  # fmt: skip
+    echoed = first.choices[0].message.model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(echoed)
+    second = client.chat.completions.create(
+        model=model_id, messages=[*messages, echoed, {"role": "user", "content": "more"}], max_tokens=4
+    )
+    assert second.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_developer_role_renders_as_system(http, model_id):
+    def tokens(role):
+        body = {
+            "model": model_id,
+            "messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "x"}],
+        }
+        return http.post("/tokenize", json=body).json()["tokens"]
+
+    assert tokens("developer") == tokens("system")
+
+
+def test_a_body_over_the_limit_is_413_without_stalling_health(http, server, model_id):
+    huge = {"model": model_id, "prompt": "x" * (5 * 10**6)}  # 5 MB > the 4 MiB default
+    error = assert_error(http.post("/v1/completions", json=huge), 413, code="request_too_large")
+    assert "4194304" in error["message"]
+
+    def chunks():  # no Content-Length: the limit counts the bytes as they arrive
+        yield b'{"model": "' + model_id.encode() + b'", "prompt": "'
+        for _ in range(50):
+            yield b"y" * 100_000
+        yield b'"}'
+
+    response = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(response, 413, code="request_too_large")
+    assert http.get("/health").status_code == 200
+
+
+def test_tokenizing_a_large_prompt_does_not_stall_the_event_loop(http, server, model_id):
+    """A 1.5 MB chat prompt takes seconds to render and tokenize; /health must keep answering meanwhile
+    (it froze for the whole time when this ran on the event loop)."""
+    import threading
+    import time
+
+    body = {"model": model_id, "messages": [{"role": "user", "content": "The quick brown fox 42. " * 60_000}]}
+    outcome = {}
+
+    def big():
+        started = time.perf_counter()
+        with httpx.Client(base_url=server.url, timeout=120) as other:
+            outcome["response"] = other.post("/v1/chat/completions", json=body)
+        outcome["seconds"] = time.perf_counter() - started
+
+    worker = threading.Thread(target=big)
+    worker.start()
+    time.sleep(0.2)
+    latencies = []
+    while worker.is_alive():
+        started = time.perf_counter()
+        assert http.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - started)
+        time.sleep(0.05)
+    worker.join()
+    assert_error(outcome["response"], 400, code="context_length_exceeded")  # tokenized, then refused
+    assert outcome["seconds"] > 1.0 and len(latencies) >= 5, (outcome, latencies)
+    assert max(latencies) < 1.0, latencies
 
 
 def test_the_server_is_still_up_and_counted_the_client_errors(http, client, model_id):

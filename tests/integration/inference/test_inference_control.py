@@ -232,3 +232,22 @@ def test_reload_weights_returns_to_the_base_model(secure, stub, store, client, t
     expected = forward_logprobs(tiny_model, [5, 6, 7], choice.model_extra["token_ids"], 0.7)
     assert torch.allclose(torch.tensor(choice.logprobs.token_logprobs), expected, atol=1e-4)
     assert choice.model_extra["policy_version"] == 0
+
+
+def test_an_older_version_is_refused_unless_it_is_an_explicit_rollback(secure, stub, store, tool_model):
+    def write(folder):
+        for file in tool_model.iterdir():
+            shutil.copy(file, folder / file.name)
+
+    store.publish(6, write)
+    assert update(stub, store, 6).step == 6
+    # a late retry of step 1 must not roll the policy back silently
+    with pytest.raises(grpc.RpcError) as error:
+        update(stub, store, 1)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "older" in error.value.details() and "still serving version 6" in error.value.details()
+    assert status(stub).step == 6
+    assert update(stub, store, 6).step == 6  # the same version again is a harmless retry
+    request = inference_pb2.UpdateWeightsRequest(step=1, path=str(store.path(1)), digest=store.digest(1), rollback=True)
+    assert stub[0].UpdateWeights(request, metadata=AUTH, timeout=120).step == 1  # the trainer rewound: explicit
+    assert status(stub).step == 1

@@ -99,3 +99,55 @@ def test_malformed_tool_calls_are_released_as_content_at_the_end(model_text):
     choice = Choice(0, model_text, stops=[], parse_tools=True)
     deltas = _feed(choice, model_text.encode(text) + [2])
     assert "".join(d.text for d in deltas) == text and choice.tool_calls == [] and choice.finish_reason == "stop"
+
+
+# ---- streaming == non-streaming, whatever the token boundaries -------------------------------------------
+class _Pieces:
+    """A stand-in tokenizer whose token i is the text piece i: lets a test choose every token boundary."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}\n</tool_call>'
+_FRAGMENTS = ["Sure.", "\n", "\n\n", " ", "ok <tool", "</tool_call>", "<tool_call>", _CALL, _CALL + "\n", "é😀", "STOP"]
+
+
+@st.composite
+def _splits(draw):
+    """A model output built from fragments that stress the hold-back, and a random split into tokens."""
+    text = "".join(draw(st.lists(st.sampled_from(_FRAGMENTS), min_size=1, max_size=6)))
+    cut_after = draw(st.lists(st.booleans(), min_size=len(text), max_size=len(text)))  # per character
+    pieces, start = [], 0
+    for end, cut in enumerate(cut_after, 1):
+        if cut or end == len(text):
+            pieces.append(text[start:end])
+            start = end
+    return pieces
+
+
+def _run(pieces: list[str], stops: list[str], finish: str) -> tuple[str, str, list, str | None]:
+    choice = Choice(0, _Pieces(pieces), stops=stops, parse_tools=True)
+    streamed = "".join(d.text for d in _feed(choice, list(range(len(pieces))), finish_last=finish))
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice.tool_calls]
+    return streamed, choice.text, calls, choice.finish_reason
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=_splits(), stops=st.sampled_from([[], ["STOP"], ["\n\n"]]), finish=st.sampled_from(["stop", "length"]))
+def test_streamed_content_and_tool_calls_equal_the_non_streamed_answer_for_any_split(pieces, stops, finish):
+    streamed, text, calls, reason = _run(pieces, stops, finish)
+    # what a streaming client concatenates is the non-streaming content ...
+    assert streamed == text
+    # ... and neither depends on where the token boundaries fell
+    assert (text, calls, reason) == _run(["".join(pieces)], stops, finish)[1:]
+
+
+def test_the_newline_before_a_tool_call_split_over_tokens_is_not_streamed():
+    # the case found in the wild: `<tool_call>` arriving over several tokens after "Sure.\n"
+    pieces = ["Sure.", "\n", "<", "tool", "_call", ">", _CALL.removeprefix("<tool_call>")]
+    streamed, text, calls, reason = _run(pieces, [], "stop")
+    assert streamed == text == "Sure." and reason == "tool_calls" and calls[0][0] == "add"
