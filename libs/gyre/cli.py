@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench trainer": ("gyre_trainer.bench:main", "Benchmark the trainer step."),
     "bench orchestrator": ("gyre_orchestrator.bench:main", "Benchmark orchestrator overhead per sample."),
     "bench async": ("gyre.bench_async:main", "Compare max_async_level 0 vs 1 step times."),
+    "bench weights": ("gyre_trainer.bench_weights:main", "Weights swap time vs writing + reading the same bytes."),
 }
 
 

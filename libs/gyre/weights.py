@@ -1,12 +1,18 @@
-"""WeightStore: published policy weights on the shared volume, `{output_dir}/weights/step_{s}/`.
+"""Weights versions and the folder store behind the `folder` transport, `{output_dir}/weights/step_{s}/`.
 
-Invariants (what readers may rely on):
+`WeightsVersion` (step, digest, transport, locator) is the one description of a published version:
+the trainer's sink returns it, NotifyWeights and UpdateWeights carry it (`gyre.v1.WeightsVersion`),
+the relay targets it and a replica's source fetches it (see `gyre.transport` for the seam).
+
+Invariants of the store (what readers may rely on):
 - A `step_{s}` folder exists only complete: the trainer writes into `.tmp-step_{s}-<uuid>/`, adds
   `MANIFEST.json` (sha256 and size of every file), fsyncs the files and the folder, then renames it.
   A publisher killed at any moment leaves at most a `.tmp-*` folder that `steps()`/`latest()` ignore
   and `prune()` removes once stale.
-- The weights **digest** (sent over gRPC with the path) is the sha256 of the MANIFEST.json bytes, so
-  `verify(step, digest)` proves the reader sees exactly the version the trainer announced.
+- The weights **digest** is the sha256 of the MANIFEST.json bytes. The files are hashed once, by the
+  publisher; a reader checks the digest and every file's size (`verify`, cheap: the rename makes a
+  folder complete, so a size check catches truncation by outside interference) and re-hashes every
+  file only when asked (`full=True`).
 - Versions that a holder (e.g. the orchestrator, for replicas still serving them) declared in use
   via `set_in_use` are never pruned, nor is the latest one.
 """
@@ -24,10 +30,11 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre.fsio import fsync_dir, write_atomic
+from gyre.fsio import fsync_dir, fsync_files, write_atomic, write_file
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +48,44 @@ class WeightsError(RuntimeError):
     """A weights version is missing, incomplete or corrupt (or does not match its digest)."""
 
 
+FOLDER = "folder"
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
 @dataclass(frozen=True)
-class PublishedWeights:
+class WeightsVersion:
+    """A published weights version: `locator` says where it is in `transport`'s terms."""
+
     step: int
-    path: Path
-    digest: str
+    digest: str  # sha256 of the version's manifest ("" = unknown / do not check)
+    transport: str = FOLDER
+    locator: str = ""  # folder: the step_{step} folder
+
+    @property
+    def path(self) -> Path:
+        """The folder of a `folder` version."""
+        if self.transport != FOLDER:
+            raise WeightsError(f"weights step {self.step} travel by {self.transport!r}, not as a folder")
+        return Path(self.locator)
+
+    def to_proto(self):
+        from gyre.v1 import weights_pb2
+
+        return weights_pb2.WeightsVersion(
+            step=self.step, digest=self.digest, transport=self.transport, locator=self.locator
+        )
+
+    @classmethod
+    def from_proto(cls, message) -> WeightsVersion:
+        """Validate a `gyre.v1.WeightsVersion`; ValueError names the bad field."""
+        if message.step < 0:
+            raise ValueError(f"version.step must be >= 0, got {message.step}")
+        if message.digest and not _DIGEST.match(message.digest):
+            raise ValueError(f"version.digest must be 64 lowercase hex digits (a sha256), got {message.digest!r}")
+        return cls(
+            step=int(message.step), digest=message.digest, transport=message.transport or FOLDER,
+            locator=message.locator,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,14 +116,6 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -101,7 +133,11 @@ class WeightStore:
         return self.root / f"step_{_check_step(step)}"
 
     # ---- publishing -----------------------------------------------------------------------------
-    def publish(self, step: int, write_fn: Callable[[Path], None]) -> PublishedWeights:
+    def version(self, step: int) -> WeightsVersion:
+        """The published version `step` as a `WeightsVersion` (WeightsError if missing or incomplete)."""
+        return WeightsVersion(step, self.digest(step), FOLDER, str(self.path(step)))
+
+    def publish(self, step: int, write_fn: Callable[[Path], None]) -> WeightsVersion:
         """Make version `step` from the files `write_fn(folder)` writes; returns its path and digest.
 
         Republishing an existing step with identical files is a no-op that returns the existing
@@ -118,21 +154,26 @@ class WeightStore:
             write_fn(tmp)
             if (tmp / MANIFEST).exists():
                 raise WeightsError(f"write_fn must not write {MANIFEST} itself")
-            files = {}
-            for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                _fsync_file(file)
-                files[file.relative_to(tmp).as_posix()] = {"sha256": _sha256_file(file), "bytes": file.stat().st_size}
-            if not files:
+            written = sorted(p for p in tmp.rglob("*") if p.is_file())
+            if not written:
                 raise WeightsError(f"write_fn wrote no files for step {step}")
-            manifest = json.dumps({"step": step, "files": files, "created": time.time()}, indent=1, sort_keys=True)
-            write_atomic(tmp / MANIFEST, manifest.encode())
-            for folder in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: -len(p.parts)):
-                fsync_dir(folder)
+            # Durability costs journal commits, not bytes, for all but the largest files: the disk flushes
+            # the files while they are hashed (from the page cache), then the manifest, the files (a no-op
+            # when flushed) and the folders are fsynced together, sharing one commit; the rename needs one more.
+            with ThreadPoolExecutor(1) as pool:
+                flushed = pool.submit(fsync_files, written)
+                files = {f.relative_to(tmp).as_posix(): {"sha256": _sha256_file(f), "bytes": f.stat().st_size}
+                         for f in written}  # fmt: skip
+                manifest = json.dumps({"step": step, "files": files, "created": time.time()}, indent=1, sort_keys=True)
+                # no temp name needed: nothing in `tmp` is visible before the folder's rename
+                write_file(tmp / MANIFEST, manifest.encode())
+                fsync_files([tmp / MANIFEST, *written, *{p.parent for p in tmp.rglob("*")}])
+                flushed.result()
             final = self.path(step)
             if final.exists():
                 if self._same_files(final, files):
                     shutil.rmtree(tmp)
-                    return PublishedWeights(step, final, self.digest(step))
+                    return self.version(step)
                 # move the old version out of the way first: at no instant is an incomplete step_{s} visible
                 self._retire(final)
             os.rename(tmp, final)
@@ -142,7 +183,7 @@ class WeightStore:
             raise
         finally:
             os.close(lock_fd)
-        published = PublishedWeights(step, final, hashlib.sha256(manifest.encode()).hexdigest())
+        published = WeightsVersion(step, hashlib.sha256(manifest.encode()).hexdigest(), FOLDER, str(final))
         log.info("published weights step %d at %s (digest %s)", step, final, published.digest[:12])
         return published
 
@@ -158,6 +199,13 @@ class WeightStore:
         os.rename(folder, doomed)
         fsync_dir(self.root)
         shutil.rmtree(doomed, ignore_errors=True)
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete versions newer than `step` (a rewound run abandons them), each hidden by a rename first."""
+        doomed = [s for s in self.steps() if s > step]
+        for s in doomed:
+            self._retire(self.path(s))
+        return doomed
 
     # ---- reading --------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -185,8 +233,9 @@ class WeightStore:
     def digest(self, step: int) -> str:
         return hashlib.sha256(self._manifest_bytes(step)).hexdigest()
 
-    def verify(self, step: int, digest: str | None = None) -> Manifest:
-        """Check the manifest (against `digest` if given) and every file's size and sha256."""
+    def verify(self, step: int, digest: str | None = None, *, full: bool = True) -> Manifest:
+        """Check the manifest (against `digest` if given) and every file's size; with `full`, also
+        every file's sha256 (reads every byte: replicas skip it by default, the publisher hashed once)."""
         data = self._manifest_bytes(step)
         if digest is not None and hashlib.sha256(data).hexdigest() != digest:
             raise WeightsError(f"weights step {step}: manifest digest differs from the announced {digest}")
@@ -201,7 +250,7 @@ class WeightStore:
             if file.stat().st_size != meta["bytes"]:
                 size = file.stat().st_size
                 raise WeightsError(f"weights step {step}: file {name} has {size} bytes, not {meta['bytes']}")
-            if _sha256_file(file) != meta["sha256"]:
+            if full and _sha256_file(file) != meta["sha256"]:
                 raise WeightsError(f"weights step {step}: file {name} does not match its sha256")
         return manifest
 

@@ -32,6 +32,22 @@ class ModelConfig(Section):
     )
 
 
+class FolderTransportConfig(Section):
+    """Weights travel as step folders on the shared volume (`{output_dir}/weights/step_{s}`)."""
+
+    kind: Literal["folder"] = Field("folder", description="Weight transport (folder: the shared volume).")
+    full_verify: bool = Field(
+        False,
+        description="Replicas re-hash every file before loading (default: check each file's size and the "
+        "manifest digest; the trainer hashed the files once).",
+    )
+
+
+# The weight-transport config union (`gyre.transport`): one member per transport, told apart by `kind`.
+# With a second transport this becomes Annotated[FolderTransportConfig | ..., Field(discriminator="kind")].
+WeightsTransportConfig = FolderTransportConfig
+
+
 class ServiceConfig(GyreSettings):
     """Keys every service has."""
 
@@ -42,3 +58,6 @@ class ServiceConfig(GyreSettings):
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus exposition.")
+    weights: WeightsTransportConfig = Field(
+        default_factory=FolderTransportConfig, description="How weights travel from the trainer to the replicas."
+    )

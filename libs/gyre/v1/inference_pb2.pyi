@@ -1,20 +1,18 @@
+from gyre.v1 import weights_pb2 as _weights_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("step", "path", "digest", "rollback")
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("version", "rollback")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    path: str
-    digest: str
+    version: _weights_pb2.WeightsVersion
     rollback: bool
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., digest: _Optional[str] = ..., rollback: _Optional[bool] = ...) -> None: ...
+    def __init__(self, version: _Optional[_Union[_weights_pb2.WeightsVersion, _Mapping]] = ..., rollback: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("step", "load_seconds")

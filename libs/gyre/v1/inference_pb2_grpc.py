@@ -55,7 +55,8 @@ class InferenceControlServicer:
     """Missing associated documentation comment in .proto file."""
 
     def UpdateWeights(self, request, context):
-        """Verify weights/step_{step} on the shared volume, load them, and swap between decode steps.
+        """Fetch the version through its transport, verify it against its digest, load it and swap
+        between decode steps.
         In-flight requests keep running; tokens after the swap are produced by the new version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

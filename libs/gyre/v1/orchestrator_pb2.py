@@ -22,25 +22,26 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from gyre.v1 import weights_pb2 as gyre_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agyre/v1/orchestrator.proto\x12\x07gyre.v1\"B\n\x14NotifyWeightsRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\">\n\x15NotifyWeightsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x13\n\x0blatest_step\x18\x02 \x01(\x03\"\x1e\n\x1cGetOrchestratorStatusRequest\"?\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"\x8a\x01\n\x1dGetOrchestratorStatusResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x1b\n\x13latest_weights_step\x18\x02 \x01(\x03\x12(\n\x08replicas\x18\x03 \x03(\x0b\x32\x16.gyre.v1.ReplicaStatus\x12\x14\n\x0cin_use_steps\x18\x04 \x03(\x03\x32\xba\x01\n\x0cOrchestrator\x12N\n\rNotifyWeights\x12\x1d.gyre.v1.NotifyWeightsRequest\x1a\x1e.gyre.v1.NotifyWeightsResponse\x12Z\n\tGetStatus\x12%.gyre.v1.GetOrchestratorStatusRequest\x1a&.gyre.v1.GetOrchestratorStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agyre/v1/orchestrator.proto\x12\x07gyre.v1\x1a\x15gyre/v1/weights.proto\"@\n\x14NotifyWeightsRequest\x12(\n\x07version\x18\x01 \x01(\x0b\x32\x17.gyre.v1.WeightsVersion\">\n\x15NotifyWeightsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x13\n\x0blatest_step\x18\x02 \x01(\x03\"\x1e\n\x1cGetOrchestratorStatusRequest\"?\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"\x8a\x01\n\x1dGetOrchestratorStatusResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x1b\n\x13latest_weights_step\x18\x02 \x01(\x03\x12(\n\x08replicas\x18\x03 \x03(\x0b\x32\x16.gyre.v1.ReplicaStatus\x12\x14\n\x0cin_use_steps\x18\x04 \x03(\x03\x32\xba\x01\n\x0cOrchestrator\x12N\n\rNotifyWeights\x12\x1d.gyre.v1.NotifyWeightsRequest\x1a\x1e.gyre.v1.NotifyWeightsResponse\x12Z\n\tGetStatus\x12%.gyre.v1.GetOrchestratorStatusRequest\x1a&.gyre.v1.GetOrchestratorStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gyre.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NOTIFYWEIGHTSREQUEST']._serialized_start=39
-  _globals['_NOTIFYWEIGHTSREQUEST']._serialized_end=105
-  _globals['_NOTIFYWEIGHTSRESPONSE']._serialized_start=107
-  _globals['_NOTIFYWEIGHTSRESPONSE']._serialized_end=169
-  _globals['_GETORCHESTRATORSTATUSREQUEST']._serialized_start=171
-  _globals['_GETORCHESTRATORSTATUSREQUEST']._serialized_end=201
-  _globals['_REPLICASTATUS']._serialized_start=203
-  _globals['_REPLICASTATUS']._serialized_end=266
-  _globals['_GETORCHESTRATORSTATUSRESPONSE']._serialized_start=269
-  _globals['_GETORCHESTRATORSTATUSRESPONSE']._serialized_end=407
-  _globals['_ORCHESTRATOR']._serialized_start=410
-  _globals['_ORCHESTRATOR']._serialized_end=596
+  _globals['_NOTIFYWEIGHTSREQUEST']._serialized_start=62
+  _globals['_NOTIFYWEIGHTSREQUEST']._serialized_end=126
+  _globals['_NOTIFYWEIGHTSRESPONSE']._serialized_start=128
+  _globals['_NOTIFYWEIGHTSRESPONSE']._serialized_end=190
+  _globals['_GETORCHESTRATORSTATUSREQUEST']._serialized_start=192
+  _globals['_GETORCHESTRATORSTATUSREQUEST']._serialized_end=222
+  _globals['_REPLICASTATUS']._serialized_start=224
+  _globals['_REPLICASTATUS']._serialized_end=287
+  _globals['_GETORCHESTRATORSTATUSRESPONSE']._serialized_start=290
+  _globals['_GETORCHESTRATORSTATUSRESPONSE']._serialized_end=428
+  _globals['_ORCHESTRATOR']._serialized_start=431
+  _globals['_ORCHESTRATOR']._serialized_end=617
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from gyre.v1 import weights_pb2 as _weights_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,14 +8,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NotifyWeightsRequest(_message.Message):
-    __slots__ = ("step", "path", "digest")
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    DIGEST_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    path: str
-    digest: str
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: _weights_pb2.WeightsVersion
+    def __init__(self, version: _Optional[_Union[_weights_pb2.WeightsVersion, _Mapping]] = ...) -> None: ...
 
 class NotifyWeightsResponse(_message.Message):
     __slots__ = ("accepted", "latest_step")

@@ -50,7 +50,7 @@ class OrchestratorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def NotifyWeights(self, request, context):
-        """Called by the trainer after weights/step_{step} is durably published. Idempotent.
+        """Called by the trainer after a weights version is durably published. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

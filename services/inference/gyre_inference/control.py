@@ -1,8 +1,10 @@
 """gRPC control plane: `gyre.v1.InferenceControl` + `grpc.health.v1` + reflection, on `control.port`.
 
-- UpdateWeights(step, path, digest): `path` must be a `.../step_{step}` folder of a WeightStore. Its
-  MANIFEST.json is verified (against `digest` when given; every file's size and sha256) BEFORE
-  anything is loaded, then the backend swaps the weights in between two decode steps. Any refusal
+- UpdateWeights(version): the replica's weights source (`gyre.transport`, `weights` config) fetches
+  the version and verifies it BEFORE anything is loaded — for the folder transport, `locator` must be
+  a `.../step_{step}` folder whose MANIFEST.json matches `digest` (when given) and whose files have the
+  recorded sizes (every file re-hashed with `weights.full_verify`) — then the backend swaps the
+  weights in between two decode steps. Any refusal
   (corrupt, half-written or missing folder, wrong digest, tensors that do not fit the model) is
   FAILED_PRECONDITION with the reason, and the old weights keep serving. So is a step older than the
   version served (a late retry must not roll the policy back silently) unless `rollback` is set. Bad arguments are
@@ -19,15 +21,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 import time
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from gyre.transport import FolderSource
 from gyre.v1 import inference_pb2, inference_pb2_grpc
-from gyre.weights import WeightsError, WeightStore
+from gyre.weights import WeightsError, WeightsVersion
 
 from gyre_inference.backend import Backend, WeightsIncompatibleError
 from gyre_inference.metrics import InferenceMetrics
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceControl"].full_name
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class OlderVersionError(Exception):
@@ -67,25 +67,25 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
 
 
 class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
-    def __init__(self, backend: Backend, metrics: InferenceMetrics, model_id: str):
-        self.backend, self.metrics, self.model_id = backend, metrics, model_id
+    def __init__(self, backend: Backend, metrics: InferenceMetrics, model_id: str, source: FolderSource):
+        self.backend, self.metrics, self.model_id, self.source = backend, metrics, model_id, source
         self._lock = asyncio.Lock()
         self._last_seconds = 0.0
 
     async def UpdateWeights(self, request, context):  # noqa: N802 (gRPC method name)
         if not self.backend.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
-        path = Path(request.path)
-        match = _STEP_DIR.match(path.name) if request.path else None
-        if request.step < 0 or match is None or int(match.group(1)) != request.step:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"path must be a weights folder named step_{request.step} "
-                f"(got path={request.path!r}, step={request.step})",
-            )
-        digest = request.digest or None
-        load = self._load(path, request.step, digest, request.rollback)
-        refusal = await self._swap(f"weights step {request.step} from {path}", load)
+        try:
+            version = WeightsVersion.from_proto(request.version)
+            if version.transport != self.source.transport:
+                raise ValueError(
+                    f"version.transport is {version.transport!r}; this replica fetches by {self.source.transport!r}"
+                )
+            self.source.check(version)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        what = f"weights step {version.step} from {version.locator}"
+        refusal = await self._swap(what, self._load(version, request.rollback))
         if refusal is not None:
             await context.abort(*refusal)
         return inference_pb2.UpdateWeightsResponse(step=self.backend.version, load_seconds=self._last_seconds)
@@ -105,12 +105,12 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
             running=running, waiting=waiting, ready=self.backend.ready,
         )  # fmt: skip
 
-    async def _load(self, path: Path, step: int, digest: str | None, rollback: bool) -> None:
+    async def _load(self, version: WeightsVersion, rollback: bool) -> None:
         # Checked under the update lock: of two calls racing, the older step is refused after the newer one.
-        if step < self.backend.version and not rollback:
-            raise OlderVersionError(f"step {step} is older than the version served; set rollback to go back")
-        await asyncio.to_thread(WeightStore(path.parent).verify, step, digest)
-        await self.backend.update_weights(path, step)
+        if version.step < self.backend.version and not rollback:
+            raise OlderVersionError(f"step {version.step} is older than the version served; set rollback to go back")
+        path = await asyncio.to_thread(self.source.fetch, version)
+        await self.backend.update_weights(path, version.step)
 
     async def _swap(self, what: str, load) -> tuple[grpc.StatusCode, str] | None:
         """Run one load under the lock; None on success, else the (code, message) to refuse the call with."""
@@ -135,12 +135,19 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
 class ControlServer:
     """The grpc.aio server: control servicer, health, reflection, optional token auth."""
 
-    def __init__(self, backend: Backend, metrics: InferenceMetrics, model_id: str, token: str | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        metrics: InferenceMetrics,
+        model_id: str,
+        token: str | None = None,
+        source: FolderSource | None = None,
+    ):
         interceptors = [_TokenAuth(token)] if token else []
         self.server = grpc.aio.server(interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         inference_pb2_grpc.add_InferenceControlServicer_to_server(
-            InferenceControl(backend, metrics, model_id), self.server
+            InferenceControl(backend, metrics, model_id, source or FolderSource()), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

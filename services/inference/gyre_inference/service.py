@@ -69,6 +69,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 async def run_service(config: InferenceConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit status."""
+    from gyre.transport import open_source
+
     from gyre_inference.text import ModelText
 
     backend = make_backend(config)
@@ -78,7 +80,7 @@ async def run_service(config: InferenceConfig) -> int:
     token = config.auth.control_token.get_secret_value() if config.auth.control_token else None
     state = AppState(model_id, config.model.name, backend, metrics, api_key, serve_metrics=config.metrics.port is None,
                      max_request_bytes=config.server.max_request_bytes)  # fmt: skip
-    control = ControlServer(backend, metrics, model_id, token)
+    control = ControlServer(backend, metrics, model_id, token, source=open_source(config.weights))
     grace = config.server.shutdown_grace_s
 
     stop = asyncio.Event()

@@ -1,15 +1,18 @@
 """Weight relay: bring every inference replica to the newest published weights version.
 
-The trainer announces a version with `NotifyWeights` (see `server.py`); the relay also finds versions
-on its own — on start (`WeightStore.latest()`: replicas are made to serve it before any rollout) and
-by polling the store every `poll_store_s`, so a lost notification only delays a version.
+The trainer announces a `WeightsVersion` with `NotifyWeights` (see `server.py`); the relay also finds
+versions on its own — on start (the transport's `latest()`: replicas are made to serve it before any
+rollout) and by polling every `poll_store_s`, so a lost notification only delays a version. What is
+transport-specific is delegated to the transport's store side (`gyre.transport`): checking an
+announcement (`resolve`), finding versions (`latest`) and keeping served ones (`hold`). The folder
+transport is fetched by each replica on its own, so the relay runs one updater per replica.
 
 Reconciliation, not fire-and-forget: a loop compares each replica's served version with the target
-and runs one updater task per lagging replica (`UpdateWeights(step, path, digest)` with a deadline,
+and runs one updater task per lagging replica (`UpdateWeights(version)` with a deadline,
 retried with backoff). A slow or dead replica therefore never holds back the others, and a replica
 that restarted on the base model (seen by the periodic `GetStatus` probe) is brought back up. Every
 call is logged to `weight_relay.jsonl`. Versions replicas still serve (plus the target) are declared
-with `WeightStore.set_in_use`, so the trainer's pruning never deletes weights in use.
+with the transport's `hold`, so the trainer's pruning never deletes weights in use.
 
 Versions only move forward: the target is never lowered, and a replica ahead of it is left alone.
 """
@@ -20,13 +23,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from gyre.events import EventLog
+from gyre.transport import FolderStore
 from gyre.v1 import inference_pb2, inference_pb2_grpc
-from gyre.weights import WeightsError, WeightStore
+from gyre.weights import WeightsError, WeightsVersion
 
 from gyre_orchestrator.replicas import Replica, ReplicaSet
 from gyre_orchestrator.scheduler import VersionWatch
@@ -36,20 +39,13 @@ log = logging.getLogger(__name__)
 HOLDER = "orchestrator"
 
 
-@dataclass(frozen=True)
-class WeightsVersion:
-    step: int
-    path: str
-    digest: str
-
-
 class WeightRelay:
     """Keeps replicas on the newest weights version. Use from one event loop; `start()` then `stop()`."""
 
     def __init__(
         self,
         replicas: ReplicaSet,
-        store: WeightStore,
+        transport: FolderStore,
         versions: VersionWatch,
         *,
         events: EventLog | None = None,
@@ -64,7 +60,7 @@ class WeightRelay:
         holder: str = HOLDER,
     ):
         self.replicas = replicas
-        self.store = store
+        self.transport = transport
         self.versions = versions
         self.events = events
         self.metrics = metrics
@@ -91,21 +87,26 @@ class WeightRelay:
     def latest_step(self) -> int:
         return self.target.step if self.target else 0
 
-    def notify(self, step: int, path: str = "", digest: str = "") -> bool:
-        """Learn of version `step` (idempotent). Returns True if it is newer than what we had.
+    def notify(self, announced: WeightsVersion) -> bool:
+        """Learn of a version (idempotent). Returns True if it is newer than what we had.
 
-        Raises `WeightsError` when the store does not hold that version or its manifest digest differs
-        from `digest`: relaying it would make every replica fail the same way.
+        Raises `WeightsError` when the transport does not hold that version or its digest differs from
+        the announced one: relaying it would make every replica fail the same way. ValueError: a version
+        that is not relayable at all (step 0, another transport).
         """
+        step = announced.step
         if step < 1:
             raise ValueError(f"weights step must be >= 1 (version 0 is the base model), got {step}")
+        if announced.transport != self.transport.transport:
+            raise ValueError(
+                f"version.transport is {announced.transport!r}; this run relays {self.transport.transport!r}"
+            )
         if self.target is not None and step < self.target.step:
             return False
-        actual = self.store.digest(step)  # WeightsError if missing or incomplete
-        if digest and digest != actual:
-            raise WeightsError(f"weights step {step}: digest {digest[:12]}… differs from the manifest's {actual[:12]}…")
-        new = WeightsVersion(step=step, path=path or str(self.store.path(step)), digest=actual)
-        if self.target == new or (self.target is not None and (self.target.step, self.target.digest) == (step, actual)):
+        new = self.transport.resolve(step, announced.digest)  # WeightsError if missing, incomplete or different
+        if announced.locator:  # the trainer's name for it (replicas mount the volume where the trainer does)
+            new = WeightsVersion(step, new.digest, new.transport, announced.locator)
+        if self.target is not None and (self.target.step, self.target.digest) == (step, new.digest):
             return False
         republished = self.target is not None and self.target.step == step
         self.target = new
@@ -115,7 +116,7 @@ class WeightRelay:
             for r in self.replicas:
                 if r.version == step:
                     r.version = step - 1
-        log.info("new weights version %d (%s)", step, new.path)
+        log.info("new weights version %d (%s %s)", step, new.transport, new.locator)
         if self.metrics is not None:
             self.metrics.labels(self.metrics.latest_weights).set(step)
         self._wake.set()
@@ -123,10 +124,10 @@ class WeightRelay:
 
     def poll_store(self) -> None:
         """Pick up a version the trainer published but whose notification we missed."""
-        latest = self.store.latest()
+        latest = self.transport.latest()
         if latest is not None and latest > self.latest_step:
             try:
-                self.notify(latest)
+                self.notify(WeightsVersion(latest, "", self.transport.transport))
             except WeightsError as e:
                 log.warning("cannot use weights step %d found on the volume: %s", latest, e)
 
@@ -203,7 +204,7 @@ class WeightRelay:
         in_use = {s for s in in_use if s >= 1}  # version 0 is the base model, not in the store
         if in_use != self._in_use:
             try:
-                self.store.set_in_use(self.holder, in_use)
+                self.transport.hold(self.holder, in_use)
                 self._in_use = in_use
             except OSError as e:
                 log.warning("cannot declare weights in use %s: %s", sorted(in_use), e)
@@ -257,7 +258,7 @@ class WeightRelay:
             error = None
             try:
                 reply = await self._stub(replica).UpdateWeights(
-                    inference_pb2.UpdateWeightsRequest(step=target.step, path=target.path, digest=target.digest),
+                    inference_pb2.UpdateWeightsRequest(version=target.to_proto()),
                     timeout=self.timeout_s,
                     metadata=self.metadata,
                 )

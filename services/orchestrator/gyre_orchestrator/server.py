@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from gyre.weights import WeightsError
+from gyre.weights import WeightsError, WeightsVersion
 
 from gyre_orchestrator.relay import WeightRelay
 
@@ -52,13 +52,13 @@ class _OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def NotifyWeights(self, request, context):  # noqa: N802 (gRPC method name)
         try:
-            accepted = self.relay.notify(int(request.step), request.path, request.digest)
+            accepted = self.relay.notify(WeightsVersion.from_proto(request.version))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WeightsError as e:
             # not visible (yet) on our volume, or not the announced files: the trainer retries
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        log.info("NotifyWeights(step=%d): %s", request.step, "new version" if accepted else "already known")
+        log.info("NotifyWeights(step=%d): %s", request.version.step, "new version" if accepted else "already known")
         return orchestrator_pb2.NotifyWeightsResponse(accepted=True, latest_step=self.relay.latest_step)
 
     async def GetStatus(self, request, context):  # noqa: N802
@@ -72,7 +72,7 @@ class _OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 )
                 for r in replicas
             ],
-            in_use_steps=sorted(self.relay.store.in_use()),
+            in_use_steps=sorted(self.relay.transport.held()),
         )
 
 

@@ -32,7 +32,7 @@ from gyre.envs import Rollout, SamplingParams, Score, Task, load_environment
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir
 from gyre.metrics import start_metrics_server
 from gyre.streams import BatchStream, StreamEntry
-from gyre.weights import WeightStore
+from gyre.transport import open_store
 
 from gyre_orchestrator.advantages import compute_advantages
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
@@ -102,7 +102,7 @@ class OrchestratorService:
         self.events = EventLog(events_dir(self.out) / ORCHESTRATOR_STEPS)
         self.eval_events = EventLog(events_dir(self.out) / EVAL)
         self.relay_events = EventLog(events_dir(self.out) / WEIGHT_RELAY)
-        self.store = WeightStore(self.out / "weights")
+        self.transport = open_store(cfg.weights, self.out)
         self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last)
         inf = cfg.inference
         self.replicas = ReplicaSet(cooldown_s=inf.failure_cooldown_s)
@@ -118,7 +118,7 @@ class OrchestratorService:
         self.versions = VersionWatch(0)
         self.relay = WeightRelay(
             self.replicas,
-            self.store,
+            self.transport,
             self.versions,
             events=self.relay_events,
             metrics=self.metrics,
@@ -177,7 +177,7 @@ class OrchestratorService:
             cfg.resume_step,
             self.progress,
             await asyncio.to_thread(self.stream.latest_step),
-            self.store.latest(),
+            self.transport.latest(),
             await asyncio.to_thread(self._stream_task_index),
         )
         self.last_step = point.start_step - 1

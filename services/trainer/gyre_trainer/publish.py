@@ -2,8 +2,9 @@
 
 `write_hf_folder` writes what `AutoModelForCausalLM.from_pretrained` and vLLM load:
 `model.safetensors`, `config.json`, plus the tokenizer / chat template / generation config files
-copied from the base model folder. `WeightPublisher` puts such a folder under `weights/step_{s}`
-through `gyre.weights.WeightStore` (atomic, with MANIFEST.json and its digest) together with
+copied from the base model folder. `WeightPublisher`, the trainer's sink of the folder transport
+(`gyre.transport`), puts such a folder under `weights/step_{s}` through `gyre.weights.WeightStore`
+(atomic, with MANIFEST.json and its digest) together with
 `gyre_step.json`, the step's event record, so that the record is committed atomically with the
 weights (a trainer killed between publishing and logging can log the step after restart).
 
@@ -24,11 +25,11 @@ import random
 import shutil
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from gyre.weights import PublishedWeights, WeightStore
+from gyre.transport import FolderStore
+from gyre.weights import WeightsVersion
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +68,22 @@ def write_hf_folder(folder: Path, state_dict: dict[str, Any], config, base_model
     folder.mkdir(parents=True, exist_ok=True)
     save_file(servable_tensors(state_dict, config), folder / WEIGHTS_FILE, metadata={"format": "pt"})
     config.to_json_file(folder / "config.json")
-    copy_tokenizer_files(base_model, folder)
     for file in folder.iterdir():
         # inference pods may run as another user of the volume's group: never leave 0600 files behind
         file.chmod(0o644)
+    copy_tokenizer_files(base_model, folder)
 
 
 def copy_tokenizer_files(base_model: Path | str, folder: Path) -> list[str]:
-    """Copy tokenizer/generation files of `base_model` into `folder`; a hub id is resolved by transformers."""
+    """Put tokenizer/generation files of `base_model` into `folder`; a hub id is resolved by transformers.
+
+    Files are hard-linked when they can be (same filesystem, readable by group and others): they never
+    change, and a link is durable with its folder's fsync, so a step publishes only its new bytes."""
     base = Path(base_model)
     if base.is_dir():
         copied = [name for name in _COPIED_FILES if (base / name).is_file()]
         for name in copied:
-            shutil.copyfile(base / name, folder / name)
+            _link_or_copy(base / name, folder / name)
         if "tokenizer_config.json" not in copied and "tokenizer.json" not in copied:
             raise FileNotFoundError(f"{base} has no tokenizer files; published weights would not be servable")
         return copied
@@ -89,46 +93,51 @@ def copy_tokenizer_files(base_model: Path | str, folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
+def _link_or_copy(source: Path, target: Path) -> None:
+    if source.stat().st_mode & 0o044 == 0o044:
+        try:
+            os.link(source, target)
+            return
+        except OSError:  # another filesystem, or links not allowed: copy
+            pass
+    shutil.copyfile(source, target)
+    target.chmod(0o644)
+
+
 class WeightPublisher:
     """Publish `weights/step_{s}` (rank 0 only) and prune versions nobody needs any more."""
 
-    def __init__(self, store: WeightStore, base_model: Path | str, keep_last: int):
-        self.store = store
+    def __init__(self, sink: FolderStore, base_model: Path | str, keep_last: int):
+        self.sink = sink
         self.base_model = base_model
         self.keep_last = keep_last
 
-    def publish(self, step: int, state_dict: dict[str, Any], config, record: dict[str, Any]) -> PublishedWeights:
+    def publish(self, step: int, state_dict: dict[str, Any], config, record: dict[str, Any]) -> WeightsVersion:
         def write(folder: Path) -> None:
             write_hf_folder(folder, state_dict, config, self.base_model)
             (folder / STEP_RECORD).write_text(json.dumps(record, sort_keys=True))
             (folder / STEP_RECORD).chmod(0o644)
 
-        return self.store.publish(step, write)
+        return self.sink.publish(step, write)
 
     def read_record(self, step: int) -> dict[str, Any] | None:
         """The event record published with version `step` (None when missing)."""
         try:
-            return json.loads((self.store.path(step) / STEP_RECORD).read_bytes())
+            return json.loads((self.sink.store.path(step) / STEP_RECORD).read_bytes())
         except (OSError, ValueError):
             return None
 
     def prune(self) -> list[int]:
         """Keep the newest `keep_last` versions and every version a holder declared in use."""
         try:
-            return self.store.prune(self.keep_last)
+            return self.sink.prune(self.keep_last)
         except OSError as e:  # retention is housekeeping: a volume hiccup must not stop training
             log.warning("pruning weights failed (will retry next step): %s", e)
             return []
 
     def discard_after(self, step: int) -> list[int]:
         """Delete versions newer than `step` (a rewound run abandons them)."""
-        doomed = [s for s in self.store.steps() if s > step]
-        for s in doomed:
-            # hide it first (rename), so no reader ever sees a half-deleted version that still has a manifest
-            hidden = self.store.root / f".tmp-delete-step_{s}-{uuid.uuid4().hex}"
-            os.rename(self.store.path(s), hidden)
-            shutil.rmtree(hidden, ignore_errors=True)
-        return doomed
+        return self.sink.discard_after(step)
 
 
 class WeightsNotifier:
@@ -158,7 +167,7 @@ class WeightsNotifier:
         self.retry_max_s = retry_max_s
         self.delivered: list[int] = []
         self.failures = 0
-        self._queue: collections.deque[PublishedWeights] = collections.deque()
+        self._queue: collections.deque[WeightsVersion] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
@@ -167,7 +176,7 @@ class WeightsNotifier:
         self._thread = threading.Thread(target=self._run, name="notify-weights", daemon=True)
         self._thread.start()
 
-    def notify(self, published: PublishedWeights) -> None:
+    def notify(self, published: WeightsVersion) -> None:
         with self._cond:
             self._queue.append(published)
             self._cond.notify_all()
@@ -210,11 +219,11 @@ class WeightsNotifier:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _deliver(self, item: PublishedWeights) -> None:
+    def _deliver(self, item: WeightsVersion) -> None:
         import grpc
         from gyre.v1 import orchestrator_pb2
 
-        request = orchestrator_pb2.NotifyWeightsRequest(step=item.step, path=str(item.path), digest=item.digest)
+        request = orchestrator_pb2.NotifyWeightsRequest(version=item.to_proto())
         delay = self.retry_initial_s
         attempt = 0
         while True:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from gyre.config.trainer import TrainerConfig
 from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
-from gyre.weights import WeightStore
+from gyre.transport import open_store
 
 from gyre_trainer import dist
 from gyre_trainer.checkpoint import CheckpointManager, ResumePlan, plan_resume
@@ -61,8 +61,9 @@ class Trainer:
         self.ctx = ctx
         self.stop_requested = threading.Event()
         self.output_dir = Path(cfg.output_dir)
-        self.store = WeightStore(self.output_dir / "weights")
-        self.publisher = WeightPublisher(self.store, cfg.model.name, cfg.weights_keep_last)
+        self.transport = open_store(cfg.weights, self.output_dir)
+        self.store = self.transport.store  # resume reads published folders (plan_resume, parameters)
+        self.publisher = WeightPublisher(self.transport, cfg.model.name, cfg.weights_keep_last)
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints" / "trainer", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
         )
@@ -161,7 +162,7 @@ class Trainer:
         if self.ctx.is_main and plan.trained_step > 0:
             self._log_if_missing(plan.trained_step)
             if not plan.republish:  # the previous run may have died before its notification went out
-                self.notifier.notify(self._published(plan.trained_step))
+                self.notifier.notify(self.transport.version(plan.trained_step))
         self.status.step = plan.trained_step
         self.metrics.step.set(plan.trained_step)
         log.info("resuming after step %d (%s)", plan.trained_step, plan)
@@ -189,11 +190,6 @@ class Trainer:
         if record is not None:
             self.events.append(record)
             log.info("logged step %d from its published record (the previous run died before logging it)", step)
-
-    def _published(self, step: int):
-        from gyre.weights import PublishedWeights
-
-        return PublishedWeights(step, self.store.path(step), self.store.digest(step))
 
     def _open_intake(self, trained_step: int) -> BatchIntake:
         stream = None

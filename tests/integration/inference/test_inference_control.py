@@ -18,7 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from gyre.v1 import inference_pb2, inference_pb2_grpc
-from gyre.weights import WeightStore
+from gyre.weights import WeightStore, WeightsVersion
 from inference_testlib import TOOL_MESSAGES, TOOLS
 
 API_KEY, TOKEN = "sk-test-key", "control-secret"
@@ -58,9 +58,10 @@ def store(tmp_path_factory, tool_model) -> WeightStore:
 
 def update(stub, store: WeightStore, step: int, digest: str | None = None, path=None):
     control, _ = stub
-    request = inference_pb2.UpdateWeightsRequest(
-        step=step, path=str(path or store.path(step)), digest=store.digest(step) if digest is None else digest
+    version = WeightsVersion(
+        step, store.digest(step) if digest is None else digest, "folder", str(path or store.path(step))
     )
+    request = inference_pb2.UpdateWeightsRequest(version=version.to_proto())
     return control.UpdateWeights(request, metadata=AUTH, timeout=120)
 
 
@@ -107,7 +108,10 @@ def test_control_calls_need_the_token_but_health_and_reflection_do_not(secure, s
             control.GetStatus(inference_pb2.GetInferenceStatusRequest(), metadata=metadata, timeout=30)
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as error:
-        control.UpdateWeights(inference_pb2.UpdateWeightsRequest(step=1, path="/x/step_1"), timeout=30)
+        control.UpdateWeights(
+            inference_pb2.UpdateWeightsRequest(version=WeightsVersion(1, "", "folder", "/x/step_1").to_proto()),
+            timeout=30,
+        )
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     reply = status(stub)
     assert (reply.backend, reply.ready, reply.model) == ("torch", True, secure.model_name)
@@ -189,19 +193,19 @@ async def test_update_weights_while_16_streams_run(secure, stub, store, tool_mod
 def test_corrupt_half_written_or_mismatched_weights_are_refused(secure, stub, store, tool_model):
     update(stub, store, 1)  # serving version 1
     root = store.root
-    # corrupt: one flipped byte in a published version
+    # corrupt: a truncated file in a published version (a flipped byte needs weights.full_verify, see
+    # tests/unit/test_weights_transport.py: by default replicas check sizes + the manifest digest)
     shutil.copytree(store.path(1), root / "step_2")
     manifest = root / "step_2" / "MANIFEST.json"
     manifest.write_text(manifest.read_text().replace('"step": 1', '"step": 2'))
-    blob = bytearray((root / "step_2" / "model.safetensors").read_bytes())
-    blob[-1] ^= 0xFF
-    (root / "step_2" / "model.safetensors").write_bytes(bytes(blob))
+    blob = (root / "step_2" / "model.safetensors").read_bytes()
+    (root / "step_2" / "model.safetensors").write_bytes(blob[:-1])
     # half-written: files but no manifest yet
     shutil.copytree(tool_model, root / "step_3")
     # verified but not loadable into this model
     store.publish(4, lambda folder: (folder / "model.safetensors").write_bytes(b"not a safetensors file"))
     cases = [
-        (2, "", grpc.StatusCode.FAILED_PRECONDITION, "sha256"),
+        (2, "", grpc.StatusCode.FAILED_PRECONDITION, "bytes"),
         (3, "", grpc.StatusCode.FAILED_PRECONDITION, "incomplete"),
         (9, "", grpc.StatusCode.FAILED_PRECONDITION, "missing"),
         (1, "0" * 64, grpc.StatusCode.FAILED_PRECONDITION, "digest"),
@@ -248,6 +252,6 @@ def test_an_older_version_is_refused_unless_it_is_an_explicit_rollback(secure, s
     assert "older" in error.value.details() and "still serving version 6" in error.value.details()
     assert status(stub).step == 6
     assert update(stub, store, 6).step == 6  # the same version again is a harmless retry
-    request = inference_pb2.UpdateWeightsRequest(step=1, path=str(store.path(1)), digest=store.digest(1), rollback=True)
+    request = inference_pb2.UpdateWeightsRequest(version=store.version(1).to_proto(), rollback=True)
     assert stub[0].UpdateWeights(request, metadata=AUTH, timeout=120).step == 1  # the trainer rewound: explicit
     assert status(stub).step == 1

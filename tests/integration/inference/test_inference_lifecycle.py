@@ -16,6 +16,7 @@ import pytest
 import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gyre.v1 import inference_pb2, inference_pb2_grpc
+from gyre.weights import WeightsVersion
 from inference_testlib import InferenceProcess
 
 
@@ -49,7 +50,10 @@ async def test_probes_say_not_ready_until_the_model_is_loaded(tiny_model):
             assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert (await stub.GetStatus(inference_pb2.GetInferenceStatusRequest(), timeout=10)).ready is False
             with pytest.raises(grpc.aio.AioRpcError) as error:
-                await stub.UpdateWeights(inference_pb2.UpdateWeightsRequest(step=1, path="/w/step_1"), timeout=10)
+                await stub.UpdateWeights(
+                    inference_pb2.UpdateWeightsRequest(version=WeightsVersion(1, "", "folder", "/w/step_1").to_proto()),
+                    timeout=10,
+                )
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
             assert (await client.get("/health")).status_code == 200  # alive while loading
             assert (await client.get("/ready")).status_code == 503

@@ -131,9 +131,7 @@ async def notify_weights(address: str, published, token: str | None = None) -> o
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     async with grpc.aio.insecure_channel(address) as channel:
         return await orchestrator_pb2_grpc.OrchestratorStub(channel).NotifyWeights(
-            orchestrator_pb2.NotifyWeightsRequest(
-                step=published.step, path=str(published.path), digest=published.digest
-            ),
+            orchestrator_pb2.NotifyWeightsRequest(version=published.to_proto()),
             timeout=30,
             metadata=metadata,
         )

@@ -8,11 +8,13 @@ it reads the stream through the consumer group, decodes every batch, publishes w
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gyre.events import EventLog, read_events
+from gyre.transport import FolderStore
 from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from gyre.weights import WeightStore
 from gyre_orchestrator.client import close_replica_clients
@@ -116,14 +118,14 @@ async def test_notify_weights_makes_both_replicas_serve_it(tmp_path, redis_url, 
     address = f"127.0.0.1:{service.server.port}"
     store = WeightStore(cfg.output_dir / "weights")
     published = publish_weights(store, 1, tiny_model)
-    request = orchestrator_pb2.NotifyWeightsRequest(step=1, path=str(published.path), digest=published.digest)
+    request = orchestrator_pb2.NotifyWeightsRequest(version=published.to_proto())
     async with grpc.aio.insecure_channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as denied:
             await stub.NotifyWeights(request, timeout=10)
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
         auth = (("authorization", f"Bearer {token}"),)
-        bad = orchestrator_pb2.NotifyWeightsRequest(step=1, path=str(published.path), digest="0" * 64)
+        bad = orchestrator_pb2.NotifyWeightsRequest(version=replace(published, digest="0" * 64).to_proto())
         with pytest.raises(grpc.aio.AioRpcError) as wrong:
             await stub.NotifyWeights(bad, timeout=10, metadata=auth)
         assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -151,7 +153,8 @@ async def test_relay_brings_back_a_replica_that_fell_back_to_the_base_model(tmp_
     replica_set = ReplicaSet(static_endpoints([r.url for r in replicas], [r.control for r in replicas], 0))
     versions = VersionWatch(0)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
-        relay = WeightRelay(replica_set, store, versions, events=events, probe_interval_s=0.2, poll_store_s=0.2)
+        transport = FolderStore(store.root)
+        relay = WeightRelay(replica_set, transport, versions, events=events, probe_interval_s=0.2, poll_store_s=0.2)
         try:
             await relay.start()  # finds version 1 on the volume by itself
             assert await relay.wait_served(1, timeout=60) and versions.value == 1

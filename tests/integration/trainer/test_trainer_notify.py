@@ -14,7 +14,7 @@ import torch
 from gyre.net import free_port
 from gyre.streams import BatchStream
 from gyre.v1 import trainer_pb2, trainer_pb2_grpc
-from gyre.weights import PublishedWeights, WeightStore
+from gyre.weights import WeightStore, WeightsVersion
 from gyre_trainer.publish import WeightsNotifier
 from trainer_testlib import (
     RecordingOrchestrator,
@@ -37,8 +37,8 @@ def wait_until(predicate, timeout: float = 20.0, what: str = "condition"):
     raise TimeoutError(f"{what} not reached within {timeout}s")
 
 
-def fake_version(tmp_path, step: int) -> PublishedWeights:
-    return PublishedWeights(step, tmp_path / f"step_{step}", f"{step:064x}")
+def fake_version(tmp_path, step: int) -> WeightsVersion:
+    return WeightsVersion(step, f"{step:064x}", "folder", str(tmp_path / f"step_{step}"))
 
 
 def test_notifier_delivers_every_version_in_order_with_token(tmp_path):

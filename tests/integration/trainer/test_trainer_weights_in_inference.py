@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import torch
+from gyre.transport import FolderStore
 from gyre.weights import WeightStore
 from gyre_trainer.publish import WeightPublisher
 
@@ -25,7 +26,9 @@ def test_torch_backend_serves_published_weights(tiny_model, tmp_path, isolated_t
         for p in trained.parameters():
             p.add_(0.05 * torch.randn_like(p))
     store = WeightStore(tmp_path / "weights")
-    published = WeightPublisher(store, tiny_model, keep_last=2).publish(7, trained.state_dict(), trained.config, {})
+    published = WeightPublisher(FolderStore(store.root), tiny_model, keep_last=2).publish(
+        7, trained.state_dict(), trained.config, {}
+    )
     store.verify(7, published.digest)
 
     prompt = [1, 705, 201, 89, 83, 85, 2, 201, 1, 739, 201]

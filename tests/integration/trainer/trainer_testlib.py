@@ -165,8 +165,9 @@ class RecordingOrchestrator:
                 outer.metadata.append(meta)
                 if token and meta.get("authorization") != f"Bearer {token}":
                     context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad token")
-                calls.append((request.step, request.path, request.digest))
-                return orchestrator_pb2.NotifyWeightsResponse(accepted=True, latest_step=request.step)
+                v = request.version
+                calls.append((v.step, v.locator, v.digest))
+                return orchestrator_pb2.NotifyWeightsResponse(accepted=True, latest_step=v.step)
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Servicer(), self.server)

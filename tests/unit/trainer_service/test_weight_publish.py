@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from gyre.transport import FolderStore
 from gyre.weights import WeightStore
 from gyre_trainer.publish import STEP_RECORD, WeightPublisher, servable_tensors, write_hf_folder
 
@@ -28,7 +29,7 @@ def test_published_weights_reload_in_transformers(tiny_model_dir, tmp_path):
     model = trained_copy(tiny_model_dir)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     store = WeightStore(tmp_path / "weights")
-    published = WeightPublisher(store, tiny_model_dir, keep_last=2).publish(
+    published = WeightPublisher(FolderStore(store.root), tiny_model_dir, keep_last=2).publish(
         3, state, model.config, {"step": 3, "loss": 0.5}
     )
     assert published.path == store.path(3)
@@ -49,7 +50,7 @@ def test_published_weights_reload_in_transformers(tiny_model_dir, tmp_path):
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     out = reloaded.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
     assert out.shape[1] == len(ids) + 4
-    assert WeightPublisher(store, tiny_model_dir, 2).read_record(3) == {"step": 3, "loss": 0.5}
+    assert WeightPublisher(FolderStore(store.root), tiny_model_dir, 2).read_record(3) == {"step": 3, "loss": 0.5}
 
 
 def test_tied_embeddings_are_saved_once_and_reload(tmp_path, tiny_model_dir):
@@ -81,7 +82,7 @@ def test_base_model_without_tokenizer_is_refused(tmp_path, tiny_model_dir):
 def test_prune_keeps_newest_and_in_use_and_discard_after_rewinds(tmp_path, tiny_model_dir):
     model = trained_copy(tiny_model_dir)
     store = WeightStore(tmp_path / "weights")
-    publisher = WeightPublisher(store, tiny_model_dir, keep_last=2)
+    publisher = WeightPublisher(FolderStore(store.root), tiny_model_dir, keep_last=2)
     for step in range(1, 6):
         publisher.publish(step, model.state_dict(), model.config, {"step": step})
     store.set_in_use("orchestrator", [1])
