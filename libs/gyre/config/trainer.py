@@ -11,6 +11,18 @@ from gyre.config.loader import Section
 from gyre.config.shared import ModelConfig, ServiceConfig
 
 
+class TrainerModelConfig(ModelConfig):
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "varlen"] = Field(
+        "auto",
+        description="Attention kernel for packed rows: auto = flash_attention_2 if flash-attn is installed, else "
+        "varlen (torch's flash varlen kernel) on CUDA, sdpa on CPU. sdpa on GPU builds a dense block mask (slow).",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer and the log-prob kernels (GPU; the first steps compile).",
+    )
+
+
 class LossConfig(Section):
     type: str = Field(
         "ppo_clip",
@@ -85,7 +97,7 @@ class TrainerServerConfig(Section):
 class TrainerConfig(ServiceConfig):
     """Consume batches from Redis, optimise the policy, publish weights, notify the orchestrator."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model to start from.")
+    model: TrainerModelConfig = Field(default_factory=TrainerModelConfig, description="Policy model to start from.")
     loss: LossConfig = Field(default_factory=LossConfig, description="RL objective.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimiser and schedule.")
     data: DataConfig = Field(default_factory=DataConfig, description="Batch shapes.")
@@ -99,7 +111,9 @@ class TrainerConfig(ServiceConfig):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
     seed: int = Field(0, description="Random seed.")
     deterministic: bool = Field(False, description="Deterministic torch algorithms (tests).")
-    activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in backward (long rows on a GPU)."
+    )
     weights_keep_last: int = Field(3, ge=1, description="Weight versions kept on the volume (plus those in use).")
     bench: bool = Field(False, description="Benchmark on fake data: print tokens/s and MFU, then exit.")
 
@@ -125,7 +139,7 @@ class SFTDataConfig(Section):
 class SFTConfig(ServiceConfig):
     """Supervised fine-tuning on chat data (loss on assistant tokens only)."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Model to fine-tune.")
+    model: TrainerModelConfig = Field(default_factory=TrainerModelConfig, description="Model to fine-tune.")
     data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="Dataset.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Optimiser and schedule.")
     ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")

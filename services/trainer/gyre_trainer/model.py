@@ -3,9 +3,13 @@
 Packing: a row holds several samples back to back and `position_ids` restart at 0 at every
 sample. We pass those position ids WITHOUT an attention mask; transformers (>= 4.54, the `masking_utils`
 path every modern decoder uses) then detects the restarts and builds a block-diagonal causal mask
-for sdpa/eager/flex, and flash-attention uses them as varlen boundaries. The test
-`test_packed_equals_unpacked` proves on the real model that a packed row's log-probs equal each
-sample run alone; if a model class bypassed that path the test is what would catch it.
+for sdpa/eager/flex, flash-attention uses them as varlen boundaries, and Gyre's `varlen`
+implementation gets `cu_seqlens` from the sample lengths (`attention.py` says which runs where).
+The tests `test_packed_equals_each_sample_alone*` prove on the real model that a packed row's
+log-probs equal each sample run alone; if a model class bypassed that path they would catch it.
+
+Log-probs come from the last hidden states through `logprobs.next_token_logprobs`, a chunk of
+tokens at a time, so a long row never holds its whole `[T, vocab]` logits (`logprobs.py`).
 
 Alignment (docs/architecture.md): logprob[t] = log p(input_ids[t] | the tokens before t in the same
 sample) at the given temperature, and exactly 0 at each sample's first token (nothing precedes it).
@@ -13,6 +17,7 @@ sample) at the given temperature, and exactly 0 at each sample's first token (no
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +26,10 @@ import torch
 from gyre.config.shared import ModelConfig
 from torch import Tensor
 
+from gyre_trainer.attention import resolve_attn_implementation, uses_varlen, varlen_kwargs
+from gyre_trainer.logprobs import next_token_logprobs
+
+DEFAULT_CHUNK_TOKENS = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,29 +55,41 @@ def load_model(
     dtype: torch.dtype | None = None,
     *,
     activation_checkpointing: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
+    compile: bool | None = None,
 ):
     """The HF causal LM in `model_cfg.name`, on `device`, in training mode, without a KV cache.
 
-    `dtype` overrides `model_cfg.dtype`. With `activation_checkpointing`, every decoder layer's
-    activations are recomputed in backward (non-reentrant checkpointing, which FSDP2 supports).
+    `dtype` overrides `model_cfg.dtype`; `attn_implementation` overrides the config's
+    `attn_implementation` (`auto` when the config has none; see `attention.py`). With
+    `activation_checkpointing`, every decoder layer's activations are recomputed in backward
+    (non-reentrant checkpointing, which FSDP2 supports). `compile` (default: the config's) compiles
+    each decoder layer in place (before any FSDP2 wrapping, as torchtitan does) and makes
+    `packed_logprobs` use compiled log-prob kernels; the model remembers it as `gyre_compile`.
     """
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
+    attn_implementation = resolve_attn_implementation(
+        attn_implementation or getattr(model_cfg, "attn_implementation", "auto"), device
+    )
     path = Path(model_cfg.name)
     # A hub id is "org/name"; anything else that does not exist is a missing local folder.
     if not path.exists() and (path.is_absolute() or model_cfg.name.startswith(".") or model_cfg.name.count("/") > 1):
         raise FileNotFoundError(f"model folder {path} does not exist (create one with `gyre model init`)")
     model = AutoModelForCausalLM.from_pretrained(model_cfg.name, dtype=dtype, attn_implementation=attn_implementation)
     model.config.use_cache = False
+    model.gyre_compile = bool(getattr(model_cfg, "compile", False) if compile is None else compile)
     if activation_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if model.gyre_compile:
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)  # rows differ in length: one graph for all of them
     return model.to(device).train()
 
 
@@ -91,48 +112,98 @@ def packed_logprobs(
     position_ids: Tensor,
     sample_lengths: Tensor | Sequence[Tensor] | Sequence[int],
     temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs (with grad) and entropies (detached) of packed rows; shapes equal `input_ids`'s.
 
     `input_ids`/`position_ids`: (T,) for one row or (B, T) for B rows of equal length (pad a short
-    row with an extra padding "sample" whose positions also restart at 0). `sample_lengths`: the
-    row's lengths, or a sequence of B per-row lengths; each row's lengths sum to T.
+    row with an extra padding "sample" whose positions also restart at 0), on any device (they are
+    moved to the model's). `sample_lengths`: the row's lengths, or a sequence of B per-row lengths;
+    each row's lengths sum to T.
     logprob[t] = log softmax(logits[t−1] / temperature)[input_ids[t]] within a sample, 0 at every
     sample's first token; entropy[t] is the entropy of that same distribution (0 at first tokens).
-    Log-probs are computed in float32 (float64 for a float64 model) whatever the model's dtype.
+    Log-probs are computed in float32 (float64 for a float64 model) whatever the model's dtype, from
+    the LM head applied `chunk_tokens` tokens at a time (see `logprobs.py`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = next(model.parameters()).device
     single_row = input_ids.dim() == 1
-    ids = input_ids.unsqueeze(0) if single_row else input_ids
-    pos = position_ids.unsqueeze(0) if single_row else position_ids
+    ids = (input_ids.unsqueeze(0) if single_row else input_ids).to(device)
+    pos = (position_ids.unsqueeze(0) if single_row else position_ids).to(device)
     rows = [sample_lengths] if single_row else list(sample_lengths)
     if ids.shape != pos.shape or len(rows) != ids.shape[0]:
         raise ValueError(
             f"packed_logprobs: input_ids {tuple(ids.shape)}, position_ids {tuple(pos.shape)} "
             f"and {len(rows)} rows of sample_lengths disagree"
         )
-    starts = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    rows = [_as_lengths(lengths, torch.device("cpu")) for lengths in rows]
+    starts = torch.zeros(ids.shape, dtype=torch.bool)
     for row, lengths in enumerate(rows):
-        lengths = _as_lengths(lengths, ids.device)
         if int(lengths.sum()) != ids.shape[1]:
             total = int(lengths.sum())
             raise ValueError(f"packed_logprobs: row {row} sample_lengths sum to {total}, not {ids.shape[1]}")
         starts[row, torch.cumsum(lengths, 0) - lengths] = True
+    starts = starts.to(device, non_blocking=True)
 
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    kwargs = varlen_kwargs(rows, device) if uses_varlen(model) else {}
     # Position t−1 predicts token t; at a sample's first token that "prediction" comes from the
     # previous sample and is discarded below.
-    scaled = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    targets = ids[:, 1:].long().unsqueeze(-1)
-    log_norm = torch.logsumexp(scaled, dim=-1)
-    next_lp = scaled.gather(-1, targets).squeeze(-1) - log_norm
-    with torch.no_grad():
-        probs = torch.softmax(scaled, dim=-1)
-        next_entropy = log_norm - (probs * scaled).sum(-1)
+    targets = ids[:, 1:]
+    with _head_returns_logprobs(model, targets, temperature, chunk_tokens) as result:
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits
+    if result:
+        next_lp, next_entropy = result
+    else:  # a head this path cannot take over (bias, soft-capping): the whole row's logits
+        next_lp, next_entropy = _logprobs_from_logits(logits, targets, temperature)
     zero = torch.zeros_like(next_lp[:, :1])
     logprobs = torch.where(starts, 0.0, torch.cat([zero, next_lp], dim=1))
     entropy = torch.where(starts, 0.0, torch.cat([zero.detach(), next_entropy], dim=1))
     if single_row:
         return logprobs.squeeze(0), entropy.squeeze(0)
     return logprobs, entropy
+
+
+@contextlib.contextmanager
+def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tokens: int):
+    """While active, the model's LM head computes next-token log-probs and entropies from its input
+    hidden states (chunked) instead of the logits, and puts them in the yielded list.
+
+    Why inside the head's forward rather than calling the decoder and the head separately: under
+    FSDP2 the root module's parameters (embeddings, final norm, head) are gathered only while the
+    root's forward runs, so this keeps the head inside it; the parameter names (checkpoints, weight
+    publishing) do not change either. Models whose forward post-processes the logits (soft-capping)
+    or whose head has a bias keep the plain head: the list stays empty.
+    """
+    head = model.get_output_embeddings()
+    result: list[Tensor] = []
+    plain = (
+        not isinstance(head, torch.nn.Linear)
+        or head.bias is not None
+        or getattr(model.config, "final_logit_softcapping", None) is not None
+    )
+    if plain:
+        yield result
+        return
+
+    def forward(hidden: Tensor) -> Tensor:
+        lp, entropy = next_token_logprobs(
+            hidden[:, :-1], head.weight, targets, temperature, chunk_tokens, getattr(model, "gyre_compile", False)
+        )
+        result.extend((lp, entropy))
+        return hidden  # "logits" nobody reads
+
+    head.forward = forward
+    try:
+        yield result
+    finally:
+        del head.forward
+
+
+def _logprobs_from_logits(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    scaled = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    log_norm = torch.logsumexp(scaled, dim=-1)
+    next_lp = scaled.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - log_norm
+    with torch.no_grad():
+        next_entropy = log_norm - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+    return next_lp, next_entropy

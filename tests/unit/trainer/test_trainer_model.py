@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 from gyre.config.shared import ModelConfig
+from gyre.model_init import init_model
+from gyre_trainer.attention import resolve_attn_implementation
 from gyre_trainer.model import load_model, packed_logprobs
 
 LENGTHS = [7, 1, 12, 5]  # a one-token sample too: it has no predicted token at all
@@ -120,13 +124,57 @@ def test_bad_inputs_are_rejected(tiny_model, samples, tmp_path):
         load_model(ModelConfig(name=str(tmp_path / "missing")), "cpu")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_packed_equals_alone_on_gpu_in_bfloat16(tiny_model_dir, samples):
-    model = load_model(ModelConfig(name=str(tiny_model_dir)), "cuda")
-    assert next(model.parameters()).dtype == torch.bfloat16
-    ids, positions, lengths = packed_row([s.cuda() for s in samples])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_every_cpu_attention_keeps_samples_apart(tiny_model_dir, samples, implementation):
+    model = load_model(ModelConfig(name=str(tiny_model_dir)), "cpu", torch.float64, attn_implementation=implementation)
+    ids, positions, lengths = packed_row(samples)
     with torch.no_grad():
         lp, _ = packed_logprobs(model, ids, positions, lengths)
-        expected = torch.cat([alone(model, s.cuda())[0] for s in samples])
-    torch.testing.assert_close(lp.double(), expected, rtol=0, atol=0.05)
+        expected = torch.cat([alone(model, s)[0] for s in samples])
+    # eager's additive mask leaves ~1e-8 of float64 noise; a leak across samples would be ~1e-1.
+    torch.testing.assert_close(lp, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_attention_choice_by_device():
+    assert resolve_attn_implementation("auto", "cpu") == "sdpa"
+    assert resolve_attn_implementation("eager", "cpu") == "eager"
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_attn_implementation("varlen", "cpu")
+    with pytest.raises(ValueError, match="unknown attn_implementation"):
+        resolve_attn_implementation("fast", "cpu")
+
+
+def gpu_implementations() -> list[str]:
+    names = ["sdpa", "flex_attention"]
+    if importlib.util.find_spec("flash_attn") is not None:
+        names.append("flash_attention_2")
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
+        names.append("varlen")
+    except ImportError:
+        pass
+    return names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("implementation", ["auto", *gpu_implementations()])
+@pytest.mark.parametrize("preset", ["tiny", "small"])  # small: grouped-query attention
+def test_packed_equals_alone_on_gpu_in_bfloat16(tmp_path_factory, samples, implementation, preset):
+    model_dir = init_model(tmp_path_factory.mktemp(preset) / "model", preset=preset, seed=0)
+    model = load_model(ModelConfig(name=str(model_dir)), "cuda", attn_implementation=implementation)
+    reference = load_model(ModelConfig(name=str(model_dir)), "cuda", attn_implementation="sdpa")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    # Position ids and lengths stay on the CPU: packed_logprobs moves what the model needs.
+    ids, positions, lengths = packed_row(samples)
+    lp, _ = packed_logprobs(model, ids.cuda(), positions, lengths)
+    with torch.no_grad():
+        expected = torch.cat([alone(reference, s.cuda())[0] for s in samples])
+    torch.testing.assert_close(lp.detach().double(), expected, rtol=0, atol=0.05)
+    # Gradients agree with the dense-mask path too (bf16: compare directions).
+    lp.sum().backward()
+    packed_logprobs(reference, ids.cuda(), positions, lengths)[0].sum().backward()
+    grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    ref_grad = torch.cat([p.grad.float().flatten() for p in reference.parameters()])
+    assert torch.nn.functional.cosine_similarity(grad, ref_grad, dim=0) > 0.99
