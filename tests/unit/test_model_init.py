@@ -422,3 +422,47 @@ def test_corpus_is_a_function_of_the_seed():
     text = "\n".join(model_init.training_corpus(0, 2000))
     for needle in ("<tool_call>", '"arguments"', "Reverse the text", "alphabetically", " = ", "\\boxed{"):
         assert needle in text
+
+
+QWEN3_TINY = {
+    "model_type": "qwen3", "vocab_size": 2000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def test_an_hf_config_json_builds_that_architecture(tmp_path, tokenizer):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_TINY))
+    path = init_model(tmp_path / "model", config=config)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.tie_word_embeddings
+    assert (model.config.num_key_value_heads, model.config.head_dim, model.config.vocab_size) == (2, 32, 2000)
+    qwen_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    assert len(qwen_tokenizer) == 2000  # min(vocab_size, 4096)
+    # Same special tokens and ChatML ids as every Gyre model: services rely on them.
+    assert qwen_tokenizer.convert_tokens_to_ids([ENDOFTEXT, IM_START, IM_END]) == [0, 1, 2]
+    assert model.config.eos_token_id == tokenizer.convert_tokens_to_ids(IM_END)
+
+
+def test_bad_config_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="not a file"):
+        init_model(tmp_path / "a", config=tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"hidden_size": 8}))  # no model_type
+    with pytest.raises(ValueError, match="not an HF model config"):
+        init_model(tmp_path / "b", config=bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_qwen3_preset_has_qwen3_06b_shape(tokenizer):
+    import torch
+
+    shape = PRESETS["qwen3-0.6b"]
+    config = model_init._preset_config(shape, tokenizer)
+    with torch.device("meta"):  # the shape only: no 2.4 GB of weights on a CI machine
+        model = AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 596_049_920
+    assert (config.vocab_size, config.head_dim, config.tie_word_embeddings) == (151936, 128, True)
+    assert shape.tokenizer_vocab_size == 4096 and shape.dtype == "bfloat16"
