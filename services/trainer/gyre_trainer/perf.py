@@ -12,9 +12,19 @@ FLOPs per trained token (forward + backward), as PaLM (appendix B), torchtitan a
   torchtitan we do not halve it for the causal mask. With packing a token only attends within its
   own sample, so pass `effective_seq_len(sample_lengths)` (Σl²/Σl) as T, not the row length.
 
+PRIME-RL counts differently, and its figure is printed beside ours by `gyre bench trainer` to compare
+with its published numbers (`primerl_flops_per_token`): 6·N_mm + 12·L·hidden·seq_len, where N_mm are
+the matmul parameters (q, k, v, o, MLP, LM head), the attention width is `hidden_size` (not
+heads·head_dim: 1024 vs 2048 for Qwen3-0.6B) and seq_len is the ROW length, as if every token
+attended to a whole row: for packed rows it counts attention work the kernels never do.
+
 Peak: a table of dense (no sparsity) bf16/fp16 tensor-core peaks by GPU name (vendor datasheets;
-the same figures torchtitan uses); anything else, including every CPU and fp32, is MEASURED with a
-large matmul once per process, so MFU on CPU is relative to what this machine can actually do.
+the same figures torchtitan and PRIME-RL use); an unknown GPU, or fp32 on a GPU, is MEASURED with a
+large matmul once per process. A CPU has no datasheet tensor peak and a matmul measured in a busy
+process mostly measures the load (it made CPU MFU read 40–97 %), so CPUs use a documented nominal
+peak instead: `CPU_PEAK_FLOPS_PER_THREAD` (32 FLOP/cycle — two 8-lane fp32 FMA units, AVX2 — at
+3 GHz = 96 GFLOP/s) times torch's thread count. CPU MFU is therefore comparable between runs on one
+machine, not a hardware utilisation to quote.
 """
 
 from __future__ import annotations
@@ -77,6 +87,17 @@ def flops_per_token(hf_config, seq_len: float, num_params: int | None = None) ->
     return 6.0 * n + 12.0 * hf_config.num_hidden_layers * attention_width * seq_len
 
 
+def primerl_flops_per_token(hf_config, seq_len: float) -> float:
+    """PRIME-RL's FLOPs per token (see the module docstring): 6·N_mm + 12·L·hidden·seq_len."""
+    c = hf_config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    per_layer = c.hidden_size * head_dim * (2 * heads + 2 * kv_heads) + 3 * c.intermediate_size * c.hidden_size
+    matmul_params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+    return 6.0 * matmul_params + 12.0 * c.num_hidden_layers * c.hidden_size * seq_len
+
+
 def effective_seq_len(sample_lengths: Sequence[int]) -> float:
     """Token-weighted mean attended length Σl²/Σl: the T of `flops_per_token` for packed samples."""
     lengths = [int(x) for x in sample_lengths]
@@ -111,10 +132,16 @@ def measure_matmul_peak(
     return best
 
 
+CPU_PEAK_FLOPS_PER_THREAD = 96e9  # nominal, see the module docstring
+
+
 def peak_flops(device: torch.device | str, dtype: torch.dtype) -> float:
-    """Peak FLOP/s the MFU denominator uses: the datasheet table for known GPUs in bf16/fp16, else a
-    measured matmul peak, cached for the process (per device, dtype and CPU thread count)."""
+    """Peak FLOP/s the MFU denominator uses: the datasheet table for known GPUs in bf16/fp16, the
+    nominal CPU peak times torch's threads on a CPU, else a measured matmul peak, cached for the
+    process (per device and dtype)."""
     device = torch.device(device)
+    if device.type == "cpu":
+        return CPU_PEAK_FLOPS_PER_THREAD * torch.get_num_threads()
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         table = gpu_peak_flops(torch.cuda.get_device_name(device))
         if table is not None:
