@@ -1,6 +1,9 @@
 """`gyre bench async`: the same short run with max_async_level 0 and 1, side by side.
 
-    gyre bench async [@ configs/ci.toml] [--max-steps 8] [--levels 0,1]
+    gyre bench async [configs/ci.toml] [--max-steps 8] [--levels 0,1] [--output-dir D] [-- gyre rl options]
+
+Options this command does not know (`--trainer.device cuda`) go to every `gyre rl` run, wherever they
+stand; everything after `--` goes there too.
 
 Prints, per level, the steady-state step time (wall time between trainer steps, first step
 excluded: it includes start-up), and the idle fraction of the trainer and of inference; then the
@@ -72,16 +75,25 @@ def run_level(config: str, level: int, max_steps: int, out: Path, extra: list[st
     return measure(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gyre bench async", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This command's options (anywhere before `--`) and the `gyre rl` options to pass on."""
+    p = argparse.ArgumentParser(
+        prog="gyre bench async",
+        description=__doc__.splitlines()[0],
+        epilog="Unknown options, and everything after `--`, are passed to each `gyre rl` run.",
+    )
     p.add_argument("config", nargs="?", default=str(ROOT_CONFIG), help="Experiment file (default: configs/ci.toml).")
     p.add_argument("--max-steps", type=int, default=8, help="RL steps per run (default 8).")
     p.add_argument("--levels", default="0,1", help="Comma-separated max_async_level values (default 0,1).")
     p.add_argument("--output-dir", type=Path, default=None, help="Keep the runs here (default: a temp folder).")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="Further `gyre rl` options after `--`.")
-    args = p.parse_args(argv)
+    own, passed_on = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args, unknown = p.parse_known_args(own)
+    return args, unknown + passed_on
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(sys.argv[1:] if argv is None else list(argv))
     levels = [int(x) for x in args.levels.split(",")]
-    extra = [a for a in args.extra if a != "--"]
     with tempfile.TemporaryDirectory(prefix="gyre-bench-async-") as tmp:
         base = args.output_dir or Path(tmp)
         results = {k: run_level(args.config, k, args.max_steps, base / f"async{k}", extra) for k in levels}
