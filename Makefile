@@ -26,8 +26,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 install: $(VENV)/.installed ## Create .venv (if missing) and install gyre with dev extras (torch pinned by constraints.txt)
 
 demo: install ## The main job: tiny model, SFT warm-up, then async RL on reverse_text (CPU, < 15 min)
-	rm -rf $(DEMO_OUT)  # a fresh run each time (gyre rl would otherwise resume the finished one)
-	$(VENV)/bin/gyre rl @ $(DEMO_CONFIG) --output-dir $(DEMO_OUT)
+	$(VENV)/bin/gyre rl @ $(DEMO_CONFIG) --output-dir $(DEMO_OUT) --fresh  # a fresh run each time (a re-run without --fresh continues)
 
 test: install ## Run the whole test suite (what CI runs)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -3,6 +3,12 @@
 Each record is one JSON object on one line, written with a single `write` on an O_APPEND descriptor,
 so concurrent writers never interleave inside a line and a crash can at worst truncate the last line
 (which `read_events` tolerates). No fsync: these are observability artifacts, not state.
+
+Run segments: every record carries `segment`, the id of the launch that wrote it (`gyre rl` gives
+all its services one id through `GYRE_RUN_SEGMENT`; a service started alone makes its own). A
+resumed run appends to the same files, so a step can appear twice (e.g. a batch regenerated after
+the stream lost it); `latest_per_step` keeps the newest segment's record of each step, which is
+what makes a resumed run's curves continue instead of restarting.
 """
 
 from __future__ import annotations
@@ -25,6 +31,20 @@ ORCHESTRATOR_STEPS = "orchestrator_steps.jsonl"
 WEIGHT_RELAY = "weight_relay.jsonl"
 EVAL = "eval.jsonl"
 EVENT_FILES = (TRAINER_STEPS, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EVAL)
+SEGMENT_ENV = "GYRE_RUN_SEGMENT"
+
+
+def new_segment_id() -> str:
+    """A fresh run-segment id: sortable by start time, unique per launch."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
+
+
+_SEGMENT = os.environ.get(SEGMENT_ENV) or new_segment_id()
+
+
+def current_segment() -> str:
+    """The run-segment id this process writes (GYRE_RUN_SEGMENT, or one made at import)."""
+    return _SEGMENT
 
 
 def events_dir(output_dir: Path | str) -> Path:
@@ -45,10 +65,11 @@ def _json_safe(value: Any) -> Any:
 
 
 class EventLog:
-    """Appends records to one JSONL file; `time` (unix seconds) is added when the record has none."""
+    """Appends records to one JSONL file; `time` (unix seconds) and `segment` are added when missing."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, segment: str | None = None):
         self.path = Path(path)
+        self.segment = segment or current_segment()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
@@ -58,7 +79,9 @@ class EventLog:
 
     def append(self, record: dict[str, Any]) -> dict[str, Any]:
         """Write one line; returns the record as written."""
-        record = _json_safe({**record, "time": record.get("time", time.time())})
+        record = _json_safe(
+            {**record, "time": record.get("time", time.time()), "segment": record.get("segment", self.segment)}
+        )
         line = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
         with self._lock:
             if self._fd < 0:
@@ -118,3 +141,16 @@ def read_events(path: Path | str) -> list[dict[str, Any]]:
         elif i < len(lines) - 1:  # the last piece has no newline after it: unfinished, not corrupt
             log.warning("%s: skipping line %d, not a JSON object: %r", path, i + 1, line[:80])
     return records
+
+
+def latest_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per `step`, the last one written (a resumed run's, if it redid the step), by step.
+
+    Records without an integer `step` are dropped. File order is write order, so "last" is newest.
+    """
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in records:
+        step = record.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            by_step[step] = record
+    return [by_step[s] for s in sorted(by_step)]

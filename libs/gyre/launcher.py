@@ -1,12 +1,22 @@
 """`gyre rl`: the three services as local child processes around an embedded Redis.
 
-    gyre rl @ configs/reverse_text/demo.toml [--max-steps 5] [--ckpt] [--ckpt.resume-step 3]
+    gyre rl @ configs/reverse_text/demo.toml [--max-steps 5] [--ckpt] [--fresh]
 
-What it does, in order: start (or reuse) Redis; create the base model if missing; optionally run
-the SFT warm-up; resolve one config per service (written to ``{output_dir}/configs/``); start
-``inference`` (one or more replicas), ``trainer`` and ``orchestrator`` with one log file each;
-watch the event logs for the progress bar; and finish when trainer and orchestrator have both
-exited cleanly after ``max_steps``.
+What it does, in order: validate every config (all sections, the model source, loss and
+environment names) before anything is created; lock the output folder (`locks/rl.lock`: a second
+launch on it fails at once, naming the holder's pid); with ``--fresh`` delete the folder's previous
+run; say so and exit 0 if the run is already finished; start Redis (persisting to
+``{output_dir}/redis``); create the base model if the config asks for one; optionally run the SFT
+warm-up; write one config per service to ``{output_dir}/configs/``; start ``inference`` (one or
+more replicas), ``trainer`` and ``orchestrator`` with one log file each; watch the event logs for
+the progress bar; and finish when trainer and orchestrator have both exited cleanly after
+``max_steps``.
+
+Resume: re-running the same command continues the run where it stands, however the previous launch
+ended (Ctrl-C, a crash, SIGKILL of the whole tree). The trainer resumes after its last committed step
+(published weights or checkpoint), the embedded Redis comes back with the stream from its
+append-only file, and the orchestrator continues after the batches the trainer will still consume,
+regenerating any that were lost (docs/local.md, "Re-runs, crashes and --fresh").
 
 Failure policy: any child that exits while the run is not finished (or exits non-zero) stops the
 run; the launcher names it, prints the end of its log and exits 1. Ctrl-C/SIGTERM terminates every
@@ -17,10 +27,10 @@ launcher leaves no orphans behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,14 +46,23 @@ from gyre.config.inference import InferenceConfig
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig, TrainerConfig
+from gyre.events import SEGMENT_ENV, new_segment_id
 from gyre.net import free_port
+from gyre.proc import set_pdeathsig
+from gyre.runlock import LockHeld, RunLock
+from gyre.runstate import committed_step
 
 log = logging.getLogger("gyre.launcher")
 
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# What a run writes into its output folder. `--fresh` empties a folder that is a gyre run (holds one
+# of RUN_MARKERS) or holds nothing but RUN_ENTRIES, and refuses any other: a mistyped --output-dir
+# must never cost the user their files.
+RUN_ENTRIES = (
+    "model", "sft", "weights", "checkpoints", "events", "batches", "configs", "logs", "redis",
+    "prometheus", "report.png", "locks",
+)  # fmt: skip
+RUN_MARKERS = ("configs", "events", "weights", "checkpoints", "redis")
+ROLE_LOCK_WAIT_S = 60.0  # a previous launch's children finish their current step on SIGTERM
 
 
 @dataclass
@@ -65,7 +84,7 @@ class Child:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # own process group: Ctrl-C is handled here, children are stopped in order
-            preexec_fn=_set_pdeathsig,
+            preexec_fn=set_pdeathsig,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         t = threading.Thread(target=self._pump, args=(self.proc.stdout, logf, echo), daemon=True)
@@ -155,7 +174,12 @@ def _gyre(*args: str) -> list[str]:
 
 
 def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str, Any]:
-    """Build and validate one config per service; every port is chosen here so nothing collides."""
+    """Build and validate one config per service; every port is chosen here so nothing collides.
+
+    The orchestrator's batch split is derived from the trainer: `batch.dp_world_size` is the number
+    of trainer processes and `batch.seq_len` the trainer's `data.seq_len`; a contradicting value set
+    by hand is refused here rather than dead-lettering every batch later.
+    """
     shared = {
         "run_id": cfg.run_id,
         "output_dir": str(cfg.output_dir),
@@ -170,6 +194,13 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str,
         replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, inf))
     orch_port, trainer_port = free_port(), free_port()
     ckpt = cfg.ckpt
+    seq_len = _derived_seq_len(cfg)
+    user_dp = cfg.orchestrator.get("batch", {}).get("dp_world_size")
+    if user_dp is not None and user_dp != cfg.trainer_nproc:
+        raise ConfigError(
+            f"orchestrator.batch.dp_world_size = {user_dp} contradicts trainer_nproc = {cfg.trainer_nproc}: "
+            "gyre rl derives it from trainer_nproc; remove orchestrator.batch.dp_world_size"
+        )
     orchestrator = _validated(
         OrchestratorConfig,
         "orchestrator",
@@ -183,7 +214,9 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str,
                 "urls": [f"http://127.0.0.1:{r.server.port}" for r in replicas],
                 "control_urls": [f"127.0.0.1:{r.control.port}" for r in replicas],
             },
-            **({"ckpt_interval": ckpt.interval} if ckpt.enabled else {}),
+            "batch": {"dp_world_size": cfg.trainer_nproc, "seq_len": seq_len},
+            # progress checkpoints are a few hundred bytes: always on, so a re-run never repeats tasks
+            "ckpt_interval": ckpt.interval if ckpt.enabled else 1,
             **({"resume_step": ckpt.resume_step} if ckpt.resume_step is not None else {}),
         },
     )
@@ -202,15 +235,43 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str,
             "server": {"port": trainer_port},
             "metrics": {"port": free_port()},
             "ckpt": trainer_ckpt,
+            "data": {"seq_len": seq_len},
         },
     )
-    # The orchestrator packs rows for the trainer: keep their sequence lengths in agreement.
-    if orchestrator.batch.seq_len != trainer.data.seq_len:
-        raise ConfigError(
-            f"orchestrator.batch.seq_len ({orchestrator.batch.seq_len}) != trainer.data.seq_len "
-            f"({trainer.data.seq_len}): set both"
-        )
     return {"inference": replicas, "orchestrator": orchestrator, "trainer": trainer}
+
+
+def _derived_seq_len(cfg: RLConfig) -> int:
+    """The trainer's `data.seq_len` (else the orchestrator's `batch.seq_len`, else the default); both must agree."""
+    trainer = cfg.trainer.get("data", {}).get("seq_len")
+    orchestrator = cfg.orchestrator.get("batch", {}).get("seq_len")
+    if trainer is not None and orchestrator is not None and int(trainer) != int(orchestrator):
+        raise ConfigError(
+            f"orchestrator.batch.seq_len ({orchestrator}) != trainer.data.seq_len ({trainer}): gyre rl derives "
+            "the orchestrator's from the trainer's; set trainer.data.seq_len only"
+        )
+    chosen = trainer if trainer is not None else orchestrator
+    return int(chosen) if chosen is not None else TrainerConfig.model_fields["data"].default_factory().seq_len
+
+
+def validate_extensions(configs: dict[str, Any]) -> None:
+    """Names that the config models cannot check alone: the environment (built-in or import path, and
+    its arguments) and the loss (built-in or import path). Raises ConfigError naming the key."""
+    from gyre.envs import load_environment
+
+    orch = configs["orchestrator"]
+    try:
+        load_environment(orch.env.name, **orch.env.args)
+    except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
+        raise ConfigError(f"config key 'orchestrator.env': {e}") from None
+    loss = configs["trainer"].loss.type
+    if ":" in loss:
+        from gyre.imports import load_callable
+
+        try:
+            load_callable(loss, f"loss {loss!r}")
+        except ValueError as e:
+            raise ConfigError(f"config key 'trainer.loss.type': {e}") from None
 
 
 def _validated(cls, section: str, user: dict, launcher: dict):
@@ -226,6 +287,10 @@ def _validated(cls, section: str, user: dict, launcher: dict):
         return load_config(cls, [], **values)
     except ConfigError as e:
         raise ConfigError(str(e).replace("config key '", f"config key '{section.split('.')[0]}.")) from None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
 
 
 def _write_config(path: Path, config: Any) -> Path:
@@ -257,6 +322,87 @@ class Launcher:
         self.children: list[Child] = []
         self.redis = None
         self.prometheus = None
+        self.lock: RunLock | None = None
+
+    # -- before anything is created -------------------------------------------------------------
+    def model_name(self) -> str:
+        """What the services load: the SFT result, else the base model (`{output_dir}/model` by default)."""
+        if self.cfg.sft.enabled:
+            return str(self.out / "sft")
+        return self.cfg.model.name or str(self.out / "model")
+
+    def validate(self) -> None:
+        """Every config, the model source and extension names; raises ConfigError, creates nothing."""
+        from gyre.config.loader import deep_merge
+        from gyre.model_source import ModelUnavailable, check_model_source
+
+        cfg = self.cfg
+        base = cfg.model.name or str(self.out / "model")
+        if cfg.model.init_preset is not None:
+            from gyre.model_init import PRESETS
+
+            if cfg.model.init_preset not in PRESETS:
+                raise ConfigError(
+                    f"config key 'model.init_preset': unknown preset {cfg.model.init_preset!r} "
+                    f"(use one of {', '.join(PRESETS)})"
+                )
+            name = cfg.model.name
+            if name is not None and not Path(name).exists() and not _inside(Path(name), self.out):
+                raise ConfigError(
+                    f"config key 'model.init_preset': a random model is only created in a folder the run owns; "
+                    f"model.name = {name!r} does not exist and is outside output_dir {self.out}: set model.name "
+                    "to an existing model (or hub id) without init_preset, or unset model.name"
+                )
+        elif not (cfg.sft.enabled and (self.out / "sft" / "config.json").exists()):
+            try:
+                check_model_source(base)
+            except ModelUnavailable as e:
+                raise ConfigError(str(e)) from None
+        if cfg.sft.enabled:
+            sft_values = {
+                "run_id": cfg.run_id,
+                "output_dir": str(self.out),
+                "model": {"name": base, "dtype": cfg.model.dtype},
+                "save_dir": str(self.out / "sft"),
+            }
+            try:
+                load_config(SFTConfig, [], **deep_merge(sft_values, cfg.sft.args))
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("config key '", "config key 'sft.args.")) from None
+        validate_extensions(resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0"))
+
+    def acquire_locks(self) -> None:
+        """`locks/rl.lock` at once (LockHeld names the holder); then wait for a previous launch's
+        trainer and orchestrator, which finish their current step on SIGTERM, to let go of theirs."""
+        self.lock = RunLock(self.out, "rl").acquire()
+        if self.lock.took_over:
+            _console(f"taking over the lock of pid {self.lock.took_over} (no longer running)")
+        for role in ("trainer", "orchestrator"):
+            try:
+                RunLock(self.out, role).acquire(wait_s=0).release()
+            except LockHeld as e:
+                _console(f"waiting up to {ROLE_LOCK_WAIT_S:.0f}s for pid {e.holder.get('pid')} ({role}) to exit")
+                RunLock(self.out, role).acquire(wait_s=ROLE_LOCK_WAIT_S).release()
+
+    def start_fresh(self) -> None:
+        """`--fresh`: delete what a previous run wrote here (and only that)."""
+        if not self.out.is_dir():
+            return
+        names = {p.name for p in self.out.iterdir()}
+        foreign = sorted(names - set(RUN_ENTRIES))
+        if foreign and not names & set(RUN_MARKERS):
+            raise ConfigError(
+                f"--fresh: {self.out} holds files gyre did not write ({', '.join(foreign[:5])}): "
+                "refusing to delete them; remove them yourself or choose another --output-dir"
+            )
+        for entry in self.out.iterdir():
+            if entry.name == "locks":
+                continue  # ours, held right now
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        _console(f"--fresh: deleted the previous run in {self.out}")
 
     # -- set-up -------------------------------------------------------------------------------
     def _redis_url(self) -> str:
@@ -264,9 +410,10 @@ class Launcher:
             return self.cfg.redis.url
         from gyre.redis_server import EmbeddedRedis
 
-        self.redis = EmbeddedRedis()
+        # persistent: a re-run finds the batches pushed but not yet trained (and the trainer's group)
+        self.redis = EmbeddedRedis(data_dir=self.out / "redis")
         self.redis.start()
-        _console(f"embedded redis: {self.redis.url}")
+        _console(f"embedded redis: {self.redis.url} (data in {self.redis.data_dir})")
         return self.redis.url
 
     def _base_model(self) -> str:
@@ -323,8 +470,22 @@ class Launcher:
 
     # -- run ----------------------------------------------------------------------------------
     def run(self) -> int:
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.validate()  # nothing exists yet: a bad config leaves no folder, server or process behind
+        self.acquire_locks()
+        if self.cfg.fresh:
+            self.start_fresh()
+        committed = committed_step(self.out)
+        rewind = self.cfg.ckpt.resume_step is not None and self.cfg.ckpt.resume_step >= 0
+        if committed >= self.cfg.max_steps and not rewind:
+            _console(
+                f"run already finished: step {committed} of max_steps {self.cfg.max_steps} is trained and published "
+                f"in {self.out} (--fresh starts over, a larger --max-steps continues it)"
+            )
+            return 0
+        os.environ[SEGMENT_ENV] = new_segment_id()  # one run segment for every service of this launch
         redis_url = self._redis_url()
+        if rewind:
+            self._discard_stream_after(redis_url, self.cfg.ckpt.resume_step)
         model = self._sft(self._base_model())
         configs = resolve_configs(self.cfg, model, redis_url)
         if self.cfg.prometheus:  # before the services: a short run's first steps must be scraped too
@@ -372,7 +533,7 @@ class Launcher:
         from gyre.progress import RunProgress
 
         global _bar
-        progress = RunProgress(self.out, self.cfg.max_steps, start_step=self._start_step())
+        progress = RunProgress(self.out, self.cfg.max_steps, start_step=self._start_step(committed))
         _bar = progress.bar
         try:
             while True:
@@ -395,14 +556,21 @@ class Launcher:
             _bar = None
         return 0
 
-    def _start_step(self) -> int:
+    def _start_step(self, committed: int) -> int:
         rs = self.cfg.ckpt.resume_step
-        if rs is None:
-            return 0
-        if rs >= 0:
-            return rs
-        ckpts = sorted(self.out.glob("checkpoints/trainer/step_*"))
-        return int(ckpts[-1].name.split("_")[1]) if ckpts else 0
+        return rs if rs is not None and rs >= 0 else committed
+
+    def _discard_stream_after(self, redis_url: str, step: int) -> None:
+        """A rewind abandons the batches after `step`: delete them before the trainer can read one."""
+        from gyre.streams import BatchStream
+
+        stream = BatchStream(redis_url, self.cfg.run_id)
+        try:
+            dropped = stream.discard_after(step)
+        finally:
+            stream.redis.close()
+        if dropped:
+            _console(f"rewind to step {step}: deleted the stream's batches of steps {sorted(dropped)}")
 
     def _start_prometheus(self, configs: dict[str, Any]) -> None:
         from gyre.prometheus import LocalPrometheus
@@ -430,6 +598,9 @@ class Launcher:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -447,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = launcher.run()
     except ConfigError as e:
+        print(f"gyre rl: error: {e}", file=sys.stderr)
+        code = 2
+    except LockHeld as e:
         print(f"gyre rl: error: {e}", file=sys.stderr)
         code = 2
     except RunFailed as e:

@@ -5,21 +5,33 @@ Used by `gyre rl` (local runs) and by tests. By default it runs the redis-server
 `redis-server` happens to be first on PATH, because the two differ (e.g. XAUTOCLAIM's reply shape).
 Pass `binary=` to run another one, e.g. Debian's `/usr/bin/redis-server` 7.x.
 
-Persistence is off (`--save '' --appendonly no`): streams are a transport, the durable state lives
-in checkpoints and weights on the shared volume. Note `--port 0` would mean "no TCP at all" to
-redis-server, so a free port is picked up front (and retried if another process grabs it first).
+Persistence: off by default (`--save '' --appendonly no`, a scratch folder in /tmp removed on
+stop): streams are a transport, the durable state lives in checkpoints and weights on the shared
+volume. With `data_dir=` the server keeps an append-only file there (`--appendonly yes
+--appendfsync everysec`) and a restarted server on the same folder finds the streams, consumer
+groups and pending entries again; `gyre rl` uses `{output_dir}/redis`, so a re-run continues
+with the batches its previous launch had pushed. An AOF write reaches the kernel before Redis
+answers, so a SIGKILL loses nothing (only a machine crash can lose the last second).
+
+A server started from the main thread dies with its parent (PR_SET_PDEATHSIG: SIGTERM, on which
+Redis flushes and exits), so a SIGKILLed launcher or test session leaves no redis-server behind; a
+scratch folder whose owner died that way is removed by the next `start()` on the machine. Note
+`--port 0` would mean "no TCP at all" to redis-server, so a free port is picked up front (retried if
+another process grabs it first).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -27,8 +39,11 @@ from pathlib import Path
 import redis
 
 from gyre.net import free_port
+from gyre.proc import set_pdeathsig
 
 _RUNNING: weakref.WeakSet[EmbeddedRedis] = weakref.WeakSet()
+_SCRATCH_PREFIX = "gyre-redis-"
+_OWNER_FILE = "owner.pid"
 
 
 class RedisServerError(RuntimeError):
@@ -60,7 +75,7 @@ class EmbeddedRedis:
     """A redis-server child process; `start()`/`stop()` or use as a context manager.
 
     Invariant: while started, `url` answers PING; after `stop()` the process is gone (terminated,
-    then killed after `stop_timeout`) and its scratch folder removed.
+    then killed after `stop_timeout`) and its scratch folder removed (`data_dir` is kept).
     """
 
     def __init__(
@@ -72,6 +87,7 @@ class EmbeddedRedis:
         startup_timeout: float = 15.0,
         stop_timeout: float = 5.0,
         extra_args: tuple[str, ...] = (),
+        data_dir: str | Path | None = None,
     ):
         self.binary = Path(binary) if binary is not None else find_redis_server()
         if not (self.binary.is_file() and os.access(self.binary, os.X_OK)):
@@ -81,6 +97,7 @@ class EmbeddedRedis:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.extra_args = tuple(extra_args)
+        self.data_dir = Path(data_dir).resolve() if data_dir is not None else None
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self._workdir: str | None = None
@@ -100,24 +117,43 @@ class EmbeddedRedis:
             return self
         attempts = 1 if self.requested_port else 3  # a picked port can be stolen before redis binds it
         last_error = ""
+        _remove_orphaned_scratch()
         for _ in range(attempts):
             port = self.requested_port or free_port(self.host)
-            self._workdir = tempfile.mkdtemp(prefix="gyre-redis-")
-            log_path = Path(self._workdir) / "redis.log"
+            if self.data_dir is not None:
+                self.data_dir.mkdir(parents=True, exist_ok=True)
+                folder = self.data_dir
+                persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--appendfilename", "gyre.aof"]
+            else:
+                self._workdir = tempfile.mkdtemp(prefix=_SCRATCH_PREFIX)
+                Path(self._workdir, _OWNER_FILE).write_text(str(os.getpid()))
+                folder = Path(self._workdir)
+                persistence = ["--appendonly", "no"]
+            log_path = folder / "redis.log"
             args = [
                 str(self.binary),
                 "--port", str(port),
                 "--bind", self.host,
                 "--save", "",
-                "--appendonly", "no",
+                *persistence,
                 "--daemonize", "no",
-                "--dir", self._workdir,
+                "--dir", str(folder),
                 "--logfile", str(log_path),
                 *self.extra_args,
             ]  # fmt: skip
-            # own session: stop() can signal the whole group, and Ctrl-C of the parent does not race it
+            # own session: stop() can signal the whole group, and Ctrl-C of the parent does not race it;
+            # PDEATHSIG: a SIGKILLed parent takes the server with it. The kernel ties it to the *thread*
+            # that forks, so only a main-thread start gets it (a worker thread's exit would kill Redis).
             quiet = subprocess.DEVNULL
-            self.proc = subprocess.Popen(args, stdin=quiet, stdout=quiet, stderr=quiet, start_new_session=True)
+            on_main = threading.current_thread() is threading.main_thread()
+            self.proc = subprocess.Popen(
+                args,
+                stdin=quiet,
+                stdout=quiet,
+                stderr=quiet,
+                start_new_session=True,
+                preexec_fn=set_pdeathsig if on_main else None,
+            )
             self.port = port
             if self._wait_ready():
                 _RUNNING.add(self)
@@ -168,6 +204,28 @@ class EmbeddedRedis:
     def __repr__(self) -> str:
         state = f"url={self.url}" if self.port else "stopped"
         return f"EmbeddedRedis({self.binary}, {state})"
+
+
+def _remove_orphaned_scratch() -> None:
+    """Remove scratch folders of servers whose owning process is gone (it was SIGKILLed: no atexit)."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), _SCRATCH_PREFIX + "*")):
+        try:
+            owner = int(Path(folder, _OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or being created right now
+        if owner == os.getpid() or _alive(owner):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -3,6 +3,9 @@
 The same picture as the Grafana overview dashboard's main panels, without Grafana: reward and eval
 reward, step rate, step time, async lag, MFU, trainer and inference tokens/s, weight sync latency,
 stale and dropped samples, per step. Reads only ``{output_dir}/events/*.jsonl``.
+
+A resumed run appends to the same logs: per step the newest record counts (`latest_per_step`), and
+rates are computed within one run segment, so the curves of a resumed run continue where they were.
 """
 
 from __future__ import annotations
@@ -11,15 +14,15 @@ import argparse
 import math
 from pathlib import Path
 
-from gyre.events import read_events
+from gyre.events import latest_per_step, read_events
 
 
 def _load(output_dir: Path) -> dict[str, list[dict]]:
     events = Path(output_dir) / "events"
     return {
-        "trainer": read_events(events / "trainer_steps.jsonl"),
-        "orchestrator": read_events(events / "orchestrator_steps.jsonl"),
-        "eval": read_events(events / "eval.jsonl"),
+        "trainer": latest_per_step(read_events(events / "trainer_steps.jsonl")),
+        "orchestrator": latest_per_step(read_events(events / "orchestrator_steps.jsonl")),
+        "eval": latest_per_step(read_events(events / "eval.jsonl")),
         "relay": read_events(events / "weight_relay.jsonl"),
     }
 
@@ -55,7 +58,7 @@ def summarize(output_dir: Path, wall_seconds: float | None = None) -> str:
     rows = [
         ("steps trained", f"{n['steps_trained']}"),
         ("train reward (first 20% -> last 20%)", f"{n['reward_first']:.3f} -> {n['reward_last']:.3f}"),
-        ("eval reward (first -> last)", f"{n['eval_first']:.3f} -> {n['eval_last']:.3f}"),
+        ("eval reward (first -> last)", _eval_text(n)),
         ("mean step time", f"{n['step_seconds_mean']:.2f} s"),
         ("trainer throughput", f"{n['trainer_tokens_per_s']:.0f} tok/s"),
         ("MFU (mean)", f"{100 * n['mfu_mean']:.2f} %"),
@@ -71,6 +74,12 @@ def summarize(output_dir: Path, wall_seconds: float | None = None) -> str:
     return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])
 
 
+def _eval_text(n: dict[str, float]) -> str:
+    if math.isnan(n["eval_first"]) and math.isnan(n["eval_last"]):
+        return "eval off (no eval records; set orchestrator.eval.interval)"
+    return f"{n['eval_first']:.3f} -> {n['eval_last']:.3f}"
+
+
 def _steps(events: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the events that have a finite `key`."""
     pairs = [(e["step"], e.get(key)) for e in events if isinstance(e.get(key), int | float)]
@@ -81,22 +90,28 @@ def _steps(events: list[dict], key: str) -> tuple[list[int], list[float]]:
 def _per_wall_second(events: list[dict], key: str | None, window: int = 3) -> tuple[list[int], list[float]]:
     """(step, per-second rate over the last `window` steps) of `key` (None: of steps themselves).
 
-    The wall clock of step s is its event's `time`; the run's start is taken as the first event's time
-    minus its own `step_seconds`, so step 1 has a rate too. A trailing window smooths steps that land
-    together (with max_async_level >= 1 batches can be pushed back to back).
+    The wall clock of step s is its event's `time`; a segment's start is taken as its first event's
+    time minus its own `step_seconds`, so the first step of every segment has a rate too. A trailing
+    window smooths steps that land together (with max_async_level >= 1 batches can be pushed back to
+    back). Windows never span two run segments: the pause between a crash and the re-run is not a rate.
     """
     ordered = sorted((e for e in events if "time" in e), key=lambda e: e["step"])
-    if not ordered:
-        return [], []
-    times = [ordered[0]["time"] - float(ordered[0].get("step_seconds") or 0.0)] + [e["time"] for e in ordered]
+    segments: list[list[dict]] = []
+    for e in ordered:
+        if segments and segments[-1][-1].get("segment") == e.get("segment"):
+            segments[-1].append(e)
+        else:
+            segments.append([e])
     steps, rates = [], []
-    for i in range(1, len(times)):
-        j = max(0, i - window)
-        if times[i] <= times[j]:
-            continue
-        amount = i - j if key is None else sum(float(e.get(key) or 0) for e in ordered[j:i])
-        steps.append(ordered[i - 1]["step"])
-        rates.append(amount / (times[i] - times[j]))
+    for part in segments:
+        times = [part[0]["time"] - float(part[0].get("step_seconds") or 0.0)] + [e["time"] for e in part]
+        for i in range(1, len(times)):
+            j = max(0, i - window)
+            if times[i] <= times[j]:
+                continue
+            amount = i - j if key is None else sum(float(e.get(key) or 0) for e in part[j:i])
+            steps.append(part[i - 1]["step"])
+            rates.append(amount / (times[i] - times[j]))
     return steps, rates
 
 

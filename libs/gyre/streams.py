@@ -169,6 +169,46 @@ class BatchStream:
     def length(self) -> int:
         return int(self.redis.xlen(self.key))
 
+    def steps_after(self, step: int) -> list[int]:
+        """Steps of the entries newer than the newest entry of a step <= `step`, newest first.
+
+        Reads backwards one entry at a time, so only the few batches pushed ahead of the trainer are
+        fetched (payloads can be megabytes), never the whole stream.
+        """
+        found: list[int] = []
+        end = "+"
+        while True:
+            newest = self.redis.xrevrange(self.key, max=end, count=1)
+            if not newest:
+                return found
+            entry = self._entry(*newest[0])
+            if entry.step is not None and entry.step <= step:
+                return found
+            if entry.step is not None:
+                found.append(entry.step)
+            end = "(" + entry.id
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete (and ack, for the group) the entries of steps > `step` at the stream's end.
+
+        A rewound run abandons them: the trainer must never train a batch of the abandoned future.
+        Returns the steps deleted, newest first.
+        """
+        dropped: list[int] = []
+        self.ensure_group()  # XACK needs it; the trainer creates it the same way (from the start)
+        while True:
+            newest = self.redis.xrevrange(self.key, count=1)
+            if not newest:
+                return dropped
+            entry = self._entry(*newest[0])
+            if entry.step is not None and entry.step <= step:
+                return dropped
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xack(self.key, self.group, entry.id)
+            pipe.xdel(self.key, entry.id)
+            pipe.execute()
+            dropped.append(entry.step if entry.step is not None else -1)
+
     # ---- consumer group -------------------------------------------------------------------------
     def ensure_group(self, start_id: str = "0") -> None:
         """Create the consumer group (and the stream) if missing; idempotent."""

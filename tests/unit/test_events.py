@@ -14,6 +14,7 @@ from gyre.events import (
     TRAINER_STEPS,
     WEIGHT_RELAY,
     EventLog,
+    current_segment,
     events_dir,
     read_events,
 )
@@ -38,7 +39,8 @@ def test_append_and_read_back(tmp_path):
         )
         log.append({"step": 2, "loss": 0.25, "time": 123.0})
     records = read_events(path)
-    assert records == [written, {"step": 2, "loss": 0.25, "time": 123.0}]
+    assert records == [written, {"step": 2, "loss": 0.25, "time": 123.0, "segment": log.segment}]
+    assert log.segment == current_segment()  # every record names the launch (run segment) that wrote it
     assert records[0]["loss"] == 0.5 and records[0]["num_tokens"] == 7 and records[0]["hist"] == [0, 1, 2]
     assert records[0]["grad_norm"] is None  # non-finite floats become null so every line stays JSON
     assert isinstance(records[0]["time"], float)

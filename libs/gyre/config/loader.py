@@ -296,25 +296,7 @@ def _plain(value: Any) -> Any:
 
 
 def dump_toml(data: dict) -> str:
-    scalars, tables = [], []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        else:
-            scalars.append(f"{key} = {json.dumps(value)}")
-    out = scalars[:]
-    for key, value in tables:
-        out += _dump_table(key, value)
-    return "\n".join(out) + "\n"
+    """TOML text of `data` (tomli-w: arrays of tables, nested inline tables and escapes are all right)."""
+    import tomli_w
 
-
-def _dump_table(name: str, table: dict) -> list[str]:
-    lines, subs = [f"\n[{name}]"], []
-    for key, value in table.items():
-        if isinstance(value, dict):
-            subs.append((key, value))
-        else:
-            lines.append(f"{key} = {json.dumps(value)}")
-    for key, value in subs:
-        lines += _dump_table(f"{name}.{key}", value)
-    return lines
+    return tomli_w.dumps(data)

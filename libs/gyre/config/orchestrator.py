@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gyre.config.loader import Section
-from gyre.config.shared import ServiceConfig
+from gyre.config.shared import RedisConfig, ServiceConfig
 
 
 class EnvConfig(Section):
@@ -84,9 +84,18 @@ class OrchestratorServerConfig(Section):
     control_token: str | None = Field(None, description="Shared secret required from the trainer when set.")
 
 
+class OrchestratorRedisConfig(RedisConfig):
+    retry_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        description="Retry every Redis call through an outage (backoff 0.5 s doubling to 30 s) this long, then fail.",
+    )
+
+
 class OrchestratorConfig(ServiceConfig):
     """Run environments against inference, score, compute advantages, pack and stream batches."""
 
+    redis: OrchestratorRedisConfig = Field(default_factory=OrchestratorRedisConfig, description="Redis connection.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
     batch_size: int = Field(8, ge=1, description="Tasks per step.")
     rollouts_per_example: int = Field(8, ge=1, description="Samples per task (the advantage group).")
@@ -114,5 +123,6 @@ class OrchestratorConfig(ServiceConfig):
     resume_step: int | None = Field(
         None,
         ge=-1,
-        description="Resume from this progress checkpoint (-1 = latest, or a fresh start if there is none).",
+        description="Unset or -1 = continue after the trainer's committed step and the batches still in the stream "
+        "(a fresh start when the run has no state); N = rewind to step N with the trainer (progress checkpoint N).",
     )

@@ -21,9 +21,13 @@ class RLRedisConfig(Section):
 
 
 class RLModelConfig(ModelConfig):
-    name: str | None = Field(None, description="Base model folder or hub id (default: {output_dir}/model).")
+    name: str | None = Field(
+        None, description="Base model: a local folder or a Hugging Face hub id (default: {output_dir}/model)."
+    )
     init_preset: str | None = Field(
-        "tiny", description="If the model folder does not exist, create it with `gyre model init` at this preset."
+        None,
+        description="Create a random model with `gyre model init` at this preset (e.g. 'tiny') if the model folder "
+        "does not exist; only inside output_dir. Unset: the model must exist or be fetchable from the hub.",
     )
     init_seed: int = Field(0, description="Seed of the created model.")
 
@@ -32,7 +36,12 @@ class RLCkptConfig(Section):
     enabled: bool = Field(False, description="Write trainer + orchestrator checkpoints (a bare --ckpt enables).")
     interval: int = Field(1, ge=1, description="Checkpoint every N steps when enabled.")
     keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
-    resume_step: int | None = Field(None, ge=-1, description="Resume both services from this step (-1 = latest).")
+    resume_step: int | None = Field(
+        None,
+        ge=-1,
+        description="Unset = continue the run where it stands (a fresh start if it has none); -1 = the same but a "
+        "trainer checkpoint must exist; N = rewind both services to checkpoint N.",
+    )
 
 
 class SFTWarmupConfig(Section):
@@ -48,6 +57,11 @@ class RLConfig(GyreSettings):
     run_id: str = Field("gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id.")
     output_dir: Path = Field(Path("outputs/run"), description="Local folder standing in for the shared volume.")
     max_steps: int = Field(20, ge=1, description="RL steps (batches trained).")
+    fresh: bool = Field(
+        False,
+        description="Start over: delete the previous run in output_dir (weights, checkpoints, events, stream, logs, "
+        "created model, SFT result) first. Without it a re-run continues the run.",
+    )
     redis: RLRedisConfig = Field(default_factory=RLRedisConfig, description="Redis.")
     log: LogConfig = Field(default_factory=LogConfig, description="Log level of every service.")
     model: RLModelConfig = Field(default_factory=RLModelConfig, description="Base policy model.")

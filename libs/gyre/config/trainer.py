@@ -5,10 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gyre.config.loader import Section
 from gyre.config.shared import ModelConfig, ServiceConfig
+
+# The objectives gyre_trainer.loss registers (a unit test keeps the two in step): named here so a
+# config is checked without importing torch, before any process starts.
+BUILTIN_LOSSES = ("aipo", "ppo_clip", "gspo", "cispo", "masked_is")
 
 
 class TrainerModelConfig(ModelConfig):
@@ -44,6 +48,15 @@ class LossConfig(Section):
         ge=1,
         description="seq-mean-token-sum-norm (Dr.GRPO) constant; unset = most loss tokens of any sample in the batch.",
     )
+
+    @field_validator("type")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        if value not in BUILTIN_LOSSES and ":" not in value:
+            raise ValueError(
+                f"unknown loss {value!r}: use one of {', '.join(BUILTIN_LOSSES)} or 'package.module:function'"
+            )
+        return value
 
 
 class OptimConfig(Section):

@@ -17,11 +17,19 @@ log = logging.getLogger("gyre_orchestrator")
 
 
 async def serve(cfg: OrchestratorConfig) -> int:
+    from gyre.net import PortInUse
+    from gyre.runlock import LockHeld, RunLock
+
     from gyre_orchestrator.service import OrchestratorService  # imported after logging is set up
 
     try:
         service = OrchestratorService(cfg)
     except ValueError as e:  # unknown environment, bad env args, inconsistent settings
+        log.error("%s", e)
+        return 2
+    try:
+        lock = RunLock(cfg.output_dir, "orchestrator").acquire()  # one orchestrator per run folder
+    except LockHeld as e:
         log.error("%s", e)
         return 2
     run = asyncio.create_task(service.run())
@@ -32,9 +40,14 @@ async def serve(cfg: OrchestratorConfig) -> int:
     except asyncio.CancelledError:
         log.info("stopped by signal")
         return 143
+    except PortInUse as e:
+        log.error("%s", e)
+        return 2
     except Exception:
         log.exception("orchestrator failed")
         return 1
+    finally:
+        lock.release()
 
 
 def main(argv: list[str]) -> int:

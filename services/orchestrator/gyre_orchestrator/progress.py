@@ -5,13 +5,25 @@ batch `s` is in the stream: the last pushed step, the train task sampler's posit
 counters. Tasks are addressed by index (`TaskSource[i]` is a pure function of the seed and i), so
 the sampler's state is one integer.
 
-Resume rule (`resume_point`): the next step is one past the newest of
-- the checkpoint's step,
-- the newest batch still in the Redis stream (pushed after the last checkpoint, maybe not trained yet),
-- the newest published weights version (its batch was pushed, even if the stream was trimmed since),
-so no step is pushed twice and none is skipped. The task sampler continues after the newest task
-index recorded in the checkpoint or in that newest batch's sample metadata (`task_index`), so tasks
-are not repeated; tasks drawn for groups still in flight when the orchestrator stopped are skipped.
+Resume rule (`resume_point`), the same for a restarted pod, a re-run of `gyre rl` and a crash:
+the orchestrator continues from what the *trainer* can consume, not from its own checkpoint.
+
+- `committed`: the trainer's last committed step (newest published weights or complete trainer
+  checkpoint, `gyre.runstate.committed_step`); a restarted trainer resumes right after it;
+- the batches of steps `committed+1, committed+2, ...` still in the Redis stream are already
+  pushed and will be trained: the next step is one past the last of them that follows without a gap;
+- so the next step is `committed + 1 + (pushed batches the stream still holds)`. Nothing is pushed
+  twice, and when the stream lost batches (Redis restarted without persistence) they are generated
+  again instead of being waited for by the trainer forever.
+
+The progress checkpoint supplies the task sampler's position and the cumulative counters. The
+sampler continues after the newest task index recorded in the checkpoint or in the newest batch's
+sample metadata (`task_index`), so tasks are not repeated (also when a lost step is regenerated);
+tasks drawn for groups still in flight when the orchestrator stopped are skipped.
+
+`resume_step`: unset or -1 = the rule above (a fresh start when the run has no state yet);
+`N >= 0` = a rewind to step N together with the trainer (`ckpt.resume_step = N`): the next step is
+N+1, the sampler position comes from progress checkpoint N, and stream entries after N are deleted.
 """
 
 from __future__ import annotations
@@ -96,28 +108,31 @@ class ResumePoint:
 def resume_point(
     resume_step: int | None,
     store: ProgressStore,
-    stream_latest: int | None,
-    weights_latest: int | None,
+    committed: int,
+    stream_steps: list[int],
     stream_task_index: int | None = None,
 ) -> ResumePoint:
-    """Where to start; see the module docstring. `resume_step=None` is a fresh start at step 1."""
-    if resume_step is None:
-        if stream_latest or weights_latest:
-            log.warning(
-                "starting fresh at step 1 although the stream holds step %s and weights go up to %s; "
-                "set resume_step = -1 to continue that run instead",
-                stream_latest,
-                weights_latest,
-            )
-        return ResumePoint(1, 0, {}, "fresh start")
-    if resume_step == -1 and not store.steps():
-        progress = Progress(step=0, task_index=0)
-        why = "no checkpoint"
-    else:
-        progress = store.load(resume_step)
-        why = f"checkpoint step {progress.step}"
-    last = max(progress.step, stream_latest or 0, weights_latest or 0)
-    if last > progress.step:
-        why += f", stream up to {stream_latest}, weights up to {weights_latest}"
-    task_index = max(progress.task_index, stream_task_index or 0)
-    return ResumePoint(last + 1, task_index, dict(progress.counters), why)
+    """Where to start; see the module docstring. `stream_steps`: steps of the entries after `committed`."""
+    if resume_step is not None and resume_step >= 0:
+        progress = store.load(resume_step) if resume_step > 0 else Progress(step=0, task_index=0)
+        return ResumePoint(resume_step + 1, progress.task_index, dict(progress.counters), f"rewind to {resume_step}")
+    saved = store.load(-1) if store.steps() else None
+    pushed, have = committed, set(stream_steps)
+    while pushed + 1 in have:
+        pushed += 1
+    if saved is None and pushed == 0:
+        return ResumePoint(1, stream_task_index or 0, {}, "fresh start")
+    why = f"trainer committed step {committed}"
+    if pushed > committed:
+        why += f", stream holds steps {committed + 1}..{pushed}"
+    if saved is not None and saved.step > pushed:
+        log.warning(
+            "batches %d..%d were pushed before but are not in the stream any more (Redis lost them): "
+            "generating them again from step %d",
+            pushed + 1,
+            saved.step,
+            pushed + 1,
+        )
+        why += f", regenerating from {pushed + 1} (checkpoint said {saved.step})"
+    task_index = max(saved.task_index if saved else 0, stream_task_index or 0)
+    return ResumePoint(pushed + 1, task_index, dict(saved.counters) if saved else {}, why)

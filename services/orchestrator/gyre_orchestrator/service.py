@@ -31,6 +31,9 @@ from gyre.config.orchestrator import OrchestratorConfig
 from gyre.envs import Rollout, SamplingParams, Score, Task, load_environment
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir
 from gyre.metrics import start_metrics_server
+from gyre.net import PortInUse, bind_or_explain
+from gyre.redis_retry import acall_with_retry
+from gyre.runstate import committed_step
 from gyre.streams import BatchStream, StreamEntry
 from gyre.transport import open_store
 
@@ -135,7 +138,7 @@ class OrchestratorService:
             port=cfg.server.port,
             control_token=cfg.server.control_token,
         )
-        self.redis = redis.Redis.from_url(cfg.redis.url)
+        self.redis = redis.Redis.from_url(cfg.redis.url, socket_timeout=30, socket_connect_timeout=5)
         self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)
         self.last_step = 0
         self.sampler: TaskSampler | None = None
@@ -161,11 +164,20 @@ class OrchestratorService:
     async def start(self) -> None:
         cfg = self.cfg
         port = DEFAULT_METRICS_PORT if cfg.metrics.port is None else cfg.metrics.port
-        self._metrics_server, self.metrics_port = start_metrics_server(
-            port, self.metrics.registry, host=cfg.server.host
+        self._metrics_server, self.metrics_port = bind_or_explain(
+            lambda: start_metrics_server(port, self.metrics.registry, host=cfg.server.host),
+            "orchestrator",
+            "metrics.port",
+            port,
         )
         self.metrics.labels(self.metrics.max_async_level).set(cfg.max_async_level)
-        await self.server.start()
+        try:
+            await self.server.start()
+        except (OSError, RuntimeError) as e:
+            raise PortInUse(
+                f"orchestrator: cannot listen on port {cfg.server.port} ({e}); another process is using it: "
+                "set --server.port to a free port (0 = pick one)"
+            ) from None
         await self.discovery.start()
         await self.relay.start()
         if self.relay.target is not None:
@@ -173,13 +185,7 @@ class OrchestratorService:
             log.info("published weights up to version %d: making replicas serve it", step)
             if not await self.relay.wait_served(step, timeout=cfg.relay.timeout_s):
                 log.warning("not every replica serves version %d yet; continuing (the relay keeps trying)", step)
-        point = resume_point(
-            cfg.resume_step,
-            self.progress,
-            await asyncio.to_thread(self.stream.latest_step),
-            self.transport.latest(),
-            await asyncio.to_thread(self._stream_task_index),
-        )
+        point = await self._resume_point()
         self.last_step = point.start_step - 1
         self.counters = {k: int(v) for k, v in point.counters.items()}
         self.sampler = TaskSampler(self.env.tasks("train", seed=cfg.seed), point.task_index)
@@ -205,6 +211,23 @@ class OrchestratorService:
                 self._eval_queue.put_nowait(0)
             self._eval_task = asyncio.create_task(self._eval_loop(), name="eval")
         await self.server.set_serving(True)
+
+    async def _resume_point(self):
+        cfg = self.cfg
+        if cfg.resume_step is not None and cfg.resume_step >= 0:
+            dropped = await self._redis(
+                lambda: self.stream.discard_after(cfg.resume_step), "discarding rewound batches"
+            )
+            if dropped:
+                log.warning("rewind to step %d: deleted stream entries of steps %s", cfg.resume_step, dropped)
+        committed = committed_step(self.out, self.transport.latest())
+        pending = await self._redis(lambda: self.stream.steps_after(committed), "reading the stream")
+        task_index = await self._redis(self._stream_task_index, "reading the newest batch")
+        return resume_point(cfg.resume_step, self.progress, committed, pending, task_index)
+
+    async def _redis(self, op, what: str):
+        """A Redis call that survives an outage of up to `redis.retry_deadline_s` (and stops on SIGTERM)."""
+        return await acall_with_retry(op, what=what, deadline_s=self.cfg.redis.retry_deadline_s)
 
     async def loop(self) -> None:
         cfg = self.cfg
@@ -337,12 +360,11 @@ class OrchestratorService:
             temperature=self.sampling.temperature,
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
-        await asyncio.to_thread(
-            self.stream.push,
-            st.step,
-            payload,
-            path_threshold=cfg.batch.inline_max_bytes,
-            spill_dir=self.out / "batches",
+        await self._redis(
+            lambda: self.stream.push(
+                st.step, payload, path_threshold=cfg.batch.inline_max_bytes, spill_dir=self.out / "batches"
+            ),
+            f"pushing batch {st.step}",
         )
         self.last_step = st.step
         self._account(st, samples, packed, cut, time.monotonic() - start)

@@ -25,15 +25,14 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
-import redis
 from gyre.batch import TrainBatch
 from gyre.codec import CodecError, decode_batch
+from gyre.redis_retry import Stopped, call_with_retry
 from gyre.streams import BatchStream, StepReader, StreamEntry
 
 from gyre_trainer.dist import DistContext, broadcast_bytes
@@ -88,8 +87,11 @@ class BatchIntake:
         poll_ms: int = 1000,
         reclaim_every_s: float = 5.0,
         redis_retry_s: float = 1.0,
+        should_stop: Callable[[], bool] | None = None,
     ):
         self.ctx = ctx
+        self.should_stop = should_stop or (lambda: False)
+        self.stopped = False  # a stop arrived while Redis was down: next() returns None at once
         self.vocab_size = vocab_size
         self.poll_ms = poll_ms
         self.redis_retry_s = redis_retry_s
@@ -100,19 +102,28 @@ class BatchIntake:
             if stream is None:
                 raise ValueError("rank 0 needs the batch stream")
             # reclaim_idle_ms=0: whatever is pending belongs to a previous incarnation of this trainer
-            self.reader = self._retry(
-                lambda: StepReader(stream, CONSUMER, trained_step, reclaim_idle_ms=0, reclaim_every_s=reclaim_every_s)
-            )
+            try:
+                self.reader = self._retry(
+                    lambda: StepReader(
+                        stream, CONSUMER, trained_step, reclaim_idle_ms=0, reclaim_every_s=reclaim_every_s
+                    )
+                )
+            except Stopped:
+                self.stopped = True
 
     def next(self, should_stop: Callable[[], bool]) -> IntakeItem | None:
         """Batch `trained_step + 1` on every rank, or None on every rank when rank 0 stops."""
         if not self.ctx.is_main:
             return self._receive()
         while True:
-            if should_stop():
+            if self.stopped or should_stop():
                 broadcast_bytes(None, self.ctx, (_STOP, 0))
                 return None
-            entry = self._retry(lambda: self.reader.next(block_ms=self.poll_ms))
+            try:
+                entry = self._retry(lambda: self.reader.next(block_ms=self.poll_ms), should_stop)
+            except Stopped:
+                self.stopped = True
+                continue
             if entry is None:
                 broadcast_bytes(None, self.ctx, (_WAIT, 0))  # heartbeat: the other ranks keep waiting
                 continue
@@ -124,7 +135,10 @@ class BatchIntake:
                 check_trainable(batch, self.ctx.world_size, self.vocab_size)
             except (CodecError, BatchRejected) as e:
                 self.rejected += 1
-                self._retry(lambda entry=entry, reason=str(e): self.reader.reject(entry, reason))
+                try:
+                    self._retry(lambda entry=entry, reason=str(e): self.reader.reject(entry, reason), should_stop)
+                except Stopped:  # not dead-lettered: still pending, judged again after a restart
+                    self.stopped = True
                 log.error("batch entry %s rejected: %s; waiting for step %d again", entry.id, e, entry.step)
                 broadcast_bytes(None, self.ctx, (_WAIT, 0))
                 continue
@@ -134,7 +148,10 @@ class BatchIntake:
     def commit(self, item: IntakeItem) -> None:
         """Step `item.step` is durably published: ack its entry (rank 0) and move on to the next step."""
         if self.ctx.is_main:
-            self._retry(lambda: self.reader.done(item.entry))
+            try:
+                self._retry(lambda: self.reader.done(item.entry))
+            except Stopped:  # published but not acked: a restarted trainer skips it as a replay
+                self.stopped = True
         self.trained_step = item.step
 
     def _receive(self) -> IntakeItem | None:
@@ -146,17 +163,12 @@ class BatchIntake:
                 # rank 0 validated these exact bytes; decoding them cannot fail differently here
                 return IntakeItem(step=step, batch=decode_batch(data), num_bytes=len(data))
 
-    def _retry(self, op: Callable[[], T]) -> T:
+    def _retry(self, op: Callable[[], T], should_stop: Callable[[], bool] | None = None) -> T:
         """Run a Redis operation until Redis answers: an outage delays training, never kills it.
 
-        Safe because every operation used here is idempotent or re-derivable (a reclaim re-reads
-        pending entries; an ack repeated after an unknown outcome is a no-op).
+        A stop request (SIGTERM) during the outage raises `Stopped` within ~0.1 s. Safe because every
+        operation used here is idempotent or re-derivable (a reclaim re-reads pending entries; an ack
+        repeated after an unknown outcome is a no-op).
         """
-        delay = self.redis_retry_s
-        while True:
-            try:
-                return op()
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("redis unavailable (%s); retrying in %.1fs", e, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 30.0)
+        stop = self.should_stop if should_stop is None else (lambda: should_stop() or self.should_stop())
+        return call_with_retry(op, what="batch intake", should_stop=stop, initial_s=self.redis_retry_s)

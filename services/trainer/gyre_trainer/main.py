@@ -26,10 +26,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(cfg.log.level, cfg.log.file, "trainer" if rank == 0 else f"trainer-rank{rank}")
+    from gyre.net import PortInUse
+    from gyre.runlock import LockHeld
+
     from gyre_trainer.service import run  # torch is imported only now, after the config is known to be valid
 
     try:
         return run(cfg)
+    except (LockHeld, PortInUse) as e:  # a user mistake, not a crash: one clear line, exit 2
+        logging.getLogger("gyre_trainer").error("%s", e)
+        return 2
     except Exception:
         logging.getLogger("gyre_trainer").exception("trainer failed")
         return 1

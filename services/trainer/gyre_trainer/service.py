@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from gyre.config.trainer import TrainerConfig
 from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
+from gyre.net import bind_or_explain
+from gyre.runlock import RunLock
 from gyre.transport import open_store
 
 from gyre_trainer import dist
@@ -77,6 +79,7 @@ class Trainer:
         self.metrics_port: int | None = None
         self.grpc_port: int | None = None
         self._rejected_seen = 0
+        self.lock: RunLock | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -95,9 +98,13 @@ class Trainer:
     def _start_servers(self) -> None:
         if not self.ctx.is_main:
             return
-        self.metrics_server, self.metrics_port = serve(self.metrics, self.cfg.metrics.port, self.cfg.server.host)
+        self.lock = RunLock(self.output_dir, "trainer").acquire()  # one trainer (rank 0) per run folder
+        port = self.cfg.metrics.port
+        self.metrics_server, self.metrics_port = bind_or_explain(
+            lambda: serve(self.metrics, port, self.cfg.server.host), "trainer", "metrics.port", port
+        )
         self.server = TrainerServer(self.status, self.cfg.server.host, self.cfg.server.port)
-        self.grpc_port = self.server.start()
+        self.grpc_port = bind_or_explain(self.server.start, "trainer", "server.port", self.cfg.server.port)
         self.events = EventLog(events_dir(self.output_dir) / TRAINER_STEPS)
         o = self.cfg.orchestrator
         self.notifier = WeightsNotifier(
@@ -137,6 +144,8 @@ class Trainer:
             self.metrics_server.server_close()
         if self.events:
             self.events.close()
+        if self.lock:
+            self.lock.release()
 
     # ---- resume ---------------------------------------------------------------------------------
     def _resume(self) -> ResumePlan:
@@ -200,7 +209,12 @@ class Trainer:
             client = redis.Redis.from_url(self.cfg.redis.url, socket_timeout=30, socket_connect_timeout=5)
             stream = BatchStream(client, self.cfg.run_id)
         return BatchIntake(
-            self.ctx, stream, trained_step, vocab_size=self.hf_config.vocab_size, poll_ms=self.cfg.intake.poll_ms
+            self.ctx,
+            stream,
+            trained_step,
+            vocab_size=self.hf_config.vocab_size,
+            poll_ms=self.cfg.intake.poll_ms,
+            should_stop=self.stop_requested.is_set,
         )
 
     # ---- the loop -------------------------------------------------------------------------------

@@ -22,25 +22,52 @@ def test_save_load_and_retention(tmp_path):
 
 
 def test_fresh_start(tmp_path):
-    point = resume_point(None, ProgressStore(tmp_path), stream_latest=None, weights_latest=None)
+    point = resume_point(None, ProgressStore(tmp_path), committed=0, stream_steps=[])
     assert (point.start_step, point.task_index) == (1, 0)
+    assert resume_point(-1, ProgressStore(tmp_path), 0, []).start_step == 1
 
 
-def test_latest_without_any_checkpoint_starts_fresh_unless_the_stream_says_otherwise(tmp_path):
-    store = ProgressStore(tmp_path)
-    assert resume_point(-1, store, None, None).start_step == 1
-    assert resume_point(-1, store, stream_latest=4, weights_latest=3).start_step == 5
-
-
-def test_checkpoint_then_stream_then_weights(tmp_path):
+def test_continues_after_the_trainer_and_the_batches_still_in_the_stream(tmp_path):
     store = ProgressStore(tmp_path)
     store.save(Progress(step=5, task_index=40))
-    assert resume_point(-1, store, None, None).start_step == 6
+    # trainer committed 5, stream holds nothing newer: next is 6, tasks after the checkpoint's
+    assert (resume_point(None, store, 5, []).start_step, resume_point(None, store, 5, []).task_index) == (6, 40)
     # batches 6 and 7 were pushed after the checkpoint: continue at 8, after the tasks batch 7 used
-    point = resume_point(-1, store, stream_latest=7, weights_latest=6, stream_task_index=57)
+    point = resume_point(-1, store, committed=5, stream_steps=[7, 6], stream_task_index=57)
     assert (point.start_step, point.task_index) == (8, 57)
-    # the stream was trimmed, but the trainer published 9: batch 9 was pushed
-    assert resume_point(5, store, stream_latest=None, weights_latest=9).start_step == 10
+    # the trainer published 9 (its batches were pushed): 10
+    assert resume_point(None, store, committed=9, stream_steps=[]).start_step == 10
+
+
+def test_defect_1_lost_stream_batches_are_regenerated_not_waited_for(tmp_path):
+    # issue 17, defect 1: checkpoint says 4, the trainer committed 3, Redis restarted empty. The old
+    # rule started at 5 and the trainer waited for batch 4 forever.
+    store = ProgressStore(tmp_path)
+    store.save(Progress(step=4, task_index=32))
+    point = resume_point(-1, store, committed=3, stream_steps=[])
+    assert point.start_step == 4
+    assert point.task_index == 32  # fresh tasks for the regenerated batch, none repeated
+    # a gap in the stream (5 present, 4 lost) also restarts at the gap
+    assert resume_point(-1, store, committed=3, stream_steps=[5]).start_step == 4
+    # and it never starts past what the trainer can consume (the other hang: past max_steps)
+    store.save(Progress(step=8, task_index=64))
+    assert resume_point(None, store, committed=6, stream_steps=[]).start_step == 7
+
+
+def test_defect_2_plain_restart_continues_instead_of_starting_at_step_1(tmp_path):
+    # issue 17, defect 2: without resume_step the orchestrator restarted at step 1 while the trainer resumed
+    store = ProgressStore(tmp_path)
+    store.save(Progress(step=4, task_index=32))
+    assert resume_point(None, store, committed=4, stream_steps=[]).start_step == 5
+
+
+def test_rewind(tmp_path):
+    store = ProgressStore(tmp_path)
+    store.save(Progress(step=3, task_index=24))
+    store.save(Progress(step=5, task_index=40))
+    point = resume_point(3, store, committed=5, stream_steps=[6])
+    assert (point.start_step, point.task_index) == (4, 24)
+    assert resume_point(0, store, committed=5, stream_steps=[]).start_step == 1
     # an explicit checkpoint that does not exist is an error, not a silent fresh start
     with pytest.raises(ProgressError):
-        resume_point(4, store, None, None)
+        resume_point(4, store, 5, [])

@@ -104,3 +104,30 @@ def test_check_trainable_names_the_problem():
     with pytest.raises(BatchRejected, match="inference_logprobs contains NaN or infinity"):
         check_trainable(b, world_size=1, vocab_size=1024)
     check_trainable(batch(1), world_size=1, vocab_size=1024)
+
+
+def test_defect_9_stop_is_honoured_while_redis_is_down(ctx, unique_run_id):
+    # issue 17, defect 9: the intake retried a dead Redis forever and ignored SIGTERM (the stop flag)
+    import threading
+    import time
+
+    from gyre.net import free_port
+
+    dead = BatchStream(f"redis://127.0.0.1:{free_port()}/0", unique_run_id)  # nothing listens there
+    stop = threading.Event()
+    result = {}
+
+    def run():
+        taken = BatchIntake(ctx, dead, 0, vocab_size=1024, poll_ms=50, redis_retry_s=0.2, should_stop=stop.is_set)
+        result["item"] = taken.next(stop.is_set)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(1.0)  # several retries against the dead port
+    assert thread.is_alive()
+    stopped_at = time.monotonic()
+    stop.set()
+    thread.join(timeout=3)
+    assert not thread.is_alive(), "intake did not stop while Redis was down"
+    assert time.monotonic() - stopped_at < 1.5
+    assert result["item"] is None

@@ -1,0 +1,90 @@
+"""Retrying Redis calls through an outage: exponential backoff, an optional deadline, prompt stop.
+
+Only connection-level failures are retried (`redis.ConnectionError`, which includes a server still
+loading its append-only file, and `redis.TimeoutError`); a wrong command or type fails at once.
+Callers retry only operations that are safe to repeat after an unknown outcome: reads, acks, and
+XADD of a batch (a duplicate entry of a step is acked and skipped by the trainer's StepReader).
+
+- `call_with_retry` (threads, the trainer's intake): sleeps in short slices and raises `Stopped`
+  as soon as `should_stop()` is true, so SIGTERM is honoured during an outage too.
+- `acall_with_retry` (asyncio, the orchestrator): runs the call in a worker thread and waits with
+  `asyncio.sleep`, so cancelling the task (SIGTERM) stops it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+class Stopped(Exception):  # noqa: N818 - control flow, not an error
+    """A stop was requested while waiting for Redis to come back."""
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis did not answer within the retry deadline."""
+
+
+def _give_up(what: str, deadline_s: float, error: Exception) -> RedisUnavailable:
+    return RedisUnavailable(f"redis unavailable for {deadline_s:.0f}s during {what}: {error}")
+
+
+def call_with_retry(
+    op: Callable[[], T],
+    *,
+    what: str = "a redis call",
+    should_stop: Callable[[], bool] | None = None,
+    deadline_s: float | None = None,
+    initial_s: float = 0.5,
+    max_s: float = 30.0,
+) -> T:
+    """`op()` until Redis answers; `Stopped` when `should_stop()`; `RedisUnavailable` after `deadline_s`."""
+    start, delay = time.monotonic(), initial_s
+    while True:
+        try:
+            return op()
+        except RETRYABLE as e:
+            elapsed = time.monotonic() - start
+            if deadline_s is not None and elapsed >= deadline_s:
+                raise _give_up(what, deadline_s, e) from e
+            log.warning("redis unavailable during %s (%s); retrying in %.1fs", what, e, delay)
+            wake = time.monotonic() + delay
+            if deadline_s is not None:
+                wake = min(wake, start + deadline_s)
+            while time.monotonic() < wake:
+                if should_stop is not None and should_stop():
+                    raise Stopped from None
+                time.sleep(min(0.1, max(0.0, wake - time.monotonic())))
+            delay = min(delay * 2, max_s)
+
+
+async def acall_with_retry(
+    op: Callable[[], T],
+    *,
+    what: str = "a redis call",
+    deadline_s: float | None = None,
+    initial_s: float = 0.5,
+    max_s: float = 30.0,
+) -> T:
+    """`await asyncio.to_thread(op)` until Redis answers; cancellable; `RedisUnavailable` after `deadline_s`."""
+    start, delay = time.monotonic(), initial_s
+    while True:
+        try:
+            return await asyncio.to_thread(op)
+        except RETRYABLE as e:
+            elapsed = time.monotonic() - start
+            if deadline_s is not None and elapsed >= deadline_s:
+                raise _give_up(what, deadline_s, e) from e
+            log.warning("redis unavailable during %s (%s); retrying in %.1fs", what, e, delay)
+            pause = delay if deadline_s is None else min(delay, deadline_s - elapsed)
+            await asyncio.sleep(max(0.0, pause))
+            delay = min(delay * 2, max_s)

@@ -1,0 +1,170 @@
+"""`gyre rl` SIGKILLed as a whole (launcher, services and redis-server at once) at a random step, then
+the same command again: the run finishes with every step trained exactly once and published, and
+no process of either launch outlives it (issue 17: the re-run used to hang or retrain steps).
+
+Also: a plain re-run of a finished run says so and exits 0, `--fresh` starts over, and a launcher
+SIGKILLed alone takes every child (redis-server included) with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gyre.events import latest_per_step, read_events
+from gyre.weights import WeightStore
+
+ROOT = Path(__file__).resolve().parents[2]
+CI_CONFIG = ROOT / "configs/ci.toml"
+pytestmark = pytest.mark.slow
+
+
+def command(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "gyre.cli", "rl", "@", str(CI_CONFIG), "--output-dir", str(out), *args]
+
+
+def _stat(pid: int) -> tuple[int, int, str, str] | None:
+    """(ppid, start time, state, name) of a live process, None if gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = raw[raw.index("(") + 1 : raw.rindex(")")]
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return int(fields[1]), int(fields[19]), fields[0], name
+
+
+def descendants(root: int) -> dict[int, tuple[int, str]]:
+    """{pid: (start time, name)} of every live process below `root`."""
+    children: dict[int, list[int]] = {}
+    info: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) and st[2] != "Z":
+            children.setdefault(st[0], []).append(int(entry.name))
+            info[int(entry.name)] = (st[1], st[3])
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = info[child]
+            todo.append(child)
+    return found
+
+
+def survivors(seen: dict[int, tuple[int, str]]) -> list[str]:
+    """The processes of `seen` still running (same pid and start time: not a reused pid)."""
+    left = []
+    for pid, (start, name) in seen.items():
+        st = _stat(pid)
+        if st is not None and st[1] == start and st[2] != "Z":
+            left.append(f"{pid} {name}")
+    return left
+
+
+class Watched:
+    """A `gyre rl` launch whose process tree is recorded while it runs."""
+
+    def __init__(self, out: Path, *args: str):
+        self.proc = subprocess.Popen(
+            command(out, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        self.seen: dict[int, tuple[int, str]] = {}
+
+    def record(self) -> None:
+        self.seen.update(descendants(self.proc.pid))
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.record()
+            time.sleep(0.3)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+
+def trained_steps(out: Path) -> list[int]:
+    return [r["step"] for r in read_events(out / "events" / "trainer_steps.jsonl")]
+
+
+def wait_gone(seen: dict, timeout: float = 20) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := survivors(seen)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sigkill_whole_tree_at_a_random_step_then_rerun(tmp_path, seed):
+    rng = random.Random(seed)
+    n = 5
+    kill_at = rng.randint(1, n - 2)  # the trainer has logged this step; a random moment after that
+    out = tmp_path / "run"
+    first = Watched(out, "--max-steps", str(n))
+    deadline = time.monotonic() + 400
+    while not any(s >= kill_at for s in trained_steps(out)):
+        assert first.proc.poll() is None, first.proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the first launch never reached the kill step"
+        first.record()
+        time.sleep(0.2)
+    time.sleep(rng.uniform(0.0, 2.0))
+    first.record()
+    assert any(name.startswith("redis-server") for _, name in first.seen.values())
+    for pid in [first.proc.pid, *first.seen]:  # the whole tree at once: nothing gets to clean up
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    first.proc.communicate(timeout=30)
+    assert wait_gone(first.seen) == []
+    assert trained_steps(out) and max(trained_steps(out)) < n, "killed too late to test a resume"
+
+    second = Watched(out, "--max-steps", str(n))  # the same command again
+    code, err = second.wait(timeout=400)
+    assert code == 0, err[-4000:]
+    trained = trained_steps(out)
+    assert sorted(trained) == list(range(1, n + 1)), f"killed after step {kill_at}: trained {trained}"
+    store = WeightStore(out / "weights")
+    assert store.steps() == list(range(1, n + 1))
+    for s in store.steps():
+        store.verify(s)
+    pushed = latest_per_step(read_events(out / "events" / "orchestrator_steps.jsonl"))
+    assert [p["step"] for p in pushed] == list(range(1, n + 1))
+    assert len({r["segment"] for r in read_events(out / "events" / "trainer_steps.jsonl")}) == 2
+    assert any(name.startswith("redis-server") for _, name in second.seen.values())
+    assert wait_gone(second.seen) == [], "a process of the re-run outlived it"
+
+
+def test_finished_run_says_so_fresh_starts_over_and_a_killed_launcher_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    first = Watched(out, "--max-steps", "2")
+    code, err = first.wait(timeout=400)
+    assert code == 0, err[-4000:]
+    assert trained_steps(out) == [1, 2]
+
+    again = subprocess.run(command(out, "--max-steps", "2"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished" in again.stdout + again.stderr
+    assert trained_steps(out) == [1, 2]
+
+    old_segment = read_events(out / "events" / "trainer_steps.jsonl")[0]["segment"]
+    fresh = Watched(out, "--max-steps", "4", "--fresh")
+    deadline = time.monotonic() + 400
+    while not any(r["segment"] != old_segment for r in read_events(out / "events" / "trainer_steps.jsonl")):
+        assert fresh.proc.poll() is None, fresh.proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        fresh.record()
+        time.sleep(0.2)
+    fresh.record()
+    os.kill(fresh.proc.pid, signal.SIGKILL)  # the launcher alone: its children must follow it
+    fresh.proc.communicate(timeout=30)
+    assert wait_gone(fresh.seen) == [], "children outlived the SIGKILLed launcher"
+    assert any(name.startswith("redis-server") for _, name in fresh.seen.values())
+    steps = trained_steps(out)
+    assert steps == list(range(1, len(steps) + 1))  # the old run's events are gone: no step twice
+    assert len({r["segment"] for r in read_events(out / "events" / "trainer_steps.jsonl")}) == 1

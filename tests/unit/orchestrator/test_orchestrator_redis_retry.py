@@ -1,0 +1,86 @@
+"""The orchestrator's Redis calls ride out an outage (backoff, deadline) on a real redis-server.
+
+Issue 17, defect 4: a push (XADD) while Redis restarted raised ConnectionError and ended the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from gyre.config import load_config
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.redis_retry import RedisUnavailable
+from gyre.redis_server import EmbeddedRedis
+
+
+def service(tmp_path, url: str, deadline_s: float = 30.0):
+    """An orchestrator service (not started: only its Redis path is used); call inside an event loop."""
+    from gyre_orchestrator.service import OrchestratorService
+
+    cfg = load_config(
+        OrchestratorConfig,
+        [],
+        output_dir=str(tmp_path),
+        run_id="retry",
+        redis={"url": url, "retry_deadline_s": deadline_s},
+    )
+    return OrchestratorService(cfg)
+
+
+def test_defect_4_push_survives_a_redis_restart(tmp_path):
+    server = EmbeddedRedis().start()
+    port = server.port
+    server.stop()  # the outage begins
+    replacement = EmbeddedRedis(port=port)
+
+    async def main():
+        orch = service(tmp_path, f"redis://127.0.0.1:{port}/0")
+        asyncio.get_running_loop().call_later(1.5, replacement.start)  # the retries run in a worker thread
+        started = time.monotonic()
+        entry = await orch._redis(lambda: orch.stream.push(1, b"payload"), "pushing batch 1")
+        waited = time.monotonic() - started
+        latest = orch.stream.latest_step()
+        orch.redis.close()
+        return entry, waited, latest
+
+    try:
+        entry, waited, latest = asyncio.run(main())
+        assert entry and latest == 1
+        assert waited >= 1.0  # it really waited for the new server
+    finally:
+        replacement.stop()
+
+
+def test_gives_up_after_the_deadline_naming_what_it_was_doing(tmp_path):
+    from gyre.net import free_port
+
+    async def main():
+        orch = service(tmp_path, f"redis://127.0.0.1:{free_port()}/0", deadline_s=1.0)
+        try:
+            await orch._redis(lambda: orch.stream.push(3, b"x"), "pushing batch 3")
+        finally:
+            orch.redis.close()
+
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailable, match="pushing batch 3"):
+        asyncio.run(main())
+    assert time.monotonic() - started < 5
+
+
+def test_a_cancel_stops_the_retries_at_once(tmp_path):
+    from gyre.net import free_port
+
+    async def main():
+        orch = service(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
+        task = asyncio.create_task(orch._redis(lambda: orch.stream.latest_step(), "reading the stream"))
+        await asyncio.sleep(1.0)
+        cancelled = time.monotonic()
+        task.cancel()  # what SIGTERM does in `gyre orchestrator`
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        orch.redis.close()
+        return time.monotonic() - cancelled
+
+    assert asyncio.run(main()) < 1.0

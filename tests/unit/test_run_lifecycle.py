@@ -1,0 +1,317 @@
+"""Run lifecycle (issue 17): locks, Redis dying with its parent, config checked before anything starts,
+hub ids, the derived batch split, TOML writing, run segments and the report's eval line.
+
+Each `test_defect_N_*` reproduces defect N of the issue and failed on the code before the fix.
+Everything here is real: real redis-server processes, real `gyre rl` / `gyre orchestrator` processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from gyre.config import load_config, to_toml
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.config.rl import RLConfig
+from gyre.config.trainer import TrainerConfig
+from gyre.events import EventLog, latest_per_step, read_events
+from gyre.launcher import resolve_configs
+from gyre.runlock import LockHeld, RunLock
+
+ROOT = Path(__file__).resolve().parents[2]
+CI_CONFIG = ROOT / "configs/ci.toml"
+
+
+def gyre(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gyre.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ---- 3: one launch per output folder ------------------------------------------------------------
+
+
+def hold_lock(out: Path, role: str) -> subprocess.Popen:
+    """Another process holding `role`'s lock on `out` until killed."""
+    code = (
+        f"from gyre.runlock import RunLock; RunLock({str(out)!r}, {role!r}).acquire(); "
+        "print('held', flush=True); input()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_lock_names_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    holder = hold_lock(tmp_path, "trainer")
+    try:
+        with pytest.raises(LockHeld, match=f"pid {holder.pid}"):
+            RunLock(tmp_path, "trainer").acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(tmp_path, "trainer").acquire()  # the holder died without releasing: stale
+    assert lock.took_over == holder.pid
+    lock.release()
+    again = RunLock(tmp_path, "trainer").acquire()
+    assert again.took_over is None  # released cleanly this time
+    again.release()
+
+
+def test_defect_3_second_gyre_rl_on_one_folder_fails_at_once_naming_the_pid(tmp_path):
+    out = tmp_path / "run"
+    holder = hold_lock(out, "rl")
+    try:
+        started = time.monotonic()
+        res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out))
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert f"pid {holder.pid}" in res.stderr
+        assert time.monotonic() - started < 30
+        assert not (out / "redis").exists() and not (out / "model").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_standalone_orchestrator_refuses_a_held_role(tmp_path):
+    holder = hold_lock(tmp_path, "orchestrator")
+    try:
+        res = gyre("orchestrator", "--output-dir", str(tmp_path), "--redis.url", "redis://127.0.0.1:1/0")
+        assert res.returncode == 2
+        assert f"pid {holder.pid}" in res.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# ---- 5: redis-server dies with its parent; scratch folders go ------------------------------------
+
+
+def test_defect_5_redis_dies_with_a_sigkilled_parent_and_its_scratch_folder_goes(tmp_path):
+    code = textwrap.dedent(
+        """
+        from gyre.redis_server import EmbeddedRedis
+        r = EmbeddedRedis().start()
+        print(r.proc.pid, r._workdir, flush=True)
+        input()
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pid_text, workdir = parent.stdout.readline().split()
+    redis_pid = int(pid_text)
+    assert alive(redis_pid) and Path(workdir).is_dir()
+    parent.kill()  # no atexit, no finally: only the kernel can clean up now
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while alive(redis_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(redis_pid), "redis-server outlived its SIGKILLed parent"
+    from gyre.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis():  # the next start on this machine sweeps the dead owner's scratch folder
+        assert not Path(workdir).exists()
+
+
+def test_persistent_redis_keeps_the_stream_across_a_sigkill(tmp_path):
+    from gyre.redis_server import EmbeddedRedis
+    from gyre.streams import BatchStream
+
+    server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
+    stream = BatchStream(server.url, "keep")
+    stream.push(1, b"one")
+    stream.push(2, b"two")
+    stream.redis.close()
+    os.kill(server.proc.pid, signal.SIGKILL)  # no shutdown save: only the append-only file remains
+    server.proc.wait()
+    server.stop()
+    with EmbeddedRedis(data_dir=tmp_path / "redis") as again:
+        assert BatchStream(again.url, "keep").steps_after(0) == [2, 1]
+
+
+# ---- 6: hub ids and missing folders --------------------------------------------------------------
+
+
+def test_defect_6_hub_id_that_cannot_be_fetched_is_a_clear_error_before_anything_starts(tmp_path):
+    out = tmp_path / "run"
+    res = gyre(
+        "rl",
+        "@",
+        str(CI_CONFIG),
+        "--output-dir",
+        str(out),
+        "--model.name",
+        "Qwen/Qwen3-0.6B",
+        "--model.init-preset",
+        "none",
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Qwen/Qwen3-0.6B" in res.stderr and "hub" in res.stderr and "gyre model init" in res.stderr
+    assert not out.exists() and not (ROOT / "Qwen").exists()  # no random model created in its place
+
+
+def test_defect_6_missing_local_folder_and_no_implicit_random_model(tmp_path):
+    out = tmp_path / "run"
+    res = gyre("rl", "--output-dir", str(out), "--model.name", str(tmp_path / "nope" / "model"))
+    assert res.returncode == 2
+    assert "does not exist" in res.stderr and "init_preset" in res.stderr
+    assert not out.exists()
+    assert RLConfig().model.init_preset is None  # a random model only when asked for
+
+
+# ---- 7: the batch split follows the trainer -------------------------------------------------------
+
+
+def test_defect_7_dp_world_size_and_seq_len_are_derived_from_the_trainer(tmp_path):
+    cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--trainer-nproc", "2"])
+    resolved = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
+    assert resolved["orchestrator"].batch.dp_world_size == 2
+    only_trainer = load_config(RLConfig, ["--output-dir", str(tmp_path), "--trainer.data.seq-len", "300"])
+    resolved = resolve_configs(only_trainer, "m", "redis://127.0.0.1:1/0")
+    assert resolved["orchestrator"].batch.seq_len == resolved["trainer"].data.seq_len == 300
+
+
+def test_contradicting_batch_split_is_refused(tmp_path):
+    from gyre.config import ConfigError
+
+    cfg = load_config(
+        RLConfig, ["--trainer-nproc", "2", "--orchestrator.batch.dp-world-size", "1", "--output-dir", str(tmp_path)]
+    )
+    with pytest.raises(ConfigError, match="dp_world_size"):
+        resolve_configs(cfg, "m", "redis://127.0.0.1:1/0")
+    cfg = load_config(
+        RLConfig,
+        ["--trainer.data.seq-len", "256", "--orchestrator.batch.seq-len", "512", "--output-dir", str(tmp_path)],
+    )
+    with pytest.raises(ConfigError, match="seq_len"):
+        resolve_configs(cfg, "m", "redis://127.0.0.1:1/0")
+
+
+# ---- 8: everything validated first; TOML by a library; ports named ------------------------------
+
+
+def test_defect_8_unknown_loss_fails_before_any_folder_or_server_exists(tmp_path):
+    out = tmp_path / "run"
+    started = time.monotonic()
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--trainer.loss.type", "nope", timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "trainer.loss.type" in res.stderr and "nope" in res.stderr
+    assert not out.exists()
+    assert time.monotonic() - started < 60
+
+
+def test_unknown_environment_fails_before_anything(tmp_path):
+    out = tmp_path / "run"
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--orchestrator.env.name", "nope")
+    assert res.returncode == 2 and "orchestrator.env" in res.stderr and "nope" in res.stderr
+    assert not out.exists()
+
+
+def test_defect_8_env_args_with_a_list_of_tables_round_trip_through_toml():
+    args = {"levels": [{"name": "easy", "n": 1}, {"name": "hard", "n": 2, "tags": ["a", "b"]}], "q": 'say "hi"\n'}
+    cfg = load_config(OrchestratorConfig, [], env={"name": "x.y:z", "args": args})
+    text = to_toml(cfg)
+    assert tomllib.loads(text)["env"]["args"] == args
+    reloaded = load_config(OrchestratorConfig, [], **tomllib.loads(text))
+    assert reloaded.env.args == args
+
+
+def test_defect_8_port_in_use_names_the_option(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = gyre(
+            "orchestrator",
+            "--output-dir",
+            str(tmp_path),
+            "--redis.url",
+            "redis://127.0.0.1:1/0",
+            "--metrics.port",
+            "0",
+            "--server.port",
+            str(port),
+        )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--server.port" in res.stderr and str(port) in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_builtin_loss_names_match_the_trainer_registry():
+    pytest.importorskip("torch")
+    from gyre.config.trainer import BUILTIN_LOSSES
+    from gyre_trainer.loss import LOSSES
+
+    assert set(BUILTIN_LOSSES) == set(LOSSES)
+    assert load_config(TrainerConfig, [], loss={"type": "my.module:objective"}).loss.type == "my.module:objective"
+
+
+# ---- 10: run segments and the report ------------------------------------------------------------
+
+
+def test_resumed_curves_continue_and_eval_off_says_so(tmp_path):
+    from gyre.report import _per_wall_second, summarize, summary_numbers
+
+    path = tmp_path / "events" / "orchestrator_steps.jsonl"
+    with EventLog(path, segment="a") as first:
+        for step in (1, 2, 3):
+            first.append(
+                {"step": step, "reward_mean": 0.1 * step, "num_tokens": 9, "step_seconds": 1.0, "time": 100.0 + step}
+            )
+    with EventLog(path, segment="b") as second:  # the re-run regenerated step 3 and went on, an hour later
+        for step in (3, 4, 5):
+            second.append(
+                {"step": step, "reward_mean": 0.1 * step, "num_tokens": 9, "step_seconds": 1.0, "time": 3700.0 + step}
+            )
+    records = read_events(path)
+    assert {r["segment"] for r in records} == {"a", "b"}
+    latest = latest_per_step(records)
+    assert [r["step"] for r in latest] == [1, 2, 3, 4, 5]
+    assert latest[2]["segment"] == "b"
+    steps, rates = _per_wall_second(latest, None)
+    assert steps == sorted(steps) and len(steps) == len(set(steps))
+    assert min(rates) > 0.5  # no window spans the hour between the two launches
+    (tmp_path / "events" / "trainer_steps.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "num_tokens": 10, "step_seconds": 1.0, "time": 100.0 + s}) + "\n" for s in (1, 2)
+        )
+    )
+    assert summary_numbers(tmp_path)["steps_trained"] == 2
+    text = summarize(tmp_path)
+    assert "eval off" in text and "nan -> nan" not in text
+
+
+def test_fresh_refuses_a_folder_that_is_not_a_gyre_run(tmp_path):
+    from gyre.config import ConfigError
+    from gyre.launcher import Launcher
+
+    (tmp_path / "thesis.tex").write_text("years of work")
+    launcher = Launcher(load_config(RLConfig, ["--output-dir", str(tmp_path), "--fresh"]))
+    with pytest.raises(ConfigError, match="thesis.tex"):
+        launcher.start_fresh()
+    assert (tmp_path / "thesis.tex").exists()
+    (tmp_path / "events").mkdir()  # a gyre run (with a file of the user's in it): emptied
+    launcher.start_fresh()
+    assert list(tmp_path.iterdir()) == []
