@@ -23,9 +23,11 @@ from gyre.config import load_config, to_toml
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import TrainerConfig
-from gyre.events import EventLog, latest_per_step, read_events
+from gyre.events import EventLog, read_events
 from gyre.launcher import resolve_configs
-from gyre.runlock import LockHeld, RunLock
+
+# New modules are imported inside the tests, so that on the old code each test fails on its own
+# defect rather than the whole file failing to import.
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_CONFIG = ROOT / "configs/ci.toml"
@@ -54,17 +56,25 @@ def alive(pid: int) -> bool:
 
 
 def hold_lock(out: Path, role: str) -> subprocess.Popen:
-    """Another process holding `role`'s lock on `out` until killed."""
+    """Another process holding `role`'s lock on `out` until killed (an flock, as gyre.runlock takes it)."""
+    path = out / "locks" / f"{role}.lock"
     code = (
-        f"from gyre.runlock import RunLock; RunLock({str(out)!r}, {role!r}).acquire(); "
+        "import fcntl, json, os, pathlib, sys; p = pathlib.Path(sys.argv[1]); "
+        "p.parent.mkdir(parents=True, exist_ok=True); "
+        "f = open(p, 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.truncate(0); "
+        "f.write(json.dumps({'pid': os.getpid(), 'host': 'h', 'command': 'holder'})); f.flush(); "
         "print('held', flush=True); input()"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
 
 def test_lock_names_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    from gyre.runlock import LockHeld, RunLock
+
     holder = hold_lock(tmp_path, "trainer")
     try:
         with pytest.raises(LockHeld, match=f"pid {holder.pid}"):
@@ -259,6 +269,29 @@ def test_defect_8_port_in_use_names_the_option(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+def test_trainer_port_in_use_names_the_option(tmp_path):
+    pytest.importorskip("torch")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = gyre(
+            "trainer",
+            "--output-dir",
+            str(tmp_path),
+            "--redis.url",
+            "redis://127.0.0.1:1/0",
+            "--metrics.port",
+            str(port),
+            "--server.port",
+            "0",
+            timeout=120,
+        )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--metrics.port" in res.stderr and str(port) in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_builtin_loss_names_match_the_trainer_registry():
     pytest.importorskip("torch")
     from gyre.config.trainer import BUILTIN_LOSSES
@@ -272,6 +305,7 @@ def test_builtin_loss_names_match_the_trainer_registry():
 
 
 def test_resumed_curves_continue_and_eval_off_says_so(tmp_path):
+    from gyre.events import latest_per_step
     from gyre.report import _per_wall_second, summarize, summary_numbers
 
     path = tmp_path / "events" / "orchestrator_steps.jsonl"

@@ -11,7 +11,6 @@ import time
 import pytest
 from gyre.config import load_config
 from gyre.config.orchestrator import OrchestratorConfig
-from gyre.redis_retry import RedisUnavailable
 from gyre.redis_server import EmbeddedRedis
 
 
@@ -55,6 +54,7 @@ def test_defect_4_push_survives_a_redis_restart(tmp_path):
 
 def test_gives_up_after_the_deadline_naming_what_it_was_doing(tmp_path):
     from gyre.net import free_port
+    from gyre.redis_retry import RedisUnavailable
 
     async def main():
         orch = service(tmp_path, f"redis://127.0.0.1:{free_port()}/0", deadline_s=1.0)
