@@ -1,9 +1,17 @@
-"""Crash-safe file writes for the shared volume: readers see nothing or the complete file."""
+"""Crash-safe writes for the shared volume: readers see nothing, or the complete file or folder.
+
+The one home of the durability primitives: `fsync_file` / `fsync_dir` / `fsync_files`, `write_atomic`
+(a file) and `commit_dir` (a folder written under a temp name: weight versions, trainer checkpoints,
+HF model saves). Temp and retired names start with `.tmp-`, which every reader of a folder of
+versions ignores and its cleaner removes once stale.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +56,40 @@ def write_file(path: Path, data: bytes, mode: int = 0o644) -> Path:
         os.fchmod(f.fileno(), mode)  # regardless of the umask
         f.write(data)
     return Path(path)
+
+
+def sync_tree(folder: Path) -> None:
+    """fsync `folder`, every folder and every file under it, all together (see `fsync_files`)."""
+    folder = Path(folder)
+    fsync_files([*folder.rglob("*"), folder])
+
+
+def retire_dir(folder: Path) -> None:
+    """Hide `folder` atomically (a rename to a `.tmp-delete-*` sibling, made durable), then delete it.
+
+    No reader ever sees a half-deleted folder under its real name."""
+    folder = Path(folder)
+    doomed = folder.parent / f".tmp-delete-{folder.name}-{uuid.uuid4().hex}"
+    os.rename(folder, doomed)
+    fsync_dir(folder.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def commit_dir(tmp: Path, final: Path, *, synced: bool = False) -> Path:
+    """Make the folder written at `tmp` (a sibling of `final`) visible as `final`, only complete.
+
+    fsyncs everything in `tmp` (skip with `synced` when the caller already did), retires an existing
+    `final`, renames and fsyncs the parent. Invariant: at every instant `final` is absent, its previous
+    complete content or the new complete content, also after a crash.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if not synced:
+        sync_tree(tmp)
+    if final.exists():
+        retire_dir(final)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    return final
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> Path:

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre.fsio import fsync_dir, fsync_files, write_atomic, write_file
+from gyre.fsio import commit_dir, fsync_files, retire_dir, write_atomic, write_file
 
 log = logging.getLogger(__name__)
 
@@ -170,14 +170,11 @@ class WeightStore:
                 fsync_files([tmp / MANIFEST, *written, *{p.parent for p in tmp.rglob("*")}])
                 flushed.result()
             final = self.path(step)
-            if final.exists():
-                if self._same_files(final, files):
-                    shutil.rmtree(tmp)
-                    return self.version(step)
-                # move the old version out of the way first: at no instant is an incomplete step_{s} visible
-                self._retire(final)
-            os.rename(tmp, final)
-            fsync_dir(self.root)
+            if final.exists() and self._same_files(final, files):
+                shutil.rmtree(tmp)
+                return self.version(step)
+            # an old version is moved out of the way first: at no instant is an incomplete step_{s} visible
+            commit_dir(tmp, final, synced=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -193,18 +190,11 @@ class WeightStore:
         except (OSError, WeightsError):
             return False
 
-    def _retire(self, folder: Path) -> None:
-        """Atomically hide `folder` (rename to `.tmp-delete-*`), then delete it."""
-        doomed = self.root / f".tmp-delete-{folder.name}-{uuid.uuid4().hex}"
-        os.rename(folder, doomed)
-        fsync_dir(self.root)
-        shutil.rmtree(doomed, ignore_errors=True)
-
     def discard_after(self, step: int) -> list[int]:
         """Delete versions newer than `step` (a rewound run abandons them), each hidden by a rename first."""
         doomed = [s for s in self.steps() if s > step]
         for s in doomed:
-            self._retire(self.path(s))
+            retire_dir(self.path(s))
         return doomed
 
     # ---- reading --------------------------------------------------------------------------------
@@ -286,7 +276,7 @@ class WeightStore:
         deleted = []
         for step in steps:
             if step not in keep:
-                self._retire(self.path(step))
+                retire_dir(self.path(step))
                 deleted.append(step)
         self._remove_stale_tmp()
         if deleted:

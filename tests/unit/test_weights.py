@@ -172,6 +172,7 @@ def write(folder: Path) -> None:
     (folder / "config.json").write_text('{"step": %d}' % step)
 
 step = first
+print("ready", flush=True)
 while True:
     store.publish(step, write)
     print(step, flush=True)
@@ -190,6 +191,7 @@ def test_publish_killed_at_random_moments_never_exposes_a_partial_version(tmp_pa
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
+        assert child.stdout.readline() == b"ready\n"  # random kill times count from here, not from a loaded start
         time.sleep(rng.uniform(0.1, 0.9))
         child.send_signal(signal.SIGKILL)
         _, err = child.communicate(timeout=30)
@@ -206,3 +208,16 @@ def test_publish_killed_at_random_moments_never_exposes_a_partial_version(tmp_pa
     assert leftovers > 0, "no kill landed mid-publish: the test did not exercise anything"
     store.prune(keep_last=100)  # the dead publishers' temp folders are stale and unlocked
     assert not [p for p in store.root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_commit_dir_replaces_a_folder_atomically_and_leaves_no_temp(tmp_path):
+    from gyre.fsio import commit_dir
+
+    final = tmp_path / "model"
+    for content in (b"old", b"new"):
+        tmp = tmp_path / f".tmp-model-{content.decode()}"
+        (tmp / "sub").mkdir(parents=True)
+        (tmp / "sub" / "weights.bin").write_bytes(content)
+        assert commit_dir(tmp, final) == final
+        assert (final / "sub" / "weights.bin").read_bytes() == content
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

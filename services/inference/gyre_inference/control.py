@@ -19,13 +19,11 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from gyre.grpc_server import AioGrpcServer
 from gyre.transport import FolderSource
 from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightsError, WeightsVersion
@@ -36,34 +34,10 @@ from gyre_inference.metrics import InferenceMetrics
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceControl"].full_name
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 class OlderVersionError(Exception):
     """UpdateWeights for a step older than the one served, without `rollback`."""
-
-
-class _TokenAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-        async def deny(request, context):
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or wrong control token (metadata authorization: Bearer <token>)",
-            )
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith(_OPEN_PREFIXES):
-            return await continuation(details)
-        metadata = {key: value for key, value in (details.invocation_metadata or ())}
-        given = metadata.get("authorization", "")
-        given = given.encode() if isinstance(given, str) else given
-        if hmac.compare_digest(given, self._expected):
-            return await continuation(details)
-        return self._deny
 
 
 class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
@@ -132,8 +106,8 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
             return None
 
 
-class ControlServer:
-    """The grpc.aio server: control servicer, health, reflection, optional token auth."""
+class ControlServer(AioGrpcServer):
+    """The grpc.aio server (`gyre.grpc_server`): control servicer, health, reflection, optional token auth."""
 
     def __init__(
         self,
@@ -143,33 +117,6 @@ class ControlServer:
         token: str | None = None,
         source: FolderSource | None = None,
     ):
-        interceptors = [_TokenAuth(token)] if token else []
-        self.server = grpc.aio.server(interceptors=interceptors)
-        self.health = health.aio.HealthServicer()
-        inference_pb2_grpc.add_InferenceControlServicer_to_server(
-            InferenceControl(backend, metrics, model_id, source or FolderSource()), self.server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
-
-    async def start(self, host: str, port: int) -> int:
-        """Bind and start (health NOT_SERVING); returns the bound port (useful with port 0)."""
-        try:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as error:
-            raise OSError(f"cannot bind gRPC control server to {host}:{port}: {error}") from None
-        if not bound:
-            raise OSError(f"cannot bind gRPC control server to {host}:{port}")
-        await self.set_serving(False)
-        await self.server.start()
-        return bound
-
-    async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, status)
-
-    async def stop(self, grace: float) -> None:
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        super().__init__(SERVICE_NAME, token=token, what="gRPC control server")
+        control = InferenceControl(backend, metrics, model_id, source or FolderSource())
+        inference_pb2_grpc.add_InferenceControlServicer_to_server(control, self.server)

@@ -9,13 +9,11 @@ Kubernetes `grpc:` probes cannot send metadata and neither exposes anything but 
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from gyre.grpc_server import AioGrpcServer
 from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from gyre.weights import WeightsError, WeightsVersion
 
@@ -24,25 +22,6 @@ from gyre_orchestrator.relay import WeightRelay
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
-_OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/", "/grpc.reflection.v1.")
-
-
-class _TokenAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith(_OPEN_PREFIXES):
-            return await continuation(details)
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        sent = sent.encode() if isinstance(sent, str) else sent
-        if hmac.compare_digest(sent, self._expected):
-            return await continuation(details)
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization bearer token")
-
-        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class _OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -76,8 +55,8 @@ class _OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         )
 
 
-class OrchestratorServer:
-    """`await start()` binds (port 0 = free port) and returns the port; `await stop()`."""
+class OrchestratorServer(AioGrpcServer):
+    """`await start()` binds (port 0 = free port) and returns the port; `await stop()` (`gyre.grpc_server`)."""
 
     def __init__(
         self,
@@ -88,32 +67,15 @@ class OrchestratorServer:
         port: int = 0,
         control_token: str | None = None,
     ):
+        super().__init__(SERVICE_NAME, token=control_token, what="the orchestrator gRPC server")
         self.host = host
         self.requested_port = port
-        self.port: int | None = None
-        interceptors = [_TokenAuth(control_token)] if control_token else []
-        self._server = grpc.aio.server(interceptors=interceptors)
-        self._health = health.aio.HealthServicer()
-        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(_OrchestratorServicer(relay, last_step), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(_OrchestratorServicer(relay, last_step), self.server)
 
     async def start(self) -> int:
-        await self.set_serving(False)
-        address = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
-        port = self._server.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"cannot bind the orchestrator gRPC server to {address}")
-        await self._server.start()
-        self.port = port
+        port = await super().start(self.host, self.requested_port)
         log.info("gRPC gyre.v1.Orchestrator + health on %s:%d", self.host, port)
         return port
 
-    async def set_serving(self, serving: bool) -> None:
-        state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, state)
-
     async def stop(self, grace: float = 2.0) -> None:
-        await self.set_serving(False)
-        await self._server.stop(grace)
+        await super().stop(grace)

@@ -27,14 +27,13 @@ import random
 import re
 import shutil
 import time
-import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from gyre.fsio import fsync_dir, write_atomic
+from gyre.fsio import commit_dir, retire_dir, write_atomic
 
 from gyre_trainer.dist import DistContext, barrier
 
@@ -104,14 +103,7 @@ class CheckpointManager:
             for file in tmp.rglob("*"):
                 if file.is_file():
                     file.chmod(0o644)  # readable by other pods' users sharing the volume (fsGroup)
-                    _fsync_file(file)
-            for folder in [tmp / "state", tmp]:
-                fsync_dir(folder)
-            final = self.path(step)
-            if final.exists():  # a rewound run saving this step again: the old one must go first
-                self._retire(final)
-            os.rename(tmp, final)
-            fsync_dir(self.root)
+            final = commit_dir(tmp, self.path(step))  # a rewound run saving this step again replaces it
             log.info("saved checkpoint step %d at %s", step, final)
             self.prune()
         barrier(self.ctx)
@@ -171,7 +163,7 @@ class CheckpointManager:
             keep |= {s for s in steps if s % self.keep_interval == 0}
         deleted = [s for s in steps if s not in keep]
         for s in deleted:
-            self._retire(self.path(s))
+            retire_dir(self.path(s))
         for entry in os.scandir(self.root):
             if entry.name.startswith(".tmp-") and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -183,14 +175,8 @@ class CheckpointManager:
         """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""
         doomed = [s for s in self.steps() if s > step]
         for s in doomed:
-            self._retire(self.path(s))
+            retire_dir(self.path(s))
         return doomed
-
-    def _retire(self, folder: Path) -> None:
-        doomed = self.root / f".tmp-delete-{folder.name}-{uuid.uuid4().hex}"
-        os.rename(folder, doomed)
-        fsync_dir(self.root)
-        shutil.rmtree(doomed, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -199,14 +185,6 @@ def _single_process_ok():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict[str, Any]:

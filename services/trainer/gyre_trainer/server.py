@@ -10,12 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from gyre.grpc_server import ThreadedGrpcServer
 from gyre.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,36 +51,20 @@ class _TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             )
 
 
-class TrainerServer:
-    """The trainer's gRPC server; `start()` returns the bound port (port 0 = a free one)."""
+class TrainerServer(ThreadedGrpcServer):
+    """The trainer's gRPC server (`gyre.grpc_server`); `start()` returns the bound port (port 0 = a free one)."""
 
     def __init__(self, status: TrainerStatus, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(SERVICE_NAME, what="the trainer gRPC server")
         self.status = status
         self.host = host
         self.requested_port = port
-        self.port: int | None = None
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="trainer-grpc"))
-        self._health = health.HealthServicer()
-        trainer_pb2_grpc.add_TrainerServicer_to_server(_TrainerServicer(status), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        self.set_serving(False)
+        trainer_pb2_grpc.add_TrainerServicer_to_server(_TrainerServicer(status), self.server)
 
     def start(self) -> int:
-        address = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
-        port = self._server.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"cannot bind the trainer gRPC server to {address}")
-        self._server.start()
-        self.port = port
+        port = super().start(self.host, self.requested_port)
         log.info("gRPC gyre.v1.Trainer + health on %s:%d", self.host, port)
         return port
 
-    def set_serving(self, serving: bool) -> None:
-        state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, state)
-
     def stop(self, grace: float = 2.0) -> None:
-        self.set_serving(False)
-        self._server.stop(grace).wait()
+        super().stop(grace)

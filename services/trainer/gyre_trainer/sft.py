@@ -292,7 +292,7 @@ def run(cfg: SFTConfig) -> int:
 
 def save_hf_model(save_dir: Path, state_dict, config, base_model: str) -> Path:
     """Write the HF folder next to `save_dir` and swap it in with renames: never half a model there."""
-    from gyre.fsio import fsync_dir
+    from gyre.fsio import commit_dir
 
     from gyre_trainer.publish import write_hf_folder
 
@@ -301,18 +301,7 @@ def save_hf_model(save_dir: Path, state_dict, config, base_model: str) -> Path:
     tmp = save_dir.parent / f".tmp-{save_dir.name}-{uuid.uuid4().hex}"
     try:
         write_hf_folder(tmp, state_dict, config, base_model)
-        for file in tmp.iterdir():
-            fd = os.open(file, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        old = None
-        if save_dir.exists():
-            old = save_dir.parent / f".tmp-old-{save_dir.name}-{uuid.uuid4().hex}"
-            os.rename(save_dir, old)
-        os.rename(tmp, save_dir)
-        fsync_dir(save_dir.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        commit_dir(tmp, save_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
