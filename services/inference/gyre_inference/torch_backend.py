@@ -3,14 +3,15 @@
 One engine thread owns the model and the batch; the asyncio side only enqueues sequences and reads
 their tokens from per-sequence queues (torch releases the GIL inside kernels, so HTTP stays responsive).
 
-Batching scheme (simple, correct, and fast enough to beat one-at-a-time by an order of magnitude):
-- The running batch shares one KV cache, RIGHT-aligned: every row's newest token is in the last
-  column, shorter rows are left-padded, and a [B, L] attention mask marks real columns. Position ids
-  are tracked per row, so padding never shifts a row's positions.
-- Between decode steps, waiting sequences are prefilled together (left-padded) and their cache is
-  merged into the batch by left-padding whichever side is shorter. Finished or cancelled rows are
-  dropped by index; columns that became padding for every row are trimmed. Each layer's keys/values
-  live in a buffer with spare columns, so a decode step appends in place instead of re-concatenating.
+Batching scheme (continuous batching over a static cache, see static_decode.py):
+- Every running sequence owns a slot: a row of a preallocated key/value buffer, where its token at
+  position p lives in column p. Sequences of any lengths share the batch without padding; a new one
+  takes the lowest free slot, a finished or cancelled one frees its slot (nothing is copied).
+- Between decode steps, waiting sequences are prefilled together (a left-padded transformers
+  forward) and their cache is copied into their slots. Then one decode step runs for every slot: a
+  fixed-shape forward over the first `rows` slots and `width` columns (powers of two), which on CUDA
+  is captured once per shape as a CUDA graph and replayed (one launch instead of hundreds of kernels
+  and no Python per layer); on CPU the same step runs eagerly.
 - A weight swap is applied between two steps. Rows in flight keep their KV cache (computed by the
   old weights) and continue on the new weights; every token reports the version that computed it.
 
@@ -18,7 +19,7 @@ Randomness: each sequence owns a `random.Random` seeded from its request (or fro
 generator) and draws one uniform per token, so its tokens do not depend on what else is batched. (A
 per-sequence `torch.Generator` gives the same guarantee but costs ~10 us per row per step to draw from.)
 
-Only full-attention decoder models are supported (Llama, Qwen2 without sliding window, ...).
+Only full-attention decoder models are supported: Llama, Mistral, Qwen2 (no sliding window), Qwen3.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from gyre_inference.backend import (
     Backend,
@@ -47,6 +47,7 @@ from gyre_inference.backend import (
 )
 from gyre_inference.cpus import default_engine_threads
 from gyre_inference.sampling import sample_next
+from gyre_inference.static_decode import StaticDecoder
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class TorchBackend(Backend):
         max_model_len: int | None = None,
         seed: int = 0,
         threads: int | None = None,
+        cuda_graphs: bool | None = None,
     ):
         self.model_path = Path(model_path)
         self.device = resolve_device(device)
@@ -103,6 +105,8 @@ class TorchBackend(Backend):
         self.max_batch_size = max_batch_size
         self._requested_max_len = max_model_len
         self._threads = threads
+        # CUDA graphs for the decode step: on by default on CUDA (no effect on CPU).
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._rng = random.Random(seed)  # seeds of requests that bring none
         self._model = None
         self._max_model_len = 0
@@ -118,11 +122,10 @@ class TorchBackend(Backend):
         self._outbox_lock = threading.Lock()
         self._outbox_scheduled = False
         # Batch state, touched only by the engine thread.
-        self._rows: list[_Sequence] = []
-        self._cache = None  # transformers Cache of _GrowingLayer, right-aligned
-        self._mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L] 1 = real column
-        self._next_input = torch.zeros(0, dtype=torch.long)  # [B] last sampled token, fed at the next step
-        self._positions = torch.zeros(0, dtype=torch.long)  # [B] position id of that token
+        self._slots: list[_Sequence | None] = [None] * max_batch_size
+        self._decoder: StaticDecoder | None = None
+        self._next_input = torch.zeros(max_batch_size, dtype=torch.long)  # per slot: token fed at the next step
+        self._positions = torch.zeros(max_batch_size, dtype=torch.long)  # per slot: that token's position
 
     # ---- Backend interface ----------------------------------------------------------------------
     @property
@@ -142,6 +145,11 @@ class TorchBackend(Backend):
         """torch threads of the engine on CPU: `engine.threads`, else what the container's CPU quota allows
         minus one core for the HTTP loop (see cpus.py)."""
         return self._threads or default_engine_threads()
+
+    @property
+    def _rows(self) -> list[_Sequence]:
+        """The running sequences, in slot order."""
+        return [seq for seq in self._slots if seq is not None]
 
     def load_stats(self) -> tuple[int, int]:
         # read without the lock: a scrape may be off by the sequences moving between the two lists
@@ -199,6 +207,7 @@ class TorchBackend(Backend):
             raise ValueError(f"engine.max_model_len {self._requested_max_len} exceeds the model's context {limit}")
         self._max_model_len = self._requested_max_len or limit
         self._pad_id = model.config.pad_token_id or 0
+        self._decoder = StaticDecoder(model, self.max_batch_size, self._max_model_len, cuda_graphs=self.cuda_graphs)
         self._model = model
         log.info("loaded %s (%s, %s), context %d", self.model_path, self.device, self.dtype, self._max_model_len)
 
@@ -274,7 +283,7 @@ class TorchBackend(Backend):
                 try:
                     if swap is not None:
                         self._apply_swap(swap)
-                    self._keep([not seq.cancelled for seq in self._rows])
+                    self._free(lambda seq: seq.cancelled)
                     # Prefill newcomers, then one decode step for everyone: arrivals never starve the batch.
                     if admitted:
                         self._prefill(admitted)
@@ -298,7 +307,7 @@ class TorchBackend(Backend):
         self._reset_batch()
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
-        """Run the prompts of `seqs` (left-padded), sample their first tokens, merge them into the batch."""
+        """Run the prompts of `seqs` (left-padded), sample their first tokens, copy their cache into slots."""
         length = max(len(seq.prompt) for seq in seqs)
         ids = torch.full((len(seqs), length), self._pad_id, dtype=torch.long)
         mask = torch.zeros(len(seqs), length, dtype=torch.long)
@@ -308,30 +317,33 @@ class TorchBackend(Backend):
             ids[row, length - n :] = torch.tensor(seq.prompt)
             mask[row, length - n :] = 1
             positions[row, length - n :] = torch.arange(n)
-        cache = Cache(layer_class_to_replicate=_GrowingLayer)
-        logits = self._forward(ids, mask, positions, cache)
-        tokens = self._sample_and_emit(seqs, logits)
-        self._merge(seqs, cache, mask, tokens, torch.tensor([len(seq.prompt) for seq in seqs]))
-        self._keep([not self._finished(seq) for seq in self._rows])
-
-    def _decode(self) -> None:
-        self._mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=torch.long)], dim=1)
-        logits = self._forward(self._next_input[:, None], self._mask, self._positions[:, None], self._cache)
-        self._next_input = self._sample_and_emit(self._rows, logits)
-        self._positions = self._positions + 1
-        self._keep([not self._finished(seq) for seq in self._rows])
-
-    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
-        # Without padding the causal mask is all there is: skip building a [B, 1, q, L] mask per layer call.
+        cache = DynamicCache()
         out = self._model(
             input_ids=ids.to(self.device),
+            # Without padding the causal mask is all there is: skip building a [B, 1, q, L] mask per layer.
             attention_mask=None if bool(mask.all()) else mask.to(self.device),
             position_ids=positions.to(self.device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1, :]
+        tokens = self._sample_and_emit(seqs, out.logits[:, -1, :])
+        free = (slot for slot, seq in enumerate(self._slots) if seq is None)
+        for row, (seq, slot) in enumerate(zip(seqs, free, strict=False)):
+            self._decoder.load_prefill(slot, cache, row, len(seq.prompt))
+            self._slots[slot] = seq
+            self._next_input[slot] = tokens[row]
+            self._positions[slot] = len(seq.prompt)
+        self._free(self._finished)
+
+    def _decode(self) -> None:
+        busy = [slot for slot, seq in enumerate(self._slots) if seq is not None]
+        logits = self._decoder.step(self._next_input, self._positions, busy[-1] + 1)
+        index = torch.tensor(busy)
+        tokens = self._sample_and_emit([self._slots[slot] for slot in busy], logits[index.to(logits.device)])
+        self._next_input[index] = tokens
+        self._positions[index] += 1
+        self._free(self._finished)
 
     def _sample_and_emit(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         temperature = torch.tensor([seq.params.temperature for seq in seqs])
@@ -365,46 +377,14 @@ class TorchBackend(Backend):
     def _finished(seq: _Sequence) -> bool:
         return seq.cancelled or seq.finished
 
-    def _merge(self, seqs, cache, mask, next_input, positions) -> None:
-        if not self._rows:
-            self._rows, self._cache, self._mask = list(seqs), cache, mask
-            self._next_input, self._positions = next_input, positions
-            return
-        old, new = self._mask.shape[1], mask.shape[1]
-        width = max(old, new)
-        for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, width - old), _pad_left(theirs.keys, width - new)])
-            mine.values = torch.cat([_pad_left(mine.values, width - old), _pad_left(theirs.values, width - new)])
-        self._mask = torch.cat([F.pad(self._mask, (width - old, 0)), F.pad(mask, (width - new, 0))])
-        self._rows += seqs
-        self._next_input = torch.cat([self._next_input, next_input])
-        self._positions = torch.cat([self._positions, positions])
-
-    def _keep(self, keep: list[bool]) -> None:
-        """Drop the rows whose flag is False, then trim columns that are padding in every remaining row."""
-        if all(keep):
-            return
-        if not any(keep):
-            self._reset_batch()
-            return
-        index = torch.tensor([i for i, k in enumerate(keep) if k])
-        self._rows = [seq for seq, k in zip(self._rows, keep, strict=True) if k]
-        self._mask, self._next_input, self._positions = (
-            self._mask[index],
-            self._next_input[index],
-            self._positions[index],
-        )
-        self._cache.batch_select_indices(index.to(self.device))
-        start = int(self._mask.any(dim=0).long().argmax())
-        if start:
-            self._mask = self._mask[:, start:]
-            for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+    def _free(self, done) -> None:
+        """Free the slots of the sequences for which `done(seq)` holds."""
+        for slot, seq in enumerate(self._slots):
+            if seq is not None and done(seq):
+                self._slots[slot] = None
 
     def _reset_batch(self) -> None:
-        self._rows, self._cache = [], None
-        self._mask = torch.zeros(0, 0, dtype=torch.long)
-        self._next_input = self._positions = torch.zeros(0, dtype=torch.long)
+        self._slots = [None] * self.max_batch_size
 
     def _deliver(self, items: list[tuple[_Sequence, object]]) -> None:
         """Hand events to their sequences' asyncio queues.
@@ -428,42 +408,3 @@ class TorchBackend(Backend):
             items, self._outbox, self._outbox_scheduled = self._outbox, [], False
         for seq, item in items:
             seq.queue.put_nowait(item)
-
-
-class _GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys/values are views of buffers with spare columns.
-
-    Appending a decode step is a copy into the spare columns instead of a `torch.cat` that reallocates
-    the whole cache at every step. When `keys`/`values` are replaced from outside (merging, dropping
-    rows, trimming), the next update re-buffers them (one copy) with fresh spare room.
-    """
-
-    SPARE = 64
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        old = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-        new = old + key_states.shape[-2]
-        buffer = getattr(self, "_key_buffer", None)
-        owned = (
-            buffer is not None
-            and old > 0
-            and self.keys.data_ptr() == buffer.data_ptr()
-            and self.keys.shape[:2] == buffer.shape[:2]
-        )
-        if not owned or new > buffer.shape[-2]:
-            shape = (*key_states.shape[:2], new + self.SPARE, key_states.shape[-1])
-            keys, values = key_states.new_empty(shape), value_states.new_empty(shape)
-            if old:
-                keys[:, :, :old], values[:, :, :old] = self.keys, self.values
-            self._key_buffer, self._value_buffer = keys, values
-        self._key_buffer[:, :, old:new] = key_states
-        self._value_buffer[:, :, old:new] = value_states
-        self.keys, self.values = self._key_buffer[:, :, :new], self._value_buffer[:, :, :new]
-        return self.keys, self.values
-
-
-def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    """Left-pad a [B, H, L, D] cache tensor with `columns` zero columns (zeros keep attention finite)."""
-    return F.pad(tensor, (0, 0, columns, 0)) if columns else tensor

@@ -170,3 +170,125 @@ async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving
     assert backend.version == 0
     after = await _run(backend, PROMPTS[0], max_tokens=8, seed=9)
     assert after[:2] == before[:2]
+
+
+# ---- the static-cache decode step (CUDA graphs off on CPU; the gpu tests turn them on) -----------------
+def _tiny_family(kind: str, folder):
+    """A random 2-layer model of another family (grouped-query attention; Qwen3 adds q/k norms)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    config_class = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
+    config = config_class(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+async def test_the_decode_step_matches_transformers_on_each_family(kind, tmp_path):
+    reference = _tiny_family(kind, tmp_path)
+    engine = TorchBackend(tmp_path, threads=1, max_batch_size=4, device="cpu")
+    await engine.start()
+    try:
+        prompts = [[3, 4, 5], list(range(20, 90)), [7]]  # 70 tokens: the cache grows past its first 64 columns
+        runs = await asyncio.gather(*(_run(engine, p, max_tokens=12, temperature=0.0) for p in prompts))
+        for prompt, (tokens, logprobs, _) in zip(prompts, runs, strict=True):
+            with torch.no_grad():
+                greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                            eos_token_id=None, pad_token_id=0)  # fmt: skip
+            assert tokens == greedy[0, len(prompt) :].tolist()
+            expected = _reference_logprobs(reference, prompt, tokens, 1.0)
+            assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4)
+    finally:
+        await engine.shutdown()
+
+
+async def test_unsupported_families_are_refused_clearly():
+    from gyre_inference.static_decode import check_supported
+    from transformers import GPT2Config, Qwen2Config
+
+    with pytest.raises(ValueError, match="supports model types llama, mistral, qwen2, qwen3; this model is 'gpt2'"):
+        check_supported(GPT2Config())
+    with pytest.raises(ValueError, match="sliding window"):
+        check_supported(Qwen2Config(use_sliding_window=True))
+
+
+async def test_slots_are_reused_and_the_busy_ones_stay_packed(backend):
+    async def busy_becomes(expected):
+        for _ in range(300):
+            if [seq is not None for seq in backend._slots[:3]] == expected:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    first = backend.generate(PROMPTS[0], SamplingParams(max_tokens=300, seed=0))
+    second = backend.generate(PROMPTS[1], SamplingParams(max_tokens=300, seed=1))
+    await first.__anext__()
+    await second.__anext__()
+    assert await busy_becomes([True, True, False])
+    await first.aclose()
+    assert await busy_becomes([False, True, False])
+    third = backend.generate(PROMPTS[2], SamplingParams(max_tokens=300, seed=5))
+    await third.__anext__()
+    assert await busy_becomes([True, True, False])  # the lowest free slot
+    await second.aclose()
+    await third.aclose()
+    assert await busy_becomes([False, False, False])
+
+
+async def _together(engine, runs):
+    """Start `runs` (coroutines) so the engine admits them in ONE prefill: the batch is then the same
+    in every repetition, whatever the timing (the engine waits on its condition while we hold it)."""
+    with engine._cond:  # re-entrant: generate() takes it again on this thread to enqueue
+        tasks = [asyncio.ensure_future(run) for run in runs]
+        await asyncio.sleep(0.1)
+    return await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_cuda_graphs_give_the_same_tokens_as_eager(tiny_model, dtype):
+    """Greedy and seeded sampling over a batch of prompts of different lengths: the graph-captured decode
+    step and the eager one produce identical tokens (and a sequence alone too)."""
+
+    async def tokens(cuda_graphs: bool):
+        engine = TorchBackend(tiny_model, device="cuda", dtype=dtype, max_batch_size=8, cuda_graphs=cuda_graphs)
+        await engine.start()
+        try:
+            greedy = await _together(engine, [_run(engine, p, max_tokens=100, temperature=0.0) for p in PROMPTS])
+            seeded = await _together(
+                engine, [_run(engine, p, max_tokens=100, seed=7 + i) for i, p in enumerate(PROMPTS)]
+            )
+            alone = await _run(engine, PROMPTS[0], max_tokens=100, seed=7)
+            return [r[0] for r in greedy], [r[0] for r in seeded], alone[0], engine._decoder.cuda_graphs
+        finally:
+            await engine.shutdown()
+
+    eager, graphs = await tokens(False), await tokens(True)
+    assert eager[3] is False and graphs[3] is True
+    assert graphs[:3] == eager[:3]
+    assert graphs[1][0] != graphs[1][1]  # different prompts and seeds, different outputs: the test can fail
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_cuda_graph_decode_matches_transformers_greedy(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).cuda().eval()
+    engine = TorchBackend(tiny_model, device="cuda", dtype="float32", max_batch_size=8)
+    await engine.start()
+    try:
+        assert engine.cuda_graphs
+        for prompt in PROMPTS:
+            tokens, _, _ = await _run(engine, prompt, max_tokens=30, temperature=0.0)
+            with torch.no_grad():
+                greedy = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=30,
+                                            do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            assert tokens == greedy[0, len(prompt) :].tolist()
+    finally:
+        await engine.shutdown()
