@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gyre_inference.backend import Backend
 from gyre_inference.errors import APIError, error_body, error_response, install_error_handlers, unknown_model
 from gyre_inference.metrics import InferenceMetrics
+from gyre_inference.openapi import truthful_openapi
 from gyre_inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -140,6 +141,7 @@ def create_app(state: AppState) -> FastAPI:
         if endpoint and status < 500:
             state.metrics.request_done(endpoint, "client_error")
 
+    app.openapi = lambda: truthful_openapi(app)
     install_error_handlers(app, on_client_error=client_error)
     app.add_middleware(_Gate, state=state)
 

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+# Responses must match the OpenAPI document: documented status, media type, headers and body schema.
+CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conformance,
+               response_headers_conformance, response_schema_conformance]  # fmt: skip
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -301,6 +314,7 @@ def test_generated_requests_never_get_a_server_error(server, http, model_id):
                 assert response.status_code < 500, (case.body, response.text)
                 if response.status_code >= 400:
                     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+                case.validate_response(response, checks=CONFORMANCE)
 
             check()
     # the positive requests really reached generation, the negative ones were refused
@@ -308,3 +322,50 @@ def test_generated_requests_never_get_a_server_error(server, http, model_id):
     assert 200 in seen[("POST /v1/completions", "positive")], seen
     assert seen[("POST /v1/chat/completions", "negative")] <= {400, 404}, seen
     assert http.get("/health").status_code == 200
+
+
+def test_the_openapi_document_says_what_the_server_answers(http):
+    """No FastAPI 422 (the server sends 400 with OpenAI's body), the error statuses it really sends with
+    that body, streaming as text/event-stream, /metrics as Prometheus text."""
+    document = http.get("/openapi.json").json()
+    assert '"422"' not in json.dumps(document) and "HTTPValidationError" not in json.dumps(document)
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert set(chat) == {"200", "400", "401", "404", "413", "499", "503"}
+    assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "x-gyre-policy-version" in chat["200"]["headers"]
+    for status in ("400", "401", "404", "413", "503"):
+        assert chat[status]["content"]["application/json"]["schema"] == error
+    assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(document["paths"]["/ready"]["get"]["responses"]) == {"200", "503"}
+    assert set(document["paths"]["/health"]["get"]["responses"]) == {"200"}
+
+
+def test_real_responses_conform_to_the_document(server, http, model_id):
+    """One request per kind, checked by schemathesis against the document (the generated run below does
+    this for hundreds of cases)."""
+    schema = schemathesis.openapi.from_dict(http.get("/openapi.json").json())
+    schema.config.update(base_url=server.url)
+    requests = [
+        ("POST", "/v1/chat/completions", {"model": model_id, **CHAT, "logprobs": True, "top_logprobs": 2}),
+        ("POST", "/v1/chat/completions", {"model": model_id, **CHAT, "stream": True}),
+        ("POST", "/v1/completions", {"model": model_id, "prompt": [5, 6], "max_tokens": 2, "logprobs": 1,
+                                     "extra": "field"}),  # a 400
+        ("POST", "/v1/completions", {"model": model_id, "prompt": ["a", "b"], "max_tokens": 2,
+                                     "return_token_ids": True}),
+        ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"}),  # a 404
+        ("POST", "/tokenize", {"prompt": "hello"}),
+        ("POST", "/detokenize", {"tokens": [5, 6]}),
+        ("GET", "/v1/models", None),
+        ("GET", "/metrics", None),
+        ("GET", "/ready", None),
+        ("GET", "/health", None),
+    ]  # fmt: skip
+    seen = set()
+    for method, path, body in requests:
+        operation = schema[path][method]
+        case = operation.Case(body=body) if body is not None else operation.Case()
+        response = case.call(timeout=60)
+        seen.add(response.status_code)
+        case.validate_response(response, checks=CONFORMANCE)
+    assert {200, 400, 404} <= seen
