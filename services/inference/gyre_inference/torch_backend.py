@@ -381,10 +381,15 @@ class TorchBackend(Backend):
         """Free the slots of the sequences for which `done(seq)` holds."""
         for slot, seq in enumerate(self._slots):
             if seq is not None and done(seq):
+                # An idle slot inside the step's rows still runs: at position 0 it writes only its own
+                # column 0 (overwritten by the next prefill) and does not widen the attention window.
+                self._positions[slot] = self._next_input[slot] = 0
                 self._slots[slot] = None
 
     def _reset_batch(self) -> None:
         self._slots = [None] * self.max_batch_size
+        self._positions.zero_()
+        self._next_input.zero_()
 
     def _deliver(self, items: list[tuple[_Sequence, object]]) -> None:
         """Hand events to their sequences' asyncio queues.

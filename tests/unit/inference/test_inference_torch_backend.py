@@ -231,6 +231,7 @@ async def test_slots_are_reused_and_the_busy_ones_stay_packed(backend):
     assert await busy_becomes([True, True, False])
     await first.aclose()
     assert await busy_becomes([False, True, False])
+    assert int(backend._positions[0]) == 0  # a freed slot no longer widens the attention window
     third = backend.generate(PROMPTS[2], SamplingParams(max_tokens=300, seed=5))
     await third.__anext__()
     assert await busy_becomes([True, True, False])  # the lowest free slot
