@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("gyre_trainer.sft:main", "Supervised fine-tuning on chat data (or generated data)."),
     "orchestrator": ("gyre_orchestrator.main:main", "Run environments, score, compute advantages, stream batches."),
     "eval": ("gyre_orchestrator.evaluate:main", "Evaluate a served model on an environment's held-out split."),
+    "envs": ("gyre.envs.registry:main", "List the environments loadable by name (built-ins, installed packages)."),
     "model init": ("gyre.model_init:main", "Create a tiny Llama model and BPE tokenizer (HF format)."),
     "report": ("gyre.report:main", "Draw reward / eval / step-time curves of a run as a PNG."),
     "bench inference": ("gyre_inference.bench:main", "Benchmark the inference backend."),

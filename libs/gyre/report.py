@@ -1,8 +1,9 @@
-"""`gyre report OUTPUT_DIR`: the run's curves as a PNG and a summary table, from its event logs.
+"""`gyre report OUTPUT_DIR`: the run's curves as a PNG, a summary table and a samples page, from its files.
 
 The same picture as the Grafana overview dashboard's main panels, without Grafana: reward and eval
 reward, step rate, step time, async lag, MFU, trainer and inference tokens/s, weight sync latency,
-stale and dropped samples, per step. Reads only ``{output_dir}/events/*.jsonl``.
+stale and dropped samples, per step, from ``{output_dir}/events/*.jsonl``; and ``samples.md``, the newest
+rollout dumps (``{output_dir}/rollouts/step_{s}.jsonl``) as tables of prompt, completion, reward, advantage.
 
 A resumed run appends to the same logs: per step the newest record counts (`latest_per_step`), and
 rates are computed within one run segment, so the curves of a resumed run continue where they were.
@@ -15,6 +16,7 @@ import math
 from pathlib import Path
 
 from gyre.events import latest_per_step, read_events
+from gyre.rollouts import dumped_steps, read_dump, samples_page
 
 
 def _load(output_dir: Path) -> dict[str, list[dict]]:
@@ -69,9 +71,32 @@ def summarize(output_dir: Path, wall_seconds: float | None = None) -> str:
         rows.append(("wall time", f"{wall_seconds / 60:.1f} min"))
     png = draw(output_dir)
     rows.append(("plot", str(png)))
+    if dumped_steps(output_dir):
+        rows.append(("samples", str(write_samples(output_dir))))
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 30)
-    return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])
+    return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line, *latest_samples(output_dir)])
+
+
+def write_samples(output_dir: Path) -> Path:
+    """Write ``samples.md`` (the newest rollout dumps as tables) into the output folder; returns its path."""
+    path = Path(output_dir) / "samples.md"
+    path.write_text(samples_page(output_dir))
+    return path
+
+
+def latest_samples(output_dir: Path, count: int = 3, width: int = 60) -> list[str]:
+    """A few lines of the newest dump for the console: reward, then the completion's first line."""
+    steps = dumped_steps(output_dir)
+    if not steps:
+        return []
+    records = read_dump(output_dir, steps[-1])[:count]
+    lines = [f"samples of step {steps[-1]} (all in samples.md):"]
+    for r in records:
+        reply = next((m.get("content") or "" for m in r["completion"] if m.get("role") == "assistant"), "")
+        reply = " ".join(reply.split())
+        lines.append(f"  reward {r['reward']:.2f}  {r['task_id']}: {reply[:width]!r} (answer {r['answer'][:width]!r})")
+    return lines
 
 
 def _eval_text(n: dict[str, float]) -> str:

@@ -71,6 +71,12 @@ class EvalConfig(Section):
     pass_threshold: float = Field(1.0, description="pass@k: a sample passes when its reward is >= this.")
 
 
+class RolloutDumpConfig(Section):
+    interval: int | None = Field(
+        5, ge=1, description="Write rollouts/step_{s}.jsonl (every trained sample) every N steps and at step 1."
+    )
+
+
 class BatchConfig(Section):
     seq_len: int = Field(2048, ge=16, description="Tokens per packed row (= trainer data.seq_len).")
     dp_world_size: int = Field(1, ge=1, description="Trainer data-parallel ranks to split micro-batches over.")
@@ -106,6 +112,7 @@ class OrchestratorConfig(ServiceConfig):
     inference: InferenceClientConfig = Field(default_factory=InferenceClientConfig, description="Inference replicas.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages and filters.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
+    rollouts: RolloutDumpConfig = Field(default_factory=RolloutDumpConfig, description="Sample dumps (see them).")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Packing and streaming.")
     server: OrchestratorServerConfig = Field(default_factory=OrchestratorServerConfig, description="gRPC server.")
     relay: RelayConfig = Field(default_factory=RelayConfig, description="Weight relay to the replicas.")

@@ -33,6 +33,7 @@ from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events
 from gyre.metrics import start_metrics_server
 from gyre.net import PortInUse, bind_or_explain
 from gyre.redis_retry import acall_with_retry
+from gyre.rollouts import write_dump
 from gyre.runstate import committed_step
 from gyre.streams import BatchStream, StreamEntry
 from gyre.transport import open_store
@@ -78,6 +79,15 @@ class ScoredRollout:
     @property
     def max_version(self) -> int:
         return self.rollout.policy_version_max
+
+
+def rollout_record(step: int, sample: ScoredRollout, meta: dict) -> dict:
+    """One line of `rollouts/step_{s}.jsonl`: what was generated, how it scored, and what it trains with."""
+    r = sample.rollout
+    keys = ("task_id", "reward", "rewards", "advantage", "min_version", "max_version", "stop_reason", "num_turns",
+            "num_loss_tokens", "group")  # fmt: skip
+    return {"step": step, "prompt": r.prompt, "completion": r.completion, "answer": sample.task.answer,
+            **{k: meta[k] for k in keys}}  # fmt: skip
 
 
 class TaskSampler:
@@ -307,8 +317,11 @@ class OrchestratorService:
         return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds)
 
     # ---- one batch ------------------------------------------------------------------------------
-    def build_samples(self, st: StepState) -> tuple[list[TrainSample], int]:
-        """Advantages + per-sample metadata; returns (samples, number cut to seq_len)."""
+    def build_samples(self, st: StepState, records: list[dict] | None = None) -> tuple[list[TrainSample], int]:
+        """Advantages + per-sample metadata; returns (samples, number cut to seq_len).
+
+        With `records`, also appends each trained sample's rollout-dump line (`gyre.rollouts`) to it.
+        """
         cfg = self.cfg
         groups = st.kept
         rewards = [[s.reward for s in g.samples] for g in groups]
@@ -344,12 +357,16 @@ class OrchestratorService:
                     "temperature": self.sampling.temperature,
                 }
                 samples.append(TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta))
+                if records is not None:
+                    records.append(rollout_record(st.step, s, meta))
         return samples, cut
 
     async def push(self, st: StepState) -> None:
         cfg = self.cfg
         start = time.monotonic()
-        samples, cut = self.build_samples(st)
+        interval = cfg.rollouts.interval
+        records = [] if interval is not None and (st.step == 1 or st.step % interval == 0) else None
+        samples, cut = self.build_samples(st, records)
         if not samples:
             raise RuntimeError(f"step {st.step}: every sample was empty after truncation; raise batch.seq_len")
         packed = pack_batch(
@@ -367,6 +384,8 @@ class OrchestratorService:
             f"pushing batch {st.step}",
         )
         self.last_step = st.step
+        if records:
+            await asyncio.to_thread(write_dump, self.out, st.step, records)
         self._account(st, samples, packed, cut, time.monotonic() - start)
 
     def _account(self, st: StepState, samples: list[TrainSample], packed, cut: int, build_seconds: float) -> None:

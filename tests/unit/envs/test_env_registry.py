@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from gyre.envs import BUILTIN_ENVIRONMENTS, Environment, EnvironmentLoadError, load_environment
+from gyre.envs.registry import ENTRY_POINT_GROUP, available_environments
+
+# Built-ins that cannot load without arguments, and the ones they need.
+REQUIRED_ARGS = {"dataset": {"path": str(Path(__file__).parent / "data" / "reverse_words.jsonl")}}
 
 EXTERNAL = """
 import random
@@ -50,7 +56,7 @@ def external_module(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_ENVIRONMENTS))
 def test_builtins_load_by_name(name):
-    env = load_environment(name)
+    env = load_environment(name, **REQUIRED_ARGS.get(name, {}))
     assert isinstance(env, Environment) and env.name == name
 
 
@@ -101,3 +107,44 @@ def test_loading_environments_never_imports_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture
+def installed_package(tmp_path, monkeypatch):
+    """A package 'installed' on sys.path with a dist-info that registers `shout` in the entry-point group."""
+    name = f"gyre_test_pkg_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(EXTERNAL)
+    dist = tmp_path / f"{name}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\nshout = {name}:load_environment\nreverse_text = {name}:load_environment\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path, name
+    sys.modules.pop(name, None)
+
+
+def test_installed_packages_register_environments_by_name(installed_package):
+    _, module = installed_package
+    assert available_environments()["shout"] == f"{module}:load_environment"
+    env = load_environment("shout", word_count=2)
+    assert env.name == "shout" and len(env.tasks("train")[0].answer.split()) == 2
+    # a package cannot take over a built-in's name
+    assert load_environment("reverse_text").name == "reverse_text"
+    with pytest.raises(EnvironmentLoadError) as info:
+        load_environment("shoutt")
+    assert "shout" in str(info.value) and "reverse_text" in str(info.value)
+
+
+def test_gyre_envs_lists_builtins_and_entry_points(installed_package):
+    folder, module = installed_package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])}
+    result = subprocess.run([sys.executable, "-m", "gyre.cli", "envs"], capture_output=True, text=True, env=env,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
+    for name in BUILTIN_ENVIRONMENTS:
+        assert "built-in" in lines[name]
+    assert "entry point" in lines["shout"] and f"{module}:load_environment" in lines["shout"]
+    assert "reasoning_gym:<dataset>" in lines

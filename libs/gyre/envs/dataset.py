@@ -1,0 +1,236 @@
+"""`dataset`: prompts with reference answers from a JSONL or parquet file, one model turn, a rule-based reward.
+
+    [orchestrator.env]
+    name = "dataset"
+    args = { path = "data/train.jsonl", eval_path = "data/test.jsonl", reward = "math" }
+
+Rows (one JSON object per line, or one parquet row):
+
+    {"prompt": "What is 2 + 3?", "answer": "5"}
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}], "answer": 5}
+    {"prompt": "...", "answer": "...", "split": "eval"}
+
+`prompt_key` / `answer_key` name the columns and may be dotted paths into nested objects, so verl's parquet
+layout (`prompt` = chat messages, `reward_model.ground_truth`) loads with `answer_key = "reward_model.ground_truth"`.
+A text prompt becomes one user message after `system_prompt`; a message list is used as it is (with
+`system_prompt` prepended when it has no system message). The whole row is kept as `task.info`, so a user reward
+function can read any other column.
+
+Splits, first that applies: `eval_path` (a second file is the eval split, `path` is all train); a `split` column
+("train", or "eval"/"test"/"validation"); otherwise `num_eval` rows chosen with `eval_seed` are held out. The train
+split is endless: epoch `e` visits every train row once in an order seeded by (`seed`, `e`), so `tasks[i]` stays
+a pure function of `i` and a resumed run continues exactly.
+
+Rewards (`reward`): "exact" (the reply, stripped and with whitespace runs collapsed, equals the answer), "math"
+(math-verify: numbers, fractions, LaTeX, `\\boxed{}`), or an import path `package.module:function` to a reward
+function that takes rubric arguments by name (`completion`, `answer`, `info`, ... see `gyre.envs.rubric`).
+
+A row that cannot be used (bad JSON, no prompt, no answer, an unknown split) fails loading with the file and line
+(or parquet row) named; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from gyre.envs.base import SingleTurnEnv, TaskSource
+from gyre.envs.parsers import Parser
+from gyre.envs.rubric import RewardFunc, Rubric
+from gyre.envs.scoring import math_equal
+from gyre.envs.types import Messages, Split, Task
+from gyre.imports import load_callable
+
+EVAL_SPLITS = frozenset({"eval", "test", "validation", "val"})
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+class DatasetError(ValueError):
+    """A dataset file or row cannot be used; the message names the file and the line (or parquet row)."""
+
+
+def exact_match(completion: Messages, answer: str, parser: Parser) -> float:
+    """1.0 when the reply equals the answer after stripping and collapsing whitespace."""
+    reply = parser.parse_answer(completion)
+    return float(reply is not None and " ".join(reply.split()) == " ".join(answer.split()))
+
+
+def math_match(completion: Messages, answer: str, parser: Parser) -> float:
+    """1.0 when math-verify finds the reply's final answer equal to the reference."""
+    return float(math_equal(parser.parse_answer(completion), answer))
+
+
+REWARDS: dict[str, RewardFunc] = {"exact": exact_match, "math": math_match}
+
+
+def resolve_reward(reward: str) -> RewardFunc:
+    if reward in REWARDS:
+        return REWARDS[reward]
+    if ":" not in reward:
+        raise ValueError(f"reward {reward!r}: use one of {sorted(REWARDS)} or an import path 'package.module:func'")
+    return load_callable(reward, f"reward {reward!r}")
+
+
+def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for every row of a .jsonl/.parquet file; `where` is "file:line" or "file row N"."""
+    if not path.is_file():
+        raise DatasetError(f"dataset file {str(path)!r} does not exist")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install 'gyre[datasets]')") from exc
+        rows = pq.read_table(path).to_pylist()
+        return [(f"{path} row {i + 1}", row) for i, row in enumerate(rows)]
+    if path.suffix not in (".jsonl", ".json"):
+        raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            if not isinstance(row, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            out.append((where, row))
+    if not out:
+        raise DatasetError(f"{path}: the file has no rows")
+    return out
+
+
+def lookup(row: dict[str, Any], key: str) -> Any:
+    """`row[key]`, following dots into nested objects; KeyError when any part is missing."""
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(key)
+        value = value[part]
+    return value
+
+
+class DatasetEnv(SingleTurnEnv):
+    name = "dataset"
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        eval_path: str | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        split_key: str = "split",
+        reward: str = "exact",
+        system_prompt: str | None = None,
+        num_eval: int = 64,
+        eval_seed: int = 1234,
+    ) -> None:
+        parser = Parser()
+        super().__init__(
+            parser=parser,
+            rubric=Rubric([resolve_reward(reward)], parser=parser),
+            system_prompt=system_prompt,
+            num_eval=num_eval,
+            eval_seed=eval_seed,
+        )
+        self.prompt_key, self.answer_key, self.split_key = prompt_key, answer_key, split_key
+        train, evals = [], []
+        for where, row in read_rows(Path(path)):
+            split = self._split_of(where, row)
+            task = self._task(where, row, f"row-{len(train) + len(evals)}")
+            (evals if split == "eval" and eval_path is None else train).append(task)
+        if eval_path is not None:
+            evals = [self._task(where, row, f"eval-{i}") for i, (where, row) in enumerate(read_rows(Path(eval_path)))]
+        elif not evals:
+            if len(train) <= num_eval:
+                raise DatasetError(
+                    f"{path}: {len(train)} rows and num_eval={num_eval} leave no training rows; lower num_eval, "
+                    "give eval_path, or mark rows with a 'split' column"
+                )
+            held = set(random.Random(f"dataset/eval/{eval_seed}").sample(range(len(train)), num_eval))
+            evals = [t for i, t in enumerate(train) if i in held]
+            train = [t for i, t in enumerate(train) if i not in held]
+        if not train:
+            raise DatasetError(f"{path}: every row is in the eval split; nothing to train on")
+        self.train_tasks, self.eval_tasks = train, evals
+
+    def _split_of(self, where: str, row: dict[str, Any]) -> Split:
+        value = row.get(self.split_key, "train")
+        if value == "train":
+            return "train"
+        if value in EVAL_SPLITS:
+            return "eval"
+        raise DatasetError(f"{where}: {self.split_key!r} is {value!r}; use 'train' or one of {sorted(EVAL_SPLITS)}")
+
+    def _task(self, where: str, row: dict[str, Any], task_id: str) -> Task:
+        try:
+            prompt, answer = lookup(row, self.prompt_key), lookup(row, self.answer_key)
+        except KeyError as exc:
+            raise DatasetError(f"{where}: no {exc.args[0]!r} field (the row has: {', '.join(row)})") from None
+        if isinstance(answer, bool | int | float):
+            answer = str(answer)
+        if not isinstance(answer, str):
+            raise DatasetError(f"{where}: {self.answer_key!r} must be text or a number, got {type(answer).__name__}")
+        return Task(id=task_id, prompt=self._messages(where, prompt), answer=answer, info=dict(row))
+
+    def _messages(self, where: str, prompt: Any) -> Messages:
+        if isinstance(prompt, str):
+            return self.format_prompt(prompt)
+        ok = isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in prompt
+        )
+        if not ok:
+            raise DatasetError(
+                f"{where}: {self.prompt_key!r} must be text or a list of {{'role', 'content'}} messages "
+                f"(roles {sorted(ROLES)}), got {json.dumps(prompt)[:200]}"
+            )
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def tasks(self, split: Split, seed: int = 0) -> TaskSource:
+        if split == "eval":
+            return TaskSource(self.eval_tasks.__getitem__, len(self.eval_tasks))
+        if split != "train":
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        n = len(self.train_tasks)
+
+        @lru_cache(maxsize=4)
+        def order(epoch: int) -> list[int]:
+            indices = list(range(n))
+            random.Random(f"dataset/train/{seed}/{epoch}").shuffle(indices)
+            return indices
+
+        return TaskSource(lambda index: self.train_tasks[order(index // n)[index % n]], None)
+
+
+def load_environment(
+    path: str,
+    eval_path: str | None = None,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    split_key: str = "split",
+    reward: str = "exact",
+    system_prompt: str | None = None,
+    num_eval: int = 64,
+    eval_seed: int = 1234,
+) -> DatasetEnv:
+    """A JSONL/parquet dataset of prompts and reference answers; see the module docstring for every argument."""
+    return DatasetEnv(
+        path=path,
+        eval_path=eval_path,
+        prompt_key=prompt_key,
+        answer_key=answer_key,
+        split_key=split_key,
+        reward=reward,
+        system_prompt=system_prompt,
+        num_eval=num_eval,
+        eval_seed=eval_seed,
+    )

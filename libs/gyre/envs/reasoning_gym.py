@@ -1,0 +1,120 @@
+"""`reasoning_gym:<dataset>`: a reasoning-gym procedural dataset as a single-turn environment, scored by its own
+verifier (`score_answer`).
+
+    [orchestrator.env]
+    name = "reasoning_gym:chain_sum"
+    args = { config = { min_terms = 2, max_terms = 2, max_digits = 1 } }
+
+Needs the optional `reasoning-gym` package (`pip install 'gyre[reasoning-gym]'`; pure Python, no torch).
+`config` is passed to reasoning-gym's dataset config (difficulty knobs differ per dataset; a wrong key fails with
+reasoning-gym's message). Splits: "eval" is the dataset generated with `eval_seed` (`num_eval` items, fixed across
+runs); "train" is endless, item `i` of the dataset generated from (`seed`, `i`), and an item whose question is also
+in the eval split is redrawn. The reply is the whole assistant text, or the content of its last `<answer>` block
+when it has one (reasoning-gym's own prompt format), handed to the dataset's scorer (reward in [0, 1]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from functools import cached_property
+from typing import Any
+
+from gyre.envs.base import MAX_REDRAWS, SingleTurnEnv, TaskSource
+from gyre.envs.parsers import Parser
+from gyre.envs.rubric import Rubric
+from gyre.envs.types import Split, Task
+
+SYSTEM_PROMPT = "Answer the question. Reply with the answer only."
+ANSWER_TAG = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
+# Train items come from datasets of this many items (reasoning-gym draws item i from seed + i, lazily).
+TRAIN_CHUNK = 1 << 20
+
+
+class AnswerTagParser(Parser):
+    """The last `<answer>...</answer>` block when there is one, else the whole reply."""
+
+    def parse(self, text: str) -> str:
+        blocks = ANSWER_TAG.findall(text)
+        return (blocks[-1] if blocks else text).strip()
+
+
+def import_reasoning_gym():
+    try:
+        import reasoning_gym
+    except ImportError as exc:
+        raise ImportError(
+            "the reasoning_gym environments need the reasoning-gym package: pip install 'gyre[reasoning-gym]'"
+        ) from exc
+    return reasoning_gym
+
+
+def dataset_names() -> list[str]:
+    """Every dataset name reasoning-gym registers."""
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS)
+
+
+class ReasoningGymEnv(SingleTurnEnv):
+    def __init__(self, *, dataset: str, config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        rg = import_reasoning_gym()
+        if dataset not in dataset_names():
+            raise ValueError(f"reasoning_gym: unknown dataset {dataset!r}; it has: {', '.join(dataset_names())}")
+        parser = AnswerTagParser()
+        super().__init__(parser=parser, rubric=Rubric([self.verified], parser=parser), **kwargs)
+        self.name = f"reasoning_gym:{dataset}"
+        self.dataset, self.config = dataset, dict(config or {})
+        self._create = rg.create_dataset
+        # Fails here, at load time, when the config has a key the dataset does not know.
+        self.eval_data = self._create(dataset, seed=self.eval_seed, size=self.num_eval, **self.config)
+
+    async def verified(self, completion, info, parser) -> float:
+        """reasoning-gym's own verifier on the parsed reply (0 when there is none)."""
+        reply = parser.parse_answer(completion)
+        if reply is None:
+            return 0.0
+        return float(self.eval_data.score_answer(answer=reply, entry=info["entry"]))
+
+    def _task(self, entry: dict[str, Any], task_id: str) -> Task:
+        return Task(
+            id=task_id, prompt=self.format_prompt(entry["question"]), answer=str(entry["answer"]), info={"entry": entry}
+        )
+
+    @cached_property
+    def _eval_tasks(self) -> list[Task]:
+        return [self._task(self.eval_data[i], f"eval-{i}") for i in range(len(self.eval_data))]
+
+    def _train_data(self, seed: int, chunk: int):
+        digest = hashlib.sha256(f"{self.dataset}/train/{seed}/{chunk}".encode()).digest()
+        return self._create(self.dataset, seed=int.from_bytes(digest[:6], "big"), size=TRAIN_CHUNK, **self.config)
+
+    def tasks(self, split: Split, seed: int = 0) -> TaskSource:
+        if split != "train":
+            return super().tasks(split, seed)
+        datasets: dict[int, Any] = {}
+
+        def task(index: int) -> Task:
+            for attempt in range(MAX_REDRAWS):
+                chunk, offset = divmod(index + attempt * TRAIN_CHUNK // MAX_REDRAWS, TRAIN_CHUNK)
+                if chunk not in datasets:
+                    datasets[chunk] = self._train_data(seed, chunk)
+                candidate = self._task(datasets[chunk][offset], f"train-{seed}-{index}")
+                if candidate.key not in self._eval_keys:
+                    return candidate
+            raise ValueError(f"{self.name}: train draws keep hitting the eval split; the task space is too small")
+
+        return TaskSource(task, None)
+
+
+def load_environment(
+    dataset: str,
+    config: dict[str, Any] | None = None,
+    system_prompt: str = SYSTEM_PROMPT,
+    num_eval: int = 128,
+    eval_seed: int = 1234,
+) -> ReasoningGymEnv:
+    """Args: reasoning-gym dataset name, its config (difficulty), prompt, eval split size and seed."""
+    return ReasoningGymEnv(
+        dataset=dataset, config=config, system_prompt=system_prompt, num_eval=num_eval, eval_seed=eval_seed
+    )

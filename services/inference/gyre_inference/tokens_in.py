@@ -1,0 +1,160 @@
+"""`POST /inference/v1/generate`: vLLM's tokens-in, tokens-out route, plus Gyre's per-choice policy versions.
+
+Clients that render prompts themselves (verifiers' renderer client, PRIME-RL-style trainers) send token ids
+and get token ids back, so nothing is re-tokenised between turns:
+
+    request:  {"model", "token_ids": [int], "sampling_params": {"max_tokens", "temperature", "top_p", "seed",
+               "n", "stop_token_ids", "ignore_eos", "logprobs", ...}}
+    response: {"request_id", "model", "prompt_token_ids", "policy_version",
+               "choices": [{"index", "token_ids", "text", "finish_reason",
+                            "logprobs": {"content": [{"token": "token_id:<id>", "logprob", "top_logprobs"}]} | null,
+                            "policy_version_min", "policy_version_max"}],
+               "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
+
+As in vLLM, generation stops at the end-of-sequence token unless `ignore_eos`, and at any `stop_token_ids`; the
+stopping token is the last of `token_ids` (finish "stop"); "length" when `max_tokens` ran out (default: the rest of
+the context). `logprobs: k` returns the sampled token's log-prob plus the top k (k = 0: only the sampled one;
+omitted/null: none). Choice i of a request with `seed` s samples exactly like choice i of a chat request with that
+seed. The policy-version fields mean what they mean on /v1/chat/completions (docs/inference.md).
+
+The route goes through the `Backend` interface, so the torch and vLLM backends both serve it. Like the other API
+routes it needs the bearer key when one is configured and answers 503 until the model is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from gyre_inference.backend import SamplingParams
+from gyre_inference.errors import APIError, unknown_model
+from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, StrictModel
+from gyre_inference.serving import VERSION_HEADER, choice_seed
+
+ROUTE = "/inference/v1/generate"
+
+
+class GenerateSamplingParams(StrictModel):
+    """vLLM `SamplingParams` fields this server honours (others are refused by name, not silently ignored)."""
+
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices to sample from the prompt.")
+    max_tokens: int | None = Field(None, ge=1, description="Tokens per choice (default: the rest of the context).")
+    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="Same seed + request + weights = same output.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64, description="Stop tokens.")
+    ignore_eos: bool = Field(False, description="Do not stop at the end-of-sequence token.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="Sampled token's log-prob plus this many top alternatives."
+    )
+    # vLLM fields renderer clients send that change nothing here: token ids are always returned verbatim.
+    skip_special_tokens: bool = Field(True, description="Only affects `text` (token ids are returned verbatim).")
+    detokenize: bool = Field(True, description="false: `text` is left empty.")
+
+
+class GenerateRequest(StrictModel):
+    model: str = Field(description="Served model id (see GET /v1/models).")
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, description="The prompt, already tokenised.")
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = Field(False, description="Only false is supported.")
+    cache_salt: str | None = Field(None, description="Accepted for vLLM compatibility; no prefix cache here.")
+    priority: int = Field(0, ge=0, le=0, description="Only 0 is supported.")
+
+
+def _check_access(state, request: Request) -> None:
+    """The same gate as the /v1 routes: bearer key (when configured), then readiness."""
+    if state.api_key is not None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).", code="invalid_api_key")
+    if not state.ready:
+        reason = "the server is shutting down" if state.draining else "the model is still loading"
+        raise APIError(503, f"{reason}; retry shortly", code="not_ready")
+
+
+async def _sample(state, prompt: list[int], params: SamplingParams, index: int, sp: GenerateSamplingParams) -> dict:
+    ids: list[int] = []
+    entries: list[dict[str, Any]] = []
+    versions: list[int] = []
+    finish = None
+    stream = state.backend.generate(prompt, params)
+    try:
+        async for event in stream:
+            ids.append(event.token_id)
+            versions.append(event.version)
+            entry: dict[str, Any] = {"token": f"token_id:{event.token_id}", "logprob": event.logprob}
+            if sp.logprobs:
+                entry["top_logprobs"] = [{"token": f"token_id:{t}", "logprob": lp} for t, lp in event.top_logprobs]
+            entries.append(entry)
+            finish = event.finish_reason or finish
+    finally:
+        await stream.aclose()
+    text = state.text.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens) if sp.detokenize else ""
+    return {
+        "index": index,
+        "token_ids": ids,
+        "text": text,
+        "finish_reason": finish or "length",
+        "logprobs": {"content": entries} if sp.logprobs is not None else None,
+        "policy_version_min": min(versions, default=state.backend.version),
+        "policy_version_max": max(versions, default=state.backend.version),
+    }
+
+
+def add_generate_route(app: FastAPI, state) -> None:
+    """Register `POST /inference/v1/generate` on the inference app (`state`: api.AppState)."""
+
+    @app.post(ROUTE, summary="vLLM-compatible tokens in, tokens out (with per-choice policy versions).")
+    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
+        _check_access(state, request)
+        if body.model != state.model_id:
+            raise unknown_model(body.model, state.model_id)
+        if body.stream:
+            raise APIError(400, "stream: true is not supported on this route", param="stream")
+        sp = body.sampling_params
+        prompt = state.text.check_ids(body.token_ids, "token_ids")
+        limit = state.backend.max_model_len
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else limit - len(prompt)
+        if max_tokens < 1 or len(prompt) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the token_ids, {max(max_tokens, 1)} "
+                "in the completion). Please reduce the length of the token_ids or completion.",
+                param="token_ids",
+                code="context_length_exceeded",
+            )
+        stops = set(sp.stop_token_ids or []) | (set() if sp.ignore_eos else set(state.text.eos_token_ids))
+        params = [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                seed=None if sp.seed is None else choice_seed(sp.seed, i),
+                stop_token_ids=frozenset(stops),
+                top_logprobs=sp.logprobs or 0,
+            )
+            for i in range(sp.n)
+        ]
+        choices = await asyncio.gather(*(_sample(state, prompt, p, i, sp) for i, p in enumerate(params)))
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        newest = max(c["policy_version_max"] for c in choices)
+        payload = {
+            "request_id": f"gen-{uuid.uuid4().hex}",
+            "model": state.model_id,
+            "prompt_token_ids": prompt,
+            "policy_version": newest,
+            "choices": list(choices),
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt) + completion_tokens,
+            },
+        }
+        return JSONResponse(payload, headers={VERSION_HEADER: str(newest)})

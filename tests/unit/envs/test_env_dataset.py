@@ -1,0 +1,170 @@
+"""`dataset` environments: JSONL/parquet rows -> tasks, splits, rewards, and bad rows named by file and line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from envs_doubles import ScriptedClient
+from gyre.envs import load_environment
+from gyre.envs.dataset import DatasetError
+
+SHIPPED = Path(__file__).parent / "data" / "reverse_words.jsonl"
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+async def reward_of(env, task, reply: str, sampling) -> float:
+    rollout = await env.rollout(ScriptedClient([reply]), task, sampling)
+    return (await env.score(task, rollout)).reward
+
+
+def test_shipped_dataset_splits_by_column():
+    env = load_environment("dataset", path=str(SHIPPED), system_prompt="Reverse the text.")
+    rows = [json.loads(line) for line in SHIPPED.read_text().splitlines()]
+    evals = [r for r in rows if r.get("split") == "eval"]
+    assert env.tasks("eval").size == len(evals) == 8
+    task = env.tasks("eval")[0]
+    assert task.prompt == [
+        {"role": "system", "content": "Reverse the text."},
+        {"role": "user", "content": evals[0]["prompt"]},
+    ]
+    assert task.answer == evals[0]["answer"] and task.info["level"] == evals[0]["level"]
+
+
+def test_train_split_is_endless_epochs_of_every_train_row():
+    env = load_environment("dataset", path=str(SHIPPED))
+    source = env.tasks("train", seed=3)
+    assert source.size is None
+    first, second = [source[i].id for i in range(40)], [source[i].id for i in range(40, 80)]
+    assert sorted(first) == sorted(second) and len(set(first)) == 40  # each epoch visits every train row once
+    assert first != second  # in a fresh order
+    again = load_environment("dataset", path=str(SHIPPED)).tasks("train", seed=3)
+    assert [again[i].id for i in range(40)] == first  # deterministic: a resumed run sees the same order
+    assert [env.tasks("train", seed=4)[i].id for i in range(40)] != first
+    eval_ids = {t.id for t in env.tasks("eval")}
+    assert not eval_ids & set(first)
+
+
+def test_held_out_split_and_second_file(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
+    path = write_jsonl(tmp_path / "qa.jsonl", rows)
+    env = load_environment("dataset", path=str(path), num_eval=5, eval_seed=1)
+    evals = [t.answer for t in env.tasks("eval")]
+    assert len(evals) == 5 and evals == [t.answer for t in load_environment("dataset", path=str(path), num_eval=5,
+                                                                          eval_seed=1).tasks("eval")]  # fmt: skip
+    train = {env.tasks("train")[i].answer for i in range(15)}
+    assert train | set(evals) == {str(i) for i in range(20)} and not train & set(evals)
+
+    eval_file = write_jsonl(tmp_path / "test.jsonl", [{"prompt": "x", "answer": "y"}])
+    env = load_environment("dataset", path=str(path), eval_path=str(eval_file))
+    assert [t.answer for t in env.tasks("eval")] == ["y"]
+    assert {env.tasks("train")[i].answer for i in range(20)} == {str(i) for i in range(20)}
+
+
+def test_chat_prompts_and_verl_layout_nested_answer(tmp_path):
+    rows = [
+        {
+            "data_source": "toy",
+            "prompt": [{"role": "user", "content": "What is 2+3?"}],
+            "reward_model": {"style": "rule", "ground_truth": 5},
+            "split": "test" if i == 0 else "train",
+        }
+        for i in range(3)
+    ]
+    path = write_jsonl(tmp_path / "verl.jsonl", rows)
+    env = load_environment("dataset", path=str(path), answer_key="reward_model.ground_truth", system_prompt="Sys.")
+    task = env.tasks("eval")[0]
+    assert task.prompt == [{"role": "system", "content": "Sys."}, {"role": "user", "content": "What is 2+3?"}]
+    assert task.answer == "5"
+
+
+def test_parquet_files_load(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"Reverse: ab{i}", "answer": f"{i}ba", "split": "eval" if i < 2 else "train"} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
+    env = load_environment("dataset", path=str(tmp_path / "data.parquet"))
+    assert [t.answer for t in env.tasks("eval")] == ["0ba", "1ba"]
+    assert env.tasks("train")[0].answer in {"2ba", "3ba", "4ba", "5ba"}
+
+
+@pytest.mark.asyncio
+async def test_exact_and_math_rewards(tmp_path, sampling):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "1/2 + 1/4?", "answer": "3/4", "split": "eval"},
+                                              {"prompt": "p", "answer": "a"}])  # fmt: skip
+    exact = load_environment("dataset", path=str(path))
+    task = exact.tasks("eval")[0]
+    assert await reward_of(exact, task, "  3/4 \n", sampling) == 1.0
+    assert await reward_of(exact, task, "0.75", sampling) == 0.0
+    math = load_environment("dataset", path=str(path), reward="math")
+    assert await reward_of(math, task, "0.75", sampling) == 1.0
+    assert await reward_of(math, task, "The answer is \\boxed{\\frac{3}{4}}", sampling) == 1.0
+    assert await reward_of(math, task, "1/2", sampling) == 0.0
+
+
+REWARD_MODULE = '''
+def starts_like(completion, answer, info) -> float:
+    """Reward by a column the environment does not know about."""
+    reply = completion[-1]["content"]
+    return 0.5 * (reply[:1] == answer[:1]) + 0.5 * (len(reply) == info["level"])
+'''
+
+
+@pytest.mark.asyncio
+async def test_user_reward_function_by_import_path(tmp_path, monkeypatch, sampling):
+    (tmp_path / "my_rewards_i13.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = load_environment("dataset", path=str(SHIPPED), reward="my_rewards_i13:starts_like")
+    task = env.tasks("eval")[0]
+    assert await reward_of(env, task, task.answer, sampling) == 1.0
+    assert await reward_of(env, task, task.answer[0], sampling) == 0.5
+    with pytest.raises(ValueError, match="no callable 'nope'"):
+        load_environment("dataset", path=str(SHIPPED), reward="my_rewards_i13:nope")
+    with pytest.raises(ValueError, match="exact"):
+        load_environment("dataset", path=str(SHIPPED), reward="fuzzy")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": "a", "answer": ', "bad.jsonl:3: not valid JSON"),
+        ('["prompt", "answer"]', "bad.jsonl:3: expected a JSON object, got list"),
+        ('{"question": "a", "answer": "b"}', "bad.jsonl:3: no 'prompt' field (the row has: question, answer)"),
+        ('{"prompt": "a"}', "bad.jsonl:3: no 'answer' field"),
+        ('{"prompt": "a", "answer": ["b"]}', "bad.jsonl:3: 'answer' must be text or a number"),
+        ('{"prompt": [{"role": "robot", "content": "a"}], "answer": "b"}', "bad.jsonl:3: 'prompt' must be text or"),
+        ('{"prompt": "a", "answer": "b", "split": "dev"}', "bad.jsonl:3: 'split' is 'dev'"),
+    ],
+)
+def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
+    good = json.dumps({"prompt": "p", "answer": "a"})
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, "", line, good])  # line 2 is blank (allowed)
+    with pytest.raises(DatasetError) as info:
+        load_environment("dataset", path=str(path), num_eval=1)
+    assert message in str(info.value)
+
+
+def test_file_level_errors(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_environment("dataset", path=str(tmp_path / "missing.jsonl"))
+    (tmp_path / "data.csv").write_text("prompt,answer\n")
+    with pytest.raises(DatasetError, match="use .jsonl or .parquet"):
+        load_environment("dataset", path=str(tmp_path / "data.csv"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DatasetError, match="no rows"):
+        load_environment("dataset", path=str(tmp_path / "empty.jsonl"))
+    small = write_jsonl(tmp_path / "small.jsonl", [{"prompt": "p", "answer": "a"}] * 3)
+    with pytest.raises(DatasetError, match="3 rows and num_eval=64 leave no training rows"):
+        load_environment("dataset", path=str(small))
+
+
+def test_reference_answers_are_sft_examples():
+    env = load_environment("dataset", path=str(SHIPPED))
+    task = env.tasks("train")[0]
+    assert env.sft_example(task)[-1] == {"role": "assistant", "content": task.answer}

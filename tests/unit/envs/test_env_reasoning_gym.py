@@ -1,0 +1,69 @@
+"""`reasoning_gym:<dataset>` environments: seeded splits and reasoning-gym's own scorer, on several datasets."""
+
+from __future__ import annotations
+
+import pytest
+from envs_doubles import ScriptedClient
+from gyre.envs import EnvironmentLoadError, load_environment
+
+pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is part of the dev install")
+
+DATASETS = {
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1},
+    "spell_backward": {},
+    "letter_counting": {},
+}
+
+
+async def reward_of(env, task, reply: str, sampling) -> float:
+    rollout = await env.rollout(ScriptedClient([reply]), task, sampling)
+    return (await env.score(task, rollout)).reward
+
+
+@pytest.mark.parametrize("dataset", sorted(DATASETS))
+def test_splits_are_seeded_and_disjoint(dataset):
+    env = load_environment(f"reasoning_gym:{dataset}", config=DATASETS[dataset], num_eval=16)
+    assert env.name == f"reasoning_gym:{dataset}"
+    evals = [env.tasks("eval")[i] for i in range(16)]
+    again = load_environment(f"reasoning_gym:{dataset}", config=DATASETS[dataset], num_eval=16)
+    assert [t.prompt for t in again.tasks("eval")] == [t.prompt for t in evals]  # same across runs
+    train = env.tasks("train", seed=0)
+    assert train.size is None
+    drawn = [train[i] for i in range(64)]
+    assert [t.prompt for t in drawn[:8]] == [again.tasks("train", seed=0)[i].prompt for i in range(8)]
+    assert [t.prompt for t in drawn[:8]] != [env.tasks("train", seed=1)[i].prompt for i in range(8)]
+    assert not {t.key for t in drawn} & {t.key for t in evals}
+    assert all(t.prompt[-1]["role"] == "user" and t.answer for t in drawn)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dataset", sorted(DATASETS))
+async def test_scored_by_reasoning_gym(dataset, sampling):
+    env = load_environment(f"reasoning_gym:{dataset}", config=DATASETS[dataset], num_eval=4)
+    task = env.tasks("eval")[0]
+    assert await reward_of(env, task, task.answer, sampling) == 1.0
+    assert await reward_of(env, task, f"<think>easy</think><answer>{task.answer}</answer>", sampling) == 1.0
+    assert await reward_of(env, task, "zzz 123 qqq", sampling) < 1.0
+    assert await reward_of(env, task, "", sampling) == 0.0
+
+
+def test_chain_sum_config_controls_difficulty():
+    env = load_environment("reasoning_gym:chain_sum", config={"min_terms": 2, "max_terms": 2, "max_digits": 1})
+    for i in range(20):
+        expression = env.tasks("train")[i].info["entry"]["metadata"]["expression"]
+        assert len(expression.split()) == 3 and all(len(t) == 1 for t in expression.split()[::2])
+
+
+def test_bad_names_and_config():
+    with pytest.raises(ValueError, match="unknown dataset 'chain_summ'.*chain_sum"):
+        load_environment("reasoning_gym:chain_summ")
+    with pytest.raises(Exception, match="max_digitz|unexpected keyword"):
+        load_environment("reasoning_gym:chain_sum", config={"max_digitz": 1})
+    with pytest.raises(EnvironmentLoadError, match="reasoning_gym:<name>"):
+        load_environment("reasoning-gym")
+
+
+def test_sft_examples_earn_full_reward():
+    env = load_environment("reasoning_gym:spell_backward", num_eval=2)
+    task = env.tasks("train")[0]
+    assert env.sft_example(task)[-1] == {"role": "assistant", "content": task.answer}
