@@ -68,7 +68,7 @@ def samples_page(output_dir: Path | str, steps: int = 3, per_step: int = 8) -> s
         unique = list({id(r): r for r in chosen}.values())
         mean = sum(r["reward"] for r in records) / len(records)
         lines += [f"## Step {step}: {len(records)} samples, mean reward {mean:.3f}", ""]
-        lines += ["| task | prompt | completion | answer | reward | advantage | versions | stop |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["| task | prompt | completion | answer | reward | advantage | versions | stop |", "|---" * 8 + "|"]
         for r in unique:
             cells = [
                 r["task_id"],

@@ -182,8 +182,12 @@ class DatasetEnv(SingleTurnEnv):
     def _messages(self, where: str, prompt: Any) -> Messages:
         if isinstance(prompt, str):
             return self.format_prompt(prompt)
-        ok = isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in prompt
+        ok = (
+            isinstance(prompt, list)
+            and prompt
+            and all(
+                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in prompt
+            )
         )
         if not ok:
             raise DatasetError(

@@ -101,7 +101,7 @@ def describe(target: str) -> str:
 def main(argv: list[str]) -> int:
     """`gyre envs`: the environments loadable by name, with where each comes from."""
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: gyre envs\n\nList environments loadable by name (built-ins and the gyre.environments entry points).")
+        print("usage: gyre envs\n\nList environments loadable by name (built-ins, gyre.environments entry points).")
         return 0
     if argv:
         print(f"gyre envs: unexpected arguments {' '.join(argv)!r}")

@@ -195,6 +195,7 @@ def create_app(state: AppState) -> FastAPI:
         _check_model(state, body.model)
         return {"prompt": await asyncio.to_thread(state.text.decode, state.text.check_ids(body.tokens, "tokens"))}
 
+    __import__("gyre_inference.tokens_in").tokens_in.add_generate_route(app, state)  # POST /inference/v1/generate
     return app
 
 

@@ -1,0 +1,74 @@
+"""`POST /inference/v1/generate` (vLLM's tokens-in route) on a real `gyre inference` process.
+
+The oracle is the server's own /v1/completions on the same token prompt and seed (a separately tested path):
+the tokens-in route must sample exactly the same tokens with the same log-probs, in vLLM's response shape.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+TOKEN_PROMPT = [1, 705, 201, 74, 75, 2, 201, 1, 739, 201]
+
+
+def generate(server, expect: int = 200, **body) -> dict:
+    response = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=60)
+    assert response.status_code == expect, response.text
+    return response.json()
+
+
+def test_same_tokens_and_logprobs_as_a_completion_with_that_seed(server, model_id):
+    params = {"n": 2, "max_tokens": 12, "seed": 5, "temperature": 0.8, "logprobs": 2}
+    body = generate(server, model=model_id, token_ids=TOKEN_PROMPT, sampling_params=params)
+    completion = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": model_id, "prompt": TOKEN_PROMPT, "n": 2, "max_tokens": 12, "seed": 5, "temperature": 0.8,
+        "logprobs": 2, "return_token_ids": True}).json()  # fmt: skip
+    assert body["prompt_token_ids"] == TOKEN_PROMPT and body["model"] == model_id
+    for choice, reference in zip(body["choices"], completion["choices"], strict=True):
+        assert choice["token_ids"] == reference["token_ids"]
+        content = choice["logprobs"]["content"]
+        assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+        assert [c["logprob"] for c in content] == pytest.approx(reference["logprobs"]["token_logprobs"], abs=1e-5)
+        assert all(len(c["top_logprobs"]) == 2 for c in content)
+        assert choice["finish_reason"] == reference["finish_reason"]
+        assert choice["policy_version_min"] == choice["policy_version_max"] == body["policy_version"] == 0
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(TOKEN_PROMPT)
+    assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
+
+
+def test_finish_reasons_and_stop_tokens(server, model_id):
+    long = generate(server, model=model_id, token_ids=TOKEN_PROMPT,
+                    sampling_params={"max_tokens": 7, "ignore_eos": True, "seed": 1})  # fmt: skip
+    choice = long["choices"][0]
+    assert len(choice["token_ids"]) == 7 and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    stop_on = choice["token_ids"][3]
+    stopped = generate(server, model=model_id, token_ids=TOKEN_PROMPT,
+                       sampling_params={"max_tokens": 7, "ignore_eos": True, "seed": 1, "stop_token_ids": [stop_on],
+                                        "logprobs": 0})  # fmt: skip
+    ids = stopped["choices"][0]["token_ids"]
+    assert ids[-1] == stop_on and len(ids) <= 4 and stopped["choices"][0]["finish_reason"] == "stop"
+    assert "top_logprobs" not in stopped["choices"][0]["logprobs"]["content"][0]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"token_ids": [10**6]}, 400, "token_ids"),
+        ({"token_ids": []}, 400, "token_ids"),
+        ({"token_ids": TOKEN_PROMPT, "sampling_params": {"max_tokens": 10_000}}, 400, "token_ids"),
+        ({"token_ids": TOKEN_PROMPT, "sampling_params": {"top_k": 5}}, 400, "sampling_params.top_k"),
+        ({"token_ids": TOKEN_PROMPT, "stream": True}, 400, "stream"),
+        ({"token_ids": TOKEN_PROMPT, "model": "other"}, 404, "model"),
+    ],
+)
+def test_bad_requests_name_the_field(server, model_id, body, status, param):
+    error = generate(server, expect=status, **{"model": model_id, **body})["error"]
+    assert error["param"] == param, error
+
+
+def test_in_the_openapi_schema(server):
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    operation = schema["paths"]["/inference/v1/generate"]["post"]
+    assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("GenerateRequest")
