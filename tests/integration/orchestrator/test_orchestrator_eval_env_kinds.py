@@ -1,0 +1,45 @@
+"""`gyre eval` on each kind of environment (built-in, JSONL dataset, reasoning-gym) against real replicas."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gyre.events import read_events
+
+ROOT = Path(__file__).resolve().parents[3]
+DATASET = ROOT / "tests/unit/envs/data/reverse_words.jsonl"
+
+KINDS = {
+    "reverse_text": {},
+    "dataset": {"path": str(DATASET), "system_prompt": "Reverse the text.", "reward": "exact"},
+    "reasoning_gym:chain_sum": {"config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}, "num_eval": 4},
+}
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_gyre_eval_runs_on_each_kind(tmp_path, replicas, name):
+    if name.startswith("reasoning_gym"):
+        pytest.importorskip("reasoning_gym")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gyre.cli", "eval", "--output-dir", str(out), "--env.name", name,
+           "--env.args", json.dumps(KINDS[name]), "--inference.urls", json.dumps([replicas[0].url]),
+           "--inference.control-urls", json.dumps([replicas[0].control]), "--eval.num-examples", "4",
+           "--eval.k", "2", "--eval.temperature", "1.0", "--sampling.max-tokens", "8"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    printed = json.loads(res.stdout.strip().splitlines()[-1])
+    assert printed["env"] == name and printed["num_examples"] == 4 and printed["k"] == 2
+    assert 0.0 <= printed["avg_at_k"] <= 1.0 and 0.0 <= printed["pass_at_k"] <= 1.0
+    assert read_events(out / "events/eval.jsonl")[-1]["avg_at_k"] == printed["avg_at_k"]
+
+
+def test_gyre_eval_on_an_unknown_environment_lists_the_available_ones(tmp_path):
+    cmd = [sys.executable, "-m", "gyre.cli", "eval", "--output-dir", str(tmp_path), "--env.name", "reverse_txt"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode != 0
+    assert "unknown environment 'reverse_txt'" in res.stderr
+    assert all(name in res.stderr for name in ("reverse_text", "dataset", "reasoning_gym:<name>"))
