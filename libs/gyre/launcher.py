@@ -185,6 +185,7 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str,
         "output_dir": str(cfg.output_dir),
         "redis": {"url": redis_url},
         "log": {"level": cfg.log.level},
+        "wandb": cfg.wandb.model_dump(),
     }
     model = {"name": model_name, "dtype": cfg.model.dtype}
     replicas = []

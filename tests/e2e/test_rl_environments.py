@@ -1,11 +1,12 @@
 """`gyre rl` on environments users bring (a JSONL dataset, reasoning-gym): real services, 2 steps each, tiny model.
 
-Asserted from the artifacts: both steps trained, every sample's rollout dumped with what it trained with, and the
-samples page of `gyre report` drawn from those dumps.
+Asserted from the artifacts: both steps trained, every sample's rollout dumped with what it trained with, the
+samples page of `gyre report` drawn from those dumps, and (dataset run) W&B runs of both services, offline.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -34,6 +35,9 @@ def test_rl_trains_two_steps_on_each_kind(tmp_path, name):
     cmd = [sys.executable, "-m", "gyre.cli", "rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--max-steps", "2",
            "--orchestrator.env.name", name, "--orchestrator.env.args", json.dumps(KINDS[name]),
            "--orchestrator.rollouts.interval", "2"]  # fmt: skip
+    wandb = name == "dataset" and importlib.util.find_spec("wandb") is not None
+    if wandb:  # one of the runs also logs to Weights & Biases, offline
+        cmd += ["--wandb.enabled", "true", "--wandb.mode", "offline"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-4000:]
 
@@ -57,3 +61,12 @@ def test_rl_trains_two_steps_on_each_kind(tmp_path, name):
     samples = (out / "samples.md").read_text()
     assert "## Step 2" in samples and "## Step 1" in samples
     assert read_dump(out, 2)[0]["task_id"] in samples
+
+    if wandb:  # a run per service, with the step metrics and (orchestrator) the samples tables
+        runs = {}
+        for run_dir in (out / "wandb").glob("offline-run-*"):
+            data = next(run_dir.glob("run-*.wandb")).read_bytes()
+            runs["orchestrator" if b"orchestrator/reward_mean" in data else "trainer"] = (run_dir, data)
+        assert set(runs) == {"orchestrator", "trainer"}
+        assert b"trainer/loss" in runs["trainer"][1] or b"trainer/num_tokens" in runs["trainer"][1]
+        assert len(list(runs["orchestrator"][0].glob("files/media/table/samples_*.table.json"))) == 2

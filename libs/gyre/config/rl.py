@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from gyre.config.loader import GyreSettings, Section
-from gyre.config.shared import LogConfig, ModelConfig
+from gyre.config.shared import LogConfig, ModelConfig, WandbConfig
 
 
 class RLRedisConfig(Section):
@@ -64,6 +64,7 @@ class RLConfig(GyreSettings):
     )
     redis: RLRedisConfig = Field(default_factory=RLRedisConfig, description="Redis.")
     log: LogConfig = Field(default_factory=LogConfig, description="Log level of every service.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases for every service.")
     model: RLModelConfig = Field(default_factory=RLModelConfig, description="Base policy model.")
     ckpt: RLCkptConfig = Field(default_factory=RLCkptConfig, description="Checkpoints and resume.")
     sft: SFTWarmupConfig = Field(default_factory=SFTWarmupConfig, description="Optional SFT warm-up.")

@@ -48,6 +48,17 @@ class FolderTransportConfig(Section):
 WeightsTransportConfig = FolderTransportConfig
 
 
+class WandbConfig(Section):
+    enabled: bool = Field(False, description="Log metrics and sample tables to Weights & Biases (gyre[wandb]).")
+    project: str = Field("gyre", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user); unset = your default.")
+    group: str | None = Field(None, description="Run group (default: run_id); one W&B run per service.")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (unset = the WANDB_MODE environment variable, else online)."
+    )
+    samples: int = Field(8, ge=0, description="Rows of the samples table logged at each rollout dump.")
+
+
 class ServiceConfig(GyreSettings):
     """Keys every service has."""
 
@@ -61,3 +72,4 @@ class ServiceConfig(GyreSettings):
     weights: WeightsTransportConfig = Field(
         default_factory=FolderTransportConfig, description="How weights travel from the trainer to the replicas."
     )
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases (optional).")

@@ -37,6 +37,7 @@ from gyre.rollouts import write_dump
 from gyre.runstate import committed_step
 from gyre.streams import BatchStream, StreamEntry
 from gyre.transport import open_store
+from gyre.wandb_log import WandbLogger
 
 from gyre_orchestrator.advantages import compute_advantages
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
@@ -116,6 +117,8 @@ class OrchestratorService:
         self.eval_events = EventLog(events_dir(self.out) / EVAL)
         self.relay_events = EventLog(events_dir(self.out) / WEIGHT_RELAY)
         self.transport = open_store(cfg.weights, self.out)
+        self.wandb = WandbLogger(cfg.wandb, service="orchestrator", run_id=cfg.run_id, output_dir=self.out,
+                                 config=cfg.model_dump(mode="json"))  # fmt: skip
         self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last)
         inf = cfg.inference
         self.replicas = ReplicaSet(cooldown_s=inf.failure_cooldown_s)
@@ -290,6 +293,7 @@ class OrchestratorService:
         self.redis.close()
         for events in (self.events, self.eval_events, self.relay_events):
             events.close()
+        self.wandb.finish()
 
     def _on_removed(self, removed) -> None:
         for r in removed:
@@ -384,9 +388,10 @@ class OrchestratorService:
             f"pushing batch {st.step}",
         )
         self.last_step = st.step
+        self._account(st, samples, packed, cut, time.monotonic() - start)
         if records:
             await asyncio.to_thread(write_dump, self.out, st.step, records)
-        self._account(st, samples, packed, cut, time.monotonic() - start)
+            self.wandb.samples(records, st.step)
 
     def _account(self, st: StepState, samples: list[TrainSample], packed, cut: int, build_seconds: float) -> None:
         cfg, m = self.cfg, self.metrics
@@ -416,6 +421,7 @@ class OrchestratorService:
             "build_seconds": build_seconds,
         }
         self.events.append(record)
+        self.wandb.log(record)
         for key in ("num_samples", "dropped_stale", "dropped_zero_signal", "num_tokens"):
             self.counters[key] = self.counters.get(key, 0) + int(record[key])
         labels = m.labels
@@ -494,6 +500,7 @@ class OrchestratorService:
 
     def _record_eval(self, version: int, result: EvalResult) -> None:
         self.eval_events.append(result.record(step=version))
+        self.wandb.log(result.record(step=version), prefix="eval")
         m = self.metrics
         m.labels(m.eval_reward, env=result.env, stat="avg_at_k").set(result.avg_at_k)
         m.labels(m.eval_reward, env=result.env, stat="pass_at_k").set(result.pass_at_k)

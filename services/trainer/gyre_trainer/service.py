@@ -31,6 +31,7 @@ from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
 from gyre.net import bind_or_explain
 from gyre.runlock import RunLock
 from gyre.transport import open_store
+from gyre.wandb_log import WandbLogger
 
 from gyre_trainer import dist
 from gyre_trainer.checkpoint import CheckpointManager, ResumePlan, plan_resume
@@ -106,6 +107,8 @@ class Trainer:
         self.server = TrainerServer(self.status, self.cfg.server.host, self.cfg.server.port)
         self.grpc_port = bind_or_explain(self.server.start, "trainer", "server.port", self.cfg.server.port)
         self.events = EventLog(events_dir(self.output_dir) / TRAINER_STEPS)
+        self.wandb = WandbLogger(self.cfg.wandb, service="trainer", run_id=self.cfg.run_id,
+                                 output_dir=self.output_dir, config=self.cfg.model_dump(mode="json"))  # fmt: skip
         o = self.cfg.orchestrator
         self.notifier = WeightsNotifier(
             o.address,
@@ -146,6 +149,8 @@ class Trainer:
             self.events.close()
         if self.lock:
             self.lock.release()
+        if getattr(self, "wandb", None):
+            self.wandb.finish()
 
     # ---- resume ---------------------------------------------------------------------------------
     def _resume(self) -> ResumePlan:
@@ -235,6 +240,7 @@ class Trainer:
             self._publish(item.step, record)
             if main:
                 self.events.append(record)
+                self.wandb.log(record)
                 self.metrics.observe_step(record, mfu_per_rank)
                 self.metrics.rejected.inc(self.intake.rejected - self._rejected_seen)
                 self._rejected_seen = self.intake.rejected

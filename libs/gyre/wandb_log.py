@@ -1,0 +1,80 @@
+"""Optional Weights & Biases logging: each service's step metrics, eval results and a table of samples.
+
+    [wandb]               # in a `gyre rl` file (top level: every service gets it) or any service's config
+    enabled = true
+    project = "gyre"
+    mode = "offline"      # or "online"; unset = wandb's default / the WANDB_MODE environment variable
+
+One wandb run per service process, grouped by `run_id` (`<run_id>-orchestrator`, `<run_id>-trainer`), written
+under `{output_dir}/wandb`. The orchestrator logs `orchestrator/*` per step, `eval/*` per evaluation, and a
+`samples` table (prompt, completion, answer, reward, advantage, versions) at every rollout dump; the trainer logs
+`trainer/*`. Needs the `wandb` extra (`pip install 'gyre[wandb]'`); disabled (the default), nothing is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from gyre.rollouts import message_text
+
+log = logging.getLogger(__name__)
+SAMPLE_COLUMNS = ["step", "task_id", "prompt", "completion", "answer", "reward", "advantage", "min_version",
+                  "max_version", "stop_reason"]  # fmt: skip
+
+
+class WandbLogger:
+    """No-op unless `cfg.enabled`; then a wandb run for this service (see the module docstring)."""
+
+    def __init__(self, cfg, *, service: str, run_id: str, output_dir: Path | str, config: dict[str, Any]):
+        self.service, self.cfg, self.run = service, cfg, None
+        if not cfg.enabled:
+            return
+        try:
+            import wandb
+        except ImportError as exc:
+            raise RuntimeError("wandb.enabled = true needs the wandb package: pip install 'gyre[wandb]'") from exc
+        self._wandb = wandb
+        folder = Path(output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            group=cfg.group or run_id,
+            name=f"{run_id}-{service}",
+            job_type=service,
+            mode=cfg.mode,
+            dir=str(folder),
+            config=config,
+            reinit="create_new",
+        )
+        # Each kind of record has its own x axis (eval versions lag training steps; wandb's own step must grow).
+        for prefix in (service, "eval"):
+            self.run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/step")
+        self.run.define_metric("samples", step_metric=f"{service}/step")
+
+    def log(self, record: dict[str, Any], prefix: str | None = None) -> None:
+        """The numeric fields of an event record (which has a `step`) as `<prefix>/<key>`."""
+        if self.run is None:
+            return
+        prefix = prefix or self.service
+        values = {f"{prefix}/{k}": float(v) for k, v in record.items()
+                  if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}  # fmt: skip
+        self.run.log(values)
+
+    def samples(self, records: list[dict[str, Any]], step: int) -> None:
+        """The first `cfg.samples` rollout-dump records as a `samples` table."""
+        if self.run is None or not records:
+            return
+        rows = [[r["step"], r["task_id"], message_text(r["prompt"], "user"), message_text(r["completion"]),
+                 r.get("answer", ""), r["reward"], r["advantage"], r["min_version"], r["max_version"],
+                 r["stop_reason"]] for r in records[: self.cfg.samples]]  # fmt: skip
+        table = self._wandb.Table(columns=SAMPLE_COLUMNS, data=rows)
+        self.run.log({"samples": table, f"{self.service}/step": step})
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

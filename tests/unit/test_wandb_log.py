@@ -1,0 +1,49 @@
+"""`gyre.wandb_log`: a real wandb run in offline mode (WANDB_MODE=offline, nothing leaves the machine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gyre.config.shared import WandbConfig
+from gyre.wandb_log import SAMPLE_COLUMNS, WandbLogger
+
+pytest.importorskip("wandb", reason="the wandb extra is part of the dev install")
+
+RECORD = {"step": 3, "prompt": [{"role": "user", "content": "Reverse: abc"}], "task_id": "row-1",
+          "completion": [{"role": "assistant", "content": "cba"}], "answer": "cba", "reward": 1.0, "advantage": 0.5,
+          "min_version": 1, "max_version": 2, "stop_reason": "done"}  # fmt: skip
+
+
+def test_offline_run_records_metrics_and_a_samples_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(WandbConfig(enabled=True, samples=1), service="orchestrator", run_id="wb-test",
+                         output_dir=tmp_path, config={"batch_size": 4})  # fmt: skip
+    assert logger.run.name == "wb-test-orchestrator" and logger.run.group == "wb-test"
+    for step in (1, 2, 3):
+        logger.log({"step": step, "reward_mean": 0.25 * step, "env": "dataset", "flag": True})
+    logger.log({"step": 2, "avg_at_k": 0.75}, prefix="eval")
+    logger.samples([RECORD, {**RECORD, "task_id": "row-2"}], step=3)
+    logger.finish()
+    import wandb
+
+    wandb.teardown()  # stops wandb's writer process, which flushes the run file (a service process exiting does this)
+
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    data = next(run_dir.glob("run-*.wandb")).read_bytes()
+    for key in (b"orchestrator/reward_mean", b"orchestrator/step", b"eval/avg_at_k", b"samples"):
+        assert key in data, key
+    assert b"orchestrator/env" not in data and b"orchestrator/flag" not in data  # only numbers are metrics
+    (table,) = run_dir.glob("files/media/table/samples_*.table.json")
+    content = json.loads(table.read_text())
+    assert content["columns"] == SAMPLE_COLUMNS
+    assert content["data"] == [[3, "row-1", "Reverse: abc", "cba", "cba", 1.0, 0.5, 1, 2, "done"]]  # first `samples`
+
+
+def test_disabled_is_a_no_op(tmp_path):
+    logger = WandbLogger(WandbConfig(), service="trainer", run_id="x", output_dir=tmp_path, config={})
+    logger.log({"step": 1, "loss": 0.5})
+    logger.samples([RECORD], step=1)
+    logger.finish()
+    assert logger.run is None and not (tmp_path / "wandb").exists()
