@@ -89,13 +89,14 @@ def load_environment(name: str, **args: Any) -> Environment:
 
 
 def describe(target: str) -> str:
-    """First line of a loader's module docstring (without importing anything heavy beyond that module)."""
+    """First sentence of a loader's module docstring (imports only that module)."""
     try:
         loader = load_callable(target, "environment")
     except ValueError as exc:
         return f"(cannot import: {exc})"
     doc = inspect.getmodule(loader).__doc__ or loader.__doc__ or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    return paragraph.split(". ")[0].rstrip(".")
 
 
 def main(argv: list[str]) -> int:
