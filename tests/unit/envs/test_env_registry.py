@@ -100,11 +100,18 @@ def test_loading_environments_never_imports_torch():
         for name in ["reverse_text", "arithmetic", "alphabet_sort", "calculator"]:
             env = load_environment(name)
             env.tasks("eval")[0]
+        load_environment("dataset", path=DATASET).tasks("train")[0]
+        try:
+            import reasoning_gym  # optional extra
+        except ImportError:
+            pass
+        else:
+            load_environment("reasoning_gym:chain_sum", num_eval=2).tasks("train")[0]
         from gyre.envs.scoring import math_equal
         assert math_equal("7", "7")
         assert "torch" not in sys.modules, "gyre.envs imported torch"
         """
-    )
+    ).replace("DATASET", repr(REQUIRED_ARGS["dataset"]["path"]))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 
