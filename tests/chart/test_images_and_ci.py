@@ -15,6 +15,7 @@ from chart_testlib import ROOT
 
 DOCKERFILES = ["Dockerfile.inference", "Dockerfile.trainer", "Dockerfile.orchestrator"]
 WORKFLOW = ROOT / ".github" / "workflows" / "kind-smoke.yml"
+RELEASE_WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
 BIN = Path(sys.executable).parent
 
 
@@ -98,9 +99,10 @@ def test_dockerignore_keeps_the_build_context_to_the_sources():
                     assert source.rstrip("/") in allowed, f"{dockerfile}: COPY {source} is excluded by .dockerignore"
 
 
-def test_workflow_validates_against_the_github_schema():
+@pytest.mark.parametrize("workflow", [WORKFLOW, RELEASE_WORKFLOW], ids=lambda p: p.name)
+def test_workflow_validates_against_the_github_schema(workflow):
     result = subprocess.run(
-        [tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(WORKFLOW)],
+        [tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(workflow)],
         capture_output=True,
         text=True,
     )
@@ -134,3 +136,23 @@ def test_smoke_script_is_valid_bash_and_uses_the_kind_values():
     kind_values = yaml.safe_load((ROOT / "deploy" / "values-kind.yaml").read_text())
     assert kind_values["nodePools"]["gpu"]["nodeSelector"] == {"gyre.dev/pool": "gpu"}
     assert kind_values["inference"]["gpus"] == 0 and kind_values["trainer"]["gpusPerNode"] == 0
+
+
+def test_release_workflow_builds_both_variants_and_only_its_image_job_writes_packages():
+    workflow = yaml.safe_load(RELEASE_WORKFLOW.read_text())
+    assert workflow["permissions"] == {"contents": "read"}
+    jobs = workflow["jobs"]
+    assert jobs["images"]["permissions"] == {"contents": "read", "packages": "write"}
+    assert "permissions" not in jobs["check-version"]
+    builds = {(m["component"], m["variant"]) for m in jobs["images"]["strategy"]["matrix"]["include"]}
+    assert builds == {("inference", "gpu"), ("inference", "cpu"), ("trainer", "gpu"), ("trainer", "cpu"),
+                      ("orchestrator", "")}  # fmt: skip
+    for job in jobs.values():
+        checkout = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/checkout"))
+        assert checkout["with"]["persist-credentials"] is False
+    # the version check really compares the tag with Chart.yaml's appVersion
+    check = jobs["check-version"]["steps"][-1]["run"]
+    env = {"GITHUB_REF_NAME": "v0.1.0", "PATH": "/usr/bin:/bin"}
+    assert subprocess.run(["bash", "-c", check], cwd=ROOT, env=env).returncode == 0
+    env["GITHUB_REF_NAME"] = "v9.9.9"
+    assert subprocess.run(["bash", "-c", check], cwd=ROOT, env=env, capture_output=True).returncode == 1

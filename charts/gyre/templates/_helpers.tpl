@@ -4,17 +4,28 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Resource name prefix; at most 40 characters so "<prefix>-inference-headless" stays a valid DNS label. */}}
+{{/*
+Resource name prefix; at most 40 characters so "<prefix>-inference-headless" stays a valid DNS label.
+A longer one keeps its first 31 characters and adds 8 of its sha256: two releases that differ only after
+character 31 still get different names.
+*/}}
 {{- define "gyre.fullname" -}}
+{{- $full := "" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- $full = .Values.fullnameOverride -}}
 {{- else -}}
 {{- $name := default .Chart.Name .Values.nameOverride -}}
 {{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- $full = .Release.Name -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- $full = printf "%s-%s" .Release.Name $name -}}
 {{- end -}}
+{{- end -}}
+{{- $full = $full | trimSuffix "-" -}}
+{{- if gt (len $full) 40 -}}
+{{- printf "%s-%s" ($full | trunc 31 | trimSuffix "-") ($full | sha256sum | trunc 8) -}}
+{{- else -}}
+{{- $full -}}
 {{- end -}}
 {{- end -}}
 
@@ -54,7 +65,12 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* In-cluster DNS name of a Service of this release: (dict "root" $ "service" "orchestrator"). */}}
 {{- define "gyre.serviceHost" -}}
-{{- printf "%s-%s.%s.svc.cluster.local" (include "gyre.fullname" .root) .service .root.Release.Namespace -}}
+{{- printf "%s-%s.%s.svc.%s" (include "gyre.fullname" .root) .service .root.Release.Namespace .root.Values.clusterDomain -}}
+{{- end -}}
+
+{{/* Label on the one Service per component that its ServiceMonitor scrapes (never a second Service: no double series). */}}
+{{- define "gyre.scrapeLabel" -}}
+gyre.dev/scrape: {{ .component | quote }}
 {{- end -}}
 
 {{/* ---------- images, placement, security ---------- */}}
@@ -66,7 +82,8 @@ imagePullPolicy: {{ .image.pullPolicy | default "IfNotPresent" }}
 {{- end -}}
 
 {{/*
-nodeSelector / tolerations / affinity of a component: its node pool's, plus its own.
+nodeSelector / tolerations / affinity of a component: its node pool's, plus its own; and its
+priorityClassName / schedulerName (gang schedulers such as Volcano or Kueue's).
 Call with (dict "root" $ "component" .Values.inference).
 */}}
 {{- define "gyre.placement" -}}
@@ -90,6 +107,12 @@ tolerations:
 {{- with $affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .component.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .component.schedulerName }}
+schedulerName: {{ . }}
 {{- end }}
 {{- end -}}
 
@@ -124,6 +147,7 @@ securityContext:
 {{/* ---------- volumes and environment shared by the Gyre containers ---------- */}}
 
 {{/* Writable places on a read-only root filesystem: /tmp, caches and (GPU pods) a memory-backed /dev/shm. */}}
+{{/* Call with (dict "root" $ "component" .Values.inference "shmSize" "2Gi"). */}}
 {{- define "gyre.volumes" -}}
 - name: experiment
   configMap:
@@ -134,12 +158,20 @@ securityContext:
 - name: tmp
   emptyDir: {}
 - name: cache
+  {{- with .component.cacheSize }}
+  emptyDir:
+    sizeLimit: {{ . }}
+  {{- else }}
   emptyDir: {}
+  {{- end }}
 {{- if .shmSize }}
 - name: shm
   emptyDir:
     medium: Memory
     sizeLimit: {{ .shmSize }}
+{{- end }}
+{{- with .component.extraVolumes }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 
@@ -156,6 +188,9 @@ securityContext:
 {{- if .shmSize }}
 - name: shm
   mountPath: /dev/shm
+{{- end }}
+{{- with .component.extraVolumeMounts }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 
@@ -212,6 +247,24 @@ expansion so it never appears in the pod spec or a ConfigMap.
 {{ include "gyre.secretEnv" (dict "root" . "name" "REDIS_PASSWORD" "key" "redis-password") }}
 - name: GYRE_REDIS__URL
   value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "gyre.serviceHost" (dict "root" . "service" "redis")) (int .Values.redis.port) | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+A container's resources: the component's requests/limits plus `count` GPUs of its resource name
+(`<component>.gpuResourceName`, default `gpu.resourceName`). Call with (dict "root" $ "component" $v "count" 2).
+*/}}
+{{- define "gyre.resources" -}}
+{{- $res := deepCopy (.component.resources | default dict) -}}
+{{- if gt (int .count) 0 -}}
+{{- $name := .component.gpuResourceName | default .root.Values.gpu.resourceName -}}
+{{- $gpu := dict $name (toString .count) -}}
+{{- $_ := set $res "requests" (merge (deepCopy ($res.requests | default dict)) $gpu) -}}
+{{- $_ := set $res "limits" (merge (deepCopy ($res.limits | default dict)) $gpu) -}}
+{{- end -}}
+{{- with $res }}
+resources:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
 
@@ -285,4 +338,13 @@ valid TOML. Maps become inline tables, lists arrays.
 {{- if eq (toString $mode) "auto" -}}
 {{- if .root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" .kind) -}}true{{- end -}}
 {{- else if $mode -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The trainer job's identity: 8 hex of the sha256 of everything that shapes it (the experiment file and
+the trainer values). It ends the torchrun rendezvous id, so pods of two configurations can never
+rendezvous into one job.
+*/}}
+{{- define "gyre.trainerJobHash" -}}
+{{- printf "%s\n%s" (include "gyre.experimentToml" .) (toJson .Values.trainer) | sha256sum | trunc 8 -}}
 {{- end -}}

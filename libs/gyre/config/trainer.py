@@ -105,6 +105,12 @@ class IntakeConfig(Section):
 class TrainerServerConfig(Section):
     host: str = Field("127.0.0.1", description="Bind address of the gRPC server and of /metrics (0.0.0.0 in pods).")
     port: int = Field(50071, ge=0, le=65535, description="gRPC port of gyre.v1.Trainer (status + health).")
+    health_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="HTTP /health and /ready of this node, served by its local rank 0 on every node (unset: none).",
+    )
 
 
 class TrainerConfig(ServiceConfig):

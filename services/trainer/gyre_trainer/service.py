@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,42 @@ def crash_point(name: str, step: int, ctx: dist.DistContext) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class NodeHealth:
+    """HTTP `/health` (the process answers) and `/ready` (this rank is training) of one node.
+
+    Served by local rank 0 of every node, so every trainer pod answers its probes: the gRPC and
+    metrics servers exist on global rank 0 only.
+    """
+
+    def __init__(self, host: str, port: int):
+        self.ready = threading.Event()
+        ready = self.ready
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                ok = self.path == "/health" or (self.path == "/ready" and ready.is_set())
+                code = 200 if ok else (503 if self.path == "/ready" else 404)
+                body = {200: b"ok\n", 503: b"not ready\n", 404: b"not found\n"}[code]
+                self.send_response(code)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # probes every few seconds: keep the log quiet
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.port = int(self.server.server_port)
+        threading.Thread(target=self.server.serve_forever, name="trainer-health", daemon=True).start()
+        log.info("node health on http://%s:%d/health and /ready", host, self.port)
+
+    def close(self) -> None:
+        self.ready.clear()
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class Trainer:
     """Owns the model, optimizer, intake, publisher and servers of one trainer process (one rank)."""
 
@@ -73,6 +110,7 @@ class Trainer:
         self.status = TrainerStatus(world_size=ctx.world_size)
         self.metrics = TrainerMetrics(cfg.run_id)
         self.server: TrainerServer | None = None
+        self.health: NodeHealth | None = None
         self.metrics_server = None
         self.notifier: WeightsNotifier | None = None
         self.events: EventLog | None = None
@@ -91,12 +129,16 @@ class Trainer:
             self.intake = self._open_intake(plan.trained_step)
             if self.server:
                 self.server.set_serving(True)
+            if self.health:
+                self.health.ready.set()
             self._loop()
             return 0
         finally:
             self._close()
 
     def _start_servers(self) -> None:
+        if self.cfg.server.health_port is not None and self.ctx.local_rank == 0:
+            self.health = NodeHealth(self.cfg.server.host, self.cfg.server.health_port)
         if not self.ctx.is_main:
             return
         self.lock = RunLock(self.output_dir, "trainer").acquire()  # one trainer (rank 0) per run folder
@@ -138,6 +180,8 @@ class Trainer:
         self.peak_flops = peak_flops(ctx.device, self.dtype)
 
     def _close(self) -> None:
+        if self.health:
+            self.health.close()
         if self.notifier:
             self.notifier.close(timeout=2.0)
         if self.server:
@@ -331,6 +375,8 @@ def run(cfg: TrainerConfig, *, handle_signals: bool = True) -> int:
     def request_stop(signum, _frame) -> None:
         log.info("signal %d: finishing the current step, then stopping", signum)
         trainer.stop_requested.set()
+        if trainer.health:
+            trainer.health.ready.clear()
 
     if handle_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):

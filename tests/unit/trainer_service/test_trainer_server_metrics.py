@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 
 import grpc
@@ -70,3 +71,47 @@ def test_metrics_exposition():
     for name in ("entropy", "mismatch_kl", "grad_norm", "lr"):
         assert f'gyre_trainer_{name}{{run_id="exp1"}}' in lines
     assert "# TYPE gyre_trainer_weight_publish_seconds histogram" in text
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_node_answers_health_and_only_rank_0_serves_grpc(rank, tmp_path):
+    """Every trainer pod (local rank 0 of each node) answers /health and /ready; gRPC is rank 0's."""
+    import torch
+    from gyre.config.trainer import TrainerConfig
+    from gyre_trainer.dist import DistContext
+    from gyre_trainer.service import Trainer
+
+    cfg = TrainerConfig(output_dir=str(tmp_path), server={"port": 0, "health_port": 0}, metrics={"port": 0})
+    trainer = Trainer(cfg, DistContext(rank=rank, world_size=2, local_rank=0, device=torch.device("cpu")))
+    trainer._start_servers()
+    try:
+        base = f"http://127.0.0.1:{trainer.health.port}"
+        assert http_status(f"{base}/health") == 200
+        assert http_status(f"{base}/ready") == 503  # not yet training
+        trainer.health.ready.set()
+        assert http_status(f"{base}/ready") == 200
+        assert http_status(f"{base}/metrics") == 404
+        assert (trainer.server is not None) == (rank == 0)
+        assert (trainer.metrics_server is not None) == (rank == 0)
+    finally:
+        trainer._close()
+
+
+def test_other_local_ranks_serve_no_health(tmp_path):
+    import torch
+    from gyre.config.trainer import TrainerConfig
+    from gyre_trainer.dist import DistContext
+    from gyre_trainer.service import Trainer
+
+    cfg = TrainerConfig(output_dir=str(tmp_path), server={"port": 0, "health_port": 0})
+    trainer = Trainer(cfg, DistContext(rank=3, world_size=4, local_rank=1, device=torch.device("cpu")))
+    trainer._start_servers()
+    assert trainer.health is None and trainer.server is None
