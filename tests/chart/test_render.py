@@ -26,6 +26,19 @@ EXTERNAL_REDIS = {
     }
 }
 EXISTING = {"secrets": {"existingSecret": "my-exp-secrets"}, "persistence": {"existingClaim": "team-volume"}}
+# What a cluster admin sets beyond the examples: another DNS domain, a 2-node trainer on a gang
+# scheduler, a MIG slice per replica, extra volumes, a GitOps seed, scraping from one namespace only.
+ADMIN = {
+    "clusterDomain": "corp.internal",
+    "secrets": {"seed": "s" * 48},
+    "inference": {"gpuResourceName": "nvidia.com/mig-3g.40gb", "priorityClassName": "serving"},
+    "trainer": {"nnodes": 2, "gpusPerNode": 8, "priorityClassName": "training", "schedulerName": "volcano",
+                "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+                "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
+                "cacheSize": "100Gi"},
+    "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}],
+                      "apiFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}]},
+}  # fmt: skip
 
 # name -> (values, capabilities added to the render)
 SCENARIOS = {
@@ -37,6 +50,7 @@ SCENARIOS = {
     "existing-secret-and-claim": (EXISTING, ()),
     "monitoring-present": ({}, MONITORING_APIS),
     "monitoring-forced": ({"monitoring": {"enabled": True}}, ()),
+    "admin-knobs": (ADMIN, MONITORING_APIS),
 }
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
