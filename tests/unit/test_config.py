@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 
 import pytest
 from gyre.config import ConfigError, load_config, to_toml
@@ -145,9 +146,13 @@ def test_every_field_is_documented_and_in_help(cls):
     def walk(model, prefix=""):
         for name, field in model.model_fields.items():
             assert field.description, f"{cls.__name__}.{prefix}{name} has no description"
-            sub = getattr(field.annotation, "model_fields", None)
+            annotation = field.annotation
+            optional = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(optional) == 1:  # `Section | None` (an optional section such as trainer.lora)
+                annotation = optional[0]
+            sub = getattr(annotation, "model_fields", None)
             if sub is not None:
-                walk(field.annotation, prefix + name + ".")
+                walk(annotation, prefix + name + ".")
             else:
                 assert f"--{prefix}{name} " in text
 

@@ -113,6 +113,19 @@ class TrainerServerConfig(Section):
     )
 
 
+class LoraConfig(Section):
+    """Train low-rank adapters (peft) instead of every weight; the base stays frozen."""
+
+    rank: int = Field(16, ge=1, description="Adapter rank r.")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is alpha / r * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Names of the linear layers that get adapters.",
+    )
+
+
 class TrainerConfig(ServiceConfig):
     """Consume batches from Redis, optimise the policy, publish weights, notify the orchestrator."""
 
@@ -134,6 +147,9 @@ class TrainerConfig(ServiceConfig):
         False, description="Recompute each decoder layer's activations in backward (long rows on a GPU)."
     )
     weights_keep_last: int = Field(3, ge=1, description="Weight versions kept on the volume (plus those in use).")
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters only (unset = full fine-tuning); published weights are merged."
+    )
     bench: bool = Field(False, description="Benchmark on fake data: print tokens/s and MFU, then exit.")
 
 

@@ -90,6 +90,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         barrier(self.ctx)
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd = trainable_only(model, model_sd)
         with _single_process_ok():
             dcp.save(
                 {"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "state", no_dist=not self.ctx.distributed
@@ -117,7 +118,7 @@ class CheckpointManager:
         ranks that have no RNG file of their own are reseeded from (step, rank).
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         folder = self.path(step)
         try:
@@ -127,10 +128,14 @@ class CheckpointManager:
         if progress.get("step") != step:
             raise CheckpointError(f"checkpoint folder {folder} holds step {progress.get('step')}, not {step}")
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": trainable_only(model, model_sd), "optim": optim_sd}
         with _single_process_ok():
             dcp.load(state, checkpoint_id=folder / "state", no_dist=self.single)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        partial = len(state["model"]) < len(model_sd)  # LoRA: the frozen base comes from the base model
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=not partial),
+        )  # fmt: skip
         scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
         rng_file = folder / f"rng_rank{self.ctx.rank}.pt"
         if rng_file.exists():
@@ -177,6 +182,15 @@ class CheckpointManager:
         for s in doomed:
             retire_dir(self.path(s))
         return doomed
+
+
+def trainable_only(model, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """The state dict's trainable entries when part of the model is frozen (LoRA: the adapters), else
+    all of it: a checkpoint holds what training changes, the frozen base is reloaded from the base model."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if not frozen:
+        return model_sd
+    return {name: value for name, value in model_sd.items() if name not in frozen}
 
 
 @contextlib.contextmanager

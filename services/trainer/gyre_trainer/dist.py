@@ -111,6 +111,8 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks of an HF causal LM (`model.model.layers` for Llama/Qwen/Mistral)."""
+    if hasattr(model, "get_base_model"):  # a peft (LoRA) wrapper: the blocks are the base model's
+        model = model.get_base_model()
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:

@@ -170,6 +170,10 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.model.dtype, ctx.device)
         model = load_model(cfg.model, ctx.device, self.dtype, activation_checkpointing=cfg.activation_checkpointing)
         self.hf_config = model.config
+        if cfg.lora is not None:  # adapters only: the optimizer below takes the trainable parameters
+            from gyre_trainer.lora import apply_lora
+
+            model = apply_lora(model, cfg.lora)
         self.model = dist.shard_model(model, ctx)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.max_steps)
@@ -229,6 +233,12 @@ class Trainer:
     def _load_published_weights(self, plan: ResumePlan) -> None:
         from safetensors.torch import load_file
 
+        if self.cfg.lora is not None:
+            raise RuntimeError(
+                f"LoRA run: published weights step {plan.weights_step} are merged and cannot restore the adapters; "
+                f"resume needs a checkpoint of that step (ckpt.interval = 1), or ckpt.resume_step = "
+                f"{plan.checkpoint_step}"
+            )
         path = self.store.path(plan.weights_step) / WEIGHTS_FILE
         dist.load_full_state_dict(self.model, load_file(path))
         # the schedule is a function of the number of updates: catch up the steps the checkpoint lacks
@@ -332,6 +342,10 @@ class Trainer:
         state_dict = dist.full_state_dict(self.model, self.ctx)
         if not self.ctx.is_main:
             return
+        if self.cfg.lora is not None:  # published merged: every backend serves it like a full model
+            from gyre_trainer.lora import merged_state_dict
+
+            state_dict = merged_state_dict(state_dict, self.cfg.lora)
         published = self.publisher.publish(step, state_dict, self.hf_config, record)
         self.metrics.publish_duration.observe(time.perf_counter() - start)
         crash_point("after_publish", step, self.ctx)

@@ -1,0 +1,45 @@
+"""The trainer with `lora`: adapters-only checkpoints, merged published weights, exact resume (2 + 2 == 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gyre.streams import BatchStream
+from torch.distributed.checkpoint import FileSystemReader
+from trainer_testlib import load_weights, push_batches, run_in_process, trained_steps, trainer_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
+
+LORA = {"lora.rank": 4, "lora.alpha": 8, "ckpt.interval": 2, "optim.lr": 1e-2, "optim.warmup-steps": 3}
+
+
+def train(tiny_model, out, redis_url, run_id, max_steps, **extra) -> None:
+    assert run_in_process(trainer_args(tiny_model, out, redis_url, run_id, max_steps, **{**LORA, **extra})) == 0
+
+
+def test_lora_checkpoints_adapters_publishes_merged_and_resumes_exactly(tiny_model, redis_url, unique_run_id, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for suffix in ("-straight", ""):
+        push_batches(BatchStream(redis_url, unique_run_id + suffix), range(1, 5))
+    train(tiny_model, straight, redis_url, unique_run_id + "-straight", 4)
+    train(tiny_model, resumed, redis_url, unique_run_id, 2)
+    train(tiny_model, resumed, redis_url, unique_run_id, 4, **{"ckpt.resume-step": -1})
+    assert trained_steps(resumed) == [1, 2, 3, 4]
+
+    # checkpoints hold the adapters only (the frozen base is the base model)
+    keys = FileSystemReader(str(resumed / "checkpoints/trainer/step_2/state")).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys)
+
+    # published weights are a plain merged model: the base's names, changed only where adapters sit
+    base = load_weights(tiny_model)
+    published = load_weights(resumed / "weights/step_4")
+    assert published.keys() == base.keys()
+    changed = {k for k in base if not torch.equal(base[k], published[k])}
+    adapted = tuple(
+        f"{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
+    assert changed and all(k.endswith(adapted) for k in changed)
+    straight_weights = load_weights(straight / "weights/step_4")
+    for name in base:
+        assert torch.equal(published[name], straight_weights[name]), name

@@ -1,0 +1,87 @@
+"""LoRA (`gyre_trainer.lora`, peft): adapters-only training, merged weights that reload in transformers
+and equal base + adapter, and the adapter alone in PEFT's format."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import peft
+import torch
+from gyre.config.trainer import OptimConfig
+from gyre_trainer.lora import (
+    adapter_config,
+    adapter_state_dict,
+    apply_lora,
+    merged_state_dict,
+    read_adapter,
+)
+from gyre_trainer.optim import build_optimizer
+
+CFG = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def lora_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), CFG)
+    with torch.no_grad():  # peft starts B at zero (a no-op adapter): give it a real delta
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
+def test_only_adapters_train_and_the_base_stays_bit_identical(tiny_model_dir):
+    model = lora_model(tiny_model_dir)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(3, 1000, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == trainable
+
+
+def test_merged_weights_reload_in_transformers_and_equal_base_plus_adapter(tiny_model_dir, tmp_path):
+    from gyre_trainer.publish import write_hf_folder
+    from transformers import AutoModelForCausalLM
+
+    model = lora_model(tiny_model_dir).eval()
+    merged = merged_state_dict(model.state_dict(), CFG)
+    base_names = set(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict())
+    assert set(merged) == base_names
+    write_hf_folder(tmp_path / "merged", merged, model.get_base_model().config, tiny_model_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(3, 1000, (2, 24))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits  # base + adapter, computed by peft
+        got = reloaded(input_ids=ids).logits
+        peft_merged = model.merge_and_unload()(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+    assert torch.allclose(got, peft_merged, atol=1e-5, rtol=0)
+
+
+def test_adapter_alone_is_peft_format_and_reapplies_to_the_base(tiny_model_dir, tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = lora_model(tiny_model_dir).eval()
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file(adapter_state_dict(model.state_dict()), folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config(CFG, str(tiny_model_dir))))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    reloaded = peft.PeftModel.from_pretrained(base, folder).eval()
+    ids = torch.randint(3, 1000, (1, 20))
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+    adapters = read_adapter(load_file(folder / "adapter_model.safetensors"))
+    assert set(adapters) == {
+        f"model.layers.{i}.{m}" for i in range(4) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+    }
