@@ -47,6 +47,15 @@ def check_supported(config) -> None:
         raise ValueError("the torch backend supports full attention only; this model uses a sliding window")
 
 
+def context_that_fits(config, slots: int, dtype: torch.dtype, free_bytes: int, share: float = 0.5) -> int:
+    """Longest context whose slot cache fits in `share` of `free_bytes` (the rest: activations, graphs,
+    and the old buffer while the cache doubles), a multiple of MIN_WIDTH."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * dtype.itemsize * slots
+    tokens = int(free_bytes * share) // per_token
+    return max(MIN_WIDTH, tokens // MIN_WIDTH * MIN_WIDTH)
+
+
 def _power_of_two(n: int, floor: int = 1) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 

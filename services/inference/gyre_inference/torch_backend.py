@@ -47,7 +47,7 @@ from gyre_inference.backend import (
 )
 from gyre_inference.cpus import default_engine_threads
 from gyre_inference.sampling import sample_next
-from gyre_inference.static_decode import StaticDecoder
+from gyre_inference.static_decode import StaticDecoder, context_that_fits
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,16 @@ class TorchBackend(Backend):
         if self._requested_max_len is not None and self._requested_max_len > limit:
             raise ValueError(f"engine.max_model_len {self._requested_max_len} exceeds the model's context {limit}")
         self._max_model_len = self._requested_max_len or limit
+        if self.device.type == "cuda":
+            # The slot cache holds max_batch_size full contexts: shorten the context to what fits, so a
+            # request that cannot fit is refused up front (context_length_exceeded), not by an OOM.
+            free, _ = torch.cuda.mem_get_info(self.device)
+            fits = context_that_fits(model.config, self.max_batch_size, self.dtype, free)
+            if fits < self._max_model_len:
+                log.warning("context %d x %d slots does not fit in GPU memory: serving context %d "
+                            "(lower engine.max_batch_size for longer contexts)",
+                            self._max_model_len, self.max_batch_size, fits)  # fmt: skip
+                self._max_model_len = fits
         self._pad_id = model.config.pad_token_id or 0
         self._decoder = StaticDecoder(model, self.max_batch_size, self._max_model_len, cuda_graphs=self.cuda_graphs)
         self._model = model

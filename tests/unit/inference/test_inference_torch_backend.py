@@ -216,6 +216,18 @@ async def test_unsupported_families_are_refused_clearly():
         check_supported(Qwen2Config(use_sliding_window=True))
 
 
+async def test_the_gpu_context_is_shortened_to_what_the_slot_cache_fits():
+    from gyre_inference.static_decode import context_that_fits
+    from transformers import Qwen3Config
+
+    # Qwen3-0.6B shape: 28 layers x 2 x 8 kv heads x 128 x 2 bytes = 114,688 bytes per token per slot
+    config = Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128)  # fmt: skip
+    fits = context_that_fits(config, 64, torch.bfloat16, free_bytes=76 * 2**30)
+    assert fits == (38 * 2**30 // (114_688 * 64)) // 64 * 64 == 5504
+    assert context_that_fits(config, 1, torch.bfloat16, free_bytes=76 * 2**30) > 40960  # one slot: the whole context
+
+
 async def test_slots_are_reused_and_the_busy_ones_stay_packed(backend):
     async def busy_becomes(expected):
         for _ in range(300):
