@@ -382,4 +382,6 @@ def test_rendered_kind_deployment_trains_as_local_processes(cluster):
     # The services wrote where the chart pointed them: the shared volume.
     steps = [json.loads(line) for line in (cluster.shared / "events" / "trainer_steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps][:MIN_STEPS] == list(range(1, MIN_STEPS + 1))
-    assert (cluster.shared / "weights" / f"step_{MIN_STEPS}").is_dir()
+    # Training goes on meanwhile and older weight folders are pruned: the newest is at least MIN_STEPS.
+    published = [int(p.name.removeprefix("step_")) for p in (cluster.shared / "weights").glob("step_*") if p.is_dir()]
+    assert published and max(published) >= MIN_STEPS, published
