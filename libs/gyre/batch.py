@@ -152,7 +152,9 @@ class TrainBatch:
     `samples[j]` is JSON-able metadata of sample j (reward, advantage, min_version, max_version,
     env, ...). `num_loss_tokens` / `num_samples` are the global normalisers over all ranks.
     `temperature` is the sampling temperature inference used: the trainer must compute log-probs
-    at the same temperature for them to be comparable with `inference_logprobs`.
+    at the same temperature for them to be comparable with `inference_logprobs`. `max_tokens` is the
+    generation budget of one sample (sampling.max_tokens × the environment's max turns; 0 = unknown):
+    the constant normaliser of Dr.GRPO's seq-mean-token-sum-norm aggregation (docs/algorithms.md).
     """
 
     step: int
@@ -162,6 +164,7 @@ class TrainBatch:
     num_samples: int = 0
     created: float = field(default_factory=time.time)
     temperature: float = 1.0
+    max_tokens: int = 0
 
     @property
     def num_ranks(self) -> int:
@@ -199,7 +202,7 @@ class TrainBatch:
                         f"micro_batches[{r}][{i}]: sample_index {int(mb.sample_index.max())} "
                         f"out of range for {len(self.samples)} samples"
                     )
-        for name in ("num_loss_tokens", "num_samples"):
+        for name in ("num_loss_tokens", "num_samples", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise BatchError(f"{name} must be a non-negative int, got {value!r}")

@@ -3,6 +3,7 @@
 Layout (a msgpack map, schema version `SCHEMA_VERSION`):
 
     {"schema": 1, "step": int, "created": float, "temperature": float, "num_loss_tokens": int, "num_samples": int,
+     "max_tokens": int (optional, 0 when absent),
      "samples": [ {json-able metadata}, ... ],
      "micro_batches": [ [ {field: {"dtype": "<i4", "shape": [T], "data": bytes}, ...}, ... ], ... ]}
 
@@ -26,6 +27,7 @@ SCHEMA_VERSION = 1
 _TOP_KEYS = {
     "schema", "step", "created", "temperature", "num_loss_tokens", "num_samples", "samples", "micro_batches"
 }  # fmt: skip
+_OPTIONAL_KEYS = {"max_tokens"}  # added after schema 1 shipped: batches without it still decode
 
 
 class CodecError(ValueError):
@@ -54,6 +56,7 @@ def encode_batch(batch: TrainBatch) -> bytes:
         "temperature": float(batch.temperature),
         "num_loss_tokens": batch.num_loss_tokens,
         "num_samples": batch.num_samples,
+        "max_tokens": batch.max_tokens,
         "samples": batch.samples,
         "micro_batches": [
             [{name: _encode_array(getattr(mb, name), dtype) for name, dtype in ARRAY_FIELDS.items()} for mb in rank]
@@ -107,7 +110,7 @@ def decode_batch(data: bytes) -> TrainBatch:
     missing = _TOP_KEYS - set(doc)
     if missing:
         raise CodecError(f"missing keys {sorted(missing)}")
-    unknown = set(doc) - _TOP_KEYS
+    unknown = set(doc) - _TOP_KEYS - _OPTIONAL_KEYS
     if unknown:
         raise CodecError(f"unknown keys {sorted(unknown)}")
     created, temperature = doc["created"], doc["temperature"]
@@ -137,6 +140,7 @@ def decode_batch(data: bytes) -> TrainBatch:
         samples=doc["samples"],
         num_loss_tokens=_require_int(doc, "num_loss_tokens"),
         num_samples=_require_int(doc, "num_samples"),
+        max_tokens=_require_int(doc, "max_tokens") if "max_tokens" in doc else 0,
         created=float(created),
         temperature=float(temperature),
     )

@@ -46,17 +46,19 @@ def make_batch(step: int = 3, layout: list[list[list[int]]] | None = None, seed:
         num_loss_tokens=loss_tokens,
         num_samples=index,
         temperature=0.7,
+        max_tokens=48,
     )
 
 
 def assert_same(a: TrainBatch, b: TrainBatch) -> None:
-    assert (a.step, a.samples, a.num_loss_tokens, a.num_samples, a.created, a.temperature) == (
+    assert (a.step, a.samples, a.num_loss_tokens, a.num_samples, a.created, a.temperature, a.max_tokens) == (
         b.step,
         b.samples,
         b.num_loss_tokens,
         b.num_samples,
         b.created,
         b.temperature,
+        b.max_tokens,
     )
     assert [len(r) for r in a.micro_batches] == [len(r) for r in b.micro_batches]
     for ra, rb in zip(a.micro_batches, b.micro_batches, strict=True):
@@ -188,6 +190,8 @@ def first_mb(doc):
         (lambda d: d.pop("temperature"), "missing keys"),
         (lambda d: d.update(temperature=None), "temperature"),
         (lambda d: d.update(temperature=0.0), "temperature"),
+        (lambda d: d.update(max_tokens="16"), "max_tokens"),
+        (lambda d: d.update(max_tokens=-1), "max_tokens"),
         (lambda d: d.update(samples={"a": 1}), "samples"),
         (lambda d: d.update(micro_batches=[1]), "list of lists"),
         (lambda d: first_mb(d).pop("loss_mask"), "fields"),
@@ -218,6 +222,13 @@ def test_malformed_documents_raise_codec_error(edit, message):
         decode_batch(data)
     assert info.value.reason == str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_a_batch_without_the_generation_budget_still_decodes():
+    """`max_tokens` came after schema 1: a batch without it decodes with 0 (unknown)."""
+    decoded = decode_batch(tamper(encode_batch(make_batch()), lambda d: d.pop("max_tokens")))
+    assert decoded.max_tokens == 0
+    assert decode_batch(encode_batch(make_batch())).max_tokens == 48
 
 
 def test_truncated_bytes_raise_codec_error():

@@ -27,26 +27,67 @@ class TrainerModelConfig(ModelConfig):
     )
 
 
+#: Defaults that depend on the objective (docs/algorithms.md): unset keys take these values, so each
+#: named objective is the published method. Objectives not listed (user functions) take "default".
+OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "default": {"aggregation": "token-mean", "eps_low": 0.2, "eps_high": 0.28},
+    # GSPO (Zheng et al. 2025): sequence-level loss, ε from the paper (section 5.1).
+    "gspo": {"aggregation": "seq-mean-token-mean", "eps_low": 3e-4, "eps_high": 4e-4},
+    # CISPO (MiniMax-M1): no lower bound on the IS weight (ε_low = 1 clips at 0), only ε_high.
+    "cispo": {"aggregation": "token-mean", "eps_low": 1.0, "eps_high": 0.28},
+}
+
+Aggregation = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+ISCorrection = Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"]
+
+
 class LossConfig(Section):
+    """The RL objective; formulas and defaults in docs/algorithms.md."""
+
     type: str = Field(
         "ppo_clip",
         description="Objective: aipo | ppo_clip | gspo | cispo | masked_is, or 'package.module:function'.",
     )
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses are reduced (normalised by global counts)."
+    aggregation: Aggregation | None = Field(
+        None,
+        description="How per-token losses are reduced (normalised by global counts); "
+        "unset = the objective's (gspo: seq-mean-token-mean, others: token-mean).",
     )
-    eps_low: float = Field(0.2, ge=0, description="Lower clip range (ppo_clip, gspo, cispo).")
-    eps_high: float = Field(0.28, ge=0, description="Upper clip range (DAPO clip-higher default 0.28).")
-    delta: float = Field(8.0, gt=0, description="aipo: truncation of the importance ratio.")
-    mask_low: float = Field(0.125, ge=0, description="masked_is: tokens with ratio below are masked.")
-    mask_high: float = Field(8.0, gt=0, description="masked_is: tokens with ratio above are masked.")
+    eps_low: float | None = Field(
+        None,
+        ge=0,
+        description="Lower clip range (ppo_clip, gspo, cispo); unset = the objective's "
+        "(0.2; gspo 3e-4; cispo 1 = no lower bound).",
+    )
+    eps_high: float | None = Field(
+        None, ge=0, description="Upper clip range; unset = the objective's (0.28, DAPO clip-higher; gspo 4e-4)."
+    )
+    clip_ratio_c: float | None = Field(
+        3.0, description="ppo_clip dual-clip: for A < 0 the loss is capped at -c*A (> 1; null = off)."
+    )
+    delta: float = Field(8.0, description="aipo: truncation of the importance ratio (>= 1).")
+    mask_low: float = Field(0.125, ge=0, description="masked_is: tokens with ratio below are masked (<= 1).")
+    mask_high: float = Field(8.0, description="masked_is: tokens with ratio above are masked (>= 1).")
     sequence_mask: bool = Field(False, description="masked_is: mask whole sequences on the geometric-mean ratio.")
+    is_correction: ISCorrection = Field(
+        "none",
+        description="Trainer/inference mismatch correction with any objective: token_tis | seq_tis (truncated "
+        "importance weights) | token_mask | seq_mask (masked importance weights) | none.",
+    )
+    is_cap: float = Field(3.0, description="is_correction: weights are truncated at / ratios above are masked (> 1).")
+    is_cap_low: float | None = Field(
+        None, ge=0, description="is_correction: weights are raised to / ratios below are masked (< 1; null = none)."
+    )
     kl_tau: float = Field(0.0, ge=0, description="Weight of the (log r)^2 regulariser toward the behaviour policy.")
-    ref_kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference (base) model.")
+    ref_kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the frozen reference (base) model.")
+    ref_kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Estimator of the reference KL: k1 (log ratio), k2 (half its square), k3 (clamped to 10)."
+    )
     max_tokens: int | None = Field(
         None,
         ge=1,
-        description="seq-mean-token-sum-norm (Dr.GRPO) constant; unset = most loss tokens of any sample in the batch.",
+        description="seq-mean-token-sum-norm (Dr.GRPO) constant; unset = the batch's generation budget "
+        "(the orchestrator's sampling.max_tokens x turns), or the longest sample for batches without one.",
     )
 
     @field_validator("type")
@@ -57,6 +98,60 @@ class LossConfig(Section):
                 f"unknown loss {value!r}: use one of {', '.join(BUILTIN_LOSSES)} or 'package.module:function'"
             )
         return value
+
+    @field_validator("delta")
+    @classmethod
+    def _delta_keeps_on_policy_tokens(cls, value: float) -> float:
+        if value < 1:
+            raise ValueError(f"must be >= 1: delta={value} truncates every on-policy token (r = 1), no gradient flows")
+        return value
+
+    @field_validator("mask_low")
+    @classmethod
+    def _mask_low_keeps_on_policy_tokens(cls, value: float) -> float:
+        if value > 1:
+            raise ValueError(f"must be <= 1: mask_low={value} masks every on-policy token (r = 1), no gradient flows")
+        return value
+
+    @field_validator("mask_high")
+    @classmethod
+    def _mask_high_keeps_on_policy_tokens(cls, value: float) -> float:
+        if value < 1:
+            raise ValueError(f"must be >= 1: mask_high={value} masks every on-policy token (r = 1), no gradient flows")
+        return value
+
+    @field_validator("clip_ratio_c")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float | None) -> float | None:
+        if value is not None and value <= 1:
+            raise ValueError(
+                f"must be > 1 or null: clip_ratio_c={value} caps every token with A < 0 at r <= 1, "
+                "removing the gradient of negative advantages"
+            )
+        return value
+
+    @field_validator("is_cap")
+    @classmethod
+    def _is_cap_above_one(cls, value: float) -> float:
+        if value <= 1:
+            raise ValueError(f"must be > 1: is_cap={value} truncates or masks on-policy tokens (r = 1)")
+        return value
+
+    @field_validator("is_cap_low")
+    @classmethod
+    def _is_cap_low_below_one(cls, value: float | None) -> float | None:
+        if value is not None and value >= 1:
+            raise ValueError(f"must be < 1 or null: is_cap_low={value} raises or masks on-policy tokens (r = 1)")
+        return value
+
+    @model_validator(mode="after")
+    def _objective_defaults(self) -> LossConfig:
+        """Fill unset keys with the objective's own defaults (OBJECTIVE_DEFAULTS)."""
+        defaults = OBJECTIVE_DEFAULTS.get(self.type, OBJECTIVE_DEFAULTS["default"])
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        return self
 
 
 class OptimConfig(Section):

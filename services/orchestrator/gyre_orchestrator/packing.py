@@ -165,6 +165,7 @@ def pack_batch(
     seq_len: int,
     world_size: int = 1,
     temperature: float = 1.0,
+    max_tokens: int = 0,
 ) -> PackResult:
     """Pack `samples` into a validated `TrainBatch` for trainer step `step`."""
     if not samples:
@@ -192,6 +193,7 @@ def pack_batch(
         num_loss_tokens=sum(s.num_loss_tokens for s in samples),
         num_samples=len(samples),
         temperature=temperature,
+        max_tokens=max_tokens,
     ).validate()
     num_rows = sum(len(r) for r in micro_batches)
     return PackResult(batch=batch, num_rows=num_rows, efficiency=sum(lengths) / (num_rows * seq_len))

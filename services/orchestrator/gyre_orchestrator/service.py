@@ -379,6 +379,7 @@ class OrchestratorService:
             seq_len=cfg.batch.seq_len,
             world_size=cfg.batch.dp_world_size,
             temperature=self.sampling.temperature,
+            max_tokens=cfg.sampling.max_tokens * getattr(self.env, "max_turns", 1),  # budget: Dr.GRPO's normaliser
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
         await self._redis(

@@ -374,7 +374,8 @@ def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu
     }
     if "num_loss_tokens" in metrics:
         record["num_loss_tokens"] = int(metrics["num_loss_tokens"])
-    record.update({k: metrics[k] for k in ("clip_frac", "masked_frac", "ref_kl", "skipped") if k in metrics})
+    # the objective's and the correction's stats (clip_frac, masked_frac, is_weight, ...; docs/algorithms.md)
+    record.update({k: v for k, v in metrics.items() if k.endswith("_frac") or k in ("is_weight", "ref_kl", "skipped")})
     return record
 
 

@@ -121,7 +121,8 @@ def _all_reduce_sum(values: Tensor, world_size: int) -> Tensor:
 
 
 def max_loss_tokens_per_sample(batch: TrainBatch) -> int:
-    """Most loss tokens of any sample in the whole batch (every rank): Dr.GRPO's default constant."""
+    """Most loss tokens of any sample in the whole batch (every rank): Dr.GRPO's constant for batches
+    that carry no generation budget (`TrainBatch.max_tokens` 0)."""
     most = 0
     for rank in batch.micro_batches:
         for mb in rank:
@@ -160,7 +161,8 @@ def compute_gradients(
     norms = {
         "global_tokens": max(batch.num_loss_tokens, 1),
         "global_samples": max(batch.num_samples, 1),
-        "max_tokens": loss_cfg.max_tokens or max_loss_tokens_per_sample(batch),
+        # Dr.GRPO's constant: the configured one, else the batch's generation budget (docs/algorithms.md)
+        "max_tokens": loss_cfg.max_tokens or batch.max_tokens or max_loss_tokens_per_sample(batch),
     }
     scale = data_parallel_scale(world_size)
     device = next(model.parameters()).device

@@ -66,7 +66,7 @@ def test_aipo_truncates_the_ratio_at_delta():
 
 
 def test_ppo_clip_by_hand():
-    cfg = LossConfig(type="ppo_clip", eps_low=0.2, eps_high=0.28)
+    cfg = LossConfig(type="ppo_clip", eps_low=0.2, eps_high=0.28, clip_ratio_c=None)
     loss, stats, grad = run("ppo_clip", cfg)
     r = {t: math.exp(LOG_RATIO[t]) for t in LOSS_TOKENS}
     expected = {
@@ -74,10 +74,33 @@ def test_ppo_clip_by_hand():
         2: (-1.28 * 1.5, 0.0),  # A > 0, r ≈ 1.65 > 1.28: clipped, no gradient
         4: (0.8 * 0.8, 0.0),  # A < 0, r ≈ 0.67 < 0.8: clipped at 1 − ε_low
         5: (r[5] * 0.8, r[5] * 0.8),
-        6: (r[6] * 0.8, r[6] * 0.8),  # A < 0, r ≈ 12.2: min picks r·A, the gradient flows
+        6: (r[6] * 0.8, r[6] * 0.8),  # A < 0, r ≈ 12.2, no dual-clip: min picks r·A, the gradient flows
     }
     check(loss, grad, expected)
     assert stats["clip_frac"] == [0, 0, 1, 0, 1, 0, 0]
+    assert "dual_clip_frac" not in stats
+
+
+def test_ppo_clip_dual_clip_caps_negative_advantages_at_c():
+    """Dual-clip (default c = 3): for A < 0 the loss is min(PPO loss, −c·A)."""
+    r = {t: math.exp(LOG_RATIO[t]) for t in LOSS_TOKENS}
+    loss, stats, grad = run("ppo_clip", LossConfig(type="ppo_clip"))
+    assert LossConfig().clip_ratio_c == 3.0
+    expected = {
+        1: (-r[1] * 1.5, -r[1] * 1.5),
+        2: (-1.28 * 1.5, 0.0),
+        4: (0.8 * 0.8, 0.0),
+        5: (r[5] * 0.8, r[5] * 0.8),  # r ≈ 1.05 < 3: PPO's loss 0.84 is below the cap 2.4
+        6: (3 * 0.8, 0.0),  # r ≈ 12.2 > 3 with A = −0.8: capped at −c·A = 2.4, no gradient
+    }
+    check(loss, grad, expected)
+    assert stats["dual_clip_frac"] == [0, 0, 0, 0, 0, 0, 1]
+    assert stats["clip_frac"] == [0, 0, 1, 0, 1, 0, 0]
+    # c = 1.02: token 5 (r ≈ 1.051, A < 0) is capped too; A > 0 tokens never are.
+    loss, stats, grad = run("ppo_clip", LossConfig(type="ppo_clip", clip_ratio_c=1.02))
+    expected.update({5: (1.02 * 0.8, 0.0), 6: (1.02 * 0.8, 0.0)})
+    check(loss, grad, expected)
+    assert stats["dual_clip_frac"] == [0, 0, 0, 0, 0, 1, 1]
 
 
 def test_gspo_clips_whole_sequences_on_the_geometric_mean_ratio():
@@ -103,6 +126,19 @@ def test_cispo_weights_by_the_detached_clipped_ratio():
         expected[t] = (-weight * ADV[t] * lp[t], -weight * ADV[t])  # never zero: CISPO keeps every gradient
     check(loss, grad, expected)
     assert stats["clip_frac"] == [0, 0, 1, 0, 1, 0, 1]
+
+
+def test_cispo_default_has_no_lower_bound():
+    cfg = LossConfig(type="cispo")
+    assert (cfg.eps_low, cfg.eps_high) == (1.0, 0.28)
+    loss, stats, grad = run("cispo", cfg)
+    lp = trainer_lp()
+    expected = {}
+    for t in LOSS_TOKENS:
+        weight = min(math.exp(LOG_RATIO[t]), 1.28)  # token 4's r ≈ 0.67 is kept as it is
+        expected[t] = (-weight * ADV[t] * lp[t], -weight * ADV[t])
+    check(loss, grad, expected)
+    assert stats["clip_frac"] == [0, 0, 1, 0, 0, 0, 1]
 
 
 def test_masked_is_masks_tokens_outside_the_band():
@@ -143,15 +179,83 @@ def test_kl_tau_and_reference_k3_regularisers_by_hand():
         assert stats["ref_kl"][t] == pytest.approx(math.exp(d) - d - 1 if MASK[t] else 0.0)
 
 
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_reference_kl_estimators_by_hand(estimator):
+    ref_lp = [0.0, -1.0, -0.9, 0.0, -2.2, -0.2, -25.0]  # token 6: d = lp_ref − lp_θ ≈ −24.4
+    loss, stats, grad = run("aipo", LossConfig(type="aipo", ref_kl_coef=0.5, ref_kl_estimator=estimator), ref_lp)
+    lp = trainer_lp()
+    expected = {}
+    for t in LOSS_TOKENS:
+        r, a, d = math.exp(LOG_RATIO[t]), ADV[t], ref_lp[t] - lp[t]
+        if estimator == "k1":
+            kl, slope = -d, 1.0  # log π_θ − log π_ref
+        elif estimator == "k2":
+            kl, slope = 0.5 * d * d, -d
+        else:  # d clamped to ±20 (no gradient beyond), then e^d − d − 1 capped at 10
+            dc = max(min(d, 20.0), -20.0)
+            kl = math.exp(dc) - dc - 1
+            slope = (1 - math.exp(dc)) if abs(d) < 20 and kl < 10 else 0.0
+            kl = min(kl, 10.0)
+        expected[t] = (-min(r, 8.0) * a + 0.5 * kl, (-r * a if r < 8 else 0.0) + 0.5 * slope)
+        assert stats["ref_kl"][t] == pytest.approx(kl, rel=1e-12)
+    check(loss, grad, expected)
+    if estimator == "k3":
+        assert expected[6][0] == pytest.approx(-8.0 * -0.8 + 0.5 * 10.0)  # capped at KL_MAX
+
+
+def q_of_sample() -> list[float]:
+    """Product of each sample's token ratios, on every token of the sample (seq_* corrections)."""
+    sums = [sum(LOG_RATIO[t] for t in LOSS_TOKENS if SAMPLE_OF[t] == i) for i in (0, 1)]
+    return [math.exp(sums[SAMPLE_OF[t]]) for t in range(7)]
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "cispo"])
+@pytest.mark.parametrize(
+    ("correction", "cap_low", "weight_of"),
+    [
+        # token_tis: w = min(q_t, 3): token 6 (q ≈ 12.2) is truncated
+        ("token_tis", None, lambda q, qs: min(q, 3.0)),
+        ("token_tis", 0.7, lambda q, qs: min(max(q, 0.7), 3.0)),  # token 4 (q ≈ 0.67) raised to 0.7
+        # seq_tis: sample 0's product e^0.6 ≈ 1.82 kept, sample 1's e^2.15 ≈ 8.6 truncated at 3
+        ("seq_tis", None, lambda q, qs: min(qs, 3.0)),
+        # token_mask: w = q inside [cap_low, 3], else 0
+        ("token_mask", None, lambda q, qs: q if q <= 3.0 else 0.0),
+        ("token_mask", 0.7, lambda q, qs: q if 0.7 <= q <= 3.0 else 0.0),
+        ("seq_mask", None, lambda q, qs: qs if qs <= 3.0 else 0.0),  # sample 1 masked whole
+    ],
+)
+def test_off_policy_corrections_by_hand(name, correction, cap_low, weight_of):
+    """The objective sees the data as on-policy (ratio ρ = 1 with gradient ∇lp) times the weight w(q)."""
+    cfg = LossConfig(type=name, is_correction=correction, is_cap=3.0, is_cap_low=cap_low)
+    loss, stats, grad = run(name, cfg)
+    lp, qs = trainer_lp(), q_of_sample()
+    expected, weights = {}, [0.0] * 7
+    for t in LOSS_TOKENS:
+        w = weights[t] = weight_of(math.exp(LOG_RATIO[t]), qs[t])
+        if name == "ppo_clip":  # −min(ρA, clip(ρ)A) at ρ = 1 is −A·ρ: value −w·A, gradient −w·A
+            expected[t] = (-w * ADV[t], -w * ADV[t])
+        else:  # cispo: −sg[clip(ρ)]·A·lp = −A·lp
+            expected[t] = (-w * ADV[t] * lp[t], -w * ADV[t])
+    check(loss, grad, expected)
+    assert stats["is_weight"] == pytest.approx(weights, rel=1e-12)
+    corrected = [int(MASK[t] and weights[t] != pytest.approx(math.exp(LOG_RATIO[t]))) for t in range(7)]
+    if correction.startswith("seq"):
+        corrected = [int(MASK[t] and weights[t] != pytest.approx(qs[t])) for t in range(7)]
+    assert stats["is_corrected_frac"] == corrected
+    assert sum(corrected) >= 1
+    assert stats["clip_frac"] == [0.0] * 7  # the objective's own clip never fires at ρ = 1
+
+
 def test_mismatch_kl_is_r_minus_log_r_minus_one_on_loss_tokens():
     got = mismatch_kl(torch.tensor(trainer_lp()), torch.tensor(INFERENCE_LP), torch.tensor(MASK)).tolist()
     want = [math.exp(x) - x - 1 if m else 0.0 for x, m in zip(LOG_RATIO, MASK, strict=True)]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("correction", ["none", "token_tis", "seq_mask"])
 @pytest.mark.parametrize("name", sorted(LOSSES))
 @pytest.mark.parametrize("how", AGGREGATIONS)
-def test_identical_weights_give_the_reinforce_gradient(name, how):
+def test_identical_weights_give_the_reinforce_gradient(name, how, correction):
     """r = 1 everywhere: every objective's gradient is −A·∇lp (through the same aggregation)."""
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([5, 9, 2, 7])
@@ -160,7 +264,7 @@ def test_identical_weights_give_the_reinforce_gradient(name, how):
     adv = torch.repeat_interleave(torch.randn(4, generator=gen, dtype=torch.float64), lengths)
     base = -torch.rand(num_tokens, generator=gen, dtype=torch.float64) * 4
     norms = {"global_tokens": 40, "global_samples": 6, "max_tokens": 11}
-    cfg = LossConfig(type=name, kl_tau=0.1, eps_low=3e-4, eps_high=4e-4)
+    cfg = LossConfig(type=name, kl_tau=0.1, eps_low=3e-4, eps_high=4e-4, is_correction=correction)
 
     def gradient(loss_of) -> torch.Tensor:
         lp = base.clone().requires_grad_(True)
@@ -181,8 +285,10 @@ def test_aggregations_by_hand_with_global_normalisers():
     assert aggregate(per_token, mask, lengths, "token-mean", **norms).item() == pytest.approx(15 / 20)
     assert aggregate(per_token, mask, lengths, "seq-mean-token-mean", **norms).item() == pytest.approx((1.5 + 4) / 5)
     assert aggregate(per_token, mask, lengths, "seq-mean-token-sum-norm", **norms).item() == pytest.approx(15 / 80)
+    assert aggregate(per_token, mask, lengths, "token-sum", **norms).item() == pytest.approx(15)
+    assert aggregate(per_token, mask, lengths, "seq-mean-token-sum", **norms).item() == pytest.approx(15 / 5)
     with pytest.raises(ValueError, match="aggregation"):
-        aggregate(per_token, mask, lengths, "token-sum", **norms)
+        aggregate(per_token, mask, lengths, "token-total", **norms)
     with pytest.raises(ValueError, match="positive"):
         aggregate(per_token, mask, lengths, "token-mean", global_tokens=0, global_samples=1, max_tokens=1)
 

@@ -59,8 +59,15 @@ def assert_same_gradient(got: torch.Tensor, want: torch.Tensor) -> None:
         LossConfig(type="gspo", aggregation="seq-mean-token-mean", eps_low=0.05, eps_high=0.05),
         LossConfig(type="masked_is", aggregation="seq-mean-token-sum-norm", sequence_mask=True, mask_high=1.2),
         LossConfig(type="cispo", aggregation="token-mean", kl_tau=0.1),
+        # dual-clip at c = 1.1 (noise 0.3 puts many A < 0 tokens above it), the new aggregations,
+        # and every off-policy correction (sequence ones at caps the noisy samples cross)
+        LossConfig(type="ppo_clip", aggregation="seq-mean-token-sum", clip_ratio_c=1.1),
+        LossConfig(type="aipo", aggregation="token-sum", delta=1.5, is_correction="token_tis", is_cap=1.3),
+        LossConfig(type="gspo", is_correction="seq_tis", is_cap=2.0, is_cap_low=0.5),
+        LossConfig(type="ppo_clip", is_correction="token_mask", is_cap=1.5, is_cap_low=0.7),
+        LossConfig(type="cispo", aggregation="seq-mean-token-sum-norm", is_correction="seq_mask", is_cap=2.0),
     ],
-    ids=lambda c: f"{c.type}-{c.aggregation}",
+    ids=lambda c: f"{c.type}-{c.aggregation}-{c.is_correction}",
 )
 def test_splitting_the_batch_does_not_change_the_gradient(tiny_model64, samples, loss_cfg):
     reference = gradient(tiny_model64, make_batch(samples, LAYOUTS["1 micro-batch"]), loss_cfg)
@@ -144,6 +151,33 @@ def test_step_metrics_match_hand_computed_values(tiny_model64):
     assert metrics["lr"] == pytest.approx(0.5e-3) and metrics["skipped"] == 0
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the schedule advanced
     assert all(p.grad is None for p in tiny_model64.parameters())
+
+
+def test_dr_grpo_normalises_by_the_batch_generation_budget(tiny_model64, samples):
+    """seq-mean-token-sum-norm divides by loss.max_tokens, else the batch's budget, else the longest sample."""
+    cfg = LossConfig(aggregation="seq-mean-token-sum-norm")
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    longest = max(int(np.count_nonzero(s["loss_mask"])) for s in samples)
+    by_longest = compute_gradients(tiny_model64, batch, loss_cfg=cfg)["loss"]
+    batch.max_tokens = 64
+    by_budget = compute_gradients(tiny_model64, batch, loss_cfg=cfg)["loss"]
+    assert by_budget == pytest.approx(by_longest * longest / 64, rel=1e-9)
+    configured = compute_gradients(tiny_model64, batch, loss_cfg=LossConfig(aggregation=cfg.aggregation, max_tokens=32))
+    assert configured["loss"] == pytest.approx(by_budget * 2, rel=1e-9)
+    tiny_model64.zero_grad(set_to_none=True)
+
+
+def test_correction_metrics_are_means_over_loss_tokens(tiny_model64):
+    rng = np.random.default_rng(6)
+    samples = random_samples(rng, LENGTHS)
+    # q = e^0.5 ≈ 1.65 on every loss token: a 1.5 cap truncates every one of them
+    set_behaviour_logprobs(tiny_model64, samples, noise=0.0, rng=rng, offset=0.5)
+    batch = make_batch(samples, LAYOUTS["4 micro-batches"])
+    metrics = compute_gradients(tiny_model64, batch, loss_cfg=LossConfig(is_correction="token_tis", is_cap=1.5))
+    assert metrics["is_weight"] == pytest.approx(1.5, rel=1e-6)
+    assert metrics["is_corrected_frac"] == 1.0 and metrics["invalid_logprob_frac"] == 0.0
+    assert metrics["clip_frac"] == 0.0  # the objective sees on-policy data
+    tiny_model64.zero_grad(set_to_none=True)
 
 
 def test_log_probs_are_computed_at_the_batch_temperature(tiny_model64):
