@@ -1,4 +1,4 @@
-"""Group advantage estimators and the zero-signal filter (formulas: ../shared/notes/algorithms.md).
+"""Group advantage estimators and the zero-signal filter (formulas and papers: docs/algorithms.md).
 
 A *group* is the `rollouts_per_example` samples of one prompt. Every estimator turns the group's
 rewards R (and, for `opo`, the completion lengths ℓ) into one advantage per sample; the trainer copies
