@@ -128,8 +128,10 @@ def valid_inference_logprobs(inference_logprobs: Tensor, loss_mask: Tensor) -> T
 
 
 def per_sample_sum(values: Tensor, loss_mask: Tensor, sample_lengths: Tensor) -> Tensor:
-    """Sum of `values` over each sample's loss tokens, shape (n,)."""
+    """Sum of `values` over each sample's loss tokens, shape (n,), accumulated in at least float32
+    (bfloat16 cannot count past 256: 256 + 1 rounds back to 256)."""
     seg = segment_ids(sample_lengths, values.numel())
+    values = values.to(torch.promote_types(values.dtype, torch.float32))
     masked = torch.where(loss_mask, values, torch.zeros_like(values))
     return torch.zeros(sample_lengths.numel(), dtype=values.dtype, device=values.device).index_add(0, seg, masked)
 

@@ -14,8 +14,10 @@ from gyre_trainer.loss import (
     INFERENCE_LOGPROB_MIN,
     LOSSES,
     SEQ_LOG_RATIO_MAX,
+    aggregate,
     get_loss,
     mismatch_kl,
+    per_sample_mean,
     policy_loss,
 )
 from pydantic import ValidationError
@@ -25,6 +27,7 @@ MASK = [False, True, True, True, False, True, True, True]
 TRAINER_LP = [0.0, -1.2, -0.4, -2.0, 0.0, -0.9, -1.5, -0.3]
 BEHAVIOUR_LP = [0.0, -1.1, -0.5, -1.8, 0.0, -1.0, -1.4, -0.3]  # sample 1: mean log r ≈ 0 (inside gspo's ε)
 EXTREME = 2  # the token given the absurd log-ratio (sample 0)
+NORMS = {"global_tokens": 2000, "global_samples": 4, "max_tokens": 1000}
 
 
 def objective_grad(name, cfg, adv_sign, log_ratio, dtype, mask=MASK):
@@ -131,6 +134,16 @@ def test_corrections_are_finite_when_the_trainer_finds_a_sampled_token_impossibl
         assert torch.isfinite(out.per_token_loss).all() and torch.isfinite(lp.grad).all(), name
         assert lp.grad[EXTREME].abs().item() < 1e-6, name  # weight ≤ e^-20 or masked
         lp.grad = None
+
+
+def test_per_sample_means_of_long_bfloat16_samples_are_exact():
+    """bfloat16 has 8 mantissa bits: counting 1000 tokens in it would stop at 256."""
+    lengths = torch.tensor([1000, 3])
+    values = torch.full((1003,), 0.5, dtype=torch.bfloat16)
+    assert per_sample_mean(values, torch.ones(1003, dtype=torch.bool), lengths).tolist() == [0.5, 0.5]
+    per_token = torch.ones(1003, dtype=torch.bfloat16)
+    share = aggregate(per_token, torch.ones(1003, dtype=torch.bool), lengths, "seq-mean-token-mean", **NORMS)
+    assert share.item() == pytest.approx(2 / 4)
 
 
 def test_mismatch_kl_is_finite_on_absurd_inputs():
