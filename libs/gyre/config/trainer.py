@@ -219,6 +219,11 @@ class LoraConfig(Section):
         min_length=1,
         description="Names of the linear layers that get adapters.",
     )
+    publish: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="Publish merged full weights (every backend) or the adapter alone (PEFT files; the torch "
+        "backend applies it to the base it keeps in memory).",
+    )
 
 
 class TrainerConfig(ServiceConfig):
@@ -242,9 +247,7 @@ class TrainerConfig(ServiceConfig):
         False, description="Recompute each decoder layer's activations in backward (long rows on a GPU)."
     )
     weights_keep_last: int = Field(3, ge=1, description="Weight versions kept on the volume (plus those in use).")
-    lora: LoraConfig | None = Field(
-        None, description="Train LoRA adapters only (unset = full fine-tuning); published weights are merged."
-    )
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters only (unset = full fine-tuning).")
     bench: bool = Field(False, description="Benchmark on fake data: print tokens/s and MFU, then exit.")
 
 

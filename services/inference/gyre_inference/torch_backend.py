@@ -110,6 +110,8 @@ class TorchBackend(Backend):
         self._rng = random.Random(seed)  # seeds of requests that bring none
         self._model = None
         self._max_model_len = 0
+        self._base: dict[str, torch.Tensor] | None = None  # base weights on CPU, read at the first adapter
+        self._others_are_base = True  # every weight an adapter does not touch is the base model's
         self._version = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -188,8 +190,15 @@ class TorchBackend(Backend):
             seq.cancelled = True
 
     async def update_weights(self, path: Path, version: int) -> None:
-        tensors = await asyncio.to_thread(self._read_weights, Path(path))
+        from gyre.lora import ADAPTER_CONFIG
+
+        path = Path(path)
+        adapter = (path / ADAPTER_CONFIG).is_file()
+        read = self._read_adapter if adapter else self._read_weights
+        tensors = await asyncio.to_thread(read, path)
         await self._swap_in(tensors, version)
+        # after a full set, weights no adapter touches may differ from the base: the next adapter restores them
+        self._others_are_base = adapter or version == 0
 
     async def reload_base(self) -> None:
         await self.update_weights(self.model_path, 0)
@@ -220,6 +229,40 @@ class TorchBackend(Backend):
         self._decoder = StaticDecoder(model, self.max_batch_size, self._max_model_len, cuda_graphs=self.cuda_graphs)
         self._model = model
         log.info("loaded %s (%s, %s), context %d", self.model_path, self.device, self.dtype, self._max_model_len)
+
+    def _read_adapter(self, path: Path) -> dict[str, torch.Tensor]:
+        """A LoRA adapter folder (PEFT files) as the tensors to swap in: `W_base + alpha/r · B @ A` for the
+        adapted weights, from the base weights kept in memory (the base is read from disk once)."""
+        import json
+
+        from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, config_scale, merge, split_lora
+        from safetensors.torch import load_file
+
+        try:
+            scale = config_scale(json.loads((path / ADAPTER_CONFIG).read_bytes()))
+            _, adapters = split_lora(load_file(path / ADAPTER_FILE))
+        except (ValueError, OSError) as error:
+            raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
+        except Exception as error:  # safetensors' own error type for a malformed file
+            raise WeightsIncompatibleError(
+                f"{path / ADAPTER_FILE}: not a readable safetensors file ({error})"
+            ) from None
+        base = self._base_weights()
+        for module, ab in adapters.items():
+            weight = base.get(f"{module}.weight")
+            if weight is None or ab["B"].shape[0] != weight.shape[0] or ab["A"].shape[1] != weight.shape[1]:
+                raise WeightsIncompatibleError(f"{path}: the adapter for {module} does not fit the model")
+        try:
+            merged = merge({f"{m}.weight": base[f"{m}.weight"] for m in adapters}, adapters, scale)
+        except KeyError as error:
+            raise WeightsIncompatibleError(f"{path}: {error}") from None
+        tensors = merged if self._others_are_base else {**base, **merged}
+        return {name: tensor.to(self.device, self.dtype) for name, tensor in tensors.items()}
+
+    def _base_weights(self) -> dict[str, torch.Tensor]:
+        if self._base is None:
+            self._base = {k: v.to("cpu", copy=True) for k, v in self._read_weights(Path(self.model_path)).items()}
+        return self._base
 
     def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
         """Read and check every tensor of `path` against the served model (before touching it)."""

@@ -120,6 +120,25 @@ class WeightPublisher:
 
         return self.sink.publish(step, write)
 
+    def publish_adapter(
+        self, step: int, state_dict: dict[str, Any], lora_cfg, record: dict[str, Any]
+    ) -> WeightsVersion:
+        """Publish the LoRA adapter alone (PEFT's `adapter_model.safetensors` + `adapter_config.json`) of a
+        peft model's full state dict; the torch backend applies it to its base model."""
+        from safetensors.torch import save_file
+
+        from gyre_trainer.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config, adapter_state_dict
+
+        def write(folder: Path) -> None:
+            save_file(adapter_state_dict(state_dict), folder / ADAPTER_FILE, metadata={"format": "pt"})
+            config = adapter_config(lora_cfg, str(self.base_model))
+            (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True))
+            (folder / STEP_RECORD).write_text(json.dumps(record, sort_keys=True))
+            for file in folder.iterdir():
+                file.chmod(0o644)
+
+        return self.sink.publish(step, write)
+
     def read_record(self, step: int) -> dict[str, Any] | None:
         """The event record published with version `step` (None when missing)."""
         try:

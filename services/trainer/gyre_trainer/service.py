@@ -235,7 +235,7 @@ class Trainer:
 
         if self.cfg.lora is not None:
             raise RuntimeError(
-                f"LoRA run: published weights step {plan.weights_step} are merged and cannot restore the adapters; "
+                f"LoRA run: published weights step {plan.weights_step} cannot restore the optimizer's adapters; "
                 f"resume needs a checkpoint of that step (ckpt.interval = 1), or ckpt.resume_step = "
                 f"{plan.checkpoint_step}"
             )
@@ -342,11 +342,15 @@ class Trainer:
         state_dict = dist.full_state_dict(self.model, self.ctx)
         if not self.ctx.is_main:
             return
-        if self.cfg.lora is not None:  # published merged: every backend serves it like a full model
-            from gyre_trainer.lora import merged_state_dict
+        lora = self.cfg.lora
+        if lora is not None and lora.publish == "adapter":
+            published = self.publisher.publish_adapter(step, state_dict, lora, record)
+        else:
+            if lora is not None:  # merged: every backend serves it like a full model
+                from gyre_trainer.lora import merged_state_dict
 
-            state_dict = merged_state_dict(state_dict, self.cfg.lora)
-        published = self.publisher.publish(step, state_dict, self.hf_config, record)
+                state_dict = merged_state_dict(state_dict, lora)
+            published = self.publisher.publish(step, state_dict, self.hf_config, record)
         self.metrics.publish_duration.observe(time.perf_counter() - start)
         crash_point("after_publish", step, self.ctx)
         self.notifier.notify(published)

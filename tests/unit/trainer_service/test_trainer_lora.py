@@ -8,13 +8,8 @@ from types import SimpleNamespace
 import peft
 import torch
 from gyre.config.trainer import OptimConfig
-from gyre_trainer.lora import (
-    adapter_config,
-    adapter_state_dict,
-    apply_lora,
-    merged_state_dict,
-    read_adapter,
-)
+from gyre.lora import split_lora
+from gyre_trainer.lora import apply_lora, merged_state_dict
 from gyre_trainer.optim import build_optimizer
 
 CFG = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -65,23 +60,24 @@ def test_merged_weights_reload_in_transformers_and_equal_base_plus_adapter(tiny_
     assert torch.allclose(got, peft_merged, atol=1e-5, rtol=0)
 
 
-def test_adapter_alone_is_peft_format_and_reapplies_to_the_base(tiny_model_dir, tmp_path):
-    import json
-
-    from safetensors.torch import load_file, save_file
+def test_adapter_alone_is_published_in_peft_format_and_reapplies_to_the_base(tiny_model_dir, tmp_path):
+    from gyre.transport import FolderStore
+    from gyre_trainer.publish import STEP_RECORD, WeightPublisher
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model = lora_model(tiny_model_dir).eval()
-    folder = tmp_path / "adapter"
-    folder.mkdir()
-    save_file(adapter_state_dict(model.state_dict()), folder / "adapter_model.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps(adapter_config(CFG, str(tiny_model_dir))))
+    store = FolderStore(tmp_path / "weights")
+    version = WeightPublisher(store, tiny_model_dir, 2).publish_adapter(5, model.state_dict(), CFG, {"step": 5})
+    folder = version.path
+    manifest = store.store.verify(5, version.digest)
+    assert set(manifest.files) == {"adapter_model.safetensors", "adapter_config.json", STEP_RECORD}
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     reloaded = peft.PeftModel.from_pretrained(base, folder).eval()
     ids = torch.randint(3, 1000, (1, 20))
     with torch.no_grad():
         assert torch.allclose(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
-    adapters = read_adapter(load_file(folder / "adapter_model.safetensors"))
+    _, adapters = split_lora(load_file(folder / "adapter_model.safetensors"))
     assert set(adapters) == {
         f"model.layers.{i}.{m}" for i in range(4) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
     }

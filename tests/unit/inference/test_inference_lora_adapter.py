@@ -1,0 +1,93 @@
+"""Adapter-only weight versions on the torch backend: applied to the base kept in memory (the base
+model is read once, not reloaded), equal to peft's base + adapter, right after a full version too."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import pytest_asyncio
+import torch
+from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config, adapter_tensors
+from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
+from gyre_inference.torch_backend import TorchBackend
+
+TARGETS = ["q_proj", "v_proj", "up_proj"]
+PROMPT = [5, 17, 33, 2, 9, 81]
+
+
+@pytest_asyncio.fixture
+async def backend(tiny_model):
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=4)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+def write_adapter(tiny_model, folder, seed: int):
+    """A trained-looking adapter in PEFT's files, as the trainer publishes it; returns peft's model."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in adapter_tensors(model.state_dict()).items()}, folder / ADAPTER_FILE)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(4, 8, 0.0, TARGETS, str(tiny_model))))
+    return model
+
+
+async def greedy_logprobs(backend, n=12):
+    events = [e async for e in backend.generate(PROMPT, SamplingParams(max_tokens=n, temperature=1.0, seed=3))]
+    return [e.token_id for e in events], torch.tensor([e.logprob for e in events])
+
+
+def reference_logprobs(model, tokens):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.asyncio
+async def test_adapter_versions_apply_to_the_base_in_memory(backend, tiny_model, tmp_path, monkeypatch):
+    first = write_adapter(tiny_model, tmp_path / "a1", seed=1)
+    await backend.update_weights(tmp_path / "a1", 1)
+    tokens, logprobs = await greedy_logprobs(backend)
+    assert backend.version == 1
+    assert torch.allclose(logprobs, reference_logprobs(first, tokens), atol=1e-4)
+
+    # a full version in between: weights the next adapter does not touch must come back to the base
+    full = tmp_path / "full"
+    full.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    perturbed = {k: v + 0.01 for k, v in load_file(tiny_model / "model.safetensors").items()}
+
+    save_file({k: v.contiguous() for k, v in perturbed.items()}, full / "model.safetensors")
+    await backend.update_weights(full, 2)
+
+    second = write_adapter(tiny_model, tmp_path / "a2", seed=2)
+    read_base = []
+    original = backend._read_weights
+    monkeypatch.setattr(backend, "_read_weights", lambda path: read_base.append(path) or original(path))
+    await backend.update_weights(tmp_path / "a2", 3)
+    assert read_base == []  # the base was read once (first adapter), never reloaded
+    tokens, logprobs = await greedy_logprobs(backend)
+    assert backend.version == 3
+    assert torch.allclose(logprobs, reference_logprobs(second, tokens), atol=1e-4)
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_that_does_not_fit_is_refused(backend, tiny_model, tmp_path):
+    write_adapter(tiny_model, tmp_path / "bad", seed=1)
+    config = json.loads((tmp_path / "bad" / ADAPTER_CONFIG).read_text())
+    (tmp_path / "bad" / ADAPTER_CONFIG).write_text(json.dumps({**config, "r": 0}))
+    with pytest.raises(WeightsIncompatibleError, match="r must be a positive number"):
+        await backend.update_weights(tmp_path / "bad", 1)
+    assert backend.version == 0
