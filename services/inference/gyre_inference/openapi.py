@@ -193,7 +193,7 @@ def truthful_openapi(app: FastAPI) -> dict[str, Any]:
     components.update(SCHEMAS)
     for path, operations in schema["paths"].items():
         for operation in operations.values():
-            operation["responses"] = _responses(path)
+            operation["responses"] = _responses(path, operation.get("responses", {}))
     app.openapi_schema = schema
     return schema
 
@@ -206,7 +206,12 @@ def _error(status: int) -> dict:
     return {"description": _WHY[status], "content": {"application/json": {"schema": _ERROR}}}
 
 
-def _responses(path: str) -> dict[str, Any]:
+def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
+    if path not in _API and path not in ("/health", "/ready", "/metrics"):
+        # A route registered by another module (e.g. the tokens-in route): keep its 200, and document the
+        # errors every API route can send instead of FastAPI's 422.
+        kept = {status: response for status, response in generated.items() if status != "422"}
+        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)}
     if path == "/health":
         return {"200": {"description": "The process answers.", "content": _json("Health")}}
     if path == "/ready":
