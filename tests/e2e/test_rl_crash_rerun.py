@@ -168,3 +168,35 @@ def test_finished_run_says_so_fresh_starts_over_and_a_killed_launcher_leaves_not
     steps = trained_steps(out)
     assert steps == list(range(1, len(steps) + 1))  # the old run's events are gone: no step twice
     assert len({r["segment"] for r in read_events(out / "events" / "trainer_steps.jsonl")}) == 1
+
+
+def test_external_redis_restarted_empty_mid_run(tmp_path):
+    """An external Redis without persistence restarts mid-run and comes back empty: the orchestrator
+    notices the lost batches and regenerates them, the trainer gets them, the run finishes."""
+    from gyre.redis_server import EmbeddedRedis
+
+    out = tmp_path / "run"
+    n = 5
+    redis = EmbeddedRedis().start()
+    port = redis.port
+    run = Watched(out, "--max-steps", str(n), "--redis.url", redis.url)
+    try:
+        deadline = time.monotonic() + 400
+        pushed = out / "events" / "orchestrator_steps.jsonl"
+        # wait for a moment when a pushed batch is not trained yet: that batch is what Redis loses
+        while not trained_steps(out) or len(read_events(pushed)) <= max(trained_steps(out)):
+            assert run.proc.poll() is None, run.proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            run.record()
+            time.sleep(0.05)
+        redis.stop()  # everything in it is gone
+        time.sleep(2.0)
+        redis = EmbeddedRedis(port=port).start()
+        code, err = run.wait(timeout=400)
+        assert code == 0, err[-4000:]
+    finally:
+        redis.stop()
+    trained = trained_steps(out)
+    assert sorted(trained) == list(range(1, n + 1)), trained
+    assert WeightStore(out / "weights").steps() == list(range(1, n + 1))
+    assert wait_gone(run.seen) == []

@@ -20,7 +20,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
     from gyre.net import PortInUse
     from gyre.runlock import LockHeld, RunLock
 
-    from gyre_orchestrator.service import OrchestratorService  # imported after logging is set up
+    from gyre_orchestrator.service import OrchestratorService, StreamLost  # imported after logging is set up
 
     try:
         service = OrchestratorService(cfg)
@@ -32,11 +32,16 @@ async def serve(cfg: OrchestratorConfig) -> int:
     except LockHeld as e:
         log.error("%s", e)
         return 2
-    run = asyncio.create_task(service.run())
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, run.cancel)
     try:
-        return await run
+        while True:
+            run = asyncio.create_task(service.run())
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, run.cancel)
+            try:
+                return await run
+            except StreamLost as e:  # start over in this process: the resume rule regenerates the lost batches
+                log.warning("%s", e)
+                service = OrchestratorService(cfg.model_copy(update={"resume_step": None}))  # never re-rewind
     except asyncio.CancelledError:
         log.info("stopped by signal")
         return 143

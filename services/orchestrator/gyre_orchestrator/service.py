@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 DEFAULT_METRICS_PORT = 9102
 
 
+class StreamLost(RuntimeError):
+    """Redis came back without batches the trainer still needs; the orchestrator must start over."""
+
+
 class RolloutFailed(RuntimeError):
     """The environment itself failed during a rollout (not the model, not the network)."""
 
@@ -154,6 +158,7 @@ class OrchestratorService:
         self.redis = redis.Redis.from_url(cfg.redis.url, socket_timeout=30, socket_connect_timeout=5)
         self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)
         self.last_step = 0
+        self._redis_run_id = ""
         self.sampler: TaskSampler | None = None
         self.scheduler: RolloutScheduler | None = None
         self.counters: dict[str, int] = {}
@@ -166,13 +171,54 @@ class OrchestratorService:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> int:
+        """Start, push batches until `max_steps`, finish; `StreamLost` if Redis lost batches meanwhile."""
         try:
             await self.start()
-            await self.loop()
-            await self.finish()
-            return 0
+            work = asyncio.create_task(self._work(), name="work")
+            watch = asyncio.create_task(self._watch_stream(), name="watch-stream")
+            try:
+                await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch.done():
+                    watch.result()  # raises StreamLost (or a Redis error past its deadline)
+                return await work
+            finally:
+                for task in (work, watch):
+                    task.cancel()
+                await asyncio.gather(work, watch, return_exceptions=True)
         finally:
             await self.close()
+
+    async def _work(self) -> int:
+        await self.loop()
+        await self.finish()
+        return 0
+
+    async def _watch_stream(self, interval_s: float = 5.0) -> None:
+        """Notice a Redis server that came back empty (restarted without persistence) while we run.
+
+        The trainer would wait forever for a batch the new server never saw, and the async bound would
+        stall generation behind it. Redis's `run_id` changes on every restart; then the stream is
+        checked for the batches after the trainer's committed step, and if any is gone `StreamLost`
+        makes `gyre orchestrator` start over from the resume rule, which regenerates them.
+        """
+        while True:
+            await asyncio.sleep(interval_s)
+            await self._check_stream()
+
+    async def _check_stream(self) -> None:
+        run_id = await self._redis(lambda: self.redis.info("server")["run_id"], "checking the Redis server")
+        if run_id == self._redis_run_id:
+            return
+        self._redis_run_id = run_id
+        committed = committed_step(self.out, self.transport.latest())
+        have = set(await self._redis(lambda: self.stream.steps_after(committed), "reading the stream"))
+        missing = [s for s in range(committed + 1, self.last_step + 1) if s not in have]
+        if missing:
+            raise StreamLost(
+                f"Redis restarted without the batches of steps {missing} (pushed, not yet trained): "
+                f"starting over from step {missing[0]}"
+            )
+        log.info("Redis restarted; the stream still holds every batch the trainer needs")
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -198,6 +244,7 @@ class OrchestratorService:
             log.info("published weights up to version %d: making replicas serve it", step)
             if not await self.relay.wait_served(step, timeout=cfg.relay.timeout_s):
                 log.warning("not every replica serves version %d yet; continuing (the relay keeps trying)", step)
+        self._redis_run_id = await self._redis(lambda: self.redis.info("server")["run_id"], "checking the Redis server")
         point = await self._resume_point()
         self.last_step = point.start_step - 1
         self.counters = {k: int(v) for k, v in point.counters.items()}

@@ -84,3 +84,53 @@ def test_a_cancel_stops_the_retries_at_once(tmp_path):
         return time.monotonic() - cancelled
 
     assert asyncio.run(main()) < 1.0
+
+
+def test_redis_back_without_the_pending_batches_is_noticed(tmp_path):
+    # Redis restarted without persistence while the orchestrator ran: batches 1..3 were pushed and not
+    # trained yet. The trainer would wait for batch 1 forever; the orchestrator must start over.
+    from gyre_orchestrator.service import StreamLost
+
+    first = EmbeddedRedis().start()
+    port = first.port
+
+    async def main():
+        orch = service(tmp_path, first.url)
+        orch._redis_run_id = orch.redis.info("server")["run_id"]
+        for step in (1, 2, 3):
+            orch.stream.push(step, b"batch")
+        orch.last_step = 3
+        await orch._check_stream()  # same server: nothing to do
+        first.stop()
+        second = EmbeddedRedis(port=port).start()  # same address, empty
+        try:
+            with pytest.raises(StreamLost, match=r"steps \[1, 2, 3\].*from step 1"):
+                await orch._check_stream()
+        finally:
+            orch.redis.close()
+            second.stop()
+
+    asyncio.run(main())
+
+
+def test_redis_back_with_its_data_is_fine(tmp_path):
+    data = tmp_path / "redis"
+    first = EmbeddedRedis(data_dir=data).start()
+    port = first.port
+
+    async def main():
+        orch = service(tmp_path, first.url)
+        orch._redis_run_id = orch.redis.info("server")["run_id"]
+        for step in (1, 2):
+            orch.stream.push(step, b"batch")
+        orch.last_step = 2
+        first.stop()
+        second = EmbeddedRedis(port=port, data_dir=data).start()
+        try:
+            await orch._check_stream()  # restarted (new run id), but every batch is still there
+            assert orch._redis_run_id == orch.redis.info("server")["run_id"]
+        finally:
+            orch.redis.close()
+            second.stop()
+
+    asyncio.run(main())

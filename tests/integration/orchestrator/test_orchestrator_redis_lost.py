@@ -1,0 +1,58 @@
+"""Redis restarts empty (no persistence) under a running orchestrator: it notices that batches the
+trainer still needs are gone and starts over from the resume rule, so they are pushed again.
+
+Issue 17: the trainer used to wait forever for a batch the new Redis never saw.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from gyre.events import read_events
+from gyre.redis_server import EmbeddedRedis
+from gyre.streams import BatchStream
+from orchestrator_testlib import orchestrator_config
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_batches_lost_by_a_redis_restart_are_pushed_again(tmp_path, unique_run_id, replicas):
+    redis = EmbeddedRedis().start()  # our own server: this test restarts it
+    port, n = redis.port, 6
+    # no trainer: after the last push it waits (final_weights_timeout_s) for weights that never come,
+    # which is when a trainer would be waiting for batches the new Redis does not have
+    cfg = orchestrator_config(
+        tmp_path, redis.url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=20
+    )
+    from gyre.config import to_toml
+
+    cfg_path = tmp_path / "orchestrator.toml"
+    cfg_path.write_text(to_toml(cfg))
+    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
+    )
+    events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_events(events)) < n:
+            assert proc.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        redis.stop()  # batches 1..n are gone with it; no trainer has read them
+        redis = EmbeddedRedis(port=port).start()
+        assert proc.wait(180) == 0, (tmp_path / "orchestrator.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        stream = BatchStream(redis.url, unique_run_id)
+        steps = [stream._entry(i, f).step for i, f in stream.redis.xrange(stream.key)]
+        stream.redis.close()
+        redis.stop()
+    text = (tmp_path / "orchestrator.log").read_text()
+    assert "starting over from step 1" in text
+    assert set(steps) == set(range(1, n + 1)), steps  # every step is in the new server's stream
