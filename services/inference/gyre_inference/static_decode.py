@@ -105,7 +105,10 @@ class StaticDecoder:
             keys.append(k)
             values.append(v)
         self.keys, self.values, self.length = keys, values, new
-        self._graphs.clear()  # they read the old buffers
+        # The graphs read the old buffers. Their memory pool goes with them: capturing into the pool
+        # of graphs that no longer exist trips the CUDA caching allocator (use_count assertion).
+        self._graphs.clear()
+        self._pool = None
 
     def load_prefill(self, slot: int, cache, row: int, length: int) -> None:
         """Copy the last `length` columns of `row` of a transformers prefill cache into `slot`."""
