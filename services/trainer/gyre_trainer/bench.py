@@ -81,7 +81,7 @@ class TrainerBenchConfig(GyreSettings):
     )
     max_seq_len_limit: int = Field(131072, ge=16, description="Longest row --find-max-seq-len tries.")
     steps: int = Field(3, ge=1, description="Timed steps of each kind.")
-    warmup: int = Field(1, ge=0, description="Untimed steps of each kind first.")
+    warmup: int = Field(2, ge=0, description="Untimed steps of each kind first (allocator and caches warm up).")
     loss: LossConfig = Field(default_factory=LossConfig, description="RL objective.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Optimiser.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device.")
