@@ -2,6 +2,8 @@
 
 For each of the first `num_examples` eval tasks, `k` rollouts are sampled and scored:
 - `avg@k`  = mean reward over all `num_examples * k` samples;
+- `avg@k stderr` = standard error of that mean with tasks as the unit (sample std of the per-task means over
+  sqrt(num_examples)), so two evals on the same split compare with their noise in view;
 - `pass@k` = fraction of tasks with at least one sample whose reward is >= `pass_threshold`
   (with exactly k samples per task this is the unbiased pass@k estimator's n = k case).
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -35,6 +39,7 @@ class EvalResult:
     min_version: int
     max_version: int
     seconds: float
+    avg_at_k_stderr: float = 0.0
 
     def record(self, step: int) -> dict:
         """The `eval.jsonl` line (docs/architecture.md, "Event logs") plus version/timing extras."""
@@ -67,6 +72,7 @@ async def evaluate(
     results = await asyncio.gather(*(one(task) for task in tasks for _ in range(k)))
     rewards = [r for r, _, _ in results]
     per_task = [rewards[i * k : (i + 1) * k] for i in range(count)]
+    task_means = [sum(group) / k for group in per_task]
     return EvalResult(
         env=env_name,
         avg_at_k=sum(rewards) / len(rewards),
@@ -76,6 +82,7 @@ async def evaluate(
         min_version=min(v for _, v, _ in results),
         max_version=max(v for _, _, v in results),
         seconds=time.monotonic() - start,
+        avg_at_k_stderr=statistics.stdev(task_means) / math.sqrt(count) if count > 1 else 0.0,
     )
 
 

@@ -1,0 +1,52 @@
+"""`evaluate`: avg@k, pass@k and the standard error of avg@k over tasks, on a dataset env with a fixed client.
+
+The client is a test double (no model): it answers each prompt from a table, so every reward is known exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+from gyre.envs import SamplingParams, Turn, load_environment
+from gyre_orchestrator.evaluate import evaluate
+
+
+class TableClient:
+    """Replies `replies[prompt]` (a list, cycled per call) to the last user message."""
+
+    def __init__(self, replies: dict[str, list[str]]) -> None:
+        self.replies, self.calls = replies, {}
+
+    async def chat(self, messages, *, tools=None, sampling: SamplingParams) -> Turn:
+        prompt = messages[-1]["content"]
+        n = self.calls[prompt] = self.calls.get(prompt, -1) + 1
+        text = self.replies[prompt][n % len(self.replies[prompt])]
+        return Turn(prompt_token_ids=[1], completion_token_ids=[5, 2], completion_logprobs=[-0.1, -0.2], text=text)
+
+
+def run_eval(tmp_path, replies, *, num_examples, k):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": p, "answer": p.upper(), "split": "eval"} for p in replies] + [{"prompt": "zz", "answer": "ZZ"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = load_environment("dataset", path=str(path), reward="exact")
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    return asyncio.run(
+        evaluate(env, TableClient(replies), env_name="dataset", num_examples=num_examples, k=k, sampling=sampling)
+    )
+
+
+def test_stderr_is_over_task_means(tmp_path):
+    # Per-task means 1, 1, 0.5, 0: mean 0.625, sample std sqrt(0.6875 / 3), stderr that / sqrt(4).
+    replies = {"ab": ["AB"], "cd": ["CD"], "ef": ["EF", "no"], "gh": ["no"]}
+    result = run_eval(tmp_path, replies, num_examples=4, k=2)
+    assert result.avg_at_k == 0.625
+    assert result.pass_at_k == 0.75
+    assert math.isclose(result.avg_at_k_stderr, math.sqrt(0.6875 / 3) / 2)
+    assert result.record(step=0)["avg_at_k_stderr"] == result.avg_at_k_stderr
+
+
+def test_stderr_is_zero_for_one_task(tmp_path):
+    result = run_eval(tmp_path, {"ab": ["AB", "no"]}, num_examples=1, k=2)
+    assert result.avg_at_k == 0.5 and result.avg_at_k_stderr == 0.0
