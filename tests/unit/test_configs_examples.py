@@ -29,3 +29,23 @@ def test_async_overlays_set_the_level():
     for k in (0, 1, 2):
         cfg = load_config(RLConfig, ["@", str(ROOT / f"configs/reverse_text/async{k}.toml")])
         assert cfg.orchestrator["max_async_level"] == k
+
+
+LEARNING = sorted((ROOT / "configs/dataset").glob("*.toml")) + sorted((ROOT / "configs/reasoning_gym").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", LEARNING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_learning_configs_load_their_environments(path, tmp_path, monkeypatch):
+    """The env and the SFT warm-up's env load from the repository root (data files ship), and the eval split
+    holds every example the config evaluates, so the measured before/after covers what docs/environments.md says."""
+    from gyre.envs import load_environment
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(RLConfig, ["@", str(path), "--output-dir", str(tmp_path)])
+    orchestrator = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")["orchestrator"]
+    env = load_environment(orchestrator.env.name, **orchestrator.env.args)
+    assert env.tasks("eval").size >= orchestrator.eval.num_examples
+    assert env.tasks("train")[0].answer
+    sft = cfg.sft.args["data"]
+    sft_env = load_environment(sft["env"], **sft.get("env_args", {}))
+    assert sft_env.sft_example(sft_env.tasks("train")[0])
