@@ -14,7 +14,12 @@ that restarted on the base model (seen by the periodic `GetStatus` probe) is bro
 call is logged to `weight_relay.jsonl`. Versions replicas still serve (plus the target) are declared
 with the transport's `hold`, so the trainer's pruning never deletes weights in use.
 
-Versions only move forward: the target is never lowered, and a replica ahead of it is left alone.
+Versions only move forward, except when the trainer rewinds (`ckpt.resume_step`): it deletes the
+versions newer than the step it rewinds to, so a target or a replica version newer than every version
+the store still holds was abandoned. Then the target goes back to the announced (or newest stored)
+version and replicas ahead of it get `UpdateWeights(rollback=true)`. A late announcement of an old
+step while the target is still stored changes nothing, and a replica ahead of a target that is still
+stored is left alone (the inference server itself refuses older versions without `rollback`).
 """
 
 from __future__ import annotations
@@ -101,14 +106,16 @@ class WeightRelay:
             raise ValueError(
                 f"version.transport is {announced.transport!r}; this run relays {self.transport.transport!r}"
             )
-        if self.target is not None and step < self.target.step:
-            return False
+        if self.target is not None and step < self.target.step and not self._abandoned(self.target.step):
+            return False  # a late or repeated announcement: the target is still published
         new = self.transport.resolve(step, announced.digest)  # WeightsError if missing, incomplete or different
         if announced.locator:  # the trainer's name for it (replicas mount the volume where the trainer does)
             new = WeightsVersion(step, new.digest, new.transport, announced.locator)
         if self.target is not None and (self.target.step, self.target.digest) == (step, new.digest):
             return False
         republished = self.target is not None and self.target.step == step
+        if self.target is not None and step < self.target.step:
+            log.warning("the trainer rewound: weights step %d are gone; going back to step %d", self.target.step, step)
         self.target = new
         self._learned_at.setdefault(step, time.monotonic())
         if republished:  # same step, different files: every replica on it must reload
@@ -125,11 +132,17 @@ class WeightRelay:
     def poll_store(self) -> None:
         """Pick up a version the trainer published but whose notification we missed."""
         latest = self.transport.latest()
-        if latest is not None and latest > self.latest_step:
+        if latest is not None and (latest > self.latest_step or self._abandoned(self.latest_step, latest)):
             try:
                 self.notify(WeightsVersion(latest, "", self.transport.transport))
             except WeightsError as e:
                 log.warning("cannot use weights step %d found on the volume: %s", latest, e)
+
+    def _abandoned(self, step: int, latest: int | None = None) -> bool:
+        """True when version `step` is newer than every version the store holds: a rewinding trainer
+        deleted it (pruning only ever deletes versions older than the newest)."""
+        latest = self.transport.latest() if latest is None else latest
+        return step > (latest or 0)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -183,8 +196,11 @@ class WeightRelay:
         """Start an updater for each lagging replica; publish versions, in-use set and metrics."""
         target = self.target
         if target is not None:
+            ahead = [r.version for r in self.replicas if r.version is not None and r.version > target.step]
+            latest = self.transport.latest() if ahead else None  # only when some replica is ahead (rare)
             for r in self.replicas:
                 lagging = r.version is None or r.version < target.step
+                lagging = lagging or (r.version > target.step and self._abandoned(r.version, latest))
                 busy = r.url in self._updaters and not self._updaters[r.url].done()
                 if lagging and not busy and self.replicas.in_rotation(r):
                     self._updaters[r.url] = asyncio.create_task(self._update(r), name=f"relay-{r.url}")
@@ -250,7 +266,8 @@ class WeightRelay:
             target = self.target
             if target is None or replica.url not in self.replicas.replicas:
                 return
-            if replica.version is not None and replica.version >= target.step:
+            rollback = replica.version is not None and replica.version > target.step
+            if replica.version == target.step or (rollback and not self._abandoned(replica.version)):
                 return
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
@@ -258,7 +275,7 @@ class WeightRelay:
             error = None
             try:
                 reply = await self._stub(replica).UpdateWeights(
-                    inference_pb2.UpdateWeightsRequest(version=target.to_proto()),
+                    inference_pb2.UpdateWeightsRequest(version=target.to_proto(), rollback=rollback),
                     timeout=self.timeout_s,
                     metadata=self.metadata,
                 )

@@ -1,0 +1,108 @@
+"""The relay rolls replicas back exactly when the trainer rewinds (two real inference processes).
+
+A rewinding trainer (`ckpt.resume_step = s`) deletes the weights versions newer than `s`
+(`WeightStore.discard_after`, what `gyre_trainer` does), republishes `s` and announces it. The
+replicas refuse an older version unless `UpdateWeights` carries `rollback` (checked first, on a real
+server), so the relay must set it then, and only then: a late announcement of an old step while the
+newer versions are still published must not move anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from gyre.events import EventLog, read_events
+from gyre.transport import FolderStore
+from gyre.v1 import inference_pb2, inference_pb2_grpc
+from gyre.weights import WeightStore
+from gyre_orchestrator.client import close_replica_clients
+from gyre_orchestrator.relay import WeightRelay
+from gyre_orchestrator.replicas import ReplicaSet, static_endpoints
+from gyre_orchestrator.scheduler import VersionWatch
+from orchestrator_testlib import publish_weights
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+
+
+def _relay(replicas, store: WeightStore, events: EventLog) -> tuple[WeightRelay, ReplicaSet]:
+    replica_set = ReplicaSet(static_endpoints([r.url for r in replicas], [r.control for r in replicas], 0))
+    relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events,
+                        probe_interval_s=0.2, poll_store_s=0.2, retries=0)  # fmt: skip
+    return relay, replica_set
+
+
+async def _served(replicas, step: int, timeout: float = 60) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while [r.status().step for r in replicas] != [step] * len(replicas):
+        assert asyncio.get_running_loop().time() < deadline, [r.status().step for r in replicas]
+        await asyncio.sleep(0.1)
+
+
+async def test_relay_rolls_replicas_back_when_the_trainer_rewinds(tmp_path, replicas, tiny_model):
+    store = WeightStore(tmp_path / "weights")
+    for step in (1, 2, 3):
+        publish_weights(store, step, tiny_model)
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay, replica_set = _relay(replicas, store, events)
+        try:
+            await relay.start()
+            assert await relay.wait_served(3, timeout=60)
+
+            # the real server refuses going back without the flag (a late retry must not roll back)
+            with grpc.insecure_channel(replicas[0].control) as channel, pytest.raises(grpc.RpcError) as refused:
+                inference_pb2_grpc.InferenceControlStub(channel).UpdateWeights(
+                    inference_pb2.UpdateWeightsRequest(version=store.version(1).to_proto()), timeout=60
+                )
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert replicas[0].status().step == 3
+
+            # a late announcement of step 1 while 2 and 3 are still published: nothing moves
+            assert relay.notify(store.version(1)) is False
+            await asyncio.sleep(1.0)
+            assert relay.latest_step == 3 and [r.status().step for r in replicas] == [3, 3]
+
+            # the trainer rewinds to 1: versions 2 and 3 are deleted, 1 is republished and announced
+            assert store.discard_after(1) == [2, 3]
+            publish_weights(store, 1, tiny_model)
+            assert relay.notify(store.version(1)) is True
+            await _served(replicas, 1)
+            assert relay.latest_step == 1 and store.in_use() == {1}
+            rollbacks = [e for e in read_events(events.path) if e["step"] == 1]
+            assert {e["replica"] for e in rollbacks if e["ok"]} == {r.url for r in replicas}
+
+            # training goes on from there: step 2 of the new branch is an ordinary forward update
+            publish_weights(store, 2, tiny_model)
+            assert relay.notify(store.version(2)) is True
+            await _served(replicas, 2)
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+
+
+async def test_a_relay_started_after_a_rewind_rolls_back_replicas_serving_an_abandoned_version(
+    tmp_path, replicas, tiny_model
+):
+    """The whole run restarted with `--ckpt.resume-step`: the inference pods kept serving the newest
+    version of the old branch, which the store no longer holds; the new relay finds that by itself."""
+    store = WeightStore(tmp_path / "weights")
+    for step in (1, 2):
+        publish_weights(store, step, tiny_model)
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay, replica_set = _relay(replicas, store, events)
+        try:
+            await relay.start()
+            assert await relay.wait_served(2, timeout=60)
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+        store.discard_after(1)  # the rewinding trainer, while no relay runs
+        relay, replica_set = _relay(replicas, store, events)
+        try:
+            await relay.start()
+            await _served(replicas, 1)
+            assert relay.latest_step == 1
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
