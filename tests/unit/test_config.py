@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 import typing
 
 import pytest
@@ -148,7 +149,8 @@ def test_every_field_is_documented_and_in_help(cls):
             assert field.description, f"{cls.__name__}.{prefix}{name} has no description"
             annotation = field.annotation
             optional = [a for a in typing.get_args(annotation) if a is not type(None)]
-            if len(optional) == 1:  # `Section | None` (an optional section such as trainer.lora)
+            union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+            if union and len(optional) == 1:  # `Section | None` (an optional section such as trainer.lora)
                 annotation = optional[0]
             sub = getattr(annotation, "model_fields", None)
             if sub is not None:

@@ -226,6 +226,34 @@ class LoraConfig(Section):
     )
 
 
+class RunOrchestratorConfig(OrchestratorClientConfig):
+    """The run's own orchestrator (a separate type: the chart owns the trainer's `orchestrator.address`, not this)."""
+
+
+# a run id without dots: it also names the run's peft adapter, and module names cannot hold dots
+RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+
+
+class RunConfig(Section):
+    """One run of a multi-run trainer (docs/trainer.md, "Multi-run"): its own LoRA adapter, optimizer,
+    schedule, progress, batch stream, weights and orchestrator; the base model and loss are shared."""
+
+    name: str = Field(
+        ...,
+        pattern=RUN_NAME,
+        description="Run id: its Redis stream gyre:{name}:batches, its adapter, and the model name inference "
+        "serves it under.",
+    )
+    output_dir: Path = Field(..., description="The run's own folder: weights, checkpoints, events.")
+    max_steps: int | None = Field(None, ge=1, description="The run finishes after this step (unset = never).")
+    orchestrator: RunOrchestratorConfig = Field(
+        default_factory=RunOrchestratorConfig, description="The run's orchestrator (NotifyWeights)."
+    )
+    optim: OptimConfig | None = Field(None, description="The run's optimizer and schedule (unset = trainer.optim).")
+    lora: LoraConfig | None = Field(None, description="The run's adapter shape (unset = trainer.lora).")
+    resume_step: int | None = Field(None, ge=-1, description="As ckpt.resume_step, for this run only.")
+
+
 class TrainerConfig(ServiceConfig):
     """Consume batches from Redis, optimise the policy, publish weights, notify the orchestrator."""
 
@@ -249,6 +277,37 @@ class TrainerConfig(ServiceConfig):
     weights_keep_last: int = Field(3, ge=1, description="Weight versions kept on the volume (plus those in use).")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters only (unset = full fine-tuning).")
     bench: bool = Field(False, description="Benchmark on fake data: print tokens/s and MFU, then exit.")
+    runs: list[RunConfig] = Field(
+        default_factory=list,
+        description="Multi-run: train these runs on one model, one LoRA adapter each (needs lora; "
+        "run_id, output_dir, max_steps, orchestrator at top level are then unused).",
+    )
+    runs_dir: Path | None = Field(
+        None,
+        description="Multi-run: also pick up runs added later as {runs_dir}/<name>.toml (a [run] table each, "
+        "the keys of runs[]); the trainer then keeps waiting for runs until stopped.",
+    )
+
+    @model_validator(mode="after")
+    def _multirun_needs_adapters(self) -> TrainerConfig:
+        if not (self.runs or self.runs_dir):
+            return self
+        if self.lora is None:
+            raise ValueError("runs: multi-run trains one LoRA adapter per run; set trainer.lora")
+        if self.loss.ref_kl_coef > 0:
+            raise ValueError("runs: loss.ref_kl_coef is not supported with multi-run (set it to 0)")
+        for key in ("name", "output_dir"):
+            seen = [str(getattr(r, key)) for r in self.runs]
+            duplicated = sorted({v for v in seen if seen.count(v) > 1})
+            if duplicated:
+                raise ValueError(f"runs: {key} must differ between runs, {duplicated} appear twice")
+        for where, lora in [("trainer.lora", self.lora)] + [(f"runs.{r.name}.lora", r.lora) for r in self.runs]:
+            if lora is None:
+                continue
+            if "publish" in lora.model_fields_set and lora.publish != "adapter":
+                raise ValueError(f"{where}.publish must be 'adapter' with runs: inference serves each run's adapter")
+            lora.publish = "adapter"
+        return self
 
 
 class SFTDataConfig(Section):

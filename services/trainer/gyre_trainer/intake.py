@@ -111,8 +111,13 @@ class BatchIntake:
             except Stopped:
                 self.stopped = True
 
-    def next(self, should_stop: Callable[[], bool]) -> IntakeItem | None:
-        """Batch `trained_step + 1` on every rank, or None on every rank when rank 0 stops."""
+    def next(self, should_stop: Callable[[], bool], *, wait: bool = True) -> IntakeItem | None:
+        """Batch `trained_step + 1` on every rank, or None on every rank when rank 0 stops.
+
+        `wait=False` (one process only: the multi-run trainer) returns None after one empty read of
+        `poll_ms` instead of waiting for the batch."""
+        if not wait and self.ctx.distributed:
+            raise ValueError("BatchIntake.next(wait=False) is for a single process")
         if not self.ctx.is_main:
             return self._receive()
         while True:
@@ -125,6 +130,8 @@ class BatchIntake:
                 self.stopped = True
                 continue
             if entry is None:
+                if not wait:
+                    return None
                 broadcast_bytes(None, self.ctx, (_WAIT, 0))  # heartbeat: the other ranks keep waiting
                 continue
             try:
@@ -140,6 +147,8 @@ class BatchIntake:
                 except Stopped:  # not dead-lettered: still pending, judged again after a restart
                     self.stopped = True
                 log.error("batch entry %s rejected: %s; waiting for step %d again", entry.id, e, entry.step)
+                if not wait:
+                    return None
                 broadcast_bytes(None, self.ctx, (_WAIT, 0))
                 continue
             broadcast_bytes(payload, self.ctx, (_BATCH, batch.step))

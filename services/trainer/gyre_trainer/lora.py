@@ -14,24 +14,60 @@ under FSDP2), with plain tensor math, so it never changes the live model:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_tensors, merge, split_lora
 from gyre.lora import adapter_config as _adapter_config
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "adapter_config", "adapter_state_dict", "apply_lora", "merged_state_dict"]
+__all__ = [
+    "ADAPTER_CONFIG", "ADAPTER_FILE", "activate_adapter", "add_adapter", "adapter_config", "adapter_state_dict",
+    "apply_lora", "merged_state_dict", "named_adapter_state",
+]  # fmt: skip
 
 
-def apply_lora(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
-    """`model` wrapped in a peft LoRA model (cfg: rank, alpha, dropout, target_modules); base frozen."""
-    from peft import LoraConfig, get_peft_model
+def _peft_config(cfg: Any):
+    from peft import LoraConfig
 
-    config = LoraConfig(
+    return LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
         bias="none", task_type="CAUSAL_LM",
     )  # fmt: skip
-    return get_peft_model(model, config)
+
+
+def apply_lora(model: torch.nn.Module, cfg: Any, adapter_name: str = "default") -> torch.nn.Module:
+    """`model` wrapped in a peft LoRA model (cfg: rank, alpha, dropout, target_modules); base frozen."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, _peft_config(cfg), adapter_name=adapter_name)
+
+
+def add_adapter(model: torch.nn.Module, name: str, cfg: Any) -> torch.nn.Module:
+    """Multi-run: one more named adapter (a plain model becomes a peft model with it); returns the model."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return apply_lora(model, cfg, adapter_name=name)
+    model.add_adapter(name, _peft_config(cfg))
+    return model
+
+
+def activate_adapter(model: torch.nn.Module, name: str) -> None:
+    """Forward passes use adapter `name` alone and only its parameters are trainable: the optimizer,
+    gradient clipping and checkpoints (`checkpoint.trainable_only`) of a run see that run's adapter only."""
+    model.set_adapter(name)
+    own = re.compile(rf"\.lora_[A-Za-z_]+\.{re.escape(name)}\.")
+    for param_name, param in model.named_parameters():
+        param.requires_grad_(own.search(param_name) is not None)
+
+
+def named_adapter_state(model: torch.nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name`'s tensors (CPU copies) under PEFT's file names, whatever adapter is active."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=name)
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
 def merged_state_dict(state_dict: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:

@@ -389,7 +389,12 @@ def run(cfg: TrainerConfig, *, handle_signals: bool = True) -> int:
     `handle_signals=False` leaves the process's signal handlers alone (a trainer embedded in a test).
     """
     ctx = dist.init_distributed(cfg.device)
-    trainer = Trainer(cfg, ctx)
+    if cfg.runs or cfg.runs_dir:  # one LoRA adapter per run on one base model (gyre_trainer.multirun)
+        from gyre_trainer.multirun import MultiRunTrainer
+
+        trainer = MultiRunTrainer(cfg, ctx)
+    else:
+        trainer = Trainer(cfg, ctx)
 
     def request_stop(signum, _frame) -> None:
         log.info("signal %d: finishing the current step, then stopping", signum)

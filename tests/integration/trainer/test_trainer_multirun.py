@@ -1,0 +1,160 @@
+"""Multi-run: two runs on one trainer, one LoRA adapter each (docs/trainer.md, "Multi-run").
+
+- a step of one run changes that run's adapter only: the other run's parameters are equal bit for bit;
+- runs interleaved on one trainer publish exactly what each run trained alone publishes (so neither
+  optimizer, schedule nor progress leaks between runs), and each finishes at its own max_steps;
+- a run added later through `runs_dir` joins a running trainer and trains its own batches.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+from gyre.config import load_config
+from gyre.config.loader import ConfigError
+from gyre.config.trainer import TrainerConfig
+from gyre.streams import BatchStream
+from safetensors.torch import load_file
+from trainer_testlib import kill_group, push_batches, start_trainer, trained_steps, wait_for_steps
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+
+
+def multirun_config(tiny_model, redis_url, runs: list[dict], **extra) -> TrainerConfig:
+    values = {
+        "model": {"name": str(tiny_model)}, "redis": {"url": redis_url}, "device": "cpu", "deterministic": True,
+        "metrics": {"port": 0}, "server": {"port": 0}, "lora": LORA, "optim": {"lr": 1e-2},
+        "runs": [{"orchestrator": {"address": "127.0.0.1:9", "timeout_s": 0.5}, **r} for r in runs], **extra,
+    }  # fmt: skip
+    return load_config(TrainerConfig, [], **values)
+
+
+def adapter(folder) -> dict[str, torch.Tensor]:
+    return load_file(folder / "adapter_model.safetensors")
+
+
+def test_a_step_of_one_run_leaves_the_other_runs_adapter_bit_for_bit(tiny_model, redis_url, unique_run_id, tmp_path):
+    from gyre_trainer import dist
+    from gyre_trainer.lora import named_adapter_state
+    from gyre_trainer.multirun import MultiRunTrainer
+
+    a, b = f"{unique_run_id}-a", f"{unique_run_id}-b"
+    cfg = multirun_config(tiny_model, redis_url, [
+        {"name": a, "output_dir": str(tmp_path / "a")}, {"name": b, "output_dir": str(tmp_path / "b")},
+    ])  # fmt: skip
+    push_batches(BatchStream(redis_url, a), [1, 2], seed=1)
+    push_batches(BatchStream(redis_url, b), [1], seed=2)
+    trainer = MultiRunTrainer(cfg, dist.init_distributed("cpu"))
+    trainer._build()
+    try:
+        run_a, run_b = trainer.add_run(cfg.runs[0]), trainer.add_run(cfg.runs[1])
+        for run, other in [(run_a, run_b), (run_b, run_a), (run_a, run_b)]:
+            before_own, before_other = (
+                named_adapter_state(trainer.model, run.name),
+                named_adapter_state(trainer.model, other.name),
+            )
+            base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+            item = run.intake.next(lambda: False, wait=False)
+            trainer._step(run, item)
+            after_own, after_other = (
+                named_adapter_state(trainer.model, run.name),
+                named_adapter_state(trainer.model, other.name),
+            )
+            assert any(not torch.equal(before_own[k], after_own[k]) for k in before_own), "own adapter must train"
+            for name, value in before_other.items():
+                assert torch.equal(value, after_other[name]), f"{other.name}: {name} changed"
+            for name, p in trainer.model.named_parameters():
+                if "lora_" not in name:
+                    assert torch.equal(base_before[name], p), f"base {name} changed"
+        # what each run published is its own adapter, under PEFT's names
+        published = adapter(tmp_path / "a" / "weights" / "step_2")
+        assert published.keys() == named_adapter_state(trainer.model, a).keys()
+        for name, value in named_adapter_state(trainer.model, a).items():
+            assert torch.equal(published[name], value)
+    finally:
+        trainer._close()
+
+
+def run_trainer(cfg: TrainerConfig) -> int:
+    from gyre_trainer import service
+
+    return service.run(cfg, handle_signals=False)
+
+
+def test_interleaved_runs_publish_what_each_run_trains_alone(tiny_model, redis_url, unique_run_id, tmp_path):
+    names = {"a": f"{unique_run_id}-a", "b": f"{unique_run_id}-b"}
+    steps = {"a": 3, "b": 2}
+    # "alone" runs have the same names (a run's adapter starts from (seed, name)) in another Redis database
+    alone_url = redis_url.rsplit("/", 1)[0] + "/1"
+    for key, name in names.items():
+        for url in (redis_url, alone_url):
+            push_batches(BatchStream(url, name), range(1, steps[key] + 1), seed=ord(key))
+    together = [{"name": names[k], "output_dir": str(tmp_path / "together" / k), "max_steps": steps[k]} for k in names]
+    # the runs may differ in schedule and rank: each has its own optimizer, schedule and adapter shape
+    together[1].update(optim={"lr": 5e-3, "warmup_steps": 2}, lora={**LORA, "rank": 2, "alpha": 4})
+    assert run_trainer(multirun_config(tiny_model, redis_url, together)) == 0  # exits once both finished
+    for key, spec in zip(names, together, strict=True):
+        alone = {**spec, "output_dir": str(tmp_path / "alone" / key)}
+        assert run_trainer(multirun_config(tiny_model, alone_url, [alone])) == 0
+
+    for key in names:
+        assert trained_steps(tmp_path / "together" / key) == list(range(1, steps[key] + 1))
+        assert trained_steps(tmp_path / "alone" / key) == list(range(1, steps[key] + 1))
+        last = f"weights/step_{steps[key]}"
+        mixed, alone = adapter(tmp_path / "together" / key / last), adapter(tmp_path / "alone" / key / last)
+        assert mixed.keys() == alone.keys()
+        for name in mixed:
+            assert torch.equal(mixed[name], alone[name]), f"run {key}: {name} differs from the run trained alone"
+    rank_b = adapter(tmp_path / "together" / "b" / "weights/step_2")
+    assert {t.shape[0] for n, t in rank_b.items() if "lora_A" in n} == {2}
+
+
+def test_a_run_added_to_runs_dir_joins_the_running_trainer(tiny_model, redis_url, unique_run_id, tmp_path):
+    from gyre.config import to_toml
+
+    a, b = f"{unique_run_id}-a", f"{unique_run_id}-b"
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    cfg = multirun_config(
+        tiny_model, redis_url, [{"name": a, "output_dir": str(tmp_path / "a"), "max_steps": 2}], runs_dir=str(runs_dir)
+    )
+    (tmp_path / "trainer.toml").write_text(to_toml(cfg))
+    push_batches(BatchStream(redis_url, a), range(1, 3))
+    proc = start_trainer(["@", str(tmp_path / "trainer.toml")], tmp_path / "trainer.log")
+    try:
+        assert wait_for_steps(tmp_path / "a", 2, proc) == [1, 2]
+        (runs_dir / "broken.toml").write_text('max_steps = "many"\n')  # logged and skipped, nothing stops
+        push_batches(BatchStream(redis_url, b), range(1, 3), seed=5)
+        tmp = runs_dir / f".{b}.tmp"
+        tmp.write_text(f'output_dir = "{tmp_path / "b"}"\nmax_steps = 2\n[orchestrator]\naddress = "127.0.0.1:9"\n')
+        tmp.rename(runs_dir / f"{b}.toml")
+        assert wait_for_steps(tmp_path / "b", 2, proc) == [1, 2]
+        assert (tmp_path / "b" / "weights" / "step_2" / "adapter_model.safetensors").is_file()
+        assert proc.poll() is None  # with runs_dir it waits for more runs
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.returncode == 0
+        log = (tmp_path / "trainer.log").read_text()
+        assert "broken.toml" in log and "max_steps" in log
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+
+
+def test_multirun_config_errors_name_the_key(tiny_model, redis_url, tmp_path):
+    run = {"name": "x", "output_dir": str(tmp_path / "x")}
+    with pytest.raises(ConfigError, match="lora"):
+        load_config(TrainerConfig, [], runs=[run])
+    with pytest.raises(ConfigError, match="name"):
+        multirun_config(tiny_model, redis_url, [run, {**run, "output_dir": str(tmp_path / "y")}])
+    with pytest.raises(ConfigError, match="publish"):
+        multirun_config(tiny_model, redis_url, [run], lora={**LORA, "publish": "merged"})
+    with pytest.raises(ConfigError, match="name"):
+        multirun_config(tiny_model, redis_url, [{**run, "name": "has.dot"}])
