@@ -292,3 +292,64 @@ def test_release_workflow_publishes_the_default_images():
     assert "ghcr.io/gyre-project/gyre-${{ matrix.component }}:${GITHUB_REF_NAME#v}" in text
     # The chart's appVersion is the tag without its v: `helm install` pulls exactly what a tag pushed.
     assert "${GITHUB_REF_NAME#v}" in text and re.fullmatch(r"\d+\.\d+\.\d+", chart["appVersion"])
+
+
+# 8j. Any password works: quotes and backslashes in Redis's config file, @ / % : in what the services
+# dial (a password spliced into a URL broke both). The rendered redis-server script runs on a real
+# redis-server; each service's config, loaded from its rendered environment, authenticates to it.
+def test_any_redis_password_reaches_redis_and_every_service(tmp_path, monkeypatch):
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    from chart_testlib import container_env, pod_name
+    from gyre.config.inference import InferenceConfig
+    from gyre.config.loader import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.config.trainer import TrainerConfig
+    from gyre.net import free_port
+
+    server = shutil.which("redis-server", path="/usr/bin:/usr/local/bin")
+    if not server:
+        pytest.skip("needs a redis-server binary (apt install redis-server)")
+    password = "p@ss\"w\\rd %/:#?'x"
+    secrets = {"mine": {"api-key": "k", "control-token": "t", "redis-password": password}}
+    docs = valid(manifests(render({"secrets": {"existingSecret": "mine"}})))
+    pods = pod_templates(docs)
+    redis = pods["redis"]["spec"]["containers"][0]
+    port = free_port()
+    script = redis["args"][-1].replace("/run/redis", str(tmp_path)).replace("/data", str(tmp_path))
+    script = re.sub(r"--port \d+", f"--port {port}", script)
+    env = {
+        **container_env(redis, docs, "exp-gyre-redis-0", secrets),
+        "PATH": f"{os.path.dirname(server)}:/usr/bin:/bin",
+    }
+    proc = subprocess.Popen(["sh", "-c", script], env=env, cwd=tmp_path)
+    try:
+        configs = {"inference": InferenceConfig, "orchestrator": OrchestratorConfig, "trainer": TrainerConfig}
+        for comp, config_cls in configs.items():
+            rendered = container_env(pods[comp]["spec"]["containers"][0], docs, pod_name(docs, comp), secrets)
+            assert password not in rendered["GYRE_REDIS__URL"]  # the URL carries no credentials
+            for name in [k for k in os.environ if k.startswith("GYRE_")]:
+                monkeypatch.delenv(name)
+            monkeypatch.setenv(
+                "GYRE_REDIS__URL", re.sub(r"//[^/]+/", f"//127.0.0.1:{port}/", rendered["GYRE_REDIS__URL"])
+            )
+            monkeypatch.setenv("GYRE_REDIS__PASSWORD", rendered["GYRE_REDIS__PASSWORD"])
+            cfg = load_config(config_cls, [])
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    assert cfg.redis.client(socket_timeout=2).ping(), comp
+                    break
+                except Exception:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise
+                    time.sleep(0.1)
+        monkeypatch.setenv("GYRE_REDIS__PASSWORD", "wrong")
+        with pytest.raises(Exception, match="(?i)auth|password"):
+            load_config(OrchestratorConfig, []).redis.client(socket_timeout=2).ping()
+    finally:
+        proc.terminate()
+        proc.wait(10)

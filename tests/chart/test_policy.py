@@ -350,10 +350,12 @@ def test_addresses_in_commands_reach_the_right_ports(scenario):
     for comp in GYRE_COMPONENTS:
         env = container_env(pods[comp]["spec"]["containers"][0], docs, pod_name(docs, comp), USER_SECRETS)
         url = env["GYRE_REDIS__URL"]
+        assert "@" not in url  # the password travels beside the URL (GYRE_REDIS__PASSWORD), never in it
         if scenario == "external-redis":
-            assert url == "rediss://:external-redis-pw@redis.infra:6380/2"
+            assert (url, env["GYRE_REDIS__PASSWORD"]) == ("rediss://redis.infra:6380/2", "external-redis-pw")
             continue
-        match = re.fullmatch(r"redis://:(?P<pw>[^@]+)@(?P<host>[^:]+):(?P<port>\d+)/0", url)
+        assert env["GYRE_REDIS__PASSWORD"]
+        match = re.fullmatch(r"redis://(?P<host>[^:]+):(?P<port>\d+)/0", url)
         assert match, url
         assert resolve(docs, match["host"], int(match["port"]))[0] == "redis"
     test_env = container_env(pods["test"]["spec"]["containers"][0], docs, "test", USER_SECRETS)
@@ -460,7 +462,8 @@ def test_service_configs_accept_the_rendered_commands_and_environment(scenario, 
             "exp-gyre-secrets")  # fmt: skip
         assert cfg.output_dir == Path(SCENARIOS[scenario].get("persistence", {}).get("mountPath", "/data"))
         assert cfg.run_id == (SCENARIOS[scenario].get("experiment", {}).get("run_id") or "exp")
-        assert "@" in cfg.redis.url or scenario == "external-redis" and "external-redis-pw" in cfg.redis.url
+        redis_password = "external-redis-pw" if scenario == "external-redis" else secrets["redis-password"]
+        assert cfg.redis.password.get_secret_value() == redis_password
         if comp == "inference":
             assert cfg.auth.api_key.get_secret_value() == secrets["api-key"]
             assert cfg.auth.control_token.get_secret_value() == secrets["control-token"]

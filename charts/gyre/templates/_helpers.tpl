@@ -224,29 +224,26 @@ securityContext:
 {{- end -}}
 
 {{/*
-GYRE_REDIS__URL (the services' `redis.url`), with the password spliced in by Kubernetes' $(VAR)
-expansion so it never appears in the pod spec or a ConfigMap.
+GYRE_REDIS__URL (the services' `redis.url`, no credentials) and GYRE_REDIS__PASSWORD from the Secret:
+the password never appears in the pod spec or a ConfigMap, and needs no URL escaping (a password
+with @ / % : would break a URL it was spliced into).
 */}}
 {{- define "gyre.redisEnv" -}}
 {{- $ext := .Values.redis.external -}}
 {{- if $ext.url }}
 {{- if $ext.existingSecret }}
-- name: REDIS_PASSWORD
+- name: GYRE_REDIS__PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ $ext.existingSecret }}
       key: {{ $ext.passwordKey }}
-{{- $u := urlParse $ext.url }}
-- name: GYRE_REDIS__URL
-  value: {{ printf "%s://:$(REDIS_PASSWORD)@%s%s" $u.scheme $u.host $u.path | quote }}
-{{- else }}
+{{- end }}
 - name: GYRE_REDIS__URL
   value: {{ $ext.url | quote }}
-{{- end }}
 {{- else }}
-{{ include "gyre.secretEnv" (dict "root" . "name" "REDIS_PASSWORD" "key" "redis-password") }}
+{{ include "gyre.secretEnv" (dict "root" . "name" "GYRE_REDIS__PASSWORD" "key" "redis-password") }}
 - name: GYRE_REDIS__URL
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "gyre.serviceHost" (dict "root" . "service" "redis")) (int .Values.redis.port) | quote }}
+  value: {{ printf "redis://%s:%d/0" (include "gyre.serviceHost" (dict "root" . "service" "redis")) (int .Values.redis.port) | quote }}
 {{- end }}
 {{- end -}}
 

@@ -5,13 +5,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from gyre.config.loader import GyreSettings, Section
 
 
 class RedisConfig(Section):
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL carrying the batch streams.")
+    password: SecretStr | None = Field(
+        None,
+        description="Redis password, used when `url` carries none. Set it from the environment "
+        "(GYRE_REDIS__PASSWORD) so it stays out of files, and so characters such as @ / % need no "
+        "URL escaping.",
+    )
+
+    def client(self, **kwargs):
+        """A redis-py client for this config (bytes replies: stream payloads are binary)."""
+        import redis
+
+        if self.password is not None:
+            kwargs.setdefault("password", self.password.get_secret_value())
+        # redis-py lets a password in the URL win over the keyword, which is what the field promises.
+        return redis.Redis.from_url(self.url, **kwargs)
 
 
 class LogConfig(Section):

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import redis
 from gyre.codec import CodecError, encode_batch
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.envs import Rollout, SamplingParams, Score, Task, load_environment
@@ -155,7 +154,7 @@ class OrchestratorService:
             port=cfg.server.port,
             control_token=cfg.server.control_token,
         )
-        self.redis = redis.Redis.from_url(cfg.redis.url, socket_timeout=30, socket_connect_timeout=5)
+        self.redis = cfg.redis.client(socket_timeout=30, socket_connect_timeout=5)
         self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)
         self.last_step = 0
         self._redis_run_id = ""

@@ -262,10 +262,9 @@ class Trainer:
     def _open_intake(self, trained_step: int) -> BatchIntake:
         stream = None
         if self.ctx.is_main:
-            import redis
             from gyre.streams import BatchStream
 
-            client = redis.Redis.from_url(self.cfg.redis.url, socket_timeout=30, socket_connect_timeout=5)
+            client = self.cfg.redis.client(socket_timeout=30, socket_connect_timeout=5)
             stream = BatchStream(client, self.cfg.run_id)
         return BatchIntake(
             self.ctx,
