@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from gyre.config.loader import Section
 from gyre.config.shared import ModelConfig, ServiceConfig
@@ -47,6 +47,27 @@ class EngineConfig(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of GPU memory to use.")
 
 
+class InferenceLoraConfig(Section):
+    """Named LoRA adapters served next to the model (multi-run: one per run, under the run's name)."""
+
+    adapters: list[str] = Field(
+        default_factory=list,
+        description="Model names served from the start (the base model until their first UpdateWeights).",
+    )
+    max_adapters: int = Field(
+        0, ge=0, description="Adapter slots; UpdateWeights for a new name takes a free one (0 = no named adapters)."
+    )
+    max_rank: int = Field(16, ge=1, description="Largest adapter rank a slot holds.")
+
+    @model_validator(mode="after")
+    def _slots_for_the_names(self) -> InferenceLoraConfig:
+        if len(self.adapters) > self.max_adapters:
+            raise ValueError(f"max_adapters = {self.max_adapters} is fewer than the {len(self.adapters)} adapters")
+        if len(set(self.adapters)) != len(self.adapters):
+            raise ValueError("adapters: a name appears twice")
+        return self
+
+
 class InferenceConfig(ServiceConfig):
     """Serve one policy model over an OpenAI-compatible HTTP API with gRPC weight control."""
 
@@ -57,3 +78,4 @@ class InferenceConfig(ServiceConfig):
     control: ControlConfig = Field(default_factory=ControlConfig, description="gRPC control server.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Authentication.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Backend engine.")
+    lora: InferenceLoraConfig = Field(default_factory=InferenceLoraConfig, description="Named LoRA adapters.")

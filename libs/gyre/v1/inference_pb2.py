@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gyre.v1 import weights_pb2 as gyre_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gyre/v1/inference.proto\x12\x07gyre.v1\x1a\x15gyre/v1/weights.proto\"R\n\x14UpdateWeightsRequest\x12(\n\x07version\x18\x01 \x01(\x0b\x32\x17.gyre.v1.WeightsVersion\x12\x10\n\x08rollback\x18\x02 \x01(\x08\";\n\x15UpdateWeightsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\"\x16\n\x14ReloadWeightsRequest\"%\n\x15ReloadWeightsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x1b\n\x19GetInferenceStatusRequest\"{\n\x1aGetInferenceStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\r\n\x05ready\x18\x06 \x01(\x08\x32\x88\x02\n\x10InferenceControl\x12N\n\rUpdateWeights\x12\x1d.gyre.v1.UpdateWeightsRequest\x1a\x1e.gyre.v1.UpdateWeightsResponse\x12N\n\rReloadWeights\x12\x1d.gyre.v1.ReloadWeightsRequest\x1a\x1e.gyre.v1.ReloadWeightsResponse\x12T\n\tGetStatus\x12\".gyre.v1.GetInferenceStatusRequest\x1a#.gyre.v1.GetInferenceStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gyre/v1/inference.proto\x12\x07gyre.v1\x1a\x15gyre/v1/weights.proto\"a\n\x14UpdateWeightsRequest\x12(\n\x07version\x18\x01 \x01(\x0b\x32\x17.gyre.v1.WeightsVersion\x12\x10\n\x08rollback\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\";\n\x15UpdateWeightsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x01\"\x16\n\x14ReloadWeightsRequest\"%\n\x15ReloadWeightsResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"*\n\x19GetInferenceStatusRequest\x12\r\n\x05model\x18\x01 \x01(\t\"{\n\x1aGetInferenceStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\r\n\x05ready\x18\x06 \x01(\x08\x32\x88\x02\n\x10InferenceControl\x12N\n\rUpdateWeights\x12\x1d.gyre.v1.UpdateWeightsRequest\x1a\x1e.gyre.v1.UpdateWeightsResponse\x12N\n\rReloadWeights\x12\x1d.gyre.v1.ReloadWeightsRequest\x1a\x1e.gyre.v1.ReloadWeightsResponse\x12T\n\tGetStatus\x12\".gyre.v1.GetInferenceStatusRequest\x1a#.gyre.v1.GetInferenceStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gyre.v1.inference_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=59
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=141
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=143
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=202
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=204
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=226
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=228
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=265
-  _globals['_GETINFERENCESTATUSREQUEST']._serialized_start=267
-  _globals['_GETINFERENCESTATUSREQUEST']._serialized_end=294
-  _globals['_GETINFERENCESTATUSRESPONSE']._serialized_start=296
-  _globals['_GETINFERENCESTATUSRESPONSE']._serialized_end=419
-  _globals['_INFERENCECONTROL']._serialized_start=422
-  _globals['_INFERENCECONTROL']._serialized_end=686
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=156
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=158
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=217
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=219
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=241
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=243
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=280
+  _globals['_GETINFERENCESTATUSREQUEST']._serialized_start=282
+  _globals['_GETINFERENCESTATUSREQUEST']._serialized_end=324
+  _globals['_GETINFERENCESTATUSRESPONSE']._serialized_start=326
+  _globals['_GETINFERENCESTATUSRESPONSE']._serialized_end=449
+  _globals['_INFERENCECONTROL']._serialized_start=452
+  _globals['_INFERENCECONTROL']._serialized_end=716
 # @@protoc_insertion_point(module_scope)

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "rollback")
+    __slots__ = ("version", "rollback", "model")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     version: _weights_pb2.WeightsVersion
     rollback: bool
-    def __init__(self, version: _Optional[_Union[_weights_pb2.WeightsVersion, _Mapping]] = ..., rollback: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, version: _Optional[_Union[_weights_pb2.WeightsVersion, _Mapping]] = ..., rollback: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("step", "load_seconds")
@@ -33,8 +35,10 @@ class ReloadWeightsResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class GetInferenceStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetInferenceStatusResponse(_message.Message):
     __slots__ = ("model", "step", "backend", "running", "waiting", "ready")

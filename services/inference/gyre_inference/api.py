@@ -169,7 +169,13 @@ def create_app(state: AppState) -> FastAPI:
         card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "gyre",
                 "root": state.model_path, "max_model_len": state.backend.max_model_len,
                 "policy_version": state.backend.version}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        # named adapters (multi-run) in vLLM's shape: their own id, the served model as parent
+        adapters = [
+            {**card, "id": name, "root": name, "parent": state.model_id,
+             "policy_version": state.backend.adapter_version(name)}
+            for name in state.backend.adapter_names
+        ]  # fmt: skip
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI), streaming or not.")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -200,5 +206,7 @@ def create_app(state: AppState) -> FastAPI:
 
 
 def _check_model(state: AppState, model: str | None) -> None:
-    if model is not None and model != state.model_id:
-        raise unknown_model(model, state.model_id)
+    try:
+        state.backend.adapter_for(model, state.model_id)
+    except KeyError:
+        raise unknown_model(model, state.model_id) from None

@@ -41,6 +41,8 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     # Number of most likely alternatives to report per token (0 = only the sampled token's log-prob).
     top_logprobs: int = 0
+    # Named LoRA adapter to sample with (multi-run: the run's model name); None = the served model itself.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -118,3 +120,26 @@ class Backend(ABC):
     @abstractmethod
     async def reload_base(self) -> None:
         """Serve the base model's weights again, as version 0."""
+
+    # ---- named adapters (multi-run: one per run, served under the run's model name) ---------------
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """Adapters servable by name now (a name with no version yet serves the base model)."""
+        return ()
+
+    def adapter_version(self, name: str) -> int:
+        """Weights version adapter `name` serves (0 = none yet); KeyError if unknown."""
+        raise KeyError(name)
+
+    def adapter_for(self, model: str | None, model_id: str) -> str | None:
+        """The named adapter a request's `model` field asks for: None = the served model itself (`model_id`,
+        or no model given); KeyError when this backend serves no such name."""
+        if model is None or model == model_id:
+            return None
+        if model in self.adapter_names:
+            return model
+        raise KeyError(model)
+
+    async def update_adapter(self, name: str, path: Path, version: int) -> None:
+        """Serve the PEFT adapter in `path` as adapter `name` at `version` (a new name takes a free slot)."""
+        raise WeightsIncompatibleError(f"the {self.name} backend serves no named adapters")

@@ -9,6 +9,10 @@
   FAILED_PRECONDITION with the reason, and the old weights keep serving. So is a step older than the
   version served (a late retry must not roll the policy back silently) unless `rollback` is set. Bad arguments are
   INVALID_ARGUMENT; calls before the model is loaded are UNAVAILABLE. Updates are serialised.
+- `model` names which served model an UpdateWeights/GetStatus is about: empty or the replica's model
+  id = the model itself (above); another name = the named LoRA adapter served under that model name
+  (multi-run: one per run; the version must be a PEFT adapter folder, a new name takes a free slot,
+  and the older-step rule applies per name).
 - ReloadWeights(): back to the base model, version 0. GetStatus(): model, version, load, readiness.
 - Health is NOT_SERVING until the model is loaded and again once shutdown starts.
 - With a control token configured, every InferenceControl call must carry metadata
@@ -58,11 +62,12 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
             self.source.check(version)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        what = f"weights step {version.step} from {version.locator}"
-        refusal = await self._swap(what, self._load(version, request.rollback))
+        adapter = self._adapter(request.model)
+        what = f"weights step {version.step} from {version.locator}" + (f" for {adapter!r}" if adapter else "")
+        refusal = await self._swap(what, self._load(version, request.rollback, adapter), adapter)
         if refusal is not None:
             await context.abort(*refusal)
-        return inference_pb2.UpdateWeightsResponse(step=self.backend.version, load_seconds=self._last_seconds)
+        return inference_pb2.UpdateWeightsResponse(step=self._served(adapter), load_seconds=self._last_seconds)
 
     async def ReloadWeights(self, request, context):  # noqa: N802
         if not self.backend.ready:
@@ -74,19 +79,28 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
 
     async def GetStatus(self, request, context):  # noqa: N802
         running, waiting = self.backend.load_stats() if self.backend.ready else (0, 0)
+        adapter = self._adapter(request.model)
+        # an adapter name not served yet reports version 0: its first UpdateWeights adds it
         return inference_pb2.GetInferenceStatusResponse(
-            model=self.model_id, step=self.backend.version, backend=self.backend.name,
+            model=adapter or self.model_id, step=self._served(adapter), backend=self.backend.name,
             running=running, waiting=waiting, ready=self.backend.ready,
         )  # fmt: skip
 
-    async def _load(self, version: WeightsVersion, rollback: bool) -> None:
+    def _adapter(self, model: str) -> str | None:
+        """The named adapter a request's `model` field means (None: the replica's model itself)."""
+        return None if model in ("", self.model_id) else model
+
+    async def _load(self, version: WeightsVersion, rollback: bool, adapter: str | None = None) -> None:
         # Checked under the update lock: of two calls racing, the older step is refused after the newer one.
-        if version.step < self.backend.version and not rollback:
+        if version.step < self._served(adapter) and not rollback:
             raise OlderVersionError(f"step {version.step} is older than the version served; set rollback to go back")
         path = await asyncio.to_thread(self.source.fetch, version)
-        await self.backend.update_weights(path, version.step)
+        if adapter is None:
+            await self.backend.update_weights(path, version.step)
+        else:
+            await self.backend.update_adapter(adapter, path, version.step)
 
-    async def _swap(self, what: str, load) -> tuple[grpc.StatusCode, str] | None:
+    async def _swap(self, what: str, load, adapter: str | None = None) -> tuple[grpc.StatusCode, str] | None:
         """Run one load under the lock; None on success, else the (code, message) to refuse the call with."""
         async with self._lock:
             started = time.perf_counter()
@@ -99,11 +113,16 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
                     logging.WARNING if expected else logging.ERROR, "refused %s: %s", what, error, exc_info=not expected
                 )
                 code = grpc.StatusCode.FAILED_PRECONDITION if expected else grpc.StatusCode.INTERNAL
-                return code, f"refused {what}: {error}; still serving version {self.backend.version}"
+                return code, f"refused {what}: {error}; still serving version {self._served(adapter)}"
             self._last_seconds = time.perf_counter() - started
             self.metrics.weight_update_done(True, self._last_seconds)
-            log.info("now serving version %d (%s, %.2fs)", self.backend.version, what, self._last_seconds)
+            log.info("now serving version %d (%s, %.2fs)", self._served(adapter), what, self._last_seconds)
             return None
+
+    def _served(self, adapter: str | None) -> int:
+        if adapter is not None:
+            return self.backend.adapter_version(adapter) if adapter in self.backend.adapter_names else 0
+        return self.backend.version
 
 
 class ControlServer(AioGrpcServer):

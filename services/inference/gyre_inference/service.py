@@ -40,9 +40,11 @@ def make_backend(config: InferenceConfig) -> Backend:
                            max_num_seqs=engine.max_batch_size)  # fmt: skip
     from gyre_inference.torch_backend import TorchBackend
 
+    lora = config.lora
     return TorchBackend(config.model.name, device=engine.device, dtype=config.model.dtype,
                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len,
-                        seed=engine.seed, threads=engine.threads)  # fmt: skip
+                        seed=engine.seed, threads=engine.threads, max_adapters=lora.max_adapters,
+                        max_lora_rank=lora.max_rank, adapters=tuple(lora.adapters))  # fmt: skip
 
 
 class _HTTPServer(uvicorn.Server):

@@ -183,9 +183,12 @@ class Serving:
             prompts.append(self.text.check_ids(prompt, param) if isinstance(prompt, list) else self.text.encode(prompt))
         return prompts
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise unknown_model(model, self.model_id)
+    def _check_model(self, model: str) -> str | None:
+        """The named adapter `model` means (None: the served model); 404 for a name not served."""
+        try:
+            return self.backend.adapter_for(model, self.model_id)
+        except KeyError:
+            raise unknown_model(model, self.model_id) from None
 
     def _job(self, kind, request, prompts, limit, prompt_param, parse_tools, started) -> _Job:
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
@@ -205,6 +208,7 @@ class Serving:
                     seed=None if request.seed is None else choice_seed(request.seed, i),
                     stop_token_ids=frozenset(stop_ids),
                     top_logprobs=top,
+                    adapter=self._check_model(request.model),
                 )
                 choices.append((p, Choice(len(choices), self.text, stops, parse_tools, p), params))
         return _Job(kind, request, prompts, choices, started)
@@ -290,7 +294,7 @@ class Serving:
         token ids / log-probs, the finishing chunk, an optional usage chunk, then [DONE]."""
         queue: asyncio.Queue = asyncio.Queue()
         head = {"id": _request_id(job.kind), "object": _chunk_object(job), "created": int(time.time()),
-                "model": self.model_id}  # fmt: skip
+                "model": job.request.model}  # fmt: skip
         every_token = job.request.return_token_ids or _wants_logprobs(job)
 
         async def run(p: int, choice: Choice, params: SamplingParams) -> None:
@@ -356,7 +360,7 @@ class Serving:
                 entry["token_ids"] = choice.token_ids
             choices.append(entry)
         body = {"id": _request_id("chat"), "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_id, "choices": choices, "usage": self._usage(job)}  # fmt: skip
+                "model": job.request.model, "choices": choices, "usage": self._usage(job)}  # fmt: skip
         if job.request.return_token_ids:
             body["prompt_token_ids"] = job.prompts[0]
         return body
@@ -371,7 +375,7 @@ class Serving:
                 entry["token_ids"] = choice.token_ids
             choices.append(entry)
         body = {"id": _request_id("completions"), "object": "text_completion", "created": int(time.time()),
-                "model": self.model_id, "choices": choices, "usage": self._usage(job)}  # fmt: skip
+                "model": job.request.model, "choices": choices, "usage": self._usage(job)}  # fmt: skip
         if job.request.return_token_ids and len(job.prompts) == 1:
             body["prompt_token_ids"] = job.prompts[0]
         return body

@@ -113,8 +113,10 @@ def add_generate_route(app: FastAPI, state) -> None:
     @app.post(ROUTE, summary="vLLM-compatible tokens in, tokens out (with per-choice policy versions).")
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         _check_access(state, request)
-        if body.model != state.model_id:
-            raise unknown_model(body.model, state.model_id)
+        try:
+            adapter = state.backend.adapter_for(body.model, state.model_id)
+        except KeyError:
+            raise unknown_model(body.model, state.model_id) from None
         if body.stream:
             raise APIError(400, "stream: true is not supported on this route", param="stream")
         sp = body.sampling_params
@@ -139,6 +141,7 @@ def add_generate_route(app: FastAPI, state) -> None:
                 seed=None if sp.seed is None else choice_seed(sp.seed, i),
                 stop_token_ids=frozenset(stops),
                 top_logprobs=sp.logprobs or 0,
+                adapter=adapter,
             )
             for i in range(sp.n)
         ]
@@ -147,7 +150,7 @@ def add_generate_route(app: FastAPI, state) -> None:
         newest = max(c["policy_version_max"] for c in choices)
         payload = {
             "request_id": f"gen-{uuid.uuid4().hex}",
-            "model": state.model_id,
+            "model": body.model,
             "prompt_token_ids": prompt,
             "policy_version": newest,
             "choices": list(choices),

@@ -58,6 +58,7 @@ class _Sequence:
     params: SamplingParams
     queue: asyncio.Queue
     rng: random.Random  # this sequence's own random stream: one uniform per sampled token
+    adapter: int = 0  # its named adapter's slot (gyre_inference.adapters; 0 = the served model itself)
     generated: int = 0
     finished: bool = False  # its last token has been emitted
     cancelled: bool = False  # set by the asyncio side; the engine drops the row before its next step
@@ -68,6 +69,7 @@ class _Swap:
     tensors: dict[str, torch.Tensor]
     version: int
     done: Future = field(default_factory=Future)
+    adapter: str | None = None  # a named adapter's (A, B) tensors instead of model weights
 
 
 def resolve_device(device: str) -> torch.device:
@@ -98,6 +100,9 @@ class TorchBackend(Backend):
         seed: int = 0,
         threads: int | None = None,
         cuda_graphs: bool | None = None,
+        max_adapters: int = 0,
+        max_lora_rank: int = 16,
+        adapters: tuple[str, ...] = (),
     ):
         self.model_path = Path(model_path)
         self.device = resolve_device(device)
@@ -108,6 +113,10 @@ class TorchBackend(Backend):
         # CUDA graphs for the decode step: on by default on CUDA (no effect on CPU).
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._rng = random.Random(seed)  # seeds of requests that bring none
+        # named adapters (multi-run): created with the model when max_adapters > 0
+        self._adapter_settings = (max_adapters, max_lora_rank, tuple(adapters))
+        self._bank = None
+        self._slot_adapter = torch.zeros(max_batch_size, dtype=torch.long)  # per slot: its adapter slot
         self._model = None
         self._max_model_len = 0
         self._base: dict[str, torch.Tensor] | None = None  # base weights on CPU, read at the first adapter
@@ -170,11 +179,31 @@ class TorchBackend(Backend):
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(self._bank.slots) if self._bank is not None else ()
+
+    def adapter_version(self, name: str) -> int:
+        if self._bank is None:
+            raise KeyError(name)
+        return self._bank.versions[name]
+
+    async def update_adapter(self, name: str, path: Path, version: int) -> None:
+        if self._bank is None:
+            raise WeightsIncompatibleError("this replica serves no named adapters: set lora.max_adapters")
+        tensors = await asyncio.to_thread(self._bank.read, Path(path))
+        await self._swap_in(tensors, version, adapter=name)
+
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         if not self.ready:
             raise BackendStoppedError("the torch engine is not running")
+        adapter = 0
+        if params.adapter is not None:
+            if self._bank is None or params.adapter not in self._bank.slots:
+                raise KeyError(f"no adapter named {params.adapter!r}")
+            adapter = self._bank.slots[params.adapter]
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = _Sequence(list(prompt), params, asyncio.Queue(), random.Random(seed))
+        seq = _Sequence(list(prompt), params, asyncio.Queue(), random.Random(seed), adapter=adapter)
         with self._cond:
             self._waiting.append(seq)
             self._cond.notify()
@@ -227,6 +256,14 @@ class TorchBackend(Backend):
                 self._max_model_len = fits
         self._pad_id = model.config.pad_token_id or 0
         self._decoder = StaticDecoder(model, self.max_batch_size, self._max_model_len, cuda_graphs=self.cuda_graphs)
+        max_adapters, max_rank, names = self._adapter_settings
+        if max_adapters:
+            from gyre_inference.adapters import AdapterBank
+
+            self._bank = AdapterBank(model, max_adapters=max_adapters, max_rank=max_rank,
+                                     always=self._decoder.cuda_graphs)  # fmt: skip
+            for name in names:
+                self._bank.declare(name)
         self._model = model
         log.info("loaded %s (%s, %s), context %d", self.model_path, self.device, self.dtype, self._max_model_len)
 
@@ -295,8 +332,8 @@ class TorchBackend(Backend):
                 )
         return {name: tensor.to(self.device, self.dtype) for name, tensor in tensors.items()}
 
-    async def _swap_in(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        swap = _Swap(tensors, version)
+    async def _swap_in(self, tensors: dict, version: int, adapter: str | None = None) -> None:
+        swap = _Swap(tensors, version, adapter=adapter)
         with self._cond:
             if self._stopping or not self.ready:
                 raise BackendStoppedError("the torch engine is not running")
@@ -307,6 +344,10 @@ class TorchBackend(Backend):
         await asyncio.wrap_future(swap.done)
 
     def _apply_swap(self, swap: _Swap) -> None:
+        if swap.adapter is not None:
+            self._bank.load(swap.adapter, swap.tensors, swap.version)
+            swap.done.set_result(None)
+            return
         state = self._model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in swap.tensors.items():
@@ -370,6 +411,8 @@ class TorchBackend(Backend):
             ids[row, length - n :] = torch.tensor(seq.prompt)
             mask[row, length - n :] = 1
             positions[row, length - n :] = torch.arange(n)
+        if self._bank is not None:
+            self._bank.use(torch.tensor([seq.adapter for seq in seqs]))
         cache = DynamicCache()
         out = self._model(
             input_ids=ids.to(self.device),
@@ -385,12 +428,15 @@ class TorchBackend(Backend):
         for row, (seq, slot) in enumerate(zip(seqs, free, strict=False)):
             self._decoder.load_prefill(slot, cache, row, len(seq.prompt))
             self._slots[slot] = seq
+            self._slot_adapter[slot] = seq.adapter
             self._next_input[slot] = tokens[row]
             self._positions[slot] = len(seq.prompt)
         self._free(self._finished)
 
     def _decode(self) -> None:
         busy = [slot for slot, seq in enumerate(self._slots) if seq is not None]
+        if self._bank is not None:
+            self._bank.use_decode(self._slot_adapter)
         logits = self._decoder.step(self._next_input, self._positions, busy[-1] + 1)
         index = torch.tensor(busy)
         tokens = self._sample_and_emit([self._slots[slot] for slot in busy], logits[index.to(logits.device)])
@@ -421,7 +467,8 @@ class TorchBackend(Backend):
                 reason = None
             n_top = seq.params.top_logprobs
             top = tuple(zip(top_ids[row][:n_top], top_values[row][:n_top], strict=True)) if n_top else ()
-            events.append((seq, TokenEvent(token, chosen[row], self._version, top, reason)))
+            version = self._bank.version_of_slot(seq.adapter) if seq.adapter else self._version
+            events.append((seq, TokenEvent(token, chosen[row], version, top, reason)))
             seq.finished = reason is not None
         self._deliver(events)
         return tokens.cpu()
@@ -436,11 +483,12 @@ class TorchBackend(Backend):
             if seq is not None and done(seq):
                 # An idle slot inside the step's rows still runs: at position 0 it writes only its own
                 # column 0 (overwritten by the next prefill) and does not widen the attention window.
-                self._positions[slot] = self._next_input[slot] = 0
+                self._positions[slot] = self._next_input[slot] = self._slot_adapter[slot] = 0
                 self._slots[slot] = None
 
     def _reset_batch(self) -> None:
         self._slots = [None] * self.max_batch_size
+        self._slot_adapter.zero_()
         self._positions.zero_()
         self._next_input.zero_()
 

@@ -1,0 +1,155 @@
+"""Named LoRA adapters served next to the base model by the torch backend (multi-run: one per run).
+
+A request picks its adapter by model name (`SamplingParams.adapter`); rows of different adapters and of
+the base model share one batch. Every linear layer of the decoder blocks gets a forward hook that adds,
+for each row b of the batch,
+
+    y_b += (x_b @ A[i_b]^T) @ B[i_b]^T        (B stored pre-scaled by alpha / r)
+
+where i_b is the row's adapter slot. Slot 0 is all zeros: the base model. The A and B of every slot live
+in one stacked buffer per layer, [slots, max_rank, in] and [slots, out, max_rank]; an adapter of rank
+r < max_rank fills the first r ranks and leaves zeros, which add nothing. Shapes never change and an
+adapter is loaded by copying in place between two decode steps, so captured CUDA graphs stay valid.
+
+Trade-off, against keeping one merged copy of the weights per adapter (docs/inference.md, "Adapters by
+model name"): memory is `slots x max_rank x (in + out)` per layer (a few % of the model at rank 16)
+instead of a full model per run, and mixed batches need no weight swaps; the price is two small
+batched matmuls per linear layer per step (and an index gather), paid whenever the bank exists: on CPU
+only while some row uses an adapter, on CUDA always (a graph cannot branch on the rows).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from gyre_inference.backend import WeightsIncompatibleError
+
+BASE = 0  # the slot of the base model (no adapter)
+
+
+class AdapterBank:
+    """Slots of named adapters over every decoder linear layer of `model` (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, *, max_adapters: int, max_rank: int, always: bool = False):
+        if max_adapters < 1 or max_rank < 1:
+            raise ValueError("AdapterBank needs max_adapters >= 1 and max_rank >= 1")
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_adapters, self.max_rank = max_adapters, max_rank
+        self.always = always  # CUDA graphs: compute the hook even when no row uses an adapter
+        self.slots: dict[str, int] = {}  # adapter name -> slot (1..max_adapters)
+        self.versions: dict[str, int] = {}  # adapter name -> weights version it serves (0 = none yet = base)
+        self.layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module name -> (A, B) stacks
+        self._hooks = []
+        n = max_adapters + 1
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+                a = torch.zeros(n, max_rank, module.in_features, device=self.device, dtype=self.dtype)
+                b = torch.zeros(n, module.out_features, max_rank, device=self.device, dtype=self.dtype)
+                self.layers[name] = (a, b)
+                self._hooks.append(module.register_forward_hook(self._hook(a, b)))
+        if not self.layers:
+            raise ValueError("AdapterBank: the model has no linear layers under .layers.")
+        self.decode_rows = torch.zeros(0, dtype=torch.long, device=self.device)  # static: one slot per batch slot
+        self.rows = self.decode_rows  # the slots of the rows of the next forward
+        self.active = False
+
+    # ---- names and versions ---------------------------------------------------------------------
+    def declare(self, name: str) -> int:
+        """The slot of adapter `name`, given a fresh (zero = base) slot if it has none."""
+        if name not in self.slots:
+            if len(self.slots) >= self.max_adapters:
+                raise WeightsIncompatibleError(
+                    f"adapter {name!r}: all {self.max_adapters} adapter slots are taken ({sorted(self.slots)}); "
+                    "raise lora.max_adapters"
+                )
+            self.slots[name] = len(self.slots) + 1
+            self.versions[name] = 0
+        return self.slots[name]
+
+    def version_of_slot(self, slot: int) -> int:
+        for name, s in self.slots.items():
+            if s == slot:
+                return self.versions[name]
+        return 0
+
+    # ---- rows of the next forward ---------------------------------------------------------------
+    def use(self, slots: torch.Tensor) -> None:
+        """The next forward's rows use these slots (a CPU tensor; prefill)."""
+        self.rows = slots.to(self.device)
+        self.active = self.always or bool(slots.any())
+
+    def use_decode(self, slots: torch.Tensor) -> None:
+        """Decode steps: rows are the batch slots; copied into a static buffer (CUDA graphs read it)."""
+        if self.decode_rows.numel() != slots.numel():
+            self.decode_rows = torch.zeros(slots.numel(), dtype=torch.long, device=self.device)
+        self.decode_rows.copy_(slots, non_blocking=True)
+        self.rows = self.decode_rows
+        self.active = self.always or bool(slots.any())
+
+    def _hook(self, a_stack: torch.Tensor, b_stack: torch.Tensor):
+        def add_adapters(module, args, out):
+            if not self.active:
+                return None
+            x = args[0]
+            flat = x.dim() == 2
+            x3 = x[:, None, :] if flat else x
+            index = self.rows[: x3.shape[0]]
+            low = torch.bmm(x3, a_stack.index_select(0, index).transpose(1, 2))  # [rows, tokens, max_rank]
+            delta = torch.bmm(low, b_stack.index_select(0, index).transpose(1, 2))
+            return out + (delta[:, 0, :] if flat else delta)
+
+        return add_adapters
+
+    # ---- loading --------------------------------------------------------------------------------
+    def read(self, path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """A PEFT adapter folder as {module: (A padded to max_rank, scale * B padded)}, checked against the
+        bank (WeightsIncompatibleError naming what does not fit). Runs off the engine thread."""
+        from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, config_scale, split_lora
+        from safetensors.torch import load_file
+
+        try:
+            scale = config_scale(json.loads((path / ADAPTER_CONFIG).read_bytes()))
+            _, adapters = split_lora(load_file(path / ADAPTER_FILE))
+        except (ValueError, OSError) as error:
+            raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
+        except Exception as error:  # safetensors' own error type for a malformed file
+            file = path / ADAPTER_FILE
+            raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
+        if not adapters:
+            raise WeightsIncompatibleError(f"{path}: the adapter holds no lora_A/lora_B tensors")
+        padded = {}
+        for module, ab in adapters.items():
+            stacks = self.layers.get(module)
+            if stacks is None:
+                raise WeightsIncompatibleError(f"{path}: the model has no adapted linear layer {module}")
+            a, b = ab["A"], ab["B"]
+            rank = a.shape[0]
+            if rank > self.max_rank:
+                raise WeightsIncompatibleError(f"{path}: rank {rank} exceeds lora.max_rank {self.max_rank}")
+            if a.shape[1] != stacks[0].shape[2] or b.shape != (stacks[1].shape[1], rank):
+                raise WeightsIncompatibleError(f"{path}: the adapter for {module} does not fit the model")
+            pa = torch.zeros(self.max_rank, a.shape[1], dtype=self.dtype)
+            pb = torch.zeros(b.shape[0], self.max_rank, dtype=self.dtype)
+            pa[:rank] = a.to(self.dtype)
+            pb[:, :rank] = (b.float() * scale).to(self.dtype)
+            padded[module] = (pa.to(self.device), pb.to(self.device))
+        return padded
+
+    def load(self, name: str, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
+        """Serve `tensors` (from `read`) as adapter `name` at `version` (engine thread, between steps).
+        Layers the adapter does not touch are zeroed in its slot: the adapter replaces, never adds up."""
+        slot = self.declare(name)
+        with torch.no_grad():
+            for module, (a_stack, b_stack) in self.layers.items():
+                pair = tensors.get(module)
+                if pair is None:
+                    a_stack[slot].zero_()
+                    b_stack[slot].zero_()
+                else:
+                    a_stack[slot].copy_(pair[0])
+                    b_stack[slot].copy_(pair[1])
+        self.versions[name] = version
