@@ -59,7 +59,7 @@ log = logging.getLogger("gyre.launcher")
 # must never cost the user their files.
 RUN_ENTRIES = (
     "model", "sft", "weights", "checkpoints", "events", "batches", "configs", "logs", "redis",
-    "prometheus", "report.png", "locks",
+    "prometheus", "report.png", "locks", "runs",
 )  # fmt: skip
 RUN_MARKERS = ("configs", "events", "weights", "checkpoints", "redis")
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's children finish their current step on SIGTERM
@@ -169,6 +169,12 @@ def _gpu_env(devices: str | None) -> dict[str, str]:
     return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
 
 
+def _multirun():
+    import gyre.multirun
+
+    return gyre.multirun
+
+
 def _gyre(*args: str) -> list[str]:
     return [sys.executable, "-m", "gyre.cli", *args]
 
@@ -188,6 +194,10 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str,
         "wandb": cfg.wandb.model_dump(),
     }
     model = {"name": model_name, "dtype": cfg.model.dtype}
+    if cfg.runs:  # several runs on one trainer and the same replicas (gyre.multirun)
+        from gyre.multirun import resolve_multirun_configs
+
+        return resolve_multirun_configs(cfg, shared, model, redis_url)
     replicas = []
     for i in range(cfg.inference_replicas):
         http, control = free_port(), free_port()
@@ -260,11 +270,11 @@ def validate_extensions(configs: dict[str, Any]) -> None:
     its arguments) and the loss (built-in or import path). Raises ConfigError naming the key."""
     from gyre.envs import load_environment
 
-    orch = configs["orchestrator"]
-    try:
-        load_environment(orch.env.name, **orch.env.args)
-    except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
-        raise ConfigError(f"config key 'orchestrator.env': {e}") from None
+    for orch in configs.get("orchestrators", {"": configs["orchestrator"]}).values():
+        try:
+            load_environment(orch.env.name, **orch.env.args)
+        except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
+            raise ConfigError(f"config key 'orchestrator.env': {e}") from None
     loss = configs["trainer"].loss.type
     if ":" in loss:
         from gyre.imports import load_callable
@@ -477,7 +487,10 @@ class Launcher:
             self.start_fresh()
         committed = committed_step(self.out)
         rewind = self.cfg.ckpt.resume_step is not None and self.cfg.ckpt.resume_step >= 0
-        if committed >= self.cfg.max_steps and not rewind:
+        if self.cfg.runs and not rewind and _multirun().finished(self.cfg):
+            _console(f"every run is already finished in {self.out} (--fresh starts over)")
+            return 0
+        if not self.cfg.runs and committed >= self.cfg.max_steps and not rewind:
             _console(
                 f"run already finished: step {committed} of max_steps {self.cfg.max_steps} is trained and published "
                 f"in {self.out} (--fresh starts over, a larger --max-steps continues it)"
@@ -486,7 +499,8 @@ class Launcher:
         os.environ[SEGMENT_ENV] = new_segment_id()  # one run segment for every service of this launch
         redis_url = self._redis_url()
         if rewind:
-            self._discard_stream_after(redis_url, self.cfg.ckpt.resume_step)
+            for run_id in [r.name for r in self.cfg.runs] or [self.cfg.run_id]:
+                self._discard_stream_after(redis_url, run_id, self.cfg.ckpt.resume_step)
         model = self._sft(self._base_model())
         configs = resolve_configs(self.cfg, model, redis_url)
         if self.cfg.prometheus:  # before the services: a short run's first steps must be scraped too
@@ -525,21 +539,26 @@ class Launcher:
         self.children.append(trainer)
         for child, url in replicas:
             _wait_ready(url, child, timeout=300)
-        orch_cfg = _write_config(cdir / "orchestrator.toml", configs["orchestrator"])
-        orchestrator = Child(
-            "orchestrator", _gyre("orchestrator", "@", str(orch_cfg)), self.out / "logs" / "orchestrator.log"
-        )
-        orchestrator.start(echo, env=_thread_env(0))
-        self.children.append(orchestrator)
+        orchestrators = []
+        for run_id, orch in configs.get("orchestrators", {"": configs["orchestrator"]}).items():
+            name = f"orchestrator-{run_id}" if run_id else "orchestrator"
+            orch_cfg = _write_config(cdir / f"{name}.toml", orch)
+            orchestrator = Child(name, _gyre("orchestrator", "@", str(orch_cfg)), self.out / "logs" / f"{name}.log")
+            orchestrator.start(echo, env=_thread_env(0))
+            self.children.append(orchestrator)
+            orchestrators.append(orchestrator)
         from gyre.progress import RunProgress
 
         global _bar
-        progress = RunProgress(self.out, self.cfg.max_steps, start_step=self._start_step(committed))
+        if self.cfg.runs:
+            progress = _multirun().MultiRunProgress(self.cfg)
+        else:
+            progress = RunProgress(self.out, self.cfg.max_steps, start_step=self._start_step(committed))
         _bar = progress.bar
         try:
             while True:
                 progress.update()
-                done = {c.name: c.poll() for c in (trainer, orchestrator)}
+                done = {c.name: c.poll() for c in (trainer, *orchestrators)}
                 for child in self.children:
                     code = child.poll()
                     if code is None:
@@ -561,11 +580,11 @@ class Launcher:
         rs = self.cfg.ckpt.resume_step
         return rs if rs is not None and rs >= 0 else committed
 
-    def _discard_stream_after(self, redis_url: str, step: int) -> None:
+    def _discard_stream_after(self, redis_url: str, run_id: str, step: int) -> None:
         """A rewind abandons the batches after `step`: delete them before the trainer can read one."""
         from gyre.streams import BatchStream
 
-        stream = BatchStream(redis_url, self.cfg.run_id)
+        stream = BatchStream(redis_url, run_id)
         try:
             dropped = stream.discard_after(step)
         finally:
@@ -579,7 +598,10 @@ class Launcher:
         targets = {
             "inference": [f"127.0.0.1:{c.server.port}" for c in configs["inference"]],
             "trainer": [f"127.0.0.1:{configs['trainer'].metrics.port}"],
-            "orchestrator": [f"127.0.0.1:{configs['orchestrator'].metrics.port}"],
+            "orchestrator": [
+                f"127.0.0.1:{c.metrics.port}"
+                for c in configs.get("orchestrators", {"": configs["orchestrator"]}).values()
+            ],
         }
         self.prometheus = LocalPrometheus(self.out / "prometheus", targets, run_id=self.cfg.run_id)
         self.prometheus.start()
@@ -589,7 +611,7 @@ class Launcher:
         # Orchestrator first (stops issuing work), then trainer, then inference; Redis last.
         order = sorted(
             self.children,
-            key=lambda c: ("orchestrator", "trainer").index(c.name) if c.name in ("orchestrator", "trainer") else 2,
+            key=lambda c: 0 if c.name.startswith("orchestrator") else 1 if c.name == "trainer" else 2,
         )
         for child in order:
             child.stop()
@@ -632,7 +654,9 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     finally:
         launcher.shutdown()
-    if code == 0:
+    if code == 0 and cfg.runs:
+        print(_multirun().summarize_runs(cfg, wall_seconds=time.monotonic() - started))
+    elif code == 0:
         from gyre.report import summarize
 
         print(summarize(cfg.output_dir, wall_seconds=time.monotonic() - started))

@@ -20,7 +20,12 @@ def test_example_resolves(path, tmp_path):
         files = ["@", str(ROOT / "configs/reverse_text/demo.toml"), *files]
     cfg = load_config(RLConfig, [*files, "--output-dir", str(tmp_path)])
     resolved = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
-    assert resolved["trainer"].max_steps == cfg.max_steps == resolved["orchestrator"].max_steps
+    if cfg.runs:  # multi-run: each run's own max_steps, in its trainer entry and its orchestrator
+        for run in resolved["trainer"].runs:
+            assert run.max_steps == resolved["orchestrators"][run.name].max_steps
+        assert set(resolved["inference"][0].lora.adapters) == {r.name for r in cfg.runs}
+    else:
+        assert resolved["trainer"].max_steps == cfg.max_steps == resolved["orchestrator"].max_steps
     assert resolved["orchestrator"].batch.seq_len == resolved["trainer"].data.seq_len
     assert len(resolved["inference"]) == cfg.inference_replicas
 

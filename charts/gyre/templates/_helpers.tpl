@@ -345,3 +345,32 @@ rendezvous into one job.
 {{- define "gyre.trainerJobHash" -}}
 {{- printf "%s\n%s" (include "gyre.experimentToml" .) (toJson .Values.trainer) | sha256sum | trunc 8 -}}
 {{- end -}}
+
+{{/* Multi-run (`runs`): the trainer's `runs` list as JSON (each run's folder, orchestrator and own keys). */}}
+{{- define "gyre.trainerRuns" -}}
+{{- $out := list }}
+{{- range $run := .Values.runs }}
+{{- $host := include "gyre.serviceHost" (dict "root" $ "service" (printf "orchestrator-%s" $run.name)) }}
+{{- $entry := dict "name" $run.name "output_dir" (printf "%s/runs/%s" $.Values.persistence.mountPath $run.name) "orchestrator" (dict "address" (printf "%s:%d" $host (int $.Values.orchestrator.grpcPort))) }}
+{{- with $run.maxSteps }}{{ $_ := set $entry "max_steps" (int .) }}{{ end }}
+{{- $out = append $out (merge $entry ($run.trainer | default dict)) }}
+{{- end }}
+{{- toJson $out -}}
+{{- end -}}
+
+{{- define "gyre.runNames" -}}
+{{- $names := list }}
+{{- range $run := .Values.runs }}{{ $names = append $names $run.name }}{{ end }}
+{{- toJson $names -}}
+{{- end -}}
+
+{{/* The largest adapter rank of any run (a run's trainer.lora.rank, else experiment.trainer.lora.rank, else 16). */}}
+{{- define "gyre.runsMaxRank" -}}
+{{- $default := int ((((.Values.experiment.trainer | default dict).lora | default dict).rank) | default 16) }}
+{{- $max := 0 }}
+{{- range $run := .Values.runs }}
+{{- $rank := int ((((($run.trainer | default dict).lora) | default dict).rank) | default $default) }}
+{{- $max = max $max $rank }}
+{{- end }}
+{{- $max | toString -}}
+{{- end -}}

@@ -51,6 +51,23 @@ class SFTWarmupConfig(Section):
     )
 
 
+class RLRunConfig(Section):
+    """One run of a multi-run experiment (`[[runs]]`): its own adapter, orchestrator, stream and folder."""
+
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$",
+        description="Run id: its folder {output_dir}/runs/{name}, its stream, and the model name inference serves.",
+    )
+    max_steps: int | None = Field(None, ge=1, description="RL steps of this run (unset = the top-level max_steps).")
+    trainer: dict[str, Any] = Field(
+        default_factory=dict, description="The run's keys of trainer.runs[] (optim, lora, resume_step)."
+    )
+    orchestrator: dict[str, Any] = Field(
+        default_factory=dict, description="Keys of [orchestrator] that differ for this run (env, sampling, seed...)."
+    )
+
+
 class RLConfig(GyreSettings):
     """Run inference, orchestrator and trainer as local processes with an embedded Redis."""
 
@@ -78,11 +95,24 @@ class RLConfig(GyreSettings):
         "progress", description="progress: progress bar + warnings; all: every child log line, prefixed."
     )
     prometheus: bool = Field(False, description="Also start a local Prometheus scraping the three services.")
+    runs: list[RLRunConfig] = Field(
+        default_factory=list,
+        description="Multi-run: these runs share the base model, one trainer (one LoRA adapter per run) and the "
+        "inference replicas (each run's adapter under its name); each gets its own orchestrator.",
+    )
     inference: dict[str, Any] = Field(default_factory=dict, description="[inference] keys (`gyre inference --help`).")
     trainer: dict[str, Any] = Field(default_factory=dict, description="[trainer] keys (`gyre trainer --help`).")
     orchestrator: dict[str, Any] = Field(
         default_factory=dict, description="[orchestrator] keys (`gyre orchestrator --help`)."
     )
+
+    @field_validator("runs")
+    @classmethod
+    def _distinct_runs(cls, runs: list[RLRunConfig]) -> list[RLRunConfig]:
+        names = [r.name for r in runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"run names must differ: {sorted({n for n in names if names.count(n) > 1})} repeat")
+        return runs
 
     @field_validator("ckpt", mode="before")
     @classmethod

@@ -63,6 +63,7 @@ class WeightRelay:
         poll_store_s: float = 5.0,
         control_token: str | None = None,
         holder: str = HOLDER,
+        model: str = "",
     ):
         self.replicas = replicas
         self.transport = transport
@@ -77,6 +78,9 @@ class WeightRelay:
         self.poll_store_s = poll_store_s
         self.metadata = (("authorization", f"Bearer {control_token}"),) if control_token else None
         self.holder = holder
+        # the served model this run's versions are for: "" = the replica's model itself; a run's name =
+        # its LoRA adapter on replicas serving several runs (multi-run, docs/architecture.md)
+        self.model = model
         self.target: WeightsVersion | None = None
         self._learned_at: dict[int, float] = {}  # version -> when we learned of it (relay duration)
         self._updaters: dict[str, asyncio.Task] = {}
@@ -243,7 +247,9 @@ class WeightRelay:
         """GetStatus: the authoritative served version (may go down after a restart) and readiness."""
         try:
             status = await self._stub(replica).GetStatus(
-                inference_pb2.GetInferenceStatusRequest(), timeout=self.probe_timeout_s, metadata=self.metadata
+                inference_pb2.GetInferenceStatusRequest(model=self.model),
+                timeout=self.probe_timeout_s,
+                metadata=self.metadata,
             )
         except grpc.aio.AioRpcError as e:
             if self.replicas.in_rotation(replica):
@@ -275,7 +281,7 @@ class WeightRelay:
             error = None
             try:
                 reply = await self._stub(replica).UpdateWeights(
-                    inference_pb2.UpdateWeightsRequest(version=target.to_proto(), rollback=rollback),
+                    inference_pb2.UpdateWeightsRequest(version=target.to_proto(), rollback=rollback, model=self.model),
                     timeout=self.timeout_s,
                     metadata=self.metadata,
                 )

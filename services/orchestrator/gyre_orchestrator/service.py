@@ -146,6 +146,7 @@ class OrchestratorService:
             probe_interval_s=inf.health_interval_s,
             poll_store_s=cfg.relay.poll_store_s,
             control_token=inf.control_token,
+            model=inf.model or "",
         )
         self.server = OrchestratorServer(
             self.relay,

@@ -76,8 +76,8 @@ class Run:
         self.events = EventLog(events_dir(self.out) / TRAINER_STEPS)
         self.metrics = TrainerMetrics(self.name, registry)
         o = spec.orchestrator
-        self.notifier = WeightsNotifier(
-            o.address, timeout_s=o.timeout_s, control_token=o.control_token,
+        self.notifier = WeightsNotifier(  # the trainer's control token unless the run names its own
+            o.address, timeout_s=o.timeout_s, control_token=o.control_token or cfg.orchestrator.control_token,
             retry_initial_s=o.retry_initial_s, retry_max_s=o.retry_max_s,
         )  # fmt: skip
         self.optimizer = self.scheduler = self.intake = None

@@ -1,0 +1,92 @@
+"""The chart's `runs` value (multi-run): one orchestrator per run, one trainer training every run's
+adapter, replicas serving each run's adapter by name; every rendered command loads as a service config
+and the trainer's addresses are the runs' own Services. With `runs` empty nothing changes."""
+
+from __future__ import annotations
+
+import json
+
+import helm_python
+import pytest
+from chart_testlib import experiment_toml as experiment_of
+from chart_testlib import fullname, gyre_argv, manifests, named, objects, pod_templates, render
+
+RUNS = [
+    {"name": "alpha", "maxSteps": 40},
+    {"name": "beta", "trainer": {"optim": {"lr": 2e-3}, "lora": {"rank": 32, "alpha": 64}},
+     "orchestrator": {"seed": 3, "env": {"name": "reverse_text"}}},
+]  # fmt: skip
+VALUES = {"experiment": {"trainer": {"lora": {"rank": 8, "alpha": 16}}}, "runs": RUNS}
+
+
+def service_config(docs, tmp_path, component: str, deployment: str):
+    """The service config a rendered container loads (its `@ experiment.toml#x` read from the ConfigMap)."""
+    from gyre.config import load_config
+    from gyre.config.inference import InferenceConfig
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.config.trainer import TrainerConfig
+
+    toml = tmp_path / "experiment.toml"
+    toml.write_text(experiment_of(docs))
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    workload = next(d for d in workloads if d["metadata"]["name"] == deployment)
+    container = next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == component)
+    service, argv = gyre_argv(container)
+    argv = [a.replace("/etc/gyre/experiment.toml", str(toml)) for a in argv]
+    cls = {"inference": InferenceConfig, "orchestrator": OrchestratorConfig, "trainer": TrainerConfig}[service]
+    return load_config(cls, argv)
+
+
+def test_each_run_gets_its_orchestrator_adapter_and_model_name(tmp_path):
+    docs = manifests(render(VALUES))
+    base = fullname()
+    deployments = {d["metadata"]["name"] for d in objects(docs, "Deployment")}
+    assert {f"{base}-orchestrator-alpha", f"{base}-orchestrator-beta"} <= deployments
+    assert f"{base}-orchestrator" not in deployments
+    selectors = []
+    for run in ("alpha", "beta"):
+        service = named(docs, "Service", f"{base}-orchestrator-{run}")
+        deployment = named(docs, "Deployment", f"{base}-orchestrator-{run}")
+        assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+        assert deployment["spec"]["template"]["metadata"]["labels"]["gyre.dev/run"] == run
+        selectors.append(service["spec"]["selector"])
+    assert selectors[0] != selectors[1]  # a run's Service never reaches the other run's orchestrator
+
+    orchestrators = {run: service_config(docs, tmp_path, "orchestrator", f"{base}-orchestrator-{run}")
+                     for run in ("alpha", "beta")}  # fmt: skip
+    for run, cfg in orchestrators.items():
+        assert (cfg.run_id, cfg.inference.model) == (run, run)
+        assert str(cfg.output_dir).endswith(f"/runs/{run}")
+    assert orchestrators["alpha"].max_steps == 40 and orchestrators["beta"].seed == 3
+
+    trainer = service_config(docs, tmp_path, "trainer", f"{base}-trainer")
+    assert [r.name for r in trainer.runs] == ["alpha", "beta"]
+    port = named(docs, "Service", f"{base}-orchestrator-alpha")["spec"]["ports"][0]["port"]
+    for r in trainer.runs:
+        assert r.orchestrator.address.startswith(f"{base}-orchestrator-{r.name}.") and r.orchestrator.address.endswith(
+            f":{port}"
+        )
+        assert r.output_dir == orchestrators[r.name].output_dir
+    assert trainer.runs[0].max_steps == 40 and trainer.runs[1].lora.rank == 32 and trainer.runs[1].optim.lr == 2e-3
+
+    inference = service_config(docs, tmp_path, "inference", f"{base}-inference")
+    assert inference.lora.adapters == ["alpha", "beta"]
+    assert (inference.lora.max_adapters, inference.lora.max_rank) == (2, 32)
+
+
+def test_without_runs_the_release_is_unchanged():
+    docs = manifests(render({}))
+    pods = pod_templates(docs)
+    assert named(docs, "Deployment", f"{fullname()}-orchestrator")
+    assert "gyre.dev/run" not in pods["orchestrator"]["metadata"]["labels"]
+    for comp in ("inference", "trainer"):
+        assert not any("--runs" in c.get("args", []) or "--lora.adapters" in c.get("args", [])
+                       for c in pods[comp]["spec"]["containers"])  # fmt: skip
+    seeded = {"secrets": {"seed": "s" * 40}}  # the same Secret in both renders
+    assert json.dumps(render(seeded)) == json.dumps(render({**seeded, "runs": []}))
+
+
+@pytest.mark.parametrize("bad", [[{"name": "Has.Dot"}], [{"maxSteps": 3}], [{"name": "x", "trainer": {"loss": {}}}]])
+def test_bad_runs_are_refused_naming_the_key(bad):
+    with pytest.raises(helm_python.HelmError, match="runs"):
+        render({"runs": bad})

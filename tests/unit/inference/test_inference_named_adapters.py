@@ -1,0 +1,106 @@
+"""Named adapters on the torch backend (multi-run): each adapter name samples with exactly its adapter,
+rows of several adapters and of the base share batches, versions are per name, bad adapters are refused
+and the base model's weights are never touched."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
+from gyre_inference.torch_backend import TorchBackend
+from test_inference_lora_adapter import PROMPT, reference_logprobs, write_adapter
+
+
+@pytest_asyncio.fixture
+async def backend(tiny_model):
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=8, max_adapters=2, max_lora_rank=4, adapters=("a",))
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+async def sample(engine, adapter, seed=3, n=10):
+    params = SamplingParams(max_tokens=n, temperature=1.0, seed=seed, adapter=adapter)
+    events = [e async for e in engine.generate(PROMPT, params)]
+    return [e.token_id for e in events], torch.tensor([e.logprob for e in events]), {e.version for e in events}
+
+
+@pytest.mark.asyncio
+async def test_each_name_samples_with_its_own_adapter_also_in_mixed_batches(backend, tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base_before = {k: v.clone() for k, v in backend._model.state_dict().items()}
+    base_tokens, _, _ = await sample(backend, None)
+    assert (await sample(backend, "a"))[0] == base_tokens  # declared, no version yet: the base
+    models = {"a": write_adapter(tiny_model, tmp_path / "a", seed=1), "b": write_adapter(tiny_model, tmp_path / "b", 2)}
+    await backend.update_adapter("a", tmp_path / "a", 5)
+    await backend.update_adapter("b", tmp_path / "b", 7)  # a new name takes the free slot
+    assert set(backend.adapter_names) == {"a", "b"}
+    assert (backend.adapter_version("a"), backend.adapter_version("b"), backend.version) == (5, 7, 0)
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    alone = {}
+    for name, reference in [(None, base), *models.items()]:
+        tokens, logprobs, versions = await sample(backend, name)
+        assert torch.allclose(logprobs, reference_logprobs(reference, tokens), atol=1e-4), name
+        assert versions == {0 if name is None else backend.adapter_version(name)}
+        alone[name] = tokens, logprobs
+    assert alone["a"][0] != alone["b"][0] or not torch.equal(alone["a"][1], alone["b"][1])
+
+    mixed = await asyncio.gather(*(sample(backend, name) for name in [None, "a", "b"] * 2))
+    for name, (tokens, logprobs, _) in zip([None, "a", "b"] * 2, mixed, strict=True):
+        assert tokens == alone[name][0], name
+        assert torch.allclose(logprobs, alone[name][1], atol=1e-5), name
+    for key, value in backend._model.state_dict().items():
+        assert torch.equal(value, base_before[key]), f"base weight {key} changed"
+
+
+@pytest.mark.asyncio
+async def test_bad_adapters_and_names_are_refused(backend, tiny_model, tmp_path):
+    with pytest.raises(KeyError, match="nope"):
+        await sample(backend, "nope")
+    big = tmp_path / "big"
+    write_adapter(tiny_model, big, seed=1)
+    small = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=1, max_lora_rank=2)
+    await small.start()
+    try:
+        with pytest.raises(WeightsIncompatibleError, match="max_rank"):
+            await small.update_adapter("x", big, 1)
+        assert small.adapter_names == ()  # nothing changed
+    finally:
+        await small.shutdown()
+    await backend.update_adapter("b", big, 1)
+    with pytest.raises(WeightsIncompatibleError, match="max_adapters"):
+        await backend.update_adapter("c", big, 1)
+    plain = TorchBackend(tiny_model, threads=1, max_batch_size=2)
+    await plain.start()
+    try:
+        with pytest.raises(WeightsIncompatibleError, match="max_adapters"):
+            await plain.update_adapter("a", big, 1)
+    finally:
+        await plain.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.asyncio
+async def test_cuda_graphs_with_adapters_give_the_same_tokens_as_eager(tiny_model, tmp_path):
+    write_adapter(tiny_model, tmp_path / "a", seed=1)
+
+    async def tokens(cuda_graphs: bool):
+        engine = TorchBackend(tiny_model, device="cuda", dtype="float32", max_batch_size=8, cuda_graphs=cuda_graphs,
+                              max_adapters=1, max_lora_rank=4)  # fmt: skip
+        await engine.start()
+        try:
+            await engine.update_adapter("a", tmp_path / "a", 1)
+            runs = await asyncio.gather(*(sample(engine, name, seed=i, n=40) for i, name in enumerate([None, "a"] * 3)))
+            return [r[0] for r in runs], engine._decoder.cuda_graphs
+        finally:
+            await engine.shutdown()
+
+    eager, graphs = await tokens(False), await tokens(True)
+    assert graphs[1] and not eager[1]
+    assert graphs[0] == eager[0]
