@@ -40,13 +40,13 @@ from gyre.config.loader import ConfigError, load_config
 from gyre.config.trainer import RunConfig, TrainerConfig
 from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
 from gyre.net import bind_or_explain
-from gyre.runlock import RunLock
+from gyre.runlock import LockHeld, RunLock
 from gyre.transport import open_store
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from gyre_trainer import dist
-from gyre_trainer.checkpoint import CheckpointManager, plan_resume
+from gyre_trainer.checkpoint import CheckpointError, CheckpointManager, plan_resume
 from gyre_trainer.intake import BatchIntake, IntakeItem
 from gyre_trainer.metrics import TrainerMetrics, serve
 from gyre_trainer.publish import WeightPublisher, WeightsNotifier
@@ -178,10 +178,12 @@ class MultiRunTrainer:
         if spec.name in self.runs:
             raise ValueError(f"run {spec.name!r} is already trained by this trainer")
         run = Run(spec, self.cfg, self.ctx, self.registry)
+        added = False
         try:
             # the adapter's initial values depend on (seed, run name) only, not on the runs added before it
             torch.manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(run.name.encode()))
             self.model = add_adapter(self.model, run.name, run.lora)
+            added = True
             activate_adapter(self.model, run.name)
             run.optimizer = build_optimizer(self.model, run.optim)
             run.scheduler = build_scheduler(run.optimizer, run.optim, spec.max_steps)
@@ -192,6 +194,11 @@ class MultiRunTrainer:
             )  # fmt: skip
         except BaseException:
             run.close()
+            if added and hasattr(self.model, "delete_adapter"):  # a fixed file can add the run again
+                remaining = [n for n in self.model.peft_config if n != run.name]
+                if remaining:
+                    self.model.delete_adapter(run.name)
+                    activate_adapter(self.model, remaining[0])
             raise
         self.runs[run.name] = run
         log.info("run %s joined at step %d (output %s)", run.name, trained, run.out)
@@ -260,7 +267,7 @@ class MultiRunTrainer:
                 if spec.name != file.stem:
                     raise ConfigError(f"config key 'name': {spec.name!r} differs from the file name {file.stem!r}")
                 added.append(self.add_run(spec))
-            except (OSError, tomllib.TOMLDecodeError, ConfigError, ValidationError, ValueError) as e:
+            except (OSError, tomllib.TOMLDecodeError, ValidationError, ValueError, LockHeld, CheckpointError) as e:
                 self._bad_files[file] = file.stat().st_mtime
                 log.error("runs_dir: cannot add the run in %s (fix the file to retry): %s", file, e)
         return added
