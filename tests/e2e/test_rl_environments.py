@@ -1,4 +1,5 @@
-"""`gyre rl` on environments users bring (a JSONL dataset, reasoning-gym): real services, 2 steps each, tiny model.
+"""`gyre rl` on environments users bring (a JSONL dataset, reasoning-gym, verifiers 0.4): real services, 2 steps each,
+tiny model. The verifiers environment is the tests' own (tests/verifiers_envs/vf_gyre_tasks.py; no hub, no network).
 
 Asserted from the artifacts: both steps trained, every sample's rollout dumped with what it trained with, the
 samples page of `gyre report` drawn from those dumps, and (dataset run) W&B runs of both services, offline.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +21,17 @@ from gyre.rollouts import dumped_steps, read_dump
 ROOT = Path(__file__).resolve().parents[2]
 CI_CONFIG = ROOT / "configs/ci.toml"
 DATASET = ROOT / "tests/unit/envs/data/reverse_words.jsonl"
+VF_ENVS = ROOT / "tests/verifiers_envs"
 pytestmark = pytest.mark.slow
 
 KINDS = {
     "dataset": {"path": str(DATASET), "system_prompt": "Reverse the text."},
     "reasoning_gym:chain_sum": {"config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}, "num_eval": 8},
+    "verifiers:vf_gyre_tasks": {
+        "taskset": {"source": "calculator", "fail_first": list(range(24))},  # every first episode raises
+        "agent": {"harness": {"id": "vf_gyre_tasks", "turns": 2}},
+        "num_eval": 4,
+    },
 }
 
 
@@ -31,6 +39,8 @@ KINDS = {
 def test_rl_trains_two_steps_on_each_kind(tmp_path, name):
     if name.startswith("reasoning_gym"):
         pytest.importorskip("reasoning_gym")
+    if name.startswith("verifiers"):
+        pytest.importorskip("verifiers.v1")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "gyre.cli", "rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--max-steps", "2",
            "--orchestrator.env.name", name, "--orchestrator.env.args", json.dumps(KINDS[name]),
@@ -38,7 +48,8 @@ def test_rl_trains_two_steps_on_each_kind(tmp_path, name):
     wandb = name == "dataset" and importlib.util.find_spec("wandb") is not None
     if wandb:  # one of the runs also logs to Weights & Biases, offline
         cmd += ["--wandb.enabled", "true", "--wandb.mode", "offline"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(VF_ENVS), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
 
     assert [t["step"] for t in read_events(out / "events/trainer_steps.jsonl")] == [1, 2]
@@ -57,6 +68,9 @@ def test_rl_trains_two_steps_on_each_kind(tmp_path, name):
             assert isinstance(r["advantage"], float) and r["num_loss_tokens"] > 0
         rewards = [r["reward"] for r in records]
         assert abs(sum(rewards) / len(rewards) - p["reward_mean_trained"]) < 1e-9
+
+    if name.startswith("verifiers"):  # episodes that raised were counted and generated again, not fatal
+        assert sum(p["failed_rollouts"] for p in pushed) >= 1
 
     samples = (out / "samples.md").read_text()
     assert "## Step 2" in samples and "## Step 1" in samples

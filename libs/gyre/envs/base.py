@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Callable, Iterator
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from gyre.envs.parsers import Parser
@@ -55,6 +55,23 @@ class TaskSource:
         while self.size is None or index < self.size:
             yield self._make(index)
             index += 1
+
+
+def epoch_order(n: int, salt: str) -> Callable[[int], int]:
+    """Endless index -> item of `n` items: epoch `e` visits each once, in an order seeded by (`salt`, `e`).
+
+    A pure function of the index, so a sampler that checkpoints only its index resumes exactly.
+    """
+    if n < 1:
+        raise ValueError("epoch_order needs at least one item")
+
+    @lru_cache(maxsize=4)
+    def order(epoch: int) -> list[int]:
+        indices = list(range(n))
+        random.Random(f"{salt}/{epoch}").shuffle(indices)
+        return indices
+
+    return lambda index: order(index // n)[index % n]
 
 
 class Environment:

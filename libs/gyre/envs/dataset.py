@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import json
 import random
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from gyre.envs.base import SingleTurnEnv, TaskSource
+from gyre.envs.base import SingleTurnEnv, TaskSource, epoch_order
 from gyre.envs.parsers import Parser
 from gyre.envs.rubric import RewardFunc, Rubric
 from gyre.envs.scoring import math_equal
@@ -204,15 +203,8 @@ class DatasetEnv(SingleTurnEnv):
             return TaskSource(self.eval_tasks.__getitem__, len(self.eval_tasks))
         if split != "train":
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        n = len(self.train_tasks)
-
-        @lru_cache(maxsize=4)
-        def order(epoch: int) -> list[int]:
-            indices = list(range(n))
-            random.Random(f"dataset/train/{seed}/{epoch}").shuffle(indices)
-            return indices
-
-        return TaskSource(lambda index: self.train_tasks[order(index // n)[index % n]], None)
+        order = epoch_order(len(self.train_tasks), f"dataset/train/{seed}")
+        return TaskSource(lambda index: self.train_tasks[order(index)], None)
 
 
 def load_environment(

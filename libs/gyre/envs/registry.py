@@ -9,7 +9,8 @@ Names come from two places (`available_environments()`; `gyre envs` prints them)
       my_env = "my_pkg.envs:load_environment"
 
 `reasoning_gym:<dataset>` (e.g. `reasoning_gym:chain_sum`) wraps a reasoning-gym dataset (`gyre.envs.reasoning_gym`),
-and any `package.module:function` import path works without registering. A loader takes keyword arguments and
+`verifiers:<taskset-id>` a verifiers 0.4 environment (`gyre.envs.verifiers_env`), and any `package.module:function`
+import path works without registering. A loader takes keyword arguments and
 returns an `Environment`; loaders are imported only when used, so loading one imports only its module.
 """
 
@@ -36,6 +37,7 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
 # `<prefix>:<name>` spellings: the part after the colon becomes the loader's first argument.
 PREFIXED: dict[str, tuple[str, str]] = {
     "reasoning_gym": ("gyre.envs.reasoning_gym:load_environment", "dataset"),
+    "verifiers": ("gyre.envs.verifiers_env:load_environment", "env_id"),
 }
 
 
@@ -109,7 +111,7 @@ def main(argv: list[str]) -> int:
         return 2
     rows = [(name, "built-in" if BUILTIN_ENVIRONMENTS.get(name) == target else "entry point", target)
             for name, target in sorted(available_environments().items())]  # fmt: skip
-    rows += [(f"{prefix}:<dataset>", "built-in", target) for prefix, (target, _) in PREFIXED.items()]
+    rows += [(f"{prefix}:<{arg}>", "built-in", target) for prefix, (target, arg) in PREFIXED.items()]
     width = max(len(name) for name, _, _ in rows)
     for name, source, target in rows:
         print(f"{name.ljust(width)}  {source:<11}  {describe(target)}  [{target}]")

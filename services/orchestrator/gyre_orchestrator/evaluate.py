@@ -126,6 +126,9 @@ async def _run_once(cfg) -> EvalResult:
             pass_threshold=cfg.eval.pass_threshold,
         )
     finally:
+        aclose = getattr(env, "aclose", None)  # environments holding servers (verifiers) release them
+        if aclose is not None:
+            await aclose()
         await discovery.stop()
         await close_replica_clients(list(replicas))
     with EventLog(events_dir(cfg.output_dir) / EVAL) as events:

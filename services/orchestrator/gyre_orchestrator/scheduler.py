@@ -102,6 +102,7 @@ class StepState:
     started_groups: int = 0
     dropped_stale: int = 0  # samples
     dropped_zero_signal: int = 0  # groups
+    failed_rollouts: int = 0  # generate() raised (environment error, inference failure); generated again
     all_rewards: list[float] = field(default_factory=list)  # every admitted sample, dropped groups included
     first_dispatch: float | None = None
     closed_at: float | None = None
@@ -281,6 +282,7 @@ class RolloutScheduler:
                 raise
             except Exception as e:
                 failures += 1
+                st.failed_rollouts += 1
                 if failures >= self.sample_attempts:
                     raise RuntimeError(f"step {st.step}: a rollout failed {failures} times: {e}") from e
                 log.warning("rollout for step %d failed (%s); retrying", st.step, e)

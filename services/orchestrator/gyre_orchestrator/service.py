@@ -330,6 +330,9 @@ class OrchestratorService:
         if self._eval_task is not None:
             self._eval_task.cancel()
             await asyncio.gather(self._eval_task, return_exceptions=True)
+        aclose = getattr(self.env, "aclose", None)  # environments holding servers (verifiers) release them
+        if aclose is not None:
+            await aclose()
         await self.relay.stop()
         await self.discovery.stop()
         await self.server.stop(grace=1.0)
@@ -453,6 +456,7 @@ class OrchestratorService:
             "num_samples": len(samples),
             "dropped_stale": st.dropped_stale,
             "dropped_zero_signal": st.dropped_zero_signal,
+            "failed_rollouts": st.failed_rollouts,
             "min_version": min(s.meta["min_version"] for s in samples),
             "max_version": max(s.meta["max_version"] for s in samples),
             "lag_mean": float(lags.mean()),

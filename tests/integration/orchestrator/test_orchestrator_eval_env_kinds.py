@@ -1,8 +1,9 @@
-"""`gyre eval` on each kind of environment (built-in, JSONL dataset, reasoning-gym) against real replicas."""
+"""`gyre eval` on each kind of environment (built-in, JSONL dataset, reasoning-gym, verifiers) against real replicas."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,13 @@ from gyre.events import read_events
 
 ROOT = Path(__file__).resolve().parents[3]
 DATASET = ROOT / "tests/unit/envs/data/reverse_words.jsonl"
+VF_ENVS = ROOT / "tests/verifiers_envs"  # the tests' own verifiers environment (no hub, no network)
 
 KINDS = {
     "reverse_text": {},
     "dataset": {"path": str(DATASET), "system_prompt": "Reverse the text.", "reward": "exact"},
     "reasoning_gym:chain_sum": {"config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}, "num_eval": 4},
+    "verifiers:vf_gyre_tasks": {"taskset": {"source": "calculator"}, "num_eval": 4},
 }
 
 
@@ -24,12 +27,15 @@ KINDS = {
 def test_gyre_eval_runs_on_each_kind(tmp_path, replicas, name):
     if name.startswith("reasoning_gym"):
         pytest.importorskip("reasoning_gym")
+    if name.startswith("verifiers"):
+        pytest.importorskip("verifiers.v1")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "gyre.cli", "eval", "--output-dir", str(out), "--env.name", name,
            "--env.args", json.dumps(KINDS[name]), "--inference.urls", json.dumps([replicas[0].url]),
            "--inference.control-urls", json.dumps([replicas[0].control]), "--eval.num-examples", "4",
            "--eval.k", "2", "--eval.temperature", "1.0", "--sampling.max-tokens", "8"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(VF_ENVS), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     printed = json.loads(res.stdout.strip().splitlines()[-1])
     assert printed["env"] == name and printed["num_examples"] == 4 and printed["k"] == 2

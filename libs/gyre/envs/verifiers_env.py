@@ -1,0 +1,388 @@
+"""`verifiers:<taskset-id>`: an environment from the `verifiers` 0.4 library (`verifiers.v1`), run through Gyre.
+
+    [orchestrator.env]
+    name = "verifiers:my_taskset"            # an installed package, or any importable module path
+    args = { taskset = { task = {} }, agent = { harness = { id = "my_taskset" } }, num_eval = 32 }
+
+Needs the optional extra (`pip install 'gyre[verifiers]'`, which pins `openai<3`: see docs/dependencies.md).
+
+What the id names: a module that exports (in `__all__`) a `vf.Taskset` subclass and, optionally, its own
+`vf.Harness` and `vf.Env` — verifiers' own plugin rule. `args` other than Gyre's split knobs (`num_eval`,
+`eval_seed`, `max_tasks`) are the verifiers env config (`taskset`, `agent`, `retries`, ...); the agent runs in the
+local `subprocess` runtime unless `agent.runtime` says otherwise (verifiers' default is a remote sandbox).
+
+How an episode runs: the verifiers env plays the task with its harness; every model call the harness makes reaches
+verifiers' interception server, which here hands it to a Gyre model client (`GyreModelCalls`) instead of verifiers'
+own: one call = one `ModelClient.chat` turn through the orchestrator's replicas, so Gyre's version-aware routing,
+retries, concurrency bound and per-turn policy versions all apply. The server returns the prompt and completion
+token ids and log-probs, which verifiers records in the trace's message graph.
+
+Mapping onto a Gyre sample (one per episode): the first trainable branch of the episode's first trace gives
+`token_ids`, `loss_mask` (verifiers' `sampled_mask`: True only on tokens the model sampled, so user, tool and
+template tokens between turns are masked out) and `logprobs`; the policy versions span every turn of the episode;
+the reward is the trace's weighted reward (`Score.per_function` holds each named reward). A second branch (a turn
+whose prompt no longer extended the recorded tokens, or compaction) is dropped and the rollout marked "drift".
+An episode that raised (task, harness or env code) comes back with `Rollout.error` set: the orchestrator counts it
+(`rollouts{outcome="error"}`, `rollout_errors` in the step record) and generates the sample again.
+
+Splits: the taskset's tasks (the first `max_tasks` of an infinite one) are loaded once; `num_eval` of them, chosen
+with `eval_seed`, are the eval split (or all of `eval_taskset`, a second taskset config, when given); the rest are
+the endless train split, epoch by epoch in an order seeded by (`seed`, epoch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import copy
+import random
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from gyre.envs.base import Environment, TaskSource, epoch_order
+from gyre.envs.types import Messages, ModelClient, Rollout, SamplingParams, Score, Split, StopReason, Task, Turn
+
+# The Gyre model calls of the episode running in the current asyncio task (see `GyreInterception`).
+_CURRENT: contextvars.ContextVar[GyreModelCalls] = contextvars.ContextVar("gyre_verifiers_calls")
+# Where the harness's program reaches the model is verifiers' interception server; the client config it carries only
+# keeps the server on its non-streaming, token-recording path (a train config) and is never dialled.
+UNUSED_URL = "http://127.0.0.1:9/gyre-unused"
+
+
+def import_verifiers():
+    try:
+        import verifiers.v1 as vf
+    except ImportError as exc:
+        raise ImportError(
+            "verifiers environments need the verifiers package: pip install 'gyre[verifiers]' "
+            f"(with -c constraints.txt); import failed: {exc}"
+        ) from exc
+    return vf
+
+
+def _text(content: Any) -> str:
+    """Message content as plain text (verifiers allows a list of parts; Gyre's server takes text)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(getattr(part, "text", None) or (part.get("text", "") if isinstance(part, dict) else "")
+                   for part in content)  # fmt: skip
+
+
+def wire_messages(messages) -> Messages:
+    """verifiers messages -> OpenAI chat dicts (what Gyre's inference server renders with its chat template)."""
+    from verifiers.v1.dialects.chat import message_to_wire
+
+    out = []
+    for message in messages:
+        wire = message_to_wire(message)
+        if "content" in wire and wire["content"] is not None:
+            wire["content"] = _text(wire["content"])
+        out.append(wire)
+    return out
+
+
+class GyreModelCalls:
+    """One episode's model calls: a verifiers `Client` whose turns go through a Gyre `ModelClient`.
+
+    Records every Gyre `Turn` (with the policy versions that produced it) and the first transport failure, so the
+    adapter can report versions per sample and tell a Gyre inference failure from an environment bug.
+    """
+
+    def __init__(self, client: ModelClient, sampling: SamplingParams) -> None:
+        self.client = client
+        self.sampling = sampling
+        self.turns: list[Turn] = []
+        self.failure: BaseException | None = None
+
+    def as_verifiers_client(self):
+        vf = import_verifiers()
+        calls = self
+
+        class GyreClient(vf.Client):
+            async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):
+                return await calls.respond(dialect, body, turn)
+
+        return GyreClient()
+
+    async def respond(self, dialect, body: dict, pending):
+        from verifiers.v1.clients.train import serialize_completion, tool_to_wire
+        from verifiers.v1.errors import ProviderError
+        from verifiers.v1.types import AssistantMessage, Response, ToolCall, TurnTokens, Usage
+
+        if pending is not None:
+            prompt, tools = pending.prompt, pending.tools
+        else:
+            request = dialect.parse_request(body)
+            prompt, tools = request.messages, request.tools
+        try:
+            turn = await self.client.chat(
+                wire_messages(prompt), tools=[tool_to_wire(t) for t in tools] or None, sampling=self.sampling
+            )
+        except Exception as exc:  # the harness sees an HTTP error; the adapter re-raises the original
+            self.failure = self.failure or exc
+            raise ProviderError(f"gyre inference failed: {exc}", status_code=502) from exc
+        self.turns.append(turn)
+        message = turn.assistant_message()
+        calls = [ToolCall(id=c["id"] or f"call_{i}", name=c["function"]["name"], arguments=c["function"]["arguments"])
+                 for i, c in enumerate(message.get("tool_calls") or [])]  # fmt: skip
+        finish = turn.finish_reason if turn.finish_reason in ("stop", "length", "tool_calls") else None
+        response = Response(
+            id=f"gyre-{len(self.turns)}",
+            created=0,
+            model=str(body.get("model") or "gyre"),
+            message=AssistantMessage(content=message["content"], tool_calls=calls or None),
+            finish_reason=finish,
+            usage=Usage(prompt_tokens=len(turn.prompt_token_ids), completion_tokens=len(turn.completion_token_ids)),
+            tokens=TurnTokens(
+                prompt_ids=list(turn.prompt_token_ids),
+                completion_ids=list(turn.completion_token_ids),
+                completion_logprobs=list(turn.completion_logprobs),
+            ),
+        )
+        response.raw = serialize_completion(response, response.model)
+        return response
+
+
+def gyre_interception(inner):
+    """Wrap verifiers' interception so each rollout's model calls go to the Gyre client of its episode.
+
+    verifiers registers a rollout on its interception server from inside the episode's own asyncio task, so the
+    episode's `GyreModelCalls` (a context variable set around the episode) is visible there.
+    """
+    vf_interception = import_verifiers_interception()
+
+    class GyreInterception(vf_interception.Interception):
+        async def start(self) -> None:  # the wrapped interception's owner (Env.serving) runs its lifecycle
+            return None
+
+        @contextlib.asynccontextmanager
+        async def acquire(self, session) -> AsyncIterator:
+            calls = _CURRENT.get(None)
+            if calls is None:
+                raise RuntimeError("a verifiers rollout started outside a Gyre episode; no model client for it")
+            async with inner.acquire(session) as slot:
+                session.client = calls.as_verifiers_client()
+                yield slot
+
+    return GyreInterception()
+
+
+def import_verifiers_interception():
+    import verifiers.v1.interception as vf_interception
+
+    return vf_interception
+
+
+class VerifiersEnv(Environment):
+    """A verifiers 0.4 env as a Gyre `Environment` (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        env_id: str,
+        config: Mapping[str, Any] | None = None,
+        eval_config: Mapping[str, Any] | None = None,
+        num_eval: int = 32,
+        eval_seed: int = 1234,
+        max_tasks: int = 100_000,
+    ) -> None:
+        vf = import_verifiers()
+        super().__init__(num_eval=num_eval, eval_seed=eval_seed)
+        self.name = f"verifiers:{env_id}"
+        self.vf_env = vf.load_environment(self._config(vf, env_id, config))
+        tasks = self._load(self.vf_env.taskset, max_tasks)
+        if eval_config is not None:
+            evals = self._load(vf.load_environment(self._config(vf, env_id, eval_config)).taskset, max_tasks)
+            train = tasks
+        else:
+            if len(tasks) <= num_eval:
+                raise ValueError(
+                    f"{self.name}: {len(tasks)} tasks and num_eval={num_eval} leave none to train on; lower num_eval "
+                    "or give eval_taskset"
+                )
+            held = set(random.Random(f"verifiers/eval/{eval_seed}").sample(range(len(tasks)), num_eval))
+            evals = [t for i, t in enumerate(tasks) if i in held]
+            train = [t for i, t in enumerate(tasks) if i not in held]
+        self.vf_tasks = train + evals
+        self.train_tasks = [self._task(i, f"train-{i}") for i in range(len(train))]
+        self.eval_tasks = [self._task(len(train) + i, f"eval-{i}") for i in range(len(evals))]
+        self.max_turns = 1  # verifiers harnesses decide their own turns; this only sizes Dr.GRPO's budget
+        self._serving: tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack] | None = None
+        self._serving_lock: asyncio.Lock | None = None
+
+    @staticmethod
+    def _config(vf, env_id: str, config: Mapping[str, Any] | None):
+        raw = copy.deepcopy(dict(config or {}))
+        taskset = raw.setdefault("taskset", {})
+        if not isinstance(taskset, dict):
+            raise ValueError(f"verifiers:{env_id}: 'taskset' must be a table of the taskset's config")
+        taskset.setdefault("id", env_id)
+        agent = raw.setdefault("agent", {})
+        if isinstance(agent, dict):  # local by default: verifiers' default runtime is a remote sandbox
+            agent.setdefault("runtime", {"type": "subprocess"})
+        try:
+            return vf.resolve_env_config(raw)
+        except (ValueError, TypeError, ModuleNotFoundError, AttributeError) as exc:
+            raise ValueError(f"verifiers:{env_id}: cannot build the environment config: {exc}") from exc
+
+    @staticmethod
+    def _load(taskset, max_tasks: int) -> list:
+        view = taskset if taskset.bounded else taskset.take(max_tasks)
+        return list(view)
+
+    def _task(self, index: int, task_id: str) -> Task:
+        data = self.vf_tasks[index].data
+        prompt = data.prompt
+        messages: Messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        elif prompt:
+            messages += wire_messages(prompt)
+        answer = getattr(data, "answer", "")
+        return Task(id=task_id, prompt=messages, answer="" if answer is None else str(answer),
+                    info={"verifiers_index": index})  # fmt: skip
+
+    def tasks(self, split: Split, seed: int = 0) -> TaskSource:
+        if split == "eval":
+            return TaskSource(self.eval_tasks.__getitem__, len(self.eval_tasks))
+        if split != "train":
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        order = epoch_order(len(self.train_tasks), f"verifiers/train/{seed}")
+        return TaskSource(lambda index: self.train_tasks[order(index)], None)
+
+    # --- episodes ---------------------------------------------------------------------------------------------
+
+    async def _ensure_serving(self) -> None:
+        """Enter verifiers' serving resources once per event loop (tool servers, the interception server)."""
+        loop = asyncio.get_running_loop()
+        if self._serving is not None and self._serving[0] is loop:
+            return
+        if self._serving_lock is None or self._serving_lock._get_loop() is not loop:  # a lock binds to one loop
+            self._serving_lock = asyncio.Lock()
+        async with self._serving_lock:
+            if self._serving is not None and self._serving[0] is loop:
+                return
+            stack = contextlib.AsyncExitStack()
+            await stack.enter_async_context(self.vf_env.serving())
+            # verifiers 0.4 has no public hook for a custom model client: wrap the interception serving() built.
+            self.vf_env._interception = gyre_interception(self.vf_env._interception)
+            self._serving = (loop, stack)
+
+    async def aclose(self) -> None:
+        """Tear down verifiers' serving resources (call from the loop that ran the episodes)."""
+        if self._serving is not None:
+            _, stack = self._serving
+            self._serving = None
+            await stack.aclose()
+
+    async def rollout(self, client: ModelClient, task: Task, sampling: SamplingParams) -> Rollout:
+        from verifiers.v1.clients import ModelContext, TrainClientConfig
+
+        await self._ensure_serving()
+        calls = GyreModelCalls(client, sampling)
+        ctx = ModelContext(model="gyre", client=TrainClientConfig(base_url=UNUSED_URL, api_key_var="GYRE_UNUSED"))
+        token = _CURRENT.set(calls)
+        try:
+            slot = self.vf_env.slots(self.vf_tasks[task.info["verifiers_index"]])[0]
+            episode = await self.vf_env.run_slot(slot, ctx)
+        finally:
+            _CURRENT.reset(token)
+        if calls.failure is not None:
+            raise calls.failure  # Gyre inference failed (after its own retries): the caller retries the rollout
+        return to_rollout(task, episode, calls.turns)
+
+    async def score(self, task: Task, rollout: Rollout) -> Score:
+        trace = rollout.state.get("trace")
+        if trace is None:
+            return Score(reward=0.0, per_function={})
+        rewards = {name: r.score for name, r in trace.rewards.items() if r is not None}
+        errors = {name: "not scored" for name, r in trace.rewards.items() if r is None}
+        return Score(reward=float(trace.reward), per_function=rewards, errors=errors)
+
+    def sft_example(self, task: Task) -> Messages:
+        if not task.answer:
+            raise ValueError(f"{self.name}: task {task.id} has no 'answer' field to use as an SFT reply")
+        return super().sft_example(task)
+
+
+def _errors(episode) -> list[str]:
+    found = [f"{e.type}: {e.message}" for e in episode.errors]
+    for trace in episode.traces:
+        found += [f"{e.type}: {e.message}" for e in trace.errors]
+    return found
+
+
+def to_rollout(task: Task, episode, turns: list[Turn]) -> Rollout:
+    """A finished verifiers episode as a Gyre rollout (see the module docstring for the mapping)."""
+    branches = [(trace, b) for trace in episode.traces for b in trace.branches if b.trainable and any(b.sampled_mask)]
+    errors = _errors(episode)
+    versions = [v for turn in turns for v in (turn.policy_version_min, turn.policy_version_max)]
+    state: dict[str, Any] = {"episode_id": episode.id, "branches": len(branches)}
+    stop: StopReason
+    if not branches:
+        state["trace"] = episode.traces[0] if episode.traces else None
+        return Rollout(
+            task_id=task.id,
+            prompt=copy.deepcopy(task.prompt),
+            completion=[],
+            turns=turns,
+            token_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            prompt_len=0,
+            sequence_turns=0,
+            policy_version_min=min(versions, default=0),
+            policy_version_max=max(versions, default=0),
+            stop_reason="error",
+            error="; ".join(errors) or "the episode made no model call",
+            state=state,
+        )
+    trace, branch = branches[0]
+    state["trace"] = trace
+    mask = [bool(m) for m in branch.sampled_mask]
+    messages = wire_messages(branch.messages)
+    first_reply = next(i for i, node in enumerate(branch.nodes) if node.sampled)
+    if errors:
+        stop = "error"
+    elif len(branches) > 1:
+        stop = "drift"
+    elif trace.is_truncated:
+        last = next((c for c in reversed(trace.calls) if c.error is None), None)
+        stop = "length" if last is not None and last.finish_reason == "length" else "max_turns"
+    else:
+        stop = "done"
+    return Rollout(
+        task_id=task.id,
+        prompt=messages[:first_reply],
+        completion=messages[first_reply:],
+        turns=turns,
+        token_ids=list(branch.token_ids),
+        loss_mask=mask,
+        logprobs=list(branch.logprobs),
+        prompt_len=mask.index(True),
+        sequence_turns=sum(1 for node in branch.nodes if node.sampled),
+        policy_version_min=min(versions, default=0),
+        policy_version_max=max(versions, default=0),
+        stop_reason=stop,
+        error="; ".join(errors) or None,
+        state=state,
+    )
+
+
+def load_environment(
+    env_id: str,
+    taskset: dict[str, Any] | None = None,
+    agent: dict[str, Any] | None = None,
+    eval_taskset: dict[str, Any] | None = None,
+    num_eval: int = 32,
+    eval_seed: int = 1234,
+    max_tasks: int = 100_000,
+    **env_config: Any,
+) -> VerifiersEnv:
+    """Args: the taskset id, its config (`taskset`), the agent seat (`agent`), more verifiers env config, and the
+    split knobs (`eval_taskset`, `num_eval`, `eval_seed`, `max_tasks`)."""
+    config = {**env_config, "taskset": dict(taskset or {}), "agent": dict(agent or {})}
+    eval_config = None if eval_taskset is None else {**config, "taskset": dict(eval_taskset)}
+    return VerifiersEnv(env_id=env_id, config=config, eval_config=eval_config, num_eval=num_eval,
+                        eval_seed=eval_seed, max_tasks=max_tasks)  # fmt: skip

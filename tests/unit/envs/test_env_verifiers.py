@@ -1,0 +1,138 @@
+"""`verifiers:<taskset-id>` environments: verifiers 0.4 episodes mapped onto Gyre rollouts, with the scripted client.
+
+The verifiers environment is the tests' own (tests/verifiers_envs/vf_gyre_tasks.py: an in-process chat-loop harness
+over Gyre tasks; no hub, no network). Its episodes run through verifiers' real interception server (local HTTP, the
+official openai client in the harness); only the model is the scripted double (`envs_doubles.ScriptedClient`: one
+character per token, distinct log-probs), so every token, mask bit and log-prob of the mapping is checked exactly.
+The same environment runs against the real tiny model in tests/integration/orchestrator/test_verifiers_env.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from envs_doubles import Reply, ScriptedClient, encode
+from gyre.envs import EnvironmentLoadError, ToolCall, load_environment
+
+pytest.importorskip("verifiers.v1")
+
+VF_ENVS = Path(__file__).resolve().parents[2] / "verifiers_envs"
+NAME = "verifiers:vf_gyre_tasks"
+
+
+@pytest.fixture(autouse=True)
+def vf_envs_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(VF_ENVS))
+    import vf_gyre_tasks
+
+    vf_gyre_tasks._FAILED.clear()
+
+
+def vf_env(source="calculator", *, turns=2, tools=True, **taskset):
+    harness = {"id": "vf_gyre_tasks", "turns": turns, "tools": tools}
+    return load_environment(NAME, taskset={"source": source, "num_tasks": 8, **taskset}, agent={"harness": harness},
+                            num_eval=2)  # fmt: skip
+
+
+async def rollout_of(env, client, sampling, task=None):
+    task = task or env.tasks("train", seed=0)[0]
+    try:
+        rollout = await env.rollout(client, task, sampling)
+        return task, rollout, await env.score(task, rollout)
+    finally:
+        await env.aclose()
+
+
+def sampled(rollout):
+    return [t for t, m in zip(rollout.token_ids, rollout.loss_mask, strict=True) if m]
+
+
+@pytest.mark.asyncio
+async def test_tool_and_user_turns_are_masked_and_versions_span_the_episode(sampling):
+    env = vf_env(turns=3)
+    task = env.tasks("train", seed=0)[0]
+    expression = task.prompt[-1]["content"].removeprefix("What is ").removesuffix("?")
+    call = ToolCall(id="call_0", name="calculator", arguments={"expression": expression},
+                    raw_arguments=json.dumps({"expression": expression}))  # fmt: skip
+    client = ScriptedClient([Reply("", tool_calls=[call], versions=(3, 3)), Reply("wrong", versions=(3, 4)),
+                             Reply(task.answer, versions=(4, 5))])  # fmt: skip
+    task, rollout, score = await rollout_of(env, client, sampling, task)
+
+    assert rollout.error is None and rollout.stop_reason == "done"
+    assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant", "user", "assistant"]
+    assert rollout.completion[1]["content"] == task.answer  # the harness ran the calculator
+    assert rollout.completion[3]["content"] == "Try again."
+    turns = client.calls
+    assert len(turns) == 3 and turns[0]["tools"][0]["function"]["name"] == "calculator"
+    # The training sequence is the last turn's prompt plus its completion; only sampled tokens are in the loss,
+    # with the server's log-probs; the tool result and the user message between turns are not.
+    last = rollout.turns[-1]
+    assert rollout.token_ids == last.prompt_token_ids + last.completion_token_ids
+    assert sampled(rollout) == [t for turn in rollout.turns for t in turn.completion_token_ids]
+    assert [lp for lp, m in zip(rollout.logprobs, rollout.loss_mask, strict=True) if m] == [
+        lp for turn in rollout.turns for lp in turn.completion_logprobs
+    ]
+    assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, rollout.loss_mask, strict=True) if not m)
+    assert rollout.prompt_len == len(rollout.turns[0].prompt_token_ids) and rollout.sequence_turns == 3
+    tool_result = encode(f"\n<tool>{task.answer}\n")  # after the end-of-turn token the model sampled
+    start = len(rollout.turns[0].prompt_token_ids) + len(rollout.turns[0].completion_token_ids)
+    assert rollout.token_ids[start : start + len(tool_result)] == tool_result
+    assert not any(rollout.loss_mask[start : len(rollout.turns[1].prompt_token_ids)])
+    assert (rollout.policy_version_min, rollout.policy_version_max) == (3, 5)
+    assert score.reward == 1.0 and score.per_function == {"correct": 1.0}
+
+
+@pytest.mark.asyncio
+async def test_a_turn_that_no_longer_extends_the_tokens_keeps_the_first_branch(sampling):
+    env = vf_env("reverse_text", tools=False)
+    drift = lambda i, ids: ids if i == 0 else [7] + ids[1:]  # noqa: E731 (a re-tokenised prompt on turn 2)
+    client = ScriptedClient(["first", "second"], mutate_prompt=drift)
+    _, rollout, _ = await rollout_of(env, client, sampling)
+    assert rollout.stop_reason == "drift" and rollout.state["branches"] == 2
+    first = rollout.turns[0]
+    assert rollout.token_ids == first.prompt_token_ids + first.completion_token_ids
+    assert sampled(rollout) == first.completion_token_ids
+
+
+@pytest.mark.asyncio
+async def test_an_episode_that_raises_is_an_error_rollout_and_the_retry_works(sampling):
+    env = vf_env("reverse_text", turns=1, tools=False, fail_first=list(range(8)))
+    task = env.tasks("train", seed=0)[0]
+    _, failed, score = await rollout_of(env, ScriptedClient([]), sampling, task)
+    assert failed.stop_reason == "error" and "fails the first episode on purpose" in failed.error
+    assert failed.token_ids == [] and score.reward == 0.0
+    _, again, _ = await rollout_of(env, ScriptedClient(["olleh"]), sampling, task)
+    assert again.error is None and sampled(again) == encode("olleh") + [2]
+
+
+@pytest.mark.asyncio
+async def test_an_inference_failure_is_raised_not_hidden(sampling):
+    class Down(ScriptedClient):
+        async def chat(self, messages, *, tools=None, sampling):
+            raise ConnectionError("replica down")
+
+    env = vf_env("reverse_text", turns=1, tools=False)
+    with pytest.raises(ConnectionError, match="replica down"):
+        await rollout_of(env, Down([]), sampling)
+
+
+def test_splits_are_disjoint_seeded_and_endless():
+    env = vf_env("reverse_text", num_tasks=10)
+    evals = [t.prompt for t in env.tasks("eval")]
+    train = env.tasks("train", seed=3)
+    assert len(evals) == 2 and train.size is None
+    first_epoch = [train[i].prompt for i in range(8)]
+    assert not any(p in evals for p in first_epoch) and len({json.dumps(p) for p in first_epoch}) == 8
+    assert sorted(json.dumps(p) for p in first_epoch) == sorted(json.dumps(train[i + 8].prompt) for i in range(8))
+    assert [t.prompt for t in vf_env("reverse_text", num_tasks=10).tasks("eval")] == evals
+
+
+def test_bad_taskset_ids_and_configs_are_named():
+    with pytest.raises(ValueError, match="no_such_taskset"):
+        load_environment("verifiers:no_such_taskset")
+    with pytest.raises(ValueError, match="num_eval=8 leave none to train on"):
+        load_environment(NAME, taskset={"num_tasks": 8}, num_eval=8)
+    with pytest.raises(EnvironmentLoadError, match="verifers"):
+        load_environment("verifers:vf_gyre_tasks")

@@ -1,0 +1,101 @@
+"""A small verifiers 0.4 environment built for Gyre's tests: no hub, no network, no `uv`, no sandbox.
+
+The taskset serves the tasks of one of Gyre's built-in environments (`source`, e.g. "calculator", "reverse_text"),
+so a model taught those conversations behaves predictably. The harness is an in-process chat loop (verifiers allows a
+harness to run its loop in-process as long as every model call goes through the rollout's interception endpoint):
+it talks to the model with the official `openai` client for up to `turns` model turns, runs the calculator when the
+model calls it (a tool turn), and otherwise answers a reply with a user message asking for another try (a user turn).
+Reward: 1.0 when the last reply contains the reference answer. `fail_first = [i, ...]`: the first episode of task
+`i` raises in the harness (an environment bug the trainer must survive).
+
+Load it with `env.name = "verifiers:vf_gyre_tasks"` with this folder on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+
+import verifiers.v1 as vf
+from gyre.envs import load_environment as load_gyre_environment
+from gyre.envs.calculator import calculator
+from openai import AsyncOpenAI
+from verifiers.v1.runtimes import ProgramResult
+
+__all__ = ["GyreTaskset", "ChatLoop"]
+
+RETRY_PROMPT = "Try again."
+_FAILED: set[int] = set()  # tasks whose one failing episode already happened (per process)
+
+
+class GyreTaskData(vf.TaskData):
+    answer: str = ""
+    fail: bool = False
+
+
+class GyreTask(vf.Task[GyreTaskData]):
+    @vf.reward
+    async def correct(self, task, trace) -> float:
+        return float(bool(task.answer) and task.answer in trace.last_reply)
+
+
+class GyreTasksetConfig(vf.TasksetConfig):
+    source: str = "calculator"
+    num_tasks: int = 24
+    fail_first: list[int] = []
+
+
+class GyreTaskset(vf.Taskset[GyreTask, GyreTasksetConfig]):
+    def load(self):
+        source = load_gyre_environment(self.config.source).tasks("train", seed=0)
+        for i in range(self.config.num_tasks):
+            task = source[i]
+            system = [m["content"] for m in task.prompt if m["role"] == "system"]
+            user = [m for m in task.prompt if m["role"] != "system"]
+            data = GyreTaskData(
+                prompt=[vf.UserMessage(content=m["content"]) for m in user],
+                system_prompt=system[0] if system else None,
+                answer=task.answer,
+                fail=i in self.config.fail_first,
+            )
+            yield GyreTask(data, self.config.task)
+
+
+class ChatLoopConfig(vf.HarnessConfig):
+    turns: int = 2
+    tools: bool = True
+
+
+class ChatLoop(vf.Harness[ChatLoopConfig]):
+    APPENDS_SYSTEM_PROMPT = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kwargs) -> ProgramResult:
+        if data.fail and data.idx not in _FAILED:
+            _FAILED.add(data.idx)
+            raise RuntimeError(f"task {data.idx}: this harness fails the first episode on purpose")
+        system, prompt = self.resolve_prompt(data)
+        messages = [{"role": "system", "content": system}] if system else []
+        messages += [{"role": "user", "content": m.content} for m in prompt]
+        tools = load_gyre_environment("calculator").tool_schemas if self.config.tools else None
+        reply = ""
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            for turn in range(self.config.turns):
+                kwargs = {"tools": tools} if tools else {}
+                response = await client.chat.completions.create(model=ctx.model, messages=messages, **kwargs)
+                choice = response.choices[0]
+                message = choice.message
+                assistant = {"role": "assistant", "content": message.content or ""}
+                if message.tool_calls:
+                    assistant["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+                messages.append(assistant)
+                reply = message.content or ""
+                if message.tool_calls:
+                    for call in message.tool_calls:
+                        arguments = json.loads(call.function.arguments or "{}")
+                        messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(**arguments)})
+                elif choice.finish_reason == "length" or turn + 1 == self.config.turns:
+                    break
+                else:
+                    messages.append({"role": "user", "content": RETRY_PROMPT})
+        return ProgramResult(exit_code=0, stdout=reply, stderr="")
