@@ -78,6 +78,8 @@ def wire_messages(messages) -> Messages:
         wire = message_to_wire(message)
         if "content" in wire and wire["content"] is not None:
             wire["content"] = _text(wire["content"])
+        if wire["role"] == "tool":  # verifiers keeps the tool's name for Harmony; OpenAI's tool message has none
+            wire.pop("name", None)
         out.append(wire)
     return out
 
@@ -209,7 +211,7 @@ class VerifiersEnv(Environment):
         self.eval_tasks = [self._task(len(train) + i, f"eval-{i}") for i in range(len(evals))]
         self.max_turns = 1  # verifiers harnesses decide their own turns; this only sizes Dr.GRPO's budget
         self._serving: tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack] | None = None
-        self._serving_lock: asyncio.Lock | None = None
+        self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     @staticmethod
     def _config(vf, env_id: str, config: Mapping[str, Any] | None):
@@ -258,9 +260,9 @@ class VerifiersEnv(Environment):
         loop = asyncio.get_running_loop()
         if self._serving is not None and self._serving[0] is loop:
             return
-        if self._serving_lock is None or self._serving_lock._get_loop() is not loop:  # a lock binds to one loop
-            self._serving_lock = asyncio.Lock()
-        async with self._serving_lock:
+        if self._serving_lock is None or self._serving_lock[0] is not loop:  # an asyncio lock binds to one loop
+            self._serving_lock = (loop, asyncio.Lock())
+        async with self._serving_lock[1]:
             if self._serving is not None and self._serving[0] is loop:
                 return
             stack = contextlib.AsyncExitStack()

@@ -55,7 +55,8 @@ async def run(env, replica, tasks, sampling=GREEDY):
             out.append((rollout, await env.score(task, rollout)))
         return out
     finally:
-        await env.aclose()
+        if hasattr(env, "aclose"):  # a verifiers env holds servers; built-ins hold nothing
+            await env.aclose()
         await close_replica_clients(list(replicas))
 
 

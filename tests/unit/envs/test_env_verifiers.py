@@ -66,6 +66,8 @@ async def test_tool_and_user_turns_are_masked_and_versions_span_the_episode(samp
     assert rollout.completion[3]["content"] == "Try again."
     turns = client.calls
     assert len(turns) == 3 and turns[0]["tools"][0]["function"]["name"] == "calculator"
+    tool_messages = [m for m in turns[1]["messages"] if m["role"] == "tool"]  # OpenAI's shape: no "name"
+    assert tool_messages and all(set(m) == {"role", "content", "tool_call_id"} for m in tool_messages)
     # The training sequence is the last turn's prompt plus its completion; only sampled tokens are in the loss,
     # with the server's log-probs; the tool result and the user message between turns are not.
     last = rollout.turns[-1]
@@ -136,3 +138,12 @@ def test_bad_taskset_ids_and_configs_are_named():
         load_environment(NAME, taskset={"num_tasks": 8}, num_eval=8)
     with pytest.raises(EnvironmentLoadError, match="verifers"):
         load_environment("verifers:vf_gyre_tasks")
+
+
+def test_unknown_names_and_gyre_envs_point_at_the_verifiers_kind(capsys):
+    from gyre.envs.registry import main
+
+    with pytest.raises(EnvironmentLoadError, match=r"verifiers:<name>"):
+        load_environment("no_such_env")
+    assert main([]) == 0
+    assert "verifiers:<env_id>" in capsys.readouterr().out
