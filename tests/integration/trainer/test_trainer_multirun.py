@@ -158,3 +158,35 @@ def test_multirun_config_errors_name_the_key(tiny_model, redis_url, tmp_path):
         multirun_config(tiny_model, redis_url, [run], lora={**LORA, "publish": "merged"})
     with pytest.raises(ConfigError, match="name"):
         multirun_config(tiny_model, redis_url, [{**run, "name": "has.dot"}])
+
+
+def test_a_crash_mid_step_resumes_every_run_exactly_once(tiny_model, redis_url, unique_run_id, tmp_path):
+    """SIGKILL right after a run publishes step 2 (before logging and acking it), then a restart: every
+    run trains each step exactly once and ends bit for bit where an uninterrupted trainer ends."""
+    from gyre.config import to_toml
+    from trainer_testlib import child_env
+
+    names = [f"{unique_run_id}-a", f"{unique_run_id}-b"]
+    straight_url = redis_url.rsplit("/", 1)[0] + "/2"
+    for i, name in enumerate(names):
+        for url in (redis_url, straight_url):
+            push_batches(BatchStream(url, name), range(1, 4), seed=20 + i)
+
+    def config(url, folder):
+        runs = [{"name": n, "output_dir": str(folder / n), "max_steps": 3} for n in names]
+        path = folder / "trainer.toml"
+        folder.mkdir()
+        path.write_text(to_toml(multirun_config(tiny_model, url, runs, ckpt={"interval": 1})))
+        return ["@", str(path)]
+
+    crashed, straight = tmp_path / "crashed", tmp_path / "straight"
+    argv = config(redis_url, crashed)
+    proc = start_trainer(argv, crashed / "trainer.log", env={**child_env(), "GYRE_TRAINER_CRASH_AT": "after_publish:2"})
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    assert start_trainer(argv, crashed / "trainer.log").wait(timeout=300) == 0
+    assert start_trainer(config(straight_url, straight), straight / "trainer.log").wait(timeout=300) == 0
+    for name in names:
+        assert trained_steps(crashed / name) == [1, 2, 3]
+        mine, reference = adapter(crashed / name / "weights/step_3"), adapter(straight / name / "weights/step_3")
+        for key in reference:
+            assert torch.equal(mine[key], reference[key]), f"{name}: {key}"
