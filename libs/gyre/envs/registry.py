@@ -37,7 +37,7 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
 # `<prefix>:<name>` spellings: the part after the colon becomes the loader's first argument.
 PREFIXED: dict[str, tuple[str, str]] = {
     "reasoning_gym": ("gyre.envs.reasoning_gym:load_environment", "dataset"),
-    "verifiers": ("gyre.envs.verifiers_env:load_environment", "env_id"),
+    "verifiers": ("gyre.envs.verifiers_env:load_environment", "taskset_id"),
 }
 
 

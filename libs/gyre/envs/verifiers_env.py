@@ -373,7 +373,7 @@ def to_rollout(task: Task, episode, turns: list[Turn]) -> Rollout:
 
 
 def load_environment(
-    env_id: str,
+    taskset_id: str,
     taskset: dict[str, Any] | None = None,
     agent: dict[str, Any] | None = None,
     eval_taskset: dict[str, Any] | None = None,
@@ -386,5 +386,5 @@ def load_environment(
     split knobs (`eval_taskset`, `num_eval`, `eval_seed`, `max_tasks`)."""
     config = {**env_config, "taskset": dict(taskset or {}), "agent": dict(agent or {})}
     eval_config = None if eval_taskset is None else {**config, "taskset": dict(eval_taskset)}
-    return VerifiersEnv(env_id=env_id, config=config, eval_config=eval_config, num_eval=num_eval,
+    return VerifiersEnv(env_id=taskset_id, config=config, eval_config=eval_config, num_eval=num_eval,
                         eval_seed=eval_seed, max_tasks=max_tasks)  # fmt: skip

@@ -146,4 +146,4 @@ def test_unknown_names_and_gyre_envs_point_at_the_verifiers_kind(capsys):
     with pytest.raises(EnvironmentLoadError, match=r"verifiers:<name>"):
         load_environment("no_such_env")
     assert main([]) == 0
-    assert "verifiers:<env_id>" in capsys.readouterr().out
+    assert "verifiers:<taskset_id>" in capsys.readouterr().out
