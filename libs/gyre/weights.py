@@ -29,7 +29,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,10 +137,12 @@ class WeightStore:
         """The published version `step` as a `WeightsVersion` (WeightsError if missing or incomplete)."""
         return WeightsVersion(step, self.digest(step), FOLDER, str(self.path(step)))
 
-    def publish(self, step: int, write_fn: Callable[[Path], None]) -> WeightsVersion:
+    def publish(self, step: int, write_fn: Callable[[Path], Mapping[str, str] | None]) -> WeightsVersion:
         """Make version `step` from the files `write_fn(folder)` writes; returns its path and digest.
 
-        Republishing an existing step with identical files is a no-op that returns the existing
+        `write_fn` may return {relative posix name: sha256} of files it hashed while writing them
+        (`gyre.fsio.write_hashed`: the large weights file is then never read back); the store hashes the
+        others. Republishing an existing step with identical files is a no-op that returns the existing
         digest (a trainer restarted after publishing but before acking); different files replace it.
         """
         _check_step(step)
@@ -151,19 +153,25 @@ class WeightStore:
         lock_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            write_fn(tmp)
+            hashed = write_fn(tmp)
+            hashed = dict(hashed) if isinstance(hashed, Mapping) else {}
             if (tmp / MANIFEST).exists():
                 raise WeightsError(f"write_fn must not write {MANIFEST} itself")
             written = sorted(p for p in tmp.rglob("*") if p.is_file())
             if not written:
                 raise WeightsError(f"write_fn wrote no files for step {step}")
+            names = {f.relative_to(tmp).as_posix(): f for f in written}
+            if hashed.keys() - names.keys():
+                raise WeightsError(
+                    f"write_fn returned hashes of files it did not write: {sorted(hashed.keys() - names.keys())}"
+                )
             # Durability costs journal commits, not bytes, for all but the largest files: the disk flushes
-            # the files while they are hashed (from the page cache), then the manifest, the files (a no-op
+            # the files while the rest are hashed (from the page cache), then the manifest, the files (a no-op
             # when flushed) and the folders are fsynced together, sharing one commit; the rename needs one more.
             with ThreadPoolExecutor(1) as pool:
                 flushed = pool.submit(fsync_files, written)
-                files = {f.relative_to(tmp).as_posix(): {"sha256": _sha256_file(f), "bytes": f.stat().st_size}
-                         for f in written}  # fmt: skip
+                files = {name: {"sha256": hashed.get(name) or _sha256_file(f), "bytes": f.stat().st_size}
+                         for name, f in names.items()}  # fmt: skip
                 manifest = json.dumps({"step": step, "files": files, "created": time.time()}, indent=1, sort_keys=True)
                 # no temp name needed: nothing in `tmp` is visible before the folder's rename
                 write_file(tmp / MANIFEST, manifest.encode())

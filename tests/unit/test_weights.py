@@ -91,6 +91,32 @@ def test_failed_write_fn_leaves_nothing(store):
     assert store.steps() == [] and list(store.root.iterdir()) == []
 
 
+def test_files_hashed_while_written_are_not_hashed_again(store, monkeypatch):
+    from gyre import weights
+    from gyre.fsio import write_hashed
+
+    chunks = [b"head", memoryview(b"x" * 5000), bytearray(b"tail")]
+    reread = []
+    monkeypatch.setattr(weights, "_sha256_file", lambda path: reread.append(path.name) or "0" * 64)
+
+    def write(folder: Path) -> dict[str, str]:
+        (folder / "config.json").write_text("{}")
+        return {"model.safetensors": write_hashed(folder / "model.safetensors", chunks)}
+
+    published = store.publish(1, write)
+    data = (published.path / "model.safetensors").read_bytes()
+    assert (
+        data == b"head" + b"x" * 5000 + b"tail"
+        and oct(os.stat(published.path / "model.safetensors").st_mode)[-3:] == "644"
+    )
+    manifest = store.verify(1, published.digest, full=False)
+    assert manifest.files["model.safetensors"] == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    assert reread == ["config.json"]  # only the file nobody hashed was read back
+    with pytest.raises(WeightsError, match="did not write"):
+        store.publish(2, lambda folder: writer()(folder) or {"ghost.bin": "0" * 64})
+    assert store.steps() == [1]
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [

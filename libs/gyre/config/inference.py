@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from gyre.config.loader import Section
 from gyre.config.shared import ModelConfig, ServiceConfig
+
+# The adapter ranks vLLM can allocate (vllm.config.lora.MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ServerConfig(Section):
@@ -45,6 +48,26 @@ class EngineConfig(Section):
         "(affinity and cgroup quota) minus one for the HTTP loop, at least 1.",
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of GPU memory to use.")
+    max_lora_rank: int | None = Field(
+        None,
+        description="vLLM: serve LoRA adapter versions (trainer.lora.publish = adapter) up to this rank, one of "
+        f"{', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's sizes; at least trainer.lora.rank); unset = the vLLM "
+        "backend refuses adapter versions. The torch backend applies adapters without it (its named adapter "
+        "slots are lora.max_adapters / lora.max_rank).",
+    )
+    max_loras: int = Field(
+        2,
+        ge=1,
+        description="vLLM with max_lora_rank: adapters in one batch (2: requests started before a swap finish "
+        "with their adapter while new ones use the next).",
+    )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_lora_rank(cls, value: int | None) -> int | None:
+        if value is not None and value not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {list(VLLM_LORA_RANKS)} (vLLM's sizes), got {value}")
+        return value
 
 
 class InferenceLoraConfig(Section):

@@ -37,7 +37,8 @@ def make_backend(config: InferenceConfig) -> Backend:
 
         return VLLMBackend(config.model.name, dtype=config.model.dtype, max_model_len=engine.max_model_len,
                            seed=engine.seed, gpu_memory_utilization=engine.gpu_memory_utilization,
-                           max_num_seqs=engine.max_batch_size)  # fmt: skip
+                           max_num_seqs=engine.max_batch_size, max_lora_rank=engine.max_lora_rank,
+                           max_loras=engine.max_loras)  # fmt: skip
     from gyre_inference.torch_backend import TorchBackend
 
     lora = config.lora

@@ -16,11 +16,21 @@ How it maps onto vLLM:
 - versions: a token is stamped with the version current when its output reaches us. Tokens cannot
   be computed while paused, so the stamp is exact up to outputs already in transit at pause time
   (vLLM flushes those during pause_generation).
+- LoRA adapter versions (a folder with `adapter_config.json`, `trainer.lora.publish = "adapter"`): the
+  engine starts with `enable_lora` (`engine.max_lora_rank`, `engine.max_loras`); each adapter version
+  becomes a `LoRARequest` with a new `lora_int_id` (vLLM caches adapters by id, so a reused id would keep
+  serving the old tensors), registered with `add_lora` (loaded before the swap counts as done) and
+  passed with every new generate request. vLLM binds an adapter to a request for its whole life, so a
+  request started before a swap finishes with its adapter and its tokens carry that adapter's version;
+  older adapters leave vLLM's LRU cache as new ones arrive. Adapters apply to the base weights: after
+  a full-weights version the base is reloaded first. No pause and no prefix-cache reset: vLLM keys
+  cached blocks by adapter.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import struct
@@ -92,6 +102,26 @@ def token_events(
     return events
 
 
+def adapter_rank(folder: Path, max_lora_rank: int | None) -> int:
+    """The rank of the PEFT adapter in `folder`, checked against what the engine was started for."""
+    from gyre.lora import ADAPTER_CONFIG, config_scale
+
+    if max_lora_rank is None:
+        raise WeightsIncompatibleError(
+            f"{folder} is a LoRA adapter: start the vLLM backend with engine.max_lora_rank set to serve adapters"
+        )
+    try:
+        config = json.loads((Path(folder) / ADAPTER_CONFIG).read_bytes())
+        config_scale(config)  # r and lora_alpha usable, no rsLoRA/DoRA (the trainer never writes those)
+    except (OSError, ValueError) as error:
+        raise WeightsIncompatibleError(f"{folder}: not a usable LoRA adapter ({error})") from None
+    if config["r"] > max_lora_rank:
+        raise WeightsIncompatibleError(
+            f"{folder}: adapter rank {config['r']} exceeds engine.max_lora_rank {max_lora_rank}"
+        )
+    return int(config["r"])
+
+
 class GyreWorkerExtension:
     """Mixed into vLLM's worker (engine arg `worker_extension_cls`); its methods run in every worker."""
 
@@ -120,6 +150,8 @@ class VLLMBackend(Backend):
         gpu_memory_utilization: float = 0.85,
         max_num_seqs: int = 64,
         enable_prefix_caching: bool = True,
+        max_lora_rank: int | None = None,
+        max_loras: int = 2,
     ):
         self.model_path = Path(model_path)
         self._engine_kwargs = dict(
@@ -128,8 +160,14 @@ class VLLMBackend(Backend):
             enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", max_logprobs=20,
             worker_extension_cls=EXTENSION,
         )  # fmt: skip
+        self.max_lora_rank = max_lora_rank
+        if max_lora_rank is not None:
+            self._engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=max_loras)
         self._engine = None
         self._version = 0
+        self._lora = None  # the LoRARequest of the adapter version served (None: full weights)
+        self._lora_ids = itertools.count(1)  # vLLM wants ids > 0, one per adapter it should (re)load
+        self._base_loaded = True  # the engine holds the base model's weights (what adapters apply to)
         self._max_model_len = 0
         self._running = 0
 
@@ -175,14 +213,18 @@ class VLLMBackend(Backend):
             stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
             detokenize=False, output_kind=RequestOutputKind.DELTA,
         )  # fmt: skip
-        stream = self._engine.generate({"prompt_token_ids": list(prompt)}, vllm_params, uuid.uuid4().hex)
+        lora, lora_version = self._lora, self._version  # an adapter stays with its request to the end
+        stream = self._engine.generate(
+            {"prompt_token_ids": list(prompt)}, vllm_params, uuid.uuid4().hex, lora_request=lora
+        )
         self._running += 1
         try:
             async for output in stream:
                 completion = output.outputs[0]
                 finish = completion.finish_reason if output.finished else None
+                version = lora_version if lora is not None else self._version
                 for event in token_events(
-                    completion.token_ids, completion.logprobs, finish, self._version, params.top_logprobs
+                    completion.token_ids, completion.logprobs, finish, version, params.top_logprobs
                 ):
                     yield event
                 if output.finished:
@@ -192,15 +234,37 @@ class VLLMBackend(Backend):
             await stream.aclose()  # aborts the vLLM request when we stop early
 
     async def update_weights(self, path: Path, version: int) -> None:
-        await asyncio.to_thread(check_same_layout, self.model_path, Path(path))
+        from gyre.lora import ADAPTER_CONFIG
+
+        if (Path(path) / ADAPTER_CONFIG).is_file():
+            await self._use_adapter(Path(path), version)
+            return
+        await self._load_full(Path(path))
+        self._lora, self._version = None, version
+        self._base_loaded = Path(path) == self.model_path
+
+    async def _load_full(self, path: Path) -> None:
+        await asyncio.to_thread(check_same_layout, self.model_path, path)
         await self._pause()
         try:
             await self._engine.collective_rpc("gyre_load_weights", args=(str(path),))
-            self._version = version
         finally:
             await self._engine.resume_generation()
         if await self._engine.reset_prefix_cache() is False:
             log.warning("vLLM kept prefix-cache blocks still in use: they were computed by the previous weights")
+
+    async def _use_adapter(self, path: Path, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        await asyncio.to_thread(adapter_rank, path, self.max_lora_rank)
+        if not self._base_loaded:  # the engine serves a full-weights version: adapters apply to the base
+            await self._load_full(self.model_path)
+            self._base_loaded = True
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(lora_name=f"gyre-{lora_id}-step_{version}", lora_int_id=lora_id, lora_path=str(path))
+        if not await self._engine.add_lora(request):
+            raise WeightsIncompatibleError(f"{path}: vLLM did not load the adapter")
+        self._lora, self._version = request, version
 
     async def reload_base(self) -> None:
         await self.update_weights(self.model_path, 0)

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre.fsio import write_file, write_hashed
 from gyre.transport import FolderStore
 from gyre.weights import WeightsVersion
 
@@ -60,18 +61,53 @@ def servable_tensors(state_dict: dict[str, Any], config) -> dict[str, Any]:
     return tensors
 
 
-def write_hf_folder(folder: Path, state_dict: dict[str, Any], config, base_model: Path | str) -> None:
-    """Write a complete HF model folder (weights, config, tokenizer files of `base_model`) into `folder`."""
-    from safetensors.torch import save_file
+# safetensors' dtype names (https://github.com/huggingface/safetensors, format: 8-byte header length, JSON header)
+_SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}  # fmt: skip
 
+
+def safetensors_chunks(tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> list[Any]:
+    """A safetensors file of contiguous CPU `tensors` as buffers: the header, then each tensor's own memory.
+
+    The bytes are exactly what `safetensors.torch.save` produces (tensors ordered by element size, then
+    name; header padded to 8 bytes), without first copying every tensor into one bytes object: the
+    publisher writes and hashes the tensors' memory directly (`gyre.fsio.write_hashed`)."""
+    import torch
+
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    views, offset = [], 0
+    for name in order:
+        tensor = tensors[name]
+        dtype = _SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
+        if dtype is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(
+                f"tensor {name}: cannot write {tensor.dtype} on {tensor.device} (contiguous CPU tensors only)"
+            )
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        if nbytes:
+            views.append(tensor.reshape(-1).view(torch.uint8).numpy())  # a view: no copy
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little") + text, *views]
+
+
+def write_hf_folder(folder: Path, state_dict: dict[str, Any], config, base_model: Path | str) -> dict[str, str]:
+    """Write a complete HF model folder (weights, config, tokenizer files of `base_model`) into `folder`;
+    returns the weights file's sha256 under its name (hashed while written, for the store's manifest)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(servable_tensors(state_dict, config), folder / WEIGHTS_FILE, metadata={"format": "pt"})
+    chunks = safetensors_chunks(servable_tensors(state_dict, config), {"format": "pt"})
+    # inference pods may run as another user of the volume's group: never leave 0600 files behind
+    hashed = {WEIGHTS_FILE: write_hashed(folder / WEIGHTS_FILE, chunks, mode=0o644)}
     config.to_json_file(folder / "config.json")
-    for file in folder.iterdir():
-        # inference pods may run as another user of the volume's group: never leave 0600 files behind
-        file.chmod(0o644)
+    (folder / "config.json").chmod(0o644)
     copy_tokenizer_files(base_model, folder)
+    return hashed
 
 
 def copy_tokenizer_files(base_model: Path | str, folder: Path) -> list[str]:
@@ -113,10 +149,10 @@ class WeightPublisher:
         self.keep_last = keep_last
 
     def publish(self, step: int, state_dict: dict[str, Any], config, record: dict[str, Any]) -> WeightsVersion:
-        def write(folder: Path) -> None:
-            write_hf_folder(folder, state_dict, config, self.base_model)
-            (folder / STEP_RECORD).write_text(json.dumps(record, sort_keys=True))
-            (folder / STEP_RECORD).chmod(0o644)
+        def write(folder: Path) -> dict[str, str]:
+            hashed = write_hf_folder(folder, state_dict, config, self.base_model)
+            write_file(folder / STEP_RECORD, json.dumps(record, sort_keys=True).encode())
+            return hashed
 
         return self.sink.publish(step, write)
 
