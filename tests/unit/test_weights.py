@@ -92,10 +92,11 @@ def test_failed_write_fn_leaves_nothing(store):
 
 
 def test_files_hashed_while_written_are_not_hashed_again(store, monkeypatch):
-    from gyre import weights
+    from gyre import fsio, weights
     from gyre.fsio import write_hashed
 
     chunks = [b"head", memoryview(b"x" * 5000), bytearray(b"tail")]
+    monkeypatch.setattr(fsio, "_FLUSH_BYTES", 1000)  # written in slices, flushed while writing
     reread = []
     monkeypatch.setattr(weights, "_sha256_file", lambda path: reread.append(path.name) or "0" * 64)
 
