@@ -9,6 +9,7 @@ removes once stale.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -60,35 +61,39 @@ def write_file(path: Path, data: bytes, mode: int = 0o644) -> Path:
     return Path(path)
 
 
-def write_hashed(path: Path, chunks: Sequence[bytes | memoryview], mode: int = 0o644) -> str:
-    """Create `path` with the concatenated `chunks`, fsync it, and return its sha256.
+# write_hashed: the write size, the flush interval and the size from which writing, hashing and flushing overlap
+_FLUSH_BYTES = 32 << 20
 
-    Three things overlap instead of following each other: this thread writes, a second one hashes the
-    same buffers (both release the GIL; no byte is read back), and a third flushes what is already
-    written (`fdatasync` every `_FLUSH_BYTES`), so the final fsync only waits for the tail. Not atomic
-    (as `write_file`): for files of a folder committed as a whole."""
-    with ThreadPoolExecutor(2) as pool:
-        digest = pool.submit(_sha256_of, chunks)
+
+def write_hashed(path: Path, chunks: Sequence[bytes | memoryview], mode: int = 0o644) -> str:
+    """Create `path` with the concatenated `chunks` and return its sha256; not fsynced, as `write_file`
+    (for files of a folder that is fsynced and renamed into view as a whole).
+
+    From `_FLUSH_BYTES` on, three things overlap instead of following each other: this thread writes, a
+    second one hashes the same buffers (both release the GIL; no byte is read back), and a third flushes
+    what is already written (`fdatasync` every `_FLUSH_BYTES`), so the folder's fsync only waits for the
+    tail. Smaller files are written, then hashed, in this thread: on a busy machine handing work to
+    other threads costs more than hashing a few MB."""
+    overlap = sum(memoryview(chunk).nbytes for chunk in chunks) >= _FLUSH_BYTES
+    with ThreadPoolExecutor(2) if overlap else contextlib.nullcontext() as pool:
+        digest = pool.submit(_sha256_of, chunks) if overlap else None
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        flushing = None
         try:
             os.fchmod(fd, mode)  # regardless of the umask
-            flushing, unflushed = None, 0
+            unflushed = 0
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
                 while view:  # a write may be short (Linux caps one write at ~2 GiB)
                     written = os.write(fd, view[:_FLUSH_BYTES])
                     view, unflushed = view[written:], unflushed + written
-                    if unflushed >= _FLUSH_BYTES and (flushing is None or flushing.done()):
+                    if overlap and unflushed >= _FLUSH_BYTES and (flushing is None or flushing.done()):
                         flushing, unflushed = pool.submit(os.fdatasync, fd), 0
+        finally:
             if flushing is not None:
                 flushing.result()
-            os.fsync(fd)
-        finally:
             os.close(fd)
-        return digest.result()
-
-
-_FLUSH_BYTES = 32 << 20
+        return digest.result() if overlap else _sha256_of(chunks)
 
 
 def _sha256_of(chunks: Sequence[bytes | memoryview]) -> str:

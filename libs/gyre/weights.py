@@ -30,7 +30,6 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,18 +164,15 @@ class WeightStore:
                 raise WeightsError(
                     f"write_fn returned hashes of files it did not write: {sorted(hashed.keys() - names.keys())}"
                 )
-            # Durability costs journal commits, not bytes, for all but the largest files: the disk flushes
-            # the files while the rest are hashed (from the page cache), then the manifest, the files (a no-op
-            # when flushed) and the folders are fsynced together, sharing one commit; the rename needs one more.
-            with ThreadPoolExecutor(1) as pool:
-                flushed = pool.submit(fsync_files, written)
-                files = {name: {"sha256": hashed.get(name) or _sha256_file(f), "bytes": f.stat().st_size}
-                         for name, f in names.items()}  # fmt: skip
-                manifest = json.dumps({"step": step, "files": files, "created": time.time()}, indent=1, sort_keys=True)
-                # no temp name needed: nothing in `tmp` is visible before the folder's rename
-                write_file(tmp / MANIFEST, manifest.encode())
-                fsync_files([tmp / MANIFEST, *written, *{p.parent for p in tmp.rglob("*")}])
-                flushed.result()
+            # Durability costs journal commits, not bytes: the manifest, the files (flushed while written by
+            # `fsio.write_hashed`) and the folders are fsynced together, sharing one commit; the rename needs
+            # one more. Files the writer did not hash are hashed here first, from the page cache.
+            files = {name: {"sha256": hashed.get(name) or _sha256_file(f), "bytes": f.stat().st_size}
+                     for name, f in names.items()}  # fmt: skip
+            manifest = json.dumps({"step": step, "files": files, "created": time.time()}, indent=1, sort_keys=True)
+            # no temp name needed: nothing in `tmp` is visible before the folder's rename
+            write_file(tmp / MANIFEST, manifest.encode())
+            fsync_files([tmp / MANIFEST, *written, *{p.parent for p in tmp.rglob("*")}])
             final = self.path(step)
             if final.exists() and self._same_files(final, files):
                 shutil.rmtree(tmp)

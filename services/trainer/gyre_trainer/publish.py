@@ -90,7 +90,7 @@ def safetensors_chunks(tensors: dict[str, Any], metadata: dict[str, str] | None 
         header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
         if nbytes:
-            views.append(tensor.reshape(-1).view(torch.uint8).numpy())  # a view: no copy
+            views.append((tensor if tensor.dim() else tensor.reshape(1)).view(torch.uint8).numpy())  # no copy
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return [len(text).to_bytes(8, "little") + text, *views]
