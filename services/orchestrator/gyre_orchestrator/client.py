@@ -23,6 +23,7 @@ import logging
 import random
 from typing import Any
 
+import httpx
 import openai
 from gyre.envs import Messages, SamplingParams, ToolCall, Turn
 
@@ -31,6 +32,11 @@ from gyre_orchestrator.replicas import NoReplicaAvailable, Replica, ReplicaSet
 log = logging.getLogger(__name__)
 
 CONNECTIONS_PER_CLIENT = 8
+# An idle pooled connection is dropped after this long. It must be shorter than the server's keep-alive
+# (uvicorn's and vLLM's default: 5 s): at equal timeouts (httpx's default is also 5 s) the client
+# sometimes sends on a connection the server is closing, and the request fails as a connection error
+# that takes a healthy replica out of rotation.
+KEEPALIVE_EXPIRY_S = 2.0
 _RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError, openai.RateLimitError)
 
 
@@ -197,6 +203,11 @@ class InferenceClient:
             api_key=self.api_key or "unused",
             max_retries=0,  # retries are ours: they move to another replica
             timeout=self.timeout_s,
+            http_client=openai.DefaultAsyncHttpxClient(
+                limits=httpx.Limits(
+                    max_connections=1000, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_EXPIRY_S
+                )
+            ),
         )
 
     async def _model_name(self, replica: Replica, client: openai.AsyncOpenAI) -> str:
