@@ -1,6 +1,6 @@
 """Decode throughput of the torch backend with named adapters (multi-run), side by side in one run.
 
-    .venv/bin/python scripts/bench_adapter_bank.py /tmp/adapter-bench
+    .venv/bin/python scripts/bench_adapter_bank.py /tmp/adapter-bench [rounds, default 5]
 
 Tiny model on CPU, one thread, 32 sequences x 64 tokens: no adapter bank vs a bank (2 slots, rank 16 on
 every projection) with every row on the base, every row on one adapter, and rows mixed over two
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,7 +52,7 @@ async def rate(engine: TorchBackend, names: list[str | None], n: int = 32, token
     return sum(done) / (time.perf_counter() - start)
 
 
-async def main(out: Path) -> None:
+async def main(out: Path, rounds: int) -> None:
     model = out / "tiny"
     if not model.exists():
         init_model(model, preset="tiny", seed=0)
@@ -63,15 +64,18 @@ async def main(out: Path) -> None:
     await bank.start()
     await bank.update_adapter("a", out / "a1", 1)
     await bank.update_adapter("b", out / "a2", 1)
+    cases = {"bank, base rows": [None], "all rows adapter a": ["a"], "mixed a/b/base": ["a", "b", None]}
+    ratios: dict[str, list[float]] = {label: [] for label in cases}
     try:
-        for _ in range(2):
+        for _ in range(rounds):  # each round: the reference, then every case right after it
             base = await rate(plain, [None])
-            cases = {"bank, base rows": [None], "all rows adapter a": ["a"], "mixed a/b/base": ["a", "b", None]}
             line = [f"no bank {base:.0f} tok/s"]
             for label, names in cases.items():
                 value = await rate(bank, names)
+                ratios[label].append(value / base)
                 line.append(f"{label} {value:.0f} ({value / base:.2f}x)")
             print(" | ".join(line), flush=True)
+        print("medians: " + " | ".join(f"{k} {statistics.median(v):.2f}x" for k, v in ratios.items()))
     finally:
         await plain.shutdown()
         await bank.shutdown()
@@ -80,4 +84,4 @@ async def main(out: Path) -> None:
 if __name__ == "__main__":
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/adapter-bench")
     folder.mkdir(parents=True, exist_ok=True)
-    asyncio.run(main(folder))
+    asyncio.run(main(folder, int(sys.argv[2]) if len(sys.argv) > 2 else 5))
