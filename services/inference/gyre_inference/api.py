@@ -2,7 +2,8 @@
 
 Routes:
 - `GET /health` (liveness: the process answers), `GET /ready` (200 once the model is loaded, 503
-  before and while shutting down), `GET /metrics` (when `metrics.port` is unset).
+  before and while shutting down), `GET /version` (vLLM's route: the gyre version), `GET /metrics`
+  (when `metrics.port` is unset).
 - `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, `POST /tokenize`,
   `POST /detokenize`: these need `Authorization: Bearer <auth.api_key>` when a key is configured,
   and answer 503 until the model is loaded.
@@ -152,6 +153,12 @@ def create_app(state: AppState) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok"}
 
+    @app.get("/version", summary="The gyre version serving (vLLM's route).")
+    async def version() -> dict:
+        from gyre import __version__
+
+        return {"version": __version__}
+
     @app.get("/ready", summary="Readiness: the model is loaded and the server is not shutting down.")
     async def ready():
         if not state.ready:
@@ -167,7 +174,7 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/v1/models", summary="The served model.")
     async def models() -> dict:
         card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "gyre",
-                "root": state.model_path, "max_model_len": state.backend.max_model_len,
+                "root": state.model_path, "parent": None, "max_model_len": state.backend.max_model_len,
                 "policy_version": state.backend.version}  # fmt: skip
         # named adapters (multi-run) in vLLM's shape: their own id, the served model as parent
         adapters = [
@@ -191,10 +198,16 @@ def create_app(state: AppState) -> FastAPI:
         if isinstance(body, TokenizeChatRequest):
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
             messages = [message.model_dump(exclude_none=True) for message in body.messages]
-            tokens = await asyncio.to_thread(state.text.chat_prompt, messages, tools, body.add_generation_prompt)
+            tokens = await asyncio.to_thread(
+                state.text.chat_prompt, messages, tools, body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs,
+                add_special_tokens=body.add_special_tokens,
+            )  # fmt: skip
         else:
-            tokens = await asyncio.to_thread(state.text.encode, body.prompt)
-        return {"count": len(tokens), "max_model_len": state.backend.max_model_len, "tokens": tokens}
+            tokens = await asyncio.to_thread(state.text.encode, body.prompt, body.add_special_tokens)
+        strings = state.text.token_strings(tokens) if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": state.backend.max_model_len, "tokens": tokens,
+                "token_strs": strings}  # fmt: skip
 
     @app.post("/detokenize", summary="vLLM-compatible: token ids to text.")
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -43,6 +43,11 @@ class SamplingParams:
     top_logprobs: int = 0
     # Named LoRA adapter to sample with (multi-run: the run's model name); None = the served model itself.
     adapter: str | None = None
+    # (token id, bias) pairs added to the logits before sampling (ids < vocabulary size). The reported
+    # log-probs are then those of the biased distribution, which is what was sampled from.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The stop token ids cannot be sampled before this many tokens (their logits are -inf until then).
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)

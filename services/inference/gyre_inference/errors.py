@@ -50,8 +50,10 @@ def _is_member(part: Any) -> bool:
 
 def _field_path(loc: tuple[Any, ...]) -> str | None:
     # ("body", "messages", 0, "user", "content") -> "messages.0.content": drop the body prefix and the
-    # names pydantic inserts for union members (tags and type names), keep field names and indices.
-    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (isinstance(p, str) and p.isidentifier())]
+    # names pydantic inserts for union members (tags, type names and model class names such as
+    # `TokenizeChatRequest`), keep field names, indices and dict keys that are numbers (logit_bias.5).
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (isinstance(p, str) and (p.isdigit() or (
+        p.isidentifier() and not p[0].isupper())))]  # fmt: skip
     parts = [p for p in parts if p not in ("system", "developer", "user", "assistant", "tool", *_SCALARS)]
     return ".".join(parts) or None
 
@@ -105,6 +107,10 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if loc == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return "request body must be a JSON object", None
     param = _field_path(loc)
+    from gyre_inference.protocol import UNSUPPORTED_FIELDS  # (protocol does not import this module)
+
+    if first.get("type") == "extra_forbidden" and param in UNSUPPORTED_FIELDS:
+        return f"{param}: not supported: {UNSUPPORTED_FIELDS[param]}", param
     union = _union_message(errors)
     if union is not None:
         return union, param

@@ -124,6 +124,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                         "created": {"type": "integer"},
                         "owned_by": {"type": "string"},
                         "root": {"type": "string"},
+                        "parent": {"anyOf": [{"type": "string"}, {"type": "null"}]},
                         "max_model_len": {"type": "integer"},
                         "policy_version": {"type": "integer"},
                     },
@@ -133,11 +134,17 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "TokenizeResponse": {
         "type": "object",
-        "required": ["count", "max_model_len", "tokens"],
-        "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"}, "tokens": _INT_LIST},
+        "required": ["count", "max_model_len", "tokens", "token_strs"],
+        "properties": {
+            "count": {"type": "integer"},
+            "max_model_len": {"type": "integer"},
+            "tokens": _INT_LIST,
+            "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+        },
     },
     "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
     "Health": {"type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}},
+    "Version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
     "Ready": {
         "type": "object",
         "required": ["status", "model", "policy_version"],
@@ -207,13 +214,15 @@ def _error(status: int) -> dict:
 
 
 def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
-    if path not in _API and path not in ("/health", "/ready", "/metrics"):
+    if path not in _API and path not in ("/health", "/ready", "/metrics", "/version"):
         # A route registered by another module (e.g. the tokens-in route): keep its 200, and document the
         # errors every API route can send instead of FastAPI's 422.
         kept = {status: response for status, response in generated.items() if status != "422"}
         return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)}
     if path == "/health":
         return {"200": {"description": "The process answers.", "content": _json("Health")}}
+    if path == "/version":
+        return {"200": {"description": "The gyre version serving.", "content": _json("Version")}}
     if path == "/ready":
         return {"200": {"description": "Ready.", "content": _json("Ready")}, "503": _error(503)}
     if path == "/metrics":

@@ -4,7 +4,7 @@ Strict means: unknown fields are errors, and values are never coerced across JSO
 (`"logprobs": 0` is not a bool, `"n": "2"` is not an int, `"temperature": 1` is a fine float).
 Every validation failure becomes a 400 with OpenAI's error JSON naming the field (see errors.py).
 
-Fields OpenAI defines but this server cannot honour (penalties, logit_bias, echo, suffix, ...) are
+Fields OpenAI defines but this server cannot honour (penalties, best_of > 1, suffix, ...) are
 accepted only with their neutral value, so a client that sends the default explicitly still works
 and one that relies on the feature gets a clear 400 instead of a silently different answer.
 Responses are built as plain dicts in serving.py; their shape is documented in docs/inference.md.
@@ -20,14 +20,41 @@ MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256  # prompts in one completions request (each gets n choices)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+
+
+# vLLM request fields this server refuses, with the reason the 400 gives (docs/inference.md, "Compatibility").
+_NO_PROMPT_LOGPROBS = "the engine does not compute the log-probs of prompt tokens"
+_NO_PENALTIES = "the sampler has temperature, top_p, logit_bias and min_tokens only"
+_NO_CONSTRAINTS = "this server has no constrained (structured-output) decoding"
+UNSUPPORTED_FIELDS = {
+    "prompt_logprobs": _NO_PROMPT_LOGPROBS,
+    "use_beam_search": "no beam search (ask for n choices instead)",
+    "repetition_penalty": _NO_PENALTIES, "top_k": _NO_PENALTIES, "min_p": _NO_PENALTIES,
+    "structured_outputs": _NO_CONSTRAINTS, "guided_json": _NO_CONSTRAINTS, "guided_regex": _NO_CONSTRAINTS,
+    "guided_choice": _NO_CONSTRAINTS, "guided_grammar": _NO_CONSTRAINTS,
+    "truncate_prompt_tokens": "prompts are never truncated (a prompt too long is a 400)",
+    "prompt_embeds": "prompts are text or token ids",
+}  # fmt: skip
+
+
+_NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "use_beam_search": (False,),
+            "skip_special_tokens": (True,)}  # fmt: skip
+UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out of the text"
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+
+
 class StreamOptions(StrictModel):
-    include_usage: bool = Field(False, description="Send a last chunk with usage and no choices before [DONE].")
+    include_usage: bool | None = Field(None, description="Send a last chunk with usage and no choices before [DONE].")
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM extension: with include_usage, every chunk also carries the usage so far."
+    )
 
 
 class SamplingRequest(StrictModel):
@@ -43,22 +70,59 @@ class SamplingRequest(StrictModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, max_length=64, description="vLLM extension: extra token ids that end a choice."
     )
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="Same seed + request + weights = same output.")
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**63 - 1, description="Same seed + request + weights = same output (a 64-bit integer)."
+    )
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="Ignored.")
     presence_penalty: float = Field(0.0, ge=0, le=0, description="Not supported; only 0 is accepted.")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="Not supported; only 0 is accepted.")
     ignore_eos: bool = Field(False, description="vLLM extension: do not stop at the end-of-sequence token.")
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="Token id (as a string) -> bias added to its logit."
+    )
+    min_tokens: int = Field(
+        0, ge=0, description="vLLM extension: no end-of-turn token, stop token id or stop string before this many."
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM extension: keep the stop string that ended a choice in its text."
+    )
+    return_tokens_as_token_ids: bool = Field(
+        False, description='vLLM extension: log-prob entries name tokens as "token_id:{id}".'
+    )
     return_token_ids: bool = Field(
         False, description="vLLM extension: prompt_token_ids and per-choice token_ids in the response."
     )
+    # vLLM sampling fields clients send at their neutral value (RL frameworks often do): accepted only so.
+    top_k: int | None = Field(None, description="vLLM extension; only -1 or 0 (off).")
+    min_p: float | None = Field(None, description="vLLM extension; only 0 (off).")
+    repetition_penalty: float | None = Field(None, description="vLLM extension; only 1 (off).")
+    use_beam_search: bool = Field(False, description="vLLM extension; only false.")
+    skip_special_tokens: bool = Field(True, description="vLLM extension; only true (special tokens never shown).")
+
+    @field_validator("top_k", "min_p", "repetition_penalty", "use_beam_search", "skip_special_tokens")
+    @classmethod
+    def _neutral_only(cls, value, info):
+        if value is not None and value not in _NEUTRAL[info.field_name]:
+            name = info.field_name
+            raise ValueError(f"only {_NEUTRAL[name][0]!r} is supported: {UNSUPPORTED_FIELDS[name]}")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
+
+    def check_min_tokens(self, max_tokens: int | None) -> None:
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})")
+
+    @property
+    def usage_every_chunk(self) -> bool:
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
 
 # ---- chat -------------------------------------------------------------------------------------------
@@ -164,6 +228,15 @@ class ChatCompletionRequest(SamplingRequest):
     )
     parallel_tool_calls: bool | None = Field(None, description="Accepted; several calls are always parsed.")
     add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant header.")
+    continue_final_message: bool = Field(
+        False, description="vLLM extension: the prompt ends inside the last (assistant) message; the model goes on."
+    )
+    echo: bool = Field(
+        False, description="vLLM extension: content starts with the last message's content when it is an assistant's."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: extra variables for the chat template (e.g. enable_thinking)."
+    )
     response_format: ResponseFormat | None = Field(None, description='Only {"type": "text"}.')
 
     @field_validator("tool_choice")
@@ -179,6 +252,9 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs requires logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_completion_tokens or max_tokens, not both")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (they contradict each other)")
+        self.check_min_tokens(self.completion_limit)
         return self
 
     @property
@@ -199,9 +275,20 @@ class CompletionRequest(SamplingRequest):
     )
     max_tokens: int | None = Field(16, ge=1, description="Default 16 (OpenAI); null = the rest of the context.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Legacy: alternatives per token.")
-    echo: Literal[False] = Field(False, description="Not supported; only false.")
+    echo: bool = Field(False, description="Each choice's text starts with its prompt.")
+    add_special_tokens: bool = Field(True, description="vLLM extension: tokenize a text prompt with special tokens.")
     best_of: int | None = Field(None, ge=1, le=1, description="Not supported beyond 1.")
     suffix: None = Field(None, description="Not supported.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs is not supported: it needs the prompt's log-probs, which this server does not "
+                "compute (use echo without logprobs, or logprobs without echo)"
+            )
+        self.check_min_tokens(self.max_tokens)
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (a string or pre-tokenized ids each)."""
@@ -215,15 +302,25 @@ class CompletionRequest(SamplingRequest):
 class TokenizeCompletionRequest(StrictModel):
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = Field(True, description="Accepted for vLLM compatibility; ChatML adds none.")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS...), as vLLM.")
+    return_token_strs: bool = Field(False, description="Also return each token's string (token_strs).")
 
 
 class TokenizeChatRequest(StrictModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
-    add_special_tokens: bool = Field(False, description="Accepted for vLLM compatibility.")
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = Field(False, description="Add special tokens on top of the template's, as vLLM.")
+    return_token_strs: bool = Field(False, description="Also return each token's string (token_strs).")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (they contradict each other)")
+        return self
 
 
 class DetokenizeRequest(StrictModel):

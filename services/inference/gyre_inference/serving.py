@@ -68,6 +68,9 @@ class Choice:
     stops: list[str]
     parse_tools: bool
     prompt_index: int = 0
+    min_tokens: int = 0  # stop strings count only from this many tokens on (vLLM's min_tokens)
+    include_stop: bool = False  # keep the stop string that ended the choice in its text
+    echo: str = ""  # text shown before the generated text (echo); not part of `text`
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
@@ -104,7 +107,7 @@ class Choice:
         searched_from = len(self.text)
         self.text += piece
         finish = event.finish_reason
-        if self._cut_at_stop(searched_from):
+        if len(self.token_ids) >= self.min_tokens and self._cut_at_stop(searched_from):
             finish = "stop"
         if finish is None:
             end = len(self.text) - self._holdback
@@ -122,9 +125,10 @@ class Choice:
         return Delta(position, self._release(len(self.text)), event.version, self.finish_reason)
 
     def _cut_at_stop(self, searched_from: int) -> bool:
-        hits = [i for stop in self.stops if (i := self.text.find(stop, max(0, searched_from - len(stop) + 1))) >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, searched_from - len(s) + 1))) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            start, stop = min(hits)
+            self.text = self.text[: start + len(stop) if self.include_stop else start]
         return bool(hits)
 
     def _release(self, end: int) -> str:
@@ -166,21 +170,31 @@ class Serving:
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
         messages = [message.model_dump(exclude_none=True) for message in request.messages]
         # Template rendering and tokenization of a large prompt take long: never on the event loop.
-        prompt = await asyncio.to_thread(self.text.chat_prompt, messages, tools, request.add_generation_prompt)
-        job = self._job("chat", request, [prompt], request.completion_limit, "messages", parse_tools, started)
+        prompt = await asyncio.to_thread(
+            self.text.chat_prompt, messages, tools, request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, template_kwargs=request.chat_template_kwargs,
+        )  # fmt: skip
+        # echo (vLLM): the content starts with the last message's when that is the assistant's being continued
+        echo = _text_of(messages[-1].get("content")) if request.echo and messages[-1]["role"] == "assistant" else ""
+        job = self._job("chat", request, [prompt], request.completion_limit, "messages", parse_tools, started, [echo])
         return await self._respond(job, is_disconnected)
 
     async def completions(self, request: CompletionRequest, started: float, is_disconnected=None):
         self._check_model(request.model)
         prompts = await asyncio.to_thread(self._completion_prompts, request)
-        job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started)
+        echoes = None
+        if request.echo:  # each prompt as text: the string sent, or the decoded ids
+            sent = request.prompts()
+            echoes = [p if isinstance(p, str) else await asyncio.to_thread(self.text.decode, p) for p in sent]
+        job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started, echoes)
         return await self._respond(job, is_disconnected)
 
     def _completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompts = []
         for i, prompt in enumerate(request.prompts()):
             param = "prompt" if isinstance(request.prompt, str) or len(request.prompts()) == 1 else f"prompt.{i}"
-            prompts.append(self.text.check_ids(prompt, param) if isinstance(prompt, list) else self.text.encode(prompt))
+            ids = self.text.check_ids(prompt, param) if isinstance(prompt, list) else None
+            prompts.append(ids if ids is not None else self.text.encode(prompt, request.add_special_tokens))
         return prompts
 
     def _check_model(self, model: str) -> str | None:
@@ -190,9 +204,13 @@ class Serving:
         except KeyError:
             raise unknown_model(model, self.model_id) from None
 
-    def _job(self, kind, request, prompts, limit, prompt_param, parse_tools, started) -> _Job:
+    def _job(self, kind, request, prompts, limit, prompt_param, parse_tools, started, echoes=None) -> _Job:
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         stop_ids = set(request.stop_token_ids or []) | (set() if request.ignore_eos else set(self.text.eos_token_ids))
+        logit_bias = tuple((int(token), bias) for token, bias in (request.logit_bias or {}).items())
+        if bad := [token for token, _ in logit_bias if token >= self.text.vocab_size]:
+            raise APIError(400, f"logit_bias: token id {bad[0]} is out of vocabulary (vocabulary size "
+                                f"{self.text.vocab_size})", param="logit_bias")  # fmt: skip
         if isinstance(request, ChatCompletionRequest):
             top = (request.top_logprobs or 0) if request.logprobs else 0
         else:
@@ -209,8 +227,12 @@ class Serving:
                     stop_token_ids=frozenset(stop_ids),
                     top_logprobs=top,
                     adapter=self._check_model(request.model),
+                    logit_bias=logit_bias,
+                    min_tokens=request.min_tokens,
                 )
-                choices.append((p, Choice(len(choices), self.text, stops, parse_tools, p), params))
+                choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
+                                request.include_stop_str_in_output, echoes[p] if echoes else "")  # fmt: skip
+                choices.append((p, choice, params))
         return _Job(kind, request, prompts, choices, started)
 
     def _budget(self, prompt_len: int, requested: int | None, param: str) -> int:
@@ -296,6 +318,13 @@ class Serving:
         head = {"id": _request_id(job.kind), "object": _chunk_object(job), "created": int(time.time()),
                 "model": job.request.model}  # fmt: skip
         every_token = job.request.return_token_ids or _wants_logprobs(job)
+        usage_always = job.request.usage_every_chunk
+
+        def sse(choices: list[dict], extra: dict | None = None) -> str:
+            chunk = {**head, "choices": choices, **(extra or {})}
+            if usage_always:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                chunk["usage"] = self._usage(job)
+            return _sse(chunk)
 
         async def run(p: int, choice: Choice, params: SamplingParams) -> None:
             try:
@@ -310,10 +339,13 @@ class Serving:
                 for _, choice, _ in job.choices:
                     entry = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}  # fmt: skip
-                    chunk = {**head, "choices": [entry]}
-                    if choice.index == 0 and job.request.return_token_ids:
-                        chunk["prompt_token_ids"] = job.prompts[0]
-                    yield _sse(chunk)
+                    first = choice.index == 0 and job.request.return_token_ids
+                    yield sse([entry], {"prompt_token_ids": job.prompts[0]} if first else None)
+            for _, choice, _ in job.choices:
+                if choice.echo:
+                    entry = {"index": choice.index, "logprobs": None, "finish_reason": None}
+                    entry.update({"delta": {"content": choice.echo}} if job.kind == "chat" else {"text": choice.echo})
+                    yield sse([entry])
             remaining = len(job.choices)
             while remaining:
                 item = await queue.get()
@@ -328,7 +360,7 @@ class Serving:
                 choice, delta = item
                 remaining -= delta.finish_reason is not None
                 if delta.text or delta.finish_reason or every_token:
-                    yield _sse({**head, "choices": [self._chunk_choice(job, choice, delta)]})
+                    yield sse([self._chunk_choice(job, choice, delta)])
             if job.request.stream_options and job.request.stream_options.include_usage:
                 yield _sse({**head, "choices": [], "usage": self._usage(job)})
             yield "data: [DONE]\n\n"
@@ -351,7 +383,8 @@ class Serving:
     def _chat_body(self, job: _Job) -> dict:
         choices = []
         for _, choice, _ in job.choices:
-            message = {"role": "assistant", "content": choice.text if (choice.text or not choice.tool_calls) else None}
+            text = choice.echo + choice.text
+            message = {"role": "assistant", "content": text if (text or not choice.tool_calls) else None}
             if choice.tool_calls:
                 message["tool_calls"] = choice.tool_calls
             entry = {"index": choice.index, "message": message, "logprobs": self._chat_logprobs(job, choice),
@@ -368,8 +401,9 @@ class Serving:
     def _completion_body(self, job: _Job) -> dict:
         choices = []
         for p, choice, _ in job.choices:
-            entry = {"index": choice.index, "text": choice.text, "logprobs": self._legacy_logprobs(job, choice),
-                     "finish_reason": choice.finish_reason, **choice.versions()}  # fmt: skip
+            entry = {"index": choice.index, "text": choice.echo + choice.text,
+                     "logprobs": self._legacy_logprobs(job, choice), "finish_reason": choice.finish_reason,
+                     **choice.versions()}  # fmt: skip
             if job.request.return_token_ids:
                 entry["prompt_token_ids"] = job.prompts[p]
                 entry["token_ids"] = choice.token_ids
@@ -407,10 +441,10 @@ class Serving:
         for token_id, logprob, top in zip(
             choice.token_ids[span], choice.logprobs[span], choice.top_logprobs[span], strict=True
         ):
-            token, data = self.text.token(token_id)
+            token, data = self._token(job, token_id)
             alternatives = []
             for alternative, alternative_logprob in top:
-                text, text_bytes = self.text.token(alternative)
+                text, text_bytes = self._token(job, alternative)
                 alternatives.append({"token": text, "logprob": alternative_logprob, "bytes": text_bytes})
             content.append({"token": token, "logprob": logprob, "bytes": data, "top_logprobs": alternatives})
         return {"content": content}
@@ -420,18 +454,32 @@ class Serving:
         if not (isinstance(job.request, CompletionRequest) and job.request.logprobs is not None):
             return None
         start = span.start or 0
-        offset = sum(len(self.text.token(t)[0]) for t in choice.token_ids[:start])
+        offset = len(choice.echo) + sum(len(self.text.token(t)[0]) for t in choice.token_ids[:start])
         tokens, offsets, tops = [], [], []
         for token_id, logprob, top in zip(
             choice.token_ids[span], choice.logprobs[span], choice.top_logprobs[span], strict=True
         ):
-            token = self.text.token(token_id)[0]
+            token = self._token(job, token_id)[0]
             tokens.append(token)
             offsets.append(offset)
-            offset += len(token)
-            tops.append({self.text.token(t)[0]: lp for t, lp in top} | {token: logprob})
+            offset += len(self.text.token(token_id)[0])
+            tops.append({self._token(job, t)[0]: lp for t, lp in top} | {token: logprob})
         return {"tokens": tokens, "token_logprobs": choice.logprobs[span], "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
+
+    def _token(self, job: _Job, token_id: int) -> tuple[str, list[int]]:
+        """(text, bytes) of a token in log-prob entries; "token_id:{id}" with return_tokens_as_token_ids (vLLM)."""
+        if job.request.return_tokens_as_token_ids:
+            name = f"token_id:{token_id}"
+            return name, list(name.encode())
+        return self.text.token(token_id)
+
+
+def _text_of(content) -> str:
+    """A message's content as text (a string, or the concatenated text parts)."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return content or ""
 
 
 def _ignore(*_) -> None:

@@ -53,31 +53,49 @@ class ModelText:
 
     # ---- prompts --------------------------------------------------------------------------------
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         from jinja2 import TemplateError
 
         # OpenAI's `developer` role is what chat templates know as `system`.
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+        template_kwargs = template_kwargs or {}
+        if reserved := sorted(_TEMPLATE_ARGUMENTS & set(template_kwargs)):
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (request fields do)",
+                           param="chat_template_kwargs")  # fmt: skip
+        if continue_final_message and messages[-1].get("role") != "assistant":
+            raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except TemplateError as error:  # the template's own raise_exception (unknown role, ...)
+                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+                continue_final_message=continue_final_message, **template_kwargs,
+            )  # fmt: skip
+        except (TemplateError, ValueError, TypeError) as error:  # raise_exception (unknown role, ...), bad kwargs
             raise APIError(
                 400, f"messages cannot be rendered by the chat template: {error}", param="messages"
             ) from None
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def chat_prompt(self, messages, tools=None, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, tools, add_generation_prompt))
+    def chat_prompt(self, messages, tools=None, add_generation_prompt: bool = True, **options) -> list[int]:
+        """Token ids of the rendered chat; `options`: continue_final_message, template_kwargs, add_special_tokens."""
+        add_special_tokens = options.pop("add_special_tokens", False)
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt, **options), add_special_tokens)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(ids)
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = [i for i in ids if i >= self.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range (vocabulary size {self.vocab_size})", param=param)
+            raise APIError(400, f"token id {bad[0]} is out of vocabulary (vocabulary size {self.vocab_size})",
+                           param=param)  # fmt: skip
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -132,6 +150,14 @@ class IncrementalDecoder:
         after = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
         return after[len(before) :]
+
+
+# apply_chat_template's own arguments: chat_template_kwargs must not override what request fields decide
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 
 def _as_ids(value) -> list[int]:

@@ -445,6 +445,7 @@ class TorchBackend(Backend):
         self._free(self._finished)
 
     def _sample_and_emit(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        logits = self._adjust(seqs, logits)
         temperature = torch.tensor([seq.params.temperature for seq in seqs])
         top_p = torch.tensor([seq.params.top_p for seq in seqs])
         uniform = torch.tensor([seq.rng.random() for seq in seqs], dtype=torch.float64)
@@ -472,6 +473,22 @@ class TorchBackend(Backend):
             seq.finished = reason is not None
         self._deliver(events)
         return tokens.cpu()
+
+    @staticmethod
+    def _adjust(seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """logit_bias, and min_tokens (stop token ids at -inf while fewer tokens were generated); most steps
+        have neither and pay one Python pass over the rows."""
+        rows = [(row, seq.params) for row, seq in enumerate(seqs)
+                if seq.params.logit_bias or seq.generated < seq.params.min_tokens]  # fmt: skip
+        if not rows:
+            return logits
+        logits = logits.float().clone()
+        for row, params in rows:
+            for token, bias in params.logit_bias:
+                logits[row, token] += bias
+            if seqs[row].generated < params.min_tokens and params.stop_token_ids:
+                logits[row, sorted(params.stop_token_ids)] = float("-inf")
+        return logits
 
     @staticmethod
     def _finished(seq: _Sequence) -> bool:

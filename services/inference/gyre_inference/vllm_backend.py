@@ -211,7 +211,8 @@ class VLLMBackend(Backend):
         vllm_params = VLLMSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed,
             stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
-            detokenize=False, output_kind=RequestOutputKind.DELTA,
+            detokenize=False, output_kind=RequestOutputKind.DELTA, min_tokens=params.min_tokens,
+            logit_bias=dict(params.logit_bias) or None,
         )  # fmt: skip
         lora, lora_version = self._lora, self._version  # an adapter stays with its request to the end
         stream = self._engine.generate(

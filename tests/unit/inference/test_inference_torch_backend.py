@@ -106,6 +106,22 @@ async def test_a_stop_token_ends_the_sequence_and_is_its_last_token(backend):
     assert stopped == tokens[: first + 1] and events[-1].finish_reason == "stop"
 
 
+async def test_logit_bias_and_min_tokens_change_the_sampled_distribution_and_its_logprobs(backend, reference):
+    prompt, bias = PROMPTS[0], 2.5
+    tokens, logprobs, _ = await _run(backend, prompt, max_tokens=10, temperature=0.8, seed=4, logit_bias=((7, bias),))
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    logits[:, 7] += bias  # the reported log-prob is that of the biased distribution, which was sampled
+    expected = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4)
+    # the stop token is (almost) certain, yet cannot come before min_tokens; then it ends the sequence
+    stop = {"max_tokens": 10, "seed": 1, "logit_bias": ((9, 100.0),), "stop_token_ids": frozenset({9})}
+    tokens, _, events = await _run(backend, prompt, **stop)
+    assert tokens == [9] and events[-1].finish_reason == "stop"
+    tokens, _, events = await _run(backend, prompt, **stop, min_tokens=4)
+    assert len(tokens) == 5 and 9 not in tokens[:4] and tokens[4] == 9 and events[-1].finish_reason == "stop"
+
+
 async def test_prompt_plus_completion_never_exceeds_the_context(tiny_model):
     engine = TorchBackend(tiny_model, threads=1, max_model_len=32)
     await engine.start()

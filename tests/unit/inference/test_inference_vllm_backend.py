@@ -70,7 +70,8 @@ def test_vllm_api_contract():
     fields = set(inspect.signature(vllm.AsyncEngineArgs).parameters)
     assert {"logprobs_mode", "worker_extension_cls", "max_logprobs", "enable_prefix_caching"} <= fields
     vllm.SamplingParams(n=1, temperature=0.7, top_p=0.9, max_tokens=4, seed=1, stop_token_ids=[2], ignore_eos=True,
-                        logprobs=3, detokenize=False, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+                        logprobs=3, detokenize=False, output_kind=RequestOutputKind.DELTA, min_tokens=2,
+                        logit_bias={5: 1.5})  # fmt: skip
     assert "mode" in inspect.signature(AsyncLLM.pause_generation).parameters
     for method in ("generate", "resume_generation", "collective_rpc", "reset_prefix_cache", "shutdown"):
         assert callable(getattr(AsyncLLM, method))

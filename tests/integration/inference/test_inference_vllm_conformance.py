@@ -1,0 +1,304 @@
+"""What clients written against vLLM's OpenAI server rely on, checked on a real `gyre inference` process.
+
+The behaviours are those vLLM's own OpenAI-server tests check that apply to one model with the chat,
+completions, tokenize, detokenize and models routes (docs/inference.md, "Compatibility"): the
+`stream_options` usage variants, `min_tokens`, `logit_bias`, `include_stop_str_in_output`, `echo`,
+`continue_final_message`, `return_tokens_as_token_ids`, log-prob shapes and bounds, batch prompts, the
+64-bit seed bound, `/tokenize` and `/detokenize` shapes, `/version`, `/health` and the model card.
+Driven by the official `openai` client (vLLM's extensions through `extra_body`) or plain HTTP.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+STORY = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Tell me a story."}]
+PROMPT = "Once upon a time"
+
+
+def extra(obj) -> dict:
+    return obj.model_extra or {}
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def end_of_turn(http) -> int:
+    [token] = http.post("/tokenize", json={"prompt": "<|im_end|>"}).json()["tokens"]
+    return token
+
+
+def test_version_health_and_the_model_card(http, server, tool_model):
+    assert http.get("/health").status_code == 200
+    version = http.get("/version")
+    assert version.status_code == 200 and isinstance(version.json()["version"], str)
+    [card] = http.get("/v1/models").json()["data"]
+    assert card["id"] == str(tool_model) and card["root"] == str(tool_model) and card["parent"] is None
+    assert card["object"] == "model" and card["max_model_len"] == 256 and isinstance(card["created"], int)
+
+
+# ---- stream_options ---------------------------------------------------------------------------------
+def _stream(client, model_id, kind: str, options, **kwargs):
+    common = dict(model=model_id, max_tokens=6, temperature=0.0, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True}, **kwargs)  # fmt: skip
+    if kind == "chat":
+        return list(client.chat.completions.create(messages=STORY, **common))
+    return list(client.completions.create(prompt=PROMPT, **common))
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_stream_options_usage_variants(client, model_id, kind):
+    for options in ({}, {"include_usage": False}, {"include_usage": False, "continuous_usage_stats": True}):
+        assert all(chunk.usage is None for chunk in _stream(client, model_id, kind, options)), options
+
+    # include_usage only: one last chunk with usage and no choices, after the finishing chunk
+    chunks = _stream(client, model_id, kind, {"include_usage": True, "continuous_usage_stats": False})
+    assert all(chunk.usage is None for chunk in chunks[:-1]) and chunks[-2].choices[0].finish_reason == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 6 and last.usage.prompt_tokens > 0
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+    # continuous_usage_stats (vLLM): every chunk carries the usage so far, growing with each token chunk
+    chunks = _stream(client, model_id, kind, {"include_usage": True, "continuous_usage_stats": True})
+    seen = 0
+    for chunk in chunks:
+        usage = chunk.usage
+        assert usage.prompt_tokens == last.usage.prompt_tokens
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert usage.completion_tokens > seen or seen == 0 or not chunk.choices
+        seen = usage.completion_tokens
+    assert seen == 6 and chunks[-1].choices == []
+
+
+@pytest.mark.parametrize(
+    "options", [{"include_usage": True}, {"include_usage": None}, {"continuous_usage_stats": True}]
+)
+def test_stream_options_without_stream_is_400(client, model_id, options):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, stream=False, stream_options=options)
+
+
+# ---- sampling controls ----------------------------------------------------------------------------
+def test_logit_bias_steers_sampling_and_min_tokens_holds_off_the_end_of_turn(client, model_id, end_of_turn):
+    def ask(**body):
+        r = client.chat.completions.create(model=model_id, messages=STORY, max_tokens=12, seed=3,
+                                           extra_body={"return_token_ids": True, **body})  # fmt: skip
+        return extra(r.choices[0])["token_ids"], r.choices[0].finish_reason
+
+    bias = {str(end_of_turn): 100.0}  # the end-of-turn token becomes (almost) certain
+    assert ask(logit_bias=bias) == ([end_of_turn], "stop")
+    tokens, finish = ask(logit_bias=bias, min_tokens=5)  # ... but not before 5 tokens
+    assert len(tokens) == 6 and end_of_turn not in tokens[:5] and tokens[5] == end_of_turn and finish == "stop"
+    tokens, finish = ask(logit_bias={"7": 100.0}, ignore_eos=True)
+    assert tokens == [7] * 12 and finish == "length"
+    tokens, _ = ask(min_tokens=12)  # min_tokens == max_tokens: exactly that many, like ignore_eos
+    assert len(tokens) == 12 and end_of_turn not in tokens
+
+
+def test_logit_bias_outside_the_vocabulary_is_400_naming_it(client, model_id, http):
+    vocabulary = 1024
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_id, messages=STORY, max_tokens=2, logit_bias={"1025": 1.0})
+    assert "1025" in str(refused.value) and str(vocabulary) in str(refused.value)
+    for bad in ({"x": 1.0}, {"5": 101.0}, {"5": "1"}):
+        response = http.post("/v1/completions", json={"model": model_id, "prompt": PROMPT, "logit_bias": bad})
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith("logit_bias")
+
+
+def test_min_tokens_above_max_tokens_is_400(http, model_id):
+    response = http.post("/v1/completions", json={"model": model_id, "prompt": PROMPT, "max_tokens": 3,
+                                                  "min_tokens": 4})  # fmt: skip
+    assert response.status_code == 400 and "min_tokens" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_stop_strings_with_and_without_include_stop_str_in_output(client, model_id, kind):
+    def ask(**body):
+        common = dict(model=model_id, max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True, **body})
+        if kind == "chat":
+            return client.chat.completions.create(messages=STORY, **common).choices[0]
+        return client.completions.create(prompt=PROMPT, **common).choices[0]
+
+    def text(choice) -> str:
+        return choice.message.content if kind == "chat" else choice.text
+
+    full = text(ask())
+    # a two-character stop string from the middle of the greedy answer, whose first occurrence is not at 0
+    stop = next(full[i : i + 2] for i in range(len(full) // 2, len(full) - 1) if full.find(full[i : i + 2]) > 0)
+    cut = ask(stop=[stop])
+    assert text(cut) == full[: full.find(stop)] and cut.finish_reason == "stop"
+    kept = ask(stop=[stop], include_stop_str_in_output=True)
+    assert text(kept) == full[: full.find(stop) + len(stop)] and kept.finish_reason == "stop"
+
+
+def test_seed_is_a_64_bit_integer(http, model_id):
+    for seed, status in ((2**63 - 1, 200), (-(2**63), 200), (2**63, 400), (-(2**63) - 1, 400)):
+        body = {"model": model_id, "prompt": PROMPT, "max_tokens": 1, "seed": seed}
+        assert http.post("/v1/completions", json=body).status_code == status, seed
+
+
+# ---- echo and continue_final_message ------------------------------------------------------------------
+def test_completion_echo_prepends_the_prompt(client, model_id, http):
+    tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    for prompt, shown in ((PROMPT, PROMPT), (tokens, PROMPT), ([PROMPT, PROMPT], PROMPT), ([tokens] * 2, PROMPT)):
+        kwargs = dict(model=model_id, prompt=prompt, max_tokens=5, temperature=0.0)
+        plain = client.completions.create(**kwargs)
+        echoed = client.completions.create(**kwargs, echo=True)
+        assert [c.text for c in echoed.choices] == [shown + c.text for c in plain.choices]
+        streamed = {}
+        for chunk in client.completions.create(**kwargs, echo=True, stream=True):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+        assert [streamed[c.index] for c in echoed.choices] == [c.text for c in echoed.choices]
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
+
+
+def test_chat_continue_final_message_with_and_without_echo(client, model_id, http):
+    partial = "Once upon a"
+    messages = [*STORY, {"role": "assistant", "content": partial}]
+    options = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
+    prompt = http.post("/tokenize", json={"messages": messages, "continue_final_message": True,
+                                          "add_generation_prompt": False}).json()["tokens"]  # fmt: skip
+    detokenized = http.post("/detokenize", json={"tokens": prompt}).json()["prompt"]
+    assert detokenized.endswith("assistant\n" + partial)  # the turn is left open, not closed
+    for echo in (False, True):
+        response = client.chat.completions.create(model=model_id, messages=messages, max_tokens=6, temperature=0.0,
+                                                  extra_body={**options, "echo": echo})  # fmt: skip
+        assert extra(response)["prompt_token_ids"] == prompt
+        content = response.choices[0].message.content
+        assert content.startswith(partial) if echo else not content.startswith(partial)
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model=model_id, messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})  # fmt: skip
+
+
+def test_chat_template_kwargs_reach_the_template_but_cannot_override_request_fields(client, model_id):
+    def ask(kwargs):
+        body = {"chat_template_kwargs": kwargs}
+        return client.chat.completions.create(model=model_id, messages=STORY, max_tokens=2, extra_body=body)
+
+    assert ask({"enable_thinking": False}).choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        ask({"add_generation_prompt": False})
+
+
+# ---- log-probs -----------------------------------------------------------------------------------------
+def test_logprobs_shapes_and_bounds(client, model_id):
+    def completion(logprobs):
+        return client.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=5, temperature=0.0,
+                                         logprobs=logprobs).choices[0].logprobs  # fmt: skip
+
+    assert completion(None) is None
+    assert all(len(top) == 1 for top in completion(0).top_logprobs)  # the sampled token alone
+    assert all(5 <= len(top) <= 6 for top in completion(5).top_logprobs)
+
+    def chat(**kwargs):
+        return client.chat.completions.create(model=model_id, messages=STORY, max_completion_tokens=5,
+                                              temperature=0.0, **kwargs).choices[0].logprobs  # fmt: skip
+
+    assert chat(logprobs=False) is None
+    assert all(entry.top_logprobs == [] for entry in chat(logprobs=True, top_logprobs=0).content)
+    assert all(len(entry.top_logprobs) == 5 for entry in chat(logprobs=True, top_logprobs=5).content)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError):
+            list(client.chat.completions.create(model=model_id, messages=STORY, max_tokens=2, logprobs=True,
+                                                top_logprobs=21, stream=stream))  # fmt: skip
+        with pytest.raises(openai.BadRequestError):
+            list(client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, logprobs=21, stream=stream))
+    assert client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2).choices  # still serving
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id(client, model_id):
+    body = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    choice = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=5, logprobs=1,
+                                       extra_body=body).choices[0]  # fmt: skip
+    ids = extra(choice)["token_ids"]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
+    chat = client.chat.completions.create(model=model_id, messages=STORY, max_tokens=5, logprobs=True,
+                                          top_logprobs=2, extra_body=body).choices[0]  # fmt: skip
+    assert [e.token for e in chat.logprobs.content] == [f"token_id:{t}" for t in extra(chat)["token_ids"]]
+    assert all(alt.token.startswith("token_id:") for e in chat.logprobs.content for alt in e.top_logprobs)
+
+
+# ---- batches ---------------------------------------------------------------------------------------------
+def test_batch_prompts_with_n_and_streaming(client, model_id, http):
+    tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    for prompts in ([PROMPT] * 2, [tokens] * 2):
+        batch = client.completions.create(model=model_id, prompt=prompts, max_tokens=5, temperature=0.0)
+        assert len(batch.choices) == 2 and batch.choices[0].text == batch.choices[1].text
+        batch = client.completions.create(model=model_id, prompt=prompts, n=2, max_tokens=5, seed=1)
+        texts = [c.text for c in batch.choices]
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3] and texts[:2] == texts[2:]  # per-prompt seeds
+        streamed = ["", ""]
+        for chunk in client.completions.create(model=model_id, prompt=prompts, max_tokens=5, temperature=0.0,
+                                               stream=True):  # fmt: skip
+            assert len(chunk.choices) == 1
+            streamed[chunk.choices[0].index] += chunk.choices[0].text
+        assert streamed[0] == streamed[1]
+    response = http.post("/v1/completions", json={"model": model_id, "prompt": [], "max_tokens": 2})
+    assert response.status_code == 400
+    response = http.post("/v1/completions", json={"model": model_id, "prompt": [999999], "max_tokens": 2})
+    assert response.status_code == 400 and "out of vocabulary" in response.json()["error"]["message"]
+
+
+# ---- /tokenize and /detokenize ---------------------------------------------------------------------------
+def test_tokenize_and_detokenize_shapes(http, model_id, tool_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    text = "This is a test prompt. vllm1"
+    for add_special in (False, True):
+        body = http.post("/tokenize", json={"model": model_id, "prompt": text, "add_special_tokens": add_special})
+        assert body.json() == {"count": len(tokenizer.encode(text, add_special_tokens=add_special)),
+                               "max_model_len": 256, "tokens": tokenizer.encode(text, add_special_tokens=add_special),
+                               "token_strs": None}  # fmt: skip
+    strs = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert strs["token_strs"] == tokenizer.convert_ids_to_tokens(strs["tokens"])
+    conversation = [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "Nice to meet you!"}]
+    for add_generation, continue_final in ((True, False), (False, False), (False, True)):
+        expected = tokenizer.encode(
+            tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation,
+                                          continue_final_message=continue_final, tokenize=False),
+            add_special_tokens=False,
+        )  # fmt: skip
+        body = http.post("/tokenize", json={"model": model_id, "messages": conversation,
+                                            "add_generation_prompt": add_generation,
+                                            "continue_final_message": continue_final}).json()  # fmt: skip
+        assert body["tokens"] == expected and body["count"] == len(expected) and body["token_strs"] is None
+    assert http.post("/detokenize", json={"model": model_id, "tokens": tokenizer.encode(text)}).json() == {
+        "prompt": text
+    }
+    assert http.post("/tokenize", json={"model": "other", "prompt": text}).status_code == 404
+
+
+# ---- what is refused, and why -------------------------------------------------------------------------
+def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_otherwise(http, model_id):
+    base = {"model": model_id, "prompt": PROMPT, "max_tokens": 2}
+    neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "use_beam_search": False,
+               "skip_special_tokens": True, "presence_penalty": 0.0, "frequency_penalty": 0.0, "user": "u"}  # fmt: skip
+    assert http.post("/v1/completions", json=base | neutral).status_code == 200
+    assert http.post("/v1/completions", json=base | {"top_k": 0}).status_code == 200
+    for field, value in (("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("use_beam_search", True),
+                         ("skip_special_tokens", False), ("best_of", 2)):  # fmt: skip
+        response = http.post("/v1/completions", json=base | {field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [("prompt_logprobs", 1, "prompt tokens"), ("structured_outputs", {"regex": "a"}, "structured-output"),
+     ("truncate_prompt_tokens", 4, "truncated")],
+)  # fmt: skip
+def test_unsupported_vllm_fields_say_why(http, model_id, field, value, reason):
+    for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": STORY})):
+        response = http.post(route, json={"model": model_id, "max_tokens": 2, **body, field: value})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == field and reason in error["message"], error
