@@ -73,7 +73,8 @@ class StandInOutputKind(enum.Enum):
 
 
 def standin_sampling_params(*, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None, stop_token_ids=None,
-                            ignore_eos=False, logprobs=None, detokenize=True, output_kind=None):  # fmt: skip
+                            ignore_eos=False, logprobs=None, detokenize=True, output_kind=None, min_tokens=0,
+                            logit_bias=None):  # fmt: skip
     return SimpleNamespace(max_tokens=max_tokens)
 
 
