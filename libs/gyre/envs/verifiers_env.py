@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import contextvars
 import copy
+import functools
 import random
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -98,14 +99,7 @@ class GyreModelCalls:
         self.failure: BaseException | None = None
 
     def as_verifiers_client(self):
-        vf = import_verifiers()
-        calls = self
-
-        class GyreClient(vf.Client):
-            async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):
-                return await calls.respond(dialect, body, turn)
-
-        return GyreClient()
+        return _gyre_client_class()(self)
 
     async def respond(self, dialect, body: dict, pending):
         from verifiers.v1.clients.train import serialize_completion, tool_to_wire
@@ -146,15 +140,30 @@ class GyreModelCalls:
         return response
 
 
+@functools.cache
+def _gyre_client_class():
+    """The verifiers `Client` subclass (built on first use: verifiers is an optional import)."""
+    vf = import_verifiers()
+
+    class GyreClient(vf.Client):
+        def __init__(self, calls: GyreModelCalls) -> None:
+            self.calls = calls
+
+        async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):
+            return await self.calls.respond(dialect, body, turn)
+
+    return GyreClient
+
+
 def gyre_interception(inner):
     """Wrap verifiers' interception so each rollout's model calls go to the Gyre client of its episode.
 
     verifiers registers a rollout on its interception server from inside the episode's own asyncio task, so the
     episode's `GyreModelCalls` (a context variable set around the episode) is visible there.
     """
-    vf_interception = import_verifiers_interception()
+    from verifiers.v1.interception import Interception
 
-    class GyreInterception(vf_interception.Interception):
+    class GyreInterception(Interception):
         async def start(self) -> None:  # the wrapped interception's owner (Env.serving) runs its lifecycle
             return None
 
@@ -168,12 +177,6 @@ def gyre_interception(inner):
                 yield slot
 
     return GyreInterception()
-
-
-def import_verifiers_interception():
-    import verifiers.v1.interception as vf_interception
-
-    return vf_interception
 
 
 class VerifiersEnv(Environment):
