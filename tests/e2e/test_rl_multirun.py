@@ -18,7 +18,7 @@ from gyre.weights import WeightStore
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/multirun/two_runs.toml"
-RUNS = [{"name": "a"}, {"name": "b", "max_steps": 2, "trainer": {"lora": {"rank": 8, "alpha": 16}}}]
+RUNS = [{"name": "alpha"}, {"name": "beta", "max_steps": 2, "trainer": {"lora": {"rank": 8, "alpha": 16}}}]
 pytestmark = pytest.mark.slow
 
 
@@ -32,7 +32,7 @@ def test_two_runs_share_one_trainer_and_one_replica(tmp_path):
     out = tmp_path / "multi"
     res = gyre_rl(out)
     assert res.returncode == 0, res.stderr[-4000:]
-    for name, steps in (("a", 3), ("b", 2)):
+    for name, steps in (("alpha", 3), ("beta", 2)):
         run = out / "runs" / name
         assert [r["step"] for r in read_events(run / "events" / "trainer_steps.jsonl")] == list(range(1, steps + 1))
         assert [r["step"] for r in read_events(run / "events" / "orchestrator_steps.jsonl")] == list(

@@ -253,6 +253,15 @@ class RunConfig(Section):
     lora: LoraConfig | None = Field(None, description="The run's adapter shape (unset = trainer.lora).")
     resume_step: int | None = Field(None, ge=-1, description="As ckpt.resume_step, for this run only.")
 
+    @field_validator("name")
+    @classmethod
+    def _not_inside_lora_prefix(cls, name: str) -> str:
+        # peft finds adapter tensors by the substring "lora_": a name inside it (e.g. "a", "or") could
+        # make peft re-initialise that adapter when its published weights are loaded back on resume
+        if name in "lora_":
+            raise ValueError(f"{name!r} is part of 'lora_', which peft reserves: choose a longer name")
+        return name
+
 
 class TrainerConfig(ServiceConfig):
     """Consume batches from Redis, optimise the policy, publish weights, notify the orchestrator."""

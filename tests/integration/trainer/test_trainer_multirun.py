@@ -158,6 +158,8 @@ def test_multirun_config_errors_name_the_key(tiny_model, redis_url, tmp_path):
         multirun_config(tiny_model, redis_url, [run], lora={**LORA, "publish": "merged"})
     with pytest.raises(ConfigError, match="name"):
         multirun_config(tiny_model, redis_url, [{**run, "name": "has.dot"}])
+    with pytest.raises(ConfigError, match="lora_"):
+        multirun_config(tiny_model, redis_url, [{**run, "name": "a"}])
 
 
 def test_a_crash_mid_step_resumes_every_run_exactly_once(tiny_model, redis_url, unique_run_id, tmp_path):
