@@ -30,6 +30,22 @@ from gyre_inference.backend import WeightsIncompatibleError
 BASE = 0  # the slot of the base model (no adapter)
 
 
+def read_adapter_folder(path: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
+    """A PEFT adapter folder as (alpha / r, {module: {"A": ..., "B": ...}}); what cannot be read raises
+    WeightsIncompatibleError naming the file. Shared by the bank and the torch backend's merge."""
+    from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, config_scale, split_lora
+    from safetensors.torch import load_file
+
+    try:
+        scale = config_scale(json.loads((path / ADAPTER_CONFIG).read_bytes()))
+        _, adapters = split_lora(load_file(path / ADAPTER_FILE))
+    except (ValueError, OSError) as error:
+        raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
+    except Exception as error:  # safetensors' own error type for a malformed file
+        raise WeightsIncompatibleError(f"{path / ADAPTER_FILE}: not a readable safetensors file ({error})") from None
+    return scale, adapters
+
+
 class AdapterBank:
     """Slots of named adapters over every decoder linear layer of `model` (see the module docstring)."""
 
@@ -108,17 +124,7 @@ class AdapterBank:
     def read(self, path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """A PEFT adapter folder as {module: (A padded to max_rank, scale * B padded)}, checked against the
         bank (WeightsIncompatibleError naming what does not fit). Runs off the engine thread."""
-        from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, config_scale, split_lora
-        from safetensors.torch import load_file
-
-        try:
-            scale = config_scale(json.loads((path / ADAPTER_CONFIG).read_bytes()))
-            _, adapters = split_lora(load_file(path / ADAPTER_FILE))
-        except (ValueError, OSError) as error:
-            raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
-        except Exception as error:  # safetensors' own error type for a malformed file
-            file = path / ADAPTER_FILE
-            raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
+        scale, adapters = read_adapter_folder(path)
         if not adapters:
             raise WeightsIncompatibleError(f"{path}: the adapter holds no lora_A/lora_B tensors")
         padded = {}

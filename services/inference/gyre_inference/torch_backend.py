@@ -270,20 +270,11 @@ class TorchBackend(Backend):
     def _read_adapter(self, path: Path) -> dict[str, torch.Tensor]:
         """A LoRA adapter folder (PEFT files) as the tensors to swap in: `W_base + alpha/r · B @ A` for the
         adapted weights, from the base weights kept in memory (the base is read from disk once)."""
-        import json
+        from gyre.lora import merge
 
-        from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, config_scale, merge, split_lora
-        from safetensors.torch import load_file
+        from gyre_inference.adapters import read_adapter_folder
 
-        try:
-            scale = config_scale(json.loads((path / ADAPTER_CONFIG).read_bytes()))
-            _, adapters = split_lora(load_file(path / ADAPTER_FILE))
-        except (ValueError, OSError) as error:
-            raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
-        except Exception as error:  # safetensors' own error type for a malformed file
-            raise WeightsIncompatibleError(
-                f"{path / ADAPTER_FILE}: not a readable safetensors file ({error})"
-            ) from None
+        scale, adapters = read_adapter_folder(path)
         base = self._base_weights()
         for module, ab in adapters.items():
             weight = base.get(f"{module}.weight")
