@@ -57,6 +57,12 @@ class TaskSource:
             index += 1
 
 
+def hold_out(items: list, num_eval: int, salt: str) -> tuple[list, list]:
+    """(train, eval): `num_eval` of `items` held out for eval, chosen by a seed (`salt`), order kept."""
+    held = set(random.Random(salt).sample(range(len(items)), num_eval))
+    return [t for i, t in enumerate(items) if i not in held], [t for i, t in enumerate(items) if i in held]
+
+
 def epoch_order(n: int, salt: str) -> Callable[[int], int]:
     """Endless index -> item of `n` items: epoch `e` visits each once, in an order seeded by (`salt`, `e`).
 

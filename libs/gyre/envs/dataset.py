@@ -32,11 +32,10 @@ A row that cannot be used (bad JSON, no prompt, no answer, an unknown split) fai
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
-from gyre.envs.base import SingleTurnEnv, TaskSource, epoch_order
+from gyre.envs.base import SingleTurnEnv, TaskSource, epoch_order, hold_out
 from gyre.envs.parsers import Parser
 from gyre.envs.rubric import RewardFunc, Rubric
 from gyre.envs.scoring import math_equal
@@ -152,9 +151,7 @@ class DatasetEnv(SingleTurnEnv):
                     f"{path}: {len(train)} rows and num_eval={num_eval} leave no training rows; lower num_eval, "
                     "give eval_path, or mark rows with a 'split' column"
                 )
-            held = set(random.Random(f"dataset/eval/{eval_seed}").sample(range(len(train)), num_eval))
-            evals = [t for i, t in enumerate(train) if i in held]
-            train = [t for i, t in enumerate(train) if i not in held]
+            train, evals = hold_out(train, num_eval, f"dataset/eval/{eval_seed}")
         if not train:
             raise DatasetError(f"{path}: every row is in the eval split; nothing to train on")
         self.train_tasks, self.eval_tasks = train, evals

@@ -37,11 +37,10 @@ import contextlib
 import contextvars
 import copy
 import functools
-import random
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from gyre.envs.base import Environment, TaskSource, epoch_order
+from gyre.envs.base import Environment, TaskSource, epoch_order, hold_out
 from gyre.envs.types import Messages, ModelClient, Rollout, SamplingParams, Score, Split, StopReason, Task, Turn
 
 # The Gyre model calls of the episode running in the current asyncio task (see `GyreInterception`).
@@ -206,9 +205,7 @@ class VerifiersEnv(Environment):
                     f"{self.name}: {len(tasks)} tasks and num_eval={num_eval} leave none to train on; lower num_eval "
                     "or give eval_taskset"
                 )
-            held = set(random.Random(f"verifiers/eval/{eval_seed}").sample(range(len(tasks)), num_eval))
-            evals = [t for i, t in enumerate(tasks) if i in held]
-            train = [t for i, t in enumerate(tasks) if i not in held]
+            train, evals = hold_out(tasks, num_eval, f"verifiers/eval/{eval_seed}")
         self.vf_tasks = train + evals
         self.train_tasks = [self._task(i, f"train-{i}") for i in range(len(train))]
         self.eval_tasks = [self._task(len(train) + i, f"eval-{i}") for i in range(len(evals))]
