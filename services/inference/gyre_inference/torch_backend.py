@@ -294,7 +294,7 @@ class TorchBackend(Backend):
 
     def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
         """Read and check every tensor of `path` against the served model (before touching it)."""
-        from safetensors.torch import load_file
+        from gyre.safetensors_io import SafetensorsError, read_safetensors
 
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -302,9 +302,9 @@ class TorchBackend(Backend):
         tensors: dict[str, torch.Tensor] = {}
         for file in files:
             try:
-                tensors.update(load_file(file))
-            except Exception as error:  # safetensors raises its own error type for a malformed file
-                raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
+                tensors.update(read_safetensors(file))
+            except SafetensorsError as error:
+                raise WeightsIncompatibleError(f"not a readable safetensors file: {error}") from None
         state = self._model.state_dict(keep_vars=True)
         unknown = sorted(tensors.keys() - state.keys())
         if unknown:
@@ -340,9 +340,8 @@ class TorchBackend(Backend):
             swap.done.set_result(None)
             return
         state = self._model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, tensor in swap.tensors.items():
-                state[name].copy_(tensor)
+        with torch.no_grad():  # one fused copy: a loop pays a dispatch per tensor, ~1/3 of a small model's swap
+            torch._foreach_copy_([state[name] for name in swap.tensors], list(swap.tensors.values()))
         self._version = swap.version
         swap.done.set_result(None)
 

@@ -18,6 +18,8 @@ raises into, or blocks, the training loop.
 from __future__ import annotations
 
 import collections
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.fsio import write_file, write_hashed
+from gyre.safetensors_io import safetensors_chunks
 from gyre.transport import FolderStore
 from gyre.weights import WeightsVersion
 
@@ -61,53 +64,40 @@ def servable_tensors(state_dict: dict[str, Any], config) -> dict[str, Any]:
     return tensors
 
 
-# safetensors' dtype names (https://github.com/huggingface/safetensors, format: 8-byte header length, JSON header)
-_SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}  # fmt: skip
-
-
-def safetensors_chunks(tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> list[Any]:
-    """A safetensors file of contiguous CPU `tensors` as buffers: the header, then each tensor's own memory.
-
-    The bytes are exactly what `safetensors.torch.save` produces (tensors ordered by element size, then
-    name; header padded to 8 bytes), without first copying every tensor into one bytes object: the
-    publisher writes and hashes the tensors' memory directly (`gyre.fsio.write_hashed`)."""
-    import torch
-
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    views, offset = [], 0
-    for name in order:
-        tensor = tensors[name]
-        dtype = _SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
-        if dtype is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(
-                f"tensor {name}: cannot write {tensor.dtype} on {tensor.device} (contiguous CPU tensors only)"
-            )
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        if nbytes:
-            views.append((tensor if tensor.dim() else tensor.reshape(1)).view(torch.uint8).numpy())  # no copy
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return [len(text).to_bytes(8, "little") + text, *views]
-
-
-def write_hf_folder(folder: Path, state_dict: dict[str, Any], config, base_model: Path | str) -> dict[str, str]:
+def write_hf_folder(
+    folder: Path, state_dict: dict[str, Any], config, base_model: Path | str, *, config_json: bytes | None = None
+) -> dict[str, str]:
     """Write a complete HF model folder (weights, config, tokenizer files of `base_model`) into `folder`;
-    returns the weights file's sha256 under its name (hashed while written, for the store's manifest)."""
+    returns the weights file's sha256 under its name (hashed while written, for the store's manifest).
+    `config_json`: `config` already serialised (`config_bytes`), for a caller that writes it every step."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     chunks = safetensors_chunks(servable_tensors(state_dict, config), {"format": "pt"})
     # inference pods may run as another user of the volume's group: never leave 0600 files behind
     hashed = {WEIGHTS_FILE: write_hashed(folder / WEIGHTS_FILE, chunks, mode=0o644)}
-    config.to_json_file(folder / "config.json")
-    (folder / "config.json").chmod(0o644)
-    copy_tokenizer_files(base_model, folder)
+    config_json = config_json or config_bytes(config)
+    write_file(folder / "config.json", config_json)
+    hashed["config.json"] = hashlib.sha256(config_json).hexdigest()
+    copied = copy_tokenizer_files(base_model, folder)
+    if Path(base_model).is_dir():  # the base model's files never change: hashed once, not every step
+        hashed.update({name: _base_file_sha256(Path(base_model) / name) for name in copied})
     return hashed
+
+
+def _base_file_sha256(path: Path) -> str:
+    stat = path.stat()
+    return _sha256_once(str(path), (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_once(path: str, identity: tuple[int, int, int]) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def config_bytes(config) -> bytes:
+    """`config.json` as `config.to_json_file` writes it."""
+    return config.to_json_string(use_diff=True).encode()
 
 
 def copy_tokenizer_files(base_model: Path | str, folder: Path) -> list[str]:
@@ -147,12 +137,17 @@ class WeightPublisher:
         self.sink = sink
         self.base_model = base_model
         self.keep_last = keep_last
+        self._config, self._config_json = None, b""
 
     def publish(self, step: int, state_dict: dict[str, Any], config, record: dict[str, Any]) -> WeightsVersion:
+        if self._config is not config:  # serialised once: it takes as long as writing a small model's weights
+            self._config, self._config_json = config, config_bytes(config)
+
         def write(folder: Path) -> dict[str, str]:
-            hashed = write_hf_folder(folder, state_dict, config, self.base_model)
-            write_file(folder / STEP_RECORD, json.dumps(record, sort_keys=True).encode())
-            return hashed
+            hashed = write_hf_folder(folder, state_dict, config, self.base_model, config_json=self._config_json)
+            data = json.dumps(record, sort_keys=True).encode()
+            write_file(folder / STEP_RECORD, data)
+            return {**hashed, STEP_RECORD: hashlib.sha256(data).hexdigest()}
 
         return self.sink.publish(step, write)
 

@@ -53,22 +53,6 @@ def test_published_weights_reload_in_transformers(tiny_model_dir, tmp_path):
     assert WeightPublisher(FolderStore(store.root), tiny_model_dir, 2).read_record(3) == {"step": 3, "loss": 0.5}
 
 
-def test_streamed_safetensors_are_the_bytes_safetensors_writes():
-    from gyre_trainer.publish import safetensors_chunks
-    from safetensors.torch import load, save
-
-    tensors = {
-        "w": torch.randn(3, 5), "b16": torch.randn(7, dtype=torch.bfloat16), "ids": torch.arange(3),
-        "flag": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
-        "half": torch.randn(2, 2, dtype=torch.float16),
-    }  # fmt: skip
-    data = b"".join(bytes(c) for c in safetensors_chunks(tensors, {"format": "pt"}))
-    assert data == save(tensors, metadata={"format": "pt"})
-    assert all(torch.equal(load(data)[k], t) for k, t in tensors.items())
-    with pytest.raises(ValueError, match="tensor t: cannot write"):
-        safetensors_chunks({"t": torch.randn(4, 4).t()})  # not contiguous
-
-
 def test_tied_embeddings_are_saved_once_and_reload(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -107,3 +91,27 @@ def test_prune_keeps_newest_and_in_use_and_discard_after_rewinds(tmp_path, tiny_
     assert publisher.discard_after(1) == [4, 5]
     assert store.steps() == [1]
     assert not any(p.name.startswith(".tmp-") for p in store.root.iterdir())
+
+
+def test_each_step_hashes_only_its_new_files(tiny_model_dir, tmp_path, monkeypatch):
+    """Nothing is read back to be hashed: the base model's tokenizer files are linked into every version
+    and hashed once per process, the weights while written, config and step record from memory; the
+    recorded hashes are still every file's true sha256."""
+    from gyre import weights
+
+    model = trained_copy(tiny_model_dir)
+    store = WeightStore(tmp_path / "weights")
+    publisher = WeightPublisher(FolderStore(store.root), tiny_model_dir, keep_last=3)
+    read_back: list[str] = []
+    real = weights._sha256_file
+    monkeypatch.setattr(weights, "_sha256_file", lambda path: read_back.append(path.name) or real(path))
+    for step in (1, 2):
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        publisher.publish(step, model.state_dict(), model.config, {"step": step})
+    assert read_back == []
+    for step in (1, 2):  # every recorded hash is the file's true sha256
+        store.verify(step, store.digest(step), full=True)
+    assert (
+        store.verify(1, full=False).files["model.safetensors"] != store.verify(2, full=False).files["model.safetensors"]
+    )
