@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gyre/v1/trainer.proto\x12\x07gyre.v1\"\x19\n\x17GetTrainerStatusRequest\"d\n\x18GetTrainerStatusResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0elast_step_unix\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x32[\n\x07Trainer\x12P\n\tGetStatus\x12 .gyre.v1.GetTrainerStatusRequest\x1a!.gyre.v1.GetTrainerStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gyre/v1/trainer.proto\x12\x07gyre.v1\"\x19\n\x17GetTrainerStatusRequest\"\x8d\x01\n\x18GetTrainerStatusResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0elast_step_unix\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\'\n\x04runs\x18\x05 \x03(\x0b\x32\x19.gyre.v1.TrainerRunStatus\"h\n\x10TrainerRunStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0elast_step_unix\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x32[\n\x07Trainer\x12P\n\tGetStatus\x12 .gyre.v1.GetTrainerStatusRequest\x1a!.gyre.v1.GetTrainerStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=34
   _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=59
-  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_start=61
-  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_end=161
-  _globals['_TRAINER']._serialized_start=163
-  _globals['_TRAINER']._serialized_end=254
+  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_start=62
+  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_end=203
+  _globals['_TRAINERRUNSTATUS']._serialized_start=205
+  _globals['_TRAINERRUNSTATUS']._serialized_end=309
+  _globals['_TRAINER']._serialized_start=311
+  _globals['_TRAINER']._serialized_end=402
 # @@protoc_insertion_point(module_scope)

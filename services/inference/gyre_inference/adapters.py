@@ -11,6 +11,12 @@ in one stacked buffer per layer, [slots, max_rank, in] and [slots, out, max_rank
 r < max_rank fills the first r ranks and leaves zeros, which add nothing. Shapes never change and an
 adapter is loaded by copying in place between two decode steps, so captured CUDA graphs stay valid.
 
+The bank is bounded (vLLM's `max_loras` cache does the same): `max_adapters` names are resident; a new name
+when every slot is taken evicts the least recently used name whose slot no queued or running row uses (a
+finished run's adapter, typically). The bank remembers every name's version and the folder it was loaded
+from, so an evicted name is still served: its next request loads it back from that folder (the torch
+backend does this, `TorchBackend._reload`), and its next UpdateWeights loads the new version as usual.
+
 Trade-off, against keeping one merged copy of the weights per adapter (docs/inference.md, "Adapters by
 model name"): memory is `slots x max_rank x (in + out)` per layer (a few % of the model at rank 16)
 instead of a full model per run, and mixed batches need no weight swaps; the price is two small
@@ -20,7 +26,9 @@ only while some row uses an adapter, on CUDA always (a graph cannot branch on th
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -56,8 +64,13 @@ class AdapterBank:
         self.device, self.dtype = param.device, param.dtype
         self.max_adapters, self.max_rank = max_adapters, max_rank
         self.always = always  # CUDA graphs: compute the hook even when no row uses an adapter
-        self.slots: dict[str, int] = {}  # adapter name -> slot (1..max_adapters)
-        self.versions: dict[str, int] = {}  # adapter name -> weights version it serves (0 = none yet = base)
+        self.slots: dict[str, int] = {}  # resident adapter name -> slot (1..max_adapters)
+        # every name ever served, resident or evicted: the version it serves (0 = none yet = base) and the
+        # folder that version was loaded from (None: declared, never loaded), to load it back after eviction
+        self.versions: dict[str, int] = {}
+        self.sources: dict[str, Path | None] = {}
+        self._clock = itertools.count(1)
+        self._used: dict[str, int] = {}  # resident name -> when it was last used (loaded or asked for)
         self.layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module name -> (A, B) stacks
         self._hooks = []
         n = max_adapters + 1
@@ -74,17 +87,31 @@ class AdapterBank:
         self.active = False
 
     # ---- names and versions ---------------------------------------------------------------------
-    def declare(self, name: str) -> int:
-        """The slot of adapter `name`, given a fresh (zero = base) slot if it has none."""
+    def declare(self, name: str, busy: Collection[int] = ()) -> int:
+        """The slot of adapter `name`; a name that is not resident gets a free slot, else the slot of the
+        least recently used name whose slot is not in `busy` (the slots queued or running rows use), which
+        is evicted. A new name starts as the base (zeros, version 0)."""
         if name not in self.slots:
-            if len(self.slots) >= self.max_adapters:
-                raise WeightsIncompatibleError(
-                    f"adapter {name!r}: all {self.max_adapters} adapter slots are taken ({sorted(self.slots)}); "
-                    "raise lora.max_adapters"
-                )
-            self.slots[name] = len(self.slots) + 1
-            self.versions[name] = 0
+            free = set(range(1, self.max_adapters + 1)) - set(self.slots.values())
+            if not free:
+                idle = [n for n in self.slots if self.slots[n] not in busy]
+                if not idle:
+                    raise WeightsIncompatibleError(
+                        f"adapter {name!r}: all {self.max_adapters} adapter slots are in use by queued or running "
+                        f"requests ({sorted(self.slots)}); retry, or raise lora.max_adapters"
+                    )
+                victim = min(idle, key=self._used.__getitem__)
+                free = {self.slots.pop(victim)}
+                del self._used[victim]
+            self.slots[name] = min(free)
+            self.versions.setdefault(name, 0)
+            self.sources.setdefault(name, None)
+        self.touch(name)
         return self.slots[name]
+
+    def touch(self, name: str) -> None:
+        """`name` was just used: it is the last to be evicted."""
+        self._used[name] = next(self._clock)
 
     def version_of_slot(self, slot: int) -> int:
         for name, s in self.slots.items():
@@ -145,10 +172,14 @@ class AdapterBank:
             padded[module] = (pa.to(self.device), pb.to(self.device))
         return padded
 
-    def load(self, name: str, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
-        """Serve `tensors` (from `read`) as adapter `name` at `version` (engine thread, between steps).
-        Layers the adapter does not touch are zeroed in its slot: the adapter replaces, never adds up."""
-        slot = self.declare(name)
+    def load(
+        self, name: str, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int,
+        source: Path | None = None, slot: int | None = None,
+    ) -> None:  # fmt: skip
+        """Serve `tensors` (from `read` of folder `source`) as adapter `name` at `version` (engine thread, between
+        steps), in `slot` (from `declare`; by default declared here). Layers the adapter does not touch are zeroed
+        in its slot: the adapter replaces, never adds up."""
+        slot = self.declare(name) if slot is None else slot
         with torch.no_grad():
             for module, (a_stack, b_stack) in self.layers.items():
                 pair = tensors.get(module)
@@ -158,4 +189,4 @@ class AdapterBank:
                 else:
                     a_stack[slot].copy_(pair[0])
                     b_stack[slot].copy_(pair[1])
-        self.versions[name] = version
+        self.versions[name], self.sources[name] = version, source

@@ -70,6 +70,8 @@ class _Swap:
     version: int
     done: Future = field(default_factory=Future)
     adapter: str | None = None  # a named adapter's (A, B) tensors instead of model weights
+    source: Path | None = None  # the adapter's folder (an evicted adapter is loaded back from it)
+    slot: int | None = None  # the adapter's slot, given by the engine thread (`AdapterBank.declare`)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -127,6 +129,7 @@ class TorchBackend(Backend):
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
         self._swap: _Swap | None = None
+        self._swap_lock = asyncio.Lock()  # one read-and-swap at a time: updates and reloads of evicted adapters
         self._stopping = False
         self._admitting = 0  # sequences taken off the queue whose prefill is under way
         self._outbox: list[tuple[_Sequence, object]] = []  # events waiting for the event loop
@@ -181,7 +184,8 @@ class TorchBackend(Backend):
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        return tuple(self._bank.slots) if self._bank is not None else ()
+        # every name served, also the evicted ones (`AdapterBank`): their next request loads them back
+        return tuple(self._bank.versions) if self._bank is not None else ()
 
     def adapter_version(self, name: str) -> int:
         if self._bank is None:
@@ -191,22 +195,45 @@ class TorchBackend(Backend):
     async def update_adapter(self, name: str, path: Path, version: int) -> None:
         if self._bank is None:
             raise WeightsIncompatibleError("this replica serves no named adapters: set lora.max_adapters")
-        tensors = await asyncio.to_thread(self._bank.read, Path(path))
-        await self._swap_in(tensors, version, adapter=name)
+        async with self._swap_lock:
+            tensors = await asyncio.to_thread(self._bank.read, Path(path))
+            await self._swap_in(tensors, version, adapter=name, source=Path(path))
+
+    async def _reload(self, name: str) -> None:
+        """Load evicted adapter `name` back from the folder of the version it serves (LRU eviction, see
+        `gyre_inference.adapters`); KeyError for a name never served, or whose folder is gone (forgotten)."""
+        if self._bank is None or name not in self._bank.versions:
+            raise KeyError(f"no adapter named {name!r}")
+        async with self._swap_lock:  # an update of `name` cannot interleave: the version stays consistent
+            if name in self._bank.slots:
+                return
+            source, version = self._bank.sources[name], self._bank.versions[name]
+            try:
+                tensors = {} if source is None else await asyncio.to_thread(self._bank.read, source)
+            except WeightsIncompatibleError as error:
+                del self._bank.versions[name], self._bank.sources[name]
+                raise KeyError(f"adapter {name!r} was evicted and cannot be loaded back: {error}") from None
+            log.info("loading evicted adapter %r back (version %d from %s)", name, version, source)
+            await self._swap_in(tensors, version, adapter=name, source=source)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         if not self.ready:
             raise BackendStoppedError("the torch engine is not running")
-        adapter = 0
-        if params.adapter is not None:
-            if self._bank is None or params.adapter not in self._bank.slots:
-                raise KeyError(f"no adapter named {params.adapter!r}")
-            adapter = self._bank.slots[params.adapter]
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = _Sequence(list(prompt), params, asyncio.Queue(), random.Random(seed), adapter=adapter)
-        with self._cond:
-            self._waiting.append(seq)
-            self._cond.notify()
+        seq = _Sequence(list(prompt), params, asyncio.Queue(), random.Random(seed))
+        name = params.adapter
+        for _ in range(3):  # an adapter evicted again before its request is queued is loaded again
+            with self._cond:  # the slot is read and the row queued at once: its slot is busy from now on
+                if name is None or (self._bank is not None and name in self._bank.slots):
+                    if name is not None:
+                        seq.adapter = self._bank.slots[name]
+                        self._bank.touch(name)
+                    self._waiting.append(seq)
+                    self._cond.notify()
+                    break
+            await self._reload(name)
+        else:
+            raise WeightsIncompatibleError(f"adapter {name!r}: evicted again at once; raise lora.max_adapters")
         try:
             while True:
                 item = await seq.queue.get()
@@ -224,8 +251,9 @@ class TorchBackend(Backend):
         path = Path(path)
         adapter = (path / ADAPTER_CONFIG).is_file()
         read = self._read_adapter if adapter else self._read_weights
-        tensors = await asyncio.to_thread(read, path)
-        await self._swap_in(tensors, version)
+        async with self._swap_lock:
+            tensors = await asyncio.to_thread(read, path)
+            await self._swap_in(tensors, version)
         # after a full set, weights no adapter touches may differ from the base: the next adapter restores them
         self._others_are_base = adapter or version == 0
 
@@ -323,8 +351,8 @@ class TorchBackend(Backend):
                 )
         return {name: tensor.to(self.device, self.dtype) for name, tensor in tensors.items()}
 
-    async def _swap_in(self, tensors: dict, version: int, adapter: str | None = None) -> None:
-        swap = _Swap(tensors, version, adapter=adapter)
+    async def _swap_in(self, tensors: dict, version: int, adapter: str | None = None, source: Path | None = None):
+        swap = _Swap(tensors, version, adapter=adapter, source=source)
         with self._cond:
             if self._stopping or not self.ready:
                 raise BackendStoppedError("the torch engine is not running")
@@ -336,7 +364,7 @@ class TorchBackend(Backend):
 
     def _apply_swap(self, swap: _Swap) -> None:
         if swap.adapter is not None:
-            self._bank.load(swap.adapter, swap.tensors, swap.version)
+            self._bank.load(swap.adapter, swap.tensors, swap.version, swap.source, swap.slot)
             swap.done.set_result(None)
             return
         state = self._model.state_dict(keep_vars=True)
@@ -346,6 +374,17 @@ class TorchBackend(Backend):
         swap.done.set_result(None)
 
     # ---- engine thread --------------------------------------------------------------------------
+    def _give_slot(self, swap: _Swap, admitted: list[_Sequence]) -> _Swap | None:
+        """Under `_cond`: the adapter's slot, evicting an idle one if need be (None: refused, told to the caller).
+        Every slot a queued, admitted or running row uses is busy: those rows keep their adapter."""
+        busy = {seq.adapter for seq in (*self._rows, *admitted, *self._waiting)}
+        try:
+            swap.slot = self._bank.declare(swap.adapter, busy)
+        except WeightsIncompatibleError as error:
+            swap.done.set_exception(error)
+            return None
+        return swap
+
     def _run(self) -> None:
         if self.device.type == "cpu":
             # per thread: OpenMP's team size is a property of the calling thread, so set it here
@@ -364,6 +403,8 @@ class TorchBackend(Backend):
                         if not seq.cancelled:
                             admitted.append(seq)
                     self._admitting = len(admitted)
+                    if swap is not None and swap.adapter is not None:
+                        swap = self._give_slot(swap, admitted)
                 try:
                     if swap is not None:
                         self._apply_swap(swap)

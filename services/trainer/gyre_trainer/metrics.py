@@ -8,6 +8,7 @@ dashboards can template by experiment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -29,15 +30,21 @@ class TrainerMetrics:
         self.registry = registry or CollectorRegistry()
         self.run_id = run_id
         r, label = self.registry, ("run_id",)
+        self._families: list = []  # this run's metric families, for `forget`
+        self._ranks: set[str] = set()
+
+        def mine(family):
+            self._families.append(family)
+            return family.labels(run_id)
 
         def gauge(name: str, doc: str):
-            return m.gauge(name, doc, label, registry=r).labels(run_id)
+            return mine(m.gauge(name, doc, label, registry=r))
 
         def counter(name: str, doc: str):
-            return m.counter(name, doc, label, registry=r).labels(run_id)
+            return mine(m.counter(name, doc, label, registry=r))
 
         def histogram(name: str, doc: str, buckets):
-            return m.histogram(name, doc, label, registry=r, buckets=buckets).labels(run_id)
+            return mine(m.histogram(name, doc, label, registry=r, buckets=buckets))
 
         self.step = gauge("gyre_trainer_step", "Last trained and published step.")
         self.loss = gauge("gyre_trainer_loss", "Loss of the last step.")
@@ -80,7 +87,18 @@ class TrainerMetrics:
         self.step_duration.observe(record["step_seconds"])
         for rank, mfu in enumerate(mfu_per_rank):
             self._mfu.labels(self.run_id, str(rank)).set(mfu)
+            self._ranks.add(str(rank))
         self.last_step_timestamp.set(record.get("time", time.time()))
+
+    def forget(self) -> None:
+        """Remove this run's series from the shared registry (multi-run: a finished run's series go, so a
+        long-lived trainer's /metrics does not grow with every run it ever trained)."""
+        for family in self._families:
+            with contextlib.suppress(KeyError):
+                family.remove(self.run_id)
+        for rank in self._ranks:
+            with contextlib.suppress(KeyError):
+                self._mfu.remove(self.run_id, rank)
 
 
 def serve(metrics: TrainerMetrics, port: int | None, host: str) -> tuple[Any, int]:

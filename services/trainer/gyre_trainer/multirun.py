@@ -16,9 +16,13 @@ So exactly-once and resume hold per run, with the single-run proofs (`checkpoint
 every run resumes from its own folder. Runs are served round-robin: each turn asks every unfinished
 run's stream for its next batch without waiting long (`BatchIntake.next(wait=False)`) and trains the
 ones that have one, so a run whose orchestrator is slow never holds back the others. A run whose
-`max_steps` is trained finishes on its own (its lock and notifier are released); the process exits
-when every run has finished, unless `runs_dir` is set: then it keeps watching the folder for new
-runs (a new `<name>.toml` joins at the next turn) until it is stopped.
+`max_steps` is trained finishes on its own and is released (`MultiRunTrainer.release`: its adapter's
+parameters leave the model, its optimizer, schedule, stream reader, metric series, lock and notifier
+go), so a long-lived trainer holds only the runs it trains. The process exits when every run has
+finished, unless `runs_dir` is set: then it follows the folder until it is stopped: a new `<name>.toml`
+joins at the next turn, a removed one stops its run after its current step (released the same way;
+every trained step is committed, so the file put back resumes the run where it stopped), and a
+finished run's file is left alone until it changes (a larger `max_steps` resumes it).
 
 One process only (the adapters are small; FSDP multi-run is not wired) and `loss.ref_kl_coef = 0`.
 Randomness is shared: a run's checkpoint restores the global RNG, so runs are bit-exact on resume
@@ -28,7 +32,6 @@ only with `lora.dropout = 0` (the default), where training draws no random numbe
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import tomllib
 import zlib
@@ -38,8 +41,7 @@ from typing import Any
 import torch
 from gyre.config.loader import ConfigError, load_config
 from gyre.config.trainer import RunConfig, TrainerConfig
-from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
-from gyre.net import bind_or_explain
+from gyre.events import TRAINER_STEPS, EventLog, events_dir
 from gyre.runlock import LockHeld, RunLock
 from gyre.transport import open_store
 from prometheus_client import CollectorRegistry
@@ -48,10 +50,9 @@ from pydantic import ValidationError
 from gyre_trainer import dist
 from gyre_trainer.checkpoint import CheckpointError, CheckpointManager, plan_resume
 from gyre_trainer.intake import BatchIntake, IntakeItem
-from gyre_trainer.metrics import TrainerMetrics, serve
-from gyre_trainer.publish import WeightPublisher, WeightsNotifier
-from gyre_trainer.server import TrainerServer, TrainerStatus
-from gyre_trainer.service import NodeHealth, crash_point, step_record
+from gyre_trainer.metrics import TrainerMetrics
+from gyre_trainer.publish import WeightPublisher
+from gyre_trainer.service import TrainerProcess, crash_point, log_if_missing, step_record, weights_notifier
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,12 @@ POLL_MS = 100  # one run's stream read blocks at most this long per turn
 class Run:
     """One run's pieces (everything but the shared model); built by `MultiRunTrainer.add_run`."""
 
-    def __init__(self, spec: RunConfig, cfg: TrainerConfig, ctx: dist.DistContext, registry: CollectorRegistry):
+    def __init__(
+        self, spec: RunConfig, cfg: TrainerConfig, ctx: dist.DistContext, registry: CollectorRegistry,
+        file: Path | None = None,
+    ):  # fmt: skip
         self.spec, self.name = spec, spec.name
+        self.file = file  # the runs_dir file it came from (None: `trainer.runs`)
         self.lora = spec.lora or cfg.lora
         self.optim = spec.optim or cfg.optim
         self.out = Path(spec.output_dir)
@@ -75,11 +80,8 @@ class Run:
         )
         self.events = EventLog(events_dir(self.out) / TRAINER_STEPS)
         self.metrics = TrainerMetrics(self.name, registry)
-        o = spec.orchestrator
-        self.notifier = WeightsNotifier(  # the trainer's control token unless the run names its own
-            o.address, timeout_s=o.timeout_s, control_token=o.control_token or cfg.orchestrator.control_token,
-            retry_initial_s=o.retry_initial_s, retry_max_s=o.retry_max_s,
-        )  # fmt: skip
+        token = spec.orchestrator.control_token or cfg.orchestrator.control_token  # the trainer's unless its own
+        self.notifier = weights_notifier(spec.orchestrator, token)
         self.optimizer = self.scheduler = self.intake = None
         self.rejected_seen = 0
         self.closed = False
@@ -93,97 +95,58 @@ class Run:
         return self.spec.max_steps is not None and self.trained_step >= self.spec.max_steps
 
     def close(self) -> None:
+        """Release what the run holds besides the model's adapter: optimizer, schedule, stream reader,
+        metric series, notifier, event log, lock. Its folder keeps its state."""
         if self.closed:
             return
         self.closed = True
+        self.optimizer = self.scheduler = self.intake = None
+        self.metrics.forget()
         self.notifier.close(timeout=2.0)
         self.events.close()
         self.lock.release()
 
 
-class MultiRunTrainer:
+class MultiRunTrainer(TrainerProcess):
     """The trainer process of `trainer.runs` / `trainer.runs_dir` (see the module docstring)."""
 
     def __init__(self, cfg: TrainerConfig, ctx: dist.DistContext):
         if ctx.world_size != 1:
             raise ValueError(f"runs: multi-run trains in one process, this trainer has {ctx.world_size} ranks")
-        self.cfg, self.ctx = cfg, ctx
-        self.stop_requested = threading.Event()
-        self.runs: dict[str, Run] = {}
+        super().__init__(cfg, ctx)
+        self.runs: dict[str, Run] = {}  # the runs being trained (a finished run is released and leaves)
         self.registry = CollectorRegistry()
-        self.status = TrainerStatus(world_size=1)
+        self.metrics = _Registry(self.registry)  # what `metrics.serve` reads
         self.model = None
-        self.health: NodeHealth | None = None
-        self.server: TrainerServer | None = None
-        self.metrics_server = None
-        self.metrics_port: int | None = None
-        self.grpc_port: int | None = None
         self._redis = None
         self._bad_files: dict[Path, float] = {}  # runs_dir files that failed to load -> their mtime
+        self._done_files: dict[str, float] = {}  # finished runs' runs_dir files -> their mtime then
         self._last_scan = float("-inf")
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def run(self) -> int:
-        cfg = self.cfg
-        try:
-            if cfg.server.health_port is not None:
-                self.health = NodeHealth(cfg.server.host, cfg.server.health_port)
-            self.metrics_server, self.metrics_port = bind_or_explain(
-                lambda: serve(_Registry(self.registry), cfg.metrics.port, cfg.server.host),
-                "trainer", "metrics.port", cfg.metrics.port,
-            )  # fmt: skip
-            self.server = TrainerServer(self.status, cfg.server.host, cfg.server.port)
-            self.grpc_port = bind_or_explain(self.server.start, "trainer", "server.port", cfg.server.port)
-            self._build()
-            for spec in cfg.runs:
-                self.add_run(spec)
-            self.server.set_serving(True)
-            if self.health:
-                self.health.ready.set()
-            self._loop()
-            return 0
-        finally:
-            self._close()
-
-    def _build(self) -> None:
-        from gyre_trainer.model import load_model, resolve_dtype
-        from gyre_trainer.perf import peak_flops
-
-        cfg = self.cfg
-        dist.seed_everything(cfg.seed, cfg.deterministic)
-        self.dtype = resolve_dtype(cfg.model.dtype, self.ctx.device)
-        self.model = load_model(
-            cfg.model, self.ctx.device, self.dtype, activation_checkpointing=cfg.activation_checkpointing
-        )
-        self.hf_config = self.model.config
-        self.peak_flops = peak_flops(self.ctx.device, self.dtype)
+    def _prepare(self) -> None:
+        self.model = self._load_base_model()
+        for spec in self.cfg.runs:
+            self.add_run(spec)
 
     def _close(self) -> None:
         for run in self.runs.values():
             run.close()
-        if self.health:
-            self.health.close()
-        if self.server:
-            self.server.stop(grace=1.0)
-        if self.metrics_server:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
+        super()._close()
 
     # ---- runs -----------------------------------------------------------------------------------
-    def add_run(self, spec: RunConfig) -> Run:
+    def add_run(self, spec: RunConfig, file: Path | None = None) -> Run:
         """Give `spec` its adapter, optimizer and schedule, resume it from its folder, open its stream."""
         from gyre_trainer.lora import activate_adapter, add_adapter
         from gyre_trainer.optim import build_optimizer, build_scheduler
 
         if spec.name in self.runs:
             raise ValueError(f"run {spec.name!r} is already trained by this trainer")
-        run = Run(spec, self.cfg, self.ctx, self.registry)
-        added = False
+        run = Run(spec, self.cfg, self.ctx, self.registry, file)
         try:
             # the adapter's initial values depend on (seed, run name) only, not on the runs added before it
             torch.manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(run.name.encode()))
             self.model = add_adapter(self.model, run.name, run.lora)
-            added = True
             activate_adapter(self.model, run.name)
             run.optimizer = build_optimizer(self.model, run.optim)
             run.scheduler = build_scheduler(run.optimizer, run.optim, spec.max_steps)
@@ -194,15 +157,41 @@ class MultiRunTrainer:
             )  # fmt: skip
         except BaseException:
             run.close()
-            if added and hasattr(self.model, "delete_adapter"):  # a fixed file can add the run again
-                remaining = [n for n in self.model.peft_config if n != run.name]
-                if remaining:
-                    self.model.delete_adapter(run.name)
-                    activate_adapter(self.model, remaining[0])
+            self._drop_adapter(run.name)  # a fixed file can add the run again
             raise
         self.runs[run.name] = run
+        self.status.resumed(run.name, trained)
         log.info("run %s joined at step %d (output %s)", run.name, trained, run.out)
         return run
+
+    def release(self, run: Run, why: str) -> None:
+        """`run` leaves this trainer: its adapter's parameters (and with them their gradients), optimizer,
+        schedule, stream reader, metric series, lock and notifier are dropped, so a long-lived trainer
+        holds only the runs it trains. Every trained step is committed in the run's folder, so adding
+        it again resumes after its last step (a finished run trains nothing more)."""
+        step = run.trained_step
+        run.close()
+        self._drop_adapter(run.name)
+        del self.runs[run.name]
+        if run.file is not None and why == "finished":
+            self._done_files[run.name] = _mtime(run.file)
+        self.status.finished(run.name)
+        log.info("run %s %s at step %d: its adapter, optimizer and stream are released", run.name, why, step)
+
+    def _drop_adapter(self, name: str) -> None:
+        """Remove adapter `name` and its parameters from the model; with the last one, the plain base
+        model comes back (the next run wraps it again)."""
+        from gyre_trainer.lora import activate_adapter
+
+        adapters = getattr(self.model, "peft_config", {})
+        if name not in adapters:
+            return
+        remaining = [n for n in adapters if n != name]
+        if remaining:
+            self.model.delete_adapter(name)
+            activate_adapter(self.model, remaining[0])
+        else:
+            self.model = self.model.unload()
 
     def _stream(self, name: str):
         import redis
@@ -239,62 +228,68 @@ class MultiRunTrainer:
             record = run.checkpoints.read_record(plan.trained_step) or {"step": plan.trained_step}
             self._publish(run, plan.trained_step, record)
         if plan.trained_step > 0:
-            self._log_if_missing(run, plan.trained_step)
+            log_if_missing(run.events, plan.trained_step, run.publisher, run.checkpoints)
             if not plan.republish:
                 run.notifier.notify(run.transport.version(plan.trained_step))
         run.metrics.step.set(plan.trained_step)
         return plan.trained_step
 
-    def _log_if_missing(self, run: Run, step: int) -> None:
-        if any(r.get("step") == step for r in read_events(run.events.path)):
-            return
-        record = run.publisher.read_record(step) or run.checkpoints.read_record(step)
-        if record is not None:
-            run.events.append(record)
-
     def scan_runs_dir(self) -> list[Run]:
-        """Add the runs of `runs_dir` this trainer does not have yet; a bad file is logged once and skipped."""
+        """Follow `runs_dir`: add the runs of new files (a bad file is logged once and skipped until it
+        changes), stop the runs whose file was removed. A finished run's file is skipped until it changes
+        (e.g. a larger max_steps: the run resumes after its last step)."""
         folder = self.cfg.runs_dir
         if folder is None or not Path(folder).is_dir():
             return []
+        files = {file.stem: file for file in sorted(Path(folder).glob("*.toml"))}
+        for run in [r for r in self.runs.values() if r.file is not None and r.name not in files]:
+            self.release(run, "stopped (its runs_dir file was removed)")
+        self._done_files = {name: t for name, t in self._done_files.items() if name in files}
         added = []
-        for file in sorted(Path(folder).glob("*.toml")):
-            if file.stem in self.runs or self._bad_files.get(file) == file.stat().st_mtime:
+        for name, file in files.items():
+            mtime = _mtime(file)
+            if name in self.runs or mtime in (self._bad_files.get(file), self._done_files.get(name)):
                 continue
             try:
                 data = tomllib.loads(file.read_text())
-                spec = load_config(RunConfig, [], **{"name": file.stem, **data.get("run", data)})
-                if spec.name != file.stem:
-                    raise ConfigError(f"config key 'name': {spec.name!r} differs from the file name {file.stem!r}")
-                added.append(self.add_run(spec))
+                spec = load_config(RunConfig, [], **{"name": name, **data.get("run", data)})
+                if spec.name != name:
+                    raise ConfigError(f"config key 'name': {spec.name!r} differs from the file name {name!r}")
+                added.append(self.add_run(spec, file))
             except (OSError, tomllib.TOMLDecodeError, ValidationError, ValueError, LockHeld, CheckpointError) as e:
-                self._bad_files[file] = file.stat().st_mtime
+                self._bad_files[file] = mtime
                 log.error("runs_dir: cannot add the run in %s (fix the file to retry): %s", file, e)
         return added
 
     # ---- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self.stop_requested.is_set():
-            if time.monotonic() - self._last_scan >= RUNS_SCAN_S:
-                self._last_scan = time.monotonic()
-                self.scan_runs_dir()
-            active = [run for run in self.runs.values() if not run.finished]
-            if not active:
-                if self.cfg.runs_dir is None:
-                    log.info("every run finished: %s", {n: r.trained_step for n, r in self.runs.items()})
-                    return
-                self.stop_requested.wait(POLL_MS / 1000)
-                continue
-            for run in active:
-                item = run.intake.next(self.stop_requested.is_set, wait=False)
-                if item is not None:
-                    self._step(run, item)
-                    if run.finished:
-                        log.info("run %s finished: step %d = its max_steps", run.name, run.trained_step)
-                        run.close()
-                if self.stop_requested.is_set():
-                    break
+            if not self.turn():
+                log.info("every run finished")
+                return
         log.info("stop requested: leaving after %s", {n: r.trained_step for n, r in self.runs.items()})
+
+    def turn(self) -> bool:
+        """One turn: follow `runs_dir` (every RUNS_SCAN_S), release finished runs, train every run whose
+        next batch is there. False once nothing is left to do (no run left and no runs_dir to follow)."""
+        if time.monotonic() - self._last_scan >= RUNS_SCAN_S:
+            self._last_scan = time.monotonic()
+            self.scan_runs_dir()
+        for run in [r for r in self.runs.values() if r.finished]:  # e.g. resumed at its max_steps
+            self.release(run, "finished")
+        if not self.runs:
+            if self.cfg.runs_dir is None:
+                return False
+            self.stop_requested.wait(POLL_MS / 1000)
+        for run in list(self.runs.values()):
+            item = run.intake.next(self.stop_requested.is_set, wait=False)
+            if item is not None:
+                self._step(run, item)
+                if run.finished:
+                    self.release(run, "finished")
+            if self.stop_requested.is_set():
+                break
+        return True
 
     def _step(self, run: Run, item: IntakeItem) -> None:
         from gyre_trainer.lora import activate_adapter
@@ -326,7 +321,7 @@ class MultiRunTrainer:
         run.metrics.observe_step(record, [mfu])
         run.metrics.rejected.inc(run.intake.rejected - run.rejected_seen)
         run.rejected_seen = run.intake.rejected
-        self.status.update(item.step, record["num_tokens"])
+        self.status.update(item.step, record["num_tokens"], run.name)
         crash_point("after_log", item.step, self.ctx)
         run.intake.commit(item)
         crash_point("after_ack", item.step, self.ctx)
@@ -341,6 +336,13 @@ class MultiRunTrainer:
         run.metrics.publish_duration.observe(time.perf_counter() - start)
         crash_point("after_publish", step, self.ctx)
         run.notifier.notify(published)
+
+
+def _mtime(file: Path) -> float | None:
+    try:
+        return file.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return None
 
 
 class _Registry:

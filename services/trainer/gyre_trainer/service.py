@@ -93,40 +93,25 @@ class NodeHealth:
         self.server.server_close()
 
 
-class Trainer:
-    """Owns the model, optimizer, intake, publisher and servers of one trainer process (one rank)."""
+class TrainerProcess:
+    """What every trainer process does around its training, shared by `Trainer` (one run) and
+    `multirun.MultiRunTrainer` (N runs): the servers (node health on local rank 0, /metrics and gRPC status
+    on rank 0), the base model, readiness, and the run → ready → loop → close lifecycle."""
 
     def __init__(self, cfg: TrainerConfig, ctx: dist.DistContext):
-        self.cfg = cfg
-        self.ctx = ctx
+        self.cfg, self.ctx = cfg, ctx
         self.stop_requested = threading.Event()
-        self.output_dir = Path(cfg.output_dir)
-        self.transport = open_store(cfg.weights, self.output_dir)
-        self.store = self.transport.store  # resume reads published folders (plan_resume, parameters)
-        self.publisher = WeightPublisher(self.transport, cfg.model.name, cfg.weights_keep_last)
-        self.checkpoints = CheckpointManager(
-            self.output_dir / "checkpoints" / "trainer", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
-        )
         self.status = TrainerStatus(world_size=ctx.world_size)
-        self.metrics = TrainerMetrics(cfg.run_id)
-        self.server: TrainerServer | None = None
         self.health: NodeHealth | None = None
+        self.server: TrainerServer | None = None
         self.metrics_server = None
-        self.notifier: WeightsNotifier | None = None
-        self.events: EventLog | None = None
-        self.intake: BatchIntake | None = None
         self.metrics_port: int | None = None
         self.grpc_port: int | None = None
-        self._rejected_seen = 0
-        self.lock: RunLock | None = None
 
-    # ---- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
         try:
             self._start_servers()
-            self._build()
-            plan = self._resume()
-            self.intake = self._open_intake(plan.trained_step)
+            self._prepare()
             if self.server:
                 self.server.set_serving(True)
             if self.health:
@@ -136,33 +121,28 @@ class Trainer:
         finally:
             self._close()
 
+    def _prepare(self) -> None:
+        """Build the model and restore what the run(s) trained, before the process reports ready."""
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
     def _start_servers(self) -> None:
-        if self.cfg.server.health_port is not None and self.ctx.local_rank == 0:
-            self.health = NodeHealth(self.cfg.server.host, self.cfg.server.health_port)
+        cfg = self.cfg
+        if cfg.server.health_port is not None and self.ctx.local_rank == 0:
+            self.health = NodeHealth(cfg.server.host, cfg.server.health_port)
         if not self.ctx.is_main:
             return
-        self.lock = RunLock(self.output_dir, "trainer").acquire()  # one trainer (rank 0) per run folder
-        port = self.cfg.metrics.port
         self.metrics_server, self.metrics_port = bind_or_explain(
-            lambda: serve(self.metrics, port, self.cfg.server.host), "trainer", "metrics.port", port
+            lambda: serve(self.metrics, cfg.metrics.port, cfg.server.host), "trainer", "metrics.port", cfg.metrics.port
         )
-        self.server = TrainerServer(self.status, self.cfg.server.host, self.cfg.server.port)
-        self.grpc_port = bind_or_explain(self.server.start, "trainer", "server.port", self.cfg.server.port)
-        self.events = EventLog(events_dir(self.output_dir) / TRAINER_STEPS)
-        self.wandb = WandbLogger(self.cfg.wandb, service="trainer", run_id=self.cfg.run_id,
-                                 output_dir=self.output_dir, config=self.cfg.model_dump(mode="json"))  # fmt: skip
-        o = self.cfg.orchestrator
-        self.notifier = WeightsNotifier(
-            o.address,
-            timeout_s=o.timeout_s,
-            control_token=o.control_token,
-            retry_initial_s=o.retry_initial_s,
-            retry_max_s=o.retry_max_s,
-        )
+        self.server = TrainerServer(self.status, cfg.server.host, cfg.server.port)
+        self.grpc_port = bind_or_explain(self.server.start, "trainer", "server.port", cfg.server.port)
 
-    def _build(self) -> None:
+    def _load_base_model(self) -> torch.nn.Module:
+        """Seed, then the base model on this rank's device; sets dtype, hf_config and peak_flops."""
         from gyre_trainer.model import load_model, resolve_dtype
-        from gyre_trainer.optim import build_optimizer, build_scheduler
         from gyre_trainer.perf import peak_flops
 
         cfg, ctx = self.cfg, self.ctx
@@ -170,6 +150,79 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.model.dtype, ctx.device)
         model = load_model(cfg.model, ctx.device, self.dtype, activation_checkpointing=cfg.activation_checkpointing)
         self.hf_config = model.config
+        self.peak_flops = peak_flops(ctx.device, self.dtype)
+        return model
+
+    def _close(self) -> None:
+        if self.health:
+            self.health.close()
+        if self.server:
+            self.server.stop(grace=1.0)
+        if self.metrics_server:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+
+
+def weights_notifier(orchestrator: Any, control_token: str | None) -> WeightsNotifier:
+    """The notifier of one run's orchestrator (`trainer.orchestrator`, or a multi-run run's own)."""
+    o = orchestrator
+    return WeightsNotifier(o.address, timeout_s=o.timeout_s, control_token=control_token,
+                           retry_initial_s=o.retry_initial_s, retry_max_s=o.retry_max_s)  # fmt: skip
+
+
+def log_if_missing(events: EventLog, step: int, *sources: Any) -> bool:
+    """A crash between publishing and logging step `s` leaves it unlogged: log it from the first of
+    `sources` (publisher, checkpoints) that holds its record. True when it logged."""
+    if any(r.get("step") == step for r in read_events(events.path)):
+        return False
+    record = next((r for r in (source.read_record(step) for source in sources) if r is not None), None)
+    if record is not None:
+        events.append(record)
+    return record is not None
+
+
+class Trainer(TrainerProcess):
+    """Owns the model, optimizer, intake, publisher and servers of one trainer process (one rank)."""
+
+    def __init__(self, cfg: TrainerConfig, ctx: dist.DistContext):
+        super().__init__(cfg, ctx)
+        self.output_dir = Path(cfg.output_dir)
+        self.transport = open_store(cfg.weights, self.output_dir)
+        self.store = self.transport.store  # resume reads published folders (plan_resume, parameters)
+        self.publisher = WeightPublisher(self.transport, cfg.model.name, cfg.weights_keep_last)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints" / "trainer", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
+        )
+        self.metrics = TrainerMetrics(cfg.run_id)
+        self.notifier: WeightsNotifier | None = None
+        self.events: EventLog | None = None
+        self.intake: BatchIntake | None = None
+        self._rejected_seen = 0
+        self.lock: RunLock | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        self._build()
+        plan = self._resume()
+        self.intake = self._open_intake(plan.trained_step)
+
+    def _start_servers(self) -> None:
+        if self.ctx.is_main:
+            self.lock = RunLock(self.output_dir, "trainer").acquire()  # one trainer (rank 0) per run folder
+        super()._start_servers()
+        if not self.ctx.is_main:
+            return
+        self.events = EventLog(events_dir(self.output_dir) / TRAINER_STEPS)
+        self.wandb = WandbLogger(self.cfg.wandb, service="trainer", run_id=self.cfg.run_id,
+                                 output_dir=self.output_dir, config=self.cfg.model_dump(mode="json"))  # fmt: skip
+        self.notifier = weights_notifier(self.cfg.orchestrator, self.cfg.orchestrator.control_token)
+
+    def _build(self) -> None:
+        from gyre_trainer.model import load_model
+        from gyre_trainer.optim import build_optimizer, build_scheduler
+
+        cfg, ctx = self.cfg, self.ctx
+        model = self._load_base_model()
         if cfg.lora is not None:  # adapters only: the optimizer below takes the trainable parameters
             from gyre_trainer.lora import apply_lora
 
@@ -181,18 +234,11 @@ class Trainer:
         if cfg.loss.ref_kl_coef > 0:  # frozen copy of the base model for the k3 KL term
             ref = load_model(cfg.model, ctx.device, self.dtype).eval().requires_grad_(False)
             self.ref_model = dist.shard_model(ref, ctx)
-        self.peak_flops = peak_flops(ctx.device, self.dtype)
 
     def _close(self) -> None:
-        if self.health:
-            self.health.close()
+        super()._close()
         if self.notifier:
             self.notifier.close(timeout=2.0)
-        if self.server:
-            self.server.stop(grace=1.0)
-        if self.metrics_server:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
         if self.events:
             self.events.close()
         if self.lock:
@@ -222,10 +268,12 @@ class Trainer:
             record = self.checkpoints.read_record(plan.trained_step) or {"step": plan.trained_step}
             self._publish(plan.trained_step, record)
         if self.ctx.is_main and plan.trained_step > 0:
-            self._log_if_missing(plan.trained_step)
+            if log_if_missing(self.events, plan.trained_step, self.publisher, self.checkpoints):
+                log.info("logged step %d from its published record (the previous run died before logging it)",
+                         plan.trained_step)  # fmt: skip
             if not plan.republish:  # the previous run may have died before its notification went out
                 self.notifier.notify(self.transport.version(plan.trained_step))
-        self.status.step = plan.trained_step
+        self.status.resumed(self.cfg.run_id, plan.trained_step)
         self.metrics.step.set(plan.trained_step)
         log.info("resuming after step %d (%s)", plan.trained_step, plan)
         return plan
@@ -249,15 +297,6 @@ class Trainer:
             "bit-exact (set ckpt.interval=1 for exact resumes)",
             plan.weights_step, f"checkpoint {plan.checkpoint_step}" if plan.checkpoint_step else "scratch",
         )  # fmt: skip
-
-    def _log_if_missing(self, step: int) -> None:
-        """A crash between publishing and logging step `s` leaves it unlogged: log it from the sidecar."""
-        if any(r.get("step") == step for r in read_events(self.events.path)):
-            return
-        record = self.publisher.read_record(step) or self.checkpoints.read_record(step)
-        if record is not None:
-            self.events.append(record)
-            log.info("logged step %d from its published record (the previous run died before logging it)", step)
 
     def _open_intake(self, trained_step: int) -> BatchIntake:
         stream = None
@@ -297,7 +336,7 @@ class Trainer:
                 self.metrics.observe_step(record, mfu_per_rank)
                 self.metrics.rejected.inc(self.intake.rejected - self._rejected_seen)
                 self._rejected_seen = self.intake.rejected
-                self.status.update(item.step, record["num_tokens"])
+                self.status.update(item.step, record["num_tokens"], self.cfg.run_id)
                 crash_point("after_log", item.step, self.ctx)
             self.intake.commit(item)
             crash_point("after_ack", item.step, self.ctx)

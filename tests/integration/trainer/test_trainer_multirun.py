@@ -50,7 +50,7 @@ def test_a_step_of_one_run_leaves_the_other_runs_adapter_bit_for_bit(tiny_model,
     push_batches(BatchStream(redis_url, a), [1, 2], seed=1)
     push_batches(BatchStream(redis_url, b), [1], seed=2)
     trainer = MultiRunTrainer(cfg, dist.init_distributed("cpu"))
-    trainer._build()
+    trainer.model = trainer._load_base_model()
     try:
         run_a, run_b = trainer.add_run(cfg.runs[0]), trainer.add_run(cfg.runs[1])
         for run, other in [(run_a, run_b), (run_b, run_a), (run_a, run_b)]:
@@ -192,3 +192,94 @@ def test_a_crash_mid_step_resumes_every_run_exactly_once(tiny_model, redis_url, 
         mine, reference = adapter(crashed / name / "weights/step_3"), adapter(straight / name / "weights/step_3")
         for key in reference:
             assert torch.equal(mine[key], reference[key]), f"{name}: {key}"
+
+
+def run_file(folder, name: str, output_dir, max_steps: int) -> None:
+    """A runs_dir file, written atomically (the trainer may scan the folder at any time)."""
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text(f'output_dir = "{output_dir}"\nmax_steps = {max_steps}\n'
+                   '[orchestrator]\naddress = "127.0.0.1:9"\ntimeout_s = 0.5\n')  # fmt: skip
+    tmp.rename(folder / f"{name}.toml")
+
+
+def grpc_status(port: int):
+    import grpc
+    from gyre.v1 import trainer_pb2, trainer_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return trainer_pb2_grpc.TrainerStub(channel).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
+
+
+def turn_until(trainer, done, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the trainer did not get there in time"
+        trainer.turn()
+
+
+def test_finished_runs_release_their_adapter_optimizer_and_metrics_and_never_retrain(
+    tiny_model, redis_url, unique_run_id, tmp_path
+):
+    import gc
+    import weakref
+
+    from gyre_trainer import dist
+    from gyre_trainer.multirun import MultiRunTrainer
+
+    def parameters() -> int:
+        return sum(p.numel() for p in trainer.model.parameters())
+
+    a, b = f"{unique_run_id}-a", f"{unique_run_id}-b"
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    cfg = multirun_config(tiny_model, redis_url, [{"name": a, "output_dir": str(tmp_path / "a"), "max_steps": 1}],
+                          runs_dir=str(runs_dir))  # fmt: skip
+    push_batches(BatchStream(redis_url, a), [1, 2], seed=1)  # step 2 is past a's max_steps: never trained
+    push_batches(BatchStream(redis_url, b), [1, 2], seed=2)
+    run_file(runs_dir, b, tmp_path / "b", max_steps=2)
+    trainer = MultiRunTrainer(cfg, dist.init_distributed("cpu"))
+    trainer.model = trainer._load_base_model()
+    base = parameters()
+    trainer._start_servers()  # real gRPC status and /metrics
+    try:
+        trainer.add_run(cfg.runs[0])
+        assert [r.name for r in trainer.scan_runs_dir()] == [b]
+        adapter_size = (parameters() - base) // 2  # both runs have the same adapter shape
+        assert adapter_size > 0
+        optimizers = [weakref.ref(run.optimizer) for run in trainer.runs.values()]
+
+        turn_until(trainer, lambda: a not in trainer.runs)
+        assert parameters() == base + adapter_size  # a's adapter left the model
+        assert not any(f".{a}." in name for name, _ in trainer.model.named_parameters())
+        assert trainer.registry.get_sample_value("gyre_trainer_step", {"run_id": a}) is None  # its series too
+        turn_until(trainer, lambda: not trainer.runs)
+        assert parameters() == base  # the plain base model again
+        assert not any("lora_" in name for name, _ in trainer.model.named_parameters())
+        gc.collect()
+        assert [ref() for ref in optimizers] == [None, None]  # both optimizers (and their AdamW state) are gone
+        assert (trained_steps(tmp_path / "a"), trained_steps(tmp_path / "b")) == ([1], [1, 2])
+        status = grpc_status(trainer.grpc_port)
+        assert {r.name: (r.step, r.finished) for r in status.runs} == {a: (1, True), b: (2, True)}
+        assert status.tokens == sum(r.tokens for r in status.runs) > 0
+
+        # a finished run added again resumes at its max_steps: released at once, step 2 never trains
+        trainer.add_run(cfg.runs[0])
+        trainer.turn()
+        assert a not in trainer.runs and trained_steps(tmp_path / "a") == [1]
+        assert trainer.scan_runs_dir() == []  # b's file did not change: b stays finished
+
+        # b's file with a larger max_steps resumes b after step 2; removing the file stops it, released
+        run_file(runs_dir, b, tmp_path / "b", max_steps=3)
+        assert [r.name for r in trainer.scan_runs_dir()] == [b]
+        assert trainer.runs[b].trained_step == 2 and parameters() == base + adapter_size
+        (runs_dir / f"{b}.toml").unlink()
+        trainer.scan_runs_dir()
+        assert not trainer.runs and parameters() == base and trainer.status.runs[b].finished
+        run_file(runs_dir, b, tmp_path / "b", max_steps=3)  # put back: it resumes where it stopped
+        push_batches(BatchStream(redis_url, b), [3], seed=2)
+        trainer.scan_runs_dir()
+        turn_until(trainer, lambda: not trainer.runs)
+        assert trained_steps(tmp_path / "b") == [1, 2, 3]  # every step once
+        assert parameters() == base
+    finally:
+        trainer._close()

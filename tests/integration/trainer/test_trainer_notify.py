@@ -111,6 +111,8 @@ def test_trainer_publishes_notifies_and_dead_letters(tiny_model, redis_url, uniq
             status = trainer_pb2_grpc.TrainerStub(channel).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
         assert (status.step, status.world_size) == (3, 1)
         assert status.tokens == sum(make_batch(s).num_tokens for s in (1, 2, 3))
+        runs = [(r.name, r.step, r.tokens, r.finished) for r in status.runs]
+        assert runs == [(unique_run_id, 3, status.tokens, False)]  # a single run: one line, named by run_id
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         assert f'gyre_trainer_step{{run_id="{unique_run_id}"}} 3.0' in text

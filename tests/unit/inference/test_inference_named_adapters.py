@@ -5,6 +5,7 @@ and the base model's weights are never touched."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 import pytest_asyncio
@@ -72,9 +73,6 @@ async def test_bad_adapters_and_names_are_refused(backend, tiny_model, tmp_path)
         assert small.adapter_names == ()  # nothing changed
     finally:
         await small.shutdown()
-    await backend.update_adapter("b", big, 1)
-    with pytest.raises(WeightsIncompatibleError, match="max_adapters"):
-        await backend.update_adapter("c", big, 1)
     plain = TorchBackend(tiny_model, threads=1, max_batch_size=2)
     await plain.start()
     try:
@@ -82,6 +80,46 @@ async def test_bad_adapters_and_names_are_refused(backend, tiny_model, tmp_path)
             await plain.update_adapter("a", big, 1)
     finally:
         await plain.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_the_bank_stays_bounded_evicting_the_least_recently_used_idle_name_and_loads_it_back(
+    tiny_model, tmp_path
+):
+    """Three runs' adapters, two slots: a new name evicts the least recently used name no queued or running
+    row uses; a request for an evicted name loads it back from its folder (same samples, same version); an
+    evicted name whose folder is gone is refused by name (404) and forgotten."""
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=8, max_adapters=2, max_lora_rank=4)
+    await engine.start()
+    try:
+        stacks = [a.shape for a, _ in engine._bank.layers.values()]
+        models = {name: write_adapter(tiny_model, tmp_path / name, seed=i + 1) for i, name in enumerate("abc")}
+        await engine.update_adapter("a", tmp_path / "a", 3)
+        await engine.update_adapter("b", tmp_path / "b", 4)
+        alone = {name: await sample(engine, name, n=30) for name in "ab"}  # b used last, a least recently
+
+        running = engine.generate(PROMPT, SamplingParams(max_tokens=30, temperature=1.0, seed=3, adapter="a"))
+        first = await running.__anext__()
+        await sample(engine, "b", n=1)  # b used last: a is the least recently used, but its row is running
+        await engine.update_adapter("c", tmp_path / "c", 5)  # so b, idle, is the one evicted
+        assert set(engine._bank.slots) == {"a", "c"}
+        rest = [e async for e in running]
+        assert [first.token_id] + [e.token_id for e in rest] == alone["a"][0]  # a's row kept its adapter
+
+        assert [a.shape for a, _ in engine._bank.layers.values()] == stacks  # bounded: no slot was added
+        assert set(engine.adapter_names) == {"a", "b", "c"} and engine.adapter_version("b") == 4
+        tokens, logprobs, versions = await sample(engine, "b", n=30)  # loaded back, evicting a (now idle, LRU)
+        assert tokens == alone["b"][0] and torch.allclose(logprobs, alone["b"][1], atol=1e-6) and versions == {4}
+        assert set(engine._bank.slots) == {"b", "c"}
+        tokens, logprobs, _ = await sample(engine, "c")
+        assert torch.allclose(logprobs, reference_logprobs(models["c"], tokens), atol=1e-4)
+
+        shutil.rmtree(tmp_path / "a")  # e.g. pruned: a cannot come back
+        with pytest.raises(KeyError, match="'a' was evicted and cannot be loaded back"):
+            await sample(engine, "a")
+        assert "a" not in engine.adapter_names
+    finally:
+        await engine.shutdown()
 
 
 @pytest.mark.gpu

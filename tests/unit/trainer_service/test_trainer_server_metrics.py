@@ -33,11 +33,12 @@ def test_status_and_health(server):
 
         stub = trainer_pb2_grpc.TrainerStub(channel)
         assert stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5).step == 0
-        server.status.update(step=3, tokens=100)
-        server.status.update(step=4, tokens=50)
+        server.status.update(step=3, tokens=100, run="r")
+        server.status.update(step=4, tokens=50, run="r")
         reply = stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
         assert (reply.step, reply.tokens, reply.world_size) == (4, 150, 2)
         assert reply.last_step_unix > 0
+        assert [(r.name, r.step, r.tokens, r.finished) for r in reply.runs] == [("r", 4, 150, False)]
 
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
         replies = reflect.ServerReflectionInfo(
