@@ -20,6 +20,9 @@ the store still holds was abandoned. Then the target goes back to the announced 
 version and replicas ahead of it get `UpdateWeights(rollback=true)`. A late announcement of an old
 step while the target is still stored changes nothing, and a replica ahead of a target that is still
 stored is left alone (the inference server itself refuses older versions without `rollback`).
+A rewind to the base model (`ckpt.resume_step = 0`) deletes every version: with the store empty, the
+target is cleared and replicas serving any version get `ReloadWeights` (version 0). An abandoned
+version never raises the policy version (`VersionWatch`) the scheduler tags rollouts with.
 """
 
 from __future__ import annotations
@@ -134,9 +137,15 @@ class WeightRelay:
         return True
 
     def poll_store(self) -> None:
-        """Pick up a version the trainer published but whose notification we missed."""
+        """Pick up a version the trainer published but whose notification we missed, or a rewind."""
         latest = self.transport.latest()
-        if latest is not None and (latest > self.latest_step or self._abandoned(self.latest_step, latest)):
+        if latest is None and self.target is not None:
+            log.warning("the trainer rewound to the base model: weights step %d are gone", self.target.step)
+            self.target = None
+            if self.metrics is not None:
+                self.metrics.labels(self.metrics.latest_weights).set(0)
+            self._wake.set()
+        elif latest is not None and (latest > self.latest_step or self._abandoned(self.latest_step, latest)):
             try:
                 self.notify(WeightsVersion(latest, "", self.transport.transport))
             except WeightsError as e:
@@ -199,16 +208,23 @@ class WeightRelay:
     def reconcile(self) -> None:
         """Start an updater for each lagging replica; publish versions, in-use set and metrics."""
         target = self.target
-        if target is not None:
-            ahead = [r.version for r in self.replicas if r.version is not None and r.version > target.step]
-            latest = self.transport.latest() if ahead else None  # only when some replica is ahead (rare)
-            for r in self.replicas:
-                lagging = r.version is None or r.version < target.step
-                lagging = lagging or (r.version > target.step and self._abandoned(r.version, latest))
-                busy = r.url in self._updaters and not self._updaters[r.url].done()
-                if lagging and not busy and self.replicas.in_rotation(r):
-                    self._updaters[r.url] = asyncio.create_task(self._update(r), name=f"relay-{r.url}")
+        step = target.step if target is not None else 0  # no target: the base model, version 0
+        ahead = [r.version for r in self.replicas if r.version is not None and r.version > step]
+        latest = self.transport.latest() if ahead else None  # only when some replica is ahead (rare)
+        for r in self.replicas:
+            if target is not None:
+                lagging = r.version is None or r.version < step
+            else:  # only a rewind to the base model moves replicas while no version is published
+                lagging = False
+            lagging = lagging or (r.version is not None and r.version > step and self._abandoned(r.version, latest))
+            if target is None and self.model:
+                lagging = False  # a run's adapter has no base version to go back to: left as it is
+            busy = r.url in self._updaters and not self._updaters[r.url].done()
+            if lagging and not busy and self.replicas.in_rotation(r):
+                self._updaters[r.url] = asyncio.create_task(self._update(r), name=f"relay-{r.url}")
         best = self.replicas.max_healthy_version()
+        if best is not None and best > step and self._abandoned(best, latest):
+            best = None  # a version the trainer rewound away from is no policy version of this run
         if best is not None:
             self.versions.set(best)
         for step in [s for s in self._learned_at if self._all_serve(s)]:
@@ -270,31 +286,39 @@ class WeightRelay:
         """Bring one replica to the target version (retries with backoff, then out of rotation)."""
         for attempt in range(self.retries + 1):
             target = self.target
-            if target is None or replica.url not in self.replicas.replicas:
+            if replica.url not in self.replicas.replicas:
                 return
-            rollback = replica.version is not None and replica.version > target.step
-            if replica.version == target.step or (rollback and not self._abandoned(replica.version)):
+            step = target.step if target is not None else 0
+            rollback = replica.version is not None and replica.version > step
+            if replica.version == step or (rollback and not self._abandoned(replica.version)):
+                return
+            if target is None and (self.model or not rollback):
                 return
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             start = time.monotonic()
             error = None
             try:
-                reply = await self._stub(replica).UpdateWeights(
-                    inference_pb2.UpdateWeightsRequest(version=target.to_proto(), rollback=rollback, model=self.model),
-                    timeout=self.timeout_s,
-                    metadata=self.metadata,
-                )
+                if target is None:  # rewound to the base model
+                    call = self._stub(replica).ReloadWeights(
+                        inference_pb2.ReloadWeightsRequest(), timeout=self.timeout_s, metadata=self.metadata
+                    )
+                else:
+                    request = inference_pb2.UpdateWeightsRequest(
+                        version=target.to_proto(), rollback=rollback, model=self.model
+                    )
+                    call = self._stub(replica).UpdateWeights(request, timeout=self.timeout_s, metadata=self.metadata)
+                reply = await call
             except grpc.aio.AioRpcError as e:
                 error = f"{e.code().name}: {e.details()}"
             seconds = time.monotonic() - start
-            self._record(target.step, replica, error is None, seconds, error, attempt)
+            self._record(step, replica, error is None, seconds, error, attempt)
             if error is None:
                 self.replicas.mark_ok(replica, int(reply.step))
                 log.info("replica %s now serves version %d (%.2fs)", replica.url, reply.step, seconds)
                 self.reconcile()
                 return
-            log.warning("UpdateWeights(%d) on %s failed: %s", target.step, replica.url, error)
+            log.warning("UpdateWeights(%d) on %s failed: %s", step, replica.url, error)
         self.replicas.mark_failed(replica, f"UpdateWeights failed {self.retries + 1} times: {error}")
 
     def _record(self, step: int, replica: Replica, ok: bool, seconds: float, error: str | None, attempt: int) -> None:

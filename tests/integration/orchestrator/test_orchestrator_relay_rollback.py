@@ -112,3 +112,46 @@ async def test_a_relay_started_after_a_rewind_rolls_back_replicas_serving_an_aba
         finally:
             await relay.stop()
             await close_replica_clients(list(replica_set))
+
+
+async def test_a_rewind_to_the_base_model_reloads_every_replica(tmp_path, replicas, tiny_model):
+    """`ckpt.resume_step = 0` deletes every version: a running relay (it sees the empty store when it
+    polls) and a relay started afterwards both bring the replicas back to version 0 (ReloadWeights), and
+    the abandoned version never becomes the policy version rollouts are tagged with."""
+    store = WeightStore(tmp_path / "weights")
+    publish_weights(store, 1, tiny_model)
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay, replica_set = _relay(replicas, store, events)
+        try:
+            await relay.start()
+            assert await relay.wait_served(1, timeout=60)
+            assert store.discard_after(0) == [1]  # the rewinding trainer
+            await _served(replicas, 0)
+            assert relay.target is None and relay.latest_step == 0
+            deadline = asyncio.get_running_loop().time() + 30  # the relay logs a reply after the replica answered
+            while [e["step"] for e in read_events(events.path) if e["ok"]][-2:] != [0, 0]:
+                assert asyncio.get_running_loop().time() < deadline, read_events(events.path)
+                await asyncio.sleep(0.1)
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+
+        publish_weights(store, 1, tiny_model)  # the old branch again, served, then rewound with no relay
+        relay, replica_set = _relay(replicas, store, events)
+        try:
+            await relay.start()
+            assert await relay.wait_served(1, timeout=60)
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+        store.discard_after(0)
+        relay, replica_set = _relay(replicas, store, events)
+        try:
+            await relay.start()
+            assert relay.target is None
+            await _served(replicas, 0)
+            relay.reconcile()
+            assert relay.versions.value == 0  # replicas served version 1 when the relay started: not this run's
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
