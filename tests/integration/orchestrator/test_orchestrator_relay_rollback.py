@@ -10,6 +10,7 @@ newer versions are still published must not move anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -33,6 +34,18 @@ def _relay(replicas, store: WeightStore, events: EventLog) -> tuple[WeightRelay,
     return relay, replica_set
 
 
+@contextlib.asynccontextmanager
+async def _running(replicas, store: WeightStore, events: EventLog):
+    """A started relay over `store`, stopped (and its gRPC channels closed) on exit."""
+    relay, replica_set = _relay(replicas, store, events)
+    try:
+        await relay.start()
+        yield relay
+    finally:
+        await relay.stop()
+        await close_replica_clients(list(replica_set))
+
+
 async def _served(replicas, step: int, timeout: float = 60) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while [r.status().step for r in replicas] != [step] * len(replicas):
@@ -45,9 +58,7 @@ async def test_relay_rolls_replicas_back_when_the_trainer_rewinds(tmp_path, repl
     for step in (1, 2, 3):
         publish_weights(store, step, tiny_model)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
-        relay, replica_set = _relay(replicas, store, events)
-        try:
-            await relay.start()
+        async with _running(replicas, store, events) as relay:
             assert await relay.wait_served(3, timeout=60)
 
             # the real server refuses going back without the flag (a late retry must not roll back)
@@ -82,9 +93,6 @@ async def test_relay_rolls_replicas_back_when_the_trainer_rewinds(tmp_path, repl
             publish_weights(store, 2, tiny_model)
             assert relay.notify(store.version(2)) is True
             await _served(replicas, 2)
-        finally:
-            await relay.stop()
-            await close_replica_clients(list(replica_set))
 
 
 async def test_a_relay_started_after_a_rewind_rolls_back_replicas_serving_an_abandoned_version(
@@ -96,22 +104,12 @@ async def test_a_relay_started_after_a_rewind_rolls_back_replicas_serving_an_aba
     for step in (1, 2):
         publish_weights(store, step, tiny_model)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
-        relay, replica_set = _relay(replicas, store, events)
-        try:
-            await relay.start()
+        async with _running(replicas, store, events) as relay:
             assert await relay.wait_served(2, timeout=60)
-        finally:
-            await relay.stop()
-            await close_replica_clients(list(replica_set))
         store.discard_after(1)  # the rewinding trainer, while no relay runs
-        relay, replica_set = _relay(replicas, store, events)
-        try:
-            await relay.start()
+        async with _running(replicas, store, events) as relay:
             await _served(replicas, 1)
             assert relay.latest_step == 1
-        finally:
-            await relay.stop()
-            await close_replica_clients(list(replica_set))
 
 
 async def test_a_rewind_to_the_base_model_reloads_every_replica(tmp_path, replicas, tiny_model):
@@ -121,9 +119,7 @@ async def test_a_rewind_to_the_base_model_reloads_every_replica(tmp_path, replic
     store = WeightStore(tmp_path / "weights")
     publish_weights(store, 1, tiny_model)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
-        relay, replica_set = _relay(replicas, store, events)
-        try:
-            await relay.start()
+        async with _running(replicas, store, events) as relay:
             assert await relay.wait_served(1, timeout=60)
             assert store.discard_after(0) == [1]  # the rewinding trainer
             await _served(replicas, 0)
@@ -132,26 +128,13 @@ async def test_a_rewind_to_the_base_model_reloads_every_replica(tmp_path, replic
             while [e["step"] for e in read_events(events.path) if e["ok"]][-2:] != [0, 0]:
                 assert asyncio.get_running_loop().time() < deadline, read_events(events.path)
                 await asyncio.sleep(0.1)
-        finally:
-            await relay.stop()
-            await close_replica_clients(list(replica_set))
 
         publish_weights(store, 1, tiny_model)  # the old branch again, served, then rewound with no relay
-        relay, replica_set = _relay(replicas, store, events)
-        try:
-            await relay.start()
+        async with _running(replicas, store, events) as relay:
             assert await relay.wait_served(1, timeout=60)
-        finally:
-            await relay.stop()
-            await close_replica_clients(list(replica_set))
         store.discard_after(0)
-        relay, replica_set = _relay(replicas, store, events)
-        try:
-            await relay.start()
+        async with _running(replicas, store, events) as relay:
             assert relay.target is None
             await _served(replicas, 0)
             relay.reconcile()
             assert relay.versions.value == 0  # replicas served version 1 when the relay started: not this run's
-        finally:
-            await relay.stop()
-            await close_replica_clients(list(replica_set))
