@@ -219,6 +219,12 @@ class LoraConfig(Section):
         min_length=1,
         description="Names of the linear layers that get adapters.",
     )
+    lr_ratio_b: float = Field(
+        1.0,
+        gt=0,
+        description="LoRA+ (Hayou et al. 2024): lora_B's learning rate is optim.lr times this; lora_A keeps "
+        "optim.lr (1 = plain LoRA).",
+    )
     publish: Literal["merged", "adapter"] = Field(
         "merged",
         description="Publish merged full weights (every backend) or the adapter alone (PEFT files; the torch "

@@ -148,7 +148,7 @@ class MultiRunTrainer(TrainerProcess):
             torch.manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(run.name.encode()))
             self.model = add_adapter(self.model, run.name, run.lora)
             activate_adapter(self.model, run.name)
-            run.optimizer = build_optimizer(self.model, run.optim)
+            run.optimizer = build_optimizer(self.model, run.optim, run.lora.lr_ratio_b)
             run.scheduler = build_scheduler(run.optimizer, run.optim, spec.max_steps)
             trained = self._resume(run)
             run.intake = BatchIntake(

@@ -16,17 +16,28 @@ import torch
 from gyre.config.trainer import OptimConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora_b_lr_ratio: float = 1.0) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay only on matrices (not norms or biases).
 
+    `lora_b_lr_ratio` (LoRA+, `trainer.lora.lr_ratio_b`): the LoRA `lora_B` matrices get their own
+    group at `cfg.lr` x ratio, after the others (so `param_groups[0]` keeps the base lr). The schedule
+    multiplies every group's lr alike, so the ratio holds at every step. With ratio 1 the groups are
+    those of plain training (checkpoints of either keep loading).
     Uses the fused kernel when every parameter lives on a GPU and foreach (multi-tensor) otherwise.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
         raise ValueError("build_optimizer: the model has no trainable parameters")
+    params = [p for _, p in named]
+    is_b = {id(p) for n, p in named if lora_b_lr_ratio != 1.0 and ".lora_B." in n}
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() >= 2 and id(p) not in is_b], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2 and id(p) not in is_b], "weight_decay": 0.0},
+        {
+            "params": [p for p in params if id(p) in is_b],
+            "weight_decay": cfg.weight_decay,
+            "lr": cfg.lr * lora_b_lr_ratio,
+        },
     ]
     groups = [g for g in groups if g["params"]]
     on_gpu = all(p.device.type == "cuda" for p in params)

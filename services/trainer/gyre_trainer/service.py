@@ -228,7 +228,7 @@ class Trainer(TrainerProcess):
 
             model = apply_lora(model, cfg.lora)
         self.model = dist.shard_model(model, ctx)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.lora.lr_ratio_b if cfg.lora else 1.0)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.max_steps)
         self.ref_model = None
         if cfg.loss.ref_kl_coef > 0:  # frozen copy of the base model for the k3 KL term

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import peft
+import pytest
 import torch
 from gyre.config.trainer import OptimConfig
 from gyre.lora import split_lora
@@ -81,3 +82,36 @@ def test_adapter_alone_is_published_in_peft_format_and_reapplies_to_the_base(tin
     assert set(adapters) == {
         f"model.layers.{i}.{m}" for i in range(4) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
     }
+
+
+def test_loraplus_gives_lora_b_its_own_lr_and_the_schedule_keeps_the_ratio(tiny_model_dir):
+    from gyre_trainer.optim import build_scheduler
+
+    model = lora_model(tiny_model_dir)
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2)
+    optimizer = build_optimizer(model, cfg, lora_b_lr_ratio=16.0)
+    scheduler = build_scheduler(optimizer, cfg, None)
+    names = {id(p): n for n, p in model.named_parameters()}
+    b_groups = [g for g in optimizer.param_groups if any(".lora_B." in names[id(p)] for p in g["params"])]
+    assert len(b_groups) == 1 and all(".lora_B." in names[id(p)] for p in b_groups[0]["params"])
+    assert optimizer.param_groups[0]["lr"] == 5e-4  # the logged lr is the base one (warm-up 1/2)
+    assert b_groups[0]["lr"] == 16 * 5e-4
+    # AdamW's first update moves every parameter with a gradient by its group's lr
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    ids = torch.randint(3, 1000, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    for name, p in model.named_parameters():
+        if name in before:
+            expected = 16 * 5e-4 if ".lora_B." in name else 5e-4
+            assert (p - before[name]).abs().max().item() == pytest.approx(expected, rel=1e-3), name
+    assert b_groups[0]["lr"] == 16 * optimizer.param_groups[0]["lr"] == 16 * 1e-3
+
+
+def test_loraplus_ratio_one_keeps_the_plain_groups(tiny_model_dir):
+    model = lora_model(tiny_model_dir)
+    plain = build_optimizer(model, OptimConfig(lr=1e-3))
+    same = build_optimizer(model, OptimConfig(lr=1e-3), lora_b_lr_ratio=1.0)
+    assert [len(g["params"]) for g in plain.param_groups] == [len(g["params"]) for g in same.param_groups]
+    assert {g["lr"] for g in same.param_groups} == {1e-3}
