@@ -43,3 +43,46 @@ def test_lora_checkpoints_adapters_publishes_merged_and_resumes_exactly(tiny_mod
     straight_weights = load_weights(straight / "weights/step_4")
     for name in base:
         assert torch.equal(published[name], straight_weights[name]), name
+
+
+def lora_lrs(optimizer, model) -> dict[str, set[float]]:
+    """{"A": lrs lora_A parameters train with, "B": the same for lora_B} of a built optimizer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    lrs: dict[str, set[float]] = {"A": set(), "B": set()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            lrs["B" if ".lora_B." in names[id(p)] else "A"].add(group["lr"])
+    return lrs
+
+
+def test_loraplus_ratio_reaches_the_single_run_and_each_multirun_optimizer(
+    tiny_model, redis_url, unique_run_id, tmp_path
+):
+    from gyre.config import load_config
+    from gyre.config.trainer import TrainerConfig
+    from gyre_trainer import dist
+    from gyre_trainer.multirun import MultiRunTrainer
+    from gyre_trainer.service import Trainer
+
+    common = {"model": {"name": str(tiny_model)}, "redis": {"url": redis_url}, "device": "cpu",
+              "optim": {"lr": 1e-3}, "metrics": {"port": 0}, "server": {"port": 0}}  # fmt: skip
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    single = Trainer(
+        load_config(TrainerConfig, [], **common, lora={**lora, "lr_ratio_b": 16}), dist.init_distributed("cpu")
+    )
+    single._build()
+    assert lora_lrs(single.optimizer, single.model) == {"A": {1e-3}, "B": {1.6e-2}}
+
+    runs = [
+        {"name": f"{unique_run_id}-plus", "output_dir": str(tmp_path / "plus"), "lora": {**lora, "lr_ratio_b": 8}},
+        {"name": f"{unique_run_id}-plain", "output_dir": str(tmp_path / "plain")},
+    ]
+    cfg = load_config(TrainerConfig, [], **common, lora={**lora, "publish": "adapter"}, runs=runs)
+    multi = MultiRunTrainer(cfg, dist.init_distributed("cpu"))
+    multi._build()
+    try:
+        plus, plain = multi.add_run(cfg.runs[0]), multi.add_run(cfg.runs[1])
+        assert lora_lrs(plus.optimizer, multi.model) == {"A": {1e-3}, "B": {8e-3}}
+        assert lora_lrs(plain.optimizer, multi.model) == {"A": {1e-3}, "B": {1e-3}}
+    finally:
+        multi._close()
