@@ -167,3 +167,15 @@ def test_cli_exits_2_naming_the_key():
     )
     assert out.returncode == 2
     assert "batch_size" in out.stderr
+
+
+def test_lora_keys_lr_ratio_b_and_lm_head_with_runs_are_checked_naming_the_key(tmp_path):
+    lora = {"target_modules": ["q_proj", "lm_head"]}
+    assert load_config(TrainerConfig, [], lora={**lora, "lr_ratio_b": 16}).lora.lr_ratio_b == 16
+    with pytest.raises(ConfigError, match="lr_ratio_b"):
+        load_config(TrainerConfig, [], lora={"lr_ratio_b": 0})
+    run = {"name": "alpha", "output_dir": str(tmp_path / "alpha")}
+    with pytest.raises(ConfigError, match=r"trainer\.lora\.target_modules: lm_head"):
+        load_config(TrainerConfig, [], lora=lora, runs=[run])
+    with pytest.raises(ConfigError, match=r"runs\.alpha\.lora\.target_modules: lm_head"):
+        load_config(TrainerConfig, [], lora={}, runs=[{**run, "lora": lora}])

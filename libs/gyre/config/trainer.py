@@ -319,6 +319,8 @@ class TrainerConfig(ServiceConfig):
         for where, lora in [("trainer.lora", self.lora)] + [(f"runs.{r.name}.lora", r.lora) for r in self.runs]:
             if lora is None:
                 continue
+            if "lm_head" in lora.target_modules:  # inference's per-run adapters sit in the decoder layers only
+                raise ValueError(f"{where}.target_modules: lm_head cannot be served per run; drop it with runs")
             if "publish" in lora.model_fields_set and lora.publish != "adapter":
                 raise ValueError(f"{where}.publish must be 'adapter' with runs: inference serves each run's adapter")
             lora.publish = "adapter"

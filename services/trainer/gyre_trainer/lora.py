@@ -36,10 +36,25 @@ def _peft_config(cfg: Any):
     )  # fmt: skip
 
 
+def _refuse_tied_output(model: torch.nn.Module, cfg: Any) -> None:
+    """An adapter on the output layer (`lm_head`) of a model that ties it to the input embeddings would
+    change one of two copies of a single tensor: the merged weights could not say which one to keep."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is None or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    for name, module in model.named_modules():
+        if module is out and any(name == t or name.endswith(f".{t}") for t in cfg.target_modules):
+            raise ValueError(
+                f"trainer.lora.target_modules: {name!r} is tied to the input embeddings (tie_word_embeddings): "
+                "an adapter on it cannot be merged into one tensor; drop it from target_modules"
+            )
+
+
 def apply_lora(model: torch.nn.Module, cfg: Any, adapter_name: str = "default") -> torch.nn.Module:
     """`model` wrapped in a peft LoRA model (cfg: rank, alpha, dropout, target_modules); base frozen."""
     from peft import get_peft_model
 
+    _refuse_tied_output(model, cfg)
     return get_peft_model(model, _peft_config(cfg), adapter_name=adapter_name)
 
 

@@ -25,21 +25,21 @@ async def backend(tiny_model):
     await engine.shutdown()
 
 
-def write_adapter(tiny_model, folder, seed: int):
+def write_adapter(tiny_model, folder, seed: int, targets=TARGETS):
     """A trained-looking adapter in PEFT's files, as the trainer publishes it; returns peft's model."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)).eval()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     folder.mkdir()
     save_file({k: v.contiguous() for k, v in adapter_tensors(model.state_dict()).items()}, folder / ADAPTER_FILE)
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(4, 8, 0.0, TARGETS, str(tiny_model))))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(4, 8, 0.0, targets, str(tiny_model))))
     return model
 
 
@@ -81,6 +81,15 @@ async def test_adapter_versions_apply_to_the_base_in_memory(backend, tiny_model,
     tokens, logprobs = await greedy_logprobs(backend)
     assert backend.version == 3
     assert torch.allclose(logprobs, reference_logprobs(second, tokens), atol=1e-4)
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_on_lm_head_applies_too(backend, tiny_model, tmp_path):
+    # the LoRA demo adapts the output layer as well (docs/trainer.md, "The CPU demo with LoRA")
+    model = write_adapter(tiny_model, tmp_path / "head", seed=4, targets=[*TARGETS, "lm_head"])
+    await backend.update_weights(tmp_path / "head", 1)
+    tokens, logprobs = await greedy_logprobs(backend)
+    assert torch.allclose(logprobs, reference_logprobs(model, tokens), atol=1e-4)
 
 
 @pytest.mark.asyncio

@@ -115,3 +115,38 @@ def test_loraplus_ratio_one_keeps_the_plain_groups(tiny_model_dir):
     same = build_optimizer(model, OptimConfig(lr=1e-3), lora_b_lr_ratio=1.0)
     assert [len(g["params"]) for g in plain.param_groups] == [len(g["params"]) for g in same.param_groups]
     assert {g["lr"] for g in same.param_groups} == {1e-3}
+
+
+def test_an_adapter_on_lm_head_merges_into_weights_that_reload_equal(tiny_model_dir, tmp_path):
+    from gyre_trainer.publish import write_hf_folder
+    from transformers import AutoModelForCausalLM
+
+    cfg = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "lm_head"])
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    assert any("lm_head.lora_B" in n for n, p in model.named_parameters() if p.requires_grad)
+    merged = merged_state_dict(model.state_dict(), cfg)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert set(merged) == set(base) and not torch.equal(merged["lm_head.weight"], base["lm_head.weight"])
+    write_hf_folder(tmp_path / "merged", merged, model.get_base_model().config, tiny_model_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(3, 1000, (2, 24))
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_an_adapter_on_a_tied_lm_head_is_refused_naming_the_key(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    tied = LlamaForCausalLM(config)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    cfg = SimpleNamespace(rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match=r"trainer\.lora\.target_modules: 'lm_head' is tied"):
+        apply_lora(tied, cfg)
+    apply_lora(tied, SimpleNamespace(rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj"]))  # the rest still works
