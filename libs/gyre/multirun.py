@@ -8,7 +8,8 @@ What changes against a single run (docs/architecture.md, "Multi-run"):
   which sends its requests under the model name `{name}` and relays the run's versions to that name;
 - the one trainer gets `trainer.runs` (one LoRA adapter, optimizer and schedule per run) and exits once
   every run reached its `max_steps`;
-- every inference replica serves the base model plus one adapter slot per run (`lora.adapters`).
+- every inference replica serves the base model plus each run's adapter under the run's name
+  (`lora.adapters`; `lora.max_loras` one per run, two on vLLM, `lora.max_rank` the largest run rank).
 Shared: the base model (and SFT warm-up), Redis, the replicas, the trainer's model/loss/data keys.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from gyre.config import ConfigError
-from gyre.config.inference import InferenceConfig
+from gyre.config.inference import InferenceConfig, loras_for_runs
 from gyre.config.loader import deep_merge
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rl import RLConfig
@@ -62,10 +63,11 @@ def resolve_multirun_configs(cfg: RLConfig, shared: dict, model: dict, redis_url
     })  # fmt: skip
     max_rank = max((r.lora or trainer.lora).rank for r in trainer.runs)
     names = [r.name for r in cfg.runs]
+    max_loras = loras_for_runs(cfg.inference.get("backend", "torch"), len(names))
     replicas = []
     for i in range(cfg.inference_replicas):
         values = {**shared, "model": model, "server": {"port": free_port()}, "control": {"port": free_port()},
-                  "lora": {"adapters": names, "max_adapters": len(names), "max_rank": max_rank}}  # fmt: skip
+                  "lora": {"adapters": names, "max_loras": max_loras, "max_rank": max_rank}}  # fmt: skip
         replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, values))
     orchestrators = {}
     for r in cfg.runs:

@@ -71,7 +71,12 @@ def test_each_run_gets_its_orchestrator_adapter_and_model_name(tmp_path):
 
     inference = service_config(docs, tmp_path, "inference", f"{base}-inference")
     assert inference.lora.adapters == ["alpha", "beta"]
-    assert (inference.lora.max_adapters, inference.lora.max_rank) == (2, 32)
+    assert (inference.lora.max_loras, inference.lora.max_rank) == (2, 32)  # one adapter per run, the largest rank
+
+    # vLLM keeps a request on the adapter version it started with: two per run, so a swap never makes requests wait
+    vllm = manifests(render({**VALUES, "experiment": {**VALUES["experiment"], "inference": {"backend": "vllm"}}}))
+    inference = service_config(vllm, tmp_path, "inference", f"{base}-inference")
+    assert (inference.backend, inference.lora.max_loras, inference.lora.max_rank) == ("vllm", 4, 32)
 
 
 def test_without_runs_the_release_is_unchanged():

@@ -89,6 +89,33 @@ def test_unknown_key_is_named_with_a_suggestion():
     assert "optim.lrr" in str(e.value) and "optim.lr" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "old, new",
+    [("engine.max_lora_rank", "lora.max_rank"), ("engine.max_loras", "lora.max_loras"),
+     ("lora.max_adapters", "lora.max_loras")],
+)  # fmt: skip
+def test_a_removed_inference_key_names_the_key_that_replaced_it(old, new, tmp_path, monkeypatch):
+    from gyre.launcher import _validated
+
+    message = f"config key {old!r}: this key was removed; set config key {new!r} instead"
+    section, _, key = old.partition(".")
+    sources = {
+        "cli": [f"--{old.replace('_', '-')}", "16"],
+        "toml": ["@", write(tmp_path, "old.toml", f"[{section}]\n{key} = 16\n")],
+    }
+    for argv in sources.values():
+        with pytest.raises(ConfigError) as e:
+            load_config(InferenceConfig, argv)
+        assert str(e.value) == message
+    monkeypatch.setenv(f"GYRE_{section.upper()}__{key.upper()}", "16")
+    with pytest.raises(ConfigError, match=message):
+        load_config(InferenceConfig, [])
+    monkeypatch.delenv(f"GYRE_{section.upper()}__{key.upper()}")
+    with pytest.raises(ConfigError) as e:  # gyre rl: both keys get the section's prefix
+        _validated(InferenceConfig, "inference.0", {section: {key: 16}}, {})
+    assert str(e.value) == message.replace("config key '", "config key 'inference.")
+
+
 def test_unknown_key_in_toml_is_named(tmp_path):
     f = write(tmp_path, "a.toml", "[loss]\ntyp = 'gspo'\n")
     with pytest.raises(ConfigError, match=r"loss\.typ"):

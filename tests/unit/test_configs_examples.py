@@ -30,6 +30,19 @@ def test_example_resolves(path, tmp_path):
     assert len(resolved["inference"]) == cfg.inference_replicas
 
 
+def test_multirun_replicas_get_one_adapter_per_run_or_two_on_vllm(tmp_path):
+    """gyre rl [[runs]]: lora.max_loras = runs (torch: swaps in place), 2 x runs on vLLM (a request keeps its
+    adapter version, so a run's two versions overlap after a swap); lora.max_rank = the largest run rank."""
+    example = ["@", str(ROOT / "configs/multirun/two_runs.toml"), "--output-dir", str(tmp_path)]
+    for backend, per_run in (("torch", 1), ("vllm", 2)):
+        cfg = load_config(RLConfig, [*example, "--inference.backend", backend])
+        resolved = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
+        ranks = [(r.lora or resolved["trainer"].lora).rank for r in resolved["trainer"].runs]
+        for replica in resolved["inference"]:
+            assert (replica.backend, replica.lora.max_loras) == (backend, per_run * len(cfg.runs))
+            assert replica.lora.max_rank == max(ranks)
+
+
 def test_async_overlays_set_the_level():
     for k in (0, 1, 2):
         cfg = load_config(RLConfig, ["@", str(ROOT / f"configs/reverse_text/async{k}.toml")])

@@ -364,6 +364,14 @@ rendezvous into one job.
 {{- toJson $names -}}
 {{- end -}}
 
+{{/* lora.max_loras for the runs' adapters (gyre.config.inference.loras_for_runs): one per run on the torch
+backend, two on vLLM (a request keeps the adapter version it started with, so a run's old and new versions
+overlap after each swap). */}}
+{{- define "gyre.runsMaxLoras" -}}
+{{- $backend := ((.Values.experiment.inference | default dict).backend) | default "torch" }}
+{{- mul (len .Values.runs) (ternary 2 1 (eq $backend "vllm")) | toString -}}
+{{- end -}}
+
 {{/* The largest adapter rank of any run (a run's trainer.lora.rank, else experiment.trainer.lora.rank, else 16). */}}
 {{- define "gyre.runsMaxRank" -}}
 {{- $default := int ((((.Values.experiment.trainer | default dict).lora | default dict).rank) | default 16) }}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from gyre.config.loader import Section
 from gyre.config.shared import ModelConfig, ServiceConfig
@@ -48,47 +48,57 @@ class EngineConfig(Section):
         "(affinity and cgroup quota) minus one for the HTTP loop, at least 1.",
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of GPU memory to use.")
-    max_lora_rank: int | None = Field(
-        None,
-        description="vLLM: serve LoRA adapter versions (trainer.lora.publish = adapter) up to this rank, one of "
-        f"{', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's sizes; at least trainer.lora.rank); unset = the vLLM "
-        "backend refuses adapter versions. The torch backend applies adapters without it (its named adapter "
-        "slots are lora.max_adapters / lora.max_rank).",
-    )
-    max_loras: int = Field(
-        2,
-        ge=1,
-        description="vLLM with max_lora_rank: adapters in one batch (2: requests started before a swap finish "
-        "with their adapter while new ones use the next).",
-    )
-
-    @field_validator("max_lora_rank")
-    @classmethod
-    def _vllm_lora_rank(cls, value: int | None) -> int | None:
-        if value is not None and value not in VLLM_LORA_RANKS:
-            raise ValueError(f"max_lora_rank must be one of {list(VLLM_LORA_RANKS)} (vLLM's sizes), got {value}")
-        return value
 
 
 class InferenceLoraConfig(Section):
-    """Named LoRA adapters served next to the model (multi-run: one per run, under the run's name)."""
+    """LoRA adapters served next to the model, by both backends (multi-run: one per run, under the run's name).
+
+    One pair of keys for the torch and the vLLM backend: `max_loras` adapters at once, each of rank up to
+    `max_rank` (vLLM's `max_loras` / `max_lora_rank`; the torch backend's adapter slots).
+    """
 
     adapters: list[str] = Field(
         default_factory=list,
         description="Model names served from the start (the base model until their first UpdateWeights).",
     )
-    max_adapters: int = Field(
-        0, ge=0, description="Adapter slots; UpdateWeights for a new name takes a free one (0 = no named adapters)."
+    max_loras: int = Field(
+        0,
+        ge=0,
+        description="LoRA adapters served at once; at most this many names. Torch backend: adapter slots (0 = no "
+        "names; the model's own adapter versions are merged into its weights). vLLM: its max_loras, the adapters "
+        "one batch may mix (0 = LoRA off: adapter versions are refused); a request keeps the adapter version it "
+        "started with, so give two per name (one run: 2, N runs: 2N) or requests after a swap wait for the "
+        "previous version's requests to finish.",
     )
-    max_rank: int = Field(16, ge=1, description="Largest adapter rank a slot holds.")
+    max_rank: int = Field(
+        16,
+        ge=1,
+        description="Largest adapter rank served (at least trainer.lora.rank). vLLM allocates the next of its sizes "
+        f"{', '.join(map(str, VLLM_LORA_RANKS))}.",
+    )
 
     @model_validator(mode="after")
     def _slots_for_the_names(self) -> InferenceLoraConfig:
-        if len(self.adapters) > self.max_adapters:
-            raise ValueError(f"max_adapters = {self.max_adapters} is fewer than the {len(self.adapters)} adapters")
+        if len(self.adapters) > self.max_loras:
+            raise ValueError(f"max_loras = {self.max_loras} is fewer than the {len(self.adapters)} adapters")
         if len(set(self.adapters)) != len(self.adapters):
             raise ValueError("adapters: a name appears twice")
         return self
+
+
+def vllm_lora_rank(max_rank: int) -> int:
+    """vLLM's max_lora_rank for adapters up to `max_rank`: the smallest of its sizes that holds them."""
+    for size in VLLM_LORA_RANKS:
+        if size >= max_rank:
+            return size
+    raise ValueError(f"lora.max_rank {max_rank} exceeds vLLM's largest adapter rank {VLLM_LORA_RANKS[-1]}")
+
+
+def loras_for_runs(backend: str, runs: int) -> int:
+    """lora.max_loras that serves `runs` named adapters without waiting: one per run on the torch backend (a
+    swap replaces the adapter in place between decode steps), two on vLLM (requests keep the version they
+    started with, so a run's old and new versions overlap after each swap)."""
+    return runs * (2 if backend == "vllm" else 1)
 
 
 class InferenceConfig(ServiceConfig):
@@ -101,4 +111,19 @@ class InferenceConfig(ServiceConfig):
     control: ControlConfig = Field(default_factory=ControlConfig, description="gRPC control server.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Authentication.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Backend engine.")
-    lora: InferenceLoraConfig = Field(default_factory=InferenceLoraConfig, description="Named LoRA adapters.")
+    lora: InferenceLoraConfig = Field(default_factory=InferenceLoraConfig, description="LoRA adapters.")
+
+    # Keys that moved (old -> new): using an old one is an error naming the new one. The torch and vLLM
+    # backends had a pair each for the same two limits; both now read lora.max_loras / lora.max_rank.
+    moved_keys: ClassVar[dict[str, str]] = {
+        "engine.max_lora_rank": "lora.max_rank",
+        "engine.max_loras": "lora.max_loras",
+        "lora.max_adapters": "lora.max_loras",
+    }
+
+    @field_validator("lora")
+    @classmethod
+    def _vllm_rank(cls, lora: InferenceLoraConfig, info: ValidationInfo) -> InferenceLoraConfig:
+        if info.data.get("backend") == "vllm" and lora.max_rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"max_rank {lora.max_rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+        return lora

@@ -192,10 +192,14 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
 def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
     lines = []
     known = _all_keys(cls)
+    moved: dict[str, str] = getattr(cls, "moved_keys", {})  # old dotted key -> the key that replaced it
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = e["msg"]
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and key in moved:
+            # "config key" twice: a caller prefixing keys (gyre rl: "inference.") prefixes the new one too
+            msg = f"this key was removed; set config key {moved[key]!r} instead"
+        elif e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(key, known, n=1)
             msg = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
         elif "input" in e and not isinstance(e["input"], dict):

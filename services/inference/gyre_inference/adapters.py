@@ -98,7 +98,7 @@ class AdapterBank:
                 if not idle:
                     raise WeightsIncompatibleError(
                         f"adapter {name!r}: all {self.max_adapters} adapter slots are in use by queued or running "
-                        f"requests ({sorted(self.slots)}); retry, or raise lora.max_adapters"
+                        f"requests ({sorted(self.slots)}); retry, or raise lora.max_loras"
                     )
                 victim = min(idle, key=self._used.__getitem__)
                 free = {self.slots.pop(victim)}

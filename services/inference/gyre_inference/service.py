@@ -31,20 +31,19 @@ log = logging.getLogger(__name__)
 
 
 def make_backend(config: InferenceConfig) -> Backend:
-    engine = config.engine
+    engine, lora = config.engine, config.lora
     if config.backend == "vllm":
         from gyre_inference.vllm_backend import VLLMBackend
 
         return VLLMBackend(config.model.name, dtype=config.model.dtype, max_model_len=engine.max_model_len,
                            seed=engine.seed, gpu_memory_utilization=engine.gpu_memory_utilization,
-                           max_num_seqs=engine.max_batch_size, max_lora_rank=engine.max_lora_rank,
-                           max_loras=engine.max_loras)  # fmt: skip
+                           max_num_seqs=engine.max_batch_size, max_loras=lora.max_loras,
+                           max_lora_rank=lora.max_rank, adapters=tuple(lora.adapters))  # fmt: skip
     from gyre_inference.torch_backend import TorchBackend
 
-    lora = config.lora
     return TorchBackend(config.model.name, device=engine.device, dtype=config.model.dtype,
                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len,
-                        seed=engine.seed, threads=engine.threads, max_adapters=lora.max_adapters,
+                        seed=engine.seed, threads=engine.threads, max_adapters=lora.max_loras,
                         max_lora_rank=lora.max_rank, adapters=tuple(lora.adapters))  # fmt: skip
 
 

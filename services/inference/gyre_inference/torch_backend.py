@@ -194,7 +194,7 @@ class TorchBackend(Backend):
 
     async def update_adapter(self, name: str, path: Path, version: int) -> None:
         if self._bank is None:
-            raise WeightsIncompatibleError("this replica serves no named adapters: set lora.max_adapters")
+            raise WeightsIncompatibleError("this replica serves no named adapters: set lora.max_loras")
         async with self._swap_lock:
             tensors = await asyncio.to_thread(self._bank.read, Path(path))
             await self._swap_in(tensors, version, adapter=name, source=Path(path))
@@ -233,7 +233,7 @@ class TorchBackend(Backend):
                     break
             await self._reload(name)
         else:
-            raise WeightsIncompatibleError(f"adapter {name!r}: evicted again at once; raise lora.max_adapters")
+            raise WeightsIncompatibleError(f"adapter {name!r}: evicted again at once; raise lora.max_loras")
         try:
             while True:
                 item = await seq.queue.get()

@@ -16,15 +16,20 @@ How it maps onto vLLM:
 - versions: a token is stamped with the version current when its output reaches us. Tokens cannot
   be computed while paused, so the stamp is exact up to outputs already in transit at pause time
   (vLLM flushes those during pause_generation).
-- LoRA adapter versions (a folder with `adapter_config.json`, `trainer.lora.publish = "adapter"`): the
-  engine starts with `enable_lora` (`engine.max_lora_rank`, `engine.max_loras`); each adapter version
-  becomes a `LoRARequest` with a new `lora_int_id` (vLLM caches adapters by id, so a reused id would keep
-  serving the old tensors), registered with `add_lora` (loaded before the swap counts as done) and
-  passed with every new generate request. vLLM binds an adapter to a request for its whole life, so a
-  request started before a swap finishes with its adapter and its tokens carry that adapter's version;
-  older adapters leave vLLM's LRU cache as new ones arrive. Adapters apply to the base weights: after
-  a full-weights version the base is reloaded first. No pause and no prefix-cache reset: vLLM keys
-  cached blocks by adapter.
+- LoRA adapters (`lora.max_loras` > 0 starts the engine with `enable_lora`, `max_loras`, and
+  `max_lora_rank` = the smallest of vLLM's sizes >= `lora.max_rank`). An adapter version is a folder with
+  `adapter_config.json`: of the served model itself (`update_weights`, `trainer.lora.publish = "adapter"`)
+  or of a named adapter (`update_adapter`, multi-run: one per run, served under the run's name like vLLM's
+  `--lora-modules` / `/v1/load_lora_adapter`; `/v1/models` lists each name with the model as parent; an
+  unknown name is a 404). Each version becomes a `LoRARequest` with a new `lora_int_id` and a name holding
+  that id (vLLM caches adapters by id and compares requests by name, so a reused one would keep serving
+  the old tensors), registered with `add_lora` (loaded before the swap counts as done) and passed with
+  every new request for that model name. A version update replaces only that name's adapter. vLLM binds
+  an adapter to a request for its whole life, so a request started before a swap finishes with its
+  adapter and its tokens carry that adapter's version; once no model name serves an adapter and no
+  request of ours uses it, `remove_lora` drops it from vLLM's cache (ids are never reused). Adapters apply
+  to the base weights: before the model's own adapter version after a full-weights version the base is
+  reloaded. No pause and no prefix-cache reset: vLLM keys cached blocks by adapter.
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ import json
 import logging
 import struct
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from gyre.config.inference import vllm_lora_rank
 
 from gyre_inference.backend import Backend, SamplingParams, TokenEvent, WeightsIncompatibleError
 
@@ -102,23 +110,22 @@ def token_events(
     return events
 
 
-def adapter_rank(folder: Path, max_lora_rank: int | None) -> int:
-    """The rank of the PEFT adapter in `folder`, checked against what the engine was started for."""
+def adapter_rank(folder: Path, max_rank: int | None) -> int:
+    """The rank of the PEFT adapter in `folder`, checked against what the engine was started for
+    (`max_rank` None: LoRA is off)."""
     from gyre.lora import ADAPTER_CONFIG, config_scale
 
-    if max_lora_rank is None:
+    if max_rank is None:
         raise WeightsIncompatibleError(
-            f"{folder} is a LoRA adapter: start the vLLM backend with engine.max_lora_rank set to serve adapters"
+            f"{folder} is a LoRA adapter: start the vLLM backend with lora.max_loras >= 1 to serve adapters"
         )
     try:
         config = json.loads((Path(folder) / ADAPTER_CONFIG).read_bytes())
         config_scale(config)  # r and lora_alpha usable, no rsLoRA/DoRA (the trainer never writes those)
     except (OSError, ValueError) as error:
         raise WeightsIncompatibleError(f"{folder}: not a usable LoRA adapter ({error})") from None
-    if config["r"] > max_lora_rank:
-        raise WeightsIncompatibleError(
-            f"{folder}: adapter rank {config['r']} exceeds engine.max_lora_rank {max_lora_rank}"
-        )
+    if config["r"] > max_rank:
+        raise WeightsIncompatibleError(f"{folder}: adapter rank {config['r']} exceeds lora.max_rank {max_rank}")
     return int(config["r"])
 
 
@@ -150,9 +157,12 @@ class VLLMBackend(Backend):
         gpu_memory_utilization: float = 0.85,
         max_num_seqs: int = 64,
         enable_prefix_caching: bool = True,
-        max_lora_rank: int | None = None,
-        max_loras: int = 2,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+        adapters: tuple[str, ...] = (),
     ):
+        if len(adapters) > max_loras:
+            raise ValueError(f"{len(adapters)} adapter names need max_loras >= {len(adapters)}, got {max_loras}")
         self.model_path = Path(model_path)
         self._engine_kwargs = dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -160,12 +170,17 @@ class VLLMBackend(Backend):
             enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", max_logprobs=20,
             worker_extension_cls=EXTENSION,
         )  # fmt: skip
-        self.max_lora_rank = max_lora_rank
-        if max_lora_rank is not None:
-            self._engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=max_loras)
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank if max_loras else None  # None: LoRA off, adapters refused
+        if max_loras:
+            self._engine_kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(max_lora_rank),
+                                       max_loras=max_loras)  # fmt: skip
         self._engine = None
         self._version = 0
-        self._lora = None  # the LoRARequest of the adapter version served (None: full weights)
+        self._lora = None  # the LoRARequest of the model's own adapter version (None: full weights)
+        # named adapters (multi-run): model name -> (newest LoRARequest or None before the first, its version)
+        self._named: dict[str, tuple[Any, int]] = {name: (None, 0) for name in adapters}
+        self._users: Counter[int] = Counter()  # lora_int_id -> our requests in flight with it
         self._lora_ids = itertools.count(1)  # vLLM wants ids > 0, one per adapter it should (re)load
         self._base_loaded = True  # the engine holds the base model's weights (what adapters apply to)
         self._max_model_len = 0
@@ -214,16 +229,24 @@ class VLLMBackend(Backend):
             detokenize=False, output_kind=RequestOutputKind.DELTA, min_tokens=params.min_tokens,
             logit_bias=dict(params.logit_bias) or None,
         )  # fmt: skip
-        lora, lora_version = self._lora, self._version  # an adapter stays with its request to the end
+        if params.adapter is None:
+            lora, lora_version = self._lora, self._version  # an adapter stays with its request to the end
+        else:
+            if params.adapter not in self._named:
+                raise KeyError(f"no adapter named {params.adapter!r}")
+            lora, lora_version = self._named[params.adapter]
         stream = self._engine.generate(
             {"prompt_token_ids": list(prompt)}, vllm_params, uuid.uuid4().hex, lora_request=lora
         )
         self._running += 1
+        if lora is not None:
+            self._users[lora.lora_int_id] += 1
         try:
             async for output in stream:
                 completion = output.outputs[0]
                 finish = completion.finish_reason if output.finished else None
-                version = lora_version if lora is not None else self._version
+                # full weights (own model, no adapter): stamped with the version serving at output time
+                version = lora_version if lora is not None or params.adapter is not None else self._version
                 for event in token_events(
                     completion.token_ids, completion.logprobs, finish, version, params.top_logprobs
                 ):
@@ -233,16 +256,43 @@ class VLLMBackend(Backend):
         finally:
             self._running -= 1
             await stream.aclose()  # aborts the vLLM request when we stop early
+            if lora is not None:
+                self._users[lora.lora_int_id] -= 1
+                await self._release(lora)
+
+    # ---- named adapters (multi-run) ---------------------------------------------------------------
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(self._named)
+
+    def adapter_version(self, name: str) -> int:
+        return self._named[name][1]
+
+    async def update_adapter(self, name: str, path: Path, version: int) -> None:
+        if name not in self._named and len(self._named) >= self.max_loras:
+            raise WeightsIncompatibleError(
+                f"adapter {name!r}: all {self.max_loras} adapters are served ({sorted(self._named)}); "
+                "raise lora.max_loras"
+            )
+        await asyncio.to_thread(adapter_rank, Path(path), self.max_lora_rank)
+        request = await self._add_lora(Path(path), f"{name}-{{id}}-step_{version}")
+        previous, _ = self._named.get(name, (None, 0))
+        self._named[name] = (request, version)
+        if previous is not None:
+            await self._release(previous)
 
     async def update_weights(self, path: Path, version: int) -> None:
         from gyre.lora import ADAPTER_CONFIG
 
+        previous = self._lora
         if (Path(path) / ADAPTER_CONFIG).is_file():
             await self._use_adapter(Path(path), version)
-            return
-        await self._load_full(Path(path))
-        self._lora, self._version = None, version
-        self._base_loaded = Path(path) == self.model_path
+        else:
+            await self._load_full(Path(path))
+            self._lora, self._version = None, version
+            self._base_loaded = Path(path) == self.model_path
+        if previous is not None:
+            await self._release(previous)
 
     async def _load_full(self, path: Path) -> None:
         await asyncio.to_thread(check_same_layout, self.model_path, path)
@@ -255,17 +305,41 @@ class VLLMBackend(Backend):
             log.warning("vLLM kept prefix-cache blocks still in use: they were computed by the previous weights")
 
     async def _use_adapter(self, path: Path, version: int) -> None:
-        from vllm.lora.request import LoRARequest
-
         await asyncio.to_thread(adapter_rank, path, self.max_lora_rank)
         if not self._base_loaded:  # the engine serves a full-weights version: adapters apply to the base
             await self._load_full(self.model_path)
             self._base_loaded = True
+        self._lora = await self._add_lora(path, f"gyre-{{id}}-step_{version}")
+        self._version = version
+
+    async def _add_lora(self, path: Path, name: str) -> Any:
+        """A new LoRARequest for the (checked) adapter in `path`, loaded by vLLM: a fresh id, and `name`
+        formatted with it."""
+        from vllm.lora.request import LoRARequest
+
         lora_id = next(self._lora_ids)
-        request = LoRARequest(lora_name=f"gyre-{lora_id}-step_{version}", lora_int_id=lora_id, lora_path=str(path))
-        if not await self._engine.add_lora(request):
+        request = LoRARequest(lora_name=name.format(id=lora_id), lora_int_id=lora_id, lora_path=str(path))
+        try:
+            loaded = await self._engine.add_lora(request)
+        except Exception as error:  # vLLM's reasons (unsupported target module, bad tensors) reach us as text
+            raise WeightsIncompatibleError(f"{path}: vLLM could not load the adapter ({error})") from error
+        if not loaded:
             raise WeightsIncompatibleError(f"{path}: vLLM did not load the adapter")
-        self._lora, self._version = request, version
+        return request
+
+    async def _release(self, lora: Any) -> None:
+        """Drop `lora` from vLLM's cache once no model name serves it and no request of ours uses it."""
+        lora_id = lora.lora_int_id
+        serving = {r.lora_int_id for r, _ in self._named.values() if r is not None}
+        if self._lora is not None:
+            serving.add(self._lora.lora_int_id)
+        if self._users[lora_id] > 0 or lora_id in serving:
+            return
+        del self._users[lora_id]
+        try:
+            await self._engine.remove_lora(lora_id)
+        except Exception as error:  # only costs cache space: vLLM's LRU cache evicts it in time
+            log.warning("vLLM could not drop adapter %s (%s): %s", lora.lora_name, lora_id, error)
 
     async def reload_base(self) -> None:
         await self.update_weights(self.model_path, 0)

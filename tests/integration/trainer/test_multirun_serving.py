@@ -70,7 +70,7 @@ def test_two_runs_train_their_own_adapters_and_each_model_name_serves_its_own(
 
     adapters = json.dumps(names)
     server = InferenceProcess(
-        tiny_model, "--lora.adapters", adapters, "--lora.max-adapters", "3", "--lora.max-rank", str(LORA["rank"]),
+        tiny_model, "--lora.adapters", adapters, "--lora.max-loras", "3", "--lora.max-rank", str(LORA["rank"]),
         log_dir=tmp_path,
     )  # fmt: skip
     try:

@@ -76,7 +76,7 @@ async def test_bad_adapters_and_names_are_refused(backend, tiny_model, tmp_path)
     plain = TorchBackend(tiny_model, threads=1, max_batch_size=2)
     await plain.start()
     try:
-        with pytest.raises(WeightsIncompatibleError, match="max_adapters"):
+        with pytest.raises(WeightsIncompatibleError, match="lora.max_loras"):
             await plain.update_adapter("a", big, 1)
     finally:
         await plain.shutdown()

@@ -1,4 +1,5 @@
-"""vLLM backend, LoRA adapter versions: our calls checked against vLLM's signatures with a stand-in engine.
+"""vLLM backend, LoRA adapters (the model's own adapter versions, and named adapters: one per run in
+multi-run): our calls checked against vLLM's signatures with a stand-in engine.
 
 Why a stand-in: vLLM needs a CUDA GPU and cannot even be installed on the CPU machines that run this suite.
 `StandInAsyncLLM` and the other stand-ins below carry the signatures of the vLLM entry points the backend
@@ -13,6 +14,7 @@ checks the stand-ins against the real classes, so they cannot drift silently.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import inspect
 import json
@@ -90,6 +92,8 @@ class StandInAsyncLLM:
         self.calls: list[tuple[str, dict]] = []
         self.loras: dict[int, StandInLoRARequest] = {}
         self.steps = asyncio.Queue()
+        self.auto = False  # True: generate needs no `steps` (one token per event-loop turn)
+        self.running: collections.Counter = collections.Counter()  # lora id (None: no adapter) -> requests
 
     def _record(self, method, *args, **kwargs):
         bound = inspect.signature(getattr(StandInAsyncLLM, method)).bind(self, *args, **kwargs)
@@ -103,16 +107,21 @@ class StandInAsyncLLM:
                        tokenization_kwargs=None, trace_headers=None, priority=0, data_parallel_rank=None):  # fmt: skip
         self._record("generate", prompt, sampling_params, request_id, lora_request=lora_request)
         if lora_request is not None and lora_request.lora_int_id not in self.loras:
-            raise AssertionError("a request named an adapter vLLM was never given")
-        for i in range(sampling_params.max_tokens):
-            await self.steps.get()
-            last = i == sampling_params.max_tokens - 1
-            token = 10 + i
-            yield SimpleNamespace(
-                finished=last,
-                outputs=[SimpleNamespace(token_ids=[token], logprobs=[{token: Logprob(logprob=-0.5, rank=1)}],
-                                         finish_reason="length" if last else None)],
-            )  # fmt: skip
+            raise AssertionError("a request named an adapter vLLM no longer holds (never added, or removed)")
+        lora_id = lora_request.lora_int_id if lora_request is not None else None
+        self.running[lora_id] += 1
+        try:
+            for i in range(sampling_params.max_tokens):
+                await (asyncio.sleep(0) if self.auto else self.steps.get())
+                last = i == sampling_params.max_tokens - 1
+                token = 10 + i
+                yield SimpleNamespace(
+                    finished=last,
+                    outputs=[SimpleNamespace(token_ids=[token], logprobs=[{token: Logprob(logprob=-0.5, rank=1)}],
+                                             finish_reason="length" if last else None)],
+                )  # fmt: skip
+        finally:
+            self.running[lora_id] -= 1
 
     async def add_lora(self, lora_request) -> bool:
         self._record("add_lora", lora_request)
@@ -121,6 +130,8 @@ class StandInAsyncLLM:
 
     async def remove_lora(self, lora_id) -> bool:
         self._record("remove_lora", lora_id)
+        if self.running[lora_id]:
+            raise AssertionError(f"adapter {lora_id} removed while {self.running[lora_id]} requests still use it")
         return self.loras.pop(lora_id, None) is not None
 
     async def pause_generation(self, *, mode="abort", wait_for_inflight_requests=None, clear_cache=True):
@@ -141,6 +152,12 @@ class StandInAsyncLLM:
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
+
+    def last(self, method: str) -> dict:
+        return [c for name, c in self.calls if name == method][-1]
+
+    def removed(self) -> list[int]:
+        return [c["lora_id"] for name, c in self.calls if name == "remove_lora"]
 
 
 @pytest.fixture
@@ -171,21 +188,21 @@ def run(coro):
     return asyncio.run(coro)
 
 
-# ---- the mapping -------------------------------------------------------------------------------------
+# ---- the model's own adapter versions ---------------------------------------------------------------
 def test_adapter_versions_become_lora_requests_with_a_new_id_each(standin_vllm, tiny_model, tmp_path):
     from gyre_inference.vllm_backend import VLLMBackend
 
     v1, v2 = adapter_folder(tmp_path, "step_1"), adapter_folder(tmp_path, "step_2")
 
     async def scenario():
-        backend = VLLMBackend(tiny_model, max_lora_rank=16, max_loras=2)
+        backend = VLLMBackend(tiny_model, max_loras=2, max_lora_rank=16)
         await backend.start()
         engine = backend._engine
         args = engine.args
         assert (args.enable_lora, args.max_lora_rank, args.max_loras) == (True, 16, 2)
 
         await backend.update_weights(v1, 1)
-        first = engine.calls[-1][1]["lora_request"]
+        first = engine.last("add_lora")["lora_request"]
         assert engine.names() == ["add_lora"]  # no pause, no weight reload: vLLM applies the adapter per request
         assert (first.lora_int_id, first.lora_path) == (1, str(v1)) and backend.version == 1
 
@@ -193,17 +210,19 @@ def test_adapter_versions_become_lora_requests_with_a_new_id_each(standin_vllm, 
         early = backend.generate([1, 2, 3], params)
         engine.steps.put_nowait(None)
         events = [await early.__anext__()]
-        assert engine.calls[-1][1]["lora_request"] is first
+        assert engine.last("generate")["lora_request"] is first
 
         await backend.update_weights(v2, 2)
-        second = engine.calls[-1][1]["lora_request"]
+        second = engine.last("add_lora")["lora_request"]
         assert second.lora_int_id == 2 and second.lora_path == str(v2) and second.lora_name != first.lora_name
+        assert engine.removed() == []  # the early request still runs on the first adapter
         late = backend.generate([4, 5], params)
         for _ in range(8):
             engine.steps.put_nowait(None)
         events += [e async for e in early]
+        assert engine.removed() == [1]  # its last request ended: vLLM drops it from its cache
         late_events = [e async for e in late]
-        assert engine.calls[-1][1]["lora_request"] is second
+        assert engine.last("generate")["lora_request"] is second
         # a request keeps the adapter it started with to the end, and its tokens say so
         assert [e.version for e in events] == [1, 1, 1, 1] and {e.version for e in late_events} == {2}
 
@@ -211,14 +230,15 @@ def test_adapter_versions_become_lora_requests_with_a_new_id_each(standin_vllm, 
         full = tmp_path / "step_3"
         shutil.copytree(tiny_model, full)
         await backend.update_weights(full, 3)
+        assert engine.removed() == [1, 2] and engine.loras == {}
         generate = backend.generate([1], SamplingParams(max_tokens=1))
         engine.steps.put_nowait(None)
-        assert [e.version async for e in generate] == [3] and engine.calls[-1][1]["lora_request"] is None
+        assert [e.version async for e in generate] == [3] and engine.last("generate")["lora_request"] is None
         del engine.calls[:]
         await backend.update_weights(v1, 4)
         rpc = [c for name, c in engine.calls if name == "collective_rpc"]
         assert [c["args"] for c in rpc] == [(str(tiny_model),)], "the base is reloaded under the adapter"
-        assert engine.calls[-1][1]["lora_request"].lora_int_id == 3  # a re-served folder still gets a new id
+        assert engine.last("add_lora")["lora_request"].lora_int_id == 3  # a re-served folder still gets a new id
         await backend.shutdown()
 
     run(scenario())
@@ -231,32 +251,192 @@ def test_adapters_need_lora_enabled_and_a_rank_that_fits(standin_vllm, tiny_mode
         plain = VLLMBackend(tiny_model)
         await plain.start()
         assert plain._engine.args.enable_lora is False
-        with pytest.raises(WeightsIncompatibleError, match="engine.max_lora_rank"):
+        with pytest.raises(WeightsIncompatibleError, match="lora.max_loras >= 1"):
             await plain.update_weights(adapter_folder(tmp_path, "a"), 1)
-        small = VLLMBackend(tiny_model, max_lora_rank=8)
+        with pytest.raises(WeightsIncompatibleError, match="raise lora.max_loras"):
+            await plain.update_adapter("run-a", tmp_path / "a", 1)
+        small = VLLMBackend(tiny_model, max_loras=1, max_lora_rank=4)
         await small.start()
-        with pytest.raises(WeightsIncompatibleError, match="rank 16 exceeds engine.max_lora_rank 8"):
-            await small.update_weights(adapter_folder(tmp_path, "b", rank=16), 1)
+        assert small._engine.args.max_lora_rank == 8  # the smallest of vLLM's sizes that holds rank 4
+        with pytest.raises(WeightsIncompatibleError, match="rank 8 exceeds lora.max_rank 4"):
+            await small.update_weights(adapter_folder(tmp_path, "b", rank=8), 1)
         broken = adapter_folder(tmp_path, "c")
         (broken / ADAPTER_CONFIG).write_text('{"r": 0, "lora_alpha": 1}')
         with pytest.raises(WeightsIncompatibleError, match="not a usable LoRA adapter"):
             await small.update_weights(broken, 1)
-        assert small._engine.calls == [] and small.version == 0  # nothing reached the engine
+        assert plain._engine.calls == small._engine.calls == [] and small.version == 0  # nothing reached vLLM
+
+        async def refuse(lora_request):
+            raise ValueError("target module lm_head is not supported")
+
+        small._engine.add_lora = refuse
+        with pytest.raises(WeightsIncompatibleError, match="vLLM could not load the adapter .*lm_head"):
+            await small.update_adapter("run-a", adapter_folder(tmp_path, "d", rank=4), 1)
+        assert small.adapter_names == ()
 
     run(scenario())
 
 
-def test_lora_engine_settings_come_from_config():
+# ---- named adapters: one per run ---------------------------------------------------------------------
+def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, tmp_path):
+    """Multi-run: a request for run r's name uses r's newest LoRARequest; r's update replaces only r's adapter,
+    requests in flight finish on the old one, which leaves vLLM's cache when its last request ends."""
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    folders = {name: adapter_folder(tmp_path, name) for name in ("a5", "b7", "a6", "a7", "big")}
+
+    async def tokens(backend, adapter, n=2):
+        stream = backend.generate([1, 2], SamplingParams(max_tokens=n, adapter=adapter))
+        for _ in range(n):
+            backend._engine.steps.put_nowait(None)
+        return [e async for e in stream]
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, max_loras=2, max_lora_rank=8, adapters=("run-a",))
+        await backend.start()
+        engine = backend._engine
+        assert backend.adapter_names == ("run-a",) and backend.adapter_version("run-a") == 0
+        # a declared name before its first version: the base model, version 0
+        assert {e.version for e in await tokens(backend, "run-a")} == {0}
+        assert engine.last("generate")["lora_request"] is None
+
+        await backend.update_adapter("run-a", folders["a5"], 5)
+        await backend.update_adapter("run-b", folders["b7"], 7)  # a new name takes the free place
+        assert backend.adapter_names == ("run-a", "run-b") and backend.version == 0
+        assert (backend.adapter_version("run-a"), backend.adapter_version("run-b")) == (5, 7)
+        a5, b7 = (c["lora_request"] for name, c in engine.calls if name == "add_lora")
+        assert (a5.lora_int_id, a5.lora_path) == (1, str(folders["a5"]))
+        assert (b7.lora_int_id, b7.lora_path) == (2, str(folders["b7"]))
+        assert a5.lora_name.startswith("run-a-") and b7.lora_name.startswith("run-b-")
+
+        # each name's requests carry its own adapter and version; the model itself has none
+        for name, lora, version in [("run-a", a5, 5), ("run-b", b7, 7), (None, None, 0)]:
+            assert {e.version for e in await tokens(backend, name)} == {version}
+            assert engine.last("generate")["lora_request"] is lora, name
+
+        # run a's update while one of its requests is in flight: b untouched, the request ends on a5
+        early = backend.generate([3], SamplingParams(max_tokens=3, adapter="run-a"))
+        engine.steps.put_nowait(None)
+        first = await early.__anext__()
+        await backend.update_adapter("run-a", folders["a6"], 6)
+        a6 = engine.last("add_lora")["lora_request"]
+        assert a6.lora_int_id == 3 and backend._named["run-b"] == (b7, 7)
+        assert engine.removed() == [] and set(engine.loras) == {1, 2, 3}
+        assert engine.last("generate")["lora_request"] is a5
+        assert {e.version for e in await tokens(backend, "run-a")} == {6}
+        assert engine.last("generate")["lora_request"] is a6
+        engine.steps.put_nowait(None)
+        engine.steps.put_nowait(None)
+        assert [first.version] + [e.version async for e in early] == [5, 5, 5]
+        assert engine.removed() == [1] and set(engine.loras) == {2, 3}  # a5's last request ended
+
+        # no request in flight: the previous adapter is dropped at once; ids are never reused
+        await backend.update_adapter("run-a", folders["a7"], 7)
+        assert engine.last("add_lora")["lora_request"].lora_int_id == 4
+        assert engine.removed() == [1, 3] and set(engine.loras) == {2, 4}
+
+        # refused: a third name (max_loras = 2), a rank over lora.max_rank, an unknown name; nothing changes
+        before = dict(backend._named)
+        with pytest.raises(WeightsIncompatibleError, match="all 2 adapters are served .* raise lora.max_loras"):
+            await backend.update_adapter("run-c", folders["a5"], 1)
+        (folders["big"] / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(16, 32, 0.0, ["q_proj"], "base")))
+        with pytest.raises(WeightsIncompatibleError, match="exceeds lora.max_rank 8"):
+            await backend.update_adapter("run-b", folders["big"], 8)
+        with pytest.raises(KeyError, match="run-c"):
+            await tokens(backend, "run-c")
+        assert backend._named == before and set(engine.loras) == {2, 4}
+        await backend.shutdown()
+
+    run(scenario())
+
+
+def test_openai_api_serves_each_run_name_like_the_torch_backend(standin_vllm, tiny_model, tmp_path):
+    """Through the real HTTP app and the openai client: /v1/models lists each run's name, a completion for a
+    name reaches vLLM with that run's adapter, and an unknown name gets the torch backend's exact 404."""
+    import openai
+    import uvicorn
+    from gyre_inference.api import AppState, create_app
+    from gyre_inference.metrics import InferenceMetrics
+    from gyre_inference.service import _bind, _HTTPServer, _load
+    from gyre_inference.text import ModelText
+    from gyre_inference.torch_backend import TorchBackend
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    names = ("run-a", "run-b")
+    folder = adapter_folder(tmp_path, "a3")
+
+    async def serve(backend, prepare):
+        state = AppState("tiny", str(tiny_model), backend, InferenceMetrics("vllm-lora", backend))
+        await _load(state, backend, str(tiny_model), ModelText)
+        await prepare(backend)
+        sock = _bind("127.0.0.1", 0)
+        http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, lifespan="off"))
+        task = asyncio.create_task(http.serve(sockets=[sock]))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        try:
+            async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
+                models = {m.id: (m.model_extra["parent"], m.model_extra["policy_version"])
+                          for m in (await client.models.list()).data}  # fmt: skip
+                completion = await client.completions.create(
+                    model="run-a", prompt=[5, 17, 33], max_tokens=3, logprobs=0, extra_body={"ignore_eos": True}
+                )
+                with pytest.raises(openai.NotFoundError) as missing:
+                    await client.completions.create(model="run-c", prompt=[5], max_tokens=1)
+                return models, completion, missing.value
+        finally:
+            http.should_exit = True
+            await task
+            await backend.shutdown()
+
+    async def scenario():
+        engines = []
+
+        async def start_vllm(backend):
+            engines.append(backend._engine)
+            backend._engine.auto = True
+            await backend.update_adapter("run-a", folder, 3)
+
+        vllm = VLLMBackend(tiny_model, max_loras=4, max_lora_rank=8, adapters=names)
+        models, completion, missing = await serve(vllm, start_vllm)
+        engine_request = engines[0].last("generate")["lora_request"]
+
+        async def nothing(backend):
+            pass
+
+        torch_backend = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=2, adapters=names)
+        torch_models, _, torch_missing = await serve(torch_backend, nothing)
+        return models, completion, missing, engine_request, torch_models, torch_missing
+
+    models, completion, missing, engine_request, torch_models, torch_missing = run(scenario())
+    assert models == {"tiny": (None, 0), "run-a": ("tiny", 3), "run-b": ("tiny", 0)}
+    assert set(torch_models) == set(models)
+    assert engine_request.lora_path == str(folder) and engine_request.lora_name.startswith("run-a-")
+    assert completion.model == "run-a" and completion.choices[0].logprobs.token_logprobs == [-0.5] * 3
+    assert missing.status_code == torch_missing.status_code == 404
+    assert missing.body == torch_missing.body and missing.body["code"] == "model_not_found"
+
+
+# ---- settings ----------------------------------------------------------------------------------------
+def test_lora_settings_come_from_one_pair_of_config_keys():
+    """lora.max_loras / lora.max_rank drive both backends (the vLLM engine's max_loras / max_lora_rank)."""
     from gyre_inference.service import make_backend
 
-    config = InferenceConfig(backend="vllm", engine={"max_lora_rank": 32, "max_loras": 3})
-    backend = make_backend(config)
+    lora = {"max_loras": 3, "max_rank": 32, "adapters": ["run-a"]}
+    backend = make_backend(InferenceConfig(backend="vllm", lora=lora))
     assert backend._engine_kwargs | {"enable_lora": True, "max_lora_rank": 32, "max_loras": 3} == backend._engine_kwargs
+    assert backend.adapter_names == ("run-a",)
+    assert make_backend(InferenceConfig(backend="vllm", lora={"max_loras": 2, "max_rank": 20}))._engine_kwargs[
+        "max_lora_rank"
+    ] == 32  # fmt: skip
     assert "enable_lora" not in make_backend(InferenceConfig(backend="vllm"))._engine_kwargs
-    with pytest.raises(ValueError, match="max_lora_rank must be one of"):
-        InferenceConfig(engine={"max_lora_rank": 12})
+    torch_backend = make_backend(InferenceConfig(lora=lora))
+    assert torch_backend._adapter_settings == (3, 32, ("run-a",))
+    with pytest.raises(ValueError, match="vLLM serves adapters up to rank 512"):
+        InferenceConfig(backend="vllm", lora={"max_rank": 1024})
+    InferenceConfig(lora={"max_rank": 1024})  # the torch backend has no fixed sizes
 
 
+@pytest.mark.gpu
 def test_stand_ins_match_vllm():
     """Where vllm imports: the stand-ins' signatures are vLLM's own (runs on a GPU machine)."""
     vllm = pytest.importorskip("vllm")
@@ -277,3 +457,60 @@ def test_stand_ins_match_vllm():
     except ImportError:
         return
     assert tuple(typing.get_args(MaxLoRARanks)) == VLLM_LORA_RANKS
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_vllm_serves_each_run_adapter_on_a_gpu(tiny_model, tmp_path):
+    """Real vLLM: each run's name samples with exactly its adapter (log-probs of base + that adapter, in mixed
+    batches), a run's update replaces only its adapter, and the replaced one leaves vLLM's cache."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm")
+    from gyre_inference.vllm_backend import VLLMBackend
+    from test_inference_lora_adapter import PROMPT, reference_logprobs, write_adapter
+    from transformers import AutoModelForCausalLM
+
+    references = {
+        None: AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval(),
+        "a": write_adapter(tiny_model, tmp_path / "a", seed=1),
+        "b": write_adapter(tiny_model, tmp_path / "b", seed=2),
+    }
+
+    async def sample(backend, name, seed):
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, adapter=name)
+        return [e async for e in backend.generate(PROMPT, params)]
+
+    def closest(events):
+        """The reference whose log-probs the sampled tokens match best, and its mean error (bf16: ~1e-3;
+        between these adapters ~0.2)."""
+        tokens, got = [e.token_id for e in events], torch.tensor([e.logprob for e in events])
+        errors = {k: float((got - reference_logprobs(m, tokens)).abs().mean()) for k, m in references.items()}
+        best = min(errors, key=errors.get)
+        return best, errors[best]
+
+    async def scenario():
+        # bfloat16: vLLM's LoRA kernels take half precision only
+        backend = VLLMBackend(tiny_model, dtype="bfloat16", gpu_memory_utilization=0.2, max_num_seqs=16,
+                              max_loras=4, max_lora_rank=4, adapters=("run-a", "run-b"))  # fmt: skip
+        await backend.start()
+        try:
+            await backend.update_adapter("run-a", tmp_path / "a", 1)
+            await backend.update_adapter("run-b", tmp_path / "b", 2)
+            names = [None, "run-a", "run-b"] * 2
+            runs = await asyncio.gather(*(sample(backend, name, seed) for seed, name in enumerate(names)))
+            for name, events in zip(names, runs, strict=True):
+                best, error = closest(events)
+                assert best == (name and name[-1]) and error < 0.02, (name, best, error)
+                assert {e.version for e in events} == {{None: 0, "run-a": 1, "run-b": 2}[name]}
+
+            await backend.update_adapter("run-a", tmp_path / "b", 3)  # run-a now serves b's weights
+            assert closest(await sample(backend, "run-a", 7))[0] == "b"
+            assert closest(await sample(backend, "run-b", 8))[0] == "b"
+            assert await backend._engine.list_loras() == {2, 3}  # run-a's first adapter left vLLM's cache
+        finally:
+            await backend.shutdown()
+
+    asyncio.run(scenario())
