@@ -91,6 +91,15 @@ def schema_error(values: dict) -> str:
         ({"experiment": {"trainer": {"optim": {"lr": -1}}}}, ["/experiment/trainer/optim/lr"]),
         ({"experiment": {"orchestrator": {"batch_size": "many"}}}, ["/experiment/orchestrator/batch_size"]),
         ({"experiment": {"inference": {"backend": "tgi"}}}, ["/experiment/inference/backend"]),
+        # keys that moved say where to (InferenceConfig.moved_keys)
+        (
+            {"experiment": {"inference": {"engine": {"max_lora_rank": 16}}}},
+            ["/experiment/inference/engine/max_lora_rank", "set experiment.inference.lora.max_rank instead"],
+        ),
+        (
+            {"experiment": {"inference": {"lora": {"max_adapters": 2}}}},
+            ["/experiment/inference/lora/max_adapters", "set experiment.inference.lora.max_loras instead"],
+        ),
         ({"experiment": {"inference": {"server": {"port": 9000}}}}, ["/experiment/inference", "server"]),
         ({"experiment": {"inference": {"auth": {"api_key": "plain"}}}}, ["/experiment/inference", "auth"]),
         ({"experiment": {"run_id": "has spaces"}}, ["/experiment/run_id"]),

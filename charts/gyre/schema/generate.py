@@ -113,6 +113,19 @@ def experiment_definitions() -> dict[str, Any]:
             if leaf in node.get("required", []):
                 node["required"].remove(leaf)
 
+    # Keys that moved (a model's `moved_keys`): kept as properties no value satisfies, so Helm's error
+    # names where the key went instead of only "additional properties not allowed".
+    for service, model in models.items():
+        for dotted, new in getattr(model, "moved_keys", {}).items():
+            *parents, leaf = dotted.split(".")
+            node = defs[f"gyre.{model.__name__}"]
+            for part in parents:
+                target = node["properties"][part]
+                ref = target.get("$ref") or next(a["$ref"] for a in target.get("anyOf", []) if "$ref" in a)
+                node = defs[ref.rsplit("/", 1)[1]]
+            message = f"removed: set experiment.{service}.{new} instead"
+            node["properties"][leaf] = {"description": message.capitalize(), "const": message}
+
     service_config = defs["gyre.TrainerConfig"]["properties"]
     run_id = service_config_field("run_id")
     shared = {
