@@ -64,11 +64,12 @@ class InferenceLoraConfig(Section):
     max_loras: int = Field(
         0,
         ge=0,
-        description="LoRA adapters served at once; at most this many names. Torch backend: adapter slots (0 = no "
-        "names; the model's own adapter versions are merged into its weights). vLLM: its max_loras, the adapters "
-        "one batch may mix (0 = LoRA off: adapter versions are refused); a request keeps the adapter version it "
-        "started with, so give two per name (one run: 2, N runs: 2N) or requests after a swap wait for the "
-        "previous version's requests to finish.",
+        description="LoRA adapters resident at once, which one batch may mix (0 = none); more names are served by "
+        "evicting the least recently used idle adapter and loading it back on demand. Torch backend: adapter "
+        "slots (0 = no names; the model's own adapter versions are merged into its weights). vLLM: its "
+        "max_loras (0 = LoRA off: adapter versions are refused); a request keeps the adapter version it started "
+        "with, so give two per name (one run: 2, N runs: 2N) or requests after a swap wait for the previous "
+        "version's requests to finish.",
     )
     max_rank: int = Field(
         16,

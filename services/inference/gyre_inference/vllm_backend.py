@@ -161,8 +161,8 @@ class VLLMBackend(Backend):
         max_lora_rank: int = 16,
         adapters: tuple[str, ...] = (),
     ):
-        if len(adapters) > max_loras:
-            raise ValueError(f"{len(adapters)} adapter names need max_loras >= {len(adapters)}, got {max_loras}")
+        if adapters and not max_loras:
+            raise ValueError("named adapters need max_loras >= 1 (LoRA is off with 0)")
         self.model_path = Path(model_path)
         self._engine_kwargs = dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -269,11 +269,8 @@ class VLLMBackend(Backend):
         return self._named[name][1]
 
     async def update_adapter(self, name: str, path: Path, version: int) -> None:
-        if name not in self._named and len(self._named) >= self.max_loras:
-            raise WeightsIncompatibleError(
-                f"adapter {name!r}: all {self.max_loras} adapters are served ({sorted(self._named)}); "
-                "raise lora.max_loras"
-            )
+        # Any number of names: vLLM's own cache holds `max_loras` adapters, evicts the least recently used
+        # idle one and loads an evicted adapter back from its folder when a request asks for it.
         await asyncio.to_thread(adapter_rank, Path(path), self.max_lora_rank)
         request = await self._add_lora(Path(path), f"{name}-{{id}}-step_{version}")
         previous, _ = self._named.get(name, (None, 0))
