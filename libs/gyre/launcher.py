@@ -45,7 +45,7 @@ from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
 from gyre.config.inference import InferenceConfig
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rl import RLConfig
-from gyre.config.trainer import SFTConfig, TrainerConfig
+from gyre.config.trainer import LoraConfig, SFTConfig, TrainerConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
 from gyre.net import free_port
 from gyre.proc import set_pdeathsig
@@ -201,7 +201,8 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str,
     replicas = []
     for i in range(cfg.inference_replicas):
         http, control = free_port(), free_port()
-        inf = {**shared, "model": model, "server": {"port": http}, "control": {"port": control}}
+        inf = {**shared, "model": model, "server": {"port": http}, "control": {"port": control},
+               **served_adapter_versions(cfg.inference, cfg.trainer)}  # fmt: skip
         replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, inf))
     orch_port, trainer_port = free_port(), free_port()
     ckpt = cfg.ckpt
@@ -283,6 +284,18 @@ def validate_extensions(configs: dict[str, Any]) -> None:
             load_callable(loss, f"loss {loss!r}")
         except ValueError as e:
             raise ConfigError(f"config key 'trainer.loss.type': {e}") from None
+
+
+def served_adapter_versions(inference: dict, trainer: dict) -> dict:
+    """[inference] defaults for a single run that publishes LoRA adapters (`trainer.lora.publish = "adapter"`) to
+    the vLLM backend, which serves them only with LoRA on: `lora.max_loras = 2` (a request keeps the adapter
+    version it started with, so the previous one finishes while new requests use the next) and `lora.max_rank`
+    = the trainer's rank. The torch backend merges such versions into its weights and needs neither; keys the
+    user set win."""
+    lora = trainer.get("lora")
+    if inference.get("backend") != "vllm" or lora is None or lora.get("publish", "merged") != "adapter":
+        return {}
+    return {"lora": {"max_loras": 2, "max_rank": lora.get("rank", LoraConfig.model_fields["rank"].default)}}
 
 
 def _validated(cls, section: str, user: dict, launcher: dict):

@@ -79,6 +79,22 @@ def test_each_run_gets_its_orchestrator_adapter_and_model_name(tmp_path):
     assert (inference.backend, inference.lora.max_loras, inference.lora.max_rank) == ("vllm", 4, 32)
 
 
+def test_one_run_publishing_adapters_to_vllm_turns_lora_on(tmp_path):
+    """Not multi-run, but the same wiring: vLLM serves adapter versions only with LoRA on, so the chart passes
+    lora.max_loras = 2 and the trainer's rank unless experiment.inference.lora sets them (gyre rl does the same)."""
+    base = fullname()
+
+    def served(trainer_lora: dict, inference: dict):
+        values = {"experiment": {"trainer": {"lora": trainer_lora}, "inference": inference}}
+        return service_config(manifests(render(values)), tmp_path, "inference", f"{base}-inference").lora
+
+    adapter, vllm = {"rank": 8, "publish": "adapter"}, {"backend": "vllm"}
+    assert (served(adapter, vllm).max_loras, served(adapter, vllm).max_rank) == (2, 8)
+    assert served(adapter, {**vllm, "lora": {"max_loras": 3}}).max_loras == 3  # the user's value wins
+    assert served({"rank": 8}, vllm).max_loras == 0  # merged versions are full weights
+    assert served(adapter, {}).max_loras == 0  # the torch backend merges adapter versions itself
+
+
 def test_without_runs_the_release_is_unchanged():
     docs = manifests(render({}))
     pods = pod_templates(docs)

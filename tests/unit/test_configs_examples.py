@@ -43,6 +43,24 @@ def test_multirun_replicas_get_one_adapter_per_run_or_two_on_vllm(tmp_path):
             assert replica.lora.max_rank == max(ranks)
 
 
+def test_a_single_run_publishing_adapters_to_vllm_gets_lora_turned_on(tmp_path):
+    """gyre rl, one run, trainer.lora.publish = adapter: the vLLM replicas start with LoRA on (max_loras 2, the
+    trainer's rank); merged publishing or the torch backend change nothing, and a user's own value wins."""
+    demo = ["@", str(ROOT / "configs/reverse_text/demo.toml"), "@", str(ROOT / "configs/reverse_text/lora.toml"),
+            "--output-dir", str(tmp_path), "--trainer.lora.rank", "8"]  # fmt: skip
+
+    def served(*argv):
+        cfg = load_config(RLConfig, [*demo, *argv])
+        return resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")["inference"][0].lora
+
+    adapter, vllm = ("--trainer.lora.publish", "adapter"), ("--inference.backend", "vllm")
+    lora = served(*adapter, *vllm)
+    assert (lora.max_loras, lora.max_rank) == (2, 8)
+    assert served(*adapter).max_loras == 0  # torch: merged into the weights, no slots needed
+    assert served(*vllm).max_loras == 0  # merged versions: full weights
+    assert served(*adapter, *vllm, "--inference.lora.max-loras", "4").max_loras == 4
+
+
 def test_async_overlays_set_the_level():
     for k in (0, 1, 2):
         cfg = load_config(RLConfig, ["@", str(ROOT / f"configs/reverse_text/async{k}.toml")])

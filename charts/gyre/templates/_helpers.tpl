@@ -372,6 +372,15 @@ overlap after each swap). */}}
 {{- mul (len .Values.runs) (ternary 2 1 (eq $backend "vllm")) | toString -}}
 {{- end -}}
 
+{{/* "true" for one run publishing LoRA adapters (trainer.lora.publish = adapter) to the vLLM backend, which
+serves them only with LoRA on (gyre.launcher.served_adapter_versions does the same for `gyre rl`). */}}
+{{- define "gyre.vllmAdapterVersions" -}}
+{{- $e := .Values.experiment }}
+{{- $lora := ($e.trainer | default dict).lora | default dict }}
+{{- $backend := ($e.inference | default dict).backend | default "torch" }}
+{{- if and (not .Values.runs) (eq $backend "vllm") (eq ($lora.publish | default "merged") "adapter") }}true{{ end }}
+{{- end -}}
+
 {{/* The largest adapter rank of any run (a run's trainer.lora.rank, else experiment.trainer.lora.rank, else 16). */}}
 {{- define "gyre.runsMaxRank" -}}
 {{- $default := int ((((.Values.experiment.trainer | default dict).lora | default dict).rank) | default 16) }}
