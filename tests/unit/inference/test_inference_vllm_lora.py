@@ -67,6 +67,13 @@ class StandInLoRARequest:
             raise ValueError(f"lora_int_id must be > 0, got {self.lora_int_id}")
         assert self.lora_path, "lora_path cannot be empty"
 
+    # vLLM's LoRARequest compares and hashes by lora_name only (vllm/lora/request.py)
+    def __eq__(self, other):
+        return isinstance(other, StandInLoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self):
+        return hash(self.lora_name)
+
 
 class StandInOutputKind(enum.Enum):
     CUMULATIVE = 0
@@ -125,6 +132,8 @@ class StandInAsyncLLM:
 
     async def add_lora(self, lora_request) -> bool:
         self._record("add_lora", lora_request)
+        if lora_request.lora_int_id in self.loras or lora_request in self.loras.values():
+            raise AssertionError(f"{lora_request}: id or name reused, vLLM would serve the cached adapter")
         self.loras[lora_request.lora_int_id] = lora_request
         return True
 
@@ -335,6 +344,9 @@ def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, t
         await backend.update_adapter("run-a", folders["a7"], 7)
         assert engine.last("add_lora")["lora_request"].lora_int_id == 4
         assert engine.removed() == [1, 3] and set(engine.loras) == {2, 4}
+        await backend.update_adapter("run-a", folders["a7"], 7)  # a retry of the same step: a new id and name
+        assert engine.last("add_lora")["lora_request"].lora_int_id == 5
+        assert engine.removed() == [1, 3, 4] and set(engine.loras) == {2, 5}
 
         # refused: a rank over lora.max_rank, an unknown name; nothing changes
         before = dict(backend._named)
@@ -343,7 +355,7 @@ def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, t
             await backend.update_adapter("run-b", folders["big"], 8)
         with pytest.raises(KeyError, match="run-c"):
             await tokens(backend, "run-c")
-        assert backend._named == before and set(engine.loras) == {2, 4}
+        assert backend._named == before and set(engine.loras) == {2, 5}
 
         # more names than max_loras (2): accepted; vLLM's cache evicts idle adapters and loads them back
         await backend.update_adapter("run-c", folders["a5"], 1)
