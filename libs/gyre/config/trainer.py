@@ -300,7 +300,7 @@ class TrainerConfig(ServiceConfig):
     runs_dir: Path | None = Field(
         None,
         description="Multi-run: also pick up runs added later as {runs_dir}/<name>.toml (a [run] table each, "
-        "the keys of runs[]); the trainer then keeps waiting for runs until stopped.",
+        "the keys of runs[]); removing a file stops its run; the trainer then keeps waiting for runs until stopped.",
     )
 
     @model_validator(mode="after")

@@ -311,11 +311,7 @@ class MultiRunTrainer(TrainerProcess):
         mfu = mfu.reading(sum(lengths), seconds).mfu
         record = {**step_record(item, result.metrics, seconds, mfu), "run": run.name}
         crash_point("after_train", item.step, self.ctx)
-        if cfg.ckpt.interval and item.step % cfg.ckpt.interval == 0:
-            started = time.perf_counter()
-            run.checkpoints.save(item.step, self.model, run.optimizer, run.scheduler, record)
-            run.metrics.checkpoint_duration.observe(time.perf_counter() - started)
-            crash_point("after_checkpoint", item.step, self.ctx)
+        self._checkpoint_if_due(item.step, run.checkpoints, run.optimizer, run.scheduler, record, run.metrics)
         self._publish(run, item.step, record)
         run.events.append(record)
         run.metrics.observe_step(record, [mfu])

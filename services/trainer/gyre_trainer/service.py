@@ -153,6 +153,15 @@ class TrainerProcess:
         self.peak_flops = peak_flops(ctx.device, self.dtype)
         return model
 
+    def _checkpoint_if_due(self, step: int, checkpoints: CheckpointManager, optimizer, scheduler,
+                           record: dict[str, Any], metrics: TrainerMetrics) -> None:  # fmt: skip
+        """Step `step`'s checkpoint when `ckpt.interval` says so (before publishing: see `plan_resume`)."""
+        if self.cfg.ckpt.interval and step % self.cfg.ckpt.interval == 0:
+            start = time.perf_counter()
+            checkpoints.save(step, self.model, optimizer, scheduler, record)
+            metrics.checkpoint_duration.observe(time.perf_counter() - start)
+            crash_point("after_checkpoint", step, self.ctx)
+
     def _close(self) -> None:
         if self.health:
             self.health.close()
@@ -324,11 +333,7 @@ class Trainer(TrainerProcess):
                 return
             record, mfu_per_rank = self._train(item)
             crash_point("after_train", item.step, self.ctx)
-            if cfg.ckpt.interval and item.step % cfg.ckpt.interval == 0:
-                start = time.perf_counter()
-                self.checkpoints.save(item.step, self.model, self.optimizer, self.scheduler, record)
-                self.metrics.checkpoint_duration.observe(time.perf_counter() - start)
-                crash_point("after_checkpoint", item.step, self.ctx)
+            self._checkpoint_if_due(item.step, self.checkpoints, self.optimizer, self.scheduler, record, self.metrics)
             self._publish(item.step, record)
             if main:
                 self.events.append(record)
