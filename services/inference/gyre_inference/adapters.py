@@ -11,7 +11,7 @@ in one stacked buffer per layer, [slots, max_rank, in] and [slots, out, max_rank
 r < max_rank fills the first r ranks and leaves zeros, which add nothing. Shapes never change and an
 adapter is loaded by copying in place between two decode steps, so captured CUDA graphs stay valid.
 
-The bank is bounded (vLLM's `max_loras` cache does the same): `max_adapters` names are resident; a new name
+The bank is bounded (vLLM's cache does the same): `max_adapters` (`lora.max_loras`) names are resident; a new name
 when every slot is taken evicts the least recently used name whose slot no queued or running row uses (a
 finished run's adapter, typically). The bank remembers every name's version and the folder it was loaded
 from, so an evicted name is still served: its next request loads it back from that folder (the torch
