@@ -79,7 +79,7 @@ def test_loraplus_ratio_reaches_the_single_run_and_each_multirun_optimizer(
     ]
     cfg = load_config(TrainerConfig, [], **common, lora={**lora, "publish": "adapter"}, runs=runs)
     multi = MultiRunTrainer(cfg, dist.init_distributed("cpu"))
-    multi._build()
+    multi.model = multi._load_base_model()
     try:
         plus, plain = multi.add_run(cfg.runs[0]), multi.add_run(cfg.runs[1])
         assert lora_lrs(plus.optimizer, multi.model) == {"A": {1e-3}, "B": {8e-3}}
