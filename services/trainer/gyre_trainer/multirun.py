@@ -125,9 +125,13 @@ class MultiRunTrainer(TrainerProcess):
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def _prepare(self) -> None:
-        self.model = self._load_base_model()
+        self._build()
         for spec in self.cfg.runs:
             self.add_run(spec)
+
+    def _build(self) -> None:
+        """The shared base model; each run's adapter is added by `add_run`."""
+        self.model = self._load_base_model()
 
     def _close(self) -> None:
         for run in self.runs.values():

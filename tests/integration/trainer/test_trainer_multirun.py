@@ -50,7 +50,7 @@ def test_a_step_of_one_run_leaves_the_other_runs_adapter_bit_for_bit(tiny_model,
     push_batches(BatchStream(redis_url, a), [1, 2], seed=1)
     push_batches(BatchStream(redis_url, b), [1], seed=2)
     trainer = MultiRunTrainer(cfg, dist.init_distributed("cpu"))
-    trainer.model = trainer._load_base_model()
+    trainer._build()
     try:
         run_a, run_b = trainer.add_run(cfg.runs[0]), trainer.add_run(cfg.runs[1])
         for run, other in [(run_a, run_b), (run_b, run_a), (run_a, run_b)]:
@@ -238,7 +238,7 @@ def test_finished_runs_release_their_adapter_optimizer_and_metrics_and_never_ret
     push_batches(BatchStream(redis_url, b), [1, 2], seed=2)
     run_file(runs_dir, b, tmp_path / "b", max_steps=2)
     trainer = MultiRunTrainer(cfg, dist.init_distributed("cpu"))
-    trainer.model = trainer._load_base_model()
+    trainer._build()
     base = parameters()
     trainer._start_servers()  # real gRPC status and /metrics
     try:
