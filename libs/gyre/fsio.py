@@ -9,6 +9,7 @@ removes once stale.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -65,17 +66,16 @@ _FLUSH_BYTES = 32 << 20
 
 
 def write_hashed(path: Path, chunks: Sequence[bytes | memoryview], mode: int = 0o644) -> str:
-    """Create `path` with the concatenated `chunks`, flush its data (`fdatasync`) and return its sha256;
-    for files of a folder that is then fsynced and renamed into view as a whole (the folder's fsync finds
-    the data on disk and only commits metadata).
+    """Create `path` with the concatenated `chunks` and return its sha256; not fsynced, as `write_file`
+    (for files of a folder that is fsynced and renamed into view as a whole).
 
-    Writing, hashing and flushing overlap instead of following each other (no byte is read back; hashing
-    and the flush release the GIL): the data written so far is flushed in a second thread while this one
-    writes on (every `_FLUSH_BYTES`) and hashes. From `_FLUSH_BYTES` on a third thread hashes while this
-    one writes; smaller files are hashed in this thread, after writing, while their data is flushed: on a
-    busy machine handing the hash to another thread costs more than hashing a few MB."""
+    From `_FLUSH_BYTES` on, three things overlap instead of following each other: this thread writes, a
+    second one hashes the same buffers (both release the GIL; no byte is read back), and a third flushes
+    what is already written (`fdatasync` every `_FLUSH_BYTES`), so the folder's fsync only waits for the
+    tail. Smaller files are written, then hashed, in this thread: on a busy machine handing work to
+    other threads costs more than hashing a few MB."""
     overlap = sum(memoryview(chunk).nbytes for chunk in chunks) >= _FLUSH_BYTES
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) if overlap else contextlib.nullcontext() as pool:
         digest = pool.submit(_sha256_of, chunks) if overlap else None
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         flushing = None
@@ -89,14 +89,11 @@ def write_hashed(path: Path, chunks: Sequence[bytes | memoryview], mode: int = 0
                     view, unflushed = view[written:], unflushed + written
                     if overlap and unflushed >= _FLUSH_BYTES and (flushing is None or flushing.done()):
                         flushing, unflushed = pool.submit(os.fdatasync, fd), 0
-            if flushing is not None:
-                flushing.result()
-            flushing = pool.submit(os.fdatasync, fd)  # the tail, while this thread hashes or waits
-            return digest.result() if overlap else _sha256_of(chunks)
         finally:
             if flushing is not None:
                 flushing.result()
             os.close(fd)
+        return digest.result() if overlap else _sha256_of(chunks)
 
 
 def _sha256_of(chunks: Sequence[bytes | memoryview]) -> str:
