@@ -322,7 +322,7 @@ class TorchBackend(Backend):
 
     def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
         """Read and check every tensor of `path` against the served model (before touching it)."""
-        from gyre.safetensors_io import SafetensorsError, read_safetensors
+        from safetensors.torch import load_file
 
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -330,9 +330,9 @@ class TorchBackend(Backend):
         tensors: dict[str, torch.Tensor] = {}
         for file in files:
             try:
-                tensors.update(read_safetensors(file))
-            except SafetensorsError as error:
-                raise WeightsIncompatibleError(f"not a readable safetensors file: {error}") from None
+                tensors.update(load_file(file))
+            except Exception as error:  # safetensors raises its own error type for a malformed file
+                raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
         state = self._model.state_dict(keep_vars=True)
         unknown = sorted(tensors.keys() - state.keys())
         if unknown:
