@@ -164,3 +164,19 @@ class SimulatedTrainer:
 
     def close(self) -> None:
         self.stream.redis.close()
+
+
+async def first_batch(cfg: OrchestratorConfig, model: Path, timeout: float = 120):
+    """Run an orchestrator (its `max_steps` must be 1) to the end and return the batch it pushed, as a
+    trainer reads it from the stream (no weights are published: the run ends after one batch)."""
+    from gyre_orchestrator.service import OrchestratorService
+
+    service = OrchestratorService(cfg)
+    trainer = SimulatedTrainer(cfg.redis.url, cfg.run_id, cfg.output_dir, model, lambda: "unused")
+    try:
+        assert await asyncio.wait_for(service.run(), timeout=timeout) == 0
+        entry = await asyncio.to_thread(trainer.reader.next, 5000)
+        assert entry is not None, "the orchestrator pushed no batch"
+        return entry.decode()
+    finally:
+        trainer.close()

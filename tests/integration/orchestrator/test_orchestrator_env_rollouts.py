@@ -9,15 +9,13 @@ The loss mask is then checked token by token against what the server reported fo
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 
 import pytest
 from gyre.envs import SamplingParams, load_environment
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
-from gyre_orchestrator.service import OrchestratorService
-from orchestrator_testlib import SimulatedTrainer, orchestrator_config
+from orchestrator_testlib import first_batch, orchestrator_config
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -163,14 +161,7 @@ async def test_orchestrator_pushes_multi_turn_batches(
         batch_size=2, rollouts_per_example=2, sampling={"max_tokens": 48, "temperature": 1.0},
         advantage={"drop_zero_signal": False},
     )  # fmt: skip
-    service = OrchestratorService(cfg)
-    trainer = SimulatedTrainer(redis_url, unique_run_id, cfg.output_dir, chat_model, lambda: "unused")
-    try:
-        assert await asyncio.wait_for(service.run(), timeout=120) == 0
-        entry = await asyncio.to_thread(trainer.reader.next, 5000)
-        batch = entry.decode()
-    finally:
-        trainer.close()
+    batch = await first_batch(cfg, chat_model)
     assert batch.step == 1 and batch.num_samples == 4
     assert all(s["env"] == env_name and s["num_loss_tokens"] >= 1 for s in batch.samples)
     # a model-generated token is never preceded by a position outside its sample; the first token is never trained

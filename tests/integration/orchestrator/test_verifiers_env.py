@@ -9,7 +9,6 @@ server reported for every turn, and the tool-calling sequence must equal the bui
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ from gyre.envs import SamplingParams, load_environment
 from gyre.events import read_events
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
-from gyre_orchestrator.service import OrchestratorService
-from orchestrator_testlib import SimulatedTrainer, orchestrator_config
+from orchestrator_testlib import first_batch, orchestrator_config
 
 pytest.importorskip("verifiers.v1")
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(900), pytest.mark.slow]  # the chat model trains first
@@ -120,13 +118,7 @@ async def test_orchestrator_counts_and_retries_failed_episodes(
         max_steps=1, batch_size=2, rollouts_per_example=2, sampling={"max_tokens": 8, "temperature": 1.0},
         advantage={"drop_zero_signal": False},
     )  # fmt: skip
-    service = OrchestratorService(cfg)
-    trainer = SimulatedTrainer(redis_url, unique_run_id, cfg.output_dir, tiny_model, lambda: "unused")
-    try:
-        assert await asyncio.wait_for(service.run(), timeout=120) == 0
-        batch = (await asyncio.to_thread(trainer.reader.next, 5000)).decode()
-    finally:
-        trainer.close()
+    batch = await first_batch(cfg, tiny_model)
     assert batch.step == 1 and batch.num_samples == 4
     assert all(s["env"] == "verifiers:vf_gyre_tasks" and s["num_loss_tokens"] >= 1 for s in batch.samples)
     [step] = read_events(Path(cfg.output_dir) / "events/orchestrator_steps.jsonl")
