@@ -80,6 +80,17 @@ def epoch_order(n: int, salt: str) -> Callable[[int], int]:
     return lambda index: order(index // n)[index % n]
 
 
+def listed_tasks(train: list[Task], evals: list[Task], split: str, seed: int, salt: str) -> TaskSource:
+    """The `split` of tasks held in lists: eval = `evals` in order; train = `train` endlessly, each epoch in
+    an order seeded by (`salt`, `seed`)."""
+    if split == "eval":
+        return TaskSource(evals.__getitem__, len(evals))
+    if split != "train":
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    order = epoch_order(len(train), f"{salt}/train/{seed}")
+    return TaskSource(lambda index: train[order(index)], None)
+
+
 class Environment:
     """Base class. Constructor args shared by every environment:
 

@@ -35,7 +35,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gyre.envs.base import SingleTurnEnv, TaskSource, epoch_order, hold_out
+from gyre.envs.base import SingleTurnEnv, TaskSource, hold_out, listed_tasks
 from gyre.envs.parsers import Parser
 from gyre.envs.rubric import RewardFunc, Rubric
 from gyre.envs.scoring import math_equal
@@ -196,12 +196,7 @@ class DatasetEnv(SingleTurnEnv):
         return messages
 
     def tasks(self, split: Split, seed: int = 0) -> TaskSource:
-        if split == "eval":
-            return TaskSource(self.eval_tasks.__getitem__, len(self.eval_tasks))
-        if split != "train":
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        order = epoch_order(len(self.train_tasks), f"dataset/train/{seed}")
-        return TaskSource(lambda index: self.train_tasks[order(index)], None)
+        return listed_tasks(self.train_tasks, self.eval_tasks, split, seed, "dataset")
 
 
 def load_environment(

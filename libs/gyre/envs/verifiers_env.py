@@ -40,7 +40,7 @@ import functools
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from gyre.envs.base import Environment, TaskSource, epoch_order, hold_out
+from gyre.envs.base import Environment, TaskSource, hold_out, listed_tasks
 from gyre.envs.types import Messages, ModelClient, Rollout, SamplingParams, Score, Split, StopReason, Task, Turn
 
 # The Gyre model calls of the episode running in the current asyncio task (see `GyreInterception`).
@@ -246,12 +246,7 @@ class VerifiersEnv(Environment):
                     info={"verifiers_index": index})  # fmt: skip
 
     def tasks(self, split: Split, seed: int = 0) -> TaskSource:
-        if split == "eval":
-            return TaskSource(self.eval_tasks.__getitem__, len(self.eval_tasks))
-        if split != "train":
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        order = epoch_order(len(self.train_tasks), f"verifiers/train/{seed}")
-        return TaskSource(lambda index: self.train_tasks[order(index)], None)
+        return listed_tasks(self.train_tasks, self.eval_tasks, split, seed, "verifiers")
 
     # --- episodes ---------------------------------------------------------------------------------------------
 
