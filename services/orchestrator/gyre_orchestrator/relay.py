@@ -208,22 +208,19 @@ class WeightRelay:
     def reconcile(self) -> None:
         """Start an updater for each lagging replica; publish versions, in-use set and metrics."""
         target = self.target
-        step = target.step if target is not None else 0  # no target: the base model, version 0
-        ahead = [r.version for r in self.replicas if r.version is not None and r.version > step]
+        target_step = target.step if target is not None else 0  # no target: the base model, version 0
+        ahead = [r.version for r in self.replicas if r.version is not None and r.version > target_step]
         latest = self.transport.latest() if ahead else None  # only when some replica is ahead (rare)
         for r in self.replicas:
-            if target is not None:
-                lagging = r.version is None or r.version < step
-            else:  # only a rewind to the base model moves replicas while no version is published
-                lagging = False
-            lagging = lagging or (r.version is not None and r.version > step and self._abandoned(r.version, latest))
-            if target is None and self.model:
-                lagging = False  # a run's adapter has no base version to go back to: left as it is
+            behind = target is not None and (r.version is None or r.version < target_step)
+            abandoned = r.version is not None and r.version > target_step and self._abandoned(r.version, latest)
+            # with no target only a rewind to the base model moves replicas; a run's adapter has no base version
+            lagging = behind or (abandoned and (target is not None or not self.model))
             busy = r.url in self._updaters and not self._updaters[r.url].done()
             if lagging and not busy and self.replicas.in_rotation(r):
                 self._updaters[r.url] = asyncio.create_task(self._update(r), name=f"relay-{r.url}")
         best = self.replicas.max_healthy_version()
-        if best is not None and best > step and self._abandoned(best, latest):
+        if best is not None and best > target_step and self._abandoned(best, latest):
             best = None  # a version the trainer rewound away from is no policy version of this run
         if best is not None:
             self.versions.set(best)

@@ -77,8 +77,8 @@ def safetensors_chunks(tensors: dict[str, Any], metadata: dict[str, str] | None 
     """A safetensors file of contiguous CPU `tensors` as buffers: the header, then each tensor's own memory.
 
     The bytes are exactly what `safetensors.torch.save` produces (tensors ordered by dtype as safetensors
-    orders them, then by name; header padded to 8 bytes), without first copying every tensor into one bytes object: the
-    publisher writes and hashes the tensors' memory directly (`gyre.fsio.write_hashed`)."""
+    orders them, then by name; header padded to 8 bytes), without first copying every tensor into one
+    bytes object: the publisher writes and hashes the tensors' memory directly (`gyre.fsio.write_hashed`)."""
     import torch
 
     def rank(name: str) -> int:
@@ -108,7 +108,8 @@ def write_hf_folder(
     folder: Path, state_dict: dict[str, Any], config, base_model: Path | str, *, config_json: bytes | None = None
 ) -> dict[str, str]:
     """Write a complete HF model folder (weights, config, tokenizer files of `base_model`) into `folder`;
-    returns the weights file's sha256 under its name (hashed while written, for the store's manifest).
+    returns {file name: sha256} for the store's manifest, so that nothing is read back to be hashed: the
+    weights hashed while written, the config from memory, a base folder's files once per process.
     `config_json`: `config` already serialised (`config_bytes`), for a caller that writes it every step."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
