@@ -322,17 +322,17 @@ class TorchBackend(Backend):
 
     def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
         """Read and check every tensor of `path` against the served model (before touching it)."""
-        from safetensors.torch import load_file
+        from gyre.safetensors_io import SafetensorsError, map_safetensors
 
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise WeightsIncompatibleError(f"{path} holds no *.safetensors files")
         tensors: dict[str, torch.Tensor] = {}
         for file in files:
-            try:
-                tensors.update(load_file(file))
-            except Exception as error:  # safetensors raises its own error type for a malformed file
-                raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
+            try:  # mapped, not copied: the swap's one copy is into the model (or to the GPU)
+                tensors.update(map_safetensors(file))
+            except SafetensorsError as error:
+                raise WeightsIncompatibleError(f"not a readable safetensors file: {error}") from None
         state = self._model.state_dict(keep_vars=True)
         unknown = sorted(tensors.keys() - state.keys())
         if unknown:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.fsio import write_file, write_hashed
+from gyre.safetensors_io import safetensors_chunks
 from gyre.transport import FolderStore
 from gyre.weights import WeightsVersion
 
@@ -61,47 +62,6 @@ def servable_tensors(state_dict: dict[str, Any], config) -> dict[str, Any]:
             continue
         tensors[name] = tensor.detach().to("cpu").contiguous()
     return tensors
-
-
-# safetensors' dtype names, by torch dtype name, in the order of safetensors' own dtype enum: `save` writes
-# tensors by that order (descending), then by name
-_SAFETENSORS_DTYPES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2", "float8_e4m3fn": "F8_E4M3",
-    "int16": "I16", "float16": "F16", "bfloat16": "BF16", "int32": "I32", "float32": "F32", "float64": "F64",
-    "int64": "I64",
-}  # fmt: skip
-_SAFETENSORS_RANK = {name: rank for rank, name in enumerate(_SAFETENSORS_DTYPES)}
-
-
-def safetensors_chunks(tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> list[Any]:
-    """A safetensors file of contiguous CPU `tensors` as buffers: the header, then each tensor's own memory.
-
-    The bytes are exactly what `safetensors.torch.save` produces (tensors ordered by dtype as safetensors
-    orders them, then by name; header padded to 8 bytes), without first copying every tensor into one
-    bytes object: the publisher writes and hashes the tensors' memory directly (`gyre.fsio.write_hashed`)."""
-    import torch
-
-    def rank(name: str) -> int:
-        return _SAFETENSORS_RANK.get(str(tensors[name].dtype).removeprefix("torch."), -1)
-
-    order = sorted(tensors, key=lambda name: (-rank(name), name))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    views, offset = [], 0
-    for name in order:
-        tensor = tensors[name]
-        dtype = _SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
-        if dtype is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(
-                f"tensor {name}: cannot write {tensor.dtype} on {tensor.device} (contiguous CPU tensors only)"
-            )
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        if nbytes:
-            views.append((tensor if tensor.dim() else tensor.reshape(1)).view(torch.uint8).numpy())  # no copy
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return [len(text).to_bytes(8, "little") + text, *views]
 
 
 def write_hf_folder(

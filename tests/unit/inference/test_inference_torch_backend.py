@@ -179,7 +179,10 @@ async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving
     for folder, tensors in broken.items():
         (tmp_path / folder).mkdir()
         save_file(tensors, str(tmp_path / folder / "model.safetensors"))
-    reasons = {"empty": "no \\*.safetensors", "shape": "has shape", "unknown": "does not have", "missing": "missing"}
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "model.safetensors").write_bytes(b"\x01")
+    reasons = {"empty": "no \\*.safetensors", "shape": "has shape", "unknown": "does not have", "missing": "missing",
+               "garbage": "not a readable safetensors file"}  # fmt: skip
     for folder, reason in reasons.items():
         with pytest.raises(WeightsIncompatibleError, match=reason):
             await backend.update_weights(tmp_path / folder, 7)

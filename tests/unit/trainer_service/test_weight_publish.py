@@ -53,23 +53,6 @@ def test_published_weights_reload_in_transformers(tiny_model_dir, tmp_path):
     assert WeightPublisher(FolderStore(store.root), tiny_model_dir, 2).read_record(3) == {"step": 3, "loss": 0.5}
 
 
-def test_streamed_safetensors_are_the_bytes_safetensors_writes():
-    from gyre_trainer.publish import safetensors_chunks
-    from safetensors.torch import load, save
-
-    # every dtype family, and several of one size (safetensors orders them by its dtype enum, then name)
-    tensors = {
-        "w": torch.randn(3, 5), "b16": torch.randn(7, dtype=torch.bfloat16), "ids": torch.arange(3),
-        "flag": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
-        "half": torch.randn(2, 2, dtype=torch.float16), "i8": torch.tensor([-3, 4], dtype=torch.int8),
-    }  # fmt: skip
-    data = b"".join(bytes(c) for c in safetensors_chunks(tensors, {"format": "pt"}))
-    assert data == save(tensors, metadata={"format": "pt"})
-    assert all(torch.equal(load(data)[k], t) for k, t in tensors.items())
-    with pytest.raises(ValueError, match="tensor t: cannot write"):
-        safetensors_chunks({"t": torch.randn(4, 4).t()})  # not contiguous
-
-
 def test_tied_embeddings_are_saved_once_and_reload(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
