@@ -11,6 +11,7 @@ skip that copy. Both are checked against the library byte for byte (tests). Torc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -82,10 +83,10 @@ def map_safetensors(path: Path | str) -> dict[str, Any]:
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    try:  # fault every page in now, for reading: MAP_POPULATE would fault a writable mapping for writing (a copy)
+    # fault every page in now, for reading (MAP_POPULATE would fault a writable mapping for writing: a copy);
+    # before Linux 5.14, or elsewhere, pages fault in as they are read
+    with contextlib.suppress(OSError, ValueError):
         mapped.madvise(_MADV_POPULATE_READ)
-    except (OSError, ValueError):  # before Linux 5.14 (or elsewhere): pages fault in as they are read
-        pass
     header_len = int.from_bytes(mapped[:8], "little")
     data_start = 8 + header_len
     if data_start > size:
