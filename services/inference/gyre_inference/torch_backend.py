@@ -292,6 +292,12 @@ class TorchBackend(Backend):
                                      always=self._decoder.cuda_graphs)  # fmt: skip
             for name in names:
                 self._bank.declare(name)
+        # the tensors a swap copies into, by name, and names that share one tensor (tied embeddings): fixed once
+        # loaded (adapters hook modules, they add no weights), so not recomputed for every swap
+        self._weights = model.state_dict(keep_vars=True)
+        self._tied: dict[int, list[str]] = {}
+        for name, tensor in self._weights.items():
+            self._tied.setdefault(id(tensor), []).append(name)
         self._model = model
         log.info("loaded %s (%s, %s), context %d", self.model_path, self.device, self.dtype, self._max_model_len)
 
@@ -333,15 +339,12 @@ class TorchBackend(Backend):
                 tensors.update(map_safetensors(file))
             except SafetensorsError as error:
                 raise WeightsIncompatibleError(f"not a readable safetensors file: {error}") from None
-        state = self._model.state_dict(keep_vars=True)
+        state = self._weights
         unknown = sorted(tensors.keys() - state.keys())
         if unknown:
             raise WeightsIncompatibleError(f"{path}: tensors the model does not have: {unknown[:5]}")
         # Tied weights (e.g. lm_head = embed_tokens) appear under several names; one of them is enough.
-        groups: dict[int, list[str]] = {}
-        for name, tensor in state.items():
-            groups.setdefault(id(tensor), []).append(name)
-        missing = [names[0] for names in groups.values() if not any(n in tensors for n in names)]
+        missing = [names[0] for names in self._tied.values() if not any(n in tensors for n in names)]
         if missing:
             raise WeightsIncompatibleError(f"{path}: missing tensors {missing[:5]}")
         for name, tensor in tensors.items():
@@ -367,7 +370,7 @@ class TorchBackend(Backend):
             self._bank.load(swap.adapter, swap.tensors, swap.version, swap.source, swap.slot)
             swap.done.set_result(None)
             return
-        state = self._model.state_dict(keep_vars=True)
+        state = self._weights
         with torch.no_grad():  # one fused copy: a loop pays a dispatch per tensor, ~1/3 of a small model's swap
             torch._foreach_copy_([state[name] for name in swap.tensors], list(swap.tensors.values()))
         self._version = swap.version
