@@ -70,6 +70,14 @@ class BackendStoppedError(RuntimeError):
     """The engine is not running (not started, shutting down, or stopped) so it cannot take this call."""
 
 
+class AdapterGoneError(KeyError):
+    """A named adapter that can no longer be served (evicted, and its folder is gone: the run ended or its
+    versions were pruned). The backend forgets the name; the API answers 404, as for a name never served."""
+
+    def __str__(self) -> str:  # KeyError's own str() quotes the message
+        return str(self.args[0]) if self.args else ""
+
+
 class WeightsIncompatibleError(ValueError):
     """A weights folder cannot be loaded into the served model (missing/unknown tensors, wrong shapes)."""
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gyre_inference.backend import Backend, BackendStoppedError, SamplingParams, TokenEvent
+from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams, TokenEvent
 from gyre_inference.errors import APIError, error_body, unknown_model
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -283,6 +283,9 @@ class Serving:
             raise APIError(
                 503, "the inference engine is not running (shutting down); retry", code="not_ready"
             ) from None
+        except AdapterGoneError:  # found out only when generating: the same answer as for a name never served
+            self._finish_metrics(job, "client_error")
+            raise unknown_model(job.request.model, self.model_id) from None
         except BaseException:
             self._finish_metrics(job, "server_error")
             raise
@@ -352,6 +355,11 @@ class Serving:
                 if isinstance(item, BackendStoppedError):
                     outcome = "unavailable"
                     yield _sse(error_body(503, "the inference engine stopped (shutting down); retry", code="not_ready"))
+                    return
+                if isinstance(item, AdapterGoneError):
+                    outcome = "client_error"
+                    gone = unknown_model(job.request.model, self.model_id)
+                    yield _sse(error_body(gone.status, gone.message, param=gone.param, code=gone.code, type=gone.type))
                     return
                 if isinstance(item, Exception):
                     outcome = "server_error"

@@ -39,6 +39,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from gyre_inference.backend import (
+    AdapterGoneError,
     Backend,
     BackendStoppedError,
     SamplingParams,
@@ -212,7 +213,7 @@ class TorchBackend(Backend):
                 tensors = {} if source is None else await asyncio.to_thread(self._bank.read, source)
             except WeightsIncompatibleError as error:
                 del self._bank.versions[name], self._bank.sources[name]
-                raise KeyError(f"adapter {name!r} was evicted and cannot be loaded back: {error}") from None
+                raise AdapterGoneError(f"adapter {name!r} was evicted and cannot be loaded back: {error}") from None
             log.info("loading evicted adapter %r back (version %d from %s)", name, version, source)
             await self._swap_in(tensors, version, adapter=name, source=source)
 

@@ -38,6 +38,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import struct
 import uuid
 from collections import Counter
@@ -47,7 +48,7 @@ from typing import Any
 
 from gyre.config.inference import vllm_lora_rank
 
-from gyre_inference.backend import Backend, SamplingParams, TokenEvent, WeightsIncompatibleError
+from gyre_inference.backend import AdapterGoneError, Backend, SamplingParams, TokenEvent, WeightsIncompatibleError
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,8 @@ class VLLMBackend(Backend):
             if params.adapter not in self._named:
                 raise KeyError(f"no adapter named {params.adapter!r}")
             lora, lora_version = self._named[params.adapter]
+            if lora is not None and not os.path.isdir(lora.lora_path):
+                await self._check_still_held(params.adapter, lora)
         stream = self._engine.generate(
             {"prompt_token_ids": list(prompt)}, vllm_params, uuid.uuid4().hex, lora_request=lora
         )
@@ -267,6 +270,19 @@ class VLLMBackend(Backend):
 
     def adapter_version(self, name: str) -> int:
         return self._named[name][1]
+
+    async def _check_still_held(self, name: str, lora: Any) -> None:
+        """`name`'s folder is gone (its run ended, or its versions were pruned): fine while vLLM still holds the
+        adapter; once vLLM's cache evicted it, it cannot be loaded back, so the name is forgotten and the
+        request refused by name (404, as on the torch backend) instead of failing inside vLLM."""
+        if lora.lora_int_id in await self._engine.list_loras():
+            return
+        if self._named.get(name, (None, 0))[0] is lora:  # not already forgotten, nor updated meanwhile
+            del self._named[name]
+            await self._release(lora)
+        raise AdapterGoneError(
+            f"adapter {name!r} was evicted by vLLM and cannot be loaded back: {lora.lora_path} is gone"
+        )
 
     async def update_adapter(self, name: str, path: Path, version: int) -> None:
         # Any number of names: vLLM's own cache holds `max_loras` adapters, evicts the least recently used

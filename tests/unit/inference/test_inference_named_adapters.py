@@ -5,12 +5,13 @@ and the base model's weights are never touched."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 
 import pytest
 import pytest_asyncio
 import torch
-from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
+from gyre_inference.backend import AdapterGoneError, SamplingParams, WeightsIncompatibleError
 from gyre_inference.torch_backend import TorchBackend
 from test_inference_lora_adapter import PROMPT, reference_logprobs, write_adapter
 
@@ -115,7 +116,7 @@ async def test_the_bank_stays_bounded_evicting_the_least_recently_used_idle_name
         assert torch.allclose(logprobs, reference_logprobs(models["c"], tokens), atol=1e-4)
 
         shutil.rmtree(tmp_path / "a")  # e.g. pruned: a cannot come back
-        with pytest.raises(KeyError, match="'a' was evicted and cannot be loaded back"):
+        with pytest.raises(AdapterGoneError, match="'a' was evicted and cannot be loaded back"):
             await sample(engine, "a")
         assert "a" not in engine.adapter_names
     finally:
@@ -142,3 +143,52 @@ async def test_cuda_graphs_with_adapters_give_the_same_tokens_as_eager(tiny_mode
     eager, graphs = await tokens(False), await tokens(True)
     assert graphs[1] and not eager[1]
     assert graphs[0] == eager[0]
+
+
+@pytest.mark.asyncio
+async def test_an_evicted_name_whose_folder_is_gone_gets_the_unknown_model_404_over_http(tiny_model, tmp_path):
+    """Through the real HTTP app and the openai client: a name found gone only while generating (evicted, folder
+    removed) gets the same 404 body as a name never served, streamed or not, and is forgotten."""
+    import httpx
+    import openai
+    import uvicorn
+    from gyre_inference.api import AppState, create_app
+    from gyre_inference.metrics import InferenceMetrics
+    from gyre_inference.service import _bind, _HTTPServer, _load
+    from gyre_inference.text import ModelText
+
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=1, max_lora_rank=4)
+    state = AppState("tiny", str(tiny_model), engine, InferenceMetrics("gone-adapter", engine))
+    await _load(state, engine, str(tiny_model), ModelText)
+    for step, name in enumerate("abc", start=1):  # one slot: b evicts a, c evicts b
+        write_adapter(tiny_model, tmp_path / name, seed=step)
+        await engine.update_adapter(name, tmp_path / name, step)
+    shutil.rmtree(tmp_path / "a")
+    shutil.rmtree(tmp_path / "b")
+    sock = _bind("127.0.0.1", 0)
+    http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, lifespan="off"))
+    task = asyncio.create_task(http.serve(sockets=[sock]))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    try:
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
+            with pytest.raises(openai.NotFoundError) as never:
+                await client.completions.create(model="z", prompt=[5], max_tokens=1)
+            with pytest.raises(openai.NotFoundError) as gone:
+                await client.completions.create(model="a", prompt=[5], max_tokens=2)
+            with pytest.raises(openai.NotFoundError) as again:  # forgotten: refused before generating
+                await client.completions.create(model="a", prompt=[5], max_tokens=2)
+            served = await client.completions.create(model="c", prompt=[5], max_tokens=2)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as raw:  # streamed: the error event carries the 404
+            body = {"model": "b", "prompt": [5], "max_tokens": 2, "stream": True}
+            response = await raw.post("/completions", json=body)
+            events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data:")]
+    finally:
+        http.should_exit = True
+        await task
+        await engine.shutdown()
+    expected = {**never.value.body, "message": never.value.body["message"].replace("`z`", "`{}`")}
+    assert gone.value.body == {**expected, "message": expected["message"].format("a")}
+    assert again.value.body == gone.value.body and gone.value.body["code"] == "model_not_found"
+    assert served.model == "c" and len(served.choices[0].text) > 0
+    assert response.status_code == 200 and "b" not in engine.adapter_names and set(engine.adapter_names) == {"c"}
+    assert json.loads(events[-1])["error"] == {**expected, "message": expected["message"].format("b")}

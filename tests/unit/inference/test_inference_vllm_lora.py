@@ -97,7 +97,8 @@ class StandInAsyncLLM:
         self.args = args
         self.model_config = SimpleNamespace(max_model_len=64)
         self.calls: list[tuple[str, dict]] = []
-        self.loras: dict[int, StandInLoRARequest] = {}
+        self.loras: dict[int, StandInLoRARequest] = {}  # what vLLM holds (`list_loras`)
+        self.evicted: dict[int, StandInLoRARequest] = {}  # dropped by vLLM's LRU cache: loaded back from the path
         self.steps = asyncio.Queue()
         self.auto = False  # True: generate needs no `steps` (one token per event-loop turn)
         self.running: collections.Counter = collections.Counter()  # lora id (None: no adapter) -> requests
@@ -114,7 +115,12 @@ class StandInAsyncLLM:
                        tokenization_kwargs=None, trace_headers=None, priority=0, data_parallel_rank=None):  # fmt: skip
         self._record("generate", prompt, sampling_params, request_id, lora_request=lora_request)
         if lora_request is not None and lora_request.lora_int_id not in self.loras:
-            raise AssertionError("a request named an adapter vLLM no longer holds (never added, or removed)")
+            if lora_request.lora_int_id not in self.evicted:
+                raise AssertionError("a request named an adapter vLLM no longer holds (never added, or removed)")
+            if not Path(lora_request.lora_path).is_dir():  # vLLM's worker fails to load it back
+                raise RuntimeError(f"Loading lora {lora_request.lora_name} failed: No adapter found for "
+                                   f"{lora_request.lora_path}")  # fmt: skip
+            self.loras[lora_request.lora_int_id] = self.evicted.pop(lora_request.lora_int_id)
         lora_id = lora_request.lora_int_id if lora_request is not None else None
         self.running[lora_id] += 1
         try:
@@ -141,7 +147,17 @@ class StandInAsyncLLM:
         self._record("remove_lora", lora_id)
         if self.running[lora_id]:
             raise AssertionError(f"adapter {lora_id} removed while {self.running[lora_id]} requests still use it")
+        self.evicted.pop(lora_id, None)
         return self.loras.pop(lora_id, None) is not None
+
+    async def list_loras(self) -> set[int]:
+        self._record("list_loras")
+        return set(self.loras)
+
+    def evict(self, lora_id: int) -> None:
+        """What vLLM's LRU adapter cache does to an idle adapter when it needs the room (not an API call)."""
+        assert not self.running[lora_id]
+        self.evicted[lora_id] = self.loras.pop(lora_id)
 
     async def pause_generation(self, *, mode="abort", wait_for_inflight_requests=None, clear_cache=True):
         self._record("pause_generation", mode=mode, clear_cache=clear_cache)
@@ -365,6 +381,49 @@ def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, t
     run(scenario())
 
 
+def test_a_name_whose_adapter_vllm_evicted_and_whose_folder_is_gone_is_forgotten(standin_vllm, tiny_model, tmp_path):
+    """A run's folder removed (run ended, versions pruned): its name serves on while vLLM holds the adapter,
+    an evicted adapter whose folder exists is loaded back by vLLM, and an evicted one whose folder is gone is
+    refused by name (AdapterGoneError: a 404, as on the torch backend) and forgotten, instead of failing
+    inside vLLM; a later version of that name serves again."""
+    from gyre_inference.backend import AdapterGoneError
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    folders = {name: adapter_folder(tmp_path, name) for name in ("a3", "b4", "a9")}
+
+    async def tokens(backend, adapter, n=2):
+        stream = backend.generate([1, 2], SamplingParams(max_tokens=n, adapter=adapter))
+        return [e.version async for e in stream]
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, max_loras=2, max_lora_rank=8, adapters=("run-a", "run-b"))
+        await backend.start()
+        engine = backend._engine
+        engine.auto = True
+        await backend.update_adapter("run-a", folders["a3"], 3)
+        await backend.update_adapter("run-b", folders["b4"], 4)
+        a3, b4 = backend._named["run-a"][0], backend._named["run-b"][0]
+
+        shutil.rmtree(folders["a3"])
+        assert await tokens(backend, "run-a") == [3, 3]  # vLLM still holds it: served
+        engine.evict(b4.lora_int_id)
+        assert await tokens(backend, "run-b") == [4, 4]  # evicted, folder there: vLLM loads it back
+        assert b4.lora_int_id in engine.loras
+
+        engine.evict(a3.lora_int_id)
+        with pytest.raises(AdapterGoneError, match="'run-a' was evicted by vLLM and cannot be loaded back"):
+            await tokens(backend, "run-a")
+        assert backend.adapter_names == ("run-b",) and engine.last("generate")["lora_request"] is b4
+        assert a3.lora_int_id in engine.removed() and a3.lora_int_id not in engine.evicted
+        with pytest.raises(KeyError, match="no adapter named 'run-a'"):  # forgotten: the API's plain 404
+            await tokens(backend, "run-a")
+        await backend.update_adapter("run-a", folders["a9"], 9)  # the run is back with a new version
+        assert await tokens(backend, "run-a") == [9, 9] and await tokens(backend, "run-b") == [4, 4]
+        await backend.shutdown()
+
+    run(scenario())
+
+
 def test_openai_api_serves_each_run_name_like_the_torch_backend(standin_vllm, tiny_model, tmp_path):
     """Through the real HTTP app and the openai client: /v1/models lists each run's name, a completion for a
     name reaches vLLM with that run's adapter, and an unknown name gets the torch backend's exact 404."""
@@ -460,7 +519,9 @@ def test_stand_ins_match_vllm():
 
     engine_fields = set(inspect.signature(vllm.AsyncEngineArgs).parameters)
     assert {f.name for f in fields(StandInEngineArgs)} <= engine_fields
-    for method in ("generate", "add_lora", "remove_lora", "pause_generation", "collective_rpc", "reset_prefix_cache"):
+    methods = ("generate", "add_lora", "remove_lora", "list_loras", "pause_generation", "collective_rpc",
+               "reset_prefix_cache")  # fmt: skip
+    for method in methods:
         real = inspect.signature(getattr(AsyncLLM, method)).parameters
         ours = inspect.signature(getattr(StandInAsyncLLM, method)).parameters
         for name, param in ours.items():
