@@ -42,15 +42,21 @@ def fsync_file(path: Path) -> None:
 
 def fsync_files(paths: Iterable[Path]) -> None:
     """fsync many files or folders at once: concurrent fsyncs share the filesystem's journal commits
-    (ext4, xfs), so a folder of N files costs about one flush instead of N."""
+    (ext4, xfs), so a folder of N files costs about one flush instead of N. The threads are kept between
+    calls: starting ten of them cost ~2 ms, a tenth of publishing a small model's version."""
     paths = list(paths)
     if len(paths) <= 1:
         for path in paths:
             fsync_file(path)
         return
-    with ThreadPoolExecutor(min(16, len(paths))) as pool:
-        for _ in pool.map(fsync_file, paths):  # re-raises the first error
-            pass
+    for _ in _fsync_pool(os.getpid()).map(fsync_file, paths):  # re-raises the first error
+        pass
+
+
+@functools.cache
+def _fsync_pool(pid: int) -> ThreadPoolExecutor:
+    """The fsync threads of process `pid` (a forked child gets its own: threads do not survive a fork)."""
+    return ThreadPoolExecutor(16, thread_name_prefix="fsync")
 
 
 def write_file(path: Path, data: bytes, mode: int = 0o644) -> Path:
