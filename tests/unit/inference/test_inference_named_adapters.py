@@ -151,25 +151,17 @@ async def test_an_evicted_name_whose_folder_is_gone_gets_the_unknown_model_404_o
     removed) gets the same 404 body as a name never served, streamed or not, and is forgotten."""
     import httpx
     import openai
-    import uvicorn
-    from gyre_inference.api import AppState, create_app
-    from gyre_inference.metrics import InferenceMetrics
-    from gyre_inference.service import _bind, _HTTPServer, _load
-    from gyre_inference.text import ModelText
+    from http_app import serve_app
+
+    async def three_names_two_gone(engine):
+        for step, name in enumerate("abc", start=1):  # one slot: b evicts a, c evicts b
+            write_adapter(tiny_model, tmp_path / name, seed=step)
+            await engine.update_adapter(name, tmp_path / name, step)
+        shutil.rmtree(tmp_path / "a")
+        shutil.rmtree(tmp_path / "b")
 
     engine = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=1, max_lora_rank=4)
-    state = AppState("tiny", str(tiny_model), engine, InferenceMetrics("gone-adapter", engine))
-    await _load(state, engine, str(tiny_model), ModelText)
-    for step, name in enumerate("abc", start=1):  # one slot: b evicts a, c evicts b
-        write_adapter(tiny_model, tmp_path / name, seed=step)
-        await engine.update_adapter(name, tmp_path / name, step)
-    shutil.rmtree(tmp_path / "a")
-    shutil.rmtree(tmp_path / "b")
-    sock = _bind("127.0.0.1", 0)
-    http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, lifespan="off"))
-    task = asyncio.create_task(http.serve(sockets=[sock]))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    try:
+    async with serve_app(engine, tiny_model, "gone-adapter", three_names_two_gone) as url:
         async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
             with pytest.raises(openai.NotFoundError) as never:
                 await client.completions.create(model="z", prompt=[5], max_tokens=1)
@@ -182,10 +174,6 @@ async def test_an_evicted_name_whose_folder_is_gone_gets_the_unknown_model_404_o
             body = {"model": "b", "prompt": [5], "max_tokens": 2, "stream": True}
             response = await raw.post("/completions", json=body)
             events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data:")]
-    finally:
-        http.should_exit = True
-        await task
-        await engine.shutdown()
     expected = {**never.value.body, "message": never.value.body["message"].replace("`z`", "`{}`")}
     assert gone.value.body == {**expected, "message": expected["message"].format("a")}
     assert again.value.body == gone.value.body and gone.value.body["code"] == "model_not_found"

@@ -428,39 +428,26 @@ def test_openai_api_serves_each_run_name_like_the_torch_backend(standin_vllm, ti
     """Through the real HTTP app and the openai client: /v1/models lists each run's name, a completion for a
     name reaches vLLM with that run's adapter, and an unknown name gets the torch backend's exact 404."""
     import openai
-    import uvicorn
-    from gyre_inference.api import AppState, create_app
-    from gyre_inference.metrics import InferenceMetrics
-    from gyre_inference.service import _bind, _HTTPServer, _load
-    from gyre_inference.text import ModelText
     from gyre_inference.torch_backend import TorchBackend
     from gyre_inference.vllm_backend import VLLMBackend
+    from http_app import serve_app
 
     names = ("run-a", "run-b")
     folder = adapter_folder(tmp_path, "a3")
 
     async def serve(backend, prepare):
-        state = AppState("tiny", str(tiny_model), backend, InferenceMetrics("vllm-lora", backend))
-        await _load(state, backend, str(tiny_model), ModelText)
-        await prepare(backend)
-        sock = _bind("127.0.0.1", 0)
-        http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, lifespan="off"))
-        task = asyncio.create_task(http.serve(sockets=[sock]))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-        try:
-            async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
-                models = {m.id: (m.model_extra["parent"], m.model_extra["policy_version"])
-                          for m in (await client.models.list()).data}  # fmt: skip
-                completion = await client.completions.create(
-                    model="run-a", prompt=[5, 17, 33], max_tokens=3, logprobs=0, extra_body={"ignore_eos": True}
-                )
-                with pytest.raises(openai.NotFoundError) as missing:
-                    await client.completions.create(model="run-c", prompt=[5], max_tokens=1)
-                return models, completion, missing.value
-        finally:
-            http.should_exit = True
-            await task
-            await backend.shutdown()
+        async with (
+            serve_app(backend, tiny_model, "vllm-lora", prepare) as url,
+            openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client,
+        ):
+            models = {m.id: (m.model_extra["parent"], m.model_extra["policy_version"])
+                      for m in (await client.models.list()).data}  # fmt: skip
+            completion = await client.completions.create(
+                model="run-a", prompt=[5, 17, 33], max_tokens=3, logprobs=0, extra_body={"ignore_eos": True}
+            )
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.completions.create(model="run-c", prompt=[5], max_tokens=1)
+            return models, completion, missing.value
 
     async def scenario():
         engines = []

@@ -1,0 +1,33 @@
+"""The real OpenAI HTTP app of a backend, served in-process on a free port (as `gyre inference` wires it)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+
+@contextlib.asynccontextmanager
+async def serve_app(backend, model_dir: Path, run_id: str, prepare=None) -> AsyncIterator[str]:
+    """Load `backend` (model id "tiny"), run `await prepare(backend)` if given, serve the app; yields the
+    `/v1` base URL. On exit the server stops and the backend shuts down."""
+    import uvicorn
+    from gyre_inference.api import AppState, create_app
+    from gyre_inference.metrics import InferenceMetrics
+    from gyre_inference.service import _bind, _HTTPServer, _load
+    from gyre_inference.text import ModelText
+
+    state = AppState("tiny", str(model_dir), backend, InferenceMetrics(run_id, backend))
+    await _load(state, backend, str(model_dir), ModelText)
+    if prepare is not None:
+        await prepare(backend)
+    sock = _bind("127.0.0.1", 0)
+    http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, lifespan="off"))
+    task = asyncio.create_task(http.serve(sockets=[sock]))
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        http.should_exit = True
+        await task
+        await backend.shutdown()
