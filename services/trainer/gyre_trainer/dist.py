@@ -131,16 +131,22 @@ def full_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, trainable_only: bool = False
+) -> None:
     """Load unsharded tensors (every rank passes the same dict) into a plain or FSDP2-sharded model.
 
-    Missing keys are only tolerated for tied weights (e.g. `lm_head.weight` when it is the embedding).
+    Missing keys are only tolerated for tied weights (e.g. `lm_head.weight` when it is the embedding) and,
+    with `trainable_only`, for frozen parameters (LoRA adapters restored onto the base they train on).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     result = set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
-    tied = set(_tied_parameter_names(model))
-    missing = [k for k in result.missing_keys if k not in tied]
+    tolerated = set(_tied_parameter_names(model))
+    if trainable_only:
+        tolerated |= {name for name, param in model.named_parameters() if not param.requires_grad}
+        tolerated |= {name for name, _ in model.named_buffers()}
+    missing = [k for k in result.missing_keys if k not in tolerated]
     if missing or result.unexpected_keys:
         raise ValueError(f"state dict does not fit the model: missing {missing}, unexpected {result.unexpected_keys}")
 

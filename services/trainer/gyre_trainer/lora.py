@@ -22,8 +22,8 @@ from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_tensors, merge, spli
 from gyre.lora import adapter_config as _adapter_config
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_FILE", "activate_adapter", "add_adapter", "adapter_config", "adapter_state_dict",
-    "apply_lora", "merged_state_dict", "named_adapter_state",
+    "ADAPTER_CONFIG", "ADAPTER_FILE", "activate_adapter", "add_adapter", "adapter_config", "adapter_from_file",
+    "adapter_state_dict", "apply_lora", "merged_state_dict", "named_adapter_state",
 ]  # fmt: skip
 
 
@@ -99,3 +99,17 @@ def adapter_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
 def adapter_config(cfg: Any, base_model: str) -> dict[str, Any]:
     """`adapter_config.json` for the adapter."""
     return _adapter_config(cfg.rank, cfg.alpha, cfg.dropout, list(cfg.target_modules), base_model)
+
+
+def adapter_from_file(model: torch.nn.Module, tensors: dict[str, torch.Tensor], adapter_name: str = "default"):
+    """The inverse of `adapter_state_dict`: an adapter file's tensors under `model`'s own names for adapter
+    `adapter_name` (also an FSDP2-sharded model: the names are the same). ValueError names a tensor the
+    model's adapter has and the file lacks, or the other way round."""
+    own = re.compile(rf"\.lora_[AB]\.{re.escape(adapter_name)}\.weight$")
+    names = [name for name in model.state_dict() if own.search(name)]
+    by_file_name = adapter_tensors({name: name for name in names})
+    if by_file_name.keys() != tensors.keys():
+        missing, unknown = sorted(by_file_name.keys() - tensors.keys()), sorted(tensors.keys() - by_file_name.keys())
+        raise ValueError(f"the adapter file does not fit the model's adapter: missing {missing[:3]}, "
+                         f"unknown {unknown[:3]}")  # fmt: skip
+    return {name: tensors[file_name] for file_name, name in by_file_name.items()}

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 STEP_RECORD = "gyre_step.json"
 WEIGHTS_FILE = "model.safetensors"
+# a LoRA run's adapter next to its merged weights: what a restarted trainer resumes from (in a subfolder,
+# which loaders of the folder's `*.safetensors` do not read)
+RESUME_ADAPTER = "lora/adapter_model.safetensors"
 # Files of a model folder that describe how to tokenize/generate, not the weights: copied verbatim.
 _COPIED_FILES = (
     "tokenizer.json",
@@ -140,7 +143,11 @@ class WeightPublisher:
         self.keep_last = keep_last
         self._config, self._config_json = None, b""
 
-    def publish(self, step: int, state_dict: dict[str, Any], config, record: dict[str, Any]) -> WeightsVersion:
+    def publish(
+        self, step: int, state_dict: dict[str, Any], config, record: dict[str, Any], *, adapter: dict | None = None
+    ) -> WeightsVersion:
+        """Publish full weights; `adapter` (a LoRA run's adapter under PEFT's file names, merged into
+        `state_dict`) is kept with them as `RESUME_ADAPTER`, for a restart without a checkpoint of `step`."""
         if self._config is not config:  # serialised once: it takes as long as writing a small model's weights
             self._config, self._config_json = config, config_bytes(config)
 
@@ -148,7 +155,12 @@ class WeightPublisher:
             hashed = write_hf_folder(folder, state_dict, config, self.base_model, config_json=self._config_json)
             data = json.dumps(record, sort_keys=True).encode()
             write_file(folder / STEP_RECORD, data)
-            return {**hashed, STEP_RECORD: hashlib.sha256(data).hexdigest()}
+            hashed[STEP_RECORD] = hashlib.sha256(data).hexdigest()
+            if adapter is not None:
+                (folder / RESUME_ADAPTER).parent.mkdir()
+                chunks = safetensors_chunks(adapter, {"format": "pt"})
+                hashed[RESUME_ADAPTER] = write_hashed(folder / RESUME_ADAPTER, chunks, mode=0o644)
+            return hashed
 
         return self.sink.publish(step, write)
 

@@ -38,7 +38,7 @@ from gyre_trainer import dist
 from gyre_trainer.checkpoint import CheckpointManager, ResumePlan, plan_resume
 from gyre_trainer.intake import BatchIntake, IntakeItem
 from gyre_trainer.metrics import TrainerMetrics, serve
-from gyre_trainer.publish import WEIGHTS_FILE, WeightPublisher, WeightsNotifier
+from gyre_trainer.publish import RESUME_ADAPTER, WEIGHTS_FILE, WeightPublisher, WeightsNotifier
 from gyre_trainer.server import TrainerServer, TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -290,14 +290,20 @@ class Trainer(TrainerProcess):
     def _load_published_weights(self, plan: ResumePlan) -> None:
         from safetensors.torch import load_file
 
-        if self.cfg.lora is not None:
-            raise RuntimeError(
-                f"LoRA run: published weights step {plan.weights_step} cannot restore the optimizer's adapters; "
-                f"resume needs a checkpoint of that step (ckpt.interval = 1), or ckpt.resume_step = "
-                f"{plan.checkpoint_step}"
-            )
-        path = self.store.path(plan.weights_step) / WEIGHTS_FILE
-        dist.load_full_state_dict(self.model, load_file(path))
+        folder = self.store.path(plan.weights_step)
+        if self.cfg.lora is None:
+            dist.load_full_state_dict(self.model, load_file(folder / WEIGHTS_FILE))
+        else:  # the adapter alone (published as such, or kept next to the merged weights) onto the base
+            from gyre_trainer.lora import ADAPTER_FILE, adapter_from_file
+
+            file = next((folder / n for n in (ADAPTER_FILE, RESUME_ADAPTER) if (folder / n).is_file()), None)
+            if file is None:  # published by a Gyre that kept no adapter with merged weights
+                raise RuntimeError(
+                    f"LoRA run: published weights step {plan.weights_step} hold no adapter ({folder}); resume "
+                    f"needs a checkpoint of that step, or ckpt.resume_step = {plan.checkpoint_step or 0}"
+                )
+            tensors = adapter_from_file(self.model, load_file(file))
+            dist.load_full_state_dict(self.model, tensors, trainable_only=True)
         # the schedule is a function of the number of updates: catch up the steps the checkpoint lacks
         for _ in range(plan.weights_step - (plan.checkpoint_step or 0)):
             self.scheduler.step()
@@ -389,11 +395,13 @@ class Trainer(TrainerProcess):
         if lora is not None and lora.publish == "adapter":
             published = self.publisher.publish_adapter(step, state_dict, lora, record)
         else:
-            if lora is not None:  # merged: every backend serves it like a full model
-                from gyre_trainer.lora import merged_state_dict
+            adapter = None
+            if lora is not None:  # merged: every backend serves it like a full model; the adapter is kept too
+                from gyre_trainer.lora import adapter_state_dict, merged_state_dict
 
+                adapter = adapter_state_dict(state_dict)
                 state_dict = merged_state_dict(state_dict, lora)
-            published = self.publisher.publish(step, state_dict, self.hf_config, record)
+            published = self.publisher.publish(step, state_dict, self.hf_config, record, adapter=adapter)
         self.metrics.publish_duration.observe(time.perf_counter() - start)
         crash_point("after_publish", step, self.ctx)
         self.notifier.notify(published)

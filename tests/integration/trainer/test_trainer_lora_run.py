@@ -45,6 +45,51 @@ def test_lora_checkpoints_adapters_publishes_merged_and_resumes_exactly(tiny_mod
         assert torch.equal(published[name], straight_weights[name]), name
 
 
+@pytest.mark.parametrize("publish", ["merged", "adapter"])
+def test_a_lora_run_without_checkpoints_resumes_from_its_published_adapter(
+    tiny_model, redis_url, unique_run_id, tmp_path, publish
+):
+    """No checkpoint (ckpt.interval unset, the default): a restarted LoRA run restores its adapter from the
+    newest published version (merged weights keep the adapter beside them, under a subfolder loaders do not
+    read; an adapter version is the adapter), trains on from there and trains no step twice."""
+    from gyre.config import load_config
+    from gyre.config.trainer import TrainerConfig
+    from gyre_trainer import dist
+    from gyre_trainer.lora import adapter_state_dict, merged_state_dict
+    from gyre_trainer.publish import RESUME_ADAPTER
+    from gyre_trainer.service import Trainer
+    from safetensors.torch import load_file
+
+    out = tmp_path / publish
+    push_batches(BatchStream(redis_url, unique_run_id), range(1, 4))
+    opts = {**{k: v for k, v in LORA.items() if k != "ckpt.interval"}, "lora.publish": publish}
+    argv = trainer_args(tiny_model, out, redis_url, unique_run_id, 2, **opts)
+    assert run_in_process(argv) == 0
+    assert trained_steps(out) == [1, 2] and not (out / "checkpoints/trainer/step_2").exists()
+    version = out / "weights/step_2"
+    kept = load_file(version / (RESUME_ADAPTER if publish == "merged" else "adapter_model.safetensors"))
+    if publish == "merged":  # what inference loads: the folder's own *.safetensors, the merged model alone
+        assert sorted(p.name for p in version.glob("*.safetensors")) == ["model.safetensors"]
+
+    restarted = Trainer(load_config(TrainerConfig, argv), dist.init_distributed("cpu"))
+    restarted._start_servers()  # what `run` does up to the training loop
+    try:
+        restarted._build()
+        plan = restarted._resume()
+        state = dist.full_state_dict(restarted.model, restarted.ctx)
+    finally:
+        restarted._close()
+    assert (plan.trained_step, plan.weights_step, plan.checkpoint_step) == (2, 2, None)
+    restored = adapter_state_dict(state)
+    assert restored.keys() == kept.keys() and all(torch.equal(restored[k], kept[k]) for k in kept)
+    if publish == "merged":
+        merged, published = merged_state_dict(state, restarted.cfg.lora), load_weights(version)
+        assert all(torch.equal(merged[k], published[k]) for k in published)
+
+    assert run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, 3, **opts)) == 0
+    assert trained_steps(out) == [1, 2, 3]
+
+
 def lora_lrs(optimizer, model) -> dict[str, set[float]]:
     """{"A": lrs lora_A parameters train with, "B": the same for lora_B} of a built optimizer."""
     names = {id(p): n for n, p in model.named_parameters()}
