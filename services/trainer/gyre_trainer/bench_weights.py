@@ -86,13 +86,13 @@ class Replica:
         self._log.close()
 
 
-def update_all(stubs, version: WeightsVersion) -> list[float]:
-    """UpdateWeights on every replica at once (as the relay does); returns each replica's load_seconds."""
+def update_all(stubs, version: WeightsVersion, pool: ThreadPoolExecutor) -> list[float]:
+    """UpdateWeights on every replica at once (as the relay does, from threads that already run, as its
+    event loop does); returns each replica's load_seconds."""
     from gyre.v1 import inference_pb2
 
     request = inference_pb2.UpdateWeightsRequest(version=version.to_proto())
-    with ThreadPoolExecutor(len(stubs)) as pool:
-        replies = list(pool.map(lambda stub: stub.UpdateWeights(request, timeout=600), stubs))
+    replies = list(pool.map(lambda stub: stub.UpdateWeights(request, timeout=600), stubs))
     assert all(r.step == version.step for r in replies), replies
     return [r.load_seconds for r in replies]
 
@@ -142,6 +142,7 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
     ]
     channels = [grpc.insecure_channel(r.control) for r in replicas]
     stubs = [inference_pb2_grpc.InferenceControlStub(c) for c in channels]
+    callers = ThreadPoolExecutor(len(stubs))
     rows = []
     try:
         for step in range(1, cfg.rounds + 1):
@@ -155,7 +156,7 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
             start = time.perf_counter()
             version = publisher.publish(step, state, model.config, {"step": step})
             published = time.perf_counter()
-            loads = update_all(stubs, version)
+            loads = update_all(stubs, version, callers)
             served = time.perf_counter()
             nbytes = sum(f.stat().st_size for f in version.path.rglob("*") if f.is_file())
             write_s, read_s = disk_write_read(sink.store.root, nbytes)
@@ -170,6 +171,7 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
                 flush=True,
             )
     finally:
+        callers.shutdown()
         for c in channels:
             c.close()
         for r in replicas:
