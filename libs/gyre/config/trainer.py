@@ -309,8 +309,6 @@ class TrainerConfig(ServiceConfig):
             return self
         if self.lora is None:
             raise ValueError("runs: multi-run trains one LoRA adapter per run; set trainer.lora")
-        if self.loss.ref_kl_coef > 0:
-            raise ValueError("runs: loss.ref_kl_coef is not supported with multi-run (set it to 0)")
         for key in ("name", "output_dir"):
             seen = [str(getattr(r, key)) for r in self.runs]
             duplicated = sorted({v for v in seen if seen.count(v) > 1})

@@ -14,6 +14,7 @@ under FSDP2), with plain tensor math, so it never changes the live model:
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -22,8 +23,8 @@ from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_tensors, merge, spli
 from gyre.lora import adapter_config as _adapter_config
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_FILE", "activate_adapter", "add_adapter", "adapter_config", "adapter_from_file",
-    "adapter_state_dict", "apply_lora", "merged_state_dict", "named_adapter_state",
+    "ADAPTER_CONFIG", "ADAPTER_FILE", "AdaptersOff", "activate_adapter", "add_adapter", "adapter_config",
+    "adapter_from_file", "adapter_state_dict", "apply_lora", "merged_state_dict", "named_adapter_state",
 ]  # fmt: skip
 
 
@@ -113,3 +114,23 @@ def adapter_from_file(model: torch.nn.Module, tensors: dict[str, torch.Tensor], 
         raise ValueError(f"the adapter file does not fit the model's adapter: missing {missing[:3]}, "
                          f"unknown {unknown[:3]}")  # fmt: skip
     return {name: tensors[file_name] for file_name, name in by_file_name.items()}
+
+
+class AdaptersOff:
+    """A LoRA model's frozen base as the reference model of the KL term: the same modules with every
+    adapter switched off while it runs (`reference_model`), not a second copy of the weights (as verl
+    does for LoRA). Equal to the base model, since adapters only ever add to the frozen base weights."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+
+@contextlib.contextmanager
+def reference_model(ref: Any):
+    """The module to run as the reference: `ref` itself, or for `AdaptersOff` its model with adapters off
+    (peft's `disable_adapter`; leaving it makes the active adapter trainable again, as before)."""
+    if not isinstance(ref, AdaptersOff):
+        yield ref
+        return
+    with ref.model.disable_adapter():
+        yield ref.model

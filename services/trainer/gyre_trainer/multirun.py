@@ -24,7 +24,8 @@ joins at the next turn, a removed one stops its run after its current step (rele
 every trained step is committed, so the file put back resumes the run where it stopped), and a
 finished run's file is left alone until it changes (a larger `max_steps` resumes it).
 
-One process only (the adapters are small; FSDP multi-run is not wired) and `loss.ref_kl_coef = 0`.
+One process only (the adapters are small; FSDP multi-run is not wired). The KL term's reference
+(`loss.ref_kl_coef`) is the shared base: the model with every adapter off (`lora.AdaptersOff`).
 Randomness is shared: a run's checkpoint restores the global RNG, so runs are bit-exact on resume
 only with `lora.dropout = 0` (the default), where training draws no random numbers.
 """
@@ -296,7 +297,7 @@ class MultiRunTrainer(TrainerProcess):
         return True
 
     def _step(self, run: Run, item: IntakeItem) -> None:
-        from gyre_trainer.lora import activate_adapter
+        from gyre_trainer.lora import AdaptersOff, activate_adapter
         from gyre_trainer.perf import MFUMeter, effective_seq_len, flops_per_token
         from gyre_trainer.step import train_step
 
@@ -306,6 +307,7 @@ class MultiRunTrainer(TrainerProcess):
         result = train_step(
             self.model, run.optimizer, run.scheduler, item.batch, loss_cfg=cfg.loss,
             micro_batch_size=cfg.data.micro_batch_size, max_grad_norm=run.optim.max_grad_norm,
+            ref_model=AdaptersOff(self.model) if cfg.loss.ref_kl_coef > 0 else None,  # every run's base: the same
         )  # fmt: skip
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)

@@ -240,7 +240,11 @@ class Trainer(TrainerProcess):
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.lora.lr_ratio_b if cfg.lora else 1.0)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.max_steps)
         self.ref_model = None
-        if cfg.loss.ref_kl_coef > 0:  # frozen copy of the base model for the k3 KL term
+        if cfg.loss.ref_kl_coef > 0 and cfg.lora is not None:  # the base is in the model: adapters off
+            from gyre_trainer.lora import AdaptersOff
+
+            self.ref_model = AdaptersOff(self.model)
+        elif cfg.loss.ref_kl_coef > 0:  # frozen copy of the base model for the KL term
             ref = load_model(cfg.model, ctx.device, self.dtype).eval().requires_grad_(False)
             self.ref_model = dist.shard_model(ref, ctx)
 

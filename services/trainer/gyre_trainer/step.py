@@ -28,6 +28,7 @@ from gyre.batch import TrainBatch
 from gyre.config.trainer import LossConfig
 from torch import Tensor
 
+from gyre_trainer.lora import reference_model
 from gyre_trainer.loss import aggregate, get_loss, mismatch_kl, policy_loss
 from gyre_trainer.model import packed_logprobs
 
@@ -183,9 +184,9 @@ def compute_gradients(
         logprobs, entropy = logprobs.reshape(-1), entropy.reshape(-1)
         ref_logprobs = None
         if ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), reference_model(ref_model) as reference:
                 ref_logprobs = packed_logprobs(
-                    ref_model, packed.input_ids, packed.position_ids, packed.row_lengths, temperature
+                    reference, packed.input_ids, packed.position_ids, packed.row_lengths, temperature
                 )[0].reshape(-1)
         out = policy_loss(
             objective,
@@ -269,7 +270,8 @@ def train_step(
     """One RL step on `batch.for_rank(rank)`: gradients of the globally normalised loss, clip, update.
 
     `temperature` defaults to the batch's (the one inference sampled and scored at). `ref_model`
-    (frozen, same tokenizer) enables the k3 KL term (`loss_cfg.ref_kl_coef`) and the `ref_kl` metric.
+    (frozen, same tokenizer; `lora.AdaptersOff(model)` for a LoRA model's own base) enables the KL term
+    (`loss_cfg.ref_kl_coef`) and the `ref_kl` metric.
 
     Metrics: `loss` (the full batch loss), `entropy` (mean over loss tokens), `mismatch_kl` (mean
     r − log r − 1 over the loss tokens of each rank's first forward), the objective's stats

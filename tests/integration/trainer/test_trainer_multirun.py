@@ -148,6 +148,23 @@ def test_a_run_added_to_runs_dir_joins_the_running_trainer(tiny_model, redis_url
             kill_group(proc)
 
 
+def test_every_runs_kl_reference_is_the_shared_base_with_adapters_off(tiny_model, redis_url, unique_run_id, tmp_path):
+    """`loss.ref_kl_coef` in multi-run: each run's reference is the base (every adapter off, no copy of the
+    weights): a run's first step, whose fresh adapter adds exactly zero, has ref_kl 0 even after the other
+    run trained; its second step, after its own update, has ref_kl > 0."""
+    from gyre.events import TRAINER_STEPS, read_events
+
+    runs = [{"name": f"{unique_run_id}-{k}", "output_dir": str(tmp_path / k), "max_steps": 2} for k in "ab"]
+    for run in runs:
+        push_batches(BatchStream(redis_url, run["name"]), (1, 2), seed=len(run["name"]))
+    cfg = multirun_config(tiny_model, redis_url, runs, loss={"ref_kl_coef": 0.1})
+    assert run_trainer(cfg) == 0
+    for key in "ab":
+        records = read_events(tmp_path / key / "events" / TRAINER_STEPS)
+        assert [r["step"] for r in records] == [1, 2]
+        assert records[0]["ref_kl"] == 0.0 and records[1]["ref_kl"] > 1e-8, records
+
+
 def test_multirun_config_errors_name_the_key(tiny_model, redis_url, tmp_path):
     run = {"name": "x", "output_dir": str(tmp_path / "x")}
     with pytest.raises(ConfigError, match="lora"):

@@ -312,3 +312,37 @@ def test_two_gloo_ranks_match_one_process(tiny_model_dir, tiny_model64, samples,
     assert_same_gradient(got["grad"], flat_grad(tiny_model64))
     for key in ("loss", "entropy", "clip_frac", "num_tokens", "num_loss_tokens"):
         assert got["metrics"][key] == pytest.approx(single[key], rel=1e-9), key
+
+
+def test_a_lora_models_reference_is_its_base_with_the_adapters_off(tiny_model_dir, samples):
+    """`lora.AdaptersOff(model)` as the KL reference gives the gradient a separate frozen copy of the base
+    gives (no second copy of the weights), and leaves the adapters on and trainable afterwards."""
+    from gyre.config.trainer import LoraConfig, ModelConfig
+    from gyre_trainer.lora import AdaptersOff, apply_lora
+    from gyre_trainer.model import load_model
+
+    def fp64():
+        return load_model(ModelConfig(name=str(tiny_model_dir)), "cpu", torch.float64)
+
+    base = fp64().requires_grad_(False)
+    model = apply_lora(fp64(), LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():  # a trained adapter: B != 0 moves the policy away from the base
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    cfg = LossConfig(type="aipo", ref_kl_coef=0.5)
+
+    def grad_and_kl(ref):
+        model.zero_grad(set_to_none=True)
+        metrics = compute_gradients(model, batch, loss_cfg=cfg, micro_batch_size=4, ref_model=ref)
+        return torch.cat([p.grad.flatten() for p in trainable]).clone(), metrics["ref_kl"]
+
+    with_copy, kl_copy = grad_and_kl(base)
+    adapters_off, kl_off = grad_and_kl(AdaptersOff(model))
+    assert kl_copy > 1e-4 and kl_off == pytest.approx(kl_copy, rel=1e-9)
+    assert_same_gradient(adapters_off, with_copy)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        n for n, _ in model.named_parameters() if ".lora_" in n
+    ]
