@@ -101,15 +101,21 @@ def wait_gone(seen: dict, timeout: float = 20) -> list[str]:
     return left
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_sigkill_whole_tree_at_a_random_step_then_rerun(tmp_path, seed):
+@pytest.mark.parametrize(
+    ("seed", "extra"),
+    # LoRA, whose published versions must give the adapter back (merged weights keep it beside them):
+    # the run sets no ckpt.interval, so the re-run resumes from the newest version alone
+    [(1, ()), (2, ()), (3, ("--trainer.lora.rank", "4", "--trainer.optim.lr", "1e-2"))],
+    ids=["full-1", "full-2", "lora-3"],
+)
+def test_sigkill_whole_tree_at_a_random_step_then_rerun(tmp_path, seed, extra):
     rng = random.Random(seed)
     # Steps of the CI config take well under a second on a quiet machine: leave room after the kill
     # step so that "a random moment after it" still lands before the run's end.
     n = 8
     kill_at = rng.randint(1, 3)  # the trainer has logged this step; a random moment after that
     out = tmp_path / "run"
-    first = Watched(out, "--max-steps", str(n))
+    first = Watched(out, "--max-steps", str(n), *extra)
     deadline = time.monotonic() + 400
     while not any(s >= kill_at for s in trained_steps(out)):
         assert first.proc.poll() is None, first.proc.communicate()[1][-3000:]
@@ -126,7 +132,7 @@ def test_sigkill_whole_tree_at_a_random_step_then_rerun(tmp_path, seed):
     assert wait_gone(first.seen) == []
     assert trained_steps(out) and max(trained_steps(out)) < n, "killed too late to test a resume"
 
-    second = Watched(out, "--max-steps", str(n))  # the same command again
+    second = Watched(out, "--max-steps", str(n), *extra)  # the same command again
     code, err = second.wait(timeout=400)
     assert code == 0, err[-4000:]
     trained = trained_steps(out)
