@@ -104,15 +104,22 @@ def adapter_config(cfg: Any, base_model: str) -> dict[str, Any]:
 
 def adapter_from_file(model: torch.nn.Module, tensors: dict[str, torch.Tensor], adapter_name: str = "default"):
     """The inverse of `adapter_state_dict`: an adapter file's tensors under `model`'s own names for adapter
-    `adapter_name` (also an FSDP2-sharded model: the names are the same). ValueError names a tensor the
-    model's adapter has and the file lacks, or the other way round."""
+    `adapter_name` (also an FSDP2-sharded model: the names and shapes are the global ones). ValueError
+    when the file's adapter is not the model's: other modules (`lora.target_modules`) or another rank
+    (`lora.rank`), e.g. a run re-launched with another adapter shape than it was trained with."""
+    state = model.state_dict()
     own = re.compile(rf"\.lora_[AB]\.{re.escape(adapter_name)}\.weight$")
-    names = [name for name in model.state_dict() if own.search(name)]
-    by_file_name = adapter_tensors({name: name for name in names})
+    by_file_name = adapter_tensors({name: name for name in state if own.search(name)})
     if by_file_name.keys() != tensors.keys():
         missing, unknown = sorted(by_file_name.keys() - tensors.keys()), sorted(tensors.keys() - by_file_name.keys())
-        raise ValueError(f"the adapter file does not fit the model's adapter: missing {missing[:3]}, "
-                         f"unknown {unknown[:3]}")  # fmt: skip
+        raise ValueError(f"the saved adapter has other modules than trainer.lora.target_modules gives: missing "
+                         f"{missing[:3]}, unknown {unknown[:3]} (a run keeps its adapter's shape)")  # fmt: skip
+    for file_name, name in by_file_name.items():
+        saved, wanted = tuple(tensors[file_name].shape), tuple(state[name].shape)
+        if saved != wanted:
+            rank = saved[0] if ".lora_A." in file_name else saved[-1]
+            raise ValueError(f"the saved adapter has rank {rank} ({file_name}: {list(saved)}, the model's "
+                             f"{list(wanted)}): set trainer.lora.rank = {rank}, the run's rank")  # fmt: skip
     return {name: tensors[file_name] for file_name, name in by_file_name.items()}
 
 

@@ -306,7 +306,10 @@ class Trainer(TrainerProcess):
                     f"LoRA run: published weights step {plan.weights_step} hold no adapter ({folder}); resume "
                     f"needs a checkpoint of that step, or ckpt.resume_step = {plan.checkpoint_step or 0}"
                 )
-            tensors = adapter_from_file(self.model, load_file(file))
+            try:
+                tensors = adapter_from_file(self.model, load_file(file))
+            except ValueError as error:  # e.g. re-launched with another lora.rank: say so before anything trains
+                raise ValueError(f"LoRA run: published weights step {plan.weights_step}: {error}") from None
             dist.load_full_state_dict(self.model, tensors, trainable_only=True)
         # the schedule is a function of the number of updates: catch up the steps the checkpoint lacks
         for _ in range(plan.weights_step - (plan.checkpoint_step or 0)):

@@ -90,6 +90,25 @@ def test_a_lora_run_without_checkpoints_resumes_from_its_published_adapter(
     assert trained_steps(out) == [1, 2, 3]
 
 
+def test_a_lora_run_relaunched_with_another_adapter_shape_is_told_which_key(
+    tiny_model, redis_url, unique_run_id, tmp_path
+):
+    """The same output folder with another `lora.rank` or `lora.target_modules` than it was trained with:
+    the restart stops before training with the key and the run's own value, and nothing is trained."""
+    out = tmp_path / "run"
+    push_batches(BatchStream(redis_url, unique_run_id), range(1, 4))
+    opts = {k: v for k, v in LORA.items() if k != "ckpt.interval"}
+    assert run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, 1, **opts)) == 0
+    relaunches = {
+        "set trainer.lora.rank = 4": {**opts, "lora.rank": 8},
+        "other modules than trainer.lora.target_modules": {**opts, "lora.target-modules": '["q_proj"]'},
+    }
+    for message, changed in relaunches.items():
+        with pytest.raises(ValueError, match=message):
+            run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, 3, **changed))
+    assert trained_steps(out) == [1]
+
+
 def lora_lrs(optimizer, model) -> dict[str, set[float]]:
     """{"A": lrs lora_A parameters train with, "B": the same for lora_B} of a built optimizer."""
     names = {id(p): n for n, p in model.named_parameters()}
