@@ -40,7 +40,6 @@ import math
 import os
 import random
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -51,6 +50,7 @@ from typing import Literal
 from pydantic import Field
 
 from gyre.config.loader import Section, parse_or_exit
+from gyre.safetensors_io import read_header
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -275,10 +275,7 @@ def parameter_count(model_dir: Path | str) -> int:
     """Number of parameters stored in `model_dir`'s safetensors files, read from their headers (no torch)."""
     total = 0
     for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with path.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+        total += sum(math.prod(entry["shape"]) for entry in read_header(path).values())
     return total
 
 

@@ -66,6 +66,38 @@ class SafetensorsError(ValueError):
     """A file that is not a well-formed safetensors file."""
 
 
+def _parse_header(path: Path, size: int, read) -> tuple[int, dict[str, Any]]:
+    """(where the data starts, {tensor name: entry}) of a safetensors file of `size` bytes; `read(a, b)`
+    returns its bytes a..b. SafetensorsError names what is malformed."""
+    if size < 8:
+        raise SafetensorsError(f"{path}: {size} bytes, shorter than a safetensors header")
+    header_len = int.from_bytes(read(0, 8), "little")
+    data_start = 8 + header_len
+    if data_start > size:
+        raise SafetensorsError(f"{path}: header of {header_len} bytes in a file of {size}")
+    try:
+        header = json.loads(read(8, data_start))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise SafetensorsError(f"{path}: header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    return data_start, header
+
+
+def read_header(path: Path | str) -> dict[str, Any]:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors file, from its header alone
+    (no torch, nothing else read). SafetensorsError names what is malformed; OSError as `open`."""
+    path = Path(path)
+    with path.open("rb") as f:
+
+        def read(begin: int, end: int) -> bytes:
+            f.seek(begin)
+            return f.read(end - begin)
+
+        return _parse_header(path, os.fstat(f.fileno()).st_size, read)[1]
+
+
 def map_safetensors(path: Path | str) -> dict[str, Any]:
     """The tensors of a safetensors file as CPU tensors over one private mapping of it, pages faulted in at
     once (`MADV_POPULATE_READ`): no copy of the bytes, where `safetensors.torch.load_file` copies every tensor
@@ -78,8 +110,8 @@ def map_safetensors(path: Path | str) -> dict[str, Any]:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        if size < 8:
-            raise SafetensorsError(f"{path}: {size} bytes, shorter than a safetensors header")
+        if size < 8:  # an empty file cannot be mapped: the header check says why it is refused
+            _parse_header(path, size, None)
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -87,21 +119,10 @@ def map_safetensors(path: Path | str) -> dict[str, Any]:
     # before Linux 5.14, or elsewhere, pages fault in as they are read
     with contextlib.suppress(OSError, ValueError):
         mapped.madvise(_MADV_POPULATE_READ)
-    header_len = int.from_bytes(mapped[:8], "little")
-    data_start = 8 + header_len
-    if data_start > size:
-        raise SafetensorsError(f"{path}: header of {header_len} bytes in a file of {size}")
-    try:
-        header = json.loads(mapped[8:data_start])
-    except (UnicodeDecodeError, ValueError) as error:
-        raise SafetensorsError(f"{path}: header is not JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: header is not a JSON object")
+    data_start, header = _parse_header(path, size, lambda begin, end: mapped[begin:end])
     dtypes = {name: getattr(torch, dtype) for dtype, name in _DTYPES.items()}
     tensors = {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         try:
             dtype = dtypes[info["dtype"]]
             shape = [int(n) for n in info["shape"]]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from gyre.safetensors_io import SafetensorsError, map_safetensors, safetensors_chunks
+from gyre.safetensors_io import SafetensorsError, map_safetensors, read_header, safetensors_chunks
 from safetensors.torch import load, load_file, save, save_file
 
 
@@ -36,6 +36,10 @@ def test_a_mapped_file_reads_as_the_library_reads_it_and_stays_private(tmp_path)
     before = path.read_bytes()
     expected = load_file(path)
     mapped = map_safetensors(path)
+    header = read_header(path)  # the header alone: every tensor's dtype and shape, no metadata
+    assert {name: tuple(entry["shape"]) for name, entry in header.items()} == {
+        name: tuple(t.shape) for name, t in expected.items()
+    }
     assert mapped.keys() == expected.keys()
     for name, tensor in expected.items():
         assert mapped[name].dtype == tensor.dtype and mapped[name].shape == tensor.shape
@@ -85,3 +89,6 @@ def test_a_malformed_file_is_refused_with_the_reason(tmp_path, case, reason):
         _header_file(path, {"t": {**four_floats, "shape": [5]}}, bytes(16))  # 16 bytes for 5 floats
     with pytest.raises(SafetensorsError, match=reason):
         map_safetensors(path)
+    if case in ("short", "long-header", "not-json", "list"):  # what the header alone can tell
+        with pytest.raises(SafetensorsError, match=reason):
+            read_header(path)

@@ -29,6 +29,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
+    def body(self) -> dict:
+        """The OpenAI error body of this error (a response's, or a stream's error event)."""
+        return error_body(self.status, self.message, self.param, self.code, self.type)
+
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None, type=None) -> dict:
     kind = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
@@ -36,8 +40,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = error_body(error.status, error.message, error.param, error.code, error.type)
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 _SCALARS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean", "none": "null"}

@@ -358,8 +358,7 @@ class Serving:
                     return
                 if isinstance(item, AdapterGoneError):
                     outcome = "client_error"
-                    gone = unknown_model(job.request.model, self.model_id)
-                    yield _sse(error_body(gone.status, gone.message, param=gone.param, code=gone.code, type=gone.type))
+                    yield _sse(unknown_model(job.request.model, self.model_id).body())
                     return
                 if isinstance(item, Exception):
                     outcome = "server_error"

@@ -39,7 +39,6 @@ import itertools
 import json
 import logging
 import os
-import struct
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config.inference import vllm_lora_rank
+from gyre.safetensors_io import read_header
 
 from gyre_inference.backend import AdapterGoneError, Backend, SamplingParams, TokenEvent, WeightsIncompatibleError
 
@@ -63,13 +63,9 @@ def safetensors_layout(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise WeightsIncompatibleError(f"{folder} holds no *.safetensors files")
     for file in files:
         try:
-            with file.open("rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            for name, entry in header.items():
-                if name != "__metadata__":
-                    layout[name] = (entry["dtype"], tuple(entry["shape"]))
-        except (OSError, ValueError, KeyError, struct.error) as error:
+            for name, entry in read_header(file).items():
+                layout[name] = (entry["dtype"], tuple(entry["shape"]))
+        except (OSError, ValueError, KeyError, TypeError) as error:  # SafetensorsError is a ValueError
             raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
     return layout
 
