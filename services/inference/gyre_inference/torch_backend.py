@@ -401,6 +401,8 @@ class TorchBackend(Backend):
                     if self._stopping:
                         break
                     swap, self._swap = self._swap, None
+                    if swap is not None and not swap.done.set_running_or_notify_cancel():
+                        swap = None  # its caller gave up (a cancelled UpdateWeights): not applied, nobody to tell
                     admitted = []
                     while self._waiting and len(self._rows) + len(admitted) < self.max_batch_size:
                         seq = self._waiting.popleft()
@@ -430,7 +432,7 @@ class TorchBackend(Backend):
         with self._cond:
             stranded = self._rows + list(self._waiting)
             self._waiting.clear()
-            if self._swap is not None:
+            if self._swap is not None and self._swap.done.set_running_or_notify_cancel():
                 self._swap.done.set_exception(BackendStoppedError("engine stopped"))
         self._deliver([(seq, BackendStoppedError("the inference engine stopped")) for seq in stranded])
         self._reset_batch()

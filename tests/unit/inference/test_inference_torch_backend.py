@@ -164,6 +164,27 @@ async def test_weight_swap_between_steps_keeps_sequences_running(backend, refere
     assert torch.allclose(torch.tensor(logprobs), _reference_logprobs(reference, PROMPTS[3], tokens, 0.8), atol=1e-4)
 
 
+async def test_a_swap_its_caller_gave_up_on_is_dropped_and_the_batch_keeps_running(backend, tiny_model, tmp_path):
+    """An UpdateWeights cancelled (say, its deadline passed) after handing its swap to the engine thread:
+    the engine skips it. Before, applying it raised InvalidStateError in the engine thread, which failed
+    every sequence of the batch."""
+    from gyre_inference.torch_backend import _Swap
+
+    _save_perturbed(tiny_model, tmp_path / "v1")
+    stream = backend.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0))
+    events = [await stream.__anext__() for _ in range(3)]
+    swap = _Swap(backend._read_weights(tmp_path / "v1"), 1)
+    swap.done.cancel()  # what asyncio.wrap_future does to it when the awaiting call is cancelled
+    with backend._cond:
+        backend._swap = swap
+        backend._cond.notify()
+    events += [e async for e in stream]
+    assert len(events) == 40 and events[-1].finish_reason == "length"
+    assert {e.version for e in events} == {0} and backend.version == 0
+    await backend.update_weights(tmp_path / "v1", 1)  # the next swap goes through
+    assert backend.version == 1
+
+
 async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving(backend, tiny_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -324,3 +345,4 @@ async def test_cuda_graph_decode_matches_transformers_greedy(tiny_model):
             assert tokens == greedy[0, len(prompt) :].tolist()
     finally:
         await engine.shutdown()
+
