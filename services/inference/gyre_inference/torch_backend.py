@@ -304,7 +304,9 @@ class TorchBackend(Backend):
 
     def _read_adapter(self, path: Path) -> dict[str, torch.Tensor]:
         """A LoRA adapter folder (PEFT files) as the tensors to swap in: `W_base + alpha/r · B @ A` for the
-        adapted weights, from the base weights kept in memory (the base is read from disk once)."""
+        adapted weights, from the base weights kept in host memory (read from disk once), merged on the
+        serving device: a float32 merge of a 0.6B model's adapted weights costs seconds on a CPU, and on an
+        H100 an adapter swap of that shape took 3x a full 1.19 GB one when the merge ran on the host."""
         from gyre.lora import merge
 
         from gyre_inference.adapters import read_adapter_folder
@@ -315,16 +317,17 @@ class TorchBackend(Backend):
             weight = base.get(f"{module}.weight")
             if weight is None or ab["B"].shape[0] != weight.shape[0] or ab["A"].shape[1] != weight.shape[1]:
                 raise WeightsIncompatibleError(f"{path}: the adapter for {module} does not fit the model")
-        try:
-            merged = merge({f"{m}.weight": base[f"{m}.weight"] for m in adapters}, adapters, scale)
-        except KeyError as error:
-            raise WeightsIncompatibleError(f"{path}: {error}") from None
+        on_device = {m: {k: t.to(self.device, non_blocking=True) for k, t in ab.items()} for m, ab in adapters.items()}
+        targets = {f"{m}.weight": base[f"{m}.weight"].to(self.device, non_blocking=True) for m in adapters}
+        merged = merge(targets, on_device, scale)  # every module was checked above
         tensors = merged if self._others_are_base else {**base, **merged}
         return {name: tensor.to(self.device, self.dtype) for name, tensor in tensors.items()}
 
     def _base_weights(self) -> dict[str, torch.Tensor]:
         if self._base is None:
-            self._base = {k: v.to("cpu", copy=True) for k, v in self._read_weights(Path(self.model_path)).items()}
+            base = {k: v.to("cpu", copy=True) for k, v in self._read_weights(Path(self.model_path)).items()}
+            # pinned on a GPU host: each adapter swap copies the adapted base weights to the device
+            self._base = {k: v.pin_memory() for k, v in base.items()} if self.device.type == "cuda" else base
         return self._base
 
     def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:

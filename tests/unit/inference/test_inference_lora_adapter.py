@@ -100,3 +100,24 @@ async def test_an_adapter_that_does_not_fit_is_refused(backend, tiny_model, tmp_
     with pytest.raises(WeightsIncompatibleError, match="r must be a positive number"):
         await backend.update_weights(tmp_path / "bad", 1)
     assert backend.version == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.asyncio
+async def test_an_adapter_is_merged_on_the_gpu_into_peft_s_merged_weights(tiny_model, tmp_path):
+    """On a GPU the merge runs on the device from a pinned host copy of the base; the served weights equal
+    peft's merge_and_unload (float32), and a second version replaces the first rather than adding to it."""
+    engine = TorchBackend(tiny_model, device="cuda", dtype="float32", max_batch_size=4)
+    await engine.start()
+    try:
+        for version, seed in ((1, 1), (2, 2)):
+            model = write_adapter(tiny_model, tmp_path / f"a{version}", seed=seed)
+            await engine.update_weights(tmp_path / f"a{version}", version)
+            expected = model.merge_and_unload().state_dict()
+            served = {name: tensor.detach().cpu() for name, tensor in engine._weights.items()}
+            assert all(engine._base[name].is_pinned() for name in engine._base)
+            for name, tensor in expected.items():
+                torch.testing.assert_close(served[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
+    finally:
+        await engine.shutdown()
