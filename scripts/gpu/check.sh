@@ -1,30 +1,64 @@
 #!/usr/bin/env bash
-# Gyre's GPU checks on an offline GPU box (see docs/gpu.md):
-#   1. every `gpu`-marked test,
-#   2. `gyre bench trainer` on the Qwen3-0.6B shape (packed rows of 8192, ceiling, memory, MFU,
-#      longest row), as quoted in docs/benchmarks.md.
-# usage: scripts/gpu/check.sh [OUT_DIR] [tests|bench|all]   (needs .gpu-wheels/: scripts/gpu/fetch_wheels.sh)
+# Gyre's GPU checks on an offline GPU box (see docs/gpu.md). Parts, in the order given (default: all):
+#   tests     every `gpu`-marked test                                   -> pytest_gpu.txt
+#   trainer   `gyre bench trainer`, packed rows of 8192 (MFU, memory)   -> bench_trainer.txt
+#   weights   `gyre bench weights`, the swap of 1.19 GB to 2 replicas    -> bench_weights.txt
+#   inference `gyre bench inference`, engine vs transformers, batch 64  -> bench_inference.txt
+#   adapters  scripts/bench_adapter_bank.py, decode with named adapters -> bench_adapters.txt
+#   loop      `gyre rl @ configs/gpu/one-gpu-torch.toml`, per-step split -> loop.txt
+#   lora-loop the same loop training rank-16 adapters, published alone  -> lora_loop.txt
+# All on the Qwen3-0.6B shape, as quoted in docs/benchmarks.md.
+# usage: scripts/gpu/check.sh [OUT_DIR] [PART ...]   (needs .gpu-wheels/: scripts/gpu/fetch_wheels.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-outputs/gpu}
-what=${2:-all}
+shift || true
+parts=("$@")
+{ [ ${#parts[@]} -eq 0 ] || [ "${parts[0]}" = all ]; } && parts=(tests trainer weights inference adapters)
 mkdir -p "$out"
 # shellcheck source=scripts/gpu/env.sh
 source scripts/gpu/env.sh
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-} | tee "$out/device.txt"
+  df -hT /tmp . | tail -n +2
+} | tee -a "$out/device.txt"
 model=${GYRE_GPU_MODEL:-outputs/qwen3-shape}
 [ -d "$model" ] || python3 -m gyre.cli model init --preset qwen3-0.6b --output-dir "$model"
+# `gyre rl` on one GPU: the per-step split, and every traceback its services logged (a failure leaves evidence)
+run_loop() {
+  local name=$1 report=$2
+  shift 2
+  rm -rf "outputs/$name"
+  timeout 240 python3 -m gyre.cli rl @ configs/gpu/one-gpu-torch.toml "$@" > "outputs/$name.log" 2>&1
+  { echo "rc=$?"; tail -n 5 "outputs/$name.log"; python3 scripts/gpu/step_split.py "outputs/$name"
+    grep -H -A30 Traceback "outputs/$name"/logs/*.log | head -n 200; } 2>&1 | tee "$report"
+}
 status=0
-if [ "$what" != bench ]; then
-  # The files holding gpu-marked tests (collecting the whole suite would need the CPU-side dev tools too).
-  mapfile -t files < <(grep -rl "mark.gpu" tests)
-  timeout 900 python3 -m pytest -p no:cacheprovider -m gpu -v "${files[@]}" 2>&1 | tee "$out/pytest_gpu.txt"
-  status=${PIPESTATUS[0]}
-fi
-if [ "$what" != tests ]; then
-  timeout 900 python3 -m gyre.cli bench trainer --model.name "$model" --seq-len 8192 --num-samples 64 \
-    --min-len 256 --max-len 4096 --find-max-seq-len 2>&1 | grep -v "Loading weights" | tee "$out/bench_trainer.txt"
-fi
+for part in "${parts[@]}"; do
+  echo "== $part ($(date -u +%T))"
+  case $part in
+    tests)
+      # The files holding gpu-marked tests (collecting the whole suite would need the CPU-side dev tools too).
+      mapfile -t files < <(grep -rl "mark.gpu" tests)
+      timeout 900 python3 -m pytest -p no:cacheprovider -m gpu -v "${files[@]}" 2>&1 | tee "$out/pytest_gpu.txt"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    trainer)
+      timeout 900 python3 -m gyre.cli bench trainer --model.name "$model" --seq-len 8192 --num-samples 64 \
+        --min-len 256 --max-len 4096 --find-max-seq-len 2>&1 | grep -v "Loading weights" | tee "$out/bench_trainer.txt" ;;
+    weights)
+      rm -rf outputs/weights-volume
+      timeout 600 python3 -m gyre.cli bench weights --model "$model" --device cuda --replicas 2 --rounds 5 --dir outputs/weights-volume 2>&1 \
+        | grep -v "Loading weights" | tee "$out/bench_weights.txt" ;;
+    inference)
+      timeout 600 python3 -m gyre.cli bench inference --model "$model" --clients 64 --max-tokens 128 --http false 2>&1 \
+        | grep -v "Loading weights" | tee "$out/bench_inference.txt" ;;
+    adapters)
+      timeout 600 python3 scripts/bench_adapter_bank.py outputs/adapter-bench --model "$model" --device cuda \
+        --sequences 64 --rounds 5 2>&1 | grep -v "Loading weights" | tee "$out/bench_adapters.txt" ;;
+    loop) run_loop gpu-one "$out/loop.txt" ;;
+    lora-loop) run_loop gpu-lora "$out/lora_loop.txt" --run-id gpu-lora --output-dir outputs/gpu-lora \
+      --trainer.lora.rank 16 --trainer.lora.publish adapter --trainer.optim.lr 1e-4 ;;
+    *) echo "unknown part: $part (tests, trainer, weights, inference, adapters, loop, lora-loop)" >&2; exit 2 ;;
+  esac
+done
 exit "$status"

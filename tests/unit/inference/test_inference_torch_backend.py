@@ -346,3 +346,44 @@ async def test_cuda_graph_decode_matches_transformers_greedy(tiny_model):
     finally:
         await engine.shutdown()
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_graphs_captured_while_other_threads_use_the_gpu_keep_serving(tiny_model):
+    """Graphs are captured lazily, whenever a new (rows, width) shape appears, while worker threads use
+    the GPU: a weight swap or an adapter is read onto it, into fresh memory when the allocator's cache
+    has none to reuse. Swapping in the same weights over and over, with fresh allocations beside them,
+    while 16 shapes get captured must change nothing: the same tokens as without."""
+
+    async def runs(engine):
+        out = []
+        for batch in (1, 2, 4, 8):  # rows 1..8 x widths 64..512: a capture every few steps
+            out += await _together(
+                engine, [_run(engine, p, max_tokens=400, seed=i) for i, p in enumerate((PROMPTS * 2)[:batch])]
+            )
+        return [r[0] for r in out]
+
+    async def tokens(swapping: bool):
+        engine = TorchBackend(tiny_model, device="cuda", dtype="float32", max_batch_size=8)
+        await engine.start()
+        swaps, held = 0, []
+
+        async def swap_forever():
+            nonlocal swaps
+            while True:  # memory the allocator must take from the driver (cudaMalloc), in a worker thread
+                await asyncio.to_thread(lambda: held.append(torch.ones(1 << 20, device="cuda")))
+                await engine.update_weights(tiny_model, swaps + 1)
+                swaps += 1
+
+        swapper = asyncio.create_task(swap_forever()) if swapping else None
+        try:
+            return await runs(engine), swaps
+        finally:
+            if swapper is not None:
+                swapper.cancel()
+                await asyncio.gather(swapper, return_exceptions=True)
+            await engine.shutdown()
+
+    (quiet, _), (swapped, swaps) = await tokens(False), await tokens(True)
+    assert swaps >= 20  # the swaps really overlapped the run
+    assert swapped == quiet
