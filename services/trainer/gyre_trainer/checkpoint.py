@@ -129,6 +129,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint folder {folder} holds step {progress.get('step')}, not {step}")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": trainable_only(model, model_sd), "optim": optim_sd}
+        check_saved_shapes(folder / "state", state["model"])
         with _single_process_ok():
             dcp.load(state, checkpoint_id=folder / "state", no_dist=self.single)
         partial = len(state["model"]) < len(model_sd)  # LoRA: the frozen base comes from the base model
@@ -182,6 +183,39 @@ class CheckpointManager:
         for s in doomed:
             retire_dir(self.path(s))
         return doomed
+
+
+def check_saved_shapes(state_dir: Path, model_sd: dict[str, Any]) -> None:
+    """ValueError naming the setting when checkpoint `state_dir` does not hold exactly `model_sd`'s tensors
+    in their shapes: a run re-launched with another `lora.rank`, other `lora.target_modules` or another
+    model. DCP itself would fail with a page of size mismatches, or, for adapters the relaunch no longer
+    has, load the rest and silently drop what they had learned."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    saved = {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items()
+             if key.startswith("model.") and hasattr(meta, "size")}  # fmt: skip
+    missing, unknown = sorted(model_sd.keys() - saved.keys()), sorted(saved.keys() - model_sd.keys())
+    if missing or unknown:
+        lora_saved, lora_wanted = (any(".lora_" in k for k in keys) for keys in (saved, model_sd))
+        if lora_saved != lora_wanted:
+            what = f"was trained {'with' if lora_saved else 'without'} trainer.lora"
+        elif lora_saved:
+            what = "has another adapter: other modules than trainer.lora.target_modules gives"
+        else:
+            what = "holds another model than model.name"
+        raise ValueError(f"checkpoint {state_dir.parent} {what}: missing {missing[:3]}, unknown {unknown[:3]} "
+                         f"(a run keeps its model and adapter shape)")  # fmt: skip
+    for name, value in model_sd.items():
+        wanted = tuple(value.shape)  # a DTensor's shape is the global one, as saved
+        if saved[name] == wanted:
+            continue
+        if ".lora_A." in name or ".lora_B." in name:
+            rank = saved[name][0] if ".lora_A." in name else saved[name][-1]
+            raise ValueError(f"the saved adapter has rank {rank} ({name}: {list(saved[name])}, the model's "
+                             f"{list(wanted)}): set trainer.lora.rank = {rank}, the run's rank")  # fmt: skip
+        raise ValueError(f"checkpoint {state_dir.parent} holds {name} as {list(saved[name])}, the model has "
+                         f"{list(wanted)}: the run was trained on another model.name")  # fmt: skip
 
 
 def trainable_only(model, model_sd: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from trainer_testlib import load_weights, push_batches, run_in_process, trained_
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
 
+MORE = '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]'
 LORA = {"lora.rank": 4, "lora.alpha": 8, "ckpt.interval": 2, "optim.lr": 1e-2, "optim.warmup-steps": 3}
 
 
@@ -90,23 +91,33 @@ def test_a_lora_run_without_checkpoints_resumes_from_its_published_adapter(
     assert trained_steps(out) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("newest", ["published", "checkpoint"])
 def test_a_lora_run_relaunched_with_another_adapter_shape_is_told_which_key(
-    tiny_model, redis_url, unique_run_id, tmp_path
+    tiny_model, redis_url, unique_run_id, tmp_path, newest
 ):
     """The same output folder with another `lora.rank` or `lora.target_modules` than it was trained with:
-    the restart stops before training with the key and the run's own value, and nothing is trained."""
+    the restart stops before training with the key and the run's own value, and nothing is trained;
+    whether its newest state is a published adapter or a checkpoint (where DCP failed with a page of size
+    mismatches, or dropped the adapters of modules the relaunch no longer targets)."""
     out = tmp_path / "run"
     push_batches(BatchStream(redis_url, unique_run_id), range(1, 4))
-    opts = {k: v for k, v in LORA.items() if k != "ckpt.interval"}
+    opts = (
+        {**LORA, "ckpt.interval": 1}
+        if newest == "checkpoint"
+        else {k: v for k, v in LORA.items() if k != "ckpt.interval"}
+    )
     assert run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, 1, **opts)) == 0
     relaunches = {
         "set trainer.lora.rank = 4": {**opts, "lora.rank": 8},
         "other modules than trainer.lora.target_modules": {**opts, "lora.target-modules": '["q_proj"]'},
+        # one module more: its adapter would start from scratch beside the trained ones
+        "other modules than trainer.lora.target_modules gives: missing": {**opts, "lora.target-modules": MORE},
     }
     for message, changed in relaunches.items():
         with pytest.raises(ValueError, match=message):
             run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, 3, **changed))
     assert trained_steps(out) == [1]
+    assert (out / "checkpoints/trainer/step_1").exists() == (newest == "checkpoint")
 
 
 def lora_lrs(optimizer, model) -> dict[str, set[float]]:
