@@ -159,4 +159,7 @@ def install_error_handlers(app: FastAPI, on_client_error: Callable[[Request, int
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(error).__name__}"), status_code=500)
+        # the message too, as vLLM and the stream's error event do: the client's log (an orchestrator's
+        # retries) is often the one a user reads first
+        message = f"internal error: {type(error).__name__}: {str(error)[:500]}"
+        return JSONResponse(error_body(500, message), status_code=500)

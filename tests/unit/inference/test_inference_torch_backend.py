@@ -212,6 +212,34 @@ async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving
     assert after[:2] == before[:2]
 
 
+async def test_a_failed_engine_step_is_a_500_naming_the_error_and_the_engine_serves_on(tiny_model, caplog):
+    """A decode step that raises fails its sequences only: the client gets a 500 whose message carries the
+    error itself (the type alone was all a client's log showed of a failure on a GPU run), the traceback
+    is in the server's log, and the next request is served."""
+    import openai
+    from http_app import serve_app
+
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=4)
+    decode, failures = engine._decode, [RuntimeError("boom in the decode step")]
+
+    def failing_once():
+        if failures:
+            raise failures.pop()
+        decode()
+
+    engine._decode = failing_once
+    async with (
+        serve_app(engine, tiny_model, "failing-step") as url,
+        openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client,
+    ):
+        with pytest.raises(openai.InternalServerError) as failed:
+            await client.completions.create(model="tiny", prompt=[5, 6], max_tokens=4)
+        served = await client.completions.create(model="tiny", prompt=[5, 6], max_tokens=4)
+    assert failed.value.body["message"] == "internal error: RuntimeError: boom in the decode step"
+    assert "engine step failed" in caplog.text and "boom in the decode step" in caplog.text
+    assert served.usage.completion_tokens == 4
+
+
 # ---- the static-cache decode step (CUDA graphs off on CPU; the gpu tests turn them on) -----------------
 def _tiny_family(kind: str, folder):
     """A random 2-layer model of another family (grouped-query attention; Qwen3 adds q/k norms)."""
