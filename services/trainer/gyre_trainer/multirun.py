@@ -32,6 +32,7 @@ only with `lora.dropout = 0` (the default), where training draws no random numbe
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import tomllib
@@ -49,11 +50,11 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from gyre_trainer import dist
-from gyre_trainer.checkpoint import CheckpointError, CheckpointManager, plan_resume
+from gyre_trainer.checkpoint import CheckpointError, CheckpointManager
 from gyre_trainer.intake import BatchIntake, IntakeItem
 from gyre_trainer.metrics import TrainerMetrics
 from gyre_trainer.publish import WeightPublisher
-from gyre_trainer.service import TrainerProcess, crash_point, log_if_missing, step_record, weights_notifier
+from gyre_trainer.service import TrainerProcess, crash_point, resume, step_record, weights_notifier
 
 log = logging.getLogger(__name__)
 
@@ -207,36 +208,10 @@ class MultiRunTrainer(TrainerProcess):
         return BatchStream(self._redis, name)
 
     def _resume(self, run: Run) -> int:
-        """The single-run resume (`Trainer._resume`) on the run's own folder; returns its trained step."""
-        from safetensors.torch import load_file
-
-        from gyre_trainer.lora import ADAPTER_FILE
-
+        """The single-run resume on the run's own folder and adapter; returns its trained step."""
         resume_step = run.spec.resume_step if run.spec.resume_step is not None else self.cfg.ckpt.resume_step
-        plan = plan_resume(resume_step, run.checkpoints.steps(), run.transport.latest())
-        if plan.discard_after is not None:
-            dropped = run.checkpoints.discard_after(plan.discard_after), run.publisher.discard_after(plan.discard_after)
-            log.warning("run %s: rewinding to step %d: discarded checkpoints %s and weights %s",
-                        run.name, plan.discard_after, *dropped)  # fmt: skip
-        if plan.checkpoint_step is not None:
-            run.checkpoints.load(plan.checkpoint_step, self.model, run.optimizer, run.scheduler)
-        if plan.weights_step is not None:  # newer than the checkpoint: the adapter from its published files
-            from peft import set_peft_model_state_dict
-
-            tensors = load_file(run.transport.store.path(plan.weights_step) / ADAPTER_FILE)
-            set_peft_model_state_dict(self.model, tensors, adapter_name=run.name)
-            for _ in range(plan.weights_step - (plan.checkpoint_step or 0)):
-                run.scheduler.step()
-            log.warning("run %s: adapter restored from published step %d, optimizer state from %s (not bit-exact)",
-                        run.name, plan.weights_step, plan.checkpoint_step or "scratch")  # fmt: skip
-        if plan.republish:
-            record = run.checkpoints.read_record(plan.trained_step) or {"step": plan.trained_step}
-            self._publish(run, plan.trained_step, record)
-        if plan.trained_step > 0:
-            log_if_missing(run.events, plan.trained_step, run.publisher, run.checkpoints)
-            if not plan.republish:
-                run.notifier.notify(run.transport.version(plan.trained_step))
-        run.metrics.step.set(plan.trained_step)
+        publish = functools.partial(self._publish, run)
+        plan = resume(run, self.model, self.ctx, resume_step, run.lora, publish, run.name, f"run {run.name}: ")
         return plan.trained_step
 
     def scan_runs_dir(self) -> list[Run]:

@@ -190,6 +190,65 @@ def log_if_missing(events: EventLog, step: int, *sources: Any) -> bool:
     return record is not None
 
 
+def resume(run: Any, model, ctx: dist.DistContext, resume_step: int | None, lora, publish, adapter: str = "default",
+           label: str = "") -> ResumePlan:  # fmt: skip
+    """Reconstruct `run`'s last committed step onto `model` (rank 0 plans, every rank loads): drop what a
+    rewind discards, load the checkpoint, then the newer published weights, republish (`publish(step,
+    record)`) a checkpoint newer than every version, and log and notify what a crash may have left undone.
+    `run` holds one run's pieces (checkpoints, publisher, transport, events, notifier, metrics, optimizer,
+    scheduler): the single-run `Trainer`, or a multi-run `Run` whose adapter is `adapter`."""
+    plan = None
+    if ctx.is_main:
+        plan = plan_resume(resume_step, run.checkpoints.steps(), run.transport.latest())
+        if plan.discard_after is not None:
+            dropped = run.checkpoints.discard_after(plan.discard_after), run.publisher.discard_after(plan.discard_after)
+            log.warning("%srewinding to step %d: discarded checkpoints %s and weights %s", label, plan.discard_after,
+                        *dropped)  # fmt: skip
+    plan = dist.broadcast_object(plan, ctx)
+    if plan.checkpoint_step is not None:
+        run.checkpoints.load(plan.checkpoint_step, model, run.optimizer, run.scheduler)
+    if plan.weights_step is not None:
+        load_published(model, run.transport.store.path(plan.weights_step), plan, lora, adapter)
+        for _ in range(plan.weights_step - (plan.checkpoint_step or 0)):  # the schedule counts updates
+            run.scheduler.step()
+        log.warning("%sparameters restored from published weights step %d, optimizer state from %s: resumed state "
+                    "is not bit-exact (set ckpt.interval=1 for exact resumes)", label, plan.weights_step,
+                    f"checkpoint {plan.checkpoint_step}" if plan.checkpoint_step else "scratch")  # fmt: skip
+    if plan.republish:  # the checkpoint is newer than every published version: commit it now
+        publish(plan.trained_step, run.checkpoints.read_record(plan.trained_step) or {"step": plan.trained_step})
+    if ctx.is_main and plan.trained_step > 0:
+        if log_if_missing(run.events, plan.trained_step, run.publisher, run.checkpoints):
+            log.info("%slogged step %d from its published record (the previous run died before logging it)",
+                     label, plan.trained_step)  # fmt: skip
+        if not plan.republish:  # the previous run may have died before its notification went out
+            run.notifier.notify(run.transport.version(plan.trained_step))
+    run.metrics.step.set(plan.trained_step)
+    return plan
+
+
+def load_published(model, folder: Path, plan: ResumePlan, lora, adapter: str = "default") -> None:
+    """Published weights version `folder` onto `model`: the full weights, or with `lora` the adapter alone
+    (published as such, or kept beside merged weights) onto adapter `adapter` of the base."""
+    from safetensors.torch import load_file
+
+    if lora is None:
+        dist.load_full_state_dict(model, load_file(folder / WEIGHTS_FILE))
+        return
+    from gyre_trainer.lora import ADAPTER_FILE, adapter_from_file
+
+    file = next((folder / n for n in (ADAPTER_FILE, RESUME_ADAPTER) if (folder / n).is_file()), None)
+    if file is None:  # published by a Gyre that kept no adapter with merged weights
+        raise RuntimeError(
+            f"LoRA run: published weights step {plan.weights_step} hold no adapter ({folder}); resume "
+            f"needs a checkpoint of that step, or ckpt.resume_step = {plan.checkpoint_step or 0}"
+        )
+    try:
+        tensors = adapter_from_file(model, load_file(file), adapter)
+    except ValueError as error:  # e.g. re-launched with another lora.rank: say so before anything trains
+        raise ValueError(f"LoRA run: published weights step {plan.weights_step}: {error}") from None
+    dist.load_full_state_dict(model, tensors, trainable_only=True)
+
+
 class Trainer(TrainerProcess):
     """Owns the model, optimizer, intake, publisher and servers of one trainer process (one rank)."""
 
@@ -197,7 +256,6 @@ class Trainer(TrainerProcess):
         super().__init__(cfg, ctx)
         self.output_dir = Path(cfg.output_dir)
         self.transport = open_store(cfg.weights, self.output_dir)
-        self.store = self.transport.store  # resume reads published folders (plan_resume, parameters)
         self.publisher = WeightPublisher(self.transport, cfg.model.name, cfg.weights_keep_last)
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints" / "trainer", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
@@ -262,63 +320,10 @@ class Trainer(TrainerProcess):
     # ---- resume ---------------------------------------------------------------------------------
     def _resume(self) -> ResumePlan:
         """Reconstruct the state of the last committed step (rank 0 plans, every rank loads)."""
-        plan = None
-        if self.ctx.is_main:
-            plan = plan_resume(self.cfg.ckpt.resume_step, self.checkpoints.steps(), self.store.latest())
-            if plan.discard_after is not None:
-                dropped_ckpt = self.checkpoints.discard_after(plan.discard_after)
-                dropped_weights = self.publisher.discard_after(plan.discard_after)
-                log.warning(
-                    "rewinding to step %d: discarded checkpoints %s and weights %s",
-                    plan.discard_after, dropped_ckpt, dropped_weights,
-                )  # fmt: skip
-        plan = dist.broadcast_object(plan, self.ctx)
-        if plan.checkpoint_step is not None:
-            self.checkpoints.load(plan.checkpoint_step, self.model, self.optimizer, self.scheduler)
-        if plan.weights_step is not None:
-            self._load_published_weights(plan)
-        if plan.republish:  # the checkpoint is newer than every published version: commit it now
-            record = self.checkpoints.read_record(plan.trained_step) or {"step": plan.trained_step}
-            self._publish(plan.trained_step, record)
-        if self.ctx.is_main and plan.trained_step > 0:
-            if log_if_missing(self.events, plan.trained_step, self.publisher, self.checkpoints):
-                log.info("logged step %d from its published record (the previous run died before logging it)",
-                         plan.trained_step)  # fmt: skip
-            if not plan.republish:  # the previous run may have died before its notification went out
-                self.notifier.notify(self.transport.version(plan.trained_step))
+        plan = resume(self, self.model, self.ctx, self.cfg.ckpt.resume_step, self.cfg.lora, self._publish)
         self.status.resumed(self.cfg.run_id, plan.trained_step)
-        self.metrics.step.set(plan.trained_step)
         log.info("resuming after step %d (%s)", plan.trained_step, plan)
         return plan
-
-    def _load_published_weights(self, plan: ResumePlan) -> None:
-        from safetensors.torch import load_file
-
-        folder = self.store.path(plan.weights_step)
-        if self.cfg.lora is None:
-            dist.load_full_state_dict(self.model, load_file(folder / WEIGHTS_FILE))
-        else:  # the adapter alone (published as such, or kept next to the merged weights) onto the base
-            from gyre_trainer.lora import ADAPTER_FILE, adapter_from_file
-
-            file = next((folder / n for n in (ADAPTER_FILE, RESUME_ADAPTER) if (folder / n).is_file()), None)
-            if file is None:  # published by a Gyre that kept no adapter with merged weights
-                raise RuntimeError(
-                    f"LoRA run: published weights step {plan.weights_step} hold no adapter ({folder}); resume "
-                    f"needs a checkpoint of that step, or ckpt.resume_step = {plan.checkpoint_step or 0}"
-                )
-            try:
-                tensors = adapter_from_file(self.model, load_file(file))
-            except ValueError as error:  # e.g. re-launched with another lora.rank: say so before anything trains
-                raise ValueError(f"LoRA run: published weights step {plan.weights_step}: {error}") from None
-            dist.load_full_state_dict(self.model, tensors, trainable_only=True)
-        # the schedule is a function of the number of updates: catch up the steps the checkpoint lacks
-        for _ in range(plan.weights_step - (plan.checkpoint_step or 0)):
-            self.scheduler.step()
-        log.warning(
-            "parameters restored from published weights step %d, optimizer state from %s: resumed state is not "
-            "bit-exact (set ckpt.interval=1 for exact resumes)",
-            plan.weights_step, f"checkpoint {plan.checkpoint_step}" if plan.checkpoint_step else "scratch",
-        )  # fmt: skip
 
     def _open_intake(self, trained_step: int) -> BatchIntake:
         stream = None

@@ -114,6 +114,33 @@ def test_interleaved_runs_publish_what_each_run_trains_alone(tiny_model, redis_u
     assert {t.shape[0] for n, t in rank_b.items() if "lora_A" in n} == {2}
 
 
+@pytest.mark.parametrize("newest", ["published", "checkpoint"])
+def test_a_run_relaunched_with_another_adapter_rank_is_told_which_key(
+    tiny_model, redis_url, unique_run_id, tmp_path, newest
+):
+    """The multi-run resume is the single-run one: a run's adapter restored from its published version (or
+    checkpoint) is checked against the relaunch's adapter shape first (it failed inside peft with a page
+    of size mismatches), and nothing is trained."""
+    from gyre_trainer import dist
+    from gyre_trainer.multirun import MultiRunTrainer
+
+    name = f"{unique_run_id}-a"
+    push_batches(BatchStream(redis_url, name), [1, 2], seed=1)
+    spec = {"name": name, "output_dir": str(tmp_path / "a"), "max_steps": 1}
+    extra = {"ckpt": {"interval": 1}} if newest == "checkpoint" else {}
+    assert run_trainer(multirun_config(tiny_model, redis_url, [spec], **extra)) == 0
+    changed = multirun_config(tiny_model, redis_url, [{**spec, "max_steps": 2, "lora": {**LORA, "rank": 8}}], **extra)
+    trainer = MultiRunTrainer(changed, dist.init_distributed("cpu"))
+    trainer._build()
+    try:
+        with pytest.raises(ValueError, match="set trainer.lora.rank = 4"):
+            trainer.add_run(changed.runs[0])
+    finally:
+        trainer._close()
+    assert trained_steps(tmp_path / "a") == [1]
+    assert (tmp_path / "a" / "checkpoints/trainer/step_1").exists() == (newest == "checkpoint")
+
+
 def test_a_run_added_to_runs_dir_joins_the_running_trainer(tiny_model, redis_url, unique_run_id, tmp_path):
     from gyre.config import to_toml
 
