@@ -123,8 +123,10 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
     from gyre.v1 import inference_pb2_grpc
     from transformers import AutoModelForCausalLM
 
+    from gyre_trainer import dist
     from gyre_trainer.publish import WeightPublisher
 
+    single = dist.DistContext(device=torch.device(cfg.device))  # the trainer's one process
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-weights-"))
     volume = cfg.dir or work
     model_dir = cfg.model
@@ -152,7 +154,7 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
             # the trainer publishes what `dist.full_state_dict` gathered to CPU as part of its step (also for
             # checkpoints): that copy (device -> host on a GPU) is timed apart, as `gather`, not in the swap
             gathering = time.perf_counter()
-            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            state = dist.full_state_dict(model, single)
             start = time.perf_counter()
             version = publisher.publish(step, state, model.config, {"step": step})
             published = time.perf_counter()

@@ -19,6 +19,7 @@ import datetime
 import logging
 import os
 import random
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -122,13 +123,33 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+# one process: the host copies `full_state_dict` returns, per model, reused from one step to the next
+_HOST_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
 def full_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
-    """The unsharded parameters as CPU tensors on rank 0 (`{}` on the others). Collective when sharded."""
+    """The unsharded parameters as CPU tensors on rank 0 (`{}` on the others). Collective when sharded.
+
+    On one process the host tensors are the same from call to call (pinned when the model is on a GPU):
+    a step's copy is then the transfer alone, without faulting in fresh host memory (a fresh copy of
+    1.19 GB took 1.0 s on an H100 host). They hold the values of the latest call: use them before the next.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if not ctx.distributed:
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.distributed:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    copies = _HOST_COPIES.setdefault(model, {})
+    state, on_gpu = {}, False
+    for name, value in model.state_dict().items():
+        value = value.detach()
+        on_gpu |= value.is_cuda
+        host = copies.get(name)
+        if host is None or host.shape != value.shape or host.dtype != value.dtype:
+            host = copies[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+        state[name] = host.copy_(value, non_blocking=value.is_cuda)
+    if on_gpu:
+        torch.cuda.synchronize()  # the non-blocking copies have landed
+    return state
 
 
 def load_full_state_dict(
