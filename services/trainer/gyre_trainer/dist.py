@@ -127,8 +127,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 _HOST_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
-def full_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, ctx: DistContext, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The unsharded parameters as CPU tensors on rank 0 (`{}` on the others). Collective when sharded.
+    `trainable_only`: without the frozen parameters (a LoRA adapter alone, not its base model's GBs).
 
     On one process the host tensors are the same from call to call (pinned when the model is on a GPU):
     a step's copy is then the transfer alone, without faulting in fresh host memory (a fresh copy of
@@ -137,10 +138,14 @@ def full_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if ctx.distributed:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        return get_model_state_dict(model, options=options)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad} if trainable_only else set()
     copies = _HOST_COPIES.setdefault(model, {})
     state, on_gpu = {}, False
     for name, value in model.state_dict().items():
+        if name in frozen:
+            continue
         value = value.detach()
         on_gpu |= value.is_cuda
         host = copies.get(name)

@@ -168,7 +168,7 @@ class WeightPublisher:
         self, step: int, state_dict: dict[str, Any], lora_cfg, record: dict[str, Any]
     ) -> WeightsVersion:
         """Publish the LoRA adapter alone (PEFT's `adapter_model.safetensors` + `adapter_config.json`) of a
-        peft model's full state dict; the torch backend applies it to its base model."""
+        peft model's state dict (its adapter entries are enough); the torch backend applies it to its base."""
         from safetensors.torch import save_file
 
         from gyre_trainer.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config, adapter_state_dict

@@ -400,11 +400,12 @@ class Trainer(TrainerProcess):
         Publishing is the commit point of a step: from here on, a restarted trainer treats it as trained.
         """
         start = time.perf_counter()
-        state_dict = dist.full_state_dict(self.model, self.ctx)
+        lora = self.cfg.lora
+        adapter_only = lora is not None and lora.publish == "adapter"
+        state_dict = dist.full_state_dict(self.model, self.ctx, trainable_only=adapter_only)
         if not self.ctx.is_main:
             return
-        lora = self.cfg.lora
-        if lora is not None and lora.publish == "adapter":
+        if adapter_only:
             published = self.publisher.publish_adapter(step, state_dict, lora, record)
         else:
             adapter = None

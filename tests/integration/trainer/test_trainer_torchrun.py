@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gyre.streams import BatchStream
+from safetensors.torch import load_file
 from trainer_testlib import load_weights, push_batches, run_in_process, torchrun, trained_steps, trainer_args
 
 pytestmark = pytest.mark.slow
@@ -39,16 +40,18 @@ def test_fsdp2_two_ranks_match_single_process(tiny_model, redis_url, unique_run_
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.parametrize("publish", ["merged", "adapter"])
 def test_fsdp2_lora_resumes_from_its_published_adapter_like_one_process(
-    tiny_model, redis_url, unique_run_id, tmp_path, isolated_torch_state
+    tiny_model, redis_url, unique_run_id, tmp_path, isolated_torch_state, publish
 ):
     """LoRA under FSDP2 (adapters trainable, base frozen and sharded alike), restarted with no checkpoint:
-    both ranks restore the adapter from the published version and train on; the merged weights of every
-    step agree with the same restart in one process."""
+    both ranks restore the adapter from the published version and train on; what every step publishes
+    (merged weights, or the adapter alone: gathered without the frozen base) agrees with the same
+    restart in one process."""
     sharded_run, single_run = unique_run_id + "-lora-fsdp", unique_run_id + "-lora-single"
     push_batches(BatchStream(redis_url, sharded_run), (1, 2, 3), ranks=2, rows_per_rank=1, num_samples=6)
     push_batches(BatchStream(redis_url, single_run), (1, 2, 3), ranks=1, rows_per_rank=2, num_samples=6)
-    opts = {"data.micro-batch-size": 1, "lora.rank": 4, "lora.alpha": 8, "optim.lr": 1e-2}
+    opts = {"data.micro-batch-size": 1, "lora.rank": 4, "lora.alpha": 8, "optim.lr": 1e-2, "lora.publish": publish}
     log = tmp_path / "torchrun.log"
     for max_steps in (2, 3):  # the second launch resumes after step 2 from weights/step_2 alone
         argv = trainer_args(tiny_model, tmp_path / "fsdp", redis_url, sharded_run, max_steps, **opts)
@@ -59,9 +62,16 @@ def test_fsdp2_lora_resumes_from_its_published_adapter_like_one_process(
     assert not any((tmp_path / "fsdp" / "checkpoints" / "trainer").glob("step_*"))  # none: ckpt.interval unset
     base = load_weights(tiny_model)
     for step in (2, 3):
-        sharded = load_weights(tmp_path / "fsdp" / "weights" / f"step_{step}")
-        single = load_weights(tmp_path / "single" / "weights" / f"step_{step}")
-        assert sharded.keys() == single.keys() == base.keys()
-        assert any(not torch.equal(single[name], base[name]) for name in base)
+        if publish == "merged":
+            sharded = load_weights(tmp_path / "fsdp" / "weights" / f"step_{step}")
+            single = load_weights(tmp_path / "single" / "weights" / f"step_{step}")
+        else:
+            sharded, single = (load_file(tmp_path / run / "weights" / f"step_{step}" / "adapter_model.safetensors")
+                               for run in ("fsdp", "single"))  # fmt: skip
+        if publish == "merged":
+            assert sharded.keys() == single.keys() == base.keys()
+            assert any(not torch.equal(single[name], base[name]) for name in base)
+        else:  # PEFT's adapter file alone
+            assert sharded.keys() == single.keys() and all("lora_" in name for name in single)
         for name in single:
             torch.testing.assert_close(sharded[name], single[name], rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")

@@ -36,6 +36,13 @@ def test_host_copies_are_reused_and_hold_each_steps_values():
     _check_two_steps("cpu")
 
 
+def test_trainable_only_leaves_the_frozen_parameters_on_the_device():
+    model, ctx = _model("cpu"), dist.DistContext()
+    model[0].requires_grad_(False)  # a frozen base, as under LoRA
+    assert set(dist.full_state_dict(model, ctx, trainable_only=True)) == {"1.weight"}
+    assert set(dist.full_state_dict(model, ctx)) == {"0.weight", "0.bias", "1.weight"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_host_copies_of_a_gpu_model_are_pinned():
