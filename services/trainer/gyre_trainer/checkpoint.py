@@ -211,9 +211,9 @@ def check_saved_shapes(state_dir: Path, model_sd: dict[str, Any]) -> None:
         if saved[name] == wanted:
             continue
         if ".lora_A." in name or ".lora_B." in name:
-            rank = saved[name][0] if ".lora_A." in name else saved[name][-1]
-            raise ValueError(f"the saved adapter has rank {rank} ({name}: {list(saved[name])}, the model's "
-                             f"{list(wanted)}): set trainer.lora.rank = {rank}, the run's rank")  # fmt: skip
+            from gyre_trainer.lora import rank_mismatch
+
+            raise rank_mismatch(name, saved[name], wanted)
         raise ValueError(f"checkpoint {state_dir.parent} holds {name} as {list(saved[name])}, the model has "
                          f"{list(wanted)}: the run was trained on another model.name")  # fmt: skip
 

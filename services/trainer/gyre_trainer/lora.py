@@ -115,12 +115,16 @@ def adapter_from_file(model: torch.nn.Module, tensors: dict[str, torch.Tensor], 
         raise ValueError(f"the saved adapter has other modules than trainer.lora.target_modules gives: missing "
                          f"{missing[:3]}, unknown {unknown[:3]} (a run keeps its adapter's shape)")  # fmt: skip
     for file_name, name in by_file_name.items():
-        saved, wanted = tuple(tensors[file_name].shape), tuple(state[name].shape)
-        if saved != wanted:
-            rank = saved[0] if ".lora_A." in file_name else saved[-1]
-            raise ValueError(f"the saved adapter has rank {rank} ({file_name}: {list(saved)}, the model's "
-                             f"{list(wanted)}): set trainer.lora.rank = {rank}, the run's rank")  # fmt: skip
+        if tuple(tensors[file_name].shape) != tuple(state[name].shape):
+            raise rank_mismatch(file_name, tuple(tensors[file_name].shape), tuple(state[name].shape))
     return {name: tensors[file_name] for file_name, name in by_file_name.items()}
+
+
+def rank_mismatch(name: str, saved: tuple[int, ...], wanted: tuple[int, ...]) -> ValueError:
+    """The error for adapter tensor `name` saved as `saved` where the model has `wanted`: the run's rank."""
+    rank = saved[0] if ".lora_A." in name else saved[-1]
+    return ValueError(f"the saved adapter has rank {rank} ({name}: {list(saved)}, the model's {list(wanted)}): "
+                      f"set trainer.lora.rank = {rank}, the run's rank")  # fmt: skip
 
 
 class AdaptersOff:
