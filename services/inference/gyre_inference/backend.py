@@ -18,7 +18,10 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from gyre_inference.structured import Constraint, Guide
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -48,6 +51,15 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # The stop token ids cannot be sampled before this many tokens (their logits are -inf until then).
     min_tokens: int = 0
+    # Structured outputs (gyre_inference.structured): what the output must match. Backends that constrain
+    # decoding themselves (vLLM) take this; the torch engine drives `constraint` instead.
+    guide: Guide | None = None
+    # The torch engine's per-sequence grammar matcher of `guide` (built by the HTTP layer when
+    # `Backend.uses_constraints`; stateful, one per sequence). Each decode step its row of the logits is
+    # masked to the tokens it allows (before temperature / top-p), then it accepts the sampled token; once
+    # it is terminated the sequence finishes with "stop". Reported log-probs are those of the masked
+    # distribution, which is the one sampled from.
+    constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,9 @@ class Backend(ABC):
     """
 
     name: str
+    # True: the HTTP layer gives each constrained sequence a `SamplingParams.constraint` to drive (torch);
+    # False: the backend enforces `SamplingParams.guide` itself (vLLM's structured outputs).
+    uses_constraints: bool = False
 
     @property
     @abstractmethod

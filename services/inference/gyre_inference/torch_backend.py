@@ -49,6 +49,7 @@ from gyre_inference.backend import (
 from gyre_inference.cpus import default_engine_threads
 from gyre_inference.sampling import sample_next
 from gyre_inference.static_decode import StaticDecoder, context_that_fits
+from gyre_inference.structured import TokenMasks
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class TorchBackend(Backend):
     name = "torch"
+    uses_constraints = True  # structured outputs: per-sequence matchers (SamplingParams.constraint)
 
     def __init__(
         self,
@@ -285,6 +287,7 @@ class TorchBackend(Backend):
                 self._max_model_len = fits
         self._pad_id = model.config.pad_token_id or 0
         self._decoder = StaticDecoder(model, self.max_batch_size, self._max_model_len, cuda_graphs=self.cuda_graphs)
+        self._masks = TokenMasks(model.config.vocab_size, self.max_batch_size, self.device)
         max_adapters, max_rank, names = self._adapter_settings
         if max_adapters:
             from gyre_inference.adapters import AdapterBank
@@ -486,6 +489,11 @@ class TorchBackend(Backend):
 
     def _sample_and_emit(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         logits = self._adjust(seqs, logits)
+        # structured outputs: the constrained rows' logits masked on the device, in this same step
+        constrained = [
+            (row, seq.params.constraint) for row, seq in enumerate(seqs) if seq.params.constraint is not None
+        ]
+        logits = self._masks.apply(logits, constrained)
         temperature = torch.tensor([seq.params.temperature for seq in seqs])
         top_p = torch.tensor([seq.params.top_p for seq in seqs])
         uniform = torch.tensor([seq.rng.random() for seq in seqs], dtype=torch.float64)
@@ -496,11 +504,14 @@ class TorchBackend(Backend):
         top_values = top_values.tolist() if k else None
         top_ids = top_ids.tolist() if k else None
         token_list = tokens.tolist()
+        for row, constraint in constrained:
+            constraint.accept_token(token_list[row])
         events = []
         for row, seq in enumerate(seqs):
             token = token_list[row]
             seq.generated += 1
-            if token in seq.params.stop_token_ids:
+            constraint = seq.params.constraint
+            if token in seq.params.stop_token_ids or (constraint is not None and constraint.is_terminated()):
                 reason = "stop"
             elif seq.generated >= seq.params.max_tokens or len(seq.prompt) + seq.generated >= self._max_model_len:
                 reason = "length"

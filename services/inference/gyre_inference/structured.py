@@ -1,0 +1,233 @@
+"""Structured outputs: what a request constrains its output to, and how the engine enforces it.
+
+Three pieces, each with one job:
+
+- `Guide`: WHAT the output must match (a JSON schema, any JSON object, a regex, one of fixed strings, a
+  Lark/GBNF grammar), backend-neutral. The HTTP layer builds it from `response_format`, vLLM's
+  `structured_outputs` / `guided_*` fields and `tool_choice` (tool_calls.py). The vLLM backend hands it
+  to vLLM's own structured outputs; the torch backend gets a `Constraint` compiled from it.
+- `Constraint`: the per-sequence grammar matcher the torch engine drives (the xgrammar-style interface,
+  so an xgrammar `GrammarMatcher` satisfies it too). Per decode step the engine asks every constrained
+  row to fill its row of ONE host bitmask, copies that bitmask to the device once and masks the logits
+  of those rows there (`TokenMasks`), samples, then tells each matcher the token it got. Free rows are
+  untouched, so a batch mixing constrained and free rows is still one decode step.
+- `GrammarCompiler`: the grammar engine, llguidance (docs/dependencies.md says why that one). Compiles a
+  Guide once per distinct guide (a grammar error is a 400 naming the field) and hands out fresh matchers.
+
+Log-probs: the masked logits ARE the distribution sampled from, so a constrained token's reported
+log-prob is `log_softmax(masked_logits / T)[token]`, renormalised over the tokens the grammar allowed
+(docs/inference.md, "Structured outputs", says what the trainer does with such tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+GuideKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+# JSON is generated compactly (", " and ": " separators, no free whitespace): a model, above all a small
+# or untrained one, cannot loop on whitespace, and the vLLM backend is set up the same way
+# (disable_any_whitespace), so both backends accept the same strings.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GuideError(ValueError):
+    """A guide the grammar engine refuses (an invalid schema, regex or grammar); the API answers 400."""
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What one request's output must match.
+
+    `value` by kind: "json": the JSON schema (a dict); "json_object": None (any JSON object); "regex": the
+    pattern; "choice": a tuple of strings; "grammar": a Lark grammar (llguidance's dialect, which also
+    embeds JSON schemas with `%json {...}`) or a GBNF one. `param` names the request field it came from,
+    for error messages.
+    """
+
+    kind: GuideKind
+    value: Any = None
+    param: str = "response_format"
+
+    def key(self) -> str:
+        """A canonical text of the guide (the compile cache's key)."""
+        value = list(self.value) if isinstance(self.value, tuple) else self.value
+        return f"{self.kind}:{json.dumps(value, sort_keys=True)}"
+
+
+@runtime_checkable
+class Constraint(Protocol):
+    """One sequence's grammar state, driven by the engine thread (never shared between sequences).
+
+    Per decode step the engine calls `fill_next_token_bitmask(bitmask, index)` (write row `index` of the
+    host int32 bitmask [rows, ceil(vocab / 32)]: bit j of word w set = token 32 * w + j allowed), samples
+    from the masked logits, then `accept_token(token)`. Once `is_terminated()` the sequence is complete
+    (the grammar accepted its end-of-sequence token) and the engine finishes it with reason "stop".
+    """
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None: ...
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+# ---- the engine's side: one host bitmask per step, one copy, masked on the device -------------------
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with rows `rows` [n] masked by `bitmask` [n, words] (on the logits' device): tokens
+    whose bit is clear get -inf. Other rows are returned unchanged. Out of place (the logits may be a
+    captured graph's output).
+
+    A row the request's own rules (min_tokens keeping the end-of-sequence token out) left with no token the
+    grammar allows keeps the grammar's tokens, all at logit 0: the grammar wins.
+    """
+    import torch
+
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:  # a bitmask narrower than the logits: the extra ids are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    picked = logits[rows].float()
+    masked = picked.masked_fill(~allowed, float("-inf"))
+    dead = ~torch.isfinite(masked).any(dim=-1, keepdim=True)
+    masked = torch.where(dead & allowed, torch.zeros_like(masked), masked)
+    return logits.float().index_put((rows,), masked)
+
+
+class TokenMasks:
+    """The engine's reusable host bitmask: `apply(logits, constrained)` fills the rows of the constrained
+    sequences, copies them to the logits' device in one transfer and masks those rows there."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device):
+        import torch
+
+        self.vocab_size = vocab_size
+        # Pinned on CUDA so the copy is asynchronous. Reusing it next step is safe: the engine reads the
+        # sampled tokens back (a sync) before it fills the bitmask again.
+        pin = device.type == "cuda"
+        self._host = torch.zeros(max_rows, bitmask_words(vocab_size), dtype=torch.int32, pin_memory=pin)
+        self._device = device
+
+    def apply(self, logits: torch.Tensor, constrained: list[tuple[int, Constraint]]) -> torch.Tensor:
+        """`constrained`: (row of `logits`, its matcher) for every constrained row; [] leaves logits as they are."""
+        import torch
+
+        if not constrained:
+            return logits
+        host = self._host[: len(constrained)]
+        host.fill_(0)
+        for index, (_, constraint) in enumerate(constrained):
+            constraint.fill_next_token_bitmask(host, index)
+        bitmask = host.to(logits.device, non_blocking=True)
+        rows = torch.tensor([row for row, _ in constrained], device=logits.device)
+        return apply_token_bitmask(logits, bitmask, rows)
+
+
+# ---- the grammar engine: llguidance ------------------------------------------------------------------
+class _Matcher:
+    """An llguidance `LLMatcher` behind the `Constraint` interface."""
+
+    __slots__ = ("_matcher", "_eos", "_terminated")
+
+    def __init__(self, matcher, eos: frozenset[int]):
+        self._matcher, self._eos, self._terminated = matcher, eos, False
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        row = bitmask[index]
+        if bitmask.dtype != _int32() or not row.is_contiguous() or row.device.type != "cpu":
+            raise ValueError("the bitmask must be a contiguous int32 host tensor")
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+    def accept_token(self, token_id: int) -> bool:
+        accepted = self._matcher.consume_token(token_id)
+        # the grammar's end (an end-of-sequence token), or a matcher that can go no further
+        self._terminated = token_id in self._eos or not accepted or self._matcher.is_error()
+        return accepted
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+
+def _int32():
+    import torch
+
+    return torch.int32
+
+
+class GrammarCompiler:
+    """Compiles guides for one tokenizer; thread-safe (compiles run in worker threads).
+
+    `vocab_size` is the model's logits width (it may exceed the tokenizer's); `eos_token_ids` are the
+    tokens that end a sequence, which the grammar allows exactly where the output is complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+        import llguidance
+        import llguidance.hf
+
+        self._llguidance = llguidance
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                       eos_token=sorted(self.eos_token_ids))  # fmt: skip
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # guide key -> pristine matcher (LRU)
+
+    def grammar(self, guide: Guide) -> str:
+        """llguidance's grammar of `guide` (GuideError when the guide is not valid)."""
+        llg = self._llguidance
+        try:
+            if guide.kind == "json":
+                return llg.LLMatcher.grammar_from_json_schema(guide.value, defaults=JSON_OPTIONS)
+            if guide.kind == "json_object":
+                return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            if guide.kind == "regex":
+                return llg.LLMatcher.grammar_from_regex(guide.value)
+            if guide.kind == "choice":
+                return llg.grammar_from("choice", list(guide.value))
+            return llg.grammar_from("grammar", guide.value)
+        except (ValueError, TypeError) as error:
+            raise GuideError(str(error)) from None
+
+    def _pristine(self, guide: Guide):
+        """The compiled matcher of `guide` at its start, compiled once per distinct guide (LRU of 128)."""
+        key = guide.key()
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        grammar = self.grammar(guide)
+        error = self._llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise GuideError(error.strip())
+        matcher = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        with self._lock:
+            self._compiled[key] = matcher
+            while len(self._compiled) > 128:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def check(self, guide: Guide) -> None:
+        """Compile `guide` (cached): GuideError when the grammar engine refuses it."""
+        self._pristine(guide)
+
+    def matcher(self, guide: Guide) -> Constraint:
+        """A fresh matcher of `guide` at its start."""
+        pristine = self._pristine(guide)
+        with self._lock:
+            return _Matcher(pristine.deep_copy(), self.eos_token_ids)

@@ -1,0 +1,216 @@
+"""Structured outputs in the torch engine: the `Constraint` hook contract, the batched device mask, and
+the llguidance grammar engine on the tiny model's tokenizer.
+
+The engine tests drive a plain-Python `Constraint` (`EvenThenEnd`), so they state the hook's contract
+exactly, whatever grammar engine sits behind it: one host bitmask per step for the constrained rows,
+masked logits before temperature/top-p, the reported log-probs those of the masked distribution, the
+matcher told each sampled token, "stop" once it is terminated, and free rows in the same decode step
+untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import pytest_asyncio
+import torch
+from gyre_inference.backend import SamplingParams
+from gyre_inference.structured import (
+    Constraint,
+    GrammarCompiler,
+    Guide,
+    GuideError,
+    TokenMasks,
+    apply_token_bitmask,
+    bitmask_words,
+)
+from gyre_inference.torch_backend import TorchBackend
+
+PROMPT = [1, 705, 201, 74, 75, 2, 201, 1, 739, 201]
+END = 3  # the fake grammar's end-of-sequence token
+
+
+def allowed_bits(allowed: set[int], vocab: int) -> torch.Tensor:
+    row = torch.zeros(bitmask_words(vocab), dtype=torch.int64)
+    for token in allowed:
+        row[token // 32] |= 1 << (token % 32)
+    return (row - (row >= 2**31).long() * 2**32).to(torch.int32)  # the words as int32 bit patterns
+
+
+class EvenThenEnd:
+    """A grammar in plain Python: `length` even token ids, then END (which terminates it)."""
+
+    def __init__(self, length: int, vocab: int):
+        self.length, self.vocab, self.accepted, self.masks = length, vocab, [], []
+
+    def allowed(self) -> set[int]:
+        return {END} if len(self.accepted) >= self.length else set(range(4, self.vocab, 2))
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        self.masks.append(self.allowed())
+        bitmask[index] = allowed_bits(self.masks[-1], self.vocab)
+
+    def accept_token(self, token_id):
+        ok = token_id in self.allowed()
+        self.accepted.append(token_id)
+        return ok
+
+    def is_terminated(self):
+        return bool(self.accepted) and self.accepted[-1] == END
+
+
+def test_the_fake_grammar_satisfies_the_protocol():
+    assert isinstance(EvenThenEnd(2, 64), Constraint)
+
+
+def test_the_bitmask_masks_only_the_constrained_rows_on_the_device():
+    torch.manual_seed(0)
+    vocab = 70  # not a multiple of 32: the last word is partial
+    logits = torch.randn(4, vocab)
+    allowed = [{0, 31, 32, 69}, {5}]
+    bitmask = torch.stack([allowed_bits(a, vocab) for a in allowed])
+    out = apply_token_bitmask(logits, bitmask, torch.tensor([1, 3]))
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])  # free rows untouched
+    for row, tokens in zip((1, 3), allowed, strict=True):
+        finite = torch.isfinite(out[row]).nonzero()[:, 0].tolist()
+        assert finite == sorted(tokens) and torch.equal(out[row, finite], logits[row, finite])
+    # the grammar wins over a request rule that left nothing it allows (min_tokens masking the end token)
+    blocked = logits.clone()
+    blocked[3, 5] = float("-inf")
+    out = apply_token_bitmask(blocked, bitmask, torch.tensor([1, 3]))
+    assert torch.isfinite(out[3]).nonzero()[:, 0].tolist() == [5]
+
+
+def test_token_masks_fill_one_host_bitmask_and_leave_unconstrained_batches_alone():
+    masks = TokenMasks(vocab_size=64, max_rows=8, device=torch.device("cpu"))
+    logits = torch.randn(3, 64)
+    assert masks.apply(logits, []) is logits
+    grammar = EvenThenEnd(0, 64)
+    out = masks.apply(logits, [(2, grammar)])
+    assert grammar.masks == [{END}] and torch.isfinite(out[2]).nonzero()[:, 0].tolist() == [END]
+    assert torch.equal(out[:2], logits[:2])
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+@pytest_asyncio.fixture
+async def backend(tiny_model):
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=8)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+async def _events(backend, prompt, params):
+    return [e async for e in backend.generate(prompt, params)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+async def test_a_constrained_row_samples_from_the_masked_distribution_in_a_mixed_batch(backend, reference, temperature):
+    vocab = reference.config.vocab_size
+    free = SamplingParams(max_tokens=12, temperature=temperature, seed=5, top_logprobs=3)
+    alone = await _events(backend, PROMPT, free)
+
+    steps, decodes = [], []
+    step, decode = backend._decoder.step, backend._decode
+    backend._decoder.step = lambda *a: steps.append(1) or step(*a)
+
+    def counted_decode():
+        decodes.append({seq.params.constraint is not None for seq in backend._rows})
+        decode()
+
+    backend._decode = counted_decode
+    grammar = EvenThenEnd(6, vocab)
+    constrained = SamplingParams(max_tokens=12, temperature=temperature, seed=9, top_logprobs=3, constraint=grammar)
+    mixed, together = await asyncio.gather(_events(backend, PROMPT, constrained), _events(backend, PROMPT, free))
+
+    # one decode step per engine iteration, also for batches mixing constrained and free rows
+    assert len(steps) == len(decodes) and {True, False} in decodes
+    # the free row is what it is alone (up to the float noise of another batch shape)
+    assert [(e.token_id, [t for t, _ in e.top_logprobs]) for e in together] == [
+        (e.token_id, [t for t, _ in e.top_logprobs]) for e in alone
+    ]
+    assert torch.allclose(torch.tensor([e.logprob for e in together]), torch.tensor([e.logprob for e in alone]),
+                          atol=1e-5)  # fmt: skip
+    # the constrained row: allowed tokens only, the matcher saw each, "stop" when it terminated
+    tokens = [e.token_id for e in mixed]
+    assert len(tokens) == 7 and all(t % 2 == 0 and t >= 4 for t in tokens[:6]) and tokens[6] == END
+    assert grammar.accepted == tokens and mixed[-1].finish_reason == "stop"
+    # its log-probs: log_softmax(masked logits / T), as an independent forward pass computes them
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1]
+    for row, allowed in enumerate(grammar.masks):
+        logits[row, [t for t in range(vocab) if t not in allowed]] = float("-inf")
+    scale = temperature if temperature > 0 else 1.0
+    expected = torch.log_softmax(logits / scale, -1)
+    got = torch.tensor([e.logprob for e in mixed])
+    assert torch.allclose(got, expected.gather(1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-4)
+    assert mixed[-1].logprob == pytest.approx(0.0, abs=1e-6)  # END was the only token allowed
+    for event in mixed[:6]:
+        assert all(t % 2 == 0 for t, _ in event.top_logprobs)  # alternatives of the same (masked) distribution
+    if temperature == 0:
+        assert tokens[:6] == expected[:6].argmax(-1).tolist()
+
+
+# ---- the grammar engine ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiler(model_text):
+    return GrammarCompiler(model_text.tokenizer, model_text.vocab_size, model_text.eos_token_ids)
+
+
+def _drive(compiler, guide, vocab, seed=0, limit=400) -> str:
+    """Sample uniformly among the tokens the matcher allows until it terminates; the decoded text."""
+    import random
+
+    rng = random.Random(seed)
+    matcher = compiler.matcher(guide)
+    bitmask = torch.zeros(1, bitmask_words(vocab), dtype=torch.int32)
+    tokens = []
+    for _ in range(limit):
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = torch.isfinite(apply_token_bitmask(torch.zeros(1, vocab), bitmask, torch.tensor([0])))[0]
+        token = rng.choice(allowed.nonzero()[:, 0].tolist())
+        assert matcher.accept_token(token)
+        tokens.append(token)
+        if matcher.is_terminated():
+            break
+    assert tokens[-1] in compiler.eos_token_ids, "the grammar did not end within the limit"
+    return compiler._tokenizer.decode_str(tokens[:-1])
+
+
+def test_each_guide_kind_yields_text_that_matches_it(compiler, model_text):
+    import re
+
+    import jsonschema
+
+    vocab = model_text.vocab_size
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+              "s": {"type": "string", "maxLength": 4}, "b": {"type": "boolean"}},
+              "required": ["n", "s", "b"], "additionalProperties": False}  # fmt: skip
+    for seed in range(5):
+        value = json.loads(_drive(compiler, Guide("json", schema), vocab, seed))
+        jsonschema.validate(value, schema)
+        assert re.fullmatch(r"[a-c]{2}\d", _drive(compiler, Guide("regex", r"[a-c]{2}\d"), vocab, seed))
+        assert _drive(compiler, Guide("choice", ("yes", "no")), vocab, seed) in ("yes", "no")
+        assert _drive(compiler, Guide("grammar", 'start: "x" ("y" | "z")'), vocab, seed) in ("xy", "xz")
+        assert _drive(compiler, Guide("grammar", 'root ::= "a" [0-9]'), vocab, seed)[0] == "a"  # GBNF
+    assert _drive(compiler, Guide("json", schema), vocab, 1) != _drive(compiler, Guide("json", schema), vocab, 2)
+
+
+@pytest.mark.parametrize(
+    "guide",
+    [Guide("json", {"type": "frobnicate"}), Guide("regex", "a(b"), Guide("grammar", "start: undefined_rule")],
+)
+def test_invalid_guides_are_refused_with_the_engine_reason(compiler, guide):
+    with pytest.raises(GuideError) as error:
+        compiler.check(guide)
+    assert str(error.value)
