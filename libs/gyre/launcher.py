@@ -26,20 +26,15 @@ launcher leaves no orphans behind.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
 from gyre.config.inference import InferenceConfig
@@ -47,8 +42,9 @@ from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import LoraConfig, SFTConfig, TrainerConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
+from gyre.inference_process import InferenceProcess, NotReady
 from gyre.net import free_port
-from gyre.proc import set_pdeathsig
+from gyre.proc import Child
 from gyre.runlock import LockHeld, RunLock
 from gyre.runstate import committed_step
 
@@ -63,77 +59,6 @@ RUN_ENTRIES = (
 )  # fmt: skip
 RUN_MARKERS = ("configs", "events", "weights", "checkpoints", "redis")
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's children finish their current step on SIGTERM
-
-
-@dataclass
-class Child:
-    """One service process; its stdout+stderr go to ``log_path`` and optionally to the console."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self, echo: bool, env: dict[str, str] | None = None) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        logf = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed by the pump thread
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # own process group: Ctrl-C is handled here, children are stopped in order
-            preexec_fn=set_pdeathsig,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-        t = threading.Thread(target=self._pump, args=(self.proc.stdout, logf, echo), daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def _pump(self, stream: IO[bytes], logf: IO[bytes], echo: bool) -> None:
-        # Progress bars end their updates with \r, not \n: split on both so a child's tqdm bar shows
-        # up on the console (at most every few seconds), while the log file keeps the raw bytes.
-        pending, last_bar = b"", 0.0
-        with logf:
-            while chunk := stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536):
-                logf.write(chunk)
-                pending += chunk
-                *segments, pending = re.split(rb"(\r|\n)", pending)
-                for text, sep in zip(segments[::2], segments[1::2], strict=True):
-                    line = text.decode(errors="replace").rstrip()
-                    if not line:
-                        continue
-                    if sep == b"\r":
-                        if echo and time.monotonic() - last_bar > 5:
-                            last_bar = time.monotonic()
-                            _console(f"[{self.name}] {line}")
-                    elif echo or " ERROR " in line or " WARNING " in line or "Traceback" in line:
-                        _console(f"[{self.name}] {line}")
-
-    def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        for t in self._threads:
-            t.join(timeout=2)
-
-    def tail(self, n: int = 25) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
 
 
 _console_lock = threading.Lock()
@@ -324,21 +249,6 @@ def _write_config(path: Path, config: Any) -> Path:
     return path
 
 
-def _wait_ready(url: str, child: Child, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RunFailed(f"{child.name} exited with status {child.poll()} before becoming ready")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RunFailed(f"{child.name} not ready after {timeout:.0f}s")
-
-
 class Launcher:
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
@@ -482,12 +392,10 @@ class Launcher:
         return str(sft_dir)
 
     def _run_once(self, name: str, argv: list[str], echo: bool = False) -> None:
-        child = Child(name, argv, self.out / "logs" / f"{name}.log")
+        child = Child(name, argv, self.out / "logs" / f"{name}.log", console=_console)
         self.children.append(child)
         child.start(echo=echo or self.cfg.console == "all")
-        code = child.proc.wait()
-        for t in child._threads:
-            t.join(timeout=5)
+        code = child.wait()
         self.children.remove(child)
         if code != 0:
             raise RunFailed(f"{name} failed with status {code}; last lines of {child.log_path}:\n{child.tail()}")
@@ -523,14 +431,12 @@ class Launcher:
         replicas = []
         for i, inf in enumerate(configs["inference"]):
             name = "inference" if len(configs["inference"]) == 1 else f"inference-{i}"
-            child = Child(
-                name,
-                _gyre("inference", "@", str(_write_config(cdir / f"{name}.toml", inf))),
-                self.out / "logs" / f"{name}.log",
-            )
+            config = _write_config(cdir / f"{name}.toml", inf)
+            log_path = self.out / "logs" / f"{name}.log"
+            child = InferenceProcess("@", str(config), log_path=log_path, name=name, console=_console)
             child.start(echo, env=_thread_env(0.5 / len(configs["inference"])) | _gpu_env(self.cfg.inference_gpus))
             self.children.append(child)
-            replicas.append((child, f"http://127.0.0.1:{inf.server.port}"))
+            replicas.append(child)
         trainer_cfg = _write_config(cdir / "trainer.toml", configs["trainer"])
         if self.cfg.trainer_nproc > 1:
             argv = [
@@ -547,16 +453,21 @@ class Launcher:
             ]
         else:
             argv = _gyre("trainer", "@", str(trainer_cfg))
-        trainer = Child("trainer", argv, self.out / "logs" / "trainer.log")
+        trainer = Child("trainer", argv, self.out / "logs" / "trainer.log", console=_console)
         trainer.start(echo, env=_thread_env(0.5) | _gpu_env(self.cfg.trainer_gpus))
         self.children.append(trainer)
-        for child, url in replicas:
-            _wait_ready(url, child, timeout=300)
+        for child in replicas:
+            try:
+                child.wait_ready(timeout=300)
+            except NotReady as e:
+                raise RunFailed(str(e)) from None
         orchestrators = []
         for run_id, orch in configs.get("orchestrators", {"": configs["orchestrator"]}).items():
             name = f"orchestrator-{run_id}" if run_id else "orchestrator"
             orch_cfg = _write_config(cdir / f"{name}.toml", orch)
-            orchestrator = Child(name, _gyre("orchestrator", "@", str(orch_cfg)), self.out / "logs" / f"{name}.log")
+            orchestrator = Child(
+                name, _gyre("orchestrator", "@", str(orch_cfg)), self.out / "logs" / f"{name}.log", console=_console
+            )
             orchestrator.start(echo, env=_thread_env(0))
             self.children.append(orchestrator)
             orchestrators.append(orchestrator)

@@ -25,7 +25,6 @@ same ``workdir`` with no targets reopens a finished run's metrics for querying.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.net import free_port
+from gyre.proc import set_pdeathsig
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 LOCAL_NAMESPACE = "local"
@@ -47,11 +47,6 @@ BUNDLED_RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / 
 
 class PrometheusError(RuntimeError):
     """The server could not start, or answered a query with an error (the message is Prometheus's)."""
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def bundled_rule_files() -> list[Path]:
@@ -172,7 +167,7 @@ class LocalPrometheus:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # stop() signals the whole group; Ctrl-C of the parent does not race it
-                    preexec_fn=_set_pdeathsig,  # a SIGKILLed parent leaves no server behind
+                    preexec_fn=set_pdeathsig,  # a SIGKILLed parent leaves no server behind
                 )
             if self._wait_ready():
                 return self

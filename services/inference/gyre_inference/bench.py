@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from gyre.config import GyreSettings, parse_or_exit
+from gyre.inference_process import start_inference
 from pydantic import Field
 
 
@@ -103,18 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _http_throughput(model: Path, prompt: list[int], config: InferenceBenchConfig) -> tuple[float, float]:
     from openai import AsyncOpenAI
 
-    command = [sys.executable, "-m", "gyre.cli", "inference", "--model.name", str(model), "--server.port", "0",
-               "--control.port", "0", "--engine.threads", str(config.threads),
-               "--engine.max-batch-size", str(max(64, config.clients)), "--log.level", "WARNING"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    log_path = Path(tempfile.gettempdir()) / f"gyre-bench-inference-{os.getpid()}.log"
+    args = ["--model.name", str(model), "--server.port", "0", "--control.port", "0", "--log.level", "WARNING"]
+    args += ["--engine.threads", str(config.threads), "--engine.max-batch-size", str(max(64, config.clients))]
+    server = start_inference(*args, log_path=log_path, timeout=600)
+    url = server.url
     try:
-        url = None
-        for line in server.stdout:
-            if line.startswith("ready: "):
-                url = line.split()[1]
-                break
-        if url is None:
-            raise RuntimeError("the inference server did not start (see its log above)")
 
         async def run() -> tuple[float, float]:
             async with AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600) as client:
@@ -146,12 +139,7 @@ def _http_throughput(model: Path, prompt: list[int], config: InferenceBenchConfi
 
         return asyncio.run(run())
     finally:
-        if server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, 9)
+        server.stop(timeout=60)
 
 
 def _engine_vs_transformers(

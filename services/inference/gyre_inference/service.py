@@ -2,7 +2,7 @@
 
 Start-up order: bind both ports and answer at once (probes see "not ready" / NOT_SERVING while the
 model loads), load the tokenizer and the backend, then flip readiness and print
-`ready: http://HOST:PORT control: HOST:PORT version: N`.
+`ready: http://HOST:PORT control: HOST:PORT version: N` (`gyre.inference_process.ready_line`).
 
 SIGTERM/SIGINT (graceful, bounded by `server.shutdown_grace_s`): readiness and gRPC health go down,
 uvicorn stops accepting connections and waits for in-flight requests (streams included) to finish,
@@ -20,6 +20,7 @@ import socket
 
 import uvicorn
 from gyre.config.inference import InferenceConfig
+from gyre.inference_process import ready_line
 
 from gyre_inference.api import AppState, create_app
 from gyre_inference.backend import Backend
@@ -116,10 +117,8 @@ async def run_service(config: InferenceConfig) -> int:
         await asyncio.wait({loading, stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done() and loading.exception() is None and not stop.is_set():
             await control.set_serving(True)
-            control_address = f"{config.control.host}:{control_port}"
-            line = (
-                f"ready: http://{config.server.host}:{http_port} control: {control_address} version: {backend.version}"
-            )
+            url, control_address = f"http://{config.server.host}:{http_port}", f"{config.control.host}:{control_port}"
+            line = ready_line(url, control_address, backend.version)  # what launchers wait for
             print(line, flush=True)
             log.info("%s", line)
             await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +27,7 @@ from pathlib import Path
 from gyre.config.loader import GyreSettings, load_config, parse_or_exit
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.events import ORCHESTRATOR_STEPS, events_dir, read_events
+from gyre.inference_process import InferenceProcess, ready_line, start_inference
 from gyre.net import free_port
 from gyre.redis_server import EmbeddedRedis
 from pydantic import Field
@@ -117,39 +115,25 @@ def serve_echo(http_port: int, control_port: int) -> None:
         server.add_insecure_port(f"127.0.0.1:{control_port}")
         await server.start()
         config = uvicorn.Config(_echo_app, host="127.0.0.1", port=http_port, log_level="warning", access_log=False)
-        await uvicorn.Server(config).serve()
+        http = uvicorn.Server(config)
+        serving = asyncio.create_task(http.serve())
+        while not http.started and not serving.done():
+            await asyncio.sleep(0.05)
+        print(ready_line(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{control_port}", 0), flush=True)
+        await serving
 
     asyncio.run(main())
 
 
 # ---- the measurement ---------------------------------------------------------------------------
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"backend exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up in {timeout:.0f}s")
-
-
-def _start_backend(kind: str, model: str | None) -> tuple[subprocess.Popen, str, str]:
-    http, control = free_port(), free_port()
+def _start_backend(kind: str, model: str | None, log_path: Path) -> InferenceProcess:
+    """The echo backend, or a real `gyre inference` of `model`; both print the replica's ready line."""
     if kind == "echo":
+        http, control = free_port(), free_port()
         code = f"from gyre_orchestrator.bench import serve_echo; serve_echo({http}, {control})"
-        cmd = [sys.executable, "-c", code]
-    else:
-        cmd = [sys.executable, "-m", "gyre.cli", "inference", "--model.name", str(model),
-               "--server.port", str(http), "--control.port", str(control), "--log.level", "WARNING"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{http}"
-    _wait_http(url, proc)
-    return proc, url, f"127.0.0.1:{control}"
+        return start_inference(log_path=log_path, name="echo", argv=[sys.executable, "-c", code], timeout=120)
+    return start_inference("--model.name", str(model), "--server.port", "0", "--control.port", "0",
+                           "--log.level", "WARNING", log_path=log_path, timeout=300)  # fmt: skip
 
 
 async def _measure(cfg: OrchestratorConfig) -> dict:
@@ -178,7 +162,8 @@ async def _measure(cfg: OrchestratorConfig) -> dict:
 
 
 def run(bench: OrchestratorBenchConfig, kind: str, redis_url: str, root: Path) -> dict:
-    proc, url, control = _start_backend(kind, bench.real_model)
+    backend = _start_backend(kind, bench.real_model, root / f"{kind}.log")
+    url, control = backend.url, backend.control
     try:
         cfg = load_config(
             OrchestratorConfig,
@@ -201,8 +186,7 @@ def run(bench: OrchestratorBenchConfig, kind: str, redis_url: str, root: Path) -
         )
         return asyncio.run(_measure(cfg))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        backend.stop(timeout=30)
 
 
 def main(argv: list[str]) -> int:

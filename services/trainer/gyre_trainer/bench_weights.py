@@ -19,24 +19,20 @@ orchestrator (one small gRPC call) is not included.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
 from gyre.config.loader import GyreSettings, parse_or_exit
+from gyre.inference_process import InferenceProcess, start_inference
 from gyre.transport import FolderStore
 from gyre.weights import WeightsVersion
 from pydantic import Field
-
-READY = re.compile(r"^ready: (http://\S+) control: (\S+) version: (\d+)$")
 
 
 class WeightsBenchConfig(GyreSettings):
@@ -50,40 +46,13 @@ class WeightsBenchConfig(GyreSettings):
     full_verify: bool = Field(False, description="Replicas re-hash every file (weights.full_verify).")
 
 
-class Replica:
-    def __init__(self, model: str, device: str, output_dir: Path, full_verify: bool, log: Path):
-        self._log = open(log, "w")  # noqa: SIM115 (closed in stop)
-        cmd = [sys.executable, "-m", "gyre.cli", "inference", "--model.name", model, "--server.port", "0",
-               "--control.port", "0", "--engine.device", device, "--output-dir", str(output_dir),
-               "--weights.full_verify", str(full_verify).lower()]  # fmt: skip
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        if device == "cpu":
-            cmd += ["--engine.threads", "1"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
-        self.control: str | None = None
-        ready = threading.Event()
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                m = READY.match(line.strip())
-                if m and self.control is None:
-                    self.control = m.group(2)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(600)
-        if self.control is None:
-            self.stop()
-            raise RuntimeError(f"inference did not start:\n{log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
+def start_replica(model: str, device: str, output_dir: Path, full_verify: bool, log: Path) -> InferenceProcess:
+    """A `gyre inference` replica on free ports, ready to take weight updates."""
+    args = ["--model.name", model, "--server.port", "0", "--control.port", "0", "--engine.device", device,
+            "--output-dir", str(output_dir), "--weights.full_verify", str(full_verify).lower()]  # fmt: skip
+    if device == "cpu":
+        args += ["--engine.threads", "1"]
+    return start_inference(*args, log_path=log, timeout=600, env={"TOKENIZERS_PARALLELISM": "false"})
 
 
 def update_all(stubs, version: WeightsVersion, pool: ThreadPoolExecutor) -> list[float]:
@@ -139,7 +108,7 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
     sink = FolderStore(volume / "weights")
     publisher = WeightPublisher(sink, model_dir, keep_last=2)
     replicas = [
-        Replica(model_dir, cfg.device, volume, cfg.full_verify, work / f"inference-{i}.log")
+        start_replica(model_dir, cfg.device, volume, cfg.full_verify, work / f"inference-{i}.log")
         for i in range(cfg.replicas)
     ]
     channels = [grpc.insecure_channel(r.control) for r in replicas]
@@ -161,7 +130,7 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
             loads = update_all(stubs, version, callers)
             served = time.perf_counter()
             nbytes = sum(f.stat().st_size for f in version.path.rglob("*") if f.is_file())
-            write_s, read_s = disk_write_read(sink.store.root, nbytes)
+            write_s, read_s = disk_write_read(volume / "weights", nbytes)
             rows.append(
                 {"gather": start - gathering, "publish": published - start, "relay": served - published,
                  "load": max(loads), "swap": served - start, "write": write_s, "read": read_s, "bytes": nbytes}

@@ -1,32 +1,27 @@
-"""Fixtures for the inference service tests (helpers live in inference_testlib.py)."""
+"""Fixtures for the inference service tests (the tiny model: tests/conftest.py; real servers: support.inference)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from inference_testlib import InferenceProcess, make_tiny_model, make_tool_model
+from inference_testlib import make_tool_model
+from support.inference import InferenceServer
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory)
+def tool_model(tmp_path_factory, tiny_model) -> Path:
+    return make_tool_model(tmp_path_factory, tiny_model)
 
 
 @pytest.fixture(scope="session")
-def tool_model(tmp_path_factory) -> Path:
-    return make_tool_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def start_server(tmp_path_factory):
-    """Factory: start_server(*extra_args) -> a ready InferenceProcess, stopped (gracefully) at session end."""
-    started: list[InferenceProcess] = []
-    model = make_tiny_model(tmp_path_factory)
+def start_server(tmp_path_factory, tiny_model):
+    """Factory: start_server(*extra_args) -> a ready InferenceServer, stopped (gracefully) at session end."""
+    started: list[InferenceServer] = []
     log_dir = tmp_path_factory.mktemp("inference-logs")
 
-    def start(*args: str, model_path: Path | None = None) -> InferenceProcess:
-        server = InferenceProcess(model_path or model, *args, log_dir=log_dir)
+    def start(*args: str, model_path: Path | None = None) -> InferenceServer:
+        server = InferenceServer(model_path or tiny_model, *args, log_dir=log_dir)
         started.append(server)
         return server
 
@@ -36,7 +31,7 @@ def start_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(start_server, tool_model) -> InferenceProcess:
+def server(start_server, tool_model) -> InferenceServer:
     """The shared server of the API tests: the tool model, context 256 (keeps generated cases short)."""
     return start_server("--engine.max-model-len", "256", "--run-id", "api-tests", model_path=tool_model)
 

@@ -17,7 +17,7 @@ import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightsVersion
-from inference_testlib import InferenceProcess
+from support.inference import InferenceServer
 
 
 @pytest.mark.asyncio
@@ -75,7 +75,7 @@ async def test_probes_say_not_ready_until_the_model_is_loaded(tiny_model):
 
 
 def test_sigterm_lets_in_flight_streams_finish_then_exits_cleanly(tiny_model, tmp_path):
-    server = InferenceProcess(tiny_model, log_dir=tmp_path)
+    server = InferenceServer(tiny_model, log_dir=tmp_path)
     result: dict = {}
 
     def stream():

@@ -1,90 +1,25 @@
 """Helpers of the orchestrator's integration tests (a uniquely named module: every test folder has a
 conftest.py, so `from conftest import ...` would pick whichever was imported first).
 
-`InferenceReplica` runs a real `gyre inference`; `SimulatedTrainer` consumes the real stream and publishes
-real weights; `orchestrator_config` makes CI-sized configs.
+`SimulatedTrainer` consumes the real stream and publishes real weights; `orchestrator_config` makes CI-sized
+configs (real replicas: `support.inference`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import grpc
 from gyre.config import load_config
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.streams import BatchStream, StepReader
-from gyre.v1 import inference_pb2, inference_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from gyre.weights import WeightStore
 
-READY = re.compile(r"^ready: (http://\S+) control: (\S+) version: (\d+)$")
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                "tokenizer_config.json", "chat_template.jinja")  # fmt: skip
-
-
-class InferenceReplica:
-    """`gyre inference` on free ports in its own process group; `stop()` is graceful, `kill()` is SIGKILL."""
-
-    def __init__(self, model: Path, log_dir: Path, *args: str, timeout: float = 180.0):
-        self.log_path = log_dir / f"inference-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop/kill)
-        cmd = [sys.executable, "-m", "gyre.cli", "inference", "--model.name", str(model), "--server.port", "0",
-               "--control.port", "0", "--engine.threads", "1", *args]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
-                                     env=env)  # fmt: skip
-        found: list[str] = []
-        done = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                if READY.match(line.strip()):
-                    found.append(line.strip())
-                    done.set()
-            done.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        done.wait(timeout)
-        if not found:
-            self.kill()
-            raise RuntimeError(f"inference did not become ready:\n{self.log_path.read_text()[-3000:]}")
-        m = READY.match(found[0])
-        self.url, self.control = m.group(1), m.group(2)
-
-    def status(self) -> inference_pb2.GetInferenceStatusResponse:
-        with grpc.insecure_channel(self.control) as channel:
-            return inference_pb2_grpc.InferenceControlStub(channel).GetStatus(
-                inference_pb2.GetInferenceStatusRequest(), timeout=10
-            )
-
-    def reload_base(self) -> None:
-        with grpc.insecure_channel(self.control) as channel:
-            inference_pb2_grpc.InferenceControlStub(channel).ReloadWeights(
-                inference_pb2.ReloadWeightsRequest(), timeout=60
-            )
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self._log.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
 
 
 def orchestrator_config(tmp_path: Path, redis_url: str, run_id: str, replicas, **overrides) -> OrchestratorConfig:

@@ -9,13 +9,12 @@ The loss mask is then checked token by token against what the server reported fo
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from gyre.envs import SamplingParams, load_environment
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from orchestrator_testlib import first_batch, orchestrator_config
+from support.models import teach
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -35,7 +34,7 @@ def training_conversations():
 def chat_model(tiny_model, tmp_path_factory):
     """The tiny model taught the reference conversations of a few tasks (greedy reproduces them)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = tmp_path_factory.getbasetemp() / "orchestrator-chat-model"
     if (path / "config.json").exists():
@@ -56,32 +55,7 @@ def chat_model(tiny_model, tmp_path_factory):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention[i, : len(ids)] = 1
         labels[i, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # more threads than free cores is many times slower on a busy machine
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    try:
-        for _ in range(600):
-            out = model(input_ids=input_ids, attention_mask=attention, labels=labels)
-            target = labels[:, 1:]
-            trained = target != -100
-            if bool((out.logits[:, :-1].argmax(-1)[trained] == target[trained]).all()):
-                break  # greedy decoding now reproduces every taught assistant token
-            optimizer.zero_grad()
-            out.loss.backward()
-            optimizer.step()
-        else:
-            raise RuntimeError("the chat model did not learn its conversations")
-    finally:
-        torch.set_num_threads(threads)
-    staging = path.with_name(path.name + ".tmp")
-    model.save_pretrained(staging)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (tiny_model / name).exists():
-            shutil.copy(tiny_model / name, staging / name)
-    staging.rename(path)
-    return path
+    return teach(tiny_model, path, input_ids, labels, attention, max_steps=600)
 
 
 @pytest.fixture(scope="module")

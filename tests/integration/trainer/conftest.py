@@ -1,16 +1,8 @@
-"""Fixtures of the trainer service integration tests (real Redis comes from tests/conftest.py)."""
+"""Fixtures of the trainer service integration tests (real Redis and the tiny model come from tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The `tiny` preset (about 1M parameters) made by `gyre model init`, shared by the session."""
-    from gyre.model_init import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import sys
 from pathlib import Path
 
 import grpc
@@ -22,11 +21,9 @@ from gyre.streams import BatchStream
 from gyre.transport import FolderStore
 from gyre.v1 import inference_pb2, inference_pb2_grpc
 from safetensors.torch import load_file
+from support.inference import InferenceServer
 from test_trainer_multirun import LORA, multirun_config, run_trainer
 from trainer_testlib import push_batches
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
-from inference_testlib import InferenceProcess  # noqa: E402 (the inference tests' server helper)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
 
@@ -69,7 +66,7 @@ def test_two_runs_train_their_own_adapters_and_each_model_name_serves_its_own(
     assert run_trainer(multirun_config(tiny_model, redis_url, runs, optim={"lr": 5e-2})) == 0
 
     adapters = json.dumps(names)
-    server = InferenceProcess(
+    server = InferenceServer(
         tiny_model, "--lora.adapters", adapters, "--lora.max-loras", "3", "--lora.max-rank", str(LORA["rank"]),
         log_dir=tmp_path,
     )  # fmt: skip

@@ -1,20 +1,8 @@
-"""The tiny model for the inference unit tests (created once per session, shared with integration tests)."""
+"""Fixtures of the inference unit tests (the tiny model itself comes from tests/conftest.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    from gyre.model_init import init_model
-
-    path = tmp_path_factory.getbasetemp() / "inference-tiny-model"
-    if not (path / "config.json").exists():
-        init_model(path, preset="tiny", seed=0)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,10 @@
-"""Fixtures of the trainer-core tests: one tiny model made by `gyre model init`, loaded fresh per test."""
+"""Fixtures of the trainer-core tests: the session's tiny model (tests/conftest.py) loaded fresh per test."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from gyre.config.shared import ModelConfig
-from gyre.model_init import init_model
 from gyre_trainer.model import load_model
 
 
@@ -19,18 +18,13 @@ def _few_threads():
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("trainer-core") / "model", preset="tiny", seed=0)
+@pytest.fixture
+def tiny_llama(tiny_model):
+    """The tiny model (tests/conftest.py) loaded in float32 on CPU, training mode."""
+    return load_model(ModelConfig(name=str(tiny_model)), "cpu")
 
 
 @pytest.fixture
-def tiny_model(tiny_model_dir):
-    """The tiny Llama in float32 on CPU, training mode."""
-    return load_model(ModelConfig(name=str(tiny_model_dir)), "cpu")
-
-
-@pytest.fixture
-def tiny_model64(tiny_model_dir):
-    """The tiny Llama in float64: gradient comparisons at 1e-6 relative tolerance need it."""
-    return load_model(ModelConfig(name=str(tiny_model_dir)), "cpu", torch.float64)
+def tiny_llama64(tiny_model):
+    """The tiny model in float64: gradient comparisons at 1e-6 relative tolerance need it."""
+    return load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float64)

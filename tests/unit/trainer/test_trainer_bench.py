@@ -39,9 +39,9 @@ def test_fake_batch_is_valid_and_well_packed():
     assert all(not r.loss_mask[0] for r in rows)  # a sample's first token is never in the loss
 
 
-def test_one_tiny_run_reports_every_figure(tiny_model_dir, capsys):
+def test_one_tiny_run_reports_every_figure(tiny_model, capsys):
     cfg = TrainerBenchConfig(
-        model=ModelConfig(name=str(tiny_model_dir)),
+        model=ModelConfig(name=str(tiny_model)),
         seq_len=128,
         num_samples=8,
         min_len=8,

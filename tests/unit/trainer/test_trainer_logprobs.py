@@ -57,17 +57,17 @@ def test_bfloat16_model_gets_float32_logprobs_close_to_the_reference():
     torch.testing.assert_close(grads[1], weight.grad.float(), rtol=0.02, atol=0.02)
 
 
-def test_packed_logprobs_do_not_depend_on_the_chunk(tiny_model64):
+def test_packed_logprobs_do_not_depend_on_the_chunk(tiny_llama64):
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 1024, (2, 40), generator=gen)
     positions = torch.cat([torch.arange(25), torch.arange(15)]).repeat(2, 1)
     lengths = [torch.tensor([25, 15])] * 2
     results = []
     for chunk in (7, 4096):
-        lp, ent = packed_logprobs(tiny_model64, ids, positions, lengths, 0.8, chunk_tokens=chunk)
+        lp, ent = packed_logprobs(tiny_llama64, ids, positions, lengths, 0.8, chunk_tokens=chunk)
         lp.sum().backward()
-        grad = torch.cat([p.grad.flatten() for p in tiny_model64.parameters()])
-        tiny_model64.zero_grad(set_to_none=True)
+        grad = torch.cat([p.grad.flatten() for p in tiny_llama64.parameters()])
+        tiny_llama64.zero_grad(set_to_none=True)
         results.append((lp.detach(), ent, grad))
     for a, b in zip(results[0], results[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -40,11 +40,11 @@ def samples():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_equals_each_sample_alone(tiny_model64, samples, temperature):
+def test_packed_equals_each_sample_alone(tiny_llama64, samples, temperature):
     ids, positions, lengths = packed_row(samples)
     with torch.no_grad():
-        lp, ent = packed_logprobs(tiny_model64, ids, positions, lengths, temperature)
-        expected = [alone(tiny_model64, s, temperature) for s in samples]
+        lp, ent = packed_logprobs(tiny_llama64, ids, positions, lengths, temperature)
+        expected = [alone(tiny_llama64, s, temperature) for s in samples]
     assert lp.shape == ids.shape and ent.shape == ids.shape
     torch.testing.assert_close(lp, torch.cat([e[0] for e in expected]), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(ent, torch.cat([e[1] for e in expected]), rtol=1e-9, atol=1e-9)
@@ -53,58 +53,58 @@ def test_packed_equals_each_sample_alone(tiny_model64, samples, temperature):
     assert (lp[lp != 0] < 0).all()
 
 
-def test_float32_packed_matches_alone_closely(tiny_model, samples):
+def test_float32_packed_matches_alone_closely(tiny_llama, samples):
     ids, positions, lengths = packed_row(samples)
     with torch.no_grad():
-        lp, _ = packed_logprobs(tiny_model, ids, positions, lengths)
-        expected = torch.cat([alone(tiny_model, s)[0] for s in samples]).float()
+        lp, _ = packed_logprobs(tiny_llama, ids, positions, lengths)
+        expected = torch.cat([alone(tiny_llama, s)[0] for s in samples]).float()
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_changing_one_sample_leaves_its_neighbours_untouched(tiny_model64, samples):
+def test_changing_one_sample_leaves_its_neighbours_untouched(tiny_llama64, samples):
     ids, positions, lengths = packed_row(samples)
     edited = [s.clone() for s in samples]
     edited[0][:] = 5  # the sample that everything after it would attend to if attention leaked
     ids2, _, _ = packed_row(edited)
     with torch.no_grad():
-        before, _ = packed_logprobs(tiny_model64, ids, positions, lengths)
-        after, _ = packed_logprobs(tiny_model64, ids2, positions, lengths)
+        before, _ = packed_logprobs(tiny_llama64, ids, positions, lengths)
+        after, _ = packed_logprobs(tiny_llama64, ids2, positions, lengths)
     first = LENGTHS[0]
     assert not torch.allclose(before[:first], after[:first])
     torch.testing.assert_close(before[first:], after[first:], rtol=0, atol=1e-12)
 
 
-def test_rows_of_a_micro_batch_are_independent_and_padding_is_its_own_segment(tiny_model64, samples):
+def test_rows_of_a_micro_batch_are_independent_and_padding_is_its_own_segment(tiny_llama64, samples):
     row_a, row_b = samples[:2], samples[2:]  # 8 and 17 tokens: pad row a with a 9-token segment
     pad = torch.zeros(9, dtype=torch.long)
     ids_a, pos_a, len_a = packed_row([*row_a, pad])
     ids_b, pos_b, len_b = packed_row(row_b)
     with torch.no_grad():
         lp, ent = packed_logprobs(
-            tiny_model64, torch.stack([ids_a, ids_b]), torch.stack([pos_a, pos_b]), [len_a, len_b]
+            tiny_llama64, torch.stack([ids_a, ids_b]), torch.stack([pos_a, pos_b]), [len_a, len_b]
         )
-        single_a, _ = packed_logprobs(tiny_model64, *packed_row(row_a))
-        single_b, _ = packed_logprobs(tiny_model64, ids_b, pos_b, len_b)
+        single_a, _ = packed_logprobs(tiny_llama64, *packed_row(row_a))
+        single_b, _ = packed_logprobs(tiny_llama64, ids_b, pos_b, len_b)
     assert lp.shape == (2, 17)
     torch.testing.assert_close(lp[0, :8], single_a, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(lp[1], single_b, rtol=1e-9, atol=1e-9)
 
 
-def test_gradients_flow_through_logprobs_only(tiny_model, samples):
+def test_gradients_flow_through_logprobs_only(tiny_llama, samples):
     ids, positions, lengths = packed_row(samples)
-    lp, ent = packed_logprobs(tiny_model, ids, positions, lengths)
+    lp, ent = packed_logprobs(tiny_llama, ids, positions, lengths)
     assert lp.requires_grad and not ent.requires_grad
     lp.sum().backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in tiny_model.parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in tiny_llama.parameters())
 
 
-def test_activation_checkpointing_gives_the_same_gradients(tiny_model_dir, samples):
+def test_activation_checkpointing_gives_the_same_gradients(tiny_model, samples):
     ids, positions, lengths = packed_row(samples)
     grads = []
     for checkpointing in (False, True):
         model = load_model(
-            ModelConfig(name=str(tiny_model_dir)), "cpu", torch.float64, activation_checkpointing=checkpointing
+            ModelConfig(name=str(tiny_model)), "cpu", torch.float64, activation_checkpointing=checkpointing
         )
         assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == checkpointing
         packed_logprobs(model, ids, positions, lengths)[0].sum().backward()
@@ -112,21 +112,21 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model_dir, sampl
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
 
 
-def test_bad_inputs_are_rejected(tiny_model, samples, tmp_path):
+def test_bad_inputs_are_rejected(tiny_llama, samples, tmp_path):
     ids, positions, lengths = packed_row(samples)
     with pytest.raises(ValueError, match="sum to"):
-        packed_logprobs(tiny_model, ids, positions, lengths[:-1])
+        packed_logprobs(tiny_llama, ids, positions, lengths[:-1])
     with pytest.raises(ValueError, match="temperature"):
-        packed_logprobs(tiny_model, ids, positions, lengths, temperature=0.0)
+        packed_logprobs(tiny_llama, ids, positions, lengths, temperature=0.0)
     with pytest.raises(ValueError, match="disagree"):
-        packed_logprobs(tiny_model, ids.unsqueeze(0), positions, [lengths])
+        packed_logprobs(tiny_llama, ids.unsqueeze(0), positions, [lengths])
     with pytest.raises(FileNotFoundError, match="gyre model init"):
         load_model(ModelConfig(name=str(tmp_path / "missing")), "cpu")
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_every_cpu_attention_keeps_samples_apart(tiny_model_dir, samples, implementation):
-    model = load_model(ModelConfig(name=str(tiny_model_dir)), "cpu", torch.float64, attn_implementation=implementation)
+def test_every_cpu_attention_keeps_samples_apart(tiny_model, samples, implementation):
+    model = load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float64, attn_implementation=implementation)
     ids, positions, lengths = packed_row(samples)
     with torch.no_grad():
         lp, _ = packed_logprobs(model, ids, positions, lengths)

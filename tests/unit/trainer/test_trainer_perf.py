@@ -17,8 +17,8 @@ def counted_non_embedding(model) -> int:
     return total - model.get_input_embeddings().weight.numel()
 
 
-def test_non_embedding_params_of_the_tiny_model(tiny_model):
-    assert non_embedding_params(tiny_model.config) == counted_non_embedding(tiny_model)
+def test_non_embedding_params_of_the_tiny_model(tiny_llama):
+    assert non_embedding_params(tiny_llama.config) == counted_non_embedding(tiny_llama)
 
 
 @pytest.mark.parametrize(

@@ -31,10 +31,10 @@ LAYOUTS = {
 
 
 @pytest.fixture
-def samples(tiny_model64):
+def samples(tiny_llama64):
     rng = np.random.default_rng(0)
     samples = random_samples(rng, LENGTHS)
-    set_behaviour_logprobs(tiny_model64, samples, noise=0.3, rng=rng)  # a mix of clipped and unclipped tokens
+    set_behaviour_logprobs(tiny_llama64, samples, noise=0.3, rng=rng)  # a mix of clipped and unclipped tokens
     return samples
 
 
@@ -69,8 +69,8 @@ def assert_same_gradient(got: torch.Tensor, want: torch.Tensor) -> None:
     ],
     ids=lambda c: f"{c.type}-{c.aggregation}-{c.is_correction}",
 )
-def test_splitting_the_batch_does_not_change_the_gradient(tiny_model64, samples, loss_cfg):
-    reference = gradient(tiny_model64, make_batch(samples, LAYOUTS["1 micro-batch"]), loss_cfg)
+def test_splitting_the_batch_does_not_change_the_gradient(tiny_llama64, samples, loss_cfg):
+    reference = gradient(tiny_llama64, make_batch(samples, LAYOUTS["1 micro-batch"]), loss_cfg)
     # micro_batch_size > 1 stacks rows of unequal length into one forward, padding the short ones.
     for name, micro_batch_size in (
         ("2 micro-batches", 1),
@@ -78,34 +78,34 @@ def test_splitting_the_batch_does_not_change_the_gradient(tiny_model64, samples,
         ("4 micro-batches", 2),
         ("8 single-sample rows", 3),
     ):
-        got = gradient(tiny_model64, make_batch(samples, LAYOUTS[name]), loss_cfg, micro_batch_size=micro_batch_size)
+        got = gradient(tiny_llama64, make_batch(samples, LAYOUTS[name]), loss_cfg, micro_batch_size=micro_batch_size)
         assert_same_gradient(got, reference)
     # Two data-parallel ranks, each scaled by data_parallel_scale(2), averaged as FSDP2 averages.
     two_ranks = make_batch(samples, [[[0, 1, 2], [3]], [[4, 5], [6, 7]]])
-    shares = [gradient(tiny_model64, two_ranks, loss_cfg, rank=r, world_size=2) for r in (0, 1)]
+    shares = [gradient(tiny_llama64, two_ranks, loss_cfg, rank=r, world_size=2) for r in (0, 1)]
     assert data_parallel_scale(2) == 2.0
     assert_same_gradient((shares[0] + shares[1]) / 2, reference)
 
 
-def test_ratio_one_gives_the_reinforce_gradient_on_the_model(tiny_model64):
+def test_ratio_one_gives_the_reinforce_gradient_on_the_model(tiny_llama64):
     rng = np.random.default_rng(1)
     samples = random_samples(rng, LENGTHS)
-    set_behaviour_logprobs(tiny_model64, samples, noise=0.0, rng=rng)  # identical weights on both sides
+    set_behaviour_logprobs(tiny_llama64, samples, noise=0.0, rng=rng)  # identical weights on both sides
     batch = make_batch(samples, LAYOUTS["2 micro-batches"])
 
     def reinforce(per_sample_weight) -> torch.Tensor:
         """∇ of −Σ_i w_i Σ_t A_i·m_t·lp_t, written out directly."""
-        tiny_model64.zero_grad(set_to_none=True)
+        tiny_llama64.zero_grad(set_to_none=True)
         for mb in batch.for_rank(0):
             ids, pos = torch.from_numpy(mb.input_ids).long(), torch.from_numpy(mb.position_ids).long()
-            lp, _ = packed_logprobs(tiny_model64, ids, pos, mb.sample_lengths)
+            lp, _ = packed_logprobs(tiny_llama64, ids, pos, mb.sample_lengths)
             weight = torch.repeat_interleave(
                 torch.tensor([per_sample_weight(mb, k) for k in range(mb.num_samples)], dtype=torch.float64),
                 torch.from_numpy(mb.sample_lengths).long(),
             )
             adv, mask = torch.from_numpy(mb.advantages).double(), torch.from_numpy(mb.loss_mask)
             (-(weight * adv * lp * mask).sum()).backward()
-        return flat_grad(tiny_model64).clone()
+        return flat_grad(tiny_llama64).clone()
 
     def loss_tokens(mb, k):
         start = int(mb.sample_lengths[:k].sum())
@@ -116,22 +116,22 @@ def test_ratio_one_gives_the_reinforce_gradient_on_the_model(tiny_model64):
     cases = [(name, "token-mean", token_mean) for name in ("aipo", "ppo_clip", "gspo", "cispo", "masked_is")]
     cases += [(name, "seq-mean-token-mean", seq_mean) for name in ("gspo", "ppo_clip")]
     for name, aggregation, expected in cases:
-        got = gradient(tiny_model64, batch, LossConfig(type=name, aggregation=aggregation))
+        got = gradient(tiny_llama64, batch, LossConfig(type=name, aggregation=aggregation))
         assert_same_gradient(got, expected)
 
 
-def test_step_metrics_match_hand_computed_values(tiny_model64):
+def test_step_metrics_match_hand_computed_values(tiny_llama64):
     rng = np.random.default_rng(2)
     samples = random_samples(rng, LENGTHS)
     # r = e^−1 ≈ 0.37 on every loss token: ppo_clip clips exactly the tokens of samples with A < 0.
-    set_behaviour_logprobs(tiny_model64, samples, noise=0.0, rng=rng, offset=-1.0)
+    set_behaviour_logprobs(tiny_llama64, samples, noise=0.0, rng=rng, offset=-1.0)
     batch = make_batch(samples, LAYOUTS["4 micro-batches"])
     cfg = OptimConfig(lr=1e-3, warmup_steps=2)
-    optimizer = build_optimizer(tiny_model64, cfg)
+    optimizer = build_optimizer(tiny_llama64, cfg)
     scheduler = build_scheduler(optimizer, cfg, None)
-    before = flat_grad_norm_reference(tiny_model64, batch)
+    before = flat_grad_norm_reference(tiny_llama64, batch)
     metrics = train_step(
-        tiny_model64, optimizer, scheduler, batch, loss_cfg=LossConfig(type="ppo_clip"), max_grad_norm=1e9
+        tiny_llama64, optimizer, scheduler, batch, loss_cfg=LossConfig(type="ppo_clip"), max_grad_norm=1e9
     ).metrics
 
     loss_tokens = [int(np.count_nonzero(s["loss_mask"])) for s in samples]
@@ -150,46 +150,46 @@ def test_step_metrics_match_hand_computed_values(tiny_model64):
     assert metrics["grad_norm"] == pytest.approx(before, rel=1e-9)
     assert metrics["lr"] == pytest.approx(0.5e-3) and metrics["skipped"] == 0
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the schedule advanced
-    assert all(p.grad is None for p in tiny_model64.parameters())
+    assert all(p.grad is None for p in tiny_llama64.parameters())
 
 
-def test_dr_grpo_normalises_by_the_batch_generation_budget(tiny_model64, samples):
+def test_dr_grpo_normalises_by_the_batch_generation_budget(tiny_llama64, samples):
     """seq-mean-token-sum-norm divides by loss.max_tokens, else the batch's budget, else the longest sample."""
     cfg = LossConfig(aggregation="seq-mean-token-sum-norm")
     batch = make_batch(samples, LAYOUTS["2 micro-batches"])
     longest = max(int(np.count_nonzero(s["loss_mask"])) for s in samples)
-    by_longest = compute_gradients(tiny_model64, batch, loss_cfg=cfg)["loss"]
+    by_longest = compute_gradients(tiny_llama64, batch, loss_cfg=cfg)["loss"]
     batch.max_tokens = 64
-    by_budget = compute_gradients(tiny_model64, batch, loss_cfg=cfg)["loss"]
+    by_budget = compute_gradients(tiny_llama64, batch, loss_cfg=cfg)["loss"]
     assert by_budget == pytest.approx(by_longest * longest / 64, rel=1e-9)
-    configured = compute_gradients(tiny_model64, batch, loss_cfg=LossConfig(aggregation=cfg.aggregation, max_tokens=32))
+    configured = compute_gradients(tiny_llama64, batch, loss_cfg=LossConfig(aggregation=cfg.aggregation, max_tokens=32))
     assert configured["loss"] == pytest.approx(by_budget * 2, rel=1e-9)
-    tiny_model64.zero_grad(set_to_none=True)
+    tiny_llama64.zero_grad(set_to_none=True)
 
 
-def test_correction_metrics_are_means_over_loss_tokens(tiny_model64):
+def test_correction_metrics_are_means_over_loss_tokens(tiny_llama64):
     rng = np.random.default_rng(6)
     samples = random_samples(rng, LENGTHS)
     # q = e^0.5 ≈ 1.65 on every loss token: a 1.5 cap truncates every one of them
-    set_behaviour_logprobs(tiny_model64, samples, noise=0.0, rng=rng, offset=0.5)
+    set_behaviour_logprobs(tiny_llama64, samples, noise=0.0, rng=rng, offset=0.5)
     batch = make_batch(samples, LAYOUTS["4 micro-batches"])
-    metrics = compute_gradients(tiny_model64, batch, loss_cfg=LossConfig(is_correction="token_tis", is_cap=1.5))
+    metrics = compute_gradients(tiny_llama64, batch, loss_cfg=LossConfig(is_correction="token_tis", is_cap=1.5))
     assert metrics["is_weight"] == pytest.approx(1.5, rel=1e-6)
     assert metrics["is_corrected_frac"] == 1.0 and metrics["invalid_logprob_frac"] == 0.0
     assert metrics["clip_frac"] == 0.0  # the objective sees on-policy data
-    tiny_model64.zero_grad(set_to_none=True)
+    tiny_llama64.zero_grad(set_to_none=True)
 
 
-def test_log_probs_are_computed_at_the_batch_temperature(tiny_model64):
+def test_log_probs_are_computed_at_the_batch_temperature(tiny_llama64):
     rng = np.random.default_rng(5)
     samples = random_samples(rng, LENGTHS)
-    set_behaviour_logprobs(tiny_model64, samples, noise=0.0, rng=rng, temperature=0.5)
+    set_behaviour_logprobs(tiny_llama64, samples, noise=0.0, rng=rng, temperature=0.5)
     batch = make_batch(samples, LAYOUTS["1 micro-batch"])
     batch.temperature = 0.5
-    assert compute_gradients(tiny_model64, batch, loss_cfg=LossConfig())["mismatch_kl"] < 1e-9
+    assert compute_gradients(tiny_llama64, batch, loss_cfg=LossConfig())["mismatch_kl"] < 1e-9
     batch.temperature = 1.0  # the trainer at another temperature than inference: a visible mismatch
-    assert compute_gradients(tiny_model64, batch, loss_cfg=LossConfig())["mismatch_kl"] > 1e-3
-    override = compute_gradients(tiny_model64, batch, loss_cfg=LossConfig(), temperature=0.5)
+    assert compute_gradients(tiny_llama64, batch, loss_cfg=LossConfig())["mismatch_kl"] > 1e-3
+    override = compute_gradients(tiny_llama64, batch, loss_cfg=LossConfig(), temperature=0.5)
     assert override["mismatch_kl"] < 1e-9
 
 
@@ -199,38 +199,38 @@ def flat_grad_norm_reference(model, batch) -> float:
     return norm
 
 
-def test_gradients_are_clipped_to_max_grad_norm(tiny_model64, samples):
+def test_gradients_are_clipped_to_max_grad_norm(tiny_llama64, samples):
     batch = make_batch(samples, LAYOUTS["2 micro-batches"])
-    optimizer = torch.optim.SGD(tiny_model64.parameters(), lr=1.0)
+    optimizer = torch.optim.SGD(tiny_llama64.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    start = torch.cat([p.detach().flatten() for p in tiny_model64.parameters()])
-    compute_gradients(tiny_model64, batch, loss_cfg=LossConfig())
-    metrics = optimizer_step(tiny_model64, optimizer, scheduler, max_grad_norm=1e-3)
-    moved = torch.cat([p.detach().flatten() for p in tiny_model64.parameters()]) - start
+    start = torch.cat([p.detach().flatten() for p in tiny_llama64.parameters()])
+    compute_gradients(tiny_llama64, batch, loss_cfg=LossConfig())
+    metrics = optimizer_step(tiny_llama64, optimizer, scheduler, max_grad_norm=1e-3)
+    moved = torch.cat([p.detach().flatten() for p in tiny_llama64.parameters()]) - start
     assert metrics["grad_norm"] > 1e-3
     assert moved.norm().item() == pytest.approx(1e-3, rel=1e-6)  # SGD at lr 1 moves by the clipped gradient
 
 
-def test_a_non_finite_gradient_skips_the_update(tiny_model64, samples):
+def test_a_non_finite_gradient_skips_the_update(tiny_llama64, samples):
     samples[3]["advantages"][:] = np.nan
     batch = make_batch(samples, LAYOUTS["2 micro-batches"])
-    optimizer = build_optimizer(tiny_model64, OptimConfig(lr=1e-2))
+    optimizer = build_optimizer(tiny_llama64, OptimConfig(lr=1e-2))
     scheduler = build_scheduler(optimizer, OptimConfig(lr=1e-2), None)
-    start = [p.detach().clone() for p in tiny_model64.parameters()]
-    metrics = train_step(tiny_model64, optimizer, scheduler, batch, loss_cfg=LossConfig(), max_grad_norm=1.0).metrics
+    start = [p.detach().clone() for p in tiny_llama64.parameters()]
+    metrics = train_step(tiny_llama64, optimizer, scheduler, batch, loss_cfg=LossConfig(), max_grad_norm=1.0).metrics
     assert metrics["skipped"] == 1 and not math.isfinite(metrics["grad_norm"])
-    assert all(torch.equal(a, b) for a, b in zip(start, tiny_model64.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(start, tiny_llama64.parameters(), strict=True))
     assert optimizer.state == {} or all(not s for s in optimizer.state.values())
 
 
-def test_global_normalisers_below_the_local_counts_are_rejected(tiny_model64, samples):
+def test_global_normalisers_below_the_local_counts_are_rejected(tiny_llama64, samples):
     batch = make_batch(samples, LAYOUTS["2 micro-batches"])
     batch.num_loss_tokens = 3
     with pytest.raises(ValueError, match="global normalisers"):
-        compute_gradients(tiny_model64, batch, loss_cfg=LossConfig())
+        compute_gradients(tiny_llama64, batch, loss_cfg=LossConfig())
 
 
-def test_a_user_objective_trains_through_train_step(tiny_model64, samples, tmp_path, monkeypatch):
+def test_a_user_objective_trains_through_train_step(tiny_llama64, samples, tmp_path, monkeypatch):
     (tmp_path / "user_reinforce.py").write_text(
         "import torch\nfrom gyre_trainer.loss import LossOutput\n\n"
         "def loss(lp, behaviour, adv, mask, lengths, cfg):\n"
@@ -238,10 +238,10 @@ def test_a_user_objective_trains_through_train_step(tiny_model64, samples, tmp_p
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     batch = make_batch(samples, LAYOUTS["2 micro-batches"])
-    optimizer = build_optimizer(tiny_model64, OptimConfig())
+    optimizer = build_optimizer(tiny_llama64, OptimConfig())
     scheduler = build_scheduler(optimizer, OptimConfig(), None)
     metrics = train_step(
-        tiny_model64, optimizer, scheduler, batch, loss_cfg=LossConfig(type="user_reinforce:loss"), max_grad_norm=1.0
+        tiny_llama64, optimizer, scheduler, batch, loss_cfg=LossConfig(type="user_reinforce:loss"), max_grad_norm=1.0
     ).metrics
     assert metrics["user_frac"] == pytest.approx(1.0) and metrics["grad_norm"] > 0
 
@@ -251,17 +251,17 @@ def sft_rows(rng, lengths_per_row):
     return [b.for_rank(0)[0] for b in batches]
 
 
-def test_sft_loss_is_the_token_mean_cross_entropy_and_split_invariant(tiny_model64):
+def test_sft_loss_is_the_token_mean_cross_entropy_and_split_invariant(tiny_llama64):
     rows = sft_rows(np.random.default_rng(3), [[12, 7], [9], [15, 4, 6]])
     global_tokens = sum(int(r.loss_mask.sum()) for r in rows)
     grads = []
     for micro_batch_size, parts in ((3, [rows]), (1, [rows]), (2, [rows[:1], rows[1:]])):
-        tiny_model64.zero_grad(set_to_none=True)
+        tiny_llama64.zero_grad(set_to_none=True)
         for part in parts:  # parts play data-parallel ranks: each normalises by the global count
             compute_sft_gradients(
-                tiny_model64, part, micro_batch_size=micro_batch_size, global_loss_tokens=global_tokens
+                tiny_llama64, part, micro_batch_size=micro_batch_size, global_loss_tokens=global_tokens
             )
-        grads.append(flat_grad(tiny_model64).clone())
+        grads.append(flat_grad(tiny_llama64).clone())
     for g in grads[1:]:
         assert_same_gradient(g, grads[0])
     # Reference: transformers' own next-token loss, sample by sample, prompt tokens ignored.
@@ -272,49 +272,49 @@ def test_sft_loss_is_the_token_mean_cross_entropy_and_split_invariant(tiny_model
             ids = torch.from_numpy(row.input_ids[start : start + n]).long().unsqueeze(0)
             labels = torch.where(torch.from_numpy(row.loss_mask[start : start + n]), ids, -100)
             with torch.no_grad():
-                out = tiny_model64(input_ids=ids, labels=labels)
+                out = tiny_llama64(input_ids=ids, labels=labels)
             k = int((labels[0, 1:] != -100).sum())
             total, count = total + out.loss.item() * k, count + k
             start += n
     cfg = OptimConfig(lr=1e-3)
-    optimizer = build_optimizer(tiny_model64, cfg)
+    optimizer = build_optimizer(tiny_llama64, cfg)
     scheduler = build_scheduler(optimizer, cfg, None)
-    metrics = sft_step(tiny_model64, optimizer, scheduler, rows, max_grad_norm=1.0, micro_batch_size=2).metrics
+    metrics = sft_step(tiny_llama64, optimizer, scheduler, rows, max_grad_norm=1.0, micro_batch_size=2).metrics
     assert count == global_tokens  # every loss token has a predecessor: prompts are never empty
     assert metrics["loss"] == pytest.approx(total / count, rel=1e-7)  # transformers' loss runs in float32
     assert metrics["num_loss_tokens"] == count and metrics["grad_norm"] > 0
 
 
-def test_sft_reduces_the_loss(tiny_model):
+def test_sft_reduces_the_loss(tiny_llama):
     rows = sft_rows(np.random.default_rng(4), [[20, 12], [16, 16]])
     cfg = OptimConfig(lr=1e-2)
-    optimizer = build_optimizer(tiny_model, cfg)
+    optimizer = build_optimizer(tiny_llama, cfg)
     scheduler = build_scheduler(optimizer, cfg, None)
-    losses = [sft_step(tiny_model, optimizer, scheduler, rows, max_grad_norm=1.0).metrics["loss"] for _ in range(12)]
+    losses = [sft_step(tiny_llama, optimizer, scheduler, rows, max_grad_norm=1.0).metrics["loss"] for _ in range(12)]
     assert losses[-1] < 0.7 * losses[0]
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_match_one_process(tiny_model_dir, tiny_model64, samples, tmp_path):
+def test_two_gloo_ranks_match_one_process(tiny_model, tiny_llama64, samples, tmp_path):
     """Real torch.distributed: the ranks' averaged gradient and the all-reduced metrics equal one process's."""
     loss_cfg = LossConfig(type="ppo_clip", aggregation="seq-mean-token-mean")
     layout = [[[0, 1, 2], [3]], [[4, 5], [6, 7]]]
     out = tmp_path / "rank0.pt"
     mp.spawn(
         dp_worker,
-        args=(2, str(tmp_path / "init"), str(tiny_model_dir), samples, layout, loss_cfg, str(out)),
+        args=(2, str(tmp_path / "init"), str(tiny_model), samples, layout, loss_cfg, str(out)),
         nprocs=2,
         join=True,
     )
     got = torch.load(out)
-    tiny_model64.zero_grad(set_to_none=True)
-    single = compute_gradients(tiny_model64, make_batch(samples, [[[0, 1, 2], [3], [4, 5], [6, 7]]]), loss_cfg=loss_cfg)
-    assert_same_gradient(got["grad"], flat_grad(tiny_model64))
+    tiny_llama64.zero_grad(set_to_none=True)
+    single = compute_gradients(tiny_llama64, make_batch(samples, [[[0, 1, 2], [3], [4, 5], [6, 7]]]), loss_cfg=loss_cfg)
+    assert_same_gradient(got["grad"], flat_grad(tiny_llama64))
     for key in ("loss", "entropy", "clip_frac", "num_tokens", "num_loss_tokens"):
         assert got["metrics"][key] == pytest.approx(single[key], rel=1e-9), key
 
 
-def test_a_lora_models_reference_is_its_base_with_the_adapters_off(tiny_model_dir, samples):
+def test_a_lora_models_reference_is_its_base_with_the_adapters_off(tiny_model, samples):
     """`lora.AdaptersOff(model)` as the KL reference gives the gradient a separate frozen copy of the base
     gives (no second copy of the weights), and leaves the adapters on and trainable afterwards."""
     from gyre.config.trainer import LoraConfig, ModelConfig
@@ -322,7 +322,7 @@ def test_a_lora_models_reference_is_its_base_with_the_adapters_off(tiny_model_di
     from gyre_trainer.model import load_model
 
     def fp64():
-        return load_model(ModelConfig(name=str(tiny_model_dir)), "cpu", torch.float64)
+        return load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float64)
 
     base = fp64().requires_grad_(False)
     model = apply_lora(fp64(), LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))

@@ -1,16 +1,9 @@
-"""Fixtures of the trainer service unit tests: one tiny model folder per session, a single-process context."""
+"""Fixtures of the trainer service unit tests: a single-process context (the tiny model: tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    from gyre.model_init import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
 
 
 @pytest.fixture

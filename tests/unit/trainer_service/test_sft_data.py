@@ -23,10 +23,10 @@ from gyre_trainer.sft import (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
+def tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 def learned_text(tokenizer, conversation) -> str:
@@ -106,12 +106,12 @@ def test_too_little_data_is_a_clear_error(tokenizer, tmp_path):
         prepare_rows(cfg, tokenizer)
 
 
-def test_cli_reports_data_errors_with_status_2(tmp_path, tiny_model_dir, capsys):
+def test_cli_reports_data_errors_with_status_2(tmp_path, tiny_model, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("[1, 2]\n")
     argv = [
         "--model.name",
-        str(tiny_model_dir),
+        str(tiny_model),
         "--data.path",
         str(bad),
         "--output-dir",

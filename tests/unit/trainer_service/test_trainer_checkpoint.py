@@ -35,9 +35,9 @@ def params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_save_load_resumes_bit_exactly(tiny_model_dir, ctx, tmp_path):
+def test_save_load_resumes_bit_exactly(tiny_model, ctx, tmp_path):
     manager = CheckpointManager(tmp_path / "ckpt", ctx)
-    model, opt, sched = build(tiny_model_dir)
+    model, opt, sched = build(tiny_model)
     for step in (1, 2):
         train(model, opt, sched, step)
     manager.save(2, model, opt, sched, record={"step": 2, "loss": 1.5})
@@ -45,7 +45,7 @@ def test_save_load_resumes_bit_exactly(tiny_model_dir, ctx, tmp_path):
     train(model, opt, sched, 3)
     expected = params(model)
 
-    model2, opt2, sched2 = build(tiny_model_dir, seed=123)  # different RNG, untrained optimizer
+    model2, opt2, sched2 = build(tiny_model, seed=123)  # different RNG, untrained optimizer
     progress = manager.load(2, model2, opt2, sched2)
     assert progress["step"] == 2 and progress["record"] == {"step": 2, "loss": 1.5}
     assert manager.read_record(2) == {"step": 2, "loss": 1.5}
@@ -58,10 +58,10 @@ def test_save_load_resumes_bit_exactly(tiny_model_dir, ctx, tmp_path):
         assert torch.equal(got[name], expected[name]), name
 
 
-def test_folder_appears_complete_and_leftovers_are_ignored(tiny_model_dir, ctx, tmp_path):
+def test_folder_appears_complete_and_leftovers_are_ignored(tiny_model, ctx, tmp_path):
     root = tmp_path / "ckpt"
     manager = CheckpointManager(root, ctx)
-    model, opt, sched = build(tiny_model_dir)
+    model, opt, sched = build(tiny_model)
     train(model, opt, sched, 1)
     # a save killed half way (no progress.json, still under .tmp-) and a step folder without progress
     (root / ".tmp-step_7" / "state").mkdir(parents=True)
@@ -75,9 +75,9 @@ def test_folder_appears_complete_and_leftovers_are_ignored(tiny_model_dir, ctx, 
     assert not (root / ".tmp-step_7").exists()  # cleaned by the next save's prune
 
 
-def test_retention_keeps_last_and_intervals(tiny_model_dir, ctx, tmp_path):
+def test_retention_keeps_last_and_intervals(tiny_model, ctx, tmp_path):
     manager = CheckpointManager(tmp_path / "ckpt", ctx, keep_last=2, keep_interval=3)
-    model, opt, sched = build(tiny_model_dir)
+    model, opt, sched = build(tiny_model)
     train(model, opt, sched, 1)
     for step in range(1, 8):
         manager.save(step, model, opt, sched)
@@ -86,8 +86,8 @@ def test_retention_keeps_last_and_intervals(tiny_model_dir, ctx, tmp_path):
     assert manager.steps() == [3]
 
 
-def test_missing_checkpoint_is_a_clear_error(tiny_model_dir, ctx, tmp_path):
+def test_missing_checkpoint_is_a_clear_error(tiny_model, ctx, tmp_path):
     manager = CheckpointManager(tmp_path / "ckpt", ctx)
-    model, opt, sched = build(tiny_model_dir)
+    model, opt, sched = build(tiny_model)
     with pytest.raises(CheckpointError, match="checkpoint step 5"):
         manager.load(5, model, opt, sched)

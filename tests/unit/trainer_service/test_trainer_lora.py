@@ -16,11 +16,11 @@ from gyre_trainer.optim import build_optimizer
 CFG = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
-def lora_model(tiny_model_dir):
+def lora_model(tiny_model):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), CFG)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), CFG)
     with torch.no_grad():  # peft starts B at zero (a no-op adapter): give it a real delta
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -28,8 +28,8 @@ def lora_model(tiny_model_dir):
     return model
 
 
-def test_only_adapters_train_and_the_base_stays_bit_identical(tiny_model_dir):
-    model = lora_model(tiny_model_dir)
+def test_only_adapters_train_and_the_base_stays_bit_identical(tiny_model):
+    model = lora_model(tiny_model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
@@ -42,15 +42,15 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(tiny_model_dir):
     assert changed == trainable
 
 
-def test_merged_weights_reload_in_transformers_and_equal_base_plus_adapter(tiny_model_dir, tmp_path):
+def test_merged_weights_reload_in_transformers_and_equal_base_plus_adapter(tiny_model, tmp_path):
     from gyre_trainer.publish import write_hf_folder
     from transformers import AutoModelForCausalLM
 
-    model = lora_model(tiny_model_dir).eval()
+    model = lora_model(tiny_model).eval()
     merged = merged_state_dict(model.state_dict(), CFG)
-    base_names = set(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict())
+    base_names = set(AutoModelForCausalLM.from_pretrained(tiny_model).state_dict())
     assert set(merged) == base_names
-    write_hf_folder(tmp_path / "merged", merged, model.get_base_model().config, tiny_model_dir)
+    write_hf_folder(tmp_path / "merged", merged, model.get_base_model().config, tiny_model)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = torch.randint(3, 1000, (2, 24))
     with torch.no_grad():
@@ -61,19 +61,19 @@ def test_merged_weights_reload_in_transformers_and_equal_base_plus_adapter(tiny_
     assert torch.allclose(got, peft_merged, atol=1e-5, rtol=0)
 
 
-def test_adapter_alone_is_published_in_peft_format_and_reapplies_to_the_base(tiny_model_dir, tmp_path):
+def test_adapter_alone_is_published_in_peft_format_and_reapplies_to_the_base(tiny_model, tmp_path):
     from gyre.transport import FolderStore
     from gyre_trainer.publish import STEP_RECORD, WeightPublisher
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = lora_model(tiny_model_dir).eval()
+    model = lora_model(tiny_model).eval()
     store = FolderStore(tmp_path / "weights")
-    version = WeightPublisher(store, tiny_model_dir, 2).publish_adapter(5, model.state_dict(), CFG, {"step": 5})
+    version = WeightPublisher(store, tiny_model, 2).publish_adapter(5, model.state_dict(), CFG, {"step": 5})
     folder = version.path
     manifest = store.store.verify(5, version.digest)
     assert set(manifest.files) == {"adapter_model.safetensors", "adapter_config.json", STEP_RECORD}
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     reloaded = peft.PeftModel.from_pretrained(base, folder).eval()
     ids = torch.randint(3, 1000, (1, 20))
     with torch.no_grad():
@@ -84,10 +84,10 @@ def test_adapter_alone_is_published_in_peft_format_and_reapplies_to_the_base(tin
     }
 
 
-def test_loraplus_gives_lora_b_its_own_lr_and_the_schedule_keeps_the_ratio(tiny_model_dir):
+def test_loraplus_gives_lora_b_its_own_lr_and_the_schedule_keeps_the_ratio(tiny_model):
     from gyre_trainer.optim import build_scheduler
 
-    model = lora_model(tiny_model_dir)
+    model = lora_model(tiny_model)
     cfg = OptimConfig(lr=1e-3, warmup_steps=2)
     optimizer = build_optimizer(model, cfg, lora_b_lr_ratio=16.0)
     scheduler = build_scheduler(optimizer, cfg, None)
@@ -109,30 +109,30 @@ def test_loraplus_gives_lora_b_its_own_lr_and_the_schedule_keeps_the_ratio(tiny_
     assert b_groups[0]["lr"] == 16 * optimizer.param_groups[0]["lr"] == 16 * 1e-3
 
 
-def test_loraplus_ratio_one_keeps_the_plain_groups(tiny_model_dir):
-    model = lora_model(tiny_model_dir)
+def test_loraplus_ratio_one_keeps_the_plain_groups(tiny_model):
+    model = lora_model(tiny_model)
     plain = build_optimizer(model, OptimConfig(lr=1e-3))
     same = build_optimizer(model, OptimConfig(lr=1e-3), lora_b_lr_ratio=1.0)
     assert [len(g["params"]) for g in plain.param_groups] == [len(g["params"]) for g in same.param_groups]
     assert {g["lr"] for g in same.param_groups} == {1e-3}
 
 
-def test_an_adapter_on_lm_head_merges_into_weights_that_reload_equal(tiny_model_dir, tmp_path):
+def test_an_adapter_on_lm_head_merges_into_weights_that_reload_equal(tiny_model, tmp_path):
     from gyre_trainer.publish import write_hf_folder
     from transformers import AutoModelForCausalLM
 
     cfg = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "lm_head"])
     torch.manual_seed(0)
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), cfg).eval()
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02)
     assert any("lm_head.lora_B" in n for n, p in model.named_parameters() if p.requires_grad)
     merged = merged_state_dict(model.state_dict(), cfg)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert set(merged) == set(base) and not torch.equal(merged["lm_head.weight"], base["lm_head.weight"])
-    write_hf_folder(tmp_path / "merged", merged, model.get_base_model().config, tiny_model_dir)
+    write_hf_folder(tmp_path / "merged", merged, model.get_base_model().config, tiny_model)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = torch.randint(3, 1000, (2, 24))
     with torch.no_grad():

@@ -23,13 +23,13 @@ def trained_copy(model_dir):
     return model
 
 
-def test_published_weights_reload_in_transformers(tiny_model_dir, tmp_path):
+def test_published_weights_reload_in_transformers(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = trained_copy(tiny_model_dir)
+    model = trained_copy(tiny_model)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     store = WeightStore(tmp_path / "weights")
-    published = WeightPublisher(FolderStore(store.root), tiny_model_dir, keep_last=2).publish(
+    published = WeightPublisher(FolderStore(store.root), tiny_model, keep_last=2).publish(
         3, state, model.config, {"step": 3, "loss": 0.5}
     )
     assert published.path == store.path(3)
@@ -44,16 +44,16 @@ def test_published_weights_reload_in_transformers(tiny_model_dir, tmp_path):
         assert torch.equal(tensor, state[name]), name
     tokenizer = AutoTokenizer.from_pretrained(published.path)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    assert ids == AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+    assert ids == AutoTokenizer.from_pretrained(tiny_model).apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True
     )
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     out = reloaded.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
     assert out.shape[1] == len(ids) + 4
-    assert WeightPublisher(FolderStore(store.root), tiny_model_dir, 2).read_record(3) == {"step": 3, "loss": 0.5}
+    assert WeightPublisher(FolderStore(store.root), tiny_model, 2).read_record(3) == {"step": 3, "loss": 0.5}
 
 
-def test_tied_embeddings_are_saved_once_and_reload(tmp_path, tiny_model_dir):
+def test_tied_embeddings_are_saved_once_and_reload(tmp_path, tiny_model):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -64,25 +64,25 @@ def test_tied_embeddings_are_saved_once_and_reload(tmp_path, tiny_model_dir):
     model = LlamaForCausalLM(config)
     tensors = servable_tensors(model.state_dict(), config)
     assert "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors
-    write_hf_folder(tmp_path / "tied", model.state_dict(), config, tiny_model_dir)
+    write_hf_folder(tmp_path / "tied", model.state_dict(), config, tiny_model)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
     ids = torch.tensor([[5, 6, 7]])
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
 
-def test_base_model_without_tokenizer_is_refused(tmp_path, tiny_model_dir):
+def test_base_model_without_tokenizer_is_refused(tmp_path, tiny_model):
     bare = tmp_path / "bare"
     bare.mkdir()
-    shutil.copy(tiny_model_dir / "config.json", bare)
-    model = trained_copy(tiny_model_dir)
+    shutil.copy(tiny_model / "config.json", bare)
+    model = trained_copy(tiny_model)
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):
         write_hf_folder(tmp_path / "out", model.state_dict(), model.config, bare)
 
 
-def test_prune_keeps_newest_and_in_use_and_discard_after_rewinds(tmp_path, tiny_model_dir):
-    model = trained_copy(tiny_model_dir)
+def test_prune_keeps_newest_and_in_use_and_discard_after_rewinds(tmp_path, tiny_model):
+    model = trained_copy(tiny_model)
     store = WeightStore(tmp_path / "weights")
-    publisher = WeightPublisher(FolderStore(store.root), tiny_model_dir, keep_last=2)
+    publisher = WeightPublisher(FolderStore(store.root), tiny_model, keep_last=2)
     for step in range(1, 6):
         publisher.publish(step, model.state_dict(), model.config, {"step": step})
     store.set_in_use("orchestrator", [1])
@@ -93,15 +93,15 @@ def test_prune_keeps_newest_and_in_use_and_discard_after_rewinds(tmp_path, tiny_
     assert not any(p.name.startswith(".tmp-") for p in store.root.iterdir())
 
 
-def test_each_step_hashes_only_its_new_files(tiny_model_dir, tmp_path, monkeypatch):
+def test_each_step_hashes_only_its_new_files(tiny_model, tmp_path, monkeypatch):
     """Nothing is read back to be hashed: the base model's tokenizer files are linked into every version
     and hashed once per process, the weights while written, config and step record from memory; the
     recorded hashes are still every file's true sha256."""
     from gyre import weights
 
-    model = trained_copy(tiny_model_dir)
+    model = trained_copy(tiny_model)
     store = WeightStore(tmp_path / "weights")
-    publisher = WeightPublisher(FolderStore(store.root), tiny_model_dir, keep_last=3)
+    publisher = WeightPublisher(FolderStore(store.root), tiny_model, keep_last=3)
     read_back: list[str] = []
     real = weights._sha256_file
     monkeypatch.setattr(weights, "_sha256_file", lambda path: read_back.append(path.name) or real(path))

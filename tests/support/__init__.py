@@ -1,0 +1,7 @@
+"""Test support shared by every test folder (imported as `support`: `tests/` is on pytest's `pythonpath`).
+
+- `support.models`: the session's tiny model, and teaching a tiny model a few answers;
+- `support.inference`: a real `gyre inference` replica on free ports (`gyre.inference_process` underneath).
+
+The session-scoped `tiny_model` fixture itself lives in `tests/conftest.py`.
+"""

@@ -1,0 +1,64 @@
+"""Tiny models for tests: the `tiny` preset made once per session, and teaching it fixed answers.
+
+A random tiny model almost never ends a turn or emits a tool call; tests that need real text of a given
+shape fine-tune it (seconds on one core) until greedy decoding reproduces the taught tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def tiny_model_path(tmp_path_factory) -> Path:
+    """The `tiny` preset of `gyre model init` (about 1M parameters), created once under the session's temp."""
+    from gyre.model_init import init_model
+
+    path = tmp_path_factory.getbasetemp() / "tiny-model"
+    if not (path / "config.json").exists():
+        init_model(path, preset="tiny", seed=0)
+    return path
+
+
+def teach(base: Path, path: Path, input_ids, labels, attention_mask=None, *, margin: float = 0.0,
+          max_steps: int = 600, lr: float = 1e-2) -> Path:  # fmt: skip
+    """Fine-tune `base` on rows `input_ids` until greedy decoding reproduces every labelled token (labels
+    -100 are not taught) with a logit lead of more than `margin`; saved at `path` with the base's tokenizer
+    files. Made once: an existing `path` is returned as it is. RuntimeError when `max_steps` are not enough."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # more threads than free cores is many times slower on a busy machine
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    target = labels[:, 1:]
+    taught = target != -100
+    try:
+        for _ in range(max_steps):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+            top2 = out.logits[:, :-1].detach().topk(2, dim=-1)
+            right = bool((top2.indices[..., 0][taught] == target[taught]).all())
+            lead = (top2.values[..., 0] - top2.values[..., 1])[taught]
+            if right and float(lead.min()) > margin:
+                break
+            optimizer.zero_grad()
+            out.loss.backward()
+            optimizer.step()
+        else:
+            raise RuntimeError(f"the model did not learn its answers in {max_steps} steps")
+    finally:
+        torch.set_num_threads(threads)
+    staging = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    for name in TOKENIZER_FILES:
+        if (base / name).exists():
+            shutil.copy(base / name, staging / name)
+    staging.rename(path)
+    return path
