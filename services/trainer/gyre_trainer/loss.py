@@ -300,8 +300,10 @@ def policy_loss(
 ) -> LossOutput:
     """`objective` with the off-policy correction and the configured regularisers, per token.
 
-    - Loss tokens whose inference log-prob is impossible (`valid_inference_logprobs`) are left out
-      (zero loss and gradient) and counted: stat `invalid_logprob_frac`.
+    - Loss tokens whose inference log-prob is impossible (`valid_inference_logprobs`) are left out of
+      every term (zero loss and gradient: objective, correction, regularisers; they still count in the
+      aggregation's normalisers) and counted: stat `invalid_logprob_frac`. Such a token's record is
+      corrupt, so nothing about it is trusted, not even for a term that would not need lp_μ.
     - `cfg.is_correction` ≠ none: the ratio splits as r = ρ·q with q = sg[r] the trainer/inference
       ratio (mismatch and staleness) and ρ = exp(lp_θ − sg[lp_θ]) (value 1, gradient ∇lp_θ). The
       objective sees ρ, i.e. the data as on-policy for the trainer's current parameters (the "old"
@@ -326,7 +328,7 @@ def policy_loss(
     if cfg.kl_tau > 0:
         loss = loss + cfg.kl_tau * log_ratio.square()
     if ref_logprobs is not None:
-        kl = reference_kl(logprobs, ref_logprobs, loss_mask, cfg.ref_kl_estimator)
+        kl = reference_kl(logprobs, ref_logprobs, mask, cfg.ref_kl_estimator)
         stats["ref_kl"] = kl.detach()
         if cfg.ref_kl_coef > 0:
             loss = loss + cfg.ref_kl_coef * kl

@@ -110,12 +110,29 @@ def test_policy_loss_masks_and_counts_impossible_inference_logprobs(name, correc
     out.per_token_loss.sum().backward()
     assert torch.isfinite(out.per_token_loss).all() and torch.isfinite(lp.grad).all()
     assert out.stats["invalid_logprob_frac"].tolist() == [0, 0, 1, 0, 0, 0, 1, 0]
-    # only the reference KL (a function of lp_θ alone) still acts on the invalid tokens
-    lp.grad = None
-    ref_only = LossConfig(type=name, ref_kl_coef=0.1)
-    out = policy_loss(get_loss(name), lp, behaviour, adv * 0, torch.tensor(MASK), torch.tensor(LENGTHS), ref_only, ref)
+    # every term, the regularisers included, leaves the invalid tokens out: zero loss, zero gradient
+    assert out.per_token_loss[[2, 6]].tolist() == [0.0, 0.0]
+    assert lp.grad[[2, 6]].tolist() == [0.0, 0.0]
+    assert lp.grad[[1, 3, 5, 7]].abs().min() > 0  # the valid tokens still learn
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_the_reference_kl_leaves_a_token_with_an_invalid_inference_logprob_alone(estimator):
+    """docs/algorithms.md: an invalid inference log-prob removes the token from the loss, every term included.
+
+    Before the fix the KL term still acted there: with ref_kl_coef = 0.1 and lp_ref − lp_θ = −2 (k3) the
+    token got loss 0.1·(e^−2 + 1) = 0.1135 and gradient 0.1·(1 − e^−2) = 0.0865."""
+    lp = torch.tensor([0.0, -1.0, -1.0], requires_grad=True)
+    behaviour = torch.tensor([0.0, -1.0, 9999.0])  # token 2 was never sampled with that log-prob
+    ref = lp.detach() - 2.0
+    mask, lengths = torch.tensor([False, True, True]), torch.tensor([3])
+    cfg = LossConfig(type="ppo_clip", ref_kl_coef=0.1, ref_kl_estimator=estimator)
+    out = policy_loss(get_loss("ppo_clip"), lp, behaviour, torch.zeros(3), mask, lengths, cfg, ref)
     out.per_token_loss.sum().backward()
-    assert torch.isfinite(lp.grad).all()
+    expected = {"k1": 0.2, "k2": 0.2, "k3": 0.1 * (torch.e**-2 + 1)}[estimator]
+    assert out.per_token_loss.tolist() == pytest.approx([0.0, expected, 0.0], abs=1e-6)
+    assert lp.grad[2].item() == 0.0 and lp.grad[1].item() != 0.0
+    assert out.stats["ref_kl"][2].item() == 0.0
 
 
 @pytest.mark.parametrize("correction", ["token_tis", "seq_tis", "token_mask", "seq_mask"])
