@@ -31,7 +31,8 @@ class SamplingParams:
     """How to sample one sequence (one choice of a request).
 
     Invariants (checked by the HTTP layer before a request reaches a backend):
-    `0 <= temperature`, `0 < top_p <= 1`, `max_tokens >= 1`, `0 <= top_logprobs <= 20`, and
+    `0 <= temperature`, `0 < top_p <= 1`, `max_tokens >= 1`, `0 <= top_logprobs <= 20`,
+    `prompt_logprobs` None or in [0, 20], and
     `len(prompt) + max_tokens <= backend.max_model_len`.
     """
 
@@ -60,6 +61,23 @@ class SamplingParams:
     # it is terminated the sequence finishes with "stop". Reported log-probs are those of the masked
     # distribution, which is the one sampled from.
     constraint: Constraint | None = field(default=None, compare=False, repr=False)
+    # vLLM's prompt_logprobs: None = not computed; k >= 0 = the log-prob of every prompt token given the ones
+    # before it (the first has none), plus its k most likely alternatives. Raw model log-probs, log_softmax(logits)
+    # whatever the temperature (as vLLM). Computed from the prefill's logits and put on the first TokenEvent.
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log-prob given the tokens before it (an entry of vLLM's `prompt_logprobs`)."""
+
+    logprob: float
+    rank: int  # of the token in that distribution: 1 = the most likely
+    top: tuple[tuple[int, float], ...] = ()  # the `prompt_logprobs` most likely (token id, log-prob), best first
+
+
+#: `prompt_logprobs` of a sequence: one entry per prompt token, None for the first (nothing precedes it).
+PromptLogprobs = tuple[PromptLogprob | None, ...]
 
 
 @dataclass(frozen=True)
@@ -68,7 +86,8 @@ class TokenEvent:
 
     `version` is the weights version that computed this token's logits. `finish_reason` is set on the
     sequence's last token: "stop" (a stop token id was sampled; it is this token), "length" (max_tokens
-    reached). A sequence aborted by the caller simply ends without a final event.
+    reached). A sequence aborted by the caller simply ends without a final event. `prompt_logprobs` is set on
+    a sequence's first event when its params asked for them (`SamplingParams.prompt_logprobs`), else None.
     """
 
     token_id: int
@@ -76,6 +95,7 @@ class TokenEvent:
     version: int
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class BackendStoppedError(RuntimeError):

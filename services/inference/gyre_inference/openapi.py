@@ -101,6 +101,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                         "logprobs": {"anyOf": [{"type": "object"}, {"type": "null"}]},
                         "finish_reason": {"enum": ["stop", "length", "abort"]},
                         "policy_version": {"type": "integer"},
+                        "prompt_logprobs": {
+                            "type": "array",
+                            "items": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                        },
                         "prompt_token_ids": _INT_LIST,
                         "token_ids": _INT_LIST,
                     },

@@ -24,7 +24,7 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 
 # vLLM request fields this server refuses, with the reason the 400 gives (docs/inference.md, "Compatibility").
-_NO_PROMPT_LOGPROBS = "the engine does not compute the log-probs of prompt tokens"
+_NO_PROMPT_LOGPROBS = "prompt log-probs are served on /v1/completions and /inference/v1/generate"
 _NO_PENALTIES = "the sampler has temperature, top_p, logit_bias and min_tokens only"
 _NO_CONSTRAINTS = "this server has no constrained (structured-output) decoding"
 UNSUPPORTED_FIELDS = {
@@ -275,20 +275,32 @@ class CompletionRequest(SamplingRequest):
     )
     max_tokens: int | None = Field(16, ge=1, description="Default 16 (OpenAI); null = the rest of the context.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Legacy: alternatives per token.")
-    echo: bool = Field(False, description="Each choice's text starts with its prompt.")
+    echo: bool = Field(False, description="Each choice's text starts with its prompt (with logprobs: its tokens too).")
     add_special_tokens: bool = Field(True, description="vLLM extension: tokenize a text prompt with special tokens.")
     best_of: int | None = Field(None, ge=1, le=1, description="Not supported beyond 1.")
     suffix: None = Field(None, description="Not supported.")
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="vLLM extension: per choice, the log-prob of every prompt token given the ones before it "
+        "(T = 1) plus this many alternatives.",
+    )
 
     @model_validator(mode="after")
     def _check(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo with logprobs is not supported: it needs the prompt's log-probs, which this server does not "
-                "compute (use echo without logprobs, or logprobs without echo)"
-            )
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
+        if self.stream and self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not available when stream is true (send stream: false)")
         self.check_min_tokens(self.max_tokens)
         return self
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives per prompt token the engine must compute: `prompt_logprobs`, or `logprobs` for echo."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (a string or pre-tokenized ids each)."""

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams, TokenEvent
 from gyre_inference.errors import APIError, error_body, unknown_model
 from gyre_inference.metrics import InferenceMetrics
+from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gyre_inference.text import IncrementalDecoder, ModelText
 from gyre_inference.tools import TOOL_CALL_START, parse_tool_calls
@@ -80,6 +81,7 @@ class Choice:
     tool_calls: list = field(default_factory=list)
     version_min: int | None = None
     version_max: int | None = None
+    prompt_logprobs: tuple | None = None  # the engine's PromptLogprobs when they were asked for
 
     def __post_init__(self):
         self._decoder = IncrementalDecoder(self.text_codec)
@@ -96,6 +98,7 @@ class Choice:
 
     def add(self, event: TokenEvent) -> Delta:
         position = len(self.token_ids)
+        self.prompt_logprobs = self.prompt_logprobs or event.prompt_logprobs
         self.token_ids.append(event.token_id)
         self.logprobs.append(event.logprob)
         self.top_logprobs.append(event.top_logprobs)
@@ -212,9 +215,9 @@ class Serving:
             raise APIError(400, f"logit_bias: token id {bad[0]} is out of vocabulary (vocabulary size "
                                 f"{self.text.vocab_size})", param="logit_bias")  # fmt: skip
         if isinstance(request, ChatCompletionRequest):
-            top = (request.top_logprobs or 0) if request.logprobs else 0
+            top, prompt_top = ((request.top_logprobs or 0) if request.logprobs else 0), None
         else:
-            top = request.logprobs or 0
+            top, prompt_top = request.logprobs or 0, request.prompt_logprobs_wanted
         choices = []
         for p, prompt in enumerate(prompts):
             max_tokens = self._budget(len(prompt), limit, prompt_param)
@@ -229,6 +232,7 @@ class Serving:
                     adapter=self._check_model(request.model),
                     logit_bias=logit_bias,
                     min_tokens=request.min_tokens,
+                    prompt_logprobs=prompt_top if i == 0 else None,  # once per prompt, shared by its choices
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "")  # fmt: skip
@@ -407,10 +411,15 @@ class Serving:
 
     def _completion_body(self, job: _Job) -> dict:
         choices = []
+        prompt_lps = {p: choice.prompt_logprobs for p, choice, _ in job.choices if choice.prompt_logprobs}
         for p, choice, _ in job.choices:
+            choice.prompt_logprobs = prompt_lps.get(p)
             entry = {"index": choice.index, "text": choice.echo + choice.text,
                      "logprobs": self._legacy_logprobs(job, choice), "finish_reason": choice.finish_reason,
                      **choice.versions()}  # fmt: skip
+            if job.request.prompt_logprobs is not None:  # vLLM's per-choice field
+                token_text = lambda t: self._token(job, t)[0]  # noqa: E731
+                entry["prompt_logprobs"] = to_vllm(prompt_lps[p], job.prompts[p], token_text)
             if job.request.return_token_ids:
                 entry["prompt_token_ids"] = job.prompts[p]
                 entry["token_ids"] = choice.token_ids
@@ -462,7 +471,10 @@ class Serving:
             return None
         start = span.start or 0
         offset = len(choice.echo) + sum(len(self.text.token(t)[0]) for t in choice.token_ids[:start])
-        tokens, offsets, tops = [], [], []
+        tokens, offsets, tops, token_logprobs = [], [], [], []
+        if choice.echo and span == slice(None):  # echo with logprobs (vLLM, lm-eval): the prompt's tokens first
+            tokens, offsets, tops, token_logprobs = self._echo_logprobs(job, choice)
+        token_logprobs += choice.logprobs[span]
         for token_id, logprob, top in zip(
             choice.token_ids[span], choice.logprobs[span], choice.top_logprobs[span], strict=True
         ):
@@ -471,8 +483,24 @@ class Serving:
             offsets.append(offset)
             offset += len(self.text.token(token_id)[0])
             tops.append({self._token(job, t)[0]: lp for t, lp in top} | {token: logprob})
-        return {"tokens": tokens, "token_logprobs": choice.logprobs[span], "top_logprobs": tops,
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
+
+    def _echo_logprobs(self, job: _Job, choice: Choice) -> tuple[list, list, list, list]:
+        """The legacy log-prob lists of the echoed prompt: its first token has none (null), as in vLLM."""
+        tokens, offsets, tops, logprobs = [], [], [], []
+        offset = 0
+        for token_id, entry in zip(job.prompts[choice.prompt_index], choice.prompt_logprobs, strict=True):
+            token = self._token(job, token_id)[0]
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(self.text.token(token_id)[0])
+            logprobs.append(None if entry is None else entry.logprob)
+            top = (
+                None if entry is None else {self._token(job, t)[0]: lp for t, lp in entry.top} | {token: entry.logprob}
+            )
+            tops.append(top)
+        return tokens, offsets, tops, logprobs
 
     def _token(self, job: _Job, token_id: int) -> tuple[str, list[int]]:
         """(text, bytes) of a token in log-prob entries; "token_id:{id}" with return_tokens_as_token_ids (vLLM)."""

@@ -4,8 +4,8 @@ Clients that render prompts themselves (verifiers' renderer client, PRIME-RL-sty
 and get token ids back, so nothing is re-tokenised between turns:
 
     request:  {"model", "token_ids": [int], "sampling_params": {"max_tokens", "temperature", "top_p", "seed",
-               "n", "stop_token_ids", "ignore_eos", "logprobs", ...}}
-    response: {"request_id", "model", "prompt_token_ids", "policy_version",
+               "n", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", ...}}
+    response: {"request_id", "model", "prompt_token_ids", "policy_version", "prompt_logprobs",
                "choices": [{"index", "token_ids", "text", "finish_reason",
                             "logprobs": {"content": [{"token": "token_id:<id>", "logprob", "top_logprobs"}]} | null,
                             "policy_version_min", "policy_version_max"}],
@@ -14,8 +14,11 @@ and get token ids back, so nothing is re-tokenised between turns:
 As in vLLM, generation stops at the end-of-sequence token unless `ignore_eos`, and at any `stop_token_ids`; the
 stopping token is the last of `token_ids` (finish "stop"); "length" when `max_tokens` ran out (default: the rest of
 the context). `logprobs: k` returns the sampled token's log-prob plus the top k (k = 0: only the sampled one;
-omitted/null: none). Choice i of a request with `seed` s samples exactly like choice i of a chat request with that
-seed. The policy-version fields mean what they mean on /v1/chat/completions (docs/inference.md).
+omitted/null: none). `prompt_logprobs: k` (vLLM's field and shape) fills the top-level `prompt_logprobs`: None for
+the first prompt token, then per prompt token {"<id>": {"logprob", "rank", "decoded_token"}} with the token itself
+and its k most likely alternatives, raw model log-probs (T = 1) as vLLM's. Choice i of a request with `seed` s
+samples exactly like choice i of a chat request with that seed. The policy-version fields mean what they mean
+on /v1/chat/completions (docs/inference.md).
 
 The route goes through the `Backend` interface, so the torch and vLLM backends both serve it. Like the other API
 routes it needs the bearer key when one is configured and answers 503 until the model is loaded.
@@ -34,6 +37,7 @@ from pydantic import Field
 
 from gyre_inference.backend import SamplingParams
 from gyre_inference.errors import APIError, unknown_model
+from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, StrictModel
 from gyre_inference.serving import VERSION_HEADER, choice_seed
 
@@ -52,6 +56,12 @@ class GenerateSamplingParams(StrictModel):
     ignore_eos: bool = Field(False, description="Do not stop at the end-of-sequence token.")
     logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="Sampled token's log-prob plus this many top alternatives."
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Log-prob of every prompt token given the ones before it (T = 1) plus this many alternatives.",
     )
     # vLLM fields renderer clients send that change nothing here: token ids are always returned verbatim.
     skip_special_tokens: bool = Field(True, description="Only affects `text` (token ids are returned verbatim).")
@@ -83,9 +93,11 @@ async def _sample(state, prompt: list[int], params: SamplingParams, index: int, 
     entries: list[dict[str, Any]] = []
     versions: list[int] = []
     finish = None
+    prompt_lps = None
     stream = state.backend.generate(prompt, params)
     try:
         async for event in stream:
+            prompt_lps = prompt_lps or event.prompt_logprobs
             ids.append(event.token_id)
             versions.append(event.version)
             entry: dict[str, Any] = {"token": f"token_id:{event.token_id}", "logprob": event.logprob}
@@ -104,6 +116,7 @@ async def _sample(state, prompt: list[int], params: SamplingParams, index: int, 
         "logprobs": {"content": entries} if sp.logprobs is not None else None,
         "policy_version_min": min(versions, default=state.backend.version),
         "policy_version_max": max(versions, default=state.backend.version),
+        "_prompt_logprobs": prompt_lps,
     }
 
 
@@ -142,10 +155,14 @@ def add_generate_route(app: FastAPI, state) -> None:
                 stop_token_ids=frozenset(stops),
                 top_logprobs=sp.logprobs or 0,
                 adapter=adapter,
+                prompt_logprobs=sp.prompt_logprobs if i == 0 else None,  # one prompt: computed once
             )
             for i in range(sp.n)
         ]
         choices = await asyncio.gather(*(_sample(state, prompt, p, i, sp) for i, p in enumerate(params)))
+        prompt_lps = choices[0].pop("_prompt_logprobs")
+        for choice in choices[1:]:
+            del choice["_prompt_logprobs"]
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         newest = max(c["policy_version_max"] for c in choices)
         payload = {
@@ -154,6 +171,9 @@ def add_generate_route(app: FastAPI, state) -> None:
             "prompt_token_ids": prompt,
             "policy_version": newest,
             "choices": list(choices),
+            "prompt_logprobs": None
+            if sp.prompt_logprobs is None
+            else to_vllm(prompt_lps, prompt, lambda t: f"token_id:{t}"),
             "usage": {
                 "prompt_tokens": len(prompt),
                 "completion_tokens": completion_tokens,

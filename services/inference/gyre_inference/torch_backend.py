@@ -47,6 +47,7 @@ from gyre_inference.backend import (
     WeightsIncompatibleError,
 )
 from gyre_inference.cpus import default_engine_threads
+from gyre_inference.prompt_logprobs import prompt_logprobs
 from gyre_inference.sampling import sample_next
 from gyre_inference.static_decode import StaticDecoder, context_that_fits
 from gyre_inference.structured import TokenMasks
@@ -457,16 +458,23 @@ class TorchBackend(Backend):
         if self._bank is not None:
             self._bank.use(torch.tensor([seq.adapter for seq in seqs]))
         cache = DynamicCache()
-        out = self._model(
+        # The decoder, then the output head on the last position (what logits_to_keep=1 computes), so the prompt
+        # log-probs some rows ask for come from the same hidden states: no second pass over their prompts.
+        hidden = self._model.get_decoder()(
             input_ids=ids.to(self.device),
             # Without padding the causal mask is all there is: skip building a [B, 1, q, L] mask per layer.
             attention_mask=None if bool(mask.all()) else mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
-            logits_to_keep=1,
-        )
-        tokens = self._sample_and_emit(seqs, out.logits[:, -1, :])
+        ).last_hidden_state
+        head = self._model.get_output_embeddings()
+        prompt_lps = {
+            row: prompt_logprobs(hidden[row, length - len(seq.prompt) : length - 1], head, seq.prompt,
+                                 seq.params.prompt_logprobs)
+            for row, seq in enumerate(seqs) if seq.params.prompt_logprobs is not None
+        }  # fmt: skip
+        tokens = self._sample_and_emit(seqs, head(hidden[:, -1, :]), prompt_lps)
         free = (slot for slot, seq in enumerate(self._slots) if seq is None)
         for row, (seq, slot) in enumerate(zip(seqs, free, strict=False)):
             self._decoder.load_prefill(slot, cache, row, len(seq.prompt))
@@ -487,7 +495,8 @@ class TorchBackend(Backend):
         self._positions[index] += 1
         self._free(self._finished)
 
-    def _sample_and_emit(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _sample_and_emit(self, seqs: list[_Sequence], logits: torch.Tensor, prompt_lps=None) -> torch.Tensor:
+        """Sample one token per row and hand out its event; `prompt_lps` (row -> entries) go on first events."""
         logits = self._adjust(seqs, logits)
         # structured outputs: the constrained rows' logits masked on the device, in this same step
         constrained = [
@@ -520,7 +529,8 @@ class TorchBackend(Backend):
             n_top = seq.params.top_logprobs
             top = tuple(zip(top_ids[row][:n_top], top_values[row][:n_top], strict=True)) if n_top else ()
             version = self._bank.version_of_slot(seq.adapter) if seq.adapter else self._version
-            events.append((seq, TokenEvent(token, chosen[row], version, top, reason)))
+            prompt = prompt_lps.get(row) if prompt_lps else None
+            events.append((seq, TokenEvent(token, chosen[row], version, top, reason, prompt)))
             seq.finished = reason is not None
         self._deliver(events)
         return tokens.cpu()

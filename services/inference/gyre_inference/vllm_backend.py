@@ -9,6 +9,8 @@ How it maps onto vLLM:
 - log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. after temperature
   (T = 0 reports T = 1), like the torch backend. Difference: with top_p < 1 vLLM's processed
   log-probs are renormalised over the nucleus, the torch backend's are not (docs/inference.md).
+  `prompt_logprobs` map onto vLLM's own field (raw logits, T = 1, the torch backend's rule) and go
+  on the sequence's first event.
 - weights: pause the scheduler keeping requests (`pause_generation(mode="keep")`), load the folder's
   safetensors in every worker through our worker extension (`model.load_weights`, which also
   re-shards for tensor parallelism), resume, then reset the prefix cache so no new prompt reuses KV
@@ -35,6 +37,7 @@ How it maps onto vLLM:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -48,7 +51,15 @@ from typing import Any
 from gyre.config.inference import vllm_lora_rank
 from gyre.safetensors_io import read_header
 
-from gyre_inference.backend import AdapterGoneError, Backend, SamplingParams, TokenEvent, WeightsIncompatibleError
+from gyre_inference.backend import (
+    AdapterGoneError,
+    Backend,
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingParams,
+    TokenEvent,
+    WeightsIncompatibleError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +116,24 @@ def token_events(
         reason = finish_reason if last and finish_reason in ("stop", "length") else None
         events.append(TokenEvent(int(token), float(entries[token].logprob), version, top, reason))
     return events
+
+
+def prompt_entries(
+    prompt: Sequence[int], prompt_logprobs: Sequence[Mapping[int, Any] | None] | None, k: int
+) -> PromptLogprobs:
+    """Our `PromptLogprobs` from vLLM's `RequestOutput.prompt_logprobs` (None first, then per prompt token a map
+    token id -> `Logprob` holding that token and the top k). vLLM computes them from raw logits (T = 1) in every
+    `logprobs_mode` we run with, the torch backend's rule too."""
+    if prompt_logprobs is None or len(prompt_logprobs) != len(prompt):
+        raise RuntimeError(f"vLLM returned {len(prompt_logprobs or ())} prompt log-probs for {len(prompt)} tokens")
+    entries: list[PromptLogprob | None] = [None]
+    for token, ranked in zip(prompt[1:], prompt_logprobs[1:], strict=True):
+        if not ranked or token not in ranked:
+            raise RuntimeError(f"vLLM returned no prompt log-prob for prompt token {token}")
+        top = sorted((e.rank, t, float(e.logprob)) for t, e in ranked.items() if e.rank is not None and e.rank <= k)
+        entry = ranked[token]
+        entries.append(PromptLogprob(float(entry.logprob), int(entry.rank), tuple((t, lp) for _, t, lp in top)))
+    return tuple(entries)
 
 
 def adapter_rank(folder: Path, max_rank: int | None) -> int:
@@ -224,7 +253,7 @@ class VLLMBackend(Backend):
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed,
             stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
             detokenize=False, output_kind=RequestOutputKind.DELTA, min_tokens=params.min_tokens,
-            logit_bias=dict(params.logit_bias) or None,
+            logit_bias=dict(params.logit_bias) or None, prompt_logprobs=params.prompt_logprobs,
         )  # fmt: skip
         if params.adapter is None:
             lora, lora_version = self._lora, self._version  # an adapter stays with its request to the end
@@ -240,15 +269,23 @@ class VLLMBackend(Backend):
         self._running += 1
         if lora is not None:
             self._users[lora.lora_int_id] += 1
+        prompt_raw: list | None = []  # vLLM's prompt log-prob entries until they are handed out
         try:
             async for output in stream:
                 completion = output.outputs[0]
                 finish = completion.finish_reason if output.finished else None
                 # full weights (own model, no adapter): stamped with the version serving at output time
                 version = lora_version if lora is not None or params.adapter is not None else self._version
-                for event in token_events(
-                    completion.token_ids, completion.logprobs, finish, version, params.top_logprobs
-                ):
+                events = token_events(completion.token_ids, completion.logprobs, finish, version, params.top_logprobs)
+                if params.prompt_logprobs is not None and prompt_raw is not None:
+                    # DELTA outputs carry the prompt's entries as they are computed (a chunked prefill may
+                    # spread them): gathered, and put on the sequence's first event
+                    prompt_raw.extend(output.prompt_logprobs or ())
+                    if events:
+                        entries = prompt_entries(prompt, prompt_raw, params.prompt_logprobs)
+                        events[0] = dataclasses.replace(events[0], prompt_logprobs=entries)
+                        prompt_raw = None
+                for event in events:
                     yield event
                 if output.finished:
                     return

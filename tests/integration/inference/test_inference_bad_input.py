@@ -91,7 +91,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         # features this server does not implement are refused, not silently ignored
         ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/completions", {"echo": True, "logprobs": 1}, None),  # echo alone is supported
+        ("/v1/completions", {"echo": True, "logprobs": 1, "stream": True}, None),  # non-streaming only
         ("/v1/chat/completions", {"logit_bias": {"abc": 1}}, "logit_bias.abc"),
         ("/v1/chat/completions", {"logit_bias": {"5": 100.5}}, "logit_bias.5"),
         ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),

@@ -156,8 +156,10 @@ def test_completion_echo_prepends_the_prompt(client, model_id, http):
             for c in chunk.choices:
                 streamed[c.index] = streamed.get(c.index, "") + c.text
         assert [streamed[c.index] for c in echoed.choices] == [c.text for c in echoed.choices]
+    with_logprobs = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
+    assert with_logprobs.choices[0].logprobs.token_logprobs[0] is None  # the prompt's first token (vLLM)
     with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1, stream=True)
 
 
 def test_chat_continue_final_message_with_and_without_echo(client, model_id, http):
@@ -294,8 +296,7 @@ def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_ot
 
 @pytest.mark.parametrize(
     ("field", "value", "reason"),
-    [("prompt_logprobs", 1, "prompt tokens"), ("structured_outputs", {"regex": "a"}, "structured-output"),
-     ("truncate_prompt_tokens", 4, "truncated")],
+    [("structured_outputs", {"regex": "a"}, "structured-output"), ("truncate_prompt_tokens", 4, "truncated")],
 )  # fmt: skip
 def test_unsupported_vllm_fields_say_why(http, model_id, field, value, reason):
     for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": STORY})):

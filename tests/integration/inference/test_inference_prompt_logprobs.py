@@ -1,0 +1,99 @@
+"""`prompt_logprobs` (vLLM's field and shape) on a real `gyre inference`, exact against a transformers forward.
+
+Routes: the tokens-in route (top-level `prompt_logprobs`), `/v1/completions` through the official `openai` client
+(per choice `prompt_logprobs`), and `echo` with `logprobs` (the prompt's tokens in the legacy lists, as lm-eval
+reads them). Chat refuses the field with the reason.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+PROMPT = [1, 705, 201, 74, 75, 2, 201, 1, 739, 201, 88, 12]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    """Per prompt position after the first: (log-prob, rank, top-3 ids) of a plain transformers forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, :-1].float(), dim=-1)
+    chosen = rows.gather(1, torch.tensor(PROMPT[1:])[:, None])
+    ranks = ((rows > chosen).sum(-1) + 1).tolist()
+    return chosen[:, 0].tolist(), ranks, rows.topk(3).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def plain(start_server):
+    return start_server("--run-id", "prompt-logprobs")
+
+
+@pytest.fixture(scope="module")
+def plain_id(plain) -> str:
+    return httpx.get(f"{plain.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def check(shaped: list, expected) -> None:
+    logprobs, ranks, tops = expected
+    assert len(shaped) == len(PROMPT) and shaped[0] is None
+    for i, position in enumerate(shaped[1:]):
+        token = str(PROMPT[i + 1])
+        assert list(position)[0] == token  # the prompt token first
+        assert position[token]["logprob"] == pytest.approx(logprobs[i], abs=1e-4)
+        assert position[token]["rank"] == ranks[i]
+        assert set(position) == {token} | {str(t) for t in tops[i]}
+        for rank, alternative in enumerate(tops[i], start=1):
+            assert position[str(alternative)]["rank"] == rank
+
+
+def test_tokens_in_route(plain, plain_id, expected):
+    body = {"model": plain_id, "token_ids": PROMPT,
+            "sampling_params": {"max_tokens": 1, "temperature": 0.6, "prompt_logprobs": 3, "n": 2}}  # fmt: skip
+    response = httpx.post(f"{plain.url}/inference/v1/generate", json=body, timeout=60).json()
+    check(response["prompt_logprobs"], expected)
+    assert response["prompt_logprobs"][1][str(PROMPT[1])]["decoded_token"] == f"token_id:{PROMPT[1]}"
+    body["sampling_params"].pop("prompt_logprobs")
+    assert httpx.post(f"{plain.url}/inference/v1/generate", json=body, timeout=60).json()["prompt_logprobs"] is None
+
+
+def test_completions_through_the_openai_client(plain, plain_id, expected):
+    from openai import OpenAI
+
+    with OpenAI(base_url=plain.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        completion = client.completions.create(model=plain_id, prompt=PROMPT, max_tokens=2, n=2, temperature=1.3,
+                                               extra_body={"prompt_logprobs": 3})  # fmt: skip
+    for choice in completion.choices:  # every choice of the prompt carries them (vLLM)
+        check(choice.model_extra["prompt_logprobs"], expected)
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first(plain, plain_id, expected):
+    body = {"model": plain_id, "prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0}
+    choice = httpx.post(f"{plain.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    lists = choice["logprobs"]
+    assert len(lists["tokens"]) == len(PROMPT) + 2 and lists["token_logprobs"][0] is None
+    assert lists["top_logprobs"][0] is None and lists["text_offset"][0] == 0
+    assert lists["token_logprobs"][1 : len(PROMPT)] == pytest.approx(expected[0], abs=1e-4)
+    assert all(len(top) in (1, 2) for top in lists["top_logprobs"][1:])
+    assert "prompt_logprobs" not in choice  # only when asked for by name
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "reason"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1},
+         "prompt_logprobs", "/v1/completions"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, None, "stream"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "20"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, None, "stream"),
+    ],
+)  # fmt: skip
+def test_refused_with_the_reason(plain, plain_id, route, body, param, reason):
+    response = httpx.post(f"{plain.url}{route}", json={"model": plain_id, "max_tokens": 1, **body}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and reason in error["message"], error
+    if param:
+        assert error["param"] == param
