@@ -17,6 +17,7 @@ from gyre_inference.backend import PromptLogprob, SamplingParams
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.torch_backend import TorchBackend
 from gyre_inference.vllm_backend import prompt_entries
+from test_inference_vllm_lora import standin_vllm  # noqa: F401, F811 (the stand-in vLLM engine, a fixture)
 
 # Same fields as vllm.logprobs.Logprob (the contract test below checks the real class has them).
 Logprob = namedtuple("Logprob", ["logprob", "rank", "decoded_token"])
@@ -136,3 +137,27 @@ def test_vllm_prompt_logprobs_contract():
     assert "prompt_logprobs" in RequestOutput.__init__.__code__.co_varnames
     entry = VLLMLogprob(logprob=-0.5, rank=1, decoded_token=None)
     assert prompt_entries([1, 4], [None, {4: entry}], 1) == (None, PromptLogprob(-0.5, 1, ((4, -0.5),)))
+
+
+def test_the_vllm_backend_puts_vllm_prompt_logprobs_on_the_first_event(standin_vllm, tiny_model):  # noqa: F811
+    """Through `VLLMBackend.generate` with the stand-in engine (vLLM's signatures, test_inference_vllm_lora.py):
+    the field reaches vLLM's SamplingParams, the first output's entries reach the first event, mapped."""
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model)
+        await backend.start()
+        backend._engine.auto = True
+        events = [e async for e in backend.generate([1, 20, 30], SamplingParams(max_tokens=3, prompt_logprobs=2))]
+        assert backend._engine.last("generate")["sampling_params"].prompt_logprobs == 2
+        plain = [e async for e in backend.generate([1, 20], SamplingParams(max_tokens=2))]
+        await backend.shutdown()
+        return events, plain
+
+    events, plain = asyncio.run(scenario())
+    assert events[0].prompt_logprobs == (
+        None,
+        PromptLogprob(-2.0, 3, ((0, -0.01), (1, -0.02))),
+        PromptLogprob(-3.0, 3, ((0, -0.01), (1, -0.02))),
+    )
+    assert all(e.prompt_logprobs is None for e in events[1:] + plain)

@@ -83,8 +83,8 @@ class StandInOutputKind(enum.Enum):
 
 def standin_sampling_params(*, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None, stop_token_ids=None,
                             ignore_eos=False, logprobs=None, detokenize=True, output_kind=None, min_tokens=0,
-                            logit_bias=None):  # fmt: skip
-    return SimpleNamespace(max_tokens=max_tokens)
+                            logit_bias=None, prompt_logprobs=None):  # fmt: skip
+    return SimpleNamespace(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
 
 
 Logprob = SimpleNamespace
@@ -132,9 +132,23 @@ class StandInAsyncLLM:
                     finished=last,
                     outputs=[SimpleNamespace(token_ids=[token], logprobs=[{token: Logprob(logprob=-0.5, rank=1)}],
                                              finish_reason="length" if last else None)],
+                    prompt_logprobs=self._prompt_logprobs(prompt, sampling_params) if i == 0 else None,
                 )  # fmt: skip
         finally:
             self.running[lora_id] -= 1
+
+    @staticmethod
+    def _prompt_logprobs(prompt, sampling_params):
+        """vLLM's `RequestOutput.prompt_logprobs` (on the first DELTA output): None, then per prompt token its
+        Logprob and the top k; here token t has log-prob -t/10 and rank 3, the top k are ids 0..k-1."""
+        k = sampling_params.prompt_logprobs
+        if k is None:
+            return None
+        entries = [None]
+        for token in prompt["prompt_token_ids"][1:]:
+            ranked = {alt: Logprob(logprob=-0.01 * (alt + 1), rank=alt + 1) for alt in range(k)}
+            entries.append({**ranked, token: Logprob(logprob=-token / 10, rank=3)})
+        return entries
 
     async def add_lora(self, lora_request) -> bool:
         self._record("add_lora", lora_request)
