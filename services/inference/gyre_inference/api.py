@@ -5,8 +5,9 @@ Routes:
   before and while shutting down), `GET /version` (vLLM's route: the gyre version), `GET /metrics`
   (when `metrics.port` is unset).
 - `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, `POST /tokenize`,
-  `POST /detokenize`: these need `Authorization: Bearer <auth.api_key>` when a key is configured,
-  and answer 503 until the model is loaded.
+  `POST /detokenize`, `POST /inference/v1/generate` (`gyre_inference.tokens_in`): these need
+  `Authorization: Bearer <auth.api_key>` when a key is configured, and answer 503 until the model is
+  loaded. One gate (`_Gate`) checks both, for every one of them, before the body is read.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from gyre_inference.protocol import (
 )
 from gyre_inference.serving import Serving
 from gyre_inference.text import ModelText
+from gyre_inference.tokens_in import ROUTE as GENERATE_ROUTE
+from gyre_inference.tokens_in import add_generate_route
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", GENERATE_ROUTE)
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
@@ -214,7 +217,7 @@ def create_app(state: AppState) -> FastAPI:
         _check_model(state, body.model)
         return {"prompt": await asyncio.to_thread(state.text.decode, state.text.check_ids(body.tokens, "tokens"))}
 
-    __import__("gyre_inference.tokens_in").tokens_in.add_generate_route(app, state)  # POST /inference/v1/generate
+    add_generate_route(app, state)  # POST /inference/v1/generate
     return app
 
 

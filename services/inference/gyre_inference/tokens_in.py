@@ -20,18 +20,18 @@ and its k most likely alternatives, raw model log-probs (T = 1) as vLLM's. Choic
 samples exactly like choice i of a chat request with that seed. The policy-version fields mean what they mean
 on /v1/chat/completions (docs/inference.md).
 
-The route goes through the `Backend` interface, so the torch and vLLM backends both serve it. Like the other API
-routes it needs the bearer key when one is configured and answers 503 until the model is loaded.
+The route goes through the `Backend` interface, so the torch and vLLM backends both serve it. It stands behind the
+API gate of `gyre_inference.api` like the other API routes: the bearer key when one is configured, 503 until the
+model is loaded, the request size limit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import uuid
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
@@ -77,17 +77,6 @@ class GenerateRequest(StrictModel):
     priority: int = Field(0, ge=0, le=0, description="Only 0 is supported.")
 
 
-def _check_access(state, request: Request) -> None:
-    """The same gate as the /v1 routes: bearer key (when configured), then readiness."""
-    if state.api_key is not None:
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-            raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).", code="invalid_api_key")
-    if not state.ready:
-        reason = "the server is shutting down" if state.draining else "the model is still loading"
-        raise APIError(503, f"{reason}; retry shortly", code="not_ready")
-
-
 async def _sample(state, prompt: list[int], params: SamplingParams, index: int, sp: GenerateSamplingParams) -> dict:
     ids: list[int] = []
     entries: list[dict[str, Any]] = []
@@ -124,8 +113,7 @@ def add_generate_route(app: FastAPI, state) -> None:
     """Register `POST /inference/v1/generate` on the inference app (`state`: api.AppState)."""
 
     @app.post(ROUTE, summary="vLLM-compatible tokens in, tokens out (with per-choice policy versions).")
-    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-        _check_access(state, request)
+    async def generate(body: GenerateRequest) -> JSONResponse:
         try:
             adapter = state.backend.adapter_for(body.model, state.model_id)
         except KeyError:

@@ -101,6 +101,19 @@ def test_the_api_key_is_required_on_the_api_but_not_on_probes(secure):
         assert httpx.get(secure.url + route).status_code == 200
 
 
+def test_the_tokens_in_route_is_behind_the_same_gate(secure):
+    """One gate for every API route: the key is checked before the body is read, so a request without the key
+    gets 401 whatever its body, on /inference/v1/generate as on /v1 (not 422 from parsing it first)."""
+    route = f"{secure.url}/inference/v1/generate"
+    for body in (b"not json", b'{"model": "m", "token_ids": []}'):
+        answer = httpx.post(route, content=body, headers={"content-type": "application/json"})
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        assert answer.headers["www-authenticate"] == "Bearer"
+    good = httpx.post(route, json={"model": secure.model_name, "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}},
+                      headers={"authorization": f"Bearer {API_KEY}"}, timeout=60)  # fmt: skip
+    assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 2
+
+
 def test_control_calls_need_the_token_but_health_and_reflection_do_not(secure, stub):
     control, channel = stub
     for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", TOKEN),)):
