@@ -109,8 +109,8 @@ def test_the_tokens_in_route_is_behind_the_same_gate(secure):
         answer = httpx.post(route, content=body, headers={"content-type": "application/json"})
         assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
         assert answer.headers["www-authenticate"] == "Bearer"
-    good = httpx.post(route, json={"model": secure.model_name, "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}},
-                      headers={"authorization": f"Bearer {API_KEY}"}, timeout=60)  # fmt: skip
+    body = {"model": secure.model_name, "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}}
+    good = httpx.post(route, json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 2
 
 
