@@ -162,6 +162,41 @@ def test_round_trip_through_toml_keeps_secrets(tmp_path):
     assert again == cfg and again.auth.api_key.get_secret_value() == "s3cret"
 
 
+def test_secrets_are_read_from_files_given_on_the_command_line_or_in_the_environment(tmp_path, monkeypatch):
+    """`<key>_file` (a mounted Kubernetes Secret): the file's text, one trailing newline dropped, lands
+    in the secret key of every service; the file path, not the secret, is what travels."""
+    key, token, password = (tmp_path / n for n in ("api-key", "control-token", "redis-password"))
+    key.write_text("k3y\n")  # `kubectl create secret --from-file` keeps the newline
+    token.write_text("t0ken")
+    password.write_text("p@ss w/rd%\n")
+    monkeypatch.setenv("GYRE_REDIS__PASSWORD_FILE", str(password))
+    inf = load_config(InferenceConfig, ["--auth.api-key-file", str(key), "--auth.control-token-file", str(token)])
+    assert inf.auth.api_key.get_secret_value() == "k3y" and inf.auth.control_token.get_secret_value() == "t0ken"
+    assert inf.redis.password.get_secret_value() == "p@ss w/rd%"
+    assert inf.auth.api_key_file is None  # resolved: a child config written with to_toml carries the value
+    orch = load_config(OrchestratorConfig, ["--inference.api-key-file", str(key),
+                                            "--inference.control-token-file", str(token),
+                                            "--server.control-token-file", str(token)])  # fmt: skip
+    assert (orch.inference.api_key, orch.inference.control_token) == ("k3y", "t0ken")
+    assert orch.server.control_token == "t0ken"
+    trainer = load_config(TrainerConfig, ["--orchestrator.control-token-file", str(token)])
+    assert trainer.orchestrator.control_token == "t0ken" and trainer.redis.password.get_secret_value() == "p@ss w/rd%"
+    # `<key>` and `<key>_file` are one setting for precedence: the child's TOML (what `gyre rl` writes) and
+    # a CLI option beat the environment's file, as they beat an environment variable
+    again = load_config(InferenceConfig, ["@", write(tmp_path, "child.toml", to_toml(inf))])
+    assert again.auth.api_key.get_secret_value() == "k3y" and again.redis.password.get_secret_value() == "p@ss w/rd%"
+    override = load_config(TrainerConfig, ["--redis.password", "given"])
+    assert override.redis.password.get_secret_value() == "given"
+
+
+def test_a_secret_file_that_cannot_be_read_or_a_secret_set_twice_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"'auth'.*api_key_file = '.*missing'.*cannot read the file"):
+        load_config(InferenceConfig, ["--auth.api-key-file", str(tmp_path / "missing")])
+    with pytest.raises(ConfigError, match="set control_token or control_token_file, not both"):
+        load_config(TrainerConfig, ["--orchestrator.control-token", "x",
+                                    "--orchestrator.control-token-file", write(tmp_path, "t", "y")])  # fmt: skip
+
+
 def test_collect_rejects_stray_words():
     with pytest.raises(ConfigError, match="unexpected argument"):
         collect(["lr=3"])

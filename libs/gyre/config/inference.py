@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
-from gyre.config.loader import Section
+from gyre.config.loader import Section, secret_file
 from gyre.config.shared import ModelConfig, ServiceConfig
 
 # The adapter ranks vLLM can allocate (vllm.config.lora.MaxLoRARanks)
@@ -32,6 +33,8 @@ class ControlConfig(Section):
 class AuthConfig(Section):
     api_key: SecretStr | None = Field(None, description="Bearer key required on /v1/* when set.")
     control_token: SecretStr | None = Field(None, description="Shared secret required on gRPC control calls when set.")
+    api_key_file: Path | None = secret_file("api_key")
+    control_token_file: Path | None = secret_file("control_token")
 
 
 class EngineConfig(Section):

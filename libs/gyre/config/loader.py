@@ -7,6 +7,10 @@ Sources, highest priority first:
 3. environment variables ``GYRE_A__B`` (handled by pydantic-settings, see :class:`GyreSettings`),
 4. field defaults.
 
+A secret (an API key, a token, a password) can also be read from a file: its ``<key>_file`` companion
+(:func:`secret_file`) names the file, e.g. a mounted Kubernetes Secret, so the value never travels in an
+environment variable that every child process inherits.
+
 Every error names the offending key; :func:`parse_or_exit` prints it and exits with status 2,
 as argparse does for usage errors.
 """
@@ -22,16 +26,55 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 T = TypeVar("T", bound=BaseModel)
 
 
+SECRET_FILE_FOR = "secret_file_for"  # json_schema_extra key of a `<key>_file` field: the key it fills
+
+
+def secret_file(of: str) -> Any:
+    """The `<of>_file` companion of secret field `of`: a path whose text becomes `of` when the config is
+    loaded (trailing newlines dropped: `kubectl create secret --from-file` keeps one)."""
+    return Field(
+        None,
+        description=f"Read {of} from this file (e.g. a mounted Kubernetes Secret) instead of setting it; "
+        "trailing newlines are dropped.",
+        json_schema_extra={SECRET_FILE_FOR: of},
+    )
+
+
+def read_secret_files(cls: type[BaseModel], data: Any) -> Any:
+    """Replace each set `<key>_file` of `data` (a section's raw values) by the file's text under `<key>`."""
+    if not isinstance(data, dict):
+        return data
+    for name, field in cls.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        target, path = extra.get(SECRET_FILE_FOR), data.get(name)
+        if not target or path in (None, ""):
+            continue
+        if data.get(target) not in (None, ""):
+            raise ValueError(f"set {target} or {name}, not both")
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"{name} = {str(path)!r}: cannot read the file ({e.strerror or e})") from None
+        data = {**data, target: text.rstrip("\n"), name: None}
+    return data
+
+
 class Section(BaseModel):
-    """A nested config section: unknown keys are errors, defaults are validated."""
+    """A nested config section: unknown keys are errors, defaults are validated, `<key>_file` fields
+    (:func:`secret_file`) read their secret from a file."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_secret_files(cls, data: Any) -> Any:
+        return read_secret_files(cls, data)
 
 
 class GyreSettings(BaseSettings):
@@ -51,7 +94,37 @@ class GyreSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # No .env files or secret dirs: one documented set of sources, nothing implicit.
-        return (init_settings, env_settings)
+        return (init_settings, _EnvBelowInit(settings_cls, env_settings, init_settings))
+
+
+class _EnvBelowInit(PydanticBaseSettingsSource):
+    """The environment's values, less the secrets that CLI options or TOML files set: `<key>` and its
+    `<key>_file` are one setting, so a TOML's password (what `gyre rl` writes for its children) beats an
+    environment's `password_file` exactly as it beats an environment's `password`."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: PydanticBaseSettingsSource, init: Any):
+        super().__init__(settings_cls)
+        self.env, self.init = env, init
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ gives the whole dict
+
+    def __call__(self) -> dict[str, Any]:
+        return _drop_secrets_set_above(self.settings_cls, self.env(), getattr(self.init, "init_kwargs", {}))
+
+
+def _drop_secrets_set_above(model: type[BaseModel], lower: dict, higher: dict) -> dict:
+    out = dict(lower)
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        target = extra.get(SECRET_FILE_FOR)
+        if target and any(higher.get(k) not in (None, "") for k in (name, target)):
+            out.pop(name, None)
+            out.pop(target, None)
+        sub = _model_type(field.annotation)
+        if sub is not None and isinstance(out.get(name), dict) and isinstance(higher.get(name), dict):
+            out[name] = _drop_secrets_set_above(sub, out[name], higher[name])
+    return out
 
 
 class ConfigError(ValueError):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
-from gyre.config.loader import Section
+from gyre.config.loader import Section, secret_file
 from gyre.config.shared import RedisConfig, ServiceConfig
 
 
@@ -34,6 +35,8 @@ class InferenceClientConfig(Section):
     refresh_s: float = Field(10.0, gt=0, description="Re-resolve replicas this often.")
     api_key: str | None = Field(None, description="Bearer key for the HTTP API.")
     control_token: str | None = Field(None, description="Shared secret for InferenceControl calls.")
+    api_key_file: Path | None = secret_file("api_key")
+    control_token_file: Path | None = secret_file("control_token")
     max_concurrency: int = Field(64, ge=1, description="Requests in flight across replicas.")
     timeout_s: float = Field(300.0, gt=0, description="HTTP timeout of one request.")
     retries: int = Field(3, ge=0, description="Retries per request (with backoff) before the sample fails.")
@@ -88,6 +91,7 @@ class OrchestratorServerConfig(Section):
     host: str = Field("127.0.0.1", description="gRPC bind address of gyre.v1.Orchestrator.")
     port: int = Field(50061, ge=0, le=65535, description="gRPC port of gyre.v1.Orchestrator.")
     control_token: str | None = Field(None, description="Shared secret required from the trainer when set.")
+    control_token_file: Path | None = secret_file("control_token")
 
 
 class OrchestratorRedisConfig(RedisConfig):

@@ -7,17 +7,17 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
-from gyre.config.loader import GyreSettings, Section
+from gyre.config.loader import GyreSettings, Section, secret_file
 
 
 class RedisConfig(Section):
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL carrying the batch streams.")
     password: SecretStr | None = Field(
         None,
-        description="Redis password, used when `url` carries none. Set it from the environment "
-        "(GYRE_REDIS__PASSWORD) so it stays out of files, and so characters such as @ / % need no "
-        "URL escaping.",
+        description="Redis password, used when `url` carries none (characters such as @ / % need no URL "
+        "escaping). Keep it out of config files: set password_file, or GYRE_REDIS__PASSWORD.",
     )
+    password_file: Path | None = secret_file("password")
 
     def client(self, **kwargs):
         """A redis-py client for this config (bytes replies: stream payloads are binary)."""

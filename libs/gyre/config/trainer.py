@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gyre.config.loader import Section
+from gyre.config.loader import Section, secret_file
 from gyre.config.shared import ModelConfig, ServiceConfig
 
 # The objectives gyre_trainer.loss registers (a unit test keeps the two in step): named here so a
@@ -187,6 +187,7 @@ class OrchestratorClientConfig(Section):
     address: str = Field("127.0.0.1:50061", description="gRPC address of the orchestrator (NotifyWeights).")
     timeout_s: float = Field(10.0, gt=0, description="Deadline of one NotifyWeights call.")
     control_token: str | None = Field(None, description="Shared secret sent as gRPC metadata.")
+    control_token_file: Path | None = secret_file("control_token")
     retry_initial_s: float = Field(0.5, gt=0, description="First NotifyWeights retry delay (doubles per failure).")
     retry_max_s: float = Field(30.0, gt=0, description="Longest delay between NotifyWeights retries.")
 
