@@ -6,12 +6,22 @@ the hub, honouring `HF_HOME`, `HF_TOKEN`, `HF_HUB_OFFLINE`), so a cluster with n
 once into its cache volume and the services load it from there. A name that is neither an existing
 folder nor a fetchable hub id is an error that says how to get a local model; a random model is
 never created in its place (that needs `model.init_preset`, see `gyre rl --help`).
+
+`gyre model fetch` downloads a hub model into that cache ahead of the services (the Helm chart's
+`model-fetch` init container), checking first that it fits the cache volume.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import sys
 from pathlib import Path
+
+from pydantic import Field
+
+from gyre.config.loader import Section, parse_or_exit
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 HOW_TO_CREATE = (
@@ -49,3 +59,119 @@ def check_model_source(name: str, key: str = "model.name") -> str:
             f"({reason}); {HOW_TO_CREATE}"
         ) from None
     return "hub id"
+
+
+# ---- `gyre model fetch`: download a hub model once, or say at once that it cannot fit -------------------
+
+# Weight formats a repository may carry besides safetensors (the services load safetensors when present).
+OTHER_WEIGHT_FORMATS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.gguf", "*.ot")
+
+
+def human_size(n: int) -> str:
+    """1536 -> '1.5 KiB': binary units, as Kubernetes quantities (`20Gi`) are written."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class ModelDoesNotFit(RuntimeError):
+    """The files still to download are larger than the room left in the cache; the message has the sizes."""
+
+
+FETCH_SUMMARY = (
+    "Download a hub model into the Hugging Face cache (what the services load it from), after checking that it "
+    "fits: a model too big for the cache fails at once, with the sizes, instead of filling the disk."
+)
+
+
+class ModelFetchConfig(Section):
+    """`gyre model fetch` options."""
+
+    name: str = Field("", description="Hub id of the model (`org/name`); required.")
+    cache_dir: Path | None = Field(
+        None,
+        description="The Hugging Face home the services read (HF_HOME; the hub cache is its `hub` folder); "
+        "default: $HF_HOME, else ~/.cache/huggingface.",
+    )
+    max_size: int | None = Field(
+        None,
+        ge=1,
+        description="Bytes `cache_dir` may hold in all (e.g. an emptyDir's sizeLimit, which the filesystem's "
+        "free space does not show); default: the filesystem's free space alone.",
+    )
+    size_setting: str = Field("--max-size", description="The setting named in the message when the model does not fit.")
+
+
+def _home(cache_dir: Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME)
+
+
+def _used_bytes(folder: Path) -> int:
+    """Bytes of the regular files under `folder` (the hub cache's snapshots are symlinks into its blobs)."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for f in files:
+            path = Path(root, f)
+            if not path.is_symlink():
+                total += path.stat().st_size
+    return total
+
+
+def room_in_cache(home: Path, max_size: int | None) -> tuple[int, int]:
+    """(bytes that still fit under `home`, bytes it holds now)."""
+    home.mkdir(parents=True, exist_ok=True)
+    used = _used_bytes(home)
+    room = shutil.disk_usage(home).free
+    if max_size is not None:
+        room = min(room, max_size - used)
+    return max(room, 0), used
+
+
+def fetch_model(name: str, cache_dir: Path | None = None, max_size: int | None = None,
+                size_setting: str = "--max-size") -> Path:  # fmt: skip
+    """Download hub model `name` (config, tokenizer, safetensors weights; other weight formats only when
+    it has no safetensors) into the hub cache under `cache_dir`, first checking that the files not cached
+    yet fit; returns the snapshot folder. Raises `ModelDoesNotFit` before downloading anything."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    home = _home(cache_dir)
+    hub_cache = home / "hub"
+    files = [s.rfilename for s in HfApi().model_info(name).siblings or []]
+    ignore = list(OTHER_WEIGHT_FORMATS) if any(f.endswith(".safetensors") for f in files) else []
+    plan = snapshot_download(name, cache_dir=hub_cache, ignore_patterns=ignore, dry_run=True)
+    needed = sum(info.file_size or 0 for info in plan if info.will_download)
+    room, used = room_in_cache(home, max_size)
+    if needed > room:
+        limit = f"limit {human_size(max_size)}, " if max_size is not None else ""
+        total = sum(info.file_size or 0 for info in plan)
+        raise ModelDoesNotFit(
+            f"{name} needs {human_size(needed)} more in {home} but only {human_size(room)} fit ({limit}"
+            f"{human_size(used)} used; the model's {len(plan)} files take {human_size(total)}): "
+            f'raise {size_setting} (docs/kubernetes.md, "Model cache"); nothing was downloaded'
+        )
+    return Path(snapshot_download(name, cache_dir=hub_cache, ignore_patterns=ignore))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`gyre model fetch --name ORG/NAME [--cache-dir HF_HOME] [--max-size BYTES]`."""
+    cfg = parse_or_exit(ModelFetchConfig, argv, prog="gyre model fetch", summary=FETCH_SUMMARY)
+    if not looks_like_hub_id(cfg.name) or "/" not in cfg.name:
+        print(f"gyre model fetch: error: --name {cfg.name!r} is not a hub id (org/name)", file=sys.stderr)
+        return 2
+    try:
+        path = fetch_model(cfg.name, cfg.cache_dir, cfg.max_size, cfg.size_setting)
+    except ModelDoesNotFit as error:
+        print(f"gyre model fetch: error: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:  # the hub client's errors (unknown repo, gated, network): one line, no traceback
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"gyre model fetch: error: {cfg.name}: {reason}", file=sys.stderr)
+        return 1
+    print(f"gyre model fetch: {cfg.name} -> {path}")
+    return 0

@@ -148,6 +148,26 @@ def container_env(container: dict, docs: list[dict], pod_name: str, secrets: dic
     return env
 
 
+def secret_files(pod_spec: dict, container: dict, docs: list[dict], secrets: dict | None = None) -> dict[str, str]:
+    """{file path: text} of every Secret key `container` sees as a file (`secret` and `projected` volumes).
+
+    `secrets` supplies Secrets the release does not render (an existing one, an external Redis's).
+    """
+    known = {**secret_data(docs), **(secrets or {})}
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"], {})  # a StatefulSet's volumeClaimTemplate is not in `volumes`
+        sources = [s["secret"] for s in volume.get("projected", {}).get("sources", []) if "secret" in s]
+        sources += [{"name": volume["secret"]["secretName"], **volume["secret"]}] if "secret" in volume else []
+        for source in sources:
+            data = known[source["name"]]
+            items = source.get("items") or [{"key": k, "path": k} for k in data]
+            for item in items:
+                files[f"{mount['mountPath']}/{item['path']}"] = data[item["key"]]
+    return files
+
+
 def experiment_toml(docs: list[dict]) -> str:
     return named(docs, "ConfigMap", f"{fullname()}-experiment")["data"]["experiment.toml"]
 

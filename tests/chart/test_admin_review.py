@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -296,14 +297,15 @@ def test_release_workflow_publishes_the_default_images():
 
 # 8j. Any password works: quotes and backslashes in Redis's config file, @ / % : in what the services
 # dial (a password spliced into a URL broke both). The rendered redis-server script runs on a real
-# redis-server; each service's config, loaded from its rendered environment, authenticates to it.
+# redis-server with the Secret's file where the chart mounts it; each service's config, loaded from its
+# rendered environment and that file, authenticates to it, and so does the rendered readiness probe.
 def test_any_redis_password_reaches_redis_and_every_service(tmp_path, monkeypatch):
     import os
     import shutil
     import subprocess
     import time
 
-    from chart_testlib import container_env, pod_name
+    from chart_testlib import container_env, pod_name, secret_files
     from gyre.config.inference import InferenceConfig
     from gyre.config.loader import load_config
     from gyre.config.orchestrator import OrchestratorConfig
@@ -314,29 +316,41 @@ def test_any_redis_password_reaches_redis_and_every_service(tmp_path, monkeypatc
     if not server:
         pytest.skip("needs a redis-server binary (apt install redis-server)")
     password = "p@ss\"w\\rd %/:#?'x"
-    secrets = {"mine": {"api-key": "k", "control-token": "t", "redis-password": password}}
+    secrets = {"mine": {"api-key": "k", "control-token": "t", "redis-password": password + "\n"}}  # --from-file
     docs = valid(manifests(render({"secrets": {"existingSecret": "mine"}})))
     pods = pod_templates(docs)
+    mounted = tmp_path / "secrets"
+
+    def local(text: str) -> str:  # the Secret's mount path -> the folder holding its files here
+        return text.replace("/run/secrets/gyre", str(mounted))
+
     redis = pods["redis"]["spec"]["containers"][0]
+    for pod in pods.values():  # every pod mounts the same files (each the keys it reads)
+        for path, text in secret_files(pod["spec"], pod["spec"]["containers"][0], docs, secrets).items():
+            Path(local(path)).parent.mkdir(parents=True, exist_ok=True)
+            Path(local(path)).write_text(text)
     port = free_port()
-    script = redis["args"][-1].replace("/run/redis", str(tmp_path)).replace("/data", str(tmp_path))
+    script = local(redis["args"][-1]).replace("/run/redis", str(tmp_path)).replace("/data", str(tmp_path))
     script = re.sub(r"--port \d+", f"--port {port}", script)
-    env = {
-        **container_env(redis, docs, "exp-gyre-redis-0", secrets),
-        "PATH": f"{os.path.dirname(server)}:/usr/bin:/bin",
-    }
+    env = container_env(redis, docs, "exp-gyre-redis-0", secrets)
+    env["PATH"] = f"{os.path.dirname(server)}:/usr/bin:/bin"
     proc = subprocess.Popen(["sh", "-c", script], env=env, cwd=tmp_path)
     try:
         configs = {"inference": InferenceConfig, "orchestrator": OrchestratorConfig, "trainer": TrainerConfig}
         for comp, config_cls in configs.items():
-            rendered = container_env(pods[comp]["spec"]["containers"][0], docs, pod_name(docs, comp), secrets)
-            assert password not in rendered["GYRE_REDIS__URL"]  # the URL carries no credentials
+            container = pods[comp]["spec"]["containers"][0]
+            assert {local(p) for p in secret_files(pods[comp]["spec"], container, docs, secrets)} >= {
+                str(mounted / "redis-password")}  # fmt: skip
+            rendered = container_env(container, docs, pod_name(docs, comp), secrets)
+            assert password not in "".join(rendered.values())  # neither in the URL nor in any variable
             for name in [k for k in os.environ if k.startswith("GYRE_")]:
                 monkeypatch.delenv(name)
+            for name, value in rendered.items():
+                if name.startswith("GYRE_"):
+                    monkeypatch.setenv(name, local(value))
             monkeypatch.setenv(
                 "GYRE_REDIS__URL", re.sub(r"//[^/]+/", f"//127.0.0.1:{port}/", rendered["GYRE_REDIS__URL"])
             )
-            monkeypatch.setenv("GYRE_REDIS__PASSWORD", rendered["GYRE_REDIS__PASSWORD"])
             cfg = load_config(config_cls, [])
             deadline = time.monotonic() + 10
             while True:
@@ -347,9 +361,12 @@ def test_any_redis_password_reaches_redis_and_every_service(tmp_path, monkeypatc
                     if time.monotonic() > deadline or proc.poll() is not None:
                         raise
                     time.sleep(0.1)
-        monkeypatch.setenv("GYRE_REDIS__PASSWORD", "wrong")
+        probe = local(redis["readinessProbe"]["exec"]["command"][-1]).replace("-p 6379", f"-p {port}")
+        assert subprocess.run(["sh", "-c", probe], env=env, timeout=10).returncode == 0
+        (mounted / "redis-password").write_text("wrong")
         with pytest.raises(Exception, match="(?i)auth|password"):
             load_config(OrchestratorConfig, []).redis.client(socket_timeout=2).ping()
+        assert subprocess.run(["sh", "-c", probe], env=env, timeout=10).returncode != 0
     finally:
         proc.terminate()
         proc.wait(10)

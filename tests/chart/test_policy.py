@@ -25,6 +25,7 @@ from chart_testlib import (
     pod_templates,
     render,
     secret_data,
+    secret_files,
 )
 from gyre.config import load_config
 from gyre.config.inference import InferenceConfig
@@ -190,7 +191,7 @@ def test_only_the_orchestrator_may_talk_to_the_api_server_and_only_for_kubernete
 
 def test_inference_has_a_disruption_budget_and_no_surge():
     docs = manifests(render({"inference": {"replicas": 4}}))
-    (pdb,) = objects(docs, "PodDisruptionBudget")
+    pdb = named(docs, "PodDisruptionBudget", "exp-gyre-inference")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "inference"
     deployment = named(docs, "Deployment", "exp-gyre-inference")
@@ -348,13 +349,16 @@ def test_addresses_in_commands_reach_the_right_ports(scenario):
 
     # everyone -> Redis; the helm test pod -> the OpenAI Service
     for comp in GYRE_COMPONENTS:
-        env = container_env(pods[comp]["spec"]["containers"][0], docs, pod_name(docs, comp), USER_SECRETS)
+        container = pods[comp]["spec"]["containers"][0]
+        env = container_env(container, docs, pod_name(docs, comp), USER_SECRETS)
+        files = secret_files(pods[comp]["spec"], container, docs, USER_SECRETS)
         url = env["GYRE_REDIS__URL"]
-        assert "@" not in url  # the password travels beside the URL (GYRE_REDIS__PASSWORD), never in it
+        assert "@" not in url  # the password travels beside the URL (a file), never in it
+        password = files[env["GYRE_REDIS__PASSWORD_FILE"]]
         if scenario == "external-redis":
-            assert (url, env["GYRE_REDIS__PASSWORD"]) == ("rediss://redis.infra:6380/2", "external-redis-pw")
+            assert (url, password) == ("rediss://redis.infra:6380/2", "external-redis-pw")
             continue
-        assert env["GYRE_REDIS__PASSWORD"]
+        assert password
         match = re.fullmatch(r"redis://(?P<host>[^:]+):(?P<port>\d+)/0", url)
         assert match, url
         assert resolve(docs, match["host"], int(match["port"]))[0] == "redis"
@@ -387,7 +391,10 @@ def test_probes_target_declared_ports(scenario):
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_secrets_never_appear_in_plain_text(scenario):
+def test_secrets_never_appear_in_plain_text_nor_in_any_environment(scenario):
+    """Secrets reach pods only as files (a projected Secret volume): no environment variable of any
+    container holds one or refers to a Secret (env vars reach every child process, reward and environment
+    code included), no command line names one, and every pod mounts exactly the keys it reads."""
     rendered = render(SCENARIOS[scenario])
     docs = manifests(rendered)
     secret_values = {v for data in secret_data(docs).values() for v in data.values()}
@@ -395,16 +402,24 @@ def test_secrets_never_appear_in_plain_text(scenario):
     plain = "\n".join(text for path, text in rendered.items() if not path.endswith("secret.yaml"))
     for value in secret_values:
         assert value not in plain
+    files_read = {comp: set() for comp in pod_templates(docs)}
     for comp, pod in pod_templates(docs).items():
         for c in containers(pod["spec"]):
             for var in c.get("env", []):
+                assert "secretKeyRef" not in var.get("valueFrom", {}), (comp, c["name"], var["name"])
+                assert "secretRef" not in str(c.get("envFrom", "")), (comp, c["name"])
                 if re.search(r"KEY|TOKEN|PASSWORD|AUTH", var["name"]):
-                    assert "secretKeyRef" in var.get("valueFrom", {}), (comp, var["name"])
-            # A secret option on a command line may only name a variable Kubernetes fills from a Secret.
+                    assert var["name"].endswith("_FILE") or var["name"] == "HF_TOKEN_PATH", (comp, var["name"])
+                    assert var["value"].startswith("/run/secrets/gyre/"), (comp, var["name"])
+                    files_read[comp].add(var["value"])
             args = c.get("args", [])
-            for flag, value in zip(args, args[1:], strict=False):
+            for flag in args:  # a secret option on a command line may only name a file
                 if flag.startswith("--") and re.search(r"(?i)key|token|pass", flag):
-                    assert re.fullmatch(r"\$\([A-Z_]+\)", value), (comp, flag, value)
+                    assert flag.endswith(("-file", "_file")), (comp, flag)
+            words = " ".join(c.get("args", []) + c.get("command", [])) + str(c.get("readinessProbe", ""))
+            files_read[comp] |= set(re.findall(r"/run/secrets/gyre/[a-z-]+", words))
+        mounted = {path for c in containers(pod["spec"]) for path in secret_files(pod["spec"], c, docs, USER_SECRETS)}
+        assert files_read[comp] == mounted, comp  # every file read is mounted, and no other
     # and none in the experiment file
     assert not re.search(r"(?i)api_key|control_token|password", experiment_toml(docs))
 
@@ -418,11 +433,11 @@ def test_secrets_are_generated_once_and_user_secrets_are_used_as_given():
     docs = manifests(render({"secrets": {"existingSecret": "my-exp-secrets"}}))
     assert objects(docs, "Secret") == []
     refs = {
-        var["valueFrom"]["secretKeyRef"]["name"]
+        source["secret"]["name"]
         for pod in pod_templates(docs).values()
-        for c in containers(pod["spec"])
-        for var in c.get("env", [])
-        if "secretKeyRef" in var.get("valueFrom", {})
+        for volume in pod["spec"].get("volumes", [])
+        for source in volume.get("projected", {}).get("sources", [])
+        if "secret" in source
     }
     assert refs == {"my-exp-secrets"}
 
@@ -453,10 +468,14 @@ def test_service_configs_accept_the_rendered_commands_and_environment(scenario, 
         assert service == comp
         argv = [a.replace("/etc/gyre/experiment.toml", str(experiment)) for a in argv]
         env = container_env(container, docs, pod_name(docs, comp), USER_SECRETS)
+        mounted = tmp_path / comp  # the container's Secret files, where its environment says they are
+        for path, text in secret_files(pods[comp]["spec"], container, docs, USER_SECRETS).items():
+            (mounted / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            (mounted / path.lstrip("/")).write_text(text)
         for name in [k for k in __import__("os").environ if k.startswith("GYRE_")]:
             monkeypatch.delenv(name)
         for name, value in env.items():
-            monkeypatch.setenv(name, value)
+            monkeypatch.setenv(name, str(mounted) + value if value.startswith("/run/secrets/") else value)
         cfg = load_config(config_cls, argv)
         secrets = USER_SECRETS.get("my-exp-secrets") if scenario == "existing-secret" else secret_data(docs).get(
             "exp-gyre-secrets")  # fmt: skip

@@ -40,6 +40,20 @@ ADMIN = {
                       "apiFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}]},
 }  # fmt: skip
 
+# Operating a large run (issue 28): a hub model in a shared model-cache volume with a gated-model token,
+# images pinned by digest, autoscaled inference replicas found through the Kubernetes API.
+DIGEST = "sha256:" + "ab" * 32
+OPERATIONS = {
+    "experiment": {"model": {"name": "Qwen/Qwen3-8B"}},
+    "modelInit": {"enabled": False},
+    "modelCache": {"type": "pvc", "size": "40Gi", "tokenSecret": "hf"},
+    "inference": {"image": {"digest": DIGEST}, "autoscaling": {"enabled": True, "maxReplicas": 8}},
+    "orchestrator": {"image": {"digest": DIGEST}, "discovery": "kubernetes"},
+    "trainer": {"image": {"digest": DIGEST}},
+    "redis": {"image": {"digest": DIGEST}},
+}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
+
 # name -> (values, capabilities added to the render)
 SCENARIOS = {
     "default": ({}, ()),
@@ -51,8 +65,8 @@ SCENARIOS = {
     "monitoring-present": ({}, MONITORING_APIS),
     "monitoring-forced": ({"monitoring": {"enabled": True}}, ()),
     "admin-knobs": (ADMIN, MONITORING_APIS),
+    "operations": (OPERATIONS, MONITORING_APIS),
 }
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -152,5 +166,9 @@ def test_helm_test_pod_calls_v1_models_with_the_api_key():
     assert "client.models.list()" in script
     env = {e["name"]: e for e in container["env"]}
     assert env["GYRE_BASE_URL"]["value"] == "http://exp-gyre-inference.rl.svc.cluster.local:8000/v1"
-    assert env["GYRE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "exp-gyre-secrets", "key": "api-key"}
+    assert env["GYRE_API_KEY_FILE"]["value"] == "/run/secrets/gyre/api-key"  # the Secret's key as a file
+    (secrets,) = [v for v in pod["spec"]["volumes"] if v["name"] == "secrets"]
+    assert secrets["projected"]["sources"] == [
+        {"secret": {"name": "exp-gyre-secrets", "items": [{"key": "api-key", "path": "api-key"}]}}
+    ]
     assert "Pod" not in kinds({"tests": {"enabled": False}})

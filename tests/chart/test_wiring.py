@@ -5,8 +5,9 @@ exactly as rendered (command, args, environment with Secrets resolved and `$(VAR
 two rewrites only, the ones a laptop needs instead of a cluster:
 - in-cluster addresses (`<service>.rl.svc.cluster.local`, and each declared port) -> 127.0.0.1 and a
   free local port per declared port number (servers bind those, clients dial them);
-- mount paths (`/data`, `/etc/gyre`, `/tmp`, `/cache`, ...) -> folders of a temp dir: the PVC is one
-  folder shared by all "pods", the ConfigMap a folder holding experiment.toml, emptyDirs per pod.
+- mount paths (`/data`, `/etc/gyre`, `/run/secrets/gyre`, `/tmp`, `/cache`, ...) -> folders of a temp dir:
+  the PVC is one folder shared by all "pods", the ConfigMap a folder holding experiment.toml, a Secret
+  volume a folder holding one file per key it projects, emptyDirs per pod.
 Then: Redis (the rendered redis-server command on a real redis-server binary), the init containers
 (the tiny model is created by the trainer's, awaited by the inference's), the three services; every
 rendered probe must pass; the kind smoke client must see /v1/models, a chat completion and 2 trained
@@ -42,6 +43,7 @@ from chart_testlib import (
     pod_templates,
     render,
     secret_data,
+    secret_files,
 )
 from gyre.net import free_port
 from gyre.redis_server import find_redis_server
@@ -143,6 +145,14 @@ class LocalCluster:
             volume = volumes.get(mount["name"], {})
             if "persistentVolumeClaim" in volume:
                 folder = self.shared
+            elif "projected" in volume or "secret" in volume:  # the pod's Secret keys, one file each
+                folder = self.root / pod / "secrets" / mount["name"]
+                pod_spec = self.pods[self.comp_of(pod)]["spec"]
+                for path, text in secret_files(pod_spec, {"volumeMounts": [mount]}, self.docs).items():
+                    target = folder / Path(path).relative_to(mount["mountPath"])
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(text)
+                folder.mkdir(parents=True, exist_ok=True)
             elif "configMap" in volume:
                 folder = self.root / pod / "configmap" / mount["name"]
                 if not folder.exists():

@@ -41,15 +41,15 @@ CHART_OWNED: dict[str, tuple[str, ...]] = {
         "run_id", "output_dir", "redis", "metrics", "server",
         "inference.urls", "inference.discovery", "inference.dns_name", "inference.kubernetes_service",
         "inference.namespace", "inference.http_port", "inference.control_port", "inference.control_urls",
-        "inference.api_key", "inference.control_token",
+        "inference.api_key", "inference.control_token", "inference.api_key_file", "inference.control_token_file",
         "batch.dp_world_size", "batch.seq_len",
     ),
     "trainer": ("run_id", "output_dir", "redis", "metrics", "server", "orchestrator.address",
-                "orchestrator.control_token"),
+                "orchestrator.control_token", "orchestrator.control_token_file"),
 }  # fmt: skip
 # Top-level keys of the experiment file that every service inherits (`@ experiment.toml#name`).
 SHARED_KEYS = ("run_id", "max_steps", "model", "log")
-_DROP = ("title",)
+_DROP = ("title", "secret_file_for")
 
 
 def service_models() -> dict[str, type]:

@@ -42,6 +42,17 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: gyre
 {{- end -}}
 
+{{/*
+Labels of a pod template: the selector labels and nothing that changes with the chart version (no
+helm.sh/chart, no app.kubernetes.io/version): a `helm upgrade` to a new chart version then replaces pods
+only when their spec changes (a new image, a changed experiment), never for a label alone.
+*/}}
+{{- define "gyre.podLabels" -}}
+{{ include "gyre.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: gyre
+{{- end -}}
+
 {{/* Selector labels: instance + component (never the version, selectors are immutable). */}}
 {{- define "gyre.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "gyre.name" .root }}
@@ -75,9 +86,11 @@ gyre.dev/scrape: {{ .component | quote }}
 
 {{/* ---------- images, placement, security ---------- */}}
 
+{{/* `repository@sha256:...` when `image.digest` is set (the tag is then ignored), else `repository:tag`. */}}
 {{- define "gyre.image" -}}
-{{- $tag := .image.tag | default .root.Chart.AppVersion -}}
-image: {{ printf "%s:%s" .image.repository $tag | quote }}
+{{- $ref := printf "%s:%s" .image.repository (.image.tag | default .root.Chart.AppVersion) -}}
+{{- with .image.digest }}{{ $ref = printf "%s@%s" $.image.repository . }}{{ end -}}
+image: {{ $ref | quote }}
 imagePullPolicy: {{ .image.pullPolicy | default "IfNotPresent" }}
 {{- end -}}
 
@@ -146,12 +159,17 @@ securityContext:
 
 {{/* ---------- volumes and environment shared by the Gyre containers ---------- */}}
 
-{{/* Writable places on a read-only root filesystem: /tmp, caches and (GPU pods) a memory-backed /dev/shm. */}}
-{{/* Call with (dict "root" $ "component" .Values.inference "shmSize" "2Gi"). */}}
+{{/*
+Writable places on a read-only root filesystem: /tmp, /cache (compilation caches), the model cache
+(`modelCache`: inference and trainer pods loading a hub model) and (GPU pods) a memory-backed /dev/shm; plus the experiment file and
+the secrets as files. Call with (dict "root" $ "component" .Values.inference "shmSize" "2Gi"
+"secretKeys" (list "api-key") "modelCache" true).
+*/}}
 {{- define "gyre.volumes" -}}
 - name: experiment
   configMap:
     name: {{ include "gyre.fullname" .root }}-experiment
+{{ include "gyre.secretsVolume" (dict "root" .root "keys" .secretKeys) }}
 - name: data
   persistentVolumeClaim:
     claimName: {{ include "gyre.claimName" .root }}
@@ -164,6 +182,17 @@ securityContext:
   {{- else }}
   emptyDir: {}
   {{- end }}
+{{- if .modelCache }}
+{{- $mc := .root.Values.modelCache }}
+- name: model-cache
+  {{- if eq $mc.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ include "gyre.modelCacheClaim" .root }}
+  {{- else }}
+  emptyDir:
+    sizeLimit: {{ $mc.size }}
+  {{- end }}
+{{- end }}
 {{- if .shmSize }}
 - name: shm
   emptyDir:
@@ -179,12 +208,17 @@ securityContext:
 - name: experiment
   mountPath: /etc/gyre
   readOnly: true
+{{ include "gyre.secretsMount" . }}
 - name: data
   mountPath: {{ .root.Values.persistence.mountPath }}
 - name: tmp
   mountPath: /tmp
 - name: cache
   mountPath: /cache
+{{- if .modelCache }}
+- name: model-cache
+  mountPath: {{ include "gyre.modelCacheDir" . }}
+{{- end }}
 {{- if .shmSize }}
 - name: shm
   mountPath: /dev/shm
@@ -192,6 +226,102 @@ securityContext:
 {{- with .component.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/* ---------- the model cache (hub downloads) ---------- */}}
+
+{{/* Where hub models are downloaded (HF_HOME): the model cache volume of inference and trainer pods. */}}
+{{- define "gyre.modelCacheDir" -}}/cache/huggingface{{- end -}}
+
+{{- define "gyre.modelCacheClaim" -}}
+{{- .Values.modelCache.existingClaim | default (printf "%s-model-cache" (include "gyre.fullname" .)) -}}
+{{- end -}}
+
+{{/* "true" when the services load a hub model (`org/name`) that the fetch init container downloads first. */}}
+{{- define "gyre.hubModel" -}}
+{{- $name := ((.Values.experiment.model | default dict).name) | default "" -}}
+{{- if and (not .Values.modelInit.enabled) (regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$" $name) }}true{{ end -}}
+{{- end -}}
+
+{{/* Environment of the containers loading a hub model: the hub token's file, if any; offline once fetched. */}}
+{{- define "gyre.hubEnv" -}}
+{{- if .root.Values.modelCache.tokenSecret }}
+- name: HF_TOKEN_PATH
+  value: {{ printf "%s/hf-token" (include "gyre.secretsDir" .) | quote }}
+{{- end }}
+{{- if .offline }}
+# model-fetch downloaded the model: load it from the cache, never ask the hub again
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- end }}
+{{- end -}}
+
+{{/*
+The `model-fetch` init container of inference and trainer pods loading a hub model: downloads it into
+the model cache once, or fails at once, with the sizes in its message (`kubectl describe pod`), when it
+cannot fit, instead of a pod evicted mid-download and starting over. Call like gyre.volumes.
+*/}}
+{{- define "gyre.modelFetch" -}}
+{{- $mc := .root.Values.modelCache -}}
+- name: model-fetch
+  {{- include "gyre.image" (dict "root" .root "image" .component.image) | nindent 2 }}
+  command: [gyre]
+  args:
+    - model
+    - fetch
+    - --name
+    - {{ .root.Values.experiment.model.name | quote }}
+    - --cache-dir
+    - {{ include "gyre.modelCacheDir" . }}
+    {{- if ne $mc.type "pvc" }}
+    # the emptyDir's sizeLimit: the filesystem under it is the node's disk, which says nothing of the limit
+    - --max-size
+    - {{ include "gyre.bytes" $mc.size | quote }}
+    {{- end }}
+    - --size-setting
+    - modelCache.size
+  env:
+    {{- include "gyre.cacheEnv" . | nindent 4 }}
+    {{- include "gyre.hubEnv" (dict "root" .root) | nindent 4 }}
+  terminationMessagePolicy: FallbackToLogsOnError
+  {{- include "gyre.containerSecurityContext" . | nindent 2 }}
+  resources:
+    requests: {cpu: 500m, memory: 512Mi}
+    limits: {memory: 2Gi}
+  volumeMounts:
+    {{- include "gyre.secretsMount" . | nindent 4 }}
+    - name: tmp
+      mountPath: /tmp
+    - name: model-cache
+      mountPath: {{ include "gyre.modelCacheDir" . }}
+{{- end -}}
+
+{{/*
+A Kubernetes quantity ("20Gi", "500M", "1073741824") as bytes; the chart adds sizes up for the
+ephemeral-storage request and hands the model cache's size to `gyre model fetch`.
+*/}}
+{{- define "gyre.bytes" -}}
+{{- $q := toString . -}}
+{{- $m := regexFindAll "^([0-9]+)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$" $q -1 -}}
+{{- if not $m -}}{{- fail (printf "cannot read %q as a size (use e.g. 20Gi, 500Mi)" $q) -}}{{- end -}}
+{{- $num := regexFind "^[0-9]+" $q | int64 -}}
+{{- $unit := trimPrefix (toString $num) $q -}}
+{{- $factors := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 -}}
+{{- mul $num (get $factors $unit) -}}
+{{- end -}}
+
+{{/*
+The ephemeral-storage a pod's main container requests: its /cache limit plus an emptyDir model cache,
+so the scheduler places the pod only on a node with that much free disk (kubelet evicts a pod whose
+emptyDir outgrows its sizeLimit). Empty when nothing is limited. Call like gyre.volumes.
+*/}}
+{{- define "gyre.ephemeralStorage" -}}
+{{- $total := 0 -}}
+{{- with .component.cacheSize }}{{ $total = add $total (include "gyre.bytes" . | int64) }}{{ end -}}
+{{- if and .modelCache (ne .root.Values.modelCache.type "pvc") }}{{ $total = add $total (include "gyre.bytes" .root.Values.modelCache.size | int64) }}{{ end -}}
+{{- if gt (int64 $total) 0 -}}
+{{- if eq (mod $total 1073741824 | int64) 0 }}{{ div $total 1073741824 }}Gi{{ else if eq (mod $total 1048576 | int64) 0 }}{{ div $total 1048576 }}Mi{{ else }}{{ $total }}{{ end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Where libraries put caches: all under the /cache emptyDir (the root filesystem is read-only). */}}
@@ -214,45 +344,100 @@ securityContext:
   value: "1"
 {{- end -}}
 
-{{/* A key of the release's Secret as an env var: (dict "root" $ "name" "GYRE_AUTH__API_KEY" "key" "api-key"). */}}
-{{- define "gyre.secretEnv" -}}
-- name: {{ .name }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "gyre.secretName" .root }}
-      key: {{ .key }}
+{{/* ---------- secrets: files, never environment variables ---------- */}}
+
+{{/*
+Where a pod finds its secrets: one file per key (`api-key`, `control-token`, `redis-password`), from the
+`secrets` volume. Environment variables would reach every child process (reward and environment code
+included), crash reports and `kubectl describe`; files are read once by the services (`<key>_file`
+settings, docs/kubernetes.md "Secrets").
+*/}}
+{{- define "gyre.secretsDir" -}}/run/secrets/gyre{{- end -}}
+
+{{/* "true" when the services have a Redis password: the chart's Redis, or an external one with a Secret. */}}
+{{- define "gyre.redisHasPassword" -}}
+{{- if or (not .Values.redis.external.url) .Values.redis.external.existingSecret }}true{{ end -}}
 {{- end -}}
 
 {{/*
-GYRE_REDIS__URL (the services' `redis.url`, no credentials) and GYRE_REDIS__PASSWORD from the Secret:
-the password never appears in the pod spec or a ConfigMap, and needs no URL escaping (a password
-with @ / % : would break a URL it was spliced into).
+The `secrets` volume of a pod: keys `keys` of the release's Secret (or `secrets.existingSecret`) as files
+named after the key; `redis-password` comes from `redis.external.existingSecret` with an external Redis.
+Call with (dict "root" $ "keys" (list "api-key" "redis-password")).
+*/}}
+{{- define "gyre.secretsVolume" -}}
+{{- $ext := .root.Values.redis.external -}}
+{{- $own := list -}}
+{{- range .keys }}{{ if and (ne . "hf-token") (or (ne . "redis-password") (not $ext.url)) }}{{ $own = append $own . }}{{ end }}{{ end -}}
+- name: secrets
+  projected:
+    defaultMode: 0440
+    sources:
+      {{- with $own }}
+      - secret:
+          name: {{ include "gyre.secretName" $.root }}
+          items:
+            {{- range . }}
+            - {key: {{ . }}, path: {{ . }}}
+            {{- end }}
+      {{- end }}
+      {{- if and (has "redis-password" .keys) $ext.url $ext.existingSecret }}
+      - secret:
+          name: {{ $ext.existingSecret }}
+          items:
+            - {key: {{ $ext.passwordKey }}, path: redis-password}
+      {{- end }}
+      {{- $mc := .root.Values.modelCache }}
+      {{- if and (has "hf-token" .keys) $mc.tokenSecret }}
+      - secret:
+          name: {{ $mc.tokenSecret }}
+          items:
+            - {key: {{ $mc.tokenKey }}, path: hf-token}
+      {{- end }}
+{{- end -}}
+
+{{- define "gyre.secretsMount" -}}
+- name: secrets
+  mountPath: {{ include "gyre.secretsDir" . }}
+  readOnly: true
+{{- end -}}
+
+{{/*
+A secret setting of a service as an environment variable naming its file:
+(dict "name" "GYRE_AUTH__API_KEY_FILE" "key" "api-key").
+*/}}
+{{- define "gyre.secretFileEnv" -}}
+- name: {{ .name }}
+  value: {{ printf "%s/%s" (include "gyre.secretsDir" .) .key | quote }}
+{{- end -}}
+
+{{/*
+GYRE_REDIS__URL (the services' `redis.url`, no credentials) and GYRE_REDIS__PASSWORD_FILE (the password's
+file in the `secrets` volume): the password needs no URL escaping (a password with @ / % : would break
+a URL it was spliced into).
 */}}
 {{- define "gyre.redisEnv" -}}
 {{- $ext := .Values.redis.external -}}
-{{- if $ext.url }}
-{{- if $ext.existingSecret }}
-- name: GYRE_REDIS__PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ $ext.existingSecret }}
-      key: {{ $ext.passwordKey }}
+{{- if include "gyre.redisHasPassword" . }}
+{{ include "gyre.secretFileEnv" (dict "name" "GYRE_REDIS__PASSWORD_FILE" "key" "redis-password") }}
 {{- end }}
 - name: GYRE_REDIS__URL
+{{- if $ext.url }}
   value: {{ $ext.url | quote }}
 {{- else }}
-{{ include "gyre.secretEnv" (dict "root" . "name" "GYRE_REDIS__PASSWORD" "key" "redis-password") }}
-- name: GYRE_REDIS__URL
   value: {{ printf "redis://%s:%d/0" (include "gyre.serviceHost" (dict "root" . "service" "redis")) (int .Values.redis.port) | quote }}
 {{- end }}
 {{- end -}}
 
 {{/*
 A container's resources: the component's requests/limits plus `count` GPUs of its resource name
-(`<component>.gpuResourceName`, default `gpu.resourceName`). Call with (dict "root" $ "component" $v "count" 2).
+(`<component>.gpuResourceName`, default `gpu.resourceName`), and an `ephemeralStorage` request unless the
+component's own requests set one. Call with (dict "root" $ "component" $v "count" 2 "ephemeralStorage" "30Gi").
 */}}
 {{- define "gyre.resources" -}}
 {{- $res := deepCopy (.component.resources | default dict) -}}
+{{- with .ephemeralStorage }}
+{{- $_ := set $res "requests" (merge (deepCopy ($res.requests | default dict)) (dict "ephemeral-storage" .)) -}}
+{{- end -}}
 {{- if gt (int .count) 0 -}}
 {{- $name := .component.gpuResourceName | default .root.Values.gpu.resourceName -}}
 {{- $gpu := dict $name (toString .count) -}}
