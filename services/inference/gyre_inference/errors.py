@@ -114,6 +114,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
     if first.get("type") == "extra_forbidden" and param in UNSUPPORTED_FIELDS:
         return f"{param}: not supported: {UNSUPPORTED_FIELDS[param]}", param
+    if first.get("type") == "none_required" and param:  # a field accepted at its neutral value (null) only
+        reason = UNSUPPORTED_FIELDS.get(param.rsplit(".", 1)[-1])
+        return f"{param}: only null is supported" + (f": {reason}" if reason else ""), param
     union = _union_message(errors)
     if union is not None:
         return union, param

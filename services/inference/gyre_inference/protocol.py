@@ -12,9 +12,12 @@ Responses are built as plain dicts in serving.py; their shape is documented in d
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from gyre_inference.structured import Guide
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -26,15 +29,26 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 # vLLM request fields this server refuses, with the reason the 400 gives (docs/inference.md, "Compatibility").
 _NO_PROMPT_LOGPROBS = "prompt log-probs are served on /v1/completions and /inference/v1/generate"
 _NO_PENALTIES = "the sampler has temperature, top_p, logit_bias and min_tokens only"
-_NO_CONSTRAINTS = "this server has no constrained (structured-output) decoding"
 UNSUPPORTED_FIELDS = {
     "prompt_logprobs": _NO_PROMPT_LOGPROBS,
     "use_beam_search": "no beam search (ask for n choices instead)",
     "repetition_penalty": _NO_PENALTIES, "top_k": _NO_PENALTIES, "min_p": _NO_PENALTIES,
-    "structured_outputs": _NO_CONSTRAINTS, "guided_json": _NO_CONSTRAINTS, "guided_regex": _NO_CONSTRAINTS,
-    "guided_choice": _NO_CONSTRAINTS, "guided_grammar": _NO_CONSTRAINTS,
     "truncate_prompt_tokens": "prompts are never truncated (a prompt too long is a 400)",
     "prompt_embeds": "prompts are text or token ids",
+    # fields accepted as null only (the 400 says "only null is supported: <reason>")
+    "guided_decoding_backend": "the grammar engine is fixed (llguidance)",
+    "guided_whitespace_pattern": "JSON whitespace is fixed (the separators ', ' and ': ')",
+    "whitespace_pattern": "JSON whitespace is fixed (the separators ', ' and ': ')",
+    "structural_tag": "structural tags are not supported (use tool_choice or a grammar)",
+    "audio": "this server has no audio output",
+    "reasoning_effort": "the served model has no reasoning-effort setting",
+    "verbosity": "the served model has no verbosity setting",
+    "web_search_options": "this server has no web search",
+    "functions": "deprecated by OpenAI: use tools",
+    "function_call": "deprecated by OpenAI: use tools / tool_choice / tool_calls",
+    "refusal": "this server never refuses",
+    "annotations": "this server has no web search",
+    "suffix": "no fill-in-the-middle",
 }  # fmt: skip
 
 
@@ -44,7 +58,20 @@ UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out 
 
 
 class StrictModel(BaseModel):
+    """Unknown fields are errors, types are never coerced. Fields listed in `NULL_IS_DEFAULT` (those OpenAI's
+    reference marks nullable whose null means "the default") may be sent as null."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict) and cls.NULL_IS_DEFAULT:
+            nulls = [key for key in cls.NULL_IS_DEFAULT if key in data and data[key] is None]
+            if nulls:
+                data = {key: value for key, value in data.items() if key not in nulls}
+        return data
 
 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -55,10 +82,104 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool | None = Field(
         None, description="vLLM extension: with include_usage, every chunk also carries the usage so far."
     )
+    include_obfuscation: bool | None = Field(
+        None, description="Accepted; chunks carry no obfuscation padding (it only hides sizes on the network)."
+    )
+
+
+# ---- structured outputs -----------------------------------------------------------------------------
+def _json_text(value):
+    """vLLM takes a JSON schema as an object or as its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ValueError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError("a JSON schema must be a JSON object")
+    return value
+
+
+SchemaObject = Annotated[dict[str, Any], BeforeValidator(_json_text)]
+Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)]
+
+
+class JSONSchemaFormat(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Name of the format (OpenAI's rules).")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema (none: any JSON).")
+    strict: bool | None = Field(None, description="Accepted either way: the output always follows the schema.")
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: text, JSON mode (any JSON object) or a JSON schema (structured outputs)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only allowed with it")
+        return self
+
+    def guide(self) -> Guide | None:
+        if self.type == "json_object":
+            return Guide("json_object", param="response_format")
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_
+            return Guide("json", schema, "response_format") if schema else Guide("json_object", param="response_format")
+        return None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): exactly one constraint."""
+
+    json_: SchemaObject | None = Field(None, alias="json", description="A JSON schema (object or JSON text).")
+    regex: str | None = Field(None, min_length=1)
+    choice: Choices | None = None
+    grammar: str | None = Field(None, min_length=1, description="A Lark (llguidance dialect) or GBNF grammar.")
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="Accepted; JSON whitespace is always fixed.")
+    disable_fallback: bool | None = Field(None, description="Accepted; there is one grammar engine.")
+    disable_additional_properties: bool | None = Field(None, description="Only false: schemas say it themselves.")
+    whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
+    structural_tag: None = Field(None, description="Only null: structural tags are not supported.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if self._value(name)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {given or 'none'})")
+        if self.disable_additional_properties:
+            raise ValueError("disable_additional_properties: only false is supported (set additionalProperties in "
+                             "the schema)")  # fmt: skip
+        return self
+
+    def _value(self, name: str):
+        return getattr(self, "json_" if name == "json" else name)
+
+    def guide(self) -> Guide:
+        param = "structured_outputs"
+        if self.json_ is not None:
+            return Guide("json", self.json_, param)
+        if self.regex is not None:
+            return Guide("regex", self.regex, param)
+        if self.choice is not None:
+            return Guide("choice", tuple(self.choice), param)
+        if self.grammar is not None:
+            return Guide("grammar", self.grammar, param)
+        return Guide("json_object", param=param)
 
 
 class SamplingRequest(StrictModel):
     """Fields shared by chat and text completions."""
+
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset({
+        "n", "stream", "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
+        "include_stop_str_in_output",
+        "return_tokens_as_token_ids", "return_token_ids", "use_beam_search", "skip_special_tokens",
+    })  # fmt: skip
 
     model: str = Field(description="Served model id (see GET /v1/models).")
     n: int = Field(1, ge=1, le=MAX_N, description="Number of choices per prompt.")
@@ -100,6 +221,19 @@ class SamplingRequest(StrictModel):
     repetition_penalty: float | None = Field(None, description="vLLM extension; only 1 (off).")
     use_beam_search: bool = Field(False, description="vLLM extension; only false.")
     skip_special_tokens: bool = Field(True, description="vLLM extension; only true (special tokens never shown).")
+    # structured outputs (OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields)
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema (output follows the schema)."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: json, regex, choice, grammar or json_object."
+    )
+    guided_json: SchemaObject | None = Field(None, description="vLLM extension (older name of structured_outputs).")
+    guided_regex: str | None = Field(None, min_length=1, description="vLLM extension (older name).")
+    guided_choice: Choices | None = Field(None, description="vLLM extension (older name).")
+    guided_grammar: str | None = Field(None, min_length=1, description="vLLM extension (older name).")
+    guided_decoding_backend: None = Field(None, description="Only null: the grammar engine is llguidance.")
+    guided_whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
 
     @field_validator("top_k", "min_p", "repetition_penalty", "use_beam_search", "skip_special_tokens")
     @classmethod
@@ -113,7 +247,28 @@ class SamplingRequest(StrictModel):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
+        guides = self._guides()
+        if len(guides) > 1:
+            raise ValueError(f"give one structured-output constraint, not several ({', '.join(guides)})")
         return self
+
+    def _guides(self) -> dict[str, Guide]:
+        """The structured-output constraints the request gives, by field."""
+        guides = {}
+        if self.response_format is not None and (guide := self.response_format.guide()) is not None:
+            guides["response_format"] = guide
+        if self.structured_outputs is not None:
+            guides["structured_outputs"] = self.structured_outputs.guide()
+        for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                           ("grammar", "guided_grammar")):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                guides[name] = Guide(kind, tuple(value) if kind == "choice" else value, name)
+        return guides
+
+    def guide(self) -> Guide | None:
+        """What the output must match (None: free text)."""
+        return next(iter(self._guides().values()), None)
 
     def check_min_tokens(self, max_tokens: int | None) -> None:
         if max_tokens is not None and self.min_tokens > max_tokens:
@@ -131,7 +286,26 @@ class TextPart(StrictModel):
     text: str
 
 
-Content = str | list[TextPart]
+# Content parts OpenAI defines that a text-only model cannot take: refused by what they need, not by their tag.
+_NOT_TEXT = {
+    "image_url": "image input (image_url parts)",
+    "input_image": "image input (input_image parts)",
+    "input_audio": "audio input (input_audio parts)",
+    "file": "file input (file parts)",
+    "input_file": "file input (input_file parts)",
+}
+
+
+def _text_parts_only(value):
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _NOT_TEXT:
+                raise ValueError(f"part {i}: {_NOT_TEXT[kind]} is not supported: the served model takes text only")
+    return value
+
+
+Content = Annotated[str | list[TextPart], BeforeValidator(_text_parts_only)]
 
 
 class FunctionCall(StrictModel):
@@ -202,29 +376,35 @@ class Tool(StrictModel):
     function: FunctionDefinition
 
 
-class ResponseFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+class NamedFunction(StrictModel):
+    name: str = Field(min_length=1)
 
-    @model_validator(mode="after")
-    def _only_text(self):
-        if self.type != "text":
-            raise ValueError(
-                f"type {self.type!r} is not supported: this server has no structured-output decoding; "
-                "use 'text' (or leave response_format out)"
-            )
-        return self
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class Prediction(StrictModel):
+    type: Literal["content"]
+    content: Content
 
 
 class ChatCompletionRequest(SamplingRequest):
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = SamplingRequest.NULL_IS_DEFAULT | {"logprobs", "add_generation_prompt",
+                                                           "continue_final_message", "echo"}  # fmt: skip
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
     logprobs: bool = Field(False, description="Return the log-prob of every generated token.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives per token.")
     tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: Literal["auto", "none"] | None = Field(
-        None, description="auto (default with tools): parse <tool_call> blocks; none: plain text, tools not shown."
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (default with tools): parse <tool_call> blocks; none: plain text, tools not shown; "
+        "required: the output is one or more calls of the tools (grammar-constrained); {type: function, function: "
+        "{name}}: one call of that tool.",
     )
     parallel_tool_calls: bool | None = Field(None, description="Accepted; several calls are always parsed.")
     add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant header.")
@@ -237,13 +417,42 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM extension: extra variables for the chat template (e.g. enable_thinking)."
     )
-    response_format: ResponseFormat | None = Field(None, description='Only {"type": "text"}.')
+    # OpenAI fields that change nothing a client can observe here, at any value (their effect is storage,
+    # billing, latency or abuse tracking), or that are accepted at their neutral value only.
+    store: bool | None = Field(None, description="Only false: this server keeps no completions.")
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="Accepted and ignored (OpenAI uses it for stored completions only)."
+    )
+    service_tier: Literal["auto", "default"] | None = Field(None, description="auto or default (one tier here).")
+    modalities: list[Literal["text"]] | None = Field(None, description='Only ["text"] (no audio output).')
+    audio: None = Field(None, description="Only null (no audio output).")
+    prediction: Prediction | None = Field(
+        None, description="Accepted and ignored: predicted outputs only change latency, never the output."
+    )
+    safety_identifier: str | None = Field(None, description="Accepted and ignored.")
+    prompt_cache_key: str | None = Field(None, description="Accepted and ignored (a caching hint).")
+    reasoning_effort: None = Field(None, description="Only null: the served model has no reasoning-effort setting.")
+    verbosity: None = Field(None, description="Only null: no verbosity setting.")
+    web_search_options: None = Field(None, description="Only null: no web search.")
+    functions: None = Field(None, description="Only null (deprecated: use tools).")
+    function_call: None = Field(None, description="Only null (deprecated: use tool_choice).")
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, value):
+        if value:
+            raise ValueError("only false is supported: this server keeps no completions (nothing to retrieve)")
+        return value
 
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_needs_tools(cls, value, info):
         if value is not None and not info.data.get("tools"):
             raise ValueError("tool_choice is only allowed when tools are specified")
+        if isinstance(value, NamedToolChoice):
+            names = [tool.function.name for tool in info.data.get("tools") or []]
+            if value.function.name not in names:
+                raise ValueError(f"function {value.function.name!r} is not one of the tools ({', '.join(names)})")
         return value
 
     @model_validator(mode="after")
@@ -254,8 +463,20 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("give max_completion_tokens or max_tokens, not both")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt: false (they contradict each other)")
+        if self.forced_tools is not None and self.guide() is not None:
+            raise ValueError("tool_choice required or named already constrains the output: give no other "
+                             "structured-output constraint with it")  # fmt: skip
         self.check_min_tokens(self.completion_limit)
         return self
+
+    @property
+    def forced_tools(self) -> list[Tool] | None:
+        """The tools a call must be made to (tool_choice required: all; named: that one), else None."""
+        if self.tool_choice == "required":
+            return list(self.tools)
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [tool for tool in self.tools if tool.function.name == self.tool_choice.function.name]
+        return None
 
     @property
     def completion_limit(self) -> int | None:
@@ -267,6 +488,8 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingRequest):
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = SamplingRequest.NULL_IS_DEFAULT | {"echo", "add_special_tokens"}
+
     prompt: (
         str
         | TokenIds

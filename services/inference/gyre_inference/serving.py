@@ -23,6 +23,7 @@ and (for chat with tools) holds back tool-call text. The rules clients rely on:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import time
@@ -37,8 +38,9 @@ from gyre_inference.errors import APIError, error_body, unknown_model
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gyre_inference.structured import Guide, GuideError
 from gyre_inference.text import IncrementalDecoder, ModelText
-from gyre_inference.tools import TOOL_CALL_START, parse_tool_calls
+from gyre_inference.tools import TOOL_CALL_END, TOOL_CALL_START, forced_call_grammar, parse_tool_calls
 
 VERSION_HEADER = "x-gyre-policy-version"
 DISCONNECT_POLL_S = 0.25  # how often a running non-streaming request checks that its client is still there
@@ -169,7 +171,7 @@ class Serving:
         """`started`: arrival time (time.monotonic); `is_disconnected`: async () -> bool, polled while
         a non-streaming request runs."""
         self._check_model(request.model)
-        parse_tools = bool(request.tools) and request.tool_choice != "none"
+        parse_tools = bool(request.tools) and request.tool_choice != "none"  # auto, required or named
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
         messages = [message.model_dump(exclude_none=True) for message in request.messages]
         # Template rendering and tokenization of a large prompt take long: never on the event loop.
@@ -180,6 +182,7 @@ class Serving:
         # echo (vLLM): the content starts with the last message's when that is the assistant's being continued
         echo = _text_of(messages[-1].get("content")) if request.echo and messages[-1]["role"] == "assistant" else ""
         job = self._job("chat", request, [prompt], request.completion_limit, "messages", parse_tools, started, [echo])
+        await self._constrain(job, self._chat_guide(request))
         return await self._respond(job, is_disconnected)
 
     async def completions(self, request: CompletionRequest, started: float, is_disconnected=None):
@@ -190,6 +193,7 @@ class Serving:
             sent = request.prompts()
             echoes = [p if isinstance(p, str) else await asyncio.to_thread(self.text.decode, p) for p in sent]
         job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started, echoes)
+        await self._constrain(job, request.guide())
         return await self._respond(job, is_disconnected)
 
     def _completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
@@ -199,6 +203,39 @@ class Serving:
             ids = self.text.check_ids(prompt, param) if isinstance(prompt, list) else None
             prompts.append(ids if ids is not None else self.text.encode(prompt, request.add_special_tokens))
         return prompts
+
+    def _chat_guide(self, request: ChatCompletionRequest) -> Guide | None:
+        """The request's structured-output guide; for tool_choice required / named, the forced-call grammar."""
+        forced = request.forced_tools
+        if forced is None:
+            return request.guide()
+        added = self.text.tokenizer.get_added_vocab()
+        grammar = forced_call_grammar(
+            [tool.model_dump(exclude_none=True) for tool in forced],
+            parallel=request.tool_choice == "required" and request.parallel_tool_calls is not False,
+            tags_are_tokens=TOOL_CALL_START in added and TOOL_CALL_END in added,
+        )
+        return Guide("grammar", grammar, "tool_choice")
+
+    async def _constrain(self, job: _Job, guide: Guide | None) -> None:
+        """Attach `guide` to every choice (compiled once, in a worker thread: a large schema takes a while),
+        with a fresh grammar matcher per choice when the backend drives them itself (the torch engine)."""
+        if guide is None:
+            return
+
+        def compile_all() -> list:
+            grammars = self.text.grammars
+            grammars.check(guide)
+            if not self.backend.uses_constraints:
+                return [None] * len(job.choices)
+            return [grammars.matcher(guide) for _ in job.choices]
+
+        try:
+            matchers = await asyncio.to_thread(compile_all)
+        except GuideError as error:
+            raise APIError(400, f"{guide.param}: the grammar engine refused it: {error}", param=guide.param) from None
+        job.choices = [(p, choice, dataclasses.replace(params, guide=guide, constraint=matcher))
+                       for (p, choice, params), matcher in zip(job.choices, matchers, strict=True)]  # fmt: skip
 
     def _check_model(self, model: str) -> str | None:
         """The named adapter `model` means (None: the served model); 404 for a name not served."""
@@ -327,10 +364,15 @@ class Serving:
         every_token = job.request.return_token_ids or _wants_logprobs(job)
         usage_always = job.request.usage_every_chunk
 
+        # Tokens each choice's chunks have covered so far. The usage of continuous_usage_stats counts these, not
+        # the tokens the choices hold: a choice may already hold tokens whose chunks are still queued (the
+        # engine delivers tokens in bursts), and a chunk must not report tokens that later chunks carry.
+        covered: dict[int, int] = {}
+
         def sse(choices: list[dict], extra: dict | None = None) -> str:
             chunk = {**head, "choices": choices, **(extra or {})}
             if usage_always:  # vLLM's continuous_usage_stats: the usage so far in every chunk
-                chunk["usage"] = self._usage(job)
+                chunk["usage"] = self._usage(job, sum(covered.values()))
             return _sse(chunk)
 
         async def run(p: int, choice: Choice, params: SamplingParams) -> None:
@@ -370,6 +412,7 @@ class Serving:
                     return
                 choice, delta = item
                 remaining -= delta.finish_reason is not None
+                covered[choice.index] = delta.position + 1
                 if delta.text or delta.finish_reason or every_token:
                     yield sse([self._chunk_choice(job, choice, delta)])
             if job.request.stream_options and job.request.stream_options.include_usage:
@@ -385,9 +428,11 @@ class Serving:
             self._finish_metrics(job, outcome)
 
     # ---- response bodies --------------------------------------------------------------------------
-    def _usage(self, job: _Job) -> dict:
+    def _usage(self, job: _Job, completion_tokens: int | None = None) -> dict:
+        """Usage of the request; `completion_tokens` given: the usage as of that many generated tokens."""
         prompt_tokens = sum(len(p) for p in job.prompts)
-        completion_tokens = sum(len(choice.token_ids) for _, choice, _ in job.choices)
+        if completion_tokens is None:
+            completion_tokens = sum(len(choice.token_ids) for _, choice, _ in job.choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
@@ -461,7 +506,7 @@ class Serving:
             alternatives = []
             for alternative, alternative_logprob in top:
                 text, text_bytes = self._token(job, alternative)
-                alternatives.append({"token": text, "logprob": alternative_logprob, "bytes": text_bytes})
+                alternatives.append({"token": text, "logprob": _finite(alternative_logprob), "bytes": text_bytes})
             content.append({"token": token, "logprob": logprob, "bytes": data, "top_logprobs": alternatives})
         return {"content": content}
 
@@ -482,7 +527,7 @@ class Serving:
             tokens.append(token)
             offsets.append(offset)
             offset += len(self.text.token(token_id)[0])
-            tops.append({self._token(job, t)[0]: lp for t, lp in top} | {token: logprob})
+            tops.append({self._token(job, t)[0]: _finite(lp) for t, lp in top} | {token: logprob})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
 
@@ -515,6 +560,11 @@ def _text_of(content) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content)
     return content or ""
+
+
+def _finite(logprob: float) -> float:
+    """A log-prob as JSON can carry it: a token a grammar ruled out (-inf) is shown as -9999.0, as vLLM does."""
+    return max(logprob, -9999.0)
 
 
 def _ignore(*_) -> None:

@@ -32,10 +32,16 @@ if TYPE_CHECKING:
 
 GuideKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
-# JSON is generated compactly (", " and ": " separators, no free whitespace): a model, above all a small
-# or untrained one, cannot loop on whitespace, and the vLLM backend is set up the same way
-# (disable_any_whitespace), so both backends accept the same strings.
-JSON_OPTIONS = {"whitespace_flexible": False}
+# JSON is generated with fixed separators (", " and ": ", as json.dumps and the chat templates' tojson
+# write it) and no other whitespace: a model, above all a small or untrained one, cannot loop on whitespace.
+# The options travel inside the schema (llguidance's "x-guidance" key), so the vLLM backend, which runs
+# the same engine, accepts exactly the same strings.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def with_json_options(schema: dict) -> dict:
+    """`schema` with the JSON layout options above (a schema's own "x-guidance" options win)."""
+    return {**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
 
 
 class GuideError(ValueError):
@@ -55,6 +61,10 @@ class Guide:
     kind: GuideKind
     value: Any = None
     param: str = "response_format"
+
+    def schema(self) -> dict:
+        """The JSON schema of a "json" / "json_object" guide, with the layout options (JSON_OPTIONS)."""
+        return with_json_options(self.value if self.kind == "json" else {"type": "object"})
 
     def key(self) -> str:
         """A canonical text of the guide (the compile cache's key)."""
@@ -192,10 +202,8 @@ class GrammarCompiler:
         """llguidance's grammar of `guide` (GuideError when the guide is not valid)."""
         llg = self._llguidance
         try:
-            if guide.kind == "json":
-                return llg.LLMatcher.grammar_from_json_schema(guide.value, defaults=JSON_OPTIONS)
-            if guide.kind == "json_object":
-                return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            if guide.kind in ("json", "json_object"):
+                return llg.LLMatcher.grammar_from_json_schema(guide.schema())
             if guide.kind == "regex":
                 return llg.LLMatcher.grammar_from_regex(guide.value)
             if guide.kind == "choice":

@@ -51,6 +51,14 @@ class ModelText:
         self.eos_token_ids = frozenset(eos)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
 
+    @functools.cached_property
+    def grammars(self):
+        """The structured-output grammar engine for this tokenizer (built at first use: about a second on a
+        large vocabulary; call it from a worker thread)."""
+        from gyre_inference.structured import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
     # ---- prompts --------------------------------------------------------------------------------
     def render_chat(
         self,

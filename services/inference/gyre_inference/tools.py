@@ -4,6 +4,10 @@ Parsing is all-or-nothing, like vLLM's hermes parser: when every block is a JSON
 `name` and an object `arguments`, and only whitespace sits between and after the blocks, the output
 becomes `content` (the text before the first block) + `tool_calls`; otherwise it stays plain content.
 
+`tool_choice` "required" or a named function constrains the output to such blocks with a grammar
+(`forced_call_grammar`): only well-formed calls of the allowed tools, their arguments following each
+tool's parameter schema.
+
 Round-trip rule (multi-turn RL needs the next prompt to extend the sampled tokens): `arguments` is the
 model's raw JSON text (not re-serialised), and the content drops the one newline the chat template
 puts back between content and the first call.
@@ -15,6 +19,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+
+from gyre_inference.structured import with_json_options
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -80,3 +86,29 @@ def _raw_arguments(block: str, parsed: dict) -> str:
         if value == parsed and re.fullmatch(r"\s*}\s*", block[end:]):
             return block[key.end() : end]
     return json.dumps(parsed, ensure_ascii=False)
+
+
+def forced_call_grammar(tools: list[dict], *, parallel: bool, tags_are_tokens: bool) -> str:
+    """A Lark grammar (llguidance's dialect) whose sentences are exactly hermes calls of `tools`: one call
+    (`parallel` False) or several separated by newlines, each `<tool_call>\n{"name": N, "arguments": A}\n
+    </tool_call>` with N one of the tools' names and A valid for that tool's parameter schema.
+
+    `tags_are_tokens`: the tokenizer has `<tool_call>` / `</tool_call>` as added tokens (Qwen's have), which
+    the model emits as one token each; the grammar then names those tokens (`<tool_call>` in Lark) instead
+    of spelling the tag's characters, which a tokenizer never produces as separate pieces.
+    """
+
+    def literal(text: str) -> str:
+        return json.dumps(text, ensure_ascii=False)
+
+    start, end = (TOOL_CALL_START, TOOL_CALL_END) if tags_are_tokens else (literal(TOOL_CALL_START),
+                                                                            literal(TOOL_CALL_END))  # fmt: skip
+    rules = ["start: call" + (' ("\\n" call)*' if parallel else ""), ""]
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        schema = with_json_options(function.get("parameters") or {"type": "object"})
+        head = literal('\n{"name": ' + json.dumps(function["name"]) + ', "arguments": ')
+        rules.append(f"call_{i}: {start} {head} args_{i} {literal('}' + chr(10))} {end}")
+        rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+    rules[1] = "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))
+    return "\n".join(rules)

@@ -6,6 +6,9 @@ How it maps onto vLLM:
 - generate: one vLLM request per sequence, prompt as token ids, DELTA outputs, no detokenization (the
   HTTP layer owns text). `ignore_eos=True` plus our own `stop_token_ids`, so exactly the HTTP layer's
   stop set applies. `logprobs=k` returns the sampled token's log-prob and the top k.
+- structured outputs: a request's `Guide` becomes vLLM's `StructuredOutputsParams` (`structured_outputs`),
+  and the engine runs vLLM's `guidance` backend, which is llguidance, the torch backend's grammar engine:
+  the same guide accepts the same strings on both backends (JSON layout options travel inside the schema).
 - log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. after temperature
   (T = 0 reports T = 1), like the torch backend. Difference: with top_p < 1 vLLM's processed
   log-probs are renormalised over the nucleus, the torch backend's are not (docs/inference.md).
@@ -60,6 +63,7 @@ from gyre_inference.backend import (
     TokenEvent,
     WeightsIncompatibleError,
 )
+from gyre_inference.structured import Guide
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +138,17 @@ def prompt_entries(
         entry = ranked[token]
         entries.append(PromptLogprob(float(entry.logprob), int(entry.rank), tuple((t, lp) for _, t, lp in top)))
     return tuple(entries)
+
+
+def structured_outputs(guide: Guide) -> dict[str, Any]:
+    """vLLM `StructuredOutputsParams` keyword arguments for `guide` (vLLM's guidance backend compiles them)."""
+    if guide.kind in ("json", "json_object"):  # any object = the schema {"type": "object"}, with the layout options
+        return {"json": guide.schema()}
+    if guide.kind == "regex":
+        return {"regex": guide.value}
+    if guide.kind == "choice":
+        return {"choice": list(guide.value)}
+    return {"grammar": guide.value}
 
 
 def adapter_rank(folder: Path, max_rank: int | None) -> int:
@@ -230,13 +245,17 @@ class VLLMBackend(Backend):
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs
+        from vllm.config import StructuredOutputsConfig
 
         try:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError:  # older layouts export the V1 engine under its legacy name
             from vllm import AsyncLLMEngine as AsyncLLM
 
-        args = AsyncEngineArgs(**{k: v for k, v in self._engine_kwargs.items() if v is not None})
+        kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
+        # llguidance, the torch backend's grammar engine (gyre_inference.structured)
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance")
+        args = AsyncEngineArgs(**kwargs)
         self._engine = AsyncLLM.from_engine_args(args)
         self._max_model_len = self._engine.model_config.max_model_len
 
@@ -247,13 +266,15 @@ class VLLMBackend(Backend):
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         vllm_params = VLLMSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed,
             stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
             detokenize=False, output_kind=RequestOutputKind.DELTA, min_tokens=params.min_tokens,
             logit_bias=dict(params.logit_bias) or None, prompt_logprobs=params.prompt_logprobs,
+            structured_outputs=None if params.guide is None else StructuredOutputsParams(
+                **structured_outputs(params.guide)),
         )  # fmt: skip
         if params.adapter is None:
             lora, lora_version = self._lora, self._version  # an adapter stays with its request to the end

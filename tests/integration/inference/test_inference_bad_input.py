@@ -77,8 +77,13 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/completions", {"stop": ""}, "stop"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # without tools
         ("/v1/chat/completions", {"tool_choice": "none"}, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, "response_format.type"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.name",
+        ),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]},
@@ -181,7 +186,7 @@ def test_the_openai_client_sees_typed_errors(client, model_id):
         ({"stop": 5}, "stop: must be a string or a list of strings"),
         ({"stop": ["a", ""]}, "stop.1: String should have at least 1 character"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: must be a string or a list of"),
-        ({"response_format": {"type": "json_object"}}, "no structured-output decoding"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema is required with type 'json_schema'"),
         ({"tool_choice": "auto"}, "tool_choice is only allowed when tools are specified"),
     ],
 )

@@ -296,7 +296,7 @@ def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_ot
 
 @pytest.mark.parametrize(
     ("field", "value", "reason"),
-    [("structured_outputs", {"regex": "a"}, "structured-output"), ("truncate_prompt_tokens", 4, "truncated")],
+    [("truncate_prompt_tokens", 4, "truncated"), ("guided_decoding_backend", "xgrammar", "llguidance")],
 )  # fmt: skip
 def test_unsupported_vllm_fields_say_why(http, model_id, field, value, reason):
     for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": STORY})):

@@ -214,3 +214,27 @@ def test_invalid_guides_are_refused_with_the_engine_reason(compiler, guide):
     with pytest.raises(GuideError) as error:
         compiler.check(guide)
     assert str(error.value)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_forced_call_grammar_yields_only_calls_of_the_allowed_tools(compiler, model_text, parallel):
+    import jsonschema
+    from gyre_inference.tools import TOOL_CALL_END, TOOL_CALL_START, forced_call_grammar, parse_tool_calls
+
+    schemas = {"add": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                       "required": ["a"], "additionalProperties": False},
+               "echo": {"type": "object", "properties": {"s": {"enum": ["x", "y"]}}, "required": ["s"],
+                        "additionalProperties": False}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in schemas.items()]
+    added = model_text.tokenizer.get_added_vocab()
+    assert TOOL_CALL_START in added and TOOL_CALL_END in added  # the tiny tokenizer has them as tokens, as Qwen's
+    grammar = forced_call_grammar(tools, parallel=parallel, tags_are_tokens=True)
+    counts = set()
+    for seed in range(8):
+        text = _drive(compiler, Guide("grammar", grammar, "tool_choice"), model_text.vocab_size, seed)
+        content, calls = parse_tool_calls(text)
+        assert content is None and calls, text
+        counts.add(len(calls))
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    assert counts == {1} if not parallel else max(counts) > 1

@@ -33,6 +33,18 @@ def test_token_events_carry_the_sampled_logprob_ranked_alternatives_and_the_fini
         token_events([8], deltas[:1], None, 0, 0)
 
 
+def test_guides_map_to_vllm_structured_outputs_with_the_same_json_layout():
+    from gyre_inference.structured import JSON_OPTIONS, Guide
+    from gyre_inference.vllm_backend import structured_outputs
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert structured_outputs(Guide("json", schema)) == {"json": {**schema, "x-guidance": JSON_OPTIONS}}
+    assert structured_outputs(Guide("json_object")) == {"json": {"type": "object", "x-guidance": JSON_OPTIONS}}
+    assert structured_outputs(Guide("regex", "a+")) == {"regex": "a+"}
+    assert structured_outputs(Guide("choice", ("a", "b"))) == {"choice": ["a", "b"]}
+    assert structured_outputs(Guide("grammar", 'start: "a"')) == {"grammar": 'start: "a"'}
+
+
 def test_weights_layout_is_checked_from_safetensors_headers(tiny_model, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -50,6 +50,7 @@ class StandInEngineArgs:
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras: int = 1
+    structured_outputs_config: object = None
 
     def __post_init__(self):
         if self.enable_lora and (self.max_lora_rank not in VLLM_LORA_RANKS or self.max_loras < 1):
@@ -83,8 +84,41 @@ class StandInOutputKind(enum.Enum):
 
 def standin_sampling_params(*, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None, stop_token_ids=None,
                             ignore_eos=False, logprobs=None, detokenize=True, output_kind=None, min_tokens=0,
-                            logit_bias=None, prompt_logprobs=None):  # fmt: skip
-    return SimpleNamespace(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+                            logit_bias=None, prompt_logprobs=None, structured_outputs=None):  # fmt: skip
+    return SimpleNamespace(
+        max_tokens=max_tokens, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs
+    )
+
+
+@dataclass
+class StandInStructuredOutputsParams:
+    """vllm/sampling_params.py `StructuredOutputsParams`: exactly one constraint (json, regex, choice, grammar,
+    json_object, structural_tag) plus options."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        given = [self.json, self.regex, self.choice, self.grammar, self.json_object, self.structural_tag]
+        if sum(value is not None for value in given) != 1:
+            raise ValueError("You must use exactly one kind of structured outputs constraint")
+
+
+@dataclass
+class StandInStructuredOutputsConfig:
+    """vllm/config/structured_outputs.py `StructuredOutputsConfig` (the fields the backend sets)."""
+
+    backend: str = "auto"
+
+    def __post_init__(self):
+        assert self.backend in ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"), self.backend
 
 
 Logprob = SimpleNamespace
@@ -204,7 +238,9 @@ def standin_vllm(monkeypatch):
     """Install the stand-ins as the `vllm` modules the backend imports."""
     modules = {
         "vllm": {"AsyncEngineArgs": StandInEngineArgs, "SamplingParams": standin_sampling_params},
-        "vllm.sampling_params": {"RequestOutputKind": StandInOutputKind},
+        "vllm.sampling_params": {"RequestOutputKind": StandInOutputKind,
+                                 "StructuredOutputsParams": StandInStructuredOutputsParams},
+        "vllm.config": {"StructuredOutputsConfig": StandInStructuredOutputsConfig},
         "vllm.v1": {}, "vllm.v1.engine": {}, "vllm.v1.engine.async_llm": {"AsyncLLM": StandInAsyncLLM},
         "vllm.lora": {}, "vllm.lora.request": {"LoRARequest": StandInLoRARequest},
     }  # fmt: skip
@@ -492,6 +528,33 @@ def test_openai_api_serves_each_run_name_like_the_torch_backend(standin_vllm, ti
 
 
 # ---- settings ----------------------------------------------------------------------------------------
+def test_a_guide_becomes_vllm_structured_outputs_on_its_guidance_backend(standin_vllm, tiny_model):
+    """Structured outputs on vLLM: the engine runs the guidance backend (llguidance, as the torch backend) and each
+    constrained request carries a StructuredOutputsParams built (and so checked) with vLLM's signature."""
+    from gyre_inference.structured import Guide
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model)
+        await backend.start()
+        engine = backend._engine
+        engine.auto = True
+        assert engine.args.structured_outputs_config.backend == "guidance"
+        guides = [Guide("json", {"type": "object"}), Guide("json_object"), Guide("regex", "[ab]+"),
+                  Guide("choice", ("x", "y")), Guide("grammar", 'start: "z"')]  # fmt: skip
+        for guide in guides:
+            [_ async for _ in backend.generate([1, 2], SamplingParams(max_tokens=1, guide=guide))]
+            sent = engine.last("generate")["sampling_params"].structured_outputs
+            assert isinstance(sent, StandInStructuredOutputsParams)
+            kind = "json" if guide.kind == "json_object" else guide.kind
+            assert getattr(sent, kind) is not None
+        [_ async for _ in backend.generate([1, 2], SamplingParams(max_tokens=1))]
+        assert engine.last("generate")["sampling_params"].structured_outputs is None
+        await backend.shutdown()
+
+    run(scenario())
+
+
 def test_lora_settings_come_from_one_pair_of_config_keys():
     """lora.max_loras / lora.max_rank drive both backends (the vLLM engine's max_loras / max_lora_rank)."""
     from gyre_inference.service import make_backend
@@ -529,6 +592,14 @@ def test_stand_ins_match_vllm():
             assert name in real and real[name].kind == param.kind, (method, name)
     request = LoRARequest(lora_name="gyre-1-step_1", lora_int_id=1, lora_path="/weights/step_1")
     assert (request.lora_int_id, request.lora_path) == (1, "/weights/step_1")
+    from vllm.config import StructuredOutputsConfig
+    from vllm.sampling_params import StructuredOutputsParams
+
+    for standin, real in ((StandInStructuredOutputsParams, StructuredOutputsParams),
+                          (StandInStructuredOutputsConfig, StructuredOutputsConfig)):  # fmt: skip
+        real_fields = set(inspect.signature(real).parameters)
+        assert {f.name for f in fields(standin)} <= real_fields, standin
+    vllm.SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
     try:
         from vllm.config.lora import MaxLoRARanks
     except ImportError:

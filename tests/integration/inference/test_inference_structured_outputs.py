@@ -1,0 +1,230 @@
+"""Structured outputs and forced tool calls on a real `gyre inference` process, through real clients' own
+code paths: the `openai` SDK's `parse()` / `stream()` with a pydantic model, langchain-openai's
+`with_structured_output` (json_schema and function_calling), vLLM's `structured_outputs` / `guided_*`
+fields, and `tool_choice` required / named, streamed and not.
+
+The model is the session's tiny tool model (fine-tuned only to call `add`): whatever it would say, the
+grammar makes its output follow the schema, so every object parses and validates.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import httpx
+import jsonschema
+import pytest
+from inference_testlib import TOOL_MESSAGES, TOOLS
+from pydantic import BaseModel, Field
+
+QUESTION = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
+
+
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+    confidence: int = Field(ge=0, le=9)
+    reason: str = Field(max_length=8)
+
+
+NEG = {"type": "function", "function": {"name": "neg", "description": "Negate a number.",
+       "parameters": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99}},
+                      "required": ["x"], "additionalProperties": False}}}  # fmt: skip
+ADD_SCHEMA = TOOLS[0]["function"]["parameters"]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tool_model):
+    """The tool model with its whole context (two tool definitions do not fit the shared server's 256)."""
+    return start_server("--run-id", "structured-tests", model_path=tool_model)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_id(server) -> str:
+    return server.model_name
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+# ---- the openai SDK's parse() ------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_openai_parse_returns_the_pydantic_object(client, model_id, temperature):
+    completion = client.chat.completions.parse(
+        model=model_id, messages=QUESTION, response_format=Verdict, temperature=temperature, seed=3
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict)
+    assert Verdict.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_openai_stream_with_a_response_format_returns_the_pydantic_object(client, model_id):
+    with client.chat.completions.stream(
+        model=model_id, messages=QUESTION, response_format=Verdict, temperature=1.0, seed=5, n=3
+    ) as stream:
+        deltas = [event.delta for event in stream if event.type == "content.delta"]
+        final = stream.get_final_completion()
+    assert len(final.choices) == 3 and deltas
+    for choice in final.choices:
+        assert isinstance(choice.message.parsed, Verdict)
+    assert len({choice.message.content for choice in final.choices}) > 1  # sampled, yet always valid
+
+
+def test_json_object_mode_gives_a_json_object(client, model_id):
+    completion = client.chat.completions.create(
+        model=model_id, messages=QUESTION, response_format={"type": "json_object"}, temperature=0.0,
+        max_tokens=200,
+    )  # fmt: skip
+    choice = completion.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # an unbounded object may run out of tokens (as on OpenAI); what is there is still its start
+        assert choice.message.content.startswith("{")
+
+
+# ---- tool_choice required / named ----------------------------------------------------------------------
+def _calls(message):
+    return [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "neg"}}])
+def test_tool_choice_required_and_named_return_calls_of_the_allowed_tools(client, model_id, tool_choice):
+    wanted = "neg" if isinstance(tool_choice, dict) else None
+    for temperature in (0.0, 1.0):
+        completion = client.chat.completions.create(
+            model=model_id, messages=TOOL_MESSAGES, tools=[*TOOLS, NEG], tool_choice=tool_choice,
+            temperature=temperature, seed=11, parallel_tool_calls=False,
+        )  # fmt: skip
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        [(name, arguments)] = _calls(choice.message)
+        assert name == wanted if wanted else name in ("add", "neg")
+        jsonschema.validate(arguments, NEG["function"]["parameters"] if name == "neg" else ADD_SCHEMA)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "neg"}}])
+def test_forced_tool_calls_stream(client, model_id, tool_choice):
+    stream = client.chat.completions.create(
+        model=model_id, messages=TOOL_MESSAGES, tools=[*TOOLS, NEG], tool_choice=tool_choice, stream=True,
+        temperature=1.0, seed=2,
+    )  # fmt: skip
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+    assert finish == "tool_calls" and calls
+    for call in calls.values():
+        assert call["name"] == "neg" if isinstance(tool_choice, dict) else call["name"] in ("add", "neg")
+        schema = NEG["function"]["parameters"] if call["name"] == "neg" else ADD_SCHEMA
+        jsonschema.validate(json.loads(call["arguments"]), schema)
+
+
+def test_the_openai_sdk_parses_forced_strict_tool_arguments(client, model_id):
+    import openai
+
+    tool = openai.pydantic_function_tool(Verdict)
+    completion = client.chat.completions.parse(
+        model=model_id, messages=QUESTION, tools=[tool], temperature=1.0, seed=8,
+        tool_choice={"type": "function", "function": {"name": "Verdict"}},
+    )  # fmt: skip
+    [call] = completion.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Verdict)
+
+
+# ---- langchain-openai --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_model(server, model_id):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(base_url=server.base_url, api_key="unused", model=model_id, temperature=1.0, seed=4,
+                      max_retries=0, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(chat_model, method):
+    structured = chat_model.with_structured_output(Verdict, method=method)
+    assert isinstance(structured.invoke(QUESTION[0]["content"]), Verdict)
+    streamed = list(structured.stream(QUESTION[0]["content"]))
+    assert streamed and isinstance(streamed[-1], Verdict)
+
+
+# ---- vLLM's fields -----------------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 50},
+          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["n", "tags"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "check"),
+    [
+        ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in ("red", "green")),
+        ({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+        ({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+        ({"guided_regex": r"(yes|no)!"}, lambda t: t in ("yes!", "no!")),
+        ({"structured_outputs": {"json": SCHEMA}}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        ({"guided_json": json.dumps(SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        ({"structured_outputs": {"grammar": 'start: "x" /[0-9]/ "y"'}}, lambda t: re.fullmatch(r"x[0-9]y", t)),
+        ({"guided_grammar": 'root ::= "ab" | "cd"'}, lambda t: t in ("ab", "cd")),
+    ],
+)
+def test_vllm_structured_output_fields_on_chat_and_completions(client, model_id, fields, check):
+    chat = client.chat.completions.create(model=model_id, messages=QUESTION, temperature=1.0, seed=1, n=2,
+                                          extra_body=fields)  # fmt: skip
+    text = client.completions.create(model=model_id, prompt="Answer:", temperature=1.0, seed=1, max_tokens=60,
+                                     extra_body=fields)  # fmt: skip
+    outputs = [c.message.content for c in chat.choices] + [text.choices[0].text]
+    assert all(check(output) for output in outputs), outputs
+    assert {c.finish_reason for c in chat.choices} | {text.choices[0].finish_reason} == {"stop"}
+
+
+def test_constrained_logprobs_are_those_of_the_masked_distribution_and_stay_json(http, model_id):
+    body = {"model": model_id, "messages": QUESTION, "logprobs": True, "top_logprobs": 5, "temperature": 1.0,
+            "seed": 2, "structured_outputs": {"choice": ["yes", "no"]}}  # fmt: skip
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200 and "Infinity" not in response.text
+    entries = response.json()["choices"][0]["logprobs"]["content"]
+    for entry in entries:
+        assert entry["logprob"] <= 0.0
+        # alternatives the grammar ruled out show as -9999.0 (vLLM's convention), never as -Infinity
+        assert all(alt["logprob"] == -9999.0 or alt["logprob"] <= 0 for alt in entry["top_logprobs"])
+    assert sum(1 for e in entries[0]["top_logprobs"] if e["logprob"] > -9999.0) <= 2  # "yes" / "no" starts
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+         "response_format", "grammar engine refused"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "grammar engine refused"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, None, "not several"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "not one of the tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, None, "already constrains"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "only null is supported: the grammar"),
+        ({"reasoning_effort": "high"}, "reasoning_effort", "only null is supported: the served model has no"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_are_400_naming_the_field(http, model_id, fields, param, says):
+    response = http.post("/v1/chat/completions", json={"model": model_id, "messages": QUESTION, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says in error["message"] and (param is None or error["param"] == param), error
