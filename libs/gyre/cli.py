@@ -11,7 +11,7 @@ import sys
 
 # name -> (target "module:function(argv)", one-line help). Multi-word commands use spaces.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "rl": ("gyre.launcher:main", "Run inference, orchestrator and trainer locally with an embedded Redis."),
+    "rl": ("gyre.local.launcher:main", "Run inference, orchestrator and trainer locally with an embedded Redis."),
     "inference": ("gyre_inference.main:main", "Serve a policy over the OpenAI API with gRPC weight control."),
     "trainer": ("gyre_trainer.main:main", "Train on batches from Redis; publish weights; notify the orchestrator."),
     "sft": ("gyre_trainer.sft:main", "Supervised fine-tuning on chat data (or generated data)."),
@@ -20,11 +20,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "envs": ("gyre.envs.registry:main", "List the environments loadable by name (built-ins, installed packages)."),
     "model init": ("gyre.model_init:main", "Create a tiny Llama model and BPE tokenizer (HF format)."),
     "model fetch": ("gyre.model_source:main", "Download a hub model into the HF cache, after checking it fits."),
-    "report": ("gyre.report:main", "Draw reward / eval / step-time curves of a run as a PNG."),
+    "report": ("gyre.local.report:main", "Draw reward / eval / step-time curves of a run as a PNG."),
     "bench inference": ("gyre_inference.bench:main", "Benchmark the inference backend."),
     "bench trainer": ("gyre_trainer.bench:main", "Benchmark the trainer step."),
     "bench orchestrator": ("gyre_orchestrator.bench:main", "Benchmark orchestrator overhead per sample."),
-    "bench async": ("gyre.bench_async:main", "Compare max_async_level 0 vs 1 step times."),
+    "bench async": ("gyre.local.bench_async:main", "Compare max_async_level 0 vs 1 step times."),
     "bench weights": ("gyre_trainer.bench_weights:main", "Weights swap time vs writing + reading the same bytes."),
 }
 

@@ -9,7 +9,7 @@ import re
 
 import helm_python
 import pytest
-from chart_testlib import CHART, render
+from chart_testlib import CHART, gyre_argv, manifests, render
 
 
 def load_generator():
@@ -161,6 +161,31 @@ def test_good_experiment_values_render_into_the_experiment_file():
     orchestrator = next(d for d in docs if d["kind"] == "Deployment" and "orchestrator" in d["metadata"]["name"])
     args = orchestrator["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--batch.seq-len") + 1] == "512"
+
+
+@pytest.mark.parametrize("trainer", [{}, {"data": {"seq_len": 300}}], ids=["default", "seq_len"])
+@pytest.mark.parametrize(
+    "shape", [{"nnodes": 1, "nprocPerNode": 1}, {"nnodes": 2, "nprocPerNode": 4}], ids=["1x1", "2x4"]
+)
+def test_the_orchestrator_packs_to_the_shape_gyre_config_derives(trainer, shape):
+    """The chart derives the orchestrator's packing shape as `gyre rl` does (`gyre.config.packing.PackingShape`):
+    rows of the trainer's data.seq_len (its default included), split over every trainer process."""
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.config.packing import PackingShape
+
+    docs = manifests(render({"experiment": {"trainer": trainer}, "trainer": shape}))
+    argv = {}
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            service, args = gyre_argv(doc["spec"]["template"]["spec"]["containers"][0])
+            argv[service] = args
+    orchestrator = argv["orchestrator"]
+    seq_len = OrchestratorConfig().batch.seq_len  # what the orchestrator packs to when no flag is passed
+    if "--batch.seq-len" in orchestrator:
+        seq_len = int(orchestrator[orchestrator.index("--batch.seq-len") + 1])
+    dp = int(orchestrator[orchestrator.index("--batch.dp-world-size") + 1])
+    expected = PackingShape.derive(trainer, {}, shape["nnodes"] * shape["nprocPerNode"])
+    assert PackingShape(seq_len, dp) == expected
 
 
 def documented_value_lines() -> list[tuple[int, str, bool]]:

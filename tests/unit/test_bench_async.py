@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre.bench_async import ROOT_CONFIG, parse_args
+from gyre.local.bench_async import ROOT_CONFIG, parse_args
 
 
 def test_own_options_after_the_config_are_not_passed_on():

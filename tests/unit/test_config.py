@@ -95,7 +95,7 @@ def test_unknown_key_is_named_with_a_suggestion():
      ("lora.max_adapters", "lora.max_loras")],
 )  # fmt: skip
 def test_a_removed_inference_key_names_the_key_that_replaced_it(old, new, tmp_path, monkeypatch):
-    from gyre.launcher import _validated
+    from gyre.local.runs import _validated
 
     message = f"config key {old!r}: this key was removed; set config key {new!r} instead"
     section, _, key = old.partition(".")

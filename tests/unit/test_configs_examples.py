@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from gyre.config import load_config
 from gyre.config.rl import RLConfig
-from gyre.launcher import resolve_configs
+from gyre.local.runs import resolve_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "configs").rglob("*.toml"))
@@ -21,13 +21,13 @@ def test_example_resolves(path, tmp_path):
     cfg = load_config(RLConfig, [*files, "--output-dir", str(tmp_path)])
     resolved = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
     if cfg.runs:  # multi-run: each run's own max_steps, in its trainer entry and its orchestrator
-        for run in resolved["trainer"].runs:
-            assert run.max_steps == resolved["orchestrators"][run.name].max_steps
-        assert set(resolved["inference"][0].lora.adapters) == {r.name for r in cfg.runs}
+        for run in resolved.trainer.runs:
+            assert run.max_steps == resolved.orchestrators[run.name].max_steps
+        assert set(resolved.inference[0].lora.adapters) == {r.name for r in cfg.runs}
     else:
-        assert resolved["trainer"].max_steps == cfg.max_steps == resolved["orchestrator"].max_steps
-    assert resolved["orchestrator"].batch.seq_len == resolved["trainer"].data.seq_len
-    assert len(resolved["inference"]) == cfg.inference_replicas
+        assert resolved.trainer.max_steps == cfg.max_steps == resolved.orchestrator.max_steps
+    assert resolved.orchestrator.batch.seq_len == resolved.trainer.data.seq_len
+    assert len(resolved.inference) == cfg.inference_replicas
 
 
 def test_multirun_replicas_get_one_adapter_per_run_or_two_on_vllm(tmp_path):
@@ -37,8 +37,8 @@ def test_multirun_replicas_get_one_adapter_per_run_or_two_on_vllm(tmp_path):
     for backend, per_run in (("torch", 1), ("vllm", 2)):
         cfg = load_config(RLConfig, [*example, "--inference.backend", backend])
         resolved = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
-        ranks = [(r.lora or resolved["trainer"].lora).rank for r in resolved["trainer"].runs]
-        for replica in resolved["inference"]:
+        ranks = [(r.lora or resolved.trainer.lora).rank for r in resolved.trainer.runs]
+        for replica in resolved.inference:
             assert (replica.backend, replica.lora.max_loras) == (backend, per_run * len(cfg.runs))
             assert replica.lora.max_rank == max(ranks)
 
@@ -51,7 +51,7 @@ def test_a_single_run_publishing_adapters_to_vllm_gets_lora_turned_on(tmp_path):
 
     def served(*argv):
         cfg = load_config(RLConfig, [*demo, *argv])
-        return resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")["inference"][0].lora
+        return resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0").inference[0].lora
 
     adapter, vllm = ("--trainer.lora.publish", "adapter"), ("--inference.backend", "vllm")
     lora = served(*adapter, *vllm)
@@ -78,7 +78,7 @@ def test_learning_configs_load_their_environments(path, tmp_path, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     cfg = load_config(RLConfig, ["@", str(path), "--output-dir", str(tmp_path)])
-    orchestrator = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")["orchestrator"]
+    orchestrator = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0").orchestrator
     env = load_environment(orchestrator.env.name, **orchestrator.env.args)
     assert env.tasks("eval").size >= orchestrator.eval.num_examples
     assert env.tasks("train")[0].answer

@@ -24,7 +24,7 @@ from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import TrainerConfig
 from gyre.events import EventLog, read_events
-from gyre.launcher import resolve_configs
+from gyre.local.runs import resolve_configs
 
 # New modules are imported inside the tests, so that on the old code each test fails on its own
 # defect rather than the whole file failing to import.
@@ -197,10 +197,10 @@ def test_defect_6_missing_local_folder_and_no_implicit_random_model(tmp_path):
 def test_defect_7_dp_world_size_and_seq_len_are_derived_from_the_trainer(tmp_path):
     cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--trainer-nproc", "2"])
     resolved = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
-    assert resolved["orchestrator"].batch.dp_world_size == 2
+    assert resolved.orchestrator.batch.dp_world_size == 2
     only_trainer = load_config(RLConfig, ["--output-dir", str(tmp_path), "--trainer.data.seq-len", "300"])
     resolved = resolve_configs(only_trainer, "m", "redis://127.0.0.1:1/0")
-    assert resolved["orchestrator"].batch.seq_len == resolved["trainer"].data.seq_len == 300
+    assert resolved.orchestrator.batch.seq_len == resolved.trainer.data.seq_len == 300
 
 
 def test_contradicting_batch_split_is_refused(tmp_path):
@@ -306,7 +306,7 @@ def test_builtin_loss_names_match_the_trainer_registry():
 
 def test_resumed_curves_continue_and_eval_off_says_so(tmp_path):
     from gyre.events import latest_per_step
-    from gyre.report import _per_wall_second, summarize, summary_numbers
+    from gyre.local.report import _per_wall_second, summarize, summary_numbers
 
     path = tmp_path / "events" / "orchestrator_steps.jsonl"
     with EventLog(path, segment="a") as first:
@@ -339,7 +339,7 @@ def test_resumed_curves_continue_and_eval_off_says_so(tmp_path):
 
 def test_fresh_refuses_a_folder_that_is_not_a_gyre_run(tmp_path):
     from gyre.config import ConfigError
-    from gyre.launcher import Launcher
+    from gyre.local.launcher import Launcher
 
     (tmp_path / "thesis.tex").write_text("years of work")
     launcher = Launcher(load_config(RLConfig, ["--output-dir", str(tmp_path), "--fresh"]))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from gyre.config.packing import ORCHESTRATOR_KEYS as PACKING_KEYS
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "values.schema.yaml"
@@ -34,7 +35,8 @@ KUBERNETES_VERSION = "1.30.0"
 # Keys of each service's table that the chart passes on the command line (dotted paths). The chart
 # decides them from its own values: bind addresses and ports (they must match the Services and probes),
 # the shared volume, Redis (URL + password from a Secret), replica discovery, secrets, and the
-# orchestrator's packing shape (derived from the trainer's world size and seq_len).
+# orchestrator's packing shape (`gyre.config.packing`: derived from the trainer's world size and seq_len, in
+# templates/orchestrator.yaml).
 CHART_OWNED: dict[str, tuple[str, ...]] = {
     "inference": ("run_id", "output_dir", "redis", "metrics", "server", "control", "auth"),
     "orchestrator": (
@@ -42,7 +44,7 @@ CHART_OWNED: dict[str, tuple[str, ...]] = {
         "inference.urls", "inference.discovery", "inference.dns_name", "inference.kubernetes_service",
         "inference.namespace", "inference.http_port", "inference.control_port", "inference.control_urls",
         "inference.api_key", "inference.control_token", "inference.api_key_file", "inference.control_token_file",
-        "batch.dp_world_size", "batch.seq_len",
+        *PACKING_KEYS,
     ),
     "trainer": ("run_id", "output_dir", "redis", "metrics", "server", "orchestrator.address",
                 "orchestrator.control_token", "orchestrator.control_token_file"),

@@ -558,7 +558,7 @@ overlap after each swap). */}}
 {{- end -}}
 
 {{/* "true" for one run publishing LoRA adapters (trainer.lora.publish = adapter) to the vLLM backend, which
-serves them only with LoRA on (gyre.launcher.served_adapter_versions does the same for `gyre rl`). */}}
+serves them only with LoRA on (gyre.local.runs.served_adapters does the same for `gyre rl`). */}}
 {{- define "gyre.vllmAdapterVersions" -}}
 {{- $e := .Values.experiment }}
 {{- $lora := ($e.trainer | default dict).lora | default dict }}

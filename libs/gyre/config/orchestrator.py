@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gyre.config.loader import Section, secret_file
+from gyre.config.packing import DEFAULT_SEQ_LEN
 from gyre.config.shared import RedisConfig, ServiceConfig
 
 
@@ -81,8 +82,12 @@ class RolloutDumpConfig(Section):
 
 
 class BatchConfig(Section):
-    seq_len: int = Field(2048, ge=16, description="Tokens per packed row (= trainer data.seq_len).")
-    dp_world_size: int = Field(1, ge=1, description="Trainer data-parallel ranks to split micro-batches over.")
+    seq_len: int = Field(
+        DEFAULT_SEQ_LEN, ge=16, description="Tokens per packed row (derived from the trainer's data.seq_len)."
+    )
+    dp_world_size: int = Field(
+        1, ge=1, description="Trainer data-parallel ranks to split micro-batches over (derived from the trainer)."
+    )
     stream_maxlen: int = Field(64, ge=2, description="Approximate bound of the batch stream length.")
     inline_max_bytes: int = Field(8 << 20, ge=0, description="Larger payloads go to the shared volume.")
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gyre.config.loader import Section, secret_file
+from gyre.config.packing import DEFAULT_SEQ_LEN
 from gyre.config.shared import ModelConfig, ServiceConfig
 
 # The objectives gyre_trainer.loss registers (a unit test keeps the two in step): named here so a
@@ -166,7 +167,9 @@ class OptimConfig(Section):
 
 
 class DataConfig(Section):
-    seq_len: int = Field(2048, ge=16, description="Tokens per packed micro-batch row.")
+    seq_len: int = Field(
+        DEFAULT_SEQ_LEN, ge=16, description="Tokens per packed micro-batch row (a longer row is refused)."
+    )
     micro_batch_size: int = Field(1, ge=1, description="Packed rows per forward/backward.")
 
 

@@ -5,7 +5,7 @@ used the way their type allows, covering every catalogued metric, and parsed by 
 from __future__ import annotations
 
 import pytest
-from gyre.prometheus import PROMETHEUS, LocalPrometheus, PrometheusError
+from gyre.local.prometheus import PROMETHEUS, LocalPrometheus, PrometheusError
 from observability_support import (
     DASHBOARD_DIR,
     OPTIONAL_METRICS,

@@ -6,8 +6,8 @@ import os
 import time
 
 import pytest
+from gyre.local.prometheus import PROMETHEUS, LocalPrometheus, PrometheusError, render_config
 from gyre.metrics import counter, gauge, start_metrics_server
-from gyre.prometheus import PROMETHEUS, LocalPrometheus, PrometheusError, render_config
 from prometheus_client import CollectorRegistry
 
 pytestmark = pytest.mark.skipif(not PROMETHEUS.exists(), reason="apt-get install prometheus")

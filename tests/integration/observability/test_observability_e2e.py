@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from gyre.prometheus import PROMETHEUS, LocalPrometheus
+from gyre.local.prometheus import PROMETHEUS, LocalPrometheus
 from observability_support import (
     ALERTS,
     PROMTOOL,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from gyre.events import EventLog
-from gyre.report import _per_wall_second, draw
+from gyre.local.report import _per_wall_second, draw
 from observability_support import ROOT, dashboards
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gyre.events import read_events
 
-ROOT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ci.toml"
+ROOT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ci.toml"
 
 
 def _union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:

@@ -41,8 +41,8 @@ from gyre.proc import set_pdeathsig
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 LOCAL_NAMESPACE = "local"
-# libs/gyre/prometheus.py -> the repository root of a source checkout (absent in a wheel install)
-BUNDLED_RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yaml"
+# libs/gyre/local/prometheus.py -> the repository root of a source checkout (absent in a wheel install)
+BUNDLED_RULES = Path(__file__).resolve().parents[3] / "deploy" / "prometheus" / "alerts.yaml"
 
 
 class PrometheusError(RuntimeError):

@@ -37,18 +37,22 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
-from gyre.config.inference import InferenceConfig
-from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rl import RLConfig
-from gyre.config.trainer import LoraConfig, SFTConfig, TrainerConfig
+from gyre.config.trainer import SFTConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
 from gyre.inference_process import InferenceProcess, NotReady
-from gyre.net import free_port
+from gyre.local.runs import (
+    ServiceConfigs,
+    committed_steps,
+    experiment_runs,
+    resolve_configs,
+    summarize,
+    validate_extensions,
+)
 from gyre.proc import Child
 from gyre.runlock import LockHeld, RunLock
-from gyre.runstate import committed_step
 
-log = logging.getLogger("gyre.launcher")
+log = logging.getLogger("gyre.local.launcher")
 
 # What a run writes into its output folder. `--fresh` empties a folder that is a gyre run (holds one
 # of RUN_MARKERS) or holds nothing but RUN_ENTRIES, and refuses any other: a mistyped --output-dir
@@ -94,148 +98,8 @@ def _gpu_env(devices: str | None) -> dict[str, str]:
     return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
 
 
-def _multirun():
-    import gyre.multirun
-
-    return gyre.multirun
-
-
 def _gyre(*args: str) -> list[str]:
     return [sys.executable, "-m", "gyre.cli", *args]
-
-
-def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> dict[str, Any]:
-    """Build and validate one config per service; every port is chosen here so nothing collides.
-
-    The orchestrator's batch split is derived from the trainer: `batch.dp_world_size` is the number
-    of trainer processes and `batch.seq_len` the trainer's `data.seq_len`; a contradicting value set
-    by hand is refused here rather than dead-lettering every batch later.
-    """
-    shared = {
-        "run_id": cfg.run_id,
-        "output_dir": str(cfg.output_dir),
-        "redis": {"url": redis_url},
-        "log": {"level": cfg.log.level},
-        "wandb": cfg.wandb.model_dump(),
-    }
-    model = {"name": model_name, "dtype": cfg.model.dtype}
-    if cfg.runs:  # several runs on one trainer and the same replicas (gyre.multirun)
-        from gyre.multirun import resolve_multirun_configs
-
-        return resolve_multirun_configs(cfg, shared, model, redis_url)
-    replicas = []
-    for i in range(cfg.inference_replicas):
-        http, control = free_port(), free_port()
-        inf = {**shared, "model": model, "server": {"port": http}, "control": {"port": control},
-               **served_adapter_versions(cfg.inference, cfg.trainer)}  # fmt: skip
-        replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, inf))
-    orch_port, trainer_port = free_port(), free_port()
-    ckpt = cfg.ckpt
-    seq_len = _derived_seq_len(cfg)
-    user_dp = cfg.orchestrator.get("batch", {}).get("dp_world_size")
-    if user_dp is not None and user_dp != cfg.trainer_nproc:
-        raise ConfigError(
-            f"orchestrator.batch.dp_world_size = {user_dp} contradicts trainer_nproc = {cfg.trainer_nproc}: "
-            "gyre rl derives it from trainer_nproc; remove orchestrator.batch.dp_world_size"
-        )
-    orchestrator = _validated(
-        OrchestratorConfig,
-        "orchestrator",
-        cfg.orchestrator,
-        {
-            **shared,
-            "max_steps": cfg.max_steps,
-            "server": {"port": orch_port},
-            "metrics": {"port": free_port()},
-            "inference": {
-                "urls": [f"http://127.0.0.1:{r.server.port}" for r in replicas],
-                "control_urls": [f"127.0.0.1:{r.control.port}" for r in replicas],
-            },
-            "batch": {"dp_world_size": cfg.trainer_nproc, "seq_len": seq_len},
-            # progress checkpoints are a few hundred bytes: always on, so a re-run never repeats tasks
-            "ckpt_interval": ckpt.interval if ckpt.enabled else 1,
-            **({"resume_step": ckpt.resume_step} if ckpt.resume_step is not None else {}),
-        },
-    )
-    trainer_ckpt = {"interval": ckpt.interval, "keep_last": ckpt.keep_last} if ckpt.enabled else {}
-    if ckpt.resume_step is not None:
-        trainer_ckpt["resume_step"] = ckpt.resume_step
-    trainer = _validated(
-        TrainerConfig,
-        "trainer",
-        cfg.trainer,
-        {
-            **shared,
-            "model": model,
-            "max_steps": cfg.max_steps,
-            "orchestrator": {"address": f"127.0.0.1:{orch_port}"},
-            "server": {"port": trainer_port},
-            "metrics": {"port": free_port()},
-            "ckpt": trainer_ckpt,
-            "data": {"seq_len": seq_len},
-        },
-    )
-    return {"inference": replicas, "orchestrator": orchestrator, "trainer": trainer}
-
-
-def _derived_seq_len(cfg: RLConfig) -> int:
-    """The trainer's `data.seq_len` (else the orchestrator's `batch.seq_len`, else the default); both must agree."""
-    trainer = cfg.trainer.get("data", {}).get("seq_len")
-    orchestrator = cfg.orchestrator.get("batch", {}).get("seq_len")
-    if trainer is not None and orchestrator is not None and int(trainer) != int(orchestrator):
-        raise ConfigError(
-            f"orchestrator.batch.seq_len ({orchestrator}) != trainer.data.seq_len ({trainer}): gyre rl derives "
-            "the orchestrator's from the trainer's; set trainer.data.seq_len only"
-        )
-    chosen = trainer if trainer is not None else orchestrator
-    return int(chosen) if chosen is not None else TrainerConfig.model_fields["data"].default_factory().seq_len
-
-
-def validate_extensions(configs: dict[str, Any]) -> None:
-    """Names that the config models cannot check alone: the environment (built-in or import path, and
-    its arguments) and the loss (built-in or import path). Raises ConfigError naming the key."""
-    from gyre.envs import load_environment
-
-    for orch in configs.get("orchestrators", {"": configs["orchestrator"]}).values():
-        try:
-            load_environment(orch.env.name, **orch.env.args)
-        except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
-            raise ConfigError(f"config key 'orchestrator.env': {e}") from None
-    loss = configs["trainer"].loss.type
-    if ":" in loss:
-        from gyre.imports import load_callable
-
-        try:
-            load_callable(loss, f"loss {loss!r}")
-        except ValueError as e:
-            raise ConfigError(f"config key 'trainer.loss.type': {e}") from None
-
-
-def served_adapter_versions(inference: dict, trainer: dict) -> dict:
-    """[inference] defaults for a single run that publishes LoRA adapters (`trainer.lora.publish = "adapter"`) to
-    the vLLM backend, which serves them only with LoRA on: `lora.max_loras = 2` (a request keeps the adapter
-    version it started with, so the previous one finishes while new requests use the next) and `lora.max_rank`
-    = the trainer's rank. The torch backend merges such versions into its weights and needs neither; keys the
-    user set win."""
-    lora = trainer.get("lora")
-    if inference.get("backend") != "vllm" or lora is None or lora.get("publish", "merged") != "adapter":
-        return {}
-    return {"lora": {"max_loras": 2, "max_rank": lora.get("rank", LoraConfig.model_fields["rank"].default)}}
-
-
-def _validated(cls, section: str, user: dict, launcher: dict):
-    """Launcher-chosen values (ports, paths) under the user's section; errors name the section."""
-    from gyre.config.loader import deep_merge
-
-    values = deep_merge(launcher, user)
-    # Ports and addresses are the launcher's: a user value would break the wiring.
-    for key in ("server", "control"):
-        if key in launcher and key in user and "port" in user[key]:
-            values[key]["port"] = launcher[key]["port"]
-    try:
-        return load_config(cls, [], **values)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("config key '", f"config key '{section.split('.')[0]}.")) from None
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -406,22 +270,20 @@ class Launcher:
         self.acquire_locks()
         if self.cfg.fresh:
             self.start_fresh()
-        committed = committed_step(self.out)
+        runs, committed = experiment_runs(self.cfg), committed_steps(self.cfg)
         rewind = self.cfg.ckpt.resume_step is not None and self.cfg.ckpt.resume_step >= 0
-        if self.cfg.runs and not rewind and _multirun().finished(self.cfg):
-            _console(f"every run is already finished in {self.out} (--fresh starts over)")
-            return 0
-        if not self.cfg.runs and committed >= self.cfg.max_steps and not rewind:
+        if not rewind and all(committed[run.name] >= run.max_steps for run in runs):
+            where = "; ".join(f"{run.name}: step {committed[run.name]} of max_steps {run.max_steps}" for run in runs)
             _console(
-                f"run already finished: step {committed} of max_steps {self.cfg.max_steps} is trained and published "
-                f"in {self.out} (--fresh starts over, a larger --max-steps continues it)"
+                f"run already finished ({where}: trained and published) in {self.out} (--fresh starts over, "
+                "a larger --max-steps continues it)"
             )
             return 0
         os.environ[SEGMENT_ENV] = new_segment_id()  # one run segment for every service of this launch
         redis_url = self._redis_url()
         if rewind:
-            for run_id in [r.name for r in self.cfg.runs] or [self.cfg.run_id]:
-                self._discard_stream_after(redis_url, run_id, self.cfg.ckpt.resume_step)
+            for run in runs:
+                self._discard_stream_after(redis_url, run.name, self.cfg.ckpt.resume_step)
         model = self._sft(self._base_model())
         configs = resolve_configs(self.cfg, model, redis_url)
         if self.cfg.prometheus:  # before the services: a short run's first steps must be scraped too
@@ -429,15 +291,15 @@ class Launcher:
         cdir = self.out / "configs"
         echo = self.cfg.console == "all"
         replicas = []
-        for i, inf in enumerate(configs["inference"]):
-            name = "inference" if len(configs["inference"]) == 1 else f"inference-{i}"
+        for i, inf in enumerate(configs.inference):
+            name = "inference" if len(configs.inference) == 1 else f"inference-{i}"
             config = _write_config(cdir / f"{name}.toml", inf)
             log_path = self.out / "logs" / f"{name}.log"
             child = InferenceProcess("@", str(config), log_path=log_path, name=name, console=_console)
-            child.start(echo, env=_thread_env(0.5 / len(configs["inference"])) | _gpu_env(self.cfg.inference_gpus))
+            child.start(echo, env=_thread_env(0.5 / len(configs.inference)) | _gpu_env(self.cfg.inference_gpus))
             self.children.append(child)
             replicas.append(child)
-        trainer_cfg = _write_config(cdir / "trainer.toml", configs["trainer"])
+        trainer_cfg = _write_config(cdir / "trainer.toml", configs.trainer)
         if self.cfg.trainer_nproc > 1:
             argv = [
                 sys.executable,
@@ -462,8 +324,8 @@ class Launcher:
             except NotReady as e:
                 raise RunFailed(str(e)) from None
         orchestrators = []
-        for run_id, orch in configs.get("orchestrators", {"": configs["orchestrator"]}).items():
-            name = f"orchestrator-{run_id}" if run_id else "orchestrator"
+        for run_name, orch in configs.orchestrators.items():
+            name = f"orchestrator-{run_name}" if self.cfg.runs else "orchestrator"
             orch_cfg = _write_config(cdir / f"{name}.toml", orch)
             orchestrator = Child(
                 name, _gyre("orchestrator", "@", str(orch_cfg)), self.out / "logs" / f"{name}.log", console=_console
@@ -471,13 +333,10 @@ class Launcher:
             orchestrator.start(echo, env=_thread_env(0))
             self.children.append(orchestrator)
             orchestrators.append(orchestrator)
-        from gyre.progress import RunProgress
+        from gyre.local.progress import RunProgress
 
         global _bar
-        if self.cfg.runs:
-            progress = _multirun().MultiRunProgress(self.cfg)
-        else:
-            progress = RunProgress(self.out, self.cfg.max_steps, start_step=self._start_step(committed))
+        progress = RunProgress(runs, {name: self._start_step(step) for name, step in committed.items()})
         _bar = progress.bar
         try:
             while True:
@@ -516,16 +375,13 @@ class Launcher:
         if dropped:
             _console(f"rewind to step {step}: deleted the stream's batches of steps {sorted(dropped)}")
 
-    def _start_prometheus(self, configs: dict[str, Any]) -> None:
-        from gyre.prometheus import LocalPrometheus
+    def _start_prometheus(self, configs: ServiceConfigs) -> None:
+        from gyre.local.prometheus import LocalPrometheus
 
         targets = {
-            "inference": [f"127.0.0.1:{c.server.port}" for c in configs["inference"]],
-            "trainer": [f"127.0.0.1:{configs['trainer'].metrics.port}"],
-            "orchestrator": [
-                f"127.0.0.1:{c.metrics.port}"
-                for c in configs.get("orchestrators", {"": configs["orchestrator"]}).values()
-            ],
+            "inference": [f"127.0.0.1:{c.server.port}" for c in configs.inference],
+            "trainer": [f"127.0.0.1:{configs.trainer.metrics.port}"],
+            "orchestrator": [f"127.0.0.1:{c.metrics.port}" for c in configs.orchestrators.values()],
         }
         self.prometheus = LocalPrometheus(self.out / "prometheus", targets, run_id=self.cfg.run_id)
         self.prometheus.start()
@@ -578,10 +434,6 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     finally:
         launcher.shutdown()
-    if code == 0 and cfg.runs:
-        print(_multirun().summarize_runs(cfg, wall_seconds=time.monotonic() - started))
-    elif code == 0:
-        from gyre.report import summarize
-
-        print(summarize(cfg.output_dir, wall_seconds=time.monotonic() - started))
+    if code == 0:
+        print(summarize(cfg, wall_seconds=time.monotonic() - started))
     return code

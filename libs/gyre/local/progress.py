@@ -1,0 +1,69 @@
+"""Console progress of a local run, read from the event logs the services append to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from gyre.events import read_events
+from gyre.local.runs import Run
+
+
+class RunProgress:
+    """One tqdm bar over the RL steps of every run, advancing as the trainer logs steps.
+
+    One run: the postfix shows its latest numbers (reward, lag, eval, step time, tokens/s, MFU); several: each
+    run's step and latest train reward. `start` is where each run stands when the launch begins."""
+
+    def __init__(self, runs: Sequence[Run], start: dict[str, int]):
+        self.runs = list(runs)
+        self.steps = {run.name: start.get(run.name, 0) for run in self.runs}
+        total, initial = sum(run.max_steps for run in self.runs), sum(self.steps.values())
+        self.bar = tqdm(total=total, initial=initial, desc="rl", unit="step", dynamic_ncols=True)
+        self._post: dict = {}
+
+    def update(self) -> None:
+        post = {}
+        for run in self.runs:
+            events = Path(run.output_dir) / "events"
+            trainer = read_events(events / "trainer_steps.jsonl")
+            orch = read_events(events / "orchestrator_steps.jsonl")
+            if trainer:
+                step = max(e["step"] for e in trainer)
+                if step > self.steps[run.name]:
+                    self.bar.update(step - self.steps[run.name])
+                    self.steps[run.name] = step
+            if len(self.runs) > 1:
+                reward = f" r={orch[-1].get('reward_mean', float('nan')):.2f}" if orch else ""
+                post[run.name] = f"{self.steps[run.name]}{reward}"
+            else:
+                post = _numbers(trainer, orch, read_events(events / "eval.jsonl"))
+        if post != self._post:  # redraw only on news: keeps non-TTY logs readable
+            self._post = post
+            self.bar.set_postfix(post, refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _numbers(trainer: list[dict], orch: list[dict], evals: list[dict]) -> dict[str, str]:
+    """A single run's latest numbers."""
+    post = {}
+    if orch:
+        last = orch[-1]
+        post["reward"] = f"{last.get('reward_mean', float('nan')):.3f}"
+        if "lag_mean" in last:
+            post["lag"] = f"{last['lag_mean']:.2f}"
+    if evals:
+        post["eval"] = f"{evals[-1].get('avg_at_k', float('nan')):.3f}"
+    if trainer:
+        last = trainer[-1]
+        secs = last.get("step_seconds") or 0
+        post["step_s"] = f"{secs:.1f}"
+        if secs:
+            post["tok/s"] = f"{last.get('num_tokens', 0) / secs:.0f}"
+        if last.get("mfu") is not None:
+            post["mfu"] = f"{100 * last['mfu']:.1f}%"
+    return post

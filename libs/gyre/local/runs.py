@@ -1,0 +1,194 @@
+"""`gyre rl`'s run resolution: an experiment's runs and one validated config per service.
+
+An experiment has N runs. A single-run experiment is N = 1: the run is the experiment itself (`run_id`,
+`output_dir`, `max_steps`). With `[[runs]]` (configs/multirun/two_runs.toml; docs/architecture.md,
+"Multi-run") every run has its own folder `{output_dir}/runs/{name}` (weights, checkpoints, events,
+rollouts), Redis stream `gyre:{name}:batches` and orchestrator process (its own port), which sends its
+requests under the model name `{name}` and relays the run's versions to that name. The one trainer
+then gets `trainer.runs` (one LoRA adapter, optimizer and schedule per run) and every inference replica
+serves the base model plus each run's adapter under the run's name. Shared by every run: the base
+model (and SFT warm-up), Redis, the replicas, the trainer's model/loss/data keys.
+
+Every port is chosen here so nothing collides, and the orchestrators' packing shape is derived from the
+trainer (`gyre.config.packing`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gyre.config import ConfigError, load_config
+from gyre.config.inference import InferenceConfig, loras_for_runs
+from gyre.config.loader import deep_merge
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.config.packing import PackingShape
+from gyre.config.rl import RLConfig
+from gyre.config.trainer import TrainerConfig
+from gyre.net import free_port
+from gyre.runstate import committed_step
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of an experiment: where it lives and how far it goes, plus its own keys."""
+
+    name: str
+    output_dir: Path
+    max_steps: int
+    trainer: dict[str, Any] = field(default_factory=dict)  # its keys of trainer.runs[] (multi-run)
+    orchestrator: dict[str, Any] = field(default_factory=dict)  # its [orchestrator] keys that differ
+
+
+def experiment_runs(cfg: RLConfig) -> list[Run]:
+    """The experiment's runs: `[[runs]]`, or the experiment itself as its single run."""
+    if not cfg.runs:
+        return [Run(cfg.run_id, Path(cfg.output_dir), cfg.max_steps)]
+    return [
+        Run(r.name, Path(cfg.output_dir) / "runs" / r.name, r.max_steps or cfg.max_steps, r.trainer, r.orchestrator)
+        for r in cfg.runs
+    ]
+
+
+@dataclass
+class ServiceConfigs:
+    """The validated config of every service of one launch."""
+
+    inference: list[InferenceConfig]  # one per replica
+    trainer: TrainerConfig
+    orchestrators: dict[str, OrchestratorConfig]  # one per run, by run name
+
+    @property
+    def orchestrator(self) -> OrchestratorConfig:
+        """The first run's orchestrator (a single run's only one)."""
+        return next(iter(self.orchestrators.values()))
+
+
+def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceConfigs:
+    """Build and validate one config per service (errors name the section and key)."""
+    runs, multi = experiment_runs(cfg), bool(cfg.runs)
+    if multi and cfg.trainer_nproc != 1:
+        raise ConfigError("config key 'runs': multi-run trains in one trainer process; set trainer_nproc = 1")
+    shape = PackingShape.derive(cfg.trainer, cfg.orchestrator, cfg.trainer_nproc)
+    shared = {
+        "run_id": cfg.run_id,
+        "output_dir": str(cfg.output_dir),
+        "redis": {"url": redis_url},
+        "log": {"level": cfg.log.level},
+        "wandb": cfg.wandb.model_dump(),
+    }
+    model = {"name": model_name, "dtype": cfg.model.dtype}
+    resume = {"resume_step": cfg.ckpt.resume_step} if cfg.ckpt.resume_step is not None else {}
+    orchestrator_ports = {run.name: free_port() for run in runs}
+
+    trainer_values = {
+        **shared, "model": model, "server": {"port": free_port()}, "metrics": {"port": free_port()},
+        "ckpt": {"interval": cfg.ckpt.interval, "keep_last": cfg.ckpt.keep_last} if cfg.ckpt.enabled else {},
+        "data": {"seq_len": shape.seq_len},
+    }  # fmt: skip
+    per_run = [
+        {"output_dir": str(run.output_dir), "max_steps": run.max_steps,
+         "orchestrator": {"address": f"127.0.0.1:{orchestrator_ports[run.name]}"}}
+        for run in runs
+    ]  # fmt: skip
+    if multi:  # trainer.runs: each run's own keys on top
+        trainer_values["runs"] = [
+            deep_merge({"name": run.name, **values, **resume}, run.trainer)
+            for run, values in zip(runs, per_run, strict=True)
+        ]
+    else:  # the run is the trainer's own: run_id and output_dir are the shared ones
+        trainer_values |= {"max_steps": runs[0].max_steps, "orchestrator": per_run[0]["orchestrator"]}
+        trainer_values["ckpt"] = {**trainer_values["ckpt"], **resume}
+    trainer = _validated(TrainerConfig, "trainer", cfg.trainer, trainer_values)
+
+    served = served_adapters(cfg, trainer, [run.name for run in runs] if multi else [])
+    replicas = []
+    for i in range(cfg.inference_replicas):
+        values = {**shared, "model": model, "server": {"port": free_port()}, "control": {"port": free_port()}}
+        replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, values | served))
+
+    orchestrators = {}
+    for run in runs:
+        values = {
+            **shared, "run_id": run.name, "output_dir": str(run.output_dir), "max_steps": run.max_steps,
+            "server": {"port": orchestrator_ports[run.name]}, "metrics": {"port": free_port()},
+            "inference": {
+                "urls": [f"http://127.0.0.1:{c.server.port}" for c in replicas],
+                "control_urls": [f"127.0.0.1:{c.control.port}" for c in replicas],
+                **({"model": run.name} if multi else {}),  # the run's adapter, by name
+            },
+            **shape.orchestrator_values(),
+            # progress checkpoints are a few hundred bytes: always on, so a re-run never repeats tasks
+            "ckpt_interval": cfg.ckpt.interval if cfg.ckpt.enabled else 1,
+            **resume,
+        }  # fmt: skip
+        user = deep_merge(cfg.orchestrator, run.orchestrator)
+        orchestrators[run.name] = _validated(OrchestratorConfig, "orchestrator", user, values)
+    return ServiceConfigs(replicas, trainer, orchestrators)
+
+
+def served_adapters(cfg: RLConfig, trainer: TrainerConfig, names: list[str]) -> dict[str, Any]:
+    """[inference] LoRA defaults (keys the user set win).
+
+    Several runs: every run's adapter under its name (`lora.adapters`), `lora.max_loras` enough to serve them
+    all without waiting (`loras_for_runs`), `lora.max_rank` the largest run rank. A single run that publishes
+    its adapter alone (`trainer.lora.publish = "adapter"`) to the vLLM backend, which serves adapters only with
+    LoRA on: two slots (a request keeps the version it started with, so the previous one finishes while new
+    requests use the next) of the trainer's rank. The torch backend merges such versions into its weights and
+    needs neither."""
+    backend = cfg.inference.get("backend", "torch")
+    if names:
+        rank = max((run.lora or trainer.lora).rank for run in trainer.runs)
+        return {"lora": {"adapters": names, "max_loras": loras_for_runs(backend, len(names)), "max_rank": rank}}
+    if backend != "vllm" or trainer.lora is None or trainer.lora.publish != "adapter":
+        return {}
+    return {"lora": {"max_loras": loras_for_runs(backend, 1), "max_rank": trainer.lora.rank}}
+
+
+def _validated(cls, section: str, user: dict, launcher: dict):
+    """Launcher-chosen values (ports, paths) under the user's section; errors name the section."""
+    values = deep_merge(launcher, user)
+    # Ports and addresses are the launcher's: a user value would break the wiring.
+    for key in ("server", "control"):
+        if key in launcher and key in user and "port" in user[key]:
+            values[key]["port"] = launcher[key]["port"]
+    try:
+        return load_config(cls, [], **values)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("config key '", f"config key '{section.split('.')[0]}.")) from None
+
+
+def validate_extensions(configs: ServiceConfigs) -> None:
+    """Names that the config models cannot check alone: the environment (built-in or import path, and
+    its arguments) and the loss (built-in or import path). Raises ConfigError naming the key."""
+    from gyre.envs import load_environment
+
+    for orch in configs.orchestrators.values():
+        try:
+            load_environment(orch.env.name, **orch.env.args)
+        except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
+            raise ConfigError(f"config key 'orchestrator.env': {e}") from None
+    loss = configs.trainer.loss.type
+    if ":" in loss:
+        from gyre.imports import load_callable
+
+        try:
+            load_callable(loss, f"loss {loss!r}")
+        except ValueError as e:
+            raise ConfigError(f"config key 'trainer.loss.type': {e}") from None
+
+
+def committed_steps(cfg: RLConfig) -> dict[str, int]:
+    """Every run's committed step (`gyre.runstate.committed_step`), by name."""
+    return {run.name: committed_step(run.output_dir) for run in experiment_runs(cfg)}
+
+
+def summarize(cfg: RLConfig, wall_seconds: float | None = None) -> str:
+    """The end-of-run summary of every run (`gyre.local.report.summarize`)."""
+    from gyre.local.report import summarize as summarize_run
+
+    runs = experiment_runs(cfg)
+    if not cfg.runs:
+        return summarize_run(runs[0].output_dir, wall_seconds)
+    return "\n".join(f"run {run.name}:\n{summarize_run(run.output_dir, wall_seconds)}" for run in runs)
