@@ -1,62 +1,112 @@
-"""Next-token sampling for a batch of rows, each with its own temperature, top_p and random draw.
+"""Next-token sampling for a batch of rows, on the device, with no host round trip inside a step.
 
-Sampling is inverse-CDF: row i takes the first token whose cumulative probability exceeds
-`uniform[i] * total`. Rows with top_p = 1 walk the CDF in vocabulary order (no sort: sorting a
-[B, V] tensor costs more than the rest of a CPU decode step); rows with top_p < 1 walk it in order of
-decreasing probability over the nucleus only. Each row's randomness is one uniform drawn from that
-row's own generator, so a row's token depends only on its logits, its parameters and its generator,
-never on which other rows share the batch (batch-invariant up to float noise in the logits).
+`sample` is a fixed sequence of tensor ops with no data-dependent shapes and no host synchronisation, so
+the torch engine captures it in a CUDA graph together with the model's decode step (model_runner.py).
+Per row it applies, in this order: the structured-output token bitmask (disallowed tokens at -inf), the
+sparse biases (`logit_bias`, and -inf on the stop ids before `min_tokens`), the temperature; the
+reported log-probs are `log_softmax` of that (T = 1 for greedy rows). Then, for the draw only: top-k,
+top-p (nucleus) and min-p, and one inverse-CDF draw with the row's uniform. The filters decide which
+tokens may be drawn but are NOT renormalised into the reported log-prob: with no bias and no mask it is
+exactly `log_softmax(logits / T)`, what the trainer recomputes (importance ratio 1 on the same weights).
 
-Reported log-probs are `log_softmax(logits / T)` over the FULL vocabulary (T = 1 for greedy rows):
-top_p decides which tokens may be drawn, but is not renormalised into the log-prob. This is the
-quantity the trainer recomputes (`log_softmax(logits / T)`), so the importance ratio is 1 when both
-sides hold the same weights.
+Randomness: row r's uniform is a pure function of (its sequence's seed, how many tokens that sequence
+has generated) — SplitMix64, computed on the host in numpy for the whole batch at once (a handful of
+vector ops, cheaper than as many tiny device kernels) and uploaded with the step's other inputs. A
+sequence's tokens therefore never depend on which other rows share the batch, on preemption and
+recompute, or on the device.
+
+Inverse-CDF: the first token whose cumulative weight exceeds `uniform * total`. Without top-k/top-p/
+min-p the CDF is walked in vocabulary order (no sort: sorting [B, V] costs more than the rest of a CPU
+decode step); with them, in order of decreasing probability (`filtered=True`, one sort).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+TOP_LOGPROBS = 20  # the most alternatives a request may ask for (the API's bound)
 
-def sample_next(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row.
 
-    Args: `logits` [B, V]; `temperature` [B] (0 = greedy); `top_p` [B] in (0, 1]; `uniform` [B] in [0, 1).
-    Returns `(tokens [B] int64, logprobs [B, V] float32)` where `logprobs` is the reported distribution.
+def uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """SplitMix64 of (seed, counter) as float32 uniforms in [0, 1) (uint64 arithmetic wraps in numpy)."""
+    with np.errstate(over="ignore"):
+        z = seeds.astype(np.uint64) + (counters.astype(np.uint64) + np.uint64(1)) * GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(40)).astype(np.float32)) * np.float32(2.0**-24)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    uniform: torch.Tensor,
+    *,
+    top_p: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    bias_ids: torch.Tensor | None = None,
+    bias_values: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
+    top_n: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One token per row of `logits` [R, V].
+
+    `temperature` [R] (0 = greedy), `uniform` [R] in [0, 1); when given: `top_p` [R] in (0, 1], `top_k` [R]
+    (0 = off), `min_p` [R] (0 = off) (all three together: the filtered path, one sort), `bias_ids` /
+    `bias_values` [R, W] (added with scatter_add; pad with id 0, value 0), `bitmask` [R, ceil(V / 32)] int32
+    (bit j of word i = token 32 i + j may be sampled). Returns (tokens [R] int64, their log-probs [R],
+    the `top_n` most likely tokens' log-probs [R, top_n] and ids, or None when top_n = 0).
     """
-    logits = logits.float()
-    device = logits.device
-    temperature, top_p = temperature.to(device, torch.float32), top_p.to(device, torch.float32)
-    uniform = uniform.to(device, torch.float32)
+    x = logits.float()
+    vocab = x.shape[-1]
+    if bitmask is not None:
+        bits = torch.arange(32, device=x.device, dtype=torch.int32)
+        allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+        x = x.masked_fill(~allowed, float("-inf"))
+    if bias_ids is not None:
+        x = x.scatter_add(1, bias_ids, bias_values)
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+    logprobs = torch.log_softmax(x / scale[:, None], dim=-1)
     probs = logprobs.exp()
-
-    tokens = _inverse_cdf(probs, uniform)
-    nucleus_rows = ((top_p < 1) & ~greedy).nonzero()[:, 0]
-    if len(nucleus_rows):
-        sorted_probs, order = probs[nucleus_rows].sort(dim=-1, descending=True, stable=True)
+    if top_p is None:
+        tokens = _inverse_cdf(probs, uniform)
+    else:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         # Keep a token while the mass strictly before it is below top_p: the most likely token always stays.
-        sorted_probs = sorted_probs * (mass_before < top_p[nucleus_rows, None])
-        index = _inverse_cdf(sorted_probs, uniform[nucleus_rows])
-        tokens[nucleus_rows] = order.gather(1, index[:, None])[:, 0]
-    if bool(greedy.any()):
-        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    return tokens, logprobs
+        keep = mass_before < top_p[:, None]
+        rank = torch.arange(vocab, device=x.device)[None, :]
+        keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
+        keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+        tokens = order.gather(1, _inverse_cdf(sorted_probs * keep, uniform)[:, None])[:, 0]
+    tokens = torch.where(greedy, x.argmax(dim=-1), tokens)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    if top_n:
+        top_values, top_ids = logprobs.topk(top_n, dim=-1)
+        return tokens, chosen, top_values, top_ids
+    return tokens, chosen, None, None
 
 
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Per row, the first index whose running sum of (non-negative) `weights` exceeds uniform * total."""
+    """Per row, the first index whose running sum of (non-negative) `weights` exceeds uniform * total.
+
+    The target is kept strictly below the total, so the index found has a positive weight (the CDF rises
+    there); should float rounding still pick a zero weight, the row's most likely token is taken."""
     cdf = weights.cumsum(dim=-1)
-    index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None].contiguous(), right=True)
-    index = index.clamp_(max=weights.shape[-1] - 1)
-    picked_nothing = weights.gather(1, index)[:, 0] <= 0
-    if bool(picked_nothing.any()):
-        # Float rounding put the target at the very end of the CDF, past the last token with weight.
-        last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
-        index = torch.where(picked_nothing[:, None], last, index)
-    return index[:, 0]
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, target.contiguous(), right=True).clamp_(max=weights.shape[-1] - 1)
+    picked = weights.gather(1, index)
+    return torch.where(picked > 0, index, weights.argmax(dim=-1, keepdim=True))[:, 0]
+
+
+def bias_entries(logit_bias, stop_ids, suppress_stops: bool) -> list[tuple[int, float]]:
+    """A row's sparse biases: its `logit_bias`, and -inf on its stop ids while `min_tokens` holds them back."""
+    entries = list(logit_bias)
+    if suppress_stops:
+        entries += [(token, float("-inf")) for token in sorted(stop_ids)]
+    return entries

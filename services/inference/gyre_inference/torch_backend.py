@@ -1,23 +1,23 @@
-"""Torch backend: a transformers causal LM driven by our own continuous-batching decode loop.
+"""Torch backend: a transformers causal LM driven by our own paged-KV, continuous-batching engine.
 
-One engine thread owns the model and the batch; the asyncio side only enqueues sequences and reads
-their tokens from per-sequence queues (torch releases the GIL inside kernels, so HTTP stays responsive).
+One engine thread owns the model and the batch; the asyncio side only enqueues sequences and reads their
+tokens from per-sequence queues (torch releases the GIL inside kernels, so HTTP stays responsive).
 
-Batching scheme (continuous batching over a static cache, see static_decode.py):
-- Every running sequence owns a slot: a row of a preallocated key/value buffer, where its token at
-  position p lives in column p. Sequences of any lengths share the batch without padding; a new one
-  takes the lowest free slot, a finished or cancelled one frees its slot (nothing is copied).
-- Between decode steps, waiting sequences are prefilled together (a left-padded transformers
-  forward) and their cache is copied into their slots. Then one decode step runs for every slot: a
-  fixed-shape forward over the first `rows` slots and `width` columns (powers of two), which on CUDA
-  is captured once per shape as a CUDA graph and replayed (one launch instead of hundreds of kernels
-  and no Python per layer); on CPU the same step runs eagerly.
-- A weight swap is applied between two steps. Rows in flight keep their KV cache (computed by the
-  old weights) and continue on the new weights; every token reports the version that computed it.
+The engine (docs/inference.md, "Torch backend"):
+- `kv_cache.py`: the paged KV cache's blocks, reference counts and LRU prefix cache;
+- `batch.py`: rows, block tables, admission with prefix sharing (a group's n rollouts computed once),
+  copy-on-write, preemption under block pressure, the step's inputs;
+- `model_runner.py`: packed prefill and the decode step over the model's own modules, the whole step
+  (all layers and sampling) captured as CUDA graphs per batch-size bucket;
+- `paged_attention.py` / `triton_kernels.py`: attention on the paged cache (torch; a Triton decode
+  kernel on CUDA);
+- `sampling.py`: sampling on the device (temperature, top-k/top-p/min-p, biases, bitmask, log-probs).
 
-Randomness: each sequence owns a `random.Random` seeded from its request (or from the engine's seeded
-generator) and draws one uniform per token, so its tokens do not depend on what else is batched. (A
-per-sequence `torch.Generator` gives the same guarantee but costs ~10 us per row per step to draw from.)
+Each engine iteration: apply a pending weight swap, retire cancelled rows, admit and prefill what fits,
+then one decode step for every live row, whose tokens reach the event loop in one hand-off. A weight swap
+copies into the parameters in place between two steps: rows in flight keep their KV cache (computed by
+the old weights) and continue on the new weights, every token reports the version that computed it, and
+no new sequence reuses blocks cached under the old weights.
 
 Only full-attention decoder models are supported: Llama, Mistral, Qwen2 (no sliding window), Qwen3.
 """
@@ -29,6 +29,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -36,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from gyre_inference.backend import (
     AdapterGoneError,
@@ -46,25 +46,27 @@ from gyre_inference.backend import (
     TokenEvent,
     WeightsIncompatibleError,
 )
+from gyre_inference.batch import Batch, Sequence
 from gyre_inference.cpus import default_engine_threads
-from gyre_inference.prompt_logprobs import prompt_logprobs
-from gyre_inference.sampling import sample_next
-from gyre_inference.static_decode import StaticDecoder, context_that_fits
-from gyre_inference.structured import TokenMasks
+from gyre_inference.kv_cache import BlockPool
+from gyre_inference.model_runner import BLOCK_SIZE, ModelRunner, check_supported, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Sequence:
-    prompt: list[int]
-    params: SamplingParams
-    queue: asyncio.Queue
-    rng: random.Random  # this sequence's own random stream: one uniform per sampled token
-    adapter: int = 0  # its named adapter's slot (gyre_inference.adapters; 0 = the served model itself)
-    generated: int = 0
-    finished: bool = False  # its last token has been emitted
-    cancelled: bool = False  # set by the asyncio side; the engine drops the row before its next step
+MAX_PREFILL_TOKENS = 4096  # new tokens one prefill computes at most (a longer prompt goes alone)
+
+
+@dataclass
+class EngineStats:
+    """Where the engine's time went (`gyre bench inference` prints the per-step split)."""
+
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0  # wall time of decode steps, host work included
+    device_seconds: float = 0.0  # of which inside the step's graphs/kernels
+    prefill_seconds: float = 0.0
+    prefilled: int = 0  # prompt tokens computed (prefix-cache hits and group followers excluded)
 
 
 @dataclass
@@ -93,7 +95,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class TorchBackend(Backend):
     name = "torch"
-    uses_constraints = True  # structured outputs: per-sequence matchers (SamplingParams.constraint)
 
     def __init__(
         self,
@@ -109,6 +110,9 @@ class TorchBackend(Backend):
         max_adapters: int = 0,
         max_lora_rank: int = 16,
         adapters: tuple[str, ...] = (),
+        kv_cache_gb: float | None = None,
+        prefix_caching: bool = True,
+        attention: str = "auto",
     ):
         self.model_path = Path(model_path)
         self.device = resolve_device(device)
@@ -119,10 +123,11 @@ class TorchBackend(Backend):
         # CUDA graphs for the decode step: on by default on CUDA (no effect on CPU).
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._rng = random.Random(seed)  # seeds of requests that bring none
+        self._kv_cache_gb, self.prefix_caching = kv_cache_gb, prefix_caching
+        self._attention = attention  # decode attention: "auto" (Triton kernel on CUDA when it checks out), "torch"
         # named adapters (multi-run): created with the model when max_adapters > 0
         self._adapter_settings = (max_adapters, max_lora_rank, tuple(adapters))
         self._bank = None
-        self._slot_adapter = torch.zeros(max_batch_size, dtype=torch.long)  # per slot: its adapter slot
         self._model = None
         self._max_model_len = 0
         self._base: dict[str, torch.Tensor] | None = None  # base weights on CPU, read at the first adapter
@@ -131,19 +136,18 @@ class TorchBackend(Backend):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()
+        self._waiting: deque[Sequence] = deque()
         self._swap: _Swap | None = None
         self._swap_lock = asyncio.Lock()  # one read-and-swap at a time: updates and reloads of evicted adapters
         self._stopping = False
         self._admitting = 0  # sequences taken off the queue whose prefill is under way
-        self._outbox: list[tuple[_Sequence, object]] = []  # events waiting for the event loop
+        self._outbox: list[tuple[Sequence, object]] = []  # events waiting for the event loop
         self._outbox_lock = threading.Lock()
         self._outbox_scheduled = False
-        # Batch state, touched only by the engine thread.
-        self._slots: list[_Sequence | None] = [None] * max_batch_size
-        self._decoder: StaticDecoder | None = None
-        self._next_input = torch.zeros(max_batch_size, dtype=torch.long)  # per slot: token fed at the next step
-        self._positions = torch.zeros(max_batch_size, dtype=torch.long)  # per slot: that token's position
+        # Touched only by the engine thread (created with the model).
+        self._runner: ModelRunner | None = None
+        self._batch: Batch | None = None
+        self.stats = EngineStats()
 
     # ---- Backend interface ----------------------------------------------------------------------
     @property
@@ -165,9 +169,9 @@ class TorchBackend(Backend):
         return self._threads or default_engine_threads()
 
     @property
-    def _rows(self) -> list[_Sequence]:
-        """The running sequences, in slot order."""
-        return [seq for seq in self._slots if seq is not None]
+    def _rows(self) -> list[Sequence]:
+        """The running sequences, in row order."""
+        return self._batch.live if self._batch is not None else []
 
     def load_stats(self) -> tuple[int, int]:
         # read without the lock: a scrape may be off by the sequences moving between the two lists
@@ -224,7 +228,7 @@ class TorchBackend(Backend):
         if not self.ready:
             raise BackendStoppedError("the torch engine is not running")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = _Sequence(list(prompt), params, asyncio.Queue(), random.Random(seed))
+        seq = Sequence(list(prompt), params, asyncio.Queue(), seed)
         name = params.adapter
         for _ in range(3):  # an adapter evicted again before its request is queued is loaded again
             with self._cond:  # the slot is read and the row queued at once: its slot is busy from now on
@@ -276,25 +280,29 @@ class TorchBackend(Backend):
         if self._requested_max_len is not None and self._requested_max_len > limit:
             raise ValueError(f"engine.max_model_len {self._requested_max_len} exceeds the model's context {limit}")
         self._max_model_len = self._requested_max_len or limit
-        if self.device.type == "cuda":
-            # The slot cache holds max_batch_size full contexts: shorten the context to what fits, so a
-            # request that cannot fit is refused up front (context_length_exceeded), not by an OOM.
-            free, _ = torch.cuda.mem_get_info(self.device)
-            fits = context_that_fits(model.config, self.max_batch_size, self.dtype, free)
-            if fits < self._max_model_len:
-                log.warning("context %d x %d slots does not fit in GPU memory: serving context %d "
-                            "(lower engine.max_batch_size for longer contexts)",
-                            self._max_model_len, self.max_batch_size, fits)  # fmt: skip
-                self._max_model_len = fits
-        self._pad_id = model.config.pad_token_id or 0
-        self._decoder = StaticDecoder(model, self.max_batch_size, self._max_model_len, cuda_graphs=self.cuda_graphs)
-        self._masks = TokenMasks(model.config.vocab_size, self.max_batch_size, self.device)
+        check_supported(model.config)
+        num_blocks = self._kv_cache_blocks(model.config)
+        fits = (num_blocks - 1) * BLOCK_SIZE
+        if fits < self._max_model_len:
+            # A request that can never fit is refused up front (context_length_exceeded), not by an OOM.
+            log.warning("the KV cache holds %d tokens: serving context %d instead of %d (set engine.kv_cache_gb "
+                        "for longer contexts)", fits, fits, self._max_model_len)  # fmt: skip
+            self._max_model_len = fits
+        self._runner = ModelRunner(model, rows=self.max_batch_size, num_blocks=num_blocks,
+                                   max_model_len=self._max_model_len, cuda_graphs=self.cuda_graphs)  # fmt: skip
+        if self._attention == "auto" and self.device.type == "cuda":
+            from gyre_inference import triton_kernels
+
+            triton_kernels.install(self._runner)
+        pool = BlockPool(num_blocks, BLOCK_SIZE, on_fresh=lambda block: self._runner.zero_blocks(block + 1))
+        self._batch = Batch(self._runner, pool, prefix_caching=self.prefix_caching,
+                            max_prefill_tokens=max(MAX_PREFILL_TOKENS, self._max_model_len))  # fmt: skip
         max_adapters, max_rank, names = self._adapter_settings
         if max_adapters:
             from gyre_inference.adapters import AdapterBank
 
             self._bank = AdapterBank(model, max_adapters=max_adapters, max_rank=max_rank,
-                                     always=self._decoder.cuda_graphs)  # fmt: skip
+                                     always=self._runner.cuda_graphs)  # fmt: skip
             for name in names:
                 self._bank.declare(name)
         # the tensors a swap copies into, by name, and names that share one tensor (tied embeddings): fixed once
@@ -304,7 +312,23 @@ class TorchBackend(Backend):
         for name, tensor in self._weights.items():
             self._tied.setdefault(id(tensor), []).append(name)
         self._model = model
-        log.info("loaded %s (%s, %s), context %d", self.model_path, self.device, self.dtype, self._max_model_len)
+        log.info("loaded %s (%s, %s), context %d, KV cache %d blocks of %d tokens, decode attention %s",
+                 self.model_path, self.device, self.dtype, self._max_model_len, num_blocks, BLOCK_SIZE,
+                 "Triton" if self._runner.paged_kernel else "torch")  # fmt: skip
+
+    def _kv_cache_blocks(self, config) -> int:
+        """Blocks of the KV cache: `engine.kv_cache_gb` when set; else what max_batch_size full contexts need,
+        at most half the GPU memory free after the model loaded (the rest: activations, graphs, and a trainer
+        sharing the GPU) or, on CPU, 1 GiB (only blocks in use are ever touched there)."""
+        per_block = kv_bytes_per_token(config, self.dtype) * BLOCK_SIZE
+        wanted = self.max_batch_size * (-(-self._max_model_len // BLOCK_SIZE) + 1) + 1
+        if self._kv_cache_gb is not None:
+            return max(2, int(self._kv_cache_gb * 2**30) // per_block)
+        if self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] // 2
+        else:
+            budget = 2**30
+        return max(2, min(wanted, budget // per_block))
 
     def _read_adapter(self, path: Path) -> dict[str, torch.Tensor]:
         """A LoRA adapter folder (PEFT files) as the tensors to swap in: `W_base + alpha/r · B @ A` for the
@@ -376,16 +400,18 @@ class TorchBackend(Backend):
     def _apply_swap(self, swap: _Swap) -> None:
         if swap.adapter is not None:
             self._bank.load(swap.adapter, swap.tensors, swap.version, swap.source, swap.slot)
+            self._batch.new_weights(self._bank.slots[swap.adapter])
             swap.done.set_result(None)
             return
         state = self._weights
         with torch.no_grad():  # one fused copy: a loop pays a dispatch per tensor, ~1/3 of a small model's swap
             torch._foreach_copy_([state[name] for name in swap.tensors], list(swap.tensors.values()))
+        self._batch.new_weights()
         self._version = swap.version
         swap.done.set_result(None)
 
     # ---- engine thread --------------------------------------------------------------------------
-    def _give_slot(self, swap: _Swap, admitted: list[_Sequence]) -> _Swap | None:
+    def _give_slot(self, swap: _Swap, admitted: list[Sequence]) -> _Swap | None:
         """Under `_cond`: the adapter's slot, evicting an idle one if need be (None: refused, told to the caller).
         Every slot a queued, admitted or running row uses is busy: those rows keep their adapter."""
         busy = {seq.adapter for seq in (*self._rows, *admitted, *self._waiting)}
@@ -400,6 +426,7 @@ class TorchBackend(Backend):
         if self.device.type == "cpu":
             # per thread: OpenMP's team size is a property of the calling thread, so set it here
             torch.set_num_threads(self.threads)
+        batch = self._batch
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -410,21 +437,27 @@ class TorchBackend(Backend):
                     swap, self._swap = self._swap, None
                     if swap is not None and not swap.done.set_running_or_notify_cancel():
                         swap = None  # its caller gave up (a cancelled UpdateWeights): not applied, nobody to tell
-                    admitted = []
-                    while self._waiting and len(self._rows) + len(admitted) < self.max_batch_size:
+                    candidates = []
+                    while self._waiting and len(self._rows) + len(candidates) < self.max_batch_size:
                         seq = self._waiting.popleft()
                         if not seq.cancelled:
-                            admitted.append(seq)
-                    self._admitting = len(admitted)
+                            candidates.append(seq)
+                    self._admitting = len(candidates)
                     if swap is not None and swap.adapter is not None:
-                        swap = self._give_slot(swap, admitted)
+                        swap = self._give_slot(swap, candidates)
                 try:
                     if swap is not None:
                         self._apply_swap(swap)
-                    self._free(lambda seq: seq.cancelled)
-                    # Prefill newcomers, then one decode step for everyone: arrivals never starve the batch.
-                    if admitted:
-                        self._prefill(admitted)
+                    batch.free(lambda seq: seq.cancelled)
+                    # Admit and prefill newcomers, then one decode step for everyone: arrivals never starve the batch.
+                    if candidates:
+                        admitted, back = batch.plan_prefill(candidates)
+                        if back and not admitted and not self._rows:
+                            # not even an empty cache holds it (the context is clamped to the cache at load)
+                            self._deliver([(back.pop(0), RuntimeError("the sequence does not fit in the KV cache"))])
+                        self._requeue(back)
+                        if admitted:
+                            self._prefill(admitted)
                         self._admitting = 0
                     if self._rows:
                         self._decode()
@@ -432,9 +465,9 @@ class TorchBackend(Backend):
                     log.exception("engine step failed")
                     if swap is not None and not swap.done.done():
                         swap.done.set_exception(error)
-                    failed = {id(seq): seq for seq in self._rows + admitted}.values()
+                    failed = {id(seq): seq for seq in self._rows + candidates}.values()
                     self._deliver([(seq, error) for seq in failed])
-                    self._reset_batch()
+                    batch.reset()
                     self._admitting = 0
         with self._cond:
             stranded = self._rows + list(self._waiting)
@@ -442,135 +475,85 @@ class TorchBackend(Backend):
             if self._swap is not None and self._swap.done.set_running_or_notify_cancel():
                 self._swap.done.set_exception(BackendStoppedError("engine stopped"))
         self._deliver([(seq, BackendStoppedError("the inference engine stopped")) for seq in stranded])
-        self._reset_batch()
+        batch.reset()
 
-    def _prefill(self, seqs: list[_Sequence]) -> None:
-        """Run the prompts of `seqs` (left-padded), sample their first tokens, copy their cache into slots."""
-        length = max(len(seq.prompt) for seq in seqs)
-        ids = torch.full((len(seqs), length), self._pad_id, dtype=torch.long)
-        mask = torch.zeros(len(seqs), length, dtype=torch.long)
-        positions = torch.zeros(len(seqs), length, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            n = len(seq.prompt)
-            ids[row, length - n :] = torch.tensor(seq.prompt)
-            mask[row, length - n :] = 1
-            positions[row, length - n :] = torch.arange(n)
-        if self._bank is not None:
-            self._bank.use(torch.tensor([seq.adapter for seq in seqs]))
-        cache = DynamicCache()
-        # The decoder, then the output head on the last position (what logits_to_keep=1 computes), so the prompt
-        # log-probs some rows ask for come from the same hidden states: no second pass over their prompts.
-        hidden = self._model.get_decoder()(
-            input_ids=ids.to(self.device),
-            # Without padding the causal mask is all there is: skip building a [B, 1, q, L] mask per layer.
-            attention_mask=None if bool(mask.all()) else mask.to(self.device),
-            position_ids=positions.to(self.device),
-            cache=cache,
-            use_cache=True,
-        ).last_hidden_state
-        head = self._model.get_output_embeddings()
-        prompt_lps = {
-            row: prompt_logprobs(hidden[row, length - len(seq.prompt) : length - 1], head, seq.prompt,
-                                 seq.params.prompt_logprobs)
-            for row, seq in enumerate(seqs) if seq.params.prompt_logprobs is not None
-        }  # fmt: skip
-        tokens = self._sample_and_emit(seqs, head(hidden[:, -1, :]), prompt_lps)
-        free = (slot for slot, seq in enumerate(self._slots) if seq is None)
-        for row, (seq, slot) in enumerate(zip(seqs, free, strict=False)):
-            self._decoder.load_prefill(slot, cache, row, len(seq.prompt))
-            self._slots[slot] = seq
-            self._slot_adapter[slot] = seq.adapter
-            self._next_input[slot] = tokens[row]
-            self._positions[slot] = len(seq.prompt)
-        self._free(self._finished)
+    def _requeue(self, seqs: list[Sequence]) -> None:
+        """Back to the front of the queue, in order (admission waits for blocks; preempted rows)."""
+        if seqs:
+            with self._cond:
+                self._waiting.extendleft(reversed(seqs))
+
+    def _use_adapters(self, seqs: list[Sequence], per_token: list[int] | None = None) -> None:
+        if self._bank is None:
+            return
+        if per_token is None:  # decode: one adapter slot per batch row
+            rows = torch.zeros(self.max_batch_size, dtype=torch.long)
+            for seq in seqs:
+                rows[seq.row] = seq.adapter
+            self._bank.use_decode(rows)
+        else:
+            self._bank.use(torch.tensor(per_token))
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        started = time.perf_counter()
+        new = [len(seq.prompt) + len(seq.tokens) - seq.computed for seq in seqs]
+        self._use_adapters(seqs, [seq.adapter for seq, n in zip(seqs, new, strict=True) for _ in range(n)])
+        samples = self._batch.prefill(seqs)
+        self._emit(seqs, range(len(seqs)), samples, decode=False)
+        self._batch.free(self._finished)
+        self.stats.prefill_seconds += time.perf_counter() - started
+        self.stats.prefilled += sum(new)
 
     def _decode(self) -> None:
-        busy = [slot for slot, seq in enumerate(self._slots) if seq is not None]
-        if self._bank is not None:
-            self._bank.use_decode(self._slot_adapter)
-        logits = self._decoder.step(self._next_input, self._positions, busy[-1] + 1)
-        index = torch.tensor(busy)
-        tokens = self._sample_and_emit([self._slots[slot] for slot in busy], logits[index.to(logits.device)])
-        self._next_input[index] = tokens
-        self._positions[index] += 1
-        self._free(self._finished)
+        started = time.perf_counter()
+        self._requeue(sorted(self._batch.prepare_decode(), key=lambda seq: seq.admitted))
+        if not self._rows:
+            return
+        self._use_adapters(self._rows)
+        device_before = self._runner.device_seconds
+        live, samples = self._batch.decode()
+        self._emit(live, [seq.row for seq in live], samples, decode=True)
+        self._batch.free(self._finished)
+        stats = self.stats
+        stats.decode_steps += 1
+        stats.decode_tokens += len(live)
+        stats.decode_seconds += time.perf_counter() - started
+        stats.device_seconds += self._runner.device_seconds - device_before
 
-    def _sample_and_emit(self, seqs: list[_Sequence], logits: torch.Tensor, prompt_lps=None) -> torch.Tensor:
-        """Sample one token per row and hand out its event; `prompt_lps` (row -> entries) go on first events."""
-        logits = self._adjust(seqs, logits)
-        # structured outputs: the constrained rows' logits masked on the device, in this same step
-        constrained = [
-            (row, seq.params.constraint) for row, seq in enumerate(seqs) if seq.params.constraint is not None
-        ]
-        logits = self._masks.apply(logits, constrained)
-        temperature = torch.tensor([seq.params.temperature for seq in seqs])
-        top_p = torch.tensor([seq.params.top_p for seq in seqs])
-        uniform = torch.tensor([seq.rng.random() for seq in seqs], dtype=torch.float64)
-        tokens, logprobs = sample_next(logits, temperature, top_p, uniform)
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        k = max(seq.params.top_logprobs for seq in seqs)
-        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        top_values = top_values.tolist() if k else None
-        top_ids = top_ids.tolist() if k else None
-        token_list = tokens.tolist()
-        for row, constraint in constrained:
-            constraint.accept_token(token_list[row])
+    def _emit(self, seqs: list[Sequence], index, samples, *, decode: bool) -> None:
+        """Turn one step's samples into token events (finish reasons, versions) and hand them over at once."""
+        tokens, logprobs = samples[0].tolist(), samples[1].tolist()
+        top_values, top_ids = (samples[2].tolist(), samples[3].tolist()) if len(samples) > 2 else (None, None)
+        versions = {0: self._version}
         events = []
-        for row, seq in enumerate(seqs):
-            token = token_list[row]
-            seq.generated += 1
-            constraint = seq.params.constraint
-            if token in seq.params.stop_token_ids or (constraint is not None and constraint.is_terminated()):
+        for seq, i in zip(seqs, index, strict=True):
+            token = tokens[i]
+            self._batch.advance(seq, token, computed=decode)
+            params, generated = seq.params, len(seq.tokens)
+            if token in params.stop_token_ids:
                 reason = "stop"
-            elif seq.generated >= seq.params.max_tokens or len(seq.prompt) + seq.generated >= self._max_model_len:
+            elif generated >= params.max_tokens or len(seq.prompt) + generated >= self._max_model_len:
                 reason = "length"
             else:
                 reason = None
-            n_top = seq.params.top_logprobs
-            top = tuple(zip(top_ids[row][:n_top], top_values[row][:n_top], strict=True)) if n_top else ()
-            version = self._bank.version_of_slot(seq.adapter) if seq.adapter else self._version
-            prompt = prompt_lps.get(row) if prompt_lps else None
-            events.append((seq, TokenEvent(token, chosen[row], version, top, reason, prompt)))
+            if seq.constraint is not None:
+                seq.constraint.accept_token(token)
+                if reason is None and seq.constraint.is_terminated():
+                    reason = "stop"
+            n_top = params.top_logprobs
+            top = tuple(zip(top_ids[i][:n_top], top_values[i][:n_top], strict=True)) if n_top else ()
+            version = versions.get(seq.adapter)
+            if version is None:
+                version = versions[seq.adapter] = self._bank.version_of_slot(seq.adapter)
+            events.append((seq, TokenEvent(token, logprobs[i], version, top, reason)))
             seq.finished = reason is not None
         self._deliver(events)
-        return tokens.cpu()
 
     @staticmethod
-    def _adjust(seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """logit_bias, and min_tokens (stop token ids at -inf while fewer tokens were generated); most steps
-        have neither and pay one Python pass over the rows."""
-        rows = [(row, seq.params) for row, seq in enumerate(seqs)
-                if seq.params.logit_bias or seq.generated < seq.params.min_tokens]  # fmt: skip
-        if not rows:
-            return logits
-        logits = logits.float().clone()
-        for row, params in rows:
-            for token, bias in params.logit_bias:
-                logits[row, token] += bias
-            if seqs[row].generated < params.min_tokens and params.stop_token_ids:
-                logits[row, sorted(params.stop_token_ids)] = float("-inf")
-        return logits
-
-    @staticmethod
-    def _finished(seq: _Sequence) -> bool:
+    def _finished(seq: Sequence) -> bool:
         return seq.cancelled or seq.finished
 
-    def _free(self, done) -> None:
-        """Free the slots of the sequences for which `done(seq)` holds."""
-        for slot, seq in enumerate(self._slots):
-            if seq is not None and done(seq):
-                # An idle slot inside the step's rows still runs: at position 0 it writes only its own
-                # column 0 (overwritten by the next prefill) and does not widen the attention window.
-                self._positions[slot] = self._next_input[slot] = self._slot_adapter[slot] = 0
-                self._slots[slot] = None
-
-    def _reset_batch(self) -> None:
-        self._slots = [None] * self.max_batch_size
-        self._slot_adapter.zero_()
-        self._positions.zero_()
-        self._next_input.zero_()
-
-    def _deliver(self, items: list[tuple[_Sequence, object]]) -> None:
+    def _deliver(self, items: list[tuple[Sequence, object]]) -> None:
         """Hand events to their sequences' asyncio queues.
 
         Coalesced: while a delivery callback is scheduled but has not run yet (the event loop is busy),

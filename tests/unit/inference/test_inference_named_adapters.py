@@ -136,7 +136,7 @@ async def test_cuda_graphs_with_adapters_give_the_same_tokens_as_eager(tiny_mode
         try:
             await engine.update_adapter("a", tmp_path / "a", 1)
             runs = await asyncio.gather(*(sample(engine, name, seed=i, n=40) for i, name in enumerate([None, "a"] * 3)))
-            return [r[0] for r in runs], engine._decoder.cuda_graphs
+            return [r[0] for r in runs], engine._runner.cuda_graphs
         finally:
             await engine.shutdown()
 

@@ -275,7 +275,7 @@ async def test_the_decode_step_matches_transformers_on_each_family(kind, tmp_pat
 
 
 async def test_unsupported_families_are_refused_clearly():
-    from gyre_inference.static_decode import check_supported
+    from gyre_inference.model_runner import check_supported
     from transformers import GPT2Config, Qwen2Config
 
     with pytest.raises(ValueError, match="supports model types llama, mistral, qwen2, qwen3; this model is 'gpt2'"):
@@ -284,22 +284,22 @@ async def test_unsupported_families_are_refused_clearly():
         check_supported(Qwen2Config(use_sliding_window=True))
 
 
-async def test_the_gpu_context_is_shortened_to_what_the_slot_cache_fits():
-    from gyre_inference.static_decode import context_that_fits
-    from transformers import Qwen3Config
+async def test_the_context_is_shortened_to_what_the_kv_cache_holds(tiny_model):
+    # tiny preset: 4 layers x 2 x 4 kv heads x 32 x 4 bytes = 4 KiB per token; 0.5 MiB = 128 tokens = 8 blocks
+    engine = TorchBackend(tiny_model, threads=1, kv_cache_gb=0.5 / 1024)
+    await engine.start()
+    try:
+        assert engine.max_model_len == 7 * 16  # block 0 is the null block
+        tokens, _, events = await _run(engine, list(range(3, 100)), max_tokens=50)
+        assert len(tokens) == 7 * 16 - 97 and events[-1].finish_reason == "length"
+    finally:
+        await engine.shutdown()
 
-    # Qwen3-0.6B shape: 28 layers x 2 x 8 kv heads x 128 x 2 bytes = 114,688 bytes per token per slot
-    config = Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                         head_dim=128)  # fmt: skip
-    fits = context_that_fits(config, 64, torch.bfloat16, free_bytes=76 * 2**30)
-    assert fits == (38 * 2**30 // (114_688 * 64)) // 64 * 64 == 5504
-    assert context_that_fits(config, 1, torch.bfloat16, free_bytes=76 * 2**30) > 40960  # one slot: the whole context
 
-
-async def test_slots_are_reused_and_the_busy_ones_stay_packed(backend):
+async def test_rows_are_reused_and_the_busy_ones_stay_packed(backend):
     async def busy_becomes(expected):
         for _ in range(300):
-            if [seq is not None for seq in backend._slots[:3]] == expected:
+            if [seq is not None for seq in backend._batch.rows[:3]] == expected:
                 return True
             await asyncio.sleep(0.01)
         return False
@@ -311,7 +311,7 @@ async def test_slots_are_reused_and_the_busy_ones_stay_packed(backend):
     assert await busy_becomes([True, True, False])
     await first.aclose()
     assert await busy_becomes([False, True, False])
-    assert int(backend._positions[0]) == 0  # a freed slot no longer widens the attention window
+    assert backend._batch.inputs.ints_np[:, 0].tolist() == [0, 0, 0, 1, 0]  # a freed row reads the null block
     third = backend.generate(PROMPTS[2], SamplingParams(max_tokens=300, seed=5))
     await third.__anext__()
     assert await busy_becomes([True, True, False])  # the lowest free slot
@@ -345,7 +345,7 @@ async def test_cuda_graphs_give_the_same_tokens_as_eager(tiny_model, dtype):
                 engine, [_run(engine, p, max_tokens=100, seed=7 + i) for i, p in enumerate(PROMPTS)]
             )
             alone = await _run(engine, PROMPTS[0], max_tokens=100, seed=7)
-            return [r[0] for r in greedy], [r[0] for r in seeded], alone[0], engine._decoder.cuda_graphs
+            return [r[0] for r in greedy], [r[0] for r in seeded], alone[0], engine._runner.cuda_graphs
         finally:
             await engine.shutdown()
 

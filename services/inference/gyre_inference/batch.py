@@ -1,0 +1,393 @@
+"""The torch engine's running batch: batch rows, block tables, admission with prefix sharing, growth with
+copy-on-write and preemption, and turning each step's samples into token events.
+
+Rows. Every running sequence holds a row of the decode step's buffers (model_runner.StepBuffers) from its
+admission to its end; a new sequence takes the lowest free row, so live rows stay packed and a step runs
+on the smallest bucket covering the highest live row. Admission and retirement only write rows of those
+buffers: nothing is recaptured, no cache is copied.
+
+Blocks. A sequence's block table covers positions [0, computed]; before each step every live row gets the
+block its next position falls in. Out of blocks, the most recently admitted row is preempted: its blocks
+are released (they stay in the prefix cache, keyed) and it goes back to the front of the queue with the
+tokens it generated; readmitted, its prompt plus those tokens are prefilled again (recompute, mostly
+prefix-cache hits) and it continues where it was, with the same random stream (the uniform of its n-th
+token is a function of its seed and n). Admission waits while the pool cannot hold a sequence's prompt
+plus one block for every live row (so admitting never forces an immediate preemption).
+
+Prefix sharing (kv_cache.BlockPool). At admission a prompt's full blocks are looked up under keys salted
+with the weights version and adapter that would compute them; hits are shared, not computed. Sequences of
+one admission with the same tokens and salt (a group's n rollouts) are computed once: the followers share
+every block of the first, the partial last block included, and sample their first token from its logits
+with their own random streams; the first write into a shared block copies it (copy-on-write). Full blocks
+are registered as they are completed, in prefill and in decode (a multi-turn history reuses the blocks of
+the turns before), while the sequence's salt is still current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gyre_inference.backend import SamplingParams
+from gyre_inference.kv_cache import NULL_BLOCK, BlockPool, OutOfBlocksError
+from gyre_inference.model_runner import (  # the step buffers' rows
+    CONTEXT,
+    IDS,
+    MIN_P,
+    POSITIONS,
+    SLOTS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    UNIFORM,
+    ModelRunner,
+    Variant,
+)  # fmt: skip
+from gyre_inference.paged_attention import PrefillLayout
+from gyre_inference.sampling import TOP_LOGPROBS, bias_entries, sample, uniforms
+
+_order = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    seed: int  # of its random stream: the uniform of its n-th token is uniforms(seed, n)
+    adapter: int = 0  # its named adapter's slot (gyre_inference.adapters; 0 = the served model itself)
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    blocks: list[int] = field(default_factory=list)  # block table
+    computed: int = 0  # positions whose key/value are in the cache
+    keys: list[int] = field(default_factory=list)  # prefix keys of its leading full blocks
+    salt: object = None  # the cache salt its blocks were computed under
+    row: int = -1
+    admitted: int = 0  # admission order (the newest is preempted first)
+    # signals' prompt log-probs (SamplingParams.prompt_logprobs): computed by the prefill, before the first token
+    prompt_logprobs: list | None = None
+    finished: bool = False  # its last token has been emitted
+    cancelled: bool = False  # set by the asyncio side; the engine drops the row before its next step
+
+    @property
+    def constraint(self):
+        return getattr(self.params, "constraint", None)
+
+    @property
+    def filtered(self) -> bool:
+        p = self.params
+        return p.temperature > 0 and (p.top_p < 1 or getattr(p, "top_k", 0) > 0 or getattr(p, "min_p", 0.0) > 0)
+
+    @property
+    def suppressing_stops(self) -> bool:
+        return len(self.tokens) < self.params.min_tokens and bool(self.params.stop_token_ids)
+
+    @property
+    def biased(self) -> bool:
+        return bool(self.params.logit_bias) or self.suppressing_stops
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt: list[int], top: int) -> list[tuple[float, tuple]]:
+    """vLLM's prompt log-probs from a prefill's logits at positions 0..n-2: for each prompt token after the
+    first, its log-prob given the ones before it and the `top` most likely (token, log-prob) there."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:], device=logits.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(value, ()) for value in chosen]
+    values, ids = logprobs.topk(top, dim=-1)
+    pairs = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return list(zip(chosen, pairs, strict=True))
+
+
+class Batch:
+    """The rows, blocks and per-step inputs of the torch engine (engine thread only)."""
+
+    def __init__(self, runner: ModelRunner, pool: BlockPool, *, prefix_caching: bool, max_prefill_tokens: int):
+        self.runner, self.pool, self.inputs = runner, pool, runner.inputs
+        self.block_size = pool.block_size
+        self.prefix_caching, self.max_prefill_tokens = prefix_caching, max_prefill_tokens
+        self.rows: list[Sequence | None] = [None] * runner.rows
+        self.seeds = np.zeros(runner.rows, dtype=np.uint64)
+        self.counters = np.zeros(runner.rows, dtype=np.int64)
+        self.salts: dict[int, object] = {}  # adapter slot -> the salt of blocks computed now
+        self.epoch = 0  # bumped by a weight swap of the model (every salt changes)
+        self.preempted = 0  # sequences preempted so far (tests, benchmarks)
+        self.copied = 0  # blocks copied on write
+
+    # ---- membership ----------------------------------------------------------------------------
+    @property
+    def live(self) -> list[Sequence]:
+        return [seq for seq in self.rows if seq is not None]
+
+    def salt(self, adapter: int) -> object:
+        return (self.epoch, adapter, self.salts.get(adapter, 0))
+
+    def new_weights(self, adapter: int | None = None) -> None:
+        """A swap: blocks computed from now on differ from the cached ones (adapter None = the model's)."""
+        if adapter is None:
+            self.epoch += 1
+            self.pool.clear_keys()
+        else:
+            self.salts[adapter] = self.salts.get(adapter, 0) + 1
+
+    def free(self, done) -> None:
+        """Retire the rows whose sequence `done(seq)` says is over: release their blocks and row."""
+        for row, seq in enumerate(self.rows):
+            if seq is not None and done(seq):
+                self._vacate(row)
+
+    def reset(self) -> None:
+        for row, seq in enumerate(self.rows):
+            if seq is not None:
+                self._vacate(row)
+        self.pool.clear_keys()  # a failed step may have registered blocks it never computed
+
+    def _vacate(self, row: int) -> None:
+        seq = self.rows[row]
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.keys, seq.computed, seq.row = [], [], 0, -1
+        self.rows[row] = None
+        ints, floats = self.inputs.ints_np, self.inputs.floats_np
+        ints[:, row] = 0
+        ints[CONTEXT, row] = 1  # reads one key of the null block
+        floats[:, row] = 0.0
+        self.inputs.set_block(row, 0, NULL_BLOCK)
+        if seq.biased:
+            self.inputs.set_bias(row, [])
+
+    # ---- admission ------------------------------------------------------------------------------
+    def plan_prefill(self, candidates: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Give rows and blocks to the candidates that fit, in order: (admitted, back to the queue)."""
+        admitted, owners, budget = [], {}, self.max_prefill_tokens
+        free_rows = [row for row, seq in enumerate(self.rows) if seq is None]
+        reserve = len(self.live)  # one block per live row for its next step
+        for index, seq in enumerate(candidates):
+            if not free_rows:
+                return admitted, candidates[index:]
+            tokens = seq.prompt + seq.tokens
+            seq.salt = self.salt(seq.adapter)
+            group = (tuple(tokens), seq.salt)
+            owner = owners.get(group) if self._shareable(seq) else None
+            if owner is not None:  # a group's rollout: every block of the first, nothing to compute
+                for block in owner.blocks:
+                    self.pool.share(block)
+                seq.blocks, seq.keys, seq.computed = list(owner.blocks), list(owner.keys), len(tokens)
+            else:
+                hits = self._cached_prefix(seq, tokens)
+                fresh = -(-len(tokens) // self.block_size) - len(hits)
+                needed = fresh + sum(1 for _, block in hits if self.pool.refs[block] == 0)
+                new_tokens = len(tokens) - len(hits) * self.block_size
+                if needed > self.pool.free_blocks - reserve or (admitted and new_tokens > budget):
+                    return admitted, candidates[index:]
+                budget -= new_tokens
+                for _, block in hits:
+                    self.pool.share(block)
+                seq.blocks = [block for _, block in hits] + [self.pool.allocate() for _ in range(fresh)]
+                seq.keys = [key for key, _ in hits]
+                seq.computed = len(hits) * self.block_size
+                self.pool.hits += len(hits)
+                self._register_full_blocks(seq, tokens, len(tokens))
+                if self._shareable(seq):
+                    owners[group] = seq
+            reserve += 1
+            self._take_row(seq, free_rows.pop(0))
+            admitted.append(seq)
+        return admitted, []
+
+    def _shareable(self, seq: Sequence) -> bool:
+        return self.prefix_caching and seq.constraint is None and not getattr(seq.params, "prompt_logprobs", None)
+
+    def _cached_prefix(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
+        """(key, block) of the leading full blocks cached; at least one token is left to compute (its logits)."""
+        if not self._shareable(seq):
+            return []
+        hits, parent = [], None
+        for index in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
+            key = self.pool.key(parent, seq.salt, chunk)
+            block = self.pool.lookup(key, chunk)
+            if block is None:
+                break
+            hits.append((key, block))
+            parent = key
+        return hits
+
+    def _register_full_blocks(self, seq: Sequence, tokens: list[int], upto: int) -> None:
+        """Key the sequence's full blocks below position `upto` (computed in this step or the one being run)."""
+        if not self.prefix_caching or seq.salt != self.salt(seq.adapter):
+            return
+        size = self.block_size
+        while (len(seq.keys) + 1) * size <= upto:
+            index = len(seq.keys)
+            chunk = tuple(tokens[index * size : (index + 1) * size])
+            key = self.pool.key(seq.keys[-1] if seq.keys else None, seq.salt, chunk)
+            self.pool.register(seq.blocks[index], key, chunk)
+            seq.keys.append(key)
+
+    def _take_row(self, seq: Sequence, row: int) -> None:
+        seq.row, seq.admitted = row, next(_order)
+        self.rows[row] = seq
+        p, ints, floats = seq.params, self.inputs.ints_np, self.inputs.floats_np
+        floats[TEMPERATURE, row], floats[TOP_P, row] = p.temperature, p.top_p
+        floats[MIN_P, row], ints[TOP_K, row] = getattr(p, "min_p", 0.0), getattr(p, "top_k", 0)
+        self.seeds[row] = seq.seed
+        self.inputs.set_table(row, seq.blocks)
+        if seq.biased:
+            self.set_bias(seq)
+
+    def set_bias(self, seq: Sequence) -> bool:
+        """Write the row's sparse biases (True: the bias buffers grew, so graphs were dropped)."""
+        entries = bias_entries(seq.params.logit_bias, seq.params.stop_token_ids, seq.suppressing_stops)
+        grew = self.inputs.grow_bias(len(entries))
+        if grew:
+            self.runner.clear_graphs()
+        self.inputs.set_bias(seq.row, entries)
+        return grew
+
+    # ---- prefill --------------------------------------------------------------------------------
+    def prefill(self, seqs: list[Sequence]) -> tuple[np.ndarray, ...]:
+        """Compute the admitted sequences' missing positions and sample each one's next token: (tokens,
+        log-probs, top values, top ids) per sequence, as host arrays."""
+        size = self.block_size
+        computing = [seq for seq in seqs if seq.computed < len(seq.prompt) + len(seq.tokens)]
+        ids, positions, slots, starts, counts, at, last, scored = [], [], [], [], [], [], {}, []
+        for seq in computing:
+            tokens = seq.prompt + seq.tokens
+            span = range(seq.computed, len(tokens))
+            if getattr(seq.params, "prompt_logprobs", None) is not None and seq.prompt_logprobs is None:
+                # not shareable, so no prefix hits: every position is computed here
+                scored.append((seq, len(at)))
+                at += range(len(ids), len(ids) + len(span) - 1)
+            ids += tokens[seq.computed :]
+            positions += span
+            slots += [seq.blocks[p // size] * size + p % size for p in span]
+            starts.append(seq.computed)
+            counts.append(len(span))
+            last[id(seq)] = len(at)
+            at.append(len(ids) - 1)
+            seq.computed = len(tokens)
+        layout = PrefillLayout.build(starts, counts, [seq.blocks for seq in computing], size, self.runner.device)
+        logits = self.runner.prefill(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), layout,
+                                     torch.tensor(at))  # fmt: skip
+        for seq, first in scored:
+            seq.prompt_logprobs = prompt_logprobs(logits[first : first + len(seq.prompt) - 1], seq.prompt,
+                                                  seq.params.prompt_logprobs)  # fmt: skip
+        owner_of = {(tuple(seq.blocks), seq.salt): last[id(seq)] for seq in computing}
+        rows = [owner_of[(tuple(seq.blocks), seq.salt)] for seq in seqs]
+        return self._sample_rows(seqs, logits[torch.tensor(rows, device=logits.device)])
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[np.ndarray, ...]:
+        """The eager sampler over the prefill's logits, with each sequence's own parameters and stream."""
+        device = logits.device
+        params = [seq.params for seq in seqs]
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        u = uniforms(np.array([seq.seed for seq in seqs], dtype=np.uint64), np.array([len(s.tokens) for s in seqs]))
+        kwargs = {}
+        if any(seq.filtered for seq in seqs):
+            kwargs.update(top_p=torch.tensor([p.top_p for p in params], device=device),
+                          top_k=torch.tensor([getattr(p, "top_k", 0) for p in params], device=device),
+                          min_p=torch.tensor([getattr(p, "min_p", 0.0) for p in params], device=device))  # fmt: skip
+        entries = [bias_entries(s.params.logit_bias, s.params.stop_token_ids, s.suppressing_stops) for s in seqs]
+        width = max(map(len, entries))
+        if width:
+            ids, values = torch.zeros(len(seqs), width, dtype=torch.long), torch.zeros(len(seqs), width)
+            for row, row_entries in enumerate(entries):
+                for column, (token, bias) in enumerate(row_entries):
+                    ids[row, column], values[row, column] = token, bias
+            kwargs.update(bias_ids=ids.to(device), bias_values=values.to(device))
+        if any(seq.constraint is not None for seq in seqs):
+            kwargs["bitmask"] = self._bitmask(seqs).to(device)
+        top_n = TOP_LOGPROBS if any(p.top_logprobs for p in params) else 0
+        out = sample(logits, temperature, torch.from_numpy(u).to(device), top_n=top_n, **kwargs)
+        return tuple(t.cpu().numpy() for t in out if t is not None)
+
+    def _bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
+        mask = torch.full((len(seqs), (self.runner.vocab + 31) // 32), -1, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            if seq.constraint is not None:
+                seq.constraint.fill_next_token_bitmask(mask, row)
+        return mask
+
+    # ---- decode ---------------------------------------------------------------------------------
+    def prepare_decode(self) -> list[Sequence]:
+        """Give every live row the block its next position falls in (copy-on-write, preemption), and fill the
+        step's inputs. Returns the sequences preempted (for the front of the queue)."""
+        preempted, copies = [], []
+        for seq in sorted(self.live, key=lambda s: s.row):
+            if seq.row < 0:  # preempted meanwhile
+                continue
+            while True:
+                try:
+                    self._grow(seq, copies)
+                    break
+                except OutOfBlocksError:
+                    victim = max(self.live, key=lambda s: s.admitted)
+                    released = set(victim.blocks)
+                    copies[:] = [(src, dst) for src, dst in copies if dst not in released]
+                    self._vacate(victim.row)
+                    preempted.append(victim)
+                    self.preempted += 1
+                    if victim is seq:
+                        break
+        if copies:
+            self.runner.copy_blocks(copies)
+            self.copied += len(copies)
+        ints, size = self.inputs.ints_np, self.block_size
+        for seq in self.live:
+            row, p = seq.row, seq.computed
+            ints[IDS, row] = (seq.tokens or seq.prompt)[-1]
+            ints[POSITIONS, row] = p
+            ints[SLOTS, row] = seq.blocks[p // size] * size + p % size
+            ints[CONTEXT, row] = p + 1
+            self.counters[row] = len(seq.tokens)
+        return preempted
+
+    def _grow(self, seq: Sequence, copies: list[tuple[int, int]]) -> None:
+        index = seq.computed // self.block_size
+        if index == len(seq.blocks):
+            seq.blocks.append(self.pool.allocate())
+            self.inputs.set_block(seq.row, index, seq.blocks[index])
+        elif self.pool.refs[seq.blocks[index]] > 1:  # shared: copy before writing
+            new = self.pool.allocate()
+            copies.append((seq.blocks[index], new))
+            self.pool.release([seq.blocks[index]])
+            seq.blocks[index] = new
+            self.inputs.set_block(seq.row, index, new)
+
+    def variant(self, live: list[Sequence]) -> Variant:
+        return Variant(
+            filtered=any(seq.filtered for seq in live),
+            masked=any(seq.constraint is not None for seq in live),
+            top_n=TOP_LOGPROBS if any(seq.params.top_logprobs for seq in live) else 0,
+            bias_width=self.inputs.bias_width if any(seq.biased for seq in live) else 0,
+        )
+
+    def decode(self) -> tuple[list[Sequence], tuple[np.ndarray, ...]]:
+        """One decode step for every live row: (the rows' sequences, their samples indexed by row)."""
+        live = self.live
+        top = max(seq.row for seq in live) + 1
+        rows = self.runner.bucket(top)
+        variant = self.variant(live)
+        if variant.masked:
+            self.inputs.bitmask_np[:rows] = -1
+            for seq in live:
+                if seq.constraint is not None:
+                    seq.constraint.fill_next_token_bitmask(self.inputs.bitmask_host, seq.row)
+        self.inputs.floats_np[UNIFORM, :rows] = uniforms(self.seeds[:rows], self.counters[:rows])
+        bias_rows = [seq.row for seq in live if seq.biased] if variant.bias_width else ()
+        self.inputs.upload(rows, bias_rows, variant.masked)
+        width = self.runner.width(max(seq.computed for seq in live) + 1)
+        return live, self.runner.decode(rows, width, variant)
+
+    def advance(self, seq: Sequence, token: int, *, computed: bool) -> None:
+        """A step sampled `token` for `seq`; a decode step (`computed`) also computed its position `computed`."""
+        seq.tokens.append(token)
+        if computed:
+            seq.computed += 1
+            if seq.computed % self.block_size == 0:
+                self._register_full_blocks(seq, seq.prompt + seq.tokens, seq.computed)
+        if seq.params.min_tokens and len(seq.tokens) == seq.params.min_tokens and seq.row >= 0:
+            self.set_bias(seq)  # the stop ids may be sampled from now on

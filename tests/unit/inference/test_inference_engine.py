@@ -1,0 +1,256 @@
+"""The torch engine's paged KV cache on CPU: prefix sharing, block pressure, admission and retirement,
+cancellation mid-step, swaps mid-generation, sampling parameters, hooks for structured outputs and
+prompt log-probs. Log-probs are checked against an independent transformers forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import warnings
+
+import pytest
+import pytest_asyncio
+import torch
+from gyre_inference.backend import SamplingParams
+from gyre_inference.torch_backend import TorchBackend
+
+pytestmark = pytest.mark.asyncio
+PROMPT = [(7 * i + 3) % 900 + 5 for i in range(40)]  # 2 full blocks of 16 and a partial one
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def expected_logprobs(model, prompt, tokens, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest_asyncio.fixture
+async def engine(tiny_model):
+    backend = TorchBackend(tiny_model, threads=1, max_batch_size=16)
+    await backend.start()
+    yield backend
+    await backend.shutdown()
+
+
+async def run(backend, prompt, **params):
+    events = [e async for e in backend.generate(prompt, SamplingParams(**params))]
+    return [e.token_id for e in events], torch.tensor([e.logprob for e in events]), events
+
+
+async def together(backend, runs):
+    """Queue `runs` so the engine admits them in one prefill (it waits on its condition while we hold it)."""
+    with backend._cond:
+        tasks = [asyncio.ensure_future(r) for r in runs]
+        await asyncio.sleep(0.1)
+    return await asyncio.gather(*tasks)
+
+
+async def idle(backend):
+    """Until the engine retired every row (it frees a row right after handing over its last token)."""
+    for _ in range(500):
+        if backend.load_stats() == (0, 0):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still busy: {backend.load_stats()}")
+
+
+def check(reference, prompt, result, temperature=1.0):
+    tokens, logprobs, _ = result
+    assert torch.allclose(logprobs, expected_logprobs(reference, prompt, tokens, temperature), atol=1e-4)
+
+
+async def test_a_group_of_rollouts_is_prefilled_once_and_copies_the_shared_block_on_write(engine, reference):
+    stats, batch = engine.stats, engine._batch
+    group = await together(engine, [run(engine, PROMPT, max_tokens=20, seed=s) for s in range(8)])
+    assert stats.prefilled == len(PROMPT)  # the prompt was computed once for the 8
+    assert batch.copied == 7  # the partial last block, copied by 7 of the 8 at their first write
+    for result in group:
+        check(reference, PROMPT, result)
+    assert len({tuple(r[0]) for r in group}) == 8  # own random streams
+    alone = await run(engine, PROMPT, max_tokens=20, seed=3)
+    assert alone[0] == group[3][0]  # the same seed gives the same tokens shared or not
+    await idle(engine)
+    assert engine._batch.pool.free_blocks == engine._runner.num_blocks - 1  # nothing leaked (block 0: the null block)
+
+
+async def test_a_prompt_seen_before_reuses_its_cached_full_blocks(engine, reference):
+    first = await run(engine, PROMPT, max_tokens=30, seed=1)
+    before = engine.stats.prefilled
+    second = await run(engine, PROMPT, max_tokens=5, seed=2)
+    assert engine.stats.prefilled - before == len(PROMPT) - 32  # 2 full blocks came from the cache
+    check(reference, PROMPT, second)
+    # a multi-turn history: the last turn's prompt + completion + more, reusing the blocks decoding filled
+    history = PROMPT + first[0] + [11, 12, 13]
+    before = engine.stats.prefilled
+    third = await run(engine, history, max_tokens=5, seed=3)
+    assert engine.stats.prefilled - before == len(history) - 64  # 4 full blocks, 2 of them filled by decoding
+    check(reference, history, third)
+
+
+async def test_a_weight_swap_keeps_rows_running_and_stops_reuse_of_old_blocks(engine, reference, tiny_model, tmp_path):
+    from test_inference_torch_backend import _save_perturbed
+
+    new_model = _save_perturbed(tiny_model, tmp_path / "v1")
+    await run(engine, PROMPT, max_tokens=4, seed=1)  # PROMPT's full blocks are cached under version 0
+    stream = engine.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0))
+    events = [await stream.__anext__() for _ in range(3)]
+    await engine.update_weights(tmp_path / "v1", 1)
+    events += [e async for e in stream]
+    versions = [e.version for e in events]
+    assert len(events) == 40 and versions[:3] == [0, 0, 0] and versions[-1] == 1 and versions == sorted(versions)
+    before = engine.stats.prefilled
+    fresh = await run(engine, PROMPT, max_tokens=8, seed=5)
+    assert engine.stats.prefilled - before == len(PROMPT)  # nothing reused from version 0
+    assert {e.version for e in fresh[2]} == {1}
+    check(new_model, PROMPT, fresh)
+
+
+async def test_under_block_pressure_rows_wait_or_are_preempted_and_finish_with_the_same_tokens(tiny_model, reference):
+    async def tokens(kv_cache_gb):
+        backend = TorchBackend(tiny_model, threads=1, max_batch_size=8, kv_cache_gb=kv_cache_gb)
+        await backend.start()
+        try:
+            prompts = [PROMPT[i:] for i in range(6)]
+            results = await together(backend, [run(backend, p, max_tokens=60, seed=i, temperature=0.8)
+                                               for i, p in enumerate(prompts)])  # fmt: skip
+            for prompt, result in zip(prompts, results, strict=True):
+                check(reference, prompt, result, 0.8)
+            return [r[0] for r in results], backend._batch.preempted
+        finally:
+            await backend.shutdown()
+
+    roomy, none_preempted = await tokens(None)
+    # 30 blocks of 16: six rows of ~100 tokens need 42; admission waits and decoding preempts
+    tight, preempted = await tokens(30 * 16 * 4096 / 2**30)
+    assert none_preempted == 0 and preempted > 0
+    assert tight == roomy
+
+
+async def test_a_row_cancelled_during_a_step_leaves_the_next_one_and_returns_its_blocks(engine):
+    pool, runner = engine._batch.pool, engine._runner
+    free = pool.free_blocks
+    decode, cancel = runner.decode, []
+
+    def cancelling(*args):
+        if cancel:  # the asyncio side closes a stream while the step runs
+            cancel.pop().cancelled = True
+        return decode(*args)
+
+    runner.decode = cancelling
+    keep = engine.generate(PROMPT, SamplingParams(max_tokens=30, seed=1))
+    drop = engine.generate(PROMPT[:20], SamplingParams(max_tokens=30, seed=2))
+    await keep.__anext__()
+    await drop.__anext__()
+    cancel.append(next(seq for seq in engine._rows if len(seq.prompt) == 20))
+    rest = [e async for e in keep]
+    assert len(rest) == 29 and rest[-1].finish_reason == "length"
+    await idle(engine)
+    assert pool.free_blocks == free
+
+
+async def test_sampling_parameters_reach_the_device_sampler(engine, reference):
+    @dataclasses.dataclass(frozen=True)
+    class Params(SamplingParams):  # top_k / min_p as the HTTP layer would pass them
+        top_k: int = 0
+        min_p: float = 0.0
+
+    async def go(**params):
+        events = [e async for e in engine.generate(PROMPT, Params(**params))]
+        return [e.token_id for e in events], torch.tensor([e.logprob for e in events])
+
+    for params, keep in [({"top_k": 3}, lambda p: p >= p.topk(3).values[-1]),
+                         ({"min_p": 0.3}, lambda p: p >= 0.3 * p.max())]:  # fmt: skip
+        tokens, logprobs = await go(max_tokens=24, seed=7, **params)
+        with torch.no_grad():
+            logits = reference(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1]
+        probs = torch.softmax(logits, -1)
+        for row, token in enumerate(tokens):
+            assert keep(probs[row])[token], params
+        assert torch.allclose(logprobs, probs.log().gather(1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-4)
+
+
+async def test_a_structured_output_constraint_masks_its_row_only(engine, reference):
+    class Matcher:
+        """A stand-in with the xgrammar-style interface: allows only tokens 10..19, ends after 5 tokens."""
+
+        def __init__(self):
+            self.accepted = []
+
+        def fill_next_token_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+            bitmask[row, 0] = sum(1 << t for t in range(10, 20))
+
+        def accept_token(self, token):
+            self.accepted.append(token)
+
+        def is_terminated(self):
+            return len(self.accepted) >= 5
+
+    @dataclasses.dataclass(frozen=True)
+    class Params(SamplingParams):
+        constraint: object = None
+
+    matcher = Matcher()
+    free, constrained = await together(engine, [run(engine, PROMPT, max_tokens=12, seed=1),
+                                                run(engine, PROMPT, max_tokens=12, seed=2)])  # fmt: skip
+    alone_free = free
+    free, constrained = await together(engine, [
+        run(engine, PROMPT, max_tokens=12, seed=1),
+        (lambda: _run_params(engine, PROMPT, Params(max_tokens=12, seed=2, constraint=matcher)))(),
+    ])  # fmt: skip
+    assert free[0] == alone_free[0]  # the unconstrained row of the mixed batch is untouched
+    tokens, logprobs, events = constrained
+    assert len(tokens) == 5 and events[-1].finish_reason == "stop" and matcher.accepted == tokens
+    assert all(10 <= t < 20 for t in tokens)
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1]
+    masked = torch.full_like(logits, float("-inf"))
+    masked[:, 10:20] = logits[:, 10:20]
+    expected = torch.log_softmax(masked, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(logprobs, expected, atol=1e-4)  # the log-probs of the distribution sampled
+
+
+async def _run_params(backend, prompt, params):
+    events = [e async for e in backend.generate(prompt, params)]
+    return [e.token_id for e in events], torch.tensor([e.logprob for e in events]), events
+
+
+async def test_the_prefill_computes_prompt_logprobs_for_the_rows_that_ask(engine, reference):
+    @dataclasses.dataclass(frozen=True)
+    class Params(SamplingParams):
+        prompt_logprobs: int | None = None
+
+    seen = []
+    prefill = engine._batch.prefill
+
+    def keep(seqs):
+        out = prefill(seqs)
+        seen.extend(seqs)
+        return out
+
+    engine._batch.prefill = keep
+    await run(engine, PROMPT, max_tokens=2)  # PROMPT's blocks are cached: the next row must not use them
+    await _run_params(engine, PROMPT, Params(max_tokens=2, prompt_logprobs=3))
+    values = seen[-1].prompt_logprobs
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([PROMPT])).logits[0, :-1], -1)
+    assert len(values) == len(PROMPT) - 1
+    chosen = expected.gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([v for v, _ in values]), chosen, atol=1e-4)
+    assert [t for t, _ in values[5][1]] == expected[5].topk(3).indices.tolist()
+
+
+async def test_generation_raises_no_deprecation_warning(engine):
+    """transformers deprecates `past_key_values=` (gone in 5.40): the engine calls no transformers forward."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        await together(engine, [run(engine, p, max_tokens=8, seed=i) for i, p in enumerate([PROMPT, PROMPT[:9]])])
+    assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)] == []
