@@ -377,8 +377,7 @@ class Batch:
                 if seq.constraint is not None:
                     seq.constraint.fill_next_token_bitmask(self.inputs.bitmask_host, seq.row)
         self.inputs.floats_np[UNIFORM, :rows] = uniforms(self.seeds[:rows], self.counters[:rows])
-        bias_rows = [seq.row for seq in live if seq.biased] if variant.bias_width else ()
-        self.inputs.upload(rows, bias_rows, variant.masked)
+        self.inputs.upload(rows, variant.masked)
         width = self.runner.width(max(seq.computed for seq in live) + 1)
         return live, self.runner.decode(rows, width, variant)
 

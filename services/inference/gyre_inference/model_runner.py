@@ -77,18 +77,61 @@ class Variant:
     bias_width: int = 0  # sparse bias entries per row (0 = none)
 
 
+def _eps(norm) -> float:
+    return getattr(norm, "variance_epsilon", None) or norm.eps
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm of Llama/Qwen (float32 statistics, the weight applied in the input's dtype)."""
+    y = x.float()
+    return weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class TorchOps:
+    """The fused decode step's operations in plain torch: the reference the Triton kernels are checked
+    against (triton_kernels.self_check), and a CPU-testable stand-in for them (same layer wiring)."""
+
+    name = "torch"
+
+    def decode_attention(self, q, k_cache, v_cache, table, context, scale):
+        return paged_attention.decode_attention(q, k_cache, v_cache, table, context, scale)
+
+    def add_rms_norm(self, delta, residual, weight, eps):
+        summed = residual if delta is None else residual + delta
+        return _rms_norm(summed, weight, eps), summed
+
+    def rope_and_write(self, q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slots):
+        if q_weight is not None:
+            q, k = _rms_norm(q, q_weight, eps), _rms_norm(k, k_weight, eps)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        _, _, kv_heads, dim = k_cache.shape
+        k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k)
+        v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v)
+        return q
+
+    def silu_mul(self, gate, up):
+        return torch.nn.functional.silu(gate) * up
+
+
 class StepBuffers:
     """Per-row inputs of the decode step, on the device, with host mirrors (pinned on CUDA; the same
     tensors on CPU) that the engine writes through numpy views."""
 
-    def __init__(self, rows: int, max_blocks: int, vocab: int, device: torch.device):
+    def __init__(self, rows: int, max_blocks: int, vocab: int, device: torch.device, mirror: bool | None = None):
         self.device, self.rows = device, rows
-        self.on_host = device.type == "cpu"
+        # mirror=True on CPU: separate host and device tensors, as on a GPU (tests of the upload path)
+        self.on_host = not (device.type != "cpu" if mirror is None else mirror)
         pin = device.type == "cuda"
 
         def pair(shape, dtype, fill=0):
             host = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
-            return host, (host if self.on_host else host.to(device))
+            return host, self._on_device(host)
 
         self.ints_host, self.ints = pair((5, rows), torch.long)
         self.floats_host, self.floats = pair((4, rows), torch.float32)
@@ -101,8 +144,12 @@ class StepBuffers:
         self.ints_np, self.floats_np = self.ints_host.numpy(), self.floats_host.numpy()
         self.table_np, self.bitmask_np = self.table_host.numpy(), self.bitmask_host.numpy()
         self._dirty_tables: set[int] = set()
-        if not self.on_host:
-            self.upload(rows, ())
+        self._dirty_bias: set[int] = set()
+
+    def _on_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.on_host:
+            return host
+        return host.clone() if self.device.type == "cpu" else host.to(self.device)
 
     def grow_bias(self, width: int) -> bool:
         """Make room for `width` sparse biases per row (True: the buffers moved, graphs must be recaptured)."""
@@ -115,11 +162,11 @@ class StepBuffers:
         ids[:, : self.bias_width] = self.bias_ids_host
         values[:, : self.bias_width] = self.bias_values_host
         self.bias_ids_host, self.bias_values_host, self.bias_width = ids, values, width
-        self.bias_ids = ids if self.on_host else ids.to(self.device)
-        self.bias_values = values if self.on_host else values.to(self.device)
+        self.bias_ids, self.bias_values = self._on_device(ids), self._on_device(values)
         return True
 
     def set_bias(self, row: int, entries: list[tuple[int, float]]) -> None:
+        self._dirty_bias.add(row)
         self.bias_ids_host[row].zero_()
         self.bias_values_host[row].zero_()
         if entries:
@@ -135,21 +182,24 @@ class StepBuffers:
         self.table_np[row, index] = block
         self._dirty_tables.add(row)
 
-    def upload(self, rows: int, bias_rows, masked: bool = False) -> None:
-        """Copy the host's writes of this step to the device (nothing to do on CPU)."""
-        self._dirty_tables.clear() if self.on_host else None
+    def upload(self, rows: int, masked: bool = False) -> None:
+        """Copy the host's writes of this step to the device (nothing to do on CPU): the per-row inputs of the
+        step's rows, and the block-table and bias rows written since the last upload."""
         if self.on_host:
+            self._dirty_tables.clear()
+            self._dirty_bias.clear()
             return
         self.ints[:, :rows].copy_(self.ints_host[:, :rows], non_blocking=True)
         self.floats[:, :rows].copy_(self.floats_host[:, :rows], non_blocking=True)
-        if self._dirty_tables:
-            index = torch.tensor(sorted(self._dirty_tables), dtype=torch.long)
-            self.table.index_copy_(0, index.to(self.device), self.table_host[index].to(self.device))
-            self._dirty_tables.clear()
-        if bias_rows:
-            index = torch.tensor(sorted(bias_rows), dtype=torch.long)
-            self.bias_ids.index_copy_(0, index.to(self.device), self.bias_ids_host[index].to(self.device))
-            self.bias_values.index_copy_(0, index.to(self.device), self.bias_values_host[index].to(self.device))
+        for dirty, pairs in ((self._dirty_tables, ((self.table, self.table_host),)),
+                             (self._dirty_bias, ((self.bias_ids, self.bias_ids_host),
+                                                 (self.bias_values, self.bias_values_host)))):  # fmt: skip
+            if dirty:
+                index = torch.tensor(sorted(dirty), dtype=torch.long)
+                on_device = index.to(self.device)
+                for target, source in pairs:
+                    target.index_copy_(0, on_device, source[index].to(self.device))
+                dirty.clear()
         if masked:
             self.bitmask[:rows].copy_(self.bitmask_host[:rows], non_blocking=True)
 
@@ -190,8 +240,9 @@ class ModelRunner:
         self.out_top_values = torch.zeros(rows, TOP_LOGPROBS, device=self.device)
         self.out_top_ids = torch.zeros(rows, TOP_LOGPROBS, dtype=torch.long, device=self.device)
         self._host_out = [torch.zeros_like(t, device="cpu", pin_memory=pin) for t in self._outputs()]
-        self.decode_attention = paged_attention.decode_attention
-        self.paged_kernel = False  # True: decode attention reads only each row's blocks (no width in the key)
+        self.hidden_size = config.hidden_size
+        self.ops = None  # fused decode ops (TorchOps / triton_kernels.TritonOps); None: the model's own modules
+        self.paged_kernel = False  # True: the fused step; attention reads each row's table, no width in the key
         self._forward_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._sampler_graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -267,17 +318,61 @@ class ModelRunner:
         hidden = hidden[logits_at.to(self.device)]
         return self.model.lm_head(self.model.model.norm(hidden)).float()
 
+    @property
+    def supports_fused(self) -> bool:
+        """The fused step knows these layers: SiLU-gated MLPs, RMSNorms, an even head dimension."""
+        block = self._layers[0]
+        return (getattr(self.model.config, "hidden_act", None) == "silu" and self.head_dim % 2 == 0
+                and all(hasattr(block.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")))  # fmt: skip
+
+    def use_ops(self, ops) -> None:
+        """Run the decode step fused, with `ops` (graphs are captured again)."""
+        self.ops, self.paged_kernel = ops, True
+        self.clear_graphs()
+
     def _decode_forward(self, rows: int, width: int) -> None:
+        if self.ops is not None:
+            return self._fused_decode_forward(rows)
         ints = self.inputs.ints
         hidden, cos_sin = self._embed(ints[IDS, :rows], ints[POSITIONS, :rows])
         slots, context = ints[SLOTS, :rows], ints[CONTEXT, :rows]
-        table = self.inputs.table[:rows] if self.paged_kernel else self.inputs.table[:rows, :width]
+        table = self.inputs.table[:rows, :width]
         for layer, block in enumerate(self._layers):
             q, k, v = self._layer_qkv(block, hidden, cos_sin)
             self._write(layer, slots, k, v)
-            out = self.decode_attention(q, self.k_cache[layer], self.v_cache[layer], table, context, self.scale)
+            out = paged_attention.decode_attention(q, self.k_cache[layer], self.v_cache[layer], table, context,
+                                                   self.scale)  # fmt: skip
             hidden = self._layer_out(block, hidden, out)
         torch.matmul(self.model.model.norm(hidden), self.model.lm_head.weight.t(), out=self.logits[:rows])
+
+    def _fused_decode_forward(self, rows: int) -> None:
+        """The same step with the residual add folded into each RMSNorm, q/k norms + rotary + the cache write
+        in one op, attention over each row's own blocks, and the MLP's activation fused."""
+        ops, ints, heads, kv_heads, dim = self.ops, self.inputs.ints, self.heads, self.kv_heads, self.head_dim
+        hidden, (cos, sin) = self._embed(ints[IDS, :rows], ints[POSITIONS, :rows])
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        slots, context, table = ints[SLOTS, :rows], ints[CONTEXT, :rows], self.inputs.table[:rows]
+        delta, residual = None, hidden
+        for layer, block in enumerate(self._layers):
+            attn, mlp = block.self_attn, block.mlp
+            norm = block.input_layernorm
+            x, residual = ops.add_rms_norm(delta, residual, norm.weight, _eps(norm))
+            q = attn.q_proj(x).view(rows, heads, dim)
+            k = attn.k_proj(x).view(rows, kv_heads, dim)
+            v = attn.v_proj(x).view(rows, kv_heads, dim)
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            q = ops.rope_and_write(
+                q, k, v, cos, sin, None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                0.0 if q_norm is None else _eps(q_norm), self.k_cache[layer], self.v_cache[layer], slots,
+            )  # fmt: skip
+            out = ops.decode_attention(q, self.k_cache[layer], self.v_cache[layer], table, context, self.scale)
+            delta = attn.o_proj(out.view(rows, heads * dim))
+            norm = block.post_attention_layernorm
+            x, residual = ops.add_rms_norm(delta, residual, norm.weight, _eps(norm))
+            delta = mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        norm = self.model.model.norm
+        x, _ = ops.add_rms_norm(delta, residual, norm.weight, _eps(norm))
+        torch.matmul(x, self.model.lm_head.weight.t(), out=self.logits[:rows])
 
     def _sample(self, rows: int, variant: Variant) -> None:
         inputs = self.inputs

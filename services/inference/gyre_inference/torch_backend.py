@@ -124,7 +124,9 @@ class TorchBackend(Backend):
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._rng = random.Random(seed)  # seeds of requests that bring none
         self._kv_cache_gb, self.prefix_caching = kv_cache_gb, prefix_caching
-        self._attention = attention  # decode attention: "auto" (Triton kernel on CUDA when it checks out), "torch"
+        # decode step: "auto" (the fused Triton kernels on CUDA when they pass their self-check), "torch" (the
+        # model's modules, gathered attention), "fused-torch" / "triton" (tests)
+        self._attention = attention
         # named adapters (multi-run): created with the model when max_adapters > 0
         self._adapter_settings = (max_adapters, max_lora_rank, tuple(adapters))
         self._bank = None
@@ -294,6 +296,14 @@ class TorchBackend(Backend):
             from gyre_inference import triton_kernels
 
             triton_kernels.install(self._runner)
+        elif self._attention == "fused-torch":  # the fused step's wiring with torch ops (tests, CPU)
+            from gyre_inference.model_runner import TorchOps
+
+            self._runner.use_ops(TorchOps())
+        elif self._attention == "triton":  # the Triton kernels unconditionally (tests: the interpreter on CPU)
+            from gyre_inference.triton_kernels import TritonOps
+
+            self._runner.use_ops(TritonOps())
         pool = BlockPool(num_blocks, BLOCK_SIZE, on_fresh=lambda block: self._runner.zero_blocks(block + 1))
         self._batch = Batch(self._runner, pool, prefix_caching=self.prefix_caching,
                             max_prefill_tokens=max(MAX_PREFILL_TOKENS, self._max_model_len))  # fmt: skip
@@ -314,7 +324,7 @@ class TorchBackend(Backend):
         self._model = model
         log.info("loaded %s (%s, %s), context %d, KV cache %d blocks of %d tokens, decode attention %s",
                  self.model_path, self.device, self.dtype, self._max_model_len, num_blocks, BLOCK_SIZE,
-                 "Triton" if self._runner.paged_kernel else "torch")  # fmt: skip
+                 self._runner.ops.name if self._runner.ops is not None else "torch")  # fmt: skip
 
     def _kv_cache_blocks(self, config) -> int:
         """Blocks of the KV cache: `engine.kv_cache_gb` when set; else what max_batch_size full contexts need,

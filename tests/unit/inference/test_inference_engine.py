@@ -254,3 +254,44 @@ async def test_generation_raises_no_deprecation_warning(engine):
         warnings.simplefilter("always")
         await together(engine, [run(engine, p, max_tokens=8, seed=i) for i, p in enumerate([PROMPT, PROMPT[:9]])])
     assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)] == []
+
+
+@pytest.mark.parametrize("attention", ["fused-torch"])
+async def test_the_gpu_input_path_and_the_fused_step_give_the_tokens_of_the_plain_cpu_step(tiny_model, attention):
+    """What only a GPU runs, run on CPU: separate host mirrors and device buffers (the per-step upload of rows,
+    block tables and biases), and the fused step's wiring (residual adds folded into the norms, q/k norm +
+    rotary + cache write in one op, attention over each row's own table) with torch ops in place of the
+    Triton kernels. Rows with biases, min_tokens, top log-probs and top-k share the batch with plain ones."""
+    from gyre_inference.model_runner import StepBuffers
+
+    @dataclasses.dataclass(frozen=True)
+    class Params(SamplingParams):
+        top_k: int = 0
+
+    requests = [(PROMPT, Params(max_tokens=40, seed=1)),
+                (PROMPT[:9], Params(max_tokens=40, seed=2, logit_bias=((7, 3.0),), top_logprobs=3)),
+                (PROMPT[5:], Params(max_tokens=40, seed=3, min_tokens=30, stop_token_ids=frozenset({9, 10}),
+                                    logit_bias=((9, 4.0),))),
+                (PROMPT[3:30], Params(max_tokens=40, seed=4, top_k=5))]  # fmt: skip
+
+    async def outputs(**options):
+        backend = TorchBackend(tiny_model, threads=1, max_batch_size=8, **options.get("engine", {}))
+        await backend.start()
+        if options.get("mirror"):
+            runner = backend._runner
+            runner.inputs = backend._batch.inputs = StepBuffers(8, runner.max_blocks, runner.vocab, runner.device,
+                                                                mirror=True)  # fmt: skip
+        try:
+            results = await together(backend, [_run_params(backend, p, params) for p, params in requests])
+            return [(r[0], r[1], [e.top_logprobs for e in r[2]]) for r in results]
+        finally:
+            await backend.shutdown()
+
+    plain = await outputs()
+    for options in ({"mirror": True}, {"engine": {"attention": attention}}):
+        other = await outputs(**options)
+        for (tokens, logprobs, top), (tokens2, logprobs2, top2) in zip(plain, other, strict=True):
+            assert tokens == tokens2, options
+            assert torch.allclose(logprobs, logprobs2, atol=1e-5)
+            assert [[t for t, _ in row] for row in top] == [[t for t, _ in row] for row in top2]
+    assert len(plain[2][0]) >= 30 and 9 not in plain[2][0][:30]
