@@ -48,6 +48,7 @@ from gyre_inference.model_runner import (  # the step buffers' rows
     Variant,
 )  # fmt: skip
 from gyre_inference.paged_attention import PrefillLayout
+from gyre_inference.prompt_logprobs import prompt_logprobs
 from gyre_inference.sampling import TOP_LOGPROBS, bias_entries, sample, uniforms
 
 _order = itertools.count()
@@ -67,14 +68,15 @@ class Sequence:
     salt: object = None  # the cache salt its blocks were computed under
     row: int = -1
     admitted: int = 0  # admission order (the newest is preempted first)
-    # signals' prompt log-probs (SamplingParams.prompt_logprobs): computed by the prefill, before the first token
-    prompt_logprobs: list | None = None
+    # SamplingParams.prompt_logprobs: computed by the prefill, handed out on the first token's event
+    prompt_logprobs: tuple | None = None
+    prompt_scored: bool = False  # they were computed (a preempted sequence's recompute does not repeat them)
     finished: bool = False  # its last token has been emitted
     cancelled: bool = False  # set by the asyncio side; the engine drops the row before its next step
 
     @property
     def constraint(self):
-        return getattr(self.params, "constraint", None)
+        return self.params.constraint
 
     @property
     def filtered(self) -> bool:
@@ -88,18 +90,6 @@ class Sequence:
     @property
     def biased(self) -> bool:
         return bool(self.params.logit_bias) or self.suppressing_stops
-
-
-def prompt_logprobs(logits: torch.Tensor, prompt: list[int], top: int) -> list[tuple[float, tuple]]:
-    """vLLM's prompt log-probs from a prefill's logits at positions 0..n-2: for each prompt token after the
-    first, its log-prob given the ones before it and the `top` most likely (token, log-prob) there."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(prompt[1:], device=logits.device)[:, None])[:, 0].tolist()
-    if not top:
-        return [(value, ()) for value in chosen]
-    values, ids = logprobs.topk(top, dim=-1)
-    pairs = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
-    return list(zip(chosen, pairs, strict=True))
 
 
 class Batch:
@@ -198,7 +188,7 @@ class Batch:
         return admitted, []
 
     def _shareable(self, seq: Sequence) -> bool:
-        return self.prefix_caching and seq.constraint is None and not getattr(seq.params, "prompt_logprobs", None)
+        return self.prefix_caching and seq.constraint is None and seq.params.prompt_logprobs is None
 
     def _cached_prefix(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
         """(key, block) of the leading full blocks cached; at least one token is left to compute (its logits)."""
@@ -257,7 +247,7 @@ class Batch:
         for seq in computing:
             tokens = seq.prompt + seq.tokens
             span = range(seq.computed, len(tokens))
-            if getattr(seq.params, "prompt_logprobs", None) is not None and seq.prompt_logprobs is None:
+            if seq.params.prompt_logprobs is not None and not seq.prompt_scored:
                 # not shareable, so no prefix hits: every position is computed here
                 scored.append((seq, len(at)))
                 at += range(len(ids), len(ids) + len(span) - 1)
@@ -270,14 +260,16 @@ class Batch:
             at.append(len(ids) - 1)
             seq.computed = len(tokens)
         layout = PrefillLayout.build(starts, counts, [seq.blocks for seq in computing], size, self.runner.device)
-        logits = self.runner.prefill(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), layout,
+        hidden = self.runner.prefill(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), layout,
                                      torch.tensor(at))  # fmt: skip
-        for seq, first in scored:
-            seq.prompt_logprobs = prompt_logprobs(logits[first : first + len(seq.prompt) - 1], seq.prompt,
+        head = self.runner.model.lm_head
+        for seq, first in scored:  # from the same hidden states: no second pass over their prompts
+            seq.prompt_logprobs = prompt_logprobs(hidden[first : first + len(seq.prompt) - 1], head, seq.prompt,
                                                   seq.params.prompt_logprobs)  # fmt: skip
+            seq.prompt_scored = True
         owner_of = {(tuple(seq.blocks), seq.salt): last[id(seq)] for seq in computing}
         rows = [owner_of[(tuple(seq.blocks), seq.salt)] for seq in seqs]
-        return self._sample_rows(seqs, logits[torch.tensor(rows, device=logits.device)])
+        return self._sample_rows(seqs, head(hidden[torch.tensor(rows, device=hidden.device)]).float())
 
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[np.ndarray, ...]:
         """The eager sampler over the prefill's logits, with each sequence's own parameters and stream."""
@@ -308,6 +300,7 @@ class Batch:
         mask = torch.full((len(seqs), (self.runner.vocab + 31) // 32), -1, dtype=torch.int32)
         for row, seq in enumerate(seqs):
             if seq.constraint is not None:
+                mask[row] = 0
                 seq.constraint.fill_next_token_bitmask(mask, row)
         return mask
 
@@ -375,6 +368,7 @@ class Batch:
             self.inputs.bitmask_np[:rows] = -1
             for seq in live:
                 if seq.constraint is not None:
+                    self.inputs.bitmask_np[seq.row] = 0
                     seq.constraint.fill_next_token_bitmask(self.inputs.bitmask_host, seq.row)
         self.inputs.floats_np[UNIFORM, :rows] = uniforms(self.seeds[:rows], self.counters[:rows])
         self.inputs.upload(rows, variant.masked)

@@ -303,10 +303,10 @@ class ModelRunner:
         self.k_cache[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
 
-    def prefill(self, ids, positions, slots, layout: paged_attention.PrefillLayout, logits_at) -> torch.Tensor:
-        """Run the new tokens (flat, CPU tensors) of a prefill, writing their keys/values to `slots`; the
-        float32 logits at the flat indices `logits_at` (each sequence's last token, or every token of the
-        sequences whose prompt log-probs are asked)."""
+    def prefill(self, ids, positions, slots, layout: paged_attention.PrefillLayout, keep) -> torch.Tensor:
+        """Run the new tokens (flat, CPU tensors) of a prefill, writing their keys/values to `slots`; the final
+        (normed) hidden states at the flat indices `keep` (each sequence's last token, and every token of the
+        sequences whose prompt log-probs are asked), for the output head."""
         ids, positions = ids.to(self.device, non_blocking=True), positions.to(self.device, non_blocking=True)
         slots = slots.to(self.device, non_blocking=True)
         hidden, cos_sin = self._embed(ids, positions)
@@ -315,8 +315,7 @@ class ModelRunner:
             self._write(layer, slots, k, v)
             out = paged_attention.prefill_attention(q, self.k_cache[layer], self.v_cache[layer], layout, self.scale)
             hidden = self._layer_out(block, hidden, out)
-        hidden = hidden[logits_at.to(self.device)]
-        return self.model.lm_head(self.model.model.norm(hidden)).float()
+        return self.model.model.norm(hidden[keep.to(self.device)])
 
     @property
     def supports_fused(self) -> bool:

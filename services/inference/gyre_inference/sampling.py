@@ -68,6 +68,11 @@ def sample(
         x = x.masked_fill(~allowed, float("-inf"))
     if bias_ids is not None:
         x = x.scatter_add(1, bias_ids, bias_values)
+    if bitmask is not None:
+        # A row that min_tokens left with no token the grammar allows keeps the grammar's tokens, all at logit 0:
+        # the grammar wins (as structured.apply_token_bitmask).
+        dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
+        x = torch.where(dead & allowed, torch.zeros_like(x), x)
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     logprobs = torch.log_softmax(x / scale[:, None], dim=-1)

@@ -95,6 +95,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class TorchBackend(Backend):
     name = "torch"
+    uses_constraints = True  # structured outputs: per-sequence matchers (SamplingParams.constraint)
 
     def __init__(
         self,
@@ -540,22 +541,22 @@ class TorchBackend(Backend):
             token = tokens[i]
             self._batch.advance(seq, token, computed=decode)
             params, generated = seq.params, len(seq.tokens)
-            if token in params.stop_token_ids:
+            constraint = params.constraint
+            if constraint is not None:
+                constraint.accept_token(token)
+            if token in params.stop_token_ids or (constraint is not None and constraint.is_terminated()):
                 reason = "stop"
             elif generated >= params.max_tokens or len(seq.prompt) + generated >= self._max_model_len:
                 reason = "length"
             else:
                 reason = None
-            if seq.constraint is not None:
-                seq.constraint.accept_token(token)
-                if reason is None and seq.constraint.is_terminated():
-                    reason = "stop"
             n_top = params.top_logprobs
             top = tuple(zip(top_ids[i][:n_top], top_values[i][:n_top], strict=True)) if n_top else ()
             version = versions.get(seq.adapter)
             if version is None:
                 version = versions[seq.adapter] = self._bank.version_of_slot(seq.adapter)
-            events.append((seq, TokenEvent(token, logprobs[i], version, top, reason)))
+            prompt, seq.prompt_logprobs = seq.prompt_logprobs, None  # on the first event only
+            events.append((seq, TokenEvent(token, logprobs[i], version, top, reason, prompt)))
             seq.finished = reason is not None
         self._deliver(events)
 

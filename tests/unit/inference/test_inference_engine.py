@@ -194,10 +194,7 @@ async def test_a_structured_output_constraint_masks_its_row_only(engine, referen
         def is_terminated(self):
             return len(self.accepted) >= 5
 
-    @dataclasses.dataclass(frozen=True)
-    class Params(SamplingParams):
-        constraint: object = None
-
+    Params = SamplingParams
     matcher = Matcher()
     free, constrained = await together(engine, [run(engine, PROMPT, max_tokens=12, seed=1),
                                                 run(engine, PROMPT, max_tokens=12, seed=2)])  # fmt: skip
@@ -223,29 +220,19 @@ async def _run_params(backend, prompt, params):
     return [e.token_id for e in events], torch.tensor([e.logprob for e in events]), events
 
 
-async def test_the_prefill_computes_prompt_logprobs_for_the_rows_that_ask(engine, reference):
-    @dataclasses.dataclass(frozen=True)
-    class Params(SamplingParams):
-        prompt_logprobs: int | None = None
-
-    seen = []
-    prefill = engine._batch.prefill
-
-    def keep(seqs):
-        out = prefill(seqs)
-        seen.extend(seqs)
-        return out
-
-    engine._batch.prefill = keep
-    await run(engine, PROMPT, max_tokens=2)  # PROMPT's blocks are cached: the next row must not use them
-    await _run_params(engine, PROMPT, Params(max_tokens=2, prompt_logprobs=3))
-    values = seen[-1].prompt_logprobs
+async def test_prompt_logprobs_rows_compute_every_position_even_when_the_prefix_is_cached(engine, reference):
+    await run(engine, PROMPT, max_tokens=2)  # PROMPT's full blocks are cached now
+    before = engine.stats.prefilled
+    _, _, events = await run(engine, PROMPT, max_tokens=3, prompt_logprobs=3)
+    assert engine.stats.prefilled - before == len(PROMPT)  # no prefix hit: each position's logits are needed
+    entries = events[0].prompt_logprobs
+    assert [e.prompt_logprobs for e in events[1:]] == [None, None]  # on the first event only
     with torch.no_grad():
         expected = torch.log_softmax(reference(torch.tensor([PROMPT])).logits[0, :-1], -1)
-    assert len(values) == len(PROMPT) - 1
+    assert len(entries) == len(PROMPT) and entries[0] is None
     chosen = expected.gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
-    assert torch.allclose(torch.tensor([v for v, _ in values]), chosen, atol=1e-4)
-    assert [t for t, _ in values[5][1]] == expected[5].topk(3).indices.tolist()
+    assert torch.allclose(torch.tensor([e.logprob for e in entries[1:]]), chosen, atol=1e-4)
+    assert [t for t, _ in entries[6].top] == expected[5].topk(3).indices.tolist()
 
 
 async def test_generation_raises_no_deprecation_warning(engine):

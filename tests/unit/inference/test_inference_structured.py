@@ -121,8 +121,8 @@ async def test_a_constrained_row_samples_from_the_masked_distribution_in_a_mixed
     alone = await _events(backend, PROMPT, free)
 
     steps, decodes = [], []
-    step, decode = backend._decoder.step, backend._decode
-    backend._decoder.step = lambda *a: steps.append(1) or step(*a)
+    step, decode = backend._runner.decode, backend._decode
+    backend._runner.decode = lambda *a: steps.append(1) or step(*a)
 
     def counted_decode():
         decodes.append({seq.params.constraint is not None for seq in backend._rows})
