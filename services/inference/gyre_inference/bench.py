@@ -1,4 +1,4 @@
-"""`gyre bench inference`: throughput of the inference service, two ratios from one run.
+"""`gyre bench inference`: throughput of the inference service and where a decode step's time goes.
 
     gyre bench inference                          # tiny model made on the fly, ~2 minutes on 2 CPU cores
     gyre bench inference --model outputs/run/model --clients 32 --max-tokens 64 --threads 2
@@ -6,18 +6,24 @@
 1. Concurrency (real HTTP): a `gyre inference` process is started; the official `openai` client sends
    completions one at a time, then from `clients` concurrent clients. Ratio = aggregate tokens/s with
    `clients` clients / tokens/s of one client at a time (target >= 8x at 32 clients).
-2. Engine vs transformers (in-process, same model, same device and dtype, same threads):
-   `clients` sequences of the same prompt length and `max_tokens` new tokens, sampled at T=1, through
-   the torch backend and through `model.generate` on the same batch. Ratio = ours / transformers
-   (target >= 1.0 on CPU, >= 3 on a GPU).
-   On CUDA it also prints the fraction of the memory-bound limit: a decode step must read every
-   weight once, so batch B cannot beat B * bandwidth / weight_bytes tokens/s (peak HBM bandwidth
+2. Engine vs transformers (in-process, same model, same device and dtype, same threads), for each batch
+   size (`batch_sizes`, default `clients`): that many sequences of `prompt_tokens`-token prompts and
+   `max_tokens` new tokens, sampled at T=1, through the torch backend and through `model.generate` on the
+   same prompts, interleaved (best of `repeats` each). Ratio = ours / transformers (target >= 1.0 on CPU,
+   >= 3 on a GPU). Per engine run: the decode step's split, device time (inside its CUDA graphs, by CUDA
+   events; on CPU the forward and sampling) against host time (the rest of the step: scheduling, inputs,
+   handing tokens to the event loop), and on CUDA the fraction of the memory-bound limit: a decode step
+   must read every weight and every row's KV cache once, so batch B cannot beat
+   B * bandwidth / (weight bytes + B * mean context * KV bytes per token) tokens/s (peak HBM bandwidth
    from a table by device name, e.g. H100 SXM 3.35 TB/s, H200 4.8 TB/s).
+3. GRPO-shaped workload (`grpo`): the same batch as groups of `rollouts` sequences sharing one
+   `grpo_prompt_tokens`-token prompt, prefix sharing on (each group's prompt computed once) and off
+   (prefill per sequence), fresh prompts every run; tokens/s count generated tokens, prefill included.
 Every request ignores EOS so all runs generate exactly the same number of tokens.
 
-GPU, the issue-14 figure (0.6B Qwen3-shaped model, batch 64, 128 new tokens):
+GPU (0.6B Qwen3-shaped model, 128 new tokens; scripts/gpu/check.sh part `inference`):
 
-    gyre bench inference --model /path/to/model --clients 64 --max-tokens 128 --http false
+    gyre bench inference --model /path/to/model --batch-sizes 64,256 --max-tokens 128 --http false --repeats 3
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ class InferenceBenchConfig(GyreSettings):
     threads: int = Field(1, ge=1, description="torch threads of the server and of the engine comparison.")
     repeats: int = Field(5, ge=1, description="Engine comparison: best of this many interleaved runs each.")
     http: bool = Field(True, description="Run the HTTP concurrency part (false: only the engine comparison).")
+    batch_sizes: list[int] = Field(default_factory=list, description="Batch sizes of the engine comparison "
+                                   "(comma-separated; default: clients).")  # fmt: skip
+    grpo: bool = Field(True, description="Also run the GRPO-shaped workload, prefix sharing on vs off.")
+    rollouts: int = Field(8, ge=1, description="GRPO workload: sequences sharing one prompt.")
+    grpo_prompt_tokens: int = Field(256, ge=1, description="GRPO workload: prompt length in tokens.")
+    transformers_max_batch: int = Field(256, ge=1, description="Largest batch also run through transformers.")
 
 
 # Peak HBM bandwidth (bytes/s) by device name, most specific first: the memory-bound limit's denominator.
@@ -79,23 +91,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"model {model}, prompt {config.prompt_tokens} tokens, {config.max_tokens} new tokens, "
               f"{config.threads} thread(s)", flush=True)  # fmt: skip
         single, crowd = _http_throughput(model, prompt, config) if config.http else (None, None)
-        ours, theirs, device, limit = _engine_vs_transformers(model, prompt, config)
+        rows, device = _engine_vs_transformers(model, config)
     print()
-    print(f"{'measure':<44}{'tokens/s':>12}")
+    print(f"{'measure':<48}{'tokens/s':>10}{'limit':>8}{'step ms':>9}{'device':>8}{'host':>8}")
     if single is not None:
-        print(f"{'HTTP, 1 client at a time':<44}{single:>12.0f}")
-        print(f"{f'HTTP, {config.clients} concurrent clients':<44}{crowd:>12.0f}")
-    print(f"{f'torch backend, batch {config.clients} ({device})':<44}{ours:>12.0f}")
-    print(f"{f'transformers.generate, batch {config.clients} ({device})':<44}{theirs:>12.0f}")
-    if limit is not None:
-        print(f"{'memory-bound limit (weights read once/step)':<44}{limit:>12.0f}")
+        print(f"{'HTTP, 1 client at a time':<48}{single:>10.0f}")
+        print(f"{f'HTTP, {config.clients} concurrent clients':<48}{crowd:>10.0f}")
+    for row in rows:
+        print(row.line())
     print()
     if single is not None:
         print(f"concurrency ratio ({config.clients} clients / 1):  {crowd / single:6.2f}x   (target >= 8)")
     target = "3" if device.startswith("cuda") else "1.0"
-    print(f"engine ratio (ours / transformers):    {ours / theirs:6.2f}x   (target >= {target})")
-    if limit is not None:
-        print(f"fraction of the memory-bound limit:    {ours / limit:6.1%}")
+    by_name = {row.name: row for row in rows}
+    for batch in config.batch_sizes or [config.clients]:
+        ours, theirs = by_name.get(f"torch engine, batch {batch}"), by_name.get(f"transformers.generate, batch {batch}")
+        if ours and theirs:
+            ratio = ours.rate / theirs.rate
+            print(f"engine ratio, batch {batch} (ours / transformers): {ratio:6.2f}x   (target >= {target})")
+        on, off = by_name.get(f"GRPO {batch}, prefix sharing on"), by_name.get(f"GRPO {batch}, prefix sharing off")
+        if on and off:
+            print(f"GRPO batch {batch}: prefix sharing on / off:      {on.rate / off.rate:6.2f}x")
     return 0
 
 
@@ -142,36 +158,66 @@ def _http_throughput(model: Path, prompt: list[int], config: InferenceBenchConfi
         server.stop(timeout=60)
 
 
-def _engine_vs_transformers(
-    model: Path, prompt: list[int], config: InferenceBenchConfig
-) -> tuple[float, float, str, float | None]:
-    """(ours tokens/s, transformers tokens/s, device, memory-bound limit tokens/s or None) on the
-    device and dtype the torch backend picks (CUDA bf16 when there is a GPU, else CPU fp32)."""
+class _Row:
+    """One measured run: tokens/s and, for the engine, the decode step's split."""
+
+    def __init__(self, name: str, rate: float, limit: float | None = None, stats=None):
+        self.name, self.rate, self.limit = name, rate, limit
+        self.step = self.device = None
+        if stats is not None and stats.decode_steps:
+            self.step = stats.decode_seconds / stats.decode_steps * 1e3
+            self.device = stats.device_seconds / stats.decode_steps * 1e3
+
+    def line(self) -> str:
+        limit = f"{self.rate / self.limit:>8.1%}" if self.limit else f"{'':>8}"
+        split = f"{self.step:>9.2f}{self.device:>8.2f}{self.step - self.device:>8.2f}" if self.step else ""
+        return f"{self.name:<48}{self.rate:>10.0f}{limit}{split}"
+
+
+def _engine_vs_transformers(model: Path, config: InferenceBenchConfig) -> tuple[list[_Row], str]:
+    """The measured rows, on the device and dtype the torch backend picks (CUDA bf16 when there is a GPU,
+    else CPU fp32), and that device."""
+    import dataclasses
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from gyre_inference.backend import SamplingParams
+    from gyre_inference.model_runner import kv_bytes_per_token
     from gyre_inference.torch_backend import TorchBackend
 
     torch.set_num_threads(config.threads)
-    batch, new = config.clients, config.max_tokens
-    backend = TorchBackend(model, threads=config.threads, max_batch_size=batch)
+    batches, new = config.batch_sizes or [config.clients], config.max_tokens
+    probe = AutoModelForCausalLM.from_pretrained(model, dtype="auto")
+    per_token = kv_bytes_per_token(probe.config, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    longest = max(config.prompt_tokens, config.grpo_prompt_tokens) + new + 16
+    cache_gb = max(batches) * longest * per_token * 1.25 / 2**30  # every sequence of the largest batch at once
+    vocab = probe.config.vocab_size
+    del probe
+    backend = TorchBackend(model, threads=config.threads, max_batch_size=max(batches), kv_cache_gb=cache_gb)
     device, dtype = backend.device, backend.dtype
-    # The reference runs on the SAME device and dtype as the engine.
     reference = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
-    ids = torch.tensor([prompt] * batch, device=device)
     weight_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bandwidth = peak_bandwidth(name) if device.type == "cuda" else None
-    limit = batch * bandwidth / weight_bytes if bandwidth else None
-    print(f"  device {name}, {dtype}, weights {weight_bytes / 1e9:.3f} GB"
+    print(f"  device {name}, {dtype}, weights {weight_bytes / 1e9:.3f} GB, KV {per_token / 1024:.0f} KiB/token"
           + (f", peak bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)  # fmt: skip
+    fresh = iter(range(1, 1 << 30))
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        """`count` prompts nobody saw before (no prefix-cache hits across runs)."""
+        return [[(7 * i + 13 * next(fresh)) % (min(vocab, 1000) - 5) + 5 for i in range(length)] for _ in range(count)]
+
+    def limit(batch: int, prompt_tokens: int) -> float | None:
+        context = prompt_tokens + new / 2
+        return batch * bandwidth / (weight_bytes + batch * context * per_token) if bandwidth else None
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def theirs_once() -> float:
+    def theirs_once(batch: int) -> float:
+        ids = torch.tensor(prompts(batch, config.prompt_tokens), device=device)
         sync()
         started = time.perf_counter()
         with torch.inference_mode():
@@ -181,30 +227,62 @@ def _engine_vs_transformers(
         sync()
         return (out.shape[1] - ids.shape[1]) * batch / (time.perf_counter() - started)
 
-    async def ours_once() -> float:
-        async def sequence(seed: int) -> int:
-            return len([e async for e in backend.generate(prompt, SamplingParams(max_tokens=new, seed=seed))])
+    async def ours_once(batch_prompts: list[list[int]], sharing: bool = True):
+        backend._batch.prefix_caching = sharing
+        before = dataclasses.replace(backend.stats)
+
+        async def sequence(prompt: list[int], seed: int) -> int:
+            params = SamplingParams(max_tokens=new, seed=seed)
+            return len([e async for e in backend.generate(prompt, params)])
 
         started = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(sequence(i) for i in range(batch))))
-        return tokens / (time.perf_counter() - started)
+        tokens = sum(await asyncio.gather(*(sequence(p, i) for i, p in enumerate(batch_prompts))))
+        rate = tokens / (time.perf_counter() - started)
+        after = backend.stats
+        delta = dataclasses.replace(after, **{f.name: getattr(after, f.name) - getattr(before, f.name)
+                                              for f in dataclasses.fields(after)})  # fmt: skip
+        return rate, delta
 
-    async def compare() -> tuple[float, float]:
+    def best(runs):
+        return max(runs, key=lambda run: run[0])
+
+    async def compare() -> list[_Row]:
+        rows = []
         await backend.start()
         try:
-            await ours_once()  # warm-up both (captures the CUDA graphs)
-            theirs_once()
-            ours_rates, theirs_rates = [], []
-            for _ in range(config.repeats):  # interleaved, so load from elsewhere hits both alike
-                ours_rates.append(await ours_once())
-                theirs_rates.append(theirs_once())
-            return max(ours_rates), max(theirs_rates)
+            for batch in batches:
+                with_theirs = batch <= config.transformers_max_batch
+                await ours_once(prompts(batch, config.prompt_tokens))  # warm-up (captures the CUDA graphs)
+                if with_theirs:
+                    theirs_once(batch)
+                ours, theirs = [], []
+                for _ in range(config.repeats):  # interleaved, so load from elsewhere hits both alike
+                    ours.append(await ours_once(prompts(batch, config.prompt_tokens)))
+                    if with_theirs:
+                        theirs.append(theirs_once(batch))
+                rate, stats = best(ours)
+                rows.append(_Row(f"torch engine, batch {batch}", rate, limit(batch, config.prompt_tokens), stats))
+                if with_theirs:
+                    rows.append(_Row(f"transformers.generate, batch {batch}", max(theirs)))
+                print(f"  batch {batch}: engine {rate:.0f} tokens/s" +
+                      (f", transformers.generate {max(theirs):.0f}" if with_theirs else ""), flush=True)  # fmt: skip
+                if config.grpo and batch >= config.rollouts:
+                    groups = batch // config.rollouts
+                    for sharing in (True, False):
+                        runs = []
+                        for _ in range(max(1, config.repeats - 1)):
+                            group_prompts = prompts(groups, config.grpo_prompt_tokens)
+                            runs.append(await ours_once([p for p in group_prompts for _ in range(config.rollouts)],
+                                                        sharing))  # fmt: skip
+                        rate, stats = best(runs)
+                        label = f"GRPO {batch}, prefix sharing {'on' if sharing else 'off'}"
+                        rows.append(_Row(label, rate, limit(batch, config.grpo_prompt_tokens), stats))
+                        print(f"  {label}: {rate:.0f} tokens/s, {stats.prefilled} prompt tokens computed", flush=True)
+            return rows
         finally:
             await backend.shutdown()
 
-    ours_rate, theirs_rate = asyncio.run(compare())
-    print(f"  torch backend: {ours_rate:.0f} tokens/s, transformers.generate: {theirs_rate:.0f} tokens/s", flush=True)
-    return ours_rate, theirs_rate, str(device), limit
+    return asyncio.run(compare()), str(device)
 
 
 if __name__ == "__main__":

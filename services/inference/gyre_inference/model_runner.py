@@ -136,7 +136,7 @@ class StepBuffers:
         self.ints_host, self.ints = pair((5, rows), torch.long)
         self.floats_host, self.floats = pair((4, rows), torch.float32)
         self.ints_host[CONTEXT] = 1  # idle rows: one (garbage) key of the null block
-        self.table_host, self.table = pair((rows, max_blocks), torch.int32, NULL_BLOCK)
+        self.table_host, self.table = pair((rows, max_blocks), torch.long, NULL_BLOCK)
         self.bitmask_host, self.bitmask = pair((rows, (vocab + 31) // 32), torch.int32, -1)
         self.bias_width = 0
         self.bias_ids_host = self.bias_ids = torch.zeros(rows, 0, dtype=torch.long)
@@ -397,10 +397,14 @@ class ModelRunner:
         return next(size for size in buckets(self.rows) if size >= rows)
 
     def width(self, longest_context: int) -> int:
-        """Blocks the torch decode path gathers per row: a power of two covering the longest context."""
+        """Blocks the torch decode path gathers per row: with CUDA graphs a power of two covering the longest
+        context (a graph per width), else just the blocks covering it."""
         if self.paged_kernel:
             return 0
-        return min(self.max_blocks, _power_of_two(-(-longest_context // self.block_size), MIN_WIDTH_BLOCKS))
+        blocks = -(-longest_context // self.block_size)
+        if not self.cuda_graphs:  # no graph to reuse: gather exactly what is needed
+            return blocks
+        return min(self.max_blocks, _power_of_two(blocks, MIN_WIDTH_BLOCKS))
 
     def decode(self, rows: int, width: int, variant: Variant) -> tuple[np.ndarray, ...]:
         """Run the decode step on the first `rows` rows (a bucket) whose inputs were uploaded; the sampled

@@ -27,8 +27,11 @@ def decode_attention(
 ) -> torch.Tensor:  # fmt: skip
     """q [R, heads, D], table [R, width] block ids, context [R] lengths -> [R, heads, D]."""
     rows, heads, _ = q.shape
-    keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [R, kv_heads, width * block_size, D]
-    values = v_cache[table].flatten(1, 2).transpose(1, 2)
+    _, page, kv_heads, dim = k_cache.shape
+    index = table.reshape(-1).long()  # index_select on 2-d views: several times faster than indexing on CPU
+    blocks = k_cache.shape[0]
+    keys = k_cache.view(blocks, -1).index_select(0, index).view(rows, -1, kv_heads, dim).transpose(1, 2)
+    values = v_cache.view(blocks, -1).index_select(0, index).view(rows, -1, kv_heads, dim).transpose(1, 2)
     visible = torch.arange(keys.shape[2], device=q.device)[None, :] < context[:, None]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], keys, values, attn_mask=visible[:, None, None, :], scale=scale,
@@ -78,8 +81,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     total, heads, dim = q.shape
     padded = torch.cat([q, q.new_zeros(1, heads, dim)])[layout.query_index]  # [n, Lq, heads, D]
     kv_heads = k_cache.shape[2]
-    keys = k_cache.view(-1, kv_heads, dim)[layout.key_slots].transpose(1, 2)  # [n, kv_heads, Lk, D]
-    values = v_cache.view(-1, kv_heads, dim)[layout.key_slots].transpose(1, 2)
+    n, lk = layout.key_slots.shape
+    slots = layout.key_slots.view(-1)
+    keys = k_cache.view(-1, kv_heads, dim).index_select(0, slots).view(n, lk, kv_heads, dim).transpose(1, 2)
+    values = v_cache.view(-1, kv_heads, dim).index_select(0, slots).view(n, lk, kv_heads, dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2), keys, values, attn_mask=layout.mask, scale=scale, enable_gqa=heads != kv_heads
     )  # [n, heads, Lq, D]
