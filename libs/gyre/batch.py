@@ -13,7 +13,9 @@ Invariants (checked by `MicroBatch.validate` / `TrainBatch.validate`):
 - `loss_mask` is false at the first token of every sample (nothing precedes it, so no model
   log-prob exists for it: docs/architecture.md, "Alignment");
 - every rank has the same number of micro batches (FSDP ranks must step in lock-step);
-- `sample_index` values index into `TrainBatch.samples`.
+- `sample_index` values index into `TrainBatch.samples`;
+- optional per-token arrays (`OPTIONAL_TOKEN_FIELDS`, e.g. `teacher_logprobs`) are None or follow the
+  per-token rule, and a batch has each of them in every micro batch or in none.
 
 Global normalisers (`num_loss_tokens`, `num_samples`) live on the batch so that every rank divides
 by the global count, not by its own share. This module is numpy only (no torch).
@@ -42,6 +44,12 @@ SAMPLE_FIELDS: dict[str, np.dtype] = {
     "sample_index": np.dtype(np.int32),
 }
 ARRAY_FIELDS: dict[str, np.dtype] = {**TOKEN_FIELDS, **SAMPLE_FIELDS}
+#: name -> dtype of per-token arrays a batch may carry or not (None). Added after schema 1 shipped: batches
+#: without them still decode. `teacher_logprobs`: the teacher's log-prob of each sampled token (on-policy
+#: distillation, docs/algorithms.md), 0 off the loss mask.
+OPTIONAL_TOKEN_FIELDS: dict[str, np.dtype] = {
+    "teacher_logprobs": np.dtype(np.float32),
+}
 
 
 class BatchError(ValueError):
@@ -59,6 +67,7 @@ class MicroBatch:
     inference_logprobs: np.ndarray
     sample_lengths: np.ndarray
     sample_index: np.ndarray
+    teacher_logprobs: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +81,11 @@ class MicroBatch:
     def num_samples(self) -> int:
         return int(self.sample_lengths.shape[0])
 
+    @property
+    def optional_fields(self) -> tuple[str, ...]:
+        """The optional per-token arrays this micro batch carries."""
+        return tuple(name for name in OPTIONAL_TOKEN_FIELDS if getattr(self, name) is not None)
+
     def validate(self) -> MicroBatch:
         """Raise `BatchError` unless every invariant holds; return self for chaining."""
         for name, dtype in ARRAY_FIELDS.items():
@@ -82,8 +96,14 @@ class MicroBatch:
                 raise BatchError(f"{name}: expected dtype {dtype}, got {arr.dtype}")
             if arr.ndim != 1:
                 raise BatchError(f"{name}: expected 1-D array, got shape {arr.shape}")
+        for name, dtype in OPTIONAL_TOKEN_FIELDS.items():
+            arr = getattr(self, name)
+            if arr is None:
+                continue
+            if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
+                raise BatchError(f"{name}: expected None or a 1-D numpy array of dtype {dtype}")
         t = self.num_tokens
-        for name in TOKEN_FIELDS:
+        for name in (*TOKEN_FIELDS, *self.optional_fields):
             if getattr(self, name).shape[0] != t:
                 raise BatchError(f"{name}: length {getattr(self, name).shape[0]} != input_ids length {t}")
         n = self.num_samples
@@ -107,7 +127,8 @@ class MicroBatch:
         """Concatenate samples into one row (a convenience for tests and tools, not the packer).
 
         Each sample is a dict with `input_ids`, `loss_mask`, `advantages`, `inference_logprobs`
-        (sequences of length L) and `sample_index` (int); position ids are derived.
+        (sequences of length L), `sample_index` (int) and optionally `teacher_logprobs` (in every sample or
+        in none); position ids are derived.
         """
         lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int32)
 
@@ -123,15 +144,22 @@ class MicroBatch:
             inference_logprobs=cat("inference_logprobs", TOKEN_FIELDS["inference_logprobs"]),
             sample_lengths=lengths,
             sample_index=np.array([s["sample_index"] for s in samples], dtype=np.int32),
+            **{
+                name: cat(name, dtype)
+                for name, dtype in OPTIONAL_TOKEN_FIELDS.items()
+                if samples and all(name in s for s in samples)
+            },
         ).validate()
 
     def equals(self, other: MicroBatch) -> bool:
         """Exact equality of every array (dtype, shape and bytes; NaNs compare equal bitwise)."""
+        if self.optional_fields != other.optional_fields:
+            return False
         return all(
             getattr(self, k).dtype == getattr(other, k).dtype
             and getattr(self, k).shape == getattr(other, k).shape
             and getattr(self, k).tobytes() == getattr(other, k).tobytes()
-            for k in ARRAY_FIELDS
+            for k in (*ARRAY_FIELDS, *self.optional_fields)
         )
 
 
@@ -174,6 +202,11 @@ class TrainBatch:
     def num_tokens(self) -> int:
         return sum(mb.num_tokens for rank in self.micro_batches for mb in rank)
 
+    @property
+    def has_teacher(self) -> bool:
+        """The batch carries the teacher's log-probs (on-policy distillation)."""
+        return any(mb.teacher_logprobs is not None for rank in self.micro_batches for mb in rank)
+
     def for_rank(self, rank: int) -> list[MicroBatch]:
         """The micro batches data-parallel rank `rank` trains on."""
         if not 0 <= rank < len(self.micro_batches):
@@ -197,6 +230,12 @@ class TrainBatch:
                     mb.validate()
                 except BatchError as e:
                     raise BatchError(f"micro_batches[{r}][{i}]: {e}") from None
+                if mb.optional_fields != self.micro_batches[0][0].optional_fields:
+                    raise BatchError(
+                        f"micro_batches[{r}][{i}]: optional fields {list(mb.optional_fields)}, but "
+                        f"micro_batches[0][0] has {list(self.micro_batches[0][0].optional_fields)} "
+                        "(every micro batch carries the same ones)"
+                    )
                 if mb.num_samples and int(mb.sample_index.max()) >= len(self.samples):
                     raise BatchError(
                         f"micro_batches[{r}][{i}]: sample_index {int(mb.sample_index.max())} "

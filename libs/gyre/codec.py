@@ -7,6 +7,9 @@ Layout (a msgpack map, schema version `SCHEMA_VERSION`):
      "samples": [ {json-able metadata}, ... ],
      "micro_batches": [ [ {field: {"dtype": "<i4", "shape": [T], "data": bytes}, ...}, ... ], ... ]}
 
+A micro batch's map holds every `ARRAY_FIELDS` entry plus the optional per-token arrays it carries
+(`OPTIONAL_TOKEN_FIELDS`, e.g. `teacher_logprobs`); batches written before those existed decode unchanged.
+
 Arrays are stored as little-endian dtype strings plus raw bytes, so decoding is a zero-parse
 `np.frombuffer` (copied once so the result is writable and independent of the input buffer).
 Decoding never trusts the input: anything malformed raises `CodecError`, never a bare
@@ -20,7 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from gyre.batch import ARRAY_FIELDS, BatchError, MicroBatch, TrainBatch
+from gyre.batch import ARRAY_FIELDS, OPTIONAL_TOKEN_FIELDS, BatchError, MicroBatch, TrainBatch
 
 SCHEMA_VERSION = 1
 
@@ -43,6 +46,13 @@ def _encode_array(arr: np.ndarray, dtype: np.dtype) -> dict[str, Any]:
     return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
 
 
+def _encode_micro_batch(mb: MicroBatch) -> dict[str, Any]:
+    fields = {name: _encode_array(getattr(mb, name), dtype) for name, dtype in ARRAY_FIELDS.items()}
+    for name in mb.optional_fields:
+        fields[name] = _encode_array(getattr(mb, name), OPTIONAL_TOKEN_FIELDS[name])
+    return fields
+
+
 def encode_batch(batch: TrainBatch) -> bytes:
     """Validate `batch` and encode it; raises `CodecError` if it violates the schema."""
     try:
@@ -58,10 +68,7 @@ def encode_batch(batch: TrainBatch) -> bytes:
         "num_samples": batch.num_samples,
         "max_tokens": batch.max_tokens,
         "samples": batch.samples,
-        "micro_batches": [
-            [{name: _encode_array(getattr(mb, name), dtype) for name, dtype in ARRAY_FIELDS.items()} for mb in rank]
-            for rank in batch.micro_batches
-        ],
+        "micro_batches": [[_encode_micro_batch(mb) for mb in rank] for rank in batch.micro_batches],
     }
     try:
         return msgpack.packb(doc, use_bin_type=True)
@@ -129,9 +136,12 @@ def decode_batch(data: bytes) -> TrainBatch:
             where = f"micro_batches[{r}][{i}]"
             if not isinstance(mb, dict):
                 raise CodecError(f"{where}: expected a map")
-            if set(mb) != set(ARRAY_FIELDS):
-                raise CodecError(f"{where}: fields {sorted(mb)}, expected {sorted(ARRAY_FIELDS)}")
-            arrays = {name: _decode_array(f"{where}.{name}", mb[name], dtype) for name, dtype in ARRAY_FIELDS.items()}
+            if not set(ARRAY_FIELDS) <= set(mb) <= set(ARRAY_FIELDS) | set(OPTIONAL_TOKEN_FIELDS):
+                raise CodecError(f"{where}: fields {sorted(mb)}, expected {sorted(ARRAY_FIELDS)} and optionally "
+                                 f"{sorted(OPTIONAL_TOKEN_FIELDS)}")  # fmt: skip
+            optional = {name: dtype for name, dtype in OPTIONAL_TOKEN_FIELDS.items() if name in mb}
+            wanted = {**ARRAY_FIELDS, **optional}
+            arrays = {name: _decode_array(f"{where}.{name}", mb[name], dtype) for name, dtype in wanted.items()}
             decoded.append(MicroBatch(**arrays))
         micro_batches.append(decoded)
     batch = TrainBatch(

@@ -276,3 +276,66 @@ def test_encoding_an_invalid_batch_raises_codec_error():
     batch.samples[0]["bad"] = object()
     with pytest.raises(CodecError, match="cannot encode"):
         encode_batch(batch)
+
+
+# ---- optional per-token arrays (teacher log-probs for on-policy distillation) ---------------------------
+
+
+def with_teacher(batch: TrainBatch, seed: int = 5) -> TrainBatch:
+    rng = np.random.default_rng(seed)
+    for rank in batch.micro_batches:
+        for mb in rank:
+            mb.teacher_logprobs = np.where(mb.loss_mask, -rng.random(mb.num_tokens) * 4, 0.0).astype(np.float32)
+    return batch
+
+
+def test_teacher_logprobs_round_trip_bit_exact():
+    batch = with_teacher(make_batch(step=9))
+    assert batch.validate().has_teacher and not make_batch().has_teacher
+    decoded = decode_batch(encode_batch(batch))
+    assert_same(batch, decoded)
+    assert decoded.has_teacher
+    for ra, rb in zip(batch.micro_batches, decoded.micro_batches, strict=True):
+        for ma, mb in zip(ra, rb, strict=True):
+            assert mb.teacher_logprobs.dtype == np.float32
+            assert mb.teacher_logprobs.tobytes() == ma.teacher_logprobs.tobytes()
+    plain = decode_batch(encode_batch(make_batch()))  # a batch without them: as before, the field is None
+    assert all(mb.teacher_logprobs is None for rank in plain.micro_batches for mb in rank)
+    assert not plain.micro_batches[0][0].equals(batch.micro_batches[0][0])
+
+
+def test_a_batch_written_before_teacher_logprobs_still_decodes():
+    """The wire format of schema 1 as it shipped (every micro batch exactly ARRAY_FIELDS) is unchanged."""
+    batch = make_batch()
+    data = encode_batch(batch)
+    doc = msgpack.unpackb(data, raw=False)
+    assert all(set(mb) == set(ARRAY_FIELDS) for rank in doc["micro_batches"] for mb in rank)
+    assert doc["schema"] == SCHEMA_VERSION == 1
+    assert_same(batch, decode_batch(data))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: setattr(b.micro_batches[0][0], "teacher_logprobs", np.zeros(2, np.float32)), "length"),
+        (lambda b: setattr(b.micro_batches[0][0], "teacher_logprobs", np.zeros(5, np.float64)), "dtype"),
+        (lambda b: setattr(b.micro_batches[1][1], "teacher_logprobs", None), "same ones"),
+    ],
+)
+def test_teacher_logprobs_are_checked(mutate, message):
+    batch = with_teacher(make_batch())
+    mutate(batch)
+    with pytest.raises(BatchError, match=message):
+        batch.validate()
+    with pytest.raises(CodecError, match=message):
+        encode_batch(batch)
+
+
+def test_a_malformed_teacher_array_is_a_codec_error():
+    data = encode_batch(with_teacher(make_batch()))
+    edit = lambda d: d["micro_batches"][0][0]["teacher_logprobs"].update(shape=[99])  # noqa: E731
+    with pytest.raises(CodecError, match="teacher_logprobs"):
+        decode_batch(tamper(data, edit))
+    unknown = lambda d: first_mb(d).update(student_logprobs=first_mb(d)["advantages"])  # noqa: E731
+    with pytest.raises(CodecError, match="optionally"):
+        decode_batch(tamper(data, unknown))

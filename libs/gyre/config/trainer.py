@@ -90,6 +90,15 @@ class LossConfig(Section):
         description="seq-mean-token-sum-norm (Dr.GRPO) constant; unset = the batch's generation budget "
         "(the orchestrator's sampling.max_tokens x turns), or the longest sample for batches without one.",
     )
+    distill: float = Field(
+        0.0,
+        ge=0,
+        description="On-policy distillation: weight of the per-token reverse KL to the teacher, whose log-probs "
+        "the batches carry (orchestrator.teacher); docs/algorithms.md.",
+    )
+    reward_weight: float = Field(
+        1.0, ge=0, description="Weight of the reward's advantage next to the distillation term (0 = pure distillation)."
+    )
 
     @field_validator("type")
     @classmethod
@@ -144,6 +153,13 @@ class LossConfig(Section):
         if value is not None and value >= 1:
             raise ValueError(f"must be < 1 or null: is_cap_low={value} raises or masks on-policy tokens (r = 1)")
         return value
+
+    @model_validator(mode="after")
+    def _some_signal(self) -> LossConfig:
+        if self.reward_weight == 0 and self.distill == 0:
+            raise ValueError("reward_weight = 0 with distill = 0 leaves no learning signal: set loss.distill > 0 "
+                             "(with orchestrator.teacher) or reward_weight > 0")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _objective_defaults(self) -> LossConfig:

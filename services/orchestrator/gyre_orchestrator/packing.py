@@ -37,11 +37,14 @@ class TrainSample:
     inference_logprobs: np.ndarray  # float32 [L]: log-prob of input_ids[t] at sampling time (0 off the mask)
     advantage: float
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-able: reward, versions, env, ...
+    teacher_logprobs: np.ndarray | None = None  # float32 [L]: the teacher's log-prob of input_ids[t] (distillation)
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
         self.loss_mask = np.asarray(self.loss_mask, dtype=np.bool_)
         self.inference_logprobs = np.asarray(self.inference_logprobs, dtype=np.float32)
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = np.asarray(self.teacher_logprobs, dtype=np.float32)
         n = self.input_ids.shape[0]
         if self.input_ids.ndim != 1 or n == 0:
             raise ValueError("a sample needs a non-empty 1-D input_ids")
@@ -50,6 +53,8 @@ class TrainSample:
                 f"loss_mask {self.loss_mask.shape} and inference_logprobs {self.inference_logprobs.shape} "
                 f"must match input_ids ({n},)"
             )
+        if self.teacher_logprobs is not None and self.teacher_logprobs.shape != (n,):
+            raise ValueError(f"teacher_logprobs {self.teacher_logprobs.shape} must match input_ids ({n},)")
 
     @property
     def length(self) -> int:
@@ -127,6 +132,7 @@ def assign_to_ranks(bins: list[list[int]], lengths: Sequence[int], world_size: i
 def _row(samples: Sequence[TrainSample], indices: list[int]) -> MicroBatch:
     chosen = [samples[i] for i in indices]
     lengths = np.array([s.length for s in chosen], dtype=np.int32)
+    teacher = chosen[0].teacher_logprobs is not None
     return MicroBatch(
         input_ids=np.concatenate([s.input_ids for s in chosen]),
         position_ids=expected_positions(lengths),
@@ -135,10 +141,11 @@ def _row(samples: Sequence[TrainSample], indices: list[int]) -> MicroBatch:
         inference_logprobs=np.concatenate([s.inference_logprobs for s in chosen]),
         sample_lengths=lengths,
         sample_index=np.asarray(indices, dtype=np.int32),
+        teacher_logprobs=np.concatenate([s.teacher_logprobs for s in chosen]) if teacher else None,
     )
 
 
-def _padding_row(index: int) -> MicroBatch:
+def _padding_row(index: int, teacher: bool) -> MicroBatch:
     one = np.ones(1, dtype=np.int32)
     return MicroBatch(
         input_ids=np.full(1, PAD_TOKEN_ID, dtype=TOKEN_FIELDS["input_ids"]),
@@ -148,6 +155,7 @@ def _padding_row(index: int) -> MicroBatch:
         inference_logprobs=np.zeros(1, dtype=np.float32),
         sample_lengths=one,
         sample_index=np.full(1, index, dtype=np.int32),
+        teacher_logprobs=np.zeros(1, dtype=np.float32) if teacher else None,
     )
 
 
@@ -170,6 +178,9 @@ def pack_batch(
     """Pack `samples` into a validated `TrainBatch` for trainer step `step`."""
     if not samples:
         raise ValueError(f"step {step}: refusing to build an empty batch")
+    teacher = samples[0].teacher_logprobs is not None
+    if any((s.teacher_logprobs is not None) != teacher for s in samples):
+        raise ValueError(f"step {step}: teacher_logprobs in some samples but not in others")
     lengths = [s.length for s in samples]
     ranks = assign_to_ranks(first_fit_decreasing(lengths, seq_len), lengths, world_size)
     metadata = [dict(s.meta) for s in samples]
@@ -184,7 +195,7 @@ def pack_batch(
                 if padding_index is None:
                     padding_index = len(metadata)
                     metadata.append({"padding": True})
-                rows.append(_padding_row(padding_index))
+                rows.append(_padding_row(padding_index, teacher))
         micro_batches.append(rows)
     batch = TrainBatch(
         step=step,

@@ -69,7 +69,7 @@ def check_trainable(batch: TrainBatch, world_size: int, vocab_size: int) -> None
             where = f"micro_batches[{r}][{i}]"
             if mb.num_tokens and (int(mb.input_ids.min()) < 0 or int(mb.input_ids.max()) >= vocab_size):
                 raise BatchRejected(f"{where}: token ids outside the model's vocabulary [0, {vocab_size})")
-            for name in ("advantages", "inference_logprobs"):
+            for name in ("advantages", "inference_logprobs", *mb.optional_fields):
                 if not np.isfinite(getattr(mb, name)).all():
                     raise BatchRejected(f"{where}: {name} contains NaN or infinity")
 

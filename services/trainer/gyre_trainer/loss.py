@@ -23,11 +23,12 @@ Invariants every objective keeps (and a user objective should keep):
   (0/1 indicators, so `clip_frac` is the fraction of loss tokens that were clipped).
 
 `policy_loss` first drops loss tokens whose inference log-prob no sampler can have produced
-(`valid_inference_logprobs`, counted as `invalid_logprob_frac`), applies the optional off-policy
-correction (`cfg.is_correction`), the objective, and the regularisers (`kl_tau`·(log r)² toward the
-behaviour policy, a k1/k2/k3 KL to a frozen reference); `aggregate` reduces per-token losses to one
-micro-batch's share of the batch loss, normalised by GLOBAL counts so that summing the shares of all
-micro-batches of all ranks gives the full-batch loss whatever the split.
+(`valid_inference_logprobs`, counted as `invalid_logprob_frac`), folds the on-policy distillation signal
+into per-token advantages (`distill_advantages`: cfg.reward_weight·A + cfg.distill·(lp_teacher − sg[lp_θ])),
+applies the optional off-policy correction (`cfg.is_correction`), the objective, and the regularisers
+(`kl_tau`·(log r)² toward the behaviour policy, a k1/k2/k3 KL to a frozen reference); `aggregate`
+reduces per-token losses to one micro-batch's share of the batch loss, normalised by GLOBAL counts so
+that summing the shares of all micro-batches of all ranks gives the full-batch loss whatever the split.
 """
 
 from __future__ import annotations
@@ -288,6 +289,27 @@ def reference_kl(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, esti
     raise ValueError(f"unknown ref_kl_estimator {estimator!r}: use k1, k2 or k3")
 
 
+def distill_advantages(
+    logprobs: Tensor, teacher_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """Per-token advantages with the teacher's signal, and the per-token reverse-KL estimate (0 off the mask).
+
+    On-policy distillation (docs/algorithms.md): the student's tokens y_t ~ π_θ are scored by the teacher;
+    the per-token reverse KL KL(π_θ‖π_T) at y_t is estimated by k_t = lp_θ − lp_T, and minimising it is
+    REINFORCE with the per-token reward −k_t. So the objective sees the advantage
+
+        A_t = reward_weight · A_i + distill · clamp(lp_T − sg[lp_θ], ±LOG_RATIO_CLAMP)
+
+    and goes through the same ratio, clip and correction as the reward. With r = 1 its gradient is
+    distill · (lp_θ − lp_T) · ∇lp_θ per token, whose expectation over y_t ~ π_θ is ∇KL(π_θ‖π_T) (the
+    score-function identity; E[∇lp_θ] = 0). Returns (A_t, k_t); k_t is the `teacher_kl` metric.
+    """
+    gap = teacher_logprobs.float() - logprobs.detach().float()
+    gap = torch.where(loss_mask, gap, torch.zeros_like(gap))
+    mixed = cfg.reward_weight * advantages.float() + cfg.distill * gap.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(loss_mask, mixed, torch.zeros_like(mixed)), -gap
+
+
 def policy_loss(
     objective: LossFn,
     logprobs: Tensor,
@@ -297,6 +319,7 @@ def policy_loss(
     sample_lengths: Tensor,
     cfg: LossConfig,
     ref_logprobs: Tensor | None = None,
+    teacher_logprobs: Tensor | None = None,
 ) -> LossOutput:
     """`objective` with the off-policy correction and the configured regularisers, per token.
 
@@ -312,9 +335,19 @@ def policy_loss(
     - `cfg.kl_tau > 0`: + kl_tau·(log r)², pulling the policy toward the behaviour policy (prime-rl).
     - `ref_logprobs` given: the `cfg.ref_kl_estimator` KL to the reference is reported as `ref_kl`
       and, with `cfg.ref_kl_coef > 0`, + ref_kl_coef·KL is added.
+    - `teacher_logprobs` given: the reverse KL to the teacher is reported as `teacher_kl` and, with
+      `cfg.distill > 0`, folded into the advantages (`distill_advantages`); `cfg.reward_weight` scales
+      the reward's advantage either way.
     """
     mask = valid_inference_logprobs(inference_logprobs, loss_mask)
     stats = {"invalid_logprob_frac": (loss_mask & ~mask).float()}
+    if teacher_logprobs is not None:
+        mixed, teacher_kl = distill_advantages(logprobs, teacher_logprobs, advantages, mask, cfg)
+        stats["teacher_kl"] = teacher_kl
+        if cfg.distill > 0:
+            advantages = mixed
+    if cfg.reward_weight != 1 and (teacher_logprobs is None or cfg.distill == 0):
+        advantages = cfg.reward_weight * advantages
     log_ratio = masked_log_ratio(logprobs, inference_logprobs, mask)
     if cfg.is_correction == "none":
         out = objective(logprobs, inference_logprobs, advantages, mask, sample_lengths, cfg)

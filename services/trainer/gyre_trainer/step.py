@@ -67,11 +67,12 @@ class PackedGroup:
     advantages: Tensor | None
     inference_logprobs: Tensor | None
     num_tokens: int
+    teacher_logprobs: Tensor | None = None
 
 
 def pack_rows(rows: Sequence[Any], device: torch.device) -> PackedGroup:
     """Stack rows (MicroBatch-like: numpy `input_ids`, `loss_mask`, `sample_lengths`, optionally
-    `advantages`, `inference_logprobs`) into one forward's tensors on `device`."""
+    `advantages`, `inference_logprobs`, `teacher_logprobs`) into one forward's tensors on `device`."""
     width = max(len(r.input_ids) for r in rows)
 
     def padded(row, name: str, dtype, fill) -> np.ndarray:
@@ -90,6 +91,7 @@ def pack_rows(rows: Sequence[Any], device: torch.device) -> PackedGroup:
         positions.append(np.arange(width, dtype=np.int64) - starts)
         row_lengths.append(torch.from_numpy(lengths))
     has_rl = all(hasattr(r, "advantages") and hasattr(r, "inference_logprobs") for r in rows)
+    has_teacher = all(getattr(r, "teacher_logprobs", None) is not None for r in rows)
     return PackedGroup(
         input_ids=stacked("input_ids", np.int64, PAD_TOKEN_ID),
         position_ids=torch.from_numpy(np.stack(positions)).to(device, non_blocking=True),
@@ -99,6 +101,7 @@ def pack_rows(rows: Sequence[Any], device: torch.device) -> PackedGroup:
         advantages=stacked("advantages", np.float32, 0.0).reshape(-1) if has_rl else None,
         inference_logprobs=stacked("inference_logprobs", np.float32, 0.0).reshape(-1) if has_rl else None,
         num_tokens=sum(len(r.input_ids) for r in rows),
+        teacher_logprobs=stacked("teacher_logprobs", np.float32, 0.0).reshape(-1) if has_teacher else None,
     )
 
 
@@ -151,6 +154,11 @@ def compute_gradients(
     """
     rows = batch.for_rank(rank)
     objective = get_loss(loss_cfg.type)
+    if loss_cfg.distill > 0 and not batch.has_teacher:
+        raise ValueError(
+            f"batch {batch.step}: loss.distill = {loss_cfg.distill} but the batch carries no teacher log-probs: "
+            "set orchestrator.teacher (docs/algorithms.md, on-policy distillation)"
+        )
     temperature = temperature if temperature is not None else float(batch.temperature)
     local_loss_tokens = sum(mb.num_loss_tokens for mb in rows)
     if batch.num_loss_tokens < local_loss_tokens or (local_loss_tokens and batch.num_samples < 1):
@@ -197,6 +205,7 @@ def compute_gradients(
             packed.sample_lengths,
             loss_cfg,
             ref_logprobs=ref_logprobs,
+            teacher_logprobs=packed.teacher_logprobs,
         )
         share = aggregate(out.per_token_loss, mask, packed.sample_lengths, loss_cfg.aggregation, **norms)
         _sync_gradients(model, index == len(groups) - 1)
