@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "envs": ("gyre.envs.registry:main", "List the environments loadable by name (built-ins, installed packages)."),
     "model init": ("gyre.model_init:main", "Create a tiny Llama model and BPE tokenizer (HF format)."),
     "model fetch": ("gyre.model_source:main", "Download a hub model into the HF cache, after checking it fits."),
+    "model import": ("gyre.model_import:main", "Import a pretrained model (GGUF, HF folder, hub) as an HF folder."),
     "report": ("gyre.local.report:main", "Draw reward / eval / step-time curves of a run as a PNG."),
     "bench inference": ("gyre_inference.bench:main", "Benchmark the inference backend."),
     "bench trainer": ("gyre_trainer.bench:main", "Benchmark the trainer step."),

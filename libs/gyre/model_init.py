@@ -221,11 +221,11 @@ def init_model(
             tokenizer_vocab, context = shape.tokenizer_vocab_size or shape.vocab_size, shape.max_position_embeddings
         tokenizer = build_tokenizer(tokenizer_vocab, seed, context)
         tokenizer.save_pretrained(staging)
-        _make_tokenizer_config_portable(staging / "tokenizer_config.json")
+        make_tokenizer_config_portable(staging / "tokenizer_config.json")
         _build_model(hf_config or _preset_config(shape, tokenizer), seed, tokenizer).save_pretrained(
             staging, safe_serialization=True
         )
-        _publish(staging, output_dir)
+        publish_model_folder(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -555,7 +555,7 @@ def _build_model(config, seed: int, tokenizer):
     return model
 
 
-def _make_tokenizer_config_portable(path: Path) -> None:
+def make_tokenizer_config_portable(path: Path) -> None:
     """Rewrite transformers-5-only keys to the names both transformers 4.56+ and 5 read.
 
     vLLM images may pin a transformers 4.x, which knows neither the `TokenizersBackend` class nor a list
@@ -570,7 +570,7 @@ def _make_tokenizer_config_portable(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(staging: Path, output_dir: Path) -> None:
+def publish_model_folder(staging: Path, output_dir: Path) -> None:
     """fsync every file, then swap `staging` in as `output_dir` (an old folder is removed only afterwards)."""
     for file in staging.iterdir():
         file.chmod(0o644)  # save_pretrained may leave 0600; other services' users read these

@@ -124,6 +124,9 @@ def copy_tokenizer_files(base_model: Path | str, folder: Path) -> list[str]:
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
+    """Hard-link (or copy) the file `source` names. A symlink is read through: a hub cache snapshot's files are
+    relative links into `blobs/`, and `os.link` would link the link itself, dangling in `target`'s folder."""
+    source = source.resolve(strict=True)
     if source.stat().st_mode & 0o044 == 0o044:
         try:
             os.link(source, target)

@@ -1,0 +1,101 @@
+"""A model in the Hugging Face hub cache layout (snapshot files = relative symlinks into `blobs/`), the layout of
+every hub download on a cluster: the trainer publishes weights from it, `gyre sft` saves its result, and
+`gyre model import` turns it (or the whole `models--org--name` folder) into a plain folder. Before, the copy/link
+helper hard-linked the symlink itself, which dangles in the new folder: the first publish failed ("write_fn
+returned hashes of files it did not write") and `gyre sft` lost its result (FileNotFoundError tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import gyre
+from gyre.config import load_config
+from gyre.config.trainer import SFTConfig
+from gyre.safetensors_io import read_header
+from gyre.transport import FolderStore
+from gyre.weights import WeightStore
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def logits(folder, ids=(1, 5, 9, 40, 2)):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits.float()
+
+
+def regular_files(folder) -> list[str]:
+    files = sorted(os.listdir(folder))
+    assert files and not any(os.path.islink(folder / f) for f in files)
+    return files
+
+
+def test_weights_publish_from_a_hub_cache_snapshot(tiny_snapshot, tmp_path):
+    from gyre_trainer.publish import WeightPublisher
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert all(p.is_symlink() for p in tiny_snapshot.iterdir())
+    model = AutoModelForCausalLM.from_pretrained(tiny_snapshot, dtype=torch.float32)
+    store = WeightStore(tmp_path / "weights")
+    published = WeightPublisher(FolderStore(store.root), tiny_snapshot, keep_last=2).publish(
+        1, model.state_dict(), model.config, {"step": 1}
+    )
+    store.verify(1, published.digest)
+    assert {"tokenizer.json", "chat_template.jinja", "generation_config.json"} <= set(regular_files(published.path))
+    tokenizer = AutoTokenizer.from_pretrained(published.path)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(tiny_snapshot).chat_template
+    torch.testing.assert_close(logits(published.path), logits(tiny_snapshot), rtol=0, atol=0)
+
+
+def test_sft_saves_its_result_when_the_base_model_is_a_hub_cache_snapshot(tiny_snapshot, tmp_path):
+    from gyre_trainer import sft
+
+    args = ["--model.name", str(tiny_snapshot), "--output-dir", str(tmp_path), "--device", "cpu", "--data.fake",
+            "--data.num-examples", "32", "--data.seq-len", "64", "--data.batch-size", "4",
+            "--max-steps", "2"]  # fmt: skip
+    torch.set_num_threads(1)
+    assert sft.run(load_config(SFTConfig, args)) == 0
+    assert {"model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(regular_files(tmp_path / "sft"))
+    logits(tmp_path / "sft")  # loads
+
+
+@pytest.mark.parametrize("source", ["snapshot", "repo folder"])
+def test_model_import_of_a_hub_cache_gives_a_plain_verified_folder(tiny_model, tiny_snapshot, tmp_path, source):
+    path = tiny_snapshot if source == "snapshot" else tiny_snapshot.parents[1]  # models--org--model: refs/main
+    run = gyre("model", "import", str(path), "--output-dir", str(tmp_path / "out"))
+    assert run.returncode == 0, run.stderr
+    assert "hub cache snapshot" in run.stderr and f"-> {tiny_snapshot}" in run.stderr
+    assert "differ by at most 0 " in run.stderr and "tokens identical, chat template identical" in run.stderr
+    expected = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"}
+    assert expected <= set(regular_files(tmp_path / "out"))
+    torch.testing.assert_close(logits(tmp_path / "out"), logits(tiny_model), rtol=0, atol=0)
+
+
+def test_model_import_converts_the_dtype(tiny_model, tmp_path):
+    run = gyre("model", "import", str(tiny_model), "--output-dir", str(tmp_path / "bf16"), "--dtype", "bfloat16")
+    assert run.returncode == 0, run.stderr
+    assert {t["dtype"] for t in read_header(tmp_path / "bf16" / "model.safetensors").values()} == {"BF16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    torch.testing.assert_close(logits(tmp_path / "bf16"), logits(tiny_model), rtol=0, atol=0.05)
+
+
+def test_model_import_refuses_before_writing_anything(tiny_model, tmp_path):
+    # a hub id without a reachable hub: one line saying so and what works offline, exit 2, nothing written
+    run = gyre("model", "import", "org/not-cached", "--output-dir", str(tmp_path / "a"), env={"HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 2 and "the Hugging Face hub cannot provide it" in run.stderr
+    assert "smollm2" in run.stderr and "Traceback" not in run.stderr and not (tmp_path / "a").exists()
+    # an output folder that is not empty is left alone
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keep.txt").write_text("mine")
+    run = gyre("model", "import", str(tiny_model), "--output-dir", str(tmp_path / "b"))
+    assert run.returncode == 2 and "not empty" in run.stderr and os.listdir(tmp_path / "b") == ["keep.txt"]
+    # neither a GGUF nor a model folder
+    run = gyre("model", "import", str(tiny_model / "config.json"), "--output-dir", str(tmp_path / "c"))
+    assert run.returncode == 2 and "not a .gguf file" in run.stderr
+    assert list(tmp_path.glob(".tmp-*")) == []
