@@ -12,6 +12,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from gyre.eos import end_of_turn_ids
+
 from gyre_inference.errors import APIError
 
 
@@ -33,22 +35,14 @@ class ModelText:
     """The served model's tokenizer plus the facts the API needs from its configs."""
 
     def __init__(self, model_path: str | Path):
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = AutoConfig.from_pretrained(model_path)
         # Token ids the model can embed (a prompt id beyond this would fail the whole batch's step).
         self.vocab_size: int = getattr(config, "vocab_size", None) or len(self.tokenizer)
-        eos: set[int] = set()
-        try:
-            generation = GenerationConfig.from_pretrained(model_path)
-            eos.update(_as_ids(generation.eos_token_id))
-        except OSError:  # no generation_config.json
-            pass
-        eos.update(_as_ids(getattr(config, "eos_token_id", None)))
-        eos.update(_as_ids(self.tokenizer.eos_token_id))
-        # Token ids that end a turn unless the request says ignore_eos.
-        self.eos_token_ids = frozenset(eos)
+        # Token ids that end a turn unless the request says ignore_eos (the same set SFT teaches).
+        self.eos_token_ids = end_of_turn_ids(model_path, self.tokenizer, config)
         self._token_text: dict[int, tuple[str, list[int]]] = {}
 
     @functools.cached_property
@@ -166,11 +160,3 @@ _TEMPLATE_ARGUMENTS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
 })  # fmt: skip
-
-
-def _as_ids(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]

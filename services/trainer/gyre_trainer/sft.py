@@ -8,8 +8,9 @@
 Data: one source out of `data.path` (JSONL, one `{"messages": [...], "tools": [...]?}` per line),
 `data.env` (an environment's reference answers, `Environment.sft_example`) or `data.fake`
 (deterministic copy/count conversations). Every conversation is rendered with the tokenizer's chat
-template; the template's `{% generation %}` markers give the assistant-token mask (so a tool call
-and the end-of-turn token are learned, prompts and tool outputs are not). Conversations are
+template and only what the model generates is learned: each assistant turn (text, tool calls, a
+reasoning block the template adds) and its end-of-turn token, never prompts, tool outputs or the
+template's text between turns (`assistant_mask`). Conversations are
 packed back to back into rows of `data.seq_len` tokens (position ids restart per conversation, so
 attention never crosses them); one that does not fit is truncated, and said so.
 
@@ -26,11 +27,12 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,18 +140,72 @@ def load_conversations(data: SFTDataConfig, seed: int) -> list[Conversation]:
 # ---- tokenisation and packing -----------------------------------------------------------------------
 
 
-def tokenize(conversation: Conversation, tokenizer) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered chat and the assistant mask from the template's generation markers."""
-    out = tokenizer.apply_chat_template(
-        conversation.messages,
-        tools=conversation.tools,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=True,
-    )
-    ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def tokenize(conversation: Conversation, tokenizer, end_ids: Collection[int] = ()) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered chat and its assistant mask (`assistant_mask`); `end_ids`: the end-of-turn ids."""
+    if _GENERATION_MARKER.search(tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(
+            conversation.messages,
+            tools=conversation.tools,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    else:
+        ids, mask = assistant_mask(conversation, tokenizer, end_ids or _eos_of(tokenizer))
     if mask:
         mask[0] = False  # the first token of a sample is never in the loss (nothing predicts it)
+    return ids, mask
+
+
+def _eos_of(tokenizer) -> frozenset[int]:
+    from gyre.eos import end_of_turn_ids
+
+    return end_of_turn_ids(None, tokenizer)
+
+
+def assistant_mask(conversation: Conversation, tokenizer, end_ids: Collection[int]) -> tuple[list[int], list[bool]]:
+    """The mask of a template without `{% generation %}` markers (most real ones: Llama 3, Qwen, SmolLM), by
+    rendering growing prefixes of the conversation, as verl's multi-turn SFT does.
+
+    Assistant message `i` starts where `messages[:i]` rendered with the generation prompt ends (what the
+    model is given at inference) and runs up to and including its first end-of-turn token (`end_ids`, what
+    inference stops at); text the template puts after that token (ChatML's newline) is not generated, so not
+    learned. Without an end-of-turn token the turn ends where `messages[:i+1]` rendered alone ends (a
+    template whose later rendering of a turn differs, as Qwen3's thinking blocks, only needs the start).
+    Character offsets map this onto the tokens of the whole rendering, so the ids are exactly those of
+    `apply_chat_template` (a token that spans the prompt's last characters and the reply's first is learned).
+    A template that renders the earlier turns differently once more follow cannot be
+    masked this way: `SFTDataError`, naming the message.
+    """
+    messages, tools = conversation.messages, conversation.tools
+
+    def render(part: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(part, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+    text = render(messages, False)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    mask = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prefix = render(messages[:i], True) if i else ""
+        if not text.startswith(prefix):
+            raise SFTDataError(
+                f"the chat template renders the turns before message {i} differently once more turns follow, so "
+                "the assistant's tokens cannot be found; mark them with {% generation %} ... {% endgeneration %}"
+            )
+        turn = render(messages[: i + 1], False)
+        stop = len(turn) if text.startswith(turn) else len(text)
+        for t, (begin, end) in enumerate(offsets):
+            if end > len(prefix) and begin < stop:  # a token across the boundary carries reply text: learned
+                mask[t] = True
+                if ids[t] in end_ids:
+                    break
     return ids, mask
 
 
@@ -189,13 +245,13 @@ def _packed_row(samples: list[tuple[list[int], list[bool]]]) -> PackedRow:
 def prepare_rows(cfg: SFTConfig, tokenizer) -> list[PackedRow]:
     """Load, render, mask and pack the dataset; `SFTDataError` when it cannot fill one batch."""
     data = cfg.data
+    from gyre.eos import end_of_turn_ids
+
     conversations = load_conversations(data, cfg.seed)
-    rows, truncated, dropped = pack((tokenize(c, tokenizer) for c in conversations), data.seq_len)
+    end_ids = end_of_turn_ids(cfg.model.name, tokenizer)
+    rows, truncated, dropped = pack((tokenize(c, tokenizer, end_ids) for c in conversations), data.seq_len)
     if dropped == len(conversations):
-        raise SFTDataError(
-            "no conversation has an assistant token to learn: does the chat template mark assistant turns "
-            "with {% generation %} ... {% endgeneration %}?"
-        )
+        raise SFTDataError(f"no conversation has an assistant token to learn within data.seq_len={data.seq_len}")
     if truncated or dropped:
         log.warning("%d of %d conversations were cut to data.seq_len=%d; %d had nothing to learn and were dropped",
                     truncated, len(conversations), data.seq_len, dropped)  # fmt: skip

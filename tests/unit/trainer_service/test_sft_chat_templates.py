@@ -1,0 +1,133 @@
+"""SFT masks on real chat templates without `{% generation %}` markers (SmolLM2, Qwen2.5, Qwen3, Llama 3.1).
+
+The templates in data/chat_templates are the models' own (see data/chat_templates/README.md); the tokenizer is
+the tiny test tokenizer with each family's special tokens added, so each marker is one token as in the real
+vocabularies. For every conversation the learned tokens are checked one by one: they are exactly the
+tokens of each assistant turn up to and including its end-of-turn token, nothing else.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from gyre_trainer.sft import Conversation, SFTDataError, tokenize
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                  "<|python_tag|>"]  # fmt: skip
+# family -> (special tokens to add, bos, the end-of-turn tokens inference stops at)
+FAMILIES = {
+    "smollm2": ([], None, ["<|im_end|>"]),
+    "qwen2.5": ([], None, ["<|im_end|>"]),
+    "qwen3": (["<think>", "</think>"], None, ["<|im_end|>"]),
+    "llama3.1": (LLAMA_SPECIALS, "<|begin_of_text|>", ["<|eot_id|>", "<|eom_id|>"]),
+}
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Say hello."},
+    {"role": "assistant", "content": "Hello there!"},
+    {"role": "user", "content": "Now say bye."},
+    {"role": "assistant", "content": "Bye."},
+]
+CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluate an expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}  # fmt: skip
+TOOL_CHAT = [
+    {"role": "system", "content": "Use the tool."},
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": {"expression": "2+3"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    {"role": "assistant", "content": "It is 5."},
+]  # fmt: skip
+QWEN_CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
+# What each assistant turn must teach, written out by hand from each template's text.
+EXPECTED = {
+    ("smollm2", "chat"): ["Hello there!<|im_end|>", "Bye.<|im_end|>"],
+    ("qwen2.5", "chat"): ["Hello there!<|im_end|>", "Bye.<|im_end|>"],
+    # Qwen3 gives the turn after the last user message an (empty) thinking block: the model writes it too
+    ("qwen3", "chat"): ["Hello there!<|im_end|>", "<think>\n\n</think>\n\nBye.<|im_end|>"],
+    ("llama3.1", "chat"): ["Hello there!<|eot_id|>", "Bye.<|eot_id|>"],
+    ("qwen2.5", "tools"): [QWEN_CALL, "It is 5.<|im_end|>"],
+    ("qwen3", "tools"): [QWEN_CALL, "<think>\n\n</think>\n\nIt is 5.<|im_end|>"],
+    ("llama3.1", "tools"): ['{"name": "calc", "parameters": {"expression": "2+3"}}<|eot_id|>', "It is 5.<|eot_id|>"],
+}
+
+
+@pytest.fixture(scope="module")
+def family_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    def make(family: str):
+        specials, bos, _ = FAMILIES[family]
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        tokenizer.add_special_tokens({"additional_special_tokens": specials} if specials else {})
+        if bos:
+            tokenizer.bos_token = bos
+        tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text()
+        return tokenizer
+
+    return make
+
+
+def learned_runs(ids: list[int], mask: list[bool], tokenizer) -> list[list[int]]:
+    """Maximal runs of learned tokens."""
+    runs, run = [], []
+    for token, learned in zip(ids, mask, strict=True):
+        if learned:
+            run.append(token)
+        elif run:
+            runs.append(run)
+            run = []
+    return runs + ([run] if run else [])
+
+
+@pytest.mark.parametrize("family, kind", sorted(EXPECTED))
+def test_only_assistant_tokens_and_their_end_of_turn_are_learned(family_tokenizer, family, kind):
+    tokenizer = family_tokenizer(family)
+    messages = copy.deepcopy(CHAT if kind == "chat" else TOOL_CHAT)
+    tools = [CALC] if kind == "tools" else None
+    end_ids = set(tokenizer.convert_tokens_to_ids(FAMILIES[family][2]))
+    ids, mask = tokenize(Conversation(messages, tools), tokenizer, end_ids)
+
+    # the ids are the template's own rendering, tokenised as apply_chat_template does
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)
+    assert ids == list(rendered["input_ids"])
+    runs = learned_runs(ids, mask, tokenizer)
+    assert [tokenizer.decode(run) for run in runs] == EXPECTED[family, kind]
+    # token by token: each run is the tokens right after the generation prompt of `messages[:i]`, through the
+    # first end-of-turn token; everything else (system, user, tool output, headers, "\n" after it) is not learned
+    starts = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            prompt = tokenizer.apply_chat_template(
+                messages[:i], tools=tools, tokenize=False, add_generation_prompt=True
+            )
+            starts.append(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+    expected = [False] * len(ids)
+    for start in starts:
+        t = start
+        while ids[t] not in end_ids:
+            expected[t] = True
+            t += 1
+        expected[t] = True
+    assert mask == expected
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_message(family_tokenizer):
+    tokenizer = family_tokenizer("smollm2")
+    # marks the last message: rendering a prefix gives text the full conversation does not start with
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}{% if loop.last %}*{% endif %}: {{ m.content }}\n" \
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"  # fmt: skip
+    with pytest.raises(SFTDataError, match="before message 2 differently"):
+        tokenize(Conversation(copy.deepcopy(CHAT)), tokenizer, {0})
+
+
+def test_a_turn_without_an_end_of_turn_token_is_learned_to_its_end(family_tokenizer):
+    """...and a token spanning the prompt's end and the reply's start (" H" here) is learned."""
+    tokenizer = family_tokenizer("smollm2")
+    tokenizer.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}" \
+        "{% if add_generation_prompt %}[assistant] {% endif %}"  # fmt: skip
+    ids, mask = tokenize(Conversation(copy.deepcopy(CHAT)), tokenizer, {0})
+    assert [tokenizer.decode(r) for r in learned_runs(ids, mask, tokenizer)] == [" Hello there!\n", " Bye.\n"]
