@@ -415,3 +415,11 @@ async def test_graphs_captured_while_other_threads_use_the_gpu_keep_serving(tiny
     (quiet, _), (swapped, swaps) = await tokens(False), await tokens(True)
     assert swaps >= 20  # the swaps really overlapped the run
     assert swapped == quiet
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")
+async def test_generation_uses_no_deprecated_transformers_argument(backend):
+    # transformers 5.2x warns that forward's `past_key_values=` goes away in 5.40 (`cache=` replaces it): as an
+    # error here, the prefill would fail the request
+    tokens, _, events = await _run(backend, PROMPTS[0], max_tokens=4, temperature=0.0)
+    assert len(tokens) == 4 and events[-1].finish_reason == "length"
