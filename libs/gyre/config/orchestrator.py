@@ -59,10 +59,11 @@ class AdvantageConfig(Section):
     std_norm: Literal["group", "batch", "none"] = Field("group", description="grpo: std used for scaling.")
     drop_zero_signal: bool = Field(True, description="Drop groups whose rewards are all equal.")
     oversample_limit: float = Field(
-        4.0,
+        2.0,
         ge=1,
-        description="A step generates at most this many x batch_size groups to replace dropped ones, then "
-        "closes with what it kept (never empty).",
+        description="A step generates at most this many x batch_size groups (dropped ones replaced), so filtering "
+        "makes a batch at most this many times slower to generate; then it closes with what it kept (with nothing "
+        "kept: with its zero-signal groups, all advantages 0).",
     )
 
 

@@ -10,6 +10,7 @@ Everything here is torch-free and JSON-friendly (`dataclasses.asdict` gives a du
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,6 +27,12 @@ _TOOL_CALL_BLOCK = re.compile(r"\n?<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 StopReason = Literal["done", "max_turns", "length", "drift", "error"]
 
 
+def derive_seed(seed: int, *key: int | str) -> int:
+    """A 63-bit seed from `seed` and `key`: the same in every process and run, unrelated for different keys."""
+    digest = hashlib.blake2b(":".join(map(str, (seed, *key))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Per-request sampling settings; field names match `gyre.config.orchestrator.SamplingConfig`.
@@ -37,6 +44,13 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 128
     seed: int | None = None
+
+    def for_request(self, *key: int | str) -> SamplingParams:
+        """These settings with the seed of one request named by `key` (e.g. step, task index, rollout index).
+
+        With a seed, every request of a run gets its own (`derive_seed(seed, *key)`), so the rollouts of a group
+        differ and a rerun reproduces them; without one the server draws a fresh seed per request."""
+        return self if self.seed is None else dataclasses.replace(self, seed=derive_seed(self.seed, *key))
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import openai
 from gyre.envs import Messages, SamplingParams, ToolCall, Turn
+from gyre.envs.types import derive_seed
 
 from gyre_orchestrator.replicas import NoReplicaAvailable, Replica, ReplicaSet
 
@@ -139,7 +140,8 @@ class InferenceClient:
             "return_token_ids": True,  # gyre / vLLM extension: prompt and completion token ids
         }
         if sampling.seed is not None:
-            request["seed"] = sampling.seed
+            # every turn of a multi-turn rollout gets its own seed, derived from the rollout's and the turn's place
+            request["seed"] = derive_seed(sampling.seed, "turn", len(messages))
         if tools:
             request["tools"] = tools
         async with self._semaphore:

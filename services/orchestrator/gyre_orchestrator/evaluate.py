@@ -64,12 +64,14 @@ async def evaluate(
     tasks = [source[i] for i in range(count)]
     start = time.monotonic()
 
-    async def one(task):
-        rollout = await env.rollout(client, task, sampling)
-        score = await env.score(task, rollout)
+    async def one(i: int, j: int):
+        # sample j of task i: with a seed, its own one, the same at every version evaluated (common random
+        # numbers: the difference between two versions is less noisy than either score)
+        rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
+        score = await env.score(tasks[i], rollout)
         return score.reward, rollout.policy_version_min, rollout.policy_version_max
 
-    results = await asyncio.gather(*(one(task) for task in tasks for _ in range(k)))
+    results = await asyncio.gather(*(one(i, j) for i in range(count) for j in range(k)))
     rewards = [r for r, _, _ in results]
     per_task = [rewards[i * k : (i + 1) * k] for i in range(count)]
     task_means = [sum(group) / k for group in per_task]

@@ -68,6 +68,24 @@ class OrchestratorMetrics:
             run,
             r,
         )
+        self.generated_groups = m.counter(
+            "gyre_orchestrator_generated_groups_total",
+            "Groups generated for batches, kept or dropped (zero signal).",
+            run,
+            r,
+        )
+        self.generated_tokens = m.counter(
+            "gyre_orchestrator_generated_completion_tokens_total",
+            "Completion tokens generated for batches, trained or not (stale samples, zero-signal groups).",
+            run,
+            r,
+        )
+        self.wasted_tokens = m.counter(
+            "gyre_orchestrator_wasted_completion_tokens_total",
+            "Completion tokens generated for batches that teach nothing: stale samples and zero-signal groups.",
+            run,
+            r,
+        )
         self.batch_tokens = m.counter(
             "gyre_orchestrator_batch_tokens_total", "Tokens pushed in batches (padding excluded).", run, r
         )

@@ -17,10 +17,11 @@ waits idle except on the bound itself. At most `max_inflight_groups` groups run 
 step first.
 
 Groups whose rewards are all equal carry no signal; with `drop_zero_signal` they are dropped, counted
-in `dropped_zero_signal`, and replaced by a fresh task. Policy when a step keeps getting filtered away
-(documented in docs/orchestrator.md): a step generates at most `oversample_limit * batch_size` groups;
-once that budget is spent it closes with the groups it kept, even if fewer than `batch_size`. A step
-never closes empty: with no group kept it keeps sampling, one replacement per dropped group.
+in `dropped_zero_signal`, and replaced by a fresh task. The waste is bounded (documented in
+docs/orchestrator.md): a step generates at most `oversample_limit * batch_size` groups, so generating a
+batch costs at most `oversample_limit` times an unfiltered one, however hard the task. Once that budget
+is spent the step closes with the groups it kept, even if fewer than `batch_size`; with none kept it
+closes with its last `batch_size` dropped groups (`StepState.zero_signal_batch`: every advantage is 0).
 
 Steps close and are handed out strictly in order (`next_batch`), each exactly once.
 """
@@ -106,6 +107,13 @@ class StepState:
     all_rewards: list[float] = field(default_factory=list)  # every admitted sample, dropped groups included
     first_dispatch: float | None = None
     closed_at: float | None = None
+    wasted: list[Any] = field(default_factory=list)  # samples generated and not trained: stale, zero-signal
+    zero_signal_batch: bool = False  # the budget ran out with nothing kept: `kept` holds dropped groups
+
+    @property
+    def generated_groups(self) -> int:
+        """Groups finished for this step, kept or dropped."""
+        return self.dropped_zero_signal + (0 if self.zero_signal_batch else len(self.kept))
 
     @property
     def samples(self) -> list[Any]:
@@ -119,17 +127,26 @@ class StepState:
         return self.closed_at - self.first_dispatch
 
 
+@dataclass(frozen=True)
+class RolloutKey:
+    """Which sample a `generate` call is for: rollout `index` (0..group_size-1) of a group of batch `step`.
+    With the task's own index it names the request's seed (`SamplingParams.for_request`)."""
+
+    step: int
+    index: int
+
+
 class RolloutScheduler:
     """Dispatch groups to steps under the async bound; hand out closed steps in order.
 
-    `generate(task, floor)` returns one scored sample (a `ScoredSample`) from a policy version that
-    should be >= floor; it may raise, in which case it is retried `sample_attempts` times with
-    backoff before the whole scheduler fails (the caller sees the error from `next_batch`).
+    `generate(task, floor, key)` returns one scored sample (a `ScoredSample`) from a policy version that
+    should be >= floor, for the `RolloutKey` key; it may raise, in which case it is retried `sample_attempts`
+    times with backoff before the whole scheduler fails (the caller sees the error from `next_batch`).
     """
 
     def __init__(
         self,
-        generate: Callable[[Any, int], Awaitable[ScoredSample]],
+        generate: Callable[[Any, int, RolloutKey], Awaitable[ScoredSample]],
         next_task: Callable[[], Any],
         versions: VersionWatch,
         *,
@@ -159,6 +176,7 @@ class RolloutScheduler:
         self.max_inflight_groups = max_inflight_groups or batch_size * (max_async_level + 1)
         self.drop_zero_signal = drop_zero_signal
         self.group_budget = max(batch_size, math.ceil(oversample_limit * batch_size))
+        self._dropped: dict[int, list[Group]] = {}  # per step: its newest dropped groups, for a zero-signal batch
         self.sample_attempts = sample_attempts
         self.retry_backoff_s = retry_backoff_s
         self.clock = clock
@@ -225,10 +243,7 @@ class RolloutScheduler:
         return self.steps[step]
 
     def _wants_group(self, st: StepState) -> bool:
-        if len(st.kept) + st.inflight >= self.batch_size:
-            return False
-        # budget spent: only a step with nothing kept keeps sampling (never hand out an empty batch)
-        return st.started_groups < self.group_budget or (not st.kept and st.inflight == 0)
+        return len(st.kept) + st.inflight < self.batch_size and st.started_groups < self.group_budget
 
     def _dispatch(self) -> None:
         step = self.next_close
@@ -255,7 +270,7 @@ class RolloutScheduler:
     async def _run_group(self, st: StepState, group: Group) -> None:
         try:
             group.samples = list(
-                await asyncio.gather(*(self._fresh_sample(st, group.task) for _ in range(self.group_size)))
+                await asyncio.gather(*(self._fresh_sample(st, group.task, i) for i in range(self.group_size)))
             )
         except asyncio.CancelledError:
             raise
@@ -265,6 +280,10 @@ class RolloutScheduler:
             st.all_rewards.extend(group.rewards)
             if self.drop_zero_signal and is_zero_signal(group.rewards):
                 st.dropped_zero_signal += 1
+                st.wasted.extend(group.samples)
+                dropped = self._dropped.setdefault(st.step, [])
+                dropped.append(group)
+                del dropped[: -self.batch_size]
             else:
                 st.kept.append(group)
         finally:
@@ -272,12 +291,12 @@ class RolloutScheduler:
             self.inflight -= 1
             self._wake.set()
 
-    async def _fresh_sample(self, st: StepState, task: Any) -> Any:
-        """One sample for `task` from a version >= the step's floor: stale ones are redone."""
+    async def _fresh_sample(self, st: StepState, task: Any, index: int) -> Any:
+        """Sample `index` of `task`'s group from a version >= the step's floor: stale ones are redone."""
         failures = 0
         while True:
             try:
-                sample = await self.generate(task, st.floor)
+                sample = await self.generate(task, st.floor, RolloutKey(st.step, index))
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -291,15 +310,25 @@ class RolloutScheduler:
             if sample.min_version >= st.floor:
                 return sample
             st.dropped_stale += 1
+            st.wasted.append(sample)
             log.info("dropped a stale sample for step %d: version %d < floor %d", st.step, sample.min_version, st.floor)
 
     def _close_ready(self) -> None:
         while not self._last_step(self.next_close):
             st = self.steps.get(self.next_close)
-            if st is None or st.inflight or not st.kept:
+            if st is None or st.inflight or not st.started_groups:
                 return
             if len(st.kept) < self.batch_size and st.started_groups < self.group_budget:
                 return
+            dropped = self._dropped.pop(st.step, [])
+            if not st.kept:  # nothing had signal within the budget: train on zeros rather than wait forever
+                st.kept, st.zero_signal_batch = dropped, True
+                log.warning(
+                    "step %d: none of its %d groups had a reward signal (advantage.oversample_limit reached): "
+                    "its batch trains on zero advantages",
+                    st.step,
+                    st.started_groups,
+                )
             st.closed_at = self.clock()
             del self.steps[st.step]
             self._ready.put_nowait(st)

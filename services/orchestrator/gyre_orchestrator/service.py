@@ -46,7 +46,7 @@ from gyre_orchestrator.packing import TrainSample, pack_batch
 from gyre_orchestrator.progress import Progress, ProgressStore, resume_point
 from gyre_orchestrator.relay import WeightRelay
 from gyre_orchestrator.replicas import ReplicaSet, make_discovery
-from gyre_orchestrator.scheduler import RolloutScheduler, StepState, VersionWatch
+from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, StepState, VersionWatch
 from gyre_orchestrator.server import OrchestratorServer
 
 log = logging.getLogger(__name__)
@@ -355,11 +355,13 @@ class OrchestratorService:
         task.add_done_callback(self._background.discard)
 
     # ---- one rollout ----------------------------------------------------------------------------
-    async def _generate(self, item: tuple[int, Task], floor: int) -> ScoredRollout:
+    async def _generate(self, item: tuple[int, Task], floor: int, key: RolloutKey) -> ScoredRollout:
         index, task = item
         env_name = self.cfg.env.name
         start = time.monotonic()
-        rollout = await self.env.rollout(self.client.for_version(floor), task, self.sampling)
+        # with sampling.seed: a seed per (step, task, rollout), so a group's rollouts differ and a rerun repeats them
+        sampling = self.sampling.for_request("train", key.step, index, key.index)
+        rollout = await self.env.rollout(self.client.for_version(floor), task, sampling)
         if rollout.error:
             self.metrics.labels(self.metrics.rollouts, env=env_name, outcome="error").inc()
             raise RolloutFailed(f"task {task.id}: {rollout.error}")
@@ -449,6 +451,11 @@ class OrchestratorService:
         generated = np.asarray(st.all_rewards, dtype=np.float64)
         lags = np.asarray([s.meta["lag"] for s in samples], dtype=np.float64)
         num_tokens = int(sum(s.length for s in samples))
+        # the price of filtering: completion tokens generated for this step that teach nothing (stale samples,
+        # zero-signal groups); `advantage.oversample_limit` bounds it
+        wasted_tokens = sum(s.rollout.num_completion_tokens for s in st.wasted)
+        trained = [] if st.zero_signal_batch else [s for g in st.kept for s in g.samples]
+        generated_tokens = wasted_tokens + sum(s.rollout.num_completion_tokens for s in trained)
         record = {
             "step": st.step,
             "reward_mean": float(generated.mean()),
@@ -471,6 +478,11 @@ class OrchestratorService:
             "packing_efficiency": packed.efficiency,
             "truncated_to_seq_len": cut,
             "build_seconds": build_seconds,
+            "generated_groups": st.generated_groups,
+            "generated_tokens": generated_tokens,
+            "wasted_tokens": wasted_tokens,
+            "waste_fraction": wasted_tokens / generated_tokens if generated_tokens else 0.0,
+            "zero_signal_batch": st.zero_signal_batch,
         }
         self.events.append(record)
         self.wandb.log(record)
@@ -485,13 +497,17 @@ class OrchestratorService:
         labels(m.dropped_stale).inc(st.dropped_stale)
         labels(m.rollouts, env=cfg.env.name, outcome="stale").inc(st.dropped_stale)
         labels(m.dropped_zero_signal).inc(st.dropped_zero_signal)
+        labels(m.generated_groups).inc(st.generated_groups)
+        labels(m.generated_tokens).inc(generated_tokens)
+        labels(m.wasted_tokens).inc(wasted_tokens)
         labels(m.batch_tokens).inc(num_tokens)
         labels(m.packing_efficiency).set(packed.efficiency)
         labels(m.batch_seconds).set(st.seconds)
         for lag in lags:
             labels(m.lag).observe(lag)
         log.info(
-            "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups",
+            "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups "
+            "(%.0f%% of generated tokens wasted)",
             st.step,
             len(samples),
             record["reward_mean"],
@@ -499,6 +515,7 @@ class OrchestratorService:
             record["max_version"],
             st.dropped_stale,
             st.dropped_zero_signal,
+            100 * record["waste_fraction"],
         )
         if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
             self.progress.save(Progress(step=st.step, task_index=self.sampler.index, counters=dict(self.counters)))

@@ -78,6 +78,11 @@ async def test_batches_flow_weights_relay_and_the_bound_holds(tmp_path, redis_ur
     for e, batch in zip(lines, trainer.batches, strict=True):
         assert e["num_samples"] == 8 and e["min_version"] >= e["step"] - 1 - k and e["lag_max"] <= k
         assert e["num_tokens"] == sum(s["num_tokens"] for s in batch.samples)
+        # what filtering cost this step: every generated group counted, the untrained tokens reported
+        assert e["generated_groups"] == 2 + e["dropped_zero_signal"] <= 2 * cfg.advantage.oversample_limit
+        trained = sum(s["num_loss_tokens"] for s in batch.samples)
+        assert e["generated_tokens"] == trained + e["wasted_tokens"]
+        assert e["waste_fraction"] == pytest.approx(e["wasted_tokens"] / e["generated_tokens"])
     evals = read_events(cfg.output_dir / "events" / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2, 4]
     assert all(e["k"] == 1 and e["num_examples"] == 2 and 0 <= e["pass_at_k"] <= 1 for e in evals)
@@ -86,6 +91,8 @@ async def test_batches_flow_weights_relay_and_the_bound_holds(tmp_path, redis_ur
     assert f'gyre_orchestrator_samples_total{{run_id="{unique_run_id}"}} 32.0' in text
     assert f'gyre_orchestrator_max_async_level{{run_id="{unique_run_id}"}} 1.0' in text
     assert "gyre_orchestrator_replica_policy_version" in text and "gyre_orchestrator_policy_lag_steps_bucket" in text
+    generated = sum(e["generated_tokens"] for e in lines)
+    assert f'gyre_orchestrator_generated_completion_tokens_total{{run_id="{unique_run_id}"}} {generated}.0' in text
 
 
 async def test_on_start_published_weights_are_relayed_before_rollouts(

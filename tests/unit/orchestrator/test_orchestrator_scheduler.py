@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from gyre_orchestrator.scheduler import RolloutScheduler, VersionWatch
+from gyre.envs import SamplingParams
+from gyre.envs.types import derive_seed
+from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, VersionWatch
 
 pytestmark = pytest.mark.asyncio
 
@@ -46,7 +48,7 @@ class SimCluster:
         self.honest = honest
         self.generated = 0
 
-    async def generate(self, task, floor: int) -> SimSample:
+    async def generate(self, task, floor: int, key) -> SimSample:
         if self.honest:  # what InferenceClient.for_version does: only replicas serving >= floor
             while not [i for i, v in enumerate(self.served) if v >= floor]:
                 await self.versions.wait_at_least(floor)
@@ -150,7 +152,7 @@ class Fixed:
 
 async def test_zero_signal_groups_are_replaced():
     # tasks 0, 2, 4, ... give equal rewards (no signal): each is dropped and replaced by a fresh task
-    async def generate(task, floor):
+    async def generate(task, floor, key):
         await asyncio.sleep(0)
         return Fixed(reward=0.5 if task % 2 == 0 else random.random())
 
@@ -165,32 +167,51 @@ async def test_zero_signal_groups_are_replaced():
     await sched.stop()
 
 
-async def test_budget_closes_short_but_never_empty():
-    # only task 9 has signal: the step closes after its budget with that one group, not empty, not never
-    async def generate(task, floor):
+def budget_scheduler(signal_tasks: set[int]) -> RolloutScheduler:
+    """batch 2, oversample_limit 2: at most 4 groups per step; only `signal_tasks` give differing rewards."""
+
+    async def generate(task, floor, key):
         await asyncio.sleep(0)
-        return Fixed(reward=random.random() if task == 9 else 1.0)
+        return Fixed(reward=random.random() if task in signal_tasks else 1.0)
 
     tasks = iter(range(1000))
-    sched = RolloutScheduler(
+    return RolloutScheduler(
         generate,
         lambda: next(tasks),
         VersionWatch(0),
         batch_size=2,
         group_size=2,
-        max_async_level=0,
-        max_steps=1,
+        max_async_level=1,
+        max_steps=2,
         oversample_limit=2,
         max_inflight_groups=1,
     )
+
+
+async def test_budget_closes_a_step_short_with_what_it_kept():
+    sched = budget_scheduler({1})
     st = await sched.next_batch()
-    assert [g.task for g in st.kept] == [9]
-    assert st.started_groups == 10  # budget of 4 spent, then one at a time until something survived
+    assert [g.task for g in st.kept] == [1] and not st.zero_signal_batch
+    assert st.started_groups == st.generated_groups == 4 and st.dropped_zero_signal == 3
+    assert len(st.wasted) == 6  # the dropped groups' samples: what filtering cost
+    await sched.stop()
+
+
+async def test_a_step_without_any_signal_still_closes_within_its_budget():
+    # a task the model never solves: generation stops at 2 x batch_size groups, the batch trains on zero
+    # advantages (before, the step sampled on, one group at a time, for as long as nothing had signal)
+    sched = budget_scheduler(set())
+    first = await asyncio.wait_for(sched.next_batch(), timeout=5)
+    second = await asyncio.wait_for(sched.next_batch(), timeout=5)
+    for st, tasks in ((first, [2, 3]), (second, [6, 7])):
+        assert st.zero_signal_batch and st.started_groups == st.generated_groups == 4
+        assert [g.task for g in st.kept] == tasks  # its newest batch_size dropped groups
+        assert st.dropped_zero_signal == 4 and len(st.wasted) == 8
     await sched.stop()
 
 
 async def test_failing_rollouts_fail_the_scheduler_loudly():
-    async def generate(task, floor):
+    async def generate(task, floor, key):
         raise ConnectionError("replica gone")
 
     sched = RolloutScheduler(
@@ -213,7 +234,7 @@ async def test_dispatch_waits_for_the_version():
     versions = VersionWatch(0)
     seen = []
 
-    async def generate(task, floor):
+    async def generate(task, floor, key):
         seen.append((floor, versions.value))
         return Fixed(reward=random.random(), min_version=versions.value)
 
@@ -238,3 +259,28 @@ async def test_dispatch_waits_for_the_version():
     st = await asyncio.wait_for(sched.next_batch(), timeout=5)
     assert st.step == 5 and all(v >= 4 for _, v in seen)
     await sched.stop()
+
+
+async def test_each_rollout_of_a_group_is_named_by_its_step_and_index():
+    keys = []
+
+    async def generate(task, floor, key):
+        keys.append((task, key))
+        return Fixed(reward=random.random())
+
+    tasks = iter(range(1000))
+    sched = RolloutScheduler(
+        generate, lambda: next(tasks), VersionWatch(0), batch_size=2, group_size=3, max_async_level=0, max_steps=1
+    )
+    await sched.next_batch()
+    assert sorted(keys, key=repr) == sorted(((t, RolloutKey(1, i)) for t in (0, 1) for i in range(3)), key=repr)
+    await sched.stop()
+
+
+async def test_request_seeds_differ_per_key_and_repeat_across_processes():
+    base = SamplingParams(seed=7)
+    seeds = {base.for_request("train", step, task, i).seed for step in (1, 2) for task in (0, 1) for i in range(4)}
+    assert len(seeds) == 16 and all(0 <= s < 2**63 for s in seeds)
+    assert base.for_request("train", 1, 0, 0) == base.for_request("train", 1, 0, 0)
+    assert base.for_request("train", 1, 0, 0).seed == derive_seed(7, "train", 1, 0, 0) == 2857775692858735553
+    assert SamplingParams(seed=None).for_request("train", 1, 0, 0).seed is None  # the server draws one
