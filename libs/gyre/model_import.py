@@ -164,21 +164,28 @@ def _folder_source(path: Path) -> Source:
 
 
 def hub_snapshot(repo_id: str, say: Callable[[str], None]) -> Path:
-    """Download (or find in the cache) the files of hub model `repo_id`; a clear error when the hub is unreachable."""
+    """The hub cache snapshot of `repo_id`: downloaded by `gyre model fetch`'s code (checked to fit first), or
+    the cached one when the hub is unreachable; a clear error when neither works."""
+    from gyre.model_source import ModelDoesNotFit, fetch_model
+
+    say(f"fetching {repo_id} from the Hugging Face hub")
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ModelImportError(f"{repo_id} looks like a hub id, but huggingface_hub is not installed") from None
-    say(f"fetching {repo_id} from the Hugging Face hub (or its local cache)")
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+        return fetch_model(repo_id)
+    except ModelDoesNotFit as e:
+        raise ModelImportError(str(e)) from None
     except Exception as e:  # connection errors, offline mode, unknown repo, gated repo
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelImportError(
-            f"{repo_id} is not a local file or folder, and the Hugging Face hub cannot provide it ({reason}). "
-            f"Offline sources: {', '.join(SHORT_NAMES)} (a packaged model), a .gguf file, a model folder or "
-            "a hub cache folder copied from a machine with network"
-        ) from None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))  # offline: what the cache holds
+    except Exception:
+        pass
+    raise ModelImportError(
+        f"{repo_id} is not a local file or folder, and the Hugging Face hub cannot provide it ({reason}). "
+        f"Offline sources: {', '.join(SHORT_NAMES)} (a packaged model), a .gguf file, a model folder or "
+        "a hub cache folder copied from a machine with network"
+    )
 
 
 def packaged_gguf(spec: PackagedGGUF, say: Callable[[str], None]) -> Path:
