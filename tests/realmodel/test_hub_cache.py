@@ -12,12 +12,12 @@ import os
 
 import pytest
 import torch
-from conftest import gyre
 from gyre.config import load_config
 from gyre.config.trainer import SFTConfig
 from gyre.safetensors_io import read_header
 from gyre.transport import FolderStore
 from gyre.weights import WeightStore
+from realmodel_testlib import gyre
 
 pytestmark = pytest.mark.timeout(600)
 

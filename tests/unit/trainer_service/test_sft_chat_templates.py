@@ -56,12 +56,12 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def family_tokenizer(tiny_model_dir):
+def family_tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     def make(family: str):
         specials, bos, _ = FAMILIES[family]
-        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
         tokenizer.add_special_tokens({"additional_special_tokens": specials} if specials else {})
         if bos:
             tokenizer.bos_token = bos
