@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Gyre's GPU checks on an offline GPU box (see docs/gpu.md). Parts, in the order given (default: all):
 #   tests     every `gpu`-marked test                                   -> pytest_gpu.txt
+#   inference-tests  the `gpu`-marked inference tests (engine, kernels)  -> pytest_gpu_inference.txt
 #   trainer   `gyre bench trainer`, packed rows of 8192 (MFU, memory)   -> bench_trainer.txt
 #   weights   `gyre bench weights`, the swap of 1.19 GB to 2 replicas    -> bench_weights.txt
-#   inference `gyre bench inference`, engine vs transformers, batch 64  -> bench_inference.txt
+#   inference `gyre bench inference`: batch 64 and 256, GRPO workload, vs transformers -> bench_inference.txt
 #   adapters  scripts/bench_adapter_bank.py, decode with named adapters -> bench_adapters.txt
 #   loop      `gyre rl @ configs/gpu/one-gpu-torch.toml`, per-step split -> loop.txt
 #   lora-loop the same loop training rank-16 adapters, published alone  -> lora_loop.txt
 # All on the Qwen3-0.6B shape, as quoted in docs/benchmarks.md.
 # usage: scripts/gpu/check.sh [OUT_DIR] [PART ...]   (needs .gpu-wheels/: scripts/gpu/fetch_wheels.sh)
+# Each part runs under `timeout` and writes its file as it goes, so a hang still leaves figures. The engine's
+# check in one call of ~8 minutes: scripts/gpu/check.sh outputs/gpu inference-tests inference loop
+# with TESTS_TIMEOUT=150 BENCH_TIMEOUT=200 LOOP_TIMEOUT=180 (seconds; the defaults are longer).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-outputs/gpu}
@@ -29,7 +33,7 @@ run_loop() {
   local name=$1 report=$2
   shift 2
   rm -rf "outputs/$name"
-  timeout 240 python3 -m gyre.cli rl @ configs/gpu/one-gpu-torch.toml "$@" > "outputs/$name.log" 2>&1
+  timeout -k 10 "${LOOP_TIMEOUT:-240}" python3 -m gyre.cli rl @ configs/gpu/one-gpu-torch.toml "$@" > "outputs/$name.log" 2>&1
   { echo "rc=$?"; tail -n 5 "outputs/$name.log"; python3 scripts/gpu/step_split.py "outputs/$name"
     grep -H -A30 Traceback "outputs/$name"/logs/*.log | head -n 200; } 2>&1 | tee "$report"
 }
@@ -42,6 +46,12 @@ for part in "${parts[@]}"; do
       mapfile -t files < <(grep -rl "mark.gpu" tests)
       timeout 900 python3 -m pytest -p no:cacheprovider -m gpu -v "${files[@]}" 2>&1 | tee "$out/pytest_gpu.txt"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    inference-tests)
+      # the torch engine's gpu tests: CUDA graphs vs eager, Triton kernels vs the torch path, adapters
+      mapfile -t files < <(grep -rl "mark.gpu" tests/unit/inference)
+      timeout -k 10 "${TESTS_TIMEOUT:-150}" python3 -m pytest -p no:cacheprovider -m gpu -v "${files[@]}" 2>&1 \
+        | tee "$out/pytest_gpu_inference.txt"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     trainer)
       timeout 900 python3 -m gyre.cli bench trainer --model.name "$model" --seq-len 8192 --num-samples 64 \
         --min-len 256 --max-len 4096 --find-max-seq-len 2>&1 | grep -v "Loading weights" | tee "$out/bench_trainer.txt" ;;
@@ -50,15 +60,17 @@ for part in "${parts[@]}"; do
       timeout 600 python3 -m gyre.cli bench weights --model "$model" --device cuda --replicas 2 --rounds 5 --dir outputs/weights-volume 2>&1 \
         | grep -v "Loading weights" | tee "$out/bench_weights.txt" ;;
     inference)
-      timeout 600 python3 -m gyre.cli bench inference --model "$model" --clients 64 --max-tokens 128 --http false 2>&1 \
-        | grep -v "Loading weights" | tee "$out/bench_inference.txt" ;;
+      timeout -k 10 "${BENCH_TIMEOUT:-600}" python3 -m gyre.cli bench inference --model "$model" --batch-sizes 64,256 \
+        --max-tokens 128 --http false --repeats 3 2>&1 | grep --line-buffered -v "Loading weights" \
+        | tee "$out/bench_inference.txt" ;;
     adapters)
       timeout 600 python3 scripts/bench_adapter_bank.py outputs/adapter-bench --model "$model" --device cuda \
         --sequences 64 --rounds 5 2>&1 | grep -v "Loading weights" | tee "$out/bench_adapters.txt" ;;
     loop) run_loop gpu-one "$out/loop.txt" ;;
     lora-loop) run_loop gpu-lora "$out/lora_loop.txt" --run-id gpu-lora --output-dir outputs/gpu-lora \
       --trainer.lora.rank 16 --trainer.lora.publish adapter --trainer.optim.lr 1e-4 ;;
-    *) echo "unknown part: $part (tests, trainer, weights, inference, adapters, loop, lora-loop)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (tests, inference-tests, trainer, weights, inference, adapters, loop, lora-loop)" >&2
+       exit 2 ;;
   esac
 done
 exit "$status"

@@ -51,6 +51,18 @@ class EngineConfig(Section):
         "(affinity and cgroup quota) minus one for the HTTP loop, at least 1.",
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of GPU memory to use.")
+    kv_cache_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Torch backend: size of the paged KV cache in GiB; default: what max_batch_size full contexts "
+        "need, at most half the GPU memory free after loading (CPU: at most 1 GiB). The served context is "
+        "shortened to what it holds.",
+    )
+    prefix_caching: bool = Field(
+        True,
+        description="Torch backend: reuse the KV blocks of prompt prefixes already computed (a group's rollouts, "
+        "a multi-turn history) under the same weights and adapter.",
+    )
 
 
 class InferenceLoraConfig(Section):

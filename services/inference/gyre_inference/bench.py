@@ -37,7 +37,7 @@ from pathlib import Path
 
 from gyre.config import GyreSettings, parse_or_exit
 from gyre.inference_process import start_inference
-from pydantic import Field
+from pydantic import Field, field_validator
 
 
 class InferenceBenchConfig(GyreSettings):
@@ -58,6 +58,11 @@ class InferenceBenchConfig(GyreSettings):
     rollouts: int = Field(8, ge=1, description="GRPO workload: sequences sharing one prompt.")
     grpo_prompt_tokens: int = Field(256, ge=1, description="GRPO workload: prompt length in tokens.")
     transformers_max_batch: int = Field(256, ge=1, description="Largest batch also run through transformers.")
+
+    @field_validator("batch_sizes", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        return [int(part) for part in value.split(",") if part.strip()] if isinstance(value, str) else value
 
 
 # Peak HBM bandwidth (bytes/s) by device name, most specific first: the memory-bound limit's denominator.

@@ -45,7 +45,8 @@ def make_backend(config: InferenceConfig) -> Backend:
     return TorchBackend(config.model.name, device=engine.device, dtype=config.model.dtype,
                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len,
                         seed=engine.seed, threads=engine.threads, max_adapters=lora.max_loras,
-                        max_lora_rank=lora.max_rank, adapters=tuple(lora.adapters))  # fmt: skip
+                        max_lora_rank=lora.max_rank, adapters=tuple(lora.adapters), kv_cache_gb=engine.kv_cache_gb,
+                        prefix_caching=engine.prefix_caching)  # fmt: skip
 
 
 class _HTTPServer(uvicorn.Server):

@@ -282,3 +282,15 @@ async def test_the_gpu_input_path_and_the_fused_step_give_the_tokens_of_the_plai
             assert torch.allclose(logprobs, logprobs2, atol=1e-5)
             assert [[t for t, _ in row] for row in top] == [[t for t, _ in row] for row in top2]
     assert len(plain[2][0]) >= 30 and 9 not in plain[2][0][:30]
+
+
+async def test_the_engine_keys_reach_the_torch_backend():
+    from gyre.config.inference import InferenceConfig
+    from gyre_inference.service import make_backend
+
+    config = InferenceConfig.model_validate(
+        {"model": {"name": "m"}, "engine": {"kv_cache_gb": 2.5, "prefix_caching": False}}
+    )
+    backend = make_backend(config)
+    assert (backend._kv_cache_gb, backend.prefix_caching) == (2.5, False)
+    assert make_backend(InferenceConfig.model_validate({"model": {"name": "m"}})).prefix_caching is True
