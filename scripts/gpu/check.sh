@@ -61,7 +61,7 @@ for part in "${parts[@]}"; do
         | grep -v "Loading weights" | tee "$out/bench_weights.txt" ;;
     inference)
       timeout -k 10 "${BENCH_TIMEOUT:-600}" python3 -m gyre.cli bench inference --model "$model" --batch-sizes 64,256 \
-        --max-tokens 128 --http false --repeats 3 2>&1 | grep --line-buffered -v "Loading weights" \
+        --max-tokens 128 --http false --repeats 3 --transformers-max-batch 64 2>&1 | grep --line-buffered -v "Loading weights" \
         | tee "$out/bench_inference.txt" ;;
     adapters)
       timeout 600 python3 scripts/bench_adapter_bank.py outputs/adapter-bench --model "$model" --device cuda \

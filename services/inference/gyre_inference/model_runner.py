@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -412,10 +413,8 @@ class ModelRunner:
         timing = self._events is not None
         if timing:
             self._events[0].record()
+        started = time.perf_counter()
         if not self.cuda_graphs:
-            import time
-
-            started = time.perf_counter()
             self._decode_forward(rows, width)
             self._sample(rows, variant)
         else:
