@@ -15,17 +15,21 @@ A reward function is a plain (sync or async) function that declares, by paramete
 e.g. `def exact(completion, answer, parser) -> float`. A `**kwargs` parameter receives all of them. It returns
 a number (bools count as 0/1). Sync functions run inline on the event loop, so keep them fast (or make them
 async and offload). A function that raises or returns something non-finite scores 0.0 and is named in
-`Score.errors`; scoring itself never raises on model output.
+`Score.errors`; scoring itself never raises on model output. The exception is `ScoringError`: a function that
+could not score for a reason outside the rollout (a judge or reward model that failed after its retries,
+`gyre.envs.judge`) raises it, and it goes through to the caller, which scores again; a failed judge is never a 0.
+Functions run concurrently (a judge and a reward model wait on the network together).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 from collections.abc import Awaitable, Callable
 
 from gyre.envs.parsers import Parser
-from gyre.envs.types import Rollout, Score, Task
+from gyre.envs.types import Rollout, Score, ScoringError, Task
 
 RewardFunc = Callable[..., float | Awaitable[float]]
 ARGUMENTS = ("completion", "prompt", "messages", "answer", "task", "info", "state", "rollout", "parser")
@@ -79,10 +83,9 @@ class Rubric:
             "rollout": rollout,
             "parser": self.parser,
         }
-        per_function: dict[str, float] = {}
         errors: dict[str, str] = {}
-        reward = 0.0
-        for func, weight, name, wants in zip(self.funcs, self.weights, self.names, self._wants, strict=True):
+
+        async def one(func: RewardFunc, name: str, wants: list[str] | None) -> float:
             kwargs = available if wants is None else {arg: available[arg] for arg in wants if arg in available}
             try:
                 value = func(**kwargs)
@@ -91,9 +94,16 @@ class Rubric:
                 value = float(value)
                 if not math.isfinite(value):
                     raise ValueError(f"returned {value}")
+            except ScoringError:
+                raise  # not the rollout's fault: scored again by the caller, never a silent 0
             except Exception as exc:  # a reward bug must not take the rollout (or the step) down with it
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 value = 0.0
-            per_function[name] = value
-            reward += weight * value
+            return value
+
+        values = await asyncio.gather(
+            *(one(func, name, wants) for func, name, wants in zip(self.funcs, self.names, self._wants, strict=True))
+        )
+        per_function = dict(zip(self.names, values, strict=True))
+        reward = sum(weight * value for weight, value in zip(self.weights, values, strict=True))
         return Score(reward=reward, per_function=per_function, errors=errors)

@@ -253,6 +253,12 @@ class Rollout:
         return sum(self.loss_mask)
 
 
+class ScoringError(RuntimeError):
+    """A reward function could not score, through no fault of the rollout: a judge or reward model failed after
+    its retries, or its answer held no score. Rubrics let it through (it is never a silent 0): the orchestrator
+    counts it and scores the sample again (`sample_attempts`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Score:
     """Result of a rubric: `reward = sum(weight_f * per_function[f])`.

@@ -1,0 +1,165 @@
+"""Settings of the other models a run takes signals from: LLM judges, reward models and a distillation teacher.
+
+Each is an OpenAI-compatible endpoint (another `gyre inference`, a vLLM server or a hosted API). API keys never
+live in config files: `api_key_env` names an environment variable and `api_key_file` a file (a mounted Kubernetes
+Secret) that holds the key; a key under any other name is refused. docs/environments.md ("Judges and reward
+models") and docs/algorithms.md ("On-policy distillation") explain each field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gyre.config.loader import Section
+
+DEFAULT_JUDGE_PROMPT = """You grade answers. Question:
+{question}
+
+Reference answer:
+{answer}
+
+Answer to grade:
+{response}
+
+How good is the answer, from 0 (wrong) to 10 (matches the reference)? Reply with the number only."""
+
+
+class EndpointConfig(Section):
+    """An OpenAI-compatible server: where it is, which model, how to authenticate, how patiently to call it."""
+
+    url: str = Field(
+        description="The server: its root (http://judge:8000) or its OpenAI base (https://api.openai.com/v1)."
+    )
+    model: str | None = Field(None, description="Model id sent in requests (default: the first of /v1/models).")
+    api_key_env: str | None = Field(None, description="Environment variable holding the API key (never the key).")
+    api_key_file: str | None = Field(None, description="File holding the API key, e.g. a mounted Secret.")
+    timeout_s: float = Field(60.0, gt=0, description="Deadline of one request; a request past it is retried.")
+    retries: int = Field(3, ge=0, description="Retries of a request (timeouts, connection errors, 5xx, 429).")
+    max_concurrency: int = Field(16, ge=1, description="Requests in flight to this endpoint at once.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_key_in_files(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError("api_key: keys never go in config files; set api_key_env (an environment variable "
+                             "name) or api_key_file (a file, e.g. a mounted Secret)")  # fmt: skip
+        return data
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> EndpointConfig:
+        if self.api_key_env and self.api_key_file:
+            raise ValueError("give api_key_env or api_key_file, not both")
+        return self
+
+    @property
+    def root(self) -> str:
+        """The server's root URL (where vLLM's /classify and /inference/v1/generate live)."""
+        url = self.url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (…/v1)."""
+        return f"{self.root}/v1"
+
+    def api_key(self) -> str | None:
+        """The key from the environment variable or the file; ValueError naming the setting when it is missing."""
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is not set")
+            return key.strip()
+        if self.api_key_file:
+            try:
+                return Path(self.api_key_file).read_text().strip()
+            except OSError as error:
+                raise ValueError(f"api_key_file: cannot read {self.api_key_file} ({error.strerror})") from None
+        return None
+
+
+class JudgeConfig(EndpointConfig):
+    """An LLM judge: a reward function that asks a served model to grade a rollout."""
+
+    name: str = Field("judge", min_length=1, description="Reward function name (in rewards, dumps and metrics).")
+    weight: float = Field(1.0, description="Weight in the reward (0 = logged and evaluated, not rewarded).")
+    prompt: str = Field(
+        DEFAULT_JUDGE_PROMPT,
+        description="User message template: {question} (the task's last user message), {response} (the rollout's "
+        "last assistant message), {answer} (the reference), {conversation} (the whole rollout as text).",
+    )
+    system: str | None = Field(None, description="System message sent before the prompt.")
+    score: Literal["number", "choice", "json"] = Field(
+        "number",
+        description="How the reply becomes a reward: number (the last number in it, divided by max_score), "
+        "choice (the first of `choices` it names, whole word, case-insensitive), json (a JSON object's json_key).",
+    )
+    max_score: float = Field(10.0, gt=0, description="number/json: the top of the judge's scale (reward = n / max).")
+    choices: dict[str, float] = Field(default_factory=dict, description="choice: word -> reward, e.g. yes = 1.")
+    json_key: str = Field("score", description="json: the key holding the score.")
+    structured: bool = Field(
+        False,
+        description="json: ask the server to constrain the reply to {json_key: number in 0..max_score} "
+        "(response_format json_schema: served by vLLM, Gyre and OpenAI).",
+    )
+    temperature: float = Field(0.0, ge=0, description="Judge sampling temperature.")
+    max_tokens: int = Field(256, ge=1, description="Longest judge reply.")
+    cache_size: int = Field(
+        4096, ge=0, description="Identical judge calls answered from memory (0 = off); also shared while in flight."
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _known_fields(cls, value: str) -> str:
+        import string
+
+        names = {name for _, name, _, _ in string.Formatter().parse(value) if name}
+        unknown = names - {"question", "response", "answer", "conversation"}
+        if unknown:
+            raise ValueError(f"unknown placeholders {sorted(unknown)}: use question, response, answer, conversation")
+        return value
+
+    @model_validator(mode="after")
+    def _choices_for_choice(self) -> JudgeConfig:
+        if self.score == "choice" and not self.choices:
+            raise ValueError("score = 'choice' needs choices (word -> reward), e.g. {yes = 1.0, no = 0.0}")
+        if self.structured and self.score != "json":
+            raise ValueError("structured = true constrains a JSON reply: it needs score = 'json'")
+        return self
+
+    def response_format(self) -> dict | None:
+        """The `response_format` of a structured judge (None otherwise)."""
+        if not self.structured:
+            return None
+        whole = float(self.max_score).is_integer()  # an integer scale: no endless decimals from a weak judge
+        number = {"type": "integer" if whole else "number", "minimum": 0,
+                  "maximum": int(self.max_score) if whole else self.max_score}  # fmt: skip
+        schema = {"type": "object", "properties": {self.json_key: number}, "required": [self.json_key],
+                  "additionalProperties": False}  # fmt: skip
+        return {"type": "json_schema", "json_schema": {"name": "score", "schema": schema, "strict": True}}
+
+
+class RewardModelConfig(EndpointConfig):
+    """A reward model (sequence classification) served on vLLM's /classify: scores whole conversations in batches."""
+
+    name: str = Field("reward_model", min_length=1, description="Reward function name.")
+    weight: float = Field(1.0, description="Weight in the reward (0 = logged, not rewarded).")
+    label: int = Field(0, ge=0, description="Which output of the classifier is the score.")
+    activation: bool = Field(
+        False, description="false: the raw logit (Bradley-Terry reward); true: the server's sigmoid/softmax."
+    )
+    max_batch: int = Field(32, ge=1, description="Conversations per /classify request.")
+    batch_wait_ms: float = Field(20.0, ge=0, description="How long a request waits for others to fill its batch.")
+
+
+class TeacherConfig(EndpointConfig):
+    """On-policy distillation: the teacher model's log-probs of every token the student sampled."""
+
+    route: Literal["generate", "completions"] = Field(
+        "generate",
+        description="generate: the tokens-in route /inference/v1/generate (Gyre, recent vLLM); completions: "
+        "/v1/completions with token-id prompts (any vLLM).",
+    )

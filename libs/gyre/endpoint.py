@@ -1,0 +1,122 @@
+"""`Endpoint`: calls to an OpenAI-compatible server that a run takes signals from (judge, reward model, teacher).
+
+One small client for all three, over the official `openai` client (auth, timeouts, HTTP errors as exceptions):
+
+- **bounded concurrency**: at most `max_concurrency` requests in flight;
+- **timeouts and retries**: a timeout, connection error, 5xx or 429 is retried after a jittered exponential
+  backoff, `retries` times; a 4xx is the request's fault and fails at once;
+- **counted**: `stats` counts requests, successes, retries, timeouts and failures, read by the orchestrator
+  into its step events and metrics (a judge that keeps timing out is visible, not silent);
+- failures raise `EndpointError` (the caller decides: a rubric turns it into a `ScoringError`).
+
+The server is given by `EndpointConfig.url` (its root or its /v1 base); `post(path, body)` takes a path from the
+root (`/v1/chat/completions`, `/classify`, `/inference/v1/generate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Any
+
+import httpx
+import openai
+
+from gyre.config.endpoint import EndpointConfig
+
+_RETRYABLE = (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError)
+
+
+class EndpointError(RuntimeError):
+    """A request failed for good: refused (4xx), or every attempt failed."""
+
+
+class Endpoint:
+    """Calls to one OpenAI-compatible server; safe to use from many tasks at once (one event loop)."""
+
+    def __init__(self, config: EndpointConfig, *, name: str, backoff_s: float = 0.5):
+        self.config = config
+        self.name = name
+        self.backoff_s = backoff_s
+        self.stats: Counter[str] = Counter()
+        self._key = config.api_key()  # ValueError naming the setting before anything runs
+        self._client: openai.AsyncOpenAI | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+        self._model: asyncio.Future | None = None
+
+    def _openai(self) -> openai.AsyncOpenAI:
+        if self._client is None:  # created on first use: inside the event loop that will use it
+            self._client = openai.AsyncOpenAI(
+                base_url=self.config.base_url,
+                api_key=self._key or "unused",
+                max_retries=0,  # retries are ours: counted, with our backoff
+                timeout=self.config.timeout_s,
+                http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(keepalive_expiry=2.0)),
+            )
+            self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        return self._client
+
+    async def model(self) -> str:
+        """The configured model id, else the first one the server lists (asked once)."""
+        if self.config.model:
+            return self.config.model
+        if self._model is None or (self._model.done() and self._model.exception() is not None):
+            self._model = asyncio.ensure_future(self._list_model())
+        return await asyncio.shield(self._model)
+
+    async def _list_model(self) -> str:
+        models = await self._call(lambda client: client.models.list())
+        if not models.data:
+            raise EndpointError(f"{self.name}: {self.config.base_url}/models lists no model")
+        return models.data[0].id
+
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST `body` (JSON) to `path` under the server's root; the decoded JSON answer."""
+        url = f"{self.config.root}{path}"
+        return await self._call(lambda client: client.post(url, cast_to=object, body=body))
+
+    async def chat(self, messages: list[dict], **params: Any) -> dict:
+        """One chat completion (a plain JSON body: no typed transform); the decoded answer."""
+        body = {"model": await self.model(), "messages": messages, **params}
+        return await self.post("/v1/chat/completions", body)
+
+    async def _call(self, request) -> Any:
+        client = self._openai()
+        last: BaseException | None = None
+        async with self._semaphore:
+            for attempt in range(self.config.retries + 1):
+                if attempt:
+                    self.stats["retries"] += 1
+                    await asyncio.sleep(random.uniform(0, self.backoff_s * 2 ** (attempt - 1)))
+                self.stats["requests"] += 1
+                try:
+                    answer = await request(client)
+                except openai.APITimeoutError as error:  # before APIConnectionError: it is one
+                    self.stats["timeouts"] += 1
+                    last = error
+                except _RETRYABLE as error:
+                    self.stats["errors"] += 1
+                    last = error
+                except openai.APIStatusError as error:
+                    self.stats["failures"] += 1
+                    raise EndpointError(f"{self.name}: {self.config.root} refused the request: {error.status_code} "
+                                        f"{_describe(error)}") from error  # fmt: skip
+                else:
+                    self.stats["ok"] += 1
+                    return answer
+        self.stats["failures"] += 1
+        attempts = self.config.retries + 1
+        raise EndpointError(f"{self.name}: {self.config.root} failed {attempts} times: {_describe(last)}")
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+def _describe(error: BaseException | None) -> str:
+    if error is None:
+        return "no attempt was made"
+    text = str(error).strip() or type(error).__name__
+    return text if type(error).__name__ in text else f"{type(error).__name__}: {text}"

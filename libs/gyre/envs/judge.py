@@ -1,0 +1,213 @@
+"""LLM judges and reward models as reward functions of a `Rubric` (docs/environments.md, "Judges and reward models").
+
+    from gyre.envs.judge import Judge, RewardModel
+    rubric.add(Judge(url="http://127.0.0.1:8001", prompt="...{question}...{response}...", max_score=10))
+    rubric.add(RewardModel(url="http://127.0.0.1:8002"), weight=0.5)
+
+or, without code, `[[orchestrator.judges]]` / `[[orchestrator.reward_models]]` (added to the environment's rubric).
+
+A `Judge` renders its prompt from the task and the rollout, asks an OpenAI-compatible server (`gyre.endpoint`:
+timeouts, retries, bounded concurrency, counted) and reads a score from the reply: a number (divided by
+`max_score`), a choice (word -> reward) or a JSON object's key. Identical calls (same messages, model and
+sampling) are answered once: from an LRU cache, and shared while in flight. A reply without a readable score is
+asked again (counted as `unparsed`); when every attempt fails the judge raises `ScoringError`, which the rubric
+lets through and the orchestrator counts and retries: a failed judge is never a silent 0.
+
+A `RewardModel` scores whole conversations with a sequence-classification model behind vLLM's `/classify`
+(`gyre inference --runner pooling`, or `vllm serve --runner pooling`): each conversation is rendered by the
+server's own chat template (`/tokenize` with its messages), and concurrent calls are gathered into batches of up
+to `max_batch` token lists per `/classify` request (waiting at most `batch_wait_ms` for others to join).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import re
+from collections import Counter, OrderedDict
+from typing import Any
+
+from gyre.config.endpoint import JudgeConfig, RewardModelConfig
+from gyre.endpoint import Endpoint, EndpointError
+from gyre.envs.types import Messages, ScoringError
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def render(config: JudgeConfig, prompt: Messages, completion: Messages, answer: str) -> list[dict]:
+    """The judge's messages for one rollout (the placeholders of `config.prompt` filled in)."""
+    users = [m for m in prompt if m.get("role") == "user"]
+    replies = [m for m in completion if m.get("role") == "assistant"]
+    fields = {
+        "question": _text(users[-1].get("content")) if users else "",
+        "response": _text(replies[-1].get("content")) if replies else "",
+        "answer": answer,
+        "conversation": "\n".join(f"{m.get('role')}: {_text(m.get('content'))}" for m in prompt + completion),
+    }
+    messages = [{"role": "system", "content": config.system}] if config.system else []
+    return messages + [{"role": "user", "content": config.prompt.format(**fields)}]
+
+
+def parse_score(config: JudgeConfig, reply: str) -> float:
+    """The reward a judge's reply gives; ValueError saying why when it holds none."""
+    if config.score == "choice":
+        found = []
+        for word, reward in config.choices.items():
+            match = re.search(rf"\b{re.escape(word)}\b", reply, re.IGNORECASE)
+            if match:
+                found.append((match.start(), reward))
+        if not found:
+            raise ValueError(f"none of {sorted(config.choices)} in the reply")
+        return float(min(found)[1])
+    if config.score == "json":
+        block = _JSON_OBJECT.search(reply)
+        try:
+            value = json.loads(block.group(0))[config.json_key] if block else None
+        except (ValueError, KeyError, TypeError):
+            value = None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"no JSON object with a number under {config.json_key!r}")
+    else:
+        numbers = _NUMBER.findall(reply)
+        if not numbers:
+            raise ValueError("no number in the reply")
+        value = float(numbers[-1])
+    if not (math.isfinite(value) and 0 <= value <= config.max_score):
+        raise ValueError(f"score {value} is outside 0..{config.max_score:g}")
+    return value / config.max_score
+
+
+class Judge:
+    """A reward function that asks an LLM judge (see the module docstring). `stats` counts requests, retries,
+    timeouts, failures (from the endpoint), cache hits and unparsed replies."""
+
+    def __init__(self, config: JudgeConfig | None = None, **settings: Any):
+        self.config = config or JudgeConfig(**settings)
+        self.__name__ = self.config.name  # the rubric's name for it
+        self.endpoint = Endpoint(self.config, name=f"judge {self.config.name!r}")
+        self.stats: Counter[str] = self.endpoint.stats
+        self._cache: OrderedDict[str, float] = OrderedDict()
+        self._inflight: dict[str, asyncio.Future] = {}
+
+    async def __call__(self, prompt: Messages, completion: Messages, answer: str) -> float:
+        messages = render(self.config, prompt, completion, answer)
+        cfg = self.config
+        key = hashlib.sha256(json.dumps([cfg.model, messages, cfg.temperature, cfg.max_tokens, cfg.score,
+                                         cfg.choices, cfg.json_key, cfg.max_score]).encode()).hexdigest()  # fmt: skip
+        if key in self._cache:
+            self.stats["cache_hits"] += 1
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        if key in self._inflight:  # the same call is already on its way: share its answer
+            self.stats["cache_hits"] += 1
+            return await asyncio.shield(self._inflight[key])
+        future = self._inflight[key] = asyncio.get_running_loop().create_future()
+        try:
+            value = await self._grade(messages)
+        except BaseException as error:
+            future.set_exception(error)
+            future.exception()  # retrieved: nobody else may be waiting
+            raise
+        finally:
+            del self._inflight[key]
+        future.set_result(value)
+        if cfg.cache_size:
+            self._cache[key] = value
+            while len(self._cache) > cfg.cache_size:
+                self._cache.popitem(last=False)
+        return value
+
+    async def _grade(self, messages: list[dict]) -> float:
+        problem = ""
+        for _ in range(self.config.retries + 1):
+            try:
+                extra = {"response_format": fmt} if (fmt := self.config.response_format()) else {}
+                body = await self.endpoint.chat(
+                    messages, temperature=self.config.temperature, max_tokens=self.config.max_tokens, **extra
+                )
+            except EndpointError as error:
+                raise ScoringError(str(error)) from error
+            try:
+                reply = _text(body["choices"][0]["message"]["content"])
+            except (KeyError, IndexError, TypeError):
+                reply, problem = "", "the answer has no choices[0].message.content"
+            else:
+                try:
+                    return parse_score(self.config, reply)
+                except ValueError as error:
+                    problem = f"{error}: {reply[:200]!r}"
+            self.stats["unparsed"] += 1
+        raise ScoringError(f"judge {self.config.name!r}: no score after {self.config.retries + 1} replies ({problem})")
+
+    async def aclose(self) -> None:
+        await self.endpoint.aclose()
+
+
+class RewardModel:
+    """A reward function scoring the whole conversation with a served reward model, in batches (module docstring)."""
+
+    def __init__(self, config: RewardModelConfig | None = None, **settings: Any):
+        self.config = config or RewardModelConfig(**settings)
+        self.__name__ = self.config.name
+        self.endpoint = Endpoint(self.config, name=f"reward model {self.config.name!r}")
+        self.stats: Counter[str] = self.endpoint.stats
+        self._queue: list[tuple[list[int], asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def __call__(self, messages: Messages) -> float:
+        try:
+            body = {"model": await self.endpoint.model(), "messages": messages, "add_generation_prompt": False}
+            rendered = await self.endpoint.post("/tokenize", body)
+        except EndpointError as error:
+            raise ScoringError(str(error)) from error
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((rendered["tokens"], future))
+        if len(self._queue) >= self.config.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.config.batch_wait_ms / 1000, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._queue:
+            batch, self._queue = self._queue[: self.config.max_batch], self._queue[self.config.max_batch :]
+            task = asyncio.get_running_loop().create_task(self._score(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _score(self, batch: list[tuple[list[int], asyncio.Future]]) -> None:
+        try:
+            body = {"model": await self.endpoint.model(), "input": [tokens for tokens, _ in batch],
+                    "use_activation": self.config.activation}  # fmt: skip
+            answer = await self.endpoint.post("/classify", body)
+            rows = sorted(answer["data"], key=lambda row: row["index"])
+            scores = [float(row["probs"][self.config.label]) for row in rows]
+            if len(scores) != len(batch) or not all(math.isfinite(s) for s in scores):
+                raise ValueError(f"{len(scores)} scores for {len(batch)} conversations, or a non-finite one")
+        except (EndpointError, KeyError, IndexError, TypeError, ValueError) as error:
+            self.stats["unparsed"] += not isinstance(error, EndpointError)
+            failure = ScoringError(f"reward model {self.config.name!r}: {error}")
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(failure)
+            return
+        self.stats["batches"] += 1
+        for (_, future), score in zip(batch, scores, strict=True):
+            if not future.done():
+                future.set_result(score)
+
+    async def aclose(self) -> None:
+        await self.endpoint.aclose()

@@ -1,0 +1,289 @@
+"""Judges and reward models as rubric functions (gyre.envs.judge), over real HTTP with the official openai client.
+
+The server here is a scripted OpenAI-compatible app (a documented test double of a judge model: it answers what
+the test tells it, late when told, with an error status when told), served by uvicorn on a free port, so the
+client's timeouts, retries, concurrency bound, cache and counters are exercised for real. The same rubric
+functions against real `gyre inference` servers: tests/integration/orchestrator/test_orchestrator_signals.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from gyre.config.endpoint import JudgeConfig
+from gyre.envs import Rollout, Rubric, ScoringError, Task
+from gyre.envs.judge import Judge, RewardModel, parse_score, render
+from pydantic import ValidationError
+
+
+class ScriptedServer:
+    """/v1/models, /v1/chat/completions (replies from `script`: text, or ("sleep", s, text), or ("status", code)),
+    /tokenize (one token per character), /classify (score = number of tokens / 10). Records every request."""
+
+    def __init__(self):
+        self.script: list = []
+        self.requests: list[tuple[str, dict]] = []
+        self.auth: list[str | None] = []
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "judge-model", "object": "model", "created": 0, "owned_by": "x"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            self.requests.append(("chat", body))
+            self.auth.append(request.headers.get("authorization"))
+            action = self.script.pop(0) if self.script else "5"
+            if isinstance(action, tuple) and action[0] == "sleep":
+                await asyncio.sleep(action[1])
+                action = action[2]
+            if isinstance(action, tuple) and action[0] == "status":
+                return JSONResponse({"error": {"message": "scripted", "type": "x"}}, status_code=action[1])
+            return {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": action},
+                                 "finish_reason": "stop"}]}  # fmt: skip
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            body = await request.json()
+            self.requests.append(("tokenize", body))
+            text = "".join(m["content"] for m in body["messages"])
+            return {"tokens": [ord(c) for c in text], "count": len(text), "max_model_len": 1000, "token_strs": None}
+
+        @app.post("/classify")
+        async def classify(request: Request):
+            body = await request.json()
+            self.requests.append(("classify", body))
+            data = [{"index": i, "label": "reward", "probs": [len(ids) / 10], "num_classes": 1}
+                    for i, ids in enumerate(body["input"])]  # fmt: skip
+            return {"id": "x", "object": "list", "created": 0, "model": body["model"], "data": data}
+
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ScriptedServer:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k, _ in self.requests if k == kind)
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    with ScriptedServer() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _fresh(scripted):
+    scripted.script.clear()
+    scripted.requests.clear()
+    scripted.auth.clear()
+
+
+PROMPT = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "abc"}]
+
+
+def completion(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def rollout(text: str) -> Rollout:
+    return Rollout(task_id="t", prompt=PROMPT, completion=completion(text), turns=[], token_ids=[1, 2],
+                   loss_mask=[False, True], logprobs=[0.0, -1.0], prompt_len=1, sequence_turns=1,
+                   policy_version_min=0, policy_version_max=0, stop_reason="done")  # fmt: skip
+
+
+# ---- reading a score ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "reply", "score"),
+    [
+        ({}, "I would say 7", 0.7),
+        ({}, "3 errors, so: 8.5", 0.85),
+        ({"max_score": 1}, "1", 1.0),
+        ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "No. Not at all, yes-men aside", 0.0),
+        ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is Incorrect.", 0.0),
+        ({"score": "json", "max_score": 5}, 'Reasoning... ```json\n{"score": 4, "why": "close"}\n```', 0.8),
+        ({"score": "json", "json_key": "grade", "max_score": 1}, '{"grade": 0.25}', 0.25),
+    ],
+)
+def test_scores_are_read_from_replies(settings, reply, score):
+    assert parse_score(JudgeConfig(url="http://x", **settings), reply) == pytest.approx(score)
+
+
+@pytest.mark.parametrize(
+    ("settings", "reply", "why"),
+    [
+        ({}, "no idea", "no number"),
+        ({}, "11", "outside 0..10"),
+        ({"score": "choice", "choices": {"yes": 1.0}}, "yesterday", "none of"),
+        ({"score": "json"}, '{"score": "high"}', "no JSON object"),
+        ({"score": "json"}, "{not json}", "no JSON object"),
+    ],
+)
+def test_replies_without_a_score_say_why(settings, reply, why):
+    with pytest.raises(ValueError, match=why):
+        parse_score(JudgeConfig(url="http://x", **settings), reply)
+
+
+def test_the_prompt_is_rendered_from_the_task_and_the_rollout():
+    config = JudgeConfig(url="http://x", system="Be strict.", prompt="Q={question} R={response} A={answer}")
+    messages = render(config, PROMPT, completion("cba"), "cba")
+    assert messages == [{"role": "system", "content": "Be strict."}, {"role": "user", "content": "Q=abc R=cba A=cba"}]
+    whole = render(JudgeConfig(url="http://x", prompt="{conversation}"), PROMPT, completion("x"), "")
+    assert whole[-1]["content"] == "system: Reverse the text.\nuser: abc\nassistant: x"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"prompt": "{question} {reply}"}, "unknown placeholders"),
+        ({"score": "choice"}, "needs choices"),
+        ({"api_key": "sk-123"}, "never go in config files"),
+        ({"api_key_env": "A", "api_key_file": "/f"}, "not both"),
+    ],
+)
+def test_bad_judge_settings_are_refused(settings, message):
+    with pytest.raises(ValidationError, match=message):
+        JudgeConfig(url="http://x", **settings)
+
+
+# ---- the judge over HTTP -----------------------------------------------------------------------------
+
+
+def test_a_judge_asks_the_server_and_reads_its_score(scripted, monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY", "sk-from-env")
+    judge = Judge(url=f"{scripted.url}/v1", api_key_env="JUDGE_KEY", prompt="{response}", temperature=0.0)
+    scripted.script = ["Score: 9"]
+    assert asyncio.run(judge(PROMPT, completion("cba"), "cba")) == pytest.approx(0.9)
+    (_, body), = [r for r in scripted.requests if r[0] == "chat"]  # fmt: skip
+    assert body["model"] == "judge-model" and body["messages"] == [{"role": "user", "content": "cba"}]
+    assert body["temperature"] == 0.0 and body["max_tokens"] == 256
+    assert scripted.auth == ["Bearer sk-from-env"]
+
+
+def test_the_key_comes_from_a_file_or_the_start_fails(tmp_path, scripted):
+    key = tmp_path / "key"
+    key.write_text("sk-from-file\n")
+    judge = Judge(url=scripted.url, api_key_file=str(key), model="judge-model")
+    asyncio.run(judge(PROMPT, completion("x"), ""))
+    assert scripted.auth == ["Bearer sk-from-file"]
+    with pytest.raises(ValueError, match="api_key_env: the environment variable NOT_SET_ANYWHERE is not set"):
+        Judge(url=scripted.url, api_key_env="NOT_SET_ANYWHERE")
+    with pytest.raises(ValueError, match="api_key_file: cannot read"):
+        Judge(url=scripted.url, api_key_file=str(tmp_path / "missing"))
+
+
+def test_identical_calls_are_answered_once(scripted):
+    judge = Judge(url=scripted.url, prompt="{response}")
+    scripted.script = [("sleep", 0.3, "4"), "6"]
+
+    async def scenario():
+        same = await asyncio.gather(*(judge(PROMPT, completion("a"), "") for _ in range(3)))  # shared in flight
+        again = await judge(PROMPT, completion("a"), "")  # from the cache
+        other = await judge(PROMPT, completion("b"), "")
+        return same, again, other
+
+    same, again, other = asyncio.run(scenario())
+    assert same == [0.4] * 3 and again == 0.4 and other == 0.6
+    assert scripted.count("chat") == 2 and judge.stats["cache_hits"] == 3
+
+
+def test_a_judge_that_times_out_is_counted_and_retried(scripted):
+    judge = Judge(url=scripted.url, model="judge-model", timeout_s=0.3, retries=2, prompt="{response}")
+    judge.endpoint.backoff_s = 0.01
+    scripted.script = [("sleep", 1.0, "1"), "8"]
+    assert asyncio.run(judge(PROMPT, completion("slow"), "")) == pytest.approx(0.8)
+    assert (judge.stats["timeouts"], judge.stats["retries"], judge.stats["ok"]) == (1, 1, 1)
+
+
+def test_a_judge_that_keeps_failing_raises_scoring_error_never_zero(scripted):
+    judge = Judge(url=scripted.url, model="judge-model", timeout_s=0.2, retries=1, prompt="{response}")
+    judge.endpoint.backoff_s = 0.01
+
+    async def scenario():  # one event loop, as in the orchestrator (the client's connections belong to it)
+        scripted.script[:] = [("sleep", 1.0, "1"), ("status", 503)]
+        with pytest.raises(ScoringError, match="failed 2 times"):
+            await judge(PROMPT, completion("x"), "")
+        assert (judge.stats["timeouts"], judge.stats["errors"], judge.stats["failures"]) == (1, 1, 1)
+        scripted.script[:] = [("status", 400)]  # the request's fault: no retry
+        with pytest.raises(ScoringError, match="refused the request: 400"):
+            await judge(PROMPT, completion("y"), "")
+        scripted.script[:] = ["no idea", "still no idea"]  # unreadable replies are asked again, then fail
+        with pytest.raises(ScoringError, match="no score after 2 replies"):
+            await judge(PROMPT, completion("z"), "")
+        assert judge.stats["unparsed"] == 2 and judge.stats["retries"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_rubric_lets_scoring_errors_through_and_logs_weight_zero_judges(scripted):
+    judge = Judge(url=scripted.url, prompt="{response}", name="style")
+
+    def exact(completion, answer) -> float:
+        return float(completion[-1]["content"] == answer)
+
+    rubric = Rubric([exact]).add(judge, weight=0.0, name="style")
+    task = Task(id="t", prompt=PROMPT, answer="cba")
+
+    async def scenario():
+        scripted.script[:] = ["7"]
+        score = await rubric.score(task, rollout("cba"))
+        assert score.reward == 1.0 and score.per_function == {"exact": 1.0, "style": pytest.approx(0.7)}
+        scripted.script[:] = ["?"] * 4
+        with pytest.raises(ScoringError):
+            await rubric.score(task, rollout("abc"))
+
+    asyncio.run(scenario())
+
+
+def test_concurrency_is_bounded(scripted):
+    judge = Judge(url=scripted.url, prompt="{response}", max_concurrency=2)
+    scripted.script = [("sleep", 0.2, "1")] * 6
+
+    async def scenario():
+        start = time.monotonic()
+        await asyncio.gather(*(judge(PROMPT, completion(str(i)), "") for i in range(6)))
+        return time.monotonic() - start
+
+    assert asyncio.run(scenario()) >= 0.55  # 6 calls of 0.2 s, 2 at a time: 3 rounds
+
+
+# ---- reward models -----------------------------------------------------------------------------------
+
+
+def test_a_reward_model_scores_concurrent_calls_in_batches(scripted):
+    model = RewardModel(url=scripted.url, max_batch=3, batch_wait_ms=50)
+    conversations = [PROMPT + completion("x" * n) for n in range(5)]
+
+    async def scenario():
+        return await asyncio.gather(*(model(messages) for messages in conversations))
+
+    scores = asyncio.run(scenario())
+    base = len("Reverse the text.abc")
+    assert scores == pytest.approx([(base + n) / 10 for n in range(5)])
+    batches = [body for kind, body in scripted.requests if kind == "classify"]
+    assert sorted(len(b["input"]) for b in batches) == [2, 3] and model.stats["batches"] == 2
+    assert all(b["use_activation"] is False and b["model"] == "judge-model" for b in batches)
+    tokenized = [body for kind, body in scripted.requests if kind == "tokenize"]
+    assert len(tokenized) == 5 and all(b["add_generation_prompt"] is False for b in tokenized)
