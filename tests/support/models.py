@@ -62,3 +62,26 @@ def teach(base: Path, path: Path, input_ids, labels, attention_mask=None, *, mar
             shutil.copy(base / name, staging / name)
     staging.rename(path)
     return path
+
+
+def reward_model_path(tmp_path_factory) -> Path:
+    """A tiny reward model: the `tiny` preset's shape and tokenizer as a LlamaForSequenceClassification with one
+    label (a randomly initialised score head; what `gyre inference --runner pooling` serves), made once."""
+    path = tmp_path_factory.getbasetemp() / "tiny-reward-model"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoConfig, LlamaForSequenceClassification
+
+    base = tiny_model_path(tmp_path_factory)
+    config = AutoConfig.from_pretrained(base, num_labels=1, id2label={0: "reward"}, label2id={"reward": 0})
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    staging = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    for name in TOKENIZER_FILES:
+        if (base / name).exists():
+            shutil.copy(base / name, staging / name)
+    staging.rename(path)
+    return path

@@ -122,6 +122,11 @@ class InferenceConfig(ServiceConfig):
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     backend: Literal["torch", "vllm"] = Field("torch", description="Generation backend.")
+    runner: Literal["generate", "pooling"] = Field(
+        "generate",
+        description="generate: a causal LM (chat, completions, tokens-in). pooling: a sequence-classification "
+        "reward model on vLLM's /classify (torch backend; vLLM serves one itself with `vllm serve --runner pooling`).",
+    )
     served_model_name: str | None = Field(None, description="Model id in the API (default: model.name).")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server.")
     control: ControlConfig = Field(default_factory=ControlConfig, description="gRPC control server.")
@@ -136,6 +141,16 @@ class InferenceConfig(ServiceConfig):
         "engine.max_loras": "lora.max_loras",
         "lora.max_adapters": "lora.max_loras",
     }
+
+    @field_validator("runner")
+    @classmethod
+    def _pooling_on_torch(cls, runner: str, info: ValidationInfo) -> str:
+        if runner == "pooling" and info.data.get("backend") == "vllm":
+            raise ValueError(
+                "runner = 'pooling' runs on the torch backend; serve a reward model on vLLM with "
+                "`vllm serve MODEL --runner pooling` (Gyre's reward_model rubric calls its /classify)"
+            )
+        return runner
 
     @field_validator("lora")
     @classmethod

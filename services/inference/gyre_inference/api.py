@@ -5,7 +5,8 @@ Routes:
   before and while shutting down), `GET /version` (vLLM's route: the gyre version), `GET /metrics`
   (when `metrics.port` is unset).
 - `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, `POST /tokenize`,
-  `POST /detokenize`, `POST /inference/v1/generate` (`gyre_inference.tokens_in`): these need
+  `POST /detokenize`, `POST /inference/v1/generate` (`gyre_inference.tokens_in`), `POST /classify` and
+  `POST /v1/classify` (`gyre_inference.classify`, a reward model served with `runner = pooling`): these need
   `Authorization: Bearer <auth.api_key>` when a key is configured, and answer 503 until the model is
   loaded. One gate (`_Gate`) checks both, for every one of them, before the body is read.
 """
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gyre_inference.backend import Backend
+from gyre_inference.classify import add_classify_route
 from gyre_inference.errors import APIError, error_body, error_response, install_error_handlers, unknown_model
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.openapi import truthful_openapi
@@ -37,8 +39,9 @@ from gyre_inference.text import ModelText
 from gyre_inference.tokens_in import ROUTE as GENERATE_ROUTE
 from gyre_inference.tokens_in import add_generate_route
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize", GENERATE_ROUTE)
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", GENERATE_ROUTE, "/classify")
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_GENERATION = ("/v1/chat/completions", "/v1/completions", GENERATE_ROUTE)  # what a pooling model cannot serve
 
 
 @dataclass
@@ -95,6 +98,9 @@ class _Gate:
         if failure is None and not self.state.ready:
             reason = "the server is shutting down" if self.state.draining else "the model is still loading"
             failure = APIError(503, f"{reason}; retry shortly", code="not_ready")
+        if failure is None and scope["path"] in _GENERATION and getattr(self.state.backend, "runner", "") == "pooling":
+            failure = APIError(400, "this server runs a reward model (runner = pooling): it answers /classify, "
+                                    "not generation", param="model")  # fmt: skip
         if failure is None:
             return await self.app(scope, receive, send)
         await self._refuse(scope, receive, send, failure)
@@ -218,6 +224,7 @@ def create_app(state: AppState) -> FastAPI:
         return {"prompt": await asyncio.to_thread(state.text.decode, state.text.check_ids(body.tokens, "tokens"))}
 
     add_generate_route(app, state)  # POST /inference/v1/generate
+    add_classify_route(app, state)  # POST /classify, /v1/classify (runner = pooling)
     return app
 
 

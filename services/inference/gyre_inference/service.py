@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 def make_backend(config: InferenceConfig) -> Backend:
     engine, lora = config.engine, config.lora
+    if config.runner == "pooling":
+        from gyre_inference.classify import ClassifierBackend
+
+        return ClassifierBackend(config.model.name, device=engine.device, dtype=config.model.dtype,
+                                 max_model_len=engine.max_model_len, threads=engine.threads)  # fmt: skip
     if config.backend == "vllm":
         from gyre_inference.vllm_backend import VLLMBackend
 
