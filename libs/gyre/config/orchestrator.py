@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from gyre.config.endpoint import JudgeConfig, RewardModelConfig, TeacherConfig
 from gyre.config.loader import Section, secret_file
 from gyre.config.packing import DEFAULT_SEQ_LEN
 from gyre.config.shared import RedisConfig, ServiceConfig
@@ -126,6 +127,17 @@ class OrchestratorConfig(ServiceConfig):
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Packing and streaming.")
     server: OrchestratorServerConfig = Field(default_factory=OrchestratorServerConfig, description="gRPC server.")
     relay: RelayConfig = Field(default_factory=RelayConfig, description="Weight relay to the replicas.")
+    judges: list[JudgeConfig] = Field(
+        default_factory=list, description="LLM judges added to the environment's rubric (weight 0 = logged only)."
+    )
+    reward_models: list[RewardModelConfig] = Field(
+        default_factory=list, description="Reward models (vLLM's /classify) added to the environment's rubric."
+    )
+    teacher: TeacherConfig | None = Field(
+        None,
+        description="On-policy distillation: the teacher whose log-probs of every sampled token the batches carry "
+        "(with trainer.loss.distill > 0); groups are then never dropped for equal rewards.",
+    )
     max_inflight_groups: int | None = Field(
         None, ge=1, description="Groups generated at once (default: ceil(max_concurrency / rollouts_per_example))."
     )
@@ -143,3 +155,11 @@ class OrchestratorConfig(ServiceConfig):
         description="Unset or -1 = continue after the trainer's committed step and the batches still in the stream "
         "(a fresh start when the run has no state); N = rewind to step N with the trainer (progress checkpoint N).",
     )
+
+    @model_validator(mode="after")
+    def _distinct_signal_names(self) -> OrchestratorConfig:
+        names = [judge.name for judge in self.judges] + [model.name for model in self.reward_models]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"judges / reward_models: the name {twice[0]!r} is used twice (names must differ)")
+        return self

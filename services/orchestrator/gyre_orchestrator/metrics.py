@@ -126,6 +126,20 @@ class OrchestratorMetrics:
             run,
             r,
         )
+        self.signal_calls = m.counter(
+            "gyre_orchestrator_signal_calls_total",
+            "Calls to the models a run takes signals from (judges, reward models, the teacher) by signal name and "
+            "outcome: requests, ok, retries, timeouts, errors, failures (after every retry), cache_hits, unparsed.",
+            (*run, "signal", "outcome"),
+            r,
+        )
+        self.scoring_failures = m.counter(
+            "gyre_orchestrator_scoring_failures_total",
+            "Samples whose scoring failed (a judge, reward model or the teacher failed after its retries); the "
+            "sample is generated and scored again, never counted as reward 0.",
+            (*run, "env"),
+            r,
+        )
         self.latest_weights = m.gauge(
             "gyre_orchestrator_latest_weights_step", "Newest weights version the orchestrator knows of.", run, r
         )

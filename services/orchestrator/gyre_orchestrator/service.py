@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 from gyre.codec import CodecError, encode_batch
 from gyre.config.orchestrator import OrchestratorConfig
-from gyre.envs import Rollout, SamplingParams, Score, Task, load_environment
+from gyre.endpoint import EndpointError
+from gyre.envs import Rollout, Rubric, SamplingParams, Score, ScoringError, Task, load_environment
+from gyre.envs.judge import Judge, RewardModel
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir
 from gyre.metrics import start_metrics_server
 from gyre.net import PortInUse, bind_or_explain
@@ -48,6 +50,7 @@ from gyre_orchestrator.relay import WeightRelay
 from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, StepState, VersionWatch
 from gyre_orchestrator.server import OrchestratorServer
+from gyre_orchestrator.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ class ScoredRollout:
     rollout: Rollout
     score: Score
     seconds: float
+    teacher_logprobs: list[float] | None = None  # the teacher's log-prob of each token (distillation)
 
     @property
     def reward(self) -> float:
@@ -112,6 +116,12 @@ class OrchestratorService:
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.env = load_environment(cfg.env.name, **cfg.env.args)
+        self.signals = self._add_signals(cfg)  # judges, reward models, teacher: name -> object with `stats`
+        self.teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
+        if self.teacher is not None:
+            self.signals["teacher"] = self.teacher
+        self._signal_counts: dict[str, dict[str, int]] = {}
+        self.scoring_failures = 0
         if cfg.advantage.type == "rloo" and cfg.rollouts_per_example < 2:
             raise ValueError("advantage.type = 'rloo' needs rollouts_per_example >= 2")
         self.metrics = metrics or OrchestratorMetrics(cfg.run_id)
@@ -168,6 +178,19 @@ class OrchestratorService:
         self._metrics_server = None
         self.metrics_port: int | None = None
         self._background: set[asyncio.Task] = set()
+
+    def _add_signals(self, cfg: OrchestratorConfig) -> dict:
+        """`[[judges]]` and `[[reward_models]]` join the environment's rubric as reward functions."""
+        signals = [Judge(judge) for judge in cfg.judges] + [RewardModel(model) for model in cfg.reward_models]
+        if not signals:
+            return {}
+        rubric = getattr(self.env, "rubric", None)
+        if not isinstance(rubric, Rubric):
+            raise ValueError(f"judges / reward_models: environment {cfg.env.name!r} scores with its own code, not "
+                             "a gyre Rubric; add them in the environment instead")  # fmt: skip
+        for signal in signals:
+            rubric.add(signal, signal.config.weight, name=signal.config.name)
+        return {signal.config.name: signal for signal in signals}
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -261,7 +284,8 @@ class OrchestratorService:
             start_step=point.start_step,
             max_steps=cfg.max_steps,
             max_inflight_groups=cfg.max_inflight_groups or math.ceil(cfg.inference.max_concurrency / g),
-            drop_zero_signal=cfg.advantage.drop_zero_signal,
+            # with a teacher every token carries a signal: a group of equal rewards still teaches
+            drop_zero_signal=cfg.advantage.drop_zero_signal and self.teacher is None,
             oversample_limit=cfg.advantage.oversample_limit,
             sample_attempts=cfg.sample_attempts,
         )
@@ -333,6 +357,8 @@ class OrchestratorService:
         aclose = getattr(self.env, "aclose", None)  # environments holding servers (verifiers) release them
         if aclose is not None:
             await aclose()
+        for signal in self.signals.values():
+            await signal.aclose()
         await self.relay.stop()
         await self.discovery.stop()
         await self.server.stop(grace=1.0)
@@ -365,12 +391,28 @@ class OrchestratorService:
         if rollout.error:
             self.metrics.labels(self.metrics.rollouts, env=env_name, outcome="error").inc()
             raise RolloutFailed(f"task {task.id}: {rollout.error}")
-        score = await self.env.score(task, rollout)
+        try:
+            score = await self.env.score(task, rollout)
+            teacher = await self._teacher_logprobs(rollout)
+        except (ScoringError, EndpointError) as error:  # counted, and scored again: never a silent 0
+            self.scoring_failures += 1
+            self.metrics.labels(self.metrics.scoring_failures, env=env_name).inc()
+            raise RolloutFailed(f"task {task.id}: scoring failed: {error}") from error
         seconds = time.monotonic() - start
         outcome = "truncated" if rollout.truncated else "ok"
         self.metrics.labels(self.metrics.rollouts, env=env_name, outcome=outcome).inc()
         self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)
-        return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds)
+        return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds,
+                             teacher_logprobs=teacher)  # fmt: skip
+
+    async def _teacher_logprobs(self, rollout: Rollout) -> list[float] | None:
+        """The teacher's log-prob of each token the sample trains on (the sequence cut to `batch.seq_len`), 0 where
+        the student did not sample (prompt, environment and tool tokens)."""
+        if self.teacher is None:
+            return None
+        ids = rollout.token_ids[: self.cfg.batch.seq_len]
+        values = await self.teacher.logprobs(ids)
+        return [value if sampled else 0.0 for value, sampled in zip(values, rollout.loss_mask, strict=False)]
 
     # ---- one batch ------------------------------------------------------------------------------
     def build_samples(self, st: StepState, records: list[dict] | None = None) -> tuple[list[TrainSample], int]:
@@ -393,6 +435,7 @@ class OrchestratorService:
                     # the trainer cannot take it whole: keep the prefix, say so (counted in the event)
                     cut += 1
                     ids, mask, lps = ids[: cfg.batch.seq_len], mask[: cfg.batch.seq_len], lps[: cfg.batch.seq_len]
+                teacher = None if s.teacher_logprobs is None else np.asarray(s.teacher_logprobs[: len(ids)])
                 if not any(mask):
                     continue  # nothing the model sampled survives: no loss tokens, nothing to learn
                 meta = {
@@ -412,7 +455,7 @@ class OrchestratorService:
                     "rewards": dict(s.score.per_function),
                     "temperature": self.sampling.temperature,
                 }
-                samples.append(TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta))
+                samples.append(TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta, teacher))
                 if records is not None:
                     records.append(rollout_record(st.step, s, meta))
         return samples, cut
@@ -483,7 +526,9 @@ class OrchestratorService:
             "wasted_tokens": wasted_tokens,
             "waste_fraction": wasted_tokens / generated_tokens if generated_tokens else 0.0,
             "zero_signal_batch": st.zero_signal_batch,
+            "scoring_failures": self.scoring_failures,  # cumulative: judges / reward models / teacher that failed
         }
+        record.update(self._signal_record(samples))
         self.events.append(record)
         self.wandb.log(record)
         for key in ("num_samples", "dropped_stale", "dropped_zero_signal", "num_tokens"):
@@ -519,6 +564,28 @@ class OrchestratorService:
         )
         if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
             self.progress.save(Progress(step=st.step, task_index=self.sampler.index, counters=dict(self.counters)))
+
+    def _signal_record(self, samples: list[TrainSample]) -> dict:
+        """Per reward function its mean over the batch (judges at weight 0 included: that is how they are
+        logged), per signal endpoint its cumulative call counts (also exported as metrics), and with a teacher the
+        mean sampler-side reverse KL, lp_inference - lp_teacher over the sampled tokens."""
+        names = sorted({name for s in samples for name in s.meta["rewards"]})
+        record: dict = {
+            "rewards_mean": {n: float(np.mean([s.meta["rewards"].get(n, 0.0) for s in samples])) for n in names}
+        }
+        if self.signals:
+            record["signals"] = {name: dict(signal.stats) for name, signal in self.signals.items()}
+            for name, counts in record["signals"].items():
+                seen = self._signal_counts.setdefault(name, {})
+                for outcome, count in counts.items():
+                    self.metrics.labels(self.metrics.signal_calls, signal=name, outcome=outcome).inc(
+                        count - seen.get(outcome, 0)
+                    )
+                    seen[outcome] = count
+        if self.teacher is not None:
+            gaps = np.concatenate([(s.inference_logprobs - s.teacher_logprobs)[s.loss_mask] for s in samples])
+            record["teacher_kl"] = float(gaps.mean()) if gaps.size else 0.0
+        return record
 
     def _stream_task_index(self) -> int | None:
         """One past the highest train task index in the newest batch of the stream (None if unknown)."""

@@ -1,0 +1,155 @@
+"""Signals from other models through real services: judges, a reward model and a distillation teacher.
+
+Every model here is a real `gyre inference` process: the policy replicas (tiny model), a judge (the same tiny model
+behind a second server, its replies constrained to {"score": 0..10} by structured outputs so a random model gives
+readable, varying grades), a reward model (`--runner pooling`, a tiny LlamaForSequenceClassification) and a teacher
+(the tiny model again: the student's own weights, so its log-probs must equal the sampler's at T = 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import httpx
+import numpy as np
+import pytest
+from gyre.config.endpoint import JudgeConfig
+from gyre.envs.judge import Judge
+from orchestrator_testlib import first_batch, orchestrator_config
+from support.models import reward_model_path
+
+pytestmark = pytest.mark.asyncio
+
+JUDGE = {"score": "json", "structured": True, "max_score": 10, "max_tokens": 16, "prompt": "Grade: {response}"}
+
+
+@pytest.fixture(scope="module")
+def judge(start_replica):
+    return start_replica()
+
+
+@pytest.fixture(scope="module")
+def reward_server(start_replica, tmp_path_factory):
+    return start_replica("--runner", "pooling", model=reward_model_path(tmp_path_factory))
+
+
+def dump(cfg) -> list[dict]:
+    return [json.loads(line) for line in (cfg.output_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+
+
+def events(cfg) -> list[dict]:
+    return [json.loads(line) for line in (cfg.output_dir / "events" / "orchestrator_steps.jsonl").open()]
+
+
+async def test_judges_and_a_reward_model_score_rollouts_and_reach_the_advantages(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model, judge, reward_server
+):
+    monitor_prompt = {"prompt": "Style of: {response}"}
+    judges = [{"name": "judge", "url": judge.url, "weight": 1.0, **JUDGE},
+              {"name": "monitor", "url": judge.url, "weight": 0.0, **JUDGE, **monitor_prompt}]  # fmt: skip
+    models = [{"name": "rm", "url": reward_server.url, "weight": 0.5, "max_batch": 4}]
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
+                              reward_models=models, advantage={"drop_zero_signal": False})  # fmt: skip
+    batch = await first_batch(cfg, tiny_model)
+
+    records = dump(cfg)
+    assert len(records) == len(batch.samples) == 8
+    # every judge grade and reward-model score equals an independent call on the same conversation
+    fresh = Judge(JudgeConfig(name="judge", url=judge.url, **JUDGE))
+    monitor = Judge(JudgeConfig(name="monitor", url=judge.url, **{**JUDGE, **monitor_prompt}))
+    async with httpx.AsyncClient(base_url=reward_server.url, timeout=60) as http:
+        for record in records:
+            rewards = record["rewards"]
+            assert set(rewards) == {"lcs_reward", "judge", "monitor", "rm"}
+            assert rewards["judge"] == await fresh(record["prompt"], record["completion"], record["answer"])
+            assert rewards["monitor"] == await monitor(record["prompt"], record["completion"], record["answer"])
+            ids = (await http.post("/tokenize", json={"messages": record["prompt"] + record["completion"],
+                                                       "add_generation_prompt": False})).json()["tokens"]  # fmt: skip
+            direct = (await http.post("/classify", json={"input": [ids], "use_activation": False})).json()
+            assert rewards["rm"] == pytest.approx(direct["data"][0]["probs"][0], abs=1e-5)
+            # weight 0: logged, not rewarded
+            expected = rewards["lcs_reward"] + rewards["judge"] + 0.5 * rewards["rm"]
+            assert record["reward"] == pytest.approx(expected, abs=1e-9)
+    await fresh.aclose()
+    await monitor.aclose()
+    # the judge's grade reaches the advantages (drgrpo: reward minus the group's mean)
+    for group in {r["group"] for r in records}:
+        members = [r for r in records if r["group"] == group]
+        mean = np.mean([r["reward"] for r in members])
+        assert [r["advantage"] for r in members] == pytest.approx([r["reward"] - mean for r in members], abs=1e-6)
+    assert len({r["rewards"]["judge"] for r in records}) > 1  # the grades vary: a signal, not a constant
+    for rank in batch.micro_batches:
+        for mb in rank:
+            starts = np.cumsum(mb.sample_lengths) - mb.sample_lengths
+            for index, length, start in zip(mb.sample_index, mb.sample_lengths, starts, strict=True):
+                assert np.all(mb.advantages[start : start + length] == np.float32(batch.samples[index]["advantage"]))
+    event = events(cfg)[0]
+    assert event["rewards_mean"]["monitor"] == pytest.approx(np.mean([r["rewards"]["monitor"] for r in records]))
+    judged = event["signals"]["judge"]
+    assert judged["ok"] + judged.get("cache_hits", 0) >= 8 and event["signals"]["rm"]["batches"] >= 2
+    assert event["scoring_failures"] == 0
+
+
+async def test_a_judge_that_times_out_is_counted_and_retried(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model, start_replica
+):
+    """The judge's process is stopped (SIGSTOP) before the run and resumed once its calls have timed out (1 s):
+    they are counted and retried, and the step completes with every grade."""
+    from gyre_orchestrator.service import OrchestratorService
+
+    slow = start_replica()
+    judges = [{"name": "judge", "url": slow.url, "timeout_s": 1.0, "retries": 6, **JUDGE}]
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
+                              advantage={"drop_zero_signal": False})  # fmt: skip
+    service = OrchestratorService(cfg)
+    os.kill(slow.proc.pid, signal.SIGSTOP)
+    try:
+        run = asyncio.create_task(service.run())
+        while service.signals["judge"].stats["timeouts"] < 2 and not run.done():
+            await asyncio.sleep(0.1)
+        os.kill(slow.proc.pid, signal.SIGCONT)
+        assert await asyncio.wait_for(run, timeout=120) == 0
+    finally:
+        os.kill(slow.proc.pid, signal.SIGCONT)
+        slow.stop()
+    counts = events(cfg)[0]["signals"]["judge"]
+    assert counts["timeouts"] >= 1 and counts["retries"] >= counts["timeouts"] and counts.get("failures", 0) == 0
+    records = dump(cfg)
+    assert len(records) == 8 and all("judge" in record["rewards"] for record in records)
+
+
+async def test_a_judge_that_fails_fails_the_scoring_loudly(tmp_path, redis_url, unique_run_id, replicas, tiny_model):
+    """A judge that cannot answer at all: every sample's scoring fails, is counted and retried, and the run stops
+    with the reason (never a reward of 0)."""
+    from gyre_orchestrator.service import OrchestratorService
+
+    judges = [{"name": "judge", "url": "http://127.0.0.1:9", "retries": 0, "timeout_s": 2}]  # nothing listens
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
+                              sample_attempts=2)  # fmt: skip
+    service = OrchestratorService(cfg)
+    with pytest.raises(RuntimeError, match="failed 2 times: task .*: scoring failed: judge 'judge'"):
+        await asyncio.wait_for(service.run(), timeout=120)
+    failures = service.metrics.registry.get_sample_value(
+        "gyre_orchestrator_scoring_failures_total", {"run_id": unique_run_id, "env": "reverse_text"}
+    )
+    assert failures >= 2
+
+
+@pytest.mark.parametrize("route", ["generate", "completions"])
+async def test_the_teacher_logprobs_of_every_sampled_token_reach_the_batch(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model, judge, route
+):
+    """The teacher is the student's own model (another server): at T = 1 its log-prob of every sampled token equals
+    the sampler's, to 1e-4; off the loss mask the batch holds 0; groups of equal rewards are kept."""
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1,
+                              teacher={"url": judge.url, "route": route})  # fmt: skip
+    batch = await first_batch(cfg, tiny_model)
+    assert batch.has_teacher and len(batch.samples) == 8  # nothing dropped for zero signal
+    for rank in batch.micro_batches:
+        for mb in rank:
+            assert np.allclose(mb.teacher_logprobs[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], atol=1e-4)
+            assert not mb.teacher_logprobs[~mb.loss_mask].any()
+    assert abs(events(cfg)[0]["teacher_kl"]) < 1e-4
