@@ -68,6 +68,20 @@ class RLRunConfig(Section):
     )
 
 
+class RLServerConfig(Section):
+    """Another model served beside the policy (`[[servers]]`): an LLM judge, a reward model or a distillation
+    teacher, each its own `gyre inference` process. The orchestrator's settings reach it by name:
+    `url = "server:<name>"` in `[[orchestrator.judges]]`, `[[orchestrator.reward_models]]` or
+    `[orchestrator.teacher]`."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$", description="How settings refer to it.")
+    model: str = Field(..., description="Its model: a local folder or a Hugging Face hub id.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Its [inference] keys (`gyre inference --help`), e.g. {runner = 'pooling'} for a reward model.",
+    )
+
+
 class RLConfig(GyreSettings):
     """Run inference, orchestrator and trainer as local processes with an embedded Redis."""
 
@@ -100,11 +114,24 @@ class RLConfig(GyreSettings):
         description="Multi-run: these runs share the base model, one trainer (one LoRA adapter per run) and the "
         "inference replicas (each run's adapter under its name); each gets its own orchestrator.",
     )
+    servers: list[RLServerConfig] = Field(
+        default_factory=list,
+        description="Other models served locally beside the policy (judges, reward models, a teacher); the "
+        "orchestrator's settings name them with url = 'server:<name>'.",
+    )
     inference: dict[str, Any] = Field(default_factory=dict, description="[inference] keys (`gyre inference --help`).")
     trainer: dict[str, Any] = Field(default_factory=dict, description="[trainer] keys (`gyre trainer --help`).")
     orchestrator: dict[str, Any] = Field(
         default_factory=dict, description="[orchestrator] keys (`gyre orchestrator --help`)."
     )
+
+    @field_validator("servers")
+    @classmethod
+    def _distinct_servers(cls, servers: list[RLServerConfig]) -> list[RLServerConfig]:
+        names = [s.name for s in servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"server names must differ: {sorted({n for n in names if names.count(n) > 1})} repeat")
+        return servers
 
     @field_validator("runs")
     @classmethod

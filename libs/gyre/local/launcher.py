@@ -167,6 +167,11 @@ class Launcher:
                 load_config(SFTConfig, [], **deep_merge(sft_values, cfg.sft.args))
             except ConfigError as e:
                 raise ConfigError(str(e).replace("config key '", "config key 'sft.args.")) from None
+        for server in cfg.servers:
+            try:
+                check_model_source(server.model)
+            except ModelUnavailable as e:
+                raise ConfigError(f"config key 'servers' ({server.name}): {e}") from None
         validate_extensions(resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0"))
 
     def acquire_locks(self) -> None:
@@ -291,12 +296,15 @@ class Launcher:
         cdir = self.out / "configs"
         echo = self.cfg.console == "all"
         replicas = []
-        for i, inf in enumerate(configs.inference):
-            name = "inference" if len(configs.inference) == 1 else f"inference-{i}"
+        # the policy's replicas, then the [[servers]] (judges, reward models, teacher): inference processes alike
+        named = [("inference" if len(configs.inference) == 1 else f"inference-{i}", inf)
+                 for i, inf in enumerate(configs.inference)]  # fmt: skip
+        named += [(f"server-{name}", inf) for name, inf in configs.servers.items()]
+        for name, inf in named:
             config = _write_config(cdir / f"{name}.toml", inf)
             log_path = self.out / "logs" / f"{name}.log"
             child = InferenceProcess("@", str(config), log_path=log_path, name=name, console=_console)
-            child.start(echo, env=_thread_env(0.5 / len(configs.inference)) | _gpu_env(self.cfg.inference_gpus))
+            child.start(echo, env=_thread_env(0.5 / len(named)) | _gpu_env(self.cfg.inference_gpus))
             self.children.append(child)
             replicas.append(child)
         trainer_cfg = _write_config(cdir / "trainer.toml", configs.trainer)
@@ -346,7 +354,7 @@ class Launcher:
                     code = child.poll()
                     if code is None:
                         continue
-                    if code != 0 or child.name.startswith("inference"):
+                    if code != 0 or child.name.startswith(("inference", "server-")):
                         raise RunFailed(
                             f"{child.name} exited with status {code}; last lines of {child.log_path}:\n{child.tail()}"
                         )

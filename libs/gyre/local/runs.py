@@ -58,6 +58,7 @@ class ServiceConfigs:
     inference: list[InferenceConfig]  # one per replica
     trainer: TrainerConfig
     orchestrators: dict[str, OrchestratorConfig]  # one per run, by run name
+    servers: dict[str, InferenceConfig] = field(default_factory=dict)  # [[servers]]: judges, reward models, teacher
 
     @property
     def orchestrator(self) -> OrchestratorConfig:
@@ -108,6 +109,12 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
         values = {**shared, "model": model, "server": {"port": free_port()}, "control": {"port": free_port()}}
         replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, values | served))
 
+    servers = {}
+    for server in cfg.servers:
+        values = {**shared, "run_id": f"{cfg.run_id}-{server.name}", "model": {"name": server.model},
+                  "server": {"port": free_port()}, "control": {"port": free_port()}}  # fmt: skip
+        servers[server.name] = _validated(InferenceConfig, f"servers.{server.name}.args", server.args, values)
+
     orchestrators = {}
     for run in runs:
         values = {
@@ -123,9 +130,43 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
             "ckpt_interval": cfg.ckpt.interval if cfg.ckpt.enabled else 1,
             **resume,
         }  # fmt: skip
-        user = deep_merge(cfg.orchestrator, run.orchestrator)
+        user = _server_urls(deep_merge(cfg.orchestrator, run.orchestrator), servers)
         orchestrators[run.name] = _validated(OrchestratorConfig, "orchestrator", user, values)
-    return ServiceConfigs(replicas, trainer, orchestrators)
+    if trainer.loss.distill > 0:
+        lacking = [name for name, orch in orchestrators.items() if orch.teacher is None]
+        if lacking:
+            raise ConfigError(
+                f"config key 'trainer.loss.distill': {trainer.loss.distill} needs a teacher: set "
+                "[orchestrator.teacher] (e.g. url = 'server:teacher' with a [[servers]] entry named teacher; "
+                "docs/algorithms.md)"
+            )
+    return ServiceConfigs(replicas, trainer, orchestrators, servers)
+
+
+SERVER_URL = "server:"  # url = "server:<name>" in orchestrator settings: a [[servers]] entry of gyre rl
+
+
+def _server_urls(values: dict[str, Any], servers: dict[str, InferenceConfig]) -> dict[str, Any]:
+    """`values` (orchestrator keys) with every `url = "server:<name>"` of its judges, reward models and teacher
+    replaced by that local server's URL; ConfigError naming the key for a name no [[servers]] entry has."""
+
+    def resolve(entry: Any, key: str) -> Any:
+        url = entry.get("url") if isinstance(entry, dict) else None
+        if not (isinstance(url, str) and url.startswith(SERVER_URL)):
+            return entry
+        name = url[len(SERVER_URL) :]
+        if name not in servers:
+            known = ", ".join(servers) or "none"
+            raise ConfigError(f"config key 'orchestrator.{key}.url': no [[servers]] entry named {name!r} ({known})")
+        return {**entry, "url": f"http://127.0.0.1:{servers[name].server.port}"}
+
+    values = dict(values)
+    for key in ("judges", "reward_models"):
+        if isinstance(values.get(key), list):
+            values[key] = [resolve(entry, f"{key}.{i}") for i, entry in enumerate(values[key])]
+    if "teacher" in values:
+        values["teacher"] = resolve(values["teacher"], "teacher")
+    return values
 
 
 def served_adapters(cfg: RLConfig, trainer: TrainerConfig, names: list[str]) -> dict[str, Any]:

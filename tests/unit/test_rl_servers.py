@@ -1,0 +1,54 @@
+"""`gyre rl` [[servers]]: other models served beside the policy, reached by `url = "server:<name>"`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gyre.config import ConfigError, load_config
+from gyre.config.rl import RLConfig
+from gyre.local.runs import resolve_configs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve(tmp_path, *argv):
+    cfg = load_config(RLConfig, [*argv, "--output-dir", str(tmp_path)])
+    return resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
+
+
+def test_the_distillation_example_serves_its_teacher_and_wires_it(tmp_path):
+    resolved = resolve(tmp_path, "@", str(ROOT / "configs/signals/distill.toml"))
+    teacher = resolved.servers["teacher"]
+    assert teacher.model.name == "outputs/demo/weights/step_120" and teacher.runner == "generate"
+    assert resolved.orchestrator.teacher.url == f"http://127.0.0.1:{teacher.server.port}"
+    ports = {c.server.port for c in resolved.inference} | {teacher.server.port}
+    assert len(ports) == len(resolved.inference) + 1  # its own port
+    assert resolved.trainer.loss.distill == 1.0 and resolved.trainer.loss.reward_weight == 0.0
+
+
+def test_the_judge_example_wires_each_judge_to_its_server(tmp_path):
+    resolved = resolve(tmp_path, "@", str(ROOT / "configs/signals/judge.toml"))
+    url = f"http://127.0.0.1:{resolved.servers['judge'].server.port}"
+    assert [(j.name, j.url, j.weight) for j in resolved.orchestrator.judges] == [("judge", url, 0.5), ("style", url, 0.0)]
+
+
+def test_a_reward_model_server_runs_the_pooling_runner(tmp_path):
+    resolved = resolve(tmp_path, "--servers", '[{"name": "rm", "model": "m", "args": {"runner": "pooling"}}]',
+                       "--orchestrator.reward-models", '[{"url": "server:rm"}]')  # fmt: skip
+    assert resolved.servers["rm"].runner == "pooling"
+    assert resolved.orchestrator.reward_models[0].url.endswith(str(resolved.servers["rm"].server.port))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--orchestrator.teacher", '{"url": "server:nobody"}'], "'orchestrator.teacher.url': no [[servers]] entry"),
+        (["--trainer.loss.distill", "0.5"], "'trainer.loss.distill': 0.5 needs a teacher"),
+        (["--servers", '[{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]'], "server names must differ"),
+        (["--orchestrator.judges", '[{"url": "http://x", "api_key": "sk-1"}]'], "never go in config files"),
+    ],
+)
+def test_mistakes_are_named_before_anything_starts(tmp_path, argv, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        resolve(tmp_path, *argv)
