@@ -117,18 +117,20 @@ if triton is not None:
             x2 = x2 * scale * tl.load(weight + HALF + d).to(tl.float32)
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
+        # Names bound in both branches of a runtime `if` must have one type in Triton (a pointer here, an int
+        # offset there did not compile), so each branch has its own.
         if is_q:
-            target = Q_OUT + token * HEADS * 2 * HALF + head * 2 * HALF
-            tl.store(target + d, o1.to(Q_OUT.dtype.element_ty))
-            tl.store(target + HALF + d, o2.to(Q_OUT.dtype.element_ty))
+            q_out = Q_OUT + token * HEADS * 2 * HALF + head * 2 * HALF
+            tl.store(q_out + d, o1.to(Q_OUT.dtype.element_ty))
+            tl.store(q_out + HALF + d, o2.to(Q_OUT.dtype.element_ty))
         else:
             slot = tl.load(SLOTS + token).to(tl.int64)
-            target = slot * KV_HEADS * 2 * HALF + kv_head * 2 * HALF
-            tl.store(K_CACHE + target + d, o1.to(K_CACHE.dtype.element_ty))
-            tl.store(K_CACHE + target + HALF + d, o2.to(K_CACHE.dtype.element_ty))
+            cache_offset = slot * KV_HEADS * 2 * HALF + kv_head * 2 * HALF
+            tl.store(K_CACHE + cache_offset + d, o1.to(K_CACHE.dtype.element_ty))
+            tl.store(K_CACHE + cache_offset + HALF + d, o2.to(K_CACHE.dtype.element_ty))
             value = V + token * v_row + kv_head * 2 * HALF
-            tl.store(V_CACHE + target + d, tl.load(value + d))
-            tl.store(V_CACHE + target + HALF + d, tl.load(value + HALF + d))
+            tl.store(V_CACHE + cache_offset + d, tl.load(value + d))
+            tl.store(V_CACHE + cache_offset + HALF + d, tl.load(value + HALF + d))
 
     @triton.jit
     def _silu_mul(GATE, UP, OUT, n, BLOCK: tl.constexpr):
