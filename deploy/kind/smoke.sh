@@ -2,7 +2,7 @@
 # Smoke deploy of the Gyre chart on kind, with the three CPU images built from this checkout.
 # Needs docker, kind, kubectl, helm, and python with `pip install -e .` (for the smoke client).
 #
-#   deploy/kind/smoke.sh build     # docker build the three images with VARIANT=cpu
+#   deploy/kind/smoke.sh build     # the three CPU images (deploy/docker/build.sh, as `make images`)
 #   deploy/kind/smoke.sh cluster   # kind cluster (1 control plane + 2 workers), images, CRDs, shared volume
 #   deploy/kind/smoke.sh install   # helm install with deploy/values-kind.yaml, wait for readiness
 #   deploy/kind/smoke.sh check     # port-forward; /v1/models + a chat completion; trainer reaches N steps
@@ -30,10 +30,8 @@ stop_port_forwards() { if [ ${#PORT_FORWARDS[@]} -gt 0 ]; then kill "${PORT_FORW
 trap stop_port_forwards EXIT
 
 build() {
-  for c in "${COMPONENTS[@]}"; do
-    log "build gyre-$c:$TAG"
-    docker build -f "Dockerfile.$c" --build-arg VARIANT=cpu -t "gyre-$c:$TAG" .
-  done
+  # the same builds as `make images` (deploy/docker/build.sh: the CPU targets, torch from PyTorch's CPU index)
+  TAG="$TAG" deploy/docker/build.sh
 }
 
 cluster() {

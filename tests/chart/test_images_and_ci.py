@@ -53,36 +53,65 @@ def instructions(dockerfile: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_dockerfile_rules(dockerfile):
     steps = instructions(dockerfile)
+    text = (ROOT / dockerfile).read_text()
     args = dict(rest.split("=", 1) for word, rest in steps if word == "ARG" and "=" in rest)
     froms = [rest for word, rest in steps if word == "FROM"]
+    stages = [rest.split()[-1] for rest in froms if " AS " in rest]
     assert len(froms) >= 3, "multi-stage: wheel, dependencies, runtime"
     for base in froms:
         image = base.split()[0]
-        resolved = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m[1], m[0]), image)
-        if "${VARIANT}" in image or resolved in {rest.split()[-1] for rest in froms if " AS " in rest}:
+        if image in stages:
             continue  # a previous stage
+        resolved = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m[1], m[0]), image)
         assert ":" in resolved and not resolved.endswith(":latest"), f"{dockerfile}: unpinned base {resolved}"
         assert re.search(r":\S*\d", resolved), f"{dockerfile}: base {resolved} has no version tag"
-    users = [rest for word, rest in steps if word == "USER"]
-    assert users and re.fullmatch(r"\d+(:\d+)?", users[-1]) and not users[-1].startswith("0"), users
-    entrypoints = [rest for word, rest in steps if word == "ENTRYPOINT"]
-    assert entrypoints == ['["gyre"]'], "exec-form entrypoint running gyre"
+    # every runtime stage: non-root numeric user, exec-form entrypoint, OCI labels, no health check
+    runtimes = ["cpu", "gpu"] if dockerfile != "Dockerfile.orchestrator" else ["runtime"]
+    assert stages[-len(runtimes) :] == runtimes, "runtime stages last (the legacy builder builds up to --target)"
+    for stage in runtimes:
+        body = stage_steps(steps, stage)
+        users = [rest for word, rest in body if word == "USER"]
+        assert users and re.fullmatch(r"\d+(:\d+)?", users[-1]) and not users[-1].startswith("0"), users
+        assert [rest for word, rest in body if word == "ENTRYPOINT"] == ['["gyre"]'], "exec-form entrypoint"
+        labels = " ".join(rest for word, rest in body if word == "LABEL")
+        for key in ("source", "revision", "version"):
+            assert f"org.opencontainers.image.{key}=" in labels, (stage, key)
+        assert not any(word in ("COPY", "RUN") and "gcc" in rest for word, rest in body), "no compiler at run time"
     assert "HEALTHCHECK" not in [word for word, _ in steps], "Kubernetes probes do the health checks"
+    assert "# syntax=" not in text, "the legacy builder must not need BuildKit's frontend image"
     if dockerfile != "Dockerfile.orchestrator":
-        assert args.get("VARIANT") == "gpu"
-        stages = {rest.split()[-1] for rest in froms if " AS " in rest}
-        assert {"cpu", "gpu"} <= stages
-        text = (ROOT / dockerfile).read_text()
-        assert "-c /tmp/build/constraints.txt torch" in text, "the CPU variant pins torch with constraints.txt"
+        assert "-c /tmp/build/constraints.txt" in text and "ARG TORCH_INDEX=https://" in text
+        assert "COPY deploy/docker/wheels/ /tmp/torch/" in text, "the torch wheel build.sh stages"
+        assert args["VLLM_IMAGE" if "inference" in dockerfile else "TORCH_IMAGE"]
     else:
-        assert "torch" not in (ROOT / dockerfile).read_text().replace("no torch", "")
+        assert "torch" not in text.replace("no torch", "")
+
+
+def stage_steps(steps: list[tuple[str, str]], stage: str) -> list[tuple[str, str]]:
+    """The instructions of one build stage (from its FROM to the next FROM)."""
+    start = next(i for i, (word, rest) in enumerate(steps) if word == "FROM" and rest.endswith(f" AS {stage}"))
+    end = next((i for i in range(start + 1, len(steps)) if steps[i][0] == "FROM"), len(steps))
+    return steps[start:end]
+
+
+def test_cpu_images_share_their_dependency_layers():
+    """The build stage of the CPU venv is the same text in both torch images, so the second build reuses the
+    first one's torch and dependency layers (the legacy builder caches by instruction and parent)."""
+    inference, trainer = (stage_steps(instructions(f"Dockerfile.{c}"), "cpu-venv") for c in ("inference", "trainer"))
+    assert inference == trainer
+    words = [word for word, _ in inference]
+    torch_step = next(i for i, (w, r) in enumerate(inference) if w == "RUN" and "torch" in r and "-r /tmp" not in r)
+    deps_step = next(i for i, (w, r) in enumerate(inference) if w == "RUN" and "requirements.txt" in r)
+    gyre_step = next(i for i, (w, r) in enumerate(inference) if w == "RUN" and "/wheels/*.whl" in r)
+    assert torch_step < deps_step < gyre_step, "torch, then the dependencies, then the gyre wheel"
+    assert "COPY" in words[:torch_step] and ("COPY", "pyproject.toml /tmp/build/") not in inference[:torch_step]
 
 
 def test_the_chart_runs_as_the_images_user():
     values = yaml.safe_load((ROOT / "charts" / "gyre" / "values.yaml").read_text())
     for dockerfile in DOCKERFILES:
-        user = [rest for word, rest in instructions(dockerfile) if word == "USER"][-1]
-        assert user == f"{values['podSecurity']['runAsUser']}:{values['podSecurity']['runAsGroup']}"
+        for user in [rest for word, rest in instructions(dockerfile) if word == "USER"]:
+            assert user == f"{values['podSecurity']['runAsUser']}:{values['podSecurity']['runAsGroup']}"
 
 
 def test_dockerignore_keeps_the_build_context_to_the_sources():
@@ -90,7 +119,7 @@ def test_dockerignore_keeps_the_build_context_to_the_sources():
     entries = [ln for ln in lines if not ln.startswith("#")]
     assert entries[0] == "*", "allow-list: everything is excluded unless listed"
     allowed = {ln[1:].rstrip("/") for ln in entries if ln.startswith("!")}
-    assert allowed == {"pyproject.toml", "README.md", "constraints.txt", "libs", "services"}
+    assert allowed == {"pyproject.toml", "README.md", "constraints.txt", "libs", "services", "deploy/docker/wheels"}
     # every COPY source of every Dockerfile is in the context
     for dockerfile in DOCKERFILES:
         for word, rest in instructions(dockerfile):
@@ -127,7 +156,7 @@ def test_smoke_script_is_valid_bash_and_uses_the_kind_values():
     script = ROOT / "deploy" / "kind" / "smoke.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    assert "-f deploy/values-kind.yaml" in text and "--build-arg VARIANT=cpu" in text
+    assert "-f deploy/values-kind.yaml" in text and "deploy/docker/build.sh" in text
     assert "pod-security.kubernetes.io/enforce=restricted" in text
     cluster = yaml.safe_load((ROOT / "deploy" / "kind" / "cluster.yaml").read_text())
     assert [n["role"] for n in cluster["nodes"]] == ["control-plane", "worker", "worker"]
@@ -156,3 +185,26 @@ def test_release_workflow_builds_both_variants_and_only_its_image_job_writes_pac
     assert subprocess.run(["bash", "-c", check], cwd=ROOT, env=env).returncode == 0
     env["GITHUB_REF_NAME"] = "v9.9.9"
     assert subprocess.run(["bash", "-c", check], cwd=ROOT, env=env, capture_output=True).returncode == 1
+
+
+def test_local_base_dockerfile_is_hadolint_clean_and_build_script_is_valid_bash():
+    base = ROOT / "deploy" / "docker" / "Dockerfile.python"
+    result = subprocess.run([tool("hadolint"), "--no-color", str(base)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    script = ROOT / "deploy" / "docker" / "build.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert "DOCKER_BUILDKIT=0" in text and "debootstrap --variant=minbase bookworm" in text
+    # the folder the Dockerfiles COPY exists in a clean clone, its wheels are never committed
+    assert (ROOT / "deploy" / "docker" / "wheels" / "README.md").exists()
+    assert "deploy/docker/wheels/*.whl" in (ROOT / ".gitignore").read_text()
+
+
+def test_ci_builds_the_images_and_runs_the_container_smoke_after_the_suite():
+    run = (ROOT / ".ci" / "run").read_text()
+    assert subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")]).returncode == 0
+    order = [run.index(step) for step in ("make test", "make images", "make smoke", "GYRE_DOCKER_TESTS=1")]
+    assert order == sorted(order)
+    assert "docker.io debootstrap" in run and "trap stop_dockerd EXIT" in run
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^smoke: install images ##", makefile, re.M) and "deploy/docker/smoke.py" in makefile
