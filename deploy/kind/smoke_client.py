@@ -5,11 +5,13 @@
 
 Checks, in order (exit 0 when all pass, 1 with the reason otherwise):
 1. `GET /v1/models` with the API key lists a model (retried while the model loads);
-2. one `POST /v1/chat/completions` through the official `openai` client returns a choice;
+2. one `POST /v1/chat/completions` through the official `openai` client returns a choice with its token
+   ids (`return_token_ids`) and the policy version that generated it;
 3. the trainer's `gyre.v1.Trainer/GetStatus` reports `step >= --min-steps` (polled until --timeout).
 
-Used by deploy/kind/smoke.sh (through `kubectl port-forward`) and by the chart's wiring test
-(against the rendered commands run as local processes), so both check the same things.
+Used by deploy/kind/smoke.sh (through `kubectl port-forward`), by the container smoke
+(deploy/docker/smoke.py, through published ports) and by the chart's wiring test (against the rendered
+commands run as local processes), so all three check the same things.
 """
 
 from __future__ import annotations
@@ -36,16 +38,26 @@ def wait_for_model(base_url: str, api_key: str, deadline: float) -> str:
         time.sleep(2)
 
 
-def chat_once(base_url: str, api_key: str, model: str) -> str:
+def chat_once(base_url: str, api_key: str, model: str) -> tuple[str, list[int], int]:
+    """One chat completion asking for token ids: (text, the choice's token ids, its policy version)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key=api_key, timeout=120, max_retries=3)
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Reverse the text: kind smoke"}], max_tokens=16
+        model=model,
+        messages=[{"role": "user", "content": "Reverse the text: kind smoke"}],
+        max_tokens=16,
+        extra_body={"return_token_ids": True},
     )
     if not reply.choices:
         raise SystemExit("smoke: chat completion returned no choices")
-    return reply.choices[0].message.content or ""
+    choice = reply.choices[0]
+    token_ids, version = getattr(choice, "token_ids", None), getattr(choice, "policy_version", None)
+    if not token_ids or not all(isinstance(t, int) for t in token_ids):
+        raise SystemExit(f"smoke: chat completion has no token ids (return_token_ids): {choice}")
+    if not isinstance(version, int):
+        raise SystemExit(f"smoke: chat completion has no policy_version: {choice}")
+    return choice.message.content or "", token_ids, version
 
 
 def wait_for_steps(address: str, min_steps: int, deadline: float) -> int:
@@ -80,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.timeout
     model = wait_for_model(args.base_url, args.api_key, deadline)
     print(f"smoke: /v1/models lists {model!r}", flush=True)
-    text = chat_once(args.base_url, args.api_key, model)
-    print(f"smoke: chat completion: {text!r}", flush=True)
+    text, token_ids, version = chat_once(args.base_url, args.api_key, model)
+    print(f"smoke: chat completion: {text!r}, token_ids {token_ids}, policy_version {version}", flush=True)
     step = wait_for_steps(args.trainer, args.min_steps, deadline)
     print(f"smoke: trainer at step {step} (>= {args.min_steps})", flush=True)
     return 0
