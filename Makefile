@@ -12,8 +12,9 @@ CONSTRAINTS ?= constraints.txt
 DEMO_CONFIG ?= configs/reverse_text/demo.toml
 DEMO_OUT ?= outputs/demo
 PYTEST_ARGS ?=
+SMOKE_ARGS ?=
 
-.PHONY: help install demo test test-fast lint format proto generated bench clean
+.PHONY: help install demo test test-fast lint format proto generated bench images smoke smoke-clean clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -55,6 +56,15 @@ bench: install ## Run every benchmark (prints side-by-side ratios)
 	$(VENV)/bin/gyre bench trainer
 	$(VENV)/bin/gyre bench orchestrator
 	$(VENV)/bin/gyre bench async
+
+images: ## Build the CPU images gyre-{inference,trainer,orchestrator}:kind with Docker (deploy/docker/build.sh)
+	deploy/docker/build.sh
+
+smoke: install images ## Container smoke: the chart's pods (kind values) in Docker as rendered, then the kind smoke's checks
+	$(PY) deploy/docker/smoke.py $(SMOKE_ARGS)
+
+smoke-clean: install ## Remove the containers, networks and volumes an interrupted smoke left behind
+	$(PY) deploy/docker/smoke.py --clean
 
 clean: ## Remove outputs and caches (keeps .venv)
 	rm -rf outputs .pytest_cache .ruff_cache
