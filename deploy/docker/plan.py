@@ -812,4 +812,6 @@ def mount_spec(mount: Mount, names: Names) -> str:
         if mount.volume not in names.volume_paths:
             raise Unsupported(f"subPath {mount.sub_path} of volume {mount.volume}: its host path is unknown")
         return f"type=bind,source={names.volume_paths[mount.volume]}/{mount.sub_path},target={mount.target}{ro}"
-    return f"type=volume,source={names.volume(mount.volume)},target={mount.target}{ro}"
+    # volume-nocopy: Docker would fill an empty volume with (and give it the owner of) the image's folder at
+    # that path; a Kubernetes volume comes as the kubelet made it.
+    return f"type=volume,source={names.volume(mount.volume)},target={mount.target},volume-nocopy{ro}"

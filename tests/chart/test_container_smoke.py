@@ -89,21 +89,32 @@ def test_trainer_container_runs_exactly_as_rendered(kind_plan, objects, tmp_path
     assert c.restart == "always" and "--restart" not in args  # the smoke restarts it (counting exits)
     # environment: every rendered name, Secrets resolved; values never on the command line
     assert flag_values(args, "--env") == [e["name"] for e in rendered["env"]]
-    assert c.env["GYRE_REDIS__PASSWORD"] == secret(objects, "redis-password")
-    assert c.env["GYRE_ORCHESTRATOR__CONTROL_TOKEN"] == secret(objects, "control-token")
-    assert not any(secret(objects, "redis-password") in a for a in args)
-    # mounts: the ConfigMap as files (read-only), the shared claim, emptyDirs per pod
-    mounts = dict(m.split(",target=") for m in (s.split(",readonly")[0] for s in flag_values(args, "--mount")))
+    assert c.env == {e["name"]: e["value"] for e in rendered["env"]}  # secrets come as files, not env values
+    # mounts: the ConfigMap and the Secret as files (read-only), the shared claim, emptyDirs per pod
+    specs = flag_values(args, "--mount")
+    # a volume comes as the kubelet made it: never filled from (or owned like) the image's folder
+    assert all(s.endswith(",volume-nocopy") for s in specs if s.startswith("type=volume"))
+    mounts = dict(s.removesuffix(",readonly").removesuffix(",volume-nocopy").split(",target=") for s in specs)
     assert mounts == {
         f"type=bind,source={tmp_path}/{TRAINER}-experiment": "/etc/gyre",
+        f"type=bind,source={tmp_path}/{TRAINER}-secrets": "/run/secrets/gyre",
         "type=volume,source=gyre-smoke-t-pvc-exp-gyre-data": "/data",
         f"type=volume,source=gyre-smoke-t-{TRAINER}-tmp": "/tmp",
         f"type=volume,source=gyre-smoke-t-{TRAINER}-cache": "/cache",
         f"type=volume,source=gyre-smoke-t-{TRAINER}-shm": "/dev/shm",
     }
     assert [s for s in flag_values(args, "--mount") if s.endswith(",readonly")] == [
-        f"type=bind,source={tmp_path}/{TRAINER}-experiment,target=/etc/gyre,readonly"
+        f"type=bind,source={tmp_path}/{TRAINER}-experiment,target=/etc/gyre,readonly",
+        f"type=bind,source={tmp_path}/{TRAINER}-secrets,target=/run/secrets/gyre,readonly",
     ]
+    # the files the env's *_FILE variables name hold the Secret's values, readable by the pod's fsGroup only
+    files = {v.name: v for v in kind_plan.file_volumes}[f"{TRAINER}-secrets"]
+    assert c.env["GYRE_REDIS__PASSWORD_FILE"] == "/run/secrets/gyre/redis-password"
+    assert files.files == {
+        "redis-password": (secret(objects, "redis-password").encode(), 0o440),
+        "control-token": (secret(objects, "control-token").encode(), 0o440),
+    }
+    assert files.group == 10001
 
 
 def test_init_containers_and_the_model_wait(kind_plan):
@@ -126,7 +137,6 @@ def test_one_claim_is_one_volume_shared_by_the_pods_that_mount_it(kind_plan):
     assert shm.empty_dir and shm.tmpfs_bytes == 256 * 2**20  # medium: Memory, sizeLimit 256Mi
     assert volumes[f"{TRAINER}-tmp"].tmpfs_bytes is None
     assert kind_plan.pod(TRAINER).fs_group == 10001 and not kind_plan.pod(TRAINER).fs_group_always
-    assert kind_plan.pod(REDIS).fs_group == 999
 
 
 def test_service_names_follow_readiness_unless_published_early(kind_plan):
