@@ -450,7 +450,11 @@ class ModelRunner:
             run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local, not the default "global": graphs are captured lazily while worker threads read weight
+        # swaps and adapters onto the GPU, and their cudaMalloc is legal beside a capture on our own stream.
+        # Under "global" it raised "operation not permitted when stream is capturing" in the reader and broke
+        # the capture (CUBLAS_STATUS_EXECUTION_FAILED), failing a whole batch (H200 loop, 2026-11-26).
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             run()
         self._pool = graph.pool()
         return graph

@@ -398,8 +398,12 @@ async def test_graphs_captured_while_other_threads_use_the_gpu_keep_serving(tiny
 
         async def swap_forever():
             nonlocal swaps
-            while True:  # memory the allocator must take from the driver (cudaMalloc), in a worker thread
-                await asyncio.to_thread(lambda: held.append(torch.ones(1 << 20, device="cuda")))
+            def allocate():  # memory the allocator must take from the driver (cudaMalloc), in a worker thread
+                torch.cuda.empty_cache()  # no cached block to reuse: every allocation below is a cudaMalloc
+                held.append(torch.ones(1 << 20, device="cuda"))
+
+            while True:
+                await asyncio.to_thread(allocate)
                 await engine.update_weights(tiny_model, swaps + 1)
                 swaps += 1
 
