@@ -493,6 +493,18 @@ valid TOML. Maps become inline tables, lists arrays.
 {{- end }}
 {{- end -}}
 
+{{/* Resolve `url = "server:<name>"` of one orchestrator entry (in place) to that server's Service. */}}
+{{- define "gyre.serverUrl" -}}
+{{- $url := toString (.entry.url | default "") -}}
+{{- if hasPrefix "server:" $url -}}
+{{- $name := trimPrefix "server:" $url -}}
+{{- if not (hasKey .servers $name) -}}
+{{- fail (printf "experiment.orchestrator.%s.url = %q: no entry of `servers` is named %q" .key $url $name) -}}
+{{- end -}}
+{{- $_ := set .entry "url" (get .servers $name) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "gyre.experimentToml" -}}
 {{- $exp := deepCopy .Values.experiment -}}
 {{- $_ := set $exp "run_id" (include "gyre.runId" .) -}}
@@ -501,6 +513,23 @@ valid TOML. Maps become inline tables, lists arrays.
 {{- end -}}
 {{- if and (not .Values.modelInit.enabled) (not (($exp.model | default dict).name)) -}}
 {{- fail "set experiment.model.name (a hub id or a path on the shared volume), or enable modelInit" -}}
+{{- end -}}
+{{- /* `url = "server:<name>"` of judges, reward models and the teacher: the Service of that `servers` entry */ -}}
+{{- $servers := dict -}}
+{{- range .Values.servers -}}
+{{- $_ := set $servers .name (printf "http://%s-server-%s:%v" (include "gyre.fullname" $) .name (.httpPort | default $.Values.inference.httpPort)) -}}
+{{- end -}}
+{{- $orch := $exp.orchestrator | default dict -}}
+{{- range $key := list "judges" "reward_models" -}}
+{{- range $i, $entry := (get $orch $key | default list) -}}
+{{- include "gyre.serverUrl" (dict "entry" $entry "servers" $servers "key" (printf "%s.%d" $key $i)) -}}
+{{- end -}}
+{{- end -}}
+{{- with $orch.teacher -}}
+{{- include "gyre.serverUrl" (dict "entry" . "servers" $servers "key" "teacher") -}}
+{{- end -}}
+{{- if and (gt (float64 (((($exp.trainer | default dict).loss) | default dict).distill | default 0)) 0.0) (not $orch.teacher) -}}
+{{- fail "experiment.trainer.loss.distill > 0 needs experiment.orchestrator.teacher (e.g. url = \"server:teacher\" with a `servers` entry named teacher)" -}}
 {{- end -}}
 # Experiment {{ include "gyre.runId" . }} (release {{ .Release.Name }}). Each service reads its table:
 #   gyre <service> @ /etc/gyre/experiment.toml#<service>
