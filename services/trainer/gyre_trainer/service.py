@@ -443,7 +443,8 @@ def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu
     if "num_loss_tokens" in metrics:
         record["num_loss_tokens"] = int(metrics["num_loss_tokens"])
     # the objective's and the correction's stats (clip_frac, masked_frac, is_weight, ...; docs/algorithms.md)
-    record.update({k: v for k, v in metrics.items() if k.endswith("_frac") or k in ("is_weight", "ref_kl", "skipped")})
+    record.update({k: v for k, v in metrics.items()
+                   if k.endswith("_frac") or k in ("is_weight", "ref_kl", "teacher_kl", "skipped")})  # fmt: skip
     return record
 
 
