@@ -30,7 +30,8 @@ def test_the_distillation_example_serves_its_teacher_and_wires_it(tmp_path):
 def test_the_judge_example_wires_each_judge_to_its_server(tmp_path):
     resolved = resolve(tmp_path, "@", str(ROOT / "configs/signals/judge.toml"))
     url = f"http://127.0.0.1:{resolved.servers['judge'].server.port}"
-    assert [(j.name, j.url, j.weight) for j in resolved.orchestrator.judges] == [("judge", url, 0.5), ("style", url, 0.0)]
+    judges = [(j.name, j.url, j.weight) for j in resolved.orchestrator.judges]
+    assert judges == [("judge", url, 0.5), ("style", url, 0.0)]
 
 
 def test_a_reward_model_server_runs_the_pooling_runner(tmp_path):
