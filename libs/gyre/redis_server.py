@@ -88,6 +88,7 @@ class EmbeddedRedis:
         stop_timeout: float = 5.0,
         extra_args: tuple[str, ...] = (),
         data_dir: str | Path | None = None,
+        password: str | None = None,
     ):
         self.binary = Path(binary) if binary is not None else find_redis_server()
         if not (self.binary.is_file() and os.access(self.binary, os.X_OK)):
@@ -98,6 +99,7 @@ class EmbeddedRedis:
         self.stop_timeout = stop_timeout
         self.extra_args = tuple(extra_args)
         self.data_dir = Path(data_dir).resolve() if data_dir is not None else None
+        self.password = password  # requirepass (as the chart's Redis runs); `url` does not carry it
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self._workdir: str | None = None
@@ -109,8 +111,8 @@ class EmbeddedRedis:
         return f"redis://{self.host}:{self.port}/0"
 
     def client(self, **kwargs) -> redis.Redis:
-        """A new redis-py client for this server (caller closes it)."""
-        return redis.Redis.from_url(self.url, **kwargs)
+        """A new redis-py client for this server, with its password (caller closes it)."""
+        return redis.Redis.from_url(self.url, **({"password": self.password} if self.password else {}), **kwargs)
 
     def start(self) -> EmbeddedRedis:
         if self.proc is not None:
@@ -141,6 +143,12 @@ class EmbeddedRedis:
                 "--logfile", str(log_path),
                 *self.extra_args,
             ]  # fmt: skip
+            if self.password:  # from a config file, not the command line: `ps` would show it to every user
+                config = folder / "auth.conf"
+                quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+                config.write_text(f'requirepass "{quoted}"\n')
+                config.chmod(0o600)
+                args.insert(1, str(config))
             # own session: stop() can signal the whole group, and Ctrl-C of the parent does not race it;
             # PDEATHSIG: a SIGKILLed parent takes the server with it. The kernel ties it to the *thread*
             # that forks, so only a main-thread start gets it (a worker thread's exit would kill Redis).
@@ -165,7 +173,8 @@ class EmbeddedRedis:
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.startup_timeout
-        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0)
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1.0,
+                             socket_connect_timeout=1.0)  # fmt: skip
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

@@ -44,6 +44,20 @@ def test_start_ping_stop():
     server.stop()  # idempotent
 
 
+def test_a_password_protected_server_refuses_clients_without_it():
+    """As the chart runs Redis: `requirepass` (from a config file, never on the command line), `url` without it."""
+    password = 's3cret "p@ss" w\\rd'
+    with EmbeddedRedis(password=password) as server:
+        assert "s3cret" not in server.url
+        with server.client() as client:
+            assert client.ping()
+        with redis.Redis.from_url(server.url) as anonymous, pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        with redis.Redis.from_url(server.url, password=password) as given:
+            assert given.ping()
+        assert password not in Path(f"/proc/{server.proc.pid}/cmdline").read_text().replace("\0", " ")
+
+
 def test_debian_redis_7(redis7_url):
     client = redis.Redis.from_url(redis7_url)
     assert client.info("server")["redis_version"].startswith("7.")

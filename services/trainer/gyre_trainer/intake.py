@@ -17,9 +17,9 @@ Invariants:
   on every rank; it returns None on every rank at once when rank 0 decides to stop;
 - an entry is acked only by `commit()`, which the trainer calls after weights `s` are published,
   so an uncommitted step is still pending in Redis after a crash;
-- an entry that cannot be trained (undecodable, wrong world size, token ids outside the vocabulary,
-  non-finite numbers) goes to the dead-letter stream with the reason, and its step is waited for
-  again (the orchestrator may re-push it); training never stops on bad input.
+- an entry that cannot be trained (undecodable, wrong world size, a row longer than `data.seq_len`, token
+  ids outside the vocabulary, non-finite numbers) goes to the dead-letter stream with the reason, and its
+  step is waited for again (the orchestrator may re-push it); training never stops on bad input.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ class BatchRejected(ValueError):
     """A decoded batch that this trainer cannot train on; the message is the dead-letter reason."""
 
 
-def check_trainable(batch: TrainBatch, world_size: int, vocab_size: int) -> None:
-    """Raise `BatchRejected` unless this trainer can train `batch` (beyond the codec's schema checks)."""
+def check_trainable(batch: TrainBatch, world_size: int, vocab_size: int, seq_len: int | None = None) -> None:
+    """Raise `BatchRejected` unless this trainer can train `batch` (beyond the codec's schema checks): packed for
+    its world size and (when given) its `data.seq_len` (`gyre.config.packing`), token ids in its vocabulary,
+    finite numbers."""
     if batch.num_ranks != world_size:
         raise BatchRejected(f"batch is split for {batch.num_ranks} ranks, but the trainer runs {world_size}")
     if not any(rank for rank in batch.micro_batches):
@@ -67,6 +69,11 @@ def check_trainable(batch: TrainBatch, world_size: int, vocab_size: int) -> None
     for r, rank in enumerate(batch.micro_batches):
         for i, mb in enumerate(rank):
             where = f"micro_batches[{r}][{i}]"
+            if seq_len is not None and mb.num_tokens > seq_len:
+                raise BatchRejected(
+                    f"{where}: a row of {mb.num_tokens} tokens, longer than this trainer's data.seq_len = {seq_len} "
+                    "(the orchestrator's batch.seq_len must be the trainer's data.seq_len)"
+                )
             if mb.num_tokens and (int(mb.input_ids.min()) < 0 or int(mb.input_ids.max()) >= vocab_size):
                 raise BatchRejected(f"{where}: token ids outside the model's vocabulary [0, {vocab_size})")
             for name in ("advantages", "inference_logprobs", *mb.optional_fields):
@@ -84,6 +91,7 @@ class BatchIntake:
         trained_step: int,
         *,
         vocab_size: int,
+        seq_len: int | None = None,
         poll_ms: int = 1000,
         reclaim_every_s: float = 5.0,
         redis_retry_s: float = 1.0,
@@ -93,6 +101,7 @@ class BatchIntake:
         self.should_stop = should_stop or (lambda: False)
         self.stopped = False  # a stop arrived while Redis was down: next() returns None at once
         self.vocab_size = vocab_size
+        self.seq_len = seq_len
         self.poll_ms = poll_ms
         self.redis_retry_s = redis_retry_s
         self.trained_step = trained_step
@@ -139,7 +148,7 @@ class BatchIntake:
                 batch = decode_batch(payload)
                 if batch.step != entry.step:
                     raise BatchRejected(f"entry says step {entry.step}, its batch says step {batch.step}")
-                check_trainable(batch, self.ctx.world_size, self.vocab_size)
+                check_trainable(batch, self.ctx.world_size, self.vocab_size, self.seq_len)
             except (CodecError, BatchRejected) as e:
                 self.rejected += 1
                 try:

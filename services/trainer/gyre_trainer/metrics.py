@@ -101,8 +101,9 @@ class TrainerMetrics:
                 self._mfu.remove(self.run_id, rank)
 
 
-def serve(metrics: TrainerMetrics, port: int | None, host: str) -> tuple[Any, int]:
-    """Start /metrics on `port` (unset: 9101; 0: a free port); returns (server, actual port), logged."""
-    server, actual = m.start_metrics_server(DEFAULT_PORT if port is None else port, metrics.registry, host=host)
+def serve(registry: CollectorRegistry, port: int | None, host: str) -> tuple[Any, int]:
+    """Start /metrics of `registry` (every run's `TrainerMetrics`) on `port` (unset: 9101; 0: a free port);
+    returns (server, actual port), logged."""
+    server, actual = m.start_metrics_server(DEFAULT_PORT if port is None else port, registry, host=host)
     log.info("metrics on http://%s:%d/metrics", host, actual)
     return server, actual

@@ -3,14 +3,15 @@
 Each run (`trainer.runs[]`, or a file in `trainer.runs_dir`) has everything a single-run trainer has
 except the base model: its own peft adapter (named after the run), AdamW optimizer, LR schedule,
 progress, batch stream `gyre:{name}:batches`, output folder (weights, checkpoints, events), lock and
-orchestrator. Per step of run `r` (the single-run order of `gyre_trainer.service`, on `r`'s pieces):
+orchestrator: a `RunState` (`gyre_trainer.runstate`), as the single-run trainer's one run. Per step of run `r`
+(`RunState.commit`, the single-run order on `r`'s pieces):
 
     activate r's adapter  only its parameters are trainable (`lora.activate_adapter`), so the step's
                           gradients, clipping and optimizer update never touch another run's adapter
     train                 one optimizer step of r's optimizer/scheduler on r's batch
     checkpoint            r's adapter + optimizer + scheduler into r's folder (`trainable_only`)
     publish               r's adapter alone (PEFT files) as r's next weights version   <- commit
-    log, ack, notify      r's event log, r's stream entry, r's orchestrator
+    log, ack, notify      r's event log and W&B run, r's stream entry, r's orchestrator
 
 So exactly-once and resume hold per run, with the single-run proofs (`checkpoint.plan_resume`):
 every run resumes from its own folder. Runs are served round-robin: each turn asks every unfinished
@@ -32,7 +33,6 @@ only with `lora.dropout = 0` (the default), where training draws no random numbe
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import tomllib
@@ -43,70 +43,18 @@ from typing import Any
 import torch
 from gyre.config.loader import ConfigError, load_config
 from gyre.config.trainer import RunConfig, TrainerConfig
-from gyre.events import TRAINER_STEPS, EventLog, events_dir
-from gyre.runlock import LockHeld, RunLock
-from gyre.transport import open_store
-from prometheus_client import CollectorRegistry
+from gyre.runlock import LockHeld
 from pydantic import ValidationError
 
 from gyre_trainer import dist
-from gyre_trainer.checkpoint import CheckpointError, CheckpointManager
-from gyre_trainer.intake import BatchIntake, IntakeItem
-from gyre_trainer.metrics import TrainerMetrics
-from gyre_trainer.publish import WeightPublisher
-from gyre_trainer.service import TrainerProcess, crash_point, resume, step_record, weights_notifier
+from gyre_trainer.checkpoint import CheckpointError
+from gyre_trainer.process import TrainerProcess
+from gyre_trainer.runstate import RunSpec, RunState
 
 log = logging.getLogger(__name__)
 
 RUNS_SCAN_S = 2.0  # how often `runs_dir` is looked at
 POLL_MS = 100  # one run's stream read blocks at most this long per turn
-
-
-class Run:
-    """One run's pieces (everything but the shared model); built by `MultiRunTrainer.add_run`."""
-
-    def __init__(
-        self, spec: RunConfig, cfg: TrainerConfig, ctx: dist.DistContext, registry: CollectorRegistry,
-        file: Path | None = None,
-    ):  # fmt: skip
-        self.spec, self.name = spec, spec.name
-        self.file = file  # the runs_dir file it came from (None: `trainer.runs`)
-        self.lora = spec.lora or cfg.lora
-        self.optim = spec.optim or cfg.optim
-        self.out = Path(spec.output_dir)
-        self.lock = RunLock(self.out, "trainer").acquire()  # one trainer per run folder, as for a single run
-        self.transport = open_store(cfg.weights, self.out)
-        self.publisher = WeightPublisher(self.transport, cfg.model.name, cfg.weights_keep_last)
-        self.checkpoints = CheckpointManager(
-            self.out / "checkpoints" / "trainer", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
-        )
-        self.events = EventLog(events_dir(self.out) / TRAINER_STEPS)
-        self.metrics = TrainerMetrics(self.name, registry)
-        token = spec.orchestrator.control_token or cfg.orchestrator.control_token  # the trainer's unless its own
-        self.notifier = weights_notifier(spec.orchestrator, token)
-        self.optimizer = self.scheduler = self.intake = None
-        self.rejected_seen = 0
-        self.closed = False
-
-    @property
-    def trained_step(self) -> int:
-        return self.intake.trained_step
-
-    @property
-    def finished(self) -> bool:
-        return self.spec.max_steps is not None and self.trained_step >= self.spec.max_steps
-
-    def close(self) -> None:
-        """Release what the run holds besides the model's adapter: optimizer, schedule, stream reader,
-        metric series, notifier, event log, lock. Its folder keeps its state."""
-        if self.closed:
-            return
-        self.closed = True
-        self.optimizer = self.scheduler = self.intake = None
-        self.metrics.forget()
-        self.notifier.close(timeout=2.0)
-        self.events.close()
-        self.lock.release()
 
 
 class MultiRunTrainer(TrainerProcess):
@@ -116,14 +64,19 @@ class MultiRunTrainer(TrainerProcess):
         if ctx.world_size != 1:
             raise ValueError(f"runs: multi-run trains in one process, this trainer has {ctx.world_size} ranks")
         super().__init__(cfg, ctx)
-        self.runs: dict[str, Run] = {}  # the runs being trained (a finished run is released and leaves)
-        self.registry = CollectorRegistry()
-        self.metrics = _Registry(self.registry)  # what `metrics.serve` reads
-        self.model = None
-        self._redis = None
+        self.runs: dict[str, RunState] = {}  # the runs being trained (a finished run is released and leaves)
         self._bad_files: dict[Path, float] = {}  # runs_dir files that failed to load -> their mtime
         self._done_files: dict[str, float] = {}  # finished runs' runs_dir files -> their mtime then
         self._last_scan = float("-inf")
+
+    @property
+    def ref_model(self) -> Any:
+        """Every run's KL reference is the same: the shared base, every adapter off."""
+        if self.cfg.loss.ref_kl_coef <= 0:
+            return None
+        from gyre_trainer.lora import AdaptersOff
+
+        return AdaptersOff(self.model)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -141,36 +94,30 @@ class MultiRunTrainer(TrainerProcess):
         super()._close()
 
     # ---- runs -----------------------------------------------------------------------------------
-    def add_run(self, spec: RunConfig, file: Path | None = None) -> Run:
+    def add_run(self, spec: RunConfig, file: Path | None = None) -> RunState:
         """Give `spec` its adapter, optimizer and schedule, resume it from its folder, open its stream."""
         from gyre_trainer.lora import activate_adapter, add_adapter
-        from gyre_trainer.optim import build_optimizer, build_scheduler
 
         if spec.name in self.runs:
             raise ValueError(f"run {spec.name!r} is already trained by this trainer")
-        run = Run(spec, self.cfg, self.ctx, self.registry, file)
+        run = RunState(RunSpec.of_run(spec, self.cfg, file), self).open()
         try:
             # the adapter's initial values depend on (seed, run name) only, not on the runs added before it
             torch.manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(run.name.encode()))
-            self.model = add_adapter(self.model, run.name, run.lora)
+            self.model = add_adapter(self.model, run.name, run.spec.lora)
             activate_adapter(self.model, run.name)
-            run.optimizer = build_optimizer(self.model, run.optim, run.lora.lr_ratio_b)
-            run.scheduler = build_scheduler(run.optimizer, run.optim, spec.max_steps)
-            trained = self._resume(run)
-            run.intake = BatchIntake(
-                self.ctx, self._stream(run.name), trained, vocab_size=self.hf_config.vocab_size,
-                poll_ms=min(POLL_MS, self.cfg.intake.poll_ms), should_stop=self.stop_requested.is_set,
-            )  # fmt: skip
+            run.build_optimizer(self.model)
+            plan = run.resume()
+            run.open_intake(plan.trained_step, min(POLL_MS, self.cfg.intake.poll_ms))
         except BaseException:
             run.close()
             self._drop_adapter(run.name)  # a fixed file can add the run again
             raise
         self.runs[run.name] = run
-        self.status.resumed(run.name, trained)
-        log.info("run %s joined at step %d (output %s)", run.name, trained, run.out)
+        log.info("run %s joined at step %d (output %s)", run.name, run.trained_step, run.out)
         return run
 
-    def release(self, run: Run, why: str) -> None:
+    def release(self, run: RunState, why: str) -> None:
         """`run` leaves this trainer: its adapter's parameters (and with them their gradients), optimizer,
         schedule, stream reader, metric series, lock and notifier are dropped, so a long-lived trainer
         holds only the runs it trains. Every trained step is committed in the run's folder, so adding
@@ -179,8 +126,8 @@ class MultiRunTrainer(TrainerProcess):
         run.close()
         self._drop_adapter(run.name)
         del self.runs[run.name]
-        if run.file is not None and why == "finished":
-            self._done_files[run.name] = _mtime(run.file)
+        if run.spec.file is not None and why == "finished":
+            self._done_files[run.name] = _mtime(run.spec.file)
         self.status.finished(run.name)
         log.info("run %s %s at step %d: its adapter, optimizer and stream are released", run.name, why, step)
 
@@ -199,22 +146,7 @@ class MultiRunTrainer(TrainerProcess):
         else:
             self.model = self.model.unload()
 
-    def _stream(self, name: str):
-        import redis
-        from gyre.streams import BatchStream
-
-        if self._redis is None:
-            self._redis = redis.Redis.from_url(self.cfg.redis.url, socket_timeout=30, socket_connect_timeout=5)
-        return BatchStream(self._redis, name)
-
-    def _resume(self, run: Run) -> int:
-        """The single-run resume on the run's own folder and adapter; returns its trained step."""
-        resume_step = run.spec.resume_step if run.spec.resume_step is not None else self.cfg.ckpt.resume_step
-        publish = functools.partial(self._publish, run)
-        plan = resume(run, self.model, self.ctx, resume_step, run.lora, publish, run.name, f"run {run.name}: ")
-        return plan.trained_step
-
-    def scan_runs_dir(self) -> list[Run]:
+    def scan_runs_dir(self) -> list[RunState]:
         """Follow `runs_dir`: add the runs of new files (a bad file is logged once and skipped until it
         changes), stop the runs whose file was removed. A finished run's file is skipped until it changes
         (e.g. a larger max_steps: the run resumes after its last step)."""
@@ -222,7 +154,7 @@ class MultiRunTrainer(TrainerProcess):
         if folder is None or not Path(folder).is_dir():
             return []
         files = {file.stem: file for file in sorted(Path(folder).glob("*.toml"))}
-        for run in [r for r in self.runs.values() if r.file is not None and r.name not in files]:
+        for run in [r for r in self.runs.values() if r.spec.file is not None and r.name not in files]:
             self.release(run, "stopped (its runs_dir file was removed)")
         self._done_files = {name: t for name, t in self._done_files.items() if name in files}
         added = []
@@ -264,55 +196,12 @@ class MultiRunTrainer(TrainerProcess):
         for run in list(self.runs.values()):
             item = run.intake.next(self.stop_requested.is_set, wait=False)
             if item is not None:
-                self._step(run, item)
+                run.commit(item)
                 if run.finished:
                     self.release(run, "finished")
             if self.stop_requested.is_set():
                 break
         return True
-
-    def _step(self, run: Run, item: IntakeItem) -> None:
-        from gyre_trainer.lora import AdaptersOff, activate_adapter
-        from gyre_trainer.perf import MFUMeter, effective_seq_len, flops_per_token
-        from gyre_trainer.step import train_step
-
-        cfg = self.cfg
-        activate_adapter(self.model, run.name)
-        start = time.perf_counter()
-        result = train_step(
-            self.model, run.optimizer, run.scheduler, item.batch, loss_cfg=cfg.loss,
-            micro_batch_size=cfg.data.micro_batch_size, max_grad_norm=run.optim.max_grad_norm,
-            ref_model=AdaptersOff(self.model) if cfg.loss.ref_kl_coef > 0 else None,  # every run's base: the same
-        )  # fmt: skip
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
-        seconds = time.perf_counter() - start
-        lengths = [int(n) for mb in item.batch.for_rank(0) for n in mb.sample_lengths]
-        mfu = MFUMeter(flops_per_token(self.hf_config, effective_seq_len(lengths)), self.peak_flops)
-        mfu = mfu.reading(sum(lengths), seconds).mfu
-        record = {**step_record(item, result.metrics, seconds, mfu), "run": run.name}
-        crash_point("after_train", item.step, self.ctx)
-        self._checkpoint_if_due(item.step, run.checkpoints, run.optimizer, run.scheduler, record, run.metrics)
-        self._publish(run, item.step, record)
-        run.events.append(record)
-        run.metrics.observe_step(record, [mfu])
-        run.metrics.rejected.inc(run.intake.rejected - run.rejected_seen)
-        run.rejected_seen = run.intake.rejected
-        self.status.update(item.step, record["num_tokens"], run.name)
-        crash_point("after_log", item.step, self.ctx)
-        run.intake.commit(item)
-        crash_point("after_ack", item.step, self.ctx)
-        run.publisher.prune()
-
-    def _publish(self, run: Run, step: int, record: dict[str, Any]) -> None:
-        """Run `run`'s adapter alone as its weights version `step` (the commit point), then notify."""
-        from gyre_trainer.lora import named_adapter_state
-
-        start = time.perf_counter()
-        published = run.publisher.publish_adapter(step, named_adapter_state(self.model, run.name), run.lora, record)
-        run.metrics.publish_duration.observe(time.perf_counter() - start)
-        crash_point("after_publish", step, self.ctx)
-        run.notifier.notify(published)
 
 
 def _mtime(file: Path) -> float | None:
@@ -320,10 +209,3 @@ def _mtime(file: Path) -> float | None:
         return file.stat().st_mtime
     except OSError:  # removed meanwhile
         return None
-
-
-class _Registry:
-    """What `metrics.serve` reads (`.registry`): the registry every run's metrics share (label run_id)."""
-
-    def __init__(self, registry: CollectorRegistry):
-        self.registry = registry

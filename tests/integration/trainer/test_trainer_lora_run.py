@@ -146,7 +146,7 @@ def test_loraplus_ratio_reaches_the_single_run_and_each_multirun_optimizer(
         load_config(TrainerConfig, [], **common, lora={**lora, "lr_ratio_b": 16}), dist.init_distributed("cpu")
     )
     single._build()
-    assert lora_lrs(single.optimizer, single.model) == {"A": {1e-3}, "B": {1.6e-2}}
+    assert lora_lrs(single.run_state.optimizer, single.model) == {"A": {1e-3}, "B": {1.6e-2}}
 
     runs = [
         {"name": f"{unique_run_id}-plus", "output_dir": str(tmp_path / "plus"), "lora": {**lora, "lr_ratio_b": 8}},

@@ -60,7 +60,7 @@ def test_a_step_of_one_run_leaves_the_other_runs_adapter_bit_for_bit(tiny_model,
             )
             base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
             item = run.intake.next(lambda: False, wait=False)
-            trainer._step(run, item)
+            run.commit(item)
             after_own, after_other = (
                 named_adapter_state(trainer.model, run.name),
                 named_adapter_state(trainer.model, other.name),
@@ -327,3 +327,51 @@ def test_finished_runs_release_their_adapter_optimizer_and_metrics_and_never_ret
         assert parameters() == base
     finally:
         trainer._close()
+
+
+def test_a_multirun_trainer_reads_a_password_protected_redis(tiny_model, unique_run_id, tmp_path):
+    """The chart always runs Redis with a password (`redis.password`, here from GYRE_REDIS__PASSWORD as a pod
+    gets it): every run's stream must be read with it. A client built from `redis.url` alone is refused
+    (AuthenticationError), which the intake retried until it was killed: no step trained."""
+    from gyre.config import to_toml
+    from gyre.redis_server import EmbeddedRedis
+    from trainer_testlib import child_env
+
+    password = "multi-run s3cret"
+    names = [f"{unique_run_id}-a", f"{unique_run_id}-b"]
+    with EmbeddedRedis(password=password) as server:
+        with server.client() as client:
+            for i, name in enumerate(names):
+                push_batches(BatchStream(client, name), [1, 2], seed=30 + i)
+        runs = [{"name": n, "output_dir": str(tmp_path / n), "max_steps": 2} for n in names]
+        config = tmp_path / "trainer.toml"
+        config.write_text(to_toml(multirun_config(tiny_model, server.url, runs)))  # the URL carries no password
+        proc = start_trainer(["@", str(config)], tmp_path / "trainer.log",
+                             env={**child_env(), "GYRE_REDIS__PASSWORD": password})  # fmt: skip
+        try:
+            code = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                kill_group(proc)
+        assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    for name in names:
+        assert trained_steps(tmp_path / name) == [1, 2]
+
+
+def test_multirun_steps_reach_each_runs_offline_wandb_run(tiny_model, redis_url, unique_run_id, tmp_path, monkeypatch):
+    """Every service logs to W&B when `wandb.enabled` (docs/observability): a multi-run trainer logs each run's
+    steps to a W&B run of its own (`<run>-trainer`, grouped with the run's orchestrator), in the run's folder."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra is part of the dev install")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    names = [f"{unique_run_id}-a", f"{unique_run_id}-b"]
+    for i, name in enumerate(names):
+        push_batches(BatchStream(redis_url, name), [1, 2], seed=40 + i)
+    runs = [{"name": n, "output_dir": str(tmp_path / n), "max_steps": 2} for n in names]
+    assert run_trainer(multirun_config(tiny_model, redis_url, runs, wandb={"enabled": True, "mode": "offline"})) == 0
+    wandb.teardown()  # flushes the run files (a trainer process exiting does this)
+    for name in names:
+        (run_dir,) = (tmp_path / name / "wandb").glob("offline-run-*")
+        data = next(run_dir.glob("run-*.wandb")).read_bytes()
+        for key in (b"trainer/loss", b"trainer/step", f"{name}-trainer".encode()):
+            assert key in data, (name, key)

@@ -54,7 +54,7 @@ def test_metrics_exposition():
               "num_tokens": 640, "step_seconds": 0.7, "time": 1234.0}  # fmt: skip
     metrics.observe_step(record, mfu_per_rank=[0.31, 0.29])
     metrics.observe_step({**record, "step": 4, "loss": None}, mfu_per_rank=[0.3, 0.3])  # a missing value keeps the last
-    server, port = serve(metrics, 0, "127.0.0.1")
+    server, port = serve(metrics.registry, 0, "127.0.0.1")
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:

@@ -1,0 +1,363 @@
+"""One run of a trainer, in one home: its pieces, its resume, and the ordered commit of every step.
+
+A `RunState` is everything one run has besides the model it trains: weight transport and publisher,
+checkpoints, event log, W&B run, metrics, orchestrator notifier, lock, optimizer and schedule, and its
+intake (batch stream `gyre:{name}:batches`, read with the Redis client of the config). A single-run
+trainer holds one (`gyre_trainer.service.Trainer`), a multi-run trainer N, one per LoRA adapter on a
+shared base model (`gyre_trainer.multirun.MultiRunTrainer`). Both commit a step with `commit`, in this
+order (the order is what makes every step train exactly once; `gyre_trainer.checkpoint.plan_resume`
+has the crash analysis), with a crash point (`process.crash_point`) after each part:
+
+    1. train        one optimizer step on the batch (a multi-run run: its adapter alone is trainable)
+    2. checkpoint   when step % ckpt.interval == 0: model, optimizer, scheduler, RNG, progress (atomic)
+    3. publish      weights (or the adapter) as version `step`, atomically             <- commit point
+    4. log          events/trainer_steps.jsonl, W&B, metrics, gRPC status
+    5. ack          the stream entry of the batch
+    6. prune        weight versions nobody needs any more
+    (notify         NotifyWeights(step) from a background thread, queued right after the publish)
+
+`resume` is the other half: a starting run reconstructs its last committed step from its own folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from gyre.config.trainer import LoraConfig, OptimConfig, RunConfig, TrainerConfig
+from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
+from gyre.runlock import RunLock
+from gyre.transport import open_source, open_store
+from gyre.wandb_log import WandbLogger
+
+from gyre_trainer import dist
+from gyre_trainer.checkpoint import CheckpointManager, ResumePlan, plan_resume
+from gyre_trainer.intake import BatchIntake, IntakeItem
+from gyre_trainer.metrics import TrainerMetrics
+from gyre_trainer.process import crash_point
+from gyre_trainer.publish import RESUME_ADAPTER, WEIGHTS_FILE, WeightPublisher, WeightsNotifier
+
+if TYPE_CHECKING:
+    from gyre_trainer.process import TrainerProcess
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What makes a run itself: its name, folder, length, orchestrator, optimizer, adapter and resume point."""
+
+    name: str
+    output_dir: Path
+    max_steps: int | None
+    orchestrator: Any  # address, timeout and retries of its NotifyWeights (trainer.orchestrator, or a run's own)
+    control_token: str | None
+    optim: OptimConfig
+    lora: LoraConfig | None
+    resume_step: int | None
+    adapter: str | None = None  # multi-run: the run's named adapter on the shared base model
+    file: Path | None = None  # multi-run: the runs_dir file it came from
+
+    @classmethod
+    def of_trainer(cls, cfg: TrainerConfig) -> RunSpec:
+        """A single-run trainer's one run: the trainer's own keys."""
+        return cls(cfg.run_id, Path(cfg.output_dir), cfg.max_steps, cfg.orchestrator, cfg.orchestrator.control_token,
+                   cfg.optim, cfg.lora, cfg.ckpt.resume_step)  # fmt: skip
+
+    @classmethod
+    def of_run(cls, run: RunConfig, cfg: TrainerConfig, file: Path | None = None) -> RunSpec:
+        """A multi-run run: its own keys, the trainer's where it has none."""
+        token = run.orchestrator.control_token or cfg.orchestrator.control_token  # the trainer's unless its own
+        resume_step = run.resume_step if run.resume_step is not None else cfg.ckpt.resume_step
+        return cls(run.name, Path(run.output_dir), run.max_steps, run.orchestrator, token, run.optim or cfg.optim,
+                   run.lora or cfg.lora, resume_step, adapter=run.name, file=file)  # fmt: skip
+
+
+class RunState:
+    """One run's pieces and its ordered `commit` (see the module docstring); `process` holds the model."""
+
+    def __init__(self, spec: RunSpec, process: TrainerProcess):
+        self.spec, self.name, self.process = spec, spec.name, process
+        cfg, ctx = process.cfg, process.ctx
+        self.out = spec.output_dir
+        self.transport = open_store(cfg.weights, self.out)
+        self.source = open_source(cfg.weights)  # how a resume reads a published version back
+        self.publisher = WeightPublisher(self.transport, cfg.model.name, cfg.weights_keep_last)
+        self.checkpoints = CheckpointManager(self.out / "checkpoints" / "trainer", ctx, cfg.ckpt.keep_last,
+                                             cfg.ckpt.keep_interval)  # fmt: skip
+        self.metrics = TrainerMetrics(self.name, process.registry)
+        self.optimizer = self.scheduler = None
+        self.intake: BatchIntake | None = None
+        self.lock: RunLock | None = None
+        self.events: EventLog | None = None
+        self.wandb: WandbLogger | None = None
+        self.notifier: WeightsNotifier | None = None
+        self.rejected_seen = 0
+        self.closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def open(self) -> RunState:
+        """Rank 0 takes the run's folder (one trainer per folder: a second fails at once, naming the holder)
+        and opens its event log, W&B run and orchestrator notifier."""
+        if not self.process.ctx.is_main:
+            return self
+        cfg = self.process.cfg
+        self.lock = RunLock(self.out, "trainer").acquire()
+        try:
+            self.events = EventLog(events_dir(self.out) / TRAINER_STEPS)
+            self.wandb = WandbLogger(cfg.wandb, service="trainer", run_id=self.name, output_dir=self.out,
+                                     config=cfg.model_dump(mode="json"))  # fmt: skip
+            self.notifier = weights_notifier(self.spec.orchestrator, self.spec.control_token)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def build_optimizer(self, model: torch.nn.Module) -> None:
+        """The run's optimizer (over the model's trainable parameters) and LR schedule."""
+        from gyre_trainer.optim import build_optimizer, build_scheduler
+
+        spec = self.spec
+        self.optimizer = build_optimizer(model, spec.optim, spec.lora.lr_ratio_b if spec.lora else 1.0)
+        self.scheduler = build_scheduler(self.optimizer, spec.optim, spec.max_steps)
+
+    def open_intake(self, trained_step: int, poll_ms: int) -> BatchIntake:
+        """The run's batches after `trained_step` (rank 0 reads the stream with the process's Redis client)."""
+        from gyre.streams import BatchStream
+
+        process = self.process
+        stream = BatchStream(process.redis(), self.name) if process.ctx.is_main else None
+        self.intake = BatchIntake(process.ctx, stream, trained_step, vocab_size=process.hf_config.vocab_size,
+                                  seq_len=process.cfg.data.seq_len, poll_ms=poll_ms,
+                                  should_stop=process.stop_requested.is_set)  # fmt: skip
+        process.status.resumed(self.name, trained_step)
+        return self.intake
+
+    @property
+    def trained_step(self) -> int:
+        return self.intake.trained_step
+
+    @property
+    def finished(self) -> bool:
+        return self.spec.max_steps is not None and self.trained_step >= self.spec.max_steps
+
+    def close(self) -> None:
+        """Release what the run holds besides the model: optimizer, schedule, stream reader, metric series,
+        notifier, event log, W&B run, lock. Its folder keeps its state."""
+        if self.closed:
+            return
+        self.closed = True
+        self.optimizer = self.scheduler = self.intake = None
+        self.metrics.forget()
+        if self.notifier:
+            self.notifier.close(timeout=2.0)
+        if self.events:
+            self.events.close()
+        if self.wandb:
+            self.wandb.finish()
+        if self.lock:
+            self.lock.release()
+
+    # ---- resume ---------------------------------------------------------------------------------
+    def resume(self) -> ResumePlan:
+        """Reconstruct the run's last committed step onto the model (rank 0 plans, every rank loads): drop what
+        a rewind discards, load the checkpoint, then the newer published weights, republish a checkpoint newer
+        than every version, and log and notify what a crash may have left undone."""
+        spec, ctx, model = self.spec, self.process.ctx, self.process.model
+        label = f"run {self.name}: " if spec.adapter else ""
+        plan = None
+        if ctx.is_main:
+            plan = plan_resume(spec.resume_step, self.checkpoints.steps(), self.transport.latest())
+            if plan.discard_after is not None:
+                dropped = (
+                    self.checkpoints.discard_after(plan.discard_after),
+                    self.publisher.discard_after(plan.discard_after),
+                )
+                log.warning("%srewinding to step %d: discarded checkpoints %s and weights %s", label,
+                            plan.discard_after, *dropped)  # fmt: skip
+        plan = dist.broadcast_object(plan, ctx)
+        if plan.checkpoint_step is not None:
+            self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
+        if plan.weights_step is not None:
+            folder = self.source.fetch(self.transport.version(plan.weights_step))
+            load_published(model, folder, plan, spec.lora, spec.adapter or "default")
+            for _ in range(plan.weights_step - (plan.checkpoint_step or 0)):  # the schedule counts updates
+                self.scheduler.step()
+            log.warning("%sparameters restored from published weights step %d, optimizer state from %s: resumed "
+                        "state is not bit-exact (set ckpt.interval=1 for exact resumes)", label, plan.weights_step,
+                        f"checkpoint {plan.checkpoint_step}" if plan.checkpoint_step else "scratch")  # fmt: skip
+        if plan.republish:  # the checkpoint is newer than every published version: commit it now
+            self.publish(
+                plan.trained_step, self.checkpoints.read_record(plan.trained_step) or {"step": plan.trained_step}
+            )
+        if ctx.is_main and plan.trained_step > 0:
+            if log_if_missing(self.events, plan.trained_step, self.publisher, self.checkpoints):
+                log.info("%slogged step %d from its published record (the previous run died before logging it)",
+                         label, plan.trained_step)  # fmt: skip
+            if not plan.republish:  # the previous run may have died before its notification went out
+                self.notifier.notify(self.transport.version(plan.trained_step))
+        self.metrics.step.set(plan.trained_step)
+        log.info("%sresuming after step %d (%s)", label, plan.trained_step, plan)
+        return plan
+
+    # ---- one step -------------------------------------------------------------------------------
+    def commit(self, item: IntakeItem) -> dict[str, Any]:
+        """Train batch `item.step` and commit it: the ordered steps of the module docstring; returns its record."""
+        ctx, step = self.process.ctx, item.step
+        record, mfu_per_rank = self.train(item)
+        crash_point("after_train", step, ctx)
+        self.checkpoint_if_due(step, record)
+        self.publish(step, record)
+        if ctx.is_main:
+            self.events.append(record)
+            self.wandb.log(record)
+            self.metrics.observe_step(record, mfu_per_rank)
+            self.metrics.rejected.inc(self.intake.rejected - self.rejected_seen)
+            self.rejected_seen = self.intake.rejected
+            self.process.status.update(step, record["num_tokens"], self.name)
+            crash_point("after_log", step, ctx)
+        self.intake.commit(item)
+        crash_point("after_ack", step, ctx)
+        if ctx.is_main:
+            self.publisher.prune()
+        return record
+
+    def train(self, item: IntakeItem) -> tuple[dict[str, Any], list[float]]:
+        """One timed optimizer step of this run; returns the step's event record and every rank's MFU."""
+        from gyre_trainer.perf import MFUMeter, effective_seq_len, flops_per_token
+        from gyre_trainer.step import train_step
+
+        process, spec = self.process, self.spec
+        cfg, ctx, model = process.cfg, process.ctx, process.model
+        if spec.adapter is not None:  # the run's adapter alone is active and trainable
+            from gyre_trainer.lora import activate_adapter
+
+            activate_adapter(model, spec.adapter)
+        start = time.perf_counter()
+        result = train_step(model, self.optimizer, self.scheduler, item.batch, rank=ctx.rank,
+                            world_size=ctx.world_size, loss_cfg=cfg.loss, micro_batch_size=cfg.data.micro_batch_size,
+                            ref_model=process.ref_model, max_grad_norm=spec.optim.max_grad_norm)  # fmt: skip
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        seconds = time.perf_counter() - start
+        lengths = [int(n) for mb in item.batch.for_rank(ctx.rank) for n in mb.sample_lengths]
+        meter = MFUMeter(flops_per_token(process.hf_config, effective_seq_len(lengths)), process.peak_flops)
+        mfu_per_rank = [v[0] for v in dist.gather_floats([meter.reading(sum(lengths), seconds).mfu], ctx)]
+        record = step_record(item, result.metrics, seconds, sum(mfu_per_rank) / len(mfu_per_rank))
+        if spec.adapter is not None:
+            record["run"] = self.name
+        return record, mfu_per_rank
+
+    def checkpoint_if_due(self, step: int, record: dict[str, Any]) -> None:
+        """Step `step`'s checkpoint when `ckpt.interval` says so (before publishing: see `plan_resume`)."""
+        interval = self.process.cfg.ckpt.interval
+        if interval and step % interval == 0:
+            start = time.perf_counter()
+            self.checkpoints.save(step, self.process.model, self.optimizer, self.scheduler, record)
+            self.metrics.checkpoint_duration.observe(time.perf_counter() - start)
+            crash_point("after_checkpoint", step, self.process.ctx)
+
+    def publish(self, step: int, record: dict[str, Any]) -> None:
+        """Publish the run's weights as version `step` (every rank gathers, rank 0 writes), the commit point
+        of a step: from here on a restarted trainer treats it as trained. Then queue the notification.
+
+        What is published: the full weights; with `lora`, the merged weights with the adapter kept beside
+        them, or (`lora.publish = "adapter"`, and always for a multi-run run) the adapter alone."""
+        process, spec = self.process, self.spec
+        ctx, lora, model = process.ctx, spec.lora, process.model
+        start = time.perf_counter()
+        if spec.adapter is not None:  # a named adapter of the shared base model (one process)
+            from gyre_trainer.lora import named_adapter_state
+
+            published = self.publisher.publish_adapter(step, named_adapter_state(model, spec.adapter), lora, record)
+        else:
+            adapter_only = lora is not None and lora.publish == "adapter"
+            state_dict = dist.full_state_dict(model, ctx, trainable_only=adapter_only)
+            if not ctx.is_main:
+                return
+            if adapter_only:
+                published = self.publisher.publish_adapter(step, state_dict, lora, record)
+            else:
+                adapter = None
+                if lora is not None:  # merged: every backend serves it like a full model; the adapter is kept too
+                    from gyre_trainer.lora import adapter_state_dict, merged_state_dict
+
+                    adapter = adapter_state_dict(state_dict)
+                    state_dict = merged_state_dict(state_dict, lora)
+                published = self.publisher.publish(step, state_dict, process.hf_config, record, adapter=adapter)
+        self.metrics.publish_duration.observe(time.perf_counter() - start)
+        crash_point("after_publish", step, ctx)
+        self.notifier.notify(published)
+
+
+def weights_notifier(orchestrator: Any, control_token: str | None) -> WeightsNotifier:
+    """The notifier of one run's orchestrator (`trainer.orchestrator`, or a multi-run run's own)."""
+    o = orchestrator
+    return WeightsNotifier(o.address, timeout_s=o.timeout_s, control_token=control_token,
+                           retry_initial_s=o.retry_initial_s, retry_max_s=o.retry_max_s)  # fmt: skip
+
+
+def log_if_missing(events: EventLog, step: int, *sources: Any) -> bool:
+    """A crash between publishing and logging step `s` leaves it unlogged: log it from the first of
+    `sources` (publisher, checkpoints) that holds its record. True when it logged."""
+    if any(r.get("step") == step for r in read_events(events.path)):
+        return False
+    record = next((r for r in (source.read_record(step) for source in sources) if r is not None), None)
+    if record is not None:
+        events.append(record)
+    return record is not None
+
+
+def load_published(model, folder: Path, plan: ResumePlan, lora, adapter: str = "default") -> None:
+    """Published weights version `folder` onto `model`: the full weights, or with `lora` the adapter alone
+    (published as such, or kept beside merged weights) onto adapter `adapter` of the base."""
+    from safetensors.torch import load_file
+
+    if lora is None:
+        dist.load_full_state_dict(model, load_file(folder / WEIGHTS_FILE))
+        return
+    from gyre_trainer.lora import ADAPTER_FILE, adapter_from_file
+
+    file = next((folder / n for n in (ADAPTER_FILE, RESUME_ADAPTER) if (folder / n).is_file()), None)
+    if file is None:  # published by a Gyre that kept no adapter with merged weights
+        raise RuntimeError(
+            f"LoRA run: published weights step {plan.weights_step} hold no adapter ({folder}); resume "
+            f"needs a checkpoint of that step, or ckpt.resume_step = {plan.checkpoint_step or 0}"
+        )
+    try:
+        tensors = adapter_from_file(model, load_file(file), adapter)
+    except ValueError as error:  # e.g. re-launched with another lora.rank: say so before anything trains
+        raise ValueError(f"LoRA run: published weights step {plan.weights_step}: {error}") from None
+    dist.load_full_state_dict(model, tensors, trainable_only=True)
+
+
+def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu: float) -> dict[str, Any]:
+    """The `trainer_steps.jsonl` line of a step (docs/architecture.md, Event logs) plus a few extras."""
+    versions = [(s.get("min_version"), s.get("max_version")) for s in item.batch.samples]
+    mins = [v for v, _ in versions if isinstance(v, int)]
+    maxs = [v for _, v in versions if isinstance(v, int)]
+    record = {
+        "step": item.step,
+        "loss": metrics.get("loss"),
+        "entropy": metrics.get("entropy"),
+        "mismatch_kl": metrics.get("mismatch_kl"),
+        "grad_norm": metrics.get("grad_norm"),
+        "lr": metrics.get("lr"),
+        "num_tokens": int(metrics.get("num_tokens", item.batch.num_tokens)),
+        "num_samples": item.batch.num_samples,
+        "step_seconds": seconds,
+        "mfu": mfu,
+        "min_version": min(mins) if mins else None,
+        "max_version": max(maxs) if maxs else None,
+        "time": time.time(),
+    }
+    if "num_loss_tokens" in metrics:
+        record["num_loss_tokens"] = int(metrics["num_loss_tokens"])
+    # the objective's and the correction's stats (clip_frac, masked_frac, is_weight, ...; docs/algorithms.md)
+    record.update({k: v for k, v in metrics.items()
+                   if k.endswith("_frac") or k in ("is_weight", "ref_kl", "teacher_kl", "skipped")})  # fmt: skip
+    return record
