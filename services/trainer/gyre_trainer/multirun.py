@@ -3,7 +3,7 @@
 Each run (`trainer.runs[]`, or a file in `trainer.runs_dir`) has everything a single-run trainer has
 except the base model: its own peft adapter (named after the run), AdamW optimizer, LR schedule,
 progress, batch stream `gyre:{name}:batches`, output folder (weights, checkpoints, events), lock and
-orchestrator: a `RunState` (`gyre_trainer.runstate`), as the single-run trainer's one run. Per step of run `r`
+orchestrator: a `RunState` (`gyre_trainer.run`), as the single-run trainer's one run. Per step of run `r`
 (`RunState.commit`, the single-run order on `r`'s pieces):
 
     activate r's adapter  only its parameters are trainable (`lora.activate_adapter`), so the step's
@@ -49,7 +49,7 @@ from pydantic import ValidationError
 from gyre_trainer import dist
 from gyre_trainer.checkpoint import CheckpointError
 from gyre_trainer.process import TrainerProcess
-from gyre_trainer.runstate import RunSpec, RunState
+from gyre_trainer.run import RunSpec, RunState
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 rank 0 of every node, /metrics and gRPC status on rank 0), the base model, the Redis client its runs read
 their batches with, readiness, and the start -> prepare -> ready -> loop -> close lifecycle. What it trains
 is one run (`gyre_trainer.service.Trainer`) or N runs (`gyre_trainer.multirun.MultiRunTrainer`), each a
-`gyre_trainer.runstate.RunState`.
+`gyre_trainer.run.RunState`.
 """
 
 from __future__ import annotations

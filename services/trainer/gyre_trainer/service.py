@@ -1,7 +1,7 @@
 """The RL trainer of one run: batch `s` in, one optimizer step, weights `s` out, orchestrator notified.
 
 `Trainer` is a `TrainerProcess` (servers, base model, lifecycle: `gyre_trainer.process`) holding one
-`RunState` (`gyre_trainer.runstate`: the run's pieces and the ordered commit of a step): the model,
+`RunState` (`gyre_trainer.run`: the run's pieces and the ordered commit of a step): the model,
 sharded over every rank with FSDP2, is the run's own. Per step, in this order (`RunState.commit`):
 
     1. batch s      rank 0 reads it from Redis (consumer group, strict order), all ranks get it
@@ -29,7 +29,7 @@ from gyre.config.trainer import TrainerConfig
 from gyre_trainer import dist
 from gyre_trainer.checkpoint import ResumePlan
 from gyre_trainer.process import TrainerProcess
-from gyre_trainer.runstate import RunSpec, RunState
+from gyre_trainer.run import RunSpec, RunState
 
 log = logging.getLogger(__name__)
 
