@@ -21,6 +21,7 @@ import peft
 import torch
 from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config, adapter_tensors
 from gyre.model_init import init_model
+from gyre.transport import FetchedWeights
 from gyre_inference.backend import SamplingParams
 from gyre_inference.torch_backend import TorchBackend
 from safetensors.torch import save_file
@@ -66,8 +67,8 @@ async def main(out: Path, rounds: int, model: Path | None, device: str, n: int) 
     print(f"{model}: {plain.device}, {plain.dtype}, {n} sequences x 64 tokens", flush=True)
     await plain.start()
     await bank.start()
-    await bank.update_adapter("a", out / "a1", 1)
-    await bank.update_adapter("b", out / "a2", 1)
+    await bank.update_adapter("a", FetchedWeights.local(out / "a1", 1))
+    await bank.update_adapter("b", FetchedWeights.local(out / "a2", 1))
     cases = {"bank, base rows": [None], "all rows adapter a": ["a"], "mixed a/b/base": ["a", "b", None]}
     ratios: dict[str, list[float]] = {label: [] for label in cases}
     try:

@@ -8,28 +8,18 @@ orchestrator use to agree with it on the next step; all three read the same file
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 
+from gyre.steps import StepEntries
 from gyre.weights import WeightStore
 
 TRAINER_CHECKPOINTS = Path("checkpoints") / "trainer"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_PROGRESS = "progress.json"  # written last into a trainer checkpoint: its presence means complete
+CHECKPOINT_COMPLETE = "progress.json"  # written last into a trainer checkpoint: its presence means complete
 
 
 def trainer_checkpoints(output_dir: Path | str) -> list[int]:
-    """Complete trainer checkpoints, ascending (torch-free twin of CheckpointManager.steps)."""
-    root = Path(output_dir) / TRAINER_CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in os.scandir(root):
-        m = _STEP_DIR.match(entry.name)
-        if m and os.path.isfile(os.path.join(entry.path, _PROGRESS)):
-            found.append(int(m.group(1)))
-    return sorted(found)
+    """Complete trainer checkpoints, ascending (what `gyre_trainer.checkpoint.CheckpointManager.steps` lists)."""
+    return StepEntries(Path(output_dir) / TRAINER_CHECKPOINTS, marker=CHECKPOINT_COMPLETE).steps()
 
 
 def committed_step(output_dir: Path | str, weights_latest: int | None = None) -> int:

@@ -17,18 +17,85 @@ store (a step folder is renamed into view complete; its manifest is the commit r
 are hashed once, by the trainer: replicas check sizes + the manifest digest, or re-hash with
 `weights.full_verify`. A new transport adds a config member with its own `kind`, its two sides here,
 and one branch in `open_store` / `open_source`.
+
+The two sides are declared as Protocols (`WeightSink`, `WeightSource`): the trainer's publisher, the
+orchestrator's relay, the replica's control server and its backends are typed against them and use nothing
+else of a transport (no reaching into a store's folders). A backend loads what the source returns
+(`FetchedWeights`), never a path it assumes.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from gyre.weights import FOLDER, WeightsError, WeightStore, WeightsVersion
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class FetchedWeights:
+    """A version as a replica's source hands it to the backend: verified, local, ready to load.
+
+    `folder`: the folder transport's `step_{s}` folder (a servable HF folder, or a PEFT adapter folder). A
+    transport that delivers tensors some other way adds its own field here and its backends read that."""
+
+    step: int
+    folder: Path
+    digest: str = ""
+
+    @classmethod
+    def local(cls, folder: Path | str, step: int = 0) -> FetchedWeights:
+        """A folder on this machine as version `step` (the base model: step 0; tests)."""
+        return cls(step, Path(folder))
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """The store side of a transport: the trainer publishes into it, the relay resolves announcements against
+    it and holds the versions replicas still serve."""
+
+    transport: str
+    coordinated: bool  # False: every replica fetches on its own; True: one round all replicas join
+
+    def publish(self, step: int, write_fn: Callable[[Path], Mapping[str, str] | None]) -> WeightsVersion:
+        """Make version `step` from the files `write_fn(folder)` writes (atomically); the version to announce."""
+        ...
+
+    def version(self, step: int) -> WeightsVersion: ...
+
+    def latest(self) -> int | None: ...
+
+    def read(self, step: int, name: str) -> bytes:
+        """A file published with version `step` (e.g. its step record); OSError or WeightsError if absent."""
+        ...
+
+    def discard_after(self, step: int) -> list[int]: ...
+
+    def prune(self, keep_last: int) -> list[int]: ...
+
+    def resolve(self, step: int, digest: str = "") -> WeightsVersion: ...
+
+    def hold(self, holder: str, steps: Iterable[int]) -> None: ...
+
+    def held(self) -> set[int]: ...
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """The source side of a transport: a replica checks an announced version, then fetches it for its backend."""
+
+    transport: str
+
+    def check(self, version: WeightsVersion) -> None:
+        """Refuse a malformed announcement before any I/O (ValueError naming the field)."""
+        ...
+
+    def fetch(self, version: WeightsVersion) -> FetchedWeights: ...
 
 
 class FolderStore:
@@ -38,29 +105,32 @@ class FolderStore:
     coordinated = False
 
     def __init__(self, root: Path | str):
-        self.store = WeightStore(root)
+        self._store = WeightStore(root)
 
     # ---- trainer (sink) -------------------------------------------------------------------------
     def publish(self, step: int, write_fn: Callable[[Path], None]) -> WeightsVersion:
-        return self.store.publish(step, write_fn)
+        return self._store.publish(step, write_fn)
 
     def version(self, step: int) -> WeightsVersion:
-        return self.store.version(step)
+        return self._store.version(step)
 
     def latest(self) -> int | None:
-        return self.store.latest()
+        return self._store.latest()
+
+    def read(self, step: int, name: str) -> bytes:
+        return (self._store.path(step) / name).read_bytes()
 
     def discard_after(self, step: int) -> list[int]:
-        return self.store.discard_after(step)
+        return self._store.discard_after(step)
 
     def prune(self, keep_last: int) -> list[int]:
-        return self.store.prune(keep_last)
+        return self._store.prune(keep_last)
 
     # ---- orchestrator (relay) -------------------------------------------------------------------
     def resolve(self, step: int, digest: str = "") -> WeightsVersion:
         """The version to relay for an announcement of `step` (WeightsError if this store does not hold
         it, or holds other files than announced: every replica would then fail the same way)."""
-        version = self.store.version(step)
+        version = self._store.version(step)
         if digest and digest != version.digest:
             raise WeightsError(
                 f"weights step {step}: digest {digest[:12]}… differs from the manifest's {version.digest[:12]}…"
@@ -68,10 +138,10 @@ class FolderStore:
         return version
 
     def hold(self, holder: str, steps: Iterable[int]) -> None:
-        self.store.set_in_use(holder, steps)
+        self._store.set_in_use(holder, steps)
 
     def held(self) -> set[int]:
-        return self.store.in_use()
+        return self._store.in_use()
 
 
 class FolderSource:
@@ -91,22 +161,22 @@ class FolderSource:
                 f"(got locator={version.locator!r}, step={version.step})"
             )
 
-    def fetch(self, version: WeightsVersion) -> Path:
+    def fetch(self, version: WeightsVersion) -> FetchedWeights:
         """The verified folder of `version` (ValueError: a malformed locator; WeightsError: not intact)."""
         self.check(version)
         path = Path(version.locator)
         WeightStore(path.parent).verify(version.step, version.digest or None, full=self.full_verify)
-        return path
+        return FetchedWeights(version.step, path, version.digest)
 
 
-def open_store(cfg: Any, output_dir: Path | str) -> FolderStore:
+def open_store(cfg: Any, output_dir: Path | str) -> WeightSink:
     """The store side of the transport `cfg` (a `weights` config section) for a run in `output_dir`."""
     if cfg.kind == FOLDER:
         return FolderStore(Path(output_dir) / "weights")
     raise ValueError(f"weights.kind: unknown transport {cfg.kind!r}")
 
 
-def open_source(cfg: Any) -> FolderSource:
+def open_source(cfg: Any) -> WeightSource:
     """The source side of the transport `cfg` (a replica's `weights` config section)."""
     if cfg.kind == FOLDER:
         return FolderSource(full_verify=cfg.full_verify)

@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre.fsio import commit_dir, fsync_files, retire_dir, write_atomic, write_file
+from gyre.fsio import commit_dir, fsync_files, write_atomic, write_file
+from gyre.steps import StepEntries, check_step
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 IN_USE_DIR = ".in_use"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _HOLDER = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -115,21 +115,16 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_step(step: int) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return step
-
-
 class WeightStore:
     """Atomic publish / verify / latest / retention of weight versions under `root`."""
 
     def __init__(self, root: Path | str, *, stale_tmp_s: float = 60.0):
         self.root = Path(root)
         self.stale_tmp_s = stale_tmp_s
+        self.entries = StepEntries(self.root, marker=MANIFEST)  # complete versions: a manifest inside
 
     def path(self, step: int) -> Path:
-        return self.root / f"step_{_check_step(step)}"
+        return self.entries.path(step)
 
     # ---- publishing -----------------------------------------------------------------------------
     def version(self, step: int) -> WeightsVersion:
@@ -144,7 +139,7 @@ class WeightStore:
         others. Republishing an existing step with identical files is a no-op that returns the existing
         digest (a trainer restarted after publishing but before acking); different files replace it.
         """
-        _check_step(step)
+        check_step(step)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-step_{step}-{uuid.uuid4().hex}"
         tmp.mkdir()
@@ -196,26 +191,15 @@ class WeightStore:
 
     def discard_after(self, step: int) -> list[int]:
         """Delete versions newer than `step` (a rewound run abandons them), each hidden by a rename first."""
-        doomed = [s for s in self.steps() if s > step]
-        for s in doomed:
-            retire_dir(self.path(s))
-        return doomed
+        return self.entries.discard_after(step)
 
     # ---- reading --------------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Complete versions (folder with a manifest), ascending."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for entry in os.scandir(self.root):
-            m = _STEP_DIR.match(entry.name)
-            if m and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST)):
-                found.append(int(m.group(1)))
-        return sorted(found)
+        return self.entries.steps()
 
     def latest(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return self.entries.latest()
 
     def _manifest_bytes(self, step: int) -> bytes:
         try:
@@ -253,7 +237,7 @@ class WeightStore:
         """Declare (replacing any previous declaration) the versions `holder` still needs."""
         if not _HOLDER.match(holder):
             raise ValueError(f"holder {holder!r} must match {_HOLDER.pattern}")
-        doc = {"holder": holder, "steps": sorted({_check_step(s) for s in steps}), "updated": time.time()}
+        doc = {"holder": holder, "steps": sorted({check_step(s) for s in steps}), "updated": time.time()}
         write_atomic(self.root / IN_USE_DIR / f"{holder}.json", json.dumps(doc).encode())
 
     def in_use(self) -> set[int]:
@@ -275,13 +259,7 @@ class WeightStore:
         the latest; also remove abandoned `.tmp-*` folders. Returns the deleted steps."""
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1 (the latest version is always kept)")
-        steps = self.steps()
-        keep = set(steps[-keep_last:]) | self.in_use()
-        deleted = []
-        for step in steps:
-            if step not in keep:
-                retire_dir(self.path(step))
-                deleted.append(step)
+        deleted = self.entries.keep_only(set(self.steps()[-keep_last:]) | self.in_use())
         self._remove_stale_tmp()
         if deleted:
             log.info("pruned weights steps %s", deleted)

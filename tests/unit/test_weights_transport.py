@@ -32,7 +32,8 @@ def test_sink_version_travels_unchanged_through_both_rpcs_to_the_source(tmp_path
         orchestrator_pb2.NotifyWeightsRequest.FromString(notify.SerializeToString()).version
     )
     assert received == version == WeightsVersion.from_proto(update.version)
-    assert open_source(ServiceConfig().weights).fetch(received) == tmp_path / "weights" / "step_3"
+    fetched = open_source(ServiceConfig().weights).fetch(received)
+    assert (fetched.step, fetched.folder, fetched.digest) == (3, tmp_path / "weights" / "step_3", version.digest)
 
 
 def test_resolve_refuses_missing_or_different_versions(tmp_path):
@@ -72,7 +73,7 @@ def test_default_verification_reads_no_weight_bytes_full_verification_rehashes(t
     blob[-1] ^= 0xFF
     (v.path / "model.safetensors").write_bytes(bytes(blob))
     with mock.patch("gyre.weights._sha256_file", side_effect=AssertionError("hashed again")):
-        assert FolderSource().fetch(v) == v.path
+        assert FolderSource().fetch(v).folder == v.path
     with pytest.raises(WeightsError, match="sha256"):
         FolderSource(full_verify=True).fetch(v)
     (v.path / "config.json").write_text("{} ")  # a size change is always caught
@@ -99,3 +100,17 @@ def test_transport_config_union_names_the_key():
     assert ServiceConfig(weights={"kind": "folder", "full_verify": True}).weights.full_verify is True
     with pytest.raises(ValidationError, match="weights.kind"):
         ServiceConfig(weights={"kind": "nccl"})
+
+
+def test_the_folder_transport_is_the_declared_seam(tmp_path):
+    """Publisher, relay, control and backends are typed against `WeightSink`/`WeightSource` and use nothing else:
+    the folder transport provides both, and a step's own files are read through the sink (`read`)."""
+    from gyre.transport import WeightSink, WeightSource
+
+    sink, source = open_store(ServiceConfig().weights, tmp_path), open_source(ServiceConfig().weights)
+    assert isinstance(sink, WeightSink) and isinstance(source, WeightSource)
+    assert not hasattr(sink, "store")  # nobody reaches through the seam to the folder store
+    sink.publish(4, write)
+    assert sink.read(4, "config.json") == (tmp_path / "weights" / "step_4" / "config.json").read_bytes()
+    with pytest.raises(OSError):
+        sink.read(4, "missing.json")

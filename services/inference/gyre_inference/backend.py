@@ -17,8 +17,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+
+from gyre.transport import FetchedWeights
 
 if TYPE_CHECKING:
     from gyre_inference.structured import Constraint, Guide
@@ -157,12 +158,14 @@ class Backend(ABC):
         """Stream the tokens of one sequence. Closing the iterator early aborts the sequence."""
 
     @abstractmethod
-    async def update_weights(self, path: Path, version: int) -> None:
-        """Load the HF safetensors in `path` and serve them as `version` from the next decode step.
+    async def update_weights(self, weights: FetchedWeights) -> None:
+        """Serve `weights` (what the replica's `WeightSource` fetched: for the folder transport a verified HF
+        folder, or a PEFT adapter folder to apply to the base) as version `weights.step` from the next decode
+        step.
 
         Sequences in flight continue on the new weights (their KV cache, computed by the old
-        weights, is kept). Raises WeightsIncompatibleError (old weights keep serving) when the
-        folder does not fit the model. The caller verifies the folder's manifest first.
+        weights, is kept). Raises WeightsIncompatibleError (old weights keep serving) when they
+        do not fit the model. The source verified them first.
         """
 
     @abstractmethod
@@ -188,6 +191,7 @@ class Backend(ABC):
             return model
         raise KeyError(model)
 
-    async def update_adapter(self, name: str, path: Path, version: int) -> None:
-        """Serve the PEFT adapter in `path` as adapter `name` at `version` (a new name takes a free slot)."""
+    async def update_adapter(self, name: str, weights: FetchedWeights) -> None:
+        """Serve the PEFT adapter `weights` (fetched by the source) as adapter `name` at version `weights.step`
+        (a new name takes a free slot)."""
         raise WeightsIncompatibleError(f"the {self.name} backend serves no named adapters")

@@ -25,6 +25,7 @@ from typing import Annotated
 
 import torch
 from fastapi import FastAPI
+from gyre.transport import FetchedWeights
 from pydantic import Field, model_validator
 
 from gyre_inference.backend import Backend, BackendStoppedError, SamplingParams, TokenEvent, WeightsIncompatibleError
@@ -123,7 +124,7 @@ class ClassifierBackend(Backend):
         raise BackendStoppedError("a pooling model does not generate")
         yield TokenEvent(0, 0.0, 0)
 
-    async def update_weights(self, path: Path, version: int) -> None:
+    async def update_weights(self, weights: FetchedWeights) -> None:
         raise WeightsIncompatibleError("a reward model (runner = pooling) takes no weight updates")
 
     async def reload_base(self) -> None:

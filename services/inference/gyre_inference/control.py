@@ -28,7 +28,7 @@ import time
 
 import grpc
 from gyre.grpc_server import AioGrpcServer
-from gyre.transport import FolderSource
+from gyre.transport import FolderSource, WeightSource
 from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightsError, WeightsVersion
 
@@ -45,7 +45,7 @@ class OlderVersionError(Exception):
 
 
 class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
-    def __init__(self, backend: Backend, metrics: InferenceMetrics, model_id: str, source: FolderSource):
+    def __init__(self, backend: Backend, metrics: InferenceMetrics, model_id: str, source: WeightSource):
         self.backend, self.metrics, self.model_id, self.source = backend, metrics, model_id, source
         self._lock = asyncio.Lock()
         self._last_seconds = 0.0
@@ -94,11 +94,11 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
         # Checked under the update lock: of two calls racing, the older step is refused after the newer one.
         if version.step < self._served(adapter) and not rollback:
             raise OlderVersionError(f"step {version.step} is older than the version served; set rollback to go back")
-        path = await asyncio.to_thread(self.source.fetch, version)
+        weights = await asyncio.to_thread(self.source.fetch, version)
         if adapter is None:
-            await self.backend.update_weights(path, version.step)
+            await self.backend.update_weights(weights)
         else:
-            await self.backend.update_adapter(adapter, path, version.step)
+            await self.backend.update_adapter(adapter, weights)
 
     async def _swap(self, what: str, load, adapter: str | None = None) -> tuple[grpc.StatusCode, str] | None:
         """Run one load under the lock; None on success, else the (code, message) to refuse the call with."""
@@ -134,7 +134,7 @@ class ControlServer(AioGrpcServer):
         metrics: InferenceMetrics,
         model_id: str,
         token: str | None = None,
-        source: FolderSource | None = None,
+        source: WeightSource | None = None,
     ):
         super().__init__(SERVICE_NAME, token=token, what="gRPC control server")
         control = InferenceControl(backend, metrics, model_id, source or FolderSource())

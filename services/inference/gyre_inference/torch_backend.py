@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from gyre.transport import FetchedWeights
 
 from gyre_inference.backend import (
     AdapterGoneError,
@@ -203,7 +204,8 @@ class TorchBackend(Backend):
             raise KeyError(name)
         return self._bank.versions[name]
 
-    async def update_adapter(self, name: str, path: Path, version: int) -> None:
+    async def update_adapter(self, name: str, weights: FetchedWeights) -> None:
+        path, version = weights.folder, weights.step
         if self._bank is None:
             raise WeightsIncompatibleError("this replica serves no named adapters: set lora.max_loras")
         async with self._swap_lock:
@@ -256,10 +258,10 @@ class TorchBackend(Backend):
         finally:
             seq.cancelled = True
 
-    async def update_weights(self, path: Path, version: int) -> None:
+    async def update_weights(self, weights: FetchedWeights) -> None:
         from gyre.lora import ADAPTER_CONFIG
 
-        path = Path(path)
+        path, version = Path(weights.folder), weights.step
         adapter = (path / ADAPTER_CONFIG).is_file()
         read = self._read_adapter if adapter else self._read_weights
         async with self._swap_lock:
@@ -269,7 +271,7 @@ class TorchBackend(Backend):
         self._others_are_base = adapter or version == 0
 
     async def reload_base(self) -> None:
-        await self.update_weights(self.model_path, 0)
+        await self.update_weights(FetchedWeights.local(self.model_path))
 
     # ---- loading --------------------------------------------------------------------------------
     def _load_model(self) -> None:

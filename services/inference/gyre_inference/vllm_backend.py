@@ -53,6 +53,7 @@ from typing import Any
 
 from gyre.config.inference import vllm_lora_rank
 from gyre.safetensors_io import read_header
+from gyre.transport import FetchedWeights
 
 from gyre_inference.backend import (
     AdapterGoneError,
@@ -338,7 +339,8 @@ class VLLMBackend(Backend):
             f"adapter {name!r} was evicted by vLLM and cannot be loaded back: {lora.lora_path} is gone"
         )
 
-    async def update_adapter(self, name: str, path: Path, version: int) -> None:
+    async def update_adapter(self, name: str, weights: FetchedWeights) -> None:
+        path, version = weights.folder, weights.step
         # Any number of names: vLLM's own cache holds `max_loras` adapters, evicts the least recently used
         # idle one and loads an evicted adapter back from its folder when a request asks for it.
         await asyncio.to_thread(adapter_rank, Path(path), self.max_lora_rank)
@@ -348,9 +350,10 @@ class VLLMBackend(Backend):
         if previous is not None:
             await self._release(previous)
 
-    async def update_weights(self, path: Path, version: int) -> None:
+    async def update_weights(self, weights: FetchedWeights) -> None:
         from gyre.lora import ADAPTER_CONFIG
 
+        path, version = weights.folder, weights.step
         previous = self._lora
         if (Path(path) / ADAPTER_CONFIG).is_file():
             await self._use_adapter(Path(path), version)
@@ -409,7 +412,7 @@ class VLLMBackend(Backend):
             log.warning("vLLM could not drop adapter %s (%s): %s", lora.lora_name, lora_id, error)
 
     async def reload_base(self) -> None:
-        await self.update_weights(self.model_path, 0)
+        await self.update_weights(FetchedWeights.local(self.model_path))
 
     async def _pause(self) -> None:
         try:

@@ -1,4 +1,5 @@
-"""Pack scored samples into `seq_len`-token rows, split them across data-parallel ranks, build a `TrainBatch`.
+"""Pack scored samples into `seq_len`-token rows, split them across data-parallel ranks, build a `TrainBatch`
+(the bin packing itself: `gyre.packing`).
 
 Invariants (tests check every one):
 - no row holds more than `seq_len` tokens, and every token of every sample lands in exactly one row,
@@ -12,8 +13,6 @@ Invariants (tests check every one):
   after the real samples (so `TrainBatch.num_samples` still counts real samples only). Fewer than
   `world_size` padding rows are ever added, and they carry nothing into the loss.
 
-First-fit decreasing uses at most 11/9·OPT + 6/9 rows; for the few hundred samples of a step it is
-instant and within a row or two of optimal.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from gyre.batch import TOKEN_FIELDS, MicroBatch, TrainBatch, expected_positions
+from gyre.packing import assign_to_ranks, first_fit_decreasing
 
 PAD_TOKEN_ID = 0  # <|endoftext|> of the built-in tokenizer; never in the loss, so any id would do
 
@@ -63,70 +63,6 @@ class TrainSample:
     @property
     def num_loss_tokens(self) -> int:
         return int(np.count_nonzero(self.loss_mask))
-
-
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Bins of item indices, each summing to <= capacity; items visited longest first."""
-    if capacity <= 0:
-        raise ValueError("capacity must be positive")
-    too_long = [i for i, n in enumerate(lengths) if n > capacity]
-    if too_long:
-        raise ValueError(f"samples {too_long} are longer than seq_len={capacity}; truncate or drop them first")
-    if any(n <= 0 for n in lengths):
-        raise ValueError("every sample must have at least one token")
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - lengths[i])
-    return bins
-
-
-def _split_bin(items: list[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
-    # greedy halving by tokens: each half is a subset of a bin that fit, so it fits too
-    a: list[int] = []
-    b: list[int] = []
-    for i in sorted(items, key=lambda i: -lengths[i]):
-        (a if sum(lengths[j] for j in a) <= sum(lengths[j] for j in b) else b).append(i)
-    return a, b
-
-
-def assign_to_ranks(bins: list[list[int]], lengths: Sequence[int], world_size: int) -> list[list[list[int]]]:
-    """Distribute rows over ranks: equal row counts per rank, balanced tokens (largest row first).
-
-    Rows with several samples are split until the row count is a multiple of `world_size`; slots that
-    still lack a row (every row is a single sample) are returned as `[]` (the caller pads them).
-    """
-    if world_size < 1:
-        raise ValueError("world_size must be >= 1")
-    bins = [list(b) for b in bins if b]
-
-    def tokens(b: list[int]) -> int:
-        return sum(lengths[i] for i in b)
-
-    while len(bins) % world_size or not bins:
-        splittable = [b for b in bins if len(b) >= 2]
-        if not splittable:
-            break
-        victim = max(splittable, key=lambda b: (tokens(b), len(b)))
-        bins.remove(victim)
-        bins.extend(_split_bin(victim, lengths))
-    while len(bins) % world_size or not bins:
-        bins.append([])  # fewer samples than ranks: padding slots
-    per_rank = len(bins) // world_size
-    ranks: list[list[list[int]]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
-    for b in sorted(bins, key=lambda b: -tokens(b)):
-        r = min((r for r in range(world_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
-        ranks[r].append(b)
-        load[r] += tokens(b)
-    return ranks
 
 
 def _row(samples: Sequence[TrainSample], indices: list[int]) -> MicroBatch:

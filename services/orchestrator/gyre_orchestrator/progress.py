@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gyre.fsio import write_atomic
+from gyre.steps import StepEntries
 
 log = logging.getLogger(__name__)
-
-_NAME = re.compile(r"^step_(\d+)\.json$")
 
 
 class ProgressError(RuntimeError):
@@ -56,22 +54,22 @@ class Progress:
 
 
 class ProgressStore:
+    """`checkpoints/orchestrator/step_{s}.json` files (`gyre.steps`); the newest `keep_last` are kept."""
+
     def __init__(self, root: Path | str, keep_last: int = 3):
         self.root = Path(root)
         self.keep_last = keep_last
+        self.entries = StepEntries(self.root, suffix=".json")
 
     def path(self, step: int) -> Path:
-        return self.root / f"step_{step}.json"
+        return self.entries.path(step)
 
     def steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _NAME.match(p.name)))
+        return self.entries.steps()
 
     def save(self, progress: Progress) -> Path:
         path = write_atomic(self.path(progress.step), json.dumps(asdict(progress), sort_keys=True).encode())
-        for old in self.steps()[: -self.keep_last]:
-            self.path(old).unlink(missing_ok=True)
+        self.entries.keep_only(self.steps()[-self.keep_last :])
         return path
 
     def load(self, step: int) -> Progress:

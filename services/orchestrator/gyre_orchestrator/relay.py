@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 from gyre.events import EventLog
-from gyre.transport import FolderStore
+from gyre.transport import WeightSink
 from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightsError, WeightsVersion
 
@@ -53,7 +53,7 @@ class WeightRelay:
     def __init__(
         self,
         replicas: ReplicaSet,
-        transport: FolderStore,
+        transport: WeightSink,
         versions: VersionWatch,
         *,
         events: EventLog | None = None,

@@ -42,6 +42,7 @@ from gyre.config.loader import GyreSettings, parse_or_exit
 from gyre.config.shared import ModelConfig
 from gyre.config.trainer import LossConfig, OptimConfig, TrainerConfig
 from gyre.model_init import PresetName
+from gyre.packing import first_fit_decreasing
 from pydantic import Field, model_validator
 
 from gyre_trainer.attention import uses_varlen, varlen_kwargs
@@ -95,31 +96,12 @@ class TrainerBenchConfig(GyreSettings):
         return self
 
 
-def pack_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into bins of total <= capacity, first-fit-decreasing
-    (longest first, each into the first bin with room): within 11/9·OPT + 1 bins."""
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if lengths[i] > capacity:
-            raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the row capacity {capacity}")
-        for b, room in enumerate(free):
-            if room >= lengths[i]:
-                bins[b].append(i)
-                free[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            free.append(capacity - lengths[i])
-    return bins
-
-
 def fake_batch(cfg: TrainerBenchConfig, vocab_size: int, rng: np.random.Generator) -> tuple[TrainBatch, float]:
     """A one-rank TrainBatch of random samples (prompt 20-50 %, completion in the loss) and its packing
     efficiency. Inference log-probs are filled in later from the model itself."""
     lengths = rng.integers(cfg.min_len, cfg.max_len + 1, cfg.num_samples).tolist()
     samples = [random_sample(length, i, vocab_size, rng) for i, length in enumerate(lengths)]
-    rows = [MicroBatch.from_samples([samples[i] for i in b]) for b in pack_first_fit_decreasing(lengths, cfg.seq_len)]
+    rows = [MicroBatch.from_samples([samples[i] for i in b]) for b in first_fit_decreasing(lengths, cfg.seq_len)]
     return one_row_batch(rows), sum(lengths) / (len(rows) * cfg.seq_len)
 
 

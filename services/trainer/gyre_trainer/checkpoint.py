@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 import warnings
@@ -33,14 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gyre.fsio import commit_dir, retire_dir, write_atomic
+from gyre.fsio import commit_dir, write_atomic
+from gyre.runstate import CHECKPOINT_COMPLETE as PROGRESS
+from gyre.steps import StepEntries
 
 from gyre_trainer.dist import DistContext, barrier
 
 log = logging.getLogger(__name__)
-
-PROGRESS = "progress.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -55,28 +53,21 @@ class CheckpointManager:
         self.ctx = ctx
         self.keep_last = keep_last
         self.keep_interval = keep_interval
+        self.entries = StepEntries(self.root, marker=PROGRESS)  # complete checkpoints: progress.json inside
 
     @property
     def single(self) -> bool:
         return not self.ctx.distributed
 
     def path(self, step: int) -> Path:
-        return self.root / f"step_{step}"
+        return self.entries.path(step)
 
     def steps(self) -> list[int]:
         """Complete checkpoints, ascending."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for entry in os.scandir(self.root):
-            m = _STEP_DIR.match(entry.name)
-            if m and os.path.isfile(os.path.join(entry.path, PROGRESS)):
-                found.append(int(m.group(1)))
-        return sorted(found)
+        return self.entries.steps()
 
     def latest(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return self.entries.latest()
 
     # ---- save -----------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, scheduler, record: dict[str, Any] | None = None) -> Path:
@@ -167,9 +158,7 @@ class CheckpointManager:
             keep.add(steps[-1])
         if self.keep_interval:
             keep |= {s for s in steps if s % self.keep_interval == 0}
-        deleted = [s for s in steps if s not in keep]
-        for s in deleted:
-            retire_dir(self.path(s))
+        deleted = self.entries.keep_only(keep)
         for entry in os.scandir(self.root):
             if entry.name.startswith(".tmp-") and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -179,10 +168,7 @@ class CheckpointManager:
 
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""
-        doomed = [s for s in self.steps() if s > step]
-        for s in doomed:
-            retire_dir(self.path(s))
-        return doomed
+        return self.entries.discard_after(step)
 
 
 def check_saved_shapes(state_dir: Path, model_sd: dict[str, Any]) -> None:

@@ -32,8 +32,8 @@ from typing import Any
 
 from gyre.fsio import write_file, write_hashed
 from gyre.safetensors_io import safetensors_chunks
-from gyre.transport import FolderStore
-from gyre.weights import WeightsVersion
+from gyre.transport import WeightSink
+from gyre.weights import WeightsError, WeightsVersion
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def _link_or_copy(source: Path, target: Path) -> None:
 class WeightPublisher:
     """Publish `weights/step_{s}` (rank 0 only) and prune versions nobody needs any more."""
 
-    def __init__(self, sink: FolderStore, base_model: Path | str, keep_last: int):
+    def __init__(self, sink: WeightSink, base_model: Path | str, keep_last: int):
         self.sink = sink
         self.base_model = base_model
         self.keep_last = keep_last
@@ -189,8 +189,8 @@ class WeightPublisher:
     def read_record(self, step: int) -> dict[str, Any] | None:
         """The event record published with version `step` (None when missing)."""
         try:
-            return json.loads((self.sink.store.path(step) / STEP_RECORD).read_bytes())
-        except (OSError, ValueError):
+            return json.loads(self.sink.read(step, STEP_RECORD))
+        except (OSError, ValueError, WeightsError):
             return None
 
     def prune(self) -> list[int]:

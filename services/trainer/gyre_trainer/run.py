@@ -183,8 +183,8 @@ class RunState:
         if plan.checkpoint_step is not None:
             self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
         if plan.weights_step is not None:
-            folder = self.source.fetch(self.transport.version(plan.weights_step))
-            load_published(model, folder, plan, spec.lora, spec.adapter or "default")
+            fetched = self.source.fetch(self.transport.version(plan.weights_step))  # verified, as a replica does
+            load_published(model, fetched.folder, plan, spec.lora, spec.adapter or "default")
             for _ in range(plan.weights_step - (plan.checkpoint_step or 0)):  # the schedule counts updates
                 self.scheduler.step()
             log.warning("%sparameters restored from published weights step %d, optimizer state from %s: resumed "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import torch
-from gyre.transport import FolderStore
+from gyre.transport import FolderSource, FolderStore
 from gyre.weights import WeightStore
 from gyre_trainer.publish import WeightPublisher
 
@@ -40,7 +40,7 @@ def test_torch_backend_serves_published_weights(tiny_model, tmp_path, isolated_t
         backend = TorchBackend(tiny_model, device="cpu", dtype="float32", threads=1)
         await backend.start()
         try:
-            await backend.update_weights(published.path, published.step)
+            await backend.update_weights(FolderSource().fetch(published))  # what a replica does
             events = [e async for e in backend.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))]
             return [e.token_id for e in events], {e.version for e in events}
         finally:

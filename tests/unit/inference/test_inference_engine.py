@@ -11,6 +11,7 @@ import warnings
 import pytest
 import pytest_asyncio
 import torch
+from gyre.transport import FetchedWeights
 from gyre_inference.backend import SamplingParams
 from gyre_inference.torch_backend import TorchBackend
 
@@ -102,7 +103,7 @@ async def test_a_weight_swap_keeps_rows_running_and_stops_reuse_of_old_blocks(en
     await run(engine, PROMPT, max_tokens=4, seed=1)  # PROMPT's full blocks are cached under version 0
     stream = engine.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0))
     events = [await stream.__anext__() for _ in range(3)]
-    await engine.update_weights(tmp_path / "v1", 1)
+    await engine.update_weights(FetchedWeights.local(tmp_path / "v1", 1))
     events += [e async for e in stream]
     versions = [e.version for e in events]
     assert len(events) == 40 and versions[:3] == [0, 0, 0] and versions[-1] == 1 and versions == sorted(versions)

@@ -10,6 +10,7 @@ import pytest
 import pytest_asyncio
 import torch
 from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config, adapter_tensors
+from gyre.transport import FetchedWeights
 from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
 from gyre_inference.torch_backend import TorchBackend
 
@@ -57,7 +58,7 @@ def reference_logprobs(model, tokens):
 @pytest.mark.asyncio
 async def test_adapter_versions_apply_to_the_base_in_memory(backend, tiny_model, tmp_path, monkeypatch):
     first = write_adapter(tiny_model, tmp_path / "a1", seed=1)
-    await backend.update_weights(tmp_path / "a1", 1)
+    await backend.update_weights(FetchedWeights.local(tmp_path / "a1", 1))
     tokens, logprobs = await greedy_logprobs(backend)
     assert backend.version == 1
     assert torch.allclose(logprobs, reference_logprobs(first, tokens), atol=1e-4)
@@ -70,13 +71,13 @@ async def test_adapter_versions_apply_to_the_base_in_memory(backend, tiny_model,
     perturbed = {k: v + 0.01 for k, v in load_file(tiny_model / "model.safetensors").items()}
 
     save_file({k: v.contiguous() for k, v in perturbed.items()}, full / "model.safetensors")
-    await backend.update_weights(full, 2)
+    await backend.update_weights(FetchedWeights.local(full, 2))
 
     second = write_adapter(tiny_model, tmp_path / "a2", seed=2)
     read_base = []
     original = backend._read_weights
     monkeypatch.setattr(backend, "_read_weights", lambda path: read_base.append(path) or original(path))
-    await backend.update_weights(tmp_path / "a2", 3)
+    await backend.update_weights(FetchedWeights.local(tmp_path / "a2", 3))
     assert read_base == []  # the base was read once (first adapter), never reloaded
     tokens, logprobs = await greedy_logprobs(backend)
     assert backend.version == 3
@@ -87,7 +88,7 @@ async def test_adapter_versions_apply_to_the_base_in_memory(backend, tiny_model,
 async def test_an_adapter_on_lm_head_applies_too(backend, tiny_model, tmp_path):
     # the LoRA demo adapts the output layer as well (docs/trainer.md, "The CPU demo with LoRA")
     model = write_adapter(tiny_model, tmp_path / "head", seed=4, targets=[*TARGETS, "lm_head"])
-    await backend.update_weights(tmp_path / "head", 1)
+    await backend.update_weights(FetchedWeights.local(tmp_path / "head", 1))
     tokens, logprobs = await greedy_logprobs(backend)
     assert torch.allclose(logprobs, reference_logprobs(model, tokens), atol=1e-4)
 
@@ -98,7 +99,7 @@ async def test_an_adapter_that_does_not_fit_is_refused(backend, tiny_model, tmp_
     config = json.loads((tmp_path / "bad" / ADAPTER_CONFIG).read_text())
     (tmp_path / "bad" / ADAPTER_CONFIG).write_text(json.dumps({**config, "r": 0}))
     with pytest.raises(WeightsIncompatibleError, match="r must be a positive number"):
-        await backend.update_weights(tmp_path / "bad", 1)
+        await backend.update_weights(FetchedWeights.local(tmp_path / "bad", 1))
     assert backend.version == 0
 
 
@@ -113,7 +114,7 @@ async def test_an_adapter_is_merged_on_the_gpu_into_peft_s_merged_weights(tiny_m
     try:
         for version, seed in ((1, 1), (2, 2)):
             model = write_adapter(tiny_model, tmp_path / f"a{version}", seed=seed)
-            await engine.update_weights(tmp_path / f"a{version}", version)
+            await engine.update_weights(FetchedWeights.local(tmp_path / f"a{version}", version))
             expected = model.merge_and_unload().state_dict()
             served = {name: tensor.detach().cpu() for name, tensor in engine._weights.items()}
             assert all(engine._base[name].is_pinned() for name in engine._base)

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import pytest_asyncio
 import torch
+from gyre.transport import FetchedWeights
 from gyre_inference.backend import AdapterGoneError, SamplingParams, WeightsIncompatibleError
 from gyre_inference.torch_backend import TorchBackend
 from test_inference_lora_adapter import PROMPT, reference_logprobs, write_adapter
@@ -38,8 +39,8 @@ async def test_each_name_samples_with_its_own_adapter_also_in_mixed_batches(back
     base_tokens, _, _ = await sample(backend, None)
     assert (await sample(backend, "a"))[0] == base_tokens  # declared, no version yet: the base
     models = {"a": write_adapter(tiny_model, tmp_path / "a", seed=1), "b": write_adapter(tiny_model, tmp_path / "b", 2)}
-    await backend.update_adapter("a", tmp_path / "a", 5)
-    await backend.update_adapter("b", tmp_path / "b", 7)  # a new name takes the free slot
+    await backend.update_adapter("a", FetchedWeights.local(tmp_path / "a", 5))
+    await backend.update_adapter("b", FetchedWeights.local(tmp_path / "b", 7))  # a new name takes the free slot
     assert set(backend.adapter_names) == {"a", "b"}
     assert (backend.adapter_version("a"), backend.adapter_version("b"), backend.version) == (5, 7, 0)
 
@@ -70,7 +71,7 @@ async def test_bad_adapters_and_names_are_refused(backend, tiny_model, tmp_path)
     await small.start()
     try:
         with pytest.raises(WeightsIncompatibleError, match="max_rank"):
-            await small.update_adapter("x", big, 1)
+            await small.update_adapter("x", FetchedWeights.local(big, 1))
         assert small.adapter_names == ()  # nothing changed
     finally:
         await small.shutdown()
@@ -78,7 +79,7 @@ async def test_bad_adapters_and_names_are_refused(backend, tiny_model, tmp_path)
     await plain.start()
     try:
         with pytest.raises(WeightsIncompatibleError, match="lora.max_loras"):
-            await plain.update_adapter("a", big, 1)
+            await plain.update_adapter("a", FetchedWeights.local(big, 1))
     finally:
         await plain.shutdown()
 
@@ -95,14 +96,14 @@ async def test_the_bank_stays_bounded_evicting_the_least_recently_used_idle_name
     try:
         stacks = [a.shape for a, _ in engine._bank.layers.values()]
         models = {name: write_adapter(tiny_model, tmp_path / name, seed=i + 1) for i, name in enumerate("abc")}
-        await engine.update_adapter("a", tmp_path / "a", 3)
-        await engine.update_adapter("b", tmp_path / "b", 4)
+        await engine.update_adapter("a", FetchedWeights.local(tmp_path / "a", 3))
+        await engine.update_adapter("b", FetchedWeights.local(tmp_path / "b", 4))
         alone = {name: await sample(engine, name, n=30) for name in "ab"}  # b used last, a least recently
 
         running = engine.generate(PROMPT, SamplingParams(max_tokens=30, temperature=1.0, seed=3, adapter="a"))
         first = await running.__anext__()
         await sample(engine, "b", n=1)  # b used last: a is the least recently used, but its row is running
-        await engine.update_adapter("c", tmp_path / "c", 5)  # so b, idle, is the one evicted
+        await engine.update_adapter("c", FetchedWeights.local(tmp_path / "c", 5))  # so b, idle, is the one evicted
         assert set(engine._bank.slots) == {"a", "c"}
         rest = [e async for e in running]
         assert [first.token_id] + [e.token_id for e in rest] == alone["a"][0]  # a's row kept its adapter
@@ -134,7 +135,7 @@ async def test_cuda_graphs_with_adapters_give_the_same_tokens_as_eager(tiny_mode
                               max_adapters=1, max_lora_rank=4)  # fmt: skip
         await engine.start()
         try:
-            await engine.update_adapter("a", tmp_path / "a", 1)
+            await engine.update_adapter("a", FetchedWeights.local(tmp_path / "a", 1))
             runs = await asyncio.gather(*(sample(engine, name, seed=i, n=40) for i, name in enumerate([None, "a"] * 3)))
             return [r[0] for r in runs], engine._runner.cuda_graphs
         finally:
@@ -156,7 +157,7 @@ async def test_an_evicted_name_whose_folder_is_gone_gets_the_unknown_model_404_o
     async def three_names_two_gone(engine):
         for step, name in enumerate("abc", start=1):  # one slot: b evicts a, c evicts b
             write_adapter(tiny_model, tmp_path / name, seed=step)
-            await engine.update_adapter(name, tmp_path / name, step)
+            await engine.update_adapter(name, FetchedWeights.local(tmp_path / name, step))
         shutil.rmtree(tmp_path / "a")
         shutil.rmtree(tmp_path / "b")
 

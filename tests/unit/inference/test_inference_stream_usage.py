@@ -42,7 +42,7 @@ class BurstBackend(Backend):
             last = i == min(len(self.tokens), params.max_tokens) - 1
             yield TokenEvent(token, -0.5, 0, finish_reason="length" if last else None)
 
-    async def update_weights(self, path, version):
+    async def update_weights(self, weights):
         raise NotImplementedError
 
     async def reload_base(self):

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 import torch
+from gyre.transport import FetchedWeights
 from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
 from gyre_inference.torch_backend import TorchBackend
 
@@ -148,7 +149,7 @@ async def test_weight_swap_between_steps_keeps_sequences_running(backend, refere
     new_model = _save_perturbed(tiny_model, tmp_path / "v1")
     stream = backend.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0))
     events = [await stream.__anext__() for _ in range(3)]
-    await backend.update_weights(tmp_path / "v1", 1)
+    await backend.update_weights(FetchedWeights.local(tmp_path / "v1", 1))
     events += [e async for e in stream]
     versions = [e.version for e in events]
     assert len(events) == 40 and versions[:3] == [0, 0, 0] and versions[-1] == 1
@@ -181,7 +182,7 @@ async def test_a_swap_its_caller_gave_up_on_is_dropped_and_the_batch_keeps_runni
     events += [e async for e in stream]
     assert len(events) == 40 and events[-1].finish_reason == "length"
     assert {e.version for e in events} == {0} and backend.version == 0
-    await backend.update_weights(tmp_path / "v1", 1)  # the next swap goes through
+    await backend.update_weights(FetchedWeights.local(tmp_path / "v1", 1))  # the next swap goes through
     assert backend.version == 1
 
 
@@ -206,7 +207,7 @@ async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving
                "garbage": "not a readable safetensors file"}  # fmt: skip
     for folder, reason in reasons.items():
         with pytest.raises(WeightsIncompatibleError, match=reason):
-            await backend.update_weights(tmp_path / folder, 7)
+            await backend.update_weights(FetchedWeights.local(tmp_path / folder, 7))
     assert backend.version == 0
     after = await _run(backend, PROMPTS[0], max_tokens=8, seed=9)
     assert after[:2] == before[:2]
@@ -398,13 +399,14 @@ async def test_graphs_captured_while_other_threads_use_the_gpu_keep_serving(tiny
 
         async def swap_forever():
             nonlocal swaps
+
             def allocate():  # memory the allocator must take from the driver (cudaMalloc), in a worker thread
                 torch.cuda.empty_cache()  # no cached block to reuse: every allocation below is a cudaMalloc
                 held.append(torch.ones(1 << 20, device="cuda"))
 
             while True:
                 await asyncio.to_thread(allocate)
-                await engine.update_weights(tiny_model, swaps + 1)
+                await engine.update_weights(FetchedWeights.local(tiny_model, swaps + 1))
                 swaps += 1
 
         swapper = asyncio.create_task(swap_forever()) if swapping else None

@@ -8,6 +8,7 @@ from collections import namedtuple
 
 import pytest
 import torch
+from gyre.transport import FetchedWeights
 from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
 from gyre_inference.vllm_backend import check_same_layout, safetensors_layout, token_events
 
@@ -126,7 +127,7 @@ def test_vllm_end_to_end_on_a_gpu(tiny_model, tmp_path):
 
             long = backend.generate(prompt, SamplingParams(max_tokens=200, temperature=1.0, seed=1))
             events = [await long.__anext__() for _ in range(3)]
-            await backend.update_weights(tmp_path / "v1", 1)
+            await backend.update_weights(FetchedWeights.local(tmp_path / "v1", 1))
             events += [e async for e in long]
             assert len(events) == 200 and events[0].version == 0 and events[-1].version == 1
             fresh = [e async for e in backend.generate(prompt, params)]

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import pytest
 from gyre.config.inference import VLLM_LORA_RANKS, InferenceConfig
 from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config
+from gyre.transport import FetchedWeights
 from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
 
 
@@ -276,7 +277,7 @@ def test_adapter_versions_become_lora_requests_with_a_new_id_each(standin_vllm, 
         args = engine.args
         assert (args.enable_lora, args.max_lora_rank, args.max_loras) == (True, 16, 2)
 
-        await backend.update_weights(v1, 1)
+        await backend.update_weights(FetchedWeights.local(v1, 1))
         first = engine.last("add_lora")["lora_request"]
         assert engine.names() == ["add_lora"]  # no pause, no weight reload: vLLM applies the adapter per request
         assert (first.lora_int_id, first.lora_path) == (1, str(v1)) and backend.version == 1
@@ -287,7 +288,7 @@ def test_adapter_versions_become_lora_requests_with_a_new_id_each(standin_vllm, 
         events = [await early.__anext__()]
         assert engine.last("generate")["lora_request"] is first
 
-        await backend.update_weights(v2, 2)
+        await backend.update_weights(FetchedWeights.local(v2, 2))
         second = engine.last("add_lora")["lora_request"]
         assert second.lora_int_id == 2 and second.lora_path == str(v2) and second.lora_name != first.lora_name
         assert engine.removed() == []  # the early request still runs on the first adapter
@@ -304,13 +305,13 @@ def test_adapter_versions_become_lora_requests_with_a_new_id_each(standin_vllm, 
         # a full-weights version: requests go without an adapter; the next adapter first brings back the base
         full = tmp_path / "step_3"
         shutil.copytree(tiny_model, full)
-        await backend.update_weights(full, 3)
+        await backend.update_weights(FetchedWeights.local(full, 3))
         assert engine.removed() == [1, 2] and engine.loras == {}
         generate = backend.generate([1], SamplingParams(max_tokens=1))
         engine.steps.put_nowait(None)
         assert [e.version async for e in generate] == [3] and engine.last("generate")["lora_request"] is None
         del engine.calls[:]
-        await backend.update_weights(v1, 4)
+        await backend.update_weights(FetchedWeights.local(v1, 4))
         rpc = [c for name, c in engine.calls if name == "collective_rpc"]
         assert [c["args"] for c in rpc] == [(str(tiny_model),)], "the base is reloaded under the adapter"
         assert engine.last("add_lora")["lora_request"].lora_int_id == 3  # a re-served folder still gets a new id
@@ -327,19 +328,19 @@ def test_adapters_need_lora_enabled_and_a_rank_that_fits(standin_vllm, tiny_mode
         await plain.start()
         assert plain._engine.args.enable_lora is False
         with pytest.raises(WeightsIncompatibleError, match="lora.max_loras >= 1"):
-            await plain.update_weights(adapter_folder(tmp_path, "a"), 1)
+            await plain.update_weights(FetchedWeights.local(adapter_folder(tmp_path, "a"), 1))
         with pytest.raises(WeightsIncompatibleError, match="lora.max_loras >= 1"):
-            await plain.update_adapter("run-a", tmp_path / "a", 1)
+            await plain.update_adapter("run-a", FetchedWeights.local(tmp_path / "a", 1))
         assert plain.adapter_names == ()
         small = VLLMBackend(tiny_model, max_loras=1, max_lora_rank=4)
         await small.start()
         assert small._engine.args.max_lora_rank == 8  # the smallest of vLLM's sizes that holds rank 4
         with pytest.raises(WeightsIncompatibleError, match="rank 8 exceeds lora.max_rank 4"):
-            await small.update_weights(adapter_folder(tmp_path, "b", rank=8), 1)
+            await small.update_weights(FetchedWeights.local(adapter_folder(tmp_path, "b", rank=8), 1))
         broken = adapter_folder(tmp_path, "c")
         (broken / ADAPTER_CONFIG).write_text('{"r": 0, "lora_alpha": 1}')
         with pytest.raises(WeightsIncompatibleError, match="not a usable LoRA adapter"):
-            await small.update_weights(broken, 1)
+            await small.update_weights(FetchedWeights.local(broken, 1))
         assert plain._engine.calls == small._engine.calls == [] and small.version == 0  # nothing reached vLLM
 
         async def refuse(lora_request):
@@ -347,7 +348,7 @@ def test_adapters_need_lora_enabled_and_a_rank_that_fits(standin_vllm, tiny_mode
 
         small._engine.add_lora = refuse
         with pytest.raises(WeightsIncompatibleError, match="vLLM could not load the adapter .*lm_head"):
-            await small.update_adapter("run-a", adapter_folder(tmp_path, "d", rank=4), 1)
+            await small.update_adapter("run-a", FetchedWeights.local(adapter_folder(tmp_path, "d", rank=4), 1))
         assert small.adapter_names == ()
 
     run(scenario())
@@ -376,8 +377,8 @@ def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, t
         assert {e.version for e in await tokens(backend, "run-a")} == {0}
         assert engine.last("generate")["lora_request"] is None
 
-        await backend.update_adapter("run-a", folders["a5"], 5)
-        await backend.update_adapter("run-b", folders["b7"], 7)  # a new name takes the free place
+        await backend.update_adapter("run-a", FetchedWeights.local(folders["a5"], 5))
+        await backend.update_adapter("run-b", FetchedWeights.local(folders["b7"], 7))  # a new name takes the free place
         assert backend.adapter_names == ("run-a", "run-b") and backend.version == 0
         assert (backend.adapter_version("run-a"), backend.adapter_version("run-b")) == (5, 7)
         a5, b7 = (c["lora_request"] for name, c in engine.calls if name == "add_lora")
@@ -394,7 +395,7 @@ def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, t
         early = backend.generate([3], SamplingParams(max_tokens=3, adapter="run-a"))
         engine.steps.put_nowait(None)
         first = await early.__anext__()
-        await backend.update_adapter("run-a", folders["a6"], 6)
+        await backend.update_adapter("run-a", FetchedWeights.local(folders["a6"], 6))
         a6 = engine.last("add_lora")["lora_request"]
         assert a6.lora_int_id == 3 and backend._named["run-b"] == (b7, 7)
         assert engine.removed() == [] and set(engine.loras) == {1, 2, 3}
@@ -407,10 +408,11 @@ def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, t
         assert engine.removed() == [1] and set(engine.loras) == {2, 3}  # a5's last request ended
 
         # no request in flight: the previous adapter is dropped at once; ids are never reused
-        await backend.update_adapter("run-a", folders["a7"], 7)
+        await backend.update_adapter("run-a", FetchedWeights.local(folders["a7"], 7))
         assert engine.last("add_lora")["lora_request"].lora_int_id == 4
         assert engine.removed() == [1, 3] and set(engine.loras) == {2, 4}
-        await backend.update_adapter("run-a", folders["a7"], 7)  # a retry of the same step: a new id and name
+        # a retry of the same step: a new id and name
+        await backend.update_adapter("run-a", FetchedWeights.local(folders["a7"], 7))
         assert engine.last("add_lora")["lora_request"].lora_int_id == 5
         assert engine.removed() == [1, 3, 4] and set(engine.loras) == {2, 5}
 
@@ -418,13 +420,13 @@ def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, t
         before = dict(backend._named)
         (folders["big"] / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(16, 32, 0.0, ["q_proj"], "base")))
         with pytest.raises(WeightsIncompatibleError, match="exceeds lora.max_rank 8"):
-            await backend.update_adapter("run-b", folders["big"], 8)
+            await backend.update_adapter("run-b", FetchedWeights.local(folders["big"], 8))
         with pytest.raises(KeyError, match="run-c"):
             await tokens(backend, "run-c")
         assert backend._named == before and set(engine.loras) == {2, 5}
 
         # more names than max_loras (2): accepted; vLLM's cache evicts idle adapters and loads them back
-        await backend.update_adapter("run-c", folders["a5"], 1)
+        await backend.update_adapter("run-c", FetchedWeights.local(folders["a5"], 1))
         assert backend.adapter_names == ("run-a", "run-b", "run-c") and backend.adapter_version("run-c") == 1
         await backend.shutdown()
 
@@ -450,8 +452,8 @@ def test_a_name_whose_adapter_vllm_evicted_and_whose_folder_is_gone_is_forgotten
         await backend.start()
         engine = backend._engine
         engine.auto = True
-        await backend.update_adapter("run-a", folders["a3"], 3)
-        await backend.update_adapter("run-b", folders["b4"], 4)
+        await backend.update_adapter("run-a", FetchedWeights.local(folders["a3"], 3))
+        await backend.update_adapter("run-b", FetchedWeights.local(folders["b4"], 4))
         a3, b4 = backend._named["run-a"][0], backend._named["run-b"][0]
 
         shutil.rmtree(folders["a3"])
@@ -467,7 +469,8 @@ def test_a_name_whose_adapter_vllm_evicted_and_whose_folder_is_gone_is_forgotten
         assert a3.lora_int_id in engine.removed() and a3.lora_int_id not in engine.evicted
         with pytest.raises(KeyError, match="no adapter named 'run-a'"):  # forgotten: the API's plain 404
             await tokens(backend, "run-a")
-        await backend.update_adapter("run-a", folders["a9"], 9)  # the run is back with a new version
+        # the run is back with a new version
+        await backend.update_adapter("run-a", FetchedWeights.local(folders["a9"], 9))
         assert await tokens(backend, "run-a") == [9, 9] and await tokens(backend, "run-b") == [4, 4]
         await backend.shutdown()
 
@@ -505,7 +508,7 @@ def test_openai_api_serves_each_run_name_like_the_torch_backend(standin_vllm, ti
         async def start_vllm(backend):
             engines.append(backend._engine)
             backend._engine.auto = True
-            await backend.update_adapter("run-a", folder, 3)
+            await backend.update_adapter("run-a", FetchedWeights.local(folder, 3))
 
         vllm = VLLMBackend(tiny_model, max_loras=4, max_lora_rank=8, adapters=names)
         models, completion, missing = await serve(vllm, start_vllm)
@@ -645,8 +648,8 @@ def test_vllm_serves_each_run_adapter_on_a_gpu(tiny_model, tmp_path):
                               max_loras=4, max_lora_rank=4, adapters=("run-a", "run-b"))  # fmt: skip
         await backend.start()
         try:
-            await backend.update_adapter("run-a", tmp_path / "a", 1)
-            await backend.update_adapter("run-b", tmp_path / "b", 2)
+            await backend.update_adapter("run-a", FetchedWeights.local(tmp_path / "a", 1))
+            await backend.update_adapter("run-b", FetchedWeights.local(tmp_path / "b", 2))
             names = [None, "run-a", "run-b"] * 2
             runs = await asyncio.gather(*(sample(backend, name, seed) for seed, name in enumerate(names)))
             for name, events in zip(names, runs, strict=True):
@@ -654,7 +657,8 @@ def test_vllm_serves_each_run_adapter_on_a_gpu(tiny_model, tmp_path):
                 assert best == (name and name[-1]) and error < 0.02, (name, best, error)
                 assert {e.version for e in events} == {{None: 0, "run-a": 1, "run-b": 2}[name]}
 
-            await backend.update_adapter("run-a", tmp_path / "b", 3)  # run-a now serves b's weights
+            # run-a now serves b's weights
+            await backend.update_adapter("run-a", FetchedWeights.local(tmp_path / "b", 3))
             assert closest(await sample(backend, "run-a", 7))[0] == "b"
             assert closest(await sample(backend, "run-b", 8))[0] == "b"
             assert await backend._engine.list_loras() == {2, 3}  # run-a's first adapter left vLLM's cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gyre.codec import decode_batch, encode_batch
-from gyre_orchestrator.packing import TrainSample, assign_to_ranks, first_fit_decreasing, pack_batch
+from gyre_orchestrator.packing import TrainSample, pack_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,26 +89,6 @@ def test_packing_invariants(lengths, seq_len, world_size):
     assert all(a.equals(b) for ra, rb in pairs for a, b in zip(ra, rb, strict=True))
 
 
-def test_ffd_is_tight_on_a_known_instance():
-    # 6+4, 5+5, 3+3+2+2 fill three rows of 10 exactly
-    lengths = [6, 5, 5, 4, 3, 3, 2, 2]
-    bins = first_fit_decreasing(lengths, 10)
-    assert len(bins) == 3
-    assert sorted(sum(lengths[i] for i in b) for b in bins) == [10, 10, 10]
-
-
-def test_too_long_sample_is_an_error_not_a_silent_cut():
-    with pytest.raises(ValueError, match="longer than seq_len"):
-        first_fit_decreasing([5, 11], 10)
-
-
-def test_rows_are_split_so_every_rank_gets_work():
-    # four short samples fit one row, but two ranks need two rows: the row is split, not padded
-    lengths = [3, 3, 3, 3]
-    ranks = assign_to_ranks(first_fit_decreasing(lengths, 100), lengths, 2)
-    assert [sum(lengths[i] for b in r for i in b) for r in ranks] == [6, 6]
-
-
 def test_unsplittable_rows_get_a_padding_row():
     result = pack_batch(1, [make_sample(0, 5)], seq_len=16, world_size=2)
     batch = result.batch
@@ -120,10 +100,3 @@ def test_unsplittable_rows_get_a_padding_row():
 def test_empty_batch_is_refused():
     with pytest.raises(ValueError, match="empty"):
         pack_batch(1, [], seq_len=16)
-
-
-def test_ranks_are_balanced_by_tokens():
-    lengths = [60, 50, 40, 30, 20, 10, 10, 10]
-    ranks = assign_to_ranks(first_fit_decreasing(lengths, 64), lengths, 2)
-    loads = [sum(lengths[i] for b in r for i in b) for r in ranks]
-    assert max(loads) - min(loads) <= 20

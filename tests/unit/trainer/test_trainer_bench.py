@@ -1,31 +1,11 @@
-"""The trainer benchmark's parts: the first-fit-decreasing packer, fake batches, one tiny end-to-end run."""
+"""The trainer benchmark's parts: fake batches (packed by `gyre.packing`), one tiny end-to-end run."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from gyre.config.shared import ModelConfig
-from gyre_trainer.bench import TrainerBenchConfig, fake_batch, main, pack_first_fit_decreasing, run
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 100), max_size=60), st.integers(100, 300))
-def test_ffd_places_every_sample_once_within_capacity(lengths, capacity):
-    bins = pack_first_fit_decreasing(lengths, capacity)
-    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
-    # First fit never leaves two bins that could be merged, so at most one bin is half empty or worse.
-    assert sum(sum(lengths[i] for i in b) <= capacity / 2 for b in bins) <= 1
-
-
-def test_ffd_is_optimal_on_a_tight_instance():
-    lengths = [2, 5, 2, 5, 8, 8]  # first fit in arrival order needs 4 rows of 10; sorted first, 3 full ones
-    bins = pack_first_fit_decreasing(lengths, 10)
-    assert sorted(sorted(lengths[i] for i in b) for b in bins) == [[2, 8], [2, 8], [5, 5]]
-    with pytest.raises(ValueError, match="more than the row capacity"):
-        pack_first_fit_decreasing([13], 12)
+from gyre_trainer.bench import TrainerBenchConfig, fake_batch, main, run
 
 
 def test_fake_batch_is_valid_and_well_packed():

@@ -63,6 +63,7 @@ def test_merged_weights_reload_in_transformers_and_equal_base_plus_adapter(tiny_
 
 def test_adapter_alone_is_published_in_peft_format_and_reapplies_to_the_base(tiny_model, tmp_path):
     from gyre.transport import FolderStore
+    from gyre.weights import WeightStore
     from gyre_trainer.publish import STEP_RECORD, WeightPublisher
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -71,7 +72,7 @@ def test_adapter_alone_is_published_in_peft_format_and_reapplies_to_the_base(tin
     store = FolderStore(tmp_path / "weights")
     version = WeightPublisher(store, tiny_model, 2).publish_adapter(5, model.state_dict(), CFG, {"step": 5})
     folder = version.path
-    manifest = store.store.verify(5, version.digest)
+    manifest = WeightStore(tmp_path / "weights").verify(5, version.digest)
     assert set(manifest.files) == {"adapter_model.safetensors", "adapter_config.json", STEP_RECORD}
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     reloaded = peft.PeftModel.from_pretrained(base, folder).eval()
