@@ -20,7 +20,7 @@ def resolve(tmp_path, *argv):
 def test_the_distillation_example_serves_its_teacher_and_wires_it(tmp_path):
     resolved = resolve(tmp_path, "@", str(ROOT / "configs/signals/distill.toml"))
     teacher = resolved.servers["teacher"]
-    assert teacher.model.name == "outputs/demo/weights/step_120" and teacher.runner == "generate"
+    assert teacher.model.name == "outputs/demo/weights/step_300" and teacher.runner == "generate"
     assert resolved.orchestrator.teacher.url == f"http://127.0.0.1:{teacher.server.port}"
     ports = {c.server.port for c in resolved.inference} | {teacher.server.port}
     assert len(ports) == len(resolved.inference) + 1  # its own port

@@ -5,8 +5,10 @@
     answer: vwxzq
 
 Reward: LCS ratio between the reply (whole text, stripped) and the reversed string, so a tiny policy earns
-partial credit for partly right answers and the signal is dense. Random letters rarely merge into BPE tokens,
-so the model works (mostly) letter by letter. The SFT example replies in exactly this format.
+partial credit for partly right answers and the signal is dense; or, with `reward = "exact"`, 1 for exactly the
+reversed string and 0 otherwise (a sparse reward: what on-policy distillation's dense signal is compared on).
+Random letters rarely merge into BPE tokens, so the model works (mostly) letter by letter. The SFT example
+replies in exactly this format.
 """
 
 from __future__ import annotations
@@ -29,16 +31,27 @@ def lcs_reward(completion: Messages, answer: str, parser: Parser) -> float:
     return lcs_ratio(parser.parse_answer(completion) or "", answer)
 
 
+def exact_reward(completion: Messages, answer: str, parser: Parser) -> float:
+    """1 when the parsed reply is exactly the reversed text, else 0."""
+    return float((parser.parse_answer(completion) or "") == answer)
+
+
+REWARDS = {"lcs": lcs_reward, "exact": exact_reward}
+
+
 class ReverseTextEnv(SingleTurnEnv):
     name = "reverse_text"
 
-    def __init__(self, *, min_length: int = 3, max_length: int = 8, alphabet: str = string.ascii_lowercase, **kwargs):
+    def __init__(self, *, min_length: int = 3, max_length: int = 8, alphabet: str = string.ascii_lowercase,
+                 reward: str = "lcs", **kwargs):  # fmt: skip
         if not 1 <= min_length <= max_length <= 256:
             raise ValueError(f"need 1 <= min_length <= max_length <= 256, got {min_length}, {max_length}")
         if not alphabet or len(set(alphabet)) != len(alphabet):
             raise ValueError("alphabet must be a non-empty string of distinct characters")
+        if reward not in REWARDS:
+            raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {reward!r}")
         parser = Parser()
-        super().__init__(parser=parser, rubric=Rubric([lcs_reward], parser=parser), **kwargs)
+        super().__init__(parser=parser, rubric=Rubric([REWARDS[reward]], parser=parser), **kwargs)
         self.min_length, self.max_length, self.alphabet = min_length, max_length, alphabet
 
     def make_task(self, rng: random.Random, task_id: str) -> Task:
@@ -53,7 +66,9 @@ def load_environment(
     system_prompt: str = SYSTEM_PROMPT,
     num_eval: int = 256,
     eval_seed: int = 1234,
+    reward: str = "lcs",
 ) -> ReverseTextEnv:
-    """Args: string length range, the alphabet letters are drawn from, prompt, eval split size and seed."""
+    """Args: string length range, the alphabet letters are drawn from, prompt, eval split size and seed, and the
+    reward (`lcs`: partial credit, dense; `exact`: 1 for exactly the reversal, sparse)."""
     kwargs: dict[str, Any] = {"system_prompt": system_prompt, "num_eval": num_eval, "eval_seed": eval_seed}
-    return ReverseTextEnv(min_length=min_length, max_length=max_length, alphabet=alphabet, **kwargs)
+    return ReverseTextEnv(min_length=min_length, max_length=max_length, alphabet=alphabet, reward=reward, **kwargs)

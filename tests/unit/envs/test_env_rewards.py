@@ -6,7 +6,7 @@ import pytest
 from gyre.envs import Parser, Rollout, Task, load_environment
 from gyre.envs.alphabet_sort import sorted_rounds_reward, split_names
 from gyre.envs.arithmetic import correct_answer
-from gyre.envs.reverse_text import lcs_reward
+from gyre.envs.reverse_text import exact_reward, lcs_reward
 from gyre.envs.scoring import lcs_length, lcs_ratio, math_equal
 
 
@@ -61,6 +61,16 @@ def test_lcs_ratio_bounds_and_lists():
 )
 def test_reverse_text_reward(reply, reward):
     assert lcs_reward(said(reply), "olleh", Parser()) == pytest.approx(reward)
+    assert exact_reward(said(reply), "olleh", Parser()) == (reward == 1.0)  # the sparse variant: all or nothing
+
+
+def test_reverse_text_takes_the_sparse_reward_by_name():
+    from gyre.envs import load_environment
+
+    assert load_environment("reverse_text", reward="exact").rubric.names == ["exact_reward"]
+    assert load_environment("reverse_text").rubric.names == ["lcs_reward"]
+    with pytest.raises(ValueError, match="reward must be one of lcs, exact"):
+        load_environment("reverse_text", reward="bleu")
 
 
 @pytest.mark.parametrize(

@@ -161,3 +161,34 @@ def test_the_vllm_backend_puts_vllm_prompt_logprobs_on_the_first_event(standin_v
         PromptLogprob(-3.0, 3, ((0, -0.01), (1, -0.02))),
     )
     assert all(e.prompt_logprobs is None for e in events[1:] + plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_vllm_prompt_logprobs_equal_a_transformers_forward_on_a_gpu(tiny_model):
+    """The real vLLM engine: its prompt_logprobs, mapped, equal a float32 transformers forward (2e-3: vLLM's own
+    kernels in float32), the first entry None, on the first event only."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm")
+    from gyre_inference.vllm_backend import VLLMBackend
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompt = PROMPTS[0]
+    chosen, ranks, _ = reference_entries(reference, prompt)
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, dtype="float32", gpu_memory_utilization=0.2, max_num_seqs=8)
+        await backend.start()
+        try:
+            params = SamplingParams(max_tokens=2, temperature=0.7, seed=1, prompt_logprobs=2)
+            return [e async for e in backend.generate(prompt, params)]
+        finally:
+            await backend.shutdown()
+
+    events = asyncio.run(scenario())
+    entries = events[0].prompt_logprobs
+    assert entries[0] is None and all(e.prompt_logprobs is None for e in events[1:])
+    assert torch.allclose(torch.tensor([e.logprob for e in entries[1:]]), chosen, atol=2e-3)
+    assert [e.rank for e in entries[1:]] == ranks.tolist() and all(len(e.top) == 2 for e in entries[1:])
