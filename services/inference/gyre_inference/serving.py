@@ -201,7 +201,7 @@ class Serving:
         for i, prompt in enumerate(request.prompts()):
             param = "prompt" if isinstance(request.prompt, str) or len(request.prompts()) == 1 else f"prompt.{i}"
             ids = self.text.check_ids(prompt, param) if isinstance(prompt, list) else None
-            prompts.append(ids if ids is not None else self.text.encode(prompt, request.add_special_tokens))
+            prompts.append(ids if ids is not None else self.text.encode(prompt, request.add_special_tokens, param))
         return prompts
 
     def _chat_guide(self, request: ChatCompletionRequest) -> Guide | None:

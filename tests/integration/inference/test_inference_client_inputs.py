@@ -1,0 +1,173 @@
+"""Inputs real OpenAI clients send that the server used to get wrong (issue 30's defects), on a real server:
+text the tokenizer cannot encode (lone UTF-16 surrogates), refused huge prompts that kept memory, explicit
+nulls where OpenAI's reference allows them, OpenAI's fields at their neutral values, and content parts a
+text model cannot take.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def _error(response, status=400):
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+# ---- lone surrogates ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab\ud800cd"}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                   {"type": "text", "text": "\udfff"}]}]}, "messages.0.content.1.text"),
+        ("/v1/completions", {"prompt": "emoji cut \ud83d"}, "prompt"),
+        ("/v1/completions", {"prompt": ["fine", "cut \ud83d"]}, "prompt.1"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\udc00"}]}, "messages.0.content"),
+    ],
+)  # fmt: skip
+def test_lone_surrogates_are_a_400_naming_the_text(http, model_id, route, body, param):
+    # json.dumps writes the str's lone surrogate as the JSON escape "\ud800", as a JavaScript client does
+    body = {"model": model_id, "max_tokens": 2, **body} if route != "/tokenize" else body
+    error = _error(http.post(route, content=json.dumps(body), headers={"content-type": "application/json"}))
+    assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
+
+
+def test_a_whole_surrogate_pair_is_an_ordinary_character(http, model_id):
+    pair = json.dumps({"model": model_id, "prompt": "smile \ud83d\ude00", "max_tokens": 2})
+    assert "\\ud83d\\ude00" in pair  # the escaped pair, which a JSON parser joins into one character
+    response = http.post("/v1/completions", content=pair, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
+# ---- memory of refused long prompts -----------------------------------------------------------------
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def test_refused_long_prompts_leave_no_lasting_memory(start_server, tiny_model):
+    """A burst of ~1 MB prompts (far over the context, under the body limit), tokenized in parallel worker
+    threads and refused with context_length_exceeded: the server's resident memory comes back to where it was
+    (it kept ~150 MB per prompt and thread before: the tokenizer's buffers stayed in each thread's malloc arena)."""
+    server = start_server("--run-id", "memory-tests", model_path=tiny_model)
+    text = ("lorem ipsum dolor sit amet, consectetur adipiscing " * 20_000)[:1_000_000]
+    bodies = [("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+              ("/v1/completions", {"prompt": text}), ("/v1/chat/completions", {"messages": [{"role": "user",
+              "content": text[::-1]}]})]  # fmt: skip
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        http.post("/v1/chat/completions", json={"model": server.model_name, **CHAT}).raise_for_status()
+        before = _rss_mb(server.proc.pid)
+
+        def refused(route_body) -> str:
+            route, body = route_body
+            return _error(http.post(route, json={"model": server.model_name, **body}))["code"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            assert list(pool.map(refused, bodies)) == ["context_length_exceeded"] * len(bodies)
+        after = _rss_mb(server.proc.pid)
+    assert after - before < 100, f"RSS {before:.0f} MB -> {after:.0f} MB after {len(bodies)} refused 1 MB prompts"
+
+
+# ---- explicit nulls and OpenAI's neutral values -----------------------------------------------------
+CHAT_NULLABLE = ["n", "logprobs", "stream", "presence_penalty", "frequency_penalty", "temperature", "top_p",
+                 "top_logprobs", "stop", "seed", "user", "max_completion_tokens", "stream_options", "logit_bias",
+                 "response_format", "store", "metadata", "service_tier", "modalities", "prediction", "audio",
+                 "reasoning_effort", "parallel_tool_calls", "safety_identifier", "prompt_cache_key",
+                 "web_search_options", "verbosity"]  # fmt: skip
+COMPLETIONS_NULLABLE = [
+    "n",
+    "logprobs",
+    "stream",
+    "presence_penalty",
+    "frequency_penalty",
+    "echo",
+    "best_of",
+    "suffix",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "user",
+    "stream_options",
+    "logit_bias",
+]
+
+
+def test_null_is_accepted_wherever_openai_allows_it(http, model_id):
+    chat = http.post("/v1/chat/completions", json={"model": model_id, **CHAT} | dict.fromkeys(CHAT_NULLABLE))
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
+    body = {"model": model_id, "prompt": "hi", "max_tokens": 2} | dict.fromkeys(COMPLETIONS_NULLABLE)
+    completion = http.post("/v1/completions", json=body)
+    assert completion.status_code == 200, completion.text
+
+
+def test_openai_fields_at_neutral_values_through_the_sdk(client, model_id):
+    completion = client.chat.completions.create(
+        model=model_id, messages=CHAT["messages"], max_tokens=2, store=False, metadata={}, service_tier="auto",
+        modalities=["text"], prediction=None, safety_identifier="user-1", prompt_cache_key="k",
+        stream_options=None, parallel_tool_calls=None,
+    )  # fmt: skip
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    # ignored as OpenAI ignores them without the feature: tags, a prediction (only latency), obfuscation
+    client.chat.completions.create(
+        model=model_id, messages=CHAT["messages"], max_tokens=2, metadata={"experiment": "a"},
+        prediction={"type": "content", "content": "hello"}, service_tier="default", stream=False,
+    )  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=CHAT["messages"],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )
+    assert list(stream)[-1].usage is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("store", True, "keeps no completions"),
+        ("service_tier", "flex", "auto"),
+        ("modalities", ["text", "audio"], "text"),
+        ("audio", {"voice": "alloy", "format": "wav"}, "no audio output"),
+        ("reasoning_effort", "low", "no reasoning-effort setting"),
+        ("web_search_options", {}, "no web search"),
+        ("functions", [{"name": "f"}], "use tools"),
+        ("metadata", {"k": 5}, "string"),
+    ],
+)
+def test_openai_fields_the_server_cannot_honour_are_refused_with_a_reason(http, model_id, field, value, says):
+    error = _error(http.post("/v1/chat/completions", json={"model": model_id, **CHAT, field: value}))
+    assert error["param"].split(".")[0] == field and says in error["message"], error
+    assert "Extra inputs" not in error["message"]
+
+
+# ---- content parts a text model cannot take -------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("part", "feature"),
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "image input"),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio input"),
+        ({"type": "file", "file": {"file_id": "file-1"}}, "file input"),
+    ],
+)
+def test_non_text_content_parts_name_the_missing_feature(http, model_id, part, feature):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]
+    error = _error(http.post("/v1/chat/completions", json={"model": model_id, "messages": messages}))
+    assert error["param"] == "messages.0.content" and feature in error["message"], error
+    assert "text only" in error["message"] and "tag" not in error["message"]
