@@ -208,9 +208,13 @@ def refuse_surrogates(value, param: str) -> None:
             value.encode("utf-8")
         except UnicodeEncodeError as error:
             bad = value[error.start].encode("unicode_escape").decode()
-            raise APIError(400, f"{param}: the text holds a lone UTF-16 surrogate ({bad} at character "
-                                f"{error.start}), which is not valid Unicode and cannot be tokenized (was a "
-                                "string cut inside a surrogate pair, such as an emoji?)", param=param) from None
+            raise APIError(
+                400,
+                f"{param}: the text holds a lone UTF-16 surrogate ({bad} at character "
+                f"{error.start}), which is not valid Unicode and cannot be tokenized (was a "
+                "string cut inside a surrogate pair, such as an emoji?)",
+                param=param,
+            ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             refuse_surrogates(item, f"{param}.{key}")
