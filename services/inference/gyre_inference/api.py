@@ -4,7 +4,8 @@ Routes:
 - `GET /health` (liveness: the process answers), `GET /ready` (200 once the model is loaded, 503
   before and while shutting down), `GET /version` (vLLM's route: the gyre version), `GET /metrics`
   (when `metrics.port` is unset).
-- `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, `POST /tokenize`,
+- `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`, `POST /v1/completions`,
+  `POST /v1/responses` (`gyre_inference.responses`), `POST /tokenize`,
   `POST /detokenize`, `POST /inference/v1/generate` (`gyre_inference.tokens_in`), `POST /classify` and
   `POST /v1/classify` (`gyre_inference.classify`, a reward model served with `runner = pooling`): these need
   `Authorization: Bearer <auth.api_key>` when a key is configured, and answer 503 until the model is
@@ -34,14 +35,16 @@ from gyre_inference.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from gyre_inference.responses import ResponsesRequest, respond
 from gyre_inference.serving import Serving
 from gyre_inference.text import ModelText
 from gyre_inference.tokens_in import ROUTE as GENERATE_ROUTE
 from gyre_inference.tokens_in import add_generate_route
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize", GENERATE_ROUTE, "/classify")
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-_GENERATION = ("/v1/chat/completions", "/v1/completions", GENERATE_ROUTE)  # what a pooling model cannot serve
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+# what a pooling model cannot serve
+_GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/responses", GENERATE_ROUTE)
 
 
 @dataclass
@@ -180,8 +183,7 @@ def create_app(state: AppState) -> FastAPI:
         async def metrics() -> Response:
             return Response(state.metrics.exposition(), media_type=state.metrics.content_type)
 
-    @app.get("/v1/models", summary="The served model.")
-    async def models() -> dict:
+    def model_cards() -> list[dict]:
         card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "gyre",
                 "root": state.model_path, "parent": None, "max_model_len": state.backend.max_model_len,
                 "policy_version": state.backend.version}  # fmt: skip
@@ -191,7 +193,23 @@ def create_app(state: AppState) -> FastAPI:
              "policy_version": state.backend.adapter_version(name)}
             for name in state.backend.adapter_names
         ]  # fmt: skip
-        return {"object": "list", "data": [card, *adapters]}
+        return [card, *adapters]
+
+    @app.get("/v1/models", summary="The served model.")
+    async def models() -> dict:
+        return {"object": "list", "data": model_cards()}
+
+    # `:path`: a model id may be a folder path (the default id is model.name), slashes included
+    @app.get("/v1/models/{model_id:path}", summary="One model card (the served model or a named adapter).")
+    async def model(model_id: str) -> dict:
+        for card in model_cards():
+            if card["id"] == model_id:
+                return card
+        raise unknown_model(model_id, state.model_id)
+
+    @app.post("/v1/responses", summary="OpenAI Responses API: text and function tools, streaming or not.")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await respond(state.serving, body, arrival(request), request.is_disconnected)
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI), streaming or not.")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -1,6 +1,6 @@
 """`gyre_inference_*` Prometheus metrics of one server (own registry, so tests can run several servers).
 
-Every series carries `run_id`; the only other labels are `endpoint` (chat, completions) and `outcome`
+Every series carries `run_id`; the only other labels are `endpoint` (chat, completions, responses) and `outcome`
 (requests: success, client_error (4xx), aborted (the client went away), unavailable (503: loading or
 shutting down), server_error (5xx); weight updates: success, error), so
 cardinality stays bounded whatever clients send. Running/waiting/version gauges are read from the
@@ -45,7 +45,7 @@ class InferenceMetrics:
             ["run_id", "endpoint", "outcome"],
             r,
         )
-        for endpoint in ("chat", "completions"):
+        for endpoint in ("chat", "completions", "responses"):
             for outcome in OUTCOMES:  # expose zeros, so rate() and ratios work from the first scrape
                 self._requests.labels(run_id, endpoint, outcome)
         self.prompt_tokens = counter(

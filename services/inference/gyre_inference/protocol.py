@@ -49,6 +49,8 @@ UNSUPPORTED_FIELDS = {
     "refusal": "this server never refuses",
     "annotations": "this server has no web search",
     "suffix": "no fill-in-the-middle",
+    "previous_response_id": "this server stores no responses: send the whole conversation in input",
+    "conversation": "this server stores no conversations: send the whole conversation in input",
 }  # fmt: skip
 
 

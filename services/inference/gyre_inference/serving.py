@@ -162,6 +162,54 @@ class _Job:
     first_token_at: float | None = None
 
 
+class _Run:
+    """The choices of a streaming job running as tasks, their tokens in arrival order (`next()`).
+
+    `close()` cancels what still runs (each cancelled task closes its backend stream, which aborts its
+    sequence) and records the request's outcome; it has no await on purpose: when the client disconnects,
+    Starlette cancels the generator's scope, and an await would be cancelled again before the bookkeeping.
+    """
+
+    def __init__(self, serving: Serving, job: _Job):
+        self.serving, self.job = serving, job
+        self.outcome = "aborted"  # unless the stream gets to its end: the client went away (or the server stops)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._remaining = len(job.choices)
+        self._tasks = [asyncio.create_task(self._choice(p, c, params)) for p, c, params in job.choices]
+
+    async def _choice(self, p: int, choice: Choice, params: SamplingParams) -> None:
+        try:
+            await self.serving._run_choice(self.job, p, choice, params, lambda c, d: self._queue.put_nowait((c, d)))
+        except Exception as error:
+            self._queue.put_nowait(error)
+
+    async def next(self) -> tuple[Choice, Delta] | None:
+        """The next token of any choice (None once every choice finished); raises a choice's failure."""
+        if not self._remaining:
+            return None
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        self._remaining -= item[1].finish_reason is not None
+        return item
+
+    def failed(self, error: Exception) -> dict:
+        """The error body a stream ends with for `error` (and the outcome it counts as)."""
+        if isinstance(error, BackendStoppedError):
+            self.outcome = "unavailable"
+            return error_body(503, "the inference engine stopped (shutting down); retry", code="not_ready")
+        if isinstance(error, AdapterGoneError):
+            self.outcome = "client_error"
+            return unknown_model(self.job.request.model, self.serving.model_id).body()
+        self.outcome = "server_error"
+        return error_body(500, f"generation failed: {type(error).__name__}: {error}")
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.serving._finish_metrics(self.job, self.outcome)
+
+
 class Serving:
     def __init__(self, backend: Backend, text: ModelText, model_id: str, metrics: InferenceMetrics):
         self.backend, self.text, self.model_id, self.metrics = backend, text, model_id, metrics
@@ -170,6 +218,10 @@ class Serving:
     async def chat(self, request: ChatCompletionRequest, started: float, is_disconnected=None):
         """`started`: arrival time (time.monotonic); `is_disconnected`: async () -> bool, polled while
         a non-streaming request runs."""
+        return await self._respond(await self.chat_job(request, started), is_disconnected)
+
+    async def chat_job(self, request: ChatCompletionRequest, started: float, kind: str = "chat") -> _Job:
+        """The choices of a chat request, ready to run (`kind` names the endpoint in metrics)."""
         self._check_model(request.model)
         parse_tools = bool(request.tools) and request.tool_choice != "none"  # auto, required or named
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
@@ -181,9 +233,9 @@ class Serving:
         )  # fmt: skip
         # echo (vLLM): the content starts with the last message's when that is the assistant's being continued
         echo = _text_of(messages[-1].get("content")) if request.echo and messages[-1]["role"] == "assistant" else ""
-        job = self._job("chat", request, [prompt], request.completion_limit, "messages", parse_tools, started, [echo])
+        job = self._job(kind, request, [prompt], request.completion_limit, "messages", parse_tools, started, [echo])
         await self._constrain(job, self._chat_guide(request))
-        return await self._respond(job, is_disconnected)
+        return job
 
     async def completions(self, request: CompletionRequest, started: float, is_disconnected=None):
         self._check_model(request.model)
@@ -309,11 +361,13 @@ class Serving:
         finally:
             await stream.aclose()
 
-    async def _respond(self, job: _Job, is_disconnected):
+    async def _respond(self, job: _Job, is_disconnected, body=None, stream=None):
+        """Run `job`: a JSON body (`body(job)`, default the chat/completions one) or an SSE stream
+        (`stream(job)`, an async iterator of SSE text; default chat/completions chunks)."""
         self.metrics.prompt_tokens.inc(sum(len(p) for p in job.prompts))
         if job.request.stream:
             return StreamingResponse(
-                self._stream(job),
+                (stream or self._stream)(job),
                 media_type="text/event-stream",
                 headers={VERSION_HEADER: str(self.backend.version), "cache-control": "no-cache"},
             )
@@ -333,9 +387,10 @@ class Serving:
         self._finish_metrics(job, outcome)
         if outcome == "aborted":
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-        body = self._chat_body(job) if job.kind == "chat" else self._completion_body(job)
+        if body is None:
+            body = self._chat_body if job.kind == "chat" else self._completion_body
         newest = max(choice.version_max for _, choice, _ in job.choices)
-        return JSONResponse(body, headers={VERSION_HEADER: str(newest)})
+        return JSONResponse(body(job), headers={VERSION_HEADER: str(newest)})
 
     async def _run_all(self, job: _Job, is_disconnected) -> str:
         """Run every choice to its end: "success", or "aborted" when the client went away first (its
@@ -358,7 +413,6 @@ class Serving:
     async def _stream(self, job: _Job) -> AsyncIterator[str]:
         """SSE: per choice a role chunk (chat), then one chunk per token that releases text or carries
         token ids / log-probs, the finishing chunk, an optional usage chunk, then [DONE]."""
-        queue: asyncio.Queue = asyncio.Queue()
         head = {"id": _request_id(job.kind), "object": _chunk_object(job), "created": int(time.time()),
                 "model": job.request.model}  # fmt: skip
         every_token = job.request.return_token_ids or _wants_logprobs(job)
@@ -375,14 +429,7 @@ class Serving:
                 chunk["usage"] = self._usage(job, sum(covered.values()))
             return _sse(chunk)
 
-        async def run(p: int, choice: Choice, params: SamplingParams) -> None:
-            try:
-                await self._run_choice(job, p, choice, params, lambda c, d: queue.put_nowait((c, d)))
-            except Exception as error:
-                queue.put_nowait(error)
-
-        outcome = "aborted"  # unless we get to the end: the client went away (or the server is stopping)
-        tasks = [asyncio.create_task(run(p, c, params)) for p, c, params in job.choices]
+        run = _Run(self, job)
         try:
             if job.kind == "chat":
                 for _, choice, _ in job.choices:
@@ -395,37 +442,19 @@ class Serving:
                     entry = {"index": choice.index, "logprobs": None, "finish_reason": None}
                     entry.update({"delta": {"content": choice.echo}} if job.kind == "chat" else {"text": choice.echo})
                     yield sse([entry])
-            remaining = len(job.choices)
-            while remaining:
-                item = await queue.get()
-                if isinstance(item, BackendStoppedError):
-                    outcome = "unavailable"
-                    yield _sse(error_body(503, "the inference engine stopped (shutting down); retry", code="not_ready"))
-                    return
-                if isinstance(item, AdapterGoneError):
-                    outcome = "client_error"
-                    yield _sse(unknown_model(job.request.model, self.model_id).body())
-                    return
-                if isinstance(item, Exception):
-                    outcome = "server_error"
-                    yield _sse(error_body(500, f"generation failed: {type(item).__name__}: {item}"))
-                    return
+            while (item := await run.next()) is not None:
                 choice, delta = item
-                remaining -= delta.finish_reason is not None
                 covered[choice.index] = delta.position + 1
                 if delta.text or delta.finish_reason or every_token:
                     yield sse([self._chunk_choice(job, choice, delta)])
             if job.request.stream_options and job.request.stream_options.include_usage:
                 yield _sse({**head, "choices": [], "usage": self._usage(job)})
             yield "data: [DONE]\n\n"
-            outcome = "success"
+            run.outcome = "success"
+        except Exception as error:  # a choice's generation failed: an error event ends the stream
+            yield _sse(run.failed(error))
         finally:
-            # No await in here: when the client disconnects, Starlette cancels this generator's scope, and
-            # any await would be cancelled again before the bookkeeping. Cancelled tasks close their
-            # backend streams themselves, which aborts their sequences.
-            for task in tasks:
-                task.cancel()
-            self._finish_metrics(job, outcome)
+            run.close()
 
     # ---- response bodies --------------------------------------------------------------------------
     def _usage(self, job: _Job, completion_tokens: int | None = None) -> dict:

@@ -1,0 +1,388 @@
+"""`POST /v1/responses`: OpenAI's Responses API (text and function tools, streaming events) on the chat engine.
+
+A Responses request is translated into a chat completion request (`to_chat`): `instructions` become a system
+message, input items become messages (function calls become an assistant turn's `tool_calls`, their outputs
+`tool` messages), `text.format` becomes `response_format`, flat function tools become chat tools. The chat
+machinery then does everything it does for `/v1/chat/completions` (template, structured outputs and forced
+tool calls, sampling, hermes tool-call parsing), and this module shapes the choice as a Response: a
+`message` output item with one `output_text` part (when there is text), then one `function_call` item per
+call; status `completed`, or `incomplete` with reason `max_output_tokens`.
+
+Streaming sends the events OpenAI's SDK parses, in its order: `response.created`, `response.in_progress`,
+for the message `response.output_item.added`, `response.content_part.added`, `response.output_text.delta`
+per token that releases text, `response.output_text.done`, `response.content_part.done`,
+`response.output_item.done`; per function call `response.output_item.added`,
+`response.function_call_arguments.delta`, `response.function_call_arguments.done`,
+`response.output_item.done`; then `response.completed` (or `response.incomplete`). Every event has a
+`sequence_number`.
+
+Not kept: this server stores no responses, so `previous_response_id`, `store: true`, `conversation` and
+`background` are refused with the reason (a stateless replica behind a load balancer cannot answer them
+correctly); the client sends the whole conversation in `input`, as with chat completions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from gyre_inference.errors import APIError
+from gyre_inference.protocol import (
+    MAX_TOP_LOGPROBS,
+    ChatCompletionRequest,
+    Content,
+    JSONSchemaFormat,
+    SchemaObject,
+    StreamOptions,
+    StrictModel,
+)
+
+# ---- request models ----------------------------------------------------------------------------------
+_NOT_STORED = "this server stores no responses: send the whole conversation in input"
+
+
+def _parts_as_chat(content):
+    """Responses content parts (input_text / output_text) as chat text parts; other kinds are refused by
+    Content's validator with the feature they need."""
+    if isinstance(content, list):
+        return [{"type": "text", "text": part["text"]} if isinstance(part, dict) and part.get("type") in
+                ("input_text", "output_text") and "text" in part else part for part in content]  # fmt: skip
+    return content
+
+
+class InputMessage(StrictModel):
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Annotated[Content, Field(description="Text, or input_text / output_text parts.")]
+    id: str | None = None
+    status: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _as_chat_parts(cls, value):
+        return _parts_as_chat(value)
+
+
+class FunctionCallItem(StrictModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1)
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(StrictModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(StrictModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(StrictModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class TextFormat(StrictModel):
+    """`text.format`: text, json_object, or json_schema with the schema's fields inline (Responses' shape)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: SchemaObject | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_fields(self):
+        if self.type == "json_schema" and self.name is None:
+            raise ValueError("a json_schema format needs a name")
+        if self.type != "json_schema" and (self.name, self.schema_) != (None, None):
+            raise ValueError("name and schema are only allowed with type 'json_schema'")
+        return self
+
+    def as_response_format(self) -> dict:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        schema = JSONSchemaFormat.model_validate({"name": self.name, "schema": self.schema_, "strict": self.strict,
+                                                  "description": self.description})  # fmt: skip
+        return {"type": "json_schema", "json_schema": schema.model_dump(by_alias=True, exclude_none=True)}
+
+
+class TextConfig(StrictModel):
+    format: TextFormat | None = None
+    verbosity: None = Field(None, description="Only null: the served model has no verbosity setting.")
+
+
+class Reasoning(StrictModel):
+    effort: None = Field(None, description="Only null: the served model has no reasoning-effort setting.")
+    summary: None = None
+    generate_summary: None = None
+
+
+def _item_kind(item) -> str | None:
+    if isinstance(item, dict):
+        return item.get("type") or ("message" if "role" in item else None)
+    return getattr(item, "type", None) or "message"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind, custom_error_type="input_item", custom_error_message=(
+        "an input item is a message, a function_call or a function_call_output (this server stores no responses, "
+        "so item references, and has no built-in tools or reasoning items)")),
+]  # fmt: skip
+# include values this server honours (logprobs) or that name output it never produces (so nothing to add)
+_INCLUDES = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                    "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                    "computer_call_output.output.image_url", "code_interpreter_call.outputs"]  # fmt: skip
+
+
+class ResponsesRequest(StrictModel):
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"stream", "parallel_tool_calls", "truncation"})
+
+    model: str = Field(description="Served model id (see GET /v1/models).")
+    input: str | list[InputItem] = Field(description="Text, or a list of messages and function call items.")
+    instructions: str | None = Field(None, description="A system message put before the input.")
+    max_output_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[FunctionTool] | None = Field(None, max_length=128, description="Function tools (no built-in ones).")
+    tool_choice: Literal["auto", "none", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include: list[_INCLUDES] | None = None
+    user: str | None = None
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    max_tool_calls: int | None = Field(None, ge=1, description="Accepted: no built-in tools run here.")
+    truncation: Literal["disabled"] = Field("disabled", description="Only disabled: a prompt too long is a 400.")
+    reasoning: Reasoning | None = None
+    store: bool | None = Field(None, description="Only false (or left out): " + _NOT_STORED + ".")
+    previous_response_id: None = Field(None, description="Only null: " + _NOT_STORED + ".")
+    conversation: None = Field(None, description="Only null: " + _NOT_STORED + ".")
+    background: bool | None = Field(None, description="Only false: responses are not kept to poll.")
+    prompt: None = Field(None, description="Only null: no stored prompt templates.")
+
+    @field_validator("store", "background")
+    @classmethod
+    def _not_kept(cls, value, info):
+        if value:
+            raise ValueError(f"only false is supported: {_NOT_STORED}")
+        return value
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or []) or bool(self.top_logprobs)
+
+
+def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request that computes `request`'s response (validated like any chat request)."""
+    messages: list[dict] = []
+    if request.instructions is not None:
+        messages.append({"role": "system", "content": request.instructions})
+    items = [InputMessage(role="user", content=request.input)] if isinstance(request.input, str) else request.input
+    for item in items:
+        if isinstance(item, InputMessage):
+            messages.append({"role": item.role, "content": _plain(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # calls after the assistant's text: one turn
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    if not messages:
+        raise APIError(400, "input: give at least one message", param="input")
+    chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream,
+                            "max_completion_tokens": request.max_output_tokens, "temperature": request.temperature,
+                            "top_p": request.top_p, "user": request.user}  # fmt: skip
+    if request.tools:
+        chat["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                         for tool in request.tools]  # fmt: skip
+        chat["parallel_tool_calls"] = request.parallel_tool_calls
+        if isinstance(request.tool_choice, NamedFunctionChoice):
+            chat["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice.name}}
+        elif request.tool_choice is not None:
+            chat["tool_choice"] = request.tool_choice
+    elif request.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice: only allowed when tools are specified", param="tool_choice")
+    if request.text is not None and request.text.format is not None:
+        chat["response_format"] = request.text.format.as_response_format()
+    if request.wants_logprobs:
+        chat |= {"logprobs": True, "top_logprobs": request.top_logprobs or 0}
+    if request.stream and request.stream_options is not None:
+        chat["stream_options"] = request.stream_options.model_dump(exclude_none=True)
+    from pydantic import ValidationError
+
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as error:  # a message the chat rules refuse: name it as the input item
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]).replace("messages.", "input.", 1)
+        raise APIError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}", param="input") from None
+
+
+def _plain(content) -> str | list[dict]:
+    return content if isinstance(content, str) else [part.model_dump() for part in content]
+
+
+async def respond(serving, request: ResponsesRequest, started: float, is_disconnected=None):
+    """Answer `request` on `serving` (gyre_inference.serving.Serving): a Response body or its event stream."""
+    job = await serving.chat_job(to_chat(request), started, kind="responses")
+    shaper = ResponseShaper(request, serving, job)
+    return await serving._respond(job, is_disconnected, body=shaper.body, stream=shaper.stream)
+
+
+# ---- response shapes ---------------------------------------------------------------------------------
+class ResponseShaper:
+    """Builds the Response object and its stream events for one request from its (single) chat choice."""
+
+    def __init__(self, request: ResponsesRequest, serving, job):
+        self.request, self.serving, self.job = request, serving, job
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._sequence = 0
+
+    @property
+    def choice(self):
+        return self.job.choices[0][1]
+
+    def response(self, status: str, output: list[dict]) -> dict:
+        request = self.request
+        choice = self.choice
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        text_format = request.text.format.model_dump(by_alias=True, exclude_none=True) if (
+            request.text and request.text.format) else {"type": "text"}  # fmt: skip
+        tool_choice = request.tool_choice or "auto"
+        body = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "error": None, "incomplete_details": incomplete, "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens, "model": request.model, "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False, "temperature": request.temperature,
+            "text": {"format": text_format}, "top_p": request.top_p, "truncation": "disabled",
+            "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
+            "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+            "top_logprobs": request.top_logprobs, "user": request.user, "metadata": request.metadata or {},
+            "service_tier": "default", "usage": None, **choice.versions(),
+        }  # fmt: skip
+        if status != "in_progress":
+            prompt_tokens = sum(len(p) for p in self.job.prompts)
+            body["usage"] = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                             "output_tokens": len(choice.token_ids),
+                             "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": prompt_tokens + len(choice.token_ids)}  # fmt: skip
+        return body
+
+    def status(self) -> str:
+        return "incomplete" if self.choice.finish_reason == "length" else "completed"
+
+    def message(self, text: str, status: str) -> dict:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if self.request.wants_logprobs:
+            part["logprobs"] = self.logprobs()
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                "content": [part] if status != "in_progress" else []}  # fmt: skip
+
+    def logprobs(self, span: slice = slice(None)) -> list[dict]:
+        chat = self.serving._chat_logprobs(self.job, self.choice, span)
+        return chat["content"] if chat else []
+
+    def calls(self) -> list[dict]:
+        return [{"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"],
+                 "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                 "status": "completed"} for call in self.choice.tool_calls]  # fmt: skip
+
+    def body(self, _job=None) -> dict:
+        choice = self.choice
+        output = [self.message(choice.text, "completed")] if choice.text or not choice.tool_calls else []
+        return self.response(self.status(), output + self.calls())
+
+    # ---- streaming ------------------------------------------------------------------------------
+    def event(self, kind: str, **fields) -> str:
+        self._sequence += 1
+        payload = {"type": kind, "sequence_number": self._sequence - 1, **fields}
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def stream(self, _job=None) -> AsyncIterator[str]:
+        from gyre_inference.serving import _Run
+
+        run = _Run(self.serving, self.job)
+        text_started = False
+        message = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        try:
+            yield self.event("response.created", response=self.response("in_progress", []))
+            yield self.event("response.in_progress", response=self.response("in_progress", []))
+            while (item := await run.next()) is not None:
+                _, delta = item
+                if delta.text and not text_started:
+                    text_started = True
+                    yield self.event("response.output_item.added", output_index=0,
+                                     item=self.message("", "in_progress"))  # fmt: skip
+                    yield self.event("response.content_part.added", **message,
+                                     part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
+                if delta.text:
+                    span = slice(delta.position, delta.position + 1)
+                    logprobs = self.logprobs(span) if self.request.wants_logprobs else []
+                    yield self.event("response.output_text.delta", **message, delta=delta.text, logprobs=logprobs)
+            choice = self.choice
+            output = []
+            if text_started or not choice.tool_calls:
+                if not text_started:  # no text at all (an empty answer): the message item still comes
+                    yield self.event("response.output_item.added", output_index=0,
+                                     item=self.message("", "in_progress"))  # fmt: skip
+                    yield self.event("response.content_part.added", **message,
+                                     part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
+                done = self.message(choice.text, "completed")
+                logprobs = done["content"][0].get("logprobs", [])
+                yield self.event("response.output_text.done", **message, text=choice.text, logprobs=logprobs)
+                yield self.event("response.content_part.done", **message, part=done["content"][0])
+                yield self.event("response.output_item.done", output_index=0, item=done)
+                output.append(done)
+            for call in self.calls():
+                index = len(output)
+                yield self.event("response.output_item.added", output_index=index,
+                                 item={**call, "arguments": "", "status": "in_progress"})  # fmt: skip
+                yield self.event("response.function_call_arguments.delta", item_id=call["id"], output_index=index,
+                                 delta=call["arguments"])  # fmt: skip
+                yield self.event("response.function_call_arguments.done", item_id=call["id"], output_index=index,
+                                 name=call["name"], arguments=call["arguments"])  # fmt: skip
+                yield self.event("response.output_item.done", output_index=index, item=call)
+                output.append(call)
+            status = self.status()
+            yield self.event(f"response.{status}", response=self.response(status, output))
+            run.outcome = "success"
+        except Exception as error:  # a generation failure ends the stream with an error event
+            error = run.failed(error)["error"]
+            yield self.event("error", code=error["code"] or error["type"], message=error["message"],
+                             param=error["param"])  # fmt: skip
+        finally:
+            run.close()

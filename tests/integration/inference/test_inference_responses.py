@@ -1,0 +1,136 @@
+"""`POST /v1/responses` and `GET /v1/models/{id}` on a real server, through the openai SDK's own code paths
+(`client.responses.create / stream / parse`, `client.models.retrieve`), whose stream helper checks the event
+order as it accumulates. The model is the session's tiny tool model (it calls `add` for TOOL_MESSAGES)."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from inference_testlib import TOOL_MESSAGES, TOOLS
+from pydantic import BaseModel, Field
+
+FLAT_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses API's flat function tools
+
+
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+    confidence: int = Field(ge=0, le=9)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def test_text_response_is_the_chat_completion_of_the_same_request(client, model_id):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    response = client.responses.create(model=model_id, input=messages, instructions="You tell stories.",
+                                       max_output_tokens=12, temperature=0.0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model_id, messages=[{"role": "system", "content": "You tell stories."}, *messages], max_tokens=12,
+        temperature=0.0,
+    )  # fmt: skip
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    [item] = response.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    finished = chat.choices[0].finish_reason
+    assert response.status == ("incomplete" if finished == "length" else "completed")
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    usage = response.usage
+    assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+
+
+def test_streamed_events_follow_openais_order_and_add_up(client, model_id):
+    events = list(client.responses.create(model=model_id, input="Once upon a time", max_output_tokens=10,
+                                          temperature=1.0, stream=True))  # fmt: skip
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        events[-1].type,
+    ] and events[-1].type in ("response.completed", "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == final.output_text == events[-4].text and final.usage.output_tokens == 10
+
+
+def test_function_tools_give_function_call_items_streamed_or_not_and_round_trip(client, model_id):
+    first = client.responses.create(model=model_id, input=TOOL_MESSAGES, tools=FLAT_TOOLS, temperature=0.0)
+    assert first.status == "completed"
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 1, "b": 2}
+    with client.responses.stream(model=model_id, input=TOOL_MESSAGES, tools=FLAT_TOOLS, temperature=0.0) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    assert [(c.name, c.arguments) for c in streamed.output] == [(call.name, call.arguments)]
+    # the tool result goes back as input items, after the call the model made: the next turn renders both
+    follow = [*TOOL_MESSAGES, call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id, "output": "3"}]  # fmt: skip
+    second = client.responses.create(model=model_id, input=follow, tools=FLAT_TOOLS, max_output_tokens=4)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "add"}])
+def test_forced_tool_choice(client, model_id, tool_choice):
+    response = client.responses.create(model=model_id, input="What is 5 plus 7?", tools=FLAT_TOOLS,
+                                       tool_choice=tool_choice, temperature=1.0)  # fmt: skip
+    assert [item.type for item in response.output] == ["function_call"] * len(response.output) and response.output
+    assert all(item.name == "add" for item in response.output)
+
+
+def test_structured_text_format_parses_with_the_sdk(client, model_id):
+    parsed = client.responses.parse(model=model_id, input="Is water wet?", text_format=Verdict, temperature=1.0)
+    assert isinstance(parsed.output_parsed, Verdict)
+    with client.responses.stream(model=model_id, input="Is fire hot?", text_format=Verdict) as stream:
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Verdict)
+
+
+def test_output_text_logprobs_when_included(client, model_id):
+    response = client.responses.create(model=model_id, input="hi", max_output_tokens=5, top_logprobs=2,
+                                       include=["message.output_text.logprobs"])  # fmt: skip
+    logprobs = response.output[0].content[0].logprobs
+    assert len(logprobs) == 5 and all(len(entry.top_logprobs) == 2 for entry in logprobs)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id", "stores no responses"),
+        ({"store": True}, "store", "stores no responses"),
+        ({"background": True}, "background", "stores no responses"),
+        ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input",
+         "image input"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type", None),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item references"),
+        ({"truncation": "auto"}, "truncation", None),
+    ],
+)  # fmt: skip
+def test_what_a_stateless_text_server_cannot_do_is_a_clear_400(http, model_id, fields, param, says):
+    response = http.post("/v1/responses", json={"model": model_id, "input": "hi", **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith(param) and (says is None or says in error["message"]), error
+
+
+def test_a_model_card_by_id(client, model_id, http):
+    card = client.models.retrieve(model_id)  # the id is a folder path: slashes and all
+    assert card.id == model_id and card.object == "model"
+    assert http.get(f"/v1/models/{model_id}").json() == http.get("/v1/models").json()["data"][0]
+    with pytest.raises(openai.NotFoundError) as error:
+        client.models.retrieve("gpt-9")
+    assert error.value.body["code"] == "model_not_found"
