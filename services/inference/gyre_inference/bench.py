@@ -19,6 +19,12 @@
 3. GRPO-shaped workload (`grpo`): the same batch as groups of `rollouts` sequences sharing one
    `grpo_prompt_tokens`-token prompt, prefix sharing on (each group's prompt computed once) and off
    (prefill per sequence), fresh prompts every run; tokens/s count generated tokens, prefill included.
+4. Constrained vs free decoding (`constrained`): the batch of `clients` sequences through the torch
+   backend free, every sequence constrained by a JSON schema (structured outputs: a grammar matcher per
+   row, the batched mask each step), and half of them constrained (a mixed batch), interleaved. The
+   schema's one string is longer than `max_tokens` can finish, so every run generates the same tokens.
+   Ratio = constrained / free tokens/s (the cost of the masks), also per CPU-second of the process (the
+   robust figure on a shared CPU machine, where wall time mostly measures the neighbours).
 Every request ignores EOS so all runs generate exactly the same number of tokens.
 
 GPU (0.6B Qwen3-shaped model, 128 new tokens; scripts/gpu/check.sh part `inference`):
@@ -58,6 +64,7 @@ class InferenceBenchConfig(GyreSettings):
     rollouts: int = Field(8, ge=1, description="GRPO workload: sequences sharing one prompt.")
     grpo_prompt_tokens: int = Field(256, ge=1, description="GRPO workload: prompt length in tokens.")
     transformers_max_batch: int = Field(256, ge=1, description="Largest batch also run through transformers.")
+    constrained: bool = Field(True, description="Also time structured-output (grammar-constrained) decoding.")
 
     @field_validator("batch_sizes", mode="before")
     @classmethod
@@ -97,12 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{config.threads} thread(s)", flush=True)  # fmt: skip
         single, crowd = _http_throughput(model, prompt, config) if config.http else (None, None)
         rows, device = _engine_vs_transformers(model, config)
+        constrained = _constrained_vs_free(model, prompt, config) if config.constrained else []
     print()
     print(f"{'measure':<48}{'tokens/s':>10}{'limit':>8}{'step ms':>9}{'device':>8}{'host':>8}")
     if single is not None:
         print(f"{'HTTP, 1 client at a time':<48}{single:>10.0f}")
         print(f"{f'HTTP, {config.clients} concurrent clients':<48}{crowd:>10.0f}")
-    for row in rows:
+    for row in [*rows, *(row for row, _ in constrained)]:
         print(row.line())
     print()
     if single is not None:
@@ -117,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         on, off = by_name.get(f"GRPO {batch}, prefix sharing on"), by_name.get(f"GRPO {batch}, prefix sharing off")
         if on and off:
             print(f"GRPO batch {batch}: prefix sharing on / off:      {on.rate / off.rate:6.2f}x")
+    if constrained:
+        (free, free_cpu), (every, every_cpu), (half, half_cpu) = [(row.rate, cpu) for row, cpu in constrained]
+        print(f"constrained / free decoding:           {every / free:6.2f}x   (mixed batch: {half / free:.2f}x; "
+              f"per CPU-second {every_cpu / free_cpu:.2f}x and {half_cpu / free_cpu:.2f}x)")  # fmt: skip
     return 0
 
 
@@ -288,6 +300,54 @@ def _engine_vs_transformers(model: Path, config: InferenceBenchConfig) -> tuple[
             await backend.shutdown()
 
     return asyncio.run(compare()), str(device)
+
+
+def _constrained_vs_free(model: Path, prompt: list[int], config: InferenceBenchConfig) -> list[tuple[_Row, float]]:
+    """(row, tokens per CPU-second of this process) of the torch backend on one batch: free, every row constrained
+    by a JSON schema, half of the rows constrained."""
+    from gyre_inference.backend import SamplingParams
+    from gyre_inference.structured import Guide
+    from gyre_inference.text import ModelText
+    from gyre_inference.torch_backend import TorchBackend
+
+    batch, new = config.clients, config.max_tokens
+    # one string field longer than `new` tokens can write: no row finishes early, so all runs make batch x new tokens
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 64 * new}},
+              "required": ["text"], "additionalProperties": False}  # fmt: skip
+    guide = Guide("json", schema)
+    grammars = ModelText(model).grammars
+    backend = TorchBackend(model, threads=config.threads, max_batch_size=batch)
+
+    async def rate(constrained_rows: int) -> tuple[float, float]:
+        def params(row: int) -> SamplingParams:
+            constraint = grammars.matcher(guide) if row < constrained_rows else None
+            return SamplingParams(max_tokens=new, seed=row, guide=guide if constraint else None, constraint=constraint)
+
+        async def sequence(row: int) -> int:
+            return len([e async for e in backend.generate(prompt, params(row))])
+
+        started, cpu = time.perf_counter(), time.process_time()
+        tokens = sum(await asyncio.gather(*(sequence(row) for row in range(batch))))
+        return tokens / (time.perf_counter() - started), tokens / (time.process_time() - cpu)
+
+    async def compare() -> list[tuple[float, float]]:
+        await backend.start()
+        try:
+            await rate(batch)  # warm-up
+            runs: list[list[tuple[float, float]]] = [[], [], []]
+            for _ in range(config.repeats):  # interleaved, so load from elsewhere hits all alike
+                for rates, rows in zip(runs, (0, batch, batch // 2), strict=True):
+                    rates.append(await rate(rows))
+            return [(max(w for w, _ in rates), max(c for _, c in rates)) for rates in runs]
+        finally:
+            await backend.shutdown()
+
+    labels = ("free", "JSON-constrained", "half constrained")
+    result = asyncio.run(compare())
+    print("  " + ", ".join(f"{label}: {wall:.0f} tokens/s ({cpu:.0f} per CPU-second)"
+                           for label, (wall, cpu) in zip(labels, result, strict=True)), flush=True)  # fmt: skip
+    return [(_Row(f"torch engine, batch {batch}, {label}", wall), cpu)
+            for label, (wall, cpu) in zip(labels, result, strict=True)]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -136,6 +136,49 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             },
         },
     },
+    "Model": {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by", "max_model_len", "policy_version"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "root": {"type": "string"},
+            "parent": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "max_model_len": {"type": "integer"},
+            "policy_version": {"type": "integer"},
+        },
+    },
+    "Response": {
+        "type": "object",
+        "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response"},
+            "created_at": {"type": "integer"},
+            "status": {"enum": ["completed", "incomplete"]},
+            "model": {"type": "string"},
+            "output": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type", "id", "status"],
+                    "properties": {"type": {"enum": ["message", "function_call"]}, "id": {"type": "string"}},
+                },
+            },
+            "incomplete_details": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+            "usage": {
+                "type": "object",
+                "required": ["input_tokens", "output_tokens", "total_tokens"],
+                "properties": {
+                    name: {"type": "integer", "minimum": 0}
+                    for name in ("input_tokens", "output_tokens", "total_tokens")
+                },
+            },
+            "policy_version": {"type": "integer"},
+        },
+    },  # fmt: skip
     "TokenizeResponse": {
         "type": "object",
         "required": ["count", "max_model_len", "tokens", "token_strs"],
@@ -171,6 +214,20 @@ _SSE = {
         "example": 'data: {"id": "...", "object": "chat.completion.chunk", "choices": [...]}\n\ndata: [DONE]\n\n',
     }
 }
+# Responses API events: `event: <type>` and `data: {"type": <type>, "sequence_number", ...}`.
+_RESPONSE_EVENTS = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {
+                "event": {"type": "string"},
+                "data": {"type": "string", "contentMediaType": "application/json"},
+            },
+        },
+        "example": 'event: response.created\ndata: {"type": "response.created", "sequence_number": 0, ...}\n\n',
+    }
+}
 _VERSION_HEADER = {
     "x-gyre-policy-version": {"description": "Weights version (see docs/inference.md).", "schema": {"type": "string"}}
 }
@@ -186,6 +243,8 @@ _WHY = {
 # path -> (200 schema name, extra statuses). Every route of the API can also answer 401 and 503.
 _API = {
     "/v1/models": ("ModelList", ()),
+    "/v1/models/{model_id}": ("Model", (404,)),
+    "/v1/responses": ("Response", (400, 404, 413, 499)),
     "/v1/chat/completions": ("ChatCompletion", (400, 404, 413, 499)),
     "/v1/completions": ("Completion", (400, 404, 413, 499)),
     "/tokenize": ("TokenizeResponse", (400, 404, 413)),
@@ -237,6 +296,10 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
     if path in ("/v1/chat/completions", "/v1/completions"):
         ok["content"] |= _SSE
         ok["description"] = "The completion (JSON), or with `stream: true` server-sent events ending in [DONE]."
+        ok["headers"] = _VERSION_HEADER
+    if path == "/v1/responses":
+        ok["content"] |= _RESPONSE_EVENTS
+        ok["description"] = "The Response (JSON), or with `stream: true` its events (response.created ... completed)."
         ok["headers"] = _VERSION_HEADER
     responses: dict[str, Any] = {"200": ok}
     for status in sorted({401, 503, *extra}):

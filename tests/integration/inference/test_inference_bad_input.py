@@ -282,7 +282,8 @@ def _tighten(schema: dict, model_id: str, cheap: bool = True) -> dict:
     """The served model id; with `cheap`, also keep generated requests cheap and able to reach generation:
     n <= 2, max_tokens <= 8, token ids inside the vocabulary. Negative mode must use `cheap=False`: a value
     outside these test-only limits (n = 3) is still a valid request that the server rightly accepts."""
-    limits = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8, "top_logprobs": 3, "logprobs": 3} if cheap else {}
+    limits = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "top_logprobs": 3,
+              "logprobs": 3} if cheap else {}  # fmt: skip
 
     def integers(node):
         if isinstance(node, dict):
@@ -375,6 +376,9 @@ def test_real_responses_conform_to_the_document(server, http, model_id):
         ("POST", "/tokenize", {"prompt": "hello"}),
         ("POST", "/detokenize", {"tokens": [5, 6]}),
         ("GET", "/v1/models", None),
+        ("POST", "/v1/responses", {"model": model_id, "input": "hi", "max_output_tokens": 2}),
+        ("POST", "/v1/responses", {"model": model_id, "input": "hi", "max_output_tokens": 2, "stream": True}),
+        ("POST", "/v1/responses", {"model": model_id, "input": "hi", "previous_response_id": "resp_1"}),  # a 400
         ("GET", "/metrics", None),
         ("GET", "/ready", None),
         ("GET", "/health", None),
@@ -383,6 +387,11 @@ def test_real_responses_conform_to_the_document(server, http, model_id):
     for method, path, body in requests:
         operation = schema[path][method]
         case = operation.Case(body=body) if body is not None else operation.Case()
+        response = case.call(timeout=60)
+        seen.add(response.status_code)
+        case.validate_response(response, checks=CONFORMANCE)
+    for name in (model_id, "gpt-9"):  # a model card by id (the id is a folder path, slashes and all), a 404
+        case = schema["/v1/models/{model_id}"]["GET"].Case(path_parameters={"model_id": name})
         response = case.call(timeout=60)
         seen.add(response.status_code)
         case.validate_response(response, checks=CONFORMANCE)

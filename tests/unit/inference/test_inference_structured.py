@@ -238,3 +238,11 @@ def test_the_forced_call_grammar_yields_only_calls_of_the_allowed_tools(compiler
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
     assert counts == {1} if not parallel else max(counts) > 1
+
+
+def test_the_inference_bench_times_constrained_next_to_free_decoding(tiny_model):
+    from gyre_inference.bench import InferenceBenchConfig, _constrained_vs_free
+
+    config = InferenceBenchConfig(clients=4, max_tokens=6, repeats=1, http=False)
+    rates = _constrained_vs_free(tiny_model, [5, 6, 7, 8], config)
+    assert len(rates) == 3 and all(wall > 0 and cpu > 0 for wall, cpu in rates)
