@@ -116,6 +116,27 @@ async def _events(backend, prompt, params):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 async def test_a_constrained_row_samples_from_the_masked_distribution_in_a_mixed_batch(backend, reference, temperature):
+    await _mixed_batch_contract(backend, reference, temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.asyncio
+async def test_the_mask_on_a_cuda_engine_with_graphs(tiny_model, reference):
+    """The same contract where the mask is applied on the GPU, after a CUDA-graph decode step (fp32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    engine = TorchBackend(tiny_model, device="cuda", dtype="float32", max_batch_size=8)
+    await engine.start()
+    try:
+        assert engine._decoder.cuda_graphs
+        for temperature in (1.0, 0.0):
+            await _mixed_batch_contract(engine, reference.to("cuda"), temperature)
+    finally:
+        await engine.shutdown()
+        reference.to("cpu")
+
+
+async def _mixed_batch_contract(backend, reference, temperature):
     vocab = reference.config.vocab_size
     free = SamplingParams(max_tokens=12, temperature=temperature, seed=5, top_logprobs=3)
     alone = await _events(backend, PROMPT, free)
@@ -135,6 +156,7 @@ async def test_a_constrained_row_samples_from_the_masked_distribution_in_a_mixed
 
     # one decode step per engine iteration, also for batches mixing constrained and free rows
     assert len(steps) == len(decodes) and {True, False} in decodes
+    backend._decoder.step, backend._decode = step, decode
     # the free row is what it is alone (up to the float noise of another batch shape)
     assert [(e.token_id, [t for t, _ in e.top_logprobs]) for e in together] == [
         (e.token_id, [t for t, _ in e.top_logprobs]) for e in alone
@@ -147,7 +169,8 @@ async def test_a_constrained_row_samples_from_the_masked_distribution_in_a_mixed
     assert grammar.accepted == tokens and mixed[-1].finish_reason == "stop"
     # its log-probs: log_softmax(masked logits / T), as an independent forward pass computes them
     with torch.no_grad():
-        logits = reference(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1]
+        ids = torch.tensor([PROMPT + tokens], device=reference.device)
+        logits = reference(ids).logits[0, len(PROMPT) - 1 : -1].cpu()
     for row, allowed in enumerate(grammar.masks):
         logits[row, [t for t in range(vocab) if t not in allowed]] = float("-inf")
     scale = temperature if temperature > 0 else 1.0

@@ -140,3 +140,44 @@ def test_vllm_end_to_end_on_a_gpu(tiny_model, tmp_path):
             await backend.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_vllm_structured_outputs_on_a_gpu(tiny_model):
+    """Each guide kind through real vLLM (its guidance backend, llguidance): the output matches the guide."""
+    import json
+    import re
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm")
+    from gyre_inference.structured import Guide
+    from gyre_inference.text import ModelText
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    text = ModelText(tiny_model)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+              "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}  # fmt: skip
+    checks = {
+        Guide("json", schema): lambda out: set(json.loads(out)) == {"n", "ok"} and out.startswith('{"n": '),
+        Guide("regex", "[ab]{3}-[0-9]"): lambda out: re.fullmatch("[ab]{3}-[0-9]", out),
+        Guide("choice", ("red", "green")): lambda out: out in ("red", "green"),
+        Guide("grammar", 'start: "x" ("y" | "z")'): lambda out: out in ("xy", "xz"),
+    }
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, dtype="float32", gpu_memory_utilization=0.2, max_num_seqs=16)
+        await backend.start()
+        try:
+            for guide, check in checks.items():
+                for seed in range(3):
+                    params = SamplingParams(max_tokens=60, temperature=1.0, seed=seed, guide=guide,
+                                            stop_token_ids=text.eos_token_ids)  # fmt: skip
+                    events = [e async for e in backend.generate([1, 705, 201], params)]
+                    assert events[-1].finish_reason == "stop", guide
+                    assert check(text.decode([e.token_id for e in events])), (guide, events)
+        finally:
+            await backend.shutdown()
+
+    asyncio.run(scenario())
