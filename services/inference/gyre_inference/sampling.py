@@ -70,7 +70,7 @@ def sample(
         x = x.scatter_add(1, bias_ids, bias_values)
     if bitmask is not None:
         # A row that min_tokens left with no token the grammar allows keeps the grammar's tokens, all at logit 0:
-        # the grammar wins (as structured.apply_token_bitmask).
+        # the grammar wins.
         dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
         x = torch.where(dead & allowed, torch.zeros_like(x), x)
     greedy = temperature <= 0

@@ -9,8 +9,8 @@ Three pieces, each with one job:
 - `Constraint`: the per-sequence grammar matcher the torch engine drives (the xgrammar-style interface,
   so an xgrammar `GrammarMatcher` satisfies it too). Per decode step the engine asks every constrained
   row to fill its row of ONE host bitmask, copies that bitmask to the device once and masks the logits
-  of those rows there (`TokenMasks`), samples, then tells each matcher the token it got. Free rows are
-  untouched, so a batch mixing constrained and free rows is still one decode step.
+  of those rows there (inside its sampler, `sampling.sample`), samples, then tells each matcher the token
+  it got. Free rows are untouched, so a batch mixing constrained and free rows is still one decode step.
 - `GrammarCompiler`: the grammar engine, llguidance (docs/dependencies.md says why that one). Compiles a
   Guide once per distinct guide (a grammar error is a 400 naming the field) and hands out fresh matchers.
 
@@ -89,60 +89,9 @@ class Constraint(Protocol):
     def is_terminated(self) -> bool: ...
 
 
-# ---- the engine's side: one host bitmask per step, one copy, masked on the device -------------------
 def bitmask_words(vocab_size: int) -> int:
+    """Words of a bitmask row: one bit per token of the logits, 32 to an int32."""
     return (vocab_size + 31) // 32
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`logits` [B, V] with rows `rows` [n] masked by `bitmask` [n, words] (on the logits' device): tokens
-    whose bit is clear get -inf. Other rows are returned unchanged. Out of place (the logits may be a
-    captured graph's output).
-
-    A row the request's own rules (min_tokens keeping the end-of-sequence token out) left with no token the
-    grammar allows keeps the grammar's tokens, all at logit 0: the grammar wins.
-    """
-    import torch
-
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    if allowed.shape[1] < vocab:  # a bitmask narrower than the logits: the extra ids are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    picked = logits[rows].float()
-    masked = picked.masked_fill(~allowed, float("-inf"))
-    dead = ~torch.isfinite(masked).any(dim=-1, keepdim=True)
-    masked = torch.where(dead & allowed, torch.zeros_like(masked), masked)
-    return logits.float().index_put((rows,), masked)
-
-
-class TokenMasks:
-    """The engine's reusable host bitmask: `apply(logits, constrained)` fills the rows of the constrained
-    sequences, copies them to the logits' device in one transfer and masks those rows there."""
-
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device):
-        import torch
-
-        self.vocab_size = vocab_size
-        # Pinned on CUDA so the copy is asynchronous. Reusing it next step is safe: the engine reads the
-        # sampled tokens back (a sync) before it fills the bitmask again.
-        pin = device.type == "cuda"
-        self._host = torch.zeros(max_rows, bitmask_words(vocab_size), dtype=torch.int32, pin_memory=pin)
-        self._device = device
-
-    def apply(self, logits: torch.Tensor, constrained: list[tuple[int, Constraint]]) -> torch.Tensor:
-        """`constrained`: (row of `logits`, its matcher) for every constrained row; [] leaves logits as they are."""
-        import torch
-
-        if not constrained:
-            return logits
-        host = self._host[: len(constrained)]
-        host.fill_(0)
-        for index, (_, constraint) in enumerate(constrained):
-            constraint.fill_next_token_bitmask(host, index)
-        bitmask = host.to(logits.device, non_blocking=True)
-        rows = torch.tensor([row for row, _ in constrained], device=logits.device)
-        return apply_token_bitmask(logits, bitmask, rows)
 
 
 # ---- the grammar engine: llguidance ------------------------------------------------------------------

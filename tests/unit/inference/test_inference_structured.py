@@ -17,15 +17,7 @@ import pytest
 import pytest_asyncio
 import torch
 from gyre_inference.backend import SamplingParams
-from gyre_inference.structured import (
-    Constraint,
-    GrammarCompiler,
-    Guide,
-    GuideError,
-    TokenMasks,
-    apply_token_bitmask,
-    bitmask_words,
-)
+from gyre_inference.structured import Constraint, GrammarCompiler, Guide, GuideError, bitmask_words
 from gyre_inference.torch_backend import TorchBackend
 
 PROMPT = [1, 705, 201, 74, 75, 2, 201, 1, 739, 201]
@@ -65,32 +57,10 @@ def test_the_fake_grammar_satisfies_the_protocol():
     assert isinstance(EvenThenEnd(2, 64), Constraint)
 
 
-def test_the_bitmask_masks_only_the_constrained_rows_on_the_device():
-    torch.manual_seed(0)
-    vocab = 70  # not a multiple of 32: the last word is partial
-    logits = torch.randn(4, vocab)
-    allowed = [{0, 31, 32, 69}, {5}]
-    bitmask = torch.stack([allowed_bits(a, vocab) for a in allowed])
-    out = apply_token_bitmask(logits, bitmask, torch.tensor([1, 3]))
-    assert torch.equal(out[[0, 2]], logits[[0, 2]])  # free rows untouched
-    for row, tokens in zip((1, 3), allowed, strict=True):
-        finite = torch.isfinite(out[row]).nonzero()[:, 0].tolist()
-        assert finite == sorted(tokens) and torch.equal(out[row, finite], logits[row, finite])
-    # the grammar wins over a request rule that left nothing it allows (min_tokens masking the end token)
-    blocked = logits.clone()
-    blocked[3, 5] = float("-inf")
-    out = apply_token_bitmask(blocked, bitmask, torch.tensor([1, 3]))
-    assert torch.isfinite(out[3]).nonzero()[:, 0].tolist() == [5]
-
-
-def test_token_masks_fill_one_host_bitmask_and_leave_unconstrained_batches_alone():
-    masks = TokenMasks(vocab_size=64, max_rows=8, device=torch.device("cpu"))
-    logits = torch.randn(3, 64)
-    assert masks.apply(logits, []) is logits
-    grammar = EvenThenEnd(0, 64)
-    out = masks.apply(logits, [(2, grammar)])
-    assert grammar.masks == [{END}] and torch.isfinite(out[2]).nonzero()[:, 0].tolist() == [END]
-    assert torch.equal(out[:2], logits[:2])
+def allowed_tokens(bitmask_row: torch.Tensor, vocab: int) -> list[int]:
+    """The token ids whose bit is set in one bitmask row."""
+    bits = (bitmask_row.to(torch.int64)[:, None] >> torch.arange(32)) & 1
+    return bits.flatten()[:vocab].nonzero()[:, 0].tolist()
 
 
 # ---- the engine ------------------------------------------------------------------------------------
@@ -128,7 +98,7 @@ async def test_the_mask_on_a_cuda_engine_with_graphs(tiny_model, reference):
     engine = TorchBackend(tiny_model, device="cuda", dtype="float32", max_batch_size=8)
     await engine.start()
     try:
-        assert engine._decoder.cuda_graphs
+        assert engine._runner.cuda_graphs
         for temperature in (1.0, 0.0):
             await _mixed_batch_contract(engine, reference.to("cuda"), temperature)
     finally:
@@ -156,7 +126,7 @@ async def _mixed_batch_contract(backend, reference, temperature):
 
     # one decode step per engine iteration, also for batches mixing constrained and free rows
     assert len(steps) == len(decodes) and {True, False} in decodes
-    backend._decoder.step, backend._decode = step, decode
+    backend._runner.decode, backend._decode = step, decode
     # the free row is what it is alone (up to the float noise of another batch shape)
     assert [(e.token_id, [t for t, _ in e.top_logprobs]) for e in together] == [
         (e.token_id, [t for t, _ in e.top_logprobs]) for e in alone
@@ -200,8 +170,7 @@ def _drive(compiler, guide, vocab, seed=0, limit=400) -> str:
     tokens = []
     for _ in range(limit):
         matcher.fill_next_token_bitmask(bitmask, 0)
-        allowed = torch.isfinite(apply_token_bitmask(torch.zeros(1, vocab), bitmask, torch.tensor([0])))[0]
-        token = rng.choice(allowed.nonzero()[:, 0].tolist())
+        token = rng.choice(allowed_tokens(bitmask[0], vocab))
         assert matcher.accept_token(token)
         tokens.append(token)
         if matcher.is_terminated():
@@ -268,4 +237,4 @@ def test_the_inference_bench_times_constrained_next_to_free_decoding(tiny_model)
 
     config = InferenceBenchConfig(clients=4, max_tokens=6, repeats=1, http=False)
     rates = _constrained_vs_free(tiny_model, [5, 6, 7, 8], config)
-    assert len(rates) == 3 and all(wall > 0 and cpu > 0 for wall, cpu in rates)
+    assert len(rates) == 3 and all(row.rate > 0 and cpu > 0 for row, cpu in rates)
