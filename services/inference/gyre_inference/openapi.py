@@ -117,23 +117,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["object", "data"],
         "properties": {
             "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["id", "object", "created", "owned_by", "max_model_len", "policy_version"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"const": "model"},
-                        "created": {"type": "integer"},
-                        "owned_by": {"type": "string"},
-                        "root": {"type": "string"},
-                        "parent": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-                        "max_model_len": {"type": "integer"},
-                        "policy_version": {"type": "integer"},
-                    },
-                },
-            },
+            "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
         },
     },
     "Model": {

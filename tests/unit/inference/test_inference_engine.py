@@ -19,13 +19,6 @@ pytestmark = pytest.mark.asyncio
 PROMPT = [(7 * i + 3) % 900 + 5 for i in range(40)]  # 2 full blocks of 16 and a partial one
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-
-
 def expected_logprobs(model, prompt, tokens, temperature=1.0):
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]

@@ -11,11 +11,9 @@ import asyncio
 from collections import namedtuple
 
 import pytest
-import pytest_asyncio
 import torch
 from gyre_inference.backend import PromptLogprob, SamplingParams
 from gyre_inference.prompt_logprobs import to_vllm
-from gyre_inference.torch_backend import TorchBackend
 from gyre_inference.vllm_backend import prompt_entries
 from test_inference_vllm_lora import standin_vllm  # noqa: F401, F811 (the stand-in vLLM engine, a fixture)
 
@@ -24,27 +22,12 @@ Logprob = namedtuple("Logprob", ["logprob", "rank", "decoded_token"])
 PROMPTS = [[1, 705, 201, 74, 75, 2, 201, 1, 739, 201], [5, 6], list(range(10, 60)), [300, 301, 302, 303], [42]]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-
-
 def reference_entries(model, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-prob of each prompt token after the first, its rank, the full log-prob rows) from one forward."""
     with torch.no_grad():
         rows = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
     chosen = rows.gather(1, torch.tensor(prompt[1:])[:, None])
     return chosen[:, 0], (rows > chosen).sum(-1) + 1, rows
-
-
-@pytest_asyncio.fixture
-async def backend(tiny_model):
-    engine = TorchBackend(tiny_model, threads=1, max_batch_size=8)
-    await engine.start()
-    yield engine
-    await engine.shutdown()
 
 
 @pytest.mark.asyncio

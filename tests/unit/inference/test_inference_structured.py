@@ -14,7 +14,6 @@ import asyncio
 import json
 
 import pytest
-import pytest_asyncio
 import torch
 from gyre_inference.backend import SamplingParams
 from gyre_inference.structured import Constraint, GrammarCompiler, Guide, GuideError, bitmask_words
@@ -64,21 +63,6 @@ def allowed_tokens(bitmask_row: torch.Tensor, vocab: int) -> list[int]:
 
 
 # ---- the engine ------------------------------------------------------------------------------------
-@pytest_asyncio.fixture
-async def backend(tiny_model):
-    engine = TorchBackend(tiny_model, threads=1, max_batch_size=8)
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-
-
 async def _events(backend, prompt, params):
     return [e async for e in backend.generate(prompt, params)]
 

@@ -5,28 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import pytest_asyncio
 import torch
 from gyre.transport import FetchedWeights
 from gyre_inference.backend import SamplingParams, WeightsIncompatibleError
 from gyre_inference.torch_backend import TorchBackend
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest_asyncio.fixture
-async def backend(tiny_model):
-    engine = TorchBackend(tiny_model, threads=1, max_batch_size=8)
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
 def _reference_logprobs(model, prompt, tokens, temperature):
