@@ -54,14 +54,7 @@ def teach(base: Path, path: Path, input_ids, labels, attention_mask=None, *, mar
             raise RuntimeError(f"the model did not learn its answers in {max_steps} steps")
     finally:
         torch.set_num_threads(threads)
-    staging = path.with_name(path.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    for name in TOKENIZER_FILES:
-        if (base / name).exists():
-            shutil.copy(base / name, staging / name)
-    staging.rename(path)
-    return path
+    return save_beside(model, base, path)
 
 
 def reward_model_path(tmp_path_factory) -> Path:
@@ -77,6 +70,11 @@ def reward_model_path(tmp_path_factory) -> Path:
     config = AutoConfig.from_pretrained(base, num_labels=1, id2label={0: "reward"}, label2id={"reward": 0})
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(config)
+    return save_beside(model, base, path)
+
+
+def save_beside(model, base: Path, path: Path) -> Path:
+    """Save `model` at `path` with `base`'s tokenizer files, visible only complete (staged, then renamed)."""
     staging = path.with_name(path.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)

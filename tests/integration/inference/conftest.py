@@ -15,19 +15,9 @@ def tool_model(tmp_path_factory, tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def start_server(tmp_path_factory, tiny_model):
-    """Factory: start_server(*extra_args) -> a ready InferenceServer, stopped (gracefully) at session end."""
-    started: list[InferenceServer] = []
-    log_dir = tmp_path_factory.mktemp("inference-logs")
-
-    def start(*args: str, model_path: Path | None = None) -> InferenceServer:
-        server = InferenceServer(model_path or tiny_model, *args, log_dir=log_dir)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
+def start_server(start_inference):
+    """start_server(*args, model_path=None): `start_inference` (tests/conftest.py) under this folder's name."""
+    return lambda *args, model_path=None: start_inference(*args, model=model_path)
 
 
 @pytest.fixture(scope="session")

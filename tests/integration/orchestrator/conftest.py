@@ -6,26 +6,15 @@ model (ReloadWeights) so versions never leak between tests. A test that kills a 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from support.inference import InferenceServer
 
 
 @pytest.fixture(scope="session")
-def start_replica(tiny_model, tmp_path_factory):
-    """Factory for replicas that live until the end of the session (or until the test kills them)."""
-    started: list[InferenceServer] = []
-    log_dir = tmp_path_factory.mktemp("orchestrator-inference-logs")
-
-    def start(*args: str, model: Path | None = None) -> InferenceServer:
-        replica = InferenceServer(model or tiny_model, *args, log_dir=log_dir)
-        started.append(replica)
-        return replica
-
-    yield start
-    for replica in started:
-        replica.stop()
+def start_replica(start_inference):
+    """start_replica(*args, model=None): `start_inference` (tests/conftest.py), replicas living until the session
+    ends (or until the test kills them)."""
+    return start_inference
 
 
 @pytest.fixture(scope="session")
