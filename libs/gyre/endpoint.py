@@ -101,13 +101,13 @@ class Endpoint:
                 except openai.APIStatusError as error:
                     self.stats["failures"] += 1
                     raise EndpointError(f"{self.name}: {self.config.root} refused the request: {error.status_code} "
-                                        f"{_describe(error)}") from error  # fmt: skip
+                                        f"{describe(error)}") from error  # fmt: skip
                 else:
                     self.stats["ok"] += 1
                     return answer
         self.stats["failures"] += 1
         attempts = self.config.retries + 1
-        raise EndpointError(f"{self.name}: {self.config.root} failed {attempts} times: {_describe(last)}")
+        raise EndpointError(f"{self.name}: {self.config.root} failed {attempts} times: {describe(last)}")
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -115,7 +115,8 @@ class Endpoint:
             self._client = None
 
 
-def _describe(error: BaseException | None) -> str:
+def describe(error: BaseException | None) -> str:
+    """An exception as one line naming its type (for error messages and logs)."""
     if error is None:
         return "no attempt was made"
     text = str(error).strip() or type(error).__name__

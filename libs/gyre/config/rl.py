@@ -125,21 +125,14 @@ class RLConfig(GyreSettings):
         default_factory=dict, description="[orchestrator] keys (`gyre orchestrator --help`)."
     )
 
-    @field_validator("servers")
+    @field_validator("runs", "servers")
     @classmethod
-    def _distinct_servers(cls, servers: list[RLServerConfig]) -> list[RLServerConfig]:
-        names = [s.name for s in servers]
+    def _distinct_names(cls, entries: list, info) -> list:
+        names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
-            raise ValueError(f"server names must differ: {sorted({n for n in names if names.count(n) > 1})} repeat")
-        return servers
-
-    @field_validator("runs")
-    @classmethod
-    def _distinct_runs(cls, runs: list[RLRunConfig]) -> list[RLRunConfig]:
-        names = [r.name for r in runs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"run names must differ: {sorted({n for n in names if names.count(n) > 1})} repeat")
-        return runs
+            kind = "run" if info.field_name == "runs" else "server"
+            raise ValueError(f"{kind} names must differ: {sorted({n for n in names if names.count(n) > 1})} repeat")
+        return entries
 
     @field_validator("ckpt", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import openai
+from gyre.endpoint import describe
 from gyre.envs import Messages, SamplingParams, ToolCall, Turn
 from gyre.envs.types import derive_seed
 
@@ -162,7 +163,7 @@ class InferenceClient:
             except _RETRYABLE as e:
                 last = e
                 self.stats["retries"] += 1
-                self.replicas.mark_failed(replica, _describe(e))
+                self.replicas.mark_failed(replica, describe(e))
                 continue
             except BadResponse as e:
                 last = e  # a broken answer from this replica: try another
@@ -170,7 +171,7 @@ class InferenceClient:
                 self.replicas.mark_failed(replica, e)
                 continue
             except openai.APIStatusError as e:
-                raise InferenceError(f"{replica.url} rejected the request: {e.status_code} {_describe(e)}") from e
+                raise InferenceError(f"{replica.url} rejected the request: {e.status_code} {describe(e)}") from e
             finally:
                 self.replicas.release(replica)
             self.stats["requests"] += 1
@@ -178,7 +179,7 @@ class InferenceClient:
             self.replicas.mark_ok(replica)
             self.replicas.observe_version(replica, turn.policy_version_max)
             return turn
-        raise InferenceError(f"request failed after {self.retries + 1} attempts: {_describe(last)}")
+        raise InferenceError(f"request failed after {self.retries + 1} attempts: {describe(last)}")
 
     async def _request(self, replica: Replica, request: dict[str, Any]) -> Turn:
         client = self._openai(replica)
@@ -225,13 +226,6 @@ class InferenceClient:
         if not models.data:
             raise BadResponse(f"{replica.url}/v1/models lists no model")
         return models.data[0].id
-
-
-def _describe(e: BaseException | None) -> str:
-    if e is None:
-        return "no attempt was made"
-    text = str(e).strip() or type(e).__name__
-    return f"{type(e).__name__}: {text}" if type(e).__name__ not in text else text
 
 
 async def close_replica_clients(replicas: list[Replica]) -> None:
