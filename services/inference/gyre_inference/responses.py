@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from gyre_inference.errors import APIError
 from gyre_inference.protocol import (
@@ -239,8 +239,6 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         chat |= {"logprobs": True, "top_logprobs": request.top_logprobs or 0}
     if request.stream and request.stream_options is not None:
         chat["stream_options"] = request.stream_options.model_dump(exclude_none=True)
-    from pydantic import ValidationError
-
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValidationError as error:  # a message the chat rules refuse: name it as the input item
