@@ -217,6 +217,27 @@ class IntakeConfig(Section):
     )
 
 
+class DebugConfig(Section):
+    """Keep a step whose gradients went wrong, to reproduce it with `gyre replay` (docs/trainer.md, "Debugging
+    a step")."""
+
+    dump: bool = Field(
+        True,
+        description="On a non-finite or spiking gradient norm, keep the step's batch and the parameters that "
+        "produced it (before the update) in {output_dir}/debug/step_{s}.",
+    )
+    spike_factor: float = Field(
+        10.0,
+        gt=1,
+        description="A gradient norm above this times the median of the previous spike_window steps' is a "
+        "spike (counted in gyre_trainer_grad_norm_spikes_total, dumped with debug.dump).",
+    )
+    spike_window: int = Field(
+        20, ge=3, description="Steps whose median gradient norm a step is compared with (3 at least before any)."
+    )
+    keep_last: int = Field(2, ge=1, description="Newest step dumps kept (each holds the weights: a model's size).")
+
+
 class TrainerServerConfig(Section):
     host: str = Field("127.0.0.1", description="Bind address of the gRPC server and of /metrics (0.0.0.0 in pods).")
     port: int = Field(50071, ge=0, le=65535, description="gRPC port of gyre.v1.Trainer (status + health).")
@@ -302,6 +323,7 @@ class TrainerConfig(ServiceConfig):
     )
     server: TrainerServerConfig = Field(default_factory=TrainerServerConfig, description="gRPC status server.")
     intake: IntakeConfig = Field(default_factory=IntakeConfig, description="Reading batches from Redis.")
+    debug: DebugConfig = Field(default_factory=DebugConfig, description="Step dumps for `gyre replay`.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this step (unset = run until stopped).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
     seed: int = Field(0, description="Random seed.")

@@ -51,6 +51,13 @@ class TrainerMetrics:
         self.entropy = gauge("gyre_trainer_entropy", "Mean token entropy of the policy in the last step (nats).")
         self.mismatch_kl = gauge("gyre_trainer_mismatch_kl", "KL between trainer and inference log-probs, last step.")
         self.grad_norm = gauge("gyre_trainer_grad_norm", "Gradient norm before clipping, last step.")
+        self.clip_ratio = gauge(
+            "gyre_trainer_clip_ratio", "Fraction of the last step's loss tokens the objective clipped (or masked)."
+        )
+        self.grad_norm_spikes = counter(
+            "gyre_trainer_grad_norm_spikes_total",
+            "Steps whose gradient norm was non-finite or above debug.spike_factor x the recent median.",
+        )
         self.lr = gauge("gyre_trainer_lr", "Learning rate of the last step.")
         self.last_step_timestamp = gauge(
             "gyre_trainer_last_step_timestamp_seconds", "Unix time the last step was published."
@@ -83,6 +90,9 @@ class TrainerMetrics:
         ):
             if record.get(key) is not None:
                 gauge.set(record[key])
+        clipped = record.get("clip_frac", record.get("masked_frac"))  # the objective's (docs/algorithms.md)
+        if clipped is not None:
+            self.clip_ratio.set(clipped)
         self.tokens.inc(record["num_tokens"])
         self.step_duration.observe(record["step_seconds"])
         for rank, mfu in enumerate(mfu_per_rank):

@@ -36,6 +36,7 @@ from gyre.wandb_log import WandbLogger
 
 from gyre_trainer import dist
 from gyre_trainer.checkpoint import CheckpointManager, ResumePlan, plan_resume
+from gyre_trainer.debug import StepDebugger
 from gyre_trainer.intake import BatchIntake, IntakeItem
 from gyre_trainer.metrics import TrainerMetrics
 from gyre_trainer.process import crash_point
@@ -97,6 +98,7 @@ class RunState:
         self.wandb: WandbLogger | None = None
         self.notifier: WeightsNotifier | None = None
         self.rejected_seen = 0
+        self.debugger: StepDebugger | None = None  # made at the first step: it needs the loaded model's config
         self.closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -237,10 +239,14 @@ class RunState:
             from gyre_trainer.lora import activate_adapter
 
             activate_adapter(model, spec.adapter)
+        if self.debugger is None:
+            self.debugger = StepDebugger(cfg, ctx, process.hf_config, process.dtype, output_dir=self.out,
+                                         lora=spec.lora, adapter=spec.adapter, on_bad_step=self._bad_step)  # fmt: skip
         start = time.perf_counter()
         result = train_step(model, self.optimizer, self.scheduler, item.batch, rank=ctx.rank,
                             world_size=ctx.world_size, loss_cfg=cfg.loss, micro_batch_size=cfg.data.micro_batch_size,
-                            ref_model=process.ref_model, max_grad_norm=spec.optim.max_grad_norm)  # fmt: skip
+                            ref_model=process.ref_model, max_grad_norm=spec.optim.max_grad_norm,
+                            inspect_gradients=self.debugger.hook(item.step, item.batch, model))  # fmt: skip
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         seconds = time.perf_counter() - start
@@ -251,6 +257,10 @@ class RunState:
         if spec.adapter is not None:
             record["run"] = self.name
         return record, mfu_per_rank
+
+    def _bad_step(self, step: int, reason: str) -> None:
+        if self.process.ctx.is_main:
+            self.metrics.grad_norm_spikes.inc()
 
     def checkpoint_if_due(self, step: int, record: dict[str, Any]) -> None:
         """Step `step`'s checkpoint when `ckpt.interval` says so (before publishing: see `plan_resume`)."""

@@ -17,7 +17,7 @@ average back into the sum. Without a distributed wrapper (world_size 1) the scal
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,18 +239,30 @@ def compute_gradients(
     return metrics
 
 
-def optimizer_step(model, optimizer, scheduler, max_grad_norm: float) -> dict[str, float]:
+def gradient_norm(model) -> Tensor:
+    """The total 2-norm of the accumulated gradients (of the whole model when sharded: every rank gets it)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding partial norms of the shards
+        grad_norm = grad_norm.full_tensor()
+    return grad_norm
+
+
+def optimizer_step(
+    model, optimizer, scheduler, max_grad_norm: float, before_update: Callable[[float], None] | None = None
+) -> dict[str, float]:
     """Clip gradients to `max_grad_norm`, update, advance the schedule, clear gradients.
 
     A non-finite gradient norm skips the update (parameters and optimizer state stay untouched,
     `skipped` = 1) but still advances the schedule, so lr stays aligned with the trainer step.
-    `lr` is the learning rate this update used.
+    `lr` is the learning rate this update used. `before_update(grad_norm)` runs once the norm is known,
+    while the parameters are still those that produced the gradients (the debug dump, `gyre_trainer.debug`).
     """
     lr = float(optimizer.param_groups[0]["lr"])
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding partial norms of the shards
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = gradient_norm(model)
+    if before_update is not None:
+        before_update(float(grad_norm))
     finite = bool(torch.isfinite(grad_norm))
     if finite:
         torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, grad_norm)
@@ -275,6 +287,7 @@ def train_step(
     micro_batch_size: int = 1,
     ref_model=None,
     temperature: float | None = None,
+    inspect_gradients: Callable[[dict[str, float]], None] | None = None,
 ) -> StepResult:
     """One RL step on `batch.for_rank(rank)`: gradients of the globally normalised loss, clip, update.
 
@@ -287,6 +300,9 @@ def train_step(
     (`clip_frac` or `masked_frac`, fractions of loss tokens), `num_tokens`, `num_loss_tokens`,
     `num_samples`, `grad_norm` (before clipping), `lr` (used by this update), `skipped` (1 = non-finite
     gradient, no update).
+
+    `inspect_gradients(metrics)` sees the loss metrics and `grad_norm` before the update, on every rank
+    (the step's debug dump: `gyre_trainer.debug.StepDebugger`).
     """
     metrics = compute_gradients(
         model,
@@ -298,7 +314,13 @@ def train_step(
         ref_model=ref_model,
         temperature=temperature,
     )
-    metrics.update(optimizer_step(model, optimizer, scheduler, max_grad_norm))
+    before_update = None
+    if inspect_gradients is not None:
+
+        def before_update(grad_norm: float) -> None:
+            inspect_gradients({**metrics, "grad_norm": grad_norm})
+
+    metrics.update(optimizer_step(model, optimizer, scheduler, max_grad_norm, before_update))
     return StepResult(metrics)
 
 

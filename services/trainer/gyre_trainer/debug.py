@@ -1,0 +1,145 @@
+"""Keep a step whose gradients went wrong, so `gyre replay` can reproduce it (docs/trainer.md, "Debugging a step").
+
+A step's gradient norm is *bad* when it is not finite, or when it exceeds `debug.spike_factor` times the
+median of the previous `debug.spike_window` steps' (needs 3 of them; earlier bad steps do not count).
+Every rank sees the same global norm, so every rank decides alike: the parameters are gathered
+collectively, and rank 0 writes `{output_dir}/debug/step_{s}/`, before the update, so they are exactly
+those that produced the gradients:
+
+    step.json          reason, the recorded loss / grad_norm / metrics, and how the step was computed
+                       (loss config, micro-batch size, world size, dtype, device, torch threads, model settings)
+    batch.bin          the batch as the stream carried it (`gyre.codec`)
+    model.safetensors  the parameters (a LoRA run: the adapter's; its base stays `model.name`)
+    config.json        the model's config (with the weights, a model folder `from_pretrained` loads)
+
+The folder appears complete or not at all (`gyre.fsio.commit_dir`); the newest `debug.keep_last` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+from gyre.codec import encode_batch
+from gyre.config.trainer import TrainerConfig
+from gyre.fsio import commit_dir, retire_dir, write_file, write_hashed
+from gyre.safetensors_io import safetensors_chunks
+
+from gyre_trainer import dist
+
+log = logging.getLogger(__name__)
+
+STEP_FILE = "step.json"
+BATCH_FILE = "batch.bin"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+MIN_HISTORY = 3
+
+
+def debug_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "debug"
+
+
+class GradNormWatch:
+    """Decides whether a step's gradient norm is bad (see the module docstring); rank-independent."""
+
+    def __init__(self, spike_factor: float, window: int):
+        self.spike_factor = spike_factor
+        self.history: deque[float] = deque(maxlen=window)
+
+    def observe(self, grad_norm: float) -> str | None:
+        """The reason this norm is bad, or None (then it joins the history)."""
+        if not math.isfinite(grad_norm):
+            return f"non-finite gradient norm ({grad_norm})"
+        if len(self.history) >= MIN_HISTORY:
+            median = statistics.median(self.history)
+            if grad_norm > self.spike_factor * median:
+                return (
+                    f"gradient norm {grad_norm:.6g} is {grad_norm / median:.1f}x the median {median:.6g} of the "
+                    f"previous {len(self.history)} steps (debug.spike_factor = {self.spike_factor:g})"
+                )
+        self.history.append(grad_norm)
+        return None
+
+
+class StepDebugger:
+    """One run's `inspect_gradients` hook: counts bad steps and dumps them (`debug.dump`) into the run's folder.
+
+    `lora`: the run's adapter config (its parameters alone are kept); `adapter`: its name on a multi-run
+    trainer's shared base model (None: the model's only adapter, or none)."""
+
+    def __init__(self, cfg: TrainerConfig, ctx: dist.DistContext, hf_config: Any, dtype: torch.dtype, *,
+                 output_dir: Path, lora: Any = None, adapter: str | None = None, on_bad_step=None):  # fmt: skip
+        self.cfg, self.ctx, self.hf_config, self.dtype = cfg, ctx, hf_config, dtype
+        self.lora, self.adapter = lora, adapter
+        self.watch = GradNormWatch(cfg.debug.spike_factor, cfg.debug.spike_window)
+        self.folder = debug_dir(output_dir)
+        self.on_bad_step = on_bad_step or (lambda step, reason: None)
+
+    def hook(self, step: int, batch, model):
+        """The callback `train_step(..., inspect_gradients=...)` takes for step `step`."""
+
+        def inspect(metrics: dict[str, float]) -> None:
+            reason = self.watch.observe(metrics["grad_norm"])
+            if reason is None:
+                return
+            log.warning("step %d: %s", step, reason)
+            self.on_bad_step(step, reason)
+            if self.cfg.debug.dump:
+                self.dump(step, batch, model, metrics, reason)
+
+        return inspect
+
+    def dump(self, step: int, batch, model, metrics: dict[str, float], reason: str) -> Path | None:
+        """Gather the parameters (every rank) and write the step's folder (rank 0)."""
+        state = dist.full_state_dict(model, self.ctx, trainable_only=self.lora is not None)
+        if not self.ctx.is_main:
+            return None
+        final = self.folder / f"step_{step}"
+        tmp = self.folder / f".tmp-step_{step}-{time.time_ns()}"
+        tmp.mkdir(parents=True)
+        write_hashed(tmp / WEIGHTS_FILE, safetensors_chunks(state, {"format": "pt"}))
+        write_file(tmp / CONFIG_FILE, self.hf_config.to_json_string().encode())
+        write_file(tmp / BATCH_FILE, encode_batch(batch))
+        write_file(tmp / STEP_FILE, json.dumps(self.describe(step, metrics, reason), indent=1).encode())
+        commit_dir(tmp, final)
+        log.warning("step %d kept in %s: reproduce it with `gyre replay %s`", step, final, final)
+        self._prune()
+        return final
+
+    def describe(self, step: int, metrics: dict[str, float], reason: str) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "step": step,
+            "reason": reason,
+            "loss": metrics.get("loss"),
+            "grad_norm": metrics["grad_norm"],
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, int | float)},
+            # how the step was computed: what `gyre replay` needs to compute it again
+            "world_size": self.ctx.world_size,
+            "device": self.ctx.device.type,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+            "deterministic": cfg.deterministic,
+            "seed": cfg.seed,
+            "model": cfg.model.model_dump(mode="json"),
+            "lora": self.lora.model_dump(mode="json") if self.lora is not None else None,
+            "adapter": self.adapter,
+            "loss_config": cfg.loss.model_dump(mode="json"),
+            "micro_batch_size": cfg.data.micro_batch_size,
+            "activation_checkpointing": cfg.activation_checkpointing,
+            "time": time.time(),
+        }
+
+    def _prune(self) -> None:
+        steps = sorted((int(p.name.removeprefix("step_")), p) for p in self.folder.glob("step_*") if p.is_dir())
+        for _, path in steps[: -self.cfg.debug.keep_last]:
+            retire_dir(path)
