@@ -7,6 +7,8 @@ trains on exactly the tokens the model sampled (docs/architecture.md, "Alignment
 - **Load balancing**: each request goes to the replica with the fewest requests in flight among
   those in rotation (`ReplicaSet.acquire`).
 - **Bounded concurrency**: at most `max_concurrency` requests in flight across all replicas.
+- **Demand**: `demand` counts the requests outstanding now, `inflight` (sent to a replica) and `queued`
+  (waiting for a concurrency slot, an eligible replica or a retry): what inference autoscaling follows.
 - **Timeouts, retries with backoff**: a connection error, timeout or 5xx/429 takes the replica out of
   rotation (circuit breaker, retried later) and the request is retried on another replica after an
   exponential backoff, `retries` times; 4xx errors are the request's fault and raise at once.
@@ -120,6 +122,7 @@ class InferenceClient:
         self.max_concurrency = max_concurrency
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self.stats = {"requests": 0, "retries": 0}  # shared with every for_version() view
+        self.demand = {"inflight": 0, "queued": 0}  # likewise
 
     def for_version(self, min_version: int) -> InferenceClient:
         """A view of this client (same replicas, same concurrency budget) that needs version >= min_version."""
@@ -145,8 +148,12 @@ class InferenceClient:
             request["seed"] = derive_seed(sampling.seed, "turn", len(messages))
         if tools:
             request["tools"] = tools
-        async with self._semaphore:
-            return await self._with_retries(request)
+        self.demand["queued"] += 1
+        try:
+            async with self._semaphore:
+                return await self._with_retries(request)
+        finally:
+            self.demand["queued"] -= 1
 
     async def _with_retries(self, request: dict[str, Any]) -> Turn:
         last: BaseException | None = None
@@ -158,6 +165,8 @@ class InferenceClient:
                 replica = await self.replicas.acquire(self.min_version, timeout=self.wait_for_replica_s)
             except NoReplicaAvailable as e:
                 raise InferenceError(str(e)) from None
+            self.demand["queued"] -= 1
+            self.demand["inflight"] += 1
             try:
                 turn = await self._request(replica, request)
             except _RETRYABLE as e:
@@ -174,6 +183,8 @@ class InferenceClient:
                 raise InferenceError(f"{replica.url} rejected the request: {e.status_code} {describe(e)}") from e
             finally:
                 self.replicas.release(replica)
+                self.demand["inflight"] -= 1
+                self.demand["queued"] += 1
             self.stats["requests"] += 1
             replica.requests += 1
             self.replicas.mark_ok(replica)

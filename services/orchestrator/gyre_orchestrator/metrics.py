@@ -143,6 +143,33 @@ class OrchestratorMetrics:
         self.latest_weights = m.gauge(
             "gyre_orchestrator_latest_weights_step", "Newest weights version the orchestrator knows of.", run, r
         )
+        # learning health of the last batch (docs/metrics.md, "Learning health")
+        self.response_length = m.gauge(
+            "gyre_orchestrator_response_length_tokens",
+            "Completion tokens per sample of the last batch (all model turns); stat = mean or p95.",
+            (*run, "env", "stat"),
+            r,
+        )
+        self.truncated_ratio = m.gauge(
+            "gyre_orchestrator_truncated_ratio",
+            "Fraction of the last batch's samples cut at the length limit (stop_reason length).",
+            (*run, "env"),
+            r,
+        )
+        self.rubric_score = m.gauge(
+            "gyre_orchestrator_rubric_score_mean",
+            "Mean unweighted score of each rubric function (the reward's components) over the last batch.",
+            (*run, "env", "function"),
+            r,
+        )
+        # demand on the inference replicas (what `inference.autoscaling` scales on)
+        self.model_requests = m.gauge(
+            "gyre_orchestrator_model_requests",
+            "Model requests outstanding now: state = inflight (sent to a replica) or queued (waiting for a "
+            "concurrency slot or an eligible replica).",
+            (*run, "state"),
+            r,
+        )
 
     def labels(self, metric, **labels):
         return metric.labels(run_id=self.run_id, **labels)

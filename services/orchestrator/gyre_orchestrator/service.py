@@ -98,6 +98,23 @@ def rollout_record(step: int, sample: ScoredRollout, meta: dict) -> dict:
             **{k: meta[k] for k in keys}}  # fmt: skip
 
 
+def batch_health(samples: list[ScoredRollout]) -> dict:
+    """Learning-health figures of a batch's samples (docs/metrics.md, "Learning health"): completion
+    length (mean, p95), the fraction cut at the length limit, and each rubric function's mean score
+    (the reward's components)."""
+    lengths = np.asarray([s.rollout.num_completion_tokens for s in samples], dtype=np.float64)
+    scores: dict[str, list[float]] = {}
+    for s in samples:
+        for name, value in s.score.per_function.items():
+            scores.setdefault(name, []).append(float(value))
+    return {
+        "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+        "response_length_p95": float(np.percentile(lengths, 95)) if len(lengths) else 0.0,
+        "truncated_ratio": float(np.mean([s.rollout.stop_reason == "length" for s in samples])) if samples else 0.0,
+        "rubric_scores": {name: float(np.mean(values)) for name, values in sorted(scores.items())},
+    }
+
+
 class TaskSampler:
     """The train split, read in index order from a saved position (its whole state is `index`)."""
 
@@ -144,6 +161,11 @@ class OrchestratorService:
             timeout_s=inf.timeout_s,
             retries=inf.retries,
         )
+        demand = self.client.demand  # read at scrape time; the gauge holds the dict, not the service
+        for state in ("inflight", "queued"):
+            self.metrics.labels(self.metrics.model_requests, state=state).set_function(
+                lambda state=state: demand[state]
+            )
         self.versions = VersionWatch(0)
         self.relay = WeightRelay(
             self.replicas,
@@ -527,6 +549,7 @@ class OrchestratorService:
             "waste_fraction": wasted_tokens / generated_tokens if generated_tokens else 0.0,
             "zero_signal_batch": st.zero_signal_batch,
             "scoring_failures": self.scoring_failures,  # cumulative: judges / reward models / teacher that failed
+            **batch_health([s for g in st.kept for s in g.samples]),
         }
         record.update(self._signal_record(samples))
         self.events.append(record)
@@ -550,6 +573,12 @@ class OrchestratorService:
         labels(m.batch_seconds).set(st.seconds)
         for lag in lags:
             labels(m.lag).observe(lag)
+        env = cfg.env.name
+        labels(m.response_length, env=env, stat="mean").set(record["response_length_mean"])
+        labels(m.response_length, env=env, stat="p95").set(record["response_length_p95"])
+        labels(m.truncated_ratio, env=env).set(record["truncated_ratio"])
+        for name, value in record["rubric_scores"].items():
+            labels(m.rubric_score, env=env, function=name).set(value)
         log.info(
             "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups "
             "(%.0f%% of generated tokens wasted)",
