@@ -350,7 +350,122 @@ def overview() -> db.Dashboard:
         ),
     ]:
         d = d.with_panel(p)
+    d = d.with_row(db.Row("Learning health"))
+    for p in learning_health():
+        d = d.with_panel(p)
     return d
+
+
+def learning_health() -> list[timeseries.Panel]:
+    """One panel per learning-health alert (deploy/prometheus/alerts.yaml, group gyre-learning), drawn
+    with the alert's own terms, so a firing alert can be read off its panel."""
+    entropy, kl = sel("gyre_trainer_entropy"), sel("gyre_trainer_mismatch_kl")
+    truncated = sel("gyre_orchestrator_truncated_ratio")
+    return [
+        panel(
+            "Entropy vs its peak",
+            NATS,
+            [
+                (f"max by (run_id) ({entropy})", "entropy {{run_id}}"),
+                (f"0.25 * max by (run_id) (max_over_time({entropy}[6h]))", "collapse line {{run_id}}"),
+            ],
+            "Mean token entropy of the policy and a quarter of its 6-hour peak: below that line for 10 minutes, "
+            "GyreEntropyCollapse fires.",
+            width=6,
+            minimum=0,
+        ),
+        panel(
+            "Mismatch KL drift",
+            NATS,
+            [
+                (f"max by (run_id) (avg_over_time({kl}[10m]))", "10m mean {{run_id}}"),
+                (f"3 * max by (run_id) (min_over_time({kl}[6h]))", "3x 6h low {{run_id}}"),
+            ],
+            "Trainer/inference KL of the sampled tokens (10-minute mean) and three times its 6-hour low: above "
+            "both that line and 0.01 for 10 minutes, GyreMismatchKLRising fires.",
+            width=6,
+            minimum=0,
+        ),
+        panel(
+            "Response length",
+            "suffix: tokens",
+            [
+                (
+                    f"max by (run_id, env, stat) ({sel('gyre_orchestrator_response_length_tokens')})",
+                    "{{stat}} {{run_id}} {{env}}",
+                ),
+            ],  # fmt: skip
+            "Completion tokens per sample of each batch (mean and p95): a steady climb toward sampling.max_tokens "
+            "precedes truncation.",
+            width=6,
+            minimum=0,
+        ),
+        panel(
+            "Truncated samples",
+            "percentunit",
+            [
+                (f"max by (run_id, env) ({truncated})", "last batch {{run_id}} {{env}}"),
+                (f"max by (run_id, env) (avg_over_time({truncated}[15m]))", "15m mean {{run_id}} {{env}}"),
+            ],
+            "Share of each batch's samples cut at the length limit: a 15-minute mean above 20% and twice the "
+            "6 hours before fires GyreTruncationSpike.",
+            width=6,
+            minimum=0,
+        ),
+        panel(
+            "Reward vs eval",
+            "none",
+            [
+                (
+                    f"avg by (run_id, env) (avg_over_time({sel('gyre_orchestrator_reward_mean')}[30m]))",
+                    "train 30m mean {{run_id}} {{env}}",
+                ),
+                (
+                    "avg by (run_id, env) (" + sel("gyre_orchestrator_eval_reward", 'stat="avg_at_k"') + ")",
+                    "eval avg@k {{run_id}} {{env}}",
+                ),
+            ],  # fmt: skip
+            "Training reward (30-minute mean) against the held-out eval: train up by 0.05 while eval is down by "
+            "0.05 over 2 hours fires GyreRewardUpEvalDown (overfitting, reward hacking).",
+            width=6,
+        ),
+        panel(
+            "Reward by rubric component",
+            "none",
+            [
+                (
+                    f"avg by (run_id, env, function) ({sel('gyre_orchestrator_rubric_score_mean')})",
+                    "{{function}} {{run_id}}",
+                ),
+            ],  # fmt: skip
+            "Mean unweighted score of each rubric function per batch: which part of the reward moves.",
+            width=6,
+        ),
+        panel(
+            "Clipped tokens",
+            "percentunit",
+            [(f"max by (run_id) ({sel('gyre_trainer_clip_ratio')})", "{{run_id}}")],
+            "Fraction of each step's loss tokens the objective clipped (or masked): rising with the mismatch KL, "
+            "the updates run off-policy.",
+            width=6,
+            minimum=0,
+        ),
+        panel(
+            "Gradient norm spikes",
+            "none",
+            [
+                (f"max by (run_id) ({sel('gyre_trainer_grad_norm')})", "grad norm {{run_id}}"),
+                (
+                    f"sum by (run_id) (increase({sel('gyre_trainer_grad_norm_spikes_total')}[15m]))",
+                    "spikes in 15m {{run_id}}",
+                ),
+            ],  # fmt: skip
+            "Gradient norm and the steps the trainer judged non-finite or spiking (kept in debug/step_N for "
+            "`gyre replay`): any fires GyreGradNormSpike.",
+            width=6,
+            minimum=0,
+        ),
+    ]
 
 
 # ---- inference --------------------------------------------------------------------------------------
@@ -461,6 +576,17 @@ def inference() -> db.Dashboard:
             minimum=0,
         ),
         panel(
+            "Demand on the replicas",
+            "short",
+            [
+                (f"sum by (run_id, state) ({sel('gyre_orchestrator_model_requests')})", "{{state}} {{run_id}}"),
+                (f"count by (run_id) ({sel('gyre_orchestrator_replica_up')})", "replicas {{run_id}}"),
+            ],
+            "Model requests the orchestrator has outstanding, in flight or queued for a slot or a replica: what "
+            "inference.autoscaling scales the replicas on (replicas = ceil(demand / targetRequestsPerReplica)).",
+            minimum=0,
+        ),
+        panel(
             "UpdateWeights calls by result",
             "cps",
             [(rate("gyre_orchestrator_weight_relay_calls_total", "run_id, result"), "{{result}} {{run_id}}")],
@@ -496,6 +622,19 @@ def trainer() -> db.Dashboard:
             "KL between the trainer's and the inference engine's log-probs of the sampled tokens.",
         ),
         gauge("Grad norm", "gyre_trainer_grad_norm", "none", "Gradient norm before clipping, last step."),
+        gauge(
+            "Clipped tokens",
+            "gyre_trainer_clip_ratio",
+            "percentunit",
+            "Fraction of the last step's loss tokens the objective clipped (or masked).",
+        ),
+        panel(
+            "Gradient norm spikes",
+            "short",
+            [(f"sum by (run_id) (increase({sel('gyre_trainer_grad_norm_spikes_total')}[{RATE}]))", "{{run_id}}")],
+            "Steps with a non-finite or spiking gradient norm, kept in debug/step_N for `gyre replay`.",
+            minimum=0,
+        ),
         gauge("Learning rate", "gyre_trainer_lr", "sci", "Learning rate of the last step."),
         panel(
             "MFU",
