@@ -348,6 +348,40 @@ def overview() -> db.Dashboard:
             width=6,
             minimum=0,
         ),
+        panel(
+            "Generation waste",
+            "cps",
+            [
+                (rate("gyre_orchestrator_generated_completion_tokens_total"), "generated tokens/s {{run_id}}"),
+                (rate("gyre_orchestrator_wasted_completion_tokens_total"), "wasted tokens/s {{run_id}}"),
+                (rate("gyre_orchestrator_generated_groups_total"), "groups/s {{run_id}}"),
+            ],
+            "Completion tokens generated for batches, those that teach nothing (stale samples, zero-signal groups), "
+            "and groups generated per second.",
+            width=6,
+            minimum=0,
+        ),
+        panel(
+            "Judges, reward models, teacher",
+            "cps",
+            [
+                # `or ... * 0`: a run without judges shows 0 rather than no data
+                (
+                    f"{rate('gyre_orchestrator_signal_calls_total', 'run_id, signal, outcome')}"
+                    f" or max by (run_id) ({sel('gyre_orchestrator_step')}) * 0",
+                    "{{signal}} {{outcome}} {{run_id}}",
+                ),
+                (
+                    f"{rate('gyre_orchestrator_scoring_failures_total')}"
+                    f" or max by (run_id) ({sel('gyre_orchestrator_step')}) * 0",
+                    "scoring failures {{run_id}}",
+                ),
+            ],  # fmt: skip
+            "Calls per second to the models a run takes signals from, by outcome, and samples whose scoring "
+            "failed after every retry (generated and scored again).",
+            width=6,
+            minimum=0,
+        ),
     ]:
         d = d.with_panel(p)
     d = d.with_row(db.Row("Learning health"))
