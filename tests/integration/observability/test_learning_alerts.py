@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gyre.prometheus import PROMETHEUS, LocalPrometheus
+from gyre.local.prometheus import PROMETHEUS, LocalPrometheus
 from observability_support import ALERTS, ROOT
 
 pytestmark = [
