@@ -223,3 +223,29 @@ def test_image_digests_pin_every_component_and_redis():
 def test_malformed_digests_are_rejected_before_anything_renders(image):
     with pytest.raises(helm_python.HelmError, match=r"(?i)digest|tag|pattern"):
         render({"trainer": {"image": {"repository": "r/t", **image}}})
+
+
+# ---- 4. autoscaling inference from the orchestrator's demand -----------------------------------------
+
+
+def test_inference_autoscaling_is_a_keda_scaled_object_on_the_orchestrators_demand():
+    assert objects(manifests(render({})), "ScaledObject") == []  # off by default: `replicas` replicas
+    values = {"inference": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
+                                            "targetRequestsPerReplica": 48}}}  # fmt: skip
+    docs = valid(manifests(render(values)))
+    (scaled,) = objects(docs, "ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {"name": "exp-gyre-inference"}
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (2, 6)
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "48"
+    # the demand of this release's orchestrators (every run of a multi-run release), in flight and queued
+    assert trigger["metadata"]["query"] == 'sum(gyre_orchestrator_model_requests{namespace="rl", gyre_release="exp"})'
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    assert behavior["stabilizationWindowSeconds"] == 300  # a pause in generation does not shrink the pool
+    deployment = named(docs, "Deployment", "exp-gyre-inference")
+    assert "replicas" not in deployment["spec"]  # helm upgrades leave the count to the autoscaler
+    assert named(docs, "PodDisruptionBudget", "exp-gyre-inference")["spec"]["maxUnavailable"] == 1
+    with pytest.raises(helm_python.HelmError, match="minReplicas .* is above maxReplicas"):
+        render({"inference": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}})

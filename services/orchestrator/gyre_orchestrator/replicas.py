@@ -11,7 +11,8 @@ that doubles with consecutive failures (capped); when the cooldown has passed it
 Discovery sources (`inference.discovery`):
 - `static`: `inference.urls` (+ `control_urls`, or the same host with `control_port`);
 - `dns`: a headless Service name resolved to every pod IP, re-resolved every `refresh_s`;
-- `kubernetes`: a watch on the Service's EndpointSlices (in-cluster config), only ready endpoints.
+- `kubernetes`: a watch on the Service's EndpointSlices (in-cluster config, else the kubeconfig), only
+  ready endpoints.
 """
 
 from __future__ import annotations
@@ -369,7 +370,10 @@ class KubernetesDiscovery(Discovery):
     def _make_api(self) -> Any:
         from kubernetes import client, config  # imported only for this discovery mode
 
-        config.load_incluster_config()
+        try:
+            config.load_incluster_config()  # in a pod: its service account
+        except config.ConfigException:  # outside a cluster: the kubeconfig (KUBECONFIG, ~/.kube/config)
+            config.load_kube_config()
         return client.DiscoveryV1Api()
 
     async def start(self) -> None:

@@ -1,17 +1,12 @@
 """ReplicaSet routing and health, and the three discovery modes (static, DNS, Kubernetes EndpointSlices).
 
 The Kubernetes watch runs the real `kubernetes` client (list + watch over HTTP) against a small HTTP
-server that speaks the EndpointSlice API: the JSON list and the newline-delimited watch stream.
+server that speaks the EndpointSlice API (`support.kube_api`): the JSON list and the watch stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import queue
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from gyre_orchestrator.replicas import (
@@ -23,6 +18,7 @@ from gyre_orchestrator.replicas import (
     endpoints_from_slices,
     static_endpoints,
 )
+from support.kube_api import FakeKubeAPI, slice_json
 
 
 class Clock:
@@ -133,73 +129,12 @@ async def test_dns_discovery_resolves_every_address():
         await discovery.stop()
 
 
-def slice_json(name: str, ips_ready: dict[str, bool], http=8000, control=50051) -> dict:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {"name": name, "resourceVersion": "1", "labels": {"kubernetes.io/service-name": "inf"}},
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}} for ip, ready in ips_ready.items()],
-        "ports": [{"name": "http", "port": http, "protocol": "TCP"}, {"name": "control", "port": control}],
-    }
-
-
 def test_endpoints_from_slices_keeps_ready_ones_and_uses_named_ports():
     eps = endpoints_from_slices(
         [slice_json("a", {"10.0.0.2": True, "10.0.0.3": False}, http=9000, control=9001), slice_json("b", {})],
         8000, 50051,
     )  # fmt: skip
     assert eps == [Endpoint("http://10.0.0.2:9000", "10.0.0.2:9001")]
-
-
-class FakeKubeAPI:
-    """List and watch of EndpointSlices over HTTP, as the API server serves them."""
-
-    def __init__(self):
-        self.slices: dict[str, dict] = {}
-        self.events: queue.Queue = queue.Queue()
-        self.requests: list[dict] = []
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):  # noqa: N802
-                url = urlsplit(self.path)
-                query = {k: v[0] for k, v in parse_qs(url.query).items()}
-                api.requests.append({"path": url.path, **query})
-                assert url.path == "/apis/discovery.k8s.io/v1/namespaces/gyre/endpointslices"
-                assert query["labelSelector"] == "kubernetes.io/service-name=inf"
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                if query.get("watch") not in ("true", "True"):
-                    listing = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
-                               "metadata": {"resourceVersion": "10"}, "items": list(api.slices.values())}  # fmt: skip
-                    body = json.dumps(listing)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body.encode())
-                    return
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                while True:
-                    try:
-                        event = api.events.get(timeout=1.0)
-                    except queue.Empty:
-                        break  # the API server ends watches now and then: the client must re-list
-                    line = (json.dumps(event) + "\n").encode()
-                    self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 async def wait_for(predicate, timeout=10.0):
@@ -231,6 +166,7 @@ async def test_kubernetes_endpointslice_watch():
         assert rs.replicas["http://10.2.0.1:8000"].endpoint.control == "10.2.0.1:50051"
         # the watch resumed from the list's resourceVersion
         assert any(r.get("watch") in ("true", "True") and r.get("resourceVersion") == "10" for r in fake.requests)
+        assert fake.errors == []
     finally:
         await discovery.stop()
         fake.close()
