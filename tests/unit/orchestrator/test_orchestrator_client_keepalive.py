@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import pytest
-import uvicorn
 from gyre.net import free_port
 from gyre_orchestrator.client import KEEPALIVE_EXPIRY_S, InferenceClient
 from gyre_orchestrator.replicas import Endpoint, Replica, ReplicaSet
+from support.asgi import serving
 
 SERVER_KEEPALIVE_S = 5  # uvicorn's default, and vLLM's
 
 
-def _server(port: int, peers: list[tuple[str, int]]) -> uvicorn.Server:
+def _app(peers: list[tuple[str, int]]):
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
@@ -32,22 +30,13 @@ def _server(port: int, peers: list[tuple[str, int]]) -> uvicorn.Server:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body.encode()})
 
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=SERVER_KEEPALIVE_S
-    )
-    return uvicorn.Server(config)
+    return app
 
 
 @pytest.mark.timeout(60)
 def test_idle_connections_expire_before_the_servers_keep_alive():
     assert KEEPALIVE_EXPIRY_S <= SERVER_KEEPALIVE_S / 2  # margin for a loaded event loop on either side
     port, peers = free_port(), []
-    server = _server(port, peers)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
 
     async def scenario():
         replica = Replica(Endpoint(f"http://127.0.0.1:{port}", control="127.0.0.1:1"))
@@ -60,11 +49,8 @@ def test_idle_connections_expire_before_the_servers_keep_alive():
         finally:
             await openai_client.close()
 
-    try:
+    with serving(_app(peers), port, timeout_keep_alive=SERVER_KEEPALIVE_S):
         asyncio.run(scenario())
-    finally:
-        server.should_exit = True
-        thread.join(10)
     assert len(peers) == 3
     assert peers[0] == peers[1], "back-to-back requests should share a keep-alive connection"
     assert peers[2] != peers[1], "a connection idle past the client's expiry must not be reused"

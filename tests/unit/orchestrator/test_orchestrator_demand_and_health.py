@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
-import uvicorn
 from gyre.envs import SamplingParams
 from gyre.net import free_port
 from gyre_orchestrator.client import InferenceClient
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from gyre_orchestrator.service import batch_health
+from support.asgi import serving
 
 CHAT = {
     "id": "c", "object": "chat.completion", "created": 0, "model": "m", "prompt_token_ids": [1, 2],
@@ -28,7 +27,7 @@ CHAT = {
 }  # fmt: skip
 
 
-def held_server(port: int, gate: threading.Event, arrived: list) -> uvicorn.Server:
+def held_app(gate: threading.Event, arrived: list):
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
@@ -40,18 +39,12 @@ def held_server(port: int, gate: threading.Event, arrived: list) -> uvicorn.Serv
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
 
-    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    return app
 
 
 @pytest.mark.timeout(60)
 def test_demand_counts_requests_in_flight_and_queued_behind_the_concurrency_bound():
     port, gate, arrived = free_port(), threading.Event(), []
-    server = held_server(port, gate, arrived)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
 
     async def scenario():
         replicas = ReplicaSet([Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1:1")])
@@ -70,11 +63,10 @@ def test_demand_counts_requests_in_flight_and_queued_behind_the_concurrency_boun
         return held, dict(client.demand), turns
 
     try:
-        held, after, turns = asyncio.run(scenario())
+        with serving(held_app(gate, arrived), port):
+            held, after, turns = asyncio.run(scenario())
     finally:
         gate.set()
-        server.should_exit = True
-        thread.join(10)
     assert held == {"inflight": 2, "queued": 3}  # the views share one count (for_version)
     assert after == {"inflight": 0, "queued": 0} and len(turns) == 5 and len(arrived) == 5
 
