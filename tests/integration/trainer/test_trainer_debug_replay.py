@@ -90,3 +90,40 @@ def test_replay_reproduces_the_loss_and_gradient_norm_exactly(run, step):
 def test_replay_says_what_is_missing(tmp_path):
     done = replay(tmp_path)
     assert done.returncode == 2 and "is not a kept step" in done.stderr
+
+
+@pytest.mark.usefixtures("isolated_torch_state")  # the trainer runs in this process
+def test_a_multi_run_runs_spike_is_kept_in_its_own_folder_and_replays_exactly(tiny_model, redis_url, unique_run_id,
+                                                                               tmp_path):  # fmt: skip
+    """Multi-run: the spiking run's adapter (a named adapter of the shared base) is kept in the run's folder;
+    replay puts it on the base as the model's one adapter and reproduces the step."""
+    from gyre.config import load_config
+    from gyre.config.trainer import TrainerConfig
+    from gyre_trainer import dist
+    from gyre_trainer.multirun import MultiRunTrainer
+
+    name = f"{unique_run_id}-a"
+    cfg = load_config(TrainerConfig, [], **{
+        "model": {"name": str(tiny_model)}, "redis": {"url": redis_url}, "device": "cpu", "deterministic": True,
+        "metrics": {"port": 0}, "server": {"port": 0}, "optim": {"lr": 1e-2},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "runs": [{"name": name, "output_dir": str(tmp_path / "a"),
+                  "orchestrator": {"address": "127.0.0.1:9", "timeout_s": 0.5}}],
+    })  # fmt: skip
+    stream = BatchStream(redis_url, name)
+    for step in range(1, SPIKE + 1):
+        stream.push(step, encode_batch(scaled(step, 1000.0 if step == SPIKE else 1.0)))
+    trainer = MultiRunTrainer(cfg, dist.init_distributed("cpu"))
+    trainer._build()
+    try:
+        (run,) = [trainer.add_run(cfg.runs[0])]
+        for _ in range(SPIKE):
+            run.commit(run.intake.next(lambda: False, wait=False))
+    finally:
+        trainer._close()
+        stream.redis.close()
+    kept = tmp_path / "a" / "debug" / f"step_{SPIKE}"
+    assert json.loads((kept / "step.json").read_text())["adapter"] == name
+    assert run.metrics.grad_norm_spikes._value.get() == 1
+    done = replay(kept, "--strict")
+    assert done.returncode == 0, done.stdout + done.stderr
