@@ -317,3 +317,14 @@ def test_the_reason_is_the_first_error_line_of_the_log():
     assert S.first_error(log) == "gyre trainer: error: config file not found: /x.toml"
     assert S.first_error("a\nredis.exceptions.AuthenticationError: invalid password\n").startswith("redis.exceptions")
     assert S.first_error("all fine\nlast line") == "last line"
+
+
+def test_the_docs_say_what_the_smoke_proves_and_quote_a_passing_run():
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    section = text[text.index("## The container smoke (`make smoke`)") : text.index("## The kind smoke deploy")]
+    assert "| | container smoke (every CI run) | kind workflow only |" in section
+    quoted = section[section.index("A passing run here") :].split("```")[1]
+    for line in ("GET /v1/models (official openai client)", "token_ids [", "policy_version", "trainer (svc/",
+                 "step 3 >= 3", "scraped ", "helm test pod", "nothing left", "SMOKE PASSED in"):  # fmt: skip
+        assert line in quoted, line
+    assert "_TIME" not in text and "SMOKE_OUTPUT" not in text  # measured numbers, not placeholders
