@@ -304,7 +304,7 @@ class Cluster:
         for i, name in enumerate(pod.volumes):
             volume = next(v for v in self.the_plan.volumes if v.name == name)
             path = f"/v/{i}"
-            mounts += ["--mount", f"type=volume,source={self.names.volume(name)},target={path}"]
+            mounts += ["--mount", f"type=volume,source={self.names.volume(name)},target={path},volume-nocopy"]
             if volume.empty_dir:
                 script.append(f"chmod 0777 {path}")
             if pod.fs_group is not None:
