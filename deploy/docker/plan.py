@@ -429,7 +429,7 @@ class _Builder:
     def volume_files(self, volume: dict, pod_name: str, pod: Pod, where: str) -> dict[str, tuple[bytes, int]]:
         if "projected" in volume:
             mode = volume["projected"].get("defaultMode", 0o644)
-            sources = volume["projected"].get("sources", [])
+            sources = volume["projected"].get("sources") or []  # null: an empty volume
         else:
             kind = next(k for k in ("configMap", "secret", "downwardAPI") if k in volume)
             mode = volume[kind].get("defaultMode", 0o644)

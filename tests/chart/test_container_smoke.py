@@ -26,8 +26,7 @@ TRAINER, REDIS = "exp-gyre-trainer-0", "exp-gyre-redis-0"
 
 def kind_objects(**overrides) -> list[dict]:
     values = load_values("values-kind.yaml")
-    for key, value in overrides.items():
-        values[key] = P.merge_values(values.get(key, {}), value)
+    values = P.merge_values(values, overrides)
     return P.render_chart(CHART, values, release="exp", namespace=NS, api_versions=MONITORING_APIS)
 
 
@@ -328,3 +327,15 @@ def test_the_docs_say_what_the_smoke_proves_and_quote_a_passing_run():
                  ">= 3", "scraped ", "helm test pod", "nothing left", "SMOKE PASSED in"):  # fmt: skip
         assert line in quoted, line
     assert "_TIME" not in text and "SMOKE_OUTPUT" not in text  # measured numbers, not placeholders
+
+
+def test_a_judge_server_the_chart_adds_is_planned_like_any_deployment():
+    """Generic over what the chart renders: a `servers` entry (an extra `gyre inference` Deployment and its
+    Service) becomes a pod with its init containers, probes and Service name, with no smoke change."""
+    the_plan = P.plan(kind_objects(servers=[{"name": "judge", "model": "/data/model"}]), namespace=NS)
+    (judge,) = by_component(the_plan, "server-judge")
+    assert judge.owner == "Deployment exp-gyre-server-judge"
+    assert judge.aliases_when_ready == {"exp-gyre-server-judge": [f"exp-gyre-server-judge.{NS}.svc.cluster.local"]}
+    (c,) = judge.containers
+    assert c.command[0] == "gyre" and c.args[0] == "inference" and "readinessProbe" in c.probes
+    assert any(m.volume == "pvc-exp-gyre-data" for m in c.mounts)
