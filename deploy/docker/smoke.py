@@ -774,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     def terminate(signum, frame):
         raise SystemExit(128 + signum)  # unwinds through run()'s teardown
 
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)
     say(f"== container smoke: release {args.release} in namespace {args.namespace}, values {[str(v) for v in values]}")
     try:
         objects, domain = render(values, args.release, args.namespace)
@@ -787,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     except P.Unsupported as error:
         say(f"\nSMOKE FAILED: the container smoke cannot run this: {error}")
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2) + "\n")
     say(f"SMOKE PASSED in {summary['seconds']} s")

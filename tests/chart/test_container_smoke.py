@@ -213,6 +213,20 @@ def test_a_wrong_secret_key_names_the_pod_container_and_key():
     assert "redis-password" in failure.value.why  # the keys it does have
 
 
+def test_the_smoke_command_reports_it_before_starting_anything(tmp_path, capsys, monkeypatch):
+    """`make smoke` with that override: exit 1, the pod, container and reason, and no docker command run."""
+    override = tmp_path / "wrong-key.yaml"
+    override.write_text(
+        "trainer:\n  env:\n    - name: GYRE_REDIS__PASSWORD\n"
+        "      valueFrom: {secretKeyRef: {name: smoke-gyre-secrets, key: redis-pass}}\n"
+    )
+    monkeypatch.setattr(S, "docker", lambda *a, **k: pytest.fail(f"docker {a} ran"))
+    assert S.main(["-f", str(ROOT / "deploy" / "values-kind.yaml"), "-f", str(override)]) == 1
+    out = capsys.readouterr().out
+    assert ("SMOKE FAILED: pod smoke-gyre-trainer-0, container trainer: env GYRE_REDIS__PASSWORD: "
+            "Secret smoke-gyre-secrets has no key 'redis-pass'") in out  # fmt: skip
+
+
 def test_a_mount_of_a_volume_the_pod_lacks_is_named(objects):
     broken = copy.deepcopy(objects)
     trainer = named(broken, "StatefulSet", "exp-gyre-trainer")["spec"]["template"]["spec"]["containers"][0]
