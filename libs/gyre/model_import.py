@@ -88,6 +88,15 @@ SHORT_NAMES = {
 }
 
 
+SUMMARY = (
+    "Import a pretrained causal LM as a plain Hugging Face folder (safetensors, tokenizer with its chat template, "
+    "generation config), verified by reloading it and comparing logits. SOURCE: a short name ("
+    + ", ".join(SHORT_NAMES)
+    + " = SmolLM2-135M-Instruct, offline), a .gguf file (dequantised), a model folder or hub cache snapshot "
+    "(symlinks read through), a hub cache models--org--name folder, or a hub id org/name (needs a reachable hub)."
+)
+
+
 @dataclass(frozen=True)
 class Source:
     kind: Literal["gguf", "folder"]
@@ -387,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith(("-", "@")):
         argv = ["--source", argv[0], *argv[1:]]  # the positional SOURCE
-    config = parse_or_exit(ModelImportConfig, argv, prog="gyre model import")
+    config = parse_or_exit(ModelImportConfig, argv, prog="gyre model import SOURCE --output-dir DIR", summary=SUMMARY)
 
     def say(line: str) -> None:
         print(f"gyre model import: {line}", file=sys.stderr, flush=True)

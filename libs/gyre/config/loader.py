@@ -324,9 +324,11 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
                 out.append(f"{'  ' * depth}[{prefix}{name}] {desc}")
                 walk(sub, prefix + name + ".", depth + 1)
                 continue
-            default = field.get_default(call_default_factory=True)
             opt = f"{'  ' * depth}--{prefix}{name} {_type_name(field.annotation)}"
-            out.append(f"{opt}  (default: {_default_repr(default)})")
+            if field.is_required():
+                out.append(f"{opt}  (required)")
+            else:
+                out.append(f"{opt}  (default: {_default_repr(field.get_default(call_default_factory=True))})")
             if desc:
                 out.append(f"{'  ' * depth}      {desc}")
 
