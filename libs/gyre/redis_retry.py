@@ -1,7 +1,9 @@
 """Retrying Redis calls through an outage: exponential backoff, an optional deadline, prompt stop.
 
 Only connection-level failures are retried (`redis.ConnectionError`, which includes a server still
-loading its append-only file, and `redis.TimeoutError`); a wrong command or type fails at once.
+loading its append-only file, and `redis.TimeoutError`); a wrong command or type fails at once, and so
+does a refused password: redis-py's `AuthenticationError` is a `ConnectionError`, but no wait mends a
+wrong `redis.password`, so it raises `RedisAuthenticationFailed` naming the key instead of retrying.
 Callers retry only operations that are safe to repeat after an unknown outcome: reads, acks, and
 XADD of a batch (a duplicate entry of a step is acked and skipped by the trainer's StepReader).
 
@@ -34,6 +36,16 @@ class RedisUnavailable(RuntimeError):
     """Redis did not answer within the retry deadline."""
 
 
+class RedisAuthenticationFailed(RuntimeError):
+    """Redis refused the client's password (or asked for one it was not given): a configuration error."""
+
+
+def _refused(what: str, error: redis.AuthenticationError) -> RedisAuthenticationFailed:
+    return RedisAuthenticationFailed(
+        f"redis refused the connection during {what}: {error} — check redis.password (or redis.password_file)"
+    )
+
+
 def _give_up(what: str, deadline_s: float, error: Exception) -> RedisUnavailable:
     return RedisUnavailable(f"redis unavailable for {deadline_s:.0f}s during {what}: {error}")
 
@@ -52,6 +64,8 @@ def call_with_retry(
     while True:
         try:
             return op()
+        except redis.AuthenticationError as e:
+            raise _refused(what, e) from e
         except RETRYABLE as e:
             elapsed = time.monotonic() - start
             if deadline_s is not None and elapsed >= deadline_s:
@@ -80,6 +94,8 @@ async def acall_with_retry(
     while True:
         try:
             return await asyncio.to_thread(op)
+        except redis.AuthenticationError as e:
+            raise _refused(what, e) from e
         except RETRYABLE as e:
             elapsed = time.monotonic() - start
             if deadline_s is not None and elapsed >= deadline_s:
