@@ -120,7 +120,8 @@ def hub():
 
 
 def fetch(hub: FakeHub, home, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    # CI runs offline (HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1: huggingface_hub honours both); the fake hub is local
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_OFFLINE"))}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1")
     return subprocess.run([sys.executable, "-m", "gyre.cli", "model", "fetch", "--name", REPO, *args],
                           capture_output=True, text=True, timeout=120, env=env)  # fmt: skip

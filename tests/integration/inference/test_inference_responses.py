@@ -63,7 +63,12 @@ def test_streamed_events_follow_openais_order_and_add_up(client, model_id):
     assert [event.sequence_number for event in events] == list(range(len(events)))
     text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     final = events[-1].response
-    assert text == final.output_text == events[-4].text and final.usage.output_tokens == 10
+    assert text == final.output_text == events[-4].text
+    # sampled at temperature 1, the model may end the message early (eos) or be cut at max_output_tokens
+    if final.status == "incomplete":
+        assert final.incomplete_details.reason == "max_output_tokens" and final.usage.output_tokens == 10
+    else:
+        assert final.status == "completed" and 1 <= final.usage.output_tokens < 10
 
 
 def test_function_tools_give_function_call_items_streamed_or_not_and_round_trip(client, model_id):

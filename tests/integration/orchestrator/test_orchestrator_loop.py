@@ -116,8 +116,9 @@ async def test_notify_weights_makes_both_replicas_serve_it(tmp_path, redis_url, 
     token = "s3cret"
     cfg = orchestrator_config(
         tmp_path, redis_url, unique_run_id, replicas, max_steps=2, max_async_level=0,
-        server={"port": 0, "control_token": token},
+        server={"port": 0, "control_token": token}, final_weights_timeout_s=120,
     )  # fmt: skip
+    # the run ends only once version 2 is served, so the server is still up for GetStatus after step 2 is pushed
     service = OrchestratorService(cfg)
     run = asyncio.create_task(service.run())
     while service.server.port is None or service.last_step < 1:
@@ -147,9 +148,14 @@ async def test_notify_weights_makes_both_replicas_serve_it(tmp_path, redis_url, 
         status = await stub.GetStatus(orchestrator_pb2.GetOrchestratorStatusRequest(), timeout=10, metadata=auth)
         assert status.latest_weights_step == 1 and list(status.in_use_steps) == [1]
         assert {(r.address, r.step, r.healthy) for r in status.replicas} == {(r.url, 1, True) for r in replicas}
-        # step 2 (k=0) needs version 1: it is generated only once a replica serves it
+        # step 2 (k=0) needs version 1: it is generated only once a replica serves it; the run then waits for
+        # the final version 2, relayed like the first
+        final = publish_weights(store, 2, tiny_model)
+        reply = await stub.NotifyWeights(orchestrator_pb2.NotifyWeightsRequest(version=final.to_proto()), timeout=10,
+                                         metadata=auth)  # fmt: skip
+        assert reply.accepted and reply.latest_step == 2
         assert await asyncio.wait_for(run, timeout=120) == 0
-    assert [r.status().step for r in replicas] == [1, 1]
+    assert [r.status().step for r in replicas] == [2, 2]
     batch2 = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")[-1]
     assert batch2["step"] == 2 and batch2["min_version"] == 1
 
