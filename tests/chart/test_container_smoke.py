@@ -345,11 +345,17 @@ def test_the_docs_say_what_the_smoke_proves_and_quote_a_passing_run():
 
 def test_a_judge_server_the_chart_adds_is_planned_like_any_deployment():
     """Generic over what the chart renders: a `servers` entry (an extra `gyre inference` Deployment and its
-    Service) becomes a pod with its init containers, probes and Service name, with no smoke change."""
-    the_plan = P.plan(kind_objects(servers=[{"name": "judge", "model": "/data/model"}]), namespace=NS)
+    Service) becomes a pod with its init containers, probes, secret files, Service name and scrape target,
+    with no smoke change."""
+    with_judge = kind_objects(servers=[{"name": "judge", "model": "/data/model"}])
+    the_plan = P.plan(with_judge, namespace=NS)
     (judge,) = by_component(the_plan, "server-judge")
     assert judge.owner == "Deployment exp-gyre-server-judge"
     assert judge.aliases_when_ready == {"exp-gyre-server-judge": [f"exp-gyre-server-judge.{NS}.svc.cluster.local"]}
+    assert [c.name for c in judge.init_containers] == ["wait-for-model"]  # the policy's model, made by trainer pod 0
     (c,) = judge.containers
     assert c.command[0] == "gyre" and c.args[0] == "inference" and "readinessProbe" in c.probes
     assert any(m.volume == "pvc-exp-gyre-data" for m in c.mounts)
+    files = {v.name: v for v in the_plan.file_volumes}[f"{judge.name}-secrets"].files
+    assert files["api-key"][0].decode() == secret(with_judge, "api-key")  # the key the orchestrator sends
+    assert ("exp-gyre-server-judge", judge.name, 9100, "/metrics") in S.scrape_targets(the_plan)

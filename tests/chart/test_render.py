@@ -52,6 +52,11 @@ OPERATIONS = {
     "trainer": {"image": {"digest": DIGEST}},
     "redis": {"image": {"digest": DIGEST}},
 }
+# Judges, a reward model and a teacher beside the policy: a hub model fetched, one on the generated model.
+SERVERS = {
+    "servers": [{"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 1}, {"name": "ref", "model": "/data/model"}],
+    "experiment": {"orchestrator": {"teacher": {"url": "server:teacher"}}},
+}
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 
 # name -> (values, capabilities added to the render)
@@ -66,6 +71,7 @@ SCENARIOS = {
     "monitoring-forced": ({"monitoring": {"enabled": True}}, ()),
     "admin-knobs": (ADMIN, MONITORING_APIS),
     "operations": (OPERATIONS, MONITORING_APIS),
+    "servers": (SERVERS, MONITORING_APIS),
 }
 
 

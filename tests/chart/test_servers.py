@@ -13,7 +13,19 @@ import contextlib
 import helm_python
 import kubernetes_validate
 import pytest
-from chart_testlib import KUBERNETES_VERSION, fullname, manifests, named, objects, render
+from chart_testlib import (
+    KUBERNETES_VERSION,
+    MONITORING_APIS,
+    container_env,
+    containers,
+    fullname,
+    manifests,
+    named,
+    objects,
+    pod_templates,
+    render,
+    secret_files,
+)
 from test_multirun import service_config
 
 SERVERS = [
@@ -93,3 +105,121 @@ def test_without_servers_nothing_changes():
 def test_mistakes_fail_the_install_with_the_reason(values, message):
     with pytest.raises(helm_python.HelmError, match=message):
         render({**VALUES, **values})
+
+
+# ---- parity with the policy's inference pods ------------------------------------------------------------
+
+API_KEY_FILE = "/run/secrets/gyre/api-key"
+
+
+def server_pod(docs: list[dict], name: str) -> dict:
+    return named(docs, "Deployment", f"{fullname()}-server-{name}")["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [VALUES, {**VALUES, "modelCache": {"tokenSecret": "hf"}},
+     {**VALUES, "redis": {"external": {"url": "redis://r:6379/0"}}}, {**VALUES, "secrets": {"existingSecret": "s"}}],
+    ids=["plain", "hub-token", "external-redis-no-password", "existing-secret"],
+)  # fmt: skip
+def test_every_projected_volume_has_sources_and_every_mount_a_volume(values):
+    """A projected volume with no sources (`sources: null`) is rejected by the API server; a pod whose
+    secret keys have no source gets neither the volume nor its mount."""
+    for workload in manifests(render(values)):
+        if workload["kind"] not in ("Deployment", "StatefulSet", "Job", "Pod"):
+            continue
+        comp, pod = workload["metadata"]["name"], workload["spec"].get("template", workload)
+        claims = [{"name": c["metadata"]["name"]} for c in workload["spec"].get("volumeClaimTemplates", [])]
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes", []) + claims}
+        for volume in volumes.values():
+            if "projected" in volume:
+                assert volume["projected"].get("sources"), (comp, volume["name"])
+        for c in containers(pod["spec"]):
+            for mount in c.get("volumeMounts", []):
+                assert mount["name"] in volumes, (comp, c["name"], mount["name"])
+
+
+def test_a_hub_model_server_fetches_it_first_and_one_on_the_policys_model_waits_for_it():
+    docs = manifests(render(VALUES))
+    teacher = server_pod(docs, "teacher")
+    (fetch,) = teacher["initContainers"]
+    assert fetch["name"] == "model-fetch"
+    assert fetch["args"][:4] == ["model", "fetch", "--name", "Qwen/Qwen3-8B"]  # its model, not the policy's
+    mounts = {m["mountPath"]: m["name"] for m in fetch["volumeMounts"]}
+    assert mounts["/cache/huggingface"] == "model-cache"
+    (main,) = teacher["containers"]
+    assert {m["mountPath"]: m["name"] for m in main["volumeMounts"]}["/cache/huggingface"] == "model-cache"
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1"  # the fetched copy only
+    assert "model-cache" in {v["name"] for v in teacher["volumes"]}
+    # a model on the shared volume: nothing to fetch or wait for
+    assert "initContainers" not in server_pod(docs, "judge")
+
+    # modelInit: a server on the policy's generated model waits for trainer pod 0 to create it
+    servers = [{"name": "ref", "model": "/data/model"}, {"name": "judge", "model": "/data/models/j"}]
+    generated = {**VALUES, "modelInit": {"enabled": True}, "experiment": {}, "servers": servers}
+    docs = manifests(render(generated))
+    (wait,) = server_pod(docs, "ref")["initContainers"]
+    policy_wait = next(
+        c for c in named(docs, "Deployment", f"{fullname()}-inference")["spec"]["template"]["spec"]["initContainers"]
+        if c["name"] == "wait-for-model"
+    )  # fmt: skip
+    assert wait == policy_wait
+    assert "initContainers" not in server_pod(docs, "judge")
+
+
+def test_servers_are_scraped_and_have_a_disruption_budget():
+    more = [{"name": "off", "model": "/m", "replicas": 0}, {"name": "solo", "model": "/m", "pdb": {"enabled": False}},
+            {"name": "wide", "model": "/m", "replicas": 4, "pdb": {"maxUnavailable": 2}}]  # fmt: skip
+    values = {**VALUES, "servers": [*SERVERS, *more]}
+    docs = manifests(render(values, api_versions=MONITORING_APIS))
+    services = objects(docs, "Service")
+    base = fullname()
+    for server in values["servers"]:
+        name = f"{base}-server-{server['name']}"
+        monitor = named(docs, "ServiceMonitor", name)
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        # exactly the server's Service: its replicas are scraped once, on its metrics port
+        assert [s["metadata"]["name"] for s in services if selector.items() <= s["metadata"]["labels"].items()] == [
+            name]  # fmt: skip
+        assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+        assert "metrics" in [p["name"] for p in named(docs, "Service", name)["spec"]["ports"]]
+        pdbs = [p for p in objects(docs, "PodDisruptionBudget") if p["metadata"]["name"] == name]
+        if server["name"] in ("off", "solo"):
+            assert pdbs == []
+            continue
+        (pdb,) = pdbs
+        assert pdb["spec"]["maxUnavailable"] == (2 if server["name"] == "wide" else 1)
+        pod_labels = named(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    # the policy's inference ServiceMonitor still selects only its own Service
+    selector = named(docs, "ServiceMonitor", f"{base}-inference")["spec"]["selector"]["matchLabels"]
+    assert [s["metadata"]["name"] for s in services if selector.items() <= s["metadata"]["labels"].items()] == [
+        f"{base}-inference-headless"]  # fmt: skip
+
+
+def test_a_server_url_carries_the_release_api_key_the_server_requires(tmp_path):
+    docs = manifests(render(VALUES))
+    base = fullname()
+    orchestrator = service_config(docs, tmp_path, "orchestrator", f"{base}-orchestrator")
+    assert str(orchestrator.teacher.api_key_file) == API_KEY_FILE
+    assert [j.api_key_file for j in orchestrator.judges] == [API_KEY_FILE, "/run/secrets/judge"]  # hosted: its own
+    assert str(orchestrator.reward_models[0].api_key_file) == API_KEY_FILE
+    pods = pod_templates(docs)
+    (orch,) = pods["orchestrator"]["spec"]["containers"]
+    key = secret_files(pods["orchestrator"]["spec"], orch, docs)[API_KEY_FILE]
+    for server in SERVERS:
+        pod = pods[f"server-{server['name']}"]["spec"]
+        (main,) = pod["containers"]
+        env = container_env(main, docs, "pod")
+        files = secret_files(pod, main, docs)
+        assert files[env["GYRE_AUTH__API_KEY_FILE"]] == key  # the server checks the key the orchestrator sends
+        assert env["GYRE_AUTH__CONTROL_TOKEN_FILE"] in files
+
+
+@pytest.mark.parametrize("own", ["api_key_env", "api_key_file"])
+def test_a_server_url_with_a_key_of_ones_own_fails_naming_the_key(own):
+    judges = [{"name": "judge", "url": "server:judge", own: "X"}]
+    values = {**VALUES, "experiment": {**EXPERIMENT, "orchestrator": {**EXPERIMENT["orchestrator"], "judges": judges}}}
+    with pytest.raises(helm_python.HelmError, match=rf"experiment\.orchestrator\.judges\.0\.{own}"):
+        render(values)

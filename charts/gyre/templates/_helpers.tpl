@@ -169,7 +169,9 @@ the secrets as files. Call with (dict "root" $ "component" .Values.inference "sh
 - name: experiment
   configMap:
     name: {{ include "gyre.fullname" .root }}-experiment
-{{ include "gyre.secretsVolume" (dict "root" .root "keys" .secretKeys) }}
+{{- with include "gyre.secretsVolume" (dict "root" .root "keys" .secretKeys) | trim }}
+{{ . }}
+{{- end }}
 - name: data
   persistentVolumeClaim:
     claimName: {{ include "gyre.claimName" .root }}
@@ -208,7 +210,9 @@ the secrets as files. Call with (dict "root" $ "component" .Values.inference "sh
 - name: experiment
   mountPath: /etc/gyre
   readOnly: true
+{{- if include "gyre.secretSources" (dict "root" .root "keys" .secretKeys) | trim }}
 {{ include "gyre.secretsMount" . }}
+{{- end }}
 - name: data
   mountPath: {{ .root.Values.persistence.mountPath }}
 - name: tmp
@@ -237,10 +241,19 @@ the secrets as files. Call with (dict "root" $ "component" .Values.inference "sh
 {{- .Values.modelCache.existingClaim | default (printf "%s-model-cache" (include "gyre.fullname" .)) -}}
 {{- end -}}
 
-{{/* "true" when the services load a hub model (`org/name`) that the fetch init container downloads first. */}}
+{{/* "true" when a model name is a hub id (`org/name`, not a path), which the fetch init container downloads first. */}}
+{{- define "gyre.isHubId" -}}
+{{- if regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$" (toString .) }}true{{ end -}}
+{{- end -}}
+
+{{/* The policy's model name: experiment.model.name (empty with modelInit, whose model is gyre.modelPath). */}}
+{{- define "gyre.policyModel" -}}
+{{- ((.Values.experiment.model | default dict).name) | default "" -}}
+{{- end -}}
+
+{{/* "true" when the policy's services load a hub model. */}}
 {{- define "gyre.hubModel" -}}
-{{- $name := ((.Values.experiment.model | default dict).name) | default "" -}}
-{{- if and (not .Values.modelInit.enabled) (regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$" $name) }}true{{ end -}}
+{{- if not .Values.modelInit.enabled }}{{ include "gyre.isHubId" (include "gyre.policyModel" .) }}{{ end -}}
 {{- end -}}
 
 {{/* Environment of the containers loading a hub model: the hub token's file, if any; offline once fetched. */}}
@@ -257,9 +270,10 @@ the secrets as files. Call with (dict "root" $ "component" .Values.inference "sh
 {{- end -}}
 
 {{/*
-The `model-fetch` init container of inference and trainer pods loading a hub model: downloads it into
-the model cache once, or fails at once, with the sizes in its message (`kubectl describe pod`), when it
-cannot fit, instead of a pod evicted mid-download and starting over. Call like gyre.volumes.
+The `model-fetch` init container of inference, server and trainer pods loading a hub model (`model`):
+downloads it into the model cache once, or fails at once, with the sizes in its message (`kubectl describe
+pod`), when it cannot fit, instead of a pod evicted mid-download and starting over. Call like gyre.volumes,
+plus "model".
 */}}
 {{- define "gyre.modelFetch" -}}
 {{- $mc := .root.Values.modelCache -}}
@@ -270,7 +284,7 @@ cannot fit, instead of a pod evicted mid-download and starting over. Call like g
     - model
     - fetch
     - --name
-    - {{ .root.Values.experiment.model.name | quote }}
+    - {{ .model | quote }}
     - --cache-dir
     - {{ include "gyre.modelCacheDir" . }}
     {{- if ne $mc.type "pvc" }}
@@ -289,11 +303,65 @@ cannot fit, instead of a pod evicted mid-download and starting over. Call like g
     requests: {cpu: 500m, memory: 512Mi}
     limits: {memory: 2Gi}
   volumeMounts:
+    {{- if include "gyre.secretSources" (dict "root" .root "keys" .secretKeys) | trim }}
     {{- include "gyre.secretsMount" . | nindent 4 }}
+    {{- end }}
     - name: tmp
       mountPath: /tmp
     - name: model-cache
       mountPath: {{ include "gyre.modelCacheDir" . }}
+{{- end -}}
+
+{{/*
+The init containers of a pod serving a model with `gyre inference` (the policy's replicas, `servers`):
+`model-fetch` for a hub model (`modelCache`), `wait-for-model` for the model trainer pod 0 creates
+(`waitForModel`: modelInit). Empty when neither. Call like gyre.volumes, plus "model" and "waitForModel".
+*/}}
+{{- define "gyre.servingInitContainers" -}}
+{{- if or .modelCache .waitForModel }}
+initContainers:
+  {{- if .modelCache }}
+  {{- include "gyre.modelFetch" . | nindent 2 }}
+  {{- end }}
+  {{- if .waitForModel }}
+  # The model is created once by trainer pod 0 (it appears atomically: written aside, then renamed);
+  # starting before it exists would crash the server once.
+  - name: wait-for-model
+    {{- include "gyre.image" (dict "root" .root "image" .component.image) | nindent 4 }}
+    command: [sh, -c]
+    args:
+      - until [ -f "$MODEL_DIR/config.json" ]; do echo "waiting for $MODEL_DIR (created by trainer pod 0)"; sleep 5; done
+    env:
+      - name: MODEL_DIR
+        value: {{ include "gyre.modelPath" .root }}
+    {{- include "gyre.containerSecurityContext" . | nindent 4 }}
+    resources:
+      requests: {cpu: 10m, memory: 32Mi}
+      limits: {memory: 64Mi}
+    volumeMounts:
+      - name: data
+        mountPath: {{ .root.Values.persistence.mountPath }}
+        readOnly: true
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The PodDisruptionBudget of a Deployment of `gyre inference` replicas: a drain takes at most
+`maxUnavailable` of them at once. Call with (dict "root" $ "component" "inference" "maxUnavailable" 1).
+*/}}
+{{- define "gyre.servingPdb" -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "gyre.fullname" .root }}-{{ .component }}
+  labels:
+    {{- include "gyre.labels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ .maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "gyre.selectorLabels" . | nindent 6 }}
 {{- end -}}
 
 {{/*
@@ -361,38 +429,46 @@ settings, docs/kubernetes.md "Secrets").
 
 {{/*
 The `secrets` volume of a pod: keys `keys` of the release's Secret (or `secrets.existingSecret`) as files
-named after the key; `redis-password` comes from `redis.external.existingSecret` with an external Redis.
-Call with (dict "root" $ "keys" (list "api-key" "redis-password")).
+named after the key; `redis-password` comes from `redis.external.existingSecret` with an external Redis,
+`hf-token` from `modelCache.tokenSecret`. No volume at all when none of the keys has a source (a projected
+volume needs sources). Call with (dict "root" $ "keys" (list "api-key" "redis-password")).
 */}}
 {{- define "gyre.secretsVolume" -}}
-{{- $ext := .root.Values.redis.external -}}
-{{- $own := list -}}
-{{- range .keys }}{{ if and (ne . "hf-token") (or (ne . "redis-password") (not $ext.url)) }}{{ $own = append $own . }}{{ end }}{{ end -}}
+{{- with include "gyre.secretSources" . | trim }}
 - name: secrets
   projected:
     defaultMode: 0440
     sources:
-      {{- with $own }}
-      - secret:
-          name: {{ include "gyre.secretName" $.root }}
-          items:
-            {{- range . }}
-            - {key: {{ . }}, path: {{ . }}}
-            {{- end }}
+      {{- . | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* The projected sources of gyre.secretsVolume, one Secret each (empty when none). Same call. */}}
+{{- define "gyre.secretSources" -}}
+{{- $ext := .root.Values.redis.external -}}
+{{- $mc := .root.Values.modelCache -}}
+{{- $own := list -}}
+{{- range .keys }}{{ if and (ne . "hf-token") (or (ne . "redis-password") (not $ext.url)) }}{{ $own = append $own . }}{{ end }}{{ end -}}
+{{- with $own }}
+- secret:
+    name: {{ include "gyre.secretName" $.root }}
+    items:
+      {{- range . }}
+      - {key: {{ . }}, path: {{ . }}}
       {{- end }}
-      {{- if and (has "redis-password" .keys) $ext.url $ext.existingSecret }}
-      - secret:
-          name: {{ $ext.existingSecret }}
-          items:
-            - {key: {{ $ext.passwordKey }}, path: redis-password}
-      {{- end }}
-      {{- $mc := .root.Values.modelCache }}
-      {{- if and (has "hf-token" .keys) $mc.tokenSecret }}
-      - secret:
-          name: {{ $mc.tokenSecret }}
-          items:
-            - {key: {{ $mc.tokenKey }}, path: hf-token}
-      {{- end }}
+{{- end }}
+{{- if and (has "redis-password" .keys) $ext.url $ext.existingSecret }}
+- secret:
+    name: {{ $ext.existingSecret }}
+    items:
+      - {key: {{ $ext.passwordKey }}, path: redis-password}
+{{- end }}
+{{- if and (has "hf-token" .keys) $mc.tokenSecret }}
+- secret:
+    name: {{ $mc.tokenSecret }}
+    items:
+      - {key: {{ $mc.tokenKey }}, path: hf-token}
+{{- end }}
 {{- end -}}
 
 {{- define "gyre.secretsMount" -}}
@@ -493,7 +569,10 @@ valid TOML. Maps become inline tables, lists arrays.
 {{- end }}
 {{- end -}}
 
-{{/* Resolve `url = "server:<name>"` of one orchestrator entry (in place) to that server's Service. */}}
+{{/*
+Resolve `url = "server:<name>"` of one orchestrator entry (in place) to that server's Service, with the
+release's API key, which every server requires (its file in the orchestrator's `secrets` volume).
+*/}}
 {{- define "gyre.serverUrl" -}}
 {{- $url := toString (.entry.url | default "") -}}
 {{- if hasPrefix "server:" $url -}}
@@ -501,7 +580,13 @@ valid TOML. Maps become inline tables, lists arrays.
 {{- if not (hasKey .servers $name) -}}
 {{- fail (printf "experiment.orchestrator.%s.url = %q: no entry of `servers` is named %q" .key $url $name) -}}
 {{- end -}}
+{{- range $own := list "api_key_env" "api_key_file" -}}
+{{- if hasKey $.entry $own -}}
+{{- fail (printf "experiment.orchestrator.%s.%s: a `server:` url takes the release's API key (the chart sets api_key_file); remove %s" $.key $own $own) -}}
+{{- end -}}
+{{- end -}}
 {{- $_ := set .entry "url" (get .servers $name) -}}
+{{- $_ := set .entry "api_key_file" (printf "%s/api-key" (include "gyre.secretsDir" .)) -}}
 {{- end -}}
 {{- end -}}
 
