@@ -112,7 +112,7 @@ def test_sigkill_whole_tree_at_a_random_step_then_rerun(tmp_path, seed, extra):
     rng = random.Random(seed)
     # Steps of the CI config take well under a second on a quiet machine: leave room after the kill
     # step so that "a random moment after it" still lands before the run's end.
-    n = 8
+    n = 10
     kill_at = rng.randint(1, 3)  # the trainer has logged this step; a random moment after that
     out = tmp_path / "run"
     first = Watched(out, "--max-steps", str(n), *extra)
@@ -122,7 +122,11 @@ def test_sigkill_whole_tree_at_a_random_step_then_rerun(tmp_path, seed, extra):
         assert time.monotonic() < deadline, "the first launch never reached the kill step"
         first.record()
         time.sleep(0.2)
-    time.sleep(rng.uniform(0.0, 1.0))
+    # A random moment after it, cut short while the run is still 3 steps from its end: batches generated ahead
+    # (async) let the trainer take several steps a second on a fast machine (CI once reached step 8 within it).
+    moment = time.monotonic() + rng.uniform(0.0, 1.0)
+    while time.monotonic() < moment and max(trained_steps(out)) < n - 3:
+        time.sleep(0.02)
     first.record()
     assert any(name.startswith("redis-server") for _, name in first.seen.values())
     for pid in [first.proc.pid, *first.seen]:  # the whole tree at once: nothing gets to clean up
