@@ -63,6 +63,13 @@ class EngineConfig(Section):
         description="Torch backend: reuse the KV blocks of prompt prefixes already computed (a group's rollouts, "
         "a multi-turn history) under the same weights and adapter.",
     )
+    overlap: bool | None = Field(
+        None,
+        description="Torch backend: overlap the host's work with the device's in decoding (vLLM's async "
+        "scheduling): step n+1 is launched before step n's tokens are read, so their hand-off, scheduling and "
+        "input upload run while the GPU computes; the same tokens either way. Default: on for CUDA, off on CPU "
+        "(a CPU step leaves nothing to overlap).",
+    )
 
 
 class InferenceLoraConfig(Section):

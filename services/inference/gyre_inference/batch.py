@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +36,7 @@ import torch
 from gyre_inference.backend import SamplingParams
 from gyre_inference.kv_cache import NULL_BLOCK, BlockPool, OutOfBlocksError
 from gyre_inference.model_runner import (  # the step buffers' rows
+    CARRY,
     CONTEXT,
     IDS,
     MIN_P,
@@ -44,6 +46,7 @@ from gyre_inference.model_runner import (  # the step buffers' rows
     TOP_K,
     TOP_P,
     UNIFORM,
+    LaunchedStep,
     ModelRunner,
     Variant,
 )  # fmt: skip
@@ -305,18 +308,23 @@ class Batch:
         return mask
 
     # ---- decode ---------------------------------------------------------------------------------
-    def prepare_decode(self) -> list[Sequence]:
-        """Give every live row the block its next position falls in (copy-on-write, preemption), and fill the
-        step's inputs. Returns the sequences preempted (for the front of the queue)."""
+    def prepare_decode(self, step: list[Sequence] | None = None, carried: Collection[Sequence] = ()) -> list[Sequence]:
+        """Give every row of the step (default: every live row) the block its next position falls in (copy-on-write,
+        preemption), and fill the step's inputs; live rows outside the step get idle inputs (the overlapped loop:
+        rows that are over but in the step in flight). Sequences in `carried` are in the step in flight: their
+        next position is one further than their host state says, and their input token is that step's sample,
+        taken on the device (CARRY). Returns the sequences preempted (for the front of the queue)."""
         preempted, copies = [], []
-        for seq in sorted(self.live, key=lambda s: s.row):
+        for seq in sorted(self.live if step is None else step, key=lambda s: s.row):
             if seq.row < 0:  # preempted meanwhile
                 continue
             while True:
                 try:
-                    self._grow(seq, copies)
+                    self._grow(seq, copies, seq.computed + (seq in carried))
                     break
                 except OutOfBlocksError:
+                    if carried:  # never preempt a row a launched step writes: the engine checks blocks_needed first
+                        raise
                     victim = max(self.live, key=lambda s: s.admitted)
                     released = set(victim.blocks)
                     copies[:] = [(src, dst) for src, dst in copies if dst not in released]
@@ -329,17 +337,34 @@ class Batch:
             self.runner.copy_blocks(copies)
             self.copied += len(copies)
         ints, size = self.inputs.ints_np, self.block_size
+        stepping = None if step is None else set(step)
         for seq in self.live:
-            row, p = seq.row, seq.computed
-            ints[IDS, row] = (seq.tokens or seq.prompt)[-1]
+            row = seq.row
+            if stepping is not None and seq not in stepping:
+                ints[[IDS, POSITIONS, SLOTS, CARRY], row] = 0
+                ints[CONTEXT, row] = 1  # as an idle row: one key of the null block, its write to the null block
+                continue
+            ahead = int(seq in carried)
+            p = seq.computed + ahead
+            ints[IDS, row] = (seq.tokens or seq.prompt)[-1]  # a carried row's is not read
+            ints[CARRY, row] = ahead
             ints[POSITIONS, row] = p
             ints[SLOTS, row] = seq.blocks[p // size] * size + p % size
             ints[CONTEXT, row] = p + 1
-            self.counters[row] = len(seq.tokens)
+            self.counters[row] = len(seq.tokens) + ahead
         return preempted
 
-    def _grow(self, seq: Sequence, copies: list[tuple[int, int]]) -> None:
-        index = seq.computed // self.block_size
+    def blocks_needed(self, step: list[Sequence], carried: Collection[Sequence]) -> int:
+        """Free blocks `prepare_decode(step, carried)` takes: a row whose next position starts a block, or falls
+        in a shared one (copy-on-write), needs one."""
+        size, needed = self.block_size, 0
+        for seq in step:
+            index = (seq.computed + (seq in carried)) // size
+            needed += index == len(seq.blocks) or self.pool.refs[seq.blocks[index]] > 1
+        return needed
+
+    def _grow(self, seq: Sequence, copies: list[tuple[int, int]], position: int) -> None:
+        index = position // self.block_size
         if index == len(seq.blocks):
             seq.blocks.append(self.pool.allocate())
             self.inputs.set_block(seq.row, index, seq.blocks[index])
@@ -358,22 +383,28 @@ class Batch:
             bias_width=self.inputs.bias_width if any(seq.biased for seq in live) else 0,
         )
 
-    def decode(self) -> tuple[list[Sequence], tuple[np.ndarray, ...]]:
-        """One decode step for every live row: (the rows' sequences, their samples indexed by row)."""
-        live = self.live
-        top = max(seq.row for seq in live) + 1
-        rows = self.runner.bucket(top)
-        variant = self.variant(live)
+    def _step_inputs(self, step: list[Sequence]) -> tuple[int, int, Variant]:
+        """The last inputs of a prepared step (uniforms, the bitmask): its (bucket, width, sampler variant)."""
+        rows = self.runner.bucket(max(seq.row for seq in step) + 1)
+        variant = self.variant(step)
         if variant.masked:
             self.inputs.bitmask_np[:rows] = -1
-            for seq in live:
+            for seq in step:
                 if seq.constraint is not None:
                     self.inputs.bitmask_np[seq.row] = 0
                     seq.constraint.fill_next_token_bitmask(self.inputs.bitmask_host, seq.row)
         self.inputs.floats_np[UNIFORM, :rows] = uniforms(self.seeds[:rows], self.counters[:rows])
-        self.inputs.upload(rows, variant.masked)
-        width = self.runner.width(max(seq.computed for seq in live) + 1)
-        return live, self.runner.decode(rows, width, variant)
+        return rows, self.runner.width(int(self.inputs.ints_np[CONTEXT, :rows].max())), variant
+
+    def decode(self) -> tuple[list[Sequence], tuple[np.ndarray, ...]]:
+        """One decode step for every live row, waited for: (the rows' sequences, their samples indexed by row)."""
+        live = self.live
+        return live, self.runner.decode(*self._step_inputs(live))
+
+    def launch(self, step: list[Sequence]) -> LaunchedStep:
+        """Enqueue one decode step for the rows of `step` (prepared), without waiting for it (the overlapped loop);
+        `runner.collect` gives its samples, indexed by row."""
+        return self.runner.launch(*self._step_inputs(step))
 
     def advance(self, seq: Sequence, token: int, *, computed: bool) -> None:
         """A step sampled `token` for `seq`; a decode step (`computed`) also computed its position `computed`."""

@@ -11,12 +11,16 @@ as a CUDA graph and replayed with one launch. It fixes the families supported: L
 
 Decode step inputs live in static per-row buffers (`StepBuffers`): token, position, the cache slot its
 key/value go to, context length, sampling parameters and the row's uniform, plus a per-row block table,
-sparse biases and (structured outputs) a token bitmask. The host fills their pinned mirrors and uploads
+sparse biases and (structured outputs) a token bitmask. A row's CARRY flag makes the step take its input
+token from the previous step's sample, still on the device (`out_tokens`), instead of from the host: the
+engine can launch step n+1 before it has read step n's tokens (its overlapped loop, torch_backend.py). The
+host fills their pinned mirrors and uploads
 them in a few copies per step; the graph reads them. One forward graph per (rows, width) and one sampler
 graph per (rows, variant): the sampler's variants (top-k/top-p/min-p sort, bitmask, top log-probs,
 biases) are chosen by the host from what the batch's rows ask, so a plain RL batch never pays for them.
 Rows beyond the live ones (the bucket's padding, finished rows) point at the null block 0 and compute
-garbage nobody reads. The sampled tokens, their log-probs and top alternatives come back in one copy.
+garbage nobody reads. The sampled tokens, their log-probs and top alternatives come back in one copy,
+enqueued with the step (`launch`) and read when the host needs them (`collect`): `decode` = both at once.
 
 On CPU (or `cuda_graphs=False`) the same step runs eagerly: one code path, tested on CPU.
 """
@@ -41,7 +45,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BLOCK_SIZE = 16
 MIN_WIDTH_BLOCKS = 4  # the torch decode path's narrowest gather (64 positions)
 # Row indices of the per-row int and float input buffers.
-IDS, POSITIONS, SLOTS, CONTEXT, TOP_K = range(5)
+IDS, POSITIONS, SLOTS, CONTEXT, TOP_K, CARRY = range(6)
 TEMPERATURE, TOP_P, MIN_P, UNIFORM = range(4)
 
 
@@ -66,6 +70,16 @@ def buckets(max_rows: int) -> list[int]:
 
 def _power_of_two(n: int, floor: int = 1) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A decode step enqueued on the device whose outputs the host has not read yet (`ModelRunner.launch`)."""
+
+    rows: int
+    outputs: list[torch.Tensor]  # the host buffers its outputs are copied to
+    events: tuple | None  # CUDA: (start, end) events; end is recorded after the copy to `outputs`
+    seconds: float  # CPU: how long the (eager, already finished) step took
 
 
 @dataclass(frozen=True)
@@ -134,7 +148,7 @@ class StepBuffers:
             host = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
             return host, self._on_device(host)
 
-        self.ints_host, self.ints = pair((5, rows), torch.long)
+        self.ints_host, self.ints = pair((6, rows), torch.long)
         self.floats_host, self.floats = pair((4, rows), torch.float32)
         self.ints_host[CONTEXT] = 1  # idle rows: one (garbage) key of the null block
         self.table_host, self.table = pair((rows, max_blocks), torch.long, NULL_BLOCK)
@@ -146,6 +160,8 @@ class StepBuffers:
         self.table_np, self.bitmask_np = self.table_host.numpy(), self.bitmask_host.numpy()
         self._dirty_tables: set[int] = set()
         self._dirty_bias: set[int] = set()
+        # Recorded after each upload's asynchronous copies from the pinned mirrors (CUDA only): see wait_uploaded.
+        self._uploaded = torch.cuda.Event() if pin and not self.on_host else None
 
     def _on_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.on_host:
@@ -183,6 +199,14 @@ class StepBuffers:
         self.table_np[row, index] = block
         self._dirty_tables.add(row)
 
+    def _staged(self, host: torch.Tensor) -> torch.Tensor:
+        """A fresh host tensor on the device without waiting: a plain (blocking) copy from pageable memory would
+        synchronize the stream, i.e. wait for the step in flight, which is what the overlapped loop must not
+        do. Pinned by torch's caching host allocator, which keeps the block until the copy has run."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def upload(self, rows: int, masked: bool = False) -> None:
         """Copy the host's writes of this step to the device (nothing to do on CPU): the per-row inputs of the
         step's rows, and the block-table and bias rows written since the last upload."""
@@ -197,12 +221,24 @@ class StepBuffers:
                                                  (self.bias_values, self.bias_values_host)))):  # fmt: skip
             if dirty:
                 index = torch.tensor(sorted(dirty), dtype=torch.long)
-                on_device = index.to(self.device)
+                on_device = self._staged(index)
                 for target, source in pairs:
-                    target.index_copy_(0, on_device, source[index].to(self.device))
+                    target.index_copy_(0, on_device, self._staged(source[index]))
                 dirty.clear()
         if masked:
             self.bitmask[:rows].copy_(self.bitmask_host[:rows], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def wait_uploaded(self) -> None:
+        """Block until the last upload's copies from the pinned mirrors have run: the host must not write a mirror
+        an enqueued copy still reads (the overlapped loop enqueues step n+1, whose upload runs right after step n
+        ends, and then writes step n+2's inputs). Waiting on one event, not double-buffering the mirrors: every
+        mirror holds state that lives across steps (a row's sampling parameters, its block table), which a
+        second set would have to mirror too, and by the time the host writes again (after reading step n) the
+        copy has almost always run already, so the wait costs nothing."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
 
 
 class ModelRunner:
@@ -240,7 +276,9 @@ class ModelRunner:
         self.out_logprobs = torch.zeros(rows, device=self.device)
         self.out_top_values = torch.zeros(rows, TOP_LOGPROBS, device=self.device)
         self.out_top_ids = torch.zeros(rows, TOP_LOGPROBS, dtype=torch.long, device=self.device)
-        self._host_out = [torch.zeros_like(t, device="cpu", pin_memory=pin) for t in self._outputs()]
+        # Two sets of host outputs (and timing events), used by alternate steps: step n+1's copy may land while
+        # the host still reads step n's.
+        self._host_out = [[torch.zeros_like(t, device="cpu", pin_memory=pin) for t in self._outputs()] for _ in "ab"]
         self.hidden_size = config.hidden_size
         self.ops = None  # fused decode ops (TorchOps / triton_kernels.TritonOps); None: the model's own modules
         self.paged_kernel = False  # True: the fused step; attention reads each row's table, no width in the key
@@ -249,7 +287,8 @@ class ModelRunner:
         self._pool = None
         self.steps = 0
         self.device_seconds = 0.0  # time inside the step's graphs/kernels (CUDA events on a GPU)
-        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if pin else None
+        self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if pin else None
+                        for _ in "ab"]  # fmt: skip
 
     def _outputs(self):
         return self.out_tokens, self.out_logprobs, self.out_top_values, self.out_top_ids
@@ -330,11 +369,17 @@ class ModelRunner:
         self.ops, self.paged_kernel = ops, True
         self.clear_graphs()
 
+    def _input_ids(self, rows: int) -> torch.Tensor:
+        """The step's input tokens: a carried row's is the previous step's sample, still in `out_tokens` when this
+        forward runs (stream order: the sampler of step n, then this forward of step n+1, then its sampler)."""
+        ints = self.inputs.ints
+        return torch.where(ints[CARRY, :rows] != 0, self.out_tokens[:rows], ints[IDS, :rows])
+
     def _decode_forward(self, rows: int, width: int) -> None:
         if self.ops is not None:
             return self._fused_decode_forward(rows)
         ints = self.inputs.ints
-        hidden, cos_sin = self._embed(ints[IDS, :rows], ints[POSITIONS, :rows])
+        hidden, cos_sin = self._embed(self._input_ids(rows), ints[POSITIONS, :rows])
         slots, context = ints[SLOTS, :rows], ints[CONTEXT, :rows]
         table = self.inputs.table[:rows, :width]
         for layer, block in enumerate(self._layers):
@@ -349,7 +394,7 @@ class ModelRunner:
         """The same step with the residual add folded into each RMSNorm, q/k norms + rotary + the cache write
         in one op, attention over each row's own blocks, and the MLP's activation fused."""
         ops, ints, heads, kv_heads, dim = self.ops, self.inputs.ints, self.heads, self.kv_heads, self.head_dim
-        hidden, (cos, sin) = self._embed(ints[IDS, :rows], ints[POSITIONS, :rows])
+        hidden, (cos, sin) = self._embed(self._input_ids(rows), ints[POSITIONS, :rows])
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         slots, context, table = ints[SLOTS, :rows], ints[CONTEXT, :rows], self.inputs.table[:rows]
         delta, residual = None, hidden
@@ -407,12 +452,15 @@ class ModelRunner:
             return blocks
         return min(self.max_blocks, _power_of_two(blocks, MIN_WIDTH_BLOCKS))
 
-    def decode(self, rows: int, width: int, variant: Variant) -> tuple[np.ndarray, ...]:
-        """Run the decode step on the first `rows` rows (a bucket) whose inputs were uploaded; the sampled
-        tokens, their log-probs, and the top log-probs' values and ids, as host arrays."""
-        timing = self._events is not None
-        if timing:
-            self._events[0].record()
+    def launch(self, rows: int, width: int, variant: Variant) -> LaunchedStep:
+        """Enqueue the decode step on the first `rows` rows (a bucket): the upload of the inputs the host wrote,
+        the forward and sampler (graphs on CUDA), and the copy of the sampled tokens, their log-probs and top
+        log-probs to host memory; returns without waiting for any of it on CUDA (on CPU it has run)."""
+        slot = self.steps % 2
+        events, host = self._events[slot], self._host_out[slot]
+        self.inputs.upload(rows, variant.masked)
+        if events is not None:
+            events[0].record()
         started = time.perf_counter()
         if not self.cuda_graphs:
             self._decode_forward(rows, width)
@@ -427,19 +475,29 @@ class ModelRunner:
             forward.replay()
             sampler.replay()
         outputs = self._outputs() if variant.top_n else self._outputs()[:2]
-        host = self._host_out[: len(outputs)]
+        host = host[: len(outputs)]
         for target, source in zip(host, outputs, strict=True):
             target[:rows].copy_(source[:rows], non_blocking=True)
         self.steps += 1
-        if timing:
-            self._events[1].record()
-            self._events[1].synchronize()
-            self.device_seconds += self._events[0].elapsed_time(self._events[1]) / 1000
-        elif self.device.type == "cuda":
+        if events is not None:
+            events[1].record()
+        return LaunchedStep(rows, host, events, time.perf_counter() - started)
+
+    def collect(self, step: LaunchedStep) -> tuple[np.ndarray, ...]:
+        """Wait for a launched step and return its outputs as host arrays (valid until the step after next is
+        launched: alternate steps share a set of host buffers)."""
+        if step.events is not None:
+            step.events[1].synchronize()
+            self.device_seconds += step.events[0].elapsed_time(step.events[1]) / 1000
+        elif self.device.type == "cuda":  # no timing events: never the case today, but never read unfinished copies
             torch.cuda.current_stream(self.device).synchronize()
         else:
-            self.device_seconds += time.perf_counter() - started
-        return tuple(t[:rows].numpy() for t in host)
+            self.device_seconds += step.seconds
+        return tuple(t[: step.rows].numpy() for t in step.outputs)
+
+    def decode(self, rows: int, width: int, variant: Variant) -> tuple[np.ndarray, ...]:
+        """Run the decode step on the first `rows` rows and wait for it (the synchronous loop): `launch` + `collect`."""
+        return self.collect(self.launch(rows, width, variant))
 
     def _capture(self, run) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (as PyTorch's docs require); the writes are the step's own, so running it

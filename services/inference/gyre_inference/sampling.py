@@ -17,7 +17,8 @@ recompute, or on the device.
 
 Inverse-CDF: the first token whose cumulative weight exceeds `uniform * total`. Without top-k/top-p/
 min-p the CDF is walked in vocabulary order (no sort: sorting [B, V] costs more than the rest of a CPU
-decode step); with them, in order of decreasing probability (`filtered=True`, one sort).
+decode step); with them, in order of decreasing probability (`filtered=True`, one sort). A row that asks
+for no filter walks vocabulary order in either variant, so its tokens never depend on its batch mates'.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def sample(
         keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
         keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
         tokens = order.gather(1, _inverse_cdf(sorted_probs * keep, uniform)[:, None])[:, 0]
+        # A row that filters nothing draws in vocabulary order, as in the unfiltered variant: its token must not
+        # depend on whether a batch mate asked for top-k/top-p/min-p (the same uniform walks another CDF here).
+        unfiltered = (top_p >= 1) & (top_k <= 0) & (min_p <= 0)
+        tokens = torch.where(unfiltered, _inverse_cdf(probs, uniform), tokens)
     tokens = torch.where(greedy, x.argmax(dim=-1), tokens)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     if top_n:

@@ -19,6 +19,20 @@ copies into the parameters in place between two steps: rows in flight keep their
 the old weights) and continue on the new weights, every token reports the version that computed it, and
 no new sequence reuses blocks cached under the old weights.
 
+The overlapped loop (`overlap`, on by default on CUDA; vLLM's async scheduling, SGLang's overlap scheduler).
+A synchronous step is host work (inputs, upload), then the device, then host work again (read the tokens,
+finish reasons, events), and the device idles while the host works. In the steady state (no admission,
+no swap, no structured-output row, no min_tokens boundary, blocks for every row's next position) the
+engine instead prepares and launches step n+1 assuming every row advances one position, and only then
+reads step n and hands its tokens over, while step n+1 runs: a row's input token for step n+1 is step
+n's sample, taken on the device (the CARRY flag, model_runner.py), so no host round trip sits between two
+steps. A row whose last token comes from step n by length is left out of step n+1; a row that stops at
+step n (stop token, cancellation) computes step n+1 for nothing, its sample discarded, and its blocks are
+released only once step n+1 has been read (nothing may reuse a block a launched step writes). Anything
+else drains first (read the step in flight, hand its tokens over) and runs the synchronous iteration
+exactly as before: admission and prefill, swaps, constraints, preemption. Sampling is a function of each
+row's seed and token index and never of the loop, so both loops give the same tokens (tested).
+
 Only full-attention decoder models are supported: Llama, Mistral, Qwen2 (no sliding window), Qwen3.
 """
 
@@ -50,7 +64,7 @@ from gyre_inference.backend import (
 from gyre_inference.batch import Batch, Sequence
 from gyre_inference.cpus import default_engine_threads
 from gyre_inference.kv_cache import BlockPool
-from gyre_inference.model_runner import BLOCK_SIZE, ModelRunner, check_supported, kv_bytes_per_token
+from gyre_inference.model_runner import BLOCK_SIZE, LaunchedStep, ModelRunner, check_supported, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +82,20 @@ class EngineStats:
     device_seconds: float = 0.0  # of which inside the step's graphs/kernels
     prefill_seconds: float = 0.0
     prefilled: int = 0  # prompt tokens computed (prefix-cache hits and group followers excluded)
+    overlapped_steps: int = 0  # decode steps launched before the previous one was read (the overlapped loop)
+    wasted_rows: int = 0  # rows a step computed for nothing: their sequence stopped at the step before
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not read yet (the overlapped loop)."""
+
+    seqs: list[Sequence]  # its rows' sequences
+    step: LaunchedStep
+    members: set[Sequence] = field(init=False)
+
+    def __post_init__(self):
+        self.members = set(self.seqs)
 
 
 @dataclass
@@ -115,6 +143,7 @@ class TorchBackend(Backend):
         kv_cache_gb: float | None = None,
         prefix_caching: bool = True,
         attention: str = "auto",
+        overlap: bool | None = None,
     ):
         self.model_path = Path(model_path)
         self.device = resolve_device(device)
@@ -129,6 +158,10 @@ class TorchBackend(Backend):
         # decode step: "auto" (the fused Triton kernels on CUDA when they pass their self-check), "torch" (the
         # model's modules, gathered attention), "fused-torch" / "triton" (tests)
         self._attention = attention
+        # the overlapped decode loop: on by default on CUDA; on CPU a step's compute runs on the engine thread
+        # itself, so there is nothing to overlap (forced on in tests: the same loop, checked token for token)
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: _InFlight | None = None
         # named adapters (multi-run): created with the model when max_adapters > 0
         self._adapter_settings = (max_adapters, max_lora_rank, tuple(adapters))
         self._bank = None
@@ -459,9 +492,12 @@ class TorchBackend(Backend):
                     if swap is not None and swap.adapter is not None:
                         swap = self._give_slot(swap, candidates)
                 try:
+                    self._retire()
+                    ahead = self.overlap and swap is None and not candidates and self._can_overlap()
+                    if self._in_flight is not None and not ahead:
+                        self._drain()  # anything but a plain decode step runs on the host state of every token
                     if swap is not None:
                         self._apply_swap(swap)
-                    batch.free(lambda seq: seq.cancelled)
                     # Admit and prefill newcomers, then one decode step for everyone: arrivals never starve the batch.
                     if candidates:
                         admitted, back = batch.plan_prefill(candidates)
@@ -473,15 +509,17 @@ class TorchBackend(Backend):
                             self._prefill(admitted)
                         self._admitting = 0
                     if self._rows:
-                        self._decode()
+                        self._decode_ahead() if ahead else self._decode()
                 except Exception as error:  # a failed step fails its sequences, never the engine
                     log.exception("engine step failed")
+                    self._abandon_in_flight()
                     if swap is not None and not swap.done.done():
                         swap.done.set_exception(error)
                     failed = {id(seq): seq for seq in self._rows + candidates}.values()
                     self._deliver([(seq, error) for seq in failed])
                     batch.reset()
                     self._admitting = 0
+        self._abandon_in_flight()
         with self._cond:
             stranded = self._rows + list(self._waiting)
             self._waiting.clear()
@@ -500,7 +538,8 @@ class TorchBackend(Backend):
         if self._bank is None:
             return
         if per_token is None:  # decode: one adapter slot per batch row
-            rows = torch.zeros(self.max_batch_size, dtype=torch.long)
+            # pinned on CUDA: copied without waiting (a copy from pageable memory may wait for the step in flight)
+            rows = torch.zeros(self.max_batch_size, dtype=torch.long, pin_memory=self.device.type == "cuda")
             for seq in seqs:
                 rows[seq.row] = seq.adapter
             self._bank.use_decode(rows)
@@ -513,11 +552,12 @@ class TorchBackend(Backend):
         self._use_adapters(seqs, [seq.adapter for seq, n in zip(seqs, new, strict=True) for _ in range(n)])
         samples = self._batch.prefill(seqs)
         self._emit(seqs, range(len(seqs)), samples, decode=False)
-        self._batch.free(self._finished)
+        self._retire()
         self.stats.prefill_seconds += time.perf_counter() - started
         self.stats.prefilled += sum(new)
 
     def _decode(self) -> None:
+        """One decode step for every live row, read before the next one is prepared (the synchronous loop)."""
         started = time.perf_counter()
         self._requeue(sorted(self._batch.prepare_decode(), key=lambda seq: seq.admitted))
         if not self._rows:
@@ -526,12 +566,85 @@ class TorchBackend(Backend):
         device_before = self._runner.device_seconds
         live, samples = self._batch.decode()
         self._emit(live, [seq.row for seq in live], samples, decode=True)
-        self._batch.free(self._finished)
+        self._retire()
         stats = self.stats
         stats.decode_steps += 1
         stats.decode_tokens += len(live)
         stats.decode_seconds += time.perf_counter() - started
         stats.device_seconds += self._runner.device_seconds - device_before
+
+    # ---- the overlapped loop (module docstring) --------------------------------------------------
+    def _next_step(self) -> list[Sequence]:
+        """The rows of the next decode step: live rows that are not over, nor will be after the step in flight."""
+        flying = self._in_flight.members if self._in_flight is not None else ()
+        return [seq for seq in self._rows if not self._finished(seq) and not (seq in flying and self._ends(seq))]
+
+    def _ends(self, seq: Sequence) -> bool:
+        """The token in flight is the sequence's last by length (max_tokens or the context)."""
+        generated = len(seq.tokens) + 1
+        return generated >= seq.params.max_tokens or len(seq.prompt) + generated >= self._max_model_len
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be launched before the step in flight is read: none of its inputs depends on
+        the host knowing the tokens in flight, and it needs no preemption."""
+        step = self._next_step()
+        if not step:
+            return False
+        flying = self._in_flight.members if self._in_flight is not None else set()
+        for seq in step:
+            if seq.constraint is not None:  # its bitmask follows its matcher, which must see every token first
+                return False
+            min_tokens = seq.params.min_tokens
+            if min_tokens and seq in flying and len(seq.tokens) + 1 == min_tokens:  # its biases change with it
+                return False
+        return self._batch.blocks_needed(step, flying) <= self._batch.pool.free_blocks  # else preemption
+
+    def _decode_ahead(self) -> None:
+        """Prepare and launch the next step, then read the step in flight and hand its tokens over while the new
+        one runs on the device."""
+        started = time.perf_counter()
+        previous, step = self._in_flight, self._next_step()
+        self._batch.prepare_decode(step, previous.members if previous is not None else ())
+        self._use_adapters(step)
+        self._in_flight = _InFlight(step, self._batch.launch(step))
+        if previous is not None:
+            self.stats.overlapped_steps += 1
+            self._collect(previous)
+        self.stats.decode_seconds += time.perf_counter() - started
+
+    def _collect(self, flight: _InFlight) -> None:
+        """Read a launched step and hand over the tokens of its rows that were not over already."""
+        device_before = self._runner.device_seconds
+        samples = self._runner.collect(flight.step)
+        live = [seq for seq in flight.seqs if not seq.finished]  # the others stopped at the step before
+        self._emit(live, [seq.row for seq in live], samples, decode=True)
+        stats = self.stats
+        stats.decode_steps += 1
+        stats.decode_tokens += len(live)
+        stats.wasted_rows += len(flight.seqs) - len(live)
+        stats.device_seconds += self._runner.device_seconds - device_before
+
+    def _drain(self) -> None:
+        """Read the step in flight (no step is launched behind it) and retire the rows that are over."""
+        started = time.perf_counter()
+        flight, self._in_flight = self._in_flight, None
+        self._collect(flight)
+        self._retire()
+        self.stats.decode_seconds += time.perf_counter() - started
+
+    def _retire(self) -> None:
+        """Release the rows that are over, except those in the step in flight: it still writes their blocks."""
+        self._runner.inputs.wait_uploaded()  # releasing a row writes the input mirrors (see StepBuffers)
+        flying = self._in_flight.members if self._in_flight is not None else ()
+        self._batch.free(lambda seq: self._finished(seq) and seq not in flying)
+
+    def _abandon_in_flight(self) -> None:
+        """After a failure or at shutdown: wait for the step in flight (its writes) and forget it."""
+        if self._in_flight is not None:
+            self._in_flight = None
+            if self.device.type == "cuda":
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(self.device)
 
     def _emit(self, seqs: list[Sequence], index, samples, *, decode: bool) -> None:
         """Turn one step's samples into token events (finish reasons, versions) and hand them over at once."""

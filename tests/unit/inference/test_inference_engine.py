@@ -128,17 +128,19 @@ async def test_under_block_pressure_rows_wait_or_are_preempted_and_finish_with_t
     assert tight == roomy
 
 
-async def test_a_row_cancelled_during_a_step_leaves_the_next_one_and_returns_its_blocks(engine):
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_a_row_cancelled_during_a_step_leaves_the_next_one_and_returns_its_blocks(engine, overlap):
+    engine.overlap = overlap  # True: the step after it may be launched already (the overlapped loop)
     pool, runner = engine._batch.pool, engine._runner
     free = pool.free_blocks
-    decode, cancel = runner.decode, []
+    launch, cancel = runner.launch, []
 
     def cancelling(*args):
         if cancel:  # the asyncio side closes a stream while the step runs
             cancel.pop().cancelled = True
-        return decode(*args)
+        return launch(*args)
 
-    runner.decode = cancelling
+    runner.launch = cancelling
     keep = engine.generate(PROMPT, SamplingParams(max_tokens=30, seed=1))
     drop = engine.generate(PROMPT[:20], SamplingParams(max_tokens=30, seed=2))
     await keep.__anext__()

@@ -141,3 +141,17 @@ def test_uniforms_are_a_function_of_seed_and_counter_and_look_uniform():
     assert many.min() >= 0 and many.max() < 1
     histogram = np.histogram(many, bins=10, range=(0, 1))[0]
     assert np.all(np.abs(histogram - 10_000) < 500)
+
+
+def test_a_row_that_filters_nothing_draws_the_same_token_beside_a_filtered_row():
+    """The filtered variant (chosen when any row of the step asks for top-k/top-p/min-p) walks the CDF in order of
+    decreasing probability; a row asking for none of them must still get the token it gets in the plain variant,
+    or its tokens would depend on its batch mates."""
+    logits = _logits(rows=2, vocab=200)
+    temperature = torch.ones(2)
+    for u in _even(50):
+        uniform = torch.full((2,), float(u))
+        plain, *_ = sample(logits, temperature, uniform)
+        mixed, *_ = sample(logits, temperature, uniform, top_p=torch.tensor([1.0, 0.5]), top_k=torch.tensor([0, 0]),
+                           min_p=torch.tensor([0.0, 0.0]))  # fmt: skip
+        assert mixed[0] == plain[0]

@@ -296,7 +296,7 @@ async def test_rows_are_reused_and_the_busy_ones_stay_packed(backend):
     assert await busy_becomes([True, True, False])
     await first.aclose()
     assert await busy_becomes([False, True, False])
-    assert backend._batch.inputs.ints_np[:, 0].tolist() == [0, 0, 0, 1, 0]  # a freed row reads the null block
+    assert backend._batch.inputs.ints_np[:, 0].tolist() == [0, 0, 0, 1, 0, 0]  # a freed row reads the null block
     third = backend.generate(PROMPTS[2], SamplingParams(max_tokens=300, seed=5))
     await third.__anext__()
     assert await busy_becomes([True, True, False])  # the lowest free slot
