@@ -5,6 +5,7 @@
 #   trainer   `gyre bench trainer`, packed rows of 8192 (MFU, memory)   -> bench_trainer.txt
 #   weights   `gyre bench weights`, the swap of 1.19 GB to 2 replicas    -> bench_weights.txt
 #   inference `gyre bench inference`: batch 64 and 256, GRPO workload, vs transformers -> bench_inference.txt
+#   overlap   the engine's overlapped decode loop on vs off, batch 64 (OVERLAP_BATCHES), one repeat -> bench_overlap.txt
 #   adapters  scripts/bench_adapter_bank.py, decode with named adapters -> bench_adapters.txt
 #   loop      `gyre rl @ configs/gpu/one-gpu-torch.toml`, per-step split -> loop.txt
 #   lora-loop the same loop training rank-16 adapters, published alone  -> lora_loop.txt
@@ -63,13 +64,19 @@ for part in "${parts[@]}"; do
       timeout -k 10 "${BENCH_TIMEOUT:-600}" python3 -m gyre.cli bench inference --model "$model" --batch-sizes 64,256 \
         --max-tokens 128 --http false --repeats 3 --transformers-max-batch 64 2>&1 | grep --line-buffered -v "Loading weights" \
         | tee "$out/bench_inference.txt" ;;
+    overlap)
+      # the same bench, only the engine with engine.overlap on and off side by side (~1 min once the model exists)
+      timeout -k 10 "${OVERLAP_TIMEOUT:-120}" python3 -m gyre.cli bench inference --model "$model" \
+        --batch-sizes "${OVERLAP_BATCHES:-64}" --max-tokens 128 --http false --repeats 1 --grpo false \
+        --constrained false --transformers-max-batch 0 2>&1 | grep --line-buffered -v "Loading weights" \
+        | tee "$out/bench_overlap.txt" ;;
     adapters)
       timeout 600 python3 scripts/bench_adapter_bank.py outputs/adapter-bench --model "$model" --device cuda \
         --sequences 64 --rounds 5 2>&1 | grep -v "Loading weights" | tee "$out/bench_adapters.txt" ;;
     loop) run_loop gpu-one "$out/loop.txt" ;;
     lora-loop) run_loop gpu-lora "$out/lora_loop.txt" --run-id gpu-lora --output-dir outputs/gpu-lora \
       --trainer.lora.rank 16 --trainer.lora.publish adapter --trainer.optim.lr 1e-4 ;;
-    *) echo "unknown part: $part (tests, inference-tests, trainer, weights, inference, adapters, loop, lora-loop)" >&2
+    *) echo "unknown part: $part (tests, inference-tests, trainer, weights, inference, overlap, adapters, loop, lora-loop)" >&2
        exit 2 ;;
   esac
 done

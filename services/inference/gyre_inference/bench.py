@@ -15,7 +15,10 @@
    handing tokens to the event loop), and on CUDA the fraction of the memory-bound limit: a decode step
    must read every weight and every row's KV cache once, so batch B cannot beat
    B * bandwidth / (weight bytes + B * mean context * KV bytes per token) tokens/s (peak HBM bandwidth
-   from a table by device name, e.g. H100 SXM 3.35 TB/s, H200 4.8 TB/s).
+   from a table by device name, e.g. H100 SXM 3.35 TB/s, H200 4.8 TB/s). Beside it (`overlap_compare`), the
+   same engine with its overlapped decode loop switched the other way (off on CUDA, where it is on by
+   default; forced on on CPU), interleaved in the same run: ratio = overlap on / off, with both step splits
+   (overlapped, the host column is the host time the device waited for).
 3. GRPO-shaped workload (`grpo`): the same batch as groups of `rollouts` sequences sharing one
    `grpo_prompt_tokens`-token prompt, prefix sharing on (each group's prompt computed once) and off
    (prefill per sequence), fresh prompts every run; tokens/s count generated tokens, prefill included.
@@ -27,9 +30,11 @@
    robust figure on a shared CPU machine, where wall time mostly measures the neighbours).
 Every request ignores EOS so all runs generate exactly the same number of tokens.
 
-GPU (0.6B Qwen3-shaped model, 128 new tokens; scripts/gpu/check.sh part `inference`):
+GPU (0.6B Qwen3-shaped model, 128 new tokens; scripts/gpu/check.sh parts `inference` and `overlap`):
 
     gyre bench inference --model /path/to/model --batch-sizes 64,256 --max-tokens 128 --http false --repeats 3
+    gyre bench inference --model /path/to/model --batch-sizes 64 --max-tokens 128 --http false --repeats 1 \
+        --grpo false --constrained false --transformers-max-batch 0        # overlap on vs off only
 """
 
 from __future__ import annotations
@@ -63,7 +68,10 @@ class InferenceBenchConfig(GyreSettings):
     grpo: bool = Field(True, description="Also run the GRPO-shaped workload, prefix sharing on vs off.")
     rollouts: int = Field(8, ge=1, description="GRPO workload: sequences sharing one prompt.")
     grpo_prompt_tokens: int = Field(256, ge=1, description="GRPO workload: prompt length in tokens.")
-    transformers_max_batch: int = Field(256, ge=1, description="Largest batch also run through transformers.")
+    transformers_max_batch: int = Field(256, ge=0, description="Largest batch also run through transformers "
+                                       "(0: none).")  # fmt: skip
+    overlap_compare: bool = Field(True, description="Also run the engine with its overlapped decode loop switched "
+                                  "the other way (engine.overlap), side by side: ratio overlap on / off.")  # fmt: skip
     constrained: bool = Field(True, description="Also time structured-output (grammar-constrained) decoding.")
 
     @field_validator("batch_sizes", mode="before")
@@ -103,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"model {model}, prompt {config.prompt_tokens} tokens, {config.max_tokens} new tokens, "
               f"{config.threads} thread(s)", flush=True)  # fmt: skip
         single, crowd = _http_throughput(model, prompt, config) if config.http else (None, None)
-        rows, device = _engine_vs_transformers(model, config)
+        rows, device, overlap = _engine_vs_transformers(model, config)
         constrained = _constrained_vs_free(model, prompt, config) if config.constrained else []
     print()
     print(f"{'measure':<48}{'tokens/s':>10}{'limit':>8}{'step ms':>9}{'device':>8}{'host':>8}")
@@ -125,6 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         on, off = by_name.get(f"GRPO {batch}, prefix sharing on"), by_name.get(f"GRPO {batch}, prefix sharing off")
         if on and off:
             print(f"GRPO batch {batch}: prefix sharing on / off:      {on.rate / off.rate:6.2f}x")
+        default, other = ours, by_name.get(f"torch engine, batch {batch}, overlap {'off' if overlap else 'on'}")
+        if default and other:
+            on, off = (default, other) if overlap else (other, default)
+            print(
+                f"overlap on / off, batch {batch}:             {on.rate / off.rate:6.2f}x   (step {on.step:.2f} vs "
+                f"{off.step:.2f} ms, host not overlapped {on.step - on.device:.2f} vs {off.step - off.device:.2f})"
+            )
     if constrained:
         (free, free_cpu), (every, every_cpu), (half, half_cpu) = [(row.rate, cpu) for row, cpu in constrained]
         print(f"constrained / free decoding:           {every / free:6.2f}x   (mixed batch: {half / free:.2f}x; "
@@ -191,9 +206,9 @@ class _Row:
         return f"{self.name:<48}{self.rate:>10.0f}{limit}{split}"
 
 
-def _engine_vs_transformers(model: Path, config: InferenceBenchConfig) -> tuple[list[_Row], str]:
+def _engine_vs_transformers(model: Path, config: InferenceBenchConfig) -> tuple[list[_Row], str, bool]:
     """The measured rows, on the device and dtype the torch backend picks (CUDA bf16 when there is a GPU,
-    else CPU fp32), and that device."""
+    else CPU fp32), that device, and whether the engine's overlapped loop is on by default there."""
     import dataclasses
 
     import torch
@@ -218,7 +233,9 @@ def _engine_vs_transformers(model: Path, config: InferenceBenchConfig) -> tuple[
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bandwidth = peak_bandwidth(name) if device.type == "cuda" else None
     print(f"  device {name}, {dtype}, weights {weight_bytes / 1e9:.3f} GB, KV {per_token / 1024:.0f} KiB/token"
-          + (f", peak bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)  # fmt: skip
+          + (f", peak bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else "")
+          + f"; overlapped decode loop {'on' if backend.overlap else 'off'} by default", flush=True)  # fmt: skip
+    overlap = backend.overlap
     fresh = iter(range(1, 1 << 30))
 
     def prompts(count: int, length: int) -> list[list[int]]:
@@ -272,13 +289,22 @@ def _engine_vs_transformers(model: Path, config: InferenceBenchConfig) -> tuple[
                 await ours_once(prompts(batch, config.prompt_tokens))  # warm-up (captures the CUDA graphs)
                 if with_theirs:
                     theirs_once(batch)
-                ours, theirs = [], []
+                ours, switched, theirs = [], [], []
                 for _ in range(config.repeats):  # interleaved, so load from elsewhere hits both alike
                     ours.append(await ours_once(prompts(batch, config.prompt_tokens)))
+                    if config.overlap_compare:  # the engine thread reads the switch at its next iteration
+                        backend.overlap = not overlap
+                        switched.append(await ours_once(prompts(batch, config.prompt_tokens)))
+                        backend.overlap = overlap
                     if with_theirs:
                         theirs.append(theirs_once(batch))
                 rate, stats = best(ours)
                 rows.append(_Row(f"torch engine, batch {batch}", rate, limit(batch, config.prompt_tokens), stats))
+                if switched:
+                    label = f"torch engine, batch {batch}, overlap {'off' if overlap else 'on'}"
+                    rate_switched, stats_switched = best(switched)
+                    rows.append(_Row(label, rate_switched, limit(batch, config.prompt_tokens), stats_switched))
+                    print(f"  {label}: {rate_switched:.0f} tokens/s", flush=True)
                 if with_theirs:
                     rows.append(_Row(f"transformers.generate, batch {batch}", max(theirs)))
                 print(f"  batch {batch}: engine {rate:.0f} tokens/s" +
@@ -299,7 +325,7 @@ def _engine_vs_transformers(model: Path, config: InferenceBenchConfig) -> tuple[
         finally:
             await backend.shutdown()
 
-    return asyncio.run(compare()), str(device)
+    return asyncio.run(compare()), str(device), overlap
 
 
 def _constrained_vs_free(model: Path, prompt: list[int], config: InferenceBenchConfig) -> list[tuple[_Row, float]]:
