@@ -466,13 +466,15 @@ class ModelRunner:
             self._decode_forward(rows, width)
             self._sample(rows, variant)
         else:
+            # The forward is replayed before the sampler graph is captured: capturing runs the sampler once (its
+            # warm-up), which overwrites `out_tokens`, where the forward reads the carried rows' input tokens.
             forward = self._forward_graphs.get((rows, width))
             if forward is None:
                 forward = self._forward_graphs[(rows, width)] = self._capture(lambda: self._decode_forward(rows, width))
+            forward.replay()
             sampler = self._sampler_graphs.get((rows, variant))
             if sampler is None:
                 sampler = self._sampler_graphs[(rows, variant)] = self._capture(lambda: self._sample(rows, variant))
-            forward.replay()
             sampler.replay()
         outputs = self._outputs() if variant.top_n else self._outputs()[:2]
         host = host[: len(outputs)]
