@@ -208,14 +208,16 @@ class StepBuffers:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def upload(self, rows: int, masked: bool = False) -> None:
-        """Copy the host's writes of this step to the device (nothing to do on CPU): the per-row inputs of the
-        step's rows, and the block-table and bias rows written since the last upload."""
+        """Copy the host's writes of this step to the device (nothing to do on CPU): the per-row inputs, and the
+        block-table and bias rows written since the last upload. Nothing here waits for the device."""
         if self.on_host:
             self._dirty_tables.clear()
             self._dirty_bias.clear()
             return
-        self.ints[:, :rows].copy_(self.ints_host[:, :rows], non_blocking=True)
-        self.floats[:, :rows].copy_(self.floats_host[:, :rows], non_blocking=True)
+        # Whole buffers (a few KiB), not the step's [:, :rows] columns: a strided slice is first copied into a
+        # pageable temporary, and a copy from pageable memory may wait for the step in flight.
+        self.ints.copy_(self.ints_host, non_blocking=True)
+        self.floats.copy_(self.floats_host, non_blocking=True)
         for dirty, pairs in ((self._dirty_tables, ((self.table, self.table_host),)),
                              (self._dirty_bias, ((self.bias_ids, self.bias_ids_host),
                                                  (self.bias_values, self.bias_values_host)))):  # fmt: skip

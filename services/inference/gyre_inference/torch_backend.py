@@ -358,9 +358,10 @@ class TorchBackend(Backend):
         for name, tensor in self._weights.items():
             self._tied.setdefault(id(tensor), []).append(name)
         self._model = model
-        log.info("loaded %s (%s, %s), context %d, KV cache %d blocks of %d tokens, decode attention %s",
-                 self.model_path, self.device, self.dtype, self._max_model_len, num_blocks, BLOCK_SIZE,
-                 self._runner.ops.name if self._runner.ops is not None else "torch")  # fmt: skip
+        log.info("loaded %s (%s, %s), context %d, KV cache %d blocks of %d tokens, decode attention %s, "
+                 "decode loop %s", self.model_path, self.device, self.dtype, self._max_model_len, num_blocks,
+                 BLOCK_SIZE, self._runner.ops.name if self._runner.ops is not None else "torch",
+                 "overlapped" if self.overlap else "synchronous")  # fmt: skip
 
     def _kv_cache_blocks(self, config) -> int:
         """Blocks of the KV cache: `engine.kv_cache_gb` when set; else what max_batch_size full contexts need,
@@ -493,7 +494,8 @@ class TorchBackend(Backend):
                         swap = self._give_slot(swap, candidates)
                 try:
                     self._retire()
-                    ahead = self.overlap and swap is None and not candidates and self._can_overlap()
+                    step = self._next_step() if self.overlap and swap is None and not candidates else []
+                    ahead = self._can_overlap(step)
                     if self._in_flight is not None and not ahead:
                         self._drain()  # anything but a plain decode step runs on the host state of every token
                     if swap is not None:
@@ -509,7 +511,7 @@ class TorchBackend(Backend):
                             self._prefill(admitted)
                         self._admitting = 0
                     if self._rows:
-                        self._decode_ahead() if ahead else self._decode()
+                        self._decode_ahead(step) if ahead else self._decode()
                 except Exception as error:  # a failed step fails its sequences, never the engine
                     log.exception("engine step failed")
                     self._abandon_in_flight()
@@ -584,10 +586,9 @@ class TorchBackend(Backend):
         generated = len(seq.tokens) + 1
         return generated >= seq.params.max_tokens or len(seq.prompt) + generated >= self._max_model_len
 
-    def _can_overlap(self) -> bool:
-        """Whether the next step may be launched before the step in flight is read: none of its inputs depends on
-        the host knowing the tokens in flight, and it needs no preemption."""
-        step = self._next_step()
+    def _can_overlap(self, step: list[Sequence]) -> bool:
+        """Whether the next step (its rows) may be launched before the step in flight is read: none of its inputs
+        depends on the host knowing the tokens in flight, and it needs no preemption."""
         if not step:
             return False
         flying = self._in_flight.members if self._in_flight is not None else set()
@@ -599,11 +600,11 @@ class TorchBackend(Backend):
                 return False
         return self._batch.blocks_needed(step, flying) <= self._batch.pool.free_blocks  # else preemption
 
-    def _decode_ahead(self) -> None:
-        """Prepare and launch the next step, then read the step in flight and hand its tokens over while the new
-        one runs on the device."""
+    def _decode_ahead(self, step: list[Sequence]) -> None:
+        """Prepare and launch the next step (its rows), then read the step in flight and hand its tokens over while
+        the new one runs on the device."""
         started = time.perf_counter()
-        previous, step = self._in_flight, self._next_step()
+        previous = self._in_flight
         self._batch.prepare_decode(step, previous.members if previous is not None else ())
         self._use_adapters(step)
         self._in_flight = _InFlight(step, self._batch.launch(step))
