@@ -143,6 +143,7 @@ async def test_the_overlapped_loop_gives_the_tokens_of_the_synchronous_one(tiny_
     ahead, stats = await _workload(tiny_model, True, attention=attention)
     assert plain_stats.overlapped_steps == 0 and stats.overlapped_steps > 20  # the loop really overlapped
     assert stats.wasted_rows > 0  # some row stopped by a stop token while its next step was in flight
+    assert stats.prefilled == plain_stats.prefilled  # the same prefix-cache hits (a group, a cached block)
     reasons = [events[-1].finish_reason for events in plain]
     assert "stop" in reasons and "length" in reasons  # rows end at different steps, both ways
     cancelled = len(FIRST)
@@ -162,6 +163,21 @@ async def test_the_overlapped_loop_gives_the_tokens_of_the_synchronous_one(tiny_
             logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
         expected = torch.log_softmax(logits / params.temperature, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert torch.allclose(torch.tensor([e.logprob for e in events]), expected, atol=1e-4)
+
+
+@pytest.mark.asyncio
+async def test_blocks_filled_by_overlapped_decoding_are_registered_in_the_prefix_cache(tiny_model):
+    backend = await _start(tiny_model, True)
+    try:
+        first = await _stream(backend, PROMPT, Params(max_tokens=30, seed=1))
+        assert backend.stats.overlapped_steps > 20
+        # a multi-turn history: the last turn's prompt + completion + more, reusing the blocks decoding filled
+        history = PROMPT + [e.token_id for e in first] + [11, 12, 13]
+        before = backend.stats.prefilled
+        await _stream(backend, history, Params(max_tokens=5, seed=3))
+        assert backend.stats.prefilled - before == len(history) - 64  # 4 full blocks, 2 of them filled by decoding
+    finally:
+        await backend.shutdown()
 
 
 @pytest.mark.asyncio
