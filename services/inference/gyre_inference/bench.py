@@ -304,10 +304,10 @@ def _engine_vs_transformers(model: Path, config: InferenceBenchConfig) -> tuple[
                     label = f"torch engine, batch {batch}, overlap {'off' if overlap else 'on'}"
                     rate_switched, stats_switched = best(switched)
                     rows.append(_Row(label, rate_switched, limit(batch, config.prompt_tokens), stats_switched))
-                    print(f"  {label}: {rate_switched:.0f} tokens/s", flush=True)
                 if with_theirs:
                     rows.append(_Row(f"transformers.generate, batch {batch}", max(theirs)))
                 print(f"  batch {batch}: engine {rate:.0f} tokens/s" +
+                      (f", overlap {'off' if overlap else 'on'} {rate_switched:.0f}" if switched else "") +
                       (f", transformers.generate {max(theirs):.0f}" if with_theirs else ""), flush=True)  # fmt: skip
                 if config.grpo and batch >= config.rollouts:
                     groups = batch // config.rollouts
