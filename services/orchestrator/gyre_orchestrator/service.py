@@ -499,6 +499,11 @@ class OrchestratorService:
             max_tokens=cfg.sampling.max_tokens * getattr(self.env, "max_turns", 1),  # budget: Dr.GRPO's normaliser
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
+        record = self._step_record(st, samples, packed, cut, time.monotonic() - start)
+        # The step's line goes before the push: killed between the two, the resumed run pushes this step again
+        # and its newer line replaces this one (readers keep the newest record per step). After the push, a kill
+        # in between would leave a pushed step without any line.
+        self.events.append(record)
         await self._redis(
             lambda: self.stream.push(
                 st.step, payload, path_threshold=cfg.batch.inline_max_bytes, spill_dir=self.out / "batches"
@@ -506,13 +511,14 @@ class OrchestratorService:
             f"pushing batch {st.step}",
         )
         self.last_step = st.step
-        self._account(st, samples, packed, cut, time.monotonic() - start)
+        self._account(st, record, [s.meta["lag"] for s in samples])
         if records:
             await asyncio.to_thread(write_dump, self.out, st.step, records)
             self.wandb.samples(records, st.step)
 
-    def _account(self, st: StepState, samples: list[TrainSample], packed, cut: int, build_seconds: float) -> None:
-        cfg, m = self.cfg, self.metrics
+    def _step_record(self, st: StepState, samples: list[TrainSample], packed, cut: int, build_seconds: float) -> dict:
+        """The step's line of orchestrator_steps.jsonl (and of W&B)."""
+        cfg = self.cfg
         generated = np.asarray(st.all_rewards, dtype=np.float64)
         lags = np.asarray([s.meta["lag"] for s in samples], dtype=np.float64)
         num_tokens = int(sum(s.length for s in samples))
@@ -552,24 +558,28 @@ class OrchestratorService:
             **batch_health([s for g in st.kept for s in g.samples]),
         }
         record.update(self._signal_record(samples))
-        self.events.append(record)
+        return record
+
+    def _account(self, st: StepState, record: dict, lags: list[int]) -> None:
+        """A pushed step's counters, metrics, W&B record and (every ckpt_interval) progress checkpoint."""
+        cfg, m = self.cfg, self.metrics
         self.wandb.log(record)
         for key in ("num_samples", "dropped_stale", "dropped_zero_signal", "num_tokens"):
             self.counters[key] = self.counters.get(key, 0) + int(record[key])
         labels = m.labels
         labels(m.step).set(st.step)
         labels(m.batches).inc()
-        labels(m.samples).inc(len(samples))
+        labels(m.samples).inc(record["num_samples"])
         labels(m.reward_mean, env=cfg.env.name).set(record["reward_mean"])
         labels(m.reward_std, env=cfg.env.name).set(record["reward_std"])
         labels(m.dropped_stale).inc(st.dropped_stale)
         labels(m.rollouts, env=cfg.env.name, outcome="stale").inc(st.dropped_stale)
         labels(m.dropped_zero_signal).inc(st.dropped_zero_signal)
         labels(m.generated_groups).inc(st.generated_groups)
-        labels(m.generated_tokens).inc(generated_tokens)
-        labels(m.wasted_tokens).inc(wasted_tokens)
-        labels(m.batch_tokens).inc(num_tokens)
-        labels(m.packing_efficiency).set(packed.efficiency)
+        labels(m.generated_tokens).inc(record["generated_tokens"])
+        labels(m.wasted_tokens).inc(record["wasted_tokens"])
+        labels(m.batch_tokens).inc(record["num_tokens"])
+        labels(m.packing_efficiency).set(record["packing_efficiency"])
         labels(m.batch_seconds).set(st.seconds)
         for lag in lags:
             labels(m.lag).observe(lag)
@@ -583,7 +593,7 @@ class OrchestratorService:
             "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups "
             "(%.0f%% of generated tokens wasted)",
             st.step,
-            len(samples),
+            record["num_samples"],
             record["reward_mean"],
             record["min_version"],
             record["max_version"],

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from gyre.events import read_events
+from gyre.events import latest_per_step, read_events
 from gyre.streams import BatchStream
 from gyre_orchestrator.service import OrchestratorService
 from orchestrator_testlib import orchestrator_config
@@ -104,3 +104,35 @@ def test_resume_continues_at_the_right_step(tmp_path, redis_url, unique_run_id, 
     assert f"starting at step {last + 1}" in second.stderr
     progress = json.loads((cfg.output_dir / "checkpoints" / "orchestrator" / f"step_{last + 2}.json").read_text())
     assert progress["step"] == last + 2 and progress["counters"]["num_samples"] > 0
+
+
+class KilledAfterPush(Exception):
+    """Stands in for a SIGKILL that lands right after a batch reached Redis."""
+
+
+@pytest.mark.asyncio
+async def test_a_kill_right_after_a_push_leaves_the_pushed_step_its_event_line(
+    tmp_path, redis_url, unique_run_id, replicas
+):
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=2,
+                              batch_size=2, rollouts_per_example=2)  # fmt: skip
+    first = OrchestratorService(cfg)
+    real_push = first.stream.push
+
+    def push_then_die(step, *args, **kwargs):
+        entry = real_push(step, *args, **kwargs)
+        if step == 2:
+            raise KilledAfterPush
+        return entry
+
+    first.stream.push = push_then_die
+    with pytest.raises(KilledAfterPush):
+        await asyncio.wait_for(first.run(), timeout=120)
+    assert [e.step for e in stream_steps(redis_url, unique_run_id)] == [1, 2]
+
+    resumed = OrchestratorService(cfg.model_copy(update={"max_steps": 3, "resume_step": -1}))
+    assert await asyncio.wait_for(resumed.run(), timeout=120) == 0
+    assert [e.step for e in stream_steps(redis_url, unique_run_id)] == [1, 2, 3]  # step 2 was not pushed again
+    lines = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")
+    # every pushed step has its line (written before the push; the resumed run started at step 3)
+    assert [e["step"] for e in latest_per_step(lines)] == [1, 2, 3]
