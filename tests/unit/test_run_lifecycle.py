@@ -203,6 +203,16 @@ def test_defect_7_dp_world_size_and_seq_len_are_derived_from_the_trainer(tmp_pat
     assert resolved.orchestrator.batch.seq_len == resolved.trainer.data.seq_len == 300
 
 
+def test_requests_in_flight_fill_every_replicas_batch_unless_the_user_says(tmp_path):
+    # A 256-row engine behind the orchestrator's default of 64 requests in flight decoded a quarter-full batch
+    # (the one-GPU loop, configs/gpu/one-gpu-torch.toml): gyre rl derives the concurrency from the replicas.
+    args = ["--output-dir", str(tmp_path), "--inference.engine.max-batch-size", "96", "--inference-replicas", "2"]
+    resolved = resolve_configs(load_config(RLConfig, args), "m", "redis://127.0.0.1:1/0")
+    assert resolved.orchestrator.inference.max_concurrency == 192
+    chosen = load_config(RLConfig, [*args, "--orchestrator.inference.max-concurrency", "40"])
+    assert resolve_configs(chosen, "m", "redis://127.0.0.1:1/0").orchestrator.inference.max_concurrency == 40
+
+
 def test_contradicting_batch_split_is_refused(tmp_path):
     from gyre.config import ConfigError
 

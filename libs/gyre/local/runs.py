@@ -124,6 +124,9 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
                 "urls": [f"http://127.0.0.1:{c.server.port}" for c in replicas],
                 "control_urls": [f"127.0.0.1:{c.control.port}" for c in replicas],
                 **({"model": run.name} if multi else {}),  # the run's adapter, by name
+                # enough requests in flight to fill every replica's batch (the orchestrator's own default, 64,
+                # left a 256-row engine a quarter full); a user's value wins
+                "max_concurrency": sum(c.engine.max_batch_size for c in replicas),
             },
             **shape.orchestrator_values(),
             # progress checkpoints are a few hundred bytes: always on, so a re-run never repeats tasks
