@@ -627,6 +627,52 @@ def inference() -> db.Dashboard:
             "The orchestrator's UpdateWeights calls to replicas per second, by result.",
             minimum=0,
         ),
+        # the torch engine's own counters (its log line, docs/inference.md "Engine log line")
+        panel(
+            "Engine time by phase",
+            "percentunit",
+            [(rate("gyre_inference_engine_seconds_total", f"{per}, phase"), "{{phase}} {{instance}}")],
+            "Torch backend: the share of wall time each replica's engine spent in decode steps (device: the part "
+            "inside their kernels; the rest is host work the device waited for), prefills, CUDA graph captures "
+            "and weight swaps.",
+            minimum=0,
+        ),
+        panel(
+            "Decode step time",
+            "s",
+            [
+                (
+                    rate("gyre_inference_engine_seconds_total", per, 'phase="decode"')
+                    + " / "
+                    + rate("gyre_inference_engine_decode_steps_total", per),
+                    "step {{instance}}",
+                ),
+                (
+                    rate("gyre_inference_engine_seconds_total", per, 'phase="device"')
+                    + " / "
+                    + rate("gyre_inference_engine_decode_steps_total", per),
+                    "device {{instance}}",
+                ),
+            ],  # fmt: skip
+            "Torch backend: mean wall time of one decode step of the whole batch, and its device part.",
+            minimum=0,
+        ),
+        panel(
+            "KV cache and prefix cache",
+            "percentunit",
+            [
+                (f"max by ({per}) ({sel('gyre_inference_kv_cache_usage_ratio')})", "KV cache in use {{instance}}"),
+                (
+                    rate("gyre_inference_engine_prompt_tokens_total", per, 'source="cached"')
+                    + " / "
+                    + rate("gyre_inference_engine_prompt_tokens_total", per),
+                    "prompt tokens cached {{instance}}",
+                ),
+            ],  # fmt: skip
+            "Torch backend: the fraction of KV cache blocks held by sequences, and of admitted prompt tokens whose "
+            "keys and values came from the prefix cache or a group's first rollout instead of being computed.",
+            minimum=0,
+        ),
     ]
     for p in panels:
         d = d.with_panel(p)

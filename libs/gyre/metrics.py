@@ -20,10 +20,11 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 _NAME = re.compile(r"^gyre_[a-z][a-z0-9_]*[a-z0-9]$")
 _LABEL = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -89,6 +90,41 @@ def counter(name: str, doc: str, labels: Sequence[str] = (), registry: Collector
 
 def gauge(name: str, doc: str, labels: Sequence[str] = (), registry: CollectorRegistry | None = None) -> Gauge:
     return _get_or_create("gauge", name, doc, labels, registry, lambda r: Gauge(name, doc, tuple(labels), registry=r))
+
+
+class _CounterFunction:
+    """A counter family whose values are read at scrape time from another object's own counters."""
+
+    def __init__(self, stem: str, doc: str, labels: tuple[str, ...], read: Callable[[], dict[tuple, float]]):
+        self.stem, self.doc, self.labels, self.read = stem, doc, labels, read
+
+    def describe(self):
+        return [CounterMetricFamily(self.stem, self.doc, labels=self.labels)]
+
+    def collect(self):
+        family = CounterMetricFamily(self.stem, self.doc, labels=self.labels)
+        for values, value in self.read().items():
+            family.add_metric(values, value)
+        yield family
+
+
+def counter_function(
+    name: str,
+    doc: str,
+    labels: Sequence[str],
+    registry: CollectorRegistry | None,
+    read: Callable[[], dict[tuple, float]],
+) -> _CounterFunction:
+    """A counter exposed as `name` whose samples `read()` returns at each scrape ({label values: value}, never
+    decreasing): for counters something else keeps (an engine thread's statistics), like `Gauge.set_function`."""
+    stem = name.removesuffix("_total")
+
+    def make(r):
+        collector = _CounterFunction(stem, doc, tuple(labels), read)
+        (REGISTRY if r is None else r).register(collector)
+        return collector
+
+    return _get_or_create("counter", name, doc, labels, registry, make)
 
 
 def histogram(

@@ -34,8 +34,11 @@ run_loop() {
   local name=$1 report=$2
   shift 2
   rm -rf "outputs/$name"
-  timeout -k 10 "${LOOP_TIMEOUT:-240}" python3 -m gyre.cli rl @ configs/gpu/one-gpu-torch.toml "$@" > "outputs/$name.log" 2>&1
+  timeout -k 10 "${LOOP_TIMEOUT:-240}" python3 -m gyre.cli rl @ configs/gpu/one-gpu-torch.toml \
+    --inference.engine.log-stats-interval-s 5 "$@" > "outputs/$name.log" 2>&1
   { echo "rc=$?"; tail -n 5 "outputs/$name.log"; python3 scripts/gpu/step_split.py "outputs/$name"
+    echo "-- the engine's own lines (docs/inference.md, 'Engine log line'): where generation's time went"
+    grep -h -E "engine(: |, whole run: )" "outputs/$name"/logs/inference*.log | cut -c 25- | tail -n 20
     grep -H -A30 Traceback "outputs/$name"/logs/*.log | head -n 200; } 2>&1 | tee "$report"
 }
 status=0

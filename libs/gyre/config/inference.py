@@ -58,6 +58,13 @@ class EngineConfig(Section):
         "need, at most half the GPU memory free after loading (CPU: at most 1 GiB). The served context is "
         "shortened to what it holds.",
     )
+    log_stats_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="Torch backend: log one line of engine statistics every this many seconds while it works "
+        "(requests running and waiting, KV cache use, prompt and generation tokens/s, prefix-cache hits, decode "
+        "step time and its device share, prefills, CUDA graph captures, weight swaps); 0: never.",
+    )
     prefix_caching: bool = Field(
         True,
         description="Torch backend: reuse the KV blocks of prompt prefixes already computed (a group's rollouts, "

@@ -39,8 +39,12 @@ class InferenceClientConfig(Section):
     control_token: str | None = Field(None, description="Shared secret for InferenceControl calls.")
     api_key_file: Path | None = secret_file("api_key")
     control_token_file: Path | None = secret_file("control_token")
-    max_concurrency: int = Field(64, ge=1, description="Requests in flight across replicas (gyre rl: default "
-                                 "the sum of the replicas' engine.max_batch_size, so their batches fill).")
+    max_concurrency: int = Field(
+        64,
+        ge=1,
+        description="Requests in flight across replicas (gyre rl: default "
+        "the sum of the replicas' engine.max_batch_size, so their batches fill).",
+    )
     timeout_s: float = Field(300.0, gt=0, description="HTTP timeout of one request.")
     retries: int = Field(3, ge=0, description="Retries per request (with backoff) before the sample fails.")
     model: str | None = Field(None, description="Model id sent in requests (default: the first one /v1/models lists).")

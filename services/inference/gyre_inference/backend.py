@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Literal
 from gyre.transport import FetchedWeights
 
 if TYPE_CHECKING:
+    from gyre_inference.engine_stats import EngineStats
     from gyre_inference.structured import Constraint, Guide
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -145,6 +146,11 @@ class Backend(ABC):
     @abstractmethod
     def load_stats(self) -> tuple[int, int]:
         """(running, waiting) sequences right now."""
+
+    def engine_stats(self) -> EngineStats | None:
+        """The engine's counters and gauges now (the torch backend; None where the engine reports its own, as
+        vLLM does)."""
+        return None
 
     @abstractmethod
     async def start(self) -> None: ...

@@ -17,11 +17,16 @@ Series (see docs/inference.md for how dashboards use them):
 - gyre_inference_policy_version{run_id}                                gauge (weights version served)
 - gyre_inference_weight_update_seconds{run_id}                         histogram (verify + load + swap)
 - gyre_inference_weight_updates_total{run_id, outcome}                 counter
+Torch backend only (read from its `EngineStats` at scrape time, engine_stats.py):
+- gyre_inference_engine_seconds_total{run_id, phase}                   counter (decode, device, prefill, capture, swap)
+- gyre_inference_engine_decode_steps_total{run_id}                     counter
+- gyre_inference_engine_prompt_tokens_total{run_id, source}            counter (computed, cached: the prefix cache)
+- gyre_inference_kv_cache_usage_ratio{run_id}                          gauge (blocks held by sequences)
 """
 
 from __future__ import annotations
 
-from gyre.metrics import counter, gauge, histogram
+from gyre.metrics import counter, counter_function, gauge, histogram
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -31,6 +36,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 OUTCOMES = ("success", "client_error", "aborted", "unavailable", "server_error")
+PHASES = ("decode", "device", "prefill", "capture", "swap")  # EngineStats.<phase>_seconds
 
 
 class InferenceMetrics:
@@ -90,6 +96,31 @@ class InferenceMetrics:
         for outcome in ("success", "error"):
             self._updates.labels(run_id, outcome)
         self.run_id = run_id
+        self._engine_series(r, backend)
+
+    def _engine_series(self, r: CollectorRegistry, backend: Backend) -> None:
+        """The torch engine's own counters, read from one `EngineStats` snapshot per series at scrape time
+        (no samples for a backend that keeps none)."""
+
+        def read(values) -> dict[tuple, float]:
+            stats = backend.engine_stats()
+            return {} if stats is None else {(self.run_id, *key): value for key, value in values(stats).items()}
+
+        phases = lambda s: {(phase,): getattr(s, f"{phase}_seconds") for phase in PHASES}  # noqa: E731
+        counter_function("gyre_inference_engine_seconds_total", "Torch engine time by phase: decode steps (wall), "
+                         "their device part, prefills, CUDA graph captures, weight swaps.", ["run_id", "phase"], r,
+                         lambda: read(phases))  # fmt: skip
+        counter_function("gyre_inference_engine_decode_steps_total", "Torch engine decode steps.", ["run_id"], r,
+                         lambda: read(lambda s: {(): s.decode_steps}))  # fmt: skip
+        counter_function("gyre_inference_engine_prompt_tokens_total", "Prompt tokens the torch engine admitted, by "
+                         "where their keys and values came from: computed, or cached (prefix cache, a group's first "
+                         "rollout).", ["run_id", "source"], r,
+                         lambda: read(lambda s: {("computed",): s.prefilled,
+                                                 ("cached",): s.admitted_tokens - s.prefilled}))  # fmt: skip
+        gauge("gyre_inference_kv_cache_usage_ratio", "Fraction of the torch engine's KV cache blocks held by "
+              "sequences.", ["run_id"], r).labels(self.run_id).set_function(
+            lambda: stats.kv_cache_usage if (stats := backend.engine_stats()) is not None else 0.0
+        )  # fmt: skip
 
     def request_done(self, endpoint: str, outcome: str, seconds: float | None = None) -> None:
         self._requests.labels(self.run_id, endpoint, outcome).inc()

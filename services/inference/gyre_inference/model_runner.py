@@ -289,6 +289,7 @@ class ModelRunner:
         self._pool = None
         self.steps = 0
         self.device_seconds = 0.0  # time inside the step's graphs/kernels (CUDA events on a GPU)
+        self.captures, self.capture_seconds = 0, 0.0  # CUDA graphs captured, and the time it took
         self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if pin else None
                         for _ in "ab"]  # fmt: skip
 
@@ -504,6 +505,13 @@ class ModelRunner:
         return self.collect(self.launch(rows, width, variant))
 
     def _capture(self, run) -> torch.cuda.CUDAGraph:
+        started = time.perf_counter()
+        graph = self._capture_graph(run)
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - started
+        return graph
+
+    def _capture_graph(self, run) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (as PyTorch's docs require); the writes are the step's own, so running it
         # again is harmless (same key/value into the same slots, same outputs).
         stream = torch.cuda.Stream()

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import signal
 import socket
+import time
 
 import uvicorn
 from gyre.config.inference import InferenceConfig
@@ -25,6 +26,7 @@ from gyre.inference_process import ready_line
 from gyre_inference.api import AppState, create_app
 from gyre_inference.backend import Backend
 from gyre_inference.control import ControlServer
+from gyre_inference.engine_stats import stats_line
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.serving import Serving
 
@@ -116,6 +118,7 @@ async def run_service(config: InferenceConfig) -> int:
         log.info("metrics: http://%s:%d/metrics", config.server.host, metrics_port)
 
     status = 0
+    stats_task = None
     stopped = asyncio.create_task(stop.wait())
     log.info("loading %s with the %s backend", config.model.name, backend.name)
     loading = asyncio.create_task(_load(state, backend, config.model.name, ModelText))
@@ -127,6 +130,8 @@ async def run_service(config: InferenceConfig) -> int:
             line = ready_line(url, control_address, backend.version)  # what launchers wait for
             print(line, flush=True)
             log.info("%s", line)
+            if config.engine.log_stats_interval_s > 0 and backend.engine_stats() is not None:
+                stats_task = asyncio.create_task(_log_engine_stats(backend, config.engine.log_stats_interval_s))
             await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
         elif loading.done() and loading.exception() is not None:
             log.error("cannot load model %s: %s", config.model.name, loading.exception())
@@ -136,6 +141,8 @@ async def run_service(config: InferenceConfig) -> int:
             status = 1
     finally:
         log.info("shutting down (grace %.0fs)", grace)
+        if stats_task is not None:
+            stats_task.cancel()
         state.draining = True
         http.should_exit = True
         await asyncio.gather(control.stop(grace), http_task, return_exceptions=True)
@@ -148,6 +155,25 @@ async def run_service(config: InferenceConfig) -> int:
         stopped.cancel()
         log.info("stopped")
     return status
+
+
+async def _log_engine_stats(backend: Backend, interval: float) -> None:
+    """Every `interval` seconds, the engine's line for the interval (engine_stats.py), unless it was idle; when
+    cancelled (shutdown), one line for the whole time it served (a run shorter than the interval gets one too)."""
+    first = before = backend.engine_stats()
+    started = then = time.monotonic()
+    try:
+        while True:
+            await asyncio.sleep(interval)
+            now, at = backend.engine_stats(), time.monotonic()
+            line = stats_line(now, before, at - then)
+            if line is not None:
+                log.info("%s", line)
+            before, then = now, at
+    finally:
+        line = stats_line(backend.engine_stats(), first, time.monotonic() - started)
+        if line is not None:
+            log.info("%s", line.replace("engine:", "engine, whole run:", 1))
 
 
 async def _load(state: AppState, backend: Backend, model_path: str, text_class) -> None:

@@ -63,6 +63,7 @@ from gyre_inference.backend import (
 )
 from gyre_inference.batch import Batch, Sequence
 from gyre_inference.cpus import default_engine_threads
+from gyre_inference.engine_stats import EngineStats
 from gyre_inference.kv_cache import BlockPool
 from gyre_inference.model_runner import BLOCK_SIZE, LaunchedStep, ModelRunner, check_supported, kv_bytes_per_token
 
@@ -70,20 +71,6 @@ log = logging.getLogger(__name__)
 
 
 MAX_PREFILL_TOKENS = 4096  # new tokens one prefill computes at most (a longer prompt goes alone)
-
-
-@dataclass
-class EngineStats:
-    """Where the engine's time went (`gyre bench inference` prints the per-step split)."""
-
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0  # wall time of decode steps, host work included
-    device_seconds: float = 0.0  # of which inside the step's graphs/kernels
-    prefill_seconds: float = 0.0
-    prefilled: int = 0  # prompt tokens computed (prefix-cache hits and group followers excluded)
-    overlapped_steps: int = 0  # decode steps launched before the previous one was read (the overlapped loop)
-    wasted_rows: int = 0  # rows a step computed for nothing: their sequence stopped at the step before
 
 
 @dataclass
@@ -213,6 +200,17 @@ class TorchBackend(Backend):
     def load_stats(self) -> tuple[int, int]:
         # read without the lock: a scrape may be off by the sequences moving between the two lists
         return len(self._rows) + self._admitting, len(self._waiting)
+
+    def engine_stats(self) -> EngineStats | None:
+        # read without the lock, like load_stats: counters may be one step apart from each other
+        if self._runner is None:
+            return None
+        pool = self._batch.pool
+        running, waiting = self.load_stats()
+        return self.stats.snapshot(
+            running=running, waiting=waiting, kv_cache_usage=1 - pool.free_blocks / (pool.num_blocks - 1),
+            captures=self._runner.captures, capture_seconds=self._runner.capture_seconds,
+        )  # fmt: skip
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -445,17 +443,22 @@ class TorchBackend(Backend):
         await asyncio.wrap_future(swap.done)
 
     def _apply_swap(self, swap: _Swap) -> None:
+        started = time.perf_counter()
+        self._copy_in(swap)
+        self.stats.swaps += 1
+        self.stats.swap_seconds += time.perf_counter() - started
+        swap.done.set_result(None)
+
+    def _copy_in(self, swap: _Swap) -> None:
         if swap.adapter is not None:
             self._bank.load(swap.adapter, swap.tensors, swap.version, swap.source, swap.slot)
             self._batch.new_weights(self._bank.slots[swap.adapter])
-            swap.done.set_result(None)
             return
         state = self._weights
         with torch.no_grad():  # one fused copy: a loop pays a dispatch per tensor, ~1/3 of a small model's swap
             torch._foreach_copy_([state[name] for name in swap.tensors], list(swap.tensors.values()))
         self._batch.new_weights()
         self._version = swap.version
-        swap.done.set_result(None)
 
     # ---- engine thread --------------------------------------------------------------------------
     def _give_slot(self, swap: _Swap, admitted: list[Sequence]) -> _Swap | None:
@@ -550,13 +553,17 @@ class TorchBackend(Backend):
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         started = time.perf_counter()
-        new = [len(seq.prompt) + len(seq.tokens) - seq.computed for seq in seqs]
+        admitted = [len(seq.prompt) + len(seq.tokens) for seq in seqs]  # before their first sample is appended
+        new = [length - seq.computed for seq, length in zip(seqs, admitted, strict=True)]
         self._use_adapters(seqs, [seq.adapter for seq, n in zip(seqs, new, strict=True) for _ in range(n)])
         samples = self._batch.prefill(seqs)
         self._emit(seqs, range(len(seqs)), samples, decode=False)
         self._retire()
-        self.stats.prefill_seconds += time.perf_counter() - started
-        self.stats.prefilled += sum(new)
+        stats = self.stats
+        stats.prefills += 1
+        stats.prefill_seconds += time.perf_counter() - started
+        stats.prefilled += sum(new)
+        stats.admitted_tokens += sum(admitted)
 
     def _decode(self) -> None:
         """One decode step for every live row, read before the next one is prepared (the synchronous loop)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -20,6 +21,10 @@ EXPECTED = {
     "gyre_inference_policy_version": "gauge",
     "gyre_inference_weight_update_seconds": "histogram",
     "gyre_inference_weight_updates": "counter",
+    "gyre_inference_engine_seconds": "counter",
+    "gyre_inference_engine_decode_steps": "counter",
+    "gyre_inference_engine_prompt_tokens": "counter",
+    "gyre_inference_kv_cache_usage_ratio": "gauge",
 }
 
 
@@ -83,3 +88,47 @@ def test_a_separate_metrics_port(start_server):
         assert 'gyre_inference_policy_version{run_id="metrics-port"} 0.0' in text
     finally:
         assert server.stop() == 0
+
+
+def test_the_engine_series_say_where_prompts_and_time_went(server, client, model_id):
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(40)]  # 2 full KV blocks of 16 and a partial one
+    before = httpx.get(f"{server.url}/metrics").text
+    client.completions.create(model=model_id, prompt=prompt, max_tokens=5, n=4, extra_body={"ignore_eos": True})
+    client.completions.create(model=model_id, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
+    after = httpx.get(f"{server.url}/metrics").text
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    # the 4 choices share one prefill; the second request finds the 2 full blocks in the prefix cache
+    assert moved("gyre_inference_engine_prompt_tokens_total", source="computed") == 40 + 40 - 32
+    assert moved("gyre_inference_engine_prompt_tokens_total", source="cached") == 3 * 40 + 32
+    assert moved("gyre_inference_engine_decode_steps_total") >= 4 + 4  # the first token comes from the prefill
+    for phase in ("decode", "device", "prefill"):
+        assert moved("gyre_inference_engine_seconds_total", phase=phase) > 0, phase
+    assert moved("gyre_inference_engine_seconds_total", phase="capture") == 0  # no CUDA graphs on a CPU
+    assert 0 <= value(after, "gyre_inference_kv_cache_usage_ratio") < 1
+
+
+def test_the_engine_logs_a_line_of_statistics_while_it_works(start_server):
+    server = start_server("--engine.log-stats-interval-s", "0.2", "--log.level", "INFO", "--run-id", "stats-line")
+    try:
+        from openai import OpenAI
+
+        with OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+            c.completions.create(model=server.model_name, prompt=[5, 6, 7, 8] * 10, max_tokens=64, n=4,
+                                 extra_body={"ignore_eos": True})  # fmt: skip
+        time.sleep(1.0)  # at least one interval after the work, and idle ones after it
+    finally:
+        assert server.stop() == 0
+    log = server.log_path.read_text().splitlines()
+    lines = [line for line in log if "engine: " in line]
+    assert lines, server.tail()
+    # and at shutdown one line for the whole time it served: the 4 choices' 64 tokens each
+    assert sum("engine, whole run: " in line and "decode 63 steps of 4 rows" in line for line in log) == 1
+    busy = [line for line in lines if "generation 0 tokens/s" not in line]
+    assert busy and all("running" in line and "KV cache" in line for line in lines)
+    assert any("decode " in line and "ms each" in line for line in busy)
+    assert any("% from the prefix cache" in line and "prefill 1 call," in line for line in busy)  # n=4: one prefill
+    # an idle engine logs nothing: the lines stop once the work is done (5 intervals of sleep, at most one line)
+    assert len(lines) <= len(busy) + 1
