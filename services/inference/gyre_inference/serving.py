@@ -1,153 +1,33 @@
 """Chat and text completions on top of a Backend: prompts in, OpenAI-shaped responses and SSE chunks out.
 
-Per choice, tokens from the backend go through one `Choice`, which detokenizes, applies stop strings
-and (for chat with tools) holds back tool-call text. The rules clients rely on:
-
-- Alignment: `token_ids[i]` and `logprobs[i]` (and the i-th log-prob entry) belong to the same sampled
-  token, and these lists hold EVERY token the model sampled for the choice, in order, including the
-  end-of-turn token (finish "stop" by token) and the token that completed a stop string. Only the
-  text is cut: a stop string and whatever follows it in that last token are left out of `text`/`content`.
-  So `decode(token_ids)` may extend past the text, never fall short of it.
-- Versions: `policy_version_min`/`policy_version_max` are the oldest/newest weights version that
-  computed a token of the choice (min < max when a weight swap happened mid-generation; the tokens
-  after the swap were computed by the new weights on a KV cache the old ones wrote).
-  `policy_version` = `policy_version_max` (the version when the choice finished). The
-  `x-gyre-policy-version` header is the newest version in the response (non-streaming) or the
-  version served when the stream started (streaming). Stream chunks carry `policy_version` of
-  their tokens, and the finishing chunk of each choice also carries min/max.
-- Seeds: choice i (counted per prompt) of a request with `seed` s samples with a generator seeded from
-  (s, i), so the same request gives the same choices whatever else the server is doing, and a prompt
-  in a batch gets the same choices as when sent alone.
+Per choice, tokens from the backend go through one `Choice` (choice.py: detokenizing, stop strings, tool-call
+text, and the rules clients rely on: alignment of tokens and log-probs, policy versions, seeds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams, TokenEvent
+from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams
+from gyre_inference.choice import Choice, Delta, choice_seed
 from gyre_inference.errors import APIError, error_body, unknown_model
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gyre_inference.structured import Guide, GuideError
-from gyre_inference.text import IncrementalDecoder, ModelText
-from gyre_inference.tools import TOOL_CALL_END, TOOL_CALL_START, forced_call_grammar, parse_tool_calls
+from gyre_inference.text import ModelText
+from gyre_inference.tools import TOOL_CALL_END, TOOL_CALL_START, forced_call_grammar
 
 VERSION_HEADER = "x-gyre-policy-version"
 DISCONNECT_POLL_S = 0.25  # how often a running non-streaming request checks that its client is still there
-
-
-def choice_seed(seed: int, choice_index: int) -> int:
-    """The generator seed of choice `choice_index` (per prompt) of a request with `seed`."""
-    digest = hashlib.sha256(f"{seed}:{choice_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-@dataclass(frozen=True)
-class Delta:
-    """What one backend token changed in a choice: the token's position, the text released, the finish."""
-
-    position: int  # index of the token in the choice's token_ids / logprobs
-    text: str
-    version: int
-    finish_reason: str | None  # set on the choice's last token only
-
-
-@dataclass
-class Choice:
-    """One choice's accumulated output; `add()` turns each backend token into the text to release now."""
-
-    index: int
-    text_codec: ModelText
-    stops: list[str]
-    parse_tools: bool
-    prompt_index: int = 0
-    min_tokens: int = 0  # stop strings count only from this many tokens on (vLLM's min_tokens)
-    include_stop: bool = False  # keep the stop string that ended the choice in its text
-    echo: str = ""  # text shown before the generated text (echo); not part of `text`
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    text: str = ""
-    released: int = 0  # characters of `text` already handed out
-    finish_reason: str | None = None
-    tool_calls: list = field(default_factory=list)
-    version_min: int | None = None
-    version_max: int | None = None
-    prompt_logprobs: tuple | None = None  # the engine's PromptLogprobs when they were asked for
-
-    def __post_init__(self):
-        self._decoder = IncrementalDecoder(self.text_codec)
-        # A stop string (or the tool-call tag) may begin in text not yet complete: keep that much back. For
-        # the tag, one character more: the newline before it is dropped from the content once calls parse,
-        # so it must not be released while the tag after it is still partial.
-        tag = len("\n" + TOOL_CALL_START) if self.parse_tools else 0
-        longest = max([len(s) for s in self.stops] + [tag], default=0)
-        self._holdback = max(longest - 1, 0)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def add(self, event: TokenEvent) -> Delta:
-        position = len(self.token_ids)
-        self.prompt_logprobs = self.prompt_logprobs or event.prompt_logprobs
-        self.token_ids.append(event.token_id)
-        self.logprobs.append(event.logprob)
-        self.top_logprobs.append(event.top_logprobs)
-        self.version_min = event.version if self.version_min is None else min(self.version_min, event.version)
-        self.version_max = event.version if self.version_max is None else max(self.version_max, event.version)
-        piece = self._decoder.push(event.token_id)
-        if event.finish_reason is not None:
-            piece += self._decoder.flush()
-        searched_from = len(self.text)
-        self.text += piece
-        finish = event.finish_reason
-        if len(self.token_ids) >= self.min_tokens and self._cut_at_stop(searched_from):
-            finish = "stop"
-        if finish is None:
-            end = len(self.text) - self._holdback
-            if self.parse_tools and (tag := self.text.find(TOOL_CALL_START, self.released)) >= 0:
-                end = min(end, tag - 1 if self.text[tag - 1 : tag] == "\n" else tag)
-            return Delta(position, self._release(end), event.version, None)
-        self.finish_reason = finish
-        if self.parse_tools:
-            content, calls = parse_tool_calls(self.text)
-            if calls:
-                self.tool_calls = [call.to_openai() for call in calls]
-                self.text = content or ""
-                self.released = min(self.released, len(self.text))
-                self.finish_reason = "tool_calls" if finish == "stop" else finish
-        return Delta(position, self._release(len(self.text)), event.version, self.finish_reason)
-
-    def _cut_at_stop(self, searched_from: int) -> bool:
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, searched_from - len(s) + 1))) >= 0]
-        if hits:
-            start, stop = min(hits)
-            self.text = self.text[: start + len(stop) if self.include_stop else start]
-        return bool(hits)
-
-    def _release(self, end: int) -> str:
-        if end <= self.released:
-            return ""
-        piece, self.released = self.text[self.released : end], end
-        return piece
-
-    def versions(self) -> dict:
-        return {
-            "policy_version": self.version_max,
-            "policy_version_min": self.version_min,
-            "policy_version_max": self.version_max,
-        }
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from gyre_inference.backend import TokenEvent
-from gyre_inference.serving import Choice
+from gyre_inference.choice import Choice
 from gyre_inference.text import IncrementalDecoder
 from hypothesis import given, settings
 from hypothesis import strategies as st
