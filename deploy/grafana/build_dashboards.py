@@ -60,6 +60,11 @@ def rate(metric: str, by: str = "run_id", extra: str = "") -> str:
     return f"sum by ({by}) (rate({sel(metric, extra)}[{RATE}]))"
 
 
+def rate_ratio(numerator: str, denominator: str, by: str = "run_id", extra: str = "") -> str:
+    """rate(numerator{extra}) / rate(denominator), both summed by `by` (a share, or a mean per event)."""
+    return f"{rate(numerator, by, extra)} / {rate(denominator, by)}"
+
+
 def mean_of(histogram: str, by: str = "run_id") -> str:
     """Mean of a histogram's observations over the rate window."""
     return f"{rate(histogram + '_sum', by)} / {rate(histogram + '_count', by)}"
@@ -573,9 +578,9 @@ def inference() -> db.Dashboard:
             "percentunit",
             [
                 (
-                    rate("gyre_inference_requests_total", per, 'outcome="server_error"')
-                    + " / "
-                    + rate("gyre_inference_requests_total", per),
+                    rate_ratio(
+                        "gyre_inference_requests_total", "gyre_inference_requests_total", per, 'outcome="server_error"'
+                    ),
                     "{{instance}}",
                 )
             ],
@@ -642,18 +647,16 @@ def inference() -> db.Dashboard:
             "s",
             [
                 (
-                    rate("gyre_inference_engine_seconds_total", per, 'phase="decode"')
-                    + " / "
-                    + rate("gyre_inference_engine_decode_steps_total", per),
-                    "step {{instance}}",
-                ),
-                (
-                    rate("gyre_inference_engine_seconds_total", per, 'phase="device"')
-                    + " / "
-                    + rate("gyre_inference_engine_decode_steps_total", per),
-                    "device {{instance}}",
-                ),
-            ],  # fmt: skip
+                    rate_ratio(
+                        "gyre_inference_engine_seconds_total",
+                        "gyre_inference_engine_decode_steps_total",
+                        per,
+                        f'phase="{phase}"',
+                    ),
+                    f"{phase} {{{{instance}}}}",
+                )
+                for phase in ("decode", "device")
+            ],
             "Torch backend: mean wall time of one decode step of the whole batch, and its device part.",
             minimum=0,
         ),
@@ -663,12 +666,15 @@ def inference() -> db.Dashboard:
             [
                 (f"max by ({per}) ({sel('gyre_inference_kv_cache_usage_ratio')})", "KV cache in use {{instance}}"),
                 (
-                    rate("gyre_inference_engine_prompt_tokens_total", per, 'source="cached"')
-                    + " / "
-                    + rate("gyre_inference_engine_prompt_tokens_total", per),
+                    rate_ratio(
+                        "gyre_inference_engine_prompt_tokens_total",
+                        "gyre_inference_engine_prompt_tokens_total",
+                        per,
+                        'source="cached"',
+                    ),
                     "prompt tokens cached {{instance}}",
                 ),
-            ],  # fmt: skip
+            ],
             "Torch backend: the fraction of KV cache blocks held by sequences, and of admitted prompt tokens whose "
             "keys and values came from the prefix cache or a group's first rollout instead of being computed.",
             minimum=0,
