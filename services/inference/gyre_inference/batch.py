@@ -1,5 +1,5 @@
 """The torch engine's running batch: batch rows, block tables, admission with prefix sharing, growth with
-copy-on-write and preemption, and turning each step's samples into token events.
+copy-on-write and preemption, and recording each step's samples (engine_loop.py turns them into token events).
 
 Rows. Every running sequence holds a row of the decode step's buffers (model_runner.StepBuffers) from its
 admission to its end; a new sequence takes the lowest free row, so live rows stay packed and a step runs

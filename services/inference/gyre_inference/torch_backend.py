@@ -1,9 +1,14 @@
 """Torch backend: a transformers causal LM driven by our own paged-KV, continuous-batching engine.
 
 One engine thread owns the model and the batch; the asyncio side only enqueues sequences and reads their
-tokens from per-sequence queues (torch releases the GIL inside kernels, so HTTP stays responsive).
+tokens from per-sequence queues (torch releases the GIL inside kernels, so HTTP stays responsive). This
+module is the asyncio side: the `Backend` interface, loading the model, and reading and checking new
+weights, which the engine thread copies in between two steps.
 
 The engine (docs/inference.md, "Torch backend"):
+- `engine_loop.py`: the engine thread's loop (`EngineLoop`, a base class of `TorchBackend`): each
+  iteration's swap, admission, prefill and decode step, the overlapped decode loop, the hand-off of
+  token events to the event loop;
 - `kv_cache.py`: the paged KV cache's blocks, reference counts and LRU prefix cache;
 - `batch.py`: rows, block tables, admission with prefix sharing (a group's n rollouts computed once),
   copy-on-write, preemption under block pressure, the step's inputs;
@@ -13,41 +18,16 @@ The engine (docs/inference.md, "Torch backend"):
   kernel on CUDA);
 - `sampling.py`: sampling on the device (temperature, top-k/top-p/min-p, biases, bitmask, log-probs).
 
-Each engine iteration: apply a pending weight swap, retire cancelled rows, admit and prefill what fits,
-then one decode step for every live row, whose tokens reach the event loop in one hand-off. A weight swap
-copies into the parameters in place between two steps: rows in flight keep their KV cache (computed by
-the old weights) and continue on the new weights, every token reports the version that computed it, and
-no new sequence reuses blocks cached under the old weights.
-
-The overlapped loop (`overlap`, on by default on CUDA; vLLM's async scheduling, SGLang's overlap scheduler).
-A synchronous step is host work (inputs, upload), then the device, then host work again (read the tokens,
-finish reasons, events), and the device idles while the host works. In the steady state (no admission,
-no swap, no structured-output row, no min_tokens boundary, blocks for every row's next position) the
-engine instead prepares and launches step n+1 assuming every row advances one position, and only then
-reads step n and hands its tokens over, while step n+1 runs: a row's input token for step n+1 is step
-n's sample, taken on the device (the CARRY flag, model_runner.py), so no host round trip sits between two
-steps. A row whose last token comes from step n by length is left out of step n+1; a row that stops at
-step n (stop token, cancellation) computes step n+1 for nothing, its sample discarded, and its blocks are
-released only once step n+1 has been read (nothing may reuse a block a launched step writes). Anything
-else drains first (read the step in flight, hand its tokens over) and runs the synchronous iteration
-exactly as before: admission and prefill, swaps, constraints, preemption. Sampling is a function of each
-row's seed and token index and never of the loop, so both loops give the same tokens (tested).
-
 Only full-attention decoder models are supported: Llama, Mistral, Qwen2 (no sliding window), Qwen3.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import threading
-import time
-from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,36 +43,15 @@ from gyre_inference.backend import (
 )
 from gyre_inference.batch import Batch, Sequence
 from gyre_inference.cpus import default_engine_threads
+from gyre_inference.engine_loop import EngineLoop, _Swap
 from gyre_inference.engine_stats import EngineStats
 from gyre_inference.kv_cache import BlockPool
-from gyre_inference.model_runner import BLOCK_SIZE, LaunchedStep, ModelRunner, check_supported, kv_bytes_per_token
+from gyre_inference.model_runner import BLOCK_SIZE, ModelRunner, check_supported, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
 
 MAX_PREFILL_TOKENS = 4096  # new tokens one prefill computes at most (a longer prompt goes alone)
-
-
-@dataclass
-class _InFlight:
-    """A decode step launched and not read yet (the overlapped loop)."""
-
-    seqs: list[Sequence]  # its rows' sequences
-    step: LaunchedStep
-    members: set[Sequence] = field(init=False)
-
-    def __post_init__(self):
-        self.members = set(self.seqs)
-
-
-@dataclass
-class _Swap:
-    tensors: dict[str, torch.Tensor]
-    version: int
-    done: Future = field(default_factory=Future)
-    adapter: str | None = None  # a named adapter's (A, B) tensors instead of model weights
-    source: Path | None = None  # the adapter's folder (an evicted adapter is loaded back from it)
-    slot: int | None = None  # the adapter's slot, given by the engine thread (`AdapterBank.declare`)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -109,7 +68,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-class TorchBackend(Backend):
+class TorchBackend(EngineLoop, Backend):
     name = "torch"
     uses_constraints = True  # structured outputs: per-sequence matchers (SamplingParams.constraint)
 
@@ -132,10 +91,9 @@ class TorchBackend(Backend):
         attention: str = "auto",
         overlap: bool | None = None,
     ):
+        super().__init__(resolve_device(device), max_batch_size=max_batch_size, overlap=overlap)
         self.model_path = Path(model_path)
-        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.max_batch_size = max_batch_size
         self._requested_max_len = max_model_len
         self._threads = threads
         # CUDA graphs for the decode step: on by default on CUDA (no effect on CPU).
@@ -145,10 +103,6 @@ class TorchBackend(Backend):
         # decode step: "auto" (the fused Triton kernels on CUDA when they pass their self-check), "torch" (the
         # model's modules, gathered attention), "fused-torch" / "triton" (tests)
         self._attention = attention
-        # the overlapped decode loop: on by default on CUDA; on CPU a step's compute runs on the engine thread
-        # itself, so there is nothing to overlap (forced on in tests: the same loop, checked token for token)
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
-        self._in_flight: _InFlight | None = None
         # named adapters (multi-run): created with the model when max_adapters > 0
         self._adapter_settings = (max_adapters, max_lora_rank, tuple(adapters))
         self._bank = None
@@ -157,21 +111,8 @@ class TorchBackend(Backend):
         self._base: dict[str, torch.Tensor] | None = None  # base weights on CPU, read at the first adapter
         self._others_are_base = True  # every weight an adapter does not touch is the base model's
         self._version = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._cond = threading.Condition()
-        self._waiting: deque[Sequence] = deque()
-        self._swap: _Swap | None = None
         self._swap_lock = asyncio.Lock()  # one read-and-swap at a time: updates and reloads of evicted adapters
-        self._stopping = False
-        self._admitting = 0  # sequences taken off the queue whose prefill is under way
-        self._outbox: list[tuple[Sequence, object]] = []  # events waiting for the event loop
-        self._outbox_lock = threading.Lock()
-        self._outbox_scheduled = False
-        # Touched only by the engine thread (created with the model).
-        self._runner: ModelRunner | None = None
-        self._batch: Batch | None = None
-        self.stats = EngineStats()
 
     # ---- Backend interface ----------------------------------------------------------------------
     @property
@@ -191,11 +132,6 @@ class TorchBackend(Backend):
         """torch threads of the engine on CPU: `engine.threads`, else what the container's CPU quota allows
         minus one core for the HTTP loop (see cpus.py)."""
         return self._threads or default_engine_threads()
-
-    @property
-    def _rows(self) -> list[Sequence]:
-        """The running sequences, in row order."""
-        return self._batch.live if self._batch is not None else []
 
     def load_stats(self) -> tuple[int, int]:
         # read without the lock: a scrape may be off by the sequences moving between the two lists
@@ -441,271 +377,3 @@ class TorchBackend(Backend):
             self._swap = swap
             self._cond.notify()
         await asyncio.wrap_future(swap.done)
-
-    def _apply_swap(self, swap: _Swap) -> None:
-        started = time.perf_counter()
-        self._copy_in(swap)
-        self.stats.swaps += 1
-        self.stats.swap_seconds += time.perf_counter() - started
-        swap.done.set_result(None)
-
-    def _copy_in(self, swap: _Swap) -> None:
-        if swap.adapter is not None:
-            self._bank.load(swap.adapter, swap.tensors, swap.version, swap.source, swap.slot)
-            self._batch.new_weights(self._bank.slots[swap.adapter])
-            return
-        state = self._weights
-        with torch.no_grad():  # one fused copy: a loop pays a dispatch per tensor, ~1/3 of a small model's swap
-            torch._foreach_copy_([state[name] for name in swap.tensors], list(swap.tensors.values()))
-        self._batch.new_weights()
-        self._version = swap.version
-
-    # ---- engine thread --------------------------------------------------------------------------
-    def _give_slot(self, swap: _Swap, admitted: list[Sequence]) -> _Swap | None:
-        """Under `_cond`: the adapter's slot, evicting an idle one if need be (None: refused, told to the caller).
-        Every slot a queued, admitted or running row uses is busy: those rows keep their adapter."""
-        busy = {seq.adapter for seq in (*self._rows, *admitted, *self._waiting)}
-        try:
-            swap.slot = self._bank.declare(swap.adapter, busy)
-        except WeightsIncompatibleError as error:
-            swap.done.set_exception(error)
-            return None
-        return swap
-
-    def _run(self) -> None:
-        if self.device.type == "cpu":
-            # per thread: OpenMP's team size is a property of the calling thread, so set it here
-            torch.set_num_threads(self.threads)
-        batch = self._batch
-        with torch.inference_mode():
-            while True:
-                with self._cond:
-                    while not (self._stopping or self._waiting or self._rows or self._swap):
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    swap, self._swap = self._swap, None
-                    if swap is not None and not swap.done.set_running_or_notify_cancel():
-                        swap = None  # its caller gave up (a cancelled UpdateWeights): not applied, nobody to tell
-                    candidates = []
-                    while self._waiting and len(self._rows) + len(candidates) < self.max_batch_size:
-                        seq = self._waiting.popleft()
-                        if not seq.cancelled:
-                            candidates.append(seq)
-                    self._admitting = len(candidates)
-                    if swap is not None and swap.adapter is not None:
-                        swap = self._give_slot(swap, candidates)
-                try:
-                    self._retire()
-                    step = self._next_step() if self.overlap and swap is None and not candidates else []
-                    ahead = self._can_overlap(step)
-                    if self._in_flight is not None and not ahead:
-                        self._drain()  # anything but a plain decode step runs on the host state of every token
-                    if swap is not None:
-                        self._apply_swap(swap)
-                    # Admit and prefill newcomers, then one decode step for everyone: arrivals never starve the batch.
-                    if candidates:
-                        admitted, back = batch.plan_prefill(candidates)
-                        if back and not admitted and not self._rows:
-                            # not even an empty cache holds it (the context is clamped to the cache at load)
-                            self._deliver([(back.pop(0), RuntimeError("the sequence does not fit in the KV cache"))])
-                        self._requeue(back)
-                        if admitted:
-                            self._prefill(admitted)
-                        self._admitting = 0
-                    if self._rows:
-                        self._decode_ahead(step) if ahead else self._decode()
-                except Exception as error:  # a failed step fails its sequences, never the engine
-                    log.exception("engine step failed")
-                    self._abandon_in_flight()
-                    if swap is not None and not swap.done.done():
-                        swap.done.set_exception(error)
-                    failed = {id(seq): seq for seq in self._rows + candidates}.values()
-                    self._deliver([(seq, error) for seq in failed])
-                    batch.reset()
-                    self._admitting = 0
-        self._abandon_in_flight()
-        with self._cond:
-            stranded = self._rows + list(self._waiting)
-            self._waiting.clear()
-            if self._swap is not None and self._swap.done.set_running_or_notify_cancel():
-                self._swap.done.set_exception(BackendStoppedError("engine stopped"))
-        self._deliver([(seq, BackendStoppedError("the inference engine stopped")) for seq in stranded])
-        batch.reset()
-
-    def _requeue(self, seqs: list[Sequence]) -> None:
-        """Back to the front of the queue, in order (admission waits for blocks; preempted rows)."""
-        if seqs:
-            with self._cond:
-                self._waiting.extendleft(reversed(seqs))
-
-    def _use_adapters(self, seqs: list[Sequence], per_token: list[int] | None = None) -> None:
-        if self._bank is None:
-            return
-        if per_token is None:  # decode: one adapter slot per batch row
-            # pinned on CUDA: copied without waiting (a copy from pageable memory may wait for the step in flight)
-            rows = torch.zeros(self.max_batch_size, dtype=torch.long, pin_memory=self.device.type == "cuda")
-            for seq in seqs:
-                rows[seq.row] = seq.adapter
-            self._bank.use_decode(rows)
-        else:
-            self._bank.use(torch.tensor(per_token))
-
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        started = time.perf_counter()
-        admitted = [len(seq.prompt) + len(seq.tokens) for seq in seqs]  # before their first sample is appended
-        new = [length - seq.computed for seq, length in zip(seqs, admitted, strict=True)]
-        self._use_adapters(seqs, [seq.adapter for seq, n in zip(seqs, new, strict=True) for _ in range(n)])
-        samples = self._batch.prefill(seqs)
-        self._emit(seqs, range(len(seqs)), samples, decode=False)
-        self._retire()
-        stats = self.stats
-        stats.prefills += 1
-        stats.prefill_seconds += time.perf_counter() - started
-        stats.prefilled += sum(new)
-        stats.admitted_tokens += sum(admitted)
-
-    def _decode(self) -> None:
-        """One decode step for every live row, read before the next one is prepared (the synchronous loop)."""
-        started = time.perf_counter()
-        self._requeue(sorted(self._batch.prepare_decode(), key=lambda seq: seq.admitted))
-        if not self._rows:
-            return
-        self._use_adapters(self._rows)
-        device_before = self._runner.device_seconds
-        live, samples = self._batch.decode()
-        self._emit(live, [seq.row for seq in live], samples, decode=True)
-        self._retire()
-        stats = self.stats
-        stats.decode_steps += 1
-        stats.decode_tokens += len(live)
-        stats.decode_seconds += time.perf_counter() - started
-        stats.device_seconds += self._runner.device_seconds - device_before
-
-    # ---- the overlapped loop (module docstring) --------------------------------------------------
-    def _next_step(self) -> list[Sequence]:
-        """The rows of the next decode step: live rows that are not over, nor will be after the step in flight."""
-        flying = self._in_flight.members if self._in_flight is not None else ()
-        return [seq for seq in self._rows if not self._finished(seq) and not (seq in flying and self._ends(seq))]
-
-    def _ends(self, seq: Sequence) -> bool:
-        """The token in flight is the sequence's last by length (max_tokens or the context)."""
-        generated = len(seq.tokens) + 1
-        return generated >= seq.params.max_tokens or len(seq.prompt) + generated >= self._max_model_len
-
-    def _can_overlap(self, step: list[Sequence]) -> bool:
-        """Whether the next step (its rows) may be launched before the step in flight is read: none of its inputs
-        depends on the host knowing the tokens in flight, and it needs no preemption."""
-        if not step:
-            return False
-        flying = self._in_flight.members if self._in_flight is not None else set()
-        for seq in step:
-            if seq.constraint is not None:  # its bitmask follows its matcher, which must see every token first
-                return False
-            min_tokens = seq.params.min_tokens
-            if min_tokens and seq in flying and len(seq.tokens) + 1 == min_tokens:  # its biases change with it
-                return False
-        return self._batch.blocks_needed(step, flying) <= self._batch.pool.free_blocks  # else preemption
-
-    def _decode_ahead(self, step: list[Sequence]) -> None:
-        """Prepare and launch the next step (its rows), then read the step in flight and hand its tokens over while
-        the new one runs on the device."""
-        started = time.perf_counter()
-        previous = self._in_flight
-        self._batch.prepare_decode(step, previous.members if previous is not None else ())
-        self._use_adapters(step)
-        self._in_flight = _InFlight(step, self._batch.launch(step))
-        if previous is not None:
-            self.stats.overlapped_steps += 1
-            self._collect(previous)
-        self.stats.decode_seconds += time.perf_counter() - started
-
-    def _collect(self, flight: _InFlight) -> None:
-        """Read a launched step and hand over the tokens of its rows that were not over already."""
-        device_before = self._runner.device_seconds
-        samples = self._runner.collect(flight.step)
-        live = [seq for seq in flight.seqs if not seq.finished]  # the others stopped at the step before
-        self._emit(live, [seq.row for seq in live], samples, decode=True)
-        stats = self.stats
-        stats.decode_steps += 1
-        stats.decode_tokens += len(live)
-        stats.wasted_rows += len(flight.seqs) - len(live)
-        stats.device_seconds += self._runner.device_seconds - device_before
-
-    def _drain(self) -> None:
-        """Read the step in flight (no step is launched behind it) and retire the rows that are over."""
-        started = time.perf_counter()
-        flight, self._in_flight = self._in_flight, None
-        self._collect(flight)
-        self._retire()
-        self.stats.decode_seconds += time.perf_counter() - started
-
-    def _retire(self) -> None:
-        """Release the rows that are over, except those in the step in flight: it still writes their blocks."""
-        self._runner.inputs.wait_uploaded()  # releasing a row writes the input mirrors (see StepBuffers)
-        flying = self._in_flight.members if self._in_flight is not None else ()
-        self._batch.free(lambda seq: self._finished(seq) and seq not in flying)
-
-    def _abandon_in_flight(self) -> None:
-        """After a failure or at shutdown: wait for the step in flight (its writes) and forget it."""
-        if self._in_flight is not None:
-            self._in_flight = None
-            if self.device.type == "cuda":
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize(self.device)
-
-    def _emit(self, seqs: list[Sequence], index, samples, *, decode: bool) -> None:
-        """Turn one step's samples into token events (finish reasons, versions) and hand them over at once."""
-        tokens, logprobs = samples[0].tolist(), samples[1].tolist()
-        top_values, top_ids = (samples[2].tolist(), samples[3].tolist()) if len(samples) > 2 else (None, None)
-        versions = {0: self._version}
-        events = []
-        for seq, i in zip(seqs, index, strict=True):
-            token = tokens[i]
-            self._batch.advance(seq, token, computed=decode)
-            params, generated = seq.params, len(seq.tokens)
-            constraint = params.constraint
-            if constraint is not None:
-                constraint.accept_token(token)
-            if token in params.stop_token_ids or (constraint is not None and constraint.is_terminated()):
-                reason = "stop"
-            elif generated >= params.max_tokens or len(seq.prompt) + generated >= self._max_model_len:
-                reason = "length"
-            else:
-                reason = None
-            n_top = params.top_logprobs
-            top = tuple(zip(top_ids[i][:n_top], top_values[i][:n_top], strict=True)) if n_top else ()
-            version = versions.get(seq.adapter)
-            if version is None:
-                version = versions[seq.adapter] = self._bank.version_of_slot(seq.adapter)
-            prompt, seq.prompt_logprobs = seq.prompt_logprobs, None  # on the first event only
-            events.append((seq, TokenEvent(token, logprobs[i], version, top, reason, prompt)))
-            seq.finished = reason is not None
-        self._deliver(events)
-
-    @staticmethod
-    def _finished(seq: Sequence) -> bool:
-        return seq.cancelled or seq.finished
-
-    def _deliver(self, items: list[tuple[Sequence, object]]) -> None:
-        """Hand events to their sequences' asyncio queues.
-
-        Coalesced: while a delivery callback is scheduled but has not run yet (the event loop is busy),
-        further steps append to it instead of waking the loop again, so a busy loop costs the engine
-        no extra wake-ups and an idle loop still gets every token as soon as it is sampled.
-        """
-        if not items or self._loop is None:
-            return
-        with self._outbox_lock:
-            self._outbox.extend(items)
-            if self._outbox_scheduled:
-                return
-            self._outbox_scheduled = True
-        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
-            self._loop.call_soon_threadsafe(self._drain_outbox)
-
-    def _drain_outbox(self) -> None:
-        with self._outbox_lock:
-            items, self._outbox, self._outbox_scheduled = self._outbox, [], False
-        for seq, item in items:
-            seq.queue.put_nowait(item)

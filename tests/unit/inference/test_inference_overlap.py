@@ -1,4 +1,4 @@
-"""The torch engine's overlapped decode loop (torch_backend.py's module docstring), forced on on CPU: the same
+"""The torch engine's overlapped decode loop (engine_loop.py's module docstring), forced on on CPU: the same
 tokens, log-probs, top log-probs and versions as the synchronous loop, with rows stopping at different steps,
 admissions and a cancellation mid-run, a weight swap mid-generation and preemption under block pressure.
 
