@@ -58,6 +58,11 @@ class EngineConfig(Section):
         "need, at most half the GPU memory free after loading (CPU: at most 1 GiB). The served context is "
         "shortened to what it holds.",
     )
+    capture_graphs_at_start: bool = Field(
+        True,
+        description="Torch backend on CUDA: capture the decode step's CUDA graph for every batch-size bucket while "
+        "loading (vLLM does too; seconds at start), so no request waits for a capture; false: each on first use.",
+    )
     log_stats_interval_s: float = Field(
         10.0,
         ge=0,

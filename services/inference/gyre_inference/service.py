@@ -53,7 +53,8 @@ def make_backend(config: InferenceConfig) -> Backend:
                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len,
                         seed=engine.seed, threads=engine.threads, max_adapters=lora.max_loras,
                         max_lora_rank=lora.max_rank, adapters=tuple(lora.adapters), kv_cache_gb=engine.kv_cache_gb,
-                        prefix_caching=engine.prefix_caching, overlap=engine.overlap)  # fmt: skip
+                        prefix_caching=engine.prefix_caching, overlap=engine.overlap,
+                        capture_graphs_at_start=engine.capture_graphs_at_start)  # fmt: skip
 
 
 class _HTTPServer(uvicorn.Server):

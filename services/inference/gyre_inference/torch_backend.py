@@ -27,6 +27,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -90,8 +91,10 @@ class TorchBackend(EngineLoop, Backend):
         prefix_caching: bool = True,
         attention: str = "auto",
         overlap: bool | None = None,
+        capture_graphs_at_start: bool = True,
     ):
         super().__init__(resolve_device(device), max_batch_size=max_batch_size, overlap=overlap)
+        self._capture_at_start = capture_graphs_at_start
         self.model_path = Path(model_path)
         self.dtype = resolve_dtype(dtype, self.device)
         self._requested_max_len = max_model_len
@@ -292,6 +295,11 @@ class TorchBackend(EngineLoop, Backend):
         for name, tensor in self._weights.items():
             self._tied.setdefault(id(tensor), []).append(name)
         self._model = model
+        if self._capture_at_start and self._runner.cuda_graphs and self._runner.paged_kernel:
+            started = time.perf_counter()  # after the adapter bank: its hooks are part of the captured step
+            sizes = self._runner.capture_all()
+            log.info("captured the decode step's CUDA graphs for %d batch sizes (1 to %d) in %.1f s", sizes,
+                     self.max_batch_size, time.perf_counter() - started)  # fmt: skip
         log.info("loaded %s (%s, %s), context %d, KV cache %d blocks of %d tokens, decode attention %s, "
                  "decode loop %s", self.model_path, self.device, self.dtype, self._max_model_len, num_blocks,
                  BLOCK_SIZE, self._runner.ops.name if self._runner.ops is not None else "torch",
