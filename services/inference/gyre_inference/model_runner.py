@@ -13,7 +13,7 @@ Decode step inputs live in static per-row buffers (`StepBuffers`): token, positi
 key/value go to, context length, sampling parameters and the row's uniform, plus a per-row block table,
 sparse biases and (structured outputs) a token bitmask. A row's CARRY flag makes the step take its input
 token from the previous step's sample, still on the device (`out_tokens`), instead of from the host: the
-engine can launch step n+1 before it has read step n's tokens (its overlapped loop, torch_backend.py). The
+engine can launch step n+1 before it has read step n's tokens (its overlapped loop, engine_loop.py). The
 host fills their pinned mirrors and uploads them in a few copies per step; the graph reads them. One
 forward graph per (rows, width) and one sampler graph per (rows, variant): the sampler's variants (top-k/
 top-p/min-p sort, bitmask, top log-probs, biases) are chosen by the host from what the batch's rows ask,
