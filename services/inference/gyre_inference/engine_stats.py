@@ -62,7 +62,7 @@ def stats_line(now: EngineStats, before: EngineStats, seconds: float) -> str | N
         step_ms = (now.decode_seconds - before.decode_seconds) / steps * 1e3
         device_ms = (now.device_seconds - before.device_seconds) / steps * 1e3
         overlapped = (now.overlapped_steps - before.overlapped_steps) / steps
-        parts.append(f"decode {steps} steps of {generated / steps:.0f} rows, {step_ms:.2f} ms each (device "
+        parts.append(f"decode {steps:,} steps of {generated / steps:.0f} rows, {step_ms:.2f} ms each (device "
                      f"{device_ms:.2f} ms, {overlapped:.0%} overlapped)")  # fmt: skip
     if prefills:
         parts.append(f"prefill {_count(prefills, 'call')}, {now.prefill_seconds - before.prefill_seconds:.2f} s")
@@ -75,4 +75,4 @@ def stats_line(now: EngineStats, before: EngineStats, seconds: float) -> str | N
 
 
 def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
