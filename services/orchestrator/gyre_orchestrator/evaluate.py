@@ -7,8 +7,9 @@ For each of the first `num_examples` eval tasks, `k` rollouts are sampled and sc
 - `pass@k` = fraction of tasks with at least one sample whose reward is >= `pass_threshold`
   (with exactly k samples per task this is the unbiased pass@k estimator's n = k case).
 
-The service runs this every `eval.interval` weights versions (see service.py); `gyre eval` runs it
-once against whatever the replicas serve and appends the result to `{output_dir}/events/eval.jsonl`:
+During training `TrainingEval` runs it in the background every `eval.interval` weights versions (and at
+start); `gyre eval` runs it once against whatever the replicas serve and appends the result to
+`{output_dir}/events/eval.jsonl`:
 
     gyre eval --env.name reverse_text --inference.urls '["http://127.0.0.1:8000"]' --eval.num-examples 16
 """
@@ -96,6 +97,88 @@ def eval_sampling(cfg) -> SamplingParams:
         max_tokens=cfg.sampling.max_tokens,
         seed=cfg.sampling.seed,
     )
+
+
+class TrainingEval:
+    """Evaluation during training: each due version (a multiple of `eval.interval`, up to `max_steps`) is
+    evaluated once, in the background, through `client.for_version(version)`; results go to eval.jsonl, W&B
+    and metrics. A failed evaluation is logged and never stops training."""
+
+    def __init__(self, cfg, env: Environment, client, *, events, wandb, metrics):
+        self.cfg = cfg
+        self.env = env
+        self.client = client
+        self.events = events
+        self.wandb = wandb
+        self.metrics = metrics
+        self._queue: asyncio.Queue[int] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._evaluated: set[int] = set()
+
+    def start(self, versions, *, at_start: bool) -> None:
+        """Evaluate each due version that `versions` (a `VersionWatch`) reaches; with `at_start`, version 0 first."""
+        versions.add_listener(self.maybe_queue)
+        if at_start:
+            self._queue.put_nowait(0)
+        self._task = asyncio.create_task(self._loop(), name="eval")
+
+    async def finish(self, version: int) -> None:
+        """An evaluation that is due (e.g. of the final version) finishes before we exit."""
+        if self._task is not None:
+            self.maybe_queue(version)
+            await self._queue.join()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def maybe_queue(self, version: int) -> None:
+        interval = self.cfg.eval.interval
+        if interval is None:
+            return
+        due = version - version % interval  # newest multiple of interval reached
+        limit = self.cfg.max_steps if self.cfg.max_steps is not None else due
+        if 0 < due <= limit and due not in self._evaluated:
+            self._evaluated.add(due)
+            self._queue.put_nowait(due)
+
+    async def _loop(self) -> None:
+        cfg = self.cfg
+        while True:
+            version = await self._queue.get()
+            try:
+                result = await evaluate(
+                    self.env,
+                    self.client.for_version(version),
+                    env_name=cfg.env.name,
+                    num_examples=cfg.eval.num_examples,
+                    k=cfg.eval.k,
+                    sampling=eval_sampling(cfg),
+                    pass_threshold=cfg.eval.pass_threshold,
+                )
+                self._record(version, result)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # an eval failure must not lose training progress
+                log.error("evaluation of version %d failed: %s", version, e)
+            finally:
+                self._queue.task_done()
+
+    def _record(self, version: int, result: EvalResult) -> None:
+        self.events.append(result.record(step=version))
+        self.wandb.log(result.record(step=version), prefix="eval")
+        m = self.metrics
+        m.labels(m.eval_reward, env=result.env, stat="avg_at_k").set(result.avg_at_k)
+        m.labels(m.eval_reward, env=result.env, stat="pass_at_k").set(result.pass_at_k)
+        log.info(
+            "eval of version %d: avg@%d %.3f, pass@%d %.3f",
+            version,
+            result.k,
+            result.avg_at_k,
+            result.k,
+            result.pass_at_k,
+        )
 
 
 async def _run_once(cfg) -> EvalResult:

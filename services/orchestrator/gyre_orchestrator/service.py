@@ -21,14 +21,13 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from gyre.codec import CodecError, encode_batch
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.endpoint import EndpointError
-from gyre.envs import Rollout, Rubric, SamplingParams, Score, ScoringError, Task, load_environment
+from gyre.envs import Rollout, Rubric, SamplingParams, ScoringError, Task, load_environment
 from gyre.envs.judge import Judge, RewardModel
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir
 from gyre.metrics import start_metrics_server
@@ -42,10 +41,11 @@ from gyre.wandb_log import WandbLogger
 
 from gyre_orchestrator.advantages import compute_advantages
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
-from gyre_orchestrator.evaluate import EvalResult, eval_sampling, evaluate
+from gyre_orchestrator.evaluate import TrainingEval
 from gyre_orchestrator.metrics import OrchestratorMetrics
 from gyre_orchestrator.packing import TrainSample, pack_batch
-from gyre_orchestrator.progress import Progress, ProgressStore, resume_point
+from gyre_orchestrator.progress import ProgressStore, resume_point
+from gyre_orchestrator.records import ScoredRollout, StepRecords, rollout_record
 from gyre_orchestrator.relay import WeightRelay
 from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, StepState, VersionWatch
@@ -63,56 +63,6 @@ class StreamLost(RuntimeError):
 
 class RolloutFailed(RuntimeError):
     """The environment itself failed during a rollout (not the model, not the network)."""
-
-
-@dataclass
-class ScoredRollout:
-    """A finished rollout with its score: what the scheduler admits and the packer trains on."""
-
-    task: Task
-    task_index: int
-    rollout: Rollout
-    score: Score
-    seconds: float
-    teacher_logprobs: list[float] | None = None  # the teacher's log-prob of each token (distillation)
-
-    @property
-    def reward(self) -> float:
-        return self.score.reward
-
-    @property
-    def min_version(self) -> int:
-        return self.rollout.policy_version_min
-
-    @property
-    def max_version(self) -> int:
-        return self.rollout.policy_version_max
-
-
-def rollout_record(step: int, sample: ScoredRollout, meta: dict) -> dict:
-    """One line of `rollouts/step_{s}.jsonl`: what was generated, how it scored, and what it trains with."""
-    r = sample.rollout
-    keys = ("task_id", "reward", "rewards", "advantage", "min_version", "max_version", "stop_reason", "num_turns",
-            "num_loss_tokens", "group")  # fmt: skip
-    return {"step": step, "prompt": r.prompt, "completion": r.completion, "answer": sample.task.answer,
-            **{k: meta[k] for k in keys}}  # fmt: skip
-
-
-def batch_health(samples: list[ScoredRollout]) -> dict:
-    """Learning-health figures of a batch's samples (docs/metrics.md, "Learning health"): completion
-    length (mean, p95), the fraction cut at the length limit, and each rubric function's mean score
-    (the reward's components)."""
-    lengths = np.asarray([s.rollout.num_completion_tokens for s in samples], dtype=np.float64)
-    scores: dict[str, list[float]] = {}
-    for s in samples:
-        for name, value in s.score.per_function.items():
-            scores.setdefault(name, []).append(float(value))
-    return {
-        "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
-        "response_length_p95": float(np.percentile(lengths, 95)) if len(lengths) else 0.0,
-        "truncated_ratio": float(np.mean([s.rollout.stop_reason == "length" for s in samples])) if samples else 0.0,
-        "rubric_scores": {name: float(np.mean(values)) for name, values in sorted(scores.items())},
-    }
 
 
 class TaskSampler:
@@ -137,7 +87,6 @@ class OrchestratorService:
         self.teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
         if self.teacher is not None:
             self.signals["teacher"] = self.teacher
-        self._signal_counts: dict[str, dict[str, int]] = {}
         self.scoring_failures = 0
         if cfg.advantage.type == "rloo" and cfg.rollouts_per_example < 2:
             raise ValueError("advantage.type = 'rloo' needs rollouts_per_example >= 2")
@@ -193,10 +142,17 @@ class OrchestratorService:
         self._redis_run_id = ""
         self.sampler: TaskSampler | None = None
         self.scheduler: RolloutScheduler | None = None
-        self.counters: dict[str, int] = {}
-        self._eval_queue: asyncio.Queue[int] = asyncio.Queue()
-        self._eval_task: asyncio.Task | None = None
-        self._evaluated: set[int] = set()
+        self.step_records = StepRecords(
+            cfg,
+            metrics=self.metrics,
+            wandb=self.wandb,
+            progress=self.progress,
+            signals=self.signals,
+            teacher=self.teacher,
+        )
+        self.evals = TrainingEval(
+            cfg, self.env, self.client, events=self.eval_events, wandb=self.wandb, metrics=self.metrics
+        )
         self._metrics_server = None
         self.metrics_port: int | None = None
         self._background: set[asyncio.Task] = set()
@@ -292,7 +248,7 @@ class OrchestratorService:
         self._redis_run_id = await self._redis(lambda: self.redis.info("server")["run_id"], "checking the Redis server")
         point = await self._resume_point()
         self.last_step = point.start_step - 1
-        self.counters = {k: int(v) for k, v in point.counters.items()}
+        self.step_records.counters = {k: int(v) for k, v in point.counters.items()}
         self.sampler = TaskSampler(self.env.tasks("train", seed=cfg.seed), point.task_index)
         log.info("starting at step %d (%s), task index %d", point.start_step, point.reason, point.task_index)
         g = cfg.rollouts_per_example
@@ -312,10 +268,7 @@ class OrchestratorService:
             sample_attempts=cfg.sample_attempts,
         )
         if cfg.eval.interval is not None:
-            self.versions.add_listener(self._maybe_queue_eval)
-            if cfg.eval.at_start and point.start_step == 1:
-                self._eval_queue.put_nowait(0)
-            self._eval_task = asyncio.create_task(self._eval_loop(), name="eval")
+            self.evals.start(self.versions, at_start=cfg.eval.at_start and point.start_step == 1)
         await self.server.set_serving(True)
 
     async def _resume_point(self):
@@ -364,18 +317,13 @@ class OrchestratorService:
                 log.warning(
                     "final weights version %d not relayed within %.0fs", cfg.max_steps, cfg.final_weights_timeout_s
                 )
-        if self._eval_task is not None:
-            # an evaluation that is due (e.g. of the final version) finishes before we exit
-            self._maybe_queue_eval(self.versions.value)
-            await self._eval_queue.join()
+        await self.evals.finish(self.versions.value)  # a due evaluation (e.g. of the final version) finishes first
 
     async def close(self) -> None:
         await self.server.set_serving(False)
         if self.scheduler is not None:
             await self.scheduler.stop()
-        if self._eval_task is not None:
-            self._eval_task.cancel()
-            await asyncio.gather(self._eval_task, return_exceptions=True)
+        await self.evals.stop()
         aclose = getattr(self.env, "aclose", None)  # environments holding servers (verifiers) release them
         if aclose is not None:
             await aclose()
@@ -499,7 +447,7 @@ class OrchestratorService:
             max_tokens=cfg.sampling.max_tokens * getattr(self.env, "max_turns", 1),  # budget: Dr.GRPO's normaliser
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
-        record = self._step_record(st, samples, packed, cut, time.monotonic() - start)
+        record = self.step_records.record(st, samples, packed, cut, time.monotonic() - start, self.scoring_failures)
         # The step's line goes before the push: killed between the two, the resumed run pushes this step again
         # and its newer line replaces this one (readers keep the newest record per step). After the push, a kill
         # in between would leave a pushed step without any line.
@@ -511,120 +459,10 @@ class OrchestratorService:
             f"pushing batch {st.step}",
         )
         self.last_step = st.step
-        self._account(st, record, [s.meta["lag"] for s in samples])
+        self.step_records.account(st, record, [s.meta["lag"] for s in samples], task_index=self.sampler.index)
         if records:
             await asyncio.to_thread(write_dump, self.out, st.step, records)
             self.wandb.samples(records, st.step)
-
-    def _step_record(self, st: StepState, samples: list[TrainSample], packed, cut: int, build_seconds: float) -> dict:
-        """The step's line of orchestrator_steps.jsonl (and of W&B)."""
-        cfg = self.cfg
-        generated = np.asarray(st.all_rewards, dtype=np.float64)
-        lags = np.asarray([s.meta["lag"] for s in samples], dtype=np.float64)
-        num_tokens = int(sum(s.length for s in samples))
-        # the price of filtering: completion tokens generated for this step that teach nothing (stale samples,
-        # zero-signal groups); `advantage.oversample_limit` bounds it
-        wasted_tokens = sum(s.rollout.num_completion_tokens for s in st.wasted)
-        trained = [] if st.zero_signal_batch else [s for g in st.kept for s in g.samples]
-        generated_tokens = wasted_tokens + sum(s.rollout.num_completion_tokens for s in trained)
-        record = {
-            "step": st.step,
-            "reward_mean": float(generated.mean()),
-            "reward_std": float(generated.std()),
-            "num_samples": len(samples),
-            "dropped_stale": st.dropped_stale,
-            "dropped_zero_signal": st.dropped_zero_signal,
-            "failed_rollouts": st.failed_rollouts,
-            "min_version": min(s.meta["min_version"] for s in samples),
-            "max_version": max(s.meta["max_version"] for s in samples),
-            "lag_mean": float(lags.mean()),
-            "lag_max": int(lags.max()),
-            "num_tokens": num_tokens,
-            "step_seconds": st.seconds,
-            # extras beyond the contract
-            "env": cfg.env.name,
-            "reward_mean_trained": float(np.mean([s.meta["reward"] for s in samples])),
-            "num_groups": len(st.kept),
-            "num_rows": packed.num_rows,
-            "packing_efficiency": packed.efficiency,
-            "truncated_to_seq_len": cut,
-            "build_seconds": build_seconds,
-            "generated_groups": st.generated_groups,
-            "generated_tokens": generated_tokens,
-            "wasted_tokens": wasted_tokens,
-            "waste_fraction": wasted_tokens / generated_tokens if generated_tokens else 0.0,
-            "zero_signal_batch": st.zero_signal_batch,
-            "scoring_failures": self.scoring_failures,  # cumulative: judges / reward models / teacher that failed
-            **batch_health([s for g in st.kept for s in g.samples]),
-        }
-        record.update(self._signal_record(samples))
-        return record
-
-    def _account(self, st: StepState, record: dict, lags: list[int]) -> None:
-        """A pushed step's counters, metrics, W&B record and (every ckpt_interval) progress checkpoint."""
-        cfg, m = self.cfg, self.metrics
-        self.wandb.log(record)
-        for key in ("num_samples", "dropped_stale", "dropped_zero_signal", "num_tokens"):
-            self.counters[key] = self.counters.get(key, 0) + int(record[key])
-        labels = m.labels
-        labels(m.step).set(st.step)
-        labels(m.batches).inc()
-        labels(m.samples).inc(record["num_samples"])
-        labels(m.reward_mean, env=cfg.env.name).set(record["reward_mean"])
-        labels(m.reward_std, env=cfg.env.name).set(record["reward_std"])
-        labels(m.dropped_stale).inc(st.dropped_stale)
-        labels(m.rollouts, env=cfg.env.name, outcome="stale").inc(st.dropped_stale)
-        labels(m.dropped_zero_signal).inc(st.dropped_zero_signal)
-        labels(m.generated_groups).inc(st.generated_groups)
-        labels(m.generated_tokens).inc(record["generated_tokens"])
-        labels(m.wasted_tokens).inc(record["wasted_tokens"])
-        labels(m.batch_tokens).inc(record["num_tokens"])
-        labels(m.packing_efficiency).set(record["packing_efficiency"])
-        labels(m.batch_seconds).set(st.seconds)
-        for lag in lags:
-            labels(m.lag).observe(lag)
-        env = cfg.env.name
-        labels(m.response_length, env=env, stat="mean").set(record["response_length_mean"])
-        labels(m.response_length, env=env, stat="p95").set(record["response_length_p95"])
-        labels(m.truncated_ratio, env=env).set(record["truncated_ratio"])
-        for name, value in record["rubric_scores"].items():
-            labels(m.rubric_score, env=env, function=name).set(value)
-        log.info(
-            "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups "
-            "(%.0f%% of generated tokens wasted)",
-            st.step,
-            record["num_samples"],
-            record["reward_mean"],
-            record["min_version"],
-            record["max_version"],
-            st.dropped_stale,
-            st.dropped_zero_signal,
-            100 * record["waste_fraction"],
-        )
-        if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
-            self.progress.save(Progress(step=st.step, task_index=self.sampler.index, counters=dict(self.counters)))
-
-    def _signal_record(self, samples: list[TrainSample]) -> dict:
-        """Per reward function its mean over the batch (judges at weight 0 included: that is how they are
-        logged), per signal endpoint its cumulative call counts (also exported as metrics), and with a teacher the
-        mean sampler-side reverse KL, lp_inference - lp_teacher over the sampled tokens."""
-        names = sorted({name for s in samples for name in s.meta["rewards"]})
-        record: dict = {
-            "rewards_mean": {n: float(np.mean([s.meta["rewards"].get(n, 0.0) for s in samples])) for n in names}
-        }
-        if self.signals:
-            record["signals"] = {name: dict(signal.stats) for name, signal in self.signals.items()}
-            for name, counts in record["signals"].items():
-                seen = self._signal_counts.setdefault(name, {})
-                for outcome, count in counts.items():
-                    self.metrics.labels(self.metrics.signal_calls, signal=name, outcome=outcome).inc(
-                        count - seen.get(outcome, 0)
-                    )
-                    seen[outcome] = count
-        if self.teacher is not None:
-            gaps = np.concatenate([(s.inference_logprobs - s.teacher_logprobs)[s.loss_mask] for s in samples])
-            record["teacher_kl"] = float(gaps.mean()) if gaps.size else 0.0
-        return record
 
     def _stream_task_index(self) -> int | None:
         """One past the highest train task index in the newest batch of the stream (None if unknown)."""
@@ -639,51 +477,3 @@ class OrchestratorService:
             return None
         indices = [s["task_index"] for s in batch.samples if isinstance(s.get("task_index"), int)]
         return max(indices) + 1 if indices else None
-
-    # ---- evaluation -----------------------------------------------------------------------------
-    def _maybe_queue_eval(self, version: int) -> None:
-        interval = self.cfg.eval.interval
-        if interval is None:
-            return
-        due = version - version % interval  # newest multiple of interval reached
-        limit = self.cfg.max_steps if self.cfg.max_steps is not None else due
-        if 0 < due <= limit and due not in self._evaluated:
-            self._evaluated.add(due)
-            self._eval_queue.put_nowait(due)
-
-    async def _eval_loop(self) -> None:
-        cfg = self.cfg
-        while True:
-            version = await self._eval_queue.get()
-            try:
-                result = await evaluate(
-                    self.env,
-                    self.client.for_version(version),
-                    env_name=cfg.env.name,
-                    num_examples=cfg.eval.num_examples,
-                    k=cfg.eval.k,
-                    sampling=eval_sampling(cfg),
-                    pass_threshold=cfg.eval.pass_threshold,
-                )
-                self._record_eval(version, result)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # an eval failure must not lose training progress
-                log.error("evaluation of version %d failed: %s", version, e)
-            finally:
-                self._eval_queue.task_done()
-
-    def _record_eval(self, version: int, result: EvalResult) -> None:
-        self.eval_events.append(result.record(step=version))
-        self.wandb.log(result.record(step=version), prefix="eval")
-        m = self.metrics
-        m.labels(m.eval_reward, env=result.env, stat="avg_at_k").set(result.avg_at_k)
-        m.labels(m.eval_reward, env=result.env, stat="pass_at_k").set(result.pass_at_k)
-        log.info(
-            "eval of version %d: avg@%d %.3f, pass@%d %.3f",
-            version,
-            result.k,
-            result.avg_at_k,
-            result.k,
-            result.pass_at_k,
-        )

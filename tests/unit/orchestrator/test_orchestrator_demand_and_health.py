@@ -15,8 +15,8 @@ import pytest
 from gyre.envs import SamplingParams
 from gyre.net import free_port
 from gyre_orchestrator.client import InferenceClient
+from gyre_orchestrator.records import batch_health
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
-from gyre_orchestrator.service import batch_health
 from support.asgi import serving
 
 CHAT = {

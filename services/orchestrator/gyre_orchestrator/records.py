@@ -1,0 +1,214 @@
+"""A step's records: what is written for each rollout and each pushed step, and what it feeds metrics with.
+
+- `ScoredRollout`: a finished rollout with its score; `rollout_record`: its line in the rollout dump;
+- `batch_health`: a batch's learning-health figures;
+- `StepRecords`: a pushed step's line of `orchestrator_steps.jsonl` (`record`) and its accounting (`account`:
+  cumulative counters, metrics, W&B, the progress checkpoint).
+
+`OrchestratorService.push` writes a step's line BEFORE it pushes the batch and accounts for it after; why is
+explained there and in docs/architecture.md ("Event logs").
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.envs import Rollout, Score, Task
+from gyre.wandb_log import WandbLogger
+
+from gyre_orchestrator.metrics import OrchestratorMetrics
+from gyre_orchestrator.packing import TrainSample
+from gyre_orchestrator.progress import Progress, ProgressStore
+from gyre_orchestrator.scheduler import StepState
+from gyre_orchestrator.teacher import Teacher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoredRollout:
+    """A finished rollout with its score: what the scheduler admits and the packer trains on."""
+
+    task: Task
+    task_index: int
+    rollout: Rollout
+    score: Score
+    seconds: float
+    teacher_logprobs: list[float] | None = None  # the teacher's log-prob of each token (distillation)
+
+    @property
+    def reward(self) -> float:
+        return self.score.reward
+
+    @property
+    def min_version(self) -> int:
+        return self.rollout.policy_version_min
+
+    @property
+    def max_version(self) -> int:
+        return self.rollout.policy_version_max
+
+
+def rollout_record(step: int, sample: ScoredRollout, meta: dict) -> dict:
+    """One line of `rollouts/step_{s}.jsonl`: what was generated, how it scored, and what it trains with."""
+    r = sample.rollout
+    keys = ("task_id", "reward", "rewards", "advantage", "min_version", "max_version", "stop_reason", "num_turns",
+            "num_loss_tokens", "group")  # fmt: skip
+    return {"step": step, "prompt": r.prompt, "completion": r.completion, "answer": sample.task.answer,
+            **{k: meta[k] for k in keys}}  # fmt: skip
+
+
+def batch_health(samples: list[ScoredRollout]) -> dict:
+    """Learning-health figures of a batch's samples (docs/metrics.md, "Learning health"): completion
+    length (mean, p95), the fraction cut at the length limit, and each rubric function's mean score
+    (the reward's components)."""
+    lengths = np.asarray([s.rollout.num_completion_tokens for s in samples], dtype=np.float64)
+    scores: dict[str, list[float]] = {}
+    for s in samples:
+        for name, value in s.score.per_function.items():
+            scores.setdefault(name, []).append(float(value))
+    return {
+        "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+        "response_length_p95": float(np.percentile(lengths, 95)) if len(lengths) else 0.0,
+        "truncated_ratio": float(np.mean([s.rollout.stop_reason == "length" for s in samples])) if samples else 0.0,
+        "rubric_scores": {name: float(np.mean(values)) for name, values in sorted(scores.items())},
+    }
+
+
+class StepRecords:
+    """A pushed step's line of orchestrator_steps.jsonl and its accounting: cumulative counters, metrics, W&B and
+    the progress checkpoint."""
+
+    def __init__(
+        self,
+        cfg: OrchestratorConfig,
+        *,
+        metrics: OrchestratorMetrics,
+        wandb: WandbLogger,
+        progress: ProgressStore,
+        signals: dict,
+        teacher: Teacher | None,
+    ):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.wandb = wandb
+        self.progress = progress
+        self.signals = signals  # judges, reward models, teacher: name -> object with `stats`
+        self.teacher = teacher
+        self.counters: dict[str, int] = {}  # cumulative over the run; restored from the resume point
+        self._signal_counts: dict[str, dict[str, int]] = {}
+
+    def record(
+        self, st: StepState, samples: list[TrainSample], packed, cut: int, build_seconds: float, scoring_failures: int
+    ) -> dict:
+        """The step's line of orchestrator_steps.jsonl (and of W&B)."""
+        cfg = self.cfg
+        generated = np.asarray(st.all_rewards, dtype=np.float64)
+        lags = np.asarray([s.meta["lag"] for s in samples], dtype=np.float64)
+        num_tokens = int(sum(s.length for s in samples))
+        # the price of filtering: completion tokens generated for this step that teach nothing (stale samples,
+        # zero-signal groups); `advantage.oversample_limit` bounds it
+        wasted_tokens = sum(s.rollout.num_completion_tokens for s in st.wasted)
+        trained = [] if st.zero_signal_batch else [s for g in st.kept for s in g.samples]
+        generated_tokens = wasted_tokens + sum(s.rollout.num_completion_tokens for s in trained)
+        record = {
+            "step": st.step,
+            "reward_mean": float(generated.mean()),
+            "reward_std": float(generated.std()),
+            "num_samples": len(samples),
+            "dropped_stale": st.dropped_stale,
+            "dropped_zero_signal": st.dropped_zero_signal,
+            "failed_rollouts": st.failed_rollouts,
+            "min_version": min(s.meta["min_version"] for s in samples),
+            "max_version": max(s.meta["max_version"] for s in samples),
+            "lag_mean": float(lags.mean()),
+            "lag_max": int(lags.max()),
+            "num_tokens": num_tokens,
+            "step_seconds": st.seconds,
+            # extras beyond the contract
+            "env": cfg.env.name,
+            "reward_mean_trained": float(np.mean([s.meta["reward"] for s in samples])),
+            "num_groups": len(st.kept),
+            "num_rows": packed.num_rows,
+            "packing_efficiency": packed.efficiency,
+            "truncated_to_seq_len": cut,
+            "build_seconds": build_seconds,
+            "generated_groups": st.generated_groups,
+            "generated_tokens": generated_tokens,
+            "wasted_tokens": wasted_tokens,
+            "waste_fraction": wasted_tokens / generated_tokens if generated_tokens else 0.0,
+            "zero_signal_batch": st.zero_signal_batch,
+            "scoring_failures": scoring_failures,  # cumulative: judges / reward models / teacher that failed
+            **batch_health([s for g in st.kept for s in g.samples]),
+        }
+        record.update(self._signal_record(samples))
+        return record
+
+    def account(self, st: StepState, record: dict, lags: list[int], task_index: int) -> None:
+        """A pushed step's counters, metrics, W&B record and (every ckpt_interval) progress checkpoint."""
+        cfg, m = self.cfg, self.metrics
+        self.wandb.log(record)
+        for key in ("num_samples", "dropped_stale", "dropped_zero_signal", "num_tokens"):
+            self.counters[key] = self.counters.get(key, 0) + int(record[key])
+        labels = m.labels
+        labels(m.step).set(st.step)
+        labels(m.batches).inc()
+        labels(m.samples).inc(record["num_samples"])
+        labels(m.reward_mean, env=cfg.env.name).set(record["reward_mean"])
+        labels(m.reward_std, env=cfg.env.name).set(record["reward_std"])
+        labels(m.dropped_stale).inc(st.dropped_stale)
+        labels(m.rollouts, env=cfg.env.name, outcome="stale").inc(st.dropped_stale)
+        labels(m.dropped_zero_signal).inc(st.dropped_zero_signal)
+        labels(m.generated_groups).inc(st.generated_groups)
+        labels(m.generated_tokens).inc(record["generated_tokens"])
+        labels(m.wasted_tokens).inc(record["wasted_tokens"])
+        labels(m.batch_tokens).inc(record["num_tokens"])
+        labels(m.packing_efficiency).set(record["packing_efficiency"])
+        labels(m.batch_seconds).set(st.seconds)
+        for lag in lags:
+            labels(m.lag).observe(lag)
+        env = cfg.env.name
+        labels(m.response_length, env=env, stat="mean").set(record["response_length_mean"])
+        labels(m.response_length, env=env, stat="p95").set(record["response_length_p95"])
+        labels(m.truncated_ratio, env=env).set(record["truncated_ratio"])
+        for name, value in record["rubric_scores"].items():
+            labels(m.rubric_score, env=env, function=name).set(value)
+        log.info(
+            "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups "
+            "(%.0f%% of generated tokens wasted)",
+            st.step,
+            record["num_samples"],
+            record["reward_mean"],
+            record["min_version"],
+            record["max_version"],
+            st.dropped_stale,
+            st.dropped_zero_signal,
+            100 * record["waste_fraction"],
+        )
+        if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
+            self.progress.save(Progress(step=st.step, task_index=task_index, counters=dict(self.counters)))
+
+    def _signal_record(self, samples: list[TrainSample]) -> dict:
+        """Per reward function its mean over the batch (judges at weight 0 included: that is how they are
+        logged), per signal endpoint its cumulative call counts (also exported as metrics), and with a teacher the
+        mean sampler-side reverse KL, lp_inference - lp_teacher over the sampled tokens."""
+        names = sorted({name for s in samples for name in s.meta["rewards"]})
+        record: dict = {
+            "rewards_mean": {n: float(np.mean([s.meta["rewards"].get(n, 0.0) for s in samples])) for n in names}
+        }
+        if self.signals:
+            record["signals"] = {name: dict(signal.stats) for name, signal in self.signals.items()}
+            for name, counts in record["signals"].items():
+                seen = self._signal_counts.setdefault(name, {})
+                for outcome, count in counts.items():
+                    self.metrics.labels(self.metrics.signal_calls, signal=name, outcome=outcome).inc(
+                        count - seen.get(outcome, 0)
+                    )
+                    seen[outcome] = count
+        if self.teacher is not None:
+            gaps = np.concatenate([(s.inference_logprobs - s.teacher_logprobs)[s.loss_mask] for s in samples])
+            record["teacher_kl"] = float(gaps.mean()) if gaps.size else 0.0
+        return record
