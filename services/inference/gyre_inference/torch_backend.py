@@ -296,7 +296,10 @@ class TorchBackend(EngineLoop, Backend):
             self._tied.setdefault(id(tensor), []).append(name)
         self._model = model
         if self._capture_at_start and self._runner.cuda_graphs and self._runner.paged_kernel:
-            started = time.perf_counter()  # after the adapter bank: its hooks are part of the captured step
+            started = time.perf_counter()
+            # After the adapter bank, as a decode step sees it (every row on the base): its hooks and their static
+            # slot buffer are part of the captured step; captured with the bank idle, no replay would add an adapter.
+            self._use_adapters([])
             sizes = self._runner.capture_all()
             log.info("captured the decode step's CUDA graphs for %d batch sizes (1 to %d) in %.1f s", sizes,
                      self.max_batch_size, time.perf_counter() - started)  # fmt: skip
