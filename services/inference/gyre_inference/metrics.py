@@ -99,24 +99,28 @@ class InferenceMetrics:
         self._engine_series(r, backend)
 
     def _engine_series(self, r: CollectorRegistry, backend: Backend) -> None:
-        """The torch engine's own counters, read from one `EngineStats` snapshot per series at scrape time
-        (no samples for a backend that keeps none)."""
+        """The torch engine's own counters, read from an `EngineStats` snapshot at scrape time (no samples for a
+        backend that keeps none)."""
+        counters = [
+            ("gyre_inference_engine_seconds_total", ["phase"], "Torch engine time by phase: decode steps (wall), "
+             "their device part, prefills, CUDA graph captures, weight swaps.",
+             lambda s: {(phase,): getattr(s, f"{phase}_seconds") for phase in PHASES}),
+            ("gyre_inference_engine_decode_steps_total", [], "Torch engine decode steps.",
+             lambda s: {(): s.decode_steps}),
+            ("gyre_inference_engine_prompt_tokens_total", ["source"], "Prompt tokens the torch engine admitted, by "
+             "where their keys and values came from: computed, or cached (prefix cache, a group's first rollout).",
+             lambda s: {("computed",): s.prefilled, ("cached",): s.admitted_tokens - s.prefilled}),
+        ]  # fmt: skip
 
-        def read(values) -> dict[tuple, float]:
-            stats = backend.engine_stats()
-            return {} if stats is None else {(self.run_id, *key): value for key, value in values(stats).items()}
+        def reader(samples):
+            def read() -> dict[tuple, float]:
+                stats = backend.engine_stats()
+                return {} if stats is None else {(self.run_id, *key): v for key, v in samples(stats).items()}
 
-        phases = lambda s: {(phase,): getattr(s, f"{phase}_seconds") for phase in PHASES}  # noqa: E731
-        counter_function("gyre_inference_engine_seconds_total", "Torch engine time by phase: decode steps (wall), "
-                         "their device part, prefills, CUDA graph captures, weight swaps.", ["run_id", "phase"], r,
-                         lambda: read(phases))  # fmt: skip
-        counter_function("gyre_inference_engine_decode_steps_total", "Torch engine decode steps.", ["run_id"], r,
-                         lambda: read(lambda s: {(): s.decode_steps}))  # fmt: skip
-        counter_function("gyre_inference_engine_prompt_tokens_total", "Prompt tokens the torch engine admitted, by "
-                         "where their keys and values came from: computed, or cached (prefix cache, a group's first "
-                         "rollout).", ["run_id", "source"], r,
-                         lambda: read(lambda s: {("computed",): s.prefilled,
-                                                 ("cached",): s.admitted_tokens - s.prefilled}))  # fmt: skip
+            return read
+
+        for name, labels, doc, samples in counters:
+            counter_function(name, doc, ["run_id", *labels], r, reader(samples))
         gauge("gyre_inference_kv_cache_usage_ratio", "Fraction of the torch engine's KV cache blocks held by "
               "sequences.", ["run_id"], r).labels(self.run_id).set_function(
             lambda: stats.kv_cache_usage if (stats := backend.engine_stats()) is not None else 0.0
