@@ -187,3 +187,21 @@ def pod_name(docs: list[dict], comp: str) -> str:
             name = doc["metadata"]["name"]
             return {"StatefulSet": f"{name}-0", "Deployment": f"{name}-5d9c8b7f6-x2x4k"}.get(doc["kind"], name)
     raise AssertionError(f"no pod for component {comp}")
+
+
+def service_config(docs, tmp_path, container_name: str, deployment: str):
+    """The service config a rendered container loads (its `@ experiment.toml#x` read from the ConfigMap)."""
+    from gyre.config import load_config
+    from gyre.config.inference import InferenceConfig
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.config.trainer import TrainerConfig
+
+    toml = tmp_path / "experiment.toml"
+    toml.write_text(experiment_toml(docs))
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    workload = next(d for d in workloads if d["metadata"]["name"] == deployment)
+    container = next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == container_name)
+    service, argv = gyre_argv(container)
+    argv = [a.replace("/etc/gyre/experiment.toml", str(toml)) for a in argv]
+    cls = {"inference": InferenceConfig, "orchestrator": OrchestratorConfig, "trainer": TrainerConfig}[service]
+    return load_config(cls, argv)

@@ -8,8 +8,7 @@ import json
 
 import helm_python
 import pytest
-from chart_testlib import experiment_toml as experiment_of
-from chart_testlib import fullname, gyre_argv, manifests, named, objects, pod_templates, render
+from chart_testlib import fullname, manifests, named, objects, pod_templates, render, service_config
 
 RUNS = [
     {"name": "alpha", "maxSteps": 40},
@@ -17,24 +16,6 @@ RUNS = [
      "orchestrator": {"seed": 3, "env": {"name": "reverse_text"}}},
 ]  # fmt: skip
 VALUES = {"experiment": {"trainer": {"lora": {"rank": 8, "alpha": 16}}}, "runs": RUNS}
-
-
-def service_config(docs, tmp_path, component: str, deployment: str):
-    """The service config a rendered container loads (its `@ experiment.toml#x` read from the ConfigMap)."""
-    from gyre.config import load_config
-    from gyre.config.inference import InferenceConfig
-    from gyre.config.orchestrator import OrchestratorConfig
-    from gyre.config.trainer import TrainerConfig
-
-    toml = tmp_path / "experiment.toml"
-    toml.write_text(experiment_of(docs))
-    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
-    workload = next(d for d in workloads if d["metadata"]["name"] == deployment)
-    container = next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == component)
-    service, argv = gyre_argv(container)
-    argv = [a.replace("/etc/gyre/experiment.toml", str(toml)) for a in argv]
-    cls = {"inference": InferenceConfig, "orchestrator": OrchestratorConfig, "trainer": TrainerConfig}[service]
-    return load_config(cls, argv)
 
 
 def test_each_run_gets_its_orchestrator_adapter_and_model_name(tmp_path):

@@ -231,3 +231,41 @@ def test_every_value_is_documented():
     leaves = documented_value_lines()
     assert len(leaves) > 80
     assert [f"line {n}: {key}" for n, key, documented in leaves if not documented] == []
+
+
+@pytest.mark.parametrize(
+    ("values", "replicas", "batch"),
+    [
+        ({}, 1, None),
+        ({"experiment": {"inference": {"engine": {"max_batch_size": 256}}}, "inference": {"replicas": 2}}, 2, 256),
+        ({"experiment": {"inference": {"engine": {"max_batch_size": 128}}},
+          "inference": {"replicas": 1, "autoscaling": {"enabled": True, "maxReplicas": 3}}}, 3, 128),
+    ],
+    ids=["default", "two-replicas-of-256", "autoscaled-to-3"],
+)  # fmt: skip
+def test_requests_in_flight_fill_every_replicas_batch(values, replicas, batch, tmp_path):
+    """As `gyre rl` derives it: max_concurrency = the fleet's rows (with KEDA, the largest fleet's, so demand
+    can grow the pool). The orchestrator's own default (64) left a 256-row engine three quarters idle."""
+    from chart_testlib import fullname, service_config
+    from gyre.config.inference import EngineConfig
+
+    docs = manifests(render(values))
+    orchestrator = service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator")
+    rows = EngineConfig(**({"max_batch_size": batch} if batch else {})).max_batch_size
+    assert orchestrator.inference.max_concurrency == replicas * rows
+    inference = service_config(docs, tmp_path, "inference", f"{fullname()}-inference")
+    assert inference.engine.max_batch_size == rows  # the replicas really run batches of that size
+
+
+def test_a_max_concurrency_the_user_sets_wins(tmp_path):
+    from chart_testlib import fullname, service_config
+
+    fleet = {"inference": {"replicas": 4}, "experiment": {"inference": {"engine": {"max_batch_size": 256}}}}
+    own = {**fleet, "experiment": {**fleet["experiment"], "orchestrator": {"inference": {"max_concurrency": 100}}}}
+    docs = manifests(render(own))
+    assert service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator").inference.max_concurrency == 100
+    runs = {**fleet, "runs": [{"name": "a"}, {"name": "b", "orchestrator": {"inference": {"max_concurrency": 7}}}]}
+    docs = manifests(render(runs))
+    derived = service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator-a").inference
+    assert derived.max_concurrency == 4 * 256
+    assert service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator-b").inference.max_concurrency == 7

@@ -25,8 +25,8 @@ from chart_testlib import (
     pod_templates,
     render,
     secret_files,
+    service_config,
 )
-from test_multirun import service_config
 
 SERVERS = [
     {"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 2, "nodePool": "gpu-large",

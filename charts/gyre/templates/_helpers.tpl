@@ -616,6 +616,18 @@ release's API key, which every server requires (its file in the orchestrator's `
 {{- if and (gt (float64 (((($exp.trainer | default dict).loss) | default dict).distill | default 0)) 0.0) (not $orch.teacher) -}}
 {{- fail "experiment.trainer.loss.distill > 0 needs experiment.orchestrator.teacher (e.g. url = \"server:teacher\" with a `servers` entry named teacher)" -}}
 {{- end -}}
+{{- /* Requests in flight: enough to fill every replica's batch, as `gyre rl` derives it (the orchestrator's own
+default, 64, would leave a larger fleet's batches part-empty); with autoscaling, the largest fleet's, so the
+demand KEDA reads can grow the pool. A value the user sets (here or in a run's flags) wins. */ -}}
+{{- $orchInference := get $orch "inference" | default dict -}}
+{{- if not (hasKey $orchInference "max_concurrency") -}}
+{{- $iv := .Values.inference -}}
+{{- $replicas := ternary $iv.autoscaling.maxReplicas $iv.replicas $iv.autoscaling.enabled -}}
+{{- $batch := ((($exp.inference | default dict).engine | default dict).max_batch_size) | default 64 -}}
+{{- $_ := set $orchInference "max_concurrency" (mul (max 1 (int $replicas)) (int $batch)) -}}
+{{- $_ := set $orch "inference" $orchInference -}}
+{{- $_ := set $exp "orchestrator" $orch -}}
+{{- end -}}
 # Experiment {{ include "gyre.runId" . }} (release {{ .Release.Name }}). Each service reads its table:
 #   gyre <service> @ /etc/gyre/experiment.toml#<service>
 # Addresses, ports, the shared volume, Redis and secrets are set on the command line by the chart.

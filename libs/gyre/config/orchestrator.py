@@ -42,8 +42,8 @@ class InferenceClientConfig(Section):
     max_concurrency: int = Field(
         64,
         ge=1,
-        description="Requests in flight across replicas (gyre rl: default "
-        "the sum of the replicas' engine.max_batch_size, so their batches fill).",
+        description="Requests in flight across replicas (gyre rl and the chart set it to the fleet's rows, "
+        "the sum of the replicas' engine.max_batch_size, so their batches fill; a value set here wins).",
     )
     timeout_s: float = Field(300.0, gt=0, description="HTTP timeout of one request.")
     retries: int = Field(3, ge=0, description="Retries per request (with backoff) before the sample fails.")
