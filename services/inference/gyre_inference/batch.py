@@ -1,7 +1,7 @@
 """The torch engine's running batch: batch rows, block tables, admission with prefix sharing, growth with
 copy-on-write and preemption, and recording each step's samples (engine_loop.py turns them into token events).
 
-Rows. Every running sequence holds a row of the decode step's buffers (model_runner.StepBuffers) from its
+Rows. Every running sequence holds a row of the decode step's buffers (step_buffers.StepBuffers) from its
 admission to its end; a new sequence takes the lowest free row, so live rows stay packed and a step runs
 on the smallest bucket covering the highest live row. Admission and retirement only write rows of those
 buffers: nothing is recaptured, no cache is copied.
@@ -35,7 +35,11 @@ import torch
 
 from gyre_inference.backend import SamplingParams
 from gyre_inference.kv_cache import NULL_BLOCK, BlockPool, OutOfBlocksError
-from gyre_inference.model_runner import (  # the step buffers' rows
+from gyre_inference.model_runner import LaunchedStep, ModelRunner, Variant
+from gyre_inference.paged_attention import PrefillLayout
+from gyre_inference.prompt_logprobs import prompt_logprobs
+from gyre_inference.sampling import TOP_LOGPROBS, bias_entries, sample, uniforms
+from gyre_inference.step_buffers import (  # the step buffers' rows
     CARRY,
     CONTEXT,
     IDS,
@@ -46,13 +50,7 @@ from gyre_inference.model_runner import (  # the step buffers' rows
     TOP_K,
     TOP_P,
     UNIFORM,
-    LaunchedStep,
-    ModelRunner,
-    Variant,
 )  # fmt: skip
-from gyre_inference.paged_attention import PrefillLayout
-from gyre_inference.prompt_logprobs import prompt_logprobs
-from gyre_inference.sampling import TOP_LOGPROBS, bias_entries, sample, uniforms
 
 _order = itertools.count()
 

@@ -9,7 +9,7 @@ ours: the step is a fixed sequence of kernels over static buffers, captured once
 as a CUDA graph and replayed with one launch. It fixes the families supported: Llama, Mistral, Qwen2
 (no sliding window) and Qwen3 (q/k norms).
 
-Decode step inputs live in static per-row buffers (`StepBuffers`): token, position, the cache slot its
+Decode step inputs live in static per-row buffers (`step_buffers.StepBuffers`): token, position, the cache slot its
 key/value go to, context length, sampling parameters and the row's uniform, plus a per-row block table,
 sparse biases and (structured outputs) a token bitmask. A row's CARRY flag makes the step take its input
 token from the previous step's sample, still on the device (`out_tokens`), instead of from the host: the
@@ -36,17 +36,27 @@ import numpy as np
 import torch
 
 from gyre_inference import paged_attention
-from gyre_inference.kv_cache import NULL_BLOCK
 from gyre_inference.sampling import TOP_LOGPROBS, sample
+from gyre_inference.step_buffers import (
+    CARRY,
+    CONTEXT,
+    IDS,
+    MIN_P,
+    POSITIONS,
+    SLOTS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    UNIFORM,
+    StepBuffers,
+    power_of_two,
+)
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BLOCK_SIZE = 16
 MIN_WIDTH_BLOCKS = 4  # the torch decode path's narrowest gather (64 positions)
-# Row indices of the per-row int and float input buffers.
-IDS, POSITIONS, SLOTS, CONTEXT, TOP_K, CARRY = range(6)
-TEMPERATURE, TOP_P, MIN_P, UNIFORM = range(4)
 
 
 def check_supported(config) -> None:
@@ -66,10 +76,6 @@ def buckets(max_rows: int) -> list[int]:
     """Batch sizes a decode graph is captured for: 1, 2, 4, 8, then every 16 up to 128, then every 32."""
     sizes = [1, 2, 4, 8, *range(16, 129, 16), *range(160, max_rows + 32, 32)]
     return sorted({min(size, max_rows) for size in sizes})
-
-
-def _power_of_two(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -132,115 +138,6 @@ class TorchOps:
 
     def silu_mul(self, gate, up):
         return torch.nn.functional.silu(gate) * up
-
-
-class StepBuffers:
-    """Per-row inputs of the decode step, on the device, with host mirrors (pinned on CUDA; the same
-    tensors on CPU) that the engine writes through numpy views."""
-
-    def __init__(self, rows: int, max_blocks: int, vocab: int, device: torch.device, mirror: bool | None = None):
-        self.device, self.rows = device, rows
-        # mirror=True on CPU: separate host and device tensors, as on a GPU (tests of the upload path)
-        self.on_host = not (device.type != "cpu" if mirror is None else mirror)
-        pin = device.type == "cuda"
-
-        def pair(shape, dtype, fill=0):
-            host = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
-            return host, self._on_device(host)
-
-        self.ints_host, self.ints = pair((6, rows), torch.long)
-        self.floats_host, self.floats = pair((4, rows), torch.float32)
-        self.ints_host[CONTEXT] = 1  # idle rows: one (garbage) key of the null block
-        self.table_host, self.table = pair((rows, max_blocks), torch.long, NULL_BLOCK)
-        self.bitmask_host, self.bitmask = pair((rows, (vocab + 31) // 32), torch.int32, -1)
-        self.bias_width = 0
-        self.bias_ids_host = self.bias_ids = torch.zeros(rows, 0, dtype=torch.long)
-        self.bias_values_host = self.bias_values = torch.zeros(rows, 0)
-        self.ints_np, self.floats_np = self.ints_host.numpy(), self.floats_host.numpy()
-        self.table_np, self.bitmask_np = self.table_host.numpy(), self.bitmask_host.numpy()
-        self._dirty_tables: set[int] = set()
-        self._dirty_bias: set[int] = set()
-        # Recorded after each upload's asynchronous copies from the pinned mirrors (CUDA only): see wait_uploaded.
-        self._uploaded = torch.cuda.Event() if pin and not self.on_host else None
-
-    def _on_device(self, host: torch.Tensor) -> torch.Tensor:
-        if self.on_host:
-            return host
-        return host.clone() if self.device.type == "cpu" else host.to(self.device)
-
-    def grow_bias(self, width: int) -> bool:
-        """Make room for `width` sparse biases per row (True: the buffers moved, graphs must be recaptured)."""
-        if width <= self.bias_width:
-            return False
-        width = _power_of_two(width, 4)
-        pin = self.device.type == "cuda"
-        ids = torch.zeros(self.rows, width, dtype=torch.long, pin_memory=pin)
-        values = torch.zeros(self.rows, width, pin_memory=pin)
-        ids[:, : self.bias_width] = self.bias_ids_host
-        values[:, : self.bias_width] = self.bias_values_host
-        self.bias_ids_host, self.bias_values_host, self.bias_width = ids, values, width
-        self.bias_ids, self.bias_values = self._on_device(ids), self._on_device(values)
-        return True
-
-    def set_bias(self, row: int, entries: list[tuple[int, float]]) -> None:
-        self._dirty_bias.add(row)
-        self.bias_ids_host[row].zero_()
-        self.bias_values_host[row].zero_()
-        if entries:
-            ids, values = zip(*entries, strict=True)
-            self.bias_ids_host[row, : len(ids)] = torch.tensor(ids)
-            self.bias_values_host[row, : len(ids)] = torch.tensor(values)
-
-    def set_table(self, row: int, blocks: list[int]) -> None:
-        self.table_np[row, : len(blocks)] = blocks
-        self._dirty_tables.add(row)
-
-    def set_block(self, row: int, index: int, block: int) -> None:
-        self.table_np[row, index] = block
-        self._dirty_tables.add(row)
-
-    def _staged(self, host: torch.Tensor) -> torch.Tensor:
-        """A fresh host tensor on the device without waiting: a plain (blocking) copy from pageable memory would
-        synchronize the stream, i.e. wait for the step in flight, which is what the overlapped loop must not
-        do. Pinned by torch's caching host allocator, which keeps the block until the copy has run."""
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
-
-    def upload(self, rows: int, masked: bool = False) -> None:
-        """Copy the host's writes of this step to the device (nothing to do on CPU): the per-row inputs, and the
-        block-table and bias rows written since the last upload. Nothing here waits for the device."""
-        if self.on_host:
-            self._dirty_tables.clear()
-            self._dirty_bias.clear()
-            return
-        # Whole buffers (a few KiB), not the step's [:, :rows] columns: a strided slice is first copied into a
-        # pageable temporary, and a copy from pageable memory may wait for the step in flight.
-        self.ints.copy_(self.ints_host, non_blocking=True)
-        self.floats.copy_(self.floats_host, non_blocking=True)
-        for dirty, pairs in ((self._dirty_tables, ((self.table, self.table_host),)),
-                             (self._dirty_bias, ((self.bias_ids, self.bias_ids_host),
-                                                 (self.bias_values, self.bias_values_host)))):  # fmt: skip
-            if dirty:
-                index = torch.tensor(sorted(dirty), dtype=torch.long)
-                on_device = self._staged(index)
-                for target, source in pairs:
-                    target.index_copy_(0, on_device, self._staged(source[index]))
-                dirty.clear()
-        if masked:
-            self.bitmask[:rows].copy_(self.bitmask_host[:rows], non_blocking=True)
-        if self._uploaded is not None:
-            self._uploaded.record()
-
-    def wait_uploaded(self) -> None:
-        """Block until the last upload's copies from the pinned mirrors have run: the host must not write a mirror
-        an enqueued copy still reads (the overlapped loop enqueues step n+1, whose upload runs right after step n
-        ends, and then writes step n+2's inputs). Waiting on one event, not double-buffering the mirrors: every
-        mirror holds state that lives across steps (a row's sampling parameters, its block table), which a
-        second set would have to mirror too, and by the time the host writes again (after reading step n) the
-        copy has almost always run already, so the wait costs nothing."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
 
 
 class ModelRunner:
@@ -453,7 +350,7 @@ class ModelRunner:
         blocks = -(-longest_context // self.block_size)
         if not self.cuda_graphs:  # no graph to reuse: gather exactly what is needed
             return blocks
-        return min(self.max_blocks, _power_of_two(blocks, MIN_WIDTH_BLOCKS))
+        return min(self.max_blocks, power_of_two(blocks, MIN_WIDTH_BLOCKS))
 
     def launch(self, rows: int, width: int, variant: Variant) -> LaunchedStep:
         """Enqueue the decode step on the first `rows` rows (a bucket): the upload of the inputs the host wrote,

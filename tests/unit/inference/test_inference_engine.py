@@ -245,7 +245,7 @@ async def test_the_gpu_input_path_and_the_fused_step_give_the_tokens_of_the_plai
     block tables and biases), and the fused step's wiring (residual adds folded into the norms, q/k norm +
     rotary + cache write in one op, attention over each row's own table) with torch ops in place of the
     Triton kernels. Rows with biases, min_tokens, top log-probs and top-k share the batch with plain ones."""
-    from gyre_inference.model_runner import StepBuffers
+    from gyre_inference.step_buffers import StepBuffers
 
     @dataclasses.dataclass(frozen=True)
     class Params(SamplingParams):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from gyre_inference.backend import SamplingParams
 from gyre_inference.kv_cache import NULL_BLOCK
-from gyre_inference.model_runner import SLOTS, StepBuffers
+from gyre_inference.step_buffers import SLOTS, StepBuffers
 from gyre_inference.torch_backend import TorchBackend, _Swap
 
 PROMPT = [(7 * i + 3) % 900 + 5 for i in range(40)]
