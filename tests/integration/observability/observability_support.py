@@ -7,10 +7,11 @@ is valid and returns data is always asked of a real Prometheus.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,11 +88,12 @@ def rated_metrics(expr: str) -> set[str]:
 
 # ---- dashboards -------------------------------------------------------------------------------------
 def load_build_dashboards():
-    """deploy/grafana/build_dashboards.py as a module (it is a script, not part of a package)."""
-    spec = importlib.util.spec_from_file_location("gyre_build_dashboards", BUILD_DASHBOARDS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """deploy/grafana/build_dashboards.py as a module. It is a script that imports the `dashboards`
+    package next to it, so its folder goes on sys.path as it does when the script runs."""
+    folder = str(BUILD_DASHBOARDS.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(BUILD_DASHBOARDS.stem)
 
 
 def dashboards() -> dict[str, dict]:

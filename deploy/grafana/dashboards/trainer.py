@@ -1,0 +1,108 @@
+"""The trainer dashboard: objective and optimiser gauges, utilisation, and where each step's wall
+time goes (compute, weight publishing, checkpointing, waiting for batches)."""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import timeseries
+
+from .panels import NATS, RATE, TOKENS_PER_S, base, panel, quantile, rate, sel
+
+
+def trainer() -> db.Dashboard:
+    d = base(
+        "gyre-trainer",
+        "Gyre / Trainer",
+        "The trainer of one experiment: objective, optimiser, utilisation and where each step's time goes.",
+        "gyre_trainer_step",
+    )
+    steps = rate("gyre_trainer_step_duration_seconds_count")
+
+    def gauge(title: str, metric: str, unit: str, description: str) -> timeseries.Panel:
+        return panel(title, unit, [(f"max by (run_id) ({sel(metric)})", "{{run_id}}")], description)
+
+    panels = [
+        gauge("Loss", "gyre_trainer_loss", "none", "Loss of the last step."),
+        gauge("Entropy", "gyre_trainer_entropy", NATS, "Mean token entropy of the policy in the last step."),
+        gauge(
+            "Mismatch KL",
+            "gyre_trainer_mismatch_kl",
+            NATS,
+            "KL between the trainer's and the inference engine's log-probs of the sampled tokens.",
+        ),
+        gauge("Grad norm", "gyre_trainer_grad_norm", "none", "Gradient norm before clipping, last step."),
+        gauge(
+            "Clipped tokens",
+            "gyre_trainer_clip_ratio",
+            "percentunit",
+            "Fraction of the last step's loss tokens the objective clipped (or masked).",
+        ),
+        panel(
+            "Gradient norm spikes",
+            "short",
+            [(f"sum by (run_id) (increase({sel('gyre_trainer_grad_norm_spikes_total')}[{RATE}]))", "{{run_id}}")],
+            "Steps with a non-finite or spiking gradient norm, kept in debug/step_N for `gyre replay`.",
+            minimum=0,
+        ),
+        gauge("Learning rate", "gyre_trainer_lr", "sci", "Learning rate of the last step."),
+        panel(
+            "MFU",
+            "percentunit",
+            [(f"max by (run_id, rank) ({sel('gyre_trainer_mfu_ratio')})", "{{run_id}} rank {{rank}}")],
+            "Model FLOPs utilisation of the last step per rank (0-1).",
+            minimum=0,
+        ),
+        panel(
+            "Step time breakdown",
+            "s",
+            [
+                (f"{rate('gyre_trainer_step_duration_seconds_sum')} / {steps}", "compute {{run_id}}"),
+                (f"{rate('gyre_trainer_weight_publish_seconds_sum')} / {steps}", "publish weights {{run_id}}"),
+                (f"{rate('gyre_trainer_checkpoint_seconds_sum')} / {steps}", "checkpoint {{run_id}}"),
+                (
+                    f"clamp_min((1 - {rate('gyre_trainer_step_duration_seconds_sum')}"
+                    f" - {rate('gyre_trainer_weight_publish_seconds_sum')}"
+                    f" - {rate('gyre_trainer_checkpoint_seconds_sum')}) / {steps}, 0)",
+                    "waiting for batch and other {{run_id}}",
+                ),
+            ],
+            "Wall seconds per step, stacked: compute (forward, backward, optimizer), weight publishing, "
+            "checkpointing, and the rest (mostly waiting for the next batch).",
+            minimum=0,
+            stacked=True,
+        ),
+        panel(
+            "Step duration quantiles",
+            "s",
+            [
+                (quantile(q, "gyre_trainer_step_duration_seconds"), f"p{round(q * 100)} {{{{run_id}}}}")
+                for q in (0.5, 0.99)
+            ],
+            "Compute time of one training step.",
+            minimum=0,
+        ),
+        panel(
+            "Tokens/s",
+            TOKENS_PER_S,
+            [(rate("gyre_trainer_tokens_total"), "{{run_id}}")],
+            "Tokens trained per second of wall time (all ranks).",
+            minimum=0,
+        ),
+        panel(
+            "Time since last step",
+            "s",
+            [(f"time() - max by (run_id) ({sel('gyre_trainer_last_step_timestamp_seconds')} > 0)", "{{run_id}}")],
+            "Seconds since the last step was published (alert: no step for 15 minutes).",
+            minimum=0,
+        ),
+        panel(
+            "Rejected batches",
+            "short",
+            [(f"sum by (run_id) (increase({sel('gyre_trainer_rejected_batches_total')}[{RATE}]))", "{{run_id}}")],
+            "Batch entries sent to the dead-letter stream.",
+            minimum=0,
+        ),
+    ]
+    for p in panels:
+        d = d.with_panel(p)
+    return d
