@@ -1,7 +1,8 @@
 """The container smoke's plan: a rendered Helm release as Docker containers, networks and volumes.
 
-Pure functions over the rendered Kubernetes objects (no Docker here), so every rule is unit-tested.
-deploy/docker/smoke.py runs the plan. What a kubelet does, and what stands in for it:
+Pure functions over the rendered Kubernetes objects (no Docker here), so every rule is unit-tested: plan()
+builds a plan_model.Plan, docker_args.py turns it into `docker run` command lines, and smoke.py runs it.
+What a kubelet does, and what stands in for it:
 
 - A pod is a sandbox container (Kubernetes' pause container: it holds the pod's network namespace, hostname,
   DNS search path and published ports) and the pod's containers, joined to it (`--network container:`).
@@ -31,14 +32,25 @@ Service port no pod declares) raises `WiringError` naming the pod or Service and
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
-from pathlib import Path
 
-POD_IP = "\x00POD_IP\x00"  # stands for the pod's IP until its sandbox exists (the runner substitutes it)
+from kube import config_data, expand, kind_name, quantity, selects
+from plan_model import (
+    POD_IP,
+    Container,
+    DockerVolume,
+    FileVolume,
+    Mount,
+    Plan,
+    Pod,
+    Probe,
+    Service,
+    Unsupported,
+    WiringError,
+)
+
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "Pod")
 # kinds whose effect the container smoke does not reproduce (listed in its output)
 NOT_EMULATED = (
@@ -48,240 +60,6 @@ NOT_EMULATED = (
 )  # fmt: skip
 
 
-class WiringError(Exception):
-    """The rendered objects cannot run as they are; `where` names the pod (and container) or object."""
-
-    def __init__(self, where: str, why: str):
-        super().__init__(f"{where}: {why}")
-        self.where, self.why = where, why
-
-
-class Unsupported(Exception):
-    """Something the chart renders that the container smoke cannot reproduce (it says what)."""
-
-
-# ---- rendering -------------------------------------------------------------------------------------------
-
-
-def render_chart(
-    chart: Path, values: dict, *, release: str, namespace: str, api_versions: tuple[str, ...] = ()
-) -> list[dict]:
-    """The release's objects as `helm install --dry-run` renders them (Helm's own engine, helm_python).
-
-    `api_versions` adds capabilities (`helm template --api-versions`), e.g. the Prometheus operator's CRDs
-    the kind workflow installs, so the same objects render as there."""
-    import helm_python
-    import yaml
-    from helm_python import _native
-
-    with helm_python.Chart.load(chart) as loaded:
-        # Chart.render() has no parameter for extra capabilities, the native call it wraps has.
-        opts = {"name": release, "namespace": namespace, "is_install": True, "api_versions": list(api_versions)}
-        rendered = json.loads(_native.call_string("helm_render", loaded._raw(), json.dumps(values), json.dumps(opts)))
-    docs = []
-    for path, text in sorted(rendered.items()):
-        if not path.endswith("NOTES.txt"):
-            docs += [doc for doc in yaml.safe_load_all(text) if doc]
-    return docs
-
-
-def merge_values(base: dict, override: dict) -> dict:
-    """Helm's values merge: maps merge key by key, everything else is replaced."""
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = (
-            merge_values(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        )
-    return out
-
-
-# ---- small Kubernetes semantics ----------------------------------------------------------------------------
-
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
-
-
-def quantity(value: str | int | float) -> float:
-    """A Kubernetes resource quantity ("4Gi", "500m", "1.5", "2e3") as a number."""
-    text = str(value).strip()
-    match = re.fullmatch(r"([+-]?[0-9.]+(?:[eE][+-]?\d+)?)([A-Za-z]*)", text)
-    if not match or match[2] not in ("", *_SUFFIX):
-        raise ValueError(f"not a Kubernetes quantity: {value!r}")
-    return float(match[1]) * _SUFFIX.get(match[2], 1)
-
-
-def expand(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' `$(VAR)` expansion: defined variables are replaced, `$$` escapes, others stay as they are."""
-    return re.sub(
-        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), value
-    )
-
-
-def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return bool(selector) and selector.items() <= labels.items()
-
-
-def _kind_name(obj: dict) -> str:
-    return f"{obj['kind']} {obj['metadata']['name']}"
-
-
-def _data(obj: dict) -> dict[str, bytes]:
-    """A ConfigMap's or Secret's keys as bytes (Secret `data` is base64; `stringData` as the API merges it)."""
-    if obj["kind"] == "Secret":
-        out = {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
-        out.update({k: str(v).encode() for k, v in (obj.get("stringData") or {}).items()})
-        return out
-    out = {k: str(v).encode() for k, v in (obj.get("data") or {}).items()}
-    out.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
-    return out
-
-
-# ---- the plan ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Probe:
-    action: str  # http | tcp | grpc | exec
-    port: int | None = None
-    path: str = "/"
-    scheme: str = "HTTP"
-    headers: dict[str, str] = field(default_factory=dict)
-    service: str = ""  # grpc health service name
-    command: list[str] = field(default_factory=list)
-    initial_delay_s: float = 0
-    period_s: float = 10
-    timeout_s: float = 1
-    failure_threshold: int = 3
-
-    @property
-    def budget_s(self) -> float:
-        """How long the kubelet lets this probe fail before acting (startup: the container's time to start)."""
-        return self.initial_delay_s + self.period_s * self.failure_threshold
-
-
-@dataclass
-class Mount:
-    target: str
-    volume: str  # a Docker volume (Plan.volumes) or a file volume (Plan.file_volumes), by plan name
-    read_only: bool = False
-    sub_path: str = ""
-    files: bool = False  # a file volume (host folder), else a Docker volume
-
-
-@dataclass
-class DockerVolume:
-    name: str
-    origin: str  # for messages: "PersistentVolumeClaim exp-gyre-data", "emptyDir tmp of pod ..."
-    empty_dir: bool = False  # 0777, as the kubelet creates an emptyDir
-    tmpfs_bytes: int | None = None  # emptyDir medium Memory (None: on disk)
-
-
-@dataclass
-class FileVolume:
-    name: str
-    origin: str
-    files: dict[str, tuple[bytes, int]]  # relative path -> (content, mode)
-    group: int | None = None  # fsGroup: files root:<group> and group-readable, as the kubelet sets them
-
-
-@dataclass
-class Container:
-    pod: str
-    name: str
-    image: str
-    pull_policy: str
-    init: bool = False
-    command: list[str] | None = None  # Kubernetes `command` (replaces the image's ENTRYPOINT), expanded
-    args: list[str] | None = None  # Kubernetes `args` (replaces the image's CMD), expanded
-    env: dict[str, str] = field(default_factory=dict)
-    user: str | None = None  # "uid" or "uid:gid"; None: the image's USER
-    run_as_non_root: bool = False
-    group_add: list[int] = field(default_factory=list)
-    read_only: bool = False
-    privileged: bool = False
-    no_new_privileges: bool = False
-    cap_drop: list[str] = field(default_factory=list)
-    cap_add: list[str] = field(default_factory=list)
-    seccomp_unconfined: bool = False
-    mounts: list[Mount] = field(default_factory=list)
-    memory_bytes: int | None = None
-    cpus: float | None = None
-    workdir: str | None = None
-    ports: dict[str, int] = field(default_factory=dict)  # declared containerPorts by name (or str(number))
-    probes: dict[str, Probe] = field(default_factory=dict)  # startupProbe / readinessProbe / livenessProbe
-    restart: str = "always"  # always (restartPolicy Always: the smoke restarts it) | no (runs once)
-
-    @property
-    def label(self) -> str:
-        return f"pod {self.pod}, {'init container' if self.init else 'container'} {self.name}"
-
-
-@dataclass
-class Pod:
-    name: str
-    owner: str  # "StatefulSet exp-gyre-trainer"
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    hostname: str
-    domain: str = ""  # `<subdomain>.<ns>.svc.<cluster domain>` when the pod has a subdomain
-    test_hook: bool = False  # a `helm test` pod: runs after the release is ready, to completion
-    run_once: bool = False  # Job / restartPolicy != Always: done when its containers exit 0
-    init_containers: list[Container] = field(default_factory=list)
-    containers: list[Container] = field(default_factory=list)
-    volumes: list[str] = field(default_factory=list)  # Docker volumes the pod mounts (prepared before it starts)
-    fs_group: int | None = None
-    fs_group_always: bool = False  # fsGroupChangePolicy Always (else OnRootMismatch)
-    dns_search: list[str] = field(default_factory=list)
-    dns_options: list[str] = field(default_factory=list)
-    aliases_at_start: list[str] = field(default_factory=list)  # names of publishNotReadyAddresses Services
-    aliases_when_ready: dict[str, list[str]] = field(default_factory=dict)  # Service -> names, once ready
-
-    @property
-    def ports(self) -> list[int]:
-        return sorted({p for c in self.containers for p in c.ports.values()})
-
-
-@dataclass
-class Service:
-    name: str
-    fqdn: str
-    selector: dict[str, str]
-    ports: dict[str, int]  # port name (or str(number)) -> port
-    pods: list[str]
-    headless: bool
-    publish_not_ready: bool
-    labels: dict[str, str]
-
-
-@dataclass
-class Plan:
-    release: str
-    namespace: str
-    domain: str
-    pods: list[Pod]
-    services: list[Service]
-    volumes: list[DockerVolume]
-    file_volumes: list[FileVolume]
-    objects: list[dict]
-    not_emulated: list[str]
-    notes: list[str]
-
-    def pod(self, name: str) -> Pod:
-        (found,) = [p for p in self.pods if p.name == name]
-        return found
-
-    def service(self, name: str) -> Service:
-        (found,) = [s for s in self.services if s.name == name]
-        return found
-
-    @property
-    def workload_pods(self) -> list[Pod]:
-        return [p for p in self.pods if not p.test_hook]
-
-    @property
-    def test_pods(self) -> list[Pod]:
-        return [p for p in self.pods if p.test_hook]
-
-
 def plan(objects: list[dict], *, namespace: str, release: str = "", domain: str = "cluster.local") -> Plan:
     """The Docker plan of a rendered release; `WiringError` / `Unsupported` say what cannot run and where."""
     builder = _Builder(objects, namespace, domain)
@@ -289,9 +67,9 @@ def plan(objects: list[dict], *, namespace: str, release: str = "", domain: str 
         if obj["kind"] in WORKLOADS:
             builder.add_workload(obj)
     services = [builder.service(s) for s in objects if s["kind"] == "Service"]
-    not_emulated = sorted(_kind_name(o) for o in objects if o["kind"] in NOT_EMULATED)
+    not_emulated = sorted(kind_name(o) for o in objects if o["kind"] in NOT_EMULATED)
     known = {*WORKLOADS, *NOT_EMULATED, "Service", "ConfigMap", "Secret", "PersistentVolumeClaim"}
-    not_emulated += sorted(_kind_name(o) for o in objects if o["kind"] not in known)
+    not_emulated += sorted(kind_name(o) for o in objects if o["kind"] not in known)
     return Plan(
         release,
         namespace,
@@ -352,7 +130,7 @@ class _Builder:
         )
         pod = Pod(
             name=name,
-            owner=_kind_name(owner),
+            owner=kind_name(owner),
             labels=labels,
             annotations=annotations,
             hostname=(spec.get("hostname") or name)[:63],
@@ -445,7 +223,7 @@ class _Builder:
                     if ref.get("optional"):
                         continue
                     raise WiringError(where, f"{kind} {name} does not exist (it is not rendered by the chart)")
-                data = _data(obj)
+                data = config_data(obj)
                 items = ref.get("items") or [{"key": k, "path": k} for k in sorted(data)]
                 for item in items:
                     if item["key"] not in data:
@@ -588,7 +366,7 @@ class _Builder:
                 raise WiringError(
                     where, f"envFrom: {kind} {ref['name']} does not exist (it is not rendered by the chart)"
                 )
-            for key, value in _data(obj).items():
+            for key, value in config_data(obj).items():
                 env[source.get("prefix", "") + key] = value.decode()
         for var in c.get("env", []):
             name = var["name"]
@@ -600,7 +378,7 @@ class _Builder:
                 kind = "Secret" if "secretKeyRef" in source else "ConfigMap"
                 ref = source.get("secretKeyRef") or source.get("configMapKeyRef")
                 obj = self.by_kind.get((kind, ref["name"]))
-                data = _data(obj) if obj is not None else {}
+                data = config_data(obj) if obj is not None else {}
                 if ref["key"] in data:
                     env[name] = data[ref["key"]].decode()
                 elif not ref.get("optional"):
@@ -696,122 +474,3 @@ def _pod_suffix(seed: str, n: int) -> str:
     alphabet = "bcdfghjklmnpqrstvwxz2456789"  # the characters Kubernetes uses in generated names
     digest = hashlib.sha256(seed.encode()).digest()
     return "".join(alphabet[b % len(alphabet)] for b in digest[:n])
-
-
-# ---- Docker command lines --------------------------------------------------------------------------------
-
-
-@dataclass
-class Names:
-    """How plan names become Docker names (one smoke run's prefix) and host paths."""
-
-    prefix: str
-    files_root: Path
-    volume_paths: dict[str, str] = field(default_factory=dict)  # Docker volume -> host mountpoint (subPath only)
-
-    def sandbox(self, pod: str) -> str:
-        return f"{self.prefix}-{pod}"
-
-    def container(self, pod: str, name: str) -> str:
-        return f"{self.prefix}-{pod}-{name}"
-
-    def volume(self, name: str) -> str:
-        return f"{self.prefix}-{name}"
-
-    @property
-    def pod_network(self) -> str:
-        return self.prefix
-
-    def service_network(self, service: str) -> str:
-        return f"{self.prefix}-svc-{service}"
-
-
-def sandbox_args(pod: Pod, image: str, names: Names, labels: dict[str, str]) -> list[str]:
-    """`docker run` arguments of a pod's sandbox: network, hostname, DNS, published ports; it only sleeps."""
-    args = [
-        "--detach",
-        "--name",
-        names.sandbox(pod.name),
-        "--network",
-        names.pod_network,
-        "--hostname",
-        pod.hostname,
-        "--user",
-        "65535:65535",
-        "--read-only",
-        "--cap-drop",
-        "ALL",
-        "--security-opt",
-        "no-new-privileges",
-        "--entrypoint",
-        "sleep",
-    ]
-    if pod.domain:
-        args += ["--domainname", pod.domain]
-    for alias in pod.aliases_at_start:
-        args += ["--network-alias", alias]
-    for search in pod.dns_search:
-        args += ["--dns-search", search]
-    for option in pod.dns_options:
-        args += ["--dns-option", option]
-    for port in pod.ports:
-        args += ["--publish", f"127.0.0.1::{port}"]
-    for key, value in labels.items():
-        args += ["--label", f"{key}={value}"]
-    return [*args, image, "infinity"]
-
-
-def container_args(c: Container, names: Names, labels: dict[str, str]) -> list[str]:
-    """`docker run` arguments of one container, joined to its pod's sandbox. Environment values are passed
-    as `--env NAME` (the value comes from the docker client's environment, never from its command line).
-    No Docker restart policy: the smoke restarts exited containers itself, counting exits and codes."""
-    args = ["--detach", "--name", names.container(c.pod, c.name), "--network", f"container:{names.sandbox(c.pod)}"]
-    if c.user is not None:
-        args += ["--user", c.user]
-    for group in c.group_add:
-        args += ["--group-add", str(group)]
-    if c.read_only:
-        args.append("--read-only")
-    if c.privileged:
-        args.append("--privileged")
-    if c.no_new_privileges:
-        args += ["--security-opt", "no-new-privileges"]
-    if c.seccomp_unconfined:
-        args += ["--security-opt", "seccomp=unconfined"]
-    for cap in c.cap_drop:
-        args += ["--cap-drop", cap]
-    for cap in c.cap_add:
-        args += ["--cap-add", cap]
-    if c.memory_bytes is not None:
-        args += ["--memory", str(c.memory_bytes)]
-    if c.cpus is not None:
-        args += ["--cpus", f"{c.cpus:g}"]
-    if c.workdir:
-        args += ["--workdir", c.workdir]
-    for mount in c.mounts:
-        args += ["--mount", mount_spec(mount, names)]
-    for name in c.env:
-        args += ["--env", name]
-    for key, value in labels.items():
-        args += ["--label", f"{key}={value}"]
-    words: list[str] = []
-    if c.command is not None:
-        args += ["--entrypoint", c.command[0]]
-        words = [*c.command[1:], *(c.args or [])]
-    elif c.args is not None:
-        words = list(c.args)
-    return [*args, c.image, *words]
-
-
-def mount_spec(mount: Mount, names: Names) -> str:
-    ro = ",readonly" if mount.read_only else ""
-    if mount.files:  # written on the host by the runner
-        source = names.files_root / mount.volume / mount.sub_path if mount.sub_path else names.files_root / mount.volume
-        return f"type=bind,source={source},target={mount.target}{ro}"
-    if mount.sub_path:
-        if mount.volume not in names.volume_paths:
-            raise Unsupported(f"subPath {mount.sub_path} of volume {mount.volume}: its host path is unknown")
-        return f"type=bind,source={names.volume_paths[mount.volume]}/{mount.sub_path},target={mount.target}{ro}"
-    # volume-nocopy: Docker would fill an empty volume with (and give it the owner of) the image's folder at
-    # that path; a Kubernetes volume comes as the kubelet made it.
-    return f"type=volume,source={names.volume(mount.volume)},target={mount.target},volume-nocopy{ro}"

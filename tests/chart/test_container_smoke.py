@@ -17,7 +17,11 @@ import pytest
 from chart_testlib import CHART, MONITORING_APIS, ROOT, load_values, named
 
 sys.path.insert(0, str(ROOT / "deploy" / "docker"))
+import cluster as C  # noqa: E402
+import docker_args as D  # noqa: E402
+import kube as K  # noqa: E402
 import plan as P  # noqa: E402
+import plan_model as M  # noqa: E402
 import smoke as S  # noqa: E402
 
 NS = "rl"
@@ -26,8 +30,8 @@ TRAINER, REDIS = "exp-gyre-trainer-0", "exp-gyre-redis-0"
 
 def kind_objects(**overrides) -> list[dict]:
     values = load_values("values-kind.yaml")
-    values = P.merge_values(values, overrides)
-    return P.render_chart(CHART, values, release="exp", namespace=NS, api_versions=MONITORING_APIS)
+    values = K.merge_values(values, overrides)
+    return K.render_chart(CHART, values, release="exp", namespace=NS, api_versions=MONITORING_APIS)
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +40,15 @@ def objects() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def kind_plan(objects) -> P.Plan:
+def kind_plan(objects) -> M.Plan:
     return P.plan(objects, namespace=NS, release="exp")
 
 
-def names(tmp_path: Path) -> P.Names:
-    return P.Names("gyre-smoke-t", tmp_path)
+def names(tmp_path: Path) -> D.Names:
+    return D.Names("gyre-smoke-t", tmp_path)
 
 
-def by_component(the_plan: P.Plan, component: str) -> list[P.Pod]:
+def by_component(the_plan: M.Plan, component: str) -> list[M.Pod]:
     return [p for p in the_plan.pods if p.labels.get("app.kubernetes.io/component") == component]
 
 
@@ -75,7 +79,7 @@ def test_trainer_container_runs_exactly_as_rendered(kind_plan, objects, tmp_path
     trainer = named(objects, "StatefulSet", "exp-gyre-trainer")["spec"]["template"]["spec"]
     rendered = trainer["containers"][0]
     (c,) = kind_plan.pod(TRAINER).containers
-    args = P.container_args(c, names(tmp_path), {"dev.gyre.smoke": "t"})
+    args = D.container_args(c, names(tmp_path), {"dev.gyre.smoke": "t"})
     # command and args: the rendered ones, in order, after the image (entrypoint = command[0])
     assert flag_values(args, "--entrypoint") == rendered["command"][:1]
     assert args[args.index(rendered["image"]) + 1 :] == rendered["command"][1:] + rendered["args"]
@@ -155,7 +159,7 @@ def test_service_names_follow_readiness_unless_published_early(kind_plan):
 
 
 def test_sandbox_publishes_every_port_and_holds_the_pod_names(kind_plan, tmp_path):
-    args = P.sandbox_args(kind_plan.pod(TRAINER), "img:1", names(tmp_path), {})
+    args = D.sandbox_args(kind_plan.pod(TRAINER), "img:1", names(tmp_path), {})
     assert flag_values(args, "--publish") == [f"127.0.0.1::{p}" for p in (8081, 9101, 29500, 50071)]
     assert flag_values(args, "--hostname") == [TRAINER]
     assert flag_values(args, "--domainname") == [f"exp-gyre-trainer-headless.{NS}.svc.cluster.local"]
@@ -206,7 +210,7 @@ def test_a_wrong_secret_key_names_the_pod_container_and_key():
         "valueFrom": {"secretKeyRef": {"name": "exp-gyre-secrets", "key": "redis-pass"}},
     }
     objects = kind_objects(trainer={"env": [wrong]})
-    with pytest.raises(P.WiringError) as failure:
+    with pytest.raises(M.WiringError) as failure:
         P.plan(objects, namespace=NS)
     assert failure.value.where == f"pod {TRAINER}, container trainer"
     assert "env GYRE_REDIS__PASSWORD: Secret exp-gyre-secrets has no key 'redis-pass'" in failure.value.why
@@ -220,7 +224,8 @@ def test_the_smoke_command_reports_it_before_starting_anything(tmp_path, capsys,
         "trainer:\n  env:\n    - name: GYRE_REDIS__PASSWORD\n"
         "      valueFrom: {secretKeyRef: {name: smoke-gyre-secrets, key: redis-pass}}\n"
     )
-    monkeypatch.setattr(S, "docker", lambda *a, **k: pytest.fail(f"docker {a} ran"))
+    for module in (S, C):
+        monkeypatch.setattr(module, "docker", lambda *a, **k: pytest.fail(f"docker {a} ran"))
     assert S.main(["-f", str(ROOT / "deploy" / "values-kind.yaml"), "-f", str(override)]) == 1
     out = capsys.readouterr().out
     assert ("SMOKE FAILED: pod smoke-gyre-trainer-0, container trainer: env GYRE_REDIS__PASSWORD: "
@@ -231,7 +236,7 @@ def test_a_mount_of_a_volume_the_pod_lacks_is_named(objects):
     broken = copy.deepcopy(objects)
     trainer = named(broken, "StatefulSet", "exp-gyre-trainer")["spec"]["template"]["spec"]["containers"][0]
     next(m for m in trainer["volumeMounts"] if m["mountPath"] == "/etc/gyre")["name"] = "experiment-config"
-    with pytest.raises(P.WiringError, match=r"volumeMount /etc/gyre refers to volume 'experiment-config'") as failure:
+    with pytest.raises(M.WiringError, match=r"volumeMount /etc/gyre refers to volume 'experiment-config'") as failure:
         P.plan(broken, namespace=NS)
     assert failure.value.where == f"pod {TRAINER}, container trainer"
 
@@ -239,7 +244,7 @@ def test_a_mount_of_a_volume_the_pod_lacks_is_named(objects):
 def test_a_service_targeting_an_undeclared_port_is_named(objects):
     broken = copy.deepcopy(objects)
     named(broken, "Service", "exp-gyre-trainer")["spec"]["ports"][0]["targetPort"] = "status"
-    with pytest.raises(P.WiringError) as failure:
+    with pytest.raises(M.WiringError) as failure:
         P.plan(broken, namespace=NS)
     assert failure.value.where == "Service exp-gyre-trainer"
     assert f"targets port 'status', which pod {TRAINER} does not declare" in failure.value.why
@@ -248,7 +253,7 @@ def test_a_service_targeting_an_undeclared_port_is_named(objects):
 def test_a_service_selecting_no_pod_is_named(objects):
     broken = copy.deepcopy(objects)
     named(broken, "Service", "exp-gyre-redis")["spec"]["selector"]["app.kubernetes.io/component"] = "cache"
-    with pytest.raises(P.WiringError, match="selects no pod") as failure:
+    with pytest.raises(M.WiringError, match="selects no pod") as failure:
         P.plan(broken, namespace=NS)
     assert failure.value.where == "Service exp-gyre-redis"
 
@@ -257,7 +262,7 @@ def test_a_probe_on_an_undeclared_port_is_named(objects):
     broken = copy.deepcopy(objects)
     container = named(broken, "Deployment", "exp-gyre-orchestrator")["spec"]["template"]["spec"]["containers"][0]
     container["livenessProbe"]["tcpSocket"]["port"] = "grcp"
-    with pytest.raises(P.WiringError, match=r"livenessProbe uses port 'grcp'"):
+    with pytest.raises(M.WiringError, match=r"livenessProbe uses port 'grcp'"):
         P.plan(broken, namespace=NS)
 
 
@@ -282,10 +287,10 @@ def test_secret_files_get_the_kubelets_modes_and_group(objects, tmp_path):
     assert files.group == 10001
     mounts = {m.target: m for m in the_plan.pod(TRAINER).containers[0].mounts}
     assert mounts["/etc/gyre-secrets"].read_only and mounts["/etc/gyre-secrets"].files
-    args = P.container_args(the_plan.pod(TRAINER).containers[0], names(tmp_path), {})
+    args = D.container_args(the_plan.pod(TRAINER).containers[0], names(tmp_path), {})
     assert f"type=bind,source={tmp_path}/{TRAINER}-one/k/api,target=/run/key,readonly" in flag_values(args, "--mount")
 
-    cluster = S.Cluster.__new__(S.Cluster)  # only its file writer: no Docker involved
+    cluster = C.Cluster.__new__(C.Cluster)  # only its file writer: no Docker involved
     cluster.names = names(tmp_path)
     cluster.write_files(files)
     written = tmp_path / f"{TRAINER}-secrets" / "redis-password"
@@ -312,24 +317,24 @@ def test_env_sources_follow_the_kubelet():
     ]  # fmt: skip
     (pod,) = P.plan(docs, namespace=NS).pods
     (c,) = pod.containers
-    assert c.env == {"CM_A": "1", "CM_B": "2", "A": "1", "B": "2", "C": "1-2", "T": "x", "IP": P.POD_IP, "L": "a",
+    assert c.env == {"CM_A": "1", "CM_B": "2", "A": "1", "B": "2", "C": "1-2", "T": "x", "IP": M.POD_IP, "L": "a",
                      "M": "1536"}  # fmt: skip
     assert c.command == ["sh", "-c"] and c.args == ["echo 1 1-2 $(A) $(NOPE)"]
     assert pod.run_once and c.restart == "no" and c.cpus == 0.5
 
 
 def test_quantities():
-    assert P.quantity("4Gi") == 4 * 2**30 and P.quantity("500m") == 0.5 and P.quantity("1.5") == 1.5
-    assert P.quantity("2k") == 2000 and P.quantity(3) == 3
+    assert K.quantity("4Gi") == 4 * 2**30 and K.quantity("500m") == 0.5 and K.quantity("1.5") == 1.5
+    assert K.quantity("2k") == 2000 and K.quantity(3) == 3
     with pytest.raises(ValueError, match="not a Kubernetes quantity"):
-        P.quantity("4 GB")
+        K.quantity("4 GB")
 
 
 def test_the_reason_is_the_first_error_line_of_the_log():
     log = "error_file: <N/A>\nINFO starting\ngyre trainer: error: config file not found: /x.toml\nTraceback ...\n"
-    assert S.first_error(log) == "gyre trainer: error: config file not found: /x.toml"
-    assert S.first_error("a\nredis.exceptions.AuthenticationError: invalid password\n").startswith("redis.exceptions")
-    assert S.first_error("all fine\nlast line") == "last line"
+    assert C.first_error(log) == "gyre trainer: error: config file not found: /x.toml"
+    assert C.first_error("a\nredis.exceptions.AuthenticationError: invalid password\n").startswith("redis.exceptions")
+    assert C.first_error("all fine\nlast line") == "last line"
 
 
 def test_the_docs_say_what_the_smoke_proves_and_quote_a_passing_run():

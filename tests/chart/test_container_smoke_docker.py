@@ -24,7 +24,8 @@ import pytest
 from chart_testlib import CHART, MONITORING_APIS, ROOT, load_values, named
 
 sys.path.insert(0, str(ROOT / "deploy" / "docker"))
-import plan as P  # noqa: E402
+import cluster as C  # noqa: E402
+import kube as K  # noqa: E402
 import smoke as S  # noqa: E402
 
 pytestmark = [
@@ -39,20 +40,20 @@ pytestmark = [
 def labelled() -> list[str]:
     found = []
     for ls in (["ps", "-aq"], ["network", "ls", "-q"], ["volume", "ls", "-q"]):
-        found += subprocess.run(["docker", *ls, "--filter", f"label={S.LABEL}"], capture_output=True, text=True,
+        found += subprocess.run(["docker", *ls, "--filter", f"label={C.LABEL}"], capture_output=True, text=True,
                                 check=True).stdout.split()  # fmt: skip
     return found
 
 
 def test_a_broken_mount_path_fails_the_smoke_naming_the_pod_and_why(capsys):
     assert labelled() == [], "leftovers of an earlier smoke: make smoke-clean"
-    objects = P.render_chart(CHART, load_values("values-kind.yaml"), release="exp", namespace="rl",
+    objects = K.render_chart(CHART, load_values("values-kind.yaml"), release="exp", namespace="rl",
                              api_versions=MONITORING_APIS)  # fmt: skip
     broken = copy.deepcopy(objects)
     trainer = named(broken, "StatefulSet", "exp-gyre-trainer")["spec"]["template"]["spec"]["containers"][0]
     next(m for m in trainer["volumeMounts"] if m["mountPath"] == "/etc/gyre")["mountPath"] = "/etc/gyre-config"
 
-    with pytest.raises(S.SmokeFailure) as failure:
+    with pytest.raises(C.SmokeFailure) as failure:
         S.run(broken, S.Options(namespace="rl", release="exp", timeout=600, max_restarts=1))
     assert failure.value.where == "pod exp-gyre-trainer-0, container trainer"
     # exited, restarted once, exited again: its exit code (torchrun's) and the error line of its own log
