@@ -146,6 +146,18 @@ def _limited(receive, limit: int):
     return wrapped
 
 
+def client_gone(request: Request):
+    """async () -> None that returns once the client of `request` has disconnected. Once the route has read
+    the body, the server's `receive()` blocks until the connection closes and then says `http.disconnect`
+    (vLLM's listen_for_disconnect): one waiting task per request instead of polling the connection."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
 def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="Gyre inference", version="1", summary="OpenAI-compatible API of one policy model.")
 
@@ -209,15 +221,15 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.post("/v1/responses", summary="OpenAI Responses API: text and function tools, streaming or not.")
     async def responses(body: ResponsesRequest, request: Request):
-        return await respond(state.serving, body, arrival(request), request.is_disconnected)
+        return await respond(state.serving, body, arrival(request), client_gone(request))
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI), streaming or not.")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await state.serving.chat(body, arrival(request), request.is_disconnected)
+        return await state.serving.chat(body, arrival(request), client_gone(request))
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy); prompt may be token ids.")
     async def completions(body: CompletionRequest, request: Request):
-        return await state.serving.completions(body, arrival(request), request.is_disconnected)
+        return await state.serving.completions(body, arrival(request), client_gone(request))
 
     @app.post("/tokenize", summary="vLLM-compatible: prompt text or chat messages to token ids.")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:

@@ -251,11 +251,11 @@ def _plain(content) -> str | list[dict]:
     return content if isinstance(content, str) else [part.model_dump() for part in content]
 
 
-async def respond(serving, request: ResponsesRequest, started: float, is_disconnected=None):
+async def respond(serving, request: ResponsesRequest, started: float, client_gone=None):
     """Answer `request` on `serving` (gyre_inference.serving.Serving): a Response body or its event stream."""
     job = await serving.chat_job(to_chat(request), started, kind="responses")
     shaper = ResponseShaper(request, serving, job)
-    return await serving._respond(job, is_disconnected, body=shaper.body, stream=shaper.stream)
+    return await serving._respond(job, client_gone, body=shaper.body, stream=shaper.stream)
 
 
 # ---- response shapes ---------------------------------------------------------------------------------

@@ -129,8 +129,8 @@ def _splits(draw):
     return pieces
 
 
-def _run(pieces: list[str], stops: list[str], finish: str) -> tuple[str, str, list, str | None]:
-    choice = Choice(0, _Pieces(pieces), stops=stops, parse_tools=True)
+def _run(pieces: list[str], stops: list[str], finish: str, streamed: bool = True) -> tuple[str, str, list, str | None]:
+    choice = Choice(0, _Pieces(pieces), stops=stops, parse_tools=True, streamed=streamed)
     streamed = "".join(d.text for d in _feed(choice, list(range(len(pieces))), finish_last=finish))
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice.tool_calls]
     return streamed, choice.text, calls, choice.finish_reason
@@ -144,6 +144,34 @@ def test_streamed_content_and_tool_calls_equal_the_non_streamed_answer_for_any_s
     assert streamed == text
     # ... and neither depends on where the token boundaries fell
     assert (text, calls, reason) == _run(["".join(pieces)], stops, finish)[1:]
+    # ... nor on whether the text was decoded token by token (streaming) or once at the end (non-streaming)
+    assert (text, calls, reason) == _run(pieces, stops, finish, streamed=False)[1:]
+
+
+class _Counting:
+    """The served model's text, counting how many times it decodes."""
+
+    def __init__(self, text):
+        self.text, self.decodes = text, 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.decodes += 1
+        return self.text.decode(ids)
+
+
+def test_a_non_streamed_choice_without_stop_strings_decodes_once_at_the_end(model_text):
+    ids = model_text.encode(TEXTS[1]) + [2]
+    counting = _Counting(model_text)
+    choice = Choice(0, counting, stops=[], parse_tools=False, streamed=False)
+    deltas = _feed(choice, ids)
+    assert choice.text == TEXTS[1] and choice.token_ids == ids and choice.finish_reason == "stop"
+    assert [d.text for d in deltas[:-1]] == [""] * (len(ids) - 1) and deltas[-1].text == TEXTS[1]
+    assert counting.decodes == 1  # a streamed choice decodes twice per token
+    # stop strings are found as the text grows, so such a choice still decodes token by token
+    with_stops = _Counting(model_text)
+    stopped = Choice(0, with_stops, stops=["東京"], parse_tools=False, streamed=False)
+    _feed(stopped, ids)
+    assert stopped.text == "café naïve " and stopped.finish_reason == "stop" and with_stops.decodes > len(ids) // 2
 
 
 def test_the_newline_before_a_tool_call_split_over_tokens_is_not_streamed():
