@@ -29,6 +29,9 @@
    schema's one string is longer than `max_tokens` can finish, so every run generates the same tokens.
    Ratio = constrained / free tokens/s (the cost of the masks), also per CPU-second of the process (the
    robust figure on a shared CPU machine, where wall time mostly measures the neighbours).
+5. Serving cost (`serving_clients`, bench_serving.py): `serving_clients` concurrent non-streaming chat requests
+   (the orchestrator's shape) through real HTTP; the CPU time of the server's event-loop thread per generated
+   token, and the tokens/s the event loop alone could carry (it shares the GIL with the engine thread).
 Every request ignores EOS so all runs generate exactly the same number of tokens.
 
 GPU (0.6B Qwen3-shaped model, 128 new tokens; scripts/gpu/check.sh parts `inference` and `overlap`):
@@ -50,6 +53,8 @@ from pathlib import Path
 from gyre.config import GyreSettings, parse_or_exit
 from gyre.inference_process import start_inference
 from pydantic import Field, field_validator
+
+from gyre_inference.bench_serving import serving_cost
 
 
 class InferenceBenchConfig(GyreSettings):
@@ -77,6 +82,8 @@ class InferenceBenchConfig(GyreSettings):
     overlap_compare: bool = Field(True, description="Also run the engine with its overlapped decode loop switched "
                                   "the other way (engine.overlap), side by side: ratio overlap on / off.")  # fmt: skip
     constrained: bool = Field(True, description="Also time structured-output (grammar-constrained) decoding.")
+    serving_clients: int = Field(256, ge=0, description="Serving cost: concurrent non-streaming chat requests whose "
+                                 "event-loop CPU per generated token is measured (0: skip).")  # fmt: skip
 
     @field_validator("batch_sizes", mode="before")
     @classmethod
@@ -117,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         single, crowd = _http_throughput(model, prompt, config) if config.http else (None, None)
         rows, device, overlap = _engine_vs_transformers(model, config)
         constrained = _constrained_vs_free(model, prompt, config) if config.constrained else []
+        serving = None
+        if config.serving_clients:
+            serving = serving_cost(model, clients=config.serving_clients, max_tokens=config.max_tokens,
+                                   threads=config.threads, repeats=config.http_repeats)  # fmt: skip
     print()
     print(f"{'measure':<48}{'tokens/s':>10}{'limit':>8}{'step ms':>9}{'device':>8}{'host':>8}")
     if single is not None:
@@ -148,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         (free, free_cpu), (every, every_cpu), (half, half_cpu) = [(row.rate, cpu) for row, cpu in constrained]
         print(f"constrained / free decoding:           {every / free:6.2f}x   (mixed batch: {half / free:.2f}x; "
               f"per CPU-second {every_cpu / free_cpu:.2f}x and {half_cpu / free_cpu:.2f}x)")  # fmt: skip
+    if serving is not None:
+        print(f"serving, {serving.clients} concurrent chat requests: {serving.tokens_per_s:.0f} tokens/s; event loop "
+              f"{serving.loop_us_per_token:.1f} us CPU per token (alone it could carry {serving.loop_ceiling:.0f} "
+              f"tokens/s)")  # fmt: skip
+    elif config.serving_clients:
+        print("serving cost: not measured (no per-thread CPU time in /proc on this system)")
     return 0
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
+import time
 
 import pytest
 import torch
@@ -285,11 +287,40 @@ def test_the_inference_bench_runs_the_engine_with_overlap_on_and_off_side_by_sid
     from gyre_inference.bench import main
 
     args = ["--model", str(tiny_model), "--http", "false", "--batch-sizes", "4", "--max-tokens", "6", "--repeats", "1",
-            "--grpo", "false", "--constrained", "false", "--transformers-max-batch", "0"]  # fmt: skip
+            "--grpo", "false", "--constrained", "false", "--transformers-max-batch", "0", "--serving-clients", "4",
+            "--http-repeats", "1"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
+    # the serving cost: a real server's event-loop CPU per token of 4 concurrent chat requests
+    serving = re.search(r"serving, 4 concurrent chat requests: (\d+) tokens/s; event loop ([\d.]+) us CPU per token "
+                        r"\(alone it could carry (\d+) tokens/s\)", out)  # fmt: skip
+    assert serving, out
+    rate, cost, ceiling = float(serving[1]), float(serving[2]), float(serving[3])
+    assert rate > 0 and cost > 0 and abs(ceiling - 1e6 / cost) <= 1e6 / cost * 0.01 + 1
     assert "overlapped decode loop off by default" in out  # CPU
     lines = {line.split("  ")[0]: line for line in out.splitlines()}
     assert "torch engine, batch 4" in lines and "torch engine, batch 4, overlap on" in lines
     assert "transformers.generate, batch 4" not in lines  # --transformers-max-batch 0: none
     assert "overlap on / off, batch 4:" in out
+
+
+def test_the_serving_cost_reads_the_cpu_time_of_the_main_thread_only():
+    import os
+    import threading
+
+    from gyre_inference.bench_serving import main_thread_cpu_s
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    start = main_thread_cpu_s(os.getpid())
+    worker = threading.Thread(target=spin, args=(0.3,))
+    worker.start()
+    worker.join()
+    after_worker = main_thread_cpu_s(os.getpid())
+    spin(0.3)
+    after_main = main_thread_cpu_s(os.getpid())
+    assert after_worker - start < 0.15  # another thread's work is not the main thread's
+    assert after_main - after_worker >= 0.25
