@@ -67,6 +67,10 @@ class SamplingParams:
     # before it (the first has none), plus its k most likely alternatives. Raw model log-probs, log_softmax(logits)
     # whatever the temperature (as vLLM). Computed from the prefill's logits and put on the first TokenEvent.
     prompt_logprobs: int | None = None
+    # The caller reads the sequence only once it ends (a non-streaming choice without stop strings; vLLM's
+    # RequestOutputKind.FINAL_ONLY): a backend may hand its events over in one piece at the end instead of one
+    # by one, sparing the event loop a wake-up per token. Errors and cancellation still end it at once.
+    final_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,9 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # time.monotonic() when it was sampled, where its delivery is delayed (the first event of a final-only
+    # sequence): the time to first token is measured from it; None = now.
+    sampled_at: float | None = None
 
 
 class BackendStoppedError(RuntimeError):

@@ -74,6 +74,7 @@ class Sequence:
     prompt_scored: bool = False  # they were computed (a preempted sequence's recompute does not repeat them)
     finished: bool = False  # its last token has been emitted
     cancelled: bool = False  # set by the asyncio side; the engine drops the row before its next step
+    held: list = field(default_factory=list)  # a final-only sequence's events, handed over when it ends
 
     @property
     def constraint(self):

@@ -347,7 +347,13 @@ class EngineLoop:
             if version is None:
                 version = versions[seq.adapter] = self._bank.version_of_slot(seq.adapter)
             prompt, seq.prompt_logprobs = seq.prompt_logprobs, None  # on the first event only
-            events.append((seq, TokenEvent(token, logprobs[i], version, top, reason, prompt)))
+            if params.final_only:  # one hand-off when it ends (SamplingParams.final_only)
+                first = time.monotonic() if generated == 1 else None
+                seq.held.append(TokenEvent(token, logprobs[i], version, top, reason, prompt, sampled_at=first))
+                if reason is not None:
+                    events.append((seq, seq.held))
+            else:
+                events.append((seq, TokenEvent(token, logprobs[i], version, top, reason, prompt)))
             seq.finished = reason is not None
         self._deliver(events)
 

@@ -201,6 +201,7 @@ class Serving:
                     logit_bias=logit_bias,
                     min_tokens=request.min_tokens,
                     prompt_logprobs=prompt_top if i == 0 else None,  # once per prompt, shared by its choices
+                    final_only=not request.stream and not stops,  # nothing reads it before it ends
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",
@@ -232,7 +233,7 @@ class Serving:
         try:
             async for event in stream:
                 if job.first_token_at is None:
-                    job.first_token_at = time.monotonic()
+                    job.first_token_at = event.sampled_at or time.monotonic()
                     self.metrics.time_to_first_token.observe(job.first_token_at - job.started)
                 delta = choice.add(event)
                 sink(choice, delta)

@@ -222,9 +222,10 @@ class TorchBackend(EngineLoop, Backend):
                 item = await seq.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+                for event in item if isinstance(item, list) else (item,):  # a list: a final-only sequence's
+                    yield event
+                    if event.finish_reason is not None:
+                        return
         finally:
             seq.cancelled = True
 

@@ -132,3 +132,19 @@ def test_the_engine_logs_a_line_of_statistics_while_it_works(start_server):
     assert any("% from the prefix cache" in line and "prefill 1 call," in line for line in busy)  # n=4: one prefill
     # an idle engine logs nothing: the lines stop once the work is done (5 intervals of sleep, at most one line)
     assert len(lines) <= len(busy) + 1
+
+
+def test_a_non_streaming_requests_time_to_first_token_is_when_its_first_token_was_sampled(server, client, model_id):
+    # its tokens reach the event loop in one piece at the end (SamplingParams.final_only), yet the time to first
+    # token is the first token's, not the end's
+    before = httpx.get(f"{server.url}/metrics").text
+    client.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=120, extra_body={"ignore_eos": True})
+    after = httpx.get(f"{server.url}/metrics").text
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    first_token = moved("gyre_inference_time_to_first_token_seconds_sum")
+    latency = moved("gyre_inference_request_latency_seconds_sum", endpoint="completions")
+    assert moved("gyre_inference_time_to_first_token_seconds_count") == 1
+    assert 0 < first_token < latency / 2, (first_token, latency)

@@ -290,3 +290,35 @@ async def test_the_engine_keys_reach_the_torch_backend():
     backend = make_backend(config)
     assert (backend._kv_cache_gb, backend.prefix_caching) == (2.5, False)
     assert make_backend(InferenceConfig.model_validate({"model": {"name": "m"}})).prefix_caching is True
+
+
+async def test_a_final_only_sequence_is_handed_over_in_one_piece_with_the_same_tokens(engine):
+    """SamplingParams.final_only (a non-streaming choice without stop strings): one hand-off to the event loop
+    when the sequence ends instead of one per token; the same events, and the first one says when it was sampled
+    (the time to first token)."""
+    import time
+
+    handed = []
+    deliver = engine._deliver
+
+    def recording(items):
+        handed.extend(item for _, item in items)
+        deliver(items)
+
+    engine._deliver = recording  # the engine thread looks it up on the instance
+    params = SamplingParams(max_tokens=12, seed=5, top_logprobs=2)
+    streamed = [e async for e in engine.generate(PROMPT, params)]
+    assert len(handed) == 12  # one hand-off per token
+    handed.clear()
+    started = time.monotonic()
+    final = [e async for e in engine.generate(PROMPT, dataclasses.replace(params, final_only=True))]
+    arrived = time.monotonic()
+    assert len(handed) == 1 and isinstance(handed[0], list) and len(handed[0]) == 12  # one hand-off in all
+
+    def key(e):
+        return e.token_id, e.version, e.finish_reason, [t for t, _ in e.top_logprobs]
+
+    assert [key(e) for e in final] == [key(e) for e in streamed]
+    assert torch.allclose(torch.tensor([e.logprob for e in final]), torch.tensor([e.logprob for e in streamed]))
+    assert started <= final[0].sampled_at <= arrived and all(e.sampled_at is None for e in final[1:])
+    assert all(e.sampled_at is None for e in streamed)
