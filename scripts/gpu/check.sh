@@ -6,6 +6,7 @@
 #   weights   `gyre bench weights`, the swap of 1.19 GB to 2 replicas    -> bench_weights.txt
 #   inference `gyre bench inference`: batch 64 and 256, GRPO workload, vs transformers -> bench_inference.txt
 #   overlap   the engine's overlapped decode loop on vs off, batch 64 (OVERLAP_BATCHES), one repeat -> bench_overlap.txt
+#   serving   the server's event-loop CPU per token, 256 concurrent chat requests over HTTP    -> bench_serving.txt
 #   adapters  scripts/bench_adapter_bank.py, decode with named adapters -> bench_adapters.txt
 #   loop      `gyre rl @ configs/gpu/one-gpu-torch.toml`, per-step split -> loop.txt
 #   lora-loop the same loop training rank-16 adapters, published alone  -> lora_loop.txt
@@ -65,13 +66,18 @@ for part in "${parts[@]}"; do
         | grep -v "Loading weights" | tee "$out/bench_weights.txt" ;;
     inference)
       timeout -k 10 "${BENCH_TIMEOUT:-600}" python3 -m gyre.cli bench inference --model "$model" --batch-sizes 64,256 \
-        --max-tokens 128 --http false --repeats 3 --transformers-max-batch 64 2>&1 | grep --line-buffered -v "Loading weights" \
-        | tee "$out/bench_inference.txt" ;;
+        --max-tokens 128 --http false --repeats 3 --transformers-max-batch 64 --serving-clients 0 2>&1 \
+        | grep --line-buffered -v "Loading weights" | tee "$out/bench_inference.txt" ;;
+    serving)
+      # the event loop's CPU per generated token, 256 concurrent chat requests through real HTTP (~1.5 min)
+      timeout -k 10 "${SERVING_TIMEOUT:-240}" python3 -m gyre.cli bench inference --model "$model" --http false \
+        --engine false --constrained false --max-tokens 128 --serving-clients 256 2>&1 \
+        | grep --line-buffered -v "Loading weights" | tee "$out/bench_serving.txt" ;;
     overlap)
       # the same bench, only the engine with engine.overlap on and off side by side (~1 min once the model exists)
       timeout -k 10 "${OVERLAP_TIMEOUT:-120}" python3 -m gyre.cli bench inference --model "$model" \
         --batch-sizes "${OVERLAP_BATCHES:-64}" --max-tokens 128 --http false --repeats 1 --grpo false \
-        --constrained false --transformers-max-batch 0 2>&1 | grep --line-buffered -v "Loading weights" \
+        --constrained false --transformers-max-batch 0 --serving-clients 0 2>&1 | grep --line-buffered -v "Loading weights" \
         | tee "$out/bench_overlap.txt" ;;
     adapters)
       timeout 600 python3 scripts/bench_adapter_bank.py outputs/adapter-bench --model "$model" --device cuda \

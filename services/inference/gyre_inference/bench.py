@@ -72,6 +72,8 @@ class InferenceBenchConfig(GyreSettings):
     threads: int = Field(1, ge=1, description="torch threads of the server and of the engine comparison.")
     repeats: int = Field(5, ge=1, description="Engine comparison: best of this many interleaved runs each.")
     http: bool = Field(True, description="Run the HTTP concurrency part (false: only the engine comparison).")
+    engine: bool = Field(True, description="Run the engine comparison (part 2, with the GRPO workload and the "
+                         "overlap comparison).")  # fmt: skip
     batch_sizes: list[int] = Field(default_factory=list, description="Batch sizes of the engine comparison "
                                    "(comma-separated; default: clients).")  # fmt: skip
     grpo: bool = Field(True, description="Also run the GRPO-shaped workload, prefix sharing on vs off.")
@@ -122,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"model {model}, prompt {config.prompt_tokens} tokens, {config.max_tokens} new tokens, "
               f"{config.threads} thread(s)", flush=True)  # fmt: skip
         single, crowd = _http_throughput(model, prompt, config) if config.http else (None, None)
-        rows, device, overlap = _engine_vs_transformers(model, config)
+        rows, device, overlap = _engine_vs_transformers(model, config) if config.engine else ([], "", False)
         constrained = _constrained_vs_free(model, prompt, config) if config.constrained else []
         serving = None
         if config.serving_clients:
@@ -140,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"concurrency ratio ({config.clients} clients / 1):  {crowd / single:6.2f}x   (target >= 8)")
     target = "3" if device.startswith("cuda") else "1.0"
     by_name = {row.name: row for row in rows}
-    for batch in config.batch_sizes or [config.clients]:
+    for batch in (config.batch_sizes or [config.clients]) if config.engine else []:
         ours, theirs = by_name.get(f"torch engine, batch {batch}"), by_name.get(f"transformers.generate, batch {batch}")
         if ours and theirs:
             ratio = ours.rate / theirs.rate
