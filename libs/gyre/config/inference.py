@@ -23,6 +23,13 @@ class ServerConfig(Section):
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="On SIGTERM: how long in-flight requests (HTTP and gRPC) may finish before being cut."
     )
+    keep_alive_s: float = Field(
+        75.0,
+        gt=0,
+        description="How long an idle keep-alive connection stays open. Longer than clients' own idle expiry (httpx "
+        "5 s, aiohttp 15 s, cloud load balancers ~60 s), so the client closes it first: a server closing a connection "
+        "just as a client reuses it fails that request with a connection error (uvicorn's default 5 s equals httpx's).",
+    )
 
 
 class ControlConfig(Section):

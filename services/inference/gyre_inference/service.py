@@ -112,7 +112,8 @@ async def run_service(config: InferenceConfig) -> int:
     # http="auto": uvicorn's C parser httptools (a dependency) rather than pure-Python h11, whose parsing was a
     # sixth of the event loop's time at 256 requests in flight; h11 only where httptools is missing
     http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="off",
-                                      http="auto", timeout_graceful_shutdown=grace))  # fmt: skip
+                                      http="auto", timeout_keep_alive=config.server.keep_alive_s,
+                                      timeout_graceful_shutdown=grace))  # fmt: skip
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     metrics_server = None
     if config.metrics.port is not None:

@@ -333,3 +333,26 @@ def test_a_client_that_goes_away_frees_its_sequences(server, model_id, stream):
     assert scrape("gyre_inference_running_requests") == 0
     assert scrape("gyre_inference_requests_total", "aborted") == aborted + 1
     assert scrape("gyre_inference_generation_tokens_total") - generated < 32 * 240  # cancelled long before the end
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_own_expiry(server):
+    """httpx (the openai client) drops an idle connection after 5 s, uvicorn's default closed it after 5 s too: a
+    request sent as the server closed the connection failed as a connection error (seen at 256 concurrent clients).
+    The server keeps idle connections longer (server.keep_alive_s), so the client closes them first."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server.url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+    try:
+        connection.request("GET", "/health")
+        first = connection.getresponse()
+        first.read()
+        sock = connection.sock
+        time.sleep(5.5)  # longer than httpx's keepalive_expiry and uvicorn's own default
+        connection.request("GET", "/health")
+        second = connection.getresponse()  # http.client.RemoteDisconnected if the server had closed it
+        second.read()
+        assert (first.status, second.status) == (200, 200) and connection.sock is sock  # the same connection
+    finally:
+        connection.close()
