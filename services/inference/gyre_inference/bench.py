@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             serving = serving_cost(model, clients=config.serving_clients, max_tokens=config.max_tokens,
                                    threads=config.threads, repeats=config.http_repeats)  # fmt: skip
     print()
-    print(f"{'measure':<48}{'tokens/s':>10}{'limit':>8}{'step ms':>9}{'device':>8}{'host':>8}")
+    if single is not None or rows or constrained:
+        print(f"{'measure':<48}{'tokens/s':>10}{'limit':>8}{'step ms':>9}{'device':>8}{'host':>8}")
     if single is not None:
         print(f"{'HTTP, 1 client at a time':<48}{single:>10.0f}")
         print(f"{f'HTTP, {config.clients} concurrent clients':<48}{crowd:>10.0f}")
