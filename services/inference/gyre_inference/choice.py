@@ -69,9 +69,9 @@ class Choice:
     version_min: int | None = None
     version_max: int | None = None
     prompt_logprobs: tuple | None = None  # the engine's PromptLogprobs when they were asked for
-    # Text handed out token by token (streaming). A non-streaming choice without stop strings needs its text
-    # only at the end: decoded once then, not twice per token (at 256 rows per decode step, per-token
-    # detokenizing was a sixth of the event loop's time). Both give the same text (IncrementalDecoder).
+    # Its text is read as it grows (streaming; stop strings are searched in it anyway). A non-streaming choice
+    # without stop strings needs its text only at the end: decoded once then, not twice per token (at 256 rows
+    # per decode step, per-token detokenizing was a sixth of the event loop's time). Both give the same text.
     streamed: bool = True
 
     def __post_init__(self):

@@ -186,6 +186,8 @@ class Serving:
             top, prompt_top = ((request.top_logprobs or 0) if request.logprobs else 0), None
         else:
             top, prompt_top = request.logprobs or 0, request.prompt_logprobs_wanted
+        # nothing reads a non-streaming choice without stop strings before it ends: handed over and decoded once
+        final_only = not request.stream and not stops
         choices = []
         for p, prompt in enumerate(prompts):
             max_tokens = self._budget(len(prompt), limit, prompt_param)
@@ -201,11 +203,11 @@ class Serving:
                     logit_bias=logit_bias,
                     min_tokens=request.min_tokens,
                     prompt_logprobs=prompt_top if i == 0 else None,  # once per prompt, shared by its choices
-                    final_only=not request.stream and not stops,  # nothing reads it before it ends
+                    final_only=final_only,
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",
-                                streamed=bool(request.stream))  # fmt: skip
+                                streamed=not final_only)  # fmt: skip
                 choices.append((p, choice, params))
         return _Job(kind, request, prompts, choices, started)
 
