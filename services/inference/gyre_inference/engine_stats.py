@@ -41,9 +41,11 @@ class EngineStats:
         return dataclasses.replace(self, **gauges)
 
 
-def stats_line(now: EngineStats, before: EngineStats, seconds: float) -> str | None:
+def stats_line(now: EngineStats, before: EngineStats, seconds: float, loop_cpu: float | None = None) -> str | None:
     """The log line for the interval between two snapshots `seconds` apart; None when the engine was idle
-    all along (nothing computed, nothing running or waiting)."""
+    all along (nothing computed, nothing running or waiting). `loop_cpu`: CPU seconds the event loop's thread
+    used in the interval. That thread and the engine's share one interpreter lock, so a loop busy most of the
+    time (HTTP, requests, responses) holds back a GPU whose steps wait on host work."""
     steps = now.decode_steps - before.decode_steps
     prefills = now.prefills - before.prefills
     if not (steps or prefills or now.running or now.waiting):
@@ -71,6 +73,8 @@ def stats_line(now: EngineStats, before: EngineStats, seconds: float) -> str | N
                      f"({now.capture_seconds - before.capture_seconds:.2f} s)")  # fmt: skip
     if now.swaps > before.swaps:
         parts.append(f"weight swaps {now.swaps - before.swaps} ({now.swap_seconds - before.swap_seconds:.2f} s)")
+    if loop_cpu is not None:
+        parts.append(f"event loop {loop_cpu / seconds:.0%} busy")
     return " | ".join(parts)
 
 

@@ -172,16 +172,17 @@ async def _log_engine_stats(backend: Backend, interval: float) -> None:
     cancelled (shutdown), one line for the whole time it served (a run shorter than the interval gets one too)."""
     first = before = backend.engine_stats()
     started = then = time.monotonic()
+    cpu_started = cpu_then = time.thread_time()  # this task runs on the event loop: its thread's CPU time
     try:
         while True:
             await asyncio.sleep(interval)
-            now, at = backend.engine_stats(), time.monotonic()
-            line = stats_line(now, before, at - then)
+            now, at, cpu = backend.engine_stats(), time.monotonic(), time.thread_time()
+            line = stats_line(now, before, at - then, cpu - cpu_then)
             if line is not None:
                 log.info("%s", line)
-            before, then = now, at
+            before, then, cpu_then = now, at, cpu
     finally:
-        line = stats_line(backend.engine_stats(), first, time.monotonic() - started)
+        line = stats_line(backend.engine_stats(), first, time.monotonic() - started, time.thread_time() - cpu_started)
         if line is not None:
             log.info("%s", line.replace("engine:", "engine, whole run:", 1))
 

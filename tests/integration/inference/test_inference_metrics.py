@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -130,6 +131,8 @@ def test_the_engine_logs_a_line_of_statistics_while_it_works(start_server):
     assert busy and all("running" in line and "KV cache" in line for line in lines)
     assert any("decode " in line and "ms each" in line for line in busy)
     assert any("% from the prefix cache" in line and "prefill 1 call," in line for line in busy)  # n=4: one prefill
+    # the event loop's share of its thread's CPU: present on every line, a percentage
+    assert all(re.search(r"\| event loop \d+% busy$", line) for line in lines), lines
     # an idle engine logs nothing: the lines stop once the work is done (5 intervals of sleep, at most one line)
     assert len(lines) <= len(busy) + 1
 

@@ -29,3 +29,11 @@ def test_the_line_reports_the_intervals_rates_and_the_step_split():
     assert parts[4] == "prefill 2 calls, 0.30 s"
     assert parts[5] == "weight swaps 1 (0.05 s)"  # no capture in the interval: not mentioned
     assert len(parts) == 6
+
+
+def test_the_line_ends_with_the_event_loops_busy_share_when_given():
+    before = EngineStats(decode_steps=10, decode_tokens=80)
+    now = EngineStats(decode_steps=20, decode_tokens=160)
+    # 1.5 CPU seconds of the loop's thread in a 2 s interval: the loop was busy 75% of the time
+    assert stats_line(now, before, 2.0, loop_cpu=1.5).endswith(" | event loop 75% busy")
+    assert "event loop" not in stats_line(now, before, 2.0)
