@@ -1,9 +1,10 @@
 """`gyre bench inference`, part 5: what the server's event loop spends per generated token.
 
-One `gyre inference` process serves `clients` concurrent non-streaming chat completions (the orchestrator's
-shape, through the official `openai` client), `repeats` rounds. Measured: the CPU time of the server's main
-thread, where asyncio runs HTTP, request validation, the hand-off of each token from the engine thread and
-the detokenizing, per generated token (`/proc/<pid>/task/<pid>/stat`, Linux). The engine runs in its own
+One `gyre inference` process serves `clients` concurrent non-streaming chat completions shaped as the
+orchestrator's (log-probs and token ids of every token, a seed; through the official `openai` client),
+`repeats` rounds. Measured: the CPU time of the server's main thread, where asyncio runs HTTP, request
+validation, the hand-off of each token from the engine thread, the detokenizing and the log-prob entries of
+the response, per generated token (`/proc/<pid>/task/<pid>/stat`, Linux). The engine runs in its own
 thread, but both need the GIL: the event loop alone cannot carry more than 1e6 / (µs per token) tokens/s,
 whatever the GPU decodes. CPU time, not wall time, so neighbours' load on a shared machine barely moves it.
 """
@@ -63,9 +64,11 @@ def serving_cost(model: Path, *, clients: int, max_tokens: int, threads: int, re
                 model_id = (await client.models.list()).data[0].id
 
                 async def one(i: int) -> int:
+                    # the orchestrator's request (gyre_orchestrator.client): log-probs and token ids of every token
                     response = await client.chat.completions.create(
                         model=model_id, messages=[{"role": "user", "content": f"Reverse the text: request {i}"}],
-                        max_tokens=max_tokens, temperature=1.0, extra_body={"ignore_eos": True},
+                        max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=i, logprobs=True,
+                        extra_body={"ignore_eos": True, "return_token_ids": True},
                     )  # fmt: skip
                     return response.usage.completion_tokens
 
