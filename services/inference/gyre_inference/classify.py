@@ -29,9 +29,10 @@ from gyre.transport import FetchedWeights
 from pydantic import Field, model_validator
 
 from gyre_inference.backend import Backend, BackendStoppedError, SamplingParams, TokenEvent, WeightsIncompatibleError
+from gyre_inference.chat_messages import ChatMessage
 from gyre_inference.cpus import default_engine_threads
 from gyre_inference.errors import APIError, unknown_model
-from gyre_inference.protocol import ChatMessage, StrictModel
+from gyre_inference.strict import StrictModel
 from gyre_inference.torch_backend import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,5 @@
-"""Strict request models of the OpenAI-compatible API (plus vLLM's extensions we implement).
-
-Strict means: unknown fields are errors, and values are never coerced across JSON types
-(`"logprobs": 0` is not a bool, `"n": "2"` is not an int, `"temperature": 1` is a fine float).
-Every validation failure becomes a 400 with OpenAI's error JSON naming the field (see errors.py).
+"""Request models of the OpenAI-compatible API (plus vLLM's extensions we implement): sampling, chat and text
+completions, tokenize / detokenize. All are strict (strict.py); chat messages and tools are in chat_messages.py.
 
 Fields OpenAI defines but this server cannot honour (penalties, best_of > 1, suffix, ...) are
 accepted only with their neutral value, so a client that sends the default explicitly still works
@@ -15,8 +12,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
+from gyre_inference.chat_messages import ChatMessage, NamedToolChoice, Prediction, Tool
+from gyre_inference.strict import StrictModel
 from gyre_inference.structured import Guide
 
 MAX_N = 128
@@ -57,23 +56,6 @@ UNSUPPORTED_FIELDS = {
 _NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "use_beam_search": (False,),
             "skip_special_tokens": (True,)}  # fmt: skip
 UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out of the text"
-
-
-class StrictModel(BaseModel):
-    """Unknown fields are errors, types are never coerced. Fields listed in `NULL_IS_DEFAULT` (those OpenAI's
-    reference marks nullable whose null means "the default") may be sent as null."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data):
-        if isinstance(data, dict) and cls.NULL_IS_DEFAULT:
-            nulls = [key for key in cls.NULL_IS_DEFAULT if key in data and data[key] is None]
-            if nulls:
-                data = {key: value for key, value in data.items() if key not in nulls}
-        return data
 
 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -280,116 +262,6 @@ class SamplingRequest(StrictModel):
     def usage_every_chunk(self) -> bool:
         options = self.stream_options
         return bool(options and options.include_usage and options.continuous_usage_stats)
-
-
-# ---- chat -------------------------------------------------------------------------------------------
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
-
-
-# Content parts OpenAI defines that a text-only model cannot take: refused by what they need, not by their tag.
-_NOT_TEXT = {
-    "image_url": "image input (image_url parts)",
-    "input_image": "image input (input_image parts)",
-    "input_audio": "audio input (input_audio parts)",
-    "file": "file input (file parts)",
-    "input_file": "file input (input_file parts)",
-}
-
-
-def _text_parts_only(value):
-    if isinstance(value, list):
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _NOT_TEXT:
-                raise ValueError(f"part {i}: {_NOT_TEXT[kind]} is not supported: the served model takes text only")
-    return value
-
-
-Content = Annotated[str | list[TextPart], BeforeValidator(_text_parts_only)]
-
-
-class FunctionCall(StrictModel):
-    name: str = Field(min_length=1)
-    arguments: str = Field(description="JSON text of the arguments, as the model wrote it.")
-
-
-class ToolCall(StrictModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class SystemMessage(StrictModel):
-    role: Literal["system"]
-    content: Content
-    name: str | None = None
-
-
-class UserMessage(StrictModel):
-    role: Literal["user"]
-    content: Content
-    name: str | None = None
-
-
-class DeveloperMessage(StrictModel):
-    """OpenAI's newer name for system instructions; rendered as a system message."""
-
-    role: Literal["developer"]
-    content: Content
-    name: str | None = None
-
-
-class AssistantMessage(StrictModel):
-    """What `resp.choices[0].message.model_dump()` gives back: the fields this server never produces
-    (refusal, audio, annotations, the deprecated function_call) are accepted as null only."""
-
-    role: Literal["assistant"]
-    content: Content | None = None
-    tool_calls: list[ToolCall] | None = None
-    name: str | None = None
-    refusal: None = Field(None, description="Only null (this server never refuses).")
-    audio: None = Field(None, description="Only null (no audio output).")
-    annotations: None = Field(None, description="Only null (no web search).")
-    function_call: None = Field(None, description="Only null (deprecated; use tool_calls).")
-
-
-class ToolMessage(StrictModel):
-    role: Literal["tool"]
-    content: Content
-    tool_call_id: str | None = None
-
-
-ChatMessage = Annotated[
-    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
-]
-
-
-class FunctionDefinition(StrictModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(StrictModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(StrictModel):
-    name: str = Field(min_length=1)
-
-
-class NamedToolChoice(StrictModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class Prediction(StrictModel):
-    type: Literal["content"]
-    content: Content
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -31,16 +31,16 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
+from gyre_inference.chat_messages import Content
 from gyre_inference.errors import APIError
 from gyre_inference.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
-    Content,
     JSONSchemaFormat,
     SchemaObject,
     StreamOptions,
-    StrictModel,
 )
+from gyre_inference.strict import StrictModel
 
 # ---- request models ----------------------------------------------------------------------------------
 _NOT_STORED = "this server stores no responses: send the whole conversation in input"

@@ -39,8 +39,9 @@ from gyre_inference.backend import SamplingParams
 from gyre_inference.choice import choice_seed
 from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.prompt_logprobs import to_vllm
-from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, StrictModel
+from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS
 from gyre_inference.serving import VERSION_HEADER
+from gyre_inference.strict import StrictModel
 
 ROUTE = "/inference/v1/generate"
 

@@ -1,0 +1,122 @@
+"""The messages and tools of a chat request (OpenAI's shapes): text content only, tool calls and tool results.
+
+What `resp.choices[0].message.model_dump()` gives back is accepted as the next turn's assistant message, so a
+client can send a conversation back as it got it (fields this server never fills are accepted as null only).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from gyre_inference.strict import StrictModel
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+# Content parts OpenAI defines that a text-only model cannot take: refused by what they need, not by their tag.
+_NOT_TEXT = {
+    "image_url": "image input (image_url parts)",
+    "input_image": "image input (input_image parts)",
+    "input_audio": "audio input (input_audio parts)",
+    "file": "file input (file parts)",
+    "input_file": "file input (input_file parts)",
+}
+
+
+def _text_parts_only(value):
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _NOT_TEXT:
+                raise ValueError(f"part {i}: {_NOT_TEXT[kind]} is not supported: the served model takes text only")
+    return value
+
+
+Content = Annotated[str | list[TextPart], BeforeValidator(_text_parts_only)]
+
+
+class FunctionCall(StrictModel):
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="JSON text of the arguments, as the model wrote it.")
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(StrictModel):
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(StrictModel):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(StrictModel):
+    """OpenAI's newer name for system instructions; rendered as a system message."""
+
+    role: Literal["developer"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(StrictModel):
+    """What `resp.choices[0].message.model_dump()` gives back: the fields this server never produces
+    (refusal, audio, annotations, the deprecated function_call) are accepted as null only."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+    refusal: None = Field(None, description="Only null (this server never refuses).")
+    audio: None = Field(None, description="Only null (no audio output).")
+    annotations: None = Field(None, description="Only null (no web search).")
+    function_call: None = Field(None, description="Only null (deprecated; use tool_calls).")
+
+
+class ToolMessage(StrictModel):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+ChatMessage = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class Prediction(StrictModel):
+    type: Literal["content"]
+    content: Content
