@@ -14,7 +14,8 @@
 # usage: scripts/gpu/check.sh [OUT_DIR] [PART ...]   (needs .gpu-wheels/: scripts/gpu/fetch_wheels.sh)
 # Each part runs under `timeout` and writes its file as it goes, so a hang still leaves figures. The engine's
 # check in one call of ~8 minutes: scripts/gpu/check.sh outputs/gpu inference-tests inference loop
-# with TESTS_TIMEOUT=150 BENCH_TIMEOUT=200 LOOP_TIMEOUT=180 (seconds; the defaults are longer).
+# with TESTS_TIMEOUT=150 BENCH_TIMEOUT=200 LOOP_TIMEOUT=180 (seconds; the defaults are longer). LOOP_ARGS adds
+# `gyre rl` flags to the loop part, e.g. LOOP_ARGS="--orchestrator.inference.max-concurrency 512".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-outputs/gpu}
@@ -82,7 +83,8 @@ for part in "${parts[@]}"; do
     adapters)
       timeout 600 python3 scripts/bench_adapter_bank.py outputs/adapter-bench --model "$model" --device cuda \
         --sequences 64 --rounds 5 2>&1 | grep -v "Loading weights" | tee "$out/bench_adapters.txt" ;;
-    loop) run_loop gpu-one "$out/loop.txt" ;;
+    # shellcheck disable=SC2086  # LOOP_ARGS: extra `gyre rl` flags, split into words on purpose
+    loop) run_loop gpu-one "$out/loop.txt" ${LOOP_ARGS:-} ;;
     lora-loop) run_loop gpu-lora "$out/lora_loop.txt" --run-id gpu-lora --output-dir outputs/gpu-lora \
       --trainer.lora.rank 16 --trainer.lora.publish adapter --trainer.optim.lr 1e-4 ;;
     *) echo "unknown part: $part (tests, inference-tests, trainer, weights, inference, overlap, adapters, loop, lora-loop)" >&2
