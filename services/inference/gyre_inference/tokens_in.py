@@ -32,12 +32,12 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from gyre_inference.backend import SamplingParams
 from gyre_inference.choice import choice_seed
 from gyre_inference.errors import APIError, unknown_model
+from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS
 from gyre_inference.serving import VERSION_HEADER
@@ -115,7 +115,7 @@ def add_generate_route(app: FastAPI, state) -> None:
     """Register `POST /inference/v1/generate` on the inference app (`state`: api.AppState)."""
 
     @app.post(ROUTE, summary="vLLM-compatible tokens in, tokens out (with per-choice policy versions).")
-    async def generate(body: GenerateRequest) -> JSONResponse:
+    async def generate(body: GenerateRequest) -> FastJSONResponse:
         try:
             adapter = state.backend.adapter_for(body.model, state.model_id)
         except KeyError:
@@ -170,4 +170,4 @@ def add_generate_route(app: FastAPI, state) -> None:
                 "total_tokens": len(prompt) + completion_tokens,
             },
         }
-        return JSONResponse(payload, headers={VERSION_HEADER: str(newest)})
+        return FastJSONResponse(payload, headers={VERSION_HEADER: str(newest)})
