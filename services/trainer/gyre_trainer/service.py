@@ -118,6 +118,10 @@ def run(cfg: TrainerConfig, *, handle_signals: bool = True) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request_stop)
     try:
-        return trainer.run()
+        status = trainer.run()
+        # Ranks leave together, as SFT's do: a rank that tore its process group down while rank 0 was still
+        # publishing aborted at exit once (gloo: "terminate called without an active exception", SIGABRT).
+        dist.barrier(ctx)
+        return status
     finally:
         dist.shutdown(ctx)
