@@ -71,6 +71,9 @@ class SamplingParams:
     # RequestOutputKind.FINAL_ONLY): a backend may hand its events over in one piece at the end instead of one
     # by one, sparing the event loop a wake-up per token. Errors and cancellation still end it at once.
     final_only: bool = False
+    # vLLM's request priority: lower is scheduled earlier (admission; preemption takes the highest value first).
+    # The orchestrator sends a rollout's RL step, so a backlog of requests never delays an older batch.
+    priority: int = 0
 
 
 @dataclass(frozen=True)

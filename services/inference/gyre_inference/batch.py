@@ -7,11 +7,12 @@ on the smallest bucket covering the highest live row. Admission and retirement o
 buffers: nothing is recaptured, no cache is copied.
 
 Blocks. A sequence's block table covers positions [0, computed]; before each step every live row gets the
-block its next position falls in. Out of blocks, the most recently admitted row is preempted: its blocks
-are released (they stay in the prefix cache, keyed) and it goes back to the front of the queue with the
-tokens it generated; readmitted, its prompt plus those tokens are prefilled again (recompute, mostly
-prefix-cache hits) and it continues where it was, with the same random stream (the uniform of its n-th
-token is a function of its seed and n). Admission waits while the pool cannot hold a sequence's prompt
+block its next position falls in. Out of blocks, the most recently admitted row of the lowest priority (the
+highest `priority` value) is preempted: its blocks are released (they stay in the prefix cache, keyed) and it
+goes back to the queue at the place it first got (waiting_queue.py), with the tokens it generated;
+readmitted, its prompt plus those tokens are prefilled again (recompute, mostly prefix-cache hits) and it
+continues where it was, with the same random stream (the uniform of its n-th token is a function of its
+seed and n). Admission waits while the pool cannot hold a sequence's prompt
 plus one block for every live row (so admitting never forces an immediate preemption).
 
 Prefix sharing (kv_cache.BlockPool). At admission a prompt's full blocks are looked up under keys salted
@@ -68,7 +69,8 @@ class Sequence:
     keys: list[int] = field(default_factory=list)  # prefix keys of its leading full blocks
     salt: object = None  # the cache salt its blocks were computed under
     row: int = -1
-    admitted: int = 0  # admission order (the newest is preempted first)
+    admitted: int = 0  # admission order (the newest of the lowest priority is preempted first)
+    place: tuple[int, int] | None = None  # (priority, arrival) in the waiting queue, kept when sent back
     # SamplingParams.prompt_logprobs: computed by the prefill, handed out on the first token's event
     prompt_logprobs: tuple | None = None
     prompt_scored: bool = False  # they were computed (a preempted sequence's recompute does not repeat them)
@@ -312,7 +314,7 @@ class Batch:
         preemption), and fill the step's inputs; live rows outside the step get idle inputs (the overlapped loop:
         rows that are over but in the step in flight). Sequences in `carried` are in the step in flight: their
         next position is one further than their host state says, and their input token is that step's sample,
-        taken on the device (CARRY). Returns the sequences preempted (for the front of the queue)."""
+        taken on the device (CARRY). Returns the sequences preempted (back to the waiting queue)."""
         preempted, copies = [], []
         for seq in sorted(self.live if step is None else step, key=lambda s: s.row):
             if seq.row < 0:  # preempted meanwhile
@@ -324,7 +326,7 @@ class Batch:
                 except OutOfBlocksError:
                     if carried:  # never preempt a row a launched step writes: the engine checks blocks_needed first
                         raise
-                    victim = max(self.live, key=lambda s: s.admitted)
+                    victim = max(self.live, key=lambda s: (s.params.priority, s.admitted))
                     released = set(victim.blocks)
                     copies[:] = [(src, dst) for src, dst in copies if dst not in released]
                     self._vacate(victim.row)

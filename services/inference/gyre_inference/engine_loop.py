@@ -32,7 +32,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from gyre_inference.backend import BackendStoppedError, TokenEvent, WeightsIncom
 from gyre_inference.batch import Batch, Sequence
 from gyre_inference.engine_stats import EngineStats
 from gyre_inference.model_runner import LaunchedStep, ModelRunner
+from gyre_inference.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from gyre_inference.adapters import AdapterBank
@@ -92,7 +92,7 @@ class EngineLoop:
         self._in_flight: _InFlight | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # where `_deliver` hands events to (set by `start`)
         self._cond = threading.Condition()
-        self._waiting: deque[Sequence] = deque()
+        self._waiting = WaitingQueue()  # by priority, then arrival
         self._swap: _Swap | None = None
         self._stopping = False
         self._admitting = 0  # sequences taken off the queue whose prefill is under way
@@ -183,10 +183,10 @@ class EngineLoop:
         batch.reset()
 
     def _requeue(self, seqs: list[Sequence]) -> None:
-        """Back to the front of the queue, in order (admission waits for blocks; preempted rows)."""
+        """Back to the queue, each at the place it first got (admission waits for blocks; preempted rows)."""
         if seqs:
             with self._cond:
-                self._waiting.extendleft(reversed(seqs))
+                self._waiting.extend(seqs)
 
     def _use_adapters(self, seqs: list[Sequence], per_token: list[int] | None = None) -> None:
         if self._bank is None:
@@ -217,7 +217,7 @@ class EngineLoop:
     def _decode(self) -> None:
         """One decode step for every live row, read before the next one is prepared (the synchronous loop)."""
         started = time.perf_counter()
-        self._requeue(sorted(self._batch.prepare_decode(), key=lambda seq: seq.admitted))
+        self._requeue(self._batch.prepare_decode())
         if not self._rows:
             return
         self._use_adapters(self._rows)

@@ -162,7 +162,7 @@ class SamplingRequest(StrictModel):
     NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset({
         "n", "stream", "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
         "include_stop_str_in_output",
-        "return_tokens_as_token_ids", "return_token_ids", "use_beam_search", "skip_special_tokens",
+        "return_tokens_as_token_ids", "return_token_ids", "use_beam_search", "skip_special_tokens", "priority",
     })  # fmt: skip
 
     model: str = Field(description="Served model id (see GET /v1/models).")
@@ -198,6 +198,9 @@ class SamplingRequest(StrictModel):
     )
     return_token_ids: bool = Field(
         False, description="vLLM extension: prompt_token_ids and per-choice token_ids in the response."
+    )
+    priority: int = Field(
+        0, ge=-(2**31), lt=2**31, description="vLLM extension: scheduling priority, lower is served first (default 0)."
     )
     # vLLM sampling fields clients send at their neutral value (RL frameworks often do): accepted only so.
     top_k: int | None = Field(None, description="vLLM extension; only -1 or 0 (off).")

@@ -183,6 +183,9 @@ class ResponsesRequest(StrictModel):
     conversation: None = Field(None, description="Only null: " + _NOT_STORED + ".")
     background: bool | None = Field(None, description="Only false: responses are not kept to poll.")
     prompt: None = Field(None, description="Only null: no stored prompt templates.")
+    priority: int = Field(
+        0, ge=-(2**31), lt=2**31, description="vLLM extension: scheduling priority, lower is served first (default 0)."
+    )
 
     @field_validator("store", "background")
     @classmethod
@@ -222,7 +225,7 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, "input: give at least one message", param="input")
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream,
                             "max_completion_tokens": request.max_output_tokens, "temperature": request.temperature,
-                            "top_p": request.top_p, "user": request.user}  # fmt: skip
+                            "top_p": request.top_p, "user": request.user, "priority": request.priority}  # fmt: skip
     if request.tools:
         chat["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                          for tool in request.tools]  # fmt: skip

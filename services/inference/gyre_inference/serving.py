@@ -204,6 +204,7 @@ class Serving:
                     min_tokens=request.min_tokens,
                     prompt_logprobs=prompt_top if i == 0 else None,  # once per prompt, shared by its choices
                     final_only=final_only,
+                    priority=request.priority,
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",

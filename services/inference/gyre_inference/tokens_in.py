@@ -76,7 +76,7 @@ class GenerateRequest(StrictModel):
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = Field(False, description="Only false is supported.")
     cache_salt: str | None = Field(None, description="Accepted for vLLM compatibility; no prefix cache here.")
-    priority: int = Field(0, ge=0, le=0, description="Only 0 is supported.")
+    priority: int = Field(0, ge=-(2**31), lt=2**31, description="Scheduling priority, lower is served first.")
 
 
 async def _sample(state, prompt: list[int], params: SamplingParams, index: int, sp: GenerateSamplingParams) -> dict:
@@ -146,6 +146,7 @@ def add_generate_route(app: FastAPI, state) -> None:
                 top_logprobs=sp.logprobs or 0,
                 adapter=adapter,
                 prompt_logprobs=sp.prompt_logprobs if i == 0 else None,  # one prompt: computed once
+                priority=body.priority,
             )
             for i in range(sp.n)
         ]

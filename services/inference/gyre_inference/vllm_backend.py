@@ -256,6 +256,9 @@ class VLLMBackend(Backend):
         kwargs = {k: v for k, v in self._engine_kwargs.items() if v is not None}
         # llguidance, the torch backend's grammar engine (gyre_inference.structured)
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance")
+        # requests carry a priority (the orchestrator's RL step), as in the torch engine; with vLLM's default
+        # "fcfs" policy any priority but 0 is an error
+        kwargs.setdefault("scheduling_policy", "priority")
         args = AsyncEngineArgs(**kwargs)
         self._engine = AsyncLLM.from_engine_args(args)
         self._max_model_len = self._engine.model_config.max_model_len
@@ -286,7 +289,11 @@ class VLLMBackend(Backend):
             if lora is not None and not os.path.isdir(lora.lora_path):
                 await self._check_still_held(params.adapter, lora)
         stream = self._engine.generate(
-            {"prompt_token_ids": list(prompt)}, vllm_params, uuid.uuid4().hex, lora_request=lora
+            {"prompt_token_ids": list(prompt)},
+            vllm_params,
+            uuid.uuid4().hex,
+            lora_request=lora,
+            priority=params.priority,
         )
         self._running += 1
         if lora is not None:

@@ -12,6 +12,9 @@ trains on exactly the tokens the model sampled (docs/architecture.md, "Alignment
 - **Timeouts, retries with backoff**: a connection error, timeout or 5xx/429 takes the replica out of
   rotation (circuit breaker, retried later) and the request is retried on another replica after an
   exponential backoff, `retries` times; 4xx errors are the request's fault and raise at once.
+- **Priority**: `for_version(v, priority=s)` also sends `"priority": s` (vLLM's field: lower is served first).
+  A rollout for batch `s` is sent with priority `s`, so when more requests are in flight than a replica has
+  batch rows, the oldest batch's rollouts take the rows first and a newer batch never delays it.
 - **Policy versions**: `for_version(v)` returns a view that only uses replicas known to serve a
   version >= v — how the async bound is enforced at dispatch. The version that produced each
   completion is read from the response (per choice `policy_version_min/max`; a server without them
@@ -119,16 +122,19 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.wait_for_replica_s = timeout_s if wait_for_replica_s is None else wait_for_replica_s
         self.min_version = min_version
+        self.priority: int | None = None  # sent as the request's "priority" (None: not sent, the server's 0)
         self.max_concurrency = max_concurrency
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self.stats = {"requests": 0, "retries": 0}  # shared with every for_version() view
         self.demand = {"inflight": 0, "queued": 0}  # likewise
 
-    def for_version(self, min_version: int) -> InferenceClient:
-        """A view of this client (same replicas, same concurrency budget) that needs version >= min_version."""
+    def for_version(self, min_version: int, *, priority: int | None = None) -> InferenceClient:
+        """A view of this client (same replicas, same concurrency budget) that needs version >= min_version and
+        sends `priority` with each request (lower is served first)."""
         view = object.__new__(InferenceClient)
         view.__dict__.update(self.__dict__)
         view.min_version = min_version
+        view.priority = priority
         return view
 
     # ---- ModelClient ----------------------------------------------------------------------------
@@ -148,6 +154,8 @@ class InferenceClient:
             request["seed"] = derive_seed(sampling.seed, "turn", len(messages))
         if tools:
             request["tools"] = tools
+        if self.priority is not None:
+            request["priority"] = self.priority
         self.demand["queued"] += 1
         try:
             async with self._semaphore:

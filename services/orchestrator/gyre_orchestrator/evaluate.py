@@ -150,7 +150,8 @@ class TrainingEval:
             try:
                 result = await evaluate(
                     self.env,
-                    self.client.for_version(version),
+                    # as the newest batch version `version` may generate (its floor): behind the older batches
+                    self.client.for_version(version, priority=version + 1 + cfg.max_async_level),
                     env_name=cfg.env.name,
                     num_examples=cfg.eval.num_examples,
                     k=cfg.eval.k,

@@ -357,7 +357,8 @@ class OrchestratorService:
         start = time.monotonic()
         # with sampling.seed: a seed per (step, task, rollout), so a group's rollouts differ and a rerun repeats them
         sampling = self.sampling.for_request("train", key.step, index, key.index)
-        rollout = await self.env.rollout(self.client.for_version(floor), task, sampling)
+        # priority = the batch: a backlog beyond the engines' rows never delays an older batch (client.py)
+        rollout = await self.env.rollout(self.client.for_version(floor, priority=key.step), task, sampling)
         if rollout.error:
             self.metrics.labels(self.metrics.rollouts, env=env_name, outcome="error").inc()
             raise RolloutFailed(f"task {task.id}: {rollout.error}")

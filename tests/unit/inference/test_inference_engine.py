@@ -128,6 +128,49 @@ async def test_under_block_pressure_rows_wait_or_are_preempted_and_finish_with_t
     assert tight == roomy
 
 
+async def test_a_backlog_is_admitted_by_priority_then_arrival(tiny_model):
+    # vLLM's request priority (lower first): the orchestrator sends the RL step, so an older batch's rollouts
+    # take the rows before a newer batch's, whatever order they arrived in
+    backend = TorchBackend(tiny_model, threads=1, max_batch_size=1)
+    await backend.start()
+    finished = []
+
+    async def one(name, priority):
+        await run(backend, PROMPT[: 10 + len(finished)], max_tokens=4, seed=1, priority=priority)
+        finished.append(name)
+
+    try:
+        await together(backend, [one(name, p) for name, p in [("a", 3), ("b", 1), ("c", 2), ("d", 1), ("e", 3)]])
+    finally:
+        await backend.shutdown()
+    assert finished == ["b", "d", "c", "a", "e"]
+
+
+async def test_under_block_pressure_the_lowest_priority_row_is_preempted_first(tiny_model, reference):
+    backend = TorchBackend(tiny_model, threads=1, max_batch_size=8, kv_cache_gb=30 * 16 * 4096 / 2**30)
+    await backend.start()
+    victims, requeue = [], backend._requeue
+    backend._requeue = lambda seqs: (victims.extend(seq.params.priority for seq in seqs), requeue(seqs))
+    try:
+        params = {"max_tokens": 60, "temperature": 0.8}
+        # three rows of the newer batch (priority 5) run first; three of the older one (0) come after them
+        newer = [asyncio.ensure_future(run(backend, PROMPT[i:], seed=i, priority=5, **params)) for i in range(3)]
+        for _ in range(500):
+            if backend.load_stats()[0] == 3:
+                break
+            await asyncio.sleep(0.01)
+        older = [run(backend, PROMPT[i:], seed=i, priority=0, **params) for i in range(3, 6)]
+        results = await asyncio.gather(*newer, *older)
+    finally:
+        await backend.shutdown()
+    # 30 blocks of 16 hold three rows of ~100 tokens, not six: rows are preempted, and never one of the older
+    # batch while a newer one is running (the newest admitted, the old rule, would have been the older batch's)
+    assert victims and set(victims) == {5}
+    for i, result in enumerate(results):
+        check(reference, PROMPT[i:], result, 0.8)
+        assert len(result[0]) == 60
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 async def test_a_row_cancelled_during_a_step_leaves_the_next_one_and_returns_its_blocks(engine, overlap):
     engine.overlap = overlap  # True: the step after it may be launched already (the overlapped loop)

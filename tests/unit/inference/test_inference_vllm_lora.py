@@ -52,8 +52,10 @@ class StandInEngineArgs:
     max_lora_rank: int = 16
     max_loras: int = 1
     structured_outputs_config: object = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
+        assert self.scheduling_policy in ("fcfs", "priority"), self.scheduling_policy
         if self.enable_lora and (self.max_lora_rank not in VLLM_LORA_RANKS or self.max_loras < 1):
             raise ValueError("vLLM's LoRAConfig refuses this rank / max_loras")
 
@@ -148,7 +150,9 @@ class StandInAsyncLLM:
 
     async def generate(self, prompt, sampling_params, request_id, *, prompt_text=None, lora_request=None,
                        tokenization_kwargs=None, trace_headers=None, priority=0, data_parallel_rank=None):  # fmt: skip
-        self._record("generate", prompt, sampling_params, request_id, lora_request=lora_request)
+        self._record("generate", prompt, sampling_params, request_id, lora_request=lora_request, priority=priority)
+        if priority != 0 and self.args.scheduling_policy != "priority":  # vLLM's processor refuses it so
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         if lora_request is not None and lora_request.lora_int_id not in self.loras:
             if lora_request.lora_int_id not in self.evicted:
                 raise AssertionError("a request named an adapter vLLM no longer holds (never added, or removed)")
@@ -262,6 +266,22 @@ def adapter_folder(root: Path, name: str, rank: int = 8) -> Path:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def test_a_request_priority_reaches_vllm_with_priority_scheduling_on(standin_vllm, tiny_model):
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model)
+        await backend.start()
+        engine = backend._engine
+        engine.auto = True
+        assert engine.args.scheduling_policy == "priority"  # with "fcfs", vLLM refuses any priority but 0
+        events = [e async for e in backend.generate([1, 2], SamplingParams(max_tokens=2, priority=7))]
+        assert len(events) == 2 and engine.last("generate")["priority"] == 7
+        await backend.shutdown()
+
+    run(scenario())
 
 
 # ---- the model's own adapter versions ---------------------------------------------------------------

@@ -1,0 +1,50 @@
+"""The orchestrator's requests carry their batch as vLLM's `priority` (lower is served first), read off the wire
+by a real uvicorn server: a view made for a batch sends it, a plain client sends none (the server's 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from gyre.envs import SamplingParams
+from gyre.net import free_port
+from gyre_orchestrator.client import InferenceClient
+from gyre_orchestrator.replicas import Endpoint, ReplicaSet
+from support.asgi import serving
+from test_orchestrator_demand_and_health import CHAT
+
+
+def recording_app(bodies: list):
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        bodies.append(json.loads(raw))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(CHAT).encode()})
+
+    return app
+
+
+@pytest.mark.timeout(60)
+def test_a_view_for_a_batch_sends_its_priority_and_shares_the_client():
+    port, bodies = free_port(), []
+
+    async def scenario():
+        client = InferenceClient(ReplicaSet([Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1:1")]), model="m")
+        sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4)
+        chat = [{"role": "user", "content": "hi"}]
+        await client.for_version(0, priority=7).chat(chat, sampling=sampling)
+        await client.for_version(0).chat(chat, sampling=sampling)
+        await client.chat(chat, sampling=sampling)
+        assert client.priority is None and client.stats["requests"] == 3  # views share the client's counts
+
+    with serving(recording_app(bodies), port):
+        asyncio.run(scenario())
+    assert [body.get("priority") for body in bodies] == [7, None, None]
