@@ -9,6 +9,7 @@
 #   serving   the server's event-loop CPU per token, 256 concurrent chat requests over HTTP    -> bench_serving.txt
 #   adapters  scripts/bench_adapter_bank.py, decode with named adapters -> bench_adapters.txt
 #   loop      `gyre rl @ configs/gpu/one-gpu-torch.toml`, per-step split -> loop.txt
+#   loop-backlog  the same loop with 512 requests in flight for the engine's 256 rows (by priority) -> loop_backlog.txt
 #   lora-loop the same loop training rank-16 adapters, published alone  -> lora_loop.txt
 # All on the Qwen3-0.6B shape, as quoted in docs/benchmarks.md.
 # usage: scripts/gpu/check.sh [OUT_DIR] [PART ...]   (needs .gpu-wheels/: scripts/gpu/fetch_wheels.sh)
@@ -85,9 +86,14 @@ for part in "${parts[@]}"; do
         --sequences 64 --rounds 5 2>&1 | grep -v "Loading weights" | tee "$out/bench_adapters.txt" ;;
     # shellcheck disable=SC2086  # LOOP_ARGS: extra `gyre rl` flags, split into words on purpose
     loop) run_loop gpu-one "$out/loop.txt" ${LOOP_ARGS:-} ;;
+    # a backlog beyond the engine's rows: a freed row is refilled from the engine's queue at once, oldest batch
+    # first (requests carry their batch as priority); on CPU it lost (docs/benchmarks.md), on a GPU a step of 256
+    # rows costs about what one of 64 does
+    loop-backlog) run_loop gpu-backlog "$out/loop_backlog.txt" --run-id gpu-backlog --output-dir outputs/gpu-backlog \
+      --orchestrator.inference.max-concurrency 512 ;;
     lora-loop) run_loop gpu-lora "$out/lora_loop.txt" --run-id gpu-lora --output-dir outputs/gpu-lora \
       --trainer.lora.rank 16 --trainer.lora.publish adapter --trainer.optim.lr 1e-4 ;;
-    *) echo "unknown part: $part (tests, inference-tests, trainer, weights, inference, overlap, adapters, loop, lora-loop)" >&2
+    *) echo "unknown part: $part (tests, inference-tests, trainer, weights, inference, overlap, serving, adapters, loop, loop-backlog, lora-loop)" >&2
        exit 2 ;;
   esac
 done
