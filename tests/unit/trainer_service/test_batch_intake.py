@@ -106,6 +106,28 @@ def test_check_trainable_names_the_problem():
     check_trainable(batch(1), world_size=1, vocab_size=1024)
 
 
+def test_batch_with_too_small_normalisers_is_dead_lettered_not_a_crash_loop(ctx, stream):
+    # audit: num_loss_tokens below the batch's own loss tokens passed intake and made train_step raise
+    # ValueError, killing the trainer; the restarted trainer reclaimed the same entry and died again
+    bad = batch(1)
+    bad.num_loss_tokens = 1  # the row has 2 loss tokens
+    with pytest.raises(BatchRejected, match="num_loss_tokens=1"):
+        check_trainable(bad, world_size=1, vocab_size=1024)
+    no_samples = batch(1)
+    no_samples.num_samples = 0
+    with pytest.raises(BatchRejected, match="num_samples=0"):
+        check_trainable(no_samples, world_size=1, vocab_size=1024)
+    two_ranks = batch(1, ranks=2)
+    two_ranks.num_loss_tokens = 3  # each rank alone has 2 (fine for step.py's per-rank check), together 4
+    with pytest.raises(BatchRejected, match="num_loss_tokens=3"):
+        check_trainable(two_ranks, world_size=2, vocab_size=1024)
+    stream.push(1, encode_batch(bad))
+    stream.push(1, encode_batch(batch(1)))
+    item = next_with_deadline(intake(ctx, stream))
+    assert item.step == 1 and item.batch.num_loss_tokens == 2
+    assert "num_loss_tokens=1" in stream.dead_letters()[0].fields["reason"].decode()
+
+
 def test_defect_9_stop_is_honoured_while_redis_is_down(ctx, unique_run_id):
     # issue 17, defect 9: the intake retried a dead Redis forever and ignored SIGTERM (the stop flag)
     import threading
