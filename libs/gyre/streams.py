@@ -3,7 +3,8 @@
 Keys (see docs/architecture.md, "Redis streams"):
 - `gyre:{run}:batches`      one entry per step: `step`, `schema`, and `payload` (codec bytes) or
                             `path` + `digest` (sha256 hex of the spilled file) for large payloads.
-- `gyre:{run}:batches:dead` dead letters: the original fields plus `reason`.
+- `gyre:{run}:batches:dead` dead letters: the original fields plus `reason` (moved: deleted from the
+                            batches stream, so the orchestrator sees the step as missing and regenerates it).
 
 The trainer reads through the consumer group `trainer`. Delivery is at-least-once: an entry stays in
 the group's pending list until acked, and the trainer acks batch `s` only after weights `s` are
@@ -248,12 +249,18 @@ class BatchStream:
         return int(self.redis.xack(self.key, self.group, entry_id))
 
     def dead_letter(self, entry: StreamEntry, reason: str) -> str:
-        """Copy `entry` with `reason` to the dead stream and ack it, atomically (MULTI/EXEC)."""
+        """Move `entry` with `reason` to the dead stream: copy, ack, delete, atomically (MULTI/EXEC).
+
+        Deleted so that its step no longer counts as pushed: the orchestrator's resume rule and its
+        stream watch (`steps_after`) then see the gap and generate the step again, which the trainer
+        is waiting for. Left in place, it would have been taken for a pushed step forever.
+        """
         fields = {**entry.fields, "reason": reason, "original_id": entry.id}
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.dead_key, fields, maxlen=DEAD_MAXLEN, approximate=True)
         pipe.xack(self.key, self.group, entry.id)
-        dead_id, _ = pipe.execute()
+        pipe.xdel(self.key, entry.id)
+        dead_id, _, _ = pipe.execute()
         log.warning("dead-lettered entry %s (step %s) of %s: %s", entry.id, entry.step, self.key, reason)
         return _str(dead_id)
 

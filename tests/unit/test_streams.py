@@ -114,6 +114,23 @@ def test_dead_letter_keeps_fields_and_acks(stream):
     assert dead.fields["payload"] == b"garbage" and dead.step == 1
 
 
+def test_a_dead_lettered_step_is_no_longer_counted_as_pushed(stream):
+    # audit: the dead-lettered entry stayed in the batches stream, so a restarted orchestrator's resume rule
+    # (steps_after) counted its step as pushed and never generated it again; the trainer waited forever
+    for step in (1, 2, 3):
+        stream.push(step, batch_bytes(step))
+    stream.redis.xadd(stream.key, {"step": "x", "schema": "1", "payload": b""})  # unparsable: dead-lettered too
+    reader = StepReader(stream, "c")
+    reader.done(reader.next(block_ms=500))
+    entry2 = reader.next(block_ms=500)
+    assert entry2.step == 2
+    reader.reject(entry2, "spill file gone")
+    assert [d.fields["reason"] for d in stream.dead_letters()] == [b"unparsable step 'x'", b"spill file gone"]
+    assert sorted(stream.steps_after(1)) == [3]  # step 2 is missing: the orchestrator generates it again
+    assert stream.pending().count == 1  # only step 3, read into the buffer
+    assert [stream._entry(i, f).step for i, f in stream.redis.xrange(stream.key)] == [1, 3]
+
+
 DIE_WITHOUT_ACK = """
 import os, sys
 from gyre.streams import BatchStream

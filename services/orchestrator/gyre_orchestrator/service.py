@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import redis
 from gyre.codec import CodecError, encode_batch
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.endpoint import EndpointError
@@ -139,7 +140,7 @@ class OrchestratorService:
         self.redis = cfg.redis.client(socket_timeout=30, socket_connect_timeout=5)
         self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)
         self.last_step = 0
-        self._redis_run_id = ""
+        self._stream_seen: tuple[str, str | None] = ("", None)  # `_stream_marks` when last checked
         self.sampler: TaskSampler | None = None
         self.scheduler: RolloutScheduler | None = None
         self.step_records = StepRecords(
@@ -195,31 +196,45 @@ class OrchestratorService:
         return 0
 
     async def _watch_stream(self, interval_s: float = 5.0) -> None:
-        """Notice a Redis server that came back empty (restarted without persistence) while we run.
+        """Notice batches the trainer still needs that left the stream while we run: a Redis server that
+        came back empty (restarted without persistence), or a batch the trainer dead-lettered (e.g. its
+        spill file was lost), which the trainer then waits for again.
 
-        The trainer would wait forever for a batch the new server never saw, and the async bound would
-        stall generation behind it. Redis's `run_id` changes on every restart; then the stream is
-        checked for the batches after the trainer's committed step, and if any is gone `StreamLost`
-        makes `gyre orchestrator` start over from the resume rule, which regenerates them.
+        The trainer would wait forever for a batch that is gone, and the async bound would stall
+        generation behind it. Redis's `run_id` changes on every restart and the dead-letter stream's
+        last id on every dead letter; then the stream is checked for the batches after the trainer's
+        committed step, and if any is gone `StreamLost` makes `gyre orchestrator` start over from the
+        resume rule, which regenerates them.
         """
         while True:
             await asyncio.sleep(interval_s)
             await self._check_stream()
 
+    def _stream_marks(self) -> tuple[str, str | None]:
+        """Redis's `run_id` (new on every restart) and the last id of the dead-letter stream (None: none yet)."""
+        run_id = self.redis.info("server")["run_id"]
+        try:
+            dead = self.redis.xinfo_stream(self.stream.dead_key)["last-generated-id"]
+        except redis.ResponseError:  # no such key: nothing dead-lettered
+            dead = None
+        return run_id, dead.decode() if isinstance(dead, bytes) else dead
+
     async def _check_stream(self) -> None:
-        run_id = await self._redis(lambda: self.redis.info("server")["run_id"], "checking the Redis server")
-        if run_id == self._redis_run_id:
+        marks = await self._redis(self._stream_marks, "checking the Redis server")
+        if marks == self._stream_seen:
             return
-        self._redis_run_id = run_id
+        restarted = marks[0] != self._stream_seen[0]
+        self._stream_seen = marks
         committed = committed_step(self.out, self.transport.latest())
         have = set(await self._redis(lambda: self.stream.steps_after(committed), "reading the stream"))
         missing = [s for s in range(committed + 1, self.last_step + 1) if s not in have]
         if missing:
+            why = "Redis restarted without" if restarted else f"the trainer dead-lettered ({self.stream.dead_key})"
             raise StreamLost(
-                f"Redis restarted without the batches of steps {missing} (pushed, not yet trained): "
-                f"starting over from step {missing[0]}"
+                f"{why} the batches of steps {missing} (pushed, not yet trained): starting over from step {missing[0]}"
             )
-        log.info("Redis restarted; the stream still holds every batch the trainer needs")
+        if restarted:
+            log.info("Redis restarted; the stream still holds every batch the trainer needs")
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -245,7 +260,7 @@ class OrchestratorService:
             log.info("published weights up to version %d: making replicas serve it", step)
             if not await self.relay.wait_served(step, timeout=cfg.relay.timeout_s):
                 log.warning("not every replica serves version %d yet; continuing (the relay keeps trying)", step)
-        self._redis_run_id = await self._redis(lambda: self.redis.info("server")["run_id"], "checking the Redis server")
+        self._stream_seen = await self._redis(self._stream_marks, "checking the Redis server")
         point = await self._resume_point()
         self.last_step = point.start_step - 1
         self.step_records.counters = {k: int(v) for k, v in point.counters.items()}

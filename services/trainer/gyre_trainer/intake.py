@@ -19,7 +19,8 @@ Invariants:
   so an uncommitted step is still pending in Redis after a crash;
 - an entry that cannot be trained (undecodable, wrong world size, a row longer than `data.seq_len`, token
   ids outside the vocabulary, non-finite numbers) goes to the dead-letter stream with the reason, and its
-  step is waited for again (the orchestrator may re-push it); training never stops on bad input.
+  step is waited for again (the orchestrator sees it missing and generates it again); training never
+  stops on bad input.
 """
 
 from __future__ import annotations

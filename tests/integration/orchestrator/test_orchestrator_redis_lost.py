@@ -56,3 +56,42 @@ def test_batches_lost_by_a_redis_restart_are_pushed_again(tmp_path, unique_run_i
     text = (tmp_path / "orchestrator.log").read_text()
     assert "starting over from step 1" in text
     assert set(steps) == set(range(1, n + 1)), steps  # every step is in the new server's stream
+
+
+def test_a_batch_the_trainer_dead_letters_is_generated_again(tmp_path, redis_url, unique_run_id, replicas):
+    # audit: the dead-lettered entry (e.g. its spill file was lost) stayed in the stream and counted as pushed,
+    # so no orchestrator, running or restarted, generated its step again, and the trainer waited forever
+    from gyre.config import to_toml
+    from gyre.streams import StepReader
+
+    n = 3
+    cfg = orchestrator_config(
+        tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=8
+    )
+    cfg_path = tmp_path / "orchestrator.toml"
+    cfg_path.write_text(to_toml(cfg))
+    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
+    )
+    stream = BatchStream(redis_url, unique_run_id)
+    try:
+        reader = StepReader(stream, "trainer-rank0")  # what the trainer does with an entry it cannot train
+        entry = None
+        deadline = time.monotonic() + 120
+        while entry is None or entry.step != 1:
+            assert proc.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            entry = reader.next(block_ms=200)
+        reader.reject(entry, "cannot read spilled payload: No such file or directory")
+        assert proc.wait(180) == 0, (tmp_path / "orchestrator.log").read_text()[-3000:]
+        steps = [stream._entry(i, f).step for i, f in stream.redis.xrange(stream.key)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        stream.redis.delete(stream.key, stream.dead_key)
+        stream.redis.close()
+    text = (tmp_path / "orchestrator.log").read_text()
+    assert "the trainer dead-lettered" in text and "starting over from step 1" in text, text[-3000:]
+    assert 1 in steps and set(steps) == set(range(1, n + 1)), steps  # step 1 is in the stream again
