@@ -116,6 +116,32 @@ def test_a_removed_inference_key_names_the_key_that_replaced_it(old, new, tmp_pa
     assert str(e.value) == message.replace("config key '", "config key 'inference.")
 
 
+def test_a_bare_option_that_is_not_on_off_needs_a_value():
+    # `--output-dir` with its value forgotten once ran the whole experiment in a folder named "true"
+    for argv, key in ((["--output-dir"], "output_dir"), (["--max-steps", "--bench"], "max_steps"),
+                      (["--data.seq-len"], "data.seq_len")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"config key '{key}': the option needs a value"):
+            load_config(TrainerConfig, argv)
+    cfg = load_config(TrainerConfig, ["--bench", "--activation-checkpointing", "--max-steps", "2"])  # on/off stay
+    assert cfg.bench is True and cfg.activation_checkpointing is True and cfg.max_steps == 2
+
+
+def test_gyre_rl_names_a_sections_key_and_its_suggestion_under_the_section(tmp_path):
+    from gyre.config.rl import RLConfig
+    from gyre.local.runs import resolve_configs
+
+    def resolve(*argv: str):
+        cfg = load_config(RLConfig, ["--output-dir", str(tmp_path), *argv])
+        return resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
+
+    with pytest.raises(ConfigError) as e:  # the suggestion is what to type: --trainer.optim.lr, not --optim.lr
+        resolve("--trainer.optim.lrr", "0.1")
+    assert str(e.value) == "config key 'trainer.optim.lrr': unknown key (did you mean 'trainer.optim.lr'?)"
+    with pytest.raises(ConfigError, match=r"config key 'orchestrator.sampling.max_tokens': the option needs a value"):
+        resolve("--orchestrator.sampling.max-tokens")
+    assert resolve("--trainer.activation-checkpointing").trainer.activation_checkpointing is True
+
+
 def test_unknown_key_in_toml_is_named(tmp_path):
     f = write(tmp_path, "a.toml", "[loss]\ntyp = 'gspo'\n")
     with pytest.raises(ConfigError, match=r"loss\.typ"):

@@ -135,6 +135,18 @@ class HelpRequested(Exception):  # noqa: N818 - control flow, not an error
     pass
 
 
+def under_section(error: ConfigError, section: str) -> ConfigError:
+    """`error` of a section's own config (`gyre rl`'s [trainer], sft.args) with every key it names, the
+    suggested ones too, written as the larger config's key (`optim.lr` -> `trainer.optim.lr`)."""
+    text = str(error).replace("config key '", f"config key '{section}.")
+    return ConfigError(text.replace("did you mean '", f"did you mean '{section}."))
+
+
+class BareFlag(str):
+    """The value of an option given without one (`--fresh`): true, but only for an on/off option
+    (:func:`check_bare_flags`); `--output-dir` with its value forgotten must not become a folder "true"."""
+
+
 def deep_merge(base: dict, override: dict) -> dict:
     """Merge ``override`` into a copy of ``base``; nested tables merge, everything else replaces."""
     out = dict(base)
@@ -233,9 +245,10 @@ def collect(argv: list[str], fields: set[str] | None = None) -> dict:
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if nxt is None or nxt.startswith("--") or nxt.startswith("@"):
-                raw, i = "true", i + 1  # bare flag
-            else:
-                raw, i = nxt, i + 2
+                _set_nested(cli, name, BareFlag("true"))
+                i += 1
+                continue
+            raw, i = nxt, i + 2
         else:
             i += 1
         _set_nested(cli, name, _cli_value(raw))
@@ -262,6 +275,30 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def check_bare_flags(model: type[BaseModel], values: dict, prefix: str = "") -> None:
+    """A bare `--flag` sets an on/off option (or a section's `enabled`, which the section's validator
+    takes); any other option needs a value. Raises ConfigError naming the key."""
+    for name, value in values.items():
+        field = model.model_fields.get(name)
+        if field is None:
+            continue  # unknown keys are pydantic's error, with its suggestion
+        sub = _model_type(field.annotation)
+        if sub is not None:
+            if isinstance(value, dict):
+                check_bare_flags(sub, value, f"{prefix}{name}.")
+            continue
+        annotation = field.annotation
+        if (
+            isinstance(value, BareFlag)
+            and annotation is not Any
+            and bool not in (annotation, *typing.get_args(annotation))
+        ):
+            raise ConfigError(
+                f"config key '{prefix}{name}': the option needs a value ({_type_name(annotation)}); a bare "
+                "--flag means true only for on/off options"
+            )
+
+
 def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
     lines = []
     known = _all_keys(cls)
@@ -284,6 +321,7 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
 def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -> T:
     """Build ``cls`` from argv (CLI + TOML), the environment and defaults. Raises ConfigError."""
     values = deep_merge(collect(list(argv or []), set(cls.model_fields)), overrides)
+    check_bare_flags(cls, values)
     try:
         return cls(**values)
     except ValidationError as e:

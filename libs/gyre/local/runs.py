@@ -21,7 +21,7 @@ from typing import Any
 
 from gyre.config import ConfigError, load_config
 from gyre.config.inference import InferenceConfig, loras_for_runs
-from gyre.config.loader import deep_merge
+from gyre.config.loader import deep_merge, under_section
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.packing import PackingShape
 from gyre.config.rl import RLConfig
@@ -200,7 +200,7 @@ def _validated(cls, section: str, user: dict, launcher: dict):
     try:
         return load_config(cls, [], **values)
     except ConfigError as e:
-        raise ConfigError(str(e).replace("config key '", f"config key '{section.split('.')[0]}.")) from None
+        raise under_section(e, section.split(".")[0]) from None
 
 
 def validate_extensions(configs: ServiceConfigs) -> None:
