@@ -249,6 +249,15 @@ def test_unknown_environment_fails_before_anything(tmp_path):
     assert not out.exists()
 
 
+def test_an_output_dir_that_cannot_be_a_folder_is_a_clear_error_not_a_traceback(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(not_a_folder / "run"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "config key 'output_dir'" in res.stderr and "Not a directory" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_defect_8_env_args_with_a_list_of_tables_round_trip_through_toml():
     args = {"levels": [{"name": "easy", "n": 1}, {"name": "hard", "n": 2, "tags": ["a", "b"]}], "q": 'say "hi"\n'}
     cfg = load_config(OrchestratorConfig, [], env={"name": "x.y:z", "args": args})

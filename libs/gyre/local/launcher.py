@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
+from gyre.config.loader import under_section
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
@@ -166,7 +167,7 @@ class Launcher:
             try:
                 load_config(SFTConfig, [], **deep_merge(sft_values, cfg.sft.args))
             except ConfigError as e:
-                raise ConfigError(str(e).replace("config key '", "config key 'sft.args.")) from None
+                raise under_section(e, "sft.args") from None
         for server in cfg.servers:
             try:
                 check_model_source(server.model)
@@ -272,7 +273,13 @@ class Launcher:
     # -- run ----------------------------------------------------------------------------------
     def run(self) -> int:
         self.validate()  # nothing exists yet: a bad config leaves no folder, server or process behind
-        self.acquire_locks()
+        try:
+            self.acquire_locks()  # creates {output_dir}/locks: the first thing written there
+        except OSError as e:  # not a folder, not writable, on a read-only file system...
+            where = e.filename or self.out
+            raise ConfigError(
+                f"config key 'output_dir': cannot use {self.out} as the run's folder: {where}: {e.strerror or e}"
+            ) from None
         if self.cfg.fresh:
             self.start_fresh()
         runs, committed = experiment_runs(self.cfg), committed_steps(self.cfg)
