@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     found = resolve(argv)
     if found is None:
-        print(f"gyre: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
+        subcommands = [name.split()[1] for name in COMMANDS if name.split()[0] == argv[0] and " " in name]
+        if subcommands:  # `gyre model`, `gyre bench --help`: a group, not an unknown command
+            print(f"gyre {argv[0]}: choose a subcommand: {', '.join(subcommands)}\n\n{_usage()}", file=sys.stderr)
+        else:
+            print(f"gyre: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     name, target, rest = found
     module_name, func_name = target.split(":")

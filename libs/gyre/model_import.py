@@ -392,7 +392,7 @@ def import_model(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`gyre model import SOURCE --output-dir DIR [--dtype D] [--no-verify] [--overwrite]`."""
+    """`gyre model import SOURCE --output-dir DIR [--dtype D] [--verify false] [--overwrite]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith(("-", "@")):
         argv = ["--source", argv[0], *argv[1:]]  # the positional SOURCE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from gyre.cli import COMMANDS, resolve
 
 
@@ -22,6 +23,15 @@ def test_help_lists_every_command():
 def test_unknown_command_exits_2():
     out = run("frobnicate")
     assert out.returncode == 2 and "unknown command" in out.stderr
+
+
+@pytest.mark.parametrize("argv", [["model"], ["bench", "--help"], ["model", "nit"]])
+def test_a_command_group_alone_names_its_subcommands(argv):
+    out = run(*argv)  # once: "unknown command 'model'", though `gyre model init` exists
+    assert out.returncode == 2 and "unknown command" not in out.stderr
+    group = argv[0]
+    expected = [name.split()[1] for name in COMMANDS if name.startswith(group + " ")]
+    assert f"gyre {group}: choose a subcommand: {', '.join(expected)}" in out.stderr
 
 
 def test_two_word_commands_resolve_before_one_word():
@@ -51,3 +61,10 @@ def test_importing_gyre_and_its_torch_free_modules_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_gyre_eval_help_describes_evaluation_not_the_orchestrator():
+    # `gyre eval --help` once opened with the orchestrator's "... compute advantages, pack and stream batches"
+    summary = {name: run(name, "--help").stdout.splitlines()[2] for name in ("eval", "orchestrator")}
+    assert summary["eval"] != summary["orchestrator"]
+    assert "held-out" in summary["eval"] and "stream batches" not in summary["eval"]
