@@ -36,6 +36,7 @@ from gyre.net import PortInUse, bind_or_explain
 from gyre.redis_retry import acall_with_retry
 from gyre.rollouts import write_dump
 from gyre.runstate import committed_step
+from gyre.steps import StepEntries
 from gyre.streams import BatchStream, StreamEntry
 from gyre.transport import open_store
 from gyre.wandb_log import WandbLogger
@@ -100,6 +101,7 @@ class OrchestratorService:
         self.wandb = WandbLogger(cfg.wandb, service="orchestrator", run_id=cfg.run_id, output_dir=self.out,
                                  config=cfg.model_dump(mode="json"))  # fmt: skip
         self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last)
+        self.spilled = StepEntries(self.out / "batches", suffix=".bin")  # payloads above batch.inline_max_bytes
         inf = cfg.inference
         self.replicas = ReplicaSet(cooldown_s=inf.failure_cooldown_s)
         self.discovery = make_discovery(inf, self.replicas, on_removed=self._on_removed)
@@ -470,15 +472,23 @@ class OrchestratorService:
         self.events.append(record)
         await self._redis(
             lambda: self.stream.push(
-                st.step, payload, path_threshold=cfg.batch.inline_max_bytes, spill_dir=self.out / "batches"
+                st.step, payload, path_threshold=cfg.batch.inline_max_bytes, spill_dir=self.spilled.root
             ),
             f"pushing batch {st.step}",
         )
         self.last_step = st.step
+        await asyncio.to_thread(self._prune_spilled)
         self.step_records.account(st, record, [s.meta["lag"] for s in samples], task_index=self.sampler.index)
         if records:
             await asyncio.to_thread(write_dump, self.out, st.step, records)
             self.wandb.samples(records, st.step)
+
+    def _prune_spilled(self) -> None:
+        """Delete the spilled payloads of steps before the trainer's committed one: trained, never read again (a
+        replay of a trained step is skipped by its step number). The committed step's own file stays: the newest
+        entry's task positions are read from it on a restart."""
+        committed = committed_step(self.out, self.transport.latest())
+        self.spilled.remove([s for s in self.spilled.steps() if s < committed])
 
     def _stream_task_index(self) -> int | None:
         """One past the highest train task index in the newest batch of the stream (None if unknown)."""

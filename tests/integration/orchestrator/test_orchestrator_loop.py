@@ -181,3 +181,19 @@ async def test_relay_brings_back_a_replica_that_fell_back_to_the_base_model(tmp_
         finally:
             await relay.stop()
             await close_replica_clients(list(replica_set))
+
+
+async def test_spilled_batches_are_deleted_once_trained(tmp_path, redis_url, unique_run_id, replicas, tiny_model):
+    # audit: every payload above batch.inline_max_bytes (8 MiB: a real batch) stayed in {output_dir}/batches/
+    # for good, one file per step, until the shared volume filled up
+    k, steps = 1, 5
+    cfg = orchestrator_config(
+        tmp_path, redis_url, unique_run_id, replicas, max_steps=steps, max_async_level=k, batch={"inline_max_bytes": 0},
+        final_weights_timeout_s=60,
+    )
+    service, trainer, code = await run_with_trainer(cfg, tiny_model, steps, train_s=0.2)
+    assert code == 0 and [b.step for b in trainer.batches] == list(range(1, steps + 1))  # read from the files
+    left = sorted(int(p.stem.split("_")[1]) for p in (cfg.output_dir / "batches").glob("step_*.bin"))
+    # pushing step s waits for weights s-1-k, so by the last push the trainer had committed steps-1-k or more;
+    # the files of the steps before that are gone, the rest (what a restarted trainer may still need) stay
+    assert left and min(left) >= steps - 1 - k and max(left) == steps, left
