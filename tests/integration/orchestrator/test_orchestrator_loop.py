@@ -188,9 +188,9 @@ async def test_spilled_batches_are_deleted_once_trained(tmp_path, redis_url, uni
     # for good, one file per step, until the shared volume filled up
     k, steps = 1, 5
     cfg = orchestrator_config(
-        tmp_path, redis_url, unique_run_id, replicas, max_steps=steps, max_async_level=k, batch={"inline_max_bytes": 0},
-        final_weights_timeout_s=60,
-    )
+        tmp_path, redis_url, unique_run_id, replicas, max_steps=steps, max_async_level=k,
+        batch={"inline_max_bytes": 0}, final_weights_timeout_s=60,
+    )  # fmt: skip
     service, trainer, code = await run_with_trainer(cfg, tiny_model, steps, train_s=0.2)
     assert code == 0 and [b.step for b in trainer.batches] == list(range(1, steps + 1))  # read from the files
     left = sorted(int(p.stem.split("_")[1]) for p in (cfg.output_dir / "batches").glob("step_*.bin"))
