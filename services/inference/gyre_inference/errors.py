@@ -147,7 +147,15 @@ def install_error_handlers(app: FastAPI, on_client_error: Callable[[Request, int
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
         seen(request, 400)
-        message, param = validation_message(list(error.errors()))
+        errors = list(error.errors())
+        if any(isinstance(e.get("input"), bytes) for e in errors):
+            # FastAPI reads a body as JSON only under a JSON Content-Type and hands the raw bytes on otherwise:
+            # the body may be a perfectly good JSON object (curl -d sends form-urlencoded), so say what is wrong
+            given = request.headers.get("content-type")
+            message = ("request body must be sent with Content-Type: application/json (got "
+                       f"{repr(given) if given else 'no Content-Type'})")  # fmt: skip
+            return JSONResponse(error_body(400, message), status_code=400)
+        message, param = validation_message(errors)
         return JSONResponse(error_body(400, message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -140,6 +140,20 @@ def test_bodies_that_are_not_a_json_object(http, body):
     assert "JSON" in error["message"]
 
 
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"])
+def test_a_json_object_under_another_content_type_is_told_so(http, model_id, route, content_type):
+    # `curl -d` sends form-urlencoded: the body is a good JSON object, the header is what is wrong
+    body = {"model": model_id, "prompt": "hi", "max_tokens": 2} if route != "/v1/chat/completions" else \
+        {"model": model_id, **CHAT}  # fmt: skip
+    if route == "/v1/responses":
+        body = {"model": model_id, "input": "hi", "max_output_tokens": 2}
+    headers = {"content-type": content_type} if content_type else {}
+    error = assert_error(http.post(route, content=json.dumps(body), headers=headers), 400, param=None)
+    assert "Content-Type: application/json" in error["message"], error
+    assert (content_type or "no Content-Type") in error["message"], error
+
+
 def test_prompts_too_long_for_the_context(http, model_id):
     error = assert_error(
         http.post("/v1/completions", json={"model": model_id, "prompt": [5] * 250, "max_tokens": 10}),
