@@ -59,6 +59,7 @@ class Choice:
     min_tokens: int = 0  # stop strings count only from this many tokens on (vLLM's min_tokens)
     include_stop: bool = False  # keep the stop string that ended the choice in its text
     echo: str = ""  # text shown before the generated text (echo); not part of `text`
+    single_call: bool = False  # parallel_tool_calls false: only the first parsed call is returned (as vLLM)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
@@ -115,7 +116,7 @@ class Choice:
         if self.parse_tools:
             content, calls = parse_tool_calls(self.text)
             if calls:
-                self.tool_calls = [call.to_openai() for call in calls]
+                self.tool_calls = [call.to_openai() for call in (calls[:1] if self.single_call else calls)]
                 self.text = content or ""
                 self.released = min(self.released, len(self.text))
                 self.finish_reason = "tool_calls" if finish == "stop" else finish

@@ -283,7 +283,9 @@ class ChatCompletionRequest(SamplingRequest):
         "required: the output is one or more calls of the tools (grammar-constrained); {type: function, function: "
         "{name}}: one call of that tool.",
     )
-    parallel_tool_calls: bool | None = Field(None, description="Accepted; several calls are always parsed.")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one tool call per choice (the first the model wrote, as vLLM)."
+    )
     add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant header.")
     continue_final_message: bool = Field(
         False, description="vLLM extension: the prompt ends inside the last (assistant) message; the model goes on."

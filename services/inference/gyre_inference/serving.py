@@ -188,6 +188,7 @@ class Serving:
             top, prompt_top = request.logprobs or 0, request.prompt_logprobs_wanted
         # nothing reads a non-streaming choice without stop strings before it ends: handed over and decoded once
         final_only = not request.stream and not stops
+        single_call = getattr(request, "parallel_tool_calls", None) is False  # chat (and responses) only
         choices = []
         for p, prompt in enumerate(prompts):
             max_tokens = self._budget(len(prompt), limit, prompt_param)
@@ -208,7 +209,7 @@ class Serving:
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",
-                                streamed=not final_only)  # fmt: skip
+                                single_call=single_call, streamed=not final_only)  # fmt: skip
                 choices.append((p, choice, params))
         return _Job(kind, request, prompts, choices, started)
 

@@ -114,6 +114,37 @@ def test_tool_choice_required_and_named_return_calls_of_the_allowed_tools(client
         jsonschema.validate(arguments, NEG["function"]["parameters"] if name == "neg" else ADD_SCHEMA)
 
 
+# exactly two calls of `add` (the tags as the tool model's single tokens), whatever the model would write
+TWO_CALLS = (
+    'start: call "\\n" call\n'
+    'call: <tool_call> "\\n{\\"name\\": \\"add\\", \\"arguments\\": {\\"a\\": 1}}\\n" </tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_returns_one_call_when_the_model_writes_two(client, model_id, stream):
+    # tool_choice auto: the model may write several calls; OpenAI then promises at most one, vLLM keeps the first
+    def calls(parallel: bool | None) -> list[tuple[str, str]]:
+        options = {} if parallel is None else {"parallel_tool_calls": parallel}
+        response = client.chat.completions.create(
+            model=model_id, messages=TOOL_MESSAGES, tools=TOOLS, temperature=0, stream=stream,
+            extra_body={"structured_outputs": {"grammar": TWO_CALLS}}, **options,
+        )  # fmt: skip
+        if not stream:
+            assert response.choices[0].finish_reason == "tool_calls"
+            return [(c.function.name, c.function.arguments) for c in response.choices[0].message.tool_calls]
+        found, finish = [], None
+        for chunk in response:
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                found += [(c.function.name, c.function.arguments) for c in choice.delta.tool_calls or []]
+        assert finish == "tool_calls"
+        return found
+
+    assert calls(None) == calls(True) == [("add", '{"a": 1}')] * 2
+    assert calls(False) == [("add", '{"a": 1}')]
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "neg"}}])
 def test_forced_tool_calls_stream(client, model_id, tool_choice):
     stream = client.chat.completions.create(
