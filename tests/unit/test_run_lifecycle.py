@@ -258,6 +258,21 @@ def test_an_output_dir_that_cannot_be_a_folder_is_a_clear_error_not_a_traceback(
     assert "Traceback" not in res.stderr
 
 
+def test_gyre_rl_environment_variables_reach_the_services_without_being_misread_by_them(tmp_path):
+    # GYRE_INFERENCE__... was once also read by the orchestrator as its own `inference` (replica urls) table,
+    # GYRE_ORCHESTRATOR__... by the trainer as its `orchestrator` (notify address), GYRE_CKPT__ENABLED by the
+    # trainer's ckpt: `gyre rl` refused documented environment variables with a wrong key
+    out = tmp_path / "run"
+    env = {"GYRE_INFERENCE__ENGINE__SEED": "7", "GYRE_ORCHESTRATOR__SEED": "5", "GYRE_CKPT__ENABLED": "true"}
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--max-steps", "1", env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    configs = {
+        name: tomllib.loads((out / "configs" / f"{name}.toml").read_text()) for name in ("inference", "orchestrator")
+    }
+    assert configs["inference"]["engine"]["seed"] == 7 and configs["orchestrator"]["seed"] == 5
+    assert (out / "checkpoints" / "trainer").is_dir()
+
+
 def test_defect_8_env_args_with_a_list_of_tables_round_trip_through_toml():
     args = {"levels": [{"name": "easy", "n": 1}, {"name": "hard", "n": 2, "tags": ["a", "b"]}], "q": 'say "hi"\n'}
     cfg = load_config(OrchestratorConfig, [], env={"name": "x.y:z", "args": args})

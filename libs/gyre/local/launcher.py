@@ -421,8 +421,20 @@ class Launcher:
             self.lock = None
 
 
+def _consume_rl_environment() -> None:
+    """Drop the `GYRE_A__B` variables that were `gyre rl`'s own keys once its config is read: their values
+    reach every service through the config the launcher writes for it, and a service reading them again
+    as its own keys misreads them (`GYRE_ORCHESTRATOR__ENV__NAME` is the trainer's `orchestrator` table,
+    `GYRE_INFERENCE__...` the orchestrator's `inference`, `GYRE_CKPT__ENABLED` a key no service has)."""
+    for name in list(os.environ):
+        key = name.upper().removeprefix("GYRE_")
+        if key != name.upper() and key.split("__")[0].lower() in RLConfig.model_fields:
+            del os.environ[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_or_exit(RLConfig, argv, "gyre rl")
+    _consume_rl_environment()  # before the services' configs are validated and their processes started
     from gyre.logging import setup_logging
 
     setup_logging(cfg.log.level, None, "launcher")
