@@ -273,6 +273,15 @@ def test_gyre_rl_environment_variables_reach_the_services_without_being_misread_
     assert (out / "checkpoints" / "trainer").is_dir()
 
 
+def test_gyre_rl_log_file_is_every_services_log_file(tmp_path):
+    # `gyre rl --log.file F` ("also append logs to this file") was accepted and ignored
+    log = tmp_path / "all.log"
+    cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--log.file", str(log)])
+    resolved = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
+    for service in (resolved.trainer, resolved.orchestrator, *resolved.inference):
+        assert service.log.file == log and service.log.level == "INFO"
+
+
 def test_defect_8_env_args_with_a_list_of_tables_round_trip_through_toml():
     args = {"levels": [{"name": "easy", "n": 1}, {"name": "hard", "n": 2, "tags": ["a", "b"]}], "q": 'say "hi"\n'}
     cfg = load_config(OrchestratorConfig, [], env={"name": "x.y:z", "args": args})

@@ -94,7 +94,7 @@ class RLConfig(GyreSettings):
         "created model, SFT result) first. Without it a re-run continues the run.",
     )
     redis: RLRedisConfig = Field(default_factory=RLRedisConfig, description="Redis.")
-    log: LogConfig = Field(default_factory=LogConfig, description="Log level of every service.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Log level (and file) of every service.")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases for every service.")
     model: RLModelConfig = Field(default_factory=RLModelConfig, description="Base policy model.")
     ckpt: RLCkptConfig = Field(default_factory=RLCkptConfig, description="Checkpoints and resume.")

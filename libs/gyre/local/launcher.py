@@ -251,7 +251,7 @@ class Launcher:
             "output_dir": str(self.out),
             "model": {"name": base, "dtype": self.cfg.model.dtype},
             "save_dir": str(sft_dir),
-            "log": {"level": self.cfg.log.level},
+            "log": self.cfg.log.model_dump(exclude_none=True),
         }
         from gyre.config.loader import deep_merge
 
@@ -437,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     _consume_rl_environment()  # before the services' configs are validated and their processes started
     from gyre.logging import setup_logging
 
+    # not log.file: the services append to it; the launcher writes nothing before the config is checked
     setup_logging(cfg.log.level, None, "launcher")
     launcher = Launcher(cfg)
 

@@ -76,7 +76,7 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
         "run_id": cfg.run_id,
         "output_dir": str(cfg.output_dir),
         "redis": {"url": redis_url},
-        "log": {"level": cfg.log.level},
+        "log": cfg.log.model_dump(exclude_none=True),  # log.file: every service appends to it too
         "wandb": cfg.wandb.model_dump(),
     }
     model = {"name": model_name, "dtype": cfg.model.dtype}
