@@ -82,11 +82,14 @@ class StreamEntry:
             return self.fields["payload"]
         if "path" not in self.fields or "digest" not in self.fields:
             raise CodecError(f"entry {self.id} has neither payload nor path+digest")
-        path = self.spill_path
         try:
+            path = self.spill_path
             data = path.read_bytes()
-        except OSError as e:
-            raise CodecError(f"entry {self.id}: cannot read spilled payload {path}: {e.strerror or e}") from None
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL byte: no file name at all
+            where = self.fields["path"].decode(errors="backslashreplace")
+            raise CodecError(
+                f"entry {self.id}: cannot read spilled payload {where}: {getattr(e, 'strerror', None) or e}"
+            ) from None
         digest = hashlib.sha256(data).hexdigest()
         if digest != self.fields["digest"].decode(errors="replace"):
             raise CodecError(f"entry {self.id}: {path} has sha256 {digest}, entry says {_show(self.fields['digest'])}")

@@ -78,6 +78,18 @@ def test_malformed_entries_are_dead_lettered_and_training_continues(ctx, stream,
         assert any(expected in r for r in reasons), (expected, reasons)
 
 
+def test_spill_paths_that_are_not_file_names_are_dead_lettered_not_a_crash_loop(ctx, stream):
+    # audit: a path field that is not UTF-8 or holds a NUL byte raised UnicodeDecodeError / ValueError out of
+    # intake, killing the trainer; the restarted trainer reclaimed the same entry and died again
+    for path in (b"\xff\xfe.bin", b"/tmp/step\x001.bin"):
+        stream.redis.xadd(stream.key, {"step": "1", "schema": "1", "path": path, "digest": "00"})
+    stream.push(1, encode_batch(batch(1)))
+    item = next_with_deadline(intake(ctx, stream))
+    assert item.step == 1
+    reasons = [d.fields["reason"].decode() for d in stream.dead_letters()]
+    assert len(reasons) == 2 and all("cannot read spilled payload" in r for r in reasons), reasons
+
+
 def test_restarted_trainer_takes_over_pending_and_skips_trained_steps(ctx, stream):
     for step in (1, 2, 3):
         stream.push(step, encode_batch(batch(step)))
