@@ -165,10 +165,15 @@ class BatchStream:
             fields["payload"] = payload
         return _str(self.redis.xadd(self.key, fields, maxlen=self.maxlen, approximate=True))
 
+    def newest(self) -> StreamEntry | None:
+        """The newest entry still in the stream (None if empty)."""
+        newest = self.redis.xrevrange(self.key, count=1)
+        return self._entry(*newest[0]) if newest else None
+
     def latest_step(self) -> int | None:
         """Step of the newest entry still in the stream (None if empty or unparsable)."""
-        newest = self.redis.xrevrange(self.key, count=1)
-        return self._entry(*newest[0]).step if newest else None
+        newest = self.newest()
+        return newest.step if newest else None
 
     def length(self) -> int:
         return int(self.redis.xlen(self.key))
@@ -321,7 +326,9 @@ class BatchStream:
 
     @staticmethod
     def _entry(entry_id: bytes | str, fields: dict) -> StreamEntry:
-        return StreamEntry(id=_str(entry_id), fields={_str(k): v for k, v in fields.items()})
+        # a field name that is not UTF-8 must not stop the reader: the entry is judged (dead-lettered) like any other
+        names = (k.decode(errors="backslashreplace") if isinstance(k, bytes) else k for k in fields)
+        return StreamEntry(id=_str(entry_id), fields=dict(zip(names, fields.values(), strict=True)))
 
 
 class StepReader:

@@ -37,7 +37,7 @@ from gyre.redis_retry import acall_with_retry
 from gyre.rollouts import write_dump
 from gyre.runstate import committed_step
 from gyre.steps import StepEntries
-from gyre.streams import BatchStream, StreamEntry
+from gyre.streams import BatchStream
 from gyre.transport import open_store
 from gyre.wandb_log import WandbLogger
 
@@ -492,12 +492,11 @@ class OrchestratorService:
 
     def _stream_task_index(self) -> int | None:
         """One past the highest train task index in the newest batch of the stream (None if unknown)."""
-        newest = self.redis.xrevrange(self.stream.key, count=1)
-        if not newest:
+        newest = self.stream.newest()
+        if newest is None:
             return None
-        entry_id, fields = newest[0]
         try:
-            batch = StreamEntry(id=entry_id.decode(), fields={k.decode(): v for k, v in fields.items()}).decode()
+            batch = newest.decode()
         except CodecError as e:
             log.warning("cannot read the newest batch in the stream (%s); task positions from the checkpoint", e)
             return None

@@ -136,3 +136,19 @@ async def test_a_kill_right_after_a_push_leaves_the_pushed_step_its_event_line(
     lines = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")
     # every pushed step has its line (written before the push; the resumed run started at step 3)
     assert [e["step"] for e in latest_per_step(lines)] == [1, 2, 3]
+
+
+@pytest.mark.asyncio
+async def test_a_junk_newest_entry_does_not_stop_the_orchestrator_from_starting(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model
+):
+    # audit: the resume scan decoded the newest entry's field names as UTF-8 itself; one that was not raised
+    # UnicodeDecodeError and the orchestrator could not start (a crash loop on Kubernetes)
+    from orchestrator_testlib import first_batch
+
+    stream = BatchStream(redis_url, unique_run_id)
+    stream.redis.xadd(stream.key, {b"\xff": b"x", "step": "x", "schema": "1", "payload": b"junk"})
+    stream.redis.close()
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1)
+    batch = await first_batch(cfg, tiny_model)
+    assert batch.step == 1

@@ -90,6 +90,17 @@ def test_spill_paths_that_are_not_file_names_are_dead_lettered_not_a_crash_loop(
     assert len(reasons) == 2 and all("cannot read spilled payload" in r for r in reasons), reasons
 
 
+def test_an_entry_with_a_binary_field_name_is_dead_lettered(ctx, stream):
+    # audit: a field name that is not UTF-8 raised out of the stream reader (trainer crash loop) and out of
+    # the orchestrator's resume scan (steps_after: it could not start)
+    bad = stream.redis.xadd(stream.key, {b"\xff": b"x", "step": "1", "schema": "1", "payload": b"junk"})
+    assert stream.steps_after(0) == [1]
+    stream.push(1, encode_batch(batch(1)))
+    item = next_with_deadline(intake(ctx, stream))
+    assert item.step == 1
+    assert [d.fields["original_id"] for d in stream.dead_letters()] == [bad]
+
+
 def test_restarted_trainer_takes_over_pending_and_skips_trained_steps(ctx, stream):
     for step in (1, 2, 3):
         stream.push(step, encode_batch(batch(step)))
