@@ -282,6 +282,17 @@ def test_gyre_rl_log_file_is_every_services_log_file(tmp_path):
         assert service.log.file == log and service.log.level == "INFO"
 
 
+@pytest.mark.parametrize("step", ["3", "-1"])
+def test_a_rewind_to_a_checkpoint_that_does_not_exist_fails_before_anything_starts(tmp_path, step):
+    # it once started every service, deleted the stream's batches after the step, and only then the
+    # trainer failed with a traceback
+    out = tmp_path / "run"
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--ckpt", "--ckpt.resume-step", step)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "config key 'ckpt.resume_step'" in res.stderr and "Traceback" not in res.stderr
+    assert not out.exists()
+
+
 def test_defect_8_env_args_with_a_list_of_tables_round_trip_through_toml():
     args = {"levels": [{"name": "easy", "n": 1}, {"name": "hard", "n": 2, "tags": ["a", "b"]}], "q": 'say "hi"\n'}
     cfg = load_config(OrchestratorConfig, [], env={"name": "x.y:z", "args": args})

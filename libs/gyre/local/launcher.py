@@ -174,6 +174,28 @@ class Launcher:
             except ModelUnavailable as e:
                 raise ConfigError(f"config key 'servers' ({server.name}): {e}") from None
         validate_extensions(resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0"))
+        self._check_resume_step()
+
+    def _check_resume_step(self) -> None:
+        """A rewind to a checkpoint that does not exist fails here, before the launch deletes the stream's
+        newer batches and the orchestrator its newer progress for it (the trainer would fail only then)."""
+        from gyre.runstate import trainer_checkpoints
+
+        step = self.cfg.ckpt.resume_step
+        if step is None or step == 0:
+            return
+        for run in experiment_runs(self.cfg):
+            if "resume_step" in run.trainer:
+                continue  # the run's own (trainer.runs[].resume_step), checked by the trainer
+            have = [] if self.cfg.fresh else trainer_checkpoints(run.output_dir)
+            where = f"{run.output_dir}" + (" after --fresh" if self.cfg.fresh else "")
+            if step == -1 and not have:
+                raise ConfigError(f"config key 'ckpt.resume_step': -1 needs a trainer checkpoint, {where} has none")
+            if step > 0 and step not in have:
+                raise ConfigError(
+                    f"config key 'ckpt.resume_step': no trainer checkpoint of step {step} in {where} "
+                    f"(have {have or 'none'}; 0 rewinds to the base model)"
+                )
 
     def acquire_locks(self) -> None:
         """`locks/rl.lock` at once (LockHeld names the holder); then wait for a previous launch's
