@@ -7,6 +7,7 @@ subcommand is a ``"module:function"`` string resolved at dispatch time.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name -> (target "module:function(argv)", one-line help). Multi-word commands use spaces.
@@ -75,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gyre: command {name!r} is not available in this installation ({e})", file=sys.stderr)
             return 2
         raise
-    result = getattr(module, func_name)(rest)
+    try:
+        result = getattr(module, func_name)(rest)
+    except BrokenPipeError:  # `gyre envs | head`: the reader left; what it read is all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
     return int(result or 0)
 
 

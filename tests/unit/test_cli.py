@@ -68,3 +68,11 @@ def test_gyre_eval_help_describes_evaluation_not_the_orchestrator():
     summary = {name: run(name, "--help").stdout.splitlines()[2] for name in ("eval", "orchestrator")}
     assert summary["eval"] != summary["orchestrator"]
     assert "held-out" in summary["eval"] and "stream batches" not in summary["eval"]
+
+
+def test_output_cut_short_by_the_reader_is_not_a_traceback():
+    # `gyre envs | head -1` printed a BrokenPipeError traceback
+    pipe = subprocess.run(
+        f"{sys.executable} -m gyre.cli envs | head -1", shell=True, capture_output=True, text=True, timeout=120
+    )
+    assert pipe.stdout.startswith("alphabet_sort") and "Traceback" not in pipe.stderr, pipe.stderr
