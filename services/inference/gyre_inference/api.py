@@ -36,7 +36,7 @@ from gyre_inference.protocol import (
     TokenizeCompletionRequest,
 )
 from gyre_inference.responses import ResponsesRequest, respond
-from gyre_inference.serving import Serving
+from gyre_inference.serving import Serving, client_gone
 from gyre_inference.text import ModelText
 from gyre_inference.tokens_in import ROUTE as GENERATE_ROUTE
 from gyre_inference.tokens_in import add_generate_route
@@ -144,18 +144,6 @@ def _limited(receive, limit: int):
         return message
 
     return wrapped
-
-
-def client_gone(request: Request):
-    """async () -> None that returns once the client of `request` has disconnected. Once the route has read
-    the body, the server's `receive()` blocks until the connection closes and then says `http.disconnect`
-    (vLLM's listen_for_disconnect): one waiting task per request instead of polling the connection."""
-
-    async def wait() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return wait
 
 
 def create_app(state: AppState) -> FastAPI:

@@ -265,7 +265,8 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
         # A route registered by another module (e.g. the tokens-in route): keep its 200, and document the
         # errors every API route can send instead of FastAPI's 422.
         kept = {status: response for status, response in generated.items() if status != "422"}
-        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)}
+        gone = {"499": {"description": _WHY[499]}} if path == "/inference/v1/generate" else {}
+        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)} | gone
     if path == "/health":
         return {"200": {"description": "The process answers.", "content": _json("Health")}}
     if path == "/version":

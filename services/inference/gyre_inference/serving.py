@@ -10,9 +10,10 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams
@@ -278,30 +279,15 @@ class Serving:
         return FastJSONResponse(body(job), headers={VERSION_HEADER: str(newest)})
 
     async def _run_all(self, job: _Job, client_gone) -> str:
-        """Run every choice to its end: "success", or "aborted" when the client went away first (its
-        sequences are cancelled, freeing their batch slots, instead of generating for nobody). `client_gone`:
-        async () -> None that returns when the client disconnects (nothing polls: at 256 requests in flight,
-        polling each one's connection cost a fifth of the event loop)."""
-        work = asyncio.ensure_future(
-            asyncio.gather(*(self._run_choice(job, p, c, params, _ignore) for p, c, params in job.choices))
-        )
-        gone = asyncio.ensure_future(client_gone()) if client_gone is not None else None
+        """Run every choice to its end: "success", or "aborted" when the client went away first."""
         try:
-            await asyncio.wait({work} if gone is None else {work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done() and gone.exception() is not None:  # cannot tell: the request runs to its end
-                await work
-        except BaseException:
-            work.cancel()
-            raise
-        finally:
-            if gone is not None:
-                gone.cancel()
-        if work.done():
-            work.result()
-            return "success"
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
-        return "aborted"
+            await unless_client_gone(
+                asyncio.gather(*(self._run_choice(job, p, c, params, _ignore) for p, c, params in job.choices)),
+                client_gone,
+            )
+        except ClientGone:
+            return "aborted"
+        return "success"
 
     def _finish_metrics(self, job: _Job, outcome: str) -> None:
         self.metrics.generation_tokens.inc(sum(len(choice.token_ids) for _, choice, _ in job.choices))
@@ -479,6 +465,46 @@ class Serving:
             name = f"token_id:{token_id}"
             return name, list(name.encode())
         return self.text.token(token_id)
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+def client_gone(request: Request):
+    """async () -> None that returns once the client of `request` has disconnected. Once the route has read
+    the body, the server's `receive()` blocks until the connection closes and then says `http.disconnect`
+    (vLLM's listen_for_disconnect): one waiting task per request instead of polling the connection."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
+async def unless_client_gone(work: Awaitable, client_gone):
+    """The result of `work`, unless the client goes away first: then `work` is cancelled (its sequences leave the
+    batch at the next step, instead of generating for nobody) and ClientGone is raised. `client_gone`: async () ->
+    None that returns when the client disconnects (nothing polls: at 256 requests in flight, polling each one's
+    connection cost a fifth of the event loop), or None."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(client_gone()) if client_gone is not None else None
+    try:
+        await asyncio.wait({work} if gone is None else {work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and gone.exception() is not None:  # cannot tell: the request runs to its end
+            await work
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        if gone is not None:
+            gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise ClientGone
 
 
 def _text_of(content) -> str:

@@ -31,7 +31,8 @@ import asyncio
 import uuid
 from typing import Annotated, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import Field
 
 from gyre_inference.backend import SamplingParams
@@ -40,7 +41,7 @@ from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS
-from gyre_inference.serving import VERSION_HEADER
+from gyre_inference.serving import VERSION_HEADER, ClientGone, client_gone, unless_client_gone
 from gyre_inference.strict import StrictModel
 
 ROUTE = "/inference/v1/generate"
@@ -115,7 +116,7 @@ def add_generate_route(app: FastAPI, state) -> None:
     """Register `POST /inference/v1/generate` on the inference app (`state`: api.AppState)."""
 
     @app.post(ROUTE, summary="vLLM-compatible tokens in, tokens out (with per-choice policy versions).")
-    async def generate(body: GenerateRequest) -> FastJSONResponse:
+    async def generate(body: GenerateRequest, request: Request) -> FastJSONResponse:
         try:
             adapter = state.backend.adapter_for(body.model, state.model_id)
         except KeyError:
@@ -150,7 +151,12 @@ def add_generate_route(app: FastAPI, state) -> None:
             )
             for i in range(sp.n)
         ]
-        choices = await asyncio.gather(*(_sample(state, prompt, p, i, sp) for i, p in enumerate(params)))
+        try:  # a client that goes away (timed out) cancels its sequences, as on the OpenAI routes
+            choices = await unless_client_gone(
+                asyncio.gather(*(_sample(state, prompt, p, i, sp) for i, p in enumerate(params))), client_gone(request)
+            )
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening
         prompt_lps = choices[0].pop("_prompt_logprobs")
         for choice in choices[1:]:
             del choice["_prompt_logprobs"]

@@ -6,6 +6,8 @@ the tokens-in route must sample exactly the same tokens with the same log-probs,
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -72,3 +74,26 @@ def test_in_the_openapi_schema(server):
     schema = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     operation = schema["paths"]["/inference/v1/generate"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("GenerateRequest")
+
+
+def test_a_client_that_goes_away_frees_its_sequences(server, model_id):
+    # as on the OpenAI routes: a client that times out cancels its sequences instead of leaving them generating
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(name: str) -> float:
+        for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+            for sample in family.samples:
+                if sample.name == name:
+                    return sample.value
+        raise AssertionError(name)
+
+    steps = scrape("gyre_inference_engine_decode_steps_total")
+    params = {"n": 32, "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/inference/v1/generate", json={"model": model_id, "token_ids": [5, 6, 7],
+                   "sampling_params": params}, timeout=httpx.Timeout(30, read=0.3))  # fmt: skip
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and scrape("gyre_inference_running_requests") > 0:
+        time.sleep(0.05)
+    assert scrape("gyre_inference_running_requests") == 0
+    assert scrape("gyre_inference_engine_decode_steps_total") - steps < 239  # cancelled long before the end
