@@ -6,6 +6,7 @@ import subprocess
 import sys
 import types
 import typing
+from pathlib import Path
 
 import pytest
 from gyre.config import ConfigError, load_config, to_toml
@@ -13,6 +14,8 @@ from gyre.config.inference import InferenceConfig
 from gyre.config.loader import collect, help_text
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.trainer import SFTConfig, TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +182,21 @@ def test_experiment_table_inherits_shared_keys(tmp_path):
     assert (inf.run_id, inf.redis.url, inf.server.port) == ("exp1", "redis://r:1/0", 9000)
     tr = load_config(TrainerConfig, ["@", exp + "#trainer"])
     assert (tr.max_steps, tr.optim.lr, tr.run_id) == (4, 0.01, "exp1")
+
+
+def test_a_service_reading_its_table_skips_gyre_rls_own_shared_keys(tmp_path):
+    # `gyre trainer @ configs/ci.toml#trainer` once failed: "config key 'model.init_preset': unknown key"
+    # (a `gyre rl` key in the shared [model] table); the service's own table is still checked strictly
+    exp = write(tmp_path, "exp.toml", '[model]\nname = "m"\ninit_preset = "tiny"\n[trainer.optim]\nlr = 0.5\n')
+    tr = load_config(TrainerConfig, ["@", exp + "#trainer"])
+    assert tr.model.name == "m" and tr.optim.lr == 0.5
+    inf = load_config(InferenceConfig, ["@", exp + "#inference"])
+    assert inf.model.name == "m"
+    bad = write(tmp_path, "bad.toml", "[trainer.optim]\nlrr = 0.5\n")
+    with pytest.raises(ConfigError, match=r"optim\.lrr"):
+        load_config(TrainerConfig, ["@", bad + "#trainer"])
+    for name in ("ci.toml", "reverse_text/demo.toml"):  # the repository's own experiment files
+        load_config(TrainerConfig, ["@", str(ROOT / "configs" / name) + "#trainer"])
 
 
 def test_round_trip_through_toml_keeps_secrets(tmp_path):

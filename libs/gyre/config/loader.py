@@ -201,12 +201,13 @@ def read_toml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: invalid TOML: {e}") from e
 
 
-def read_section(path: str, fields: set[str] | None) -> dict:
+def read_section(path: str, model: type[BaseModel] | None) -> dict:
     """``file.toml#name``: the ``[name]`` table of an experiment file plus the shared top-level keys.
 
     An experiment file (what `gyre rl` and the Helm chart's ConfigMap hold) sets shared keys once at
     top level and per-service keys in ``[inference]``, ``[trainer]``, ``[orchestrator]``. A service
-    reads its own table; top-level keys are inherited when the service's config has such a field.
+    reads its own table; shared keys are inherited where the service's config (`model`) has such a key,
+    in shared tables too: `gyre rl`'s own ``model.init_preset`` is not the trainer's to refuse.
     """
     file, _, section = path.partition("#")
     data = read_toml(file)
@@ -215,15 +216,26 @@ def read_section(path: str, fields: set[str] | None) -> dict:
     if section not in data and section not in ("inference", "trainer", "orchestrator", "sft"):
         raise ConfigError(f"{file}: no [{section}] table")
     shared = {k: v for k, v in data.items() if not isinstance(v, dict) or k not in SECTION_NAMES}
-    if fields is not None:
-        shared = {k: v for k, v in shared.items() if k in fields}
+    if model is not None:
+        shared = _inherited(model, shared)
     return deep_merge(shared, data.get(section, {}))
+
+
+def _inherited(model: type[BaseModel], shared: dict) -> dict:
+    out = {}
+    for key, value in shared.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue
+        sub = _model_type(field.annotation)
+        out[key] = _inherited(sub, value) if sub is not None and isinstance(value, dict) else value
+    return out
 
 
 SECTION_NAMES = {"inference", "trainer", "orchestrator", "sft"}
 
 
-def collect(argv: list[str], fields: set[str] | None = None) -> dict:
+def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
     """Merge ``@ file.toml`` arguments and ``--a.b value`` options into one nested dict."""
     files: dict = {}
     cli: dict = {}
@@ -236,7 +248,7 @@ def collect(argv: list[str], fields: set[str] | None = None) -> dict:
             path = arg[1:] if arg != "@" else (argv[i + 1] if i + 1 < len(argv) else None)
             if not path:
                 raise ConfigError("'@' must be followed by a TOML file path")
-            files = deep_merge(files, read_section(path, fields))
+            files = deep_merge(files, read_section(path, model))
             i += 1 if arg != "@" else 2
             continue
         if not arg.startswith("--"):
@@ -320,7 +332,7 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
 
 def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -> T:
     """Build ``cls`` from argv (CLI + TOML), the environment and defaults. Raises ConfigError."""
-    values = deep_merge(collect(list(argv or []), set(cls.model_fields)), overrides)
+    values = deep_merge(collect(list(argv or []), cls), overrides)
     check_bare_flags(cls, values)
     try:
         return cls(**values)
