@@ -75,12 +75,9 @@ class _Run:
 
     def failed(self, error: Exception) -> dict:
         """The error body a stream ends with for `error` (and the outcome it counts as)."""
-        if isinstance(error, BackendStoppedError):
-            self.outcome = "unavailable"
-            return error_body(503, "the inference engine stopped (shutting down); retry", code="not_ready")
-        if isinstance(error, AdapterGoneError):
-            self.outcome = "client_error"
-            return unknown_model(self.job.request.model, self.serving.model_id).body()
+        if isinstance(error, BackendStoppedError | AdapterGoneError):
+            self.outcome = "unavailable" if isinstance(error, BackendStoppedError) else "client_error"
+            return backend_failure(error, self.job.request.model, self.serving.model_id).body()
         self.outcome = "server_error"
         return error_body(500, f"generation failed: {type(error).__name__}: {error}")
 
@@ -259,14 +256,9 @@ class Serving:
             )
         try:
             outcome = await self._run_all(job, client_gone)
-        except BackendStoppedError:
-            self._finish_metrics(job, "unavailable")
-            raise APIError(
-                503, "the inference engine is not running (shutting down); retry", code="not_ready"
-            ) from None
-        except AdapterGoneError:  # found out only when generating: the same answer as for a name never served
-            self._finish_metrics(job, "client_error")
-            raise unknown_model(job.request.model, self.model_id) from None
+        except (BackendStoppedError, AdapterGoneError) as error:
+            self._finish_metrics(job, "unavailable" if isinstance(error, BackendStoppedError) else "client_error")
+            raise backend_failure(error, job.request.model, self.model_id) from None
         except BaseException:
             self._finish_metrics(job, "server_error")
             raise
@@ -465,6 +457,15 @@ class Serving:
             name = f"token_id:{token_id}"
             return name, list(name.encode())
         return self.text.token(token_id)
+
+
+def backend_failure(error: BackendStoppedError | AdapterGoneError, model: str, served: str) -> APIError:
+    """What a backend's failure to generate means for the client: the engine is not running (shutting down, or
+    stopped) is a 503 to retry; a named adapter found gone only when generating is the same 404 as for a name
+    never served."""
+    if isinstance(error, BackendStoppedError):
+        return APIError(503, "the inference engine is not running (shutting down); retry", code="not_ready")
+    return unknown_model(model, served)
 
 
 class ClientGone(Exception):

@@ -35,13 +35,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from gyre_inference.backend import SamplingParams
+from gyre_inference.backend import AdapterGoneError, BackendStoppedError, SamplingParams
 from gyre_inference.choice import choice_seed
 from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS
-from gyre_inference.serving import VERSION_HEADER, ClientGone, client_gone, unless_client_gone
+from gyre_inference.serving import VERSION_HEADER, ClientGone, backend_failure, client_gone, unless_client_gone
 from gyre_inference.strict import StrictModel
 
 ROUTE = "/inference/v1/generate"
@@ -157,6 +157,8 @@ def add_generate_route(app: FastAPI, state) -> None:
             )
         except ClientGone:
             return Response(status_code=499)  # nobody is listening
+        except (BackendStoppedError, AdapterGoneError) as error:  # 503 / 404 as on the OpenAI routes, not a 500
+            raise backend_failure(error, body.model, state.model_id) from None
         prompt_lps = choices[0].pop("_prompt_logprobs")
         for choice in choices[1:]:
             del choice["_prompt_logprobs"]

@@ -1,0 +1,75 @@
+"""A backend failure answers the same on every generation route: an engine that stopped (shutdown past its grace,
+a crash) is a 503 `not_ready` that clients retry, a named adapter that is gone a 404 `model_not_found`. The
+tokens-in route answered both with a 500 "internal error" (and logged a traceback) where the OpenAI routes did not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError
+from http_app import serve_app
+
+
+class FailingBackend(Backend):
+    """Loads, then fails every generation with `error` (what the engine raises into a sequence's stream)."""
+
+    name = "failing"
+
+    def __init__(self, error: Exception):
+        self.error, self._ready = error, False
+
+    ready = property(lambda self: self._ready)
+    version = property(lambda self: 0)
+    max_model_len = property(lambda self: 1024)
+
+    def load_stats(self):
+        return 0, 0
+
+    async def start(self):
+        self._ready = True
+
+    async def shutdown(self):
+        self._ready = False
+
+    async def generate(self, prompt, params):
+        raise self.error
+        yield  # an async generator, as every backend's generate
+
+    async def update_weights(self, weights):
+        raise NotImplementedError
+
+    async def reload_base(self):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [(BackendStoppedError("the inference engine stopped"), 503, "not_ready"),
+     (AdapterGoneError("adapter folder gone"), 404, "model_not_found")],
+)  # fmt: skip
+def test_every_generation_route_answers_a_backend_failure_alike(tiny_model, error, status, code):
+    requests = {
+        "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        "/v1/completions": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+        "/inference/v1/generate": {"model": "tiny", "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}},
+    }
+
+    async def scenario():
+        async with serve_app(FailingBackend(error), tiny_model, "backend-failures") as base_url:
+            root = base_url.removesuffix("/v1")
+            async with httpx.AsyncClient(base_url=root, timeout=30) as http:
+                answers = {route: await http.post(route, json=body) for route, body in requests.items()}
+                stream = await http.post("/v1/completions", json={**requests["/v1/completions"], "stream": True})
+                return answers, stream
+
+    answers, stream = asyncio.run(scenario())
+    for route, response in answers.items():
+        assert response.status_code == status, (route, response.text)
+        assert response.json()["error"]["code"] == code, (route, response.text)
+    # a stream has sent its 200 already: its error event carries the same error
+    events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert stream.status_code == 200 and events[-1]["error"]["code"] == code, stream.text
