@@ -30,6 +30,20 @@ HOW_TO_CREATE = (
 )
 
 
+SERVICE_HINT = "create one with `gyre model init --output-dir DIR` (or `gyre model import`) and set model.name = DIR"
+
+
+def check_service_model(name: str, prog: str) -> int | None:
+    """A service's start-up check of its model folder: None when it can go on, else 2 after one clear line
+    (a missing folder once surfaced as a trainer traceback or a hub client's 'Repo id must be ...')."""
+    try:
+        check_model_source(name, hub=False, hint=SERVICE_HINT)
+    except ModelUnavailable as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
 class ModelUnavailable(ValueError):
     """`model.name` is neither a model folder nor a hub id that can be fetched; the message says what to do."""
 
@@ -39,15 +53,22 @@ def looks_like_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(name)) and not name.startswith(".")
 
 
-def check_model_source(name: str, key: str = "model.name") -> str:
-    """Return how `name` will be loaded ("local folder" or "hub id") or raise `ModelUnavailable`."""
+def check_model_source(name: str, key: str = "model.name", hub: bool = True, hint: str = HOW_TO_CREATE) -> str:
+    """Return how `name` will be loaded ("local folder" or "hub id") or raise `ModelUnavailable`.
+
+    `hub=False` only checks that a path exists, and takes a hub id on trust (a service in a cluster: the
+    chart's `model-fetch` init container fetched it, and the service's own load reports a hub failure)."""
     path = Path(name).expanduser()
+    if path.exists() and not hub:
+        return "local path"  # a folder or a file (vLLM reads a .gguf); loading it reports what is wrong
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelUnavailable(f"{key} = {name!r}: {path} is not a model folder (no config.json); {HOW_TO_CREATE}")
+            raise ModelUnavailable(f"{key} = {name!r}: {path} is not a model folder (no config.json); {hint}")
         return "local folder"
     if not looks_like_hub_id(name):
-        raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} does not exist; {HOW_TO_CREATE}")
+        raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} does not exist; {hint}")
+    if not hub:
+        return "hub id"
     try:
         from transformers import AutoConfig
 

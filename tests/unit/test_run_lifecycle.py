@@ -191,6 +191,15 @@ def test_defect_6_missing_local_folder_and_no_implicit_random_model(tmp_path):
     assert RLConfig().model.init_preset is None  # a random model only when asked for
 
 
+def test_a_trainer_started_on_a_missing_model_folder_says_so_and_exits_2(tmp_path):
+    # it once died with a FileNotFoundError traceback (after binding its ports)
+    missing = tmp_path / "no" / "model"
+    res = gyre("trainer", "--model.name", str(missing), "--output-dir", str(tmp_path / "run"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"gyre trainer: error: model.name = '{missing}'" in res.stderr and "gyre model init" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 # ---- 7: the batch split follows the trainer -------------------------------------------------------
 
 
@@ -333,6 +342,8 @@ def test_trainer_port_in_use_names_the_option(tmp_path):
             "trainer",
             "--output-dir",
             str(tmp_path),
+            "--model.name",  # a hub id passes the start-up model check (a missing folder would stop it first)
+            "org/model",
             "--redis.url",
             "redis://127.0.0.1:1/0",
             "--metrics.port",

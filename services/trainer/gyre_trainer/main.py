@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_from_config(cfg)
         return 0
+    from gyre.model_source import check_service_model
+
+    if (code := check_service_model(cfg.model.name, "gyre trainer")) is not None:
+        return code
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(cfg.log.level, cfg.log.file, "trainer" if rank == 0 else f"trainer-rank{rank}")
     from gyre.net import PortInUse
