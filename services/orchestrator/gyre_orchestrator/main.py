@@ -14,6 +14,9 @@ from gyre.config.orchestrator import OrchestratorConfig
 from gyre.logging import setup_logging
 
 log = logging.getLogger("gyre_orchestrator")
+# dead letters of one batch before giving up: a batch generated again and rejected again has a cause that
+# generating cannot cure (e.g. trainer and orchestrator disagree on the batch shape); each try keeps a payload
+MAX_REJECTIONS = 3
 
 
 async def serve(cfg: OrchestratorConfig) -> int:
@@ -33,6 +36,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
         log.error("%s", e)
         return 2
     try:
+        rejections: dict[int, int] = {}  # step -> times the trainer dead-lettered its batch
         while True:
             run = asyncio.create_task(service.run())
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -40,6 +44,17 @@ async def serve(cfg: OrchestratorConfig) -> int:
             try:
                 return await run
             except StreamLost as e:  # start over in this process: the resume rule regenerates the lost batches
+                if e.rejected is not None:
+                    rejections[e.step] = rejections.get(e.step, 0) + 1
+                    if rejections[e.step] >= MAX_REJECTIONS:
+                        log.error(
+                            "the trainer rejected batch %d %d times (last reason: %s); not generating it again: "
+                            "fix the cause, then restart",
+                            e.step,
+                            rejections[e.step],
+                            e.rejected,
+                        )
+                        return 1
                 log.warning("%s", e)
                 service = OrchestratorService(cfg.model_copy(update={"resume_step": None}))  # never re-rewind
     except asyncio.CancelledError:

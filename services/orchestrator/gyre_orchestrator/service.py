@@ -60,7 +60,14 @@ DEFAULT_METRICS_PORT = 9102
 
 
 class StreamLost(RuntimeError):
-    """Redis came back without batches the trainer still needs; the orchestrator must start over."""
+    """Batches the trainer still needs left the stream; the orchestrator must start over from `step`.
+
+    `rejected`: the trainer's reason when it dead-lettered them (None: Redis restarted without them)."""
+
+    def __init__(self, message: str, step: int, rejected: str | None = None):
+        super().__init__(message)
+        self.step = step
+        self.rejected = rejected
 
 
 class RolloutFailed(RuntimeError):
@@ -221,6 +228,11 @@ class OrchestratorService:
             dead = None
         return run_id, dead.decode() if isinstance(dead, bytes) else dead
 
+    def _last_dead_reason(self) -> str:
+        newest = self.redis.xrevrange(self.stream.dead_key, count=1)
+        reason = newest[0][1].get(b"reason", b"no reason given") if newest else b"no reason given"
+        return reason.decode(errors="replace")
+
     async def _check_stream(self) -> None:
         marks = await self._redis(self._stream_marks, "checking the Redis server")
         if marks == self._stream_seen:
@@ -231,9 +243,12 @@ class OrchestratorService:
         have = set(await self._redis(lambda: self.stream.steps_after(committed), "reading the stream"))
         missing = [s for s in range(committed + 1, self.last_step + 1) if s not in have]
         if missing:
-            why = "Redis restarted without" if restarted else f"the trainer dead-lettered ({self.stream.dead_key})"
+            rejected = None if restarted else await self._redis(self._last_dead_reason, "reading the dead letters")
+            why = "Redis restarted without" if restarted else f"the trainer dead-lettered ({rejected})"
             raise StreamLost(
-                f"{why} the batches of steps {missing} (pushed, not yet trained): starting over from step {missing[0]}"
+                f"{why} the batches of steps {missing} (pushed, not yet trained): starting over from step {missing[0]}",
+                missing[0],
+                rejected,
             )
         if restarted:
             log.info("Redis restarted; the stream still holds every batch the trainer needs")

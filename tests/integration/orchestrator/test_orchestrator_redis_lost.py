@@ -95,3 +95,40 @@ def test_a_batch_the_trainer_dead_letters_is_generated_again(tmp_path, redis_url
     text = (tmp_path / "orchestrator.log").read_text()
     assert "the trainer dead-lettered" in text and "starting over from step 1" in text, text[-3000:]
     assert 1 in steps and set(steps) == set(range(1, n + 1)), steps  # step 1 is in the stream again
+
+
+def test_a_batch_the_trainer_always_rejects_stops_the_orchestrator_with_the_reason(
+    tmp_path, redis_url, unique_run_id, replicas
+):
+    # a rejection that regenerating cannot cure (e.g. a trainer with another data-parallel size) must not loop
+    # forever, filling the dead-letter stream with payloads: after a few tries the orchestrator fails, saying why
+    from gyre.config import to_toml
+    from gyre.streams import StepReader
+
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_async_level=0, max_steps=2)
+    cfg_path = tmp_path / "orchestrator.toml"
+    cfg_path.write_text(to_toml(cfg))
+    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
+    )
+    stream = BatchStream(redis_url, unique_run_id)
+    try:
+        reader = StepReader(stream, "trainer-rank0")
+        deadline = time.monotonic() + 200
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, (tmp_path / "orchestrator.log").read_text()[-3000:]
+            entry = reader.next(block_ms=200)
+            if entry is not None:
+                reader.reject(entry, "batch is split for 1 ranks, but the trainer runs 2")
+        dead = len(stream.dead_letters())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        stream.redis.delete(stream.key, stream.dead_key)
+        stream.redis.close()
+    text = (tmp_path / "orchestrator.log").read_text()
+    assert proc.returncode == 1, text[-3000:]
+    assert "the trainer rejected batch 1 3 times" in text and "split for 1 ranks, but the trainer runs 2" in text
+    assert dead == 3
