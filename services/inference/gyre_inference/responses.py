@@ -244,10 +244,18 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         chat["stream_options"] = request.stream_options.model_dump(exclude_none=True)
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
-    except ValidationError as error:  # a message the chat rules refuse: name it as the input item
+    except ValidationError as error:  # what the chat rules refuse, named by this request's field
         first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]).replace("messages.", "input.", 1)
-        raise APIError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}", param="input") from None
+        message = first["msg"].removeprefix("Value error, ")
+        if not first["loc"]:  # a rule across fields (tool_choice required with text.format, ...)
+            raise APIError(400, message) from None
+        field = _CHAT_FIELDS.get(str(first["loc"][0]), str(first["loc"][0]))
+        where = ".".join([field, *(str(p) for p in first["loc"][1:])])
+        raise APIError(400, f"{where}: {message}", param=field) from None
+
+
+# chat request fields a Responses request calls otherwise
+_CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def _plain(content) -> str | list[dict]:

@@ -110,7 +110,8 @@ class Serving:
         )  # fmt: skip
         # echo (vLLM): the content starts with the last message's when that is the assistant's being continued
         echo = _text_of(messages[-1].get("content")) if request.echo and messages[-1]["role"] == "assistant" else ""
-        job = self._job(kind, request, [prompt], request.completion_limit, "messages", parse_tools, started, [echo])
+        where = "input" if kind == "responses" else "messages"  # the request's own field in a context-length error
+        job = self._job(kind, request, [prompt], request.completion_limit, where, parse_tools, started, [echo])
         await self._constrain(job, self._chat_guide(request))
         return job
 

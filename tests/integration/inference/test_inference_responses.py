@@ -135,6 +135,25 @@ def test_what_a_stateless_text_server_cannot_do_is_a_clear_400(http, model_id, f
     assert error["param"].startswith(param) and (says is None or says in error["message"]), error
 
 
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"input": "word " * 600}, "input", "in the input"),  # the context
+        ({"max_output_tokens": 100_000}, "input", "100000 in the completion"),
+        ({"tools": [{"type": "function", "name": "add"}], "tool_choice": {"type": "function", "name": "sub"}},
+         "tool_choice", "not one of the tools"),
+        ({"tools": [{"type": "function", "name": "add"}], "tool_choice": "required",
+          "text": {"format": {"type": "json_object"}}}, None, "constrains the output"),
+    ],
+)  # fmt: skip
+def test_errors_name_this_requests_fields_not_the_chat_requests(http, model_id, fields, param, says):
+    # a Responses request runs as a chat completion: its errors must still name fields the client sent
+    response = http.post("/v1/responses", json={"model": model_id, "input": "hi", **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"] and "messages" not in error["message"], error
+
+
 def test_a_model_card_by_id(client, model_id, http):
     card = client.models.retrieve(model_id)  # the id is a folder path: slashes and all
     assert card.id == model_id and card.object == "model"
