@@ -200,6 +200,24 @@ def test_a_trainer_started_on_a_missing_model_folder_says_so_and_exits_2(tmp_pat
     assert "Traceback" not in res.stderr
 
 
+def test_sft_on_a_missing_model_folder_says_so_and_exits_2(tmp_path):
+    # it was the hub client's "Repo id must be in the form 'repo_name' or 'namespace/repo_name'" traceback
+    missing = tmp_path / "no" / "model"
+    res = gyre("sft", "--model.name", str(missing), "--data.env", "reverse_text", "--output-dir", str(tmp_path))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"gyre sft: error: model.name = '{missing}'" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_eval_with_nothing_serving_is_one_error_line(tmp_path):
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    res = gyre("eval", "--env.name", "reverse_text", "--inference.urls", f'["{url}"]', "--inference.retries", "0",
+               "--eval.num-examples", "1", "--output-dir", str(tmp_path))  # fmt: skip
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert f"gyre eval: error: ['{url}']" in res.stderr and "Traceback" not in res.stderr
+
+
 # ---- 7: the batch split follows the trainer -------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -236,6 +237,12 @@ def main(argv: list[str]) -> int:
     setup_logging(cfg.log.level, cfg.log.file, service="eval")
     if cfg.log.level != "DEBUG":  # the openai client's HTTP stack logs a line per request at INFO
         logging.getLogger("httpx2").setLevel(logging.WARNING)
-    result = asyncio.run(_run_once(cfg))
+    from gyre_orchestrator.client import InferenceError
+
+    try:
+        result = asyncio.run(_run_once(cfg))
+    except InferenceError as e:  # nothing serves at inference.urls: one line, not a traceback
+        print(f"gyre eval: error: {cfg.inference.urls}: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(result.record(step=result.min_version)))
     return 0

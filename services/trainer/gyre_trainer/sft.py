@@ -367,6 +367,10 @@ def save_hf_model(save_dir: Path, state_dict, config, base_model: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_or_exit(SFTConfig, argv, "gyre sft")
+    from gyre.model_source import check_service_model
+
+    if (code := check_service_model(cfg.model.name, "gyre sft")) is not None:
+        return code  # not the hub client's "Repo id must be in the form ..." traceback
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}")
     try:
