@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from gyre_inference.backend import Backend
+
 
 @contextlib.asynccontextmanager
 async def serve_app(backend, model_dir: Path, run_id: str, prepare=None) -> AsyncIterator[str]:
@@ -31,3 +33,30 @@ async def serve_app(backend, model_dir: Path, run_id: str, prepare=None) -> Asyn
         http.should_exit = True
         await task
         await backend.shutdown()
+
+
+class StandInBackend(Backend):
+    """A backend without a model for HTTP-layer tests: ready once started, version 0, context 1024, no weight
+    updates; a subclass says what `generate` yields."""
+
+    name = "stand-in"
+    _ready = False
+
+    ready = property(lambda self: self._ready)
+    version = property(lambda self: 0)
+    max_model_len = property(lambda self: 1024)
+
+    def load_stats(self):
+        return 0, 0
+
+    async def start(self):
+        self._ready = True
+
+    async def shutdown(self):
+        self._ready = False
+
+    async def update_weights(self, weights):
+        raise NotImplementedError
+
+    async def reload_base(self):
+        raise NotImplementedError

@@ -10,40 +10,19 @@ import json
 
 import httpx
 import pytest
-from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError
-from http_app import serve_app
+from gyre_inference.backend import AdapterGoneError, BackendStoppedError
+from http_app import StandInBackend, serve_app
 
 
-class FailingBackend(Backend):
-    """Loads, then fails every generation with `error` (what the engine raises into a sequence's stream)."""
-
-    name = "failing"
+class FailingBackend(StandInBackend):
+    """Fails every generation with `error` (what the engine raises into a sequence's stream)."""
 
     def __init__(self, error: Exception):
-        self.error, self._ready = error, False
-
-    ready = property(lambda self: self._ready)
-    version = property(lambda self: 0)
-    max_model_len = property(lambda self: 1024)
-
-    def load_stats(self):
-        return 0, 0
-
-    async def start(self):
-        self._ready = True
-
-    async def shutdown(self):
-        self._ready = False
+        self.error = error
 
     async def generate(self, prompt, params):
         raise self.error
         yield  # an async generator, as every backend's generate
-
-    async def update_weights(self, weights):
-        raise NotImplementedError
-
-    async def reload_base(self):
-        raise NotImplementedError
 
 
 @pytest.mark.parametrize(

@@ -12,41 +12,20 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from gyre_inference.backend import Backend, TokenEvent
-from http_app import serve_app
+from gyre_inference.backend import TokenEvent
+from http_app import StandInBackend, serve_app
 
 
-class BurstBackend(Backend):
+class BurstBackend(StandInBackend):
     """Yields all of a sequence's tokens back to back, without giving the event loop a turn in between."""
 
-    name = "burst"
-
     def __init__(self, tokens: list[int]):
-        self.tokens, self._ready = tokens, False
-
-    ready = property(lambda self: self._ready)
-    version = property(lambda self: 0)
-    max_model_len = property(lambda self: 1024)
-
-    def load_stats(self):
-        return 0, 0
-
-    async def start(self):
-        self._ready = True
-
-    async def shutdown(self):
-        self._ready = False
+        self.tokens = tokens
 
     async def generate(self, prompt, params):
         for i, token in enumerate(self.tokens[: params.max_tokens]):
             last = i == min(len(self.tokens), params.max_tokens) - 1
             yield TokenEvent(token, -0.5, 0, finish_reason="length" if last else None)
-
-    async def update_weights(self, weights):
-        raise NotImplementedError
-
-    async def reload_base(self):
-        raise NotImplementedError
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])
