@@ -420,6 +420,16 @@ def test_resumed_curves_continue_and_eval_off_says_so(tmp_path):
     assert "eval off" in text and "nan -> nan" not in text
 
 
+def test_fresh_on_a_project_folder_refuses_before_writing_anything(tmp_path):
+    # a project's own configs/ made `--fresh --output-dir .` a "gyre run" and delete README.md and src/
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "mine.toml").write_text("x")
+    (tmp_path / "README.md").write_text("mine")
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--fresh")
+    assert res.returncode == 2 and "README.md" in res.stderr, res.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "configs"]  # not even locks/
+
+
 def test_fresh_refuses_a_folder_that_is_not_a_gyre_run(tmp_path):
     from gyre.config import ConfigError
     from gyre.local.launcher import Launcher
@@ -429,6 +439,12 @@ def test_fresh_refuses_a_folder_that_is_not_a_gyre_run(tmp_path):
     with pytest.raises(ConfigError, match="thesis.tex"):
         launcher.start_fresh()
     assert (tmp_path / "thesis.tex").exists()
+    (tmp_path / "configs").mkdir()  # a project's own configs/ (no run's file in it) is no gyre run
+    (tmp_path / "configs" / "mine.toml").write_text("x")
+    with pytest.raises(ConfigError, match="thesis.tex"):
+        launcher.start_fresh()
+    assert (tmp_path / "configs" / "mine.toml").exists()
     (tmp_path / "events").mkdir()  # a gyre run (with a file of the user's in it): emptied
+    (tmp_path / "events" / "trainer_steps.jsonl").write_text("")
     launcher.start_fresh()
     assert list(tmp_path.iterdir()) == []

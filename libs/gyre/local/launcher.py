@@ -57,12 +57,13 @@ log = logging.getLogger("gyre.local.launcher")
 
 # What a run writes into its output folder. `--fresh` empties a folder that is a gyre run (holds one
 # of RUN_MARKERS) or holds nothing but RUN_ENTRIES, and refuses any other: a mistyped --output-dir
-# must never cost the user their files.
+# must never cost the user their files. The markers are files only a launch writes: a folder name alone
+# (a project's own `configs/`) once made `--fresh --output-dir .` delete the whole project.
 RUN_ENTRIES = (
     "model", "sft", "weights", "checkpoints", "events", "batches", "configs", "logs", "redis",
     "prometheus", "report.png", "locks", "runs",
 )  # fmt: skip
-RUN_MARKERS = ("configs", "events", "weights", "checkpoints", "redis")
+RUN_MARKERS = ("configs/trainer.toml", "configs/sft.toml", "events/*.jsonl")
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's children finish their current step on SIGTERM
 
 
@@ -175,6 +176,8 @@ class Launcher:
                 raise ConfigError(f"config key 'servers' ({server.name}): {e}") from None
         validate_extensions(resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0"))
         self._check_resume_step()
+        if cfg.fresh:
+            self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
 
     def _check_resume_step(self) -> None:
         """A rewind to a checkpoint that does not exist fails here, before the launch deletes the stream's
@@ -210,17 +213,23 @@ class Launcher:
                 _console(f"waiting up to {ROLE_LOCK_WAIT_S:.0f}s for pid {e.holder.get('pid')} ({role}) to exit")
                 RunLock(self.out, role).acquire(wait_s=ROLE_LOCK_WAIT_S).release()
 
-    def start_fresh(self) -> None:
-        """`--fresh`: delete what a previous run wrote here (and only that)."""
+    def check_fresh(self) -> None:
+        """Raise ConfigError unless `--fresh` may empty output_dir (a gyre run, or nothing but its entries)."""
         if not self.out.is_dir():
             return
         names = {p.name for p in self.out.iterdir()}
         foreign = sorted(names - set(RUN_ENTRIES))
-        if foreign and not names & set(RUN_MARKERS):
+        if foreign and not any(any(self.out.glob(marker)) for marker in RUN_MARKERS):
             raise ConfigError(
                 f"--fresh: {self.out} holds files gyre did not write ({', '.join(foreign[:5])}): "
                 "refusing to delete them; remove them yourself or choose another --output-dir"
             )
+
+    def start_fresh(self) -> None:
+        """`--fresh`: delete what a previous run wrote here (and only that)."""
+        if not self.out.is_dir():
+            return
+        self.check_fresh()
         for entry in self.out.iterdir():
             if entry.name == "locks":
                 continue  # ours, held right now
