@@ -320,6 +320,20 @@ def test_a_rewind_to_a_checkpoint_that_does_not_exist_fails_before_anything_star
     assert not out.exists()
 
 
+def test_an_external_redis_that_cannot_be_reached_fails_before_anything_starts(tmp_path):
+    # every service once started and retried forever (every 30 s) under a progress bar stuck at 0
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    out = tmp_path / "run"
+    res = gyre(
+        "rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--redis.url", f"redis://u:s3cret@127.0.0.1:{port}/0"
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"config key 'redis.url': cannot reach Redis at 127.0.0.1:{port}" in res.stderr
+    assert "s3cret" not in res.stderr and not out.exists()
+
+
 def test_defect_8_env_args_with_a_list_of_tables_round_trip_through_toml():
     args = {"levels": [{"name": "easy", "n": 1}, {"name": "hard", "n": 2, "tags": ["a", "b"]}], "q": 'say "hi"\n'}
     cfg = load_config(OrchestratorConfig, [], env={"name": "x.y:z", "args": args})

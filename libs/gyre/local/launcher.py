@@ -176,8 +176,27 @@ class Launcher:
                 raise ConfigError(f"config key 'servers' ({server.name}): {e}") from None
         validate_extensions(resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0"))
         self._check_resume_step()
+        if cfg.redis.url:
+            self._check_redis(cfg.redis.url)
         if cfg.fresh:
             self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
+
+    @staticmethod
+    def _check_redis(url: str) -> None:
+        """An external Redis that cannot be reached fails here: the services would start and retry forever
+        (what they must do in a cluster, where Redis may come up after them)."""
+        from urllib.parse import urlsplit
+
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as e:
+            where = urlsplit(url).netloc.rpartition("@")[2] or url  # no password in the message
+            raise ConfigError(f"config key 'redis.url': cannot reach Redis at {where} ({e})") from None
+        finally:
+            client.close()
 
     def _check_resume_step(self) -> None:
         """A rewind to a checkpoint that does not exist fails here, before the launch deletes the stream's
