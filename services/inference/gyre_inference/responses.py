@@ -346,6 +346,7 @@ class ResponseShaper:
 
         run = _Run(self.serving, self.job)
         text_started = False
+        logged = 0  # tokens whose log-probs a delta carried: a delta carries those of every token since the last
         message = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         try:
             yield self.event("response.created", response=self.response("in_progress", []))
@@ -358,8 +359,8 @@ class ResponseShaper:
                                      item=self.message("", "in_progress"))  # fmt: skip
                     yield self.event("response.content_part.added", **message,
                                      part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
-                if delta.text:
-                    span = slice(delta.position, delta.position + 1)
+                if delta.text:  # the tokens whose text was held back (a partial character, ...) come with it
+                    span, logged = slice(logged, delta.position + 1), delta.position + 1
                     logprobs = self.logprobs(span) if self.request.wants_logprobs else []
                     yield self.event("response.output_text.delta", **message, delta=delta.text, logprobs=logprobs)
             choice = self.choice

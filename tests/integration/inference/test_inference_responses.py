@@ -114,6 +114,26 @@ def test_output_text_logprobs_when_included(client, model_id):
     assert all(len(entry.top_logprobs) == 2 for entry in logprobs)
 
 
+def test_streamed_deltas_carry_the_logprobs_of_every_token_they_hold(client, model_id):
+    # A token whose text is held back (with tools: text that may begin a "\n<tool_call>" tag; a token ending inside a
+    # character) releases none: its log-prob comes with the next delta (it was lost)
+    for words in ("hi", "tell me more", "what now"):
+        deltas, final = [], None
+        for event in client.responses.create(model=model_id, input=words, max_output_tokens=30, top_logprobs=1,
+                                             include=["message.output_text.logprobs"], tools=FLAT_TOOLS,
+                                             stream=True):  # fmt: skip
+            if event.type == "response.output_text.delta":
+                deltas += [entry.model_dump() for entry in event.logprobs]
+            final = event.response if event.type in ("response.completed", "response.incomplete") else final
+        if [item.type for item in final.output] != ["message"]:
+            continue  # the model called the tool (rare with these inputs): not the case under test
+        every = [entry.model_dump() for entry in final.output[0].content[0].logprobs]
+        assert len(every) == final.usage.output_tokens
+        # in order, all of them but the end-of-turn token when it came after the last text
+        assert deltas == every[: len(deltas)], words
+        assert len(deltas) == len(every) or (len(deltas) == len(every) - 1 and final.status == "completed"), words
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "says"),
     [
