@@ -348,7 +348,9 @@ def import_model(
     `FileExistsError` for a non-empty `output_dir` without `overwrite`.
     """
     output_dir = Path(output_dir).resolve()
-    if output_dir.is_file() or (output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite):
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} is a file, not a folder: choose another --output-dir")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{output_dir} already exists and is not empty; pass --overwrite to replace it")
     found = resolve_source(source, say)
     say(f"source: {found.description} -> {found.path}")

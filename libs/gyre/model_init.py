@@ -210,7 +210,9 @@ def init_model(
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     output_dir = Path(output_dir).resolve()
-    if output_dir.is_file() or (output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite):
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} is a file, not a folder: choose another --output-dir")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{output_dir} already exists and is not empty; pass overwrite=True (--overwrite)")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{output_dir.name}-", dir=output_dir.parent))
@@ -288,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         path = init_model(**config.model_dump())
     except (ValueError, FileExistsError) as error:
+        print(f"gyre model init: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a folder that cannot be created or written, a --config that cannot be read
         print(f"gyre model init: error: {error}", file=sys.stderr)
         return 2
     config_json = json.loads((path / "config.json").read_text())

@@ -98,4 +98,8 @@ def test_model_import_refuses_before_writing_anything(tiny_model, tmp_path):
     # neither a GGUF nor a model folder
     run = gyre("model", "import", str(tiny_model / "config.json"), "--output-dir", str(tmp_path / "c"))
     assert run.returncode == 2 and "not a .gguf file" in run.stderr
+    # an output path that is a file, --overwrite or not ("not empty; pass --overwrite" said before)
+    (tmp_path / "d").write_text("mine")
+    run = gyre("model", "import", str(tiny_model), "--output-dir", str(tmp_path / "d"), "--overwrite")
+    assert run.returncode == 2 and "is a file, not a folder" in run.stderr and (tmp_path / "d").read_text() == "mine"
     assert list(tmp_path.glob(".tmp-*")) == []

@@ -466,3 +466,14 @@ def test_qwen3_preset_has_qwen3_06b_shape(tokenizer):
     assert sum(p.numel() for p in model.parameters()) == 596_049_920
     assert (config.vocab_size, config.head_dim, config.tie_word_embeddings) == (151936, 128, True)
     assert shape.tokenizer_vocab_size == 4096 and shape.dtype == "bfloat16"
+
+
+def test_main_on_a_file_or_an_uncreatable_folder_is_one_error_line(tmp_path, capsys):
+    # a file said "already exists and is not empty; pass overwrite=True" (also with --overwrite), and a
+    # folder that cannot be created was a traceback
+    a_file = tmp_path / "f"
+    a_file.write_text("mine")
+    assert model_init.main(["--output-dir", str(a_file), "--overwrite"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err and a_file.read_text() == "mine"
+    assert model_init.main(["--output-dir", str(a_file / "model")]) == 2
+    assert str(a_file) in capsys.readouterr().err
