@@ -53,3 +53,16 @@ def test_a_reward_model_server_runs_the_pooling_runner(tmp_path):
 def test_mistakes_are_named_before_anything_starts(tmp_path, argv, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         resolve(tmp_path, *argv)
+
+
+def test_a_servers_missing_model_names_its_own_key_not_the_policys_init_preset(tmp_path):
+    from gyre.local.launcher import Launcher
+
+    # it once said "config key 'servers' (judge): model.name = ...; set model.init_preset = 'tiny'",
+    # advice that only creates the policy
+    missing = tmp_path / "judge-model"
+    argv = ["@", str(ROOT / "configs/ci.toml"), "--output-dir", str(tmp_path / "run"),
+            "--servers", f'[{{"name": "judge", "model": "{missing}"}}]']  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        Launcher(load_config(RLConfig, argv)).validate()
+    assert f"servers.judge.model = '{missing}'" in str(error.value) and "init_preset" not in str(error.value)

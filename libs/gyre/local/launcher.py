@@ -171,9 +171,11 @@ class Launcher:
                 raise under_section(e, "sft.args") from None
         for server in cfg.servers:
             try:
-                check_model_source(server.model)
+                # the server's own key, and no advice to set model.init_preset (the policy's alone)
+                hint = "create one with `gyre model init --output-dir DIR` (or `gyre model import`) and use DIR"
+                check_model_source(server.model, key=f"servers.{server.name}.model", hint=hint)
             except ModelUnavailable as e:
-                raise ConfigError(f"config key 'servers' ({server.name}): {e}") from None
+                raise ConfigError(str(e)) from None
         validate_extensions(resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0"))
         self._check_resume_step()
         if cfg.redis.url:
