@@ -66,3 +66,18 @@ def test_a_servers_missing_model_names_its_own_key_not_the_policys_init_preset(t
     with pytest.raises(ConfigError) as error:
         Launcher(load_config(RLConfig, argv)).validate()
     assert f"servers.judge.model = '{missing}'" in str(error.value) and "init_preset" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [(["--trainer.max-steps", "5"], "trainer.max_steps"), (["--orchestrator.run-id", "x"], "orchestrator.run_id"),
+     (["--trainer.output-dir", "/elsewhere"], "trainer.output_dir"),
+     (["--inference.model.name", "m2"], "inference.model.name"),
+     (["--orchestrator.redis.url", "redis://h:1/0"], "orchestrator.redis.url"),
+     (["--servers", '[{"name": "j", "model": "m", "args": {"model": {"name": "x"}}}]'], "servers.j.args.model.name")],
+)  # fmt: skip
+def test_a_key_every_service_shares_is_refused_inside_a_section(tmp_path, argv, key):
+    # `[trainer] max_steps = 5` under a top-level max_steps = 3 once left the trainer waiting forever for
+    # steps its orchestrator never made; `[inference.model] name` served another model than the one trained
+    with pytest.raises(ConfigError, match=rf"config key '{key}': gyre rl gives every service the same"):
+        resolve(tmp_path, "@", str(ROOT / "configs/ci.toml"), *argv)

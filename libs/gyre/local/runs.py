@@ -190,8 +190,31 @@ def served_adapters(cfg: RLConfig, trainer: TrainerConfig, names: list[str]) -> 
     return {"lora": {"max_loras": loras_for_runs(backend, 1), "max_rank": trainer.lora.rank}}
 
 
+# Keys every service must share: set in a section they silently split the run (a trainer waiting for steps
+# its orchestrator never makes, a stream or folder of their own, inference serving another model).
+EXPERIMENT_KEYS = ("run_id", "output_dir", "max_steps", "redis.url", "model.name")
+
+
+def _refuse_experiment_keys(section: str, user: dict) -> None:
+    where = section.split(".")[0] if section.startswith("inference.") else section
+    for dotted in EXPERIMENT_KEYS:
+        *parents, last = dotted.split(".")
+        node: Any = user
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            if where.startswith("servers."):
+                instead = "the server's `model`" if dotted == "model.name" else f"the top-level {dotted}"
+            else:
+                instead = f"the top-level {dotted}" + (" (or a [[runs]] entry's)" if dotted == "max_steps" else "")
+            raise ConfigError(
+                f"config key '{where}.{dotted}': gyre rl gives every service the same {dotted}; set {instead}"
+            )
+
+
 def _validated(cls, section: str, user: dict, launcher: dict):
     """Launcher-chosen values (ports, paths) under the user's section; errors name the section."""
+    _refuse_experiment_keys(section, user)
     values = deep_merge(launcher, user)
     # Ports and addresses are the launcher's: a user value would break the wiring.
     for key in ("server", "control"):
