@@ -148,8 +148,19 @@ class OrchestratorService:
         )
         self.redis = cfg.redis.client(socket_timeout=30, socket_connect_timeout=5)
         self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)
+        self._pushes_key = f"{self.stream.key}:pushed"
         self.last_step = 0
-        self._stream_seen: tuple[str, str | None] = ("", None)  # `_stream_marks` when last checked
+        self._stream_seen: tuple[str, tuple[int, int] | None, bool] = (
+            "",
+            None,
+            False,
+        )  # `_stream_marks` when last checked
+        # pushes counted in Redis too (`gyre:{run}:batches:pushed`): a count that falls behind ours, or an INCR
+        # that skips, means the keys were flushed under a running server (the next push recreates the stream,
+        # so its ids alone cannot tell)
+        self._pushes = 0
+        self._pushes_reset = False
+        self._pushed_id = (0, 0)  # stream id of our newest push
         self.sampler: TaskSampler | None = None
         self.scheduler: RolloutScheduler | None = None
         self.step_records = StepRecords(
@@ -206,27 +217,39 @@ class OrchestratorService:
 
     async def _watch_stream(self, interval_s: float = 5.0) -> None:
         """Notice batches the trainer still needs that left the stream while we run: a Redis server that
-        came back empty (restarted without persistence), or a batch the trainer dead-lettered (e.g. its
-        spill file was lost), which the trainer then waits for again.
+        came back empty (restarted without persistence), a stream deleted under a running server (FLUSHALL,
+        FLUSHDB, DEL, eviction by a `maxmemory-policy allkeys-*`), or a batch the trainer dead-lettered
+        (e.g. its spill file was lost), which the trainer then waits for again.
 
         The trainer would wait forever for a batch that is gone, and the async bound would stall
-        generation behind it. Redis's `run_id` changes on every restart and the dead-letter stream's
-        last id on every dead letter; then the stream is checked for the batches after the trainer's
-        committed step, and if any is gone `StreamLost` makes `gyre orchestrator` start over from the
-        resume rule, which regenerates them.
+        generation behind it. Redis's `run_id` changes on every restart, the dead-letter stream's last id
+        on every dead letter, and the push count kept in Redis falls behind ours when keys are deleted; then
+        the stream is checked for the batches after the trainer's committed step, and if any is gone
+        `StreamLost` makes `gyre orchestrator` start over from the resume rule, which regenerates them.
         """
         while True:
             await asyncio.sleep(interval_s)
             await self._check_stream()
 
-    def _stream_marks(self) -> tuple[str, str | None]:
-        """Redis's `run_id` (new on every restart) and the last id of the dead-letter stream (None: none yet)."""
+    def _stream_marks(self) -> tuple[str, tuple[int, int] | None, bool]:
+        """Redis's `run_id` (new on every restart), the last id of the dead-letter stream (None: none yet),
+        and whether the batches stream was emptied since our newest push (deleted, flushed or evicted)."""
         run_id = self.redis.info("server")["run_id"]
+        last = {key: self._last_id(key) for key in (self.stream.key, self.stream.dead_key)}
+        emptied = (
+            self._pushes_reset  # FLUSHALL / FLUSHDB, then a push
+            or int(self.redis.get(self._pushes_key) or 0) < self._pushes  # FLUSHALL / FLUSHDB
+            or (last[self.stream.key] or (0, 0)) < self._pushed_id  # the stream alone deleted or evicted
+        )
+        return run_id, last[self.stream.dead_key], emptied
+
+    def _last_id(self, key: str) -> tuple[int, int] | None:
+        """The last id ever added to stream `key` (`ms-seq` as Redis orders them); None if there is no such key."""
         try:
-            dead = self.redis.xinfo_stream(self.stream.dead_key)["last-generated-id"]
-        except redis.ResponseError:  # no such key: nothing dead-lettered
-            dead = None
-        return run_id, dead.decode() if isinstance(dead, bytes) else dead
+            ms, _, seq = self.redis.xinfo_stream(key)["last-generated-id"].decode().partition("-")
+        except redis.ResponseError:
+            return None
+        return int(ms), int(seq)
 
     def _last_dead_reason(self) -> str:
         newest = self.redis.xrevrange(self.stream.dead_key, count=1)
@@ -237,14 +260,20 @@ class OrchestratorService:
         marks = await self._redis(self._stream_marks, "checking the Redis server")
         if marks == self._stream_seen:
             return
-        restarted = marks[0] != self._stream_seen[0]
+        restarted, emptied = marks[0] != self._stream_seen[0], marks[2]
         self._stream_seen = marks
+        self._pushes_reset = False
         committed = committed_step(self.out, self.transport.latest())
         have = set(await self._redis(lambda: self.stream.steps_after(committed), "reading the stream"))
         missing = [s for s in range(committed + 1, self.last_step + 1) if s not in have]
         if missing:
-            rejected = None if restarted else await self._redis(self._last_dead_reason, "reading the dead letters")
-            why = "Redis restarted without" if restarted else f"the trainer dead-lettered ({rejected})"
+            lost = restarted or emptied
+            rejected = None if lost else await self._redis(self._last_dead_reason, "reading the dead letters")
+            why = (
+                "Redis restarted without" if restarted
+                else "the stream was emptied (flushed, deleted or evicted) of" if emptied
+                else f"the trainer dead-lettered ({rejected})"
+            )  # fmt: skip
             raise StreamLost(
                 f"{why} the batches of steps {missing} (pushed, not yet trained): starting over from step {missing[0]}",
                 missing[0],
@@ -277,6 +306,7 @@ class OrchestratorService:
             log.info("published weights up to version %d: making replicas serve it", step)
             if not await self.relay.wait_served(step, timeout=cfg.relay.timeout_s):
                 log.warning("not every replica serves version %d yet; continuing (the relay keeps trying)", step)
+        self._pushes = int(await self._redis(lambda: self.redis.get(self._pushes_key) or 0, "reading the push count"))
         self._stream_seen = await self._redis(self._stream_marks, "checking the Redis server")
         point = await self._resume_point()
         self.last_step = point.start_step - 1
@@ -485,12 +515,16 @@ class OrchestratorService:
         # and its newer line replaces this one (readers keep the newest record per step). After the push, a kill
         # in between would leave a pushed step without any line.
         self.events.append(record)
-        await self._redis(
+        entry_id = await self._redis(
             lambda: self.stream.push(
                 st.step, payload, path_threshold=cfg.batch.inline_max_bytes, spill_dir=self.spilled.root
             ),
             f"pushing batch {st.step}",
         )
+        self._pushed_id = tuple(int(part) for part in entry_id.split("-"))
+        pushes = await self._redis(lambda: self.redis.incr(self._pushes_key), "counting the push")
+        self._pushes_reset |= pushes != self._pushes + 1  # (a retried push may count twice: a harmless check)
+        self._pushes = pushes
         self.last_step = st.step
         await asyncio.to_thread(self._prune_spilled)
         self.step_records.account(st, record, [s.meta["lag"] for s in samples], task_index=self.sampler.index)

@@ -132,3 +132,41 @@ def test_a_batch_the_trainer_always_rejects_stops_the_orchestrator_with_the_reas
     assert proc.returncode == 1, text[-3000:]
     assert "the trainer rejected batch 1 3 times" in text and "split for 1 ranks, but the trainer runs 2" in text
     assert dead == 3
+
+
+def test_a_stream_deleted_under_a_running_redis_is_pushed_again(tmp_path, redis_url, unique_run_id, replicas):
+    # audit: FLUSHALL, FLUSHDB, a DEL or an eviction (maxmemory-policy allkeys-*) leaves Redis's run_id as it
+    # was, so the watch never looked: the trainer waited for batches that were gone and the run hung
+    from gyre.config import to_toml
+
+    n = 3
+    cfg = orchestrator_config(
+        tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=10
+    )
+    cfg_path = tmp_path / "orchestrator.toml"
+    cfg_path.write_text(to_toml(cfg))
+    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
+    )
+    events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
+    stream = BatchStream(redis_url, unique_run_id)
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_events(events)) < n:
+            assert proc.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stream.redis.delete(stream.key)
+        stream.ensure_group()  # what a waiting trainer does when its group is gone: an empty stream again
+        assert proc.wait(180) == 0, (tmp_path / "orchestrator.log").read_text()[-3000:]
+        steps = [stream._entry(i, f).step for i, f in stream.redis.xrange(stream.key)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        stream.redis.delete(stream.key, stream.dead_key)
+        stream.redis.close()
+    text = (tmp_path / "orchestrator.log").read_text()
+    assert "starting over from step 1" in text, text[-3000:]
+    assert set(steps) == set(range(1, n + 1)), steps
