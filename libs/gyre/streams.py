@@ -242,11 +242,12 @@ class BatchStream:
 
     def _with_group(self, command):
         """Run `command`; if the group is gone (Redis restarted without persistence, key deleted),
-        recreate it from the start of the stream and run it once more, so nothing pushed is lost."""
+        recreate it from the start of the stream and run it once more, so nothing pushed is lost.
+        Redis 7 answers a blocked read whose key was deleted with UNBLOCKED: the same case."""
         try:
             return command()
         except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
+            if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):
                 raise
             log.warning("consumer group %s of %s was missing; recreating it", self.group, self.key)
             self.ensure_group()

@@ -183,6 +183,23 @@ def test_group_is_recreated_after_redis_lost_it(stream):
     assert [e.step for e in stream.read("c1", block_ms=100)] == [2]
 
 
+def test_a_stream_deleted_while_a_reader_is_blocked_is_not_an_error(stream):
+    # audit: Redis 7 answers a blocked XREADGROUP with "UNBLOCKED the stream key no longer exists" when the key
+    # is deleted (FLUSHALL, DEL, eviction); the trainer died on it instead of waiting for the batches again
+    import threading
+
+    stream.ensure_group()
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("entries", stream.read("c", block_ms=3000)))
+    reader.start()
+    time.sleep(0.5)
+    stream.redis.delete(stream.key)
+    reader.join(10)
+    assert got["entries"] == []
+    stream.push(1, batch_bytes(1))
+    assert [e.step for e in stream.read("c", block_ms=1000)] == [1]  # the group is back
+
+
 def test_rejects_decoding_clients_and_bad_run_ids(redis_url):
     with pytest.raises(ValueError, match="decode_responses"):
         BatchStream(redis.Redis.from_url(redis_url, decode_responses=True), "run")
