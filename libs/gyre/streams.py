@@ -136,6 +136,7 @@ class BatchStream:
         self.dead_key = dead_key(run_id)
         self.maxlen = maxlen
         self.group = group
+        self.group_resets = 0  # times the group was found missing and recreated (see `_with_group`)
 
     # ---- producer -------------------------------------------------------------------------------
     def push(
@@ -250,6 +251,7 @@ class BatchStream:
             if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):
                 raise
             log.warning("consumer group %s of %s was missing; recreating it", self.group, self.key)
+            self.group_resets += 1
             self.ensure_group()
             return command()
 
@@ -365,6 +367,7 @@ class StepReader:
         self.reclaim_every_s = reclaim_every_s
         self._buffer: dict[str, StreamEntry] = {}  # entry id -> entry with step > trained
         self._last_reclaim = float("-inf")
+        self._group_resets = stream.group_resets
         stream.ensure_group()
 
     @property
@@ -378,19 +381,21 @@ class StepReader:
     def next(self, block_ms: int = 1000) -> StreamEntry | None:
         """The entry of step `next_step`, or None if it did not arrive within `block_ms`."""
         deadline = time.monotonic() + block_ms / 1000
+        # one read that does not wait, before serving the buffer: it notices a stream lost since (`_forget_lost`)
+        self._admit(self._forget_lost(self.stream.read(self.consumer)))
         while True:
             if time.monotonic() - self._last_reclaim >= self.reclaim_every_s:
                 # first call: take back what a previous incarnation of the trainer had in flight;
                 # later, while waiting: entries stuck on a consumer that died
                 self._last_reclaim = time.monotonic()
-                self._admit(self.stream.reclaim(self.consumer, self.reclaim_idle_ms))
+                self._admit(self._forget_lost(self.stream.reclaim(self.consumer, self.reclaim_idle_ms)))
             ready = self._pop_next()
             if ready is not None:
                 return ready
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 return None
-            self._admit(self.stream.read(self.consumer, block_ms=min(remaining_ms, 1000)))
+            self._admit(self._forget_lost(self.stream.read(self.consumer, block_ms=min(remaining_ms, 1000))))
 
     def done(self, entry: StreamEntry) -> None:
         """Mark `entry.step` trained: ack it, and ack any buffered duplicates of it."""
@@ -405,6 +410,17 @@ class StepReader:
         """Dead-letter an entry whose payload is unusable; its step will be waited for again."""
         self._buffer.pop(entry.id, None)
         self.stream.dead_letter(entry, reason)
+
+    def _forget_lost(self, entries: list[StreamEntry]) -> list[StreamEntry]:
+        """`entries`, after dropping what was read ahead from a stream that has since lost its group (deleted,
+        flushed, Redis restarted empty): the orchestrator pushes those steps again, and the batch trained must
+        be the one it pushed last (its event log describes that one)."""
+        if self.stream.group_resets != self._group_resets:
+            self._group_resets = self.stream.group_resets
+            if self._buffer:
+                log.warning("the stream was lost: forgetting steps %s read ahead from it", self.buffered_steps)
+                self._buffer.clear()
+        return entries
 
     def _admit(self, entries: Iterable[StreamEntry]) -> None:
         for entry in entries:

@@ -200,6 +200,21 @@ def test_a_stream_deleted_while_a_reader_is_blocked_is_not_an_error(stream):
     assert [e.step for e in stream.read("c", block_ms=1000)] == [1]  # the group is back
 
 
+def test_entries_buffered_from_a_lost_stream_are_not_trained(stream):
+    # audit: after the stream was lost (FLUSHALL, Redis restarted empty) the reader still held the old entries it
+    # had read ahead, and trained them (the oldest entry of a step wins) instead of the regenerated batches the
+    # orchestrator's event log describes
+    for step in (1, 2, 3):
+        stream.push(step, batch_bytes(step))
+    reader = StepReader(stream, "c")
+    reader.done(reader.next(block_ms=500))
+    assert reader.buffered_steps == [2, 3]
+    stream.redis.delete(stream.key)
+    new = {step: stream.push(step, batch_bytes(step)) for step in (2, 3)}  # the orchestrator generates them again
+    entry = reader.next(block_ms=2000)
+    assert (entry.step, entry.id) == (2, new[2])
+
+
 def test_rejects_decoding_clients_and_bad_run_ids(redis_url):
     with pytest.raises(ValueError, match="decode_responses"):
         BatchStream(redis.Redis.from_url(redis_url, decode_responses=True), "run")
