@@ -19,6 +19,17 @@ from orchestrator_testlib import orchestrator_config
 pytestmark = pytest.mark.timeout(300)
 
 
+def launch(cfg, tmp_path):
+    """`gyre orchestrator` in its own process (it restarts itself in-process on StreamLost); log in orchestrator.log."""
+    from gyre.config import to_toml
+
+    cfg_path = tmp_path / "orchestrator.toml"
+    cfg_path.write_text(to_toml(cfg))
+    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log
+
+
 def test_batches_lost_by_a_redis_restart_are_pushed_again(tmp_path, unique_run_id, replicas):
     redis = EmbeddedRedis().start()  # our own server: this test restarts it
     port, n = redis.port, 6
@@ -27,14 +38,7 @@ def test_batches_lost_by_a_redis_restart_are_pushed_again(tmp_path, unique_run_i
     cfg = orchestrator_config(
         tmp_path, redis.url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=20
     )
-    from gyre.config import to_toml
-
-    cfg_path = tmp_path / "orchestrator.toml"
-    cfg_path.write_text(to_toml(cfg))
-    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
-    )
+    proc, log = launch(cfg, tmp_path)
     events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
     try:
         deadline = time.monotonic() + 120
@@ -61,19 +65,13 @@ def test_batches_lost_by_a_redis_restart_are_pushed_again(tmp_path, unique_run_i
 def test_a_batch_the_trainer_dead_letters_is_generated_again(tmp_path, redis_url, unique_run_id, replicas):
     # audit: the dead-lettered entry (e.g. its spill file was lost) stayed in the stream and counted as pushed,
     # so no orchestrator, running or restarted, generated its step again, and the trainer waited forever
-    from gyre.config import to_toml
     from gyre.streams import StepReader
 
     n = 3
     cfg = orchestrator_config(
         tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=8
     )
-    cfg_path = tmp_path / "orchestrator.toml"
-    cfg_path.write_text(to_toml(cfg))
-    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
-    )
+    proc, log = launch(cfg, tmp_path)
     stream = BatchStream(redis_url, unique_run_id)
     try:
         reader = StepReader(stream, "trainer-rank0")  # what the trainer does with an entry it cannot train
@@ -102,16 +100,10 @@ def test_a_batch_the_trainer_always_rejects_stops_the_orchestrator_with_the_reas
 ):
     # a rejection that regenerating cannot cure (e.g. a trainer with another data-parallel size) must not loop
     # forever, filling the dead-letter stream with payloads: after a few tries the orchestrator fails, saying why
-    from gyre.config import to_toml
     from gyre.streams import StepReader
 
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_async_level=0, max_steps=2)
-    cfg_path = tmp_path / "orchestrator.toml"
-    cfg_path.write_text(to_toml(cfg))
-    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
-    )
+    proc, log = launch(cfg, tmp_path)
     stream = BatchStream(redis_url, unique_run_id)
     try:
         reader = StepReader(stream, "trainer-rank0")
@@ -137,18 +129,11 @@ def test_a_batch_the_trainer_always_rejects_stops_the_orchestrator_with_the_reas
 def test_a_stream_deleted_under_a_running_redis_is_pushed_again(tmp_path, redis_url, unique_run_id, replicas):
     # audit: FLUSHALL, FLUSHDB, a DEL or an eviction (maxmemory-policy allkeys-*) leaves Redis's run_id as it
     # was, so the watch never looked: the trainer waited for batches that were gone and the run hung
-    from gyre.config import to_toml
-
     n = 3
     cfg = orchestrator_config(
         tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=10
     )
-    cfg_path = tmp_path / "orchestrator.toml"
-    cfg_path.write_text(to_toml(cfg))
-    log = open(tmp_path / "orchestrator.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre.cli", "orchestrator", "@", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
-    )
+    proc, log = launch(cfg, tmp_path)
     events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
     stream = BatchStream(redis_url, unique_run_id)
     try:
