@@ -96,9 +96,9 @@ def test_redis_back_without_the_pending_batches_is_noticed(tmp_path):
 
     async def main():
         orch = service(tmp_path, first.url)
-        orch._redis_run_id = orch.redis.info("server")["run_id"]
         for step in (1, 2, 3):
             orch.stream.push(step, b"batch")
+        orch._stream_seen = orch._stream_marks()  # what start() records
         orch.last_step = 3
         await orch._check_stream()  # same server: nothing to do
         first.stop()
@@ -120,15 +120,15 @@ def test_redis_back_with_its_data_is_fine(tmp_path):
 
     async def main():
         orch = service(tmp_path, first.url)
-        orch._redis_run_id = orch.redis.info("server")["run_id"]
         for step in (1, 2):
             orch.stream.push(step, b"batch")
+        orch._stream_seen = orch._stream_marks()  # what start() records
         orch.last_step = 2
         first.stop()
         second = EmbeddedRedis(port=port, data_dir=data).start()
         try:
             await orch._check_stream()  # restarted (new run id), but every batch is still there
-            assert orch._redis_run_id == orch.redis.info("server")["run_id"]
+            assert orch._stream_seen[0] == orch.redis.info("server")["run_id"]  # the new server, taken as seen
         finally:
             orch.redis.close()
             second.stop()

@@ -79,5 +79,8 @@ def dp_worker(rank: int, world_size: int, init_file: str, model_dir: str, sample
         grad /= world_size
         if rank == 0:
             torch.save({"grad": grad, "metrics": metrics}, out_file)
+        # ranks leave together: a gloo rank torn down while the other still runs can abort at exit (SIGABRT,
+        # "terminate called without an active exception"), as the trainer service once did
+        dist.barrier()
     finally:
         dist.destroy_process_group()
