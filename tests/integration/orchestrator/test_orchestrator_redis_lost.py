@@ -6,6 +6,7 @@ Issue 17: the trainer used to wait forever for a batch the new Redis never saw.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -30,6 +31,35 @@ def launch(cfg, tmp_path):
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log
 
 
+@contextlib.contextmanager
+def orchestrating(cfg, tmp_path, redis_url: str, run_id: str):
+    """`launch(cfg)` on the shared test Redis, with the run's stream; on exit the process is killed if it still
+    runs, and the run's stream and dead letters are deleted."""
+    proc, log = launch(cfg, tmp_path)
+    stream = BatchStream(redis_url, run_id)
+    try:
+        yield proc, stream
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        stream.redis.delete(stream.key, stream.dead_key)
+        stream.redis.close()
+
+
+def wait_for_pushes(proc, events, n: int, tmp_path) -> None:
+    """Until the orchestrator logged `n` pushed steps (it must stay up meanwhile)."""
+    deadline = time.monotonic() + 120
+    while len(read_events(events)) < n:
+        assert proc.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def stream_steps(stream) -> list[int]:
+    return [stream._entry(i, f).step for i, f in stream.redis.xrange(stream.key)]
+
+
 def test_batches_lost_by_a_redis_restart_are_pushed_again(tmp_path, unique_run_id, replicas):
     redis = EmbeddedRedis().start()  # our own server: this test restarts it
     port, n = redis.port, 6
@@ -41,11 +71,7 @@ def test_batches_lost_by_a_redis_restart_are_pushed_again(tmp_path, unique_run_i
     proc, log = launch(cfg, tmp_path)
     events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
     try:
-        deadline = time.monotonic() + 120
-        while len(read_events(events)) < n:
-            assert proc.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for_pushes(proc, events, n, tmp_path)
         redis.stop()  # batches 1..n are gone with it; no trainer has read them
         redis = EmbeddedRedis(port=port).start()
         assert proc.wait(180) == 0, (tmp_path / "orchestrator.log").read_text()[-3000:]
@@ -54,7 +80,7 @@ def test_batches_lost_by_a_redis_restart_are_pushed_again(tmp_path, unique_run_i
             proc.kill()
         log.close()
         stream = BatchStream(redis.url, unique_run_id)
-        steps = [stream._entry(i, f).step for i, f in stream.redis.xrange(stream.key)]
+        steps = stream_steps(stream)
         stream.redis.close()
         redis.stop()
     text = (tmp_path / "orchestrator.log").read_text()
@@ -71,9 +97,7 @@ def test_a_batch_the_trainer_dead_letters_is_generated_again(tmp_path, redis_url
     cfg = orchestrator_config(
         tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=8
     )
-    proc, log = launch(cfg, tmp_path)
-    stream = BatchStream(redis_url, unique_run_id)
-    try:
+    with orchestrating(cfg, tmp_path, redis_url, unique_run_id) as (proc, stream):
         reader = StepReader(stream, "trainer-rank0")  # what the trainer does with an entry it cannot train
         entry = None
         deadline = time.monotonic() + 120
@@ -83,13 +107,7 @@ def test_a_batch_the_trainer_dead_letters_is_generated_again(tmp_path, redis_url
             entry = reader.next(block_ms=200)
         reader.reject(entry, "cannot read spilled payload: No such file or directory")
         assert proc.wait(180) == 0, (tmp_path / "orchestrator.log").read_text()[-3000:]
-        steps = [stream._entry(i, f).step for i, f in stream.redis.xrange(stream.key)]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-        stream.redis.delete(stream.key, stream.dead_key)
-        stream.redis.close()
+        steps = stream_steps(stream)
     text = (tmp_path / "orchestrator.log").read_text()
     assert "the trainer dead-lettered" in text and "starting over from step 1" in text, text[-3000:]
     assert 1 in steps and set(steps) == set(range(1, n + 1)), steps  # step 1 is in the stream again
@@ -103,9 +121,7 @@ def test_a_batch_the_trainer_always_rejects_stops_the_orchestrator_with_the_reas
     from gyre.streams import StepReader
 
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_async_level=0, max_steps=2)
-    proc, log = launch(cfg, tmp_path)
-    stream = BatchStream(redis_url, unique_run_id)
-    try:
+    with orchestrating(cfg, tmp_path, redis_url, unique_run_id) as (proc, stream):
         reader = StepReader(stream, "trainer-rank0")
         deadline = time.monotonic() + 200
         while proc.poll() is None:
@@ -114,12 +130,6 @@ def test_a_batch_the_trainer_always_rejects_stops_the_orchestrator_with_the_reas
             if entry is not None:
                 reader.reject(entry, "batch is split for 1 ranks, but the trainer runs 2")
         dead = len(stream.dead_letters())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-        stream.redis.delete(stream.key, stream.dead_key)
-        stream.redis.close()
     text = (tmp_path / "orchestrator.log").read_text()
     assert proc.returncode == 1, text[-3000:]
     assert "the trainer rejected batch 1 3 times" in text and "split for 1 ranks, but the trainer runs 2" in text
@@ -133,25 +143,13 @@ def test_a_stream_deleted_under_a_running_redis_is_pushed_again(tmp_path, redis_
     cfg = orchestrator_config(
         tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=10
     )
-    proc, log = launch(cfg, tmp_path)
     events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
-    stream = BatchStream(redis_url, unique_run_id)
-    try:
-        deadline = time.monotonic() + 120
-        while len(read_events(events)) < n:
-            assert proc.poll() is None, (tmp_path / "orchestrator.log").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with orchestrating(cfg, tmp_path, redis_url, unique_run_id) as (proc, stream):
+        wait_for_pushes(proc, events, n, tmp_path)
         stream.redis.delete(stream.key)
         stream.ensure_group()  # what a waiting trainer does when its group is gone: an empty stream again
         assert proc.wait(180) == 0, (tmp_path / "orchestrator.log").read_text()[-3000:]
-        steps = [stream._entry(i, f).step for i, f in stream.redis.xrange(stream.key)]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-        stream.redis.delete(stream.key, stream.dead_key)
-        stream.redis.close()
+        steps = stream_steps(stream)
     text = (tmp_path / "orchestrator.log").read_text()
     assert "starting over from step 1" in text, text[-3000:]
     assert set(steps) == set(range(1, n + 1)), steps

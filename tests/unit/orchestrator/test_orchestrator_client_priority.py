@@ -9,25 +9,26 @@ import json
 import pytest
 from gyre.envs import SamplingParams
 from gyre.net import free_port
+from gyre_orchestrator.bench import _echo_app
 from gyre_orchestrator.client import InferenceClient
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from support.asgi import serving
-from test_orchestrator_demand_and_health import CHAT
 
 
 def recording_app(bodies: list):
+    """The orchestrator bench's echo server (a valid chat reply to any request), recording each request's body."""
+
     async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        raw = b""
-        while True:
+        chunks = []
+
+        async def recording():
             message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        bodies.append(json.loads(raw))
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": json.dumps(CHAT).encode()})
+            chunks.append(message.get("body", b""))
+            return message
+
+        await _echo_app(scope, recording, send)
+        if scope["type"] == "http" and scope["path"].endswith("/chat/completions"):
+            bodies.append(json.loads(b"".join(chunks)))
 
     return app
 
