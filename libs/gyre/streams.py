@@ -42,6 +42,12 @@ def dead_key(run_id: str) -> str:
     return f"gyre:{run_id}:batches:dead"
 
 
+def stream_id(text: str) -> tuple[int, int]:
+    """A stream entry id `ms-seq` as a tuple that orders as Redis orders ids."""
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 

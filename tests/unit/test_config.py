@@ -285,3 +285,14 @@ def test_lora_keys_lr_ratio_b_and_lm_head_with_runs_are_checked_naming_the_key(t
         load_config(TrainerConfig, [], lora=lora, runs=[run])
     with pytest.raises(ConfigError, match=r"runs\.alpha\.lora\.target_modules: lm_head"):
         load_config(TrainerConfig, [], lora={}, runs=[{**run, "lora": lora}])
+
+
+def test_a_stream_too_short_for_the_async_window_is_refused_naming_the_key():
+    # MAXLEN trimmed entries the trainer had not read yet when max_async_level ran past stream_maxlen: the trainer
+    # waited forever for a batch that was gone
+    with pytest.raises(ConfigError) as e:
+        load_config(OrchestratorConfig, ["--max-async-level", "63"])
+    assert str(e.value).startswith("config key 'batch.stream_maxlen': 64 cannot hold the 64 batches")
+    assert "set it >= 65" in str(e.value)
+    cfg = load_config(OrchestratorConfig, ["--max-async-level", "63", "--batch.stream-maxlen", "65"])
+    assert cfg.batch.stream_maxlen == 65

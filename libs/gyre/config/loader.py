@@ -324,6 +324,11 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
         elif e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(key, known, n=1)
             msg = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
+        elif not e["loc"] and e["type"] == "value_error":
+            # a check across keys (a model validator) says "some.key: why": name that key as field errors do
+            name, sep, why = msg.removeprefix("Value error, ").partition(": ")
+            if sep and name in known:
+                key, msg = name, why
         elif "input" in e and not isinstance(e["input"], dict):
             msg += f" (got {e['input']!r})"
         lines.append(f"config key {key!r}: {msg}")

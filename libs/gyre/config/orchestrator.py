@@ -162,6 +162,20 @@ class OrchestratorConfig(ServiceConfig):
     )
 
     @model_validator(mode="after")
+    def _stream_holds_the_async_window(self) -> OrchestratorConfig:
+        # The orchestrator runs up to max_async_level + 1 batches ahead of the trainer's published weights, each
+        # an unacked stream entry; MAXLEN must never trim one of them (the trainer would wait for it forever).
+        # One more for a batch pushed again after a crash.
+        need = self.max_async_level + 2
+        if self.batch.stream_maxlen < need:
+            raise ValueError(
+                f"batch.stream_maxlen: {self.batch.stream_maxlen} cannot hold the {self.max_async_level + 1} batches "
+                f"that max_async_level = {self.max_async_level} lets the orchestrator push ahead of the trainer, "
+                f"plus one pushed again after a crash: set it >= {need} (or lower max_async_level)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _distinct_signal_names(self) -> OrchestratorConfig:
         names = [judge.name for judge in self.judges] + [model.name for model in self.reward_models]
         twice = sorted({name for name in names if names.count(name) > 1})

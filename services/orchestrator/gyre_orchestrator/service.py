@@ -37,7 +37,7 @@ from gyre.redis_retry import acall_with_retry
 from gyre.rollouts import write_dump
 from gyre.runstate import committed_step
 from gyre.steps import StepEntries
-from gyre.streams import BatchStream
+from gyre.streams import BatchStream, stream_id
 from gyre.transport import open_store
 from gyre.wandb_log import WandbLogger
 
@@ -150,9 +150,10 @@ class OrchestratorService:
         self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)
         self._pushes_key = f"{self.stream.key}:pushed"
         self.last_step = 0
-        self._stream_seen: tuple[str, tuple[int, int] | None, bool] = (
+        self._stream_seen: tuple[str, tuple[int, int] | None, bool, bool] = (
             "",
             None,
+            False,
             False,
         )  # `_stream_marks` when last checked
         # pushes counted in Redis too (`gyre:{run}:batches:pushed`): a count that falls behind ours, or an INCR
@@ -161,6 +162,7 @@ class OrchestratorService:
         self._pushes = 0
         self._pushes_reset = False
         self._pushed_id = (0, 0)  # stream id of our newest push
+        self._untrained_ids: dict[int, tuple[int, int]] = {}  # step -> stream id, our pushes not trained yet
         self.sampler: TaskSampler | None = None
         self.scheduler: RolloutScheduler | None = None
         self.step_records = StepRecords(
@@ -231,25 +233,32 @@ class OrchestratorService:
             await asyncio.sleep(interval_s)
             await self._check_stream()
 
-    def _stream_marks(self) -> tuple[str, tuple[int, int] | None, bool]:
+    def _stream_marks(self) -> tuple[str, tuple[int, int] | None, bool, bool]:
         """Redis's `run_id` (new on every restart), the last id of the dead-letter stream (None: none yet),
-        and whether the batches stream was emptied since our newest push (deleted, flushed or evicted)."""
+        whether the batches stream was emptied since our newest push (deleted, flushed or evicted), and whether
+        it starts after the oldest of our pushes not trained yet (deleted, then pushed to again before this
+        check; or that entry dead-lettered, which the dead letters' id tells apart)."""
         run_id = self.redis.info("server")["run_id"]
-        last = {key: self._last_id(key) for key in (self.stream.key, self.stream.dead_key)}
+        (first, last), (_, dead) = (self._stream_ids(key) for key in (self.stream.key, self.stream.dead_key))
         emptied = (
             self._pushes_reset  # FLUSHALL / FLUSHDB, then a push
             or int(self.redis.get(self._pushes_key) or 0) < self._pushes  # FLUSHALL / FLUSHDB
-            or (last[self.stream.key] or (0, 0)) < self._pushed_id  # the stream alone deleted or evicted
+            or (last or (0, 0)) < self._pushed_id  # the stream alone deleted or evicted
         )
-        return run_id, last[self.stream.dead_key], emptied
+        committed = committed_step(self.out, self.transport.latest())
+        self._untrained_ids = {step: id_ for step, id_ in self._untrained_ids.items() if step > committed}
+        oldest = min(self._untrained_ids.values(), default=None)
+        return run_id, dead, emptied, oldest is not None and (first is None or first > oldest)
 
-    def _last_id(self, key: str) -> tuple[int, int] | None:
-        """The last id ever added to stream `key` (`ms-seq` as Redis orders them); None if there is no such key."""
+    def _stream_ids(self, key: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """The ids (`ms-seq` as Redis orders them) of stream `key`'s first entry (None: empty) and the last one
+        ever added (None: no such key)."""
         try:
-            ms, _, seq = self.redis.xinfo_stream(key)["last-generated-id"].decode().partition("-")
+            info = self.redis.xinfo_stream(key)
         except redis.ResponseError:
-            return None
-        return int(ms), int(seq)
+            return None, None
+        first = info["first-entry"][0].decode() if info.get("first-entry") else None
+        return stream_id(first) if first else None, stream_id(info["last-generated-id"].decode())
 
     def _last_dead_reason(self) -> str:
         newest = self.redis.xrevrange(self.stream.dead_key, count=1)
@@ -260,7 +269,8 @@ class OrchestratorService:
         marks = await self._redis(self._stream_marks, "checking the Redis server")
         if marks == self._stream_seen:
             return
-        restarted, emptied = marks[0] != self._stream_seen[0], marks[2]
+        restarted = marks[0] != self._stream_seen[0]
+        emptied = marks[2] or (marks[3] and marks[1] == self._stream_seen[1])  # not dead-lettered meanwhile
         self._stream_seen = marks
         self._pushes_reset = False
         committed = committed_step(self.out, self.transport.latest())
@@ -521,7 +531,7 @@ class OrchestratorService:
             ),
             f"pushing batch {st.step}",
         )
-        self._pushed_id = tuple(int(part) for part in entry_id.split("-"))
+        self._pushed_id = self._untrained_ids[st.step] = stream_id(entry_id)
         pushes = await self._redis(lambda: self.redis.incr(self._pushes_key), "counting the push")
         self._pushes_reset |= pushes != self._pushes + 1  # (a retried push may count twice: a harmless check)
         self._pushes = pushes

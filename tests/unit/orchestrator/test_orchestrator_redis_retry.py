@@ -134,3 +134,66 @@ def test_redis_back_with_its_data_is_fine(tmp_path):
             second.stop()
 
     asyncio.run(main())
+
+
+def pushed(orch, step: int) -> None:
+    """Push batch `step` and record it as the orchestrator's push path does."""
+    from gyre.streams import stream_id
+
+    orch._pushed_id = orch._untrained_ids[step] = stream_id(orch.stream.push(step, b"batch"))
+    orch.last_step = step
+
+
+def test_a_stream_deleted_and_pushed_to_again_between_two_checks_is_noticed(tmp_path):
+    # audit: DEL of the stream key, then our next push (which recreates the stream) before the 5 s watch looked:
+    # the newest id was ours and the push count intact, so batches 1..3 were gone unnoticed and the trainer,
+    # whose group was recreated on the new stream, waited for batch 1 forever
+    from gyre_orchestrator.service import StreamLost
+
+    server = EmbeddedRedis().start()
+
+    async def main():
+        orch = service(tmp_path, server.url)
+        try:
+            for step in (1, 2, 3):
+                pushed(orch, step)
+            orch._stream_seen = orch._stream_marks()  # what start() records
+            await orch._check_stream()  # nothing lost yet
+            orch.redis.delete(orch.stream.key)
+            pushed(orch, 4)
+            with pytest.raises(StreamLost, match=r"emptied .* steps \[1, 2, 3\].*from step 1"):
+                await orch._check_stream()
+        finally:
+            orch.redis.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_the_oldest_batch_dead_lettered_is_still_told_as_a_dead_letter(tmp_path):
+    from gyre.streams import StepReader
+    from gyre_orchestrator.service import StreamLost
+
+    server = EmbeddedRedis().start()
+
+    async def main():
+        orch = service(tmp_path, server.url)
+        try:
+            for step in (1, 2):
+                pushed(orch, step)
+            orch._stream_seen = orch._stream_marks()
+            reader = StepReader(orch.stream, "trainer-rank0")
+            entry = reader.next(block_ms=1000)
+            reader.reject(entry, "cannot read spilled payload")
+            with pytest.raises(StreamLost, match=r"dead-lettered \(cannot read spilled payload\)") as e:
+                await orch._check_stream()
+            assert e.value.rejected == "cannot read spilled payload"
+        finally:
+            orch.redis.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
