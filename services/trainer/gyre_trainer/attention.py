@@ -10,7 +10,8 @@ block-diagonal causal mask). The implementations differ in how much of the T×T 
 |                     |             | kernel over the full square (0.52× of the unpacked speed on an H100) |
 | `flex_attention`    | GPU         | a BlockMask from the position ids: only diagonal blocks are computed |
 |                     |             | (the kernel is compiled by torch on first use)                       |
-| `flash_attention_2` | GPU         | the `flash-attn` package's varlen kernel (when it is installed)      |
+| `flash_attention_2` | GPU         | the `flash-attn` package's varlen kernel (when it is installed),    |
+|                     |             | given the same `cu_seqlens` as `varlen` (from the sample lengths)    |
 | `varlen`            | GPU         | torch's own flash varlen kernel (`torch.nn.attention.varlen`,        |
 |                     |             | torch >= 2.10): `cu_seqlens` from the sample lengths, no mask at all  |
 
@@ -62,8 +63,15 @@ def resolve_attn_implementation(name: str, device: torch.device | str) -> str:
     return name
 
 
+#: transformers' flash-attn implementations: given `cu_seq_lens_*` they run the varlen kernel over the flattened
+#: rows. Without them they find the samples from the position ids only for ONE row (`_is_packed_sequence` requires
+#: batch size 1): a micro-batch of several rows ran plain causal attention across the samples of each row.
+_FLASH = ("flash_attention_2", "flash_attention_3")
+
+
 def uses_varlen(model) -> bool:
-    return getattr(model.config, "_attn_implementation", None) == VARLEN
+    """True when the model's attention needs `varlen_kwargs` to keep the samples of packed rows apart."""
+    return getattr(model.config, "_attn_implementation", None) in (VARLEN, *_FLASH)
 
 
 def varlen_kwargs(row_lengths: list[Tensor], device: torch.device) -> dict[str, Any]:

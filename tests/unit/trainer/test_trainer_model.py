@@ -91,6 +91,50 @@ def test_rows_of_a_micro_batch_are_independent_and_padding_is_its_own_segment(ti
     torch.testing.assert_close(lp[1], single_b, rtol=1e-9, atol=1e-9)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention of one sequence, (L, H, D) q and (L, H_kv, D) k/v, as flash-attn's kernels compute it."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def _flash_fn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+    return torch.stack([_attend(q[b], k[b], v[b], softmax_scale) for b in range(q.shape[0])])
+
+
+def _flash_varlen_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                     softmax_scale=None, causal=False):  # fmt: skip
+    bounds = cu_seqlens_q.tolist()
+    spans = zip(bounds[:-1], bounds[1:], strict=True)
+    return torch.cat([_attend(q[a:b], k[a:b], v[a:b], softmax_scale) for a, b in spans])
+
+
+def test_flash_attention_2_keeps_the_samples_of_every_row_of_a_micro_batch_apart(tiny_model, samples, monkeypatch):
+    """transformers' flash_attention_2 dispatch finds packed samples from position ids only for a single row; a
+    micro-batch of several rows attended across samples (0.17 nats off here) until packed_logprobs passed
+    cu_seqlens. flash-attn's CUDA kernels cannot run on a CPU: they are stood in for by exact torch kernels with
+    flash-attn's signatures; transformers' own dispatch (where the defect was) runs unchanged. The `gpu`-marked
+    test below runs the real kernel where flash-attn is installed."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    kernels = (_flash_fn, _flash_varlen_fn, None, None, None)
+    monkeypatch.setattr(flash_utils, "_lazy_imports", lambda *args, **kwargs: kernels)
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+    model = load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float64)
+    reference = load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float64)
+    model.config._attn_implementation = "flash_attention_2"  # what load_model picks where flash-attn is installed
+    row_a, row_b = packed_row(samples[:3]), packed_row([samples[3], samples[0][:3], samples[2][:12]])
+    ids, positions = torch.stack([row_a[0], row_b[0]]), torch.stack([row_a[1], row_b[1]])
+    with torch.no_grad():
+        got, _ = packed_logprobs(model, ids, positions, [row_a[2], row_b[2]])
+        expected = torch.stack([torch.cat([alone(reference, s)[0] for s in row]) for row in
+                                (samples[:3], [samples[3], samples[0][:3], samples[2][:12]])])  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
 def test_gradients_flow_through_logprobs_only(tiny_llama, samples):
     ids, positions, lengths = packed_row(samples)
     lp, ent = packed_logprobs(tiny_llama, ids, positions, lengths)
@@ -178,3 +222,20 @@ def test_packed_equals_alone_on_gpu_in_bfloat16(tmp_path_factory, samples, imple
     grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
     ref_grad = torch.cat([p.grad.float().flatten() for p in reference.parameters()])
     assert torch.nn.functional.cosine_similarity(grad, ref_grad, dim=0) > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("implementation", ["auto", *gpu_implementations()])
+def test_rows_of_a_micro_batch_stay_apart_on_gpu(tmp_path_factory, samples, implementation):
+    """Two packed rows in one forward (micro_batch_size 2): each sample equals itself alone (bf16 tolerance)."""
+    model_dir = init_model(tmp_path_factory.mktemp("small") / "model", preset="small", seed=0)
+    model = load_model(ModelConfig(name=str(model_dir)), "cuda", attn_implementation=implementation)
+    reference = load_model(ModelConfig(name=str(model_dir)), "cuda", attn_implementation="sdpa")
+    rows = (samples[:3], [samples[3], samples[0][:3], samples[2][:12]])  # 20 tokens each
+    packed = [packed_row(row) for row in rows]
+    ids, positions = torch.stack([p[0] for p in packed]).cuda(), torch.stack([p[1] for p in packed])
+    with torch.no_grad():
+        lp, _ = packed_logprobs(model, ids, positions, [p[2] for p in packed])
+        expected = torch.stack([torch.cat([alone(reference, s.cuda())[0] for s in row]) for row in rows])
+    torch.testing.assert_close(lp.double(), expected, rtol=0, atol=0.05)
