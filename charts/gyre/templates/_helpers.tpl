@@ -651,10 +651,11 @@ demand KEDA reads can grow the pool. A value the user sets (here or in a run's f
 {{/*
 The trainer job's identity: 8 hex of the sha256 of everything that shapes it (the experiment file and
 the trainer values). It ends the torchrun rendezvous id, so pods of two configurations can never
-rendezvous into one job.
+rendezvous into one job. `trainer.pdb` is left out: the budget is no part of the pod, and toggling it for
+a drain (docs/kubernetes.md, "Draining a trainer node") must not replace a running trainer.
 */}}
 {{- define "gyre.trainerJobHash" -}}
-{{- printf "%s\n%s" (include "gyre.experimentToml" .) (toJson .Values.trainer) | sha256sum | trunc 8 -}}
+{{- printf "%s\n%s" (include "gyre.experimentToml" .) (toJson (omit .Values.trainer "pdb")) | sha256sum | trunc 8 -}}
 {{- end -}}
 
 {{/* Multi-run (`runs`): the trainer's `runs` list as JSON (each run's folder, orchestrator and own keys). */}}
