@@ -28,3 +28,44 @@ def test_toggling_the_trainer_budget_for_a_drain_replaces_no_pod(nnodes):
     on = templates({"trainer": trainer})
     off = templates({"trainer": {**trainer, "pdb": {"enabled": False}}})
     assert off == on
+
+
+def changed(before: dict, after: dict) -> set[str]:
+    old, new = templates(before), templates(after)
+    assert set(old) == set(new)
+    return {comp for comp in old if old[comp] != new[comp]}
+
+
+GYRE = {"inference", "orchestrator", "trainer"}
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "restarted"),
+    [
+        # more replicas: the orchestrator's derived max_concurrency grows; the trainer and the running
+        # replicas read nothing of it (before, every pod restarted, the trainer's step in flight killed)
+        ({"inference": {"replicas": 2}}, {"inference": {"replicas": 4}}, {"orchestrator"}),
+        ({"experiment": {"orchestrator": {"batch_size": 8}}}, {"experiment": {"orchestrator": {"batch_size": 16}}},
+         {"orchestrator"}),
+        ({"experiment": {"trainer": {"optim": {"lr": 1e-5}}}}, {"experiment": {"trainer": {"optim": {"lr": 1e-6}}}},
+         {"trainer"}),
+        ({"experiment": {"inference": {"engine": {"max_model_len": 2048}}}},
+         {"experiment": {"inference": {"engine": {"max_model_len": 4096}}}}, {"inference"}),
+        # shared keys reach every service
+        ({"experiment": {"max_steps": 100}}, {"experiment": {"max_steps": 200}}, GYRE),
+        ({"experiment": {"log": {"level": "INFO"}}}, {"experiment": {"log": {"level": "DEBUG"}}}, GYRE),
+    ],
+)  # fmt: skip
+def test_an_experiment_change_restarts_the_services_that_read_it(before, after, restarted):
+    assert changed(before, after) == restarted
+
+
+def test_a_multi_node_trainer_job_changes_identity_with_its_runs():
+    """The rendezvous id ends with the job hash: pods trained on other runs must never join the old job."""
+    base = {"trainer": {"nnodes": 2}, "experiment": {"trainer": {"lora": {"rank": 8}}}}
+
+    def job(runs):
+        return templates({**base, "runs": runs})["trainer"]["metadata"]["annotations"]["gyre.dev/trainer-job"]
+
+    assert job([{"name": "alpha"}]) != job([{"name": "alpha"}, {"name": "beta"}])
+    assert job([{"name": "alpha"}]) == job([{"name": "alpha"}])

@@ -590,7 +590,11 @@ release's API key, which every server requires (its file in the orchestrator's `
 {{- end -}}
 {{- end -}}
 
-{{- define "gyre.experimentToml" -}}
+{{/*
+The experiment as the services get it, as JSON: `experiment:` with the chart's derivations (run_id,
+`server:` urls, max_concurrency); fails on inconsistent values. gyre.experimentToml writes it as TOML.
+*/}}
+{{- define "gyre.experimentData" -}}
 {{- $exp := deepCopy .Values.experiment -}}
 {{- $_ := set $exp "run_id" (include "gyre.runId" .) -}}
 {{- if and .Values.modelInit.enabled (($exp.model | default dict).name) -}}
@@ -628,10 +632,26 @@ demand KEDA reads can grow the pool. A value the user sets (here or in a run's f
 {{- $_ := set $orch "inference" $orchInference -}}
 {{- $_ := set $exp "orchestrator" $orch -}}
 {{- end -}}
+{{- toJson $exp -}}
+{{- end -}}
+
+{{- define "gyre.experimentToml" -}}
 # Experiment {{ include "gyre.runId" . }} (release {{ .Release.Name }}). Each service reads its table:
 #   gyre <service> @ /etc/gyre/experiment.toml#<service>
 # Addresses, ports, the shared volume, Redis and secrets are set on the command line by the chart.
-{{- include "gyre.tomlTable" (dict "prefix" "" "table" $exp) }}
+{{- include "gyre.tomlTable" (dict "prefix" "" "table" (include "gyre.experimentData" . | fromJson)) }}
+{{- end -}}
+
+{{/*
+The `checksum/experiment` of one service's pods: the sha256 of what that service reads from the experiment
+file (the shared keys and its own table, `@ experiment.toml#<service>`). A `helm upgrade` that changes only
+another service's table (the orchestrator's max_concurrency when inference replicas are added, a trainer's
+learning rate) leaves these pods running. Call with (dict "root" $ "service" "trainer").
+*/}}
+{{- define "gyre.experimentChecksum" -}}
+{{- $others := without (list "inference" "orchestrator" "trainer") .service -}}
+{{- $exp := include "gyre.experimentData" .root | fromJson -}}
+{{- toJson (omit $exp (index $others 0) (index $others 1)) | sha256sum -}}
 {{- end -}}
 
 {{/* torchrun processes per trainer pod. */}}
@@ -649,13 +669,15 @@ demand KEDA reads can grow the pool. A value the user sets (here or in a run's f
 {{- end -}}
 
 {{/*
-The trainer job's identity: 8 hex of the sha256 of everything that shapes it (the experiment file and
-the trainer values). It ends the torchrun rendezvous id, so pods of two configurations can never
-rendezvous into one job. `trainer.pdb` is left out: the budget is no part of the pod, and toggling it for
-a drain (docs/kubernetes.md, "Draining a trainer node") must not replace a running trainer.
+The trainer job's identity: 8 hex of the sha256 of everything that shapes it (what the trainer reads
+from the experiment file, the trainer values, the runs it trains). It ends the torchrun rendezvous id, so
+pods of two configurations can never rendezvous into one job. `trainer.pdb` is left out: the budget is no
+part of the pod, and toggling it for a drain (docs/kubernetes.md, "Draining a trainer node") must not
+replace a running trainer.
 */}}
 {{- define "gyre.trainerJobHash" -}}
-{{- printf "%s\n%s" (include "gyre.experimentToml" .) (toJson (omit .Values.trainer "pdb")) | sha256sum | trunc 8 -}}
+{{- $trainer := include "gyre.experimentChecksum" (dict "root" . "service" "trainer") -}}
+{{- printf "%s\n%s\n%s" $trainer (toJson (omit .Values.trainer "pdb")) (toJson .Values.runs) | sha256sum | trunc 8 -}}
 {{- end -}}
 
 {{/* Multi-run (`runs`): the trainer's `runs` list as JSON (each run's folder, orchestrator and own keys). */}}
