@@ -147,6 +147,7 @@ def packed_logprobs(
     starts = starts.to(device, non_blocking=True)
 
     kwargs = varlen_kwargs(rows, device) if uses_varlen(model) else {}
+    _check_head_output_is_the_logits(model, device)
     # Position t−1 predicts token t; at a sample's first token that "prediction" comes from the
     # previous sample and is discarded below.
     targets = ids[:, 1:]
@@ -164,6 +165,44 @@ def packed_logprobs(
     return logprobs, entropy
 
 
+#: Model attribute: True when the model's forward changes its LM head's output before returning it as logits.
+_LOGITS_CHANGED = "gyre_logits_post_processed"
+
+
+def _check_head_output_is_the_logits(model, device: torch.device) -> None:
+    """Decide once per model whether its forward returns the LM head's output untouched as the logits.
+
+    The chunked log-probs compute softmax(head(hidden) / temperature) themselves, so a forward that changes
+    the head's output (Granite and Granite MoE divide by `logits_scaling`, Cohere multiplies by `logit_scale`,
+    Falcon-H1 and HyperCLOVA X scale too, under names of their own) must keep the plain head: taken over, their
+    log-probs were those of unscaled logits (0.2-0.4 nats off on tiny random models; mismatch_kl said so, the
+    loss did not). A no-grad forward of two tokens whose head returns a marker tensor finds out, whatever the
+    attribute is called: the model's logits must be that very tensor. Every rank runs it at its first call.
+    """
+    if getattr(model, _LOGITS_CHANGED, None) is not None:
+        return
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        setattr(model, _LOGITS_CHANGED, True)
+        return
+    returned: list[Tensor] = []
+
+    def forward(hidden: Tensor) -> Tensor:
+        returned.append(hidden)
+        return hidden
+
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    kwargs = varlen_kwargs([torch.tensor([2])], device) if uses_varlen(model) else {}
+    head.forward = forward
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False,
+                           **kwargs).logits  # fmt: skip
+    finally:
+        del head.forward
+    setattr(model, _LOGITS_CHANGED, not returned or logits is not returned[-1])
+
+
 @contextlib.contextmanager
 def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tokens: int):
     """While active, the model's LM head computes next-token log-probs and entropies from its input
@@ -172,8 +211,9 @@ def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tok
     Why inside the head's forward rather than calling the decoder and the head separately: under
     FSDP2 the root module's parameters (embeddings, final norm, head) are gathered only while the
     root's forward runs, so this keeps the head inside it; the parameter names (checkpoints, weight
-    publishing) do not change either. Models whose forward post-processes the logits (soft-capping)
-    or whose head has a bias keep the plain head: the list stays empty.
+    publishing) do not change either. Models whose forward post-processes the logits (soft-capping,
+    scaling: `_check_head_output_is_the_logits`) or whose head has a bias keep the plain head: the list
+    stays empty.
     """
     head = model.get_output_embeddings()
     result: list[Tensor] = []
@@ -181,6 +221,7 @@ def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tok
         not isinstance(head, torch.nn.Linear)
         or head.bias is not None
         or getattr(model.config, "final_logit_softcapping", None) is not None
+        or getattr(model, _LOGITS_CHANGED, False)
     )
     if plain:
         yield result

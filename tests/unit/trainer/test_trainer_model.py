@@ -135,6 +135,45 @@ def test_flash_attention_2_keeps_the_samples_of_every_row_of_a_micro_batch_apart
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
 
 
+def _scaled_logits_model(kind: str):
+    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "granite":  # logits / logits_scaling after the head
+        return GraniteForCausalLM(GraniteConfig(**shape, logits_scaling=8.0)).double()
+    return CohereForCausalLM(CohereConfig(**shape, logit_scale=0.0625)).double()  # logits * logit_scale
+
+
+@pytest.mark.parametrize("kind", ["granite", "cohere"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_models_that_scale_their_logits_get_the_log_probs_of_those_logits(kind, temperature):
+    """Granite divides the head's output by `logits_scaling`, Cohere multiplies it by `logit_scale`: the
+    chunked head path (which computes softmax(head(hidden)) itself) gave the log-probs of unscaled logits,
+    0.2-0.4 nats off here. Reference: log_softmax of the model's own logits."""
+    model = _scaled_logits_model(kind)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (11,), generator=gen)
+    positions = torch.cat([torch.arange(5), torch.arange(6)])
+    lp, ent = packed_logprobs(model, ids, positions, [5, 6], temperature)
+    with torch.no_grad():
+        expected, expected_ent = [], []
+        for sample in (ids[:5], ids[5:]):
+            logp = torch.log_softmax(model(input_ids=sample[None]).logits[0] / temperature, dim=-1)
+            expected.append(torch.cat([torch.zeros(1, dtype=logp.dtype), logp[:-1].gather(-1, sample[1:, None])[:, 0]]))
+            entropy = -(logp[:-1].exp() * logp[:-1]).sum(-1)
+            expected_ent.append(torch.cat([torch.zeros(1, dtype=logp.dtype), entropy]))
+    torch.testing.assert_close(lp.detach(), torch.cat(expected), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ent, torch.cat(expected_ent), rtol=1e-9, atol=1e-9)
+
+
+def test_a_model_returning_its_heads_output_keeps_the_chunked_head(tiny_llama64, samples):
+    # Llama returns the head's output untouched: the memory-saving chunked path stays on for it
+    packed_logprobs(tiny_llama64, *packed_row(samples))
+    assert tiny_llama64.gyre_logits_post_processed is False
+
+
 def test_gradients_flow_through_logprobs_only(tiny_llama, samples):
     ids, positions, lengths = packed_row(samples)
     lp, ent = packed_logprobs(tiny_llama, ids, positions, lengths)
