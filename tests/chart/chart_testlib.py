@@ -169,7 +169,9 @@ def secret_files(pod_spec: dict, container: dict, docs: list[dict], secrets: dic
 
 
 def experiment_toml(docs: list[dict]) -> str:
-    return named(docs, "ConfigMap", f"{fullname()}-experiment")["data"]["experiment.toml"]
+    """The experiment file of a render, whatever the release's name."""
+    (found,) = [c for c in objects(docs, "ConfigMap") if "experiment.toml" in c.get("data", {})]
+    return found["data"]["experiment.toml"]
 
 
 def gyre_argv(container: dict) -> tuple[str, list[str]]:

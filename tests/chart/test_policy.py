@@ -26,6 +26,7 @@ from chart_testlib import (
     render,
     secret_data,
     secret_files,
+    service_config,
 )
 from gyre.config import load_config
 from gyre.config.inference import InferenceConfig
@@ -518,3 +519,39 @@ def test_long_release_names_give_valid_object_names():
         assert len(name) <= limit and dns_label.match(name), (doc["kind"], name)
     for pvc_template in [t for d in objects(docs, "StatefulSet") for t in d["spec"].get("volumeClaimTemplates", [])]:
         assert len(f"{pvc_template['metadata']['name']}-x-0") <= 253
+
+
+def test_runs_and_servers_of_a_long_release_get_valid_names_the_services_reach(tmp_path):
+    """`<fullname>-orchestrator-<run>` and `<fullname>-server-<name>` passed 63 characters with a long release
+    (fullname 40) and a long run or server name: the API server refused the Service (before, `helm install`
+    failed half-way). Each such name now ends with a hash, and every address the services get uses it."""
+    release = "a-very-long-experiment-name-for-qwen3-8b-math-run-42"
+    values = {
+        "experiment": {"trainer": {"lora": {"rank": 8}, "loss": {"distill": 1.0}},
+                       "orchestrator": {"teacher": {"url": "server:teacher-qwen3-32b-bf16"}}},
+        "runs": [{"name": "alpha-long-run-name"}, {"name": "alpha-long-run-name-2"}],
+        "servers": [{"name": "teacher-qwen3-32b-bf16", "model": "Qwen/Qwen3-32B"}],
+    }  # fmt: skip
+    docs = manifests(render(values, name=release, api_versions=MONITORING_APIS))
+    dns_label = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service name (RFC 1035 label)
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        assert len(name) <= 63 and dns_label.match(name), (doc["kind"], name)
+    services = {s["metadata"]["name"]: s for s in objects(docs, "Service")}
+    deployments = {d["metadata"]["name"] for d in objects(docs, "Deployment")}
+    orchestrators = sorted(n for n in deployments if "-orchestrator-" in n)
+    assert len(orchestrators) == 2 and set(orchestrators) <= set(services)  # two runs, two distinct names
+
+    trainer = next(d for d in objects(docs, "StatefulSet") if component(d) == "trainer")["metadata"]["name"]
+    cfg = service_config(docs, tmp_path, "trainer", trainer)
+    hosts = sorted(run.orchestrator.address.split(".")[0] for run in cfg.runs)
+    assert hosts == orchestrators
+    for run in cfg.runs:  # each run's address is its own orchestrator's Service
+        deployment = named(docs, "Deployment", run.orchestrator.address.split(".")[0])
+        assert deployment["spec"]["template"]["metadata"]["labels"]["gyre.dev/run"] == run.name
+
+    teacher = service_config(docs, tmp_path, "orchestrator", orchestrators[0]).teacher
+    host = teacher.url.split("//")[1].split(":")[0]
+    assert host in services and host in deployments and "server" in host
+    monitors = {m["metadata"]["name"] for m in objects(docs, "ServiceMonitor")}
+    assert host in monitors

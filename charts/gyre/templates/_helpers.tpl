@@ -74,9 +74,24 @@ app.kubernetes.io/component: {{ .component }}
 {{- .Values.persistence.existingClaim | default (printf "%s-data" (include "gyre.fullname" .)) -}}
 {{- end -}}
 
+{{/*
+Name of one object of this release, `<fullname>-<component>`: (dict "root" $ "component" "orchestrator-alpha").
+A Service name is a DNS label (at most 63 characters); `<fullname>` stays within 40, but a run's or a
+server's own name can take it further: a longer name keeps its first 54 characters and adds 8 hex of its
+sha256 (as gyre.fullname does), so every object of a run or server still gets a valid, distinct name.
+*/}}
+{{- define "gyre.componentName" -}}
+{{- $full := printf "%s-%s" (include "gyre.fullname" .root) .component -}}
+{{- if gt (len $full) 63 -}}
+{{- printf "%s-%s" ($full | trunc 54 | trimSuffix "-") ($full | sha256sum | trunc 8) -}}
+{{- else -}}
+{{- $full -}}
+{{- end -}}
+{{- end -}}
+
 {{/* In-cluster DNS name of a Service of this release: (dict "root" $ "service" "orchestrator"). */}}
 {{- define "gyre.serviceHost" -}}
-{{- printf "%s-%s.%s.svc.%s" (include "gyre.fullname" .root) .service .root.Release.Namespace .root.Values.clusterDomain -}}
+{{- printf "%s.%s.svc.%s" (include "gyre.componentName" (dict "root" .root "component" .service)) .root.Release.Namespace .root.Values.clusterDomain -}}
 {{- end -}}
 
 {{/* Label on the one Service per component that its ServiceMonitor scrapes (never a second Service: no double series). */}}
@@ -354,7 +369,7 @@ The PodDisruptionBudget of a Deployment of `gyre inference` replicas: a drain ta
 apiVersion: policy/v1
 kind: PodDisruptionBudget
 metadata:
-  name: {{ include "gyre.fullname" .root }}-{{ .component }}
+  name: {{ include "gyre.componentName" . }}
   labels:
     {{- include "gyre.labels" . | nindent 4 }}
 spec:
@@ -606,7 +621,7 @@ The experiment as the services get it, as JSON: `experiment:` with the chart's d
 {{- /* `url = "server:<name>"` of judges, reward models and the teacher: the Service of that `servers` entry */ -}}
 {{- $servers := dict -}}
 {{- range .Values.servers -}}
-{{- $_ := set $servers .name (printf "http://%s-server-%s:%v" (include "gyre.fullname" $) .name (.httpPort | default $.Values.inference.httpPort)) -}}
+{{- $_ := set $servers .name (printf "http://%s:%v" (include "gyre.componentName" (dict "root" $ "component" (printf "server-%s" .name))) (.httpPort | default $.Values.inference.httpPort)) -}}
 {{- end -}}
 {{- $orch := $exp.orchestrator | default dict -}}
 {{- range $key := list "judges" "reward_models" -}}
