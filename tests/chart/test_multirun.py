@@ -9,6 +9,7 @@ import json
 import helm_python
 import pytest
 from chart_testlib import fullname, manifests, named, objects, pod_templates, render, service_config
+from gyre.config.trainer import RunConfig
 
 RUNS = [
     {"name": "alpha", "maxSteps": 40},
@@ -92,3 +93,14 @@ def test_without_runs_the_release_is_unchanged():
 def test_bad_runs_are_refused_naming_the_key(bad):
     with pytest.raises(helm_python.HelmError, match="runs"):
         render({"runs": bad})
+
+
+@pytest.mark.parametrize("name", ["a", "or", "lora"])
+def test_a_run_name_inside_lora_prefix_is_refused_at_install(name):
+    """The trainer's RunConfig refuses such a name (peft finds adapter tensors by "lora_"); the chart accepted
+    it, so the install succeeded and the trainer pod crash-looped on its config."""
+    with pytest.raises(helm_python.HelmError, match=f'runs: name "{name}" is part of "lora_"'):
+        render({"runs": [{"name": "alpha"}, {"name": name}]})
+    with pytest.raises(ValueError, match="lora_"):  # the trainer's own check, which the chart now mirrors
+        RunConfig(name=name, output_dir="/data/runs/x")
+    render({"runs": [{"name": "lora-b"}, {"name": "ab"}]})  # longer names, or ones merely sharing letters, pass

@@ -699,6 +699,10 @@ replace a running trainer.
 {{- define "gyre.trainerRuns" -}}
 {{- $out := list }}
 {{- range $run := .Values.runs }}
+{{- if contains $run.name "lora_" }}
+{{- /* the trainer's RunConfig refuses it too, but only once its pod runs: refuse it at install */}}
+{{- fail (printf "runs: name %q is part of \"lora_\", which peft reserves (an adapter named so could be re-initialised when loaded back): choose a longer name" $run.name) }}
+{{- end }}
 {{- $host := include "gyre.serviceHost" (dict "root" $ "service" (printf "orchestrator-%s" $run.name)) }}
 {{- $entry := dict "name" $run.name "output_dir" (printf "%s/runs/%s" $.Values.persistence.mountPath $run.name) "orchestrator" (dict "address" (printf "%s:%d" $host (int $.Values.orchestrator.grpcPort))) }}
 {{- with $run.maxSteps }}{{ $_ := set $entry "max_steps" (int .) }}{{ end }}
