@@ -264,8 +264,14 @@ def test_a_max_concurrency_the_user_sets_wins(tmp_path):
     own = {**fleet, "experiment": {**fleet["experiment"], "orchestrator": {"inference": {"max_concurrency": 100}}}}
     docs = manifests(render(own))
     assert service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator").inference.max_concurrency == 100
-    runs = {**fleet, "runs": [{"name": "a"}, {"name": "b", "orchestrator": {"inference": {"max_concurrency": 7}}}]}
+    runs = {
+        **fleet,
+        "runs": [{"name": "run-a"}, {"name": "run-b", "orchestrator": {"inference": {"max_concurrency": 7}}}],
+    }
     docs = manifests(render(runs))
-    derived = service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator-a").inference
+    derived = service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator-run-a").inference
     assert derived.max_concurrency == 4 * 256
-    assert service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator-b").inference.max_concurrency == 7
+    assert (
+        service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator-run-b").inference.max_concurrency
+        == 7
+    )
