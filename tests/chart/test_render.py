@@ -5,6 +5,7 @@ cluster serves monitoring.coreos.com/v1 (or when forced)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import helm_python
@@ -158,6 +159,17 @@ def test_notes_give_the_exact_port_forward_and_curl_commands():
     assert "kubectl -n rl port-forward svc/exp-gyre-inference 8000:8000" in notes
     assert "kubectl -n rl get secret exp-gyre-secrets -o jsonpath='{.data.api-key}' | base64 -d" in notes
     assert 'curl -s http://127.0.0.1:8000/v1/models -H "Authorization: Bearer $GYRE_API_KEY"' in notes
+    runs = {"experiment": {"trainer": {"lora": {"rank": 8}}}, "runs": [{"name": "alpha"}, {"name": "beta"}]}
+    for values in ({}, runs):  # every workload NOTES names exists (multi-run: one orchestrator per run)
+        rendered = render(values)
+        names = {(d["kind"], d["metadata"]["name"]) for d in manifests(rendered)}
+        said = re.findall(
+            r"\b(Deployments?|StatefulSet) ((?:[-a-z0-9]+(?:, )?)+)", rendered["gyre/templates/NOTES.txt"]
+        )
+        assert said
+        for kind, listed in said:
+            for name in listed.split(", "):
+                assert (kind.rstrip("s"), name) in names, (kind, name)
     risky = render({"persistence": {"accessMode": "ReadWriteOnce"}, "networkPolicy": {"enabled": False}})
     assert "WARNING: the shared volume is ReadWriteOnce" in risky["gyre/templates/NOTES.txt"]
     assert "WARNING: networkPolicy.enabled=false" in risky["gyre/templates/NOTES.txt"]
