@@ -129,6 +129,44 @@ def _int32():
     return torch.int32
 
 
+class _PlainText:
+    """The tokenizer as llguidance's `TokenizerWrapper` wants it, except that text is encoded as plain text:
+    the text of an added token (`<tool_call>`, `<|im_end|>`) becomes ordinary pieces, never that token.
+
+    llguidance treats every added token as special (its bytes are a marker no text matches; a grammar names
+    it as `<tool_call>` in Lark), but `llguidance.hf.from_tokenizer` tokenizes the grammar's forced text with
+    the full HF tokenizer, which turns such text into the added token. A grammar literal holding that text
+    (a regex `a<tool_call>b`, a JSON enum) was then forced onto a token the matcher refuses: the sequence
+    ended with "stop" in the middle of the literal. Encoding with the added tokens left out keeps both sides
+    of llguidance consistent, so the literal is generated in full as ordinary pieces.
+    """
+
+    def __init__(self, tokenizer, full, vocab_size: int, eos: list[int]):
+        import tokenizers
+
+        data = json.loads(tokenizer.backend_tokenizer.to_str())
+        data["added_tokens"] = []  # the added tokens' ids stay in `tokens`; only encoding text ignores them
+        self._plain = tokenizers.Tokenizer.from_str(json.dumps(data))
+        self.eos_token_id, self.bos_token_id = eos[0], tokenizer.bos_token_id
+        self.tokens = [full.decode_bytes([i]) for i in range(vocab_size)]
+        self.special_token_ids = [i for i in range(vocab_size) if full.is_special_token(i)]
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text only")  # llguidance probes for bytes support and then sends str
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+
+def _llguidance_tokenizer(tokenizer, vocab_size: int, eos: list[int]):
+    """llguidance's tokenizer of a fast HF `tokenizer`: its token table, text encoded by `_PlainText`."""
+    import llguidance
+    import llguidance.hf
+
+    full = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    wrapper = llguidance.TokenizerWrapper(_PlainText(tokenizer, full, full.vocab_size, eos))
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
+
+
 class GrammarCompiler:
     """Compiles guides for one tokenizer; thread-safe (compiles run in worker threads).
 
@@ -138,12 +176,10 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
         import llguidance
-        import llguidance.hf
 
         self._llguidance = llguidance
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=sorted(self.eos_token_ids))  # fmt: skip
+        self._tokenizer = _llguidance_tokenizer(tokenizer, vocab_size, sorted(self.eos_token_ids))
         self._lock = threading.Lock()
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # guide key -> pristine matcher (LRU)
 

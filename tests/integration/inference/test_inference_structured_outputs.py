@@ -224,6 +224,34 @@ def test_vllm_structured_output_fields_on_chat_and_completions(client, model_id,
     assert {c.finish_reason for c in chat.choices} | {text.choices[0].finish_reason} == {"stop"}
 
 
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"structured_outputs": {"regex": r"ok <tool_call> done"}}, "ok <tool_call> done"),
+        ({"guided_choice": ["a<|im_end|>b"]}, "a<|im_end|>b"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "tag", "schema": {
+            "type": "object", "properties": {"tag": {"enum": ["</tool_call>!"]}}, "required": ["tag"],
+            "additionalProperties": False}}}}, '{"tag": "</tool_call>!"}'),
+    ],
+)  # fmt: skip
+def test_a_literal_holding_a_special_tokens_text_comes_back_whole(http, model_id, fields, expected):
+    """The tool model's tokenizer has <tool_call> as an added token and <|im_end|> as its end of turn: a
+    grammar literal holding their text is generated as that text, to its end (it stopped right after
+    the added token's text, or before the end-of-turn's, with finish_reason "stop")."""
+    for stream in (False, True):
+        body = {"model": model_id, "messages": QUESTION, "temperature": 1.0, "seed": 3, "n": 2, **fields}
+        if not stream:
+            choices = http.post("/v1/chat/completions", json=body).json()["choices"]
+            assert [(c["message"]["content"], c["finish_reason"]) for c in choices] == [(expected, "stop")] * 2
+            continue
+        with http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        for index in (0, 1):
+            deltas = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+            assert "".join(d["delta"].get("content") or "" for d in deltas) == expected
+            assert deltas[-1]["finish_reason"] == "stop"
+
+
 def test_constrained_logprobs_are_those_of_the_masked_distribution_and_stay_json(http, model_id):
     body = {"model": model_id, "messages": QUESTION, "logprobs": True, "top_logprobs": 5, "temperature": 1.0,
             "seed": 2, "structured_outputs": {"choice": ["yes", "no"]}}  # fmt: skip

@@ -183,6 +183,25 @@ def test_each_guide_kind_yields_text_that_matches_it(compiler, model_text):
 
 
 @pytest.mark.parametrize(
+    ("guide", "text"),
+    [
+        # the tiny tokenizer has <tool_call> as an added token and <|im_end|> / <|endoftext|> as special ones
+        (Guide("regex", r"ab<tool_call>cd"), "ab<tool_call>cd"),
+        (Guide("regex", r"x<\|im_end\|>y"), "x<|im_end|>y"),
+        (Guide("choice", ("<tool_call>", "<|endoftext|>!")), None),
+        (Guide("json", {"type": "object", "properties": {"t": {"const": "q</tool_call>z"}}, "required": ["t"],
+                        "additionalProperties": False}), '{"t": "q</tool_call>z"}'),  # fmt: skip
+    ],
+)
+def test_a_literal_holding_an_added_tokens_text_is_generated_in_full(compiler, model_text, guide, text):
+    """The literal is text: spelled with ordinary tokens, never the added token (which the grammar would
+    refuse), and never cut short by an end of sequence."""
+    for seed in range(3):
+        out = _drive(compiler, guide, model_text.vocab_size, seed)
+        assert out == text if text is not None else out in guide.value, out
+
+
+@pytest.mark.parametrize(
     "guide",
     [Guide("json", {"type": "frobnicate"}), Guide("regex", "a(b"), Guide("grammar", "start: undefined_rule")],
 )
