@@ -88,7 +88,7 @@ class AssistantMessage(StrictModel):
 class ToolMessage(StrictModel):
     role: Literal["tool"]
     content: Content
-    tool_call_id: str | None = None
+    tool_call_id: str = Field(description="The id of the assistant's tool call this message answers.")
 
 
 ChatMessage = Annotated[
@@ -120,3 +120,29 @@ class NamedToolChoice(StrictModel):
 class Prediction(StrictModel):
     type: Literal["content"]
     content: Content
+
+
+def tool_reply_error(messages: list[dict]) -> tuple[int, str, str] | None:
+    """(message index, field, what is wrong) for the first tool message that answers no tool call, else None.
+
+    As OpenAI: a tool message follows an assistant message (and that message's other tool replies), and
+    when that assistant message carries `tool_calls` its `tool_call_id` is one of their ids. An assistant
+    message whose calls are only `<tool_call>` text in its content (a client that parses calls itself,
+    as gyre's environments do when the server left them as text) may be answered with any ids.
+    """
+    calls: set[str] | None = None  # ids the tool messages may answer (None: none may follow here)
+    calls_as_text = False
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "assistant":
+            structured = message.get("tool_calls")
+            calls = {call["id"] for call in structured} if structured else set()
+            calls_as_text = not structured
+        elif role != "tool":
+            calls = None
+        elif calls is None:
+            return i, "role", "a message with role 'tool' must follow an assistant message (its tool calls' replies)"
+        elif not calls_as_text and message["tool_call_id"] not in calls:
+            return i, "tool_call_id", (f"{message['tool_call_id']!r} is not the id of one of the previous assistant "
+                                       f"message's tool_calls ({', '.join(sorted(map(repr, calls)))})")  # fmt: skip
+    return None

@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from gyre_inference.chat_messages import Content
+from gyre_inference.chat_messages import Content, tool_reply_error
 from gyre_inference.errors import APIError
 from gyre_inference.json_body import dumps
 from gyre_inference.protocol import (
@@ -204,8 +204,9 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
     messages: list[dict] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
+    origin: list[int | None] = [None] * len(messages)  # the input item each message comes from
     items = [InputMessage(role="user", content=request.input)] if isinstance(request.input, str) else request.input
-    for item in items:
+    for j, item in enumerate(items):
         if isinstance(item, InputMessage):
             messages.append({"role": item.role, "content": _plain(item.content)})
         elif isinstance(item, FunctionCallItem):
@@ -221,8 +222,13 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        origin += [j] * (len(messages) - len(origin))
     if not messages:
         raise APIError(400, "input: give at least one message", param="input")
+    if (wrong := tool_reply_error(messages)) is not None:
+        j = origin[wrong[0]]
+        raise APIError(400, f"input.{j}: no function_call with call_id {items[j].call_id!r} in the turn before this "
+                            "function_call_output", param=f"input.{j}")  # fmt: skip
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream,
                             "max_completion_tokens": request.max_output_tokens, "temperature": request.temperature,
                             "top_p": request.top_p, "user": request.user, "priority": request.priority}  # fmt: skip

@@ -17,13 +17,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams
+from gyre_inference.chat_messages import tool_reply_error
 from gyre_inference.choice import Choice, Delta, choice_seed
 from gyre_inference.errors import APIError, error_body, unknown_model
 from gyre_inference.json_body import FastJSONResponse, dumps
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from gyre_inference.structured import Guide, GuideError
+from gyre_inference.structured import Guide, GuideError, check_schema
 from gyre_inference.text import ModelText
 from gyre_inference.tools import TOOL_CALL_END, TOOL_CALL_START, forced_call_grammar
 
@@ -100,9 +101,14 @@ class Serving:
     async def chat_job(self, request: ChatCompletionRequest, started: float, kind: str = "chat") -> _Job:
         """The choices of a chat request, ready to run (`kind` names the endpoint in metrics)."""
         self._check_model(request.model)
+        if request.tools:
+            await asyncio.to_thread(_check_tool_schemas, request, kind)
         parse_tools = bool(request.tools) and request.tool_choice != "none"  # auto, required or named
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
         messages = [message.model_dump(exclude_none=True) for message in request.messages]
+        if (wrong := tool_reply_error(messages)) is not None:
+            i, field, reason = wrong
+            raise APIError(400, f"messages.{i}.{field}: {reason}", param=f"messages.{i}.{field}")
         # Template rendering and tokenization of a large prompt take long: never on the event loop.
         prompt = await asyncio.to_thread(
             self.text.chat_prompt, messages, tools, request.add_generation_prompt,
@@ -458,6 +464,22 @@ class Serving:
             name = f"token_id:{token_id}"
             return name, list(name.encode())
         return self.text.token(token_id)
+
+
+def _check_tool_schemas(request: ChatCompletionRequest, kind: str) -> None:
+    """400 naming the tool whose `parameters` is not a valid JSON schema, whatever `tool_choice` says (as
+    OpenAI); the tools a call is forced to must also be schemas the grammar engine can enforce."""
+    forced = {tool.function.name for tool in request.forced_tools or []}
+    for i, tool in enumerate(request.tools):
+        function = tool.function
+        if function.parameters is None:
+            continue
+        try:
+            check_schema(function.parameters, enforced=function.name in forced)
+        except GuideError as error:
+            param = f"tools.{i}.parameters" if kind == "responses" else f"tools.{i}.function.parameters"
+            raise APIError(400, f"{param}: invalid JSON schema for function {function.name!r}: {error}",
+                           param=param) from None  # fmt: skip
 
 
 def backend_failure(error: BackendStoppedError | AdapterGoneError, model: str, served: str) -> APIError:

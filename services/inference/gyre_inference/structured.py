@@ -21,6 +21,7 @@ log-prob is `log_softmax(masked_logits / T)[token]`, renormalised over the token
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -46,6 +47,29 @@ def with_json_options(schema: dict) -> dict:
 
 class GuideError(ValueError):
     """A guide the grammar engine refuses (an invalid schema, regex or grammar); the API answers 400."""
+
+
+def check_schema(schema: dict, *, enforced: bool) -> None:
+    """GuideError when `schema` is not a valid JSON schema. `enforced`: it will constrain generation, so
+    keywords the grammar engine cannot enforce (`not`, `if`, `uniqueItems`, ...) are refused too; otherwise
+    (a tool the model may or may not call) only what is invalid is."""
+    error = _schema_error(json.dumps(schema, sort_keys=True), enforced)
+    if error:
+        raise GuideError(error)
+
+
+@functools.lru_cache(maxsize=256)  # the same tools come with every turn of a rollout
+def _schema_error(schema_json: str, enforced: bool) -> str | None:
+    import llguidance
+
+    schema = json.loads(schema_json)
+    options = {**(schema.get("x-guidance") or {}), **({} if enforced else {"lenient": True})}
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": options})
+    except (ValueError, TypeError) as error:
+        return str(error)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    return error.strip() or None
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,103 @@ def test_messages_say_what_a_multi_type_field_accepts(http, model_id, body, says
     assert message == "prompt: must be a string, a list of integers, a list of strings or a list of lists of integers"
 
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+ASK = {"role": "user", "content": "1 plus 2?"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "says"),
+    [
+        ([ASK, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "3"}],
+         "messages.2.tool_call_id", "Field required"),
+        ([ASK, {"role": "tool", "tool_call_id": "call_1", "content": "3"}], "messages.1.role",
+         "must follow an assistant message"),
+        ([ASK, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_2", "content": "3"}],
+         "messages.2.tool_call_id", "'call_2' is not the id of one of the previous assistant message's tool_calls"),
+        ([ASK, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+          ASK, {"role": "tool", "tool_call_id": "call_1", "content": "3"}], "messages.4.role", "must follow"),
+    ],
+)  # fmt: skip
+def test_a_tool_message_must_answer_a_tool_call(client, model_id, messages, param, says):
+    """As OpenAI (and vLLM for the missing id): a tool message names the call it answers, one of the
+    previous assistant message's tool_calls; it was accepted and rendered whatever it said."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model_id, messages=messages, max_tokens=2)
+    body = error.value.body
+    assert body["param"] == param and says in body["message"] and body["type"] == "invalid_request_error", body
+
+
+def test_tool_replies_that_answer_their_calls_are_accepted(client, model_id):
+    """Several calls answered in any order; and calls the model left as `<tool_call>` text (no structured
+    tool_calls: a client such as gyre's environments parsed them itself) answered with the client's ids."""
+    second = {**CALL, "id": "call_2"}
+    structured = [ASK, {"role": "assistant", "content": None, "tool_calls": [CALL, second]},
+                  {"role": "tool", "tool_call_id": "call_2", "content": "3"},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "3"}]  # fmt: skip
+    as_text = [ASK, {"role": "assistant", "content": '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>'},
+               {"role": "tool", "tool_call_id": "call_0_0", "content": "3"}]  # fmt: skip
+    for messages in (structured, as_text):
+        answer = client.chat.completions.create(model=model_id, messages=messages, max_tokens=2)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_function_call_output_must_answer_a_function_call(client, model_id):
+    """The Responses API's form of the same rule, naming the input item."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": "{}"}
+    for items, param in (
+        ([call, {"type": "function_call_output", "call_id": "call_9", "output": "3"}], "input.1"),
+        ([{"type": "function_call_output", "call_id": "call_1", "output": "3"}], "input.0"),
+    ):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.responses.create(model=model_id, input=items, max_output_tokens=2)
+        assert error.value.body["param"] == param and "no function_call with call_id" in error.value.body["message"]
+    ok = client.responses.create(model=model_id, max_output_tokens=2, input=[
+        call, {"type": "function_call_output", "call_id": "call_1", "output": "3"}])  # fmt: skip
+    assert ok.status in ("completed", "incomplete")
+
+
+GOOD_TOOL = {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none", "required", {"type": "function", "function":
+                                                                            {"name": "bad"}}])  # fmt: skip
+@pytest.mark.parametrize(
+    ("parameters", "says"),
+    [
+        ({"type": "frob"}, "Invalid type: frob"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}, "minimum"),
+        ({"type": "object", "required": "a"}, "required"),
+    ],
+)
+def test_an_invalid_tool_schema_is_400_whatever_the_tool_choice(client, model_id, tool_choice, parameters, says):
+    """OpenAI validates every tool's schema; it was checked only when a call was forced (and then named
+    tool_choice), so with auto / none / no tool_choice an invalid schema went to the template unnoticed."""
+    tools = [GOOD_TOOL, {"type": "function", "function": {"name": "bad", "parameters": parameters}}]
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model_id, messages=CHAT["messages"], max_tokens=2, tools=tools, **extra)
+    body = error.value.body
+    assert body["param"] == "tools.1.function.parameters" and body["type"] == "invalid_request_error", body
+    assert "invalid JSON schema for function 'bad'" in body["message"] and says in body["message"], body
+    with pytest.raises(openai.BadRequestError) as error:  # the Responses API names its own field
+        client.responses.create(model=model_id, input="hi", max_output_tokens=2,
+                                tools=[{"type": "function", **t["function"]} for t in tools],
+                                **({} if isinstance(tool_choice, dict) else extra))  # fmt: skip
+    assert error.value.body["param"] == "tools.1.parameters", error.value.body
+
+
+def test_a_schema_the_grammar_cannot_enforce_is_refused_only_when_the_call_is_forced(client, model_id):
+    """`not`, `uniqueItems`, ... are valid JSON schema that llguidance cannot enforce: fine for a tool the
+    model may call (auto), a 400 naming the tool when tool_choice would have to enforce it."""
+    tools = [{"type": "function", "function": {"name": "u", "parameters": {"type": "array", "uniqueItems": True}}}]
+    auto = client.chat.completions.create(model=model_id, messages=CHAT["messages"], max_tokens=2, tools=tools)
+    assert auto.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model_id, messages=CHAT["messages"], max_tokens=2, tools=tools,
+                                       tool_choice="required")  # fmt: skip
+    assert error.value.body["param"] == "tools.0.function.parameters" and "uniqueItems" in error.value.body["message"]
+
+
 def test_what_the_openai_client_sends_back_is_accepted(client, model_id):
     """The assistant message as `model_dump()` gives it (null refusal/audio/function_call/annotations), the
     developer role and response_format text: what real OpenAI clients send."""
