@@ -182,6 +182,10 @@ def test_each_guide_kind_yields_text_that_matches_it(compiler, model_text):
     assert _drive(compiler, Guide("json", schema), vocab, 1) != _drive(compiler, Guide("json", schema), vocab, 2)
 
 
+CONST_SCHEMA = {"type": "object", "properties": {"t": {"const": "q</tool_call>z"}}, "required": ["t"],
+                "additionalProperties": False}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("guide", "text"),
     [
@@ -189,8 +193,7 @@ def test_each_guide_kind_yields_text_that_matches_it(compiler, model_text):
         (Guide("regex", r"ab<tool_call>cd"), "ab<tool_call>cd"),
         (Guide("regex", r"x<\|im_end\|>y"), "x<|im_end|>y"),
         (Guide("choice", ("<tool_call>", "<|endoftext|>!")), None),
-        (Guide("json", {"type": "object", "properties": {"t": {"const": "q</tool_call>z"}}, "required": ["t"],
-                        "additionalProperties": False}), '{"t": "q</tool_call>z"}'),  # fmt: skip
+        (Guide("json", CONST_SCHEMA), '{"t": "q</tool_call>z"}'),
     ],
 )
 def test_a_literal_holding_an_added_tokens_text_is_generated_in_full(compiler, model_text, guide, text):
