@@ -44,6 +44,10 @@ def check_service_model(name: str, prog: str) -> int | None:
     return None
 
 
+# The weight files a model folder is loaded from (transformers, vLLM; sharded ones too).
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
 class ModelUnavailable(ValueError):
     """`model.name` is neither a model folder nor a hub id that can be fetched; the message says what to do."""
 
@@ -59,8 +63,15 @@ def check_model_source(name: str, key: str = "model.name", hub: bool = True, hin
     `hub=False` only checks that a path exists, and takes a hub id on trust (a service in a cluster: the
     chart's `model-fetch` init container fetched it, and the service's own load reports a hub failure)."""
     path = Path(name).expanduser()
+    if path.is_dir() and not hub:  # a service is about to load it: say now what it lacks, naming the key
+        if not (path / "config.json").is_file():
+            raise ModelUnavailable(f"{key} = {name!r}: {path} is not a model folder (no config.json); {hint}")
+        if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+            raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} holds no weights "
+                                   f"({', '.join(WEIGHT_FILES)}); {hint}")  # fmt: skip
+        return "local folder"
     if path.exists() and not hub:
-        return "local path"  # a folder or a file (vLLM reads a .gguf); loading it reports what is wrong
+        return "local path"  # a file (vLLM reads a .gguf); loading it reports what is wrong
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelUnavailable(f"{key} = {name!r}: {path} is not a model folder (no config.json); {hint}")

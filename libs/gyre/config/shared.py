@@ -41,7 +41,12 @@ class MetricsConfig(Section):
 
 
 class ModelConfig(Section):
-    name: str = Field("outputs/run/model", description="Model folder (HF format) or hub id.")
+    name: str = Field(
+        "outputs/run/model",
+        description="Model folder (HF format: config.json, tokenizer, *.safetensors or *.bin weights) or hub id "
+        "(org/name). A folder that does not exist or lacks config.json or weights stops the service at start "
+        "(exit 2, naming the path).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."
     )

@@ -6,13 +6,15 @@
 
 Prints `ready: http://HOST:PORT control: HOST:PORT version: N` once the model is loaded; exits 0
 after a graceful SIGTERM, 1 when the model cannot be loaded or a port cannot be bound, 2 on a bad
-config key or value.
+config key or value (a `model.name` folder that does not exist or holds no config.json or weights).
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gyre.config import parse_or_exit
 from gyre.config.inference import InferenceConfig
@@ -21,6 +23,14 @@ from gyre.logging import setup_logging
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_or_exit(InferenceConfig, None if argv is None else list(argv), "gyre inference")
+    from gyre.model_source import check_service_model
+
+    if (code := check_service_model(config.model.name, "gyre inference")) is not None:
+        return code  # before any port is bound or torch is imported
+    if config.backend != "vllm" and Path(config.model.name).expanduser().is_file():  # vLLM also reads a .gguf file
+        print(f"gyre inference: error: model.name = {config.model.name!r} is a file: the {config.backend} backend "
+              "loads a model folder (config.json, tokenizer, weights)", file=sys.stderr)  # fmt: skip
+        return 2
     setup_logging(config.log.level, config.log.file, service="inference")
     from gyre_inference.service import run_service  # torch and friends load only past argument parsing
 

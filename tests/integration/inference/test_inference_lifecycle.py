@@ -123,6 +123,33 @@ def test_bad_config_exits_2_naming_the_key():
     assert help_text.returncode == 0 and "server.shutdown_grace_s" in help_text.stdout
 
 
-def test_a_missing_model_exits_1_with_a_clear_message(tmp_path):
-    result = run_cli("--model.name", str(tmp_path / "no-model"), "--server.port", "0", "--control.port", "0")
-    assert result.returncode == 1 and "cannot load model" in result.stderr and "no-model" in result.stderr
+def test_a_model_folder_that_is_not_there_exits_2_before_serving(tmp_path, tiny_model):
+    """A missing folder, one without config.json or without weights, or a file: one line naming the key and
+    the path, exit 2, before any port is bound (it was a hub client's "Repo id must be in the form ..." or a
+    tokenizer error, logged after the HTTP server had started, exit 1)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "config.json").write_text((tiny_model / "config.json").read_text())
+    cases = {
+        tmp_path / "no-model": "does not exist",
+        tmp_path / "empty": "no config.json",
+        tmp_path / "no-weights": "holds no weights",
+        tiny_model / "config.json": "is a file",
+    }
+    for path, says in cases.items():
+        result = run_cli("--model.name", str(path), "--server.port", "0", "--control.port", "0")
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"gyre inference: error: model.name = '{path}'"), lines
+        assert says in lines[0]
+    help_text = run_cli("--help").stdout
+    assert "lacks config.json or weights stops the service at start" in " ".join(help_text.split())
+
+
+def test_a_model_that_cannot_be_loaded_exits_1_with_a_clear_message(tmp_path, tiny_model):
+    import shutil
+
+    broken = shutil.copytree(tiny_model, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    result = run_cli("--model.name", str(broken), "--server.port", "0", "--control.port", "0")
+    assert result.returncode == 1 and "cannot load model" in result.stderr and "broken" in result.stderr
