@@ -30,7 +30,8 @@ from chart_testlib import (
 
 SERVERS = [
     {"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 2, "nodePool": "gpu-large",
-     "resources": {"requests": {"cpu": "4", "memory": "64Gi"}}},
+     "resources": {"requests": {"cpu": "4", "memory": "64Gi"}},
+     "args": {"model": {"dtype": "bfloat16"}}},  # a [model] table of its own keeps the entry's model
     {"name": "rm", "model": "/data/models/rm", "gpus": 0, "replicas": 2, "args": {"runner": "pooling",
      "engine": {"max_batch_size": 8}}},
     {"name": "judge", "model": "/data/models/judge"},
@@ -67,6 +68,7 @@ def test_each_server_is_a_deployment_of_its_own_wired_to_the_orchestrator(tmp_pa
     assert teacher["nodeSelector"]["pool"] == "h200"  # its own GPU pool
     assert container["image"] == named(docs, "Deployment", f"{base}-inference")["spec"]["template"]["spec"][
         "containers"][0]["image"]  # fmt: skip
+    assert service_config(docs, tmp_path, "inference", f"{base}-server-teacher").model.dtype == "bfloat16"
     rm = service_config(docs, tmp_path, "inference", f"{base}-server-rm")
     assert rm.runner == "pooling" and rm.engine.max_batch_size == 8
     policy = service_config(docs, tmp_path, "inference", f"{base}-inference")
