@@ -37,16 +37,22 @@ def lcs_ratio(prediction: Sequence[Any], reference: Sequence[Any]) -> float:
 def math_equal(prediction: str | None, reference: str) -> bool:
     """True iff math-verify finds the prediction's final answer equal to the reference.
 
-    Accepts plain numbers ("7", "7.0", "-3"), sentences ("The answer is 7."), LaTeX and `\\boxed{7}`; with several
-    numbers the last one counts. math-verify bounds its work with SIGALRM, which only the main thread may use,
-    so off the main thread it runs without that timeout (the input is already length-capped).
+    Accepts plain numbers ("7", "7.0", "-3"), sentences ("The answer is 7."), delimited LaTeX (`$\\frac{1}{2}$`),
+    `\\boxed{7}`, and a reply that is a bare LaTeX expression (`\\sqrt{2}`); with several numbers the last one
+    counts. The reference is an answer, not a sentence: it is read as if boxed (verifiers' math rubric does the
+    same), because math-verify finds no LaTeX outside delimiters and reads a bare `2\\sqrt{2}` as 2, `\\sqrt{2}`
+    as nothing. math-verify bounds its work with SIGALRM, which only the main thread may use, so off the main
+    thread it runs without that timeout (the input is already length-capped).
     """
     if not prediction:
         return False
     from math_verify import parse, verify  # sympy is heavy: import on first use
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse(reference, parsing_timeout=timeout)
+    gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout) or parse(reference, parsing_timeout=timeout)
     # The tail holds the final answer; cutting the head keeps "... so the answer is 7" gradable.
-    predicted = parse(prediction[-MAX_GRADED_CHARS:], parsing_timeout=timeout)
+    tail = prediction[-MAX_GRADED_CHARS:]
+    predicted = parse(tail, parsing_timeout=timeout)
+    if not predicted and "\\" in tail:  # a bare LaTeX reply ("\\sqrt{2}"): math-verify needs delimiters
+        predicted = parse(f"\\boxed{{{tail}}}", parsing_timeout=timeout)
     return bool(gold and predicted and verify(gold, predicted, timeout_seconds=timeout))

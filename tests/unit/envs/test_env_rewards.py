@@ -96,6 +96,29 @@ def test_math_equal_handles_nothing_and_negatives():
     assert math_equal("-349", "-349") and not math_equal("349", "-349")
 
 
+@pytest.mark.parametrize(
+    ("reply", "reference", "ok"),
+    [
+        # references written as LaTeX without delimiters (MATH-style datasets): read as the answer they are
+        ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", True),
+        ("$\\frac{\\sqrt{3}}{2}$", "\\frac{\\sqrt{3}}{2}", True),
+        ("The answer is $\\pi$.", "\\pi", True),
+        ("\\boxed{2\\sqrt{2}}", "2\\sqrt{2}", True),
+        ("2", "2\\sqrt{2}", False),  # a bare 2\sqrt{2} was read as 2: the wrong answer got full reward
+        ("1000", "10^{3}", True),
+        ("10", "10^{3}", False),
+        ("\\boxed{(1,2)}", "(1,2)", True),
+        ("3.14", "\\pi", False),
+        ("\\sqrt{2}", "\\sqrt{2}", True),  # a reply that is the bare expression
+        ("twelve", "12", False),
+        ("7", "\\boxed{7}", True),  # a reference that is already delimited
+        ("7", "$7$", True),
+    ],
+)
+def test_math_equal_reads_latex_references(reply, reference, ok):
+    assert math_equal(reply, reference) is ok
+
+
 def test_alphabet_sort_reward_per_round():
     info = {"rounds": [["Tom", "Ana"], ["Ben"]]}  # sorted after round 1: Ana, Tom; after round 2: Ana, Ben, Tom
     parser = Parser()
