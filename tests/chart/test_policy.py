@@ -66,7 +66,7 @@ def gpu_amounts(container: dict, resource_name: str) -> tuple[str | None, str | 
 
 @pytest.mark.parametrize("resource_name", ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb"])
 def test_gpus_are_requested_only_by_inference_and_trainer(resource_name):
-    values = {"gpu": {"resourceName": resource_name, "runtimeClassName": "nvidia"}, "inference": {"gpus": 2},
+    values = {"gpu": {"resourceName": resource_name, "runtimeClassName": "nvidia"}, "inference": {"gpus": 1},
               "trainer": {"gpusPerNode": 4}}  # fmt: skip
     pods = pod_templates(manifests(render(values)))
     for comp, pod in pods.items():
@@ -74,7 +74,7 @@ def test_gpus_are_requested_only_by_inference_and_trainer(resource_name):
             requests = {**c.get("resources", {}).get("requests", {}), **c.get("resources", {}).get("limits", {})}
             gpu_keys = [k for k in requests if "gpu" in k or k == resource_name]
             if comp in ("inference", "trainer") and c["name"] == comp:
-                assert gpu_amounts(c, resource_name) == (("2", "2") if comp == "inference" else ("4", "4"))
+                assert gpu_amounts(c, resource_name) == (("1", "1") if comp == "inference" else ("4", "4"))
                 assert gpu_keys == [resource_name]
             else:
                 assert gpu_keys == [], f"{comp}/{c['name']} requests {gpu_keys}"

@@ -111,6 +111,9 @@ def schema_error(values: dict) -> str:
         ({"persistence": {"size": "lots"}}, ["/persistence/size"]),
         ({"podSecurity": {"runAsUser": 0}}, ["/podSecurity/runAsUser"]),
         ({"monitoring": {"enabled": "yes"}}, ["/monitoring/enabled"]),
+        # a replica runs on one GPU (no tensor parallelism): a second one was requested and left idle
+        ({"inference": {"gpus": 2}}, ["/inference/gpus"]),
+        ({"servers": [{"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 2}]}, ["/servers/0/gpus"]),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(values, names):

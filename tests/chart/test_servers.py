@@ -29,7 +29,7 @@ from chart_testlib import (
 )
 
 SERVERS = [
-    {"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 2, "nodePool": "gpu-large",
+    {"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 1, "nodePool": "gpu-large",
      "resources": {"requests": {"cpu": "4", "memory": "64Gi"}},
      "args": {"model": {"dtype": "bfloat16"}}},  # a [model] table of its own keeps the entry's model
     {"name": "rm", "model": "/data/models/rm", "gpus": 0, "replicas": 2, "args": {"runner": "pooling",
@@ -63,7 +63,7 @@ def test_each_server_is_a_deployment_of_its_own_wired_to_the_orchestrator(tmp_pa
         assert cfg.model.name == server["model"] and cfg.run_id.endswith(f"-{server['name']}")
     teacher = named(docs, "Deployment", f"{base}-server-teacher")["spec"]["template"]["spec"]
     container = teacher["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["resources"]["requests"]["memory"] == "64Gi"
     assert teacher["nodeSelector"]["pool"] == "h200"  # its own GPU pool
     assert container["image"] == named(docs, "Deployment", f"{base}-inference")["spec"]["template"]["spec"][
