@@ -34,6 +34,8 @@ from gyre.endpoint import Endpoint, EndpointError
 from gyre.envs.types import Messages, ScoringError
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# what comes before a number that is the scale, not a score: the 10 of "8/10" or "8 out of 10"
+_SCALE_BEFORE = re.compile(r"(?:/|\bout\s+of)\s*$", re.IGNORECASE)
 _JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 
@@ -77,10 +79,14 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"no JSON object with a number under {config.json_key!r}")
     else:
-        numbers = _NUMBER.findall(reply)
+        numbers = [
+            float(match.group())
+            for match in _NUMBER.finditer(reply)
+            if not (float(match.group()) == config.max_score and _SCALE_BEFORE.search(reply[: match.start()]))
+        ]
         if not numbers:
             raise ValueError("no number in the reply")
-        value = float(numbers[-1])
+        value = numbers[-1]
     if not (math.isfinite(value) and 0 <= value <= config.max_score):
         raise ValueError(f"score {value} is outside 0..{config.max_score:g}")
     return value / config.max_score

@@ -121,6 +121,10 @@ def rollout(text: str) -> Rollout:
         ({}, "I would say 7", 0.7),
         ({}, "3 errors, so: 8.5", 0.85),
         ({"max_score": 1}, "1", 1.0),
+        ({}, "Score: 8/10", 0.8),  # the scale after the score is not the score (it read 10: full reward)
+        ({}, "I'd give it 3 out of 10.", 0.3),
+        ({}, "10 / 10", 1.0),
+        ({"max_score": 5}, "Grade: 2/5", 0.4),
         ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "No. Not at all, yes-men aside", 0.0),
         ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is Incorrect.", 0.0),
         ({"score": "json", "max_score": 5}, 'Reasoning... ```json\n{"score": 4, "why": "close"}\n```', 0.8),
@@ -136,6 +140,7 @@ def test_scores_are_read_from_replies(settings, reply, score):
     [
         ({}, "no idea", "no number"),
         ({}, "11", "outside 0..10"),
+        ({"max_score": 5}, "8/10", "outside 0..5"),  # another scale than the configured one is no score
         ({"score": "choice", "choices": {"yes": 1.0}}, "yesterday", "none of"),
         ({"score": "json"}, '{"score": "high"}', "no JSON object"),
         ({"score": "json"}, "{not json}", "no JSON object"),
