@@ -118,6 +118,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint step {step} at {folder} is missing or unreadable: {e}") from None
         if progress.get("step") != step:
             raise CheckpointError(f"checkpoint folder {folder} holds step {progress.get('step')}, not {step}")
+        configured = configured_hyperparameters(optimizer, scheduler)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": trainable_only(model, model_sd), "optim": optim_sd}
         check_saved_shapes(folder / "state", state["model"])
@@ -129,6 +130,7 @@ class CheckpointManager:
             options=StateDictOptions(strict=not partial),
         )  # fmt: skip
         scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        keep_configured_hyperparameters(optimizer, scheduler, configured, step)
         rng_file = folder / f"rng_rank{self.ctx.rank}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -202,6 +204,40 @@ def check_saved_shapes(state_dir: Path, model_sd: dict[str, Any]) -> None:
             raise rank_mismatch(name, saved[name], wanted)
         raise ValueError(f"checkpoint {state_dir.parent} holds {name} as {list(saved[name])}, the model has "
                          f"{list(wanted)}: the run was trained on another model.name")  # fmt: skip
+
+
+#: Optimizer settings a checkpoint must not override: the run's config says them (`optim.*`).
+HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")
+
+
+def configured_hyperparameters(optimizer, scheduler) -> tuple[list[dict[str, Any]], list[float]]:
+    """The optimizer's settings as built from the config, before a checkpoint overwrites them."""
+    groups = [{k: group[k] for k in HYPERPARAMETERS if k in group} for group in optimizer.param_groups]
+    return groups, list(scheduler.base_lrs)
+
+
+def keep_configured_hyperparameters(optimizer, scheduler, configured, step: int) -> None:
+    """Put the config's optimizer settings back after loading a checkpoint, keeping its moments and step.
+
+    torch restores every param group's `lr`, `betas`, `eps` and `weight_decay` with the optimizer state, and
+    LambdaLR its `base_lrs`: a run resumed (or rewound with `ckpt.resume_step`) with a lower `optim.lr` kept
+    training at the old one, silently. Here the config wins and the schedule continues at the checkpoint's
+    step with the configured peak; with an unchanged config nothing is touched (resumes stay bit-exact).
+    """
+    groups, base_lrs = configured
+    changed = [f"{key} {saved[key]} -> {value}" for saved, wanted in zip(optimizer.param_groups, groups, strict=True)
+               for key, value in wanted.items() if key != "initial_lr" and saved.get(key) != value]  # fmt: skip
+    changed += [f"lr {old} -> {new}" for old, new in zip(scheduler.base_lrs, base_lrs, strict=True) if old != new]
+    if not changed:
+        return
+    scheduler.base_lrs = base_lrs
+    for group, wanted, base, lr_lambda in zip(optimizer.param_groups, groups, base_lrs, scheduler.lr_lambdas,
+                                              strict=True):  # fmt: skip
+        group.update(wanted)
+        group["lr"] = base * lr_lambda(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    log.warning("checkpoint step %d: optimizer settings differ from the config, which is used: %s",
+                step, "; ".join(sorted(set(changed))))  # fmt: skip
 
 
 def trainable_only(model, model_sd: dict[str, Any]) -> dict[str, Any]:

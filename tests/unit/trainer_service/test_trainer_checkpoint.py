@@ -10,7 +10,7 @@ from gyre.config.shared import ModelConfig
 from gyre.config.trainer import OptimConfig
 from gyre_trainer.checkpoint import CheckpointError, CheckpointManager
 from gyre_trainer.model import load_model
-from gyre_trainer.optim import build_optimizer, build_scheduler
+from gyre_trainer.optim import build_optimizer, build_scheduler, lr_multiplier
 
 
 def build(model_dir, seed=0):
@@ -56,6 +56,34 @@ def test_save_load_resumes_bit_exactly(tiny_model, ctx, tmp_path):
     assert got.keys() == expected.keys()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_a_resume_uses_the_configured_optimizer_settings_with_the_checkpoints_moments(tiny_model, ctx, tmp_path):
+    """A run resumed or rewound with another optim.lr / weight_decay / betas trains with them: torch's
+    load_state_dict had put the checkpoint's values back (param groups and LambdaLR's base_lrs), silently."""
+    manager = CheckpointManager(tmp_path / "ckpt", ctx)
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float32)
+    old = OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2, scheduler="cosine")
+    opt = build_optimizer(model, old)
+    sched = build_scheduler(opt, old, max_steps=10)
+    for step in (1, 2, 3):
+        train(model, opt, sched, step)
+    manager.save(3, model, opt, sched)
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+
+    new = old.model_copy(update={"lr": 1e-3, "weight_decay": 0.0, "betas": (0.8, 0.95)})
+    opt2 = build_optimizer(model, new)
+    sched2 = build_scheduler(opt2, new, max_steps=10)
+    manager.load(3, model, opt2, sched2)
+    multiplier = lr_multiplier(3, new, 10)  # the schedule goes on at step 3, from the new peak
+    assert sched2.last_epoch == 3 and sched2.base_lrs == [1e-3] * len(opt2.param_groups)
+    for group in opt2.param_groups:
+        assert group["lr"] == pytest.approx(1e-3 * multiplier) and group["weight_decay"] == 0.0
+        assert tuple(group["betas"]) == (0.8, 0.95)
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(opt2.state.values(), moments, strict=True))
+    train(model, opt2, sched2, 4)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_multiplier(4, new, 10))
 
 
 def test_folder_appears_complete_and_leftovers_are_ignored(tiny_model, ctx, tmp_path):
