@@ -61,6 +61,14 @@ UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 
 
+def neutral_only(cls, value, info):
+    """A vLLM field accepted at its neutral value only (_NEUTRAL), refused otherwise with the reason."""
+    if value is not None and value not in _NEUTRAL[info.field_name]:
+        name = info.field_name
+        raise ValueError(f"only {_NEUTRAL[name][0]!r} is supported: {UNSUPPORTED_FIELDS[name]}")
+    return value
+
+
 class StreamOptions(StrictModel):
     include_usage: bool | None = Field(None, description="Send a last chunk with usage and no choices before [DONE].")
     continuous_usage_stats: bool | None = Field(
@@ -222,13 +230,8 @@ class SamplingRequest(StrictModel):
     guided_decoding_backend: None = Field(None, description="Only null: the grammar engine is llguidance.")
     guided_whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
 
-    @field_validator("top_k", "min_p", "repetition_penalty", "use_beam_search", "skip_special_tokens")
-    @classmethod
-    def _neutral_only(cls, value, info):
-        if value is not None and value not in _NEUTRAL[info.field_name]:
-            name = info.field_name
-            raise ValueError(f"only {_NEUTRAL[name][0]!r} is supported: {UNSUPPORTED_FIELDS[name]}")
-        return value
+    _neutral_only = field_validator("top_k", "min_p", "repetition_penalty", "use_beam_search",
+                                    "skip_special_tokens")(neutral_only)  # fmt: skip
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

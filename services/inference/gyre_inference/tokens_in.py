@@ -33,14 +33,14 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from gyre_inference.backend import AdapterGoneError, BackendStoppedError, SamplingParams
 from gyre_inference.choice import choice_seed
 from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
-from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS
+from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, neutral_only
 from gyre_inference.serving import VERSION_HEADER, ClientGone, backend_failure, client_gone, unless_client_gone
 from gyre_inference.strict import StrictModel
 
@@ -66,9 +66,24 @@ class GenerateSamplingParams(StrictModel):
         le=MAX_TOP_LOGPROBS,
         description="Log-prob of every prompt token given the ones before it (T = 1) plus this many alternatives.",
     )
+    min_tokens: int = Field(0, ge=0, description="No end-of-sequence or stop token before this many tokens.")
     # vLLM fields renderer clients send that change nothing here: token ids are always returned verbatim.
     skip_special_tokens: bool = Field(True, description="Only affects `text` (token ids are returned verbatim).")
     detokenize: bool = Field(True, description="false: `text` is left empty.")
+    # vLLM sampling fields a PRIME-RL-style client sends at their neutral value: accepted only so (as on chat).
+    top_k: int | None = Field(None, description="Only -1 or 0 (off).")
+    min_p: float | None = Field(None, description="Only 0 (off).")
+    repetition_penalty: float | None = Field(None, description="Only 1 (off).")
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="Only 0.")
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="Only 0.")
+
+    _neutral_only = field_validator("top_k", "min_p", "repetition_penalty")(neutral_only)
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        return self
 
 
 class GenerateRequest(StrictModel):
@@ -147,6 +162,7 @@ def add_generate_route(app: FastAPI, state) -> None:
                 top_logprobs=sp.logprobs or 0,
                 adapter=adapter,
                 prompt_logprobs=sp.prompt_logprobs if i == 0 else None,  # one prompt: computed once
+                min_tokens=min(sp.min_tokens, max_tokens),
                 priority=body.priority,
             )
             for i in range(sp.n)

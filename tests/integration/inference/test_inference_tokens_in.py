@@ -54,6 +54,29 @@ def test_finish_reasons_and_stop_tokens(server, model_id):
     assert "top_logprobs" not in stopped["choices"][0]["logprobs"]["content"][0]
 
 
+def test_vllm_sampling_fields_at_their_neutral_values_and_min_tokens(server, model_id):
+    """What a PRIME-RL-style client sends in `sampling_params` (vLLM's defaults spelled out) samples exactly
+    what leaving them out does, as on the OpenAI routes, and `min_tokens` holds the stop tokens back (all were
+    a 400 here: "Extra inputs are not permitted")."""
+    params = {"max_tokens": 6, "seed": 4, "ignore_eos": True}
+    plain = generate(server, model=model_id, token_ids=TOKEN_PROMPT, sampling_params=params)["choices"][0]
+    neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0, "min_tokens": 0}  # fmt: skip
+    spelled = generate(server, model=model_id, token_ids=TOKEN_PROMPT, sampling_params=params | neutral)
+    assert spelled["choices"][0]["token_ids"] == plain["token_ids"]
+    first = plain["token_ids"][0]
+    stops = params | {"stop_token_ids": [first]}
+    early = generate(server, model=model_id, token_ids=TOKEN_PROMPT, sampling_params=stops)["choices"][0]
+    assert early["token_ids"] == [first] and early["finish_reason"] == "stop"
+    held = generate(server, model=model_id, token_ids=TOKEN_PROMPT, sampling_params=stops | {"min_tokens": 3})
+    ids = held["choices"][0]["token_ids"]
+    assert len(ids) >= 3 and first not in ids[:3], ids
+    for field, value in (("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.1), ("min_tokens", 7)):
+        error = generate(server, expect=400, model=model_id, token_ids=TOKEN_PROMPT,
+                         sampling_params=params | {field: value})["error"]  # fmt: skip
+        assert error["param"] in (f"sampling_params.{field}", "sampling_params"), error
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
