@@ -18,7 +18,7 @@ Step `s` always trains the same rows (epoch and offset follow from `s`; each epo
 shuffle), so resuming from a checkpoint continues the exact data order. The result is a
 servable HF folder (`save_dir`, default `{output_dir}/sft`) that `model.name` of an RL run can use.
 Checkpoints go to `{output_dir}/checkpoints/sft/` with the trainer's machinery; one line per step
-is appended to `{output_dir}/events/sft_steps.jsonl`.
+is appended to `{output_dir}/events/sft_steps.jsonl` (and logged to W&B as `sft/*` with `wandb.enabled`).
 """
 
 from __future__ import annotations
@@ -277,6 +277,7 @@ def rows_for_step(rows: list[PackedRow], step: int, batch_size: int, seed: int) 
 
 def run(cfg: SFTConfig) -> int:
     from gyre.events import EventLog, events_dir
+    from gyre.wandb_log import WandbLogger
     from tqdm import tqdm
 
     from gyre_trainer import dist
@@ -286,6 +287,7 @@ def run(cfg: SFTConfig) -> int:
     from gyre_trainer.step import sft_step
 
     ctx = dist.init_distributed(cfg.device)
+    wandb = None
     try:
         data = cfg.data
         if data.batch_size % ctx.world_size or (data.batch_size // ctx.world_size) < 1:
@@ -313,6 +315,9 @@ def run(cfg: SFTConfig) -> int:
             checkpoints.load(start, model, optimizer, scheduler)
 
         events = EventLog(events_dir(output_dir) / SFT_STEPS) if ctx.is_main else None
+        if ctx.is_main:  # `sft/*` per step, like the trainer's `trainer/*` (a no-op unless wandb.enabled)
+            wandb = WandbLogger(cfg.wandb, service="sft", run_id=cfg.run_id, output_dir=output_dir,
+                                config=cfg.model_dump(mode="json"))  # fmt: skip
         bar = tqdm(total=total, initial=start, desc="sft", unit="step", disable=not ctx.is_main, file=sys.stderr)
         for step in range(start + 1, total + 1):
             epoch, batch = rows_for_step(rows, step, data.batch_size, cfg.seed)
@@ -328,7 +333,7 @@ def run(cfg: SFTConfig) -> int:
             ).metrics
             record = {"step": step, "epoch": epoch, **metrics, "step_seconds": time.perf_counter() - began}
             if events:
-                events.append(record)
+                wandb.log(events.append(record))
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch)
             bar.update(1)
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
@@ -343,6 +348,8 @@ def run(cfg: SFTConfig) -> int:
         dist.barrier(ctx)
         return 0
     finally:
+        if wandb is not None:
+            wandb.finish()
         dist.shutdown(ctx)
 
 

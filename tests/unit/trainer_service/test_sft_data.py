@@ -128,3 +128,22 @@ def test_exactly_one_data_source_is_required():
 
     with pytest.raises(ConfigError, match="exactly one of data.path, data.fake, data.env"):
         load_config(SFTConfig, ["--data.fake", "--data.env", "reverse_text"])
+
+
+def test_wandb_enabled_logs_the_sft_steps(tiny_model, tmp_path, monkeypatch):
+    """`gyre sft --wandb.enabled` (listed by its --help, inherited by `[sft]` of a `gyre rl` file) logged nothing."""
+    pytest.importorskip("wandb", reason="the wandb extra is part of the dev install")
+    import wandb
+    from gyre_trainer import sft
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # a real wandb run, nothing leaves the machine
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = ["--model.name", str(tiny_model), "--output-dir", str(tmp_path), "--device", "cpu", "--data.fake",
+            "--data.num-examples", "40", "--data.seq-len", "64", "--data.batch-size", "2", "--max-steps", "2",
+            "--wandb.enabled", "true", "--run-id", "sft-wb"]  # fmt: skip
+    assert sft.run(load_config(SFTConfig, args)) == 0
+    wandb.teardown()  # flushes the offline run file, as the process exiting does
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    data = next(run_dir.glob("run-*.wandb")).read_bytes()
+    for key in (b"sft/loss", b"sft/step", b"sft/lr", b"sft/grad_norm"):
+        assert key in data, key
