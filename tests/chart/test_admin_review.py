@@ -306,7 +306,6 @@ def test_any_redis_password_reaches_redis_and_every_service(tmp_path, monkeypatc
     import time
 
     from chart_testlib import container_env, pod_name, secret_files
-    from gyre.config.inference import InferenceConfig
     from gyre.config.loader import load_config
     from gyre.config.orchestrator import OrchestratorConfig
     from gyre.config.trainer import TrainerConfig
@@ -336,7 +335,7 @@ def test_any_redis_password_reaches_redis_and_every_service(tmp_path, monkeypatc
     env["PATH"] = f"{os.path.dirname(server)}:/usr/bin:/bin"
     proc = subprocess.Popen(["sh", "-c", script], env=env, cwd=tmp_path)
     try:
-        configs = {"inference": InferenceConfig, "orchestrator": OrchestratorConfig, "trainer": TrainerConfig}
+        configs = {"orchestrator": OrchestratorConfig, "trainer": TrainerConfig}  # inference uses no Redis
         for comp, config_cls in configs.items():
             container = pods[comp]["spec"]["containers"][0]
             assert {local(p) for p in secret_files(pods[comp]["spec"], container, docs, secrets)} >= {

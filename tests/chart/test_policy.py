@@ -226,7 +226,7 @@ def test_network_policies_admit_exactly_the_designed_flows():
         ("trainer", "orchestrator", "grpc"),
         # trainer <-> trainer on every port: rendezvous and collectives pick ports at run time
         ("trainer", "trainer", "grpc"), ("trainer", "trainer", "metrics"), ("trainer", "trainer", "rdzv"),
-        ("inference", "redis", "redis"), ("orchestrator", "redis", "redis"), ("trainer", "redis", "redis"),
+        ("orchestrator", "redis", "redis"), ("trainer", "redis", "redis"),  # never inference: it uses no Redis
     }  # fmt: skip
     sources = ("inference", "orchestrator", "trainer", "test")
     ports = {"inference": ("http", "control"), "orchestrator": ("grpc", "metrics"),
@@ -348,8 +348,12 @@ def test_addresses_in_commands_reach_the_right_ports(scenario):
         assert host.startswith("exp-gyre-trainer-0.exp-gyre-trainer-headless.")
         assert named(docs, "Service", "exp-gyre-trainer-headless")["spec"]["publishNotReadyAddresses"] is True
 
-    # everyone -> Redis; the helm test pod -> the OpenAI Service
-    for comp in GYRE_COMPONENTS:
+    # orchestrator and trainer -> Redis; inference, which serves without Redis, gets no way to it (the pod
+    # answering API callers never holds the password of the streams the trainer learns from)
+    inference = pods["inference"]["spec"]["containers"][0]
+    assert not [k for k in container_env(inference, docs, pod_name(docs, "inference"), USER_SECRETS) if "REDIS" in k]
+    assert not [p for p in secret_files(pods["inference"]["spec"], inference, docs, USER_SECRETS) if "redis" in p]
+    for comp in ("orchestrator", "trainer"):
         container = pods[comp]["spec"]["containers"][0]
         env = container_env(container, docs, pod_name(docs, comp), USER_SECRETS)
         files = secret_files(pods[comp]["spec"], container, docs, USER_SECRETS)
@@ -483,7 +487,10 @@ def test_service_configs_accept_the_rendered_commands_and_environment(scenario, 
         assert cfg.output_dir == Path(SCENARIOS[scenario].get("persistence", {}).get("mountPath", "/data"))
         assert cfg.run_id == (SCENARIOS[scenario].get("experiment", {}).get("run_id") or "exp")
         redis_password = "external-redis-pw" if scenario == "external-redis" else secrets["redis-password"]
-        assert cfg.redis.password.get_secret_value() == redis_password
+        if comp == "inference":
+            assert cfg.redis.password is None  # serving uses no Redis: no password reaches it
+        else:
+            assert cfg.redis.password.get_secret_value() == redis_password
         if comp == "inference":
             assert cfg.auth.api_key.get_secret_value() == secrets["api-key"]
             assert cfg.auth.control_token.get_secret_value() == secrets["control-token"]
