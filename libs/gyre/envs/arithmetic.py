@@ -6,7 +6,8 @@
 
 Difficulty: `max_value` (operand size), `num_steps` (operations chained in one story), `operations` (any of
 "+-*/"; division always comes out even). Intermediate results stay non-negative, so every story makes sense.
-The grader accepts a plain number, a sentence ending in the number, or `\\boxed{7}`.
+The grader accepts a plain number, a sentence ending in the number, or `\\boxed{7}`; an expression (`3 + 4`) is
+no answer.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ ITEMS = ("apples", "pears", "books", "coins", "shells", "cards", "pens", "eggs",
 
 def correct_answer(completion: Messages, answer: str, parser: Parser) -> float:
     """1.0 when the reply's final number equals the reference (math-verify), else 0.0."""
-    return float(math_equal(parser.parse_answer(completion), answer))
+    return float(math_equal(parser.parse_answer(completion), answer, numeric=True))
 
 
 class ArithmeticEnv(SingleTurnEnv):

@@ -6,9 +6,9 @@
     tool:      10063
     assistant: 10063
 
-Reward: 1.0 for a correct final answer (math-verify on the last assistant message, tool-call blocks removed)
-plus `tool_weight` (default 0.2) when at least one well-formed calculator call ran successfully. The tool is
-`gyre.envs.safe_math.evaluate`: an `ast` whitelist, never `eval`.
+Reward: 1.0 for a correct final number (math-verify on the last assistant message, tool-call blocks removed; the
+expression itself is no answer) plus `tool_weight` (default 0.2) when at least one well-formed calculator call ran
+successfully. The tool is `gyre.envs.safe_math.evaluate`: an `ast` whitelist, never `eval`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def calculator(expression: str) -> str:
 
 def correct_answer(completion: Messages, answer: str, parser: Parser) -> float:
     """1.0 when the final reply's number equals the reference, else 0.0."""
-    return float(math_equal(parser.parse_answer(completion), answer))
+    return float(math_equal(parser.parse_answer(completion), answer, numeric=True))
 
 
 def used_calculator(state: dict[str, Any]) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 # Longer predictions are cut before grading: the model's budget is ~128 tokens, and it bounds the work
 # (LCS is quadratic, sympy parsing can be slow) no matter what text arrives.
 MAX_GRADED_CHARS = 2000
+# An operation between two operands in an extracted answer (math-verify folds some, e.g. 60 \div 5, into a number).
+_OPERATION = re.compile(r"[\d)}]\s*(?:[-+*/^×÷:]|\\times|\\div|\\cdot)\s*[\d({\\]")
 
 
 def lcs_length(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -34,15 +37,17 @@ def lcs_ratio(prediction: Sequence[Any], reference: Sequence[Any]) -> float:
     return 1.0 if total == 0 else 2.0 * lcs_length(prediction, reference) / total
 
 
-def math_equal(prediction: str | None, reference: str) -> bool:
+def math_equal(prediction: str | None, reference: str, *, numeric: bool = False) -> bool:
     """True iff math-verify finds the prediction's final answer equal to the reference.
 
     Accepts plain numbers ("7", "7.0", "-3"), sentences ("The answer is 7."), delimited LaTeX (`$\\frac{1}{2}$`),
     `\\boxed{7}`, and a reply that is a bare LaTeX expression (`\\sqrt{2}`); with several numbers the last one
     counts. The reference is an answer, not a sentence: it is read as if boxed (verifiers' math rubric does the
     same), because math-verify finds no LaTeX outside delimiters and reads a bare `2\\sqrt{2}` as 2, `\\sqrt{2}`
-    as nothing. math-verify bounds its work with SIGALRM, which only the main thread may use, so off the main
-    thread it runs without that timeout (the input is already length-capped).
+    as nothing. With `numeric`, the reply's final answer must be a number: math-verify evaluates an expression such
+    as `347 * 29`, so a reply echoing the question's expression would otherwise score as its value. math-verify
+    bounds its work with SIGALRM, which only the main thread may use, so off the main thread it runs without that
+    timeout (the input is already length-capped).
     """
     if not prediction:
         return False
@@ -55,4 +60,8 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     predicted = parse(tail, parsing_timeout=timeout)
     if not predicted and "\\" in tail:  # a bare LaTeX reply ("\\sqrt{2}"): math-verify needs delimiters
         predicted = parse(f"\\boxed{{{tail}}}", parsing_timeout=timeout)
+    if numeric and not (
+        predicted and getattr(predicted[0], "is_Number", False) and not _OPERATION.search(str(predicted[-1]))
+    ):
+        return False
     return bool(gold and predicted and verify(gold, predicted, timeout_seconds=timeout))

@@ -85,6 +85,9 @@ def test_reverse_text_takes_the_sparse_reward_by_name():
         ("12 apples? no, 13", False),
         ("twelve", False),
         ("", False),
+        ("5 + 7", False),  # an expression is not the answer: math-verify would evaluate it to 12
+        ("$60 \\div 5$", False),
+        ("5 + 7 = 12", True),
     ],
 )
 def test_arithmetic_reward(reply, ok):
@@ -150,6 +153,9 @@ async def test_calculator_rubric_rewards_answer_and_tool_use():
         (said("0"), used, 0.2),
         (said(task.answer), failed, 1.0),
         (said("0"), {}, 0.0),
+        # echoing the question's expression is no answer (math-verify evaluates it: it scored 1.0 without the tool)
+        (said(task.info["expression"]), {}, 0.0),
+        (said(task.info["expression"].replace("*", "\\times")), {}, 0.0),
     ]
     for completion, state, reward in cases:
         score = await env.score(task, fake_rollout(task, completion, state))
