@@ -69,3 +69,7 @@ def test_a_multi_node_trainer_job_changes_identity_with_its_runs():
 
     assert job([{"name": "alpha"}]) != job([{"name": "alpha"}, {"name": "beta"}])
     assert job([{"name": "alpha"}]) == job([{"name": "alpha"}])
+    # a run's orchestrator-only keys are no part of the trainer job: a new seed restarts that orchestrator alone
+    assert job([{"name": "alpha", "orchestrator": {"seed": 1}}]) == job(
+        [{"name": "alpha", "orchestrator": {"seed": 2}}]
+    )

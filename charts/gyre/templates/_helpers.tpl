@@ -685,14 +685,14 @@ learning rate) leaves these pods running. Call with (dict "root" $ "service" "tr
 
 {{/*
 The trainer job's identity: 8 hex of the sha256 of everything that shapes it (what the trainer reads
-from the experiment file, the trainer values, the runs it trains). It ends the torchrun rendezvous id, so
+from the experiment file, the trainer values, its `--runs`). It ends the torchrun rendezvous id, so
 pods of two configurations can never rendezvous into one job. `trainer.pdb` is left out: the budget is no
 part of the pod, and toggling it for a drain (docs/kubernetes.md, "Draining a trainer node") must not
 replace a running trainer.
 */}}
 {{- define "gyre.trainerJobHash" -}}
 {{- $trainer := include "gyre.experimentChecksum" (dict "root" . "service" "trainer") -}}
-{{- printf "%s\n%s\n%s" $trainer (toJson (omit .Values.trainer "pdb")) (toJson .Values.runs) | sha256sum | trunc 8 -}}
+{{- printf "%s\n%s\n%s" $trainer (toJson (omit .Values.trainer "pdb")) (include "gyre.trainerRuns" .) | sha256sum | trunc 8 -}}
 {{- end -}}
 
 {{/* Multi-run (`runs`): the trainer's `runs` list as JSON (each run's folder, orchestrator and own keys). */}}
