@@ -5,7 +5,9 @@ For each of the first `num_examples` eval tasks, `k` rollouts are sampled and sc
 - `avg@k stderr` = standard error of that mean with tasks as the unit (sample std of the per-task means over
   sqrt(num_examples)), so two evals on the same split compare with their noise in view;
 - `pass@k` = fraction of tasks with at least one sample whose reward is >= `pass_threshold`
-  (with exactly k samples per task this is the unbiased pass@k estimator's n = k case).
+  (with exactly k samples per task this is the unbiased pass@k estimator's n = k case);
+- `rewards_mean` = each reward function's mean over all samples, unweighted (a weight-0 judge, a monitor, shows
+  here and nowhere else in the eval).
 
 During training `TrainingEval` runs it in the background every `eval.interval` weights versions (and at
 start); `gyre eval` runs it once against whatever the replicas serve and appends the result to
@@ -23,7 +25,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from gyre.envs import Environment, SamplingParams
 from gyre.envs.types import ModelClient
@@ -42,6 +44,7 @@ class EvalResult:
     max_version: int
     seconds: float
     avg_at_k_stderr: float = 0.0
+    rewards_mean: dict[str, float] = field(default_factory=dict)
 
     def record(self, step: int) -> dict:
         """The `eval.jsonl` line (docs/architecture.md, "Event logs") plus version/timing extras."""
@@ -71,10 +74,11 @@ async def evaluate(
         # numbers: the difference between two versions is less noisy than either score)
         rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
         score = await env.score(tasks[i], rollout)
-        return score.reward, rollout.policy_version_min, rollout.policy_version_max
+        return score.reward, rollout.policy_version_min, rollout.policy_version_max, score.per_function
 
     results = await asyncio.gather(*(one(i, j) for i in range(count) for j in range(k)))
-    rewards = [r for r, _, _ in results]
+    rewards = [r for r, _, _, _ in results]
+    names = sorted({name for *_, per_function in results for name in per_function})
     per_task = [rewards[i * k : (i + 1) * k] for i in range(count)]
     task_means = [sum(group) / k for group in per_task]
     return EvalResult(
@@ -83,10 +87,11 @@ async def evaluate(
         pass_at_k=sum(any(r >= pass_threshold for r in group) for group in per_task) / count,
         k=k,
         num_examples=count,
-        min_version=min(v for _, v, _ in results),
-        max_version=max(v for _, _, v in results),
+        min_version=min(v for _, v, _, _ in results),
+        max_version=max(v for _, _, v, _ in results),
         seconds=time.monotonic() - start,
         avg_at_k_stderr=statistics.stdev(task_means) / math.sqrt(count) if count > 1 else 0.0,
+        rewards_mean={n: statistics.fmean(per.get(n, 0.0) for *_, per in results) for n in names},
     )
 
 

@@ -50,3 +50,25 @@ def test_stderr_is_over_task_means(tmp_path):
 def test_stderr_is_zero_for_one_task(tmp_path):
     result = run_eval(tmp_path, {"ab": ["AB", "no"]}, num_examples=1, k=2)
     assert result.avg_at_k == 0.5 and result.avg_at_k_stderr == 0.0
+
+
+def test_each_reward_function_is_reported_weight_zero_monitors_included(tmp_path):
+    # docs/environments.md: a weight-0 judge is "logged (rewards, dumps, events, eval)"; the eval reported only the
+    # weighted reward, so a monitor's grade was nowhere in eval.jsonl.
+    replies = {"ab": ["AB", "no"], "cd": ["no"]}
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": p, "answer": p.upper(), "split": "eval"} for p in replies] + [{"prompt": "zz", "answer": "ZZ"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = load_environment("dataset", path=str(path), reward="exact")
+
+    def monitor(completion) -> float:
+        return 0.5 if completion[-1]["content"] == "no" else 1.0
+
+    env.rubric.add(monitor, weight=0.0)
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    result = asyncio.run(
+        evaluate(env, TableClient(replies), env_name="dataset", num_examples=2, k=2, sampling=sampling)
+    )
+    assert result.avg_at_k == 0.25  # the monitor is not rewarded
+    assert result.rewards_mean == {"exact_match": 0.25, "monitor": 0.625}
+    assert result.record(step=3)["rewards_mean"] == {"exact_match": 0.25, "monitor": 0.625}
