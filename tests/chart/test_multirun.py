@@ -14,7 +14,7 @@ from gyre.config.trainer import RunConfig
 RUNS = [
     {"name": "alpha", "maxSteps": 40},
     {"name": "beta", "trainer": {"optim": {"lr": 2e-3}, "lora": {"rank": 32, "alpha": 64}},
-     "orchestrator": {"seed": 3, "env": {"name": "reverse_text"}, "inference": {"retries": 5}}},
+     "orchestrator": {"seed": 20251126, "env": {"name": "reverse_text"}, "inference": {"retries": 5}}},
 ]  # fmt: skip
 VALUES = {"experiment": {"trainer": {"lora": {"rank": 8, "alpha": 16}}}, "runs": RUNS}
 
@@ -39,7 +39,8 @@ def test_each_run_gets_its_orchestrator_adapter_and_model_name(tmp_path):
     for run, cfg in orchestrators.items():
         assert (cfg.run_id, cfg.inference.model) == (run, run)
         assert str(cfg.output_dir).endswith(f"/runs/{run}")
-    assert orchestrators["alpha"].max_steps == 40 and orchestrators["beta"].seed == 3
+    # a date-like seed: Helm reads numbers as floats, which printed as "2.0251126e+07", no integer setting's value
+    assert orchestrators["alpha"].max_steps == 40 and orchestrators["beta"].seed == 20251126
     assert orchestrators["beta"].inference.retries == 5  # a run's own [inference] keys keep the run's model
 
     trainer = service_config(docs, tmp_path, "trainer", f"{base}-trainer")

@@ -563,6 +563,17 @@ valid TOML. Maps become inline tables, lists arrays.
 {{- end -}}
 {{- end -}}
 
+{{/*
+The value of one `--key value` option the chart passes from values (a run's orchestrator keys, a server's
+args): a string as it is, anything else as JSON, which the services' option parser reads (tables, lists,
+null) or their config models coerce. Helm reads every number as a float, and `toString` prints a large one
+with an exponent (a seed 123456789 as "1.23456789e+08", which no integer setting accepts); JSON prints
+integral numbers as integers.
+*/}}
+{{- define "gyre.cliValue" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ toJson . }}{{ end -}}
+{{- end -}}
+
 {{- define "gyre.tomlKey" -}}
 {{- if regexMatch "^[A-Za-z0-9_-]+$" . -}}{{ . }}{{- else -}}{{ toJson . }}{{- end -}}
 {{- end -}}
