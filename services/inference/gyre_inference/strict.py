@@ -1,7 +1,8 @@
 """`StrictModel`, the base of every request model of the HTTP API (protocol.py, chat_messages.py, responses.py,
 tokens_in.py, classify.py).
 
-Strict means: unknown fields are errors, and values are never coerced across JSON types
+Strict means: unknown fields are errors, numbers are finite (NaN and Infinity, which Python clients send for
+float("nan"), are refused as such), and values are never coerced across JSON types
 (`"logprobs": 0` is not a bool, `"n": "2"` is not an int, `"temperature": 1` is a fine float).
 Every validation failure becomes a 400 with OpenAI's error JSON naming the field (see errors.py).
 """
@@ -17,7 +18,7 @@ class StrictModel(BaseModel):
     """Unknown fields are errors, types are never coerced. Fields listed in `NULL_IS_DEFAULT` (those OpenAI's
     reference marks nullable whose null means "the default") may be sent as null."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # NaN is no temperature
     NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")

@@ -123,6 +123,19 @@ def test_invalid_fields_are_400_naming_the_field(http, model_id, route, body, pa
         assert error["param"] == param, error
 
 
+@pytest.mark.parametrize(
+    ("field", "literal"),
+    [("temperature", "NaN"), ("top_p", "NaN"), ("temperature", "-Infinity"), ("logit_bias", '{"5": NaN}')],
+)
+def test_nan_and_infinity_are_refused_as_not_finite(http, model_id, field, literal):
+    """Python's json (and clients built on it) writes float("nan") as NaN: the 400 said "temperature: Input
+    should be less than or equal to 2", which a user reading 0.7 in their config cannot make sense of."""
+    body = json.dumps({"model": model_id, **CHAT})[:-1] + f', "{field}": {literal}}}'
+    response = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    error = assert_error(response, 400)
+    assert error["param"].startswith(field) and "finite number" in error["message"], error
+
+
 def test_cross_field_rules(http, model_id):
     for body in (
         {"top_logprobs": 2},
