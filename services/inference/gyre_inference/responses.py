@@ -332,14 +332,22 @@ class ResponseShaper:
         return chat["content"] if chat else []
 
     def calls(self) -> list[dict]:
-        return [{"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"],
-                 "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                 "status": "completed"} for call in self.choice.tool_calls]  # fmt: skip
+        calls = [{"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"],
+                  "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                  "status": "completed"} for call in self.choice.tool_calls]  # fmt: skip
+        if calls:
+            calls[-1]["status"] = self.status()  # the last item is the one max_output_tokens cut
+        return calls
 
     def body(self, _job=None) -> dict:
         choice = self.choice
-        output = [self.message(choice.text, "completed")] if choice.text or not choice.tool_calls else []
+        output = [self.message(choice.text, self._message_status())] if choice.text or not choice.tool_calls else []
         return self.response(self.status(), output + self.calls())
+
+    def _message_status(self) -> str:
+        """The message item's final status: "incomplete" when it is the item max_output_tokens cut (OpenAI's
+        item status; it said "completed" inside an incomplete response)."""
+        return "completed" if self.choice.tool_calls else self.status()
 
     # ---- streaming ------------------------------------------------------------------------------
     def event(self, kind: str, **fields) -> str:
@@ -377,7 +385,7 @@ class ResponseShaper:
                                      item=self.message("", "in_progress"))  # fmt: skip
                     yield self.event("response.content_part.added", **message,
                                      part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
-                done = self.message(choice.text, "completed")
+                done = self.message(choice.text, self._message_status())
                 logprobs = done["content"][0].get("logprobs", [])
                 yield self.event("response.output_text.done", **message, text=choice.text, logprobs=logprobs)
                 yield self.event("response.content_part.done", **message, part=done["content"][0])

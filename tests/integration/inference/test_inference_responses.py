@@ -43,6 +43,7 @@ def test_text_response_is_the_chat_completion_of_the_same_request(client, model_
     assert response.status == ("incomplete" if finished == "length" else "completed")
     if response.status == "incomplete":
         assert response.incomplete_details.reason == "max_output_tokens"
+    assert item.status == response.status  # the item max_output_tokens cut says so too (it said "completed")
     usage = response.usage
     assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
@@ -69,6 +70,20 @@ def test_streamed_events_follow_openais_order_and_add_up(client, model_id):
         assert final.incomplete_details.reason == "max_output_tokens" and final.usage.output_tokens == 10
     else:
         assert final.status == "completed" and 1 <= final.usage.output_tokens < 10
+    assert events[-2].item.status == final.output[0].status == final.status
+
+
+def test_an_answer_cut_by_max_output_tokens_is_an_incomplete_item(client, model_id):
+    for stream in (False, True):
+        request = {"model": model_id, "input": "Tell me a story.", "max_output_tokens": 3, "temperature": 0.0}
+        if stream:
+            events = list(client.responses.create(**request, stream=True))
+            response, done = events[-1].response, events[-2]
+            assert done.type == "response.output_item.done" and done.item.status == "incomplete"
+        else:
+            response = client.responses.create(**request)
+        assert response.status == "incomplete" and response.usage.output_tokens == 3
+        assert [item.status for item in response.output] == ["incomplete"]
 
 
 def test_function_tools_give_function_call_items_streamed_or_not_and_round_trip(client, model_id):
