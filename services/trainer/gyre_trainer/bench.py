@@ -9,7 +9,8 @@ On fake packed batches of variable-length samples (packed first-fit-decreasing i
 - RL:    `train_step` (log-probs at a temperature, entropy, objective, global normalisation,
          metrics, clipping, AdamW, schedule) on the same rows as a `TrainBatch`;
 and prints tokens/s of both, their ratio (target >= 0.9), the packing efficiency (real tokens ÷
-rows·seq_len, target >= 0.95) and MFU against `perf.peak_flops` (a measured matmul peak on CPU).
+rows·seq_len, target >= 0.95) and MFU against `perf.peak_flops` (a GPU's datasheet peak; on a CPU a
+nominal peak per thread).
 On CUDA it also measures, in the same run and on the same weights:
 - ceiling: forward + cross-entropy + backward + AdamW on UNPACKED causal rows of `seq_len` tokens
   with `sdpa` (flash kernel, no mask) — what the model reaches without packing; RL ÷ ceiling is the
