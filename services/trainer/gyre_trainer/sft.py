@@ -172,10 +172,11 @@ def assistant_mask(conversation: Conversation, tokenizer, end_ids: Collection[in
     rendering growing prefixes of the conversation, as verl's multi-turn SFT does.
 
     Assistant message `i` starts where `messages[:i]` rendered with the generation prompt ends (what the
-    model is given at inference) and runs up to and including its first end-of-turn token (`end_ids`, what
-    inference stops at); text the template puts after that token (ChatML's newline) is not generated, so not
-    learned. Without an end-of-turn token the turn ends where `messages[:i+1]` rendered alone ends (a
-    template whose later rendering of a turn differs, as Qwen3's thinking blocks, only needs the start).
+    model is given at inference; message 0: `_first_turn_prefix`) and runs up to and including its first
+    end-of-turn token (`end_ids`, what inference stops at); text the template puts after that token (ChatML's
+    newline) is not generated, so not learned. Without an end-of-turn token the turn ends where
+    `messages[:i+1]` rendered alone ends (a template whose later rendering of a turn differs, as Qwen3's
+    thinking blocks, only needs the start).
     Character offsets map this onto the tokens of the whole rendering, so the ids are exactly those of
     `apply_chat_template` (a token that spans the prompt's last characters and the reply's first is learned).
     A template that renders the earlier turns differently once more follow cannot be
@@ -193,7 +194,7 @@ def assistant_mask(conversation: Conversation, tokenizer, end_ids: Collection[in
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        prefix = render(messages[:i], True) if i else ""
+        prefix = render(messages[:i], True) if i else _first_turn_prefix(render(messages[:1], False), render)
         if not text.startswith(prefix):
             raise SFTDataError(
                 f"the chat template renders the turns before message {i} differently once more turns follow, so "
@@ -207,6 +208,25 @@ def assistant_mask(conversation: Conversation, tokenizer, end_ids: Collection[in
                 if ids[t] in end_ids:
                     break
     return ids, mask
+
+
+def _first_turn_prefix(turn: str, render) -> str:
+    """What precedes a conversation's opening assistant message in `turn` (that message rendered alone): the
+    template's preamble (a default system prompt: SmolLM2, Qwen2.5, Llama 3.1) and its generation prompt.
+
+    transformers renders no empty conversation, so the generation prompt is taken from a one-message probe:
+    what `add_generation_prompt` adds to it. (An empty prefix made such a chat learn the default system
+    prompt up to its end-of-turn token, and not the assistant's own reply.)"""
+    probe = [{"role": "user", "content": "?"}]
+    plain, prompted = render(probe, False), render(probe, True)
+    header = prompted[len(plain) :] if prompted.startswith(plain) else ""
+    start = turn.find(header) if header else -1
+    if start < 0:
+        raise SFTDataError(
+            "the chat template's generation prompt is not where the opening assistant message (message 0) starts, "
+            "so its tokens cannot be found; mark them with {% generation %} ... {% endgeneration %}"
+        )
+    return turn[: start + len(header)]
 
 
 def pack(samples: Iterable[tuple[list[int], list[bool]]], seq_len: int) -> tuple[list[PackedRow], int, int]:

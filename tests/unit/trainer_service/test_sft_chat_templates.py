@@ -131,3 +131,27 @@ def test_a_turn_without_an_end_of_turn_token_is_learned_to_its_end(family_tokeni
         "{% if add_generation_prompt %}[assistant] {% endif %}"  # fmt: skip
     ids, mask = tokenize(Conversation(copy.deepcopy(CHAT)), tokenizer, {0})
     assert [tokenizer.decode(r) for r in learned_runs(ids, mask, tokenizer)] == [" Hello there!\n", " Bye.\n"]
+
+
+OPENER = {"smollm2": "<|im_end|>", "qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "llama3.1": "<|eot_id|>"}
+
+
+@pytest.mark.parametrize("family", sorted(OPENER))
+def test_a_chat_that_opens_with_the_assistant_learns_that_reply_not_the_default_system_prompt(family_tokenizer, family):
+    """An opening assistant message had an empty prefix: SmolLM2, Qwen2.5 and Llama 3.1, which inject a default
+    system prompt, taught that prompt (through its end-of-turn token) and not the assistant's greeting."""
+    tokenizer = family_tokenizer(family)
+    messages = [{"role": "assistant", "content": "How can I help?"}, *copy.deepcopy(CHAT[1:3])]
+    end_ids = set(tokenizer.convert_tokens_to_ids(FAMILIES[family][2]))
+    ids, mask = tokenize(Conversation(messages), tokenizer, end_ids)
+    last = EXPECTED[family, "chat"][1].replace("Bye.", "Hello there!")  # Qwen3's thinking block: after the last user
+    assert [tokenizer.decode(run) for run in learned_runs(ids, mask, tokenizer)] == [f"How can I help?{OPENER[family]}",
+                                                                                       last]  # fmt: skip
+
+
+def test_an_opening_assistant_turn_the_generation_prompt_cannot_locate_is_refused(family_tokenizer):
+    tokenizer = family_tokenizer("smollm2")
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}" \
+        "{% if add_generation_prompt %}>>> {% endif %}"  # fmt: skip
+    with pytest.raises(SFTDataError, match="message 0"):
+        tokenize(Conversation([{"role": "assistant", "content": "Hi"}, *copy.deepcopy(CHAT[1:3])]), tokenizer, {0})
