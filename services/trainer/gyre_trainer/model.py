@@ -177,7 +177,8 @@ def _check_head_output_is_the_logits(model, device: torch.device) -> None:
     Falcon-H1 and HyperCLOVA X scale too, under names of their own) must keep the plain head: taken over, their
     log-probs were those of unscaled logits (0.2-0.4 nats off on tiny random models; mismatch_kl said so, the
     loss did not). A no-grad forward of two tokens whose head returns a marker tensor finds out, whatever the
-    attribute is called: the model's logits must be that very tensor. Every rank runs it at its first call.
+    attribute is called: the model's logits must be that very tensor. Every rank runs it at its first call,
+    leaving the RNG as it was.
     """
     if getattr(model, _LOGITS_CHANGED, None) is not None:
         return
@@ -194,8 +195,10 @@ def _check_head_output_is_the_logits(model, device: torch.device) -> None:
     ids = torch.zeros((1, 2), dtype=torch.long, device=device)
     kwargs = varlen_kwargs([torch.tensor([2])], device) if uses_varlen(model) else {}
     head.forward = forward
+    # fork_rng: the probe's dropout (LoRA's, in training mode) must not move the RNG the steps draw from, or a
+    # resumed run (which probes at its first step) and `gyre replay` would draw other masks than the original
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             logits = model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False,
                            **kwargs).logits  # fmt: skip
     finally:

@@ -278,3 +278,23 @@ def test_rows_of_a_micro_batch_stay_apart_on_gpu(tmp_path_factory, samples, impl
         lp, _ = packed_logprobs(model, ids, positions, [p[2] for p in packed])
         expected = torch.stack([torch.cat([alone(reference, s.cuda())[0] for s in row]) for row in rows])
     torch.testing.assert_close(lp.double(), expected, rtol=0, atol=0.05)
+
+
+def test_the_first_call_draws_the_same_dropout_masks_as_any_later_one(tiny_model, samples):
+    """The first call's logits check (a forward) must not use up random numbers: with LoRA dropout it did, so a
+    resumed run (checking at its first step) and `gyre replay` drew other dropout masks than the original run."""
+    from types import SimpleNamespace
+
+    from gyre_trainer.lora import apply_lora
+
+    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.5, target_modules=["q_proj", "v_proj"])
+    fresh, checked = (apply_lora(load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float64), lora)
+                      for _ in range(2))  # fmt: skip
+    checked.load_state_dict(fresh.state_dict())
+    packed_logprobs(checked, *packed_row(samples))  # its check is done
+    results = []
+    for model in (fresh, checked):
+        torch.manual_seed(7)
+        lp, _ = packed_logprobs(model, *packed_row(samples))
+        results.append((lp.detach(), torch.get_rng_state()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
