@@ -225,3 +225,23 @@ def test_a_server_url_with_a_key_of_ones_own_fails_naming_the_key(own):
     values = {**VALUES, "experiment": {**EXPERIMENT, "orchestrator": {**EXPERIMENT["orchestrator"], "judges": judges}}}
     with pytest.raises(helm_python.HelmError, match=rf"experiment\.orchestrator\.judges\.0\.{own}"):
         render(values)
+
+
+def test_a_runs_own_server_urls_are_resolved_like_the_experiments(tmp_path):
+    """`runs[i].orchestrator` takes the same keys as `[orchestrator]`: a run's own judge or teacher named
+    `server:<name>` reaches that server with the release's API key (before, the run's orchestrator got the
+    literal "server:judge" as its url, and a name no server has passed the install)."""
+    runs = [{"name": "alpha", "orchestrator": {"judges": [{"name": "judge", "url": "server:judge"}],
+                                               "teacher": {"url": "server:teacher"}}},
+            {"name": "beta"}]  # fmt: skip
+    values = {**VALUES, "experiment": {**EXPERIMENT, "trainer": {**EXPERIMENT["trainer"], "lora": {"rank": 8}}},
+              "runs": runs}  # fmt: skip
+    docs = manifests(render(values))
+    alpha = service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator-alpha")
+    assert [(j.url, j.api_key_file) for j in alpha.judges] == [(f"http://{fullname()}-server-judge:8000", API_KEY_FILE)]
+    assert (alpha.teacher.url, alpha.teacher.api_key_file) == (f"http://{fullname()}-server-teacher:8000", API_KEY_FILE)
+    beta = service_config(docs, tmp_path, "orchestrator", f"{fullname()}-orchestrator-beta")
+    assert beta.judges[0].url == f"http://{fullname()}-server-judge:8000"  # the experiment's own, resolved as before
+    bad = [{"name": "alpha", "orchestrator": {"judges": [{"name": "j", "url": "server:nobody"}]}}]
+    with pytest.raises(helm_python.HelmError, match=r'runs\[0\]\.orchestrator\.judges\.0\.url = "server:nobody"'):
+        render({**values, "runs": bad})

@@ -604,15 +604,35 @@ release's API key, which every server requires (its file in the orchestrator's `
 {{- if hasPrefix "server:" $url -}}
 {{- $name := trimPrefix "server:" $url -}}
 {{- if not (hasKey .servers $name) -}}
-{{- fail (printf "experiment.orchestrator.%s.url = %q: no entry of `servers` is named %q" .key $url $name) -}}
+{{- fail (printf "%s.url = %q: no entry of `servers` is named %q" .key $url $name) -}}
 {{- end -}}
 {{- range $own := list "api_key_env" "api_key_file" -}}
 {{- if hasKey $.entry $own -}}
-{{- fail (printf "experiment.orchestrator.%s.%s: a `server:` url takes the release's API key (the chart sets api_key_file); remove %s" $.key $own $own) -}}
+{{- fail (printf "%s.%s: a `server:` url takes the release's API key (the chart sets api_key_file); remove %s" $.key $own $own) -}}
 {{- end -}}
 {{- end -}}
 {{- $_ := set .entry "url" (get .servers $name) -}}
 {{- $_ := set .entry "api_key_file" (printf "%s/api-key" (include "gyre.secretsDir" .)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Resolve every `url = "server:<name>"` of one orchestrator table in place (its judges, reward models and
+teacher): the experiment's `[orchestrator]`, or a run's own keys (`runs[i].orchestrator`). Call with
+(dict "root" $ "orchestrator" $table "path" "experiment.orchestrator"); `path` names the keys in errors.
+*/}}
+{{- define "gyre.resolveServerUrls" -}}
+{{- $servers := dict -}}
+{{- range .root.Values.servers -}}
+{{- $_ := set $servers .name (printf "http://%s:%v" (include "gyre.componentName" (dict "root" $.root "component" (printf "server-%s" .name))) (.httpPort | default $.root.Values.inference.httpPort)) -}}
+{{- end -}}
+{{- range $key := list "judges" "reward_models" -}}
+{{- range $i, $entry := (get $.orchestrator $key | default list) -}}
+{{- include "gyre.serverUrl" (dict "entry" $entry "servers" $servers "key" (printf "%s.%s.%d" $.path $key $i)) -}}
+{{- end -}}
+{{- end -}}
+{{- with $.orchestrator.teacher -}}
+{{- include "gyre.serverUrl" (dict "entry" . "servers" $servers "key" (printf "%s.teacher" $.path)) -}}
 {{- end -}}
 {{- end -}}
 
@@ -630,19 +650,8 @@ The experiment as the services get it, as JSON: `experiment:` with the chart's d
 {{- fail "set experiment.model.name (a hub id or a path on the shared volume), or enable modelInit" -}}
 {{- end -}}
 {{- /* `url = "server:<name>"` of judges, reward models and the teacher: the Service of that `servers` entry */ -}}
-{{- $servers := dict -}}
-{{- range .Values.servers -}}
-{{- $_ := set $servers .name (printf "http://%s:%v" (include "gyre.componentName" (dict "root" $ "component" (printf "server-%s" .name))) (.httpPort | default $.Values.inference.httpPort)) -}}
-{{- end -}}
 {{- $orch := $exp.orchestrator | default dict -}}
-{{- range $key := list "judges" "reward_models" -}}
-{{- range $i, $entry := (get $orch $key | default list) -}}
-{{- include "gyre.serverUrl" (dict "entry" $entry "servers" $servers "key" (printf "%s.%d" $key $i)) -}}
-{{- end -}}
-{{- end -}}
-{{- with $orch.teacher -}}
-{{- include "gyre.serverUrl" (dict "entry" . "servers" $servers "key" "teacher") -}}
-{{- end -}}
+{{- include "gyre.resolveServerUrls" (dict "root" . "orchestrator" $orch "path" "experiment.orchestrator") -}}
 {{- if and (gt (float64 (((($exp.trainer | default dict).loss) | default dict).distill | default 0)) 0.0) (not $orch.teacher) -}}
 {{- fail "experiment.trainer.loss.distill > 0 needs experiment.orchestrator.teacher (e.g. url = \"server:teacher\" with a `servers` entry named teacher)" -}}
 {{- end -}}
