@@ -245,3 +245,17 @@ def test_a_runs_own_server_urls_are_resolved_like_the_experiments(tmp_path):
     bad = [{"name": "alpha", "orchestrator": {"judges": [{"name": "j", "url": "server:nobody"}]}}]
     with pytest.raises(helm_python.HelmError, match=r'runs\[0\]\.orchestrator\.judges\.0\.url = "server:nobody"'):
         render({**values, "runs": bad})
+
+
+def test_distillation_with_runs_takes_each_runs_own_teacher():
+    """loss.distill > 0 needs a teacher for every run: the experiment's, or each run's own (before, a multi-run
+    release whose runs each named their own teacher was refused, asking for experiment.orchestrator.teacher)."""
+    experiment = {**EXPERIMENT, "trainer": {**EXPERIMENT["trainer"], "lora": {"rank": 8}},
+                  "orchestrator": {k: v for k, v in EXPERIMENT["orchestrator"].items() if k != "teacher"}}  # fmt: skip
+    teacher = {"teacher": {"url": "server:teacher"}}
+    own = [{"name": "alpha", "orchestrator": teacher}, {"name": "beta", "orchestrator": teacher}]
+    docs = manifests(render({**VALUES, "experiment": experiment, "runs": own}))
+    assert {d["metadata"]["name"] for d in objects(docs, "Deployment")} >= {f"{fullname()}-orchestrator-beta"}
+    one_without = [own[0], {"name": "beta"}]
+    with pytest.raises(helm_python.HelmError, match="runs\\[\\].orchestrator.teacher for runs beta"):
+        render({**VALUES, "experiment": experiment, "runs": one_without})

@@ -653,7 +653,12 @@ The experiment as the services get it, as JSON: `experiment:` with the chart's d
 {{- $orch := $exp.orchestrator | default dict -}}
 {{- include "gyre.resolveServerUrls" (dict "root" . "orchestrator" $orch "path" "experiment.orchestrator") -}}
 {{- if and (gt (float64 (((($exp.trainer | default dict).loss) | default dict).distill | default 0)) 0.0) (not $orch.teacher) -}}
-{{- fail "experiment.trainer.loss.distill > 0 needs experiment.orchestrator.teacher (e.g. url = \"server:teacher\" with a `servers` entry named teacher)" -}}
+{{- /* every run needs a teacher: the experiment's, or (multi-run) each run's own */ -}}
+{{- $without := list -}}
+{{- range .Values.runs -}}{{- if not ((.orchestrator | default dict).teacher) -}}{{- $without = append $without .name -}}{{- end -}}{{- end -}}
+{{- if or (not .Values.runs) $without -}}
+{{- fail (printf "experiment.trainer.loss.distill > 0 needs experiment.orchestrator.teacher%s (e.g. url = \"server:teacher\" with a `servers` entry named teacher)" (ternary (printf ", or runs[].orchestrator.teacher for runs %s" (join ", " $without)) "" (not (empty $without)))) -}}
+{{- end -}}
 {{- end -}}
 {{- /* Requests in flight: enough to fill every replica's batch, as `gyre rl` derives it (the orchestrator's own
 default, 64, would leave a larger fleet's batches part-empty); with autoscaling, the largest fleet's, so the
