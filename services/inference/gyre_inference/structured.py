@@ -21,7 +21,7 @@ log-prob is `log_softmax(masked_logits / T)[token]`, renormalised over the token
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import threading
 from collections import OrderedDict
@@ -53,16 +53,28 @@ def check_schema(schema: dict, *, enforced: bool) -> None:
     """GuideError when `schema` is not a valid JSON schema. `enforced`: it will constrain generation, so
     keywords the grammar engine cannot enforce (`not`, `if`, `uniqueItems`, ...) are refused too; otherwise
     (a tool the model may or may not call) only what is invalid is."""
-    error = _schema_error(json.dumps(schema, sort_keys=True), enforced)
+    text = json.dumps(schema, sort_keys=True)
+    key = (hashlib.sha256(text.encode()).digest(), enforced)  # not the text: 256 schemas of 4 MiB would stay
+    with _SCHEMA_LOCK:
+        known = key in _SCHEMA_ERRORS
+        error = _SCHEMA_ERRORS.get(key)
+    if not known:
+        error = _schema_error(schema, enforced)
+        with _SCHEMA_LOCK:
+            _SCHEMA_ERRORS[key] = error
+            while len(_SCHEMA_ERRORS) > 256:  # the same tools come with every turn of a rollout
+                _SCHEMA_ERRORS.popitem(last=False)
     if error:
         raise GuideError(error)
 
 
-@functools.lru_cache(maxsize=256)  # the same tools come with every turn of a rollout
-def _schema_error(schema_json: str, enforced: bool) -> str | None:
+_SCHEMA_ERRORS: OrderedDict[tuple[bytes, bool], str | None] = OrderedDict()  # checked schemas (oldest first)
+_SCHEMA_LOCK = threading.Lock()
+
+
+def _schema_error(schema: dict, enforced: bool) -> str | None:
     import llguidance
 
-    schema = json.loads(schema_json)
     options = {**(schema.get("x-guidance") or {}), **({} if enforced else {"lenient": True})}
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": options})
