@@ -16,6 +16,7 @@ from gyre.envs.rubric import Rubric
 from gyre.envs.sequence import SequenceBuilder
 from gyre.envs.tools import Tool, ToolEnv
 from gyre.envs.types import (
+    ContextLengthExceeded,
     Message,
     Messages,
     ModelClient,
@@ -32,6 +33,7 @@ from gyre.envs.types import (
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
+    "ContextLengthExceeded",
     "Environment",
     "EnvironmentLoadError",
     "Message",

@@ -22,7 +22,18 @@ from typing import Any
 from gyre.envs.parsers import Parser
 from gyre.envs.rubric import Rubric
 from gyre.envs.sequence import SequenceBuilder
-from gyre.envs.types import Messages, ModelClient, Rollout, SamplingParams, Score, Split, StopReason, Task, Turn
+from gyre.envs.types import (
+    ContextLengthExceeded,
+    Messages,
+    ModelClient,
+    Rollout,
+    SamplingParams,
+    Score,
+    Split,
+    StopReason,
+    Task,
+    Turn,
+)
 
 # Attempts to draw a train task that is not in the eval split before giving up (task space too small).
 MAX_REDRAWS = 100
@@ -187,6 +198,9 @@ class Environment:
     async def rollout(self, client: ModelClient, task: Task, sampling: SamplingParams) -> Rollout:
         """Run one episode: model turn, environment reply, ... until done, `max_turns`, a length stop or drift.
 
+        A length stop is a turn cut at `max_tokens`, or a later turn that no longer fits the model's context
+        (`ContextLengthExceeded`: the environment's unanswered reply is left out).
+
         On drift (see `gyre.envs.sequence`) the conversation is cut back to the last turn in the training sequence,
         so the rubric scores exactly what the trainer sees.
 
@@ -202,7 +216,14 @@ class Environment:
         error: str | None = None
         stop: StopReason
         while True:
-            turn = await client.chat(prompt + completion, tools=self.tool_schemas, sampling=sampling)
+            try:
+                turn = await client.chat(prompt + completion, tools=self.tool_schemas, sampling=sampling)
+            except ContextLengthExceeded:
+                if not turns:
+                    raise  # the task's own prompt does not fit: nothing to train on
+                del completion[answered:]  # the environment's reply is never answered: leave it out
+                stop = "length"
+                break
             turns.append(turn)
             if not sequence.add(turn):
                 # Score what is trained: drop the environment messages the rejected turn answered.

@@ -172,6 +172,7 @@ class ModelClient(Protocol):
     `chat` runs one model turn on `messages` (with `tools` as OpenAI function schemas, or None) and returns the
     token-level record of it. It raises on transport failure after its own retries; environments do not catch
     that (a half-finished rollout is useless for training), so the caller decides whether to retry the rollout.
+    A conversation grown past the model's context raises `ContextLengthExceeded`, which ends the episode.
     Implementations must be safe to call concurrently.
     """
 
@@ -251,6 +252,12 @@ class Rollout:
     @property
     def num_completion_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+class ContextLengthExceeded(RuntimeError):
+    """`ModelClient.chat` raises it when the conversation no longer fits the model's context (the prompt plus
+    `max_tokens` is over the server's limit: vLLM's and Gyre's 400 `context_length_exceeded`). A rollout that has
+    taken turns already ends there as a length stop; on the first turn it goes through (the task cannot run)."""
 
 
 class ScoringError(RuntimeError):

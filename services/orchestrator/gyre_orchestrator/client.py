@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import openai
 from gyre.endpoint import describe
-from gyre.envs import Messages, SamplingParams, ToolCall, Turn
+from gyre.envs import ContextLengthExceeded, Messages, SamplingParams, ToolCall, Turn
 from gyre.envs.types import derive_seed
 
 from gyre_orchestrator.replicas import NoReplicaAvailable, Replica, ReplicaSet
@@ -51,8 +51,20 @@ class InferenceError(RuntimeError):
     """A request failed for good: the server rejected it (4xx), or every retry failed."""
 
 
+class ContextTooLong(InferenceError, ContextLengthExceeded):
+    """The server refused the conversation as longer than the model's context (400 context_length_exceeded)."""
+
+
 class BadResponse(InferenceError):
     """The server answered something that cannot be trained on (missing token ids, misaligned log-probs)."""
+
+
+def _context_overflow(error: openai.APIStatusError) -> bool:
+    """A 400 saying the prompt plus max_tokens is over the model's context (Gyre and OpenAI set the code; vLLM's
+    message names the maximum context length)."""
+    return error.status_code == 400 and (
+        getattr(error, "code", None) == "context_length_exceeded" or "maximum context length" in str(error)
+    )
 
 
 def parse_turn(body: dict[str, Any], fallback_version: int | None) -> Turn:
@@ -188,7 +200,8 @@ class InferenceClient:
                 self.replicas.mark_failed(replica, e)
                 continue
             except openai.APIStatusError as e:
-                raise InferenceError(f"{replica.url} rejected the request: {e.status_code} {describe(e)}") from e
+                error = ContextTooLong if _context_overflow(e) else InferenceError
+                raise error(f"{replica.url} rejected the request: {e.status_code} {describe(e)}") from e
             finally:
                 self.replicas.release(replica)
                 self.demand["inflight"] -= 1

@@ -145,3 +145,29 @@ async def test_orchestrator_pushes_multi_turn_batches(
             assert not mb.loss_mask[starts].any()
             assert (mb.inference_logprobs[~mb.loss_mask] == 0).all()
             assert (mb.inference_logprobs[mb.loss_mask] <= 0).all()
+
+
+async def test_a_turn_past_the_context_ends_the_episode(start_replica, chat_replica, chat_model):
+    """A later turn whose prompt + max_tokens no longer fits the model's context ends the episode as a length stop
+    (what verifiers calls prompt_too_long): the turns so far are trained and scored. The server's 400
+    context_length_exceeded used to fail the rollout, then every retry of it, then the run."""
+    sampling = SamplingParams(temperature=0, max_tokens=48)
+    ((whole, _),) = await rollouts("alphabet_sort", chat_replica, sampling)
+    assert whole.stop_reason == "done" and whole.num_turns == 2
+    limit = len(whole.turns[1].prompt_token_ids) + sampling.max_tokens - 1  # the first turn fits, the second not
+    env = load_environment("alphabet_sort", **ENVS["alphabet_sort"])
+    task = env.tasks("train", seed=0)[0]
+    replica = start_replica("--engine.max-model-len", str(limit), model=chat_model)
+    replicas = ReplicaSet([Endpoint(replica.url, replica.control)])
+    client = InferenceClient(replicas, timeout_s=60, retries=0)
+    try:
+        rollout = await env.rollout(client, task, sampling)
+    finally:
+        await close_replica_clients(list(replicas))
+        replica.stop()
+    assert rollout.error is None and rollout.stop_reason == "length" and rollout.truncated
+    assert rollout.num_turns == rollout.sequence_turns == 1
+    assert rollout.completion == whole.completion[:1]  # the unanswered "Add: ..." is left out
+    check_sequence(rollout)
+    score = await env.score(task, rollout)
+    assert score.reward == pytest.approx(0.5)  # round 1 right, round 2 never answered

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from envs_doubles import END_ID, Reply, ScriptedClient, encode, render
-from gyre.envs import MultiTurnEnv, SequenceBuilder, SingleTurnEnv, Task, Turn, load_environment
+from gyre.envs import ContextLengthExceeded, MultiTurnEnv, SequenceBuilder, SingleTurnEnv, Task, Turn, load_environment
 
 
 def check_alignment(rollout, client_turns: list[Turn]) -> None:
@@ -142,6 +142,36 @@ async def test_max_turns_stops_without_a_dangling_env_message(sampling):
     assert rollout.completion[-1] == {"role": "assistant", "content": "c"}
     assert [m["content"] for m in rollout.completion if m["role"] == "user"] == ["go on 1", "go on 2"]
     check_alignment(rollout, rollout.turns)
+
+
+class ContextOf:
+    """The scripted client under a context limit: a prompt longer than `limit` tokens raises like the server's 400."""
+
+    def __init__(self, client: ScriptedClient, limit: int) -> None:
+        self.client, self.limit = client, limit
+
+    async def chat(self, messages, *, tools=None, sampling):
+        if len(encode(render(messages, tools))) + sampling.max_tokens > self.limit:
+            raise ContextLengthExceeded("400 context_length_exceeded")
+        return await self.client.chat(messages, tools=tools, sampling=sampling)
+
+
+@pytest.mark.asyncio
+async def test_a_turn_past_the_context_ends_the_episode_as_a_length_stop(sampling):
+    env = Chatty(max_turns=4, num_eval=1)
+    task = env.tasks("eval")[0]
+    first = len(encode(render(task.prompt, None)))
+    client = ScriptedClient(["a", "b", "c", "d"])
+    # turns 1 and 2 fit; turn 3's prompt (after "go on 2") does not
+    limit = first + len(encode("a\x02\n<user>go on 1\n<assistant>b\x02\n<user>go on 2\n")) + sampling.max_tokens - 1
+    rollout = await env.rollout(ContextOf(client, limit), task, sampling)
+    assert rollout.stop_reason == "length" and rollout.truncated and rollout.error is None
+    assert rollout.num_turns == rollout.sequence_turns == 2
+    assert [m["content"] for m in rollout.completion] == ["a", "go on 1", "b"]  # "go on 2" is never answered
+    check_alignment(rollout, rollout.turns)
+    # the task's own prompt does not fit: nothing to train, the error goes to the caller
+    with pytest.raises(ContextLengthExceeded):
+        await env.rollout(ContextOf(ScriptedClient(["a"]), first), task, sampling)
 
 
 class Broken(MultiTurnEnv):
