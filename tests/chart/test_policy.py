@@ -121,7 +121,7 @@ def render_values_pools() -> dict:
 def test_component_placement_adds_to_its_pool():
     values = {"inference": {"nodeSelector": {"zone": "a"}, "tolerations": [{"key": "spot", "operator": "Exists"}]}}
     spec = pod_templates(manifests(render(values)))["inference"]["spec"]
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true", "zone": "a"}
+    assert spec["nodeSelector"] == {"zone": "a"}
     assert {"key": "spot", "operator": "Exists"} in spec["tolerations"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
 
@@ -562,3 +562,16 @@ def test_runs_and_servers_of_a_long_release_get_valid_names_the_services_reach(t
     assert host in services and host in deployments and "server" in host
     monitors = {m["metadata"]["name"] for m in objects(docs, "ServiceMonitor")}
     assert host in monitors
+
+
+def test_a_gpu_pool_written_for_a_cloud_selects_only_its_own_labels():
+    """docs/kubernetes.md's GKE pool: Helm merges values maps, so a label in the default `nodePools.gpu` stayed
+    beside the user's (`nvidia.com/gpu.present`, which only NVIDIA's GPU operator sets: every GPU pod stayed
+    Pending on stock GKE). The default pool has no labels; the GPU request is what places the pods."""
+    pools = {"gpu": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}}}
+    pods = pod_templates(manifests(render({"nodePools": pools})))
+    for comp in ("inference", "trainer"):
+        assert pods[comp]["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pods[comp]["spec"][
+            "tolerations"]  # fmt: skip
+        assert int(pods[comp]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) >= 1
