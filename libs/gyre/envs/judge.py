@@ -36,7 +36,6 @@ from gyre.envs.types import Messages, ScoringError
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 # what comes before a number that is the scale, not a score: the 10 of "8/10" or "8 out of 10"
 _SCALE_BEFORE = re.compile(r"(?:/|\bout\s+of)\s*$", re.IGNORECASE)
-_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
 
 
 def _text(content: Any) -> str:
@@ -59,6 +58,20 @@ def render(config: JudgeConfig, prompt: Messages, completion: Messages, answer: 
     return messages + [{"role": "user", "content": config.prompt.format(**fields)}]
 
 
+def _json_value(reply: str, key: str) -> Any:
+    """`key` of the last JSON object in the reply that has it (None if none does). Each `{` is tried as the start
+    of an object, so braces in the text around it (LaTeX's \\frac{1}{2}, a set {a, b}) do not hide it."""
+    decoder, value = json.JSONDecoder(), None
+    for start in (i for i, char in enumerate(reply) if char == "{"):
+        try:
+            obj, _ = decoder.raw_decode(reply, start)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and key in obj:
+            value = obj[key]
+    return value
+
+
 def parse_score(config: JudgeConfig, reply: str) -> float:
     """The reward a judge's reply gives; ValueError saying why when it holds none."""
     if config.score == "choice":
@@ -71,11 +84,7 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
             raise ValueError(f"none of {sorted(config.choices)} in the reply")
         return float(min(found)[1])
     if config.score == "json":
-        block = _JSON_OBJECT.search(reply)
-        try:
-            value = json.loads(block.group(0))[config.json_key] if block else None
-        except (ValueError, KeyError, TypeError):
-            value = None
+        value = _json_value(reply, config.json_key)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"no JSON object with a number under {config.json_key!r}")
     else:

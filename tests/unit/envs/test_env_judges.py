@@ -129,6 +129,10 @@ def rollout(text: str) -> Rollout:
         ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is Incorrect.", 0.0),
         ({"score": "json", "max_score": 5}, 'Reasoning... ```json\n{"score": 4, "why": "close"}\n```', 0.8),
         ({"score": "json", "json_key": "grade", "max_score": 1}, '{"grade": 0.25}', 0.25),
+        # braces in the text around the object (LaTeX, sets) hid it: the judge never scored, the run stopped
+        ({"score": "json"}, 'The reply \\frac{1}{2} equals the reference. {"score": 10}', 1.0),
+        ({"score": "json"}, 'Set {a, b} is close. Final: {"score": 8}', 0.8),
+        ({"score": "json"}, '{"score": 3} then a note {"why": "short"}', 0.3),
     ],
 )
 def test_scores_are_read_from_replies(settings, reply, score):
