@@ -296,3 +296,11 @@ def test_a_stream_too_short_for_the_async_window_is_refused_naming_the_key():
     assert "set it >= 65" in str(e.value)
     cfg = load_config(OrchestratorConfig, ["--max-async-level", "63", "--batch.stream-maxlen", "65"])
     assert cfg.batch.stream_maxlen == 65
+
+
+def test_greedy_training_samples_are_refused_before_anything_starts():
+    """orchestrator.sampling.temperature = 0 passed the config; a step of rollouts later every group had no
+    signal and the batch could not be built (the trainer scores at the batch's temperature, which must be > 0)."""
+    with pytest.raises(ConfigError, match=r"sampling.temperature.*must be > 0.*eval.temperature = 0"):
+        load_config(OrchestratorConfig, ["--sampling.temperature", "0"])
+    assert load_config(OrchestratorConfig, ["--eval.temperature", "0"]).eval.temperature == 0  # greedy evals stay

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gyre.config.endpoint import JudgeConfig, RewardModelConfig, TeacherConfig
 from gyre.config.loader import Section, secret_file
@@ -19,10 +19,22 @@ class EnvConfig(Section):
 
 
 class SamplingConfig(Section):
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of training rollouts (> 0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_tokens: int = Field(128, ge=1, description="Completion tokens per model turn.")
     seed: int | None = Field(None, description="Base seed for requests (None = random).")
+
+    @field_validator("temperature")
+    @classmethod
+    def _samples_from_a_distribution(cls, value: float) -> float:
+        # Caught here, not after a step of rollouts: batches carry the temperature the trainer scores at (> 0)
+        if value == 0:
+            raise ValueError(
+                "must be > 0: training samples need a distribution (greedy samples of a group are identical, so "
+                "every group has no signal, and the trainer's log-probs are taken at this temperature); for "
+                "greedy evals set orchestrator.eval.temperature = 0"
+            )
+        return value
 
 
 class InferenceClientConfig(Section):
