@@ -117,10 +117,15 @@ class JudgeConfig(EndpointConfig):
     def _known_fields(cls, value: str) -> str:
         import string
 
-        names = {name for _, name, _, _ in string.Formatter().parse(value) if name}
+        # a bare {} (name "") is a positional field: it passed here and failed every render, scoring 0
+        names = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
         unknown = names - {"question", "response", "answer", "conversation"}
         if unknown:
-            raise ValueError(f"unknown placeholders {sorted(unknown)}: use question, response, answer, conversation")
+            shown = ", ".join("{" + name + "}" for name in sorted(unknown))
+            raise ValueError(
+                f"unknown placeholders {shown}: use {{question}}, {{response}}, {{answer}}, {{conversation}}; write a "
+                'literal brace twice ({{ and }}), e.g. Reply with {{"score": 7}}'
+            )
         return value
 
     @model_validator(mode="after")

@@ -166,7 +166,10 @@ def test_the_prompt_is_rendered_from_the_task_and_the_rollout():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"prompt": "{question} {reply}"}, "unknown placeholders"),
+        ({"prompt": "{question} {reply}"}, "unknown placeholders {reply}"),
+        # a bare {} passed and then failed every render: the judge scored 0 on every rollout
+        ({"prompt": "{response} scores {}"}, "unknown placeholders {}"),
+        ({"prompt": 'Reply with {"score": n}'}, "write a literal brace twice"),
         ({"score": "choice"}, "needs choices"),
         ({"api_key": "sk-123"}, "never go in config files"),
         ({"api_key_env": "A", "api_key_file": "/f"}, "not both"),
