@@ -97,6 +97,7 @@ class OrchestratorService:
         if self.teacher is not None:
             self.signals["teacher"] = self.teacher
         self.scoring_failures = 0
+        self.reward_errors: dict[str, int] = {}  # reward function -> samples it raised on (scored 0 there)
         if cfg.advantage.type == "rloo" and cfg.rollouts_per_example < 2:
             raise ValueError("advantage.type = 'rloo' needs rollouts_per_example >= 2")
         self.metrics = metrics or OrchestratorMetrics(cfg.run_id)
@@ -441,12 +442,22 @@ class OrchestratorService:
             self.scoring_failures += 1
             self.metrics.labels(self.metrics.scoring_failures, env=env_name).inc()
             raise RolloutFailed(f"task {task.id}: scoring failed: {error}") from error
+        self._note_reward_errors(task, score.errors)
         seconds = time.monotonic() - start
         outcome = "truncated" if rollout.truncated else "ok"
         self.metrics.labels(self.metrics.rollouts, env=env_name, outcome=outcome).inc()
         self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)
         return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds,
                              teacher_logprobs=teacher)  # fmt: skip
+
+    def _note_reward_errors(self, task: Task, errors: dict[str, str]) -> None:
+        """A reward function that raised scores 0 (a reward bug must not stop training) but is never silent: its
+        first failure is logged with the exception, and every one is counted (`reward_errors` in the step lines)."""
+        for name, message in errors.items():
+            self.reward_errors[name] = self.reward_errors.get(name, 0) + 1
+            if self.reward_errors[name] == 1:
+                log.warning("reward function %r failed on task %s and scored 0: %s (further failures are only "
+                            "counted: reward_errors in orchestrator_steps.jsonl)", name, task.id, message)  # fmt: skip
 
     async def _teacher_logprobs(self, rollout: Rollout) -> list[float] | None:
         """The teacher's log-prob of each token the sample trains on (the sequence cut to `batch.seq_len`), 0 where
@@ -521,6 +532,7 @@ class OrchestratorService:
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
         record = self.step_records.record(st, samples, packed, cut, time.monotonic() - start, self.scoring_failures)
+        record["reward_errors"] = dict(self.reward_errors)  # cumulative: samples each reward function raised on
         # The step's line goes before the push: killed between the two, the resumed run pushes this step again
         # and its newer line replaces this one (readers keep the newest record per step). After the push, a kill
         # in between would leave a pushed step without any line.

@@ -152,3 +152,32 @@ async def test_a_junk_newest_entry_does_not_stop_the_orchestrator_from_starting(
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1)
     batch = await first_batch(cfg, tiny_model)
     assert batch.step == 1
+
+
+def broken_reward(completion, info) -> float:
+    """A user's reward function with a bug: the rows have no 'difficulty' column."""
+    return float(info["difficulty"] > 1)
+
+
+@pytest.mark.asyncio
+async def test_a_reward_function_that_raises_is_reported_not_silently_zero(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model, caplog
+):
+    # The rubric scores such a function 0 so the step goes on; that 0 was all anyone saw: every group had equal
+    # rewards, was dropped as zero-signal, and the exception was nowhere (no log line, no count).
+    from gyre.envs import load_environment
+    from orchestrator_testlib import first_batch
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i}", "answer": f"{i}w"}) + "\n" for i in range(8)))
+    env = {"name": "dataset", "args": {"path": str(data), "reward": f"{__name__}:broken_reward", "num_eval": 2}}
+    assert load_environment(env["name"], **env["args"]).rubric.names == ["broken_reward"]
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, env=env, max_steps=1,
+                              advantage={"drop_zero_signal": False})  # fmt: skip
+    with caplog.at_level("WARNING", logger="gyre_orchestrator.service"):
+        batch = await first_batch(cfg, tiny_model)
+    assert batch.num_samples == 8 and all(s["reward"] == 0.0 for s in batch.samples)
+    warnings = [r.getMessage() for r in caplog.records if "broken_reward" in r.getMessage()]
+    assert len(warnings) == 1 and "KeyError: 'difficulty'" in warnings[0]  # once, with the exception, not per sample
+    (record,) = read_events(tmp_path / "run/events/orchestrator_steps.jsonl")
+    assert record["reward_errors"] == {"broken_reward": 8}
