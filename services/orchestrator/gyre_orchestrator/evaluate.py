@@ -45,6 +45,7 @@ class EvalResult:
     seconds: float
     avg_at_k_stderr: float = 0.0
     rewards_mean: dict[str, float] = field(default_factory=dict)
+    reward_errors: dict[str, int] = field(default_factory=dict)  # samples each reward function raised on (scored 0)
 
     def record(self, step: int) -> dict:
         """The `eval.jsonl` line (docs/architecture.md, "Event logs") plus version/timing extras."""
@@ -74,7 +75,13 @@ async def evaluate(
         # numbers: the difference between two versions is less noisy than either score)
         rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
         score = await env.score(tasks[i], rollout)
+        for name, message in score.errors.items():  # scored 0, never silently (as in training)
+            if name not in reward_errors:
+                log.warning("eval: reward function %r failed on task %s and scored 0: %s", name, tasks[i].id, message)
+            reward_errors[name] = reward_errors.get(name, 0) + 1
         return score.reward, rollout.policy_version_min, rollout.policy_version_max, score.per_function
+
+    reward_errors: dict[str, int] = {}
 
     results = await asyncio.gather(*(one(i, j) for i in range(count) for j in range(k)))
     rewards = [r for r, _, _, _ in results]
@@ -92,6 +99,7 @@ async def evaluate(
         seconds=time.monotonic() - start,
         avg_at_k_stderr=statistics.stdev(task_means) / math.sqrt(count) if count > 1 else 0.0,
         rewards_mean={n: statistics.fmean(per.get(n, 0.0) for *_, per in results) for n in names},
+        reward_errors=reward_errors,
     )
 
 

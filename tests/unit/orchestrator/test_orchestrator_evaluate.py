@@ -72,3 +72,24 @@ def test_each_reward_function_is_reported_weight_zero_monitors_included(tmp_path
     assert result.avg_at_k == 0.25  # the monitor is not rewarded
     assert result.rewards_mean == {"exact_match": 0.25, "monitor": 0.625}
     assert result.record(step=3)["rewards_mean"] == {"exact_match": 0.25, "monitor": 0.625}
+
+
+def test_a_reward_function_that_raises_is_counted_and_logged_once(tmp_path, caplog):
+    replies = {"ab": ["AB"], "cd": ["no"]}
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": p, "answer": p.upper(), "split": "eval"} for p in replies] + [{"prompt": "zz", "answer": "ZZ"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = load_environment("dataset", path=str(path), reward="exact")
+
+    def broken(info) -> float:
+        return info["difficulty"]
+
+    env.rubric.add(broken)
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    with caplog.at_level("WARNING", logger="gyre_orchestrator.evaluate"):
+        result = asyncio.run(
+            evaluate(env, TableClient(replies), env_name="dataset", num_examples=2, k=2, sampling=sampling)
+        )
+    assert result.avg_at_k == 0.5 and result.reward_errors == {"broken": 4}
+    warnings = [r.getMessage() for r in caplog.records if "broken" in r.getMessage()]
+    assert len(warnings) == 1 and "KeyError: 'difficulty'" in warnings[0]
