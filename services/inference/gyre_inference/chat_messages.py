@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 
 from gyre_inference.strict import StrictModel
 
@@ -83,6 +83,12 @@ class AssistantMessage(StrictModel):
     audio: None = Field(None, description="Only null (no audio output).")
     annotations: None = Field(None, description="Only null (no web search).")
     function_call: None = Field(None, description="Only null (deprecated; use tool_calls).")
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not self.tool_calls:  # OpenAI: content is required unless tool_calls is given
+            raise ValueError("an assistant message needs content unless it has tool_calls (content is null)")
+        return self
 
 
 class ToolMessage(StrictModel):

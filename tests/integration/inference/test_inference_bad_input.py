@@ -251,6 +251,18 @@ def test_a_tool_message_must_answer_a_tool_call(client, model_id, messages, para
     assert body["param"] == param and says in body["message"] and body["type"] == "invalid_request_error", body
 
 
+@pytest.mark.parametrize("assistant", [{"role": "assistant", "content": None}, {"role": "assistant"},
+                                       {"role": "assistant", "content": None, "tool_calls": []}])  # fmt: skip
+def test_an_assistant_message_needs_content_or_tool_calls(client, model_id, assistant):
+    """As OpenAI ("required unless tool_calls is specified"); it rendered as an empty assistant turn."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model_id, messages=[ASK, assistant, ASK], max_tokens=2)
+    assert error.value.body["param"] == "messages.1" and "needs content" in error.value.body["message"]
+    empty = client.chat.completions.create(model=model_id, messages=[ASK, {"role": "assistant", "content": ""}, ASK],
+                                           max_tokens=2)  # fmt: skip
+    assert empty.choices[0].finish_reason in ("stop", "length")
+
+
 def test_tool_replies_that_answer_their_calls_are_accepted(client, model_id):
     """Several calls answered in any order; and calls the model left as `<tool_call>` text (no structured
     tool_calls: a client such as gyre's environments parsed them itself) answered with the client's ids."""
