@@ -474,12 +474,18 @@ def _check_tool_schemas(request: ChatCompletionRequest, kind: str) -> None:
         function = tool.function
         if function.parameters is None:
             continue
+        param = f"tools.{i}.parameters" if kind == "responses" else f"tools.{i}.function.parameters"
         try:
-            check_schema(function.parameters, enforced=function.name in forced)
+            check_schema(function.parameters, enforced=False)
         except GuideError as error:
-            param = f"tools.{i}.parameters" if kind == "responses" else f"tools.{i}.function.parameters"
             raise APIError(400, f"{param}: invalid JSON schema for function {function.name!r}: {error}",
                            param=param) from None  # fmt: skip
+        if function.name in forced:
+            try:
+                check_schema(function.parameters, enforced=True)
+            except GuideError as error:
+                raise APIError(400, f"{param}: tool_choice forces a call of {function.name!r}, and the grammar "
+                                    f"engine cannot enforce its schema: {error}", param=param) from None  # fmt: skip
 
 
 def backend_failure(error: BackendStoppedError | AdapterGoneError, model: str, served: str) -> APIError:

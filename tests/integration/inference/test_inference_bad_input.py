@@ -331,7 +331,9 @@ def test_a_schema_the_grammar_cannot_enforce_is_refused_only_when_the_call_is_fo
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=model_id, messages=CHAT["messages"], max_tokens=2, tools=tools,
                                        tool_choice="required")  # fmt: skip
-    assert error.value.body["param"] == "tools.0.function.parameters" and "uniqueItems" in error.value.body["message"]
+    body = error.value.body
+    assert body["param"] == "tools.0.function.parameters" and "uniqueItems" in body["message"], body
+    assert "cannot enforce its schema" in body["message"], body
 
 
 def test_what_the_openai_client_sends_back_is_accepted(client, model_id):
