@@ -26,11 +26,16 @@ class TableClient:
         return Turn(prompt_token_ids=[1], completion_token_ids=[5, 2], completion_logprobs=[-0.1, -0.2], text=text)
 
 
-def run_eval(tmp_path, replies, *, num_examples, k):
+def dataset_env(tmp_path, replies):
+    """A dataset env whose eval split is the prompts of `replies` (answer: the prompt upper-cased), exact reward."""
     path = tmp_path / "d.jsonl"
     rows = [{"prompt": p, "answer": p.upper(), "split": "eval"} for p in replies] + [{"prompt": "zz", "answer": "ZZ"}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    env = load_environment("dataset", path=str(path), reward="exact")
+    return load_environment("dataset", path=str(path), reward="exact")
+
+
+def run_eval(tmp_path, replies, *, num_examples, k, env=None):
+    env = env or dataset_env(tmp_path, replies)
     sampling = SamplingParams(temperature=1.0, max_tokens=4)
     return asyncio.run(
         evaluate(env, TableClient(replies), env_name="dataset", num_examples=num_examples, k=k, sampling=sampling)
@@ -56,19 +61,13 @@ def test_each_reward_function_is_reported_weight_zero_monitors_included(tmp_path
     # docs/environments.md: a weight-0 judge is "logged (rewards, dumps, events, eval)"; the eval reported only the
     # weighted reward, so a monitor's grade was nowhere in eval.jsonl.
     replies = {"ab": ["AB", "no"], "cd": ["no"]}
-    path = tmp_path / "d.jsonl"
-    rows = [{"prompt": p, "answer": p.upper(), "split": "eval"} for p in replies] + [{"prompt": "zz", "answer": "ZZ"}]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    env = load_environment("dataset", path=str(path), reward="exact")
+    env = dataset_env(tmp_path, replies)
 
     def monitor(completion) -> float:
         return 0.5 if completion[-1]["content"] == "no" else 1.0
 
     env.rubric.add(monitor, weight=0.0)
-    sampling = SamplingParams(temperature=1.0, max_tokens=4)
-    result = asyncio.run(
-        evaluate(env, TableClient(replies), env_name="dataset", num_examples=2, k=2, sampling=sampling)
-    )
+    result = run_eval(tmp_path, replies, num_examples=2, k=2, env=env)
     assert result.avg_at_k == 0.25  # the monitor is not rewarded
     assert result.rewards_mean == {"exact_match": 0.25, "monitor": 0.625}
     assert result.record(step=3)["rewards_mean"] == {"exact_match": 0.25, "monitor": 0.625}
@@ -76,20 +75,14 @@ def test_each_reward_function_is_reported_weight_zero_monitors_included(tmp_path
 
 def test_a_reward_function_that_raises_is_counted_and_logged_once(tmp_path, caplog):
     replies = {"ab": ["AB"], "cd": ["no"]}
-    path = tmp_path / "d.jsonl"
-    rows = [{"prompt": p, "answer": p.upper(), "split": "eval"} for p in replies] + [{"prompt": "zz", "answer": "ZZ"}]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    env = load_environment("dataset", path=str(path), reward="exact")
+    env = dataset_env(tmp_path, replies)
 
     def broken(info) -> float:
         return info["difficulty"]
 
     env.rubric.add(broken)
-    sampling = SamplingParams(temperature=1.0, max_tokens=4)
     with caplog.at_level("WARNING", logger="gyre_orchestrator.evaluate"):
-        result = asyncio.run(
-            evaluate(env, TableClient(replies), env_name="dataset", num_examples=2, k=2, sampling=sampling)
-        )
+        result = run_eval(tmp_path, replies, num_examples=2, k=2, env=env)
     assert result.avg_at_k == 0.5 and result.reward_errors == {"broken": 4}
     warnings = [r.getMessage() for r in caplog.records if "broken" in r.getMessage()]
     assert len(warnings) == 1 and "KeyError: 'difficulty'" in warnings[0]
