@@ -263,6 +263,13 @@ def test_every_field_is_documented_and_in_help(cls):
                 walk(annotation, prefix + name + ".")
             else:
                 assert f"--{prefix}{name} " in text
+            (entry,) = typing.get_args(annotation) if typing.get_origin(annotation) is list else (None,)
+            if getattr(entry, "model_fields", None):  # [[judges]]-style lists: each entry's keys are listed
+                block = text.split(f"each entry ([[{prefix}{name}]] in TOML) has:", 1)[1]
+                for key, item in entry.model_fields.items():
+                    assert item.description, f"{entry.__name__}.{key} has no description"
+                    listed = block.split("\n--", 1)[0]
+                    assert f" {key} " in listed or f"[{key}]" in listed, f"{prefix}{name}: {key} not in --help"
 
     walk(cls)
 

@@ -287,6 +287,14 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _list_entry_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a `list[Model]` option's entries (None for any other type)."""
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation) or (None,)
+        return item if isinstance(item, type) and issubclass(item, BaseModel) else None
+    return None
+
+
 def check_bare_flags(model: type[BaseModel], values: dict, prefix: str = "") -> None:
     """A bare `--flag` sets an on/off option (or a section's `enabled`, which the section's validator
     takes); any other option needs a value. Raises ConfigError naming the key."""
@@ -371,21 +379,25 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
         "",
     ]
 
-    def walk(model: type[BaseModel], prefix: str, depth: int) -> None:
+    def walk(model: type[BaseModel], prefix: str, depth: int, flag: str = "--") -> None:
         for name, field in model.model_fields.items():
             sub = _model_type(field.annotation)
             desc = (field.description or "").strip()
             if sub is not None:
                 out.append(f"{'  ' * depth}[{prefix}{name}] {desc}")
-                walk(sub, prefix + name + ".", depth + 1)
+                walk(sub, prefix + name + ".", depth + 1, flag)
                 continue
-            opt = f"{'  ' * depth}--{prefix}{name} {_type_name(field.annotation)}"
+            opt = f"{'  ' * depth}{flag}{prefix}{name} {_type_name(field.annotation)}"
             if field.is_required():
                 out.append(f"{opt}  (required)")
             else:
                 out.append(f"{opt}  (default: {_default_repr(field.get_default(call_default_factory=True))})")
             if desc:
                 out.append(f"{'  ' * depth}      {desc}")
+            entry = _list_entry_model(field.annotation)
+            if entry is not None:  # e.g. [[orchestrator.judges]]: the keys of one entry (set as JSON or in TOML)
+                out.append(f"{'  ' * (depth + 1)}each entry ([[{prefix}{name}]] in TOML) has:")
+                walk(entry, "", depth + 2, flag="")
 
     walk(cls, "", 0)
     return "\n".join(out)
