@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import time
+from pathlib import Path
 
 import uvicorn
 from gyre.config.inference import InferenceConfig
@@ -144,7 +145,11 @@ async def run_service(config: InferenceConfig) -> int:
                 stats_task = asyncio.create_task(_log_engine_stats(backend, config.engine.log_stats_interval_s))
             await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
         elif loading.done() and loading.exception() is not None:
-            log.error("cannot load model %s: %s", config.model.name, loading.exception())
+            name = config.model.name
+            # a relative folder that is not there reads as a hub id ("models/qwen"): say it was not found as either
+            hub = f" (no local folder {name!r} either: model.name was looked up as a Hugging Face hub id)"
+            where = "" if Path(name).expanduser().exists() else hub
+            log.error("cannot load model %s: %s%s", name, loading.exception(), where)
             status = 1
         if http_task.done() and http_task.exception() is not None:
             log.error("HTTP server failed: %s", http_task.exception())

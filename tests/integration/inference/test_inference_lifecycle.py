@@ -146,6 +146,18 @@ def test_a_model_folder_that_is_not_there_exits_2_before_serving(tmp_path, tiny_
     assert "lacks config.json or weights stops the service at start" in " ".join(help_text.split())
 
 
+def test_a_relative_folder_that_reads_as_a_hub_id_says_it_is_no_local_folder_either(tmp_path):
+    """`models/qwen` (a typo of a relative folder, or a folder on a volume not mounted) has a hub id's shape: the
+    hub's "couldn't connect ... cached files" alone did not say that no such folder exists here."""
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "gyre.cli", "inference", "--model.name", "models/not-here",
+                             "--server.port", "0", "--control.port", "0"], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert result.returncode == 1 and "cannot load model models/not-here" in result.stderr, result.stderr
+    assert "no local folder 'models/not-here' either" in result.stderr, result.stderr
+
+
 def test_a_model_that_cannot_be_loaded_exits_1_with_a_clear_message(tmp_path, tiny_model):
     import shutil
 
