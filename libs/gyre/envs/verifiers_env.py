@@ -41,13 +41,26 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from gyre.envs.base import Environment, TaskSource, hold_out, listed_tasks
-from gyre.envs.types import Messages, ModelClient, Rollout, SamplingParams, Score, Split, StopReason, Task, Turn
+from gyre.envs.types import (
+    ContextLengthExceeded,
+    Messages,
+    ModelClient,
+    Rollout,
+    SamplingParams,
+    Score,
+    Split,
+    StopReason,
+    Task,
+    Turn,
+)
 
 # The Gyre model calls of the episode running in the current asyncio task (see `GyreInterception`).
 _CURRENT: contextvars.ContextVar[GyreModelCalls] = contextvars.ContextVar("gyre_verifiers_calls")
 # Where the harness's program reaches the model is verifiers' interception server; the client config it carries only
 # keeps the server on its non-streaming, token-recording path (a train config) and is never dialled.
 UNUSED_URL = "http://127.0.0.1:9/gyre-unused"
+# How the harness is told that a turn no longer fits the model's context (the episode then ends as a length stop).
+CONTEXT_FULL = "context_length_exceeded"
 
 
 def import_verifiers():
@@ -96,6 +109,7 @@ class GyreModelCalls:
         self.sampling = sampling
         self.turns: list[Turn] = []
         self.failure: BaseException | None = None
+        self.context_full = False  # a turn was refused as longer than the model's context
 
     def as_verifiers_client(self):
         return _gyre_client_class()(self)
@@ -114,6 +128,9 @@ class GyreModelCalls:
             turn = await self.client.chat(
                 wire_messages(prompt), tools=[tool_to_wire(t) for t in tools] or None, sampling=self.sampling
             )
+        except ContextLengthExceeded as exc:  # the conversation outgrew the context: a 400 no SDK retries
+            self.context_full = True
+            raise ProviderError(f"{CONTEXT_FULL}: {exc}", status_code=400) from exc
         except Exception as exc:  # the harness sees an HTTP error; the adapter re-raises the original
             self.failure = self.failure or exc
             raise ProviderError(f"gyre inference failed: {exc}", status_code=502) from exc
@@ -287,7 +304,9 @@ class VerifiersEnv(Environment):
             _CURRENT.reset(token)
         if calls.failure is not None:
             raise calls.failure  # Gyre inference failed (after its own retries): the caller retries the rollout
-        return to_rollout(task, episode, calls.turns)
+        if calls.context_full and not calls.turns:
+            raise ContextLengthExceeded(f"task {task.id}: its prompt does not fit the model's context")
+        return to_rollout(task, episode, calls.turns, context_full=calls.context_full)
 
     async def score(self, task: Task, rollout: Rollout) -> Score:
         trace = rollout.state.get("trace")
@@ -310,10 +329,12 @@ def _errors(episode) -> list[str]:
     return found
 
 
-def to_rollout(task: Task, episode, turns: list[Turn]) -> Rollout:
-    """A finished verifiers episode as a Gyre rollout (see the module docstring for the mapping)."""
+def to_rollout(task: Task, episode, turns: list[Turn], context_full: bool = False) -> Rollout:
+    """A finished verifiers episode as a Gyre rollout (see the module docstring for the mapping). With
+    `context_full`, a turn was refused as longer than the model's context: the episode ends there as a length stop
+    (like Gyre's own environments), and the refusal the harness saw is not an error."""
     branches = [(trace, b) for trace in episode.traces for b in trace.branches if b.trainable and any(b.sampled_mask)]
-    errors = _errors(episode)
+    errors = [e for e in _errors(episode) if not (context_full and e.startswith(f"ProviderError: {CONTEXT_FULL}"))]
     versions = [v for turn in turns for v in (turn.policy_version_min, turn.policy_version_max)]
     state: dict[str, Any] = {"episode_id": episode.id, "branches": len(branches)}
     stop: StopReason
@@ -344,6 +365,8 @@ def to_rollout(task: Task, episode, turns: list[Turn]) -> Rollout:
         stop = "error"
     elif len(branches) > 1:
         stop = "drift"
+    elif context_full:
+        stop = "length"
     elif trace.is_truncated:
         last = next((c for c in reversed(trace.calls) if c.error is None), None)
         stop = "length" if last is not None and last.finish_reason == "length" else "max_turns"

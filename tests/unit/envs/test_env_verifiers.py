@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from envs_doubles import Reply, ScriptedClient, encode
-from gyre.envs import EnvironmentLoadError, ToolCall, load_environment
+from gyre.envs import ContextLengthExceeded, EnvironmentLoadError, ToolCall, load_environment
 
 pytest.importorskip("verifiers.v1")
 
@@ -147,3 +147,24 @@ def test_unknown_names_and_gyre_envs_point_at_the_verifiers_kind(capsys):
         load_environment("no_such_env")
     assert main([]) == 0
     assert "verifiers:<taskset_id>" in capsys.readouterr().out
+
+
+@pytest.mark.asyncio
+async def test_a_turn_past_the_context_ends_the_episode_as_a_length_stop(sampling):
+    # as for Gyre's own environments: the turns so far are trained; the refusal failed the rollout and its retries
+    class ContextFull(ScriptedClient):
+        """Turns past the scripted replies no longer fit the context."""
+
+        async def chat(self, messages, *, tools=None, sampling):
+            if len(self.calls) >= len(self.replies):
+                raise ContextLengthExceeded("400 context_length_exceeded")
+            return await super().chat(messages, tools=tools, sampling=sampling)
+
+    env = vf_env("reverse_text", tools=False)
+    _, rollout, _ = await rollout_of(env, ContextFull(["first"]), sampling)
+    assert rollout.error is None and rollout.stop_reason == "length" and rollout.truncated
+    assert rollout.completion == [{"role": "assistant", "content": "first"}]
+    assert sampled(rollout) == encode("first") + [2]
+    # the task's own prompt does not fit: nothing to train, the caller is told
+    with pytest.raises(ContextLengthExceeded):
+        await rollout_of(vf_env("reverse_text", tools=False), ContextFull([]), sampling)
