@@ -180,6 +180,11 @@ class OptimConfig(Section):
     scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr (linear/cosine).")
+    master_weights: bool = Field(
+        True,
+        description="AdamW updates a float32 copy of bf16/fp16 parameters (kept in the optimizer state) and rounds "
+        "it into them; off, updates below bf16's resolution round away (most of them at lr 1e-5).",
+    )
 
 
 class DataConfig(Section):

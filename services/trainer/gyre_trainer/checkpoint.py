@@ -122,6 +122,7 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": trainable_only(model, model_sd), "optim": optim_sd}
         check_saved_shapes(folder / "state", state["model"])
+        drop_unsaved_master_weights(folder / "state", state["optim"])
         with _single_process_ok():
             dcp.load(state, checkpoint_id=folder / "state", no_dist=self.single)
         partial = len(state["model"]) < len(model_sd)  # LoRA: the frozen base comes from the base model
@@ -171,6 +172,18 @@ class CheckpointManager:
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""
         return self.entries.discard_after(step)
+
+
+def drop_unsaved_master_weights(state_dir: Path, optim_sd: dict[str, Any]) -> None:
+    """A bf16 checkpoint written before `optim.master_weights` (or with it off) has no float32 master copies:
+    load the rest, and the first step after it builds the copies from the parameters (`MasterWeightAdamW`).
+    DCP would refuse the whole checkpoint for the missing keys."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    for fqn, entry in optim_sd.get("state", {}).items():
+        if "master" in entry and f"optim.state.{fqn}.master" not in metadata:
+            del entry["master"]
 
 
 def check_saved_shapes(state_dir: Path, model_sd: dict[str, Any]) -> None:

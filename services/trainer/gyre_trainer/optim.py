@@ -42,7 +42,70 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lora_b_lr_ratio: f
     groups = [g for g in groups if g["params"]]
     on_gpu = all(p.device.type == "cuda" for p in params)
     kwargs = {"fused": True} if on_gpu else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+    optimizer = MasterWeightAdamW if cfg.master_weights else torch.optim.AdamW
+    return optimizer(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_FLOAT32_STATE = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # of a low-precision parameter
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW that updates a float32 copy of every bfloat16/float16 parameter and rounds it into the parameter.
+
+    In bfloat16 (8 bits of mantissa) an update smaller than 1/256 of a weight rounds away: at lr 1e-5 most
+    weights of a bf16 model never move, and the run learns little or nothing. PRIME-RL, verl and Megatron keep
+    float32 master weights for this reason. Here the model keeps computing (and publishing) in its own dtype,
+    so the forward, backward and weights sent to inference are unchanged; the optimizer keeps the master copy
+    (`state["master"]`, float32, sharded like the parameter under FSDP2) and float32 moments, and steps them
+    with torch's own AdamW (fused on a GPU) on the gradient cast to float32. The master copy is part of the
+    optimizer's state, so checkpoints save it and a resumed run continues exactly. Float32 parameters (a CPU
+    run, LoRA adapters) are stepped as by `torch.optim.AdamW`.
+    """
+
+    def _init_group(self, group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps):
+        has_complex = super()._init_group(
+            group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+        )
+        for i, param in enumerate(params_with_grad):
+            if param.dtype not in LOW_PRECISION:
+                continue
+            state = self.state[param]
+            if "master" not in state:  # the first step (or a checkpoint from before master weights)
+                state["master"] = param.detach().float()
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    if key in state:
+                        state[key] = state[key].float()
+            params_with_grad[i], grads[i] = state["master"], grads[i].float()
+            exp_avgs[i], exp_avg_sqs[i] = state["exp_avg"], state["exp_avg_sq"]
+            if group["amsgrad"]:
+                max_exp_avg_sqs[i] = state["max_exp_avg_sq"]
+        return has_complex
+
+    def load_state_dict(self, state_dict) -> None:
+        # torch casts every floating-point state tensor to its parameter's dtype on load: the float32 master
+        # copy and moments would come back rounded to bf16. Put the float32 values back.
+        full = {
+            pid: {k: v for k, v in st.items() if k in _FLOAT32_STATE and torch.is_tensor(v)}
+            for pid, st in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, param in zip(ids, params, strict=True):
+            if param.dtype in LOW_PRECISION and "master" in full.get(pid, {}):
+                for key, value in full[pid].items():
+                    self.state[param][key] = value.to(device=param.device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for param in group["params"]:
+                master = self.state[param].get("master")
+                if master is not None and param.grad is not None:
+                    param.copy_(master)  # rounded to the parameter's dtype
+        return loss
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int | None) -> float:

@@ -75,3 +75,32 @@ def test_fsdp2_lora_resumes_from_its_published_adapter_like_one_process(
             assert sharded.keys() == single.keys() and all("lora_" in name for name in single)
         for name in single:
             torch.testing.assert_close(sharded[name], single[name], rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+
+
+def test_fsdp2_bf16_steps_float32_master_weights_and_checkpoints_them(
+    tiny_model, redis_url, unique_run_id, tmp_path, isolated_torch_state
+):
+    # A GPU run's parameters are bf16: AdamW steps a float32 master copy of each (sharded like it, a DTensor),
+    # and the sharded checkpoint holds that copy in float32 for an exact resume
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sharded_run, single_run = unique_run_id + "-fsdp", unique_run_id + "-single"
+    push_batches(BatchStream(redis_url, sharded_run), (1, 2), ranks=2, rows_per_rank=1, num_samples=6)
+    push_batches(BatchStream(redis_url, single_run), (1, 2), ranks=1, rows_per_rank=2, num_samples=6)
+    opts = {"ckpt.interval": 2, "data.micro-batch-size": 1, "model.dtype": "bfloat16"}
+    log = tmp_path / "torchrun.log"
+    assert torchrun(trainer_args(tiny_model, tmp_path / "fsdp", redis_url, sharded_run, 2, **opts), log) == 0, (
+        log.read_text()[-5000:]
+    )
+    assert run_in_process(trainer_args(tiny_model, tmp_path / "single", redis_url, single_run, 2, **opts)) == 0
+    sharded = load_weights(tmp_path / "fsdp" / "weights" / "step_2")
+    single = load_weights(tmp_path / "single" / "weights" / "step_2")
+    for name in single:
+        assert sharded[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(sharded[name], single[name], rtol=2e-2, atol=2e-2, msg=name)
+    state = tmp_path / "fsdp" / "checkpoints" / "trainer" / "step_2" / "state"
+    meta = FileSystemReader(str(state)).read_metadata().state_dict_metadata
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    assert meta[f"optim.state.{weight}.master"].properties.dtype == torch.float32
+    assert meta[f"optim.state.{weight}.master"].size == meta[f"model.{weight}"].size  # the whole tensor, sharded
+    assert meta[f"optim.state.{weight}.exp_avg"].properties.dtype == torch.float32

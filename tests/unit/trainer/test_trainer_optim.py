@@ -85,3 +85,59 @@ def test_weight_decay_skips_norms_and_biases():
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(net.parameters()))
     assert optimizer.param_groups[0]["betas"] == (0.8, 0.95) and optimizer.param_groups[0]["eps"] == 1e-6
     assert optimizer.defaults["foreach"] is True  # CPU parameters: multi-tensor kernel
+
+
+def small_steps(dtype: torch.dtype, cfg: OptimConfig, steps: int = 5, device: str = "cpu"):
+    """`model()` in `dtype` after `steps` AdamW updates on the same bf16-representable gradients, from the same
+    bf16-representable start; returns the model and its optimizer."""
+    torch.manual_seed(0)
+    net = model()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(p.bfloat16())
+    net = net.to(device=device, dtype=dtype)
+    optimizer = build_optimizer(net, cfg)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in net.parameters():
+            p.grad = torch.randn(p.shape, generator=g).bfloat16().to(device=device, dtype=dtype)
+        optimizer.step()
+    return net, optimizer
+
+
+def test_bf16_parameters_take_the_float32_update_rounded_not_lose_it():
+    # audit: AdamW updated bf16 weights in place, so an update below bf16's resolution (1/256 of the weight)
+    # rounded away: at lr 1e-5 most weights of a GPU run (bf16 by default) never moved
+    cfg = OptimConfig(lr=1e-4, weight_decay=0.1)
+    reference, _ = small_steps(torch.float32, cfg, steps=100)
+    net, optimizer = small_steps(torch.bfloat16, cfg, steps=100)
+    for (name, ref), p in zip(reference.named_parameters(), net.parameters(), strict=True):
+        master = optimizer.state[p]["master"]
+        assert master.dtype == torch.float32 and torch.equal(master, ref.detach()), name  # float32 AdamW, exactly
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), ref.detach().bfloat16()), name  # rounded
+    assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())
+
+    lost, _ = small_steps(torch.bfloat16, cfg.model_copy(update={"master_weights": False}), steps=100)
+    for i in (0, 2):  # the matrices: each update is below half a bf16 step of their weights, so none lands
+        off = (lost[i].weight != reference[i].weight.detach().bfloat16()).float().mean().item()
+        assert off > 0.5, (i, off)
+
+
+def test_float32_parameters_are_stepped_as_by_adamw():
+    cfg = OptimConfig(lr=1e-3)
+    plain, _ = small_steps(torch.float32, cfg.model_copy(update={"master_weights": False}))
+    net, optimizer = small_steps(torch.float32, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), net.parameters(), strict=True))
+    assert all("master" not in s for s in optimizer.state.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_master_weights_with_the_fused_kernel_on_gpu():
+    cfg = OptimConfig(lr=1e-4, weight_decay=0.1)
+    reference, _ = small_steps(torch.float32, cfg, steps=50, device="cuda")
+    net, optimizer = small_steps(torch.bfloat16, cfg, steps=50, device="cuda")
+    assert optimizer.defaults["fused"] is True
+    for ref, p in zip(reference.parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(optimizer.state[p]["master"], ref.detach(), rtol=0, atol=1e-6)
+        assert p.dtype == torch.bfloat16

@@ -13,10 +13,10 @@ from gyre_trainer.model import load_model
 from gyre_trainer.optim import build_optimizer, build_scheduler, lr_multiplier
 
 
-def build(model_dir, seed=0):
+def build(model_dir, seed=0, dtype=torch.float32, master_weights=True):
     torch.manual_seed(seed)
-    model = load_model(ModelConfig(name=str(model_dir)), "cpu", torch.float32)
-    cfg = OptimConfig(lr=1e-2, warmup_steps=3)
+    model = load_model(ModelConfig(name=str(model_dir)), "cpu", dtype)
+    cfg = OptimConfig(lr=1e-2, warmup_steps=3, master_weights=master_weights)
     optimizer = build_optimizer(model, cfg)
     return model, optimizer, build_scheduler(optimizer, cfg, max_steps=None)
 
@@ -35,9 +35,12 @@ def params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_save_load_resumes_bit_exactly(tiny_model, ctx, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_load_resumes_bit_exactly(tiny_model, ctx, tmp_path, dtype):
+    # bfloat16: the optimizer's float32 master weights are saved and loaded with it (rebuilt from the bf16
+    # parameters instead, the resumed run would drift from the uninterrupted one)
     manager = CheckpointManager(tmp_path / "ckpt", ctx)
-    model, opt, sched = build(tiny_model)
+    model, opt, sched = build(tiny_model, dtype=dtype)
     for step in (1, 2):
         train(model, opt, sched, step)
     manager.save(2, model, opt, sched, record={"step": 2, "loss": 1.5})
@@ -45,7 +48,7 @@ def test_save_load_resumes_bit_exactly(tiny_model, ctx, tmp_path):
     train(model, opt, sched, 3)
     expected = params(model)
 
-    model2, opt2, sched2 = build(tiny_model, seed=123)  # different RNG, untrained optimizer
+    model2, opt2, sched2 = build(tiny_model, seed=123, dtype=dtype)  # different RNG, untrained optimizer
     progress = manager.load(2, model2, opt2, sched2)
     assert progress["step"] == 2 and progress["record"] == {"step": 2, "loss": 1.5}
     assert manager.read_record(2) == {"step": 2, "loss": 1.5}
@@ -56,6 +59,20 @@ def test_save_load_resumes_bit_exactly(tiny_model, ctx, tmp_path):
     assert got.keys() == expected.keys()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_a_bf16_checkpoint_without_master_weights_loads_and_builds_them(tiny_model, ctx, tmp_path):
+    # written before optim.master_weights (or with it off): DCP refused it for the missing keys
+    manager = CheckpointManager(tmp_path / "ckpt", ctx)
+    model, opt, sched = build(tiny_model, dtype=torch.bfloat16, master_weights=False)
+    train(model, opt, sched, 1)
+    manager.save(1, model, opt, sched)
+    model2, opt2, sched2 = build(tiny_model, seed=1, dtype=torch.bfloat16)
+    manager.load(1, model2, opt2, sched2)
+    assert all(torch.equal(a, b) for a, b in zip(params(model).values(), params(model2).values(), strict=True))
+    train(model2, opt2, sched2, 2)
+    state = next(iter(opt2.state.values()))
+    assert state["master"].dtype == state["exp_avg"].dtype == torch.float32 and int(state["step"]) == 2
 
 
 def test_a_resume_uses_the_configured_optimizer_settings_with_the_checkpoints_moments(tiny_model, ctx, tmp_path):
