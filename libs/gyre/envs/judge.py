@@ -226,3 +226,20 @@ class RewardModel:
 
     async def aclose(self) -> None:
         await self.endpoint.aclose()
+
+
+def add_to_rubric(env: Any, judges: list[JudgeConfig], reward_models: list[RewardModelConfig]) -> dict[str, Any]:
+    """`[[judges]]` and `[[reward_models]]` joined to the environment's rubric as reward functions (training and
+    `gyre eval` alike); returns them by name (each has `stats` and `aclose`)."""
+    from gyre.envs.rubric import Rubric
+
+    signals = [Judge(judge) for judge in judges] + [RewardModel(model) for model in reward_models]
+    if not signals:
+        return {}
+    rubric = getattr(env, "rubric", None)
+    if not isinstance(rubric, Rubric):
+        raise ValueError(f"judges / reward_models: environment {getattr(env, 'name', env)!r} scores with its own "
+                         "code, not a gyre Rubric; add them in the environment instead")  # fmt: skip
+    for signal in signals:
+        rubric.add(signal, signal.config.weight, name=signal.config.name)
+    return {signal.config.name: signal for signal in signals}

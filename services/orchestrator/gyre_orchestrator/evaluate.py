@@ -198,12 +198,14 @@ class TrainingEval:
 
 async def _run_once(cfg) -> EvalResult:
     from gyre.envs import load_environment
+    from gyre.envs.judge import add_to_rubric
     from gyre.events import EVAL, EventLog, events_dir
 
     from gyre_orchestrator.client import InferenceClient, close_replica_clients
     from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 
     env = load_environment(cfg.env.name, **cfg.env.args)
+    signals = add_to_rubric(env, cfg.judges, cfg.reward_models)  # scored as in training
     replicas = ReplicaSet(cooldown_s=cfg.inference.failure_cooldown_s)
     discovery = make_discovery(cfg.inference, replicas)
     await discovery.start()
@@ -229,6 +231,8 @@ async def _run_once(cfg) -> EvalResult:
         aclose = getattr(env, "aclose", None)  # environments holding servers (verifiers) release them
         if aclose is not None:
             await aclose()
+        for signal in signals.values():
+            await signal.aclose()
         await discovery.stop()
         await close_replica_clients(list(replicas))
     with EventLog(events_dir(cfg.output_dir) / EVAL) as events:

@@ -28,8 +28,8 @@ import redis
 from gyre.codec import CodecError, encode_batch
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.endpoint import EndpointError
-from gyre.envs import Rollout, Rubric, SamplingParams, ScoringError, Task, load_environment
-from gyre.envs.judge import Judge, RewardModel
+from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
+from gyre.envs.judge import add_to_rubric
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir
 from gyre.metrics import start_metrics_server
 from gyre.net import PortInUse, bind_or_explain
@@ -92,7 +92,8 @@ class OrchestratorService:
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.env = load_environment(cfg.env.name, **cfg.env.args)
-        self.signals = self._add_signals(cfg)  # judges, reward models, teacher: name -> object with `stats`
+        # judges, reward models (and below the teacher): name -> object with `stats`
+        self.signals = add_to_rubric(self.env, cfg.judges, cfg.reward_models)
         self.teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
         if self.teacher is not None:
             self.signals["teacher"] = self.teacher
@@ -180,19 +181,6 @@ class OrchestratorService:
         self._metrics_server = None
         self.metrics_port: int | None = None
         self._background: set[asyncio.Task] = set()
-
-    def _add_signals(self, cfg: OrchestratorConfig) -> dict:
-        """`[[judges]]` and `[[reward_models]]` join the environment's rubric as reward functions."""
-        signals = [Judge(judge) for judge in cfg.judges] + [RewardModel(model) for model in cfg.reward_models]
-        if not signals:
-            return {}
-        rubric = getattr(self.env, "rubric", None)
-        if not isinstance(rubric, Rubric):
-            raise ValueError(f"judges / reward_models: environment {cfg.env.name!r} scores with its own code, not "
-                             "a gyre Rubric; add them in the environment instead")  # fmt: skip
-        for signal in signals:
-            rubric.add(signal, signal.config.weight, name=signal.config.name)
-        return {signal.config.name: signal for signal in signals}
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> int:
