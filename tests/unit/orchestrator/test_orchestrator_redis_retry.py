@@ -144,56 +144,52 @@ def pushed(orch, step: int) -> None:
     orch.last_step = step
 
 
+def after_pushes(tmp_path, steps, then) -> None:
+    """On a Redis of its own, a service that pushed `steps` and recorded the stream marks as start() does; then
+    `await then(orch)`."""
+    server = EmbeddedRedis().start()
+
+    async def main():
+        orch = service(tmp_path, server.url)
+        try:
+            for step in steps:
+                pushed(orch, step)
+            orch._stream_seen = orch._stream_marks()
+            await then(orch)
+        finally:
+            orch.redis.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
 def test_a_stream_deleted_and_pushed_to_again_between_two_checks_is_noticed(tmp_path):
     # audit: DEL of the stream key, then our next push (which recreates the stream) before the 5 s watch looked:
     # the newest id was ours and the push count intact, so batches 1..3 were gone unnoticed and the trainer,
     # whose group was recreated on the new stream, waited for batch 1 forever
     from gyre_orchestrator.service import StreamLost
 
-    server = EmbeddedRedis().start()
+    async def then(orch):
+        await orch._check_stream()  # nothing lost yet
+        orch.redis.delete(orch.stream.key)
+        pushed(orch, 4)
+        with pytest.raises(StreamLost, match=r"emptied .* steps \[1, 2, 3\].*from step 1"):
+            await orch._check_stream()
 
-    async def main():
-        orch = service(tmp_path, server.url)
-        try:
-            for step in (1, 2, 3):
-                pushed(orch, step)
-            orch._stream_seen = orch._stream_marks()  # what start() records
-            await orch._check_stream()  # nothing lost yet
-            orch.redis.delete(orch.stream.key)
-            pushed(orch, 4)
-            with pytest.raises(StreamLost, match=r"emptied .* steps \[1, 2, 3\].*from step 1"):
-                await orch._check_stream()
-        finally:
-            orch.redis.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        server.stop()
+    after_pushes(tmp_path, (1, 2, 3), then)
 
 
 def test_the_oldest_batch_dead_lettered_is_still_told_as_a_dead_letter(tmp_path):
     from gyre.streams import StepReader
     from gyre_orchestrator.service import StreamLost
 
-    server = EmbeddedRedis().start()
+    async def then(orch):
+        reader = StepReader(orch.stream, "trainer-rank0")
+        reader.reject(reader.next(block_ms=1000), "cannot read spilled payload")
+        with pytest.raises(StreamLost, match=r"dead-lettered \(cannot read spilled payload\)") as e:
+            await orch._check_stream()
+        assert e.value.rejected == "cannot read spilled payload"
 
-    async def main():
-        orch = service(tmp_path, server.url)
-        try:
-            for step in (1, 2):
-                pushed(orch, step)
-            orch._stream_seen = orch._stream_marks()
-            reader = StepReader(orch.stream, "trainer-rank0")
-            entry = reader.next(block_ms=1000)
-            reader.reject(entry, "cannot read spilled payload")
-            with pytest.raises(StreamLost, match=r"dead-lettered \(cannot read spilled payload\)") as e:
-                await orch._check_stream()
-            assert e.value.rejected == "cannot read spilled payload"
-        finally:
-            orch.redis.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        server.stop()
+    after_pushes(tmp_path, (1, 2), then)
