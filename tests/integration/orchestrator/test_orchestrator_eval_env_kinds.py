@@ -51,47 +51,21 @@ def test_gyre_eval_on_an_unknown_environment_lists_the_available_ones(tmp_path):
     assert all(name in res.stderr for name in ("reverse_text", "dataset", "reasoning_gym:<name>"))
 
 
-def _judge_app(asked: list[str]):
-    """An OpenAI-compatible judge that grades everything 7/10 (real HTTP, the test's own process)."""
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        if scope["path"].endswith("/models"):
-            answer = {"object": "list", "data": [{"id": "judge", "object": "model", "created": 0, "owned_by": "t"}]}
-        else:
-            asked.append(json.loads(body)["messages"][-1]["content"])
-            answer = {"id": "j", "object": "chat.completion", "created": 0, "model": "judge",
-                      "choices": [{"index": 0, "finish_reason": "stop",
-                                   "message": {"role": "assistant", "content": "Score: 7/10"}}]}  # fmt: skip
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
-
-    return app
-
-
 def test_gyre_eval_scores_with_the_configured_judges(tmp_path, replicas):
     # the training eval scores with [[judges]] added to the rubric; gyre eval ignored them (same config, other score)
-    from gyre.net import free_port
-    from support.asgi import serving
+    from support.judge_server import ScriptedServer
 
-    port, asked = free_port(), []
-    judges = [{"name": "style", "url": f"http://127.0.0.1:{port}", "weight": 0.5, "prompt": "Grade: {response}"}]
-    cmd = [sys.executable, "-m", "gyre.cli", "eval", "--output-dir", str(tmp_path / "run"),
-           "--judges", json.dumps(judges), "--env.name", "reverse_text",
-           "--inference.urls", json.dumps([replicas[0].url]),
-           "--inference.control-urls", json.dumps([replicas[0].control]), "--eval.num-examples", "2",
-           "--eval.k", "2", "--eval.temperature", "1.0", "--sampling.max-tokens", "4"]  # fmt: skip
-    with serving(_judge_app(asked), port):
+    with ScriptedServer() as judge:  # answers "5" unless scripted otherwise
+        judges = [{"name": "style", "url": judge.url, "weight": 0.5, "prompt": "Grade: {response}"}]
+        cmd = [sys.executable, "-m", "gyre.cli", "eval", "--output-dir", str(tmp_path / "run"),
+               "--judges", json.dumps(judges), "--env.name", "reverse_text",
+               "--inference.urls", json.dumps([replicas[0].url]),
+               "--inference.control-urls", json.dumps([replicas[0].control]), "--eval.num-examples", "2",
+               "--eval.k", "2", "--eval.temperature", "1.0", "--sampling.max-tokens", "4"]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     printed = json.loads(res.stdout.strip().splitlines()[-1])
-    assert printed["rewards_mean"]["style"] == 0.7
-    assert printed["avg_at_k"] == pytest.approx(printed["rewards_mean"]["lcs_reward"] + 0.5 * 0.7)
+    assert printed["rewards_mean"]["style"] == 0.5
+    assert printed["avg_at_k"] == pytest.approx(printed["rewards_mean"]["lcs_reward"] + 0.5 * 0.5)
+    asked = [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
     assert asked and all(a.startswith("Grade: ") for a in asked)

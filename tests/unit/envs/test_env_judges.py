@@ -9,81 +9,14 @@ functions against real `gyre inference` servers: tests/integration/orchestrator/
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from gyre.config.endpoint import JudgeConfig
 from gyre.envs import Rollout, Rubric, ScoringError, Task
 from gyre.envs.judge import Judge, RewardModel, parse_score, render
 from pydantic import ValidationError
-
-
-class ScriptedServer:
-    """/v1/models, /v1/chat/completions (replies from `script`: text, or ("sleep", s, text), or ("status", code)),
-    /tokenize (one token per character), /classify (score = number of tokens / 10). Records every request."""
-
-    def __init__(self):
-        self.script: list = []
-        self.requests: list[tuple[str, dict]] = []
-        self.auth: list[str | None] = []
-        app = FastAPI()
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": "judge-model", "object": "model", "created": 0, "owned_by": "x"}]}
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            body = await request.json()
-            self.requests.append(("chat", body))
-            self.auth.append(request.headers.get("authorization"))
-            action = self.script.pop(0) if self.script else "5"
-            if isinstance(action, tuple) and action[0] == "sleep":
-                await asyncio.sleep(action[1])
-                action = action[2]
-            if isinstance(action, tuple) and action[0] == "status":
-                return JSONResponse({"error": {"message": "scripted", "type": "x"}}, status_code=action[1])
-            return {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": action},
-                                 "finish_reason": "stop"}]}  # fmt: skip
-
-        @app.post("/tokenize")
-        async def tokenize(request: Request):
-            body = await request.json()
-            self.requests.append(("tokenize", body))
-            text = "".join(m["content"] for m in body["messages"])
-            return {"tokens": [ord(c) for c in text], "count": len(text), "max_model_len": 1000, "token_strs": None}
-
-        @app.post("/classify")
-        async def classify(request: Request):
-            body = await request.json()
-            self.requests.append(("classify", body))
-            data = [{"index": i, "label": "reward", "probs": [len(ids) / 10], "num_classes": 1}
-                    for i, ids in enumerate(body["input"])]  # fmt: skip
-            return {"id": "x", "object": "list", "created": 0, "model": body["model"], "data": data}
-
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> ScriptedServer:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-    def count(self, kind: str) -> int:
-        return sum(1 for k, _ in self.requests if k == kind)
+from support.judge_server import ScriptedServer
 
 
 @pytest.fixture(scope="module")
