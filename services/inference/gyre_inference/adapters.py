@@ -51,6 +51,9 @@ def read_adapter_folder(path: Path) -> tuple[float, dict[str, dict[str, torch.Te
         raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
     except Exception as error:  # safetensors' own error type for a malformed file
         raise WeightsIncompatibleError(f"{path / ADAPTER_FILE}: not a readable safetensors file ({error})") from None
+    for module, ab in adapters.items():  # integers would be cast into a garbage delta that serves without an error
+        if bad := [f"{key} is {t.dtype}" for key, t in ab.items() if not t.is_floating_point()]:
+            raise WeightsIncompatibleError(f"{path}: the adapter for {module}: {', '.join(bad)}, not floating point")
     return scale, adapters
 
 

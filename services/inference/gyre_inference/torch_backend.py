@@ -336,7 +336,9 @@ class TorchBackend(EngineLoop, Backend):
         base = self._base_weights()
         for module, ab in adapters.items():
             weight = base.get(f"{module}.weight")
-            if weight is None or ab["B"].shape[0] != weight.shape[0] or ab["A"].shape[1] != weight.shape[1]:
+            a, b = ab["A"], ab["B"]
+            fits = weight is not None and a.dim() == 2 and a.shape[1] == weight.shape[1]
+            if not fits or b.shape != (weight.shape[0], a.shape[0]):
                 raise WeightsIncompatibleError(f"{path}: the adapter for {module} does not fit the model")
         on_device = {m: {k: t.to(self.device, non_blocking=True) for k, t in ab.items()} for m, ab in adapters.items()}
         targets = {f"{m}.weight": base[f"{m}.weight"].to(self.device, non_blocking=True) for m in adapters}
@@ -377,6 +379,10 @@ class TorchBackend(EngineLoop, Backend):
                 raise WeightsIncompatibleError(
                     f"{path}: {name} has shape {tuple(tensor.shape)}, the model {tuple(state[name].shape)}"
                 )
+            # another float dtype is cast (a bf16 checkpoint for an fp32 replica); integers (a quantized export,
+            # raw bytes) would be cast into garbage weights that serve without an error
+            if tensor.is_floating_point() != state[name].is_floating_point():
+                raise WeightsIncompatibleError(f"{path}: {name} is {tensor.dtype}, the model's is {state[name].dtype}")
         return {name: tensor.to(self.device, self.dtype) for name, tensor in tensors.items()}
 
     async def _swap_in(self, tensors: dict, version: int, adapter: str | None = None, source: Path | None = None):

@@ -103,6 +103,35 @@ async def test_an_adapter_that_does_not_fit_is_refused(backend, tiny_model, tmp_
     assert backend.version == 0
 
 
+@pytest.mark.asyncio
+async def test_an_adapter_of_integer_tensors_or_mismatched_ranks_is_refused_clearly(backend, tiny_model, tmp_path):
+    """Merged into the base (a full UpdateWeights of an adapter folder) and as a named adapter: an integer lora_B
+    would be cast into a garbage delta, and lora_A / lora_B of different ranks failed inside the merge."""
+    from safetensors.torch import load_file, save_file
+
+    write_adapter(tiny_model, tmp_path / "good", seed=1)
+    tensors = load_file(tmp_path / "good" / ADAPTER_FILE)
+    b_name = next(k for k in tensors if "lora_B" in k)
+    broken = {"ints": {**tensors, b_name: torch.ones(tensors[b_name].shape, dtype=torch.int32)},
+              "ranks": {**tensors, b_name: tensors[b_name][:, :3].contiguous()}}  # fmt: skip
+    reasons = {"ints": "int32, not floating point", "ranks": "does not fit the model"}
+    named = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=1, max_lora_rank=4)
+    await named.start()
+    try:
+        for folder, bad in broken.items():
+            (tmp_path / folder).mkdir()
+            save_file(bad, tmp_path / folder / ADAPTER_FILE)
+            (tmp_path / folder / ADAPTER_CONFIG).write_bytes((tmp_path / "good" / ADAPTER_CONFIG).read_bytes())
+            with pytest.raises(WeightsIncompatibleError, match=reasons[folder]):
+                await backend.update_weights(FetchedWeights.local(tmp_path / folder, 1))
+            if folder == "ints":  # ranks: the bank's own shape check refused it already
+                with pytest.raises(WeightsIncompatibleError, match=reasons[folder]):
+                    await named.update_adapter("x", FetchedWeights.local(tmp_path / folder, 1))
+        assert backend.version == 0 and named.adapter_names == ()
+    finally:
+        await named.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.asyncio

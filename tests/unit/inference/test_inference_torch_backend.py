@@ -180,6 +180,7 @@ async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving
         "shape": {**good, name: torch.zeros(7, 3)},
         "unknown": {**good, "not.a.weight": torch.zeros(2)},
         "missing": {k: v for k, v in good.items() if k != name},
+        "ints": {**good, name: torch.ones(good[name].shape, dtype=torch.int32)},  # was cast into garbage weights
     }
     (tmp_path / "empty").mkdir()
     for folder, tensors in broken.items():
@@ -188,7 +189,7 @@ async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving
     (tmp_path / "garbage").mkdir()
     (tmp_path / "garbage" / "model.safetensors").write_bytes(b"\x01")
     reasons = {"empty": "no \\*.safetensors", "shape": "has shape", "unknown": "does not have", "missing": "missing",
-               "garbage": "not a readable safetensors file"}  # fmt: skip
+               "garbage": "not a readable safetensors file", "ints": "is torch.int32, the model"}  # fmt: skip
     for folder, reason in reasons.items():
         with pytest.raises(WeightsIncompatibleError, match=reason):
             await backend.update_weights(FetchedWeights.local(tmp_path / folder, 7))
