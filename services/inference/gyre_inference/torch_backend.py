@@ -390,7 +390,10 @@ class TorchBackend(EngineLoop, Backend):
         with self._cond:
             if self._stopping or not self.ready:
                 raise BackendStoppedError("the torch engine is not running")
-            if self._swap is not None:  # the caller serialises updates; never drop one silently
+            # The caller serialises updates; never drop one silently. A pending swap whose caller gave up (an
+            # UpdateWeights past its deadline, the engine busy with a long step) is dropped by the engine anyway:
+            # its retry takes its place instead of failing.
+            if self._swap is not None and not self._swap.done.cancelled():
                 raise RuntimeError("a weight swap is already pending")
             self._swap = swap
             self._cond.notify()

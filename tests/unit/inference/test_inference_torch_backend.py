@@ -170,6 +170,23 @@ async def test_a_swap_its_caller_gave_up_on_is_dropped_and_the_batch_keeps_runni
     assert backend.version == 1
 
 
+async def test_a_retry_replaces_a_swap_its_caller_gave_up_on_before_the_engine_saw_it(backend, tiny_model, tmp_path):
+    """An UpdateWeights cancelled while the engine thread was busy (a long step) leaves its swap pending; the
+    orchestrator's retry must take its place. Before, the retry failed with "a weight swap is already pending"
+    (INTERNAL over gRPC) until the engine's next iteration happened to drop the cancelled one."""
+    from gyre_inference.torch_backend import _Swap
+
+    _save_perturbed(tiny_model, tmp_path / "v1")
+    swap = _Swap(backend._read_weights(tmp_path / "v1"), 1)
+    swap.done.cancel()
+    with backend._cond:  # not notified: the engine thread has not looked at it yet (it is idle, as if busy)
+        backend._swap = swap
+    await asyncio.wait_for(backend.update_weights(FetchedWeights.local(tmp_path / "v1", 2)), 60)
+    assert backend.version == 2
+    events = [e async for e in backend.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0))]
+    assert {e.version for e in events} == {2}
+
+
 async def test_weights_that_do_not_fit_are_refused_and_the_old_ones_keep_serving(backend, tiny_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
