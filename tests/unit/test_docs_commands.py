@@ -2,8 +2,8 @@
 
 Every `gyre <command> ... --option` line a user would copy (code blocks and inline code) names options that
 `gyre <command> --help` lists (for `gyre rl`, `--trainer.*` / `--orchestrator.*` / `--inference.*` are the
-services' own options), every repository path in backticks exists, and every relative link reaches an existing
-file and heading. (docs/kubernetes.md's chart-specific claims: tests/chart/test_docs.py.)
+services' own options) and `@ configs/...` files that exist; every repository path in backticks exists, and
+every relative link reaches an existing file and heading. (docs/kubernetes.md's chart claims: tests/chart/test_docs.py.)
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from gyre.cli import COMMANDS
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
-# `gyre <command>` then the rest of its line, up to a comment, the end of inline code or a table cell
-COMMAND = re.compile(r"\bgyre ((?:bench|model) \w+|\w+)((?: +[^`|\n#]*)?)")
+# `gyre <command>` then the rest of its line, up to a ` #` comment (`@ exp.toml#trainer` is none), the end of
+# inline code or a table cell
+COMMAND = re.compile(r"\bgyre ((?:bench|model) \w+|\w+)((?: +(?:[^`|\n#]|(?<=\S)#)*)?)")
 FLAG = re.compile(r"(?<![\w-])--([A-Za-z][\w.-]*)")
 SERVICE_SECTIONS = ("trainer", "orchestrator", "inference")  # `gyre rl --trainer.optim.lr` is the trainer's key
 
@@ -70,7 +71,8 @@ def test_every_documented_gyre_option_exists(doc):
     lines = _command_lines(doc.read_text())
     flags = [(cmd, flag, rest) for cmd, rest in lines for flag in FLAG.findall(rest) if flag != "help"]
     unknown = [f"gyre {cmd}: --{flag}   ({rest.strip()[:80]})" for cmd, flag, rest in flags if not _known(cmd, flag)]
-    assert unknown == []
+    configs = [path for _, rest in lines for path in re.findall(r"@ ((?:configs|deploy)/[^\s#]+)", rest)]
+    assert unknown + [f"@ {path}: no such file" for path in configs if not (ROOT / path).is_file()] == []
 
 
 def test_the_scan_sees_the_commands_of_every_kind():
@@ -80,6 +82,7 @@ def test_the_scan_sees_the_commands_of_every_kind():
     wrapped = [rest for cmd, rest in lines if cmd == "inference" and "--auth.api-key-file" in rest]
     assert wrapped, "an inline command wrapped over two lines (docs/kubernetes.md) is read as one"
     assert any("--orchestrator.env.args" in rest for cmd, rest in lines if cmd == "rl"), "a `\\` continuation"
+    assert any("--bench" in rest for cmd, rest in lines if cmd == "trainer"), "options after `@ exp.toml#trainer`"
 
 
 def test_an_unknown_option_is_caught():
