@@ -108,3 +108,13 @@ def test_repository_paths_and_links_exist(doc):
             if anchor[1:] not in slugs:
                 missing.append(target + anchor)
     assert missing == []
+
+
+def test_every_dependency_is_explained_in_dependencies_md():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] + [s for extra in project["optional-dependencies"].values() for s in extra]
+    names = {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0].lower() for spec in specs} - {"gyre"}
+    text = (ROOT / "docs" / "dependencies.md").read_text().lower()
+    assert sorted(name for name in names if name not in text) == []
