@@ -259,7 +259,7 @@ class Serving:
             return StreamingResponse(
                 (stream or self._stream)(job),
                 media_type="text/event-stream",
-                headers={VERSION_HEADER: str(self.backend.version), "cache-control": "no-cache"},
+                headers={VERSION_HEADER: str(self._served_version(job)), "cache-control": "no-cache"},
             )
         try:
             outcome = await self._run_all(job, client_gone)
@@ -276,6 +276,16 @@ class Serving:
             body = self._chat_body if job.kind == "chat" else self._completion_body
         newest = max(choice.version_max for _, choice, _ in job.choices)
         return FastJSONResponse(body(job), headers={VERSION_HEADER: str(newest)})
+
+    def _served_version(self, job: _Job) -> int:
+        """The version the job's model name serves now: a named adapter's own, not the base model's."""
+        adapter = job.choices[0][2].adapter
+        if adapter is None:
+            return self.backend.version
+        try:
+            return self.backend.adapter_version(adapter)
+        except KeyError:  # forgotten since the request was checked: its stream ends with the 404
+            return 0
 
     async def _run_all(self, job: _Job, client_gone) -> str:
         """Run every choice to its end: "success", or "aborted" when the client went away first."""

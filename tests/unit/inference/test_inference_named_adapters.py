@@ -181,3 +181,28 @@ async def test_an_evicted_name_whose_folder_is_gone_gets_the_unknown_model_404_o
     assert served.model == "c" and len(served.choices[0].text) > 0
     assert response.status_code == 200 and "b" not in engine.adapter_names and set(engine.adapter_names) == {"c"}
     assert json.loads(events[-1])["error"] == {**expected, "message": expected["message"].format("b")}
+
+
+@pytest.mark.asyncio
+async def test_a_named_adapter_s_responses_carry_its_own_version_streamed_or_not(tiny_model, tmp_path):
+    """x-gyre-policy-version of a request for adapter `a` is `a`'s version (5 here, the base serves 0). A stream's
+    header carried the base model's version."""
+    import httpx
+    import openai
+    from http_app import serve_app
+
+    async def load_a(engine):
+        write_adapter(tiny_model, tmp_path / "a", seed=1)
+        await engine.update_adapter("a", FetchedWeights.local(tmp_path / "a", 5))
+
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=1, max_lora_rank=4)
+    async with serve_app(engine, tiny_model, "adapter-version", load_a) as url:
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
+            plain = await client.completions.with_raw_response.create(model="a", prompt=[5], max_tokens=2)
+            base = await client.completions.with_raw_response.create(model="tiny", prompt=[5], max_tokens=2)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as raw:
+            body = {"model": "a", "prompt": [5], "max_tokens": 2, "stream": True}
+            streamed = await raw.post("/completions", json=body)
+    assert plain.headers["x-gyre-policy-version"] == "5" and plain.parse().choices[0].model_extra["policy_version"] == 5
+    assert base.headers["x-gyre-policy-version"] == "0"
+    assert streamed.status_code == 200 and streamed.headers["x-gyre-policy-version"] == "5"
