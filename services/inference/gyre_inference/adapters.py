@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from gyre_inference.backend import WeightsIncompatibleError
+from gyre_inference.backend import AdapterSlotsBusyError, WeightsIncompatibleError
 
 BASE = 0  # the slot of the base model (no adapter)
 
@@ -99,7 +99,7 @@ class AdapterBank:
             if not free:
                 idle = [n for n in self.slots if self.slots[n] not in busy]
                 if not idle:
-                    raise WeightsIncompatibleError(
+                    raise AdapterSlotsBusyError(
                         f"adapter {name!r}: all {self.max_adapters} adapter slots are in use by queued or running "
                         f"requests ({sorted(self.slots)}); retry, or raise lora.max_loras"
                     )

@@ -126,6 +126,11 @@ class WeightsIncompatibleError(ValueError):
     """A weights folder cannot be loaded into the served model (missing/unknown tensors, wrong shapes)."""
 
 
+class AdapterSlotsBusyError(WeightsIncompatibleError):
+    """Every named-adapter slot serves queued or running requests: a new name cannot be loaded now (an
+    UpdateWeights is refused; a request for an evicted name waits for a slot, as vLLM's scheduler does)."""
+
+
 class Backend(ABC):
     """Generation engine behind the HTTP API and the gRPC control server.
 

@@ -36,6 +36,7 @@ from gyre.transport import FetchedWeights
 
 from gyre_inference.backend import (
     AdapterGoneError,
+    AdapterSlotsBusyError,
     Backend,
     BackendStoppedError,
     SamplingParams,
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_PREFILL_TOKENS = 4096  # new tokens one prefill computes at most (a longer prompt goes alone)
+SLOT_WAIT_SECONDS = 0.05  # how often a request for an evicted adapter checks for a free slot (all busy)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -199,13 +201,23 @@ class TorchBackend(EngineLoop, Backend):
             log.info("loading evicted adapter %r back (version %d from %s)", name, version, source)
             await self._swap_in(tensors, version, adapter=name, source=source)
 
+    def _a_slot_is_idle(self) -> bool:
+        """Whether an adapter slot is free or serves no queued or running row (the engine thread's check,
+        `EngineLoop._give_slot`, is the one that counts: this one only paces a wait for it)."""
+        with self._cond:
+            busy = {seq.adapter for seq in (*self._rows, *self._waiting)}
+            return len(self._bank.slots) < self._bank.max_adapters or any(
+                slot not in busy for slot in self._bank.slots.values()
+            )
+
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         if not self.ready:
             raise BackendStoppedError("the torch engine is not running")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(list(prompt), params, asyncio.Queue(), seed)
         name = params.adapter
-        for _ in range(3):  # an adapter evicted again before its request is queued is loaded again
+        reloads = 0
+        while True:
             with self._cond:  # the slot is read and the row queued at once: its slot is busy from now on
                 if name is None or (self._bank is not None and name in self._bank.slots):
                     if name is not None:
@@ -214,9 +226,16 @@ class TorchBackend(EngineLoop, Backend):
                     self._waiting.append(seq)
                     self._cond.notify()
                     break
-            await self._reload(name)
-        else:
-            raise WeightsIncompatibleError(f"adapter {name!r}: evicted again at once; raise lora.max_loras")
+            if reloads == 3:  # an adapter evicted again before its request is queued is loaded again, up to 3 times
+                raise WeightsIncompatibleError(f"adapter {name!r}: evicted again at once; raise lora.max_loras")
+            try:
+                await self._reload(name)
+                reloads += 1
+            except AdapterSlotsBusyError:
+                # every slot serves queued or running rows of other names: wait until one ends (vLLM's scheduler
+                # queues a request whose adapter does not fit max_loras the same way), then load it back
+                while not self._a_slot_is_idle():
+                    await asyncio.sleep(SLOT_WAIT_SECONDS)
         try:
             while True:
                 item = await seq.queue.get()

@@ -206,3 +206,34 @@ async def test_a_named_adapter_s_responses_carry_its_own_version_streamed_or_not
     assert plain.headers["x-gyre-policy-version"] == "5" and plain.parse().choices[0].model_extra["policy_version"] == 5
     assert base.headers["x-gyre-policy-version"] == "0"
     assert streamed.status_code == 200 and streamed.headers["x-gyre-policy-version"] == "5"
+
+
+@pytest.mark.asyncio
+async def test_a_request_for_an_evicted_name_waits_while_every_slot_is_busy(tiny_model, tmp_path):
+    """One slot, held by b's running request: a request for evicted a waits until b's ends, then a is loaded back
+    (vLLM's scheduler queues a request whose adapter does not fit max_loras). It failed at once (a 500 over HTTP).
+    A waiting request that is cancelled leaves nothing behind."""
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=4, max_adapters=1, max_lora_rank=4)
+    await engine.start()
+    try:
+        for step, name in enumerate("ab", start=1):
+            write_adapter(tiny_model, tmp_path / name, seed=step)
+        await engine.update_adapter("a", FetchedWeights.local(tmp_path / "a", 1))
+        alone = await sample(engine, "a")
+        await engine.update_adapter("b", FetchedWeights.local(tmp_path / "b", 2))  # evicts a
+        running = engine.generate(PROMPT, SamplingParams(max_tokens=400, temperature=1.0, seed=3, adapter="b"))
+        await running.__anext__()
+        waiting = asyncio.create_task(sample(engine, "a"))
+        gives_up = asyncio.create_task(sample(engine, "a", seed=4))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and not gives_up.done() and set(engine._bank.slots) == {"b"}
+        gives_up.cancel()
+        rest = [e async for e in running]
+        assert rest[-1].finish_reason == "length" and {e.version for e in rest} == {2}
+        tokens, logprobs, versions = await asyncio.wait_for(waiting, 60)
+        assert tokens == alone[0] and torch.allclose(logprobs, alone[1], atol=1e-6) and versions == {1}
+        with pytest.raises(asyncio.CancelledError):
+            await gives_up
+        assert set(engine._bank.slots) == {"a"} and not engine._waiting
+    finally:
+        await engine.shutdown()
