@@ -33,7 +33,7 @@ import sys
 import time
 import uuid
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ class SFTDataError(ValueError):
 class Conversation:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    where: str = field(default="", compare=False)  # where it came from (file:line), for error messages
 
 
 @dataclass
@@ -95,7 +96,7 @@ def read_jsonl(path: Path) -> list[Conversation]:
         tools = doc.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise SFTDataError(f"{where}: tools must be a list of function schemas")
-        conversations.append(Conversation(messages, tools))
+        conversations.append(Conversation(messages, tools, where))
     if not conversations:
         raise SFTDataError(f"data.path {path}: no conversations")
     return conversations
@@ -107,7 +108,8 @@ def environment_conversations(name: str, args: dict[str, Any], num: int, seed: i
 
     env = load_environment(name, **args)
     source = env.tasks("train", seed=seed)
-    return [Conversation(env.sft_example(source[i]), env.tool_schemas) for i in range(num)]
+    return [Conversation(env.sft_example(source[i]), env.tool_schemas, f"environment {name}, train task {i}")
+            for i in range(num)]  # fmt: skip
 
 
 _WORDS = ("apple", "river", "stone", "cloud", "green", "quick", "seven", "tiger", "lemon", "paper", "north", "light")
@@ -269,7 +271,7 @@ def prepare_rows(cfg: SFTConfig, tokenizer) -> list[PackedRow]:
 
     conversations = load_conversations(data, cfg.seed)
     end_ids = end_of_turn_ids(cfg.model.name, tokenizer)
-    rows, truncated, dropped = pack((tokenize(c, tokenizer, end_ids) for c in conversations), data.seq_len)
+    rows, truncated, dropped = pack((_tokenize_or_explain(c, tokenizer, end_ids) for c in conversations), data.seq_len)
     if dropped == len(conversations):
         raise SFTDataError(f"no conversation has an assistant token to learn within data.seq_len={data.seq_len}")
     if truncated or dropped:
@@ -282,6 +284,20 @@ def prepare_rows(cfg: SFTConfig, tokenizer) -> list[PackedRow]:
         )
     log.info("%d conversations -> %d rows of <= %d tokens", len(conversations), len(rows), data.seq_len)
     return rows
+
+
+def _tokenize_or_explain(conversation: Conversation, tokenizer, end_ids: Collection[int]):
+    """`tokenize`, with a conversation the chat template cannot render (a message shape it does not know, a
+    `raise_exception` in it) or mask an `SFTDataError` naming where it came from, not a Jinja traceback."""
+    from jinja2 import TemplateError
+
+    where = conversation.where or "a conversation"
+    try:
+        return tokenize(conversation, tokenizer, end_ids)
+    except SFTDataError as e:
+        raise SFTDataError(f"{where}: {e}") from None
+    except (TemplateError, TypeError, ValueError) as e:
+        raise SFTDataError(f"{where}: the model's chat template cannot render this conversation ({e})") from None
 
 
 def rows_for_step(rows: list[PackedRow], step: int, batch_size: int, seed: int) -> tuple[int, list[PackedRow]]:

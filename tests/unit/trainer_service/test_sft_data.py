@@ -123,6 +123,31 @@ def test_cli_reports_data_errors_with_status_2(tmp_path, tiny_model, capsys):
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 
+def test_a_conversation_the_chat_template_cannot_render_is_named_not_a_traceback(tmp_path, tiny_model, capsys):
+    # SmolLM2's template reads every message's content: a tool-call turn without one (OpenAI's shape) fails in
+    # Jinja; `gyre sft` crashed with that traceback instead of naming the line (as a bad JSON line is named)
+    import shutil
+    from pathlib import Path
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    templates = Path(__file__).parent / "data" / "chat_templates"
+    (model / "chat_template.jinja").write_text((templates / "smollm2.jinja").read_text())
+    good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
+    tool_turn = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "tool_calls": [call]},
+                              {"role": "tool", "tool_call_id": "c1", "content": "4"},
+                              {"role": "assistant", "content": "4"}]}  # fmt: skip
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps(good) + "\n" + json.dumps(tool_turn) + "\n")
+    argv = ["--model.name", str(model), "--data.path", str(data), "--output-dir", str(tmp_path / "out"),
+            "--data.batch-size", "1", "--max-steps", "1", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "chats.jsonl:2: the model's chat template cannot render this conversation" in err
+    assert "Traceback" not in err and not (tmp_path / "out" / "sft").exists()
+
+
 def test_exactly_one_data_source_is_required():
     from gyre.config import ConfigError
 
