@@ -356,7 +356,15 @@ def import_model(
     say(f"source: {found.description} -> {found.path}")
     began = time.monotonic()
     say("loading" + (" and dequantising" if found.kind == "gguf" else "") + " ...")
-    model, tokenizer = load_source(found, dtype)
+    from safetensors import SafetensorError
+
+    try:
+        model, tokenizer = load_source(found, dtype)
+    except ModelImportError:
+        raise
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # not a GGUF, a truncated file, an unknown model
+        reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+        raise ModelImportError(f"cannot load {found.description}: {reason}; nothing was written") from None
     params = sum(p.numel() for p in model.parameters())
     say(f"loaded {type(model).__name__}, {params / 1e6:.1f}M parameters, {model.dtype} "
         f"({time.monotonic() - began:.1f}s)")  # fmt: skip

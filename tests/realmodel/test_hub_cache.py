@@ -103,3 +103,21 @@ def test_model_import_refuses_before_writing_anything(tiny_model, tmp_path):
     run = gyre("model", "import", str(tiny_model), "--output-dir", str(tmp_path / "d"), "--overwrite")
     assert run.returncode == 2 and "is a file, not a folder" in run.stderr and (tmp_path / "d").read_text() == "mine"
     assert list(tmp_path.glob(".tmp-*")) == []
+
+
+def test_model_import_of_a_file_it_cannot_load_is_one_line_and_nothing_written(tiny_model, tmp_path, capsys):
+    # a .gguf that is not one, and a model folder with truncated weights: before, both were a transformers /
+    # safetensors traceback (exit 1) instead of the one-line error every other bad source gets
+    from gyre.model_import import main
+
+    pytest.importorskip("gguf")
+    (tmp_path / "fake.gguf").write_text("not a gguf")
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for f in tiny_model.iterdir():
+        (truncated / f.name).write_bytes(f.read_bytes()[: 100 if f.suffix == ".safetensors" else None])
+    for source, what in [(tmp_path / "fake.gguf", "GGUF file"), (truncated, "model folder")]:
+        assert main([str(source), "--output-dir", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert f"error: cannot load {what} {source}: " in err and "nothing was written" in err
+        assert not (tmp_path / "out").exists() and list(tmp_path.glob(".tmp-*")) == []
