@@ -118,3 +118,9 @@ def test_every_dependency_is_explained_in_dependencies_md():
     names = {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0].lower() for spec in specs} - {"gyre"}
     text = (ROOT / "docs" / "dependencies.md").read_text().lower()
     assert sorted(name for name in names if name not in text) == []
+
+
+def test_every_documented_make_target_exists():
+    targets = set(re.findall(r"(?m)^([\w-]+):", (ROOT / "Makefile").read_text()))
+    named = {t for doc in DOCS for t in re.findall(r"(?m)(?:`|^)make ([\w-]+)", doc.read_text())}
+    assert "demo" in named and sorted(named - targets) == []
