@@ -124,3 +124,24 @@ def test_every_documented_make_target_exists():
     targets = set(re.findall(r"(?m)^([\w-]+):", (ROOT / "Makefile").read_text()))
     named = {t for doc in DOCS for t in re.findall(r"(?m)(?:`|^)make ([\w-]+)", doc.read_text())}
     assert "demo" in named and sorted(named - targets) == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_toml_examples_are_valid_configs(doc):
+    """A ```toml block's service tables load as that service's config, its other keys as `gyre rl`'s."""
+    import tomllib
+
+    from gyre.config.inference import InferenceConfig
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.config.rl import RLConfig
+    from gyre.config.trainer import TrainerConfig
+
+    services = {"inference": InferenceConfig, "orchestrator": OrchestratorConfig, "trainer": TrainerConfig}
+    for block in re.findall(r"(?ms)^```toml\n(.*?)^```", doc.read_text()):
+        data = tomllib.loads(block)
+        data.pop("project", None)  # a package's pyproject.toml (entry points), not a config
+        for section, cls in services.items():
+            if section in data:
+                cls(**data.pop(section))
+        if data:
+            RLConfig(**data)
