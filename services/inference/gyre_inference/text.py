@@ -13,6 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from gyre.chat import template_messages
 from gyre.eos import end_of_turn_ids
 
 from gyre_inference.errors import APIError
@@ -65,8 +66,7 @@ class ModelText:
     ) -> str:
         from jinja2 import TemplateError
 
-        # OpenAI's `developer` role is what chat templates know as `system`.
-        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+        messages = template_messages(messages)  # `developer` -> `system`, as `gyre sft` renders it
         template_kwargs = template_kwargs or {}
         if reserved := sorted(_TEMPLATE_ARGUMENTS & set(template_kwargs)):
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (request fields do)",

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gyre.chat import template_messages
 from gyre.config import parse_or_exit
 from gyre.config.trainer import SFTConfig, SFTDataConfig
 from gyre.logging import setup_logging
@@ -146,7 +147,9 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def tokenize(conversation: Conversation, tokenizer, end_ids: Collection[int] = ()) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered chat and its assistant mask (`assistant_mask`); `end_ids`: the end-of-turn ids."""
+    """Token ids of the rendered chat and its assistant mask (`assistant_mask`); `end_ids`: the end-of-turn ids.
+    The chat is rendered as inference renders it (`gyre.chat.template_messages`: a `developer` turn is `system`)."""
+    conversation = Conversation(template_messages(conversation.messages), conversation.tools, conversation.where)
     if _GENERATION_MARKER.search(tokenizer.chat_template or ""):
         out = tokenizer.apply_chat_template(
             conversation.messages,

@@ -155,3 +155,14 @@ def test_an_opening_assistant_turn_the_generation_prompt_cannot_locate_is_refuse
         "{% if add_generation_prompt %}>>> {% endif %}"  # fmt: skip
     with pytest.raises(SFTDataError, match="message 0"):
         tokenize(Conversation([{"role": "assistant", "content": "Hi"}, *copy.deepcopy(CHAT[1:3])]), tokenizer, {0})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_developer_turn_trains_on_the_text_inference_renders(family_tokenizer, family):
+    # inference renders OpenAI's `developer` role as `system`; SFT rendered it as a turn of its own (SmolLM2 and
+    # Qwen: a "developer" turn after the template's default system prompt), text the served model never sees
+    tokenizer = family_tokenizer(family)
+    developer = [{**CHAT[0], "role": "developer"}, *copy.deepcopy(CHAT[1:])]
+    assert tokenize(Conversation(developer), tokenizer, {0}) == tokenize(
+        Conversation(copy.deepcopy(CHAT)), tokenizer, {0}
+    )
