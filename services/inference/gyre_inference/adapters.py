@@ -45,8 +45,14 @@ def read_adapter_folder(path: Path) -> tuple[float, dict[str, dict[str, torch.Te
     from safetensors.torch import load_file
 
     try:
-        scale = config_scale(json.loads((path / ADAPTER_CONFIG).read_bytes()))
-        _, adapters = split_lora(load_file(path / ADAPTER_FILE))
+        config = json.loads((path / ADAPTER_CONFIG).read_bytes())
+        scale = config_scale(config)
+        # one alpha / r for every module, and only lora_A / lora_B applied: anything else would be dropped silently
+        if patterns := [key for key in ("rank_pattern", "alpha_pattern") if config.get(key)]:
+            raise ValueError(f"{ADAPTER_CONFIG}: per-module {' and '.join(patterns)} are not supported")
+        others, adapters = split_lora(load_file(path / ADAPTER_FILE))
+        if others:  # modules_to_save copies, LoRA biases
+            raise ValueError(f"{ADAPTER_FILE} holds tensors besides lora_A/lora_B, not supported: {sorted(others)[:3]}")
     except (ValueError, OSError) as error:
         raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
     except Exception as error:  # safetensors' own error type for a malformed file

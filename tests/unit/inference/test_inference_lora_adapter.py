@@ -151,3 +151,34 @@ async def test_an_adapter_is_merged_on_the_gpu_into_peft_s_merged_weights(tiny_m
                 torch.testing.assert_close(served[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_adapter_features_that_would_be_dropped_are_refused(backend, tiny_model, tmp_path):
+    """Per-module ranks/alphas (rank_pattern, alpha_pattern) and tensors besides lora_A/lora_B (modules_to_save,
+    LoRA biases) cannot be applied: refused by name, merged or as a named adapter. They were dropped silently,
+    serving other weights than the adapter's."""
+    from safetensors.torch import load_file, save_file
+
+    write_adapter(tiny_model, tmp_path / "good", seed=1)
+    config = json.loads((tmp_path / "good" / ADAPTER_CONFIG).read_text())
+    tensors = load_file(tmp_path / "good" / ADAPTER_FILE)
+    head = load_file(tiny_model / "model.safetensors")["lm_head.weight"]
+    broken = {
+        "pattern": ({**config, "alpha_pattern": {"q_proj": 32}}, tensors, "alpha_pattern are not supported"),
+        "saved": (config, {**tensors, "base_model.model.lm_head.weight": head}, "besides lora_A/lora_B"),
+    }
+    named = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=1, max_lora_rank=4)
+    await named.start()
+    try:
+        for folder, (bad_config, bad_tensors, reason) in broken.items():
+            (tmp_path / folder).mkdir()
+            save_file(bad_tensors, tmp_path / folder / ADAPTER_FILE)
+            (tmp_path / folder / ADAPTER_CONFIG).write_text(json.dumps(bad_config))
+            with pytest.raises(WeightsIncompatibleError, match=reason):
+                await backend.update_weights(FetchedWeights.local(tmp_path / folder, 1))
+            with pytest.raises(WeightsIncompatibleError, match=reason):
+                await named.update_adapter("x", FetchedWeights.local(tmp_path / folder, 1))
+        assert backend.version == 0 and named.adapter_names == ()
+    finally:
+        await named.shutdown()
