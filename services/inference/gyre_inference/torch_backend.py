@@ -117,6 +117,7 @@ class TorchBackend(EngineLoop, Backend):
         self._others_are_base = True  # every weight an adapter does not touch is the base model's
         self._version = 0
         self._thread: threading.Thread | None = None
+        self._slot_waiters = 0  # requests waiting for an adapter slot (all busy), not queued yet
         self._swap_lock = asyncio.Lock()  # one read-and-swap at a time: updates and reloads of evicted adapters
 
     # ---- Backend interface ----------------------------------------------------------------------
@@ -140,7 +141,7 @@ class TorchBackend(EngineLoop, Backend):
 
     def load_stats(self) -> tuple[int, int]:
         # read without the lock: a scrape may be off by the sequences moving between the two lists
-        return len(self._rows) + self._admitting, len(self._waiting)
+        return len(self._rows) + self._admitting, len(self._waiting) + self._slot_waiters
 
     def engine_stats(self) -> EngineStats | None:
         # read without the lock, like load_stats: counters may be one step apart from each other
@@ -234,8 +235,12 @@ class TorchBackend(EngineLoop, Backend):
             except AdapterSlotsBusyError:
                 # every slot serves queued or running rows of other names: wait until one ends (vLLM's scheduler
                 # queues a request whose adapter does not fit max_loras the same way), then load it back
-                while not self._a_slot_is_idle():
-                    await asyncio.sleep(SLOT_WAIT_SECONDS)
+                self._slot_waiters += 1  # counted as waiting (GetStatus, metrics) like a queued request
+                try:
+                    while not self._a_slot_is_idle():
+                        await asyncio.sleep(SLOT_WAIT_SECONDS)
+                finally:
+                    self._slot_waiters -= 1
         try:
             while True:
                 item = await seq.queue.get()

@@ -227,6 +227,7 @@ async def test_a_request_for_an_evicted_name_waits_while_every_slot_is_busy(tiny
         gives_up = asyncio.create_task(sample(engine, "a", seed=4))
         await asyncio.sleep(0.2)
         assert not waiting.done() and not gives_up.done() and set(engine._bank.slots) == {"b"}
+        assert engine.load_stats() == (1, 2)  # the two wait as queued requests do
         gives_up.cancel()
         rest = [e async for e in running]
         assert rest[-1].finish_reason == "length" and {e.version for e in rest} == {2}
