@@ -25,8 +25,10 @@ from gyre.config.loader import Section, parse_or_exit
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 HOW_TO_CREATE = (
-    "to train a small local model instead, set model.init_preset = 'tiny' (creates {output_dir}/model) "
-    "or create one with `gyre model init --output-dir DIR` and set model.name = DIR"
+    "to bring a pretrained model, run `gyre model import SOURCE --output-dir DIR` (SOURCE: smollm2 offline, a "
+    ".gguf file, a hub cache folder) and set model.name = DIR; to train a small local model instead, set "
+    "model.init_preset = 'tiny' (creates {output_dir}/model) or create one with `gyre model init --output-dir DIR` "
+    "and set model.name = DIR"
 )
 
 
@@ -88,7 +90,7 @@ def check_model_source(name: str, key: str = "model.name", hub: bool = True, hin
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelUnavailable(
             f"{key} = {name!r} is not a local folder, and as a Hugging Face hub id it cannot be fetched "
-            f"({reason}); {HOW_TO_CREATE}"
+            f"({reason}); {hint}"
         ) from None
     return "hub id"
 

@@ -68,6 +68,27 @@ def test_a_servers_missing_model_names_its_own_key_not_the_policys_init_preset(t
     assert f"servers.judge.model = '{missing}'" in str(error.value) and "init_preset" not in str(error.value)
 
 
+def test_a_model_name_that_cannot_be_fetched_says_how_to_get_one_for_its_own_key(tmp_path, monkeypatch, tiny_model):
+    import huggingface_hub.constants
+    from gyre.local.launcher import Launcher
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub: fails at once
+    # the SmolLM2 recipe before `gyre model import`: its relative folder reads as a hub id; say how to import it
+    recipe = ["@", str(ROOT / "configs/smollm2/arithmetic.toml"), "--output-dir", str(tmp_path / "run")]
+    with pytest.raises(ConfigError) as error:
+        Launcher(load_config(RLConfig, [*recipe, "--model.name", "outputs/not-imported"])).validate()
+    assert "model.name = 'outputs/not-imported'" in str(error.value) and "gyre model import" in str(error.value)
+    # a judge's hub id: its own hint, not the policy's init_preset (that hint was dropped on this path)
+    with pytest.raises(ConfigError) as error:
+        Launcher(
+            load_config(
+                RLConfig,
+                [*recipe, "--model.name", str(tiny_model), "--servers", '[{"name": "judge", "model": "org/judge"}]'],
+            )
+        ).validate()
+    assert "servers.judge.model = 'org/judge'" in str(error.value) and "init_preset" not in str(error.value)
+
+
 @pytest.mark.parametrize(
     ("argv", "key"),
     [(["--trainer.max-steps", "5"], "trainer.max_steps"), (["--orchestrator.run-id", "x"], "orchestrator.run_id"),
