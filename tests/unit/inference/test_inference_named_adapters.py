@@ -228,6 +228,9 @@ async def test_a_request_for_an_evicted_name_waits_while_every_slot_is_busy(tiny
         await asyncio.sleep(0.2)
         assert not waiting.done() and not gives_up.done() and set(engine._bank.slots) == {"b"}
         assert engine.load_stats() == (1, 2)  # the two wait as queued requests do
+        write_adapter(tiny_model, tmp_path / "c", seed=3)
+        with pytest.raises(WeightsIncompatibleError, match="slots are in use"):  # an update does not wait: refused
+            await engine.update_adapter("c", FetchedWeights.local(tmp_path / "c", 1))
         gives_up.cancel()
         rest = [e async for e in running]
         assert rest[-1].finish_reason == "length" and {e.version for e in rest} == {2}
