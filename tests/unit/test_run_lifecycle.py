@@ -432,6 +432,14 @@ def test_resumed_curves_continue_and_eval_off_says_so(tmp_path):
     assert summary_numbers(tmp_path)["steps_trained"] == 2
     text = summarize(tmp_path)
     assert "eval off" in text and "nan -> nan" not in text
+    # the summary names the versions evaluated: one eval read "0.250 -> 0.250", as if the final model was too
+    evals = tmp_path / "events" / "eval.jsonl"
+    evals.write_text(json.dumps({"step": 0, "avg_at_k": 0.25, "time": 100.0}) + "\n")
+    assert "0.250 (version 0, the only eval)" in summarize(tmp_path)
+    evals.write_text(
+        "".join(json.dumps({"step": s, "avg_at_k": a, "time": 100.0 + s}) + "\n" for s, a in [(0, 0.25), (8, 0.85)])
+    )
+    assert "0.250 (version 0) -> 0.850 (version 8)" in summarize(tmp_path)
 
 
 def test_fresh_on_a_project_folder_refuses_before_writing_anything(tmp_path):

@@ -45,6 +45,7 @@ def summary_numbers(output_dir: Path) -> dict[str, float]:
         "reward_last": _mean(rewards[-first_k:]),
         "eval_first": evals[0]["avg_at_k"] if evals else float("nan"),
         "eval_last": evals[-1]["avg_at_k"] if evals else float("nan"),
+        "eval_versions": [e["step"] for e in evals],
         "step_seconds_mean": _mean([t.get("step_seconds") for t in trainer]),
         "trainer_tokens_per_s": _mean([t["num_tokens"] / t["step_seconds"] for t in trainer if t.get("step_seconds")]),
         "mfu_mean": _mean([t.get("mfu") for t in trainer]),
@@ -102,6 +103,12 @@ def latest_samples(output_dir: Path, count: int = 3, width: int = 60) -> list[st
 def _eval_text(n: dict[str, float]) -> str:
     if math.isnan(n["eval_first"]) and math.isnan(n["eval_last"]):
         return "eval off (no eval records; set orchestrator.eval.interval)"
+    # which versions: the last eval is not the final model's when max_steps is no multiple of eval.interval
+    versions = n.get("eval_versions") or []
+    if len(versions) == 1:
+        return f"{n['eval_first']:.3f} (version {versions[0]}, the only eval)"
+    if versions:
+        return f"{n['eval_first']:.3f} (version {versions[0]}) -> {n['eval_last']:.3f} (version {versions[-1]})"
     return f"{n['eval_first']:.3f} -> {n['eval_last']:.3f}"
 
 
