@@ -163,7 +163,25 @@ def tokenize(conversation: Conversation, tokenizer, end_ids: Collection[int] = (
         ids, mask = assistant_mask(conversation, tokenizer, end_ids or _eos_of(tokenizer))
     if mask:
         mask[0] = False  # the first token of a sample is never in the loss (nothing predicts it)
+    _check_tool_calls_are_learned(conversation, tokenizer, ids, mask)
     return ids, mask
+
+
+def _check_tool_calls_are_learned(conversation: Conversation, tokenizer, ids: list[int], mask: list[bool]) -> None:
+    """A template that does not render `tool_calls` (SmolLM2's) would teach an empty turn where the model should
+    call a tool: refuse that conversation rather than train the model out of calling tools, silently."""
+    names = {call.get("function", {}).get("name") for m in conversation.messages if m.get("role") == "assistant"
+             for call in m.get("tool_calls") or [] if isinstance(call, dict)}  # fmt: skip
+    names.discard(None)
+    if not names:
+        return
+    learned = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    if missing := sorted(n for n in names if n not in learned):
+        raise SFTDataError(
+            f"the chat template does not render the assistant's tool calls ({', '.join(missing)}), so they "
+            "cannot be learned (the turn would teach an empty reply); use a model whose template renders "
+            "tool_calls, or data without them"
+        )
 
 
 def _eos_of(tokenizer) -> frozenset[int]:

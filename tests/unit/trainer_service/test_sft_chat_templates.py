@@ -166,3 +166,12 @@ def test_a_developer_turn_trains_on_the_text_inference_renders(family_tokenizer,
     assert tokenize(Conversation(developer), tokenizer, {0}) == tokenize(
         Conversation(copy.deepcopy(CHAT)), tokenizer, {0}
     )
+
+
+def test_tool_calls_a_template_does_not_render_are_refused_not_learned_as_an_empty_turn(family_tokenizer):
+    # SmolLM2's template drops `tool_calls`: the tool-call turn rendered as "<|im_end|>" alone, so SFT on a tool
+    # environment (`--data.env calculator`) taught the model to end its turn where it should call the tool
+    with pytest.raises(SFTDataError, match=r"does not render the assistant's tool calls \(calc\)"):
+        tokenize(Conversation(copy.deepcopy(TOOL_CHAT), [CALC]), family_tokenizer("smollm2"), {0})
+    ids, mask = tokenize(Conversation(copy.deepcopy(TOOL_CHAT), [CALC]), family_tokenizer("qwen2.5"), {0})
+    assert any(mask)  # a template that renders them is unaffected
