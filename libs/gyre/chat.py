@@ -7,6 +7,21 @@ from typing import Any
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` as chat templates know them: OpenAI's `developer` role is what templates call `system`
-    (a template that does not know the role renders it as a turn of its own, or refuses it)."""
-    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    """`messages` as chat templates know them: OpenAI's `developer` role is what templates call `system` (a
+    template that does not know the role renders it as a turn of its own, or refuses it), and a content given
+    as OpenAI text parts is their text joined by newlines, as vLLM gives it to a template that reads strings
+    (most real ones, SmolLM2's, Qwen's and Llama's among them, fail on a list: "can only concatenate str")."""
+    out = []
+    for m in messages:
+        if m.get("role") == "developer":
+            m = {**m, "role": "system"}
+        if _text_parts(m.get("content")):
+            m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
+        out.append(m)
+    return out
+
+
+def _text_parts(content: Any) -> bool:
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    )

@@ -548,9 +548,10 @@ async def unless_client_gone(work: Awaitable, client_gone):
 
 
 def _text_of(content) -> str:
-    """A message's content as text (a string, or the concatenated text parts)."""
+    """A message's content as text (a string, or its text parts joined by newlines, as the template got them:
+    `gyre.chat.template_messages`)."""
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content)
+        return "\n".join(part.get("text", "") for part in content)
     return content or ""
 
 

@@ -66,7 +66,7 @@ class ModelText:
     ) -> str:
         from jinja2 import TemplateError
 
-        messages = template_messages(messages)  # `developer` -> `system`, as `gyre sft` renders it
+        messages = template_messages(messages)  # developer -> system, text parts -> text, as `gyre sft` renders
         template_kwargs = template_kwargs or {}
         if reserved := sorted(_TEMPLATE_ARGUMENTS & set(template_kwargs)):
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (request fields do)",

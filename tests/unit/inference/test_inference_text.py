@@ -179,3 +179,21 @@ def test_the_newline_before_a_tool_call_split_over_tokens_is_not_streamed():
     pieces = ["Sure.", "\n", "<", "tool", "_call", ">", _CALL.removeprefix("<tool_call>")]
     streamed, text, calls, reason = _run(pieces, [], "stop")
     assert streamed == text == "Sure." and reason == "tool_calls" and calls[0][0] == "add"
+
+
+def test_text_parts_render_with_a_template_that_reads_strings(tiny_model, tmp_path):
+    # OpenAI text parts ({"type": "text", "text": ...}, what many SDK wrappers send) went to the template as a
+    # list: SmolLM2's (and Qwen's, Llama's) concatenate strings, so every such request was a 400
+    import shutil
+    from pathlib import Path
+
+    from gyre_inference.text import ModelText
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    template = Path(__file__).parents[1] / "trainer_service" / "data" / "chat_templates" / "smollm2.jinja"
+    (model / "chat_template.jinja").write_text(template.read_text())
+    text = ModelText(model)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 2?"}]}]
+    plain = [{"role": "user", "content": "What is\n2 + 2?"}]  # joined by newlines, as vLLM joins them
+    assert text.chat_prompt(parts) == text.chat_prompt(plain)
