@@ -10,11 +10,14 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` as chat templates know them: OpenAI's `developer` role is what templates call `system` (a
     template that does not know the role renders it as a turn of its own, or refuses it), and a content given
     as OpenAI text parts is their text joined by newlines, as vLLM gives it to a template that reads strings
-    (most real ones, SmolLM2's, Qwen's and Llama's among them, fail on a list: "can only concatenate str")."""
+    (most real ones, SmolLM2's, Qwen's and Llama's among them, fail on a list: "can only concatenate str"). An
+    assistant turn with tool calls and no content has content "" (vLLM's too): SmolLM2's template reads it."""
     out = []
     for m in messages:
         if m.get("role") == "developer":
             m = {**m, "role": "system"}
+        if m.get("role") == "assistant" and m.get("content") is None:
+            m = {**m, "content": ""}
         if _text_parts(m.get("content")):
             m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
         out.append(m)

@@ -181,7 +181,7 @@ def test_the_newline_before_a_tool_call_split_over_tokens_is_not_streamed():
     assert streamed == text == "Sure." and reason == "tool_calls" and calls[0][0] == "add"
 
 
-def test_text_parts_render_with_a_template_that_reads_strings(tiny_model, tmp_path):
+def test_text_parts_and_content_less_tool_calls_render_with_a_template_that_reads_strings(tiny_model, tmp_path):
     # OpenAI text parts ({"type": "text", "text": ...}, what many SDK wrappers send) went to the template as a
     # list: SmolLM2's (and Qwen's, Llama's) concatenate strings, so every such request was a 400
     import shutil
@@ -197,3 +197,8 @@ def test_text_parts_render_with_a_template_that_reads_strings(tiny_model, tmp_pa
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 2?"}]}]
     plain = [{"role": "user", "content": "What is\n2 + 2?"}]  # joined by newlines, as vLLM joins them
     assert text.chat_prompt(parts) == text.chat_prompt(plain)
+    # the agent loop's next request: the assistant's tool call sent back without content (model_dump drops the
+    # null) was a 400 "'dict object' has no attribute 'content'"; vLLM renders it as content ""
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
+    loop = [*plain, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+    assert text.chat_prompt(loop) == text.chat_prompt([*plain, {**loop[1], "content": ""}, loop[2]])

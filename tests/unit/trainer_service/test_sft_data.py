@@ -124,8 +124,8 @@ def test_cli_reports_data_errors_with_status_2(tmp_path, tiny_model, capsys):
 
 
 def test_a_conversation_the_chat_template_cannot_render_is_named_not_a_traceback(tmp_path, tiny_model, capsys):
-    # SmolLM2's template reads every message's content: a tool-call turn without one (OpenAI's shape) fails in
-    # Jinja; `gyre sft` crashed with that traceback instead of naming the line (as a bad JSON line is named)
+    # SmolLM2's template reads every message's content: a message without one (a "contents" typo) fails in Jinja;
+    # `gyre sft` crashed with that traceback instead of naming the line (as a bad JSON line is named)
     import shutil
     from pathlib import Path
 
@@ -134,12 +134,9 @@ def test_a_conversation_the_chat_template_cannot_render_is_named_not_a_traceback
     templates = Path(__file__).parent / "data" / "chat_templates"
     (model / "chat_template.jinja").write_text((templates / "smollm2.jinja").read_text())
     good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
-    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
-    tool_turn = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "tool_calls": [call]},
-                              {"role": "tool", "tool_call_id": "c1", "content": "4"},
-                              {"role": "assistant", "content": "4"}]}  # fmt: skip
+    typo = {"messages": [{"role": "user", "contents": "2+2?"}, {"role": "assistant", "content": "4"}]}
     data = tmp_path / "chats.jsonl"
-    data.write_text(json.dumps(good) + "\n" + json.dumps(tool_turn) + "\n")
+    data.write_text(json.dumps(good) + "\n" + json.dumps(typo) + "\n")
     argv = ["--model.name", str(model), "--data.path", str(data), "--output-dir", str(tmp_path / "out"),
             "--data.batch-size", "1", "--max-steps", "1", "--device", "cpu"]  # fmt: skip
     assert main(argv) == 2
