@@ -65,9 +65,15 @@ def test_importing_gyre_and_its_torch_free_modules_does_not_import_torch():
 
 def test_gyre_eval_help_describes_evaluation_not_the_orchestrator():
     # `gyre eval --help` once opened with the orchestrator's "... compute advantages, pack and stream batches"
-    summary = {name: run(name, "--help").stdout.splitlines()[2] for name in ("eval", "orchestrator")}
+    text = {name: run(name, "--help").stdout for name in ("eval", "orchestrator")}
+    summary = {name: out.splitlines()[2] for name, out in text.items()}
     assert summary["eval"] != summary["orchestrator"]
     assert "held-out" in summary["eval"] and "stream batches" not in summary["eval"]
+    # and it listed (and accepted, and ignored) every training option: --batch_size, --sampling.temperature...
+    assert "--eval.num_examples " in text["eval"] and "--eval.temperature " in text["eval"]
+    assert not {"--batch_size ", "--sampling.temperature ", "--redis.url ", "--eval.interval "} & set(
+        word + " " for word in text["eval"].split()
+    )
 
 
 def test_output_cut_short_by_the_reader_is_not_a_traceback():

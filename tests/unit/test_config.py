@@ -12,7 +12,7 @@ import pytest
 from gyre.config import ConfigError, load_config, to_toml
 from gyre.config.inference import InferenceConfig
 from gyre.config.loader import collect, help_text
-from gyre.config.orchestrator import OrchestratorConfig
+from gyre.config.orchestrator import GyreEvalConfig, OrchestratorConfig
 from gyre.config.trainer import SFTConfig, TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,7 +246,7 @@ def test_collect_rejects_stray_words():
         collect(["lr=3"])
 
 
-@pytest.mark.parametrize("cls", [InferenceConfig, TrainerConfig, SFTConfig, OrchestratorConfig])
+@pytest.mark.parametrize("cls", [InferenceConfig, TrainerConfig, SFTConfig, OrchestratorConfig, GyreEvalConfig])
 def test_every_field_is_documented_and_in_help(cls):
     text = help_text(cls, "gyre x")
 
@@ -311,3 +311,36 @@ def test_greedy_training_samples_are_refused_before_anything_starts():
     with pytest.raises(ConfigError, match=r"sampling.temperature.*must be > 0.*eval.temperature = 0"):
         load_config(OrchestratorConfig, ["--sampling.temperature", "0"])
     assert load_config(OrchestratorConfig, ["--eval.temperature", "0"]).eval.temperature == 0  # greedy evals stay
+
+
+@pytest.mark.parametrize(
+    ("cls", "unused"),
+    [
+        (SFTConfig, ["redis.url", "redis.password", "metrics.port", "weights.full_verify"]),
+        (
+            GyreEvalConfig,
+            ["run_id", "redis.url", "metrics.port", "wandb.enabled", "batch_size", "rollouts_per_example", "max_steps",
+             "sampling.temperature", "eval.interval", "eval.at_start", "advantage.type", "teacher.url",
+             "inference.health_interval_s", "inference.control_token", "ckpt_interval", "resume_step"],
+        ),
+    ],
+)  # fmt: skip
+def test_a_command_lists_and_accepts_only_the_keys_it_reads(cls, unused):
+    """`gyre sft --help` listed --redis.*, --metrics.port and --weights.* (and `gyre eval --help` the whole
+    orchestrator's: batch_size, sampling.temperature, eval.interval...), options the command accepted and ignored:
+    `gyre eval --sampling.temperature 0.7` evaluated greedily."""
+    text = help_text(cls, "gyre x")
+    for key in unused:
+        assert f"--{key} " not in text, key
+        with pytest.raises(ConfigError, match=rf"config key '{key.split('.')[0]}(\.\w+)?': unknown key"):
+            load_config(cls, [f"--{key}", "1", *(["--data.fake"] if cls is SFTConfig else [])])
+    with pytest.raises(ConfigError, match=r"'sampling.temperature': unknown key \(did you mean 'eval.temperature'"):
+        load_config(GyreEvalConfig, ["--sampling.temperature", "0.7"])
+
+
+def test_help_shows_the_default_a_sections_own_default_sets():
+    # `gyre sft --help` said --optim.lr defaults to 1e-05 (OptimConfig's); SFT's optim default is lr = 1e-3
+    assert load_config(SFTConfig, ["--data.fake"]).optim.lr == 1e-3
+    text = help_text(SFTConfig, "gyre sft")
+    assert "--optim.lr float  (default: 0.001)" in text and "--optim.eps float  (default: 1e-08)" in text
+    assert "--optim.lr float  (default: 1e-05)" in help_text(TrainerConfig, "gyre trainer")

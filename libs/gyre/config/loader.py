@@ -367,6 +367,18 @@ def _default_repr(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
+def _section_defaults(field: Any, sub: type[BaseModel]) -> dict:
+    """The keys a section's own default sets unlike its class does (`gyre sft`'s optim is
+    `OptimConfig(lr=1e-3)`): --help shows the default a run gets, not the class's."""
+    try:
+        default, plain = field.get_default(call_default_factory=True), sub()
+    except (ValidationError, TypeError):  # a section with required keys (unset by default)
+        return {}
+    if not isinstance(default, sub):
+        return {}
+    return {name: getattr(default, name) for name in sub.model_fields if getattr(default, name) != getattr(plain, name)}
+
+
 def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
     """Every option with its type, default and description (what `--help` prints)."""
     out = [f"usage: {prog} [@ config.toml ...] [--key value ...]", ""]
@@ -379,19 +391,20 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
         "",
     ]
 
-    def walk(model: type[BaseModel], prefix: str, depth: int, flag: str = "--") -> None:
+    def walk(model: type[BaseModel], prefix: str, depth: int, flag: str = "--", defaults: dict | None = None) -> None:
         for name, field in model.model_fields.items():
             sub = _model_type(field.annotation)
             desc = (field.description or "").strip()
             if sub is not None:
                 out.append(f"{'  ' * depth}[{prefix}{name}] {desc}")
-                walk(sub, prefix + name + ".", depth + 1, flag)
+                walk(sub, prefix + name + ".", depth + 1, flag, _section_defaults(field, sub))
                 continue
             opt = f"{'  ' * depth}{flag}{prefix}{name} {_type_name(field.annotation)}"
             if field.is_required():
                 out.append(f"{opt}  (required)")
             else:
-                out.append(f"{opt}  (default: {_default_repr(field.get_default(call_default_factory=True))})")
+                default = (defaults or {}).get(name, field.get_default(call_default_factory=True))
+                out.append(f"{opt}  (default: {_default_repr(default)})")
             if desc:
                 out.append(f"{'  ' * depth}      {desc}")
             entry = _list_entry_model(field.annotation)

@@ -8,9 +8,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gyre.config.endpoint import JudgeConfig, RewardModelConfig, TeacherConfig
-from gyre.config.loader import Section, secret_file
+from gyre.config.loader import GyreSettings, Section, secret_file
 from gyre.config.packing import DEFAULT_SEQ_LEN
-from gyre.config.shared import RedisConfig, ServiceConfig
+from gyre.config.shared import LogConfig, RedisConfig, ServiceConfig
 
 
 class EnvConfig(Section):
@@ -18,11 +18,16 @@ class EnvConfig(Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment.")
 
 
-class SamplingConfig(Section):
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature of training rollouts (> 0).")
+class EvalSamplingConfig(Section):
+    """Sampling keys a `gyre eval` uses (its temperature is eval.temperature)."""
+
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_tokens: int = Field(128, ge=1, description="Completion tokens per model turn.")
     seed: int | None = Field(None, description="Base seed for requests (None = random).")
+
+
+class SamplingConfig(EvalSamplingConfig):
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of training rollouts (> 0).")
 
     @field_validator("temperature")
     @classmethod
@@ -37,7 +42,9 @@ class SamplingConfig(Section):
         return value
 
 
-class InferenceClientConfig(Section):
+class InferenceEndpointsConfig(Section):
+    """Finding and calling the replicas' OpenAI API (what `gyre eval` reads)."""
+
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], description="Static replica base URLs.")
     discovery: Literal["static", "dns", "kubernetes"] = Field("static", description="How replicas are found.")
     dns_name: str | None = Field(None, description="dns: headless Service name resolved to replica IPs.")
@@ -48,9 +55,7 @@ class InferenceClientConfig(Section):
     control_urls: list[str] | None = Field(None, description="static: explicit host:port of each replica's control.")
     refresh_s: float = Field(10.0, gt=0, description="Re-resolve replicas this often.")
     api_key: str | None = Field(None, description="Bearer key for the HTTP API.")
-    control_token: str | None = Field(None, description="Shared secret for InferenceControl calls.")
     api_key_file: Path | None = secret_file("api_key")
-    control_token_file: Path | None = secret_file("control_token")
     max_concurrency: int = Field(
         64,
         ge=1,
@@ -60,10 +65,17 @@ class InferenceClientConfig(Section):
     timeout_s: float = Field(300.0, gt=0, description="HTTP timeout of one request.")
     retries: int = Field(3, ge=0, description="Retries per request (with backoff) before the sample fails.")
     model: str | None = Field(None, description="Model id sent in requests (default: the first one /v1/models lists).")
-    health_interval_s: float = Field(2.0, gt=0, description="Probe every replica's GetStatus this often.")
     failure_cooldown_s: float = Field(
         5.0, gt=0, description="A failed replica leaves rotation this long (doubling per failure, max 60 s)."
     )
+
+
+class InferenceClientConfig(InferenceEndpointsConfig):
+    """The orchestrator's: also the replicas' control (weight updates, status probes)."""
+
+    control_token: str | None = Field(None, description="Shared secret for InferenceControl calls.")
+    control_token_file: Path | None = secret_file("control_token")
+    health_interval_s: float = Field(2.0, gt=0, description="Probe every replica's GetStatus this often.")
 
 
 class RelayConfig(Section):
@@ -85,13 +97,18 @@ class AdvantageConfig(Section):
     )
 
 
-class EvalConfig(Section):
-    interval: int | None = Field(None, ge=1, description="Evaluate every N steps (unset = off).")
+class EvalOnceConfig(Section):
+    """One evaluation: what `gyre eval` reads."""
+
     num_examples: int = Field(32, ge=1, description="Held-out tasks per eval.")
     k: int = Field(1, ge=1, description="Samples per task (avg@k, pass@k).")
     temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
-    at_start: bool = Field(True, description="Also evaluate the starting policy (step 0).")
     pass_threshold: float = Field(1.0, description="pass@k: a sample passes when its reward is >= this.")
+
+
+class EvalConfig(EvalOnceConfig):
+    interval: int | None = Field(None, ge=1, description="Evaluate every N steps (unset = off).")
+    at_start: bool = Field(True, description="Also evaluate the starting policy (step 0).")
 
 
 class RolloutDumpConfig(Section):
@@ -189,8 +206,39 @@ class OrchestratorConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _distinct_signal_names(self) -> OrchestratorConfig:
-        names = [judge.name for judge in self.judges] + [model.name for model in self.reward_models]
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
-            raise ValueError(f"judges / reward_models: the name {twice[0]!r} is used twice (names must differ)")
+        check_signal_names(self.judges, self.reward_models)
+        return self
+
+
+def check_signal_names(judges: list[JudgeConfig], reward_models: list[RewardModelConfig]) -> None:
+    """Judges and reward models are reward functions of one rubric: their names must differ."""
+    names = [judge.name for judge in judges] + [model.name for model in reward_models]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"judges / reward_models: the name {twice[0]!r} is used twice (names must differ)")
+
+
+class GyreEvalConfig(GyreSettings):
+    """`gyre eval`: the keys one evaluation of a served model reads (an orchestrator's, less training's)."""
+
+    output_dir: Path = Field(Path("outputs/run"), description="Where events/eval.jsonl gets the result.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
+    inference: InferenceEndpointsConfig = Field(
+        default_factory=InferenceEndpointsConfig, description="Inference replicas."
+    )
+    eval: EvalOnceConfig = Field(default_factory=EvalOnceConfig, description="The evaluation.")
+    sampling: EvalSamplingConfig = Field(
+        default_factory=EvalSamplingConfig, description="Sampling parameters (the temperature is eval.temperature)."
+    )
+    judges: list[JudgeConfig] = Field(
+        default_factory=list, description="LLM judges added to the environment's rubric (weight 0 = logged only)."
+    )
+    reward_models: list[RewardModelConfig] = Field(
+        default_factory=list, description="Reward models (vLLM's /classify) added to the environment's rubric."
+    )
+
+    @model_validator(mode="after")
+    def _distinct_signal_names(self) -> GyreEvalConfig:
+        check_signal_names(self.judges, self.reward_models)
         return self

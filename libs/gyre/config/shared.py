@@ -79,17 +79,24 @@ class WandbConfig(Section):
     samples: int = Field(8, ge=0, description="Rows of the samples table logged at each rollout dump.")
 
 
-class ServiceConfig(GyreSettings):
-    """Keys every service has."""
+class JobConfig(GyreSettings):
+    """Keys of every process that writes into a run's folder (`gyre sft` has no more than these shared ones)."""
 
     run_id: str = Field(
-        "gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id (Redis keys, metric labels)."
+        "gyre",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        description="Experiment id (Redis keys, metric labels, W&B group).",
     )
     output_dir: Path = Field(Path("outputs/run"), description="Shared volume: weights, checkpoints, events, logs.")
-    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases (optional).")
+
+
+class ServiceConfig(JobConfig):
+    """Keys every service has: a job's, plus Redis, /metrics and the weight transport."""
+
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus exposition.")
     weights: WeightsTransportConfig = Field(
         default_factory=FolderTransportConfig, description="How weights travel from the trainer to the replicas."
     )
-    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases (optional).")

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from gyre.config.loader import Section, secret_file
 from gyre.config.packing import DEFAULT_SEQ_LEN
-from gyre.config.shared import ModelConfig, ServiceConfig
+from gyre.config.shared import JobConfig, ModelConfig, ServiceConfig
 
 # The objectives gyre_trainer.loss registers (a unit test keeps the two in step): named here so a
 # config is checked without importing torch, before any process starts.
@@ -390,8 +390,11 @@ class SFTDataConfig(Section):
         return self
 
 
-class SFTConfig(ServiceConfig):
+class SFTConfig(JobConfig):
     """Supervised fine-tuning on chat data (loss on assistant tokens only)."""
+
+    # JobConfig, not ServiceConfig: SFT reads no Redis, serves no /metrics and publishes no weights, so
+    # --redis.*, --metrics.* and --weights.* would be options it accepts and ignores
 
     model: TrainerModelConfig = Field(default_factory=TrainerModelConfig, description="Model to fine-tune.")
     data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="Dataset.")

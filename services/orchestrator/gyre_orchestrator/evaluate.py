@@ -243,14 +243,14 @@ async def _run_once(cfg) -> EvalResult:
 def main(argv: list[str]) -> int:
     """`gyre eval`: one evaluation of the served policy; prints the result as JSON."""
     from gyre.config import parse_or_exit
-    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.config.orchestrator import GyreEvalConfig
     from gyre.logging import setup_logging
 
     summary = (
         "Evaluate the served model once on the environment's held-out split (env, inference, eval.*); print avg@k "
         "and pass@k as JSON and append them to {output_dir}/events/eval.jsonl."
     )
-    cfg = parse_or_exit(OrchestratorConfig, argv, "gyre eval", summary)
+    cfg = parse_or_exit(GyreEvalConfig, argv, "gyre eval", summary)
     setup_logging(cfg.log.level, cfg.log.file, service="eval")
     if cfg.log.level != "DEBUG":  # the openai client's HTTP stack logs a line per request at INFO
         logging.getLogger("httpx2").setLevel(logging.WARNING)
