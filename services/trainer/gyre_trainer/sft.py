@@ -436,6 +436,19 @@ def main(argv: list[str] | None = None) -> int:
     if (code := check_service_model(cfg.model.name, "gyre sft")) is not None:
         return code  # not the hub client's "Repo id must be in the form ..." traceback
     rank = int(os.environ.get("RANK", "0"))
+    from gyre.runlock import LockHeld, RunLock
+
+    # one SFT per output folder: two at once interleaved their step records and deleted each other's checkpoints
+    lock = RunLock(cfg.output_dir, "sft") if rank == 0 else None
+    try:
+        if lock is not None:
+            lock.acquire()
+    except LockHeld as e:
+        print(f"gyre sft: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # not a folder, not writable...
+        print(f"gyre sft: error: config key 'output_dir': cannot use {cfg.output_dir}: {e}", file=sys.stderr)
+        return 2
     setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}")
     try:
         return run(cfg)
@@ -445,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.exception("sft failed")
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

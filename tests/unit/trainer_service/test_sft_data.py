@@ -169,3 +169,19 @@ def test_wandb_enabled_logs_the_sft_steps(tiny_model, tmp_path, monkeypatch):
     data = next(run_dir.glob("run-*.wandb")).read_bytes()
     for key in (b"sft/loss", b"sft/step", b"sft/lr", b"sft/grad_norm"):
         assert key in data, key
+
+
+def test_a_second_sft_on_a_folder_in_use_fails_at_once_naming_the_holder(tmp_path, tiny_model, capsys):
+    # two `gyre sft` on one output folder both trained: their step records interleaved in sft_steps.jsonl and
+    # each deleted the other's checkpoints (keep_last)
+    from gyre.runlock import RunLock
+
+    argv = ["--model.name", str(tiny_model), "--data.fake", "--output-dir", str(tmp_path), "--device", "cpu"]
+    with RunLock(tmp_path, "sft"):  # the first one, training
+        assert main([*argv, "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"gyre sft: error: {tmp_path / 'locks' / 'sft.lock'} is held by pid" in err and "Traceback" not in err
+    assert not (tmp_path / "events").exists()  # it stopped before anything was written
+    (tmp_path / "file").write_text("")
+    assert main([*argv[:-4], "--output-dir", str(tmp_path / "file"), "--device", "cpu"]) == 2
+    assert "config key 'output_dir': cannot use" in capsys.readouterr().err
