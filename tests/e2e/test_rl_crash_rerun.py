@@ -212,3 +212,32 @@ def test_external_redis_restarted_empty_mid_run(tmp_path):
     assert sorted(trained) == list(range(1, n + 1)), trained
     assert WeightStore(out / "weights").steps() == list(range(1, n + 1))
     assert wait_gone(run.seen) == []
+
+
+def test_ctrl_c_twice_kills_the_services_at_once_and_the_rerun_trains_every_step_once(tmp_path):
+    """Ctrl-C stops the services gracefully; a second one while they stop used to abort the launcher's shutdown
+    with a KeyboardInterrupt traceback, leaving the services to PDEATHSIG. Now it kills them at once, quietly,
+    and the same command again finishes the run with each step trained once."""
+    out, n = tmp_path / "run", 6
+    first = Watched(out, "--max-steps", str(n))
+    deadline = time.monotonic() + 400
+    while not trained_steps(out):
+        assert first.proc.poll() is None, first.proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the first launch never trained a step"
+        first.record()
+        time.sleep(0.2)
+    first.record()
+    first.proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends (the services have their own groups)
+    time.sleep(1.5)
+    first.proc.send_signal(signal.SIGINT)
+    _, err = first.proc.communicate(timeout=60)
+    assert first.proc.returncode == 130, err[-3000:]
+    assert "interrupted, stopping services" in err and "Traceback" not in err, err[-3000:]
+    assert wait_gone(first.seen, timeout=10) == [], "a service outlived the launcher"
+
+    second = Watched(out, "--max-steps", str(n))  # the same command again
+    code, err = second.wait(timeout=400)
+    assert code == 0, err[-4000:]
+    assert sorted(trained_steps(out)) == list(range(1, n + 1))
+    assert WeightStore(out / "weights").steps() == list(range(1, n + 1))
+    assert wait_gone(second.seen) == []

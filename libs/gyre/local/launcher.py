@@ -26,6 +26,7 @@ launcher leaves no orphans behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -454,6 +455,14 @@ class Launcher:
         self.prometheus.start()
         _console(f"prometheus: {self.prometheus.url}")
 
+    def kill_services(self) -> None:
+        """A second Ctrl-C while stopping: SIGKILL every service's process group now (what a crash does: the
+        next launch resumes); shutdown() then finds them gone and stops Redis as usual."""
+        for child in list(self.children):
+            if child.proc is not None and child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+
     def shutdown(self) -> None:
         # Orchestrator first (stops issuing work), then trainer, then inference; Redis last.
         order = sorted(
@@ -492,10 +501,20 @@ def main(argv: list[str] | None = None) -> int:
     # not log.file: the services append to it; the launcher writes nothing before the config is checked
     setup_logging(cfg.log.level, None, "launcher")
     launcher = Launcher(cfg)
+    stopping: list[float] = []  # when the launcher began to stop (an interrupt, a failure, the end)
 
     def _on_signal(signum, _frame):
-        raise KeyboardInterrupt
+        if not stopping:
+            stopping.append(time.monotonic())
+            raise KeyboardInterrupt
+        # Once stopping, a signal must not abort the shutdown half way (a traceback, services left to PDEATHSIG):
+        # a second Ctrl-C kills the services now. Within a second it is the first one delivered twice (to the
+        # launcher and to its process group, as `timeout -s INT` does), which lets them finish their step.
+        if time.monotonic() - stopping[0] > 1.0:
+            _console("gyre rl: killing the services now (the next launch resumes the run)")
+            launcher.kill_services()
 
+    signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     started = time.monotonic()
     try:
@@ -510,9 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre rl: run failed: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        print("gyre rl: interrupted, stopping services", file=sys.stderr)
+        print("gyre rl: interrupted, stopping services (Ctrl-C again kills them at once)", file=sys.stderr)
         code = 130
     finally:
+        stopping[:] = stopping or [time.monotonic()]
         launcher.shutdown()
     if code == 0:
         print(summarize(cfg, wall_seconds=time.monotonic() - started))
