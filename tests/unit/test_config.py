@@ -344,3 +344,16 @@ def test_help_shows_the_default_a_sections_own_default_sets():
     text = help_text(SFTConfig, "gyre sft")
     assert "--optim.lr float  (default: 0.001)" in text and "--optim.eps float  (default: 1e-08)" in text
     assert "--optim.lr float  (default: 1e-05)" in help_text(TrainerConfig, "gyre trainer")
+
+
+def test_groups_that_cannot_carry_a_signal_are_refused_naming_the_key():
+    """rollouts_per_example = 1 (and rloo with it) passed the config: every group advantage was 0, each step spent
+    its whole oversample budget on zero-signal groups and trained on zeros; rloo's check only ran when the service
+    started, after `gyre rl` had started everything (exit 1, no key named)."""
+    with pytest.raises(ConfigError, match=r"^config key 'advantage.type': 'rloo' needs rollouts_per_example >= 2"):
+        load_config(OrchestratorConfig, ["--advantage.type", "rloo", "--rollouts-per-example", "1"])
+    with pytest.raises(ConfigError, match=r"^config key 'rollouts_per_example': 1 sample per task .* set it >= 2"):
+        load_config(OrchestratorConfig, ["--rollouts-per-example", "1"])
+    teacher = {"url": "http://127.0.0.1:9", "model": "teacher"}
+    assert load_config(OrchestratorConfig, ["--rollouts-per-example", "1"], teacher=teacher).rollouts_per_example == 1
+    assert load_config(OrchestratorConfig, ["--advantage.type", "rloo", "--rollouts-per-example", "2"])

@@ -205,6 +205,24 @@ class OrchestratorConfig(ServiceConfig):
         return self
 
     @model_validator(mode="after")
+    def _groups_can_carry_a_signal(self) -> OrchestratorConfig:
+        # Checked here, not when the service starts: `gyre rl` then refuses it before starting anything
+        if self.advantage.type == "rloo" and self.rollouts_per_example < 2:
+            raise ValueError(
+                f"advantage.type: 'rloo' needs rollouts_per_example >= 2 (got {self.rollouts_per_example}): the "
+                "leave-one-out baseline of a single sample is undefined"
+            )
+        if self.rollouts_per_example < 2 and self.teacher is None:
+            # every advantage is group-relative: one sample per task is its own baseline, so every advantage is 0
+            # and every group is dropped as zero-signal (each step then spends its whole oversample budget)
+            raise ValueError(
+                "rollouts_per_example: 1 sample per task gives every group advantage "
+                f"(advantage.type = {self.advantage.type!r}) the value 0, so nothing is learned: set it >= 2 "
+                "(only on-policy distillation, with [teacher], trains on groups of 1)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _distinct_signal_names(self) -> OrchestratorConfig:
         check_signal_names(self.judges, self.reward_models)
         return self

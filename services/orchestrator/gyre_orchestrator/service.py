@@ -99,8 +99,6 @@ class OrchestratorService:
             self.signals["teacher"] = self.teacher
         self.scoring_failures = 0
         self.reward_errors: dict[str, int] = {}  # reward function -> samples it raised on (scored 0 there)
-        if cfg.advantage.type == "rloo" and cfg.rollouts_per_example < 2:
-            raise ValueError("advantage.type = 'rloo' needs rollouts_per_example >= 2")
         self.metrics = metrics or OrchestratorMetrics(cfg.run_id)
         self.sampling = SamplingParams(**cfg.sampling.model_dump())
         self.events = EventLog(events_dir(self.out) / ORCHESTRATOR_STEPS)
