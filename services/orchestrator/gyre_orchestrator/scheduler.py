@@ -9,7 +9,12 @@ twice:
   model client routes only to such replicas);
 - **at admission**: a finished sample whose *oldest* version is below the floor (a replica restarted
   on old weights, a lagging replica, a generator that ignores the floor) is dropped, counted in
-  `dropped_stale`, and generated again for the same task.
+  `dropped_stale`, and generated again for the same task. So is one whose *newest* version is `>= s`
+  while the trainer has not trained step `s` (`trained()`, its committed step): version `s` comes from
+  batch `s`, so such weights are not this run's (a version the trainer rewound away from, still served
+  until the relay rolls the replica back, or another run's weights on the replica). Once the trainer
+  has trained step `s` (a batch generated again after Redis lost it while the trainer trained it), the
+  batch is only a replay the trainer skips, and is admitted as it comes.
 
 Generation runs ahead: as soon as batch `s` has enough groups in flight, new groups go to `s+1` if
 its floor allows, so with k >= 1 batch `s+1` is generated while the trainer trains step `s`; nothing
@@ -46,6 +51,7 @@ class ScoredSample(Protocol):
 
     reward: float
     min_version: int  # oldest policy version that produced any of its tokens
+    max_version: int  # newest one
 
 
 class VersionWatch:
@@ -161,6 +167,7 @@ class RolloutScheduler:
         sample_attempts: int = 3,
         retry_backoff_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        trained: Callable[[], int] = lambda: 0,
     ):
         if batch_size < 1 or group_size < 1 or max_async_level < 0 or start_step < 1:
             raise ValueError("batch_size, group_size >= 1, max_async_level >= 0, start_step >= 1 required")
@@ -180,6 +187,7 @@ class RolloutScheduler:
         self.sample_attempts = sample_attempts
         self.retry_backoff_s = retry_backoff_s
         self.clock = clock
+        self.trained = trained  # the trainer's committed step (read only for a sample newer than its batch)
 
         self.next_close = start_step  # lowest step not yet handed out
         self.steps: dict[int, StepState] = {}
@@ -307,11 +315,22 @@ class RolloutScheduler:
                 log.warning("rollout for step %d failed (%s); retrying", st.step, e)
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (failures - 1))
                 continue
-            if sample.min_version >= st.floor:
+            future = sample.max_version >= st.step and self.trained() < st.step
+            if sample.min_version >= st.floor and not future:
                 return sample
             st.dropped_stale += 1
             st.wasted.append(sample)
-            log.info("dropped a stale sample for step %d: version %d < floor %d", st.step, sample.min_version, st.floor)
+            if future:
+                log.warning(
+                    "dropped a sample for step %d from version %d: the trainer has not trained step %d, so version %d "
+                    "is not this run's (a version the trainer rewound away from, or another run's weights on the "
+                    "replica)",
+                    st.step, sample.max_version, st.step, sample.max_version,
+                )  # fmt: skip
+            else:
+                log.info(
+                    "dropped a stale sample for step %d: version %d < floor %d", st.step, sample.min_version, st.floor
+                )
 
     def _close_ready(self) -> None:
         while not self._last_step(self.next_close):

@@ -325,6 +325,7 @@ class OrchestratorService:
             drop_zero_signal=cfg.advantage.drop_zero_signal and self.teacher is None,
             oversample_limit=cfg.advantage.oversample_limit,
             sample_attempts=cfg.sample_attempts,
+            trained=lambda: committed_step(self.out, self.transport.latest()),
         )
         if cfg.eval.interval is not None:
             self.evals.start(self.versions, at_start=cfg.eval.at_start and point.start_step == 1)

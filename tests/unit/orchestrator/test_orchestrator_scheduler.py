@@ -148,6 +148,11 @@ async def test_stale_samples_are_dropped_counted_and_regenerated(k):
 class Fixed:
     reward: float
     min_version: int = 0
+    max_version: int | None = None
+
+    def __post_init__(self):
+        if self.max_version is None:
+            self.max_version = self.min_version
 
 
 async def test_zero_signal_groups_are_replaced():
@@ -284,3 +289,43 @@ async def test_request_seeds_differ_per_key_and_repeat_across_processes():
     assert base.for_request("train", 1, 0, 0) == base.for_request("train", 1, 0, 0)
     assert base.for_request("train", 1, 0, 0).seed == derive_seed(7, "train", 1, 0, 0) == 2857775692858735553
     assert SamplingParams(seed=None).for_request("train", 1, 0, 0).seed is None  # the server draws one
+
+
+async def test_a_sample_from_a_version_its_batch_cannot_come_from_is_dropped_and_generated_again():
+    """Batch s trains version s, so while the trainer has not trained step s, a sample of version >= s is from
+    weights that are no ancestor of the run's policy: a version the trainer rewound away from (the relay set it
+    on the replicas before the restarted trainer deleted it, and rolls it back only later) or another run's
+    weights still on a replica. The floor alone admitted it (version 7 >= floor 2): batch 3 of a run rewound to
+    step 2 trained on rollouts of the abandoned version 7."""
+    served = [7, 7, 2, 2]  # what the replica serves at each request: the abandoned 7, then the rollback to 2
+
+    async def generate(task, floor, key):
+        return Fixed(reward=random.random(), min_version=served.pop(0) if served else 2)
+
+    tasks = iter(range(1000))
+    sched = RolloutScheduler(
+        generate, lambda: next(tasks), VersionWatch(7), batch_size=1, group_size=2, max_async_level=0,
+        start_step=3, max_steps=3, trained=lambda: 2,
+    )  # fmt: skip
+    st = await asyncio.wait_for(sched.next_batch(), timeout=5)
+    assert [(smp.min_version, smp.max_version) for smp in st.samples] == [(2, 2), (2, 2)]
+    assert st.dropped_stale == 2 and [smp.max_version for smp in st.wasted] == [7, 7]
+    await sched.stop()
+
+
+async def test_a_batch_the_trainer_already_trained_takes_samples_of_its_version():
+    """Redis lost batch 3 while the trainer was training it: the orchestrator generates it again and the trainer
+    publishes version 3 meanwhile. The batch is a replay the trainer skips; refusing version 3 would regenerate
+    its samples forever."""
+
+    async def generate(task, floor, key):
+        return Fixed(reward=random.random(), min_version=3)
+
+    tasks = iter(range(1000))
+    sched = RolloutScheduler(
+        generate, lambda: next(tasks), VersionWatch(3), batch_size=1, group_size=2, max_async_level=0,
+        start_step=3, max_steps=3, trained=lambda: 3,
+    )  # fmt: skip
+    st = await asyncio.wait_for(sched.next_batch(), timeout=5)
+    assert st.dropped_stale == 0 and [smp.min_version for smp in st.samples] == [3, 3]
+    await sched.stop()
