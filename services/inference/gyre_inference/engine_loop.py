@@ -71,6 +71,8 @@ class _Swap:
     adapter: str | None = None  # a named adapter's (A, B) tensors instead of model weights
     source: Path | None = None  # the adapter's folder (an evicted adapter is loaded back from it)
     slot: int | None = None  # the adapter's slot, given by the engine thread (`AdapterBank.declare`)
+    # model weights: after this swap, every weight an adapter does not touch is the base model's
+    others_are_base: bool = True
 
 
 class EngineLoop:
@@ -79,6 +81,7 @@ class EngineLoop:
     # Set by the backend: with the model (`TorchBackend._load_model`) and by weight swaps (`_copy_in`).
     _bank: AdapterBank | None  # named adapters (multi-run), when max_adapters > 0
     _version: int  # the model weights' version
+    _others_are_base: bool  # every weight an adapter does not touch is the base model's (read by adapter merges)
     _max_model_len: int
     _weights: dict[str, torch.Tensor]  # the tensors a swap copies into, by name
     threads: int  # torch threads of the engine thread on CPU
@@ -248,7 +251,7 @@ class EngineLoop:
         with torch.no_grad():  # one fused copy: a loop pays a dispatch per tensor, ~1/3 of a small model's swap
             torch._foreach_copy_([state[name] for name in swap.tensors], list(swap.tensors.values()))
         self._batch.new_weights()
-        self._version = swap.version
+        self._version, self._others_are_base = swap.version, swap.others_are_base
 
     # ---- the overlapped loop (module docstring) --------------------------------------------------
     def _next_step(self) -> list[Sequence]:

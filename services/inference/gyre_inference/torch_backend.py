@@ -24,6 +24,7 @@ Only full-attention decoder models are supported: Llama, Mistral, Qwen2 (no slid
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
@@ -261,9 +262,9 @@ class TorchBackend(EngineLoop, Backend):
         read = self._read_adapter if adapter else self._read_weights
         async with self._swap_lock:
             tensors = await asyncio.to_thread(read, path)
-            await self._swap_in(tensors, version)
-        # after a full set, weights no adapter touches may differ from the base: the next adapter restores them
-        self._others_are_base = adapter or version == 0
+            # after a full set, weights no adapter touches may differ from the base: the next adapter restores them
+            # (noted by the engine thread with the weights and the version, all or nothing)
+            await self._swap_in(tensors, version, others_are_base=adapter or version == 0)
 
     async def reload_base(self) -> None:
         await self.update_weights(FetchedWeights.local(self.model_path))
@@ -409,8 +410,9 @@ class TorchBackend(EngineLoop, Backend):
                 raise WeightsIncompatibleError(f"{path}: {name} is {tensor.dtype}, the model's is {state[name].dtype}")
         return {name: tensor.to(self.device, self.dtype) for name, tensor in tensors.items()}
 
-    async def _swap_in(self, tensors: dict, version: int, adapter: str | None = None, source: Path | None = None):
-        swap = _Swap(tensors, version, adapter=adapter, source=source)
+    async def _swap_in(self, tensors: dict, version: int, adapter: str | None = None, source: Path | None = None,
+                       others_are_base: bool = True):  # fmt: skip
+        swap = _Swap(tensors, version, adapter=adapter, source=source, others_are_base=others_are_base)
         with self._cond:
             if self._stopping or not self.ready:
                 raise BackendStoppedError("the torch engine is not running")
@@ -421,4 +423,18 @@ class TorchBackend(EngineLoop, Backend):
                 raise RuntimeError("a weight swap is already pending")
             self._swap = swap
             self._cond.notify()
-        await asyncio.wrap_future(swap.done)
+        done = asyncio.wrap_future(swap.done)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # The caller gave up (an UpdateWeights past its deadline, a request that waited for its adapter). A swap
+            # the engine has not taken is dropped; one it is copying in is applied all the same, and this call (and
+            # with it the swap lock) waits until it is: the next update must read the weights, version and
+            # `_others_are_base` this one leaves (read earlier, an adapter merged onto a full set it took for the base).
+            if not swap.done.cancel():
+                while not done.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(done)
+                if not done.cancelled() and done.exception() is None:
+                    log.warning("weights version %d was applied after its caller gave up", version)
+            raise

@@ -3,6 +3,7 @@ model is read once, not reloaded), equal to peft's base + adapter, right after a
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import peft
@@ -182,3 +183,48 @@ async def test_adapter_features_that_would_be_dropped_are_refused(backend, tiny_
         assert backend.version == 0 and named.adapter_names == ()
     finally:
         await named.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_full_version_whose_caller_gave_up_mid_copy_is_whole_for_the_next_adapter(
+    backend, tiny_model, tmp_path, monkeypatch
+):
+    """An UpdateWeights of a full version cancelled (its deadline passed) while the engine thread copies it in: the
+    engine completes it, so the next adapter must be merged onto the base for every weight, not only the ones it
+    touches. Before, the cancelled call skipped noting that the weights were no longer the base, and released the
+    swap lock at once, so the next adapter was read against the old state: the served weights were the full
+    version's outside the adapted modules, tagged with the adapter's version."""
+    import threading
+
+    from safetensors.torch import load_file, save_file
+
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file({k: v + 0.01 for k, v in load_file(tiny_model / "model.safetensors").items()}, full / "model.safetensors")
+    model = write_adapter(tiny_model, tmp_path / "a2", seed=2)
+    copying, release = threading.Event(), threading.Event()
+    copy_in = backend._copy_in
+
+    def slow_copy_in(swap):  # the engine thread, between two steps: a big model's copy takes a while
+        if swap.version == 1:
+            copying.set()
+            release.wait(60)
+        copy_in(swap)
+
+    monkeypatch.setattr(backend, "_copy_in", slow_copy_in)
+    full_update = asyncio.create_task(backend.update_weights(FetchedWeights.local(full, 1)))
+    assert await asyncio.to_thread(copying.wait, 60)
+    full_update.cancel()  # the gRPC deadline passed while the engine copies it in
+    adapter_update = asyncio.create_task(backend.update_weights(FetchedWeights.local(tmp_path / "a2", 2)))
+    await asyncio.sleep(0.3)
+    assert not full_update.done()  # it waits for the engine, holding the swap lock
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await full_update
+    await asyncio.wait_for(adapter_update, 60)
+    assert backend.version == 2
+    expected = model.merge_and_unload().state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(backend._weights[name].detach(), tensor, atol=1e-5, rtol=1e-5, msg=name)
+    tokens, logprobs = await greedy_logprobs(backend)
+    assert torch.allclose(logprobs, reference_logprobs(model, tokens), atol=1e-4)
