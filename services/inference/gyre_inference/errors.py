@@ -102,7 +102,49 @@ def _clean(message: str) -> str:
     return message.removeprefix("Value error, ")
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _out_of_range(error: dict, param: str | None) -> tuple[str, str] | None:
+    """OpenAI's message and code for a number out of range or an array of the wrong length ("Invalid 'n': integer
+    above maximum value. Expected a value <= 128, but got 129 instead.", code `integer_above_max_value`): clients
+    match on the code."""
+    kind, value, ctx = error.get("type"), error.get("input"), error.get("ctx") or {}
+    if param is None:
+        return None
+    if kind in _BOUNDS and isinstance(value, int | float) and not isinstance(value, bool):
+        bound = next(iter(ctx.values()), "?")
+        number = "decimal" if isinstance(bound, float) else "integer"  # the field's type, as OpenAI says it
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+        low = kind.startswith("greater")
+        return (f"Invalid '{param}': {number} {'below minimum' if low else 'above maximum'} value. Expected a value "
+                f"{_BOUNDS[kind]} {bound}, but got {value} instead.",
+                f"{number}_{'below_min' if low else 'above_max'}_value")  # fmt: skip
+    if kind in ("too_long", "too_short") and isinstance(value, list):
+        limit = ctx.get("max_length" if kind == "too_long" else "min_length")
+        if kind == "too_short" and not value:
+            return (f"Invalid '{param}': empty array. Expected an array with minimum length {limit}, but got an empty "
+                    "array instead.", "empty_array")  # fmt: skip
+        side = "maximum" if kind == "too_long" else "minimum"
+        return (f"Invalid '{param}': array too {'long' if kind == 'too_long' else 'short'}. Expected an array with "
+                f"{side} length {limit}, but got an array with length {len(value)} instead.",
+                f"array_{'above_max' if kind == 'too_long' else 'below_min'}_length")  # fmt: skip
+    return None
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of a request that failed validation."""
+    message, param = _validation_message(errors)
+    # one field's one complaint that is not a wrong type (a union's other members complain of the type)
+    values = [error for error in errors if not error.get("type", "").endswith("_type")]
+    fields = {_field_path(tuple(error.get("loc", ()))) for error in errors}
+    if len(values) == 1 and len(fields) == 1 and (openai := _out_of_range(values[0], param)) is not None:
+        message, code = openai
+        return message, param, code
+    return message, param, None
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     first = errors[0]
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
@@ -155,8 +197,8 @@ def install_error_handlers(app: FastAPI, on_client_error: Callable[[Request, int
             message = ("request body must be sent with Content-Type: application/json (got "
                        f"{repr(given) if given else 'no Content-Type'})")  # fmt: skip
             return JSONResponse(error_body(400, message), status_code=400)
-        message, param = validation_message(errors)
-        return JSONResponse(error_body(400, message, param), status_code=400)
+        message, param, code = validation_message(errors)
+        return JSONResponse(error_body(400, message, param, code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:

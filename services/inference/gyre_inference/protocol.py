@@ -32,6 +32,7 @@ UNSUPPORTED_FIELDS = {
     "prompt_logprobs": _NO_PROMPT_LOGPROBS,
     "use_beam_search": "no beam search (ask for n choices instead)",
     "repetition_penalty": _NO_PENALTIES, "top_k": _NO_PENALTIES, "min_p": _NO_PENALTIES,
+    "presence_penalty": _NO_PENALTIES, "frequency_penalty": _NO_PENALTIES,
     "truncate_prompt_tokens": "prompts are never truncated (a prompt too long is a 400)",
     "prompt_embeds": "prompts are text or token ids",
     # fields accepted as null only (the 400 says "only null is supported: <reason>")
@@ -54,7 +55,7 @@ UNSUPPORTED_FIELDS = {
 
 
 _NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "use_beam_search": (False,),
-            "skip_special_tokens": (True,)}  # fmt: skip
+            "skip_special_tokens": (True,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,)}  # fmt: skip
 UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out of the text"
 
 
@@ -189,8 +190,8 @@ class SamplingRequest(StrictModel):
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="Ignored.")
-    presence_penalty: float = Field(0.0, ge=0, le=0, description="Not supported; only 0 is accepted.")
-    frequency_penalty: float = Field(0.0, ge=0, le=0, description="Not supported; only 0 is accepted.")
+    presence_penalty: float = Field(0.0, description="Not supported; only 0 is accepted.")
+    frequency_penalty: float = Field(0.0, description="Not supported; only 0 is accepted.")
     ignore_eos: bool = Field(False, description="vLLM extension: do not stop at the end-of-sequence token.")
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="Token id (as a string) -> bias added to its logit."
@@ -230,8 +231,8 @@ class SamplingRequest(StrictModel):
     guided_decoding_backend: None = Field(None, description="Only null: the grammar engine is llguidance.")
     guided_whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
 
-    _neutral_only = field_validator("top_k", "min_p", "repetition_penalty", "use_beam_search",
-                                    "skip_special_tokens")(neutral_only)  # fmt: skip
+    _neutral_only = field_validator("top_k", "min_p", "repetition_penalty", "use_beam_search", "skip_special_tokens",
+                                    "presence_penalty", "frequency_penalty")(neutral_only)  # fmt: skip
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -43,6 +43,7 @@ from gyre_inference.protocol import (
 from gyre_inference.strict import StrictModel
 
 # ---- request models ----------------------------------------------------------------------------------
+MIN_OUTPUT_TOKENS = 16  # OpenAI refuses less (integer_below_min_value)
 _NOT_STORED = "this server stores no responses: send the whole conversation in input"
 
 
@@ -159,7 +160,9 @@ class ResponsesRequest(StrictModel):
     model: str = Field(description="Served model id (see GET /v1/models).")
     input: str | list[InputItem] = Field(description="Text, or a list of messages and function call items.")
     instructions: str | None = Field(None, description="A system message put before the input.")
-    max_output_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    max_output_tokens: int | None = Field(
+        None, ge=MIN_OUTPUT_TOKENS, description="At least 16 (as OpenAI). Default: the rest of the context."
+    )
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

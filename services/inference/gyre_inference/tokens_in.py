@@ -74,10 +74,11 @@ class GenerateSamplingParams(StrictModel):
     top_k: int | None = Field(None, description="Only -1 or 0 (off).")
     min_p: float | None = Field(None, description="Only 0 (off).")
     repetition_penalty: float | None = Field(None, description="Only 1 (off).")
-    presence_penalty: float = Field(0.0, ge=0, le=0, description="Only 0.")
-    frequency_penalty: float = Field(0.0, ge=0, le=0, description="Only 0.")
+    presence_penalty: float = Field(0.0, description="Only 0.")
+    frequency_penalty: float = Field(0.0, description="Only 0.")
 
-    _neutral_only = field_validator("top_k", "min_p", "repetition_penalty")(neutral_only)
+    _neutral_only = field_validator("top_k", "min_p", "repetition_penalty", "presence_penalty",
+                                    "frequency_penalty")(neutral_only)  # fmt: skip
 
     @model_validator(mode="after")
     def _min_tokens_fit(self):

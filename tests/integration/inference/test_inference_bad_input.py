@@ -160,7 +160,7 @@ def test_a_json_object_under_another_content_type_is_told_so(http, model_id, rou
     body = {"model": model_id, "prompt": "hi", "max_tokens": 2} if route != "/v1/chat/completions" else \
         {"model": model_id, **CHAT}  # fmt: skip
     if route == "/v1/responses":
-        body = {"model": model_id, "input": "hi", "max_output_tokens": 2}
+        body = {"model": model_id, "input": "hi", "max_output_tokens": 16}
     headers = {"content-type": content_type} if content_type else {}
     error = assert_error(http.post(route, content=json.dumps(body), headers=headers), 400, param=None)
     assert "Content-Type: application/json" in error["message"], error
@@ -205,6 +205,55 @@ def test_the_openai_client_sees_typed_errors(client, model_id):
     assert error.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("call", "param", "code", "says"),
+    [
+        # OpenAI's minimum for the Responses API (it accepted 1 to 15)
+        (lambda c, m: c.responses.create(model=m, input="hi", max_output_tokens=15), "max_output_tokens",
+         "integer_below_min_value", "Expected a value >= 16, but got 15 instead."),
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, max_completion_tokens=0),
+         "max_completion_tokens", "integer_below_min_value", "Expected a value >= 1, but got 0 instead."),
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, n=129), "n", "integer_above_max_value",
+         "Expected a value <= 128, but got 129 instead."),
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, temperature=2.5), "temperature",
+         "decimal_above_max_value", "Expected a value <= 2, but got 2.5 instead."),
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, temperature=3), "temperature",
+         "decimal_above_max_value", "Expected a value <= 2, but got 3 instead."),  # the field's type, not the value's
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, top_p=0), "top_p", "decimal_below_min_value",
+         "Expected a value > 0, but got 0 instead."),
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, logprobs=True, top_logprobs=21), "top_logprobs",
+         "integer_above_max_value", "Expected a value <= 20, but got 21 instead."),
+        (lambda c, m: c.completions.create(model=m, prompt="hi", logprobs=21), "logprobs", "integer_above_max_value",
+         "Expected a value <= 20"),
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, seed=2**63), "seed", "integer_above_max_value",
+         "Expected a value <= 9223372036854775807"),
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, stop=[str(i) for i in range(17)]), "stop",
+         "array_above_max_length", "Expected an array with maximum length 16, but got an array with length 17"),
+        (lambda c, m: c.chat.completions.create(model=m, messages=[]), "messages", "empty_array",
+         "Expected an array with minimum length 1, but got an empty array instead."),
+        # refused for what it is, not as a range of [0, 0]
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, presence_penalty=0.5), "presence_penalty", None,
+         "only 0.0 is supported: the sampler has temperature, top_p, logit_bias and min_tokens only"),
+        (lambda c, m: c.completions.create(model=m, prompt="hi", frequency_penalty=-1), "frequency_penalty", None,
+         "only 0.0 is supported"),
+    ],
+)  # fmt: skip
+def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_id, call, param, code, says):
+    """What OpenAI answers a value out of its range: a 400 whose code clients match on (`integer_below_min_value`
+    ...) and whose message names the bound and the value sent. Before, every such error had code null, and
+    /v1/responses accepted max_output_tokens below 16."""
+    with pytest.raises(openai.BadRequestError) as error:
+        call(client, model_id)
+    body = error.value.body
+    assert (body["param"], body["code"], body["type"]) == (param, code, "invalid_request_error"), body
+    assert says in body["message"], body
+    if code is not None:
+        assert body["message"].startswith(f"Invalid '{param}': "), body
 
 
 @pytest.mark.parametrize(
@@ -285,9 +334,9 @@ def test_a_function_call_output_must_answer_a_function_call(client, model_id):
         ([{"type": "function_call_output", "call_id": "call_1", "output": "3"}], "input.0"),
     ):
         with pytest.raises(openai.BadRequestError) as error:
-            client.responses.create(model=model_id, input=items, max_output_tokens=2)
+            client.responses.create(model=model_id, input=items, max_output_tokens=16)
         assert error.value.body["param"] == param and "no function_call with call_id" in error.value.body["message"]
-    ok = client.responses.create(model=model_id, max_output_tokens=2, input=[
+    ok = client.responses.create(model=model_id, max_output_tokens=16, input=[
         call, {"type": "function_call_output", "call_id": "call_1", "output": "3"}])  # fmt: skip
     assert ok.status in ("completed", "incomplete")
 
@@ -316,7 +365,7 @@ def test_an_invalid_tool_schema_is_400_whatever_the_tool_choice(client, model_id
     assert body["param"] == "tools.1.function.parameters" and body["type"] == "invalid_request_error", body
     assert "invalid JSON schema for function 'bad'" in body["message"] and says in body["message"], body
     with pytest.raises(openai.BadRequestError) as error:  # the Responses API names its own field
-        client.responses.create(model=model_id, input="hi", max_output_tokens=2,
+        client.responses.create(model=model_id, input="hi", max_output_tokens=16,
                                 tools=[{"type": "function", **t["function"]} for t in tools],
                                 **({} if isinstance(tool_choice, dict) else extra))  # fmt: skip
     assert error.value.body["param"] == "tools.1.parameters", error.value.body
@@ -420,7 +469,7 @@ def _tighten(schema: dict, model_id: str, cheap: bool = True) -> dict:
     """The served model id; with `cheap`, also keep generated requests cheap and able to reach generation:
     n <= 2, max_tokens <= 8, token ids inside the vocabulary. Negative mode must use `cheap=False`: a value
     outside these test-only limits (n = 3) is still a valid request that the server rightly accepts."""
-    limits = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "top_logprobs": 3,
+    limits = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 16, "top_logprobs": 3,
               "logprobs": 3} if cheap else {}  # fmt: skip
 
     def integers(node):
@@ -514,8 +563,8 @@ def test_real_responses_conform_to_the_document(server, http, model_id):
         ("POST", "/tokenize", {"prompt": "hello"}),
         ("POST", "/detokenize", {"tokens": [5, 6]}),
         ("GET", "/v1/models", None),
-        ("POST", "/v1/responses", {"model": model_id, "input": "hi", "max_output_tokens": 2}),
-        ("POST", "/v1/responses", {"model": model_id, "input": "hi", "max_output_tokens": 2, "stream": True}),
+        ("POST", "/v1/responses", {"model": model_id, "input": "hi", "max_output_tokens": 16}),
+        ("POST", "/v1/responses", {"model": model_id, "input": "hi", "max_output_tokens": 16, "stream": True}),
         ("POST", "/v1/responses", {"model": model_id, "input": "hi", "previous_response_id": "resp_1"}),  # a 400
         ("GET", "/metrics", None),
         ("GET", "/ready", None),

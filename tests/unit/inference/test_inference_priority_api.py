@@ -35,7 +35,7 @@ def test_every_route_hands_the_priority_to_the_engine_and_refuses_a_bad_one(tiny
                         model="tiny", messages=CHAT, max_tokens=2, extra_body={"priority": 3}
                     )
                     client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2, extra_body={"priority": -2})
-                    client.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body={"priority": 4})
+                    client.responses.create(model="tiny", input="hi", max_output_tokens=16, extra_body={"priority": 4})
                     with pytest.raises(BadRequestError) as bad:
                         client.chat.completions.create(model="tiny", messages=CHAT, extra_body={"priority": "high"})
                     assert bad.value.body["param"] == "priority"
