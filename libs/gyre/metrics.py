@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _NAME = re.compile(r"^gyre_[a-z][a-z0-9_]*[a-z0-9]$")
 _LABEL = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -125,6 +125,40 @@ def counter_function(
         return collector
 
     return _get_or_create("counter", name, doc, labels, registry, make)
+
+
+class _GaugeFunction:
+    """A gauge family whose samples (any label values) are read at scrape time."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], read: Callable[[], dict[tuple, float]]):
+        self.name, self.doc, self.labels, self.read = name, doc, labels, read
+
+    def describe(self):
+        return [GaugeMetricFamily(self.name, self.doc, labels=self.labels)]
+
+    def collect(self):
+        family = GaugeMetricFamily(self.name, self.doc, labels=self.labels)
+        for values, value in self.read().items():
+            family.add_metric(values, value)
+        yield family
+
+
+def gauge_function(
+    name: str,
+    doc: str,
+    labels: Sequence[str],
+    registry: CollectorRegistry | None,
+    read: Callable[[], dict[tuple, float]],
+) -> _GaugeFunction:
+    """A gauge exposed as `name` whose samples `read()` returns at each scrape ({label values: value}): like
+    `Gauge.set_function`, for a set of series that changes (one per adapter a server serves now)."""
+
+    def make(r):
+        collector = _GaugeFunction(name, doc, tuple(labels), read)
+        (REGISTRY if r is None else r).register(collector)
+        return collector
+
+    return _get_or_create("gauge", name, doc, labels, registry, make)
 
 
 def histogram(

@@ -5,14 +5,27 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from .panels import TOKENS_PER_S, base, mean_of, panel, quantile, rate, rate_ratio, sel
+from .panels import (
+    TOKENS_PER_S,
+    base,
+    mean_of,
+    panel,
+    quantile,
+    rate,
+    rate_ratio,
+    replica_gauge,
+    replica_rate,
+    sel,
+)
 
 
 def inference() -> db.Dashboard:
     d = base(
         "gyre-inference",
         "Gyre / Inference",
-        "Inference replicas of one experiment: latency, load, throughput and served policy version.",
+        "Inference replicas of one experiment: latency, load, throughput and served policy version. In a "
+        "multi-run experiment every replica serves each run's adapter: requests, tokens, latency, served version "
+        "and weight updates are per run; load and engine panels show the replicas serving the chosen runs.",
         "gyre_inference_policy_version",
     )
     per = "run_id, instance"
@@ -47,18 +60,18 @@ def inference() -> db.Dashboard:
             "Running and waiting sequences",
             "short",
             [
-                (f"sum by ({per}) ({sel('gyre_inference_running_requests')})", "running {{instance}}"),
-                (f"sum by ({per}) ({sel('gyre_inference_waiting_requests')})", "waiting {{instance}}"),
+                (replica_gauge("sum", "gyre_inference_running_requests"), "running {{instance}}"),
+                (replica_gauge("sum", "gyre_inference_waiting_requests"), "waiting {{instance}}"),
             ],
-            "Sequences decoding now and queued for a batch slot, per replica.",
+            "Sequences decoding now and queued for a batch slot, per replica (all runs it serves).",
             minimum=0,
         ),
         panel(
             "Tokens/s per replica",
             TOKENS_PER_S,
             [
-                (rate("gyre_inference_generation_tokens_total", per), "generated {{instance}}"),
-                (rate("gyre_inference_prompt_tokens_total", per), "prompt {{instance}}"),
+                (rate("gyre_inference_generation_tokens_total", per), "generated {{run_id}} {{instance}}"),
+                (rate("gyre_inference_prompt_tokens_total", per), "prompt {{run_id}} {{instance}}"),
             ],
             "Generation and prompt throughput of each replica.",
             minimum=0,
@@ -67,10 +80,11 @@ def inference() -> db.Dashboard:
             "Served policy version",
             "none",
             [
-                (f"max by ({per}) ({sel('gyre_inference_policy_version')})", "{{instance}}"),
+                (f"max by ({per}) ({sel('gyre_inference_policy_version')})", "{{run_id}} {{instance}}"),
                 (f"max by (run_id) ({sel('gyre_orchestrator_latest_weights_step')})", "newest weights {{run_id}}"),
             ],
-            "Weights version each replica serves (0 = base model), next to the newest published version.",
+            "Weights version each replica serves (0 = base model; multi-run: each run's adapter), next to the "
+            "newest published version.",
             minimum=0,
         ),
         panel(
@@ -81,7 +95,7 @@ def inference() -> db.Dashboard:
                     rate_ratio(
                         "gyre_inference_requests_total", "gyre_inference_requests_total", per, 'outcome="server_error"'
                     ),
-                    "{{instance}}",
+                    "{{run_id}} {{instance}}",
                 )
             ],
             "Fraction of requests that ended with a server error, per replica (alert above 5%).",
@@ -91,7 +105,7 @@ def inference() -> db.Dashboard:
             "Weight update time",
             "s",
             [
-                (mean_of("gyre_inference_weight_update_seconds", per), "mean {{instance}}"),
+                (mean_of("gyre_inference_weight_update_seconds", per), "mean {{run_id}} {{instance}}"),
                 (quantile(0.99, "gyre_inference_weight_update_seconds"), "p99 {{run_id}}"),
             ],
             "UpdateWeights/ReloadWeights: verify, load and swap a weights version.",
@@ -136,7 +150,7 @@ def inference() -> db.Dashboard:
         panel(
             "Engine time by phase",
             "percentunit",
-            [(rate("gyre_inference_engine_seconds_total", f"{per}, phase"), "{{phase}} {{instance}}")],
+            [(replica_rate("gyre_inference_engine_seconds_total", "instance, phase"), "{{phase}} {{instance}}")],
             "Torch backend: the share of wall time each replica's engine spent in decode steps (device: the part "
             "inside their kernels; the rest is host work the device waited for), prefills, CUDA graph captures "
             "and weight swaps.",
@@ -147,12 +161,9 @@ def inference() -> db.Dashboard:
             "s",
             [
                 (
-                    rate_ratio(
-                        "gyre_inference_engine_seconds_total",
-                        "gyre_inference_engine_decode_steps_total",
-                        per,
-                        f'phase="{phase}"',
-                    ),
+                    replica_rate("gyre_inference_engine_seconds_total", extra=f'phase="{phase}"')
+                    + " / "
+                    + replica_rate("gyre_inference_engine_decode_steps_total"),
                     f"{phase} {{{{instance}}}}",
                 )
                 for phase in ("decode", "device")
@@ -164,14 +175,11 @@ def inference() -> db.Dashboard:
             "KV cache and prefix cache",
             "percentunit",
             [
-                (f"max by ({per}) ({sel('gyre_inference_kv_cache_usage_ratio')})", "KV cache in use {{instance}}"),
+                (replica_gauge("max", "gyre_inference_kv_cache_usage_ratio"), "KV cache in use {{instance}}"),
                 (
-                    rate_ratio(
-                        "gyre_inference_engine_prompt_tokens_total",
-                        "gyre_inference_engine_prompt_tokens_total",
-                        per,
-                        'source="cached"',
-                    ),
+                    replica_rate("gyre_inference_engine_prompt_tokens_total", extra='source="cached"')
+                    + " / "
+                    + replica_rate("gyre_inference_engine_prompt_tokens_total"),
                     "prompt tokens cached {{instance}}",
                 ),
             ],

@@ -58,6 +58,25 @@ def quantile(q: float, histogram: str, by: str = "run_id", extra: str = "") -> s
     return f"histogram_quantile({q}, sum by ({by}, le) (rate({sel(histogram + '_bucket', extra)}[{RATE}])))"
 
 
+# Replica-wide inference series (load, engine, KV cache) carry the replica's own run_id: a replica serves every
+# run of a multi-run experiment, whose runs are told apart only in its per-request and per-adapter series
+# (docs/metrics.md). They are shown for the replicas serving a chosen run: those exporting its served version.
+SERVING = f"and on (namespace, instance) {sel('gyre_inference_policy_version')}"
+
+
+def replica_sel(metric: str, extra: str = "") -> str:
+    """`metric{namespace=~"$namespace"[, extra]}`: a replica-wide series, to be limited by `SERVING`."""
+    return f'{metric}{{namespace=~"$namespace"{", " + extra if extra else ""}}}'
+
+
+def replica_rate(metric: str, by: str = "instance", extra: str = "") -> str:
+    return f"sum by ({by}) (rate({replica_sel(metric, extra)}[{RATE}]) {SERVING})"
+
+
+def replica_gauge(aggregation: str, metric: str, by: str = "instance") -> str:
+    return f"{aggregation} by ({by}) ({replica_sel(metric)} {SERVING})"
+
+
 def query(expr: str, legend: str, ref: str) -> prometheus.Dataquery:
     return prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref).range()
 

@@ -107,7 +107,7 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
             try:
                 await load
             except Exception as error:
-                self.metrics.weight_update_done(False, time.perf_counter() - started)
+                self.metrics.weight_update_done(False, time.perf_counter() - started, adapter)
                 expected = isinstance(error, WeightsError | WeightsIncompatibleError | OSError | OlderVersionError)
                 log.log(
                     logging.WARNING if expected else logging.ERROR, "refused %s: %s", what, error, exc_info=not expected
@@ -115,7 +115,7 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
                 code = grpc.StatusCode.FAILED_PRECONDITION if expected else grpc.StatusCode.INTERNAL
                 return code, f"refused {what}: {error}; still serving version {self._served(adapter)}"
             self._last_seconds = time.perf_counter() - started
-            self.metrics.weight_update_done(True, self._last_seconds)
+            self.metrics.weight_update_done(True, self._last_seconds, adapter)
             log.info("now serving version %d (%s, %.2fs)", self._served(adapter), what, self._last_seconds)
             return None
 

@@ -1,6 +1,10 @@
 """`gyre_inference_*` Prometheus metrics of one server (own registry, so tests can run several servers).
 
-Every series carries `run_id`; the only other labels are `endpoint` (chat, completions, responses) and `outcome`
+Every series carries `run_id`: the run a request or weight update is for (multi-run: the run whose named
+adapter it names, else the replica's own `run_id`); replica-wide series (load, engine) carry the replica's
+own, and the served version is one series per run (the model's, and each named adapter's). Adapter names
+are the runs' (bounded by the experiment), and a request naming no served model is counted under the
+replica's own. The only other labels are `endpoint` (chat, completions, responses) and `outcome`
 (requests: success, client_error (4xx), aborted (the client went away), unavailable (503: loading or
 shutting down), server_error (5xx); weight updates: success, error), so
 cardinality stays bounded whatever clients send. Running/waiting/version gauges are read from the
@@ -26,7 +30,9 @@ Torch backend only (read from its `EngineStats` at scrape time, engine_stats.py)
 
 from __future__ import annotations
 
-from gyre.metrics import counter, counter_function, gauge, histogram
+import contextlib
+
+from gyre.metrics import counter, counter_function, gauge, gauge_function, histogram
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -51,22 +57,18 @@ class InferenceMetrics:
             ["run_id", "endpoint", "outcome"],
             r,
         )
-        for endpoint in ("chat", "completions", "responses"):
-            for outcome in OUTCOMES:  # expose zeros, so rate() and ratios work from the first scrape
-                self._requests.labels(run_id, endpoint, outcome)
-        self.prompt_tokens = counter(
-            "gyre_inference_prompt_tokens_total", "Prompt tokens processed.", ["run_id"], r
-        ).labels(**run)
+        # per run (`run_of`): .labels(run)
+        self.prompt_tokens = counter("gyre_inference_prompt_tokens_total", "Prompt tokens processed.", ["run_id"], r)
         self.generation_tokens = counter(
             "gyre_inference_generation_tokens_total", "Tokens generated (all choices).", ["run_id"], r
-        ).labels(**run)
+        )
         self.time_to_first_token = histogram(
             "gyre_inference_time_to_first_token_seconds",
             "Request arrival to the first generated token.",
             ["run_id"],
             r,
             buckets=TTFT_BUCKETS,
-        ).labels(**run)
+        )
         self._latency = histogram(
             "gyre_inference_request_latency_seconds",
             "Request arrival to the last token of the response.",
@@ -80,22 +82,26 @@ class InferenceMetrics:
         gauge("gyre_inference_waiting_requests", "Sequences queued for a batch slot.", ["run_id"], r).labels(
             **run
         ).set_function(lambda: backend.load_stats()[1])
-        gauge("gyre_inference_policy_version", "Weights version served (0 = base model).", ["run_id"], r).labels(
-            **run
-        ).set_function(lambda: backend.version)
+        gauge_function(
+            "gyre_inference_policy_version",
+            "Weights version served (0 = base model): the model's, and each named adapter's under its run.",
+            ["run_id"],
+            r,
+            lambda: self._served_versions(backend),
+        )
         self.weight_update_seconds = histogram(
             "gyre_inference_weight_update_seconds",
             "UpdateWeights/ReloadWeights duration: verify, load and swap.",
             ["run_id"],
             r,
             buckets=UPDATE_BUCKETS,
-        ).labels(**run)
+        )
         self._updates = counter(
             "gyre_inference_weight_updates_total", "Weight updates by outcome.", ["run_id", "outcome"], r
         )
-        for outcome in ("success", "error"):
-            self._updates.labels(run_id, outcome)
         self.run_id = run_id
+        self._runs: set[str] = set()
+        self._expose(run_id)
         self._engine_series(r, backend)
 
     def _engine_series(self, r: CollectorRegistry, backend: Backend) -> None:
@@ -126,15 +132,48 @@ class InferenceMetrics:
             lambda: stats.kv_cache_usage if (stats := backend.engine_stats()) is not None else 0.0
         )  # fmt: skip
 
-    def request_done(self, endpoint: str, outcome: str, seconds: float | None = None) -> None:
-        self._requests.labels(self.run_id, endpoint, outcome).inc()
-        if seconds is not None:
-            self._latency.labels(self.run_id, endpoint).observe(seconds)
+    def run_of(self, adapter: str | None) -> str:
+        """The `run_id` of a request or weight update for `adapter`: multi-run serves each run's adapter under the
+        run's name, so a run's series are told apart from the others' (None: the replica's model itself). A run
+        seen for the first time gets its zeros exposed."""
+        run = self.run_id if adapter is None else adapter
+        self._expose(run)
+        return run
 
-    def weight_update_done(self, ok: bool, seconds: float) -> None:
-        self._updates.labels(self.run_id, "success" if ok else "error").inc()
+    def _served_versions(self, backend: Backend) -> dict[tuple, float]:
+        versions = {(self.run_id,): float(backend.version)}
+        for name in backend.adapter_names:
+            with contextlib.suppress(KeyError):  # forgotten since it was listed
+                versions[(name,)] = float(backend.adapter_version(name))
+        return versions
+
+    def _expose(self, run: str) -> None:
+        """Zeros of every series of `run` (the replica's own from the start, a run's at its first request or
+        update), so rate() and the error ratios have data from the first scrape on."""
+        if run in self._runs:
+            return
+        self._runs.add(run)
+        for endpoint in ("chat", "completions", "responses"):
+            for outcome in OUTCOMES:
+                self._requests.labels(run, endpoint, outcome)
+        for outcome in ("success", "error"):
+            self._updates.labels(run, outcome)
+        for family in (self.prompt_tokens, self.generation_tokens, self.time_to_first_token):
+            family.labels(run)
+        self.weight_update_seconds.labels(run)
+
+    def request_done(self, endpoint: str, outcome: str, seconds: float | None = None, run: str | None = None) -> None:
+        run = run or self.run_id
+        self._expose(run)
+        self._requests.labels(run, endpoint, outcome).inc()
+        if seconds is not None:
+            self._latency.labels(run, endpoint).observe(seconds)
+
+    def weight_update_done(self, ok: bool, seconds: float, adapter: str | None = None) -> None:
+        run = self.run_of(adapter)
+        self._updates.labels(run, "success" if ok else "error").inc()
         if ok:
-            self.weight_update_seconds.observe(seconds)
+            self.weight_update_seconds.labels(run).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -243,7 +243,9 @@ class Serving:
             async for event in stream:
                 if job.first_token_at is None:
                     job.first_token_at = event.sampled_at or time.monotonic()
-                    self.metrics.time_to_first_token.observe(job.first_token_at - job.started)
+                    self.metrics.time_to_first_token.labels(self._run_label(job)).observe(
+                        job.first_token_at - job.started
+                    )
                 delta = choice.add(event)
                 sink(choice, delta)
                 if choice.done:
@@ -254,7 +256,7 @@ class Serving:
     async def _respond(self, job: _Job, client_gone, body=None, stream=None):
         """Run `job`: a JSON body (`body(job)`, default the chat/completions one) or an SSE stream
         (`stream(job)`, an async iterator of SSE text; default chat/completions chunks)."""
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in job.prompts))
+        self.metrics.prompt_tokens.labels(self._run_label(job)).inc(sum(len(p) for p in job.prompts))
         if job.request.stream:
             return StreamingResponse(
                 (stream or self._stream)(job),
@@ -299,8 +301,13 @@ class Serving:
         return "success"
 
     def _finish_metrics(self, job: _Job, outcome: str) -> None:
-        self.metrics.generation_tokens.inc(sum(len(choice.token_ids) for _, choice, _ in job.choices))
-        self.metrics.request_done(job.kind, outcome, time.monotonic() - job.started)
+        run = self._run_label(job)
+        self.metrics.generation_tokens.labels(run).inc(sum(len(choice.token_ids) for _, choice, _ in job.choices))
+        self.metrics.request_done(job.kind, outcome, time.monotonic() - job.started, run)
+
+    def _run_label(self, job: _Job) -> str:
+        """The run whose series count `job`: its named adapter's (multi-run), else the replica's."""
+        return self.metrics.run_of(job.choices[0][2].adapter)
 
     async def _stream(self, job: _Job) -> AsyncIterator[str]:
         """SSE: per choice a role chunk (chat), then one chunk per token that releases text or carries

@@ -209,6 +209,43 @@ async def test_a_named_adapter_s_responses_carry_its_own_version_streamed_or_not
 
 
 @pytest.mark.asyncio
+async def test_metrics_of_a_named_adapter_s_requests_carry_its_run(tiny_model, tmp_path):
+    """Multi-run: one replica serves every run's adapter under the run's name, so the series of a request for
+    adapter `a` and `a`'s served version carry run_id="a" and the model's own keep the replica's run_id (before,
+    every series carried the replica's: no run could be told apart on the inference dashboard)."""
+    import httpx
+    import openai
+    from http_app import serve_app
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def load_a(engine):
+        write_adapter(tiny_model, tmp_path / "a", seed=1)
+        await engine.update_adapter("a", FetchedWeights.local(tmp_path / "a", 5))
+
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=1, max_lora_rank=4)
+    async with serve_app(engine, tiny_model, "exp", load_a) as url:
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
+            for model in ("a", "a", "tiny"):
+                await client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=2)
+        async with httpx.AsyncClient(timeout=30) as raw:
+            text = (await raw.get(url.removesuffix("/v1") + "/metrics")).text
+    samples = {
+        (s.name, s.labels.get("run_id"), s.labels.get("outcome"), s.labels.get("endpoint")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("gyre_inference_requests_total", "a", "success", "completions")] == 2
+    assert samples[("gyre_inference_requests_total", "exp", "success", "completions")] == 1
+    assert samples[("gyre_inference_requests_total", "a", "server_error", "completions")] == 0  # zeros for ratios
+    assert samples[("gyre_inference_prompt_tokens_total", "a", None, None)] == 6
+    assert samples[("gyre_inference_prompt_tokens_total", "exp", None, None)] == 3
+    assert samples[("gyre_inference_time_to_first_token_seconds_count", "a", None, None)] == 2
+    assert samples[("gyre_inference_policy_version", "a", None, None)] == 5
+    assert samples[("gyre_inference_policy_version", "exp", None, None)] == 0
+    assert {run for name, run, _, _ in samples if name == "gyre_inference_running_requests"} == {"exp"}
+
+
+@pytest.mark.asyncio
 async def test_a_request_for_an_evicted_name_waits_while_every_slot_is_busy(tiny_model, tmp_path):
     """One slot, held by b's running request: a request for evicted a waits until b's ends, then a is loaded back
     (vLLM's scheduler queues a request whose adapter does not fit max_loras). It failed at once (a 500 over HTTP).
