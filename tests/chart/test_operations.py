@@ -4,7 +4,9 @@ non-root user, and images can be pinned by digest. Each test renders what failed
 
 from __future__ import annotations
 
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import helm_python
@@ -200,6 +202,64 @@ def test_redis_runs_as_a_high_non_root_user_like_every_pod():
     redis = pod_templates(manifests(render({"redis": {"runAsUser": 20000, "runAsGroup": 20001}})))["redis"]
     ctx = redis["spec"]["securityContext"]
     assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"]) == (20000, 20001, 20001)
+
+
+def redis_flags(values: dict) -> list[str]:
+    """The rendered `exec redis-server <config file> <flags...>` line's flags."""
+    redis = main(pod_templates(valid(manifests(render(values))))["redis"])
+    (line,) = [line for line in redis["args"][-1].splitlines() if "exec redis-server" in line]
+    return shlex.split(line)[3:]
+
+
+def test_redis_maxmemory_follows_the_memory_limit_with_noeviction():
+    def setting(values: dict) -> tuple[str, str] | None:
+        flags = redis_flags(values)
+        if "--maxmemory" not in flags:
+            return None
+        return flags[flags.index("--maxmemory") + 1], flags[flags.index("--maxmemory-policy") + 1]
+
+    assert setting({}) == (str(int(2 * GIB * 0.75)), "noeviction")  # the default limit, 2Gi
+    assert setting({"redis": {"resources": {"limits": {"memory": "512Mi"}}}}) == (str(384 * 2**20), "noeviction")
+    assert setting({"redis": {"resources": {"limits": {"memory": "1.5G"}}}}) == ("1125000000", "noeviction")
+    assert setting({"redis": {"maxmemory": "3gb"}}) == ("3gb", "noeviction")
+    assert setting({"redis": {"resources": {"limits": {"memory": None}}}}) is None  # no limit: none
+    with pytest.raises(helm_python.HelmError, match="redis.resources.limits.memory"):
+        render({"redis": {"resources": {"limits": {"memory": "2 gigs"}}}})
+    with pytest.raises(helm_python.HelmError, match="maxmemory"):
+        render({"redis": {"maxmemory": "lots"}})
+
+
+@pytest.mark.skipif(not Path("/usr/bin/redis-server").exists(), reason="apt-get install redis-server")
+def test_full_redis_refuses_a_batch_loudly_and_keeps_every_batch(tmp_path):
+    """The rendered flags on a real redis-server with a small limit: past `maxmemory` a push fails with Redis's
+    OOM error, which the orchestrator does not retry (it stops, naming it), and no batch is evicted; without
+    the flags Redis would grow until the kernel kills the pod."""
+    import redis as redis_py
+    from gyre.net import free_port
+    from gyre.redis_retry import call_with_retry
+    from gyre.streams import BatchStream
+
+    flags = redis_flags({"redis": {"resources": {"limits": {"memory": "8Mi"}}}})
+    flags = [f if f != "/data" else str(tmp_path) for f in flags]
+    port = free_port()
+    flags[flags.index("--port") + 1] = str(port)
+    server = subprocess.Popen(["/usr/bin/redis-server", *flags], cwd=tmp_path, stdout=subprocess.DEVNULL)
+    try:
+        client = redis_py.Redis(port=port)
+        call_with_retry(client.ping, deadline_s=10, initial_s=0.05)
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        stream = BatchStream(client, "full", maxlen=64)
+        stream.ensure_group()
+        pushed = 0
+        with pytest.raises(redis_py.OutOfMemoryError, match="maxmemory"):
+            while pushed < 64:  # 64 x 256 KiB = 16 MiB: more than the 6 MiB limit
+                stream.push(pushed, bytes(256 << 10))
+                pushed += 1
+        assert 0 < pushed < 64
+        assert [e.step for e in stream.read("trainer", block_ms=10, count=100)] == list(range(pushed))
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def test_image_digests_pin_every_component_and_redis():

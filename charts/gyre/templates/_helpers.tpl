@@ -62,6 +62,26 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end -}}
 
+{{/*
+Redis's maxmemory: `redis.maxmemory`, else 75% of the container's memory limit in bytes (the rest for the
+append-only file's rewrite and client buffers), else nothing (no limit).
+*/}}
+{{- define "gyre.redisMaxmemory" -}}
+{{- $v := .Values.redis -}}
+{{- $limit := ((($v.resources | default dict).limits | default dict).memory | default "") | toString -}}
+{{- if $v.maxmemory -}}
+{{- $v.maxmemory -}}
+{{- else if $limit -}}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $limit -}}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- $unit := trimPrefix $number $limit -}}
+{{- if or (not $number) (not (hasKey $units $unit)) -}}
+{{- fail (printf "redis.resources.limits.memory: cannot read %q as a quantity (e.g. 2Gi); or set redis.maxmemory" $limit) -}}
+{{- end -}}
+{{- mulf (float64 $number) (get $units $unit) 0.75 | floor | int64 -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "gyre.runId" -}}
 {{- .Values.experiment.run_id | default .Release.Name -}}
 {{- end -}}
