@@ -240,6 +240,26 @@ def test_requests_in_flight_fill_every_replicas_batch_unless_the_user_says(tmp_p
     assert resolve_configs(chosen, "m", "redis://127.0.0.1:1/0").orchestrator.inference.max_concurrency == 40
 
 
+def test_setting_a_checkpoint_or_sft_key_turns_the_section_on_unless_it_is_turned_off(tmp_path, monkeypatch):
+    # `gyre rl --ckpt.interval 5` (PRIME-RL's way to checkpoint) and an [sft.args] table without `enabled = true`
+    # were silently ignored: no checkpoint, no warm-up
+    def resolved(*args: str):
+        return resolve_configs(load_config(RLConfig, ["--output-dir", str(tmp_path), *args]), "m", "redis://x:1/0")
+
+    assert resolved().trainer.ckpt.interval is None
+    on = resolved("--ckpt.interval", "5")
+    assert on.trainer.ckpt.interval == 5 and on.orchestrator.ckpt_interval == 5
+    assert resolved("--ckpt.keep-last", "4").trainer.ckpt.keep_last == 4
+    assert resolved("--ckpt.enabled", "false", "--ckpt.interval", "5").trainer.ckpt.interval is None
+    assert resolved("--ckpt.resume-step", "0").trainer.ckpt.interval is None  # a rewind alone writes none
+    monkeypatch.setenv("GYRE_CKPT__INTERVAL", "3")
+    assert resolved().trainer.ckpt.interval == 3
+    sft = tmp_path / "sft.toml"
+    sft.write_text("[sft.args]\nmax_steps = 3\n")
+    assert load_config(RLConfig, ["@", str(sft)]).sft.enabled
+    assert not load_config(RLConfig, ["@", str(sft), "--sft.enabled", "false"]).sft.enabled
+
+
 def test_contradicting_batch_split_is_refused(tmp_path):
     from gyre.config import ConfigError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from gyre.config.loader import GyreSettings, Section
 from gyre.config.shared import LogConfig, ModelConfig, WandbConfig
@@ -32,8 +32,20 @@ class RLModelConfig(ModelConfig):
     init_seed: int = Field(0, description="Seed of the created model.")
 
 
+def _enabled_by(keys: tuple[str, ...], value: Any) -> Any:
+    """A section's raw values with `enabled = true` when one of `keys` is set and `enabled` is not (PRIME-RL's
+    way: `--ckpt.interval 5` alone checkpoints; it was silently ignored); an explicit `enabled = false` stays."""
+    if isinstance(value, dict) and "enabled" not in value and any(key in value for key in keys):
+        return {**value, "enabled": True}
+    return value
+
+
 class RLCkptConfig(Section):
-    enabled: bool = Field(False, description="Write trainer + orchestrator checkpoints (a bare --ckpt enables).")
+    enabled: bool = Field(
+        False,
+        description="Write trainer + orchestrator checkpoints (a bare --ckpt, or setting interval or keep_last, "
+        "enables).",
+    )
     interval: int = Field(1, ge=1, description="Checkpoint every N steps when enabled.")
     keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
     resume_step: int | None = Field(
@@ -45,10 +57,18 @@ class RLCkptConfig(Section):
 
 
 class SFTWarmupConfig(Section):
-    enabled: bool = Field(False, description="Run `gyre sft` before RL and start RL from its result.")
+    enabled: bool = Field(
+        False,
+        description="Run `gyre sft` before RL and start RL from its result (setting sft.args also enables it).",
+    )
     args: dict[str, Any] = Field(
         default_factory=dict, description="Keys of `gyre sft` (see `gyre sft --help`), e.g. {max_steps = 300}."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _args_enable(cls, value: Any) -> Any:
+        return _enabled_by(("args",), value)
 
 
 class RLRunConfig(Section):
@@ -140,4 +160,4 @@ class RLConfig(GyreSettings):
         # PRIME-RL style: `--ckpt` alone turns checkpointing on with defaults.
         if isinstance(value, bool | str) and str(value).lower() in ("true", "false"):
             return {"enabled": str(value).lower() == "true"}
-        return value
+        return _enabled_by(("interval", "keep_last"), value)
