@@ -382,13 +382,6 @@ class SFTDataConfig(Section):
     batch_size: int = Field(16, ge=1, description="Packed rows per optimiser step.")
     micro_batch_size: int = Field(4, ge=1, description="Packed rows per forward/backward.")
 
-    @model_validator(mode="after")
-    def _one_source(self) -> SFTDataConfig:
-        sources = [name for name, on in (("path", self.path is not None), ("fake", self.fake), ("env", self.env)) if on]
-        if len(sources) != 1:
-            raise ValueError(f"set exactly one of data.path, data.fake, data.env (got {sources or 'none'})")
-        return self
-
 
 class SFTConfig(JobConfig):
     """Supervised fine-tuning on chat data (loss on assistant tokens only)."""
@@ -406,3 +399,13 @@ class SFTConfig(JobConfig):
     seed: int = Field(0, description="Random seed (model init order, data shuffling, generated data).")
     deterministic: bool = Field(False, description="Deterministic torch algorithms (tests).")
     save_dir: Path | None = Field(None, description="Where the final HF model goes (default: {output_dir}/sft).")
+
+    @model_validator(mode="after")
+    def _one_data_source(self) -> SFTConfig:
+        # checked here, not in SFTDataConfig: its default (no source) failing inside the default factory was an
+        # error of no key ("config key '<root>': Value error, set exactly one ...")
+        data = self.data
+        sources = [name for name, on in (("path", data.path is not None), ("fake", data.fake), ("env", data.env)) if on]
+        if len(sources) != 1:
+            raise ValueError(f"data: set exactly one of data.path, data.fake, data.env (got {sources or 'none'})")
+        return self

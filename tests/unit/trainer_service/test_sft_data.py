@@ -150,6 +150,13 @@ def test_exactly_one_data_source_is_required():
 
     with pytest.raises(ConfigError, match="exactly one of data.path, data.fake, data.env"):
         load_config(SFTConfig, ["--data.fake", "--data.env", "reverse_text"])
+    # no source at all (the first mistake of a new user) was "config key '<root>': Value error, set exactly one...",
+    # and it hid a typo made beside it
+    with pytest.raises(ConfigError) as e:
+        load_config(SFTConfig, [])
+    assert str(e.value) == "config key 'data': set exactly one of data.path, data.fake, data.env (got none)"
+    with pytest.raises(ConfigError, match=r"config key 'max_stepz': unknown key \(did you mean 'max_steps'\?\)"):
+        load_config(SFTConfig, ["--max-stepz", "3"])
 
 
 def test_wandb_enabled_logs_the_sft_steps(tiny_model, tmp_path, monkeypatch):
