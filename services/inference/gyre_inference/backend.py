@@ -14,6 +14,8 @@ are renormalised over the nucleus when top_p < 1; the vLLM backend documents tha
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -216,3 +218,13 @@ class Backend(ABC):
         """Serve the PEFT adapter `weights` (fetched by the source) as adapter `name` at version `weights.step`
         (a new name takes a free slot)."""
         raise WeightsIncompatibleError(f"the {self.name} backend serves no named adapters")
+
+
+async def wait_out(future: asyncio.Future) -> BaseException | None:
+    """Wait for `future` to end through any cancellation of the caller, who re-raises its own afterwards; its error
+    (None: it succeeded or was cancelled). A weight update its caller gave up on (an UpdateWeights past its deadline)
+    while the engine loads it runs to its end this way, so the version noted always matches the weights served."""
+    while not future.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(future)
+    return None if future.cancelled() else future.exception()

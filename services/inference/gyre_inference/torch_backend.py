@@ -24,7 +24,6 @@ Only full-attention decoder models are supported: Llama, Mistral, Qwen2 (no slid
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import threading
@@ -43,6 +42,7 @@ from gyre_inference.backend import (
     SamplingParams,
     TokenEvent,
     WeightsIncompatibleError,
+    wait_out,
 )
 from gyre_inference.batch import Batch, Sequence
 from gyre_inference.cpus import default_engine_threads
@@ -431,10 +431,6 @@ class TorchBackend(EngineLoop, Backend):
             # the engine has not taken is dropped; one it is copying in is applied all the same, and this call (and
             # with it the swap lock) waits until it is: the next update must read the weights, version and
             # `_others_are_base` this one leaves (read earlier, an adapter merged onto a full set it took for the base).
-            if not swap.done.cancel():
-                while not done.done():
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.shield(done)
-                if not done.cancelled() and done.exception() is None:
-                    log.warning("weights version %d was applied after its caller gave up", version)
+            if not swap.done.cancel() and await wait_out(done) is None and not done.cancelled():
+                log.warning("weights version %d was applied after its caller gave up", version)
             raise

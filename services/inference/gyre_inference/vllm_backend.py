@@ -19,8 +19,10 @@ How it maps onto vLLM:
   re-shards for tensor parallelism), resume, then reset the prefix cache so no new prompt reuses KV
   blocks the old weights computed. Requests in flight keep their KV cache, as with the torch backend.
 - versions: a token is stamped with the version current when its output reaches us. Tokens cannot
-  be computed while paused, so the stamp is exact up to outputs already in transit at pause time
-  (vLLM flushes those during pause_generation).
+  be computed while paused, and the new version is noted while paused (before the resume), so the stamp
+  is exact up to outputs already in transit at pause time (vLLM flushes those during pause_generation).
+  An update whose caller gives up (an UpdateWeights past its deadline) runs to its end: vLLM loads what
+  it was sent anyway, and the version and adapter noted must match what it serves.
 - LoRA adapters (`lora.max_loras` > 0 starts the engine with `enable_lora`, `max_loras`, and
   `max_lora_rank` = the smallest of vLLM's sizes >= `lora.max_rank`). An adapter version is a folder with
   `adapter_config.json`: of the served model itself (`update_weights`, `trainer.lora.publish = "adapter"`)
@@ -47,7 +49,7 @@ import logging
 import os
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,7 @@ from gyre_inference.backend import (
     SamplingParams,
     TokenEvent,
     WeightsIncompatibleError,
+    wait_out,
 )
 from gyre_inference.structured import Guide
 
@@ -347,6 +350,9 @@ class VLLMBackend(Backend):
         )
 
     async def update_adapter(self, name: str, weights: FetchedWeights) -> None:
+        await _all_or_nothing(self._update_adapter(name, weights), weights.step)
+
+    async def _update_adapter(self, name: str, weights: FetchedWeights) -> None:
         path, version = weights.folder, weights.step
         # Any number of names: vLLM's own cache holds `max_loras` adapters, evicts the least recently used
         # idle one and loads an evicted adapter back from its folder when a request asks for it.
@@ -358,36 +364,47 @@ class VLLMBackend(Backend):
             await self._release(previous)
 
     async def update_weights(self, weights: FetchedWeights) -> None:
+        await _all_or_nothing(self._update_weights(weights), weights.step)
+
+    async def _update_weights(self, weights: FetchedWeights) -> None:
         from gyre.lora import ADAPTER_CONFIG
 
-        path, version = weights.folder, weights.step
+        path, version = Path(weights.folder), weights.step
         previous = self._lora
-        if (Path(path) / ADAPTER_CONFIG).is_file():
-            await self._use_adapter(Path(path), version)
+        if (path / ADAPTER_CONFIG).is_file():
+            await asyncio.to_thread(adapter_rank, path, self.max_lora_rank)
+            # registered before the base comes back: an adapter vLLM refuses leaves the served weights as they are
+            lora = await self._add_lora(path, f"gyre-{{id}}-step_{version}")
+            if self._base_loaded:
+                self._lora, self._version = lora, version
+            else:  # the engine serves a full-weights version: adapters apply to the base
+                try:
+                    await self._load_full(self.model_path, lambda: self._serve(lora, version, base=True))
+                except BaseException:
+                    await self._release(lora)
+                    raise
         else:
-            await self._load_full(Path(path))
-            self._lora, self._version = None, version
-            self._base_loaded = Path(path) == self.model_path
+            await asyncio.to_thread(check_same_layout, self.model_path, path)
+            await self._load_full(path, lambda: self._serve(None, version, base=path == self.model_path))
         if previous is not None:
             await self._release(previous)
 
-    async def _load_full(self, path: Path) -> None:
-        await asyncio.to_thread(check_same_layout, self.model_path, path)
+    def _serve(self, lora: Any, version: int, *, base: bool) -> None:
+        self._lora, self._version, self._base_loaded = lora, version, base
+
+    async def _load_full(self, path: Path, loaded: Callable[[], None]) -> None:
+        """Load `path` in every worker while the scheduler is paused, and note what is served now (`loaded()`)
+        before it resumes: every output of a step on the new weights is stamped with the new version (noted after
+        the resume, outputs computed meanwhile were stamped with the old one, or with the full version when the base
+        came back under an adapter)."""
         await self._pause()
         try:
             await self._engine.collective_rpc("gyre_load_weights", args=(str(path),))
+            loaded()
         finally:
             await self._engine.resume_generation()
         if await self._engine.reset_prefix_cache() is False:
             log.warning("vLLM kept prefix-cache blocks still in use: they were computed by the previous weights")
-
-    async def _use_adapter(self, path: Path, version: int) -> None:
-        await asyncio.to_thread(adapter_rank, path, self.max_lora_rank)
-        if not self._base_loaded:  # the engine serves a full-weights version: adapters apply to the base
-            await self._load_full(self.model_path)
-            self._base_loaded = True
-        self._lora = await self._add_lora(path, f"gyre-{{id}}-step_{version}")
-        self._version = version
 
     async def _add_lora(self, path: Path, name: str) -> Any:
         """A new LoRARequest for the (checked) adapter in `path`, loaded by vLLM: a fresh id, and `name`
@@ -426,3 +443,15 @@ class VLLMBackend(Backend):
             await self._engine.pause_generation(mode="keep", clear_cache=False)
         except TypeError:  # vLLM before pause modes: utility calls still run between engine steps
             log.warning("this vLLM cannot pause with requests kept; loading between engine steps instead")
+
+
+async def _all_or_nothing(update: Coroutine, version: int) -> None:
+    """Run a weight update to its end even when its caller gives up (an UpdateWeights past its deadline): vLLM loads
+    what it was sent whatever our side does, and the version and adapter noted must match what it serves."""
+    task = asyncio.ensure_future(update)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if await wait_out(task) is None and not task.cancelled():
+            log.warning("weights version %d was applied after its caller gave up", version)
+        raise

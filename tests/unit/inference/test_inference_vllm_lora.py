@@ -374,6 +374,72 @@ def test_adapters_need_lora_enabled_and_a_rank_that_fits(standin_vllm, tiny_mode
     run(scenario())
 
 
+async def _collect(stream):
+    return [event async for event in stream]
+
+
+def test_a_full_version_is_stamped_from_its_first_step_and_survives_its_caller_giving_up(
+    standin_vllm, tiny_model, tmp_path
+):
+    """Tokens a step computes on new weights carry the new version, and an UpdateWeights cancelled while vLLM loads
+    is applied whole. Before, the version was noted only after the scheduler resumed and the prefix cache was reset,
+    so outputs of the first steps on the new weights were stamped with the old version; and a call cancelled during
+    the load left the model's previous adapter in use, applied on top of the new full weights, under its version."""
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, max_loras=2, max_lora_rank=16)
+        await backend.start()
+        engine = backend._engine
+        full = tmp_path / "step_2"
+        shutil.copytree(tiny_model, full)
+
+        # a step runs as soon as the scheduler resumes, before the prefix cache reset returns
+        resume, reset = engine.resume_generation, engine.reset_prefix_cache
+
+        async def resume_and_step():
+            await resume()
+            engine.steps.put_nowait(None)
+
+        async def slow_reset(**kwargs):
+            await asyncio.sleep(0.05)
+            return await reset(**kwargs)
+
+        engine.resume_generation, engine.reset_prefix_cache = resume_and_step, slow_reset
+        engine.steps.put_nowait(None)
+        reading = asyncio.create_task(_collect(backend.generate([1, 2], SamplingParams(max_tokens=2))))
+        await asyncio.sleep(0.05)  # its first token is read
+        await backend.update_weights(FetchedWeights.local(full, 2))
+        assert [e.version for e in await reading] == [0, 2]
+        engine.resume_generation, engine.reset_prefix_cache = resume, reset
+
+        # the model's adapter version 3, then full version 4 whose caller gives up while vLLM loads it
+        await backend.update_weights(FetchedWeights.local(adapter_folder(tmp_path, "step_3"), 3))
+        loading, release = asyncio.Event(), asyncio.Event()
+        rpc = engine.collective_rpc
+
+        async def slow_rpc(method, timeout=None, args=(), kwargs=None):
+            await rpc(method, timeout=timeout, args=args, kwargs=kwargs)  # vLLM loads it whatever the caller does
+            loading.set()
+            await release.wait()
+
+        engine.collective_rpc = slow_rpc
+        update = asyncio.create_task(backend.update_weights(FetchedWeights.local(full, 4)))
+        await loading.wait()
+        update.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        engine.auto = True
+        events = [e async for e in backend.generate([1], SamplingParams(max_tokens=1))]
+        assert engine.last("generate")["lora_request"] is None  # the full weights alone, no adapter on top
+        assert backend.version == 4 and [e.version for e in events] == [4]
+        await backend.shutdown()
+
+    run(scenario())
+
+
 # ---- named adapters: one per run ---------------------------------------------------------------------
 def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, tmp_path):
     """Multi-run: a request for run r's name uses r's newest LoRARequest; r's update replaces only r's adapter,
