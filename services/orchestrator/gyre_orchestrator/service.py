@@ -57,6 +57,9 @@ from gyre_orchestrator.teacher import Teacher
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9102
+# a rewinding orchestrator waits this long for the trainer to delete the abandoned weights versions (it does so when
+# it starts, after loading the model): long enough for a large model, short enough for a trainer that never will
+REWIND_WAIT_S = 600.0
 
 
 class StreamLost(RuntimeError):
@@ -297,6 +300,8 @@ class OrchestratorService:
                 "set --server.port to a free port (0 = pick one)"
             ) from None
         await self.discovery.start()
+        if cfg.resume_step is not None and cfg.resume_step >= 0:
+            await self._await_trainer_rewind(cfg.resume_step)
         await self.relay.start()
         if self.relay.target is not None:
             step = self.relay.target.step
@@ -330,6 +335,32 @@ class OrchestratorService:
         if cfg.eval.interval is not None:
             self.evals.start(self.versions, at_start=cfg.eval.at_start and point.start_step == 1)
         await self.server.set_serving(True)
+
+    async def _await_trainer_rewind(self, step: int, poll_s: float = 0.5, remind_s: float = 30.0) -> None:
+        """A rewind to `step` abandons the weights versions after it, which the trainer deletes as it starts with the
+        same `ckpt.resume_step`. Until then they look published: the relay would put the newest on the replicas, and
+        its rollouts, the abandoned policy's, would fill the rewound run's first batches (a trainer loading a large
+        model deletes them long after an orchestrator has started). So the relay starts once the trainer has deleted
+        them, or after `REWIND_WAIT_S` (a trainer that was not rewound: the run goes on as without this wait)."""
+        abandoned = self.transport.latest()
+        if abandoned is None or abandoned <= step:
+            return
+        start = last_note = time.monotonic()
+        log.warning("rewind to step %d: waiting for the trainer (ckpt.resume_step = %d) to delete the abandoned "
+                    "weights versions %d..%d before relaying any", step, step, step + 1, abandoned)  # fmt: skip
+        while (latest := self.transport.latest()) is not None and latest >= abandoned:
+            now = time.monotonic()
+            if now - start >= REWIND_WAIT_S:
+                log.warning("rewind to step %d: the trainer still publishes weights versions up to %d after %.0fs "
+                            "(was it started with ckpt.resume_step = %d?); going on", step, latest, now - start,
+                            step)  # fmt: skip
+                return
+            if now - last_note >= remind_s:
+                last_note = now
+                log.warning("rewind to step %d: still waiting for the trainer to delete weights versions %d..%d",
+                            step, step + 1, latest)  # fmt: skip
+            await asyncio.sleep(poll_s)
+        log.info("rewind to step %d: the trainer deleted the abandoned weights versions; relaying", step)
 
     async def _resume_point(self):
         cfg = self.cfg

@@ -138,3 +138,42 @@ async def test_a_rewind_to_the_base_model_reloads_every_replica(tmp_path, replic
             await _served(replicas, 0)
             relay.reconcile()
             assert relay.versions.value == 0  # replicas served version 1 when the relay started: not this run's
+
+
+async def test_a_rewinding_orchestrator_relays_nothing_until_the_trainer_deleted_the_abandoned_versions(
+    tmp_path, redis_url, unique_run_id, monkeypatch
+):
+    """Rewind to step 1 of a run that published 1..3. An orchestrator that starts before the trainer has deleted 2 and
+    3 (the trainer does so as it starts, after loading its model; in Kubernetes both pods start at once) relayed 3,
+    the abandoned policy, to the replicas and generated the rewound run's first batches from it. It now waits for
+    the deletion (no replica is needed to see what it would relay)."""
+    from gyre.config import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre_orchestrator import service as service_module
+    from gyre_orchestrator.progress import Progress, ProgressStore
+
+    out = tmp_path / "run"
+    store = WeightStore(out / "weights")
+    for step in (1, 2, 3):
+        store.publish(step, lambda folder, step=step: (folder / "weights.bin").write_bytes(bytes([step]) * 64))
+    ProgressStore(out / "checkpoints" / "orchestrator").save(Progress(step=1, task_index=8))
+    cfg = load_config(OrchestratorConfig, [], run_id=unique_run_id, output_dir=str(out), redis={"url": redis_url},
+                      resume_step=1, server={"port": 0}, metrics={"port": 0}, relay={"timeout_s": 0.2},
+                      inference={"urls": ["http://127.0.0.1:9"], "control_urls": ["127.0.0.1:9"]})  # fmt: skip
+    service = service_module.OrchestratorService(cfg)
+    start = asyncio.create_task(service.start())
+    try:
+        await asyncio.sleep(1.5)
+        assert service.relay.target is None and not start.done()  # before: version 3 was the relay's target
+        store.discard_after(1)  # the rewinding trainer
+        await asyncio.wait_for(start, timeout=30)
+        assert service.relay.target.step == 1 and service.scheduler.next_close == 2
+        # a trainer that was never rewound: the orchestrator goes on after REWIND_WAIT_S, as it did without waiting
+        store.publish(2, lambda folder: (folder / "weights.bin").write_bytes(b"2" * 64))
+        monkeypatch.setattr(service_module, "REWIND_WAIT_S", 0.3)
+        await asyncio.wait_for(service._await_trainer_rewind(1, poll_s=0.05), timeout=5)
+    finally:
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+        await service.close()
