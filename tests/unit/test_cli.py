@@ -82,3 +82,13 @@ def test_output_cut_short_by_the_reader_is_not_a_traceback():
         f"{sys.executable} -m gyre.cli envs | head -1", shell=True, capture_output=True, text=True, timeout=120
     )
     assert pipe.stdout.startswith("alphabet_sort") and "Traceback" not in pipe.stderr, pipe.stderr
+
+
+def test_replay_help_marks_step_dir_required_and_accepts_the_current_folder(tmp_path):
+    # --help said `--step_dir Path  (default: ".")` beside "(required)", and `--step-dir .` was refused as missing
+    assert "--step_dir Path  (required)" in run("replay", "--help").stdout
+    missing = run("replay")
+    assert missing.returncode == 2 and "gyre replay: error: config key 'step_dir': Field required" in missing.stderr
+    here = subprocess.run([sys.executable, "-m", "gyre.cli", "replay", "--step-dir", "."], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert here.returncode == 2 and ". is not a kept step (no step.json)" in here.stderr

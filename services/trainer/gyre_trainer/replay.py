@@ -30,7 +30,7 @@ SUMMARY = "Compute a kept step's (debug/step_N) loss and gradient norm again and
 class ReplayConfig(Section):
     """`gyre replay` options."""
 
-    step_dir: Path = Field(Path(""), description="A kept step: {output_dir}/debug/step_N (required).")
+    step_dir: Path = Field(..., description="A kept step: {output_dir}/debug/step_N.")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Where to compute.")
     threads: int | None = Field(None, ge=1, description="torch threads (default: the step's own, for exact sums).")
     model_name: str | None = Field(
@@ -90,9 +90,6 @@ def replay(step_dir: Path, device: str = "cpu", threads: int | None = None, mode
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_or_exit(ReplayConfig, argv, prog="gyre replay", summary=SUMMARY)
-    if not str(cfg.step_dir) or str(cfg.step_dir) == ".":
-        print("gyre replay: error: --step-dir is required (a {output_dir}/debug/step_N folder)", file=sys.stderr)
-        return 2
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per model is noise here
