@@ -357,3 +357,11 @@ def test_groups_that_cannot_carry_a_signal_are_refused_naming_the_key():
     teacher = {"url": "http://127.0.0.1:9", "model": "teacher"}
     assert load_config(OrchestratorConfig, ["--rollouts-per-example", "1"], teacher=teacher).rollouts_per_example == 1
     assert load_config(OrchestratorConfig, ["--advantage.type", "rloo", "--rollouts-per-example", "2"])
+
+
+def test_help_says_an_optional_section_is_unset_by_default():
+    # `gyre orchestrator --help` listed `--teacher.url str  (required)` with nothing saying the teacher is optional
+    text = help_text(OrchestratorConfig, "gyre orchestrator")
+    assert "[teacher] (optional, unset by default) On-policy distillation" in text
+    assert "[sampling] Sampling parameters." in text  # a section that is always there says nothing
+    assert load_config(OrchestratorConfig, []).teacher is None

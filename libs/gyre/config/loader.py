@@ -396,7 +396,10 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
             sub = _model_type(field.annotation)
             desc = (field.description or "").strip()
             if sub is not None:
-                out.append(f"{'  ' * depth}[{prefix}{name}] {desc}")
+                # an optional section (trainer.lora, orchestrator.teacher) is unset until one of its keys is set: its
+                # "(required)" keys (teacher.url) are required only then
+                off = "(optional, unset by default) " if field.default is None else ""
+                out.append(f"{'  ' * depth}[{prefix}{name}] {off}{desc}")
                 walk(sub, prefix + name + ".", depth + 1, flag, _section_defaults(field, sub))
                 continue
             opt = f"{'  ' * depth}{flag}{prefix}{name} {_type_name(field.annotation)}"
