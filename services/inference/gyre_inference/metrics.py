@@ -39,7 +39,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gyre_inference.backend import Backend
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# up to the orchestrator's request timeout (inference.timeout_s, 300 s): a request queued behind full batches waits
+# minutes for its first token, and a top bucket below that would cap every quantile at it
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 OUTCOMES = ("success", "client_error", "aborted", "unavailable", "server_error")
 PHASES = ("decode", "device", "prefill", "capture", "swap")  # EngineStats.<phase>_seconds
@@ -154,6 +156,7 @@ class InferenceMetrics:
             return
         self._runs.add(run)
         for endpoint in ("chat", "completions", "responses"):
+            self._latency.labels(run, endpoint)
             for outcome in OUTCOMES:
                 self._requests.labels(run, endpoint, outcome)
         for outcome in ("success", "error"):

@@ -64,6 +64,26 @@ def test_units_and_meanings_follow_the_conventions():
         assert (row.kind == "counter") == name.endswith("_total"), f"{name}: _total only and always on counters"
 
 
+def test_request_histograms_reach_the_timeout_that_bounds_them(registries):
+    """A time above a histogram's top finite bucket only counts in +Inf, and every quantile above it reads as that
+    bucket: the request histograms reach the orchestrator's request timeout, weight updates its UpdateWeights
+    deadline (TTFT stopped at 30 s: a request queued for minutes showed a p99 of 30 s)."""
+    from gyre.config.orchestrator import OrchestratorConfig
+
+    inference = OrchestratorConfig().inference
+    text = generate_latest(registries["inference"]).decode()
+
+    def top(histogram: str) -> float:
+        bounds = [float(line.split('le="')[1].split('"')[0]) for line in text.splitlines()
+                  if line.startswith(f"{histogram}_bucket{{") and '+Inf' not in line]  # fmt: skip
+        assert bounds, histogram
+        return max(bounds)
+
+    for histogram in ("gyre_inference_time_to_first_token_seconds", "gyre_inference_request_latency_seconds"):
+        assert top(histogram) >= inference.timeout_s, histogram
+    assert top("gyre_inference_weight_update_seconds") >= OrchestratorConfig().relay.timeout_s
+
+
 @pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="apt-get install prometheus")
 def test_promtool_check_metrics_is_clean_on_every_service(registries):
     for service, registry in registries.items():
