@@ -221,6 +221,7 @@ class RunState:
             self.metrics.rejected.inc(self.intake.rejected - self.rejected_seen)
             self.rejected_seen = self.intake.rejected
             self.process.status.update(step, record["num_tokens"], self.name)
+            log_step(f"run {self.name}: " if self.spec.adapter else "", record)
             crash_point("after_log", step, ctx)
         self.intake.commit(item)
         crash_point("after_ack", step, ctx)
@@ -302,6 +303,23 @@ class RunState:
         self.metrics.publish_duration.observe(time.perf_counter() - start)
         crash_point("after_publish", step, ctx)
         self.notifier.notify(published)
+
+
+def log_step(label: str, record: dict[str, Any]) -> None:
+    """One line per trained step, what an operator tailing the trainer's log (`kubectl logs`) asks first: is it
+    learning, how fast. The full record is in events/trainer_steps.jsonl and on the metrics endpoint."""
+
+    def num(key: str, spec: str = ".4g") -> str:
+        value = record.get(key)
+        return "n/a" if value is None else format(value, spec)
+
+    seconds, tokens = record["step_seconds"], record["num_tokens"]
+    log.info(
+        "%sstep %d: loss %s, entropy %s, mismatch KL %s, grad norm %s, lr %s, %d tokens in %.2fs "
+        "(%.0f tok/s, MFU %s%%)",
+        label, record["step"], num("loss"), num("entropy"), num("mismatch_kl", ".3g"), num("grad_norm"),
+        num("lr", ".3g"), tokens, seconds, tokens / seconds if seconds > 0 else 0.0, format(100 * record["mfu"], ".1f"),
+    )  # fmt: skip
 
 
 def weights_notifier(orchestrator: Any, control_token: str | None) -> WeightsNotifier:
