@@ -74,6 +74,8 @@ class Choice:
     # without stop strings needs its text only at the end: decoded once then, not twice per token (at 256 rows
     # per decode step, per-token detokenizing was a sixth of the event loop's time). Both give the same text.
     streamed: bool = True
+    # echo with max_tokens 0 (completions): the prompt alone; the one token the engine samples is dropped
+    echo_only: bool = False
 
     def __post_init__(self):
         self._decoder = IncrementalDecoder(self.text_codec)
@@ -91,6 +93,10 @@ class Choice:
     def add(self, event: TokenEvent) -> Delta:
         position = len(self.token_ids)
         self.prompt_logprobs = self.prompt_logprobs or event.prompt_logprobs
+        if self.echo_only:
+            self.version_min = self.version_max = event.version
+            self.finish_reason = "length"
+            return Delta(position, "", event.version, self.finish_reason)
         self.token_ids.append(event.token_id)
         self.logprobs.append(event.logprob)
         self.top_logprobs.append(event.top_logprobs)

@@ -379,7 +379,9 @@ class CompletionRequest(SamplingRequest):
         | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: int | None = Field(16, ge=1, description="Default 16 (OpenAI); null = the rest of the context.")
+    max_tokens: int | None = Field(
+        16, ge=0, description="Default 16 (OpenAI); null = the rest of the context; 0: only with echo."
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Legacy: alternatives per token.")
     echo: bool = Field(False, description="Each choice's text starts with its prompt (with logprobs: its tokens too).")
     add_special_tokens: bool = Field(True, description="vLLM extension: tokenize a text prompt with special tokens.")
@@ -401,6 +403,11 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("echo with logprobs is not available when stream is true (send stream: false)")
         self.check_min_tokens(self.max_tokens)
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's and vLLM's way to score a prompt): each choice is its prompt alone."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompt_logprobs_wanted(self) -> int | None:

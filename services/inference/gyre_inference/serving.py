@@ -123,6 +123,10 @@ class Serving:
 
     async def completions(self, request: CompletionRequest, started: float, client_gone=None):
         self._check_model(request.model)
+        if request.max_tokens == 0 and not request.echo:
+            raise APIError(400, "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1 (0 only with "
+                                "echo: the prompt alone), but got 0 instead.", param="max_tokens",
+                           code="integer_below_min_value")  # fmt: skip
         prompts = await asyncio.to_thread(self._completion_prompts, request)
         echoes = None
         if request.echo:  # each prompt as text: the string sent, or the decoded ids
@@ -195,8 +199,9 @@ class Serving:
         final_only = not request.stream and not stops
         single_call = getattr(request, "parallel_tool_calls", None) is False  # chat (and responses) only
         choices = []
+        echo_only = getattr(request, "echo_only", False)  # completions: the prompt alone (one token sampled, dropped)
         for p, prompt in enumerate(prompts):
-            max_tokens = self._budget(len(prompt), limit, prompt_param)
+            max_tokens = self._budget(len(prompt), 1 if echo_only else limit, prompt_param)
             for i in range(request.n):
                 params = SamplingParams(
                     max_tokens=max_tokens,
@@ -214,7 +219,7 @@ class Serving:
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",
-                                single_call=single_call, streamed=not final_only)  # fmt: skip
+                                single_call=single_call, streamed=not final_only, echo_only=echo_only)  # fmt: skip
                 choices.append((p, choice, params))
         return _Job(kind, request, prompts, choices, started)
 
@@ -343,7 +348,7 @@ class Serving:
                     yield sse([entry])
             while (item := await run.next()) is not None:
                 choice, delta = item
-                covered[choice.index] = delta.position + 1
+                covered[choice.index] = min(delta.position + 1, len(choice.token_ids))  # echo_only holds none
                 if delta.text or delta.finish_reason or every_token:
                     yield sse([self._chunk_choice(job, choice, delta)])
             if job.request.stream_options and job.request.stream_options.include_usage:

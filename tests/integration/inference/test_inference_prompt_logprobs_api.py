@@ -8,6 +8,7 @@ reads them). Chat refuses the field with the reason.
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -79,6 +80,35 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_first(plain, plain_id, expec
     assert lists["token_logprobs"][1 : len(PROMPT)] == pytest.approx(expected[0], abs=1e-4)
     assert all(len(top) in (1, 2) for top in lists["top_logprobs"][1:])
     assert "prompt_logprobs" not in choice  # only when asked for by name
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(plain, plain_id, expected):
+    """OpenAI's and vLLM's way to score a prompt (HELM, older lm-eval): echo with max_tokens 0 returns the prompt,
+    its log-probs and no completion. It was a 400 (max_tokens must be >= 1); without echo it still is."""
+    from openai import OpenAI
+
+    with OpenAI(base_url=plain.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        scored = client.completions.create(model=plain_id, prompt=[PROMPT, PROMPT[:3]], max_tokens=0, echo=True,
+                                           logprobs=1, n=2)  # fmt: skip
+        streamed = list(client.completions.create(model=plain_id, prompt=PROMPT, max_tokens=0, echo=True,
+                                                  stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=plain_id, prompt=PROMPT, max_tokens=0)
+    decoded = [client_text(plain, PROMPT), client_text(plain, PROMPT[:3])]
+    assert [c.text for c in scored.choices] == [decoded[0], decoded[0], decoded[1], decoded[1]]
+    assert {c.finish_reason for c in scored.choices} == {"length"}
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(PROMPT) + 3
+    lists = scored.choices[0].logprobs
+    assert len(lists.tokens) == len(PROMPT) and lists.token_logprobs[0] is None
+    assert lists.token_logprobs[1:] == pytest.approx(expected[0], abs=1e-4)
+    assert len(scored.choices[2].logprobs.tokens) == 3
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == decoded[0]
+    assert streamed[-1].usage.completion_tokens == 0
+    assert (refused.value.body["param"], refused.value.body["code"]) == ("max_tokens", "integer_below_min_value")
+
+
+def client_text(server, ids: list[int]) -> str:
+    return httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
 
 
 @pytest.mark.parametrize(
