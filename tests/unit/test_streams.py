@@ -215,6 +215,24 @@ def test_entries_buffered_from_a_lost_stream_are_not_trained(stream):
     assert (entry.step, entry.id) == (2, new[2])
 
 
+def test_entries_read_ahead_and_then_deleted_by_a_rewind_are_not_trained(stream):
+    """A trainer restarted with ckpt.resume_step = 1 reads the batches of the abandoned future still in the stream
+    (pushed, not trained: generated from weights it no longer has) while it waits for step 2, before the rewinding
+    orchestrator deletes them (`discard_after`) and generates their steps again. It trained the old ones it held
+    (the oldest entry of a step wins)."""
+    for step in (3, 4):
+        stream.push(step, batch_bytes(step))
+    reader = StepReader(stream, "c", already_trained=1)
+    assert reader.next(block_ms=200) is None and reader.buffered_steps == [3, 4]  # waits for 2, holds 3 and 4
+    assert stream.discard_after(1) == [4, 3]  # the rewinding orchestrator
+    new = {step: stream.push(step, batch_bytes(step)) for step in (2, 3, 4)}
+    for step in (2, 3, 4):
+        entry = reader.next(block_ms=2000)
+        assert (entry.step, entry.id) == (step, new[step])
+        reader.done(entry)
+    assert stream.pending().count == 0
+
+
 def test_rejects_decoding_clients_and_bad_run_ids(redis_url):
     with pytest.raises(ValueError, match="decode_responses"):
         BatchStream(redis.Redis.from_url(redis_url, decode_responses=True), "run")
