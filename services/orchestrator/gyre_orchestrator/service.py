@@ -373,7 +373,17 @@ class OrchestratorService:
         committed = committed_step(self.out, self.transport.latest())
         pending = await self._redis(lambda: self.stream.steps_after(committed), "reading the stream")
         task_index = await self._redis(self._stream_task_index, "reading the newest batch")
-        return resume_point(cfg.resume_step, self.progress, committed, pending, task_index)
+        point = resume_point(cfg.resume_step, self.progress, committed, pending, task_index)
+        if any(step >= point.start_step for step in pending):
+            # batches after a gap (a step the trainer dead-lettered, or that Redis lost): their steps are generated
+            # and pushed again, so they go now. Left in place, the trainer trained them (the oldest entry of a step
+            # wins) while this run's event log and rollout dumps describe the batches pushed again.
+            dropped = await self._redis(
+                lambda: self.stream.discard_after(point.start_step - 1), "discarding batches after a gap"
+            )
+            log.warning("deleted the stream entries of steps %s after the missing step %d: they are generated again",
+                        dropped, point.start_step)  # fmt: skip
+        return point
 
     async def _redis(self, op, what: str):
         """A Redis call that survives an outage of up to `redis.retry_deadline_s` (and stops on SIGTERM)."""

@@ -181,3 +181,40 @@ async def test_a_reward_function_that_raises_is_reported_not_silently_zero(
     assert len(warnings) == 1 and "KeyError: 'difficulty'" in warnings[0]  # once, with the exception, not per sample
     (record,) = read_events(tmp_path / "run/events/orchestrator_steps.jsonl")
     assert record["reward_errors"] == {"broken_reward": 8}
+
+
+@pytest.mark.asyncio
+async def test_batches_after_a_dead_lettered_step_are_deleted_before_their_steps_are_generated_again(
+    tmp_path, redis_url, unique_run_id
+):
+    """The trainer dead-lettered batch 2 while 3 and 4 were already in the stream. The orchestrator starts over at
+    step 2 and pushes 3 and 4 again, but the old 3 and 4 stayed: the trainer trained those (the oldest entry of a
+    step wins) while the event log and the rollout dumps described the new ones (and a spilled step's file, written
+    again, no longer matched the old entry's digest). They are deleted before anything is generated."""
+    from gyre.batch import MicroBatch, TrainBatch
+    from gyre.codec import encode_batch
+    from gyre.weights import WeightStore
+
+    def batch(step: int) -> bytes:
+        mb = MicroBatch.from_samples([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "advantages": [0.0, 1.0, 1.0],
+                                       "inference_logprobs": [0.0, -0.1, -0.2], "sample_index": 0}])  # fmt: skip
+        return encode_batch(TrainBatch(step=step, micro_batches=[[mb]], samples=[{"task_index": 10 * step}],
+                                       num_loss_tokens=2, num_samples=1))  # fmt: skip
+
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, [], inference={"urls": [], "control_urls": []})
+    WeightStore(cfg.output_dir / "weights").publish(1, lambda folder: (folder / "w.bin").write_bytes(b"1"))
+    stream = BatchStream(redis_url, unique_run_id)
+    try:
+        for step in (1, 2, 3, 4):
+            stream.push(step, batch(step))
+        stream.dead_letter(next(e for e in stream.read("trainer") if e.step == 2), "spilled file missing")
+        service = OrchestratorService(cfg)
+        try:
+            point = await service._resume_point()
+        finally:
+            service.redis.close()
+        assert (point.start_step, point.task_index) == (2, 41)  # tasks after the deleted batches' too
+        assert stream.steps_after(1) == []  # before: [4, 3]
+    finally:
+        stream.redis.delete(stream.key, stream.dead_key)
+        stream.redis.close()
