@@ -217,6 +217,24 @@ def overview() -> db.Dashboard:
             width=6,
             minimum=0,
         ),
+        panel(
+            "Redis memory",
+            "bytes",
+            [
+                (
+                    "max by (run_id) (" + sel("gyre_orchestrator_redis_memory_bytes", 'state="used"') + ")",
+                    "used {{run_id}}",
+                ),
+                (
+                    "max by (run_id) (" + sel("gyre_orchestrator_redis_memory_bytes", 'state="max"') + ")",
+                    "maxmemory {{run_id}}",
+                ),
+            ],  # fmt: skip
+            "Memory of the Redis holding the batch streams, and its maxmemory (0 = no limit): full, it refuses new "
+            "batches (GyreRedisMemoryHigh warns at 80%).",
+            width=6,
+            minimum=0,
+        ),
     ]:
         d = d.with_panel(p)
     d = d.with_row(db.Row("Learning health"))

@@ -171,5 +171,14 @@ class OrchestratorMetrics:
             r,
         )
 
+        # the Redis holding the batch streams (docs/kubernetes.md, "Redis memory"), read after each push
+        self.redis_memory = m.gauge(
+            "gyre_orchestrator_redis_memory_bytes",
+            "Memory of the Redis holding the batch streams after the last push: state = used, or max (its maxmemory; "
+            "0 = no limit).",
+            (*run, "state"),
+            r,
+        )
+
     def labels(self, metric, **labels):
         return metric.labels(run_id=self.run_id, **labels)

@@ -576,11 +576,22 @@ class OrchestratorService:
         self._pushes_reset |= pushes != self._pushes + 1  # (a retried push may count twice: a harmless check)
         self._pushes = pushes
         self.last_step = st.step
+        await self._redis(self._note_redis_memory, "reading redis memory")
         await asyncio.to_thread(self._prune_spilled)
         self.step_records.account(st, record, [s.meta["lag"] for s in samples], task_index=self.sampler.index)
         if records:
             await asyncio.to_thread(write_dump, self.out, st.step, records)
             self.wandb.samples(records, st.step)
+
+    def _note_redis_memory(self) -> None:
+        """Redis's used memory and maxmemory (0 = none): past maxmemory the next push is refused (the chart sets it
+        with noeviction), so `GyreRedisMemoryHigh` warns before. A Redis that refuses INFO is left unmeasured."""
+        try:
+            info = self.redis.info("memory")
+        except redis.ResponseError:
+            return
+        for state, key in (("used", "used_memory"), ("max", "maxmemory")):
+            self.metrics.labels(self.metrics.redis_memory, state=state).set(float(info.get(key, 0)))
 
     def _prune_spilled(self) -> None:
         """Delete the spilled payloads of steps before the trainer's committed one: trained, never read again (a
