@@ -111,6 +111,12 @@ class OrchestratorService:
         self.wandb = WandbLogger(cfg.wandb, service="orchestrator", run_id=cfg.run_id, output_dir=self.out,
                                  config=cfg.model_dump(mode="json"))  # fmt: skip
         self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last)
+        if cfg.resume_step is not None and cfg.resume_step > 0 and cfg.resume_step not in self.progress.steps():
+            # before anything changes: a rewind deletes the stream's batches after the step and waits for the trainer
+            raise ValueError(
+                f"resume_step: no orchestrator progress checkpoint of step {cfg.resume_step} in {self.progress.root} "
+                f"(have {self.progress.steps()}; ckpt_interval writes them)"
+            )
         self.spilled = StepEntries(self.out / "batches", suffix=".bin")  # payloads above batch.inline_max_bytes
         inf = cfg.inference
         self.replicas = ReplicaSet(cooldown_s=inf.failure_cooldown_s)

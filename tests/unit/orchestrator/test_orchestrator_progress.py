@@ -71,3 +71,20 @@ def test_rewind(tmp_path):
     # an explicit checkpoint that does not exist is an error, not a silent fresh start
     with pytest.raises(ProgressError):
         resume_point(4, store, 5, [])
+
+
+def test_a_rewind_to_a_step_without_a_progress_checkpoint_is_refused_before_anything_changes(tmp_path):
+    """`resume_step = N` without progress checkpoint N failed only once the orchestrator had started its servers,
+    relayed weights and deleted the stream's batches after N (a typo in N cost the run its pushed batches), with a
+    traceback (exit 1). It is now refused when the service is built (`gyre orchestrator` exits 2, naming the key)."""
+    from gyre.config import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre_orchestrator.service import OrchestratorService
+
+    out = tmp_path / "run"
+    ProgressStore(out / "checkpoints" / "orchestrator").save(Progress(step=2, task_index=16))
+    cfg = load_config(OrchestratorConfig, [], output_dir=str(out), resume_step=3, redis={"url": "redis://127.0.0.1:9"})
+    with pytest.raises(ValueError, match=r"^resume_step: no orchestrator progress checkpoint of step 3 .*have \[2\]"):
+        OrchestratorService(cfg)
+    for step in (-1, 0):  # the automatic resume, and a rewind to the base model, need none
+        OrchestratorService(cfg.model_copy(update={"resume_step": step})).redis.close()
