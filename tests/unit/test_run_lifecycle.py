@@ -340,6 +340,35 @@ def test_a_rewind_to_a_checkpoint_that_does_not_exist_fails_before_anything_star
     assert not out.exists()
 
 
+def test_the_orchestrator_keeps_a_progress_checkpoint_for_every_trainer_checkpoint_a_rewind_can_use(tmp_path):
+    """`gyre rl --ckpt.keep-last 5` kept the trainer's last 5 checkpoints but the orchestrator's last 3 (its own
+    default): `--ckpt.resume-step` to the oldest one then passed the launcher's check, the trainer rewound (deleting
+    its newer checkpoints and weights) and the orchestrator failed for want of its progress checkpoint. It keeps
+    keep_last + max_async_level + 1 (it checkpoints as it pushes, that far ahead of the trainer); a rewind to a step
+    it has none of is refused before anything starts."""
+
+    def keep(*args: str) -> int:
+        cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--ckpt", *args])
+        return resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0").orchestrator.ckpt_keep_last
+
+    async_level = load_config(RLConfig, ["@", str(CI_CONFIG)]).orchestrator.get("max_async_level", 1)
+    assert keep("--ckpt.keep-last", "5") == 5 + async_level + 1
+    assert keep("--ckpt.keep-last", "5", "--orchestrator.max-async-level", "3") == 9
+    assert keep("--ckpt.keep-last", "5", "--orchestrator.ckpt-keep-last", "4") == 4  # the user's value wins
+
+    out = tmp_path / "run"
+    for step in range(1, 6):  # what a run with the old retention left: trainer 1..5, orchestrator 3..5
+        (out / "checkpoints" / "trainer" / f"step_{step}").mkdir(parents=True)
+        (out / "checkpoints" / "trainer" / f"step_{step}" / "progress.json").write_text("{}")
+    for step in (3, 4, 5):
+        (out / "checkpoints" / "orchestrator").mkdir(parents=True, exist_ok=True)
+        (out / "checkpoints" / "orchestrator" / f"step_{step}.json").write_text("{}")
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--ckpt", "--ckpt.resume-step", "1")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "config key 'ckpt.resume_step': no orchestrator progress checkpoint of step 1" in res.stderr
+    assert sorted(p.name for p in (out / "checkpoints" / "trainer").iterdir()) == [f"step_{s}" for s in range(1, 6)]
+
+
 def test_an_external_redis_that_cannot_be_reached_fails_before_anything_starts(tmp_path):
     # every service once started and retried forever (every 30 s) under a progress bar stuck at 0
     with socket.socket() as closed:  # a port nothing listens on

@@ -205,6 +205,7 @@ class Launcher:
         """A rewind to a checkpoint that does not exist fails here, before the launch deletes the stream's
         newer batches and the orchestrator its newer progress for it (the trainer would fail only then)."""
         from gyre.runstate import trainer_checkpoints
+        from gyre.steps import StepEntries
 
         step = self.cfg.ckpt.resume_step
         if step is None or step == 0:
@@ -220,6 +221,12 @@ class Launcher:
                 raise ConfigError(
                     f"config key 'ckpt.resume_step': no trainer checkpoint of step {step} in {where} "
                     f"(have {have or 'none'}; 0 rewinds to the base model)"
+                )
+            progress = StepEntries(run.output_dir / "checkpoints" / "orchestrator", suffix=".json").steps()
+            if step > 0 and step not in progress:  # the orchestrator rewinds its task position from it
+                raise ConfigError(
+                    f"config key 'ckpt.resume_step': no orchestrator progress checkpoint of step {step} in {where} "
+                    f"(have {progress or 'none'}; trainer checkpoints {have})"
                 )
 
     def acquire_locks(self) -> None:

@@ -117,6 +117,10 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
 
     orchestrators = {}
     for run in runs:
+        user = _server_urls(deep_merge(cfg.orchestrator, run.orchestrator), servers)
+        # a rewind needs the orchestrator's progress checkpoint of every step the trainer still has one of; it writes
+        # them as it pushes, up to max_async_level + 1 steps ahead of the trainer's
+        ahead = int(user.get("max_async_level", OrchestratorConfig.model_fields["max_async_level"].default)) + 1
         values = {
             **shared, "run_id": run.name, "output_dir": str(run.output_dir), "max_steps": run.max_steps,
             "server": {"port": orchestrator_ports[run.name]}, "metrics": {"port": free_port()},
@@ -131,9 +135,9 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
             **shape.orchestrator_values(),
             # progress checkpoints are a few hundred bytes: always on, so a re-run never repeats tasks
             "ckpt_interval": cfg.ckpt.interval if cfg.ckpt.enabled else 1,
+            "ckpt_keep_last": cfg.ckpt.keep_last + ahead,
             **resume,
         }  # fmt: skip
-        user = _server_urls(deep_merge(cfg.orchestrator, run.orchestrator), servers)
         orchestrators[run.name] = _validated(OrchestratorConfig, "orchestrator", user, values)
     if trainer.loss.distill > 0:
         lacking = [name for name, orch in orchestrators.items() if orch.teacher is None]
