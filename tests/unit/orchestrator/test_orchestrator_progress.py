@@ -73,7 +73,8 @@ def test_rewind(tmp_path):
         resume_point(4, store, 5, [])
 
 
-def test_a_rewind_to_a_step_without_a_progress_checkpoint_is_refused_before_anything_changes(tmp_path):
+@pytest.mark.asyncio  # the service is built inside the event loop that runs it
+async def test_a_rewind_to_a_step_without_a_progress_checkpoint_is_refused_before_anything_changes(tmp_path):
     """`resume_step = N` without progress checkpoint N failed only once the orchestrator had started its servers,
     relayed weights and deleted the stream's batches after N (a typo in N cost the run its pushed batches), with a
     traceback (exit 1). It is now refused when the service is built (`gyre orchestrator` exits 2, naming the key)."""
