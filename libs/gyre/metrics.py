@@ -92,20 +92,34 @@ def gauge(name: str, doc: str, labels: Sequence[str] = (), registry: CollectorRe
     return _get_or_create("gauge", name, doc, labels, registry, lambda r: Gauge(name, doc, tuple(labels), registry=r))
 
 
-class _CounterFunction:
-    """A counter family whose values are read at scrape time from another object's own counters."""
+class _FunctionFamily:
+    """A counter or gauge family whose samples are read at scrape time ({label values: value})."""
 
-    def __init__(self, stem: str, doc: str, labels: tuple[str, ...], read: Callable[[], dict[tuple, float]]):
-        self.stem, self.doc, self.labels, self.read = stem, doc, labels, read
+    def __init__(self, family, name: str, doc: str, labels: tuple[str, ...], read: Callable[[], dict[tuple, float]]):
+        self.family, self.name, self.doc, self.labels, self.read = family, name, doc, labels, read
 
     def describe(self):
-        return [CounterMetricFamily(self.stem, self.doc, labels=self.labels)]
+        return [self.family(self.name, self.doc, labels=self.labels)]
 
     def collect(self):
-        family = CounterMetricFamily(self.stem, self.doc, labels=self.labels)
+        family = self.family(self.name, self.doc, labels=self.labels)
         for values, value in self.read().items():
             family.add_metric(values, value)
         yield family
+
+
+def _function(kind: str, name: str, doc: str, labels: Sequence[str], registry, read) -> _FunctionFamily:
+    # prometheus_client's counter family takes the stem and appends `_total` itself
+    family, exposed = (
+        (CounterMetricFamily, name.removesuffix("_total")) if kind == "counter" else (GaugeMetricFamily, name)
+    )
+
+    def make(r):
+        collector = _FunctionFamily(family, exposed, doc, tuple(labels), read)
+        (REGISTRY if r is None else r).register(collector)
+        return collector
+
+    return _get_or_create(kind, name, doc, labels, registry, make)
 
 
 def counter_function(
@@ -114,33 +128,10 @@ def counter_function(
     labels: Sequence[str],
     registry: CollectorRegistry | None,
     read: Callable[[], dict[tuple, float]],
-) -> _CounterFunction:
+) -> _FunctionFamily:
     """A counter exposed as `name` whose samples `read()` returns at each scrape ({label values: value}, never
     decreasing): for counters something else keeps (an engine thread's statistics), like `Gauge.set_function`."""
-    stem = name.removesuffix("_total")
-
-    def make(r):
-        collector = _CounterFunction(stem, doc, tuple(labels), read)
-        (REGISTRY if r is None else r).register(collector)
-        return collector
-
-    return _get_or_create("counter", name, doc, labels, registry, make)
-
-
-class _GaugeFunction:
-    """A gauge family whose samples (any label values) are read at scrape time."""
-
-    def __init__(self, name: str, doc: str, labels: tuple[str, ...], read: Callable[[], dict[tuple, float]]):
-        self.name, self.doc, self.labels, self.read = name, doc, labels, read
-
-    def describe(self):
-        return [GaugeMetricFamily(self.name, self.doc, labels=self.labels)]
-
-    def collect(self):
-        family = GaugeMetricFamily(self.name, self.doc, labels=self.labels)
-        for values, value in self.read().items():
-            family.add_metric(values, value)
-        yield family
+    return _function("counter", name, doc, labels, registry, read)
 
 
 def gauge_function(
@@ -149,16 +140,10 @@ def gauge_function(
     labels: Sequence[str],
     registry: CollectorRegistry | None,
     read: Callable[[], dict[tuple, float]],
-) -> _GaugeFunction:
+) -> _FunctionFamily:
     """A gauge exposed as `name` whose samples `read()` returns at each scrape ({label values: value}): like
     `Gauge.set_function`, for a set of series that changes (one per adapter a server serves now)."""
-
-    def make(r):
-        collector = _GaugeFunction(name, doc, tuple(labels), read)
-        (REGISTRY if r is None else r).register(collector)
-        return collector
-
-    return _get_or_create("gauge", name, doc, labels, registry, make)
+    return _function("gauge", name, doc, labels, registry, read)
 
 
 def histogram(
