@@ -327,8 +327,8 @@ class RolloutScheduler:
                     "replica)",
                     st.step, sample.max_version, st.step, sample.max_version,
                 )  # fmt: skip
-            else:
-                log.info(
+            else:  # routine under load, counted per step in its "pushed step" line: not one INFO line per sample
+                log.debug(
                     "dropped a stale sample for step %d: version %d < floor %d", st.step, sample.min_version, st.floor
                 )
 

@@ -13,6 +13,7 @@ call, in regimes where either side is the bottleneck. Checked for k = 0, 1, 2:
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -135,13 +136,17 @@ async def test_generation_overlaps_training(k):
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
-async def test_stale_samples_are_dropped_counted_and_regenerated(k):
+async def test_stale_samples_are_dropped_counted_and_regenerated(k, caplog):
+    caplog.set_level(logging.INFO, logger="gyre_orchestrator.scheduler")
     batches, _, _ = await simulate(k, "mixed", seed=7, honest=False, steps=10)
     for st in batches:
         assert len(st.kept) == 3
         assert all(smp.min_version >= st.step - 1 - k for g in st.kept for smp in g.samples)
     if k == 0:
         assert sum(st.dropped_stale for st in batches) > 0  # lagging replicas were hit and filtered out
+    # counted per step (the "pushed step" line, gyre_orchestrator_dropped_stale_samples_total), never one log line
+    # per sample: a large batch under load dropped hundreds a step
+    assert not [r for r in caplog.records if "stale sample" in r.getMessage()]
 
 
 @dataclass
