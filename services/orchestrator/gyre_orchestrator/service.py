@@ -170,6 +170,7 @@ class OrchestratorService:
         # so its ids alone cannot tell)
         self._pushes = 0
         self._pushes_reset = False
+        self._eviction_warned = False  # Redis found evicting keys when full (warned once)
         self._pushed_id = (0, 0)  # stream id of our newest push
         self._untrained_ids: dict[int, tuple[int, int]] = {}  # step -> stream id, our pushes not trained yet
         self.sampler: TaskSampler | None = None
@@ -598,6 +599,15 @@ class OrchestratorService:
             return
         for state, key in (("used", "used_memory"), ("max", "maxmemory")):
             self.metrics.labels(self.metrics.redis_memory, state=state).set(float(info.get(key, 0)))
+        policy = info.get("maxmemory_policy", "noeviction")
+        if info.get("maxmemory", 0) and policy != "noeviction" and not self._eviction_warned:
+            self._eviction_warned = True
+            log.warning(
+                "redis evicts keys when it reaches maxmemory (maxmemory-policy %s): full, it would delete batch "
+                "streams (their steps generated again, the work lost); set maxmemory-policy noeviction "
+                "(docs/kubernetes.md, 'Redis memory')",
+                policy,
+            )
 
     def _prune_spilled(self) -> None:
         """Delete the spilled payloads of steps before the trainer's committed one: trained, never read again (a

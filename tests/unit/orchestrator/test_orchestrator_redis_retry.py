@@ -12,6 +12,8 @@ import pytest
 from gyre.config import load_config
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.redis_server import EmbeddedRedis
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def service(tmp_path, url: str, deadline_s: float = 30.0):
@@ -193,3 +195,30 @@ def test_the_oldest_batch_dead_lettered_is_still_told_as_a_dead_letter(tmp_path)
         assert e.value.rejected == "cannot read spilled payload"
 
     after_pushes(tmp_path, (1, 2), then)
+
+
+def test_a_redis_that_evicts_when_full_is_reported_once_with_its_memory(tmp_path, caplog):
+    """A managed Redis often evicts keys at maxmemory (allkeys-lru): full, it would delete batch streams. The
+    orchestrator reads Redis's memory after each push (gyre_orchestrator_redis_memory_bytes) and warns once."""
+    server = EmbeddedRedis().start()
+
+    async def main():
+        orch = service(tmp_path, server.url)
+        orch.redis.config_set("maxmemory", str(64 << 20))
+        orch.redis.config_set("maxmemory-policy", "allkeys-lru")
+        for _ in range(2):
+            await orch._redis(orch._note_redis_memory, "reading redis memory")
+        text = generate_latest(orch.metrics.registry).decode()
+        orch.redis.config_set("maxmemory-policy", "noeviction")
+        orch.redis.close()
+        return text
+
+    try:
+        text = asyncio.run(main())
+    finally:
+        server.stop()
+    memory = {s.labels["state"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "gyre_orchestrator_redis_memory_bytes"}  # fmt: skip
+    assert memory["max"] == 64 << 20 and 0 < memory["used"] < memory["max"], memory
+    warned = [r.getMessage() for r in caplog.records if "evicts keys" in r.getMessage()]
+    assert len(warned) == 1 and "allkeys-lru" in warned[0] and "noeviction" in warned[0], warned
