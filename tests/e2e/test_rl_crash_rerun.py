@@ -241,3 +241,26 @@ def test_ctrl_c_twice_kills_the_services_at_once_and_the_rerun_trains_every_step
     assert sorted(trained_steps(out)) == list(range(1, n + 1))
     assert WeightStore(out / "weights").steps() == list(range(1, n + 1))
     assert wait_gone(second.seen) == []
+
+
+def test_fresh_with_an_external_redis_deletes_the_previous_runs_batches(tmp_path):
+    """`--fresh` deleted the run's folder but not its stream on an external Redis: the orchestrator counted the
+    old run's batches (consumed long ago) as pushed, and the trainer waited forever for step 1."""
+    from gyre.redis_server import EmbeddedRedis
+    from gyre.streams import BatchStream
+
+    out = tmp_path / "run"
+    with EmbeddedRedis() as redis:
+        old = BatchStream(redis.url, "ci")  # a finished run's stream: steps 1-2 pushed, read and acked
+        old.ensure_group()
+        for step in (1, 2):
+            old.push(step, b"old batch")
+        for entry in old.read("trainer-0", count=2):
+            old.ack(entry.id)
+        fresh = Watched(out, "--max-steps", "1", "--fresh", "--redis.url", redis.url)
+        code, err = fresh.wait(timeout=240)
+        assert code == 0, err[-4000:]
+        assert trained_steps(out) == [1]
+        assert all(fields.get(b"payload") != b"old batch" for _, fields in old.redis.xrange(old.key))  # gone
+        old.redis.close()
+    assert wait_gone(fresh.seen) == []

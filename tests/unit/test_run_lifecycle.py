@@ -383,6 +383,24 @@ def test_an_external_redis_that_cannot_be_reached_fails_before_anything_starts(t
     assert "s3cret" not in res.stderr and not out.exists()
 
 
+def test_an_external_redis_holding_another_experiments_batches_under_the_run_id_is_refused(tmp_path):
+    # two experiments with the default run_id on one Redis (or a run folder deleted by hand): the new launch's
+    # orchestrator counted the other's batches as its own pushed steps and its trainer waited forever for them
+    from gyre.redis_server import EmbeddedRedis
+    from gyre.streams import BatchStream
+
+    with EmbeddedRedis() as redis:
+        stream = BatchStream(redis.url, "ci")
+        stream.push(1, b"another experiment's batch")
+        out = tmp_path / "run"
+        res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--redis.url", redis.url)
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert ("config key 'redis.url': its stream gyre:ci:batches holds 1 batches (up to step 1) that "
+                f"{out} never pushed: another experiment uses run id 'ci'") in res.stderr  # fmt: skip
+        assert not out.exists() and stream.length() == 1  # nothing created, nothing of theirs deleted
+        stream.redis.close()
+
+
 def test_defect_8_env_args_with_a_list_of_tables_round_trip_through_toml():
     args = {"levels": [{"name": "easy", "n": 1}, {"name": "hard", "n": 2, "tags": ["a", "b"]}], "q": 'say "hi"\n'}
     cfg = load_config(OrchestratorConfig, [], env={"name": "x.y:z", "args": args})

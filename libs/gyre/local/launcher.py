@@ -181,6 +181,8 @@ class Launcher:
         self._check_resume_step()
         if cfg.redis.url:
             self._check_redis(cfg.redis.url)
+            if not cfg.fresh:
+                self._check_streams_are_ours(cfg.redis.url)
         if cfg.fresh:
             self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
 
@@ -200,6 +202,29 @@ class Launcher:
             raise ConfigError(f"config key 'redis.url': cannot reach Redis at {where} ({e})") from None
         finally:
             client.close()
+
+    def _check_streams_are_ours(self, url: str) -> None:
+        """An external Redis may hold another experiment's batches under this run id (two experiments with the
+        default run_id, or this folder deleted by hand): the orchestrator would count them as pushed and the
+        trainer wait forever for batches its consumer group had read long ago. A run folder that never pushed
+        a batch (no orchestrator step record, written before each push) owns no batch in the stream."""
+        from gyre.events import ORCHESTRATOR_STEPS, events_dir
+        from gyre.streams import BatchStream
+
+        for run in experiment_runs(self.cfg):
+            if (events_dir(run.output_dir) / ORCHESTRATOR_STEPS).exists():
+                continue
+            stream = BatchStream(url, run.name)
+            try:
+                count, newest = stream.length(), stream.latest_step()
+            finally:
+                stream.redis.close()
+            if count:
+                raise ConfigError(
+                    f"config key 'redis.url': its stream {stream.key} holds {count} batches (up to step {newest}) "
+                    f"that {run.output_dir} never pushed: another experiment uses run id {run.name!r} on this Redis. "
+                    "Choose another run_id; if that experiment is gone, --fresh deletes its batches"
+                )
 
     def _check_resume_step(self) -> None:
         """A rewind to a checkpoint that does not exist fails here, before the launch deletes the stream's
@@ -353,7 +378,10 @@ class Launcher:
             return 0
         os.environ[SEGMENT_ENV] = new_segment_id()  # one run segment for every service of this launch
         redis_url = self._redis_url()
-        if rewind:
+        if self.cfg.fresh and self.cfg.redis.url:  # an embedded Redis started over with its folder; this one did not
+            for run in runs:
+                self._discard_stream_after(redis_url, run.name, 0, why="--fresh")
+        elif rewind:
             for run in runs:
                 self._discard_stream_after(redis_url, run.name, self.cfg.ckpt.resume_step)
         model = self._sft(self._base_model())
@@ -438,8 +466,8 @@ class Launcher:
         rs = self.cfg.ckpt.resume_step
         return rs if rs is not None and rs >= 0 else committed
 
-    def _discard_stream_after(self, redis_url: str, run_id: str, step: int) -> None:
-        """A rewind abandons the batches after `step`: delete them before the trainer can read one."""
+    def _discard_stream_after(self, redis_url: str, run_id: str, step: int, why: str = "") -> None:
+        """A rewind (or `--fresh`) abandons the batches after `step`: delete them before the trainer can read one."""
         from gyre.streams import BatchStream
 
         stream = BatchStream(redis_url, run_id)
@@ -448,7 +476,7 @@ class Launcher:
         finally:
             stream.redis.close()
         if dropped:
-            _console(f"rewind to step {step}: deleted the stream's batches of steps {sorted(dropped)}")
+            _console(f"{why or f'rewind to step {step}'}: deleted the stream's batches of steps {sorted(dropped)}")
 
     def _start_prometheus(self, configs: ServiceConfigs) -> None:
         from gyre.local.prometheus import LocalPrometheus
