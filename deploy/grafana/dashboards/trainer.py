@@ -67,7 +67,8 @@ def trainer() -> db.Dashboard:
                 ),
             ],
             "Wall seconds per step, stacked: compute (forward, backward, optimizer), weight publishing, "
-            "checkpointing, and the rest (mostly waiting for the next batch).",
+            "checkpointing, and the rest (mostly waiting for the next batch; in multi-run also the other runs' "
+            "steps, which share the trainer).",
             minimum=0,
             stacked=True,
         ),
