@@ -29,7 +29,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Collection, Iterable
@@ -50,6 +52,19 @@ SFT_STEPS = "sft_steps.jsonl"
 
 class SFTDataError(ValueError):
     """The dataset is unusable; the message names the file and line (or the setting) at fault."""
+
+
+class SFTInterrupted(Exception):  # noqa: N818 - a stop the user asked for, not an error
+    """Ctrl-C: the loop stopped between steps (`step` done, `checkpoint` the newest saved, None if none)."""
+
+    def __init__(self, step: int, checkpoint: int | None):
+        super().__init__(step, checkpoint)
+        self.step, self.checkpoint = step, checkpoint
+
+
+# Set by a Ctrl-C of a single-process `gyre sft` (main): the loop stops before its next step, never inside a
+# checkpoint save (torch's checkpoint writer turns a KeyboardInterrupt raised there into a CheckpointException).
+STOP = threading.Event()
 
 
 @dataclass
@@ -377,6 +392,9 @@ def run(cfg: SFTConfig) -> int:
                                 config=cfg.model_dump(mode="json"))  # fmt: skip
         bar = tqdm(total=total, initial=start, desc="sft", unit="step", disable=not ctx.is_main, file=sys.stderr)
         for step in range(start + 1, total + 1):
+            if STOP.is_set():
+                bar.close()
+                raise SFTInterrupted(step - 1, max(checkpoints.steps(), default=None))
             epoch, batch = rows_for_step(rows, step, data.batch_size, cfg.seed)
             began = time.perf_counter()
             metrics = sft_step(
@@ -450,15 +468,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre sft: error: config key 'output_dir': cannot use {cfg.output_dir}: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}")
+    previous = None
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # ranks could stop at different steps: torchrun's own way
+
+        def _on_interrupt(signum, frame):
+            if STOP.is_set():  # a second Ctrl-C: stop now
+                raise KeyboardInterrupt
+            STOP.set()
+            log.warning("interrupted: stopping after the current step (Ctrl-C again stops at once)")
+
+        STOP.clear()
+        previous = signal.signal(signal.SIGINT, _on_interrupt)
     try:
         return run(cfg)
     except SFTDataError as e:
         print(f"gyre sft: error: {e}", file=sys.stderr)
         return 2
+    except (SFTInterrupted, KeyboardInterrupt) as e:  # Ctrl-C: what a re-run does next, not a traceback
+        ckpt_dir = Path(cfg.output_dir) / "checkpoints" / "sft"
+        if isinstance(e, SFTInterrupted) and e.checkpoint is not None:
+            what = f" after step {e.step}; the same command resumes from checkpoint step {e.checkpoint} in {ckpt_dir}"
+        elif isinstance(e, SFTInterrupted):
+            why = "none yet" if cfg.ckpt.interval else "ckpt.interval is unset"
+            what = f" after step {e.step}; no checkpoint ({why}): the same command starts over"
+        elif cfg.ckpt.interval:
+            what = f"; the same command resumes from the newest complete checkpoint in {ckpt_dir}, if any"
+        else:
+            what = "; no checkpoint (ckpt.interval is unset): the same command starts over"
+        print(f"gyre sft: interrupted{what}", file=sys.stderr)
+        return 130
     except Exception:
         log.exception("sft failed")
         return 1
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)  # main() runs in-process too (tests)
         if lock is not None:
             lock.release()
 

@@ -192,3 +192,32 @@ def test_a_second_sft_on_a_folder_in_use_fails_at_once_naming_the_holder(tmp_pat
     (tmp_path / "file").write_text("")
     assert main([*argv[:-4], "--output-dir", str(tmp_path / "file"), "--device", "cpu"]) == 2
     assert "config key 'output_dir': cannot use" in capsys.readouterr().err
+
+
+def test_ctrl_c_says_what_a_rerun_does_instead_of_a_traceback(tmp_path, tiny_model):
+    # Ctrl-C printed a KeyboardInterrupt traceback from inside backward() and exited 1
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = [sys.executable, "-m", "gyre.cli", "sft", "--model.name", str(tiny_model), "--data.fake",
+            "--data.num-examples", "64", "--data.seq-len", "64", "--data.batch-size", "2", "--data.micro-batch-size",
+            "2", "--max-steps", "100000", "--ckpt.interval", "1", "--output-dir", str(tmp_path),
+            "--device", "cpu"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps = tmp_path / "events" / "sft_steps.jsonl"
+    deadline = time.monotonic() + 120
+    while not (steps.exists() and steps.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)  # with a checkpoint every step: often inside a checkpoint save
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    stopped = re.search(r"gyre sft: interrupted after step (\d+); the same command resumes from checkpoint step "
+                        r"(\d+) in (\S+)\n", err)  # fmt: skip
+    assert stopped and stopped[1] == stopped[2] and stopped[3] == str(tmp_path / "checkpoints" / "sft"), err[-2000:]
+    assert f"step_{stopped[2]}" in os.listdir(stopped[3])
