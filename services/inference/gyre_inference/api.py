@@ -42,7 +42,8 @@ from gyre_inference.tokens_in import ROUTE as GENERATE_ROUTE
 from gyre_inference.tokens_in import add_generate_route
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize", GENERATE_ROUTE, "/classify")
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+              GENERATE_ROUTE: "generate", "/classify": "classify", "/v1/classify": "classify"}  # fmt: skip
 # what a pooling model cannot serve
 _GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/responses", GENERATE_ROUTE)
 

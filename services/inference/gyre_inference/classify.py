@@ -185,7 +185,12 @@ def add_classify_route(app: FastAPI, state) -> None:
             if not tokens or len(tokens) > backend.max_model_len:
                 message = f"input {i} has {len(tokens)} tokens; this model takes 1 to {backend.max_model_len}"
                 raise APIError(400, message, param="input", code="context_length_exceeded")
-        scores = await backend.classify(inputs)
+        started = time.monotonic()
+        try:
+            scores = await backend.classify(inputs)
+        except Exception:
+            state.metrics.request_done("classify", "server_error", time.monotonic() - started)
+            raise
         activate = body.use_activation if body.use_activation is not None else body.activation
         labels = backend.labels
         data = []
@@ -196,6 +201,8 @@ def add_classify_route(app: FastAPI, state) -> None:
             data.append({"index": index, "label": labels[int(values.argmax())], "probs": values.tolist(),
                          "num_classes": len(row)})  # fmt: skip
         tokens = sum(len(t) for t in inputs)
+        state.metrics.prompt_tokens.labels(state.metrics.run_id).inc(tokens)
+        state.metrics.request_done("classify", "success", time.monotonic() - started)
         return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": state.model_id, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,

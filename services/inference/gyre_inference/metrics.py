@@ -4,7 +4,7 @@ Every series carries `run_id`: the run a request or weight update is for (multi-
 adapter it names, else the replica's own `run_id`); replica-wide series (load, engine) carry the replica's
 own, and the served version is one series per run (the model's, and each named adapter's). Adapter names
 are the runs' (bounded by the experiment), and a request naming no served model is counted under the
-replica's own. The only other labels are `endpoint` (chat, completions, responses) and `outcome`
+replica's own. The only other labels are `endpoint` (chat, completions, responses, generate, classify) and `outcome`
 (requests: success, client_error (4xx), aborted (the client went away), unavailable (503: loading or
 shutting down), server_error (5xx); weight updates: success, error), so
 cardinality stays bounded whatever clients send. Running/waiting/version gauges are read from the
@@ -43,6 +43,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 # minutes for its first token, and a top bucket below that would cap every quantile at it
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# the OpenAI routes, the tokens-in route (/inference/v1/generate) and a reward model's /classify
+ENDPOINTS = ("chat", "completions", "responses", "generate", "classify")
 OUTCOMES = ("success", "client_error", "aborted", "unavailable", "server_error")
 PHASES = ("decode", "device", "prefill", "capture", "swap")  # EngineStats.<phase>_seconds
 
@@ -155,7 +157,7 @@ class InferenceMetrics:
         if run in self._runs:
             return
         self._runs.add(run)
-        for endpoint in ("chat", "completions", "responses"):
+        for endpoint in ENDPOINTS:
             self._latency.labels(run, endpoint)
             for outcome in OUTCOMES:
                 self._requests.labels(run, endpoint, outcome)

@@ -28,6 +28,7 @@ model is loaded, the request size limit.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Annotated, Any
 
@@ -133,10 +134,12 @@ def add_generate_route(app: FastAPI, state) -> None:
 
     @app.post(ROUTE, summary="vLLM-compatible tokens in, tokens out (with per-choice policy versions).")
     async def generate(body: GenerateRequest, request: Request) -> FastJSONResponse:
+        started = time.monotonic()
         try:
             adapter = state.backend.adapter_for(body.model, state.model_id)
         except KeyError:
             raise unknown_model(body.model, state.model_id) from None
+        run = state.metrics.run_of(adapter)
         if body.stream:
             raise APIError(400, "stream: true is not supported on this route", param="stream")
         sp = body.sampling_params
@@ -173,13 +176,22 @@ def add_generate_route(app: FastAPI, state) -> None:
                 asyncio.gather(*(_sample(state, prompt, p, i, sp) for i, p in enumerate(params))), client_gone(request)
             )
         except ClientGone:
+            state.metrics.request_done("generate", "aborted", time.monotonic() - started, run)
             return Response(status_code=499)  # nobody is listening
         except (BackendStoppedError, AdapterGoneError) as error:  # 503 / 404 as on the OpenAI routes, not a 500
+            if isinstance(error, BackendStoppedError):  # a 404 is counted by the app's client-error handler
+                state.metrics.request_done("generate", "unavailable", time.monotonic() - started, run)
             raise backend_failure(error, body.model, state.model_id) from None
+        except Exception:
+            state.metrics.request_done("generate", "server_error", time.monotonic() - started, run)
+            raise
         prompt_lps = choices[0].pop("_prompt_logprobs")
         for choice in choices[1:]:
             del choice["_prompt_logprobs"]
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        state.metrics.prompt_tokens.labels(run).inc(len(prompt))
+        state.metrics.generation_tokens.labels(run).inc(completion_tokens)
+        state.metrics.request_done("generate", "success", time.monotonic() - started, run)
         newest = max(c["policy_version_max"] for c in choices)
         payload = {
             "request_id": f"gen-{uuid.uuid4().hex}",

@@ -86,3 +86,25 @@ def test_a_generative_server_refuses_classify(start_server):
     server = start_server("--run-id", "not-a-reward-model")
     response = httpx.post(f"{server.url}/classify", json={"input": "x"}, timeout=30)
     assert response.status_code == 400 and "runner pooling" in response.json()["error"]["message"]
+
+
+def test_classify_requests_are_counted_under_endpoint_classify(rm_server):
+    """A reward-model server's requests reach its metrics (they recorded nothing: its dashboards showed no
+    traffic and the error-ratio alert could not see it fail)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(f"{rm_server.url}/metrics", timeout=30).text
+        return {(s.name, s.labels.get("endpoint"), s.labels.get("outcome")): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+    before = scrape()
+    classify(rm_server, input=[[1, 2, 3], [4, 5]])
+    classify(rm_server, expect=400, input=[[]])
+    after = scrape()
+    assert after[("gyre_inference_requests_total", "classify", "success")] - before[
+        ("gyre_inference_requests_total", "classify", "success")] == 1  # fmt: skip
+    assert after[("gyre_inference_requests_total", "classify", "client_error")] - before[
+        ("gyre_inference_requests_total", "classify", "client_error")] == 1  # fmt: skip
+    assert after[("gyre_inference_prompt_tokens_total", None, None)] - before[
+        ("gyre_inference_prompt_tokens_total", None, None)] == 5  # fmt: skip

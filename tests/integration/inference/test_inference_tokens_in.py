@@ -120,3 +120,28 @@ def test_a_client_that_goes_away_frees_its_sequences(server, model_id):
         time.sleep(0.05)
     assert scrape("gyre_inference_running_requests") == 0
     assert scrape("gyre_inference_engine_decode_steps_total") - steps < 239  # cancelled long before the end
+
+
+def test_requests_and_tokens_are_counted_under_endpoint_generate(server, model_id):
+    """The route a teacher's log-probs and token-in clients use is counted like the OpenAI ones (it recorded
+    nothing: a busy teacher server showed no requests, tokens or errors on the dashboards and alerts)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return {(s.name, s.labels.get("endpoint"), s.labels.get("outcome")): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+    before = scrape()
+    body = generate(server, model=model_id, token_ids=TOKEN_PROMPT, sampling_params={"n": 2, "max_tokens": 5})
+    generate(server, expect=400, model=model_id, token_ids=TOKEN_PROMPT, stream=True)
+    after = scrape()
+
+    def grew(*key) -> float:
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("gyre_inference_requests_total", "generate", "success") == 1
+    assert grew("gyre_inference_requests_total", "generate", "client_error") == 1
+    assert grew("gyre_inference_request_latency_seconds_count", "generate", None) == 1
+    assert grew("gyre_inference_prompt_tokens_total", None, None) == len(TOKEN_PROMPT)
+    assert grew("gyre_inference_generation_tokens_total", None, None) == body["usage"]["completion_tokens"]
