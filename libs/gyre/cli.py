@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `gyre envs | head`: the reader left; what it read is all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 0
+    except KeyboardInterrupt:  # Ctrl-C of a command without its own handling: one line, not a traceback
+        print(f"gyre {name}: interrupted", file=sys.stderr)
+        return 130
     return int(result or 0)
 
 

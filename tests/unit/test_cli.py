@@ -92,3 +92,19 @@ def test_replay_help_marks_step_dir_required_and_accepts_the_current_folder(tmp_
     here = subprocess.run([sys.executable, "-m", "gyre.cli", "replay", "--step-dir", "."], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert here.returncode == 2 and ". is not a kept step (no step.json)" in here.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130_not_a_traceback(tmp_path, tiny_model):
+    # Ctrl-C of `gyre model import` (or `gyre eval`, ...) printed a KeyboardInterrupt traceback
+    import signal
+    import time
+
+    out = tmp_path / "imported"
+    proc = subprocess.Popen([sys.executable, "-m", "gyre.cli", "model", "import", str(tiny_model), "--output-dir",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(1.0)  # it is importing torch
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.rstrip().endswith("gyre model import: interrupted") and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half written, no staging folder left
