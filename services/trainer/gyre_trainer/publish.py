@@ -222,11 +222,15 @@ class WeightsNotifier:
         control_token: str | None = None,
         retry_initial_s: float = 0.5,
         retry_max_s: float = 30.0,
+        quiet_unavailable_s: float = 30.0,
     ):
         import grpc
         from gyre.v1 import orchestrator_pb2_grpc
 
         self.address = address
+        # An orchestrator not listening yet is normal for a while (`gyre rl` starts it once the replicas are ready,
+        # after the resumed trainer re-notifies its step; a pod restarts): INFO, then WARNING once it lasts.
+        self.quiet_unavailable_s = quiet_unavailable_s
         self.timeout_s = timeout_s
         self.metadata = (("authorization", f"Bearer {control_token}"),) if control_token else ()
         self.retry_initial_s = retry_initial_s
@@ -292,6 +296,7 @@ class WeightsNotifier:
         request = orchestrator_pb2.NotifyWeightsRequest(version=item.to_proto())
         delay = self.retry_initial_s
         attempt = 0
+        since = time.monotonic()
         while True:
             attempt += 1
             try:
@@ -305,7 +310,9 @@ class WeightsNotifier:
             except grpc.RpcError as e:
                 self.failures += 1
                 code = e.code() if hasattr(e, "code") else None
-                log.warning(
+                waiting = code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - since < self.quiet_unavailable_s
+                log.log(
+                    logging.INFO if waiting else logging.WARNING,
                     "NotifyWeights step %d to %s failed (attempt %d, %s); retrying in %.1fs",
                     item.step, self.address, attempt, code, delay,
                 )  # fmt: skip

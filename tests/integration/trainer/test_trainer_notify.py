@@ -78,6 +78,25 @@ def test_down_orchestrator_delays_notifications_and_never_raises(tmp_path):
         assert time.monotonic() - start < 5
 
 
+def test_an_orchestrator_not_up_yet_is_info_until_it_lasts(tmp_path, caplog):
+    # every `gyre rl` re-run printed 4-5 "NotifyWeights step N ... failed (attempt k, UNAVAILABLE)" warnings: the
+    # resumed trainer re-notifies its step before the launcher starts the orchestrator (after the replicas)
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gyre_trainer.publish")
+    for quiet_s, level in ((30.0, logging.INFO), (0.0, logging.WARNING)):
+        caplog.clear()
+        notifier = WeightsNotifier(f"127.0.0.1:{free_port()}", timeout_s=0.5, retry_initial_s=0.05,
+                                   retry_max_s=0.1, quiet_unavailable_s=quiet_s)  # fmt: skip
+        try:
+            notifier.notify(fake_version(tmp_path, 1))
+            wait_until(lambda notifier=notifier: notifier.failures >= 2, what="retries")
+        finally:
+            notifier.close(timeout=0.1)
+        failed = [r for r in caplog.records if "NotifyWeights step 1" in r.getMessage()]
+        assert failed and {r.levelno for r in failed} == {level}
+
+
 @pytest.mark.slow
 def test_trainer_publishes_notifies_and_dead_letters(tiny_model, redis_url, unique_run_id, tmp_path):
     from transformers import AutoModelForCausalLM
