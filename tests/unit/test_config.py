@@ -365,3 +365,16 @@ def test_help_says_an_optional_section_is_unset_by_default():
     assert "[teacher] (optional, unset by default) On-policy distillation" in text
     assert "[sampling] Sampling parameters." in text  # a section that is always there says nothing
     assert load_config(OrchestratorConfig, []).teacher is None
+
+
+def test_a_list_given_as_a_plain_string_says_how_to_write_a_list():
+    # `gyre eval --inference.urls http://host:8000` said only "Input should be a valid list"
+    with pytest.raises(ConfigError) as e:
+        load_config(OrchestratorConfig, ["--inference.urls", "http://h:8000"])
+    assert str(e.value) == (
+        "config key 'inference.urls': Input should be a valid list (got 'http://h:8000'); write a list: "
+        """urls = ["http://h:8000"] in TOML, --inference.urls '["http://h:8000"]' as an option"""
+    )
+    assert load_config(OrchestratorConfig, ["--inference.urls", '["http://h:8000"]']).inference.urls == [
+        "http://h:8000"
+    ]

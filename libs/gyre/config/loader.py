@@ -339,6 +339,9 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
                 key, msg = name, why
         elif "input" in e and not isinstance(e["input"], dict):
             msg += f" (got {e['input']!r})"
+            if e["type"] == "list_type" and isinstance(e["input"], str):  # `--inference.urls URL`
+                listed = json.dumps([e["input"]])
+                msg += f"; write a list: {key.rpartition('.')[2]} = {listed} in TOML, --{key} '{listed}' as an option"
         lines.append(f"config key {key!r}: {msg}")
     return "\n".join(lines)
 
