@@ -35,11 +35,14 @@ HOW_TO_CREATE = (
 SERVICE_HINT = "create one with `gyre model init --output-dir DIR` (or `gyre model import`) and set model.name = DIR"
 
 
-def check_service_model(name: str, prog: str) -> int | None:
+def check_service_model(name: str, prog: str, hub: bool = False) -> int | None:
     """A service's start-up check of its model folder: None when it can go on, else 2 after one clear line
-    (a missing folder once surfaced as a trainer traceback or a hub client's 'Repo id must be ...')."""
+    (a missing folder once surfaced as a trainer traceback or a hub client's 'Repo id must be ...').
+    `hub`: also fetch a hub id's config now (a local command such as `gyre sft`, which failed with the hub
+    client's traceback after preparing its data; in a cluster the chart's init container fetches it)."""
     try:
-        check_model_source(name, hub=False, hint=SERVICE_HINT)
+        if check_model_source(name, hub=False, hint=SERVICE_HINT) == "hub id" and hub:
+            check_model_source(name, hint=SERVICE_HINT)
     except ModelUnavailable as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

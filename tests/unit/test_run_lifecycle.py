@@ -182,6 +182,17 @@ def test_defect_6_hub_id_that_cannot_be_fetched_is_a_clear_error_before_anything
     assert not out.exists() and not (ROOT / "Qwen").exists()  # no random model created in its place
 
 
+def test_sft_on_a_hub_id_that_cannot_be_fetched_is_a_clear_error_before_anything_starts(tmp_path):
+    # `gyre rl` said so at once; `gyre sft` took its lock, prepared its data and died in the hub client's traceback
+    out = tmp_path / "run"
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    res = gyre("sft", "--model.name", "Qwen/Qwen3-0.6B", "--data.fake", "--output-dir", str(out), env=env, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    said = "gyre sft: error: model.name = 'Qwen/Qwen3-0.6B' is not a local folder, and as a Hugging Face hub id it "
+    assert said + "cannot be fetched" in res.stderr
+    assert "Traceback" not in res.stderr and not out.exists()
+
+
 def test_defect_6_missing_local_folder_and_no_implicit_random_model(tmp_path):
     out = tmp_path / "run"
     res = gyre("rl", "--output-dir", str(out), "--model.name", str(tmp_path / "nope" / "model"))
