@@ -1,7 +1,9 @@
 """Retrying Redis calls through an outage: exponential backoff, an optional deadline, prompt stop.
 
 Only connection-level failures are retried (`redis.ConnectionError`, which includes a server still
-loading its append-only file, and `redis.TimeoutError`); a wrong command or type fails at once, and so
+loading its append-only file, and `redis.TimeoutError`), and a write Redis refused at `maxmemory` with
+`noeviction` (`redis.OutOfMemoryError`: nothing was written; room comes back as the trainer acks batches
+and a push trims them, `BatchStream.trim_trained`); a wrong command or type fails at once, and so
 does a refused password: redis-py's `AuthenticationError` is a `ConnectionError`, but no wait mends a
 wrong `redis.password`, so it raises `RedisAuthenticationFailed` naming the key instead of retrying.
 Callers retry only operations that are safe to repeat after an unknown outcome: reads, acks, and
@@ -25,7 +27,7 @@ import redis
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
+RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError)
 
 
 class Stopped(Exception):  # noqa: N818 - control flow, not an error
@@ -46,8 +48,12 @@ def _refused(what: str, error: redis.AuthenticationError) -> RedisAuthentication
     )
 
 
+def _state(error: Exception) -> str:
+    return "full (maxmemory)" if isinstance(error, redis.OutOfMemoryError) else "unavailable"
+
+
 def _give_up(what: str, deadline_s: float, error: Exception) -> RedisUnavailable:
-    return RedisUnavailable(f"redis unavailable for {deadline_s:.0f}s during {what}: {error}")
+    return RedisUnavailable(f"redis {_state(error)} for {deadline_s:.0f}s during {what}: {error}")
 
 
 def call_with_retry(
@@ -70,7 +76,7 @@ def call_with_retry(
             elapsed = time.monotonic() - start
             if deadline_s is not None and elapsed >= deadline_s:
                 raise _give_up(what, deadline_s, e) from e
-            log.warning("redis unavailable during %s (%s); retrying in %.1fs", what, e, delay)
+            log.warning("redis %s during %s (%s); retrying in %.1fs", _state(e), what, e, delay)
             wake = time.monotonic() + delay
             if deadline_s is not None:
                 wake = min(wake, start + deadline_s)
@@ -100,7 +106,7 @@ async def acall_with_retry(
             elapsed = time.monotonic() - start
             if deadline_s is not None and elapsed >= deadline_s:
                 raise _give_up(what, deadline_s, e) from e
-            log.warning("redis unavailable during %s (%s); retrying in %.1fs", what, e, delay)
+            log.warning("redis %s during %s (%s); retrying in %.1fs", _state(e), what, e, delay)
             pause = delay if deadline_s is None else min(delay, deadline_s - elapsed)
             await asyncio.sleep(max(0.0, pause))
             delay = min(delay * 2, max_s)

@@ -170,7 +170,29 @@ class BatchStream:
             fields["digest"] = hashlib.sha256(payload).hexdigest()
         else:
             fields["payload"] = payload
-        return _str(self.redis.xadd(self.key, fields, maxlen=self.maxlen, approximate=True))
+        try:
+            return _str(self.redis.xadd(self.key, fields, maxlen=self.maxlen, approximate=True))
+        except redis.OutOfMemoryError:
+            # Redis at maxmemory with noeviction (the chart's setting) refused it: MAXLEN trims trained entries
+            # only at a push that succeeds, so free them here and try once more; with none to free, the caller
+            # backs off (gyre.redis_retry) while the trainer trains and acks what the stream holds
+            if not self.trim_trained():
+                raise
+            return _str(self.redis.xadd(self.key, fields, maxlen=self.maxlen, approximate=True))
+
+    def trim_trained(self) -> int:
+        """Delete the entries the trainer's group has acknowledged (delivered and no longer pending: trained and
+        published), which MAXLEN would trim later anyway; entries pending or not yet delivered stay. Returns how
+        many were deleted."""
+        groups = {_str(g["name"]): g for g in self.redis.xinfo_groups(self.key)}
+        if self.group not in groups:
+            return 0
+        ms, seq = stream_id(_str(groups[self.group]["last-delivered-id"]))
+        keep_from = self.pending().min_id or f"{ms}-{seq + 1}"
+        trimmed = int(self.redis.xtrim(self.key, minid=keep_from, approximate=False))
+        if trimmed:
+            log.warning("redis is full (maxmemory): trimmed %d trained entries of %s to make room", trimmed, self.key)
+        return trimmed
 
     def newest(self) -> StreamEntry | None:
         """The newest entry still in the stream (None if empty)."""

@@ -231,9 +231,10 @@ def test_redis_maxmemory_follows_the_memory_limit_with_noeviction():
 
 @pytest.mark.skipif(not Path("/usr/bin/redis-server").exists(), reason="apt-get install redis-server")
 def test_full_redis_refuses_a_batch_loudly_and_keeps_every_batch(tmp_path):
-    """The rendered flags on a real redis-server with a small limit: past `maxmemory` a push fails with Redis's
-    OOM error, which the orchestrator does not retry (it stops, naming it), and no batch is evicted; without
-    the flags Redis would grow until the kernel kills the pod."""
+    """The rendered flags on a real redis-server with a small limit: past `maxmemory` a push of untrained batches
+    fails with Redis's OOM error (the orchestrator retries it while the trainer frees room:
+    tests/unit/test_streams.py) and no batch is evicted; without the flags Redis would grow until the kernel
+    kills the pod."""
     import redis as redis_py
     from gyre.net import free_port
     from gyre.redis_retry import call_with_retry

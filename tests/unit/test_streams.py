@@ -366,3 +366,53 @@ def test_payload_arrays_survive_the_stream_bit_exact(stream, tmp_path):
     stream.push(1, encode_batch(batch), path_threshold=1024, spill_dir=Path(tmp_path))
     (entry,) = stream.read("c1", block_ms=100)
     assert entry.decode().micro_batches[0][0].equals(mb)
+
+
+def test_a_full_redis_refuses_untrained_batches_and_makes_room_from_trained_ones():
+    """Redis at maxmemory with noeviction (the chart's setting) refuses a push. While every entry in the stream
+    is untrained the refusal stands (nothing is ever dropped) and the orchestrator's retry waits; once the trainer
+    has acked entries, the push trims them and goes through (MAXLEN trims only at a successful push, so before,
+    a full Redis stayed full for good and the run stopped)."""
+    import asyncio
+    import threading
+
+    from gyre.redis_retry import acall_with_retry
+    from gyre.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis(extra_args=("--maxmemory", "6mb", "--maxmemory-policy", "noeviction")) as server:
+        stream = BatchStream(server.url, "full", maxlen=64)
+        stream.ensure_group()
+        payload = bytes(256 << 10)
+        pushed = 0
+        with pytest.raises(redis.OutOfMemoryError):
+            while pushed < 64:
+                stream.push(pushed + 1, payload)
+                pushed += 1
+        assert 0 < pushed < 64 and stream.length() == pushed  # refused, nothing evicted or trimmed
+
+        entries = stream.read("trainer", count=100)  # the trainer trains the first two and acks them
+        assert [e.step for e in entries] == list(range(1, pushed + 1))
+        for entry in entries[:2]:
+            stream.ack(entry.id)
+        stream.push(pushed + 1, payload)  # room made from the two trained entries
+        assert [e.step for e in (stream._entry(*x) for x in stream.redis.xrange(stream.key))] == list(
+            range(3, pushed + 2)
+        )  # every untrained entry kept
+        step = pushed + 1
+        with pytest.raises(redis.OutOfMemoryError):  # full again, of untrained batches only
+            while step < 128:
+                stream.push(step + 1, payload)
+                step += 1
+
+        def train_the_rest() -> None:  # acks arrive while the push below waits
+            time.sleep(1.0)
+            for entry in entries[2:]:
+                stream.ack(entry.id)
+
+        threading.Thread(target=train_the_rest, daemon=True).start()
+        started = time.monotonic()
+        asyncio.run(acall_with_retry(lambda: stream.push(step + 1, payload), what="pushing", deadline_s=30,
+                                     initial_s=0.2))  # fmt: skip
+        assert time.monotonic() - started >= 0.8  # it waited for the trainer instead of failing
+        assert stream.latest_step() == step + 1
+        stream.redis.close()
