@@ -218,9 +218,9 @@ class Environment:
         while True:
             try:
                 turn = await client.chat(prompt + completion, tools=self.tool_schemas, sampling=sampling)
-            except ContextLengthExceeded:
-                if not turns:
-                    raise  # the task's own prompt does not fit: nothing to train on
+            except ContextLengthExceeded as exc:
+                if not turns:  # the task's own prompt does not fit: nothing to train on (the orchestrator skips it)
+                    raise ContextLengthExceeded(f"task {task.id}: {exc}") from exc
                 del completion[answered:]  # the environment's reply is never answered: leave it out
                 stop = "length"
                 break

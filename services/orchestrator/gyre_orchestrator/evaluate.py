@@ -9,6 +9,9 @@ For each of the first `num_examples` eval tasks, `k` rollouts are sampled and sc
 - `rewards_mean` = each reward function's mean over all samples, unweighted (a weight-0 judge, a monitor, shows
   here and nowhere else in the eval).
 
+A task whose prompt does not fit the model's context is left out of every figure and counted (`skipped_overlong`;
+`num_examples` counts the tasks evaluated); only an eval with no task that fits fails.
+
 During training `TrainingEval` runs it in the background every `eval.interval` weights versions (and at
 start); `gyre eval` runs it once against whatever the replicas serve and appends the result to
 `{output_dir}/events/eval.jsonl`:
@@ -27,7 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from gyre.envs import Environment, SamplingParams
+from gyre.envs import ContextLengthExceeded, Environment, SamplingParams
 from gyre.envs.types import ModelClient
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ class EvalResult:
     avg_at_k_stderr: float = 0.0
     rewards_mean: dict[str, float] = field(default_factory=dict)
     reward_errors: dict[str, int] = field(default_factory=dict)  # samples each reward function raised on (scored 0)
+    skipped_overlong: int = 0  # tasks left out: their prompt does not fit the model's context
 
     def record(self, step: int) -> dict:
         """The `eval.jsonl` line (docs/architecture.md, "Event logs") plus version/timing extras."""
@@ -69,11 +73,16 @@ async def evaluate(
     count = min(num_examples, source.size) if source.size is not None else num_examples
     tasks = [source[i] for i in range(count)]
     start = time.monotonic()
+    overlong: dict[int, ContextLengthExceeded] = {}  # task index -> why it was left out
 
     async def one(i: int, j: int):
         # sample j of task i: with a seed, its own one, the same at every version evaluated (common random
         # numbers: the difference between two versions is less noisy than either score)
-        rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
+        try:
+            rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
+        except ContextLengthExceeded as e:  # the task cannot run on this model: left out, counted
+            overlong[i] = e
+            return None
         score = await env.score(tasks[i], rollout)
         for name, message in score.errors.items():  # scored 0, never silently (as in training)
             if name not in reward_errors:
@@ -83,7 +92,18 @@ async def evaluate(
 
     reward_errors: dict[str, int] = {}
 
-    results = await asyncio.gather(*(one(i, j) for i in range(count) for j in range(k)))
+    answers = await asyncio.gather(*(one(i, j) for i in range(count) for j in range(k)))
+    if overlong:
+        if len(overlong) == count:
+            raise ContextLengthExceeded(
+                f"eval: none of the {count} eval tasks fits the model's context (prompt plus sampling.max_tokens), "
+                f"e.g. {next(iter(overlong.values()))}; shorten the prompts, lower sampling.max_tokens or serve a "
+                "longer context"
+            )
+        log.warning("eval: left out %d of %d tasks too long for the model's context, e.g. %s", len(overlong), count,
+                    next(iter(overlong.values())))  # fmt: skip
+    results = [answers[i * k + j] for i in range(count) if i not in overlong for j in range(k)]
+    skipped, count = len(overlong), count - len(overlong)
     rewards = [r for r, _, _, _ in results]
     names = sorted({name for *_, per_function in results for name in per_function})
     per_task = [rewards[i * k : (i + 1) * k] for i in range(count)]
@@ -100,6 +120,7 @@ async def evaluate(
         avg_at_k_stderr=statistics.stdev(task_means) / math.sqrt(count) if count > 1 else 0.0,
         rewards_mean={n: statistics.fmean(per.get(n, 0.0) for *_, per in results) for n in names},
         reward_errors=reward_errors,
+        skipped_overlong=skipped,
     )
 
 
@@ -258,7 +279,7 @@ def main(argv: list[str]) -> int:
 
     try:
         result = asyncio.run(_run_once(cfg))
-    except InferenceError as e:  # nothing serves at inference.urls: one line, not a traceback
+    except (InferenceError, ContextLengthExceeded) as e:  # nothing serves, or no task fits: one line, no traceback
         print(f"gyre eval: error: {cfg.inference.urls}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result.record(step=result.min_version)))

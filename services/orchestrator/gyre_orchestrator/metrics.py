@@ -68,6 +68,13 @@ class OrchestratorMetrics:
             run,
             r,
         )
+        self.skipped_overlong = m.counter(
+            "gyre_orchestrator_skipped_overlong_tasks_total",
+            "Tasks skipped (and replaced) because their prompt plus sampling.max_tokens does not fit the model's "
+            "context.",
+            (*run, "env"),
+            r,
+        )
         self.generated_groups = m.counter(
             "gyre_orchestrator_generated_groups_total",
             "Groups generated for batches, kept or dropped (zero signal).",

@@ -122,6 +122,7 @@ class StepRecords:
             "dropped_stale": st.dropped_stale,
             "dropped_zero_signal": st.dropped_zero_signal,
             "failed_rollouts": st.failed_rollouts,
+            "skipped_overlong": st.skipped_overlong,
             "min_version": min(s.meta["min_version"] for s in samples),
             "max_version": max(s.meta["max_version"] for s in samples),
             "lag_mean": float(lags.mean()),
@@ -162,6 +163,7 @@ class StepRecords:
         labels(m.dropped_stale).inc(st.dropped_stale)
         labels(m.rollouts, env=cfg.env.name, outcome="stale").inc(st.dropped_stale)
         labels(m.dropped_zero_signal).inc(st.dropped_zero_signal)
+        labels(m.skipped_overlong, env=cfg.env.name).inc(st.skipped_overlong)
         labels(m.generated_groups).inc(st.generated_groups)
         labels(m.generated_tokens).inc(record["generated_tokens"])
         labels(m.wasted_tokens).inc(record["wasted_tokens"])
@@ -178,7 +180,7 @@ class StepRecords:
             labels(m.rubric_score, env=env, function=name).set(value)
         log.info(
             "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups "
-            "(%.0f%% of generated tokens wasted)",
+            "(%.0f%% of generated tokens wasted)%s",
             st.step,
             record["num_samples"],
             record["reward_mean"],
@@ -187,6 +189,7 @@ class StepRecords:
             st.dropped_stale,
             st.dropped_zero_signal,
             100 * record["waste_fraction"],
+            f", {st.skipped_overlong} tasks skipped (prompt too long)" if st.skipped_overlong else "",
         )
         if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
             self.progress.save(Progress(step=st.step, task_index=task_index, counters=dict(self.counters)))

@@ -28,6 +28,11 @@ batch costs at most `oversample_limit` times an unfiltered one, however hard the
 is spent the step closes with the groups it kept, even if fewer than `batch_size`; with none kept it
 closes with its last `batch_size` dropped groups (`StepState.zero_signal_batch`: every advantage is 0).
 
+A task whose prompt does not fit the model's context (`ContextLengthExceeded` on its first turn) is skipped,
+counted in `skipped_overlong` and replaced by a fresh task, outside the budget (the server refuses it before
+generating anything). Only when every one of the last `overlong_window` tasks drawn was too long does the
+scheduler fail, with a message naming the settings to change.
+
 Steps close and are handed out strictly in order (`next_batch`), each exactly once.
 """
 
@@ -37,13 +42,21 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gyre.envs import ContextLengthExceeded
+
 from gyre_orchestrator.advantages import is_zero_signal
 
 log = logging.getLogger(__name__)
+
+# The run stops when this many tasks in a row (in draw order) did not fit the model's context: the split (nearly)
+# never fits. With 90% of the tasks too long, 200 in a row happen less than once in 10^9 draws; a skip costs only
+# the server's refusals (one per rollout of the group), nothing is generated.
+OVERLONG_WINDOW = 200
 
 
 class ScoredSample(Protocol):
@@ -92,6 +105,7 @@ class Group:
     task: Any
     samples: list[Any]
     dispatched_version: int  # version VersionWatch reported when the group started
+    overlong: bool = False  # the task's prompt did not fit the model's context: skipped
 
     @property
     def rewards(self) -> list[float]:
@@ -110,6 +124,7 @@ class StepState:
     dropped_stale: int = 0  # samples
     dropped_zero_signal: int = 0  # groups
     failed_rollouts: int = 0  # generate() raised (environment error, inference failure); generated again
+    skipped_overlong: int = 0  # tasks whose prompt did not fit the model's context; replaced by fresh tasks
     all_rewards: list[float] = field(default_factory=list)  # every admitted sample, dropped groups included
     first_dispatch: float | None = None
     closed_at: float | None = None
@@ -147,7 +162,8 @@ class RolloutScheduler:
 
     `generate(task, floor, key)` returns one scored sample (a `ScoredSample`) from a policy version that
     should be >= floor, for the `RolloutKey` key; it may raise, in which case it is retried `sample_attempts`
-    times with backoff before the whole scheduler fails (the caller sees the error from `next_batch`).
+    times with backoff before the whole scheduler fails (the caller sees the error from `next_batch`). A
+    `ContextLengthExceeded` is not retried: the task is skipped (see the module's docstring).
     """
 
     def __init__(
@@ -166,6 +182,7 @@ class RolloutScheduler:
         oversample_limit: float = 4.0,
         sample_attempts: int = 3,
         retry_backoff_s: float = 0.5,
+        overlong_window: int = OVERLONG_WINDOW,
         clock: Callable[[], float] = time.monotonic,
         trained: Callable[[], int] = lambda: 0,
     ):
@@ -186,6 +203,8 @@ class RolloutScheduler:
         self._dropped: dict[int, list[Group]] = {}  # per step: its newest dropped groups, for a zero-signal batch
         self.sample_attempts = sample_attempts
         self.retry_backoff_s = retry_backoff_s
+        self._drawn: deque[Group] = deque(maxlen=overlong_window)  # the newest groups started, in draw order
+        self._overlong_warned = False
         self.clock = clock
         self.trained = trained  # the trainer's committed step (read only for a sample newer than its batch)
 
@@ -271,17 +290,21 @@ class RolloutScheduler:
         if st.first_dispatch is None:
             st.first_dispatch = self.clock()
         group = Group(step=st.step, task=self.next_task(), samples=[], dispatched_version=self.versions.value)
+        self._drawn.append(group)
         task = asyncio.create_task(self._run_group(st, group), name=f"group-step{st.step}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _run_group(self, st: StepState, group: Group) -> None:
+        samples = [asyncio.ensure_future(self._fresh_sample(st, group.task, i)) for i in range(self.group_size)]
         try:
-            group.samples = list(
-                await asyncio.gather(*(self._fresh_sample(st, group.task, i) for i in range(self.group_size)))
-            )
+            group.samples = list(await asyncio.gather(*samples))
         except asyncio.CancelledError:
             raise
+        except ContextLengthExceeded as e:
+            for sample in samples:  # the same prompt: its other rollouts cannot fit either
+                sample.cancel()
+            self._skip_overlong(st, group, e)
         except BaseException as e:
             self._failed = self._failed or e
         else:
@@ -299,13 +322,34 @@ class RolloutScheduler:
             self.inflight -= 1
             self._wake.set()
 
+    def _skip_overlong(self, st: StepState, group: Group, error: ContextLengthExceeded) -> None:
+        """Skip a task too long for the model's context (a fresh task takes its place, outside the budget); fail the
+        run once none of the last `overlong_window` tasks drawn fitted."""
+        group.overlong = True
+        st.skipped_overlong += 1
+        st.started_groups -= 1
+        if len(self._drawn) == self._drawn.maxlen and all(g.overlong for g in self._drawn):
+            self._failed = self._failed or RuntimeError(
+                f"the last {len(self._drawn)} tasks drawn were all too long for the model's context (prompt plus "
+                f"sampling.max_tokens), e.g. {error}; shorten the environment's prompts (env.args), lower "
+                "sampling.max_tokens, or serve a longer context (inference engine.max_model_len, vLLM max_model_len)"
+            )
+        elif not self._overlong_warned:
+            self._overlong_warned = True
+            log.warning(
+                "skipped a task too long for the model's context (%s); tasks that do not fit are skipped and "
+                "replaced (counted: skipped_overlong in each step's line, gyre_orchestrator_skipped_overlong_tasks_"
+                "total)",
+                error,
+            )
+
     async def _fresh_sample(self, st: StepState, task: Any, index: int) -> Any:
         """Sample `index` of `task`'s group from a version >= the step's floor: stale ones are redone."""
         failures = 0
         while True:
             try:
                 sample = await self.generate(task, st.floor, RolloutKey(st.step, index))
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ContextLengthExceeded):
                 raise
             except Exception as e:
                 failures += 1

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from gyre.envs import SamplingParams
+from gyre.envs import ContextLengthExceeded, SamplingParams
 from gyre.envs.types import derive_seed
 from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, VersionWatch
 
@@ -238,6 +238,64 @@ async def test_failing_rollouts_fail_the_scheduler_loudly():
     with pytest.raises(RuntimeError, match="failed 2 times: replica gone"):
         await asyncio.wait_for(sched.next_batch(), timeout=5)
     await sched.stop()
+
+
+def overlong_scheduler(fits, calls: list, **kwargs) -> RolloutScheduler:
+    """batch 2, groups of 3, oversample_limit 2; tasks for which `fits(task)` is false are refused by the model
+    client as longer than its context (what the client raises on the server's 400 context_length_exceeded)."""
+
+    async def generate(task, floor, key):
+        calls.append(task)
+        await asyncio.sleep(0)
+        if not fits(task):
+            raise ContextLengthExceeded(f"task {task}: 400 This model's maximum context length is 64 tokens")
+        return Fixed(reward=random.random())
+
+    tasks = iter(range(10**6))
+    defaults = dict(batch_size=2, group_size=3, max_async_level=1, max_steps=2, oversample_limit=2,
+                    retry_backoff_s=0.001)  # fmt: skip
+    return RolloutScheduler(generate, lambda: next(tasks), VersionWatch(0), **{**defaults, **kwargs})
+
+
+async def test_tasks_too_long_for_the_context_are_skipped_counted_and_replaced(caplog):
+    # two of every three tasks are too long: each is skipped at its first refusal (never retried), a fresh task
+    # takes its place outside the oversampling budget, and the steps fill up. Before, a refused task was retried
+    # sample_attempts times and then failed the run.
+    calls: list[int] = []
+    sched = overlong_scheduler(lambda task: task % 3 == 2, calls, max_inflight_groups=1)
+    with caplog.at_level(logging.WARNING):
+        steps = [await asyncio.wait_for(sched.next_batch(), timeout=5) for _ in range(2)]
+    await sched.stop()
+    assert [[g.task for g in st.kept] for st in steps] == [[2, 5], [8, 11]]
+    for st in steps:
+        assert st.skipped_overlong == 4 and st.failed_rollouts == 0 and not st.zero_signal_batch
+        assert st.started_groups == st.generated_groups == 2  # skipped tasks do not spend the budget
+    assert sorted(set(calls) - {2, 5, 8, 11}) == [0, 1, 3, 4, 6, 7, 9, 10]
+    assert all(calls.count(t) <= 3 for t in calls)  # at most one refusal per rollout of the group: never retried
+    warnings = [r.getMessage() for r in caplog.records if "too long for the model's context" in r.getMessage()]
+    assert len(warnings) == 1 and "maximum context length is 64" in warnings[0]  # once, with the server's reason
+
+
+async def test_a_split_whose_tasks_never_fit_stops_the_run_naming_what_to_change():
+    calls: list[int] = []
+    sched = overlong_scheduler(lambda task: False, calls, max_inflight_groups=4, overlong_window=20)
+    with pytest.raises(RuntimeError) as caught:
+        await asyncio.wait_for(sched.next_batch(), timeout=5)
+    await sched.stop()
+    message = str(caught.value)
+    assert "last 20 tasks drawn were all too long" in message and "maximum context length is 64" in message
+    for key in ("sampling.max_tokens", "max_model_len", "env.args"):
+        assert key in message
+    assert len(set(calls)) <= 20 + 4  # it stops at the window (plus the groups in flight), not after retries
+
+
+async def test_a_task_that_fits_among_the_window_keeps_the_run_going():
+    # 19 of every 20 tasks are too long: the window of 20 always holds one that fits, so the run goes on
+    sched = overlong_scheduler(lambda task: task % 20 == 19, [], max_inflight_groups=1, overlong_window=20)
+    steps = [await asyncio.wait_for(sched.next_batch(), timeout=5) for _ in range(2)]
+    await sched.stop()
+    assert [[g.task for g in st.kept] for st in steps] == [[19, 39], [59, 79]]
+    assert [st.skipped_overlong for st in steps] == [38, 38]
 
 
 async def test_dispatch_waits_for_the_version():
