@@ -97,8 +97,8 @@ async def evaluate(
         if len(overlong) == count:
             raise ContextLengthExceeded(
                 f"eval: none of the {count} eval tasks fits the model's context (prompt plus sampling.max_tokens), "
-                f"e.g. {next(iter(overlong.values()))}; shorten the prompts, lower sampling.max_tokens or serve a "
-                "longer context"
+                f"e.g. {next(iter(overlong.values()))}; shorten the prompts (env.args), lower sampling.max_tokens or "
+                "serve a longer context (the replicas' max_model_len)"
             )
         log.warning("eval: left out %d of %d tasks too long for the model's context, e.g. %s", len(overlong), count,
                     next(iter(overlong.values())))  # fmt: skip

@@ -332,7 +332,8 @@ class RolloutScheduler:
             self._failed = self._failed or RuntimeError(
                 f"the last {len(self._drawn)} tasks drawn were all too long for the model's context (prompt plus "
                 f"sampling.max_tokens), e.g. {error}; shorten the environment's prompts (env.args), lower "
-                "sampling.max_tokens, or serve a longer context (inference engine.max_model_len, vLLM max_model_len)"
+                "sampling.max_tokens, or serve a longer context (inference engine.max_model_len and "
+                "engine.kv_cache_gb of the torch backend, vLLM's max_model_len)"
             )
         elif not self._overlong_warned:
             self._overlong_warned = True

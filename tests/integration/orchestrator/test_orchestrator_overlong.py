@@ -9,6 +9,7 @@ them. (A later turn of a multi-turn episode that no longer fits ends the episode
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from gyre.envs import SamplingParams, load_environment
 from gyre.events import read_events
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.evaluate import evaluate
+from gyre_orchestrator.evaluate import main as eval_main
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from gyre_orchestrator.service import OrchestratorService
 from orchestrator_testlib import first_batch, orchestrator_config
@@ -90,3 +92,14 @@ async def test_an_eval_leaves_out_tasks_too_long_and_counts_them(tmp_path, short
         await close_replica_clients(list(replicas))
     assert result.num_examples == 2 and result.skipped_overlong == 1
     assert result.record(step=0)["skipped_overlong"] == 1
+
+
+async def test_gyre_eval_with_no_task_that_fits_says_so_in_one_line(tmp_path, short_context_replica, capsys):
+    env = dataset(tmp_path, [SHORT], evals=[LONG])
+    argv = ["--env.name", "dataset", "--env.args", json.dumps(env["args"]), "--output-dir", str(tmp_path / "out"),
+            "--inference.urls", json.dumps([short_context_replica.url]), "--eval.num-examples", "1",
+            "--sampling.max-tokens", "8"]  # fmt: skip
+    assert await asyncio.to_thread(eval_main, argv) == 1
+    err = capsys.readouterr().err
+    assert "gyre eval: error:" in err and "none of the 1 eval tasks fits the model's context" in err
+    assert "Traceback" not in err
