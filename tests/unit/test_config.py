@@ -179,9 +179,9 @@ def test_experiment_table_inherits_shared_keys(tmp_path):
         "[inference.server]\nport = 9000\n[trainer.optim]\nlr = 0.01\n",
     )
     inf = load_config(InferenceConfig, ["@", exp + "#inference"])
-    assert (inf.run_id, inf.redis.url, inf.server.port) == ("exp1", "redis://r:1/0", 9000)
+    assert (inf.run_id, inf.server.port) == ("exp1", 9000) and "redis" not in InferenceConfig.model_fields
     tr = load_config(TrainerConfig, ["@", exp + "#trainer"])
-    assert (tr.max_steps, tr.optim.lr, tr.run_id) == (4, 0.01, "exp1")
+    assert (tr.max_steps, tr.optim.lr, tr.run_id, tr.redis.url) == (4, 0.01, "exp1", "redis://r:1/0")
 
 
 def test_a_service_reading_its_table_skips_gyre_rls_own_shared_keys(tmp_path):
@@ -216,7 +216,6 @@ def test_secrets_are_read_from_files_given_on_the_command_line_or_in_the_environ
     monkeypatch.setenv("GYRE_REDIS__PASSWORD_FILE", str(password))
     inf = load_config(InferenceConfig, ["--auth.api-key-file", str(key), "--auth.control-token-file", str(token)])
     assert inf.auth.api_key.get_secret_value() == "k3y" and inf.auth.control_token.get_secret_value() == "t0ken"
-    assert inf.redis.password.get_secret_value() == "p@ss w/rd%"
     assert inf.auth.api_key_file is None  # resolved: a child config written with to_toml carries the value
     orch = load_config(OrchestratorConfig, ["--inference.api-key-file", str(key),
                                             "--inference.control-token-file", str(token),
@@ -228,7 +227,9 @@ def test_secrets_are_read_from_files_given_on_the_command_line_or_in_the_environ
     # `<key>` and `<key>_file` are one setting for precedence: the child's TOML (what `gyre rl` writes) and
     # a CLI option beat the environment's file, as they beat an environment variable
     again = load_config(InferenceConfig, ["@", write(tmp_path, "child.toml", to_toml(inf))])
-    assert again.auth.api_key.get_secret_value() == "k3y" and again.redis.password.get_secret_value() == "p@ss w/rd%"
+    assert again.auth.api_key.get_secret_value() == "k3y"
+    again = load_config(TrainerConfig, ["@", write(tmp_path, "child.toml", to_toml(trainer))])
+    assert again.redis.password.get_secret_value() == "p@ss w/rd%"
     override = load_config(TrainerConfig, ["--redis.password", "given"])
     assert override.redis.password.get_secret_value() == "given"
 
@@ -317,6 +318,7 @@ def test_greedy_training_samples_are_refused_before_anything_starts():
     ("cls", "unused"),
     [
         (SFTConfig, ["redis.url", "redis.password", "metrics.port", "weights.full_verify"]),
+        (InferenceConfig, ["redis.url", "redis.password_file", "wandb.enabled", "wandb.project"]),
         (
             GyreEvalConfig,
             ["run_id", "redis.url", "metrics.port", "wandb.enabled", "batch_size", "rollouts_per_example", "max_steps",

@@ -38,7 +38,7 @@ KUBERNETES_VERSION = "1.30.0"
 # orchestrator's packing shape (`gyre.config.packing`: derived from the trainer's world size and seq_len, in
 # templates/orchestrator.yaml).
 CHART_OWNED: dict[str, tuple[str, ...]] = {
-    "inference": ("run_id", "output_dir", "redis", "metrics", "server", "control", "auth"),
+    "inference": ("run_id", "output_dir", "metrics", "server", "control", "auth"),
     "orchestrator": (
         "run_id", "output_dir", "redis", "metrics", "server",
         "inference.urls", "inference.discovery", "inference.dns_name", "inference.kubernetes_service",

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from gyre.config.loader import Section, secret_file
-from gyre.config.shared import ModelConfig, ServiceConfig
+from gyre.config.shared import ModelConfig, ServingConfig
 
 # The adapter ranks vLLM can allocate (vllm.config.lora.MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -143,8 +143,11 @@ def loras_for_runs(backend: str, runs: int) -> int:
     return runs * (2 if backend == "vllm" else 1)
 
 
-class InferenceConfig(ServiceConfig):
+class InferenceConfig(ServingConfig):
     """Serve one policy model over an OpenAI-compatible HTTP API with gRPC weight control."""
+
+    # ServingConfig, not ServiceConfig: inference reads no Redis and logs nothing to W&B (--redis.*, --wandb.*
+    # were options it accepted and ignored)
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     backend: Literal["torch", "vllm"] = Field("torch", description="Generation backend.")

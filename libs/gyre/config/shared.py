@@ -79,8 +79,8 @@ class WandbConfig(Section):
     samples: int = Field(8, ge=0, description="Rows of the samples table logged at each rollout dump.")
 
 
-class JobConfig(GyreSettings):
-    """Keys of every process that writes into a run's folder (`gyre sft` has no more than these shared ones)."""
+class ProcessConfig(GyreSettings):
+    """Keys of every Gyre process: experiment id, shared folder, logging."""
 
     run_id: str = Field(
         "gyre",
@@ -89,14 +89,24 @@ class JobConfig(GyreSettings):
     )
     output_dir: Path = Field(Path("outputs/run"), description="Shared volume: weights, checkpoints, events, logs.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
+
+
+class JobConfig(ProcessConfig):
+    """Keys of a process that trains into a run's folder (`gyre sft` has no more than these shared ones)."""
+
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases (optional).")
 
 
-class ServiceConfig(JobConfig):
-    """Keys every service has: a job's, plus Redis, /metrics and the weight transport."""
+class ServingConfig(ProcessConfig):
+    """Keys of a process that serves /metrics and receives weights (`gyre inference`: no Redis, no W&B)."""
 
-    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus exposition.")
     weights: WeightsTransportConfig = Field(
         default_factory=FolderTransportConfig, description="How weights travel from the trainer to the replicas."
     )
+
+
+class ServiceConfig(JobConfig, ServingConfig):
+    """Keys the trainer and the orchestrator have: a job's and a server's, plus Redis."""
+
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection.")

@@ -104,14 +104,15 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
     trainer = _validated(TrainerConfig, "trainer", cfg.trainer, trainer_values)
 
     served = served_adapters(cfg, trainer, [run.name for run in runs] if multi else [])
+    serving = {key: value for key, value in shared.items() if key in InferenceConfig.model_fields}  # no Redis, W&B
     replicas = []
     for i in range(cfg.inference_replicas):
-        values = {**shared, "model": model, "server": {"port": free_port()}, "control": {"port": free_port()}}
+        values = {**serving, "model": model, "server": {"port": free_port()}, "control": {"port": free_port()}}
         replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, values | served))
 
     servers = {}
     for server in cfg.servers:
-        values = {**shared, "run_id": f"{cfg.run_id}-{server.name}", "model": {"name": server.model},
+        values = {**serving, "run_id": f"{cfg.run_id}-{server.name}", "model": {"name": server.model},
                   "server": {"port": free_port()}, "control": {"port": free_port()}}  # fmt: skip
         servers[server.name] = _validated(InferenceConfig, f"servers.{server.name}.args", server.args, values)
 
