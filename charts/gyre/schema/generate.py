@@ -49,6 +49,14 @@ CHART_OWNED: dict[str, tuple[str, ...]] = {
     "trainer": ("run_id", "output_dir", "redis", "metrics", "server", "orchestrator.address",
                 "orchestrator.control_token", "orchestrator.control_token_file"),
 }  # fmt: skip
+# Keys the chart derives from another service's table (one knob, never two kept in sync by hand): dotted path ->
+# what to set instead. A value fails `helm install` with that message.
+CHART_DERIVED: dict[str, dict[str, str]] = {
+    "orchestrator": {
+        "resume_step": "experiment.trainer.ckpt.resume_step (runs[].trainer.resume_step for one run): "
+        "the chart rewinds the orchestrator with the trainer",
+    },
+}
 # Top-level keys of the experiment file that every service inherits (`@ experiment.toml#name`).
 SHARED_KEYS = ("run_id", "max_steps", "model", "log")
 _DROP = ("title", "secret_file_for")
@@ -127,6 +135,12 @@ def experiment_definitions() -> dict[str, Any]:
                 node = defs[ref.rsplit("/", 1)[1]]
             message = f"removed: set experiment.{service}.{new} instead"
             node["properties"][leaf] = {"description": message.capitalize(), "const": message}
+
+    for service, derived in CHART_DERIVED.items():
+        table = defs[f"gyre.{models[service].__name__}"]
+        for leaf, instead in derived.items():
+            message = f"set by the chart: set {instead}"
+            table["properties"][leaf] = {"description": message[0].upper() + message[1:], "const": message}
 
     service_config = defs["gyre.TrainerConfig"]["properties"]
     run_id = service_config_field("run_id")

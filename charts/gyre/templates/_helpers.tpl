@@ -658,7 +658,8 @@ teacher): the experiment's `[orchestrator]`, or a run's own keys (`runs[i].orche
 
 {{/*
 The experiment as the services get it, as JSON: `experiment:` with the chart's derivations (run_id,
-`server:` urls, max_concurrency); fails on inconsistent values. gyre.experimentToml writes it as TOML.
+`server:` urls, max_concurrency, the orchestrator's progress checkpoints and resume_step from the trainer's
+ckpt.*); fails on inconsistent values. gyre.experimentToml writes it as TOML.
 */}}
 {{- define "gyre.experimentData" -}}
 {{- $exp := deepCopy .Values.experiment -}}
@@ -690,9 +691,34 @@ demand KEDA reads can grow the pool. A value the user sets (here or in a run's f
 {{- $batch := ((($exp.inference | default dict).engine | default dict).max_batch_size) | default 64 -}}
 {{- $_ := set $orchInference "max_concurrency" (mul (max 1 (int $replicas)) (int $batch)) -}}
 {{- $_ := set $orch "inference" $orchInference -}}
-{{- $_ := set $exp "orchestrator" $orch -}}
 {{- end -}}
+{{- /* Resume and rewind, as `gyre rl` derives them: one knob, the trainer's ckpt.* */ -}}
+{{- $ckpt := (($exp.trainer | default dict).ckpt) | default dict -}}
+{{- if not (hasKey $orch "ckpt_interval") -}}
+{{- /* progress checkpoints are a few hundred bytes: always on, so a restart never repeats tasks */ -}}
+{{- $_ := set $orch "ckpt_interval" (int ($ckpt.interval | default 1)) -}}
+{{- end -}}
+{{- if not (hasKey $orch "ckpt_keep_last") -}}
+{{- $_ := set $orch "ckpt_keep_last" (include "gyre.progressKeepLast" (dict "root" . "orchestrator" $orch) | int) -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $ckpt.resume_step) -}}
+{{- $_ := set $orch "resume_step" (int $ckpt.resume_step) -}}
+{{- end -}}
+{{- $_ := set $exp "orchestrator" $orch -}}
 {{- toJson $exp -}}
+{{- end -}}
+
+{{/*
+The orchestrator's progress checkpoints kept (`ckpt_keep_last`): a rewind to step N needs progress checkpoint N
+for every trainer checkpoint N still kept (`ckpt.keep_last`, default 2), and the orchestrator writes them as it
+pushes, up to max_async_level + 1 steps ahead of the trainer (gyre.local.runs does the same for `gyre rl`).
+Call with (dict "root" $ "orchestrator" <the run's [orchestrator] keys>).
+*/}}
+{{- define "gyre.progressKeepLast" -}}
+{{- $ckpt := ((.root.Values.experiment.trainer | default dict).ckpt) | default dict -}}
+{{- $keep := ternary $ckpt.keep_last 2 (not (kindIs "invalid" $ckpt.keep_last)) -}}
+{{- $async := ternary .orchestrator.max_async_level 1 (hasKey .orchestrator "max_async_level") -}}
+{{- add (int $keep) (int $async) 1 -}}
 {{- end -}}
 
 {{- define "gyre.experimentToml" -}}
