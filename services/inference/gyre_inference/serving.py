@@ -271,7 +271,8 @@ class Serving:
         try:
             outcome = await self._run_all(job, client_gone)
         except (BackendStoppedError, AdapterGoneError) as error:
-            self._finish_metrics(job, "unavailable" if isinstance(error, BackendStoppedError) else "client_error")
+            if isinstance(error, BackendStoppedError):  # the 404 of a gone adapter: the app's 4xx handler counts it
+                self._finish_metrics(job, "unavailable")
             raise backend_failure(error, job.request.model, self.model_id) from None
         except BaseException:
             self._finish_metrics(job, "server_error")

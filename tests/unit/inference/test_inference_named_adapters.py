@@ -171,6 +171,8 @@ async def test_an_evicted_name_whose_folder_is_gone_gets_the_unknown_model_404_o
             with pytest.raises(openai.NotFoundError) as again:  # forgotten: refused before generating
                 await client.completions.create(model="a", prompt=[5], max_tokens=2)
             served = await client.completions.create(model="c", prompt=[5], max_tokens=2)
+        async with httpx.AsyncClient(timeout=30) as raw:
+            text = (await raw.get(url.removesuffix("/v1") + "/metrics")).text
         async with httpx.AsyncClient(base_url=url, timeout=30) as raw:  # streamed: the error event carries the 404
             body = {"model": "b", "prompt": [5], "max_tokens": 2, "stream": True}
             response = await raw.post("/completions", json=body)
@@ -179,6 +181,11 @@ async def test_an_evicted_name_whose_folder_is_gone_gets_the_unknown_model_404_o
     assert gone.value.body == {**expected, "message": expected["message"].format("a")}
     assert again.value.body == gone.value.body and gone.value.body["code"] == "model_not_found"
     assert served.model == "c" and len(served.choices[0].text) > 0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    refused = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == "gyre_inference_requests_total" and s.labels["outcome"] == "client_error")  # fmt: skip
+    assert refused == 3  # each 404 counted once (the one found gone while generating was counted twice)
     assert response.status_code == 200 and "b" not in engine.adapter_names and set(engine.adapter_names) == {"c"}
     assert json.loads(events[-1])["error"] == {**expected, "message": expected["message"].format("b")}
 
