@@ -377,6 +377,11 @@ class OrchestratorService:
             )
             if dropped:
                 log.warning("rewind to step %d: deleted stream entries of steps %s", cfg.resume_step, dropped)
+            # the abandoned future's progress checkpoints: left, they were the newest, so retention deleted the
+            # rewound run's own as it wrote them, and a restart resumed from the abandoned task position
+            abandoned = self.progress.entries.discard_after(cfg.resume_step)
+            if abandoned:
+                log.warning("rewind to step %d: deleted progress checkpoints %s", cfg.resume_step, abandoned)
         committed = committed_step(self.out, self.transport.latest())
         pending = await self._redis(lambda: self.stream.steps_after(committed), "reading the stream")
         task_index = await self._redis(self._stream_task_index, "reading the newest batch")

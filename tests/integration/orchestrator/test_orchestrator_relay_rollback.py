@@ -177,3 +177,31 @@ async def test_a_rewinding_orchestrator_relays_nothing_until_the_trainer_deleted
         with contextlib.suppress(asyncio.CancelledError):
             await start
         await service.close()
+
+
+async def test_a_rewind_deletes_the_abandoned_progress_checkpoints(tmp_path, redis_url, unique_run_id):
+    """A run that pushed steps 1..5 (progress checkpoints 3, 4, 5 kept) rewound to the base model: the abandoned 3..5
+    stayed the newest checkpoints, so retention deleted the rewound run's checkpoint 1 as soon as it was written (a
+    later rewind to the trainer's checkpoint 1 was refused for want of it) and a restart resumed from step 5's task
+    position and counters. The rewind deletes them with the stream's batches after the step."""
+    from gyre.config import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre_orchestrator.progress import Progress, ProgressStore, resume_point
+    from gyre_orchestrator.service import OrchestratorService
+
+    out = tmp_path / "run"
+    for step in (3, 4, 5):
+        ProgressStore(out / "checkpoints" / "orchestrator").save(Progress(step=step, task_index=8 * step))
+    cfg = load_config(OrchestratorConfig, [], run_id=unique_run_id, output_dir=str(out), redis={"url": redis_url},
+                      resume_step=0, ckpt_interval=1, ckpt_keep_last=3, server={"port": 0}, metrics={"port": 0},
+                      relay={"timeout_s": 0.2},
+                      inference={"urls": ["http://127.0.0.1:9"], "control_urls": ["127.0.0.1:9"]})  # fmt: skip
+    service = OrchestratorService(cfg)
+    try:
+        await asyncio.wait_for(service.start(), timeout=30)
+        assert service.scheduler.next_close == 1
+        service.progress.save(Progress(step=1, task_index=8))  # what pushing the rewound run's step 1 writes
+        assert service.progress.steps() == [1]
+        assert resume_point(None, service.progress, committed=1, stream_steps=[]).task_index == 8  # a restart
+    finally:
+        await service.close()
