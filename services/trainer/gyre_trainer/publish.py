@@ -318,7 +318,8 @@ class WeightsNotifier:
                 )  # fmt: skip
             with self._cond:
                 if self._queue:
-                    log.warning("dropping notification of step %d: step %d is newer", item.step, self._queue[-1].step)
+                    # only the newest version matters to the orchestrator: the normal course after a wait, not trouble
+                    log.info("dropping notification of step %d: step %d is newer", item.step, self._queue[-1].step)
                     return
                 # jitter: many trainers (or restarts) must not hammer a recovering orchestrator in phase
                 self._cond.wait_for(lambda: self._closed or bool(self._queue), timeout=delay * random.uniform(0.8, 1.2))

@@ -91,10 +91,14 @@ def test_an_orchestrator_not_up_yet_is_info_until_it_lasts(tmp_path, caplog):
         try:
             notifier.notify(fake_version(tmp_path, 1))
             wait_until(lambda notifier=notifier: notifier.failures >= 2, what="retries")
+            notifier.notify(fake_version(tmp_path, 2))  # a newer version replaces the waiting one: normal course
+            wait_until(lambda: any("dropping notification of step 1" in r.getMessage() for r in caplog.records),
+                       what="step 1 dropped")  # fmt: skip
         finally:
             notifier.close(timeout=0.1)
         failed = [r for r in caplog.records if "NotifyWeights step 1" in r.getMessage()]
         assert failed and {r.levelno for r in failed} == {level}
+        assert {r.levelno for r in caplog.records if "dropping notification" in r.getMessage()} == {logging.INFO}
 
 
 @pytest.mark.slow
