@@ -300,6 +300,17 @@ def test_defect_8_unknown_loss_fails_before_any_folder_or_server_exists(tmp_path
     assert time.monotonic() - started < 60
 
 
+def test_an_sft_warmup_environment_typo_fails_before_anything(tmp_path):
+    # the launcher checked the orchestrator's environment only: a typo in the warm-up's started Redis and the base
+    # model, then the SFT child failed
+    out = tmp_path / "run"
+    args = '{"data": {"env": "reverse_text", "env_args": {"num_exampels": 5}}}'
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--sft.args", args)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "config key 'sft.args.data.env': environment 'reverse_text': bad arguments" in res.stderr
+    assert not out.exists()
+
+
 def test_unknown_environment_fails_before_anything(tmp_path):
     out = tmp_path / "run"
     res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--orchestrator.env.name", "nope")

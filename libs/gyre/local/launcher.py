@@ -167,9 +167,16 @@ class Launcher:
                 "save_dir": str(self.out / "sft"),
             }
             try:
-                load_config(SFTConfig, [], **deep_merge(sft_values, cfg.sft.args))
+                sft = load_config(SFTConfig, [], **deep_merge(sft_values, cfg.sft.args))
             except ConfigError as e:
                 raise under_section(e, "sft.args") from None
+            if sft.data.env and not (self.out / "sft" / "config.json").exists():  # a typo there: now, not after Redis
+                from gyre.envs import load_environment
+
+                try:
+                    load_environment(sft.data.env, **sft.data.env_args)
+                except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
+                    raise ConfigError(f"config key 'sft.args.data.env': {e}") from None
         for server in cfg.servers:
             try:
                 # the server's own key, and no advice to set model.init_preset (the policy's alone)

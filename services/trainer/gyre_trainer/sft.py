@@ -120,9 +120,12 @@ def read_jsonl(path: Path) -> list[Conversation]:
 
 def environment_conversations(name: str, args: dict[str, Any], num: int, seed: int) -> list[Conversation]:
     """The first `num` train tasks of environment `name` with their reference replies."""
-    from gyre.envs import load_environment
+    from gyre.envs import EnvironmentLoadError, load_environment
 
-    env = load_environment(name, **args)
+    try:
+        env = load_environment(name, **args)
+    except EnvironmentLoadError as e:  # a mistyped name or argument: the message lists what would work
+        raise SFTDataError(f"config key 'data.env': {e}") from None
     source = env.tasks("train", seed=seed)
     return [Conversation(env.sft_example(source[i]), env.tool_schemas, f"environment {name}, train task {i}")
             for i in range(num)]  # fmt: skip

@@ -221,3 +221,17 @@ def test_ctrl_c_says_what_a_rerun_does_instead_of_a_traceback(tmp_path, tiny_mod
                         r"(\d+) in (\S+)\n", err)  # fmt: skip
     assert stopped and stopped[1] == stopped[2] and stopped[3] == str(tmp_path / "checkpoints" / "sft"), err[-2000:]
     assert f"step_{stopped[2]}" in os.listdir(stopped[3])
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "said"),
+    [("reverse_txt", "{}", "unknown environment 'reverse_txt'"),
+     ("reverse_text", '{"num_exampels": 5}', "bad arguments (got an unexpected keyword argument 'num_exampels')")],
+)  # fmt: skip
+def test_a_mistyped_environment_or_argument_is_an_error_naming_the_key(tmp_path, tiny_model, capsys, env, args, said):
+    # `gyre sft --data.env-args '{"num_exampels": 5}'` died in an EnvironmentLoadError traceback
+    argv = ["--model.name", str(tiny_model), "--data.env", env, "--data.env-args", args, "--output-dir", str(tmp_path),
+            "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "gyre sft: error: config key 'data.env': " in err and said in err and "Traceback" not in err
