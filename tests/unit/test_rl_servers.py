@@ -102,3 +102,18 @@ def test_a_key_every_service_shares_is_refused_inside_a_section(tmp_path, argv, 
     # steps its orchestrator never made; `[inference.model] name` served another model than the one trained
     with pytest.raises(ConfigError, match=rf"config key '{key}': gyre rl gives every service the same"):
         resolve(tmp_path, "@", str(ROOT / "configs/ci.toml"), *argv)
+
+
+def test_a_typo_in_a_runs_orchestrator_table_names_that_table(tmp_path):
+    # "config key 'orchestrator.batch_sise'" sent the user looking in [orchestrator] for a key that was not there
+    runs = '[{"name": "alpha", "orchestrator": {"batch_sise": 3}}, {"name": "beta"}]'
+    cfg = load_config(RLConfig, ["--output-dir", str(tmp_path), "--trainer.lora.rank", "4", "--runs", runs])
+    with pytest.raises(ConfigError) as e:
+        resolve_configs(cfg, "m", "redis://127.0.0.1:1/0")
+    assert str(e.value) == (
+        "config key 'runs.0.orchestrator.batch_sise': unknown key (did you mean 'runs.0.orchestrator.batch_size'?)"
+    )
+    shared = load_config(RLConfig, ["--output-dir", str(tmp_path), "--trainer.lora.rank", "4", "--runs", runs,
+                                    "--orchestrator.max-asyn-level", "2"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^config key 'orchestrator.max_asyn_level': unknown key"):
+        resolve_configs(shared, "m", "redis://127.0.0.1:1/0")  # the shared table's own mistake keeps its name

@@ -117,7 +117,7 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
         servers[server.name] = _validated(InferenceConfig, f"servers.{server.name}.args", server.args, values)
 
     orchestrators = {}
-    for run in runs:
+    for index, run in enumerate(runs):
         user = _server_urls(deep_merge(cfg.orchestrator, run.orchestrator), servers)
         # a rewind needs the orchestrator's progress checkpoint of every step the trainer still has one of; it writes
         # them as it pushes, up to max_async_level + 1 steps ahead of the trainer's
@@ -139,7 +139,18 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
             "ckpt_keep_last": cfg.ckpt.keep_last + ahead,
             **resume,
         }  # fmt: skip
-        orchestrators[run.name] = _validated(OrchestratorConfig, "orchestrator", user, values)
+        try:
+            orchestrators[run.name] = _validated(OrchestratorConfig, "orchestrator", user, values)
+        except ConfigError as e:
+            if not run.orchestrator:
+                raise
+            # [orchestrator] alone is valid: the mistake is in this [[runs]] entry's table, so name that one
+            # ("orchestrator.batch_sise" sent the user looking in [orchestrator] for a key that was not there)
+            try:
+                _validated(OrchestratorConfig, "orchestrator", _server_urls(cfg.orchestrator, servers), values)
+            except ConfigError:
+                raise e from None
+            raise ConfigError(str(e).replace("'orchestrator.", f"'runs.{index}.orchestrator.")) from None
     if trainer.loss.distill > 0:
         lacking = [name for name, orch in orchestrators.items() if orch.teacher is None]
         if lacking:
