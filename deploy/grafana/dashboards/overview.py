@@ -132,9 +132,11 @@ def overview() -> db.Dashboard:
             [
                 (rate("gyre_orchestrator_dropped_stale_samples_total"), "stale samples {{run_id}}"),
                 (rate("gyre_orchestrator_dropped_zero_signal_groups_total"), "zero-signal groups {{run_id}}"),
+                (rate("gyre_orchestrator_skipped_overlong_tasks_total"), "tasks too long for the context {{run_id}}"),
                 (rate("gyre_orchestrator_rollouts_total", "run_id, outcome"), "rollouts {{outcome}} {{run_id}}"),
             ],
-            "Samples dropped for exceeding the async bound, groups without advantage signal, and rollouts by outcome.",
+            "Samples dropped for exceeding the async bound, groups without advantage signal, tasks skipped because "
+            "their prompt does not fit the model's context, and rollouts by outcome.",
             minimum=0,
         ),
     ]
