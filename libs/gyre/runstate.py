@@ -1,4 +1,5 @@
-"""Where a run stands, read from its output folder: the step the trainer has committed.
+"""Where a run stands, read from its output folder: the step the trainer has committed, and the rewind each
+service has done.
 
 A step is committed once its weights version is published or its trainer checkpoint is complete
 (the trainer saves a due checkpoint before publishing; see gyre_trainer.checkpoint.plan_resume).
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gyre.fsio import write_atomic
 from gyre.steps import StepEntries
 from gyre.weights import WeightStore
 
 TRAINER_CHECKPOINTS = Path("checkpoints") / "trainer"
 CHECKPOINT_COMPLETE = "progress.json"  # written last into a trainer checkpoint: its presence means complete
+ORCHESTRATOR_PROGRESS = Path("checkpoints") / "orchestrator"
+REWOUND = "rewound"  # in a service's checkpoint folder: the step of the rewind it has done
 
 
 def trainer_checkpoints(output_dir: Path | str) -> list[int]:
@@ -32,3 +36,31 @@ def committed_step(output_dir: Path | str, weights_latest: int | None = None) ->
     if weights_latest is None:
         weights_latest = WeightStore(Path(output_dir) / "weights").latest()
     return max(ckpts[-1] if ckpts else 0, weights_latest or 0)
+
+
+def pending_rewind(folder: Path | str, resume_step: int | None) -> int | None:
+    """The `resume_step` a service starting with it acts on: a rewind (N >= 0) once, then None (resume where the run
+    stands). A Kubernetes pod keeps its `resume_step` when it restarts (a crash, a drained node): rewinding again
+    would delete the steps trained since. `folder`: the service's checkpoint folder, which records the rewind done
+    (`mark_rewound`); a start without a rewind forgets it, so the same step set again later rewinds again."""
+    mark = Path(folder) / REWOUND
+    if resume_step is None or resume_step < 0:
+        mark.unlink(missing_ok=True)
+        return resume_step
+    try:
+        done = int(mark.read_text())
+    except (OSError, ValueError):
+        return resume_step
+    return None if done == resume_step else resume_step
+
+
+def mark_rewound(folder: Path | str, step: int) -> None:
+    """Record that this service has rewound the run to `step` (see `pending_rewind`)."""
+    write_atomic(Path(folder) / REWOUND, str(step).encode())
+
+
+def forget_rewinds(output_dir: Path | str) -> None:
+    """A new request to rewind (`gyre rl --ckpt.resume-step N`, run again): every service rewinds, also to a step it
+    rewound to before."""
+    for folder in (TRAINER_CHECKPOINTS, ORCHESTRATOR_PROGRESS):
+        (Path(output_dir) / folder / REWOUND).unlink(missing_ok=True)

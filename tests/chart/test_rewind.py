@@ -3,14 +3,18 @@ LocalCluster), a `helm upgrade` is a second render whose changed pods are stoppe
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
 import time
 
 import helm_python
 import pytest
 from chart_testlib import experiment_toml, load_values, manifests, objects, pod_templates, render
-from test_wiring import LocalCluster
+from test_wiring import LocalCluster, _descendants
 
 GYRE = ("inference", "orchestrator", "trainer")
 
@@ -22,6 +26,24 @@ def checksums(docs: list[dict]) -> dict[str, str]:
 def trained(cluster: LocalCluster) -> list[int]:
     events = cluster.shared / "events" / "trainer_steps.jsonl"
     return [json.loads(line)["step"] for line in events.read_text().splitlines()] if events.exists() else []
+
+
+def end(cluster: LocalCluster, pods: list[str], sig: signal.Signals) -> None:
+    """Stop these pods' main containers with `sig`, their children too (torchrun's workers run in their own
+    sessions: a worker left running would still train and write the log of its successor)."""
+    for label, proc, _ in [entry for entry in cluster.procs if entry[0].split("/")[0] in pods]:
+        family = _descendants(proc.pid)
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert proc.poll() is not None, label
+    cluster.procs = [entry for entry in cluster.procs if entry[1].poll() is None]
 
 
 def wait_for(cluster: LocalCluster, what: str, done, deadline: float) -> None:
@@ -40,7 +62,8 @@ def test_a_helm_upgrade_setting_the_trainers_resume_step_rewinds_the_run(tmp_pat
     deleted its checkpoints and weights after N while the orchestrator went on pushing batches of the abandoned steps
     (and a second key, `experiment.orchestrator.resume_step`, failed with exit 2: no progress checkpoint N). Now the
     trainer's ckpt.* is the one knob: the orchestrator keeps a progress checkpoint for every trainer checkpoint and
-    rewinds with it, to the oldest trainer checkpoint too."""
+    rewinds with it, to the oldest trainer checkpoint too; pods that crash afterwards, still with that resume_step,
+    resume where the run stands instead of rewinding it again."""
     values = load_values("values-kind.yaml")
     values["experiment"]["trainer"]["ckpt"] = {"interval": 1}
     values["secrets"] = {"seed": "rewind-test-" * 4}  # the upgrade's render keeps the Secret, as `helm upgrade` does
@@ -67,11 +90,7 @@ def test_a_helm_upgrade_setting_the_trainers_resume_step_rewinds_the_run(tmp_pat
 
         # `helm upgrade --set experiment.trainer.ckpt.resume_step=N`: the pods whose checksum changed are replaced
         # (stopped, then started from the new template); N is the oldest checkpoint the trainer still keeps.
-        for label in (f"{orchestrator}/{main['orchestrator']}", f"{trainer}/{main['trainer']}"):
-            (proc,) = [p for name, p, _ in cluster.procs if name == label]
-            proc.terminate()
-            assert proc.wait(60) is not None
-        cluster.procs = [entry for entry in cluster.procs if entry[1].poll() is None]
+        end(cluster, [orchestrator, trainer], signal.SIGTERM)
         have = sorted(int(p.name.removeprefix("step_")) for p in ckpts.glob("step_*"))
         assert len(have) == 2, have  # ckpt.keep_last's default
         rewind = have[0]
@@ -98,6 +117,24 @@ def test_a_helm_upgrade_setting_the_trainers_resume_step_rewinds_the_run(tmp_pat
         # every step after the rewind is trained once, in order, from the rewound step on
         after = trained(cluster)[before:]
         assert after[: after.index(rewind + 2) + 1] == list(range(rewind + 1, rewind + 3)), after
+
+        # A crash of both pods, which restart with the same template and so the same resume_step: they rewound the
+        # run again (deleting what it trained since, and training those steps a second time).
+        end(cluster, [orchestrator, trainer], signal.SIGKILL)
+        logged = trained(cluster)
+        cluster.start(trainer, main["trainer"])
+        cluster.start(orchestrator, main["orchestrator"])
+        wait_for(cluster, "two steps trained after the crash", lambda: len(trained(cluster)) >= len(logged) + 2,
+                 time.monotonic() + 420)  # fmt: skip
+        trainer_log, log = (
+            cluster.tail(trainer, main["trainer"], 400),
+            cluster.tail(orchestrator, main["orchestrator"], 400),
+        )
+        assert "rewinding" not in trainer_log, trainer_log
+        assert f"ckpt.resume_step = {rewind}: rewound to it before" in trainer_log, trainer_log
+        assert f"resume_step = {rewind}: rewound to it before" in log and "(rewind to" not in log, cluster.all_tails()
+        again = trained(cluster)[len(logged) :]
+        assert again[:2] == [logged[-1] + 1, logged[-1] + 2], (logged, again)  # on from where the crash left it
     finally:
         cluster.stop()
 

@@ -95,6 +95,15 @@ def test_resume_trains_each_step_once(tmp_path):
     assert pushed.count(4) == 1 and pushed.count(5) == 1
     assert WeightStore(out / "weights").latest() == 5
 
+    # the same rewind asked for again rewinds again (each service records a rewind it did, so that a Kubernetes pod
+    # restarting with the same resume_step does not: this command is a new request)
+    third = gyre_rl(out, "--max-steps", "5", "--ckpt", "--ckpt.keep-last", "3", "--ckpt.resume-step", "4")
+    assert third.returncode == 0, third.stderr[-4000:]
+    fourth = gyre_rl(out, "--max-steps", "5", "--ckpt", "--ckpt.keep-last", "3", "--ckpt.resume-step", "4")
+    assert fourth.returncode == 0, fourth.stderr[-4000:]
+    trained = [t["step"] for t in events(out, "trainer_steps.jsonl")]
+    assert trained == [1, 2, 3, 4, 5, 5, 5], trained
+
 
 def test_killed_trainer_fails_the_run_without_orphans(tmp_path):
     out = tmp_path / "run"

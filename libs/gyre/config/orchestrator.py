@@ -187,7 +187,8 @@ class OrchestratorConfig(ServiceConfig):
         None,
         ge=-1,
         description="Unset or -1 = continue after the trainer's committed step and the batches still in the stream "
-        "(a fresh start when the run has no state); N = rewind to step N with the trainer (progress checkpoint N).",
+        "(a fresh start when the run has no state); N = rewind to step N with the trainer (progress checkpoint N), "
+        "once: a restart with the same N resumes where the run stands.",
     )
 
     @model_validator(mode="after")

@@ -203,7 +203,7 @@ class CkptConfig(Section):
         ge=-1,
         description="Unset = resume from the run's own progress (newest checkpoint / published weights) if any; "
         "-1 = the same but a checkpoint must exist; N = rewind to checkpoint N (0 = base model), "
-        "deleting newer checkpoints and weights.",
+        "deleting newer checkpoints and weights, once: a restart with the same N resumes where the run stands.",
     )
 
 

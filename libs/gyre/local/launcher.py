@@ -53,6 +53,7 @@ from gyre.local.runs import (
 )
 from gyre.proc import Child
 from gyre.runlock import LockHeld, RunLock
+from gyre.runstate import forget_rewinds
 
 log = logging.getLogger("gyre.local.launcher")
 
@@ -391,6 +392,7 @@ class Launcher:
         elif rewind:
             for run in runs:
                 self._discard_stream_after(redis_url, run.name, self.cfg.ckpt.resume_step)
+                forget_rewinds(run.output_dir)  # this command asks for it: rewind also to a step rewound to before
         model = self._sft(self._base_model())
         configs = resolve_configs(self.cfg, model, redis_url)
         if self.cfg.prometheus:  # before the services: a short run's first steps must be scraped too

@@ -56,7 +56,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
                         )
                         return 1
                 log.warning("%s", e)
-                service = OrchestratorService(cfg.model_copy(update={"resume_step": None}))  # never re-rewind
+                service = OrchestratorService(cfg)  # a rewind is done once: pending_rewind says it was
     except asyncio.CancelledError:
         log.info("stopped by signal")
         return 143

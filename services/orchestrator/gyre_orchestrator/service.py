@@ -35,7 +35,7 @@ from gyre.metrics import start_metrics_server
 from gyre.net import PortInUse, bind_or_explain
 from gyre.redis_retry import acall_with_retry
 from gyre.rollouts import write_dump
-from gyre.runstate import committed_step
+from gyre.runstate import committed_step, mark_rewound, pending_rewind
 from gyre.steps import StepEntries
 from gyre.streams import BatchStream, stream_id
 from gyre.transport import open_store
@@ -111,6 +111,10 @@ class OrchestratorService:
         self.wandb = WandbLogger(cfg.wandb, service="orchestrator", run_id=cfg.run_id, output_dir=self.out,
                                  config=cfg.model_dump(mode="json"))  # fmt: skip
         self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last)
+        if (rewind := pending_rewind(self.progress.root, cfg.resume_step)) != cfg.resume_step:
+            log.info("resume_step = %d: rewound to it before (a restarted pod); resuming where the run stands",
+                     cfg.resume_step)  # fmt: skip
+            self.cfg = cfg = cfg.model_copy(update={"resume_step": rewind})
         if cfg.resume_step is not None and cfg.resume_step > 0 and cfg.resume_step not in self.progress.steps():
             # before anything changes: a rewind deletes the stream's batches after the step and waits for the trainer
             raise ValueError(
@@ -386,6 +390,8 @@ class OrchestratorService:
         pending = await self._redis(lambda: self.stream.steps_after(committed), "reading the stream")
         task_index = await self._redis(self._stream_task_index, "reading the newest batch")
         point = resume_point(cfg.resume_step, self.progress, committed, pending, task_index)
+        if cfg.resume_step is not None and cfg.resume_step >= 0:
+            mark_rewound(self.progress.root, cfg.resume_step)  # done: a restart with the same resume_step goes on
         if any(step >= point.start_step for step in pending):
             # batches after a gap (a step the trainer dead-lettered, or that Redis lost): their steps are generated
             # and pushed again, so they go now. Left in place, the trainer trained them (the oldest entry of a step

@@ -31,6 +31,7 @@ import torch
 from gyre.config.trainer import LoraConfig, OptimConfig, RunConfig, TrainerConfig
 from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
 from gyre.runlock import RunLock
+from gyre.runstate import mark_rewound, pending_rewind
 from gyre.transport import open_source, open_store
 from gyre.wandb_log import WandbLogger
 
@@ -171,9 +172,13 @@ class RunState:
         than every version, and log and notify what a crash may have left undone."""
         spec, ctx, model = self.spec, self.process.ctx, self.process.model
         label = f"run {self.name}: " if spec.adapter else ""
-        plan = None
+        plan = rewind = None
         if ctx.is_main:
-            plan = plan_resume(spec.resume_step, self.checkpoints.steps(), self.transport.latest())
+            rewind = pending_rewind(self.checkpoints.root, spec.resume_step)
+            if rewind != spec.resume_step:
+                log.info("%sckpt.resume_step = %d: rewound to it before (a restarted pod); resuming where the run "
+                         "stands", label, spec.resume_step)  # fmt: skip
+            plan = plan_resume(rewind, self.checkpoints.steps(), self.transport.latest())
             if plan.discard_after is not None:
                 dropped = (
                     self.checkpoints.discard_after(plan.discard_after),
@@ -196,6 +201,8 @@ class RunState:
             self.publish(
                 plan.trained_step, self.checkpoints.read_record(plan.trained_step) or {"step": plan.trained_step}
             )
+        if ctx.is_main and rewind is not None and rewind >= 0:
+            mark_rewound(self.checkpoints.root, rewind)  # done: a restart with the same resume_step goes on
         if ctx.is_main and plan.trained_step > 0:
             if log_if_missing(self.events, plan.trained_step, self.publisher, self.checkpoints):
                 log.info("%slogged step %d from its published record (the previous run died before logging it)",
