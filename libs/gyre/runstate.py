@@ -38,6 +38,12 @@ def committed_step(output_dir: Path | str, weights_latest: int | None = None) ->
     return max(ckpts[-1] if ckpts else 0, weights_latest or 0)
 
 
+def orchestrator_progress(output_dir: Path | str) -> list[int] | None:
+    """The orchestrator's progress checkpoints in this run folder, ascending; None when it writes none here."""
+    root = Path(output_dir) / ORCHESTRATOR_PROGRESS
+    return StepEntries(root, suffix=".json").steps() if root.is_dir() else None
+
+
 def pending_rewind(folder: Path | str, resume_step: int | None) -> int | None:
     """The `resume_step` a service starting with it acts on: a rewind (N >= 0) once, then None (resume where the run
     stands). A Kubernetes pod keeps its `resume_step` when it restarts (a crash, a drained node): rewinding again

@@ -237,8 +237,7 @@ class Launcher:
     def _check_resume_step(self) -> None:
         """A rewind to a checkpoint that does not exist fails here, before the launch deletes the stream's
         newer batches and the orchestrator its newer progress for it (the trainer would fail only then)."""
-        from gyre.runstate import trainer_checkpoints
-        from gyre.steps import StepEntries
+        from gyre.runstate import orchestrator_progress, trainer_checkpoints
 
         step = self.cfg.ckpt.resume_step
         if step is None or step == 0:
@@ -255,7 +254,7 @@ class Launcher:
                     f"config key 'ckpt.resume_step': no trainer checkpoint of step {step} in {where} "
                     f"(have {have or 'none'}; 0 rewinds to the base model)"
                 )
-            progress = StepEntries(run.output_dir / "checkpoints" / "orchestrator", suffix=".json").steps()
+            progress = orchestrator_progress(run.output_dir) or []
             if step > 0 and step not in progress:  # the orchestrator rewinds its task position from it
                 raise ConfigError(
                     f"config key 'ckpt.resume_step': no orchestrator progress checkpoint of step {step} in {where} "

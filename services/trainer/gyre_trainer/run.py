@@ -31,12 +31,12 @@ import torch
 from gyre.config.trainer import LoraConfig, OptimConfig, RunConfig, TrainerConfig
 from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
 from gyre.runlock import RunLock
-from gyre.runstate import mark_rewound, pending_rewind
+from gyre.runstate import ORCHESTRATOR_PROGRESS, mark_rewound, orchestrator_progress, pending_rewind
 from gyre.transport import open_source, open_store
 from gyre.wandb_log import WandbLogger
 
 from gyre_trainer import dist
-from gyre_trainer.checkpoint import CheckpointManager, ResumePlan, plan_resume
+from gyre_trainer.checkpoint import CheckpointError, CheckpointManager, ResumePlan, plan_resume
 from gyre_trainer.debug import StepDebugger
 from gyre_trainer.intake import BatchIntake, IntakeItem
 from gyre_trainer.metrics import TrainerMetrics
@@ -178,6 +178,15 @@ class RunState:
             if rewind != spec.resume_step:
                 log.info("%sckpt.resume_step = %d: rewound to it before (a restarted pod); resuming where the run "
                          "stands", label, spec.resume_step)  # fmt: skip
+            progress = orchestrator_progress(self.out)
+            if rewind and progress is not None and rewind not in progress:
+                # before anything is deleted: the orchestrator refuses this rewind (it needs progress checkpoint N),
+                # and a trainer rewound alone would wait for batches the orchestrator has pushed already
+                raise CheckpointError(
+                    f"ckpt.resume_step={rewind}: the orchestrator has no progress checkpoint of step {rewind} in "
+                    f"{self.out / ORCHESTRATOR_PROGRESS} (have {progress}), so it cannot rewind with the trainer; "
+                    "nothing was deleted"
+                )
             plan = plan_resume(rewind, self.checkpoints.steps(), self.transport.latest())
             if plan.discard_after is not None:
                 dropped = (

@@ -56,3 +56,23 @@ def test_sparse_checkpoints_resume_from_published_weights(tiny_model, redis_url,
     train(tiny_model, tmp_path, redis_url, unique_run_id, 4)
     assert trained_steps(tmp_path) == [1, 2, 3, 4]  # step 3 was published, so it is never trained again
     assert stream.pending().count == 0
+
+
+def test_a_rewind_the_orchestrator_cannot_follow_is_refused_before_anything_is_deleted(
+    tiny_model, redis_url, unique_run_id, stream, tmp_path
+):
+    """Trainer checkpoints 2 and 4, orchestrator progress checkpoints 3 and 4 only (e.g. the trainer keeps every
+    `ckpt.keep_interval`-th checkpoint, the orchestrator its newest few). A rewind to 2: the orchestrator refuses it
+    (it needs progress checkpoint 2) while the trainer, started beside it in Kubernetes, deleted checkpoint 4 and
+    weights 3 and 4 and rewound alone. The trainer refuses it too now, before deleting anything."""
+    from gyre.runstate import orchestrator_progress
+    from gyre_trainer.checkpoint import CheckpointError
+
+    train(tiny_model, tmp_path, redis_url, unique_run_id, 4)  # checkpoints 2 and 4
+    for step in (3, 4):  # what the orchestrator writes (gyre_orchestrator.progress)
+        (tmp_path / "checkpoints/orchestrator").mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"checkpoints/orchestrator/step_{step}.json").write_text(f'{{"step": {step}, "task_index": 0}}')
+    assert orchestrator_progress(tmp_path) == [3, 4]
+    with pytest.raises(CheckpointError, match=r"resume_step=2: the orchestrator has no progress checkpoint of step 2"):
+        train(tiny_model, tmp_path, redis_url, unique_run_id, 2, **{"ckpt.resume-step": 2})
+    assert (tmp_path / "checkpoints/trainer/step_4").is_dir() and (tmp_path / "weights/step_4").is_dir()
