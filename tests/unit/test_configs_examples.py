@@ -85,3 +85,16 @@ def test_learning_configs_load_their_environments(path, tmp_path, monkeypatch):
     sft = cfg.sft.args["data"]
     sft_env = load_environment(sft["env"], **sft.get("env_args", {}))
     assert sft_env.sft_example(sft_env.tasks("train")[0])
+
+
+def test_a_runs_own_resume_step_rewinds_its_orchestrator_too(tmp_path):
+    """gyre rl [[runs]] trainer = {resume_step = N} (docs/local.md) reached the trainer alone: it rewound the run,
+    deleting its newer checkpoints and weights, while the run's orchestrator resumed after the abandoned batches the
+    stream still held and the trainer waited for step N+1 forever."""
+    example = ["@", str(ROOT / "configs/multirun/two_runs.toml"), "--output-dir", str(tmp_path)]
+    runs = '[{name = "alpha", trainer = {resume_step = 4}}, {name = "beta"}]'
+    for argv, alpha, beta in (((), None, None), (("--runs", runs), 4, None),
+                              (("--runs", runs, "--ckpt.resume-step", "2"), 4, 2)):  # fmt: skip
+        cfg = load_config(RLConfig, [*example, *argv])
+        orchestrators = resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0").orchestrators
+        assert (orchestrators["alpha"].resume_step, orchestrators["beta"].resume_step) == (alpha, beta)

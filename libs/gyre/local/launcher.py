@@ -392,6 +392,9 @@ class Launcher:
             for run in runs:
                 self._discard_stream_after(redis_url, run.name, self.cfg.ckpt.resume_step)
                 forget_rewinds(run.output_dir)  # this command asks for it: rewind also to a step rewound to before
+        for run in runs:  # a run's own rewind ([[runs]] trainer.resume_step) is this command's request too
+            if (own := run.trainer.get("resume_step")) is not None and own >= 0:
+                forget_rewinds(run.output_dir)
         model = self._sft(self._base_model())
         configs = resolve_configs(self.cfg, model, redis_url)
         if self.cfg.prometheus:  # before the services: a short run's first steps must be scraped too

@@ -122,6 +122,8 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
         # a rewind needs the orchestrator's progress checkpoint of every step the trainer still has one of; it writes
         # them as it pushes, up to max_async_level + 1 steps ahead of the trainer's
         ahead = int(user.get("max_async_level", OrchestratorConfig.model_fields["max_async_level"].default)) + 1
+        own = run.trainer.get("resume_step")  # a [[runs]] entry's own rewind rewinds its orchestrator too
+        run_resume = {"resume_step": own} if own is not None else resume
         values = {
             **shared, "run_id": run.name, "output_dir": str(run.output_dir), "max_steps": run.max_steps,
             "server": {"port": orchestrator_ports[run.name]}, "metrics": {"port": free_port()},
@@ -137,7 +139,7 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
             # progress checkpoints are a few hundred bytes: always on, so a re-run never repeats tasks
             "ckpt_interval": cfg.ckpt.interval if cfg.ckpt.enabled else 1,
             "ckpt_keep_last": cfg.ckpt.keep_last + ahead,
-            **resume,
+            **run_resume,
         }  # fmt: skip
         try:
             orchestrators[run.name] = _validated(OrchestratorConfig, "orchestrator", user, values)
