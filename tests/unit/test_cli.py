@@ -100,8 +100,11 @@ def test_ctrl_c_is_one_line_and_exit_130_not_a_traceback(tmp_path, tiny_model):
     import time
 
     out = tmp_path / "imported"
+    # SIGINT as a terminal's foreground job has it: a shell's background job (how CI may start the suite) ignores
+    # SIGINT, every child inherits that, and Python then rightly leaves it ignored
     proc = subprocess.Popen([sys.executable, "-m", "gyre.cli", "model", "import", str(tiny_model), "--output-dir",
-                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     time.sleep(1.0)  # it is importing torch
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
