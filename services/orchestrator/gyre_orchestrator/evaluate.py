@@ -28,7 +28,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TextIO
 
 from gyre.envs import ContextLengthExceeded, Environment, SamplingParams
 from gyre.envs.types import ModelClient
@@ -65,8 +67,11 @@ async def evaluate(
     k: int,
     sampling: SamplingParams,
     pass_threshold: float = 1.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
-    """Evaluate `client`'s policy on the first `num_examples` eval tasks (fewer if the split is smaller)."""
+    """Evaluate `client`'s policy on the first `num_examples` eval tasks (fewer if the split is smaller).
+
+    `progress(done, total)` is called once before the first sample and after each one (`gyre eval`'s bar)."""
     if num_examples < 1 or k < 1:
         raise ValueError("num_examples and k must be >= 1")
     source = env.tasks("eval")
@@ -74,6 +79,15 @@ async def evaluate(
     tasks = [source[i] for i in range(count)]
     start = time.monotonic()
     overlong: dict[int, ContextLengthExceeded] = {}  # task index -> why it was left out
+    done = 0
+    if progress is not None:
+        progress(0, count * k)
+
+    def advanced() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, count * k)
 
     async def one(i: int, j: int):
         # sample j of task i: with a seed, its own one, the same at every version evaluated (common random
@@ -82,8 +96,10 @@ async def evaluate(
             rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
         except ContextLengthExceeded as e:  # the task cannot run on this model: left out, counted
             overlong[i] = e
+            advanced()
             return None
         score = await env.score(tasks[i], rollout)
+        advanced()
         for name, message in score.errors.items():  # scored 0, never silently (as in training)
             if name not in reward_errors:
                 log.warning("eval: reward function %r failed on task %s and scored 0: %s", name, tasks[i].id, message)
@@ -217,7 +233,31 @@ class TrainingEval:
         )
 
 
-async def _run_once(cfg) -> EvalResult:
+class EvalProgress:
+    """`gyre eval`'s progress bar over the samples (tasks x k), on a terminal only: a log file or a pipe gets
+    nothing but the final JSON line (a bar redrawn with carriage returns is noise there)."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="eval", unit="sample", file=self.stream, dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+async def _run_once(cfg, progress: Callable[[int, int], None] | None = None) -> EvalResult:
     from gyre.envs import load_environment
     from gyre.envs.judge import add_to_rubric
     from gyre.events import EVAL, EventLog, events_dir
@@ -247,6 +287,7 @@ async def _run_once(cfg) -> EvalResult:
             k=cfg.eval.k,
             sampling=eval_sampling(cfg),
             pass_threshold=cfg.eval.pass_threshold,
+            progress=progress,
         )
     finally:
         aclose = getattr(env, "aclose", None)  # environments holding servers (verifiers) release them
@@ -269,7 +310,8 @@ def main(argv: list[str]) -> int:
 
     summary = (
         "Evaluate the served model once on the environment's held-out split (env, inference, eval.*); print avg@k "
-        "and pass@k as JSON and append them to {output_dir}/events/eval.jsonl."
+        "and pass@k as JSON and append them to {output_dir}/events/eval.jsonl. A progress bar over the samples shows "
+        "on a terminal (stderr), nothing else when the output is a log or a pipe."
     )
     cfg = parse_or_exit(GyreEvalConfig, argv, "gyre eval", summary)
     setup_logging(cfg.log.level, cfg.log.file, service="eval")
@@ -277,10 +319,14 @@ def main(argv: list[str]) -> int:
         logging.getLogger("httpx2").setLevel(logging.WARNING)
     from gyre_orchestrator.client import InferenceError
 
+    progress = EvalProgress()  # a long eval showed nothing until its JSON line
     try:
-        result = asyncio.run(_run_once(cfg))
+        result = asyncio.run(_run_once(cfg, progress))
     except (InferenceError, ContextLengthExceeded) as e:  # nothing serves, or no task fits: one line, no traceback
+        progress.close()
         print(f"gyre eval: error: {cfg.inference.urls}: {e}", file=sys.stderr)
         return 1
+    finally:
+        progress.close()
     print(json.dumps(result.record(step=result.min_version)))
     return 0

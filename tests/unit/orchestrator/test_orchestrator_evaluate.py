@@ -6,6 +6,7 @@ The client is a test double (no model): it answers each prompt from a table, so 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
 
@@ -86,3 +87,51 @@ def test_a_reward_function_that_raises_is_counted_and_logged_once(tmp_path, capl
     assert result.avg_at_k == 0.5 and result.reward_errors == {"broken": 4}
     warnings = [r.getMessage() for r in caplog.records if "broken" in r.getMessage()]
     assert len(warnings) == 1 and "KeyError: 'difficulty'" in warnings[0]
+
+
+def test_progress_is_reported_per_sample(tmp_path):
+    # `gyre eval` showed nothing while it ran: evaluate reports every sample to its progress callback
+    replies = {"ab": ["AB"], "cd": ["no"], "ef": ["EF"]}
+    seen = []
+    env = dataset_env(tmp_path, replies)
+    asyncio.run(evaluate(env, TableClient(replies), env_name="dataset", num_examples=3, k=2,
+                         sampling=SamplingParams(temperature=1.0, max_tokens=4),
+                         progress=lambda done, total: seen.append((done, total))))  # fmt: skip
+    assert seen == [(n, 6) for n in range(7)]
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_gyre_eval_draws_a_bar_on_a_terminal_and_nothing_in_a_log():
+    from gyre_orchestrator.evaluate import EvalProgress
+
+    for tty in (True, False):
+        stream = _Stream(tty)
+        progress = EvalProgress(stream)
+        for done in range(5):
+            progress(done, 4)
+        progress.close()
+        assert ("eval: 100%" in stream.getvalue() and "4/4" in stream.getvalue()) if tty else stream.getvalue() == ""
+
+
+def test_gyre_eval_passes_its_bar_to_the_evaluation(tmp_path, monkeypatch):
+    import gyre_orchestrator.evaluate as evaluate_module
+
+    seen = {}
+
+    async def fake_evaluate(env, client, **kwargs):
+        seen.update(kwargs)
+        kwargs["progress"](0, 1)
+        return evaluate_module.EvalResult("reverse_text", 1.0, 1.0, 1, 1, 0, 0, 0.1)
+
+    monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
+    code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text",
+                                 "--inference.urls", '["http://127.0.0.1:9"]'])  # fmt: skip
+    assert code == 0 and isinstance(seen.get("progress"), evaluate_module.EvalProgress)
