@@ -19,6 +19,12 @@ shuffle), so resuming from a checkpoint continues the exact data order. The resu
 servable HF folder (`save_dir`, default `{output_dir}/sft`) that `model.name` of an RL run can use.
 Checkpoints go to `{output_dir}/checkpoints/sft/` with the trainer's machinery; one line per step
 is appended to `{output_dir}/events/sft_steps.jsonl` (and logged to W&B as `sft/*` with `wandb.enabled`).
+
+Re-runs (as `gyre rl`): the same command again continues where the SFT stands. A finished one (its result in
+`save_dir` records its step in `gyre_sft.json`) says so and exits 0 without training; a larger `max_steps`
+continues it from its newest checkpoint, and without checkpoints is refused (it would start over from
+`model.name` and replace the result); a `save_dir` holding anything else is never replaced.
+`ckpt.resume_step = N` rewinds and trains again from checkpoint N (0: from `model.name`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ from gyre.logging import setup_logging
 log = logging.getLogger("gyre_trainer.sft")  # also when run as `python -m gyre_trainer.sft`
 
 SFT_STEPS = "sft_steps.jsonl"
+# In the result folder (save_dir), written with it: the step it holds. A re-run reads it to know the SFT is done
+# (without checkpoints a re-run trained everything again and replaced the result with a copy of itself).
+RESULT_MARKER = "gyre_sft.json"
 
 
 class SFTDataError(ValueError):
@@ -371,16 +380,24 @@ def run(cfg: SFTConfig) -> int:
         rows = prepare_rows(cfg, load_tokenizer(cfg.model))
         steps_per_epoch = len(rows) // data.batch_size
         total = min(cfg.max_steps, cfg.epochs * steps_per_epoch) if cfg.epochs else cfg.max_steps
+        save_dir = Path(cfg.save_dir) if cfg.save_dir else Path(cfg.output_dir) / "sft"
+        output_dir = Path(cfg.output_dir)
+        checkpoints = CheckpointManager(
+            output_dir / "checkpoints" / "sft", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
+        )
+        have_checkpoints = bool(checkpoints.steps())
+        rewind = cfg.ckpt.resume_step is not None and cfg.ckpt.resume_step >= 0  # asked for: trains again from there
+        if not rewind and (done := finished_step(save_dir, total, have_checkpoints)) is not None:
+            if ctx.is_main:
+                print(f"gyre sft: already finished: {save_dir} holds the result of step {done} (max_steps {total}); "
+                      f"delete it to train again{'' if have_checkpoints else ' from model.name'}", flush=True)
+            return 0
         log.info("%d steps per epoch; training %d steps", steps_per_epoch, total)
 
         dtype = resolve_dtype(cfg.model.dtype, ctx.device)
         model = dist.shard_model(load_model(cfg.model, ctx.device, dtype), ctx)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, total)
-        output_dir = Path(cfg.output_dir)
-        checkpoints = CheckpointManager(
-            output_dir / "checkpoints" / "sft", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
-        )
         plan = plan_resume(cfg.ckpt.resume_step, checkpoints.steps(), None)
         if ctx.is_main and plan.discard_after is not None:
             checkpoints.discard_after(plan.discard_after)
@@ -417,10 +434,9 @@ def run(cfg: SFTConfig) -> int:
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                 checkpoints.save(step, model, optimizer, scheduler, record)
         bar.close()
-        save_dir = Path(cfg.save_dir) if cfg.save_dir else output_dir / "sft"
         state_dict = dist.full_state_dict(model, ctx)
         if ctx.is_main:
-            save_hf_model(save_dir, state_dict, model.config, cfg.model.name)
+            save_hf_model(save_dir, state_dict, model.config, cfg.model.name, step=total)
             log.info("SFT done after %d steps: %s (use it as model.name)", total, save_dir)
             events.close()
         dist.barrier(ctx)
@@ -431,8 +447,34 @@ def run(cfg: SFTConfig) -> int:
         dist.shutdown(ctx)
 
 
-def save_hf_model(save_dir: Path, state_dict, config, base_model: str) -> Path:
-    """Write the HF folder next to `save_dir` and swap it in with renames: never half a model there."""
+def finished_step(save_dir: Path, total: int, have_checkpoints: bool) -> int | None:
+    """The step of the SFT result in `save_dir` when a run to `total` steps has nothing left to do (None: train).
+
+    Raises SFTDataError when training would replace something it cannot continue: a result of fewer steps with no
+    checkpoint to continue from (the run would start over from model.name), or a folder gyre sft did not write."""
+    if not save_dir.exists() or (save_dir.is_dir() and not any(save_dir.iterdir())):
+        return None
+    try:
+        step = int(json.loads((save_dir / RESULT_MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SFTDataError(
+            f"config key 'save_dir': {save_dir} exists and is not a gyre sft result (no {RESULT_MARKER}): "
+            "refusing to replace it; choose another save_dir (or output_dir), or delete it"
+        ) from None
+    if step >= total:
+        return step
+    if not have_checkpoints:
+        raise SFTDataError(
+            f"config key 'max_steps': {save_dir} holds the finished SFT of {step} steps and no checkpoint continues "
+            f"it (ckpt.interval was unset): training to {total} would start over from model.name and replace it; "
+            "delete it (or choose another save_dir) to do that"
+        )
+    return None  # continued from the newest checkpoint
+
+
+def save_hf_model(save_dir: Path, state_dict, config, base_model: str, step: int | None = None) -> Path:
+    """Write the HF folder next to `save_dir` and swap it in with renames: never half a model there.
+    `step`: the SFT step it holds, recorded in RESULT_MARKER (`finished_step`)."""
     from gyre.fsio import commit_dir
 
     from gyre_trainer.publish import write_hf_folder
@@ -442,6 +484,8 @@ def save_hf_model(save_dir: Path, state_dict, config, base_model: str) -> Path:
     tmp = save_dir.parent / f".tmp-{save_dir.name}-{uuid.uuid4().hex}"
     try:
         write_hf_folder(tmp, state_dict, config, base_model)
+        if step is not None:
+            (tmp / RESULT_MARKER).write_text(json.dumps({"step": step}) + "\n")
         commit_dir(tmp, save_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

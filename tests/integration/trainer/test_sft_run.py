@@ -53,3 +53,36 @@ def test_sft_resume_from_checkpoint_matches_a_straight_run(tiny_model, tmp_path)
     a, b = load_weights(straight / "sft"), load_weights(resumed / "sft")
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def _files(folder):
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_a_finished_sft_without_checkpoints_is_not_trained_again(tiny_model, tmp_path, capsys):
+    # the same command again trained every step again and replaced the result (no checkpoint said it was done)
+    args = sft_args(tiny_model, tmp_path, **{"data.fake": "true", "data.num-examples": 40, "max-steps": 2})
+    assert sft.main(args) == 0
+    result = _files(tmp_path / "sft")
+    capsys.readouterr()
+    assert sft.main(args) == 0
+    assert "gyre sft: already finished" in capsys.readouterr().out
+    assert len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 2
+    assert _files(tmp_path / "sft") == result
+
+    # more steps without a checkpoint to continue from: refused, naming the key; the result stays
+    more = sft_args(tiny_model, tmp_path, **{"data.fake": "true", "data.num-examples": 40, "max-steps": 3})
+    assert sft.main(more) == 2
+    err = capsys.readouterr().err
+    assert "config key 'max_steps'" in err and "no checkpoint continues it" in err
+    assert _files(tmp_path / "sft") == result and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 2
+
+
+def test_sft_never_replaces_a_folder_it_did_not_write(tiny_model, tmp_path, capsys):
+    # save_dir = the base model's own folder (a slip of the user's) was overwritten by the SFT result
+    before = _files(tiny_model)
+    args = sft_args(tiny_model, tmp_path, **{"data.fake": "true", "data.num-examples": 40, "max-steps": 1,
+                                             "save-dir": tiny_model})  # fmt: skip
+    assert sft.main(args) == 2
+    assert "config key 'save_dir'" in capsys.readouterr().err
+    assert _files(tiny_model) == before
