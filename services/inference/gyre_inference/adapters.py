@@ -96,27 +96,39 @@ class AdapterBank:
         self.active = False
 
     # ---- names and versions ---------------------------------------------------------------------
-    def declare(self, name: str, busy: Collection[int] = ()) -> int:
-        """The slot of adapter `name`; a name that is not resident gets a free slot, else the slot of the
-        least recently used name whose slot is not in `busy` (the slots queued or running rows use), which
-        is evicted. A new name starts as the base (zeros, version 0)."""
-        if name not in self.slots:
-            free = set(range(1, self.max_adapters + 1)) - set(self.slots.values())
-            if not free:
-                idle = [n for n in self.slots if self.slots[n] not in busy]
-                if not idle:
-                    raise AdapterSlotsBusyError(
-                        f"adapter {name!r}: all {self.max_adapters} adapter slots are in use by queued or running "
-                        f"requests ({sorted(self.slots)}); retry, or raise lora.max_loras"
-                    )
-                victim = min(idle, key=self._used.__getitem__)
-                free = {self.slots.pop(victim)}
-                del self._used[victim]
-            self.slots[name] = min(free)
-            self.versions.setdefault(name, 0)
-            self.sources.setdefault(name, None)
+    def declare(self, name: str) -> int:
+        """Serve `name` from a slot as it is now (start-up: `lora.adapters`, the base until their first version);
+        see `slot_for`."""
+        slot = self.slot_for(name)
+        self._assign(name, slot)
+        return slot
+
+    def slot_for(self, name: str, busy: Collection[int] = ()) -> int:
+        """The slot adapter `name` is to be loaded into: its own when resident, else a free slot, else the slot of
+        the least recently used name whose slot is not in `busy` (the slots queued or running rows use), which is
+        evicted at once (its next request loads it back). The slot is not `name`'s until `load` has filled it: a
+        request for `name` arriving meanwhile must not be queued on a slot that still holds the evicted adapter's
+        weights (nor keep it, should the load fail)."""
+        if name in self.slots:
+            return self.slots[name]
+        free = set(range(1, self.max_adapters + 1)) - set(self.slots.values())
+        if free:
+            return min(free)
+        idle = [n for n in self.slots if self.slots[n] not in busy]
+        if not idle:
+            raise AdapterSlotsBusyError(
+                f"adapter {name!r}: all {self.max_adapters} adapter slots are in use by queued or running "
+                f"requests ({sorted(self.slots)}); retry, or raise lora.max_loras"
+            )
+        victim = min(idle, key=self._used.__getitem__)
+        del self._used[victim]
+        return self.slots.pop(victim)
+
+    def _assign(self, name: str, slot: int) -> None:
+        self.slots[name] = slot
+        self.versions.setdefault(name, 0)
+        self.sources.setdefault(name, None)
         self.touch(name)
-        return self.slots[name]
 
     def touch(self, name: str) -> None:
         """`name` was just used: it is the last to be evicted."""
@@ -186,9 +198,10 @@ class AdapterBank:
         source: Path | None = None, slot: int | None = None,
     ) -> None:  # fmt: skip
         """Serve `tensors` (from `read` of folder `source`) as adapter `name` at `version` (engine thread, between
-        steps), in `slot` (from `declare`; by default declared here). Layers the adapter does not touch are zeroed
-        in its slot: the adapter replaces, never adds up."""
-        slot = self.declare(name) if slot is None else slot
+        steps), in `slot` (from `slot_for`; by default found here). Layers the adapter does not touch are zeroed
+        in its slot: the adapter replaces, never adds up. The name gets its slot and version only once the slot is
+        filled: a request is never queued on a slot half loaded, or holding an evicted adapter's weights."""
+        slot = self.slot_for(name) if slot is None else slot
         with torch.no_grad():
             for module, (a_stack, b_stack) in self.layers.items():
                 pair = tensors.get(module)
@@ -199,3 +212,4 @@ class AdapterBank:
                     a_stack[slot].copy_(pair[0])
                     b_stack[slot].copy_(pair[1])
         self.versions[name], self.sources[name] = version, source
+        self._assign(name, slot)

@@ -70,7 +70,7 @@ class _Swap:
     done: Future = field(default_factory=Future)
     adapter: str | None = None  # a named adapter's (A, B) tensors instead of model weights
     source: Path | None = None  # the adapter's folder (an evicted adapter is loaded back from it)
-    slot: int | None = None  # the adapter's slot, given by the engine thread (`AdapterBank.declare`)
+    slot: int | None = None  # the adapter's slot, found by the engine thread (`AdapterBank.slot_for`)
     # model weights: after this swap, every weight an adapter does not touch is the base model's
     others_are_base: bool = True
 
@@ -115,10 +115,11 @@ class EngineLoop:
     # ---- engine thread --------------------------------------------------------------------------
     def _give_slot(self, swap: _Swap, admitted: list[Sequence]) -> _Swap | None:
         """Under `_cond`: the adapter's slot, evicting an idle one if need be (None: refused, told to the caller).
-        Every slot a queued, admitted or running row uses is busy: those rows keep their adapter."""
+        Every slot a queued, admitted or running row uses is busy: those rows keep their adapter. A new name gets
+        the slot only once the swap has filled it (`AdapterBank.load`)."""
         busy = {seq.adapter for seq in (*self._rows, *admitted, *self._waiting)}
         try:
-            swap.slot = self._bank.declare(swap.adapter, busy)
+            swap.slot = self._bank.slot_for(swap.adapter, busy)
         except WeightsIncompatibleError as error:
             swap.done.set_exception(error)
             return None

@@ -285,3 +285,39 @@ async def test_a_request_for_an_evicted_name_waits_while_every_slot_is_busy(tiny
         assert set(engine._bank.slots) == {"a"} and not engine._waiting
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_name_gets_its_slot_only_once_its_swap_filled_it(tiny_model, tmp_path):
+    """One slot, held by a. The swap of new name c (then the load back of evicted a) fails in the engine after its slot
+    was found and before its tensors were copied in: the name must not own the slot. Before, the slot was given to the
+    name when found, so c (then a) was served from a slot still holding the other adapter's weights, under its own
+    name and version."""
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=4, max_adapters=1, max_lora_rank=4)
+    await engine.start()
+    try:
+        models = {name: write_adapter(tiny_model, tmp_path / name, seed=i + 1) for i, name in enumerate("ac")}
+        await engine.update_adapter("a", FetchedWeights.local(tmp_path / "a", 1))
+        apply = engine._apply_swap
+
+        def fails(swap):  # e.g. CUDA out of memory while copying, or a failed step drained before the swap
+            raise RuntimeError("copy failed")
+
+        engine._apply_swap = fails
+        with pytest.raises(RuntimeError, match="copy failed"):
+            await engine.update_adapter("c", FetchedWeights.local(tmp_path / "c", 2))
+        assert "c" not in engine.adapter_names and "c" not in engine._bank.slots
+        with pytest.raises(KeyError, match="'c'"):  # never served: a 404, not a's weights under c's name
+            await sample(engine, "c")
+        with pytest.raises(RuntimeError, match="copy failed"):  # a was evicted for c: its load back fails too
+            await sample(engine, "a")
+        assert engine._bank.slots == {}
+        engine._apply_swap = apply
+        for name, version in (("a", 1), ("c", None)):
+            if version is None:
+                await engine.update_adapter("c", FetchedWeights.local(tmp_path / "c", 2))
+            tokens, logprobs, versions = await sample(engine, name)
+            assert torch.allclose(logprobs, reference_logprobs(models[name], tokens), atol=1e-4), name
+            assert versions == {engine.adapter_version(name)}
+    finally:
+        await engine.shutdown()
