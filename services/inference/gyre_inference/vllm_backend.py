@@ -36,7 +36,8 @@ How it maps onto vLLM:
   adapter and its tokens carry that adapter's version; once no model name serves an adapter and no
   request of ours uses it, `remove_lora` drops it from vLLM's cache (ids are never reused). Adapters apply
   to the base weights: before the model's own adapter version after a full-weights version the base is
-  reloaded. No pause and no prefix-cache reset: vLLM keys cached blocks by adapter.
+  reloaded, and full weights other than the base move a request off the model's own adapter onto them
+  (`VLLMBackend._moved`). No pause and no prefix-cache reset: vLLM keys cached blocks by adapter.
 """
 
 from __future__ import annotations
@@ -228,6 +229,7 @@ class VLLMBackend(Backend):
         self._users: Counter[int] = Counter()  # lora_int_id -> our requests in flight with it
         self._lora_ids = itertools.count(1)  # vLLM wants ids > 0, one per adapter it should (re)load
         self._base_loaded = True  # the engine holds the base model's weights (what adapters apply to)
+        self._moves = 0  # full-weights loads other than the base: requests on the model's own adapter move off it
         self._max_model_len = 0
         self._running = 0
 
@@ -284,49 +286,79 @@ class VLLMBackend(Backend):
                 **structured_outputs(params.guide)),
         )  # fmt: skip
         if params.adapter is None:
-            lora, lora_version = self._lora, self._version  # an adapter stays with its request to the end
+            lora, lora_version = self._lora, self._version  # an adapter stays with its request (see `_moved`)
         else:
             if params.adapter not in self._named:
                 raise KeyError(f"no adapter named {params.adapter!r}")
             lora, lora_version = self._named[params.adapter]
             if lora is not None and not os.path.isdir(lora.lora_path):
                 await self._check_still_held(params.adapter, lora)
-        stream = self._engine.generate(
-            {"prompt_token_ids": list(prompt)},
-            vllm_params,
-            uuid.uuid4().hex,
-            lora_request=lora,
-            priority=params.priority,
-        )
-        self._running += 1
-        if lora is not None:
-            self._users[lora.lora_int_id] += 1
+        moves = self._moves
+        done: list[int] = []  # tokens handed out
         prompt_raw: list | None = []  # vLLM's prompt log-prob entries until they are handed out
+        self._running += 1
         try:
-            async for output in stream:
-                completion = output.outputs[0]
-                finish = completion.finish_reason if output.finished else None
-                # full weights (own model, no adapter): stamped with the version serving at output time
-                version = lora_version if lora is not None or params.adapter is not None else self._version
-                events = token_events(completion.token_ids, completion.logprobs, finish, version, params.top_logprobs)
-                if params.prompt_logprobs is not None and prompt_raw is not None:
-                    # DELTA outputs carry the prompt's entries as they are computed (a chunked prefill may
-                    # spread them): gathered, and put on the sequence's first event
-                    prompt_raw.extend(output.prompt_logprobs or ())
-                    if events:
-                        entries = prompt_entries(prompt, prompt_raw, params.prompt_logprobs)
-                        events[0] = dataclasses.replace(events[0], prompt_logprobs=entries)
-                        prompt_raw = None
-                for event in events:
-                    yield event
-                if output.finished:
-                    return
+            while True:
+                stream = self._engine.generate(
+                    {"prompt_token_ids": [*prompt, *done]},
+                    vllm_params,
+                    uuid.uuid4().hex,
+                    lora_request=lora,
+                    priority=params.priority,
+                )
+                if lora is not None:
+                    self._users[lora.lora_int_id] += 1
+                try:
+                    async for output in stream:
+                        if lora is not None and params.adapter is None and self._moves != moves:
+                            break  # computed by the adapter on top of other weights: dropped, see `_moved`
+                        completion = output.outputs[0]
+                        finish = completion.finish_reason if output.finished else None
+                        # full weights (own model, no adapter): stamped with the version serving at output time
+                        version = lora_version if lora is not None or params.adapter is not None else self._version
+                        events = token_events(completion.token_ids, completion.logprobs, finish, version,
+                                              params.top_logprobs)  # fmt: skip
+                        if params.prompt_logprobs is not None and prompt_raw is not None:
+                            # DELTA outputs carry the prompt's entries as they are computed (a chunked prefill may
+                            # spread them): gathered, and put on the sequence's first event
+                            prompt_raw.extend(output.prompt_logprobs or ())
+                            if events:
+                                entries = prompt_entries(prompt, prompt_raw, params.prompt_logprobs)
+                                events[0] = dataclasses.replace(events[0], prompt_logprobs=entries)
+                                prompt_raw = None
+                        for event in events:
+                            done.append(event.token_id)
+                            yield event
+                        if output.finished:
+                            return
+                finally:
+                    await stream.aclose()  # aborts the vLLM request when we stop early
+                    if lora is not None:
+                        self._users[lora.lora_int_id] -= 1
+                        await self._release(lora)
+                lora, vllm_params = None, self._moved(vllm_params, params, len(done))
+                if prompt_raw is not None:  # the new request computes the prompt's log-probs again
+                    prompt_raw = []
         finally:
             self._running -= 1
-            await stream.aclose()  # aborts the vLLM request when we stop early
-            if lora is not None:
-                self._users[lora.lora_int_id] -= 1
-                await self._release(lora)
+
+    def _moved(self, vllm_params: Any, params: SamplingParams, generated: int) -> Any:
+        """The rest of a request that ran on the model's own adapter version when full weights other than the base
+        were loaded: the adapter was trained against the base, so on the new weights it computes neither policy.
+        The request goes on on the new weights without it, as on the torch backend (whose adapter versions are
+        merged into the weights): its tokens so far become the prompt of a new vLLM request for the tokens left
+        (vLLM's preemption by recomputation), stamped with the new version. vLLM binds an adapter to a request for
+        its whole life, so the old request is aborted at its first output after the load, which is dropped. The
+        base itself (a reload) keeps the adapter on, as a newer adapter version does."""
+        if params.guide is not None and generated:
+            # a grammar's state cannot be carried into a new request: it would start the output over
+            raise RuntimeError("full weights were loaded under this request's adapter while it was constrained by a "
+                               "structured output: it cannot go on without the adapter; retry it")  # fmt: skip
+        changes: dict[str, Any] = {"max_tokens": params.max_tokens - generated,
+                                   "min_tokens": max(0, params.min_tokens - generated)}  # fmt: skip
+        if generated:  # handed out with the first token
+            changes["prompt_logprobs"] = None
+        return _with(vllm_params, changes)
 
     # ---- named adapters (multi-run) ---------------------------------------------------------------
     @property
@@ -390,6 +422,8 @@ class VLLMBackend(Backend):
             await self._release(previous)
 
     def _serve(self, lora: Any, version: int, *, base: bool) -> None:
+        if not base:  # requests on the model's own adapter must not go on with it on these weights (`_moved`)
+            self._moves += 1
         self._lora, self._version, self._base_loaded = lora, version, base
 
     async def _load_full(self, path: Path, loaded: Callable[[], None]) -> None:
@@ -443,6 +477,16 @@ class VLLMBackend(Backend):
             await self._engine.pause_generation(mode="keep", clear_cache=False)
         except TypeError:  # vLLM before pause modes: utility calls still run between engine steps
             log.warning("this vLLM cannot pause with requests kept; loading between engine steps instead")
+
+
+def _with(vllm_params: Any, changes: dict[str, Any]) -> Any:
+    """A copy of vLLM `SamplingParams` with `changes` (its `clone`, else a shallow copy)."""
+    import copy
+
+    clone = vllm_params.clone() if hasattr(vllm_params, "clone") else copy.copy(vllm_params)
+    for key, value in changes.items():
+        setattr(clone, key, value)
+    return clone
 
 
 async def _all_or_nothing(update: Coroutine, version: int) -> None:

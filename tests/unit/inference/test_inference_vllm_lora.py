@@ -752,3 +752,54 @@ def test_vllm_serves_each_run_adapter_on_a_gpu(tiny_model, tmp_path):
             await backend.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_request_on_the_model_s_adapter_goes_on_without_it_once_other_full_weights_are_loaded(
+    standin_vllm, tiny_model, tmp_path
+):
+    """The model's adapter version 1 was trained against the base: once full weights version 2 are loaded, a request
+    started on the adapter goes on on the new weights without it (its tokens so far become the prompt of a new vLLM
+    request for the rest), its later tokens stamped 2, as on the torch backend; the output computed by the adapter on
+    top of version 2 is dropped. Before, vLLM kept the adapter on the request to its end, on top of weights it was
+    not trained against, its tokens stamped 1. A reload of the base keeps the adapter on (it still fits)."""
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, max_loras=2, max_lora_rank=16)
+        await backend.start()
+        engine = backend._engine
+        await backend.update_weights(FetchedWeights.local(adapter_folder(tmp_path, "step_1"), 1))
+        adapter = backend._lora
+        stream = backend.generate([1, 2, 3], SamplingParams(max_tokens=4, min_tokens=3, prompt_logprobs=0))
+        engine.steps.put_nowait(None)
+        first = await stream.__anext__()
+        assert first.version == 1 and first.prompt_logprobs is not None
+        assert engine.last("generate")["lora_request"] is adapter
+
+        full = tmp_path / "step_2"
+        shutil.copytree(tiny_model, full)
+        await backend.update_weights(FetchedWeights.local(full, 2))
+        engine.auto = True
+        engine.steps.put_nowait(None)  # the old request's next output: the adapter on version 2, dropped
+        rest = [e async for e in stream]
+        assert [e.version for e in [first, *rest]] == [1, 2, 2, 2]
+        assert [e.token_id for e in [first, *rest]] == [10, 10, 11, 12]  # the stand-in counts from 10 per request
+        assert rest[-1].finish_reason == "length" and all(e.prompt_logprobs is None for e in rest)
+        moved = engine.last("generate")
+        assert moved["lora_request"] is None and moved["prompt"]["prompt_token_ids"] == [1, 2, 3, 10]
+        assert (moved["sampling_params"].max_tokens, moved["sampling_params"].prompt_logprobs) == (3, None)
+        assert adapter.lora_int_id in engine.removed() and engine.loras == {}
+        assert not any(engine.running.values())  # the old vLLM request was aborted
+
+        # the base (a reload) under a request on the adapter: it keeps it, and its version
+        await backend.update_weights(FetchedWeights.local(adapter_folder(tmp_path, "step_3"), 3))
+        engine.auto = False
+        stream = backend.generate([1], SamplingParams(max_tokens=2))
+        engine.steps.put_nowait(None)
+        first = await stream.__anext__()
+        await backend.reload_base()
+        engine.steps.put_nowait(None)
+        assert [e.version for e in [first, *[e async for e in stream]]] == [3, 3]
+        await backend.shutdown()
+
+    run(scenario())
