@@ -258,8 +258,11 @@ def test_the_shared_volume_is_mounted_at_the_same_path_in_all_three(scenario):
         (data,) = [m for m in container["volumeMounts"] if "persistentVolumeClaim" in volumes[m["name"]]]
         assert data["mountPath"] == mount, comp
         claims.add(volumes[data["name"]]["persistentVolumeClaim"]["claimName"])
-        _, argv = gyre_argv(container)
-        assert argv[argv.index("--output-dir") + 1] == mount, comp  # the services' output_dir is the volume
+        service, argv = gyre_argv(container)
+        if service == "inference":  # serving reads models, not the run's folder: it gets no output_dir
+            assert "--output-dir" not in argv
+        else:
+            assert argv[argv.index("--output-dir") + 1] == mount, comp  # the services' output_dir is the volume
     assert len(claims) == 1
     (claim,) = claims
     pvcs = objects(docs, "PersistentVolumeClaim")
@@ -484,7 +487,9 @@ def test_service_configs_accept_the_rendered_commands_and_environment(scenario, 
         cfg = load_config(config_cls, argv)
         secrets = USER_SECRETS.get("my-exp-secrets") if scenario == "existing-secret" else secret_data(docs).get(
             "exp-gyre-secrets")  # fmt: skip
-        assert cfg.output_dir == Path(SCENARIOS[scenario].get("persistence", {}).get("mountPath", "/data"))
+        mount = Path(SCENARIOS[scenario].get("persistence", {}).get("mountPath", "/data"))
+        if comp != "inference":  # inference reads no output_dir (test_options_read)
+            assert cfg.output_dir == mount
         assert cfg.run_id == (SCENARIOS[scenario].get("experiment", {}).get("run_id") or "exp")
         redis_password = "external-redis-pw" if scenario == "external-redis" else secrets["redis-password"]
         if comp == "inference":
@@ -501,7 +506,7 @@ def test_service_configs_accept_the_rendered_commands_and_environment(scenario, 
         else:
             assert cfg.orchestrator.control_token == secrets["control-token"]
         if SCENARIOS[scenario].get("modelInit", {}).get("enabled", True) and comp != "orchestrator":
-            assert cfg.model.name == f"{cfg.output_dir}/model"
+            assert cfg.model.name == f"{mount}/model"
         for key in ("max_steps",):
             expected = SCENARIOS[scenario].get("experiment", {}).get(key)
             if expected is not None and hasattr(cfg, key):
