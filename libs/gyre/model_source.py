@@ -58,8 +58,13 @@ class ModelUnavailable(ValueError):
 
 
 def looks_like_hub_id(name: str) -> bool:
-    """`org/name` (or a bare legacy `name`), not a path: no leading `.`, `/` or `~`, at most one `/`."""
-    return bool(_HUB_ID.match(name)) and not name.startswith(".")
+    """`org/name` (or a bare legacy `name`), not a path: no leading `.`, `/` or `~`, at most one `/`, and a repo id
+    the hub client takes (huggingface_hub's `validate_repo_id`: at most 96 characters, each part starting and ending
+    with a letter, digit or `_`, no `--` or `..`, no `.git` ending). Any other name that is not there locally is a
+    missing folder (`run-1/model-` was sent to the hub, which answered "Repo id must use alphanumeric chars ...")."""
+    if not _HUB_ID.match(name) or len(name) > 96 or "--" in name or ".." in name or name.endswith(".git"):
+        return False
+    return all(part[-1] not in "-." for part in name.split("/"))
 
 
 def check_model_source(name: str, key: str = "model.name", hub: bool = True, hint: str = HOW_TO_CREATE) -> str:

@@ -147,9 +147,12 @@ async def run_service(config: InferenceConfig) -> int:
         elif loading.done() and loading.exception() is not None:
             name = config.model.name
             # a relative folder that is not there reads as a hub id ("models/qwen"): say it was not found as either
-            hub = f" (no local folder {name!r} either: model.name was looked up as a Hugging Face hub id)"
-            where = "" if Path(name).expanduser().exists() else hub
-            log.error("cannot load model %s: %s%s", name, loading.exception(), where)
+            error = str(loading.exception()).strip() or type(loading.exception()).__name__
+            if Path(name).expanduser().exists():
+                log.error("cannot load model %s: %s", name, error)
+            else:  # the hub client's first line only (the rest is its offline-mode advice): the message is one line
+                log.error("cannot load model %s: no local folder %r, and as a Hugging Face hub id: %s", name, name,
+                          error.splitlines()[0])  # fmt: skip
             status = 1
         if http_task.done() and http_task.exception() is not None:
             log.error("HTTP server failed: %s", http_task.exception())

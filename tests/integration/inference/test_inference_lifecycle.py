@@ -157,8 +157,26 @@ def test_a_relative_folder_that_reads_as_a_hub_id_says_it_is_no_local_folder_eit
     result = subprocess.run([sys.executable, "-m", "gyre.cli", "inference", "--model.name", "models/not-here",
                              "--server.port", "0", "--control.port", "0"], capture_output=True, text=True,
                             timeout=120, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
-    assert result.returncode == 1 and "cannot load model models/not-here" in result.stderr, result.stderr
-    assert "no local folder 'models/not-here' either" in result.stderr, result.stderr
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "cannot load model models/not-here: no local folder 'models/not-here', and as a " \
+        "Hugging Face hub id: " in errors[0], result.stderr  # fmt: skip
+    assert "Check your internet connection" not in result.stderr  # the hub client's advice, a line of its own
+
+
+def test_a_missing_folder_the_hub_would_refuse_as_a_repo_id_is_a_missing_folder(tmp_path):
+    """`run-1/model-`, `runs/a--b`, `out/model.git`, `model-` (no such folder here) have our hub id shape but are repo
+    ids the hub client refuses: they were sent to it and the service logged its "Repo id must use alphanumeric chars
+    ..." and exited 1; now they are the missing folder they are, one line naming the key and the path, exit 2."""
+    for name in ("run-1/model-", "runs/a--b", "out/model.git", "model-"):
+        result = subprocess.run([sys.executable, "-m", "gyre.cli", "inference", "--model.name", name,
+                                 "--server.port", "0", "--control.port", "0"], capture_output=True, text=True,
+                                timeout=120, cwd=tmp_path)  # fmt: skip
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert lines[0].startswith(f"gyre inference: error: model.name = '{name}': the model folder ") and (
+            "does not exist" in lines[0]
+        ), lines  # fmt: skip
 
 
 def test_a_model_that_cannot_be_loaded_exits_1_with_a_clear_message(tmp_path, tiny_model):
