@@ -7,8 +7,8 @@ FLOPs per trained token (forward + backward), as PaLM (appendix B), torchtitan a
 - N = non-embedding parameters: every matmul weight (attention, MLP, the LM head) and the norms,
   but NOT the input embedding, which is a table lookup, not a matmul. For an untied model that
   is all parameters minus vocab·hidden; a tied model's head still counts once.
-- 12·L·H·T: attention scores and the weighted sum (QKᵀ and AV, 2·2·H·T multiply-adds per token and
-  layer, ×3 for forward + backward), H = num_heads·head_dim, T = the attended context. Like
+- 12·L·H·T: attention scores and the weighted sum (QKᵀ and AV, 2·H·T multiply-adds = 4·H·T FLOPs per token
+  and layer, ×3 for forward + backward), H = num_heads·head_dim, T = the attended context. Like
   torchtitan we do not halve it for the causal mask. With packing a token only attends within its
   own sample, so pass `effective_seq_len(sample_lengths)` (Σl²/Σl) as T, not the row length.
 
@@ -63,19 +63,26 @@ def gpu_peak_flops(device_name: str) -> float | None:
 
 
 def non_embedding_params(hf_config) -> int:
-    """N for a Llama-style decoder (Llama, Mistral, Qwen2/3): attention, gated MLP, norms, LM head."""
+    """N for a Llama-style decoder (Llama, Mistral, Qwen2/3): attention, gated MLP, norms, LM head.
+
+    Qwen2 (and Qwen2.5, same `model_type`) always has q/k/v biases and no `attention_bias` key; Qwen3 adds an
+    RMSNorm over each head's queries and keys (`q_norm`, `k_norm`). Checked against the real transformers models.
+    """
     c = hf_config
     hidden, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or hidden // heads
+    model_type = getattr(c, "model_type", "")
     attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o and k, v
+    if getattr(c, "attention_bias", False) or model_type == "qwen2":
+        attn += heads * head_dim + 2 * kv_heads * head_dim  # q, k, v biases
     if getattr(c, "attention_bias", False):
-        attn += heads * head_dim + 2 * kv_heads * head_dim + hidden
+        attn += hidden  # o bias (Llama, Qwen3; Qwen2's o_proj has none)
     mlp = 3 * hidden * c.intermediate_size
     if getattr(c, "mlp_bias", False):
         mlp += 2 * c.intermediate_size + hidden
-    norms = 2 * hidden
+    norms = 2 * hidden + (2 * head_dim if model_type == "qwen3" else 0)  # Qwen3: q_norm, k_norm
     return layers * (attn + mlp + norms) + hidden + vocab * hidden  # + final norm + LM head
 
 

@@ -40,6 +40,42 @@ def test_non_embedding_params_of_gqa_bias_and_tied_variants(overrides):
     assert non_embedding_params(config) == counted_non_embedding(LlamaForCausalLM(config))
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3-attention-bias", "mistral"])
+def test_non_embedding_params_of_the_other_supported_families(kind):
+    # Qwen2/2.5 has q/k/v biases without an `attention_bias` key, Qwen3 a q_norm and k_norm per layer: both were
+    # left out of N
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, _, variant = kind.partition("-")
+    extra = {"attention_bias": True} if variant else {}
+    config = AutoConfig.for_model(
+        model_type, vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, **extra,
+    )  # fmt: skip
+    assert non_embedding_params(config) == counted_non_embedding(AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_flops_per_token_equal_torchs_count_of_a_real_forward_and_backward(model_type):
+    """An independent count: torch's FlopCounterMode over the forward and backward of a row of T tokens (eager
+    attention computes the whole T×T square, as the formula counts it). Norms hold parameters but no matmul."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    tokens = 48
+    ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    # heads·head_dim = 128 is not hidden_size = 64: the attention term takes the former
+    assert counter.get_total_flops() / tokens == flops_per_token(config, tokens) - 6 * norms
+
+
 def test_flops_per_token_formula():
     config = LlamaConfig(
         vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4
