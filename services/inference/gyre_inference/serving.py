@@ -201,7 +201,7 @@ class Serving:
         choices = []
         echo_only = getattr(request, "echo_only", False)  # completions: the prompt alone (one token sampled, dropped)
         for p, prompt in enumerate(prompts):
-            max_tokens = self._budget(len(prompt), 1 if echo_only else limit, prompt_param)
+            max_tokens = self._budget(len(prompt), 0 if echo_only else limit, prompt_param)
             for i in range(request.n):
                 params = SamplingParams(
                     max_tokens=max_tokens,
@@ -227,16 +227,21 @@ class Serving:
         limit = self.backend.max_model_len
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param=param)
-        wanted = prompt_len + (requested or 1)
+        # requested 0 (echo alone, scoring a prompt): a prompt may fill the context, as in OpenAI; the engine
+        # samples one token from the last position's logits and the choice drops it (nothing is written past it)
+        wanted = prompt_len + (1 if requested is None else requested)
         if wanted > limit:
+            asked = wanted - prompt_len
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
-                f"({prompt_len} in the {param}, {requested or 1} in the completion). Please reduce the length "
+                f"({prompt_len} in the {param}, {asked} in the completion). Please reduce the length "
                 f"of the {param} or completion.",
                 param=param,
                 code="context_length_exceeded",
             )
+        if requested == 0:
+            return 1
         return requested if requested is not None else limit - prompt_len
 
     # ---- running ----------------------------------------------------------------------------------

@@ -127,3 +127,28 @@ def test_refused_with_the_reason(plain, plain_id, route, body, param, reason):
     assert response.status_code == 400 and reason in error["message"], error
     if param:
         assert error["param"] == param
+
+
+def test_echo_with_max_tokens_0_scores_a_prompt_that_fills_the_context(start_server, plain, plain_id):
+    """A distillation teacher scores a sample that fills the policy's context (prompt + completion = max_model_len)
+    on a server of the same context: echo with max_tokens 0 takes a prompt of exactly max_model_len (it was a 400
+    'you requested max_model_len + 1 tokens': the one token the engine samples and the choice drops was counted),
+    with the log-probs a server of a longer context gives; one token more is still the context-length error."""
+    prompt = PROMPT + PROMPT[1:5]  # 16 tokens: the shortest context the engine takes
+    full = start_server("--run-id", "full-context", "--engine.max-model-len", str(len(prompt)))
+    model = httpx.get(f"{full.url}/v1/models", timeout=30).json()["data"][0]
+    assert model["max_model_len"] == len(prompt)
+    body = {"model": model["id"], "prompt": prompt, "max_tokens": 0, "echo": True, "prompt_logprobs": 0}
+    scored = httpx.post(f"{full.url}/v1/completions", json=body, timeout=60)
+    assert scored.status_code == 200, scored.text
+    reference = httpx.post(f"{plain.url}/v1/completions", json={**body, "model": plain_id, "max_tokens": 1},
+                           timeout=60).json()["choices"][0]["prompt_logprobs"]  # fmt: skip
+    entries = scored.json()["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for t in range(1, len(prompt)):
+        got, want = entries[t][str(prompt[t])]["logprob"], reference[t][str(prompt[t])]["logprob"]
+        assert got == pytest.approx(want, abs=1e-4)
+    refused = httpx.post(f"{full.url}/v1/completions", json={**body, "prompt": prompt + [5]}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    one_more = httpx.post(f"{full.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+    assert one_more.status_code == 400 and "17 tokens" in one_more.json()["error"]["message"]
