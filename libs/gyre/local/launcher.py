@@ -47,6 +47,7 @@ from gyre.local.runs import (
     ServiceConfigs,
     committed_steps,
     experiment_runs,
+    refuse_changed_run_keys,
     resolve_configs,
     summarize,
     validate_extensions,
@@ -185,7 +186,9 @@ class Launcher:
                 check_model_source(server.model, key=f"servers.{server.name}.model", hint=hint)
             except ModelUnavailable as e:
                 raise ConfigError(str(e)) from None
-        validate_extensions(resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0"))
+        configs = resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0")
+        validate_extensions(configs)
+        refuse_changed_run_keys(cfg, configs)  # the trainer failed on them only after every service had started
         self._check_resume_step()
         if cfg.redis.url:
             self._check_redis(cfg.redis.url)

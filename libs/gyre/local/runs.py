@@ -71,6 +71,7 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
     runs, multi = experiment_runs(cfg), bool(cfg.runs)
     if multi and cfg.trainer_nproc != 1:
         raise ConfigError("config key 'runs': multi-run trains in one trainer process; set trainer_nproc = 1")
+    _refuse_one_sided_rewinds(cfg)
     shape = PackingShape.derive(cfg.trainer, cfg.orchestrator, cfg.trainer_nproc)
     shared = {
         "run_id": cfg.run_id,
@@ -230,6 +231,27 @@ def _refuse_experiment_keys(section: str, user: dict) -> None:
             )
 
 
+def _refuse_one_sided_rewinds(cfg: RLConfig) -> None:
+    """A rewind set in one service's section reached that service alone: a trainer rewound to N under an
+    orchestrator that resumed after the abandoned batches waited for step N + 1 forever (and an orchestrator
+    rewound alone regenerated steps the trainer had trained). gyre rl rewinds both, from the top-level key."""
+    both = "set the top-level ckpt.resume_step (--ckpt.resume-step N): it rewinds trainer and orchestrator together"
+    if isinstance(cfg.trainer.get("ckpt"), dict) and "resume_step" in cfg.trainer["ckpt"]:
+        raise ConfigError(f"config key 'trainer.ckpt.resume_step': a trainer rewound alone waits forever for a batch "
+                          f"its orchestrator has already pushed; {both}")  # fmt: skip
+    if "resume_step" in cfg.orchestrator:
+        raise ConfigError(f"config key 'orchestrator.resume_step': an orchestrator rewound alone generates again the "
+                          f"steps its trainer has trained; {both}")  # fmt: skip
+    if "runs" in cfg.trainer:
+        raise ConfigError("config key 'trainer.runs': gyre rl builds it from the [[runs]] entries (their trainer keys "
+                          "are the run's keys of trainer.runs[]); set [[runs]] instead")  # fmt: skip
+    for index, run in enumerate(cfg.runs):
+        if "resume_step" in run.orchestrator:
+            raise ConfigError(f"config key 'runs.{index}.orchestrator.resume_step': set the run's trainer.resume_step "
+                              "(trainer = {resume_step = N}): it rewinds the run's trainer and orchestrator "
+                              "together")  # fmt: skip
+
+
 def _validated(cls, section: str, user: dict, launcher: dict):
     """Launcher-chosen values (ports, paths) under the user's section; errors name the section."""
     _refuse_experiment_keys(section, user)
@@ -262,6 +284,95 @@ def validate_extensions(configs: ServiceConfigs) -> None:
             load_callable(loss, f"loss {loss!r}")
         except ValueError as e:
             raise ConfigError(f"config key 'trainer.loss.type': {e}") from None
+
+
+def _adapter_shape(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What of a LoRA config its checkpoints and published adapters are shaped by (None: full fine-tuning)."""
+    if not lora:
+        return None
+    return {"rank": lora.get("rank"), "target_modules": sorted(lora.get("target_modules") or [])}
+
+
+def _same_model(a: str | None, b: str | None) -> bool:
+    if a == b:
+        return True
+    return a is not None and b is not None and Path(a).exists() and Path(a).resolve() == Path(b).resolve()
+
+
+def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
+    """ConfigError naming the key when a re-run of an existing run (no --fresh) changes what the run's state is
+    shaped by: the policy model (model.name, the SFT warm-up on or off, or its base) or the LoRA adapter (on or
+    off, rank, target modules). Its checkpoints and published weights cannot be loaded into another shape (the
+    trainer failed only after every service had started) or, for another model of the same shape, would silently
+    replace it. Read from the configs the previous launch wrote; a run rewound to 0 starts again from the base.
+    Keys whose change a run absorbs (data.seq_len, trainer_nproc: batches of the old shape are rejected by the
+    trainer and generated again; rollouts_per_example, lora.alpha, lr...) are left free."""
+    import tomllib
+
+    from gyre.runstate import trainer_checkpoints
+
+    out = Path(cfg.output_dir)
+    fresh_start = "use --fresh (starts the run over) or another --output-dir"
+
+    def read(name: str) -> dict[str, Any] | None:
+        try:
+            return tomllib.loads((out / "configs" / name).read_text())
+        except (OSError, tomllib.TOMLDecodeError):
+            return None
+
+    if cfg.fresh or (previous := read("trainer.toml")) is None:
+        return
+    runs = experiment_runs(cfg)
+    rewound_to_base = {run.name for run in runs
+                       if (run.trainer.get("resume_step", cfg.ckpt.resume_step)) == 0}  # fmt: skip
+    trained = {run.name: max(committed_step(run.output_dir), *trainer_checkpoints(run.output_dir), 0)
+               for run in runs if run.name not in rewound_to_base}  # fmt: skip
+    trained = {name: step for name, step in trained.items() if step > 0}
+    if not trained:
+        return
+    name, step = next(iter(trained.items()))
+    where = f"{out} (run {name!r} at step {step})" if cfg.runs else f"{out} (at step {step})"
+    old_model, new_model = (previous.get("model") or {}).get("name"), configs.trainer.model.name
+    if not _same_model(old_model, new_model):
+        sft_dir = str(out / "sft")
+        key = "sft.enabled" if (old_model == sft_dir) != (new_model == sft_dir) else "model.name"
+        raise ConfigError(
+            f"config key '{key}': the run in {where} was trained from {old_model}, this launch would load {new_model}; "
+            f"its checkpoints and weights belong to the first: {fresh_start}"
+        )
+    if cfg.sft.enabled and (out / "sft" / "config.json").exists() and (sft := read("sft.toml")) is not None:
+        old_base, new_base = (sft.get("model") or {}).get("name"), cfg.model.name or str(out / "model")
+        if not _same_model(old_base, new_base):
+            raise ConfigError(
+                f"config key 'model.name': the SFT warm-up in {out / 'sft'} (which the run in {where} continues) was "
+                f"trained from {old_base}, not {new_base}: {fresh_start}"
+            )
+    new = configs.trainer.model_dump(mode="json")
+    old_runs = {entry.get("name"): entry for entry in previous.get("runs") or []}
+    new_runs = {entry["name"]: entry for entry in new.get("runs") or []}
+    for index, run in enumerate(runs):
+        if run.name not in trained:
+            continue
+        if cfg.runs:
+            if run.name not in old_runs:
+                continue  # a run new to this experiment
+            old = _adapter_shape(old_runs[run.name].get("lora") or previous.get("lora"))
+            now = _adapter_shape(new_runs[run.name].get("lora") or new.get("lora"))
+            key = f"runs.{index}.trainer.lora" if "lora" in run.trainer else "trainer.lora"
+            where = f"{out} (run {run.name!r} at step {trained[run.name]})"
+        else:
+            old, now, key = _adapter_shape(previous.get("lora")), _adapter_shape(new.get("lora")), "trainer.lora"
+        if old == now:
+            continue
+        if old is None or now is None:
+            what = f"the run in {where} was trained {'without' if old is None else 'with'} LoRA; this launch turns it "
+            what += "on" if old is None else "off"
+        else:
+            field = next(k for k in ("rank", "target_modules") if old[k] != now[k])
+            key = f"{key}.{field}"
+            what = f"the run in {where} trained an adapter of {field} {old[field]}, not {now[field]}"
+        raise ConfigError(f"config key '{key}': {what}; its checkpoints and weights cannot be resumed so: "
+                          f"{fresh_start}")  # fmt: skip
 
 
 def committed_steps(cfg: RLConfig) -> dict[str, int]:

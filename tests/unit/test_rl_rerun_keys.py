@@ -1,0 +1,134 @@
+"""`gyre rl` on an existing run (no --fresh): keys its state is shaped by cannot change, and are refused naming the
+key before anything starts (the trainer failed on them only after Redis, inference and the orchestrator had).
+Also: a rewind is the top-level ckpt.resume_step's alone (a trainer rewound by itself under a running orchestrator
+waited for a step forever)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gyre.config import ConfigError, load_config, to_toml
+from gyre.config.rl import RLConfig
+from gyre.local.runs import resolve_configs
+
+ROOT = Path(__file__).resolve().parents[2]
+CI = ["@", str(ROOT / "configs/ci.toml")]
+LORA = ["--trainer.lora", '{"rank": 8}']
+
+
+def launched(out: Path, *argv: str, step: int = 2, config: list[str] = CI, run: str = "") -> None:
+    """`out` as a previous launch of `gyre rl @ ci.toml *argv` left it: its configs and a checkpoint of `step`
+    (of the [[runs]] entry `run`)."""
+    cfg = load_config(RLConfig, [*config, *argv, "--output-dir", str(out)])
+    configs = resolve_configs(cfg, str(out / "sft") if cfg.sft.enabled else str(out / "model"), "redis://x:1/0")
+    (out / "configs").mkdir(parents=True)
+    (out / "configs" / "trainer.toml").write_text(to_toml(configs.trainer))
+    ckpt = (out / "runs" / run if run else out) / "checkpoints" / "trainer" / f"step_{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "progress.json").write_text("{}")
+
+
+def validate(out: Path, *argv: str, config: list[str] = CI) -> None:
+    from gyre.local.launcher import Launcher
+
+    Launcher(load_config(RLConfig, [*config, *argv, "--output-dir", str(out)])).validate()
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "key", "said"),
+    [
+        ([], LORA, "trainer.lora", "trained without LoRA; this launch turns it on"),
+        (LORA, [], "trainer.lora", "trained with LoRA; this launch turns it off"),
+        (LORA, ["--trainer.lora", '{"rank": 4}'], "trainer.lora.rank", "adapter of rank 8, not 4"),
+        (LORA, [*LORA, "--trainer.lora.target-modules", '["q_proj"]'], "trainer.lora.target_modules", "q_proj"),
+        ([], ["--model.name", str(ROOT / "configs")], "model.name", "was trained from"),
+    ],
+)
+def test_a_change_the_run_cannot_resume_is_refused_naming_the_key(tmp_path, before, after, key, said):
+    out = tmp_path / "run"
+    launched(out, *before)
+    with pytest.raises(ConfigError) as e:
+        validate(out, *after)
+    assert str(e.value).startswith(f"config key '{key}':") and said in str(e.value), e.value
+    assert "--fresh" in str(e.value) and "--output-dir" in str(e.value)
+
+
+def test_a_runs_own_adapter_is_checked_and_named_by_its_entry(tmp_path):
+    two_runs = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
+    out = tmp_path / "multi"
+    launched(out, config=two_runs, run="beta")
+    (out / "sft").mkdir()  # the warm-up done (its config.json): reused
+    (out / "sft" / "config.json").write_text("{}")
+    entries = '[{"name": "alpha"}, {"name": "beta", "trainer": {"lora": {"rank": 4}}}]'
+    with pytest.raises(ConfigError, match=r"^config key 'runs.1.trainer.lora.rank': .*run 'beta' at step 2"):
+        validate(out, "--runs", entries, config=two_runs)
+    # alpha has trained nothing: its adapter may change
+    validate(out, "--trainer.lora.rank", "4", "--runs", '[{"name": "alpha"}, {"name": "beta", "trainer": '
+             '{"lora": {"rank": 8, "alpha": 16}}}]', config=two_runs)  # fmt: skip
+
+
+def test_what_a_run_absorbs_or_starts_over_from_is_not_refused(tmp_path):
+    out = tmp_path / "run"
+    launched(out, *LORA)
+    validate(out, *LORA, "--trainer.lora.alpha", "4", "--trainer.data.seq-len", "128",
+             "--orchestrator.batch.seq-len", "128", "--orchestrator.rollouts-per-example", "8")  # fmt: skip
+    validate(out, "--fresh")  # starts over
+    (out / "checkpoints" / "trainer" / "step_2").rename(out / "checkpoints" / "trainer" / "step_0")
+    validate(out)  # nothing trained: any shape
+
+
+def test_the_check_comes_before_anything_starts(tmp_path):
+    # the re-run that switched LoRA on started Redis, inference, the trainer and the orchestrator, and the trainer
+    # failed on its checkpoint: now exit 2 with the key, and nothing started or written (no logs, no Redis folder)
+    out = tmp_path / "run"
+    launched(out)
+    res = subprocess.run([sys.executable, "-m", "gyre.cli", "rl", *CI, *LORA, "--output-dir", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ))  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.startswith("gyre rl: error: config key 'trainer.lora':")
+    assert not (out / "logs").exists() and not (out / "redis").exists() and not (out / "locks").exists()
+
+
+def test_a_reused_sft_warm_up_of_another_base_model_is_refused(tmp_path):
+    # the finished warm-up is reused: a new model.name was silently ignored, RL went on from the old base's SFT
+    out = tmp_path / "run"
+    sft = ["--sft.args", '{"data": {"fake": true}}']
+    launched(out, *sft)
+    (out / "sft").mkdir()
+    (out / "sft" / "config.json").write_text("{}")
+    (out / "configs" / "sft.toml").write_text(f'[model]\nname = "{out / "model"}"\n')
+    validate(out, *sft)
+    with pytest.raises(ConfigError, match=r"^config key 'model.name': the SFT warm-up in .* was trained from"):
+        validate(out, *sft, "--model.name", str(ROOT / "configs"))
+    with pytest.raises(ConfigError, match=r"^config key 'sft.enabled': the run in .* was trained from .*sft"):
+        validate(out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["--trainer.ckpt.resume-step", "2"], "trainer.ckpt.resume_step"),
+        (["--orchestrator.resume-step", "2"], "orchestrator.resume_step"),
+        (
+            ["--trainer.lora.rank", "4", "--trainer.runs", '[{"name": "alpha", "output_dir": "x", "resume_step": 2}]'],
+            "trainer.runs",
+        ),
+        (
+            ["--trainer.lora.rank", "4", "--runs", '[{"name": "alpha", "orchestrator": {"resume_step": 2}}]'],
+            "runs.0.orchestrator.resume_step",
+        ),
+    ],
+)
+def test_a_rewind_of_one_service_alone_is_refused(tmp_path, argv, key):
+    # `--trainer.ckpt.resume-step 2` reached the trainer alone: it deleted the newer checkpoints and weights and
+    # waited for batch 3, which the orchestrator (resuming after the abandoned batches) never pushed again
+    cfg = load_config(RLConfig, [*CI, *argv, "--output-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=rf"^config key '{key}': "):
+        resolve_configs(cfg, str(tmp_path / "model"), "redis://x:1/0")
+    resolved = resolve_configs(load_config(RLConfig, [*CI, "--ckpt.resume-step", "2", "--output-dir", str(tmp_path)]),
+                               str(tmp_path / "model"), "redis://x:1/0")  # fmt: skip
+    assert resolved.trainer.ckpt.resume_step == resolved.orchestrator.resume_step == 2  # the way to rewind
