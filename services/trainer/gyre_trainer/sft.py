@@ -389,8 +389,11 @@ def run(cfg: SFTConfig) -> int:
         rewind = cfg.ckpt.resume_step is not None and cfg.ckpt.resume_step >= 0  # asked for: trains again from there
         if not rewind and (done := finished_step(save_dir, total, have_checkpoints)) is not None:
             if ctx.is_main:
-                print(f"gyre sft: already finished: {save_dir} holds the result of step {done} (max_steps {total}); "
-                      f"delete it to train again{'' if have_checkpoints else ' from model.name'}", flush=True)
+                print(
+                    f"gyre sft: already finished: {save_dir} holds the result of step {done} (max_steps {total}); "
+                    f"delete it to train again{'' if have_checkpoints else ' from model.name'}",
+                    flush=True,
+                )
             return 0
         log.info("%d steps per epoch; training %d steps", steps_per_epoch, total)
 
