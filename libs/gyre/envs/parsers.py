@@ -1,7 +1,8 @@
 """Parsers: pull the answer (and tool calls) out of model text.
 
-`Parser` answers with the last assistant message's whole text; `XMLParser(["think", "answer"])` reads tagged
-fields. Parsers never raise on model output: malformed text gives None / empty results, which rewards score 0.
+`Parser` answers with the last assistant message's text after its reasoning (`<think>` blocks) and tool-call
+blocks; `XMLParser(["think", "answer"])` reads tagged fields. Parsers never raise on model output: malformed text
+gives None / empty results, which rewards score 0.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from gyre.envs.types import Message, Messages, ToolCall, decode_arguments
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def message_text(message: Message) -> str:
@@ -33,18 +35,36 @@ def assistant_texts(completion: str | Messages) -> list[str]:
     return [message_text(m) for m in completion if m.get("role") == "assistant"]
 
 
+def strip_reasoning(text: str) -> str:
+    """The text a reasoning model meant as its reply: what follows its last `</think>`, cut at a `<think>` it
+    opened again and never closed.
+
+    Everything before the last `</think>` is reasoning (the opening tag may be in the prompt: Qwen3-style templates
+    put `<think>` in the generation prompt), and so is an unclosed `<think>` block (generation cut by max_tokens
+    mid-thought), so a number the model only considered while thinking is never graded as its answer.
+    """
+    _, closed, after = text.rpartition(THINK_CLOSE)
+    reply = after if closed else text
+    return reply.split(THINK_OPEN, 1)[0]
+
+
 class Parser:
-    """Base parser: the answer is the last assistant message's text, stripped (None if there is none)."""
+    """Base parser: the answer is the last assistant message's reply text, stripped (None if there is none).
+
+    The reply text is the message without its reasoning (`strip_reasoning`) and tool-call blocks.
+    """
 
     def parse(self, text: str) -> str:
         return text.strip()
 
+    def parse_reply(self, text: str) -> str | None:
+        """`parse` of one assistant message's reply text (None when nothing is left)."""
+        answer = self.parse(strip_tool_calls(strip_reasoning(text)))
+        return answer or None
+
     def parse_answer(self, completion: str | Messages) -> str | None:
         texts = assistant_texts(completion)
-        if not texts:
-            return None
-        answer = self.parse(strip_tool_calls(texts[-1]))
-        return answer or None
+        return self.parse_reply(texts[-1]) if texts else None
 
 
 class XMLParser(Parser):
@@ -76,9 +96,13 @@ class XMLParser(Parser):
             out[name] = matches[-1].strip() if matches else None
         return out
 
+    def parse_reply(self, text: str) -> str | None:
+        """The answer field of one assistant message (the fields are the format here, `<think>` included)."""
+        return self.parse(text)[self.answer_field]
+
     def parse_answer(self, completion: str | Messages) -> str | None:
         texts = assistant_texts(completion)
-        return self.parse(texts[-1])[self.answer_field] if texts else None
+        return self.parse_reply(texts[-1]) if texts else None
 
     def format(self, **values: str) -> str:
         """Render fields in declared order: `format(answer="42")` -> "<answer>42</answer>"."""

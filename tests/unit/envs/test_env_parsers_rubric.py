@@ -21,6 +21,25 @@ def test_plain_parser_takes_the_last_assistant_message():
     assert Parser().parse_answer([{"role": "assistant", "content": 'x <tool_call>{"name": "f"}</tool_call>'}]) == "x"
 
 
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("<think>maybe 7</think>\nThe answer is 8", "The answer is 8"),
+        ("<think>it is 7", None),  # cut by max_tokens mid-thought: the model never answered
+        ("<think>it is 7</think>", None),
+        ("<think>it is 7</think>   ", None),
+        ("it is 7</think>8", "8"),  # the template opened <think> in the prompt (Qwen3-style)
+        ("<think>a</think>7<think>b</think>8", "8"),
+        ("8 <think>but maybe 7", "8"),  # thinking again after the reply, never closed: the reply stands
+        ("no reasoning at all", "no reasoning at all"),
+        ('<think>x</think>7 <tool_call>{"name": "f"}</tool_call>', "7"),
+    ],
+)
+def test_parser_answer_leaves_reasoning_out(text, answer):
+    """A number the model only thought about is no answer (an unclosed <think> with the right number scored 1)."""
+    assert Parser().parse_answer([{"role": "assistant", "content": text}]) == answer
+
+
 def test_xml_parser_fields():
     parser = XMLParser(["think", "answer"])
     text = "<think>hmm</think>\n<answer>1</answer> then <answer> 2 </answer>"

@@ -135,6 +135,26 @@ def test_alphabet_sort_reward_per_round():
     assert sorted_rounds_reward(mixed, info, parser) == 1.0
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["reverse_text", "arithmetic", "alphabet_sort", "calculator"])
+async def test_reasoning_is_not_graded_as_the_answer(name):
+    """Every built-in grades the reply after `<think>`: the reference inside an unfinished thought scores 0, and
+    a closed thought before the reference does not cost reward."""
+    env = load_environment(name, num_eval=4)
+    task = env.tasks("eval")[0]
+    reference = env.sft_example(task)[len(task.prompt) :]
+    state = {"tool_calls": [{"name": "calculator", "ok": True}]} if name == "calculator" else {}
+    reasoned = [dict(m, content=f"<think>Let me see.</think>{m['content']}") if m["role"] == "assistant" and
+                m.get("content") else m for m in reference]  # fmt: skip
+    unfinished = [dict(m, content=f"<think>{m['content']}") if m["role"] == "assistant" and m.get("content") else m
+                  for m in reference]  # fmt: skip
+    full = await env.score(task, fake_rollout(task, reasoned, state))
+    cut = await env.score(task, fake_rollout(task, unfinished, state))
+    assert full.reward == pytest.approx(sum(env.rubric.weights))
+    answer_weight = env.rubric.weights[0]
+    assert cut.reward == pytest.approx(sum(env.rubric.weights) - answer_weight), cut
+
+
 def test_split_names():
     assert split_names("Ana, Ben and Tom.") == ["Ana", "Ben", "Tom"]
     assert split_names("Ana\nBen") == ["Ana", "Ben"]
