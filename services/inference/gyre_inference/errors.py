@@ -55,10 +55,14 @@ def _field_path(loc: tuple[Any, ...]) -> str | None:
     # ("body", "messages", 0, "user", "content") -> "messages.0.content": drop the body prefix and the
     # names pydantic inserts for union members (tags, type names and model class names such as
     # `TokenizeChatRequest`), keep field names, indices and dict keys that are numbers (logit_bias.5).
-    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (isinstance(p, str) and (p.isdigit() or (
+    parts = [p for p in loc[1:] if isinstance(p, int) or (isinstance(p, str) and (p.isdigit() or (
         p.isidentifier() and not p[0].isupper())))]  # fmt: skip
-    parts = [p for p in parts if p not in ("system", "developer", "user", "assistant", "tool", *_SCALARS)]
-    return ".".join(parts) or None
+    # a message's role tag follows its index (messages.0.user.content); elsewhere `user` is the request's field
+    kept = [p for i, p in enumerate(parts) if not (i and isinstance(parts[i - 1], int) and p in _ROLES)]
+    return ".".join(str(p) for p in kept if p not in _SCALARS) or None
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _readable(member: str) -> str:

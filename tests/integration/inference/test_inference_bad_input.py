@@ -58,6 +58,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/chat/completions", {"stream": "yes"}, "stream"),
         ("/v1/chat/completions", {"seed": 1.5}, "seed"),
         ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+        ("/v1/chat/completions", {"user": 5}, "user"),  # a top-level `user` is named (only a role tag is dropped)
+        ("/v1/completions", {"user": ["u"]}, "user"),
         # values out of range
         ("/v1/chat/completions", {"n": 0}, "n"),
         ("/v1/chat/completions", {"n": -1}, "n"),
