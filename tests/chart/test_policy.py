@@ -450,15 +450,6 @@ def test_secrets_are_generated_once_and_user_secrets_are_used_as_given():
     assert refs == {"my-exp-secrets"}
 
 
-def test_secret_template_reuses_live_values_on_upgrade():
-    # `lookup` cannot answer offline; check the template asks it before generating anything.
-    from chart_testlib import CHART
-
-    text = (CHART / "templates" / "secret.yaml").read_text()
-    assert 'lookup "v1" "Secret" .Release.Namespace $name' in text
-    assert "get $live $key | default (randAlphaNum" in text
-
-
 # ---- the services accept what the chart gives them -------------------------------------------------
 
 

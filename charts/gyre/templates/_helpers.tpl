@@ -506,6 +506,79 @@ volume needs sources). Call with (dict "root" $ "keys" (list "api-key" "redis-pa
 {{- end }}
 {{- end -}}
 
+{{/*
+The live Secret `name` in the release's namespace, as JSON: `{}` when there is none or no cluster to ask
+(`helm template`, `--dry-run`). The one `lookup` of Secrets (tests replace it to play an upgrade).
+Call with (dict "root" $ "name" "exp-gyre-secrets").
+*/}}
+{{- define "gyre.liveSecret" -}}
+{{- lookup "v1" "Secret" .root.Release.Namespace .name | default dict | toJson -}}
+{{- end -}}
+
+{{/*
+The data (key -> base64) of the Secret the chart creates, as JSON, computed once per render and kept for
+the other templates (the Secret itself and each pod's `checksum/secrets` must see the same random values).
+Each value is, in order of preference:
+- derived from `secrets.seed` (sha256 of seed, namespace, release and key): the same on every render,
+  with or without a cluster (`helm template`, Argo CD), so it never rotates under running pods;
+- the live Secret's (`helm install`/`upgrade` read it with lookup): generated once, kept on upgrades, and a
+  value changed in the cluster (`kubectl patch`, a deleted key or Secret: a rotation) is what pods get;
+- random (first install, or a key missing from the live Secret).
+*/}}
+{{- define "gyre.generatedSecretData" -}}
+{{- $memo := "gyre:generatedSecretData" -}}
+{{- if not (hasKey .Values $memo) -}}
+{{- $name := printf "%s-secrets" (include "gyre.fullname" .) -}}
+{{- $live := (include "gyre.liveSecret" (dict "root" . "name" $name) | fromJson).data | default dict -}}
+{{- $seed := .Values.secrets.seed -}}
+{{- if and $seed (lt (len $seed) 32) -}}
+{{- fail (printf "secrets.seed: %d characters; use a long random string (at least 32, e.g. `openssl rand -hex 32`): every key of the Secret is derived from it" (len $seed)) -}}
+{{- end -}}
+{{- $data := dict -}}
+{{- range $key := list "api-key" "control-token" "redis-password" -}}
+{{- if $seed -}}
+{{- $_ := set $data $key (printf "%s\n%s\n%s\n%s" $seed $.Release.Namespace $.Release.Name $key | sha256sum | b64enc) -}}
+{{- else -}}
+{{- $_ := set $data $key (get $live $key | default (randAlphaNum 48 | b64enc)) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set .Values $memo $data -}}
+{{- end -}}
+{{- get .Values $memo | toJson -}}
+{{- end -}}
+
+{{/*
+`checksum/secrets` of a pod: changes when a secret the pod reads changes, so a rotation (docs/kubernetes.md,
+"Rotating secrets") restarts exactly the pods that use the rotated keys (the services read their secret
+files once, at start). For the Secret the chart creates, the sha256 of the keys the pod mounts; for a Secret
+the chart only refers to (`secrets.existingSecret`, `redis.external.existingSecret`, `modelCache.tokenSecret`),
+its live uid and resourceVersion (never its data, which might be a guessable password), which change when it
+is edited; without a cluster to ask, nothing. Call like gyre.secretSources (or gyre.volumes: its secretKeys).
+*/}}
+{{- define "gyre.secretsChecksum" -}}
+{{- $root := .root -}}
+{{- $ext := $root.Values.redis.external -}}
+{{- $mc := $root.Values.modelCache -}}
+{{- $parts := list -}}
+{{- $referenced := list -}}
+{{- range $key := .keys | default .secretKeys -}}
+{{- if eq $key "hf-token" -}}
+{{- if $mc.tokenSecret }}{{ $referenced = append $referenced $mc.tokenSecret }}{{ end -}}
+{{- else if and (eq $key "redis-password") $ext.url -}}
+{{- if $ext.existingSecret }}{{ $referenced = append $referenced $ext.existingSecret }}{{ end -}}
+{{- else if $root.Values.secrets.existingSecret -}}
+{{- $referenced = append $referenced $root.Values.secrets.existingSecret -}}
+{{- else -}}
+{{- $parts = append $parts (printf "%s=%s" $key (get (include "gyre.generatedSecretData" $root | fromJson) $key)) -}}
+{{- end -}}
+{{- end -}}
+{{- range $name := $referenced | uniq | sortAlpha -}}
+{{- $meta := (include "gyre.liveSecret" (dict "root" $root "name" $name) | fromJson).metadata | default dict -}}
+{{- $parts = append $parts (printf "%s@%s/%s" $name ($meta.uid | default "") ($meta.resourceVersion | default "")) -}}
+{{- end -}}
+{{- join "\n" $parts | sha256sum -}}
+{{- end -}}
+
 {{- define "gyre.secretsMount" -}}
 - name: secrets
   mountPath: {{ include "gyre.secretsDir" . }}
