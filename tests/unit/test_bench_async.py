@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
+import pytest
+from gyre.local import bench_async
 from gyre.local.bench_async import ROOT_CONFIG, parse_args
 
 
 def test_own_options_after_the_config_are_not_passed_on():
     args, extra = parse_args(["exp.toml", "--output-dir", "runs", "--max-steps", "5", "--levels", "0,2"])
-    assert (args.config, args.output_dir, args.max_steps, args.levels) == ("exp.toml", Path("runs"), 5, "0,2")
+    assert (args.config, args.output_dir, args.max_steps, args.levels) == ("exp.toml", Path("runs"), 5, [0, 2])
     assert extra == []
 
 
@@ -22,3 +25,68 @@ def test_unknown_options_and_everything_after_a_double_dash_go_to_gyre_rl():
 def test_defaults():
     args, extra = parse_args([])
     assert args.config == str(ROOT_CONFIG) and args.output_dir is None and extra == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--levels", "a,b"], "argument --levels: not comma-separated integers: 'a,b'"),
+        (["--levels", "0,-1"], "argument --levels: each level once, each >= 0"),
+        (["--levels", "1,1"], "argument --levels: each level once"),
+        (["--max-steps", "2"], "argument --max-steps: 2: the measurement needs at least 3 steps"),
+    ],
+)
+def test_bad_values_name_the_option_before_any_run(argv, said, capsys):
+    # --levels a,b was a ValueError traceback; --max-steps 2 failed only after both runs had been made
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+class FakeRl:
+    """Stands in for the `gyre rl` child: records its argv, and with `interrupt` is Ctrl-C'd while waited for."""
+
+    made: list[FakeRl] = []
+
+    def __init__(self, cmd, interrupt=False, **_):
+        self.cmd, self.interrupt, self.signals, self.killed, self.returncode = cmd, interrupt, [], False, None
+        FakeRl.made.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def communicate(self):
+        if self.interrupt:
+            raise KeyboardInterrupt
+        self.returncode = 0
+        return "", ""
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+    def wait(self, timeout=None):
+        self.returncode = 130
+        return 130
+
+    def kill(self):
+        self.killed = True
+
+
+def test_each_run_starts_over_and_a_ctrl_c_lets_gyre_rl_stop_its_services(tmp_path, monkeypatch):
+    # a kept --output-dir made the second benchmark's runs "already finished": it reported the first one's numbers
+    monkeypatch.setattr(bench_async, "measure", lambda out: {"out": out})
+    monkeypatch.setattr(bench_async.subprocess, "Popen", FakeRl)
+    FakeRl.made.clear()
+    assert bench_async.run_level("exp.toml", 1, 5, tmp_path / "async1", []) == {"out": tmp_path / "async1"}
+    assert "--fresh" in FakeRl.made[0].cmd
+    # Ctrl-C: subprocess.run SIGKILLed gyre rl, whose services died as in a crash while the temp folder was deleted
+    monkeypatch.setattr(bench_async.subprocess, "Popen", lambda cmd, **kw: FakeRl(cmd, interrupt=True))
+    with pytest.raises(KeyboardInterrupt):
+        bench_async.run_level("exp.toml", 1, 5, tmp_path / "async1", [])
+    assert FakeRl.made[1].signals == [signal.SIGINT] and not FakeRl.made[1].killed

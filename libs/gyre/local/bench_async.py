@@ -18,6 +18,7 @@ overlapping batches are not counted twice), both over the same steady-state wind
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,15 +65,50 @@ def measure(output_dir: Path) -> dict[str, float]:
 
 
 def run_level(config: str, level: int, max_steps: int, out: Path, extra: list[str]) -> dict[str, float]:
+    # --fresh: a benchmark measures a run from its start; in a kept --output-dir the previous benchmark's finished
+    # run was "already finished" and its old event logs were reported as this benchmark's numbers
     cmd = [
         sys.executable, "-m", "gyre.cli", "rl", "@", config, "--output-dir", str(out), "--max-steps", str(max_steps),
-        "--orchestrator.max-async-level", str(level), *extra,
+        "--orchestrator.max-async-level", str(level), "--fresh", *extra,
     ]  # fmt: skip
     print(f"$ {' '.join(cmd)}", flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"run with max_async_level={level} failed:\n{res.stderr[-3000:]}")
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            _, stderr = proc.communicate()
+        except KeyboardInterrupt:
+            # Ctrl-C: gyre rl stops its services itself (it got the terminal's SIGINT too, or gets it here); killed,
+            # as subprocess.run does, its services died as in a crash while the temp folder was being deleted
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    if proc.returncode != 0:
+        raise SystemExit(f"run with max_async_level={level} failed:\n{stderr[-3000:]}")
     return measure(out)
+
+
+def _levels(text: str) -> list[int]:
+    """--levels: distinct max_async_level values >= 0 (a typo was a traceback after the first run's set-up)."""
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if any(k < 0 for k in levels) or len(set(levels)) != len(levels):
+        raise argparse.ArgumentTypeError(f"each level once, each >= 0: {text!r}")
+    return levels
+
+
+def _steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if steps < 3:  # `measure` needs 3 trained steps: fewer failed after every run had been made
+        raise argparse.ArgumentTypeError(f"{steps}: the measurement needs at least 3 steps")
+    return steps
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -83,9 +119,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         epilog="Unknown options, and everything after `--`, are passed to each `gyre rl` run.",
     )
     p.add_argument("config", nargs="?", default=str(ROOT_CONFIG), help="Experiment file (default: configs/ci.toml).")
-    p.add_argument("--max-steps", type=int, default=8, help="RL steps per run (default 8).")
-    p.add_argument("--levels", default="0,1", help="Comma-separated max_async_level values (default 0,1).")
-    p.add_argument("--output-dir", type=Path, default=None, help="Keep the runs here (default: a temp folder).")
+    p.add_argument("--max-steps", type=_steps, default=8, help="RL steps per run, >= 3 (default 8).")
+    p.add_argument(
+        "--levels", type=_levels, default=[0, 1], help="Comma-separated max_async_level values (default 0,1)."
+    )
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="Keep the runs here, in async<k>/ (default: a temp folder); each is started over (gyre rl --fresh).",
+    )
     own, passed_on = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args, unknown = p.parse_known_args(own)
     return args, unknown + passed_on
@@ -93,7 +136,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else list(argv))
-    levels = [int(x) for x in args.levels.split(",")]
+    levels = args.levels
     with tempfile.TemporaryDirectory(prefix="gyre-bench-async-") as tmp:
         base = args.output_dir or Path(tmp)
         results = {k: run_level(args.config, k, args.max_steps, base / f"async{k}", extra) for k in levels}
