@@ -191,6 +191,20 @@ def run(bench: OrchestratorBenchConfig, kind: str, redis_url: str, root: Path) -
 
 def main(argv: list[str]) -> int:
     bench = parse_or_exit(OrchestratorBenchConfig, argv, "gyre bench orchestrator", OrchestratorBenchConfig.__doc__)
+    from gyre.envs import load_environment
+    from gyre.model_source import ModelUnavailable, check_model_source
+
+    try:  # before Redis and a backend start: an unknown name was a traceback from inside the first run
+        load_environment(bench.env)
+    except Exception as e:  # EnvironmentLoadError, or the environment's own checks
+        print(f"gyre bench orchestrator: error: config key 'env': {e}", file=sys.stderr)
+        return 2
+    try:
+        if bench.real_model:
+            check_model_source(bench.real_model, key="real_model", hint="give a model folder or hub id")
+    except ModelUnavailable as e:
+        print(f"gyre bench orchestrator: error: {e}", file=sys.stderr)
+        return 2
     import logging
 
     logging.basicConfig(level=logging.WARNING)

@@ -257,7 +257,7 @@ class EvalProgress:
             self.bar = None
 
 
-async def _run_once(cfg, progress: Callable[[int, int], None] | None = None) -> EvalResult:
+async def _run_once(cfg, progress: Callable[[int, int], None] | None = None, env=None) -> EvalResult:
     from gyre.envs import load_environment
     from gyre.envs.judge import add_to_rubric
     from gyre.events import EVAL, EventLog, events_dir
@@ -265,7 +265,7 @@ async def _run_once(cfg, progress: Callable[[int, int], None] | None = None) -> 
     from gyre_orchestrator.client import InferenceClient, close_replica_clients
     from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 
-    env = load_environment(cfg.env.name, **cfg.env.args)
+    env = env if env is not None else load_environment(cfg.env.name, **cfg.env.args)
     signals = add_to_rubric(env, cfg.judges, cfg.reward_models)  # scored as in training
     replicas = ReplicaSet(cooldown_s=cfg.inference.failure_cooldown_s)
     discovery = make_discovery(cfg.inference, replicas)
@@ -317,11 +317,18 @@ def main(argv: list[str]) -> int:
     setup_logging(cfg.log.level, cfg.log.file, service="eval")
     if cfg.log.level != "DEBUG":  # the openai client's HTTP stack logs a line per request at INFO
         logging.getLogger("httpx2").setLevel(logging.WARNING)
+    from gyre.envs import load_environment
+
     from gyre_orchestrator.client import InferenceError
 
+    try:  # before anything connects: an unknown name or bad env.args was a traceback (exit 1)
+        env = load_environment(cfg.env.name, **cfg.env.args)
+    except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
+        print(f"gyre eval: error: config key 'env': {e}", file=sys.stderr)
+        return 2
     progress = EvalProgress()  # a long eval showed nothing until its JSON line
     try:
-        result = asyncio.run(_run_once(cfg, progress))
+        result = asyncio.run(_run_once(cfg, progress, env))
     except (InferenceError, ContextLengthExceeded) as e:  # nothing serves, or no task fits: one line, no traceback
         progress.close()
         print(f"gyre eval: error: {cfg.inference.urls}: {e}", file=sys.stderr)

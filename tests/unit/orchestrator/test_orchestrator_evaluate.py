@@ -135,3 +135,24 @@ def test_gyre_eval_passes_its_bar_to_the_evaluation(tmp_path, monkeypatch):
     code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text",
                                  "--inference.urls", '["http://127.0.0.1:9"]'])  # fmt: skip
     assert code == 0 and isinstance(seen.get("progress"), evaluate_module.EvalProgress)
+
+
+def test_gyre_eval_names_the_env_key_for_an_unknown_environment_or_bad_arguments(tmp_path, capsys):
+    # it was a traceback from inside the event loop (exit 1), after connecting to the replicas
+    import gyre_orchestrator.evaluate as evaluate_module
+
+    base = ["--output-dir", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]']
+    for argv in (["--env.name", "reverse_txt"], ["--env.name", "dataset", "--env.args", "{}"]):
+        assert evaluate_module.main([*base, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gyre eval: error: config key 'env': ") and err.count("\n") == 1, err
+    assert not (tmp_path / "events").exists()
+
+
+def test_gyre_bench_orchestrator_names_its_keys_before_starting_anything(capsys):
+    from gyre_orchestrator import bench
+
+    assert bench.main(["--env", "reverse_txt"]) == 2
+    assert capsys.readouterr().err.startswith("gyre bench orchestrator: error: config key 'env': unknown environment")
+    assert bench.main(["--real-model", "/nonexistent/model"]) == 2
+    assert capsys.readouterr().err.startswith("gyre bench orchestrator: error: real_model = '/nonexistent/model'")
