@@ -50,7 +50,9 @@ def sorted_rounds_reward(completion: Messages, info: dict[str, Any], parser: Par
     """Mean over rounds of the LCS ratio between the reply's names and the expected sorted list."""
     expected = expected_lists(info["rounds"])
     replies = assistant_texts(completion)
-    scores = [lcs_ratio(split_names(parser.parse_reply(reply)), want) for reply, want in zip(replies, expected, strict=False)]
+    scores = [
+        lcs_ratio(split_names(parser.parse_reply(reply)), want) for reply, want in zip(replies, expected, strict=False)
+    ]
     return sum(scores) / len(expected)
 
 

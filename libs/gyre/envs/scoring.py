@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections.abc import Sequence
@@ -12,6 +13,10 @@ from typing import Any
 MAX_GRADED_CHARS = 2000
 # An operation between two operands in an extracted answer (math-verify folds some, e.g. 60 \div 5, into a number).
 _OPERATION = re.compile(r"[\d)}]\s*(?:[-+*/^×÷:]|\\times|\\div|\\cdot)\s*[\d({\\]")
+# A parsed reply whose value has more digits than this is no answer: `\boxed{9^{9^{9^9}}}`, `1000000!` or
+# `\prod_{k=1}^{10^9} k` parse in milliseconds, but comparing them makes sympy compute the number, which only
+# math-verify's 5 s alarm stops on the main thread (blocking the orchestrator's event loop) and nothing stops off it.
+MAX_ANSWER_DIGITS = 100_000
 
 
 def lcs_length(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -55,13 +60,78 @@ def math_equal(prediction: str | None, reference: str, *, numeric: bool = False)
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout) or parse(reference, parsing_timeout=timeout)
-    # The tail holds the final answer; cutting the head keeps "... so the answer is 7" gradable.
-    tail = prediction[-MAX_GRADED_CHARS:]
+    tail = graded_tail(prediction)
     predicted = parse(tail, parsing_timeout=timeout)
     if not predicted and "\\" in tail:  # a bare LaTeX reply ("\\sqrt{2}"): math-verify needs delimiters
         predicted = parse(f"\\boxed{{{tail}}}", parsing_timeout=timeout)
+    if predicted and too_large(predicted[0]):
+        return False
     if numeric and not (
         predicted and getattr(predicted[0], "is_Number", False) and not _OPERATION.search(str(predicted[-1]))
     ):
         return False
     return bool(gold and predicted and verify(gold, predicted, timeout_seconds=timeout))
+
+
+def graded_tail(text: str) -> str:
+    """The last `MAX_GRADED_CHARS` of a reply, where the final answer is ("... so the answer is 7"), cut at a
+    whitespace so the cut never splits a number or a LaTeX command ("... 12" + padding must not leave "2")."""
+    if len(text) <= MAX_GRADED_CHARS:
+        return text
+    tail = text[-MAX_GRADED_CHARS:]
+    if text[-MAX_GRADED_CHARS - 1].isspace():
+        return tail
+    space = re.search(r"\s", tail)
+    return tail[space.start() :] if space else ""
+
+
+def too_large(expr: Any) -> bool:
+    """True when a parsed answer's value may have more than `MAX_ANSWER_DIGITS` digits (see there).
+
+    A structural bound on log10 of the value, read off the expression tree without evaluating anything.
+    """
+    import sympy
+
+    if not isinstance(expr, sympy.Basic):
+        return False
+    try:
+        _digits(expr, sympy)
+    except _TooLarge:
+        return True
+    return False
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _digits(expr: Any, sympy: Any) -> float:
+    """Upper bound on log10 of |value| (and of 1/|value|) of each subtree; raises `_TooLarge` past
+    `MAX_ANSWER_DIGITS`."""
+    if isinstance(expr, sympy.Rational):  # Integer included
+        bound = max(abs(expr.p).bit_length(), expr.q.bit_length()) * math.log10(2)
+    elif isinstance(expr, sympy.Float):
+        exponent = expr._mpf_[2] + expr._mpf_[3]  # mantissa * 2**exponent: the binary exponent plus mantissa bits
+        bound = abs(exponent) * math.log10(2)
+    elif not expr.args:  # symbols and constants (pi, E, I, oo): sympy leaves them symbolic
+        bound = 1.0
+    else:
+        args = [_digits(arg, sympy) for arg in expr.args]
+        scale = lambda digits: 10.0 ** min(digits, 12)  # noqa: E731  (a value of that many digits, capped)
+        if isinstance(expr, sympy.Pow):
+            bound = args[0] * scale(args[1])
+        elif isinstance(expr, sympy.exp):
+            bound = scale(args[0]) * math.log10(math.e)
+        elif isinstance(expr, sympy.Mul):
+            bound = sum(args)
+        elif isinstance(expr, sympy.factorial | sympy.factorial2 | sympy.subfactorial | sympy.gamma | sympy.binomial
+                        | sympy.RisingFactorial | sympy.FallingFactorial):  # fmt: skip
+            n = scale(max(args))
+            bound = n * math.log10(n + 1) + 1
+        elif isinstance(expr, sympy.Product):
+            bound = args[0] * scale(max(args[1:]))
+        else:  # sums, functions, containers: not much bigger than their largest part
+            bound = max(args) + math.log10(len(args) + 1)
+    if bound > MAX_ANSWER_DIGITS:
+        raise _TooLarge
+    return bound

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 from gyre.envs import Parser, Rollout, Task, load_environment
 from gyre.envs.alphabet_sort import sorted_rounds_reward, split_names
@@ -120,6 +123,44 @@ def test_math_equal_handles_nothing_and_negatives():
 )
 def test_math_equal_reads_latex_references(reply, reference, ok):
     assert math_equal(reply, reference) is ok
+
+
+def test_math_equal_grades_the_tail_without_splitting_a_number():
+    """Only a reply's last 2000 characters are graded; the cut falls at a whitespace, so it never turns the final
+    answer into another number (the "1" of "12" was cut off and a wrong "12" scored 1 against "2")."""
+    assert math_equal("The answer is 12" + "." * 1999, "2", numeric=True) is False
+    assert math_equal("The answer is 3.5" + "!" * 1998, "5") is False
+    assert math_equal("\\frac{1}{2}" + " ok" * 664, "2") is False
+    assert math_equal("Let me think. " * 400 + "The answer is 12.", "12", numeric=True) is True
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "9^9^9^9",
+        "$9^{9^{9^{9}}}$",
+        "\\boxed{10^{10^{10}}}",
+        "\\boxed{1000000!}",
+        "\\boxed{(10^{100})!}",
+        "\\boxed{\\binom{10^9}{10^8}}",
+        "$\\prod_{k=1}^{10^{9}} k$",
+        "\\boxed{x^{9^{9^9}}}",
+    ],
+)
+def test_math_equal_refuses_answers_too_large_to_compute(reply):
+    """A reply whose value is astronomically large scores 0 at once: comparing it made sympy compute the number
+    until math-verify's 5 s alarm (on the orchestrator's event loop), and forever off the main thread."""
+    started = time.monotonic()
+    assert math_equal(reply, "7") is False
+    assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    ("reply", "reference"),
+    [("$2^{100}$", str(2**100)), ("\\boxed{100!}", str(math.factorial(100))), ("\\boxed{2^{10000}}", "2^{10000}")],
+)
+def test_math_equal_still_grades_large_answers(reply, reference):
+    assert math_equal(reply, reference) is True
 
 
 def test_alphabet_sort_reward_per_round():
