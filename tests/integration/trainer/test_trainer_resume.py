@@ -76,3 +76,30 @@ def test_a_rewind_the_orchestrator_cannot_follow_is_refused_before_anything_is_d
     with pytest.raises(CheckpointError, match=r"resume_step=2: the orchestrator has no progress checkpoint of step 2"):
         train(tiny_model, tmp_path, redis_url, unique_run_id, 2, **{"ckpt.resume-step": 2})
     assert (tmp_path / "checkpoints/trainer/step_4").is_dir() and (tmp_path / "weights/step_4").is_dir()
+
+
+def test_a_resumed_run_draws_the_dropout_masks_the_uninterrupted_one_draws(
+    tiny_model, redis_url, unique_run_id, tmp_path
+):
+    """The RNG half of an exact resume: with LoRA dropout every step draws masks, so the checkpoint's RNG state must
+    come back and nothing may draw between loading it and the next step (the head probe of the first forward runs
+    under fork_rng). A resume that reseeded instead (a checkpoint without its rng file) ends elsewhere: checked."""
+    from safetensors.torch import load_file
+
+    lora = {"lora.rank": 4, "lora.dropout": 0.3, "lora.publish": "adapter", "ckpt.interval": 1}
+    straight, resumed, reseeded = tmp_path / "straight", tmp_path / "resumed", tmp_path / "reseeded"
+    for suffix in ("-straight", "", "-reseeded"):
+        push_batches(BatchStream(redis_url, unique_run_id + suffix), range(1, 5))
+    train(tiny_model, straight, redis_url, unique_run_id + "-straight", 4, **lora)
+    for out, suffix in ((resumed, ""), (reseeded, "-reseeded")):
+        train(tiny_model, out, redis_url, unique_run_id + suffix, 2, **lora)
+        if out == reseeded:
+            (out / "checkpoints/trainer/step_2/rng_rank0.pt").unlink()
+        train(tiny_model, out, redis_url, unique_run_id + suffix, 4, **lora)
+        assert trained_steps(out) == [1, 2, 3, 4]
+
+    def adapter(out):
+        return load_file(out / "weights/step_4/adapter_model.safetensors")
+
+    assert_same(adapter(resumed), adapter(straight))
+    assert any(not torch.equal(a, b) for a, b in zip(adapter(reseeded).values(), adapter(straight).values()))
