@@ -119,7 +119,9 @@ class ModelImportConfig(Section):
     )
     verify: bool = Field(True, description="Reload the written folder and compare tokens and logits with the source.")
     atol: float = Field(1e-4, gt=0, description="Largest absolute logit difference the verification accepts.")
-    overwrite: bool = Field(False, description="Replace an existing non-empty output_dir.")
+    overwrite: bool = Field(
+        False, description="Replace an existing model folder (one holding config.json) at output_dir."
+    )
 
 
 # ---- where the source is ----------------------------------------------------------------------------
@@ -347,11 +349,10 @@ def import_model(
     Raises `ModelImportError` (nothing written) for a source that cannot be found, fetched or verified and
     `FileExistsError` for a non-empty `output_dir` without `overwrite`.
     """
+    from gyre.model_init import check_output_dir, publish_model_folder
+
     output_dir = Path(output_dir).resolve()
-    if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"{output_dir} is a file, not a folder: choose another --output-dir")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{output_dir} already exists and is not empty; pass --overwrite to replace it")
+    check_output_dir(output_dir, overwrite)
     found = resolve_source(source, say)
     say(f"source: {found.description} -> {found.path}")
     began = time.monotonic()
@@ -372,8 +373,6 @@ def import_model(
         say("warning: the tokenizer has no chat template; chat environments and `gyre sft` need one")
     ids = probe_ids(tokenizer)
     reference = logits_of(model, ids) if verify else None
-
-    from gyre.model_init import publish_model_folder
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{output_dir.name}-", dir=output_dir.parent))

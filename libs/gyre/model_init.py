@@ -186,7 +186,9 @@ class ModelInitConfig(Section):
     max_position_embeddings: int | None = Field(
         None, ge=16, description="Override the preset's context length (also the tokenizer's model_max_length)."
     )
-    overwrite: bool = Field(False, description="Replace an existing non-empty output_dir.")
+    overwrite: bool = Field(
+        False, description="Replace an existing model folder (one holding config.json) at output_dir."
+    )
 
 
 def init_model(
@@ -210,10 +212,7 @@ def init_model(
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     output_dir = Path(output_dir).resolve()
-    if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"{output_dir} is a file, not a folder: choose another --output-dir")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{output_dir} already exists and is not empty; pass overwrite=True (--overwrite)")
+    check_output_dir(output_dir, overwrite, "pass overwrite=True (--overwrite)")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{output_dir.name}-", dir=output_dir.parent))
     try:
@@ -573,6 +572,23 @@ def make_tokenizer_config_portable(path: Path) -> None:
     if isinstance(config.get("extra_special_tokens"), list):
         config["additional_special_tokens"] = config.pop("extra_special_tokens")
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def check_output_dir(output_dir: Path, overwrite: bool, how: str = "pass --overwrite to replace it") -> None:
+    """FileExistsError unless a model may be written to `output_dir`: absent, empty, or (with `overwrite`) a model
+    folder. `--overwrite` replaces the whole folder: on a run folder (`--output-dir outputs/demo`) or a project
+    (`--output-dir .`) it deleted every checkpoint, or every file, there."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} is a file, not a folder: choose another --output-dir")
+    if not (output_dir.is_dir() and any(output_dir.iterdir())):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{output_dir} already exists and is not empty; {how}")
+    if not (output_dir / "config.json").is_file():
+        raise FileExistsError(
+            f"{output_dir} is not a model folder (no config.json): --overwrite replaces only a model folder; "
+            "choose another --output-dir, or empty it yourself"
+        )
 
 
 def publish_model_folder(staging: Path, output_dir: Path) -> None:

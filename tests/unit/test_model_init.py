@@ -377,10 +377,30 @@ def test_existing_folder_is_refused_and_left_intact(tmp_path):
 def test_overwrite_replaces_the_folder(tmp_path):
     target = tmp_path / "model"
     target.mkdir()
+    (target / "config.json").write_text("{}")  # a model folder
     (target / "stale.txt").write_text("old")
     init_model(target, overwrite=True)
     assert not (target / "stale.txt").exists() and (target / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging or retired folders
+
+
+@pytest.mark.parametrize("command", ["init", "import"])
+def test_overwrite_never_replaces_a_folder_that_is_not_a_model(tmp_path, tiny_dir, command, capsys):
+    # `--output-dir outputs/demo --overwrite` deleted a whole run (checkpoints, weights), `--output-dir .` a project
+    from gyre import model_import
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "trainer" / "step_3").mkdir(parents=True)
+    (run / "notes.txt").write_text("precious")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    if command == "init":
+        code = model_init.main(["--output-dir", str(run), "--overwrite"])
+    else:
+        code = model_import.main([str(tiny_dir), "--output-dir", str(run), "--overwrite", "--verify", "false"])
+    assert code == 2
+    assert "is not a model folder (no config.json): --overwrite replaces only a model folder" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left
 
 
 @pytest.mark.parametrize(
