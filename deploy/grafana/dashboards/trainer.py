@@ -83,6 +83,17 @@ def trainer() -> db.Dashboard:
             minimum=0,
         ),
         panel(
+            "Weight publish duration quantiles",
+            "s",
+            [
+                (quantile(q, "gyre_trainer_weight_publish_seconds"), f"p{round(q * 100)} {{{{run_id}}}}")
+                for q in (0.5, 0.99)
+            ],
+            "Time to gather, write and publish one weights version (buckets up to 1 h: a large model's publish "
+            "takes many minutes). Checkpoint time per step is in the step time breakdown.",
+            minimum=0,
+        ),
+        panel(
             "Tokens/s",
             TOKENS_PER_S,
             [(rate("gyre_trainer_tokens_total"), "{{run_id}}")],

@@ -42,7 +42,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 # up to the orchestrator's request timeout (inference.timeout_s, 300 s): a request queued behind full batches waits
 # minutes for its first token, and a top bucket below that would cap every quantile at it
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# a replica loading a large model's weights (~140 GB in bf16 for 70B) from the shared volume takes many minutes
+UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600)
 # the OpenAI routes, the tokens-in route (/inference/v1/generate) and a reward model's /classify
 ENDPOINTS = ("chat", "completions", "responses", "generate", "classify")
 OUTCOMES = ("success", "client_error", "aborted", "unavailable", "server_error")

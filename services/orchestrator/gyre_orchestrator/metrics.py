@@ -9,9 +9,11 @@ from __future__ import annotations
 from gyre import metrics as m
 from prometheus_client import CollectorRegistry
 
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# a multi-turn rollout with tools can run for many minutes
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
-RELAY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# a relay waits for every replica to load the weights: many minutes for a large model (inference's UPDATE_BUCKETS)
+RELAY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600)
 OUTCOMES = ("ok", "truncated", "error", "stale")
 
 

@@ -19,8 +19,13 @@ from prometheus_client import CollectorRegistry
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9101
-STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
-PUBLISH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Duration buckets reach the slowest real case, so p99 stays a number instead of +Inf (docs/metrics.md,
+# "Histogram buckets"): a 70B model's step can take many minutes; publishing gathers and writes its bf16
+# weights (~140 GB), a checkpoint adds fp32 master weights and Adam state (~14 bytes a parameter, ~1 TB),
+# which at a shared volume's ~250 MB/s takes over an hour.
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600, 1200, 1800, 3600)
+PUBLISH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600)
+CHECKPOINT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 2700, 3600, 5400, 7200, 10800)
 
 
 class TrainerMetrics:
@@ -75,7 +80,7 @@ class TrainerMetrics:
             PUBLISH_BUCKETS,
         )  # fmt: skip
         self.checkpoint_duration = histogram(
-            "gyre_trainer_checkpoint_seconds", "Wall time to save one checkpoint.", PUBLISH_BUCKETS
+            "gyre_trainer_checkpoint_seconds", "Wall time to save one checkpoint.", CHECKPOINT_BUCKETS
         )
 
     def observe_step(self, record: dict[str, Any], mfu_per_rank: list[float]) -> None:
