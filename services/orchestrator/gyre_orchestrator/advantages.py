@@ -58,8 +58,10 @@ def compute_advantages(
     groups = [np.asarray(g, dtype=np.float64) for g in rewards]
     if any(g.ndim != 1 or g.size == 0 for g in groups):
         raise ValueError("every group must be a non-empty 1-D sequence of rewards")
-    if any(not np.all(np.isfinite(g)) for g in groups):
-        raise ValueError("rewards must be finite numbers")
+    for i, g in enumerate(groups):
+        bad = np.flatnonzero(~np.isfinite(g))
+        if bad.size:  # never trained on: which group and sample, so the environment's score can be found
+            raise ValueError(f"rewards must be finite numbers: group {i}, sample {int(bad[0])} has reward {g[bad[0]]}")
     if kind == "opo":
         if lengths is None:
             raise ValueError("opo needs lengths: the completion tokens of every sample")

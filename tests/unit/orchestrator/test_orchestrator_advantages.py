@@ -86,6 +86,13 @@ def test_bad_rewards_are_rejected(bad):
         compute_advantages(bad, "drgrpo")
 
 
+@pytest.mark.parametrize("kind", ["grpo", "drgrpo", "rloo", "opo"])
+def test_a_non_finite_reward_is_refused_naming_its_group_and_sample(kind):
+    rewards = [[1.0, 0.0], [0.5, float("-inf"), float("nan")]]
+    with pytest.raises(ValueError, match=r"rewards must be finite numbers: group 1, sample 1 has reward -inf"):
+        compute_advantages(rewards, kind, lengths=[[1, 2], [3, 4, 5]])
+
+
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="unknown advantage"):
         compute_advantages([[1.0, 0.0]], "ppo")
