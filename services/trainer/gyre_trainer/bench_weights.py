@@ -42,7 +42,11 @@ class WeightsBenchConfig(GyreSettings):
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the trainer's weights and the replicas live.")
     replicas: int = Field(2, ge=1, description="`gyre inference` processes to bring to each version.")
     rounds: int = Field(5, ge=1, description="Versions published (medians are reported).")
-    dir: Path | None = Field(None, description="Volume folder for weights/ (default: a temp folder).")
+    dir: Path | None = Field(
+        None,
+        description="Volume to measure: the versions go to a temporary folder of their own inside it, deleted at the "
+        "end (default: a temp folder).",
+    )
     full_verify: bool = Field(False, description="Replicas re-hash every file (weights.full_verify).")
 
 
@@ -97,7 +101,11 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
 
     single = dist.DistContext(device=torch.device(cfg.device))  # the trainer's one process
     work = Path(tempfile.mkdtemp(prefix="gyre-bench-weights-"))
-    volume = cfg.dir or work
+    if cfg.dir is not None:  # a folder of its own there: `--dir` a run's folder pruned and then deleted its weights/
+        cfg.dir.mkdir(parents=True, exist_ok=True)
+        volume = Path(tempfile.mkdtemp(prefix=".gyre-bench-weights-", dir=cfg.dir))
+    else:
+        volume = work
     model_dir = cfg.model
     if model_dir is None:
         from gyre.model_init import init_model
@@ -149,7 +157,7 @@ def run_bench(cfg: WeightsBenchConfig) -> dict[str, float]:
             r.stop()
         shutil.rmtree(work, ignore_errors=True)
         if cfg.dir is not None:
-            shutil.rmtree(volume / "weights", ignore_errors=True)
+            shutil.rmtree(volume, ignore_errors=True)
     # the first round warms caches and allocators in every process: report the others when there are any
     timed = rows[1:] or rows
     med = {k: statistics.median(r[k] for r in timed) for k in rows[0]}
