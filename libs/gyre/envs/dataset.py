@@ -25,13 +25,16 @@ Rewards (`reward`): "exact" (the reply, stripped and with whitespace runs collap
 (math-verify: numbers, fractions, LaTeX, `\\boxed{}`), or an import path `package.module:function` to a reward
 function that takes rubric arguments by name (`completion`, `answer`, `info`, ... see `gyre.envs.rubric`).
 
-A row that cannot be used (bad JSON, no prompt, no answer, an unknown split) fails loading with the file and line
-(or parquet row) named; nothing is skipped silently.
+A train row whose prompt is also in the eval split (a duplicated row, an eval file overlapping the train file) is
+left out of training, with a warning, so eval stays held out. A row that cannot be used (not UTF-8, bad JSON, no
+prompt, no answer, an unknown split) fails loading with the file and line (or parquet row) named; nothing else is
+skipped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,8 @@ from gyre.envs.rubric import RewardFunc, Rubric
 from gyre.envs.scoring import math_equal
 from gyre.envs.types import Messages, Split, Task
 from gyre.imports import load_callable
+
+log = logging.getLogger(__name__)
 
 EVAL_SPLITS = frozenset({"eval", "test", "validation", "val"})
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -81,16 +86,24 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
             import pyarrow.parquet as pq
         except ImportError as exc:
             raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install 'gyre[datasets]')") from exc
-        rows = pq.read_table(path).to_pylist()
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as exc:  # pyarrow's errors (ArrowInvalid, ...) are these
+            raise DatasetError(f"{path}: not a readable parquet file ({exc})") from exc
         return [(f"{path} row {i + 1}", row) for i, row in enumerate(rows)]
     if path.suffix not in (".jsonl", ".json"):
         raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            try:  # decoded per line, so a bad byte is reported at its line; a BOM (Windows editors) is allowed
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                bad = raw[exc.start]
+                raise DatasetError(f"{where}: not UTF-8 text (byte {bad:#04x} at offset {exc.start})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -152,6 +165,14 @@ class DatasetEnv(SingleTurnEnv):
                     "give eval_path, or mark rows with a 'split' column"
                 )
             train, evals = hold_out(train, num_eval, f"dataset/eval/{eval_seed}")
+        # A prompt in both splits (a duplicated row, or an eval file overlapping the train file) would be trained on
+        # and then scored as held out: its train copies go.
+        eval_keys = {task.key for task in evals}
+        kept = [task for task in train if task.key not in eval_keys]
+        if len(kept) < len(train):
+            log.warning("%s: %d train rows repeat an eval prompt and are left out of training", path,
+                        len(train) - len(kept))  # fmt: skip
+        train = kept
         if not train:
             raise DatasetError(f"{path}: every row is in the eval split; nothing to train on")
         self.train_tasks, self.eval_tasks = train, evals

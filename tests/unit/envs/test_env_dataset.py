@@ -70,8 +70,8 @@ def test_chat_prompts_and_verl_layout_nested_answer(tmp_path):
     rows = [
         {
             "data_source": "toy",
-            "prompt": [{"role": "user", "content": "What is 2+3?"}],
-            "reward_model": {"style": "rule", "ground_truth": 5},
+            "prompt": [{"role": "user", "content": f"What is 2+{3 + i}?"}],
+            "reward_model": {"style": "rule", "ground_truth": 5 + i},
             "split": "test" if i == 0 else "train",
         }
         for i in range(3)
@@ -148,6 +148,42 @@ def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
     with pytest.raises(DatasetError) as info:
         load_environment("dataset", path=str(path), num_eval=1)
     assert message in str(info.value)
+
+
+def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path):
+    """A stray Latin-1 byte failed loading with a bare UnicodeDecodeError that named neither the file nor the line."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DatasetError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9"):
+        load_environment("dataset", path=str(path), num_eval=1)
+    bom = tmp_path / "bom.jsonl"  # what some Windows editors write: still a valid file
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    assert load_environment("dataset", path=str(bom), num_eval=1).tasks("eval").size == 1
+
+
+def test_a_corrupt_parquet_file_is_named(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(DatasetError, match="broken.parquet: not a readable parquet file"):
+        load_environment("dataset", path=str(path))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_prompt_is_never_in_both_splits(tmp_path, seed):
+    """Duplicated rows were held out on one side and trained on the other (with 4 rows, 3 of these 6 seeds)."""
+    rows = [{"prompt": "a", "answer": "1"}] * 2 + [{"prompt": p, "answer": "1"} for p in "bcd"]
+    path = write_jsonl(tmp_path / "dup.jsonl", rows)
+    env = load_environment("dataset", path=str(path), num_eval=1, eval_seed=seed)
+    eval_prompts = {t.prompt[-1]["content"] for t in env.tasks("eval")}
+    train_prompts = {env.tasks("train")[i].prompt[-1]["content"] for i in range(10)}
+    assert not eval_prompts & train_prompts
+    split_file = write_jsonl(tmp_path / "split.jsonl", [*rows[2:], {"prompt": "b", "answer": "1", "split": "eval"}])
+    env = load_environment("dataset", path=str(split_file))
+    assert {env.tasks("train")[i].prompt[-1]["content"] for i in range(10)} == {"c", "d"}
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "c", "answer": "1"}])
+    env = load_environment("dataset", path=str(split_file), eval_path=str(eval_file))
+    assert {env.tasks("train")[i].prompt[-1]["content"] for i in range(10)} == {"b", "d"}
 
 
 def test_file_level_errors(tmp_path):
