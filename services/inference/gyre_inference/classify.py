@@ -32,7 +32,7 @@ from gyre_inference.backend import Backend, BackendStoppedError, SamplingParams,
 from gyre_inference.chat_messages import ChatMessage
 from gyre_inference.cpus import default_engine_threads
 from gyre_inference.errors import APIError, unknown_model
-from gyre_inference.strict import StrictModel
+from gyre_inference.strict import ParamError, StrictModel
 from gyre_inference.torch_backend import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class ClassifyRequest(StrictModel):
         if (self.input is None) == (self.messages is None):
             raise ValueError("give input or messages (exactly one)")
         if self.use_activation is not None and self.activation is not None:
-            raise ValueError("give use_activation or activation, not both")
+            raise ParamError("activation", "give use_activation or activation, not both")
         return self
 
     def inputs(self) -> list[str | list[int]]:

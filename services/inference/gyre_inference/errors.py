@@ -157,6 +157,11 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return "request body must be a JSON object", None
     param = _field_path(loc)
     from gyre_inference.protocol import UNSUPPORTED_FIELDS  # (protocol does not import this module)
+    from gyre_inference.strict import ParamError
+
+    if isinstance(broken := (first.get("ctx") or {}).get("error"), ParamError):  # a rule across fields
+        param = ".".join(filter(None, (param, broken.param)))
+        return _clean(first["msg"]), param
 
     if first.get("type") == "extra_forbidden" and param in UNSUPPORTED_FIELDS:
         return f"{param}: not supported: {UNSUPPORTED_FIELDS[param]}", param

@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from gyre_inference.chat_messages import ChatMessage, NamedToolChoice, Prediction, Tool
-from gyre_inference.strict import StrictModel
+from gyre_inference.strict import ParamError, StrictModel
 from gyre_inference.structured import Guide
 
 MAX_N = 128
@@ -237,10 +237,12 @@ class SamplingRequest(StrictModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise ParamError("stream_options", "stream_options is only allowed with stream: true")
         guides = self._guides()
         if len(guides) > 1:
-            raise ValueError(f"give one structured-output constraint, not several ({', '.join(guides)})")
+            raise ParamError(
+                list(guides)[1], f"give one structured-output constraint, not several ({', '.join(guides)})"
+            )
         return self
 
     def _guides(self) -> dict[str, Guide]:
@@ -263,7 +265,7 @@ class SamplingRequest(StrictModel):
 
     def check_min_tokens(self, max_tokens: int | None) -> None:
         if max_tokens is not None and self.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})")
+            raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})")
 
     @property
     def usage_every_chunk(self) -> bool:
@@ -341,14 +343,17 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check(self):
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_completion_tokens or max_tokens, not both")
+            raise ParamError("max_tokens", "give max_completion_tokens or max_tokens, not both")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt: false (they contradict each other)")
+            raise ParamError(
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt: false (they contradict each other)",
+            )
         if self.forced_tools is not None and self.guide() is not None:
-            raise ValueError("tool_choice required or named already constrains the output: give no other "
-                             "structured-output constraint with it")  # fmt: skip
+            raise ParamError("tool_choice", "tool_choice required or named already constrains the output: give no "
+                             "other structured-output constraint with it")  # fmt: skip
         self.check_min_tokens(self.completion_limit)
         return self
 
@@ -398,9 +403,9 @@ class CompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check(self):
         if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
+            raise ParamError("prompt_logprobs", "prompt_logprobs are not available when stream is true (as in vLLM)")
         if self.stream and self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not available when stream is true (send stream: false)")
+            raise ParamError("logprobs", "echo with logprobs is not available when stream is true (send stream: false)")
         self.check_min_tokens(self.max_tokens)
         return self
 
@@ -444,7 +449,10 @@ class TokenizeChatRequest(StrictModel):
     @model_validator(mode="after")
     def _check(self):
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt: false (they contradict each other)")
+            raise ParamError(
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt: false (they contradict each other)",
+            )
         return self
 
 

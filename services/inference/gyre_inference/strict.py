@@ -14,6 +14,15 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
+class ParamError(ValueError):
+    """A rule across fields, broken (raised by a model validator): the 400 names `param` (pydantic places such an
+    error at the request itself, which names no field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class StrictModel(BaseModel):
     """Unknown fields are errors, types are never coerced. Fields listed in `NULL_IS_DEFAULT` (those OpenAI's
     reference marks nullable whose null means "the default") may be sent as null."""

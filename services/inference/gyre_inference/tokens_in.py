@@ -43,7 +43,7 @@ from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, neutral_only
 from gyre_inference.serving import VERSION_HEADER, ClientGone, backend_failure, client_gone, unless_client_gone
-from gyre_inference.strict import StrictModel
+from gyre_inference.strict import ParamError, StrictModel
 
 ROUTE = "/inference/v1/generate"
 
@@ -84,7 +84,9 @@ class GenerateSamplingParams(StrictModel):
     @model_validator(mode="after")
     def _min_tokens_fit(self):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+            raise ParamError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
         return self
 
 

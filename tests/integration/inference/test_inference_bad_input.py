@@ -139,12 +139,19 @@ def test_nan_and_infinity_are_refused_as_not_finite(http, model_id, field, liter
 
 
 def test_cross_field_rules(http, model_id):
-    for body in (
-        {"top_logprobs": 2},
-        {"stream_options": {"include_usage": True}},
-        {"max_tokens": 2, "max_completion_tokens": 2},
+    """A rule across fields names the field out of place (param was null: pydantic puts such an error on the body)."""
+    for route, body, param in (
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"max_tokens": 2, "max_completion_tokens": 2}, "max_tokens"),
+        ("/v1/chat/completions", {"min_tokens": 3}, "min_tokens"),
+        ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "logprobs"),
     ):
-        assert_error(http.post("/v1/chat/completions", json={"model": model_id, **CHAT, **body}), 400)
+        base = {"model": model_id, **(CHAT if route == "/v1/chat/completions" else {"max_tokens": 2})}
+        assert_error(http.post(route, json={**base, **body}), 400, param=param)
 
 
 @pytest.mark.parametrize("body", [b"not json", b'{"model": ', b"[1, 2]", b'"a string"', b"", b"\xff\xfe"])
