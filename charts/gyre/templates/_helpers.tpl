@@ -888,3 +888,52 @@ serves them only with LoRA on (gyre.local.runs.served_adapters does the same for
 {{- end }}
 {{- $max | toString -}}
 {{- end -}}
+
+
+{{/*
+Values that must agree with each other (templates/validate.yaml): names that become object names are
+unique, and each pod's ports are distinct (two containerPorts with one number make an invalid pod; two
+servers on one port make a service that cannot start).
+*/}}
+{{- define "gyre.validate" -}}
+{{- range $list := list "runs" "servers" -}}
+{{- $seen := dict -}}
+{{- range $i, $entry := get $.Values $list | default list -}}
+{{- if hasKey $seen $entry.name -}}
+{{- fail (printf "%s[%d].name %q: %s[%v] has that name already (each gets its own objects, named after it)" $list $i $entry.name $list (get $seen $entry.name)) -}}
+{{- end -}}
+{{- $_ := set $seen $entry.name $i -}}
+{{- end -}}
+{{- end -}}
+{{- $v := .Values -}}
+{{- $pods := list
+  (dict "key" "inference" "ports" (dict "httpPort" $v.inference.httpPort "controlPort" $v.inference.controlPort "metricsPort" $v.inference.metricsPort))
+  (dict "key" "orchestrator" "ports" (dict "grpcPort" $v.orchestrator.grpcPort "metricsPort" $v.orchestrator.metricsPort))
+  (dict "key" "trainer" "ports" (dict "grpcPort" $v.trainer.grpcPort "metricsPort" $v.trainer.metricsPort "healthPort" $v.trainer.healthPort "rdzvPort" $v.trainer.rdzvPort)) -}}
+{{- range $i, $s := $v.servers -}}
+{{- $ports := dict -}}
+{{- range $name := list "httpPort" "controlPort" "metricsPort" -}}
+{{- $_ := set $ports $name (ternary (get $s $name) (get $v.inference $name) (hasKey $s $name)) -}}
+{{- end -}}
+{{- $pods = append $pods (dict "key" (printf "servers[%d]" $i) "ports" $ports) -}}
+{{- end -}}
+{{- range $pod := $pods -}}
+{{- $seen := dict -}}
+{{- range $name := keys $pod.ports | sortAlpha -}}
+{{- $port := toString (int (get $pod.ports $name)) -}}
+{{- if hasKey $seen $port -}}
+{{- fail (printf "%s.%s and %s.%s are both %s: the pod's ports must differ" $pod.key (get $seen $port) $pod.key $name $port) -}}
+{{- end -}}
+{{- $_ := set $seen $port $name -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What one pod runs on, for NOTES.txt: "2 nvidia.com/gpu each" (its own resource name, else gpu.resourceName) or "on CPU". */}}
+{{- define "gyre.notesGpus" -}}
+{{- if gt (int .count) 0 -}}
+{{ .count }} {{ .name | default .root.Values.gpu.resourceName }} each
+{{- else -}}
+on CPU
+{{- end -}}
+{{- end -}}
