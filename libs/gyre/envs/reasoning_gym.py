@@ -6,11 +6,12 @@ verifier (`score_answer`).
     args = { config = { min_terms = 2, max_terms = 2, max_digits = 1 } }
 
 Needs the optional `reasoning-gym` package (`pip install 'gyre[reasoning-gym]'`; pure Python, no torch).
-`config` is passed to reasoning-gym's dataset config (difficulty knobs differ per dataset; a wrong key fails with
-reasoning-gym's message). Splits: "eval" is the dataset generated with `eval_seed` (`num_eval` items, fixed across
-runs); "train" is endless, item `i` of the dataset generated from (`seed`, `i`), and an item whose question is also
-in the eval split is redrawn. The reply is the whole assistant text, or the content of its last `<answer>` block
-when it has one (reasoning-gym's own prompt format), handed to the dataset's scorer (reward in [0, 1]).
+`config` is passed to reasoning-gym's dataset config (difficulty knobs differ per dataset; a wrong key or value fails
+at load with reasoning-gym's message and the dataset's keys; `seed` and `size` are Gyre's). Splits: "eval" is the
+dataset generated with `eval_seed` (`num_eval` items, fixed across runs); "train" is endless, item `i` of the
+dataset generated from (`seed`, `i`), and an item whose question is also in the eval split is redrawn. The reply is
+the assistant text after its reasoning (`<think>`), or the content of its last `<answer>` block when it has one
+(reasoning-gym's own prompt format), handed to the dataset's scorer (reward in [0, 1]).
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ def dataset_names() -> list[str]:
     return sorted(DATASETS)
 
 
+def config_keys(dataset: str) -> list[str]:
+    """The settings of a dataset's config (a dataclass in reasoning-gym), Gyre's own `seed` and `size` left out."""
+    from dataclasses import fields, is_dataclass
+
+    from reasoning_gym.factory import DATASETS
+
+    config_cls = DATASETS[dataset][1]
+    names = [f.name for f in fields(config_cls)] if is_dataclass(config_cls) else []
+    return [name for name in names if name not in ("seed", "size")]
+
+
 class ReasoningGymEnv(SingleTurnEnv):
     def __init__(self, *, dataset: str, config: dict[str, Any] | None = None, **kwargs: Any) -> None:
         rg = import_reasoning_gym()
@@ -64,10 +76,25 @@ class ReasoningGymEnv(SingleTurnEnv):
         parser = AnswerTagParser()
         super().__init__(parser=parser, rubric=Rubric([self.verified], parser=parser), **kwargs)
         self.name = f"reasoning_gym:{dataset}"
+        if config is not None and not isinstance(config, dict):
+            raise ValueError(f"{self.name}: config must be a table of the dataset's settings, got {config!r}")
         self.dataset, self.config = dataset, dict(config or {})
+        reserved = sorted({"seed", "size"} & set(self.config))
+        if reserved:
+            raise ValueError(
+                f"{self.name}: config key(s) {', '.join(reserved)} are Gyre's to set (eval: eval_seed and num_eval; "
+                "train: drawn from the run's seed); remove them"
+            )
         self._create = rg.create_dataset
-        # Fails here, at load time, when the config has a key the dataset does not know.
-        self.eval_data = self._create(dataset, seed=self.eval_seed, size=self.num_eval, **self.config)
+        # Fails here, at load time, for a key the dataset does not know or a value its own checks refuse (those
+        # are asserts in reasoning-gym: say which environment and which keys it has).
+        try:
+            self.eval_data = self._create(dataset, seed=self.eval_seed, size=self.num_eval, **self.config)
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise ValueError(
+                f"{self.name}: config {self.config} is refused: {exc or type(exc).__name__} "
+                f"(its keys: {', '.join(config_keys(dataset))})"
+            ) from exc
 
     async def verified(self, completion, info, parser) -> float:
         """reasoning-gym's own verifier on the parsed reply (0 when there is none)."""

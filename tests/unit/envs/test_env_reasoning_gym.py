@@ -57,10 +57,25 @@ def test_chain_sum_config_controls_difficulty():
 def test_bad_names_and_config():
     with pytest.raises(ValueError, match="unknown dataset 'chain_summ'.*chain_sum"):
         load_environment("reasoning_gym:chain_summ")
-    with pytest.raises(Exception, match="max_digitz|unexpected keyword"):
+    with pytest.raises(ValueError, match="reasoning_gym:chain_sum: config .*max_digitz.*its keys: min_terms"):
         load_environment("reasoning_gym:chain_sum", config={"max_digitz": 1})
     with pytest.raises(EnvironmentLoadError, match="reasoning_gym:<name>"):
         load_environment("reasoning-gym")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        # reasoning-gym's own checks are asserts: a bare "min_terms must be positive" named no environment
+        ({"min_terms": 0}, r"reasoning_gym:chain_sum: config \{'min_terms': 0\} is refused: min_terms must be"),
+        # Gyre passes seed and size itself: "create_dataset() got multiple values for keyword argument 'seed'"
+        ({"seed": 3}, "reasoning_gym:chain_sum: config key.* seed are Gyre's to set"),
+        ([1], "reasoning_gym:chain_sum: config must be a table"),
+    ],
+)
+def test_a_refused_config_names_the_environment_and_its_keys(config, message):
+    with pytest.raises(ValueError, match=message):
+        load_environment("reasoning_gym:chain_sum", config=config)
 
 
 def test_sft_examples_earn_full_reward():
