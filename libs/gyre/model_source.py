@@ -131,7 +131,7 @@ FETCH_SUMMARY = (
 class ModelFetchConfig(Section):
     """`gyre model fetch` options."""
 
-    name: str = Field("", description="Hub id of the model (`org/name`); required.")
+    name: str = Field(..., description="Hub id of the model (`org/name`).")
     cache_dir: Path | None = Field(
         None,
         description="The Hugging Face home the services read (HF_HOME; the hub cache is its `hub` folder); "
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     """`gyre model fetch --name ORG/NAME [--cache-dir HF_HOME] [--max-size BYTES]`."""
     cfg = parse_or_exit(ModelFetchConfig, argv, prog="gyre model fetch", summary=FETCH_SUMMARY)
     if not looks_like_hub_id(cfg.name) or "/" not in cfg.name:
-        print(f"gyre model fetch: error: --name {cfg.name!r} is not a hub id (org/name)", file=sys.stderr)
+        print(f"gyre model fetch: error: config key 'name': {cfg.name!r} is not a hub id (org/name)", file=sys.stderr)
         return 2
     try:
         path = fetch_model(cfg.name, cfg.cache_dir, cfg.max_size, cfg.size_setting)

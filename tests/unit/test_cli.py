@@ -111,3 +111,20 @@ def test_ctrl_c_is_one_line_and_exit_130_not_a_traceback(tmp_path, tiny_model):
     assert proc.returncode == 130, err[-3000:]
     assert err.rstrip().endswith("gyre model import: interrupted") and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half written, no staging folder left
+
+
+def test_model_fetch_help_marks_name_required_and_a_bad_one_names_the_key():
+    # --help said `--name str  (default: "")` with "required" in its text; a missing one was "--name '' is not..."
+    assert "--name str  (required)" in run("model", "fetch", "--help").stdout
+    missing = run("model", "fetch")
+    assert missing.returncode == 2 and "gyre model fetch: error: config key 'name': Field required" in missing.stderr
+    bad = run("model", "fetch", "--name", "gpt2")
+    assert bad.returncode == 2 and "config key 'name': 'gpt2' is not a hub id (org/name)" in bad.stderr
+
+
+def test_help_shows_a_secret_option_type_without_its_module_path():
+    from gyre.config.inference import InferenceConfig
+    from gyre.config.loader import help_text
+
+    text = help_text(InferenceConfig, "gyre inference")
+    assert "--auth.api_key SecretStr | None  (default: null)" in text and "pydantic.types" not in text

@@ -358,7 +358,8 @@ def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -
 
 def _type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation).replace("typing.", "").replace("pathlib.", "")
+    # `pydantic.types.SecretStr | None` in --help: the module path is noise (the default shows `<secret>`)
+    text = text or str(annotation).replace("typing.", "").replace("pathlib.", "").replace("pydantic.types.", "")
     return text.replace("NoneType", "None")
 
 
