@@ -11,12 +11,15 @@ those that produced the gradients:
     batch.bin          the batch as the stream carried it (`gyre.codec`)
     model.safetensors  the parameters (a LoRA run: the adapter's; its base stays `model.name`)
     config.json        the model's config (with the weights, a model folder `from_pretrained` loads)
+    rng.pt             the torch RNG state (CPU, and the GPU's on a GPU) as the step's first forward found it:
+                       dropout (a LoRA adapter's `lora.dropout`) draws its masks from it
 
 The folder appears complete or not at all (`gyre.fsio.commit_dir`); the newest `debug.keep_last` are kept.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -40,6 +43,7 @@ STEP_FILE = "step.json"
 BATCH_FILE = "batch.bin"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+RNG_FILE = "rng.pt"
 MIN_HISTORY = 3
 
 
@@ -84,7 +88,11 @@ class StepDebugger:
         self.on_bad_step = on_bad_step or (lambda step, reason: None)
 
     def hook(self, step: int, batch, model):
-        """The callback `train_step(..., inspect_gradients=...)` takes for step `step`."""
+        """The callback `train_step(..., inspect_gradients=...)` takes for step `step`; make it just before the step.
+
+        It keeps the RNG state of that moment: with dropout the step's forwards draw masks from it, and `gyre
+        replay` (seeded alone) drew other masks, so a LoRA run with `lora.dropout` > 0 never replayed exactly."""
+        rng = rng_state(self.ctx.device)
 
         def inspect(metrics: dict[str, float]) -> None:
             reason = self.watch.observe(metrics["grad_norm"])
@@ -93,12 +101,15 @@ class StepDebugger:
             log.warning("step %d: %s", step, reason)
             self.on_bad_step(step, reason)
             if self.cfg.debug.dump:
-                self.dump(step, batch, model, metrics, reason)
+                self.dump(step, batch, model, metrics, reason, rng)
 
         return inspect
 
-    def dump(self, step: int, batch, model, metrics: dict[str, float], reason: str) -> Path | None:
-        """Gather the parameters (every rank) and write the step's folder (rank 0)."""
+    def dump(
+        self, step: int, batch, model, metrics: dict[str, float], reason: str, rng: dict[str, Any] | None = None
+    ) -> Path | None:
+        """Gather the parameters (every rank) and write the step's folder (rank 0); `rng`: `rng_state` before the
+        step's forwards (rank 0's)."""
         state = dist.full_state_dict(model, self.ctx, trainable_only=self.lora is not None)
         if not self.ctx.is_main:
             return None
@@ -109,6 +120,10 @@ class StepDebugger:
         write_file(tmp / CONFIG_FILE, self.hf_config.to_json_string().encode())
         write_file(tmp / BATCH_FILE, encode_batch(batch))
         write_file(tmp / STEP_FILE, json.dumps(self.describe(step, metrics, reason), indent=1).encode())
+        if rng is not None:
+            buffer = io.BytesIO()
+            torch.save(rng, buffer)
+            write_file(tmp / RNG_FILE, buffer.getvalue())
         commit_dir(tmp, final)
         log.warning("step %d kept in %s: reproduce it with `gyre replay %s`", step, final, final)
         self._prune()
@@ -143,3 +158,18 @@ class StepDebugger:
         steps = sorted((int(p.name.removeprefix("step_")), p) for p in self.folder.glob("step_*") if p.is_dir())
         for _, path in steps[: -self.cfg.debug.keep_last]:
             retire_dir(path)
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The torch RNG state the forwards on `device` draw from: the CPU generator's, and the GPU's on a GPU."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Put back what `rng_state` kept (the GPU's part only when replaying on a GPU)."""
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

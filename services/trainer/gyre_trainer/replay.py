@@ -4,8 +4,8 @@
 The trainer keeps a step whose gradient norm is non-finite or spiking (`gyre_trainer.debug`): its batch,
 the parameters that produced the gradients, and how it computed them. Replay rebuilds the model the same
 way (the kept weights; a LoRA run's adapter, a multi-run run's too, onto its base `model.name`), sets the
-same torch thread count and deterministic mode, and runs the trainer's own `compute_gradients` and
-`gradient_norm` on the batch.
+same torch thread count and deterministic mode, puts back the RNG state the step started from (dropout's
+masks), and runs the trainer's own `compute_gradients` and `gradient_norm` on the batch.
 On the machine and dtype the step ran on, loss and gradient norm come out bit for bit the same; then the
 step can be taken apart (a micro-batch at a time, a sample at a time) where it happened. A step trained
 by several ranks is replayed rank by rank in one process (the sum of the ranks' shares is the batch
@@ -47,7 +47,7 @@ def replay(step_dir: Path, device: str = "cpu", threads: int | None = None, mode
     from safetensors.torch import load_file
 
     from gyre_trainer import dist
-    from gyre_trainer.debug import BATCH_FILE, STEP_FILE, WEIGHTS_FILE
+    from gyre_trainer.debug import BATCH_FILE, RNG_FILE, STEP_FILE, WEIGHTS_FILE, set_rng_state
     from gyre_trainer.model import load_model
     from gyre_trainer.step import compute_gradients, gradient_norm
 
@@ -80,6 +80,8 @@ def replay(step_dir: Path, device: str = "cpu", threads: int | None = None, mode
     elif loss_cfg.ref_kl_coef > 0:
         ref_model = load_model(base, device, dtype).eval().requires_grad_(False)
     batch = decode_batch((step_dir / BATCH_FILE).read_bytes())
+    if (step_dir / RNG_FILE).is_file():  # dropout draws the step's masks again (rank 0's RNG, for every rank)
+        set_rng_state(torch.load(step_dir / RNG_FILE, weights_only=True), next(model.parameters()).device)
     loss = 0.0
     for rank in range(info["world_size"]):  # every rank's share, accumulated as the ranks' reduction does
         metrics = compute_gradients(model, batch, loss_cfg=loss_cfg, rank=rank, world_size=1,
