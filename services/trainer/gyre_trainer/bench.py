@@ -93,7 +93,11 @@ class TrainerBenchConfig(GyreSettings):
     @model_validator(mode="after")
     def _lengths_fit(self) -> TrainerBenchConfig:
         if not self.min_len <= self.max_len <= self.seq_len:
-            raise ValueError(f"need min_len <= max_len <= seq_len, got {self.min_len}, {self.max_len}, {self.seq_len}")
+            # "key: why" names the key (the loader's cross-key form); it said config key '<root>'
+            key = "min_len" if self.min_len > self.max_len else "max_len"
+            raise ValueError(
+                f"{key}: need min_len <= max_len <= seq_len, got {self.min_len}, {self.max_len}, {self.seq_len}"
+            )
         return self
 
 

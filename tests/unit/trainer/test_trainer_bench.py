@@ -55,3 +55,13 @@ def test_bad_arguments_exit_with_status_2(argv, message, capsys):
 def test_a_missing_model_folder_is_a_clear_error(tmp_path, capsys):
     assert main(["--model.name", str(tmp_path / "nope"), "--steps", "1"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_lengths_that_do_not_fit_name_their_key():
+    # it said "config key '<root>': Value error, need min_len <= max_len <= seq_len"
+    from gyre.config import ConfigError, load_config
+    from gyre_trainer.bench import TrainerBenchConfig
+
+    for argv, key in ((["--max-len", "5000"], "max_len"), (["--min-len", "500"], "min_len")):
+        with pytest.raises(ConfigError, match=rf"^config key '{key}': need min_len <= max_len <= seq_len"):
+            load_config(TrainerBenchConfig, argv)
