@@ -4,7 +4,12 @@ One small client for all three, over the official `openai` client (auth, timeout
 
 - **bounded concurrency**: at most `max_concurrency` requests in flight;
 - **timeouts and retries**: a timeout, connection error, 5xx or 429 is retried after a jittered exponential
-  backoff, `retries` times; a 4xx is the request's fault and fails at once;
+  backoff, `retries` times; a 4xx fails at once. A 400, 413 or 422 refuses what the request holds (a sample too
+  long for the server's context, a token out of its vocabulary) and raises `RequestRefused`: the caller may skip
+  that one sample (the teacher, a judge) instead of stopping the run. Any other 4xx (401, 403, 404: a key, a
+  model, a URL) is the configuration's fault, and so are `MAX_REFUSED_IN_A_ROW` refusals with no success between
+  them (a judge asking for what the server never serves, a teacher of another vocabulary): both raise a plain
+  `EndpointError`, which stops the run with the reason;
 - **counted**: `stats` counts requests, successes, retries, timeouts and failures, read by the orchestrator
   into its step events and metrics (a judge that keeps timing out is visible, not silent);
 - failures raise `EndpointError` (the caller decides: a rubric turns it into a `ScoringError`).
@@ -28,8 +33,22 @@ from gyre.config.endpoint import EndpointConfig
 _RETRYABLE = (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError)
 
 
+#: statuses that refuse what one request holds (OpenAI's and vLLM's context-length error is a 400), not the setup
+REFUSED_STATUSES = frozenset({400, 413, 422})
+#: this many refusals in a row, none answered between them: the configuration is at fault, not the samples
+MAX_REFUSED_IN_A_ROW = 16
+
+
 class EndpointError(RuntimeError):
     """A request failed for good: refused (4xx), or every attempt failed."""
+
+
+class RequestRefused(EndpointError):
+    """The server refused what this one request holds (400, 413, 422); another request may well be answered."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class Endpoint:
@@ -40,10 +59,14 @@ class Endpoint:
         self.name = name
         self.backoff_s = backoff_s
         self.stats: Counter[str] = Counter()
-        self._key = config.api_key()  # ValueError naming the setting before anything runs
+        try:
+            self._key = config.api_key()  # before anything runs
+        except ValueError as error:  # whose key: several judges, reward models and a teacher each name one
+            raise ValueError(f"{name}: {error}") from None
         self._client: openai.AsyncOpenAI | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._model: asyncio.Future | None = None
+        self._refused_in_a_row = 0
 
     def _openai(self) -> openai.AsyncOpenAI:
         if self._client is None:  # created on first use: inside the event loop that will use it
@@ -76,6 +99,13 @@ class Endpoint:
         url = f"{self.config.root}{path}"
         return await self._call(lambda client: client.post(url, cast_to=object, body=body))
 
+    async def post_once(self, path: str, body: dict[str, Any]) -> Any:
+        """One attempt, not counted in `stats` (a check before the run, not one of its calls); EndpointError."""
+        try:
+            return await self._openai().post(f"{self.config.root}{path}", cast_to=object, body=body)
+        except openai.APIError as error:
+            raise EndpointError(f"{self.name}: {self.config.root}{path}: {describe(error)}") from error
+
     async def chat(self, messages: list[dict], **params: Any) -> dict:
         """One chat completion (a plain JSON body: no typed transform); the decoded answer."""
         body = {"model": await self.model(), "messages": messages, **params}
@@ -100,14 +130,25 @@ class Endpoint:
                     last = error
                 except openai.APIStatusError as error:
                     self.stats["failures"] += 1
-                    raise EndpointError(f"{self.name}: {self.config.root} refused the request: {error.status_code} "
-                                        f"{describe(error)}") from error  # fmt: skip
+                    raise self._refusal(error) from error
                 else:
                     self.stats["ok"] += 1
+                    self._refused_in_a_row = 0
                     return answer
         self.stats["failures"] += 1
         attempts = self.config.retries + 1
         raise EndpointError(f"{self.name}: {self.config.root} failed {attempts} times: {describe(last)}")
+
+    def _refusal(self, error: openai.APIStatusError) -> EndpointError:
+        message = f"{self.name}: {self.config.root} refused the request: {error.status_code} {describe(error)}"
+        if error.status_code not in REFUSED_STATUSES:
+            return EndpointError(message)  # a key, a model, a URL: every request would be refused
+        self.stats["refused"] += 1
+        self._refused_in_a_row += 1
+        if self._refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+            return EndpointError(f"{message} ({self._refused_in_a_row} requests refused in a row, none answered: "
+                                 "the configuration, not the samples, is at fault)")  # fmt: skip
+        return RequestRefused(message, error.status_code)
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -49,7 +49,7 @@ class ScriptedServer:
         async def tokenize(request: Request):
             body = await request.json()
             self.requests.append(("tokenize", body))
-            text = "".join(m["content"] for m in body["messages"])
+            text = body["prompt"] if "prompt" in body else "".join(m["content"] for m in body["messages"])
             return {"tokens": [ord(c) for c in text], "count": len(text), "max_model_len": 1000, "token_strs": None}
 
         @app.post("/classify")

@@ -138,7 +138,8 @@ class OrchestratorMetrics:
         self.signal_calls = m.counter(
             "gyre_orchestrator_signal_calls_total",
             "Calls to the models a run takes signals from (judges, reward models, the teacher) by signal name and "
-            "outcome: requests, ok, retries, timeouts, errors, failures (after every retry), cache_hits, unparsed.",
+            "outcome: requests, ok, retries, timeouts, errors, failures (after every retry), refused (400/413/422: "
+            "that request's content), cache_hits, unparsed, skipped (teacher: samples left out of the batch).",
             (*run, "signal", "outcome"),
             r,
         )

@@ -314,6 +314,8 @@ class OrchestratorService:
         if cfg.resume_step is not None and cfg.resume_step >= 0:
             await self._await_trainer_rewind(cfg.resume_step)
         await self.relay.start()
+        if self.teacher is not None and len(self.replicas):  # before any sample: a teacher of another vocabulary
+            await self.teacher.check_tokenizer(next(iter(self.replicas)).url, api_key=cfg.inference.api_key)
         if self.relay.target is not None:
             step = self.relay.target.step
             log.info("published weights up to version %d: making replicas serve it", step)
@@ -512,6 +514,8 @@ class OrchestratorService:
             return None
         ids = rollout.token_ids[: self.cfg.batch.seq_len]
         values = await self.teacher.logprobs(ids)
+        if values is None:  # the teacher refused this sample (counted, logged once): it stays out of the batch
+            return None
         return [value if sampled else 0.0 for value, sampled in zip(values, rollout.loss_mask, strict=False)]
 
     # ---- one batch ------------------------------------------------------------------------------
@@ -536,6 +540,8 @@ class OrchestratorService:
                     cut += 1
                     ids, mask, lps = ids[: cfg.batch.seq_len], mask[: cfg.batch.seq_len], lps[: cfg.batch.seq_len]
                 teacher = None if s.teacher_logprobs is None else np.asarray(s.teacher_logprobs[: len(ids)])
+                if self.teacher is not None and teacher is None:
+                    continue  # the teacher could not score it (teacher.py): no per-token mask for its term
                 if not any(mask):
                     continue  # nothing the model sampled survives: no loss tokens, nothing to learn
                 meta = {
@@ -567,7 +573,8 @@ class OrchestratorService:
         records = [] if interval is not None and (st.step == 1 or st.step % interval == 0) else None
         samples, cut = self.build_samples(st, records)
         if not samples:
-            raise RuntimeError(f"step {st.step}: every sample was empty after truncation; raise batch.seq_len")
+            raise RuntimeError(f"step {st.step}: every sample was empty after truncation or refused by the teacher "
+                               "(signals.teacher.skipped); raise batch.seq_len or the teacher's context")  # fmt: skip
         packed = pack_batch(
             st.step,
             samples,

@@ -3,19 +3,38 @@
 One request per sample: the whole training sequence (prompt and every turn, as the student saw and sampled it)
 as the prompt of the teacher's tokens-in route (`/inference/v1/generate`, or `/v1/completions` with a token-id
 prompt) with `prompt_logprobs: 0` and one generated token; entry t of the answer's `prompt_logprobs` is the
-teacher's log_softmax(logits)[token t] given tokens < t (temperature 1, vLLM's rule). The teacher must share the
-student's tokenizer (the token ids are sent as they are).
+teacher's log_softmax(logits)[token t] given tokens < t (temperature 1, vLLM's rule).
+
+A sample that fills the teacher's context (prompt + completion = its max_model_len, e.g. a teacher of the policy's
+context scoring a sample cut at the context) leaves no room for the generated token, and the server refuses it
+(400). Such a refused sample is asked again as a prompt alone: `/v1/completions` with `echo` and `max_tokens: 0`,
+which Gyre's server (and OpenAI) score up to the whole context; vLLM requires max_tokens >= 1 and refuses it
+again. A sample the teacher still refuses (too long for it, a token it does not know: `RequestRefused`) is
+skipped: `logprobs` returns None, the orchestrator leaves the sample out of the batch (the batch has no per-token
+mask of the teacher's term), the first skip is logged with the server's reason and every one is counted
+(`skipped` in the step events' `signals.teacher`, `gyre_orchestrator_signal_calls_total{outcome="skipped"}`).
+An outage (connection errors, timeouts, 5xx after the retries) or a configuration error (401, 404, or
+`MAX_REFUSED_IN_A_ROW` refusals in a row) still raises `EndpointError`, which stops the run with the reason.
+
+The teacher must share the student's tokenizer (the token ids are sent as they are): `check_tokenizer` compares
+the two servers' tokenization of a probe text before the run starts.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
+import httpx
 from gyre.config.endpoint import TeacherConfig
-from gyre.endpoint import Endpoint, EndpointError
+from gyre.endpoint import Endpoint, EndpointError, RequestRefused
+
+log = logging.getLogger(__name__)
 
 #: a log-prob a little above 0 is rounding; anything beyond is not a log-probability
 LOGPROB_MAX = 1e-3
+#: text whose tokenization tells tokenizers apart: words, digits, code, whitespace runs, accents, CJK, emoji
+PROBE = "Gyre probe: The 12,345 quick foxes — naïve café 東京 🦊\n\tdef f(x):  return x**2  # 0x1F ⟨ok⟩"
 
 
 class TeacherError(EndpointError):
@@ -40,29 +59,89 @@ def teacher_logprobs_from(entries, token_ids: list[int]) -> list[float]:
 
 
 class Teacher:
-    """The teacher endpoint; `stats` counts its calls (orchestrator step events and metrics)."""
+    """The teacher endpoint; `stats` counts its calls and skipped samples (orchestrator step events and metrics)."""
 
     def __init__(self, config: TeacherConfig):
         self.config = config
         self.endpoint = Endpoint(config, name="teacher")
         self.stats = self.endpoint.stats
 
-    async def logprobs(self, token_ids: list[int]) -> list[float]:
-        """The teacher's log-prob of each token of `token_ids` given the ones before (0.0 for the first)."""
+    async def logprobs(self, token_ids: list[int]) -> list[float] | None:
+        """The teacher's log-prob of each token of `token_ids` given the ones before (0.0 for the first); None when
+        the teacher refuses this sample (skipped, counted; the module docstring)."""
+        try:
+            entries = await self._scored(token_ids)
+        except RequestRefused as refused:
+            try:  # no room for the generated token: the sequence alone, as a prompt scored by echo (Gyre, OpenAI)
+                entries = await self._echoed(token_ids)
+            except RequestRefused:
+                self._skip(token_ids, refused)
+                return None
+        return teacher_logprobs_from(entries, token_ids)
+
+    async def _scored(self, token_ids: list[int]):
         model = await self.endpoint.model()
         if self.config.route == "generate":
             params = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
             request = {"model": model, "token_ids": token_ids, "sampling_params": params}
             body = await self.endpoint.post("/inference/v1/generate", request)
-            entries = body.get("prompt_logprobs") if isinstance(body, dict) else None
-        else:
-            body = await self.endpoint.post("/v1/completions", {"model": model, "prompt": token_ids, "max_tokens": 1,
-                                                                "temperature": 0.0, "prompt_logprobs": 0})  # fmt: skip
-            try:
-                entries = body["choices"][0]["prompt_logprobs"]
-            except (KeyError, IndexError, TypeError):
-                entries = None
-        return teacher_logprobs_from(entries, token_ids)
+            return body.get("prompt_logprobs") if isinstance(body, dict) else None
+        body = await self.endpoint.post("/v1/completions", {"model": model, "prompt": token_ids, "max_tokens": 1,
+                                                            "temperature": 0.0, "prompt_logprobs": 0})  # fmt: skip
+        return _choice_entries(body)
+
+    async def _echoed(self, token_ids: list[int]):
+        body = await self.endpoint.post("/v1/completions", {"model": await self.endpoint.model(), "prompt": token_ids,
+                                                            "max_tokens": 0, "echo": True, "temperature": 0.0,
+                                                            "prompt_logprobs": 0})  # fmt: skip
+        return _choice_entries(body)
+
+    def _skip(self, token_ids: list[int], refused: RequestRefused) -> None:
+        self.stats["skipped"] += 1
+        if self.stats["skipped"] == 1:
+            log.warning(
+                "the teacher refused a sample of %d tokens, also as a prompt alone (echo, max_tokens 0): %s. The "
+                "sample is left out of the batch (no distillation term for it); further skips are only counted: "
+                "signals.teacher.skipped in orchestrator_steps.jsonl, gyre_orchestrator_signal_calls_total"
+                '{signal="teacher",outcome="skipped"}. A teacher whose max_model_len is below the policy\'s '
+                "skips every longer sample (docs/orchestrator.md, distillation teacher)",
+                len(token_ids),
+                refused,
+            )
+
+    async def check_tokenizer(self, policy_url: str, api_key: str | None = None) -> None:
+        """Refuse (ValueError) a teacher whose tokenizer is not the policy's: both servers' `/tokenize` of `PROBE`
+        must give the same ids. A server without `/tokenize` (a hosted API) cannot be checked: logged, not refused."""
+        body = {"prompt": PROBE, "add_special_tokens": False}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            async with httpx.AsyncClient(timeout=30, headers=headers) as http:
+                answer = await http.post(f"{policy_url.rstrip('/')}/tokenize", json=body)
+                answer.raise_for_status()
+                policy = answer.json()["tokens"]
+            teacher = (await self.endpoint.post_once("/tokenize", body))["tokens"]
+        except (httpx.HTTPError, EndpointError, KeyError, TypeError, ValueError) as error:
+            log.warning("teacher: cannot compare its tokenizer with the policy's (%s); it must be the same (the "
+                        "student's token ids are sent as they are)", error)  # fmt: skip
+            return
+        if teacher != policy:
+            raise ValueError(
+                f"orchestrator.teacher: the teacher at {self.config.root} tokenizes differently from the policy "
+                f"({len(teacher)} vs {len(policy)} tokens for the same probe text, first difference at token "
+                f"{_first_difference(teacher, policy)}); on-policy distillation sends the student's token ids as "
+                "they are, so the teacher must use the policy's tokenizer (e.g. a larger model of the same family)"
+            )
 
     async def aclose(self) -> None:
         await self.endpoint.aclose()
+
+
+def _choice_entries(body):
+    try:
+        return body["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from gyre.config.endpoint import JudgeConfig
+from gyre.envs import load_environment
 from gyre.envs.judge import Judge
 from orchestrator_testlib import first_batch, orchestrator_config
 from support.models import reward_model_path
@@ -153,3 +154,102 @@ async def test_the_teacher_logprobs_of_every_sampled_token_reach_the_batch(
             assert np.allclose(mb.teacher_logprobs[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], atol=1e-4)
             assert not mb.teacher_logprobs[~mb.loss_mask].any()
     assert abs(events(cfg)[0]["teacher_kl"]) < 1e-4
+
+
+CONTEXT = 64  # the policy's and the teacher's context in the tests below
+
+
+@pytest.fixture(scope="module")
+def short_policy(start_replica):
+    return start_replica("--engine.max-model-len", str(CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def short_teacher(start_replica):
+    return start_replica("--engine.max-model-len", str(CONTEXT))
+
+
+def prompts_env(tmp_path, *prompts: str) -> dict:
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": p, "answer": "x"} for p in prompts] + [{"prompt": "cd", "answer": "x", "split": "eval"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {"name": "dataset", "args": {"path": str(path)}}
+
+
+def prompt_lengths(server, env: dict) -> dict[str, int]:
+    """Task id -> tokens of its prompt as the policy renders it for a rollout (chat template, generation prompt)."""
+    lengths = {}
+    for task in load_environment("dataset", **env["args"]).train_tasks:
+        body = {"messages": task.prompt, "add_generation_prompt": True}
+        lengths[task.id] = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["count"]
+    return lengths
+
+
+def teacher_calls(service, outcome: str) -> float:
+    value = service.metrics.registry.get_sample_value(
+        "gyre_orchestrator_signal_calls_total", {"run_id": service.cfg.run_id, "signal": "teacher", "outcome": outcome}
+    )
+    return value or 0.0
+
+
+async def test_a_sample_that_fills_the_context_is_scored_by_a_teacher_of_the_same_context(
+    tmp_path, redis_url, unique_run_id, short_policy, short_teacher, tiny_model
+):
+    """The policy and the teacher serve a 64-token context; most samples run to it (prompt + completion = 64: the
+    random tiny model rarely ends its turn). Prompt + the one generated token of the scoring request is 65: the
+    teacher refused it, the sample was failed 3 times and the run stopped. Now the sample is scored as a prompt
+    alone (echo, max_tokens 0), every token of it, equal to the sampler's log-probs (the teacher is the student)."""
+    env = prompts_env(tmp_path, "ab")
+    room = CONTEXT - prompt_lengths(short_policy, env)["row-0"]
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, [short_policy], env=env, max_steps=1,
+                              sampling={"max_tokens": room}, advantage={"drop_zero_signal": False},
+                              teacher={"url": short_teacher.url})  # fmt: skip
+    batch = await first_batch(cfg, tiny_model)
+    full = [s for s in batch.samples if s["num_tokens"] == CONTEXT]  # the others sampled an end of turn before
+    assert len(batch.samples) == 8 and len(full) >= 4, [s["num_tokens"] for s in batch.samples]
+    for rank in batch.micro_batches:
+        for mb in rank:
+            assert np.allclose(mb.teacher_logprobs[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], atol=1e-4)
+    counts = events(cfg)[0]["signals"]["teacher"]
+    assert counts["refused"] == len(full) and counts["ok"] >= 8 and "skipped" not in counts
+
+
+async def test_a_sample_the_teacher_cannot_score_is_left_out_counted_and_the_run_goes_on(
+    tmp_path, redis_url, unique_run_id, short_policy, start_replica, tiny_model, caplog
+):
+    """A teacher of a shorter context (40 tokens) than the policy's (64): the samples of the long prompt do not fit
+    it even as a prompt alone; they are left out of the batch (no distillation term without the teacher's
+    log-probs), counted and logged once, and the run goes on with the short prompt's samples."""
+    teacher = start_replica("--engine.max-model-len", "40")
+    env = prompts_env(tmp_path, "ab", "the quick brown fox jumps over the lazy dog, then it runs far far away")
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, [short_policy], env=env, max_steps=1,
+                              sampling={"max_tokens": 8}, advantage={"drop_zero_signal": False},
+                              teacher={"url": teacher.url})  # fmt: skip
+    lengths = prompt_lengths(short_policy, env)
+    # every sample of the short prompt fits the teacher, none of the long one (its prompt alone does not)
+    assert lengths["row-0"] + 8 <= 40 < lengths["row-1"] and lengths["row-1"] + 8 <= CONTEXT, lengths
+    with caplog.at_level("WARNING", logger="gyre_orchestrator.teacher"):
+        batch = await first_batch(cfg, tiny_model)
+    assert batch.has_teacher and {s["task_id"] for s in batch.samples} == {"row-0"} and len(batch.samples) == 4
+    event = events(cfg)[0]
+    assert event["signals"]["teacher"]["skipped"] == 4 and event["scoring_failures"] == 0
+    warnings = [r.getMessage() for r in caplog.records if "refused a sample" in r.getMessage()]
+    assert len(warnings) == 1 and "context length is 40" in warnings[0] and "left out of the batch" in warnings[0]
+
+
+async def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts(
+    tmp_path, redis_url, unique_run_id, replicas
+):
+    """The student's token ids go to the teacher as they are: a teacher tokenizing differently (here a scripted
+    server, one token per character) would score other text. It was used anyway; now the run stops before any
+    sample, naming the setting."""
+    from gyre_orchestrator.service import OrchestratorService
+    from support.judge_server import ScriptedServer
+
+    with ScriptedServer() as other:
+        cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1,
+                                  teacher={"url": other.url})  # fmt: skip
+        service = OrchestratorService(cfg)
+        with pytest.raises(ValueError, match="orchestrator.teacher: the teacher at .* tokenizes differently"):
+            await asyncio.wait_for(service.run(), timeout=60)
+        assert other.count("chat") == 0 and not [r for r in other.requests if r[0] != "tokenize"]

@@ -1,0 +1,92 @@
+"""`gyre.endpoint.Endpoint` (judges, reward models, the teacher) over real HTTP with the official openai client,
+against the scripted OpenAI-compatible server of tests/support/judge_server.py: which refusals are one request's
+(`RequestRefused`: the caller may skip that sample) and which stop the run (`EndpointError`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gyre.config.endpoint import EndpointConfig
+from gyre.endpoint import MAX_REFUSED_IN_A_ROW, Endpoint, EndpointError, RequestRefused
+from support.judge_server import ScriptedServer
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    with ScriptedServer() as server:
+        yield server
+
+
+def endpoint(server, **settings) -> Endpoint:
+    return Endpoint(EndpointConfig(url=server.url, model="judge-model", **settings), name="teacher")
+
+
+@pytest.mark.parametrize("status", [400, 413, 422])
+def test_a_request_refused_for_what_it_holds_is_request_refused(scripted, status):
+    """A 400/413/422 (a sample too long for the context, a token out of vocabulary) is that request's: the
+    teacher skips the sample, a judge scores it as failed-to-judge. Before, every 4xx was the same EndpointError
+    and stopped the run."""
+    client = endpoint(scripted)
+
+    async def scenario():
+        scripted.script[:] = [("status", status)]
+        with pytest.raises(RequestRefused, match=f"refused the request: {status}") as refused:
+            await client.chat(MESSAGES)
+        await client.aclose()
+        return refused.value
+
+    assert asyncio.run(scenario()).status == status
+    assert client.stats["refused"] == 1 and client.stats["failures"] == 1 and client.stats["retries"] == 0
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_refusal_of_the_setup_stops_the_run(scripted, status):
+    """A key, a permission, a model or URL not found: every request would be refused; never skipped."""
+    client = endpoint(scripted)
+
+    async def scenario():
+        scripted.script[:] = [("status", status)]
+        with pytest.raises(EndpointError, match=f"refused the request: {status}") as raised:
+            await client.chat(MESSAGES)
+        await client.aclose()
+        return raised.value
+
+    assert not isinstance(asyncio.run(scenario()), RequestRefused) and client.stats["refused"] == 0
+
+
+def test_refusals_in_a_row_are_the_configurations_fault(scripted):
+    """A server that refuses every request (a judge asking for structured output the server does not serve, a
+    teacher of a shorter context than every sample) would skip every sample: after MAX_REFUSED_IN_A_ROW refusals
+    with no answer between them the refusal is an EndpointError that stops the run. An answer resets the count."""
+    client = endpoint(scripted)
+
+    async def scenario():
+        scripted.script[:] = (
+            [("status", 400)] * (MAX_REFUSED_IN_A_ROW - 1) + ["ok"] + [("status", 400)] * (MAX_REFUSED_IN_A_ROW)
+        )
+        for _ in range(MAX_REFUSED_IN_A_ROW - 1):
+            with pytest.raises(RequestRefused):
+                await client.chat(MESSAGES)
+        await client.chat(MESSAGES)
+        for _ in range(MAX_REFUSED_IN_A_ROW - 1):
+            with pytest.raises(RequestRefused):
+                await client.chat(MESSAGES)
+        with pytest.raises(EndpointError, match=f"{MAX_REFUSED_IN_A_ROW} requests refused in a row") as last:
+            await client.chat(MESSAGES)
+        await client.aclose()
+        return last.value
+
+    assert not isinstance(asyncio.run(scenario()), RequestRefused)
+
+
+def test_a_missing_key_names_the_endpoint_and_the_setting(tmp_path):
+    """Several judges and a teacher each name a key: the error says whose (it named only the setting)."""
+    config = EndpointConfig(url="http://127.0.0.1:9", api_key_env="GYRE_TEST_KEY_NOT_SET")
+    with pytest.raises(ValueError, match="^judge 'style': api_key_env: the environment variable GYRE_TEST_KEY_NOT"):
+        Endpoint(config, name="judge 'style'")
+    config = EndpointConfig(url="http://127.0.0.1:9", api_key_file=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="^teacher: api_key_file: cannot read"):
+        Endpoint(config, name="teacher")
