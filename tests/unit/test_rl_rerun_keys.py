@@ -132,3 +132,11 @@ def test_a_rewind_of_one_service_alone_is_refused(tmp_path, argv, key):
     resolved = resolve_configs(load_config(RLConfig, [*CI, "--ckpt.resume-step", "2", "--output-dir", str(tmp_path)]),
                                str(tmp_path / "model"), "redis://x:1/0")  # fmt: skip
     assert resolved.trainer.ckpt.resume_step == resolved.orchestrator.resume_step == 2  # the way to rewind
+
+
+def test_a_runs_own_rewind_to_a_missing_checkpoint_is_refused_before_anything_starts(tmp_path):
+    # checked by the trainer alone, after Redis, the replicas and every orchestrator had started
+    two_runs = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
+    entries = '[{"name": "alpha"}, {"name": "beta", "trainer": {"resume_step": 3}}]'
+    with pytest.raises(ConfigError, match=r"^config key 'runs.1.trainer.resume_step': no trainer checkpoint of step 3"):
+        validate(tmp_path / "multi", "--runs", entries, config=two_runs)

@@ -242,25 +242,26 @@ class Launcher:
         newer batches and the orchestrator its newer progress for it (the trainer would fail only then)."""
         from gyre.runstate import orchestrator_progress, trainer_checkpoints
 
-        step = self.cfg.ckpt.resume_step
-        if step is None or step == 0:
-            return
-        for run in experiment_runs(self.cfg):
-            if "resume_step" in run.trainer:
-                continue  # the run's own (trainer.runs[].resume_step), checked by the trainer
+        for index, run in enumerate(experiment_runs(self.cfg)):
+            # a [[runs]] entry's own rewind too: it failed in the trainer, after every service had started
+            own = "resume_step" in run.trainer
+            step = run.trainer["resume_step"] if own else self.cfg.ckpt.resume_step
+            key = f"runs.{index}.trainer.resume_step" if own else "ckpt.resume_step"
+            if step is None or step == 0:
+                continue
             have = [] if self.cfg.fresh else trainer_checkpoints(run.output_dir)
             where = f"{run.output_dir}" + (" after --fresh" if self.cfg.fresh else "")
             if step == -1 and not have:
-                raise ConfigError(f"config key 'ckpt.resume_step': -1 needs a trainer checkpoint, {where} has none")
+                raise ConfigError(f"config key '{key}': -1 needs a trainer checkpoint, {where} has none")
             if step > 0 and step not in have:
                 raise ConfigError(
-                    f"config key 'ckpt.resume_step': no trainer checkpoint of step {step} in {where} "
+                    f"config key '{key}': no trainer checkpoint of step {step} in {where} "
                     f"(have {have or 'none'}; 0 rewinds to the base model)"
                 )
             progress = orchestrator_progress(run.output_dir) or []
             if step > 0 and step not in progress:  # the orchestrator rewinds its task position from it
                 raise ConfigError(
-                    f"config key 'ckpt.resume_step': no orchestrator progress checkpoint of step {step} in {where} "
+                    f"config key '{key}': no orchestrator progress checkpoint of step {step} in {where} "
                     f"(have {progress or 'none'}; trainer checkpoints {have})"
                 )
 
