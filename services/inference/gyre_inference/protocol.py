@@ -44,6 +44,7 @@ UNSUPPORTED_FIELDS = {
     "reasoning_effort": "the served model has no reasoning-effort setting",
     "verbosity": "the served model has no verbosity setting",
     "web_search_options": "this server has no web search",
+    "moderation": "this server runs no moderation",
     "functions": "deprecated by OpenAI: use tools",
     "function_call": "deprecated by OpenAI: use tools / tool_choice / tool_calls",
     "refusal": "this server never refuses",
@@ -68,6 +69,14 @@ def neutral_only(cls, value, info):
         name = info.field_name
         raise ValueError(f"only {_NEUTRAL[name][0]!r} is supported: {UNSUPPORTED_FIELDS[name]}")
     return value
+
+
+class PromptCacheOptions(StrictModel):
+    """OpenAI's prompt caching options: a hint, accepted and ignored (the prefix cache here is automatic and never
+    changes an output)."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
 
 
 class StreamOptions(StrictModel):
@@ -316,6 +325,11 @@ class ChatCompletionRequest(SamplingRequest):
     )
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
     prompt_cache_key: str | None = Field(None, description="Accepted and ignored (a caching hint).")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="Accepted and ignored (a caching hint)."
+    )
+    prompt_cache_options: PromptCacheOptions | None = Field(None, description="Accepted and ignored (a caching hint).")
+    moderation: None = Field(None, description="Only null: no moderation runs here.")
     reasoning_effort: None = Field(None, description="Only null: the served model has no reasoning-effort setting.")
     verbosity: None = Field(None, description="Only null: no verbosity setting.")
     web_search_options: None = Field(None, description="Only null: no web search.")

@@ -37,6 +37,7 @@ from gyre_inference.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     JSONSchemaFormat,
+    PromptCacheOptions,
     SchemaObject,
     StreamOptions,
 )
@@ -177,6 +178,9 @@ class ResponsesRequest(StrictModel):
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # caching hints: ignored, as prompt_cache_key
+    prompt_cache_options: PromptCacheOptions | None = None
+    moderation: None = Field(None, description="Only null: no moderation runs here.")
     service_tier: Literal["auto", "default"] | None = None
     max_tool_calls: int | None = Field(None, ge=1, description="Accepted: no built-in tools run here.")
     truncation: Literal["disabled"] = Field("disabled", description="Only disabled: a prompt too long is a 400.")

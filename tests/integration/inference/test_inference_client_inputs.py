@@ -87,7 +87,8 @@ CHAT_NULLABLE = ["n", "logprobs", "stream", "presence_penalty", "frequency_penal
                  "top_logprobs", "stop", "seed", "user", "max_completion_tokens", "stream_options", "logit_bias",
                  "response_format", "store", "metadata", "service_tier", "modalities", "prediction", "audio",
                  "reasoning_effort", "parallel_tool_calls", "safety_identifier", "prompt_cache_key",
-                 "web_search_options", "verbosity"]  # fmt: skip
+                 "web_search_options", "verbosity", "prompt_cache_retention", "prompt_cache_options",
+                 "moderation"]  # fmt: skip
 COMPLETIONS_NULLABLE = [
     "n",
     "logprobs",
@@ -122,6 +123,11 @@ def test_openai_fields_at_neutral_values_through_the_sdk(client, model_id):
         modalities=["text"], prediction=None, safety_identifier="user-1", prompt_cache_key="k",
         stream_options=None, parallel_tool_calls=None,
     )  # fmt: skip
+    # caching hints the SDK has (a client written for OpenAI's caching got "Extra inputs are not permitted")
+    for hints in ({"prompt_cache_retention": "24h"}, {"prompt_cache_retention": "in_memory"},
+                  {"prompt_cache_options": {"mode": "explicit", "ttl": "30m"}}):  # fmt: skip
+        client.chat.completions.create(model=model_id, messages=CHAT["messages"], max_tokens=2, **hints)
+        client.responses.create(model=model_id, input="hi", max_output_tokens=16, **hints)
     assert completion.choices[0].finish_reason in ("stop", "length")
     # ignored as OpenAI ignores them without the feature: tags, a prediction (only latency), obfuscation
     client.chat.completions.create(
@@ -147,6 +153,7 @@ def test_openai_fields_at_neutral_values_through_the_sdk(client, model_id):
         ("audio", {"voice": "alloy", "format": "wav"}, "no audio output"),
         ("reasoning_effort", "low", "no reasoning-effort setting"),
         ("web_search_options", {}, "no web search"),
+        ("moderation", {"model": "omni-moderation-latest"}, "no moderation"),
         ("functions", [{"name": "f"}], "use tools"),
         ("metadata", {"k": 5}, "string"),
     ],
