@@ -20,10 +20,11 @@ token ids and log-probs, which verifiers records in the trace's message graph.
 Mapping onto a Gyre sample (one per episode): the first trainable branch of the episode's first trace gives
 `token_ids`, `loss_mask` (verifiers' `sampled_mask`: True only on tokens the model sampled, so user, tool and
 template tokens between turns are masked out) and `logprobs`; the policy versions span every turn of the episode;
-the reward is the trace's weighted reward (`Score.per_function` holds each named reward). A second branch (a turn
-whose prompt no longer extended the recorded tokens, or compaction) is dropped and the rollout marked "drift".
-An episode that raised (task, harness or env code) comes back with `Rollout.error` set: the orchestrator counts it
-(`rollouts{outcome="error"}`, `rollout_errors` in the step record) and generates the sample again.
+the reward is the trace's weighted reward (`Score.per_function` holds each named reward; a NaN or inf one counts 0
+and is named in `Score.errors`). A second branch (a turn whose prompt no longer extended the recorded tokens, or
+compaction) is dropped and the rollout marked "drift". An episode that raised (task, harness or env code) comes back
+with `Rollout.error` set: the orchestrator counts it (`rollouts{outcome="error"}`, `rollout_errors` in the step
+record) and generates the sample again.
 
 Splits: the taskset's tasks (the first `max_tasks` of an infinite one) are loaded once; `num_eval` of them, chosen
 with `eval_seed`, are the eval split (or all of `eval_taskset`, a second taskset config, when given); the rest are
@@ -37,6 +38,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import math
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -312,9 +314,20 @@ class VerifiersEnv(Environment):
         trace = rollout.state.get("trace")
         if trace is None:
             return Score(reward=0.0, per_function={})
-        rewards = {name: r.score for name, r in trace.rewards.items() if r is not None}
-        errors = {name: "not scored" for name, r in trace.rewards.items() if r is None}
-        return Score(reward=float(trace.reward), per_function=rewards, errors=errors)
+        # verifiers keeps whatever float a reward returned: a NaN or inf one counts 0 and is named, as in a Gyre
+        # Rubric, so it never reaches the advantages (a NaN there poisons the whole batch's loss).
+        rewards: dict[str, float] = {}
+        errors: dict[str, str] = {}
+        reward = 0.0
+        for name, r in trace.rewards.items():
+            if r is None:
+                errors[name] = "not scored"
+            elif not (math.isfinite(r.score) and math.isfinite(r.value)):
+                rewards[name], errors[name] = 0.0, f"ValueError: returned {r.score} (weight {r.weight})"
+            else:
+                rewards[name] = r.score
+                reward += r.value
+        return Score(reward=reward, per_function=rewards, errors=errors)
 
     def sft_example(self, task: Task) -> Messages:
         if not task.answer:

@@ -120,6 +120,22 @@ async def test_an_inference_failure_is_raised_not_hidden(sampling):
         await rollout_of(env, Down([]), sampling)
 
 
+@pytest.mark.asyncio
+async def test_a_non_finite_verifiers_reward_scores_zero_and_is_named(sampling):
+    """verifiers keeps any float a reward returns; a NaN reached Score.reward (and the advantages) unchecked."""
+    from verifiers.v1.trace import Reward
+
+    env = vf_env(turns=1)
+    task, rollout, _ = await rollout_of(env, ScriptedClient([Reply("0")]), sampling)
+    trace = rollout.state["trace"]
+    trace.rewards = {"correct": Reward(score=float("nan")), "style": Reward(score=0.5, weight=2.0),
+                     "huge": Reward(score=float("inf"), weight=0.0), "skipped": None}  # fmt: skip
+    score = await env.score(task, rollout)
+    assert score.reward == 1.0
+    assert score.per_function == {"correct": 0.0, "style": 0.5, "huge": 0.0}
+    assert set(score.errors) == {"correct", "huge", "skipped"} and "nan" in score.errors["correct"]
+
+
 def test_splits_are_disjoint_seeded_and_endless():
     env = vf_env("reverse_text", num_tasks=10)
     evals = [t.prompt for t in env.tasks("eval")]
