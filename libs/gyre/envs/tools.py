@@ -78,7 +78,8 @@ class ToolEnv(MultiTurnEnv):
     """Multi-turn environment whose replies are tool results.
 
     Args: `tools` (functions or `Tool`s), `max_turns` (model turns, tool-calling ones included),
-    `max_tool_calls` per model turn, `max_tool_output_chars` (longer results are cut, keeping contexts short),
+    `max_tool_calls` per model turn, `max_tool_output_chars` (longer results and errors are cut, keeping contexts
+    short),
     `tool_timeout` seconds for async tools (sync tools run inline on the event loop: keep them fast).
     Each executed call is recorded in `state["tool_calls"]` as `{"turn", "name", "arguments", "ok", "result"}`.
     """
@@ -121,7 +122,17 @@ class ToolEnv(MultiTurnEnv):
         return replies, False
 
     async def run_tool(self, call: ToolCall) -> tuple[str, bool]:
-        """Execute one call; returns (text for the model, whether the tool ran successfully)."""
+        """Execute one call; returns (text for the model, whether the tool ran successfully).
+
+        The text, an error's included, is cut at `max_tool_output_chars`: errors echo model-written text (an
+        unknown tool's name, an unexpected argument), which must not outgrow the context either.
+        """
+        result, ok = await self._run_tool(call)
+        if len(result) > self.max_tool_output_chars:
+            result = result[: self.max_tool_output_chars] + "...[truncated]"
+        return result, ok
+
+    async def _run_tool(self, call: ToolCall) -> tuple[str, bool]:
         tool = self.tools.get(call.name)
         if call.error:
             return f"Error: {call.error}", False
@@ -133,8 +144,6 @@ class ToolEnv(MultiTurnEnv):
             return f"Error: {call.name} timed out after {self.tool_timeout}s", False
         except Exception as exc:  # the model sees the failure and can retry; the rollout goes on
             return f"Error: {type(exc).__name__}: {exc}", False
-        if len(result) > self.max_tool_output_chars:
-            result = result[: self.max_tool_output_chars] + "...[truncated]"
         return result, True
 
 

@@ -166,6 +166,18 @@ async def test_async_tools_time_out_and_outputs_are_capped(sampling):
     assert rollout.completion[1]["content"] == json.dumps({"text": "A" * 100})[:50] + "...[truncated]"
 
 
+@pytest.mark.asyncio
+async def test_error_messages_echoing_model_text_are_capped_too(sampling):
+    """An unknown tool's name or an unexpected argument is echoed in the error: a 5000-character name came back as
+    a 5045-character tool message, past `max_tool_output_chars`."""
+    env = Slow(tools=[shout], max_tool_output_chars=50, num_eval=1)
+    calls = text_call("x" * 5000, {}) + text_call("shout", {"text": "a", "y" * 5000: 1})
+    rollout = await env.rollout(ScriptedClient([calls, "ok"]), env.tasks("eval")[0], sampling)
+    results = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert [r[:20] for r in results] == ["Error: unknown tool ", "Error: TypeError: go"]
+    assert all(len(r) == 50 + len("...[truncated]") and r.endswith("...[truncated]") for r in results)
+
+
 def test_tool_calls_of_reads_structured_and_text_calls():
     structured = {"role": "assistant", "content": "", "tool_calls": [structured_call("x", "f", {"a": 1}).to_openai()]}
     assert tool_calls_of(structured)[0].arguments == {"a": 1}
