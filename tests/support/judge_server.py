@@ -18,12 +18,14 @@ from fastapi.responses import JSONResponse
 
 class ScriptedServer:
     """/v1/models, /v1/chat/completions (replies from `script`: text, or ("sleep", s, text), or ("status", code)),
-    /tokenize (one token per character), /classify (score = number of tokens / 10). Records every request."""
+    /tokenize (one token per character), /classify (score = number of tokens / 10; a 400 for an input longer than
+    `max_len`). Records every request."""
 
     def __init__(self):
         self.script: list = []
         self.requests: list[tuple[str, dict]] = []
         self.auth: list[str | None] = []
+        self.max_len: int | None = None  # /classify refuses a longer input (400), as a real server's context
         app = FastAPI()
 
         @app.get("/v1/models")
@@ -56,6 +58,10 @@ class ScriptedServer:
         async def classify(request: Request):
             body = await request.json()
             self.requests.append(("classify", body))
+            too_long = [i for i, ids in enumerate(body["input"]) if self.max_len and len(ids) > self.max_len]
+            if too_long:  # as `gyre inference --runner pooling` refuses a conversation longer than its context
+                message = f"input {too_long[0]} has too many tokens; this model takes 1 to {self.max_len}"
+                return JSONResponse({"error": {"message": message, "type": "BadRequestError"}}, status_code=400)
             data = [{"index": i, "label": "reward", "probs": [len(ids) / 10], "num_classes": 1}
                     for i, ids in enumerate(body["input"])]  # fmt: skip
             return {"id": "x", "object": "list", "created": 0, "model": body["model"], "data": data}

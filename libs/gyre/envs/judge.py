@@ -13,10 +13,20 @@ sampling) are answered once: from an LRU cache, and shared while in flight. A re
 asked again (counted as `unparsed`); when every attempt fails the judge raises `ScoringError`, which the rubric
 lets through and the orchestrator counts and retries: a failed judge is never a silent 0.
 
+A judge that refuses one request for what it holds (400, 413, 422: the rendered prompt, completion included, is
+longer than the judge's context; a hosted API's content filter) cannot grade that rollout however often it is
+asked: the judge raises `Unjudged`, an ordinary reward-function error, so the rubric scores that function 0 for
+the sample and names it in `Score.errors`, and the orchestrator counts it (`reward_errors`, plus `refused` in the
+judge's `signals`) and logs the first one. The completion is not cut to fit: a judge grading a cut answer would
+grade another answer, and the judge's context in tokens is not known to the client. Setup errors (401, 403,
+404, or `gyre.endpoint.MAX_REFUSED_IN_A_ROW` refusals in a row) stay `ScoringError`s that stop the run.
+
 A `RewardModel` scores whole conversations with a sequence-classification model behind vLLM's `/classify`
 (`gyre inference --runner pooling`, or `vllm serve --runner pooling`): each conversation is rendered by the
 server's own chat template (`/tokenize` with its messages), and concurrent calls are gathered into batches of up
-to `max_batch` token lists per `/classify` request (waiting at most `batch_wait_ms` for others to join).
+to `max_batch` token lists per `/classify` request (waiting at most `batch_wait_ms` for others to join). A batch
+the server refuses for what it holds (one conversation longer than its context) is scored again one conversation
+at a time, so only the refused one is `Unjudged` (the others are scored).
 """
 
 from __future__ import annotations
@@ -30,12 +40,17 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 from gyre.config.endpoint import JudgeConfig, RewardModelConfig
-from gyre.endpoint import Endpoint, EndpointError
+from gyre.endpoint import Endpoint, EndpointError, RequestRefused
 from gyre.envs.types import Messages, ScoringError
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 # what comes before a number that is the scale, not a score: the 10 of "8/10" or "8 out of 10"
 _SCALE_BEFORE = re.compile(r"(?:/|\bout\s+of)\s*$", re.IGNORECASE)
+
+
+class Unjudged(RuntimeError):
+    """The judge or reward model refused to score this rollout (its request, e.g. too long for the model's context):
+    a reward-function error (0 for this function, named in `Score.errors`), not a `ScoringError`."""
 
 
 def _text(content: Any) -> str:
@@ -149,6 +164,8 @@ class Judge:
                 body = await self.endpoint.chat(
                     messages, temperature=self.config.temperature, max_tokens=self.config.max_tokens, **extra
                 )
+            except RequestRefused as error:  # the same request is refused every time: this rollout's, not the run's
+                raise Unjudged(f"{error} (scored 0 for this sample, not cut to fit)") from error
             except EndpointError as error:
                 raise ScoringError(str(error)) from error
             try:
@@ -183,10 +200,16 @@ class RewardModel:
         try:
             body = {"model": await self.endpoint.model(), "messages": messages, "add_generation_prompt": False}
             rendered = await self.endpoint.post("/tokenize", body)
+        except RequestRefused as error:
+            raise Unjudged(str(error)) from error
         except EndpointError as error:
             raise ScoringError(str(error)) from error
+        tokens = rendered.get("tokens") if isinstance(rendered, dict) else None
+        if not (isinstance(tokens, list) and tokens):  # the server's fault, not the rollout's: never a silent 0
+            self.stats["unparsed"] += 1
+            raise ScoringError(f"reward model {self.config.name!r}: /tokenize answered no token list")
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((rendered["tokens"], future))
+        self._queue.append((tokens, future))
         if len(self._queue) >= self.config.max_batch:
             self._flush()
         elif self._timer is None:
@@ -212,6 +235,14 @@ class RewardModel:
             scores = [float(row["probs"][self.config.label]) for row in rows]
             if len(scores) != len(batch) or not all(math.isfinite(s) for s in scores):
                 raise ValueError(f"{len(scores)} scores for {len(batch)} conversations, or a non-finite one")
+        except RequestRefused as error:
+            if len(batch) > 1:  # one conversation's fault (e.g. too long): each alone, so only that one fails
+                await asyncio.gather(*(self._score([one]) for one in batch))
+                return
+            _, future = batch[0]
+            if not future.done():
+                future.set_exception(Unjudged(f"reward model {self.config.name!r}: {error}"))
+            return
         except (EndpointError, KeyError, IndexError, TypeError, ValueError) as error:
             self.stats["unparsed"] += not isinstance(error, EndpointError)
             failure = ScoringError(f"reward model {self.config.name!r}: {error}")

@@ -253,3 +253,26 @@ async def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts
         with pytest.raises(ValueError, match="orchestrator.teacher: the teacher at .* tokenizes differently"):
             await asyncio.wait_for(service.run(), timeout=60)
         assert other.count("chat") == 0 and not [r for r in other.requests if r[0] != "tokenize"]
+
+
+async def test_a_judge_too_short_for_a_rollout_scores_it_unjudged_and_the_run_goes_on(
+    tmp_path, redis_url, unique_run_id, replicas, short_teacher, tiny_model, caplog
+):
+    """A real judge of a 64-token context: the long task's judge prompt does not fit it (400 context length), the
+    short one's does. The long task's samples score 0 for the judge, named in their errors, counted
+    (`reward_errors`, the judge's `refused`) and logged once; before, each was a scoring failure, generated again
+    and refused again, and the run stopped."""
+    env = prompts_env(tmp_path, "ab", "the quick brown fox jumps over the lazy dog, then it runs far far away")
+    judges = [{"name": "judge", "url": short_teacher.url, **JUDGE, "prompt": "{question} {question}"}]
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, env=env, max_steps=1, judges=judges,
+                              advantage={"drop_zero_signal": False})  # fmt: skip
+    with caplog.at_level("WARNING"):
+        await first_batch(cfg, tiny_model)
+    records = dump(cfg)
+    long = [r for r in records if r["task_id"] == "row-1"]
+    assert len(long) == 4 and all(r["rewards"]["judge"] == 0.0 for r in long)
+    event = events(cfg)[0]
+    assert event["scoring_failures"] == 0 and event["reward_errors"] == {"judge": 4}
+    assert event["signals"]["judge"]["refused"] >= 1  # shared in flight / cached: one request may serve several
+    warnings = [r.getMessage() for r in caplog.records if "reward function 'judge' failed" in r.getMessage()]
+    assert len(warnings) == 1 and "maximum context length is 64" in warnings[0]

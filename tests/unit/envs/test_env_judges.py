@@ -14,7 +14,7 @@ import time
 import pytest
 from gyre.config.endpoint import JudgeConfig
 from gyre.envs import Rollout, Rubric, ScoringError, Task
-from gyre.envs.judge import Judge, RewardModel, parse_score, render
+from gyre.envs.judge import Judge, RewardModel, Unjudged, parse_score, render
 from pydantic import ValidationError
 from support.judge_server import ScriptedServer
 
@@ -30,6 +30,7 @@ def _fresh(scripted):
     scripted.script.clear()
     scripted.requests.clear()
     scripted.auth.clear()
+    scripted.max_len = None
 
 
 PROMPT = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "abc"}]
@@ -171,8 +172,8 @@ def test_a_judge_that_keeps_failing_raises_scoring_error_never_zero(scripted):
         with pytest.raises(ScoringError, match="failed 2 times"):
             await judge(PROMPT, completion("x"), "")
         assert (judge.stats["timeouts"], judge.stats["errors"], judge.stats["failures"]) == (1, 1, 1)
-        scripted.script[:] = [("status", 400)]  # the request's fault: no retry
-        with pytest.raises(ScoringError, match="refused the request: 400"):
+        scripted.script[:] = [("status", 401)]  # the setup's fault (a key): no retry, and the run stops
+        with pytest.raises(ScoringError, match="refused the request: 401"):
             await judge(PROMPT, completion("y"), "")
         scripted.script[:] = ["no idea", "still no idea"]  # unreadable replies are asked again, then fail
         with pytest.raises(ScoringError, match="no score after 2 replies"):
@@ -200,6 +201,68 @@ def test_a_rubric_lets_scoring_errors_through_and_logs_weight_zero_judges(script
             await rubric.score(task, rollout("abc"))
 
     asyncio.run(scenario())
+
+
+def test_a_judge_refusing_a_rollout_scores_it_as_unjudged_and_the_run_goes_on(scripted):
+    """A judge whose context the rendered prompt exceeds refuses that request (400) every time it is asked: it was a
+    ScoringError, so the sample was generated again and, refused again for a long completion, the run stopped. Now
+    it is this rollout's: the function scores 0, named in Score.errors (counted and logged by the orchestrator),
+    the judge's `refused` counts it, and the rubric's other functions score as usual. Not retried."""
+    judge = Judge(url=scripted.url, prompt="{response}", name="style", model="judge-model")
+
+    def exact(completion, answer) -> float:
+        return float(completion[-1]["content"] == answer)
+
+    rubric = Rubric([exact]).add(judge, weight=1.0, name="style")
+
+    async def scenario():
+        scripted.script[:] = [("status", 400), "8"]
+        score = await rubric.score(Task(id="t", prompt=PROMPT, answer="cba"), rollout("cba"))
+        again = await judge(PROMPT, completion("short"), "")
+        return score, again
+
+    score, again = asyncio.run(scenario())
+    assert score.per_function == {"exact": 1.0, "style": 0.0} and score.reward == 1.0
+    assert "Unjudged" in score.errors["style"] and "refused the request: 400" in score.errors["style"]
+    assert again == pytest.approx(0.8) and scripted.count("chat") == 2
+    assert judge.stats["refused"] == 1 and judge.stats["retries"] == 0
+
+
+def test_a_reward_model_batch_refused_for_one_conversation_scores_the_others(scripted):
+    """One conversation longer than the reward model's context made the server refuse the whole /classify batch:
+    every conversation of it failed (ScoringError), and the run stopped when the long one came back. Now the
+    batch is scored again one conversation at a time: the long one is Unjudged, the others are scored."""
+    scripted.max_len = 40
+    model = RewardModel(url=scripted.url, max_batch=4, batch_wait_ms=50, model="judge-model")
+    conversations = [PROMPT + completion("x" * n) for n in (1, 2, 60, 3)]
+
+    async def scenario():
+        return await asyncio.gather(*(model(messages) for messages in conversations), return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    base = len("Reverse the text.abc")
+    assert results[0] == pytest.approx((base + 1) / 10) and results[1] == pytest.approx((base + 2) / 10)
+    assert results[3] == pytest.approx((base + 3) / 10)
+    assert isinstance(results[2], Unjudged) and "too many tokens" in str(results[2])
+    assert [len(body["input"]) for kind, body in scripted.requests if kind == "classify"] == [4, 1, 1, 1, 1]
+    assert model.stats["refused"] == 2
+
+
+def test_a_reward_model_tokenize_answer_without_tokens_is_a_scoring_error(scripted):
+    """A /tokenize answer without a token list (a proxy's error page, another API) is the server's fault: it raised
+    KeyError, which the rubric scored 0 as if the rollout were at fault."""
+    model = RewardModel(url=f"{scripted.url}/v1", model="judge-model")
+    model.endpoint.post = _answer({"count": 3})
+
+    with pytest.raises(ScoringError, match="/tokenize answered no token list"):
+        asyncio.run(model(PROMPT))
+
+
+def _answer(body):
+    async def post(path, request):
+        return body
+
+    return post
 
 
 def test_concurrency_is_bounded(scripted):
