@@ -3,20 +3,17 @@ reads a rotated key restarted (the services read their secret files once, at sta
 the old key and its peers, restarted with the new one, refuse it).
 
 `lookup` answers nothing offline, so these tests play the cluster: they render a copy of the chart whose one
-`lookup` of Secrets (`gyre.liveSecret`) answers with the Secrets given, as `helm upgrade` would see them."""
+`lookup` (`gyre.live`, chart_testlib.render_live) answers with the Secrets given, as `helm upgrade` sees them."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import json
-import shutil
 from pathlib import Path
 
 import pytest
-from chart_testlib import CHART, manifests, pod_templates, render, secret_data
+from chart_testlib import CHART, manifests, pod_templates, render, render_live, secret_data
 
-LOOKUP = '{{- lookup "v1" "Secret" .root.Release.Namespace .name | default dict | toJson -}}'
 NAME = "exp-gyre-secrets"
 KEYS = ("api-key", "control-token", "redis-password")
 # which pods read which key (docs/kubernetes.md, "Secrets")
@@ -29,17 +26,10 @@ READERS = {
 
 @pytest.fixture
 def upgrade(tmp_path):
-    """render(values, live) of a chart whose lookup finds `live` ({name: Secret object})."""
+    """render(values, live) as `helm upgrade` sees a cluster holding `live` ({Secret name: Secret object})."""
 
     def render_with(values: dict, live: dict[str, dict]) -> list[dict]:
-        chart = tmp_path / f"chart-{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(CHART, chart)
-        helpers = chart / "templates" / "_helpers.tpl"
-        text = helpers.read_text()
-        assert text.count(LOOKUP) == 1, "the chart looks Secrets up through gyre.liveSecret alone"
-        fake = "{{- get (%s | fromJson) .name | default dict | toJson -}}" % json.dumps(json.dumps(live))
-        helpers.write_text(text.replace(LOOKUP, fake))
-        return manifests(render(values, chart=chart))
+        return manifests(render_live(values, {f"Secret/{name}": obj for name, obj in live.items()}, tmp_path))
 
     return render_with
 

@@ -507,12 +507,17 @@ volume needs sources). Call with (dict "root" $ "keys" (list "api-key" "redis-pa
 {{- end -}}
 
 {{/*
-The live Secret `name` in the release's namespace, as JSON: `{}` when there is none or no cluster to ask
-(`helm template`, `--dry-run`). The one `lookup` of Secrets (tests replace it to play an upgrade).
-Call with (dict "root" $ "name" "exp-gyre-secrets").
+A live object of the release's namespace, as JSON: `{}` when there is none or no cluster to ask (`helm
+template`, `--dry-run`). The chart's one `lookup` (tests replace it to play an upgrade).
+Call with (dict "root" $ "apiVersion" "v1" "kind" "Secret" "name" "exp-gyre-secrets").
 */}}
+{{- define "gyre.live" -}}
+{{- lookup .apiVersion .kind .root.Release.Namespace .name | default dict | toJson -}}
+{{- end -}}
+
+{{/* The live Secret `name` (gyre.live). Call with (dict "root" $ "name" "exp-gyre-secrets"). */}}
 {{- define "gyre.liveSecret" -}}
-{{- lookup "v1" "Secret" .root.Release.Namespace .name | default dict | toJson -}}
+{{- include "gyre.live" (dict "root" .root "apiVersion" "v1" "kind" "Secret" "name" .name) -}}
 {{- end -}}
 
 {{/*
@@ -896,6 +901,7 @@ unique, and each pod's ports are distinct (two containerPorts with one number ma
 servers on one port make a service that cannot start).
 */}}
 {{- define "gyre.validate" -}}
+{{- include "gyre.validateImmutable" . -}}
 {{- range $list := list "runs" "servers" -}}
 {{- $seen := dict -}}
 {{- range $i, $entry := get $.Values $list | default list -}}
@@ -935,5 +941,61 @@ servers on one port make a service that cannot start).
 {{ .count }} {{ .name | default .root.Values.gpu.resourceName }} each
 {{- else -}}
 on CPU
+{{- end -}}
+{{- end -}}
+
+{{/*
+Changes `helm upgrade` cannot make, refused before anything is applied, with what to do instead: the API
+server would reject the StatefulSet or claim halfway through the upgrade with a message naming no value. A
+StatefulSet's volume claim templates never change (Redis's `persistence`); a claim's access modes and class
+never change and its size only grows. Without a cluster to ask (`helm template`), nothing to compare.
+*/}}
+{{- define "gyre.validateImmutable" -}}
+{{- $ns := .Release.Namespace -}}
+{{- $r := .Values.redis -}}
+{{- if not $r.external.url -}}
+{{- $name := printf "%s-redis" (include "gyre.fullname" .) -}}
+{{- $sts := include "gyre.live" (dict "root" . "apiVersion" "apps/v1" "kind" "StatefulSet" "name" $name) | fromJson -}}
+{{- if $sts -}}
+{{- $vct := $sts.spec.volumeClaimTemplates | default list -}}
+{{- $howto := printf "a StatefulSet's volume claim templates cannot change: `kubectl -n %s delete statefulset %s --cascade=orphan` (the Redis pod and its volume stay), then run the upgrade again" $ns $name -}}
+{{- if ne (not (empty $vct)) (not (not $r.persistence.enabled)) -}}
+{{- fail (printf "redis.persistence.enabled: %v, but StatefulSet %s was created with it %v; %s" $r.persistence.enabled $name (not (empty $vct)) $howto) -}}
+{{- end -}}
+{{- with $vct -}}
+{{- $live := index . 0 -}}
+{{- $size := $live.spec.resources.requests.storage | toString -}}
+{{- if ne (include "gyre.bytes" $size) (include "gyre.bytes" $r.persistence.size) -}}
+{{- fail (printf "redis.persistence.size: %s, but StatefulSet %s was created with %s; grow the claim itself (`kubectl -n %s patch pvc redis-data-%s-0 -p '{\"spec\":{\"resources\":{\"requests\":{\"storage\":\"%s\"}}}}'`, if its StorageClass allows expansion), then: %s" (toString $r.persistence.size) $name $size $ns $name (toString $r.persistence.size) $howto) -}}
+{{- end -}}
+{{- if and $r.persistence.storageClass (ne $r.persistence.storageClass ($live.spec.storageClassName | default "")) -}}
+{{- fail (printf "redis.persistence.storageClass: %q, but StatefulSet %s was created with %q; %s" $r.persistence.storageClass $name ($live.spec.storageClassName | default "") $howto) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $claims := list -}}
+{{- if not .Values.persistence.existingClaim -}}
+{{- $claims = append $claims (dict "key" "persistence" "name" (include "gyre.claimName" .) "v" .Values.persistence) -}}
+{{- end -}}
+{{- $mc := .Values.modelCache -}}
+{{- if and (eq $mc.type "pvc") (not $mc.existingClaim) -}}
+{{- $claims = append $claims (dict "key" "modelCache" "name" (include "gyre.modelCacheClaim" .) "v" $mc) -}}
+{{- end -}}
+{{- range $c := $claims -}}
+{{- $pvc := include "gyre.live" (dict "root" $ "apiVersion" "v1" "kind" "PersistentVolumeClaim" "name" $c.name) | fromJson -}}
+{{- if $pvc -}}
+{{- $keep := printf "keep the claim's, or copy the data to a new claim and name it in %s.existingClaim" $c.key -}}
+{{- if not (has $c.v.accessMode ($pvc.spec.accessModes | default list)) -}}
+{{- fail (printf "%s.accessMode: %s, but PersistentVolumeClaim %s was created %s and a claim's access modes cannot change; %s" $c.key $c.v.accessMode $c.name (join ", " ($pvc.spec.accessModes | default list)) $keep) -}}
+{{- end -}}
+{{- if and $c.v.storageClass (ne $c.v.storageClass ($pvc.spec.storageClassName | default "")) -}}
+{{- fail (printf "%s.storageClass: %q, but PersistentVolumeClaim %s was created with %q and a claim's class cannot change; %s" $c.key $c.v.storageClass $c.name ($pvc.spec.storageClassName | default "") $keep) -}}
+{{- end -}}
+{{- $size := $pvc.spec.resources.requests.storage | toString -}}
+{{- if lt (include "gyre.bytes" $c.v.size | int64) (include "gyre.bytes" $size | int64) -}}
+{{- fail (printf "%s.size: %s, but PersistentVolumeClaim %s already holds %s and a claim never shrinks; keep %s or more" $c.key (toString $c.v.size) $c.name $size $size) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}

@@ -1,0 +1,70 @@
+"""`helm upgrade` values the cluster cannot apply are refused before anything changes, naming the value and
+what to do instead. Before, the API server refused the Redis StatefulSet (a volume claim template never
+changes) or the shared claim (access modes and class never change, the size never shrinks) halfway through
+the upgrade, with a message naming no value. The tests play the live objects (chart_testlib.render_live)."""
+
+from __future__ import annotations
+
+import helm_python
+import pytest
+from chart_testlib import manifests, named, render, render_live
+
+SEED = {"secrets": {"seed": "s" * 40}}
+
+
+def live_objects(values: dict) -> dict[str, dict]:
+    """What the cluster holds after installing `values`: the Redis StatefulSet and the claims."""
+    docs = manifests(render({**SEED, **values}))
+    found = {}
+    for doc in docs:
+        if doc["kind"] in ("StatefulSet", "PersistentVolumeClaim"):
+            found[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return found
+
+
+@pytest.mark.parametrize(
+    ("installed", "upgraded", "message"),
+    [
+        ({}, {"redis": {"persistence": {"size": "16Gi"}}},
+         r"redis.persistence.size: 16Gi, but StatefulSet exp-gyre-redis was created with 8Gi; grow the claim itself "
+         r"\(`kubectl -n rl patch pvc redis-data-exp-gyre-redis-0 .*--cascade=orphan"),
+        ({}, {"redis": {"persistence": {"enabled": False}}},
+         "redis.persistence.enabled: false, but StatefulSet exp-gyre-redis was created with it true"),
+        ({"redis": {"persistence": {"enabled": False}}}, {},
+         "redis.persistence.enabled: true, but StatefulSet exp-gyre-redis was created with it false"),
+        ({"redis": {"persistence": {"storageClass": "fast"}}}, {"redis": {"persistence": {"storageClass": "slow"}}},
+         'redis.persistence.storageClass: "slow", but StatefulSet exp-gyre-redis was created with "fast"'),
+        ({}, {"persistence": {"accessMode": "ReadWriteOnce"}},
+         "persistence.accessMode: ReadWriteOnce, but PersistentVolumeClaim exp-gyre-data was created ReadWriteMany"),
+        ({"persistence": {"storageClass": "nfs"}}, {"persistence": {"storageClass": "efs"}},
+         'persistence.storageClass: "efs", but PersistentVolumeClaim exp-gyre-data was created with "nfs"'),
+        ({}, {"persistence": {"size": "50Gi"}},
+         "persistence.size: 50Gi, but PersistentVolumeClaim exp-gyre-data already holds 100Gi and a claim never shrinks"),
+        ({"modelCache": {"type": "pvc"}}, {"modelCache": {"type": "pvc", "size": "10Gi"}},
+         "modelCache.size: 10Gi, but PersistentVolumeClaim exp-gyre-model-cache already holds 20Gi"),
+    ],
+)  # fmt: skip
+def test_an_upgrade_the_cluster_cannot_apply_is_refused_naming_the_value(tmp_path, installed, upgraded, message):
+    with pytest.raises(helm_python.HelmError, match=message):
+        render_live({**SEED, **upgraded}, live_objects(installed), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "upgraded",
+    [
+        {},  # the same values
+        {"persistence": {"size": "200Gi"}},  # a claim grows (if its class allows expansion)
+        {"redis": {"maxmemory": "1gb"}, "inference": {"replicas": 3}},  # anything in the pod templates
+        {"persistence": {"existingClaim": "elsewhere"}},  # the chart's claim is no longer used
+    ],
+)
+def test_upgrades_the_cluster_can_apply_render(tmp_path, upgraded):
+    docs = manifests(render_live({**SEED, **upgraded}, live_objects({}), tmp_path))
+    assert named(docs, "StatefulSet", "exp-gyre-redis")
+
+
+def test_a_live_claim_of_the_default_class_accepts_an_unset_class(tmp_path):
+    # the cluster writes its default class into a claim created without one: unset still means "as it is"
+    live = live_objects({})
+    live["PersistentVolumeClaim/exp-gyre-data"]["spec"]["storageClassName"] = "standard"
+    render_live(SEED, live, tmp_path)
