@@ -61,8 +61,10 @@ def resolve(name: str, args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if name in available:
         return available[name], args
     prefix, _, rest = name.partition(":")
-    if prefix in PREFIXED and rest:
+    if prefix in PREFIXED:
         target, arg = PREFIXED[prefix]
+        if not rest.strip():  # it read as a malformed import path ("expected 'package.module:attribute'")
+            raise EnvironmentLoadError(f"environment {name!r}: name the {arg} after the colon ({prefix}:<{arg}>)")
         return target, {arg: rest, **args}
     if ":" in name:
         return name, args

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -90,6 +91,23 @@ def test_bad_import_paths(external_module):
         load_environment(f"{external_module}:missing")
     with pytest.raises(EnvironmentLoadError, match="not an Environment"):
         load_environment(f"{external_module}:not_an_env")
+
+
+@pytest.mark.parametrize(("name", "arg"), [("reasoning_gym:", "dataset"), ("verifiers: ", "taskset_id")])
+def test_a_prefix_without_a_name_says_what_to_add(name, arg):
+    with pytest.raises(EnvironmentLoadError, match=f"name the {arg} after the colon"):
+        load_environment(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "module", "install"),
+    [("reasoning_gym:chain_sum", "reasoning_gym", "gyre[reasoning-gym]"), ("verifiers:x", "verifiers.v1",
+                                                                            "gyre[verifiers]")],
+)  # fmt: skip
+def test_a_missing_optional_package_says_what_to_install(monkeypatch, name, module, install):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    with pytest.raises(ImportError, match=re.escape(f"pip install '{install}'")):
+        load_environment(name)
 
 
 def test_loading_environments_never_imports_torch():
