@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Collection
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -195,12 +196,13 @@ class AdapterBank:
 
     def load(
         self, name: str, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int,
-        source: Path | None = None, slot: int | None = None,
+        source: Path | None = None, slot: int | None = None, lock: AbstractContextManager = nullcontext(),
     ) -> None:  # fmt: skip
         """Serve `tensors` (from `read` of folder `source`) as adapter `name` at `version` (engine thread, between
         steps), in `slot` (from `slot_for`; by default found here). Layers the adapter does not touch are zeroed
         in its slot: the adapter replaces, never adds up. The name gets its slot and version only once the slot is
-        filled: a request is never queued on a slot half loaded, or holding an evicted adapter's weights."""
+        filled: a request is never queued on a slot half loaded, or holding an evicted adapter's weights. `lock` is
+        held while the name is assigned (the engine's condition: the asyncio side reads the slots under it)."""
         slot = self.slot_for(name) if slot is None else slot
         with torch.no_grad():
             for module, (a_stack, b_stack) in self.layers.items():
@@ -211,5 +213,6 @@ class AdapterBank:
                 else:
                     a_stack[slot].copy_(pair[0])
                     b_stack[slot].copy_(pair[1])
-        self.versions[name], self.sources[name] = version, source
-        self._assign(name, slot)
+        with lock:
+            self.versions[name], self.sources[name] = version, source
+            self._assign(name, slot)

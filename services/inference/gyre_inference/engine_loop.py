@@ -245,7 +245,7 @@ class EngineLoop:
 
     def _copy_in(self, swap: _Swap) -> None:
         if swap.adapter is not None:
-            self._bank.load(swap.adapter, swap.tensors, swap.version, swap.source, swap.slot)
+            self._bank.load(swap.adapter, swap.tensors, swap.version, swap.source, swap.slot, lock=self._cond)
             self._batch.new_weights(self._bank.slots[swap.adapter])
             return
         state = self._weights
