@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -11,6 +12,8 @@ from gyre.envs.alphabet_sort import sorted_rounds_reward, split_names
 from gyre.envs.arithmetic import correct_answer
 from gyre.envs.reverse_text import exact_reward, lcs_reward
 from gyre.envs.scoring import lcs_length, lcs_ratio, math_equal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def said(*texts: str) -> list[dict]:
@@ -244,3 +247,52 @@ async def test_reference_answers_earn_full_reward(name):
         state = {"tool_calls": [{"name": "calculator", "ok": True}]} if name == "calculator" else {}
         score = await env.score(task, fake_rollout(task, completion, state))
         assert score.reward == pytest.approx(sum(env.rubric.weights)), (task, score)
+
+
+# Fragments that parsers and graders treat specially, mixed into arbitrary unicode.
+_FRAGMENTS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<answer>",
+    "</answer>",
+    "\\boxed{",
+    "}",
+    "$",
+    "\\frac{1}{2}",
+    "9^{9^{9}}",
+    "```",
+    "\n",
+    ", ",
+    " and ",
+    "Ana",
+    "7",
+    "-3",
+    "0.5",
+    "1/0",
+    "nan",
+    "inf",
+]
+_MODEL_TEXT = st.lists(st.one_of(st.text(max_size=40), st.sampled_from(_FRAGMENTS)), max_size=12).map("".join)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["reverse_text", "arithmetic", "alphabet_sort", "calculator"])
+async def test_rewards_are_finite_and_in_range_for_any_output(name):
+    """Whatever a model writes (empty, unclosed tags, arbitrary unicode, several turns), every built-in's reward is
+    finite, within [0, sum of weights], and no reward function errors."""
+    env = load_environment(name, num_eval=4)
+    task = env.tasks("eval")[0]
+    top = sum(env.rubric.weights)
+    scores = []
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.lists(_MODEL_TEXT, max_size=3))
+    def check(texts):
+        scores.append((texts, asyncio.run(env.score(task, fake_rollout(task, said(*texts), {"tool_calls": []})))))
+
+    await asyncio.to_thread(check)  # hypothesis drives its own loop per example; keep it off the test's loop
+    for texts, score in scores:
+        assert math.isfinite(score.reward) and 0.0 <= score.reward <= top, (texts, score)
+        assert not score.errors, (texts, score)
