@@ -4,11 +4,12 @@ One small client for all three, over the official `openai` client (auth, timeout
 
 - **bounded concurrency**: at most `max_concurrency` requests in flight;
 - **timeouts and retries**: a timeout, connection error, 5xx or 429 is retried after a jittered exponential
-  backoff, `retries` times; a 4xx fails at once. A 400, 413 or 422 refuses what the request holds (a sample too
-  long for the server's context, a token out of its vocabulary) and raises `RequestRefused`: the caller may skip
-  that one sample (the teacher, a judge) instead of stopping the run. Any other 4xx (401, 403, 404: a key, a
-  model, a URL) is the configuration's fault, and so are `MAX_REFUSED_IN_A_ROW` refusals with no success between
-  them (a judge asking for what the server never serves, a teacher of another vocabulary): both raise a plain
+  backoff (or the `Retry-After` a 429/503 asks for, up to a minute, when that is longer), `retries` times; a
+  4xx fails at once. A 400, 413 or 422 refuses what the request holds (a sample too long for the server's
+  context, a token out of its vocabulary) and raises `RequestRefused`: the caller may skip that one sample (the
+  teacher, a judge) instead of stopping the run. Any other 4xx (401, 403, 404: a key, a model, a URL) is the
+  configuration's fault, and so are `MAX_REFUSED_IN_A_ROW` refusals with no success between them (a judge
+  asking for what the server never serves, a teacher of another vocabulary): both raise a plain
   `EndpointError`, which stops the run with the reason;
 - **counted**: `stats` counts requests, successes, retries, timeouts and failures, read by the orchestrator
   into its step events and metrics (a judge that keeps timing out is visible, not silent);
@@ -21,6 +22,7 @@ root (`/v1/chat/completions`, `/classify`, `/inference/v1/generate`).
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections import Counter
 from typing import Any
@@ -35,6 +37,8 @@ _RETRYABLE = (openai.APIConnectionError, openai.InternalServerError, openai.Rate
 
 #: statuses that refuse what one request holds (OpenAI's and vLLM's context-length error is a 400), not the setup
 REFUSED_STATUSES = frozenset({400, 413, 422})
+#: the longest `Retry-After` honoured (a larger one is waited this long, then retried)
+MAX_RETRY_AFTER_S = 60.0
 #: this many refusals in a row, none answered between them: the configuration is at fault, not the samples
 MAX_REFUSED_IN_A_ROW = 16
 
@@ -118,7 +122,8 @@ class Endpoint:
             for attempt in range(self.config.retries + 1):
                 if attempt:
                     self.stats["retries"] += 1
-                    await asyncio.sleep(random.uniform(0, self.backoff_s * 2 ** (attempt - 1)))
+                    backoff = random.uniform(0, self.backoff_s * 2 ** (attempt - 1))
+                    await asyncio.sleep(max(backoff, retry_after(last)))
                 self.stats["requests"] += 1
                 try:
                     answer = await request(client)
@@ -154,6 +159,20 @@ class Endpoint:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+
+def retry_after(error: BaseException | None) -> float:
+    """Seconds a 429 or 503 asks the client to wait (`Retry-After` in seconds), at most `MAX_RETRY_AFTER_S`; 0 when
+    it asks nothing. A hosted judge's rate limit says when its window opens: retrying within our own short backoff
+    used every retry up in a few seconds, failed the sample, and after `sample_attempts` the run."""
+    response = getattr(error, "response", None)
+    if not isinstance(error, openai.APIStatusError) or response is None:
+        return 0.0
+    try:
+        seconds = float(response.headers.get("retry-after", "0"))
+    except ValueError:  # an HTTP date: rare from model APIs; our backoff then
+        return 0.0
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else 0.0
 
 
 def describe(error: BaseException | None) -> str:

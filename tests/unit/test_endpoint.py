@@ -90,3 +90,31 @@ def test_a_missing_key_names_the_endpoint_and_the_setting(tmp_path):
     config = EndpointConfig(url="http://127.0.0.1:9", api_key_file=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="^teacher: api_key_file: cannot read"):
         Endpoint(config, name="teacher")
+
+
+def test_a_rate_limit_is_waited_out_as_the_server_asks(scripted):
+    """A hosted judge's 429 says when its window opens (Retry-After): it was retried within our own backoff
+    (here 10 ms), every retry spent in a moment, the sample failed and, after sample_attempts, the run."""
+    import time
+
+    client = endpoint(scripted, retries=1)
+    client.backoff_s = 0.01
+
+    async def scenario():
+        scripted.script[:] = [("status", 429, {"retry-after": "1"}), "ok"]
+        start = time.monotonic()
+        await client.chat(MESSAGES)
+        await client.aclose()
+        return time.monotonic() - start
+
+    assert asyncio.run(scenario()) >= 0.95 and client.stats["retries"] == 1 and client.stats["ok"] == 1
+
+
+@pytest.mark.parametrize("url", ["judge:8000", "localhost:8000/v1", "api.openai.com/v1"])
+def test_a_url_without_a_scheme_is_refused_naming_the_key(url):
+    """It was accepted, and every call failed as a retried 'Connection error.' that named no setting."""
+    from gyre.config import ConfigError, load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+
+    with pytest.raises(ConfigError, match=r"teacher\.url.*not an http\(s\) URL"):
+        load_config(OrchestratorConfig, [], teacher={"url": url})

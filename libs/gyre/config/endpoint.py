@@ -41,6 +41,15 @@ class EndpointConfig(Section):
     retries: int = Field(3, ge=0, description="Retries of a request (timeouts, connection errors, 5xx, 429).")
     max_concurrency: int = Field(16, ge=1, description="Requests in flight to this endpoint at once.")
 
+    @field_validator("url")
+    @classmethod
+    def _a_url(cls, value: str) -> str:
+        # without a scheme the client failed each call as a retried "Connection error.", naming nothing
+        if not value.startswith(("http://", "https://", "server:")):
+            raise ValueError(f"{value!r} is not an http(s) URL: give http://host:port or https://host/v1 (or, in "
+                             "gyre rl, server:<name> of a [[servers]] entry)")  # fmt: skip
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _no_key_in_files(cls, data: Any) -> Any:

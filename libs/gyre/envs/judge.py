@@ -111,6 +111,10 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
         if not numbers:
             raise ValueError("no number in the reply")
         value = numbers[-1]
+    try:
+        value = float(value)  # a JSON integer of 400 digits: OverflowError (it escaped as a rollout's error, 0)
+    except OverflowError:
+        raise ValueError(f"score {str(value)[:20]}... is outside 0..{config.max_score:g}") from None
     if not (math.isfinite(value) and 0 <= value <= config.max_score):
         raise ValueError(f"score {value} is outside 0..{config.max_score:g}")
     return value / config.max_score
@@ -232,6 +236,9 @@ class RewardModel:
                     "use_activation": self.config.activation}  # fmt: skip
             answer = await self.endpoint.post("/classify", body)
             rows = sorted(answer["data"], key=lambda row: row["index"])
+            if any(len(row["probs"]) <= self.config.label for row in rows):  # the setting's fault: name it
+                raise ValueError(f"label = {self.config.label}, but the classifier has {len(rows[0]['probs'])} "
+                                 f"outputs (label counts from 0)")  # fmt: skip
             scores = [float(row["probs"][self.config.label]) for row in rows]
             if len(scores) != len(batch) or not all(math.isfinite(s) for s in scores):
                 raise ValueError(f"{len(scores)} scores for {len(batch)} conversations, or a non-finite one")

@@ -258,6 +258,21 @@ def test_a_reward_model_tokenize_answer_without_tokens_is_a_scoring_error(script
         asyncio.run(model(PROMPT))
 
 
+def test_a_reward_model_label_beyond_the_classifier_names_the_setting(scripted):
+    """`label` past the classifier's outputs was an IndexError message ('list index out of range')."""
+    model = RewardModel(url=scripted.url, model="judge-model", label=2, batch_wait_ms=0)
+    with pytest.raises(ScoringError, match="label = 2, but the classifier has 1 outputs"):
+        asyncio.run(model(PROMPT))
+
+
+def test_a_json_score_too_large_for_a_float_is_no_score():
+    """A judge's JSON integer of 400 digits raised OverflowError from parse_score: it escaped the judge's re-asking
+    and the rubric scored it 0 as the rollout's error. It is now an unreadable reply, asked again."""
+    config = JudgeConfig(url="http://x", score="json")
+    with pytest.raises(ValueError, match="outside 0..10"):
+        parse_score(config, '{"score": ' + "9" * 400 + "}")
+
+
 def _answer(body):
     async def post(path, request):
         return body
