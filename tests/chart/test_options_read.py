@@ -138,3 +138,40 @@ def test_the_check_sees_an_option_no_service_reads():
     assert "output_dir" in InferenceConfig.model_fields
     assert "output_dir" not in service_reads("inference")
     assert "output_dir" in service_reads("trainer") and "output_dir" in service_reads("orchestrator")
+
+
+# Library settings in the environment, and what must run in the container for them to be read.
+TORCH_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")  # torch.compile: the inference and trainer services
+VLLM_CACHES = ("VLLM_CACHE_ROOT",)  # vLLM: `gyre inference`
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_library_caches_are_set_only_where_that_library_runs(scenario):
+    """The orchestrator image has no torch and the trainer no vLLM: their compiler caches were set in every pod."""
+    docs = manifests(render(SCENARIOS[scenario]))
+    wrong = []
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet", "Pod"):
+            continue
+        spec = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            words = container.get("command", []) + container.get("args", [])
+            service = gyre_argv(container)[0] if words[0] in ("gyre", "torchrun") else None
+            for var in container.get("env", []):
+                torch_ok = var["name"] in TORCH_CACHES and service in ("inference", "trainer")
+                vllm_ok = var["name"] in VLLM_CACHES and service == "inference"
+                if var["name"] in TORCH_CACHES + VLLM_CACHES and not (torch_ok or vllm_ok):
+                    wrong.append(f"{doc['metadata']['name']}/{container['name']}: {var['name']}")
+    assert not wrong, "cache settings nothing in the container reads:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_torch_and_vllm_caches_reach_the_services_that_compile():
+    docs = manifests(render({}))
+    env = {
+        doc["metadata"]["name"]: {v["name"] for v in doc["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+        for doc in docs
+        if doc["kind"] in ("Deployment", "StatefulSet")
+    }
+    assert set(TORCH_CACHES + VLLM_CACHES) <= env["exp-gyre-inference"]
+    assert set(TORCH_CACHES) <= env["exp-gyre-trainer"] and not set(VLLM_CACHES) & env["exp-gyre-trainer"]
+    assert not set(TORCH_CACHES + VLLM_CACHES) & env["exp-gyre-orchestrator"]

@@ -427,7 +427,13 @@ emptyDir outgrows its sizeLimit). Empty when nothing is limited. Call like gyre.
 {{- end -}}
 {{- end -}}
 
-{{/* Where libraries put caches: all under the /cache emptyDir (the root filesystem is read-only). */}}
+{{/*
+Where libraries put caches: all under the /cache emptyDir (the root filesystem is read-only). Every Python
+container gets the common ones; the compiler caches only where torch compiles (the inference and trainer
+services: Triton, Inductor) and vLLM's only where vLLM runs (`gyre inference`), so no pod carries settings
+nothing in it reads (tests/chart/test_options_read.py). Call with (dict "root" $ "torch" true "vllm" true),
+or with the root context alone for the common ones.
+*/}}
 {{- define "gyre.cacheEnv" -}}
 - name: HOME
   value: /tmp
@@ -435,16 +441,20 @@ emptyDir outgrows its sizeLimit). Empty when nothing is limited. Call like gyre.
   value: /cache
 - name: HF_HOME
   value: /cache/huggingface
-- name: TRITON_CACHE_DIR
-  value: /cache/triton
-- name: TORCHINDUCTOR_CACHE_DIR
-  value: /cache/inductor
-- name: VLLM_CACHE_ROOT
-  value: /cache/vllm
 - name: MPLCONFIGDIR
   value: /cache/matplotlib
 - name: PYTHONUNBUFFERED
   value: "1"
+{{- if .torch }}
+- name: TRITON_CACHE_DIR
+  value: /cache/triton
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: /cache/inductor
+{{- end }}
+{{- if .vllm }}
+- name: VLLM_CACHE_ROOT
+  value: /cache/vllm
+{{- end }}
 {{- end -}}
 
 {{/* ---------- secrets: files, never environment variables ---------- */}}
