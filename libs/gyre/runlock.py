@@ -44,8 +44,9 @@ class RunLock:
         self._fd: int | None = None
         self.previous: dict = {}  # what the file said before we took it (a stale holder, if any)
 
-    def acquire(self, wait_s: float = 0.0) -> RunLock:
-        """Take the lock; wait up to `wait_s` for a live holder to exit, else raise `LockHeld`."""
+    def acquire(self, wait_s: float = 0.0, info: dict | None = None) -> RunLock:
+        """Take the lock; wait up to `wait_s` for a live holder to exit, else raise `LockHeld`. `info`: more about the
+        holder for others to read (`running_holder`), e.g. the orchestrator's requested rewind."""
         if self._fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +73,7 @@ class RunLock:
             "host": socket.gethostname(),
             "command": " ".join(sys.argv)[:300],
             "since": time.time(),
+            **(info or {}),
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
@@ -104,3 +106,20 @@ def read_holder(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def running_holder(output_dir: Path | str, role: str) -> dict | None:
+    """What the live holder of `role`'s lock on `output_dir` wrote, when it is a process on this host (read without
+    taking the lock: a process starting right then must not find it held); None when nobody holds it, its holder
+    died, or it runs on another host (its liveness cannot be told from here)."""
+    holder = read_holder(lock_path(output_dir, role))
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid() or holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # a crashed holder's stale file
+    except PermissionError:
+        pass  # alive, another user's
+    return holder

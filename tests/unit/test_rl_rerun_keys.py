@@ -140,3 +140,23 @@ def test_a_runs_own_rewind_to_a_missing_checkpoint_is_refused_before_anything_st
     entries = '[{"name": "alpha"}, {"name": "beta", "trainer": {"resume_step": 3}}]'
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.trainer.resume_step': no trainer checkpoint of step 3"):
         validate(tmp_path / "multi", "--runs", entries, config=two_runs)
+
+
+def test_a_lock_holder_tells_what_it_asked_for_while_it_lives(tmp_path):
+    # what a trainer rewinding by hand reads of the orchestrator beside it (gyre_trainer.run.check_orchestrator_rewinds)
+    from gyre.runlock import running_holder
+
+    code = (
+        "import sys; from gyre.runlock import RunLock; "
+        "RunLock(sys.argv[1], 'orchestrator').acquire(info={'resume_step': 2}); print('held', flush=True); input()"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        found = running_holder(tmp_path, "orchestrator")
+        assert found is not None and found["pid"] == holder.pid and found["resume_step"] == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    assert running_holder(tmp_path, "orchestrator") is None  # died: its stale file tells nothing

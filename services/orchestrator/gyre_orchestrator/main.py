@@ -31,7 +31,8 @@ async def serve(cfg: OrchestratorConfig) -> int:
         log.error("%s", e)
         return 2
     try:
-        lock = RunLock(cfg.output_dir, "orchestrator").acquire()  # one orchestrator per run folder
+        # one orchestrator per run folder; its requested rewind, for a trainer rewinding beside it to check
+        lock = RunLock(cfg.output_dir, "orchestrator").acquire(info={"resume_step": cfg.resume_step})
     except LockHeld as e:
         log.error("%s", e)
         return 2

@@ -189,6 +189,7 @@ class RunState:
                 )
             plan = plan_resume(rewind, self.checkpoints.steps(), self.transport.latest())
             if plan.discard_after is not None:
+                check_orchestrator_rewinds(self.out, rewind)
                 dropped = (
                     self.checkpoints.discard_after(plan.discard_after),
                     self.publisher.discard_after(plan.discard_after),
@@ -319,6 +320,23 @@ class RunState:
         self.metrics.publish_duration.observe(time.perf_counter() - start)
         crash_point("after_publish", step, ctx)
         self.notifier.notify(published)
+
+
+def check_orchestrator_rewinds(out: Path, rewind: int) -> None:
+    """CheckpointError, before anything is deleted, when an orchestrator runs on this run folder (on this host) without
+    asking for the same rewind (`gyre trainer --ckpt.resume-step N` started by hand beside a running `gyre
+    orchestrator`): it resumed after the abandoned batches, and a trainer rewound alone waited for step N + 1
+    forever."""
+    from gyre.runlock import running_holder
+
+    holder = running_holder(out, "orchestrator")
+    if holder is not None and holder.get("resume_step") != rewind:
+        raise CheckpointError(
+            f"ckpt.resume_step={rewind}: an orchestrator (pid {holder.get('pid')}) is running on {out} without this "
+            f"rewind (its resume_step: {holder.get('resume_step')}); rewound alone, the trainer would wait forever for "
+            f"a batch it has already pushed. Stop it and start both with resume_step = {rewind} (gyre rl "
+            "--ckpt.resume-step does); nothing was deleted"
+        )
 
 
 def log_step(label: str, record: dict[str, Any]) -> None:

@@ -104,3 +104,39 @@ def test_a_resumed_run_draws_the_dropout_masks_the_uninterrupted_one_draws(
     expected, reseeded_adapter = adapter(straight), adapter(reseeded)
     assert_same(adapter(resumed), expected)
     assert any(not torch.equal(reseeded_adapter[name], value) for name, value in expected.items())
+
+
+def test_a_rewind_beside_a_running_orchestrator_that_does_not_rewind_is_refused(
+    tiny_model, redis_url, unique_run_id, stream, tmp_path
+):
+    """`gyre trainer --ckpt.resume-step 2` started by hand beside a running `gyre orchestrator` (no resume_step):
+    the trainer deleted checkpoint 4 and weights 3-4 and waited forever for batch 3, which the orchestrator had
+    pushed already. Refused now before anything is deleted; beside an orchestrator that asked for the same rewind
+    (gyre rl, the chart) it goes on."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from gyre_trainer.checkpoint import CheckpointError
+
+    train(tiny_model, tmp_path, redis_url, unique_run_id, 4)  # checkpoints 2 and 4
+    for step in (2, 3, 4):  # what the orchestrator writes (gyre_orchestrator.progress)
+        (tmp_path / "checkpoints/orchestrator").mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"checkpoints/orchestrator/step_{step}.json").write_text(f'{{"step": {step}, "task_index": 0}}')
+    orchestrator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        lock = tmp_path / "locks/orchestrator.lock"  # as gyre.runlock writes it for the orchestrator
+        lock.parent.mkdir(exist_ok=True)
+        holder = {"pid": orchestrator.pid, "host": socket.gethostname(), "command": "gyre orchestrator"}
+        lock.write_text(json.dumps({**holder, "resume_step": None}))
+        with pytest.raises(CheckpointError, match=rf"resume_step=2: an orchestrator \(pid {orchestrator.pid}\) is "):
+            train(tiny_model, tmp_path, redis_url, unique_run_id, 2, **{"ckpt.resume-step": 2})
+        assert (tmp_path / "checkpoints/trainer/step_4").is_dir() and (tmp_path / "weights/step_4").is_dir()
+        lock.write_text(json.dumps({**holder, "resume_step": 2}))
+        push_batches(stream, (3, 4))
+        train(tiny_model, tmp_path, redis_url, unique_run_id, 4, **{"ckpt.resume-step": 2})
+        assert trained_steps(tmp_path)[-2:] == [3, 4]
+    finally:
+        orchestrator.kill()
+        orchestrator.wait()
