@@ -128,3 +128,6 @@ def test_help_shows_a_secret_option_type_without_its_module_path():
 
     text = help_text(InferenceConfig, "gyre inference")
     assert "--auth.api_key SecretStr | None  (default: null)" in text and "pydantic.types" not in text
+    from gyre.config.orchestrator import GyreEvalConfig
+
+    assert "--judges list[JudgeConfig]  (default: [])" in help_text(GyreEvalConfig, "gyre eval")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import sys
 import tomllib
 import types
@@ -358,9 +359,9 @@ def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -
 
 def _type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    # `pydantic.types.SecretStr | None` in --help: the module path is noise (the default shows `<secret>`)
-    text = text or str(annotation).replace("typing.", "").replace("pathlib.", "").replace("pydantic.types.", "")
-    return text.replace("NoneType", "None")
+    text = text or str(annotation).replace("typing.", "")
+    # module paths are noise in --help: `pydantic.types.SecretStr | None`, `list[gyre.config.endpoint.JudgeConfig]`
+    return re.sub(r"\b(?:[a-z_][a-z0-9_]*\.)+(?=[A-Z])", "", text).replace("NoneType", "None")
 
 
 def _default_repr(value: Any) -> str:
