@@ -5,7 +5,8 @@ scheduler's state is the number of updates taken, so it checkpoints and resumes 
 - warmup, s < W:            (s + 1) / W  (the first update already moves; none is wasted at lr 0)
 - then, p = (s − W) / max(1, S − W − 1) clipped to [0, 1], with S = max_steps:
   constant: 1;  linear: 1 − (1 − m)·p;  cosine: m + (1 − m)·(1 + cos(π·p)) / 2,  m = min_lr_ratio.
-The last update (s = S − 1) runs exactly at m·lr.
+The last update (s = S − 1) runs exactly at m·lr when at least two updates follow the warm-up (S ≥ W + 2);
+a single one (S = W + 1) runs at the peak, and with S ≤ W the schedule never leaves the warm-up.
 """
 
 from __future__ import annotations
