@@ -129,3 +129,9 @@ def test_a_short_seed_is_refused_naming_the_key(seed):
     with pytest.raises(helm_python.HelmError, match="secrets.seed: .*at least 32"):
         render({"secrets": {"seed": seed}})
     render({"secrets": {"seed": "s" * 32}})
+
+
+def test_an_external_redis_gets_no_generated_password():
+    """Its password is redis.external.existingSecret's: a generated one was a secret no pod ever read."""
+    external = {"redis": {"external": {"url": "redis://redis.infra:6379/0", "existingSecret": "infra"}}}
+    assert set(secret_data(manifests(render(external)))[NAME]) == {"api-key", "control-token"}

@@ -550,7 +550,9 @@ Each value is, in order of preference:
 {{- fail (printf "secrets.seed: %d characters; use a long random string (at least 32, e.g. `openssl rand -hex 32`): every key of the Secret is derived from it" (len $seed)) -}}
 {{- end -}}
 {{- $data := dict -}}
-{{- range $key := list "api-key" "control-token" "redis-password" -}}
+{{- /* with an external Redis its password comes from redis.external.existingSecret: none to generate */ -}}
+{{- $keys := ternary (list "api-key" "control-token") (list "api-key" "control-token" "redis-password") (not (empty .Values.redis.external.url)) -}}
+{{- range $key := $keys -}}
 {{- if $seed -}}
 {{- $_ := set $data $key (printf "%s\n%s\n%s\n%s" $seed $.Release.Namespace $.Release.Name $key | sha256sum | b64enc) -}}
 {{- else -}}
