@@ -94,7 +94,10 @@ def _union_message(errors: list[dict]) -> str | None:
     members = list(dict.fromkeys(e["loc"][cut] for e in same))
     if len(members) < 2:
         return None
-    right_type = [e for e in same if len(e["loc"]) > cut + 1 or not e["type"].endswith("_type")]
+    # a broken constraint (an empty list inside a list of lists) before a wrong type deeper down (the same value read
+    # as a list of integers: its first item is no integer), which says less about what the client meant
+    broken = [e for e in same if not e["type"].endswith("_type")]
+    right_type = broken or [e for e in same if len(e["loc"]) > cut + 1]
     if right_type:
         error = right_type[0]
         return f"{_field_path(tuple(error['loc']))}: {_clean(error['msg'])} (as {_readable(error['loc'][cut])})"

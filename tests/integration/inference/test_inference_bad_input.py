@@ -281,6 +281,11 @@ def test_messages_say_what_a_multi_type_field_accepts(http, model_id, body, says
     completion = {"model": model_id, "prompt": 3.5}
     message = assert_error(http.post("/v1/completions", json=completion), 400, param="prompt")["message"]
     assert message == "prompt: must be a string, a list of integers, a list of strings or a list of lists of integers"
+    # the broken constraint is named, not the first item read as an integer ("prompt.0: Input should be a valid
+    # integer (as a list of integers)")
+    completion = {"model": model_id, "prompt": [[5, 6], []]}
+    message = assert_error(http.post("/v1/completions", json=completion), 400, param="prompt")["message"]
+    assert message.startswith("prompt.1: List should have at least 1 item") and "(as a list of lists of" in message
 
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
