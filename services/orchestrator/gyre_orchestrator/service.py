@@ -542,6 +542,8 @@ class OrchestratorService:
                 teacher = None if s.teacher_logprobs is None else np.asarray(s.teacher_logprobs[: len(ids)])
                 if self.teacher is not None and teacher is None:
                     continue  # the teacher could not score it (teacher.py): no per-token mask for its term
+                if teacher is not None and len(teacher) < len(ids):  # scored but its last token (teacher.py)
+                    ids, mask, lps = ids[: len(teacher)], mask[: len(teacher)], lps[: len(teacher)]
                 if not any(mask):
                     continue  # nothing the model sampled survives: no loss tokens, nothing to learn
                 meta = {

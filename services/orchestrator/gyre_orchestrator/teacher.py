@@ -8,11 +8,13 @@ teacher's log_softmax(logits)[token t] given tokens < t (temperature 1, vLLM's r
 A sample that fills the teacher's context (prompt + completion = its max_model_len, e.g. a teacher of the policy's
 context scoring a sample cut at the context) leaves no room for the generated token, and the server refuses it
 (400). Such a refused sample is asked again as a prompt alone: `/v1/completions` with `echo` and `max_tokens: 0`,
-which Gyre's server (and OpenAI) score up to the whole context; vLLM requires max_tokens >= 1 and refuses it
-again. A sample the teacher still refuses (too long for it, a token it does not know: `RequestRefused`) is
-skipped: `logprobs` returns None, the orchestrator leaves the sample out of the batch (the batch has no per-token
-mask of the teacher's term), the first skip is logged with the server's reason and every one is counted
-(`skipped` in the step events' `signals.teacher`, `gyre_orchestrator_signal_calls_total{outcome="skipped"}`).
+which Gyre's server (and OpenAI) score up to the whole context. vLLM requires max_tokens >= 1 and refuses that
+too: then all but the last token are scored (the usual request, one token shorter: it fits), and the sample is
+trained on without its last token (`logprobs` returns one value fewer; counted as `cut`). A sample the teacher
+still refuses (too long for it, a token it does not know: `RequestRefused`) is skipped: `logprobs` returns None,
+the orchestrator leaves the sample out of the batch (the batch has no per-token mask of the teacher's term), the
+first skip is logged with the server's reason and every one is counted (`skipped` in the step events'
+`signals.teacher`, `gyre_orchestrator_signal_calls_total{outcome="skipped"}`).
 An outage (connection errors, timeouts, 5xx after the retries) or a configuration error (401, 404, or
 `MAX_REFUSED_IN_A_ROW` refusals in a row) still raises `EndpointError`, which stops the run with the reason.
 
@@ -67,16 +69,26 @@ class Teacher:
         self.stats = self.endpoint.stats
 
     async def logprobs(self, token_ids: list[int]) -> list[float] | None:
-        """The teacher's log-prob of each token of `token_ids` given the ones before (0.0 for the first); None when
-        the teacher refuses this sample (skipped, counted; the module docstring)."""
+        """The teacher's log-prob of each token of `token_ids` given the ones before (0.0 for the first), or of all
+        but the last where only that prefix could be scored; None when the teacher refuses this sample (skipped,
+        counted; the module docstring)."""
         try:
             entries = await self._scored(token_ids)
         except RequestRefused as refused:
             try:  # no room for the generated token: the sequence alone, as a prompt scored by echo (Gyre, OpenAI)
                 entries = await self._echoed(token_ids)
             except RequestRefused:
-                self._skip(token_ids, refused)
-                return None
+                prefix = token_ids[:-1]  # vLLM (max_tokens >= 1): all but the last token fit with the generated one
+                if len(prefix) < 2:
+                    self._skip(token_ids, refused)
+                    return None
+                try:
+                    entries = await self._scored(prefix)
+                except RequestRefused:
+                    self._skip(token_ids, refused)
+                    return None
+                self.stats["cut"] += 1
+                return teacher_logprobs_from(entries, prefix)
         return teacher_logprobs_from(entries, token_ids)
 
     async def _scored(self, token_ids: list[int]):

@@ -192,26 +192,41 @@ def teacher_calls(service, outcome: str) -> float:
     return value or 0.0
 
 
+@pytest.mark.parametrize("server", ["gyre", "vllm"])
 async def test_a_sample_that_fills_the_context_is_scored_by_a_teacher_of_the_same_context(
-    tmp_path, redis_url, unique_run_id, short_policy, short_teacher, tiny_model
+    tmp_path, redis_url, unique_run_id, short_policy, short_teacher, tiny_model, monkeypatch, server
 ):
     """The policy and the teacher serve a 64-token context; most samples run to it (prompt + completion = 64: the
     random tiny model rarely ends its turn). Prompt + the one generated token of the scoring request is 65: the
     teacher refused it, the sample was failed 3 times and the run stopped. Now the sample is scored as a prompt
-    alone (echo, max_tokens 0), every token of it, equal to the sampler's log-probs (the teacher is the student)."""
+    alone (echo, max_tokens 0), every token of it, equal to the sampler's log-probs (the teacher is the student).
+    "vllm": the teacher refuses echo with max_tokens 0 as vLLM does (max_tokens >= 1): all but the last token are
+    scored and the sample is trained on without it."""
+    if server == "vllm":
+        from gyre.endpoint import RequestRefused
+        from gyre_orchestrator.teacher import Teacher
+
+        async def refused(self, token_ids):
+            raise RequestRefused("teacher: 400 max_tokens must be at least 1, got 0 (vLLM)", 400)
+
+        monkeypatch.setattr(Teacher, "_echoed", refused)
     env = prompts_env(tmp_path, "ab")
     room = CONTEXT - prompt_lengths(short_policy, env)["row-0"]
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, [short_policy], env=env, max_steps=1,
                               sampling={"max_tokens": room}, advantage={"drop_zero_signal": False},
                               teacher={"url": short_teacher.url})  # fmt: skip
     batch = await first_batch(cfg, tiny_model)
-    full = [s for s in batch.samples if s["num_tokens"] == CONTEXT]  # the others sampled an end of turn before
-    assert len(batch.samples) == 8 and len(full) >= 4, [s["num_tokens"] for s in batch.samples]
+    lengths = [s["num_tokens"] for s in batch.samples]
+    counts = events(cfg)[0]["signals"]["teacher"]
+    assert len(batch.samples) == 8 and counts["refused"] >= 4, (lengths, counts)  # refused: the samples of 64
+    if server == "gyre":
+        assert lengths.count(CONTEXT) == counts["refused"] and "cut" not in counts  # every token scored
+    else:
+        assert CONTEXT not in lengths and lengths.count(CONTEXT - 1) >= counts["cut"] == counts["refused"]
     for rank in batch.micro_batches:
         for mb in rank:
             assert np.allclose(mb.teacher_logprobs[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], atol=1e-4)
-    counts = events(cfg)[0]["signals"]["teacher"]
-    assert counts["refused"] == len(full) and counts["ok"] >= 8 and "skipped" not in counts
+    assert counts["ok"] >= 8 and "skipped" not in counts
 
 
 async def test_a_sample_the_teacher_cannot_score_is_left_out_counted_and_the_run_goes_on(
