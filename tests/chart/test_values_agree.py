@@ -49,3 +49,18 @@ def test_notes_say_what_each_workload_runs_on():
     assert "server        judge: Qwen/Qwen3-8B, 1 replica(s) of Deployment exp-gyre-server-judge (on CPU)" in notes
     multi = render(load_values("values-multi-node.yaml"))["gyre/templates/NOTES.txt"]
     assert "2 pod(s) x 8 torchrun process(es) (8 nvidia.com/gpu each)" in multi
+
+
+def test_notes_warn_when_autoscaling_has_no_demand_to_read():
+    """KEDA reads the demand the ServiceMonitor scrapes (its gyre_release label): without one, the replicas
+    silently stayed at minReplicas."""
+    from chart_testlib import MONITORING_APIS
+
+    autoscaled = {"inference": {"autoscaling": {"enabled": True}}}
+    warning = "WARNING: inference.autoscaling.enabled without the orchestrator's ServiceMonitor"
+    assert warning in render(autoscaled)["gyre/templates/NOTES.txt"]
+    assert warning in render({**autoscaled, "monitoring": {"enabled": False}}, api_versions=MONITORING_APIS)[
+        "gyre/templates/NOTES.txt"
+    ]
+    assert warning not in render(autoscaled, api_versions=MONITORING_APIS)["gyre/templates/NOTES.txt"]
+    assert warning not in render({**autoscaled, "monitoring": {"enabled": True}})["gyre/templates/NOTES.txt"]
