@@ -800,6 +800,19 @@ def test_a_request_on_the_model_s_adapter_goes_on_without_it_once_other_full_wei
         await backend.reload_base()
         engine.steps.put_nowait(None)
         assert [e.version for e in [first, *[e async for e in stream]]] == [3, 3]
+
+        # a structured-output request with a token out cannot carry its grammar's state into a new request: an error
+        from gyre_inference.structured import Guide
+
+        await backend.update_weights(FetchedWeights.local(adapter_folder(tmp_path, "step_4"), 4))
+        stream = backend.generate([1], SamplingParams(max_tokens=3, guide=Guide("regex", "[a-z]+")))
+        engine.steps.put_nowait(None)
+        await stream.__anext__()
+        await backend.update_weights(FetchedWeights.local(full, 5))
+        engine.steps.put_nowait(None)
+        with pytest.raises(RuntimeError, match="constrained by a structured output"):
+            await stream.__anext__()
+        assert not any(engine.running.values())
         await backend.shutdown()
 
     run(scenario())
