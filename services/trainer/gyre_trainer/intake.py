@@ -61,19 +61,23 @@ class BatchRejected(ValueError):
 
 def check_trainable(batch: TrainBatch, world_size: int, vocab_size: int, seq_len: int | None = None) -> None:
     """Raise `BatchRejected` unless this trainer can train `batch` (beyond the codec's schema checks): packed for
-    its world size and (when given) its `data.seq_len` (`gyre.config.packing`), global normalisers that cover
-    its loss tokens, token ids in its vocabulary, finite numbers."""
+    its world size and (when given) its `data.seq_len` (`gyre.config.packing`), global normalisers equal to
+    its own loss tokens and samples, token ids in its vocabulary, finite numbers."""
     if batch.num_ranks != world_size:
         raise BatchRejected(f"batch is split for {batch.num_ranks} ranks, but the trainer runs {world_size}")
     if not any(rank for rank in batch.micro_batches):
         raise BatchRejected("batch has no micro batches")
-    # the loss divides by these global counts; train_step would raise on them (a crash loop: the restarted
-    # trainer reclaims the same entry), so an inconsistent batch is rejected here instead
-    loss_tokens = sum(mb.num_loss_tokens for rank in batch.micro_batches for mb in rank)
-    if batch.num_loss_tokens < loss_tokens or (loss_tokens and batch.num_samples < 1):
+    # The loss divides by these global counts, and the batch holds every rank's rows, so they are exactly its own
+    # loss tokens and samples (padding rows, `{"padding": true}`, are no samples). Counts below them made
+    # train_step raise (a crash loop: the restarted trainer reclaims the same entry); counts above them, or fewer
+    # samples, trained with a silently scaled gradient (e.g. num_samples 1 for 8 samples: seq-mean 8x).
+    rows = [mb for rank in batch.micro_batches for mb in rank]
+    loss_tokens = sum(mb.num_loss_tokens for mb in rows)
+    samples = sum(not batch.samples[int(i)].get("padding") for mb in rows for i in mb.sample_index)
+    if batch.num_loss_tokens != loss_tokens or batch.num_samples != samples:
         raise BatchRejected(
             f"global normalisers num_loss_tokens={batch.num_loss_tokens}, num_samples={batch.num_samples} "
-            f"are below the batch's own {loss_tokens} loss tokens"
+            f"are not the batch's own {loss_tokens} loss tokens and {samples} samples"
         )
     for r, rank in enumerate(batch.micro_batches):
         for i, mb in enumerate(rank):

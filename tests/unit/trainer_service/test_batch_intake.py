@@ -129,7 +129,7 @@ def test_check_trainable_names_the_problem():
     check_trainable(batch(1), world_size=1, vocab_size=1024)
 
 
-def test_batch_with_too_small_normalisers_is_dead_lettered_not_a_crash_loop(ctx, stream):
+def test_batch_with_wrong_normalisers_is_dead_lettered_not_a_crash_loop(ctx, stream):
     # audit: num_loss_tokens below the batch's own loss tokens passed intake and made train_step raise
     # ValueError, killing the trainer; the restarted trainer reclaimed the same entry and died again
     bad = batch(1)
@@ -143,6 +143,15 @@ def test_batch_with_too_small_normalisers_is_dead_lettered_not_a_crash_loop(ctx,
     two_ranks = batch(1, ranks=2)
     two_ranks.num_loss_tokens = 3  # each rank alone has 2 (fine for step.py's per-rank check), together 4
     with pytest.raises(BatchRejected, match="num_loss_tokens=3"):
+        check_trainable(two_ranks, world_size=2, vocab_size=1024)
+    # counts above the batch's own (or fewer samples) scaled the gradient silently: the loss divides by them
+    for name, value in (("num_loss_tokens", 3), ("num_samples", 2)):
+        scaled = batch(1)
+        setattr(scaled, name, value)
+        with pytest.raises(BatchRejected, match=f"{name}={value}.* not the batch's own 2 loss tokens and 1 samples"):
+            check_trainable(scaled, world_size=1, vocab_size=1024)
+    two_ranks.num_loss_tokens, two_ranks.num_samples = 4, 1  # one sample on each rank: 2
+    with pytest.raises(BatchRejected, match="num_samples=1"):
         check_trainable(two_ranks, world_size=2, vocab_size=1024)
     stream.push(1, encode_batch(bad))
     stream.push(1, encode_batch(batch(1)))
@@ -176,3 +185,18 @@ def test_defect_9_stop_is_honoured_while_redis_is_down(ctx, unique_run_id):
     assert not thread.is_alive(), "intake did not stop while Redis was down"
     assert time.monotonic() - stopped_at < 1.5
     assert result["item"] is None
+
+
+def test_padding_rows_of_the_packer_are_no_samples():
+    """The orchestrator's packer fills a rank without a sample with a padding row (one token, metadata
+    {"padding": true}); num_samples counts real samples only, and such a batch is trainable."""
+    from gyre_orchestrator.packing import TrainSample, pack_batch
+
+    one = TrainSample(input_ids=[3, 4, 5], loss_mask=[False, True, True], inference_logprobs=[0.0, -1.0, -1.0],
+                      advantage=1.0)  # fmt: skip
+    packed = pack_batch(1, [one], seq_len=16, world_size=2).batch
+    assert packed.num_samples == 1 and any(s.get("padding") for s in packed.samples)
+    check_trainable(packed, world_size=2, vocab_size=1024)
+    packed.num_samples = 2  # the padding row counted as a sample
+    with pytest.raises(BatchRejected, match="num_samples=2"):
+        check_trainable(packed, world_size=2, vocab_size=1024)
