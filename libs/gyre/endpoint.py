@@ -98,10 +98,12 @@ class Endpoint:
             raise EndpointError(f"{self.name}: {self.config.base_url}/models lists no model")
         return models.data[0].id
 
-    async def post(self, path: str, body: dict[str, Any]) -> Any:
-        """POST `body` (JSON) to `path` under the server's root; the decoded JSON answer."""
+    async def post(self, path: str, body: dict[str, Any], *, again: bool = False) -> Any:
+        """POST `body` (JSON) to `path` under the server's root; the decoded JSON answer. `again`: another form of a
+        request just refused (the teacher's fallbacks): its refusal is counted, but not again toward
+        `MAX_REFUSED_IN_A_ROW`, which counts refused samples, not forms of one."""
         url = f"{self.config.root}{path}"
-        return await self._call(lambda client: client.post(url, cast_to=object, body=body))
+        return await self._call(lambda client: client.post(url, cast_to=object, body=body), again=again)
 
     async def post_once(self, path: str, body: dict[str, Any]) -> Any:
         """One attempt, not counted in `stats` (a check before the run, not one of its calls); EndpointError."""
@@ -115,7 +117,7 @@ class Endpoint:
         body = {"model": await self.model(), "messages": messages, **params}
         return await self.post("/v1/chat/completions", body)
 
-    async def _call(self, request) -> Any:
+    async def _call(self, request, *, again: bool = False) -> Any:
         client = self._openai()
         last: BaseException | None = None
         async with self._semaphore:
@@ -135,7 +137,7 @@ class Endpoint:
                     last = error
                 except openai.APIStatusError as error:
                     self.stats["failures"] += 1
-                    raise self._refusal(error) from error
+                    raise self._refusal(error, again) from error
                 else:
                     self.stats["ok"] += 1
                     self._refused_in_a_row = 0
@@ -144,12 +146,12 @@ class Endpoint:
         attempts = self.config.retries + 1
         raise EndpointError(f"{self.name}: {self.config.root} failed {attempts} times: {describe(last)}")
 
-    def _refusal(self, error: openai.APIStatusError) -> EndpointError:
+    def _refusal(self, error: openai.APIStatusError, again: bool = False) -> EndpointError:
         message = f"{self.name}: {self.config.root} refused the request: {error.status_code} {describe(error)}"
         if error.status_code not in REFUSED_STATUSES:
             return EndpointError(message)  # a key, a model, a URL: every request would be refused
         self.stats["refused"] += 1
-        self._refused_in_a_row += 1
+        self._refused_in_a_row += not again
         if self._refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
             return EndpointError(f"{message} ({self._refused_in_a_row} requests refused in a row, none answered: "
                                  "the configuration, not the samples, is at fault)")  # fmt: skip

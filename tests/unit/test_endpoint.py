@@ -118,3 +118,21 @@ def test_a_url_without_a_scheme_is_refused_naming_the_key(url):
 
     with pytest.raises(ConfigError, match=r"teacher\.url.*not an http\(s\) URL"):
         load_config(OrchestratorConfig, [], teacher={"url": url})
+
+
+def test_other_forms_of_a_refused_request_count_once_toward_the_refusals_in_a_row(scripted):
+    """The teacher asks a refused sample again in two other forms (echo, one token shorter): three refusals of one
+    sample counted as three, so 6 samples too long for a teacher in a row stopped the run as a configuration error.
+    Refused samples are what is counted."""
+    client = endpoint(scripted)
+
+    async def scenario():
+        scripted.script[:] = [("status", 400)] * (3 * (MAX_REFUSED_IN_A_ROW - 1))
+        for _ in range(MAX_REFUSED_IN_A_ROW - 1):
+            for again in (False, True, True):
+                with pytest.raises(RequestRefused):
+                    await client.post("/v1/chat/completions", {"messages": MESSAGES}, again=again)
+        await client.aclose()
+
+    asyncio.run(scenario())
+    assert client.stats["refused"] == 3 * (MAX_REFUSED_IN_A_ROW - 1)

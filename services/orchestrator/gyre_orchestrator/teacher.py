@@ -83,7 +83,7 @@ class Teacher:
                     self._skip(token_ids, refused)
                     return None
                 try:
-                    entries = await self._scored(prefix)
+                    entries = await self._scored(prefix, again=True)
                 except RequestRefused:
                     self._skip(token_ids, refused)
                     return None
@@ -91,21 +91,22 @@ class Teacher:
                 return teacher_logprobs_from(entries, prefix)
         return teacher_logprobs_from(entries, token_ids)
 
-    async def _scored(self, token_ids: list[int]):
+    async def _scored(self, token_ids: list[int], again: bool = False):
         model = await self.endpoint.model()
         if self.config.route == "generate":
             params = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
             request = {"model": model, "token_ids": token_ids, "sampling_params": params}
-            body = await self.endpoint.post("/inference/v1/generate", request)
+            body = await self.endpoint.post("/inference/v1/generate", request, again=again)
             return body.get("prompt_logprobs") if isinstance(body, dict) else None
         body = await self.endpoint.post("/v1/completions", {"model": model, "prompt": token_ids, "max_tokens": 1,
-                                                            "temperature": 0.0, "prompt_logprobs": 0})  # fmt: skip
+                                                            "temperature": 0.0, "prompt_logprobs": 0},
+                                        again=again)  # fmt: skip
         return _choice_entries(body)
 
     async def _echoed(self, token_ids: list[int]):
         body = await self.endpoint.post("/v1/completions", {"model": await self.endpoint.model(), "prompt": token_ids,
                                                             "max_tokens": 0, "echo": True, "temperature": 0.0,
-                                                            "prompt_logprobs": 0})  # fmt: skip
+                                                            "prompt_logprobs": 0}, again=True)  # fmt: skip
         return _choice_entries(body)
 
     def _skip(self, token_ids: list[int], refused: RequestRefused) -> None:
