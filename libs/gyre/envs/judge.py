@@ -141,12 +141,21 @@ class Judge:
             self.stats["cache_hits"] += 1
             self._cache.move_to_end(key)
             return self._cache[key]
-        if key in self._inflight:  # the same call is already on its way: share its answer
+        while key in self._inflight:  # the same call is already on its way: share its answer
             self.stats["cache_hits"] += 1
-            return await asyncio.shield(self._inflight[key])
+            shared = self._inflight[key]
+            try:
+                return await asyncio.shield(shared)
+            except asyncio.CancelledError:
+                # the caller that asked was cancelled (its rollout dropped), not this one: ask in its place
+                if not shared.cancelled() or asyncio.current_task().cancelling():
+                    raise
         future = self._inflight[key] = asyncio.get_running_loop().create_future()
         try:
             value = await self._grade(messages)
+        except asyncio.CancelledError:
+            future.cancel()  # those sharing it ask again themselves (it was their CancelledError too)
+            raise
         except BaseException as error:
             future.set_exception(error)
             future.exception()  # retrieved: nobody else may be waiting

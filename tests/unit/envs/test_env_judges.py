@@ -155,6 +155,26 @@ def test_identical_calls_are_answered_once(scripted):
     assert scripted.count("chat") == 2 and judge.stats["cache_hits"] == 3
 
 
+def test_a_shared_call_whose_first_caller_is_cancelled_is_asked_again_not_cancelled(scripted):
+    """n rollouts with the same reply share one judge call. When the caller that asked is cancelled (its rollout
+    dropped, its group skipped), the others got its CancelledError though nobody cancelled them: a rollout lost
+    for a reason it did not have. They now ask again themselves."""
+    judge = Judge(url=scripted.url, prompt="{response}", model="judge-model")
+    scripted.script = [("sleep", 0.5, "3"), "7"]
+
+    async def scenario():
+        first = asyncio.create_task(judge(PROMPT, completion("same"), ""))
+        await asyncio.sleep(0.1)  # first is asking
+        second = asyncio.create_task(judge(PROMPT, completion("same"), ""))
+        await asyncio.sleep(0.1)  # second shares it
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await second
+
+    assert asyncio.run(scenario()) == pytest.approx(0.7) and scripted.count("chat") == 2
+
+
 def test_a_judge_that_times_out_is_counted_and_retried(scripted):
     judge = Judge(url=scripted.url, model="judge-model", timeout_s=0.3, retries=2, prompt="{response}")
     judge.endpoint.backoff_s = 0.01
