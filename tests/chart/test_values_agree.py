@@ -22,6 +22,11 @@ from chart_testlib import load_values, render
         ({"trainer": {"healthPort": 9101}}, "trainer.healthPort and trainer.metricsPort are both 9101"),
         ({"servers": [{"name": "rm", "model": "org/rm", "metricsPort": 8000}]},
          r"servers\[0\].httpPort and servers\[0\].metricsPort are both 8000"),
+        # the shared volume over the root, the secrets or a scratch folder: an invalid pod, or one missing its files
+        ({"persistence": {"mountPath": "/"}}, 'persistence.mountPath "/": the pods already mount /etc/gyre there'),
+        ({"persistence": {"mountPath": "/tmp"}}, 'persistence.mountPath "/tmp": the pods already mount /tmp there'),
+        ({"persistence": {"mountPath": "/run"}}, 'persistence.mountPath "/run": the pods already mount /run/secrets/gyre'),
+        ({"persistence": {"mountPath": "/cache/data"}}, 'persistence.mountPath "/cache/data": the pods already mount /cache'),
     ],
 )  # fmt: skip
 def test_values_that_disagree_are_refused_naming_the_key(values, message):
@@ -30,6 +35,8 @@ def test_values_that_disagree_are_refused_naming_the_key(values, message):
 
 
 def test_distinct_names_and_ports_render():
+    render({"persistence": {"mountPath": "/mnt/shared"}})
+    render({"persistence": {"mountPath": "/datasets"}})  # a name that merely starts like /data's neighbours
     render({"servers": [{"name": "judge", "model": "org/a"}, {"name": "rm", "model": "org/b", "metricsPort": 9200}]})
     render({"experiment": {"trainer": {"lora": {"rank": 8}}}, "runs": [{"name": "alpha"}, {"name": "beta"}]})
 

@@ -914,6 +914,13 @@ servers on one port make a service that cannot start).
 */}}
 {{- define "gyre.validate" -}}
 {{- include "gyre.validateImmutable" . -}}
+{{- /* the shared volume beside the chart's own mounts: on one of them (or above it, or on /) it hides it */ -}}
+{{- $mount := clean .Values.persistence.mountPath -}}
+{{- range $own := list "/etc/gyre" (include "gyre.secretsDir" .) "/tmp" "/cache" "/dev/shm" -}}
+{{- if or (eq $mount "/") (eq $mount $own) (hasPrefix (printf "%s/" $mount) $own) (hasPrefix (printf "%s/" $own) $mount) -}}
+{{- fail (printf "persistence.mountPath %q: the pods already mount %s there (the experiment file, secrets, scratch, caches); choose another folder, e.g. /data" $.Values.persistence.mountPath $own) -}}
+{{- end -}}
+{{- end -}}
 {{- range $list := list "runs" "servers" -}}
 {{- $seen := dict -}}
 {{- range $i, $entry := get $.Values $list | default list -}}
