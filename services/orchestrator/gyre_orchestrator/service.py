@@ -315,7 +315,7 @@ class OrchestratorService:
             await self._await_trainer_rewind(cfg.resume_step)
         await self.relay.start()
         if self.teacher is not None and len(self.replicas):  # before any sample: a teacher of another vocabulary
-            await self.teacher.check_tokenizer(next(iter(self.replicas)).url, api_key=cfg.inference.api_key)
+            await self.teacher.check_tokenizer_once(next(iter(self.replicas)).url, api_key=cfg.inference.api_key)
         if self.relay.target is not None:
             step = self.relay.target.step
             log.info("published weights up to version %d: making replicas serve it", step)
@@ -512,6 +512,8 @@ class OrchestratorService:
         the student did not sample (prompt, environment and tool tokens)."""
         if self.teacher is None:
             return None
+        if len(self.replicas):  # done at start unless no replica was known then (a fleet still starting)
+            await self.teacher.check_tokenizer_once(next(iter(self.replicas)).url, self.cfg.inference.api_key)
         ids = rollout.token_ids[: self.cfg.batch.seq_len]
         values = await self.teacher.logprobs(ids)
         if values is None:  # the teacher refused this sample (counted, logged once): it stays out of the batch

@@ -24,6 +24,7 @@ the two servers' tokenization of a probe text before the run starts.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 
@@ -67,6 +68,14 @@ class Teacher:
         self.config = config
         self.endpoint = Endpoint(config, name="teacher")
         self.stats = self.endpoint.stats
+        self._checked: asyncio.Future | None = None
+
+    async def check_tokenizer_once(self, policy_url: str, api_key: str | None = None) -> None:
+        """`check_tokenizer` the first time (at start, or at the first sample where no replica was known then);
+        its outcome, a refusal included, every time after."""
+        if self._checked is None:
+            self._checked = asyncio.ensure_future(self.check_tokenizer(policy_url, api_key))
+        await asyncio.shield(self._checked)
 
     async def logprobs(self, token_ids: list[int]) -> list[float] | None:
         """The teacher's log-prob of each token of `token_ids` given the ones before (0.0 for the first), or of all

@@ -270,6 +270,25 @@ async def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts
         assert other.count("chat") == 0 and not [r for r in other.requests if r[0] != "tokenize"]
 
 
+async def test_the_tokenizer_check_runs_once_and_its_refusal_stays(replicas):
+    """Where no replica is known at start (a fleet still starting) the check runs at the first sample: once, and
+    every later sample gets the same refusal without asking again; the same tokenizer passes."""
+    from gyre.config.endpoint import TeacherConfig
+    from gyre_orchestrator.teacher import Teacher
+    from support.judge_server import ScriptedServer
+
+    with ScriptedServer() as other:
+        teacher = Teacher(TeacherConfig(url=other.url))
+        for _ in range(3):
+            with pytest.raises(ValueError, match="tokenizes differently"):
+                await teacher.check_tokenizer_once(replicas[0].url)
+        assert other.count("tokenize") == 1
+        await teacher.aclose()
+    same = Teacher(TeacherConfig(url=replicas[1].url))
+    await same.check_tokenizer_once(replicas[0].url)
+    await same.aclose()
+
+
 async def test_a_judge_too_short_for_a_rollout_scores_it_unjudged_and_the_run_goes_on(
     tmp_path, redis_url, unique_run_id, replicas, short_teacher, tiny_model, caplog
 ):
