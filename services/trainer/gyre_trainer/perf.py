@@ -12,6 +12,11 @@ FLOPs per trained token (forward + backward), as PaLM (appendix B), torchtitan a
   torchtitan we do not halve it for the causal mask. With packing a token only attends within its
   own sample, so pass `effective_seq_len(sample_lengths)` (Σl²/Σl) as T, not the row length.
 
+LoRA (the base frozen, adapters on the decoder layers' linear layers): the frozen weights still pass the
+gradient on (2 of their 6 FLOPs per parameter) but get no weight gradient, so a token costs 4·N + 6·N_adapter +
+12·L·H·T; 6·N put a LoRA run's MFU 27–38 % too high (torch's FlopCounterMode on a tiny model). The first
+layer's inputs need no gradient (frozen embeddings), which this still counts: ~1/L of the 4·N's backward half.
+
 PRIME-RL counts differently, and its figure is printed beside ours by `gyre bench trainer` to compare
 with its published numbers (`primerl_flops_per_token`): 6·N_mm + 12·L·hidden·seq_len, where N_mm are
 the matmul parameters (q, k, v, o, MLP, LM head), the attention width is `hidden_size` (not
@@ -86,12 +91,16 @@ def non_embedding_params(hf_config) -> int:
     return layers * (attn + mlp + norms) + hidden + vocab * hidden  # + final norm + LM head
 
 
-def flops_per_token(hf_config, seq_len: float, num_params: int | None = None) -> float:
-    """6·N + 12·L·H·T (see the module docstring); `num_params` overrides the analytic N (e.g. MoE)."""
+def flops_per_token(hf_config, seq_len: float, num_params: int | None = None, *, adapter_params: int = 0) -> float:
+    """6·N + 12·L·H·T (see the module docstring); `num_params` overrides the analytic N (e.g. MoE).
+
+    `adapter_params` > 0: a LoRA run training that many adapter parameters on the frozen N,
+    4·N + 6·adapter_params + 12·L·H·T."""
     n = num_params if num_params is not None else non_embedding_params(hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     attention_width = hf_config.num_attention_heads * head_dim
-    return 6.0 * n + 12.0 * hf_config.num_hidden_layers * attention_width * seq_len
+    weights = 4.0 * n + 6.0 * adapter_params if adapter_params else 6.0 * n
+    return weights + 12.0 * hf_config.num_hidden_layers * attention_width * seq_len
 
 
 def primerl_flops_per_token(hf_config, seq_len: float) -> float:

@@ -269,7 +269,10 @@ class RunState:
             torch.cuda.synchronize(ctx.device)
         seconds = time.perf_counter() - start
         lengths = [int(n) for mb in item.batch.for_rank(ctx.rank) for n in mb.sample_lengths]
-        meter = MFUMeter(flops_per_token(process.hf_config, effective_seq_len(lengths)), process.peak_flops)
+        # LoRA: the frozen base gets no weight gradients (perf.flops_per_token); the run's adapter alone is trainable
+        adapter = sum(p.numel() for p in model.parameters() if p.requires_grad) if spec.lora is not None else 0
+        flops = flops_per_token(process.hf_config, effective_seq_len(lengths), adapter_params=adapter)
+        meter = MFUMeter(flops, process.peak_flops)
         mfu_per_rank = [v[0] for v in dist.gather_floats([meter.reading(sum(lengths), seconds).mfu], ctx)]
         record = step_record(item, result.metrics, seconds, sum(mfu_per_rank) / len(mfu_per_rank))
         if spec.adapter is not None:

@@ -76,6 +76,35 @@ def test_flops_per_token_equal_torchs_count_of_a_real_forward_and_backward(model
     assert counter.get_total_flops() / tokens == flops_per_token(config, tokens) - 6 * norms
 
 
+def test_lora_flops_per_token_leave_out_the_frozen_weights_gradients():
+    """A LoRA run (every linear layer of the decoder, the default targets) against FlopCounterMode: frozen weights
+    pass the gradient on but get none themselves. 6·N read 27 % too high here; what remains is the first layer's
+    input-side gradient, which autograd skips (the embeddings are frozen) and the formula counts (~1/L of 2·N)."""
+    from types import SimpleNamespace
+
+    from gyre_trainer.lora import apply_lora
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = apply_lora(model, SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=targets))
+    tokens = 48
+    ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    measured = counter.get_total_flops() / tokens
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora = flops_per_token(config, tokens, non_embedding_params(config) - norms, adapter_params=adapter)
+    assert abs(lora - measured) / measured < 0.035
+    assert flops_per_token(config, tokens) - 6 * norms > 1.25 * measured  # what a LoRA run was credited with
+
+
 def test_flops_per_token_formula():
     config = LlamaConfig(
         vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4
