@@ -288,11 +288,17 @@ class VLLMBackend(Backend):
         if params.adapter is None:
             lora, lora_version = self._lora, self._version  # an adapter stays with its request (see `_moved`)
         else:
-            if params.adapter not in self._named:
-                raise KeyError(f"no adapter named {params.adapter!r}")
-            lora, lora_version = self._named[params.adapter]
-            if lora is not None and not os.path.isdir(lora.lora_path):
+            while True:
+                if params.adapter not in self._named:
+                    raise KeyError(f"no adapter named {params.adapter!r}")
+                lora, lora_version = self._named[params.adapter]
+                if lora is None or os.path.isdir(lora.lora_path):
+                    break
                 await self._check_still_held(params.adapter, lora)
+                # a version of the name that arrived during the check replaced this adapter and may have dropped it
+                # from vLLM (no request of ours used it yet): the request takes the new one
+                if self._named.get(params.adapter, (None, 0))[0] is lora:
+                    break
         moves = self._moves
         done: list[int] = []  # tokens handed out
         prompt_raw: list | None = []  # vLLM's prompt log-prob entries until they are handed out

@@ -816,3 +816,41 @@ def test_a_request_on_the_model_s_adapter_goes_on_without_it_once_other_full_wei
         await backend.shutdown()
 
     run(scenario())
+
+
+def test_a_request_whose_name_gets_a_new_version_while_its_adapter_is_looked_up_takes_the_new_one(
+    standin_vllm, tiny_model, tmp_path
+):
+    """run-a's folder is gone, so its request asks vLLM whether it still holds the adapter; meanwhile run-a's next
+    version arrives and the old adapter, used by no request yet, leaves vLLM's cache. The request takes the new adapter.
+    Before, it went on with the adapter it had read, which vLLM no longer held and could not load back: it failed."""
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, max_loras=2, max_lora_rank=8, adapters=("run-a",))
+        await backend.start()
+        engine = backend._engine
+        engine.auto = True
+        old, new = adapter_folder(tmp_path, "a1"), adapter_folder(tmp_path, "a2")
+        await backend.update_adapter("run-a", FetchedWeights.local(old, 1))
+        shutil.rmtree(old)  # pruned: the name serves on while vLLM holds the adapter
+        listing, release = asyncio.Event(), asyncio.Event()
+        list_loras = engine.list_loras
+
+        async def slow_list():
+            held = await list_loras()
+            listing.set()
+            await release.wait()
+            return held
+
+        engine.list_loras = slow_list
+        request = asyncio.create_task(_collect(backend.generate([1], SamplingParams(max_tokens=2, adapter="run-a"))))
+        await listing.wait()
+        await backend.update_adapter("run-a", FetchedWeights.local(new, 2))
+        assert engine.removed() == [1]  # the old adapter left vLLM: no request of ours used it
+        release.set()
+        assert [e.version for e in await request] == [2, 2]
+        assert engine.last("generate")["lora_request"].lora_path == str(new)
+        await backend.shutdown()
+
+    run(scenario())
