@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 
 
 class ScriptedServer:
-    """/v1/models, /v1/chat/completions (replies from `script`: text, or ("sleep", s, text), or
-    ("status", code[, headers])), /tokenize (one token per character), /classify (score = number of tokens / 10;
-    a 400 for an input longer than `max_len`). Records every request."""
+    """/v1/models, /v1/chat/completions (replies from `script`: text, ("sleep", s, text), ("length", text) (cut at
+    max_tokens) or ("status", code[, headers])), /tokenize (one token per character), /classify (score = number
+    of tokens / 10; a 400 for an input longer than `max_len`). Records every request."""
 
     def __init__(self):
         self.script: list = []
@@ -41,13 +41,16 @@ class ScriptedServer:
             if isinstance(action, tuple) and action[0] == "sleep":
                 await asyncio.sleep(action[1])
                 action = action[2]
+            finish = "stop"
+            if isinstance(action, tuple) and action[0] == "length":  # ("length", text): cut at max_tokens
+                finish, action = "length", action[1]
             if isinstance(action, tuple) and action[0] == "status":  # ("status", code[, headers])
                 headers = action[2] if len(action) > 2 else None
                 return JSONResponse({"error": {"message": "scripted", "type": "x"}}, status_code=action[1],
                                     headers=headers)  # fmt: skip
             return {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": action},
-                                 "finish_reason": "stop"}]}  # fmt: skip
+                                 "finish_reason": finish}]}  # fmt: skip
 
         @app.post("/tokenize")
         async def tokenize(request: Request):

@@ -9,9 +9,10 @@ or, without code, `[[orchestrator.judges]]` / `[[orchestrator.reward_models]]` (
 A `Judge` renders its prompt from the task and the rollout, asks an OpenAI-compatible server (`gyre.endpoint`:
 timeouts, retries, bounded concurrency, counted) and reads a score from the reply: a number (divided by
 `max_score`), a choice (word -> reward) or a JSON object's key. Identical calls (same messages, model and
-sampling) are answered once: from an LRU cache, and shared while in flight. A reply without a readable score is
-asked again (counted as `unparsed`); when every attempt fails the judge raises `ScoringError`, which the rubric
-lets through and the orchestrator counts and retries: a failed judge is never a silent 0.
+sampling) are answered once: from an LRU cache, and shared while in flight. A reply without a readable score, or
+cut at `max_tokens` (finish_reason "length": its verdict never came), is asked again (counted as `unparsed`);
+when every attempt fails the judge raises `ScoringError`, which the rubric lets through and the orchestrator
+counts and retries: a failed judge is never a silent 0.
 
 A judge that refuses one request for what it holds (400, 413, 422: the rendered prompt, completion included, is
 longer than the judge's context; a hosted API's content filter) cannot grade that rollout however often it is
@@ -183,9 +184,14 @@ class Judge:
                 raise ScoringError(str(error)) from error
             try:
                 reply = _text(body["choices"][0]["message"]["content"])
-            except (KeyError, IndexError, TypeError):
+                cut = body["choices"][0].get("finish_reason") == "length"
+            except (KeyError, IndexError, TypeError, AttributeError):
                 reply, problem = "", "the answer has no choices[0].message.content"
             else:
+                if cut:  # its verdict never came: the last number of a reasoning cut short is not a score
+                    problem = f"the reply was cut at max_tokens = {self.config.max_tokens} (raise it): {reply[-200:]!r}"
+                    self.stats["unparsed"] += 1
+                    continue
                 try:
                     return parse_score(self.config, reply)
                 except ValueError as error:

@@ -175,6 +175,23 @@ def test_a_shared_call_whose_first_caller_is_cancelled_is_asked_again_not_cancel
     assert asyncio.run(scenario()) == pytest.approx(0.7) and scripted.count("chat") == 2
 
 
+def test_a_reply_cut_at_max_tokens_is_no_score(scripted):
+    """A reasoning judge cut at max_tokens ('3 errors, so I would give it') was read as its last number, 3: a wrong
+    grade, silently. A cut reply has no verdict: it is asked again, and when every reply is cut the error names
+    max_tokens."""
+    judge = Judge(url=scripted.url, prompt="{response}", model="judge-model", retries=1, max_tokens=12)
+
+    async def scenario():
+        scripted.script[:] = [("length", "3 errors, so I would give it"), "Score: 8"]
+        again = await judge(PROMPT, completion("a"), "")
+        scripted.script[:] = [("length", "3 errors, so")] * 2
+        with pytest.raises(ScoringError, match="cut at max_tokens = 12 \\(raise it\\)"):
+            await judge(PROMPT, completion("b"), "")
+        return again
+
+    assert asyncio.run(scenario()) == pytest.approx(0.8) and judge.stats["unparsed"] == 3
+
+
 def test_a_judge_that_times_out_is_counted_and_retried(scripted):
     judge = Judge(url=scripted.url, model="judge-model", timeout_s=0.3, retries=2, prompt="{response}")
     judge.endpoint.backoff_s = 0.01
