@@ -41,7 +41,7 @@ from gyre_inference.protocol import (
     SchemaObject,
     StreamOptions,
 )
-from gyre_inference.strict import StrictModel
+from gyre_inference.strict import ParamError, StrictModel
 
 # ---- request models ----------------------------------------------------------------------------------
 MIN_OUTPUT_TOKENS = 16  # OpenAI refuses less (integer_below_min_value)
@@ -260,8 +260,10 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
     except ValidationError as error:  # what the chat rules refuse, named by this request's field
         first = error.errors()[0]
         message = first["msg"].removeprefix("Value error, ")
-        if not first["loc"]:  # a rule across fields (tool_choice required with text.format, ...)
-            raise APIError(400, message) from None
+        if not first["loc"]:  # a rule across fields (tool_choice required with text.format, ...): the field it names
+            broken = (first.get("ctx") or {}).get("error")
+            param = _CHAT_FIELDS.get(broken.param, broken.param) if isinstance(broken, ParamError) else None
+            raise APIError(400, message, param=param) from None
         field = _CHAT_FIELDS.get(str(first["loc"][0]), str(first["loc"][0]))
         where = ".".join([field, *(str(p) for p in first["loc"][1:])])
         raise APIError(400, f"{where}: {message}", param=field) from None

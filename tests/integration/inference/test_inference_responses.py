@@ -178,7 +178,7 @@ def test_what_a_stateless_text_server_cannot_do_is_a_clear_400(http, model_id, f
         ({"tools": [{"type": "function", "name": "add"}], "tool_choice": {"type": "function", "name": "sub"}},
          "tool_choice", "not one of the tools"),
         ({"tools": [{"type": "function", "name": "add"}], "tool_choice": "required",
-          "text": {"format": {"type": "json_object"}}}, None, "constrains the output"),
+          "text": {"format": {"type": "json_object"}}}, "tool_choice", "constrains the output"),  # was param null
     ],
 )  # fmt: skip
 def test_errors_name_this_requests_fields_not_the_chat_requests(http, model_id, fields, param, says):
