@@ -136,3 +136,12 @@ def test_other_forms_of_a_refused_request_count_once_toward_the_refusals_in_a_ro
 
     asyncio.run(scenario())
     assert client.stats["refused"] == 3 * (MAX_REFUSED_IN_A_ROW - 1)
+
+
+def test_an_empty_key_file_is_refused_at_start(tmp_path):
+    """An empty mounted Secret was read as no key: every call went out without one, and the run stopped on the
+    first 401 (or, on a server without auth, ran with a key the user thought was sent)."""
+    key = tmp_path / "key"
+    key.write_text("\n")
+    with pytest.raises(ValueError, match=f"^judge 'style': api_key_file: {key} is empty"):
+        Endpoint(EndpointConfig(url="http://127.0.0.1:9", api_key_file=str(key)), name="judge 'style'")

@@ -84,9 +84,12 @@ class EndpointConfig(Section):
             return key.strip()
         if self.api_key_file:
             try:
-                return Path(self.api_key_file).read_text().strip()
+                key = Path(self.api_key_file).read_text().strip()
             except OSError as error:
                 raise ValueError(f"api_key_file: cannot read {self.api_key_file} ({error.strerror})") from None
+            if not key:  # an empty Secret: every call went out without a key and the run died on a 401 later
+                raise ValueError(f"api_key_file: {self.api_key_file} is empty")
+            return key
         return None
 
 
