@@ -179,6 +179,30 @@ def test_kl_tau_and_reference_k3_regularisers_by_hand():
         assert stats["ref_kl"][t] == pytest.approx(math.exp(d) - d - 1 if MASK[t] else 0.0)
 
 
+@pytest.mark.parametrize(("estimator", "gradient_of"), [("k1", None), ("k2", "reverse"), ("k3", "forward")])
+def test_what_each_reference_kl_estimator_pulls_toward_as_a_loss(estimator, gradient_of):
+    """The trainer differentiates the estimate at the sampled token, the sampling held fixed (as verl and TRL do):
+    the step's expected gradient is Σ_y sg[π_θ(y)]·∇k(y), exact here over a 12-token categorical policy. k1's is 0
+    (E[∇lp_θ] = 0), k2's the gradient of KL(π_θ‖π_ref), k3's that of KL(π_ref‖π_θ) (docs/algorithms.md)."""
+    from gyre_trainer.loss import reference_kl
+
+    generator = torch.Generator().manual_seed(0)
+    theta = torch.randn(12, generator=generator, dtype=torch.float64).requires_grad_()
+    ref = torch.log_softmax(torch.randn(12, generator=generator, dtype=torch.float64), -1)
+    lp = torch.log_softmax(theta, -1)
+    per_token = reference_kl(lp, ref, torch.ones(12, dtype=torch.bool), estimator)
+    assert per_token.detach().max() < 10 and (ref - lp).detach().abs().max() < 20  # k3's clamps are not in play
+    (expected_step,) = torch.autograd.grad((lp.exp().detach() * per_token).sum(), theta, retain_graph=True)
+    if gradient_of is None:
+        assert expected_step.abs().max() < 1e-12
+        return
+    p, q = lp.exp(), ref.exp()
+    kl = (p * (lp - ref)).sum() if gradient_of == "reverse" else (q * (ref - lp)).sum()
+    (exact,) = torch.autograd.grad(kl, theta)
+    assert exact.norm() > 0.1
+    torch.testing.assert_close(expected_step, exact, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_reference_kl_estimators_by_hand(estimator):
     ref_lp = [0.0, -1.0, -0.9, 0.0, -2.2, -0.2, -25.0]  # token 6: d = lp_ref − lp_θ ≈ −24.4
