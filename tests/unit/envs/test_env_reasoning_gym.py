@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from envs_doubles import ScriptedClient
 from gyre.envs import EnvironmentLoadError, load_environment
@@ -82,3 +87,60 @@ def test_sft_examples_earn_full_reward():
     env = load_environment("reasoning_gym:spell_backward", num_eval=2)
     task = env.tasks("train")[0]
     assert env.sft_example(task)[-1] == {"role": "assistant", "content": task.answer}
+
+
+# Scorers that run the reply: eval() for Python lists, sympy's parse_expr (an eval) for expressions.
+EVALUATING = ["spiral_matrix", "binary_matrix", "string_insertion", "n_queens", "countdown", "puzzle24",
+              "polynomial_multiplication", "simple_integration"]  # fmt: skip
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dataset", EVALUATING)
+async def test_a_reply_never_runs_as_code(dataset, tmp_path, sampling):
+    """reasoning-gym's scorers eval()'d the reply: `__import__('os')...` ran in the orchestrator."""
+    env = load_environment(f"reasoning_gym:{dataset}", num_eval=2)
+    task = env.tasks("eval")[0]
+    marker = tmp_path / "ran"
+    payload = f"__import__('pathlib').Path({str(marker)!r}).write_text('x')"
+    for reply in (payload, f"[{payload}]", "1 + exec(chr(49))", "open(chr(47))"):
+        reward = await reward_of(env, task, reply, sampling)
+        assert 0.0 <= reward < 1.0 and not marker.exists(), reply
+
+
+HANG_CHECK = """
+import asyncio, sys
+from envs_doubles import ScriptedClient
+from gyre.envs import SamplingParams, load_environment
+env = load_environment(f"reasoning_gym:{sys.argv[1]}", num_eval=2)
+task = env.tasks("eval")[0]
+async def main():
+    for reply in ("9**9**9**9", "2**(2**(2**(2**99)))"):
+        rollout = await env.rollout(ScriptedClient([reply]), task, SamplingParams(max_tokens=64))
+        print((await env.score(task, rollout)).reward)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("dataset", ["countdown", "puzzle24", "polynomial_multiplication"])
+def test_a_reply_cannot_hang_the_scorer(dataset):
+    """sympy computed `9**9**9**9` for ever, holding the GIL (no timeout can stop it in-process): run it in a child."""
+    done = subprocess.run([sys.executable, "-c", HANG_CHECK, dataset], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert all(0.0 <= float(r) < 1.0 for r in done.stdout.split()) and len(done.stdout.split()) == 2
+
+
+@pytest.mark.asyncio
+async def test_replies_in_other_valid_forms_still_score(sampling):
+    """The guard reads the reply as data; answers the scorers accept in other forms keep their reward."""
+    cases = {
+        "spiral_matrix": (lambda a: str([int(x) for x in a.split()]), 0.1),  # the list form: the scorer's 0.1
+        "n_queens": (lambda a: str([list(r.replace(" ", "")) for r in a.split("\n")]), 0.5),
+        "countdown": (lambda a: f"({a})", 1.0),
+        "polynomial_multiplication": (lambda a: f"1*({a})", 1.0),
+        "bitwise_arithmetic": (lambda a: a, 1.0),  # scored by eval() of the task's own problem: still allowed
+    }
+    for dataset, (rewrite, expected) in cases.items():
+        env = load_environment(f"reasoning_gym:{dataset}", num_eval=3)
+        for task in env.tasks("eval"):
+            assert await reward_of(env, task, rewrite(task.answer), sampling) == expected, (dataset, task.answer)
