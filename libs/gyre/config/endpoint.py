@@ -106,9 +106,9 @@ class JudgeConfig(EndpointConfig):
     system: str | None = Field(None, description="System message sent before the prompt.")
     score: Literal["number", "choice", "json"] = Field(
         "number",
-        description="How the reply becomes a reward: number (the last number in it, divided by max_score; the 10 of "
-        "'8/10' is the scale), choice (the first of `choices` it names, whole word, case-insensitive), json (a JSON "
-        "object's json_key).",
+        description="How the reply becomes a reward: number (the last number in it, divided by max_score; the "
+        "scale's mentions are not scores: the 10 of '8/10', 'out of 10', ranges '0-10'), choice (the first of "
+        "`choices` it names, whole word, case-insensitive), json (a JSON object's json_key).",
     )
     max_score: float = Field(10.0, gt=0, description="number/json: the top of the judge's scale (reward = n / max).")
     choices: dict[str, float] = Field(default_factory=dict, description="choice: word -> reward, e.g. yes = 1.")

@@ -44,9 +44,17 @@ from gyre.config.endpoint import JudgeConfig, RewardModelConfig
 from gyre.endpoint import Endpoint, EndpointError, RequestRefused
 from gyre.envs.types import Messages, ScoringError
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-# what comes before a number that is the scale, not a score: the 10 of "8/10" or "8 out of 10"
-_SCALE_BEFORE = re.compile(r"(?:/|\bout\s+of)\s*$", re.IGNORECASE)
+# a minus sign only where it cannot be a range's dash: the 10 of "0-10" is not -10
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?\d+(?:\.\d+)?")
+
+
+def _without_scale(reply: str, max_score: float) -> str:
+    """The reply without mentions of the judge's scale, which are not scores: the /10 of "8/10", "out of 10",
+    "of 10", and ranges "0-10", "1 to 10" (their lower end too: "7 on a scale of 0-10" is 7, not 0 or 10)."""
+    top = rf"{re.escape(f'{max_score:g}')}(?:\.0+)?(?!\.?\d)"
+    ranges = rf"(?<![\w.])[01](?:\.0+)?\s*(?:-|–|—|\bto\b)\s*{top}"
+    after = rf"(?:/|\bout\s+of\b|\bof\b)\s*{top}"
+    return re.sub(f"{ranges}|{after}", " ", reply, flags=re.IGNORECASE)
 
 
 class Unjudged(RuntimeError):
@@ -104,11 +112,7 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"no JSON object with a number under {config.json_key!r}")
     else:
-        numbers = [
-            float(match.group())
-            for match in _NUMBER.finditer(reply)
-            if not (float(match.group()) == config.max_score and _SCALE_BEFORE.search(reply[: match.start()]))
-        ]
+        numbers = [float(match.group()) for match in _NUMBER.finditer(_without_scale(reply, config.max_score))]
         if not numbers:
             raise ValueError("no number in the reply")
         value = numbers[-1]

@@ -59,6 +59,14 @@ def rollout(text: str) -> Rollout:
         ({}, "I'd give it 3 out of 10.", 0.3),
         ({}, "10 / 10", 1.0),
         ({"max_score": 5}, "Grade: 2/5", 0.4),
+        # a range's dash read as a minus ("0-10": 0 and -10, no score) and the scale's ends read as scores
+        ({}, "7 on a scale of 0-10", 0.7),
+        ({}, "On a scale from 1 to 10: 6", 0.6),
+        ({}, "I'd rate it 3 of 10.", 0.3),
+        ({}, "Score 5 (range 0–10)", 0.5),
+        ({"max_score": 5}, "4 (scale 1-5)", 0.8),
+        ({}, "Final score: 9.5/10.0", 0.95),
+        ({}, "-0", 0.0),
         ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "No. Not at all, yes-men aside", 0.0),
         ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is Incorrect.", 0.0),
         ({"score": "json", "max_score": 5}, 'Reasoning... ```json\n{"score": 4, "why": "close"}\n```', 0.8),
@@ -78,6 +86,7 @@ def test_scores_are_read_from_replies(settings, reply, score):
     [
         ({}, "no idea", "no number"),
         ({}, "11", "outside 0..10"),
+        ({}, "Score: -3", "outside 0..10"),  # a minus sign is still one
         ({"max_score": 5}, "8/10", "outside 0..5"),  # another scale than the configured one is no score
         ({"score": "choice", "choices": {"yes": 1.0}}, "yesterday", "none of"),
         ({"score": "json"}, '{"score": "high"}', "no JSON object"),
