@@ -24,21 +24,27 @@ def endpoint(server, **settings) -> Endpoint:
     return Endpoint(EndpointConfig(url=server.url, model="judge-model", **settings), name="teacher")
 
 
+def refusal(server, client: Endpoint, status: int) -> EndpointError:
+    """What one request answered with `status` raises (asserting it names the status)."""
+
+    async def scenario():
+        server.script[:] = [("status", status)]
+        with pytest.raises(EndpointError, match=f"refused the request: {status}") as raised:
+            await client.chat(MESSAGES)
+        await client.aclose()
+        return raised.value
+
+    return asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("status", [400, 413, 422])
 def test_a_request_refused_for_what_it_holds_is_request_refused(scripted, status):
     """A 400/413/422 (a sample too long for the context, a token out of vocabulary) is that request's: the
     teacher skips the sample, a judge scores it as failed-to-judge. Before, every 4xx was the same EndpointError
     and stopped the run."""
     client = endpoint(scripted)
-
-    async def scenario():
-        scripted.script[:] = [("status", status)]
-        with pytest.raises(RequestRefused, match=f"refused the request: {status}") as refused:
-            await client.chat(MESSAGES)
-        await client.aclose()
-        return refused.value
-
-    assert asyncio.run(scenario()).status == status
+    error = refusal(scripted, client, status)
+    assert isinstance(error, RequestRefused) and error.status == status
     assert client.stats["refused"] == 1 and client.stats["failures"] == 1 and client.stats["retries"] == 0
 
 
@@ -46,15 +52,7 @@ def test_a_request_refused_for_what_it_holds_is_request_refused(scripted, status
 def test_a_refusal_of_the_setup_stops_the_run(scripted, status):
     """A key, a permission, a model or URL not found: every request would be refused; never skipped."""
     client = endpoint(scripted)
-
-    async def scenario():
-        scripted.script[:] = [("status", status)]
-        with pytest.raises(EndpointError, match=f"refused the request: {status}") as raised:
-            await client.chat(MESSAGES)
-        await client.aclose()
-        return raised.value
-
-    assert not isinstance(asyncio.run(scenario()), RequestRefused) and client.stats["refused"] == 0
+    assert not isinstance(refusal(scripted, client, status), RequestRefused) and client.stats["refused"] == 0
 
 
 def test_refusals_in_a_row_are_the_configurations_fault(scripted):
