@@ -137,6 +137,9 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> list[ToolCall]:
         except ValueError as exc:
             calls.append(ToolCall(id=call_id, name="", error=f"tool call is not valid JSON: {exc}"))
             continue
+        except RecursionError:  # nested past json's recursion limit: the model is told, the rollout goes on
+            calls.append(ToolCall(id=call_id, name="", error="tool call is nested too deeply"))
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             calls.append(ToolCall(id=call_id, name="", error='tool call must be {"name": str, "arguments": {...}}'))
             continue

@@ -106,6 +106,8 @@ def decode_arguments(raw: Any) -> tuple[dict[str, Any], str | None]:
         value = json.loads(raw)
     except (TypeError, ValueError) as exc:
         return {}, f"arguments are not valid JSON: {exc}"
+    except RecursionError:  # `[[[[...` a thousand deep: json's recursion limit, not a crash of the rollout
+        return {}, "arguments are nested too deeply"
     if not isinstance(value, dict):
         return {}, f"arguments must be a JSON object, got {type(value).__name__}"
     return value, None

@@ -178,6 +178,22 @@ async def test_error_messages_echoing_model_text_are_capped_too(sampling):
     assert all(len(r) == 50 + len("...[truncated]") and r.endswith("...[truncated]") for r in results)
 
 
+@pytest.mark.asyncio
+async def test_deeply_nested_arguments_are_a_tool_error(sampling):
+    """JSON nested past the parser's recursion limit raised RecursionError out of the rollout (and out of building
+    the turn, for a server's structured call) instead of telling the model."""
+    deep = "[" * 5000 + "]" * 5000
+    env = load_environment("calculator", num_eval=1)
+    text = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": {deep}}}}}</tool_call>'
+    as_string = text_call("calculator", {}).replace("{}", json.dumps(f'{{"expression": {deep}}}'))
+    rollout = await env.rollout(ScriptedClient([text, as_string, "7"]), env.tasks("eval")[0], sampling)
+    assert rollout.error is None and rollout.stop_reason == "done"
+    results = [m["content"] for m in rollout.completion if m["role"] == "tool"]
+    assert results == ["Error: tool call is nested too deeply", "Error: arguments are nested too deeply"]
+    structured = ToolCall.from_openai({"id": "c", "function": {"name": "calculator", "arguments": deep}})
+    assert structured.error == "arguments are nested too deeply" and structured.arguments == {}
+
+
 def test_tool_calls_of_reads_structured_and_text_calls():
     structured = {"role": "assistant", "content": "", "tool_calls": [structured_call("x", "f", {"a": 1}).to_openai()]}
     assert tool_calls_of(structured)[0].arguments == {"a": 1}
