@@ -3,7 +3,7 @@
 One small client for all three, over the official `openai` client (auth, timeouts, HTTP errors as exceptions):
 
 - **bounded concurrency**: at most `max_concurrency` requests in flight;
-- **timeouts and retries**: a timeout, connection error, 5xx or 429 is retried after a jittered exponential
+- **timeouts and retries**: a timeout, connection error, 5xx, 429, 408 or 409 is retried after a jittered exponential
   backoff (or the `Retry-After` a 429/503 asks for, up to a minute, when that is longer), `retries` times; a
   4xx fails at once. A 400, 413 or 422 refuses what the request holds (a sample too long for the server's
   context, a token out of its vocabulary) and raises `RequestRefused`: the caller may skip that one sample (the
@@ -33,6 +33,8 @@ import openai
 from gyre.config.endpoint import EndpointConfig
 
 _RETRYABLE = (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError)
+#: other statuses worth another try, as the openai client's own rule: a proxy's 408 Request Timeout, 409 Conflict
+_RETRYABLE_STATUSES = frozenset({408, 409})
 
 
 #: statuses that refuse what one request holds (OpenAI's and vLLM's context-length error is a 400), not the setup
@@ -136,6 +138,10 @@ class Endpoint:
                     self.stats["errors"] += 1
                     last = error
                 except openai.APIStatusError as error:
+                    if error.status_code in _RETRYABLE_STATUSES:
+                        self.stats["errors"] += 1
+                        last = error
+                        continue
                     self.stats["failures"] += 1
                     raise self._refusal(error, again) from error
                 else:

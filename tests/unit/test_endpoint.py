@@ -143,3 +143,20 @@ def test_an_empty_key_file_is_refused_at_start(tmp_path):
     key.write_text("\n")
     with pytest.raises(ValueError, match=f"^judge 'style': api_key_file: {key} is empty"):
         Endpoint(EndpointConfig(url="http://127.0.0.1:9", api_key_file=str(key)), name="judge 'style'")
+
+
+@pytest.mark.parametrize("status", [408, 409])
+def test_a_proxy_timeout_or_conflict_is_retried(scripted, status):
+    """408 Request Timeout (a proxy in front of the judge) and 409 are retried, as the openai client itself does;
+    they were refusals of the setup that stopped the run."""
+    client = endpoint(scripted, retries=1)
+    client.backoff_s = 0.01
+
+    async def scenario():
+        scripted.script[:] = [("status", status), "ok"]
+        answer = await client.chat(MESSAGES)
+        await client.aclose()
+        return answer
+
+    assert asyncio.run(scenario())["choices"][0]["message"]["content"] == "ok"
+    assert client.stats["retries"] == 1 and client.stats["errors"] == 1 and client.stats["failures"] == 0

@@ -38,7 +38,7 @@ class EndpointConfig(Section):
     api_key_env: str | None = Field(None, description="Environment variable holding the API key (never the key).")
     api_key_file: str | None = Field(None, description="File holding the API key, e.g. a mounted Secret.")
     timeout_s: float = Field(60.0, gt=0, description="Deadline of one request; a request past it is retried.")
-    retries: int = Field(3, ge=0, description="Retries of a request (timeouts, connection errors, 5xx, 429).")
+    retries: int = Field(3, ge=0, description="Retries of a request (timeouts, connection errors, 5xx, 429, 408, 409).")
     max_concurrency: int = Field(16, ge=1, description="Requests in flight to this endpoint at once.")
 
     @field_validator("url")
