@@ -108,6 +108,8 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            except RecursionError:
+                raise DatasetError(f"{where}: JSON nested too deeply to read") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
             out.append((where, row))

@@ -140,6 +140,7 @@ async def test_user_reward_function_by_import_path(tmp_path, monkeypatch, sampli
         ('{"prompt": "a", "answer": ["b"]}', "bad.jsonl:3: 'answer' must be text or a number"),
         ('{"prompt": [{"role": "robot", "content": "a"}], "answer": "b"}', "bad.jsonl:3: 'prompt' must be text or"),
         ('{"prompt": "a", "answer": "b", "split": "dev"}', "bad.jsonl:3: 'split' is 'dev'"),
+        ('{"prompt": "a", "answer": ' + "[" * 5000 + "]" * 5000 + "}", "bad.jsonl:3: JSON nested too deeply"),
     ],
 )
 def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
