@@ -33,10 +33,10 @@ from gyre_inference.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
 )
 from gyre_inference.responses import ResponsesRequest, respond
-from gyre_inference.serving import Serving, client_gone
+from gyre_inference.serving import Serving, check_tool_replies, check_tool_schemas, client_gone
 from gyre_inference.text import ModelText
 from gyre_inference.tokens_in import ROUTE as GENERATE_ROUTE
 from gyre_inference.tokens_in import add_generate_route
@@ -221,11 +221,15 @@ def create_app(state: AppState) -> FastAPI:
         return await state.serving.completions(body, arrival(request), client_gone(request))
 
     @app.post("/tokenize", summary="vLLM-compatible: prompt text or chat messages to token ids.")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+    async def tokenize(body: TokenizeRequest) -> dict:
         _check_model(state, body.model)
         if isinstance(body, TokenizeChatRequest):
+            # the prompt a chat request of these messages and tools gets, refused as that request would be
+            if body.tools:
+                await asyncio.to_thread(check_tool_schemas, body.tools)
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
             messages = [message.model_dump(exclude_none=True) for message in body.messages]
+            check_tool_replies(messages)
             tokens = await asyncio.to_thread(
                 state.text.chat_prompt, messages, tools, body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs,

@@ -156,7 +156,10 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    if loc == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+    # the body itself (behind a union's tag on /tokenize) is missing or no object
+    if loc[:1] == ("body",) and _field_path(loc) is None and first.get("type") in (
+        "missing", "model_attributes_type", "dict_type", "model_type"
+    ):  # fmt: skip
         return "request body must be a JSON object", None
     param = _field_path(loc)
     from gyre_inference.protocol import UNSUPPORTED_FIELDS  # (protocol does not import this module)

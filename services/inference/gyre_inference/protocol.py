@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
 
 from gyre_inference.chat_messages import ChatMessage, NamedToolChoice, Prediction, Tool
 from gyre_inference.strict import ParamError, StrictModel
@@ -473,3 +473,16 @@ class TokenizeChatRequest(StrictModel):
 class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def _tokenize_form(body: Any) -> str:
+    return "chat-form" if isinstance(body, dict) and "messages" in body else "prompt-form"
+
+
+# The body of /tokenize: the chat form when it has messages, else the prompt form. Tagged so that a chat body's
+# error names its own field (messages.1.tool_call_id), not the other form's ("prompt: Field required"); the tags
+# are not identifiers, so errors.py leaves them out of the field's path.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("prompt-form")] | Annotated[TokenizeChatRequest, Tag("chat-form")],
+    Discriminator(_tokenize_form),
+]

@@ -10,14 +10,14 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Collection
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams
-from gyre_inference.chat_messages import tool_reply_error
+from gyre_inference.chat_messages import Tool, tool_reply_error
 from gyre_inference.choice import Choice, Delta, choice_seed
 from gyre_inference.errors import APIError, error_body, unknown_model
 from gyre_inference.json_body import FastJSONResponse, dumps
@@ -102,13 +102,12 @@ class Serving:
         """The choices of a chat request, ready to run (`kind` names the endpoint in metrics)."""
         self._check_model(request.model)
         if request.tools:
-            await asyncio.to_thread(_check_tool_schemas, request, kind)
+            forced = {tool.function.name for tool in request.forced_tools or []}
+            await asyncio.to_thread(check_tool_schemas, request.tools, forced, kind)
         parse_tools = bool(request.tools) and request.tool_choice != "none"  # auto, required or named
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
         messages = [message.model_dump(exclude_none=True) for message in request.messages]
-        if (wrong := tool_reply_error(messages)) is not None:
-            i, field, reason = wrong
-            raise APIError(400, f"messages.{i}.{field}: {reason}", param=f"messages.{i}.{field}")
+        check_tool_replies(messages)
         # Template rendering and tokenization of a large prompt take long: never on the event loop.
         prompt = await asyncio.to_thread(
             self.text.chat_prompt, messages, tools, request.add_generation_prompt,
@@ -494,11 +493,18 @@ class Serving:
         return self.text.token(token_id)
 
 
-def _check_tool_schemas(request: ChatCompletionRequest, kind: str) -> None:
+def check_tool_replies(messages: list[dict]) -> None:
+    """400 naming the first tool message that answers no tool call of the assistant turn before it (as OpenAI)."""
+    if (wrong := tool_reply_error(messages)) is not None:
+        i, field, reason = wrong
+        raise APIError(400, f"messages.{i}.{field}: {reason}", param=f"messages.{i}.{field}")
+
+
+def check_tool_schemas(tools: list[Tool], forced: Collection[str] = (), kind: str = "chat") -> None:
     """400 naming the tool whose `parameters` is not a valid JSON schema, whatever `tool_choice` says (as
-    OpenAI); the tools a call is forced to must also be schemas the grammar engine can enforce."""
-    forced = {tool.function.name for tool in request.forced_tools or []}
-    for i, tool in enumerate(request.tools):
+    OpenAI); the tools a call is forced to (`forced`: their names) must also be schemas the grammar engine can
+    enforce. `kind` "responses": named as /v1/responses names them."""
+    for i, tool in enumerate(tools):
         function = tool.function
         if function.parameters is None:
             continue

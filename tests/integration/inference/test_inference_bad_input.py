@@ -385,6 +385,27 @@ def test_an_invalid_tool_schema_is_400_whatever_the_tool_choice(client, model_id
     assert error.value.body["param"] == "tools.1.parameters", error.value.body
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"messages": CHAT["messages"], "tools": [{"type": "function", "function": {"name": "f", "parameters":
+          {"type": "frob"}}}]}, "tools.0.function.parameters", "invalid JSON schema for function 'f'"),
+        ({"messages": [ASK, {"role": "tool", "content": "3"}]}, "messages.1.tool_call_id", "Field required"),
+        ({"messages": [ASK, {"role": "tool", "tool_call_id": "call_1", "content": "3"}]}, "messages.1.role",
+         "must follow an assistant message"),
+        ({"prompt": 5}, "prompt", "valid string"),
+    ],
+)  # fmt: skip
+def test_tokenize_refuses_what_a_chat_request_refuses_naming_the_field(http, body, param, says):
+    """/tokenize of chat messages is the prompt the chat request gets: an invalid tool schema and a tool message that
+    answers no call are refused there too (both were tokenized), and a chat body's error names its own field (a tool
+    message without tool_call_id said "prompt: Field required (and 2 more errors)", the prompt form's complaint)."""
+    error = assert_error(http.post("/tokenize", json=body), 400, param=param)
+    assert says in error["message"], error
+    error = assert_error(http.post("/tokenize", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+    assert error["message"] == "request body must be a JSON object", error
+
+
 def test_a_schema_the_grammar_cannot_enforce_is_refused_only_when_the_call_is_forced(client, model_id):
     """`not`, `uniqueItems`, ... are valid JSON schema that llguidance cannot enforce: fine for a tool the
     model may call (auto), a 400 naming the tool when tool_choice would have to enforce it."""
