@@ -239,7 +239,10 @@ def _is_call_name(root: ast.AST, name: ast.AST) -> bool:
 @contextlib.contextmanager
 def reply_is_data(entry: dict[str, Any]) -> Iterator[None]:
     """While a reply is scored: `eval`, `parse_expr` and `sympify` in reasoning-gym's modules (and sympy's own
-    string parsing) read text that is not part of `entry` as data (see above)."""
+    string parsing) read text that is not part of `entry` as data (see above).
+
+    The names are swapped process-wide for the (synchronous) scorer call: task generation, whose own `eval`s must
+    stay real, must not run in another thread meanwhile. Gyre generates and scores on the event loop's thread."""
     import sympy
     import sympy.parsing.sympy_parser as sympy_parser
 
