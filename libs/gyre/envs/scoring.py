@@ -75,7 +75,9 @@ def math_equal(prediction: str | None, reference: str, *, numeric: bool = False)
 
 def graded_tail(text: str) -> str:
     """The last `MAX_GRADED_CHARS` of a reply, where the final answer is ("... so the answer is 7"), cut at a
-    whitespace so the cut never splits a number or a LaTeX command ("... 12" + padding must not leave "2")."""
+    whitespace so the cut never splits a number or a LaTeX command ("... 12" + padding must not leave "2").
+    Trailing whitespace is no part of it (a reply padded with blanks keeps its answer)."""
+    text = text.rstrip()
     if len(text) <= MAX_GRADED_CHARS:
         return text
     tail = text[-MAX_GRADED_CHARS:]

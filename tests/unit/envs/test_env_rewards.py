@@ -135,6 +135,7 @@ def test_math_equal_grades_the_tail_without_splitting_a_number():
     assert math_equal("The answer is 3.5" + "!" * 1998, "5") is False
     assert math_equal("\\frac{1}{2}" + " ok" * 664, "2") is False
     assert math_equal("Let me think. " * 400 + "The answer is 12.", "12", numeric=True) is True
+    assert math_equal("The answer is 12" + " " * 2500, "12", numeric=True) is True  # padding is not the tail
 
 
 @pytest.mark.parametrize(
