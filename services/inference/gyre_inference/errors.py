@@ -142,6 +142,10 @@ def _out_of_range(error: dict, param: str | None) -> tuple[str, str] | None:
 def validation_message(errors: list[dict]) -> tuple[str, str | None, str | None]:
     """(message, param, code) of a request that failed validation."""
     message, param = _validation_message(errors)
+    from gyre_inference.strict import ParamError
+
+    if isinstance(broken := (errors[0].get("ctx") or {}).get("error"), ParamError) and broken.code:
+        return message, param, broken.code
     # one field's one complaint that is not a wrong type (a union's other members complain of the type)
     values = [error for error in errors if not error.get("type", "").endswith("_type")]
     fields = {_field_path(tuple(error.get("loc", ()))) for error in errors}

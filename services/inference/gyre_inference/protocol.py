@@ -359,7 +359,8 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ParamError("max_tokens", "give max_completion_tokens or max_tokens, not both")
+            raise ParamError("max_tokens", "Setting 'max_tokens' and 'max_completion_tokens' at the same time is not "
+                             "supported.", code="invalid_parameter_combination")  # OpenAI's words  # fmt: skip
         if self.continue_final_message and self.add_generation_prompt:
             raise ParamError(
                 "continue_final_message",

@@ -18,9 +18,9 @@ class ParamError(ValueError):
     """A rule across fields, broken (raised by a model validator): the 400 names `param` (pydantic places such an
     error at the request itself, which names no field)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class StrictModel(BaseModel):

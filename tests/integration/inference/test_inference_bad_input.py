@@ -152,6 +152,11 @@ def test_cross_field_rules(http, model_id):
     ):
         base = {"model": model_id, **(CHAT if route == "/v1/chat/completions" else {"max_tokens": 2})}
         assert_error(http.post(route, json={**base, **body}), 400, param=param)
+    # OpenAI's own words and code (clients such as langchain's ChatOpenAI hit it when both are set)
+    body = {"model": model_id, **CHAT, "max_completion_tokens": 2}
+    response = http.post("/v1/chat/completions", json=body)
+    error = assert_error(response, 400, "max_tokens", "invalid_parameter_combination")
+    assert error["message"] == "Setting 'max_tokens' and 'max_completion_tokens' at the same time is not supported."
 
 
 @pytest.mark.parametrize("body", [b"not json", b'{"model": ', b"[1, 2]", b'"a string"', b"", b"\xff\xfe"])
