@@ -80,7 +80,8 @@ def resolve_reward(reward: str) -> RewardFunc:
 def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(where, row) for every row of a .jsonl/.parquet file; `where` is "file:line" or "file row N"."""
     if not path.is_file():
-        raise DatasetError(f"dataset file {str(path)!r} does not exist")
+        what = "is a directory, not a .jsonl or .parquet file" if path.is_dir() else "does not exist"
+        raise DatasetError(f"dataset file {str(path)!r} {what}")
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq

@@ -190,6 +190,8 @@ def test_a_prompt_is_never_in_both_splits(tmp_path, seed):
 def test_file_level_errors(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         load_environment("dataset", path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(DatasetError, match="is a directory, not a .jsonl or .parquet file"):  # said "does not exist"
+        load_environment("dataset", path=str(tmp_path))
     (tmp_path / "data.csv").write_text("prompt,answer\n")
     with pytest.raises(DatasetError, match="use .jsonl or .parquet"):
         load_environment("dataset", path=str(tmp_path / "data.csv"))
