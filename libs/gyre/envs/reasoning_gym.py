@@ -29,6 +29,7 @@ from typing import Any
 from gyre.envs.base import MAX_REDRAWS, SingleTurnEnv, TaskSource
 from gyre.envs.parsers import Parser
 from gyre.envs.rubric import Rubric
+from gyre.envs.scoring import too_large
 from gyre.envs.types import Split, Task
 
 SYSTEM_PROMPT = "Answer the question. Reply with the answer only."
@@ -187,16 +188,26 @@ def _entry_texts(value: Any) -> list[str]:
     return []
 
 
-def check_math(text: str) -> None:
+def check_math(text: str, parse_expr: Any) -> None:
     """Raise `UntrustedExpression` unless `text` is arithmetic over numbers, names and `SAFE_FUNCTIONS` whose numbers
-    stay computable (no power or exponential inside a numeric exponent, exponent constants <= 1000)."""
+    stay computable: no power or exponential inside a numeric exponent, exponent constants <= 1000, and (read
+    unevaluated with sympy's real `parse_expr`, safe once the text passed the whitelist) a value of at most
+    `scoring.MAX_ANSWER_DIGITS` digits, so `((9**999)**999)**999` is refused too."""
     if len(text) > MAX_UNTRUSTED_CHARS:
         raise UntrustedExpression(f"expression longer than {MAX_UNTRUSTED_CHARS} characters")
     try:
         tree = ast.parse(text.replace("^", "**").strip(), mode="eval")
+        _check_node(tree.body, in_exponent=False)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        if isinstance(exc, UntrustedExpression):
+            raise
         raise UntrustedExpression(f"not an arithmetic expression: {type(exc).__name__}") from None
-    _check_node(tree.body, in_exponent=False)
+    try:
+        unevaluated = parse_expr(text, evaluate=False)
+    except Exception as exc:
+        raise UntrustedExpression(f"not an arithmetic expression: {type(exc).__name__}") from None
+    if too_large(unevaluated):
+        raise UntrustedExpression("the value has too many digits to compute")
 
 
 def _check_node(node: ast.AST, *, in_exponent: bool) -> None:
@@ -261,12 +272,12 @@ def reply_is_data(entry: dict[str, Any]) -> Iterator[None]:
 
     def safe_parse_expr(text: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_trusted(text):
-            check_math(text)
+            check_math(text, real_parse_expr)
         return real_parse_expr(text, *args, **kwargs)
 
     def safe_sympify(value: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_trusted(value):
-            check_math(value)
+            check_math(value, real_parse_expr)
         return real_sympify(value, *args, **kwargs)
 
     patches: list[tuple[Any, str, Any]] = [
