@@ -1,7 +1,8 @@
 """Keep a step whose gradients went wrong, so `gyre replay` can reproduce it (docs/trainer.md, "Debugging a step").
 
 A step's gradient norm is *bad* when it is not finite, or when it exceeds `debug.spike_factor` times the
-median of the previous `debug.spike_window` steps' (needs 3 of them; earlier bad steps do not count).
+median of the previous `debug.spike_window` steps' (needs 3 of them and a median above 0; earlier bad steps do not
+count).
 Every rank sees the same global norm, so every rank decides alike: the parameters are gathered
 collectively, and rank 0 writes `{output_dir}/debug/step_{s}/`, before the update, so they are exactly
 those that produced the gradients:
@@ -64,7 +65,9 @@ class GradNormWatch:
             return f"non-finite gradient norm ({grad_norm})"
         if len(self.history) >= MIN_HISTORY:
             median = statistics.median(self.history)
-            if grad_norm > self.spike_factor * median:
+            # a zero median (steps without signal: every group's advantages 0) sets no scale to spike against;
+            # judged against it, every later step would be a spike (bad steps never join the history)
+            if median > 0 and grad_norm > self.spike_factor * median:
                 return (
                     f"gradient norm {grad_norm:.6g} is {grad_norm / median:.1f}x the median {median:.6g} of the "
                     f"previous {len(self.history)} steps (debug.spike_factor = {self.spike_factor:g})"

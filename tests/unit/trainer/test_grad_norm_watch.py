@@ -21,3 +21,13 @@ def test_non_finite_norms_are_bad_from_the_first_step():
     for norm in (math.nan, math.inf):
         assert watch.observe(norm).startswith("non-finite gradient norm")
     assert list(watch.history) == []
+
+
+def test_a_zero_median_judges_no_spike():
+    # steps without signal (every advantage 0) have gradient norm 0: the trainer of a rewind test reached such a
+    # history and died on the next real gradient (ZeroDivisionError formatting the "spike"); judged against 0,
+    # every later step would be a spike forever, since bad steps never join the history
+    watch = GradNormWatch(spike_factor=10.0, window=4)
+    assert [watch.observe(n) for n in (0.0, 0.0, 0.0, 0.7, 0.5)] == [None] * 5
+    assert list(watch.history) == [0.0, 0.0, 0.7, 0.5]
+    assert watch.observe(80.0) is not None  # a scale again: median(0, 0, 0.7, 0.5) = 0.35
