@@ -79,7 +79,8 @@ async def test_a_split_that_never_fits_stops_the_run_naming_the_settings(
 
 
 async def test_an_eval_leaves_out_tasks_too_long_and_counts_them(tmp_path, short_context_replica):
-    env = load_environment("dataset", **dataset(tmp_path, [SHORT], evals=[SHORT, LONG, "cd"])["args"])
+    # eval prompts apart from the train prompt: a train row that repeats an eval prompt is left out of training
+    env = load_environment("dataset", **dataset(tmp_path, [SHORT], evals=["ef", LONG, "cd"])["args"])
     replicas = ReplicaSet([Endpoint(short_context_replica.url, short_context_replica.control)])
     client = InferenceClient(replicas, timeout_s=60)
     sampling = SamplingParams(temperature=1.0, max_tokens=8)
