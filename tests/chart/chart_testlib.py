@@ -52,7 +52,7 @@ def render(
         return json.loads(text)
 
 
-LOOKUP = '{{- lookup .apiVersion .kind .root.Release.Namespace .name | default dict | toJson -}}'
+LOOKUP = "{{- lookup .apiVersion .kind .root.Release.Namespace .name | default dict | toJson -}}"
 
 
 def render_live(values: dict, live: dict[str, dict], workdir: Path, **kwargs) -> dict[str, str]:
@@ -65,9 +65,8 @@ def render_live(values: dict, live: dict[str, dict], workdir: Path, **kwargs) ->
     helpers = copy / "templates" / "_helpers.tpl"
     text = helpers.read_text()
     assert text.count(LOOKUP) == 1, "the chart looks objects up through gyre.live alone"
-    fake = '{{- get (%s | fromJson) (printf "%%s/%%s" .kind .name) | default dict | toJson -}}' % json.dumps(
-        json.dumps(live)
-    )
+    quoted = json.dumps(json.dumps(live))  # a Go template string literal holding the objects as JSON
+    fake = "{{- get (" + quoted + ' | fromJson) (printf "%s/%s" .kind .name) | default dict | toJson -}}'
     helpers.write_text(text.replace(LOOKUP, fake))
     return render(values, chart=copy, **kwargs)
 

@@ -59,7 +59,9 @@ def test_every_duration_histogram_is_sized(histograms):
 
 @pytest.mark.parametrize("name", sorted(SLOWEST))
 def test_the_slowest_real_case_lands_in_a_finite_bucket(histograms, name):
-    assert histograms[name][-1] >= SLOWEST[name], f"{name}: last bucket {histograms[name][-1]} s < {SLOWEST[name]:.0f} s"
+    assert histograms[name][-1] >= SLOWEST[name], (
+        f"{name}: last bucket {histograms[name][-1]} s < {SLOWEST[name]:.0f} s"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SLOWEST))

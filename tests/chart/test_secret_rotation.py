@@ -102,9 +102,15 @@ def test_an_edited_existing_secret_restarts_its_readers_without_its_data_in_the_
     password can be brute-forced); its resourceVersion, which every edit changes, stands for it."""
     values = {"secrets": {"existingSecret": "mine"}}
     data = {k: "hunter2" for k in KEYS}
-    v1 = upgrade(values, {"mine": {**secret_object(data), "metadata": {"name": "mine", "uid": "u", "resourceVersion": "1"}}})
-    v1_again = upgrade(values, {"mine": {**secret_object(data), "metadata": {"name": "mine", "uid": "u", "resourceVersion": "1"}}})
-    v2 = upgrade(values, {"mine": {**secret_object(data), "metadata": {"name": "mine", "uid": "u", "resourceVersion": "2"}}})
+    v1 = upgrade(
+        values, {"mine": {**secret_object(data), "metadata": {"name": "mine", "uid": "u", "resourceVersion": "1"}}}
+    )
+    v1_again = upgrade(
+        values, {"mine": {**secret_object(data), "metadata": {"name": "mine", "uid": "u", "resourceVersion": "1"}}}
+    )
+    v2 = upgrade(
+        values, {"mine": {**secret_object(data), "metadata": {"name": "mine", "uid": "u", "resourceVersion": "2"}}}
+    )
     assert checksums(v1) == checksums(v1_again)
     assert all(checksums(v1)[comp] != checksums(v2)[comp] for comp in checksums(v1))
     hunter = base64.b64encode(b"hunter2").decode()

@@ -39,7 +39,8 @@ def live_objects(values: dict) -> dict[str, dict]:
         ({"persistence": {"storageClass": "nfs"}}, {"persistence": {"storageClass": "efs"}},
          'persistence.storageClass: "efs", but PersistentVolumeClaim exp-gyre-data was created with "nfs"'),
         ({}, {"persistence": {"size": "50Gi"}},
-         "persistence.size: 50Gi, but PersistentVolumeClaim exp-gyre-data already holds 100Gi and a claim never shrinks"),
+         "persistence.size: 50Gi, but PersistentVolumeClaim exp-gyre-data already holds 100Gi and a claim "
+         "never shrinks"),
         ({"modelCache": {"type": "pvc"}}, {"modelCache": {"type": "pvc", "size": "10Gi"}},
          "modelCache.size: 10Gi, but PersistentVolumeClaim exp-gyre-model-cache already holds 20Gi"),
     ],

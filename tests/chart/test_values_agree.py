@@ -25,8 +25,10 @@ from chart_testlib import load_values, render
         # the shared volume over the root, the secrets or a scratch folder: an invalid pod, or one missing its files
         ({"persistence": {"mountPath": "/"}}, 'persistence.mountPath "/": the pods already mount /etc/gyre there'),
         ({"persistence": {"mountPath": "/tmp"}}, 'persistence.mountPath "/tmp": the pods already mount /tmp there'),
-        ({"persistence": {"mountPath": "/run"}}, 'persistence.mountPath "/run": the pods already mount /run/secrets/gyre'),
-        ({"persistence": {"mountPath": "/cache/data"}}, 'persistence.mountPath "/cache/data": the pods already mount /cache'),
+        ({"persistence": {"mountPath": "/run"}},
+         'persistence.mountPath "/run": the pods already mount /run/secrets/gyre'),
+        ({"persistence": {"mountPath": "/cache/data"}},
+         'persistence.mountPath "/cache/data": the pods already mount /cache'),
     ],
 )  # fmt: skip
 def test_values_that_disagree_are_refused_naming_the_key(values, message):
@@ -66,8 +68,11 @@ def test_notes_warn_when_autoscaling_has_no_demand_to_read():
     autoscaled = {"inference": {"autoscaling": {"enabled": True}}}
     warning = "WARNING: inference.autoscaling.enabled without the orchestrator's ServiceMonitor"
     assert warning in render(autoscaled)["gyre/templates/NOTES.txt"]
-    assert warning in render({**autoscaled, "monitoring": {"enabled": False}}, api_versions=MONITORING_APIS)[
-        "gyre/templates/NOTES.txt"
-    ]
+    assert (
+        warning
+        in render({**autoscaled, "monitoring": {"enabled": False}}, api_versions=MONITORING_APIS)[
+            "gyre/templates/NOTES.txt"
+        ]
+    )
     assert warning not in render(autoscaled, api_versions=MONITORING_APIS)["gyre/templates/NOTES.txt"]
     assert warning not in render({**autoscaled, "monitoring": {"enabled": True}})["gyre/templates/NOTES.txt"]
