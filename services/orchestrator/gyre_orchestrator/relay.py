@@ -93,6 +93,8 @@ class WeightRelay:
         self._last_probe = float("-inf")
         self._last_poll = float("-inf")
         replicas.add_listener(self._on_replicas_changed)
+        if metrics is not None:  # the base model (0) until a version is learned: the series exists from the start,
+            metrics.labels(metrics.latest_weights).set(0)  # so alerts on it see the run before its first publish
 
     # ---- announcements --------------------------------------------------------------------------
     @property
