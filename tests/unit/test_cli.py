@@ -108,7 +108,9 @@ def test_ctrl_c_is_one_line_and_exit_130_not_a_traceback(tmp_path, tiny_model):
     time.sleep(1.0)  # it is importing torch
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-3000:]
+    # exit 130, or death by SIGINT after the message (CPython restores SIGINT's default action as it finalizes, and
+    # a CI run once saw -2 here): a shell reports both as 130, what an interrupted command's caller looks for
+    assert proc.returncode in (130, -signal.SIGINT), err[-3000:]
     assert err.rstrip().endswith("gyre model import: interrupted") and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half written, no staging folder left
 
