@@ -5,6 +5,8 @@ Keys (see docs/architecture.md, "Redis streams"):
                             `path` + `digest` (sha256 hex of the spilled file) for large payloads.
 - `gyre:{run}:batches:dead` dead letters: the original fields plus `reason` (moved: deleted from the
                             batches stream, so the orchestrator sees the step as missing and regenerates it).
+                            Holds the newest `DEAD_MAXLEN` (exact); the oldest are trimmed and counted in
+                            `gyre:{run}:batches:dead:trimmed`.
 
 The trainer reads through the consumer group `trainer`. Delivery is at-least-once: an entry stays in
 the group's pending list until acked, and the trainer acks batch `s` only after weights `s` are
@@ -31,7 +33,11 @@ from gyre.fsio import write_atomic
 log = logging.getLogger(__name__)
 
 GROUP = "trainer"
-DEAD_MAXLEN = 1000  # dead letters are for inspection; keep the last ones, bounded
+# Dead letters are for inspection: the newest are kept, the oldest trimmed. An entry is a whole batch (up to
+# `batch.inline_max_bytes`, 8 MiB), so the bound is what Redis memory allows, not what one might read: 1000 entries
+# were up to 8 GiB per run, in a Redis with maxmemory and noeviction, whose filling stops the run. 16 are at most
+# a quarter of the batch stream's default 64 and outlast the orchestrator's 3 rejections of one step.
+DEAD_MAXLEN = 16
 
 
 def batches_key(run_id: str) -> str:
@@ -40,6 +46,23 @@ def batches_key(run_id: str) -> str:
 
 def dead_key(run_id: str) -> str:
     return f"gyre:{run_id}:batches:dead"
+
+
+def dead_trimmed_key(run_id: str) -> str:
+    return f"gyre:{run_id}:batches:dead:trimmed"
+
+
+# Move one entry to the dead stream, atomically: add it (fields as ARGV[4..]), trim the dead stream to its newest
+# ARGV[1] entries and count what that trimmed, ack and delete the original (ARGV[3], group ARGV[2]).
+_DEAD_LETTER_LUA = """
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
+local trimmed = redis.call('XTRIM', KEYS[1], 'MAXLEN', ARGV[1])
+local total = 0
+if trimmed > 0 then total = redis.call('INCRBY', KEYS[3], trimmed) end
+redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+redis.call('XDEL', KEYS[2], ARGV[3])
+return {id, trimmed, total}
+"""
 
 
 def stream_id(text: str) -> tuple[int, int]:
@@ -129,7 +152,15 @@ class BatchStream:
     ahead of the trainer than that (max_async_level keeps it a handful of steps).
     """
 
-    def __init__(self, client: redis.Redis | str, run_id: str, maxlen: int = 64, group: str = GROUP):
+    def __init__(
+        self,
+        client: redis.Redis | str,
+        run_id: str,
+        maxlen: int = 64,
+        group: str = GROUP,
+        *,
+        dead_maxlen: int = DEAD_MAXLEN,
+    ):
         if isinstance(client, str):
             client = redis.Redis.from_url(client)
         if client.get_connection_kwargs().get("decode_responses"):
@@ -141,6 +172,11 @@ class BatchStream:
         self.key = batches_key(run_id)
         self.dead_key = dead_key(run_id)
         self.maxlen = maxlen
+        if isinstance(dead_maxlen, bool) or not isinstance(dead_maxlen, int) or dead_maxlen < 1:
+            raise ValueError(f"dead_maxlen must be an int >= 1, got {dead_maxlen!r}")
+        self.dead_maxlen = dead_maxlen
+        self.dead_trimmed_key = dead_trimmed_key(run_id)
+        self._dead_letter_script = client.register_script(_DEAD_LETTER_LUA)
         self.group = group
         self.group_resets = 0  # times the group was found missing and recreated (see `_with_group`)
 
@@ -292,20 +328,31 @@ class BatchStream:
         return int(self.redis.xack(self.key, self.group, entry_id))
 
     def dead_letter(self, entry: StreamEntry, reason: str) -> str:
-        """Move `entry` with `reason` to the dead stream: copy, ack, delete, atomically (MULTI/EXEC).
+        """Move `entry` with `reason` to the dead stream: copy, ack, delete, atomically (a Lua script).
 
         Deleted so that its step no longer counts as pushed: the orchestrator's resume rule and its
         stream watch (`steps_after`) then see the gap and generate the step again, which the trainer
         is waiting for. Left in place, it would have been taken for a pushed step forever.
+
+        The dead stream keeps the newest `dead_maxlen` entries: an exact XTRIM in the same atomic step (a Lua
+        script), which adds the count of entries it trimmed to `gyre:{run}:batches:dead:trimmed`. Not `MAXLEN ~`:
+        that trims whole radix-tree nodes only, up to 100 small entries late.
         """
-        fields = {**entry.fields, "reason": reason, "original_id": entry.id}
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.dead_key, fields, maxlen=DEAD_MAXLEN, approximate=True)
-        pipe.xack(self.key, self.group, entry.id)
-        pipe.xdel(self.key, entry.id)
-        dead_id, _, _ = pipe.execute()
+        fields = [x for name, value in {**entry.fields, "reason": reason, "original_id": entry.id}.items()
+                  for x in (name, value)]  # fmt: skip
+        dead_id, trimmed, total = self._dead_letter_script(
+            keys=[self.dead_key, self.key, self.dead_trimmed_key],
+            args=[self.dead_maxlen, self.group, entry.id, *fields],
+        )
         log.warning("dead-lettered entry %s (step %s) of %s: %s", entry.id, entry.step, self.key, reason)
+        if trimmed:
+            log.warning("%s keeps its newest %d dead letters: trimmed the oldest %d (%d in all, counted in %s)",
+                        self.dead_key, self.dead_maxlen, trimmed, total, self.dead_trimmed_key)  # fmt: skip
         return _str(dead_id)
+
+    def dead_trimmed(self) -> int:
+        """How many dead letters were trimmed from the dead stream (the oldest ones), in all."""
+        return int(self.redis.get(self.dead_trimmed_key) or 0)
 
     def dead_letters(self) -> list[StreamEntry]:
         return [self._entry(i, f) for i, f in self.redis.xrange(self.dead_key)]

@@ -36,7 +36,7 @@ def stream(redis_any_url, unique_run_id):
     s = BatchStream(redis_any_url, unique_run_id, maxlen=64)
     s.ensure_group()
     yield s
-    s.redis.delete(s.key, s.dead_key)
+    s.redis.delete(s.key, s.dead_key, s.dead_trimmed_key)
     s.redis.close()
 
 
@@ -112,6 +112,44 @@ def test_dead_letter_keeps_fields_and_acks(stream):
     assert dead.fields["reason"] == b"not a batch"
     assert dead.fields["original_id"].decode() == entry.id
     assert dead.fields["payload"] == b"garbage" and dead.step == 1
+
+
+def test_the_dead_letter_stream_keeps_only_its_newest_entries_and_counts_the_rest(stream, caplog):
+    """A run that keeps producing bad batches grew `gyre:{run}:batches:dead` to 1000 whole batches (up to 8 MiB
+    each: ~8 GiB) in a Redis whose maxmemory (noeviction) stops the run when full. The default bound holds
+    DEAD_MAXLEN entries, exactly, newest kept, every trimmed one counted."""
+    from gyre.streams import DEAD_MAXLEN
+
+    payload = bytes(range(256)) * 4096  # 1 MiB, a batch as the orchestrator inlines it
+    ids, memory = [], []
+    for step in range(1, DEAD_MAXLEN + 6):
+        ids.append(stream.push(step, payload))
+        (entry,) = stream.read("c1", block_ms=100)
+        stream.dead_letter(entry, f"bad batch {step}")
+        memory.append(stream.redis.memory_usage(stream.dead_key, samples=0))
+    dead = stream.dead_letters()
+    assert DEAD_MAXLEN <= 16
+    assert [d.fields["original_id"].decode() for d in dead] == ids[-DEAD_MAXLEN:]  # the newest, in order
+    assert dead[-1].fields["reason"] == f"bad batch {DEAD_MAXLEN + 5}".encode()
+    assert dead[-1].fields["payload"] == payload
+    assert stream.dead_trimmed() == 5
+    assert max(memory[DEAD_MAXLEN - 1 :]) <= 1.01 * memory[DEAD_MAXLEN - 1]  # full, it grows no more
+    assert stream.pending().count == 0 and stream.length() == 0  # moved, as before
+    warned = [r.getMessage() for r in caplog.records if "trimmed the oldest" in r.getMessage()]
+    assert len(warned) == 5 and "trimmed the oldest 1 (5 in all" in warned[-1], warned
+
+
+def test_the_dead_letter_bound_is_exact_and_configurable(stream):
+    # MAXLEN ~ trims whole radix-tree nodes (100 small entries): the bound held only in entries of 4 KiB or more
+    small = BatchStream(stream.redis, stream.run_id, dead_maxlen=3)
+    for step in range(1, 11):
+        small.push(step, b"x")
+        (entry,) = small.read("c1", block_ms=100)
+        small.dead_letter(entry, "bad")
+    assert [d.step for d in small.dead_letters()] == [8, 9, 10] and small.dead_trimmed() == 7
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="dead_maxlen"):
+            BatchStream(stream.redis, stream.run_id, dead_maxlen=bad)
 
 
 def test_a_dead_lettered_step_is_no_longer_counted_as_pushed(stream):

@@ -191,5 +191,14 @@ class OrchestratorMetrics:
             r,
         )
 
+        # the trainer's dead letters (gyre.streams.DEAD_MAXLEN of them kept), read every 5 s by the stream watch
+        self.dead_letters = m.gauge(
+            "gyre_orchestrator_dead_letters",
+            "Batch entries in the dead-letter stream gyre:{run}:batches:dead: state = held (the newest, kept for "
+            "inspection), or trimmed (the oldest, dropped to bound Redis memory).",
+            (*run, "state"),
+            r,
+        )
+
     def labels(self, metric, **labels):
         return metric.labels(run_id=self.run_id, **labels)

@@ -240,7 +240,10 @@ class OrchestratorService:
         it starts after the oldest of our pushes not trained yet (deleted, then pushed to again before this
         check; or that entry dead-lettered, which the dead letters' id tells apart)."""
         run_id = self.redis.info("server")["run_id"]
-        (first, last), (_, dead) = (self._stream_ids(key) for key in (self.stream.key, self.stream.dead_key))
+        first, last = self._stream_ids(self._stream_info(self.stream.key))
+        dead_info = self._stream_info(self.stream.dead_key)
+        _, dead = self._stream_ids(dead_info)
+        self._note_dead_letters(dead_info)
         emptied = (
             self._pushes_reset  # FLUSHALL / FLUSHDB, then a push
             or int(self.redis.get(self._pushes_key) or 0) < self._pushes  # FLUSHALL / FLUSHDB
@@ -251,15 +254,27 @@ class OrchestratorService:
         oldest = min(self._untrained_ids.values(), default=None)
         return run_id, dead, emptied, oldest is not None and (first is None or first > oldest)
 
-    def _stream_ids(self, key: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        """The ids (`ms-seq` as Redis orders them) of stream `key`'s first entry (None: empty) and the last one
-        ever added (None: no such key)."""
+    def _stream_info(self, key: str) -> dict | None:
+        """XINFO STREAM of `key` (None: no such key)."""
         try:
-            info = self.redis.xinfo_stream(key)
+            return self.redis.xinfo_stream(key)
         except redis.ResponseError:
+            return None
+
+    @staticmethod
+    def _stream_ids(info: dict | None) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """The ids (`ms-seq` as Redis orders them) of a stream's first entry (None: empty) and the last one ever
+        added (None: no such key), from its XINFO STREAM `info`."""
+        if info is None:
             return None, None
         first = info["first-entry"][0].decode() if info.get("first-entry") else None
         return stream_id(first) if first else None, stream_id(info["last-generated-id"].decode())
+
+    def _note_dead_letters(self, info: dict | None) -> None:
+        """`gyre_orchestrator_dead_letters`: the dead letters held, and those trimmed (the trainer keeps the newest
+        `gyre.streams.DEAD_MAXLEN`, and counts the others in `gyre:{run}:batches:dead:trimmed`)."""
+        self.metrics.labels(self.metrics.dead_letters, state="held").set(int(info["length"]) if info else 0)
+        self.metrics.labels(self.metrics.dead_letters, state="trimmed").set(self.stream.dead_trimmed())
 
     def _last_dead_reason(self) -> str:
         newest = self.redis.xrevrange(self.stream.dead_key, count=1)

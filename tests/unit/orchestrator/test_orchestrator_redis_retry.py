@@ -222,3 +222,28 @@ def test_a_redis_that_evicts_when_full_is_reported_once_with_its_memory(tmp_path
     assert memory["max"] == 64 << 20 and 0 < memory["used"] < memory["max"], memory
     warned = [r.getMessage() for r in caplog.records if "evicts keys" in r.getMessage()]
     assert len(warned) == 1 and "allkeys-lru" in warned[0] and "noeviction" in warned[0], warned
+
+
+def test_the_dead_letters_held_and_trimmed_are_exported(tmp_path):
+    """The trainer keeps only the newest dead letters (gyre.streams.DEAD_MAXLEN; 1000 whole batches were up to
+    8 GiB of a Redis that stops the run when full): the stream watch exports how many it holds and trimmed."""
+    from gyre.streams import BatchStream, StepReader
+    from gyre_orchestrator.service import StreamLost
+
+    def dead_letters(orch) -> dict[str, float]:
+        text = generate_latest(orch.metrics.registry).decode()
+        return {s.labels["state"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "gyre_orchestrator_dead_letters"}  # fmt: skip
+
+    async def then(orch):
+        assert dead_letters(orch) == {"held": 0, "trimmed": 0}  # from the start, before any dead letter
+        trainer = BatchStream(orch.redis, orch.cfg.run_id, dead_maxlen=2)
+        reader = StepReader(trainer, "trainer-rank0")
+        for _ in range(5):
+            reader.reject(reader.next(block_ms=1000), "cannot read spilled payload")
+            with pytest.raises(StreamLost):
+                await orch._check_stream()
+            pushed(orch, 1)  # generated again
+        assert dead_letters(orch) == {"held": 2, "trimmed": 3}
+
+    after_pushes(tmp_path, (1,), then)
