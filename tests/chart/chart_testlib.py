@@ -26,6 +26,8 @@ MONITORING_APIS = (
     "monitoring.coreos.com/v1/ServiceMonitor",
     "monitoring.coreos.com/v1/PrometheusRule",
 )
+# What a cluster with KEDA serves (inference.autoscaling renders a ScaledObject).
+KEDA_APIS = ("keda.sh/v1alpha1", "keda.sh/v1alpha1/ScaledObject")
 GYRE_COMPONENTS = ("inference", "orchestrator", "trainer")
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from chart_testlib import (
     CHART,
+    KEDA_APIS,
     KUBERNETES_VERSION,
     component,
     containers,
@@ -294,7 +295,7 @@ def test_inference_autoscaling_is_a_keda_scaled_object_on_the_orchestrators_dema
     assert objects(manifests(render({})), "ScaledObject") == []  # off by default: `replicas` replicas
     values = {"inference": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
                                             "targetRequestsPerReplica": 48}}}  # fmt: skip
-    docs = valid(manifests(render(values)))
+    docs = valid(manifests(render(values, api_versions=KEDA_APIS)))
     (scaled,) = objects(docs, "ScaledObject")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     spec = scaled["spec"]
@@ -310,4 +311,5 @@ def test_inference_autoscaling_is_a_keda_scaled_object_on_the_orchestrators_dema
     assert "replicas" not in deployment["spec"]  # helm upgrades leave the count to the autoscaler
     assert named(docs, "PodDisruptionBudget", "exp-gyre-inference")["spec"]["maxUnavailable"] == 1
     with pytest.raises(helm_python.HelmError, match="minReplicas .* is above maxReplicas"):
-        render({"inference": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}})
+        inverted = {"inference": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}
+        render(inverted, api_versions=KEDA_APIS)

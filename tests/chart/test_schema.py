@@ -111,6 +111,7 @@ def schema_error(values: dict) -> str:
         ({"persistence": {"size": "lots"}}, ["/persistence/size"]),
         ({"podSecurity": {"runAsUser": 0}}, ["/podSecurity/runAsUser"]),
         ({"monitoring": {"enabled": "yes"}}, ["/monitoring/enabled"]),
+        ({"assumeApiVersions": ["keda"]}, ["/assumeApiVersions/0"]),
         # a replica runs on one GPU (no tensor parallelism): a second one was requested and left idle
         ({"inference": {"gpus": 2}}, ["/inference/gpus"]),
         ({"servers": [{"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 2}]}, ["/servers/0/gpus"]),
@@ -242,7 +243,8 @@ def test_every_value_is_documented():
         ({}, 1, None),
         ({"experiment": {"inference": {"engine": {"max_batch_size": 256}}}, "inference": {"replicas": 2}}, 2, 256),
         ({"experiment": {"inference": {"engine": {"max_batch_size": 128}}},
-          "inference": {"replicas": 1, "autoscaling": {"enabled": True, "maxReplicas": 3}}}, 3, 128),
+          "inference": {"replicas": 1, "autoscaling": {"enabled": True, "maxReplicas": 3}},
+          "assumeApiVersions": ["keda.sh/v1alpha1"]}, 3, 128),
     ],
     ids=["default", "two-replicas-of-256", "autoscaled-to-3"],
 )  # fmt: skip

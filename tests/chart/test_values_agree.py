@@ -63,16 +63,16 @@ def test_notes_say_what_each_workload_runs_on():
 def test_notes_warn_when_autoscaling_has_no_demand_to_read():
     """KEDA reads the demand the ServiceMonitor scrapes (its gyre_release label): without one, the replicas
     silently stayed at minReplicas."""
-    from chart_testlib import MONITORING_APIS
+    from chart_testlib import KEDA_APIS, MONITORING_APIS
 
     autoscaled = {"inference": {"autoscaling": {"enabled": True}}}
     warning = "WARNING: inference.autoscaling.enabled without the orchestrator's ServiceMonitor"
-    assert warning in render(autoscaled)["gyre/templates/NOTES.txt"]
+    assert warning in render(autoscaled, api_versions=KEDA_APIS)["gyre/templates/NOTES.txt"]
+    both = KEDA_APIS + MONITORING_APIS
     assert (
         warning
-        in render({**autoscaled, "monitoring": {"enabled": False}}, api_versions=MONITORING_APIS)[
-            "gyre/templates/NOTES.txt"
-        ]
+        in render({**autoscaled, "monitoring": {"enabled": False}}, api_versions=both)["gyre/templates/NOTES.txt"]
     )
-    assert warning not in render(autoscaled, api_versions=MONITORING_APIS)["gyre/templates/NOTES.txt"]
-    assert warning not in render({**autoscaled, "monitoring": {"enabled": True}})["gyre/templates/NOTES.txt"]
+    assert warning not in render(autoscaled, api_versions=both)["gyre/templates/NOTES.txt"]
+    assumed = {**autoscaled, "assumeApiVersions": ["keda.sh/v1alpha1", "monitoring.coreos.com/v1"]}
+    assert warning not in render({**assumed, "monitoring": {"enabled": True}})["gyre/templates/NOTES.txt"]

@@ -47,7 +47,11 @@ ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 def chart_discovery() -> list[str]:
     """The orchestrator's discovery options as the chart renders them with autoscaling on."""
-    values = {"orchestrator": {"discovery": "kubernetes"}, "inference": {"autoscaling": {"enabled": True}}}
+    values = {
+        "orchestrator": {"discovery": "kubernetes"},
+        "inference": {"autoscaling": {"enabled": True}},
+        "assumeApiVersions": ["keda.sh/v1alpha1"],  # the cluster has KEDA (the chart refuses autoscaling without it)
+    }
     with helm_python.Chart.load(CHART) as chart:
         rendered = chart.render(values, name="exp", namespace="rl", is_install=True)
     docs = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]

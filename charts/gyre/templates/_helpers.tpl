@@ -836,12 +836,46 @@ learning rate) leaves these pods running. Call with (dict "root" $ "service" "tr
 {{- if gt (int $t.nprocPerNode) 0 -}}{{ $t.nprocPerNode }}{{- else if gt (int $t.gpusPerNode) 0 -}}{{ $t.gpusPerNode }}{{- else -}}1{{- end -}}
 {{- end -}}
 
-{{/* monitoring.coreos.com objects: "true" when enabled, or auto and the cluster serves that kind. */}}
+{{/*
+Optional APIs (CRDs of other projects: KEDA, the Prometheus operator). "true" when the cluster serves `.api`
+("group/version/Kind"): `.Capabilities` holds what `helm install/upgrade` discovered on the API server, but
+`helm template` knows only the built-in APIs (plus its `--api-versions`), so `assumeApiVersions` may name
+an API (as group/version or group/version/Kind) for a render with no cluster to ask (CI, GitOps).
+*/}}
+{{- define "gyre.serves" -}}
+{{- $groupVersion := .api | splitList "/" | initial | join "/" -}}
+{{- $assumed := .root.Values.assumeApiVersions | default list -}}
+{{- if or (.root.Capabilities.APIVersions.Has .api) (has .api $assumed) (has $groupVersion $assumed) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+A value asks for an object of an optional API: fail the render when the cluster does not serve it. Without
+this, `helm install/upgrade` applied part of the release and then stopped on the API server's "no matches
+for kind". Call with (dict "root" $ "api" "g/v/Kind" "value" "the value that asks" "what" "the objects"
+"install" "what provides the API" "off" "the value that turns them off").
+*/}}
+{{- define "gyre.requireApi" -}}
+{{- if not (include "gyre.serves" .) -}}
+{{- $groupVersion := .api | splitList "/" | initial | join "/" -}}
+{{- fail (printf "%s renders %s (%s), which this cluster does not serve: install %s first, or set %s. Rendering with no cluster to ask (helm template, CI, GitOps)? Pass --api-versions %s or set assumeApiVersions: [%s] (docs/kubernetes.md, \"Optional APIs\")" .value .what .api .install .off .api $groupVersion) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+monitoring.coreos.com objects: "true" when `auto` and the cluster serves that kind, or when forced with
+`true` (which then requires the kind: gyre.requireApi).
+*/}}
 {{- define "gyre.monitoringFor" -}}
 {{- $mode := .root.Values.monitoring.enabled -}}
+{{- $api := printf "monitoring.coreos.com/v1/%s" .kind -}}
 {{- if eq (toString $mode) "auto" -}}
-{{- if .root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" .kind) -}}true{{- end -}}
-{{- else if $mode -}}true{{- end -}}
+{{- include "gyre.serves" (dict "root" .root "api" $api) -}}
+{{- else if $mode -}}
+{{- $value := ternary "monitoring.enabled=true" "monitoring.enabled=true with monitoring.rules.enabled=true" (eq .kind "ServiceMonitor") -}}
+{{- $off := ternary "monitoring.enabled=auto (creates them only where served) or false" "monitoring.rules.enabled=false, or monitoring.enabled=auto (creates them only where served)" (eq .kind "ServiceMonitor") -}}
+{{- include "gyre.requireApi" (dict "root" .root "api" $api "value" $value "what" (printf "%ss" .kind) "install" "the Prometheus operator's CRDs (kube-prometheus-stack, or prometheus-operator's stripped-down-crds.yaml)" "off" $off) -}}
+true
+{{- end -}}
 {{- end -}}
 
 {{/*

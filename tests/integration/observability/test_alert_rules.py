@@ -89,7 +89,9 @@ def test_chart_ships_the_same_rules():
     import helm_python
 
     with helm_python.Chart.load(CHART) as chart:
-        rendered = chart.render({"monitoring": {"enabled": True}}, name="exp", namespace="rl", is_install=True)
+        # a cluster with the Prometheus operator's CRDs (the chart refuses monitoring.enabled=true without them)
+        values = {"monitoring": {"enabled": True}, "assumeApiVersions": ["monitoring.coreos.com/v1"]}
+        rendered = chart.render(values, name="exp", namespace="rl", is_install=True)
     docs = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
     rules = [d for d in docs if d.get("kind") == "PrometheusRule"]
     assert len(rules) == 1
