@@ -28,7 +28,7 @@ ITEMS = ("apples", "pears", "books", "coins", "shells", "cards", "pens", "eggs",
 
 def correct_answer(completion: Messages, answer: str, parser: Parser) -> float:
     """1.0 when the reply's final number equals the reference (math-verify), else 0.0."""
-    return float(math_equal(parser.parse_answer(completion), answer, numeric=True))
+    return float(math_equal(parser.parse_answer(completion), answer))
 
 
 class ArithmeticEnv(SingleTurnEnv):

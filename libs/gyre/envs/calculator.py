@@ -39,7 +39,7 @@ def calculator(expression: str) -> str:
 
 def correct_answer(completion: Messages, answer: str, parser: Parser) -> float:
     """1.0 when the final reply's number equals the reference, else 0.0."""
-    return float(math_equal(parser.parse_answer(completion), answer, numeric=True))
+    return float(math_equal(parser.parse_answer(completion), answer))
 
 
 def used_calculator(state: dict[str, Any]) -> float:

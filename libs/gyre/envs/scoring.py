@@ -11,8 +11,6 @@ from typing import Any
 # Longer predictions are cut before grading: the model's budget is ~128 tokens, and it bounds the work
 # (LCS is quadratic, sympy parsing can be slow) no matter what text arrives.
 MAX_GRADED_CHARS = 2000
-# An operation between two operands in an extracted answer (math-verify folds some, e.g. 60 \div 5, into a number).
-_OPERATION = re.compile(r"[\d)}]\s*(?:[-+*/^×÷:]|\\times|\\div|\\cdot)\s*[\d({\\]")
 # A parsed reply whose value has more digits than this is no answer: `\boxed{9^{9^{9^9}}}`, `1000000!` or
 # `\prod_{k=1}^{10^9} k` parse in milliseconds, but comparing them makes sympy compute the number, which only
 # math-verify's 5 s alarm stops on the main thread (blocking the orchestrator's event loop) and nothing stops off it.
@@ -42,17 +40,17 @@ def lcs_ratio(prediction: Sequence[Any], reference: Sequence[Any]) -> float:
     return 1.0 if total == 0 else 2.0 * lcs_length(prediction, reference) / total
 
 
-def math_equal(prediction: str | None, reference: str, *, numeric: bool = False) -> bool:
+def math_equal(prediction: str | None, reference: str) -> bool:
     """True iff math-verify finds the prediction's final answer equal to the reference.
 
     Accepts plain numbers ("7", "7.0", "-3"), sentences ("The answer is 7."), delimited LaTeX (`$\\frac{1}{2}$`),
     `\\boxed{7}`, and a reply that is a bare LaTeX expression (`\\sqrt{2}`); with several numbers the last one
     counts. The reference is an answer, not a sentence: it is read as if boxed (verifiers' math rubric does the
     same), because math-verify finds no LaTeX outside delimiters and reads a bare `2\\sqrt{2}` as 2, `\\sqrt{2}`
-    as nothing. With `numeric`, the reply's final answer must be a number: math-verify evaluates an expression such
-    as `347 * 29`, so a reply echoing the question's expression would otherwise score as its value. math-verify
-    bounds its work with SIGALRM, which only the main thread may use, so off the main thread it runs without that
-    timeout (the input is already length-capped).
+    as nothing. When the reference is a number, the final answer must be one too (`number_form`): math-verify
+    evaluates an expression such as `3+4*5`, so a reply echoing the question's expression would score as its
+    value. math-verify bounds its work with SIGALRM, which only the main thread may use, so off the main thread it
+    runs without that timeout (the input is already length-capped).
     """
     if not prediction:
         return False
@@ -66,11 +64,60 @@ def math_equal(prediction: str | None, reference: str, *, numeric: bool = False)
         predicted = parse(f"\\boxed{{{tail}}}", parsing_timeout=timeout)
     if predicted and too_large(predicted[0]):
         return False
-    if numeric and not (
-        predicted and getattr(predicted[0], "is_Number", False) and not _OPERATION.search(str(predicted[-1]))
-    ):
+    if gold and predicted and not _in_gold_form(_answer_text(gold), _answer_text(predicted)):
         return False
     return bool(gold and predicted and verify(gold, predicted, timeout_seconds=timeout))
+
+
+def _answer_text(parsed: list[Any]) -> str | None:
+    """The answer's text as math-verify extracted it (`parse` returns [sympy value, text])."""
+    return parsed[-1] if isinstance(parsed[-1], str) else None
+
+
+def _in_gold_form(gold: str | None, answer: str | None) -> bool:
+    """A reference written as a number takes only a number: an integer or decimal (signs, thousands commas, a
+    trailing % or degree sign), a fraction in lowest terms, or scientific notation with a mantissa in [1, 10). This
+    is the rule of PRM800K's grader (an integer reference needs an integer answer, an unreduced fraction is no
+    answer), which verl's and DeepScaleR's math rewards reuse; any other reference is math-verify's to judge."""
+    if gold is None or number_form(gold, reduced=False) is None:
+        return True
+    return answer is not None and (_plain(answer) == _plain(gold) or number_form(answer, reduced=True) is not None)
+
+
+_LATEX_NOISE = re.compile(r"\\left|\\right|\\[!,;: ]|\\?\$|\s")
+_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\{([^{}]*)\}")
+_UNIT_SUFFIX = re.compile(r"(?:\\?%|\^\{?\\circ\}?|°)$")
+_SIGN = r"[-+]?"
+_DECIMAL = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
+_SCIENTIFIC = r"[1-9](?:\.\d+)?(?:\\times|\\cdot|\*|×)10\^(?:\{[-+]?\d+\}|[-+]?\d)"
+_FRACTION = r"\d*\\frac\{(?P<numerator>[-+]?\d+)\}\{(?P<denominator>\d+)\}"  # a mixed number's whole part too
+_NUMBER = re.compile(rf"{_SIGN}(?:{_DECIMAL}|{_SCIENTIFIC}|{_FRACTION})")
+
+
+def _plain(text: str) -> str:
+    text = _WRAPPER.sub(r"\1", _LATEX_NOISE.sub("", text)).replace("{,}", ",").replace("\\dfrac", "\\frac")
+    text = text.replace("\\tfrac", "\\frac")
+    # `\frac34` and `3/4` are `\frac{3}{4}`
+    text = re.sub(r"^([-+]?)(\d+)/(\d+)$", r"\1\\frac{\2}{\3}", re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text))
+    while len(text) > 1 and text[0] + text[-1] in ("{}", "()"):
+        text = text[1:-1]
+    return text
+
+
+def number_form(text: str, *, reduced: bool) -> str | None:
+    """The number `text` writes (LaTeX spacing, `\\text{}`, outer braces or parentheses, a `x =` or a worked
+    `3+4 =` before the last `=` left out), or None when it is not written as a number but as an expression such as
+    `3+4*5`, `\\sqrt{4}` or `2^{10}`. With `reduced`, a fraction must be in lowest terms (`2/4`, `6/2` are
+    unevaluated divisions)."""
+    text = _plain(text).rpartition("=")[2]
+    text = _UNIT_SUFFIX.sub("", _plain(text))
+    match = _NUMBER.fullmatch(text)
+    if match is None:
+        return None
+    numerator, denominator = match.group("numerator"), match.group("denominator")
+    if reduced and numerator is not None and (int(denominator) < 2 or math.gcd(int(numerator), int(denominator)) > 1):
+        return None
+    return text
 
 
 def graded_tail(text: str) -> str:

@@ -106,6 +106,9 @@ async def test_exact_and_math_rewards(tmp_path, sampling):
     assert await reward_of(math, task, "0.75", sampling) == 1.0
     assert await reward_of(math, task, "The answer is \\boxed{\\frac{3}{4}}", sampling) == 1.0
     assert await reward_of(math, task, "1/2", sampling) == 0.0
+    # Echoing the question's expression is no answer (math-verify evaluates it to 3/4).
+    assert await reward_of(math, task, "\\boxed{1/2 + 1/4}", sampling) == 0.0
+    assert await reward_of(math, task, "6/8", sampling) == 0.0
 
 
 REWARD_MODULE = '''

@@ -128,14 +128,81 @@ def test_math_equal_reads_latex_references(reply, reference, ok):
     assert math_equal(reply, reference) is ok
 
 
+@pytest.mark.parametrize(
+    ("reply", "reference"),
+    [
+        ("3+4*5", "23"),
+        ("The answer is $3 + 4 \\cdot 5$.", "23"),
+        ("\\boxed{3+4\\times 5}", "23"),
+        ("$23 = 3+4*5$", "23"),  # the last thing stated is the expression
+        ("\\boxed{x = 3+4*5}", "23"),
+        ("\\boxed{\\sqrt{9}}", "3"),  # "compute the square root of 9"
+        ("\\boxed{2^{10}}", "1024"),
+        ("$100 \\div 4$", "25"),
+        ("\\boxed{6/2}", "3"),  # a fraction is a number only in lowest terms (PRM800K's grader)
+        ("\\boxed{\\frac{6}{2}}", "3"),
+        ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}"),
+        ("\\boxed{7/1}", "7"),
+        ("$15 \\times 10^{2}$", "1500"),  # scientific notation has a mantissa in [1, 10)
+        ("-(3-5)", "2"),
+    ],
+)
+def test_math_equal_refuses_the_question_s_expression_for_a_number(reply, reference):
+    """math-verify evaluates the final answer, so a reply repeating the question's expression scored 1 (as in
+    verifiers and PRIME-RL): a policy learns to copy the question. A numeric reference now takes only a number."""
+    assert math_equal(reply, reference) is False
+
+
+@pytest.mark.parametrize(
+    ("reply", "reference"),
+    [
+        ("23", "23"),
+        ("The answer is 23.", "23"),
+        ("\\boxed{23 \\text{ apples}}", "23"),
+        ("\\boxed{\\$23}", "23"),
+        ("23.0", "23"),
+        ("$x = 23$", "23"),
+        ("3+4*5 = 23", "23"),  # worked out, the value last
+        ("\\boxed{23^{\\circ}}", "23"),
+        ("-3", "-3"),
+        ("\\boxed{\\left(-3\\right)}", "-3"),
+        ("$\\frac{1}{2}$", "0.5"),
+        ("0.5", "\\frac{1}{2}"),
+        ("1/2", "\\frac12"),
+        ("$-\\frac{1}{2}$", "-0.5"),
+        ("\\boxed{\\frac{-1}{2}}", "-\\frac{1}{2}"),
+        ("\\boxed{\\dfrac{3}{4}}", "0.75"),
+        ("\\boxed{1\\frac{1}{2}}", "\\frac{3}{2}"),  # a mixed number
+        ("1,000", "1000"),
+        ("$1{,}000$", "1000"),
+        ("\\boxed{12,345.67}", "12345.67"),
+        ("$1.5 \\times 10^{3}$", "1500"),
+        ("$1.5\\times10^{-3}$", "0.0015"),
+        ("\\boxed{5\\%}", "5\\%"),
+        ("\\boxed{\\frac{6}{2}}", "\\frac{6}{2}"),  # written as the reference is
+        # references that are not numbers stay math-verify's to judge: expressions are answers there
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}"),
+        ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"),
+        ("\\boxed{2\\pi}", "2\\pi"),
+        ("1000", "10^{3}"),
+        ("$(1, 2]$", "(1,2]"),
+        ("$\\{1, 2\\}$", "\\{1,2\\}"),
+        ("\\boxed{3, 5}", "3, 5"),
+        ("\\boxed{x=3}", "x=3"),
+    ],
+)
+def test_math_equal_takes_every_valid_form_of_an_answer(reply, reference):
+    assert math_equal(reply, reference) is True
+
+
 def test_math_equal_grades_the_tail_without_splitting_a_number():
     """Only a reply's last 2000 characters are graded; the cut falls at a whitespace, so it never turns the final
     answer into another number (the "1" of "12" was cut off and a wrong "12" scored 1 against "2")."""
-    assert math_equal("The answer is 12" + "." * 1999, "2", numeric=True) is False
+    assert math_equal("The answer is 12" + "." * 1999, "2") is False
     assert math_equal("The answer is 3.5" + "!" * 1998, "5") is False
     assert math_equal("\\frac{1}{2}" + " ok" * 664, "2") is False
-    assert math_equal("Let me think. " * 400 + "The answer is 12.", "12", numeric=True) is True
-    assert math_equal("The answer is 12" + " " * 2500, "12", numeric=True) is True  # padding is not the tail
+    assert math_equal("Let me think. " * 400 + "The answer is 12.", "12") is True
+    assert math_equal("The answer is 12" + " " * 2500, "12") is True  # padding is not the tail
 
 
 @pytest.mark.parametrize(
@@ -161,7 +228,7 @@ def test_math_equal_refuses_answers_too_large_to_compute(reply):
 
 @pytest.mark.parametrize(
     ("reply", "reference"),
-    [("$2^{100}$", str(2**100)), ("\\boxed{100!}", str(math.factorial(100))), ("\\boxed{2^{10000}}", "2^{10000}")],
+    [(str(2**100), "2^{100}"), (str(math.factorial(100)), "100!"), ("\\boxed{2^{10000}}", "2^{10000}")],
 )
 def test_math_equal_still_grades_large_answers(reply, reference):
     assert math_equal(reply, reference) is True
