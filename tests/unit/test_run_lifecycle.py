@@ -342,6 +342,32 @@ def test_gyre_rl_environment_variables_reach_the_services_without_being_misread_
     assert (out / "checkpoints" / "trainer").is_dir()
 
 
+@pytest.mark.parametrize(
+    ("variable", "meant"),
+    [("GYRE_MAX_STEPZ", "GYRE_MAX_STEPS"), ("GYRE_TRAINER_OPTIM__LR", "GYRE_TRAINER__OPTIM__LR"),
+     ("GYRE_OUTPUTDIR", "GYRE_OUTPUT_DIR"), ("GYRE_ENGINE__SEED", None)],
+)  # fmt: skip
+def test_a_misspelt_gyre_rl_environment_variable_is_refused_naming_it(tmp_path, variable, meant):
+    # pydantic-settings reads only the variables matching a key: these were silently ignored, and the run started
+    # with the default (20 steps, a learning rate of 1e-6, outputs/run) instead of the value the user set
+    out = tmp_path / "run"
+    missing = str(tmp_path / "no-model")  # old code: this error (after ignoring the variable), and nothing starts
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--model.name", missing,
+               "--model.init-preset", "null", env={variable: "1"})  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"set by the environment variable {variable}" in res.stderr, res.stderr[-2000:]
+    assert (f"did you mean {meant}?" in res.stderr) if meant else ("did you mean" not in res.stderr)
+    assert not out.exists()
+
+
+def test_gyre_variables_that_are_no_config_key_are_left_alone():
+    from gyre.config.loader import check_environment_keys
+
+    others = {"GYRE_CACHE_DIR": "/c", "GYRE_API_KEY": "k", "GYRE_TRAINER_CRASH_AT": "x", "GYRE_RUN_SEGMENT": "s",
+              "GYRE_INFERENCE__ENGINE__SEED": "7", "GYRE_MAX_STEPS": "3", "PATH": "/bin"}  # fmt: skip
+    check_environment_keys(RLConfig, others)
+
+
 def test_gyre_rl_log_file_is_every_services_log_file(tmp_path):
     # `gyre rl --log.file F` ("also append logs to this file") was accepted and ignored
     log = tmp_path / "all.log"

@@ -347,6 +347,37 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+ENV_PREFIX = "GYRE_"
+
+
+def check_environment_keys(cls: type[BaseModel], environ: typing.Mapping[str, str]) -> None:
+    """ConfigError naming the variable for a `GYRE_...` environment variable that looks like a key of `cls` but
+    is none: pydantic-settings reads only the variables that match a field, so `GYRE_MAX_STEPZ=3` or
+    `GYRE_TRAINER_OPTIM__LR=1e-4` (one `_` too few) were silently ignored and the run went on with the defaults.
+    Looks like a key: it has the nested delimiter `__` (only config keys have it) or is a near miss of a
+    top-level key. Other `GYRE_` variables (`GYRE_CACHE_DIR`, a user's `GYRE_API_KEY`) are not config keys."""
+    fields = list(cls.model_fields)
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        head = key.split("__")[0]
+        if head in fields:
+            continue  # a key (a typo below it is the section's own "unknown key" error)
+        near = difflib.get_close_matches(head, fields, n=1, cutoff=0.85)
+        if "__" not in key and not near:
+            continue
+        # the nearest top-level key, else `trainer_optim__lr`: a key's `__` written as `_`
+        split = next((f for f in fields if head.startswith(f + "_")), None)
+        guess = near[0] + key[len(head) :] if near else f"{split}__{key[len(split) + 1 :]}" if split else None
+        hint = f" (did you mean {ENV_PREFIX}{guess.upper()}?)" if guess else ""
+        dotted = key.replace("__", ".")
+        raise ConfigError(
+            f"config key {dotted!r}: unknown key, set by the environment variable {name}{hint}; nested keys are "
+            f"written {ENV_PREFIX}SECTION__KEY"
+        )
+
+
 def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -> T:
     """Build ``cls`` from argv (CLI + TOML), the environment and defaults. Raises ConfigError."""
     values = deep_merge(collect(list(argv or []), cls), overrides)
