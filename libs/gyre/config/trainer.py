@@ -207,6 +207,16 @@ class CkptConfig(Section):
     )
 
 
+class TrainerCkptConfig(CkptConfig):
+    on_stop: bool = Field(
+        True,
+        description="On SIGTERM/SIGINT (a pod evicted or drained, Ctrl-C) checkpoint the last trained step after "
+        "finishing it, unless that step has its checkpoint already, so the restart resumes it exactly (a run without "
+        "ckpt.interval included). The pod's terminationGracePeriodSeconds must cover a step, its publish and this "
+        "checkpoint (gyre_trainer_checkpoint_seconds); a save cut by SIGKILL leaves no partial checkpoint.",
+    )
+
+
 class OrchestratorClientConfig(Section):
     address: str = Field("127.0.0.1:50061", description="gRPC address of the orchestrator (NotifyWeights).")
     timeout_s: float = Field(10.0, gt=0, description="Deadline of one NotifyWeights call.")
@@ -322,7 +332,7 @@ class TrainerConfig(ServiceConfig):
     loss: LossConfig = Field(default_factory=LossConfig, description="RL objective.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimiser and schedule.")
     data: DataConfig = Field(default_factory=DataConfig, description="Batch shapes.")
-    ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
+    ckpt: TrainerCkptConfig = Field(default_factory=TrainerCkptConfig, description="Checkpointing.")
     orchestrator: OrchestratorClientConfig = Field(
         default_factory=OrchestratorClientConfig, description="Orchestrator."
     )

@@ -21,8 +21,8 @@ ones that have one, so a run whose orchestrator is slow never holds back the oth
 parameters leave the model, its optimizer, schedule, stream reader, metric series, lock and notifier
 go), so a long-lived trainer holds only the runs it trains. The process exits when every run has
 finished, unless `runs_dir` is set: then it follows the folder until it is stopped: a new `<name>.toml`
-joins at the next turn, a removed one stops its run after its current step (released the same way;
-every trained step is committed, so the file put back resumes the run where it stopped), and a
+joins at the next turn, a removed one stops its run after its current step (checkpointed, `ckpt.on_stop`, and
+released the same way; every trained step is committed, so the file put back resumes the run where it stopped), and a
 finished run's file is left alone until it changes (a larger `max_steps` resumes it).
 
 One process only (the adapters are small; FSDP multi-run is not wired). The KL term's reference
@@ -123,6 +123,8 @@ class MultiRunTrainer(TrainerProcess):
         holds only the runs it trains. Every trained step is committed in the run's folder, so adding
         it again resumes after its last step (a finished run trains nothing more)."""
         step = run.trained_step
+        if why != "finished":  # stopped: its restart (the file put back) resumes exactly
+            run.checkpoint_on_stop()
         run.close()
         self._drop_adapter(run.name)
         del self.runs[run.name]
@@ -180,6 +182,8 @@ class MultiRunTrainer(TrainerProcess):
                 log.info("every run finished")
                 return
         log.info("stop requested: leaving after %s", {n: r.trained_step for n, r in self.runs.items()})
+        for run in self.runs.values():
+            run.checkpoint_on_stop()
 
     def turn(self) -> bool:
         """One turn: follow `runs_dir` (every RUNS_SCAN_S), release finished runs, train every run whose

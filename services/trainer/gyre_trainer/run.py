@@ -16,6 +16,8 @@ has the crash analysis), with a crash point (`process.crash_point`) after each p
     6. prune        weight versions nobody needs any more
     (notify         NotifyWeights(step) from a background thread, queued right after the publish)
 
+A graceful stop checkpoints the last committed step unless it has its checkpoint (`checkpoint_on_stop`).
+
 `resume` is the other half: a starting run reconstructs its last committed step from its own folder.
 """
 
@@ -100,6 +102,8 @@ class RunState:
         self.notifier: WeightsNotifier | None = None
         self.rejected_seen = 0
         self.debugger: StepDebugger | None = None  # made at the first step: it needs the loaded model's config
+        self.checkpointed_step: int | None = None  # the newest step this process saved or loaded a checkpoint of
+        self.last_commit: tuple[int, dict[str, Any]] | None = None  # (step, record) this process committed last
         self.closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -199,6 +203,7 @@ class RunState:
         plan = dist.broadcast_object(plan, ctx)
         if plan.checkpoint_step is not None:
             self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
+            self.checkpointed_step = plan.checkpoint_step
         if plan.weights_step is not None:
             fetched = self.source.fetch(self.transport.version(plan.weights_step))  # verified, as a replica does
             load_published(model, fetched.folder, plan, spec.lora, spec.adapter or "default")
@@ -241,6 +246,7 @@ class RunState:
             log_step(f"run {self.name}: " if self.spec.adapter else "", record)
             crash_point("after_log", step, ctx)
         self.intake.commit(item)
+        self.last_commit = (step, record)
         crash_point("after_ack", step, ctx)
         if ctx.is_main:
             self.publisher.prune()
@@ -287,10 +293,41 @@ class RunState:
         """Step `step`'s checkpoint when `ckpt.interval` says so (before publishing: see `plan_resume`)."""
         interval = self.process.cfg.ckpt.interval
         if interval and step % interval == 0:
-            start = time.perf_counter()
-            self.checkpoints.save(step, self.process.model, self.optimizer, self.scheduler, record)
-            self.metrics.checkpoint_duration.observe(time.perf_counter() - start)
+            self._save_checkpoint(step, record)
             crash_point("after_checkpoint", step, self.process.ctx)
+
+    def checkpoint_on_stop(self) -> bool:
+        """A graceful stop (SIGTERM/SIGINT; a multi-run run whose `runs_dir` file was removed): checkpoint the last
+        step, which is committed (published, logged, acked), unless it has its checkpoint already, so that the restart
+        resumes it exactly instead of from published weights with fresh optimizer moments (`ckpt.on_stop`). The same
+        atomic save as an interval checkpoint: `plan_resume` finds checkpoint == newest weights, a plain resume. Every
+        rank calls it and decides alike, from what this process trained and saved (never from the shared folder).
+        True when it saved."""
+        label = f"run {self.name}: " if self.spec.adapter else ""
+        if self.last_commit is None or self.last_commit[0] != self.trained_step:
+            return False  # nothing trained since the resume: the run's folder reconstructs this state as it is
+        step, record = self.last_commit
+        if self.checkpointed_step == step:
+            log.info("%sstopping: step %d has its checkpoint already", label, step)
+            return False
+        if not self.process.cfg.ckpt.on_stop:
+            log.info("%sstopping without a checkpoint of step %d (ckpt.on_stop = false): a restart resumes from %s",
+                     label, step, f"checkpoint {self.checkpointed_step} and the published weights"
+                     if self.checkpointed_step else "the published weights with fresh optimizer moments")  # fmt: skip
+            return False
+        log.info("%sstopping: checkpointing step %d first (ckpt.on_stop)", label, step)
+        if self.spec.adapter is not None:  # multi-run: the checkpoint holds the active adapter's parameters
+            from gyre_trainer.lora import activate_adapter
+
+            activate_adapter(self.process.model, self.spec.adapter)
+        self._save_checkpoint(step, record)
+        return True
+
+    def _save_checkpoint(self, step: int, record: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        self.checkpoints.save(step, self.process.model, self.optimizer, self.scheduler, record)
+        self.metrics.checkpoint_duration.observe(time.perf_counter() - start)
+        self.checkpointed_step = step
 
     def publish(self, step: int, record: dict[str, Any]) -> None:
         """Publish the run's weights as version `step` (every rank gathers, rank 0 writes), the commit point

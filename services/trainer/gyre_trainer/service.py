@@ -7,6 +7,7 @@ sharded over every rank with FSDP2, is the run's own. Per step, in this order (`
     1. batch s      rank 0 reads it from Redis (consumer group, strict order), all ranks get it
     2. train        one optimizer step (gyre_trainer.step.train_step) on this rank's micro batches
     3. checkpoint   when s % ckpt.interval == 0: model, optimizer, scheduler, RNG, progress (atomic)
+                    (and of the last step on SIGTERM/SIGINT, `ckpt.on_stop`: `RunState.checkpoint_on_stop`)
     4. publish      full state dict gathered on rank 0, weights/step_s written atomically  <- commit
     5. log          one line in events/trainer_steps.jsonl, W&B, metrics, gRPC status
     6. ack          the Redis entry of batch s
@@ -90,13 +91,14 @@ class Trainer(TrainerProcess):
             item = run.intake.next(self.stop_requested.is_set)
             if item is None:
                 log.info("stop requested: leaving after step %d", run.trained_step)
+                run.checkpoint_on_stop()  # every rank got None together: the save is collective
                 return
             run.commit(item)
         log.info("reached max_steps=%d", max_steps)
 
 
 def run(cfg: TrainerConfig, *, handle_signals: bool = True) -> int:
-    """Run the trainer until `max_steps` or SIGTERM/SIGINT (which finish the current step first).
+    """Run the trainer until `max_steps` or SIGTERM/SIGINT (which finish the current step and checkpoint it first).
 
     `handle_signals=False` leaves the process's signal handlers alone (a trainer embedded in a test).
     """

@@ -93,3 +93,37 @@ def test_crash_in_every_commit_window(tiny_model, redis_url, unique_run_id, tmp_
     assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
     assert_exactly_once(tmp_path, stream)
     assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
+
+
+def test_sigterm_mid_run_checkpoints_the_last_step_and_the_restart_resumes_it_exactly(
+    tiny_model, redis_url, unique_run_id, tmp_path, uninterrupted
+):
+    """A preempted pod (eviction, drain: SIGTERM) with no `ckpt.interval`: the trainer finishes its step, checkpoints
+    it (`ckpt.on_stop`) and exits 0; the restart loads that checkpoint (not published weights with fresh optimizer
+    moments), trains every step once and ends bit for bit where an uninterrupted run does."""
+    stream = BatchStream(redis_url, unique_run_id)
+    push_batches(stream, range(1, STEPS + 1))
+    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS)
+    log = tmp_path / "trainer.log"
+    proc = start_trainer(argv, log)
+    try:
+        done = wait_for_steps(tmp_path, 2, proc, timeout=120)
+        assert proc.poll() is None, f"trainer exited early after {done}: {log.read_text()[-3000:]}"
+        proc.send_signal(signal.SIGTERM)  # wherever it is in step 3: it finishes that step first
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    stopped_after = trained_steps(tmp_path)
+    assert stopped_after == list(range(1, len(stopped_after) + 1)) and len(stopped_after) < STEPS
+    last = stopped_after[-1]
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints/trainer").iterdir())
+    assert checkpoints == [f"step_{last}"]  # the stop's checkpoint, complete (no .tmp- left), and only it
+    first_run = log.read_text()
+    assert f"stopping: checkpointing step {last} first (ckpt.on_stop)" in first_run
+
+    assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
+    resumed = log.read_text()[len(first_run) :]
+    assert f"loaded checkpoint step {last}" in resumed and "not bit-exact" not in resumed
+    assert_exactly_once(tmp_path, stream)
+    assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
