@@ -202,6 +202,28 @@ def test_defect_6_missing_local_folder_and_no_implicit_random_model(tmp_path):
     assert RLConfig().model.init_preset is None  # a random model only when asked for
 
 
+def test_a_model_folder_without_weights_is_refused_before_anything_starts(tmp_path, tiny_model):
+    # a folder holding config.json alone passed the launcher's check: Redis and the services started, and the run
+    # failed only when the inference replica loaded it (the policy's folder, or a [[servers]] entry's)
+    import shutil
+
+    from gyre.config import ConfigError
+    from gyre.local.launcher import Launcher
+
+    half = tmp_path / "half"
+    half.mkdir()
+    shutil.copy(Path(tiny_model) / "config.json", half / "config.json")
+    out = tmp_path / "run"
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--model.name", str(half),
+               "--model.init-preset", "null")  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"model.name = '{half}': the model folder {half} holds no weights" in res.stderr, res.stderr[-2000:]
+    assert not out.exists()
+    server = ["--servers", f'[{{"name": "judge", "model": "{half}"}}]', "--model.name", str(tiny_model)]
+    with pytest.raises(ConfigError, match="servers.judge.model = .* holds no weights"):
+        Launcher(load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(out), *server])).validate()
+
+
 def test_a_trainer_started_on_a_missing_model_folder_says_so_and_exits_2(tmp_path):
     # it once died with a FileNotFoundError traceback (after binding its ports)
     missing = tmp_path / "no" / "model"

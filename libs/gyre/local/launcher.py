@@ -103,6 +103,16 @@ def _gpu_env(devices: str | None) -> dict[str, str]:
     return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
 
 
+def _check_model(name: str, **how: str) -> None:
+    """ModelUnavailable unless `name` is a model folder with its weights (one holding config.json alone passed
+    here, and its inference replica failed only after Redis and the services had started) or a hub id that can
+    be fetched now."""
+    from gyre.model_source import check_model_source
+
+    check_model_source(name, hub=False, **how)  # a folder's weights
+    check_model_source(name, **how)  # a folder's config.json (a file is none), a hub id's fetch
+
+
 def _gyre(*args: str) -> list[str]:
     return [sys.executable, "-m", "gyre.cli", *args]
 
@@ -137,7 +147,7 @@ class Launcher:
     def validate(self) -> None:
         """Every config, the model source and extension names; raises ConfigError, creates nothing."""
         from gyre.config.loader import deep_merge
-        from gyre.model_source import ModelUnavailable, check_model_source
+        from gyre.model_source import ModelUnavailable
 
         cfg = self.cfg
         base = cfg.model.name or str(self.out / "model")
@@ -158,7 +168,7 @@ class Launcher:
                 )
         elif not (cfg.sft.enabled and (self.out / "sft" / "config.json").exists()):
             try:
-                check_model_source(base)
+                _check_model(base)
             except ModelUnavailable as e:
                 raise ConfigError(str(e)) from None
         if cfg.sft.enabled:
@@ -183,7 +193,7 @@ class Launcher:
             try:
                 # the server's own key, and no advice to set model.init_preset (the policy's alone)
                 hint = "create one with `gyre model init --output-dir DIR` (or `gyre model import`) and use DIR"
-                check_model_source(server.model, key=f"servers.{server.name}.model", hint=hint)
+                _check_model(server.model, key=f"servers.{server.name}.model", hint=hint)
             except ModelUnavailable as e:
                 raise ConfigError(str(e)) from None
         configs = resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0")
