@@ -12,6 +12,10 @@ For each of the first `num_examples` eval tasks, `k` rollouts are sampled and sc
 A task whose prompt does not fit the model's context is left out of every figure and counted (`skipped_overlong`;
 `num_examples` counts the tasks evaluated); only an eval with no task that fits fails.
 
+A sample whose episode failed (the environment raised: `Rollout.error`; inference failed after the client's retries;
+a judge or reward model failed) is generated again, up to `attempts` times, as in training; the failed attempts are
+counted (`failed_rollouts`). Then the eval fails (`EvalFailed`) rather than score half an episode into avg@k.
+
 During training `TrainingEval` runs it in the background every `eval.interval` weights versions (and at
 start); `gyre eval` runs it once against whatever the replicas serve and appends the result to
 `{output_dir}/events/eval.jsonl`:
@@ -38,6 +42,10 @@ from gyre.envs.types import ModelClient
 log = logging.getLogger(__name__)
 
 
+class EvalFailed(RuntimeError):
+    """A sample of the evaluation failed every attempt."""
+
+
 @dataclass
 class EvalResult:
     env: str
@@ -52,6 +60,7 @@ class EvalResult:
     rewards_mean: dict[str, float] = field(default_factory=dict)
     reward_errors: dict[str, int] = field(default_factory=dict)  # samples each reward function raised on (scored 0)
     skipped_overlong: int = 0  # tasks left out: their prompt does not fit the model's context
+    failed_rollouts: int = 0  # attempts that failed (environment, inference or scoring error) and were generated again
 
     def record(self, step: int) -> dict:
         """The `eval.jsonl` line (docs/architecture.md, "Event logs") plus version/timing extras."""
@@ -68,12 +77,14 @@ async def evaluate(
     sampling: SamplingParams,
     pass_threshold: float = 1.0,
     progress: Callable[[int, int], None] | None = None,
+    attempts: int = 3,
 ) -> EvalResult:
-    """Evaluate `client`'s policy on the first `num_examples` eval tasks (fewer if the split is smaller).
+    """Evaluate `client`'s policy on the first `num_examples` eval tasks (fewer if the split is smaller); a sample
+    that fails is generated again up to `attempts` times, then `EvalFailed`.
 
     `progress(done, total)` is called once before the first sample and after each one (`gyre eval`'s bar)."""
-    if num_examples < 1 or k < 1:
-        raise ValueError("num_examples and k must be >= 1")
+    if num_examples < 1 or k < 1 or attempts < 1:
+        raise ValueError("num_examples, k and attempts must be >= 1")
     source = env.tasks("eval")
     count = min(num_examples, source.size) if source.size is not None else num_examples
     tasks = [source[i] for i in range(count)]
@@ -89,16 +100,29 @@ async def evaluate(
         if progress is not None:
             progress(done, count * k)
 
-    async def one(i: int, j: int):
+    async def attempt(i: int, j: int):
         # sample j of task i: with a seed, its own one, the same at every version evaluated (common random
         # numbers: the difference between two versions is less noisy than either score)
-        try:
-            rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
-        except ContextLengthExceeded as e:  # the task cannot run on this model: left out, counted
-            overlong[i] = e
-            advanced()
-            return None
-        score = await env.score(tasks[i], rollout)
+        rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
+        if rollout.error:  # the episode stopped where the environment raised: its score is no policy's
+            raise RuntimeError(f"environment error: {rollout.error}")
+        return rollout, await env.score(tasks[i], rollout)
+
+    async def one(i: int, j: int):
+        nonlocal failed
+        for tries in range(1, attempts + 1):
+            try:
+                rollout, score = await attempt(i, j)
+                break
+            except ContextLengthExceeded as e:  # the task cannot run on this model: left out, counted
+                overlong[i] = e
+                advanced()
+                return None
+            except Exception as e:  # as in training: generated again, never scored as half an episode
+                failed += 1
+                if tries == attempts:
+                    raise EvalFailed(f"eval: sample {j} of task {tasks[i].id} failed {attempts} times: {e}") from e
+                log.warning("eval: sample %d of task %s failed (%s); generating it again", j, tasks[i].id, e)
         advanced()
         for name, message in score.errors.items():  # scored 0, never silently (as in training)
             if name not in reward_errors:
@@ -107,8 +131,16 @@ async def evaluate(
         return score.reward, rollout.policy_version_min, rollout.policy_version_max, score.per_function
 
     reward_errors: dict[str, int] = {}
+    failed = 0
 
-    answers = await asyncio.gather(*(one(i, j) for i in range(count) for j in range(k)))
+    samples = [asyncio.ensure_future(one(i, j)) for i in range(count) for j in range(k)]
+    try:
+        answers = await asyncio.gather(*samples)
+    except BaseException:  # a failed (or cancelled) eval stops its other samples: they held the replicas' rows
+        for sample in samples:
+            sample.cancel()
+        await asyncio.gather(*samples, return_exceptions=True)
+        raise
     if overlong:
         if len(overlong) == count:
             raise ContextLengthExceeded(
@@ -137,6 +169,7 @@ async def evaluate(
         rewards_mean={n: statistics.fmean(per.get(n, 0.0) for *_, per in results) for n in names},
         reward_errors=reward_errors,
         skipped_overlong=skipped,
+        failed_rollouts=failed,
     )
 
 
@@ -208,6 +241,7 @@ class TrainingEval:
                     k=cfg.eval.k,
                     sampling=eval_sampling(cfg),
                     pass_threshold=cfg.eval.pass_threshold,
+                    attempts=cfg.sample_attempts,
                 )
                 self._record(version, result)
             except asyncio.CancelledError:
@@ -329,7 +363,8 @@ def main(argv: list[str]) -> int:
     progress = EvalProgress()  # a long eval showed nothing until its JSON line
     try:
         result = asyncio.run(_run_once(cfg, progress, env))
-    except (InferenceError, ContextLengthExceeded) as e:  # nothing serves, or no task fits: one line, no traceback
+    except (InferenceError, ContextLengthExceeded, EvalFailed) as e:  # nothing serves, no task fits, a sample
+        # failed every attempt: one line, no traceback
         progress.close()
         print(f"gyre eval: error: {cfg.inference.urls}: {e}", file=sys.stderr)
         return 1

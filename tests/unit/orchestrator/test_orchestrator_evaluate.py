@@ -6,12 +6,14 @@ The client is a test double (no model): it answers each prompt from a table, so 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import math
 
+import pytest
 from gyre.envs import SamplingParams, Turn, load_environment
-from gyre_orchestrator.evaluate import evaluate
+from gyre_orchestrator.evaluate import EvalFailed, evaluate
 
 
 class TableClient:
@@ -156,3 +158,49 @@ def test_gyre_bench_orchestrator_names_its_keys_before_starting_anything(capsys)
     assert capsys.readouterr().err.startswith("gyre bench orchestrator: error: config key 'env': unknown environment")
     assert bench.main(["--real-model", "/nonexistent/model"]) == 2
     assert capsys.readouterr().err.startswith("gyre bench orchestrator: error: real_model = '/nonexistent/model'")
+
+
+class FlakyEnv:
+    """The dataset env whose next rollouts fail as `failures` says, in order: a string is an episode the environment
+    broke off (`Rollout.error`, half an answer: what `Environment.rollout` returns when `env_response` raises), an
+    exception is raised (inference failed after the client's retries)."""
+
+    def __init__(self, env, failures) -> None:
+        self.env, self.failures = env, list(failures)
+
+    def tasks(self, split):
+        return self.env.tasks(split)
+
+    async def score(self, task, rollout):
+        return await self.env.score(task, rollout)
+
+    async def rollout(self, client, task, sampling):
+        rollout = await self.env.rollout(client, task, sampling)
+        if not self.failures:
+            return rollout
+        failure = self.failures.pop(0)
+        if isinstance(failure, Exception):
+            raise failure
+        half = [{"role": "assistant", "content": rollout.completion[-1]["content"][:1]}]
+        return dataclasses.replace(rollout, completion=half, error=failure, stop_reason="error")
+
+
+def test_a_failed_eval_sample_is_generated_again_never_scored_as_half_an_episode(tmp_path):
+    # audit: an episode the environment broke off (Rollout.error) was scored into avg@k and pass@k as it stood (0
+    # here: the policy answers every task right), and one sample whose inference failed failed the whole eval;
+    # training generates both again (sample_attempts)
+    replies = {"ab": ["AB"], "cd": ["CD"]}
+    failures = ["env_response failed: ValueError: tool down", RuntimeError("request failed after 4 attempts")]
+    result = run_eval(tmp_path, replies, num_examples=2, k=2, env=FlakyEnv(dataset_env(tmp_path, replies), failures))
+    assert (result.avg_at_k, result.pass_at_k, result.failed_rollouts) == (1.0, 1.0, 2)
+    assert result.record(step=2)["failed_rollouts"] == 2
+
+
+def test_an_eval_sample_that_fails_every_attempt_fails_the_eval_naming_it(tmp_path):
+    replies = {"ab": ["AB"], "cd": ["CD"]}
+    env = FlakyEnv(dataset_env(tmp_path, replies), ["env_response failed: ValueError: tool down"] * 100)
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    client = TableClient(replies)
+    with pytest.raises(EvalFailed, match=r"sample \d of task .* failed 2 times: environment error: env_response"):
+        asyncio.run(evaluate(env, client, env_name="d", num_examples=2, k=2, sampling=sampling, attempts=2))
+    assert sum(client.calls.values()) + len(client.calls) <= 2 * 2 * 2  # nothing ran on after it failed
