@@ -106,8 +106,11 @@ SchemaObject = Annotated[dict[str, Any], BeforeValidator(_json_text)]
 Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)]
 
 
+FORMAT_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a json_schema format's name
+
+
 class JSONSchemaFormat(StrictModel):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Name of the format (OpenAI's rules).")
+    name: str = Field(pattern=FORMAT_NAME, description="Name of the format (OpenAI's rules).")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema (none: any JSON).")
     strict: bool | None = Field(None, description="Accepted either way: the output always follows the schema.")

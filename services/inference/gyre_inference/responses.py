@@ -34,6 +34,7 @@ from gyre_inference.chat_messages import Content, tool_reply_error
 from gyre_inference.errors import APIError
 from gyre_inference.json_body import dumps
 from gyre_inference.protocol import (
+    FORMAT_NAME,
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     JSONSchemaFormat,
@@ -104,7 +105,8 @@ class TextFormat(StrictModel):
     """`text.format`: text, json_object, or json_schema with the schema's fields inline (Responses' shape)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    # checked here, where the client wrote it (a name chat's response_format refuses was a 500 in to_chat)
+    name: str | None = Field(None, pattern=FORMAT_NAME)
     schema_: SchemaObject | None = Field(None, alias="schema")
     description: str | None = None
     strict: bool | None = None
@@ -200,6 +202,13 @@ class ResponsesRequest(StrictModel):
         if value:
             raise ValueError(f"only false is supported: {_NOT_STORED}")
         return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        # chat's rule (and OpenAI's): options of a stream that is not asked for are a mistake, not a no-op
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed with stream: true")
+        return self
 
     @property
     def wants_logprobs(self) -> bool:

@@ -189,6 +189,38 @@ def test_errors_name_this_requests_fields_not_the_chat_requests(http, model_id, 
     assert error["param"] == param and says in error["message"] and "messages" not in error["message"], error
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("responses", "chat", "param"),
+    [
+        # the options of a stream nobody asked for: chat refused them, responses ignored them
+        ({"stream_options": {"include_usage": True}}, {"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": False, "stream_options": {"include_obfuscation": False}},
+         {"stream": False, "stream_options": {"include_obfuscation": False}}, "stream_options"),
+        # a format name OpenAI refuses: a 400 on chat, a 500 (ValidationError while translating) on responses
+        ({"text": {"format": {"type": "json_schema", "name": "my format", "schema": SCHEMA}}},
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "my format", "schema": SCHEMA}}},
+         ("text.format.name", "response_format.json_schema.name")),
+        ({"text": {"format": {"type": "json_schema", "name": "x" * 65, "schema": SCHEMA}}},
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "x" * 65, "schema": SCHEMA}}},
+         ("text.format.name", "response_format.json_schema.name")),
+    ],
+)  # fmt: skip
+def test_responses_refuse_what_chat_refuses_with_the_same_error(client, model_id, responses, chat, param):
+    ours, theirs = param if isinstance(param, tuple) else (param, param)
+    with pytest.raises(openai.BadRequestError) as chat_error:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       **chat)  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as responses_error:
+        client.responses.create(model=model_id, input="hi", max_output_tokens=16, **responses)
+    got, expected = responses_error.value.body, chat_error.value.body
+    assert expected["param"] == theirs, expected
+    assert (got["type"], got["code"], got["param"]) == (expected["type"], expected["code"], ours), got
+    assert got["message"] == expected["message"].replace(theirs, ours), got
+
+
 def test_a_model_card_by_id(client, model_id, http):
     card = client.models.retrieve(model_id)  # the id is a folder path: slashes and all
     assert card.id == model_id and card.object == "model"
