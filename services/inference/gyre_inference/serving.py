@@ -185,7 +185,10 @@ class Serving:
 
     def _job(self, kind, request, prompts, limit, prompt_param, parse_tools, started, echoes=None) -> _Job:
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-        stop_ids = set(request.stop_token_ids or []) | (set() if request.ignore_eos else set(self.text.eos_token_ids))
+        # an id the model cannot sample never stops anything, and with min_tokens it indexes the logits (its
+        # suppression bias): the engine step failed, and with it every request in the batch
+        stop_ids = set(self.text.check_ids(request.stop_token_ids or [], "stop_token_ids"))
+        stop_ids |= set() if request.ignore_eos else set(self.text.eos_token_ids)
         logit_bias = tuple((int(token), bias) for token, bias in (request.logit_bias or {}).items())
         if bad := [token for token, _ in logit_bias if token >= self.text.vocab_size]:
             raise APIError(400, f"logit_bias: token id {bad[0]} is out of vocabulary (vocabulary size "

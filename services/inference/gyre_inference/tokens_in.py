@@ -157,7 +157,9 @@ def add_generate_route(app: FastAPI, state) -> None:
                 param="token_ids",
                 code="context_length_exceeded",
             )
-        stops = set(sp.stop_token_ids or []) | (set() if sp.ignore_eos else set(state.text.eos_token_ids))
+        # out of vocabulary: a 400, not a failed engine step for the whole batch (as on the OpenAI routes)
+        stops = set(state.text.check_ids(sp.stop_token_ids or [], "sampling_params.stop_token_ids"))
+        stops |= set() if sp.ignore_eos else set(state.text.eos_token_ids)
         params = [
             SamplingParams(
                 max_tokens=max_tokens,

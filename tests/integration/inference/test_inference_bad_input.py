@@ -200,6 +200,31 @@ def test_prompts_too_long_for_the_context(http, model_id):
     assert_error(http.post("/detokenize", json={"tokens": [99999]}), 400, param="tokens")
 
 
+def test_stop_token_ids_out_of_vocabulary_are_a_400_and_other_requests_run_on(http, client, model_id):
+    # With min_tokens the engine suppresses the stop ids by biasing their logits: an id past the vocabulary failed
+    # the engine step, a 500 for this request and for every other one in the batch
+    with client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                        temperature=0.0, stream=True, extra_body={"ignore_eos": True}) as other:
+        chunks = iter(other)
+        next(chunks)
+        bad = {"min_tokens": 2, "stop_token_ids": [7, 99999]}
+        for create in (
+            lambda: client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, extra_body=bad),
+            lambda: client.completions.create(model=model_id, prompt="hi", max_tokens=4, extra_body=bad),
+            lambda: client.completions.create(model=model_id, prompt="hi", max_tokens=4, stream=True, extra_body=bad),
+        ):  # fmt: skip
+            with pytest.raises(openai.BadRequestError) as refused:
+                create()
+            assert (refused.value.body["param"], refused.value.body["code"]) == ("stop_token_ids", None)
+            assert "token id 99999 is out of vocabulary" in refused.value.body["message"]
+        tokens_in = http.post("/inference/v1/generate", json={"model": model_id, "token_ids": [5, 6],
+                                                               "sampling_params": {"max_tokens": 4, **bad}})  # fmt: skip
+        assert_error(tokens_in, 400, param="sampling_params.stop_token_ids")
+        rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "length"  # the request in flight was not failed with them
+
+
 def test_unknown_model_route_and_method(http):
     # OpenAI: 404, type invalid_request_error, code model_not_found
     for route, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "x"}), ("/tokenize", {})):
