@@ -21,14 +21,17 @@ Mapping onto a Gyre sample (one per episode): the first trainable branch of the 
 `token_ids`, `loss_mask` (verifiers' `sampled_mask`: True only on tokens the model sampled, so user, tool and
 template tokens between turns are masked out) and `logprobs`; the policy versions span every turn of the episode;
 the reward is the trace's weighted reward (`Score.per_function` holds each named reward; a NaN or inf one counts 0
-and is named in `Score.errors`). A second branch (a turn whose prompt no longer extended the recorded tokens, or
+and is named in `Score.errors`), plus the weighted scores of the judges and reward models the run joins to the
+environment's Gyre rubric (`[[orchestrator.judges]]`; a name verifiers uses too is reported as `gyre:<name>`). A
+second branch (a turn whose prompt no longer extended the recorded tokens, or
 compaction) is dropped and the rollout marked "drift". An episode that raised (task, harness or env code) comes back
 with `Rollout.error` set: the orchestrator counts it (`rollouts{outcome="error"}`, `rollout_errors` in the step
 record) and generates the sample again.
 
 Splits: the taskset's tasks (the first `max_tasks` of an infinite one) are loaded once; `num_eval` of them, chosen
 with `eval_seed`, are the eval split (or all of `eval_taskset`, a second taskset config, when given); the rest are
-the endless train split, epoch by epoch in an order seeded by (`seed`, epoch).
+the endless train split, epoch by epoch in an order seeded by (`seed`, epoch). A train task whose prompt is also an
+eval task's is left out of training (with a warning), so eval stays held out.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import logging
 import math
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -55,6 +59,8 @@ from gyre.envs.types import (
     Task,
     Turn,
 )
+
+log = logging.getLogger(__name__)
 
 # The Gyre model calls of the episode running in the current asyncio task (see `GyreInterception`).
 _CURRENT: contextvars.ContextVar[GyreModelCalls] = contextvars.ContextVar("gyre_verifiers_calls")
@@ -226,8 +232,17 @@ class VerifiersEnv(Environment):
                 )
             train, evals = hold_out(tasks, num_eval, f"verifiers/eval/{eval_seed}")
         self.vf_tasks = train + evals
-        self.train_tasks = [self._task(i, f"train-{i}") for i in range(len(train))]
         self.eval_tasks = [self._task(len(train) + i, f"eval-{i}") for i in range(len(evals))]
+        # A task in both splits (an eval_taskset overlapping the train one, a taskset listing a task twice) would be
+        # trained on and then scored as held out: its train copies go, as in the `dataset` environment.
+        eval_keys = {task.key for task in self.eval_tasks}
+        every_train = [self._task(i, f"train-{i}") for i in range(len(train))]
+        self.train_tasks = [task for task in every_train if task.key not in eval_keys]
+        if len(self.train_tasks) < len(every_train):
+            log.warning("%s: %d train tasks repeat an eval task's prompt and are left out of training", self.name,
+                        len(every_train) - len(self.train_tasks))  # fmt: skip
+        if not self.train_tasks:
+            raise ValueError(f"{self.name}: every train task is also in the eval split; nothing to train on")
         self.max_turns = 1  # verifiers harnesses decide their own turns; this only sizes Dr.GRPO's budget
         self._serving: tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack] | None = None
         self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -311,9 +326,12 @@ class VerifiersEnv(Environment):
         return to_rollout(task, episode, calls.turns, context_full=calls.context_full)
 
     async def score(self, task: Task, rollout: Rollout) -> Score:
+        """The trace's verifiers rewards plus Gyre's own rubric (judges and reward models joined to it from
+        `[[orchestrator.judges]]` / `[[orchestrator.reward_models]]`, which verifiers knows nothing about)."""
         trace = rollout.state.get("trace")
         if trace is None:
             return Score(reward=0.0, per_function={})
+        own = await self.rubric.score(task, rollout) if self.rubric.funcs else None
         # verifiers keeps whatever float a reward returned: a NaN or inf one counts 0 and is named, as in a Gyre
         # Rubric, so it never reaches the advantages (a NaN there poisons the whole batch's loss).
         rewards: dict[str, float] = {}
@@ -327,6 +345,13 @@ class VerifiersEnv(Environment):
             else:
                 rewards[name] = r.score
                 reward += r.value
+        if own is not None:
+            for name, value in own.per_function.items():
+                key = name if name not in rewards and name not in errors else f"gyre:{name}"  # names may collide
+                rewards[key] = value
+                if name in own.errors:
+                    errors[key] = own.errors[name]
+            reward += own.reward
         return Score(reward=reward, per_function=rewards, errors=errors)
 
     def sft_example(self, task: Task) -> Messages:

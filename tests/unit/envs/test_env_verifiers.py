@@ -147,6 +147,40 @@ def test_splits_are_disjoint_seeded_and_endless():
     assert [t.prompt for t in vf_env("reverse_text", num_tasks=10).tasks("eval")] == evals
 
 
+def test_an_eval_taskset_overlapping_the_train_one_stays_held_out():
+    """With eval_taskset (or a task listed twice), eval tasks were trained on too: their train copies go."""
+    harness = {"id": "vf_gyre_tasks", "turns": 1, "tools": False}
+    env = load_environment(NAME, taskset={"source": "reverse_text", "num_tasks": 10}, agent={"harness": harness},
+                           eval_taskset={"source": "reverse_text", "num_tasks": 3})  # fmt: skip
+    evals = {t.key for t in env.tasks("eval")}
+    train = env.tasks("train", seed=0)
+    assert len(evals) == 3 and not {train[i].key for i in range(40)} & evals
+    assert len({train[i].key for i in range(40)}) == 7
+    with pytest.raises(ValueError, match="every train task is also in the eval split"):
+        load_environment(NAME, taskset={"source": "reverse_text", "num_tasks": 3}, agent={"harness": harness},
+                         eval_taskset={"source": "reverse_text", "num_tasks": 5})  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_judges_joined_to_the_rubric_score_verifiers_rollouts(sampling):
+    """`[[orchestrator.judges]]` are added to env.rubric; a verifiers env scored only its trace and dropped them."""
+    from gyre.envs.types import ScoringError
+
+    env = vf_env(turns=1)
+    env.rubric.add(lambda completion: 0.25, weight=2.0, name="judge")
+    env.rubric.add(lambda: 1 / 0, name="correct")  # a name verifiers uses too, and a failing function
+    task, rollout, score = await rollout_of(env, ScriptedClient([Reply("0")]), sampling)
+    assert score.per_function == {"correct": 0.0, "judge": 0.25, "gyre:correct": 0.0}
+    assert score.reward == 0.5 and "ZeroDivisionError" in score.errors["gyre:correct"]
+
+    def down() -> float:
+        raise ScoringError("judge unreachable")
+
+    env.rubric.add(down)
+    with pytest.raises(ScoringError):  # never a silent 0, as with Gyre's own environments
+        await env.score(task, rollout)
+
+
 def test_bad_taskset_ids_and_configs_are_named():
     with pytest.raises(ValueError, match="no_such_taskset"):
         load_environment("verifiers:no_such_taskset")
