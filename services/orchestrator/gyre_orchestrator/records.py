@@ -161,7 +161,6 @@ class StepRecords:
         labels(m.reward_mean, env=cfg.env.name).set(record["reward_mean"])
         labels(m.reward_std, env=cfg.env.name).set(record["reward_std"])
         labels(m.dropped_stale).inc(st.dropped_stale)
-        labels(m.rollouts, env=cfg.env.name, outcome="stale").inc(st.dropped_stale)
         labels(m.dropped_zero_signal).inc(st.dropped_zero_signal)
         labels(m.skipped_overlong, env=cfg.env.name).inc(st.skipped_overlong)
         labels(m.generated_groups).inc(st.generated_groups)

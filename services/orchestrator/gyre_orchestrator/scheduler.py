@@ -164,6 +164,7 @@ class RolloutScheduler:
     should be >= floor, for the `RolloutKey` key; it may raise, in which case it is retried `sample_attempts`
     times with backoff before the whole scheduler fails (the caller sees the error from `next_batch`). A
     `ContextLengthExceeded` is not retried: the task is skipped (see the module's docstring).
+    `on_finished(sample, stale)` hears of every sample `generate` returned, once, with the admission's verdict.
     """
 
     def __init__(
@@ -185,6 +186,7 @@ class RolloutScheduler:
         overlong_window: int = OVERLONG_WINDOW,
         clock: Callable[[], float] = time.monotonic,
         trained: Callable[[], int] = lambda: 0,
+        on_finished: Callable[[Any, bool], None] = lambda _sample, _stale: None,
     ):
         if batch_size < 1 or group_size < 1 or max_async_level < 0 or start_step < 1:
             raise ValueError("batch_size, group_size >= 1, max_async_level >= 0, start_step >= 1 required")
@@ -207,6 +209,7 @@ class RolloutScheduler:
         self._overlong_warned = False
         self.clock = clock
         self.trained = trained  # the trainer's committed step (read only for a sample newer than its batch)
+        self.on_finished = on_finished  # (sample, stale): each generated sample once, as admitted or dropped stale
 
         self.next_close = start_step  # lowest step not yet handed out
         self.steps: dict[int, StepState] = {}
@@ -361,7 +364,9 @@ class RolloutScheduler:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (failures - 1))
                 continue
             future = sample.max_version >= st.step and self.trained() < st.step
-            if sample.min_version >= st.floor and not future:
+            stale = sample.min_version < st.floor or future
+            self.on_finished(sample, stale)
+            if not stale:
                 return sample
             st.dropped_stale += 1
             st.wasted.append(sample)

@@ -343,15 +343,21 @@ class OrchestratorService:
         self.step_records.counters = {k: int(v) for k, v in point.counters.items()}
         self.sampler = TaskSampler(self.env.tasks("train", seed=cfg.seed), point.task_index)
         log.info("starting at step %d (%s), task index %d", point.start_step, point.reason, point.task_index)
-        g = cfg.rollouts_per_example
-        self.scheduler = RolloutScheduler(
+        self.scheduler = self._new_scheduler(point.start_step)
+        if cfg.eval.interval is not None:
+            self.evals.start(self.versions, at_start=cfg.eval.at_start and point.start_step == 1)
+        await self.server.set_serving(True)
+
+    def _new_scheduler(self, start_step: int) -> RolloutScheduler:
+        cfg, g = self.cfg, self.cfg.rollouts_per_example
+        return RolloutScheduler(
             self._generate,
             self.sampler.next,
             self.versions,
             batch_size=cfg.batch_size,
             group_size=g,
             max_async_level=cfg.max_async_level,
-            start_step=point.start_step,
+            start_step=start_step,
             max_steps=cfg.max_steps,
             max_inflight_groups=cfg.max_inflight_groups or math.ceil(cfg.inference.max_concurrency / g),
             # with a teacher every token carries a signal: a group of equal rewards still teaches
@@ -359,10 +365,14 @@ class OrchestratorService:
             oversample_limit=cfg.advantage.oversample_limit,
             sample_attempts=cfg.sample_attempts,
             trained=lambda: committed_step(self.out, self.transport.latest()),
+            on_finished=self._count_rollout,
         )
-        if cfg.eval.interval is not None:
-            self.evals.start(self.versions, at_start=cfg.eval.at_start and point.start_step == 1)
-        await self.server.set_serving(True)
+
+    def _count_rollout(self, sample: ScoredRollout, stale: bool) -> None:
+        """`gyre_orchestrator_rollouts_total`: a finished rollout counts once, as `stale` when admission dropped it
+        (counted `ok` and then `stale` too before, so the outcomes summed to more rollouts than there were)."""
+        outcome = "stale" if stale else "truncated" if sample.rollout.truncated else "ok"
+        self.metrics.labels(self.metrics.rollouts, env=self.cfg.env.name, outcome=outcome).inc()
 
     async def _await_trainer_rewind(self, step: int, poll_s: float = 0.5, remind_s: float = 30.0) -> None:
         """A rewind to `step` abandons the weights versions after it, which the trainer deletes as it starts with the
@@ -507,9 +517,7 @@ class OrchestratorService:
             raise RolloutFailed(f"task {task.id}: scoring failed: {error}") from error
         self._note_reward_errors(task, score.errors)
         seconds = time.monotonic() - start
-        outcome = "truncated" if rollout.truncated else "ok"
-        self.metrics.labels(self.metrics.rollouts, env=env_name, outcome=outcome).inc()
-        self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)
+        self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)  # its outcome: on admission
         return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds,
                              teacher_logprobs=teacher)  # fmt: skip
 
