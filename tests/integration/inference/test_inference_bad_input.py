@@ -203,14 +203,15 @@ def test_prompts_too_long_for_the_context(http, model_id):
 def test_stop_token_ids_out_of_vocabulary_are_a_400_and_other_requests_run_on(http, client, model_id):
     # With min_tokens the engine suppresses the stop ids by biasing their logits: an id past the vocabulary failed
     # the engine step, a 500 for this request and for every other one in the batch
-    with client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
-                                        temperature=0.0, stream=True, extra_body={"ignore_eos": True}) as other:
+    hi = [{"role": "user", "content": "hi"}]
+    with client.chat.completions.create(
+        model=model_id, messages=hi, max_tokens=40, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+    ) as other:
         chunks = iter(other)
         next(chunks)
         bad = {"min_tokens": 2, "stop_token_ids": [7, 99999]}
         for create in (
-            lambda: client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
-                                                   max_tokens=4, extra_body=bad),
+            lambda: client.chat.completions.create(model=model_id, messages=hi, max_tokens=4, extra_body=bad),
             lambda: client.completions.create(model=model_id, prompt="hi", max_tokens=4, extra_body=bad),
             lambda: client.completions.create(model=model_id, prompt="hi", max_tokens=4, stream=True, extra_body=bad),
         ):  # fmt: skip
@@ -218,8 +219,8 @@ def test_stop_token_ids_out_of_vocabulary_are_a_400_and_other_requests_run_on(ht
                 create()
             assert (refused.value.body["param"], refused.value.body["code"]) == ("stop_token_ids", None)
             assert "token id 99999 is out of vocabulary" in refused.value.body["message"]
-        tokens_in = http.post("/inference/v1/generate", json={"model": model_id, "token_ids": [5, 6],
-                                                               "sampling_params": {"max_tokens": 4, **bad}})  # fmt: skip
+        generate = {"model": model_id, "token_ids": [5, 6], "sampling_params": {"max_tokens": 4, **bad}}
+        tokens_in = http.post("/inference/v1/generate", json=generate)
         assert_error(tokens_in, 400, param="sampling_params.stop_token_ids")
         rest = list(chunks)
     assert rest[-1].choices[0].finish_reason == "length"  # the request in flight was not failed with them
