@@ -243,6 +243,29 @@ def test_ctrl_c_twice_kills_the_services_at_once_and_the_rerun_trains_every_step
     assert wait_gone(second.seen) == []
 
 
+def test_ctrl_c_while_the_base_model_is_created_leaves_no_half_model_and_fresh_starts_over(tmp_path):
+    """`gyre model init` stopped by the launcher's SIGTERM left its `.tmp-model-*` staging folder (a model's size) in
+    the run's folder, and `--fresh` then refused the folder: "holds files gyre did not write (.tmp-model-...)"."""
+    out = tmp_path / "run"
+    first = Watched(out, "--max-steps", "1")
+    deadline = time.monotonic() + 120
+    while not (out.is_dir() and any(p.name.startswith(".tmp-model-") for p in out.iterdir())):
+        assert first.proc.poll() is None, first.proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the model was never created"
+        time.sleep(0.01)
+    first.record()
+    first.proc.send_signal(signal.SIGINT)
+    _, err = first.proc.communicate(timeout=60)
+    assert first.proc.returncode == 130, err[-3000:]
+    assert wait_gone(first.seen, timeout=10) == []
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+    (out / ".tmp-model-left-by-an-older-launch").mkdir()  # what the old code left: --fresh takes it too
+    fresh = Watched(out, "--max-steps", "1", "--fresh")
+    code, err = fresh.wait(timeout=400)
+    assert code == 0, err[-4000:]
+    assert trained_steps(out) == [1] and not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+
+
 def test_fresh_with_an_external_redis_deletes_the_previous_runs_batches(tmp_path):
     """`--fresh` deleted the run's folder but not its stream on an external Redis: the orchestrator counted the
     old run's batches (consumed long ago) as pushed, and the trainer waited forever for step 1."""

@@ -607,3 +607,18 @@ def test_fresh_refuses_a_folder_that_is_not_a_gyre_run(tmp_path):
     (tmp_path / "events" / "trainer_steps.jsonl").write_text("")
     launcher.start_fresh()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fresh_takes_what_a_launch_stopped_during_start_up_left_half_written(tmp_path):
+    # Ctrl-C while `gyre model init` wrote the base model left `.tmp-model-*` beside locks/ and redis/, and
+    # `--fresh` refused the folder: "holds files gyre did not write (.tmp-model-...)"
+    from gyre.local.launcher import Launcher
+
+    for name in (".tmp-model-x1/config.json", ".tmp-sft-y2/model.safetensors", "locks/rl.lock", "redis/a.aof"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    launcher = Launcher(load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--fresh"]))
+    launcher.check_fresh()
+    launcher.start_fresh()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
+

@@ -67,6 +67,9 @@ RUN_ENTRIES = (
     "prometheus", "report.png", "locks", "runs",
 )  # fmt: skip
 RUN_MARKERS = ("configs/trainer.toml", "configs/sft.toml", "events/*.jsonl")
+# What gyre writes a folder under before renaming it into view (gyre.fsio, `gyre model init`, `gyre sft`'s result):
+# a child stopped while writing one (Ctrl-C during start-up) leaves it behind.
+STAGING_PREFIX = ".tmp-"
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's children finish their current step on SIGTERM
 
 
@@ -281,7 +284,7 @@ class Launcher:
         self.lock = RunLock(self.out, "rl").acquire()
         if self.lock.took_over:
             _console(f"taking over the lock of pid {self.lock.took_over} (no longer running)")
-        for role in ("trainer", "orchestrator"):
+        for role in ("trainer", "orchestrator", "sft"):  # sft: a previous launch's warm-up writes its result here
             try:
                 RunLock(self.out, role).acquire(wait_s=0).release()
             except LockHeld as e:
@@ -293,7 +296,7 @@ class Launcher:
         if not self.out.is_dir():
             return
         names = {p.name for p in self.out.iterdir()}
-        foreign = sorted(names - set(RUN_ENTRIES))
+        foreign = sorted(name for name in names - set(RUN_ENTRIES) if not name.startswith(STAGING_PREFIX))
         if foreign and not any(any(self.out.glob(marker)) for marker in RUN_MARKERS):
             raise ConfigError(
                 f"--fresh: {self.out} holds files gyre did not write ({', '.join(foreign[:5])}): "
@@ -313,6 +316,19 @@ class Launcher:
             else:
                 entry.unlink()
         _console(f"--fresh: deleted the previous run in {self.out}")
+
+    def remove_staging(self) -> None:
+        """Delete the half-written base model and SFT result of a launch stopped while it created them (`gyre model
+        init` and `gyre sft` stopped by SIGTERM left `.tmp-model-*` / `.tmp-sft-*`, up to a model's size each, and
+        `--fresh` then refused the folder for them). Only under the run's lock, with no child of it running."""
+        base = Path(self.cfg.model.name or self.out / "model")
+        folders = [(self.out, "sft")]
+        if self.cfg.model.init_preset is not None and _inside(base, self.out):
+            folders.append((base.parent, base.name))
+        for parent, name in folders:
+            for staging in parent.glob(f"{STAGING_PREFIX}{name}-*") if parent.is_dir() else ():
+                if staging.is_dir() and not staging.is_symlink():
+                    shutil.rmtree(staging, ignore_errors=True)
 
     # -- set-up -------------------------------------------------------------------------------
     def _redis_url(self) -> str:
@@ -388,6 +404,7 @@ class Launcher:
             ) from None
         if self.cfg.fresh:
             self.start_fresh()
+        self.remove_staging()
         runs, committed = experiment_runs(self.cfg), committed_steps(self.cfg)
         rewind = self.cfg.ckpt.resume_step is not None and self.cfg.ckpt.resume_step >= 0
         if not rewind and all(committed[run.name] >= run.max_steps for run in runs):
@@ -538,6 +555,7 @@ class Launcher:
             self.redis.stop()
             self.redis = None
         if self.lock is not None:
+            self.remove_staging()  # every child has exited: what one left half written is garbage
             self.lock.release()
             self.lock = None
 
