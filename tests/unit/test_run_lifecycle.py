@@ -621,4 +621,3 @@ def test_fresh_takes_what_a_launch_stopped_during_start_up_left_half_written(tmp
     launcher.check_fresh()
     launcher.start_fresh()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
-
