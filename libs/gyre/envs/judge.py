@@ -298,5 +298,7 @@ def add_to_rubric(env: Any, judges: list[JudgeConfig], reward_models: list[Rewar
         raise ValueError(f"judges / reward_models: environment {getattr(env, 'name', env)!r} scores with its own "
                          "code, not a gyre Rubric; add them in the environment instead")  # fmt: skip
     for signal in signals:
-        rubric.add(signal, signal.config.weight, name=signal.config.name)
+        # no rubric deadline: each request has its own (timeout_s, retries), and a call may wait its turn on the
+        # concurrency bound behind many others
+        rubric.add(signal, signal.config.weight, name=signal.config.name, timeout_s=None)
     return {signal.config.name: signal for signal in signals}

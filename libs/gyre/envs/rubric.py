@@ -20,7 +20,11 @@ could not score for a reason outside the rollout (a judge or reward model that f
 `gyre.envs.judge`) raises it, and it goes through to the caller, which scores again; a failed judge is never a 0.
 (A judge that refuses this one rollout, e.g. longer than its context, raises `gyre.envs.judge.Unjudged` instead:
 an ordinary error, 0 for that function, named in `Score.errors`; asking again would be refused again.)
-Functions run concurrently (a judge and a reward model wait on the network together).
+Functions run concurrently (a judge and a reward model wait on the network together). An async function that has
+not finished after `timeout_s` (default `REWARD_TIMEOUT_S`, per function with `add(..., timeout_s=)`; None = no
+bound) raises `ScoringError`: an awaited call with no deadline of its own hung the rollout, and with it the step,
+for ever. Judges and reward models have their own per-request deadlines and retries and wait on their concurrency
+bound, so they are added without one. A sync function cannot be stopped midway: keep it fast.
 """
 
 from __future__ import annotations
@@ -35,15 +39,24 @@ from gyre.envs.types import Rollout, Score, ScoringError, Task
 
 RewardFunc = Callable[..., float | Awaitable[float]]
 ARGUMENTS = ("completion", "prompt", "messages", "answer", "task", "info", "state", "rollout", "parser")
+# Seconds an async reward function may take (see the module docstring): far past any healthy network call.
+REWARD_TIMEOUT_S = 600.0
+_DEFAULT: float = -1.0  # `add`'s timeout_s when not given: the rubric's own
 
 
 class Rubric:
     """Weighted reward functions; `await rubric.score(task, rollout)` -> `Score`."""
 
     def __init__(
-        self, funcs: list[RewardFunc] | None = None, weights: list[float] | None = None, parser: Parser | None = None
+        self,
+        funcs: list[RewardFunc] | None = None,
+        weights: list[float] | None = None,
+        parser: Parser | None = None,
+        timeout_s: float | None = REWARD_TIMEOUT_S,
     ) -> None:
         self.parser = parser or Parser()
+        self.timeout_s = _checked_timeout(timeout_s)
+        self._timeouts: list[float | None] = []
         self.funcs: list[RewardFunc] = []
         self.weights: list[float] = []
         self.names: list[str] = []
@@ -54,8 +67,11 @@ class Rubric:
         for func, weight in zip(funcs, weights or [1.0] * len(funcs), strict=True):
             self.add(func, weight)
 
-    def add(self, func: RewardFunc, weight: float = 1.0, name: str | None = None) -> Rubric:
-        """Register a reward function (its name defaults to `func.__name__` and must be unique)."""
+    def add(
+        self, func: RewardFunc, weight: float = 1.0, name: str | None = None, timeout_s: float | None = _DEFAULT
+    ) -> Rubric:
+        """Register a reward function (its name defaults to `func.__name__` and must be unique); `timeout_s` bounds
+        an async one (default: the rubric's `timeout_s`; None: unbounded)."""
         name = name or getattr(func, "__name__", type(func).__name__)
         if name in self.names:
             raise ValueError(f"reward function {name!r} is already in this rubric")
@@ -68,6 +84,7 @@ class Rubric:
             if p.kind is p.VAR_POSITIONAL or p.name not in ARGUMENTS:
                 raise ValueError(f"reward function {name!r}: parameter {p.name!r} is not one of {ARGUMENTS}")
         self.funcs.append(func)
+        self._timeouts.append(self.timeout_s if timeout_s == _DEFAULT else _checked_timeout(timeout_s))
         self.weights.append(float(weight))
         self.names.append(name)
         self._wants.append(None if any(p.kind is p.VAR_KEYWORD for p in params) else [p.name for p in params])
@@ -87,12 +104,21 @@ class Rubric:
         }
         errors: dict[str, str] = {}
 
-        async def one(func: RewardFunc, name: str, wants: list[str] | None) -> float:
+        async def one(func: RewardFunc, name: str, wants: list[str] | None, timeout: float | None) -> float:
             kwargs = available if wants is None else {arg: available[arg] for arg in wants if arg in available}
             try:
                 value = func(**kwargs)
                 if inspect.isawaitable(value):
-                    value = await value
+                    deadline = asyncio.timeout(timeout)
+                    try:
+                        async with deadline:
+                            value = await value
+                    except TimeoutError:
+                        if not deadline.expired():  # the function's own TimeoutError: an ordinary error
+                            raise
+                        raise ScoringError(
+                            f"reward function {name!r} did not finish within {timeout:g}s (Rubric timeout_s)"
+                        ) from None
                 value = float(value)
                 if not math.isfinite(value):
                     raise ValueError(f"returned {value}")
@@ -104,8 +130,17 @@ class Rubric:
             return value
 
         values = await asyncio.gather(
-            *(one(func, name, wants) for func, name, wants in zip(self.funcs, self.names, self._wants, strict=True))
+            *(
+                one(func, name, wants, timeout)
+                for func, name, wants, timeout in zip(self.funcs, self.names, self._wants, self._timeouts, strict=True)
+            )
         )
         per_function = dict(zip(self.names, values, strict=True))
         reward = sum(weight * value for weight, value in zip(self.weights, values, strict=True))
         return Score(reward=reward, per_function=per_function, errors=errors)
+
+
+def _checked_timeout(timeout_s: float | None) -> float | None:
+    if timeout_s is not None and not (isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+    return timeout_s

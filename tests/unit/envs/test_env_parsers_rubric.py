@@ -178,6 +178,44 @@ async def test_rubric_errors_score_zero_and_are_reported():
     assert set(score.errors) == {"crash", "nan", "text"} and "RuntimeError: bug" in score.errors["crash"]
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(20)
+async def test_a_hung_async_reward_function_is_a_scoring_error_not_a_hang():
+    """An awaited call with no deadline of its own held the rollout, and the whole step, for ever."""
+    from gyre.envs.types import ScoringError
+
+    async def hangs(completion) -> float:
+        await asyncio.Event().wait()
+        return 1.0
+
+    async def own_timeout(completion) -> float:
+        raise TimeoutError("the function's own client gave up")
+
+    async def quick(completion) -> float:
+        await asyncio.sleep(0)
+        return 1.0
+
+    with pytest.raises(ScoringError, match=r"'hangs' did not finish within 0.2s"):
+        await Rubric([hangs, quick], timeout_s=0.2).score(TASK, ROLLOUT)
+    rubric = Rubric([quick]).add(hangs, timeout_s=0.1).add(own_timeout)
+    with pytest.raises(ScoringError, match=r"'hangs' did not finish within 0.1s"):
+        await rubric.score(TASK, ROLLOUT)
+    score = await Rubric([quick, own_timeout], timeout_s=5).score(TASK, ROLLOUT)
+    assert score.reward == 1.0 and "TimeoutError: the function's own" in score.errors["own_timeout"]
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        Rubric(timeout_s=0)
+
+
+def test_judges_have_their_own_deadlines_not_the_rubric_s(monkeypatch):
+    from gyre.config.endpoint import JudgeConfig
+    from gyre.envs import load_environment
+    from gyre.envs.judge import add_to_rubric
+
+    env = load_environment("reverse_text", num_eval=2)
+    add_to_rubric(env, [JudgeConfig(url="http://127.0.0.1:9/v1", prompt="{response}")], [])
+    assert env.rubric._timeouts == [env.rubric.timeout_s, None]
+
+
 def test_rubric_rejects_bad_declarations():
     with pytest.raises(ValueError, match="completoin"):
         Rubric([lambda completoin: 1.0])
