@@ -221,7 +221,8 @@ def test_redis_maxmemory_follows_the_memory_limit_with_noeviction():
         return flags[flags.index("--maxmemory") + 1], flags[flags.index("--maxmemory-policy") + 1]
 
     assert setting({}) == (str(int(2 * GIB * 0.75)), "noeviction")  # the default limit, 2Gi
-    assert setting({"redis": {"resources": {"limits": {"memory": "512Mi"}}}}) == (str(384 * 2**20), "noeviction")
+    small = {"requests": {"memory": "256Mi"}, "limits": {"memory": "512Mi"}}  # a request within the limit
+    assert setting({"redis": {"resources": small}}) == (str(384 * 2**20), "noeviction")
     assert setting({"redis": {"resources": {"limits": {"memory": "1.5G"}}}}) == ("1125000000", "noeviction")
     assert setting({"redis": {"maxmemory": "3gb"}}) == ("3gb", "noeviction")
     assert setting({"redis": {"resources": {"limits": {"memory": None}}}}) is None  # no limit: none
@@ -242,7 +243,7 @@ def test_full_redis_refuses_a_batch_loudly_and_keeps_every_batch(tmp_path):
     from gyre.redis_retry import call_with_retry
     from gyre.streams import BatchStream
 
-    flags = redis_flags({"redis": {"resources": {"limits": {"memory": "8Mi"}}}})
+    flags = redis_flags({"redis": {"resources": {"requests": {"memory": "8Mi"}, "limits": {"memory": "8Mi"}}}})
     flags = [f if f != "/data" else str(tmp_path) for f in flags]
     port = free_port()
     flags[flags.index("--port") + 1] = str(port)

@@ -72,14 +72,24 @@ append-only file's rewrite and client buffers), else nothing (no limit).
 {{- if $v.maxmemory -}}
 {{- $v.maxmemory -}}
 {{- else if $limit -}}
-{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $limit -}}
-{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
-{{- $unit := trimPrefix $number $limit -}}
+{{- $bytes := include "gyre.quantity" (dict "value" $limit "key" "redis.resources.limits.memory (or set redis.maxmemory)") -}}
+{{- mulf (float64 $bytes) 0.75 | floor | int64 -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A Kubernetes quantity ("1.5Gi", "500m", "8", 2e9) as a number of its base unit (bytes, cores), for
+comparisons and sums. Call with (dict "value" "16Gi" "key" "the value's key, named when it is unreadable").
+*/}}
+{{- define "gyre.quantity" -}}
+{{- $q := toString .value -}}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?([eE][-+]?[0-9]+)?" $q -}}
+{{- $units := dict "" 1 "m" 0.001 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 -}}
+{{- $unit := trimPrefix $number $q -}}
 {{- if or (not $number) (not (hasKey $units $unit)) -}}
-{{- fail (printf "redis.resources.limits.memory: cannot read %q as a quantity (e.g. 2Gi); or set redis.maxmemory" $limit) -}}
+{{- fail (printf "%s: cannot read %q as a quantity (e.g. 2Gi, 500m)" .key $q) -}}
 {{- end -}}
-{{- mulf (float64 $number) (get $units $unit) 0.75 | floor | int64 -}}
-{{- end -}}
+{{- mulf (float64 $number) (get $units $unit) -}}
 {{- end -}}
 
 {{- define "gyre.runId" -}}
@@ -632,7 +642,8 @@ a URL it was spliced into).
 {{/*
 A container's resources: the component's requests/limits plus `count` GPUs of its resource name
 (`<component>.gpuResourceName`, default `gpu.resourceName`), and an `ephemeralStorage` request unless the
-component's own requests set one. Call with (dict "root" $ "component" $v "count" 2 "ephemeralStorage" "30Gi").
+component's own requests set one. Call with (dict "root" $ "component" $v "count" 2 "ephemeralStorage" "30Gi"
+"key" "inference.resources"): `key` names the values a request above its limit came from.
 */}}
 {{- define "gyre.resources" -}}
 {{- $res := deepCopy (.component.resources | default dict) -}}
@@ -644,6 +655,17 @@ component's own requests set one. Call with (dict "root" $ "component" $v "count
 {{- $gpu := dict $name (toString .count) -}}
 {{- $_ := set $res "requests" (merge (deepCopy ($res.requests | default dict)) $gpu) -}}
 {{- $_ := set $res "limits" (merge (deepCopy ($res.limits | default dict)) $gpu) -}}
+{{- end -}}
+{{- /* a request above its limit: the API server refuses the pod after `helm install` applied the rest */ -}}
+{{- range $name, $limit := $res.limits | default dict -}}
+{{- $request := get ($res.requests | default dict) $name -}}
+{{- if not (kindIs "invalid" $request) -}}
+{{- $r := include "gyre.quantity" (dict "value" $request "key" (printf "%s.requests.%s" $.key $name)) | float64 -}}
+{{- $l := include "gyre.quantity" (dict "value" $limit "key" (printf "%s.limits.%s" $.key $name)) | float64 -}}
+{{- if gt $r $l -}}
+{{- fail (printf "%s: requests.%s (%v) is above limits.%s (%v), which Kubernetes refuses: raise the limit or lower the request (a values file replaces only the keys it sets: requests from one, limits from the chart's defaults)" $.key $name $request $name $limit) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- with $res }}
 resources:

@@ -1,0 +1,71 @@
+"""Every container's requests stay within its limits. A values file replaces only the keys it sets, so raising
+a request (deploy/values-multi-node.yaml: the orchestrator's memory to 16Gi) kept the chart's default limit (4Gi):
+`helm install` applied the release until the API server refused that Deployment. The chart now refuses such
+values at render, naming the key, and the examples render pods the API server accepts."""
+
+from __future__ import annotations
+
+import sys
+
+import helm_python
+import pytest
+from chart_testlib import DEPLOY, MONITORING_APIS, ROOT, containers, load_values, manifests, render
+
+sys.path.insert(0, str(ROOT / "deploy" / "docker"))
+from kube import quantity  # noqa: E402  (the container smoke's Kubernetes quantities)
+
+EXAMPLES = sorted(p.name for p in DEPLOY.glob("values-*.yaml"))
+
+
+def containers_of(docs: list[dict]) -> list[tuple[str, dict]]:
+    out = []
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet", "Pod"):
+            spec = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
+            out += [(f"{doc['metadata']['name']}/{c['name']}", c) for c in containers(spec)]
+    return out
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_example_requests_no_more_than_its_limits(example):
+    docs = manifests(render(load_values(example), api_versions=MONITORING_APIS))
+    over = []
+    for name, container in containers_of(docs):
+        requests = container.get("resources", {}).get("requests", {})
+        for resource, limit in container.get("resources", {}).get("limits", {}).items():
+            if resource in requests and quantity(requests[resource]) > quantity(limit):
+                over.append(f"{name}: {resource} request {requests[resource]} > limit {limit}")
+    assert not over, over
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"orchestrator": {"resources": {"requests": {"memory": "16Gi"}}}},
+         "orchestrator.resources: requests.memory (16Gi) is above limits.memory (4Gi)"),
+        ({"trainer": {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}}},
+         "trainer.resources: requests.cpu (2) is above limits.cpu (1500m)"),
+        ({"redis": {"resources": {"requests": {"memory": "3Gi"}}}},
+         "redis.resources: requests.memory (3Gi) is above limits.memory (2Gi)"),
+        ({"inference": {"resources": {"requests": {"memory": "1.5Ti"}}}},
+         "inference.resources: requests.memory (1.5Ti) is above limits.memory (24Gi)"),
+        ({"servers": [{"name": "rm", "model": "/data/rm", "resources": {"requests": {"memory": "8Gi"},
+                                                                          "limits": {"memory": "4Gi"}}}]},
+         "servers[0].resources: requests.memory (8Gi) is above limits.memory (4Gi)"),
+        # a server without its own resources takes the inference's: that is the key to fix
+        ({"servers": [{"name": "rm", "model": "/data/rm"}], "inference": {"resources": {"limits": {"memory": "8Gi"}}}},
+         "inference.resources: requests.memory (16Gi) is above limits.memory (8Gi)"),
+    ],
+    ids=["orchestrator-default-limit", "trainer-cpu", "redis", "inference-decimal", "server-own", "server-inherited"],
+)  # fmt: skip
+def test_a_request_above_its_limit_is_refused_naming_the_key(values, message):
+    with pytest.raises(helm_python.HelmError) as caught:
+        render(values)
+    assert message in str(caught.value)
+    assert "raise the limit or lower the request" in str(caught.value)
+
+
+def test_requests_equal_to_limits_in_other_units_render():
+    values = {"trainer": {"resources": {"requests": {"cpu": "1000m", "memory": 1073741824},
+                                        "limits": {"cpu": 1, "memory": "1Gi"}}}}  # fmt: skip
+    assert manifests(render(values))
