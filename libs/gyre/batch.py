@@ -15,7 +15,8 @@ Invariants (checked by `MicroBatch.validate` / `TrainBatch.validate`):
 - every rank has the same number of micro batches (FSDP ranks must step in lock-step);
 - `sample_index` values index into `TrainBatch.samples`;
 - optional per-token arrays (`OPTIONAL_TOKEN_FIELDS`, e.g. `teacher_logprobs`) are None or follow the
-  per-token rule, and a batch has each of them in every micro batch or in none.
+  per-token rule, and a batch has each of them in every micro batch or in none; `teacher_mask` comes
+  only with `teacher_logprobs`.
 
 Global normalisers (`num_loss_tokens`, `num_samples`) live on the batch so that every rank divides
 by the global count, not by its own share. This module is numpy only (no torch).
@@ -46,9 +47,12 @@ SAMPLE_FIELDS: dict[str, np.dtype] = {
 ARRAY_FIELDS: dict[str, np.dtype] = {**TOKEN_FIELDS, **SAMPLE_FIELDS}
 #: name -> dtype of per-token arrays a batch may carry or not (None). Added after schema 1 shipped: batches
 #: without them still decode. `teacher_logprobs`: the teacher's log-prob of each sampled token (on-policy
-#: distillation, docs/algorithms.md), 0 off the loss mask.
+#: distillation, docs/algorithms.md), 0 off the loss mask. `teacher_mask` (only beside `teacher_logprobs`): True where
+#: the teacher scored the token; a loss token where it is False keeps its reward term and has no distillation term (a
+#: sample the teacher refused, the last token of one it could score all but the last of). Absent: it scored them all.
 OPTIONAL_TOKEN_FIELDS: dict[str, np.dtype] = {
     "teacher_logprobs": np.dtype(np.float32),
+    "teacher_mask": np.dtype(np.bool_),
 }
 
 
@@ -68,6 +72,7 @@ class MicroBatch:
     sample_lengths: np.ndarray
     sample_index: np.ndarray
     teacher_logprobs: np.ndarray | None = None
+    teacher_mask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +107,8 @@ class MicroBatch:
                 continue
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
                 raise BatchError(f"{name}: expected None or a 1-D numpy array of dtype {dtype}")
+        if self.teacher_mask is not None and self.teacher_logprobs is None:
+            raise BatchError("teacher_mask: given without teacher_logprobs (it says where those are the teacher's)")
         t = self.num_tokens
         for name in (*TOKEN_FIELDS, *self.optional_fields):
             if getattr(self, name).shape[0] != t:
@@ -127,8 +134,8 @@ class MicroBatch:
         """Concatenate samples into one row (a convenience for tests and tools, not the packer).
 
         Each sample is a dict with `input_ids`, `loss_mask`, `advantages`, `inference_logprobs`
-        (sequences of length L), `sample_index` (int) and optionally `teacher_logprobs` (in every sample or
-        in none); position ids are derived.
+        (sequences of length L), `sample_index` (int) and optionally `teacher_logprobs`, `teacher_mask` (each
+        in every sample or in none); position ids are derived.
         """
         lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int32)
 

@@ -339,3 +339,47 @@ def test_a_malformed_teacher_array_is_a_codec_error():
     unknown = lambda d: first_mb(d).update(student_logprobs=first_mb(d)["advantages"])  # noqa: E731
     with pytest.raises(CodecError, match="optionally"):
         decode_batch(tamper(data, unknown))
+
+
+def with_teacher_mask(batch: TrainBatch) -> TrainBatch:
+    """Teacher log-probs, and a `teacher_mask` False on the batch's first sample (one the teacher refused)."""
+    batch = with_teacher(batch)
+    for rank in batch.micro_batches:
+        for mb in rank:
+            mb.teacher_mask = np.ones(mb.num_tokens, np.bool_)
+            if mb.sample_index[0] == 0:
+                mb.teacher_logprobs[: mb.sample_lengths[0]] = 0.0
+                mb.teacher_mask[: mb.sample_lengths[0]] = False
+    return batch
+
+
+def test_teacher_mask_round_trips_and_is_left_out_when_absent():
+    batch = with_teacher_mask(make_batch(step=4)).validate()
+    decoded = decode_batch(encode_batch(batch))
+    assert_same(batch, decoded)
+    for ra, rb in zip(batch.micro_batches, decoded.micro_batches, strict=True):
+        for ma, mb in zip(ra, rb, strict=True):
+            assert mb.teacher_mask.dtype == np.bool_ and np.array_equal(mb.teacher_mask, ma.teacher_mask)
+    assert not decoded.micro_batches[0][0].teacher_mask[:3].any()
+    # a batch whose teacher scored every token carries no mask: the wire format older trainers read
+    doc = msgpack.unpackb(encode_batch(with_teacher(make_batch())), raw=False)
+    assert all("teacher_mask" not in mb for rank in doc["micro_batches"] for mb in rank)
+    assert decode_batch(encode_batch(with_teacher(make_batch()))).micro_batches[0][0].teacher_mask is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: setattr(b.micro_batches[0][0], "teacher_mask", np.ones(2, np.bool_)), "teacher_mask: length"),
+        (lambda b: setattr(b.micro_batches[0][0], "teacher_mask", np.ones(5, np.float32)), "teacher_mask: expected"),
+        (lambda b: setattr(b.micro_batches[1][1], "teacher_mask", None), "same ones"),
+        (lambda b: [setattr(mb, "teacher_logprobs", None) for r in b.micro_batches for mb in r], "without teacher_log"),
+    ],
+)
+def test_teacher_mask_is_checked(mutate, message):
+    batch = with_teacher_mask(make_batch())
+    mutate(batch)
+    with pytest.raises(BatchError, match=message):
+        batch.validate()
+    with pytest.raises(CodecError, match=message):
+        encode_batch(batch)

@@ -38,6 +38,7 @@ class TrainSample:
     advantage: float
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-able: reward, versions, env, ...
     teacher_logprobs: np.ndarray | None = None  # float32 [L]: the teacher's log-prob of input_ids[t] (distillation)
+    teacher_mask: np.ndarray | None = None  # bool [L]: where the teacher scored the token (None: everywhere)
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
@@ -55,6 +56,11 @@ class TrainSample:
             )
         if self.teacher_logprobs is not None and self.teacher_logprobs.shape != (n,):
             raise ValueError(f"teacher_logprobs {self.teacher_logprobs.shape} must match input_ids ({n},)")
+        if self.teacher_mask is not None:
+            self.teacher_mask = np.asarray(self.teacher_mask, dtype=np.bool_)
+            if self.teacher_logprobs is None or self.teacher_mask.shape != (n,):
+                raise ValueError(f"teacher_mask {self.teacher_mask.shape} needs teacher_logprobs and must match "
+                                 f"input_ids ({n},)")  # fmt: skip
 
     @property
     def length(self) -> int:
@@ -65,10 +71,11 @@ class TrainSample:
         return int(np.count_nonzero(self.loss_mask))
 
 
-def _row(samples: Sequence[TrainSample], indices: list[int]) -> MicroBatch:
+def _row(samples: Sequence[TrainSample], indices: list[int], teacher_mask: bool = False) -> MicroBatch:
     chosen = [samples[i] for i in indices]
     lengths = np.array([s.length for s in chosen], dtype=np.int32)
     teacher = chosen[0].teacher_logprobs is not None
+    scored = [np.ones(s.length, dtype=np.bool_) if s.teacher_mask is None else s.teacher_mask for s in chosen]
     return MicroBatch(
         input_ids=np.concatenate([s.input_ids for s in chosen]),
         position_ids=expected_positions(lengths),
@@ -78,10 +85,11 @@ def _row(samples: Sequence[TrainSample], indices: list[int]) -> MicroBatch:
         sample_lengths=lengths,
         sample_index=np.asarray(indices, dtype=np.int32),
         teacher_logprobs=np.concatenate([s.teacher_logprobs for s in chosen]) if teacher else None,
+        teacher_mask=np.concatenate(scored) if teacher_mask else None,
     )
 
 
-def _padding_row(index: int, teacher: bool) -> MicroBatch:
+def _padding_row(index: int, teacher: bool, teacher_mask: bool = False) -> MicroBatch:
     one = np.ones(1, dtype=np.int32)
     return MicroBatch(
         input_ids=np.full(1, PAD_TOKEN_ID, dtype=TOKEN_FIELDS["input_ids"]),
@@ -92,6 +100,7 @@ def _padding_row(index: int, teacher: bool) -> MicroBatch:
         sample_lengths=one,
         sample_index=np.full(1, index, dtype=np.int32),
         teacher_logprobs=np.zeros(1, dtype=np.float32) if teacher else None,
+        teacher_mask=np.zeros(1, dtype=np.bool_) if teacher_mask else None,
     )
 
 
@@ -117,6 +126,8 @@ def pack_batch(
     teacher = samples[0].teacher_logprobs is not None
     if any((s.teacher_logprobs is not None) != teacher for s in samples):
         raise ValueError(f"step {step}: teacher_logprobs in some samples but not in others")
+    # a batch carries `teacher_mask` only when the teacher left a token unscored (older trainers read the rest)
+    teacher_mask = any(s.teacher_mask is not None and not s.teacher_mask.all() for s in samples)
     lengths = [s.length for s in samples]
     ranks = assign_to_ranks(first_fit_decreasing(lengths, seq_len), lengths, world_size)
     metadata = [dict(s.meta) for s in samples]
@@ -126,12 +137,12 @@ def pack_batch(
         rows = []
         for indices in rank:
             if indices:
-                rows.append(_row(samples, indices))
+                rows.append(_row(samples, indices, teacher_mask))
             else:
                 if padding_index is None:
                     padding_index = len(metadata)
                     metadata.append({"padding": True})
-                rows.append(_padding_row(padding_index, teacher))
+                rows.append(_padding_row(padding_index, teacher, teacher_mask))
         micro_batches.append(rows)
     batch = TrainBatch(
         step=step,

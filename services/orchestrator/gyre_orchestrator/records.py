@@ -78,6 +78,11 @@ def batch_health(samples: list[ScoredRollout]) -> dict:
     }
 
 
+def _scored(sample: TrainSample) -> np.ndarray | bool:
+    """Where the teacher scored the sample's tokens (a sample it refused keeps only its reward term)."""
+    return True if sample.teacher_mask is None else sample.teacher_mask
+
+
 class StepRecords:
     """A pushed step's line of orchestrator_steps.jsonl and its accounting: cumulative counters, metrics, W&B and
     the progress checkpoint."""
@@ -211,6 +216,7 @@ class StepRecords:
                     )
                     seen[outcome] = count
         if self.teacher is not None:
-            gaps = np.concatenate([(s.inference_logprobs - s.teacher_logprobs)[s.loss_mask] for s in samples])
+            gaps = np.concatenate([(s.inference_logprobs - s.teacher_logprobs)[s.loss_mask & _scored(s)]
+                                   for s in samples])  # fmt: skip
             record["teacher_kl"] = float(gaps.mean()) if gaps.size else 0.0
         return record

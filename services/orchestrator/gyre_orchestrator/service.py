@@ -52,7 +52,7 @@ from gyre_orchestrator.relay import WeightRelay
 from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, StepState, VersionWatch
 from gyre_orchestrator.server import OrchestratorServer
-from gyre_orchestrator.teacher import Teacher
+from gyre_orchestrator.teacher import Teacher, teacher_arrays
 
 log = logging.getLogger(__name__)
 
@@ -539,7 +539,7 @@ class OrchestratorService:
             await self.teacher.check_tokenizer_once(next(iter(self.replicas)).url, self.cfg.inference.api_key)
         ids = rollout.token_ids[: self.cfg.batch.seq_len]
         values = await self.teacher.logprobs(ids)
-        if values is None:  # the teacher refused this sample (counted, logged once): it stays out of the batch
+        if values is None:  # the teacher refused this sample (counted, logged once): it trains on its reward alone
             return None
         return [value if sampled else 0.0 for value, sampled in zip(values, rollout.loss_mask, strict=False)]
 
@@ -564,11 +564,8 @@ class OrchestratorService:
                     # the trainer cannot take it whole: keep the prefix, say so (counted in the event)
                     cut += 1
                     ids, mask, lps = ids[: cfg.batch.seq_len], mask[: cfg.batch.seq_len], lps[: cfg.batch.seq_len]
-                teacher = None if s.teacher_logprobs is None else np.asarray(s.teacher_logprobs[: len(ids)])
-                if self.teacher is not None and teacher is None:
-                    continue  # the teacher could not score it (teacher.py): no per-token mask for its term
-                if teacher is not None and len(teacher) < len(ids):  # scored but its last token (teacher.py)
-                    ids, mask, lps = ids[: len(teacher)], mask[: len(teacher)], lps[: len(teacher)]
+                # a sample the teacher refused (or scored but its last token) keeps its reward term: teacher_mask
+                teacher, scored = (None, None) if self.teacher is None else teacher_arrays(s.teacher_logprobs, len(ids))
                 if not any(mask):
                     continue  # nothing the model sampled survives: no loss tokens, nothing to learn
                 meta = {
@@ -588,7 +585,8 @@ class OrchestratorService:
                     "rewards": dict(s.score.per_function),
                     "temperature": self.sampling.temperature,
                 }
-                samples.append(TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta, teacher))
+                samples.append(TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta, teacher,
+                                           scored))  # fmt: skip
                 if records is not None:
                     records.append(rollout_record(st.step, s, meta))
         return samples, cut
@@ -600,8 +598,8 @@ class OrchestratorService:
         records = [] if interval is not None and (st.step == 1 or st.step % interval == 0) else None
         samples, cut = self.build_samples(st, records)
         if not samples:
-            raise RuntimeError(f"step {st.step}: every sample was empty after truncation or refused by the teacher "
-                               "(signals.teacher.skipped); raise batch.seq_len or the teacher's context")  # fmt: skip
+            raise RuntimeError(f"step {st.step}: every sample was empty after truncation (no sampled token within "
+                               "batch.seq_len); raise batch.seq_len")  # fmt: skip
         packed = pack_batch(
             st.step,
             samples,

@@ -9,12 +9,12 @@ A sample that fills the teacher's context (prompt + completion = its max_model_l
 context scoring a sample cut at the context) leaves no room for the generated token, and the server refuses it
 (400). Such a refused sample is asked again as a prompt alone: `/v1/completions` with `echo` and `max_tokens: 0`,
 which Gyre's server (and OpenAI) score up to the whole context. vLLM requires max_tokens >= 1 and refuses that
-too: then all but the last token are scored (the usual request, one token shorter: it fits), and the sample is
-trained on without its last token (`logprobs` returns one value fewer; counted as `cut`). A sample the teacher
-still refuses (too long for it, a token it does not know: `RequestRefused`) is skipped: `logprobs` returns None,
-the orchestrator leaves the sample out of the batch (the batch has no per-token mask of the teacher's term), the
-first skip is logged with the server's reason and every one is counted (`skipped` in the step events'
-`signals.teacher`, `gyre_orchestrator_signal_calls_total{outcome="skipped"}`).
+too: then all but the last token are scored (the usual request, one token shorter: it fits), and the sample's last
+token is trained without a distillation term (`logprobs` returns one value fewer; counted as `cut`). A sample the
+teacher still refuses (too long for it, a token it does not know: `RequestRefused`) is skipped: `logprobs` returns
+None, and the sample trains on its reward's term alone (the batch's `teacher_mask` is False on its tokens:
+`teacher_arrays`); the first skip is logged with the server's reason and every one is counted (`skipped` in the step
+events' `signals.teacher`, `gyre_orchestrator_signal_calls_total{outcome="skipped"}`).
 An outage (connection errors, timeouts, 5xx after the retries) or a configuration error (401, 404, or
 `MAX_REFUSED_IN_A_ROW` refusals in a row) still raises `EndpointError`, which stops the run with the reason.
 
@@ -29,6 +29,7 @@ import logging
 import math
 
 import httpx
+import numpy as np
 from gyre.config.endpoint import TeacherConfig
 from gyre.endpoint import Endpoint, EndpointError, RequestRefused
 
@@ -59,6 +60,20 @@ def teacher_logprobs_from(entries, token_ids: list[int]) -> list[float]:
             raise TeacherError(f"teacher: log-prob {value} at position {t} is not a log-probability")
         values.append(value)
     return values
+
+
+def teacher_arrays(values: list[float] | None, length: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """A sample's batch fields `teacher_logprobs` and `teacher_mask` (None: the teacher scored every token) over its
+    `length` trained tokens, from what `Teacher.logprobs` returned: None (refused: no token is scored, the sample keeps
+    its reward's term and loses only the teacher's), all but the last token (that one has no distillation term), or
+    every token."""
+    if values is None:
+        return np.zeros(length, dtype=np.float32), np.zeros(length, dtype=np.bool_)
+    scored = np.asarray(values[:length], dtype=np.float32)
+    if len(scored) == length:
+        return scored, None
+    padded = np.concatenate([scored, np.zeros(length - len(scored), dtype=np.float32)])
+    return padded, np.arange(length) < len(scored)
 
 
 class Teacher:
@@ -123,7 +138,7 @@ class Teacher:
         if self.stats["skipped"] == 1:
             log.warning(
                 "the teacher refused a sample of %d tokens, also as a prompt alone (echo, max_tokens 0): %s. The "
-                "sample is left out of the batch (no distillation term for it); further skips are only counted: "
+                "sample trains on its reward alone (no distillation term for it); further skips are only counted: "
                 "signals.teacher.skipped in orchestrator_steps.jsonl, gyre_orchestrator_signal_calls_total"
                 '{signal="teacher",outcome="skipped"}. A teacher whose max_model_len is below the policy\'s '
                 "skips every longer sample (docs/orchestrator.md, distillation teacher)",

@@ -290,7 +290,12 @@ def reference_kl(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, esti
 
 
 def distill_advantages(
-    logprobs: Tensor, teacher_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, cfg: LossConfig
+    logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    teacher_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token advantages with the teacher's signal, and the per-token reverse-KL estimate (0 off the mask).
 
@@ -303,9 +308,13 @@ def distill_advantages(
     and goes through the same ratio, clip and correction as the reward. With r = 1 its gradient is
     distill · (lp_θ − lp_T) · ∇lp_θ per token, whose expectation over y_t ~ π_θ is ∇KL(π_θ‖π_T) (the
     score-function identity; E[∇lp_θ] = 0). Returns (A_t, k_t); k_t is the `teacher_kl` metric.
+
+    `teacher_mask` (None = every token): where it is False the teacher scored nothing (a sample it refused), so
+    the token's distillation term is 0 and it keeps the reward's, A_t = reward_weight · A_i, as without a teacher.
     """
+    scored = loss_mask if teacher_mask is None else loss_mask & teacher_mask
     gap = teacher_logprobs.float() - logprobs.detach().float()
-    gap = torch.where(loss_mask, gap, torch.zeros_like(gap))
+    gap = torch.where(scored, gap, torch.zeros_like(gap))
     mixed = cfg.reward_weight * advantages.float() + cfg.distill * gap.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.where(loss_mask, mixed, torch.zeros_like(mixed)), -gap
 
@@ -320,6 +329,7 @@ def policy_loss(
     cfg: LossConfig,
     ref_logprobs: Tensor | None = None,
     teacher_logprobs: Tensor | None = None,
+    teacher_mask: Tensor | None = None,
 ) -> LossOutput:
     """`objective` with the off-policy correction and the configured regularisers, per token.
 
@@ -337,13 +347,16 @@ def policy_loss(
       and, with `cfg.ref_kl_coef > 0`, + ref_kl_coef·KL is added.
     - `teacher_logprobs` given: the reverse KL to the teacher is reported as `teacher_kl` and, with
       `cfg.distill > 0`, folded into the advantages (`distill_advantages`); `cfg.reward_weight` scales
-      the reward's advantage either way.
+      the reward's advantage either way. `teacher_mask` (None = all) says which tokens the teacher scored:
+      the others keep their reward term alone; stat `teacher_frac` (the fraction of loss tokens it scored;
+      `teacher_kl` is reported as the mean over those: `compute_gradients`).
     """
     mask = valid_inference_logprobs(inference_logprobs, loss_mask)
     stats = {"invalid_logprob_frac": (loss_mask & ~mask).float()}
     if teacher_logprobs is not None:
-        mixed, teacher_kl = distill_advantages(logprobs, teacher_logprobs, advantages, mask, cfg)
+        mixed, teacher_kl = distill_advantages(logprobs, teacher_logprobs, advantages, mask, cfg, teacher_mask)
         stats["teacher_kl"] = teacher_kl
+        stats["teacher_frac"] = (loss_mask if teacher_mask is None else loss_mask & teacher_mask).float()
         if cfg.distill > 0:
             advantages = mixed
     if cfg.reward_weight != 1 and (teacher_logprobs is None or cfg.distill == 0):

@@ -68,11 +68,12 @@ class PackedGroup:
     inference_logprobs: Tensor | None
     num_tokens: int
     teacher_logprobs: Tensor | None = None
+    teacher_mask: Tensor | None = None  # None: the teacher scored every token (or there is no teacher)
 
 
 def pack_rows(rows: Sequence[Any], device: torch.device) -> PackedGroup:
     """Stack rows (MicroBatch-like: numpy `input_ids`, `loss_mask`, `sample_lengths`, optionally
-    `advantages`, `inference_logprobs`, `teacher_logprobs`) into one forward's tensors on `device`."""
+    `advantages`, `inference_logprobs`, `teacher_logprobs`, `teacher_mask`) into one forward's tensors on `device`."""
     width = max(len(r.input_ids) for r in rows)
 
     def padded(row, name: str, dtype, fill) -> np.ndarray:
@@ -92,6 +93,7 @@ def pack_rows(rows: Sequence[Any], device: torch.device) -> PackedGroup:
         row_lengths.append(torch.from_numpy(lengths))
     has_rl = all(hasattr(r, "advantages") and hasattr(r, "inference_logprobs") for r in rows)
     has_teacher = all(getattr(r, "teacher_logprobs", None) is not None for r in rows)
+    has_teacher_mask = has_teacher and all(getattr(r, "teacher_mask", None) is not None for r in rows)
     return PackedGroup(
         input_ids=stacked("input_ids", np.int64, PAD_TOKEN_ID),
         position_ids=torch.from_numpy(np.stack(positions)).to(device, non_blocking=True),
@@ -102,6 +104,7 @@ def pack_rows(rows: Sequence[Any], device: torch.device) -> PackedGroup:
         inference_logprobs=stacked("inference_logprobs", np.float32, 0.0).reshape(-1) if has_rl else None,
         num_tokens=sum(len(r.input_ids) for r in rows),
         teacher_logprobs=stacked("teacher_logprobs", np.float32, 0.0).reshape(-1) if has_teacher else None,
+        teacher_mask=stacked("teacher_mask", np.bool_, False).reshape(-1) if has_teacher_mask else None,
     )
 
 
@@ -206,6 +209,7 @@ def compute_gradients(
             loss_cfg,
             ref_logprobs=ref_logprobs,
             teacher_logprobs=packed.teacher_logprobs,
+            teacher_mask=packed.teacher_mask,
         )
         share = aggregate(out.per_token_loss, mask, packed.sample_lengths, loss_cfg.aggregation, **norms)
         _sync_gradients(model, index == len(groups) - 1)
@@ -236,6 +240,8 @@ def compute_gradients(
     }
     # entropy and the objective's stats are means over loss tokens.
     metrics.update({name: value / max(loss_tokens, 1.0) for name, value in totals.items()})
+    if "teacher_kl" in metrics:  # the reverse KL is a mean over the tokens the teacher scored (teacher_mask)
+        metrics["teacher_kl"] = metrics["teacher_kl"] / metrics["teacher_frac"] if metrics["teacher_frac"] else 0.0
     return metrics
 
 

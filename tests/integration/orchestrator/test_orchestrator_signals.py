@@ -205,7 +205,7 @@ async def test_a_sample_that_fills_the_context_is_scored_by_a_teacher_of_the_sam
     teacher refused it, the sample was failed 3 times and the run stopped. Now the sample is scored as a prompt
     alone (echo, max_tokens 0), every token of it, equal to the sampler's log-probs (the teacher is the student).
     "vllm": the teacher refuses echo with max_tokens 0 as vLLM does (max_tokens >= 1): all but the last token are
-    scored and the sample is trained on without it."""
+    scored and the sample is trained whole, its last token without a distillation term (teacher_mask)."""
     if server == "vllm":
         from gyre.endpoint import RequestRefused
         from gyre_orchestrator.teacher import Teacher
@@ -223,22 +223,27 @@ async def test_a_sample_that_fills_the_context_is_scored_by_a_teacher_of_the_sam
     lengths = [s["num_tokens"] for s in batch.samples]
     counts = events(cfg)[0]["signals"]["teacher"]
     assert len(batch.samples) == 8 and counts["refused"] >= 4, (lengths, counts)  # refused: the samples of 64
+    assert lengths.count(CONTEXT) == counts["refused"]  # trained whole either way
+    unscored = sum(int((mb.loss_mask & ~mb.teacher_mask).sum()) if mb.teacher_mask is not None else 0
+                   for rank in batch.micro_batches for mb in rank)  # fmt: skip
     if server == "gyre":
-        assert lengths.count(CONTEXT) == counts["refused"] and "cut" not in counts  # every token scored
+        assert "cut" not in counts and unscored == 0  # every token scored
     else:
-        assert CONTEXT not in lengths and lengths.count(CONTEXT - 1) >= counts["cut"] == counts["refused"]
+        assert counts["cut"] == counts["refused"] == unscored  # the last token of each: no teacher term
     for rank in batch.micro_batches:
         for mb in rank:
-            assert np.allclose(mb.teacher_logprobs[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], atol=1e-4)
+            scored = mb.loss_mask if mb.teacher_mask is None else mb.loss_mask & mb.teacher_mask
+            assert np.allclose(mb.teacher_logprobs[scored], mb.inference_logprobs[scored], atol=1e-4)
     assert counts["ok"] >= 8 and "skipped" not in counts
 
 
-async def test_a_sample_the_teacher_cannot_score_is_left_out_counted_and_the_run_goes_on(
+async def test_a_sample_the_teacher_cannot_score_trains_on_its_reward_counted_and_the_run_goes_on(
     tmp_path, redis_url, unique_run_id, short_policy, start_replica, tiny_model, caplog
 ):
     """A teacher of a shorter context (40 tokens) than the policy's (64): the samples of the long prompt do not fit
-    it even as a prompt alone; they are left out of the batch (no distillation term without the teacher's
-    log-probs), counted and logged once, and the run goes on with the short prompt's samples."""
+    it even as a prompt alone; they are trained on their reward alone (teacher_mask False on every token: no
+    distillation term without the teacher's log-probs), counted and logged once. Before, they were left out of the
+    batch, their reward term with them."""
     teacher = start_replica("--engine.max-model-len", "40")
     env = prompts_env(tmp_path, "ab", "the quick brown fox jumps over the lazy dog, then it runs far far away")
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, [short_policy], env=env, max_steps=1,
@@ -249,11 +254,17 @@ async def test_a_sample_the_teacher_cannot_score_is_left_out_counted_and_the_run
     assert lengths["row-0"] + 8 <= 40 < lengths["row-1"] and lengths["row-1"] + 8 <= CONTEXT, lengths
     with caplog.at_level("WARNING", logger="gyre_orchestrator.teacher"):
         batch = await first_batch(cfg, tiny_model)
-    assert batch.has_teacher and {s["task_id"] for s in batch.samples} == {"row-0"} and len(batch.samples) == 4
+    assert batch.has_teacher and {s["task_id"] for s in batch.samples} == {"row-0", "row-1"} and len(batch.samples) == 8
+    for rank in batch.micro_batches:
+        for mb in rank:
+            for k, i in enumerate(mb.sample_index):
+                start = int(mb.sample_lengths[:k].sum())
+                scored = mb.teacher_mask[start : start + int(mb.sample_lengths[k])]
+                assert scored.all() if batch.samples[i]["task_id"] == "row-0" else not scored.any()
     event = events(cfg)[0]
     assert event["signals"]["teacher"]["skipped"] == 4 and event["scoring_failures"] == 0
     warnings = [r.getMessage() for r in caplog.records if "refused a sample" in r.getMessage()]
-    assert len(warnings) == 1 and "context length is 40" in warnings[0] and "left out of the batch" in warnings[0]
+    assert len(warnings) == 1 and "context length is 40" in warnings[0] and "on its reward alone" in warnings[0]
 
 
 async def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts(

@@ -100,3 +100,24 @@ def test_unsplittable_rows_get_a_padding_row():
 def test_empty_batch_is_refused():
     with pytest.raises(ValueError, match="empty"):
         pack_batch(1, [], seq_len=16)
+
+
+def test_a_sample_the_teacher_refused_is_packed_with_its_teacher_mask_false():
+    """The orchestrator's half of `teacher_mask` (gyre_orchestrator.teacher.teacher_arrays): a refused sample (None)
+    has no token scored, one scored but its last token has that one unscored, a whole one needs no mask; the batch
+    carries the field only when a token is unscored, padding rows included."""
+    from gyre_orchestrator.teacher import teacher_arrays
+
+    assert teacher_arrays(None, 3)[0].tolist() == [0, 0, 0] and teacher_arrays(None, 3)[1].tolist() == [False] * 3
+    assert teacher_arrays([0.0, -1.0], 3)[1].tolist() == [True, True, False]
+    assert teacher_arrays([0.0, -1.0, -2.0], 3)[1] is None
+    samples = [make_sample(i, 6) for i in range(3)]  # one row each at seq_len 6, 2 ranks: a padding row
+    for sample, values in zip(samples, [None, [0.0] * 5 + [-1.0], [0.0] * 4 + [-2.0]], strict=True):
+        sample.teacher_logprobs, sample.teacher_mask = teacher_arrays(values, sample.length)
+    batch = decode_batch(encode_batch(pack_batch(1, [TrainSample(**vars(s)) for s in samples], seq_len=6,
+                                                 world_size=2).batch))  # fmt: skip
+    masks = {int(i): mb.teacher_mask[sum(mb.sample_lengths[:k]) :][: mb.sample_lengths[k]].tolist()
+             for rank in batch.micro_batches for mb in rank for k, i in enumerate(mb.sample_index)}  # fmt: skip
+    assert masks == {0: [False] * 6, 1: [True] * 6, 2: [True] * 5 + [False], 3: [False]}  # 3: the padding row
+    plain = pack_batch(1, [make_sample(0, 6)], seq_len=6).batch
+    assert plain.micro_batches[0][0].teacher_mask is None

@@ -24,11 +24,12 @@ TEACHER = [0.0, -0.2, -3.0, -2.5, 0.0, -0.1, -1.5]
 ADV = [0.5] * 4 + [-1.0] * 3
 
 
-def loss_and_grad(name: str, cfg: LossConfig, behaviour=None, teacher=TEACHER):
+def loss_and_grad(name: str, cfg: LossConfig, behaviour=None, teacher=TEACHER, teacher_mask=None):
     lp = torch.tensor(LP, requires_grad=True)
     behaviour = torch.tensor(LP if behaviour is None else behaviour)
     out = policy_loss(get_loss(name), lp, behaviour, torch.tensor(ADV), MASK, LENGTHS, cfg,
-                      teacher_logprobs=None if teacher is None else torch.tensor(teacher))  # fmt: skip
+                      teacher_logprobs=None if teacher is None else torch.tensor(teacher),
+                      teacher_mask=teacher_mask)  # fmt: skip
     out.per_token_loss.sum().backward()
     return out, lp.grad
 
@@ -46,6 +47,31 @@ def test_on_policy_every_objective_is_reinforce_with_the_teacher_in_the_advantag
     assert grad.tolist() == pytest.approx(expected, abs=1e-6)
     kl = [lp - t if m else 0.0 for t, lp, m in zip(TEACHER, LP, MASK.tolist(), strict=True)]
     assert out.stats["teacher_kl"].tolist() == pytest.approx(kl, abs=1e-6)
+
+
+SCORED = torch.tensor([True] * 4 + [False] * 3)  # the teacher refused the second sample
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize(("reward_weight", "distill"), [(1.0, 0.5), (0.0, 1.0), (0.3, 2.0)])
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_a_sample_the_teacher_skipped_keeps_its_reward_gradient_and_loses_only_the_teacher_term(
+    name, reward_weight, distill, off_policy
+):
+    """`teacher_mask` False on a sample: its gradient is the one it has in a batch without any teacher (the reward's,
+    weighted by reward_weight), the other sample's is the one it has when the teacher scored everything. Before, the
+    orchestrator left such a sample out of the batch: its reward term was lost with the teacher's."""
+    cfg = LossConfig(type=name, reward_weight=reward_weight, distill=distill)
+    behaviour = [lp - 0.3 * (i % 3) for i, lp in enumerate(LP)] if off_policy else None  # ratios off 1: clips too
+    out, grad = loss_and_grad(name, cfg, behaviour=behaviour, teacher_mask=SCORED)
+    _, no_teacher = loss_and_grad(name, cfg, behaviour=behaviour, teacher=None)
+    _, all_scored = loss_and_grad(name, cfg, behaviour=behaviour)
+    assert torch.equal(grad[~SCORED], no_teacher[~SCORED])
+    assert torch.equal(grad[SCORED], all_scored[SCORED])
+    if reward_weight and not off_policy:
+        assert grad[~SCORED & MASK].abs().min() > 0  # REINFORCE: −w·A on every loss token of the skipped sample
+    assert out.stats["teacher_kl"][~SCORED].abs().sum() == 0
+    assert out.stats["teacher_frac"].tolist() == (SCORED & MASK).float().tolist()
 
 
 def test_without_distill_the_teacher_is_only_measured():
@@ -108,23 +134,28 @@ def test_reward_weight_zero_needs_distill():
 # ---- through the trainer step ------------------------------------------------------------------------
 
 
-def _batch(teacher: bool, rows: int = 3) -> TrainBatch:
+def _batch(teacher: bool, rows: int = 3, skipped=(), keep=None, num_loss_tokens=None) -> TrainBatch:
+    """`rows` rows of two samples; `skipped`: samples the teacher refused (teacher_mask False on them); `keep`: the
+    samples whose loss tokens stay (the others' are masked out; the batch's normalisers can stay the full batch's)."""
     rng = np.random.default_rng(0)
     micro, index = [], 0
     for _ in range(rows):
         samples = []
         for n in (5, 4):
-            mask = np.arange(n) > 1
+            mask = (np.arange(n) > 1) & (keep is None or index in keep)
             samples.append({"input_ids": rng.integers(3, 200, n), "loss_mask": mask,
                             "advantages": np.full(n, rng.standard_normal()), "inference_logprobs": np.zeros(n),
                             "sample_index": index})  # fmt: skip
+            lp_teacher = np.where(mask, -rng.random(n) * 3, 0.0)
             if teacher:
-                samples[-1]["teacher_logprobs"] = np.where(mask, -rng.random(n) * 3, 0.0)
+                samples[-1]["teacher_logprobs"] = lp_teacher * (index not in skipped)
+                if skipped:
+                    samples[-1]["teacher_mask"] = np.full(n, index not in skipped)
             index += 1
         micro.append(MicroBatch.from_samples(samples))
     loss_tokens = sum(mb.num_loss_tokens for mb in micro)
-    return TrainBatch(step=1, micro_batches=[micro], samples=[{}] * index, num_loss_tokens=loss_tokens,
-                      num_samples=index).validate()  # fmt: skip
+    return TrainBatch(step=1, micro_batches=[micro], samples=[{}] * index,
+                      num_loss_tokens=num_loss_tokens or loss_tokens, num_samples=index).validate()  # fmt: skip
 
 
 def test_the_step_uses_the_batch_teacher_logprobs_whatever_the_micro_batching(tiny_llama64):
@@ -142,3 +173,28 @@ def test_the_step_uses_the_batch_teacher_logprobs_whatever_the_micro_batching(ti
     assert "teacher_kl" in metrics
     with pytest.raises(ValueError, match="carries no teacher log-probs"):
         compute_gradients(model, _batch(teacher=False), loss_cfg=cfg)
+
+
+def test_the_step_trains_a_skipped_sample_on_its_reward_alone(tiny_llama64):
+    """Through packing and the aggregation: a batch whose samples 1 and 4 the teacher refused has the gradient of its
+    scored samples with the teacher plus that of samples 1 and 4 without any teacher (the loss is a sum over samples
+    with the batch's global normaliser)."""
+    from gyre_trainer.step import compute_gradients
+
+    model, skipped, full = tiny_llama64, (1, 4), _batch(teacher=True).num_loss_tokens
+
+    def gradient(batch, cfg, micro_batch_size=1):
+        model.zero_grad(set_to_none=True)
+        metrics = compute_gradients(model, batch, loss_cfg=cfg, micro_batch_size=micro_batch_size, temperature=1.0)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), metrics
+
+    cfg = LossConfig(distill=1.0, reward_weight=0.5)
+    scored = [i for i in range(6) if i not in skipped]
+    got, metrics = gradient(_batch(teacher=True, skipped=skipped), cfg, micro_batch_size=3)
+    with_teacher, teacher_metrics = gradient(_batch(teacher=True, keep=scored, num_loss_tokens=full), cfg)
+    reward_only, _ = gradient(_batch(teacher=False, keep=skipped, num_loss_tokens=full), cfg.model_copy(update={
+        "distill": 0.0}))  # fmt: skip
+    assert torch.allclose(got, with_teacher + reward_only, atol=1e-6) and reward_only.norm() > 0
+    # teacher_kl is the mean over the tokens the teacher scored, teacher_frac their share of the loss tokens
+    assert metrics["teacher_kl"] == pytest.approx(teacher_metrics["teacher_kl"], rel=1e-5)
+    assert metrics["teacher_frac"] == pytest.approx(teacher_metrics["num_loss_tokens"] / full)
