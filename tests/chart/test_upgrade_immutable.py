@@ -69,3 +69,21 @@ def test_a_live_claim_of_the_default_class_accepts_an_unset_class(tmp_path):
     live = live_objects({})
     live["PersistentVolumeClaim/exp-gyre-data"]["spec"]["storageClassName"] = "standard"
     render_live(SEED, live, tmp_path)
+
+
+def test_sizes_in_other_units_than_the_cluster_writes_them_upgrade(tmp_path):
+    """The schema takes `1.5Ti` for a claim's size and the API server stores it as 1536Gi: every upgrade after
+    the install failed with `cannot read "1.5Ti" as a size` (the check read whole numbers only)."""
+    sizes = {"persistence": {"size": "1.5Ti"}, "redis": {"persistence": {"size": "1.5Gi"}}}
+    live = live_objects(sizes)
+    live["PersistentVolumeClaim/exp-gyre-data"]["spec"]["resources"]["requests"]["storage"] = "1536Gi"
+    live["StatefulSet/exp-gyre-redis"]["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"][
+        "storage"
+    ] = "1536Mi"
+    assert manifests(render_live({**SEED, **sizes}, live, tmp_path))
+    with pytest.raises(helm_python.HelmError, match="persistence.size: 1.4Ti, but .* already holds 1536Gi"):
+        render_live({**SEED, **sizes, "persistence": {"size": "1.4Ti"}}, live, tmp_path)
+    with pytest.raises(helm_python.HelmError, match="redis.persistence.size: 2Gi, but StatefulSet exp-gyre-redis was"):
+        render_live(
+            {**SEED, "persistence": sizes["persistence"], "redis": {"persistence": {"size": "2Gi"}}}, live, tmp_path
+        )

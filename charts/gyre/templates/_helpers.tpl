@@ -1040,7 +1040,9 @@ never change and its size only grows. Without a cluster to ask (`helm template`)
 {{- with $vct -}}
 {{- $live := index . 0 -}}
 {{- $size := $live.spec.resources.requests.storage | toString -}}
-{{- if ne (include "gyre.bytes" $size) (include "gyre.bytes" $r.persistence.size) -}}
+{{- /* as numbers: the API server writes a claim's size in its own units (1.5Gi is 1536Mi there) */ -}}
+{{- $want := include "gyre.quantity" (dict "value" $r.persistence.size "key" "redis.persistence.size") | float64 -}}
+{{- if ne (include "gyre.quantity" (dict "value" $size "key" (printf "StatefulSet %s's claim size" $name)) | float64) $want -}}
 {{- fail (printf "redis.persistence.size: %s, but StatefulSet %s was created with %s; grow the claim itself (`kubectl -n %s patch pvc redis-data-%s-0 -p '{\"spec\":{\"resources\":{\"requests\":{\"storage\":\"%s\"}}}}'`, if its StorageClass allows expansion), then: %s" (toString $r.persistence.size) $name $size $ns $name (toString $r.persistence.size) $howto) -}}
 {{- end -}}
 {{- if and $r.persistence.storageClass (ne $r.persistence.storageClass ($live.spec.storageClassName | default "")) -}}
@@ -1068,7 +1070,8 @@ never change and its size only grows. Without a cluster to ask (`helm template`)
 {{- fail (printf "%s.storageClass: %q, but PersistentVolumeClaim %s was created with %q and a claim's class cannot change; %s" $c.key $c.v.storageClass $c.name ($pvc.spec.storageClassName | default "") $keep) -}}
 {{- end -}}
 {{- $size := $pvc.spec.resources.requests.storage | toString -}}
-{{- if lt (include "gyre.bytes" $c.v.size | int64) (include "gyre.bytes" $size | int64) -}}
+{{- $want := include "gyre.quantity" (dict "value" $c.v.size "key" (printf "%s.size" $c.key)) | float64 -}}
+{{- if lt $want (include "gyre.quantity" (dict "value" $size "key" (printf "PersistentVolumeClaim %s's size" $c.name)) | float64) -}}
 {{- fail (printf "%s.size: %s, but PersistentVolumeClaim %s already holds %s and a claim never shrinks; keep %s or more" $c.key (toString $c.v.size) $c.name $size $size) -}}
 {{- end -}}
 {{- end -}}
