@@ -32,7 +32,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
@@ -199,11 +199,18 @@ class TrainingEval:
         self._task: asyncio.Task | None = None
         self._evaluated: set[int] = set()
 
-    def start(self, versions, *, at_start: bool) -> None:
-        """Evaluate each due version that `versions` (a `VersionWatch`) reaches; with `at_start`, version 0 first."""
+    def start(self, versions, *, at_start: bool, done: Iterable[int] = ()) -> None:
+        """Evaluate each due version that `versions` (a `VersionWatch`) reaches; with `at_start`, version 0 first.
+
+        `done`: versions already evaluated (a restarted orchestrator's eval.jsonl). The version the replicas serve
+        now is due too: the relay reached it before this start, and a restart in the middle of its eval (or before
+        it) skipped it for good, since the listener only hears of newer versions."""
+        self._evaluated.update(done)
         versions.add_listener(self.maybe_queue)
-        if at_start:
+        if at_start and 0 not in self._evaluated:
+            self._evaluated.add(0)
             self._queue.put_nowait(0)
+        self.maybe_queue(versions.value)
         self._task = asyncio.create_task(self._loop(), name="eval")
 
     async def finish(self, version: int) -> None:

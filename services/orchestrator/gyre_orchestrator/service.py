@@ -30,7 +30,7 @@ from gyre.config.orchestrator import OrchestratorConfig
 from gyre.endpoint import EndpointError
 from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
 from gyre.envs.judge import add_to_rubric
-from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir
+from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, read_events
 from gyre.metrics import start_metrics_server
 from gyre.net import PortInUse, bind_or_explain
 from gyre.redis_retry import acall_with_retry
@@ -345,8 +345,17 @@ class OrchestratorService:
         log.info("starting at step %d (%s), task index %d", point.start_step, point.reason, point.task_index)
         self.scheduler = self._new_scheduler(point.start_step)
         if cfg.eval.interval is not None:
-            self.evals.start(self.versions, at_start=cfg.eval.at_start and point.start_step == 1)
+            self.evals.start(
+                self.versions, at_start=cfg.eval.at_start and point.start_step == 1, done=self._evaluated_versions()
+            )
         await self.server.set_serving(True)
+
+    def _evaluated_versions(self) -> set[int]:
+        """The versions eval.jsonl holds an evaluation of, among those the store still publishes (a rewind deleted the
+        newer ones: an eval of such a step was of the abandoned policy, and the step's new version is due again)."""
+        latest = self.transport.latest() or 0
+        steps = {e.get("step") for e in read_events(self.eval_events.path)}
+        return {s for s in steps if isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= latest}
 
     def _new_scheduler(self, start_step: int) -> RolloutScheduler:
         cfg, g = self.cfg, self.cfg.rollouts_per_example

@@ -204,3 +204,87 @@ def test_an_eval_sample_that_fails_every_attempt_fails_the_eval_naming_it(tmp_pa
     with pytest.raises(EvalFailed, match=r"sample \d of task .* failed 2 times: environment error: env_response"):
         asyncio.run(evaluate(env, client, env_name="d", num_examples=2, k=2, sampling=sampling, attempts=2))
     assert sum(client.calls.values()) + len(client.calls) <= 2 * 2 * 2  # nothing ran on after it failed
+
+
+def training_eval(tmp_path, replies, versions, *, done=()):
+    """A TrainingEval of the dataset env every 2 versions, started on `versions` (a VersionWatch); returns it and its
+    eval.jsonl path."""
+    from gyre.config import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.events import EventLog
+    from gyre_orchestrator.evaluate import TrainingEval
+    from gyre_orchestrator.metrics import OrchestratorMetrics
+
+    class Client(TableClient):
+        def for_version(self, version, *, priority=None):
+            return self
+
+    class NoWandb:
+        def log(self, *args, **kwargs):
+            pass
+
+    cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path), eval={"interval": 2, "num_examples": 1})
+    path = tmp_path / "eval.jsonl"
+    evals = TrainingEval(cfg, dataset_env(tmp_path, replies), Client(replies), events=EventLog(path), wandb=NoWandb(),
+                         metrics=OrchestratorMetrics("t"))  # fmt: skip
+    evals.start(versions, at_start=False, done=done)
+    return evals, path
+
+
+def test_a_restarted_orchestrator_evaluates_the_due_version_the_replicas_already_serve(tmp_path):
+    # audit: the relay reaches the served version before TrainingEval starts listening, so an orchestrator restarted
+    # while (or before) version 4 was evaluated never evaluated it: eval.jsonl had no line for 4, ever
+    from gyre.events import read_events
+    from gyre_orchestrator.scheduler import VersionWatch
+
+    async def main():
+        versions = VersionWatch(4)
+        evals, path = training_eval(tmp_path, {"ab": ["AB"]}, versions, done={0, 2})
+        await asyncio.wait_for(evals._queue.join(), timeout=10)  # before any newer version, before finish()
+        first = [e["step"] for e in read_events(path)]
+        versions.set(5)  # not due (interval 2)
+        versions.set(6)
+        await asyncio.wait_for(evals._queue.join(), timeout=10)
+        await evals.stop()
+        return first, [e["step"] for e in read_events(path)]
+
+    assert asyncio.run(main()) == ([4], [4, 6])
+
+
+def test_a_restarted_orchestrator_does_not_evaluate_a_version_again(tmp_path):
+    from gyre.events import read_events
+    from gyre_orchestrator.scheduler import VersionWatch
+
+    async def main():
+        evals, path = training_eval(tmp_path, {"ab": ["AB"]}, VersionWatch(4), done={0, 2, 4})
+        await evals.finish(4)
+        await evals.stop()
+        return read_events(path)
+
+    assert asyncio.run(main()) == []
+
+
+def test_the_versions_evaluated_before_are_those_of_eval_jsonl_the_store_still_publishes(tmp_path):
+    """After a rewind to step 4 the evals of steps 6 and 8 were of the abandoned policy: the new 6 is due again."""
+    from gyre.config import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.events import EventLog
+    from gyre.weights import WeightStore
+    from gyre_orchestrator.service import OrchestratorService
+
+    cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path), run_id="evals")
+    store = WeightStore(tmp_path / "weights")
+    for step in (2, 4):
+        store.publish(step, lambda folder: (folder / "model.safetensors").write_bytes(b"w"))
+    with EventLog(tmp_path / "events" / "eval.jsonl") as log:
+        for step in (0, 2, 4, 6, 8):
+            log.append({"step": step, "avg_at_k": 0.5})
+
+    async def main():  # the service is made inside an event loop, as `gyre orchestrator` makes it
+        orch = OrchestratorService(cfg)
+        try:
+            return orch._evaluated_versions()
+        finally:
+            orch.redis.close()
+
+    assert asyncio.run(main()) == {0, 2, 4}
