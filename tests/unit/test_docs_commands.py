@@ -126,6 +126,22 @@ def test_every_documented_make_target_exists():
     assert "demo" in named and sorted(named - targets) == []
 
 
+def test_the_readme_opens_with_the_two_commands_and_says_what_make_demo_runs():
+    """The README's first code block is exactly `make demo` and `make test`; where a doc spells out what `make demo`
+    runs, it is the Makefile's recipe (the README left out `--output-dir outputs/demo --fresh`, and the bare command
+    it showed continues a run instead of starting over)."""
+    readme = (ROOT / "README.md").read_text()
+    first = FENCE.search(readme).group(1)
+    assert [line.split("#")[0].strip() for line in first.strip().splitlines()] == ["make demo", "make test"]
+    makefile = (ROOT / "Makefile").read_text()
+    values = dict(re.findall(r"(?m)^(\w+) \?= (.*)$", makefile))
+    recipe = re.search(r"(?m)^demo:.*\n\t\$\(VENV\)/bin/(gyre [^#\n]*)", makefile).group(1).strip()
+    command = re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], recipe)
+    for doc in (ROOT / "README.md", ROOT / "docs" / "local.md"):
+        stated = re.findall(r"make demo`? +(?:#\s*)?=\s*`?(gyre [^`\n(]*)", doc.read_text())
+        assert stated and all(text.strip() == command for text in stated), (doc.name, stated, command)
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_toml_examples_are_valid_configs(doc):
     """A ```toml block's service tables load as that service's config, its other keys as `gyre rl`'s."""
