@@ -6,7 +6,8 @@ harness to run its loop in-process as long as every model call goes through the 
 it talks to the model with the official `openai` client for up to `turns` model turns, runs the calculator when the
 model calls it (a tool turn), and otherwise answers a reply with a user message asking for another try (a user turn).
 Reward: 1.0 when the last reply contains the reference answer. `fail_first = [i, ...]`: the first episode of task
-`i` raises in the harness (an environment bug the trainer must survive).
+`i` raises in the harness (an environment bug the trainer must survive). `reward_fails = true`: the reward raises
+(a reward bug, which must score 0 and be named, not fail the sample).
 
 Load it with `env.name = "verifiers:vf_gyre_tasks"` with this folder on PYTHONPATH.
 """
@@ -30,11 +31,14 @@ _FAILED: set[int] = set()  # tasks whose one failing episode already happened (p
 class GyreTaskData(vf.TaskData):
     answer: str = ""
     fail: bool = False
+    reward_fails: bool = False
 
 
 class GyreTask(vf.Task[GyreTaskData]):
     @vf.reward
     async def correct(self, task, trace) -> float:
+        if task.reward_fails:
+            raise ZeroDivisionError("the reward fails on purpose")
         return float(bool(task.answer) and task.answer in trace.last_reply)
 
 
@@ -42,6 +46,7 @@ class GyreTasksetConfig(vf.TasksetConfig):
     source: str = "calculator"
     num_tasks: int = 24
     fail_first: list[int] = []
+    reward_fails: bool = False
 
 
 class GyreTaskset(vf.Taskset[GyreTask, GyreTasksetConfig]):
@@ -56,6 +61,7 @@ class GyreTaskset(vf.Taskset[GyreTask, GyreTasksetConfig]):
                 system_prompt=system[0] if system else None,
                 answer=task.answer,
                 fail=i in self.config.fail_first,
+                reward_fails=self.config.reward_fails,
             )
             yield GyreTask(data, self.config.task)
 

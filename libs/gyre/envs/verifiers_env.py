@@ -21,7 +21,8 @@ Mapping onto a Gyre sample (one per episode): the first trainable branch of the 
 `token_ids`, `loss_mask` (verifiers' `sampled_mask`: True only on tokens the model sampled, so user, tool and
 template tokens between turns are masked out) and `logprobs`; the policy versions span every turn of the episode;
 the reward is the trace's weighted reward (`Score.per_function` holds each named reward; a NaN or inf one counts 0
-and is named in `Score.errors`), plus the weighted scores of the judges and reward models the run joins to the
+and is named in `Score.errors`, and so does a reward that raised: verifiers records it as a TaskError "scoring: ...",
+which here is no rollout error), plus the weighted scores of the judges and reward models the run joins to the
 environment's Gyre rubric (`[[orchestrator.judges]]`; a name verifiers uses too is reported as `gyre:<name>`). A
 second branch (a turn whose prompt no longer extended the recorded tokens, or
 compaction) is dropped and the rollout marked "drift". An episode that raised (task, harness or env code) comes back
@@ -43,6 +44,7 @@ import copy
 import functools
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -338,8 +340,8 @@ class VerifiersEnv(Environment):
         errors: dict[str, str] = {}
         reward = 0.0
         for name, r in trace.rewards.items():
-            if r is None:
-                errors[name] = "not scored"
+            if r is None:  # scoring raised (the error names the function) or timed out
+                errors[name] = "; ".join(rollout.state.get("scoring_errors") or []) or "not scored"
             elif not (math.isfinite(r.score) and math.isfinite(r.value)):
                 rewards[name], errors[name] = 0.0, f"ValueError: returned {r.score} (weight {r.weight})"
             else:
@@ -360,6 +362,11 @@ class VerifiersEnv(Environment):
         return super().sft_example(task)
 
 
+# verifiers wraps an exception raised by a reward, metric or judge as a TaskError "[task <Name> ]scoring: ..." (typed
+# errors such as a SandboxError pass through unchanged: those are the runtime's, not the reward's).
+_SCORING_ERROR = re.compile(r"TaskError: (?:task \S+ )?scoring\b")
+
+
 def _errors(episode) -> list[str]:
     found = [f"{e.type}: {e.message}" for e in episode.errors]
     for trace in episode.traces:
@@ -373,8 +380,12 @@ def to_rollout(task: Task, episode, turns: list[Turn], context_full: bool = Fals
     (like Gyre's own environments), and the refusal the harness saw is not an error."""
     branches = [(trace, b) for trace in episode.traces for b in trace.branches if b.trainable and any(b.sampled_mask)]
     errors = [e for e in _errors(episode) if not (context_full and e.startswith(f"ProviderError: {CONTEXT_FULL}"))]
+    # A reward that raised is a reward bug, scored 0 and named (`score`), as in a Gyre Rubric: as a rollout error the
+    # sample was generated again, failing the same way until the run stopped.
+    scoring = [e for e in errors if _SCORING_ERROR.match(e)]
+    errors = [e for e in errors if e not in scoring]
     versions = [v for turn in turns for v in (turn.policy_version_min, turn.policy_version_max)]
-    state: dict[str, Any] = {"episode_id": episode.id, "branches": len(branches)}
+    state: dict[str, Any] = {"episode_id": episode.id, "branches": len(branches), "scoring_errors": scoring}
     stop: StopReason
     if not branches:
         state["trace"] = episode.traces[0] if episode.traces else None

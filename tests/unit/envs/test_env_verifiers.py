@@ -110,6 +110,17 @@ async def test_an_episode_that_raises_is_an_error_rollout_and_the_retry_works(sa
 
 
 @pytest.mark.asyncio
+async def test_a_reward_that_raises_scores_zero_and_is_named_not_an_error_rollout(sampling):
+    """verifiers records a raising reward as the trace's error: the sample was generated again and, the bug being in
+    the reward, failed every time until the run stopped. As in a Gyre Rubric it now scores 0, named."""
+    env = vf_env("reverse_text", turns=1, tools=False, reward_fails=True)
+    _, rollout, score = await rollout_of(env, ScriptedClient(["olleh"]), sampling)
+    assert rollout.error is None and rollout.stop_reason == "done" and sampled(rollout) == encode("olleh") + [2]
+    assert score.reward == 0.0 and score.per_function == {}
+    assert "ZeroDivisionError: the reward fails on purpose" in score.errors["correct"]
+
+
+@pytest.mark.asyncio
 async def test_an_inference_failure_is_raised_not_hidden(sampling):
     class Down(ScriptedClient):
         async def chat(self, messages, *, tools=None, sampling):
