@@ -340,10 +340,19 @@ class BatchStream:
         """
         fields = [x for name, value in {**entry.fields, "reason": reason, "original_id": entry.id}.items()
                   for x in (name, value)]  # fmt: skip
-        dead_id, trimmed, total = self._dead_letter_script(
-            keys=[self.dead_key, self.key, self.dead_trimmed_key],
-            args=[self.dead_maxlen, self.group, entry.id, *fields],
-        )
+        try:
+            dead_id, trimmed, total = self._dead_letter_script(
+                keys=[self.dead_key, self.key, self.dead_trimmed_key],
+                args=[self.dead_maxlen, self.group, entry.id, *fields],
+            )
+        except redis.OutOfMemoryError:
+            raise
+        except redis.ResponseError as e:
+            # Redis 6.2 reports a write refused at maxmemory inside a script as a plain script error (7.x as OOM):
+            # the XADD was refused, so nothing was written, and the caller's retry (gyre.redis_retry) must see it
+            if "OOM command not allowed" in str(e):
+                raise redis.OutOfMemoryError(str(e)) from e
+            raise
         log.warning("dead-lettered entry %s (step %s) of %s: %s", entry.id, entry.step, self.key, reason)
         if trimmed:
             log.warning("%s keeps its newest %d dead letters: trimmed the oldest %d (%d in all, counted in %s)",

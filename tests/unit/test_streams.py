@@ -152,6 +152,31 @@ def test_the_dead_letter_bound_is_exact_and_configurable(stream):
             BatchStream(stream.redis, stream.run_id, dead_maxlen=bad)
 
 
+@pytest.mark.parametrize("binary", [None, Path("/usr/bin/redis-server")], ids=["redis6", "redis7"])
+def test_a_dead_letter_refused_by_a_full_redis_is_an_out_of_memory_error_and_changes_nothing(binary):
+    """At maxmemory with noeviction the trainer's retry (gyre.redis_retry) waits on OutOfMemoryError. Redis 6.2
+    reports a write refused inside the dead-letter script as a plain script error, which was not retried."""
+    from gyre.redis_server import EmbeddedRedis
+
+    if binary is not None and not binary.exists():
+        pytest.skip(f"{binary} not installed")
+    with EmbeddedRedis(binary=binary) as server:
+        stream = BatchStream(server.url, "full")
+        stream.ensure_group()
+        stream.push(1, b"junk")
+        (entry,) = stream.read("c1", block_ms=100)
+        stream.redis.set("filler", bytes(4 << 20))
+        stream.redis.config_set("maxmemory", str(stream.redis.info("memory")["used_memory"] - 1000))
+        with pytest.raises(redis.OutOfMemoryError):
+            stream.dead_letter(entry, "not a batch")
+        assert stream.length() == 1 and stream.pending().count == 1 and not stream.redis.exists(stream.dead_key)
+        stream.redis.delete("filler")
+        stream.redis.config_set("maxmemory", "0")
+        stream.dead_letter(entry, "not a batch")  # room again: the retry goes through
+        assert stream.length() == 0 and [d.fields["reason"] for d in stream.dead_letters()] == [b"not a batch"]
+        stream.redis.close()
+
+
 def test_a_dead_lettered_step_is_no_longer_counted_as_pushed(stream):
     # audit: the dead-lettered entry stayed in the batches stream, so a restarted orchestrator's resume rule
     # (steps_after) counted its step as pushed and never generated it again; the trainer waited forever
