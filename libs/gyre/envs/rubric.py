@@ -129,12 +129,16 @@ class Rubric:
                 value = 0.0
             return value
 
-        values = await asyncio.gather(
-            *(
-                one(func, name, wants, timeout)
-                for func, name, wants, timeout in zip(self.funcs, self.names, self._wants, self._timeouts, strict=True)
-            )
-        )
+        calls = [
+            asyncio.ensure_future(one(func, name, wants, timeout))
+            for func, name, wants, timeout in zip(self.funcs, self.names, self._wants, self._timeouts, strict=True)
+        ]
+        try:
+            values = await asyncio.gather(*calls)
+        except BaseException:  # a ScoringError: the others' work (a judge's request) is for a score never used
+            for call in calls:
+                call.cancel()
+            raise
         per_function = dict(zip(self.names, values, strict=True))
         reward = sum(weight * value for weight, value in zip(self.weights, values, strict=True))
         return Score(reward=reward, per_function=per_function, errors=errors)

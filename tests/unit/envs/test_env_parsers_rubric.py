@@ -206,6 +206,30 @@ async def test_a_hung_async_reward_function_is_a_scoring_error_not_a_hang():
         Rubric(timeout_s=0)
 
 
+@pytest.mark.asyncio
+async def test_a_scoring_error_cancels_the_other_functions_of_the_rubric():
+    """They ran on unawaited (a judge's request for a score nobody would read, a hung call up to its timeout)."""
+    from gyre.envs.types import ScoringError
+
+    cancelled = asyncio.Event()
+
+    async def slow(completion) -> float:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 1.0
+
+    async def judge_down(completion) -> float:
+        await asyncio.sleep(0)
+        raise ScoringError("judge unreachable")
+
+    with pytest.raises(ScoringError):
+        await Rubric([slow, judge_down]).score(TASK, ROLLOUT)
+    await asyncio.wait_for(cancelled.wait(), 1)
+
+
 def test_judges_have_their_own_deadlines_not_the_rubric_s(monkeypatch):
     from gyre.config.endpoint import JudgeConfig
     from gyre.envs import load_environment
