@@ -392,6 +392,17 @@ initContainers:
 {{- end -}}
 
 {{/*
+How long a stopping `gyre inference` lets requests in flight finish (`server.shutdown_grace_s`), from its
+pod's terminationGracePeriodSeconds: all of it but 10 s (a half, under 20 s) for unloading the engine and
+closing the servers before the kubelet's SIGKILL. The server's own 30 s cut long generations short in the
+chart's 60 s, and outlived a shorter grace period.
+*/}}
+{{- define "gyre.servingShutdownGrace" -}}
+{{- $grace := int . -}}
+{{- if ge $grace 20 }}{{ sub $grace 10 }}{{ else }}{{ div $grace 2 }}{{ end -}}
+{{- end -}}
+
+{{/*
 The PodDisruptionBudget of a Deployment of `gyre inference` replicas: a drain takes at most
 `maxUnavailable` of them at once. Call with (dict "root" $ "component" "inference" "maxUnavailable" 1).
 */}}

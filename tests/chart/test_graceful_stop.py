@@ -1,7 +1,10 @@
-"""A trainer pod that is stopped (helm upgrade, kubectl delete, a drain) gets its whole
+"""Stopped pods get their grace period for what a stop must finish.
+
+A trainer pod that is stopped (helm upgrade, kubectl delete, a drain) gets its whole
 `trainer.terminationGracePeriodSeconds` to finish the step and save a checkpoint. torchrun, the container's
 first process, forwards SIGTERM to its workers and SIGKILLed them 30 s later (its default --shutdown-timeout),
-whatever grace period the pod had: a checkpoint longer than that was cut off."""
+whatever grace period the pod had: a checkpoint longer than that was cut off. An inference replica lets its
+requests in flight finish within its pod's grace period (its own default was 30 s)."""
 
 from __future__ import annotations
 
@@ -93,3 +96,29 @@ def test_a_stopped_trainer_pod_saves_a_checkpoint_longer_than_torchruns_default(
             proc.kill()
             proc.wait()
     assert (tmp_path / "saved").exists(), "torchrun killed its worker before the checkpoint was saved"
+
+
+# ---- the same for `gyre inference` (the policy's replicas and `servers`) -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "grace", "shutdown"),
+    [
+        ({}, 60, "50"),
+        ({"inference": {"terminationGracePeriodSeconds": 600}}, 600, "590"),
+        ({"inference": {"terminationGracePeriodSeconds": 10}}, 10, "5"),
+    ],
+    ids=["default", "long-generations", "short"],
+)
+def test_inference_lets_requests_in_flight_finish_within_the_pods_grace_period(values, grace, shutdown):
+    """`gyre inference` cut requests in flight after its own server.shutdown_grace_s (30 s) in a pod given 60 s,
+    and outlived a grace period under 30 s (SIGKILL mid-shutdown). A server takes the inference's, or its own."""
+    servers = [{"name": "judge", "model": "/data/judge"}, {"name": "rm", "model": "/data/rm",
+                                                            "terminationGracePeriodSeconds": 120}]  # fmt: skip
+    docs = manifests(render({**values, "servers": servers}))
+    for name, pod_grace, want in [("exp-gyre-inference", grace, shutdown), ("exp-gyre-server-judge", grace, shutdown),
+                                  ("exp-gyre-server-rm", 120, "110")]:  # fmt: skip
+        spec = named(docs, "Deployment", name)["spec"]["template"]["spec"]
+        assert spec["terminationGracePeriodSeconds"] == pod_grace
+        assert option(spec["containers"][0]["args"], "--server.shutdown-grace-s") == want, name
+        assert float(want) < pod_grace
