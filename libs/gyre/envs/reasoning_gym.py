@@ -8,7 +8,8 @@ verifier (`score_answer`).
 Needs the optional `reasoning-gym` package (`pip install 'gyre[reasoning-gym]'`; pure Python, no torch).
 `config` is passed to reasoning-gym's dataset config (difficulty knobs differ per dataset; a wrong key or value fails
 at load with reasoning-gym's message and the dataset's keys; `seed` and `size` are Gyre's). Splits: "eval" is the
-dataset generated with `eval_seed` (`num_eval` items, fixed across runs); "train" is endless, item `i` of the
+dataset generated with `eval_seed` (`num_eval` distinct items, fixed across runs: a repeated question is replaced by
+the dataset's next item); "train" is endless, item `i` of the
 dataset generated from (`seed`, `i`), and an item whose question is also in the eval split is redrawn. The reply is
 the assistant text after its reasoning (`<think>`), or the content of its last `<answer>` block when it has one
 (reasoning-gym's own prompt format), handed to the dataset's scorer (reward in [0, 1]) inside
@@ -113,7 +114,23 @@ class ReasoningGymEnv(SingleTurnEnv):
 
     @cached_property
     def _eval_tasks(self) -> list[Task]:
-        return [self._task(self.eval_data[i], f"eval-{i}") for i in range(len(self.eval_data))]
+        """The eval dataset's items, each question once: at an easy config two seeds draw the same question (28 of
+        chain_sum's 128 at 2 one-digit terms), which counted it twice in every eval; a repeat is replaced by the next
+        item of the same seeded dataset, so the eval split is `num_eval` distinct tasks as in every environment."""
+        tasks: list[Task] = []
+        seen: set[str] = set()
+        source = self.eval_data
+        for index in range(self.num_eval * MAX_REDRAWS):
+            if index == len(self.eval_data):  # items past num_eval: reasoning-gym draws item i lazily from seed + i
+                size = self.num_eval * MAX_REDRAWS
+                source = self._create(self.dataset, seed=self.eval_seed, size=size, **self.config)
+            task = self._task(source[index], f"eval-{len(tasks)}")
+            if task.key not in seen:
+                seen.add(task.key)
+                tasks.append(task)
+                if len(tasks) == self.num_eval:
+                    return tasks
+        raise ValueError(f"{self.name}: could not draw {self.num_eval} distinct eval tasks; lower num_eval")
 
     def _train_data(self, seed: int, chunk: int):
         digest = hashlib.sha256(f"{self.dataset}/train/{seed}/{chunk}".encode()).digest()

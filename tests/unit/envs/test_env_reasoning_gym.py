@@ -52,6 +52,20 @@ async def test_scored_by_reasoning_gym(dataset, sampling):
     assert await reward_of(env, task, "", sampling) == 0.0
 
 
+def test_the_eval_split_is_distinct_tasks_even_at_an_easy_config():
+    """At 2 one-digit terms, 128 seeded draws hold 100 distinct questions: 28 counted twice in every eval."""
+    config = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
+    env = load_environment("reasoning_gym:chain_sum", config=config, num_eval=128)
+    evals = list(env.tasks("eval"))
+    assert len(evals) == 128 and len({t.key for t in evals}) == 128
+    assert [t.id for t in evals] == [f"eval-{i}" for i in range(128)]
+    first = env.eval_data[0]  # items that are not repeats stay where they were
+    assert evals[0].prompt[-1]["content"] == first["question"]
+    assert not {env.tasks("train")[i].key for i in range(50)} & {t.key for t in evals}
+    with pytest.raises(ValueError, match="could not draw 300 distinct eval tasks"):
+        load_environment("reasoning_gym:chain_sum", config=config, num_eval=300).tasks("eval")
+
+
 def test_chain_sum_config_controls_difficulty():
     env = load_environment("reasoning_gym:chain_sum", config={"min_terms": 2, "max_terms": 2, "max_digits": 1})
     for i in range(20):
