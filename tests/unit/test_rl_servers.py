@@ -117,3 +117,20 @@ def test_a_typo_in_a_runs_orchestrator_table_names_that_table(tmp_path):
                                     "--orchestrator.max-asyn-level", "2"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"^config key 'orchestrator.max_asyn_level': unknown key"):
         resolve_configs(shared, "m", "redis://127.0.0.1:1/0")  # the shared table's own mistake keeps its name
+
+
+def test_a_mistake_in_a_runs_trainer_table_or_a_servers_args_names_the_key_as_written(tmp_path):
+    # the [[runs]] entry's trainer keys were named 'trainer.runs.0.optim.lrr' (a table gyre rl refuses set by hand)
+    # with the suggestion 'trainer.optim.lr' (another table); a server's args lost its entry: 'servers.engine.x'
+    runs = '[{"name": "alpha", "trainer": {"optim": {"lrr": 1e-3}}}, {"name": "o"}]'
+    cfg = load_config(RLConfig, ["--output-dir", str(tmp_path), "--trainer.lora.rank", "4", "--runs", runs])
+    with pytest.raises(ConfigError) as e:
+        resolve_configs(cfg, "m", "redis://127.0.0.1:1/0")
+    lines = sorted(str(e.value).splitlines())
+    assert lines[0] == "config key 'runs.0.trainer.optim.lrr': unknown key (did you mean 'runs.0.trainer.optim.lr'?)"
+    assert lines[1].startswith("config key 'runs.1.name': ") and "'o' is part of 'lora_'" in lines[1]  # its own key
+    servers = '[{"name": "judge", "model": "m", "args": {"engine": {"max_batch_sise": 3}}}]'
+    with pytest.raises(ConfigError) as e:
+        resolve(tmp_path, "--servers", servers)
+    assert str(e.value) == ("config key 'servers.judge.args.engine.max_batch_sise': unknown key "
+                            "(did you mean 'servers.judge.args.engine.max_batch_size'?)")  # fmt: skip

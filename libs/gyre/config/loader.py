@@ -268,6 +268,9 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
     return deep_merge(files, cli)
 
 
+LIST_INDEX = "#"  # a list entry's index in _all_keys: `runs.#.optim.lr`
+
+
 def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
@@ -275,6 +278,8 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         sub = _model_type(field.annotation)
         if sub is not None:
             keys += _all_keys(sub, prefix + name + ".")
+        elif (entry := _list_entry_model(field.annotation)) is not None:
+            keys += _all_keys(entry, f"{prefix}{name}.{LIST_INDEX}.")
     return keys
 
 
@@ -331,7 +336,13 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
             # "config key" twice: a caller prefixing keys (gyre rl: "inference.") prefixes the new one too
             msg = f"this key was removed; set config key {moved[key]!r} instead"
         elif e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(key, known, n=1)
+            # matched with its list indices as in `known` (`runs.0.optim.lrr` once got 'optim.lr'), then put back
+            indices = [str(p) for p in e["loc"] if isinstance(p, int)]
+            generic = ".".join(LIST_INDEX if isinstance(p, int) else str(p) for p in e["loc"])
+            close = difflib.get_close_matches(generic, known, n=1)
+            if close and close[0].count(LIST_INDEX) == len(indices):
+                parts = close[0].split(LIST_INDEX)
+                close = ["".join(part + index for part, index in zip(parts, [*indices, ""], strict=True))]
             msg = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
         elif not e["loc"] and e["type"] == "value_error":
             # a check across keys (a model validator) says "some.key: why": name that key as field errors do

@@ -15,6 +15,7 @@ trainer (`gyre.config.packing`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,10 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
     else:  # the run is the trainer's own: run_id and output_dir are the shared ones
         trainer_values |= {"max_steps": runs[0].max_steps, "orchestrator": per_run[0]["orchestrator"]}
         trainer_values["ckpt"] = {**trainer_values["ckpt"], **resume}
-    trainer = _validated(TrainerConfig, "trainer", cfg.trainer, trainer_values)
+    try:
+        trainer = _validated(TrainerConfig, "trainer", cfg.trainer, trainer_values)
+    except ConfigError as e:
+        raise _runs_entry_keys(e) if multi else e from None
 
     served = served_adapters(cfg, trainer, [run.name for run in runs] if multi else [])
     serving = {key: value for key, value in shared.items() if key in InferenceConfig.model_fields}  # no Redis, W&B
@@ -252,6 +256,19 @@ def _refuse_one_sided_rewinds(cfg: RLConfig) -> None:
                               "together")  # fmt: skip
 
 
+def _runs_entry_keys(error: ConfigError) -> ConfigError:
+    """`error` of the trainer's config with its `trainer.runs.N.` keys written as the user wrote them: the [[runs]]
+    entry's own keys (`runs.N.name`, `runs.N.max_steps`) and its `trainer` table (`runs.N.trainer.optim.lr`); gyre rl
+    builds trainer.runs, and refuses it set by hand, so 'trainer.runs.0.optim.lrr' named a key no file had."""
+
+    def where(match: re.Match) -> str:
+        index, key = match.group(1), match.group(2)
+        own = key.split(".")[0] in ("name", "max_steps")
+        return f"'runs.{index}.{key}" if own else f"'runs.{index}.trainer.{key}"
+
+    return ConfigError(re.sub(r"'trainer\.runs\.(\d+)\.([\w.]+)", where, str(error)))
+
+
 def _validated(cls, section: str, user: dict, launcher: dict):
     """Launcher-chosen values (ports, paths) under the user's section; errors name the section."""
     _refuse_experiment_keys(section, user)
@@ -263,7 +280,8 @@ def _validated(cls, section: str, user: dict, launcher: dict):
     try:
         return load_config(cls, [], **values)
     except ConfigError as e:
-        raise under_section(e, section.split(".")[0]) from None
+        # `inference.0` (a replica) is the user's [inference]; `servers.judge.args` is that entry's own table
+        raise under_section(e, section if section.startswith("servers.") else section.split(".")[0]) from None
 
 
 def validate_extensions(configs: ServiceConfigs) -> None:
