@@ -4,10 +4,11 @@
 the torch engine captures it in a CUDA graph together with the model's decode step (model_runner.py).
 Per row it applies, in this order: the structured-output token bitmask (disallowed tokens at -inf), the
 sparse biases (`logit_bias`, and -inf on the stop ids before `min_tokens`), the temperature; the
-reported log-probs are `log_softmax` of that (T = 1 for greedy rows). Then, for the draw only: top-k,
-top-p (nucleus) and min-p, and one inverse-CDF draw with the row's uniform. The filters decide which
-tokens may be drawn but are NOT renormalised into the reported log-prob: with no bias and no mask it is
-exactly `log_softmax(logits / T)`, what the trainer recomputes (importance ratio 1 on the same weights).
+reported log-probs are `log_softmax` of that (T = 1 for greedy rows, those with T < 1e-5 as in vLLM). Then,
+for the draw only: top-k, top-p (nucleus) and min-p, and one inverse-CDF draw with the row's uniform. The
+filters decide which tokens may be drawn but are NOT renormalised into the reported log-prob: with no bias
+and no mask it is exactly `log_softmax(logits / T)`, what the trainer recomputes (importance ratio 1 on the
+same weights).
 
 Randomness: row r's uniform is a pure function of (its sequence's seed, how many tokens that sequence
 has generated) — SplitMix64, computed on the host in numpy for the whole batch at once (a handful of
@@ -28,6 +29,9 @@ import torch
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (the API's bound)
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 overflow float32 to inf, and the draw
+# and the reported log-prob of such a row were NaN (an empty answer, log-probs null)
+GREEDY_BELOW = 1e-5
 
 
 def uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
@@ -55,8 +59,8 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One token per row of `logits` [R, V].
 
-    `temperature` [R] (0 = greedy), `uniform` [R] in [0, 1); when given: `top_p` [R] in (0, 1], `top_k` [R]
-    (0 = off), `min_p` [R] (0 = off) (all three together: the filtered path, one sort), `bias_ids` /
+    `temperature` [R] (below GREEDY_BELOW, 0 too: greedy), `uniform` [R] in [0, 1); when given: `top_p` [R] in
+    (0, 1], `top_k` [R] (0 = off), `min_p` [R] (0 = off) (all three together: the filtered path, one sort), `bias_ids` /
     `bias_values` [R, W] (added with scatter_add; pad with id 0, value 0), `bitmask` [R, ceil(V / 32)] int32
     (bit j of word i = token 32 i + j may be sampled). Returns (tokens [R] int64, their log-probs [R],
     the `top_n` most likely tokens' log-probs [R, top_n] and ids, or None when top_n = 0).
@@ -74,7 +78,7 @@ def sample(
         # the grammar wins.
         dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
         x = torch.where(dead & allowed, torch.zeros_like(x), x)
-    greedy = temperature <= 0
+    greedy = temperature < GREEDY_BELOW
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     logprobs = torch.log_softmax(x / scale[:, None], dim=-1)
     probs = logprobs.exp()

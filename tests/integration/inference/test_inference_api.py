@@ -184,6 +184,32 @@ def test_stop_token_ids_end_a_choice_on_that_token(client, model_id):
     assert extra(stopped)["token_ids"] == tokens[: tokens.index(tokens[6]) + 1] and stopped.finish_reason == "stop"
 
 
+def test_a_temperature_below_1e_5_is_greedy_on_every_route(client, server, model_id):
+    # as vLLM: a float32 logit divided by 1e-40 is inf, and such a request got an empty answer with null log-probs
+    def chat(temperature):
+        r = client.chat.completions.create(model=model_id, messages=STORY, max_tokens=8, temperature=temperature,
+                                           logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+        content = r.choices[0].logprobs.content
+        return r.choices[0].message.content, [x for e in content for x in (e.logprob, *(t.logprob for t in
+                                                                                      e.top_logprobs))]  # fmt: skip
+
+    greedy_text, greedy_logprobs = chat(0.0)
+    assert greedy_text and len(greedy_logprobs) == 8 * 3
+    for tiny in (1e-40, 1e-6):
+        text, logprobs = chat(tiny)
+        assert text == greedy_text and logprobs == pytest.approx(greedy_logprobs, abs=1e-5), tiny
+
+    def generate(temperature):
+        params = {"max_tokens": 8, "ignore_eos": True, "logprobs": 0, "temperature": temperature}
+        body = {"model": model_id, "token_ids": TOKEN_PROMPT, "sampling_params": params}
+        return httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=60).json()["choices"][0]
+
+    greedy, tiny = generate(0.0), generate(1e-40)
+    assert tiny["token_ids"] == greedy["token_ids"]
+    lps = [[e["logprob"] for e in choice["logprobs"]["content"]] for choice in (tiny, greedy)]
+    assert lps[0] == pytest.approx(lps[1], abs=1e-5)
+
+
 def test_streaming_chat_equals_the_non_streaming_answer(client, model_id):
     kwargs = dict(model=model_id, messages=STORY, max_tokens=16, seed=9, logprobs=True, n=2,
                   extra_body={"return_token_ids": True})  # fmt: skip

@@ -42,6 +42,19 @@ def test_greedy_takes_the_argmax_whatever_the_draw(filtered):
         assert tokens.tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("filtered", [False, True])
+def test_a_temperature_too_small_for_float32_is_greedy_with_finite_logprobs(filtered):
+    # logits / 1e-40 overflow to inf: the draw and its log-prob were NaN (an empty answer with null log-probs)
+    logits = _logits(rows=4)
+    extra = _filters(4, top_p=0.5) if filtered else {}
+    tiny = torch.tensor([1e-40, 1e-30, 1e-6, 0.0])
+    tokens, chosen, top_values, _ = sample(logits, tiny, torch.full((4,), 0.7), top_n=3, **extra)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1)  # as any greedy row: T = 1
+    assert torch.allclose(chosen, expected.gather(1, tokens[:, None])[:, 0], atol=1e-6)
+    assert torch.isfinite(top_values).all() and torch.allclose(top_values, expected.topk(3).values, atol=1e-6)
+
+
 def _counts(tokens, vocab):
     return torch.bincount(tokens, minlength=vocab).double() / len(tokens)
 
