@@ -28,7 +28,7 @@ function that takes rubric arguments by name (`completion`, `answer`, `info`, ..
 A train row whose prompt is also in the eval split (a duplicated row, an eval file overlapping the train file) is
 left out of training, with a warning, so eval stays held out. A row that cannot be used (not UTF-8, bad JSON, no
 prompt, no answer, an unknown split) fails loading with the file and line (or parquet row) named; nothing else is
-skipped.
+skipped. A file holding one JSON array is refused as such (the format is JSON Lines).
 """
 
 from __future__ import annotations
@@ -105,6 +105,12 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 raise DatasetError(f"{where}: not UTF-8 text (byte {bad:#04x} at offset {exc.start})") from None
             if not line.strip():
                 continue
+            if not out and line.lstrip().startswith("["):  # `json.dump(rows, f)`: read line by line it failed as
+                # "not valid JSON (Expecting value)" or "expected a JSON object, got list", never saying why
+                raise DatasetError(
+                    f"{where}: the file is a JSON array; a dataset file is JSON Lines, one object per line "
+                    f"(convert it: jq -c '.[]' {path} > {path.with_suffix('.jsonl').name})"
+                )
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:

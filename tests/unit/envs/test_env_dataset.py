@@ -154,6 +154,15 @@ def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_file_is_named_as_such(tmp_path, indent):
+    """`json.dump(rows, f)` (one line or pretty-printed) failed as "not valid JSON" or "got list" at line 1."""
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"prompt": "p", "answer": "a"}, {"prompt": "q", "answer": "b"}], indent=indent))
+    with pytest.raises(DatasetError, match=r"rows.json:1: the file is a JSON array; a dataset file is JSON Lines"):
+        load_environment("dataset", path=str(path), num_eval=1)
+
+
 def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path):
     """A stray Latin-1 byte failed loading with a bare UnicodeDecodeError that named neither the file nor the line."""
     path = tmp_path / "latin1.jsonl"
