@@ -123,15 +123,22 @@ class CheckpointManager:
         state = {"model": trainable_only(model, model_sd), "optim": optim_sd}
         check_saved_shapes(folder / "state", state["model"])
         drop_unsaved_master_weights(folder / "state", state["optim"])
+        saved_groups = saved_param_groups(folder / "state")
+        if saved_groups != len(optim_sd["param_groups"]):
+            # other parameter groups than the config builds (trainer.lora.lr_ratio_b 1 <-> not 1): DCP refused the
+            # whole checkpoint ("Missing key ... optim.param_groups.1.weight_decay"), a crash loop on every restart.
+            # The moments are per parameter: load them alone; the groups stay the config's (as their settings would)
+            state["optim"] = {"state": optim_sd["state"]}
         with _single_process_ok():
             dcp.load(state, checkpoint_id=folder / "state", no_dist=self.single)
+        state["optim"].setdefault("param_groups", optim_sd["param_groups"])
         partial = len(state["model"]) < len(model_sd)  # LoRA: the frozen base comes from the base model
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
             options=StateDictOptions(strict=not partial),
         )  # fmt: skip
         scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-        keep_configured_hyperparameters(optimizer, scheduler, configured, step)
+        keep_configured_hyperparameters(optimizer, scheduler, configured, step, saved_groups)
         rng_file = folder / f"rng_rank{self.ctx.rank}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -172,6 +179,14 @@ class CheckpointManager:
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""
         return self.entries.discard_after(step)
+
+
+def saved_param_groups(state_dir: Path) -> int:
+    """How many optimizer parameter groups checkpoint `state_dir` holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(state_dir)).read_metadata().state_dict_metadata
+    return sum(1 for key in metadata if key.startswith("optim.param_groups.") and key.endswith(".params"))
 
 
 def drop_unsaved_master_weights(state_dir: Path, optim_sd: dict[str, Any]) -> None:
@@ -229,18 +244,26 @@ def configured_hyperparameters(optimizer, scheduler) -> tuple[list[dict[str, Any
     return groups, list(scheduler.base_lrs)
 
 
-def keep_configured_hyperparameters(optimizer, scheduler, configured, step: int) -> None:
+def keep_configured_hyperparameters(
+    optimizer, scheduler, configured, step: int, saved_groups: int | None = None
+) -> None:
     """Put the config's optimizer settings back after loading a checkpoint, keeping its moments and step.
 
     torch restores every param group's `lr`, `betas`, `eps` and `weight_decay` with the optimizer state, and
     LambdaLR its `base_lrs`: a run resumed (or rewound with `ckpt.resume_step`) with a lower `optim.lr` kept
     training at the old one, silently. Here the config wins and the schedule continues at the checkpoint's
     step with the configured peak; with an unchanged config nothing is touched (resumes stay bit-exact).
+    A checkpoint of other parameter groups (`saved_groups`: `trainer.lora.lr_ratio_b` 1 <-> not 1 joins or splits
+    the adapters' groups) gave the moments alone: the groups are the config's, their lr set for the step here.
     """
     groups, base_lrs = configured
-    changed = [f"{key} {saved[key]} -> {value}" for saved, wanted in zip(optimizer.param_groups, groups, strict=True)
-               for key, value in wanted.items() if key != "initial_lr" and saved.get(key) != value]  # fmt: skip
-    changed += [f"lr {old} -> {new}" for old, new in zip(scheduler.base_lrs, base_lrs, strict=True) if old != new]
+    if saved_groups is not None and saved_groups != len(groups):
+        changed = [f"{saved_groups} parameter group(s) -> {len(groups)} (trainer.lora.lr_ratio_b)"]
+    else:
+        changed = [f"{key} {saved[key]} -> {value}"
+                   for saved, wanted in zip(optimizer.param_groups, groups, strict=True)
+                   for key, value in wanted.items() if key != "initial_lr" and saved.get(key) != value]  # fmt: skip
+        changed += [f"lr {old} -> {new}" for old, new in zip(scheduler.base_lrs, base_lrs, strict=True) if old != new]
     if not changed:
         return
     scheduler.base_lrs = base_lrs

@@ -136,3 +136,44 @@ def test_missing_checkpoint_is_a_clear_error(tiny_model, ctx, tmp_path):
     model, opt, sched = build(tiny_model)
     with pytest.raises(CheckpointError, match="checkpoint step 5"):
         manager.load(5, model, opt, sched)
+
+
+@pytest.mark.parametrize(("saved_ratio", "ratio"), [(1.0, 4.0), (4.0, 1.0)])
+def test_a_lora_run_resumed_with_another_lr_ratio_b_keeps_its_moments(tiny_model, ctx, tmp_path, caplog, saved_ratio,
+                                                                      ratio):  # fmt: skip
+    """`trainer.lora.lr_ratio_b` 1 <-> not 1 joins or splits the adapters' parameter groups: DCP refused the whole
+    checkpoint ("Missing key in checkpoint state_dict: optim.param_groups.1.weight_decay") at every restart. The
+    moments load per parameter, the groups and their lr are the config's at the checkpoint's step."""
+    from gyre.config.trainer import LoraConfig
+    from gyre_trainer.lora import apply_lora
+
+    manager = CheckpointManager(tmp_path / "ckpt", ctx)
+    cfg = OptimConfig(lr=1e-2, warmup_steps=2, scheduler="cosine")
+
+    def lora_run(lr_ratio_b):
+        torch.manual_seed(0)
+        lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], lr_ratio_b=lr_ratio_b)
+        model = apply_lora(load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float32), lora)
+        optimizer = build_optimizer(model, cfg, lr_ratio_b)
+        return model, optimizer, build_scheduler(optimizer, cfg, max_steps=10)
+
+    model, opt, sched = lora_run(saved_ratio)
+    for step in (1, 2, 3):
+        train(model, opt, sched, step)
+    manager.save(3, model, opt, sched)
+    names = {p: n for n, p in model.named_parameters()}
+    moments = {names[p]: s["exp_avg"].clone() for p, s in opt.state.items()}
+
+    model2, opt2, sched2 = lora_run(ratio)
+    with caplog.at_level("WARNING", logger="gyre_trainer.checkpoint"):
+        manager.load(3, model2, opt2, sched2)
+    assert "parameter group(s)" in caplog.text and "trainer.lora.lr_ratio_b" in caplog.text
+    names2 = {p: n for n, p in model2.named_parameters()}
+    assert {names2[p]: s["exp_avg"] for p, s in opt2.state.items()}.keys() == moments.keys()
+    assert all(torch.equal(opt2.state[p]["exp_avg"], moments[names2[p]]) for p in opt2.state)
+    multiplier = lr_multiplier(3, cfg, 10)
+    for group in opt2.param_groups:
+        is_b = all(".lora_B." in names2[p] for p in group["params"])
+        assert group["lr"] == pytest.approx(1e-2 * (ratio if is_b and ratio != 1 else 1.0) * multiplier)
+    train(model2, opt2, sched2, 4)
+    assert sched2.last_epoch == 4
