@@ -257,7 +257,8 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         elif request.tool_choice is not None:
             chat["tool_choice"] = request.tool_choice
     elif request.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice: only allowed when tools are specified", param="tool_choice")
+        # chat's error; "auto" and "none" are fine without tools here: a Response says tool_choice "auto" either way
+        raise APIError(400, "tool_choice: tool_choice is only allowed when tools are specified", param="tool_choice")
     if request.text is not None and request.text.format is not None:
         chat["response_format"] = request.text.format.as_response_format()
     if request.wants_logprobs:
