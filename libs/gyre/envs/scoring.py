@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 import threading
@@ -57,8 +58,11 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     from math_verify import parse, verify  # sympy is heavy: import on first use
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    reference = _E_NOTATION.sub(lambda m: _scientific(m, delimit=False), reference.replace("\u2212", "-"))
     gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout) or parse(reference, parsing_timeout=timeout)
-    tail = graded_tail(prediction)
+    tail = graded_tail(prediction).replace("\u2212", "-")  # a Unicode minus sign: math-verify read no number
+    in_latex = _latex_mask(tail)  # E notation inside LaTeX needs no delimiters of its own
+    tail = _E_NOTATION.sub(lambda m: _scientific(m, delimit=not in_latex[m.start()]), tail)
     predicted = parse(tail, parsing_timeout=timeout)
     if not predicted and "\\" in tail:  # a bare LaTeX reply ("\\sqrt{2}"): math-verify needs delimiters
         predicted = parse(f"\\boxed{{{tail}}}", parsing_timeout=timeout)
@@ -67,6 +71,59 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     if gold and predicted and not _in_gold_form(_answer_text(gold), _answer_text(predicted)):
         return False
     return bool(gold and predicted and verify(gold, predicted, timeout_seconds=timeout))
+
+
+# `1.5e3`, `-6.02E+23`: math-verify reads the `e` as Euler's number (1.5*E*3) or stops at it (1.5), so a valid answer
+# or a reference in E notation never matched. Exponents of up to 3 digits, so the rewrite stays short.
+_E_NOTATION = re.compile(r"(?<![\w.])([-+]?(?:\d+(?:\.\d*)?|\.\d+))[eE]([-+]?\d{1,3})(?!\w|\.\d)")
+
+
+def _scientific(match: re.Match[str], *, delimit: bool) -> str:
+    """An E-notation number as LaTeX scientific notation with a mantissa in [1, 10) (`15e2` is `1.5 \\times 10^{3}`),
+    inside `\\(...\\)` when it stands in a reply's text (math-verify reads LaTeX only inside delimiters)."""
+    value = decimal.Decimal(f"{match.group(1)}e{match.group(2)}")
+    if value == 0:
+        return "0"
+    exponent = value.adjusted()
+    mantissa = value.scaleb(-exponent).normalize()
+    latex = f"{mantissa:f} \\times 10^{{{exponent}}}"
+    return f"\\({latex}\\)" if delimit else latex
+
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+
+
+def _latex_mask(text: str) -> bytearray:
+    """1 at each position of `text` inside `$...$`, `\\(...\\)`, `\\[...\\]` or `\\boxed{...}` (one pass)."""
+    mask = bytearray(len(text))
+    dollar, paren, bracket, depth = False, 0, 0, 0
+    boxes: list[int] = []  # the brace depth outside each open \boxed{
+    i = 0
+    while i < len(text):
+        inside = dollar or paren > 0 or bracket > 0 or bool(boxes)
+        if text[i] == "\\":
+            if box := _BOXED.match(text, i):
+                boxes.append(depth)
+                depth += 1
+                i = box.end()
+                continue
+            pair = text[i : i + 2]
+            paren += {"\\(": 1, "\\)": -1 if paren else 0}.get(pair, 0)
+            bracket += {"\\[": 1, "\\]": -1 if bracket else 0}.get(pair, 0)
+            mask[i : i + 2] = bytes([inside, inside][: len(pair)])
+            i += 2
+            continue
+        if text[i] == "$":
+            dollar = not dollar
+        elif text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if boxes and depth == boxes[-1]:
+                boxes.pop()
+        mask[i] = inside
+        i += 1
+    return mask
 
 
 def _answer_text(parsed: list[Any]) -> str | None:

@@ -189,10 +189,29 @@ def test_math_equal_refuses_the_question_s_expression_for_a_number(reply, refere
         ("$\\{1, 2\\}$", "\\{1,2\\}"),
         ("\\boxed{3, 5}", "3, 5"),
         ("\\boxed{x=3}", "x=3"),
+        # E notation, which math-verify read as Euler's number (1.5*E*3) or cut at the e (1.5): never matched
+        ("1.5e3", "1500"),
+        ("The answer is 1.5e3.", "1500"),
+        ("\\boxed{1.5e3}", "1500"),
+        ("$1.5e3$", "1500"),
+        ("So $x=2$ and the answer is 15e2.", "1500"),
+        ("-1.5e-7", "-0.00000015"),
+        ("2E+3", "2000"),
+        ("1.2e-7", "1.2e-7"),
+        ("$1.5 \\times 10^{3}$", "1.5e3"),
+        ("6.02e23", "6.02 \\times 10^{23}"),
+        ("\u22123", "-3"),  # a Unicode minus sign: math-verify read no number
     ],
 )
 def test_math_equal_takes_every_valid_form_of_an_answer(reply, reference):
     assert math_equal(reply, reference) is True
+
+
+@pytest.mark.parametrize(
+    ("reply", "reference"), [("1.3e-7", "1.2e-7"), ("1e-7", "1e-5"), ("1.5e3 * 2", "3000"), ("3", "\u22123")]
+)
+def test_math_equal_compares_e_notation_and_unicode_minus_by_value(reply, reference):
+    assert math_equal(reply, reference) is False
 
 
 def test_math_equal_grades_the_tail_without_splitting_a_number():
