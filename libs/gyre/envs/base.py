@@ -68,6 +68,21 @@ class TaskSource:
             index += 1
 
 
+def distinct_tasks(draw: Callable[[int, str], Task], count: int, name: str) -> list[Task]:
+    """The eval split: `draw(i, task_id)` for i = 0, 1, ... until `count` tasks with distinct keys (a repeat is
+    skipped); ValueError naming the environment after `count * MAX_REDRAWS` draws."""
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for index in range(count * MAX_REDRAWS):
+        task = draw(index, f"eval-{len(tasks)}")
+        if task.key not in seen:
+            seen.add(task.key)
+            tasks.append(task)
+            if len(tasks) == count:
+                return tasks
+    raise ValueError(f"{name}: could not draw {count} distinct eval tasks; lower num_eval")
+
+
 def hold_out(items: list, num_eval: int, salt: str) -> tuple[list, list]:
     """(train, eval): `num_eval` of `items` held out for eval, chosen by a seed (`salt`), order kept."""
     held = set(random.Random(salt).sample(range(len(items)), num_eval))
@@ -156,16 +171,10 @@ class Environment:
 
     @cached_property
     def _eval_tasks(self) -> list[Task]:
-        tasks: list[Task] = []
-        seen: set[str] = set()
-        for draw in range(self.num_eval * MAX_REDRAWS):
-            task = self.make_task(random.Random(f"{self.name}/eval/{self.eval_seed}/{draw}"), f"eval-{len(tasks)}")
-            if task.key not in seen:
-                seen.add(task.key)
-                tasks.append(task)
-                if len(tasks) == self.num_eval:
-                    return tasks
-        raise ValueError(f"{self.name}: could not draw {self.num_eval} distinct eval tasks; lower num_eval")
+        def draw(index: int, task_id: str) -> Task:
+            return self.make_task(random.Random(f"{self.name}/eval/{self.eval_seed}/{index}"), task_id)
+
+        return distinct_tasks(draw, self.num_eval, self.name)
 
     @cached_property
     def _eval_keys(self) -> frozenset[str]:

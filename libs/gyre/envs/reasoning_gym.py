@@ -23,7 +23,7 @@ import re
 from functools import cached_property
 from typing import Any
 
-from gyre.envs.base import MAX_REDRAWS, SingleTurnEnv, TaskSource
+from gyre.envs.base import MAX_REDRAWS, SingleTurnEnv, TaskSource, distinct_tasks
 from gyre.envs.parsers import Parser
 from gyre.envs.reply_guard import reply_is_data
 from gyre.envs.rubric import Rubric
@@ -117,20 +117,17 @@ class ReasoningGymEnv(SingleTurnEnv):
         """The eval dataset's items, each question once: at an easy config two seeds draw the same question (28 of
         chain_sum's 128 at 2 one-digit terms), which counted it twice in every eval; a repeat is replaced by the next
         item of the same seeded dataset, so the eval split is `num_eval` distinct tasks as in every environment."""
-        tasks: list[Task] = []
-        seen: set[str] = set()
-        source = self.eval_data
-        for index in range(self.num_eval * MAX_REDRAWS):
-            if index == len(self.eval_data):  # items past num_eval: reasoning-gym draws item i lazily from seed + i
+        more: list[Any] = []  # items past num_eval: reasoning-gym draws item i lazily from seed + i
+
+        def draw(index: int, task_id: str) -> Task:
+            if index < len(self.eval_data):
+                return self._task(self.eval_data[index], task_id)
+            if not more:
                 size = self.num_eval * MAX_REDRAWS
-                source = self._create(self.dataset, seed=self.eval_seed, size=size, **self.config)
-            task = self._task(source[index], f"eval-{len(tasks)}")
-            if task.key not in seen:
-                seen.add(task.key)
-                tasks.append(task)
-                if len(tasks) == self.num_eval:
-                    return tasks
-        raise ValueError(f"{self.name}: could not draw {self.num_eval} distinct eval tasks; lower num_eval")
+                more.append(self._create(self.dataset, seed=self.eval_seed, size=size, **self.config))
+            return self._task(more[0][index], task_id)
+
+        return distinct_tasks(draw, self.num_eval, self.name)
 
     def _train_data(self, seed: int, chunk: int):
         digest = hashlib.sha256(f"{self.dataset}/train/{seed}/{chunk}".encode()).digest()
