@@ -111,6 +111,22 @@ async def test_exact_and_math_rewards(tmp_path, sampling):
     assert await reward_of(math, task, "6/8", sampling) == 0.0
 
 
+@pytest.mark.asyncio
+async def test_a_small_or_large_numeric_answer_column_is_gradable(tmp_path, sampling):
+    """A JSON number becomes its Python text: 0.00001 is "1e-05", which math-verify read as 1*E - 5, so no reply
+    ever scored on such a row."""
+    path = write_jsonl(tmp_path / "n.jsonl", [{"prompt": "tiny?", "answer": 0.00001, "split": "eval"},
+                                              {"prompt": "huge?", "answer": 1e22, "split": "eval"},
+                                              {"prompt": "p", "answer": "a"}])  # fmt: skip
+    env = load_environment("dataset", path=str(path), reward="math")
+    tiny, huge = env.tasks("eval")
+    assert (tiny.answer, huge.answer) == ("1e-05", "1e+22")
+    assert await reward_of(env, tiny, "0.00001", sampling) == 1.0
+    assert await reward_of(env, tiny, "The answer is $1 \\times 10^{-5}$.", sampling) == 1.0
+    assert await reward_of(env, tiny, "0.00002", sampling) == 0.0
+    assert await reward_of(env, huge, "1e22", sampling) == 1.0
+
+
 REWARD_MODULE = '''
 def starts_like(completion, answer, info) -> float:
     """Reward by a column the environment does not know about."""
