@@ -31,18 +31,19 @@ def test_autoscaling_without_keda_is_refused_at_render_naming_the_value_and_keda
     # what a `helm template` user does instead
     assert "--api-versions keda.sh/v1alpha1/ScaledObject" in message
     assert "assumeApiVersions: [keda.sh/v1alpha1]" in message
-    # a cluster serving KEDA's group but not the kind (another version's CRDs) is refused as well
-    assert "install KEDA" in refusal(AUTOSCALED, ("keda.sh/v1alpha1",))
+    # a cluster whose discovery lists KEDA's group/version with other kinds only is refused as well
+    assert "install KEDA" in refusal(AUTOSCALED, ("keda.sh/v1alpha1", "keda.sh/v1alpha1/ScaledJob"))
 
 
 @pytest.mark.parametrize(
     ("values", "apis"),
     [
         ({}, KEDA_APIS),  # helm install on a cluster with KEDA (or helm template --api-versions)
+        ({}, ("keda.sh/v1alpha1",)),  # --api-versions with the group/version only (Argo CD's older releases)
         ({"assumeApiVersions": ["keda.sh/v1alpha1"]}, ()),  # helm template, the group/version named
         ({"assumeApiVersions": ["keda.sh/v1alpha1/ScaledObject"]}, ()),  # ... or the kind
     ],
-    ids=["served", "assumed-group-version", "assumed-kind"],
+    ids=["served", "served-group-version", "assumed-group-version", "assumed-kind"],
 )
 def test_autoscaling_renders_its_scaled_object_where_keda_is_served_or_assumed(values, apis):
     assert kinds({**AUTOSCALED, **values}, apis).count("ScaledObject") == 1

@@ -874,11 +874,18 @@ Optional APIs (CRDs of other projects: KEDA, the Prometheus operator). "true" wh
 ("group/version/Kind"): `.Capabilities` holds what `helm install/upgrade` discovered on the API server, but
 `helm template` knows only the built-in APIs (plus its `--api-versions`), so `assumeApiVersions` may name
 an API (as group/version or group/version/Kind) for a render with no cluster to ask (CI, GitOps).
+A group/version in `.Capabilities` without any of its kinds comes from `--api-versions` (Argo CD's older
+releases pass group/versions only) and counts for every kind: discovery lists each served kind too, so
+there a group/version whose kind is missing (another version's CRDs) does not count.
 */}}
 {{- define "gyre.serves" -}}
+{{- $caps := .root.Capabilities.APIVersions -}}
 {{- $groupVersion := .api | splitList "/" | initial | join "/" -}}
 {{- $assumed := .root.Values.assumeApiVersions | default list -}}
-{{- if or (.root.Capabilities.APIVersions.Has .api) (has .api $assumed) (has $groupVersion $assumed) -}}true{{- end -}}
+{{- $kindsListed := false -}}
+{{- range $caps }}{{ if hasPrefix (printf "%s/" $groupVersion) . }}{{ $kindsListed = true }}{{ end }}{{ end -}}
+{{- $versionOnly := and ($caps.Has $groupVersion) (not $kindsListed) -}}
+{{- if or ($caps.Has .api) $versionOnly (has .api $assumed) (has $groupVersion $assumed) -}}true{{- end -}}
 {{- end -}}
 
 {{/*
