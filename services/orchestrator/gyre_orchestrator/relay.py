@@ -187,7 +187,8 @@ class WeightRelay:
 
     def _all_serve(self, step: int) -> bool:
         live = [r for r in self.replicas if self.replicas.in_rotation(r)]
-        return bool(live) and all(r.version is not None and r.version >= step for r in live)
+        # confirmed: a replica whose cooldown ended is back in rotation before a probe says what it serves now
+        return bool(live) and all(r.confirmed and r.version is not None and r.version >= step for r in live)
 
     # ---- the loop -------------------------------------------------------------------------------
     def _on_replicas_changed(self) -> None:

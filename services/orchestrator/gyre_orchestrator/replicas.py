@@ -55,6 +55,10 @@ class Replica:
     failures: int = 0  # consecutive
     retry_at: float = 0.0  # monotonic time before which it is out of rotation
     last_error: str | None = None
+    # False from a failure until a status probe or a weights update says which version it serves: a replica that
+    # failed may have restarted on other weights, so the version known from before is no evidence of what it
+    # serves once its cooldown is over (a request that succeeds meanwhile never lowers it: `observe_version`)
+    confirmed: bool = True
     clients: dict[str, Any] = field(default_factory=dict)  # lazily built HTTP/gRPC clients, closed on removal
 
     @property
@@ -132,6 +136,7 @@ class ReplicaSet:
 
     def mark_failed(self, replica: Replica, error: BaseException | str) -> None:
         replica.last_error = str(error) or type(error).__name__
+        replica.confirmed = False
         if self.clock() < replica.retry_at:
             return  # already out: the other requests that were in flight when it broke are the same outage
         replica.failures += 1
@@ -147,7 +152,10 @@ class ReplicaSet:
         self._notify()
 
     def mark_ok(self, replica: Replica, version: int | None = None) -> None:
-        changed = replica.failures > 0
+        """A success; with `version` (a status probe, a weights update) also what it serves, which confirms it."""
+        changed = replica.failures > 0 or (version is not None and not replica.confirmed)
+        if version is not None:
+            replica.confirmed = True
         if replica.failures:
             log.info("replica %s is healthy again", replica.url)
         replica.failures = 0
@@ -169,8 +177,10 @@ class ReplicaSet:
         Only the relay's status probes may lower a known version (a restarted replica): a completion
         that finished just before a swap can arrive after the relay recorded the new version.
         """
-        if replica.version is None or version > replica.version:
+        known = replica.version
+        if known is None or version > known or (version == known and not replica.confirmed):
             replica.version = version
+            replica.confirmed = True  # it answered from that version after its failure: what it serves now
             self._notify()
         elif version < replica.version:
             # most likely a restart on older weights: ask for a status probe now rather than at the next tick
@@ -180,17 +190,22 @@ class ReplicaSet:
     def served_versions(self) -> set[int]:
         return {r.version for r in self.replicas.values() if r.version is not None}
 
+    def serves(self, replica: Replica, min_version: int) -> bool:
+        """In rotation and known to serve a version >= `min_version` (anything, for 0), confirmed since its last
+        failure."""
+        if not self.in_rotation(replica):
+            return False
+        version = replica.version if replica.confirmed else None
+        return min_version <= 0 or (version is not None and version >= min_version)
+
     def max_healthy_version(self) -> int | None:
-        versions = [r.version for r in self.replicas.values() if r.version is not None and self.in_rotation(r)]
+        versions = [r.version for r in self.replicas.values()
+                    if r.version is not None and r.confirmed and self.in_rotation(r)]  # fmt: skip
         return max(versions) if versions else None
 
     # ---- routing --------------------------------------------------------------------------------
     def eligible(self, min_version: int = 0) -> list[Replica]:
-        return [
-            r
-            for r in self.replicas.values()
-            if self.in_rotation(r) and (min_version <= 0 or (r.version is not None and r.version >= min_version))
-        ]
+        return [r for r in self.replicas.values() if self.serves(r, min_version)]
 
     async def acquire(self, min_version: int = 0, timeout: float | None = None) -> Replica:
         """The eligible replica with the fewest requests in flight (waits for one; `NoReplicaAvailable`)."""

@@ -183,6 +183,45 @@ async def test_relay_brings_back_a_replica_that_fell_back_to_the_base_model(tmp_
             await close_replica_clients(list(replica_set))
 
 
+async def test_a_replica_restarted_on_the_base_model_is_not_taken_for_the_version_it_served(
+    tmp_path, start_inference, tiny_model
+):
+    """Audit: a replica killed and restarted (the base model, version 0) came back into rotation when its cooldown
+    ended still known to serve version 1: until the next probe, `wait_served(1)` said every replica served 1 (the
+    final-weights wait exited on it), and rollouts of floor 1 went to it."""
+    from support.inference import InferenceServer
+
+    replica = start_inference()
+    store = WeightStore(tmp_path / "weights")
+    publish_weights(store, 1, tiny_model)
+    replica_set = ReplicaSet(static_endpoints([replica.url], [replica.control], 0), cooldown_s=0.5)
+    relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), probe_interval_s=3.0,
+                        probe_timeout_s=1.0, poll_store_s=0.2)  # fmt: skip
+    (known,) = list(replica_set)
+    restarted = None
+    try:
+        await relay.start()
+        assert await relay.wait_served(1, timeout=60) and known.version == 1
+        port, control = replica.url.rsplit(":", 1)[1], replica.control.rsplit(":", 1)[1]
+        replica.kill()
+        deadline = asyncio.get_running_loop().time() + 30
+        while not known.failures:  # the next probe finds it gone
+            assert asyncio.get_running_loop().time() < deadline, "the relay did not notice the replica died"
+            await asyncio.sleep(0.05)
+        restarted = await asyncio.to_thread(
+            InferenceServer, tiny_model, "--server.port", port, "--control.port", control, log_dir=tmp_path
+        )
+        assert restarted.status().step == 0
+        assert await relay.wait_served(1, timeout=60)
+        assert restarted.status().step == 1  # said once it was so, not on the version known from before
+        assert replica_set.eligible(1) == [known] and known.version == 1
+    finally:
+        await relay.stop()
+        await close_replica_clients(list(replica_set))
+        if restarted is not None:
+            restarted.stop()
+
+
 async def test_spilled_batches_are_deleted_once_trained(tmp_path, redis_url, unique_run_id, replicas, tiny_model):
     # audit: every payload above batch.inline_max_bytes (8 MiB: a real batch) stayed in {output_dir}/batches/
     # for good, one file per step, until the shared volume filled up

@@ -84,6 +84,37 @@ async def test_min_version_routing_and_waiting():
 
 
 @pytest.mark.asyncio
+async def test_a_replica_back_from_its_cooldown_is_trusted_with_no_version_until_a_probe_says_which():
+    # audit: a replica that failed (killed, then restarted on the base model) came back into rotation when its
+    # cooldown ended still "serving" the version known from before: requests of floor 2 went to a replica serving
+    # 0, max_healthy_version counted it, and the relay's wait_served(2) said every replica served 2
+    clock = Clock()
+    rs = two(clock)
+    a, b = rs.replicas["http://a:1"], rs.replicas["http://b:1"]
+    rs.mark_ok(a, version=2)
+    rs.mark_ok(b, version=1)
+    rs.mark_failed(a, "connection refused")  # the process died
+    clock.now += 5
+    assert rs.in_rotation(a) and a.version == 2  # half-open: back in rotation, its old version unconfirmed
+    assert rs.eligible(2) == [] and [r.url for r in rs.eligible(1)] == ["http://b:1"]
+    assert {r.url for r in rs.eligible(0)} == {"http://a:1", "http://b:1"}  # the base model's requests: anyone
+    assert rs.max_healthy_version() == 1
+    rs.mark_ok(a)  # a request succeeded: alive, but which version it serves is still unknown
+    assert a.failures == 0 and rs.eligible(2) == []
+    waiter = asyncio.create_task(rs.acquire(min_version=1, timeout=5))
+    await asyncio.sleep(0)
+    rs.mark_ok(a, version=0)  # the relay's probe: restarted on the base model
+    assert rs.eligible(1) == [b] and rs.max_healthy_version() == 1
+    assert await asyncio.wait_for(waiter, 1) is b
+    rs.mark_ok(a, version=2)  # updated by the relay (its reply says so)
+    assert rs.eligible(2) == [a] and rs.max_healthy_version() == 2
+    rs.mark_failed(b, "timeout")
+    clock.now += 5
+    rs.observe_version(b, 1)  # a floor-0 completion from version 1: it serves 1 now
+    assert rs.eligible(1) == [a, b]
+
+
+@pytest.mark.asyncio
 async def test_observed_versions_only_go_up():
     rs = two()
     a = rs.replicas["http://a:1"]
