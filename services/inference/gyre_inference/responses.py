@@ -215,12 +215,13 @@ class ResponsesRequest(StrictModel):
         return "message.output_text.logprobs" in (self.include or []) or bool(self.top_logprobs)
 
 
-def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request that computes `request`'s response (validated like any chat request)."""
+def to_chat(request: ResponsesRequest) -> tuple[ChatCompletionRequest, ChatNames]:
+    """The chat completion request that computes `request`'s response (validated like any chat request), and how
+    its fields are called in `request` (for the errors the chat machinery raises)."""
     messages: list[dict] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
-    origin: list[int | None] = [None] * len(messages)  # the input item each message comes from
+    origin: list[list[int]] = [[] for _ in messages]  # per message, the input items it comes from (none: instructions)
     items = [InputMessage(role="user", content=request.input)] if isinstance(request.input, str) else request.input
     for j, item in enumerate(items):
         if isinstance(item, InputMessage):
@@ -234,15 +235,22 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # calls after the assistant's text: one turn
                 last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origin[-1].append(j)
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-        origin += [j] * (len(messages) - len(origin))
+        origin.append([j])
+    names = ChatNames(items if isinstance(request.input, list) else None, origin)
     if not messages:
-        raise APIError(400, "input: give at least one message", param="input")
+        raise APIError(
+            400,
+            "Invalid 'input': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+            param="input",
+            code="empty_array",
+        )  # chat's error for no messages
     if (wrong := tool_reply_error(messages)) is not None:
-        j = origin[wrong[0]]
+        j = origin[wrong[0]][0]
         raise APIError(400, f"input.{j}: no function_call with call_id {items[j].call_id!r} in the turn before this "
                             "function_call_output", param=f"input.{j}")  # fmt: skip
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream,
@@ -266,21 +274,62 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
     if request.stream and request.stream_options is not None:
         chat["stream_options"] = request.stream_options.model_dump(exclude_none=True)
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None}), names
     except ValidationError as error:  # what the chat rules refuse, named by this request's field
         first = error.errors()[0]
         message = first["msg"].removeprefix("Value error, ")
         if not first["loc"]:  # a rule across fields (tool_choice required with text.format, ...): the field it names
             broken = (first.get("ctx") or {}).get("error")
-            param = _CHAT_FIELDS.get(broken.param, broken.param) if isinstance(broken, ParamError) else None
-            raise APIError(400, message, param=param) from None
-        field = _CHAT_FIELDS.get(str(first["loc"][0]), str(first["loc"][0]))
-        where = ".".join([field, *(str(p) for p in first["loc"][1:])])
-        raise APIError(400, f"{where}: {message}", param=field) from None
+            param = names.param(broken.param) if isinstance(broken, ParamError) else None
+            raise APIError(400, message, param=param, code=getattr(broken, "code", None)) from None
+        param = names.param(".".join(str(p) for p in first["loc"]))
+        raise APIError(400, f"{param}: {message}", param=param) from None
 
 
-# chat request fields a Responses request calls otherwise
-_CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+class ChatNames:
+    """Names a Responses request gives the fields of the chat request it runs as: `messages.3.content` is
+    `input.2.content` after instructions (the system message first), `instructions` itself, or the `output` of a
+    function_call_output; `response_format` is `text.format`, `tools.0.function.parameters` `tools.0.parameters`."""
+
+    def __init__(self, items: list | None, origin: list[list[int]]):
+        self.items, self.origin = items, origin  # items None: the input was one string
+
+    def param(self, chat: str | None) -> str | None:
+        if chat is None:
+            return None
+        head, *rest = chat.split(".")
+        if head == "response_format":
+            return ".".join(["text.format", *(rest[1:] if rest[:1] == ["json_schema"] else rest)])
+        if head == "max_completion_tokens":
+            return "max_output_tokens"
+        if head == "tools" and rest[1:2] == ["function"]:
+            return ".".join(["tools", rest[0], *rest[2:]])
+        if head != "messages":
+            return chat
+        if not rest or not rest[0].isdigit() or int(rest[0]) >= len(self.origin):
+            return "input"
+        sources, rest = self.origin[int(rest[0])], rest[1:]
+        if not sources:
+            return "instructions"
+        if self.items is None:
+            return "input"
+        calls = [j for j in sources if isinstance(self.items[j], FunctionCallItem)]
+        if rest[:1] == ["tool_calls"] and len(rest) > 1 and rest[1].isdigit() and int(rest[1]) < len(calls):
+            return ".".join([f"input.{calls[int(rest[1])]}", *rest[3:]])  # tool_calls.K.function.arguments
+        j = sources[0]
+        if isinstance(self.items[j], FunctionCallOutputItem):
+            return f"input.{j}.output" if rest[:1] == ["content"] else f"input.{j}"
+        return ".".join([f"input.{j}", *rest])
+
+    def error(self, error: APIError) -> APIError:
+        """`error`, raised by the chat machinery, with this request's names (param and the message's head)."""
+        param = self.param(error.param)
+        if param == error.param:
+            return error
+        message = error.message
+        if error.param and message.startswith(error.param):
+            message = param + message[len(error.param) :]
+        return APIError(error.status, message, param=param, code=error.code, type=error.type)
 
 
 def _plain(content) -> str | list[dict]:
@@ -289,7 +338,11 @@ def _plain(content) -> str | list[dict]:
 
 async def respond(serving, request: ResponsesRequest, started: float, client_gone=None):
     """Answer `request` on `serving` (gyre_inference.serving.Serving): a Response body or its event stream."""
-    job = await serving.chat_job(to_chat(request), started, kind="responses")
+    chat, names = to_chat(request)
+    try:
+        job = await serving.chat_job(chat, started, kind="responses")
+    except APIError as error:  # named as the chat request calls its fields: named as this one does
+        raise names.error(error) from None
     shaper = ResponseShaper(request, serving, job)
     return await serving._respond(job, client_gone, body=shaper.body, stream=shaper.stream)
 

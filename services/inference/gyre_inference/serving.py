@@ -103,7 +103,7 @@ class Serving:
         self._check_model(request.model)
         if request.tools:
             forced = {tool.function.name for tool in request.forced_tools or []}
-            await asyncio.to_thread(check_tool_schemas, request.tools, forced, kind)
+            await asyncio.to_thread(check_tool_schemas, request.tools, forced)
         parse_tools = bool(request.tools) and request.tool_choice != "none"  # auto, required or named
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if parse_tools else None
         messages = [message.model_dump(exclude_none=True) for message in request.messages]
@@ -503,15 +503,15 @@ def check_tool_replies(messages: list[dict]) -> None:
         raise APIError(400, f"messages.{i}.{field}: {reason}", param=f"messages.{i}.{field}")
 
 
-def check_tool_schemas(tools: list[Tool], forced: Collection[str] = (), kind: str = "chat") -> None:
+def check_tool_schemas(tools: list[Tool], forced: Collection[str] = ()) -> None:
     """400 naming the tool whose `parameters` is not a valid JSON schema, whatever `tool_choice` says (as
     OpenAI); the tools a call is forced to (`forced`: their names) must also be schemas the grammar engine can
-    enforce. `kind` "responses": named as /v1/responses names them."""
+    enforce."""
     for i, tool in enumerate(tools):
         function = tool.function
         if function.parameters is None:
             continue
-        param = f"tools.{i}.parameters" if kind == "responses" else f"tools.{i}.function.parameters"
+        param = f"tools.{i}.function.parameters"
         try:
             check_schema(function.parameters, enforced=False)
         except GuideError as error:

@@ -179,6 +179,9 @@ def test_what_a_stateless_text_server_cannot_do_is_a_clear_400(http, model_id, f
          "tool_choice", "not one of the tools"),
         ({"tools": [{"type": "function", "name": "add"}], "tool_choice": "required",
           "text": {"format": {"type": "json_object"}}}, "tool_choice", "constrains the output"),  # was param null
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format",
+         "text.format: the grammar engine refused it"),  # was response_format
+        ({"input": []}, "input", "Invalid 'input': empty array"),  # as chat's empty messages (code empty_array)
     ],
 )  # fmt: skip
 def test_errors_name_this_requests_fields_not_the_chat_requests(http, model_id, fields, param, says):
@@ -187,6 +190,35 @@ def test_errors_name_this_requests_fields_not_the_chat_requests(http, model_id, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"] and "messages" not in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ('"input": "hi \\ud800"', "input"),
+        ('"instructions": "be \\ud800", "input": "hi"', "instructions"),
+        ('"instructions": "x", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "\\ud800"}]',
+         "input.1.content"),  # the instructions' system message is messages.0: this was messages.2.content
+        ('"input": [{"role": "user", "content": [{"type": "input_text", "text": "\\ud800"}]}]',
+         "input.0.content.0.text"),
+        ('"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"type": "function_call", '
+         '"call_id": "c", "name": "f", "arguments": "{}"}, {"type": "function_call", "call_id": "d", "name": "f", '
+         '"arguments": "\\ud800"}]', "input.3.arguments"),  # the second call of the assistant turn at messages.1
+        ('"input": [{"role": "user", "content": "a"}, {"type": "function_call", "call_id": "c", "name": "f", '
+         '"arguments": "{}"}, {"type": "function_call_output", "call_id": "c", "output": "\\ud800"}]',
+         "input.2.output"),
+        ('"input": "hi", "tools": [{"type": "function", "name": "f", "description": "\\ud800"}]',
+         "tools.0.description"),
+    ],
+)  # fmt: skip
+def test_errors_of_the_prompt_name_the_input_item_and_field(http, model_id, fields, param):
+    # Text that cannot be tokenized (a lone surrogate) is found while the chat prompt is built: its error named the
+    # chat request's messages.N (N off by one after instructions) and tools.N.function.description
+    body = f'{{"model": "{model_id}", "max_output_tokens": 16, {fields}}}'
+    response = http.post("/v1/responses", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: the text holds a lone"), error
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
