@@ -104,3 +104,41 @@ def test_fsdp2_bf16_steps_float32_master_weights_and_checkpoints_them(
     assert meta[f"optim.state.{weight}.master"].properties.dtype == torch.float32
     assert meta[f"optim.state.{weight}.master"].size == meta[f"model.{weight}"].size  # the whole tensor, sharded
     assert meta[f"optim.state.{weight}.exp_avg"].properties.dtype == torch.float32
+
+
+def test_sigterm_to_torchrun_checkpoints_the_last_step_on_every_rank_and_the_restart_resumes_it(
+    tiny_model, redis_url, unique_run_id, tmp_path
+):
+    """What a Kubernetes trainer pod gets when it is evicted: SIGTERM to torchrun (the container's first process),
+    which forwards it to its workers. Both ranks stop after the same step and save its checkpoint together (one
+    shard per rank, no ckpt.interval); the restart loads it and trains on from the next step."""
+    import signal
+    import subprocess
+
+    from trainer_testlib import PYTHON, REPO, child_env, kill_group, wait_for_steps
+
+    stream = BatchStream(redis_url, unique_run_id)
+    push_batches(stream, (1, 2), ranks=2, rows_per_rank=1, num_samples=6)
+    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, 4, **{"data.micro-batch-size": 1})
+    log = tmp_path / "torchrun.log"
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "gyre_trainer.main"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([*cmd, *argv], stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+    try:
+        assert wait_for_steps(tmp_path, 2, proc, timeout=240) == [1, 2], log.read_text()[-5000:]
+        proc.send_signal(signal.SIGTERM)  # torchrun alone, as the kubelet does; it forwards it to the workers
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    folder = tmp_path / "checkpoints" / "trainer" / "step_2"
+    assert sorted(p.name for p in (folder / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert (folder / "rng_rank0.pt").is_file() and (folder / "rng_rank1.pt").is_file(), log.read_text()[-5000:]
+
+    push_batches(stream, (3, 4), ranks=2, rows_per_rank=1, num_samples=6)
+    before = log.stat().st_size
+    assert torchrun(argv, log) == 0, log.read_text()[-5000:]
+    assert trained_steps(tmp_path) == [1, 2, 3, 4]
+    resumed = log.read_text()[before:]
+    assert "loaded checkpoint step 2" in resumed and "not bit-exact" not in resumed
