@@ -264,6 +264,8 @@ def test_ctrl_c_while_the_base_model_is_created_leaves_no_half_model_and_fresh_s
     code, err = fresh.wait(timeout=400)
     assert code == 0, err[-4000:]
     assert trained_steps(out) == [1] and not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+    # how the model was made, which a re-run asking for another preset or seed is refused by
+    assert 'init_preset = "tiny"' in (out / "configs" / "model-init.toml").read_text()
 
 
 def test_fresh_with_an_external_redis_deletes_the_previous_runs_batches(tmp_path):

@@ -100,7 +100,10 @@ def test_a_reused_sft_warm_up_of_another_base_model_is_refused(tmp_path):
     launched(out, *sft)
     (out / "sft").mkdir()
     (out / "sft" / "config.json").write_text("{}")
-    (out / "configs" / "sft.toml").write_text(f'[model]\nname = "{out / "model"}"\n')
+    from gyre.config.trainer import SFTConfig
+
+    trained = load_config(SFTConfig, ["--model.name", str(out / "model"), "--data.fake", "--output-dir", str(out)])
+    (out / "configs" / "sft.toml").write_text(to_toml(trained))
     validate(out, *sft)
     with pytest.raises(ConfigError, match=r"^config key 'model.name': the SFT warm-up in .* was trained from"):
         validate(out, *sft, "--model.name", str(ROOT / "configs"))
@@ -160,3 +163,49 @@ def test_a_lock_holder_tells_what_it_asked_for_while_it_lives(tmp_path):
         holder.kill()
         holder.wait()
     assert running_holder(tmp_path, "orchestrator") is None  # died: its stale file tells nothing
+
+
+SFT_ARGS = ["--sft.args", '{"max_steps": 2, "data": {"env": "reverse_text", "seq_len": 128}}']
+
+
+def made(out: Path, *argv: str) -> None:
+    """`out` as a launch of `gyre rl @ ci.toml *argv` left it before RL trained a step: the base model it created
+    (and the record of how) and its finished SFT warm-up with the config it was trained with."""
+    from gyre.config.loader import deep_merge
+    from gyre.config.trainer import SFTConfig
+    from gyre.local.launcher import MODEL_INIT_RECORD, Launcher
+
+    cfg = load_config(RLConfig, [*CI, *argv, "--output-dir", str(out)])
+    for folder in ("model", "sft"):
+        (out / folder).mkdir(parents=True)
+        (out / folder / "config.json").write_text("{}")
+        (out / folder / "model.safetensors").write_text("")
+    (out / "configs").mkdir()
+    (out / MODEL_INIT_RECORD).write_text(f'init_preset = "tiny"\ninit_seed = 0\noutput_dir = "{out / "model"}"\n')
+    values = {"run_id": cfg.run_id, "output_dir": str(out), "model": {"name": str(out / "model")},
+              "save_dir": str(out / "sft"), "log": {"level": "INFO"}}  # fmt: skip
+    (out / "configs" / "sft.toml").write_text(to_toml(load_config(SFTConfig, [], **deep_merge(values, cfg.sft.args))))
+    assert Launcher(cfg).validate() is None  # the same command again: nothing changed
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "said"),
+    [
+        (["--model.init-seed", "1"], "model.init_seed", "created with init_seed = 0, not 1"),
+        (["--model.init-preset", "small"], "model.init_preset", "created with init_preset = 'tiny', not 'small'"),
+        (["--sft.args.max-steps", "5"], "sft.args.max_steps", "trained with max_steps = 2, not 5"),
+        (["--sft.args.optim.lr", "0.5"], "sft.args.optim.lr", "not 0.5"),
+        (["--sft.args.data.num-examples", "64"], "sft.args.data.num_examples", "not 64"),
+    ],
+)
+def test_a_base_model_or_warm_up_unlike_the_one_made_is_refused_not_ignored(tmp_path, argv, key, said):
+    # neither is made again once it exists: a re-run asking for another preset, seed or SFT went on silently from
+    # the old ones (before RL trained a step too, which refuse_changed_run_keys leaves free)
+    out = tmp_path / "run"
+    made(out, *SFT_ARGS)
+    with pytest.raises(ConfigError) as e:
+        validate(out, *SFT_ARGS, *argv)
+    assert str(e.value).startswith(f"config key '{key}':") and said in str(e.value), e.value
+    assert "--fresh" in str(e.value)
+    validate(out, *SFT_ARGS, *argv, "--fresh")  # starting over takes any
+    validate(out, *SFT_ARGS, "--sft.args.log.level", "DEBUG", "--sft.args.ckpt.interval", "1")  # not the result's

@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
-from gyre.config.loader import check_environment_keys, under_section
+from gyre.config.loader import check_environment_keys, dump_toml, under_section
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
+from gyre.fsio import write_atomic
 from gyre.inference_process import InferenceProcess, NotReady
 from gyre.local.runs import (
     ServiceConfigs,
@@ -70,6 +71,10 @@ RUN_MARKERS = ("configs/trainer.toml", "configs/sft.toml", "events/*.jsonl")
 # What gyre writes a folder under before renaming it into view (gyre.fsio, `gyre model init`, `gyre sft`'s result):
 # a child stopped while writing one (Ctrl-C during start-up) leaves it behind.
 STAGING_PREFIX = ".tmp-"
+# What the launcher created the base model with (`model.init_preset`, `model.init_seed`), beside the services' configs.
+MODEL_INIT_RECORD = "configs/model-init.toml"
+# `gyre sft` keys that do not shape its result (or are the run's, checked elsewhere): free on a re-run.
+SFT_FREE_KEYS = ("run_id", "output_dir", "save_dir", "log", "wandb", "ckpt")
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's children finish their current step on SIGTERM
 
 
@@ -114,6 +119,32 @@ def _check_model(name: str, **how: str) -> None:
 
     check_model_source(name, hub=False, **how)  # a folder's weights
     check_model_source(name, **how)  # a folder's config.json (a file is none), a hub id's fetch
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def _dotted_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in values.items():
+        out |= _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return out
+
+
+def _first_difference(old: Any, new: Any, explicit: set[str], prefix: str = "") -> tuple[str, Any, Any] | None:
+    """(dotted key, old value, new value) of the first key whose value differs between two config dicts; a key that
+    one of them lacks counts only when it is in `explicit`."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            dotted = f"{prefix}{key}"
+            if (key not in old or key not in new) and not any(k == dotted or k.startswith(dotted + ".")
+                                                              for k in explicit):  # fmt: skip
+                continue
+            if (found := _first_difference(old.get(key), new.get(key), explicit, dotted + ".")) is not None:
+                return found
+        return None
+    return None if old == new else (prefix.rstrip("."), old, new)
 
 
 def _gyre(*args: str) -> list[str]:
@@ -192,6 +223,7 @@ class Launcher:
                     load_environment(sft.data.env, **sft.data.env_args)
                 except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
                     raise ConfigError(f"config key 'sft.args.data.env': {e}") from None
+        self._refuse_ignored_settings(sft if cfg.sft.enabled else None)
         for server in cfg.servers:
             try:
                 # the server's own key, and no advice to set model.init_preset (the policy's alone)
@@ -209,6 +241,47 @@ class Launcher:
                 self._check_streams_are_ours(cfg.redis.url)
         if cfg.fresh:
             self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
+
+    def _refuse_ignored_settings(self, sft: SFTConfig | None) -> None:
+        """ConfigError naming the key when a re-run asks for a base model or SFT warm-up unlike the one the folder
+        holds: neither is made again once it exists, so `--model.init-preset` / `--model.init-seed` or a changed
+        `[sft.args]` were silently ignored and the run went on from the old one."""
+        import tomllib
+
+        if self.cfg.fresh:
+            return  # nothing of the old run is kept
+
+        def read(name: str) -> dict[str, Any] | None:
+            try:
+                return tomllib.loads((self.out / name).read_text())
+            except (OSError, tomllib.TOMLDecodeError):
+                return None
+
+        again = "it is not made again in a run: use --fresh (starts the run over) or another --output-dir"
+        base = Path(self.cfg.model.name or self.out / "model")
+        made = read(MODEL_INIT_RECORD) if self.cfg.model.init_preset is not None and base.exists() else None
+        if made is not None and Path(made.get("output_dir", "")).resolve() == base.resolve():
+            for key, now in (("init_preset", self.cfg.model.init_preset), ("init_seed", self.cfg.model.init_seed)):
+                if made.get(key) != now:
+                    raise ConfigError(f"config key 'model.{key}': the base model {base} was created with "
+                                      f"{key} = {made.get(key)!r}, not {now!r}; {again}")  # fmt: skip
+        old = read("configs/sft.toml") if sft is not None and (self.out / "sft" / "config.json").exists() else None
+        if old is None:
+            return
+        new = tomllib.loads(to_toml(sft))
+        if not _same_path(str((old.get("model") or {}).get("name")), str(sft.model.name)):
+            raise ConfigError(f"config key 'model.name': the SFT warm-up in {self.out / 'sft'} was trained from "
+                              f"{(old.get('model') or {}).get('name')}, not {sft.model.name}; {again}")  # fmt: skip
+        for values in (old, new):
+            for key in SFT_FREE_KEYS:
+                values.pop(key, None)
+            (values.get("model") or {}).pop("name", None)
+        # a key one side lacks is compared only when this launch sets it: a key added to gyre sft since (with its
+        # default) is no change the user made
+        if (differs := _first_difference(old, new, _dotted_keys(self.cfg.sft.args))) is not None:
+            key, was, now = differs
+            raise ConfigError(f"config key 'sft.args.{key}': the SFT warm-up in {self.out / 'sft'} was trained with "
+                              f"{key} = {was!r}, not {now!r}; {again}")  # fmt: skip
 
     @staticmethod
     def _check_redis(url: str) -> None:
@@ -359,6 +432,9 @@ class Launcher:
                     str(self.cfg.model.init_seed),
                 ),
             )
+            record = {"init_preset": self.cfg.model.init_preset, "init_seed": self.cfg.model.init_seed,
+                      "output_dir": str(Path(name).resolve())}  # fmt: skip
+            write_atomic(self.out / MODEL_INIT_RECORD, dump_toml(record).encode())
         return name
 
     def _sft(self, base: str) -> str:
