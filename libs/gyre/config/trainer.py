@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,6 +100,23 @@ class LossConfig(Section):
     reward_weight: float = Field(
         1.0, ge=0, description="Weight of the reward's advantage next to the distillation term (0 = pure distillation)."
     )
+
+    @field_validator("*")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        # NaN passes every bound check (NaN < 1 is False) and made every loss NaN: every step skipped, silently
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError("must be a number, got nan")
+        return value
+
+    @field_validator("distill", "reward_weight", "kl_tau", "ref_kl_coef")
+    @classmethod
+    def _finite_weight(cls, value: float) -> float:
+        # a bound may be infinite (is_cap, delta, mask_high = inf: no truncation), a weight of a term may not:
+        # inf times the 0 of a masked token is NaN
+        if math.isinf(value):
+            raise ValueError(f"must be finite, got {value}")
+        return value
 
     @field_validator("type")
     @classmethod

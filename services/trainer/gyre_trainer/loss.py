@@ -253,7 +253,9 @@ def importance_weights(
 
     q = π_θ/μ is the trainer/inference ratio of a token (token_*) or the product of a sample's token
     ratios, exp(Σ_t log r_t) (seq_*, as TRL and verl). *_tis: w = clip(q, is_cap_low, is_cap);
-    *_mask: w = q where is_cap_low ≤ q ≤ is_cap, else 0. Computed in log space, so w is finite.
+    *_mask: w = q where is_cap_low ≤ q ≤ is_cap, else 0. Computed in log space, and log w clamped to
+    ±LOG_RATIO_CLAMP before `exp` as every ratio is, so w is finite also for a cap beyond float range
+    (`is_cap = inf`, no truncation: a token at log q > 88.7 had w = inf and the step's gradient turned inf).
     """
     log_ratio = torch.where(loss_mask, log_ratio.detach(), torch.zeros_like(log_ratio))
     level, mode = cfg.is_correction.split("_")
@@ -263,9 +265,9 @@ def importance_weights(
     high = math.log(cfg.is_cap)
     outside = (log_ratio > high) | (log_ratio < low)
     if mode == "tis":
-        weight = log_ratio.clamp(min=max(low, -LOG_RATIO_CLAMP), max=high).exp()
+        weight = log_ratio.clamp(min=max(low, -LOG_RATIO_CLAMP), max=min(high, LOG_RATIO_CLAMP)).exp()
     else:
-        weight = torch.where(outside, 0.0, log_ratio.clamp(min=-LOG_RATIO_CLAMP).exp())
+        weight = torch.where(outside, 0.0, log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp())
     return torch.where(loss_mask, weight, 0.0), outside & loss_mask
 
 

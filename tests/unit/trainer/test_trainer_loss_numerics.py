@@ -7,11 +7,14 @@ gradient must equal the gradient of the same batch without it, bit for bit.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from gyre.config.trainer import LossConfig
 from gyre_trainer.loss import (
     INFERENCE_LOGPROB_MIN,
+    LOG_RATIO_CLAMP,
     LOSSES,
     SEQ_LOG_RATIO_MAX,
     aggregate,
@@ -204,3 +207,37 @@ def test_settings_that_zero_every_gradient_are_rejected_naming_the_key(key, valu
     with pytest.raises(ValidationError) as info:
         LossConfig(**{key: value})
     assert info.value.errors()[0]["loc"] == (key,)
+
+
+@pytest.mark.parametrize("correction", ["token_tis", "seq_tis", "token_mask", "seq_mask"])
+@pytest.mark.parametrize("is_cap", [float("inf"), 1e39])
+def test_a_cap_beyond_float_range_keeps_the_correction_weight_finite(correction, is_cap):
+    """`is_cap = inf` (no truncation) or any cap above e^88.7: the weight of a token at log q = 95 was exp(95) = inf in
+    float32, the step's gradient inf (the update skipped at every such token). Its log-weight is clamped at
+    LOG_RATIO_CLAMP as every ratio is."""
+    behaviour = list(BEHAVIOUR_LP)
+    behaviour[EXTREME] = TRAINER_LP[EXTREME] - 95.0
+    lp = torch.tensor(TRAINER_LP, requires_grad=True)
+    for name in LOSSES:
+        cfg = LossConfig(type=name, is_correction=correction, is_cap=is_cap)
+        adv = torch.tensor([1.5] * 4 + [-0.7] * 4)
+        out = policy_loss(get_loss(name), lp, torch.tensor(behaviour), adv, torch.tensor(MASK), torch.tensor(LENGTHS),
+                          cfg)  # fmt: skip
+        out.per_token_loss.sum().backward()
+        assert torch.isfinite(out.per_token_loss).all() and torch.isfinite(lp.grad).all(), name
+        assert out.stats["is_weight"].max() <= math.exp(LOG_RATIO_CLAMP) * 1.0001, name
+        lp.grad = None
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("delta", float("nan")), ("is_cap", float("nan")), ("eps_high", float("nan")), ("distill", float("inf")),
+     ("reward_weight", float("inf")), ("kl_tau", float("inf")), ("ref_kl_coef", float("inf"))],
+)  # fmt: skip
+def test_nan_settings_and_infinite_weights_are_refused_naming_the_key(key, value):
+    """NaN passes every bound check (NaN < 1 is False) and an infinite weight times a masked token's 0 is NaN: either
+    made every loss NaN and every update skipped, silently."""
+    with pytest.raises(ValidationError) as info:
+        LossConfig(**{key: value})
+    assert info.value.errors()[0]["loc"] == (key,)
+    assert LossConfig(is_cap=float("inf"), delta=float("inf"), mask_high=float("inf")).is_cap == float("inf")
