@@ -91,3 +91,29 @@ def test_a_replica_still_loading_its_model_has_not_started(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)  # the loading thread cannot be interrupted
         proc.wait(30)
         log.close()
+
+
+@pytest.mark.parametrize(
+    ("values", "deadline"),
+    [
+        ({}, 10 * 180 + 600),  # the startup probe's 30 min + 10 min
+        ({"inference": {"startupProbe": {"periodSeconds": 5, "failureThreshold": 120}}}, 600 + 600),
+        ({"inference": {"progressDeadlineSeconds": 7200}}, 7200),
+    ],
+    ids=["default", "kind-like", "set"],
+)
+def test_a_rollout_waits_for_a_replica_as_long_as_its_startup_probe_does(values, deadline):
+    """A Deployment's progress deadline (Kubernetes' default: 10 min) marked a rollout failed while a new replica
+    still loaded its model within the startup probe's 30 min: `kubectl rollout status` (NOTES.txt's step 1) and
+    kstatus-based waits gave up on a healthy install. A server takes the inference's, or its own."""
+    servers = [{"name": "judge", "model": "/data/judge"},
+               {"name": "big", "model": "/data/big", "progressDeadlineSeconds": 9000}]  # fmt: skip
+    rendered = render({**values, "servers": servers})
+    docs = manifests(rendered)
+    inference = named(docs, "Deployment", "exp-gyre-inference")
+    assert inference["spec"]["progressDeadlineSeconds"] == deadline
+    probe = inference["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert deadline > probe["periodSeconds"] * probe["failureThreshold"]
+    assert named(docs, "Deployment", "exp-gyre-server-judge")["spec"]["progressDeadlineSeconds"] == deadline
+    assert named(docs, "Deployment", "exp-gyre-server-big")["spec"]["progressDeadlineSeconds"] == 9000
+    assert f"--timeout={deadline}s" in rendered["gyre/templates/NOTES.txt"]  # waits as long as Kubernetes does

@@ -403,6 +403,19 @@ chart's 60 s, and outlived a shorter grace period.
 {{- end -}}
 
 {{/*
+progressDeadlineSeconds of a Deployment of `gyre inference` replicas: the value, else the startup probe's
+budget (model loading) plus 10 min for scheduling, the image pull and a hub model's download. Call with the
+component's values.
+*/}}
+{{- define "gyre.servingProgressDeadline" -}}
+{{- if .progressDeadlineSeconds -}}
+{{- .progressDeadlineSeconds | int -}}
+{{- else -}}
+{{- add (mul (int .startupProbe.periodSeconds) (int .startupProbe.failureThreshold)) 600 -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 The PodDisruptionBudget of a Deployment of `gyre inference` replicas: a drain takes at most
 `maxUnavailable` of them at once. Call with (dict "root" $ "component" "inference" "maxUnavailable" 1).
 */}}
