@@ -141,3 +141,14 @@ def test_bf16_master_weights_with_the_fused_kernel_on_gpu():
     for ref, p in zip(reference.parameters(), net.parameters(), strict=True):
         torch.testing.assert_close(optimizer.state[p]["master"], ref.detach(), rtol=0, atol=1e-6)
         assert p.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("betas", [(1.0, 0.999), (0.9, float("nan")), (-0.1, 0.9)])
+def test_betas_outside_zero_one_are_refused_naming_the_key(betas):
+    """torch refused them only when the optimizer was built, after the model loaded, naming no config key."""
+    from gyre.config import load_config
+    from gyre.config.loader import ConfigError
+    from gyre.config.trainer import TrainerConfig
+
+    with pytest.raises(ConfigError, match=r"optim\.betas.*\[0, 1\)"):
+        load_config(TrainerConfig, ["--optim.betas", str(list(betas)).replace("nan", "NaN")])
