@@ -196,13 +196,6 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
 
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
-        # torch refuses them only when the optimizer is built, after the model loaded, naming no config key
-        if not all(0.0 <= beta < 1.0 for beta in value):
-            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
-        return value
     scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr (linear/cosine).")
@@ -211,6 +204,14 @@ class OptimConfig(Section):
         description="AdamW updates a float32 copy of bf16/fp16 parameters (kept in the optimizer state) and rounds "
         "it into them; off, updates below bf16's resolution round away (most of them at lr 1e-5).",
     )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        # torch refuses them only when the optimizer is built, after the model loaded, naming no config key
+        if not all(0.0 <= beta < 1.0 for beta in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
 
 
 class DataConfig(Section):
