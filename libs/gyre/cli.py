@@ -70,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     name, target, rest = found
     module_name, func_name = target.split(":")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            print(f"gyre: command {name!r} is not available in this installation ({e})", file=sys.stderr)
-            return 2
-        raise
-    try:
+        try:
+            module = importlib.import_module(module_name)  # seconds for torch: a Ctrl-C lands here as often as later
+        except ModuleNotFoundError as e:
+            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+                print(f"gyre: command {name!r} is not available in this installation ({e})", file=sys.stderr)
+                return 2
+            raise
         result = getattr(module, func_name)(rest)
     except BrokenPipeError:  # `gyre envs | head`: the reader left; what it read is all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush

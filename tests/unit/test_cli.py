@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -113,6 +114,29 @@ def test_ctrl_c_is_one_line_and_exit_130_not_a_traceback(tmp_path, tiny_model):
     assert proc.returncode in (130, -signal.SIGINT), err[-3000:]
     assert err.rstrip().endswith("gyre model import: interrupted") and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half written, no staging folder left
+
+
+def test_ctrl_c_while_the_command_is_imported_is_one_line_and_exit_130(tmp_path):
+    # the command's module was imported outside the KeyboardInterrupt handler: a Ctrl-C while it loaded (pydantic,
+    # torch: the first seconds of every command) was a traceback and death by SIGINT (CI's -2 once came from there)
+    import signal
+    import time
+
+    (tmp_path / "slow_command.py").write_text(
+        "import sys, time\nprint('importing', file=sys.stderr, flush=True)\ntime.sleep(60)\n"
+        "def main(argv):\n    return 0\n"
+    )
+    code = ("import sys\nfrom gyre import cli\ncli.COMMANDS['slow'] = ('slow_command:main', 'imports for a minute')\n"
+            "sys.exit(cli.main(['slow']))")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    assert proc.stderr.readline().strip() == "importing"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip() == "gyre slow: interrupted" and "Traceback" not in err
 
 
 def test_model_fetch_help_marks_name_required_and_a_bad_one_names_the_key():
