@@ -244,7 +244,8 @@ def create_app(state: AppState) -> FastAPI:
     @app.post("/detokenize", summary="vLLM-compatible: token ids to text.")
     async def detokenize(body: DetokenizeRequest) -> dict:
         _check_model(state, body.model)
-        return {"prompt": await asyncio.to_thread(state.text.decode, state.text.check_ids(body.tokens, "tokens"))}
+        ids = state.text.check_ids(body.tokens, "tokens")
+        return {"prompt": await asyncio.to_thread(state.text.decode_prompt, ids)}
 
     add_generate_route(app, state)  # POST /inference/v1/generate
     add_classify_route(app, state)  # POST /classify, /v1/classify (runner = pooling)

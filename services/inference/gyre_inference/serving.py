@@ -130,7 +130,7 @@ class Serving:
         echoes = None
         if request.echo:  # each prompt as text: the string sent, or the decoded ids
             sent = request.prompts()
-            echoes = [p if isinstance(p, str) else await asyncio.to_thread(self.text.decode, p) for p in sent]
+            echoes = [p if isinstance(p, str) else await asyncio.to_thread(self.text.decode_prompt, p) for p in sent]
         job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started, echoes)
         await self._constrain(job, request.guide())
         return await self._respond(job, client_gone)

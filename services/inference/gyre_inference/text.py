@@ -119,7 +119,13 @@ class ModelText:
         return ids
 
     def decode(self, ids: list[int]) -> str:
+        """Generated text: special tokens left out (vLLM's skip_special_tokens default for outputs)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_prompt(self, ids: list[int]) -> str:
+        """A prompt's text as vLLM shows it (/detokenize, the echo of a token-id prompt): special tokens kept, so a
+        rendered chat prompt reads with its role markers (`<|im_start|>user ...`), as the model saw it."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # ---- per-token text (log-prob entries) ------------------------------------------------------
     def token(self, token_id: int) -> tuple[str, list[int]]:

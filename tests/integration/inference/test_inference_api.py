@@ -316,6 +316,12 @@ def test_tokenize_and_detokenize(server, model_id, reference):
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": text}
     with_tools = tokenize(server, messages=TOOL_MESSAGES, tools=TOOLS)
     rendered = tokenizer.decode(with_tools)
+    # a rendered chat prompt reads back with its special tokens, as in vLLM (they were dropped: no role markers), and
+    # so does the echo of a token-id prompt
+    detokenized = httpx.post(f"{server.url}/detokenize", json={"tokens": with_tools}).json()["prompt"]
+    assert detokenized == rendered and detokenized.startswith("<|im_start|>system")
+    echo = {"model": model_id, "prompt": with_tools, "echo": True, "max_tokens": 1}
+    assert httpx.post(f"{server.url}/v1/completions", json=echo).json()["choices"][0]["text"].startswith(rendered)
     assert '"name": "add"' in rendered and rendered.endswith("<|im_start|>assistant\n")
     assert tokenizer.decode(tokenize(server, messages=TOOL_MESSAGES, add_generation_prompt=False)).endswith(
         "<|im_end|>\n"
