@@ -128,8 +128,9 @@ def test_ctrl_c_while_the_command_is_imported_is_one_line_and_exit_130(tmp_path)
     )
     code = ("import sys\nfrom gyre import cli\ncli.COMMANDS['slow'] = ('slow_command:main', 'imports for a minute')\n"
             "sys.exit(cli.main(['slow']))")  # fmt: skip
+    path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+                            env={**os.environ, "PYTHONPATH": path},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert proc.stderr.readline().strip() == "importing"
     time.sleep(0.2)
