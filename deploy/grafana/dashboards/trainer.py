@@ -110,8 +110,13 @@ def trainer() -> db.Dashboard:
         panel(
             "Rejected batches",
             "short",
-            [(f"sum by (run_id) (increase({sel('gyre_trainer_rejected_batches_total')}[{RATE}]))", "{{run_id}}")],
-            "Batch entries sent to the dead-letter stream.",
+            [
+                (f"sum by (run_id) (increase({sel('gyre_trainer_rejected_batches_total')}[{RATE}]))", "{{run_id}}"),
+                # the orchestrator reads the dead-letter stream: the newest entries held, the older ones trimmed
+                (f"max by (run_id, state) ({sel('gyre_orchestrator_dead_letters')})", "dead {{state}} {{run_id}}"),
+            ],
+            "Batch entries sent to the dead-letter stream, and the dead letters in it: `held` (the newest 16, kept "
+            "for inspection) and `trimmed` (dropped to bound Redis memory, in all).",
             minimum=0,
         ),
     ]
