@@ -158,7 +158,8 @@ _INCLUDES = Literal["message.output_text.logprobs", "reasoning.encrypted_content
 
 
 class ResponsesRequest(StrictModel):
-    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"stream", "parallel_tool_calls", "truncation"})
+    # priority as on chat completions (a client that sends the field with its extension's null default)
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"stream", "parallel_tool_calls", "truncation", "priority"})
 
     model: str = Field(description="Served model id (see GET /v1/models).")
     input: str | list[InputItem] = Field(description="Text, or a list of messages and function call items.")

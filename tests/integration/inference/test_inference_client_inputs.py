@@ -108,7 +108,18 @@ COMPLETIONS_NULLABLE = [
 ]
 
 
+RESPONSES_NULLABLE = ["instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs", "tools",
+                      "tool_choice", "parallel_tool_calls", "text", "stream", "stream_options", "include", "user",
+                      "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                      "prompt_cache_options", "moderation", "service_tier", "max_tool_calls", "truncation",
+                      "reasoning", "store", "previous_response_id", "conversation", "background", "prompt",
+                      "priority"]  # fmt: skip
+
+
 def test_null_is_accepted_wherever_openai_allows_it(http, model_id):
+    # the vLLM extension priority too, on /v1/responses as on chat (there it was "Input should be a valid integer")
+    responses = http.post("/v1/responses", json={"model": model_id, "input": "hi"} | dict.fromkeys(RESPONSES_NULLABLE))
+    assert responses.status_code == 200, responses.text
     chat = http.post("/v1/chat/completions", json={"model": model_id, **CHAT} | dict.fromkeys(CHAT_NULLABLE))
     assert chat.status_code == 200, chat.text
     assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
