@@ -15,6 +15,8 @@ A task whose prompt does not fit the model's context is left out of every figure
 A sample whose episode failed (the environment raised: `Rollout.error`; inference failed after the client's retries;
 a judge or reward model failed) is generated again, up to `attempts` times, as in training; the failed attempts are
 counted (`failed_rollouts`). Then the eval fails (`EvalFailed`) rather than score half an episode into avg@k.
+A sample older than the version evaluated (`min_version`: a replica restarted on older weights answered before the
+relay knew) is generated again, like a stale training sample, and counted (`dropped_stale`).
 
 During training `TrainingEval` runs it in the background every `eval.interval` weights versions (and at
 start); `gyre eval` runs it once against whatever the replicas serve and appends the result to
@@ -42,6 +44,11 @@ from gyre.envs.types import ModelClient
 log = logging.getLogger(__name__)
 
 
+# answers from an older version than the one evaluated, in a row for one sample, before the eval gives up: a replica
+# restarted on older weights leaves rotation at the relay's next probe, seconds later
+STALE_LIMIT = 20
+
+
 class EvalFailed(RuntimeError):
     """A sample of the evaluation failed every attempt."""
 
@@ -61,6 +68,7 @@ class EvalResult:
     reward_errors: dict[str, int] = field(default_factory=dict)  # samples each reward function raised on (scored 0)
     skipped_overlong: int = 0  # tasks left out: their prompt does not fit the model's context
     failed_rollouts: int = 0  # attempts that failed (environment, inference or scoring error) and were generated again
+    dropped_stale: int = 0  # samples from a version older than the one evaluated, generated again
 
     def record(self, step: int) -> dict:
         """The `eval.jsonl` line (docs/architecture.md, "Event logs") plus version/timing extras."""
@@ -78,9 +86,11 @@ async def evaluate(
     pass_threshold: float = 1.0,
     progress: Callable[[int, int], None] | None = None,
     attempts: int = 3,
+    min_version: int = 0,
 ) -> EvalResult:
     """Evaluate `client`'s policy on the first `num_examples` eval tasks (fewer if the split is smaller); a sample
-    that fails is generated again up to `attempts` times, then `EvalFailed`.
+    that fails is generated again up to `attempts` times, then `EvalFailed`; one from a version below `min_version`
+    (the version evaluated) is generated again.
 
     `progress(done, total)` is called once before the first sample and after each one (`gyre eval`'s bar)."""
     if num_examples < 1 or k < 1 or attempts < 1:
@@ -101,28 +111,42 @@ async def evaluate(
             progress(done, count * k)
 
     async def attempt(i: int, j: int):
-        # sample j of task i: with a seed, its own one, the same at every version evaluated (common random
-        # numbers: the difference between two versions is less noisy than either score)
+        """Sample j of task i, scored; None when it came from a version older than `min_version` (not scored)."""
+        # with a seed, its own one, the same at every version evaluated (common random numbers: the difference
+        # between two versions is less noisy than either score)
         rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
         if rollout.error:  # the episode stopped where the environment raised: its score is no policy's
             raise RuntimeError(f"environment error: {rollout.error}")
+        if rollout.policy_version_min < min_version:  # a replica restarted on older weights, not yet known as such
+            log.debug("eval of version %d: dropped a sample of version %d", min_version, rollout.policy_version_min)
+            return None
         return rollout, await env.score(tasks[i], rollout)
 
     async def one(i: int, j: int):
-        nonlocal failed
-        for tries in range(1, attempts + 1):
+        nonlocal failed, stale
+        tries = olds = 0
+        while True:  # left by a scored sample, an overlong task, or EvalFailed
             try:
-                rollout, score = await attempt(i, j)
-                break
+                scored = await attempt(i, j)
             except ContextLengthExceeded as e:  # the task cannot run on this model: left out, counted
                 overlong[i] = e
                 advanced()
                 return None
             except Exception as e:  # as in training: generated again, never scored as half an episode
                 failed += 1
+                tries += 1
                 if tries == attempts:
                     raise EvalFailed(f"eval: sample {j} of task {tasks[i].id} failed {attempts} times: {e}") from e
                 log.warning("eval: sample %d of task %s failed (%s); generating it again", j, tasks[i].id, e)
+                continue
+            if scored is not None:
+                rollout, score = scored
+                break
+            stale += 1  # generated again, as a stale training sample is: no failure
+            olds += 1
+            if olds == STALE_LIMIT:  # not a restart the relay corrects within seconds: replicas that misreport
+                raise EvalFailed(f"eval of version {min_version}: sample {j} of task {tasks[i].id} came from an "
+                                 f"older version {olds} times in a row")  # fmt: skip
         advanced()
         for name, message in score.errors.items():  # scored 0, never silently (as in training)
             if name not in reward_errors:
@@ -131,7 +155,7 @@ async def evaluate(
         return score.reward, rollout.policy_version_min, rollout.policy_version_max, score.per_function
 
     reward_errors: dict[str, int] = {}
-    failed = 0
+    failed = stale = 0
 
     samples = [asyncio.ensure_future(one(i, j)) for i in range(count) for j in range(k)]
     try:
@@ -170,6 +194,7 @@ async def evaluate(
         reward_errors=reward_errors,
         skipped_overlong=skipped,
         failed_rollouts=failed,
+        dropped_stale=stale,
     )
 
 
@@ -249,6 +274,7 @@ class TrainingEval:
                     sampling=eval_sampling(cfg),
                     pass_threshold=cfg.eval.pass_threshold,
                     attempts=cfg.sample_attempts,
+                    min_version=version,
                 )
                 self._record(version, result)
             except asyncio.CancelledError:

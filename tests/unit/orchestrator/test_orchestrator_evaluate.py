@@ -219,6 +219,10 @@ def training_eval(tmp_path, replies, versions, *, done=()):
         def for_version(self, version, *, priority=None):
             return self
 
+        async def chat(self, messages, *, tools=None, sampling):  # from a replica serving version 100
+            turn = await super().chat(messages, tools=tools, sampling=sampling)
+            return dataclasses.replace(turn, policy_version_min=100, policy_version_max=100)
+
     class NoWandb:
         def log(self, *args, **kwargs):
             pass
@@ -288,3 +292,34 @@ def test_the_versions_evaluated_before_are_those_of_eval_jsonl_the_store_still_p
             orch.redis.close()
 
     assert asyncio.run(main()) == {0, 2, 4}
+
+
+def test_an_eval_sample_older_than_the_version_evaluated_is_generated_again(tmp_path):
+    # audit: the eval of version 3 scored the answer of a replica restarted on version 1 (routing knew it as 3 until
+    # the relay's next probe) into avg@k; training drops such a sample (admission), the eval now does too
+    replies = {"ab": ["no"], "cd": ["CD"]}
+
+    class Versions(TableClient):
+        def __init__(self, replies, versions):
+            super().__init__(replies)
+            self.versions = list(versions)
+
+        async def chat(self, messages, *, tools=None, sampling):
+            turn = await super().chat(messages, tools=tools, sampling=sampling)
+            v = self.versions.pop(0) if self.versions else 3
+            return dataclasses.replace(turn, policy_version_min=v, policy_version_max=v)
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    client = Versions({"ab": ["AB"], "cd": ["CD"]}, [1, 1])  # the first two answers: the restarted replica's
+    result = asyncio.run(evaluate(dataset_env(tmp_path, replies), client, env_name="d", num_examples=2, k=1,
+                                  sampling=sampling, min_version=3))  # fmt: skip
+    assert (result.min_version, result.dropped_stale, result.failed_rollouts) == (3, 2, 0)
+    assert result.avg_at_k == 1.0 and result.record(step=3)["dropped_stale"] == 2
+
+
+def test_an_eval_whose_answers_keep_coming_from_an_older_version_fails_instead_of_looping(tmp_path):
+    replies = {"ab": ["AB"]}
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    with pytest.raises(EvalFailed, match="eval of version 3: sample 0 of task .* older version 20 times"):
+        asyncio.run(evaluate(dataset_env(tmp_path, replies), TableClient(replies), env_name="d", num_examples=1, k=1,
+                             sampling=sampling, min_version=3))  # fmt: skip
