@@ -621,3 +621,34 @@ def test_fresh_takes_what_a_launch_stopped_during_start_up_left_half_written(tmp
     launcher.check_fresh()
     launcher.start_fresh()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
+
+
+def test_an_interrupted_fresh_leaves_no_part_of_the_old_run_and_the_next_launch_finishes_it(tmp_path, monkeypatch):
+    # --fresh deleted entry by entry: a Ctrl-C (or crash) half way left, say, checkpoints and rollouts without the
+    # run's configs and events, which a plain re-run resumed from and a second --fresh refused ("holds files gyre did
+    # not write (rollouts, samples.md)")
+    import shutil
+
+    from gyre.local.launcher import Launcher
+
+    for name in ("configs/trainer.toml", "events/trainer_steps.jsonl", "weights/step_1/model.safetensors",
+                 "checkpoints/trainer/step_1/progress.json", "rollouts/step_1.jsonl", "samples.md", "debug/step_1/x",
+                 "locks/rl.lock"):  # fmt: skip
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("old run")
+    launcher = Launcher(load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--fresh"]))
+
+    def interrupted(path, *args, **kwargs):  # Ctrl-C while the old run's weights are being deleted
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "rmtree", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            launcher.start_fresh()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left[0].startswith(".tmp-fresh-") and left[1:] == ["locks"]  # nothing of the old run to resume from
+    launcher.remove_staging()  # what the interrupted launch's shutdown, or the next launch, does
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
+    (tmp_path / "rollouts").mkdir()  # what the old code left in place: a run's entries, not the user's files
+    (tmp_path / "samples.md").write_text("")
+    launcher.check_fresh()

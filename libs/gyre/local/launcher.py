@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ log = logging.getLogger("gyre.local.launcher")
 # (a project's own `configs/`) once made `--fresh --output-dir .` delete the whole project.
 RUN_ENTRIES = (
     "model", "sft", "weights", "checkpoints", "events", "batches", "configs", "logs", "redis",
-    "prometheus", "report.png", "locks", "runs",
+    "prometheus", "report.png", "locks", "runs", "rollouts", "samples.md", "debug", "wandb",
 )  # fmt: skip
 RUN_MARKERS = ("configs/trainer.toml", "configs/sft.toml", "events/*.jsonl")
 # What gyre writes a folder under before renaming it into view (gyre.fsio, `gyre model init`, `gyre sft`'s result):
@@ -377,17 +378,20 @@ class Launcher:
             )
 
     def start_fresh(self) -> None:
-        """`--fresh`: delete what a previous run wrote here (and only that)."""
+        """`--fresh`: delete what a previous run wrote here (and only that).
+
+        Everything is first renamed into one staging folder (quick), then deleted (seconds for a model's weights):
+        deleted in place, a Ctrl-C or crash half way left part of the old run (checkpoints without their events,
+        weights without configs) for a plain re-run to resume, and leftovers that a later --fresh refused."""
         if not self.out.is_dir():
             return
         self.check_fresh()
-        for entry in self.out.iterdir():
-            if entry.name == "locks":
-                continue  # ours, held right now
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+        doomed = self.out / f"{STAGING_PREFIX}fresh-{uuid.uuid4().hex}"
+        doomed.mkdir()
+        for entry in list(self.out.iterdir()):
+            if entry.name != "locks" and entry != doomed:  # locks: ours, held right now
+                os.rename(entry, doomed / entry.name)
+        shutil.rmtree(doomed)
         _console(f"--fresh: deleted the previous run in {self.out}")
 
     def remove_staging(self) -> None:
@@ -395,7 +399,7 @@ class Launcher:
         init` and `gyre sft` stopped by SIGTERM left `.tmp-model-*` / `.tmp-sft-*`, up to a model's size each, and
         `--fresh` then refused the folder for them). Only under the run's lock, with no child of it running."""
         base = Path(self.cfg.model.name or self.out / "model")
-        folders = [(self.out, "sft")]
+        folders = [(self.out, "sft"), (self.out, "fresh")]  # fresh: what an interrupted --fresh had left to delete
         if self.cfg.model.init_preset is not None and _inside(base, self.out):
             folders.append((base.parent, base.name))
         for parent, name in folders:
