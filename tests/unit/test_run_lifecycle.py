@@ -652,3 +652,32 @@ def test_an_interrupted_fresh_leaves_no_part_of_the_old_run_and_the_next_launch_
     (tmp_path / "rollouts").mkdir()  # what the old code left in place: a run's entries, not the user's files
     (tmp_path / "samples.md").write_text("")
     launcher.check_fresh()
+
+
+def test_a_ctrl_c_just_after_a_service_started_still_stops_it(tmp_path, monkeypatch, tiny_model):
+    # the launcher listed a service child only after starting it: a Ctrl-C between the two left a running
+    # inference (or trainer) that shutdown() never stopped, holding its ports until the launcher itself exited
+    from gyre.events import SEGMENT_ENV
+    from gyre.local import launcher as launcher_module
+
+    monkeypatch.setenv(SEGMENT_ENV, "test")  # run() sets it for its services
+    started = []
+    real_start = launcher_module.InferenceProcess.start
+
+    def start_then_ctrl_c(self, *args, **kwargs):
+        started.append(real_start(self, *args, **kwargs))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher_module.InferenceProcess, "start", start_then_ctrl_c)
+    cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path / "run"),
+                                 "--model.name", str(tiny_model), "--model.init-preset", "null"])  # fmt: skip
+    launcher = launcher_module.Launcher(cfg)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run()
+    finally:
+        launcher.shutdown()
+    try:
+        assert len(started) == 1 and started[0].poll() is not None, "the started inference outlived shutdown()"
+    finally:
+        started[0].kill()

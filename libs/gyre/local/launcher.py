@@ -521,8 +521,9 @@ class Launcher:
             config = _write_config(cdir / f"{name}.toml", inf)
             log_path = self.out / "logs" / f"{name}.log"
             child = InferenceProcess("@", str(config), log_path=log_path, name=name, console=_console)
-            child.start(echo, env=_thread_env(0.5 / len(named)) | _gpu_env(self.cfg.inference_gpus))
+            # listed before it starts: a Ctrl-C between the two left a started child that shutdown() never stopped
             self.children.append(child)
+            child.start(echo, env=_thread_env(0.5 / len(named)) | _gpu_env(self.cfg.inference_gpus))
             replicas.append(child)
         trainer_cfg = _write_config(cdir / "trainer.toml", configs.trainer)
         if self.cfg.trainer_nproc > 1:
@@ -541,8 +542,8 @@ class Launcher:
         else:
             argv = _gyre("trainer", "@", str(trainer_cfg))
         trainer = Child("trainer", argv, self.out / "logs" / "trainer.log", console=_console)
-        trainer.start(echo, env=_thread_env(0.5) | _gpu_env(self.cfg.trainer_gpus))
         self.children.append(trainer)
+        trainer.start(echo, env=_thread_env(0.5) | _gpu_env(self.cfg.trainer_gpus))
         for child in replicas:
             try:
                 child.wait_ready(timeout=300)
@@ -555,8 +556,8 @@ class Launcher:
             orchestrator = Child(
                 name, _gyre("orchestrator", "@", str(orch_cfg)), self.out / "logs" / f"{name}.log", console=_console
             )
-            orchestrator.start(echo, env=_thread_env(0))
             self.children.append(orchestrator)
+            orchestrator.start(echo, env=_thread_env(0))
             orchestrators.append(orchestrator)
         from gyre.local.progress import RunProgress
 
