@@ -188,7 +188,7 @@ class InferenceClient:
             self.demand["queued"] -= 1
             self.demand["inflight"] += 1
             try:
-                turn = await self._request(replica, request)
+                turn, reported = await self._request(replica, request)
             except _RETRYABLE as e:
                 last = e
                 self.stats["retries"] += 1
@@ -209,18 +209,22 @@ class InferenceClient:
             self.stats["requests"] += 1
             replica.requests += 1
             self.replicas.mark_ok(replica)
-            self.replicas.observe_version(replica, turn.policy_version_max)
+            if reported:  # an answer without versions (vLLM) was tagged with the version known: no evidence of it
+                self.replicas.observe_version(replica, turn.policy_version_max)
             return turn
         raise InferenceError(f"request failed after {self.retries + 1} attempts: {describe(last)}")
 
-    async def _request(self, replica: Replica, request: dict[str, Any]) -> Turn:
+    async def _request(self, replica: Replica, request: dict[str, Any]) -> tuple[Turn, bool]:
+        """The turn, and whether the answer reported the policy versions that produced it."""
         client = self._openai(replica)
         model = self.model or await self._model_name(replica, client)
         # `post` with a plain JSON body: the official client still does auth, timeouts and maps HTTP
         # errors to openai exceptions, but skips the typed-parameter transform and the pydantic response
         # model, which cost more CPU than the rest of a rollout (see docs/benchmarks.md).
         body = await client.post("/chat/completions", cast_to=object, body={"model": model, **request})
-        return parse_turn(body, replica.version)
+        turn = parse_turn(body, replica.version)
+        choices = body.get("choices") if isinstance(body, dict) else None  # a dict with choices: parse_turn checked
+        return turn, "policy_version_max" in choices[0]
 
     def _openai(self, replica: Replica) -> openai.AsyncOpenAI:
         # Several small connection pools per replica instead of one big one: httpx scans every pooled

@@ -1,0 +1,59 @@
+"""What an answer says about the version its replica serves, through a real uvicorn server and the official
+`openai` client: a replica that failed is trusted with a version again only on evidence (a probe, an update, or an
+answer that reports its versions), never on the version the client tagged an answer without versions with (vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from gyre.envs import SamplingParams
+from gyre.net import free_port
+from gyre_orchestrator.bench import _echo_app
+from gyre_orchestrator.client import InferenceClient
+from gyre_orchestrator.replicas import Endpoint, ReplicaSet
+from support.asgi import serving
+
+
+def answering(version: int | None):
+    """The bench's echo server, its answers from policy `version` (None: no versions in them, as vLLM's)."""
+
+    async def app(scope, receive, send):
+        async def rewriting(message):
+            if message["type"] == "http.response.body" and scope["path"].endswith("/chat/completions"):
+                body = json.loads(message["body"])
+                for choice in body["choices"]:
+                    for key in ("policy_version_min", "policy_version_max"):
+                        choice.pop(key)
+                        if version is not None:
+                            choice[key] = version
+                message = {**message, "body": json.dumps(body).encode()}
+            await send(message)
+
+        await _echo_app(scope, receive, rewriting)
+
+    return app
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("version", "confirmed"), [(None, False), (1, False), (2, True)])
+def test_an_answer_confirms_a_failed_replicas_version_only_when_it_reports_it(version, confirmed):
+    port = free_port()
+
+    async def scenario():
+        replicas = ReplicaSet([Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1:1")], cooldown_s=0.01)
+        (replica,) = list(replicas)
+        replicas.mark_ok(replica, version=2)
+        replicas.mark_failed(replica, "connection refused")  # restarted? its version is no longer known
+        await asyncio.sleep(0.02)  # the cooldown is over: back in rotation, for floor-0 requests only
+        client = InferenceClient(replicas, model="m")
+        sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4)
+        turn = await client.for_version(0).chat([{"role": "user", "content": "hi"}], sampling=sampling)
+        return turn.policy_version_max, [r.url for r in replicas.eligible(2)], replicas.probe_requested
+
+    with serving(answering(version), port):
+        tagged, eligible, probe = asyncio.run(scenario())
+    assert tagged == (2 if version is None else version)
+    assert bool(eligible) is confirmed
+    assert probe is (version == 1)  # an older version than known: the relay is asked to probe now
