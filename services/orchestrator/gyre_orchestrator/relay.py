@@ -285,6 +285,8 @@ class WeightRelay:
     async def _update(self, replica: Replica) -> None:
         """Bring one replica to the target version (retries with backoff, then out of rotation)."""
         for attempt in range(self.retries + 1):
+            if attempt:  # before deciding: a newer version may have come, or the replica left, meanwhile
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             target = self.target
             if replica.url not in self.replicas.replicas:
                 return
@@ -294,8 +296,6 @@ class WeightRelay:
                 return
             if target is None and (self.model or not rollback):
                 return
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             start = time.monotonic()
             error = None
             try:

@@ -222,6 +222,44 @@ async def test_a_replica_restarted_on_the_base_model_is_not_taken_for_the_versio
             restarted.stop()
 
 
+async def test_a_retried_update_sends_the_newest_version_not_the_one_it_first_tried(
+    tmp_path, start_inference, tiny_model
+):
+    """Audit: `_update` read the target, then slept its backoff, then sent that target: a version published during
+    the backoff was loaded only after the outdated one (for a large model, minutes of loading for nothing)."""
+    import os
+    import signal
+
+    replica = start_inference()
+    store = WeightStore(tmp_path / "weights")
+    publish_weights(store, 1, tiny_model)
+    replica_set = ReplicaSet(static_endpoints([replica.url], [replica.control], 0))
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, timeout_s=1.0,
+                            retries=2, backoff_s=3.0, probe_interval_s=60.0, poll_store_s=60.0)  # fmt: skip
+        try:
+            await relay.start()
+            assert await relay.wait_served(1, timeout=60)
+            os.killpg(replica.proc.pid, signal.SIGSTOP)  # slow: UpdateWeights(2) runs past its deadline
+            try:
+                publish_weights(store, 2, tiny_model)
+                relay.poll_store()
+                deadline = asyncio.get_running_loop().time() + 30
+                while not [e for e in read_events(events.path) if e["step"] == 2]:  # the first try failed
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.05)
+                publish_weights(store, 3, tiny_model)  # during the backoff
+                relay.poll_store()
+            finally:
+                os.killpg(replica.proc.pid, signal.SIGCONT)
+            assert await relay.wait_served(3, timeout=60) and replica.status().step == 3
+            calls = [(e["step"], e["ok"]) for e in read_events(events.path)]
+            assert calls[1:] == [(2, False), (3, True)], calls  # the retry went straight to 3
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+
+
 async def test_spilled_batches_are_deleted_once_trained(tmp_path, redis_url, unique_run_id, replicas, tiny_model):
     # audit: every payload above batch.inline_max_bytes (8 MiB: a real batch) stayed in {output_dir}/batches/
     # for good, one file per step, until the shared volume filled up
