@@ -309,6 +309,8 @@ class RolloutScheduler:
                 sample.cancel()
             self._skip_overlong(st, group, e)
         except BaseException as e:
+            for sample in samples:  # the run fails: the group's other rollouts would go on retrying for nothing
+                sample.cancel()
             self._failed = self._failed or e
         else:
             st.all_rewards.extend(group.rewards)

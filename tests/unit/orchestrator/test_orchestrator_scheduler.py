@@ -240,6 +240,28 @@ async def test_failing_rollouts_fail_the_scheduler_loudly():
     await sched.stop()
 
 
+async def test_a_failed_group_stops_its_other_rollouts():
+    # audit: gather raised the failure, but the group's other rollouts ran on (retrying against the replicas, out of
+    # reach of stop(), which cancels only the group tasks) after the scheduler had failed
+    cancelled = asyncio.Event()
+
+    async def generate(task, floor, key):
+        if key.index == 0:
+            raise ConnectionError("replica gone")
+        try:
+            await asyncio.sleep(3600)  # a long rollout
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    sched = RolloutScheduler(generate, lambda: 0, VersionWatch(0), batch_size=1, group_size=2, max_async_level=0,
+                             max_steps=1, sample_attempts=2, retry_backoff_s=0.001)  # fmt: skip
+    with pytest.raises(RuntimeError, match="failed 2 times: replica gone"):
+        await asyncio.wait_for(sched.next_batch(), timeout=5)
+    await asyncio.wait_for(cancelled.wait(), timeout=1)
+    await sched.stop()
+
+
 def overlong_scheduler(fits, calls: list, **kwargs) -> RolloutScheduler:
     """batch 2, groups of 3, oversample_limit 2; tasks for which `fits(task)` is false are refused by the model
     client as longer than its context (what the client raises on the server's 400 context_length_exceeded)."""
