@@ -67,10 +67,12 @@ def _context_overflow(error: openai.APIStatusError) -> bool:
     )
 
 
-def parse_turn(body: dict[str, Any], fallback_version: int | None) -> Turn:
+def parse_turn(body: dict[str, Any], fallback_version: int | None, sent_version: int | None = None) -> Turn:
     """Build a `Turn` from a `/v1/chat/completions` JSON body that carries gyre's token-level extras:
     top-level (or per-choice) `prompt_token_ids`, per-choice `token_ids`, `logprobs.content[].logprob`
-    and `policy_version_min/max`. Without per-choice versions, the replica's known version is used."""
+    and `policy_version_min/max`. Without per-choice versions (vLLM), the replica's known versions are used: the
+    one known when the request was sent (`sent_version`) as the oldest, the one known now as the newest, since the
+    relay may have swapped its weights while it generated."""
     if not isinstance(body, dict):
         raise BadResponse(f"response is not a JSON object but {type(body).__name__}")
     choices = body.get("choices") or []
@@ -92,7 +94,8 @@ def parse_turn(body: dict[str, Any], fallback_version: int | None) -> Turn:
     if vmin is None or vmax is None:
         if fallback_version is None:
             raise BadResponse("response carries no policy version and the replica's version is unknown")
-        vmin = fallback_version if vmin is None else vmin
+        oldest = fallback_version if sent_version is None else min(sent_version, fallback_version)
+        vmin = oldest if vmin is None else vmin
         vmax = fallback_version if vmax is None else vmax
     message = choice.get("message") or {}
     try:
@@ -218,11 +221,12 @@ class InferenceClient:
         """The turn, and whether the answer reported the policy versions that produced it."""
         client = self._openai(replica)
         model = self.model or await self._model_name(replica, client)
+        sent = replica.version  # an answer without versions may come from this one, or any version up to the newest
         # `post` with a plain JSON body: the official client still does auth, timeouts and maps HTTP
         # errors to openai exceptions, but skips the typed-parameter transform and the pydantic response
         # model, which cost more CPU than the rest of a rollout (see docs/benchmarks.md).
         body = await client.post("/chat/completions", cast_to=object, body={"model": model, **request})
-        turn = parse_turn(body, replica.version)
+        turn = parse_turn(body, replica.version, sent)
         choices = body.get("choices") if isinstance(body, dict) else None  # a dict with choices: parse_turn checked
         return turn, "policy_version_max" in choices[0]
 

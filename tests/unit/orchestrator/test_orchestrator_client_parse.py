@@ -34,6 +34,8 @@ def test_turn_from_a_completion_with_versions():
 
 def test_version_falls_back_to_the_replicas_known_version():
     assert parse_turn(completion(), fallback_version=2).policy_version_max == 2
+    turn = parse_turn(completion(), fallback_version=4, sent_version=3)  # swapped while it generated
+    assert (turn.policy_version_min, turn.policy_version_max) == (3, 4)
     with pytest.raises(BadResponse, match="no policy version"):
         parse_turn(completion(), None)
 

@@ -16,11 +16,14 @@ from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from support.asgi import serving
 
 
-def answering(version: int | None):
-    """The bench's echo server, its answers from policy `version` (None: no versions in them, as vLLM's)."""
+def answering(version: int | None, delay_s: float = 0.0):
+    """The bench's echo server, its answers from policy `version` (None: no versions in them, as vLLM's), each after
+    `delay_s`."""
 
     async def app(scope, receive, send):
         async def rewriting(message):
+            if message["type"] == "http.response.start":
+                await asyncio.sleep(delay_s)
             if message["type"] == "http.response.body" and scope["path"].endswith("/chat/completions"):
                 body = json.loads(message["body"])
                 for choice in body["choices"]:
@@ -57,3 +60,25 @@ def test_an_answer_confirms_a_failed_replicas_version_only_when_it_reports_it(ve
     assert tagged == (2 if version is None else version)
     assert bool(eligible) is confirmed
     assert probe is (version == 1)  # an older version than known: the relay is asked to probe now
+
+
+@pytest.mark.timeout(60)
+def test_an_answer_without_versions_is_as_old_as_the_version_its_request_was_sent_to():
+    # audit: an answer without versions (vLLM) was tagged with the replica's version known when it came back, so a
+    # completion the relay's swap from 3 to 4 interrupted was taken for version 4's alone and passed the floor 4
+    port = free_port()
+
+    async def scenario():
+        replicas = ReplicaSet([Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1:1")])
+        (replica,) = list(replicas)
+        replicas.mark_ok(replica, version=3)
+        client = InferenceClient(replicas, model="m")
+        sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4)
+        chat = asyncio.create_task(client.for_version(3).chat([{"role": "user", "content": "hi"}], sampling=sampling))
+        await asyncio.sleep(0.5)
+        replicas.mark_ok(replica, version=4)  # the relay's UpdateWeights(4) returned while the request generated
+        turn = await chat
+        return turn.policy_version_min, turn.policy_version_max
+
+    with serving(answering(None, delay_s=1.5), port):
+        assert asyncio.run(scenario()) == (3, 4)
