@@ -429,7 +429,7 @@ class SFTConfig(JobConfig):
     model: TrainerModelConfig = Field(default_factory=TrainerModelConfig, description="Model to fine-tune.")
     data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="Dataset.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Optimiser and schedule.")
-    ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpointing.")
+    ckpt: TrainerCkptConfig = Field(default_factory=TrainerCkptConfig, description="Checkpointing (ckpt.on_stop too).")
     max_steps: int = Field(200, ge=1, description="Optimiser steps.")
     epochs: int | None = Field(None, ge=1, description="Stop after this many passes over the data.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")

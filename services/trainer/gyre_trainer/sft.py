@@ -25,6 +25,11 @@ Re-runs (as `gyre rl`): the same command again continues where the SFT stands. A
 continues it from its newest checkpoint, and without checkpoints is refused (it would start over from
 `model.name` and replace the result); a `save_dir` holding anything else is never replaced.
 `ckpt.resume_step = N` rewinds and trains again from checkpoint N (0: from `model.name`).
+
+Stopping (as the RL trainer, docs/trainer.md "Stopping"): SIGTERM or SIGINT (Kubernetes, `gyre rl`, Ctrl-C, torchrun
+forwarding either to its workers) finishes the step in flight on every rank, checkpoints it (`ckpt.on_stop`, unless it
+has its checkpoint already) and exits 0; the same command resumes after it, every step trained once. A second Ctrl-C of
+a single process stops at once (exit 130; torchrun's workers are stopped by torchrun's own `--shutdown-timeout`).
 """
 
 from __future__ import annotations
@@ -64,16 +69,19 @@ class SFTDataError(ValueError):
 
 
 class SFTInterrupted(Exception):  # noqa: N818 - a stop the user asked for, not an error
-    """Ctrl-C: the loop stopped between steps (`step` done, `checkpoint` the newest saved, None if none)."""
+    """SIGTERM/SIGINT: the loop stopped between steps (`step` done, `checkpoint` the newest saved, None if none;
+    `saved`: the stop checkpointed `step` itself)."""
 
-    def __init__(self, step: int, checkpoint: int | None):
-        super().__init__(step, checkpoint)
-        self.step, self.checkpoint = step, checkpoint
+    def __init__(self, step: int, checkpoint: int | None, saved: bool = False):
+        super().__init__(step, checkpoint, saved)
+        self.step, self.checkpoint, self.saved = step, checkpoint, saved
 
 
-# Set by a Ctrl-C of a single-process `gyre sft` (main): the loop stops before its next step, never inside a
-# checkpoint save (torch's checkpoint writer turns a KeyboardInterrupt raised there into a CheckpointException).
+# Set by SIGTERM/SIGINT (main): the loop stops before its next step, never inside a checkpoint save (torch's
+# checkpoint writer turns a KeyboardInterrupt raised there into a CheckpointException). FORCED: a second Ctrl-C of a
+# single process, which stops at once.
 STOP = threading.Event()
+FORCED = threading.Event()
 
 
 @dataclass
@@ -414,10 +422,15 @@ def run(cfg: SFTConfig) -> int:
             wandb = WandbLogger(cfg.wandb, service="sft", run_id=cfg.run_id, output_dir=output_dir,
                                 config=cfg.model_dump(mode="json"))  # fmt: skip
         bar = tqdm(total=total, initial=start, desc="sft", unit="step", disable=not ctx.is_main, file=sys.stderr)
+        checkpointed, last = start or None, None  # the newest step saved or loaded; (step, record) trained last
         for step in range(start + 1, total + 1):
-            if STOP.is_set():
+            if stop_requested(ctx):
                 bar.close()
-                raise SFTInterrupted(step - 1, max(checkpoints.steps(), default=None))
+                saved = checkpoint_on_stop(cfg, checkpoints, last, checkpointed, model, optimizer, scheduler)
+                if events:
+                    events.close()
+                dist.barrier(ctx)  # ranks leave together (the save is collective; so is the process group's end)
+                raise SFTInterrupted(step - 1, max(checkpoints.steps(), default=None), saved)
             epoch, batch = rows_for_step(rows, step, data.batch_size, cfg.seed)
             began = time.perf_counter()
             metrics = sft_step(
@@ -434,8 +447,10 @@ def run(cfg: SFTConfig) -> int:
                 wandb.log(events.append(record))
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch)
             bar.update(1)
+            last = (step, record)
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                 checkpoints.save(step, model, optimizer, scheduler, record)
+                checkpointed = step
         bar.close()
         state_dict = dist.full_state_dict(model, ctx)
         if ctx.is_main:
@@ -448,6 +463,35 @@ def run(cfg: SFTConfig) -> int:
         if wandb is not None:
             wandb.finish()
         dist.shutdown(ctx)
+
+
+def stop_requested(ctx) -> bool:
+    """Whether any rank got SIGTERM/SIGINT, agreed by every rank (torchrun forwards a signal to each worker, not at the
+    same instant: ranks that stopped at different steps would hang in the next step's collectives)."""
+    from gyre_trainer import dist
+
+    if not ctx.distributed:
+        return STOP.is_set()
+    return any(flags[0] for flags in dist.gather_floats([float(STOP.is_set())], ctx))
+
+
+def checkpoint_on_stop(cfg: SFTConfig, checkpoints, last, checkpointed, model, optimizer, scheduler) -> bool:
+    """A graceful stop: checkpoint the last trained step (`ckpt.on_stop`) unless it has its checkpoint already, as the
+    RL trainer's `RunState.checkpoint_on_stop` does, with the same `CheckpointManager.save` (every rank, atomic), so
+    the same command resumes after it (`plan_resume`). Nothing when nothing was trained since the resume.
+    True when it saved."""
+    if last is None:
+        return False
+    step, record = last
+    if checkpointed == step:
+        log.info("stopping: step %d has its checkpoint already", step)
+        return False
+    if not cfg.ckpt.on_stop:
+        log.info("stopping without a checkpoint of step %d (ckpt.on_stop = false)", step)
+        return False
+    log.info("stopping: checkpointing step %d first (ckpt.on_stop)", step)
+    checkpoints.save(step, model, optimizer, scheduler, record)
+    return True
 
 
 def finished_step(save_dir: Path, total: int, have_checkpoints: bool) -> int | None:
@@ -518,43 +562,64 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre sft: error: config key 'output_dir': cannot use {cfg.output_dir}: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}")
-    previous = None
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # ranks could stop at different steps: torchrun's own way
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
 
-        def _on_interrupt(signum, frame):
-            if STOP.is_set():  # a second Ctrl-C: stop now
+    def _on_signal(signum, frame):
+        # Every rank, SIGTERM too (Kubernetes, `gyre rl`, torchrun forwarding it): only SIGINT was handled, and only
+        # in a single process, so a SIGTERM killed the SFT mid-step with nothing saved since its last interval.
+        if STOP.is_set():
+            # A second Ctrl-C of a single process: stop now. Not under torchrun, which forwards the terminal's
+            # Ctrl-C to workers that got it already, and bounds their stop with its own --shutdown-timeout.
+            if single and signum == signal.SIGINT:
+                FORCED.set()
                 raise KeyboardInterrupt
-            STOP.set()
-            log.warning("interrupted: stopping after the current step (Ctrl-C again stops at once)")
+            return
+        STOP.set()
+        again = " (Ctrl-C again stops at once)" if single else ""
+        log.warning("%s: stopping after the current step%s",
+                    signal.Signals(signum).name, again)  # fmt: skip
 
-        STOP.clear()
-        previous = signal.signal(signal.SIGINT, _on_interrupt)
+    STOP.clear()
+    FORCED.clear()
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return run(cfg)
     except SFTDataError as e:
         print(f"gyre sft: error: {e}", file=sys.stderr)
         return 2
-    except (SFTInterrupted, KeyboardInterrupt) as e:  # Ctrl-C: what a re-run does next, not a traceback
-        ckpt_dir = Path(cfg.output_dir) / "checkpoints" / "sft"
-        if isinstance(e, SFTInterrupted) and e.checkpoint is not None:
-            what = f" after step {e.step}; the same command resumes from checkpoint step {e.checkpoint} in {ckpt_dir}"
-        elif isinstance(e, SFTInterrupted):
-            why = "none yet" if cfg.ckpt.interval else "ckpt.interval is unset"
-            what = f" after step {e.step}; no checkpoint ({why}): the same command starts over"
-        elif cfg.ckpt.interval:
-            what = f"; the same command resumes from the newest complete checkpoint in {ckpt_dir}, if any"
-        else:
-            what = "; no checkpoint (ckpt.interval is unset): the same command starts over"
-        print(f"gyre sft: interrupted{what}", file=sys.stderr)
-        return 130
+    except SFTInterrupted as e:  # a graceful stop: what a re-run does next, not a traceback
+        if rank == 0:
+            print(f"gyre sft: stopped{_resume_hint(cfg, e)}", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:  # a second Ctrl-C
+        return _forced(cfg)
     except Exception:
+        if FORCED.is_set():  # a second Ctrl-C inside a checkpoint save: torch re-raises it as its own error
+            return _forced(cfg)
         log.exception("sft failed")
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)  # main() runs in-process too (tests)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # main() runs in-process too (tests)
         if lock is not None:
             lock.release()
+
+
+def _resume_hint(cfg: SFTConfig, e: SFTInterrupted) -> str:
+    ckpt_dir = Path(cfg.output_dir) / "checkpoints" / "sft"
+    if e.checkpoint is not None:
+        saved = " (saved on this stop)" if e.saved else ""
+        where = f"checkpoint step {e.checkpoint}{saved} in {ckpt_dir}"
+        return f" after step {e.step}; the same command resumes from {where}"
+    why = "ckpt.on_stop = false" if not cfg.ckpt.on_stop else "nothing trained yet"
+    return f" after step {e.step}; no checkpoint ({why}): the same command starts over"
+
+
+def _forced(cfg: SFTConfig) -> int:
+    ckpt_dir = Path(cfg.output_dir) / "checkpoints" / "sft"
+    print(f"gyre sft: interrupted at once; the same command resumes from the newest complete checkpoint in {ckpt_dir}"
+          ", if any (else it starts over)", file=sys.stderr)  # fmt: skip
+    return 130
 
 
 if __name__ == "__main__":
