@@ -681,3 +681,62 @@ def test_a_ctrl_c_just_after_a_service_started_still_stops_it(tmp_path, monkeypa
         assert len(started) == 1 and started[0].poll() is not None, "the started inference outlived shutdown()"
     finally:
         started[0].kill()
+
+
+def test_a_stop_gives_the_trainer_its_stop_budget_not_15_seconds(tmp_path):
+    # Child.stop's 15 s default SIGKILLed a trainer that was still writing its stop checkpoint (ckpt.on_stop): a larger
+    # model lost every step since its last checkpoint. The trainer (and the SFT warm-up) now get trainer_stop_timeout_s.
+    from gyre.local.launcher import Launcher
+    from gyre.proc import Child
+
+    slow_stop = textwrap.dedent("""
+        import signal, sys, time
+        def stop(*_):
+            time.sleep(18)  # a checkpoint that takes longer than the old 15 s
+            open(sys.argv[1], "w").write("saved")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--trainer-stop-timeout-s", "60"])
+    launcher = Launcher(cfg)
+    ready = []
+    trainer = Child("trainer", [sys.executable, "-c", slow_stop, str(tmp_path / "saved")], tmp_path / "trainer.log",
+                    on_line=ready.append).start(quiet=True)  # fmt: skip
+    launcher.children.append(trainer)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        began = time.monotonic()
+        launcher.shutdown()
+        assert trainer.poll() == 0 and (tmp_path / "saved").read_text() == "saved"
+        assert 17 < time.monotonic() - began < 50
+    finally:
+        trainer.kill()
+
+
+def test_torchrun_gets_the_trainers_stop_budget_as_its_shutdown_timeout(tmp_path):
+    # torchrun SIGKILLs its workers --shutdown-timeout (30 s by default) after forwarding SIGTERM: whatever the launcher
+    # waited, a multi-process trainer's stop checkpoint had 30 s
+    from gyre.local.launcher import Launcher
+
+    argv = ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--trainer-nproc", "2"]
+    launcher = Launcher(load_config(RLConfig, [*argv, "--trainer-stop-timeout-s", "450.5"]))
+    command = launcher.trainer_argv(tmp_path / "trainer.toml")
+    assert command[command.index("torch.distributed.run") + 1 :].count("--shutdown-timeout=451") == 1
+    assert "--shutdown-timeout=300" in Launcher(load_config(RLConfig, argv)).trainer_argv(tmp_path / "trainer.toml")
+
+
+def test_an_sft_warm_up_that_exits_0_without_its_result_fails_the_launch(tmp_path, monkeypatch):
+    # `gyre sft` stopped by a SIGTERM of its own checkpoints and exits 0: the launch went on to start the services on
+    # a model folder that did not exist
+    from gyre.local import launcher as launcher_module
+
+    monkeypatch.setattr(launcher_module, "_gyre", lambda *args: [sys.executable, "-c", "print('stopped after step 3')"])
+    cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path)],
+                      sft={"enabled": True, "args": {"data": {"fake": True}}})  # fmt: skip
+    launcher = launcher_module.Launcher(cfg)
+    with pytest.raises(launcher_module.RunFailed, match=r"(?s)sft stopped before it finished .*stopped after step 3"):
+        launcher._sft(str(tmp_path / "model"))

@@ -125,6 +125,14 @@ class RLConfig(GyreSettings):
         None, description="CUDA_VISIBLE_DEVICES of every inference replica, e.g. '0' (unset = inherit)."
     )
     trainer_gpus: str | None = Field(None, description="CUDA_VISIBLE_DEVICES of the trainer, e.g. '1,2,3'.")
+    trainer_stop_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long a stop (Ctrl-C, SIGTERM) waits for the trainer (and the SFT warm-up) to finish its "
+        "step and checkpoint it (ckpt.on_stop) before killing it; a second Ctrl-C kills it at once. Raise it when "
+        "gyre_trainer_checkpoint_seconds comes near (a larger model, a slow disk): a killed save loses the steps "
+        "since the last checkpoint.",
+    )
     console: Literal["progress", "all"] = Field(
         "progress", description="progress: progress bar + warnings; all: every child log line, prefixed."
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -76,7 +77,8 @@ STAGING_PREFIX = ".tmp-"
 MODEL_INIT_RECORD = "configs/model-init.toml"
 # `gyre sft` keys that do not shape its result (or are the run's, checked elsewhere): free on a re-run.
 SFT_FREE_KEYS = ("run_id", "output_dir", "save_dir", "log", "wandb", "ckpt")
-ROLE_LOCK_WAIT_S = 60.0  # a previous launch's children finish their current step on SIGTERM
+ROLE_LOCK_WAIT_S = 60.0  # a previous launch's orchestrator finishes its current step on SIGTERM
+STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL of a child that saves nothing when it stops (trainer, SFT: _stop_timeout)
 
 
 _console_lock = threading.Lock()
@@ -362,8 +364,17 @@ class Launcher:
             try:
                 RunLock(self.out, role).acquire(wait_s=0).release()
             except LockHeld as e:
-                _console(f"waiting up to {ROLE_LOCK_WAIT_S:.0f}s for pid {e.holder.get('pid')} ({role}) to exit")
-                RunLock(self.out, role).acquire(wait_s=ROLE_LOCK_WAIT_S).release()
+                wait = max(ROLE_LOCK_WAIT_S, self._stop_timeout(role))
+                _console(f"waiting up to {wait:.0f}s for pid {e.holder.get('pid')} ({role}) to exit")
+                RunLock(self.out, role).acquire(wait_s=wait).release()
+
+    def _stop_timeout(self, name: str) -> float:
+        """How long a stop waits for child `name` before SIGKILL: trainer and SFT checkpoint their last step first
+        (`ckpt.on_stop`), which takes the time of a checkpoint (`trainer_stop_timeout_s`); the others only finish what
+        they are doing. The trainer had 15 s, and a larger model's stop checkpoint was cut."""
+        if name in ("trainer", "sft"):
+            return max(self.cfg.trainer_stop_timeout_s, STOP_TIMEOUT_S)
+        return STOP_TIMEOUT_S
 
     def check_fresh(self) -> None:
         """Raise ConfigError unless `--fresh` may empty output_dir (a gyre run, or nothing but its entries)."""
@@ -460,10 +471,13 @@ class Launcher:
         sft = load_config(SFTConfig, [], **deep_merge(values, self.cfg.sft.args))
         path = _write_config(self.out / "configs" / "sft.toml", sft)
         _console(f"SFT warm-up: {sft.max_steps} steps -> {sft_dir}")
-        self._run_once("sft", _gyre("sft", "@", str(path)), echo=True)
+        child = self._run_once("sft", _gyre("sft", "@", str(path)), echo=True)
+        if not (sft_dir / "config.json").exists():  # a SIGTERM of its own: `gyre sft` checkpoints and exits 0
+            raise RunFailed(f"sft stopped before it finished (no result in {sft_dir}); the same command resumes it; "
+                            f"last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
         return str(sft_dir)
 
-    def _run_once(self, name: str, argv: list[str], echo: bool = False) -> None:
+    def _run_once(self, name: str, argv: list[str], echo: bool = False) -> Child:
         child = Child(name, argv, self.out / "logs" / f"{name}.log", console=_console)
         self.children.append(child)
         child.start(echo=echo or self.cfg.console == "all")
@@ -471,6 +485,7 @@ class Launcher:
         self.children.remove(child)
         if code != 0:
             raise RunFailed(f"{name} failed with status {code}; last lines of {child.log_path}:\n{child.tail()}")
+        return child
 
     # -- run ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -526,21 +541,7 @@ class Launcher:
             child.start(echo, env=_thread_env(0.5 / len(named)) | _gpu_env(self.cfg.inference_gpus))
             replicas.append(child)
         trainer_cfg = _write_config(cdir / "trainer.toml", configs.trainer)
-        if self.cfg.trainer_nproc > 1:
-            argv = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={self.cfg.trainer_nproc}",
-                "-m",
-                "gyre.cli",
-                "trainer",
-                "@",
-                str(trainer_cfg),
-            ]
-        else:
-            argv = _gyre("trainer", "@", str(trainer_cfg))
+        argv = self.trainer_argv(trainer_cfg)
         trainer = Child("trainer", argv, self.out / "logs" / "trainer.log", console=_console)
         self.children.append(trainer)
         trainer.start(echo, env=_thread_env(0.5) | _gpu_env(self.cfg.trainer_gpus))
@@ -585,6 +586,26 @@ class Launcher:
             _bar = None
         return 0
 
+    def trainer_argv(self, config: Path) -> list[str]:
+        """The trainer's command: `gyre trainer`, or torchrun of it with `trainer_nproc` processes."""
+        if self.cfg.trainer_nproc == 1:
+            return _gyre("trainer", "@", str(config))
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.cfg.trainer_nproc}",
+            # torchrun SIGKILLs its workers this long after forwarding a SIGTERM (30 s by default): the launcher's
+            # own budget for the trainer's stop checkpoint, not less
+            f"--shutdown-timeout={math.ceil(self._stop_timeout('trainer'))}",
+            "-m",
+            "gyre.cli",
+            "trainer",
+            "@",
+            str(config),
+        ]
+
     def _start_step(self, committed: int) -> int:
         rs = self.cfg.ckpt.resume_step
         return rs if rs is not None and rs >= 0 else committed
@@ -628,7 +649,7 @@ class Launcher:
             key=lambda c: 0 if c.name.startswith("orchestrator") else 1 if c.name == "trainer" else 2,
         )
         for child in order:
-            child.stop()
+            child.stop(timeout=self._stop_timeout(child.name))
         self.children.clear()
         if self.prometheus is not None:
             self.prometheus.stop()
@@ -693,7 +714,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre rl: run failed: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        print("gyre rl: interrupted, stopping services (Ctrl-C again kills them at once)", file=sys.stderr)
+        print(f"gyre rl: interrupted, stopping services; the trainer checkpoints its last step first (up to "
+              f"{cfg.trainer_stop_timeout_s:.0f}s, trainer_stop_timeout_s); Ctrl-C again kills them at once",
+              file=sys.stderr)  # fmt: skip
         code = 130
     finally:
         stopping[:] = stopping or [time.monotonic()]
