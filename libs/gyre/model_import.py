@@ -410,8 +410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(line: str) -> None:
         print(f"gyre model import: {line}", file=sys.stderr, flush=True)
 
+    from gyre.model_init import sigterm_as_interrupt
+
     try:
-        path = import_model(**config.model_dump(), say=say)
+        with sigterm_as_interrupt():  # a SIGTERM leaves no `.tmp-*` folder (nor a partial `.download-*`) behind
+            path = import_model(**config.model_dump(), say=say)
     except (ModelImportError, FileExistsError) as error:
         print(f"gyre model import: error: {error}", file=sys.stderr)
         return 2

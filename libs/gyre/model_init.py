@@ -15,7 +15,8 @@ The folder holds what `AutoModelForCausalLM` / `AutoTokenizer` (and vLLM) load o
 
 Invariants:
 - Same (preset, seed, overrides) and same library versions -> byte-identical files.
-- The folder appears complete or not at all (written under `.tmp-*`, fsynced, renamed).
+- The folder appears complete or not at all (written under `.tmp-*`, fsynced, renamed); Ctrl-C or SIGTERM
+  deletes the `.tmp-*` folder (`sigterm_as_interrupt`).
 - Special tokens: `<|endoftext|>` = id 0 is the tokenizer's eos and pad (document separator for packing
   and SFT), `<|im_start|>` = 1 and `<|im_end|>` = 2 delimit ChatML turns. The model config's and the
   generation config's `eos_token_id` is `<|im_end|>`, so generation stops at the end of the assistant's
@@ -34,14 +35,17 @@ Importing this module never imports torch or transformers; they are imported ins
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # a one-file "Writing model shards" bar is noise in a CLI
     try:
-        path = init_model(**config.model_dump())
+        with sigterm_as_interrupt():
+            path = init_model(**config.model_dump())
     except (ValueError, FileExistsError) as error:
         print(f"gyre model init: error: {error}", file=sys.stderr)
         return 2
@@ -589,6 +594,26 @@ def check_output_dir(output_dir: Path, overwrite: bool, how: str = "pass --overw
             f"{output_dir} is not a model folder (no config.json): --overwrite replaces only a model folder; "
             "choose another --output-dir, or empty it yourself"
         )
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt inside the block, as Ctrl-C does, so the clean-up of a half-written folder runs
+    (`.tmp-*` staging, removed by `except BaseException`): its default action ended the process on the spot and left
+    the folder, up to a model's size (only `gyre rl` removed them, from its own run folder). The `gyre` command prints
+    one line for it and exits 130. Main thread only (elsewhere a no-op: signal handlers belong to the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def publish_model_folder(staging: Path, output_dir: Path) -> None:

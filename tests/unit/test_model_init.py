@@ -497,3 +497,40 @@ def test_main_on_a_file_or_an_uncreatable_folder_is_one_error_line(tmp_path, cap
     assert "is a file, not a folder" in capsys.readouterr().err and a_file.read_text() == "mine"
     assert model_init.main(["--output-dir", str(a_file / "model")]) == 2
     assert str(a_file) in capsys.readouterr().err
+
+
+def _sigterm_once_staging_exists(argv: list[str], output_dir: Path, log: Path) -> int:
+    """Run `gyre *argv` and SIGTERM it (the process alone, as `kill` or a pod's stop does) while it writes its
+    `.tmp-*` staging folder beside `output_dir`; its exit status."""
+    import signal
+    import time
+
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gyre.cli", *argv], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(output_dir.parent.glob(f".tmp-{output_dir.name}-*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("command", ["init", "import"])
+def test_a_sigterm_while_the_folder_is_written_leaves_no_staging_folder(tmp_path, command):
+    # SIGTERM's default action ended `gyre model init` / `import` on the spot: the `.tmp-*` folder it was writing (up to
+    # a model's size) stayed beside --output-dir; only `gyre rl` removed such folders, and only in its own run folder
+    output_dir = tmp_path / "out" / "model"
+    if command == "init":  # the tokenizer is trained inside the staging folder's lifetime: seconds
+        argv = ["model", "init", "--preset", "small", "--output-dir", str(output_dir)]
+    else:  # a local HF folder: loaded, written into staging, reloaded and compared
+        source = init_model(tmp_path / "source", preset="small", seed=0)
+        argv = ["model", "import", str(source), "--output-dir", str(output_dir)]
+    code = _sigterm_once_staging_exists(argv, output_dir, tmp_path / "log")
+    log = (tmp_path / "log").read_text()
+    assert code == 130, log
+    assert f"gyre model {command}: interrupted" in log
+    assert sorted(p.name for p in output_dir.parent.iterdir()) == [], log  # neither staging nor a partial model
