@@ -740,3 +740,41 @@ def test_an_sft_warm_up_that_exits_0_without_its_result_fails_the_launch(tmp_pat
     launcher = launcher_module.Launcher(cfg)
     with pytest.raises(launcher_module.RunFailed, match=r"(?s)sft stopped before it finished .*stopped after step 3"):
         launcher._sft(str(tmp_path / "model"))
+
+
+@pytest.mark.parametrize(
+    ("command", "variable", "meant"),
+    [("trainer", "GYRE_MAX_STEPZ", "GYRE_MAX_STEPS"), ("orchestrator", "GYRE_ENVS__NAME", "GYRE_ENV__NAME"),
+     ("inference", "GYRE_SERVR__PORT", "GYRE_SERVER__PORT"), ("sft --data.fake", "GYRE_EPOCS", "GYRE_EPOCHS")],
+)  # fmt: skip
+def test_a_misspelt_environment_variable_of_a_service_run_on_its_own_is_refused_naming_it(
+    tmp_path, command, variable, meant
+):
+    # only `gyre rl` checked its GYRE_ variables: a service run on its own (as the chart runs them, configured by GYRE_
+    # variables) ignored a misspelt one and trained or served with the default
+    out = tmp_path / "run"
+    res = gyre(*command.split(), "--output-dir", str(out), env={variable: "3"})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert (
+        f"gyre {command.split()[0]}: error: " in res.stderr
+        and f"set by the environment variable {variable}" in res.stderr
+    )
+    assert (f"did you mean {meant}?" in res.stderr) if meant else ("did you mean" not in res.stderr), res.stderr
+    assert not out.exists()
+
+
+def test_the_charts_environment_variables_are_keys_of_the_pods_that_get_them():
+    # what charts/gyre sets on each pod (docs/kubernetes.md, "Secrets are files"), and variables gyre reads itself:
+    # none may stop a service now that services check their GYRE_ variables
+    from gyre.config.inference import InferenceConfig
+    from gyre.config.loader import check_environment_keys
+
+    ambient = {"GYRE_CACHE_DIR": "/c", "GYRE_RUN_SEGMENT": "s", "GYRE_TRAINER_CRASH_AT": "x", "GYRE_API_KEY": "k"}
+    pods = {
+        TrainerConfig: ("GYRE_ORCHESTRATOR__CONTROL_TOKEN_FILE", "GYRE_REDIS__URL", "GYRE_REDIS__PASSWORD_FILE"),
+        OrchestratorConfig: ("GYRE_INFERENCE__API_KEY_FILE", "GYRE_INFERENCE__CONTROL_TOKEN_FILE",
+                             "GYRE_SERVER__CONTROL_TOKEN_FILE", "GYRE_REDIS__URL", "GYRE_REDIS__PASSWORD_FILE"),
+        InferenceConfig: ("GYRE_AUTH__API_KEY_FILE", "GYRE_AUTH__CONTROL_TOKEN_FILE"),
+    }  # fmt: skip
+    for cls, names in pods.items():
+        check_environment_keys(cls, {**ambient, **dict.fromkeys(names, "x")})

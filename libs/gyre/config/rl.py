@@ -8,7 +8,7 @@ keys and are validated against that service's config model when the launcher res
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -104,6 +104,8 @@ class RLServerConfig(Section):
 
 class RLConfig(GyreSettings):
     """Run inference, orchestrator and trainer as local processes with an embedded Redis."""
+
+    check_environment: ClassVar[bool] = True  # parse_or_exit: a misspelt GYRE_ variable names itself
 
     run_id: str = Field("gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id.")
     output_dir: Path = Field(Path("outputs/run"), description="Local folder standing in for the shared volume.")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
 
@@ -81,6 +81,8 @@ class WandbConfig(Section):
 
 class ProcessConfig(GyreSettings):
     """Keys of every Gyre process: experiment id, shared folder, logging."""
+
+    check_environment: ClassVar[bool] = True  # GYRE_MAX_STEPZ is an error naming it, not a silent default
 
     run_id: str = Field(
         "gyre",

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
-from gyre.config.loader import check_environment_keys, dump_toml, under_section
+from gyre.config.loader import dump_toml, under_section
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
@@ -674,12 +674,7 @@ def _consume_rl_environment() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_or_exit(RLConfig, argv, "gyre rl")
-    try:
-        check_environment_keys(RLConfig, os.environ)  # a misspelt GYRE_ variable was silently ignored
-    except ConfigError as e:
-        print(f"gyre rl: error: {e}", file=sys.stderr)
-        return 2
+    cfg = parse_or_exit(RLConfig, argv, "gyre rl")  # a misspelt GYRE_ variable too (RLConfig.check_environment)
     _consume_rl_environment()  # before the services' configs are validated and their processes started
     from gyre.logging import setup_logging
 
