@@ -289,3 +289,43 @@ def test_fresh_with_an_external_redis_deletes_the_previous_runs_batches(tmp_path
         assert all(fields.get(b"payload") != b"old batch" for _, fields in old.redis.xrange(old.key))  # gone
         old.redis.close()
     assert wait_gone(fresh.seen) == []
+
+
+def test_ctrl_c_during_the_sft_warm_up_checkpoints_it_and_the_rerun_resumes_it(tmp_path):
+    """The launcher's stop reaches `gyre sft` as SIGTERM, which killed it on the spot (only SIGINT was handled): every
+    step since its last interval checkpoint was trained again by the next launch. Now it finishes its step, checkpoints
+    it and exits within the trainer's stop budget; the same command resumes after that step."""
+    import json
+
+    out = tmp_path / "run"
+    sft_args = {"max_steps": 60, "device": "cpu", "data": {"fake": True, "num_examples": 120, "seq_len": 64,
+                                                          "batch_size": 4, "micro_batch_size": 2}}  # fmt: skip
+    args = ("--max-steps", "1", "--sft.args", json.dumps(sft_args))
+    sft_steps = out / "events" / "sft_steps.jsonl"
+
+    def steps() -> list[int]:
+        return [r["step"] for r in read_events(sft_steps)] if sft_steps.exists() else []
+
+    first = Watched(out, *args)
+    deadline = time.monotonic() + 300
+    while len(steps()) < 2:
+        assert first.proc.poll() is None, first.proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the SFT warm-up never trained a step"
+        first.record()
+        time.sleep(0.02)
+    first.record()
+    first.proc.send_signal(signal.SIGINT)
+    _, err = first.proc.communicate(timeout=120)
+    assert first.proc.returncode == 130, err[-3000:]
+    assert wait_gone(first.seen, timeout=10) == []
+    done = steps()[-1]
+    assert steps() == list(range(1, done + 1)) and done < 60
+    assert [p.name for p in (out / "checkpoints" / "sft").iterdir()] == [f"step_{done}"]
+    assert f"gyre sft: stopped after step {done}" in (out / "logs" / "sft.log").read_text()
+
+    second = Watched(out, *args)  # the same command again
+    code, err = second.wait(timeout=400)
+    assert code == 0, err[-4000:]
+    assert steps() == list(range(1, 61))  # each SFT step once
+    assert trained_steps(out) == [1]
+    assert wait_gone(second.seen) == []
