@@ -66,12 +66,11 @@ def test_resume_continues_at_the_right_step(tmp_path, redis_url, unique_run_id, 
     from gyre.config import to_toml
 
     cfg_path.write_text(to_toml(cfg))
-    events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
     log1 = open(tmp_path / "run1.log", "w")  # noqa: SIM115
     first = subprocess.Popen(orchestrator_cmd(cfg_path), stdout=log1, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while len(read_events(events)) < 3:
+        while len(stream_steps(redis_url, unique_run_id)) < 3:  # pushed: a step's event line comes first
             assert first.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.05)
