@@ -89,6 +89,19 @@ class Watched:
         _, err = self.proc.communicate(timeout=30)
         return self.proc.returncode, err
 
+    def ctrl_c_when(self, ready, timeout: float, never: str, poll_s: float) -> tuple[int, str]:
+        """Once `ready()` (recording the tree meanwhile), a terminal's Ctrl-C; (exit status, stderr) when it ends."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.proc.poll() is None, self.proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, never
+            self.record()
+            time.sleep(poll_s)
+        self.record()
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=120)
+        return self.proc.returncode, err
+
 
 def trained_steps(out: Path) -> list[int]:
     return [r["step"] for r in read_events(out / "events" / "trainer_steps.jsonl")]
@@ -248,15 +261,11 @@ def test_ctrl_c_while_the_base_model_is_created_leaves_no_half_model_and_fresh_s
     the run's folder, and `--fresh` then refused the folder: "holds files gyre did not write (.tmp-model-...)"."""
     out = tmp_path / "run"
     first = Watched(out, "--max-steps", "1")
-    deadline = time.monotonic() + 120
-    while not (out.is_dir() and any(p.name.startswith(".tmp-model-") for p in out.iterdir())):
-        assert first.proc.poll() is None, first.proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the model was never created"
-        time.sleep(0.01)
-    first.record()
-    first.proc.send_signal(signal.SIGINT)
-    _, err = first.proc.communicate(timeout=60)
-    assert first.proc.returncode == 130, err[-3000:]
+    code, err = first.ctrl_c_when(
+        lambda: out.is_dir() and any(p.name.startswith(".tmp-model-") for p in out.iterdir()),
+        timeout=120, never="the model was never created", poll_s=0.01,
+    )  # fmt: skip
+    assert code == 130, err[-3000:]
     assert wait_gone(first.seen, timeout=10) == []
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
     (out / ".tmp-model-left-by-an-older-launch").mkdir()  # what the old code left: --fresh takes it too
@@ -307,16 +316,10 @@ def test_ctrl_c_during_the_sft_warm_up_checkpoints_it_and_the_rerun_resumes_it(t
         return [r["step"] for r in read_events(sft_steps)] if sft_steps.exists() else []
 
     first = Watched(out, *args)
-    deadline = time.monotonic() + 300
-    while len(steps()) < 2:
-        assert first.proc.poll() is None, first.proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the SFT warm-up never trained a step"
-        first.record()
-        time.sleep(0.02)
-    first.record()
-    first.proc.send_signal(signal.SIGINT)
-    _, err = first.proc.communicate(timeout=120)
-    assert first.proc.returncode == 130, err[-3000:]
+    code, err = first.ctrl_c_when(
+        lambda: len(steps()) >= 2, timeout=300, never="the SFT warm-up never trained a step", poll_s=0.02
+    )
+    assert code == 130, err[-3000:]
     assert wait_gone(first.seen, timeout=10) == []
     done = steps()[-1]
     assert steps() == list(range(1, done + 1)) and done < 60
