@@ -195,7 +195,6 @@ class OptimConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-
     scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr (linear/cosine).")
