@@ -3,9 +3,10 @@
 One small client for all three, over the official `openai` client (auth, timeouts, HTTP errors as exceptions):
 
 - **bounded concurrency**: at most `max_concurrency` requests in flight;
-- **timeouts and retries**: a timeout, connection error, 5xx, 429, 408 or 409 is retried after a jittered exponential
-  backoff (or the `Retry-After` a 429/503 asks for, up to a minute, when that is longer), `retries` times; a
-  4xx fails at once. A 400, 413 or 422 refuses what the request holds (a sample too long for the server's
+- **timeouts and retries**: a timeout (`timeout_s` bounds the whole answer, not each read), connection error,
+  answer that is not JSON, 5xx, 429, 408 or 409 is retried after a jittered exponential backoff (at most
+  `MAX_BACKOFF_S`; or the `Retry-After` a 429/503 asks for, up to a minute, when that is longer), `retries` times;
+  a 4xx fails at once. A 400, 413 or 422 refuses what the request holds (a sample too long for the server's
   context, a token out of its vocabulary) and raises `RequestRefused`: the caller may skip that one sample (the
   teacher, a judge) instead of stopping the run. Any other 4xx (401, 403, 404: a key, a model, a URL) is the
   configuration's fault, and so are `MAX_REFUSED_IN_A_ROW` refusals with no success between them (a judge
@@ -22,6 +23,7 @@ root (`/v1/chat/completions`, `/classify`, `/inference/v1/generate`).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 from collections import Counter
@@ -41,6 +43,9 @@ _RETRYABLE_STATUSES = frozenset({408, 409})
 REFUSED_STATUSES = frozenset({400, 413, 422})
 #: the longest `Retry-After` honoured (a larger one is waited this long, then retried)
 MAX_RETRY_AFTER_S = 60.0
+#: the longest backoff between two attempts: a server down for longer is waited for with more `retries`, not with
+#: longer sleeps (the exponential backoff of retries = 20 was a sleep of up to three days before the last attempt)
+MAX_BACKOFF_S = 30.0
 #: this many refusals in a row, none answered between them: the configuration is at fault, not the samples
 MAX_REFUSED_IN_A_ROW = 16
 
@@ -110,8 +115,9 @@ class Endpoint:
     async def post_once(self, path: str, body: dict[str, Any]) -> Any:
         """One attempt, not counted in `stats` (a check before the run, not one of its calls); EndpointError."""
         try:
-            return await self._openai().post(f"{self.config.root}{path}", cast_to=object, body=body)
-        except openai.APIError as error:
+            async with asyncio.timeout(self.config.timeout_s):  # the whole answer, as in `_call`
+                return await self._openai().post(f"{self.config.root}{path}", cast_to=object, body=body)
+        except (openai.APIError, json.JSONDecodeError, TimeoutError) as error:
             raise EndpointError(f"{self.name}: {self.config.root}{path}: {describe(error)}") from error
 
     async def chat(self, messages: list[dict], **params: Any) -> dict:
@@ -126,14 +132,28 @@ class Endpoint:
             for attempt in range(self.config.retries + 1):
                 if attempt:
                     self.stats["retries"] += 1
-                    backoff = random.uniform(0, self.backoff_s * 2 ** (attempt - 1))
+                    backoff = random.uniform(0, min(self.backoff_s * 2 ** min(attempt - 1, 40), MAX_BACKOFF_S))
                     await asyncio.sleep(max(backoff, retry_after(last)))
                 self.stats["requests"] += 1
+                # the client's timeout bounds each read, not the answer: a server trickling a byte at a time (or a
+                # proxy's keep-alive spaces) held the request, and the rollout, for ever
+                deadline = asyncio.timeout(self.config.timeout_s)
                 try:
-                    answer = await request(client)
+                    async with deadline:
+                        answer = await request(client)
                 except openai.APITimeoutError as error:  # before APIConnectionError: it is one
                     self.stats["timeouts"] += 1
                     last = error
+                except TimeoutError:
+                    if not deadline.expired():
+                        raise
+                    self.stats["timeouts"] += 1
+                    last = TimeoutError(f"no whole answer within timeout_s = {self.config.timeout_s:g}s")
+                except json.JSONDecodeError as error:
+                    # a JSON content type with a broken body (a proxy's cut answer): the server's fault, asked again;
+                    # it escaped as a plain ValueError, which a rubric scored as this rollout's 0
+                    self.stats["errors"] += 1
+                    last = EndpointError(f"the answer is not JSON ({error})")
                 except _RETRYABLE as error:
                     self.stats["errors"] += 1
                     last = error
@@ -154,14 +174,27 @@ class Endpoint:
 
     def _refusal(self, error: openai.APIStatusError, again: bool = False) -> EndpointError:
         message = f"{self.name}: {self.config.root} refused the request: {error.status_code} {describe(error)}"
-        if error.status_code not in REFUSED_STATUSES:
-            return EndpointError(message)  # a key, a model, a URL: every request would be refused
+        if error.status_code not in REFUSED_STATUSES:  # a key, a model, a URL: every request would be refused
+            return EndpointError(f"{message}{self._setup_hint(error.status_code)}")
         self.stats["refused"] += 1
         self._refused_in_a_row += not again
         if self._refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
             return EndpointError(f"{message} ({self._refused_in_a_row} requests refused in a row, none answered: "
                                  "the configuration, not the samples, is at fault)")  # fmt: skip
         return RequestRefused(message, error.status_code)
+
+    def _setup_hint(self, status: int) -> str:
+        """Which settings a refusal of the setup points at (the server's message rarely names them)."""
+        if status in (401, 403):
+            source = "no api key set"
+            if self.config.api_key_env or self.config.api_key_file:
+                key = "api_key_env" if self.config.api_key_env else "api_key_file"
+                source = f"{key} = {getattr(self.config, key)!r}"
+            return f" (check the key: {source})"
+        if status == 404:
+            model = repr(self.config.model) if self.config.model else "none set: the first the server lists"
+            return f" (check url = {self.config.url!r} and model = {model})"
+        return ""
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -8,24 +8,28 @@ for real. Used by tests/unit/envs/test_env_judges.py and `gyre eval`'s judge tes
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 class ScriptedServer:
     """/v1/models, /v1/chat/completions (replies from `script`: text, ("sleep", s, text), ("length", text) (cut at
-    max_tokens) or ("status", code[, headers])), /tokenize (one token per character), /classify (score = number
-    of tokens / 10; a 400 for an input longer than `max_len`). Records every request."""
+    max_tokens), ("status", code[, headers]), ("raw", body, content type) (a body as given, e.g. broken JSON) or
+    ("trickle", seconds, text) (a space every 0.1 s for `seconds`, then the answer: each read is quick, the whole
+    answer slow)), /tokenize (one token per character), /classify (score = number of tokens / 10; a 400 for an input
+    longer than `max_len`; first the bodies of `classify_script`). Records every request."""
 
     def __init__(self):
         self.script: list = []
         self.requests: list[tuple[str, dict]] = []
         self.auth: list[str | None] = []
         self.max_len: int | None = None  # /classify refuses a longer input (400), as a real server's context
+        self.classify_script: list[str] = []  # raw JSON bodies /classify answers first (a misbehaving server)
         app = FastAPI()
 
         @app.get("/v1/models")
@@ -41,6 +45,20 @@ class ScriptedServer:
             if isinstance(action, tuple) and action[0] == "sleep":
                 await asyncio.sleep(action[1])
                 action = action[2]
+            if isinstance(action, tuple) and action[0] == "raw":
+                return Response(action[1], media_type=action[2])
+            if isinstance(action, tuple) and action[0] == "trickle":
+                answer = {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": action[2]},
+                                       "finish_reason": "stop"}]}  # fmt: skip
+
+                async def trickle():
+                    for _ in range(int(action[1] * 10)):
+                        yield b" "  # JSON allows leading whitespace: the body is valid once it ends
+                        await asyncio.sleep(0.1)
+                    yield json.dumps(answer).encode()
+
+                return StreamingResponse(trickle(), media_type="application/json")
             finish = "stop"
             if isinstance(action, tuple) and action[0] == "length":  # ("length", text): cut at max_tokens
                 finish, action = "length", action[1]
@@ -63,6 +81,8 @@ class ScriptedServer:
         async def classify(request: Request):
             body = await request.json()
             self.requests.append(("classify", body))
+            if self.classify_script:
+                return Response(self.classify_script.pop(0), media_type="application/json")
             too_long = [i for i, ids in enumerate(body["input"]) if self.max_len and len(ids) > self.max_len]
             if too_long:  # as `gyre inference --runner pooling` refuses a conversation longer than its context
                 message = f"input {too_long[0]} has too many tokens; this model takes 1 to {self.max_len}"

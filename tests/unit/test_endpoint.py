@@ -160,3 +160,54 @@ def test_a_proxy_timeout_or_conflict_is_retried(scripted, status):
 
     assert asyncio.run(scenario())["choices"][0]["message"]["content"] == "ok"
     assert client.stats["retries"] == 1 and client.stats["errors"] == 1 and client.stats["failures"] == 0
+
+
+def test_a_check_answered_with_broken_json_or_too_slowly_is_an_endpoint_error(scripted):
+    """`post_once` (the teacher's check before the run) let the decoder's ValueError through, and waited on a server
+    trickling its answer for as long as it trickled: it raises EndpointError, naming the server, within timeout_s."""
+    import time
+
+    client = endpoint(scripted, timeout_s=0.5)
+
+    async def scenario():
+        scripted.script[:] = [("raw", '{"tokens": [1,', "application/json"), ("trickle", 5, "ok")]
+        with pytest.raises(EndpointError, match="JSONDecodeError"):
+            await client.post_once("/v1/chat/completions", {"model": "judge-model", "messages": MESSAGES})
+        start = time.monotonic()
+        with pytest.raises(EndpointError, match="TimeoutError"):
+            await client.post_once("/v1/chat/completions", {"model": "judge-model", "messages": MESSAGES})
+        await client.aclose()
+        return time.monotonic() - start
+
+    assert asyncio.run(scenario()) < 3
+
+
+def test_the_backoff_between_attempts_is_bounded(scripted, monkeypatch):
+    """The jittered exponential backoff had no ceiling: with retries = 20 the sleep before the last attempt was up
+    to 0.5 * 2**19 s (three days), a hung run. Each is at most MAX_BACKOFF_S (here made 50 ms)."""
+    import time
+
+    import gyre.endpoint
+
+    monkeypatch.setattr(gyre.endpoint, "MAX_BACKOFF_S", 0.05)
+    client = endpoint(scripted, retries=3)
+    client.backoff_s = 1000.0  # every uncapped sleep: up to 1000 s, 2000 s, 4000 s
+
+    async def scenario():
+        scripted.script[:] = [("status", 503)] * 3 + ["ok"]
+        start = time.monotonic()
+        await asyncio.wait_for(client.chat(MESSAGES), 5)
+        await client.aclose()
+        return time.monotonic() - start
+
+    assert asyncio.run(scenario()) < 2 and client.stats["retries"] == 3
+
+
+def test_a_refusal_of_the_setup_names_the_settings_to_check(scripted, monkeypatch):
+    """A 404 (a URL or model the server does not have) or a 401 said only what the server said, which rarely names a
+    setting: the error names the url, the model and where the key comes from."""
+    monkeypatch.setenv("GYRE_TEST_JUDGE_KEY", "sk-x")
+    missing = refusal(scripted, endpoint(scripted), 404)
+    assert f"check url = '{scripted.url}' and model = 'judge-model'" in str(missing)
+    keyed = Endpoint(EndpointConfig(url=scripted.url, model="m", api_key_env="GYRE_TEST_JUDGE_KEY"), name="judge")
+    assert "check the key: api_key_env = 'GYRE_TEST_JUDGE_KEY'" in str(refusal(scripted, keyed, 401))

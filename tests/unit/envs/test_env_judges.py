@@ -31,6 +31,7 @@ def _fresh(scripted):
     scripted.requests.clear()
     scripted.auth.clear()
     scripted.max_len = None
+    scripted.classify_script.clear()
 
 
 PROMPT = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "abc"}]
@@ -123,6 +124,16 @@ def test_bad_judge_settings_are_refused(settings, message):
         JudgeConfig(url="http://x", **settings)
 
 
+def test_user_text_is_put_in_the_prompt_as_it_is():
+    """Braces, placeholders, Jinja-like syntax and non-ASCII in the task or the rollout are text: filled in once,
+    never read as the template (str.format does not parse what it inserts)."""
+    tricky = "{answer} {{x}} {0} {% if a %}{{ b }}{% endif %} ünï 字 🎲 \\u0000 }{"
+    config = JudgeConfig(url="http://x", prompt="Q={question} R={response} A={answer}")
+    prompt = [{"role": "user", "content": tricky}]
+    messages = render(config, prompt, completion(tricky), "ref {response}")
+    assert messages[-1]["content"] == f"Q={tricky} R={tricky} A=ref {{response}}"
+
+
 # ---- the judge over HTTP -----------------------------------------------------------------------------
 
 
@@ -207,6 +218,40 @@ def test_a_judge_that_times_out_is_counted_and_retried(scripted):
     scripted.script = [("sleep", 1.0, "1"), "8"]
     assert asyncio.run(judge(PROMPT, completion("slow"), "")) == pytest.approx(0.8)
     assert (judge.stats["timeouts"], judge.stats["retries"], judge.stats["ok"]) == (1, 1, 1)
+
+
+def test_a_judge_answering_slowly_byte_by_byte_times_out_at_timeout_s(scripted):
+    """`timeout_s` was the HTTP client's, which bounds each read: a judge (or a proxy) sending a byte every 0.1 s
+    held the request for as long as it kept sending, and the rollout, with no rubric deadline, with it. Now it
+    bounds the whole answer: timed out, counted, retried."""
+    judge = Judge(url=scripted.url, model="judge-model", timeout_s=0.5, retries=1, prompt="{response}")
+    judge.endpoint.backoff_s = 0.01
+    scripted.script = [("trickle", 5, "1"), "8"]
+    start = time.monotonic()
+    assert asyncio.run(judge(PROMPT, completion("slow"), "")) == pytest.approx(0.8)
+    assert time.monotonic() - start < 3
+    assert (judge.stats["timeouts"], judge.stats["retries"], judge.stats["ok"]) == (1, 1, 1)
+
+
+def test_a_judge_answering_broken_json_is_retried_and_never_a_zero(scripted):
+    """A 200 whose JSON body is cut (a proxy, a crashing server) raised the decoder's ValueError through the
+    endpoint: a rubric took it for this rollout's error and scored it 0, uncounted by the judge. Now it is the
+    server's fault: counted as an error, retried, and after the retries a ScoringError (the sample is scored
+    again), never a 0."""
+    judge = Judge(url=scripted.url, model="judge-model", retries=1, prompt="{response}", name="style")
+    judge.endpoint.backoff_s = 0.01
+    rubric = Rubric().add(judge, name="style", timeout_s=None)
+    task = Task(id="t", prompt=PROMPT, answer="cba")
+
+    async def scenario():
+        scripted.script[:] = [("raw", '{"choices": [', "application/json"), "6"]
+        assert (await rubric.score(task, rollout("a"))).per_function == {"style": pytest.approx(0.6)}
+        scripted.script[:] = [("raw", '{"choices": [', "application/json")] * 2
+        with pytest.raises(ScoringError, match="failed 2 times: .*not JSON"):
+            await rubric.score(task, rollout("b"))
+
+    asyncio.run(scenario())
+    assert (judge.stats["errors"], judge.stats["failures"], judge.stats["ok"]) == (3, 1, 1)
 
 
 def test_a_judge_that_keeps_failing_raises_scoring_error_never_zero(scripted):
