@@ -62,9 +62,10 @@ class Unjudged(RuntimeError):
     a reward-function error (0 for this function, named in `Score.errors`), not a `ScoringError`."""
 
 
-def _text(content: Any) -> str:
+def _text(content: Any) -> Any:
+    """The text of a message's content: a string, or the text parts of a list (anything else is returned as is)."""
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
     return content or ""
 
 
@@ -189,8 +190,10 @@ class Judge:
             try:
                 reply = _text(body["choices"][0]["message"]["content"])
                 cut = body["choices"][0].get("finish_reason") == "length"
+                if not isinstance(reply, str):  # a number or an object: re.search raised TypeError, a 0 for the rollout
+                    raise TypeError
             except (KeyError, IndexError, TypeError, AttributeError):
-                reply, problem = "", "the answer has no choices[0].message.content"
+                reply, problem = "", f"the answer has no text at choices[0].message.content: {str(body)[:200]!r}"
             else:
                 if cut:  # its verdict never came: the last number of a reasoning cut short is not a score
                     problem = f"the reply was cut at max_tokens = {self.config.max_tokens} (raise it): {reply[-200:]!r}"
@@ -269,7 +272,8 @@ class RewardModel:
             if not future.done():
                 future.set_exception(Unjudged(f"reward model {self.config.name!r}: {error}"))
             return
-        except (EndpointError, KeyError, IndexError, TypeError, ValueError) as error:
+        except Exception as error:  # the server's answer, whatever is wrong with it: an OverflowError (a 400-digit
+            # integer score) escaped, ended this task and left every call of the batch waiting for ever
             self.stats["unparsed"] += not isinstance(error, EndpointError)
             failure = ScoringError(f"reward model {self.config.name!r}: {error}")
             for _, future in batch:

@@ -9,6 +9,7 @@ functions against real `gyre inference` servers: tests/integration/orchestrator/
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -254,6 +255,29 @@ def test_a_judge_answering_broken_json_is_retried_and_never_a_zero(scripted):
     assert (judge.stats["errors"], judge.stats["failures"], judge.stats["ok"]) == (3, 1, 1)
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        '{"choices": [{"message": {"content": 7}}]}',  # a number, not text: re.search raised TypeError
+        '{"choices": [{"message": {"content": {"score": 7}}}]}',
+        '{"choices": [{"message": {"content": [{"type": "text", "text": null}]}}]}',
+        '{"choices": []}',
+        "null",
+    ],
+)
+def test_a_judge_answer_without_text_is_asked_again_and_never_a_zero(scripted, answer):
+    """A server answering content that is not text raised TypeError out of the judge: the rubric scored the rollout
+    0 as if the rollout were at fault. Like an answer without choices, it is unparsed, asked again, then a
+    ScoringError that shows what came."""
+    judge = Judge(url=scripted.url, model="judge-model", retries=1, prompt="{response}", name="style")
+    judge.endpoint.backoff_s = 0.01
+    rubric = Rubric().add(judge, name="style", timeout_s=None)
+    scripted.script[:] = [("raw", answer, "application/json")] * 2
+    with pytest.raises(ScoringError, match="no score after 2 replies"):
+        asyncio.run(rubric.score(Task(id="t", prompt=PROMPT, answer="cba"), rollout("a")))
+    assert judge.stats["unparsed"] == 2
+
+
 def test_a_judge_that_keeps_failing_raises_scoring_error_never_zero(scripted):
     judge = Judge(url=scripted.url, model="judge-model", timeout_s=0.2, retries=1, prompt="{response}")
     judge.endpoint.backoff_s = 0.01
@@ -347,6 +371,30 @@ def test_a_reward_model_tokenize_answer_without_tokens_is_a_scoring_error(script
 
     with pytest.raises(ScoringError, match="/tokenize answered no token list"):
         asyncio.run(model(PROMPT))
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        ('{"data": [{"index": 0, "probs": [1' + "0" * 400 + "]}]}", "int too large"),  # hung every call of the batch
+        ('{"data": [{"index": 0, "probs": [0.5', "not JSON"),
+        ('{"data": {"index": 0}}', "TypeError|KeyError|string indices"),
+    ],
+)
+def test_a_reward_model_answer_it_cannot_read_is_a_scoring_error_not_a_hang(scripted, answer, why):
+    """An answer `_score` did not expect (an OverflowError from a 400-digit score) ended the batch's task without
+    settling its calls: every rollout of the batch waited for ever. Any unreadable answer is the server's fault: a
+    ScoringError for each call of the batch."""
+    model = RewardModel(url=scripted.url, model="rm", retries=0, batch_wait_ms=50)
+    scripted.classify_script[:] = [answer]
+
+    async def scenario():
+        calls = [model([{"role": "user", "content": text}]) for text in ("a", "bb")]
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+
+    errors = asyncio.run(scenario())
+    assert all(isinstance(error, ScoringError) for error in errors), errors
+    assert scripted.count("classify") == 1 and re.search(why, str(errors[0]))
 
 
 def test_a_reward_model_label_beyond_the_classifier_names_the_setting(scripted):
