@@ -28,6 +28,10 @@ Answer to grade:
 How good is the answer, from 0 (wrong) to 10 (matches the reference)? Reply with the number only."""
 
 
+#: routes the client adds to the URL itself (a URL ending in one was pasted from an API's docs)
+_ROUTES = ("/chat/completions", "/completions", "/classify", "/tokenize", "/models", "/inference/v1/generate")
+
+
 class EndpointConfig(Section):
     """An OpenAI-compatible server: where it is, which model, how to authenticate, how patiently to call it."""
 
@@ -37,7 +41,11 @@ class EndpointConfig(Section):
     model: str | None = Field(None, description="Model id sent in requests (default: the first of /v1/models).")
     api_key_env: str | None = Field(None, description="Environment variable holding the API key (never the key).")
     api_key_file: str | None = Field(None, description="File holding the API key, e.g. a mounted Secret.")
-    timeout_s: float = Field(60.0, gt=0, description="Deadline of one request; a request past it is retried.")
+    # allow_inf_nan=False here and below: an infinite deadline was accepted (a judge that hangs held the run for ever),
+    # and so were max_score = inf (every grade read as 0) and batch_wait_ms = inf (a partial batch never sent)
+    timeout_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False, description="Deadline of one request's whole answer; past it, retried."
+    )
     retries: int = Field(3, ge=0, description="Retries of a request (timeouts, connection errors, 5xx, 429, 408, 409).")
     max_concurrency: int = Field(16, ge=1, description="Requests in flight to this endpoint at once.")
 
@@ -48,6 +56,21 @@ class EndpointConfig(Section):
         if not value.startswith(("http://", "https://", "server:")):
             raise ValueError(f"{value!r} is not an http(s) URL: give http://host:port or https://host/v1 (or, in "
                              "gyre rl, server:<name> of a [[servers]] entry)")  # fmt: skip
+        if value.startswith("server:"):
+            return value
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 (a port that is not a number raises here)
+        except ValueError as error:
+            raise ValueError(f"{value!r} is not a valid URL ({error})") from None
+        if not parts.hostname:  # "http://" or "http://:8000": every call failed as a retried connection error
+            raise ValueError(f"{value!r} names no host: give http://host:port or https://host/v1")
+        route = next((r for r in _ROUTES if parts.path.rstrip("/").endswith(r)), None)
+        if route:  # the client adds the route: .../v1/chat/completions/v1/chat/completions, a 404 at the first call
+            raise ValueError(f"{value!r} ends in the route {route}: give the server's root or its /v1 base "
+                             f"({value[: value.rfind(route)]})")  # fmt: skip
         return value
 
     @model_validator(mode="before")
@@ -97,7 +120,9 @@ class JudgeConfig(EndpointConfig):
     """An LLM judge: a reward function that asks a served model to grade a rollout."""
 
     name: str = Field("judge", min_length=1, description="Reward function name (in rewards, dumps and metrics).")
-    weight: float = Field(1.0, description="Weight in the reward (0 = logged and evaluated, not rewarded).")
+    weight: float = Field(
+        1.0, allow_inf_nan=False, description="Weight in the reward (0 = logged and evaluated, not rewarded)."
+    )
     prompt: str = Field(
         DEFAULT_JUDGE_PROMPT,
         description="User message template: {question} (the task's last user message), {response} (the rollout's "
@@ -110,7 +135,9 @@ class JudgeConfig(EndpointConfig):
         "scale's mentions are not scores: the 10 of '8/10', 'out of 10', ranges '0-10'), choice (the first of "
         "`choices` it names, whole word, case-insensitive), json (a JSON object's json_key).",
     )
-    max_score: float = Field(10.0, gt=0, description="number/json: the top of the judge's scale (reward = n / max).")
+    max_score: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="number/json: the top of the judge's scale (reward = n / max)."
+    )
     choices: dict[str, float] = Field(default_factory=dict, description="choice: word -> reward, e.g. yes = 1.")
     json_key: str = Field("score", description="json: the key holding the score.")
     structured: bool = Field(
@@ -118,7 +145,7 @@ class JudgeConfig(EndpointConfig):
         description="json: ask the server to constrain the reply to {json_key: number in 0..max_score} "
         "(response_format json_schema: served by vLLM, Gyre and OpenAI).",
     )
-    temperature: float = Field(0.0, ge=0, description="Judge sampling temperature.")
+    temperature: float = Field(0.0, ge=0, allow_inf_nan=False, description="Judge sampling temperature.")
     max_tokens: int = Field(256, ge=1, description="Longest judge reply.")
     cache_size: int = Field(
         4096, ge=0, description="Identical judge calls answered from memory (0 = off); also shared while in flight."
@@ -130,7 +157,9 @@ class JudgeConfig(EndpointConfig):
         import string
 
         # a bare {} (name "") is a positional field: it passed here and failed every render, scoring 0
-        names = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        fields = [(name, conversion, spec) for _, name, spec, conversion in string.Formatter().parse(value)
+                  if name is not None]  # fmt: skip
+        names = {name for name, _, _ in fields}
         unknown = names - {"question", "response", "answer", "conversation"}
         if unknown:
             shown = ", ".join("{" + name + "}" for name in sorted(unknown))
@@ -138,6 +167,12 @@ class JudgeConfig(EndpointConfig):
                 f"unknown placeholders {shown}: use {{question}}, {{response}}, {{answer}}, {{conversation}}; write a "
                 'literal brace twice ({{ and }}), e.g. Reply with {{"score": 7}}'
             )
+        # {response:d} or {answer!x} passed and failed every render: each rollout scored 0 as a reward error
+        odd = ["{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+               for name, conversion, spec in fields if conversion or spec]  # fmt: skip
+        if odd:
+            raise ValueError(f"placeholders take no conversion or format ({', '.join(odd)}): write them bare, as "
+                             "{response}; a literal brace is written twice")  # fmt: skip
         return value
 
     @model_validator(mode="after")
@@ -164,13 +199,15 @@ class RewardModelConfig(EndpointConfig):
     """A reward model (sequence classification) served on vLLM's /classify: scores whole conversations in batches."""
 
     name: str = Field("reward_model", min_length=1, description="Reward function name.")
-    weight: float = Field(1.0, description="Weight in the reward (0 = logged, not rewarded).")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight in the reward (0 = logged, not rewarded).")
     label: int = Field(0, ge=0, description="Which output of the classifier is the score.")
     activation: bool = Field(
         False, description="false: the raw logit (Bradley-Terry reward); true: the server's sigmoid/softmax."
     )
     max_batch: int = Field(32, ge=1, description="Conversations per /classify request.")
-    batch_wait_ms: float = Field(20.0, ge=0, description="How long a request waits for others to fill its batch.")
+    batch_wait_ms: float = Field(
+        20.0, ge=0, allow_inf_nan=False, description="How long a request waits for others to fill its batch."
+    )
 
 
 class TeacherConfig(EndpointConfig):

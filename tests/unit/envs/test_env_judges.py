@@ -125,6 +125,35 @@ def test_bad_judge_settings_are_refused(settings, message):
         JudgeConfig(url="http://x", **settings)
 
 
+@pytest.mark.parametrize(
+    ("section", "settings", "key", "message"),
+    [
+        # a judge that hangs held the run for ever; every grade / inf read as 0; a partial batch never sent
+        ("judges", {"timeout_s": "inf"}, "timeout_s", "finite number"),
+        ("judges", {"timeout_s": -1}, "timeout_s", "greater than 0"),
+        ("judges", {"max_score": "inf"}, "max_score", "finite number"),
+        ("judges", {"weight": "nan"}, "weight", "finite number"),
+        ("reward_models", {"batch_wait_ms": "inf"}, "batch_wait_ms", "finite number"),
+        ("teacher", {"timeout_s": "inf"}, "timeout_s", "finite number"),
+        # {response:d} passed and failed every render: every rollout a reward error, scored 0
+        ("judges", {"prompt": "{response:d}"}, "prompt", "no conversion or format \\({response:d}\\)"),
+        ("judges", {"prompt": "{answer!x} {response}"}, "prompt", "no conversion or format \\({answer!x}\\)"),
+        # the client adds the route: .../v1/chat/completions/v1/chat/completions, a 404 at the first scoring
+        ("judges", {"url": "https://api.openai.com/v1/chat/completions"}, "url", "ends in the route /chat/comp"),
+        ("reward_models", {"url": "http://rm:8000/classify"}, "url", "its /v1 base \\(http://rm:8000\\)"),
+        ("judges", {"url": "http://:8000"}, "url", "names no host"),
+        ("judges", {"url": "http://judge:port/v1"}, "url", "not a valid URL"),
+    ],
+)
+def test_bad_signal_settings_are_refused_naming_the_key(section, settings, key, message):
+    from gyre.config import ConfigError, load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+
+    one = {"url": "http://judge:8000", **settings}
+    with pytest.raises(ConfigError, match=rf"{section}(\.0)?\.{key}(.|\n)*{message}"):
+        load_config(OrchestratorConfig, [], **{section: one if section == "teacher" else [one]})
+
+
 def test_user_text_is_put_in_the_prompt_as_it_is():
     """Braces, placeholders, Jinja-like syntax and non-ASCII in the task or the rollout are text: filled in once,
     never read as the template (str.format does not parse what it inserts)."""
