@@ -334,11 +334,15 @@ class Serving:
         # the tokens the choices hold: a choice may already hold tokens whose chunks are still queued (the
         # engine delivers tokens in bursts), and a chunk must not report tokens that later chunks carry.
         covered: dict[int, int] = {}
+        prompt_of = {choice.index: len(job.prompts[p]) for p, choice, _ in job.choices}
 
         def sse(choices: list[dict], extra: dict | None = None) -> str:
             chunk = {**head, "choices": choices, **(extra or {})}
-            if usage_always:  # vLLM's continuous_usage_stats: the usage so far in every chunk
-                chunk["usage"] = self._usage(job, sum(covered.values()))
+            if usage_always:  # vLLM's continuous_usage_stats: the usage of the chunk's own choice so far
+                # (its prompt, its tokens), as vLLM sends it; a request total would make a client that tracks
+                # each choice's length by its chunks count the other choices' tokens too (n > 1, prompt lists)
+                index = choices[0]["index"]
+                chunk["usage"] = _usage(prompt_of[index], covered.get(index, 0))
             return _sse(chunk)
 
         run = _Run(self, job)
@@ -369,13 +373,9 @@ class Serving:
             run.close()
 
     # ---- response bodies --------------------------------------------------------------------------
-    def _usage(self, job: _Job, completion_tokens: int | None = None) -> dict:
-        """Usage of the request; `completion_tokens` given: the usage as of that many generated tokens."""
-        prompt_tokens = sum(len(p) for p in job.prompts)
-        if completion_tokens is None:
-            completion_tokens = sum(len(choice.token_ids) for _, choice, _ in job.choices)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    def _usage(self, job: _Job) -> dict:
+        """Usage of the request: its prompts' tokens (each once, whatever `n`) and every choice's tokens."""
+        return _usage(sum(len(p) for p in job.prompts), sum(len(choice.token_ids) for _, choice, _ in job.choices))
 
     def _chat_body(self, job: _Job) -> dict:
         choices = []
@@ -598,6 +598,11 @@ def _wants_logprobs(job: _Job) -> bool:
 
 def _chunk_object(job: _Job) -> str:
     return "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
 def _request_id(kind: str) -> str:

@@ -76,6 +76,35 @@ def test_stream_options_usage_variants(client, model_id, kind):
     assert seen == 6 and chunks[-1].choices == []
 
 
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_continuous_usage_is_that_of_each_chunk_s_own_choice(client, model_id, http, kind):
+    """n = 2 (and two prompts on completions): as vLLM, a chunk's usage is its own choice's so far (its prompt's
+    tokens, its tokens), not the request's; the last chunk has the request's. It summed every choice's tokens and
+    every prompt's, so a client tracking a choice's length by its chunks counted the others too."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model=model_id, max_tokens=5, temperature=1.0, seed=1, n=2, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip  # a chunk per token
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(messages=STORY, **common))
+        prompt_of = dict.fromkeys(range(2), chunks[-1].usage.prompt_tokens)  # one prompt
+    else:
+        prompts = [PROMPT, PROMPT + " there was a dragon"]
+        chunks = list(client.completions.create(prompt=prompts, **common))
+        lengths = [http.post("/tokenize", json={"prompt": p}).json()["count"] for p in prompts]
+        prompt_of = {0: lengths[0], 1: lengths[0], 2: lengths[1], 3: lengths[1]}  # index counts prompts x n
+    tokens: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        tokens[choice.index] = tokens.get(choice.index, 0) + len(extra(choice).get("token_ids") or [])
+        usage = chunk.usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_of[choice.index], tokens[choice.index])
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert tokens == dict.fromkeys(prompt_of, 5)
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 5 * len(prompt_of)
+    assert last.usage.prompt_tokens == sum(set(prompt_of.values()))  # each prompt once, whatever n
+
+
 @pytest.mark.parametrize(
     "options", [{"include_usage": True}, {"include_usage": None}, {"continuous_usage_stats": True}]
 )
