@@ -270,12 +270,13 @@ class RewardModel:
                 return
             _, future = batch[0]
             if not future.done():
-                future.set_exception(Unjudged(f"reward model {self.config.name!r}: {error}"))
+                future.set_exception(Unjudged(str(error)))  # it names the reward model
             return
         except Exception as error:  # the server's answer, whatever is wrong with it: an OverflowError (a 400-digit
             # integer score) escaped, ended this task and left every call of the batch waiting for ever
-            self.stats["unparsed"] += not isinstance(error, EndpointError)
-            failure = ScoringError(f"reward model {self.config.name!r}: {error}")
+            served = isinstance(error, EndpointError)  # its message names the reward model already
+            self.stats["unparsed"] += not served
+            failure = ScoringError(str(error) if served else f"reward model {self.config.name!r}: {error}")
             for _, future in batch:
                 if not future.done():
                     future.set_exception(failure)

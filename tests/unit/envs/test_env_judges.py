@@ -388,6 +388,7 @@ def test_a_reward_model_batch_refused_for_one_conversation_scores_the_others(scr
     assert results[0] == pytest.approx((base + 1) / 10) and results[1] == pytest.approx((base + 2) / 10)
     assert results[3] == pytest.approx((base + 3) / 10)
     assert isinstance(results[2], Unjudged) and "too many tokens" in str(results[2])
+    assert str(results[2]).count("reward model") == 1  # it was named twice
     assert [len(body["input"]) for kind, body in scripted.requests if kind == "classify"] == [4, 1, 1, 1, 1]
     assert model.stats["refused"] == 2
 
@@ -424,6 +425,7 @@ def test_a_reward_model_answer_it_cannot_read_is_a_scoring_error_not_a_hang(scri
     errors = asyncio.run(scenario())
     assert all(isinstance(error, ScoringError) for error in errors), errors
     assert scripted.count("classify") == 1 and re.search(why, str(errors[0]))
+    assert str(errors[0]).count("reward model 'reward_model'") == 1  # an endpoint's error was named twice
 
 
 def test_a_reward_model_label_beyond_the_classifier_names_the_setting(scripted):
