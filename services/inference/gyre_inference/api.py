@@ -84,6 +84,7 @@ class _Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = _retry_after_on_503(send)
         limit = self.state.max_request_bytes
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
@@ -99,22 +100,47 @@ class _Gate:
             if not hmac.compare_digest(given.encode(), f"Bearer {self.state.api_key}".encode()):
                 failure = APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
                                    code="invalid_api_key")  # fmt: skip
+        retry_after = None
         if failure is None and not self.state.ready:
             reason = "the server is shutting down" if self.state.draining else "the model is still loading"
             failure = APIError(503, f"{reason}; retry shortly", code="not_ready")
+            retry_after = None if self.state.draining else LOADING_RETRY_AFTER_S
         if failure is None and scope["path"] in _GENERATION and getattr(self.state.backend, "runner", "") == "pooling":
             failure = APIError(400, "this server runs a reward model (runner = pooling): it answers /classify, "
                                     "not generation", param="model")  # fmt: skip
         if failure is None:
             return await self.app(scope, receive, send)
-        await self._refuse(scope, receive, send, failure)
+        await self._refuse(scope, receive, send, failure, retry_after)
 
-    async def _refuse(self, scope, receive, send, failure: APIError) -> None:
+    async def _refuse(self, scope, receive, send, failure: APIError, retry_after: int | None = None) -> None:
         endpoint = _ENDPOINTS.get(scope["path"])
         if endpoint:
             self.state.metrics.request_done(endpoint, "client_error" if failure.status < 500 else "unavailable")
-        headers = {"www-authenticate": "Bearer"} if failure.status == 401 else None
-        await error_response(failure, headers)(scope, receive, send)
+        headers = {"www-authenticate": "Bearer"} if failure.status == 401 else {}
+        if retry_after is not None:
+            headers["retry-after"] = str(retry_after)
+        await error_response(failure, headers or None)(scope, receive, send)
+
+
+# Retry-After of a 503 (seconds). The official OpenAI clients retry a 503 twice by default, after about 0.5 s
+# and 1 s of their own backoff, which ends before most models are loaded; they wait a Retry-After of up to
+# 60 s instead. Loading: a few seconds per try. Otherwise (draining, the engine stopped): the replica is going
+# away, and a retry soon through the Service reaches another one.
+LOADING_RETRY_AFTER_S = 5
+RETRY_AFTER_S = 1
+
+
+def _retry_after_on_503(send):
+    """`send` that gives every 503 a Retry-After header (RETRY_AFTER_S unless the refusal set its own)."""
+
+    async def wrapped(message):
+        if message["type"] == "http.response.start" and message["status"] == 503:
+            headers = list(message.get("headers") or [])
+            if not any(name.lower() == b"retry-after" for name, _ in headers):
+                message = {**message, "headers": [*headers, (b"retry-after", str(RETRY_AFTER_S).encode())]}
+        await send(message)
+
+    return wrapped
 
 
 def _too_large(limit: int) -> APIError:

@@ -21,8 +21,9 @@ from support.inference import InferenceServer
 
 
 @pytest.mark.asyncio
-async def test_probes_say_not_ready_until_the_model_is_loaded(tiny_model):
+async def test_probes_say_not_ready_until_the_model_is_loaded(tiny_model, monkeypatch):
     """The same parts `gyre inference` wires (service.py), driven step by step in-process."""
+    from gyre_inference import api
     from gyre_inference.api import AppState, create_app
     from gyre_inference.control import ControlServer
     from gyre_inference.metrics import InferenceMetrics
@@ -59,6 +60,15 @@ async def test_probes_say_not_ready_until_the_model_is_loaded(tiny_model):
             assert (await client.get("/ready")).status_code == 503
             loading = await client.get("/v1/models")
             assert loading.status_code == 503 and loading.json()["error"]["code"] == "not_ready"
+            # with a Retry-After, as the openai SDK honours it: its own backoff (about 0.5 s then 1 s) ends its
+            # retries before most models are loaded
+            assert loading.headers["retry-after"] == "5"
+            monkeypatch.setattr(api, "LOADING_RETRY_AFTER_S", 2)
+            started = time.monotonic()
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=1) as sdk:
+                with pytest.raises(openai.InternalServerError, match="still loading"):
+                    await sdk.models.list()
+            assert time.monotonic() - started >= 2  # one retry, after the 2 s it was told
 
             await _load(state, backend, str(tiny_model), ModelText)
             await control.set_serving(True)
@@ -99,7 +109,9 @@ def test_sigterm_lets_in_flight_streams_finish_then_exits_cleanly(tiny_model, tm
     deadline, unready, streaming = time.monotonic() + 10, False, False
     while time.monotonic() < deadline and not unready:
         try:
-            unready = httpx.get(f"{server.url}/ready", timeout=2).status_code == 503
+            ready = httpx.get(f"{server.url}/ready", timeout=2)
+            unready = ready.status_code == 503
+            assert not unready or ready.headers["retry-after"] == "1"  # the replica goes away: retry soon, elsewhere
         except httpx.TransportError:
             unready = True  # the listener is already closed: not taking new work either
         streaming = worker.is_alive()

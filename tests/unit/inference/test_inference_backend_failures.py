@@ -49,6 +49,8 @@ def test_every_generation_route_answers_a_backend_failure_alike(tiny_model, erro
     for route, response in answers.items():
         assert response.status_code == status, (route, response.text)
         assert response.json()["error"]["code"] == code, (route, response.text)
+        # a 503 tells clients when to retry (the openai SDK's own backoff is about 0.5 s, then 1 s)
+        assert response.headers.get("retry-after") == ("1" if status == 503 else None), route
     # a stream has sent its 200 already: its error event carries the same error
     events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: ")]
     assert stream.status_code == 200 and events[-1]["error"]["code"] == code, stream.text
