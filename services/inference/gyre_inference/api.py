@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -84,7 +85,7 @@ class _Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        send = _retry_after_on_503(send)
+        send = _response_headers(send, _request_id(scope))
         limit = self.state.max_request_bytes
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
@@ -130,14 +131,25 @@ LOADING_RETRY_AFTER_S = 5
 RETRY_AFTER_S = 1
 
 
-def _retry_after_on_503(send):
-    """`send` that gives every 503 a Retry-After header (RETRY_AFTER_S unless the refusal set its own)."""
+def _request_id(scope) -> bytes:
+    """The request's id: the client's X-Request-Id (a tracing id a proxy or app set) when it is a short printable
+    token, else a new one, as vLLM's server (--enable-request-id-headers) and OpenAI's API answer it."""
+    given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+    if 0 < len(given) <= 256 and all(0x21 <= byte <= 0x7E for byte in given):
+        return given
+    return uuid.uuid4().hex.encode()
+
+
+def _response_headers(send, request_id: bytes):
+    """`send` that adds X-Request-Id to every response, and Retry-After (RETRY_AFTER_S unless the refusal set
+    its own) to every 503."""
 
     async def wrapped(message):
-        if message["type"] == "http.response.start" and message["status"] == 503:
-            headers = list(message.get("headers") or [])
-            if not any(name.lower() == b"retry-after" for name, _ in headers):
-                message = {**message, "headers": [*headers, (b"retry-after", str(RETRY_AFTER_S).encode())]}
+        if message["type"] == "http.response.start":
+            headers = [*(message.get("headers") or []), (b"x-request-id", request_id)]
+            if message["status"] == 503 and not any(name.lower() == b"retry-after" for name, _ in headers):
+                headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+            message = {**message, "headers": headers}
         await send(message)
 
     return wrapped

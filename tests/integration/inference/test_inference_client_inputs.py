@@ -189,3 +189,27 @@ def test_non_text_content_parts_name_the_missing_feature(http, model_id, part, f
     error = _error(http.post("/v1/chat/completions", json={"model": model_id, "messages": messages}))
     assert error["param"] == "messages.0.content" and feature in error["message"], error
     assert "text only" in error["message"] and "tag" not in error["message"]
+
+
+# ---- request ids -----------------------------------------------------------------------------------------
+def test_every_response_carries_the_client_s_request_id_or_a_new_one(client, http, model_id):
+    """The openai SDK reads X-Request-Id into `.request_id` (responses and errors) for tracing, and proxies set it
+    on the way in. Responses had none: the client's id is echoed (a streamed response and an error too), else each
+    response gets its own (as vLLM with --enable-request-id-headers, and OpenAI's API)."""
+    import openai
+
+    traced = client.with_options(default_headers={"X-Request-Id": "trace-7f3a"})
+    raw = traced.chat.completions.with_raw_response.create(model=model_id, **CHAT)
+    assert raw.request_id == "trace-7f3a" and raw.parse().choices
+    with traced.completions.with_streaming_response.create(model=model_id, prompt="hi", max_tokens=2,
+                                                           stream=True) as streamed:  # fmt: skip
+        assert streamed.request_id == "trace-7f3a" and list(streamed.iter_lines())
+    with pytest.raises(openai.NotFoundError) as error:
+        traced.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert error.value.request_id == "trace-7f3a"
+
+    ids = [client.models.with_raw_response.list().request_id for _ in range(2)]
+    body = {"model": model_id, "prompt": "hi", "max_tokens": 1}
+    for bad in ("has space", "x" * 300):
+        ids.append(http.post("/v1/completions", json=body, headers={"X-Request-Id": bad}).headers["x-request-id"])
+    assert len(set(ids)) == 4 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids), ids  # new ones, not the bad
