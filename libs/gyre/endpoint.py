@@ -100,10 +100,16 @@ class Endpoint:
         return await asyncio.shield(self._model)
 
     async def _list_model(self) -> str:
-        models = await self._call(lambda client: client.models.list())
-        if not models.data:
-            raise EndpointError(f"{self.name}: {self.config.base_url}/models lists no model")
-        return models.data[0].id
+        # a plain JSON body, read here: the typed models.list() raised AttributeError on an HTML page (a proxy's
+        # login, a URL pointing at a web UI), which a rubric scored as the rollout's 0
+        url = f"{self.config.base_url}/models"
+        models = await self._call(lambda client: client.get(url, cast_to=object))
+        data = models.get("data") if isinstance(models, dict) else None
+        if data == []:
+            raise EndpointError(f"{self.name}: {url} lists no model")
+        if not (isinstance(data, list) and isinstance(data[0], dict) and isinstance(data[0].get("id"), str)):
+            raise EndpointError(f"{self.name}: {url} answered no model list: {str(models)[:200]!r}")
+        return data[0]["id"]
 
     async def post(self, path: str, body: dict[str, Any], *, again: bool = False) -> Any:
         """POST `body` (JSON) to `path` under the server's root; the decoded JSON answer. `again`: another form of a

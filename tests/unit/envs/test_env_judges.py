@@ -33,6 +33,7 @@ def _fresh(scripted):
     scripted.auth.clear()
     scripted.max_len = None
     scripted.classify_script.clear()
+    scripted.models_script.clear()
 
 
 PROMPT = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "abc"}]
@@ -305,6 +306,25 @@ def test_a_judge_answer_without_text_is_asked_again_and_never_a_zero(scripted, a
     with pytest.raises(ScoringError, match="no score after 2 replies"):
         asyncio.run(rubric.score(Task(id="t", prompt=PROMPT, answer="cba"), rollout("a")))
     assert judge.stats["unparsed"] == 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (("<html>Sign in</html>", "text/html"), "answered no model list: '<html>Sign in"),  # a proxy's login page
+        (("[1, 2]", "application/json"), "answered no model list"),
+        (('{"data": [{"object": "model"}]}', "application/json"), "answered no model list"),
+        (('{"data": []}', "application/json"), "lists no model"),
+    ],
+)
+def test_a_model_list_that_is_not_one_is_a_scoring_error_naming_it(scripted, answer, why):
+    """A judge without `model` asks /v1/models: an HTML page there (a URL pointing at a web UI, a proxy's login)
+    raised AttributeError from the typed client, which the rubric scored as the rollout's 0."""
+    judge = Judge(url=scripted.url, retries=0, prompt="{response}", name="style")
+    rubric = Rubric().add(judge, name="style", timeout_s=None)
+    scripted.models_script[:] = [answer]
+    with pytest.raises(ScoringError, match=f"/v1/models {why}"):
+        asyncio.run(rubric.score(Task(id="t", prompt=PROMPT, answer="cba"), rollout("a")))
 
 
 def test_a_judge_that_keeps_failing_raises_scoring_error_never_zero(scripted):
