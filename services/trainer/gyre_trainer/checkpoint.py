@@ -35,6 +35,7 @@ import torch
 from gyre.fsio import commit_dir, write_atomic
 from gyre.runstate import CHECKPOINT_COMPLETE as PROGRESS
 from gyre.steps import StepEntries
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gyre_trainer.dist import DistContext, barrier
 
@@ -76,26 +77,39 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         tmp = self.root / f".tmp-step_{step}"
+        try:
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            barrier(self.ctx)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd = trainable_only(model, model_sd)
+            with _single_process_ok():
+                state = {"model": model_sd, "optim": optim_sd}
+                dcp.save(state, checkpoint_id=tmp / "state", no_dist=not self.ctx.distributed)
+            torch.save(_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+            barrier(self.ctx)  # every shard is on disk before rank 0 declares the checkpoint complete
+            if self.ctx.is_main:
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+                progress = {"step": step, "world_size": self.ctx.world_size, "record": record, "created": time.time()}
+                write_atomic(tmp / PROGRESS, json.dumps(progress, indent=1).encode())
+                for file in tmp.rglob("*"):
+                    if file.is_file():
+                        file.chmod(0o644)  # readable by other pods' users sharing the volume (fsGroup)
+                final = commit_dir(tmp, self.path(step))  # a rewound run saving this step again replaces it
+        except (Exception, CheckpointException) as e:
+            # A full or unwritable volume: DCP's own error is a BaseException (CheckpointException, missed by every
+            # `except Exception` up to main) reading "[enforce fail at inline_container.cc] unexpected pos 704 vs
+            # 598", naming neither the folder nor the cause, and the partial folder kept the volume full until the
+            # next save. Say where and what, drop the partial folder; the complete checkpoints are untouched.
+            error = CheckpointError(
+                f"saving checkpoint step {step} into {self.root} failed: {one_line(e)} ({free_space(self.root)}); "
+                f"nothing of it was kept, the complete checkpoints {self.steps() or '(none)'} are intact"
+            )  # the free space before the partial folder goes: what the save found
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error from (e if isinstance(e, Exception) else None)
         if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier(self.ctx)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        model_sd = trainable_only(model, model_sd)
-        with _single_process_ok():
-            dcp.save(
-                {"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "state", no_dist=not self.ctx.distributed
-            )
-        torch.save(_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
-        barrier(self.ctx)  # every shard is on disk before rank 0 declares the checkpoint complete
-        if self.ctx.is_main:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            progress = {"step": step, "world_size": self.ctx.world_size, "record": record, "created": time.time()}
-            write_atomic(tmp / PROGRESS, json.dumps(progress, indent=1).encode())
-            for file in tmp.rglob("*"):
-                if file.is_file():
-                    file.chmod(0o644)  # readable by other pods' users sharing the volume (fsGroup)
-            final = commit_dir(tmp, self.path(step))  # a rewound run saving this step again replaces it
             log.info("saved checkpoint step %d at %s", step, final)
             self.prune()
         barrier(self.ctx)
@@ -130,7 +144,10 @@ class CheckpointManager:
             # The moments are per parameter: load them alone; the groups stay the config's (as their settings would)
             state["optim"] = {"state": optim_sd["state"]}
         with _single_process_ok():
-            dcp.load(state, checkpoint_id=folder / "state", no_dist=self.single)
+            try:
+                dcp.load(state, checkpoint_id=folder / "state", no_dist=self.single)
+            except CheckpointException as e:  # a BaseException: as a CheckpointError main reports it as a failure
+                raise CheckpointError(f"checkpoint step {step} at {folder} is unreadable: {one_line(e)}") from None
         state["optim"].setdefault("param_groups", optim_sd["param_groups"])
         partial = len(state["model"]) < len(model_sd)  # LoRA: the frozen base comes from the base model
         set_state_dict(
@@ -179,6 +196,24 @@ class CheckpointManager:
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""
         return self.entries.discard_after(step)
+
+
+def one_line(error: BaseException) -> str:
+    """`error` in one line: a DCP CheckpointException's message is a traceback per rank; its failures say it."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {one_line(exc)}" for rank, (exc, _trace) in sorted(failures.items()))
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def free_space(folder: Path) -> str:
+    """How full the volume holding `folder` is, for an error message (a full volume is the usual cause)."""
+    try:
+        usage = shutil.disk_usage(folder if folder.exists() else folder.parent)
+    except OSError:
+        return "free space unknown"
+    return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on its volume"
 
 
 def saved_param_groups(state_dir: Path) -> int:

@@ -18,6 +18,7 @@ raises into, or blocks, the training loop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import json
@@ -34,6 +35,8 @@ from gyre.fsio import write_file, write_hashed
 from gyre.safetensors_io import safetensors_chunks
 from gyre.transport import WeightSink
 from gyre.weights import WeightsError, WeightsVersion
+
+from gyre_trainer.checkpoint import free_space, one_line
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +140,24 @@ def _link_or_copy(source: Path, target: Path) -> None:
     target.chmod(0o644)
 
 
+class PublishError(RuntimeError):
+    """A weights version could not be written (a full or read-only volume); nothing of it became visible."""
+
+
+@contextlib.contextmanager
+def _writing(step: int, folder: Path):
+    """Turn a write error into one that says which version, where, and how full the volume is: a full volume
+    read `OSError: [Errno 28] No space left on device` (safetensors: "I/O error"), naming no path and no step.
+    The store then removes the partial folder, so no reader ever sees, or is told about, that version."""
+    try:
+        yield
+    except Exception as e:  # not only OSError: safetensors' save_file raises its I/O errors as a SafetensorError
+        raise PublishError(
+            f"writing weights step {step} into {folder.parent} failed: {one_line(e)} ({free_space(folder.parent)}); "
+            "the version was not published"
+        ) from e
+
+
 class WeightPublisher:
     """Publish `weights/step_{s}` (rank 0 only) and prune versions nobody needs any more."""
 
@@ -155,15 +176,16 @@ class WeightPublisher:
             self._config, self._config_json = config, config_bytes(config)
 
         def write(folder: Path) -> dict[str, str]:
-            hashed = write_hf_folder(folder, state_dict, config, self.base_model, config_json=self._config_json)
-            data = json.dumps(record, sort_keys=True).encode()
-            write_file(folder / STEP_RECORD, data)
-            hashed[STEP_RECORD] = hashlib.sha256(data).hexdigest()
-            if adapter is not None:
-                (folder / RESUME_ADAPTER).parent.mkdir()
-                chunks = safetensors_chunks(adapter, {"format": "pt"})
-                hashed[RESUME_ADAPTER] = write_hashed(folder / RESUME_ADAPTER, chunks, mode=0o644)
-            return hashed
+            with _writing(step, folder):
+                hashed = write_hf_folder(folder, state_dict, config, self.base_model, config_json=self._config_json)
+                data = json.dumps(record, sort_keys=True).encode()
+                write_file(folder / STEP_RECORD, data)
+                hashed[STEP_RECORD] = hashlib.sha256(data).hexdigest()
+                if adapter is not None:
+                    (folder / RESUME_ADAPTER).parent.mkdir()
+                    chunks = safetensors_chunks(adapter, {"format": "pt"})
+                    hashed[RESUME_ADAPTER] = write_hashed(folder / RESUME_ADAPTER, chunks, mode=0o644)
+                return hashed
 
         return self.sink.publish(step, write)
 
@@ -177,12 +199,13 @@ class WeightPublisher:
         from gyre_trainer.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config, adapter_state_dict
 
         def write(folder: Path) -> None:
-            save_file(adapter_state_dict(state_dict), folder / ADAPTER_FILE, metadata={"format": "pt"})
-            config = adapter_config(lora_cfg, str(self.base_model))
-            (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True))
-            (folder / STEP_RECORD).write_text(json.dumps(record, sort_keys=True))
-            for file in folder.iterdir():
-                file.chmod(0o644)
+            with _writing(step, folder):
+                save_file(adapter_state_dict(state_dict), folder / ADAPTER_FILE, metadata={"format": "pt"})
+                config = adapter_config(lora_cfg, str(self.base_model))
+                (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True))
+                (folder / STEP_RECORD).write_text(json.dumps(record, sort_keys=True))
+                for file in folder.iterdir():
+                    file.chmod(0o644)
 
         return self.sink.publish(step, write)
 

@@ -115,3 +115,32 @@ def test_each_step_hashes_only_its_new_files(tiny_model, tmp_path, monkeypatch):
     assert (
         store.verify(1, full=False).files["model.safetensors"] != store.verify(2, full=False).files["model.safetensors"]
     )
+
+
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_a_version_the_volume_cannot_hold_is_a_clear_error_and_never_visible(tmp_path, tiny_model, adapter_only):
+    """A full volume while writing version 2 (a file-size limit here: EFBIG; ENOSPC alike): the error names the step,
+    the folder and the free space (it was `OSError: [Errno 28] No space left on device`, no path, no step), version 1
+    stays the latest and whole, and no partial folder is left for a reader or a notification."""
+    from gyre.config.trainer import LoraConfig
+    from gyre_trainer.lora import apply_lora
+    from gyre_trainer.publish import PublishError
+    from support.fs import file_size_limit
+
+    model = trained_copy(tiny_model)
+    store = WeightStore(tmp_path / "weights")
+    publisher = WeightPublisher(FolderStore(store.root), tiny_model, keep_last=2)
+    if adapter_only:
+        lora = LoraConfig(rank=64, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        model = apply_lora(model, lora)
+        publish = lambda step: publisher.publish_adapter(step, model.state_dict(), lora, {"step": step})  # noqa: E731
+    else:
+        publish = lambda step: publisher.publish(step, model.state_dict(), model.config, {"step": step})  # noqa: E731
+    first = publish(1)
+    size = max(f.stat().st_size for f in store.path(1).iterdir())
+    with file_size_limit(size // 2), pytest.raises(PublishError) as failed:
+        publish(2)
+    message = str(failed.value)
+    assert f"writing weights step 2 into {store.root} failed" in message and "MiB free of" in message
+    assert store.steps() == [1] and store.version(1) == first
+    assert sorted(p.name for p in store.root.iterdir()) == ["step_1"]
