@@ -38,6 +38,7 @@ from gyre.steps import StepEntries
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gyre_trainer.dist import DistContext, barrier
+from gyre_trainer.process import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class CheckpointManager:
                 state = {"model": model_sd, "optim": optim_sd}
                 dcp.save(state, checkpoint_id=tmp / "state", no_dist=not self.ctx.distributed)
             torch.save(_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+            crash_point("mid_checkpoint", step, self.ctx)
             barrier(self.ctx)  # every shard is on disk before rank 0 declares the checkpoint complete
             if self.ctx.is_main:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")

@@ -28,14 +28,17 @@ from gyre_trainer.server import TrainerServer, TrainerStatus
 log = logging.getLogger(__name__)
 
 # Fault injection for the crash-consistency tests: "after_publish:3,after_train:5" makes rank 0
-# SIGKILL itself at that point of that step (points, all in `RunState.commit`: after_train,
-# after_checkpoint, after_publish, after_log, after_ack). Unset in production; one env read per point.
+# SIGKILL itself at that point of that step (points between the parts of `RunState.commit`: after_train,
+# after_checkpoint, after_publish, after_log, after_ack; and inside the two writes: mid_checkpoint, every
+# shard written but the folder not committed, and mid_publish, the weights file written but the version
+# not committed). Unset in production; one env read per point.
 CRASH_ENV = "GYRE_TRAINER_CRASH_AT"
 
 
-def crash_point(name: str, step: int, ctx: dist.DistContext) -> None:
+def crash_point(name: str, step: int, ctx: dist.DistContext | None) -> None:
+    """SIGKILL rank 0 here when `GYRE_TRAINER_CRASH_AT` names `name:step`. `ctx` None: code only rank 0 runs."""
     spec = os.environ.get(CRASH_ENV)
-    if spec and ctx.is_main and f"{name}:{step}" in spec.split(","):
+    if spec and (ctx is None or ctx.is_main) and f"{name}:{step}" in spec.split(","):
         log.warning("fault injection: SIGKILL at %s of step %d", name, step)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)

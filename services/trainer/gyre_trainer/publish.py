@@ -37,6 +37,7 @@ from gyre.transport import WeightSink
 from gyre.weights import WeightsError, WeightsVersion
 
 from gyre_trainer.checkpoint import free_space, one_line
+from gyre_trainer.process import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ class WeightPublisher:
         def write(folder: Path) -> dict[str, str]:
             with _writing(step, folder):
                 hashed = write_hf_folder(folder, state_dict, config, self.base_model, config_json=self._config_json)
+                crash_point("mid_publish", step, None)
                 data = json.dumps(record, sort_keys=True).encode()
                 write_file(folder / STEP_RECORD, data)
                 hashed[STEP_RECORD] = hashlib.sha256(data).hexdigest()
@@ -201,6 +203,7 @@ class WeightPublisher:
         def write(folder: Path) -> None:
             with _writing(step, folder):
                 save_file(adapter_state_dict(state_dict), folder / ADAPTER_FILE, metadata={"format": "pt"})
+                crash_point("mid_publish", step, None)
                 config = adapter_config(lora_cfg, str(self.base_model))
                 (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True))
                 (folder / STEP_RECORD).write_text(json.dumps(record, sort_keys=True))

@@ -10,7 +10,10 @@ import signal
 
 import pytest
 import torch
+from gyre.runstate import CHECKPOINT_COMPLETE
+from gyre.steps import StepEntries
 from gyre.streams import BatchStream
+from gyre.weights import WeightStore
 from trainer_testlib import (
     child_env,
     kill_group,
@@ -86,10 +89,18 @@ def test_crash_in_every_commit_window(tiny_model, redis_url, unique_run_id, tmp_
     push_batches(stream, range(1, STEPS + 1))
     argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
     log = tmp_path / "trainer.log"
-    windows = ["after_train:2", "after_checkpoint:3", "after_publish:4", "after_log:5"]
+    # mid_*: inside the two writes, the checkpoint's shards or the version's weights file on disk, not committed
+    windows = ["after_train:2", "mid_checkpoint:2", "mid_publish:2", "after_checkpoint:3", "after_publish:4",
+               "after_log:5"]  # fmt: skip
+    checkpoints = StepEntries(tmp_path / "checkpoints/trainer", marker=CHECKPOINT_COMPLETE)
+    weights = WeightStore(tmp_path / "weights")
     for point in windows:
         env = {**child_env(), "GYRE_TRAINER_CRASH_AT": point}
         assert run_to_end(argv, log, env) == -signal.SIGKILL, f"no crash at {point}: {log.read_text()[-3000:]}"
+        if point.startswith("mid_"):  # the half-written folder is there, under a name no reader lists
+            folder = tmp_path / ("checkpoints/trainer" if point == "mid_checkpoint:2" else "weights")
+            assert any(p.name.startswith(".tmp-step_2") for p in folder.iterdir()), point
+            assert weights.latest() == 1 and checkpoints.latest() == 2 - (point == "mid_checkpoint:2"), point
     assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
     assert_exactly_once(tmp_path, stream)
     assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
