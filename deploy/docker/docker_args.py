@@ -54,6 +54,8 @@ def sandbox_args(pod: Pod, image: str, names: Names, labels: dict[str, str]) -> 
         "--entrypoint",
         "sleep",
     ]
+    if pod.shared_pid:  # Docker's init (tini) as PID 1 reaps orphans and zombies, as the pause container does
+        args.append("--init")
     if pod.domain:
         args += ["--domainname", pod.domain]
     for alias in pod.aliases_at_start:
@@ -74,6 +76,8 @@ def container_args(c: Container, names: Names, labels: dict[str, str]) -> list[s
     as `--env NAME` (the value comes from the docker client's environment, never from its command line).
     No Docker restart policy: the smoke restarts exited containers itself, counting exits and codes."""
     args = ["--detach", "--name", names.container(c.pod, c.name), "--network", f"container:{names.sandbox(c.pod)}"]
+    if c.shared_pid:
+        args += ["--pid", f"container:{names.sandbox(c.pod)}"]
     if c.user is not None:
         args += ["--user", c.user]
     for group in c.group_add:

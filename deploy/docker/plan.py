@@ -139,6 +139,8 @@ class _Builder:
             run_once=restart != "Always" or owner["kind"] == "Job",
             fs_group=security.get("fsGroup"),
             fs_group_always=security.get("fsGroupChangePolicy", "Always") == "Always",
+            shared_pid=bool(spec.get("shareProcessNamespace", False)),
+            grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
         )
         if spec.get("dnsPolicy", "ClusterFirst") in ("ClusterFirst", "ClusterFirstWithHostNet"):
             ns = self.namespace
@@ -291,6 +293,7 @@ class _Builder:
             cpus=quantity(limits["cpu"]) if "cpu" in limits else None,
             workdir=c.get("workingDir"),
             ports=ports,
+            shared_pid=pod.shared_pid,
             restart=restart,
         )
         for kind_ in ("startupProbe", "readinessProbe", "livenessProbe"):

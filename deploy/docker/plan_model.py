@@ -90,6 +90,7 @@ class Container:
     workdir: str | None = None
     ports: dict[str, int] = field(default_factory=dict)  # declared containerPorts by name (or str(number))
     probes: dict[str, Probe] = field(default_factory=dict)  # startupProbe / readinessProbe / livenessProbe
+    shared_pid: bool = False  # shareProcessNamespace: joins the sandbox's PID namespace (its init is PID 1)
     restart: str = "always"  # always (restartPolicy Always: the smoke restarts it) | no (runs once)
 
     @property
@@ -112,6 +113,8 @@ class Pod:
     volumes: list[str] = field(default_factory=list)  # Docker volumes the pod mounts (prepared before it starts)
     fs_group: int | None = None
     fs_group_always: bool = False  # fsGroupChangePolicy Always (else OnRootMismatch)
+    shared_pid: bool = False  # shareProcessNamespace: the sandbox's init is the pod's PID 1 (it reaps orphans)
+    grace_s: int = 30  # terminationGracePeriodSeconds: SIGTERM, then SIGKILL this long after
     dns_search: list[str] = field(default_factory=list)
     dns_options: list[str] = field(default_factory=list)
     aliases_at_start: list[str] = field(default_factory=list)  # names of publishNotReadyAddresses Services

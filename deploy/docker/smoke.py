@@ -15,9 +15,11 @@
 4. Check what deploy/kind/smoke.sh checks, through published ports (its port-forwards): the OpenAI API
    answers the official `openai` client (models, a chat completion with token ids and a policy version),
    the trainer completes --min-steps RL steps and a later completion is served by trained weights, every
-   ServiceMonitor endpoint's /metrics scrapes, every `helm test` pod's command passes, and every startup
-   and liveness probe still passes.
-5. Tear everything down (containers, networks, volumes, files), on failure and on SIGINT/SIGTERM too.
+   ServiceMonitor endpoint's /metrics scrapes, every `helm test` pod's command passes, every startup
+   and liveness probe still passes, and every pod reaps an orphan (no zombie left to its PID 1).
+5. Stop every pod at once, as `helm uninstall` does (SIGTERM, SIGKILL after terminationGracePeriodSeconds):
+   each container must exit within its grace period with the code its service documents for SIGTERM.
+6. Tear everything down (containers, networks, volumes, files), on failure and on SIGINT/SIGTERM too.
 
 A failure names the pod and container and says why, with the container's last log lines. Needs a local
 Docker daemon (files are bind-mounted from the host, as a kubelet does) and the images the values name
@@ -45,7 +47,7 @@ import smoke_client  # noqa: E402
 from cluster import LABEL, Cluster, SmokeFailure, docker, remove_labelled, say, tail  # noqa: E402
 from kube import merge_values, render_chart, selects  # noqa: E402
 from plan import plan  # noqa: E402
-from plan_model import Plan, Service, Unsupported, WiringError  # noqa: E402
+from plan_model import Container, Plan, Service, Unsupported, WiringError  # noqa: E402
 from probes import run_probe  # noqa: E402
 
 MONITORING_APIS = (
@@ -231,10 +233,66 @@ def checks(cluster: Cluster, min_steps: int, timeout: float) -> dict:
                 passed, what = run_probe(probe, cluster.host_ports[c.pod].get(probe.port), name)
                 if not passed:
                     raise SmokeFailure(c.label, f"{kind} fails after training: {what}", tail(name))
+    out["reaping"] = check_reaping(cluster)
     out["restarts"] = {name.removeprefix(cluster.names.prefix + "-"): w.restarts for name, w in cluster.watch.items()}
     restarted = {name: n for name, n in out["restarts"].items() if n}
     say(f"  startup, liveness and readiness probes all pass; restarts: {restarted or 'none'}")
     return out
+
+
+# Processes of a container's PID namespace, one "pid state ppid comm" line each (images without `ps`).
+PS = 'for p in /proc/[0-9]*; do s=$(cat "$p/stat" 2>/dev/null) && echo "${s%% *} $(echo "${s##*) }" | cut -d" " -f1,2) $(cat "$p/comm")"; done'  # noqa: E501
+
+
+def check_reaping(cluster: Cluster) -> dict[str, str]:
+    """Every pod reaps orphans: a process whose parent exits is re-parented to the pod's PID 1, which must
+    wait for it when it exits (a service as PID 1 never does: zombies pile up to the pids limit)."""
+    out = {}
+    pods = [p for p in cluster.the_plan.workload_pods if not p.run_once]
+    for pod in pods:  # an orphan in each pod: the shell exits at once, its `sleep` 1 s later
+        docker("exec", cluster.names.container(pod.name, pod.containers[0].name), "sh", "-c", "sleep 1 & exit 0")
+    time.sleep(4)
+    for pod in pods:
+        name = cluster.names.container(pod.name, pod.containers[0].name)
+        processes = [line.split(maxsplit=3) for line in docker("exec", name, "sh", "-c", PS).splitlines()]
+        pid1 = next((p[3] for p in processes if p[0] == "1"), "?")
+        zombies = [f"{p[3]} (pid {p[0]})" for p in processes if p[1] == "Z"]
+        if zombies:
+            why = f"orphans are not reaped: zombie {', '.join(zombies)}; PID 1 is {pid1!r} (shareProcessNamespace?)"
+            raise SmokeFailure(f"pod {pod.name}", why)
+        out[pod.name] = pid1
+    say(f"  orphans reaped in every pod (PID 1: {', '.join(sorted(set(out.values())))})")
+    return out
+
+
+def stopped_cleanly(result: dict, container: Container) -> bool:
+    """Not killed, and the exit code a service documents for SIGTERM: 0 or 143 (128 + SIGTERM). torchrun
+    stops its workers, then exits 1 raising SignalException, whatever they did (its log says so)."""
+    if result["killed"]:
+        return False
+    if result["code"] in (0, 143):
+        return True
+    torchrun = (container.command or [""])[0] == "torchrun"
+    return torchrun and result["code"] == 1 and "SignalException" in result["log"] and "signal: 15" in result["log"]
+
+
+def stop_all(cluster: Cluster) -> list[dict]:
+    """`helm uninstall`: every pod SIGTERMed at once; each container must stop within its grace period with
+    its code, not be SIGKILLed (a checkpoint or the requests in flight would be lost)."""
+    pods = [p for p in cluster.the_plan.workload_pods if not p.run_once]
+    results = cluster.stop_pods(pods)
+    containers = {(p.name, c.name): c for p in pods for c in p.containers}
+    for r in results:
+        c = containers[(r["pod"], r["container"])]
+        if not stopped_cleanly(r, c):
+            how = "SIGKILLed" if r["killed"] else f"exited with code {r['code']}"
+            why = f"{how} {r['seconds']} s after SIGTERM (terminationGracePeriodSeconds {r['grace_s']})"
+            raise SmokeFailure(c.label, why, r["log"])
+    say(
+        "  stopped as by `helm uninstall` (SIGTERM to every pod at once): "
+        + ", ".join(f"{r['pod']}/{r['container']} code {r['code']} in {r['seconds']} s" for r in results)
+    )
+    return [{k: v for k, v in r.items() if k != "log"} for r in results]
 
 
 # ---- the whole run ---------------------------------------------------------------------------------------
@@ -297,8 +355,12 @@ def run(objects: list[dict], options: Options, domain: str = "cluster.local") ->
         cluster.wait_ready(workloads, time.monotonic() + options.timeout)
         summary["ready_s"] = round(time.monotonic() - started)
         say(f"all {len(workloads)} pods ready after {summary['ready_s']} s")
-        cluster.start_monitor()
+        monitor = cluster.start_monitor()
         summary.update(checks(cluster, options.min_steps, options.timeout))
+        if not options.keep:
+            cluster.stop_monitor.set()  # it would restart what exits
+            monitor.join()
+            summary["stop"] = stop_all(cluster)
         summary["seconds"] = round(time.monotonic() - started)
         return summary
     finally:

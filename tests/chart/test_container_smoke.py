@@ -89,6 +89,9 @@ def test_trainer_container_runs_exactly_as_rendered(kind_plan, objects, tmp_path
     assert flag_values(args, "--security-opt") == ["no-new-privileges"]
     assert flag_values(args, "--memory") == [str(4 * 2**30)]  # limits.memory: 4Gi
     assert flag_values(args, "--network") == ["container:gyre-smoke-t-exp-gyre-trainer-0"]
+    # shareProcessNamespace: the sandbox's PID namespace, whose init (Docker's, as the pause container) is PID 1
+    assert flag_values(args, "--pid") == ["container:gyre-smoke-t-exp-gyre-trainer-0"]
+    assert "--init" in D.sandbox_args(kind_plan.pod(TRAINER), "img", names(tmp_path), {})
     assert c.restart == "always" and "--restart" not in args  # the smoke restarts it (counting exits)
     # environment: every rendered name, Secrets resolved; values never on the command line
     assert flag_values(args, "--env") == [e["name"] for e in rendered["env"]]
@@ -118,6 +121,21 @@ def test_trainer_container_runs_exactly_as_rendered(kind_plan, objects, tmp_path
         "control-token": (secret(objects, "control-token").encode(), 0o440),
     }
     assert files.group == 10001
+
+
+def test_a_stop_is_judged_by_the_grace_period_and_the_documented_codes(kind_plan):
+    """The smoke's `helm uninstall` step: each pod's grace period as rendered; 0 and 143 are clean stops,
+    torchrun's 1 only with its SignalException for SIGTERM; a SIGKILL (137, or the whole grace) never."""
+    trainer, (inference,) = kind_plan.pod(TRAINER), by_component(kind_plan, "inference")
+    assert (trainer.grace_s, inference.grace_s, kind_plan.pod(REDIS).grace_s) == (120, 60, 30)
+    torchrun, gyre = trainer.containers[0], inference.containers[0]
+    signal_log = "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 15"
+    ok = {"killed": False, "code": 0, "log": ""}
+    assert S.stopped_cleanly(ok, gyre) and S.stopped_cleanly({**ok, "code": 143}, gyre)
+    assert not S.stopped_cleanly({**ok, "code": 1, "log": signal_log}, gyre)
+    assert S.stopped_cleanly({**ok, "code": 1, "log": signal_log}, torchrun)
+    assert not S.stopped_cleanly({**ok, "code": 1, "log": "ChildFailedError"}, torchrun)
+    assert not S.stopped_cleanly({**ok, "killed": True}, gyre)
 
 
 def test_init_containers_and_the_model_wait(kind_plan):
@@ -343,7 +361,8 @@ def test_the_docs_say_what_the_smoke_proves_and_quote_a_passing_run():
     assert "| | container smoke (every CI run) | kind workflow only |" in section
     quoted = section[section.index("A passing run") :].split("```")[1]
     for line in ("GET /v1/models (official openai client)", "token_ids [", "policy_version", "trainer (svc/",
-                 ">= 3", "scraped ", "helm test pod", "nothing left", "SMOKE PASSED in"):  # fmt: skip
+                 ">= 3", "scraped ", "helm test pod", "orphans reaped", "stopped as by `helm uninstall`",
+                 "nothing left", "SMOKE PASSED in"):  # fmt: skip
         assert line in quoted, line
     assert "_TIME" not in text and "SMOKE_OUTPUT" not in text  # measured numbers, not placeholders
 

@@ -160,3 +160,12 @@ def test_the_docs_examples_and_the_shipped_values_files_are_all_covered():
     shipped = sorted(p.name for p in (ROOT / "deploy").glob("values-*.yaml"))
     covered = {name for name, (values, _) in RENDER_SCENARIOS.items()}
     assert shipped and all(f.removeprefix("values-").removesuffix(".yaml") in covered for f in shipped), shipped
+
+
+@pytest.mark.parametrize("scenario", ["default", "kind", "multi-node", "servers", "operations"])
+def test_every_pod_shares_its_process_namespace(scenario):
+    """The pause container is every pod's PID 1 (tests/chart/test_pod_signals_docker.py runs it): it reaps
+    orphans, and a service or `sh -c` loop that is not PID 1 cannot ignore SIGTERM by having no handler."""
+    assert {where: spec.get("shareProcessNamespace") for where, spec in pods(scenario)} == {
+        where: True for where, _ in pods(scenario)
+    }

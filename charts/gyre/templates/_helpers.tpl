@@ -174,8 +174,13 @@ schedulerName: {{ . }}
 {{- end }}
 {{- end -}}
 
-{{/* Pod security context (Pod Security Standards "restricted"). Call with (dict "user" 10001 "group" 10001 "fsGroup" 10001). */}}
+{{/* Pod security context (Pod Security Standards "restricted"). Call with (dict "user" 10001 "group" 10001 "fsGroup" 10001).
+shareProcessNamespace: the pod's pause container is PID 1, not the service. It reaps orphaned grandchildren
+(tool subprocesses of an environment, compile workers), which a service as PID 1 never waits for: zombies
+would pile up to the pids limit. And the kernel delivers SIGTERM to a PID 1 only if it installed a handler:
+the init containers' `sh -c` wait loops ignored it and held a deleted pod for its whole grace period. */}}
 {{- define "gyre.podSecurityContext" -}}
+shareProcessNamespace: true
 securityContext:
   runAsNonRoot: true
   runAsUser: {{ .user }}
