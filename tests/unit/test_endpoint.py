@@ -211,3 +211,13 @@ def test_a_refusal_of_the_setup_names_the_settings_to_check(scripted, monkeypatc
     assert f"check url = '{scripted.url}' and model = 'judge-model'" in str(missing)
     keyed = Endpoint(EndpointConfig(url=scripted.url, model="m", api_key_env="GYRE_TEST_JUDGE_KEY"), name="judge")
     assert "check the key: api_key_env = 'GYRE_TEST_JUDGE_KEY'" in str(refusal(scripted, keyed, 401))
+
+
+@pytest.mark.parametrize("value", ["", " \n"])
+def test_an_empty_key_variable_is_refused_at_start(monkeypatch, value):
+    """A variable set from an empty Secret (whitespace, a newline) passed the check and was stripped to no key:
+    every call went out with a placeholder key and the run stopped on the first 401."""
+    monkeypatch.setenv("GYRE_TEST_EMPTY_KEY", value)
+    config = EndpointConfig(url="http://127.0.0.1:9", api_key_env="GYRE_TEST_EMPTY_KEY")
+    with pytest.raises(ValueError, match="^judge 'style': api_key_env: the environment variable GYRE_TEST_EMPTY_KEY"):
+        Endpoint(config, name="judge 'style'")

@@ -102,8 +102,10 @@ class EndpointConfig(Section):
         """The key from the environment variable or the file; ValueError naming the setting when it is missing."""
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)
-            if not key:
+            if key is None:
                 raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is not set")
+            if not key.strip():  # set from an empty Secret: every call went out as "unused" and stopped on a 401
+                raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is empty")
             return key.strip()
         if self.api_key_file:
             try:
