@@ -6,6 +6,7 @@ waited for a step forever)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,45 @@ def test_a_base_model_or_warm_up_unlike_the_one_made_is_refused_not_ignored(tmp_
     assert "--fresh" in str(e.value)
     validate(out, *SFT_ARGS, *argv, "--fresh")  # starting over takes any
     validate(out, *SFT_ARGS, "--sft.args.log.level", "DEBUG", "--sft.args.ckpt.interval", "1")  # not the result's
+
+
+def stopped_half_way(out: Path, *argv: str) -> None:
+    """`out` as a launch of `gyre rl @ ci.toml *argv` left it when stopped (Ctrl-C) during its SFT warm-up: the SFT
+    checkpoint of step 1 written on the stop, no result in `sft/`."""
+    made(out, *argv)
+    shutil.rmtree(out / "sft")
+    (out / "checkpoints" / "sft" / "step_1").mkdir(parents=True)
+    (out / "checkpoints" / "sft" / "step_1" / "progress.json").write_text("{}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "said"),
+    [
+        (["--sft.args.optim.lr", "0.5"], "sft.args.optim.lr", "trained with optim.lr = 0.001, not 0.5"),
+        (["--sft.args.data.seq-len", "64"], "sft.args.data.seq_len", "trained with data.seq_len = 128, not 64"),
+        (["--sft.args.data.env", "arithmetic"], "sft.args.data.env", "not 'arithmetic'"),
+        (["--model.name", "OTHER"], "model.name", "was trained from"),
+    ],
+)
+def test_a_warm_up_stopped_half_way_is_not_resumed_with_other_settings(tmp_path, argv, key, said):
+    # the re-run resumed the SFT checkpoint with the new settings: a warm-up of steps from two configs (or two base
+    # models), recorded as the second
+    out, other = tmp_path / "run", tmp_path / "other"  # another base model of the same shape
+    stopped_half_way(out, *SFT_ARGS)
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "model.safetensors").write_text("")
+    argv = [str(other) if arg == "OTHER" else arg for arg in argv]
+    with pytest.raises(ConfigError) as e:
+        validate(out, *SFT_ARGS, *argv)
+    assert str(e.value).startswith(f"config key '{key}':") and said in str(e.value), e.value
+    assert "stopped half way" in str(e.value) and "--sft.args.ckpt.resume-step 0" in str(e.value)
+    validate(out, *SFT_ARGS, *argv[:2], "--sft.args.ckpt.resume-step", "0")  # trained again from the base: any
+    validate(out, *SFT_ARGS, "--sft.args.max-steps", "5")  # how far it goes: `gyre sft`'s larger --max-steps
+
+
+def test_a_warm_up_without_a_checkpoint_starts_again_with_any_settings(tmp_path):
+    out = tmp_path / "run"
+    stopped_half_way(out, *SFT_ARGS)
+    shutil.rmtree(out / "checkpoints" / "sft" / "step_1")
+    validate(out, *SFT_ARGS, "--sft.args.optim.lr", "0.5")

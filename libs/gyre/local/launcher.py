@@ -57,7 +57,8 @@ from gyre.local.runs import (
 )
 from gyre.proc import Child
 from gyre.runlock import LockHeld, RunLock
-from gyre.runstate import forget_rewinds
+from gyre.runstate import CHECKPOINT_COMPLETE, forget_rewinds
+from gyre.steps import StepEntries
 
 log = logging.getLogger("gyre.local.launcher")
 
@@ -77,6 +78,10 @@ STAGING_PREFIX = ".tmp-"
 MODEL_INIT_RECORD = "configs/model-init.toml"
 # `gyre sft` keys that do not shape its result (or are the run's, checked elsewhere): free on a re-run.
 SFT_FREE_KEYS = ("run_id", "output_dir", "save_dir", "log", "wandb", "ckpt")
+# ... and of a warm-up stopped half way, which the re-run resumes from its checkpoint: how far it goes.
+SFT_FREE_KEYS_IN_PROGRESS = ("max_steps", "epochs")
+# Where `gyre sft` checkpoints under `output_dir` (gyre_trainer.sft), complete ones holding CHECKPOINT_COMPLETE.
+SFT_CHECKPOINTS = Path("checkpoints") / "sft"
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's orchestrator finishes its current step on SIGTERM
 STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL of a child that saves nothing when it stops (trainer, SFT: _stop_timeout)
 
@@ -248,7 +253,10 @@ class Launcher:
     def _refuse_ignored_settings(self, sft: SFTConfig | None) -> None:
         """ConfigError naming the key when a re-run asks for a base model or SFT warm-up unlike the one the folder
         holds: neither is made again once it exists, so `--model.init-preset` / `--model.init-seed` or a changed
-        `[sft.args]` were silently ignored and the run went on from the old one."""
+        `[sft.args]` were silently ignored and the run went on from the old one. A warm-up stopped half way (Ctrl-C)
+        is resumed from its checkpoint, so the same holds for it but for how far it goes (`max_steps`, `epochs`): a
+        changed base model or `[sft.args]` key was silently mixed into it (steps from one, steps from the other,
+        recorded as the second), unless `sft.args.ckpt.resume_step = 0` trains it again from the base."""
         import tomllib
 
         if self.cfg.fresh:
@@ -268,22 +276,35 @@ class Launcher:
                 if made.get(key) != now:
                     raise ConfigError(f"config key 'model.{key}': the base model {base} was created with "
                                       f"{key} = {made.get(key)!r}, not {now!r}; {again}")  # fmt: skip
-        old = read("configs/sft.toml") if sft is not None and (self.out / "sft" / "config.json").exists() else None
+        if sft is None:
+            return
+        finished = (self.out / "sft" / "config.json").exists()
+        in_progress = (
+            not finished
+            and sft.ckpt.resume_step != 0
+            and bool(StepEntries(self.out / SFT_CHECKPOINTS, marker=CHECKPOINT_COMPLETE).steps())
+        )
+        old = read("configs/sft.toml") if finished or in_progress else None
         if old is None:
             return
         new = tomllib.loads(to_toml(sft))
+        what = f"the SFT warm-up in {self.out / 'sft'}"
+        if in_progress:
+            what = f"the SFT warm-up stopped half way (resumed from its checkpoint in {self.out / SFT_CHECKPOINTS})"
+            again = ("it is resumed, not started again: use --sft.args.ckpt.resume-step 0 (the warm-up again from the "
+                     "base model), --fresh (starts the run over) or another --output-dir")  # fmt: skip
         if not _same_path(str((old.get("model") or {}).get("name")), str(sft.model.name)):
-            raise ConfigError(f"config key 'model.name': the SFT warm-up in {self.out / 'sft'} was trained from "
+            raise ConfigError(f"config key 'model.name': {what} was trained from "
                               f"{(old.get('model') or {}).get('name')}, not {sft.model.name}; {again}")  # fmt: skip
         for values in (old, new):
-            for key in SFT_FREE_KEYS:
+            for key in SFT_FREE_KEYS + (SFT_FREE_KEYS_IN_PROGRESS if in_progress else ()):
                 values.pop(key, None)
             (values.get("model") or {}).pop("name", None)
         # a key one side lacks is compared only when this launch sets it: a key added to gyre sft since (with its
         # default) is no change the user made
         if (differs := _first_difference(old, new, _dotted_keys(self.cfg.sft.args))) is not None:
             key, was, now = differs
-            raise ConfigError(f"config key 'sft.args.{key}': the SFT warm-up in {self.out / 'sft'} was trained with "
+            raise ConfigError(f"config key 'sft.args.{key}': {what} was trained with "
                               f"{key} = {was!r}, not {now!r}; {again}")  # fmt: skip
 
     @staticmethod
