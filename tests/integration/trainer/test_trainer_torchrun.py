@@ -142,3 +142,51 @@ def test_sigterm_to_torchrun_checkpoints_the_last_step_on_every_rank_and_the_res
     assert trained_steps(tmp_path) == [1, 2, 3, 4]
     resumed = log.read_text()[before:]
     assert "loaded checkpoint step 2" in resumed and "not bit-exact" not in resumed
+
+
+def test_sigkill_of_rank_0_inside_a_checkpoint_and_a_publish_under_torchrun_resumes_bit_exactly(
+    tiny_model, redis_url, unique_run_id, tmp_path
+):
+    """Two ranks (gloo): rank 0 SIGKILLed with every shard of checkpoint 2 on disk but the folder not committed,
+    then (second start) with the weights file of version 3 written but the version not committed. torchrun tears
+    rank 1 down each time; the third start trains every step once and ends bit for bit where an uninterrupted
+    2-rank run does, and no half-written folder was ever listed."""
+    import subprocess
+
+    from gyre.runstate import CHECKPOINT_COMPLETE
+    from gyre.steps import StepEntries
+    from gyre.weights import WeightStore
+    from trainer_testlib import PYTHON, REPO, child_env, kill_group
+
+    def start(argv, log, crash=None) -> int:
+        env = {**child_env(), "GYRE_TRAINER_CRASH_AT": crash} if crash else child_env()
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "gyre_trainer.main"]
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([*cmd, *argv], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                    start_new_session=True)  # fmt: skip
+        try:
+            return proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                kill_group(proc)
+
+    steps, opts = 4, {"ckpt.interval": 1, "data.micro-batch-size": 1}
+    final = {}
+    for name, crashes in (("uninterrupted", []), ("crashed", ["mid_checkpoint:2", "mid_publish:3"])):
+        out, run_id = tmp_path / name, f"{unique_run_id}-{name}"
+        stream = BatchStream(redis_url, run_id)
+        push_batches(stream, range(1, steps + 1), ranks=2, rows_per_rank=1, num_samples=6)
+        argv, log = trainer_args(tiny_model, out, redis_url, run_id, steps, **opts), tmp_path / f"{name}.log"
+        for crash in crashes:
+            assert start(argv, log, crash) != 0, log.read_text()[-5000:]
+            assert f"fault injection: SIGKILL at {crash.replace(':', ' of step ')}" in log.read_text()
+            folder = out / ("checkpoints/trainer" if crash.startswith("mid_checkpoint") else "weights")
+            assert any(p.name.startswith(".tmp-step_") for p in folder.iterdir()), crash  # cut short, not listed
+        if crashes:
+            assert StepEntries(out / "checkpoints/trainer", marker=CHECKPOINT_COMPLETE).latest() == 3
+            assert WeightStore(out / "weights").latest() == 2
+        assert start(argv, log) == 0, log.read_text()[-5000:]
+        assert trained_steps(out) == list(range(1, steps + 1)) and stream.pending().count == 0
+        final[name] = load_weights(out / "weights" / f"step_{steps}")
+    for key, value in final["uninterrupted"].items():
+        assert torch.equal(final["crashed"][key], value), key
