@@ -80,7 +80,10 @@ class CheckpointManager:
         tmp = self.root / f".tmp-step_{step}"
         try:
             if self.ctx.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                # every partial folder first, not just this step's: a save SIGKILLed in its grace period (an
+                # on-stop checkpoint of step 7) left .tmp-step_7, as large as a checkpoint, which the interval
+                # save of step 10 then wrote beside: a volume with room for one more checkpoint ran full
+                self.remove_partial()
                 tmp.mkdir(parents=True)
             barrier(self.ctx)
             model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -106,7 +109,7 @@ class CheckpointManager:
             # next save. Say where and what, drop the partial folder; the complete checkpoints are untouched.
             error = CheckpointError(
                 f"saving checkpoint step {step} into {self.root} failed: {one_line(e)} ({free_space(self.root)}); "
-                f"nothing of it was kept, the complete checkpoints {self.steps() or '(none)'} are intact"
+                f"it was not committed, the complete checkpoints {self.steps() or '(none)'} are intact"
             )  # the free space before the partial folder goes: what the save found
             if self.ctx.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -188,12 +191,18 @@ class CheckpointManager:
         if self.keep_interval:
             keep |= {s for s in steps if s % self.keep_interval == 0}
         deleted = self.entries.keep_only(keep)
-        for entry in os.scandir(self.root):
-            if entry.name.startswith(".tmp-") and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        self.remove_partial()
         if deleted:
             log.info("pruned checkpoints %s", deleted)
         return deleted
+
+    def remove_partial(self) -> None:
+        """Delete the `.tmp-*` folders of saves that did not complete (rank 0, never during its own save)."""
+        if not self.root.is_dir():
+            return
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(".tmp-") and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""

@@ -185,7 +185,8 @@ def test_a_checkpoint_the_volume_cannot_hold_is_a_clear_error_and_leaves_the_pre
     """A full volume (here: a file-size limit, EFBIG; ENOSPC behaves alike) in the middle of a save. It was DCP's
     CheckpointException, a BaseException that `gyre trainer`'s main did not report, reading "[enforce fail at
     inline_container.cc] unexpected pos 704 vs 598" with no folder named, and the partial `.tmp-step_2` kept the
-    volume full until the next save."""
+    volume full until the next save. A partial folder of an earlier, killed save is removed before the save writes
+    (it stayed until a save succeeded, taking the room the next one needed)."""
     from support.fs import file_size_limit
 
     manager = CheckpointManager(tmp_path / "ckpt", ctx)
@@ -194,12 +195,16 @@ def test_a_checkpoint_the_volume_cannot_hold_is_a_clear_error_and_leaves_the_pre
     manager.save(1, model, opt, sched, record={"step": 1})
     saved = params(model)
     train(model, opt, sched, 2)
+    leftover = manager.root / ".tmp-step_7"  # an earlier save SIGKILLed half way (an on-stop save out of time)
+    (leftover / "state").mkdir(parents=True)
+    (leftover / "state" / "__0_0.distcp").write_bytes(b"x" * 1000)
     with file_size_limit(1 << 20), pytest.raises(CheckpointError) as failed:
         manager.save(2, model, opt, sched, record={"step": 2})
     message = str(failed.value)
     assert f"saving checkpoint step 2 into {manager.root} failed" in message
     assert "MiB free of" in message and "complete checkpoints [1] are intact" in message
-    assert sorted(p.name for p in manager.root.iterdir()) == ["step_1"]  # no partial folder left behind
+    # no partial folder left behind: neither its own nor the killed save's, which was gone before it wrote
+    assert sorted(p.name for p in manager.root.iterdir()) == ["step_1"]
     model2, opt2, sched2 = build(tiny_model, seed=1)
     manager.load(1, model2, opt2, sched2)
     assert all(torch.equal(params(model2)[k], v) for k, v in saved.items())
