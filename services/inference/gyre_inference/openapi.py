@@ -215,6 +215,20 @@ _RESPONSE_EVENTS = {
 _VERSION_HEADER = {
     "x-gyre-policy-version": {"description": "Weights version (see docs/inference.md).", "schema": {"type": "string"}}
 }
+_REQUEST_ID_HEADER = {
+    "x-request-id": {
+        "description": "The request's id: the client's X-Request-Id, else a new one.",
+        "required": True,
+        "schema": {"type": "string"},
+    }  # fmt: skip
+}
+_RETRY_AFTER_HEADER = {
+    "retry-after": {
+        "description": "Seconds to wait before retrying (5 while loading, else 1).",
+        "required": True,
+        "schema": {"type": "string"},
+    }  # fmt: skip
+}
 _WHY = {
     400: "Invalid request (OpenAI error; `param` names the field).",
     401: "Missing or wrong API key (when one is configured).",
@@ -248,6 +262,10 @@ def truthful_openapi(app: FastAPI) -> dict[str, Any]:
     for path, operations in schema["paths"].items():
         for operation in operations.values():
             operation["responses"] = _responses(path, operation.get("responses", {}))
+            for status, response in operation["responses"].items():  # what api._response_headers adds
+                if status != "499":  # nobody reads a 499
+                    extra = _RETRY_AFTER_HEADER if status == "503" else {}
+                    response["headers"] = {**response.get("headers", {}), **_REQUEST_ID_HEADER, **extra}
     app.openapi_schema = schema
     return schema
 

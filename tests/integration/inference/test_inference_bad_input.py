@@ -608,6 +608,8 @@ def test_the_openapi_document_says_what_the_server_answers(http):
     assert "x-gyre-policy-version" in chat["200"]["headers"]
     for status in ("400", "401", "404", "413", "503"):
         assert chat[status]["content"]["application/json"]["schema"] == error
+    for status in ("200", "400", "401", "404", "413", "503"):  # every response says its id, a 503 when to retry
+        assert set(chat[status]["headers"]) >= {"x-request-id", *(("retry-after",) if status == "503" else ())}
     assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert set(document["paths"]["/ready"]["get"]["responses"]) == {"200", "503"}
     assert set(document["paths"]["/health"]["get"]["responses"]) == {"200"}
