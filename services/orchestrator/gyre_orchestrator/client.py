@@ -11,7 +11,9 @@ trains on exactly the tokens the model sampled (docs/architecture.md, "Alignment
   (waiting for a concurrency slot, an eligible replica or a retry): what inference autoscaling follows.
 - **Timeouts, retries with backoff**: a connection error, timeout or 5xx/429 takes the replica out of
   rotation (circuit breaker, retried later) and the request is retried on another replica after an
-  exponential backoff, `retries` times; 4xx errors are the request's fault and raise at once.
+  exponential backoff, `retries` times; 4xx errors are the request's fault and raise at once. A replica
+  whose status probe fails (frozen, hung, cut off) has its requests in flight cancelled and retried the
+  same way (`ReplicaSet.abandon`) instead of waiting out `timeout_s`.
 - **Priority**: `for_version(v, priority=s)` also sends `"priority": s` (vLLM's field: lower is served first).
   A rollout for batch `s` is sent with priority `s`, so when more requests are in flight than a replica has
   batch rows, the oldest batch's rollouts take the rows first and a newer batch never delays it.
@@ -53,6 +55,10 @@ class InferenceError(RuntimeError):
 
 class ContextTooLong(InferenceError, ContextLengthExceeded):
     """The server refused the conversation as longer than the model's context (400 context_length_exceeded)."""
+
+
+class ReplicaStopped(RuntimeError):
+    """A request abandoned in flight: its replica stopped answering, the request is retried on another."""
 
 
 class BadResponse(InferenceError):
@@ -190,8 +196,19 @@ class InferenceClient:
                 raise InferenceError(str(e)) from None
             self.demand["queued"] -= 1
             self.demand["inflight"] += 1
+            call = asyncio.ensure_future(self._request(replica, request))
+            replica.calls.add(call)  # cancelled by `ReplicaSet.abandon` when the replica stops answering
             try:
-                turn, reported = await self._request(replica, request)
+                try:
+                    turn, reported = await call
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling() or not call.cancelled():
+                        raise  # this request itself was cancelled, not the replica abandoned
+                    raise ReplicaStopped(f"{replica.url} stopped answering (its status probe failed)") from None
+            except ReplicaStopped as e:
+                last = e  # the probe that abandoned it took the replica out of rotation, naming why
+                self.stats["retries"] += 1
+                continue
             except _RETRYABLE as e:
                 last = e
                 self.stats["retries"] += 1
@@ -206,6 +223,7 @@ class InferenceClient:
                 error = ContextTooLong if _context_overflow(e) else InferenceError
                 raise error(f"{replica.url} rejected the request: {e.status_code} {describe(e)}") from e
             finally:
+                replica.calls.discard(call)
                 self.replicas.release(replica)
                 self.demand["inflight"] -= 1
                 self.demand["queued"] += 1
@@ -258,6 +276,9 @@ class InferenceClient:
         lookup = replica.clients.get("model")
         if lookup is None or (lookup.done() and lookup.exception() is not None):
             lookup = replica.clients["model"] = asyncio.ensure_future(self._list_model(replica, client))
+            # its failure is read by the next request; when none comes (the requests awaiting it were abandoned with
+            # their replica), asyncio would log "exception was never retrieved"
+            lookup.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await asyncio.shield(lookup)
 
     @staticmethod

@@ -270,6 +270,8 @@ class WeightRelay:
         except grpc.aio.AioRpcError as e:
             if self.replicas.in_rotation(replica):
                 self.replicas.mark_failed(replica, f"GetStatus: {e.code().name}: {e.details()}")
+                # no answer: its requests in flight would wait out their HTTP timeout (a frozen replica)
+                self.replicas.abandon(replica)
             return
         if not status.ready:
             if self.replicas.in_rotation(replica):

@@ -60,6 +60,8 @@ class Replica:
     # serves once its cooldown is over (a request that succeeds meanwhile never lowers it: `observe_version`)
     confirmed: bool = True
     clients: dict[str, Any] = field(default_factory=dict)  # lazily built HTTP/gRPC clients, closed on removal
+    # the requests in flight on it, each its own task: `ReplicaSet.abandon` cancels them when it stops answering
+    calls: set[asyncio.Task] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -170,6 +172,22 @@ class ReplicaSet:
             changed = True
         if changed:
             self._notify()
+
+    def abandon(self, replica: Replica) -> int:
+        """Cancel the requests in flight on `replica`, which stopped answering (its status probe failed: frozen,
+        hung, cut off by the network), so that the client retries them on another replica now. Left alone, they
+        waited for `inference.timeout_s` (300 s) or until the replica woke up, holding their step back although the
+        probe had taken the replica out of rotation. Only when another replica is in rotation: a lone replica that is
+        merely slow keeps its requests (they could go nowhere else). Returns how many were cancelled."""
+        if not replica.calls or not any(self.in_rotation(r) for r in self.replicas.values() if r is not replica):
+            return 0
+        calls = [c for c in replica.calls if not c.done()]
+        for call in calls:
+            call.cancel()
+        if calls:
+            log.warning("replica %s stopped answering: retrying its %d requests in flight elsewhere", replica.url,
+                        len(calls))  # fmt: skip
+        return len(calls)
 
     def observe_version(self, replica: Replica, version: int) -> None:
         """A completion was produced by `version`: the replica serves at least that (never lowers it).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -43,6 +44,53 @@ async def test_killing_a_replica_mid_step_does_not_fail_the_step(
     # one outage counts once, however many in-flight requests it broke (probes after the cooldown add more)
     assert 1 <= dead.failures <= 3 and dead.last_error
     assert service.client.stats["retries"] >= 1  # the interrupted requests moved to the survivor
+
+
+@pytest.mark.asyncio
+async def test_a_frozen_replica_s_requests_move_to_the_other_and_it_rejoins_when_it_wakes(
+    tmp_path, redis_url, unique_run_id, replicas, start_replica
+):
+    """A replica that stops answering without closing its connections (SIGSTOP here; a hung GPU or a network
+    partition in a cluster): its status probe fails within seconds, but the requests in flight on it waited for
+    `inference.timeout_s` (300 s), holding their step back while the other replica idled. Now they are retried on
+    the other replica at once, the run goes on, and the replica serves again once it wakes."""
+    frozen = start_replica()
+    cfg = orchestrator_config(
+        tmp_path, redis_url, unique_run_id, [replicas[0], frozen], max_steps=1000, max_async_level=50,
+        batch_size=4, rollouts_per_example=4, sampling={"max_tokens": 32}, inference={"timeout_s": 300},
+    )  # fmt: skip
+    service = OrchestratorService(cfg)
+    run = asyncio.create_task(service.run())
+    try:
+        while not (service.replicas.replicas and service.replicas.replicas[frozen.url].inflight > 0):
+            assert not run.done(), run
+            await asyncio.sleep(0.001)
+        stuck = service.last_step + 1  # a step with requests on the replica about to freeze
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60  # the probe fails after 5 s; the old code waited 300 s
+            while service.last_step < stuck + 1:
+                assert not run.done(), run
+                assert time.monotonic() < deadline, f"step {stuck} waited for the frozen replica"
+                await asyncio.sleep(0.05)
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        replica = service.replicas.replicas[frozen.url]
+        assert replica.failures >= 1 and "GetStatus" in replica.last_error
+        answered = replica.requests
+        deadline = time.monotonic() + 60
+        while not (replica.requests > answered and service.replicas.in_rotation(replica)):  # it rejoined
+            assert not run.done(), run
+            assert time.monotonic() < deadline, f"the replica never served again: {replica}"
+            await asyncio.sleep(0.05)
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        frozen.kill()
+    steps = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")
+    assert [e["step"] for e in steps] == list(range(1, len(steps) + 1))
+    assert all(e["num_samples"] == 16 for e in steps)  # nothing lost: every abandoned request was retried
+    assert service.client.stats["retries"] >= 1
 
 
 def stream_steps(redis_url: str, run_id: str) -> list:

@@ -68,6 +68,23 @@ async def test_failed_replica_leaves_rotation_and_comes_back_after_cooldown():
 
 
 @pytest.mark.asyncio
+async def test_abandoning_a_replica_cancels_its_calls_only_when_another_can_take_them():
+    clock = Clock()
+    rs = two(clock)
+    a, b = rs.replicas["http://a:1"], rs.replicas["http://b:1"]
+    calls = [asyncio.create_task(asyncio.sleep(60)) for _ in range(3)]
+    a.calls.update(calls)
+    rs.mark_failed(a, "GetStatus: DEADLINE_EXCEEDED")
+    rs.mark_failed(b, "down")
+    assert rs.abandon(a) == 0  # b is out too: a lone replica that is only slow keeps its requests
+    assert not any(c.done() for c in calls)
+    clock.now = b.retry_at  # b back in rotation: a's requests go there
+    assert rs.abandon(a) == 3
+    await asyncio.gather(*calls, return_exceptions=True)
+    assert all(c.cancelled() for c in calls)
+
+
+@pytest.mark.asyncio
 async def test_min_version_routing_and_waiting():
     rs = ReplicaSet([Endpoint("http://a:1", "a:2"), Endpoint("http://b:1", "b:2")])
     a, b = rs.replicas["http://a:1"], rs.replicas["http://b:1"]
