@@ -324,7 +324,9 @@ class EvalProgress:
             self.bar = None
 
 
-async def _run_once(cfg, progress: Callable[[int, int], None] | None = None, env=None) -> EvalResult:
+async def _run_once(
+    cfg, progress: Callable[[int, int], None] | None = None, env=None, signals: dict | None = None
+) -> EvalResult:
     from gyre.envs import load_environment
     from gyre.envs.judge import add_to_rubric
     from gyre.events import EVAL, EventLog, events_dir
@@ -333,7 +335,8 @@ async def _run_once(cfg, progress: Callable[[int, int], None] | None = None, env
     from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 
     env = env if env is not None else load_environment(cfg.env.name, **cfg.env.args)
-    signals = add_to_rubric(env, cfg.judges, cfg.reward_models)  # scored as in training
+    if signals is None:
+        signals = add_to_rubric(env, cfg.judges, cfg.reward_models)  # scored as in training
     replicas = ReplicaSet(cooldown_s=cfg.inference.failure_cooldown_s)
     discovery = make_discovery(cfg.inference, replicas)
     await discovery.start()
@@ -393,9 +396,16 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
         print(f"gyre eval: error: config key 'env': {e}", file=sys.stderr)
         return 2
+    from gyre.envs.judge import add_to_rubric
+
+    try:  # a judge's missing API key: one line naming the judge and the setting, as gyre orchestrator (a traceback)
+        signals = add_to_rubric(env, cfg.judges, cfg.reward_models)
+    except ValueError as e:
+        print(f"gyre eval: error: {e}", file=sys.stderr)
+        return 2
     progress = EvalProgress()  # a long eval showed nothing until its JSON line
     try:
-        result = asyncio.run(_run_once(cfg, progress, env))
+        result = asyncio.run(_run_once(cfg, progress, env, signals))
     except (InferenceError, ContextLengthExceeded, EvalFailed) as e:  # nothing serves, no task fits, a sample
         # failed every attempt: one line, no traceback
         progress.close()

@@ -500,3 +500,17 @@ def test_a_reward_model_scores_concurrent_calls_in_batches(scripted):
     assert all(b["use_activation"] is False and b["model"] == "judge-model" for b in batches)
     tokenized = [body for kind, body in scripted.requests if kind == "tokenize"]
     assert len(tokenized) == 5 and all(b["add_generation_prompt"] is False for b in tokenized)
+
+
+def test_gyre_eval_with_a_judge_whose_key_is_missing_says_so_in_one_line(capsys, monkeypatch):
+    """`gyre eval` let the judge's missing-key ValueError out as a traceback (gyre orchestrator logs it and exits 2);
+    it is one line naming the judge and the setting, before anything connects."""
+    from gyre_orchestrator.evaluate import main
+
+    monkeypatch.delenv("GYRE_TEST_NO_SUCH_KEY", raising=False)
+    judges = '[{"name": "style", "url": "http://127.0.0.1:9", "api_key_env": "GYRE_TEST_NO_SUCH_KEY"}]'
+    argv = ["--judges", judges, "--env.name", "reverse_text", "--inference.urls", '["http://127.0.0.1:9"]']
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "gyre eval: error: judge 'style': api_key_env: the environment variable GYRE_TEST_NO_SUCH_KEY" in err
+    assert "Traceback" not in err
