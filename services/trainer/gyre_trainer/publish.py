@@ -159,6 +159,20 @@ def _writing(step: int, folder: Path):
         ) from e
 
 
+@contextlib.contextmanager
+def _publishing(step: int):
+    """The store's own I/O after the files are written (fsync, rename) in the same terms: on a network volume a
+    full disk shows first at the fsync, as a bare `OSError: [Errno 28] No space left on device`."""
+    try:
+        yield
+    except PublishError:
+        raise
+    except OSError as e:
+        where = f" ({free_space(Path(e.filename).parent)})" if e.filename else ""
+        raise PublishError(f"publishing weights step {step} failed: {one_line(e)}{where}; the version was not "
+                           "published") from e  # fmt: skip
+
+
 class WeightPublisher:
     """Publish `weights/step_{s}` (rank 0 only) and prune versions nobody needs any more."""
 
@@ -189,7 +203,8 @@ class WeightPublisher:
                     hashed[RESUME_ADAPTER] = write_hashed(folder / RESUME_ADAPTER, chunks, mode=0o644)
                 return hashed
 
-        return self.sink.publish(step, write)
+        with _publishing(step):
+            return self.sink.publish(step, write)
 
     def publish_adapter(
         self, step: int, state_dict: dict[str, Any], lora_cfg, record: dict[str, Any]
@@ -210,7 +225,8 @@ class WeightPublisher:
                 for file in folder.iterdir():
                     file.chmod(0o644)
 
-        return self.sink.publish(step, write)
+        with _publishing(step):
+            return self.sink.publish(step, write)
 
     def read_record(self, step: int) -> dict[str, Any] | None:
         """The event record published with version `step` (None when missing)."""

@@ -144,3 +144,25 @@ def test_a_version_the_volume_cannot_hold_is_a_clear_error_and_never_visible(tmp
     assert f"writing weights step 2 into {store.root} failed" in message and "MiB free of" in message
     assert store.steps() == [1] and store.version(1) == first
     assert sorted(p.name for p in store.root.iterdir()) == ["step_1"]
+
+
+def test_a_failing_fsync_is_a_publish_error_and_the_version_never_visible(tmp_path, tiny_model, monkeypatch):
+    """A network volume reports a full disk at the fsync, after every file is written: the store's own I/O. It was a
+    bare `OSError: [Errno 28] No space left on device`; it is a PublishError naming the step."""
+    import errno
+
+    import gyre.fsio
+    from gyre_trainer.publish import PublishError
+
+    model = trained_copy(tiny_model)
+    store = WeightStore(tmp_path / "weights")
+    publisher = WeightPublisher(FolderStore(store.root), tiny_model, keep_last=2)
+    publisher.publish(1, model.state_dict(), model.config, {"step": 1})
+
+    def full(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(gyre.fsio, "fsync_file", full)
+    with pytest.raises(PublishError, match=r"publishing weights step 2 failed: OSError: \[Errno 28\] No space left"):
+        publisher.publish(2, model.state_dict(), model.config, {"step": 2})
+    assert store.steps() == [1] and sorted(p.name for p in store.root.iterdir()) == ["step_1"]
