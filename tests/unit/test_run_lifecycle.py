@@ -579,6 +579,19 @@ def test_resumed_curves_continue_and_eval_off_says_so(tmp_path):
     assert "0.250 (version 0) -> 0.850 (version 8)" in summarize(tmp_path)
 
 
+def test_a_finished_runs_summary_shows_no_wall_time_of_its_own(tmp_path):
+    # the launch that found the run finished printed "wall time 0.0 min" for a run of many minutes
+    out = tmp_path / "run"
+    (out / "checkpoints" / "trainer" / "step_3").mkdir(parents=True)
+    (out / "checkpoints" / "trainer" / "step_3" / "progress.json").write_text("{}")
+    done = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--max-steps", "3")
+    assert done.returncode == 0 and "run already finished" in done.stdout, done.stderr[-2000:]
+    assert "steps trained" in done.stdout and "wall time" not in done.stdout
+    from gyre.local.report import summarize
+
+    assert "wall time (this launch)" in summarize(out, wall_seconds=90.0)  # a launch that trained: its own time
+
+
 def test_fresh_on_a_project_folder_refuses_before_writing_anything(tmp_path):
     # a project's own configs/ made `--fresh --output-dir .` a "gyre run" and delete README.md and src/
     (tmp_path / "configs").mkdir()

@@ -178,6 +178,7 @@ class Launcher:
         self.redis = None
         self.prometheus = None
         self.lock: RunLock | None = None
+        self.trained = False  # whether this launch started the services (not: a run found already finished)
 
     # -- before anything is created -------------------------------------------------------------
     def model_name(self) -> str:
@@ -530,6 +531,7 @@ class Launcher:
                 "a larger --max-steps continues it)"
             )
             return 0
+        self.trained = True
         os.environ[SEGMENT_ENV] = new_segment_id()  # one run segment for every service of this launch
         redis_url = self._redis_url()
         if self.cfg.fresh and self.cfg.redis.url:  # an embedded Redis started over with its folder; this one did not
@@ -737,6 +739,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stopping[:] = stopping or [time.monotonic()]
         launcher.shutdown()
-    if code == 0:
-        print(summarize(cfg, wall_seconds=time.monotonic() - started))
+    if code == 0:  # the wall time of this launch's training: none when it found the run finished (was "0.0 min")
+        print(summarize(cfg, wall_seconds=time.monotonic() - started if launcher.trained else None))
     return code

@@ -69,7 +69,7 @@ def summarize(output_dir: Path, wall_seconds: float | None = None) -> str:
         ("samples dropped: stale / zero-signal", f"{n['dropped_stale']} / {n['dropped_zero_signal']}"),
     ]
     if wall_seconds is not None:
-        rows.append(("wall time", f"{wall_seconds / 60:.1f} min"))
+        rows.append(("wall time (this launch)", f"{wall_seconds / 60:.1f} min"))  # a resumed run's: since the resume
     png = draw(output_dir)
     rows.append(("plot", str(png)))
     if dumped_steps(output_dir):
