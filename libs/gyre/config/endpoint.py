@@ -177,6 +177,18 @@ class JudgeConfig(EndpointConfig):
                              "{response}; a literal brace is written twice")  # fmt: skip
         return value
 
+    @field_validator("choices")
+    @classmethod
+    def _choices_readable(cls, value: dict[str, float]) -> dict[str, float]:
+        import math
+
+        for word, reward in value.items():
+            if not word.strip():  # "" matched at the start of every reply: every rollout got its reward
+                raise ValueError(f"choice {word!r} is empty: give the word the judge answers with")
+            if not math.isfinite(reward):
+                raise ValueError(f"choice {word!r}: its reward must be a finite number, got {reward}")
+        return value
+
     @model_validator(mode="after")
     def _choices_for_choice(self) -> JudgeConfig:
         if self.score == "choice" and not self.choices:

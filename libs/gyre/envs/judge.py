@@ -102,12 +102,14 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
     if config.score == "choice":
         found = []
         for word, reward in config.choices.items():
-            match = re.search(rf"\b{re.escape(word)}\b", reply, re.IGNORECASE)
+            # whole words by lookaround, not \b: a choice ending in a non-word character ("yes!", "A+") never
+            # matched \b before a space, so every reply was unreadable and the run stopped
+            match = re.search(rf"(?<!\w){re.escape(word)}(?!\w)", reply, re.IGNORECASE)
             if match:
-                found.append((match.start(), reward))
+                found.append((match.start(), -len(word), reward))  # at one place, the longest: "A+" over "A"
         if not found:
             raise ValueError(f"none of {sorted(config.choices)} in the reply")
-        return float(min(found)[1])
+        return float(min(found)[2])
     if config.score == "json":
         value = _json_value(reply, config.json_key)
         if isinstance(value, bool) or not isinstance(value, int | float):

@@ -72,6 +72,10 @@ def rollout(text: str) -> Rollout:
         ({}, "-0", 0.0),
         ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "No. Not at all, yes-men aside", 0.0),
         ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is Incorrect.", 0.0),
+        # a choice ending in a non-word character never matched (\b needs a word character before it)
+        ({"score": "choice", "choices": {"yes!": 1.0, "no": 0.0}}, "Verdict: yes! It is right", 1.0),
+        ({"score": "choice", "choices": {"A+": 1.0, "A": 0.5}}, "Grade: A+ overall", 1.0),
+        ({"score": "choice", "choices": {"A+": 1.0, "A": 0.5}}, "Grade: A, almost", 0.5),
         ({"score": "json", "max_score": 5}, 'Reasoning... ```json\n{"score": 4, "why": "close"}\n```', 0.8),
         ({"score": "json", "json_key": "grade", "max_score": 1}, '{"grade": 0.25}', 0.25),
         # braces in the text around the object (LaTeX, sets) hid it: the judge never scored, the run stopped
@@ -117,6 +121,9 @@ def test_the_prompt_is_rendered_from_the_task_and_the_rollout():
         ({"prompt": "{response} scores {}"}, "unknown placeholders {}"),
         ({"prompt": 'Reply with {"score": n}'}, "write a literal brace twice"),
         ({"score": "choice"}, "needs choices"),
+        # "" matched at the start of every reply (every rollout got its reward); inf became the reward
+        ({"score": "choice", "choices": {"": 1.0, "no": 0.0}}, "choice '' is empty"),
+        ({"score": "choice", "choices": {"yes": float("inf")}}, "choice 'yes': its reward must be a finite"),
         ({"api_key": "sk-123"}, "never go in config files"),
         ({"api_key_env": "A", "api_key_file": "/f"}, "not both"),
     ],
