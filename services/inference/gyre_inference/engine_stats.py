@@ -32,6 +32,7 @@ class EngineStats:
     capture_seconds: float = 0.0
     swaps: int = 0  # weight (or adapter) swaps applied
     swap_seconds: float = 0.0  # the engine thread's part: the copy into the parameters
+    preemptions: int = 0  # rows preempted for want of KV blocks (they are recomputed when readmitted)
     # gauges, set by a snapshot
     running: int = 0
     waiting: int = 0
@@ -71,6 +72,8 @@ def stats_line(now: EngineStats, before: EngineStats, seconds: float, loop_cpu: 
     if now.captures > before.captures:
         parts.append(f"graphs captured {now.captures - before.captures} "
                      f"({now.capture_seconds - before.capture_seconds:.2f} s)")  # fmt: skip
+    if now.preemptions > before.preemptions:  # block pressure: recomputation (vLLM warns of it too)
+        parts.append(f"preempted {_count(now.preemptions - before.preemptions, 'row')} (KV cache full)")
     if now.swaps > before.swaps:
         parts.append(f"weight swaps {now.swaps - before.swaps} ({now.swap_seconds - before.swap_seconds:.2f} s)")
     if loop_cpu is not None:

@@ -25,6 +25,7 @@ Torch backend only (read from its `EngineStats` at scrape time, engine_stats.py)
 - gyre_inference_engine_seconds_total{run_id, phase}                   counter (decode, device, prefill, capture, swap)
 - gyre_inference_engine_decode_steps_total{run_id}                     counter
 - gyre_inference_engine_prompt_tokens_total{run_id, source}            counter (computed, cached: the prefix cache)
+- gyre_inference_engine_preemptions_total{run_id}                      counter
 - gyre_inference_kv_cache_usage_ratio{run_id}                          gauge (blocks held by sequences)
 """
 
@@ -121,6 +122,8 @@ class InferenceMetrics:
             ("gyre_inference_engine_prompt_tokens_total", ["source"], "Prompt tokens the torch engine admitted, by "
              "where their keys and values came from: computed, or cached (prefix cache, a group's first rollout).",
              lambda s: {("computed",): s.prefilled, ("cached",): s.admitted_tokens - s.prefilled}),
+            ("gyre_inference_engine_preemptions_total", [], "Torch engine rows preempted for want of KV cache blocks "
+             "(recomputed when readmitted; vLLM's num_preemptions).", lambda s: {(): s.preemptions}),
         ]  # fmt: skip
 
         def reader(samples):

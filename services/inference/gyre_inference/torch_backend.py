@@ -153,6 +153,7 @@ class TorchBackend(EngineLoop, Backend):
         return self.stats.snapshot(
             running=running, waiting=waiting, kv_cache_usage=1 - pool.free_blocks / (pool.num_blocks - 1),
             captures=self._runner.captures, capture_seconds=self._runner.capture_seconds,
+            preemptions=self._batch.preempted,
         )  # fmt: skip
 
     async def start(self) -> None:

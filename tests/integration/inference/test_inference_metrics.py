@@ -25,6 +25,7 @@ EXPECTED = {
     "gyre_inference_engine_seconds": "counter",
     "gyre_inference_engine_decode_steps": "counter",
     "gyre_inference_engine_prompt_tokens": "counter",
+    "gyre_inference_engine_preemptions": "counter",
     "gyre_inference_kv_cache_usage_ratio": "gauge",
 }
 
@@ -135,6 +136,28 @@ def test_the_engine_logs_a_line_of_statistics_while_it_works(start_server):
     assert all(re.search(r"\| event loop \d+% busy$", line) for line in lines), lines
     # an idle engine logs nothing: the lines stop once the work is done (5 intervals of sleep, at most one line)
     assert len(lines) <= len(busy) + 1
+
+
+def test_preemptions_under_kv_block_pressure_are_counted_and_logged(start_server):
+    """A KV cache of 12 blocks of 16 tokens and 4 requests growing to 7 blocks each: rows are preempted (and
+    finish anyway). Preemptions recompute, so they cost time, and nothing said so: no series, nothing in the
+    engine's line (vLLM counts them, num_preemptions, and warns)."""
+    from openai import OpenAI
+
+    blocks = 12 * 16 * 4096 / 2**30  # the tiny model's keys and values take 4096 bytes a token
+    server = start_server("--engine.kv-cache-gb", str(blocks), "--engine.log-stats-interval-s", "0.2",
+                          "--run-id", "preemptions")  # fmt: skip
+    try:
+        with OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120) as c:
+            done = c.completions.create(model=server.model_name, prompt=[[5 + i, 6, 7, 8] * 5 for i in range(4)],
+                                        max_tokens=90, extra_body={"ignore_eos": True})  # fmt: skip
+        assert [choice.finish_reason for choice in done.choices] == ["length"] * 4
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert samples(metrics)[("gyre_inference_engine_preemptions_total", (("run_id", "preemptions"),))] > 0
+        time.sleep(0.5)  # an interval's line after the work
+    finally:
+        assert server.stop() == 0
+    assert re.search(r"\| preempted \d+ rows? \(KV cache full\)", server.log_path.read_text()), server.tail()
 
 
 def test_a_non_streaming_requests_time_to_first_token_is_when_its_first_token_was_sampled(server, client, model_id):

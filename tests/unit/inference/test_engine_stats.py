@@ -19,7 +19,7 @@ def test_the_line_reports_the_intervals_rates_and_the_step_split():
     now = EngineStats(decode_steps=300, decode_tokens=1000 + 200 * 64, decode_seconds=1.8, device_seconds=1.1,
                       overlapped_steps=150, prefills=6, prefill_seconds=0.5, admitted_tokens=500 + 8 * 256,
                       prefilled=400 + 256, captures=2, capture_seconds=0.3, swaps=1, swap_seconds=0.05,
-                      running=64, waiting=0, kv_cache_usage=0.25)  # fmt: skip
+                      preemptions=3, running=64, waiting=0, kv_cache_usage=0.25)  # fmt: skip
     line = stats_line(now, before, 2.0)
     parts = line.split(" | ")
     assert parts[0] == "engine: 64 running, 0 waiting, KV cache 25% used"
@@ -27,8 +27,10 @@ def test_the_line_reports_the_intervals_rates_and_the_step_split():
     assert parts[2] == "generation 6,400 tokens/s"
     assert parts[3] == "decode 200 steps of 64 rows, 4.00 ms each (device 3.00 ms, 75% overlapped)"
     assert parts[4] == "prefill 2 calls, 0.30 s"
-    assert parts[5] == "weight swaps 1 (0.05 s)"  # no capture in the interval: not mentioned
-    assert len(parts) == 6
+    assert parts[5] == "preempted 3 rows (KV cache full)"  # none before: all 3 in the interval
+    assert parts[6] == "weight swaps 1 (0.05 s)"  # no capture in the interval: not mentioned
+    assert len(parts) == 7
+    assert "preempted" not in stats_line(now, now.snapshot(decode_steps=0), 2.0)  # none in the interval: not said
 
 
 def test_the_line_ends_with_the_event_loops_busy_share_when_given():
