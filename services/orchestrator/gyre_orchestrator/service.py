@@ -620,10 +620,13 @@ class OrchestratorService:
         payload = await asyncio.to_thread(encode_batch, packed.batch)
         record = self.step_records.record(st, samples, packed, cut, time.monotonic() - start, self.scoring_failures)
         record["reward_errors"] = dict(self.reward_errors)  # cumulative: samples each reward function raised on
-        # The step's line goes before the push: killed between the two, the resumed run pushes this step again
-        # and its newer line replaces this one (readers keep the newest record per step). After the push, a kill
-        # in between would leave a pushed step without any line.
+        # The step's line and its rollout dump go before the push: killed between them and the push, the resumed run
+        # pushes this step again, and its newer line replaces this one (readers keep the newest record per step), its
+        # dump this dump (written whole, replaced whole). After the push, a kill in between would leave a pushed step
+        # without any line, or a trained step without its dump.
         self.events.append(record)
+        if records:
+            await asyncio.to_thread(write_dump, self.out, st.step, records)
         entry_id = await self._redis(
             lambda: self.stream.push(
                 st.step, payload, path_threshold=cfg.batch.inline_max_bytes, spill_dir=self.spilled.root
@@ -639,7 +642,6 @@ class OrchestratorService:
         await asyncio.to_thread(self._prune_spilled)
         self.step_records.account(st, record, [s.meta["lag"] for s in samples], task_index=self.sampler.index)
         if records:
-            await asyncio.to_thread(write_dump, self.out, st.step, records)
             self.wandb.samples(records, st.step)
 
     def _note_redis_memory(self) -> None:

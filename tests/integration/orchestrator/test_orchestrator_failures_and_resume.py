@@ -12,6 +12,7 @@ import time
 
 import pytest
 from gyre.events import latest_per_step, read_events
+from gyre.rollouts import read_dump
 from gyre.streams import BatchStream
 from gyre_orchestrator.service import OrchestratorService
 from orchestrator_testlib import orchestrator_config
@@ -158,11 +159,11 @@ class KilledAfterPush(Exception):
 
 
 @pytest.mark.asyncio
-async def test_a_kill_right_after_a_push_leaves_the_pushed_step_its_event_line(
+async def test_a_kill_right_after_a_push_leaves_the_pushed_step_its_event_line_and_rollout_dump(
     tmp_path, redis_url, unique_run_id, replicas
 ):
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=2,
-                              batch_size=2, rollouts_per_example=2)  # fmt: skip
+                              batch_size=2, rollouts_per_example=2, rollouts={"interval": 1})  # fmt: skip
     first = OrchestratorService(cfg)
     real_push = first.stream.push
 
@@ -183,6 +184,11 @@ async def test_a_kill_right_after_a_push_leaves_the_pushed_step_its_event_line(
     lines = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")
     # every pushed step has its line (written before the push; the resumed run started at step 3)
     assert [e["step"] for e in latest_per_step(lines)] == [1, 2, 3]
+    # and its rollout dump, of the samples it pushed: written after the push, a kill in between (seen with gyre
+    # services killed -9 at random moments) left a trained step without one
+    for entry in stream_steps(redis_url, unique_run_id):
+        pushed = sorted(s["task_id"] for s in entry.decode().samples)
+        assert sorted(r["task_id"] for r in read_dump(cfg.output_dir, entry.step)) == pushed, entry.step
 
 
 @pytest.mark.asyncio
