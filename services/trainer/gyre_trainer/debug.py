@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import math
+import shutil
 import statistics
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from gyre.fsio import commit_dir, retire_dir, write_file, write_hashed
 from gyre.safetensors_io import safetensors_chunks
 
 from gyre_trainer import dist
+from gyre_trainer.checkpoint import free_space
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +120,24 @@ class StepDebugger:
             return None
         final = self.folder / f"step_{step}"
         tmp = self.folder / f".tmp-step_{step}-{time.time_ns()}"
-        tmp.mkdir(parents=True)
-        write_hashed(tmp / WEIGHTS_FILE, safetensors_chunks(state, {"format": "pt"}))
-        write_file(tmp / CONFIG_FILE, self.hf_config.to_json_string().encode())
-        write_file(tmp / BATCH_FILE, encode_batch(batch))
-        write_file(tmp / STEP_FILE, json.dumps(self.describe(step, metrics, reason), indent=1).encode())
-        if rng is not None:
-            buffer = io.BytesIO()
-            torch.save(rng, buffer)
-            write_file(tmp / RNG_FILE, buffer.getvalue())
-        commit_dir(tmp, final)
+        try:
+            tmp.mkdir(parents=True)
+            write_hashed(tmp / WEIGHTS_FILE, safetensors_chunks(state, {"format": "pt"}))
+            write_file(tmp / CONFIG_FILE, self.hf_config.to_json_string().encode())
+            write_file(tmp / BATCH_FILE, encode_batch(batch))
+            write_file(tmp / STEP_FILE, json.dumps(self.describe(step, metrics, reason), indent=1).encode())
+            if rng is not None:
+                buffer = io.BytesIO()
+                torch.save(rng, buffer)
+                write_file(tmp / RNG_FILE, buffer.getvalue())
+            commit_dir(tmp, final)
+        except OSError as e:
+            # A diagnostic must not end the run: a full volume raised out of the step (the trainer died in its
+            # optimizer step, before the update) and left the model-sized partial folder for good
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("step %d: could not keep it in %s (%s, %s); training goes on", step, final, e,
+                        free_space(self.folder))  # fmt: skip
+            return None
         log.warning("step %d kept in %s: reproduce it with `gyre replay %s`", step, final, final)
         self._prune()
         return final
@@ -161,6 +171,8 @@ class StepDebugger:
         steps = sorted((int(p.name.removeprefix("step_")), p) for p in self.folder.glob("step_*") if p.is_dir())
         for _, path in steps[: -self.cfg.debug.keep_last]:
             retire_dir(path)
+        for path in self.folder.glob(".tmp-*"):  # a dump killed half way (rank 0 is the only writer, done now)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
