@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import math
 import re
 from collections import Counter, OrderedDict
@@ -43,6 +44,8 @@ from typing import Any
 from gyre.config.endpoint import JudgeConfig, RewardModelConfig
 from gyre.endpoint import Endpoint, EndpointError, RequestRefused
 from gyre.envs.types import Messages, ScoringError
+
+log = logging.getLogger(__name__)
 
 # a minus sign only where it cannot be a range's dash: the 10 of "0-10" is not -10
 _NUMBER = re.compile(r"(?:(?<![\w.])-)?\d+(?:\.\d+)?")
@@ -189,6 +192,7 @@ class Judge:
                 raise Unjudged(f"{error} (scored 0 for this sample, not cut to fit)") from error
             except EndpointError as error:
                 raise ScoringError(str(error)) from error
+            await self._note_model(body)
             try:
                 reply = _text(body["choices"][0]["message"]["content"])
                 cut = body["choices"][0].get("finish_reason") == "length"
@@ -207,6 +211,20 @@ class Judge:
                     problem = f"{error}: {reply[:200]!r}"
             self.stats["unparsed"] += 1
         raise ScoringError(f"judge {self.config.name!r}: no score after {self.config.retries + 1} replies ({problem})")
+
+    async def _note_model(self, body: Any) -> None:
+        """Count (`other_model`) and log once an answer from another model than the one asked for: a proxy's
+        fallback to another model grades with another judge. A dated snapshot of the name asked for (hosted APIs
+        answer gpt-4o-mini-2024-07-18 for gpt-4o-mini) is the same model."""
+        answered = body.get("model") if isinstance(body, dict) else None
+        asked = await self.endpoint.model()
+        if not isinstance(answered, str) or answered.startswith(asked):
+            return
+        self.stats["other_model"] += 1
+        if self.stats["other_model"] == 1:
+            log.warning("judge %r asked for model %r and was answered by %r (a proxy's fallback?); its grades are "
+                        "used, and further answers are counted (other_model in the signals)", self.config.name, asked,
+                        answered)  # fmt: skip
 
     async def aclose(self) -> None:
         await self.endpoint.aclose()

@@ -9,6 +9,7 @@ functions against real `gyre inference` servers: tests/integration/orchestrator/
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -332,6 +333,28 @@ def test_a_model_list_that_is_not_one_is_a_scoring_error_naming_it(scripted, ans
     scripted.models_script[:] = [answer]
     with pytest.raises(ScoringError, match=f"/v1/models {why}"):
         asyncio.run(rubric.score(Task(id="t", prompt=PROMPT, answer="cba"), rollout("a")))
+
+
+def test_an_answer_from_another_model_is_used_counted_and_logged_once(scripted, caplog):
+    """A proxy that falls back to another model grades with another judge: it was accepted silently. It is still
+    used (hosted APIs answer with a dated snapshot of the name asked for, which is not counted), but counted and
+    logged once."""
+    judge = Judge(url=scripted.url, model="judge-model", prompt="{response}", cache_size=0)
+
+    def answer(model: str, text: str) -> tuple:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        return ("raw", json.dumps({"model": model, "choices": [choice]}), "application/json")
+
+    async def scenario():
+        scripted.script[:] = [answer("judge-model-2024-07-18", "6"), answer("cheap-model", "7"),
+                              answer("cheap-model", "8")]  # fmt: skip
+        return [await judge(PROMPT, completion(text), "") for text in "abc"]
+
+    with caplog.at_level("WARNING", logger="gyre.envs.judge"):
+        assert asyncio.run(scenario()) == [pytest.approx(0.6), pytest.approx(0.7), pytest.approx(0.8)]
+    assert judge.stats["other_model"] == 2
+    warned = [r.getMessage() for r in caplog.records if "answered by" in r.getMessage()]
+    assert len(warned) == 1 and "'judge-model' and was answered by 'cheap-model'" in warned[0]
 
 
 def test_a_judge_that_keeps_failing_raises_scoring_error_never_zero(scripted):
