@@ -579,6 +579,41 @@ def test_resumed_curves_continue_and_eval_off_says_so(tmp_path):
     assert "0.250 (version 0) -> 0.850 (version 8)" in summarize(tmp_path)
 
 
+def test_the_progress_bar_ignores_an_earlier_launchs_records_past_where_this_one_starts(tmp_path):
+    # `--ckpt.resume-step 3` of a run at step 5: the bar showed 5 steps done at once, with step 5's numbers, from the
+    # records of the steps the rewind discarded
+    from gyre.local.progress import RunProgress
+    from gyre.local.runs import Run
+
+    events = tmp_path / "events"
+    with EventLog(events / "trainer_steps.jsonl", segment="old") as log:
+        for step in range(1, 6):
+            log.append({"step": step, "num_tokens": 10, "step_seconds": float(step), "time": 100.0 + step})
+    with EventLog(events / "orchestrator_steps.jsonl", segment="old") as log:
+        for step in range(1, 7):
+            log.append({"step": step, "reward_mean": step / 10, "time": 100.0 + step})
+    progress = RunProgress([Run("r", tmp_path, 8)], {"r": 3}, segment="new")
+    try:
+        progress.update()
+        assert progress.bar.n == 3 and progress._post["step_s"] == "3.0" and progress._post["reward"] == "0.300"
+        with EventLog(events / "trainer_steps.jsonl", segment="new") as log:
+            log.append({"step": 4, "num_tokens": 10, "step_seconds": 0.5, "time": 900.0})
+        progress.update()
+        assert progress.bar.n == 4 and progress._post["step_s"] == "0.5"
+    finally:
+        progress.close()
+
+
+def test_a_runs_own_rewind_is_where_its_progress_starts(tmp_path):
+    from gyre.local.launcher import Launcher
+    from gyre.local.runs import experiment_runs
+
+    runs = '[{"name": "alpha", "trainer": {"resume_step": 3}}, {"name": "beta"}]'
+    cfg = load_config(RLConfig, ["@", str(ROOT / "configs/multirun/two_runs.toml"), "--runs", runs])
+    alpha, beta = experiment_runs(cfg)
+    assert Launcher(cfg)._start_step(alpha, 9) == 3 and Launcher(cfg)._start_step(beta, 9) == 9
+
+
 def test_a_finished_runs_summary_shows_no_wall_time_of_its_own(tmp_path):
     # the launch that found the run finished printed "wall time 0.0 min" for a run of many minutes
     out = tmp_path / "run"

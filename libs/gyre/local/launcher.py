@@ -47,6 +47,7 @@ from gyre.events import SEGMENT_ENV, new_segment_id
 from gyre.fsio import write_atomic
 from gyre.inference_process import InferenceProcess, NotReady
 from gyre.local.runs import (
+    Run,
     ServiceConfigs,
     committed_steps,
     experiment_runs,
@@ -586,7 +587,8 @@ class Launcher:
         from gyre.local.progress import RunProgress
 
         global _bar
-        progress = RunProgress(runs, {name: self._start_step(step) for name, step in committed.items()})
+        start = {run.name: self._start_step(run, committed[run.name]) for run in runs}
+        progress = RunProgress(runs, start, segment=os.environ[SEGMENT_ENV])
         _bar = progress.bar
         try:
             while True:
@@ -629,8 +631,10 @@ class Launcher:
             str(config),
         ]
 
-    def _start_step(self, committed: int) -> int:
-        rs = self.cfg.ckpt.resume_step
+    def _start_step(self, run: Run, committed: int) -> int:
+        """Where `run` stands once its services start: the step it rewinds to (its own [[runs]] resume_step, else
+        ckpt.resume_step), else its committed step."""
+        rs = run.trainer.get("resume_step", self.cfg.ckpt.resume_step)
         return rs if rs is not None and rs >= 0 else committed
 
     def _discard_stream_after(self, redis_url: str, run_id: str, step: int, why: str = "") -> None:

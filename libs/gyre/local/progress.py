@@ -15,11 +15,16 @@ class RunProgress:
     """One tqdm bar over the RL steps of every run, advancing as the trainer logs steps.
 
     One run: the postfix shows its latest numbers (reward, lag, eval, step time, tokens/s, MFU); several: each
-    run's step and latest train reward. `start` is where each run stands when the launch begins."""
+    run's step and latest train reward. `start` is where each run stands when the launch begins, `segment` the
+    launch's id: a record of an earlier launch counts only up to `start`. Past it, it is of a step that launch did
+    not commit or that a rewind discarded (--ckpt.resume-step 3 of a run at step 100 showed 100 steps done at once,
+    with step 100's numbers, and advanced again only after step 101)."""
 
-    def __init__(self, runs: Sequence[Run], start: dict[str, int]):
+    def __init__(self, runs: Sequence[Run], start: dict[str, int], segment: str | None = None):
         self.runs = list(runs)
-        self.steps = {run.name: start.get(run.name, 0) for run in self.runs}
+        self.start = {run.name: start.get(run.name, 0) for run in self.runs}
+        self.segment = segment
+        self.steps = dict(self.start)
         total, initial = sum(run.max_steps for run in self.runs), sum(self.steps.values())
         self.bar = tqdm(total=total, initial=initial, desc="rl", unit="step", dynamic_ncols=True)
         self._post: dict = {}
@@ -28,8 +33,8 @@ class RunProgress:
         post = {}
         for run in self.runs:
             events = Path(run.output_dir) / "events"
-            trainer = read_events(events / "trainer_steps.jsonl")
-            orch = read_events(events / "orchestrator_steps.jsonl")
+            trainer, orch, evals = (self._valid(events / f"{name}.jsonl", self.start[run.name])
+                                    for name in ("trainer_steps", "orchestrator_steps", "eval"))  # fmt: skip
             if trainer:
                 step = max(e["step"] for e in trainer)
                 if step > self.steps[run.name]:
@@ -39,10 +44,14 @@ class RunProgress:
                 reward = f" r={orch[-1].get('reward_mean', float('nan')):.2f}" if orch else ""
                 post[run.name] = f"{self.steps[run.name]}{reward}"
             else:
-                post = _numbers(trainer, orch, read_events(events / "eval.jsonl"))
+                post = _numbers(trainer, orch, evals)
         if post != self._post:  # redraw only on news: keeps non-TTY logs readable
             self._post = post
             self.bar.set_postfix(post, refresh=True)
+
+    def _valid(self, path: Path, start: int) -> list[dict]:
+        """The records of `path` that hold for this launch: its own, and those of steps up to where it started."""
+        return [r for r in read_events(path) if r.get("segment") == self.segment or r.get("step", 0) <= start]
 
     def close(self) -> None:
         self.bar.close()
