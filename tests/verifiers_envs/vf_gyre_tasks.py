@@ -7,7 +7,8 @@ it talks to the model with the official `openai` client for up to `turns` model 
 model calls it (a tool turn), and otherwise answers a reply with a user message asking for another try (a user turn).
 Reward: 1.0 when the last reply contains the reference answer. `fail_first = [i, ...]`: the first episode of task
 `i` raises in the harness (an environment bug the trainer must survive). `reward_fails = true`: the reward raises
-(a reward bug, which must score 0 and be named, not fail the sample).
+(a reward bug, which must score 0 and be named, not fail the sample). `judge_url = "http://host:port/v1"`: the reward
+asks that judge first (a verifiers judge's call, with the official `openai` client and no retries of its own).
 
 Load it with `env.name = "verifiers:vf_gyre_tasks"` with this folder on PYTHONPATH.
 """
@@ -32,6 +33,7 @@ class GyreTaskData(vf.TaskData):
     answer: str = ""
     fail: bool = False
     reward_fails: bool = False
+    judge_url: str = ""
 
 
 class GyreTask(vf.Task[GyreTaskData]):
@@ -39,6 +41,9 @@ class GyreTask(vf.Task[GyreTaskData]):
     async def correct(self, task, trace) -> float:
         if task.reward_fails:
             raise ZeroDivisionError("the reward fails on purpose")
+        if task.judge_url:
+            async with AsyncOpenAI(base_url=task.judge_url, api_key="unused", max_retries=0, timeout=5) as judge:
+                await judge.chat.completions.create(model="judge", messages=[{"role": "user", "content": "grade"}])
         return float(bool(task.answer) and task.answer in trace.last_reply)
 
 
@@ -47,6 +52,7 @@ class GyreTasksetConfig(vf.TasksetConfig):
     num_tasks: int = 24
     fail_first: list[int] = []
     reward_fails: bool = False
+    judge_url: str = ""
 
 
 class GyreTaskset(vf.Taskset[GyreTask, GyreTasksetConfig]):
@@ -62,6 +68,7 @@ class GyreTaskset(vf.Taskset[GyreTask, GyreTasksetConfig]):
                 answer=task.answer,
                 fail=i in self.config.fail_first,
                 reward_fails=self.config.reward_fails,
+                judge_url=self.config.judge_url,
             )
             yield GyreTask(data, self.config.task)
 

@@ -22,9 +22,10 @@ Mapping onto a Gyre sample (one per episode): the first trainable branch of the 
 template tokens between turns are masked out) and `logprobs`; the policy versions span every turn of the episode;
 the reward is the trace's weighted reward (`Score.per_function` holds each named reward; a NaN or inf one counts 0
 and is named in `Score.errors`, and so does a reward that raised: verifiers records it as a TaskError "scoring: ...",
-which here is no rollout error), plus the weighted scores of the judges and reward models the run joins to the
-environment's Gyre rubric (`[[orchestrator.judges]]`; a name verifiers uses too is reported as `gyre:<name>`). A
-second branch (a turn whose prompt no longer extended the recorded tokens, or
+which here is no rollout error; but a judge's client whose server failed, "scoring: APIConnectionError" (a timeout,
+a 5xx, a 429), is a `ScoringError`, scored again as a Gyre judge's failure), plus the weighted scores of the judges
+and reward models the run joins to the environment's Gyre rubric (`[[orchestrator.judges]]`; a name verifiers uses
+too is reported as `gyre:<name>`). A second branch (a turn whose prompt no longer extended the recorded tokens, or
 compaction) is dropped and the rollout marked "drift". An episode that raised (task, harness or env code) comes back
 with `Rollout.error` set: the orchestrator counts it (`rollouts{outcome="error"}`, `rollout_errors` in the step
 record) and generates the sample again.
@@ -56,6 +57,7 @@ from gyre.envs.types import (
     Rollout,
     SamplingParams,
     Score,
+    ScoringError,
     Split,
     StopReason,
     Task,
@@ -333,6 +335,9 @@ class VerifiersEnv(Environment):
         trace = rollout.state.get("trace")
         if trace is None:
             return Score(reward=0.0, per_function={})
+        served = [e for e in rollout.state.get("scoring_errors") or [] if _JUDGE_SERVER_FAILED.search(e)]
+        if served:  # the judge's server, not the reward: scored again, as a Gyre judge's failure (never a 0)
+            raise ScoringError(f"a verifiers judge's server failed: {served[0]}")
         own = await self.rubric.score(task, rollout) if self.rubric.funcs else None
         # verifiers keeps whatever float a reward returned: a NaN or inf one counts 0 and is named, as in a Gyre
         # Rubric, so it never reaches the advantages (a NaN there poisons the whole batch's loss).
@@ -365,6 +370,11 @@ class VerifiersEnv(Environment):
 # verifiers wraps an exception raised by a reward, metric or judge as a TaskError "[task <Name> ]scoring: ..." (typed
 # errors such as a SandboxError pass through unchanged: those are the runtime's, not the reward's).
 _SCORING_ERROR = re.compile(r"TaskError: (?:task \S+ )?scoring\b")
+# ...and one raised by a judge's client whose server failed (the openai client's types for a refused or reset
+# connection, a timeout, a 5xx, a 429), after that client's own retries: the server's fault, not the reward's
+_JUDGE_SERVER_FAILED = re.compile(
+    r"scoring: (?:APIConnectionError|APITimeoutError|InternalServerError|RateLimitError)\b"
+)
 
 
 def _errors(episode) -> list[str]:

@@ -121,6 +121,24 @@ async def test_a_reward_that_raises_scores_zero_and_is_named_not_an_error_rollou
 
 
 @pytest.mark.asyncio
+async def test_a_verifiers_judge_whose_server_fails_is_a_scoring_error_not_a_zero(sampling):
+    """A verifiers reward asking a judge whose server is down (connection refused, a timeout, a 5xx, a 429) was a
+    reward bug: 0, named, and trained on for as long as the judge was down. As for Gyre's own judges it is a
+    ScoringError: counted, the sample generated and scored again, the run stopped when the attempts run out."""
+    from gyre.envs import ScoringError
+
+    env = vf_env("reverse_text", turns=1, tools=False, judge_url="http://127.0.0.1:9/v1")  # nothing listens
+    task = env.tasks("train", seed=0)[0]
+    try:
+        rollout = await env.rollout(ScriptedClient(["olleh"]), task, sampling)
+        assert rollout.error is None
+        with pytest.raises(ScoringError, match="a verifiers judge's server failed: .*APIConnectionError"):
+            await env.score(task, rollout)
+    finally:
+        await env.aclose()
+
+
+@pytest.mark.asyncio
 async def test_an_inference_failure_is_raised_not_hidden(sampling):
     class Down(ScriptedClient):
         async def chat(self, messages, *, tools=None, sampling):
