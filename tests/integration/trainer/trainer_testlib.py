@@ -117,9 +117,38 @@ def start_trainer(argv: list[str], log_path: Path, env: dict | None = None) -> s
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """`sig` to `proc`'s process group and to every process descended from it in another group: torchrun starts
+    each worker in a session of its own, so a torchrun killed at a test's timeout left its trainers running."""
+    stray = [pid for pid in descendants(proc.pid) if _pgid(pid) not in (None, proc.pid)]
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
+    for pid in stray:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
     proc.wait(timeout=30)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def wait_for_steps(output_dir: Path, n: int, proc: subprocess.Popen | None = None, timeout: float = 120) -> list[int]:
