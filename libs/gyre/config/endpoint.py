@@ -46,7 +46,12 @@ class EndpointConfig(Section):
     timeout_s: float = Field(
         60.0, gt=0, allow_inf_nan=False, description="Deadline of one request's whole answer; past it, retried."
     )
-    retries: int = Field(3, ge=0, description="Retries of a request (timeouts, connection errors, 5xx, 429, 408, 409).")
+    retries: int = Field(
+        3,
+        ge=0,
+        description="Retries of a request (timeouts, connection errors, answers that are not JSON, 5xx, 429, 408, "
+        "409), after a jittered backoff doubling up to 30 s (or a 429/503's Retry-After, up to 60 s).",
+    )
     max_concurrency: int = Field(16, ge=1, description="Requests in flight to this endpoint at once.")
 
     @field_validator("url")
