@@ -6,8 +6,10 @@ model loads), load the tokenizer and the backend, then flip readiness and print
 
 SIGTERM/SIGINT (graceful, bounded by `server.shutdown_grace_s`): readiness and gRPC health go down,
 uvicorn stops accepting connections and waits for in-flight requests (streams included) to finish,
-gRPC stops with the same grace, then the backend stops. A second signal does not force anything
-beyond the grace: the bound is the grace period itself.
+gRPC stops with the same grace, then the backend stops. Requests still generating when the grace is over
+end as on an engine that stopped: the backend is stopped then, so a request answers 503 `not_ready`
+(which clients retry) and a stream ends with an error event; uvicorn's own deadline, CUT_S later, only
+cancels what still runs after that. A second signal does not force anything beyond the grace.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ async def run_service(config: InferenceConfig) -> int:
     # sixth of the event loop's time at 256 requests in flight; h11 only where httptools is missing
     http = _HTTPServer(uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="off",
                                       http="auto", timeout_keep_alive=config.server.keep_alive_s,
-                                      timeout_graceful_shutdown=grace))  # fmt: skip
+                                      timeout_graceful_shutdown=grace + CUT_S))  # fmt: skip
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     metrics_server = None
     if config.metrics.port is not None:
@@ -163,7 +165,10 @@ async def run_service(config: InferenceConfig) -> int:
             stats_task.cancel()
         state.draining = True
         http.should_exit = True
+        overdue = asyncio.create_task(_stop_generation_after(grace, http_task, backend)) if loading.done() else None
         await asyncio.gather(control.stop(grace), http_task, return_exceptions=True)
+        if overdue is not None:
+            overdue.cancel()
         if not loading.done():
             await asyncio.gather(loading, return_exceptions=True)  # a thread cannot be interrupted: let it end
         await backend.shutdown()
@@ -173,6 +178,24 @@ async def run_service(config: InferenceConfig) -> int:
         stopped.cancel()
         log.info("stopped")
     return status
+
+
+# After the grace, how long the requests the stopped engine ended have to send their 503 or error event before
+# uvicorn cancels what is left (it answered a request it cancelled with a bare 500, cut a stream mid-chunk, and
+# logged a traceback for each). The chart leaves 10 s between the grace and Kubernetes' kill.
+CUT_S = 2.0
+
+
+async def _stop_generation_after(grace: float, http_task: asyncio.Task, backend: Backend) -> None:
+    """Once `grace` seconds pass with HTTP requests still in flight, stop the backend: every sequence still running
+    or queued ends with BackendStoppedError (serving.py: a 503 `not_ready` with Retry-After, or a stream's error
+    event), so the last answers are OpenAI errors that clients retry and the connections close on their own."""
+    await asyncio.wait({http_task}, timeout=grace)
+    if not http_task.done():
+        running, waiting = backend.load_stats()
+        log.warning("shutdown grace of %gs over with %d sequences running and %d waiting: stopping the engine, "
+                    "their requests get 503 not_ready", grace, running, waiting)  # fmt: skip
+        await backend.shutdown()
 
 
 async def _log_engine_stats(backend: Backend, interval: float) -> None:

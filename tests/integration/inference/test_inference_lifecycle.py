@@ -124,6 +124,52 @@ def test_sigterm_lets_in_flight_streams_finish_then_exits_cleanly(tiny_model, tm
     assert "shutting down" in log and "stopped" in log
 
 
+def test_requests_that_outlast_the_grace_end_with_a_503_and_an_error_event(tiny_model, tmp_path):
+    """Grace 1 s, a request and a stream that need far longer: at the grace the engine stops, so the request gets a
+    503 not_ready (which the openai SDK retries) and the stream an error event the SDK raises. uvicorn cancelled
+    them instead: a bare 500 "Internal Server Error", a stream cut mid-chunk (RemoteProtocolError), and a traceback
+    per request in the log plus "_GatheringFuture exception was never retrieved"."""
+    server = InferenceServer(tiny_model, "--server.shutdown-grace-s", "1", log_dir=tmp_path)
+    long = {"max_tokens": 1000, "extra_body": {"ignore_eos": True}}  # 16 rows of 1000 steps: many seconds here
+    results: dict = {}
+
+    def plain():
+        with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60) as client:
+            try:
+                client.completions.create(model=server.model_name, prompt=[5, 6, 7], n=8, **long)
+            except Exception as error:  # noqa: BLE001 - what the client gets is the result
+                results["plain"] = error
+
+    def stream():
+        with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60) as client:
+            try:
+                for _chunk in client.completions.create(model=server.model_name, prompt=[5, 6], n=8, stream=True,
+                                                       **long):  # fmt: skip
+                    results["streaming"] = True
+            except Exception as error:  # noqa: BLE001
+                results["stream"] = error
+
+    workers = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + 30
+    while not (results.get("streaming") and server.status().running >= 16) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.status().running >= 16, server.tail()
+    server.proc.send_signal(signal.SIGTERM)
+    for worker in workers:
+        worker.join(timeout=30)
+    assert server.stop(timeout=30) == 0
+    plain_error, stream_error = results.get("plain"), results.get("stream")
+    assert isinstance(plain_error, openai.InternalServerError) and plain_error.status_code == 503, repr(plain_error)
+    assert plain_error.body["code"] == "not_ready" and plain_error.response.headers["retry-after"] == "1"
+    assert type(stream_error) is openai.APIError and "not running" in stream_error.message, repr(stream_error)
+    log = server.log()
+    assert "stopping the engine" in log
+    for noise in ("Traceback", "Exception in ASGI application", "never retrieved", "running task(s)"):
+        assert noise not in log, log
+
+
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gyre.cli", "inference", *args], capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
