@@ -563,6 +563,9 @@ async def unless_client_gone(work: Awaitable, client_gone):
             await work
     except BaseException:
         work.cancel()
+        # a cancelled gather() ends with CancelledError as its exception, which asyncio logs ("_GatheringFuture
+        # exception was never retrieved", with a traceback) unless someone reads it
+        work.add_done_callback(_read_outcome)
         raise
     finally:
         if gone is not None:
@@ -572,6 +575,11 @@ async def unless_client_gone(work: Awaitable, client_gone):
     work.cancel()
     await asyncio.gather(work, return_exceptions=True)
     raise ClientGone
+
+
+def _read_outcome(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _text_of(content) -> str:
