@@ -29,8 +29,8 @@ STEPS = 6
 pytestmark = pytest.mark.slow
 
 
-def run_to_end(argv, log, env=None, timeout=180) -> int:
-    proc = start_trainer(argv, log, env)
+def run_to_end(argv, log, env=None, timeout=180, max_file_bytes=None) -> int:
+    proc = start_trainer(argv, log, env, max_file_bytes)
     try:
         return proc.wait(timeout=timeout)
     finally:
@@ -136,5 +136,33 @@ def test_sigterm_mid_run_checkpoints_the_last_step_and_the_restart_resumes_it_ex
     assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
     resumed = log.read_text()[len(first_run) :]
     assert f"loaded checkpoint step {last}" in resumed and "not bit-exact" not in resumed
+    assert_exactly_once(tmp_path, stream)
+    assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
+
+
+def test_a_full_volume_at_a_checkpoint_stops_the_trainer_with_the_reason_and_the_restart_resumes_exactly(
+    tiny_model, redis_url, unique_run_id, tmp_path, uninterrupted
+):
+    """The volume fills up while checkpoint 2 is written (a 1 MiB file-size limit on the second start). The trainer
+    stops (exit 1) with one error line naming the step, the folder and the free space (it died of an unreported
+    DCP BaseException: no 'trainer failed', "unexpected pos 704 vs 598"); checkpoint 1 and weights 1 are intact and
+    nothing half-written is left. With room again the restart trains every step once, ending bit for bit where an
+    uninterrupted run does."""
+    stream = BatchStream(redis_url, unique_run_id)
+    push_batches(stream, range(1, STEPS + 1))
+    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
+    log = tmp_path / "trainer.log"
+    env = {**child_env(), "GYRE_TRAINER_CRASH_AT": "after_ack:1"}
+    assert run_to_end(argv, log, env) == -signal.SIGKILL, log.read_text()[-3000:]
+    before = log.stat().st_size
+    assert run_to_end(argv, log, max_file_bytes=1 << 20) == 1, log.read_text()[-3000:]
+    failed = log.read_text()[before:]
+    assert "ERROR trainer gyre_trainer: trainer failed" in failed
+    assert f"CheckpointError: saving checkpoint step 2 into {tmp_path / 'checkpoints/trainer'} failed" in failed
+    assert "MiB free of" in failed and "the complete checkpoints [1] are intact" in failed
+    assert sorted(p.name for p in (tmp_path / "checkpoints/trainer").iterdir()) == ["step_1"]
+    assert WeightStore(tmp_path / "weights").steps() == [1] and trained_steps(tmp_path) == [1]
+
+    assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
     assert_exactly_once(tmp_path, stream)
     assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)

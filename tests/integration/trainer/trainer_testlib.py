@@ -103,8 +103,16 @@ def child_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
-def start_trainer(argv: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
-    """`python -m gyre_trainer.main argv` in its own process group, logging to `log_path`."""
+def start_trainer(
+    argv: list[str], log_path: Path, env: dict | None = None, max_file_bytes: int | None = None
+) -> subprocess.Popen:
+    """`python -m gyre_trainer.main argv` in its own process group, logging to `log_path`. `max_file_bytes`: no file
+    the trainer writes may grow beyond it (RLIMIT_FSIZE: EFBIG, what a full volume does to a writer)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
     log = open(log_path, "ab")  # noqa: SIM115 - closed when the process is reaped by the caller
     return subprocess.Popen(
         [PYTHON, "-m", "gyre_trainer.main", *argv],
@@ -113,6 +121,7 @@ def start_trainer(argv: list[str], log_path: Path, env: dict | None = None) -> s
         env=env or child_env(),
         cwd=REPO,
         start_new_session=True,
+        preexec_fn=limit if max_file_bytes is not None else None,
     )
 
 
