@@ -6,7 +6,8 @@ version, in-flight requests and failure state. The model client picks replicas f
 
 Health is a circuit breaker per replica: a failure takes the replica out of rotation for a cooldown
 that doubles with consecutive failures (capped); when the cooldown has passed it is eligible again
-(half-open) and the next success — a request, or the relay's status probe — closes the breaker.
+(half-open: one request at a time) and the next success — a request, or the relay's status probe — closes the
+breaker.
 
 Discovery sources (`inference.discovery`):
 - `static`: `inference.urls` (+ `control_urls`, or the same host with `control_port`);
@@ -210,8 +211,12 @@ class ReplicaSet:
 
     def serves(self, replica: Replica, min_version: int) -> bool:
         """In rotation and known to serve a version >= `min_version` (anything, for 0), confirmed since its last
-        failure."""
+        failure. Back from its cooldown but not answered since (half-open), it takes one request at a time."""
         if not self.in_rotation(replica):
+            return False
+        if replica.failures and replica.inflight:
+            # the trial request is out: with the fewest requests in flight, it took every request before (32 on a
+            # replica still frozen, each waiting for the probe to give up on it) and the other replicas idled
             return False
         version = replica.version if replica.confirmed else None
         return min_version <= 0 or (version is not None and version >= min_version)
@@ -247,6 +252,8 @@ class ReplicaSet:
 
     def release(self, replica: Replica) -> None:
         replica.inflight = max(0, replica.inflight - 1)
+        if replica.failures:
+            self._notify()  # a half-open replica's trial is over, answered or not: the next request may go there
 
     def _why_none(self, min_version: int) -> str:
         if not self.replicas:

@@ -68,6 +68,24 @@ async def test_failed_replica_leaves_rotation_and_comes_back_after_cooldown():
 
 
 @pytest.mark.asyncio
+async def test_a_replica_back_from_its_cooldown_takes_one_request_until_it_answers():
+    clock = Clock()
+    rs = two(clock)
+    a, b = rs.replicas["http://a:1"], rs.replicas["http://b:1"]
+    for _ in range(3):
+        await rs.acquire()  # b is busy: the fewest requests in flight would pick a for everything
+    rs.mark_failed(a, "GetStatus: DEADLINE_EXCEEDED")
+    a.inflight = 0  # its requests abandoned
+    clock.now = a.retry_at  # half-open
+    assert await rs.acquire() is a  # the trial
+    assert [await rs.acquire() for _ in range(3)] == [b, b, b]  # not a, though it has the fewest in flight
+    rs.release(a)  # the trial came back without an answer (abandoned): another may try
+    assert await rs.acquire() is a
+    rs.mark_ok(a)  # it answered: in full rotation again
+    assert await rs.acquire() is a
+
+
+@pytest.mark.asyncio
 async def test_abandoning_a_replica_cancels_its_calls_only_when_another_can_take_them():
     clock = Clock()
     rs = two(clock)
@@ -123,6 +141,7 @@ async def test_a_replica_back_from_its_cooldown_is_trusted_with_no_version_until
     rs.mark_ok(a, version=0)  # the relay's probe: restarted on the base model
     assert rs.eligible(1) == [b] and rs.max_healthy_version() == 1
     assert await asyncio.wait_for(waiter, 1) is b
+    rs.release(b)  # its request done (a half-open replica with one in flight takes no other)
     rs.mark_ok(a, version=2)  # updated by the relay (its reply says so)
     assert rs.eligible(2) == [a] and rs.max_healthy_version() == 2
     rs.mark_failed(b, "timeout")
