@@ -35,7 +35,6 @@ import torch
 from gyre.fsio import commit_dir, write_atomic
 from gyre.runstate import CHECKPOINT_COMPLETE as PROGRESS
 from gyre.steps import StepEntries
-from torch.distributed.checkpoint.api import CheckpointException
 
 from gyre_trainer.dist import DistContext, barrier
 from gyre_trainer.process import crash_point
@@ -75,6 +74,7 @@ class CheckpointManager:
     def save(self, step: int, model, optimizer, scheduler, record: dict[str, Any] | None = None) -> Path:
         """Write checkpoint `step` atomically; every rank must call it. Returns the final folder."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         tmp = self.root / f".tmp-step_{step}"
@@ -128,6 +128,7 @@ class CheckpointManager:
         ranks that have no RNG file of their own are reseeded from (step, rank).
         """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         folder = self.path(step)
