@@ -115,6 +115,8 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
         return float(min(found)[2])
     if config.score == "json":
         value = _json_value(reply, config.json_key)
+        if isinstance(value, str) and re.fullmatch(r"\s*\d+(?:\.\d+)?\s*", value):
+            value = float(value)  # {"score": "7"}: a weak judge quotes its number; every such reply was unreadable
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"no JSON object with a number under {config.json_key!r}")
     else:

@@ -83,6 +83,8 @@ def rollout(text: str) -> Rollout:
         ({"score": "json"}, 'The reply \\frac{1}{2} equals the reference. {"score": 10}', 1.0),
         ({"score": "json"}, 'Set {a, b} is close. Final: {"score": 8}', 0.8),
         ({"score": "json"}, '{"score": 3} then a note {"why": "short"}', 0.3),
+        ({"score": "json"}, '{"score": "7"}', 0.7),  # a quoted number was no score: every such reply asked again
+        ({"score": "json"}, '{"score": " 7.5 "}', 0.75),
     ],
 )
 def test_scores_are_read_from_replies(settings, reply, score):
