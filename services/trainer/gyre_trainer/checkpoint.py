@@ -128,6 +128,7 @@ class CheckpointManager:
         ranks that have no RNG file of their own are reseeded from (step, rank).
         """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -138,6 +139,10 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint step {step} at {folder} is missing or unreadable: {e}") from None
         if progress.get("step") != step:
             raise CheckpointError(f"checkpoint folder {folder} holds step {progress.get('step')}, not {step}")
+        try:  # what the checks below read first; a damaged or missing index is a traceback naming no folder
+            FileSystemReader(str(folder / "state")).read_metadata()
+        except Exception as e:
+            raise CheckpointError(f"checkpoint step {step} at {folder} is unreadable: {one_line(e)}") from None
         configured = configured_hyperparameters(optimizer, scheduler)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": trainable_only(model, model_sd), "optim": optim_sd}

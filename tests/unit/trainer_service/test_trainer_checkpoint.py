@@ -212,14 +212,16 @@ def test_a_checkpoint_the_volume_cannot_hold_is_a_clear_error_and_leaves_the_pre
     assert manager.steps() == [1, 2]
 
 
-def test_an_unreadable_checkpoint_is_a_checkpoint_error_naming_it(tiny_model, ctx, tmp_path):
-    """A shard damaged on the volume (bit rot, a copy cut short): DCP's CheckpointException is a BaseException,
-    which `gyre trainer` reported as an unhandled crash; it is a CheckpointError naming the folder."""
+@pytest.mark.parametrize("damaged", ["__0_0.distcp", ".metadata"])
+def test_an_unreadable_checkpoint_is_a_checkpoint_error_naming_it(tiny_model, ctx, tmp_path, damaged):
+    """A shard or the index damaged on the volume (bit rot, a copy cut short): DCP's CheckpointException is a
+    BaseException, which `gyre trainer` reported as an unhandled crash, and a cut index an UnpicklingError naming no
+    folder; both are a CheckpointError naming the checkpoint."""
     manager = CheckpointManager(tmp_path / "ckpt", ctx)
     model, opt, sched = build(tiny_model)
     train(model, opt, sched, 1)
     folder = manager.save(1, model, opt, sched)
-    shard = next((folder / "state").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match=f"checkpoint step 1 at {folder} is unreadable: rank 0: "):
+    file = folder / "state" / damaged
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"checkpoint step 1 at {folder} is unreadable: "):
         manager.load(1, *build(tiny_model))
