@@ -2,7 +2,9 @@
 (real Docker, real images).
 
 Each image runs as uid 10001, has no C compiler, carries its OCI labels and imports what its service needs
-(the orchestrator's reasoning-gym needs pycosat, which is compiled in the build stage only).
+(the orchestrator's reasoning-gym needs pycosat, which is compiled in the build stage only); it also runs
+without the chart, as its own user and as an arbitrary uid, and ships no apt caches. Pods stopped and left
+with orphans: last section.
 
 The trainer's experiment ConfigMap is mounted at a path its command does not read (a broken mount path in
 the rendered StatefulSet): the container starts, cannot find /etc/gyre/experiment.toml and exits, Docker
@@ -19,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from chart_testlib import CHART, MONITORING_APIS, ROOT, load_values, named
@@ -27,6 +30,7 @@ sys.path.insert(0, str(ROOT / "deploy" / "docker"))
 import cluster as C  # noqa: E402
 import kube as K  # noqa: E402
 import smoke as S  # noqa: E402
+from plan import plan  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -86,3 +90,111 @@ def test_the_built_image_is_non_root_without_a_compiler_and_labelled(component):
     run = subprocess.run(["docker", "run", "--rm", *writable, "--entrypoint", "sh", image, "-c", script],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0 and run.stdout.split()[0] == "10001", run.stdout + run.stderr
+
+
+WRITE_CACHES = """
+import os, pathlib
+for var in ("XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR"):
+    if var in os.environ:
+        path = pathlib.Path(os.environ[var]) / "probe"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(var)
+print("caches writable")
+"""
+
+
+@pytest.mark.parametrize("user", [None, "12345:0"])
+@pytest.mark.parametrize("component", sorted(IMPORTS))
+def test_the_image_runs_without_the_chart_as_any_user_and_carries_no_package_caches(component, user):
+    """Outside the chart (`docker run`, no /cache emptyDir), as its own user and as an arbitrary uid in group 0
+    (OpenShift's restricted SCC assigns one): every cache directory the image's environment names is writable
+    (they were under /cache, which did not exist and which a non-root user cannot create: `gyre model init`
+    failed with Permission denied: '/cache'). And apt's package caches are not shipped."""
+    as_user = ["--user", user] if user else []
+    run = subprocess.run(["docker", "run", "--rm", *as_user, "--entrypoint", "python", f"gyre-{component}:kind", "-c",
+                          WRITE_CACHES], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and "caches writable" in run.stdout, run.stdout + run.stderr
+    apt = ["/var/cache/apt", "/var/lib/apt/lists"]
+    du = subprocess.run(["docker", "run", "--rm", "--entrypoint", "du", f"gyre-{component}:kind", "-sk", *apt],
+                        capture_output=True, text=True, timeout=300)  # fmt: skip
+    sizes = {line.split()[1]: int(line.split()[0]) for line in du.stdout.splitlines()}
+    assert all(kb < 1024 for kb in sizes.values()), f"apt caches in the image (KB): {sizes}"
+
+
+# ---- a pod stopped and left with orphans ------------------------------------------------------------------
+# Every pod shares its process namespace (`shareProcessNamespace`): the pause container, not the service, is
+# PID 1. The kernel drops a signal sent to a PID 1 that installed no handler for it, and only PID 1 inherits
+# orphaned processes. On the kind values planned as the smoke does (the sandbox's init stands in for the
+# pause container): the inference pod's `wait-for-model` init container (`sh -c` loop, no model yet) stops at
+# SIGTERM at once (as PID 1 it ignored it and was SIGKILLed at the end of the grace period); an orphan left in
+# the orchestrator's container is reaped (`gyre orchestrator` as PID 1 left it a zombie); the orchestrator
+# still stops on SIGTERM with its documented code (143).
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"{what}: not within {timeout:.0f} s")
+
+
+def state(name: str) -> dict:
+    return json.loads(C.docker("inspect", name))[0]["State"]
+
+
+def stop(name: str, grace: int) -> tuple[float, int]:
+    """`docker stop -t grace` (SIGTERM, SIGKILL after grace s, as the kubelet does): (seconds, exit code)."""
+    started = time.monotonic()
+    C.docker("stop", "-t", str(grace), name, timeout=grace + 30)
+    return time.monotonic() - started, state(name)["ExitCode"]
+
+
+@pytest.fixture
+def pods():
+    """The kind release planned; its orchestrator and inference pods started (nothing else: no Redis, no
+    model), torn down afterwards."""
+    objects = K.render_chart(CHART, load_values("values-kind.yaml"), release="exp", namespace="rl",
+                             api_versions=MONITORING_APIS)  # fmt: skip
+    the_plan = plan(objects, namespace="rl", release="exp")
+    images, _ = S.resolve_images(the_plan, S.Options().fallbacks)
+    cluster = C.Cluster(the_plan, images)
+    wanted = {p.name: p for p in the_plan.workload_pods if "orchestrator" in p.name or "inference" in p.name}
+    try:
+        cluster.create_shared()
+        cluster.start(list(wanted.values()))
+        yield cluster, wanted
+    finally:
+        cluster.teardown()
+
+
+def test_pods_reap_orphans_and_stop_at_sigterm(pods):
+    cluster, wanted = pods
+    inference = next(p for p in wanted.values() if "inference" in p.name)
+    orchestrator = next(p for p in wanted.values() if "orchestrator" in p.name)
+    assert inference.shared_pid and orchestrator.shared_pid
+    init = cluster.names.container(inference.name, "wait-for-model")
+    main = cluster.names.container(orchestrator.name, "orchestrator")
+    wait_for(lambda: C.docker("ps", "-q", "--filter", f"name=^{init}$", "--filter", "status=running", check=False)
+             .strip(), 120, f"{init} running")  # fmt: skip
+    # Its run loop is up (handlers installed): without Redis it retries, saying so.
+    wait_for(lambda: any(s in C.tail(main, 50) for s in ("redis unavailable", "starting at step")), 120,
+             f"{main} running its loop")  # fmt: skip
+
+    # An orphan: the shell exits at once, its `sleep` child is re-parented to PID 1 and exits 1 s later.
+    C.docker("exec", main, "sh", "-c", "sleep 1 & exit 0")
+    time.sleep(4)
+    processes = [line.split() for line in C.docker("exec", main, "sh", "-c", S.PS).splitlines()]
+    zombies = [p for p in processes if p[1] == "Z"]
+    assert zombies == [], f"zombies in pod {orchestrator.name}: {processes}"
+    pid1 = next(p for p in processes if p[0] == "1")
+    assert pid1[3] != "gyre", f"the service is PID 1 of pod {orchestrator.name}: {processes}"
+
+    # SIGTERM: the init container's wait loop ends at once (killed by the signal: 128 + 15), not at SIGKILL.
+    seconds, code = stop(init, 30)
+    assert seconds < 10 and code == 143, f"{init}: stopped after {seconds:.1f} s with code {code}"
+    seconds, code = stop(main, 30)  # `gyre orchestrator`: 143 on SIGTERM (its --help, docs/orchestrator.md)
+    assert seconds < 20 and code == 143, f"{main}: stopped after {seconds:.1f} s with code {code}"
+    assert not state(main)["OOMKilled"]
+    assert "stopped by signal" in C.tail(main, 20)
