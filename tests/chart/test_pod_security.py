@@ -40,7 +40,14 @@ def doc_examples() -> dict[str, dict]:
 # Values the docs' examples need from a cluster: the optional APIs (the autoscaling example says KEDA).
 DOC_APIS = MONITORING_APIS + KEDA_APIS
 DOCS = doc_examples()
-SCENARIOS = {**{k: v for k, v in RENDER_SCENARIOS.items()}, **{k: (v, DOC_APIS) for k, v in DOCS.items()}}
+# OpenShift's restricted SCC assigns each pod a uid and fsGroup from the namespace's range and refuses others.
+PLATFORM_IDS = {"podSecurity": {"runAsUser": None, "runAsGroup": None, "fsGroup": None},
+                "redis": {"runAsUser": None, "runAsGroup": None}}  # fmt: skip
+SCENARIOS = {
+    **{k: v for k, v in RENDER_SCENARIOS.items()},
+    **{k: (v, DOC_APIS) for k, v in DOCS.items()},
+    "platform-assigned-ids": (PLATFORM_IDS, ()),
+}
 
 
 @functools.cache
@@ -169,3 +176,19 @@ def test_every_pod_shares_its_process_namespace(scenario):
     assert {where: spec.get("shareProcessNamespace") for where, spec in pods(scenario)} == {
         where: True for where, _ in pods(scenario)
     }
+
+
+def test_ids_set_to_null_are_left_to_the_platform():
+    """`podSecurity.*` and `redis.runAsUser/runAsGroup` null: no pod names a uid, gid or fsGroup (OpenShift
+    refuses a pod whose ids lie outside its namespace's range), and every pod is still runAsNonRoot (the
+    images' user is numeric; tests/chart/test_container_smoke_docker.py runs them as an arbitrary uid).
+    Before, the schema required all five and `helm install` refused the values."""
+    for where, spec in pods("platform-assigned-ids"):
+        psc = spec["securityContext"]
+        assert not {"runAsUser", "runAsGroup", "fsGroup"} & set(psc), (where, psc)
+        assert psc["runAsNonRoot"] is True
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            assert not {"runAsUser", "runAsGroup"} & set(c["securityContext"]), (where, c["name"])
+    defaults = dict(pods("default"))
+    assert all(spec["securityContext"]["runAsUser"] == 10001 for spec in defaults.values())
+    assert all(spec["securityContext"]["fsGroup"] == 10001 for spec in defaults.values())

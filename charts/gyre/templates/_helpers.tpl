@@ -183,9 +183,16 @@ the init containers' `sh -c` wait loops ignored it and held a deleted pod for it
 shareProcessNamespace: true
 securityContext:
   runAsNonRoot: true
-  runAsUser: {{ .user }}
-  runAsGroup: {{ .group }}
-  fsGroup: {{ .fsGroup }}
+  {{- /* a null (absent) id is left to the platform: OpenShift's restricted SCC assigns the namespace's */}}
+  {{- with .user }}
+  runAsUser: {{ . }}
+  {{- end }}
+  {{- with .group }}
+  runAsGroup: {{ . }}
+  {{- end }}
+  {{- with .fsGroup }}
+  fsGroup: {{ . }}
+  {{- end }}
   fsGroupChangePolicy: OnRootMismatch
   seccompProfile:
     type: RuntimeDefault
