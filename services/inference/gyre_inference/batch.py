@@ -76,6 +76,7 @@ class Sequence:
     prompt_scored: bool = False  # they were computed (a preempted sequence's recompute does not repeat them)
     finished: bool = False  # its last token has been emitted
     cancelled: bool = False  # set by the asyncio side; the engine drops the row before its next step
+    queued: bool = False  # in the engine's waiting queue (waiting_queue.py)
     held: list = field(default_factory=list)  # a final-only sequence's events, handed over when it ends
 
     @property

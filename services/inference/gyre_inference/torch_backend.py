@@ -253,7 +253,9 @@ class TorchBackend(EngineLoop, Backend):
                     if event.finish_reason is not None:
                         return
         finally:
-            seq.cancelled = True
+            with self._cond:  # a sequence still queued leaves the queue now, not when the engine comes to it
+                seq.cancelled = True
+                self._waiting.discard(seq)
 
     async def update_weights(self, weights: FetchedWeights) -> None:
         from gyre.lora import ADAPTER_CONFIG

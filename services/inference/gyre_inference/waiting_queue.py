@@ -25,30 +25,49 @@ class WaitingQueue:
     def __init__(self):
         self._heap: list[tuple[int, int, Sequence]] = []
         self._arrivals = itertools.count()
+        self._live = 0  # entries not discarded: what len() and iteration see
 
     def append(self, seq: Sequence) -> None:
         """A new arrival, or one sent back (it keeps its first place: `Sequence.place`)."""
         if seq.place is None:
             seq.place = (seq.params.priority, next(self._arrivals))
         heapq.heappush(self._heap, (*seq.place, seq))
+        seq.queued = True
+        self._live += 1
+
+    def discard(self, seq: Sequence) -> None:
+        """`seq` (cancelled: its client went away) leaves the queue now: no longer counted (the waiting gauge,
+        GetStatus) nor seen (an adapter slot it would have used is free), as vLLM drops an aborted request from its
+        waiting queue. Its heap entry goes when it comes up (popleft may return it: the engine skips cancelled
+        sequences). A sequence not queued is left alone."""
+        if seq.queued:
+            seq.queued = False
+            self._live -= 1
 
     def extend(self, seqs: Iterable[Sequence]) -> None:
         for seq in seqs:
             self.append(seq)
 
     def popleft(self) -> Sequence:
-        """The next sequence to admit."""
-        return heapq.heappop(self._heap)[2]
+        """The next sequence to admit (or a discarded one, whose entry came up first)."""
+        seq = heapq.heappop(self._heap)[2]
+        if seq.queued:
+            seq.queued = False
+            self._live -= 1
+        return seq
 
     def clear(self) -> None:
+        for _, _, seq in self._heap:
+            seq.queued = False
         self._heap.clear()
+        self._live = 0
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return self._live
 
     def __bool__(self) -> bool:
-        return bool(self._heap)
+        return self._live > 0
 
     def __iter__(self) -> Iterator[Sequence]:
-        """In no particular order."""
-        return (seq for _, _, seq in self._heap)
+        """The sequences not discarded, in no particular order."""
+        return (seq for _, _, seq in self._heap if seq.queued)

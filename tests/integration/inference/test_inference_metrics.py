@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -158,6 +159,48 @@ def test_preemptions_under_kv_block_pressure_are_counted_and_logged(start_server
     finally:
         assert server.stop() == 0
     assert re.search(r"\| preempted \d+ rows? \(KV cache full\)", server.log_path.read_text()), server.tail()
+
+
+@pytest.mark.asyncio
+async def test_queued_requests_whose_clients_went_away_leave_the_waiting_count_at_once(start_server):
+    """Two rows, both busy with long streams; 12 more requests queue, then their clients give up (timeouts, closed
+    streams). They stayed counted as waiting (gauge, GetStatus) until the engine came to them, and kept an adapter
+    slot busy meanwhile; vLLM drops an aborted request from its waiting queue."""
+    from openai import AsyncOpenAI
+
+    server = start_server("--engine.max-batch-size", "2", "--run-id", "gone-while-queued")
+
+    def waiting() -> tuple[float, int]:
+        scraped = samples(httpx.get(f"{server.url}/metrics").text)
+        return scraped[("gyre_inference_waiting_requests", (("run_id", "gone-while-queued"),))], server.status().waiting
+
+    async with AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as client:
+        long = dict(model=server.model_name, max_tokens=1000, extra_body={"ignore_eos": True})
+
+        async def stream(prompt, **kwargs):
+            async for _ in await client.completions.create(prompt=prompt, stream=True, **kwargs):
+                pass
+
+        running = [asyncio.create_task(stream([5 + i, 6], **long)) for i in range(2)]
+        while server.status().running < 2:
+            await asyncio.sleep(0.05)
+        queued = [asyncio.create_task(stream([7, i], model=server.model_name, max_tokens=5)) for i in range(6)]
+        queued += [asyncio.create_task(client.completions.create(prompt=[8, i], model=server.model_name, max_tokens=5))
+                   for i in range(6)]  # fmt: skip
+        deadline = time.monotonic() + 30
+        while waiting() != (12, 12) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert waiting() == (12, 12)
+        for task in queued:
+            task.cancel()
+        await asyncio.gather(*queued, return_exceptions=True)
+        deadline = time.monotonic() + 2  # at once, not when the long streams end (many seconds here)
+        while waiting() != (0, 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert waiting() == (0, 0) and server.status().running == 2
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
 
 def test_a_non_streaming_requests_time_to_first_token_is_when_its_first_token_was_sampled(server, client, model_id):

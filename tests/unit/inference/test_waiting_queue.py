@@ -46,3 +46,20 @@ def test_clear_empties_it():
     queue.extend([_seq("a", 0), _seq("b", 1)])
     queue.clear()
     assert len(queue) == 0 and list(queue) == []
+
+
+def test_a_discarded_sequence_is_no_longer_counted_or_seen_and_the_rest_keep_their_order():
+    queue = WaitingQueue()
+    seqs = {name: _seq(name, 0) for name in "abcd"}
+    for seq in seqs.values():
+        queue.append(seq)
+    queue.discard(seqs["b"])
+    queue.discard(seqs["b"])  # twice: once is enough
+    assert len(queue) == 3 and {s.name for s in queue} == set("acd")
+    # popleft may hand the discarded entry out when it comes up (the engine skips cancelled sequences)
+    popped = [queue.popleft().name for _ in range(4)]
+    assert popped == ["a", "b", "c", "d"] and not queue and len(queue) == 0
+    queue.discard(seqs["a"])  # not queued any more: nothing changes
+    assert len(queue) == 0
+    queue.append(seqs["c"])  # sent back (preempted): counted again
+    assert len(queue) == 1 and [s.name for s in queue] == ["c"]
