@@ -151,24 +151,13 @@ def test_sigkill_of_rank_0_inside_a_checkpoint_and_a_publish_under_torchrun_resu
     then (second start) with the weights file of version 3 written but the version not committed. torchrun tears
     rank 1 down each time; the third start trains every step once and ends bit for bit where an uninterrupted
     2-rank run does, and no half-written folder was ever listed."""
-    import subprocess
-
     from gyre.runstate import CHECKPOINT_COMPLETE
     from gyre.steps import StepEntries
     from gyre.weights import WeightStore
-    from trainer_testlib import PYTHON, REPO, child_env, kill_group
+    from trainer_testlib import child_env
 
     def start(argv, log, crash=None) -> int:
-        env = {**child_env(), "GYRE_TRAINER_CRASH_AT": crash} if crash else child_env()
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "gyre_trainer.main"]
-        with open(log, "ab") as out:
-            proc = subprocess.Popen([*cmd, *argv], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                    start_new_session=True)  # fmt: skip
-        try:
-            return proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                kill_group(proc)
+        return torchrun(argv, log, env={**child_env(), "GYRE_TRAINER_CRASH_AT": crash} if crash else None)
 
     steps, opts = 4, {"ckpt.interval": 1, "data.micro-batch-size": 1}
     final = {}

@@ -232,7 +232,7 @@ def run_in_process(argv: list[str]) -> int:
     return service.run(load_config(TrainerConfig, argv), handle_signals=False)
 
 
-def torchrun(argv: list[str], log_path: Path, nproc: int = 2, timeout: float = 300) -> int:
+def torchrun(argv: list[str], log_path: Path, nproc: int = 2, timeout: float = 300, env: dict | None = None) -> int:
     """`torchrun --standalone --nproc-per-node nproc -m gyre_trainer.main argv`; returns the exit code."""
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     with open(log_path, "ab") as log:
@@ -240,7 +240,7 @@ def torchrun(argv: list[str], log_path: Path, nproc: int = 2, timeout: float = 3
             [*cmd, "-m", "gyre_trainer.main", *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=child_env(),
+            env=env or child_env(),
             cwd=REPO,
             start_new_session=True,
         )
