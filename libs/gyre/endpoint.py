@@ -70,6 +70,9 @@ class Endpoint:
         self.name = name
         self.backoff_s = backoff_s
         self.stats: Counter[str] = Counter()
+        if config.url.startswith("server:"):  # every call failed as a retried "Connection error." naming nothing
+            raise ValueError(f"{name}: url = {config.url!r} names a server that only gyre rl and the Helm chart "
+                             "resolve ([[servers]]); run directly, give its http(s) URL")  # fmt: skip
         try:
             self._key = config.api_key()  # before anything runs
         except ValueError as error:  # whose key: several judges, reward models and a teacher each name one

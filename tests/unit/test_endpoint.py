@@ -221,3 +221,10 @@ def test_an_empty_key_variable_is_refused_at_start(monkeypatch, value):
     config = EndpointConfig(url="http://127.0.0.1:9", api_key_env="GYRE_TEST_EMPTY_KEY")
     with pytest.raises(ValueError, match="^judge 'style': api_key_env: the environment variable GYRE_TEST_EMPTY_KEY"):
         Endpoint(config, name="judge 'style'")
+
+
+def test_a_server_url_left_unresolved_is_refused_at_start():
+    """`url = "server:judge"` is resolved by gyre rl and the chart; given to gyre orchestrator or gyre eval directly,
+    every call failed as a retried 'Connection error.' at the first scoring. The start fails, naming it."""
+    with pytest.raises(ValueError, match="^judge 'style': url = 'server:judge' names a server that only gyre rl"):
+        Endpoint(EndpointConfig(url="server:judge"), name="judge 'style'")
