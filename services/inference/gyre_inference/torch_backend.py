@@ -201,8 +201,10 @@ class TorchBackend(EngineLoop, Backend):
             except WeightsIncompatibleError as error:
                 del self._bank.versions[name], self._bank.sources[name]
                 raise AdapterGoneError(f"adapter {name!r} was evicted and cannot be loaded back: {error}") from None
-            log.info("loading evicted adapter %r back (version %d from %s)", name, version, source)
             await self._swap_in(tensors, version, adapter=name, source=source)
+            # after the swap, not before: an attempt that finds every slot busy (AdapterSlotsBusyError) is retried
+            # once one frees, and logging each try said "loading" twice for one load
+            log.info("loaded evicted adapter %r back (version %d from %s)", name, version, source)
 
     def _a_slot_is_idle(self) -> bool:
         """Whether an adapter slot is free or serves no queued or running row (the engine thread's check,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 
 import pytest
@@ -253,10 +254,11 @@ async def test_metrics_of_a_named_adapter_s_requests_carry_its_run(tiny_model, t
 
 
 @pytest.mark.asyncio
-async def test_a_request_for_an_evicted_name_waits_while_every_slot_is_busy(tiny_model, tmp_path):
+async def test_a_request_for_an_evicted_name_waits_while_every_slot_is_busy(tiny_model, tmp_path, caplog):
     """One slot, held by b's running request: a request for evicted a waits until b's ends, then a is loaded back
     (vLLM's scheduler queues a request whose adapter does not fit max_loras). It failed at once (a 500 over HTTP).
     A waiting request that is cancelled leaves nothing behind."""
+    caplog.set_level(logging.INFO, logger="gyre_inference.torch_backend")
     engine = TorchBackend(tiny_model, threads=1, max_batch_size=4, max_adapters=1, max_lora_rank=4)
     await engine.start()
     try:
@@ -283,6 +285,8 @@ async def test_a_request_for_an_evicted_name_waits_while_every_slot_is_busy(tiny
         with pytest.raises(asyncio.CancelledError):
             await gives_up
         assert set(engine._bank.slots) == {"a"} and not engine._waiting
+        # one load back, logged once (each try that found the slot busy said "loading ... back" too)
+        assert caplog.text.count("evicted adapter 'a' back") == 1, caplog.text
     finally:
         await engine.shutdown()
 
