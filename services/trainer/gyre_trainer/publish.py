@@ -141,8 +141,11 @@ def _link_or_copy(source: Path, target: Path) -> None:
     target.chmod(0o644)
 
 
-class PublishError(RuntimeError):
-    """A weights version could not be written (a full or read-only volume); nothing of it became visible."""
+class PublishError(OSError):
+    """A weights version could not be written (a full or read-only volume); nothing of it became visible.
+
+    An OSError, as the error it explains was: a caller that treats volume errors as such keeps doing so (a multi-run
+    trainer adding a `runs_dir` run logs the run's failure and goes on with the others)."""
 
 
 @contextlib.contextmanager
