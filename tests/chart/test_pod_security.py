@@ -169,7 +169,7 @@ def test_the_docs_examples_and_the_shipped_values_files_are_all_covered():
     assert shipped and all(f.removeprefix("values-").removesuffix(".yaml") in covered for f in shipped), shipped
 
 
-@pytest.mark.parametrize("scenario", ["default", "kind", "multi-node", "servers", "operations"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_every_pod_shares_its_process_namespace(scenario):
     """The pause container is every pod's PID 1 (tests/chart/test_container_smoke_docker.py runs it): it reaps
     orphans, and a service or `sh -c` loop that is not PID 1 cannot ignore SIGTERM by having no handler."""
