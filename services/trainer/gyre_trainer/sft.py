@@ -24,7 +24,8 @@ Re-runs (as `gyre rl`): the same command again continues where the SFT stands. A
 `save_dir` records its step in `gyre_sft.json`) says so and exits 0 without training; a larger `max_steps`
 continues it from its newest checkpoint, and without checkpoints is refused (it would start over from
 `model.name` and replace the result); a `save_dir` holding anything else is never replaced.
-`ckpt.resume_step = N` rewinds and trains again from checkpoint N (0: from `model.name`).
+`ckpt.resume_step = N` rewinds and trains again from checkpoint N (0: from `model.name`). A checkpoint N that does not
+exist, or a `max_steps` below the checkpoint training would resume from, is refused before the model loads.
 
 Stopping (as the RL trainer, docs/trainer.md "Stopping"): SIGTERM or SIGINT (Kubernetes, `gyre rl`, Ctrl-C, torchrun
 forwarding either to its workers) finishes the step in flight on every rank, checkpoints it (`ckpt.on_stop`, unless it
@@ -403,6 +404,7 @@ def run(cfg: SFTConfig) -> int:
                     flush=True,
                 )
             return 0
+        check_resume(cfg, checkpoints.steps(), total, output_dir / "checkpoints" / "sft")
         log.info("%d steps per epoch; training %d steps", steps_per_epoch, total)
 
         dtype = resolve_dtype(cfg.model.dtype, ctx.device)
@@ -463,6 +465,25 @@ def run(cfg: SFTConfig) -> int:
         if wandb is not None:
             wandb.finish()
         dist.shutdown(ctx)
+
+
+def check_resume(cfg: SFTConfig, steps: list[int], total: int, ckpt_dir: Path) -> None:
+    """SFTDataError naming the key, before the model loads, when the checkpoint training would resume from does not
+    exist (a traceback after loading, exit 1) or is past `total`: the loop had nothing to train and saved that
+    checkpoint's weights as the result of step `total` (`--max-steps 2` after checkpoints 3 and 4 gave step 4's)."""
+    asked = cfg.ckpt.resume_step
+    if asked is not None and asked > 0 and asked not in steps:
+        raise SFTDataError(f"config key 'ckpt.resume_step': no SFT checkpoint of step {asked} in {ckpt_dir} "
+                           f"(have {steps or 'none'})")  # fmt: skip
+    if asked == -1 and not steps:
+        raise SFTDataError(f"config key 'ckpt.resume_step': -1 resumes from a checkpoint, and {ckpt_dir} has none")
+    start = asked if asked is not None and asked >= 0 else max(steps, default=0)
+    if start > total:
+        raise SFTDataError(
+            f"config key 'max_steps': training resumes from checkpoint step {start} (in {ckpt_dir}), past max_steps "
+            f"{total}: the result would hold step {start}'s weights; raise max_steps, or rewind to a checkpoint at "
+            f"or before it with ckpt.resume_step (have {steps})"
+        )
 
 
 def stop_requested(ctx) -> bool:

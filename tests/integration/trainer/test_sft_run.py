@@ -86,3 +86,23 @@ def test_sft_never_replaces_a_folder_it_did_not_write(tiny_model, tmp_path, caps
     assert sft.main(args) == 2
     assert "config key 'save_dir'" in capsys.readouterr().err
     assert _files(tiny_model) == before
+
+
+def test_a_resume_from_a_missing_checkpoint_or_one_past_max_steps_is_refused(tiny_model, tmp_path, capsys):
+    # a missing --ckpt.resume-step was a traceback after the model loaded (exit 1); a max_steps below the newest
+    # checkpoint trained nothing and saved that checkpoint's weights as the result of step max_steps
+    common = {"data.fake": "true", "data.num-examples": 40, "ckpt.interval": 1}
+    assert sft.main(sft_args(tiny_model, tmp_path, **common, **{"max-steps": 3})) == 0
+    (tmp_path / "sft").rename(tmp_path / "first")  # kept: a new result would go to sft/
+    capsys.readouterr()
+    for extra, key, said in [
+        ({"max-steps": 2}, "max_steps", "resumes from checkpoint step 3"),
+        ({"max-steps": 4, "ckpt.resume-step": 7}, "ckpt.resume_step", "no SFT checkpoint of step 7"),
+    ]:
+        assert sft.main(sft_args(tiny_model, tmp_path, **common, **extra)) == 2
+        err = capsys.readouterr().err
+        assert f"gyre sft: error: config key '{key}'" in err and said in err and "Traceback" not in err, err
+        assert not (tmp_path / "sft").exists() and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 3
+    # back to step 2 is a rewind to its checkpoint: the result is step 2's
+    assert sft.main(sft_args(tiny_model, tmp_path, **common, **{"max-steps": 2, "ckpt.resume-step": 2})) == 0
+    assert (tmp_path / "sft" / sft.RESULT_MARKER).read_text().strip() == '{"step": 2}'
