@@ -306,7 +306,7 @@ class Serving:
         """Run every choice to its end: "success", or "aborted" when the client went away first."""
         try:
             await unless_client_gone(
-                asyncio.gather(*(self._run_choice(job, p, c, params, _ignore) for p, c, params in job.choices)),
+                all_or_none(*(self._run_choice(job, p, c, params, _ignore) for p, c, params in job.choices)),
                 client_gone,
             )
         except ClientGone:
@@ -575,6 +575,19 @@ async def unless_client_gone(work: Awaitable, client_gone):
     work.cancel()
     await asyncio.gather(work, return_exceptions=True)
     raise ClientGone
+
+
+async def all_or_none(*aws: Awaitable) -> list:
+    """The results of `aws` run together (a request's choices), in order; when one fails, the others are cancelled
+    before its error is raised. asyncio.gather leaves them running: the other choices of a request that had already
+    answered its error kept generating for nobody."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # each closes its backend stream, which aborts its sequence
+        raise
 
 
 def _read_outcome(future: asyncio.Future) -> None:

@@ -27,7 +27,6 @@ model is loaded, the request size limit.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Annotated, Any
@@ -42,7 +41,14 @@ from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, neutral_only
-from gyre_inference.serving import VERSION_HEADER, ClientGone, backend_failure, client_gone, unless_client_gone
+from gyre_inference.serving import (
+    VERSION_HEADER,
+    ClientGone,
+    all_or_none,
+    backend_failure,
+    client_gone,
+    unless_client_gone,
+)
 from gyre_inference.strict import ParamError, StrictModel
 
 ROUTE = "/inference/v1/generate"
@@ -177,7 +183,7 @@ def add_generate_route(app: FastAPI, state) -> None:
         ]
         try:  # a client that goes away (timed out) cancels its sequences, as on the OpenAI routes
             choices = await unless_client_gone(
-                asyncio.gather(*(_sample(state, prompt, p, i, sp) for i, p in enumerate(params))), client_gone(request)
+                all_or_none(*(_sample(state, prompt, p, i, sp) for i, p in enumerate(params))), client_gone(request)
             )
         except ClientGone:
             state.metrics.request_done("generate", "aborted", time.monotonic() - started, run)
