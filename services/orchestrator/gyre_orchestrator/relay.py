@@ -269,7 +269,7 @@ class WeightRelay:
             )
         except grpc.aio.AioRpcError as e:
             if self.replicas.in_rotation(replica):
-                self.replicas.mark_failed(replica, f"GetStatus: {e.code().name}: {e.details()}")
+                self.replicas.mark_failed(replica, f"GetStatus: {e.code().name}: {e.details()}", probe=True)
                 # no answer: its requests in flight would wait out their HTTP timeout (a frozen replica)
                 self.replicas.abandon(replica)
             return

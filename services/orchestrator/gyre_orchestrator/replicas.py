@@ -60,6 +60,9 @@ class Replica:
     # failed may have restarted on other weights, so the version known from before is no evidence of what it
     # serves once its cooldown is over (a request that succeeds meanwhile never lowers it: `observe_version`)
     confirmed: bool = True
+    # its status probe failed: no request goes to it until a probe (or a weights update) answers again, whatever its
+    # cooldown (back from it untested, a replica still frozen took the next request, stuck until the next probe)
+    probe_failed: bool = False
     clients: dict[str, Any] = field(default_factory=dict)  # lazily built HTTP/gRPC clients, closed on removal
     # the requests in flight on it, each its own task: `ReplicaSet.abandon` cancels them when it stops answering
     calls: set[asyncio.Task] = field(default_factory=set)
@@ -137,9 +140,11 @@ class ReplicaSet:
     def in_rotation(self, replica: Replica) -> bool:
         return replica.url in self.replicas and self.clock() >= replica.retry_at
 
-    def mark_failed(self, replica: Replica, error: BaseException | str) -> None:
+    def mark_failed(self, replica: Replica, error: BaseException | str, *, probe: bool = False) -> None:
+        """A failure; `probe`: its status probe's (see `Replica.probe_failed`)."""
         replica.last_error = str(error) or type(error).__name__
         replica.confirmed = False
+        replica.probe_failed |= probe
         if self.clock() < replica.retry_at:
             return  # already out: the other requests that were in flight when it broke are the same outage
         replica.failures += 1
@@ -159,6 +164,7 @@ class ReplicaSet:
         changed = replica.failures > 0 or (version is not None and not replica.confirmed)
         if version is not None:
             replica.confirmed = True
+            replica.probe_failed = False
         if replica.failures:
             log.info("replica %s is healthy again", replica.url)
         replica.failures = 0
@@ -180,7 +186,8 @@ class ReplicaSet:
         waited for `inference.timeout_s` (300 s) or until the replica woke up, holding their step back although the
         probe had taken the replica out of rotation. Only when another replica is in rotation: a lone replica that is
         merely slow keeps its requests (they could go nowhere else). Returns how many were cancelled."""
-        if not replica.calls or not any(self.in_rotation(r) for r in self.replicas.values() if r is not replica):
+        others = [r for r in self.replicas.values() if r is not replica and not r.probe_failed]
+        if not replica.calls or not any(self.in_rotation(r) for r in others):
             return 0
         calls = [c for c in replica.calls if not c.done()]
         for call in calls:
@@ -212,7 +219,7 @@ class ReplicaSet:
     def serves(self, replica: Replica, min_version: int) -> bool:
         """In rotation and known to serve a version >= `min_version` (anything, for 0), confirmed since its last
         failure. Back from its cooldown but not answered since (half-open), it takes one request at a time."""
-        if not self.in_rotation(replica):
+        if not self.in_rotation(replica) or replica.probe_failed:
             return False
         if replica.failures and replica.inflight:
             # the trial request is out: with the fewest requests in flight, it took every request before (32 on a
@@ -259,7 +266,8 @@ class ReplicaSet:
         if not self.replicas:
             return "no inference replicas are known (check inference.urls / discovery)"
         states = ", ".join(
-            f"{r.url} version={r.version} {'ok' if self.in_rotation(r) else 'out: ' + (r.last_error or '?')}"
+            f"{r.url} version={r.version} "
+            f"{'ok' if self.in_rotation(r) and not r.probe_failed else 'out: ' + (r.last_error or '?')}"
             for r in self.replicas.values()
         )
         return f"no replica in rotation serves version >= {min_version}: {states}"

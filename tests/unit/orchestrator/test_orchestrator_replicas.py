@@ -85,6 +85,21 @@ async def test_a_replica_back_from_its_cooldown_takes_one_request_until_it_answe
     assert await rs.acquire() is a
 
 
+def test_a_replica_whose_probe_failed_takes_no_request_until_a_probe_answers():
+    clock = Clock()
+    rs = two(clock)
+    a, b = rs.replicas["http://a:1"], rs.replicas["http://b:1"]
+    rs.mark_failed(a, "GetStatus: DEADLINE_EXCEEDED", probe=True)  # frozen
+    clock.now = a.retry_at + 100
+    assert rs.in_rotation(a)  # probed again...
+    assert rs.eligible(0) == [b]  # ...but no request: back untested, it took one that waited for the next probe
+    rs.mark_ok(a, version=0)  # a probe answered
+    assert rs.eligible(0) == [a, b]
+    rs.mark_failed(b, "connection refused")  # a request's failure: half-open after the cooldown, as before
+    clock.now = b.retry_at
+    assert rs.eligible(0) == [a, b]
+
+
 @pytest.mark.asyncio
 async def test_abandoning_a_replica_cancels_its_calls_only_when_another_can_take_them():
     clock = Clock()
