@@ -89,6 +89,7 @@ class WeightRelay:
         self._updaters: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._probing: asyncio.Task | None = None  # the status probes under way (the loop does not wait for them)
         self._in_use: set[int] | None = None
         self._last_probe = float("-inf")
         self._last_poll = float("-inf")
@@ -167,7 +168,7 @@ class WeightRelay:
         self._task = asyncio.create_task(self._run(), name="weight-relay")
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._task, *self._updaters.values()] if t is not None]
+        tasks = [t for t in [self._task, self._probing, *self._updaters.values()] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -201,9 +202,13 @@ class WeightRelay:
             if now - self._last_poll >= self.poll_store_s:
                 self._last_poll = now
                 self.poll_store()
-            if now - self._last_probe >= self.probe_interval_s or self.replicas.probe_requested:
+            probing = self._probing is not None and not self._probing.done()
+            if not probing and (now - self._last_probe >= self.probe_interval_s or self.replicas.probe_requested):
                 self.replicas.probe_requested = False
-                await self.probe_all()
+                # in the background: a replica that does not answer holds its probe for probe_timeout_s, and awaited
+                # here it held back every replica's update too (a new version reached the others 5 s late, each time
+                # a frozen replica came back from its cooldown). What a probe finds wakes this loop (a listener).
+                self._probing = asyncio.create_task(self.probe_all(), name="relay-probe")
             self.reconcile()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=min(self.probe_interval_s, self.poll_store_s))

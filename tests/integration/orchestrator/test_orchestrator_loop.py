@@ -8,6 +8,8 @@ it reads the stream through the consumer group, decodes every batch, publishes w
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from dataclasses import replace
 
 import grpc
@@ -181,6 +183,39 @@ async def test_relay_brings_back_a_replica_that_fell_back_to_the_base_model(tmp_
         finally:
             await relay.stop()
             await close_replica_clients(list(replica_set))
+
+
+async def test_a_frozen_replica_s_probe_does_not_hold_back_the_other_replica_s_update(
+    tmp_path, replicas, start_replica, tiny_model
+):
+    """The relay's loop awaited its status probes: a replica that does not answer (frozen: SIGSTOP) held the loop for
+    the probe's timeout, and a new version reached the other replicas only after it (5 s late each time a frozen
+    replica came back from its cooldown; here the timeout is 30 s). Probes now run beside the loop."""
+    frozen = start_replica()
+    store = WeightStore(tmp_path / "weights")
+    replica_set = ReplicaSet(
+        static_endpoints([replicas[0].url, frozen.url], [replicas[0].control, frozen.control], 0), cooldown_s=0.5
+    )
+    relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), probe_interval_s=0.2,
+                        probe_timeout_s=30.0, poll_store_s=0.2)  # fmt: skip
+    healthy = replica_set.replicas[replicas[0].url]
+    try:
+        await relay.start()
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.0)  # a probe of the frozen replica is under way, for 30 s
+            publish_weights(store, 1, tiny_model)  # found by the store poll
+            deadline = asyncio.get_running_loop().time() + 15
+            while healthy.version != 1:
+                assert asyncio.get_running_loop().time() < deadline, "the other replica waited for the frozen one"
+                await asyncio.sleep(0.05)
+            assert replicas[0].status().step == 1
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+    finally:
+        await relay.stop()
+        await close_replica_clients(list(replica_set))
+        frozen.kill()
 
 
 async def test_a_replica_restarted_on_the_base_model_is_not_taken_for_the_version_it_served(
