@@ -18,12 +18,38 @@ from gyre.weights import WeightStore
 TRAINER_CHECKPOINTS = Path("checkpoints") / "trainer"
 CHECKPOINT_COMPLETE = "progress.json"  # written last into a trainer checkpoint: its presence means complete
 ORCHESTRATOR_PROGRESS = Path("checkpoints") / "orchestrator"
+SFT_CHECKPOINTS = Path("checkpoints") / "sft"  # `gyre sft`'s, complete ones holding CHECKPOINT_COMPLETE too
 REWOUND = "rewound"  # in a service's checkpoint folder: the step of the rewind it has done
 
 
 def trainer_checkpoints(output_dir: Path | str) -> list[int]:
     """Complete trainer checkpoints, ascending (what `gyre_trainer.checkpoint.CheckpointManager.steps` lists)."""
     return StepEntries(Path(output_dir) / TRAINER_CHECKPOINTS, marker=CHECKPOINT_COMPLETE).steps()
+
+
+def sft_checkpoints(output_dir: Path | str) -> list[int]:
+    """Complete `gyre sft` checkpoints, ascending."""
+    return StepEntries(Path(output_dir) / SFT_CHECKPOINTS, marker=CHECKPOINT_COMPLETE).steps()
+
+
+def sft_resume_problem(resume_step: int | None, checkpoints: list[int], max_steps: int,
+                       where: Path | str) -> tuple[str, str] | None:  # fmt: skip
+    """(key, why) when `gyre sft` cannot resume as asked from its checkpoints (in `where`): a `resume_step` checkpoint
+    that does not exist (it failed with a traceback once the model had loaded), or a checkpoint to resume from past
+    `max_steps` (nothing was trained and that checkpoint's weights were saved as the result of step `max_steps`).
+    None: it can. Shared by `gyre sft` and `gyre rl`, which checks its warm-up before anything starts."""
+    if resume_step is not None and resume_step > 0 and resume_step not in checkpoints:
+        return "ckpt.resume_step", f"no SFT checkpoint of step {resume_step} in {where} (have {checkpoints or 'none'})"
+    if resume_step == -1 and not checkpoints:
+        return "ckpt.resume_step", f"-1 resumes from an SFT checkpoint, and {where} has none"
+    start = resume_step if resume_step is not None and resume_step >= 0 else max(checkpoints, default=0)
+    if start > max_steps:
+        return "max_steps", (
+            f"training resumes from checkpoint step {start} in {where}, past max_steps {max_steps}: the result "
+            f"would hold step {start}'s weights; raise max_steps, or rewind to a checkpoint at or before it with "
+            f"ckpt.resume_step (have {checkpoints})"
+        )
+    return None
 
 
 def committed_step(output_dir: Path | str, weights_latest: int | None = None) -> int:

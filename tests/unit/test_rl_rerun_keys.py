@@ -252,3 +252,19 @@ def test_a_warm_up_without_a_checkpoint_starts_again_with_any_settings(tmp_path)
     stopped_half_way(out, *SFT_ARGS)
     shutil.rmtree(out / "checkpoints" / "sft" / "step_1")
     validate(out, *SFT_ARGS, "--sft.args.optim.lr", "0.5")
+
+
+def test_a_warm_up_that_cannot_resume_as_asked_is_refused_before_anything_starts(tmp_path):
+    # gyre sft refused these only once gyre rl had started Redis (the run failed: "sft failed with status 2")
+    out = tmp_path / "run"
+    stopped_half_way(out, *SFT_ARGS)
+    (out / "checkpoints" / "sft" / "step_1").rename(out / "checkpoints" / "sft" / "step_3")  # past max_steps 2
+    for argv, key, said in [
+        ([], "sft.args.max_steps", "training resumes from checkpoint step 3 in"),
+        (["--sft.args.ckpt.resume-step", "1"], "sft.args.ckpt.resume_step", "no SFT checkpoint of step 1 in"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            validate(out, *SFT_ARGS, *argv)
+        assert str(e.value).startswith(f"config key '{key}': {said}"), e.value
+    validate(out, *SFT_ARGS, "--sft.args.max-steps", "4")
+    validate(out, *SFT_ARGS, "--sft.args.ckpt.resume-step", "0")  # from the base model

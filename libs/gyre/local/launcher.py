@@ -58,8 +58,7 @@ from gyre.local.runs import (
 )
 from gyre.proc import Child
 from gyre.runlock import LockHeld, RunLock
-from gyre.runstate import CHECKPOINT_COMPLETE, forget_rewinds
-from gyre.steps import StepEntries
+from gyre.runstate import SFT_CHECKPOINTS, forget_rewinds, sft_checkpoints, sft_resume_problem
 
 log = logging.getLogger("gyre.local.launcher")
 
@@ -81,8 +80,6 @@ MODEL_INIT_RECORD = "configs/model-init.toml"
 SFT_FREE_KEYS = ("run_id", "output_dir", "save_dir", "log", "wandb", "ckpt")
 # ... and of a warm-up stopped half way, which the re-run resumes from its checkpoint: how far it goes.
 SFT_FREE_KEYS_IN_PROGRESS = ("max_steps", "epochs")
-# Where `gyre sft` checkpoints under `output_dir` (gyre_trainer.sft), complete ones holding CHECKPOINT_COMPLETE.
-SFT_CHECKPOINTS = Path("checkpoints") / "sft"
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's orchestrator finishes its current step on SIGTERM
 STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL of a child that saves nothing when it stops (trainer, SFT: _stop_timeout)
 
@@ -234,6 +231,12 @@ class Launcher:
                 except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
                     raise ConfigError(f"config key 'sft.args.data.env': {e}") from None
         self._refuse_ignored_settings(sft if cfg.sft.enabled else None)
+        # the warm-up's own refusal came after Redis had started (the run failed: "sft failed with status 2")
+        reused = (self.out / "sft" / "config.json").exists() and not cfg.fresh
+        if cfg.sft.enabled and not reused:
+            have = [] if cfg.fresh else sft_checkpoints(self.out)
+            if problem := sft_resume_problem(sft.ckpt.resume_step, have, sft.max_steps, self.out / SFT_CHECKPOINTS):
+                raise ConfigError(f"config key 'sft.args.{problem[0]}': {problem[1]}")
         for server in cfg.servers:
             try:
                 # the server's own key, and no advice to set model.init_preset (the policy's alone)
@@ -281,11 +284,7 @@ class Launcher:
         if sft is None:
             return
         finished = (self.out / "sft" / "config.json").exists()
-        in_progress = (
-            not finished
-            and sft.ckpt.resume_step != 0
-            and bool(StepEntries(self.out / SFT_CHECKPOINTS, marker=CHECKPOINT_COMPLETE).steps())
-        )
+        in_progress = not finished and sft.ckpt.resume_step != 0 and bool(sft_checkpoints(self.out))
         old = read("configs/sft.toml") if finished or in_progress else None
         if old is None:
             return

@@ -468,22 +468,12 @@ def run(cfg: SFTConfig) -> int:
 
 
 def check_resume(cfg: SFTConfig, steps: list[int], total: int, ckpt_dir: Path) -> None:
-    """SFTDataError naming the key, before the model loads, when the checkpoint training would resume from does not
-    exist (a traceback after loading, exit 1) or is past `total`: the loop had nothing to train and saved that
-    checkpoint's weights as the result of step `total` (`--max-steps 2` after checkpoints 3 and 4 gave step 4's)."""
-    asked = cfg.ckpt.resume_step
-    if asked is not None and asked > 0 and asked not in steps:
-        raise SFTDataError(f"config key 'ckpt.resume_step': no SFT checkpoint of step {asked} in {ckpt_dir} "
-                           f"(have {steps or 'none'})")  # fmt: skip
-    if asked == -1 and not steps:
-        raise SFTDataError(f"config key 'ckpt.resume_step': -1 resumes from a checkpoint, and {ckpt_dir} has none")
-    start = asked if asked is not None and asked >= 0 else max(steps, default=0)
-    if start > total:
-        raise SFTDataError(
-            f"config key 'max_steps': training resumes from checkpoint step {start} (in {ckpt_dir}), past max_steps "
-            f"{total}: the result would hold step {start}'s weights; raise max_steps, or rewind to a checkpoint at "
-            f"or before it with ckpt.resume_step (have {steps})"
-        )
+    """SFTDataError naming the key, before the model loads, when training cannot resume as asked
+    (`gyre.runstate.sft_resume_problem`)."""
+    from gyre.runstate import sft_resume_problem
+
+    if (problem := sft_resume_problem(cfg.ckpt.resume_step, steps, total, ckpt_dir)) is not None:
+        raise SFTDataError(f"config key '{problem[0]}': {problem[1]}")
 
 
 def stop_requested(ctx) -> bool:
