@@ -157,6 +157,21 @@ def test_wrong_type_names_key_and_value():
     assert "server.port" in str(e.value) and "eighty" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--optim.betas", "[0.9,"], "config key 'optim.betas': cannot parse '[0.9,' as JSON"),
+        (["--data.env-args", "{seed: 1}"], "config key 'data.env_args': cannot parse '{seed: 1}' as JSON"),
+        (["--data.env-args", "{bad", "json}"], "quoted for the shell: --data.env-args '{\"a\": 1}'"),  # unquoted
+    ],
+)
+def test_a_list_or_table_that_does_not_parse_names_the_key(argv, said):
+    # "cannot parse value '{seed: 1}': Expected '=' after a key": no option named, TOML's reason for a JSON value
+    with pytest.raises(ConfigError) as e:
+        load_config(SFTConfig, argv)
+    assert str(e.value).startswith("config key '") and said in str(e.value), e.value
+
+
 def test_bad_env_value_names_key(monkeypatch):
     monkeypatch.setenv("GYRE_DATA__SEQ_LEN", "long")
     with pytest.raises(ConfigError, match=r"data\.seq_len"):

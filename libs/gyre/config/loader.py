@@ -164,7 +164,7 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def _cli_value(raw: str) -> Any:
+def _cli_value(raw: str, name: str) -> Any:
     # Scalars stay strings so pydantic coerces them to the field's type ("3" -> 3, "true" -> True);
     # only structured literals are parsed here.
     if raw.lower() in ("none", "null"):
@@ -172,11 +172,17 @@ def _cli_value(raw: str) -> Any:
     if raw[:1] in "[{":
         try:
             return json.loads(raw)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as json_error:
             try:
                 return tomllib.loads(f"v = {raw}")["v"]
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"cannot parse value {raw!r}: {e}") from e
+            except tomllib.TOMLDecodeError:
+                # the key, and JSON's reason: the message named neither the option nor what was expected, and
+                # TOML's reason ("Expected '=' after a key") misled, as the docs ask for JSON
+                key, example = name.replace("-", "_"), "[1, 2]" if raw[0] == "[" else '{"a": 1}'
+                raise ConfigError(
+                    f"config key '{key}': cannot parse {raw!r} as JSON ({json_error}); lists and tables are JSON, "
+                    f"quoted for the shell: --{name} '{example}'"
+                ) from None
     return raw
 
 
@@ -269,7 +275,7 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
             raw, i = nxt, i + 2
         else:
             i += 1
-        _set_nested(cli, name, _cli_value(raw))
+        _set_nested(cli, name, _cli_value(raw, name))
     return deep_merge(files, cli)
 
 
