@@ -172,6 +172,14 @@ def test_a_list_or_table_that_does_not_parse_names_the_key(argv, said):
     assert str(e.value).startswith("config key '") and said in str(e.value), e.value
 
 
+def test_a_list_entry_set_by_a_dotted_option_says_how_a_list_is_set():
+    # "config key 'servers': Input should be a valid list", with nothing on what to write instead
+    with pytest.raises(ConfigError) as e:
+        load_config(OrchestratorConfig, ["--judges.0.url", "http://x"])
+    assert str(e.value).startswith("config key 'judges': Input should be a valid list; dotted options set table keys")
+    assert "--judges '[...]' (JSON)" in str(e.value)
+
+
 def test_bad_env_value_names_key(monkeypatch):
     monkeypatch.setenv("GYRE_DATA__SEQ_LEN", "long")
     with pytest.raises(ConfigError, match=r"data\.seq_len"):

@@ -360,6 +360,9 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
             name, sep, why = msg.removeprefix("Value error, ").partition(": ")
             if sep and name in known:
                 key, msg = name, why
+        elif e["type"] == "list_type" and isinstance(e.get("input"), dict):
+            # `--servers.0.model x`: dotted options build tables, never list entries; say how a list is written
+            msg += f"; dotted options set table keys, not list entries: set the whole list, --{key} '[...]' (JSON)"
         elif "input" in e and not isinstance(e["input"], dict):
             msg += f" (got {e['input']!r})"
             if e["type"] == "list_type" and isinstance(e["input"], str):  # `--inference.urls URL`
