@@ -232,6 +232,14 @@ class Serving:
         # requested 0 (echo alone, scoring a prompt): a prompt may fill the context, as in OpenAI; the engine
         # samples one token from the last position's logits and the choice drops it (nothing is written past it)
         wanted = prompt_len + (1 if requested is None else requested)
+        if wanted > limit and requested is None:  # no completion asked for: the prompt alone fills the context
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len} tokens "
+                f"in the {param}, which leaves no room for the completion. Please reduce the length of the {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
         if wanted > limit:
             asked = wanted - prompt_len
             raise APIError(

@@ -192,9 +192,12 @@ def test_prompts_too_long_for_the_context(http, model_id):
     assert_error(http.post("/v1/completions", json={"model": model_id, "prompt": [5] * 300, "max_tokens": None}), 400,
                  code="context_length_exceeded")  # fmt: skip
     long_chat = {"model": model_id, "messages": [{"role": "user", "content": "word " * 400}]}
-    assert_error(
+    error = assert_error(
         http.post("/v1/chat/completions", json=long_chat), 400, param="messages", code="context_length_exceeded"
     )
+    # no max_tokens given: the message is about the prompt alone (it said "1 in the completion", asked of nobody)
+    assert "maximum context length is 256 tokens" in error["message"] and "in the completion" not in error["message"]
+    assert "in the messages, which leaves no room for the completion" in error["message"], error
     assert_error(http.post("/v1/completions", json={"model": model_id, "prompt": ""}), 400, param="prompt")
     assert_error(http.post("/v1/completions", json={"model": model_id, "prompt": [5, 99999]}), 400, param="prompt")
     assert_error(http.post("/detokenize", json={"tokens": [99999]}), 400, param="tokens")
