@@ -614,6 +614,17 @@ def test_a_runs_own_rewind_is_where_its_progress_starts(tmp_path):
     assert Launcher(cfg)._start_step(alpha, 9) == 3 and Launcher(cfg)._start_step(beta, 9) == 9
 
 
+def test_gyre_report_out_into_a_new_folder_or_an_unknown_format(tmp_path):
+    # --out reports/run1.png (a folder not made yet) and --out report.txt were tracebacks
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "trainer_steps.jsonl").write_text(json.dumps({"step": 1, "num_tokens": 5, "time": 1.0}))
+    made = gyre("report", str(tmp_path), "--out", str(tmp_path / "reports" / "run1.png"))
+    assert made.returncode == 0 and (tmp_path / "reports" / "run1.png").is_file(), made.stderr[-2000:]
+    bad = gyre("report", str(tmp_path), "--out", str(tmp_path / "report.txt"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert bad.stderr.startswith(f"gyre report: error: --out {tmp_path / 'report.txt'}: Format 'txt' is not supported")
+
+
 def test_a_finished_runs_summary_shows_no_wall_time_of_its_own(tmp_path):
     # the launch that found the run finished printed "wall time 0.0 min" for a run of many minutes
     out = tmp_path / "run"

@@ -234,5 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.output_dir / "events").is_dir():
         parser.error(f"{args.output_dir} has no events/ folder: not a gyre run output")
-    print(summarize(args.output_dir) if args.out is None else draw(args.output_dir, args.out))
+    try:
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)  # `--out reports/run1.png`: a traceback without it
+        print(summarize(args.output_dir) if args.out is None else draw(args.output_dir, args.out))
+    except OSError as e:  # a read-only run folder, a file where a folder should be
+        parser.exit(2, f"gyre report: error: cannot write {e.filename or args.out}: {e.strerror or e}\n")
+    except ValueError as e:  # matplotlib: `--out report.txt` ("Format 'txt' is not supported")
+        parser.exit(2, f"gyre report: error: --out {args.out}: {e}\n")
     return 0
