@@ -231,25 +231,8 @@ class Serving:
             raise APIError(400, "the prompt is empty", param=param)
         # requested 0 (echo alone, scoring a prompt): a prompt may fill the context, as in OpenAI; the engine
         # samples one token from the last position's logits and the choice drops it (nothing is written past it)
-        wanted = prompt_len + (1 if requested is None else requested)
-        if wanted > limit and requested is None:  # no completion asked for: the prompt alone fills the context
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len} tokens "
-                f"in the {param}, which leaves no room for the completion. Please reduce the length of the {param}.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if wanted > limit:
-            asked = wanted - prompt_len
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
-                f"({prompt_len} in the {param}, {asked} in the completion). Please reduce the length "
-                f"of the {param} or completion.",
-                param=param,
-                code="context_length_exceeded",
-            )
+        if prompt_len + (1 if requested is None else requested) > limit:
+            raise context_exceeded(limit, prompt_len, requested, param)
         if requested == 0:
             return 1
         return requested if requested is not None else limit - prompt_len
@@ -583,6 +566,20 @@ async def unless_client_gone(work: Awaitable, client_gone):
     work.cancel()
     await asyncio.gather(work, return_exceptions=True)
     raise ClientGone
+
+
+def context_exceeded(limit: int, prompt_len: int, requested: int | None, param: str) -> APIError:
+    """The 400 of a prompt (`param`) plus the `requested` completion tokens over the context `limit`; requested None
+    (no max_tokens: the rest of the context) means the prompt alone leaves no room. "maximum context length is L
+    tokens" is what clients (and the orchestrator) read."""
+    if requested is None:
+        detail = f"{prompt_len} tokens in the {param}, which leaves no room for the completion. Please reduce the "
+        detail += f"length of the {param}."
+    else:
+        detail = f"{prompt_len + requested} tokens ({prompt_len} in the {param}, {requested} in the completion). "
+        detail += f"Please reduce the length of the {param} or completion."
+    return APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {detail}",
+                    param=param, code="context_length_exceeded")  # fmt: skip
 
 
 async def all_or_none(*aws: Awaitable) -> list:

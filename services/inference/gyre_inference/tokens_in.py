@@ -47,6 +47,7 @@ from gyre_inference.serving import (
     all_or_none,
     backend_failure,
     client_gone,
+    context_exceeded,
     unless_client_gone,
 )
 from gyre_inference.strict import ParamError, StrictModel
@@ -155,14 +156,7 @@ def add_generate_route(app: FastAPI, state) -> None:
         limit = state.backend.max_model_len
         max_tokens = sp.max_tokens if sp.max_tokens is not None else limit - len(prompt)
         if max_tokens < 1 or len(prompt) + max_tokens > limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt) + max(max_tokens, 1)} tokens ({len(prompt)} in the token_ids, {max(max_tokens, 1)} "
-                "in the completion). Please reduce the length of the token_ids or completion.",
-                param="token_ids",
-                code="context_length_exceeded",
-            )
+            raise context_exceeded(limit, len(prompt), sp.max_tokens, "token_ids")
         # out of vocabulary: a 400, not a failed engine step for the whole batch (as on the OpenAI routes)
         stops = set(state.text.check_ids(sp.stop_token_ids or [], "sampling_params.stop_token_ids"))
         stops |= set() if sp.ignore_eos else set(state.text.eos_token_ids)

@@ -93,6 +93,16 @@ def test_bad_requests_name_the_field(server, model_id, body, status, param):
     assert error["param"] == param, error
 
 
+def test_a_prompt_over_the_context_is_a_400_that_says_how_it_is_over(server, model_id):
+    """As on the OpenAI routes: with max_tokens, prompt + completion; without, the prompt alone (it said "1 in the
+    completion", a size nobody asked for)."""
+    asked = generate(server, expect=400, model=model_id, token_ids=[5] * 200, sampling_params={"max_tokens": 100})
+    assert "you requested 300 tokens (200 in the token_ids, 100 in the completion)" in asked["error"]["message"]
+    alone = generate(server, expect=400, model=model_id, token_ids=[5] * 256)["error"]
+    assert alone["code"] == "context_length_exceeded" and "maximum context length is 256 tokens" in alone["message"]
+    assert "you requested 256 tokens in the token_ids, which leaves no room" in alone["message"], alone
+
+
 def test_in_the_openapi_schema(server):
     schema = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     operation = schema["paths"]["/inference/v1/generate"]["post"]
