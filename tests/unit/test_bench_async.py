@@ -12,7 +12,7 @@ from gyre.local.bench_async import ROOT_CONFIG, parse_args
 
 def test_own_options_after_the_config_are_not_passed_on():
     args, extra = parse_args(["exp.toml", "--output-dir", "runs", "--max-steps", "5", "--levels", "0,2"])
-    assert (args.config, args.output_dir, args.max_steps, args.levels) == ("exp.toml", Path("runs"), 5, [0, 2])
+    assert (args.config, args.output_dir, args.max_steps, args.levels) == (["exp.toml"], Path("runs"), 5, [0, 2])
     assert extra == []
 
 
@@ -24,7 +24,26 @@ def test_unknown_options_and_everything_after_a_double_dash_go_to_gyre_rl():
 
 def test_defaults():
     args, extra = parse_args([])
-    assert args.config == str(ROOT_CONFIG) and args.output_dir is None and extra == []
+    assert args.config == [str(ROOT_CONFIG)] and args.output_dir is None and extra == []
+
+
+def test_the_experiment_is_given_as_every_command_takes_it_and_an_options_value_is_no_file():
+    # `@ exp.toml` was passed on as a config file named '@'; `--trainer.optim.lr 1` gave the file "1"
+    args, extra = parse_args(["@", "a.toml", "@b.toml", "--trainer.optim.lr", "1", "--levels", "0", "--fresh"])
+    assert args.config == ["a.toml", "b.toml"] and args.levels == [0]
+    assert extra == ["--trainer.optim.lr", "1", "--fresh"]
+
+
+def test_a_mistake_in_the_experiment_or_the_options_passed_on_stops_it_before_any_run(tmp_path, monkeypatch, capsys):
+    # they failed only when the first run started, a level's after the other levels' runs had been made
+    monkeypatch.setattr(bench_async.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    for argv, said in [
+        (["--trainer.optim.lrr", "1"], "config key 'trainer.optim.lrr': unknown key"),
+        (["@", str(tmp_path / "nope.toml")], "config file not found"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            bench_async.main([*argv, "--output-dir", str(tmp_path / "runs")])
+        assert str(e.value.code).startswith("gyre bench async: error: ") and said in str(e.value.code), e.value.code
 
 
 @pytest.mark.parametrize(
@@ -83,10 +102,10 @@ def test_each_run_starts_over_and_a_ctrl_c_lets_gyre_rl_stop_its_services(tmp_pa
     monkeypatch.setattr(bench_async, "measure", lambda out: {"out": out})
     monkeypatch.setattr(bench_async.subprocess, "Popen", FakeRl)
     FakeRl.made.clear()
-    assert bench_async.run_level("exp.toml", 1, 5, tmp_path / "async1", []) == {"out": tmp_path / "async1"}
+    assert bench_async.run_level(["exp.toml"], 1, 5, tmp_path / "async1", []) == {"out": tmp_path / "async1"}
     assert "--fresh" in FakeRl.made[0].cmd
     # Ctrl-C: subprocess.run SIGKILLed gyre rl, whose services died as in a crash while the temp folder was deleted
     monkeypatch.setattr(bench_async.subprocess, "Popen", lambda cmd, **kw: FakeRl(cmd, interrupt=True))
     with pytest.raises(KeyboardInterrupt):
-        bench_async.run_level("exp.toml", 1, 5, tmp_path / "async1", [])
+        bench_async.run_level(["exp.toml"], 1, 5, tmp_path / "async1", [])
     assert FakeRl.made[1].signals == [signal.SIGINT] and not FakeRl.made[1].killed

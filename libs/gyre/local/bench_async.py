@@ -1,9 +1,10 @@
 """`gyre bench async`: the same short run with max_async_level 0 and 1, side by side.
 
-    gyre bench async [configs/ci.toml] [--max-steps 8] [--levels 0,1] [--output-dir D] [-- gyre rl options]
+    gyre bench async [@ configs/ci.toml ...] [--max-steps 8] [--levels 0,1] [--output-dir D] [-- gyre rl options]
 
 Options this command does not know (`--trainer.device cuda`) go to every `gyre rl` run, wherever they
-stand; everything after `--` goes there too.
+stand; everything after `--` goes there too. The experiment (`@ file`, several merged as by `gyre rl`; a bare
+path also works) and those options are checked as `gyre rl` checks them before any run.
 
 Prints, per level, the steady-state step time (wall time between trainer steps, first step
 excluded: it includes start-up), and the idle fraction of the trainer and of inference; then the
@@ -64,13 +65,16 @@ def measure(output_dir: Path) -> dict[str, float]:
     }
 
 
-def run_level(config: str, level: int, max_steps: int, out: Path, extra: list[str]) -> dict[str, float]:
+def _rl_argv(configs: list[str], level: int, max_steps: int, out: Path, extra: list[str]) -> list[str]:
     # --fresh: a benchmark measures a run from its start; in a kept --output-dir the previous benchmark's finished
     # run was "already finished" and its old event logs were reported as this benchmark's numbers
-    cmd = [
-        sys.executable, "-m", "gyre.cli", "rl", "@", config, "--output-dir", str(out), "--max-steps", str(max_steps),
-        "--orchestrator.max-async-level", str(level), "--fresh", *extra,
-    ]  # fmt: skip
+    files = [arg for config in configs for arg in ("@", config)]
+    return [*files, "--output-dir", str(out), "--max-steps", str(max_steps),
+            "--orchestrator.max-async-level", str(level), "--fresh", *extra]  # fmt: skip
+
+
+def run_level(configs: list[str], level: int, max_steps: int, out: Path, extra: list[str]) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "gyre.cli", "rl", *_rl_argv(configs, level, max_steps, out, extra)]
     print(f"$ {' '.join(cmd)}", flush=True)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
@@ -111,14 +115,44 @@ def _steps(text: str) -> int:
     return steps
 
 
+OWN_OPTIONS = ("--max-steps", "--levels", "--output-dir")
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(experiment files, this command's options, options to pass on), each option with its value. An unknown
+    option's value was taken for the experiment file (`--trainer.optim.lrr 1`: "config file not found: 1"), and
+    `@ file`, as every other command takes it, was passed on as a file named '@'."""
+    files, own, passed = [], [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "@" or arg.startswith("@"):
+            path = arg[1:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            files.append(path)
+            i += 1 if arg != "@" else 2
+            continue
+        if not arg.startswith("-"):
+            files.append(arg)  # a bare path (this command's positional, before `@`)
+            i += 1
+            continue
+        takes_value = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith(("-", "@"))
+        if arg in ("-h", "--help"):
+            takes_value = False
+        target = own if arg.split("=", 1)[0] in (*OWN_OPTIONS, "-h", "--help") else passed
+        target += argv[i : i + 1 + takes_value]
+        i += 1 + takes_value
+    return files, own, passed
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This command's options (anywhere before `--`) and the `gyre rl` options to pass on."""
     p = argparse.ArgumentParser(
         prog="gyre bench async",
+        usage="gyre bench async [@ config.toml ...] [--max-steps N] [--levels 0,1] [--output-dir D] [gyre rl options]",
         description=__doc__.splitlines()[0],
         epilog="Unknown options, and everything after `--`, are passed to each `gyre rl` run.",
     )
-    p.add_argument("config", nargs="?", default=str(ROOT_CONFIG), help="Experiment file (default: configs/ci.toml).")
+    p.add_argument("config", nargs="*", help="Experiment files, as `@ file.toml` (default: configs/ci.toml).")
     p.add_argument("--max-steps", type=_steps, default=8, help="RL steps per run, >= 3 (default 8).")
     p.add_argument(
         "--levels", type=_levels, default=[0, 1], help="Comma-separated max_async_level values (default 0,1)."
@@ -129,9 +163,29 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=None,
         help="Keep the runs here, in async<k>/ (default: a temp folder); each is started over (gyre rl --fresh).",
     )
-    own, passed_on = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    args, unknown = p.parse_known_args(own)
-    return args, unknown + passed_on
+    before, after = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    files, own, passed = _split(before)
+    args = p.parse_args(own)
+    if "" in files:
+        p.error("'@' must be followed by a TOML file path")
+    args.config = files or [str(ROOT_CONFIG)]
+    return args, passed + after
+
+
+def check(args: argparse.Namespace, extra: list[str], base: Path) -> None:
+    """Every level's `gyre rl` run checked as it checks itself before anything starts: a missing file or a mistyped
+    key failed only when the first run started (`@ file` was even passed on as a file named '@'), and a kept
+    --output-dir's folder that --fresh refuses only after the other levels' runs had been made."""
+    from gyre.config import ConfigError, load_config
+    from gyre.config.rl import RLConfig
+    from gyre.local.launcher import Launcher
+
+    for level in args.levels:
+        try:
+            rl_argv = _rl_argv(args.config, level, args.max_steps, base / f"async{level}", extra)
+            Launcher(load_config(RLConfig, rl_argv)).validate()
+        except ConfigError as e:
+            raise SystemExit(f"gyre bench async: error: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = args.levels
     with tempfile.TemporaryDirectory(prefix="gyre-bench-async-") as tmp:
         base = args.output_dir or Path(tmp)
+        check(args, extra, base)
         results = {k: run_level(args.config, k, args.max_steps, base / f"async{k}", extra) for k in levels}
     print(
         f"\n{'max_async_level':>16} {'step s':>8} {'train s':>8} {'gen s':>8} {'trainer idle':>13} {'infer idle':>11}"
