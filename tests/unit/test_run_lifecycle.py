@@ -382,6 +382,20 @@ def test_a_misspelt_gyre_rl_environment_variable_is_refused_naming_it(tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("command", "variable", "key"),
+    [(["rl", "@", str(CI_CONFIG)], "GYRE_TRAINER__OPTIM__LRR", "trainer.optim.lrr"),
+     (["rl", "@", str(CI_CONFIG)], "GYRE_SFT__ARGS__MAX_STEPZ", "sft.args.max_stepz"),
+     (["trainer"], "GYRE_OPTIM__LRR", "optim.lrr")],
+)  # fmt: skip
+def test_a_key_misspelt_below_a_section_by_an_environment_variable_names_the_variable(tmp_path, command, variable, key):
+    # the section's "unknown key" error named the key alone: the user looked for it in their command line and files
+    res = gyre(*command, "--output-dir", str(tmp_path / "run"), env={variable: "1"})
+    assert res.returncode == 2 and f"error: config key '{key}': unknown key" in res.stderr, res.stderr[-2000:]
+    assert f"(set by the environment variable {variable})" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_gyre_variables_that_are_no_config_key_are_left_alone():
     from gyre.config.loader import check_environment_keys
 

@@ -403,6 +403,20 @@ def check_environment_keys(cls: type[BaseModel], environ: typing.Mapping[str, st
         )
 
 
+def name_environment_variables(message: str, environ: typing.Mapping[str, str]) -> str:
+    """`message` with each `config key 'a.b'` line that an environment variable `GYRE_A__B` sets saying so: a typo
+    below a section (`GYRE_TRAINER__OPTIM__LRR`) is the section's own "unknown key" error, which named the key alone,
+    and the user looked for it in their command line and files."""
+    names = {name.upper(): name for name in environ if name.upper().startswith(ENV_PREFIX)}
+
+    def named(line: str) -> str:
+        found = re.match(r"config key '([\w.]+)'", line)
+        var = names.get(ENV_PREFIX + found.group(1).replace(".", "__").upper()) if found else None
+        return f"{line} (set by the environment variable {var})" if var and var not in line else line
+
+    return "\n".join(named(line) for line in message.split("\n"))
+
+
 def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -> T:
     """Build ``cls`` from argv (CLI + TOML), the environment and defaults. Raises ConfigError."""
     values = deep_merge(collect(list(argv or []), cls), overrides)
@@ -495,7 +509,7 @@ def parse_or_exit(cls: type[T], argv: list[str] | None, prog: str, summary: str 
             sys.stdout = None
         raise SystemExit(0) from None
     except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {name_environment_variables(str(e), os.environ)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
-from gyre.config.loader import dump_toml, under_section
+from gyre.config.loader import dump_toml, name_environment_variables, under_section
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
@@ -701,6 +701,7 @@ def _consume_rl_environment() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_or_exit(RLConfig, argv, "gyre rl")  # a misspelt GYRE_ variable too (RLConfig.check_environment)
+    environ = dict(os.environ)  # as the user set it: an error names the variable that set its key
     _consume_rl_environment()  # before the services' configs are validated and their processes started
     from gyre.logging import setup_logging
 
@@ -725,8 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         code = launcher.run()
-    except ConfigError as e:
-        print(f"gyre rl: error: {e}", file=sys.stderr)
+    except ConfigError as e:  # a service's key set by GYRE_TRAINER__...: its error names the variable too
+        print(f"gyre rl: error: {name_environment_variables(str(e), environ)}", file=sys.stderr)
         code = 2
     except LockHeld as e:
         print(f"gyre rl: error: {e}", file=sys.stderr)
