@@ -291,6 +291,16 @@ def test_setting_a_checkpoint_or_sft_key_turns_the_section_on_unless_it_is_turne
     sft.write_text("[sft.args]\nmax_steps = 3\n")
     assert load_config(RLConfig, ["@", str(sft)]).sft.enabled
     assert not load_config(RLConfig, ["@", str(sft), "--sft.enabled", "false"]).sft.enabled
+    # a bare --sft, as a bare --ckpt: "Input should be a valid dictionary or instance of SFTWarmupConfig (got 'true')"
+    assert (
+        load_config(RLConfig, ["--sft"]).sft.enabled
+        and load_config(RLConfig, ["--sft", "--max-steps", "2"]).sft.enabled
+    )
+    assert load_config(RLConfig, ["@", str(sft), "--sft"]).sft.args == {"max_steps": 3}
+    ckpt = tmp_path / "ckpt.toml"  # a file's section and a bare flag: the flag replaced the table
+    ckpt.write_text("[ckpt]\nenabled = false\ninterval = 5\n")
+    assert load_config(RLConfig, ["@", str(ckpt), "--ckpt"]).ckpt.model_dump(include={"enabled", "interval"}) == {
+        "enabled": True, "interval": 5}  # fmt: skip
 
 
 def test_contradicting_batch_split_is_refused(tmp_path):

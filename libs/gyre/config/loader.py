@@ -159,6 +159,9 @@ def deep_merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = deep_merge(out[key], value)
+        elif isinstance(value, BareFlag) and isinstance(out.get(key), dict):
+            # `@ exp.toml --ckpt` turns the file's [ckpt] on; it replaced the table (its interval went back to 1)
+            out[key] = {**out[key], "enabled": True}
         else:
             out[key] = value
     return out

@@ -59,7 +59,8 @@ class RLCkptConfig(Section):
 class SFTWarmupConfig(Section):
     enabled: bool = Field(
         False,
-        description="Run `gyre sft` before RL and start RL from its result (setting sft.args also enables it).",
+        description="Run `gyre sft` before RL and start RL from its result (a bare --sft, or setting sft.args, "
+        "enables it).",
     )
     args: dict[str, Any] = Field(
         default_factory=dict, description="Keys of `gyre sft` (see `gyre sft --help`), e.g. {max_steps = 300}."
@@ -164,10 +165,11 @@ class RLConfig(GyreSettings):
             raise ValueError(f"{kind} names must differ: {sorted({n for n in names if names.count(n) > 1})} repeat")
         return entries
 
-    @field_validator("ckpt", mode="before")
+    @field_validator("ckpt", "sft", mode="before")
     @classmethod
-    def _bare_ckpt_flag(cls, value: Any) -> Any:
-        # PRIME-RL style: `--ckpt` alone turns checkpointing on with defaults.
+    def _bare_section_flag(cls, value: Any, info) -> Any:
+        # PRIME-RL style: `--ckpt` alone turns checkpointing on with defaults; `--sft` alone the warm-up (it was
+        # "Input should be a valid dictionary or instance of SFTWarmupConfig (got 'true')")
         if isinstance(value, bool | str) and str(value).lower() in ("true", "false"):
             return {"enabled": str(value).lower() == "true"}
-        return _enabled_by(("interval", "keep_last"), value)
+        return _enabled_by(("interval", "keep_last"), value) if info.field_name == "ckpt" else value
