@@ -180,6 +180,21 @@ def test_a_list_entry_set_by_a_dotted_option_says_how_a_list_is_set():
     assert "--judges '[...]' (JSON)" in str(e.value)
 
 
+def test_a_bare_section_flag_turns_on_a_section_with_enabled_and_is_refused_for_one_without(tmp_path):
+    # only ckpt's and sft's validators took a bare flag: `--wandb` and `gyre trainer --ckpt` failed with "Input should
+    # be a valid dictionary or instance of WandbConfig (got 'true')"
+    from gyre.config.rl import RLConfig
+
+    assert load_config(RLConfig, ["--wandb"]).wandb.enabled
+    assert load_config(SFTConfig, ["--wandb", "--wandb.project", "p", "--data.fake"]).wandb.enabled
+    for cls, argv, key in [(TrainerConfig, ["--ckpt"], "ckpt"), (RLConfig, ["--log"], "log"),
+                           (TrainerConfig, ["@", str(write(tmp_path, "t.toml", "[ckpt]\ninterval = 2\n")), "--ckpt"],
+                            "ckpt")]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config(cls, argv)
+        assert str(e.value).startswith(f"config key '{key}': a section, not an on/off option"), e.value
+
+
 def test_bad_env_value_names_key(monkeypatch):
     monkeypatch.setenv("GYRE_DATA__SEQ_LEN", "long")
     with pytest.raises(ConfigError, match=r"data\.seq_len"):

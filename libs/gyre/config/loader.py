@@ -160,8 +160,9 @@ def deep_merge(base: dict, override: dict) -> dict:
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = deep_merge(out[key], value)
         elif isinstance(value, BareFlag) and isinstance(out.get(key), dict):
-            # `@ exp.toml --ckpt` turns the file's [ckpt] on; it replaced the table (its interval went back to 1)
-            out[key] = {**out[key], "enabled": True}
+            # `@ exp.toml --ckpt` turns the file's [ckpt] on; it replaced the table (its interval went back to 1).
+            # Still a BareFlag: check_bare_flags refuses it for a section without `enabled`
+            out[key] = {**out[key], "enabled": value}
         else:
             out[key] = value
     return out
@@ -316,16 +317,25 @@ def _list_entry_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def check_bare_flags(model: type[BaseModel], values: dict, prefix: str = "") -> None:
-    """A bare `--flag` sets an on/off option (or a section's `enabled`, which the section's validator
-    takes); any other option needs a value. Raises ConfigError naming the key."""
-    for name, value in values.items():
+    """A bare `--flag` sets an on/off option, or turns on a section that has `enabled` (`--ckpt`, `--wandb`:
+    only the sections whose validator took it did, the others failed with "Input should be a valid dictionary");
+    any other option needs a value. Raises ConfigError naming the key."""
+    for name, value in list(values.items()):
         field = model.model_fields.get(name)
         if field is None:
             continue  # unknown keys are pydantic's error, with its suggestion
         sub = _model_type(field.annotation)
         if sub is not None:
+            bare = isinstance(value, BareFlag) or (
+                isinstance(value, dict) and isinstance(value.get("enabled"), BareFlag)
+            )
+            if bare and "enabled" not in sub.model_fields:
+                raise ConfigError(f"config key '{prefix}{name}': a section, not an on/off option: set one of its "
+                                  "keys instead (`--help` lists them)")  # fmt: skip
             if isinstance(value, dict):
                 check_bare_flags(sub, value, f"{prefix}{name}.")
+            elif bare:
+                values[name] = {"enabled": True}
             continue
         annotation = field.annotation
         if (
