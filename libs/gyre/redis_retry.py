@@ -11,14 +11,19 @@ XADD of a batch (a duplicate entry of a step is acked and skipped by the trainer
 
 - `call_with_retry` (threads, the trainer's intake): sleeps in short slices and raises `Stopped`
   as soon as `should_stop()` is true, so SIGTERM is honoured during an outage too.
-- `acall_with_retry` (asyncio, the orchestrator): runs the call in a worker thread and waits with
-  `asyncio.sleep`, so cancelling the task (SIGTERM) stops it at once.
+- `acall_with_retry` (asyncio, the orchestrator): runs the call in a daemon thread of its own and waits
+  with `asyncio.sleep`, so cancelling the task (SIGTERM) stops it at once, and the process exits at once
+  too: a call blocked on a Redis that does not answer (frozen, cut off by the network) is left to its
+  thread. In `asyncio.to_thread`'s executor, `asyncio.run` waited for it on the way out, up to the
+  client's `socket_timeout` (30 s for the orchestrator's), beyond a pod's or `gyre rl`'s stop grace.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -87,6 +92,32 @@ def call_with_retry(
             delay = min(delay * 2, max_s)
 
 
+def _in_daemon_thread(op: Callable[[], T]) -> asyncio.Future[T]:
+    """`op()` in a daemon thread of its own; its outcome as a future of the running loop. Nothing waits for the
+    thread at exit (an executor's worker is joined by `asyncio.run` and by the interpreter)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: BaseException | None, value: T | None) -> None:
+        if future.done():  # the caller was cancelled meanwhile
+            return
+        if outcome is None:
+            future.set_result(value)
+        else:
+            future.set_exception(outcome)
+
+    def run() -> None:
+        try:
+            value, outcome = op(), None
+        except BaseException as e:  # handed to the caller, whatever it is
+            value, outcome = None, e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this call any more
+            loop.call_soon_threadsafe(settle, outcome, value)
+
+    threading.Thread(target=run, name="redis-call", daemon=True).start()
+    return future
+
+
 async def acall_with_retry(
     op: Callable[[], T],
     *,
@@ -95,11 +126,11 @@ async def acall_with_retry(
     initial_s: float = 0.5,
     max_s: float = 30.0,
 ) -> T:
-    """`await asyncio.to_thread(op)` until Redis answers; cancellable; `RedisUnavailable` after `deadline_s`."""
+    """`op()` in a daemon thread until Redis answers; cancellable; `RedisUnavailable` after `deadline_s`."""
     start, delay = time.monotonic(), initial_s
     while True:
         try:
-            return await asyncio.to_thread(op)
+            return await _in_daemon_thread(op)
         except redis.AuthenticationError as e:
             raise _refused(what, e) from e
         except RETRYABLE as e:
