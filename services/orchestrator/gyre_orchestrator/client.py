@@ -283,10 +283,16 @@ class InferenceClient:
 
     @staticmethod
     async def _list_model(replica: Replica, client: openai.AsyncOpenAI) -> str:
-        models = await client.models.list()
+        try:
+            models = await client.models.list()
+        except (AttributeError, TypeError) as e:  # the SDK's page model fails this way on a body that is no model list
+            raise BadResponse(f"{replica.url}/v1/models answered no model list ({e})") from None
         if not models.data:
             raise BadResponse(f"{replica.url}/v1/models lists no model")
-        return models.data[0].id
+        name = models.data[0].id
+        if not isinstance(name, str) or not name:
+            raise BadResponse(f"{replica.url}/v1/models lists a model without an id")
+        return name
 
 
 async def close_replica_clients(replicas: list[Replica]) -> None:
