@@ -86,7 +86,10 @@ class EventLog:
         with self._lock:
             if self._fd < 0:
                 raise ValueError(f"EventLog {self.path} is closed")
-            written = os.write(self._fd, line)
+            try:
+                written = os.write(self._fd, line)
+            except OSError as e:  # ENOSPC and friends name no file on their own
+                raise OSError(e.errno, f"cannot append to the event log: {e.strerror}", str(self.path)) from e
         if written != len(line):  # regular files don't short-write short of ENOSPC; say so if they do
             log.error("short write to %s: %d of %d bytes", self.path, written, len(line))
         return record

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import multiprocessing as mp
+import os
 import threading
 
 import numpy as np
+import pytest
 from gyre.events import (
     EVAL,
     EVENT_FILES,
@@ -83,3 +86,14 @@ def test_concurrent_writers_never_interleave_lines(tmp_path):
     assert len(records) == 300 == len(path.read_bytes().splitlines())
     for worker in (0, 1, "t"):
         assert [r["i"] for r in records if r["worker"] == worker] == list(range(100))
+
+
+def test_a_full_volume_is_an_error_naming_the_log(tmp_path):
+    # /dev/full answers every write with ENOSPC, as a full volume does; the bare OSError named no file
+    log = EventLog(tmp_path / "steps.jsonl")
+    os.close(log._fd)
+    log._fd = os.open("/dev/full", os.O_WRONLY)
+    with pytest.raises(OSError, match="steps.jsonl") as caught:
+        log.append({"step": 1})
+    assert caught.value.errno == errno.ENOSPC
+    log.close()
