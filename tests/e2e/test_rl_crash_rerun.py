@@ -320,11 +320,18 @@ def test_ctrl_c_during_the_sft_warm_up_checkpoints_it_and_the_rerun_resumes_it(t
         lambda: len(steps()) >= 2, timeout=300, never="the SFT warm-up never trained a step", poll_s=0.02
     )
     assert code == 130, err[-3000:]
+    assert "the SFT warm-up checkpoints its last step first" in err, err[-3000:]  # it said the trainer
     assert wait_gone(first.seen, timeout=10) == []
     done = steps()[-1]
     assert steps() == list(range(1, done + 1)) and done < 60
     assert [p.name for p in (out / "checkpoints" / "sft").iterdir()] == [f"step_{done}"]
     assert f"gyre sft: stopped after step {done}" in (out / "logs" / "sft.log").read_text()
+
+    # a re-run with another key of the warm-up: refused before anything starts (it was mixed into the checkpoint)
+    changed = subprocess.run(command(out, *args, "--sft.args.optim.lr", "0.5"), capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)  # fmt: skip
+    assert changed.returncode == 2 and "config key 'sft.args.optim.lr'" in changed.stderr, changed.stderr[-3000:]
+    assert steps()[-1] == done
 
     second = Watched(out, *args)  # the same command again
     code, err = second.wait(timeout=400)

@@ -736,7 +736,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre rl: run failed: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        print(f"gyre rl: interrupted, stopping services; the trainer checkpoints its last step first (up to "
+        # during the warm-up it is the SFT that checkpoints (the message said the trainer, which had not started)
+        who = "the SFT warm-up" if any(child.name == "sft" for child in launcher.children) else "the trainer"
+        print(f"gyre rl: interrupted, stopping services; {who} checkpoints its last step first (up to "
               f"{cfg.trainer_stop_timeout_s:.0f}s, trainer_stop_timeout_s); Ctrl-C again kills them at once",
               file=sys.stderr)  # fmt: skip
         code = 130
