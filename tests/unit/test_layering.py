@@ -131,14 +131,20 @@ def test_the_checker_sees_a_circle_and_a_lazy_import(tmp_path):
 
 def test_the_trainers_crash_points_are_written_once():
     """The commit order exactly-once rests on lives in one module (`gyre_trainer.run.RunState`), shared by the
-    single-run and the multi-run trainer: every crash point is called there, once each."""
+    single-run and the multi-run trainer: every crash point between the commits is called there, once each.
+    The points inside a write (files on disk, folder not committed) are in the writers: the checkpoint's one,
+    and one in each of the two publishes (full weights, LoRA adapter)."""
     calls = {}
     for module, path in modules("gyre_trainer").items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "crash_point":
                 calls.setdefault(module, []).append(node.args[0].value)
     points = ["after_ack", "after_checkpoint", "after_log", "after_publish", "after_train"]
-    assert {module: sorted(names) for module, names in calls.items()} == {"gyre_trainer.run": points}
+    assert {module: sorted(names) for module, names in calls.items()} == {
+        "gyre_trainer.run": points,
+        "gyre_trainer.checkpoint": ["mid_checkpoint"],
+        "gyre_trainer.publish": ["mid_publish", "mid_publish"],
+    }
 
 
 def test_services_build_redis_clients_from_the_config():
