@@ -21,7 +21,10 @@ class ServerConfig(Section):
         4 * 2**20, ge=1024, description="Largest request body accepted; a larger one gets 413 without being read."
     )
     shutdown_grace_s: float = Field(
-        30.0, ge=0, description="On SIGTERM: how long in-flight requests (HTTP and gRPC) may finish before being cut."
+        30.0,
+        ge=0,
+        description="On SIGTERM: how long in-flight requests (HTTP and gRPC) may finish; those still running then "
+        "end with a 503 not_ready (streams with an error event).",
     )
     keep_alive_s: float = Field(
         75.0,
