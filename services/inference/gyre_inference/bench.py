@@ -58,7 +58,12 @@ from gyre_inference.bench_serving import serving_cost
 
 
 class InferenceBenchConfig(GyreSettings):
-    """Benchmark the inference service (see the module docstring)."""
+    """Benchmark the inference service; each part prints ratios measured side by side in one run:
+    (1) `clients` concurrent HTTP clients / one at a time; (2) the torch engine / `transformers.generate` per
+    batch size, with the decode step's device/host split and, on CUDA, the fraction of the memory-bound limit;
+    (3) a GRPO-shaped batch with prefix sharing on / off; (4) JSON-schema constrained / free decoding;
+    (5) the server's event-loop CPU per generated token. Parts switch off with --http, --grpo, --constrained
+    false and --serving-clients 0. docs/benchmarks.md explains every figure."""
 
     model: Path | None = Field(None, description="Model folder; default: a fresh `tiny` model in a temp dir.")
     clients: int = Field(32, ge=1, description="Concurrent clients (and the batch of the engine comparison).")
