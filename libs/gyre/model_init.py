@@ -54,6 +54,7 @@ from typing import Literal
 from pydantic import Field
 
 from gyre.config.loader import Section, parse_or_exit
+from gyre.runlock import running_holder
 from gyre.safetensors_io import read_header
 
 ENDOFTEXT = "<|endoftext|>"
@@ -594,6 +595,16 @@ def check_output_dir(output_dir: Path, overwrite: bool, how: str = "pass --overw
             f"{output_dir} is not a model folder (no config.json): --overwrite replaces only a model folder; "
             "choose another --output-dir, or empty it yourself"
         )
+    # a run's base model (`{run}/model`, gyre rl's default) replaced under its live services: replicas restarting
+    # and the trainer's next resume would load a different model than the one the run started from
+    for role in ("rl", "trainer", "orchestrator", "sft"):
+        holder = running_holder(output_dir.parent, role)
+        if holder is not None:
+            raise FileExistsError(
+                f"{output_dir} is the model of a running run: pid {holder.get('pid')} ({role}, "
+                f"{holder.get('command', 'unknown command')}) uses {output_dir.parent}; stop it first, "
+                "or choose another --output-dir"
+            )
 
 
 @contextlib.contextmanager

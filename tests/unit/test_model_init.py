@@ -534,3 +534,37 @@ def test_a_sigterm_while_the_folder_is_written_leaves_no_staging_folder(tmp_path
     assert code == 130, log
     assert f"gyre model {command}: interrupted" in log
     assert sorted(p.name for p in output_dir.parent.iterdir()) == [], log  # neither staging nor a partial model
+
+
+@pytest.mark.parametrize("command", ["init", "import"])
+def test_overwrite_never_replaces_the_model_of_a_running_run(tmp_path, tiny_dir, command, capsys):
+    # `gyre model init --output-dir outputs/demo/model --overwrite` during the run swapped its base model: replicas
+    # restarting and the trainer's next resume would have loaded another model than the run started from
+    from gyre import model_import
+    from gyre.runlock import RunLock
+
+    run = tmp_path / "run"
+    init_model(run / "model")
+    before = {p.name: p.read_bytes() for p in (run / "model").iterdir()}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom gyre.runlock import RunLock\n"
+         f"RunLock({str(run)!r}, 'rl').acquire()\nprint('held', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        if command == "init":
+            code = model_init.main(["--output-dir", str(run / "model"), "--overwrite"])
+        else:
+            code = model_import.main(
+                [str(tiny_dir), "--output-dir", str(run / "model"), "--overwrite", "--verify", "false"]
+            )
+        assert code == 2
+        assert f"is the model of a running run: pid {holder.pid} (rl" in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in (run / "model").iterdir()} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    # the run stopped: the same command replaces it
+    RunLock(run, "rl").acquire().release()
+    assert model_init.main(["--output-dir", str(run / "model"), "--overwrite", "--seed", "7"]) == 0
