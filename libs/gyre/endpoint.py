@@ -14,7 +14,10 @@ One small client for all three, over the official `openai` client (auth, timeout
   `EndpointError`, which stops the run with the reason;
 - **counted**: `stats` counts requests, successes, retries, timeouts and failures, read by the orchestrator
   into its step events and metrics (a judge that keeps timing out is visible, not silent);
-- failures raise `EndpointError` (the caller decides: a rubric turns it into a `ScoringError`).
+- failures raise `EndpointError` (the caller decides: a rubric turns it into a `ScoringError`);
+- **waited for at start**: `wait_ready` (all of a run's endpoints: `wait_all_ready`) asks `/v1/models` until it
+  answers, up to `startup_timeout_s`: a judge pod still loading its model (the Helm chart starts it beside the
+  orchestrator) failed the first rollouts' scoring, and after `retries` and `sample_attempts` stopped the run.
 
 The server is given by `EndpointConfig.url` (its root or its /v1 base); `post(path, body)` takes a path from the
 root (`/v1/chat/completions`, `/classify`, `/inference/v1/generate`).
@@ -24,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -33,6 +38,8 @@ import httpx
 import openai
 
 from gyre.config.endpoint import EndpointConfig
+
+log = logging.getLogger(__name__)
 
 _RETRYABLE = (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError)
 #: other statuses worth another try, as the openai client's own rule: a proxy's 408 Request Timeout, 409 Conflict
@@ -48,6 +55,8 @@ MAX_RETRY_AFTER_S = 60.0
 MAX_BACKOFF_S = 30.0
 #: this many refusals in a row, none answered between them: the configuration is at fault, not the samples
 MAX_REFUSED_IN_A_ROW = 16
+#: how often `wait_ready` asks a server that is not up yet
+READY_POLL_S = 2.0
 
 
 class EndpointError(RuntimeError):
@@ -113,6 +122,44 @@ class Endpoint:
         if not (isinstance(data, list) and isinstance(data[0], dict) and isinstance(data[0].get("id"), str)):
             raise EndpointError(f"{self.name}: {url} answered no model list: {str(models)[:200]!r}")
         return data[0]["id"]
+
+    async def wait_ready(self, *, poll_s: float = READY_POLL_S) -> None:
+        """Return once the server answers `/v1/models` (with the key), asking every `poll_s` for up to
+        `startup_timeout_s` (0: return at once); not counted in `stats`. Waited out: no connection, a timeout, 5xx,
+        429, 408, 409 (a model still loading). `EndpointError` past the bound, and at once for any other 4xx (401, 403,
+        404: a key, a URL, which no wait mends), with the message a call would give."""
+        limit = self.config.startup_timeout_s
+        if limit <= 0:
+            return
+        url = f"{self.config.base_url}/models"
+        start = time.monotonic()
+        waited = False
+        while True:
+            remaining = limit - (time.monotonic() - start)
+            try:
+                async with asyncio.timeout(max(min(self.config.timeout_s, remaining), 0.1)):
+                    await self._openai().get(url, cast_to=object)
+            except openai.APIStatusError as error:
+                status = error.status_code
+                if status < 500 and status not in (429, *_RETRYABLE_STATUSES):
+                    raise EndpointError(f"{self.name}: {self.config.root} refused the request: {status} "
+                                        f"{describe(error)}{self._setup_hint(status)}") from error  # fmt: skip
+                reason = describe(error)
+            except (openai.APIError, json.JSONDecodeError, TimeoutError) as error:
+                reason = describe(error) if not isinstance(error, TimeoutError) else "no answer in time"
+            else:
+                if waited:
+                    log.info("%s at %s is up (after %.0fs)", self.name, self.config.root, time.monotonic() - start)
+                return
+            elapsed = time.monotonic() - start
+            if elapsed >= limit:
+                raise EndpointError(f"{self.name}: {url} did not answer within startup_timeout_s = {limit:g}s "
+                                    f"(last: {reason})")  # fmt: skip
+            if not waited:  # once: a loading model answers the same for minutes
+                waited = True
+                log.info("waiting for %s at %s (%s); up to startup_timeout_s = %gs", self.name, self.config.root,
+                         reason, limit)  # fmt: skip
+            await asyncio.sleep(min(poll_s, limit - elapsed))
 
     async def post(self, path: str, body: dict[str, Any], *, again: bool = False) -> Any:
         """POST `body` (JSON) to `path` under the server's root; the decoded JSON answer. `again`: another form of a
@@ -209,6 +256,17 @@ class Endpoint:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+
+async def wait_all_ready(endpoints) -> None:
+    """`wait_ready` of every endpoint at once; the first failure cancels the others' waits and is raised."""
+    waits = [asyncio.ensure_future(endpoint.wait_ready()) for endpoint in endpoints]
+    try:
+        await asyncio.gather(*waits)
+    finally:
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
 
 def retry_after(error: BaseException | None) -> float:

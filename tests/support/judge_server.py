@@ -18,27 +18,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 class ScriptedServer:
-    """/v1/models (first the answers of `models_script`), /v1/chat/completions (replies from `script`: text,
-    ("sleep", s, text), ("length", text) (cut at max_tokens), ("status", code[, headers]), ("raw", body, content
-    type) (a body as given, e.g. broken JSON) or ("trickle", seconds, text) (a space every 0.1 s for `seconds`, then
-    the answer: each read is quick, the whole answer slow)), /tokenize (one token per character), /classify (score =
-    number of tokens / 10; a 400 for an input longer than `max_len`; first the bodies of `classify_script`). Records
-    every request."""
+    """On `port` (default: a free one): /v1/models (first the answers of `models_script`), /v1/chat/completions
+    (replies from `script`: text, ("sleep", s, text), ("length", text) (cut at max_tokens), ("status", code[,
+    headers]), ("raw", body, content type) (a body as given, e.g. broken JSON) or ("trickle", seconds, text) (a space
+    every 0.1 s for `seconds`, then the answer: each read is quick, the whole answer slow)), /tokenize (one token per
+    character), /classify (score = number of tokens / 10; a 400 for an input longer than `max_len`; first the
+    bodies of `classify_script`). Records every request."""
 
-    def __init__(self):
+    def __init__(self, port: int = 0):
         self.script: list = []
         self.requests: list[tuple[str, dict]] = []
         self.auth: list[str | None] = []
         self.max_len: int | None = None  # /classify refuses a longer input (400), as a real server's context
         self.classify_script: list[str] = []  # raw JSON bodies /classify answers first (a misbehaving server)
-        self.models_script: list[tuple[str, str]] = []  # (body, content type) /v1/models answers first
+        self.models_script: list[tuple] = []  # (body, content type[, status]) /v1/models answers first
         app = FastAPI()
 
         @app.get("/v1/models")
         async def models():
-            if self.models_script:
-                body, media_type = self.models_script.pop(0)
-                return Response(body, media_type=media_type)
+            if self.models_script:  # (body, content type[, status]): a 503 of a model still loading
+                body, media_type, *status = self.models_script.pop(0)
+                return Response(body, media_type=media_type, status_code=status[0] if status else 200)
             return {"object": "list", "data": [{"id": "judge-model", "object": "model", "created": 0, "owned_by": "x"}]}
 
         @app.post("/v1/chat/completions")
@@ -96,7 +96,7 @@ class ScriptedServer:
                     for i, ids in enumerate(body["input"])]  # fmt: skip
             return {"id": "x", "object": "list", "created": 0, "model": body["model"], "data": data}
 
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -228,3 +228,117 @@ def test_a_server_url_left_unresolved_is_refused_at_start():
     every call failed as a retried 'Connection error.' at the first scoring. The start fails, naming it."""
     with pytest.raises(ValueError, match="^judge 'style': url = 'server:judge' names a server that only gyre rl"):
         Endpoint(EndpointConfig(url="server:judge"), name="judge 'style'")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_still_loading_is_waited_for_until_it_answers(scripted, caplog):
+    """A judge pod loading its model answers 503: the wait asks /v1/models again until it answers, logs once that
+    it waits (naming the endpoint, its URL and the reason) and once that it is up; the calls' counters stay 0."""
+    scripted.models_script[:] = [('{"error": "loading"}', "application/json", 503)] * 3
+    client = endpoint(scripted)
+
+    async def scenario():
+        await client.wait_ready(poll_s=0.05)
+        await client.aclose()
+
+    with caplog.at_level("INFO", logger="gyre.endpoint"):
+        asyncio.run(scenario())
+    assert scripted.models_script == [] and sum(client.stats.values()) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "gyre.endpoint"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"waiting for teacher at {scripted.url} (") and "503" in lines[0]
+    assert lines[1].startswith(f"teacher at {scripted.url} is up")
+
+
+def test_a_server_not_listening_yet_is_waited_for():
+    """Nothing listens on the port for the first 1.5 s (a pod not started yet): connection refused is waited out."""
+    import threading
+    import time
+
+    port = free_port()
+    client = Endpoint(EndpointConfig(url=f"http://127.0.0.1:{port}"), name="judge 'j'")
+    started = threading.Event()
+    stop = threading.Event()
+
+    def serve_later():
+        time.sleep(1.5)
+        with ScriptedServer(port=port):
+            started.set()
+            stop.wait(30)
+
+    thread = threading.Thread(target=serve_later, daemon=True)
+    thread.start()
+
+    async def scenario():
+        await client.wait_ready(poll_s=0.1)
+        await client.aclose()
+
+    try:
+        begin = time.monotonic()
+        asyncio.run(scenario())
+        assert started.is_set() and time.monotonic() - begin >= 1.5
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_refusal_of_the_setup_is_not_waited_for(scripted, status):
+    """A key, a permission or a URL refused: no wait mends it, so the run stops at once with the call's message."""
+    scripted.models_script[:] = [('{"error": {"message": "no"}}', "application/json", status)] * 100
+    client = endpoint(scripted, api_key_env="HOME")
+
+    async def scenario():
+        with pytest.raises(EndpointError, match=f"teacher: {scripted.url} refused the request: {status}") as raised:
+            await asyncio.wait_for(client.wait_ready(poll_s=0.05), timeout=5)
+        await client.aclose()
+        return str(raised.value)
+
+    message = asyncio.run(scenario())
+    assert ("check the key: api_key_env = 'HOME'" if status != 404 else "check url") in message
+    assert len(scripted.models_script) == 99
+    scripted.models_script.clear()
+
+
+def test_the_startup_wait_is_bounded_and_a_stop_ends_it_at_once():
+    """Past startup_timeout_s the wait fails naming the setting and the last reason; a cancelled wait (SIGTERM)
+    ends at once; startup_timeout_s = 0 asks nothing."""
+    import time
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    bounded = Endpoint(EndpointConfig(url=url, startup_timeout_s=0.5), name="reward model 'rm'")
+    with pytest.raises(EndpointError, match=r"reward model 'rm': .*/v1/models did not answer within "
+                                            r"startup_timeout_s = 0.5s \(last: .*onnection"):  # fmt: skip
+        asyncio.run(bounded.wait_ready(poll_s=0.1))
+
+    async def cancelled():
+        client = Endpoint(EndpointConfig(url=url), name="teacher")
+        wait = asyncio.create_task(client.wait_ready(poll_s=0.1))
+        await asyncio.sleep(0.3)
+        begin = time.monotonic()
+        wait.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await wait
+        return time.monotonic() - begin
+
+    assert asyncio.run(cancelled()) < 0.5
+    off = Endpoint(EndpointConfig(url=url, startup_timeout_s=0), name="teacher")
+    asyncio.run(asyncio.wait_for(off.wait_ready(), timeout=0.5))  # would fail with nothing listening
+
+
+def test_waiting_for_several_stops_at_the_first_refusal(scripted):
+    """wait_all_ready: one endpoint refused (401) ends the waits of the others (one never up) at once."""
+    from gyre.endpoint import wait_all_ready
+
+    scripted.models_script[:] = [('{"error": {"message": "no"}}', "application/json", 401)]
+    never = Endpoint(EndpointConfig(url=f"http://127.0.0.1:{free_port()}"), name="judge 'never'")
+    refused = endpoint(scripted)
+    with pytest.raises(EndpointError, match="refused the request: 401"):
+        asyncio.run(asyncio.wait_for(wait_all_ready([never, refused]), timeout=5))

@@ -53,6 +53,14 @@ class EndpointConfig(Section):
         "409), after a jittered backoff doubling up to 30 s (or a 429/503's Retry-After, up to 60 s).",
     )
     max_concurrency: int = Field(16, ge=1, description="Requests in flight to this endpoint at once.")
+    startup_timeout_s: float = Field(
+        1800.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Before the first rollout (and gyre eval's first score), wait this long for the server's "
+        "/v1/models to answer (a model still loading: connection refused, 5xx, 429), then fail; 401, 403 and 404 "
+        "fail at once. 0 = don't wait (nor ask).",
+    )
 
     @field_validator("url")
     @classmethod

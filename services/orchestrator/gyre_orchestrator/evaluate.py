@@ -349,6 +349,9 @@ async def _run_once(
         retries=cfg.inference.retries,
     )
     try:
+        from gyre.endpoint import wait_all_ready
+
+        await wait_all_ready(signal.endpoint for signal in signals.values())  # a judge still loading its model
         result = await evaluate(
             env,
             client,
@@ -387,6 +390,7 @@ def main(argv: list[str]) -> int:
     setup_logging(cfg.log.level, cfg.log.file, service="eval")
     if cfg.log.level != "DEBUG":  # the openai client's HTTP stack logs a line per request at INFO
         logging.getLogger("httpx2").setLevel(logging.WARNING)
+    from gyre.endpoint import EndpointError
     from gyre.envs import load_environment
 
     from gyre_orchestrator.client import InferenceError
@@ -406,6 +410,10 @@ def main(argv: list[str]) -> int:
     progress = EvalProgress()  # a long eval showed nothing until its JSON line
     try:
         result = asyncio.run(_run_once(cfg, progress, env, signals))
+    except EndpointError as e:  # a judge or reward model that never came up, or refused the key: one line
+        progress.close()
+        print(f"gyre eval: error: {e}", file=sys.stderr)
+        return 1
     except (InferenceError, ContextLengthExceeded, EvalFailed) as e:  # nothing serves, no task fits, a sample
         # failed every attempt: one line, no traceback
         progress.close()

@@ -20,6 +20,7 @@ MAX_REJECTIONS = 3
 
 
 async def serve(cfg: OrchestratorConfig) -> int:
+    from gyre.endpoint import EndpointError
     from gyre.net import PortInUse
     from gyre.runlock import LockHeld, RunLock
 
@@ -64,6 +65,9 @@ async def serve(cfg: OrchestratorConfig) -> int:
     except PortInUse as e:
         log.error("%s", e)
         return 2
+    except EndpointError as e:  # a judge, reward model or teacher that never came up, or refused the key
+        log.error("%s", e)
+        return 1
     except Exception:
         log.exception("orchestrator failed")
         return 1

@@ -2,7 +2,8 @@
 
 Life of a run (`OrchestratorService.run`):
 1. start the gRPC server (health NOT_SERVING), discover replicas, find published weights and make
-   the replicas serve the newest (`WeightRelay.start`), work out the resume point;
+   the replicas serve the newest (`WeightRelay.start`), wait for the judges, reward models and teacher to
+   answer (`startup_timeout_s` each), work out the resume point;
 2. health SERVING; the scheduler generates groups under the async bound; each closed step is scored
    into advantages, packed, encoded and pushed to `gyre:{run}:batches`, then logged
    (`orchestrator_steps.jsonl`, metrics) and checkpointed;
@@ -27,7 +28,7 @@ import numpy as np
 import redis
 from gyre.codec import CodecError, encode_batch
 from gyre.config.orchestrator import OrchestratorConfig
-from gyre.endpoint import EndpointError
+from gyre.endpoint import EndpointError, wait_all_ready
 from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
 from gyre.envs.judge import add_to_rubric
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, read_events
@@ -329,6 +330,9 @@ class OrchestratorService:
         if cfg.resume_step is not None and cfg.resume_step >= 0:
             await self._await_trainer_rewind(cfg.resume_step)
         await self.relay.start()
+        # health stays NOT_SERVING meanwhile: a judge, reward model or teacher still loading its model (its own pod
+        # under the Helm chart) failed the first rollouts' scoring, and after sample_attempts stopped the run
+        await wait_all_ready(signal.endpoint for signal in self.signals.values())
         if self.teacher is not None and len(self.replicas):  # before any sample: a teacher of another vocabulary
             await self.teacher.check_tokenizer_once(next(iter(self.replicas)).url, api_key=cfg.inference.api_key)
         if self.relay.target is not None:

@@ -106,7 +106,8 @@ async def test_a_judge_that_times_out_is_counted_and_retried(
     from gyre_orchestrator.service import OrchestratorService
 
     slow = start_replica()
-    judges = [{"name": "judge", "url": slow.url, "timeout_s": 1.0, "retries": 6, **JUDGE}]
+    # startup_timeout_s = 0: the calls are to time out, not the start-up wait (which would wait for it)
+    judges = [{"name": "judge", "url": slow.url, "timeout_s": 1.0, "retries": 6, "startup_timeout_s": 0, **JUDGE}]
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
                               advantage={"drop_zero_signal": False})  # fmt: skip
     service = OrchestratorService(cfg)
@@ -131,7 +132,8 @@ async def test_a_judge_that_fails_fails_the_scoring_loudly(tmp_path, redis_url, 
     with the reason (never a reward of 0)."""
     from gyre_orchestrator.service import OrchestratorService
 
-    judges = [{"name": "judge", "url": "http://127.0.0.1:9", "retries": 0, "timeout_s": 2}]  # nothing listens
+    # nothing listens; startup_timeout_s = 0: no wait for it to come up, so its calls fail
+    judges = [{"name": "judge", "url": "http://127.0.0.1:9", "retries": 0, "timeout_s": 2, "startup_timeout_s": 0}]
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
                               sample_attempts=2)  # fmt: skip
     service = OrchestratorService(cfg)
@@ -141,6 +143,61 @@ async def test_a_judge_that_fails_fails_the_scoring_loudly(tmp_path, redis_url, 
         "gyre_orchestrator_scoring_failures_total", {"run_id": unique_run_id, "env": "reverse_text"}
     )
     assert failures >= 2
+
+
+async def test_a_judge_still_starting_is_waited_for_before_the_first_rollout(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model, caplog
+):
+    """The judge's server listens only seconds after the start and then answers 503 twice (a pod loading its model,
+    as the Helm chart starts it beside the orchestrator). Its calls failed (here retries = 0, sample_attempts = 1:
+    the run stopped); now the orchestrator waits for it with health NOT_SERVING, and the step completes with every
+    grade."""
+    import socket
+    import threading
+
+    from grpc import aio
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from gyre_orchestrator.service import OrchestratorService
+    from support.judge_server import ScriptedServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    judges = [{"name": "judge", "url": f"http://127.0.0.1:{port}", "retries": 0, "timeout_s": 5}]
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
+                              sample_attempts=1, advantage={"drop_zero_signal": False})  # fmt: skip
+    service = OrchestratorService(cfg)
+    checked, up, stop = threading.Event(), threading.Event(), threading.Event()
+    loading = ('{"error": {"message": "loading"}}', "application/json", 503)
+
+    def serve_later():  # once the test has seen the health, and 2 s more
+        checked.wait(30)
+        if stop.wait(2):
+            return
+        with ScriptedServer(port=port) as server:
+            server.models_script[:] = [loading, loading]
+            up.set()
+            stop.wait(120)
+
+    thread = threading.Thread(target=serve_later, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level("INFO", logger="gyre.endpoint"):
+            run = asyncio.create_task(service.run())
+            while service.server.port is None and not run.done():
+                await asyncio.sleep(0.05)
+            async with aio.insecure_channel(f"127.0.0.1:{service.server.port}") as channel:
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            checked.set()
+            assert not up.is_set() and health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await asyncio.wait_for(run, timeout=120) == 0
+    finally:
+        stop.set()
+        thread.join(10)
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for judge 'judge'")]
+    assert len(waits) == 1 and f"127.0.0.1:{port}" in waits[0]
+    assert events(cfg)[0]["scoring_failures"] == 0
+    assert all(record["rewards"]["judge"] == 0.5 for record in dump(cfg))
 
 
 @pytest.mark.parametrize("route", ["generate", "completions"])
