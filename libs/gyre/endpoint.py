@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import random
+import socket
 import time
 from collections import Counter
 from typing import Any
@@ -57,6 +58,20 @@ MAX_BACKOFF_S = 30.0
 MAX_REFUSED_IN_A_ROW = 16
 #: how often `wait_ready` asks a server that is not up yet
 READY_POLL_S = 2.0
+# getaddrinfo's "no such name" answers (a temporary DNS failure, EAI_AGAIN, is waited out)
+_NO_SUCH_HOST = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
+
+
+def _unknown_host(error: BaseException) -> bool:
+    """Whether `error` was caused by a host name that does not resolve (the gaierror httpx wraps, twice)."""
+    seen: BaseException | None = error
+    for _ in range(16):  # bounded: a chain can loop back on itself
+        if seen is None:
+            break
+        if isinstance(seen, socket.gaierror):
+            return seen.errno in _NO_SUCH_HOST
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class EndpointError(RuntimeError):
@@ -146,6 +161,9 @@ class Endpoint:
                                         f"{describe(error)}{self._setup_hint(status)}") from error  # fmt: skip
                 reason = describe(error)
             except (openai.APIError, json.JSONDecodeError, TimeoutError) as error:
+                if _unknown_host(error):  # a typo, not a pod starting: a Service's name resolves before its pods run
+                    raise EndpointError(f"{self.name}: the host of {self.config.root} does not exist "
+                                        f"({describe(error)}): check url") from error  # fmt: skip
                 reason = describe(error) if not isinstance(error, TimeoutError) else "no answer in time"
             else:
                 if waited:

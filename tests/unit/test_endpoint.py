@@ -342,3 +342,25 @@ def test_waiting_for_several_stops_at_the_first_refusal(scripted):
     refused = endpoint(scripted)
     with pytest.raises(EndpointError, match="refused the request: 401"):
         asyncio.run(asyncio.wait_for(wait_all_ready([never, refused]), timeout=5))
+
+
+def test_a_host_that_does_not_exist_is_not_waited_for():
+    """`url = "http://judeg:8000"`: a name no resolver knows is a typo, not a pod starting (a Kubernetes Service's
+    name resolves from the moment it exists, before its pods are ready), so it fails at once naming the url; it
+    waited out the whole startup_timeout_s (30 minutes by default) with one log line."""
+    import socket
+    import time
+
+    try:  # `.invalid` never resolves (RFC 6761); a resolver that cannot be reached answers EAI_AGAIN instead
+        socket.getaddrinfo("no-such-judge.invalid", 8000)
+    except socket.gaierror as e:
+        if e.errno != socket.EAI_NONAME:
+            pytest.skip(f"this machine's resolver answers {e} for a name that does not exist")
+    else:
+        pytest.skip("this machine's resolver answers for a name that does not exist")
+    client = Endpoint(EndpointConfig(url="http://no-such-judge.invalid:8000"), name="judge 'j'")
+    begin = time.monotonic()
+    with pytest.raises(EndpointError, match=r"judge 'j': the host of http://no-such-judge.invalid:8000 does not "
+                                            r"exist \(.*\): check url"):  # fmt: skip
+        asyncio.run(asyncio.wait_for(client.wait_ready(poll_s=0.1), timeout=20))
+    assert time.monotonic() - begin < 15
