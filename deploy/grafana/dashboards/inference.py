@@ -187,6 +187,15 @@ def inference() -> db.Dashboard:
             "keys and values came from the prefix cache or a group's first rollout instead of being computed.",
             minimum=0,
         ),
+        panel(
+            "Preemptions (KV cache full)",
+            "cps",
+            [(replica_rate("gyre_inference_engine_preemptions_total"), "{{instance}}")],
+            "Torch backend: rows preempted per second for want of KV cache blocks; each is recomputed when "
+            "readmitted. Above 0 for long: more rows in flight than the cache holds (engine.max_batch_size, "
+            "the KV cache's size).",
+            minimum=0,
+        ),
     ]
     for p in panels:
         d = d.with_panel(p)
