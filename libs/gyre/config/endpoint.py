@@ -58,8 +58,8 @@ class EndpointConfig(Section):
         ge=0,
         allow_inf_nan=False,
         description="Before the first rollout (and gyre eval's first score), wait this long for the server's "
-        "/v1/models to answer (a model still loading: connection refused, 5xx, 429), then fail; 401, 403 and 404 "
-        "fail at once. 0 = don't wait (nor ask).",
+        "/v1/models to answer (a model still loading: connection refused, 5xx, 429), then fail; 401, 403, 404 and a "
+        "host name that does not resolve fail at once. 0 = don't wait (nor ask).",
     )
 
     @field_validator("url")
