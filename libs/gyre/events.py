@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre.fsio import free_space
+
 log = logging.getLogger(__name__)
 
 # File names: the contract in docs/architecture.md, "Event logs".
@@ -89,7 +91,8 @@ class EventLog:
             try:
                 written = os.write(self._fd, line)
             except OSError as e:  # ENOSPC and friends name no file on their own
-                raise OSError(e.errno, f"cannot append to the event log: {e.strerror}", str(self.path)) from e
+                reason = f"cannot append to the event log: {e.strerror} ({free_space(self.path.parent)})"
+                raise OSError(e.errno, reason, str(self.path)) from e
         if written != len(line):  # regular files don't short-write short of ENOSPC; say so if they do
             log.error("short write to %s: %d of %d bytes", self.path, written, len(line))
         return record

@@ -189,3 +189,12 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def free_space(folder: Path) -> str:
+    """How full the volume holding `folder` is, for an error message (a full volume is the usual cause)."""
+    try:
+        usage = shutil.disk_usage(folder if folder.exists() else folder.parent)
+    except OSError:
+        return "free space unknown"
+    return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on its volume"

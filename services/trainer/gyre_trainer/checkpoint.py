@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gyre.fsio import commit_dir, write_atomic
+from gyre.fsio import commit_dir, free_space, write_atomic
 from gyre.runstate import CHECKPOINT_COMPLETE as PROGRESS
 from gyre.steps import StepEntries
 
@@ -222,15 +222,6 @@ def one_line(error: BaseException) -> str:
         return "; ".join(f"rank {rank}: {one_line(exc)}" for rank, (exc, _trace) in sorted(failures.items()))
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def free_space(folder: Path) -> str:
-    """How full the volume holding `folder` is, for an error message (a full volume is the usual cause)."""
-    try:
-        usage = shutil.disk_usage(folder if folder.exists() else folder.parent)
-    except OSError:
-        return "free space unknown"
-    return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on its volume"
 
 
 def saved_param_groups(state_dir: Path) -> int:

@@ -34,11 +34,10 @@ from typing import Any
 import torch
 from gyre.codec import encode_batch
 from gyre.config.trainer import TrainerConfig
-from gyre.fsio import commit_dir, retire_dir, write_file, write_hashed
+from gyre.fsio import commit_dir, free_space, retire_dir, write_file, write_hashed
 from gyre.safetensors_io import safetensors_chunks
 
 from gyre_trainer import dist
-from gyre_trainer.checkpoint import free_space
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gyre.fsio import write_file, write_hashed
+from gyre.fsio import free_space, write_file, write_hashed
 from gyre.safetensors_io import safetensors_chunks
 from gyre.transport import WeightSink
 from gyre.weights import WeightsError, WeightsVersion
 
-from gyre_trainer.checkpoint import free_space, one_line
+from gyre_trainer.checkpoint import one_line
 from gyre_trainer.process import crash_point
 
 log = logging.getLogger(__name__)
