@@ -131,12 +131,10 @@ class Endpoint:
         # login, a URL pointing at a web UI), which a rubric scored as the rollout's 0
         url = f"{self.config.base_url}/models"
         models = await self._call(lambda client: client.get(url, cast_to=object))
-        data = models.get("data") if isinstance(models, dict) else None
-        if data == []:
-            raise EndpointError(f"{self.name}: {url} lists no model")
-        if not (isinstance(data, list) and isinstance(data[0], dict) and isinstance(data[0].get("id"), str)):
-            raise EndpointError(f"{self.name}: {url} answered no model list: {str(models)[:200]!r}")
-        return data[0]["id"]
+        try:
+            return first_model(models)
+        except ValueError as error:
+            raise EndpointError(f"{self.name}: {url} {error}") from None
 
     async def wait_ready(self, *, poll_s: float = READY_POLL_S) -> None:
         """Return once the server answers `/v1/models` (with the key), asking every `poll_s` for up to
@@ -274,6 +272,20 @@ class Endpoint:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+
+def first_model(models: Any) -> str:
+    """The first model id of a `/v1/models` answer read as plain JSON (`get(..., cast_to=object)`); ValueError saying
+    what came instead. The SDK's typed `models.list()` raised AttributeError on an HTML page (a proxy's login, a URL
+    pointing at a web UI) and took an entry without an id as the model `None`."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if data == []:
+        raise ValueError("lists no model")
+    if not (isinstance(data, list) and isinstance(data[0], dict) and isinstance(data[0].get("id"), str)):
+        raise ValueError(f"answered no model list: {str(models)[:200]!r}")
+    if not data[0]["id"]:
+        raise ValueError("lists a model without an id")
+    return data[0]["id"]
 
 
 async def wait_all_ready(endpoints) -> None:

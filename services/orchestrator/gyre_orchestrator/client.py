@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import openai
-from gyre.endpoint import describe
+from gyre.endpoint import describe, first_model
 from gyre.envs import ContextLengthExceeded, Messages, SamplingParams, ToolCall, Turn
 from gyre.envs.types import derive_seed
 
@@ -283,16 +283,11 @@ class InferenceClient:
 
     @staticmethod
     async def _list_model(replica: Replica, client: openai.AsyncOpenAI) -> str:
+        models = await client.get("/models", cast_to=object)
         try:
-            models = await client.models.list()
-        except (AttributeError, TypeError) as e:  # the SDK's page model fails this way on a body that is no model list
-            raise BadResponse(f"{replica.url}/v1/models answered no model list ({e})") from None
-        if not models.data:
-            raise BadResponse(f"{replica.url}/v1/models lists no model")
-        name = models.data[0].id
-        if not isinstance(name, str) or not name:
-            raise BadResponse(f"{replica.url}/v1/models lists a model without an id")
-        return name
+            return first_model(models)
+        except ValueError as e:  # a broken replica (or what stands in front of it): the request moves to another
+            raise BadResponse(f"{replica.url}/v1/models {e}") from None
 
 
 async def close_replica_clients(replicas: list[Replica]) -> None:
