@@ -146,8 +146,9 @@ class JudgeConfig(EndpointConfig):
     system: str | None = Field(None, description="System message sent before the prompt.")
     score: Literal["number", "choice", "json"] = Field(
         "number",
-        description="How the reply becomes a reward: number (the last number in it, divided by max_score; the "
-        "scale's mentions are not scores: the 10 of '8/10', 'out of 10', ranges '0-10'), choice (the first of "
+        description="How the reply becomes a reward: number (its score divided by max_score: the last number after "
+        "'score', 'rating' or 'grade', else the last number; '7,5' is 7.5, '8/10' and '8 out of 10' are 8 on a scale "
+        "that must be max_score: docs/environments.md, Reading a judge's number), choice (the first of "
         "`choices` it names, whole word, case-insensitive), json (a JSON object's json_key).",
     )
     max_score: float = Field(

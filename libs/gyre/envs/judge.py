@@ -47,17 +47,35 @@ from gyre.envs.types import Messages, ScoringError
 
 log = logging.getLogger(__name__)
 
-# a minus sign only where it cannot be a range's dash: the 10 of "0-10" is not -10
-_NUMBER = re.compile(r"(?:(?<![\w.])-)?\d+(?:\.\d+)?")
+# The number mode's grammar (docs/environments.md, "Reading a judge's number"). A number: an optional minus sign
+# (never a range's dash: the 10 of "0-10" is not -10), digits, a decimal part after a point or a comma ("7,5" is 7.5:
+# it was read as 5) and an exponent ("1e1" is 10: it was read as 1).
+_NUM = r"(?:(?<![\w.,])[-\u2212])?\d+(?:[.,]\d+)?(?:[eE][+-]?\d+)?"
+#: markdown around a number ("**7**", "`7`"): dropped before reading
+_MARKUP = re.compile(r"[*_`]")
+#: what the reply may say before its score; the last number after one of these is the score
+_LABEL = re.compile(r"\b(?:score|rating|grade)\b[^\w\n]*(?:\b(?:is|of|was|would\s+be|=)\b[^\w\n]*)?$", re.IGNORECASE)
 
 
-def _without_scale(reply: str, max_score: float) -> str:
-    """The reply without mentions of the judge's scale, which are not scores: the /10 of "8/10", "out of 10",
-    "of 10", and ranges "0-10", "1 to 10" (their lower end too: "7 on a scale of 0-10" is 7, not 0 or 10)."""
-    top = rf"{re.escape(f'{max_score:g}')}(?:\.0+)?(?!\.?\d)"
-    ranges = rf"(?<![\w.])[01](?:\.0+)?\s*(?:-|–|—|\bto\b)\s*{top}"
-    after = rf"(?:/|\bout\s+of\b|\bof\b)\s*{top}"
-    return re.sub(f"{ranges}|{after}", " ", reply, flags=re.IGNORECASE)
+def _terms(reply: str, max_score: float) -> list[tuple[float, float | None, bool]]:
+    """The numbers of a reply, each as (value, its scale or None, labelled): "8/10", "8 out of 10" and "8 of 10" give
+    8 on a scale of 10, "80%" 80 on a scale of 100. Mentions of the judge's own scale are not numbers: a bare "/10",
+    "out of 10", "of 10" and ranges "0-10", "1 to 10" (their lower end too: "7 on a scale of 0-10" is 7)."""
+    text = _MARKUP.sub("", reply)
+    top = rf"{re.escape(f'{max_score:g}')}(?:\.0+)?(?![.,]?\d)"
+    text = re.sub(rf"(?<![\w.])[01](?:\.0+)?\s*(?:-|\u2013|\u2014|\bto\b)\s*{top}", " ", text, flags=re.IGNORECASE)
+    of = r"(?:/|\bout\s+of\b|\bof\b)"
+    pattern = re.compile(rf"(?P<value>{_NUM})(?:\s*{of}\s*(?P<scale>{_NUM})|(?P<percent>\s*%))?|{of}\s*{top}",
+                         re.IGNORECASE)  # fmt: skip
+    terms = []
+    for match in pattern.finditer(text):
+        if match.group("value") is None:  # the scale alone: "on a scale of 10"
+            continue
+        value = float(match.group("value").replace(",", ".").replace("\u2212", "-"))
+        scale = match.group("scale")
+        scale = float(scale.replace(",", ".")) if scale else (100.0 if match.group("percent") else None)
+        terms.append((value, scale, bool(_LABEL.search(text[: match.start()]))))
+    return terms
 
 
 class Unjudged(RuntimeError):
@@ -115,15 +133,18 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
         return float(min(found)[2])
     if config.score == "json":
         value = _json_value(reply, config.json_key)
-        if isinstance(value, str) and re.fullmatch(r"\s*\d+(?:\.\d+)?\s*", value):
-            value = float(value)  # {"score": "7"}: a weak judge quotes its number; every such reply was unreadable
+        if isinstance(value, str) and re.fullmatch(rf"\s*{_NUM}\s*", value):
+            # {"score": "7"}: a weak judge quotes its number; every such reply was unreadable
+            value = float(value.strip().replace(",", ".").replace("\u2212", "-"))
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"no JSON object with a number under {config.json_key!r}")
     else:
-        numbers = [float(match.group()) for match in _NUMBER.finditer(_without_scale(reply, config.max_score))]
-        if not numbers:
+        terms = _terms(reply, config.max_score)
+        if not terms:
             raise ValueError("no number in the reply")
-        value = numbers[-1]
+        value, scale, _ = ([term for term in terms if term[2]] or terms)[-1]
+        if scale is not None and scale != config.max_score:  # another scale than the judge was asked for
+            raise ValueError(f"score {value:g} is on a scale of {scale:g}, not of max_score = {config.max_score:g}")
     try:
         value = float(value)  # a JSON integer of 400 digits: OverflowError (it escaped as a rollout's error, 0)
     except OverflowError:

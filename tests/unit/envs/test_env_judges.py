@@ -71,6 +71,21 @@ def rollout(text: str) -> Rollout:
         ({"max_score": 5}, "4 (scale 1-5)", 0.8),
         ({}, "Final score: 9.5/10.0", 0.95),
         ({}, "-0", 0.0),
+        # the number grammar (docs/environments.md, "Reading a judge's number")
+        ({}, "7,5", 0.75),  # a decimal comma: read as 5
+        ({}, "Score: 7,5/10", 0.75),
+        ({}, "7.5/10", 0.75),
+        ({}, "8 out of 10", 0.8),
+        ({}, "**7**", 0.7),
+        ({}, "**Score:** **8**/10", 0.8),
+        ({}, "`9`", 0.9),
+        ({}, "Score: 7", 0.7),
+        ({}, "1e1", 1.0),  # an exponent: read as 1
+        ({"max_score": 100}, "Score: 85%", 0.85),
+        # the labelled number, not the last one: a chatty judge explaining after its score was read as 2
+        ({}, "Score: 7. The answer has 2 small mistakes and 1 typo.", 0.7),
+        ({}, "**Rating**: 6/10 (3 of 4 steps right)", 0.6),
+        ({}, "Counting 2 errors, the final score is 4", 0.4),
         ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "No. Not at all, yes-men aside", 0.0),
         ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is Incorrect.", 0.0),
         # a choice ending in a non-word character never matched (\b needs a word character before it)
@@ -97,7 +112,13 @@ def test_scores_are_read_from_replies(settings, reply, score):
         ({}, "no idea", "no number"),
         ({}, "11", "outside 0..10"),
         ({}, "Score: -3", "outside 0..10"),  # a minus sign is still one
-        ({"max_score": 5}, "8/10", "outside 0..5"),  # another scale than the configured one is no score
+        ({"max_score": 5}, "8/10", "on a scale of 10, not of max_score = 5"),  # another scale is no score
+        ({}, "3/5", "on a scale of 5, not of max_score = 10"),  # was read as its 5: half the reward
+        ({}, "Score: 3 out of 4", "on a scale of 4"),
+        ({}, "70%", "on a scale of 100"),
+        ({}, "Score: \u22122", "outside 0..10"),  # a Unicode minus is one too
+        ({}, "2e5", "outside 0..10"),
+        ({}, "seven", "no number"),
         ({"score": "choice", "choices": {"yes": 1.0}}, "yesterday", "none of"),
         ({"score": "json"}, '{"score": "high"}', "no JSON object"),
         ({"score": "json"}, "{not json}", "no JSON object"),
