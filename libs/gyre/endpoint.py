@@ -12,6 +12,10 @@ One small client for all three, over the official `openai` client (auth, timeout
   configuration's fault, and so are `MAX_REFUSED_IN_A_ROW` refusals with no success between them (a judge
   asking for what the server never serves, a teacher of another vocabulary): both raise a plain
   `EndpointError`, which stops the run with the reason;
+- **a rotated key is taken up**: a 401 or 403 re-reads the key (`api_key_file`, `api_key_env`) and, when it has
+  changed since the request was sent, asks once more with the new one: a Kubernetes Secret updated in place (the
+  kubelet rewrites the mounted file) reached a running orchestrator only through a restart, and every call failed
+  meanwhile. A key that has not changed, or a second refusal, fails as any 401/403 does, naming the setting;
 - **counted**: `stats` counts requests, successes, retries, timeouts and failures, read by the orchestrator
   into its step events and metrics (a judge that keeps timing out is visible, not silent);
 - failures raise `EndpointError` (the caller decides: a rubric turns it into a `ScoringError`);
@@ -58,6 +62,9 @@ MAX_BACKOFF_S = 30.0
 MAX_REFUSED_IN_A_ROW = 16
 #: how often `wait_ready` asks a server that is not up yet
 READY_POLL_S = 2.0
+#: how often `wait_ready` says it still waits: one line at the start only left a wait of up to startup_timeout_s
+#: (30 min) looking like a hang, above all in `gyre eval`
+READY_LOG_S = 30.0
 # getaddrinfo's "no such name" answers (a temporary DNS failure, EAI_AGAIN, is waited out)
 _NO_SUCH_HOST = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
 
@@ -136,9 +143,35 @@ class Endpoint:
         except ValueError as error:
             raise EndpointError(f"{self.name}: {url} {error}") from None
 
-    async def wait_ready(self, *, poll_s: float = READY_POLL_S) -> None:
+    def _rekey_or_raise(self, error: openai.APIStatusError, sent: str | None) -> bool:
+        """`_rekey`, its ValueError (the key can no longer be read) an `EndpointError` with the refusal."""
+        try:
+            return self._rekey(error.status_code, sent)
+        except ValueError as reread:
+            raise EndpointError(f"{self.name}: {self.config.root} refused the request: {error.status_code} "
+                                f"{describe(error)}; re-reading the key: {reread}") from error  # fmt: skip
+
+    def _rekey(self, status: int, sent: str | None) -> bool:
+        """After a 401/403 of a request sent with the key `sent`: re-read the key and, when it has changed (a rotated
+        Secret), use it from now on and say so (True: ask again). ValueError naming the setting when the key can no
+        longer be read."""
+        if status not in (401, 403) or not (self.config.api_key_env or self.config.api_key_file):
+            return False
+        fresh = self.config.api_key()
+        if fresh == sent:
+            return False
+        if fresh != self._key:  # another request may have taken the new key up already
+            self._key = fresh
+            if self._client is not None:
+                self._client.api_key = fresh  # read into each request's Authorization header
+            log.info("%s: the key changed (%s re-read after a %d); asking again with it", self.name,
+                     "api_key_env" if self.config.api_key_env else "api_key_file", status)  # fmt: skip
+        return True
+
+    async def wait_ready(self, *, poll_s: float = READY_POLL_S, log_s: float = READY_LOG_S) -> None:
         """Return once the server answers `/v1/models` (with the key), asking every `poll_s` for up to
-        `startup_timeout_s` (0: return at once); not counted in `stats`. Waited out: no connection, a timeout, 5xx,
+        `startup_timeout_s` (0: return at once), logging that it waits at once and then every `log_s`; not counted in
+        `stats`. Waited out: no connection, a timeout, 5xx,
         429, 408, 409 (a model still loading). `EndpointError` past the bound, and at once for any other 4xx (401, 403,
         404: a key, a URL, which no wait mends), with the message a call would give."""
         limit = self.config.startup_timeout_s
@@ -146,14 +179,19 @@ class Endpoint:
             return
         url = f"{self.config.base_url}/models"
         start = time.monotonic()
-        waited = False
+        waited = rekeyed = False
+        logged = 0.0
         while True:
             remaining = limit - (time.monotonic() - start)
+            sent = self._key
             try:
                 async with asyncio.timeout(max(min(self.config.timeout_s, remaining), 0.1)):
                     await self._openai().get(url, cast_to=object)
             except openai.APIStatusError as error:
                 status = error.status_code
+                if not rekeyed and self._rekey_or_raise(error, sent):
+                    rekeyed = True
+                    continue
                 if status < 500 and status not in (429, *_RETRYABLE_STATUSES):
                     raise EndpointError(f"{self.name}: {self.config.root} refused the request: {status} "
                                         f"{describe(error)}{self._setup_hint(status)}") from error  # fmt: skip
@@ -171,10 +209,14 @@ class Endpoint:
             if elapsed >= limit:
                 raise EndpointError(f"{self.name}: {url} did not answer within startup_timeout_s = {limit:g}s "
                                     f"(last: {reason})")  # fmt: skip
-            if not waited:  # once: a loading model answers the same for minutes
-                waited = True
+            if not waited:
+                waited, logged = True, elapsed
                 log.info("waiting for %s at %s (%s); up to startup_timeout_s = %gs", self.name, self.config.root,
                          reason, limit)  # fmt: skip
+            elif elapsed - logged >= log_s:  # every log_s, not every poll: a loading model answers the same for minutes
+                logged = elapsed
+                log.info("still waiting for %s at %s (%s): %.0fs of startup_timeout_s = %gs", self.name,
+                         self.config.root, reason, elapsed, limit)  # fmt: skip
             await asyncio.sleep(min(poll_s, limit - elapsed))
 
     async def post(self, path: str, body: dict[str, Any], *, again: bool = False) -> Any:
@@ -200,13 +242,21 @@ class Endpoint:
     async def _call(self, request, *, again: bool = False) -> Any:
         client = self._openai()
         last: BaseException | None = None
+        # a rotated key is tried once per call, at once: the refused attempt again, not a retry (nor a backoff)
+        rekeyed = at_once = False
         async with self._semaphore:
-            for attempt in range(self.config.retries + 1):
-                if attempt:
-                    self.stats["retries"] += 1
-                    backoff = random.uniform(0, min(self.backoff_s * 2 ** min(attempt - 1, 40), MAX_BACKOFF_S))
-                    await asyncio.sleep(max(backoff, retry_after(last)))
+            attempt = -1
+            while at_once or attempt < self.config.retries:
+                if at_once:
+                    at_once = False
+                else:
+                    attempt += 1
+                    if attempt:
+                        self.stats["retries"] += 1
+                        backoff = random.uniform(0, min(self.backoff_s * 2 ** min(attempt - 1, 40), MAX_BACKOFF_S))
+                        await asyncio.sleep(max(backoff, retry_after(last)))
                 self.stats["requests"] += 1
+                sent = self._key
                 # the client's timeout bounds each read, not the answer: a server trickling a byte at a time (or a
                 # proxy's keep-alive spaces) held the request, and the rollout, for ever
                 deadline = asyncio.timeout(self.config.timeout_s)
@@ -233,6 +283,9 @@ class Endpoint:
                     if error.status_code in _RETRYABLE_STATUSES:
                         self.stats["errors"] += 1
                         last = error
+                        continue
+                    if not rekeyed and self._rekey_or_raise(error, sent):
+                        rekeyed = at_once = True
                         continue
                     self.stats["failures"] += 1
                     raise self._refusal(error, again) from error

@@ -257,6 +257,40 @@ def test_a_server_still_loading_is_waited_for_until_it_answers(scripted, caplog)
     assert lines[1].startswith(f"teacher at {scripted.url} is up")
 
 
+def test_a_long_wait_says_every_so_often_what_it_waits_for(scripted, caplog):
+    """One line at the start left the rest of a wait of up to startup_timeout_s (30 min) silent: `gyre eval` with
+    a judge that is not up looked hung. The wait says again, every `log_s`, what it waits for and how long."""
+    scripted.models_script[:] = [('{"error": "loading"}', "application/json", 503)] * 12
+    client = endpoint(scripted)
+
+    async def scenario():
+        await client.wait_ready(poll_s=0.05, log_s=0.2)
+        await client.aclose()
+
+    with caplog.at_level("INFO", logger="gyre.endpoint"):
+        asyncio.run(scenario())
+    still = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still waiting")]
+    assert 1 <= len(still) <= 4, still
+    assert still[0].startswith(f"still waiting for teacher at {scripted.url} (") and "503" in still[0]
+    assert "of startup_timeout_s = 1800s" in still[0]
+
+
+def test_a_rotated_key_is_taken_up_by_the_startup_wait(tmp_path, scripted):
+    """The start-up wait's 401 re-reads the key as a call's does (gyre.endpoint, rotated keys)."""
+    key = tmp_path / "key"
+    key.write_text("sk-old")
+    client = endpoint(scripted, api_key_file=str(key))
+    key.write_text("sk-new")
+    scripted.models_script[:] = [('{"error": {"message": "bad key"}}', "application/json", 401)]
+
+    async def scenario():
+        await asyncio.wait_for(client.wait_ready(poll_s=0.05), timeout=5)
+        await client.aclose()
+
+    asyncio.run(scenario())
+    assert scripted.models_script == [] and client._key == "sk-new"
+
+
 def test_a_server_not_listening_yet_is_waited_for():
     """Nothing listens on the port for the first 1.5 s (a pod not started yet): connection refused is waited out."""
     import threading

@@ -28,6 +28,9 @@ Answer to grade:
 How good is the answer, from 0 (wrong) to 10 (matches the reference)? Reply with the number only."""
 
 
+#: `startup_timeout_s` in `gyre eval` unless set: one evaluation is not worth a training run's 30 min wait
+EVAL_STARTUP_TIMEOUT_S = 300.0
+
 #: routes the client adds to the URL itself (a URL ending in one was pasted from an API's docs)
 _ROUTES = ("/chat/completions", "/completions", "/classify", "/tokenize", "/models", "/inference/v1/generate")
 
@@ -57,9 +60,10 @@ class EndpointConfig(Section):
         1800.0,
         ge=0,
         allow_inf_nan=False,
-        description="Before the first rollout (and gyre eval's first score), wait this long for the server's "
-        "/v1/models to answer (a model still loading: connection refused, 5xx, 429), then fail; 401, 403, 404 and a "
-        "host name that does not resolve fail at once. 0 = don't wait (nor ask).",
+        description="Before the first rollout (and gyre eval's first score; there "
+        f"{EVAL_STARTUP_TIMEOUT_S:g} s unless set), wait this long for the server's /v1/models to answer (a model "
+        "still loading: connection refused, 5xx, 429), logged every 30 s, then fail; 401, 403, 404 and a host name "
+        "that does not resolve fail at once. 0 = don't wait (nor ask).",
     )
 
     @field_validator("url")

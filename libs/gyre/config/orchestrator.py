@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gyre.config.endpoint import JudgeConfig, RewardModelConfig, TeacherConfig
+from gyre.config.endpoint import EVAL_STARTUP_TIMEOUT_S, JudgeConfig, RewardModelConfig, TeacherConfig
 from gyre.config.loader import GyreSettings, Section, secret_file
 from gyre.config.packing import DEFAULT_SEQ_LEN
 from gyre.config.shared import LogConfig, RedisConfig, ServiceConfig
@@ -260,4 +260,13 @@ class GyreEvalConfig(GyreSettings):
     @model_validator(mode="after")
     def _distinct_signal_names(self) -> GyreEvalConfig:
         check_signal_names(self.judges, self.reward_models)
+        return self
+
+    @model_validator(mode="after")
+    def _short_startup_wait(self) -> GyreEvalConfig:
+        # a one-off evaluation waited out a training run's bound (30 min, a judge pod loading beside the
+        # orchestrator) for a judge that was not there; a startup_timeout_s given is kept
+        for signal in (*self.judges, *self.reward_models):
+            if "startup_timeout_s" not in signal.model_fields_set:
+                signal.startup_timeout_s = EVAL_STARTUP_TIMEOUT_S
         return self

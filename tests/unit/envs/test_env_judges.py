@@ -222,6 +222,71 @@ def test_the_key_comes_from_a_file_or_the_start_fails(tmp_path, scripted):
         Judge(url=scripted.url, api_key_file=str(tmp_path / "missing"))
 
 
+def test_a_rotated_key_file_is_read_again_after_a_401(tmp_path, scripted):
+    """A judge's key came from its file once, at start: when the Kubernetes Secret was rotated (the kubelet rewrites
+    the mounted file) every call failed on a 401 until a restart. A 401 re-reads the file and asks once more with
+    the new key; the reward model and the teacher share this client (gyre.endpoint)."""
+    key = tmp_path / "key"
+    key.write_text("sk-old\n")
+    judge = Judge(url=scripted.url, api_key_file=str(key), model="judge-model", prompt="{response}", retries=0)
+    key.write_text("sk-new\n")  # the Secret rotated while the run goes on
+    scripted.script = [("status", 401), "8", "6"]
+
+    async def scenario():
+        first = await judge(PROMPT, completion("a"), "")
+        second = await judge(PROMPT, completion("b"), "")  # the new key from now on: no 401 first
+        await judge.aclose()
+        return first, second
+
+    assert asyncio.run(scenario()) == (pytest.approx(0.8), pytest.approx(0.6))
+    assert scripted.auth == ["Bearer sk-old", "Bearer sk-new", "Bearer sk-new"]
+    assert judge.stats["retries"] == 0 and judge.stats["failures"] == 0  # not a retry: the same attempt, re-keyed
+
+
+def test_a_401_with_the_key_unchanged_or_refused_again_stops_naming_the_setting(tmp_path, scripted, monkeypatch):
+    """A key that has not changed is not asked with again (the same 401 would come back); a new key refused too
+    fails as a 401 does: once more, never in a loop, naming where the key comes from."""
+    key = tmp_path / "key"
+    key.write_text("sk-same")
+    judge = Judge(url=scripted.url, api_key_file=str(key), model="judge-model", prompt="{response}")
+    scripted.script = [("status", 401)]
+    with pytest.raises(ScoringError, match=f"401 .*check the key: api_key_file = '{key}'"):
+        asyncio.run(judge(PROMPT, completion("a"), ""))
+    assert scripted.auth == ["Bearer sk-same"]
+
+    monkeypatch.setenv("GYRE_TEST_ROTATED", "sk-one")
+    judge = Judge(url=scripted.url, api_key_env="GYRE_TEST_ROTATED", model="judge-model", prompt="{response}")
+    monkeypatch.setenv("GYRE_TEST_ROTATED", "sk-two")
+    scripted.auth.clear()
+    scripted.script = [("status", 401), ("status", 401), "9"]
+    with pytest.raises(ScoringError, match="401 .*check the key: api_key_env = 'GYRE_TEST_ROTATED'"):
+        asyncio.run(judge(PROMPT, completion("b"), ""))
+    assert scripted.auth == ["Bearer sk-one", "Bearer sk-two"]
+
+
+def test_a_key_file_gone_at_a_401_says_so(tmp_path, scripted):
+    key = tmp_path / "key"
+    key.write_text("sk-old")
+    judge = Judge(url=scripted.url, api_key_file=str(key), model="judge-model", prompt="{response}")
+    key.unlink()
+    scripted.script = [("status", 401)]
+    with pytest.raises(ScoringError, match=f"401 .*re-reading the key: api_key_file: cannot read {key}"):
+        asyncio.run(judge(PROMPT, completion("a"), ""))
+
+
+def test_gyre_eval_waits_for_its_judges_minutes_not_half_an_hour():
+    """A judge that is not up held a one-off `gyre eval` for startup_timeout_s, a training run's 30 min (a judge pod
+    loading beside the orchestrator): gyre eval's default is EVAL_STARTUP_TIMEOUT_S; a value given is kept."""
+    from gyre.config.endpoint import EVAL_STARTUP_TIMEOUT_S
+    from gyre.config.orchestrator import GyreEvalConfig
+
+    cfg = GyreEvalConfig(judges=[{"url": "http://a"}, {"url": "http://b", "name": "b", "startup_timeout_s": 900}],
+                         reward_models=[{"url": "http://c"}])  # fmt: skip
+    assert EVAL_STARTUP_TIMEOUT_S <= 300
+    assert [s.startup_timeout_s for s in (*cfg.judges, *cfg.reward_models)] == [EVAL_STARTUP_TIMEOUT_S, 900, 300]
+    assert JudgeConfig(url="http://a").startup_timeout_s == 1800  # training's wait is unchanged
+
+
 def test_identical_calls_are_answered_once(scripted):
     judge = Judge(url=scripted.url, prompt="{response}")
     scripted.script = [("sleep", 0.3, "4"), "6"]
