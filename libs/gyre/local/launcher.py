@@ -41,6 +41,7 @@ from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
 from gyre.config.loader import dump_toml, name_environment_variables, under_section
+from gyre.config.rerun import SFT_RECORD, dotted_keys, sft_changes, sft_refusal
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
@@ -76,10 +77,6 @@ RUN_MARKERS = ("configs/trainer.toml", "configs/sft.toml", "events/*.jsonl")
 STAGING_PREFIX = ".tmp-"
 # What the launcher created the base model with (`model.init_preset`, `model.init_seed`), beside the services' configs.
 MODEL_INIT_RECORD = "configs/model-init.toml"
-# `gyre sft` keys that do not shape its result (or are the run's, checked elsewhere): free on a re-run.
-SFT_FREE_KEYS = ("run_id", "output_dir", "save_dir", "log", "wandb", "ckpt")
-# ... and of a warm-up stopped half way, which the re-run resumes from its checkpoint: how far it goes.
-SFT_FREE_KEYS_IN_PROGRESS = ("max_steps", "epochs")
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's orchestrator finishes its current step on SIGTERM
 STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL of a child that saves nothing when it stops (trainer, SFT: _stop_timeout)
 
@@ -127,32 +124,6 @@ def _check_model(name: str, **how: str) -> None:
     check_model_source(name, **how)  # a folder's config.json (a file is none), a hub id's fetch
 
 
-def _same_path(a: str, b: str) -> bool:
-    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
-
-
-def _dotted_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
-    out = set()
-    for key, value in values.items():
-        out |= _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
-    return out
-
-
-def _first_difference(old: Any, new: Any, explicit: set[str], prefix: str = "") -> tuple[str, Any, Any] | None:
-    """(dotted key, old value, new value) of the first key whose value differs between two config dicts; a key that
-    one of them lacks counts only when it is in `explicit`."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
-            dotted = f"{prefix}{key}"
-            if (key not in old or key not in new) and not any(k == dotted or k.startswith(dotted + ".")
-                                                              for k in explicit):  # fmt: skip
-                continue
-            if (found := _first_difference(old.get(key), new.get(key), explicit, dotted + ".")) is not None:
-                return found
-        return None
-    return None if old == new else (prefix.rstrip("."), old, new)
-
-
 def _gyre(*args: str) -> list[str]:
     return [sys.executable, "-m", "gyre.cli", *args]
 
@@ -162,10 +133,9 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def _write_config(path: Path, config: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_toml(config))
-    path.chmod(0o600)  # may contain the API key / control token
-    return path
+    # atomic: a launch killed mid-write left a truncated file that the re-run read (configs/sft.toml: the record its
+    # changed-settings check compares with); 0600: it may hold the API key / control token
+    return write_atomic(path, to_toml(config).encode(), mode=0o600)
 
 
 class Launcher:
@@ -285,7 +255,7 @@ class Launcher:
             return
         finished = (self.out / "sft" / "config.json").exists()
         in_progress = not finished and sft.ckpt.resume_step != 0 and bool(sft_checkpoints(self.out))
-        old = read("configs/sft.toml") if finished or in_progress else None
+        old = read(SFT_RECORD) if finished or in_progress else None
         if old is None:
             return
         new = tomllib.loads(to_toml(sft))
@@ -294,19 +264,11 @@ class Launcher:
             what = f"the SFT warm-up stopped half way (resumed from its checkpoint in {self.out / SFT_CHECKPOINTS})"
             again = ("it is resumed, not started again: use --sft.args.ckpt.resume-step 0 (the warm-up again from the "
                      "base model), --fresh (starts the run over) or another --output-dir")  # fmt: skip
-        if not _same_path(str((old.get("model") or {}).get("name")), str(sft.model.name)):
-            raise ConfigError(f"config key 'model.name': {what} was trained from "
-                              f"{(old.get('model') or {}).get('name')}, not {sft.model.name}; {again}")  # fmt: skip
-        for values in (old, new):
-            for key in SFT_FREE_KEYS + (SFT_FREE_KEYS_IN_PROGRESS if in_progress else ()):
-                values.pop(key, None)
-            (values.get("model") or {}).pop("name", None)
         # a key one side lacks is compared only when this launch sets it: a key added to gyre sft since (with its
         # default) is no change the user made
-        if (differs := _first_difference(old, new, _dotted_keys(self.cfg.sft.args))) is not None:
-            key, was, now = differs
-            raise ConfigError(f"config key 'sft.args.{key}': {what} was trained with "
-                              f"{key} = {was!r}, not {now!r}; {again}")  # fmt: skip
+        changes = sft_changes(old, new, dotted_keys(self.cfg.sft.args), in_progress)
+        if changes:
+            raise ConfigError(sft_refusal(changes, what, again, "sft.args."))
 
     @staticmethod
     def _check_redis(url: str) -> None:
@@ -491,7 +453,7 @@ class Launcher:
         from gyre.config.loader import deep_merge
 
         sft = load_config(SFTConfig, [], **deep_merge(values, self.cfg.sft.args))
-        path = _write_config(self.out / "configs" / "sft.toml", sft)
+        path = _write_config(self.out / SFT_RECORD, sft)
         _console(f"SFT warm-up: {sft.max_steps} steps -> {sft_dir}")
         child = self._run_once("sft", _gyre("sft", "@", str(path)), echo=True)
         if not (sft_dir / "config.json").exists():  # a SIGTERM of its own: `gyre sft` checkpoints and exits 0

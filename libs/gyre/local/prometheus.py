@@ -36,6 +36,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from gyre.fsio import write_atomic
 from gyre.net import free_port
 from gyre.proc import set_pdeathsig
 
@@ -148,7 +149,9 @@ class LocalPrometheus:
                 "(apt-get install -y --no-install-recommends prometheus)"
             )
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(render_config(self.targets, self.run_id, self.scrape_interval, self.rule_files))
+        # atomic, as the services' configs: a launch killed mid-write never leaves half a scrape config in the run
+        config = render_config(self.targets, self.run_id, self.scrape_interval, self.rule_files)
+        write_atomic(self.config_path, config.encode())
         last_error = ""
         for _ in range(3):  # a picked port can be taken before prometheus binds it
             self.port = free_port()

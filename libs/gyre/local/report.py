@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from gyre.events import latest_per_step, read_events
+from gyre.fsio import write_atomic
 from gyre.rollouts import dumped_steps, read_dump, samples_page
 
 
@@ -81,9 +82,7 @@ def summarize(output_dir: Path, wall_seconds: float | None = None) -> str:
 
 def write_samples(output_dir: Path) -> Path:
     """Write ``samples.md`` (the newest rollout dumps as tables) into the output folder; returns its path."""
-    path = Path(output_dir) / "samples.md"
-    path.write_text(samples_page(output_dir))
-    return path
+    return write_atomic(Path(output_dir) / "samples.md", samples_page(output_dir).encode())  # never half a page
 
 
 def latest_samples(output_dir: Path, count: int = 3, width: int = 60) -> list[str]:

@@ -1,0 +1,75 @@
+"""A re-run against what a previous run recorded: which keys changed that the run's result is shaped by.
+
+Shared by `gyre rl` (its SFT warm-up, checked before anything starts) and a stand-alone `gyre sft`: both record
+the resolved SFT config as ``{output_dir}/configs/sft.toml`` (`SFT_RECORD`) and refuse a re-run that would go on
+from (or skip as finished) a result of other settings, naming every changed key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SFT_RECORD = Path("configs") / "sft.toml"  # in output_dir: the config of the SFT trained (or being trained) there
+# `gyre sft` keys that do not shape its result (or are the run's, checked elsewhere): free on a re-run.
+SFT_FREE_KEYS = ("run_id", "output_dir", "save_dir", "log", "wandb", "ckpt")
+# ... and of an SFT stopped half way, which the re-run resumes from its checkpoint: how far it goes.
+SFT_FREE_KEYS_IN_PROGRESS = ("max_steps", "epochs")
+
+
+def dotted_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
+    """Every leaf key of a nested dict, dotted (`data.seq_len`)."""
+    out = set()
+    for key, value in values.items():
+        out |= dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return out
+
+
+def differences(old: Any, new: Any, explicit: set[str], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) of every key whose value differs between two config dicts, sorted; a key
+    that one of them lacks counts only when it is in `explicit` (a key added to the command since the record was
+    written, at its default, is no change the user made)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        found = []
+        for key in sorted(set(old) | set(new)):
+            dotted = f"{prefix}{key}"
+            if (key not in old or key not in new) and not any(k == dotted or k.startswith(dotted + ".")
+                                                              for k in explicit):  # fmt: skip
+                continue
+            found += differences(old.get(key), new.get(key), explicit, dotted + ".")
+        return found
+    return [] if old == new else [(prefix.rstrip("."), old, new)]
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def sft_changes(old: dict, new: dict, explicit: set[str], in_progress: bool) -> list[tuple[str, Any, Any]]:
+    """The keys in which SFT config `new` differs from the recorded `old` that shape the result: the base model
+    (`model.name`, compared as a path) first, then every other key but the free ones (`SFT_FREE_KEYS`, and how far
+    it goes when `in_progress`: a half-done SFT is resumed, and may be taken further)."""
+    old_model, new_model = (old.get("model") or {}).get("name"), (new.get("model") or {}).get("name")
+    found = [] if _same_path(str(old_model), str(new_model)) else [("model.name", old_model, new_model)]
+    old, new = ({k: v for k, v in values.items()} for values in (old, new))
+    for values in (old, new):
+        for key in SFT_FREE_KEYS + (SFT_FREE_KEYS_IN_PROGRESS if in_progress else ()):
+            values.pop(key, None)
+        if isinstance(values.get("model"), dict):
+            values["model"] = {k: v for k, v in values["model"].items() if k != "name"}
+    return found + differences(old, new, explicit)
+
+
+def sft_refusal(changes: list[tuple[str, Any, Any]], what: str, way_out: str, prefix: str = "") -> str:
+    """The error of a re-run refused for `changes` (`sft_changes`, not empty): the first key as the error's key,
+    every changed key with its recorded and new value, and `way_out`. `prefix`: where the keys live in the
+    command's own config (`sft.args.` under `gyre rl`); the base model is `model.name` in both."""
+
+    def key_of(key: str) -> str:
+        return key if key == "model.name" else f"{prefix}{key}"
+
+    (key, was, now), more = changes[0], changes[1:]
+    said = (f"was trained from {was}, not {now}" if key == "model.name" else f"was trained with {key} = {was!r}, "
+            f"not {now!r}")  # fmt: skip
+    also = "; ".join(f"{key_of(k)} = {w!r}, not {n!r}" for k, w, n in more)
+    return f"config key '{key_of(key)}': {what} {said}" + (f" (also changed: {also})" if also else "") + f"; {way_out}"

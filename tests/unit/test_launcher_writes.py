@@ -1,0 +1,45 @@
+"""The files `gyre rl` writes into a run's folder and reads back on a re-run (`configs/`: each service's resolved
+config, the SFT warm-up's record its changed-settings check compares with) are whole or absent: a launch killed
+while writing one left it truncated, and the re-run read the stump."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from gyre.config import load_config, to_toml
+from gyre.config.trainer import SFTConfig
+
+
+def test_a_config_write_cut_short_leaves_the_previous_file_whole(tmp_path):
+    path = tmp_path / "configs" / "sft.toml"
+    path.parent.mkdir()
+    before = to_toml(load_config(SFTConfig, ["--data.fake", "--max-steps", "2"]))
+    path.write_text(before)
+    # the write is cut after 64 bytes, as a kill (or a full disk) cuts it: RLIMIT_FSIZE fails the write with EFBIG
+    script = textwrap.dedent(f"""
+        import resource, signal
+        from pathlib import Path
+        from gyre.config import load_config
+        from gyre.config.trainer import SFTConfig
+        from gyre.local.launcher import _write_config
+
+        config = load_config(SFTConfig, ["--data.env", "reverse_text", "--max-steps", "7"])
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+        _write_config(Path({str(path)!r}), config)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "File too large" in run.stderr, run.stderr
+    assert path.read_text() == before
+    assert [p.name for p in path.parent.iterdir()] == ["sft.toml"]  # no temp file left behind
+
+
+def test_a_written_config_is_private_and_complete(tmp_path):
+    from gyre.local.launcher import _write_config
+
+    config = load_config(SFTConfig, ["--data.fake"])
+    path = _write_config(tmp_path / "configs" / "sft.toml", config)
+    assert path.stat().st_mode & 0o777 == 0o600  # it may hold the API key / control token
+    assert load_config(SFTConfig, ["@", str(path)]) == config
