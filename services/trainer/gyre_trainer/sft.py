@@ -25,7 +25,11 @@ Re-runs (as `gyre rl`): the same command again continues where the SFT stands. A
 continues it from its newest checkpoint, and without checkpoints is refused (it would start over from
 `model.name` and replace the result); a `save_dir` holding anything else is never replaced.
 `ckpt.resume_step = N` rewinds and trains again from checkpoint N (0: from `model.name`). A checkpoint N that does not
-exist, or a `max_steps` below the checkpoint training would resume from, is refused before the model loads.
+exist, or a `max_steps` below the checkpoint training would resume from, is refused before the model loads. Training
+records its settings in `{output_dir}/configs/sft.toml` (what `gyre rl` writes for its warm-up); a re-run that would go
+on from (or find finished) an SFT of other settings (`model.name`, `data.*`, `optim.*`, `seed`...; how far it goes,
+`max_steps` / `epochs`, is free) is refused before anything loads, naming every changed key: the steps of two
+configs were mixed into one result, recorded as the second. `--ckpt.resume-step 0` trains again from `model.name`.
 
 Stopping (as the RL trainer, docs/trainer.md "Stopping"): SIGTERM or SIGINT (Kubernetes, `gyre rl`, Ctrl-C, torchrun
 forwarding either to its workers) finishes the step in flight on every rank, checkpoints it (`ckpt.on_stop`, unless it
@@ -53,7 +57,7 @@ from typing import Any
 
 import numpy as np
 from gyre.chat import template_messages
-from gyre.config import parse_or_exit
+from gyre.config import parse_or_exit, to_toml
 from gyre.config.trainer import SFTConfig, SFTDataConfig
 from gyre.logging import setup_logging
 
@@ -389,8 +393,7 @@ def run(cfg: SFTConfig) -> int:
         rows = prepare_rows(cfg, load_tokenizer(cfg.model))
         steps_per_epoch = len(rows) // data.batch_size
         total = min(cfg.max_steps, cfg.epochs * steps_per_epoch) if cfg.epochs else cfg.max_steps
-        save_dir = Path(cfg.save_dir) if cfg.save_dir else Path(cfg.output_dir) / "sft"
-        output_dir = Path(cfg.output_dir)
+        save_dir, output_dir = _save_dir(cfg), Path(cfg.output_dir)
         checkpoints = CheckpointManager(
             output_dir / "checkpoints" / "sft", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
         )
@@ -405,6 +408,11 @@ def run(cfg: SFTConfig) -> int:
                 )
             return 0
         check_resume(cfg, checkpoints.steps(), total, output_dir / "checkpoints" / "sft")
+        if ctx.is_main:  # what the re-run compares with (check_rerun); atomic: a kill mid-write leaves the old one
+            from gyre.config.rerun import SFT_RECORD
+            from gyre.fsio import write_atomic
+
+            write_atomic(output_dir / SFT_RECORD, to_toml(cfg).encode(), mode=0o600)
         log.info("%d steps per epoch; training %d steps", steps_per_epoch, total)
 
         dtype = resolve_dtype(cfg.model.dtype, ctx.device)
@@ -465,6 +473,39 @@ def run(cfg: SFTConfig) -> int:
         if wandb is not None:
             wandb.finish()
         dist.shutdown(ctx)
+
+
+def check_rerun(cfg: SFTConfig, explicit: set[str]) -> None:
+    """SFTDataError naming every changed key when this run would go on from, or find finished, an SFT trained with
+    other settings than `cfg` (its record, `SFT_RECORD`): a re-run with another dataset resumed the old checkpoint (or
+    said "already finished") and silently mixed the two, as `gyre rl` refuses for its warm-up. How far it goes
+    (`max_steps`, `epochs`) is free: `finished_step` and `check_resume` judge it. `explicit`: the keys this command
+    sets (one only the record or only `cfg` has counts just then: a key added to gyre sft since is no change)."""
+    import tomllib
+
+    from gyre.config.rerun import SFT_RECORD, sft_changes, sft_refusal
+    from gyre.runstate import SFT_CHECKPOINTS, sft_checkpoints
+
+    if cfg.ckpt.resume_step == 0:
+        return  # trains again from model.name: nothing of the old one is kept
+    output_dir, save_dir = Path(cfg.output_dir), _save_dir(cfg)
+    finished = (save_dir / RESULT_MARKER).is_file()
+    if not finished and not sft_checkpoints(output_dir):
+        return
+    try:
+        old = tomllib.loads((output_dir / SFT_RECORD).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return  # an SFT of a gyre before the record: nothing to compare with
+    if changes := sft_changes(old, tomllib.loads(to_toml(cfg)), explicit, in_progress=True):
+        what = (f"the SFT in {save_dir}" if finished else
+                f"the SFT stopped half way (resumed from its checkpoint in {output_dir / SFT_CHECKPOINTS})")  # fmt: skip
+        raise SFTDataError(sft_refusal(changes, what, "a re-run continues it, it does not start over: use "
+                                       "--ckpt.resume-step 0 (trains again from model.name, replacing it) or another "
+                                       "--output-dir"))  # fmt: skip
+
+
+def _save_dir(cfg: SFTConfig) -> Path:
+    return Path(cfg.save_dir) if cfg.save_dir else Path(cfg.output_dir) / "sft"
 
 
 def check_resume(cfg: SFTConfig, steps: list[int], total: int, ckpt_dir: Path) -> None:
@@ -571,6 +612,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # not a folder, not writable...
         print(f"gyre sft: error: config key 'output_dir': cannot use {cfg.output_dir}: {e}", file=sys.stderr)
+        return 2
+    try:
+        from gyre.config.loader import collect
+        from gyre.config.rerun import dotted_keys
+
+        check_rerun(cfg, dotted_keys(collect(argv, SFTConfig)))
+    except SFTDataError as e:
+        if lock is not None:
+            lock.release()
+        print(f"gyre sft: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}")
     single = int(os.environ.get("WORLD_SIZE", "1")) == 1
