@@ -1,8 +1,9 @@
 """Keep a step whose gradients went wrong, so `gyre replay` can reproduce it (docs/trainer.md, "Debugging a step").
 
 A step's gradient norm is *bad* when it is not finite, or when it exceeds `debug.spike_factor` times the
-median of the previous `debug.spike_window` steps' (needs 3 of them and a median above 0; earlier bad steps do not
-count).
+median of the previous `debug.spike_window` steps' (needs 3 of them and a median above 0; earlier bad steps and steps
+with a zero gradient, whose update is skipped, do not count). The history is part of a checkpoint (`history` /
+`restore`), so a resumed run judges its first steps against the steps before the stop.
 Every rank sees the same global norm, so every rank decides alike: the parameters are gathered
 collectively, and rank 0 writes `{output_dir}/debug/step_{s}/`, before the update, so they are exactly
 those that produced the gradients:
@@ -64,6 +65,10 @@ class GradNormWatch:
         """The reason this norm is bad, or None (then it joins the history)."""
         if not math.isfinite(grad_norm):
             return f"non-finite gradient norm ({grad_norm})"
+        if grad_norm == 0.0:
+            # a step without signal (a zero-signal batch, no valid loss token: its update is skipped) says nothing
+            # about the gradient's scale; in the history, a few of them made the median 0 and hid the next spike
+            return None
         if len(self.history) >= MIN_HISTORY:
             median = statistics.median(self.history)
             # a zero median (steps without signal: every group's advantages 0) sets no scale to spike against;

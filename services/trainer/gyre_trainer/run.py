@@ -458,9 +458,10 @@ def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu
         "max_version": max(maxs) if maxs else None,
         "time": time.time(),
     }
-    if "num_loss_tokens" in metrics:
-        record["num_loss_tokens"] = int(metrics["num_loss_tokens"])
+    for key in ("num_loss_tokens", "num_valid_tokens"):
+        if key in metrics:
+            record[key] = int(metrics[key])
     # the objective's and the correction's stats (clip_frac, masked_frac, is_weight, ...; docs/algorithms.md)
-    record.update({k: v for k, v in metrics.items()
-                   if k.endswith("_frac") or k in ("is_weight", "ref_kl", "teacher_kl", "skipped")})  # fmt: skip
+    extras = ("is_weight", "ref_kl", "teacher_kl", "skipped", "skip_reason")
+    record.update({k: v for k, v in metrics.items() if k.endswith("_frac") or k in extras})
     return record

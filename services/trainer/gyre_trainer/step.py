@@ -16,6 +16,8 @@ average back into the sum. Without a distributed wrapper (world_size 1) the scal
 
 from __future__ import annotations
 
+import logging
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,8 +31,10 @@ from gyre.config.trainer import LossConfig
 from torch import Tensor
 
 from gyre_trainer.lora import reference_model
-from gyre_trainer.loss import aggregate, get_loss, mismatch_kl, policy_loss
+from gyre_trainer.loss import aggregate, get_loss, mismatch_kl, policy_loss, valid_inference_logprobs
 from gyre_trainer.model import packed_logprobs
+
+log = logging.getLogger(__name__)
 
 PAD_TOKEN_ID = 0  # any id works: padding is its own segment, never attended to, never in the loss
 
@@ -215,33 +219,45 @@ def compute_gradients(
         _sync_gradients(model, index == len(groups) - 1)
         (share * scale).backward()
 
+        # the loss tokens the objective trains on: those with a possible inference log-prob (`policy_loss`)
+        valid = valid_inference_logprobs(packed.inference_logprobs, mask)
         add("loss", share)
         add("loss_tokens", mask.sum())
+        add("valid_tokens", valid.sum())
         add("tokens", torch.tensor(packed.num_tokens, device=device))
         add("entropy", (entropy * mask).sum())
         for name, per_token in out.stats.items():
             add(name, (per_token * mask).sum())
+        if packed.teacher_logprobs is not None:
+            scored = valid if packed.teacher_mask is None else valid & packed.teacher_mask
+            add("teacher_tokens", scored.sum())
         if index == 0:
             add("mismatch_kl", (mismatch_kl(logprobs, packed.inference_logprobs, mask) * mask).sum())
-            add("mismatch_tokens", mask.sum())
+            add("mismatch_tokens", valid.sum())
 
     if not sums:  # a rank without micro-batches (only an empty batch has none)
-        sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in ("loss", "loss_tokens", "tokens")}
+        sums = {name: torch.zeros((), dtype=torch.float64, device=device)
+                for name in ("loss", "loss_tokens", "valid_tokens", "tokens")}  # fmt: skip
     names = sorted(sums)
     reduced = _all_reduce_sum(torch.stack([sums[n] for n in names]), world_size).tolist()
     totals = dict(zip(names, reduced, strict=True))
-    loss_tokens = totals.pop("loss_tokens")
+    loss_tokens, valid_tokens = totals.pop("loss_tokens"), totals.pop("valid_tokens")
+    teacher_tokens = totals.pop("teacher_tokens", 0.0)
     metrics = {
         "loss": totals.pop("loss"),
         "num_tokens": totals.pop("tokens"),
         "num_loss_tokens": loss_tokens,
+        "num_valid_tokens": valid_tokens,
         "num_samples": float(batch.num_samples),
+        # a mean over the valid loss tokens of every rank's first forward (an invalid token has no ratio)
         "mismatch_kl": totals.pop("mismatch_kl", 0.0) / max(totals.pop("mismatch_tokens", 1.0), 1.0),
     }
-    # entropy and the objective's stats are means over loss tokens.
-    metrics.update({name: value / max(loss_tokens, 1.0) for name, value in totals.items()})
-    if "teacher_kl" in metrics:  # the reverse KL is a mean over the tokens the teacher scored (teacher_mask)
-        metrics["teacher_kl"] = metrics["teacher_kl"] / metrics["teacher_frac"] if metrics["teacher_frac"] else 0.0
+    # Means of a quantity are over the tokens it is defined on: the KLs and the correction weight over the valid
+    # loss tokens (an impossible inference log-prob has none of them: 0 there, which counted in the denominator
+    # pulled the mean toward 0), the teacher's KL over the valid tokens it scored. Entropy and the 0/1 stats
+    # (clip_frac, invalid_logprob_frac, teacher_frac, ...) are over every loss token.
+    per_valid = {"ref_kl": valid_tokens, "is_weight": valid_tokens, "teacher_kl": teacher_tokens}
+    metrics.update({name: value / max(per_valid.get(name, loss_tokens), 1.0) for name, value in totals.items()})
     return metrics
 
 
@@ -255,12 +271,22 @@ def gradient_norm(model) -> Tensor:
 
 
 def optimizer_step(
-    model, optimizer, scheduler, max_grad_norm: float, before_update: Callable[[float], None] | None = None
-) -> dict[str, float]:
+    model,
+    optimizer,
+    scheduler,
+    max_grad_norm: float,
+    before_update: Callable[[float], None] | None = None,
+    skip: str | None = None,
+) -> dict[str, Any]:
     """Clip gradients to `max_grad_norm`, update, advance the schedule, clear gradients.
 
-    A non-finite gradient norm skips the update (parameters and optimizer state stay untouched,
-    `skipped` = 1) but still advances the schedule, so lr stays aligned with the trainer step.
+    The update is skipped (parameters and optimizer state untouched: no moment decay, no step count, no
+    weight decay; `skipped` = 1 and `skip_reason` says why) when the gradient norm is not finite, when it is
+    exactly 0 (no signal: a zero-signal batch, every advantage 0, or no loss token at all), or when the caller
+    says `skip` (a batch without a valid loss token). AdamW on a zero gradient is not a no-op: it replays the
+    decayed momentum of earlier batches and shrinks every matrix by its weight decay, so a batch that teaches
+    nothing would still move the model. A skipped update still advances the schedule, so lr stays aligned with
+    the trainer step (the step counts as trained: it is published and acked like any other).
     `lr` is the learning rate this update used. `before_update(grad_norm)` runs once the norm is known,
     while the parameters are still those that produced the gradients (the debug dump, `gyre_trainer.debug`).
     """
@@ -269,15 +295,22 @@ def optimizer_step(
     grad_norm = gradient_norm(model)
     if before_update is not None:
         before_update(float(grad_norm))
-    finite = bool(torch.isfinite(grad_norm))
-    if finite:
+    norm = float(grad_norm)
+    if skip is None and not math.isfinite(norm):
+        skip = f"non-finite gradient norm ({norm})"
+    elif skip is None and norm == 0.0:
+        skip = "zero gradient (no signal: every advantage 0, or no loss token)"
+    if skip is None:
         torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, grad_norm)
         optimizer.step()
     with warnings.catch_warnings():  # a skipped update still advances the schedule, on purpose
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0 if finite else 1.0}
+    metrics: dict[str, Any] = {"grad_norm": norm, "lr": lr, "skipped": 0.0 if skip is None else 1.0}
+    if skip is not None:
+        metrics["skip_reason"] = skip
+    return metrics
 
 
 def train_step(
@@ -302,10 +335,11 @@ def train_step(
     (`loss_cfg.ref_kl_coef`) and the `ref_kl` metric.
 
     Metrics: `loss` (the full batch loss), `entropy` (mean over loss tokens), `mismatch_kl` (mean
-    r − log r − 1 over the loss tokens of each rank's first forward), the objective's stats
+    r − log r − 1 over the valid loss tokens of each rank's first forward), the objective's stats
     (`clip_frac` or `masked_frac`, fractions of loss tokens), `num_tokens`, `num_loss_tokens`,
-    `num_samples`, `grad_norm` (before clipping), `lr` (used by this update), `skipped` (1 = non-finite
-    gradient, no update).
+    `num_valid_tokens` (loss tokens with a possible inference log-prob), `num_samples`, `grad_norm`
+    (before clipping), `lr` (used by this update), `skipped` (1 = no update: `optimizer_step`; then also
+    `skip_reason`, a string). A batch without a valid loss token skips the update (warned in the log).
 
     `inspect_gradients(metrics)` sees the loss metrics and `grad_norm` before the update, on every rank
     (the step's debug dump: `gyre_trainer.debug.StepDebugger`).
@@ -326,7 +360,15 @@ def train_step(
         def before_update(grad_norm: float) -> None:
             inspect_gradients({**metrics, "grad_norm": grad_norm})
 
-    metrics.update(optimizer_step(model, optimizer, scheduler, max_grad_norm, before_update))
+    skip = None
+    if not metrics["num_valid_tokens"]:
+        invalid = metrics["num_loss_tokens"] - metrics["num_valid_tokens"]
+        skip = (f"no valid loss token ({int(metrics['num_loss_tokens'])} loss tokens, {int(invalid)} of them with "
+                "an impossible inference log-prob)")  # fmt: skip
+    metrics.update(optimizer_step(model, optimizer, scheduler, max_grad_norm, before_update, skip))
+    if metrics["skipped"]:
+        log.warning("batch %d: optimizer update skipped: %s; the step counts as trained (schedule advanced)",
+                    batch.step, metrics["skip_reason"])  # fmt: skip
     return StepResult(metrics)
 
 

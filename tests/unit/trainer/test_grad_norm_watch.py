@@ -23,11 +23,11 @@ def test_non_finite_norms_are_bad_from_the_first_step():
     assert list(watch.history) == []
 
 
-def test_a_zero_median_judges_no_spike():
-    # steps without signal (every advantage 0) have gradient norm 0: the trainer of a rewind test reached such a
-    # history and died on the next real gradient (ZeroDivisionError formatting the "spike"); judged against 0,
-    # every later step would be a spike forever, since bad steps never join the history
+def test_steps_without_signal_neither_judge_nor_join_the_history():
+    # steps without signal (every advantage 0) have gradient norm 0 and their update is skipped: the trainer of a
+    # rewind test reached a history of zeros and died on the next real gradient (ZeroDivisionError formatting the
+    # "spike"); in the history they made the median 0, and a spike after a few of them went unnoticed
     watch = GradNormWatch(spike_factor=10.0, window=4)
-    assert [watch.observe(n) for n in (0.0, 0.0, 0.0, 0.7, 0.5)] == [None] * 5
-    assert list(watch.history) == [0.0, 0.0, 0.7, 0.5]
-    assert watch.observe(80.0) is not None  # a scale again: median(0, 0, 0.7, 0.5) = 0.35
+    assert [watch.observe(n) for n in (0.0, 0.0, 0.7, 0.5, 0.6, 0.0, 0.0, 0.0)] == [None] * 8
+    assert list(watch.history) == [0.7, 0.5, 0.6]
+    assert watch.observe(80.0) is not None  # median(0.7, 0.5, 0.6); with the zeros in the window it was 0

@@ -198,3 +198,26 @@ def test_the_step_trains_a_skipped_sample_on_its_reward_alone(tiny_llama64):
     # teacher_kl is the mean over the tokens the teacher scored, teacher_frac their share of the loss tokens
     assert metrics["teacher_kl"] == pytest.approx(teacher_metrics["teacher_kl"], rel=1e-5)
     assert metrics["teacher_frac"] == pytest.approx(teacher_metrics["num_loss_tokens"] / full)
+
+
+def test_teacher_kl_is_a_mean_over_the_valid_tokens_the_teacher_scored(tiny_llama64):
+    """A loss token whose inference log-prob is impossible is out of every term (policy_loss), so its teacher gap is 0:
+    counted in the denominator, it pulled teacher_kl toward 0. Samples 1 and 4 with impossible log-probs report the
+    teacher_kl of the batch without their loss tokens."""
+    from gyre_trainer.step import compute_gradients
+
+    model, full = tiny_llama64, _batch(teacher=True).num_loss_tokens
+    cfg = LossConfig(distill=1.0)
+    corrupt = _batch(teacher=True)
+    rows = corrupt.micro_batches[0]  # row r packs samples 2r (5 tokens) and 2r + 1 (4 tokens)
+    rows[0].inference_logprobs[5:9] = -1e4  # sample 1
+    rows[2].inference_logprobs[0:5] = -1e4  # sample 4
+    metrics = compute_gradients(model, corrupt, loss_cfg=cfg, micro_batch_size=2, temperature=1.0)
+    model.zero_grad(set_to_none=True)
+    kept = _batch(teacher=True, keep=[0, 2, 3, 5], num_loss_tokens=full)
+    expected = compute_gradients(model, kept, loss_cfg=cfg, temperature=1.0)
+    model.zero_grad(set_to_none=True)
+    assert metrics["invalid_logprob_frac"] == pytest.approx(1 - expected["num_loss_tokens"] / full)
+    assert abs(expected["teacher_kl"]) > 0.1
+    assert metrics["teacher_kl"] == pytest.approx(expected["teacher_kl"], rel=1e-6)
+    assert metrics["num_valid_tokens"] == expected["num_loss_tokens"]

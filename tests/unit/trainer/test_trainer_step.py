@@ -346,3 +346,62 @@ def test_a_lora_models_reference_is_its_base_with_the_adapters_off(tiny_model, s
     assert [n for n, p in model.named_parameters() if p.requires_grad] == [
         n for n, _ in model.named_parameters() if ".lora_" in n
     ]
+
+
+def test_kl_and_weight_means_leave_out_tokens_with_an_impossible_inference_logprob(tiny_llama64):
+    """mismatch_kl, is_weight and ref_kl are 0 on a token whose inference log-prob is impossible (it is out of every
+    term): they are means over the valid loss tokens, not diluted by the invalid ones."""
+    rng = np.random.default_rng(6)
+    samples = random_samples(rng, LENGTHS)
+    set_behaviour_logprobs(tiny_llama64, samples, noise=0.0, rng=rng, offset=0.5)  # log q = 0.5 on every token
+    for s in samples[:3]:
+        s["inference_logprobs"][s["loss_mask"]] = -1e4
+    batch = make_batch(samples, LAYOUTS["1 micro-batch"])
+    cfg = LossConfig(is_correction="token_tis", is_cap=1.5)
+    metrics = compute_gradients(tiny_llama64, batch, loss_cfg=cfg, ref_model=tiny_llama64)
+    tiny_llama64.zero_grad(set_to_none=True)
+    invalid = sum(int(np.count_nonzero(s["loss_mask"])) for s in samples[:3])
+    assert metrics["invalid_logprob_frac"] == pytest.approx(invalid / metrics["num_loss_tokens"])
+    assert metrics["is_weight"] == pytest.approx(1.5, rel=1e-6)
+    assert metrics["mismatch_kl"] == pytest.approx(math.exp(0.5) - 0.5 - 1.0, rel=1e-6)
+    assert metrics["ref_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert metrics["num_valid_tokens"] == metrics["num_loss_tokens"] - invalid
+
+
+def _trained_once(model, samples, cfg: OptimConfig):
+    """An AdamW with moments and a step count: one real step on `samples`."""
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, None)
+    train_step(model, optimizer, scheduler, make_batch(samples, LAYOUTS["2 micro-batches"]), loss_cfg=LossConfig(),
+               max_grad_norm=1.0)  # fmt: skip
+    return optimizer, scheduler
+
+
+@pytest.mark.parametrize("empty", ["no loss token", "impossible inference log-probs", "every advantage 0"])
+def test_a_batch_without_signal_skips_the_update_but_counts_as_a_step(tiny_llama64, samples, empty, caplog):
+    """A batch with nothing to learn from (every token masked, every inference log-prob impossible, a zero-signal
+    batch the orchestrator closes when its budget runs out) has a zero gradient. AdamW's step on it is not a no-op:
+    it replays the decayed momentum and applies weight decay. The update is skipped, the schedule advances."""
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    optimizer, scheduler = _trained_once(tiny_llama64, samples, cfg)
+    for s in samples:
+        if empty == "no loss token":
+            s["loss_mask"][:] = False
+        elif empty == "impossible inference log-probs":
+            s["inference_logprobs"][:] = -1e4
+        else:
+            s["advantages"][:] = 0.0
+    before = [p.detach().clone() for p in tiny_llama64.parameters()]
+    state = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+    with caplog.at_level("WARNING", logger="gyre_trainer.step"):
+        batch = make_batch(samples, LAYOUTS["2 micro-batches"], step=2)
+        result = train_step(tiny_llama64, optimizer, scheduler, batch, loss_cfg=LossConfig(), max_grad_norm=1.0)
+    metrics = result.metrics
+    assert metrics["skipped"] == 1 and metrics["grad_norm"] == 0.0
+    reason = "zero gradient" if empty == "every advantage 0" else "no valid loss token"
+    assert reason in metrics["skip_reason"] and f"batch 2: optimizer update skipped: {reason}" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, tiny_llama64.parameters(), strict=True))
+    after = list(optimizer.state.values())
+    assert all(torch.equal(s[k], a[k]) for s, a in zip(state, after, strict=True) for k in s)  # moments, step count
+    assert scheduler.last_epoch == 2  # the schedule counts the step
+    assert all(p.grad is None for p in tiny_llama64.parameters())
