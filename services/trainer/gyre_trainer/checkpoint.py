@@ -6,7 +6,8 @@ A checkpoint of step `s` lives in `{output_dir}/checkpoints/trainer/step_{s}/`:
                       rank plus `.metadata`, so a checkpoint saved by N ranks loads on M ranks
     scheduler.pt      LR scheduler state (identical on every rank; rank 0 writes it)
     rng_rank{r}.pt    torch (+ CUDA) and python RNG state of rank r
-    progress.json     {"step", "world_size", "record", "created"}: written last
+    progress.json     {"step", "world_size", "record", "created", and the trainer's "grad_norm_history" (the
+                      spike detector's window, `gyre_trainer.debug`)}: written last
 
 DCP is used also for a single process, so there is one format and any world size can resume it.
 
@@ -71,8 +72,11 @@ class CheckpointManager:
         return self.entries.latest()
 
     # ---- save -----------------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, scheduler, record: dict[str, Any] | None = None) -> Path:
-        """Write checkpoint `step` atomically; every rank must call it. Returns the final folder."""
+    def save(self, step: int, model, optimizer, scheduler, record: dict[str, Any] | None = None, **extra: Any) -> Path:
+        """Write checkpoint `step` atomically; every rank must call it. Returns the final folder.
+
+        `extra`: more JSON state of the step, kept in progress.json beside the record (the trainer's
+        `grad_norm_history`); `load` returns it with the rest of progress.json."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -96,7 +100,8 @@ class CheckpointManager:
             barrier(self.ctx)  # every shard is on disk before rank 0 declares the checkpoint complete
             if self.ctx.is_main:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-                progress = {"step": step, "world_size": self.ctx.world_size, "record": record, "created": time.time()}
+                progress = {"step": step, "world_size": self.ctx.world_size, "record": record, "created": time.time(),
+                            **extra}  # fmt: skip
                 write_atomic(tmp / PROGRESS, json.dumps(progress, indent=1).encode())
                 for file in tmp.rglob("*"):
                     if file.is_file():

@@ -81,6 +81,12 @@ class GradNormWatch:
         self.history.append(grad_norm)
         return None
 
+    def restore(self, history: list[float] | None) -> None:
+        """Continue from the history a checkpoint kept (`list(watch.history)`; None: a checkpoint from before it was
+        kept, judged as a fresh start). The newest `spike_window` values count."""
+        self.history.clear()
+        self.history.extend(float(v) for v in history or () if math.isfinite(v) and v > 0)
+
 
 class StepDebugger:
     """One run's `inspect_gradients` hook: counts bad steps and dumps them (`debug.dump`) into the run's folder.
@@ -89,10 +95,12 @@ class StepDebugger:
     trainer's shared base model (None: the model's only adapter, or none)."""
 
     def __init__(self, cfg: TrainerConfig, ctx: dist.DistContext, hf_config: Any, dtype: torch.dtype, *,
-                 output_dir: Path, lora: Any = None, adapter: str | None = None, on_bad_step=None):  # fmt: skip
+                 output_dir: Path, lora: Any = None, adapter: str | None = None, on_bad_step=None,
+                 history: list[float] | None = None):  # fmt: skip
         self.cfg, self.ctx, self.hf_config, self.dtype = cfg, ctx, hf_config, dtype
         self.lora, self.adapter = lora, adapter
         self.watch = GradNormWatch(cfg.debug.spike_factor, cfg.debug.spike_window)
+        self.watch.restore(history)  # a resumed run's: what its checkpoint kept
         self.folder = debug_dir(output_dir)
         self.on_bad_step = on_bad_step or (lambda step, reason: None)
 

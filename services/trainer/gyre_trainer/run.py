@@ -103,6 +103,7 @@ class RunState:
         self.notifier: WeightsNotifier | None = None
         self.rejected_seen = 0
         self.debugger: StepDebugger | None = None  # made at the first step: it needs the loaded model's config
+        self.grad_norm_history: list[float] | None = None  # the spike detector's, from the checkpoint resumed
         self.checkpointed_step: int | None = None  # the newest step this process saved or loaded a checkpoint of
         self.last_commit: tuple[int, dict[str, Any]] | None = None  # (step, record) this process committed last
         self.closed = False
@@ -203,8 +204,10 @@ class RunState:
                             plan.discard_after, *dropped)  # fmt: skip
         plan = dist.broadcast_object(plan, ctx)
         if plan.checkpoint_step is not None:
-            self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
+            progress = self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
             self.checkpointed_step = plan.checkpoint_step
+            # a spike right after the resume is judged against the steps before it (absent: an older checkpoint)
+            self.grad_norm_history = progress.get("grad_norm_history")
         if plan.weights_step is not None:
             fetched = self.source.fetch(self.transport.version(plan.weights_step))  # verified, as a replica does
             load_published(model, fetched.folder, plan, spec.lora, spec.adapter or "default")
@@ -266,7 +269,8 @@ class RunState:
             activate_adapter(model, spec.adapter)
         if self.debugger is None:
             self.debugger = StepDebugger(cfg, ctx, process.hf_config, process.dtype, output_dir=self.out,
-                                         lora=spec.lora, adapter=spec.adapter, on_bad_step=self._bad_step)  # fmt: skip
+                                         lora=spec.lora, adapter=spec.adapter, on_bad_step=self._bad_step,
+                                         history=self.grad_norm_history)  # fmt: skip
         start = time.perf_counter()
         result = train_step(model, self.optimizer, self.scheduler, item.batch, rank=ctx.rank,
                             world_size=ctx.world_size, loss_cfg=cfg.loss, micro_batch_size=cfg.data.micro_batch_size,
@@ -326,7 +330,9 @@ class RunState:
 
     def _save_checkpoint(self, step: int, record: dict[str, Any]) -> None:
         start = time.perf_counter()
-        self.checkpoints.save(step, self.process.model, self.optimizer, self.scheduler, record)
+        history = list(self.debugger.watch.history) if self.debugger else self.grad_norm_history
+        self.checkpoints.save(step, self.process.model, self.optimizer, self.scheduler, record,
+                              grad_norm_history=history)  # fmt: skip
         self.metrics.checkpoint_duration.observe(time.perf_counter() - start)
         self.checkpointed_step = step
 

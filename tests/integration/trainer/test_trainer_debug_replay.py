@@ -20,7 +20,16 @@ import torch
 from gyre.codec import encode_batch
 from gyre.events import TRAINER_STEPS, read_events
 from gyre.streams import BatchStream
-from trainer_testlib import REPO, child_env, kill_group, load_weights, make_batch, start_trainer, trainer_args
+from trainer_testlib import (
+    REPO,
+    child_env,
+    kill_group,
+    load_weights,
+    make_batch,
+    run_in_process,
+    start_trainer,
+    trainer_args,
+)
 
 pytestmark = pytest.mark.slow
 STEPS = 6
@@ -127,3 +136,40 @@ def test_a_multi_run_runs_spike_is_kept_in_its_own_folder_and_replays_exactly(ti
     assert run.metrics.grad_norm_spikes._value.get() == 1
     done = replay(kept, "--strict")
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.usefixtures("isolated_torch_state")  # the trainer runs in this process
+def test_a_spike_right_after_a_resume_is_caught(tiny_model, redis_url, unique_run_id, tmp_path):
+    """The spike detector's window is checkpointed: a run stopped after step 4 (checkpointed) and restarted judges
+    step 5 against steps 1-4. Without it the restarted detector began empty, and no spike counted in the first
+    3 steps after every resume (a pod restart)."""
+    stream = BatchStream(redis_url, unique_run_id)
+    for step in range(1, SPIKE + 1):
+        stream.push(step, encode_batch(scaled(step, 1000.0 if step == SPIKE else 1.0)))
+    stream.redis.close()
+    out = tmp_path / "run"
+    opts = {"ckpt.interval": 4}
+    assert run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, SPIKE - 1, **opts)) == 0
+    progress = json.loads((out / "checkpoints" / "trainer" / f"step_{SPIKE - 1}" / "progress.json").read_text())
+    norms = [r["grad_norm"] for r in read_events(out / "events" / TRAINER_STEPS)]
+    assert progress["grad_norm_history"] == norms and len(norms) == SPIKE - 1
+    assert run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, SPIKE, **opts)) == 0
+    spike = json.loads((out / "debug" / f"step_{SPIKE}" / "step.json").read_text())
+    assert f"of the previous {SPIKE - 1} steps" in spike["reason"]
+
+
+@pytest.mark.usefixtures("isolated_torch_state")
+def test_a_checkpoint_without_the_window_still_resumes(tiny_model, redis_url, unique_run_id, tmp_path):
+    """A checkpoint written before the window was kept (no `grad_norm_history`) loads: the detector starts empty."""
+    stream = BatchStream(redis_url, unique_run_id)
+    for step in (1, 2):
+        stream.push(step, encode_batch(scaled(step, 1.0)))
+    stream.redis.close()
+    out = tmp_path / "run"
+    assert run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, 1, **{"ckpt.interval": 1})) == 0
+    progress_file = out / "checkpoints" / "trainer" / "step_1" / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    del progress["grad_norm_history"]
+    progress_file.write_text(json.dumps(progress))
+    assert run_in_process(trainer_args(tiny_model, out, redis_url, unique_run_id, 2, **{"ckpt.interval": 1})) == 0
+    assert [r["step"] for r in read_events(out / "events" / TRAINER_STEPS)] == [1, 2]
