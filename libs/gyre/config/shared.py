@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from gyre.config.loader import GyreSettings, Section, secret_file
 
@@ -44,8 +44,10 @@ class ModelConfig(Section):
     name: str = Field(
         "outputs/run/model",
         description="Model folder (HF format: config.json, tokenizer, *.safetensors or *.bin weights) or hub id "
-        "(org/name). A folder that does not exist or lacks config.json or weights stops the service at start "
-        "(exit 2, naming the path).",
+        "(org/name). Unset: {output_dir}/model, the folder `gyre rl` creates its model in (outputs/run/model with "
+        "the default output_dir). A folder that does not exist or lacks config.json or weights stops the service "
+        "at start (exit 2, naming the path): create one with `gyre model init --output-dir DIR` (a small random "
+        "model) or `gyre model import SOURCE --output-dir DIR` (a pretrained one) and set model.name = DIR.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."
@@ -91,6 +93,20 @@ class ProcessConfig(GyreSettings):
     )
     output_dir: Path = Field(Path("outputs/run"), description="Shared volume: weights, checkpoints, events, logs.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_in_output_dir(cls, data: Any) -> Any:
+        """An unset `model.name` of a process that loads one is `{output_dir}/model`, where `gyre rl` creates the
+        model: it was `outputs/run/model` whatever the output_dir, so `gyre trainer --output-dir outputs/b` loaded
+        the model of the default run's folder (or failed naming a folder the user never chose)."""
+        if "model" not in cls.model_fields or not isinstance(data, dict):
+            return data
+        model = data.get("model")
+        if model is not None and not isinstance(model, dict) or (model or {}).get("name") is not None:
+            return data  # set (or a ModelConfig given whole)
+        output_dir = data.get("output_dir") or cls.model_fields["output_dir"].default
+        return {**data, "model": {**(model or {}), "name": str(Path(output_dir) / "model")}}
 
 
 class JobConfig(ProcessConfig):
