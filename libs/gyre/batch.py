@@ -55,6 +55,20 @@ OPTIONAL_TOKEN_FIELDS: dict[str, np.dtype] = {
     "teacher_mask": np.dtype(np.bool_),
 }
 
+#: A sampled token's log-prob lies in [LOGPROB_MIN, LOGPROB_MAX]: no float32 probability is below e^-103.3 (the smallest
+#: subnormal, 1.4e-45), and a log-prob is <= 0 up to rounding. A loss token whose inference log-prob is outside cannot
+#: come from sampling: the trainer leaves it out of every loss term and every mean (`valid_logprobs`).
+LOGPROB_MIN = -104.0
+LOGPROB_MAX = 1e-3
+
+
+def valid_logprobs(logprobs: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """`loss_mask` without the tokens whose log-prob is not a possible sampled log-prob (numpy; the trainer's torch
+    twin is `gyre_trainer.loss.valid_inference_logprobs`)."""
+    lp = np.asarray(logprobs)
+    with np.errstate(invalid="ignore"):
+        return np.asarray(loss_mask, dtype=bool) & np.isfinite(lp) & (lp >= LOGPROB_MIN) & (lp <= LOGPROB_MAX)
+
 
 class BatchError(ValueError):
     """A batch violates the schema (wrong dtype, shape, lengths, positions, ...)."""

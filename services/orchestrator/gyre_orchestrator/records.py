@@ -23,7 +23,7 @@ from gyre_orchestrator.metrics import OrchestratorMetrics
 from gyre_orchestrator.packing import TrainSample
 from gyre_orchestrator.progress import Progress, ProgressStore
 from gyre_orchestrator.scheduler import StepState
-from gyre_orchestrator.teacher import Teacher
+from gyre_orchestrator.teacher import Teacher, sampler_teacher_kl
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,6 @@ def batch_health(samples: list[ScoredRollout]) -> dict:
         "truncated_ratio": float(np.mean([s.rollout.stop_reason == "length" for s in samples])) if samples else 0.0,
         "rubric_scores": {name: float(np.mean(values)) for name, values in sorted(scores.items())},
     }
-
-
-def _scored(sample: TrainSample) -> np.ndarray | bool:
-    """Where the teacher scored the sample's tokens (a sample it refused keeps only its reward term)."""
-    return True if sample.teacher_mask is None else sample.teacher_mask
 
 
 class StepRecords:
@@ -216,7 +211,5 @@ class StepRecords:
                     )
                     seen[outcome] = count
         if self.teacher is not None:
-            gaps = np.concatenate([(s.inference_logprobs - s.teacher_logprobs)[s.loss_mask & _scored(s)]
-                                   for s in samples])  # fmt: skip
-            record["teacher_kl"] = float(gaps.mean()) if gaps.size else 0.0
+            record["teacher_kl"] = sampler_teacher_kl(samples)
         return record

@@ -30,13 +30,12 @@ import math
 
 import httpx
 import numpy as np
+from gyre.batch import LOGPROB_MAX, valid_logprobs
 from gyre.config.endpoint import TeacherConfig
 from gyre.endpoint import Endpoint, EndpointError, RequestRefused
 
 log = logging.getLogger(__name__)
 
-#: a log-prob a little above 0 is rounding; anything beyond is not a log-probability
-LOGPROB_MAX = 1e-3
 #: text whose tokenization tells tokenizers apart: words, digits, code, whitespace runs, accents, CJK, emoji
 PROBE = "Gyre probe: The 12,345 quick foxes — naïve café 東京 🦊\n\tdef f(x):  return x**2  # 0x1F ⟨ok⟩"
 
@@ -74,6 +73,20 @@ def teacher_arrays(values: list[float] | None, length: int) -> tuple[np.ndarray,
         return scored, None
     padded = np.concatenate([scored, np.zeros(length - len(scored), dtype=np.float32)])
     return padded, np.arange(length) < len(scored)
+
+
+def sampler_teacher_kl(samples) -> float:
+    """The sampler-side reverse KL of a batch, the mean of lp_inference − lp_teacher over the loss tokens the teacher
+    scored (`teacher_mask`) whose inference log-prob is possible (`gyre.batch.valid_logprobs`, the trainer's rule):
+    an impossible one (a -1e9 sentinel of a server) made the step's mean huge; 0 when no token counts."""
+    gaps = [
+        (s.inference_logprobs - s.teacher_logprobs)[
+            valid_logprobs(s.inference_logprobs, s.loss_mask) & (True if s.teacher_mask is None else s.teacher_mask)
+        ]
+        for s in samples
+    ]
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    return float(gaps.astype(np.float64).mean()) if gaps.size else 0.0
 
 
 class Teacher:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from gyre.batch import LOGPROB_MAX, LOGPROB_MIN
 from gyre.config.trainer import Aggregation, LossConfig
 from gyre.imports import load_callable
 from torch import Tensor
@@ -58,11 +59,10 @@ LOG_RATIO_CLAMP = 20.0
 SEQ_LOG_RATIO_MAX = 10.0
 #: k3 reference KL: the estimate is capped at this (verl's low_var_kl).
 KL_MAX = 10.0
-#: Inference log-probs outside [min, max] on a loss token cannot come from sampling: no float32
-#: probability is below e^-103.3 (the smallest subnormal, 1.4e-45), and a log-prob is ≤ 0 (up to
-#: rounding). Such tokens are masked out of the loss and counted (`invalid_logprob_frac`).
-INFERENCE_LOGPROB_MIN = -104.0
-INFERENCE_LOGPROB_MAX = 1e-3
+#: Inference log-probs outside [min, max] on a loss token cannot come from sampling (`gyre.batch.LOGPROB_MIN`).
+#: Such tokens are masked out of the loss and counted (`invalid_logprob_frac`).
+INFERENCE_LOGPROB_MIN = LOGPROB_MIN
+INFERENCE_LOGPROB_MAX = LOGPROB_MAX
 
 
 @dataclass

@@ -221,3 +221,24 @@ def test_teacher_kl_is_a_mean_over_the_valid_tokens_the_teacher_scored(tiny_llam
     assert abs(expected["teacher_kl"]) > 0.1
     assert metrics["teacher_kl"] == pytest.approx(expected["teacher_kl"], rel=1e-6)
     assert metrics["num_valid_tokens"] == expected["num_loss_tokens"]
+
+
+def test_the_orchestrators_teacher_kl_leaves_out_impossible_inference_logprobs():
+    """The orchestrator's side of the metric (its step events' `teacher_kl`, lp_inference − lp_teacher) follows the
+    trainer's rule: a loss token with an impossible inference log-prob (a server's -1e9 sentinel, NaN) is not a sample
+    of the KL; one such token made the step's mean -1e8."""
+    from types import SimpleNamespace
+
+    from gyre_orchestrator.teacher import sampler_teacher_kl
+
+    def sample(inference, teacher, mask, teacher_mask=None):
+        return SimpleNamespace(inference_logprobs=np.array(inference, np.float32), loss_mask=np.array(mask),
+                               teacher_logprobs=np.array(teacher, np.float32), teacher_mask=teacher_mask)  # fmt: skip
+
+    samples = [
+        sample([0.0, -1.0, -1e9, -2.0], [0.0, -1.5, -1.0, -1.0], [False, True, True, True]),  # gaps 0.5, -, -1.0
+        sample([0.0, np.nan, -0.5], [0.0, -1.0, -1.0], [False, True, True]),  # gap 0.5
+        sample([0.0, -3.0], [0.0, -1.0], [False, True], teacher_mask=np.array([False, False])),  # refused
+    ]
+    assert sampler_teacher_kl(samples) == pytest.approx((0.5 - 1.0 + 0.5) / 3)
+    assert sampler_teacher_kl(samples[2:]) == 0.0
