@@ -14,6 +14,7 @@ so one instance serves any number of concurrent rollouts.
 from __future__ import annotations
 
 import copy
+import inspect
 import random
 from collections.abc import Callable, Iterator
 from functools import cached_property, lru_cache
@@ -68,19 +69,25 @@ class TaskSource:
             index += 1
 
 
-def distinct_tasks(draw: Callable[[int, str], Task], count: int, name: str) -> list[Task]:
-    """The eval split: `draw(i, task_id)` for i = 0, 1, ... until `count` tasks with distinct keys (a repeat is
+def distinct_tasks(
+    draw: Callable[[int, str], Task], count: int, name: str, key: Callable[[Task], str] = lambda task: task.key
+) -> list[Task]:
+    """The eval split: `draw(i, task_id)` for i = 0, 1, ... until `count` tasks with distinct `key`s (a repeat is
     skipped); ValueError naming the environment after `count * MAX_REDRAWS` draws."""
     tasks: list[Task] = []
     seen: set[str] = set()
     for index in range(count * MAX_REDRAWS):
         task = draw(index, f"eval-{len(tasks)}")
-        if task.key not in seen:
-            seen.add(task.key)
+        if key(task) not in seen:
+            seen.add(key(task))
             tasks.append(task)
             if len(tasks) == count:
                 return tasks
-    raise ValueError(f"{name}: could not draw {count} distinct eval tasks; lower num_eval")
+    # a game asking one question of every task (its secret in the answer) read as "lower num_eval", whatever it was
+    raise ValueError(f"{name}: could not draw {count} distinct eval tasks: {count * MAX_REDRAWS} draws gave only "
+                     f"{len(tasks)} distinct ones; lower num_eval. Tasks are told apart by their prompt: an "
+                     "environment whose prompt is the same for every task (a secret in the answer or info) "
+                     "overrides task_key(task), e.g. return task.key + task.answer")  # fmt: skip
 
 
 def hold_out(items: list, num_eval: int, salt: str) -> tuple[list, list]:
@@ -174,19 +181,27 @@ class Environment:
         def draw(index: int, task_id: str) -> Task:
             return self.make_task(random.Random(f"{self.name}/eval/{self.eval_seed}/{index}"), task_id)
 
-        return distinct_tasks(draw, self.num_eval, self.name)
+        return distinct_tasks(draw, self.num_eval, self.name, self.task_key)
+
+    def task_key(self, task: Task) -> str:
+        """What tells two tasks apart (eval tasks are distinct, train tasks are never eval tasks): the prompt
+        (`Task.key`). Override where the prompt is the same for every task, e.g. `task.key + task.answer` for a
+        guessing game whose secret is the answer."""
+        return task.key
 
     @cached_property
     def _eval_keys(self) -> frozenset[str]:
-        return frozenset(task.key for task in self._eval_tasks)
+        return frozenset(self.task_key(task) for task in self._eval_tasks)
 
     def _train_task(self, seed: int, index: int) -> Task:
         for attempt in range(MAX_REDRAWS):
             rng = random.Random(f"{self.name}/train/{seed}/{index}/{attempt}")
             task = self.make_task(rng, f"train-{seed}-{index}")
-            if task.key not in self._eval_keys:
+            if self.task_key(task) not in self._eval_keys:
                 return task
-        raise ValueError(f"{self.name}: train draws keep hitting the eval split; the task space is too small")
+        raise ValueError(f"{self.name}: train draws keep hitting the eval split ({MAX_REDRAWS} draws of make_task "
+                         f"for train task {index} were eval tasks); the task space is too small for num_eval = "
+                         f"{self.num_eval}")  # fmt: skip
 
     def format_prompt(self, user: str) -> Messages:
         """System prompt (if any) + one user message."""
@@ -201,8 +216,31 @@ class Environment:
         return {"task_id": task.id, "answer": task.answer, "info": copy.deepcopy(task.info), "turn": 0}
 
     async def env_response(self, messages: Messages, state: dict[str, Any]) -> tuple[Messages, bool]:
-        """After each model turn: the messages the environment adds, and whether the episode is over."""
-        raise NotImplementedError
+        """After each model turn: the messages the environment adds, and whether the episode is over. May be
+        written as a plain (sync) method too."""
+        raise NotImplementedError(f"{type(self).__name__} must implement env_response(messages, state)")
+
+    async def _env_reply(self, messages: Messages, state: dict[str, Any]) -> tuple[Messages, bool]:
+        """`env_response`, sync or async, its answer checked: a dict or a string added to the conversation as
+        a list (its keys, its characters) and verifiers' `(messages, state)` read the state as `done`."""
+        answer = self.env_response(messages, state)
+        if inspect.isawaitable(answer):  # a plain def was awaited as a tuple: TypeError on every rollout
+            answer = await answer
+        if not (isinstance(answer, tuple | list) and len(answer) == 2):
+            raise TypeError(f"env_response must return (messages, done), got {type(answer).__name__} "
+                            f"{str(answer)[:80]!r}")  # fmt: skip
+        reply, done = answer
+        if not isinstance(done, bool):
+            verifiers = " (verifiers returns (messages, state); here state is changed in place)" if isinstance(
+                done, dict) else ""  # fmt: skip
+            raise TypeError(f"env_response must return (messages, done) with done True or False, got done = "
+                            f"{type(done).__name__} {str(done)[:80]!r}{verifiers}")  # fmt: skip
+        if not isinstance(reply, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in reply
+        ):
+            raise TypeError(f"env_response must return (messages, done) with messages a list of dicts with a "
+                            f"'role', e.g. [{{'role': 'user', 'content': ...}}], got {str(reply)[:80]!r}")  # fmt: skip
+        return reply, done
 
     async def rollout(self, client: ModelClient, task: Task, sampling: SamplingParams) -> Rollout:
         """Run one episode: model turn, environment reply, ... until done, `max_turns`, a length stop or drift.
@@ -246,7 +284,7 @@ class Environment:
                 stop = "length"
                 break
             try:
-                reply, done = await self.env_response(prompt + completion, state)
+                reply, done = await self._env_reply(prompt + completion, state)
             except Exception as exc:  # environment bug: keep the episode so far, flag it
                 error, stop = f"env_response failed: {type(exc).__name__}: {exc}", "error"
                 break

@@ -198,6 +198,23 @@ class Task:
     answer: str = ""
     info: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # checked here, where a make_task draws them: a text prompt failed every rollout as a TypeError deep in the
+        # client, and an int answer (answer=a + b) compared unequal to every reply's text: a reward of 0, silently
+        if not isinstance(self.prompt, list) or not self.prompt:
+            hint = ": for a text prompt, prompt=self.format_prompt(text)" if isinstance(self.prompt, str) else ""
+            raise TypeError(f"Task {self.id!r}: prompt must be a non-empty list of chat messages, got "
+                            f"{type(self.prompt).__name__} {str(self.prompt)[:80]!r}{hint}")  # fmt: skip
+        for message in self.prompt:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise TypeError(f"Task {self.id!r}: each prompt message is a dict with a 'role' (and 'content'), got "
+                                f"{str(message)[:80]!r}")  # fmt: skip
+        if not isinstance(self.answer, str):
+            raise TypeError(f"Task {self.id!r}: answer must be text (str), got {type(self.answer).__name__} "
+                            f"{self.answer!r}: write answer=str(...) (rewards compare it with reply text)")  # fmt: skip
+        if not isinstance(self.info, dict):
+            raise TypeError(f"Task {self.id!r}: info must be a dict, got {type(self.info).__name__}")
+
     @property
     def key(self) -> str:
         """Content fingerprint (of the prompt): two tasks with the same key are the same problem."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 
 import pytest
 from envs_doubles import END_ID, Reply, ScriptedClient, encode, render
@@ -190,6 +191,56 @@ async def test_env_bug_ends_the_episode_with_an_error_and_keeps_the_turn(samplin
     rollout = await env.rollout(ScriptedClient(["a"]), env.tasks("eval")[0], sampling)
     assert rollout.stop_reason == "error" and "KeyError" in rollout.error
     assert rollout.sequence_turns == 1 and rollout.num_completion_tokens == 2
+
+
+class Guess(MultiTurnEnv):
+    """Written as a verifiers user would: a plain (sync) env_response."""
+
+    name = "guess"
+
+    def make_task(self, rng, task_id):
+        return Task(id=task_id, prompt=[{"role": "user", "content": "guess"}], answer="7")
+
+    def env_response(self, messages, state):
+        if messages[-1]["content"] == state["answer"]:
+            return [], True
+        return [{"role": "user", "content": "no"}], False
+
+
+@pytest.mark.asyncio
+async def test_a_plain_env_response_runs_as_an_async_one(sampling):
+    """A sync env_response was awaited as a tuple: every episode ended as an error ('object tuple can't be used in
+    an await expression'). Like reward functions, it may be sync or async."""
+    env = Guess(num_eval=1)
+    rollout = await env.rollout(ScriptedClient(["3", "7"]), env.tasks("eval")[0], sampling)
+    assert rollout.error is None and rollout.stop_reason == "done"
+    assert [m["content"] for m in rollout.completion] == ["3", "no", "7"]
+    check_alignment(rollout, rollout.turns)
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (({"role": "user", "content": "no"}, False), "messages a list of dicts with a 'role'"),  # its keys were added
+        (("try again", False), "messages a list of dicts"),  # its characters were added as messages
+        (([], {"turn": 1}), r"done True or False, got done = dict .*verifiers returns \(messages, state\)"),
+        ([{"role": "user", "content": "no"}], r"must return \(messages, done\), got list"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_an_env_response_of_another_shape_ends_the_episode_saying_so(sampling, answer, why):
+    """A message dict or a string was added to the conversation as a list (its keys, its characters: a corrupt
+    prompt for the next turn and for training), and verifiers' (messages, state) took a non-empty state as done."""
+
+    class Odd(Guess):
+        async def env_response(self, messages, state):
+            return answer
+
+    env = Odd(num_eval=1)
+    rollout = await env.rollout(ScriptedClient(["3", "4"]), env.tasks("eval")[0], sampling)
+    assert rollout.stop_reason == "error" and rollout.num_turns == 1
+    assert re.search(f"env_response failed: TypeError: env_response .*{why}", rollout.error), rollout.error
+    assert rollout.completion == [{"role": "assistant", "content": "3"}]
 
 
 @pytest.mark.asyncio

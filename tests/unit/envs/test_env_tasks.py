@@ -6,7 +6,7 @@ import itertools
 import random
 
 import pytest
-from gyre.envs import SingleTurnEnv, Task, load_environment
+from gyre.envs import MultiTurnEnv, SingleTurnEnv, Task, load_environment
 
 BUILTINS = ["reverse_text", "arithmetic", "alphabet_sort", "calculator"]
 
@@ -119,3 +119,51 @@ def test_custom_environment_only_needs_make_task():
     env = Dice(num_eval=10, system_prompt="Echo the number.")
     assert len(env.tasks("eval")) == 10
     assert env.tasks("train", 1)[0] == Dice(num_eval=10, system_prompt="Echo the number.").tasks("train", 1)[0]
+
+
+def test_a_game_with_one_prompt_says_how_to_tell_its_tasks_apart():
+    """A guessing game (verifiers' Wordle) asks the same question in every task, its secret in the answer: its eval
+    split failed with 'lower num_eval', whatever num_eval was. The error now says tasks are told apart by their
+    prompt and names the hook, task_key; with it the game has as many tasks as secrets, and train draws still
+    never give an eval task."""
+
+    class Guess(MultiTurnEnv):
+        name = "guess"
+
+        def make_task(self, rng: random.Random, task_id: str) -> Task:
+            return Task(
+                id=task_id, prompt=self.format_prompt("Guess my number, 1 to 20."), answer=str(rng.randint(1, 20))
+            )
+
+    hint = r"overrides task_key\(task\), e.g. return task.key \+ task.answer"
+    with pytest.raises(
+        ValueError, match=r"guess: could not draw 8 distinct eval tasks: 800 draws gave only 1 .*" + hint
+    ):
+        Guess(num_eval=8).tasks("eval")
+
+    class Secret(Guess):
+        def task_key(self, task: Task) -> str:
+            return task.key + task.answer
+
+    env = Secret(num_eval=8)
+    secrets = {task.answer for task in env.tasks("eval")}
+    assert len(secrets) == 8
+    train = {task.answer for task in itertools.islice(env.tasks("train", 0), 50)}
+    assert train and not train & secrets
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"prompt": "Reverse: abc"}, "prompt must be a non-empty list of chat messages, got str .*format_prompt"),
+        ({"prompt": []}, "prompt must be a non-empty list"),
+        ({"prompt": ["Reverse: abc"]}, "each prompt message is a dict with a 'role'"),
+        ({"answer": 7}, r"answer must be text \(str\), got int 7: write answer=str"),
+        ({"info": "x"}, "info must be a dict"),
+    ],
+)
+def test_a_task_drawn_wrong_fails_where_it_is_made(fields, why):
+    """A text prompt failed every rollout with a TypeError deep in the client; an int answer (answer=a + b) scored
+    every reply 0, silently (the reply's text never equals an int)."""
+    with pytest.raises(TypeError, match=f"^Task 't': {why}"):
+        Task(**{"id": "t", "prompt": [{"role": "user", "content": "hi"}], **fields})
