@@ -353,7 +353,8 @@ class Serving:
                 choice, delta = item
                 covered[choice.index] = min(delta.position + 1, len(choice.token_ids))  # echo_only holds none
                 if delta.text or delta.finish_reason or every_token:
-                    yield sse([self._chunk_choice(job, choice, delta)])
+                    for entry in self._chunk_choices(job, choice, delta):
+                        yield sse([entry])
             if job.request.stream_options and job.request.stream_options.include_usage:
                 yield _sse({**head, "choices": [], "usage": self._usage(job)})
             yield "data: [DONE]\n\n"
@@ -406,6 +407,24 @@ class Serving:
         if job.request.return_token_ids and len(job.prompts) == 1:
             body["prompt_token_ids"] = job.prompts[0]
         return body
+
+    def _chunk_choices(self, job: _Job, choice: Choice, delta: Delta) -> list[dict]:
+        """The choice entries of the chunks for one token: one, or for the last token of a choice that made tool
+        calls two, the calls (with the token's data) and then the finish. The openai SDK's stream helper fires a
+        call's `tool_calls.function.arguments.done` (with `parsed_arguments`) once a later chunk ends it, and
+        never for a call first seen in the finishing chunk: when the calls came with the finish, the last one
+        never got that event. OpenAI and vLLM send the finish after the calls too."""
+        entry = self._chunk_choice(job, choice, delta)
+        if not (job.kind == "chat" and delta.finish_reason and choice.tool_calls):
+            return [entry]
+        finish = {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": entry["finish_reason"],
+                  **choice.versions()}  # fmt: skip
+        if job.request.return_token_ids:
+            finish["token_ids"] = []
+        entry["finish_reason"] = None
+        for key in ("policy_version_min", "policy_version_max"):
+            del entry[key]
+        return [entry, finish]
 
     def _chunk_choice(self, job: _Job, choice: Choice, delta: Delta) -> dict:
         """The choice entry of the chunk for one token (the token at `delta.position`)."""

@@ -178,6 +178,23 @@ def test_the_openai_sdk_parses_forced_strict_tool_arguments(client, model_id):
     assert isinstance(call.function.parsed_arguments, Verdict)
 
 
+def test_the_sdk_stream_helper_ends_every_streamed_tool_call(client, model_id):
+    """`chat.completions.stream()` fires `tool_calls.function.arguments.done` (with the parsed arguments of a
+    strict tool) for each call, the last one too: it did not when the calls came in the finishing chunk."""
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    for options in ({}, {"logprobs": True, "stream_options": {"include_usage": True}}):
+        with client.chat.completions.stream(
+            model=model_id, messages=TOOL_MESSAGES, tools=strict, temperature=0,
+            extra_body={"structured_outputs": {"grammar": TWO_CALLS}}, **options,
+        ) as stream:  # fmt: skip
+            ends = [(e.index, e.name, e.parsed_arguments) for e in stream if e.type.endswith("arguments.done")]
+            final = stream.get_final_completion()
+        assert ends == [(0, "add", {"a": 1}), (1, "add", {"a": 1})]
+        choice = final.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert [call.function.parsed_arguments for call in choice.message.tool_calls] == [{"a": 1}] * 2
+
+
 # ---- langchain-openai --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chat_model(server, model_id):
