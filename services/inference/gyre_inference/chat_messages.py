@@ -2,6 +2,9 @@
 
 What `resp.choices[0].message.model_dump()` gives back is accepted as the next turn's assistant message, so a
 client can send a conversation back as it got it (fields this server never fills are accepted as null only).
+That holds for the messages of the openai SDK's helpers too: `chat.completions.parse()` and the final message of
+`chat.completions.stream()` carry `parsed`, `function.parsed_arguments` and (stream) each call's `index`, which
+the SDK sends back when the message object is appended to the conversation; they are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -40,15 +43,22 @@ def _text_parts_only(value):
 Content = Annotated[str | list[TextPart], BeforeValidator(_text_parts_only)]
 
 
+# The openai SDK's own additions to a message it returned (parse() / stream() helpers): sent back verbatim when
+# that message object is appended to the next request's messages, never rendered (excluded from model_dump).
+_SDK_ADDED = "Ignored: the openai SDK's parse()/stream() helpers add it to the message they return."
+
+
 class FunctionCall(StrictModel):
     name: str = Field(min_length=1)
     arguments: str = Field(description="JSON text of the arguments, as the model wrote it.")
+    parsed_arguments: Any = Field(None, exclude=True, description=_SDK_ADDED)
 
 
 class ToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(None, exclude=True, description=_SDK_ADDED + " (its position in the stream)")
 
 
 class SystemMessage(StrictModel):
@@ -83,6 +93,7 @@ class AssistantMessage(StrictModel):
     audio: None = Field(None, description="Only null (no audio output).")
     annotations: None = Field(None, description="Only null (no web search).")
     function_call: None = Field(None, description="Only null (deprecated; use tool_calls).")
+    parsed: Any = Field(None, exclude=True, description=_SDK_ADDED)
 
     @model_validator(mode="after")
     def _content_or_calls(self):

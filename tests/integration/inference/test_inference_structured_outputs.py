@@ -195,6 +195,32 @@ def test_the_sdk_stream_helper_ends_every_streamed_tool_call(client, model_id):
         assert [call.function.parsed_arguments for call in choice.message.tool_calls] == [{"a": 1}] * 2
 
 
+def test_the_sdk_helpers_messages_go_back_as_the_next_turn(client, model_id):
+    """The agent loop of OpenAI's guide: append the message the SDK returned, then the tool results. The message
+    of `parse()` / `stream()` carries the SDK's own `parsed`, `parsed_arguments` and (stream) `index`, which it
+    sends back: accepted and ignored (the prompt is that of the plain message), not a 400."""
+    import openai
+
+    tool = openai.pydantic_function_tool(Verdict)
+    forced = {"type": "function", "function": {"name": "Verdict"}}
+    ask = {"model": model_id, "messages": QUESTION, "tools": [tool], "tool_choice": forced, "temperature": 0}
+    parsed = client.chat.completions.parse(**ask).choices[0].message
+    with client.chat.completions.stream(**ask) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    for message in (parsed, streamed):
+        assert isinstance(message.tool_calls[0].function.parsed_arguments, Verdict)
+        replies = [{"role": "tool", "tool_call_id": call.id, "content": "done"} for call in message.tool_calls]
+        plain = {"role": "assistant", "content": message.content or None, "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls]}  # fmt: skip
+        usage = [
+            client.chat.completions.create(model=model_id, messages=[*QUESTION, sent, *replies], tools=[tool],
+                                           max_tokens=2, temperature=0).usage.prompt_tokens
+            for sent in (message, plain)
+        ]  # fmt: skip
+        assert usage[0] == usage[1]
+
+
 # ---- langchain-openai --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chat_model(server, model_id):
