@@ -43,6 +43,10 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    # vLLM's top_k (0 = off; else at most the vocabulary size) and min_p (0 = off, in [0, 1]): like top_p they decide
+    # which tokens may be drawn and are not renormalised into the reported log-prob.
+    top_k: int = 0
+    min_p: float = 0.0
     # Seed of this sequence's random stream; None = drawn from the engine's own seeded RNG.
     # Same seed + same prompt + same params + same weights => same tokens, whatever else is batched.
     seed: int | None = None

@@ -86,7 +86,7 @@ class Sequence:
     @property
     def filtered(self) -> bool:
         p = self.params
-        return p.temperature > 0 and (p.top_p < 1 or getattr(p, "top_k", 0) > 0 or getattr(p, "min_p", 0.0) > 0)
+        return p.temperature > 0 and (p.top_p < 1 or p.top_k > 0 or p.min_p > 0)
 
     @property
     def suppressing_stops(self) -> bool:
@@ -227,7 +227,7 @@ class Batch:
         self.rows[row] = seq
         p, ints, floats = seq.params, self.inputs.ints_np, self.inputs.floats_np
         floats[TEMPERATURE, row], floats[TOP_P, row] = p.temperature, p.top_p
-        floats[MIN_P, row], ints[TOP_K, row] = getattr(p, "min_p", 0.0), getattr(p, "top_k", 0)
+        floats[MIN_P, row], ints[TOP_K, row] = p.min_p, p.top_k
         self.seeds[row] = seq.seed
         self.inputs.set_table(row, seq.blocks)
         if seq.biased:
@@ -285,8 +285,8 @@ class Batch:
         kwargs = {}
         if any(seq.filtered for seq in seqs):
             kwargs.update(top_p=torch.tensor([p.top_p for p in params], device=device),
-                          top_k=torch.tensor([getattr(p, "top_k", 0) for p in params], device=device),
-                          min_p=torch.tensor([getattr(p, "min_p", 0.0) for p in params], device=device))  # fmt: skip
+                          top_k=torch.tensor([p.top_k for p in params], device=device),
+                          min_p=torch.tensor([p.min_p for p in params], device=device))  # fmt: skip
         entries = [bias_entries(s.params.logit_bias, s.params.stop_token_ids, s.suppressing_stops) for s in seqs]
         width = max(map(len, entries))
         if width:

@@ -27,11 +27,11 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 # vLLM request fields this server refuses, with the reason the 400 gives (docs/inference.md, "Compatibility").
 _NO_PROMPT_LOGPROBS = "prompt log-probs are served on /v1/completions and /inference/v1/generate"
-_NO_PENALTIES = "the sampler has temperature, top_p, logit_bias and min_tokens only"
+_NO_PENALTIES = "the sampler has temperature, top_p, top_k, min_p, logit_bias and min_tokens only"
 UNSUPPORTED_FIELDS = {
     "prompt_logprobs": _NO_PROMPT_LOGPROBS,
     "use_beam_search": "no beam search (ask for n choices instead)",
-    "repetition_penalty": _NO_PENALTIES, "top_k": _NO_PENALTIES, "min_p": _NO_PENALTIES,
+    "repetition_penalty": _NO_PENALTIES,
     "presence_penalty": _NO_PENALTIES, "frequency_penalty": _NO_PENALTIES,
     "truncate_prompt_tokens": "prompts are never truncated (a prompt too long is a 400)",
     "prompt_embeds": "prompts are text or token ids",
@@ -55,12 +55,15 @@ UNSUPPORTED_FIELDS = {
 }  # fmt: skip
 
 
-_NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "use_beam_search": (False,),
+_NEUTRAL = {"repetition_penalty": (1.0,), "use_beam_search": (False,),
             "skip_special_tokens": (True,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,)}  # fmt: skip
 UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out of the text"
 
 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+# vLLM's top_k (-1 and 0 = off; above the vocabulary size is a 400, checked where the vocabulary is known) and min_p
+TopK = Annotated[int, Field(ge=-1, lt=2**31)]
+MinP = Annotated[float, Field(ge=0, le=1)]
 
 
 def neutral_only(cls, value, info):
@@ -223,9 +226,11 @@ class SamplingRequest(StrictModel):
     priority: int = Field(
         0, ge=-(2**31), lt=2**31, description="vLLM extension: scheduling priority, lower is served first (default 0)."
     )
+    top_k: TopK | None = Field(None, description="vLLM extension: draw from the k most likely tokens; -1 or 0 = off.")
+    min_p: MinP | None = Field(
+        None, description="vLLM extension: draw only tokens with at least min_p times the top probability; 0 = off."
+    )
     # vLLM sampling fields clients send at their neutral value (RL frameworks often do): accepted only so.
-    top_k: int | None = Field(None, description="vLLM extension; only -1 or 0 (off).")
-    min_p: float | None = Field(None, description="vLLM extension; only 0 (off).")
     repetition_penalty: float | None = Field(None, description="vLLM extension; only 1 (off).")
     use_beam_search: bool = Field(False, description="vLLM extension; only false.")
     skip_special_tokens: bool = Field(True, description="vLLM extension; only true (special tokens never shown).")
@@ -243,7 +248,7 @@ class SamplingRequest(StrictModel):
     guided_decoding_backend: None = Field(None, description="Only null: the grammar engine is llguidance.")
     guided_whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
 
-    _neutral_only = field_validator("top_k", "min_p", "repetition_penalty", "use_beam_search", "skip_special_tokens",
+    _neutral_only = field_validator("repetition_penalty", "use_beam_search", "skip_special_tokens",
                                     "presence_penalty", "frequency_penalty")(neutral_only)  # fmt: skip
 
     @model_validator(mode="after")

@@ -193,6 +193,7 @@ class Serving:
         if bad := [token for token, _ in logit_bias if token >= self.text.vocab_size]:
             raise APIError(400, f"logit_bias: token id {bad[0]} is out of vocabulary (vocabulary size "
                                 f"{self.text.vocab_size})", param="logit_bias")  # fmt: skip
+        top_k = checked_top_k(request.top_k, self.text.vocab_size, "top_k")
         if isinstance(request, ChatCompletionRequest):
             top, prompt_top = ((request.top_logprobs or 0) if request.logprobs else 0), None
         else:
@@ -209,6 +210,8 @@ class Serving:
                     max_tokens=max_tokens,
                     temperature=1.0 if request.temperature is None else request.temperature,
                     top_p=1.0 if request.top_p is None else request.top_p,
+                    top_k=top_k,
+                    min_p=request.min_p or 0.0,
                     seed=None if request.seed is None else choice_seed(request.seed, i),
                     stop_token_ids=frozenset(stop_ids),
                     top_logprobs=top,
@@ -533,6 +536,13 @@ def check_tool_schemas(tools: list[Tool], forced: Collection[str] = ()) -> None:
             except GuideError as error:
                 raise APIError(400, f"{param}: tool_choice forces a call of {function.name!r}, and the grammar "
                                     f"engine cannot enforce its schema: {error}", param=param) from None  # fmt: skip
+
+
+def checked_top_k(top_k: int | None, vocab_size: int, param: str) -> int:
+    """vLLM's top_k as the engine takes it (0 = off, for vLLM's -1 too); above the vocabulary size a 400, as vLLM."""
+    if top_k is not None and top_k > vocab_size:
+        raise APIError(400, f"{param}: {top_k} is greater than the vocabulary size ({vocab_size})", param=param)
+    return max(top_k or 0, 0)
 
 
 def backend_failure(error: BackendStoppedError | AdapterGoneError, model: str, served: str) -> APIError:

@@ -40,12 +40,13 @@ from gyre_inference.choice import choice_seed
 from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
-from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, neutral_only
+from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, MinP, TopK, neutral_only
 from gyre_inference.serving import (
     VERSION_HEADER,
     ClientGone,
     all_or_none,
     backend_failure,
+    checked_top_k,
     client_gone,
     context_exceeded,
     unless_client_gone,
@@ -79,13 +80,15 @@ class GenerateSamplingParams(StrictModel):
     skip_special_tokens: bool = Field(True, description="Only affects `text` (token ids are returned verbatim).")
     detokenize: bool = Field(True, description="false: `text` is left empty.")
     # vLLM sampling fields a PRIME-RL-style client sends at their neutral value: accepted only so (as on chat).
-    top_k: int | None = Field(None, description="Only -1 or 0 (off).")
-    min_p: float | None = Field(None, description="Only 0 (off).")
+    top_k: TopK | None = Field(None, description="Draw from the k most likely tokens; -1 or 0 = off.")
+    min_p: MinP | None = Field(
+        None, description="Draw only tokens with at least min_p times the top probability; 0 = off."
+    )
     repetition_penalty: float | None = Field(None, description="Only 1 (off).")
     presence_penalty: float = Field(0.0, description="Only 0.")
     frequency_penalty: float = Field(0.0, description="Only 0.")
 
-    _neutral_only = field_validator("top_k", "min_p", "repetition_penalty", "presence_penalty",
+    _neutral_only = field_validator("repetition_penalty", "presence_penalty",
                                     "frequency_penalty")(neutral_only)  # fmt: skip
 
     @model_validator(mode="after")
@@ -160,11 +163,14 @@ def add_generate_route(app: FastAPI, state) -> None:
         # out of vocabulary: a 400, not a failed engine step for the whole batch (as on the OpenAI routes)
         stops = set(state.text.check_ids(sp.stop_token_ids or [], "sampling_params.stop_token_ids"))
         stops |= set() if sp.ignore_eos else set(state.text.eos_token_ids)
+        top_k = checked_top_k(sp.top_k, state.text.vocab_size, "sampling_params.top_k")
         params = [
             SamplingParams(
                 max_tokens=max_tokens,
                 temperature=sp.temperature,
                 top_p=sp.top_p,
+                top_k=top_k,
+                min_p=sp.min_p or 0.0,
                 seed=None if sp.seed is None else choice_seed(sp.seed, i),
                 stop_token_ids=frozenset(stops),
                 top_logprobs=sp.logprobs or 0,

@@ -278,7 +278,8 @@ class VLLMBackend(Backend):
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         vllm_params = VLLMSamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed,
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+            max_tokens=params.max_tokens, seed=params.seed,
             stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
             detokenize=False, output_kind=RequestOutputKind.DELTA, min_tokens=params.min_tokens,
             logit_bias=dict(params.logit_bias) or None, prompt_logprobs=params.prompt_logprobs,

@@ -281,7 +281,7 @@ HI = [{"role": "user", "content": "hi"}]
          "Expected an array with minimum length 1, but got an empty array instead."),
         # refused for what it is, not as a range of [0, 0]
         (lambda c, m: c.chat.completions.create(model=m, messages=HI, presence_penalty=0.5), "presence_penalty", None,
-         "only 0.0 is supported: the sampler has temperature, top_p, logit_bias and min_tokens only"),
+         "only 0.0 is supported: the sampler has temperature, top_p, top_k, min_p, logit_bias and min_tokens only"),
         (lambda c, m: c.completions.create(model=m, prompt="hi", frequency_penalty=-1), "frequency_penalty", None,
          "only 0.0 is supported"),
     ],

@@ -71,7 +71,7 @@ def test_vllm_sampling_fields_at_their_neutral_values_and_min_tokens(server, mod
     held = generate(server, model=model_id, token_ids=TOKEN_PROMPT, sampling_params=stops | {"min_tokens": 3})
     ids = held["choices"][0]["token_ids"]
     assert len(ids) >= 3 and first not in ids[:3], ids
-    for field, value in (("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.1), ("min_tokens", 7)):
+    for field, value in (("top_k", 10**6), ("min_p", 1.5), ("repetition_penalty", 1.1), ("min_tokens", 7)):
         error = generate(server, expect=400, model=model_id, token_ids=TOKEN_PROMPT,
                          sampling_params=params | {field: value})["error"]  # fmt: skip
         assert error["param"] in (f"sampling_params.{field}", "sampling_params"), error
@@ -83,7 +83,7 @@ def test_vllm_sampling_fields_at_their_neutral_values_and_min_tokens(server, mod
         ({"token_ids": [10**6]}, 400, "token_ids"),
         ({"token_ids": []}, 400, "token_ids"),
         ({"token_ids": TOKEN_PROMPT, "sampling_params": {"max_tokens": 10_000}}, 400, "token_ids"),
-        ({"token_ids": TOKEN_PROMPT, "sampling_params": {"top_k": 5}}, 400, "sampling_params.top_k"),
+        ({"token_ids": TOKEN_PROMPT, "sampling_params": {"top_k": 10**6}}, 400, "sampling_params.top_k"),
         ({"token_ids": TOKEN_PROMPT, "stream": True}, 400, "stream"),
         ({"token_ids": TOKEN_PROMPT, "model": "other"}, 404, "model"),
     ],

@@ -310,6 +310,52 @@ def test_tokenize_and_detokenize_shapes(http, model_id, tool_model):
     assert http.post("/tokenize", json={"model": "other", "prompt": text}).status_code == 404
 
 
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"min_p": 1.0}, {"top_k": 1, "min_p": 0.5, "top_p": 0.9}])
+def test_top_k_and_min_p_filter_the_draw_on_every_route(client, model_id, server, filters):
+    """vLLM's top_k / min_p (what Qwen's and Llama's model cards tell users to send through extra_body) were a 400
+    beyond their neutral values. Keeping the most likely token only, they sample the greedy tokens at any seed;
+    the reported log-probs stay log_softmax(logits / T) (T = 1 here), those of the greedy request."""
+    greedy = client.chat.completions.create(model=model_id, messages=STORY, max_tokens=8, temperature=0,
+                                            logprobs=True, extra_body={"ignore_eos": True})  # fmt: skip
+    tokens = [entry.token for entry in greedy.choices[0].logprobs.content]
+    logprobs = [entry.logprob for entry in greedy.choices[0].logprobs.content]
+    for stream in (False, True):
+        sampled = client.chat.completions.create(
+            model=model_id, messages=STORY, max_tokens=8, temperature=1.0, n=3, seed=5, logprobs=True, stream=stream,
+            extra_body={"ignore_eos": True, **filters},
+        )  # fmt: skip
+        entries: dict[int, list] = {}
+        for choice in [c for chunk in sampled for c in chunk.choices] if stream else sampled.choices:
+            entries.setdefault(choice.index, []).extend(choice.logprobs.content if choice.logprobs else [])
+        assert len(entries) == 3
+        for content in entries.values():
+            assert [entry.token for entry in content] == tokens
+            assert [entry.logprob for entry in content] == pytest.approx(logprobs, abs=1e-5)
+    options = {"model": model_id, "prompt": PROMPT, "max_tokens": 6}
+    ids = {"return_token_ids": True, "ignore_eos": True}
+    plain = client.completions.create(**options, temperature=0, extra_body=ids)
+    expected = extra(plain.choices[0])["token_ids"]
+    filtered = client.completions.create(**options, temperature=1.0, n=2, seed=9, extra_body=ids | filters)
+    assert [extra(choice)["token_ids"] for choice in filtered.choices] == [expected] * 2
+    generated = httpx.post(
+        f"{server.url}/inference/v1/generate",
+        timeout=60,
+        json={
+            "model": model_id,
+            "token_ids": extra(plain.choices[0])["prompt_token_ids"],
+            "sampling_params": {"max_tokens": 6, "temperature": 1.0, "n": 2, "seed": 3, "ignore_eos": True, **filters},
+        },
+    )
+    assert [choice["token_ids"] for choice in generated.json()["choices"]] == [expected] * 2
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_k", -2), ("top_k", 10**6), ("min_p", 1.5), ("min_p", -0.1)])
+def test_top_k_and_min_p_out_of_range_are_400_naming_them(http, model_id, field, value):
+    for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": STORY})):
+        response = http.post(route, json={"model": model_id, "max_tokens": 2, **body, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
 # ---- what is refused, and why -------------------------------------------------------------------------
 def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_otherwise(http, model_id):
     base = {"model": model_id, "prompt": PROMPT, "max_tokens": 2}
@@ -317,7 +363,7 @@ def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_ot
                "skip_special_tokens": True, "presence_penalty": 0.0, "frequency_penalty": 0.0, "user": "u"}  # fmt: skip
     assert http.post("/v1/completions", json=base | neutral).status_code == 200
     assert http.post("/v1/completions", json=base | {"top_k": 0}).status_code == 200
-    for field, value in (("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("use_beam_search", True),
+    for field, value in (("repetition_penalty", 1.2), ("use_beam_search", True),
                          ("skip_special_tokens", False), ("best_of", 2)):  # fmt: skip
         response = http.post("/v1/completions", json=base | {field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)

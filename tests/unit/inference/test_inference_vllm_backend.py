@@ -84,7 +84,8 @@ def test_vllm_api_contract():
     assert {"logprobs_mode", "worker_extension_cls", "max_logprobs", "enable_prefix_caching",
             "scheduling_policy"} <= fields  # fmt: skip
     assert "priority" in inspect.signature(AsyncLLM.generate).parameters
-    vllm.SamplingParams(n=1, temperature=0.7, top_p=0.9, max_tokens=4, seed=1, stop_token_ids=[2], ignore_eos=True,
+    vllm.SamplingParams(n=1, temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, max_tokens=4, seed=1, stop_token_ids=[2],
+                        ignore_eos=True,
                         logprobs=3, detokenize=False, output_kind=RequestOutputKind.DELTA, min_tokens=2,
                         logit_bias={5: 1.5})  # fmt: skip
     assert "mode" in inspect.signature(AsyncLLM.pause_generation).parameters

@@ -85,7 +85,8 @@ class StandInOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
-def standin_sampling_params(*, n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None, stop_token_ids=None,
+def standin_sampling_params(*, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=16, seed=None,
+                            stop_token_ids=None,
                             ignore_eos=False, logprobs=None, detokenize=True, output_kind=None, min_tokens=0,
                             logit_bias=None, prompt_logprobs=None, structured_outputs=None):  # fmt: skip
     return SimpleNamespace(
