@@ -349,6 +349,52 @@ def check_bare_flags(model: type[BaseModel], values: dict, prefix: str = "") -> 
             )
 
 
+# Names other frameworks (PRIME-RL, verl, TRL) give a key that Gyre names otherwise, in the same section: a near miss
+# by spelling finds the rest (async_level -> max_async_level).
+KEY_SYNONYMS = {"id": "name", "env_id": "name", "learning_rate": "lr", "max_norm": "max_grad_norm",
+                "num_steps": "max_steps", "total_steps": "max_steps", "max_new_tokens": "max_tokens"}  # fmt: skip
+
+
+def _suggestion(key: str, known: list[str]) -> tuple[str | None, str]:
+    """(the known key `key` most likely means, else None; else a listing of its section's keys, or ""), for an
+    unknown `key`. In order: a near miss in its own section (or a synonym, KEY_SYNONYMS), a near miss of the whole
+    dotted key that is not a section holding it (`orchestrator.env.id` was "did you mean 'orchestrator.env'?"), the
+    same name in another section (a key set in the wrong place: a top-level `seq_len`), else the section's keys."""
+    parent, _, leaf = key.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    siblings = [k[len(prefix) :] for k in known if k.startswith(prefix) and "." not in k[len(prefix) :]]
+    near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.7)
+    if near or KEY_SYNONYMS.get(leaf) in siblings:
+        return prefix + (near[0] if near else KEY_SYNONYMS[leaf]), ""
+    # not a sibling (their common prefix made `wandb.name` "mean" 'wandb.mode'), nor a section holding the key
+    close = [k for k in difflib.get_close_matches(key, known, n=3)
+             if not key.startswith(k + ".") and k.rpartition(".")[0] != parent]  # fmt: skip
+    if close:
+        return close[0], ""
+    if not parent or not siblings:  # a top-level key or one under no section: maybe set in the wrong place
+        leaves = {k: k.rpartition(".")[2] for k in known if LIST_INDEX not in k}
+        same = [k for k, name in leaves.items() if name in (leaf, KEY_SYNONYMS.get(leaf))]
+        near = difflib.get_close_matches(leaf, set(leaves.values()), n=1, cutoff=0.8)
+        same = same or [k for k, name in leaves.items() if near and name == near[0]]
+        if same:
+            return min(same, key=lambda k: k.count(".")), ""  # the shallowest: `trainer.data.seq_len`
+    if parent and 0 < len(siblings) <= 12:
+        return None, f"; {parent} has: {', '.join(siblings)}"
+    return None, ""
+
+
+def _section_keys(cls: type[BaseModel]) -> list[str]:
+    """The keys of `cls`'s free-form sections that another model validates (`gyre rl`'s [trainer] is a
+    `gyre trainer` config: `section_models`), prefixed: a key set at the wrong level is suggested where it lives."""
+    import importlib
+
+    keys = []
+    for name, target in getattr(cls, "section_models", {}).items():
+        module, _, attr = target.partition(":")
+        keys += _all_keys(getattr(importlib.import_module(module), attr), f"{name}.")
+    return keys
+
+
 def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
     lines = []
     known = _all_keys(cls)
@@ -363,16 +409,20 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
             # matched with its list indices as in `known` (`runs.0.optim.lrr` once got 'optim.lr'), then put back
             indices = [str(p) for p in e["loc"] if isinstance(p, int)]
             generic = ".".join(LIST_INDEX if isinstance(p, int) else str(p) for p in e["loc"])
-            close = difflib.get_close_matches(generic, known, n=1)
-            if close and close[0].count(LIST_INDEX) == len(indices):
-                parts = close[0].split(LIST_INDEX)
-                close = ["".join(part + index for part, index in zip(parts, [*indices, ""], strict=True))]
-            msg = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
+            close, listing = _suggestion(generic, known + _section_keys(cls))
+            if close and close.count(LIST_INDEX) == len(indices):
+                parts = close.split(LIST_INDEX)
+                close = "".join(part + index for part, index in zip(parts, [*indices, ""], strict=True))
+            elif close:
+                close = None
+            msg = "unknown key" + (f" (did you mean {close!r}?)" if close else listing)
         elif not e["loc"] and e["type"] == "value_error":
             # a check across keys (a model validator) says "some.key: why": name that key as field errors do
             name, sep, why = msg.removeprefix("Value error, ").partition(": ")
             if sep and name in known:
                 key, msg = name, why
+        elif e["type"] == "value_error" and not isinstance(e.get("input"), str | int | float | bool | None):
+            msg = msg.removeprefix("Value error, ")  # the reason says it; a list or table input repeated is noise
         elif e["type"] == "list_type" and isinstance(e.get("input"), dict):
             # `--servers.0.model x`: dotted options build tables, never list entries; say how a list is written
             msg += f"; dotted options set table keys, not list entries: set the whole list, --{key} '[...]' (JSON)"

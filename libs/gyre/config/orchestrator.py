@@ -17,6 +17,19 @@ class EnvConfig(Section):
     name: str = Field("reverse_text", description="Built-in environment name or 'package.module:load_environment'.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_table(cls, value: Any) -> Any:
+        # PRIME-RL writes its environments as an array of tables ([[orchestrator.env]] id = ...): pydantic's "Input
+        # should be a valid dictionary or instance of EnvConfig (got [{'id': ...}])" did not say what to write
+        if isinstance(value, list):
+            raise ValueError(
+                "one environment per orchestrator: write a table, [orchestrator.env] with name = '...' (and args = "
+                "{...}), not an array of tables [[orchestrator.env]]; several environments train as [[runs]] "
+                "entries, each with its own orchestrator.env"
+            )
+        return value
+
 
 class EvalSamplingConfig(Section):
     """Sampling keys a `gyre eval` uses (its temperature is eval.temperature)."""

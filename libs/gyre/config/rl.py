@@ -107,6 +107,13 @@ class RLConfig(GyreSettings):
     """Run inference, orchestrator and trainer as local processes with an embedded Redis."""
 
     check_environment: ClassVar[bool] = True  # parse_or_exit: a misspelt GYRE_ variable names itself
+    # the configs its sections are validated as (by the launcher): an unknown top-level key is suggested where it
+    # lives there (a top-level `seq_len`, PRIME-RL's shared key, is 'trainer.data.seq_len')
+    section_models: ClassVar[dict[str, str]] = {
+        "inference": "gyre.config.inference:InferenceConfig",
+        "trainer": "gyre.config.trainer:TrainerConfig",
+        "orchestrator": "gyre.config.orchestrator:OrchestratorConfig",
+    }
 
     run_id: str = Field("gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id.")
     output_dir: Path = Field(Path("outputs/run"), description="Local folder standing in for the shared volume.")

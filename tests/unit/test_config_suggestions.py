@@ -1,0 +1,61 @@
+"""A user coming from PRIME-RL writes keys the way PRIME-RL names or places them: each unknown key is named with the
+key it most likely means, in its own section first (`orchestrator.env.id` was "did you mean 'orchestrator.env'?",
+`wandb.name` 'wandb.mode'), else where it lives (a top-level `seq_len` had no suggestion), else with its section's
+keys; PRIME-RL's array of environments says what to write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gyre.config import ConfigError, load_config
+from gyre.config.orchestrator import OrchestratorConfig
+from gyre.config.rl import RLConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CI = ["@", str(ROOT / "configs/ci.toml")]
+
+
+def error_of(argv: list[str], tmp_path: Path) -> str:
+    from gyre.local.launcher import Launcher
+
+    with pytest.raises(ConfigError) as e:
+        Launcher(load_config(RLConfig, [*CI, "--output-dir", str(tmp_path / "run"), *argv])).validate()
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--seq-len", "512"], "config key 'seq_len': unknown key (did you mean 'trainer.data.seq_len'?)"),
+        (["--async-level", "2"], "config key 'async_level': unknown key (did you mean 'orchestrator.max_async_level'?)"),
+        (["--max-norm", "1"], "config key 'max_norm': unknown key (did you mean 'trainer.optim.max_grad_norm'?)"),
+        (["--rollouts-per-example", "8"],
+         "config key 'rollouts_per_example': unknown key (did you mean 'orchestrator.rollouts_per_example'?)"),
+        (["--orchestrator.env.id", "reverse_text"],
+         "config key 'orchestrator.env.id': unknown key (did you mean 'orchestrator.env.name'?)"),
+        (["--orchestrator.async-level", "2"],
+         "config key 'orchestrator.async_level': unknown key (did you mean 'orchestrator.max_async_level'?)"),
+        (["--trainer.optim.learning-rate", "1e-5"],
+         "config key 'trainer.optim.learning_rate': unknown key (did you mean 'trainer.optim.lr'?)"),
+        (["--wandb.name", "run-1"],
+         "config key 'wandb.name': unknown key; wandb has: enabled, project, entity, group, mode, samples"),
+    ],
+)  # fmt: skip
+def test_a_key_named_or_placed_as_prime_rl_does_is_suggested_where_gyre_has_it(argv, said, tmp_path):
+    assert error_of(argv, tmp_path).splitlines()[0] == said
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_near_miss_still_wins_and_a_key_of_no_likeness_gets_no_guess(tmp_path):
+    assert "did you mean 'max_steps'?" in error_of(["--max-stepz", "3"], tmp_path)
+    assert error_of(["--bogus-thing", "3"], tmp_path) == "config key 'bogus_thing': unknown key"
+
+
+def test_an_array_of_environments_says_to_write_one_table(tmp_path):
+    text = error_of(["--orchestrator.env", '[{"id": "reverse-text"}]'], tmp_path)
+    assert text.startswith("config key 'orchestrator.env': one environment per orchestrator: write a table")
+    assert "[[runs]]" in text and "Value error" not in text
+    (tmp_path / "o.toml").write_text('[[env]]\nname = "reverse_text"\n')
+    with pytest.raises(ConfigError, match=r"^config key 'env': one environment per orchestrator"):
+        load_config(OrchestratorConfig, ["@", str(tmp_path / "o.toml")])
