@@ -2,6 +2,7 @@
 
 gyre trainer @ exp.toml#trainer                      # one process
 torchrun --nproc-per-node 2 -m gyre_trainer.main @ exp.toml#trainer   # FSDP2 (gloo on CPU)
+python -m gyre_trainer.torchrun --nproc-per-node 2 -m gyre_trainer.main @ exp.toml#trainer  # same; SIGTERM exits 0
 gyre trainer @ exp.toml#trainer --bench              # tokens/s and MFU on fake data, then exit
 """
 
@@ -17,6 +18,14 @@ from gyre.logging import setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    from gyre_trainer.torchrun import report_exit
+
+    report_exit(code)  # under `python -m gyre_trainer.torchrun`: a clean stop on SIGTERM exits 0, not torchrun's 1
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_or_exit(TrainerConfig, argv, "gyre trainer")
     if cfg.bench:  # the trainer's own model, shapes, loss and optimiser on fake packed batches

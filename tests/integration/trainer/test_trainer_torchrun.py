@@ -7,11 +7,26 @@ float summation order, so the published weights agree within a tight tolerance.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+
 import pytest
 import torch
 from gyre.streams import BatchStream
 from safetensors.torch import load_file
-from trainer_testlib import load_weights, push_batches, run_in_process, torchrun, trained_steps, trainer_args
+from trainer_testlib import (
+    PYTHON,
+    REPO,
+    child_env,
+    kill_group,
+    load_weights,
+    push_batches,
+    run_in_process,
+    torchrun,
+    trained_steps,
+    trainer_args,
+    wait_for_steps,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -179,3 +194,34 @@ def test_sigkill_of_rank_0_inside_a_checkpoint_and_a_publish_under_torchrun_resu
         final[name] = load_weights(out / "weights" / f"step_{steps}")
     for key, value in final["uninterrupted"].items():
         assert torch.equal(final["crashed"][key], value), key
+
+
+def _stopped_torchrun(launcher: str, argv: list[str], out, log_path) -> int:
+    """`launcher` (a torchrun module) with 2 trainer ranks, SIGTERM to the launcher alone (what the kubelet sends a
+    container's first process) once step 2 is logged; its exit status."""
+    cmd = [PYTHON, "-m", launcher, "--standalone", "--nproc-per-node=2", "-m", "gyre.cli", "trainer", *argv]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+    try:
+        wait_for_steps(out, 2, proc, timeout=240)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+
+
+def test_a_clean_sigterm_stop_under_the_trainers_torchrun_exits_0(tiny_model, redis_url, unique_run_id, tmp_path):
+    """torchrun exits 1 with a SignalException on every SIGTERM, after workers that checkpointed and returned 0;
+    `python -m gyre_trainer.torchrun` (the chart's trainer command) exits 0 when every worker did."""
+    push_batches(BatchStream(redis_url, unique_run_id), (1, 2), ranks=2, rows_per_rank=1, num_samples=4)
+    out, log_path = tmp_path / "run", tmp_path / "torchrun.log"
+    argv = trainer_args(tiny_model, out, redis_url, unique_run_id, 6, **{"data.micro-batch-size": 1})
+    code = _stopped_torchrun("gyre_trainer.torchrun", argv, out, log_path)
+    log = log_path.read_text()
+    assert code == 0, log[-5000:]
+    assert trained_steps(out) == [1, 2]
+    shards = sorted(p.name for p in (out / "checkpoints" / "trainer" / "step_2" / "state").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks saved the stop checkpoint
+    assert "every worker stopped cleanly, exit 0" in log and "Traceback" not in log, log[-5000:]
