@@ -266,14 +266,10 @@ def check_reaping(cluster: Cluster) -> dict[str, str]:
 
 
 def stopped_cleanly(result: dict, container: Container) -> bool:
-    """Not killed, and the exit code a service documents for SIGTERM: 0 or 143 (128 + SIGTERM). torchrun
-    stops its workers, then exits 1 raising SignalException, whatever they did (its log says so)."""
-    if result["killed"]:
-        return False
-    if result["code"] in (0, 143):
-        return True
-    torchrun = (container.command or [""])[0] == "torchrun"
-    return torchrun and result["code"] == 1 and "SignalException" in result["log"] and "signal: 15" in result["log"]
+    """Not killed, and the exit code a service documents for SIGTERM: 0 or 143 (128 + SIGTERM). The trainer's
+    torchrun (`python -m gyre_trainer.torchrun`) exits 0 once every worker stopped cleanly; torchrun's own 1 with
+    a SignalException, whatever the workers did, is no longer taken for a clean stop."""
+    return not result["killed"] and result["code"] in (0, 143)
 
 
 def stop_all(cluster: Cluster) -> list[dict]:

@@ -196,9 +196,10 @@ def experiment_toml(docs: list[dict]) -> str:
 
 
 def gyre_argv(container: dict) -> tuple[str, list[str]]:
-    """(service, argv after the service name) of a Gyre main container (`gyre X ...` or torchrun)."""
+    """(service, argv after the service name) of a Gyre main container (`gyre X ...`, or the trainer's torchrun of
+    `-m gyre.cli X ...`)."""
     words = container["command"] + container["args"]
-    if words[0] == "torchrun":
+    if words[0] != "gyre":
         words = words[words.index("gyre.cli") :]
     return words[1], words[2:]
 

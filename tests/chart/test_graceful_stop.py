@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from chart_testlib import load_values, manifests, named, render
@@ -44,7 +43,7 @@ def option(args: list[str], name: str) -> str:
 def test_torchrun_gives_its_workers_the_pods_grace_period(values, grace):
     spec, container = trainer_container(values)
     assert spec["terminationGracePeriodSeconds"] == grace
-    assert container["command"] == ["torchrun"]
+    assert container["command"] == ["python", "-m", "gyre_trainer.torchrun"]  # torchrun with a clean exit code
     # an option of torchrun itself (before the module it runs), not of the trainer
     args = container["args"]
     assert args.index("--shutdown-timeout") < args.index("-m")
@@ -81,8 +80,8 @@ def test_a_stopped_trainer_pod_saves_a_checkpoint_longer_than_torchruns_default(
     launcher = args[: args.index("-m")]  # torchrun's own options, as rendered
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    torchrun = Path(sys.executable).parent / "torchrun"
-    proc = subprocess.Popen([str(torchrun), *launcher, str(script), str(tmp_path), "35"])
+    command = [sys.executable, *container["command"][1:]]  # the image's python is its venv's
+    proc = subprocess.Popen([*command, *launcher, str(script), str(tmp_path), "35"])
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "started").exists():

@@ -97,7 +97,7 @@ def passed_settings(values: dict) -> list[tuple[str, str, list[str]]]:
         if doc["kind"] not in ("Deployment", "StatefulSet"):
             continue
         for container in doc["spec"]["template"]["spec"]["containers"]:
-            if container["command"][0] not in ("gyre", "torchrun"):
+            if container["command"][0] != "gyre" and "gyre.cli" not in container.get("args", []):
                 continue
             service, argv = gyre_argv(container)
             name = doc["metadata"]["name"]
@@ -156,7 +156,7 @@ def test_library_caches_are_set_only_where_that_library_runs(scenario):
         spec = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
         for container in spec.get("initContainers", []) + spec["containers"]:
             words = container.get("command", []) + container.get("args", [])
-            service = gyre_argv(container)[0] if words[0] in ("gyre", "torchrun") else None
+            service = gyre_argv(container)[0] if words[0] == "gyre" or "gyre.cli" in words else None
             for var in container.get("env", []):
                 torch_ok = var["name"] in TORCH_CACHES and service in ("inference", "trainer")
                 vllm_ok = var["name"] in VLLM_CACHES and service == "inference"
