@@ -140,3 +140,22 @@ def test_a_rewind_beside_a_running_orchestrator_that_does_not_rewind_is_refused(
     finally:
         orchestrator.kill()
         orchestrator.wait()
+
+
+def test_a_resume_with_another_micro_batch_size_continues_the_same_run(
+    tiny_model, redis_url, unique_run_id, stream, tmp_path
+):
+    """data.micro_batch_size is how a step is computed, not what it computes (the gradient of the whole batch,
+    normalised by its global counts): a run stopped after step 2 and resumed with 2 rows per forward instead of 1
+    ends where the uninterrupted run ends, up to float summation order."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    push_batches(BatchStream(redis_url, unique_run_id + "-straight"), range(1, 5))
+    train(tiny_model, straight, redis_url, unique_run_id + "-straight", 4, **{"data.micro-batch-size": 1})
+    train(tiny_model, resumed, redis_url, unique_run_id, 2, **{"data.micro-batch-size": 1})
+    train(tiny_model, resumed, redis_url, unique_run_id, 4, **{"data.micro-batch-size": 2})
+    assert trained_steps(resumed) == [1, 2, 3, 4]
+    a, b = load_weights(straight / "weights/step_4"), load_weights(resumed / "weights/step_4")
+    base = load_weights(tiny_model)
+    assert any(not torch.equal(a[name], base[name]) for name in a)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
