@@ -106,6 +106,9 @@ class ToolMessage(StrictModel):
     role: Literal["tool"]
     content: Content
     tool_call_id: str = Field(description="The id of the assistant's tool call this message answers.")
+    # OpenAI's function-calling guide and cookbook send the function's name with its result (vLLM passes it to the
+    # template, as here: a template may show it; ChatML ones do not)
+    name: str | None = Field(None, description="The name of the function whose result this is (optional).")
 
 
 ChatMessage = Annotated[

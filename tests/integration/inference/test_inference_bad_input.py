@@ -369,7 +369,10 @@ def test_tool_replies_that_answer_their_calls_are_accepted(client, model_id):
                   {"role": "tool", "tool_call_id": "call_1", "content": "3"}]  # fmt: skip
     as_text = [ASK, {"role": "assistant", "content": '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>'},
                {"role": "tool", "tool_call_id": "call_0_0", "content": "3"}]  # fmt: skip
-    for messages in (structured, as_text):
+    # OpenAI's cookbook names the function in its result: a 400 "messages.2.name: Extra inputs are not permitted"
+    named = [ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+             {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": "3"}]  # fmt: skip
+    for messages in (structured, as_text, named):
         answer = client.chat.completions.create(model=model_id, messages=messages, max_tokens=2)
         assert answer.choices[0].finish_reason in ("stop", "length")
 
