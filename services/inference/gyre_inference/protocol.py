@@ -354,7 +354,9 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_needs_tools(cls, value, info):
-        if value is not None and not info.data.get("tools"):
+        # "none" asks for no tool calls, which holds without tools too (vLLM accepts it: clients send it on their
+        # tool-less requests); auto, required and a named tool need tools (OpenAI and vLLM refuse them otherwise)
+        if value not in (None, "none") and not info.data.get("tools"):
             raise ValueError("tool_choice is only allowed when tools are specified")
         if isinstance(value, NamedToolChoice):
             names = [tool.function.name for tool in info.data.get("tools") or []]

@@ -305,6 +305,11 @@ def test_tool_choice_none_neither_shows_nor_parses_tools(client, server, model_i
     )  # fmt: skip
     assert extra(response)["prompt_token_ids"] == tokenize(server, messages=TOOL_MESSAGES)
     assert response.choices[0].message.tool_calls is None and response.choices[0].finish_reason != "tool_calls"
+    # without tools too, as vLLM takes it (clients send "none" on their tool-less requests; it was a 400)
+    plain = client.chat.completions.create(model=model_id, messages=TOOL_MESSAGES, tool_choice="none", temperature=0,
+                                           max_tokens=30, extra_body={"return_token_ids": True})  # fmt: skip
+    assert extra(plain)["prompt_token_ids"] == extra(response)["prompt_token_ids"]
+    assert plain.choices[0].message.content == response.choices[0].message.content
 
 
 def test_tokenize_and_detokenize(server, model_id, reference):
