@@ -231,9 +231,7 @@ def compute_gradients(
         if packed.teacher_logprobs is not None:
             scored = valid if packed.teacher_mask is None else valid & packed.teacher_mask
             add("teacher_tokens", scored.sum())
-        if index == 0:
-            add("mismatch_kl", (mismatch_kl(logprobs, packed.inference_logprobs, mask) * mask).sum())
-            add("mismatch_tokens", valid.sum())
+        add("mismatch_kl", (mismatch_kl(logprobs, packed.inference_logprobs, mask) * mask).sum())
 
     if not sums:  # a rank without micro-batches (only an empty batch has none)
         sums = {name: torch.zeros((), dtype=torch.float64, device=device)
@@ -249,8 +247,8 @@ def compute_gradients(
         "num_loss_tokens": loss_tokens,
         "num_valid_tokens": valid_tokens,
         "num_samples": float(batch.num_samples),
-        # a mean over the valid loss tokens of every rank's first forward (an invalid token has no ratio)
-        "mismatch_kl": totals.pop("mismatch_kl", 0.0) / max(totals.pop("mismatch_tokens", 1.0), 1.0),
+        # a mean over the valid loss tokens of the whole batch (an invalid token has no ratio), whatever the split
+        "mismatch_kl": totals.pop("mismatch_kl", 0.0) / max(valid_tokens, 1.0),
     }
     # Means of a quantity are over the tokens it is defined on: the KLs and the correction weight over the valid
     # loss tokens (an impossible inference log-prob has none of them: 0 there, which counted in the denominator
@@ -335,7 +333,7 @@ def train_step(
     (`loss_cfg.ref_kl_coef`) and the `ref_kl` metric.
 
     Metrics: `loss` (the full batch loss), `entropy` (mean over loss tokens), `mismatch_kl` (mean
-    r − log r − 1 over the valid loss tokens of each rank's first forward), the objective's stats
+    r − log r − 1 over the valid loss tokens of the batch), the objective's stats
     (`clip_frac` or `masked_frac`, fractions of loss tokens), `num_tokens`, `num_loss_tokens`,
     `num_valid_tokens` (loss tokens with a possible inference log-prob), `num_samples`, `grad_norm`
     (before clipping), `lr` (used by this update), `skipped` (1 = no update: `optimizer_step`; then also

@@ -87,6 +87,27 @@ def test_splitting_the_batch_does_not_change_the_gradient(tiny_llama64, samples,
     assert_same_gradient((shares[0] + shares[1]) / 2, reference)
 
 
+def test_splitting_the_batch_does_not_change_the_metrics(tiny_llama64, samples):
+    """What a user compares across runs is independent of data.micro_batch_size too: mismatch_kl was measured on
+    the first micro-batch alone, so its value changed with the split (and covered 1/8 of the batch at 8 rows)."""
+    cfg = LossConfig(type="ppo_clip", clip_ratio_c=1.1, kl_tau=0.01)
+
+    def metrics(layout, micro_batch_size):
+        tiny_llama64.zero_grad(set_to_none=True)
+        out = compute_gradients(tiny_llama64, make_batch(samples, LAYOUTS[layout]), loss_cfg=cfg,
+                                ref_model=tiny_llama64, micro_batch_size=micro_batch_size)  # fmt: skip
+        tiny_llama64.zero_grad(set_to_none=True)
+        return out
+
+    reference = metrics("1 micro-batch", 1)
+    assert reference["mismatch_kl"] > 1e-3 and 0 < reference["clip_frac"] < 1
+    for layout, micro_batch_size in (("4 micro-batches", 1), ("8 single-sample rows", 3)):
+        got = metrics(layout, micro_batch_size)
+        assert got.keys() == reference.keys()
+        for name, value in reference.items():
+            assert got[name] == pytest.approx(value, rel=1e-9, abs=1e-12), (layout, name)
+
+
 def test_ratio_one_gives_the_reinforce_gradient_on_the_model(tiny_llama64):
     rng = np.random.default_rng(1)
     samples = random_samples(rng, LENGTHS)
