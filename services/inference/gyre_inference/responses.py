@@ -64,6 +64,9 @@ class InputMessage(StrictModel):
     content: Annotated[Content, Field(description="Text, or input_text / output_text parts.")]
     id: str | None = None
     status: str | None = None
+    # an output message's label (reasoning models'), which `item.model_dump()` of the SDK's object sends back (null
+    # for this server's messages): accepted and not rendered
+    phase: Literal["commentary", "final_answer"] | None = Field(None, description="Accepted and ignored.")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -78,6 +81,10 @@ class FunctionCallItem(StrictModel):
     arguments: str
     id: str | None = None
     status: str | None = None
+    # fields of the SDK's ResponseFunctionToolCall this server never fills (namespaced tools, programmatic callers):
+    # `item.model_dump()` sends them back as null
+    namespace: None = Field(None, description="Only null (tools are not namespaced here).")
+    caller: None = Field(None, description="Only null.")
 
 
 class FunctionCallOutputItem(StrictModel):
