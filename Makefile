@@ -9,22 +9,27 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS ?= constraints.txt
+# Every other dependency, pinned: the images install the same versions (deploy/docker/lock.py, `make lock`)
+LOCK ?= deploy/docker/lock.txt
 DEMO_CONFIG ?= configs/reverse_text/demo.toml
 DEMO_OUT ?= outputs/demo
 PYTEST_ARGS ?=
 SMOKE_ARGS ?=
 
-.PHONY: help install demo test test-fast lint format proto generated bench images smoke smoke-clean clean
+.PHONY: help install lock demo test test-fast lint format proto generated bench images smoke smoke-clean clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev]'
+	$(PIP) install -q -c $(CONSTRAINTS) -c $(LOCK) -e '.[dev]'
 	touch $@
 
-install: $(VENV)/.installed ## Create .venv (if missing) and install gyre with dev extras (torch pinned by constraints.txt)
+install: $(VENV)/.installed ## Create .venv (if missing) and install gyre with dev extras (torch pinned by constraints.txt, the rest by the lock)
+
+lock: ## Re-resolve deploy/docker/lock.txt from pyproject.toml (newest releases; then `make install` and the tests)
+	$(PYTHON) deploy/docker/lock.py
 
 demo: install ## The main job: tiny model, SFT warm-up, then async RL on reverse_text (CPU, < 15 min)
 	$(VENV)/bin/gyre rl @ $(DEMO_CONFIG) --output-dir $(DEMO_OUT) --fresh  # a fresh run each time (a re-run without --fresh continues)
