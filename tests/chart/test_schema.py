@@ -115,12 +115,25 @@ def schema_error(values: dict) -> str:
         # a replica runs on one GPU (no tensor parallelism): a second one was requested and left idle
         ({"inference": {"gpus": 2}}, ["/inference/gpus"]),
         ({"servers": [{"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 2}]}, ["/servers/0/gpus"]),
+        # a resource name the API server refuses (after applying the objects before the pod: a half-done upgrade)
+        ({"trainer": {"resources": {"requests": {"memroy": "8Gi"}}}}, ["/trainer/resources/requests", "memroy"]),
+        ({"inference": {"resources": {"limits": {"gpu": 1}}}}, ["/inference/resources/limits", "gpu"]),
+        ({"redis": {"resources": {"limits": {"Memory": "1Gi"}}}}, ["/redis/resources/limits", "Memory"]),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(values, names):
     message = schema_error(values)
     for name in names:
         assert name in message, message
+
+
+def test_every_container_resource_name_kubernetes_takes_passes_the_schema():
+    resources = {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "1Gi", "hugepages-2Mi": "1Gi",
+                 "nvidia.com/gpu": 1, "nvidia.com/mig-1g.10gb": 1, "rdma/hca": 1}  # fmt: skip
+    values = {"orchestrator": {"resources": {"requests": resources, "limits": resources}}}
+    (orchestrator,) = [m for m in manifests(render(values)) if m["metadata"]["name"] == "exp-gyre-orchestrator"
+                       and m["kind"] == "Deployment"]  # fmt: skip
+    assert orchestrator["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == resources
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,12 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "values.schema.yaml"
 TARGET = HERE.parent / "values.schema.json"
 KUBERNETES_VERSION = "1.30.0"
+# A container's resource names beside cpu, memory and ephemeral-storage (what the API server accepts in
+# requests/limits): huge pages of a size, and extended resources, always domain-qualified.
+EXTENDED_RESOURCE_NAMES = (
+    r"^hugepages-[0-9]+[A-Za-z]*$",
+    r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+)
 
 # Keys of each service's table that the chart passes on the command line (dotted paths). The chart
 # decides them from its own values: bind addresses and ports (they must match the Services and probes),
@@ -191,6 +197,17 @@ def kubernetes_definitions(names: list[str]) -> dict[str, Any]:
         return node
 
     defs = {name: _walk(body, rewrite) for name, body in source.items()}
+    # Resource names: Kubernetes' schema takes any key, and the API server refuses a pod with `memroy: 8Gi` only
+    # after `helm install` or `helm upgrade` applied the objects before it (a half-done upgrade). Here a typo fails
+    # the render with the key named. Container resources are cpu, memory, ephemeral-storage, hugepages-<size>, or
+    # an extended resource, always domain-qualified (nvidia.com/gpu, a MIG slice, rdma/hca).
+    # (Closed properties, not propertyNames: Helm's message then names the key's path.)
+    for field in ("requests", "limits"):
+        node = defs["io.k8s.api.core.v1.ResourceRequirements"]["properties"][field]
+        quantity = node.pop("additionalProperties")
+        node["properties"] = {name: quantity for name in ("cpu", "memory", "ephemeral-storage")}
+        node["patternProperties"] = {pattern: quantity for pattern in EXTENDED_RESOURCE_NAMES}
+        node["additionalProperties"] = False
     return _reachable(defs, names)
 
 
