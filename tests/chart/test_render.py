@@ -177,6 +177,33 @@ def test_notes_give_the_exact_port_forward_and_curl_commands():
     assert "WARNING: networkPolicy.enabled=false" in risky["gyre/templates/NOTES.txt"]
 
 
+def test_notes_name_the_grafana_dashboards_and_how_to_reach_grafana():
+    """The operator's next question after the endpoint: where the dashboards are. NOTES names each one as
+    Grafana lists it (the title the chart gives its ConfigMap) and how to port-forward to Grafana."""
+    rendered = render({})
+    notes = rendered["gyre/templates/NOTES.txt"]
+    maps = [c for c in objects(manifests(rendered), "ConfigMap") if "-dashboard-" in c["metadata"]["name"]]
+    titles = [json.loads(next(iter(c["data"].values())))["title"] for c in maps]
+    assert len(titles) == len(list((CHART / "dashboards").glob("*.json"))) >= 3
+    for title in titles:
+        assert f'"{title}"' in notes
+    assert "labelled grafana_dashboard=1" in notes
+    assert "kubectl get svc -A -l app.kubernetes.io/name=grafana" in notes
+    assert "port-forward svc/<its name> 3000:80   # then http://127.0.0.1:3000/dashboards?query=rl/exp" in notes
+    off = render({"monitoring": {"dashboards": {"enabled": False}}})["gyre/templates/NOTES.txt"]
+    assert "Grafana" not in off
+
+
+def test_notes_after_an_upgrade_say_what_restarts_and_how_to_roll_back():
+    with helm_python.Chart.load(CHART) as chart:
+        install = chart.render({}, name="exp", namespace="rl", is_install=True)["gyre/templates/NOTES.txt"]
+        upgrade = chart.render({}, name="exp", namespace="rl", is_upgrade=True, revision=4)["gyre/templates/NOTES.txt"]
+    assert "installed as release exp in namespace rl" in install and "helm rollback" not in install
+    assert "upgraded to revision 4 of release exp in namespace rl" in upgrade
+    assert "helm rollback exp -n rl" in upgrade
+    assert "kubectl -n rl get pods -l app.kubernetes.io/instance=exp -w" in upgrade
+
+
 def test_helm_test_pod_calls_v1_models_with_the_api_key():
     docs = manifests(render({}))
     (pod,) = objects(docs, "Pod")
