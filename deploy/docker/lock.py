@@ -46,15 +46,35 @@ def torch_pin() -> str:
     return pins[0]
 
 
-def resolve() -> dict[str, str]:
-    """{canonical name: version} of what `pip install -c constraints.txt .[dev]` would install from nothing."""
+def resolve(*requirements: str, constraints: tuple[Path, ...] = ()) -> list[dict]:
+    """The metadata of what `pip install -c constraints.txt <requirements>` would install from nothing."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--report", str(report), "-c", str(CONSTRAINTS), f"{ROOT}[dev]"]  # fmt: skip
-        subprocess.run(cmd, check=True, cwd=ROOT)
-        installs = json.loads(report.read_text())["install"]
-    return {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+               "--report", str(report), "-c", str(CONSTRAINTS)]  # fmt: skip
+        for path in constraints:
+            cmd += ["-c", str(path)]
+        subprocess.run([*cmd, *requirements], check=True, cwd=ROOT)
+        return [i["metadata"] for i in json.loads(report.read_text())["install"]]
+
+
+def other_patch_releases(installs: list[dict], locked: set[str]) -> dict[str, str]:
+    """{requirement: marker} of the dependencies that only another CPython 3.11 needs (redis wants async-timeout
+    below 3.11.3: Debian bookworm's python3, the local base of `make images`, is 3.11.2; python:3.11.13 needs none)."""
+    try:
+        from packaging.markers import default_environment
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare interpreter: pip's copy
+        from pip._vendor.packaging.markers import default_environment
+        from pip._vendor.packaging.requirements import Requirement
+    early = {**default_environment(), "python_full_version": "3.11.0", "extra": ""}
+    found = {}
+    for meta in installs:
+        for req in map(Requirement, meta.get("requires_dist") or []):
+            here = req.marker is None or req.marker.evaluate({"extra": ""})
+            if not here and canonical(req.name) not in locked and req.marker.evaluate(early):
+                found[f"{req.name}{req.specifier}"] = str(req.marker)
+    return found
 
 
 def main() -> None:
@@ -63,13 +83,26 @@ def main() -> None:
     args = parser.parse_args()
     if sys.platform != "linux" or platform.machine() != "x86_64" or sys.version_info[:2] != (3, 11):
         sys.exit("resolve the lock on Linux x86-64 with CPython 3.11, the images' platform")
-    versions = resolve()
+    installs = resolve(f"{ROOT}[dev]")
+    versions = {canonical(m["name"]): m["version"] for m in installs}
     versions.pop("gyre", None)
     torch = torch_pin()
     if versions.get("torch", "").split("+")[0] != torch.split("==")[1]:
         sys.exit(f"pip resolved torch {versions.get('torch')}, constraints.txt pins {torch}")
     versions["torch"] = torch.split("==")[1]
-    lines = [f"{name}=={version}" for name, version in sorted(versions.items())]
+    lines = [f"{name}=={version}" for name, version in versions.items()]
+    # What another 3.11.x needs, pinned under its marker (pip skips the line where the marker is false).
+    extra = other_patch_releases(installs, set(versions))
+    if extra:
+        with tempfile.TemporaryDirectory() as tmp:
+            pins = Path(tmp) / "lock.txt"
+            pins.write_text("\n".join(lines) + "\n")
+            for meta in resolve(*extra, constraints=(pins,)):
+                name = canonical(meta["name"])
+                if name not in versions:
+                    marker = next(m for r, m in extra.items() if canonical(re.split(r"[<>=!~ ]", r)[0]) == name)
+                    lines.append(f"{name}=={meta['version']} ; {marker}")
+    lines.sort(key=lambda line: line.split("==")[0])
     args.output.write_text(HEADER.format(python=platform.python_version()) + "\n".join(lines) + "\n")
     print(f"{args.output}: {len(lines)} packages")
 
