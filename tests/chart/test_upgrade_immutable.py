@@ -13,11 +13,11 @@ SEED = {"secrets": {"seed": "s" * 40}}
 
 
 def live_objects(values: dict) -> dict[str, dict]:
-    """What the cluster holds after installing `values`: the Redis StatefulSet and the claims."""
+    """What the cluster holds after installing `values`: the Redis StatefulSet, the claims, the experiment file."""
     docs = manifests(render({**SEED, **values}))
     found = {}
     for doc in docs:
-        if doc["kind"] in ("StatefulSet", "PersistentVolumeClaim"):
+        if doc["kind"] in ("StatefulSet", "PersistentVolumeClaim") or doc["metadata"]["name"] == "exp-gyre-experiment":
             found[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
     return found
 
@@ -87,3 +87,55 @@ def test_sizes_in_other_units_than_the_cluster_writes_them_upgrade(tmp_path):
         render_live(
             {**SEED, "persistence": sizes["persistence"], "redis": {"persistence": {"size": "2Gi"}}}, live, tmp_path
         )
+
+
+HUB = {"modelInit": {"enabled": False}, "experiment": {"model": {"name": "Qwen/Qwen3-0.6B"}}}
+FRESH = "a release trains one run: install a new release for another (or `helm uninstall`, `kubectl -n rl delete pvc "
+
+
+@pytest.mark.parametrize(
+    ("installed", "upgraded", "message"),
+    [
+        (HUB, {**HUB, "experiment": {"model": {"name": "Qwen/Qwen3-1.7B"}}},
+         'experiment.model.name: these values train "Qwen/Qwen3-1.7B", but this release\'s run trains '
+         '"Qwen/Qwen3-0.6B" (ConfigMap exp-gyre-experiment), and its checkpoints'),
+        ({}, {"modelInit": {"preset": "small"}},
+         'modelInit: these values train "gyre model init --preset small --seed 0", but this release\'s run trains '
+         '"gyre model init --preset tiny --seed 0"'),
+        ({}, {"modelInit": {"seed": 1}}, "modelInit: these values train"),
+        ({}, HUB, 'experiment.model.name: these values train "Qwen/Qwen3-0.6B", but this release\'s run trains '
+         '"gyre model init'),
+        ({}, {"experiment": {"run_id": "exp-2"}},
+         'experiment.run_id: "exp-2", but this release\'s run is "exp" (ConfigMap exp-gyre-experiment)'),
+    ],
+)  # fmt: skip
+def test_an_upgrade_that_would_change_the_runs_model_or_id_is_refused(tmp_path, installed, upgraded, message):
+    """A day-two `helm upgrade` with another model (or run_id) under a running experiment: the volume holds the
+    run's checkpoints and weights, which the restarted trainer resumed (the old model's weights under the new
+    name; a new modelInit was ignored outright). Refused before anything is applied, with what to do instead."""
+    with pytest.raises(helm_python.HelmError) as caught:
+        render_live({**SEED, **upgraded}, live_objects(installed), tmp_path)
+    assert message in str(caught.value), str(caught.value)
+    assert FRESH + "exp-gyre-data` and install again" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "upgraded",
+    [
+        {"experiment": {"trainer": {"optim": {"lr": 1e-5}}, "max_steps": 400}},  # a trainer setting, more steps
+        {"inference": {"replicas": 3, "resources": {"requests": {"cpu": "4"}}}},
+        {"experiment": {"model": {"dtype": "float32"}}},  # another setting of the same model
+    ],
+)
+def test_upgrades_of_the_same_run_render(tmp_path, upgraded):
+    render_live({**SEED, **upgraded}, live_objects({}), tmp_path)
+
+
+def test_a_release_of_an_older_chart_upgrades_and_records_its_run(tmp_path):
+    """An experiment ConfigMap without the annotations (an older chart's) has nothing to compare: the upgrade
+    goes through and records the run's id and model for the next one."""
+    live = live_objects({})
+    del live["ConfigMap/exp-gyre-experiment"]["metadata"]["annotations"]
+    docs = manifests(render_live({**SEED, "modelInit": {"preset": "small"}}, live, tmp_path))
+    annotations = named(docs, "ConfigMap", "exp-gyre-experiment")["metadata"]["annotations"]
+    assert annotations == {"gyre.dev/run-id": "exp", "gyre.dev/model": "gyre model init --preset small --seed 0"}

@@ -96,6 +96,18 @@ comparisons and sums. Call with (dict "value" "16Gi" "key" "the value's key, nam
 {{- .Values.experiment.run_id | default .Release.Name -}}
 {{- end -}}
 
+{{/*
+The model the release's run trains, as recorded on its experiment ConfigMap (annotation gyre.dev/model):
+the generated one's recipe with modelInit, else experiment.model.name.
+*/}}
+{{- define "gyre.modelIdentity" -}}
+{{- if .Values.modelInit.enabled -}}
+gyre model init --preset {{ .Values.modelInit.preset }} --seed {{ .Values.modelInit.seed }}
+{{- else -}}
+{{ include "gyre.policyModel" . }}
+{{- end -}}
+{{- end -}}
+
 {{- define "gyre.secretName" -}}
 {{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "gyre.fullname" .)) -}}
 {{- end -}}
@@ -1070,6 +1082,26 @@ never change and its size only grows. Without a cluster to ask (`helm template`)
 */}}
 {{- define "gyre.validateImmutable" -}}
 {{- $ns := .Release.Namespace -}}
+{{- /*
+A release trains one run: its id and its model stay. Checkpoints, published weights, the orchestrator's progress
+and the Redis stream on the volume are that run's: a new run_id resumed the old run's checkpoints under a new
+name, a new model.name resumed the old model's weights (or failed on the checkpoint's shapes), and a new
+modelInit was ignored (the generated model is kept) while NOTES named the new one. The ConfigMap records both
+(annotations; an older chart's ConfigMap has none: its first upgrade has nothing to compare and records them).
+*/ -}}
+{{- $experiment := printf "%s-experiment" (include "gyre.fullname" .) -}}
+{{- $recorded := ((include "gyre.live" (dict "root" . "apiVersion" "v1" "kind" "ConfigMap" "name" $experiment) | fromJson).metadata | default dict).annotations | default dict -}}
+{{- $fresh := printf "a release trains one run: install a new release for another (or `helm uninstall`, `kubectl -n %s delete pvc %s` and install again: the run starts afresh)" $ns (include "gyre.claimName" .) -}}
+{{- with get $recorded "gyre.dev/run-id" -}}
+{{- if ne . (include "gyre.runId" $) -}}
+{{- fail (printf "experiment.run_id: %q, but this release's run is %q (ConfigMap %s); %s" (include "gyre.runId" $) . $experiment $fresh) -}}
+{{- end -}}
+{{- end -}}
+{{- with get $recorded "gyre.dev/model" -}}
+{{- if ne . (include "gyre.modelIdentity" $) -}}
+{{- fail (printf "%s: these values train %q, but this release's run trains %q (ConfigMap %s), and its checkpoints and published weights are that model's; %s" (ternary "modelInit" "experiment.model.name" $.Values.modelInit.enabled) (include "gyre.modelIdentity" $) . $experiment $fresh) -}}
+{{- end -}}
+{{- end -}}
 {{- $r := .Values.redis -}}
 {{- if not $r.external.url -}}
 {{- $name := printf "%s-redis" (include "gyre.fullname" .) -}}
