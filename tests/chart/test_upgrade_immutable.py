@@ -132,10 +132,26 @@ def test_upgrades_of_the_same_run_render(tmp_path, upgraded):
 
 
 def test_a_release_of_an_older_chart_upgrades_and_records_its_run(tmp_path):
-    """An experiment ConfigMap without the annotations (an older chart's) has nothing to compare: the upgrade
-    goes through and records the run's id and model for the next one."""
+    """An experiment ConfigMap and claim without the record (an older chart's) have nothing to compare: the
+    upgrade goes through and records the run's id and model for the next one."""
     live = live_objects({})
     del live["ConfigMap/exp-gyre-experiment"]["metadata"]["annotations"]
+    live["PersistentVolumeClaim/exp-gyre-data"]["metadata"]["annotations"] = {"helm.sh/resource-policy": "keep"}
     docs = manifests(render_live({**SEED, "modelInit": {"preset": "small"}}, live, tmp_path))
-    annotations = named(docs, "ConfigMap", "exp-gyre-experiment")["metadata"]["annotations"]
-    assert annotations == {"gyre.dev/run-id": "exp", "gyre.dev/model": "gyre model init --preset small --seed 0"}
+    record = {"gyre.dev/run-id": "exp", "gyre.dev/model": "gyre model init --preset small --seed 0"}
+    assert named(docs, "ConfigMap", "exp-gyre-experiment")["metadata"]["annotations"] == record
+    assert named(docs, "PersistentVolumeClaim", "exp-gyre-data")["metadata"]["annotations"] == {
+        "helm.sh/resource-policy": "keep", **record}  # fmt: skip
+
+
+def test_a_new_install_on_the_kept_volume_of_another_model_is_refused(tmp_path):
+    """`helm uninstall` keeps the shared volume (persistence.keep) and removes the ConfigMap: installing the release
+    again with another model resumed the old run's weights under it. The claim's record refuses it; the same model
+    resumes the run, and another release (another claim) starts its own."""
+    kept = {k: v for k, v in live_objects(HUB).items() if k == "PersistentVolumeClaim/exp-gyre-data"}
+    other = {**HUB, "experiment": {"model": {"name": "Qwen/Qwen3-1.7B"}}}
+    with pytest.raises(helm_python.HelmError) as caught:
+        render_live({**SEED, **other}, kept, tmp_path)
+    assert 'but this release\'s run trains "Qwen/Qwen3-0.6B" (PersistentVolumeClaim exp-gyre-data)' in str(caught.value)
+    assert manifests(render_live({**SEED, **HUB}, kept, tmp_path))
+    assert manifests(render_live({**SEED, **other}, kept, tmp_path, name="exp2"))

@@ -108,6 +108,12 @@ gyre model init --preset {{ .Values.modelInit.preset }} --seed {{ .Values.modelI
 {{- end -}}
 {{- end -}}
 
+{{/* The annotations that record the run on the objects that outlive a pod (gyre.validateImmutable). */}}
+{{- define "gyre.runRecord" -}}
+gyre.dev/run-id: {{ include "gyre.runId" . | quote }}
+gyre.dev/model: {{ include "gyre.modelIdentity" . | quote }}
+{{- end -}}
+
 {{- define "gyre.secretName" -}}
 {{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "gyre.fullname" .)) -}}
 {{- end -}}
@@ -1086,20 +1092,27 @@ never change and its size only grows. Without a cluster to ask (`helm template`)
 A release trains one run: its id and its model stay. Checkpoints, published weights, the orchestrator's progress
 and the Redis stream on the volume are that run's: a new run_id resumed the old run's checkpoints under a new
 name, a new model.name resumed the old model's weights (or failed on the checkpoint's shapes), and a new
-modelInit was ignored (the generated model is kept) while NOTES named the new one. The ConfigMap records both
-(annotations; an older chart's ConfigMap has none: its first upgrade has nothing to compare and records them).
+modelInit was ignored (the generated model is kept) while NOTES named the new one. The experiment ConfigMap
+and the shared volume's claim record both (annotations; the claim outlives `helm uninstall`, so a new install on
+the old run's volume is checked too; an older chart's objects have none: nothing to compare, and they are recorded).
 */ -}}
-{{- $experiment := printf "%s-experiment" (include "gyre.fullname" .) -}}
-{{- $recorded := ((include "gyre.live" (dict "root" . "apiVersion" "v1" "kind" "ConfigMap" "name" $experiment) | fromJson).metadata | default dict).annotations | default dict -}}
+{{- $records := list (dict "kind" "ConfigMap" "name" (printf "%s-experiment" (include "gyre.fullname" .))) -}}
+{{- if not .Values.persistence.existingClaim -}}
+{{- /* the shared volume outlives `helm uninstall` (persistence.keep): it catches a new install on the old run's volume */ -}}
+{{- $records = append $records (dict "kind" "PersistentVolumeClaim" "name" (include "gyre.claimName" .)) -}}
+{{- end -}}
 {{- $fresh := printf "a release trains one run: install a new release for another (or `helm uninstall`, `kubectl -n %s delete pvc %s` and install again: the run starts afresh)" $ns (include "gyre.claimName" .) -}}
+{{- range $o := $records -}}
+{{- $recorded := ((include "gyre.live" (dict "root" $ "apiVersion" "v1" "kind" $o.kind "name" $o.name) | fromJson).metadata | default dict).annotations | default dict -}}
 {{- with get $recorded "gyre.dev/run-id" -}}
 {{- if ne . (include "gyre.runId" $) -}}
-{{- fail (printf "experiment.run_id: %q, but this release's run is %q (ConfigMap %s); %s" (include "gyre.runId" $) . $experiment $fresh) -}}
+{{- fail (printf "experiment.run_id: %q, but this release's run is %q (%s %s); %s" (include "gyre.runId" $) . $o.kind $o.name $fresh) -}}
 {{- end -}}
 {{- end -}}
 {{- with get $recorded "gyre.dev/model" -}}
 {{- if ne . (include "gyre.modelIdentity" $) -}}
-{{- fail (printf "%s: these values train %q, but this release's run trains %q (ConfigMap %s), and its checkpoints and published weights are that model's; %s" (ternary "modelInit" "experiment.model.name" $.Values.modelInit.enabled) (include "gyre.modelIdentity" $) . $experiment $fresh) -}}
+{{- fail (printf "%s: these values train %q, but this release's run trains %q (%s %s), and its checkpoints and published weights are that model's; %s" (ternary "modelInit" "experiment.model.name" $.Values.modelInit.enabled) (include "gyre.modelIdentity" $) . $o.kind $o.name $fresh) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- $r := .Values.redis -}}
