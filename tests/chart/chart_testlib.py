@@ -199,8 +199,9 @@ def gyre_argv(container: dict) -> tuple[str, list[str]]:
     """(service, argv after the service name) of a Gyre main container (`gyre X ...`, or the trainer's torchrun of
     `-m gyre.cli X ...`)."""
     words = container["command"] + container["args"]
-    if words[0] != "gyre":
+    if words[0] != "gyre" and "gyre.cli" in words:
         words = words[words.index("gyre.cli") :]
+    # another image's container (Redis's `sh -c ...`) comes back as it is: callers look up the Gyre services only
     return words[1], words[2:]
 
 
