@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -56,7 +57,11 @@ def apply_lora(model: torch.nn.Module, cfg: Any, adapter_name: str = "default") 
     from peft import get_peft_model
 
     _refuse_tied_output(model, cfg)
-    return get_peft_model(model, _peft_config(cfg), adapter_name=adapter_name)
+    with warnings.catch_warnings():
+        # peft asks transformers' deprecated `is_gradient_checkpointing`: a FutureWarning in every LoRA run's log
+        # that names neither Gyre nor anything its user can change
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, _peft_config(cfg), adapter_name=adapter_name)
 
 
 def add_adapter(model: torch.nn.Module, name: str, cfg: Any) -> torch.nn.Module:

@@ -151,3 +151,16 @@ def test_an_adapter_on_a_tied_lm_head_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"trainer\.lora\.target_modules: 'lm_head' is tied"):
         apply_lora(tied, cfg)
     apply_lora(tied, SimpleNamespace(rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj"]))  # the rest still works
+
+
+def test_wrapping_a_model_in_lora_warns_nothing_its_user_cannot_act_on(tiny_model):
+    """peft reads transformers' deprecated `is_gradient_checkpointing`: every LoRA run's log had its FutureWarning."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, CFG)
+    assert not [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
