@@ -395,11 +395,14 @@ def log_step(label: str, record: dict[str, Any]) -> None:
         return "n/a" if value is None else format(value, spec)
 
     seconds, tokens = record["step_seconds"], record["num_tokens"]
+    # the objective's clip (or mask) fraction: with the KL, what a PPO user reads first (verl's pg_clipfrac)
+    clipped = "masked" if "masked_frac" in record else "clip"
     log.info(
-        "%sstep %d: loss %s, entropy %s, mismatch KL %s, grad norm %s, lr %s, %d tokens in %.2fs "
+        "%sstep %d: loss %s, entropy %s, %s frac %s, mismatch KL %s, grad norm %s, lr %s%s, %d tokens in %.2fs "
         "(%.0f tok/s, MFU %s%%)",
-        label, record["step"], num("loss"), num("entropy"), num("mismatch_kl", ".3g"), num("grad_norm"),
-        num("lr", ".3g"), tokens, seconds, tokens / seconds if seconds > 0 else 0.0, format(100 * record["mfu"], ".1f"),
+        label, record["step"], num("loss"), num("entropy"), clipped, num(f"{clipped}_frac", ".3g"),
+        num("mismatch_kl", ".3g"), num("grad_norm"), num("lr", ".3g"), " (update skipped)" if record.get("skipped")
+        else "", tokens, seconds, tokens / seconds if seconds > 0 else 0.0, format(100 * record["mfu"], ".1f"),
     )  # fmt: skip
 
 

@@ -234,7 +234,8 @@ def test_a_crash_mid_step_resumes_every_run_exactly_once(tiny_model, redis_url, 
     assert start_trainer(config(straight_url, straight), straight / "trainer.log").wait(timeout=300) == 0
     log = (straight / "trainer.log").read_text()
     for name in names:  # one line per step names the run and says how it learns (before: only "published ...")
-        assert re.search(rf"run {name}: step 3: loss [-0-9.e]+, entropy [0-9.e]+, .* tok/s, MFU [0-9.]+%\)", log), log
+        line = rf"run {name}: step 3: loss [-0-9.e]+, entropy [0-9.e]+, clip frac [0-9.e]+, .* tok/s, MFU [0-9.]+%\)"
+        assert re.search(line, log), log
         assert trained_steps(crashed / name) == [1, 2, 3]
         mine, reference = adapter(crashed / name / "weights/step_3"), adapter(straight / name / "weights/step_3")
         for key in reference:
