@@ -16,8 +16,11 @@ returns an `Environment`; loaders are imported only when used, so loading one im
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
+import os
+import sys
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -75,12 +78,56 @@ def resolve(name: str, args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     )
 
 
+def _import_hint(target: str, error: ValueError) -> str:
+    """What to do about an import path that did not load (the import's own message rarely says)."""
+    module_name, _, attr = target.partition(":")
+    if "/" in module_name or "\\" in module_name or module_name.endswith(".py"):
+        dotted = module_name.removesuffix(".py").replace("\\", "/").strip("/").replace("/", ".")
+        return (f"; give the module's import path, not a file: '{dotted}:{attr}', with the folder holding "
+                f"{dotted.split('.')[0]!r} on PYTHONPATH (or the package installed)")  # fmt: skip
+    cause = error.__cause__
+    if isinstance(cause, ModuleNotFoundError) and cause.name == module_name.split(".")[0]:
+        return (f"; install the package that holds it, or put the folder that holds {cause.name!r} on PYTHONPATH "
+                f"(PYTHONPATH=/path/to/folder gyre ...; the working directory, {os.getcwd()}, has none)")  # fmt: skip
+    module = sys.modules.get(module_name)
+    if module is not None and attr:
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                 and getattr(v, "__module__", None) == module_name]  # fmt: skip
+        close = difflib.get_close_matches(attr, names, n=3)
+        if close or names:
+            return f"; did you mean {' or '.join(repr(n) for n in close)}?" if close else (
+                f"; it defines {', '.join(sorted(names))}")  # fmt: skip
+    return ""
+
+
+def _from_working_directory(target: str) -> bool:
+    """Put the working directory on sys.path (last) when it holds the import path's top package: `python -m` and
+    `python -c` find a package there, but the `gyre` command does not (its sys.path starts at its own script), so
+    `--env.name my_pkg.envs:load_environment` run beside my_pkg failed with "No module named 'my_pkg'"."""
+    top = target.partition(":")[0].split(".")[0]
+    cwd = os.getcwd()
+    if not top.isidentifier() or cwd in sys.path or "" in sys.path:
+        return False
+    if not (os.path.isfile(os.path.join(cwd, top, "__init__.py")) or os.path.isfile(os.path.join(cwd, f"{top}.py"))):
+        return False
+    sys.path.append(cwd)  # last: an installed package of the same name wins
+    log.info("environment %s: %r found in the working directory %s", target, top, cwd)
+    return True
+
+
+def _loader(name: str, target: str):
+    try:
+        return load_callable(target, f"environment {name!r}")
+    except ValueError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ModuleNotFoundError) and _from_working_directory(target):
+            return _loader(name, target)
+        raise EnvironmentLoadError(f"{exc}{_import_hint(target, exc)}") from exc
+
+
 def load_environment(name: str, **args: Any) -> Environment:
     target, args = resolve(name, args)
-    try:
-        loader = load_callable(target, f"environment {name!r}")
-    except ValueError as exc:
-        raise EnvironmentLoadError(str(exc)) from exc
+    loader = _loader(name, target)
     try:
         inspect.signature(loader).bind(**args)
     except TypeError as exc:

@@ -93,6 +93,38 @@ def test_bad_import_paths(external_module):
         load_environment(f"{external_module}:not_an_env")
 
 
+def test_a_bad_import_path_says_what_would_work(external_module):
+    """The import's own message ("No module named 'my_pkg'", "no callable 'load_enviroment'") left a user guessing
+    what to change: the error now says it."""
+    with pytest.raises(EnvironmentLoadError, match="no callable 'load_enviroment'; did you mean 'load_environment'"):
+        load_environment(f"{external_module}:load_enviroment")
+    with pytest.raises(EnvironmentLoadError, match="no callable 'shot'; did you mean 'shout'"):
+        load_environment(f"{external_module}:shot")
+    with pytest.raises(EnvironmentLoadError, match="put the folder that holds 'no_such_package_xyz' on PYTHONPATH"):
+        load_environment("no_such_package_xyz.envs:load_environment")
+    hint = "give the module's import path, not a file: 'my_pkg.envs:load_environment', with the folder holding 'my_pkg'"
+    with pytest.raises(EnvironmentLoadError, match=re.escape(hint)):
+        load_environment("my_pkg/envs.py:load_environment")
+
+
+def test_a_package_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    """`gyre eval --env.name my_pkg.envs:load_environment` run beside my_pkg failed with "No module named
+    'my_pkg'": the gyre command's sys.path starts at its script, not at the working directory (python -m and -c
+    start there). The working directory is now looked in, after everything else."""
+    package = f"gyre_test_cwd_pkg_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "envs.py").write_text(EXTERNAL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), ".")])
+    try:
+        env = load_environment(f"{package}.envs:load_environment", num_eval=2)
+        assert env.name == "shout" and sys.path[-1] == str(tmp_path)
+    finally:
+        for name in [n for n in sys.modules if n.startswith(package)]:
+            del sys.modules[name]
+
+
 @pytest.mark.parametrize(("name", "arg"), [("reasoning_gym:", "dataset"), ("verifiers: ", "taskset_id")])
 def test_a_prefix_without_a_name_says_what_to_add(name, arg):
     with pytest.raises(EnvironmentLoadError, match=f"name the {arg} after the colon"):
