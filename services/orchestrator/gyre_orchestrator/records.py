@@ -78,6 +78,33 @@ def batch_health(samples: list[ScoredRollout]) -> dict:
     }
 
 
+# a step line's per-step count -> its cumulative count over the run
+TOTALS = {
+    "num_samples": "total_samples",
+    "num_tokens": "total_tokens",
+    "generated_tokens": "total_generated_tokens",
+    "wasted_tokens": "total_wasted_tokens",
+    "generated_groups": "total_generated_groups",
+    "dropped_stale": "total_dropped_stale",
+    "dropped_zero_signal": "total_dropped_zero_signal",
+    "failed_rollouts": "total_failed_rollouts",
+    "skipped_overlong": "total_skipped_overlong",
+}
+
+
+def _count(value) -> int:
+    """A count read back from a step line (0 for anything that is not a non-negative int: a hand-edited line)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _counts(value) -> dict[str, int]:
+    return {str(k): _count(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _added(base: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+    return {k: base.get(k, 0) + counts.get(k, 0) for k in {**base, **counts}}
+
+
 class StepRecords:
     """A pushed step's line of orchestrator_steps.jsonl and its accounting: cumulative counters, metrics, W&B and
     the progress checkpoint."""
@@ -98,11 +125,37 @@ class StepRecords:
         self.progress = progress
         self.signals = signals  # judges, reward models, teacher: name -> object with `stats`
         self.teacher = teacher
-        self.counters: dict[str, int] = {}  # cumulative over the run; restored from the resume point
+        # cumulative over the run (`total_*` in the step lines), continued by a restarted orchestrator (`resume`)
+        self.counters: dict[str, int] = {}
+        # what a restarted orchestrator continues from: the counts of the steps before it (its process counts from 0)
+        self.base_scoring_failures = 0
+        self.base_reward_errors: dict[str, int] = {}
+        self.base_signals: dict[str, dict[str, int]] = {}
         self._signal_counts: dict[str, dict[str, int]] = {}
 
+    def resume(self, previous: dict | None, checkpoint_counters: dict[str, int]) -> None:
+        """Continue the cumulative counts of the line of the step before the resumed one (`previous`, from
+        orchestrator_steps.jsonl): a restarted orchestrator's lines go on from there, so plots of `total_*`,
+        `scoring_failures`, `reward_errors` and `signals` have no drop to 0 at a restart. Without such a line (an
+        event log from before these counts, or deleted) the progress checkpoint's counters are the fallback."""
+        if previous is None:
+            self.counters = {k: int(v) for k, v in checkpoint_counters.items() if k in TOTALS.values()}
+            return
+        self.counters = {k: _count(previous.get(k)) for k in TOTALS.values() if k in previous}
+        self.base_scoring_failures = _count(previous.get("scoring_failures"))
+        self.base_reward_errors = _counts(previous.get("reward_errors"))
+        signals = previous.get("signals")
+        self.base_signals = {str(k): _counts(v) for k, v in signals.items()} if isinstance(signals, dict) else {}
+
     def record(
-        self, st: StepState, samples: list[TrainSample], packed, cut: int, build_seconds: float, scoring_failures: int
+        self,
+        st: StepState,
+        samples: list[TrainSample],
+        packed,
+        cut: int,
+        build_seconds: float,
+        scoring_failures: int,
+        reward_errors: dict[str, int],
     ) -> dict:
         """The step's line of orchestrator_steps.jsonl (and of W&B)."""
         cfg = self.cfg
@@ -142,9 +195,15 @@ class StepRecords:
             "wasted_tokens": wasted_tokens,
             "waste_fraction": wasted_tokens / generated_tokens if generated_tokens else 0.0,
             "zero_signal_batch": st.zero_signal_batch,
-            "scoring_failures": scoring_failures,  # cumulative: judges / reward models / teacher that failed
+            # cumulative over the run: judges / reward models / teacher that failed, samples each reward function
+            # raised on
+            "scoring_failures": self.base_scoring_failures + scoring_failures,
+            "reward_errors": _added(self.base_reward_errors, reward_errors),
             **batch_health([s for g in st.kept for s in g.samples]),
         }
+        # cumulative over the run, this step included (PRIME-RL's progress/total_*): an x-axis that a restart continues
+        for key, total in TOTALS.items():
+            record[total] = self.counters.get(total, 0) + int(record[key])
         record.update(self._signal_record(samples))
         return record
 
@@ -152,8 +211,7 @@ class StepRecords:
         """A pushed step's counters, metrics, W&B record and (every ckpt_interval) progress checkpoint."""
         cfg, m = self.cfg, self.metrics
         self.wandb.log(record)
-        for key in ("num_samples", "dropped_stale", "dropped_zero_signal", "num_tokens"):
-            self.counters[key] = self.counters.get(key, 0) + int(record[key])
+        self.counters = {total: int(record[total]) for total in TOTALS.values()}
         labels = m.labels
         labels(m.step).set(st.step)
         labels(m.batches).inc()
@@ -202,14 +260,15 @@ class StepRecords:
             "rewards_mean": {n: float(np.mean([s.meta["rewards"].get(n, 0.0) for s in samples])) for n in names}
         }
         if self.signals:
-            record["signals"] = {name: dict(signal.stats) for name, signal in self.signals.items()}
-            for name, counts in record["signals"].items():
+            for name, signal in self.signals.items():  # the metrics count this process's calls (a counter resets)
                 seen = self._signal_counts.setdefault(name, {})
-                for outcome, count in counts.items():
+                for outcome, count in signal.stats.items():
                     self.metrics.labels(self.metrics.signal_calls, signal=name, outcome=outcome).inc(
                         count - seen.get(outcome, 0)
                     )
                     seen[outcome] = count
+            record["signals"] = {name: _added(self.base_signals.get(name, {}), dict(signal.stats))
+                                 for name, signal in self.signals.items()}  # fmt: skip
         if self.teacher is not None:
             record["teacher_kl"] = sampler_teacher_kl(samples)
         return record

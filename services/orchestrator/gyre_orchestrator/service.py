@@ -31,7 +31,7 @@ from gyre.config.orchestrator import OrchestratorConfig
 from gyre.endpoint import EndpointError, wait_all_ready
 from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
 from gyre.envs.judge import add_to_rubric
-from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, read_events
+from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, latest_per_step, read_events
 from gyre.metrics import start_metrics_server
 from gyre.net import PortInUse, bind_or_explain
 from gyre.redis_retry import acall_with_retry
@@ -273,7 +273,7 @@ class OrchestratorService:
 
     def _note_dead_letters(self, info: dict | None) -> None:
         """`gyre_orchestrator_dead_letters`: the dead letters held, and those trimmed (the trainer keeps the newest
-        `gyre.streams.DEAD_MAXLEN`, and counts the others in `gyre:{run}:batches:dead:trimmed`)."""
+        `intake.dead_letter_maxlen`, and counts the others in `gyre:{run}:batches:dead:trimmed`)."""
         self.metrics.labels(self.metrics.dead_letters, state="held").set(int(info["length"]) if info else 0)
         self.metrics.labels(self.metrics.dead_letters, state="trimmed").set(self.stream.dead_trimmed())
 
@@ -344,7 +344,7 @@ class OrchestratorService:
         self._stream_seen = await self._redis(self._stream_marks, "checking the Redis server")
         point = await self._resume_point()
         self.last_step = point.start_step - 1
-        self.step_records.counters = {k: int(v) for k, v in point.counters.items()}
+        self.step_records.resume(self._previous_step_line(point.start_step), point.counters)
         self.sampler = TaskSampler(self.env.tasks("train", seed=cfg.seed), point.task_index)
         log.info("starting at step %d (%s), task index %d", point.start_step, point.reason, point.task_index)
         self.scheduler = self._new_scheduler(point.start_step)
@@ -353,6 +353,12 @@ class OrchestratorService:
                 self.versions, at_start=cfg.eval.at_start and point.start_step == 1, done=self._evaluated_versions()
             )
         await self.server.set_serving(True)
+
+    def _previous_step_line(self, start_step: int) -> dict | None:
+        """The newest line of the last step before `start_step` in orchestrator_steps.jsonl (None: none): what the
+        cumulative counts continue from (a rewind's or a regenerated step's newer lines are not before it)."""
+        lines = [e for e in latest_per_step(read_events(self.events.path)) if e["step"] < start_step]
+        return lines[-1] if lines else None
 
     def _evaluated_versions(self) -> set[int]:
         """The versions eval.jsonl holds an evaluation of, among those the store still publishes (a rewind deleted the
@@ -622,8 +628,9 @@ class OrchestratorService:
             max_tokens=cfg.sampling.max_tokens * getattr(self.env, "max_turns", 1),  # budget: Dr.GRPO's normaliser
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
-        record = self.step_records.record(st, samples, packed, cut, time.monotonic() - start, self.scoring_failures)
-        record["reward_errors"] = dict(self.reward_errors)  # cumulative: samples each reward function raised on
+        record = self.step_records.record(
+            st, samples, packed, cut, time.monotonic() - start, self.scoring_failures, self.reward_errors
+        )
         # The step's line and its rollout dump go before the push: killed between them and the push, the resumed run
         # pushes this step again, and its newer line replaces this one (readers keep the newest record per step), its
         # dump this dump (written whole, replaced whole). After the push, a kill in between would leave a pushed step

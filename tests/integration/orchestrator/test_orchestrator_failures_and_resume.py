@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from gyre.events import latest_per_step, read_events
 from gyre.rollouts import read_dump
@@ -151,7 +152,7 @@ def test_resume_continues_at_the_right_step(tmp_path, redis_url, unique_run_id, 
     assert len(tasks) == 2 * len(set(tasks))  # 2 samples per task, no task used in two groups
     assert f"starting at step {last + 1}" in second.stderr
     progress = json.loads((cfg.output_dir / "checkpoints" / "orchestrator" / f"step_{last + 2}.json").read_text())
-    assert progress["step"] == last + 2 and progress["counters"]["num_samples"] > 0
+    assert progress["step"] == last + 2 and progress["counters"]["total_samples"] > 0
 
 
 class KilledAfterPush(Exception):
@@ -271,3 +272,35 @@ async def test_batches_after_a_dead_lettered_step_are_deleted_before_their_steps
     finally:
         stream.redis.delete(stream.key, stream.dead_key)
         stream.redis.close()
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_orchestrator_continues_the_cumulative_counts_of_its_step_lines(
+    tmp_path, redis_url, unique_run_id, replicas
+):
+    # The cumulative counts of orchestrator_steps.jsonl (reward_errors, scoring_failures, signals) restarted at 0 with
+    # the process, so a resumed run's plots dropped to 0 at every restart; and the run's totals (PRIME-RL's
+    # progress/total_samples and total_tokens, the x-axis of its plots) were not logged at all
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i}", "answer": f"{i}w"}) + "\n" for i in range(32)))
+    env = {"name": "dataset", "args": {"path": str(data), "reward": f"{__name__}:broken_reward", "num_eval": 2}}
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, env=env, max_steps=2, max_async_level=50,
+                              ckpt_interval=1, advantage={"drop_zero_signal": False})  # fmt: skip
+    assert await asyncio.wait_for(OrchestratorService(cfg).run(), timeout=120) == 0
+    resumed = OrchestratorService(cfg.model_copy(update={"max_steps": 3, "resume_step": -1}))
+    assert await asyncio.wait_for(resumed.run(), timeout=120) == 0
+    lines = latest_per_step(read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl"))
+    assert [e["step"] for e in lines] == [1, 2, 3]
+    # every rollout scored counts (those generated ahead for the next steps too): the resumed run's step 3 adds its 8
+    # samples at least to what step 2's line said
+    errors = [e["reward_errors"]["broken_reward"] for e in lines]
+    assert 8 <= errors[0] <= errors[1] and errors[2] >= errors[1] + 8, errors
+    assert [e["total_samples"] for e in lines] == [8, 16, 24]
+    assert [e["total_tokens"] for e in lines] == list(np.cumsum([e["num_tokens"] for e in lines]))
+    assert [e["total_generated_groups"] for e in lines] == list(np.cumsum([e["generated_groups"] for e in lines]))
+
+    # a rewind to step 2 continues from step 2's line, not from the abandoned step 3's
+    rewound = OrchestratorService(cfg.model_copy(update={"max_steps": 3, "resume_step": 2}))
+    assert await asyncio.wait_for(rewound.run(), timeout=120) == 0
+    lines = latest_per_step(read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl"))
+    assert lines[-1]["reward_errors"]["broken_reward"] >= errors[1] + 8 and lines[-1]["total_samples"] == 24
