@@ -5,7 +5,8 @@ Keys (see docs/architecture.md, "Redis streams"):
                             `path` + `digest` (sha256 hex of the spilled file) for large payloads.
 - `gyre:{run}:batches:dead` dead letters: the original fields plus `reason` (moved: deleted from the
                             batches stream, so the orchestrator sees the step as missing and regenerates it).
-                            Holds the newest `DEAD_MAXLEN` (exact); the oldest are trimmed and counted in
+                            Holds the newest `dead_maxlen` (the trainer's `intake.dead_letter_maxlen`, default
+                            `DEAD_MAXLEN`; exact); the oldest are trimmed and counted in
                             `gyre:{run}:batches:dead:trimmed`.
 
 The trainer reads through the consumer group `trainer`. Delivery is at-least-once: an entry stays in

@@ -479,3 +479,36 @@ def test_a_full_redis_refuses_untrained_batches_and_makes_room_from_trained_ones
         assert time.monotonic() - started >= 0.8  # it waited for the trainer instead of failing
         assert stream.latest_step() == step + 1
         stream.redis.close()
+
+
+def test_the_trainer_keeps_as_many_dead_letters_as_intake_dead_letter_maxlen(stream):
+    """The dead-letter cap was DEAD_MAXLEN in code only: a run whose Redis has room for more (or less) had no key to
+    say so. It is `trainer.intake.dead_letter_maxlen`, validated, in `gyre trainer --help`, and the trainer's stream
+    trims its dead letters to it."""
+    from types import SimpleNamespace
+
+    from gyre.config import ConfigError, load_config
+    from gyre.config.loader import help_text
+    from gyre.config.trainer import TrainerConfig
+    from gyre.streams import DEAD_MAXLEN
+    from gyre_trainer.run import RunState
+
+    assert TrainerConfig().intake.dead_letter_maxlen == DEAD_MAXLEN
+    assert "--intake.dead_letter_maxlen" in help_text(TrainerConfig, "gyre trainer")
+    with pytest.raises(ConfigError, match="intake.dead_letter_maxlen"):
+        load_config(TrainerConfig, ["--intake.dead_letter_maxlen", "0"])
+    cfg = load_config(TrainerConfig, ["--intake.dead_letter_maxlen", "3"])
+
+    run = RunState.__new__(RunState)  # only what open_intake reads: the run's name and its process
+    run.name = stream.run_id
+    run.process = SimpleNamespace(
+        cfg=cfg, ctx=SimpleNamespace(is_main=True, world_size=1, rank=0), redis=lambda: stream.redis,
+        hf_config=SimpleNamespace(vocab_size=64), stop_requested=SimpleNamespace(is_set=lambda: False),
+        status=SimpleNamespace(resumed=lambda name, step: None),
+    )  # fmt: skip
+    trainer = run.open_intake(0, poll_ms=100).reader.stream
+    for step in range(1, 8):
+        stream.push(step, b"x")
+        (entry,) = trainer.read("c1", block_ms=100)
+        trainer.dead_letter(entry, "bad")
+    assert [d.step for d in stream.dead_letters()] == [5, 6, 7] and stream.dead_trimmed() == 4

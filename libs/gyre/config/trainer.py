@@ -256,6 +256,12 @@ class IntakeConfig(Section):
     poll_ms: int = Field(
         1000, ge=10, description="How long one Redis read blocks while waiting for a batch (then stop is re-checked)."
     )
+    dead_letter_maxlen: int = Field(
+        16,  # gyre.streams.DEAD_MAXLEN
+        ge=1,
+        description="Batches the trainer rejected, kept in gyre:{run}:batches:dead for inspection: the newest N "
+        "(the older are trimmed and counted). Each is a whole batch in Redis memory: size maxmemory for it.",
+    )
 
 
 class DebugConfig(Section):

@@ -191,7 +191,7 @@ class OrchestratorMetrics:
             r,
         )
 
-        # the trainer's dead letters (gyre.streams.DEAD_MAXLEN of them kept), read every 5 s by the stream watch
+        # the trainer's dead letters (it keeps the newest intake.dead_letter_maxlen), read every 5 s by the stream watch
         self.dead_letters = m.gauge(
             "gyre_orchestrator_dead_letters",
             "Batch entries in the dead-letter stream gyre:{run}:batches:dead: state = held (the newest, kept for "

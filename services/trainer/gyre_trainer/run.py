@@ -139,7 +139,8 @@ class RunState:
         from gyre.streams import BatchStream
 
         process = self.process
-        stream = BatchStream(process.redis(), self.name) if process.ctx.is_main else None
+        stream = (BatchStream(process.redis(), self.name, dead_maxlen=process.cfg.intake.dead_letter_maxlen)
+                  if process.ctx.is_main else None)  # fmt: skip
         self.intake = BatchIntake(process.ctx, stream, trained_step, vocab_size=process.hf_config.vocab_size,
                                   seq_len=process.cfg.data.seq_len, poll_ms=poll_ms,
                                   should_stop=process.stop_requested.is_set)  # fmt: skip
