@@ -89,7 +89,7 @@ class WeightRelay:
         self._updaters: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._probing: asyncio.Task | None = None  # the status probes under way (the loop does not wait for them)
+        self._probing: dict[str, asyncio.Task] = {}  # url -> its status probe under way (the loop does not wait)
         self._in_use: set[int] | None = None
         self._last_probe = float("-inf")
         self._last_poll = float("-inf")
@@ -168,11 +168,12 @@ class WeightRelay:
         self._task = asyncio.create_task(self._run(), name="weight-relay")
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._task, self._probing, *self._updaters.values()] if t is not None]
+        tasks = [t for t in [self._task, *self._probing.values(), *self._updaters.values()] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._updaters.clear()
+        self._probing.clear()
         self._task = None
 
     async def wait_served(self, step: int, timeout: float | None = None) -> bool:
@@ -202,13 +203,17 @@ class WeightRelay:
             if now - self._last_poll >= self.poll_store_s:
                 self._last_poll = now
                 self.poll_store()
-            probing = self._probing is not None and not self._probing.done()
-            if not probing and (now - self._last_probe >= self.probe_interval_s or self.replicas.probe_requested):
+            if now - self._last_probe >= self.probe_interval_s or self.replicas.probe_requested:
                 self.replicas.probe_requested = False
-                # in the background: a replica that does not answer holds its probe for probe_timeout_s, and awaited
-                # here it held back every replica's update too (a new version reached the others 5 s late, each time
-                # a frozen replica came back from its cooldown). What a probe finds wakes this loop (a listener).
-                self._probing = asyncio.create_task(self.probe_all(), name="relay-probe")
+                self._last_probe = now
+                # in the background, each replica's on its own: a replica that does not answer holds its probe for
+                # probe_timeout_s, and awaited here it held back every replica's update too (a new version reached
+                # the others 5 s late, each time a frozen replica came back from its cooldown), and in one round
+                # every other replica's next probe. What a probe finds wakes this loop (a listener).
+                self._probing = {url: t for url, t in self._probing.items() if not t.done()}
+                for r in self._due_probes():
+                    if r.url not in self._probing:
+                        self._probing[r.url] = asyncio.create_task(self.probe(r), name=f"relay-probe-{r.url}")
             self.reconcile()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=min(self.probe_interval_s, self.poll_store_s))
@@ -273,21 +278,31 @@ class WeightRelay:
                 metadata=self.metadata,
             )
         except grpc.aio.AioRpcError as e:
-            if self.replicas.in_rotation(replica):
-                self.replicas.mark_failed(replica, f"GetStatus: {e.code().name}: {e.details()}", probe=True)
-                # no answer: its requests in flight would wait out their HTTP timeout (a frozen replica)
+            was_in_rotation = self.replicas.in_rotation(replica)
+            # during its cooldown this only marks it down (no longer cooldown): it rejoins when a probe answers
+            self.replicas.mark_failed(replica, f"GetStatus: {e.code().name}: {e.details()}", probe=True)
+            if was_in_rotation:  # no answer: its requests in flight would wait out their HTTP timeout (frozen)
                 self.replicas.abandon(replica)
             return
-        if not status.ready:
-            if self.replicas.in_rotation(replica):
-                self.replicas.mark_failed(replica, "GetStatus: not ready")
+        if not status.ready:  # still loading its model (restarted, or new): no request, no update before it is
+            self.replicas.mark_failed(replica, "GetStatus: not ready", probe=True)
             return
+        if not self.replicas.in_rotation(replica) and not replica.probe_failed:
+            return  # out for failed requests while it answers its probes: its cooldown stands (the circuit breaker)
+        # in rotation, or back from being down (no answer, or loading): it rejoins now, not when its cooldown ends
         self.replicas.mark_ok(replica, int(status.step))
 
     async def probe_all(self) -> None:
         self._last_probe = time.monotonic()
-        # a failed replica is "in rotation" again once its cooldown is over: the probe is how it comes back
-        await asyncio.gather(*(self.probe(r) for r in self.replicas if self.replicas.in_rotation(r)))
+        await asyncio.gather(*(self.probe(r) for r in self._due_probes()))
+
+    def _due_probes(self) -> list[Replica]:
+        """Every replica, those in their cooldown too. A failed replica is "in rotation" again once its cooldown is
+        over and the probe is how it comes back; one that is down (its probe fails or says not ready: killed,
+        restarting, loading its model) rejoins and gets the current weights as soon as a probe finds it ready. Only
+        replicas in rotation were probed: a restarting replica's cooldown doubled with each probe while it loaded,
+        and once ready it sat out the rest of it (10 s, up to 60 s) before the relay updated it."""
+        return list(self.replicas)
 
     async def _update(self, replica: Replica) -> None:
         """Bring one replica to the target version (retries with backoff, then out of rotation)."""
@@ -304,7 +319,7 @@ class WeightRelay:
             if target is None and (self.model or not rollback):
                 return
             start = time.monotonic()
-            error = None
+            error, unavailable = None, False
             try:
                 if target is None:  # rewound to the base model
                     call = self._stub(replica).ReloadWeights(
@@ -318,8 +333,16 @@ class WeightRelay:
                 reply = await call
             except grpc.aio.AioRpcError as e:
                 error = f"{e.code().name}: {e.details()}"
+                unavailable = e.code() == grpc.StatusCode.UNAVAILABLE
             seconds = time.monotonic() - start
             self._record(step, replica, error is None, seconds, error, attempt)
+            if error is not None and unavailable:
+                # down, or still loading its model ("the model is not loaded yet"): retrying on a backoff burned the
+                # retries and then a cooldown; its status probe now says when it is ready, and reconcile updates it
+                log.info("UpdateWeights(%d) on %s: %s; updating it once its status probe says it is ready", step,
+                         replica.url, error)  # fmt: skip
+                self.replicas.mark_failed(replica, f"UpdateWeights: {error}", probe=True)
+                return
             if error is None:
                 self.replicas.mark_ok(replica, int(reply.step))
                 log.info("replica %s now serves version %d (%.2fs)", replica.url, reply.step, seconds)

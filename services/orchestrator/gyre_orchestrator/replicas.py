@@ -60,8 +60,10 @@ class Replica:
     # failed may have restarted on other weights, so the version known from before is no evidence of what it
     # serves once its cooldown is over (a request that succeeds meanwhile never lowers it: `observe_version`)
     confirmed: bool = True
-    # its status probe failed: no request goes to it until a probe (or a weights update) answers again, whatever its
-    # cooldown (back from it untested, a replica still frozen took the next request, stuck until the next probe)
+    # it is down: its status probe failed or said "not ready" (loading its model), or an update found it UNAVAILABLE.
+    # No request goes to it until a probe (or a weights update) answers again, whatever its cooldown (back from it
+    # untested, a replica still frozen took the next request, stuck until the next probe); the relay probes it during
+    # its cooldown too, so it rejoins as soon as it is ready
     probe_failed: bool = False
     clients: dict[str, Any] = field(default_factory=dict)  # lazily built HTTP/gRPC clients, closed on removal
     # the requests in flight on it, each its own task: `ReplicaSet.abandon` cancels them when it stops answering
