@@ -7,12 +7,16 @@ rollout dumps (``{output_dir}/rollouts/step_{s}.jsonl``) as tables of prompt, co
 
 A resumed run appends to the same logs: per step the newest record counts (`latest_per_step`), and
 rates are computed within one run segment, so the curves of a resumed run continue where they were.
+
+The run is named as the other commands name it too: `--output-dir OUTPUT_DIR`, or `@ experiment.toml` (its
+`output_dir`, as `gyre rl` reads it).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 from gyre.events import latest_per_step, read_events
@@ -226,11 +230,57 @@ def draw(output_dir: Path, path: Path | None = None) -> Path:
     return path
 
 
+def _experiment_files(argv: list[str], parser: argparse.ArgumentParser) -> tuple[Path | None, list[str]]:
+    """(the output_dir of the `@ experiment.toml` files in argv, as `gyre rl` reads them (later files win; unset:
+    gyre rl's default), the rest of argv)."""
+    from gyre.config import ConfigError
+    from gyre.config.loader import read_toml
+    from gyre.config.rl import RLConfig
+
+    files, rest, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "@" and i + 1 < len(argv):
+            files, i = [*files, argv[i + 1]], i + 2
+        elif argv[i].startswith("@") and len(argv[i]) > 1:
+            files, i = [*files, argv[i][1:]], i + 1
+        else:
+            rest, i = [*rest, argv[i]], i + 1
+    if not files:
+        return None, rest
+    output_dir = RLConfig.model_fields["output_dir"].default
+    for file in files:
+        try:
+            output_dir = read_toml(file).get("output_dir", output_dir)
+        except ConfigError as e:
+            parser.error(str(e))
+    return Path(output_dir), rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gyre report", description=__doc__.splitlines()[0])
-    parser.add_argument("output_dir", type=Path, help="Output folder of a run (holds events/).")
+    parser = argparse.ArgumentParser(
+        prog="gyre report",
+        usage="gyre report OUTPUT_DIR | --output-dir OUTPUT_DIR | @ experiment.toml [--out PNG]",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("output_dir", type=Path, nargs="?", help="Output folder of a run (holds events/).")
+    # every other gyre command names the folder --output-dir, and `gyre rl` takes the experiment file: a user typing
+    # either got "unrecognized arguments: --output-dir" / "the following arguments are required"
+    parser.add_argument("--output-dir", "--output_dir", dest="output_dir_option", type=Path, metavar="OUTPUT_DIR",
+                        help="The same, as gyre rl's option.")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default: OUTPUT_DIR/report.png).")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    experiment, argv = _experiment_files(argv, parser)
     args = parser.parse_args(argv)
+    chosen = {str(p): p for p in (args.output_dir, args.output_dir_option) if p is not None}
+    if len(chosen) > 1:
+        parser.error(f"two output folders: {' and '.join(chosen)}; give one")
+    if chosen:
+        args.output_dir = next(iter(chosen.values()))
+    elif experiment is not None:
+        args.output_dir = experiment
+    else:
+        parser.error("which run? give its output folder (gyre report outputs/run) or its experiment file "
+                     "(gyre report @ experiment.toml)")  # fmt: skip
     if not (args.output_dir / "events").is_dir():
         parser.error(f"{args.output_dir} has no events/ folder: not a gyre run output")
     try:

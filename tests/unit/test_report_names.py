@@ -1,0 +1,36 @@
+"""`gyre report` names its run as the other commands do: `--output-dir` (every other command's option; it was
+"unrecognized arguments: --output-dir") or the experiment file `gyre rl` ran (`@ exp.toml`, its output_dir)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gyre.local.report import main
+
+
+def a_run(folder):
+    (folder / "events").mkdir(parents=True)
+    (folder / "events" / "trainer_steps.jsonl").write_text(json.dumps({"step": 1, "num_tokens": 5, "time": 1.0}))
+    return folder
+
+
+def test_the_run_by_its_folder_its_option_or_its_experiment_file(tmp_path, capsys):
+    run = a_run(tmp_path / "run")
+    (tmp_path / "exp.toml").write_text(f'output_dir = "{run}"\nmax_steps = 3\n[orchestrator]\nbatch_size = 4\n')
+    for argv in ([str(run)], ["--output-dir", str(run)], ["--output_dir", str(run)], ["@", str(tmp_path / "exp.toml")],
+                 [f"@{tmp_path / 'exp.toml'}"], ["@", str(tmp_path / "exp.toml"), "--output-dir", str(run)]):  # fmt: skip
+        assert main(argv) == 0, argv
+        assert "steps trained" in capsys.readouterr().out, argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [([], "which run? give its output folder"), (["a", "--output-dir", "b"], "two output folders: a and b"),
+     (["@", "missing.toml"], "config file not found: missing.toml")],
+)  # fmt: skip
+def test_no_run_or_two_are_usage_errors(argv, said, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
