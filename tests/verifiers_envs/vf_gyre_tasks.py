@@ -7,8 +7,10 @@ it talks to the model with the official `openai` client for up to `turns` model 
 model calls it (a tool turn), and otherwise answers a reply with a user message asking for another try (a user turn).
 Reward: 1.0 when the last reply contains the reference answer. `fail_first = [i, ...]`: the first episode of task
 `i` raises in the harness (an environment bug the trainer must survive). `reward_fails = true`: the reward raises
-(a reward bug, which must score 0 and be named, not fail the sample). `judge_url = "http://host:port/v1"`: the reward
-asks that judge first (a verifiers judge's call, with the official `openai` client and no retries of its own).
+(a reward bug, which must score 0 and be named, not fail the sample). `judge_url = "http://host:port/v1"`: the
+reward asks that judge first (a verifiers judge's call, with the official `openai` client and no retries of its
+own). `list_models = true` (harness): the harness lists the models first, through the interception's /v1/models
+relay (into `MODELS_SEEN`).
 
 Load it with `env.name = "verifiers:vf_gyre_tasks"` with this folder on PYTHONPATH.
 """
@@ -27,6 +29,7 @@ __all__ = ["GyreTaskset", "ChatLoop"]
 
 RETRY_PROMPT = "Try again."
 _FAILED: set[int] = set()  # tasks whose one failing episode already happened (per process)
+MODELS_SEEN: list[list[str]] = []  # what each `list_models` episode's GET /v1/models listed
 
 
 class GyreTaskData(vf.TaskData):
@@ -76,6 +79,7 @@ class GyreTaskset(vf.Taskset[GyreTask, GyreTasksetConfig]):
 class ChatLoopConfig(vf.HarnessConfig):
     turns: int = 2
     tools: bool = True
+    list_models: bool = False  # first GET /v1/models, as an agent reading the context window does
 
 
 class ChatLoop(vf.Harness[ChatLoopConfig]):
@@ -93,6 +97,8 @@ class ChatLoop(vf.Harness[ChatLoopConfig]):
         tools = load_gyre_environment("calculator").tool_schemas if self.config.tools else None
         reply = ""
         async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            if self.config.list_models:
+                MODELS_SEEN.append([model.id async for model in client.models.list()])
             for turn in range(self.config.turns):
                 kwargs = {"tools": tools} if tools else {}
                 response = await client.chat.completions.create(model=ctx.model, messages=messages, **kwargs)

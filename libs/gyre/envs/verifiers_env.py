@@ -68,9 +68,10 @@ log = logging.getLogger(__name__)
 
 # The Gyre model calls of the episode running in the current asyncio task (see `GyreInterception`).
 _CURRENT: contextvars.ContextVar[GyreModelCalls] = contextvars.ContextVar("gyre_verifiers_calls")
-# Where the harness's program reaches the model is verifiers' interception server; the client config it carries only
-# keeps the server on its non-streaming, token-recording path (a train config) and is never dialled.
-UNUSED_URL = "http://127.0.0.1:9/gyre-unused"
+# Where the harness's program reaches the model is verifiers' interception server; the client config it carries
+# keeps the server on its non-streaming, token-recording path (a train config), and its URL is dialled only by the
+# interception's relay of GET /v1/models, which `_models_server` answers (the model calls never leave the process).
+MODEL_ID = "gyre"
 # How the harness is told that a turn no longer fits the model's context (the episode then ends as a length stop).
 CONTEXT_FULL = "context_length_exceeded"
 
@@ -183,6 +184,31 @@ def _gyre_client_class():
     return GyreClient
 
 
+@contextlib.asynccontextmanager
+async def _models_server() -> AsyncIterator[str]:
+    """A local server answering GET /v1/models with the episode's model id; yields its URL. verifiers relays a
+    harness's model listing (an agent reading the context window) to the client config's URL: an unused port
+    failed it three times per episode, each a WARNING "models call failed: All connection attempts failed" (a log
+    line per rollout, a flood in training) and a retried 502 the harness waited out. The answer has no
+    `max_model_len` (the replicas are the orchestrator's), so the harness keeps its no-compaction fallback."""
+    from aiohttp import web  # verifiers' own interception server runs on aiohttp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "gyre"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 def gyre_interception(inner):
     """Wrap verifiers' interception so each rollout's model calls go to the Gyre client of its episode.
 
@@ -250,6 +276,7 @@ class VerifiersEnv(Environment):
         self.max_turns = 1  # verifiers harnesses decide their own turns; this only sizes Dr.GRPO's budget
         self._serving: tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack] | None = None
         self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._models_url = ""  # set when serving starts: see _models_server
 
     @staticmethod
     def _config(vf, env_id: str, config: Mapping[str, Any] | None):
@@ -299,6 +326,7 @@ class VerifiersEnv(Environment):
             if self._serving is not None and self._serving[0] is loop:
                 return
             stack = contextlib.AsyncExitStack()
+            self._models_url = await stack.enter_async_context(_models_server())
             await stack.enter_async_context(self.vf_env.serving())
             # verifiers 0.4 has no public hook for a custom model client: wrap the interception serving() built.
             self.vf_env._interception = gyre_interception(self.vf_env._interception)
@@ -316,7 +344,9 @@ class VerifiersEnv(Environment):
 
         await self._ensure_serving()
         calls = GyreModelCalls(client, sampling)
-        ctx = ModelContext(model="gyre", client=TrainClientConfig(base_url=UNUSED_URL, api_key_var="GYRE_UNUSED"))
+        ctx = ModelContext(
+            model=MODEL_ID, client=TrainClientConfig(base_url=self._models_url, api_key_var="GYRE_UNUSED")
+        )
         token = _CURRENT.set(calls)
         try:
             slot = self.vf_env.slots(self.vf_tasks[task.info["verifiers_index"]])[0]

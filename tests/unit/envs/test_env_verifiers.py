@@ -99,6 +99,23 @@ async def test_a_turn_that_no_longer_extends_the_tokens_keeps_the_first_branch(s
 
 
 @pytest.mark.asyncio
+async def test_a_harness_listing_the_models_is_answered(sampling, caplog):
+    """verifiers relays a harness's GET /v1/models to the client config's URL, an unused port here: it failed as a
+    502 with a WARNING 'models call failed: All connection attempts failed' each time (an agent asks three times an
+    episode: a log flood in training). It is answered with the episode's model."""
+    import vf_gyre_tasks
+
+    vf_gyre_tasks.MODELS_SEEN.clear()
+    harness = {"id": "vf_gyre_tasks", "turns": 1, "tools": False, "list_models": True}
+    env = load_environment(NAME, taskset={"source": "reverse_text", "num_tasks": 8}, agent={"harness": harness},
+                           num_eval=2)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        _, rollout, _ = await rollout_of(env, ScriptedClient(["olleh"]), sampling)
+    assert rollout.error is None and vf_gyre_tasks.MODELS_SEEN == [["gyre"]]
+    assert not [r.getMessage() for r in caplog.records if "models call failed" in r.getMessage()]
+
+
+@pytest.mark.asyncio
 async def test_an_episode_that_raises_is_an_error_rollout_and_the_retry_works(sampling):
     env = vf_env("reverse_text", turns=1, tools=False, fail_first=list(range(8)))
     task = env.tasks("train", seed=0)[0]
