@@ -71,8 +71,16 @@ def resolve(name: str, args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         return target, {arg: rest, **args}
     if ":" in name:
         return name, args
+    # PRIME-RL's and verifiers' hub ids are spelt with hyphens (reverse-text); a module path without its function
+    close = difflib.get_close_matches(name.replace("-", "_"), list(available), n=1, cutoff=0.75)
+    if close:
+        hint = f"did you mean {close[0]!r}? "
+    elif "." in name and name.replace(".", "").replace("_", "").isalnum():
+        hint = f"an import path names its function: {name}:load_environment; "
+    else:
+        hint = ""
     raise EnvironmentLoadError(
-        f"unknown environment {name!r}: available are {', '.join(sorted(available))}; "
+        f"unknown environment {name!r}: {hint}available are {', '.join(sorted(available))}; "
         f"or {', '.join(f'{p}:<name>' for p in PREFIXED)}, or an import path 'package.module:load_environment' "
         "(`gyre envs` lists them)"
     )

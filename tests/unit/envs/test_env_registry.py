@@ -107,6 +107,19 @@ def test_a_bad_import_path_says_what_would_work(external_module):
         load_environment("my_pkg/envs.py:load_environment")
 
 
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("reverse-text", "did you mean 'reverse_text'?"),  # PRIME-RL's spelling of the id
+        ("alphabet_srot", "did you mean 'alphabet_sort'?"),
+        ("my_pkg.envs", "an import path names its function: my_pkg.envs:load_environment"),
+    ],
+)
+def test_an_unknown_name_says_what_was_probably_meant(name, hint):
+    with pytest.raises(EnvironmentLoadError, match=f"^unknown environment '{name}': {re.escape(hint)}"):
+        load_environment(name)
+
+
 def test_a_package_in_the_working_directory_is_found(tmp_path, monkeypatch):
     """`gyre eval --env.name my_pkg.envs:load_environment` run beside my_pkg failed with "No module named
     'my_pkg'": the gyre command's sys.path starts at its script, not at the working directory (python -m and -c
