@@ -12,6 +12,7 @@ explained there and in docs/architecture.md ("Event logs").
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +133,7 @@ class StepRecords:
         self.base_reward_errors: dict[str, int] = {}
         self.base_signals: dict[str, dict[str, int]] = {}
         self._signal_counts: dict[str, dict[str, int]] = {}
+        self._last_line: float | None = None  # when the previous step's line was made (throughput)
 
     def resume(self, previous: dict | None, checkpoint_counters: dict[str, int]) -> None:
         """Continue the cumulative counts of the line of the step before the resumed one (`previous`, from
@@ -201,6 +203,12 @@ class StepRecords:
             "reward_errors": _added(self.base_reward_errors, reward_errors),
             **batch_health([s for g in st.kept for s in g.samples]),
         }
+        # completion tokens generated per wall second since the previous step's line (PRIME-RL's throughput; the
+        # process's first step: since its generation began): what the async level and the replicas deliver
+        now = time.monotonic()
+        since = now - self._last_line if self._last_line is not None else st.seconds
+        self._last_line = now
+        record["tokens_per_s"] = generated_tokens / since if since > 0 else 0.0
         # cumulative over the run, this step included (PRIME-RL's progress/total_*): an x-axis that a restart continues
         for key, total in TOTALS.items():
             record[total] = self.counters.get(total, 0) + int(record[key])
@@ -236,13 +244,16 @@ class StepRecords:
         for name, value in record["rubric_scores"].items():
             labels(m.rubric_score, env=env, function=name).set(value)
         log.info(
-            "pushed step %d: %d samples, reward %.3f, versions %d..%d, %d stale, %d zero-signal groups "
-            "(%.0f%% of generated tokens wasted)%s",
+            "pushed step %d: %d samples, reward %.3f, versions %d..%d (off-policy lag %.1f, max %d), %.0f tokens/s, "
+            "%d stale, %d zero-signal groups (%.0f%% of generated tokens wasted)%s",
             st.step,
             record["num_samples"],
             record["reward_mean"],
             record["min_version"],
             record["max_version"],
+            record["lag_mean"],
+            record["lag_max"],
+            record["tokens_per_s"],
             st.dropped_stale,
             st.dropped_zero_signal,
             100 * record["waste_fraction"],

@@ -42,7 +42,10 @@ async def run_with_trainer(cfg, tiny_model, steps: int, train_s: float = 0.0):
     return service, trainer, code
 
 
-async def test_batches_flow_weights_relay_and_the_bound_holds(tmp_path, redis_url, unique_run_id, replicas, tiny_model):
+async def test_batches_flow_weights_relay_and_the_bound_holds(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model, caplog
+):
+    caplog.set_level("INFO", logger="gyre_orchestrator.records")
     k, steps = 1, 4
     cfg = orchestrator_config(
         tmp_path, redis_url, unique_run_id, replicas, max_steps=steps, max_async_level=k,
@@ -85,6 +88,10 @@ async def test_batches_flow_weights_relay_and_the_bound_holds(tmp_path, redis_ur
         trained = sum(s["num_loss_tokens"] for s in batch.samples)
         assert e["generated_tokens"] == trained + e["wasted_tokens"]
         assert e["waste_fraction"] == pytest.approx(e["wasted_tokens"] / e["generated_tokens"])
+        assert e["tokens_per_s"] > 0  # throughput, as PRIME-RL logs it
+    # the log line says what a PRIME-RL user watches: throughput and the off-policy lag (it had neither)
+    pushed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pushed step")]
+    assert len(pushed) == steps and all("off-policy lag" in m and " tokens/s" in m for m in pushed), pushed
     evals = read_events(cfg.output_dir / "events" / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2, 4]
     assert all(e["k"] == 1 and e["num_examples"] == 2 and 0 <= e["pass_at_k"] <= 1 for e in evals)
