@@ -808,7 +808,7 @@ def test_torchrun_gets_the_trainers_stop_budget_as_its_shutdown_timeout(tmp_path
     argv = ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--trainer-nproc", "2"]
     launcher = Launcher(load_config(RLConfig, [*argv, "--trainer-stop-timeout-s", "450.5"]))
     command = launcher.trainer_argv(tmp_path / "trainer.toml")
-    assert command[command.index("torch.distributed.run") + 1 :].count("--shutdown-timeout=451") == 1
+    assert command[command.index("gyre_trainer.torchrun") + 1 :].count("--shutdown-timeout=451") == 1
     assert "--shutdown-timeout=300" in Launcher(load_config(RLConfig, argv)).trainer_argv(tmp_path / "trainer.toml")
 
 

@@ -579,7 +579,7 @@ class Launcher:
         return [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "gyre_trainer.torchrun",  # torchrun, exiting 0 (not 1 with a SignalException) after a clean stop
             "--standalone",
             f"--nproc-per-node={self.cfg.trainer_nproc}",
             # torchrun SIGKILLs its workers this long after forwarding a SIGTERM (30 s by default): the launcher's
