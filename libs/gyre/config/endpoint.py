@@ -151,8 +151,9 @@ class JudgeConfig(EndpointConfig):
     score: Literal["number", "choice", "json"] = Field(
         "number",
         description="How the reply becomes a reward: number (its score divided by max_score: the last number after "
-        "'score', 'rating' or 'grade', else the last number; '7,5' is 7.5, '8/10' and '8 out of 10' are 8 on a scale "
-        "that must be max_score: docs/environments.md, Reading a judge's number), choice (the first of "
+        "'score', 'rating' or 'grade', else the last on the scale (7/10), else the last number; '7,5' is 7.5, '8/10' "
+        "and '8 out of 10' are 8 on a scale that must be max_score: docs/environments.md, Reading a judge's number), "
+        "choice (the first of "
         "`choices` it names, whole word, case-insensitive), json (a JSON object's json_key).",
     )
     max_score: float = Field(

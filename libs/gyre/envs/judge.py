@@ -142,7 +142,11 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
         terms = _terms(reply, config.max_score)
         if not terms:
             raise ValueError("no number in the reply")
-        value, scale, _ = ([term for term in terms if term[2]] or terms)[-1]
+        # the last labelled number ("Score: 7"), else the last one on the judge's scale ("7/10 - misses 2 steps"
+        # read 2), else the last number
+        labelled = [term for term in terms if term[2]]
+        on_scale = [term for term in terms if term[1] == config.max_score]
+        value, scale, _ = (labelled or on_scale or terms)[-1]
         if scale is not None and scale != config.max_score:  # another scale than the judge was asked for
             raise ValueError(f"score {value:g} is on a scale of {scale:g}, not of max_score = {config.max_score:g}")
     try:

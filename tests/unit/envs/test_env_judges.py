@@ -86,6 +86,8 @@ def rollout(text: str) -> Rollout:
         ({}, "Score: 7. The answer has 2 small mistakes and 1 typo.", 0.7),
         ({}, "**Rating**: 6/10 (3 of 4 steps right)", 0.6),
         ({}, "Counting 2 errors, the final score is 4", 0.4),
+        ({}, "7/10 - good, but it misses 2 steps", 0.7),  # a number on the scale, before the last number (2)
+        ({}, "3/4 steps are right, so 6 out of 10. 1 typo.", 0.6),
         ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "No. Not at all, yes-men aside", 0.0),
         ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is Incorrect.", 0.0),
         # a choice ending in a non-word character never matched (\b needs a word character before it)
