@@ -28,7 +28,8 @@ def error_of(argv: list[str], tmp_path: Path) -> str:
     ("argv", "said"),
     [
         (["--seq-len", "512"], "config key 'seq_len': unknown key (did you mean 'trainer.data.seq_len'?)"),
-        (["--async-level", "2"], "config key 'async_level': unknown key (did you mean 'orchestrator.max_async_level'?)"),
+        (["--async-level", "2"],
+         "config key 'async_level': unknown key (did you mean 'orchestrator.max_async_level'?)"),
         (["--max-norm", "1"], "config key 'max_norm': unknown key (did you mean 'trainer.optim.max_grad_norm'?)"),
         (["--rollouts-per-example", "8"],
          "config key 'rollouts_per_example': unknown key (did you mean 'orchestrator.rollouts_per_example'?)"),
@@ -59,3 +60,56 @@ def test_an_array_of_environments_says_to_write_one_table(tmp_path):
     (tmp_path / "o.toml").write_text('[[env]]\nname = "reverse_text"\n')
     with pytest.raises(ConfigError, match=r"^config key 'env': one environment per orchestrator"):
         load_config(OrchestratorConfig, ["@", str(tmp_path / "o.toml")])
+
+
+EXPERIMENT = """output_dir = "out/exp"
+max_steps = 3
+[model]
+init_preset = "tiny"
+[trainer.optim]
+lr = 1e-3
+[orchestrator]
+batch_size = 4
+rollouts_per_example = 4
+[orchestrator.env]
+name = "arithmetic"
+[orchestrator.sampling]
+max_tokens = 24
+temperature = 0.8
+[orchestrator.eval]
+interval = 5
+num_examples = 8
+k = 2
+"""
+
+
+def test_an_experiment_file_given_whole_to_a_service_says_which_table_to_read(tmp_path):
+    # every key of it was an "unknown key" line of its own (gyre eval @ exp.toml: 5 of them, none saying why)
+    from gyre.config.orchestrator import GyreEvalConfig
+    from gyre.config.trainer import TrainerConfig
+
+    exp = tmp_path / "exp.toml"
+    exp.write_text(EXPERIMENT)
+    for cls, table in [(GyreEvalConfig, "orchestrator"), (TrainerConfig, "trainer"),
+                       (OrchestratorConfig, "orchestrator")]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config(cls, ["@", str(exp)])
+        assert str(e.value).startswith(f"{exp} is an experiment file") and f"'@ {exp}#{table}'" in str(e.value)
+    load_config(RLConfig, ["@", str(exp)])  # gyre rl's own
+
+
+def test_gyre_eval_reads_a_runs_orchestrator_table_less_its_training_keys(tmp_path):
+    # `gyre eval @ exp.toml#orchestrator` (the run's environment and eval settings) failed on batch_size,
+    # rollouts_per_example, eval.interval, sampling.temperature: keys of training, unknown to one evaluation
+    from gyre.config.orchestrator import GyreEvalConfig
+
+    exp = tmp_path / "exp.toml"
+    exp.write_text(EXPERIMENT)
+    cfg = load_config(GyreEvalConfig, ["@", f"{exp}#orchestrator"])
+    assert (cfg.env.name, cfg.sampling.max_tokens, cfg.eval.num_examples, cfg.eval.k) == ("arithmetic", 24, 8, 2)
+    assert str(cfg.output_dir) == "out/exp"
+    exp.write_text(EXPERIMENT + "num_exampls = 3\n")  # a key neither has is still refused, by name
+    with pytest.raises(ConfigError, match=r"'eval.num_exampls': unknown key \(did you mean 'eval.num_examples'"):
+        load_config(GyreEvalConfig, ["@", f"{exp}#orchestrator"])
+    with pytest.raises(ConfigError, match=r"config key 'batch_size': unknown key"):  # given as an option: refused
+        load_config(GyreEvalConfig, ["--batch-size", "4"])

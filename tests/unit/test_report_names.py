@@ -18,8 +18,9 @@ def a_run(folder):
 def test_the_run_by_its_folder_its_option_or_its_experiment_file(tmp_path, capsys):
     run = a_run(tmp_path / "run")
     (tmp_path / "exp.toml").write_text(f'output_dir = "{run}"\nmax_steps = 3\n[orchestrator]\nbatch_size = 4\n')
-    for argv in ([str(run)], ["--output-dir", str(run)], ["--output_dir", str(run)], ["@", str(tmp_path / "exp.toml")],
-                 [f"@{tmp_path / 'exp.toml'}"], ["@", str(tmp_path / "exp.toml"), "--output-dir", str(run)]):  # fmt: skip
+    exp = str(tmp_path / "exp.toml")
+    for argv in ([str(run)], ["--output-dir", str(run)], ["--output_dir", str(run)], ["@", exp], [f"@{exp}"],
+                 ["@", exp, "--output-dir", str(run)]):  # fmt: skip
         assert main(argv) == 0, argv
         assert "steps trained" in capsys.readouterr().out, argv
 

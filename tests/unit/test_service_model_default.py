@@ -44,5 +44,5 @@ def test_a_missing_model_folder_stops_the_service_naming_the_key_and_how_to_crea
 def test_help_says_the_default_model_and_how_to_create_one(command):
     run = subprocess.run([sys.executable, "-m", "gyre.cli", command, "--help"], capture_output=True, text=True,
                          timeout=300)  # fmt: skip
-    line = run.stdout[run.stdout.index("--model.name"):].split("--model.dtype")[0]
+    line = run.stdout[run.stdout.index("--model.name") :].split("--model.dtype")[0]
     assert "{output_dir}/model" in line and "gyre model init --output-dir DIR" in line and "gyre model import" in line

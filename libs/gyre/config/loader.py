@@ -228,13 +228,51 @@ def read_section(path: str, model: type[BaseModel] | None) -> dict:
     file, _, section = path.partition("#")
     data = read_toml(file)
     if not section:
+        foreign = sorted(k for k, v in data.items() if isinstance(v, dict) and k in SECTION_NAMES)
+        if model is not None and any(k not in model.model_fields for k in foreign):
+            # every key of it was "unknown key", one line each: say what the file is and how to read it
+            tables = ", ".join(f"[{k}]" for k in foreign)
+            own = EXPERIMENT_TABLES.get(model.__name__)
+            listed = ", ".join("#" + k for k in foreign)
+            how = f"'@ {file}#{own}'" if own in foreign else f"'@ {file}#<table>' ({listed})"
+            raise ConfigError(
+                f"{file} is an experiment file (its {tables} tables are gyre rl's): read this command's table of it "
+                f"with {how}, which adds the file's shared top-level keys; or run the experiment with gyre rl"
+            )
         return data
     if section not in data and section not in ("inference", "trainer", "orchestrator", "sft"):
         raise ConfigError(f"{file}: no [{section}] table")
     shared = {k: v for k, v in data.items() if not isinstance(v, dict) or k not in SECTION_NAMES}
+    table = data.get(section, {})
     if model is not None:
         shared = _inherited(model, shared)
-    return deep_merge(shared, data.get(section, {}))
+        if (other := getattr(model, "reads_sections_of", {}).get(section)) is not None:
+            table = _less_keys_of(model, _import_model(other), table)
+    return deep_merge(shared, table)
+
+
+def _import_model(target: str) -> type[BaseModel]:
+    import importlib
+
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _less_keys_of(model: type[BaseModel], other: type[BaseModel], values: dict) -> dict:
+    """`values` (a table of `other`'s config) without the keys `other` has and `model` has not: `gyre eval @
+    exp.toml#orchestrator` reads the run's environment and eval settings, not its batch_size (each was "unknown
+    key"). A key neither has stays, to be refused by name."""
+    out = {}
+    for key, value in values.items():
+        mine, theirs = model.model_fields.get(key), other.model_fields.get(key)
+        if mine is None:
+            if theirs is None:
+                out[key] = value
+            continue
+        sub, other_sub = _model_type(mine.annotation), _model_type(theirs.annotation) if theirs else None
+        use = sub is not None and other_sub is not None and isinstance(value, dict)
+        out[key] = _less_keys_of(sub, other_sub, value) if use else value
+    return out
 
 
 def _inherited(model: type[BaseModel], shared: dict) -> dict:
@@ -249,6 +287,9 @@ def _inherited(model: type[BaseModel], shared: dict) -> dict:
 
 
 SECTION_NAMES = {"inference", "trainer", "orchestrator", "sft"}
+# The experiment table each command's config is read from (by its class name: gyre.config imports no service).
+EXPERIMENT_TABLES = {"TrainerConfig": "trainer", "InferenceConfig": "inference", "OrchestratorConfig": "orchestrator",
+                     "GyreEvalConfig": "orchestrator"}  # fmt: skip
 
 
 def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
@@ -386,12 +427,9 @@ def _suggestion(key: str, known: list[str]) -> tuple[str | None, str]:
 def _section_keys(cls: type[BaseModel]) -> list[str]:
     """The keys of `cls`'s free-form sections that another model validates (`gyre rl`'s [trainer] is a
     `gyre trainer` config: `section_models`), prefixed: a key set at the wrong level is suggested where it lives."""
-    import importlib
-
     keys = []
     for name, target in getattr(cls, "section_models", {}).items():
-        module, _, attr = target.partition(":")
-        keys += _all_keys(getattr(importlib.import_module(module), attr), f"{name}.")
+        keys += _all_keys(_import_model(target), f"{name}.")
     return keys
 
 

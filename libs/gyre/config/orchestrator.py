@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -252,6 +252,9 @@ def check_signal_names(judges: list[JudgeConfig], reward_models: list[RewardMode
 
 class GyreEvalConfig(GyreSettings):
     """`gyre eval`: the keys one evaluation of a served model reads (an orchestrator's, less training's)."""
+
+    # `@ exp.toml#orchestrator` reads a run's [orchestrator] table less its training keys (gyre.config.loader)
+    reads_sections_of: ClassVar[dict[str, str]] = {"orchestrator": "gyre.config.orchestrator:OrchestratorConfig"}
 
     output_dir: Path = Field(Path("outputs/run"), description="Where events/eval.jsonl gets the result.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")

@@ -497,8 +497,8 @@ def check_rerun(cfg: SFTConfig, explicit: set[str]) -> None:
     except (OSError, tomllib.TOMLDecodeError):
         return  # an SFT of a gyre before the record: nothing to compare with
     if changes := sft_changes(old, tomllib.loads(to_toml(cfg)), explicit, in_progress=True):
-        what = (f"the SFT in {save_dir}" if finished else
-                f"the SFT stopped half way (resumed from its checkpoint in {output_dir / SFT_CHECKPOINTS})")  # fmt: skip
+        half_way = f"the SFT stopped half way (resumed from its checkpoint in {output_dir / SFT_CHECKPOINTS})"
+        what = f"the SFT in {save_dir}" if finished else half_way
         raise SFTDataError(sft_refusal(changes, what, "a re-run continues it, it does not start over: use "
                                        "--ckpt.resume-step 0 (trains again from model.name, replacing it) or another "
                                        "--output-dir"))  # fmt: skip

@@ -32,8 +32,11 @@ def test_a_rerun_with_other_settings_is_refused_naming_the_keys(tiny_model, tmp_
     for extra in ({"max-steps": 2}, {"max-steps": 3}):  # found finished; continued from its checkpoint
         assert sft.main(args(tiny_model, tmp_path, **extra, **other_data)) == 2
         err = capsys.readouterr().err
-        assert err.startswith("gyre sft: error: config key 'data.env': the SFT in ") and "'reverse_text', not " \
-            "'arithmetic'" in err and "data.seq_len = 64, not 128" in err, err
+        assert (
+            err.startswith("gyre sft: error: config key 'data.env': the SFT in ")
+            and "'reverse_text', not 'arithmetic'" in err
+            and "data.seq_len = 64, not 128" in err
+        ), err
         assert "--ckpt.resume-step 0" in err and "--output-dir" in err and "Traceback" not in err
         assert steps(tmp_path) == 2 and (tmp_path / "sft" / sft.RESULT_MARKER).read_text() == marker
 
