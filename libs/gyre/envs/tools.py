@@ -71,7 +71,13 @@ class Tool:
         result = self.function(**arguments)
         if inspect.isawaitable(result):
             result = await asyncio.wait_for(result, timeout)
-        return result if isinstance(result, str) else json.dumps(result)
+        # anything JSON cannot hold (a date, a Decimal, a set, a dataclass) as its str: json.dumps raised, and a
+        # tool that had run was told to the model (and to state["tool_calls"]) as an error
+        return result if isinstance(result, str) else json.dumps(result, default=_as_text)
+
+
+def _as_text(value: Any) -> Any:
+    return sorted(value, key=repr) if isinstance(value, set | frozenset) else str(value)
 
 
 class ToolEnv(MultiTurnEnv):

@@ -167,6 +167,23 @@ async def test_async_tools_time_out_and_outputs_are_capped(sampling):
 
 
 @pytest.mark.asyncio
+async def test_a_result_json_cannot_hold_is_sent_as_text_not_an_error(sampling):
+    """A tool returning a date, a Decimal or a set had run, yet json.dumps raised: the model got 'Error: TypeError:
+    Object of type date is not JSON serializable' and state["tool_calls"] said it failed."""
+    import datetime
+    import decimal
+
+    def today() -> dict:
+        """The date."""
+        return {"date": datetime.date(2026, 11, 27), "price": decimal.Decimal("1.50"), "tags": {"b", "a"}}
+
+    env = Slow(tools=[today], num_eval=1)
+    rollout = await env.rollout(ScriptedClient([text_call("today", {}), "ok"]), env.tasks("eval")[0], sampling)
+    assert rollout.completion[1]["content"] == '{"date": "2026-11-27", "price": "1.50", "tags": ["a", "b"]}'
+    assert rollout.state["tool_calls"][0]["ok"] is True
+
+
+@pytest.mark.asyncio
 async def test_error_messages_echoing_model_text_are_capped_too(sampling):
     """An unknown tool's name or an unexpected argument is echoed in the error: a 5000-character name came back as
     a 5045-character tool message, past `max_tool_output_chars`."""
