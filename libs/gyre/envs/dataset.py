@@ -125,6 +125,11 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+#: column names that usually hold the prompt / the reference answer (verifiers', HF's and verl's datasets)
+_PROMPT_COLUMNS = ("question", "problem", "query", "instruction", "input", "messages")
+_ANSWER_COLUMNS = ("answer", "solution", "ground_truth", "target", "output", "label", "reward_model")
+
+
 def lookup(row: dict[str, Any], key: str) -> Any:
     """`row[key]`, following dots into nested objects; KeyError when any part is missing."""
     value: Any = row
@@ -198,7 +203,13 @@ class DatasetEnv(SingleTurnEnv):
         try:
             prompt, answer = lookup(row, self.prompt_key), lookup(row, self.answer_key)
         except KeyError as exc:
-            raise DatasetError(f"{where}: no {exc.args[0]!r} field (the row has: {', '.join(row)})") from None
+            # which setting names the column, and the row's likeliest one (a verifiers/HF dataset's "question")
+            setting = "prompt_key" if exc.args[0] == self.prompt_key else "answer_key"
+            likely = _PROMPT_COLUMNS if setting == "prompt_key" else _ANSWER_COLUMNS
+            guess = next((column for column in likely if column in row), None)
+            example = f', e.g. {setting} = "{guess}"' if guess else ""
+            raise DatasetError(f"{where}: no {exc.args[0]!r} field (the row has: {', '.join(row)}); set "
+                               f"{setting}{example}") from None  # fmt: skip
         if isinstance(answer, bool | int | float):
             answer = str(answer)
         if not isinstance(answer, str):
