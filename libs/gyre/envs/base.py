@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import random
 from collections.abc import Callable, Iterator
 from functools import cached_property, lru_cache
@@ -35,6 +36,14 @@ from gyre.envs.types import (
     Task,
     Turn,
 )
+
+log = logging.getLogger(__name__)
+
+#: verifiers' MultiTurnEnv hooks that Gyre never calls, and what plays their part here
+VERIFIERS_HOOKS = {
+    "is_completed": "env_response returns (messages, done)",
+    "setup_state": "override initial_state(task) (call super() and add to its dict)",
+}
 
 # Attempts to draw a train task that is not in the eval split before giving up (task space too small).
 MAX_REDRAWS = 100
@@ -137,6 +146,14 @@ class Environment:
     """
 
     name = "environment"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a verifiers env ported as it was: its is_completed never ran, so every episode went on to max_turns
+        for hook, instead in VERIFIERS_HOOKS.items():
+            if hook in cls.__dict__:
+                log.warning("%s defines %s, a verifiers hook that Gyre never calls: %s (docs/environments.md, "
+                            "Writing an external environment)", cls.__qualname__, hook, instead)  # fmt: skip
 
     def __init__(
         self,

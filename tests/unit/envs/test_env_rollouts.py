@@ -243,6 +243,24 @@ async def test_an_env_response_of_another_shape_ends_the_episode_saying_so(sampl
     assert rollout.completion == [{"role": "assistant", "content": "3"}]
 
 
+def test_a_verifiers_hook_gyre_never_calls_is_named(caplog):
+    """A verifiers env ported as it was defines is_completed (and setup_state): Gyre never called them, so every
+    episode ran to max_turns, silently. Defining one logs what plays its part here."""
+    with caplog.at_level("WARNING", logger="gyre.envs.base"):
+
+        class Ported(MultiTurnEnv):
+            async def is_completed(self, messages, state):
+                return True
+
+            async def setup_state(self, state):
+                return state
+
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert "Ported defines is_completed, a verifiers hook that Gyre never calls: env_response returns" in lines[0]
+    assert "setup_state" in lines[1] and "initial_state(task)" in lines[1]
+
+
 @pytest.mark.asyncio
 async def test_client_errors_propagate(sampling):
     class Down:
