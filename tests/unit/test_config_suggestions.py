@@ -113,3 +113,16 @@ def test_gyre_eval_reads_a_runs_orchestrator_table_less_its_training_keys(tmp_pa
         load_config(GyreEvalConfig, ["@", f"{exp}#orchestrator"])
     with pytest.raises(ConfigError, match=r"config key 'batch_size': unknown key"):  # given as an option: refused
         load_config(GyreEvalConfig, ["--batch-size", "4"])
+
+
+@pytest.mark.parametrize(
+    ("variable", "meant"), [("GYRE_SEQ_LEN", "GYRE_TRAINER__DATA__SEQ_LEN"), ("GYRE_LR", "GYRE_TRAINER__OPTIM__LR")]
+)
+def test_a_section_key_set_by_a_top_level_variable_is_refused_naming_where_it_lives(variable, meant, monkeypatch):
+    # GYRE_SEQ_LEN=512 (PRIME-RL's shared seq_len) was no key of gyre rl's, so not looked at: the run went on at 256
+    from gyre.config.loader import check_environment_keys
+
+    with pytest.raises(ConfigError) as e:
+        check_environment_keys(RLConfig, {variable: "512"})
+    assert f"set by the environment variable {variable} (did you mean {meant}?)" in str(e.value)
+    check_environment_keys(RLConfig, {"GYRE_CACHE_DIR": "/x", "GYRE_RUN_SEGMENT": "s", "GYRE_API_KEY": "k"})  # not keys

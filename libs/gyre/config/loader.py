@@ -492,6 +492,19 @@ def check_environment_keys(cls: type[BaseModel], environ: typing.Mapping[str, st
             continue  # a key (a typo below it is the section's own "unknown key" error)
         near = difflib.get_close_matches(head, fields, n=1, cutoff=0.85)
         if "__" not in key and not near:
+            # gyre rl: a key of one of its sections set at top level (GYRE_SEQ_LEN, as PRIME-RL's shared seq_len) was
+            # not a config key, and ignored; an exact name only (GYRE_CACHE_DIR is no key anywhere), and no secret (a
+            # user's own GYRE_API_KEY is not inference.auth.api_key)
+            keys = _section_keys(cls)
+            placed = [k for k in keys if k.rpartition(".")[2] == key and LIST_INDEX not in k]
+            placed = [k for k in placed if f"{k}_file" not in keys]
+            if placed:
+                where = min(placed, key=lambda k: k.count("."))
+                raise ConfigError(
+                    f"config key {key!r}: unknown key, set by the environment variable {name} (did you mean "
+                    f"{ENV_PREFIX}{where.upper().replace('.', '__')}?); nested keys are written "
+                    f"{ENV_PREFIX}SECTION__KEY"
+                )
             continue
         # the nearest top-level key, else `trainer_optim__lr`: a key's `__` written as `_`
         split = next((f for f in fields if head.startswith(f + "_")), None)
