@@ -50,7 +50,14 @@ def resolve(argv: list[str]) -> tuple[str, str, list[str]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except BrokenPipeError:  # `gyre envs | head`, `gyre --help | head`: the reader left; what it read is all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -78,9 +85,6 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             raise
         result = getattr(module, func_name)(rest)
-    except BrokenPipeError:  # `gyre envs | head`: the reader left; what it read is all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
-        return 0
     except KeyboardInterrupt:  # Ctrl-C of a command without its own handling: one line, not a traceback
         print(f"gyre {name}: interrupted", file=sys.stderr)
         return 130

@@ -83,6 +83,12 @@ def test_output_cut_short_by_the_reader_is_not_a_traceback():
         f"{sys.executable} -m gyre.cli envs | head -1", shell=True, capture_output=True, text=True, timeout=120
     )
     assert pipe.stdout.startswith("alphabet_sort") and "Traceback" not in pipe.stderr, pipe.stderr
+    # gyre's own usage too (a traceback: only subcommands were handled); `true` reads nothing, and has left when gyre
+    # writes (a `head -1` may still be reading a short text)
+    for command in ("--help", "", "rl --help", "--version"):
+        pipe = subprocess.run(f"{sys.executable} -m gyre.cli {command} | true", shell=True, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert pipe.returncode == 0 and "Traceback" not in pipe.stderr, (command, pipe.stderr)
 
 
 def test_replay_help_marks_step_dir_required_and_accepts_the_current_folder(tmp_path):
