@@ -147,6 +147,8 @@ class ReplicaSet:
         replica.last_error = str(error) or type(error).__name__
         replica.confirmed = False
         replica.probe_failed |= probe
+        if self.replicas.get(replica.url) is not replica:
+            return  # discovery dropped it (a request it held failed as it went): no rotation to take it out of
         if self.clock() < replica.retry_at:
             return  # already out: the other requests that were in flight when it broke are the same outage
         replica.failures += 1

@@ -61,6 +61,9 @@ DEFAULT_METRICS_PORT = 9102
 # a rewinding orchestrator waits this long for the trainer to delete the abandoned weights versions (it does so when
 # it starts, after loading the model): long enough for a large model, short enough for a trainer that never will
 REWIND_WAIT_S = 600.0
+# a replica discovery dropped keeps its requests in flight this long: scaled down, its server finishes them in its
+# shutdown grace (inference server.shutdown_grace_s, 30 s) and answers the rest 503 (retried); gone, they fail at once
+RETIRE_DRAIN_S = 60.0
 
 
 class StreamLost(RuntimeError):
@@ -488,6 +491,9 @@ class OrchestratorService:
         await self.server.set_serving(False)
         if self.scheduler is not None:
             await self.scheduler.stop()
+        for task in list(self._background):  # replicas still retiring: their clients close now
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.evals.stop()
         aclose = getattr(self.env, "aclose", None)  # environments holding servers (verifiers) release them
         if aclose is not None:
@@ -511,9 +517,26 @@ class OrchestratorService:
             for gauge in (self.metrics.replica_version, self.metrics.replica_up):
                 with contextlib.suppress(KeyError):  # never exported
                     gauge.remove(self.cfg.run_id, r.url)
-        task = asyncio.get_running_loop().create_task(close_replica_clients(removed))
+        task = asyncio.get_running_loop().create_task(self._retire(removed))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _retire(self, removed, drain_s: float = RETIRE_DRAIN_S) -> None:
+        """Let the requests in flight on replicas discovery dropped finish (up to `drain_s`; the rest are cancelled
+        and retried elsewhere), then close their clients. A scale-down removes a pod from its Service while it still
+        answers what it holds; closing its clients at once aborted all of that work (32 requests of a step, retried
+        on the others, each using up one of its `inference.retries`) and logged the replica as failed."""
+        try:
+            calls = [call for r in removed for call in r.calls if not call.done()]
+            if calls:
+                log.info("replicas %s left: letting their %d requests in flight finish (up to %.0fs)",
+                         [r.url for r in removed], len(calls), drain_s)  # fmt: skip
+                _, late = await asyncio.wait(calls, timeout=drain_s)
+                for call in late:
+                    call.cancel()  # retried on a replica in rotation (`InferenceClient`: ReplicaStopped)
+                await asyncio.gather(*late, return_exceptions=True)
+        finally:
+            await close_replica_clients(removed)
 
     # ---- one rollout ----------------------------------------------------------------------------
     async def _generate(self, item: tuple[int, Task], floor: int, key: RolloutKey) -> ScoredRollout:

@@ -1,5 +1,6 @@
-"""A replica that comes back mid-run (restarted, or added while it still loads its model) gets the current weights
-and rejoins as soon as it is ready, with real `gyre inference` replicas and a running orchestrator.
+"""Replicas that come and go mid-run, with real `gyre inference` replicas and a running orchestrator: one that comes
+back (restarted, or added while it still loads its model) gets the current weights and rejoins as soon as it is
+ready; one that discovery drops (scaled down) finishes the requests it holds.
 
 Only replicas in rotation were probed: a restarting replica's cooldown doubled with every failed probe, and once
 ready it sat out the rest of it before the relay noticed it and updated it; a replica added while loading refused
@@ -122,3 +123,28 @@ async def test_a_replica_added_while_it_loads_its_model_rejoins_as_soon_as_it_is
         await asyncio.gather(run, return_exceptions=True)
         if added is not None:
             added.kill()
+
+
+async def test_a_replica_that_discovery_drops_finishes_its_requests_in_flight(
+    tmp_path, redis_url, unique_run_id, replicas, caplog
+):
+    """A scale-down removes a pod from its Service while it still answers what it holds (its server drains them in
+    its shutdown grace). Its clients were closed at once: all its requests in flight (32 here) were aborted, retried
+    on the other replica (each using up one of its retries), and the replica was logged as failed."""
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=3, max_async_level=50,
+                              batch_size=4, rollouts_per_example=4, sampling={"max_tokens": 64})  # fmt: skip
+    service = OrchestratorService(cfg)
+    run = asyncio.create_task(service.run())
+    leaving = replicas[1].url
+    await until(lambda: service.replicas.replicas and service.replicas.replicas[leaving].inflight > 0, 120,
+                "no request reached the replica", run)  # fmt: skip
+    replica = service.replicas.replicas[leaving]
+    held = replica.inflight
+    with caplog.at_level("WARNING", logger="gyre_orchestrator"):
+        service.discovery.apply([e for e in service.discovery.endpoints if e.url != leaving])  # scaled down
+        assert await asyncio.wait_for(run, timeout=200) == 0
+    assert replica.requests >= held and service.client.stats["retries"] == 0  # it answered them, nothing was redone
+    assert not [r.getMessage() for r in caplog.records if leaving in r.getMessage()]  # and it did not "fail"
+    lines = read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl")
+    assert [e["failed_rollouts"] for e in lines] == [0, 0, 0]
+    assert not replica.clients.get("openai")  # its clients closed once it was done
