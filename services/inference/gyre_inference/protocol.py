@@ -51,11 +51,25 @@ UNSUPPORTED_FIELDS = {
     "annotations": "this server has no web search",
     "suffix": "no fill-in-the-middle",
     "previous_response_id": "this server stores no responses: send the whole conversation in input",
+    # vLLM request fields whose default a client spelling out vLLM's request sends (accepted at it only)
+    "length_penalty": "it weighs beams, and there is no beam search",
+    "spaces_between_special_tokens": "special tokens are always left out of the text",
+    "bad_words": "the sampler has no banned words (logit_bias -100 bans a token)",
+    "include_reasoning": "no reasoning parser runs: reasoning stays in the content",
+    "allowed_token_ids": "the sampler has no token allow-list (use structured_outputs or logit_bias)",
+    "logits_processors": "no custom logits processors run here",
+    "mm_processor_kwargs": "the served model takes text only",
+    "documents": "documents are not passed to the chat template (put them in the messages)",
+    "chat_template": "the chat template is the model's own",
+    "cache_salt": "the prefix cache is not salted per request",
+    "kv_transfer_params": "no disaggregated prefill",
+    "vllm_xargs": "no custom extensions read them",
     "conversation": "this server stores no conversations: send the whole conversation in input",
 }  # fmt: skip
 
 
-_NEUTRAL = {"repetition_penalty": (1.0,), "use_beam_search": (False,),
+_NEUTRAL = {"repetition_penalty": (1.0,), "use_beam_search": (False,), "length_penalty": (1.0,),
+            "spaces_between_special_tokens": (True,), "bad_words": ([],), "include_reasoning": (True,),
             "skip_special_tokens": (True,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,)}  # fmt: skip
 UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out of the text"
 
@@ -234,6 +248,19 @@ class SamplingRequest(StrictModel):
     repetition_penalty: float | None = Field(None, description="vLLM extension; only 1 (off).")
     use_beam_search: bool = Field(False, description="vLLM extension; only false.")
     skip_special_tokens: bool = Field(True, description="vLLM extension; only true (special tokens never shown).")
+    # vLLM's other request fields at their defaults (a dump of vLLM's request model, an RL framework's sampling dict
+    # spelling them out, were a 400 "Extra inputs are not permitted"); anything else is refused saying why.
+    length_penalty: float | None = Field(None, description="vLLM extension (beam search); only 1.")
+    spaces_between_special_tokens: bool | None = Field(None, description="vLLM extension; only true.")
+    bad_words: list[str] | None = Field(None, description="vLLM extension; only [].")
+    truncate_prompt_tokens: None = Field(None, description="Only null: a prompt too long is a 400, never cut.")
+    allowed_token_ids: None = Field(None, description="Only null: no token allow-list.")
+    logits_processors: None = Field(None, description="Only null: no custom logits processors.")
+    mm_processor_kwargs: None = Field(None, description="Only null: text only.")
+    structural_tag: None = Field(None, description="Only null: structural tags are not supported.")
+    cache_salt: None = Field(None, description="Only null: the prefix cache is not salted per request.")
+    kv_transfer_params: None = Field(None, description="Only null: no disaggregated prefill.")
+    vllm_xargs: None = Field(None, description="Only null: no custom extensions.")
     # structured outputs (OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields)
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object (any JSON object) or json_schema (output follows the schema)."
@@ -249,7 +276,8 @@ class SamplingRequest(StrictModel):
     guided_whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
 
     _neutral_only = field_validator("repetition_penalty", "use_beam_search", "skip_special_tokens",
-                                    "presence_penalty", "frequency_penalty")(neutral_only)  # fmt: skip
+                                    "presence_penalty", "frequency_penalty", "length_penalty",
+                                    "spaces_between_special_tokens", "bad_words")(neutral_only)  # fmt: skip
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -291,8 +319,8 @@ class SamplingRequest(StrictModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = SamplingRequest.NULL_IS_DEFAULT | {"logprobs", "add_generation_prompt",
-                                                           "continue_final_message", "echo"}  # fmt: skip
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = SamplingRequest.NULL_IS_DEFAULT | {
+        "logprobs", "add_generation_prompt", "continue_final_message", "echo", "add_special_tokens"}  # fmt: skip
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
@@ -319,6 +347,16 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM extension: extra variables for the chat template (e.g. enable_thinking)."
     )
+    add_special_tokens: bool = Field(
+        False, description="vLLM extension: add the tokenizer's special tokens (BOS) on top of the template's."
+    )
+    # vLLM chat fields at their defaults only (see SamplingRequest)
+    best_of: int | None = Field(None, ge=1, le=1, description="vLLM extension; only 1.")
+    prompt_logprobs: None = Field(None, description="Only null: prompt log-probs are served on /v1/completions.")
+    include_reasoning: bool | None = Field(None, description="vLLM extension; only true.")
+    documents: None = Field(None, description="Only null: documents are not passed to the template.")
+    chat_template: None = Field(None, description="Only null: the chat template is the model's own.")
+    _chat_neutral_only = field_validator("include_reasoning")(neutral_only)
     # OpenAI fields that change nothing a client can observe here, at any value (their effect is storage,
     # billing, latency or abuse tracking), or that are accepted at their neutral value only.
     store: bool | None = Field(None, description="Only false: this server keeps no completions.")

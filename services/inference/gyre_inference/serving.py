@@ -112,6 +112,7 @@ class Serving:
         prompt = await asyncio.to_thread(
             self.text.chat_prompt, messages, tools, request.add_generation_prompt,
             continue_final_message=request.continue_final_message, template_kwargs=request.chat_template_kwargs,
+            add_special_tokens=request.add_special_tokens,
         )  # fmt: skip
         # echo (vLLM): the content starts with the last message's when that is the assistant's being continued
         echo = _text_of(messages[-1].get("content")) if request.echo and messages[-1]["role"] == "assistant" else ""

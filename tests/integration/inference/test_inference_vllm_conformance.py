@@ -356,6 +356,55 @@ def test_top_k_and_min_p_out_of_range_are_400_naming_them(http, model_id, field,
         assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
 
 
+# What a client spelling out vLLM's request defaults sends (a dump of vLLM's own request model, an RL framework's
+# sampling dict): each was a 400 "Extra inputs are not permitted" (nulls of vLLM's fields too).
+VLLM_DEFAULTS = {
+    "best_of": 1, "use_beam_search": False, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "length_penalty": 1.0,
+    "stop_token_ids": [], "include_stop_str_in_output": False, "ignore_eos": False, "min_tokens": 0,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+    "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "echo": False, "priority": 0,
+    "logits_processors": None, "mm_processor_kwargs": None, "structural_tag": None, "cache_salt": None,
+    "kv_transfer_params": None, "vllm_xargs": None, "return_tokens_as_token_ids": None, "guided_json": None,
+    "guided_decoding_backend": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+}  # fmt: skip
+VLLM_CHAT_DEFAULTS = {"add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,
+                      "documents": None, "chat_template": None, "chat_template_kwargs": None,
+                      "include_reasoning": True}  # fmt: skip
+
+
+def test_vllm_request_defaults_spelled_out_sample_what_leaving_them_out_does(http, model_id):
+    ask = {"model": model_id, "max_tokens": 6, "seed": 3, "return_token_ids": True}
+    for route, body, defaults in (("/v1/chat/completions", {"messages": STORY}, VLLM_DEFAULTS | VLLM_CHAT_DEFAULTS),
+                                  ("/v1/completions", {"prompt": PROMPT}, VLLM_DEFAULTS)):  # fmt: skip
+        plain, spelled = (http.post(route, json=ask | body | extra) for extra in ({}, defaults))
+        assert spelled.status_code == 200, spelled.text
+        assert spelled.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
+    refused = {"length_penalty": 0.5, "spaces_between_special_tokens": False, "bad_words": ["x"], "cache_salt": "s",
+               "allowed_token_ids": [1], "truncate_prompt_tokens": 4, "best_of": 2, "prompt_logprobs": 1,
+               "include_reasoning": False, "chat_template": "{{ x }}", "documents": []}  # fmt: skip
+    for field, value in refused.items():
+        response = http.post("/v1/chat/completions", json=ask | {"messages": STORY, field: value})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == field, error
+        assert "supported" in error["message"] or "maximum value" in error["message"], error
+
+
+def test_chat_add_special_tokens_is_honoured_as_by_tokenize(http, model_id):
+    for add in (False, True):
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": model_id,
+                "messages": STORY,
+                "max_tokens": 1,
+                "return_token_ids": True,
+                "add_special_tokens": add,
+            },
+        ).json()
+        tokens = http.post("/tokenize", json={"model": model_id, "messages": STORY, "add_special_tokens": add}).json()
+        assert chat["prompt_token_ids"] == tokens["tokens"]
+
+
 # ---- what is refused, and why -------------------------------------------------------------------------
 def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_otherwise(http, model_id):
     base = {"model": model_id, "prompt": PROMPT, "max_tokens": 2}
