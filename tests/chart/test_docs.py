@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from chart_testlib import CHART, ROOT, render
+import helm_python
+from chart_testlib import CHART, KEDA_APIS, MONITORING_APIS, ROOT, render
 
 DOC = ROOT / "docs" / "kubernetes.md"
 
@@ -41,3 +42,13 @@ def test_doc_mentions_every_top_level_value():
     self_explanatory = {"nameOverride", "fullnameOverride", "imagePullSecrets", "podSecurity", "tests"}
     undocumented = [k for k in values if k not in self_explanatory and k not in text]
     assert undocumented == []
+
+
+def test_every_values_example_of_the_doc_renders():
+    """A user copies the doc's YAML examples into `-f my-exp.yaml`: each one passes the schema and renders, read as
+    Helm reads a values file (`2e-3` is a number there), on a cluster with the optional APIs it names."""
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+    examples = [v for v in map(helm_python.values_from_yaml, blocks) if isinstance(v, dict)]
+    assert len(examples) >= 5
+    for values in examples:
+        assert render(values, name="my-exp", api_versions=MONITORING_APIS + KEDA_APIS), values
