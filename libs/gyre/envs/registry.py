@@ -17,6 +17,7 @@ returns an `Environment`; loaders are imported only when used, so loading one im
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import inspect
 import logging
 import os
@@ -111,7 +112,8 @@ def _import_hint(target: str, error: ValueError) -> str:
 def _from_working_directory(target: str) -> bool:
     """Put the working directory on sys.path (last) when it holds the import path's top package: `python -m` and
     `python -c` find a package there, but the `gyre` command does not (its sys.path starts at its own script), so
-    `--env.name my_pkg.envs:load_environment` run beside my_pkg failed with "No module named 'my_pkg'"."""
+    `--env.name my_pkg.envs:load_environment` run beside my_pkg failed with "No module named 'my_pkg'" (and
+    `verifiers:my_taskset` with "taskset 'my_taskset' not found")."""
     top = target.partition(":")[0].split(".")[0]
     cwd = os.getcwd()
     if not top.isidentifier() or cwd in sys.path or "" in sys.path:
@@ -136,6 +138,9 @@ def _loader(name: str, target: str):
 def load_environment(name: str, **args: Any) -> Environment:
     target, args = resolve(name, args)
     loader = _loader(name, target)
+    module = args.get("taskset_id") if name.startswith("verifiers:") else None
+    if module and importlib.util.find_spec(module.split(".")[0]) is None:  # verifiers imports the id itself
+        _from_working_directory(module)
     try:
         inspect.signature(loader).bind(**args)
     except TypeError as exc:

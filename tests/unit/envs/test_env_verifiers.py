@@ -227,6 +227,24 @@ async def test_judges_joined_to_the_rubric_score_verifiers_rollouts(sampling):
         await env.score(task, rollout)
 
 
+def test_a_taskset_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    """`gyre eval --env.name verifiers:my_taskset` run beside my_taskset.py failed with "taskset 'my_taskset' not
+    found": the gyre command's sys.path does not start at the working directory. It is looked in last, as for
+    Gyre's own import paths."""
+    import sys
+
+    module = f"vf_cwd_{tmp_path.name.replace('-', '_')}"
+    source = (VF_ENVS / "vf_gyre_tasks.py").read_text()  # the tests' taskset, under another name
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    try:
+        env = load_environment(f"verifiers:{module}", taskset={"num_tasks": 4}, num_eval=1)
+        assert len(env.tasks("eval")) == 1 and sys.path[-1] == str(tmp_path)
+    finally:
+        sys.modules.pop(module, None)
+
+
 def test_bad_taskset_ids_and_configs_are_named():
     with pytest.raises(ValueError, match="no_such_taskset"):
         load_environment("verifiers:no_such_taskset")
