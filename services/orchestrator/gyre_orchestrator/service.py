@@ -347,6 +347,9 @@ class OrchestratorService:
         self._stream_seen = await self._redis(self._stream_marks, "checking the Redis server")
         point = await self._resume_point()
         self.last_step = point.start_step - 1
+        # from the start: a restarted orchestrator's series continues at the last step pushed (it was absent until
+        # the resumed run's first push, a gap in every panel and alert on it)
+        self.metrics.labels(self.metrics.step).set(self.last_step)
         self.step_records.resume(self._previous_step_line(point.start_step), point.counters)
         self.sampler = TaskSampler(self.env.tasks("train", seed=cfg.seed), point.task_index)
         log.info("starting at step %d (%s), task index %d", point.start_step, point.reason, point.task_index)

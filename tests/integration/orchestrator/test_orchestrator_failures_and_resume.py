@@ -287,6 +287,12 @@ async def test_a_restarted_orchestrator_continues_the_cumulative_counts_of_its_s
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, env=env, max_steps=2, max_async_level=50,
                               ckpt_interval=1, advantage={"drop_zero_signal": False})  # fmt: skip
     assert await asyncio.wait_for(OrchestratorService(cfg).run(), timeout=120) == 0
+    starting = OrchestratorService(cfg.model_copy(update={"max_steps": 3, "resume_step": -1}))
+    try:  # before its first push, gyre_orchestrator_step says where the run stands (the series was absent)
+        await asyncio.wait_for(starting.start(), timeout=60)
+        assert starting.metrics.registry.get_sample_value("gyre_orchestrator_step", {"run_id": cfg.run_id}) == 2
+    finally:
+        await starting.close()
     resumed = OrchestratorService(cfg.model_copy(update={"max_steps": 3, "resume_step": -1}))
     assert await asyncio.wait_for(resumed.run(), timeout=120) == 0
     lines = latest_per_step(read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl"))
