@@ -126,3 +126,24 @@ def test_a_section_key_set_by_a_top_level_variable_is_refused_naming_where_it_li
         check_environment_keys(RLConfig, {variable: "512"})
     assert f"set by the environment variable {variable} (did you mean {meant}?)" in str(e.value)
     check_environment_keys(RLConfig, {"GYRE_CACHE_DIR": "/x", "GYRE_RUN_SEGMENT": "s", "GYRE_API_KEY": "k"})  # not keys
+
+
+def test_prime_rls_section_files_are_read_as_their_tables(tmp_path):
+    # `gyre rl --trainer @ trainer.toml --orchestrator @ orch.toml` (PRIME-RL's `rl` command line) was "config key
+    # 'trainer': the option needs a value", the files then read as whole configs
+    (tmp_path / "trainer.toml").write_text("[optim]\nlr = 0.003\n[data]\nseq_len = 128\n")
+    (tmp_path / "orch.toml").write_text('batch_size = 8\n[env]\nname = "arithmetic"\n')
+    (tmp_path / "exp.toml").write_text(
+        'max_steps = 7\n[orchestrator]\nbatch_size = 2\n[orchestrator.env]\nname = "x"\n'
+    )
+    (tmp_path / "all.toml").write_text('[model]\nname = "m"\ninit_preset = "tiny"\n')
+    exp = str(tmp_path / "exp.toml")
+    cfg = load_config(RLConfig, ["@", exp, "--trainer", "@", str(tmp_path / "trainer.toml"),
+                                 "--orchestrator", f"@{tmp_path / 'orch.toml'}", "--orchestrator.batch-size", "16",
+                                 "--fresh", "@", exp, "--model", "@", f"{tmp_path / 'all.toml'}#model"])  # fmt: skip
+    assert cfg.trainer == {"optim": {"lr": 0.003}, "data": {"seq_len": 128}}
+    # the section file beats the experiment file, an option beats both; a bare flag before a file stays a flag
+    assert cfg.orchestrator == {"batch_size": "16", "env": {"name": "arithmetic"}} and cfg.fresh and cfg.max_steps == 7
+    assert (cfg.model.name, cfg.model.init_preset) == ("m", "tiny")
+    with pytest.raises(ConfigError, match=r"all.toml: no \[trainer\] table"):
+        load_config(RLConfig, ["--trainer", "@", f"{tmp_path / 'all.toml'}#trainer"])

@@ -3,6 +3,7 @@
 Sources, highest priority first:
 
 1. CLI options ``--a.b value`` / ``--a.b=value`` (kebab or snake case; a bare ``--flag`` means true),
+   then section files ``--a @ file.toml`` (the file is table ``a``: PRIME-RL's ``rl --trainer @ trainer.toml``),
 2. TOML files given as ``@ file.toml`` (several allowed, merged left to right),
 3. environment variables ``GYRE_A__B`` (handled by pydantic-settings, see :class:`GyreSettings`),
 4. field defaults.
@@ -295,6 +296,7 @@ EXPERIMENT_TABLES = {"TrainerConfig": "trainer", "InferenceConfig": "inference",
 def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
     """Merge ``@ file.toml`` arguments and ``--a.b value`` options into one nested dict."""
     files: dict = {}
+    tables: dict = {}  # `--trainer @ trainer.toml`: a file as one section's table, between files and options
     cli: dict = {}
     i = 0
     while i < len(argv):
@@ -313,6 +315,15 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
         name, eq, raw = arg[2:].partition("=")
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and nxt.startswith("@") and _is_table(model, name):
+                # PRIME-RL's `rl --trainer @ trainer.toml --orchestrator @ orch.toml`: was "config key 'trainer': the
+                # option needs a value", and the file was read as the whole config
+                path = nxt[1:] if nxt != "@" else (argv[i + 2] if i + 2 < len(argv) else None)
+                if not path:
+                    raise ConfigError(f"'--{name} @' must be followed by a TOML file path")
+                _set_nested(tables, name, _read_table(path))
+                i += 2 if nxt != "@" else 3
+                continue
             if nxt is None or nxt.startswith("--") or nxt.startswith("@"):
                 _set_nested(cli, name, BareFlag("true"))
                 i += 1
@@ -321,7 +332,27 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
         else:
             i += 1
         _set_nested(cli, name, _cli_value(raw, name))
-    return deep_merge(files, cli)
+    return deep_merge(deep_merge(files, tables), cli)
+
+
+def _is_table(model: type[BaseModel] | None, dotted: str) -> bool:
+    """Whether option `--dotted` of `model` is a section or table (a file can be its value), not an on/off flag."""
+    node: Any = model
+    for part in dotted.replace("-", "_").split("."):
+        field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
+        if field is None:
+            return False
+        node = _model_type(field.annotation) or field.annotation
+    return (isinstance(node, type) and issubclass(node, BaseModel)) or typing.get_origin(node) is dict or node is dict
+
+
+def _read_table(path: str) -> dict:
+    """The table a `--section @ file.toml` option gives: the whole file, or `file.toml#name`'s [name] table."""
+    file, _, name = path.partition("#")
+    data = read_toml(file)
+    if name and not isinstance(data.get(name), dict):
+        raise ConfigError(f"{file}: no [{name}] table")
+    return data[name] if name else data
 
 
 LIST_INDEX = "#"  # a list entry's index in _all_keys: `runs.#.optim.lr`
@@ -576,7 +607,8 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
     out += [
         "Sources (highest first): --options > @ TOML files (merged left to right) > env GYRE_A__B > defaults.",
         'Options accept kebab or snake case; a bare --flag means true; lists/tables as JSON ([1,2], {"a": 1}).',
-        "'@ experiment.toml#name' reads the [name] table of an experiment file plus its shared top-level keys.",
+        "'@ experiment.toml#name' reads the [name] table of an experiment file plus its shared top-level keys;",
+        "'--section @ file.toml' reads a file as one section's table (gyre rl --trainer @ trainer.toml).",
         "",
     ]
 
