@@ -79,7 +79,10 @@ class InferenceEndpointsConfig(Section):
     retries: int = Field(3, ge=0, description="Retries per request (with backoff) before the sample fails.")
     model: str | None = Field(None, description="Model id sent in requests (default: the first one /v1/models lists).")
     failure_cooldown_s: float = Field(
-        5.0, gt=0, description="A failed replica leaves rotation this long (doubling per failure, max 60 s)."
+        5.0,
+        gt=0,
+        description="A failed replica leaves rotation this long (doubling per failure, max 60 s); one that was down "
+        "(restarting, loading its model) rejoins as soon as its status probe finds it ready.",
     )
 
 
