@@ -39,6 +39,8 @@ def error_of(argv: list[str], tmp_path: Path) -> str:
          "config key 'orchestrator.async_level': unknown key (did you mean 'orchestrator.max_async_level'?)"),
         (["--trainer.optim.learning-rate", "1e-5"],
          "config key 'trainer.optim.learning_rate': unknown key (did you mean 'trainer.optim.lr'?)"),
+        (["--inference.max-num-seqs", "4"],  # vLLM's name
+         "config key 'inference.max_num_seqs': unknown key (did you mean 'inference.engine.max_batch_size'?)"),
         (["--wandb.name", "run-1"],
          "config key 'wandb.name': unknown key; wandb has: enabled, project, entity, group, mode, samples"),
     ],
@@ -147,3 +149,12 @@ def test_prime_rls_section_files_are_read_as_their_tables(tmp_path):
     assert (cfg.model.name, cfg.model.init_preset) == ("m", "tiny")
     with pytest.raises(ConfigError, match=r"all.toml: no \[trainer\] table"):
         load_config(RLConfig, ["--trainer", "@", f"{tmp_path / 'all.toml'}#trainer"])
+
+
+@pytest.mark.parametrize("cls", [RLConfig, OrchestratorConfig])
+def test_a_log_level_in_any_case_is_taken(cls):
+    # `--log.level debug`, PRIME-RL's spelling, was "Input should be 'DEBUG', 'INFO', 'WARNING' or 'ERROR'"
+    assert load_config(cls, ["--log.level", "debug"]).log.level == "DEBUG"
+    assert load_config(cls, ["--log.level", "Warning"]).log.level == "WARNING"
+    with pytest.raises(ConfigError, match=r"config key 'log.level': Input should be 'DEBUG'"):
+        load_config(cls, ["--log.level", "verbose"])

@@ -424,7 +424,8 @@ def check_bare_flags(model: type[BaseModel], values: dict, prefix: str = "") -> 
 # Names other frameworks (PRIME-RL, verl, TRL) give a key that Gyre names otherwise, in the same section: a near miss
 # by spelling finds the rest (async_level -> max_async_level).
 KEY_SYNONYMS = {"id": "name", "env_id": "name", "learning_rate": "lr", "max_norm": "max_grad_norm",
-                "num_steps": "max_steps", "total_steps": "max_steps", "max_new_tokens": "max_tokens"}  # fmt: skip
+                "num_steps": "max_steps", "total_steps": "max_steps", "max_new_tokens": "max_tokens",
+                "max_num_seqs": "max_batch_size"}  # fmt: skip
 
 
 def _suggestion(key: str, known: list[str]) -> tuple[str | None, str]:

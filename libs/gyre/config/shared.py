@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from gyre.config.loader import GyreSettings, Section, secret_file
 
@@ -30,8 +30,14 @@ class RedisConfig(Section):
 
 
 class LogConfig(Section):
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level (any case).")
     file: Path | None = Field(None, description="Also append logs to this file.")
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        # `--log.level debug` (PRIME-RL's spelling, and Python's own names in lower case) was refused
+        return value.upper() if isinstance(value, str) else value
 
 
 class MetricsConfig(Section):
