@@ -43,3 +43,28 @@ def test_a_written_config_is_private_and_complete(tmp_path):
     path = _write_config(tmp_path / "configs" / "sft.toml", config)
     assert path.stat().st_mode & 0o777 == 0o600  # it may hold the API key / control token
     assert load_config(SFTConfig, ["@", str(path)]) == config
+
+
+def test_a_ctrl_c_before_training_promises_no_checkpoint(tmp_path):
+    # Ctrl-C while the base model was being created said "the trainer checkpoints its last step first (up to 300s)":
+    # nothing had started to train, and the user waited for a checkpoint that never comes
+    import signal
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    launch = subprocess.Popen([sys.executable, "-m", "gyre.cli", "rl", "@", str(root / "configs/ci.toml"),
+                               "--output-dir", str(tmp_path / "run")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for line in launch.stdout:
+            if line.startswith("creating base model"):  # `gyre model init` runs now (seconds: it imports torch)
+                launch.send_signal(signal.SIGINT)
+                break
+        _, err = launch.communicate(timeout=120)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            time.sleep(1)
+    assert launch.returncode == 130, err[-2000:]
+    assert "interrupted before training started" in err and "checkpoints its last step" not in err, err[-2000:]

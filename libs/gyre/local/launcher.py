@@ -698,11 +698,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre rl: run failed: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        # during the warm-up it is the SFT that checkpoints (the message said the trainer, which had not started)
-        who = "the SFT warm-up" if any(child.name == "sft" for child in launcher.children) else "the trainer"
-        print(f"gyre rl: interrupted, stopping services; {who} checkpoints its last step first (up to "
-              f"{cfg.trainer_stop_timeout_s:.0f}s, trainer_stop_timeout_s); Ctrl-C again kills them at once",
-              file=sys.stderr)  # fmt: skip
+        # during the warm-up it is the SFT that checkpoints (the message said the trainer, which had not started);
+        # before either (Redis, the base model's creation) nothing is trained: the message promised a checkpoint
+        running = {child.name for child in launcher.children}
+        who = "the SFT warm-up" if "sft" in running else "the trainer" if "trainer" in running else None
+        if who is None:
+            print("gyre rl: interrupted before training started, stopping; the same command starts again",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            print(f"gyre rl: interrupted, stopping services; {who} checkpoints its last step first (up to "
+                  f"{cfg.trainer_stop_timeout_s:.0f}s, trainer_stop_timeout_s); Ctrl-C again kills them at once",
+                  file=sys.stderr)  # fmt: skip
         code = 130
     finally:
         stopping[:] = stopping or [time.monotonic()]
