@@ -158,3 +158,12 @@ def test_a_log_level_in_any_case_is_taken(cls):
     assert load_config(cls, ["--log.level", "Warning"]).log.level == "WARNING"
     with pytest.raises(ConfigError, match=r"config key 'log.level': Input should be 'DEBUG'"):
         load_config(cls, ["--log.level", "verbose"])
+
+
+def test_a_misspelt_key_is_said_before_the_model_source_is_fetched(tmp_path, monkeypatch):
+    # a hub id was fetched first: offline, half a minute of the hub client's retries, then the model's error alone;
+    # the misspelt key came only on the next try
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["--model.init-preset", "null", "--model.name", "org/not-here", "--orchestrator.batch-sise", "4"]
+    assert error_of(argv, tmp_path).startswith("config key 'orchestrator.batch_sise': unknown key")
+    assert "org/not-here" in error_of(argv[:4], tmp_path)  # the model is still checked, before anything starts

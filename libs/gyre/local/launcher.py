@@ -177,11 +177,6 @@ class Launcher:
                     f"model.name = {name!r} does not exist and is outside output_dir {self.out}: set model.name "
                     "to an existing model (or hub id) without init_preset, or unset model.name"
                 )
-        elif not (cfg.sft.enabled and (self.out / "sft" / "config.json").exists()):
-            try:
-                _check_model(base)
-            except ModelUnavailable as e:
-                raise ConfigError(str(e)) from None
         if cfg.sft.enabled:
             sft_values = {
                 "run_id": cfg.run_id,
@@ -207,6 +202,16 @@ class Launcher:
             have = [] if cfg.fresh else sft_checkpoints(self.out)
             if problem := sft_resume_problem(sft.ckpt.resume_step, have, sft.max_steps, self.out / SFT_CHECKPOINTS):
                 raise ConfigError(f"config key 'sft.args.{problem[0]}': {problem[1]}")
+        configs = resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0")
+        validate_extensions(configs)
+        refuse_changed_run_keys(cfg, configs)  # the trainer failed on them only after every service had started
+        # the model source last of the keys: a hub id is fetched (offline: half a minute of the hub client's retries,
+        # before a misspelt section key, found in a second, was said)
+        if cfg.model.init_preset is None and not (cfg.sft.enabled and (self.out / "sft" / "config.json").exists()):
+            try:
+                _check_model(base)
+            except ModelUnavailable as e:
+                raise ConfigError(str(e)) from None
         for server in cfg.servers:
             try:
                 # the server's own key, and no advice to set model.init_preset (the policy's alone)
@@ -214,9 +219,6 @@ class Launcher:
                 _check_model(server.model, key=f"servers.{server.name}.model", hint=hint)
             except ModelUnavailable as e:
                 raise ConfigError(str(e)) from None
-        configs = resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0")
-        validate_extensions(configs)
-        refuse_changed_run_keys(cfg, configs)  # the trainer failed on them only after every service had started
         self._check_resume_step()
         if cfg.redis.url:
             self._check_redis(cfg.redis.url)
