@@ -41,8 +41,11 @@ def differences(old: Any, new: Any, explicit: set[str], prefix: str = "") -> lis
     return [] if old == new else [(prefix.rstrip("."), old, new)]
 
 
-def _same_path(a: str, b: str) -> bool:
-    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+def same_model(a: str | None, b: str | None) -> bool:
+    """Whether two model names are one model: equal, or two paths of one existing folder (a hub id is its name)."""
+    if a == b:
+        return True
+    return a is not None and b is not None and Path(a).exists() and Path(a).resolve() == Path(b).resolve()
 
 
 def sft_changes(old: dict, new: dict, explicit: set[str], in_progress: bool) -> list[tuple[str, Any, Any]]:
@@ -50,7 +53,7 @@ def sft_changes(old: dict, new: dict, explicit: set[str], in_progress: bool) -> 
     (`model.name`, compared as a path) first, then every other key but the free ones (`SFT_FREE_KEYS`, and how far
     it goes when `in_progress`: a half-done SFT is resumed, and may be taken further)."""
     old_model, new_model = (old.get("model") or {}).get("name"), (new.get("model") or {}).get("name")
-    found = [] if _same_path(str(old_model), str(new_model)) else [("model.name", old_model, new_model)]
+    found = [] if same_model(old_model, new_model) else [("model.name", old_model, new_model)]
     old, new = ({k: v for k, v in values.items()} for values in (old, new))
     for values in (old, new):
         for key in SFT_FREE_KEYS + (SFT_FREE_KEYS_IN_PROGRESS if in_progress else ()):

@@ -25,6 +25,7 @@ from gyre.config.inference import InferenceConfig, loras_for_runs
 from gyre.config.loader import deep_merge, under_section
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.packing import PackingShape
+from gyre.config.rerun import same_model
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import TrainerConfig
 from gyre.net import free_port
@@ -311,12 +312,6 @@ def _adapter_shape(lora: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"rank": lora.get("rank"), "target_modules": sorted(lora.get("target_modules") or [])}
 
 
-def _same_model(a: str | None, b: str | None) -> bool:
-    if a == b:
-        return True
-    return a is not None and b is not None and Path(a).exists() and Path(a).resolve() == Path(b).resolve()
-
-
 def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
     """ConfigError naming the key when a re-run of an existing run (no --fresh) changes what the run's state is
     shaped by: the policy model (model.name, the SFT warm-up on or off, or its base) or the LoRA adapter (on or
@@ -351,7 +346,7 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
     name, step = next(iter(trained.items()))
     where = f"{out} (run {name!r} at step {step})" if cfg.runs else f"{out} (at step {step})"
     old_model, new_model = (previous.get("model") or {}).get("name"), configs.trainer.model.name
-    if not _same_model(old_model, new_model):
+    if not same_model(old_model, new_model):
         sft_dir = str(out / "sft")
         key = "sft.enabled" if (old_model == sft_dir) != (new_model == sft_dir) else "model.name"
         raise ConfigError(
@@ -360,7 +355,7 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
         )
     if cfg.sft.enabled and (out / "sft" / "config.json").exists() and (sft := read("sft.toml")) is not None:
         old_base, new_base = (sft.get("model") or {}).get("name"), cfg.model.name or str(out / "model")
-        if not _same_model(old_base, new_base):
+        if not same_model(old_base, new_base):
             raise ConfigError(
                 f"config key 'model.name': the SFT warm-up in {out / 'sft'} (which the run in {where} continues) was "
                 f"trained from {old_base}, not {new_base}: {fresh_start}"
