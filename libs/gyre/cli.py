@@ -40,6 +40,17 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+_SYNONYMS = {"train": "trainer", "evaluate": "eval", "serve": "inference", "orch": "orchestrator", "infer": "inference"}
+
+
+def _near(given: str, names: list[str]) -> str:
+    """`'trainer'` for a near miss (`gyre train`, `gyre evaluate`), else ""."""
+    import difflib
+
+    near = [_SYNONYMS[given]] if _SYNONYMS.get(given) in names else difflib.get_close_matches(given, names, n=1)
+    return f"{near[0]!r}" if near else ""
+
+
 def resolve(argv: list[str]) -> tuple[str, str, list[str]] | None:
     """Longest command name matching the start of argv -> (name, target, remaining argv)."""
     for words in (2, 1):
@@ -70,9 +81,16 @@ def _main(argv: list[str]) -> int:
     if found is None:
         subcommands = [name.split()[1] for name in COMMANDS if name.split()[0] == argv[0] and " " in name]
         if subcommands:  # `gyre model`, `gyre bench --help`: a group, not an unknown command
-            print(f"gyre {argv[0]}: choose a subcommand: {', '.join(subcommands)}\n\n{_usage()}", file=sys.stderr)
+            given = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else None
+            near = _near(given, subcommands) if given else ""
+            what = f" ({given!r} is none{'; did you mean ' + near + '?' if near else ''})" if given else ""
+            print(f"gyre {argv[0]}: choose a subcommand: {', '.join(subcommands)}{what}\n\n{_usage()}",
+                  file=sys.stderr)  # fmt: skip
         else:
-            print(f"gyre: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
+            heads = sorted({name.split()[0] for name in COMMANDS})
+            near = _near(argv[0], heads)
+            print(f"gyre: unknown command {argv[0]!r}{f' (did you mean {near}?)' if near else ''}\n\n{_usage()}",
+                  file=sys.stderr)  # fmt: skip
         return 2
     name, target, rest = found
     module_name, func_name = target.split(":")

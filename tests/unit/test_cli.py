@@ -23,7 +23,19 @@ def test_help_lists_every_command():
 
 def test_unknown_command_exits_2():
     out = run("frobnicate")
-    assert out.returncode == 2 and "unknown command" in out.stderr
+    assert out.returncode == 2 and "unknown command" in out.stderr and "did you mean" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [(["train", "@", "x.toml"], "gyre: unknown command 'train' (did you mean 'trainer'?)"),
+     (["evaluate"], "gyre: unknown command 'evaluate' (did you mean 'eval'?)"),
+     (["model", "int"], "gyre model: choose a subcommand: init, fetch, import ('int' is none; did you mean 'init'?)")],
+)  # fmt: skip
+def test_a_near_miss_of_a_command_is_suggested(argv, said):
+    # `gyre train` (PRIME-RL's `trainer` spelt short) said only "unknown command 'train @'"
+    out = run(*argv)
+    assert out.returncode == 2 and out.stderr.splitlines()[0] == said, out.stderr
 
 
 @pytest.mark.parametrize("argv", [["model"], ["bench", "--help"], ["model", "nit"]])
