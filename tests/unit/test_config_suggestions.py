@@ -39,6 +39,8 @@ def error_of(argv: list[str], tmp_path: Path) -> str:
          "config key 'orchestrator.async_level': unknown key (did you mean 'orchestrator.max_async_level'?)"),
         (["--trainer.optim.learning-rate", "1e-5"],
          "config key 'trainer.optim.learning_rate': unknown key (did you mean 'trainer.optim.lr'?)"),
+        (["--sft.max-steps", "10"],  # gyre sft's keys under [sft] (was "did you mean 'max_steps'?", RL's)
+         "config key 'sft.max_steps': unknown key (did you mean 'sft.args.max_steps'?)"),
         (["--inference.max-num-seqs", "4"],  # vLLM's name
          "config key 'inference.max_num_seqs': unknown key (did you mean 'inference.engine.max_batch_size'?)"),
         (["--wandb.name", "run-1"],

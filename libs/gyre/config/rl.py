@@ -113,6 +113,7 @@ class RLConfig(GyreSettings):
         "inference": "gyre.config.inference:InferenceConfig",
         "trainer": "gyre.config.trainer:TrainerConfig",
         "orchestrator": "gyre.config.orchestrator:OrchestratorConfig",
+        "sft.args": "gyre.config.trainer:SFTConfig",  # `[sft] max_steps = ...` means sft.args.max_steps
     }
 
     run_id: str = Field("gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id.")
