@@ -46,3 +46,22 @@ def test_help_says_the_default_model_and_how_to_create_one(command):
                          timeout=300)  # fmt: skip
     line = run.stdout[run.stdout.index("--model.name") :].split("--model.dtype")[0]
     assert "{output_dir}/model" in line and "gyre model init --output-dir DIR" in line and "gyre model import" in line
+
+
+@pytest.mark.parametrize(("cls", "argv"), CONFIGS)
+def test_the_model_given_by_its_name_alone(cls, argv, tmp_path):
+    # `--model Qwen/Qwen3-0.6B` (vLLM's, PRIME-RL's) and `model = "..."` were "Input should be a valid dictionary"
+    assert load_config(cls, [*argv, "--model", "org/m"]).model.name == "org/m"
+    (tmp_path / "x.toml").write_text('model = "from/file"\n')
+    assert load_config(cls, [*argv, "@", str(tmp_path / "x.toml")]).model.name == "from/file"
+
+
+def test_gyre_rl_takes_the_model_by_name_and_refuses_it_in_a_section(tmp_path):
+    from gyre.config import ConfigError
+    from gyre.config.rl import RLConfig
+    from gyre.local.launcher import Launcher
+
+    assert load_config(RLConfig, ["--model", "org/m"]).model.name == "org/m"
+    cfg = load_config(RLConfig, ["--trainer.model", "x", "--model.init-preset", "tiny", "--output-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.model.name': gyre rl gives every service the same"):
+        Launcher(cfg).validate()  # a string slipped past the check, replacing the launcher's model

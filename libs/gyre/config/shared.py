@@ -59,6 +59,13 @@ class ModelConfig(Section):
         "auto", description="Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, data: Any) -> Any:
+        # `--model Qwen/Qwen3-0.6B` (vLLM's and PRIME-RL's way) or `model = "..."` in TOML: the model's name. It was
+        # "Input should be a valid dictionary or instance of ModelConfig". A bare `--model` is refused before this.
+        return {"name": data} if isinstance(data, str) else data
+
 
 class FolderTransportConfig(Section):
     """Weights travel as step folders on the shared volume (`{output_dir}/weights/step_{s}`)."""

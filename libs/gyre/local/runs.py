@@ -272,6 +272,8 @@ def _runs_entry_keys(error: ConfigError) -> ConfigError:
 
 def _validated(cls, section: str, user: dict, launcher: dict):
     """Launcher-chosen values (ports, paths) under the user's section; errors name the section."""
+    if isinstance(user.get("model"), str):  # `model = "m"`, the model's name (ModelConfig): refused as model.name
+        user = {**user, "model": {"name": user["model"]}}
     _refuse_experiment_keys(section, user)
     values = deep_merge(launcher, user)
     # Ports and addresses are the launcher's: a user value would break the wiring.
