@@ -27,7 +27,8 @@ def error_of(argv: list[str], tmp_path: Path) -> str:
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["--seq-len", "512"], "config key 'seq_len': unknown key (did you mean 'trainer.data.seq_len'?)"),
+        (["--seq-len", "512"],
+         "config key 'seq_len': unknown key (did you mean 'trainer.data.seq_len' or 'orchestrator.batch.seq_len'?)"),
         (["--async-level", "2"],
          "config key 'async_level': unknown key (did you mean 'orchestrator.max_async_level'?)"),
         (["--max-norm", "1"], "config key 'max_norm': unknown key (did you mean 'trainer.optim.max_grad_norm'?)"),
@@ -169,3 +170,13 @@ def test_a_misspelt_key_is_said_before_the_model_source_is_fetched(tmp_path, mon
     argv = ["--model.init-preset", "null", "--model.name", "org/not-here", "--orchestrator.batch-sise", "4"]
     assert error_of(argv, tmp_path).startswith("config key 'orchestrator.batch_sise': unknown key")
     assert "org/not-here" in error_of(argv[:4], tmp_path)  # the model is still checked, before anything starts
+
+
+def test_a_name_found_in_several_sections_lists_each(tmp_path):
+    # `gyre inference --port 8001` (vLLM's option) said "did you mean 'metrics.port'?": the first found, not HTTP's
+    from gyre.config.inference import InferenceConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(InferenceConfig, ["--port", "8001"])
+    assert str(e.value) == ("config key 'port': unknown key (did you mean 'metrics.port' or 'server.port' or "
+                            "'control.port'?)")  # fmt: skip

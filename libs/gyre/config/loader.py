@@ -450,7 +450,8 @@ def _suggestion(key: str, known: list[str]) -> tuple[str | None, str]:
         near = difflib.get_close_matches(leaf, set(leaves.values()), n=1, cutoff=0.8)
         same = same or [k for k, name in leaves.items() if near and name == near[0]]
         if same:
-            return min(same, key=lambda k: k.count(".")), ""  # the shallowest: `trainer.data.seq_len`
+            depth = min(k.count(".") for k in same)  # the shallowest: `server.port` and `metrics.port` for a `port`
+            return "' or '".join([k for k in same if k.count(".") == depth][:3]), ""
     if parent and 0 < len(siblings) <= 12:
         return None, f"; {parent} has: {', '.join(siblings)}"
     return None, ""
@@ -485,7 +486,7 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
                 close = "".join(part + index for part, index in zip(parts, [*indices, ""], strict=True))
             elif close:
                 close = None
-            msg = "unknown key" + (f" (did you mean {close!r}?)" if close else listing)
+            msg = "unknown key" + (f" (did you mean '{close}'?)" if close else listing)  # close: "a' or 'b" too
         elif not e["loc"] and e["type"] == "value_error":
             # a check across keys (a model validator) says "some.key: why": name that key as field errors do
             name, sep, why = msg.removeprefix("Value error, ").partition(": ")
