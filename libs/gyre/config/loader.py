@@ -253,10 +253,9 @@ def read_section(path: str, model: type[BaseModel] | None) -> dict:
 
 
 def _import_model(target: str) -> type[BaseModel]:
-    import importlib
+    from gyre.imports import load_callable  # a config class is a callable: one importer of "module:attribute"
 
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return load_callable(target, "config model")
 
 
 def _less_keys_of(model: type[BaseModel], other: type[BaseModel], values: dict) -> dict:
