@@ -54,6 +54,11 @@ def test_the_model_given_by_its_name_alone(cls, argv, tmp_path):
     assert load_config(cls, [*argv, "--model", "org/m"]).model.name == "org/m"
     (tmp_path / "x.toml").write_text('model = "from/file"\n')
     assert load_config(cls, [*argv, "@", str(tmp_path / "x.toml")]).model.name == "from/file"
+    # with another model key from another source: the name was silently lost ({dtype} replaced the string)
+    model = load_config(cls, [*argv, "@", str(tmp_path / "x.toml"), "--model.dtype", "float32"]).model
+    assert (model.name, model.dtype) == ("from/file", "float32")
+    model = load_config(cls, [*argv, "--model.dtype", "float32", "--model", "org/m"]).model
+    assert (model.name, model.dtype) == ("org/m", "float32")
 
 
 def test_gyre_rl_takes_the_model_by_name_and_refuses_it_in_a_section(tmp_path):

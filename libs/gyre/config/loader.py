@@ -306,7 +306,7 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
             path = arg[1:] if arg != "@" else (argv[i + 1] if i + 1 < len(argv) else None)
             if not path:
                 raise ConfigError("'@' must be followed by a TOML file path")
-            files = deep_merge(files, read_section(path, model))
+            files = deep_merge(files, _expand_shorthands(model, read_section(path, model)))
             i += 1 if arg != "@" else 2
             continue
         if not arg.startswith("--"):
@@ -321,6 +321,7 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
                 if not path:
                     raise ConfigError(f"'--{name} @' must be followed by a TOML file path")
                 _set_nested(tables, name, _read_table(path))
+                tables = _expand_shorthands(model, tables)
                 i += 2 if nxt != "@" else 3
                 continue
             if nxt is None or nxt.startswith("--") or nxt.startswith("@"):
@@ -330,8 +331,41 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
             raw, i = nxt, i + 2
         else:
             i += 1
-        _set_nested(cli, name, _cli_value(raw, name))
+        _set_nested(cli, _shorthand_key(model, name), _cli_value(raw, name))
     return deep_merge(deep_merge(files, tables), cli)
+
+
+SHORTHAND = "shorthand"  # a Section's ClassVar: the key a plain value given for the whole section sets
+
+
+def _expand_shorthands(model: type[BaseModel] | None, values: dict) -> dict:
+    """`values` with each plain string given for a section that has a shorthand key as that key's table: `model =
+    "x"` is `model = {name = "x"}` (ModelConfig). Done before sources merge: a file's `model = "x"` and an option's
+    `--model.dtype` merged into `{dtype}` alone, and the name was silently lost."""
+    if model is None or not isinstance(values, dict):
+        return values
+    out = dict(values)
+    for key, value in values.items():
+        field = model.model_fields.get(key)
+        sub = _model_type(field.annotation) if field is not None else None
+        if sub is None:
+            continue
+        if isinstance(value, str) and not isinstance(value, BareFlag) and getattr(sub, SHORTHAND, None):
+            out[key] = {getattr(sub, SHORTHAND): value}
+        elif isinstance(value, dict):
+            out[key] = _expand_shorthands(sub, value)
+    return out
+
+
+def _shorthand_key(model: type[BaseModel] | None, dotted: str) -> str:
+    """`--model x` sets `model.name` (the section's shorthand key); any other option its own key."""
+    node: Any = model
+    for part in dotted.replace("-", "_").split("."):
+        field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
+        if field is None:
+            return dotted
+        node = _model_type(field.annotation)
+    return f"{dotted}.{node.shorthand}" if node is not None and getattr(node, SHORTHAND, None) else dotted
 
 
 def _is_table(model: type[BaseModel] | None, dotted: str) -> bool:

@@ -47,6 +47,7 @@ class MetricsConfig(Section):
 
 
 class ModelConfig(Section):
+    shorthand: ClassVar[str] = "name"  # `--model X`, `model = "X"`: the model's name (gyre.config.loader)
     name: str = Field(
         "outputs/run/model",
         description="Model folder (HF format: config.json, tokenizer, *.safetensors or *.bin weights) or hub id "
