@@ -180,3 +180,14 @@ def test_a_name_found_in_several_sections_lists_each(tmp_path):
         load_config(InferenceConfig, ["--port", "8001"])
     assert str(e.value) == ("config key 'port': unknown key (did you mean 'metrics.port' or 'server.port' or "
                             "'control.port'?)")  # fmt: skip
+
+
+def test_a_runs_own_environment_is_named_by_its_entry_and_no_value_error_prefix(tmp_path):
+    # a [[runs]] entry's unknown environment was "config key 'orchestrator.env'" (the shared one, which was fine), and
+    # every validator's reason began with pydantic's "Value error, "
+    multi = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
+    runs = '[{"name": "aa1"}, {"name": "bb2", "orchestrator": {"env": {"name": "bogus"}}}]'
+    text = error_of([*multi, "--runs", runs], tmp_path)
+    assert text.startswith("config key 'runs.1.orchestrator.env': unknown environment 'bogus'"), text
+    text = error_of([*multi, "--runs", '[{"name": "a"}]'], tmp_path)
+    assert text.startswith("config key 'runs.0.name': 'a' is part of 'lora_'") and "Value error" not in text, text

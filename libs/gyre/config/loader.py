@@ -505,7 +505,8 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
     moved: dict[str, str] = getattr(cls, "moved_keys", {})  # old dotted key -> the key that replaced it
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"]
+        # a validator's own reason needs no "Value error, " before it (pydantic's wrapping, noise to a user)
+        msg = e["msg"].removeprefix("Value error, ") if e["type"] == "value_error" and e["loc"] else e["msg"]
         if e["type"] == "extra_forbidden" and key in moved:
             # "config key" twice: a caller prefixing keys (gyre rl: "inference.") prefixes the new one too
             msg = f"this key was removed; set config key {moved[key]!r} instead"

@@ -203,7 +203,7 @@ class Launcher:
             if problem := sft_resume_problem(sft.ckpt.resume_step, have, sft.max_steps, self.out / SFT_CHECKPOINTS):
                 raise ConfigError(f"config key 'sft.args.{problem[0]}': {problem[1]}")
         configs = resolve_configs(cfg, self.model_name(), "redis://127.0.0.1:6379/0")
-        validate_extensions(configs)
+        validate_extensions(configs, cfg)
         refuse_changed_run_keys(cfg, configs)  # the trainer failed on them only after every service had started
         # the model source last of the keys: a hub id is fetched (offline: half a minute of the hub client's retries,
         # before a misspelt section key, found in a second, was said)

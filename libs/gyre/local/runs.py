@@ -287,16 +287,21 @@ def _validated(cls, section: str, user: dict, launcher: dict):
         raise under_section(e, section if section.startswith("servers.") else section.split(".")[0]) from None
 
 
-def validate_extensions(configs: ServiceConfigs) -> None:
+def validate_extensions(configs: ServiceConfigs, cfg: RLConfig | None = None) -> None:
     """Names that the config models cannot check alone: the environment (built-in or import path, and
-    its arguments) and the loss (built-in or import path). Raises ConfigError naming the key."""
+    its arguments) and the loss (built-in or import path). Raises ConfigError naming the key: a [[runs]]
+    entry's own environment by its entry (`runs.1.orchestrator.env`; it named the shared one)."""
     from gyre.envs import load_environment
 
-    for orch in configs.orchestrators.values():
+    entries = {run.name: (index, run) for index, run in enumerate(cfg.runs)} if cfg is not None else {}
+    for name, orch in configs.orchestrators.items():
+        index, run = entries.get(name, (None, None))
+        own = run is not None and "env" in run.orchestrator
+        key = f"runs.{index}.orchestrator.env" if own else "orchestrator.env"
         try:
             load_environment(orch.env.name, **orch.env.args)
         except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
-            raise ConfigError(f"config key 'orchestrator.env': {e}") from None
+            raise ConfigError(f"config key '{key}': {e}") from None
     loss = configs.trainer.loss.type
     if ":" in loss:
         from gyre.imports import load_callable
