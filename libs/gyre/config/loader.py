@@ -357,25 +357,26 @@ def _expand_shorthands(model: type[BaseModel] | None, values: dict) -> dict:
     return out
 
 
-def _shorthand_key(model: type[BaseModel] | None, dotted: str) -> str:
-    """`--model x` sets `model.name` (the section's shorthand key); any other option its own key."""
+def _option_type(model: type[BaseModel] | None, dotted: str) -> Any:
+    """The type of option `--dotted` of `model`: its section's model, else its annotation; None for no such key."""
     node: Any = model
     for part in dotted.replace("-", "_").split("."):
         field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
         if field is None:
-            return dotted
-        node = _model_type(field.annotation)
-    return f"{dotted}.{node.shorthand}" if node is not None and getattr(node, SHORTHAND, None) else dotted
+            return None
+        node = _model_type(field.annotation) or field.annotation
+    return node
+
+
+def _shorthand_key(model: type[BaseModel] | None, dotted: str) -> str:
+    """`--model x` sets `model.name` (the section's shorthand key); any other option its own key."""
+    shorthand = getattr(_option_type(model, dotted), SHORTHAND, None)
+    return f"{dotted}.{shorthand}" if isinstance(shorthand, str) else dotted
 
 
 def _is_table(model: type[BaseModel] | None, dotted: str) -> bool:
     """Whether option `--dotted` of `model` is a section or table (a file can be its value), not an on/off flag."""
-    node: Any = model
-    for part in dotted.replace("-", "_").split("."):
-        field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
-        if field is None:
-            return False
-        node = _model_type(field.annotation) or field.annotation
+    node = _option_type(model, dotted)
     return (isinstance(node, type) and issubclass(node, BaseModel)) or typing.get_origin(node) is dict or node is dict
 
 
