@@ -69,7 +69,7 @@ READY_LOG_S = 30.0
 _NO_SUCH_HOST = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
 
 
-def _unknown_host(error: BaseException) -> bool:
+def unknown_host(error: BaseException) -> bool:
     """Whether `error` was caused by a host name that does not resolve (the gaierror httpx wraps, twice)."""
     seen: BaseException | None = error
     for _ in range(16):  # bounded: a chain can loop back on itself
@@ -197,7 +197,7 @@ class Endpoint:
                                         f"{describe(error)}{self._setup_hint(status)}") from error  # fmt: skip
                 reason = describe(error)
             except (openai.APIError, json.JSONDecodeError, TimeoutError) as error:
-                if _unknown_host(error):  # a typo, not a pod starting: a Service's name resolves before its pods run
+                if unknown_host(error):  # a typo, not a pod starting: a Service's name resolves before its pods run
                     raise EndpointError(f"{self.name}: the host of {self.config.root} does not exist "
                                         f"({describe(error)}): check url") from error  # fmt: skip
                 reason = describe(error) if not isinstance(error, TimeoutError) else "no answer in time"

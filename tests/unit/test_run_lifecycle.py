@@ -246,9 +246,11 @@ def test_eval_with_nothing_serving_is_one_error_line(tmp_path):
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
     res = gyre("eval", "--env.name", "reverse_text", "--inference.urls", f'["{url}"]', "--inference.retries", "0",
-               "--eval.num-examples", "1", "--output-dir", str(tmp_path))  # fmt: skip
+               "--inference.startup-timeout-s", "1", "--eval.num-examples", "1",
+               "--output-dir", str(tmp_path))  # fmt: skip
     assert res.returncode == 1, res.stderr[-2000:]
-    assert f"gyre eval: error: ['{url}']" in res.stderr and "Traceback" not in res.stderr
+    assert f"gyre eval: error: ['{url}']: no replica answered /v1/models within 1s (last: {url}: " in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 # ---- 7: the batch split follows the trainer -------------------------------------------------------

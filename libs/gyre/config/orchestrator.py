@@ -58,7 +58,10 @@ class SamplingConfig(EvalSamplingConfig):
 class InferenceEndpointsConfig(Section):
     """Finding and calling the replicas' OpenAI API (what `gyre eval` reads)."""
 
-    urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], description="Static replica base URLs.")
+    urls: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        description="Static replica URLs: each server's root (http://host:8000) or its OpenAI base (…/v1).",
+    )
     discovery: Literal["static", "dns", "kubernetes"] = Field("static", description="How replicas are found.")
     dns_name: str | None = Field(None, description="dns: headless Service name resolved to replica IPs.")
     kubernetes_service: str | None = Field(None, description="kubernetes: Service whose EndpointSlices are watched.")
@@ -83,6 +86,26 @@ class InferenceEndpointsConfig(Section):
         gt=0,
         description="A failed replica leaves rotation this long (doubling per failure, max 60 s); one that was down "
         "(restarting, loading its model) rejoins as soon as its status probe finds it ready.",
+    )
+
+    @field_validator("urls")
+    @classmethod
+    def _roots(cls, urls: list[str]) -> list[str]:
+        # a replica's root: the client adds /v1 itself. An OpenAI base URL (…/v1), as vLLM's and the openai client's
+        # users write it, sent every request to /v1/v1/… : a 404 at each one
+        return [url.rstrip("/").removesuffix("/v1") for url in urls]
+
+
+class EvalInferenceConfig(InferenceEndpointsConfig):
+    """`gyre eval`'s: also how long to wait for the replicas to come up."""
+
+    startup_timeout_s: float = Field(
+        EVAL_STARTUP_TIMEOUT_S,
+        ge=0,
+        allow_inf_nan=False,
+        description="Before the first request, wait this long for a replica's /v1/models to answer (a model still "
+        "loading: connection refused, 5xx, 429), logged every 30 s, then fail; 401, 403, 404 and a host name that "
+        "does not resolve fail at once. 0 = don't wait (nor ask).",
     )
 
 
@@ -262,9 +285,7 @@ class GyreEvalConfig(GyreSettings):
     output_dir: Path = Field(Path("outputs/run"), description="Where events/eval.jsonl gets the result.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
-    inference: InferenceEndpointsConfig = Field(
-        default_factory=InferenceEndpointsConfig, description="Inference replicas."
-    )
+    inference: EvalInferenceConfig = Field(default_factory=EvalInferenceConfig, description="Inference replicas.")
     eval: EvalOnceConfig = Field(default_factory=EvalOnceConfig, description="The evaluation.")
     sampling: EvalSamplingConfig = Field(
         default_factory=EvalSamplingConfig, description="Sampling parameters (the temperature is eval.temperature)."

@@ -271,6 +271,11 @@ class InferenceClient:
             ),
         )
 
+    async def served_model(self, replica: Replica) -> str:
+        """The first model of `replica`'s `/v1/models`, asked once and kept (what a request names when
+        `inference.model` is unset): an answer says the replica is up and takes this client's key."""
+        return await self._model_name(replica, self._openai(replica))
+
     async def _model_name(self, replica: Replica, client: openai.AsyncOpenAI) -> str:
         # one /v1/models call per replica, however many requests start at once
         lookup = replica.clients.get("model")

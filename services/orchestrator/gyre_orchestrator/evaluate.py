@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
+from gyre.endpoint import READY_LOG_S, READY_POLL_S
 from gyre.envs import ContextLengthExceeded, Environment, SamplingParams
 from gyre.envs.types import ModelClient
 
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 # answers from an older version than the one evaluated, in a row for one sample, before the eval gives up: a replica
 # restarted on older weights leaves rotation at the relay's next probe, seconds later
 STALE_LIMIT = 20
+#: `gyre eval`'s bound on one `/v1/models` question while waiting for the policy's server (a frozen one never answers)
+READY_PROBE_S = 10.0
 
 
 class EvalFailed(RuntimeError):
@@ -324,6 +327,48 @@ class EvalProgress:
             self.bar = None
 
 
+async def wait_for_inference(client, limit_s: float, *, poll_s: float = READY_POLL_S, log_s: float = READY_LOG_S):
+    """`gyre eval`'s first step (`inference.startup_timeout_s`): return once a replica answers `/v1/models` (a
+    model still loading is waited for), asking every `poll_s` for up to `limit_s`, saying every `log_s` that it
+    waits; `InferenceError` past it, and at once for what no wait mends: a 4xx (a key, a URL) or a host name that
+    does not resolve. Without it `gyre eval` against a wrong port retried each sample with growing cooldowns,
+    logging replica failures for many minutes, and never said what it waited for."""
+    import openai
+    from gyre.endpoint import describe, unknown_host
+
+    from gyre_orchestrator.client import BadResponse, InferenceError
+
+    start = time.monotonic()
+    logged: float | None = None
+    reason = "no replica is known yet (inference.urls / discovery)"
+    while True:
+        for replica in list(client.replicas):
+            remaining = limit_s - (time.monotonic() - start)
+            try:
+                async with asyncio.timeout(max(min(client.timeout_s, READY_PROBE_S, remaining), 0.1)):
+                    await client.served_model(replica)
+                if logged is not None:
+                    log.info("inference is up: %s", replica.url)
+                return
+            except openai.APIStatusError as e:
+                if e.status_code < 500 and e.status_code not in (408, 409, 429):  # 409: vLLM's model still loading
+                    raise InferenceError(f"{replica.url}/v1/models refused the request: {e.status_code} {describe(e)} "
+                                         "(check inference.urls and inference.api_key)") from None  # fmt: skip
+                reason = f"{replica.url}: {e.status_code} {describe(e)}"
+            except (openai.APIError, BadResponse, TimeoutError, OSError) as e:
+                if unknown_host(e):  # a typo: a Service's name resolves before its pods run
+                    raise InferenceError(f"{replica.url}: the host name does not resolve (inference.urls)") from None
+                reason = f"{replica.url}: {'no answer' if isinstance(e, TimeoutError) else describe(e)}"
+        elapsed = time.monotonic() - start
+        if elapsed >= limit_s:
+            raise InferenceError(f"no replica answered /v1/models within {limit_s:g}s (last: {reason})")
+        if logged is None or elapsed - logged >= log_s:
+            log.info("%s inference (%s): %.0fs of %gs", "waiting for" if logged is None else "still waiting for",
+                     reason, elapsed, limit_s)  # fmt: skip
+            logged = elapsed
+        await asyncio.sleep(min(poll_s, limit_s - elapsed))
+
+
 async def _run_once(
     cfg, progress: Callable[[int, int], None] | None = None, env=None, signals: dict | None = None
 ) -> EvalResult:
@@ -351,6 +396,8 @@ async def _run_once(
     try:
         from gyre.endpoint import wait_all_ready
 
+        if cfg.inference.startup_timeout_s:  # the policy's server, then the judges'
+            await wait_for_inference(client, cfg.inference.startup_timeout_s)
         await wait_all_ready(signal.endpoint for signal in signals.values())  # a judge still loading its model
         result = await evaluate(
             env,

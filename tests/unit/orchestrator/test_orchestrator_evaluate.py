@@ -134,8 +134,8 @@ def test_gyre_eval_passes_its_bar_to_the_evaluation(tmp_path, monkeypatch):
         return evaluate_module.EvalResult("reverse_text", 1.0, 1.0, 1, 1, 0, 0, 0.1)
 
     monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
-    code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text",
-                                 "--inference.urls", '["http://127.0.0.1:9"]'])  # fmt: skip
+    code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text", "--inference.urls",
+                                 '["http://127.0.0.1:9"]', "--inference.startup-timeout-s", "0"])  # fmt: skip
     assert code == 0 and isinstance(seen.get("progress"), evaluate_module.EvalProgress)
 
 
@@ -323,3 +323,73 @@ def test_an_eval_whose_answers_keep_coming_from_an_older_version_fails_instead_o
     with pytest.raises(EvalFailed, match="eval of version 3: sample 0 of task .* older version 20 times"):
         asyncio.run(evaluate(dataset_env(tmp_path, replies), TableClient(replies), env_name="d", num_examples=1, k=1,
                              sampling=sampling, min_version=3))  # fmt: skip
+
+
+# ---- gyre eval waits for the policy's server, bounded (inference.startup_timeout_s) -------------------------------
+
+
+def inference_client(url: str):
+    from gyre_orchestrator.client import InferenceClient
+    from gyre_orchestrator.replicas import ReplicaSet, static_endpoints
+
+    replicas = ReplicaSet()
+    replicas.set_endpoints(static_endpoints([url], None, 50051))
+    return InferenceClient(replicas, timeout_s=5, retries=0)
+
+
+async def waited(client, limit_s: float, **kwargs):
+    from gyre_orchestrator.client import close_replica_clients
+    from gyre_orchestrator.evaluate import wait_for_inference
+
+    try:
+        await wait_for_inference(client, limit_s, **kwargs)
+    finally:
+        await close_replica_clients(list(client.replicas))
+
+
+def test_gyre_eval_waits_for_a_replica_still_loading_and_says_so(caplog):
+    """A server that answers 503 (a model loading) is asked again until it answers; the wait says what it waits for
+    at once and every log_s, and that inference is up."""
+    from support.judge_server import ScriptedServer
+
+    with ScriptedServer() as server, caplog.at_level("INFO", logger="gyre_orchestrator.evaluate"):
+        server.models_script[:] = [('{"error": "loading"}', "application/json", 503)] * 6
+        asyncio.run(waited(inference_client(server.url), 30, poll_s=0.05, log_s=0.1))
+        assert server.models_script == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "gyre_orchestrator.evaluate"]
+    assert lines[0].startswith(f"waiting for inference ({server.url}: 503") and "of 30s" in lines[0], lines
+    assert any(line.startswith("still waiting for inference") for line in lines), lines
+    assert lines[-1] == f"inference is up: {server.url}"
+
+
+def test_gyre_eval_stops_at_once_on_a_refused_key_or_an_unknown_host_and_past_its_bound_on_a_closed_port():
+    import socket
+    import time
+
+    from gyre_orchestrator.client import InferenceError
+    from support.judge_server import ScriptedServer
+
+    with ScriptedServer() as server:  # a key or a URL no wait mends
+        server.models_script[:] = [('{"error": {"message": "bad key"}}', "application/json", 401)]
+        start = time.monotonic()
+        with pytest.raises(InferenceError, match=r"/v1/models refused the request: 401 .*inference.api_key"):
+            asyncio.run(waited(inference_client(server.url), 30, poll_s=0.05))
+        assert time.monotonic() - start < 10
+    with pytest.raises(InferenceError, match=r"the host name does not resolve \(inference.urls\)"):
+        asyncio.run(waited(inference_client("http://no-such-host.invalid:8000"), 30, poll_s=0.05))
+    with socket.socket() as closed:  # a port nothing listens on: waited for (a server starting), then named
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with pytest.raises(InferenceError, match=rf"no replica answered /v1/models within 0.5s \(last: {url}: "):
+        asyncio.run(waited(inference_client(url), 0.5, poll_s=0.05))
+
+
+def test_an_openai_base_url_is_read_as_the_replicas_root():
+    # vLLM's and the openai client's users give http://host:8000/v1: every request went to /v1/v1/... (a 404)
+    from gyre.config import load_config
+    from gyre.config.orchestrator import GyreEvalConfig
+
+    cfg = load_config(
+        GyreEvalConfig, ["--inference.urls", '["http://a:8000/v1", "http://b:8000/v1/", "http://c:8000"]']
+    )
+    assert cfg.inference.urls == ["http://a:8000", "http://b:8000", "http://c:8000"]
