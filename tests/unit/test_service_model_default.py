@@ -70,3 +70,17 @@ def test_gyre_rl_takes_the_model_by_name_and_refuses_it_in_a_section(tmp_path):
     cfg = load_config(RLConfig, ["--trainer.model", "x", "--model.init-preset", "tiny", "--output-dir", str(tmp_path)])
     with pytest.raises(ConfigError, match=r"^config key 'trainer.model.name': gyre rl gives every service the same"):
         Launcher(cfg).validate()  # a string slipped past the check, replacing the launcher's model
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", '{"dtype": "bfloat16"}', "--model.name", "Q/x"],  # as the chart writes a server's args
+        ["--model.name", "Q/x", "--model", '{"dtype": "bfloat16"}'],
+        ["--model", "Q/x", "--model.dtype", "bfloat16"],
+    ],
+)
+def test_a_model_table_given_whole_merges_with_the_models_other_options(argv):
+    # the shorthand took '{"dtype": ...}' for the name: the chart's teacher server lost its dtype (ran at auto)
+    cfg = load_config(InferenceConfig, argv)
+    assert (cfg.model.name, cfg.model.dtype) == ("Q/x", "bfloat16")

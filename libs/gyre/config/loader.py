@@ -331,7 +331,16 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
             raw, i = nxt, i + 2
         else:
             i += 1
-        _set_nested(cli, _shorthand_key(model, name), _cli_value(raw, name))
+        value = _cli_value(raw, name)
+        if isinstance(value, dict):
+            # a table given whole (`--model '{"dtype": "bfloat16"}' --model.name X`, as the chart writes a server's
+            # args) merges with that table's other options, in either order: it is not the section's shorthand
+            # (model.name = {dtype}: the dtype was lost), nor does it replace the keys given before it
+            given: dict = {}
+            _set_nested(given, name, value)
+            cli = deep_merge(cli, given)
+        else:
+            _set_nested(cli, _shorthand_key(model, name), value)
     return deep_merge(deep_merge(files, tables), cli)
 
 
