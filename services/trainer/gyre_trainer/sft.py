@@ -593,6 +593,14 @@ def save_hf_model(save_dir: Path, state_dict, config, base_model: str, step: int
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    from gyre_trainer.torchrun import report_exit
+
+    report_exit(code)  # under `python -m gyre_trainer.torchrun`: a clean stop on SIGTERM exits 0, not torchrun's 1
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_or_exit(SFTConfig, argv, "gyre sft")
     from gyre.model_source import check_service_model
