@@ -38,10 +38,20 @@ def trainer() -> db.Dashboard:
             "Fraction of the last step's loss tokens the objective clipped (or masked).",
         ),
         panel(
-            "Gradient norm spikes",
+            "Gradient norm spikes, skipped updates",
             "short",
-            [(f"sum by (run_id) (increase({sel('gyre_trainer_grad_norm_spikes_total')}[{RATE}]))", "{{run_id}}")],
-            "Steps with a non-finite or spiking gradient norm, kept in debug/step_N for `gyre replay`.",
+            [
+                (
+                    f"sum by (run_id) (increase({sel('gyre_trainer_grad_norm_spikes_total')}[{RATE}]))",
+                    "spikes {{run_id}}",
+                ),
+                (
+                    f"sum by (run_id) (increase({sel('gyre_trainer_skipped_updates_total')}[{RATE}]))",
+                    "skipped {{run_id}}",
+                ),
+            ],
+            "Steps with a non-finite or spiking gradient norm, kept in debug/step_N for `gyre replay`; steps whose "
+            "update was skipped (non-finite or zero gradient, no valid loss token: nothing learned from them).",
             minimum=0,
         ),
         gauge("Learning rate", "gyre_trainer_lr", "sci", "Learning rate of the last step."),

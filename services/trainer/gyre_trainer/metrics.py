@@ -63,6 +63,11 @@ class TrainerMetrics:
             "gyre_trainer_grad_norm_spikes_total",
             "Steps whose gradient norm was non-finite or above debug.spike_factor x the recent median.",
         )
+        self.skipped_updates = counter(
+            "gyre_trainer_skipped_updates_total",
+            "Steps whose optimizer update was skipped (a non-finite or zero gradient norm, no valid loss token); "
+            "each still counts as trained.",
+        )
         self.lr = gauge("gyre_trainer_lr", "Learning rate of the last step.")
         self.last_step_timestamp = gauge(
             "gyre_trainer_last_step_timestamp_seconds", "Unix time the last step was published."
@@ -98,6 +103,8 @@ class TrainerMetrics:
         clipped = record.get("clip_frac", record.get("masked_frac"))  # the objective's (docs/algorithms.md)
         if clipped is not None:
             self.clip_ratio.set(clipped)
+        if record.get("skipped"):  # a step without signal or with a broken gradient: nothing was learned from it
+            self.skipped_updates.inc()
         self.tokens.inc(record["num_tokens"])
         self.step_duration.observe(record["step_seconds"])
         for rank, mfu in enumerate(mfu_per_rank):

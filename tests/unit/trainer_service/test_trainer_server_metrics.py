@@ -54,6 +54,8 @@ def test_metrics_exposition():
               "num_tokens": 640, "step_seconds": 0.7, "time": 1234.0}  # fmt: skip
     metrics.observe_step(record, mfu_per_rank=[0.31, 0.29])
     metrics.observe_step({**record, "step": 4, "loss": None}, mfu_per_rank=[0.3, 0.3])  # a missing value keeps the last
+    # a skipped update (zero gradient, no valid loss token) is a trained step, and counted as skipped
+    metrics.observe_step({**record, "step": 5, "skipped": 1.0, "skip_reason": "zero gradient"}, mfu_per_rank=[0.3, 0.3])
     server, port = serve(metrics.registry, 0, "127.0.0.1")
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -63,11 +65,12 @@ def test_metrics_exposition():
     lines = {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"
     }
-    assert lines['gyre_trainer_step{run_id="exp1"}'] == 4
+    assert lines['gyre_trainer_step{run_id="exp1"}'] == 5
     assert lines['gyre_trainer_loss{run_id="exp1"}'] == 0.25
-    assert lines['gyre_trainer_tokens_total{run_id="exp1"}'] == 1280
+    assert lines['gyre_trainer_tokens_total{run_id="exp1"}'] == 1920
+    assert lines['gyre_trainer_skipped_updates_total{run_id="exp1"}'] == 1
     assert lines['gyre_trainer_mfu_ratio{rank="1",run_id="exp1"}'] == 0.3
-    assert lines['gyre_trainer_step_duration_seconds_count{run_id="exp1"}'] == 2
+    assert lines['gyre_trainer_step_duration_seconds_count{run_id="exp1"}'] == 3
     assert lines['gyre_trainer_last_step_timestamp_seconds{run_id="exp1"}'] == 1234.0
     for name in ("entropy", "mismatch_kl", "grad_norm", "lr"):
         assert f'gyre_trainer_{name}{{run_id="exp1"}}' in lines
