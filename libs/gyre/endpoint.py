@@ -37,6 +37,7 @@ import random
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -93,6 +94,33 @@ class RequestRefused(EndpointError):
         self.status = status
 
 
+class RotatingKey:
+    """A bearer key read from a file or an environment variable, read again after a 401 or 403: when it has changed
+    since the refused request was sent (a Kubernetes Secret updated in place: the kubelet rewrites the mounted file),
+    the caller asks once more with the new one (`value`). Shared by `Endpoint` and the policy's inference client."""
+
+    def __init__(self, key: str | None, reread: Callable[[], str | None] | None, *, name: str, setting: str):
+        self.value = key
+        self.name = name
+        self.setting = setting
+        self._reread = reread  # None: a key given as such (or none), nothing to read again
+
+    def rekey(self, status: int, sent: str | None) -> bool:
+        """After a `status` answer to a request sent with the key `sent`: whether to ask again, with `value` (the key
+        re-read has changed). False for any status but 401 and 403 and for a key not read from anywhere;
+        ValueError naming the setting when the key can no longer be read."""
+        if status not in (401, 403) or self._reread is None:
+            return False
+        fresh = self._reread()
+        if fresh is None or fresh == sent:  # None: not read from a file (nor a variable) after all
+            return False
+        if fresh != self.value:  # another request may have taken the new key up already
+            self.value = fresh
+            log.info("%s: the key changed (%s re-read after a %d); asking again with it", self.name, self.setting,
+                     status)  # fmt: skip
+        return True
+
+
 class Endpoint:
     """Calls to one OpenAI-compatible server; safe to use from many tasks at once (one event loop)."""
 
@@ -105,9 +133,12 @@ class Endpoint:
             raise ValueError(f"{name}: url = {config.url!r} names a server that only gyre rl and the Helm chart "
                              "resolve ([[servers]]); run directly, give its http(s) URL")  # fmt: skip
         try:
-            self._key = config.api_key()  # before anything runs
+            key = config.api_key()  # before anything runs
         except ValueError as error:  # whose key: several judges, reward models and a teacher each name one
             raise ValueError(f"{name}: {error}") from None
+        setting = "api_key_env" if config.api_key_env else "api_key_file"
+        self._keys = RotatingKey(key, config.api_key if config.api_key_env or config.api_key_file else None,
+                                 name=name, setting=setting)  # fmt: skip
         self._client: openai.AsyncOpenAI | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._model: asyncio.Future | None = None
@@ -152,21 +183,16 @@ class Endpoint:
                                 f"{describe(error)}; re-reading the key: {reread}") from error  # fmt: skip
 
     def _rekey(self, status: int, sent: str | None) -> bool:
-        """After a 401/403 of a request sent with the key `sent`: re-read the key and, when it has changed (a rotated
-        Secret), use it from now on and say so (True: ask again). ValueError naming the setting when the key can no
-        longer be read."""
-        if status not in (401, 403) or not (self.config.api_key_env or self.config.api_key_file):
+        """`RotatingKey.rekey`, the client given the new key."""
+        if not self._keys.rekey(status, sent):
             return False
-        fresh = self.config.api_key()
-        if fresh == sent:
-            return False
-        if fresh != self._key:  # another request may have taken the new key up already
-            self._key = fresh
-            if self._client is not None:
-                self._client.api_key = fresh  # read into each request's Authorization header
-            log.info("%s: the key changed (%s re-read after a %d); asking again with it", self.name,
-                     "api_key_env" if self.config.api_key_env else "api_key_file", status)  # fmt: skip
+        if self._client is not None:
+            self._client.api_key = self._keys.value  # read into each request's Authorization header
         return True
+
+    @property
+    def _key(self) -> str | None:
+        return self._keys.value
 
     async def wait_ready(self, *, poll_s: float = READY_POLL_S, log_s: float = READY_LOG_S) -> None:
         """Return once the server answers `/v1/models` (with the key), asking every `poll_s` for up to

@@ -29,7 +29,7 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 T = TypeVar("T", bound=BaseModel)
@@ -73,11 +73,37 @@ class Section(BaseModel):
     (:func:`secret_file`) read their secret from a file."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
+    # {key: the file it was read from}: kept (not dumped) so that a service can read a Secret rotated in place again
+    _secret_files: dict[str, Path] = PrivateAttr(default_factory=dict)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _read_secret_files(cls, data: Any) -> Any:
-        return read_secret_files(cls, data)
+    def _read_secret_files(cls, data: Any, handler: Any) -> Any:
+        files = {}
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+                if extra.get(SECRET_FILE_FOR) and data.get(name) not in (None, ""):
+                    files[extra[SECRET_FILE_FOR]] = Path(data[name])
+        section = handler(read_secret_files(cls, data))
+        if files:
+            section._secret_files = files
+        return section
+
+    def reread_secret(self, key: str) -> Any:
+        """`key` read again from the `<key>_file` it was loaded from (the kubelet rewrites a mounted Secret that is
+        updated in place); None when it was not read from a file. ValueError naming the setting when the file can
+        no longer be read or is empty."""
+        path = self._secret_files.get(key)
+        if path is None:
+            return None
+        try:
+            text = path.read_text().rstrip("\n")
+        except OSError as e:
+            raise ValueError(f"{key}_file = {str(path)!r}: cannot read the file ({e.strerror or e})") from None
+        if not text.strip():
+            raise ValueError(f"{key}_file = {str(path)!r}: the file is empty")
+        return text
 
 
 class GyreSettings(BaseSettings):

@@ -28,11 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import openai
-from gyre.endpoint import describe, first_model
+from gyre.endpoint import RotatingKey, describe, first_model
 from gyre.envs import ContextLengthExceeded, Messages, SamplingParams, ToolCall, Turn
 from gyre.envs.types import derive_seed
 
@@ -128,6 +129,7 @@ class InferenceClient:
         *,
         model: str | None = None,
         api_key: str | None = None,
+        reread_key: Callable[[], str | None] | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 300.0,
         retries: int = 3,
@@ -137,7 +139,8 @@ class InferenceClient:
     ):
         self.replicas = replicas
         self.model = model
-        self.api_key = api_key
+        # a 401/403 reads `reread_key` (inference.api_key_file) again: a Secret rotated in place is taken up
+        self.keys = RotatingKey(api_key, reread_key, name="inference", setting="inference.api_key_file")
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -148,6 +151,19 @@ class InferenceClient:
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self.stats = {"requests": 0, "retries": 0}  # shared with every for_version() view
         self.demand = {"inflight": 0, "queued": 0}  # likewise
+
+    @property
+    def api_key(self) -> str | None:
+        return self.keys.value
+
+    def rekey(self, status: int, sent: str | None) -> bool:
+        """`RotatingKey.rekey` (True: ask again), every replica's clients given the new key."""
+        if not self.keys.rekey(status, sent):
+            return False
+        for replica in list(self.replicas):
+            for client in replica.clients.get("openai") or []:
+                client.api_key = self.keys.value  # read into each request's Authorization header
+        return True
 
     def for_version(self, min_version: int, *, priority: int | None = None) -> InferenceClient:
         """A view of this client (same replicas, same concurrency budget) that needs version >= min_version and
@@ -186,16 +202,23 @@ class InferenceClient:
 
     async def _with_retries(self, request: dict[str, Any]) -> Turn:
         last: BaseException | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                # full jitter: concurrent retries after a replica dies must not stampede the survivors
-                await asyncio.sleep(random.uniform(0, self.backoff_s * 2 ** (attempt - 1)))
+        # a rotated key is tried once per request, at once: the refused attempt again, not a retry (nor a backoff)
+        attempt, rekeyed, again = -1, False, False
+        while again or attempt < self.retries:
+            if again:
+                again = False
+            else:
+                attempt += 1
+                if attempt:
+                    # full jitter: concurrent retries after a replica dies must not stampede the survivors
+                    await asyncio.sleep(random.uniform(0, self.backoff_s * 2 ** (attempt - 1)))
             try:
                 replica = await self.replicas.acquire(self.min_version, timeout=self.wait_for_replica_s)
             except NoReplicaAvailable as e:
                 raise InferenceError(str(e)) from None
             self.demand["queued"] -= 1
             self.demand["inflight"] += 1
+            sent = self.keys.value
             call = asyncio.ensure_future(self._request(replica, request))
             replica.calls.add(call)  # cancelled by `ReplicaSet.abandon` when the replica stops answering
             try:
@@ -220,8 +243,16 @@ class InferenceClient:
                 self.replicas.mark_failed(replica, e)
                 continue
             except openai.APIStatusError as e:
-                error = ContextTooLong if _context_overflow(e) else InferenceError
-                raise error(f"{replica.url} rejected the request: {e.status_code} {describe(e)}") from e
+                message = f"{replica.url} rejected the request: {e.status_code} {describe(e)}"
+                try:
+                    if not rekeyed and self.rekey(e.status_code, sent):
+                        rekeyed = again = True
+                        continue
+                except ValueError as reread:  # the key file can no longer be read
+                    raise InferenceError(f"{message}; re-reading the key: {reread}") from e
+                if e.status_code in (401, 403):  # the server's message rarely names the setting
+                    message += " (check inference.api_key / inference.api_key_file)"
+                raise (ContextTooLong if _context_overflow(e) else InferenceError)(message) from e
             finally:
                 replica.calls.discard(call)
                 self.replicas.release(replica)

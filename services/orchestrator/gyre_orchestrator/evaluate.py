@@ -344,6 +344,7 @@ async def wait_for_inference(client, limit_s: float, *, poll_s: float = READY_PO
     while True:
         for replica in list(client.replicas):
             remaining = limit_s - (time.monotonic() - start)
+            sent = client.api_key
             try:
                 async with asyncio.timeout(max(min(client.timeout_s, READY_PROBE_S, remaining), 0.1)):
                     await client.served_model(replica)
@@ -351,9 +352,16 @@ async def wait_for_inference(client, limit_s: float, *, poll_s: float = READY_PO
                     log.info("inference is up: %s", replica.url)
                 return
             except openai.APIStatusError as e:
+                try:
+                    if client.rekey(e.status_code, sent):  # a rotated key: asked again (once: then it is the same)
+                        continue
+                except ValueError as reread:  # the key file can no longer be read
+                    raise InferenceError(f"{replica.url}/v1/models refused the request: {e.status_code}; re-reading "
+                                         f"the key: {reread}") from None  # fmt: skip
                 if e.status_code < 500 and e.status_code not in (408, 409, 429):  # 409: vLLM's model still loading
                     raise InferenceError(f"{replica.url}/v1/models refused the request: {e.status_code} {describe(e)} "
-                                         "(check inference.urls and inference.api_key)") from None  # fmt: skip
+                                         "(check inference.urls, and inference.api_key or api_key_file)"
+                                         ) from None  # fmt: skip
                 reason = f"{replica.url}: {e.status_code} {describe(e)}"
             except (openai.APIError, BadResponse, TimeoutError, OSError) as e:
                 if unknown_host(e):  # a typo: a Service's name resolves before its pods run
@@ -389,6 +397,7 @@ async def _run_once(
         replicas,
         model=cfg.inference.model,
         api_key=cfg.inference.api_key,
+        reread_key=lambda: cfg.inference.reread_secret("api_key"),  # a Secret rotated in place
         max_concurrency=cfg.inference.max_concurrency,
         timeout_s=cfg.inference.timeout_s,
         retries=cfg.inference.retries,

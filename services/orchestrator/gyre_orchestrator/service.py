@@ -133,6 +133,7 @@ class OrchestratorService:
             self.replicas,
             model=inf.model,
             api_key=inf.api_key,
+            reread_key=lambda: inf.reread_secret("api_key"),  # a Secret rotated in place
             max_concurrency=inf.max_concurrency,
             timeout_s=inf.timeout_s,
             retries=inf.retries,
@@ -337,7 +338,7 @@ class OrchestratorService:
         # under the Helm chart) failed the first rollouts' scoring, and after sample_attempts stopped the run
         await wait_all_ready(signal.endpoint for signal in self.signals.values())
         if self.teacher is not None and len(self.replicas):  # before any sample: a teacher of another vocabulary
-            await self.teacher.check_tokenizer_once(next(iter(self.replicas)).url, api_key=cfg.inference.api_key)
+            await self.teacher.check_tokenizer_once(next(iter(self.replicas)).url, api_key=self.client.api_key)
         if self.relay.target is not None:
             step = self.relay.target.step
             log.info("published weights up to version %d: making replicas serve it", step)
@@ -581,7 +582,7 @@ class OrchestratorService:
         if self.teacher is None:
             return None
         if len(self.replicas):  # done at start unless no replica was known then (a fleet still starting)
-            await self.teacher.check_tokenizer_once(next(iter(self.replicas)).url, self.cfg.inference.api_key)
+            await self.teacher.check_tokenizer_once(next(iter(self.replicas)).url, self.client.api_key)
         ids = rollout.token_ids[: self.cfg.batch.seq_len]
         values = await self.teacher.logprobs(ids)
         if values is None:  # the teacher refused this sample (counted, logged once): it trains on its reward alone
