@@ -407,14 +407,45 @@ def test_help_says_an_optional_section_is_unset_by_default():
     assert load_config(OrchestratorConfig, []).teacher is None
 
 
-def test_a_list_given_as_a_plain_string_says_how_to_write_a_list():
-    # `gyre eval --inference.urls http://host:8000` said only "Input should be a valid list"
+def test_a_list_option_takes_one_plain_value_as_its_one_entry(tmp_path):
+    # `gyre eval --inference.urls http://host:8000/v1`, as vLLM and PRIME-RL users write one value, was refused:
+    # "Input should be a valid list ... write a list"
+    def urls(argv):
+        return load_config(OrchestratorConfig, argv).inference.urls
+
+    assert urls(["--inference.urls", "http://h:8000/v1"]) == ["http://h:8000"]  # its root (OrchestratorConfig's)
+    # never split at a comma: a URL (or a path) may hold one; several entries are JSON
+    assert urls(["--inference.urls=http://h:8000/a,b"]) == ["http://h:8000/a,b"]
+    assert urls(["--inference.urls", '["http://a:1", "http://b:1"]']) == ["http://a:1", "http://b:1"]
+    assert load_config(OrchestratorConfig, ["--inference.control-urls", "h:9"]).inference.control_urls == ["h:9"]
+    assert load_config(TrainerConfig, ["--lora.target-modules", "q_proj"]).lora.target_modules == ["q_proj"]
+    # gyre rl's sections are validated as the services' configs later: the option is a list there too
+    from gyre.config.rl import RLConfig
+
+    rl = collect(["--trainer.lora.target-modules", "q_proj", "--inference.lora.adapters", "/m/a,b"], RLConfig)
+    assert rl == {"trainer": {"lora": {"target_modules": ["q_proj"]}}, "inference": {"lora": {"adapters": ["/m/a,b"]}}}
+    # a list of tables takes no plain value; TOML is typed and unchanged: a string there is still no list
+    with pytest.raises(ConfigError, match="config key 'judges': Input should be a valid list"):
+        load_config(OrchestratorConfig, ["--judges", "http://x"])
     with pytest.raises(ConfigError) as e:
-        load_config(OrchestratorConfig, ["--inference.urls", "http://h:8000"])
+        load_config(OrchestratorConfig, ["@", write(tmp_path, "o.toml", '[inference]\nurls = "http://h:8000"\n')])
     assert str(e.value) == (
         "config key 'inference.urls': Input should be a valid list (got 'http://h:8000'); write a list: "
         """urls = ["http://h:8000"] in TOML, --inference.urls '["http://h:8000"]' as an option"""
     )
-    assert load_config(OrchestratorConfig, ["--inference.urls", '["http://h:8000"]']).inference.urls == [
-        "http://h:8000"
-    ]
+    assert "a list option also takes one plain value as its one entry" in help_text(OrchestratorConfig, "x")
+
+
+def test_an_environment_variable_reads_a_plain_list_entry_and_the_shorthand_as_an_option_does(monkeypatch):
+    # GYRE_INFERENCE__URLS=http://h:8000/v1 and GYRE_MODEL=Qwen/... stopped the command with pydantic-settings'
+    # traceback "error parsing value for field ..."
+    monkeypatch.setenv("GYRE_INFERENCE__URLS", "http://h:8000/a,b")
+    assert load_config(OrchestratorConfig, []).inference.urls == ["http://h:8000/a,b"]
+    monkeypatch.setenv("GYRE_MODEL", "Qwen/Qwen3-0.6B")
+    monkeypatch.setenv("GYRE_MODEL__DTYPE", "bfloat16")
+    model = load_config(InferenceConfig, []).model
+    assert (model.name, model.dtype) == ("Qwen/Qwen3-0.6B", "bfloat16")
+    # meant as JSON and broken: an error naming the key, as on the command line (was a traceback)
+    monkeypatch.setenv("GYRE_INFERENCE__URLS", '["http://h:8000/v1"')
+    with pytest.raises(ConfigError, match="config key 'inference': cannot parse its GYRE_ environment variable"):
+        load_config(OrchestratorConfig, [])

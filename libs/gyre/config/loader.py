@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -127,7 +128,28 @@ class GyreSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # No .env files or secret dirs: one documented set of sources, nothing implicit.
-        return (init_settings, _EnvBelowInit(settings_cls, env_settings, init_settings))
+        env = _PlainEnvValues(settings_cls) if isinstance(env_settings, EnvSettingsSource) else env_settings
+        return (init_settings, _EnvBelowInit(settings_cls, env, init_settings))
+
+
+class _PlainEnvValues(EnvSettingsSource):
+    """The environment read as the command line is: a plain (non-JSON) value of a list option is its one entry
+    (`GYRE_INFERENCE__URLS=http://host:8000/v1`), of a section with a shorthand key that key (`GYRE_MODEL=Qwen/...`
+    is model.name). Both stopped every command with pydantic-settings' traceback ("error parsing value")."""
+
+    def decode_complex_value(self, field_name: str, field: Any, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError:
+            annotation = getattr(field, "annotation", None)
+            if not isinstance(value, str) or value[:1] in "[{":  # meant as JSON: its error, as on the command line
+                raise
+            if _plain_list(annotation):
+                return [value]
+            shorthand = getattr(_model_type(annotation), SHORTHAND, None)
+            if isinstance(shorthand, str):
+                return {shorthand: value}
+            raise
 
 
 class _EnvBelowInit(PydanticBaseSettingsSource):
@@ -366,8 +388,22 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
             _set_nested(given, name, value)
             cli = deep_merge(cli, given)
         else:
+            if isinstance(value, str) and _plain_list(_option_type(model, name, sections=True)):
+                # `--inference.urls http://host:8000/v1`, as vLLM and PRIME-RL users write one entry: the list of
+                # it. Not split at commas (a URL's query or a path may hold one): several entries are JSON
+                value = [value]
             _set_nested(cli, _shorthand_key(model, name), value)
     return deep_merge(deep_merge(files, tables), cli)
+
+
+def _plain_list(annotation: Any) -> bool:
+    """Whether `annotation` is a list of plain values (`list[str]`, optional or not), not of tables or lists."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(arg) is list:
+            (item,) = typing.get_args(arg) or (Any,)
+            nested = {item, typing.get_origin(item)} & {list, dict}
+            return _model_type(item) is None and not nested
+    return False
 
 
 SHORTHAND = "shorthand"  # a Section's ClassVar: the key a plain value given for the whole section sets
@@ -392,10 +428,15 @@ def _expand_shorthands(model: type[BaseModel] | None, values: dict) -> dict:
     return out
 
 
-def _option_type(model: type[BaseModel] | None, dotted: str) -> Any:
-    """The type of option `--dotted` of `model`: its section's model, else its annotation; None for no such key."""
+def _option_type(model: type[BaseModel] | None, dotted: str, sections: bool = False) -> Any:
+    """The type of option `--dotted` of `model`: its section's model, else its annotation; None for no such key.
+    With `sections`, through the models `model`'s free-form sections are validated as (`gyre rl`'s [trainer])."""
     node: Any = model
+    walked: list[str] = []
     for part in dotted.replace("-", "_").split("."):
+        target = getattr(model, "section_models", {}).get(".".join(walked)) if sections and walked else None
+        node = _import_model(target) if target else node
+        walked.append(part)
         field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
         if field is None:
             return None
@@ -642,6 +683,12 @@ def load_config(cls: type[T], argv: list[str] | None = None, **overrides: Any) -
         return cls(**values)
     except ValidationError as e:
         raise ConfigError(format_validation_error(cls, e)) from None
+    except SettingsError as e:  # a GYRE_ variable's table or list that is not JSON: was a traceback
+        found = re.search(r'field "([^"]+)"', str(e))
+        raise ConfigError(
+            f"config key {found.group(1) if found else '<environment>'!r}: cannot parse its GYRE_ environment "
+            f"variable as JSON ({e.__cause__ or e}); lists and tables set that way are JSON"
+        ) from None
 
 
 def _type_name(annotation: Any) -> str:
@@ -678,7 +725,8 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
         out += [(summary or cls.__doc__ or "").strip(), ""]
     out += [
         "Sources (highest first): --options > @ TOML files (merged left to right) > env GYRE_A__B > defaults.",
-        'Options accept kebab or snake case; a bare --flag means true; lists/tables as JSON ([1,2], {"a": 1}).',
+        'Options accept kebab or snake case; a bare --flag means true; lists/tables as JSON ([1,2], {"a": 1});',
+        "a list option also takes one plain value as its one entry (--inference.urls http://host:8000/v1).",
         "'@ experiment.toml#name' reads the [name] table of an experiment file plus its shared top-level keys;",
         "'--section @ file.toml' reads a file as one section's table (gyre rl --trainer @ trainer.toml).",
         "",
