@@ -449,3 +449,16 @@ def test_an_environment_variable_reads_a_plain_list_entry_and_the_shorthand_as_a
     monkeypatch.setenv("GYRE_INFERENCE__URLS", '["http://h:8000/v1"')
     with pytest.raises(ConfigError, match="config key 'inference': cannot parse its GYRE_ environment variable"):
         load_config(OrchestratorConfig, [])
+
+
+def test_a_section_file_merges_with_the_sections_other_files(tmp_path):
+    # `--optim @ a.toml --optim @ b.toml`, or gyre rl's `--trainer.optim @ optim.toml --trainer @ trainer.toml`: the
+    # later file replaced the section's table, and the first file's keys were silently lost
+    lr, decay = write(tmp_path, "lr.toml", "lr = 0.5\n"), write(tmp_path, "wd.toml", "weight_decay = 0.25\n")
+    optim = load_config(TrainerConfig, ["--optim", "@", lr, "--optim", "@", decay]).optim
+    assert (optim.lr, optim.weight_decay) == (0.5, 0.25)
+    from gyre.config.rl import RLConfig
+
+    trainer = write(tmp_path, "trainer.toml", "[data]\nseq_len = 64\n")
+    values = collect(["--trainer.optim", "@", lr, "--trainer", "@", trainer], RLConfig)
+    assert values == {"trainer": {"optim": {"lr": 0.5}, "data": {"seq_len": 64}}}

@@ -368,8 +368,11 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
                 path = nxt[1:] if nxt != "@" else (argv[i + 2] if i + 2 < len(argv) else None)
                 if not path:
                     raise ConfigError(f"'--{name} @' must be followed by a TOML file path")
-                _set_nested(tables, name, _read_table(path))
-                tables = _expand_shorthands(model, tables)
+                # merged, as a JSON table is: `--trainer.optim @ optim.toml --trainer @ trainer.toml` (or one section
+                # given twice) lost the first file's keys, silently
+                given: dict = {}
+                _set_nested(given, name, _read_table(path))
+                tables = _expand_shorthands(model, deep_merge(tables, given))
                 i += 2 if nxt != "@" else 3
                 continue
             if nxt is None or nxt.startswith("--") or nxt.startswith("@"):
@@ -452,7 +455,7 @@ def _shorthand_key(model: type[BaseModel] | None, dotted: str) -> str:
 
 def _is_table(model: type[BaseModel] | None, dotted: str) -> bool:
     """Whether option `--dotted` of `model` is a section or table (a file can be its value), not an on/off flag."""
-    node = _option_type(model, dotted)
+    node = _option_type(model, dotted, sections=True)  # gyre rl's `--trainer.optim @ optim.toml` too
     return (isinstance(node, type) and issubclass(node, BaseModel)) or typing.get_origin(node) is dict or node is dict
 
 
