@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
 from gyre.endpoint import READY_LOG_S, READY_POLL_S
-from gyre.envs import ContextLengthExceeded, Environment, SamplingParams
+from gyre.envs import ContextLengthExceeded, Environment, SamplingParams, Task
 from gyre.envs.types import ModelClient
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,23 @@ class EvalResult:
         return {"step": step, **asdict(self)}
 
 
+def eval_tasks(env: Environment, num_examples: int, env_name: str) -> list[Task]:
+    """The first `num_examples` tasks of `env`'s eval split (all of them when it holds fewer). ValueError naming the
+    settings when there are none or they cannot be drawn: `gyre eval` and the orchestrator ask before they connect
+    anywhere (it was a traceback after the inference wait, or, in training, an error logged at every eval)."""
+    where = f"env {env_name!r}, eval.num_examples = {num_examples}"
+    try:
+        source = env.tasks("eval")
+        count = min(num_examples, source.size) if source.size is not None else num_examples
+        tasks = [source[i] for i in range(count)]
+    except Exception as e:  # the environment's own draw: distinct_tasks' ValueError, an IndexError, a dataset's
+        raise ValueError(f"{where}: cannot draw the eval tasks: {e}") from e
+    if not tasks:
+        raise ValueError(f"{where}: the eval split is empty, nothing to evaluate (give the environment eval tasks "
+                         "in env.args, e.g. num_eval or an eval split)")  # fmt: skip
+    return tasks
+
+
 async def evaluate(
     env: Environment,
     client: ModelClient,
@@ -98,9 +115,8 @@ async def evaluate(
     `progress(done, total)` is called once before the first sample and after each one (`gyre eval`'s bar)."""
     if num_examples < 1 or k < 1 or attempts < 1:
         raise ValueError("num_examples, k and attempts must be >= 1")
-    source = env.tasks("eval")
-    count = min(num_examples, source.size) if source.size is not None else num_examples
-    tasks = [source[i] for i in range(count)]
+    tasks = eval_tasks(env, num_examples, env_name)
+    count = len(tasks)
     start = time.monotonic()
     overlong: dict[int, ContextLengthExceeded] = {}  # task index -> why it was left out
     done = 0
@@ -226,6 +242,8 @@ class TrainingEval:
         self._queue: asyncio.Queue[int] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._evaluated: set[int] = set()
+        if cfg.eval.interval is not None:  # at start: a split that cannot be drawn failed every eval, logged only
+            eval_tasks(env, cfg.eval.num_examples, cfg.env.name)
 
     def start(self, versions, *, at_start: bool, done: Iterable[int] = ()) -> None:
         """Evaluate each due version that `versions` (a `VersionWatch`) reaches; with `at_start`, version 0 first.
@@ -458,6 +476,11 @@ def main(argv: list[str]) -> int:
         return 2
     from gyre.envs.judge import add_to_rubric
 
+    try:  # no eval tasks (an empty split, a num_eval the task space cannot hold): before anything connects
+        eval_tasks(env, cfg.eval.num_examples, cfg.env.name)
+    except ValueError as e:
+        print(f"gyre eval: error: {e}", file=sys.stderr)
+        return 2
     try:  # a judge's missing API key: one line naming the judge and the setting, as gyre orchestrator (a traceback)
         signals = add_to_rubric(env, cfg.judges, cfg.reward_models)
     except ValueError as e:

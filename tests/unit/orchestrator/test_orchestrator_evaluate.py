@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 
 import pytest
 from gyre.envs import SamplingParams, Turn, load_environment
@@ -393,3 +394,45 @@ def test_an_openai_base_url_is_read_as_the_replicas_root():
         GyreEvalConfig, ["--inference.urls", '["http://a:8000/v1", "http://b:8000/v1/", "http://c:8000"]']
     )
     assert cfg.inference.urls == ["http://a:8000", "http://b:8000", "http://c:8000"]
+
+
+def undrawable_envs():
+    """Environments whose eval tasks cannot be had: an empty eval split, and a task space too small for num_eval
+    (every task asks the same question: `distinct_tasks` gives up)."""
+    from gyre.envs import Task, TaskSource
+
+    empty = load_environment("arithmetic", num_eval=2)
+    train = empty.tasks
+    empty.tasks = lambda split, seed=0: TaskSource(lambda i: None, 0) if split == "eval" else train(split, seed)
+    same = load_environment("arithmetic", num_eval=2)
+    same.make_task = lambda rng, task_id: Task(id=task_id, prompt=[{"role": "user", "content": "1+1?"}], answer="2")
+    return {"the eval split is empty": empty, "cannot draw the eval tasks: .*lower num_eval": same}
+
+
+@pytest.mark.parametrize("why", list(undrawable_envs()))
+def test_gyre_eval_without_eval_tasks_is_one_line_naming_the_keys_before_connecting(tmp_path, capsys, monkeypatch, why):
+    # it was a traceback after the wait for inference, however clear the last line; an empty split a ZeroDivisionError
+    import gyre.envs
+    import gyre_orchestrator.evaluate as evaluate_module
+
+    monkeypatch.setattr(gyre.envs, "load_environment", lambda name, **args: undrawable_envs()[why])
+    monkeypatch.setattr(evaluate_module, "_run_once", lambda *args: pytest.fail("connected"))
+    code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "arithmetic", "--eval.num-examples",
+                                 "5", "--inference.urls", '["http://127.0.0.1:9"]'])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.match(rf"gyre eval: error: env 'arithmetic', eval.num_examples = 5: {why}", err), err
+
+
+@pytest.mark.parametrize("why", list(undrawable_envs()))
+def test_an_orchestrator_evaluating_during_training_refuses_an_eval_split_it_cannot_draw_at_start(tmp_path, why):
+    # each eval failed with an error in the log, and training ran on without one eval
+    from gyre.config import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre_orchestrator.evaluate import TrainingEval
+
+    cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path), eval={"interval": 2})
+    with pytest.raises(ValueError, match=rf"env '{cfg.env.name}', eval.num_examples = \d+: {why}"):
+        TrainingEval(cfg, undrawable_envs()[why], None, events=None, wandb=None, metrics=None)
+    off = load_config(OrchestratorConfig, [], output_dir=str(tmp_path))  # no evals: not asked
+    TrainingEval(off, undrawable_envs()[why], None, events=None, wandb=None, metrics=None)
