@@ -445,6 +445,11 @@ def test_an_environment_variable_reads_a_plain_list_entry_and_the_shorthand_as_a
     monkeypatch.setenv("GYRE_MODEL__DTYPE", "bfloat16")
     model = load_config(InferenceConfig, []).model
     assert (model.name, model.dtype) == ("Qwen/Qwen3-0.6B", "bfloat16")
+    # gyre rl's sections, validated as the services' configs later: the variable is a list there too
+    from gyre.config.rl import RLConfig
+
+    monkeypatch.setenv("GYRE_TRAINER__LORA__TARGET_MODULES", "q_proj")
+    assert load_config(RLConfig, []).trainer == {"lora": {"target_modules": ["q_proj"]}}
     # meant as JSON and broken: an error naming the key, as on the command line (was a traceback)
     monkeypatch.setenv("GYRE_INFERENCE__URLS", '["http://h:8000/v1"')
     with pytest.raises(ConfigError, match="config key 'inference': cannot parse its GYRE_ environment variable"):

@@ -137,6 +137,11 @@ class _PlainEnvValues(EnvSettingsSource):
     (`GYRE_INFERENCE__URLS=http://host:8000/v1`), of a section with a shorthand key that key (`GYRE_MODEL=Qwen/...`
     is model.name). Both stopped every command with pydantic-settings' traceback ("error parsing value")."""
 
+    def __call__(self) -> dict[str, Any]:
+        # gyre rl's free-form sections hold strings (GYRE_TRAINER__LORA__TARGET_MODULES=q_proj), made lists here as
+        # for a typed option: the section's own validation refused them
+        return _plain_entries(self.settings_cls, super().__call__())
+
     def decode_complex_value(self, field_name: str, field: Any, value: Any) -> Any:
         try:
             return super().decode_complex_value(field_name, field, value)
@@ -397,6 +402,17 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
                 value = [value]
             _set_nested(cli, _shorthand_key(model, name), value)
     return deep_merge(deep_merge(files, tables), cli)
+
+
+def _plain_entries(model: type[BaseModel], values: dict, prefix: str = "") -> dict:
+    """`values` with each string set for a list option of plain values (:func:`_plain_list`) as its one entry."""
+    out = dict(values)
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out[key] = _plain_entries(model, value, f"{prefix}{key}.")
+        elif isinstance(value, str) and _plain_list(_option_type(model, prefix + key, sections=True)):
+            out[key] = [value]
+    return out
 
 
 def _plain_list(annotation: Any) -> bool:
