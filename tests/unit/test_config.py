@@ -399,6 +399,13 @@ def test_groups_that_cannot_carry_a_signal_are_refused_naming_the_key():
     assert load_config(OrchestratorConfig, ["--advantage.type", "rloo", "--rollouts-per-example", "2"])
 
 
+def test_help_says_what_a_sections_shorthand_sets():
+    # `--model Qwen/Qwen3-0.6B` (2621fd3) was said nowhere in --help
+    assert "\n[model] Model to fine-tune (--model X sets model.name).\n" in help_text(SFTConfig, "gyre sft")
+    assert "\n[optim] " in help_text(SFTConfig, "gyre sft")
+    assert "--optim X" not in help_text(SFTConfig, "gyre sft")  # a section without a shorthand
+
+
 def test_help_says_an_optional_section_is_unset_by_default():
     # `gyre orchestrator --help` listed `--teacher.url str  (required)` with nothing saying the teacher is optional
     text = help_text(OrchestratorConfig, "gyre orchestrator")
@@ -433,7 +440,7 @@ def test_a_list_option_takes_one_plain_value_as_its_one_entry(tmp_path):
         "config key 'inference.urls': Input should be a valid list (got 'http://h:8000'); write a list: "
         """urls = ["http://h:8000"] in TOML, --inference.urls '["http://h:8000"]' as an option"""
     )
-    assert "a list option also takes one plain value as its one entry" in help_text(OrchestratorConfig, "x")
+    assert "a list of plain values also takes one value as its one entry" in help_text(OrchestratorConfig, "x")
 
 
 def test_an_environment_variable_reads_a_plain_list_entry_and_the_shorthand_as_an_option_does(monkeypatch):

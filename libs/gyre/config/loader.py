@@ -745,7 +745,7 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
     out += [
         "Sources (highest first): --options > @ TOML files (merged left to right) > env GYRE_A__B > defaults.",
         'Options accept kebab or snake case; a bare --flag means true; lists/tables as JSON ([1,2], {"a": 1});',
-        "a list option also takes one plain value as its one entry (--inference.urls http://host:8000/v1).",
+        "a list of plain values also takes one value as its one entry (--key x is --key '[\"x\"]'), never split.",
         "'@ experiment.toml#name' reads the [name] table of an experiment file plus its shared top-level keys;",
         "'--section @ file.toml' reads a file as one section's table (gyre rl --trainer @ trainer.toml).",
         "",
@@ -759,6 +759,9 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
                 # an optional section (trainer.lora, orchestrator.teacher) is unset until one of its keys is set: its
                 # "(required)" keys (teacher.url) are required only then
                 off = "(optional, unset by default) " if field.default is None else ""
+                if isinstance(short := getattr(sub, SHORTHAND, None), str):  # `--model X`: said nowhere
+                    given = f"--{prefix}{name} X" if flag else f'{name} = "X"'
+                    desc = f"{desc.rstrip('.')} ({given} sets {prefix}{name}.{short}).".lstrip()
                 out.append(f"{'  ' * depth}[{prefix}{name}] {off}{desc}")
                 walk(sub, prefix + name + ".", depth + 1, flag, _section_defaults(field, sub))
                 continue
