@@ -252,6 +252,8 @@ class InferenceClient:
                     raise InferenceError(f"{message}; re-reading the key: {reread}") from e
                 if e.status_code in (401, 403):  # the server's message rarely names the setting
                     message += " (check inference.api_key / inference.api_key_file)"
+                elif e.status_code == 404:  # a model the server does not serve, or a path that is not an OpenAI API
+                    message += f" (check inference.model = {self.model!r} and inference.urls)"
                 raise (ContextTooLong if _context_overflow(e) else InferenceError)(message) from e
             finally:
                 replica.calls.discard(call)
@@ -306,6 +308,19 @@ class InferenceClient:
         """The first model of `replica`'s `/v1/models`, asked once and kept (what a request names when
         `inference.model` is unset): an answer says the replica is up and takes this client's key."""
         return await self._model_name(replica, self._openai(replica))
+
+    async def check_model(self, replica: Replica) -> None:
+        """InferenceError when `inference.model` is set and `replica`'s `/v1/models` does not list it: every request
+        would be refused (a 404, which `gyre eval` retried as a failed sample three times), as a vLLM user's hub id
+        against a server started with --served-model-name."""
+        if not self.model:
+            return
+        models = await self._openai(replica).get("/models", cast_to=object)
+        data = models.get("data") if isinstance(models, dict) else None
+        served = [m["id"] for m in data if isinstance(m, dict) and m.get("id")] if isinstance(data, list) else []
+        if served and self.model not in served:
+            raise InferenceError(f"{replica.url} does not serve inference.model = {self.model!r}: it serves "
+                                 f"{', '.join(map(repr, served))} (unset, the first one is used)")  # fmt: skip
 
     async def _model_name(self, replica: Replica, client: openai.AsyncOpenAI) -> str:
         # one /v1/models call per replica, however many requests start at once

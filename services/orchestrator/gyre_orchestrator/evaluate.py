@@ -366,6 +366,7 @@ async def wait_for_inference(client, limit_s: float, *, poll_s: float = READY_PO
             try:
                 async with asyncio.timeout(max(min(client.timeout_s, READY_PROBE_S, remaining), 0.1)):
                     await client.served_model(replica)
+                    await client.check_model(replica)  # a model it does not serve: every sample a 404
                 if logged is not None:
                     log.info("inference is up: %s", replica.url)
                 return

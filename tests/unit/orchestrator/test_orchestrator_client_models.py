@@ -52,3 +52,31 @@ def test_a_models_answer_that_is_no_model_list_is_a_bad_response_naming_the_repl
 
     with serving(_app(*BODIES[answer]), port):
         asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_model_the_server_does_not_serve_names_inference_model():
+    # the server's 404 said which model it serves, but not which setting sent the other one
+    from gyre.envs import SamplingParams
+    from gyre_orchestrator.client import InferenceError
+
+    port = free_port()
+    body = b'{"error": {"message": "The model `Qwen/Qwen3-0.6B` does not exist", "code": "model_not_found"}}'
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def scenario():
+        client = InferenceClient(
+            ReplicaSet([Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1:1")]), model="Qwen/Qwen3-0.6B"
+        )
+        with pytest.raises(
+            InferenceError, match=r"404 .*\(check inference.model = 'Qwen/Qwen3-0.6B' and inference.urls\)"
+        ):
+            await client.chat([{"role": "user", "content": "hi"}], sampling=SamplingParams(max_tokens=2))
+
+    with serving(app, port):
+        asyncio.run(scenario())

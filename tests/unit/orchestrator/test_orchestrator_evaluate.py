@@ -436,3 +436,19 @@ def test_an_orchestrator_evaluating_during_training_refuses_an_eval_split_it_can
         TrainingEval(cfg, undrawable_envs()[why], None, events=None, wandb=None, metrics=None)
     off = load_config(OrchestratorConfig, [], output_dir=str(tmp_path))  # no evals: not asked
     TrainingEval(off, undrawable_envs()[why], None, events=None, wandb=None, metrics=None)
+
+
+def test_gyre_eval_stops_at_once_on_a_model_the_server_does_not_serve():
+    # a vLLM user's hub id against a server started with --served-model-name: each sample a 404, retried three times
+    from gyre_orchestrator.client import InferenceError
+    from support.judge_server import ScriptedServer
+
+    with ScriptedServer() as server:
+        client = inference_client(server.url)
+        client.model = "Qwen/Qwen3-0.6B"
+        with pytest.raises(InferenceError, match=r"does not serve inference.model = 'Qwen/Qwen3-0.6B': it serves "
+                                                 r"'judge-model' \(unset"):  # fmt: skip
+            asyncio.run(waited(client, 30, poll_s=0.05))
+        client = inference_client(server.url)
+        client.model = "judge-model"
+        asyncio.run(waited(client, 30, poll_s=0.05))  # listed: up
