@@ -463,6 +463,14 @@ def test_an_environment_variable_reads_a_plain_list_entry_and_the_shorthand_as_a
         load_config(OrchestratorConfig, [])
 
 
+def test_a_tables_model_by_name_keeps_the_shared_model_keys(tmp_path):
+    # `@ exp.toml#inference` with a shared [model] dtype and the table's `model = "b"`: the table's string replaced the
+    # shared table, and the dtype was lost, silently
+    exp = write(tmp_path, "exp.toml", '[model]\nname = "a"\ndtype = "bfloat16"\n[inference]\nmodel = "b"\n')
+    model = load_config(InferenceConfig, ["@", f"{exp}#inference"]).model
+    assert (model.name, model.dtype) == ("b", "bfloat16")
+
+
 def test_a_section_file_merges_with_the_sections_other_files(tmp_path):
     # `--optim @ a.toml --optim @ b.toml`, or gyre rl's `--trainer.optim @ optim.toml --trainer @ trainer.toml`: the
     # later file replaced the section's table, and the first file's keys were silently lost

@@ -302,7 +302,9 @@ def read_section(path: str, model: type[BaseModel] | None) -> dict:
         shared = _inherited(model, shared)
         if (other := getattr(model, "reads_sections_of", {}).get(section)) is not None:
             table = _less_keys_of(model, _import_model(other), table)
-    return deep_merge(shared, table)
+    # each part's `model = "x"` as {name = "x"} before they merge: the table's replaced the shared [model] (its dtype
+    # was lost, silently), as a file's did an option's before ede93f8
+    return deep_merge(_expand_shorthands(model, shared), _expand_shorthands(model, table))
 
 
 def _import_model(target: str) -> type[BaseModel]:
@@ -377,7 +379,7 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
                 # given twice) lost the first file's keys, silently
                 given: dict = {}
                 _set_nested(given, name, _read_table(path))
-                tables = _expand_shorthands(model, deep_merge(tables, given))
+                tables = deep_merge(tables, _expand_shorthands(model, given))
                 i += 2 if nxt != "@" else 3
                 continue
             if nxt is None or nxt.startswith("--") or nxt.startswith("@"):
