@@ -5,6 +5,8 @@ waited for a step forever)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -268,3 +270,22 @@ def test_a_warm_up_that_cannot_resume_as_asked_is_refused_before_anything_starts
         assert str(e.value).startswith(f"config key '{key}': {said}"), e.value
     validate(out, *SFT_ARGS, "--sft.args.max-steps", "4")
     validate(out, *SFT_ARGS, "--sft.args.ckpt.resume-step", "0")  # from the base model
+
+
+def test_a_warm_ups_model_by_name_keeps_the_runs_dtype(tmp_path, monkeypatch):
+    # `[sft.args] model = "x"` replaced the model table gyre rl gives the warm-up ({name, dtype}): it trained at dtype
+    # auto, not the run's model.dtype, silently
+    import gyre.local.launcher as launcher
+    from gyre.config.trainer import SFTConfig
+
+    seen, load = [], launcher.load_config
+    monkeypatch.setattr(launcher, "load_config", lambda cls, *a, **kw: seen.append(load(cls, *a, **kw)) or seen[-1])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "model.safetensors").write_text("")
+    args = json.dumps({"model": str(other), "max_steps": 2, "data": {"env": "reverse_text", "seq_len": 128}})
+    with contextlib.suppress(ConfigError):  # what the rest of the check says of this folder is not this test's
+        validate(tmp_path / "out", "--model.dtype", "bfloat16", "--sft.args", args)
+    (sft,) = [c for c in seen if isinstance(c, SFTConfig)]
+    assert (sft.model.name, sft.model.dtype) == (str(other), "bfloat16")

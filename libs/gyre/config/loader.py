@@ -304,7 +304,7 @@ def read_section(path: str, model: type[BaseModel] | None) -> dict:
             table = _less_keys_of(model, _import_model(other), table)
     # each part's `model = "x"` as {name = "x"} before they merge: the table's replaced the shared [model] (its dtype
     # was lost, silently), as a file's did an option's before ede93f8
-    return deep_merge(_expand_shorthands(model, shared), _expand_shorthands(model, table))
+    return deep_merge(expand_shorthands(model, shared), expand_shorthands(model, table))
 
 
 def _import_model(target: str) -> type[BaseModel]:
@@ -361,7 +361,7 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
             path = arg[1:] if arg != "@" else (argv[i + 1] if i + 1 < len(argv) else None)
             if not path:
                 raise ConfigError("'@' must be followed by a TOML file path")
-            files = deep_merge(files, _expand_shorthands(model, read_section(path, model)))
+            files = deep_merge(files, expand_shorthands(model, read_section(path, model)))
             i += 1 if arg != "@" else 2
             continue
         if not arg.startswith("--"):
@@ -379,7 +379,7 @@ def collect(argv: list[str], model: type[BaseModel] | None = None) -> dict:
                 # given twice) lost the first file's keys, silently
                 given: dict = {}
                 _set_nested(given, name, _read_table(path))
-                tables = deep_merge(tables, _expand_shorthands(model, given))
+                tables = deep_merge(tables, expand_shorthands(model, given))
                 i += 2 if nxt != "@" else 3
                 continue
             if nxt is None or nxt.startswith("--") or nxt.startswith("@"):
@@ -430,7 +430,7 @@ def _plain_list(annotation: Any) -> bool:
 SHORTHAND = "shorthand"  # a Section's ClassVar: the key a plain value given for the whole section sets
 
 
-def _expand_shorthands(model: type[BaseModel] | None, values: dict) -> dict:
+def expand_shorthands(model: type[BaseModel] | None, values: dict) -> dict:
     """`values` with each plain string given for a section that has a shorthand key as that key's table: `model =
     "x"` is `model = {name = "x"}` (ModelConfig). Done before sources merge: a file's `model = "x"` and an option's
     `--model.dtype` merged into `{dtype}` alone, and the name was silently lost."""
@@ -445,7 +445,7 @@ def _expand_shorthands(model: type[BaseModel] | None, values: dict) -> dict:
         if isinstance(value, str) and not isinstance(value, BareFlag) and getattr(sub, SHORTHAND, None):
             out[key] = {getattr(sub, SHORTHAND): value}
         elif isinstance(value, dict):
-            out[key] = _expand_shorthands(sub, value)
+            out[key] = expand_shorthands(sub, value)
     return out
 
 

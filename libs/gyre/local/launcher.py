@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
-from gyre.config.loader import dump_toml, name_environment_variables, under_section
+from gyre.config.loader import dump_toml, expand_shorthands, name_environment_variables, under_section
 from gyre.config.rerun import SFT_RECORD, dotted_keys, sft_changes, sft_refusal
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig
@@ -138,6 +138,12 @@ def _write_config(path: Path, config: Any) -> Path:
     return write_atomic(path, to_toml(config).encode(), mode=0o600)
 
 
+def _sft_args(cfg: RLConfig) -> dict:
+    """sft.args with `model = "x"` as {name = "x"}: the string replaced the model table the launcher gives the
+    warm-up, and model.dtype was lost (the SFT ran at dtype auto), silently."""
+    return expand_shorthands(SFTConfig, cfg.sft.args)
+
+
 class Launcher:
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
@@ -185,7 +191,7 @@ class Launcher:
                 "save_dir": str(self.out / "sft"),
             }
             try:
-                sft = load_config(SFTConfig, [], **deep_merge(sft_values, cfg.sft.args))
+                sft = load_config(SFTConfig, [], **deep_merge(sft_values, _sft_args(cfg)))
             except ConfigError as e:
                 raise under_section(e, "sft.args") from None
             if sft.data.env and not (self.out / "sft" / "config.json").exists():  # a typo there: now, not after Redis
@@ -454,7 +460,7 @@ class Launcher:
         }
         from gyre.config.loader import deep_merge
 
-        sft = load_config(SFTConfig, [], **deep_merge(values, self.cfg.sft.args))
+        sft = load_config(SFTConfig, [], **deep_merge(values, _sft_args(self.cfg)))
         path = _write_config(self.out / SFT_RECORD, sft)
         _console(f"SFT warm-up: {sft.max_steps} steps -> {sft_dir}")
         child = self._run_once("sft", _gyre("sft", "@", str(path)), echo=True)
