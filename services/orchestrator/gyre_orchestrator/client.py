@@ -54,6 +54,12 @@ class InferenceError(RuntimeError):
     """A request failed for good: the server rejected it (4xx), or every retry failed."""
 
 
+class SetupRefused(InferenceError):
+    """A 401, 403 or 404: the server refuses the configuration (a key, a model, a URL), not this request; every other
+    request would be refused too, so it is not generated again (a run stopped after each rollout's attempts, with a
+    traceback; `gyre eval` after three attempts of a sample)."""
+
+
 class ContextTooLong(InferenceError, ContextLengthExceeded):
     """The server refused the conversation as longer than the model's context (400 context_length_exceeded)."""
 
@@ -254,6 +260,8 @@ class InferenceClient:
                     message += " (check inference.api_key / inference.api_key_file)"
                 elif e.status_code == 404:  # a model the server does not serve, or a path that is not an OpenAI API
                     message += f" (check inference.model = {self.model!r} and inference.urls)"
+                if e.status_code in (401, 403, 404):
+                    raise SetupRefused(message) from e
                 raise (ContextTooLong if _context_overflow(e) else InferenceError)(message) from e
             finally:
                 replica.calls.discard(call)

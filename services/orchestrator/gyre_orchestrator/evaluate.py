@@ -113,6 +113,8 @@ async def evaluate(
     (the version evaluated) is generated again.
 
     `progress(done, total)` is called once before the first sample and after each one (`gyre eval`'s bar)."""
+    from gyre_orchestrator.client import SetupRefused
+
     if num_examples < 1 or k < 1 or attempts < 1:
         raise ValueError("num_examples, k and attempts must be >= 1")
     tasks = eval_tasks(env, num_examples, env_name)
@@ -151,6 +153,8 @@ async def evaluate(
                 overlong[i] = e
                 advanced()
                 return None
+            except SetupRefused:  # a refused key or model: every sample would be, not generated again
+                raise
             except Exception as e:  # as in training: generated again, never scored as half an episode
                 failed += 1
                 tries += 1

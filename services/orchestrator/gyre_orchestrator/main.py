@@ -24,6 +24,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
     from gyre.net import PortInUse
     from gyre.runlock import LockHeld, RunLock
 
+    from gyre_orchestrator.client import SetupRefused
     from gyre_orchestrator.service import OrchestratorService, StreamLost  # imported after logging is set up
 
     try:
@@ -65,7 +66,8 @@ async def serve(cfg: OrchestratorConfig) -> int:
     except PortInUse as e:
         log.error("%s", e)
         return 2
-    except EndpointError as e:  # a judge, reward model or teacher that never came up, or refused the key
+    except (EndpointError, SetupRefused) as e:  # a judge, reward model, teacher or the policy's server that never
+        # came up, or refused the key or the model: one line naming the setting, no traceback
         log.error("%s", e)
         return 1
     except Exception:

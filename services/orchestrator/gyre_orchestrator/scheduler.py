@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from gyre.envs import ContextLengthExceeded
 
 from gyre_orchestrator.advantages import is_zero_signal
+from gyre_orchestrator.client import SetupRefused
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +356,7 @@ class RolloutScheduler:
         while True:
             try:
                 sample = await self.generate(task, st.floor, RolloutKey(st.step, index))
-            except (asyncio.CancelledError, ContextLengthExceeded):
+            except (asyncio.CancelledError, ContextLengthExceeded, SetupRefused):  # a refused key or model: at once
                 raise
             except Exception as e:
                 failures += 1

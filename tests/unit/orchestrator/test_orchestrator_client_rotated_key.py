@@ -109,3 +109,25 @@ def test_gyre_evals_startup_wait_takes_a_rotated_key_up(tmp_path):
     with serving(keyed_app(server), port):
         asyncio.run(scenario())
     assert server["seen"][:2] == ["sk-old", "sk-new"]
+
+
+def test_gyre_orchestrator_stops_on_a_refused_key_or_model_with_one_line(tmp_path, monkeypatch, caplog):
+    # it was "orchestrator failed" and a traceback three exceptions deep, after every rollout's attempts
+    import gyre_orchestrator.service as service_module
+    from gyre_orchestrator import main as main_module
+    from gyre_orchestrator.client import SetupRefused
+
+    refusal = "http://r:8000 rejected the request: 401 bad key (check inference.api_key / inference.api_key_file)"
+
+    class Refused:
+        def __init__(self, cfg):
+            pass
+
+        async def run(self):
+            raise SetupRefused(refusal)
+
+    monkeypatch.setattr(service_module, "OrchestratorService", Refused)
+    with caplog.at_level("ERROR", logger="gyre_orchestrator"):
+        assert asyncio.run(main_module.serve(OrchestratorConfig(output_dir=str(tmp_path)))) == 1
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in errors] == [refusal] and errors[0].exc_info is None

@@ -452,3 +452,18 @@ def test_gyre_eval_stops_at_once_on_a_model_the_server_does_not_serve():
         client = inference_client(server.url)
         client.model = "judge-model"
         asyncio.run(waited(client, 30, poll_s=0.05))  # listed: up
+
+
+def test_an_eval_sample_refused_for_the_key_or_model_fails_the_eval_at_once(tmp_path):
+    # each sample was generated three times, each a 404 or 401, before `gyre eval` stopped
+    from gyre_orchestrator.client import SetupRefused
+
+    class Refusing(TableClient):
+        async def chat(self, messages, *, tools=None, sampling):
+            self.calls["refused"] = self.calls.get("refused", 0) + 1
+            raise SetupRefused("http://r:8000 rejected the request: 401 (check inference.api_key)")
+
+    client, env = Refusing({}), dataset_env(tmp_path, {"ab": ["AB"]})
+    with pytest.raises(SetupRefused, match="401"):
+        asyncio.run(evaluate(env, client, env_name="dataset", num_examples=1, k=1, sampling=SamplingParams()))
+    assert client.calls["refused"] == 1

@@ -240,6 +240,24 @@ async def test_failing_rollouts_fail_the_scheduler_loudly():
     await sched.stop()
 
 
+async def test_a_refused_key_or_model_fails_the_run_at_once_not_after_each_rollouts_attempts():
+    # a 401/403/404 (SetupRefused) refuses the configuration: every rollout would be refused the same way
+    from gyre_orchestrator.client import SetupRefused
+
+    calls = []
+
+    async def generate(task, floor, key):
+        calls.append(key)
+        raise SetupRefused("http://r:8000 rejected the request: 404 (check inference.model = 'x' and inference.urls)")
+
+    sched = RolloutScheduler(generate, lambda: 0, VersionWatch(0), batch_size=1, group_size=1, max_async_level=0,
+                             max_steps=1, sample_attempts=3, retry_backoff_s=0.001)  # fmt: skip
+    with pytest.raises(SetupRefused, match=r"404 \(check inference.model"):
+        await asyncio.wait_for(sched.next_batch(), timeout=5)
+    await sched.stop()
+    assert len(calls) == 1
+
+
 async def test_a_failed_group_stops_its_other_rollouts():
     # audit: gather raised the failure, but the group's other rollouts ran on (retrying against the replicas, out of
     # reach of stop(), which cancels only the group tasks) after the scheduler had failed
