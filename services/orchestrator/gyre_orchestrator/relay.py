@@ -31,9 +31,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
+from gyre.endpoint import RotatingKey
 from gyre.events import EventLog
 from gyre.transport import WeightSink
 from gyre.v1 import inference_pb2, inference_pb2_grpc
@@ -65,6 +67,7 @@ class WeightRelay:
         probe_timeout_s: float = 5.0,
         poll_store_s: float = 5.0,
         control_token: str | None = None,
+        reread_token: Callable[[], str | None] | None = None,
         holder: str = HOLDER,
         model: str = "",
     ):
@@ -79,7 +82,10 @@ class WeightRelay:
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.poll_store_s = poll_store_s
-        self.metadata = (("authorization", f"Bearer {control_token}"),) if control_token else None
+        # an UNAUTHENTICATED answer reads `reread_token` (inference.control_token_file) again: a Secret rotated in
+        # place is taken up by the next probe or update, as the inference client takes up a rotated api key
+        self.token = RotatingKey(control_token, reread_token, name="inference control",
+                                 setting="inference.control_token_file")  # fmt: skip
         self.holder = holder
         # the served model this run's versions are for: "" = the replica's model itself; a run's name =
         # its LoRA adapter on replicas serving several runs (multi-run, docs/architecture.md)
@@ -269,8 +275,30 @@ class WeightRelay:
             channel = replica.clients["channel"] = grpc.aio.insecure_channel(replica.endpoint.control)
         return inference_pb2_grpc.InferenceControlStub(channel)
 
+    @property
+    def metadata(self) -> tuple | None:
+        return (("authorization", f"Bearer {self.token.value}"),) if self.token.value else None
+
+    def _control_error(self, replica: Replica, error: grpc.aio.AioRpcError, sent: str | None) -> str:
+        """What a failed control call says, with the settings to check (the server's details name none); a refused
+        token is read again (a rotated Secret: the next call sends the new one)."""
+        code = error.code()
+        reason = f"{code.name}: {error.details()}"
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            try:
+                if self.token.rekey(401, sent):
+                    return f"{reason} (inference.control_token_file changed: the next call sends the new token)"
+            except ValueError as reread:
+                return f"{reason} (re-reading the token: {reread})"
+            return f"{reason} (check inference.control_token / control_token_file)"
+        if code == grpc.StatusCode.UNAVAILABLE and replica.version is None:  # never answered: a port, not a restart
+            return (f"{reason} (no answer from its control at {replica.endpoint.control} yet: check "
+                    "inference.control_urls / control_port, the 'control:' address gyre inference prints)")  # fmt: skip
+        return reason
+
     async def probe(self, replica: Replica) -> None:
         """GetStatus: the authoritative served version (may go down after a restart) and readiness."""
+        sent = self.token.value
         try:
             status = await self._stub(replica).GetStatus(
                 inference_pb2.GetInferenceStatusRequest(model=self.model),
@@ -280,7 +308,7 @@ class WeightRelay:
         except grpc.aio.AioRpcError as e:
             was_in_rotation = self.replicas.in_rotation(replica)
             # during its cooldown this only marks it down (no longer cooldown): it rejoins when a probe answers
-            self.replicas.mark_failed(replica, f"GetStatus: {e.code().name}: {e.details()}", probe=True)
+            self.replicas.mark_failed(replica, f"GetStatus: {self._control_error(replica, e, sent)}", probe=True)
             if was_in_rotation:  # no answer: its requests in flight would wait out their HTTP timeout (frozen)
                 self.replicas.abandon(replica)
             return
@@ -320,6 +348,7 @@ class WeightRelay:
                 return
             start = time.monotonic()
             error, unavailable = None, False
+            sent = self.token.value
             try:
                 if target is None:  # rewound to the base model
                     call = self._stub(replica).ReloadWeights(
@@ -332,7 +361,7 @@ class WeightRelay:
                     call = self._stub(replica).UpdateWeights(request, timeout=self.timeout_s, metadata=self.metadata)
                 reply = await call
             except grpc.aio.AioRpcError as e:
-                error = f"{e.code().name}: {e.details()}"
+                error = self._control_error(replica, e, sent)
                 unavailable = e.code() == grpc.StatusCode.UNAVAILABLE
             seconds = time.monotonic() - start
             self._record(step, replica, error is None, seconds, error, attempt)

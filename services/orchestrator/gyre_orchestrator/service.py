@@ -155,6 +155,7 @@ class OrchestratorService:
             probe_interval_s=inf.health_interval_s,
             poll_store_s=cfg.relay.poll_store_s,
             control_token=inf.control_token,
+            reread_token=lambda: inf.reread_secret("control_token"),  # a Secret rotated in place
             model=inf.model or "",
         )
         self.server = OrchestratorServer(
