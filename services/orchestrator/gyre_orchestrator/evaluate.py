@@ -481,6 +481,13 @@ def main(argv: list[str]) -> int:
         return 2
     from gyre.envs.judge import add_to_rubric
 
+    from gyre_orchestrator.replicas import ReplicaSet, make_discovery
+
+    try:  # an inference.urls entry that is no URL (vLLM's host:port), a discovery without its name: a traceback
+        make_discovery(cfg.inference, ReplicaSet())  # made, not started: nothing connects
+    except ValueError as e:
+        print(f"gyre eval: error: {e}", file=sys.stderr)
+        return 2
     try:  # no eval tasks (an empty split, a num_eval the task space cannot hold): before anything connects
         eval_tasks(env, cfg.eval.num_examples, cfg.env.name)
     except ValueError as e:

@@ -467,3 +467,20 @@ def test_an_eval_sample_refused_for_the_key_or_model_fails_the_eval_at_once(tmp_
     with pytest.raises(SetupRefused, match="401"):
         asyncio.run(evaluate(env, client, env_name="dataset", num_examples=1, k=1, sampling=SamplingParams()))
     assert client.calls["refused"] == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--inference.urls", "localhost:8000"], "inference.urls[0] = 'localhost:8000' is not an http(s) URL"),
+        (["--inference.discovery", "dns"], "inference.discovery = 'dns' needs inference.dns_name"),
+    ],
+)
+def test_gyre_eval_refuses_replicas_it_cannot_find_in_one_line_before_connecting(tmp_path, capsys, monkeypatch,
+                                                                                  argv, message):  # fmt: skip
+    # a host:port without a scheme (as vLLM's --host/--port read) was a traceback from inside the event loop
+    import gyre_orchestrator.evaluate as evaluate_module
+
+    monkeypatch.setattr(evaluate_module, "_run_once", lambda *args: pytest.fail("connected"))
+    code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text", *argv])
+    assert code == 2 and capsys.readouterr().err == f"gyre eval: error: {message}\n"
