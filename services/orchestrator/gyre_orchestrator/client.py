@@ -55,9 +55,10 @@ class InferenceError(RuntimeError):
 
 
 class SetupRefused(InferenceError):
-    """A 401, 403 or 404: the server refuses the configuration (a key, a model, a URL), not this request; every other
-    request would be refused too, so it is not generated again (a run stopped after each rollout's attempts, with a
-    traceback; `gyre eval` after three attempts of a sample)."""
+    """A 401, 403, or a 404 before any answer: the server refuses the configuration (a key, a model, a URL), not this
+    request; every other request would be refused too, so it is not generated again (a run stopped after each
+    rollout's attempts, with a traceback; `gyre eval` after three attempts of a sample). A 404 after answers (a
+    replica that lost a named adapter) stays an `InferenceError`: the rollout is generated again."""
 
 
 class ContextTooLong(InferenceError, ContextLengthExceeded):
@@ -260,7 +261,9 @@ class InferenceClient:
                     message += " (check inference.api_key / inference.api_key_file)"
                 elif e.status_code == 404:  # a model the server does not serve, or a path that is not an OpenAI API
                     message += f" (check inference.model = {self.model!r} and inference.urls)"
-                if e.status_code in (401, 403, 404):
+                # a 404 once this client has been answered is no setup mistake: a named adapter a replica lost (its
+                # pod restarted, the adapter evicted) is generated again like any failed rollout, not the run's end
+                if e.status_code in (401, 403) or (e.status_code == 404 and not self.stats["requests"]):
                     raise SetupRefused(message) from e
                 raise (ContextTooLong if _context_overflow(e) else InferenceError)(message) from e
             finally:

@@ -131,3 +131,35 @@ def test_gyre_orchestrator_stops_on_a_refused_key_or_model_with_one_line(tmp_pat
         assert asyncio.run(main_module.serve(OrchestratorConfig(output_dir=str(tmp_path)))) == 1
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert [r.getMessage() for r in errors] == [refusal] and errors[0].exc_info is None
+
+
+@pytest.mark.timeout(60)
+def test_a_404_is_a_setup_mistake_only_before_any_answer():
+    """A model the server never served is the configuration's fault: stop at once. A 404 after answers is a replica
+    that lost a named adapter (its pod restarted): an `InferenceError`, so the rollout is generated again, not the
+    run's end."""
+    from gyre_orchestrator.client import SetupRefused
+
+    port, server = free_port(), {"missing": True}
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http" and server["missing"]:
+            body = json.dumps({"error": {"message": "model 'm' not found", "type": "NotFoundError"}}).encode()
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            return await send({"type": "http.response.body", "body": body})
+        return await _echo_app(scope, receive, send)
+
+    async def scenario():
+        client = client_for(OrchestratorConfig(), port)
+        with pytest.raises(SetupRefused, match=r"404 .*inference.model = 'm'"):
+            await client.chat(CHAT, sampling=SAMPLING)
+        server["missing"] = False
+        await client.chat(CHAT, sampling=SAMPLING)
+        server["missing"] = True  # the replica lost the model it served
+        with pytest.raises(InferenceError, match=r"404") as raised:
+            await client.chat(CHAT, sampling=SAMPLING)
+        assert not isinstance(raised.value, SetupRefused)
+
+    with serving(app, port):
+        asyncio.run(scenario())
