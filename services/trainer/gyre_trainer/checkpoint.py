@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -209,15 +208,18 @@ class CheckpointManager:
 
     def remove_partial(self) -> None:
         """Delete the `.tmp-*` folders of saves that did not complete (rank 0, never during its own save)."""
-        if not self.root.is_dir():
-            return
-        for entry in os.scandir(self.root):
-            if entry.name.startswith(".tmp-") and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        for folder in partial_saves(self.root):
+            shutil.rmtree(folder, ignore_errors=True)
 
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""
         return self.entries.discard_after(step)
+
+
+def partial_saves(*roots: Path) -> list[Path]:
+    """The `.tmp-*` folders under `roots`: checkpoints or weights versions a crash cut short before their commit."""
+    return sorted(entry for root in roots if root.is_dir() for entry in root.iterdir()
+                  if entry.name.startswith(".tmp-") and entry.is_dir() and not entry.is_symlink())  # fmt: skip
 
 
 def one_line(error: BaseException) -> str:
@@ -374,6 +376,15 @@ class ResumePlan:
     weights_step: int | None = None
     republish: bool = False
     discard_after: int | None = None
+
+    def source(self) -> str:
+        """Where the resumed state comes from, in words (for the log)."""
+        if self.checkpoint_step is None and self.weights_step is None:
+            return "the base model"
+        parts = [f"checkpoint step {self.checkpoint_step}"] if self.checkpoint_step is not None else []
+        if self.weights_step is not None:
+            parts.insert(0, f"published weights step {self.weights_step}")
+        return " and ".join(parts)
 
     @property
     def exact(self) -> bool:

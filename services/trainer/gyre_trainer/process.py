@@ -9,10 +9,12 @@ is one run (`gyre_trainer.service.Trainer`) or N runs (`gyre_trainer.multirun.Mu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -29,7 +31,8 @@ log = logging.getLogger(__name__)
 
 # Fault injection for the crash-consistency tests: "after_publish:3,after_train:5" makes rank 0
 # SIGKILL itself at that point of that step (points between the parts of `RunState.commit`: after_train,
-# after_checkpoint, after_publish, after_log, after_ack; and inside the two writes: mid_checkpoint, every
+# after_checkpoint, after_publish, after_log, after_ack; inside the optimizer step: mid_step, the parameters
+# updated in memory, the LR schedule not yet advanced; and inside the two writes: mid_checkpoint, every
 # shard written but the folder not committed, and mid_publish, the weights file written but the version
 # not committed). Unset in production; one env read per point.
 CRASH_ENV = "GYRE_TRAINER_CRASH_AT"
@@ -42,6 +45,21 @@ def crash_point(name: str, step: int, ctx: dist.DistContext | None) -> None:
         log.warning("fault injection: SIGKILL at %s of step %d", name, step)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def crash_in_optimizer_step(optimizer: torch.optim.Optimizer, step: int, ctx: dist.DistContext) -> Iterator[None]:
+    """The `mid_step` crash point of step `step`, inside the optimizer step: an optimizer post-hook, so rank 0 dies
+    with the parameters updated in memory but the schedule not advanced and the gradients not cleared. Without
+    `GYRE_TRAINER_CRASH_AT` no hook is registered (production pays one env read per step)."""
+    if not os.environ.get(CRASH_ENV):
+        yield
+        return
+    handle = optimizer.register_step_post_hook(lambda *_: crash_point("mid_step", step, ctx))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class NodeHealth:

@@ -39,11 +39,11 @@ from gyre.transport import open_source, open_store
 from gyre.wandb_log import WandbLogger
 
 from gyre_trainer import dist
-from gyre_trainer.checkpoint import CheckpointError, CheckpointManager, ResumePlan, plan_resume
+from gyre_trainer.checkpoint import CheckpointError, CheckpointManager, ResumePlan, partial_saves, plan_resume
 from gyre_trainer.debug import StepDebugger
 from gyre_trainer.intake import BatchIntake, IntakeItem
 from gyre_trainer.metrics import TrainerMetrics
-from gyre_trainer.process import crash_point
+from gyre_trainer.process import crash_in_optimizer_step, crash_point
 from gyre_trainer.publish import RESUME_ADAPTER, WEIGHTS_FILE, WeightPublisher, WeightsNotifier
 
 if TYPE_CHECKING:
@@ -203,6 +203,11 @@ class RunState:
                 )
                 log.warning("%srewinding to step %d: discarded checkpoints %s and weights %s", label,
                             plan.discard_after, *dropped)  # fmt: skip
+            for folder in partial_saves(self.checkpoints.root, self.out / "weights"):
+                # a save a crash cut short before its commit (rename): never listed, never loaded; say which, so
+                # that a user who finds it knows the run did not resume from it (removed by the next save/prune)
+                log.warning("%signoring %s: a save cut short by a crash before its commit, never loaded; resuming "
+                            "from %s", label, folder, plan.source())  # fmt: skip
         plan = dist.broadcast_object(plan, ctx)
         if plan.checkpoint_step is not None:
             progress = self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
@@ -273,10 +278,12 @@ class RunState:
                                          lora=spec.lora, adapter=spec.adapter, on_bad_step=self._bad_step,
                                          history=self.grad_norm_history)  # fmt: skip
         start = time.perf_counter()
-        result = train_step(model, self.optimizer, self.scheduler, item.batch, rank=ctx.rank,
-                            world_size=ctx.world_size, loss_cfg=cfg.loss, micro_batch_size=cfg.data.micro_batch_size,
-                            ref_model=process.ref_model, max_grad_norm=spec.optim.max_grad_norm,
-                            inspect_gradients=self.debugger.hook(item.step, item.batch, model))  # fmt: skip
+        with crash_in_optimizer_step(self.optimizer, item.step, ctx):
+            result = train_step(model, self.optimizer, self.scheduler, item.batch, rank=ctx.rank,
+                                world_size=ctx.world_size, loss_cfg=cfg.loss,
+                                micro_batch_size=cfg.data.micro_batch_size, ref_model=process.ref_model,
+                                max_grad_norm=spec.optim.max_grad_norm,
+                                inspect_gradients=self.debugger.hook(item.step, item.batch, model))  # fmt: skip
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         seconds = time.perf_counter() - start

@@ -10,6 +10,7 @@ import signal
 
 import pytest
 import torch
+from gyre.events import TRAINER_STEPS, latest_per_step, read_events
 from gyre.runstate import CHECKPOINT_COMPLETE
 from gyre.steps import StepEntries
 from gyre.streams import BatchStream
@@ -39,8 +40,8 @@ def run_to_end(argv, log, env=None, timeout=180, max_file_bytes=None) -> int:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model, redis_url, tmp_path_factory):
-    """Final weights of a run that trains steps 1..STEPS without interruption."""
+def baseline(tiny_model, redis_url, tmp_path_factory):
+    """The output folder of a run that trains steps 1..STEPS without interruption."""
     out = tmp_path_factory.mktemp("uninterrupted")
     stream = BatchStream(redis_url, "exactly-once-baseline")
     stream.redis.delete(stream.key)
@@ -48,7 +49,19 @@ def uninterrupted(tiny_model, redis_url, tmp_path_factory):
     argv = trainer_args(tiny_model, out, redis_url, "exactly-once-baseline", STEPS, **{"ckpt.interval": 1})
     assert run_to_end(argv, out / "trainer.log") == 0, (out / "trainer.log").read_text()
     assert trained_steps(out) == list(range(1, STEPS + 1))
-    return load_weights(out / "weights" / f"step_{STEPS}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(baseline):
+    """Final weights of the uninterrupted run."""
+    return load_weights(baseline / "weights" / f"step_{STEPS}")
+
+
+def step_numbers(out) -> list[tuple]:
+    """(step, loss, grad_norm, lr) of every logged step: what each step trained from and the schedule it used."""
+    records = latest_per_step(read_events(out / "events" / TRAINER_STEPS))
+    return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in records]
 
 
 def assert_same_weights(got: dict, expected: dict) -> None:
@@ -82,28 +95,44 @@ def test_sigkill_mid_run_then_restart(tiny_model, redis_url, unique_run_id, tmp_
     assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
 
 
-def test_crash_in_every_commit_window(tiny_model, redis_url, unique_run_id, tmp_path, uninterrupted):
+def test_crash_in_every_commit_window(tiny_model, redis_url, unique_run_id, tmp_path, uninterrupted, baseline):
     """Die at each point between training a step and acking it; the restarted trainer must neither
     lose nor repeat a step (see gyre_trainer.checkpoint.plan_resume for the reasoning per window)."""
     stream = BatchStream(redis_url, unique_run_id)
     push_batches(stream, range(1, STEPS + 1))
     argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
     log = tmp_path / "trainer.log"
-    # mid_*: inside the two writes, the checkpoint's shards or the version's weights file on disk, not committed
-    windows = ["after_train:2", "mid_checkpoint:2", "mid_publish:2", "after_checkpoint:3", "after_publish:4",
-               "after_log:5"]  # fmt: skip
+    # mid_step: inside the optimizer step (parameters updated in memory, the LR schedule not advanced);
+    # mid_*: inside the two writes, the checkpoint's shards or the version's weights file on disk, not committed;
+    # after_ack of the last step: everything done but the notification, the restart has nothing left to train
+    windows = ["mid_step:2", "after_train:2", "mid_checkpoint:2", "mid_publish:2", "after_checkpoint:3",
+               "after_publish:4", "after_log:5", "after_ack:6"]  # fmt: skip
     checkpoints = StepEntries(tmp_path / "checkpoints/trainer", marker=CHECKPOINT_COMPLETE)
     weights = WeightStore(tmp_path / "weights")
+    partial = None  # the half-written folder the previous crash left, which the next start must name and skip
     for point in windows:
         env = {**child_env(), "GYRE_TRAINER_CRASH_AT": point}
+        before = log.stat().st_size if log.exists() else 0
         assert run_to_end(argv, log, env) == -signal.SIGKILL, f"no crash at {point}: {log.read_text()[-3000:]}"
-        if point.startswith("mid_"):  # the half-written folder is there, under a name no reader lists
-            folder = tmp_path / ("checkpoints/trainer" if point == "mid_checkpoint:2" else "weights")
-            assert any(p.name.startswith(".tmp-step_2") for p in folder.iterdir()), point
+        started = log.read_text()[before:]
+        if partial is not None:
+            folder, resumed_from = partial
+            assert f"ignoring {folder}: a save cut short by a crash before its commit, never loaded; resuming from " \
+                   f"{resumed_from}" in started, started[-3000:]  # fmt: skip
+            assert f"loaded checkpoint step {resumed_from.split()[-1]} " in started
+        partial = None
+        if point.startswith("mid_") and point != "mid_step:2":  # the half-written folder, under a name no reader lists
+            root = tmp_path / ("checkpoints/trainer" if point == "mid_checkpoint:2" else "weights")
+            folder = next(p for p in sorted(root.iterdir()) if p.name.startswith(".tmp-step_2"))
             assert weights.latest() == 1 and checkpoints.latest() == 2 - (point == "mid_checkpoint:2"), point
+            partial = folder, f"checkpoint step {checkpoints.latest()}"
     assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
     assert_exactly_once(tmp_path, stream)
     assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
+    # the step counters agree: the LR schedule advanced once per step (not for the update mid_step cut short)
+    scheduler = torch.load(tmp_path / f"checkpoints/trainer/step_{STEPS}/scheduler.pt", weights_only=True)
+    assert scheduler["last_epoch"] == STEPS
+    assert step_numbers(tmp_path) == step_numbers(baseline)
 
 
 def test_sigterm_mid_run_checkpoints_the_last_step_and_the_restart_resumes_it_exactly(
