@@ -133,7 +133,8 @@ def test_the_trainers_crash_points_are_written_once():
     """The commit order exactly-once rests on lives in one module (`gyre_trainer.run.RunState`), shared by the
     single-run and the multi-run trainer: every crash point between the commits is called there, once each.
     The points inside a write (files on disk, folder not committed) are in the writers: the checkpoint's one,
-    and one in each of the two publishes (full weights, LoRA adapter)."""
+    and one in each of the two publishes (full weights, LoRA adapter); the one inside the optimizer step is an
+    optimizer hook (`process.crash_in_optimizer_step`)."""
     calls = {}
     for module, path in modules("gyre_trainer").items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -144,6 +145,7 @@ def test_the_trainers_crash_points_are_written_once():
         "gyre_trainer.run": points,
         "gyre_trainer.checkpoint": ["mid_checkpoint"],
         "gyre_trainer.publish": ["mid_publish", "mid_publish"],
+        "gyre_trainer.process": ["mid_step"],
     }
 
 
