@@ -18,6 +18,7 @@ from gyre.weights import WeightStore, WeightsVersion
 from gyre_trainer.publish import WeightsNotifier
 from trainer_testlib import (
     RecordingOrchestrator,
+    child_env,
     encode_batch,
     kill_group,
     make_batch,
@@ -159,3 +160,32 @@ def test_trainer_publishes_notifies_and_dead_letters(tiny_model, redis_url, uniq
     trained = AutoModelForCausalLM.from_pretrained(store.path(3))
     moved = [n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert len(moved) == len(list(base.parameters()))  # every parameter was trained
+
+
+def test_a_trainer_killed_after_its_ack_announces_that_version_when_it_restarts(
+    tiny_model, redis_url, unique_run_id, tmp_path
+):
+    """The last crash window: step 2 published, logged and acked, its NotifyWeights not delivered (the orchestrator
+    was down) when the trainer is SIGKILLed. The restarted trainer trains nothing twice and announces version 2
+    before training step 3: the orchestrator hears of every version in order, none missed."""
+    stream = BatchStream(redis_url, unique_run_id)
+    ids = {step: stream.push(step, encode_batch(make_batch(step))) for step in (1, 2, 3)}
+    out, log = tmp_path / "out", tmp_path / "trainer.log"
+    argv = trainer_args(tiny_model, out, redis_url, unique_run_id, max_steps=3)
+    down = ["--orchestrator.address", f"127.0.0.1:{free_port()}"]  # nothing listens there
+    proc = start_trainer(argv + down, log, {**child_env(), "GYRE_TRAINER_CRASH_AT": "after_ack:2"})
+    try:
+        assert proc.wait(timeout=180) == -signal.SIGKILL, log.read_text()[-3000:]
+        pending = stream.pending()  # step 2 committed and acked; step 3 read ahead, pending
+        assert trained_steps(out) == [1, 2] and (pending.count, pending.min_id) == (1, ids[3])
+
+        orchestrator = RecordingOrchestrator()
+        proc = start_trainer(argv + ["--orchestrator.address", orchestrator.address], log)
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+        wait_until(lambda: orchestrator.steps() == [2, 3], what="NotifyWeights of steps 2, 3")
+        orchestrator.stop()
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    assert trained_steps(out) == [1, 2, 3] and stream.pending().count == 0
+    stream.redis.close()
