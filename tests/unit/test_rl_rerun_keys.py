@@ -30,7 +30,14 @@ def launched(out: Path, *argv: str, step: int = 2, config: list[str] = CI, run: 
     configs = resolve_configs(cfg, str(out / "sft") if cfg.sft.enabled else str(out / "model"), "redis://x:1/0")
     (out / "configs").mkdir(parents=True)
     (out / "configs" / "trainer.toml").write_text(to_toml(configs.trainer))
-    ckpt = (out / "runs" / run if run else out) / "checkpoints" / "trainer" / f"step_{step}"
+    for name, orch in configs.orchestrators.items():
+        (out / "configs" / (f"orchestrator-{name}.toml" if cfg.runs else "orchestrator.toml")).write_text(to_toml(orch))
+    folder = out / "runs" / run if run else out
+    if step == 0:  # batches pushed, none trained: the orchestrator's step record alone
+        (folder / "events").mkdir(parents=True)
+        (folder / "events" / "orchestrator_steps.jsonl").write_text('{"step": 1}\n')
+        return
+    ckpt = folder / "checkpoints" / "trainer" / f"step_{step}"
     ckpt.mkdir(parents=True)
     (ckpt / "progress.json").write_text("{}")
 
@@ -49,15 +56,68 @@ def validate(out: Path, *argv: str, config: list[str] = CI) -> None:
         (LORA, ["--trainer.lora", '{"rank": 4}'], "trainer.lora.rank", "adapter of rank 8, not 4"),
         (LORA, [*LORA, "--trainer.lora.target-modules", '["q_proj"]'], "trainer.lora.target_modules", "q_proj"),
         ([], ["--model.name", str(ROOT / "configs")], "model.name", "was trained from"),
+        # the experiment's identity: the run went on under another stream and W&B names, from the old checkpoints
+        ([], ["--run-id", "other"], "run_id", "is 'ci', this launch names it 'other'"),
+        (
+            [],
+            ["--orchestrator.env.name", "arithmetic"],
+            "orchestrator.env.name",
+            "= 'reverse_text', this launch sets 'arithmetic'",
+        ),
+        (
+            [],
+            ["--orchestrator.env.args", '{"max_length": 4}'],
+            "orchestrator.env.args",
+            "= {}, this launch sets {'max_length': 4}",
+        ),
+        (
+            ["--orchestrator.env.args", '{"max_length": 4}'],
+            ["--orchestrator.env.args", '{"max_length": 5}'],
+            "orchestrator.env.args.max_length",
+            "= 4, this launch sets 5",
+        ),
     ],
 )
-def test_a_change_the_run_cannot_resume_is_refused_naming_the_key(tmp_path, before, after, key, said):
+@pytest.mark.parametrize("step", [2, 0])
+def test_a_change_the_run_cannot_resume_is_refused_naming_the_key(tmp_path, before, after, key, said, step):
+    # step 0: batches pushed, none trained yet (a Ctrl-C during the first step): they wait in the stream
+    if step == 0 and key.startswith("trainer.lora"):
+        pytest.skip("no adapter trained yet: any shape")
     out = tmp_path / "run"
-    launched(out, *before)
+    launched(out, *before, step=step)
     with pytest.raises(ConfigError) as e:
         validate(out, *after)
     assert str(e.value).startswith(f"config key '{key}':") and said in str(e.value), e.value
     assert "--fresh" in str(e.value) and "--output-dir" in str(e.value)
+
+
+def test_a_runs_own_environment_is_checked_and_named_by_its_entry(tmp_path):
+    two_runs = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
+    out = tmp_path / "multi"
+    launched(out, config=two_runs, run="beta")
+    (out / "sft").mkdir()  # the warm-up done (its config.json): reused
+    (out / "sft" / "config.json").write_text("{}")
+    validate(out, "--max-steps", "9", config=two_runs)  # the same experiment, further
+    with pytest.raises(ConfigError, match=r"^config key 'runs.1.orchestrator.env.name': .*run 'beta' at step 2\).*"
+                       r"'arithmetic'.*--fresh"):  # fmt: skip
+        beta = '{"name": "beta", "orchestrator": {"env": {"name": "arithmetic"}}}'
+        validate(out, "--runs", f'[{{"name": "alpha"}}, {beta}]', config=two_runs)
+    with pytest.raises(ConfigError, match=r"^config key 'run_id': "):
+        validate(out, "--run-id", "renamed", config=two_runs)
+
+
+def test_what_a_resume_may_change_and_a_rewind_to_the_base_are_not_refused(tmp_path):
+    out = tmp_path / "run"
+    launched(out)
+    validate(out, "--max-steps", "9", "--trainer.optim.lr", "1e-4", "--orchestrator.eval.interval", "2",
+             "--orchestrator.sampling.temperature", "0.7", "--orchestrator.seed", "3")  # fmt: skip
+    (out / "checkpoints" / "trainer" / "step_2" / "progress.json").unlink()  # not a checkpoint: nothing started
+    validate(out, "--run-id", "other", "--orchestrator.env.name", "arithmetic")
+    launched(tmp_path / "again")
+    # a rewind to the base model starts the run again in its folder (its id stays)
+    validate(tmp_path / "again", "--ckpt.resume-step", "0", "--orchestrator.env.name", "arithmetic")
+    with pytest.raises(ConfigError, match=r"^config key 'run_id'"):
+        validate(tmp_path / "again", "--ckpt.resume-step", "0", "--run-id", "other")
 
 
 def test_a_runs_own_adapter_is_checked_and_named_by_its_entry(tmp_path):

@@ -320,9 +320,11 @@ def _adapter_shape(lora: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
-    """ConfigError naming the key when a re-run of an existing run (no --fresh) changes what the run's state is
-    shaped by: the policy model (model.name, the SFT warm-up on or off, or its base) or the LoRA adapter (on or
-    off, rank, target modules). Its checkpoints and published weights cannot be loaded into another shape (the
+    """ConfigError naming the key when a re-run of an existing run (no --fresh) changes what the run is: its run_id
+    (its stream, W&B runs and metrics), its environment (orchestrator.env, the whole dumped section: one environment
+    or several), the policy model (model.name, the SFT warm-up on or off, or its base) or the LoRA adapter (on or
+    off, rank, target modules). A run has started once a step is trained or a batch pushed (its samples wait in the
+    stream). Its checkpoints and published weights cannot be loaded into another shape (the
     trainer failed only after every service had started) or, for another model of the same shape, would silently
     replace it. Read from the configs the previous launch wrote; a run rewound to 0 starts again from the base.
     Keys whose change a run absorbs (data.seq_len, trainer_nproc: batches of the old shape are rejected by the
@@ -343,15 +345,46 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
     if cfg.fresh or (previous := read("trainer.toml")) is None:
         return
     runs = experiment_runs(cfg)
+    # started: a step trained, or a batch pushed (its samples, of the old model and environment, wait in the stream)
+    started = {run.name: max(committed_step(run.output_dir), *trainer_checkpoints(run.output_dir), 0)
+               for run in runs if _started(run.output_dir)}  # fmt: skip
+    if not started:
+        return
+
+    def at(name: str) -> str:
+        step = f"at step {started[name]}" if started[name] else "batches pushed, no step trained yet"
+        return f"{out} (run {name!r} {step})" if cfg.runs else f"{out} ({step})"
+
+    where = at(next(iter(started)))
+    old_id = previous.get("run_id")
+    if old_id is not None and old_id != cfg.run_id:  # a rewind keeps the run: its id stays too
+        raise ConfigError(
+            f"config key 'run_id': the run in {where} is {old_id!r}, this launch names it {cfg.run_id!r}; its "
+            + ("" if cfg.runs else f"stream (gyre:{old_id}:batches), ")
+            + f"W&B runs and metrics are the first's: {fresh_start} (or keep run_id = {old_id!r})"
+        )
     rewound_to_base = {run.name for run in runs
                        if (run.trainer.get("resume_step", cfg.ckpt.resume_step)) == 0}  # fmt: skip
-    trained = {run.name: max(committed_step(run.output_dir), *trainer_checkpoints(run.output_dir), 0)
-               for run in runs if run.name not in rewound_to_base}  # fmt: skip
-    trained = {name: step for name, step in trained.items() if step > 0}
-    if not trained:
+    started = {name: step for name, step in started.items() if name not in rewound_to_base}
+    if not started:
         return
-    name, step = next(iter(trained.items()))
-    where = f"{out} (run {name!r} at step {step})" if cfg.runs else f"{out} (at step {step})"
+    for index, run in enumerate(runs):
+        if run.name not in started or (recorded := read(_orchestrator_file(cfg, run.name))) is None:
+            continue
+        own = bool(cfg.runs) and "env" in run.orchestrator
+        key = f"runs.{index}.orchestrator.env" if own else "orchestrator.env"
+        if "env" not in recorded:
+            continue
+        now = configs.orchestrators[run.name].model_dump(mode="json").get("env")
+        if changed := _section_changes(_as_now(OrchestratorConfig, "env", recorded["env"]), now):
+            leaf, was, new = changed[0]
+            raise ConfigError(
+                f"config key '{key}{leaf}': the run in {at(run.name)} was trained with {key}{leaf} = {was!r}, this "
+                f"launch sets {new!r}; its checkpoints, task position and stream batches belong to the first "
+                f"environment: {fresh_start}"
+            )
+    trained = {name: step for name, step in started.items() if step > 0}
+    where = at(next(iter(started)))
     old_model, new_model = (previous.get("model") or {}).get("name"), configs.trainer.model.name
     if not same_model(old_model, new_model):
         sft_dir = str(out / "sft")
@@ -367,6 +400,8 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
                 f"config key 'model.name': the SFT warm-up in {out / 'sft'} (which the run in {where} continues) was "
                 f"trained from {old_base}, not {new_base}: {fresh_start}"
             )
+    if not trained:  # batches pushed, no step trained: no checkpoint or weights of the adapter's shape yet
+        return
     new = configs.trainer.model_dump(mode="json")
     old_runs = {entry.get("name"): entry for entry in previous.get("runs") or []}
     new_runs = {entry["name"]: entry for entry in new.get("runs") or []}
@@ -393,6 +428,45 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
             what = f"the run in {where} trained an adapter of {field} {old[field]}, not {now[field]}"
         raise ConfigError(f"config key '{key}': {what}; its checkpoints and weights cannot be resumed so: "
                           f"{fresh_start}")  # fmt: skip
+
+
+def _started(output_dir: Path) -> bool:
+    """Whether a run folder holds a run: a step trained (weights, a checkpoint) or a batch pushed (the orchestrator's
+    step record, written before each push)."""
+    from gyre.events import ORCHESTRATOR_STEPS, events_dir
+    from gyre.runstate import trainer_checkpoints
+
+    return bool(committed_step(output_dir) or trainer_checkpoints(output_dir)
+                or (events_dir(output_dir) / ORCHESTRATOR_STEPS).exists())  # fmt: skip
+
+
+def _orchestrator_file(cfg: RLConfig, run_name: str) -> str:
+    """The file under configs/ the launcher writes a run's orchestrator config to."""
+    return f"orchestrator-{run_name}.toml" if cfg.runs else "orchestrator.toml"
+
+
+def _section_changes(old: Any, new: Any, key: str = "") -> list[tuple[str, Any, Any]]:
+    """(".dotted.key", old, new) of every leaf in which two dumped config sections differ (a table, or a list of
+    tables: one environment or several). Tables of other keys differ as a whole: `old` is read through the current
+    schema first (`_as_now`), so a setting added to gyre since holds its default there, and what remains is a
+    free-form table (`args`) given other keys."""
+    if isinstance(old, dict) and isinstance(new, dict) and set(old) == set(new):  # else: the whole table, as set
+        return [c for k in sorted(old) for c in _section_changes(old[k], new[k], f"{key}.{k}")]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [c for i, (a, b) in enumerate(zip(old, new, strict=True)) for c in _section_changes(a, b, f"{key}.{i}")]
+    return [] if old == new else [(key, old, new)]
+
+
+def _as_now(cls: type, field: str, recorded: Any) -> Any:
+    """A section an earlier launch dumped (`recorded`), validated and dumped again by the current schema of `field` of
+    `cls`: the keys added since get their defaults. As recorded when it no longer validates (its form changed)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    adapter = TypeAdapter(cls.model_fields[field].annotation)
+    try:
+        return adapter.dump_python(adapter.validate_python(recorded), mode="json")
+    except ValidationError:
+        return recorded
 
 
 def committed_steps(cfg: RLConfig) -> dict[str, int]:
