@@ -9,13 +9,13 @@ Routes:
   `POST /detokenize`, `POST /inference/v1/generate` (`gyre_inference.tokens_in`), `POST /classify` and
   `POST /v1/classify` (`gyre_inference.classify`, a reward model served with `runner = pooling`): these need
   `Authorization: Bearer <auth.api_key>` when a key is configured, and answer 503 until the model is
-  loaded. One gate (`_Gate`) checks both, for every one of them, before the body is read.
+  loaded. One gate (`_Gate`) checks both, for every one of them, before the body is read. A key read from
+  `auth.api_key_file` is read again when the file is rotated (`gyre_inference.api_key`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gyre_inference.api_key import ServerKey
 from gyre_inference.backend import Backend
 from gyre_inference.classify import add_classify_route
 from gyre_inference.errors import APIError, error_body, error_response, install_error_handlers, unknown_model
@@ -57,13 +58,17 @@ class AppState:
     model_path: str
     backend: Backend
     metrics: InferenceMetrics
-    api_key: str | None = None
+    api_key: ServerKey | str | None = None  # a str: a fixed key (ServerKey re-reads a rotated key file)
     serve_metrics: bool = True
     text: ModelText | None = None
     serving: Serving | None = None
     draining: bool = False
     max_request_bytes: int = 4 * 2**20
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        if isinstance(self.api_key, str):
+            self.api_key = ServerKey(self.api_key)
 
     @property
     def ready(self) -> bool:
@@ -98,7 +103,7 @@ class _Gate:
         if self.state.api_key is not None:
             headers = dict(scope.get("headers") or [])
             given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.state.api_key}".encode()):
+            if not self.state.api_key.accepts(given):
                 failure = APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
                                    code="invalid_api_key")  # fmt: skip
         retry_after = None

@@ -28,6 +28,7 @@ from gyre.config.inference import InferenceConfig
 from gyre.inference_process import ready_line
 
 from gyre_inference.api import AppState, create_app
+from gyre_inference.api_key import ServerKey
 from gyre_inference.backend import Backend
 from gyre_inference.control import ControlServer
 from gyre_inference.engine_stats import stats_line
@@ -92,7 +93,9 @@ async def run_service(config: InferenceConfig) -> int:
     backend = make_backend(config)
     model_id = config.served_model_name or config.model.name
     metrics = InferenceMetrics(config.run_id, backend)
-    api_key = config.auth.api_key.get_secret_value() if config.auth.api_key else None
+    api_key = None
+    if config.auth.api_key:  # from auth.api_key_file: read again when the Secret is rotated in place
+        api_key = ServerKey(config.auth.api_key.get_secret_value(), lambda: config.auth.reread_secret("api_key"))
     token = config.auth.control_token.get_secret_value() if config.auth.control_token else None
     state = AppState(model_id, config.model.name, backend, metrics, api_key, serve_metrics=config.metrics.port is None,
                      max_request_bytes=config.server.max_request_bytes)  # fmt: skip
