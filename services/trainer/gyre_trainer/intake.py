@@ -120,6 +120,8 @@ class BatchIntake:
         self.trained_step = trained_step
         self.rejected = 0
         self.reader: StepReader | None = None
+        self.group_resets = 0  # the stream's consumer-group losses already explained in the log
+        self.gap_reported = 0  # the step whose absence behind later steps was last explained
         if ctx.is_main:
             if stream is None:
                 raise ValueError("rank 0 needs the batch stream")
@@ -151,6 +153,7 @@ class BatchIntake:
             except Stopped:
                 self.stopped = True
                 continue
+            self._explain_wait(entry)
             if entry is None:
                 if not wait:
                     return None
@@ -184,6 +187,24 @@ class BatchIntake:
             except Stopped:  # published but not acked: a restarted trainer skips it as a replay
                 self.stopped = True
         self.trained_step = item.step
+
+    def _explain_wait(self, entry: StreamEntry | None) -> None:
+        """Say why the trainer waits when the stream lost its batches (Redis restarted without its data, a key
+        deleted or flushed) or holds later steps but not the next: otherwise the log fell silent, only
+        `gyre.streams` noting that it recreated a consumer group, and a user could not tell a stall from a gap
+        that training waits out (it never trains past a missing step)."""
+        reader = self.reader
+        if reader.stream.group_resets != self.group_resets:
+            self.group_resets = reader.stream.group_resets
+            log.warning("Redis lost the batch stream %s (restarted without its data, flushed or deleted): waiting "
+                        "for step %d, which the orchestrator pushes again; steps up to %d are trained and are not "
+                        "trained again", reader.stream.key, reader.next_step, reader.trained)  # fmt: skip
+        ahead = reader.buffered_steps
+        if entry is None and ahead and self.gap_reported != reader.next_step:
+            self.gap_reported = reader.next_step
+            log.warning("waiting for step %d: steps %s are in the stream but %d is not; a step is never trained "
+                        "before the one it follows (the orchestrator generates a missing step again)",
+                        reader.next_step, ahead, reader.next_step)  # fmt: skip
 
     def _receive(self) -> IntakeItem | None:
         while True:
