@@ -131,6 +131,13 @@ class RLConfig(GyreSettings):
     ckpt: RLCkptConfig = Field(default_factory=RLCkptConfig, description="Checkpoints and resume.")
     sft: SFTWarmupConfig = Field(default_factory=SFTWarmupConfig, description="Optional SFT warm-up.")
     inference_replicas: int = Field(1, ge=1, description="Local inference processes (the orchestrator balances).")
+    inference_restarts: int = Field(
+        3,
+        ge=0,
+        description="Restarts of an inference process (a replica, a [[servers]] model) that exits mid-run, with "
+        "backoff (2 s, 4 s, 8 s...), as Kubernetes restarts its pod; the count starts over once it has run 5 "
+        "minutes. One more exit stops the run; 0 = stop at the first.",
+    )
     trainer_nproc: int = Field(1, ge=1, description="Trainer processes (>1 runs torchrun with FSDP2).")
     inference_gpus: str | None = Field(
         None, description="CUDA_VISIBLE_DEVICES of every inference replica, e.g. '0' (unset = inherit)."

@@ -18,8 +18,10 @@ ended (Ctrl-C, a crash, SIGKILL of the whole tree). The trainer resumes after it
 append-only file, and the orchestrator continues after the batches the trainer will still consume,
 regenerating any that were lost (docs/local.md, "Re-runs, crashes and --fresh").
 
-Failure policy: any child that exits while the run is not finished (or exits non-zero) stops the
-run; the launcher names it, prints the end of its log and exits 1. Ctrl-C/SIGTERM terminates every
+Failure policy: an inference process (a replica, a [[servers]] model) that exits mid-run is restarted with
+backoff (`Restarts`, `inference_restarts` in a row), as its pod would be; any other child that exits while the
+run is not finished (or exits non-zero) stops the run; the launcher names it, prints the end of its log and
+exits 1. Ctrl-C/SIGTERM terminates every
 child's process group and Redis before exiting. Children also get PDEATHSIG so a SIGKILLed
 launcher leaves no orphans behind.
 """
@@ -78,6 +80,8 @@ STAGING_PREFIX = ".tmp-"
 # What the launcher created the base model with (`model.init_preset`, `model.init_seed`), beside the services' configs.
 MODEL_INIT_RECORD = "configs/model-init.toml"
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's orchestrator finishes its current step on SIGTERM
+RESTART_BACKOFF_S = 2.0  # before the first restart of a crashed inference process; doubled for each next one
+RESTART_RESET_S = 300.0  # an inference process up this long has its restarts counted from 0 again
 STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL of a child that saves nothing when it stops (trainer, SFT: _stop_timeout)
 
 
@@ -527,12 +531,7 @@ class Launcher:
         named += [(f"server-{name}", inf) for name, inf in configs.servers.items()]
         for name, inf in named:
             config = _write_config(cdir / f"{name}.toml", inf)
-            log_path = self.out / "logs" / f"{name}.log"
-            child = InferenceProcess("@", str(config), log_path=log_path, name=name, console=_console)
-            # listed before it starts: a Ctrl-C between the two left a started child that shutdown() never stopped
-            self.children.append(child)
-            child.start(echo, env=_thread_env(0.5 / len(named)) | _gpu_env(self.cfg.inference_gpus))
-            replicas.append(child)
+            replicas.append(self._start_inference(name, config, _thread_env(0.5 / len(named))))
         trainer_cfg = _write_config(cdir / "trainer.toml", configs.trainer)
         argv = self.trainer_argv(trainer_cfg)
         trainer = Child("trainer", argv, self.out / "logs" / "trainer.log", console=_console)
@@ -559,15 +558,21 @@ class Launcher:
         start = {run.name: self._start_step(run, committed[run.name]) for run in runs}
         progress = RunProgress(runs, start, segment=os.environ[SEGMENT_ENV])
         _bar = progress.bar
+        restarts = Restarts(self.cfg.inference_restarts)
         try:
             while True:
                 progress.update()
                 done = {c.name: c.poll() for c in (trainer, *orchestrators)}
-                for child in self.children:
+                for child in list(self.children):
                     code = child.poll()
                     if code is None:
                         continue
-                    if code != 0 or child.name.startswith(("inference", "server-")):
+                    if isinstance(child, InferenceProcess):  # stateless: restarted as its pod would be
+                        if (again := restarts.due(child, code)) is not None:
+                            self.children.remove(child)
+                            self._start_inference(child.name, again, child.env)
+                        continue
+                    if code != 0:
                         raise RunFailed(
                             f"{child.name} exited with status {code}; last lines of {child.log_path}:\n{child.tail()}"
                         )
@@ -579,6 +584,16 @@ class Launcher:
             progress.close()
             _bar = None
         return 0
+
+    def _start_inference(self, name: str, config: Path, env: dict[str, str]) -> InferenceProcess:
+        """Start one inference process (a policy replica or a [[servers]] model) from its config file."""
+        child = InferenceProcess("@", str(config), log_path=self.out / "logs" / f"{name}.log", name=name,
+                                 console=_console)  # fmt: skip
+        child.config, child.env = config, env  # what a restart starts again
+        # listed before it starts: a Ctrl-C between the two left a started child that shutdown() never stopped
+        self.children.append(child)
+        child.start(self.cfg.console == "all", env=env | _gpu_env(self.cfg.inference_gpus))
+        return child
 
     def trainer_argv(self, config: Path) -> list[str]:
         """The trainer's command: `gyre trainer`, or torchrun of it with `trainer_nproc` processes."""
@@ -656,6 +671,55 @@ class Launcher:
             self.remove_staging()  # every child has exited: what one left half written is garbage
             self.lock.release()
             self.lock = None
+
+
+def _status(code: int) -> str:
+    """An exit status as a person reads it: `status 1`, or the signal that killed it (`SIGKILL`)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"status {code}"
+
+
+class Restarts:
+    """When a crashed inference process starts again: up to `limit` restarts in a row, each after a backoff that
+    doubles (RESTART_BACKOFF_S, 2x, 4x...); one that ran RESTART_RESET_S since its last start has its count reset,
+    as the kubelet does for a pod. Only inference processes are restarted: they hold nothing but the weights the
+    orchestrator's relay brings a restarted replica back up to (its status probe sees it on the base version). The
+    trainer and the orchestrator are not: after a crash the trainer resumes from the published weights with fresh
+    optimizer state (a silent change a person decides on, by running the same command again), and both exit by
+    themselves only on what a restart repeats (a setup refused, a bug, out of memory) - docs/local.md."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.count: dict[str, int] = {}
+        self.started: dict[str, float] = {}  # when the process now running under a name was started
+        self.at: dict[str, float] = {}  # when a crashed one starts again
+
+    def due(self, child: InferenceProcess, code: int) -> Path | None:
+        """The config to start `child` (exited with `code`) again from now; None while its backoff runs. Logs the
+        crash in one line when it first sees it; RunFailed once it has been restarted `limit` times in a row."""
+        name, now = child.name, time.monotonic()
+        if name not in self.at:
+            if now - self.started.get(name, now) >= RESTART_RESET_S:
+                self.count[name] = 0
+            n = self.count.get(name, 0) + 1
+            if n > self.limit:
+                after = f" after {self.limit} restarts" if self.limit else ""
+                raise RunFailed(
+                    f"{name} {'exited with' if code >= 0 else 'was'} {_status(code)}{after} (inference_restarts = "
+                    f"{self.limit}); the run stops (the same command resumes it); last lines of {child.log_path}:\n"
+                    f"{child.tail()}"
+                )
+            self.count[name], delay = n, RESTART_BACKOFF_S * 2 ** (n - 1)
+            self.at[name] = now + delay
+            _console(f"{name} {'exited with' if code >= 0 else 'was'} {_status(code)}; restarting it in {delay:.0f}s "
+                     f"(restart {n} of {self.limit}, inference_restarts; its log: {child.log_path})")  # fmt: skip
+        if now < self.at[name]:
+            return None
+        del self.at[name]
+        self.started[name] = now
+        return child.config
 
 
 def _consume_rl_environment() -> None:
