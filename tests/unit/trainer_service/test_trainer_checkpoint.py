@@ -103,6 +103,51 @@ def test_a_resume_uses_the_configured_optimizer_settings_with_the_checkpoints_mo
     assert opt2.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_multiplier(4, new, 10))
 
 
+@pytest.mark.parametrize(
+    "update, max_steps",
+    [({}, 20), ({"scheduler": "linear"}, 10), ({"warmup_steps": 0}, 10), ({"min_lr_ratio": 0.5}, 10)],
+    ids=["longer-max-steps", "scheduler", "warmup", "min-lr-ratio"],
+)
+def test_a_resume_with_another_schedule_trains_its_first_step_on_the_new_schedule(
+    tiny_model, ctx, tmp_path, caplog, update, max_steps
+):
+    """A run continued with a larger max_steps, or another scheduler / warmup / min_lr_ratio, at the same peak lr:
+    the first resumed update used the checkpoint schedule's lr (the param groups keep it), the new schedule only
+    from the second on. Now every resumed update follows the configured schedule, and the log says the lr moved."""
+    manager = CheckpointManager(tmp_path / "ckpt", ctx)
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float32)
+    old = OptimConfig(lr=1e-2, warmup_steps=2, scheduler="cosine")
+    opt = build_optimizer(model, old)
+    sched = build_scheduler(opt, old, max_steps=10)
+    for step in (1, 2, 3):
+        train(model, opt, sched, step)
+    manager.save(3, model, opt, sched)
+
+    new = old.model_copy(update=update)
+    opt2 = build_optimizer(model, new)
+    sched2 = build_scheduler(opt2, new, max_steps=max_steps)
+    with caplog.at_level("WARNING", logger="gyre_trainer.checkpoint"):
+        manager.load(3, model, opt2, sched2)
+    expected = 1e-2 * lr_multiplier(3, new, max_steps)
+    assert expected != pytest.approx(1e-2 * lr_multiplier(3, old, 10))  # the schedules differ at this step
+    assert [group["lr"] for group in opt2.param_groups] == [expected] * len(opt2.param_groups)
+    assert "optimizer settings differ from the config, which is used: lr at step 3 " in caplog.text
+
+
+def test_an_unchanged_schedule_resumes_without_a_word(tiny_model, ctx, tmp_path, caplog):
+    manager = CheckpointManager(tmp_path / "ckpt", ctx)
+    model, opt, sched = build(tiny_model)
+    for step in (1, 2, 3, 4):
+        train(model, opt, sched, step)
+    manager.save(4, model, opt, sched)
+    model2, opt2, sched2 = build(tiny_model)
+    with caplog.at_level("WARNING", logger="gyre_trainer.checkpoint"):
+        manager.load(4, model2, opt2, sched2)
+    assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert "differ from the config" not in caplog.text
+
+
 def test_folder_appears_complete_and_leftovers_are_ignored(tiny_model, ctx, tmp_path):
     root = tmp_path / "ckpt"
     manager = CheckpointManager(root, ctx)
