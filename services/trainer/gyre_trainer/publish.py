@@ -186,10 +186,20 @@ class WeightPublisher:
         self._config, self._config_json = None, b""
 
     def publish(
-        self, step: int, state_dict: dict[str, Any], config, record: dict[str, Any], *, adapter: dict | None = None
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        config,
+        record: dict[str, Any],
+        *,
+        adapter: dict | None = None,
+        lora_cfg=None,
     ) -> WeightsVersion:
         """Publish full weights; `adapter` (a LoRA run's adapter under PEFT's file names, merged into
-        `state_dict`) is kept with them as `RESUME_ADAPTER`, for a restart without a checkpoint of `step`."""
+        `state_dict`) is kept with them as `RESUME_ADAPTER`, for a restart without a checkpoint of `step`, with
+        its `adapter_config.json` (from `lora_cfg`): `lora/` is then a PEFT adapter folder that peft and vLLM's
+        `--lora-modules` load. Without the config a user who wanted the trained adapter of a merged run found
+        tensors no loader took ("Can't find 'adapter_config.json'")."""
         if self._config is not config:  # serialised once: it takes as long as writing a small model's weights
             self._config, self._config_json = config, config_bytes(config)
 
@@ -204,6 +214,13 @@ class WeightPublisher:
                     (folder / RESUME_ADAPTER).parent.mkdir()
                     chunks = safetensors_chunks(adapter, {"format": "pt"})
                     hashed[RESUME_ADAPTER] = write_hashed(folder / RESUME_ADAPTER, chunks, mode=0o644)
+                    if lora_cfg is not None:
+                        from gyre_trainer.lora import ADAPTER_CONFIG, adapter_config
+
+                        name = f"{Path(RESUME_ADAPTER).parent}/{ADAPTER_CONFIG}"
+                        data = json.dumps(adapter_config(lora_cfg, str(self.base_model)), indent=1, sort_keys=True)
+                        write_file(folder / name, data.encode())
+                        hashed[name] = hashlib.sha256(data.encode()).hexdigest()
                 return hashed
 
         with _publishing(step):

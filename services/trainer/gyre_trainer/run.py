@@ -371,7 +371,9 @@ class RunState:
 
                     adapter = adapter_state_dict(state_dict)
                     state_dict = merged_state_dict(state_dict, lora)
-                published = self.publisher.publish(step, state_dict, process.hf_config, record, adapter=adapter)
+                published = self.publisher.publish(
+                    step, state_dict, process.hf_config, record, adapter=adapter, lora_cfg=lora
+                )
         self.metrics.publish_duration.observe(time.perf_counter() - start)
         crash_point("after_publish", step, ctx)
         self.notifier.notify(published)

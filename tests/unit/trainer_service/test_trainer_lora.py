@@ -85,6 +85,33 @@ def test_adapter_alone_is_published_in_peft_format_and_reapplies_to_the_base(tin
     }
 
 
+def test_merged_weights_keep_a_peft_adapter_folder_that_peft_loads_onto_the_base(tiny_model, tmp_path):
+    """A merged LoRA version (`lora.publish = "merged"`, the default) is two exports: the folder, a full model that
+    transformers and vLLM load, and its `lora/`, the trained adapter, which peft (and `vllm serve --lora-modules`)
+    load onto the base. `lora/` held the tensors without `adapter_config.json`: no loader took it."""
+    from gyre.transport import FolderStore
+    from gyre.weights import WeightStore
+    from gyre_trainer.lora import adapter_state_dict
+    from gyre_trainer.publish import WeightPublisher
+    from transformers import AutoModelForCausalLM
+
+    model = lora_model(tiny_model).eval()
+    state = model.state_dict()
+    publisher = WeightPublisher(FolderStore(tmp_path / "weights"), tiny_model, 2)
+    version = publisher.publish(3, merged_state_dict(state, CFG), model.get_base_model().config, {"step": 3},
+                                adapter=adapter_state_dict(state), lora_cfg=CFG)  # fmt: skip
+    manifest = WeightStore(tmp_path / "weights").verify(3, version.digest)
+    assert {"lora/adapter_model.safetensors", "lora/adapter_config.json"} <= set(manifest.files)
+    ids = torch.randint(3, 1000, (1, 20))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(version.path, dtype=torch.float32).eval()
+        base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        adapter = peft.PeftModel.from_pretrained(base, version.path / "lora").eval()
+        assert torch.allclose(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+        assert torch.allclose(adapter(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+
+
 def test_loraplus_gives_lora_b_its_own_lr_and_the_schedule_keeps_the_ratio(tiny_model):
     from gyre_trainer.optim import build_scheduler
 
