@@ -482,3 +482,25 @@ def test_a_section_file_merges_with_the_sections_other_files(tmp_path):
     trainer = write(tmp_path, "trainer.toml", "[data]\nseq_len = 64\n")
     values = collect(["--trainer.optim", "@", lr, "--trainer", "@", trainer], RLConfig)
     assert values == {"trainer": {"optim": {"lr": 0.5}, "data": {"seq_len": 64}}}
+
+
+@pytest.mark.parametrize("cls", [OrchestratorConfig, GyreEvalConfig])
+@pytest.mark.parametrize(
+    "url", ["http://host:8000/v1/chat/completions", "http://host:8000/v1/completions/", "http://host:8000/v1/models"]
+)
+def test_an_inference_url_with_a_route_is_refused_naming_what_to_write(cls, url):
+    # it was sent to .../v1/chat/completions/v1/chat/completions: a 404 once the orchestrator had started
+    with pytest.raises(ConfigError) as e:
+        load_config(cls, ["--inference.urls", f'["http://other:8000/v1", "{url}"]'])
+    said = str(e.value)
+    assert said.startswith("config key 'inference.urls': entry 1 "), said
+    assert "which the client adds itself: give the server's root or its /v1 base (http://host:8000/v1)" in said
+    # a root or an OpenAI base is what to write (the /v1 is the client's)
+    assert load_config(cls, ["--inference.urls", "http://host:8000/v1/"]).inference.urls == ["http://host:8000"]
+
+
+def test_gyre_eval_refuses_an_inference_url_with_a_route_before_connecting():
+    argv = [sys.executable, "-m", "gyre.cli", "eval", "--inference.urls", "http://127.0.0.1:9/v1/chat/completions"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.startswith("gyre eval: error: config key 'inference.urls': entry 0 "), res.stderr

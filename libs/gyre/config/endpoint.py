@@ -35,6 +35,23 @@ EVAL_STARTUP_TIMEOUT_S = 300.0
 _ROUTES = ("/chat/completions", "/completions", "/classify", "/tokenize", "/models", "/inference/v1/generate")
 
 
+def route_problem(url: str) -> str | None:
+    """What to write instead of a URL that ends in an API route the client adds itself (pasted from an API's docs:
+    `.../v1/chat/completions` was sent to `.../v1/chat/completions/v1/chat/completions`, a 404 at the first call);
+    None for a server's root or OpenAI base. Shared by every setting that names an OpenAI-compatible server."""
+    from urllib.parse import urlsplit
+
+    try:
+        path = urlsplit(url).path.rstrip("/")
+    except ValueError:
+        return None  # not a URL at all: the setting's own check says so
+    route = next((r for r in _ROUTES if path.endswith(r)), None)
+    if route is None:
+        return None
+    return (f"{url!r} ends in the route {route}, which the client adds itself: give the server's root or its /v1 "
+            f"base ({url[: url.rfind(route)]})")  # fmt: skip
+
+
 class EndpointConfig(Section):
     """An OpenAI-compatible server: where it is, which model, how to authenticate, how patiently to call it."""
 
@@ -84,10 +101,8 @@ class EndpointConfig(Section):
             raise ValueError(f"{value!r} is not a valid URL ({error})") from None
         if not parts.hostname:  # "http://" or "http://:8000": every call failed as a retried connection error
             raise ValueError(f"{value!r} names no host: give http://host:port or https://host/v1")
-        route = next((r for r in _ROUTES if parts.path.rstrip("/").endswith(r)), None)
-        if route:  # the client adds the route: .../v1/chat/completions/v1/chat/completions, a 404 at the first call
-            raise ValueError(f"{value!r} ends in the route {route}: give the server's root or its /v1 base "
-                             f"({value[: value.rfind(route)]})")  # fmt: skip
+        if problem := route_problem(value):
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="before")

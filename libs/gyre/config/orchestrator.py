@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gyre.config.endpoint import EVAL_STARTUP_TIMEOUT_S, JudgeConfig, RewardModelConfig, TeacherConfig
+from gyre.config.endpoint import EVAL_STARTUP_TIMEOUT_S, JudgeConfig, RewardModelConfig, TeacherConfig, route_problem
 from gyre.config.loader import GyreSettings, Section, secret_file
 from gyre.config.packing import DEFAULT_SEQ_LEN
 from gyre.config.shared import LogConfig, RedisConfig, ServiceConfig
@@ -92,7 +92,11 @@ class InferenceEndpointsConfig(Section):
     @classmethod
     def _roots(cls, urls: list[str]) -> list[str]:
         # a replica's root: the client adds /v1 itself. An OpenAI base URL (…/v1), as vLLM's and the openai client's
-        # users write it, sent every request to /v1/v1/… : a 404 at each one
+        # users write it, sent every request to /v1/v1/… : a 404 at each one. A route beyond it (…/v1/chat/completions)
+        # is refused here, before anything connects (it was a 404 after start)
+        for i, url in enumerate(urls):
+            if problem := route_problem(url):
+                raise ValueError(f"entry {i} {problem}")
         return [url.rstrip("/").removesuffix("/v1") for url in urls]
 
 
