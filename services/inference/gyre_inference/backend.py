@@ -77,9 +77,21 @@ class SamplingParams:
     # RequestOutputKind.FINAL_ONLY): a backend may hand its events over in one piece at the end instead of one
     # by one, sparing the event loop a wake-up per token. Errors and cancellation still end it at once.
     final_only: bool = False
+    # vLLM's penalties, with vLLM's semantics (sampling.Penalties): a token of the prompt or the output so far has its
+    # logit divided by repetition_penalty when positive, multiplied by it otherwise; then frequency_penalty times its
+    # count in the output, and presence_penalty once if it is there, are subtracted. Applied after logit_bias and
+    # before the temperature; the reported log-probs are those of the penalised distribution (the one sampled from).
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     # vLLM's request priority: lower is scheduled earlier (admission; preemption takes the highest value first).
     # The orchestrator sends a rollout's RL step, so a backlog of requests never delays an older batch.
     priority: int = 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty is on (the torch engine samples such a sequence on its eager path)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,10 @@ class Sequence:
         return len(self.tokens) < self.params.min_tokens and bool(self.params.stop_token_ids)
 
     @property
+    def penalised(self) -> bool:
+        return self.params.penalised
+
+    @property
     def biased(self) -> bool:
         return bool(self.params.logit_bias) or self.suppressing_stops
 
@@ -152,6 +156,8 @@ class Batch:
         self.inputs.set_block(row, 0, NULL_BLOCK)
         if seq.biased:
             self.inputs.set_bias(row, [])
+        if self.inputs.penalties is not None:
+            self.inputs.penalties.vacate(row)
 
     # ---- admission ------------------------------------------------------------------------------
     def plan_prefill(self, candidates: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
@@ -232,6 +238,8 @@ class Batch:
         self.inputs.set_table(row, seq.blocks)
         if seq.biased:
             self.set_bias(seq)
+        if seq.penalised:
+            self.inputs.penalty_rows().take(row, p, seq.prompt, seq.tokens)
 
     def set_bias(self, seq: Sequence) -> bool:
         """Write the row's sparse biases (True: the bias buffers grew, so graphs were dropped)."""
@@ -297,6 +305,8 @@ class Batch:
             kwargs.update(bias_ids=ids.to(device), bias_values=values.to(device))
         if any(seq.constraint is not None for seq in seqs):
             kwargs["bitmask"] = self._bitmask(seqs).to(device)
+        if any(seq.penalised for seq in seqs):
+            kwargs["penalties"] = self.inputs.penalty_rows().select(torch.tensor([seq.row for seq in seqs]))
         top_n = TOP_LOGPROBS if any(p.top_logprobs for p in params) else 0
         out = sample(logits, temperature, torch.from_numpy(u).to(device), top_n=top_n, **kwargs)
         return tuple(t.cpu().numpy() for t in out if t is not None)
@@ -383,6 +393,7 @@ class Batch:
             masked=any(seq.constraint is not None for seq in live),
             top_n=TOP_LOGPROBS if any(seq.params.top_logprobs for seq in live) else 0,
             bias_width=self.inputs.bias_width if any(seq.biased for seq in live) else 0,
+            penalised=any(seq.penalised for seq in live),
         )
 
     def _step_inputs(self, step: list[Sequence]) -> tuple[int, int, Variant]:
@@ -411,6 +422,8 @@ class Batch:
     def advance(self, seq: Sequence, token: int, *, computed: bool) -> None:
         """A step sampled `token` for `seq`; a decode step (`computed`) also computed its position `computed`."""
         seq.tokens.append(token)
+        if seq.penalised and seq.row >= 0:
+            self.inputs.penalties.count(seq.row, token)
         if computed:
             seq.computed += 1
             if seq.computed % self.block_size == 0:

@@ -274,6 +274,8 @@ class EngineLoop:
         for seq in step:
             if seq.constraint is not None:  # its bitmask follows its matcher, which must see every token first
                 return False
+            if seq.penalised:  # its token counts are the host's: the step's sample must be counted before the next
+                return False
             min_tokens = seq.params.min_tokens
             if min_tokens and seq in flying and len(seq.tokens) + 1 == min_tokens:  # its biases change with it
                 return False

@@ -96,6 +96,9 @@ class Variant:
     masked: bool = False  # a structured-output token bitmask
     top_n: int = 0  # top log-probs reported (0 or TOP_LOGPROBS)
     bias_width: int = 0  # sparse bias entries per row (0 = none)
+    # vLLM's penalties (sampling.Penalties): such a step runs eagerly, never as CUDA graphs (their per-row counts are
+    # written between steps by ops of their own; the graphs stay as they were for every other step)
+    penalised: bool = False
 
 
 def _eps(norm) -> float:
@@ -330,6 +333,7 @@ class ModelRunner:
             bias_ids=inputs.bias_ids[:rows, : variant.bias_width] if variant.bias_width else None,
             bias_values=inputs.bias_values[:rows, : variant.bias_width] if variant.bias_width else None,
             bitmask=inputs.bitmask[:rows] if variant.masked else None,
+            penalties=inputs.penalties.select(slice(0, rows)) if variant.penalised else None,
             top_n=variant.top_n,
         )  # fmt: skip
         self.out_tokens[:rows].copy_(tokens)
@@ -362,7 +366,7 @@ class ModelRunner:
         if events is not None:
             events[0].record()
         started = time.perf_counter()
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or variant.penalised:
             self._decode_forward(rows, width)
             self._sample(rows, variant)
         else:

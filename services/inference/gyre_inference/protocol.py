@@ -27,12 +27,9 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 # vLLM request fields this server refuses, with the reason the 400 gives (docs/inference.md, "Compatibility").
 _NO_PROMPT_LOGPROBS = "prompt log-probs are served on /v1/completions and /inference/v1/generate"
-_NO_PENALTIES = "the sampler has temperature, top_p, top_k, min_p, logit_bias and min_tokens only"
 UNSUPPORTED_FIELDS = {
     "prompt_logprobs": _NO_PROMPT_LOGPROBS,
     "use_beam_search": "no beam search (ask for n choices instead)",
-    "repetition_penalty": _NO_PENALTIES,
-    "presence_penalty": _NO_PENALTIES, "frequency_penalty": _NO_PENALTIES,
     "truncate_prompt_tokens": "prompts are never truncated (a prompt too long is a 400)",
     "prompt_embeds": "prompts are text or token ids",
     # fields accepted as null only (the 400 says "only null is supported: <reason>")
@@ -68,9 +65,8 @@ UNSUPPORTED_FIELDS = {
 }  # fmt: skip
 
 
-_NEUTRAL = {"repetition_penalty": (1.0,), "use_beam_search": (False,), "length_penalty": (1.0,),
-            "spaces_between_special_tokens": (True,), "bad_words": ([],), "include_reasoning": (True,),
-            "skip_special_tokens": (True,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,)}  # fmt: skip
+_NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
+            "bad_words": ([],), "include_reasoning": (True,), "skip_special_tokens": (True,)}  # fmt: skip
 UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out of the text"
 
 
@@ -78,6 +74,15 @@ TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 # vLLM's top_k (-1 and 0 = off; above the vocabulary size is a 400, checked where the vocabulary is known) and min_p
 TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 MinP = Annotated[float, Field(ge=0, le=1)]
+# vLLM's (and OpenAI's) penalty ranges: presence and frequency in [-2, 2], repetition > 0 (1 = off)
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=100)]
+PRESENCE_HELP = "Subtracted from the logit of every token the output already holds (0 = off; vLLM's semantics)."
+FREQUENCY_HELP = "Times a token's count in the output so far, subtracted from its logit (0 = off)."
+REPETITION_HELP = (
+    "vLLM extension: a token of the prompt or output has its logit divided by this when positive, "
+    "multiplied when negative (1 = off)."
+)
 
 
 def neutral_only(cls, value, info):
@@ -219,8 +224,8 @@ class SamplingRequest(StrictModel):
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="Ignored.")
-    presence_penalty: float = Field(0.0, description="Not supported; only 0 is accepted.")
-    frequency_penalty: float = Field(0.0, description="Not supported; only 0 is accepted.")
+    presence_penalty: Penalty = Field(0.0, description=PRESENCE_HELP)
+    frequency_penalty: Penalty = Field(0.0, description=FREQUENCY_HELP)
     ignore_eos: bool = Field(False, description="vLLM extension: do not stop at the end-of-sequence token.")
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="Token id (as a string) -> bias added to its logit."
@@ -244,8 +249,8 @@ class SamplingRequest(StrictModel):
     min_p: MinP | None = Field(
         None, description="vLLM extension: draw only tokens with at least min_p times the top probability; 0 = off."
     )
+    repetition_penalty: RepetitionPenalty | None = Field(None, description=REPETITION_HELP)
     # vLLM sampling fields clients send at their neutral value (RL frameworks often do): accepted only so.
-    repetition_penalty: float | None = Field(None, description="vLLM extension; only 1 (off).")
     use_beam_search: bool = Field(False, description="vLLM extension; only false.")
     skip_special_tokens: bool = Field(True, description="vLLM extension; only true (special tokens never shown).")
     # vLLM's other request fields at their defaults (a dump of vLLM's request model, an RL framework's sampling dict
@@ -275,8 +280,7 @@ class SamplingRequest(StrictModel):
     guided_decoding_backend: None = Field(None, description="Only null: the grammar engine is llguidance.")
     guided_whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
 
-    _neutral_only = field_validator("repetition_penalty", "use_beam_search", "skip_special_tokens",
-                                    "presence_penalty", "frequency_penalty", "length_penalty",
+    _neutral_only = field_validator("use_beam_search", "skip_special_tokens", "length_penalty",
                                     "spaces_between_special_tokens", "bad_words")(neutral_only)  # fmt: skip
 
     @model_validator(mode="after")

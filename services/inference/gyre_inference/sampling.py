@@ -3,11 +3,12 @@
 `sample` is a fixed sequence of tensor ops with no data-dependent shapes and no host synchronisation, so
 the torch engine captures it in a CUDA graph together with the model's decode step (model_runner.py).
 Per row it applies, in this order: the structured-output token bitmask (disallowed tokens at -inf), the
-sparse biases (`logit_bias`, and -inf on the stop ids before `min_tokens`), the temperature; the
-reported log-probs are `log_softmax` of that (T = 1 for greedy rows, those with T < 1e-5 as in vLLM). Then,
+sparse biases (`logit_bias`, and -inf on the stop ids before `min_tokens`), the penalties (`Penalties`:
+vLLM's repetition, frequency and presence penalties), the temperature; the reported log-probs are
+`log_softmax` of that (T = 1 for greedy rows, those with T < 1e-5 as in vLLM). Then,
 for the draw only: top-k, top-p (nucleus) and min-p, and one inverse-CDF draw with the row's uniform. The
-filters decide which tokens may be drawn but are NOT renormalised into the reported log-prob: with no bias
-and no mask it is exactly `log_softmax(logits / T)`, what the trainer recomputes (importance ratio 1 on the
+filters decide which tokens may be drawn but are NOT renormalised into the reported log-prob: with no bias,
+mask or penalty it is exactly `log_softmax(logits / T)`, what the trainer recomputes (importance ratio 1 on the
 same weights).
 
 Randomness: row r's uniform is a pure function of (its sequence's seed, how many tokens that sequence
@@ -23,6 +24,8 @@ for no filter walks vocabulary order in either variant, so its tokens never depe
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,6 +47,28 @@ def uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
     return ((z >> np.uint64(40)).astype(np.float32)) * np.float32(2.0**-24)
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """vLLM's sampling penalties of R rows, applied as vLLM's sampler does (after the biases, before the temperature):
+    a token seen in the row's prompt or output has its logit divided by `repetition` [R] when positive, multiplied by
+    it otherwise; then `frequency` [R] times the token's count in the output and `presence` [R] once if it occurs
+    there are subtracted. `output_counts` [R, V] float32 counts each token in the row's generated tokens so far,
+    `seen` [R, V] bool marks the tokens of its prompt and output. A row at repetition 1, frequency 0, presence 0 is
+    left bit for bit as it was (x / 1, x * 1 and x - 0 are exact)."""
+
+    output_counts: torch.Tensor
+    seen: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.where(self.seen, self.repetition[:, None], torch.ones_like(x))
+        x = torch.where(x > 0, x / scale, x * scale)
+        x = x - self.frequency[:, None] * self.output_counts
+        return x - self.presence[:, None] * (self.output_counts > 0).to(x.dtype)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -55,6 +80,7 @@ def sample(
     bias_ids: torch.Tensor | None = None,
     bias_values: torch.Tensor | None = None,
     bitmask: torch.Tensor | None = None,
+    penalties: Penalties | None = None,
     top_n: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One token per row of `logits` [R, V].
@@ -62,7 +88,8 @@ def sample(
     `temperature` [R] (below GREEDY_BELOW, 0 too: greedy), `uniform` [R] in [0, 1); when given: `top_p` [R] in
     (0, 1], `top_k` [R] (0 = off), `min_p` [R] (0 = off) (all three together: the filtered path, one sort), `bias_ids` /
     `bias_values` [R, W] (added with scatter_add; pad with id 0, value 0), `bitmask` [R, ceil(V / 32)] int32
-    (bit j of word i = token 32 i + j may be sampled). Returns (tokens [R] int64, their log-probs [R],
+    (bit j of word i = token 32 i + j may be sampled), `penalties` (rows may differ; never inside a CUDA graph: the
+    engine runs a step with any penalised row eagerly). Returns (tokens [R] int64, their log-probs [R],
     the `top_n` most likely tokens' log-probs [R, top_n] and ids, or None when top_n = 0).
     """
     x = logits.float()
@@ -78,6 +105,8 @@ def sample(
         # the grammar wins.
         dead = ~torch.isfinite(x).any(dim=-1, keepdim=True)
         x = torch.where(dead & allowed, torch.zeros_like(x), x)
+    if penalties is not None:
+        x = penalties.apply(x)
     greedy = temperature < GREEDY_BELOW
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     logprobs = torch.log_softmax(x / scale[:, None], dim=-1)

@@ -222,6 +222,9 @@ class Serving:
                     prompt_logprobs=prompt_top if i == 0 else None,  # once per prompt, shared by its choices
                     final_only=final_only,
                     priority=request.priority,
+                    repetition_penalty=request.repetition_penalty or 1.0,
+                    presence_penalty=request.presence_penalty or 0.0,
+                    frequency_penalty=request.frequency_penalty or 0.0,
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",

@@ -7,9 +7,11 @@ structured outputs, a token bitmask. model_runner.py's docstring says how a step
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gyre_inference.kv_cache import NULL_BLOCK
+from gyre_inference.sampling import Penalties
 
 # Row indices of the per-row int and float input buffers.
 IDS, POSITIONS, SLOTS, CONTEXT, TOP_K, CARRY = range(6)
@@ -41,6 +43,10 @@ class StepBuffers:
         self.bitmask_host, self.bitmask = pair((rows, (vocab + 31) // 32), torch.int32, -1)
         self.bias_width = 0
         self.bias_ids_host = self.bias_ids = torch.zeros(rows, 0, dtype=torch.long)
+        self.vocab = vocab
+        # vLLM's penalties (sampling.Penalties): made on the first penalised request (two [rows, vocab] tensors); only
+        # the eager step reads them, never a CUDA graph
+        self.penalties: PenaltyRows | None = None
         self.bias_values_host = self.bias_values = torch.zeros(rows, 0)
         self.ints_np, self.floats_np = self.ints_host.numpy(), self.floats_host.numpy()
         self.table_np, self.bitmask_np = self.table_host.numpy(), self.bitmask_host.numpy()
@@ -76,6 +82,11 @@ class StepBuffers:
             ids, values = zip(*entries, strict=True)
             self.bias_ids_host[row, : len(ids)] = torch.tensor(ids)
             self.bias_values_host[row, : len(ids)] = torch.tensor(values)
+
+    def penalty_rows(self) -> PenaltyRows:
+        if self.penalties is None:
+            self.penalties = PenaltyRows(self.rows, self.vocab, self.device)
+        return self.penalties
 
     def set_table(self, row: int, blocks: list[int]) -> None:
         self.table_np[row, : len(blocks)] = blocks
@@ -127,3 +138,57 @@ class StepBuffers:
         copy has almost always run already, so the wait costs nothing."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
+
+
+class PenaltyRows:
+    """What vLLM's penalties need per row, on the device: the count of each token in the row's generated tokens and
+    the tokens seen in its prompt or output (`sampling.Penalties`), with the row's three penalties (host, uploaded by
+    the step that reads them). Rows are set when a penalised sequence takes one (its prompt and the tokens it has
+    already generated: a preempted sequence's recompute), then counted token by token, the host's tokens of a step
+    added in one device op before the next sample reads them (a penalised row never takes the overlapped path)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device):
+        self.device = device
+        self.counts = torch.zeros(rows, vocab, device=device)
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        self.params = np.zeros((3, rows), dtype=np.float32)  # repetition, frequency, presence
+        self.params[0] = 1.0
+        self._pending: dict[int, list[int]] = {}
+
+    def take(self, row: int, params, prompt: list[int], tokens: list[int]) -> None:
+        self.params[:, row] = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+        self._pending.pop(row, None)
+        self.counts[row].zero_()
+        self.seen[row].zero_()
+        self.seen[row, torch.tensor(prompt + tokens, dtype=torch.long, device=self.device)] = True
+        if tokens:
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            self.counts[row].index_add_(0, ids, torch.ones(len(tokens), device=self.device))
+
+    def vacate(self, row: int) -> None:
+        self._pending.pop(row, None)
+        self.params[:, row] = (1.0, 0.0, 0.0)
+
+    def count(self, row: int, token: int) -> None:
+        self._pending.setdefault(row, []).append(token)
+
+    def flush(self) -> None:
+        """Add the tokens counted since the last flush (one device op for all rows)."""
+        if not self._pending:
+            return
+        rows = [row for row, tokens in self._pending.items() for _ in tokens]
+        tokens = [token for row_tokens in self._pending.values() for token in row_tokens]
+        self._pending.clear()
+        index = (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device))
+        self.counts.index_put_(index, torch.ones(len(rows), device=self.device), accumulate=True)
+        self.seen[index] = True
+
+    def select(self, rows: torch.Tensor | slice) -> Penalties:
+        """The `Penalties` of these rows (a slice of the step's rows, or the indices of a prefill's sequences)."""
+        self.flush()
+        if not isinstance(rows, slice):
+            rows = rows.cpu().numpy()
+        repetition, frequency, presence = torch.from_numpy(np.ascontiguousarray(self.params[:, rows])).to(self.device)
+        if not isinstance(rows, slice):
+            rows = torch.from_numpy(rows).to(self.device)
+        return Penalties(self.counts[rows], self.seen[rows], repetition, frequency, presence)

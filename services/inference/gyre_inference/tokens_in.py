@@ -33,14 +33,24 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from gyre_inference.backend import AdapterGoneError, BackendStoppedError, SamplingParams
 from gyre_inference.choice import choice_seed
 from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
-from gyre_inference.protocol import MAX_N, MAX_TOP_LOGPROBS, MinP, TopK, neutral_only
+from gyre_inference.protocol import (
+    FREQUENCY_HELP,
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    PRESENCE_HELP,
+    REPETITION_HELP,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    TopK,
+)
 from gyre_inference.serving import (
     VERSION_HEADER,
     ClientGone,
@@ -84,12 +94,9 @@ class GenerateSamplingParams(StrictModel):
     min_p: MinP | None = Field(
         None, description="Draw only tokens with at least min_p times the top probability; 0 = off."
     )
-    repetition_penalty: float | None = Field(None, description="Only 1 (off).")
-    presence_penalty: float = Field(0.0, description="Only 0.")
-    frequency_penalty: float = Field(0.0, description="Only 0.")
-
-    _neutral_only = field_validator("repetition_penalty", "presence_penalty",
-                                    "frequency_penalty")(neutral_only)  # fmt: skip
+    repetition_penalty: RepetitionPenalty | None = Field(None, description=REPETITION_HELP)
+    presence_penalty: Penalty = Field(0.0, description=PRESENCE_HELP)
+    frequency_penalty: Penalty = Field(0.0, description=FREQUENCY_HELP)
 
     @model_validator(mode="after")
     def _min_tokens_fit(self):
@@ -178,6 +185,9 @@ def add_generate_route(app: FastAPI, state) -> None:
                 prompt_logprobs=sp.prompt_logprobs if i == 0 else None,  # one prompt: computed once
                 min_tokens=min(sp.min_tokens, max_tokens),
                 priority=body.priority,
+                repetition_penalty=sp.repetition_penalty or 1.0,
+                presence_penalty=sp.presence_penalty,
+                frequency_penalty=sp.frequency_penalty,
             )
             for i in range(sp.n)
         ]

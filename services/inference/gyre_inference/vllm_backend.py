@@ -283,6 +283,8 @@ class VLLMBackend(Backend):
             stop_token_ids=sorted(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
             detokenize=False, output_kind=RequestOutputKind.DELTA, min_tokens=params.min_tokens,
             logit_bias=dict(params.logit_bias) or None, prompt_logprobs=params.prompt_logprobs,
+            repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
             structured_outputs=None if params.guide is None else StructuredOutputsParams(
                 **structured_outputs(params.guide)),
         )  # fmt: skip

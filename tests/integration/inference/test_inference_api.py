@@ -210,6 +210,46 @@ def test_a_temperature_below_1e_5_is_greedy_on_every_route(client, server, model
     assert lps[0] == pytest.approx(lps[1], abs=1e-5)
 
 
+def test_penalties_reach_the_sampler_and_the_log_probs_are_of_the_penalised_distribution(client, server, model_id,
+                                                                                          reference):  # fmt: skip
+    """presence/frequency (OpenAI fields) and repetition_penalty (vLLM's, in extra_body) over HTTP, on every route
+    that samples; they were a 400 unless off. Greedy, so the penalised argmax is checked too."""
+    model, _ = reference
+    penalties = {"presence_penalty": 0.8, "frequency_penalty": 0.6}
+    repetition = 1.8
+
+    def completion(**kwargs):
+        answer = client.completions.create(model=model_id, prompt=TOKEN_PROMPT, max_tokens=12, temperature=0,
+                                           logprobs=1, extra_body={"return_token_ids": True, **kwargs.pop("extra", {})},
+                                           **kwargs)  # fmt: skip
+        choice = answer.choices[0]
+        return extra(choice)["token_ids"], choice.logprobs.token_logprobs
+
+    plain_tokens, _ = completion()
+    tokens, logprobs = completion(**penalties, extra={"repetition_penalty": repetition})
+    assert tokens != plain_tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([TOKEN_PROMPT + tokens])).logits[0, len(TOKEN_PROMPT) - 1 : -1]
+    for t, token in enumerate(tokens):
+        x, output = logits[t].clone(), tokens[:t]
+        for seen in set(TOKEN_PROMPT) | set(output):
+            x[seen] = x[seen] / repetition if x[seen] > 0 else x[seen] * repetition
+        for seen in set(output):
+            x[seen] -= penalties["frequency_penalty"] * output.count(seen) + penalties["presence_penalty"]
+        assert token == int(x.argmax()) and logprobs[t] == pytest.approx(float(torch.log_softmax(x, -1)[token]),
+                                                                          abs=1e-4)  # fmt: skip
+    chat = client.chat.completions.create(model=model_id, messages=STORY, max_tokens=8, temperature=0, seed=1,
+                                          extra_body={"repetition_penalty": repetition}, **penalties)  # fmt: skip
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    body = {
+        "model": model_id,
+        "token_ids": TOKEN_PROMPT,
+        "sampling_params": {"max_tokens": 12, "temperature": 0, "repetition_penalty": repetition, **penalties},
+    }
+    generated = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=60).json()["choices"][0]
+    assert generated["token_ids"] == tokens
+
+
 def test_streaming_chat_equals_the_non_streaming_answer(client, model_id):
     kwargs = dict(model=model_id, messages=STORY, max_tokens=16, seed=9, logprobs=True, n=2,
                   extra_body={"return_token_ids": True})  # fmt: skip

@@ -95,7 +95,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "mood": "sad"}]}, "messages.0.mood"),
         ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
         # features this server does not implement are refused, not silently ignored
-        ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),  # vLLM's and OpenAI's [-2, 2]
+        ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),  # vLLM: > 0
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/completions", {"echo": True, "logprobs": 1, "stream": True}, None),  # non-streaming only
         ("/v1/chat/completions", {"logit_bias": {"abc": 1}}, "logit_bias.abc"),
@@ -278,11 +279,13 @@ HI = [{"role": "user", "content": "hi"}]
          "array_above_max_length", "Expected an array with maximum length 16, but got an array with length 17"),
         (lambda c, m: c.chat.completions.create(model=m, messages=[]), "messages", "empty_array",
          "Expected an array with minimum length 1, but got an empty array instead."),
-        # refused for what it is, not as a range of [0, 0]
-        (lambda c, m: c.chat.completions.create(model=m, messages=HI, presence_penalty=0.5), "presence_penalty", None,
-         "only 0.0 is supported: the sampler has temperature, top_p, top_k, min_p, logit_bias and min_tokens only"),
-        (lambda c, m: c.completions.create(model=m, prompt="hi", frequency_penalty=-1), "frequency_penalty", None,
-         "only 0.0 is supported"),
+        # vLLM's (and OpenAI's) ranges of the penalties
+        (lambda c, m: c.chat.completions.create(model=m, messages=HI, presence_penalty=2.5), "presence_penalty",
+         "decimal_above_max_value", "Expected a value <= 2, but got 2.5 instead."),
+        (lambda c, m: c.completions.create(model=m, prompt="hi", frequency_penalty=-3), "frequency_penalty",
+         "decimal_below_min_value", "Expected a value >= -2, but got -3 instead."),
+        (lambda c, m: c.completions.create(model=m, prompt="hi", extra_body={"repetition_penalty": 0}),
+         "repetition_penalty", "decimal_below_min_value", "Expected a value > 0, but got 0 instead."),
     ],
 )  # fmt: skip
 def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_id, call, param, code, says):

@@ -412,7 +412,7 @@ def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_ot
                "skip_special_tokens": True, "presence_penalty": 0.0, "frequency_penalty": 0.0, "user": "u"}  # fmt: skip
     assert http.post("/v1/completions", json=base | neutral).status_code == 200
     assert http.post("/v1/completions", json=base | {"top_k": 0}).status_code == 200
-    for field, value in (("repetition_penalty", 1.2), ("use_beam_search", True),
+    for field, value in (("length_penalty", 1.2), ("use_beam_search", True),
                          ("skip_special_tokens", False), ("best_of", 2)):  # fmt: skip
         response = http.post("/v1/completions", json=base | {field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)

@@ -168,3 +168,50 @@ def test_a_row_that_filters_nothing_draws_the_same_token_beside_a_filtered_row()
         mixed, *_ = sample(logits, temperature, uniform, top_p=torch.tensor([1.0, 0.5]), top_k=torch.tensor([0, 0]),
                            min_p=torch.tensor([0.0, 0.0]))  # fmt: skip
         assert mixed[0] == plain[0]
+
+
+def _penalised_reference(logits, prompt, output, repetition, frequency, presence):
+    """vLLM's penalties written out token by token in plain torch (vllm apply_penalties): repetition over the prompt
+    and the output, positive logits divided, the others multiplied; frequency and presence over the output only."""
+    x = logits.clone()
+    for token in set(prompt) | set(output):
+        x[token] = x[token] / repetition if x[token] > 0 else x[token] * repetition
+    for token in set(output):
+        x[token] -= frequency * output.count(token) + presence
+    return x
+
+
+def test_penalties_follow_vllm_per_row_and_leave_an_unpenalised_row_bit_identical():
+    from gyre_inference.sampling import Penalties
+
+    vocab = 50
+    logits = _logits(rows=4, vocab=vocab, seed=7)
+    logits[1, 3] = float("-inf")  # a token the bias or grammar ruled out stays out
+    prompts = [[1, 2, 3], [3, 4, 5, 3], [6], [1, 2]]
+    outputs = [[2, 2, 9, 10, 2], [3, 11, 11], [6, 6], [2, 40]]
+    rows = [(1.3, 0.5, 0.4), (0.7, -0.5, 1.5), (1.0, 2.0, -2.0), (1.0, 0.0, 0.0)]  # the last: off
+    counts = torch.zeros(4, vocab)
+    seen = torch.zeros(4, vocab, dtype=torch.bool)
+    for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        for token in output:
+            counts[row, token] += 1
+        seen[row, prompt + output] = True
+    repetition, frequency, presence = (torch.tensor(column) for column in zip(*rows, strict=True))
+    penalties = Penalties(counts, seen, repetition, frequency, presence)
+    temperature = torch.tensor([0.7, 1.0, 0.0, 0.9])
+    u = torch.tensor([0.3, 0.6, 0.5, 0.2])
+    for filters in ({}, _filters(4, top_p=0.9)):
+        tokens, chosen, top_values, top_ids = sample(logits, temperature, u, penalties=penalties, top_n=5, **filters)
+        plain = sample(logits, temperature, u, top_n=5, **filters)
+        for row in range(4):
+            x = _penalised_reference(logits[row], prompts[row], outputs[row], *rows[row])
+            scale = temperature[row] if temperature[row] > 0 else 1.0
+            expected = torch.log_softmax(x / scale, -1)
+            assert torch.allclose(chosen[row], expected[tokens[row]], atol=1e-6), row  # the processed log-probs
+            assert torch.allclose(top_values[row], expected.topk(5).values, atol=1e-6), row
+        assert tokens[2] == _penalised_reference(logits[2], prompts[2], outputs[2], *rows[2]).argmax()  # greedy
+        # the row with every penalty off: bit for bit what the sampler gives without penalties
+        assert (
+            tokens[3] == plain[0][3] and torch.equal(chosen[3], plain[1][3]) and torch.equal(top_values[3], plain[2][3])
+        )
+        assert not torch.equal(chosen[:3], plain[1][:3])
