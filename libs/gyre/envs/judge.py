@@ -48,13 +48,28 @@ from gyre.envs.types import Messages, ScoringError
 log = logging.getLogger(__name__)
 
 # The number mode's grammar (docs/environments.md, "Reading a judge's number"). A number: an optional minus sign
-# (never a range's dash: the 10 of "0-10" is not -10), digits, a decimal part after a point or a comma ("7,5" is 7.5:
-# it was read as 5) and an exponent ("1e1" is 10: it was read as 1).
-_NUM = r"(?:(?<![\w.,])[-\u2212])?\d+(?:[.,]\d+)?(?:[eE][+-]?\d+)?"
+# (never a range's dash: the 10 of "0-10" is not -10), digits, and an exponent ("1e1" is 10: it was read as 1). A
+# comma between digits is read by what follows it: groups of exactly three digits are thousands ("1,000" is 1000,
+# "12,345,678.5" is 12345678.5: "1,000" was read as 1.0), one comma before other digits is a decimal comma ("7,5"
+# is 7.5: it was read as 5; "0,25"), and a run of commas is a list ("1,2,3": 1, 2 and 3, like "7, 8"). A number
+# never starts inside another's digits or decimal part; a list's element after "1," is read alone (the 2 of
+# "1,2,3" is 2, never the 2.3 of a decimal comma).
+_THOUSANDS = r"\d{1,3}(?:,\d{3})+(?!,?\d)"  # not "1,0000" nor "1,000,5": a list then
+_COMMA_FORMS = rf"(?<!\d[.,])(?:{_THOUSANDS}(?:\.\d+)?|\d+,\d+(?![.,]?\d))"
+_DIGITS = rf"(?<!\d)(?:{_COMMA_FORMS}|(?<!\d\.)\d+(?:\.\d+)?)"
+_NUM = rf"(?:(?<![\w.,])[-\u2212])?{_DIGITS}(?:[eE][+-]?\d+)?"
 #: markdown around a number ("**7**", "`7`"): dropped before reading
 _MARKUP = re.compile(r"[*_`]")
 #: what the reply may say before its score; the last number after one of these is the score
 _LABEL = re.compile(r"\b(?:score|rating|grade)\b[^\w\n]*(?:\b(?:is|of|was|would\s+be|=)\b[^\w\n]*)?$", re.IGNORECASE)
+
+
+def _number(text: str) -> float:
+    """The value of a number `_NUM` matched: thousands commas dropped, a decimal comma read as a point."""
+    text = text.replace("\u2212", "-")
+    if re.search(_THOUSANDS, text):
+        return float(text.replace(",", ""))
+    return float(text.replace(",", "."))
 
 
 def _terms(reply: str, max_score: float) -> list[tuple[float, float | None, bool]]:
@@ -62,7 +77,8 @@ def _terms(reply: str, max_score: float) -> list[tuple[float, float | None, bool
     8 on a scale of 10, "80%" 80 on a scale of 100. Mentions of the judge's own scale are not numbers: a bare "/10",
     "out of 10", "of 10" and ranges "0-10", "1 to 10" (their lower end too: "7 on a scale of 0-10" is 7)."""
     text = _MARKUP.sub("", reply)
-    top = rf"{re.escape(f'{max_score:g}')}(?:\.0+)?(?![.,]?\d)"
+    # the top of the scale as the judge may write it: "1000" or "1,000"
+    top = rf"(?:{re.escape(f'{max_score:g}')}|{re.escape(f'{max_score:,g}')})(?:\.0+)?(?![.,]?\d)"
     text = re.sub(rf"(?<![\w.])[01](?:\.0+)?\s*(?:-|\u2013|\u2014|\bto\b)\s*{top}", " ", text, flags=re.IGNORECASE)
     of = r"(?:/|\bout\s+of\b|\bof\b)"
     pattern = re.compile(rf"(?P<value>{_NUM})(?:\s*{of}\s*(?P<scale>{_NUM})|(?P<percent>\s*%))?|{of}\s*{top}",
@@ -71,9 +87,9 @@ def _terms(reply: str, max_score: float) -> list[tuple[float, float | None, bool
     for match in pattern.finditer(text):
         if match.group("value") is None:  # the scale alone: "on a scale of 10"
             continue
-        value = float(match.group("value").replace(",", ".").replace("\u2212", "-"))
+        value = _number(match.group("value"))
         scale = match.group("scale")
-        scale = float(scale.replace(",", ".")) if scale else (100.0 if match.group("percent") else None)
+        scale = _number(scale) if scale else (100.0 if match.group("percent") else None)
         terms.append((value, scale, bool(_LABEL.search(text[: match.start()]))))
     return terms
 
@@ -135,7 +151,7 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
         value = _json_value(reply, config.json_key)
         if isinstance(value, str) and re.fullmatch(rf"\s*{_NUM}\s*", value):
             # {"score": "7"}: a weak judge quotes its number; every such reply was unreadable
-            value = float(value.strip().replace(",", ".").replace("\u2212", "-"))
+            value = _number(value.strip())
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"no JSON object with a number under {config.json_key!r}")
     else:

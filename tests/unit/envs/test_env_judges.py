@@ -81,6 +81,21 @@ def rollout(text: str) -> Rollout:
         ({}, "`9`", 0.9),
         ({}, "Score: 7", 0.7),
         ({}, "1e1", 1.0),  # an exponent: read as 1
+        # thousands commas: "1,000" was read as 1.0 (1/1000 of a judge scoring to 1000), "750 out of 1,000" as a
+        # scale of 1.0 (no score), "12,345,678" as 12.345 and 678
+        ({"max_score": 1000}, "Score: 1,000", 1.0),
+        ({"max_score": 1000}, "Score: 750 out of 1,000", 0.75),
+        ({"max_score": 1000}, "**Rating:** 250/1,000", 0.25),
+        ({"max_score": 1000}, "On a scale of 0-1,000: 400", 0.4),  # the scale's range, written with a comma
+        ({"max_score": 10**8}, "12,345,678", 0.12345678),
+        ({"max_score": 2000}, "1,000.5", 0.50025),
+        ({"score": "json", "max_score": 1000}, '{"score": "1,000"}', 1.0),
+        # a comma before other than three digits is a decimal comma; a run of commas (or a comma and a space) a list
+        ({}, "Score: 0,5", 0.05),
+        ({}, "Score: 7,50", 0.75),
+        ({}, "1, 2", 0.2),
+        ({}, "7, 8", 0.8),
+        ({}, "1,2,3", 0.3),  # a list: its 2 is not read as 2.3
         ({"max_score": 100}, "Score: 85%", 0.85),
         # the labelled number, not the last one: a chatty judge explaining after its score was read as 2
         ({}, "Score: 7. The answer has 2 small mistakes and 1 typo.", 0.7),
@@ -120,6 +135,8 @@ def test_scores_are_read_from_replies(settings, reply, score):
         ({}, "70%", "on a scale of 100"),
         ({}, "Score: \u22122", "outside 0..10"),  # a Unicode minus is one too
         ({}, "2e5", "outside 0..10"),
+        ({}, "1,000", "outside 0..10"),  # a thousand, not 1: it scored a tenth of the reward
+        ({}, "Score: 7,500", "outside 0..10"),  # thousands (the decimal comma is "7,5"): no score, never a guess
         ({}, "seven", "no number"),
         ({"score": "choice", "choices": {"yes": 1.0}}, "yesterday", "none of"),
         ({"score": "json"}, '{"score": "high"}', "no JSON object"),
