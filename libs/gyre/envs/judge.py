@@ -14,13 +14,17 @@ cut at `max_tokens` (finish_reason "length": its verdict never came), is asked a
 when every attempt fails the judge raises `ScoringError`, which the rubric lets through and the orchestrator
 counts and retries: a failed judge is never a silent 0.
 
-A judge that refuses one request for what it holds (400, 413, 422: the rendered prompt, completion included, is
-longer than the judge's context; a hosted API's content filter) cannot grade that rollout however often it is
-asked: the judge raises `Unjudged`, an ordinary reward-function error, so the rubric scores that function 0 for
-the sample and names it in `Score.errors`, and the orchestrator counts it (`reward_errors`, plus `refused` in the
-judge's `signals`) and logs the first one. The completion is not cut to fit: a judge grading a cut answer would
-grade another answer, and the judge's context in tokens is not known to the client. Setup errors (401, 403,
-404, or `gyre.endpoint.MAX_REFUSED_IN_A_ROW` refusals in a row) stay `ScoringError`s that stop the run.
+A rendered prompt longer than the judge's context (a long completion) is refused (400 `context_length_exceeded`,
+413): the prompt is rendered again with its longest fields cut in the middle, a marker in their place saying so to
+the judge, sized from the counts of tokens the refusal gives (vLLM, Gyre and OpenAI say the context and the
+prompt's length), and judged (counted as `cut`, the first logged). It was refused every time and scored 0, so a
+long completion never had a grade. A judge that refuses one request for anything else (a hosted API's content
+filter), or a prompt no cut fits (too little of the rollout fits beside the template, no room for `max_tokens`,
+still refused after `MAX_CUTS` cuts), cannot grade that rollout however often it is asked: the judge raises
+`Unjudged`, an ordinary reward-function error, so the rubric scores that function 0 for the sample and names it
+in `Score.errors`, and the orchestrator counts it (`reward_errors`, plus `refused` in the judge's `signals`) and
+logs the first one. Setup errors (401, 403, 404, or `gyre.endpoint.MAX_REFUSED_IN_A_ROW` refusals in a row) stay
+`ScoringError`s that stop the run.
 
 A `RewardModel` scores whole conversations with a sequence-classification model behind vLLM's `/classify`
 (`gyre inference --runner pooling`, or `vllm serve --runner pooling`): each conversation is rendered by the
@@ -38,6 +42,7 @@ import json
 import logging
 import math
 import re
+import string
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -106,18 +111,89 @@ def _text(content: Any) -> Any:
     return content or ""
 
 
-def render(config: JudgeConfig, prompt: Messages, completion: Messages, answer: str) -> list[dict]:
-    """The judge's messages for one rollout (the placeholders of `config.prompt` filled in)."""
+def fields_of(prompt: Messages, completion: Messages, answer: str) -> dict[str, str]:
+    """The values of the prompt's placeholders for one rollout."""
     users = [m for m in prompt if m.get("role") == "user"]
     replies = [m for m in completion if m.get("role") == "assistant"]
-    fields = {
+    return {
         "question": _text(users[-1].get("content")) if users else "",
         "response": _text(replies[-1].get("content")) if replies else "",
         "answer": answer,
         "conversation": "\n".join(f"{m.get('role')}: {_text(m.get('content'))}" for m in prompt + completion),
     }
+
+
+def render(config: JudgeConfig, prompt: Messages, completion: Messages, answer: str) -> list[dict]:
+    """The judge's messages for one rollout (the placeholders of `config.prompt` filled in)."""
+    return _messages(config, fields_of(prompt, completion, answer))
+
+
+def _messages(config: JudgeConfig, fields: dict[str, str]) -> list[dict]:
     messages = [{"role": "system", "content": config.system}] if config.system else []
     return messages + [{"role": "user", "content": config.prompt.format(**fields)}]
+
+
+# A judge's refusal of a prompt longer than its context, as vLLM, Gyre and OpenAI word it: the context, and the
+# prompt's tokens (or the prompt's and the completion's together: `requested`, less max_tokens)
+_CONTEXT = re.compile(r"maximum (?:context|model) length (?:is|of) (\d+)", re.IGNORECASE)
+_PROMPT_TOKENS = [re.compile(r"(\d+) (?:tokens )?in the messages", re.IGNORECASE),
+                  re.compile(r"(?:resulted in|has|contains(?: at least)?) (\d+) (?:input |prompt )?tokens",
+                             re.IGNORECASE),
+                  re.compile(r"prompt \(length (\d+)\)", re.IGNORECASE)]  # fmt: skip
+_REQUESTED = re.compile(r"requested (\d+) tokens", re.IGNORECASE)
+_TOO_LONG = re.compile(r"context.length|too long|too many tokens|maximum (?:context|model) length", re.IGNORECASE)
+#: how often a prompt is cut again when the judge still refuses it (each cut from its new count of tokens)
+MAX_CUTS = 3
+#: the fewest characters of a cut field kept (beside its marker): less is no cut but a loss of the field
+MIN_KEPT = 64
+#: what stands in a cut field for its middle; {n} is the number of characters cut
+CUT_MARKER = "\n[... {n} characters cut here to fit the judge's context ...]\n"
+
+
+def _overflow(refused: RequestRefused, max_tokens: int) -> tuple[int | None, int | None] | None:
+    """(context, prompt tokens) of a refusal for length, each None where the server did not say; None when the
+    refusal is for something else (a content filter: cutting would not help)."""
+    message = str(refused)
+    if refused.status != 413 and not _TOO_LONG.search(message):
+        return None
+    context = int(found.group(1)) if (found := _CONTEXT.search(message)) else None
+    for pattern in _PROMPT_TOKENS:
+        if found := pattern.search(message):
+            return context, int(found.group(1))
+    if found := _REQUESTED.search(message):
+        return context, int(found.group(1)) - max_tokens
+    return context, None
+
+
+def _cut_middle(text: str, keep: int) -> str:
+    """`text` in at most about `keep` characters: its beginning (a third) and its end (where a final answer is), the
+    middle replaced by `CUT_MARKER`, which says so to the judge."""
+    if len(text) <= keep:
+        return text
+    room = max(0, keep - len(CUT_MARKER) - 8)
+    head = room // 3
+    tail = room - head
+    return text[:head] + CUT_MARKER.format(n=f"{len(text) - room:,}") + (text[len(text) - tail :] if tail else "")
+
+
+def cut_to_fit(config: JudgeConfig, fields: dict[str, str], remove: int) -> dict[str, str] | None:
+    """The fields with about `remove` characters fewer in the rendered prompt, taken from the longest ones first
+    (every field longer than one cap is cut to it, so a long completion gives before a short question or reference),
+    each cut in its middle (`_cut_middle`); None when the fields the prompt uses hold too little to take that many
+    and keep `MIN_KEPT` characters of each beside its marker (a marker alone is no part of the rollout to judge)."""
+    used = Counter(name for _, name, _, _ in string.Formatter().parse(config.prompt) if name)
+    if not used or sum(len(fields[name]) * n for name, n in used.items()) <= remove:
+        return None
+    low, high = 0, max(len(fields[name]) for name in used)  # the largest cap that removes enough
+    while low < high:
+        cap = (low + high + 1) // 2
+        if sum(max(0, len(fields[name]) - cap) * n for name, n in used.items()) >= remove:
+            low = cap
+        else:
+            high = cap - 1
+    if low < len(CUT_MARKER) + 8 + MIN_KEPT:
+        return None
+    return {name: _cut_middle(value, low) if name in used else value for name, value in fields.items()}
 
 
 def _json_value(reply: str, key: str) -> Any:
@@ -187,7 +263,8 @@ class Judge:
         self._inflight: dict[str, asyncio.Future] = {}
 
     async def __call__(self, prompt: Messages, completion: Messages, answer: str) -> float:
-        messages = render(self.config, prompt, completion, answer)
+        fields = fields_of(prompt, completion, answer)
+        messages = _messages(self.config, fields)
         cfg = self.config
         key = hashlib.sha256(json.dumps([cfg.model, messages, cfg.temperature, cfg.max_tokens, cfg.score,
                                          cfg.choices, cfg.json_key, cfg.max_score]).encode()).hexdigest()  # fmt: skip
@@ -206,7 +283,7 @@ class Judge:
                     raise
         future = self._inflight[key] = asyncio.get_running_loop().create_future()
         try:
-            value = await self._grade(messages)
+            value = await self._grade(fields, messages)
         except asyncio.CancelledError:
             future.cancel()  # those sharing it ask again themselves (it was their CancelledError too)
             raise
@@ -223,16 +300,11 @@ class Judge:
                 self._cache.popitem(last=False)
         return value
 
-    async def _grade(self, messages: list[dict]) -> float:
+    async def _grade(self, fields: dict[str, str], messages: list[dict]) -> float:
         problem = ""
         for _ in range(self.config.retries + 1):
             try:
-                extra = {"response_format": fmt} if (fmt := self.config.response_format()) else {}
-                body = await self.endpoint.chat(
-                    messages, temperature=self.config.temperature, max_tokens=self.config.max_tokens, **extra
-                )
-            except RequestRefused as error:  # the same request is refused every time: this rollout's, not the run's
-                raise Unjudged(f"{error} (scored 0 for this sample, not cut to fit)") from error
+                body, fields, messages = await self._ask(fields, messages)  # a cut prompt is kept for retries
             except EndpointError as error:
                 raise ScoringError(str(error)) from error
             await self._note_model(body)
@@ -254,6 +326,54 @@ class Judge:
                     problem = f"{error}: {reply[:200]!r}"
             self.stats["unparsed"] += 1
         raise ScoringError(f"judge {self.config.name!r}: no score after {self.config.retries + 1} replies ({problem})")
+
+    async def _ask(self, fields: dict[str, str], messages: list[dict]) -> tuple[Any, dict[str, str], list[dict]]:
+        """The judge's answer to `messages`, and the fields and messages it answered. A prompt refused as longer than
+        the judge's context (a long completion) is rendered again with its longest fields cut in the middle, a marker
+        saying so (`cut_to_fit`), sized from the counts the refusal gives (`MAX_CUTS` times at most): a long
+        completion was refused every time and scored 0 (`Unjudged`). Any other refusal, or one still refused, is
+        `Unjudged`."""
+        cfg = self.config
+        extra = {"response_format": fmt} if (fmt := cfg.response_format()) else {}
+        first: RequestRefused | None = None
+        for attempt in range(MAX_CUTS + 1):
+            body = {"model": await self.endpoint.model(), "messages": messages, "temperature": cfg.temperature,
+                    "max_tokens": cfg.max_tokens, **extra}  # fmt: skip
+            try:
+                # a cut prompt is another form of the refused one: not counted again toward the refusals in a row
+                answer = await self.endpoint.post("/v1/chat/completions", body, again=attempt > 0)
+            except RequestRefused as error:  # the same request is refused every time: this rollout's, not the run's
+                first = first or error
+                overflow = _overflow(error, cfg.max_tokens)
+                why = "not a refusal for length" if overflow is None else ""
+                if overflow is not None:
+                    context, tokens = overflow
+                    if context is not None and context <= cfg.max_tokens:
+                        why = f"the judge's context of {context} tokens leaves no room for its max_tokens"
+                    elif attempt == MAX_CUTS:
+                        why = f"still too long after {MAX_CUTS} cuts"
+                    else:
+                        chars = sum(len(m["content"]) for m in messages)
+                        if context and tokens and tokens > 0:  # the share of it that fits, less a tenth to be sure
+                            remove = chars - math.floor(chars * (context - cfg.max_tokens) / tokens * 0.9) + 16
+                        else:  # the server gave no counts: half of it, then half again
+                            remove = chars // 2
+                        cut = cut_to_fit(cfg, fields, remove)
+                        if cut is None:
+                            why = "too little of the rollout fits in the judge's context beside the template"
+                        else:
+                            fields, messages = cut, _messages(cfg, cut)
+                            continue
+                raise Unjudged(f"{first} (scored 0 for this sample: {why})") from error
+            if attempt:
+                self.stats["cut"] += 1
+                if self.stats["cut"] == 1:
+                    log.warning("judge %r: a prompt of this run is longer than the judge's context (%s); it is judged "
+                                "with its longest fields cut in the middle, marked where: further ones are only "
+                                "counted (cut in the judge's signals). Serve the judge a longer context to judge "
+                                "whole completions", cfg.name, first)  # fmt: skip
+            return answer, fields, messages
+        raise AssertionError("unreachable")
 
     async def _note_model(self, body: Any) -> None:
         """Count (`other_model`) and log once an answer from another model than the one asked for: a proxy's

@@ -651,3 +651,80 @@ def test_gyre_eval_with_a_judge_whose_key_is_missing_says_so_in_one_line(capsys,
     err = capsys.readouterr().err
     assert "gyre eval: error: judge 'style': api_key_env: the environment variable GYRE_TEST_NO_SUCH_KEY" in err
     assert "Traceback" not in err
+
+
+# ---- a prompt longer than the judge's context (a real judge: tests/integration/envs/test_env_judge_context.py) ----
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "found"),
+    [
+        # Gyre and vLLM's older wording, and OpenAI's
+        (
+            400,
+            "This model's maximum context length is 64 tokens. However, you requested 300 tokens (284 in the "
+            "messages, 16 in the completion). Please reduce the length of the messages or completion.",
+            (64, 284),
+        ),
+        (
+            400,
+            "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens. "
+            "Please reduce the length of the messages.",
+            (8192, 9000),
+        ),
+        # vLLM's
+        (
+            400,
+            "This model's maximum context length is 1536 tokens. However, your request has 4176 input tokens. "
+            "Please reduce the length of the input messages.",
+            (1536, 4176),
+        ),
+        (
+            400,
+            "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context length is "
+            "4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778).",
+            (4096, 2778),
+        ),
+        (
+            400,
+            "This model's maximum context length is 2048 tokens. However, you requested 256 output tokens and your "
+            "prompt contains at least 2049 input tokens, for a total of at least 2305 tokens.",
+            (2048, 2049),
+        ),
+        (400, "The decoder prompt (length 3000) is longer than the maximum model length of 2048.", (2048, 3000)),
+        (400, "This model's maximum context length is 100 tokens. However, you requested 150 tokens.", (100, 134)),
+        (413, "Request Entity Too Large", (None, None)),  # a proxy's limit: cut by halves
+        # not for length: cutting would not help
+        (400, "The response was filtered due to the prompt triggering content management policy", None),
+        (422, "scripted", None),
+    ],
+)
+def test_a_refusal_for_length_is_told_from_others_with_its_counts(status, message, found):
+    from gyre.endpoint import RequestRefused
+    from gyre.envs.judge import _overflow
+
+    refused = RequestRefused(f"judge 'j': http://x refused the request: {status} {message}", status)
+    assert _overflow(refused, 16) == found
+
+
+def test_a_prompt_too_long_is_cut_from_its_longest_fields_in_the_middle():
+    from gyre.envs.judge import cut_to_fit
+
+    config = JudgeConfig(url="http://x", prompt="Q: {question}\nA: {response}\nRef: {answer}")
+    response = "START " + "x" * 2000 + " the answer is 42"
+    fields = {"question": "What is 6*7?", "response": response, "answer": "42", "conversation": "c" * 5000}
+    cut = cut_to_fit(config, fields, 1500)
+    # the short fields whole, the unused one untouched, the long one cut to about 1500 fewer characters
+    assert {k: cut[k] for k in ("question", "answer", "conversation")} == {k: fields[k] for k in cut if k != "response"}
+    assert abs(len(response) - len(cut["response"]) - 1500) < 10
+    assert cut["response"].startswith("START xxx") and cut["response"].endswith("xxx the answer is 42")
+    assert "characters cut here to fit the judge's context" in cut["response"]
+    # a field used twice gives twice; two long fields give alike
+    twice = cut_to_fit(JudgeConfig(url="http://x", prompt="{response} {response} {conversation}"), fields, 3000)
+    assert abs(2 * (len(response) - len(twice["response"])) + 5000 - len(twice["conversation"]) - 3000) < 30
+    assert abs(len(twice["response"]) - len(twice["conversation"])) < 5
+    # nothing of the rollout's to cut that would be enough (the template alone is too long), or too little kept
+    # beside the marker (a field cut to its marker alone would grow, and tell the judge nothing): None
+    assert cut_to_fit(config, fields, 5000) is None
+    assert cut_to_fit(config, fields, len(response) - 100) is None
+    assert cut_to_fit(config, fields, len(response) - 150) is not None
