@@ -217,6 +217,37 @@ async def test_a_named_adapter_s_responses_carry_its_own_version_streamed_or_not
 
 
 @pytest.mark.asyncio
+async def test_every_model_card_carries_the_context_window_and_an_adapter_s_overlong_request_is_vllm_s_400(
+    tiny_model, tmp_path
+):
+    """What an agent client reads through the openai SDK: vLLM's max_model_len on the base card and on a named
+    adapter's (listed and retrieved), and for a prompt + max_tokens over it the 400 vLLM answers, naming the limit."""
+    import openai
+    from http_app import serve_app
+
+    async def load_a(engine):
+        write_adapter(tiny_model, tmp_path / "a", seed=1)
+        await engine.update_adapter("a", FetchedWeights.local(tmp_path / "a", 2))
+
+    engine = TorchBackend(tiny_model, threads=1, max_batch_size=2, max_adapters=1, max_lora_rank=4, max_model_len=64)
+    async with (
+        serve_app(engine, tiny_model, "adapter-cards", load_a) as url,
+        openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client,
+    ):
+        cards = {card.id: card.model_extra for card in (await client.models.list()).data}
+        retrieved = (await client.models.retrieve("a")).model_extra
+        with pytest.raises(openai.BadRequestError) as overlong:
+            await client.completions.create(model="a", prompt=[5] * 60, max_tokens=10)
+        fits = await client.completions.create(model="a", prompt=[5] * 54, max_tokens=10)
+    assert {name: card["max_model_len"] for name, card in cards.items()} == {"tiny": 64, "a": 64}
+    assert cards["a"]["parent"] == "tiny" and retrieved["max_model_len"] == 64
+    body = overlong.value.body
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt")
+    assert "maximum context length is 64 tokens" in body["message"] and "70" in body["message"], body
+    assert fits.usage.completion_tokens <= 10
+
+
+@pytest.mark.asyncio
 async def test_metrics_of_a_named_adapter_s_requests_carry_its_run(tiny_model, tmp_path):
     """Multi-run: one replica serves every run's adapter under the run's name, so the series of a request for
     adapter `a` and `a`'s served version carry run_id="a" and the model's own keep the replica's run_id (before,
