@@ -68,3 +68,22 @@ def test_a_ctrl_c_before_training_promises_no_checkpoint(tmp_path):
             time.sleep(1)
     assert launch.returncode == 130, err[-2000:]
     assert "interrupted before training started" in err and "checkpoints its last step" not in err, err[-2000:]
+
+
+def test_a_ctrl_c_whose_keyboard_interrupt_was_lost_still_stops_the_launch(tmp_path):
+    # A Ctrl-C that lands while a child is forked raises its KeyboardInterrupt inside logging's at-fork hook, where
+    # Python prints "Exception ignored" and drops it: the launch went on (created the model, trained the whole run)
+    import time
+
+    import pytest
+    from gyre.config.rl import RLConfig
+    from gyre.local.launcher import Launcher
+
+    launcher = Launcher(load_config(RLConfig, ["--output-dir", str(tmp_path)]))
+    launcher.interrupted = True  # what the signal handler did before its KeyboardInterrupt was lost
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launcher._run_once("model-init", [sys.executable, "-c", "import time; time.sleep(20)"])
+    assert time.monotonic() - started < 10
+    launcher.shutdown()  # stops the child it left running
+    assert not launcher.children

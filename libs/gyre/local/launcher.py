@@ -157,6 +157,10 @@ class Launcher:
         self.prometheus = None
         self.lock: RunLock | None = None
         self.trained = False  # whether this launch started the services (not: a run found already finished)
+        # set by the first Ctrl-C/SIGTERM before its KeyboardInterrupt is raised: one raised inside a fork's at-fork
+        # hook (logging's _releaseLock, while a child starts) is printed as "Exception ignored" and lost, and the
+        # launch went on to train; every wait checks this too (`_check_interrupted`)
+        self.interrupted = False
 
     # -- before anything is created -------------------------------------------------------------
     def model_name(self) -> str:
@@ -473,11 +477,23 @@ class Launcher:
                             f"last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
         return str(sft_dir)
 
+    def _check_interrupted(self) -> None:
+        """KeyboardInterrupt when a stop was asked for whose own KeyboardInterrupt got lost (`interrupted`)."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+
     def _run_once(self, name: str, argv: list[str], echo: bool = False) -> Child:
+        import subprocess
+
         child = Child(name, argv, self.out / "logs" / f"{name}.log", console=_console)
         self.children.append(child)
         child.start(echo=echo or self.cfg.console == "all")
-        code = child.wait()
+        while True:
+            try:
+                code = child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                self._check_interrupted()
         self.children.remove(child)
         if code != 0:
             raise RunFailed(f"{name} failed with status {code}; last lines of {child.log_path}:\n{child.tail()}")
@@ -538,10 +554,18 @@ class Launcher:
         self.children.append(trainer)
         trainer.start(echo, env=_thread_env(0.5) | _gpu_env(self.cfg.trainer_gpus))
         for child in replicas:
-            try:
-                child.wait_ready(timeout=300)
-            except NotReady as e:
-                raise RunFailed(str(e)) from None
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    child.wait_ready(timeout=1.0)
+                    break
+                except NotReady as e:
+                    if child.poll() is not None:
+                        raise RunFailed(str(e)) from None
+                    if time.monotonic() >= deadline:
+                        raise RunFailed(f"{child.name} not ready after 300s; last lines of {child.log_path}:\n"
+                                        f"{child.tail()}") from None  # fmt: skip
+                self._check_interrupted()
         orchestrators = []
         for run_name, orch in configs.orchestrators.items():
             name = f"orchestrator-{run_name}" if self.cfg.runs else "orchestrator"
@@ -561,6 +585,7 @@ class Launcher:
         restarts = Restarts(self.cfg.inference_restarts)
         try:
             while True:
+                self._check_interrupted()
                 progress.update()
                 done = {c.name: c.poll() for c in (trainer, *orchestrators)}
                 for child in list(self.children):
@@ -747,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     def _on_signal(signum, _frame):
         if not stopping:
             stopping.append(time.monotonic())
+            launcher.interrupted = True
             raise KeyboardInterrupt
         # Once stopping, a signal must not abort the shutdown half way (a traceback, services left to PDEATHSIG):
         # a second Ctrl-C kills the services now. Within a second it is the first one delivered twice (to the
