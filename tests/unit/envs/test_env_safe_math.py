@@ -18,6 +18,11 @@ from gyre.envs.safe_math import CalculatorError, evaluate, format_number
         ("1.5 + 2.25", 3.75),
         ("12 × 3 ÷ 4", 9.0),
         ("  +5 - −3 ", 8),
+        # thousands commas, as a model copies a large number: it was a tuple, "Tuple is not allowed"
+        ("1,000 + 5", 1005),
+        ("12,345,678 * 2", 24691356),
+        ("(1,000.5 - 0.5) / 4", 250.0),
+        ("-2,500", -2500),
     ],
 )
 def test_arithmetic(expression, value):
@@ -91,5 +96,8 @@ def test_errors_that_models_cause():
         evaluate("1 + " * 60 + "1")
     with pytest.raises(CalculatorError, match=r"\*\*"):
         evaluate("2 ^ 3")
+    for commas in ("1,5 + 1", "(1, 2)", "1,0000", "1,000,5", "2 * (3,4)"):  # not thousands: said so, not a "Tuple"
+        with pytest.raises(CalculatorError, match="',' is no operator: write a decimal with a point"):
+            evaluate(commas)
     with pytest.raises(CalculatorError, match="string"):
         evaluate(123)  # type: ignore[arg-type]
