@@ -132,21 +132,11 @@ class CheckpointManager:
         ranks that have no RNG file of their own are reseeded from (step, rank).
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         folder = self.path(step)
-        try:
-            progress = json.loads((folder / PROGRESS).read_bytes())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint step {step} at {folder} is missing or unreadable: {e}") from None
-        if progress.get("step") != step:
-            raise CheckpointError(f"checkpoint folder {folder} holds step {progress.get('step')}, not {step}")
-        try:  # what the checks below read first; a damaged or missing index is a traceback naming no folder
-            FileSystemReader(str(folder / "state")).read_metadata()
-        except Exception as e:
-            raise CheckpointError(f"checkpoint step {step} at {folder} is unreadable: {one_line(e)}") from None
+        progress = read_progress(folder, step)
         configured = configured_hyperparameters(optimizer, scheduler)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": trainable_only(model, model_sd), "optim": optim_sd}
@@ -214,6 +204,43 @@ class CheckpointManager:
     def discard_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (a run rewound to `step` abandons them). Rank 0 only."""
         return self.entries.discard_after(step)
+
+
+def read_progress(folder: Path, step: int) -> dict[str, Any]:
+    """Checkpoint `folder`'s progress.json, after checking that it is step `step` and that its DCP index reads."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        progress = json.loads((folder / PROGRESS).read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint step {step} at {folder} is missing or unreadable: {e}") from None
+    if progress.get("step") != step:
+        raise CheckpointError(f"checkpoint folder {folder} holds step {progress.get('step')}, not {step}")
+    try:  # what the checks after it read first; a damaged or missing index is a traceback naming no folder
+        FileSystemReader(str(folder / "state")).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"checkpoint step {step} at {folder} is unreadable: {one_line(e)}") from None
+    return progress
+
+
+def load_model_state(folder: Path, step: int, model) -> dict[str, Any]:
+    """The model's tensors of checkpoint `folder` (step `step`) onto `model`, in one process, without the optimizer
+    state (`gyre_trainer.export`); returns progress.json. LoRA: `model` has the adapter, the checkpoint gives it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    progress = read_progress(folder, step)
+    full = get_model_state_dict(model)
+    state = {"model": trainable_only(model, full)}
+    check_saved_shapes(folder / "state", state["model"])
+    with _single_process_ok():
+        try:
+            dcp.load(state, checkpoint_id=folder / "state", no_dist=True)
+        except CheckpointException as e:
+            raise CheckpointError(f"checkpoint step {step} at {folder} is unreadable: {one_line(e)}") from None
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=len(state["model"]) == len(full)))
+    return progress
 
 
 def partial_saves(*roots: Path) -> list[Path]:
