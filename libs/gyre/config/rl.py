@@ -116,13 +116,22 @@ class RLConfig(GyreSettings):
         "sft.args": "gyre.config.trainer:SFTConfig",  # `[sft] max_steps = ...` means sft.args.max_steps
     }
 
-    run_id: str = Field("gyre", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Experiment id.")
-    output_dir: Path = Field(Path("outputs/run"), description="Local folder standing in for the shared volume.")
-    max_steps: int = Field(20, ge=1, description="RL steps (batches trained).")
+    run_id: str = Field(
+        "gyre",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        description="Experiment id: names its Redis stream and W&B runs; fixed for an output_dir once it has run.",
+    )
+    output_dir: Path = Field(
+        Path("outputs/run"),
+        description="Local folder standing in for the shared volume; one run each (two experiments side by side: "
+        "two folders).",
+    )
+    max_steps: int = Field(20, ge=1, description="RL steps (batches trained); a larger one continues a finished run.")
     fresh: bool = Field(
         False,
         description="Start over: delete the previous run in output_dir (weights, checkpoints, events, stream, logs, "
-        "created model, SFT result) first. Without it a re-run continues the run.",
+        "created model, SFT result) first. Without it a re-run continues the run, and a changed run_id, model.name "
+        "or orchestrator.env is refused (docs/local.md).",
     )
     redis: RLRedisConfig = Field(default_factory=RLRedisConfig, description="Redis.")
     log: LogConfig = Field(default_factory=LogConfig, description="Log level (and file) of every service.")
