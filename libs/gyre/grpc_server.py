@@ -3,8 +3,9 @@
 - Health starts NOT_SERVING (for `""` and the service's name) and says SERVING only once the service
   calls `set_serving(True)`; Kubernetes' native `grpc:` probes read it.
 - With a token, every call except health and reflection must carry metadata
-  `authorization: Bearer <token>` (else UNAUTHENTICATED). Health and reflection stay open: Kubernetes
-  probes cannot send metadata, and reflection only describes the API.
+  `authorization: Bearer <token>` (else UNAUTHENTICATED). The token is a string, or an object whose
+  `accepts(authorization)` decides (the inference server's, which takes up a rotated token file). Health
+  and reflection stay open: Kubernetes probes cannot send metadata, and reflection only describes the API.
 - `start(host, port)` binds (port 0 = a free one; IPv6 hosts are bracketed) and returns the port, or
   raises OSError naming the address.
 
@@ -25,17 +26,29 @@ OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/", "/grpc.reflection.")
 DENIED = "missing or wrong control token (metadata authorization: Bearer <token>)"
 
 
-def _authorized(details, expected: bytes) -> bool:
+class _FixedToken:
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def accepts(self, authorization: str) -> bool:
+        return hmac.compare_digest(authorization.encode(), self._expected)
+
+
+def _checker(token):
+    """A token's checker: a string compared as it is, or an object with its own `accepts(authorization)`."""
+    return _FixedToken(token) if isinstance(token, str) else token
+
+
+def _authorized(details, token) -> bool:
     if details.method.startswith(OPEN_PREFIXES):
         return True
     sent = dict(details.invocation_metadata or ()).get("authorization", "")
-    sent = sent.encode() if isinstance(sent, str) else sent
-    return hmac.compare_digest(sent, expected)
+    return token.accepts(sent.decode("latin-1") if isinstance(sent, bytes) else sent)
 
 
 class _AioTokenAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token):
+        self._token = _checker(token)
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
@@ -43,12 +56,12 @@ class _AioTokenAuth(grpc.aio.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, details):
-        return await continuation(details) if _authorized(details, self._expected) else self._deny
+        return await continuation(details) if _authorized(details, self._token) else self._deny
 
 
 class _TokenAuth(grpc.ServerInterceptor):
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token):
+        self._token = _checker(token)
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
@@ -56,7 +69,7 @@ class _TokenAuth(grpc.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, details):
-        return continuation(details) if _authorized(details, self._expected) else self._deny
+        return continuation(details) if _authorized(details, self._token) else self._deny
 
 
 def _address(host: str, port: int) -> str:
@@ -81,7 +94,7 @@ def _statuses(serving: bool):
 class AioGrpcServer:
     """A grpc.aio server with health, reflection and optional token auth; `await start()`, `await stop()`."""
 
-    def __init__(self, service_name: str, *, token: str | None = None, what: str = "the gRPC server"):
+    def __init__(self, service_name: str, *, token=None, what: str = "the gRPC server"):
         self.service_name = service_name
         self.what = what
         self.port: int | None = None

@@ -1,4 +1,5 @@
-"""`ServerKey`: the API key the server asks for, taken up again when its file is rotated in place.
+"""`ServerKey`: the API key (and the control token) the server asks for, taken up again when its file is rotated in
+place.
 
 `auth.api_key_file` is usually a mounted Kubernetes Secret, and the kubelet rewrites that file when the Secret is
 updated (no pod restart). Read once, the new key was refused with 401 and the old one accepted until the pod
@@ -13,6 +14,10 @@ The previous key stays valid for `GRACE_S` seconds after the server took up a ne
 copy of a Secret on its own schedule (up to about a minute apart), and a client (the orchestrator re-reads its key
 only after a 401: `gyre.endpoint.RotatingKey`) whose copy is still the old one would otherwise fail in between.
 A file that cannot be read or is empty keeps the key in force (logged): a half-done rotation never opens the server.
+
+`auth.control_token_file` is read the same way by the gRPC control server (`gyre.grpc_server` takes a `ServerKey`
+for its token): the orchestrator's relay re-reads its token after an UNAUTHENTICATED answer, and every weight update
+was refused until this pod restarted.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ GRACE_S = 120.0
 class ServerKey:
     """The bearer key of the API routes; `reread` reads the key again (None: a key given as such, never re-read)."""
 
-    def __init__(self, key: str, reread: Callable[[], str | None] | None = None, *, grace_s: float = GRACE_S,
-                 reread_s: float = REREAD_S, clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(self, key: str, reread: Callable[[], str | None] | None = None, *, name: str = "auth.api_key",
+                 grace_s: float = GRACE_S, reread_s: float = REREAD_S,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.name = name
         self._current = key
         self._previous: str | None = None
         self._previous_until = 0.0
@@ -66,12 +73,12 @@ class ServerKey:
             fresh = self._reread()
         except ValueError as error:  # gone or empty mid-rotation: the key in force stays
             if str(error) != self._unreadable:
-                log.warning("auth.api_key: %s; still asking for the key read before", error)
+                log.warning("%s: %s; still asking for the key read before", self.name, error)
                 self._unreadable = str(error)
             return
         self._unreadable = None
         if fresh is None or fresh == self._current:
             return
         self._previous, self._previous_until, self._current = self._current, now + self._grace_s, fresh
-        log.info("auth.api_key: the key file changed; the new key is in force, the previous one is accepted for "
-                 "%.0f s more", self._grace_s)  # fmt: skip
+        log.info("%s: the file changed; the new key is in force, the previous one is accepted for %.0f s more",
+                 self.name, self._grace_s)  # fmt: skip

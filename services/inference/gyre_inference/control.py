@@ -16,8 +16,10 @@
 - ReloadWeights(): back to the base model, version 0. GetStatus(): model, version, load, readiness.
 - Health is NOT_SERVING until the model is loaded and again once shutdown starts.
 - With a control token configured, every InferenceControl call must carry metadata
-  `authorization: Bearer <token>` (else UNAUTHENTICATED). Health and reflection stay open, because
-  Kubernetes' native gRPC probes cannot send metadata and reflection only describes the API.
+  `authorization: Bearer <token>` (else UNAUTHENTICATED); a token read from `auth.control_token_file` is taken up
+  again when the file is rotated, the previous one accepted for a grace (`gyre_inference.api_key`). Health and
+  reflection stay open, because Kubernetes' native gRPC probes cannot send metadata and reflection only describes
+  the API.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from gyre.transport import FolderSource, WeightSource
 from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightsError, WeightsVersion
 
+from gyre_inference.api_key import ServerKey
 from gyre_inference.backend import Backend, WeightsIncompatibleError
 from gyre_inference.metrics import InferenceMetrics
 
@@ -133,7 +136,7 @@ class ControlServer(AioGrpcServer):
         backend: Backend,
         metrics: InferenceMetrics,
         model_id: str,
-        token: str | None = None,
+        token: ServerKey | str | None = None,
         source: WeightSource | None = None,
     ):
         super().__init__(SERVICE_NAME, token=token, what="gRPC control server")

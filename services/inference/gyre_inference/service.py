@@ -96,7 +96,10 @@ async def run_service(config: InferenceConfig) -> int:
     api_key = None
     if config.auth.api_key:  # from auth.api_key_file: read again when the Secret is rotated in place
         api_key = ServerKey(config.auth.api_key.get_secret_value(), lambda: config.auth.reread_secret("api_key"))
-    token = config.auth.control_token.get_secret_value() if config.auth.control_token else None
+    token = None
+    if config.auth.control_token:  # the same for the gRPC control server's token (the relay re-reads its own)
+        token = ServerKey(config.auth.control_token.get_secret_value(),
+                          lambda: config.auth.reread_secret("control_token"), name="auth.control_token")  # fmt: skip
     state = AppState(model_id, config.model.name, backend, metrics, api_key, serve_metrics=config.metrics.port is None,
                      max_request_bytes=config.server.max_request_bytes)  # fmt: skip
     control = ControlServer(backend, metrics, model_id, token, source=open_source(config.weights))
