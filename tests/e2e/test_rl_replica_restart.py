@@ -1,6 +1,7 @@
 """`gyre rl` with one inference replica SIGKILLed mid-run: the launcher restarts it (as Kubernetes restarts the pod),
 logging the crash in one line, and the run finishes every step, each trained once (it used to stop the whole run).
-With `inference_restarts = 0` (or once the restarts are spent) the run stops with one line naming the key."""
+With `inference_restarts = 0` (or once the restarts are spent) the run stops with one line naming the key. A killed
+trainer is not restarted: the run stops saying what killed it, and the same command resumes it."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def trained(out: Path) -> list[int]:
     return [r["step"] for r in read_events(out / "events" / "trainer_steps.jsonl")]
 
 
-def replica_pid(launcher: int) -> int | None:
-    """The pid of the launcher's `gyre inference` child."""
+def replica_pid(launcher: int, service: bytes = b"inference") -> int | None:
+    """The pid of the launcher's `gyre inference` (or other `service`) child."""
     for entry in Path("/proc").iterdir():
         try:
             stat = (entry / "stat").read_text()
@@ -37,19 +38,19 @@ def replica_pid(launcher: int) -> int | None:
         except OSError:
             continue
         ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid == launcher and b"inference" in argv and b"gyre.cli" in argv:
+        if ppid == launcher and service in argv and b"gyre.cli" in argv:
             return int(entry.name)
     return None
 
 
-def kill_replica_mid_run(run: subprocess.Popen, out: Path, after_step: int) -> int:
-    """SIGKILL the replica once `after_step` is trained (the run well under way); its pid."""
+def kill_replica_mid_run(run: subprocess.Popen, out: Path, after_step: int, service: bytes = b"inference") -> int:
+    """SIGKILL the replica (or `service`) once `after_step` is trained (the run well under way); its pid."""
     deadline = time.monotonic() + 300
     while not trained(out) or max(trained(out)) < after_step:
         assert run.poll() is None, run.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "no training step within 300s"
         time.sleep(0.2)
-    pid = replica_pid(run.pid)
+    pid = replica_pid(run.pid, service)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     return pid
@@ -86,6 +87,25 @@ def test_without_restarts_a_killed_replica_stops_the_run_naming_the_key(tmp_path
         run.kill()
     assert run.returncode == 1, err[-3000:]
     assert "gyre rl: run failed: inference was killed by SIGKILL (inference_restarts = 0); the run stops" in err, err
+
+
+def test_a_killed_trainer_stops_the_run_saying_what_killed_it_and_the_same_command_resumes_it(tmp_path):
+    # not restarted (a crashed trainer resumes with fresh optimizer state: the user's call); the message said
+    # "trainer exited with status -9", neither the signal (the OOM killer's) nor that a re-run resumes
+    out = tmp_path / "run"
+    run = launch(out, "--max-steps", "6")
+    try:
+        kill_replica_mid_run(run, out, after_step=1, service=b"trainer")
+        _, err = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert run.returncode == 1, err[-3000:]
+    assert "gyre rl: run failed: trainer was killed by SIGKILL (out of memory? the kernel's OOM killer sends it: " \
+           "dmesg); the same command resumes the run; last lines of " in err, err[-3000:]  # fmt: skip
+    again = launch(out, "--max-steps", "6")
+    _, err = again.communicate(timeout=400)
+    assert again.returncode == 0, err[-3000:]
+    assert sorted(trained(out)) == list(range(1, 7)), trained(out)  # every step once, over two launches
 
 
 def test_restarts_back_off_and_stop_the_run_once_spent_in_a_row(tmp_path, monkeypatch, capsys):

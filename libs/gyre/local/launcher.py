@@ -597,10 +597,9 @@ class Launcher:
                             self.children.remove(child)
                             self._start_inference(child.name, again, child.env)
                         continue
-                    if code != 0:
-                        raise RunFailed(
-                            f"{child.name} exited with status {code}; last lines of {child.log_path}:\n{child.tail()}"
-                        )
+                    if code != 0:  # "status -9" said neither what killed it nor what to do next
+                        raise RunFailed(f"{child.name} {_stopped(code)}; last lines of {child.log_path}:\n"
+                                        f"{child.tail()}")  # fmt: skip
                 if all(code == 0 for code in done.values()):
                     progress.update()
                     break
@@ -704,6 +703,14 @@ def _status(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"status {code}"
+
+
+def _stopped(code: int) -> str:
+    """How a service that stopped the run ended, and what to do next (the run resumes where it stands)."""
+    if code >= 0:
+        return f"exited with status {code}; once its cause is fixed, the same command resumes the run"
+    oom = " (out of memory? the kernel's OOM killer sends it: dmesg)" if code == -signal.SIGKILL else ""
+    return f"was {_status(code)}{oom}; the same command resumes the run"
 
 
 class Restarts:
