@@ -213,6 +213,13 @@ def deep_merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = deep_merge(out[key], value)
+        elif _indexes(value, out.get(key)):
+            # `@ mix.toml --orchestrator.env.1.ratio 2` (PRIME-RL's `--orchestrator.env.0.args.x`): the dotted option
+            # sets that entry's key; it replaced the whole list by {"1": {...}}, "unknown key 'env.1'"
+            entries = list(out[key])
+            for index, entry in value.items():
+                entries[int(index)] = deep_merge(entries[int(index)], entry)
+            out[key] = entries
         elif isinstance(value, BareFlag) and isinstance(out.get(key), dict):
             # `@ exp.toml --ckpt` turns the file's [ckpt] on; it replaced the table (its interval went back to 1).
             # Still a BareFlag: check_bare_flags refuses it for a section without `enabled`
@@ -220,6 +227,13 @@ def deep_merge(base: dict, override: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+def _indexes(value: Any, entries: Any) -> bool:
+    """`value` sets keys of entries of the list of tables `entries` by their index ({"1": {"ratio": 2}})."""
+    return (isinstance(value, dict) and isinstance(entries, list) and bool(value)
+            and all(k.isdigit() and int(k) < len(entries) and isinstance(entries[int(k)], dict)
+                    and isinstance(v, dict) for k, v in value.items()))  # fmt: skip
 
 
 def _cli_value(raw: str, name: str) -> Any:

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from gyre.config.endpoint import EVAL_STARTUP_TIMEOUT_S, JudgeConfig, RewardModelConfig, TeacherConfig, route_problem
 from gyre.config.loader import GyreSettings, Section, secret_file
@@ -16,19 +24,79 @@ from gyre.config.shared import LogConfig, RedisConfig, ServiceConfig
 class EnvConfig(Section):
     name: str = Field("reverse_text", description="Built-in environment name or 'package.module:load_environment'.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment.")
+    ratio: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Mix ([[orchestrator.env]] entries): this entry's sampling weight, PRIME-RL's env_ratios; each "
+        "group is drawn from an entry with probability ratio / (sum of the ratios). Ignored with one environment.",
+    )
+    label: str | None = Field(
+        None,
+        min_length=1,
+        description="Mix: the entry's name in step records, metrics (the env label), evals and its resume cursor "
+        "(default: name); two entries of the same environment need distinct labels.",
+    )
+
+    @property
+    def key(self) -> str:
+        """What records, metrics and progress checkpoints call this entry."""
+        return self.label or self.name
 
     @model_validator(mode="before")
     @classmethod
-    def _one_table(cls, value: Any) -> Any:
-        # PRIME-RL writes its environments as an array of tables ([[orchestrator.env]] id = ...): pydantic's "Input
-        # should be a valid dictionary or instance of EnvConfig (got [{'id': ...}])" did not say what to write
-        if isinstance(value, list):
+    def _gyre_spelling(cls, value: Any) -> Any:
+        # PRIME-RL names the environment `id` and the entry `name`: a copied entry would load its label as the
+        # environment ("unknown environment 'math-easy'"), or be refused with a bare "did you mean 'name'"
+        if isinstance(value, dict) and "id" in value:
             raise ValueError(
-                "one environment per orchestrator: write a table, [orchestrator.env] with name = '...' (and args = "
-                "{...}), not an array of tables [[orchestrator.env]]; several environments train as [[runs]] "
-                "entries, each with its own orchestrator.env"
+                "write the environment as name = '...' (PRIME-RL's id); PRIME-RL's name (the entry's own name in "
+                "logs) is label = '...' here"
             )
         return value
+
+
+# One table, or a mix's entries: told apart by the value's shape, so an error names one form's key (`env.1.ratio`),
+# not both forms' ("Input should be a valid dictionary" beside the list entry's own error)
+EnvOrMix = Annotated[
+    Union[Annotated[EnvConfig, Tag("table")], Annotated[list[EnvConfig], Tag("entries")]],  # noqa: UP007
+    Discriminator(lambda value: "entries" if isinstance(value, list) else "table"),
+]
+
+
+def validate_env(value: Any, handler: ValidatorFunctionWrapHandler) -> EnvConfig | list[EnvConfig]:
+    """`env`, its errors keyed as the user wrote it (`env.0.ratio`, without the form's tag), then `check_env_mix`."""
+    try:
+        env = handler(value)
+    except ValidationError as e:
+        errors = [{"type": err["type"], "input": err["input"], **({"ctx": err["ctx"]} if "ctx" in err else {}),
+                   "loc": tuple(part for part in err["loc"] if part not in ("table", "entries"))}
+                  for err in e.errors()]  # fmt: skip
+        raise ValidationError.from_exception_data(e.title, errors) from None
+    return check_env_mix(env)
+
+
+def env_entries(env: EnvConfig | list[EnvConfig]) -> list[EnvConfig]:
+    """The environments of an orchestrator: one table, or the entries of a mix ([[orchestrator.env]])."""
+    return list(env) if isinstance(env, list) else [env]
+
+
+def check_env_mix(env: EnvConfig | list[EnvConfig]) -> EnvConfig | list[EnvConfig]:
+    """A mix has entries, each with its own label (the records, metrics and resume cursors are keyed by it)."""
+    if not isinstance(env, list):
+        return env
+    if not env:
+        raise ValueError("an empty [[orchestrator.env]] list: give at least one environment (name = '...')")
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(env):
+        if entry.key in seen:
+            j = seen[entry.key]
+            raise ValueError(
+                f"entries {j} and {i} are both called {entry.key!r}: give them distinct labels (env.{i}.label = "
+                "'...'), which name each one in step records, metrics, evals and its resume cursor"
+            )
+        seen[entry.key] = i
+    return env
 
 
 class EvalSamplingConfig(Section):
@@ -190,7 +258,11 @@ class OrchestratorConfig(ServiceConfig):
     """Run environments against inference, score, compute advantages, pack and stream batches."""
 
     redis: OrchestratorRedisConfig = Field(default_factory=OrchestratorRedisConfig, description="Redis connection.")
-    env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
+    env: EnvOrMix = Field(
+        default_factory=EnvConfig,
+        description="Environment: one table [env], or a mix of several trained as one policy, [[env]] entries "
+        "with their ratio (and a label to tell apart two of the same name).",
+    )
     batch_size: int = Field(8, ge=1, description="Tasks per step.")
     rollouts_per_example: int = Field(8, ge=1, description="Samples per task (the advantage group).")
     max_async_level: int = Field(1, ge=0, description="Batch s uses samples from versions >= s-1-k.")
@@ -233,6 +305,16 @@ class OrchestratorConfig(ServiceConfig):
         "(a fresh start when the run has no state); N = rewind to step N with the trainer (progress checkpoint N), "
         "once: a restart with the same N resumes where the run stands.",
     )
+
+    @field_validator("env", mode="wrap")
+    @classmethod
+    def _env_mix(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> EnvConfig | list[EnvConfig]:
+        return validate_env(value, handler)
+
+    @property
+    def envs(self) -> list[EnvConfig]:
+        """The environments: one, or the entries of a mix."""
+        return env_entries(self.env)
 
     @model_validator(mode="after")
     def _stream_holds_the_async_window(self) -> OrchestratorConfig:
@@ -288,7 +370,10 @@ class GyreEvalConfig(GyreSettings):
 
     output_dir: Path = Field(Path("outputs/run"), description="Where events/eval.jsonl gets the result.")
     log: LogConfig = Field(default_factory=LogConfig, description="Logging.")
-    env: EnvConfig = Field(default_factory=EnvConfig, description="Environment.")
+    env: EnvOrMix = Field(
+        default_factory=EnvConfig,
+        description="Environment: one table [env], or [[env]] entries (a mix: each one evaluated, reported by label).",
+    )
     inference: EvalInferenceConfig = Field(default_factory=EvalInferenceConfig, description="Inference replicas.")
     eval: EvalOnceConfig = Field(default_factory=EvalOnceConfig, description="The evaluation.")
     sampling: EvalSamplingConfig = Field(
@@ -300,6 +385,16 @@ class GyreEvalConfig(GyreSettings):
     reward_models: list[RewardModelConfig] = Field(
         default_factory=list, description="Reward models (vLLM's /classify) added to the environment's rubric."
     )
+
+    @field_validator("env", mode="wrap")
+    @classmethod
+    def _env_mix(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> EnvConfig | list[EnvConfig]:
+        return validate_env(value, handler)
+
+    @property
+    def envs(self) -> list[EnvConfig]:
+        """The environments: one, or the entries of a mix."""
+        return env_entries(self.env)
 
     @model_validator(mode="after")
     def _distinct_signal_names(self) -> GyreEvalConfig:

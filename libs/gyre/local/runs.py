@@ -298,10 +298,11 @@ def validate_extensions(configs: ServiceConfigs, cfg: RLConfig | None = None) ->
         index, run = entries.get(name, (None, None))
         own = run is not None and "env" in run.orchestrator
         key = f"runs.{index}.orchestrator.env" if own else "orchestrator.env"
-        try:
-            load_environment(orch.env.name, **orch.env.args)
-        except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
-            raise ConfigError(f"config key '{key}': {e}") from None
+        for i, entry in enumerate(orch.envs):  # a mix's entries ([[orchestrator.env]]) by their index
+            try:
+                load_environment(entry.name, **entry.args)
+            except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
+                raise ConfigError(f"config key '{key}{f'.{i}' if isinstance(orch.env, list) else ''}': {e}") from None
     loss = configs.trainer.loss.type
     if ":" in loss:
         from gyre.imports import load_callable
