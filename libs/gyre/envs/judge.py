@@ -473,20 +473,30 @@ class RewardModel:
         await self.endpoint.aclose()
 
 
-def add_to_rubric(env: Any, judges: list[JudgeConfig], reward_models: list[RewardModelConfig]) -> dict[str, Any]:
+def add_to_rubric(
+    env: Any,
+    judges: list[JudgeConfig],
+    reward_models: list[RewardModelConfig],
+    *,
+    signals: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """`[[judges]]` and `[[reward_models]]` joined to the environment's rubric as reward functions (training and
-    `gyre eval` alike); returns them by name (each has `stats` and `aclose`)."""
+    `gyre eval` alike); returns them by name (each has `stats` and `aclose`). `signals`: ones made for another
+    environment of a mix, joined to this one's rubric too (one client, one count, per judge)."""
     from gyre.envs.rubric import Rubric
 
-    signals = [Judge(judge) for judge in judges] + [RewardModel(model) for model in reward_models]
-    if not signals:
+    if signals is None:
+        signals = {judge.name: Judge(judge) for judge in judges}
+        signals.update({model.name: RewardModel(model) for model in reward_models})
+    made = signals
+    if not made:
         return {}
     rubric = getattr(env, "rubric", None)
     if not isinstance(rubric, Rubric):
         raise ValueError(f"judges / reward_models: environment {getattr(env, 'name', env)!r} scores with its own "
                          "code, not a gyre Rubric; add them in the environment instead")  # fmt: skip
-    for signal in signals:
+    for signal in made.values():
         # no rubric deadline: each request has its own (timeout_s, retries), and a call may wait its turn on the
         # concurrency bound behind many others
         rubric.add(signal, signal.config.weight, name=signal.config.name, timeout_s=None)
-    return {signal.config.name: signal for signal in signals}
+    return made

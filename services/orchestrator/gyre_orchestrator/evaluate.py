@@ -18,6 +18,10 @@ counted (`failed_rollouts`). Then the eval fails (`EvalFailed`) rather than scor
 A sample older than the version evaluated (`min_version`: a replica restarted on older weights answered before the
 relay knew) is generated again, like a stale training sample, and counted (`dropped_stale`).
 
+A mix (`[[orchestrator.env]]` entries) evaluates every entry on its own held-out split, each with its own rubric; its
+`eval.jsonl` line (one per version, as for one environment) holds each entry's result under `envs` (by label) and,
+at the top, avg@k and pass@k as the ratio-weighted mean of the entries' (the mix training optimises), counts summed.
+
 During training `TrainingEval` runs it in the background every `eval.interval` weights versions (and at
 start); `gyre eval` runs it once against whatever the replicas serve and appends the result to
 `{output_dir}/events/eval.jsonl`:
@@ -76,6 +80,55 @@ class EvalResult:
     def record(self, step: int) -> dict:
         """The `eval.jsonl` line (docs/architecture.md, "Event logs") plus version/timing extras."""
         return {"step": step, **asdict(self)}
+
+
+def mix_record(results: dict[str, EvalResult], shares: dict[str, float], step: int) -> dict:
+    """The `eval.jsonl` line of a version: one environment's result, or a mix's (its entries under `envs`, by label;
+    avg@k, pass@k and their stderr weighted by the entries' shares, counts summed)."""
+    if len(results) == 1:
+        return next(iter(results.values())).record(step)
+    parts = list(results.values())
+
+    def weighted(name: str) -> float:
+        return sum(shares[label] * getattr(result, name) for label, result in results.items())
+
+    return {
+        "step": step,
+        "env": ",".join(results),
+        "avg_at_k": weighted("avg_at_k"),
+        "pass_at_k": weighted("pass_at_k"),
+        "k": parts[0].k,
+        "num_examples": sum(r.num_examples for r in parts),
+        "min_version": min(r.min_version for r in parts),
+        "max_version": max(r.max_version for r in parts),
+        "seconds": max(r.seconds for r in parts),  # evaluated side by side
+        # independent entries: the weighted sum's variance is the sum of the weighted variances
+        "avg_at_k_stderr": math.sqrt(sum((shares[label] * r.avg_at_k_stderr) ** 2 for label, r in results.items())),
+        "skipped_overlong": sum(r.skipped_overlong for r in parts),
+        "failed_rollouts": sum(r.failed_rollouts for r in parts),
+        "dropped_stale": sum(r.dropped_stale for r in parts),
+        "envs": {label: asdict(result) for label, result in results.items()},
+    }
+
+
+async def evaluate_envs(envs: dict[str, Environment], client: ModelClient, **kwargs) -> dict[str, EvalResult]:
+    """`evaluate` of each environment (label -> its result), side by side; the first failure fails them all."""
+    runs = {label: asyncio.ensure_future(evaluate(env, client, env_name=label, **kwargs))
+            for label, env in envs.items()}  # fmt: skip
+    try:
+        await asyncio.gather(*runs.values())
+    except BaseException:
+        for run in runs.values():
+            run.cancel()
+        await asyncio.gather(*runs.values(), return_exceptions=True)
+        raise
+    return {label: run.result() for label, run in runs.items()}
+
+
+def mix_shares(cfg) -> dict[str, float]:
+    """Each entry's share of the mix: ratio / sum of the ratios."""
+    total = sum(entry.ratio for entry in cfg.envs)
+    return {entry.key: entry.ratio / total for entry in cfg.envs}
 
 
 def eval_tasks(env: Environment, num_examples: int, env_name: str) -> list[Task]:
@@ -236,9 +289,10 @@ class TrainingEval:
     evaluated once, in the background, through `client.for_version(version)`; results go to eval.jsonl, W&B
     and metrics. A failed evaluation is logged and never stops training."""
 
-    def __init__(self, cfg, env: Environment, client, *, events, wandb, metrics):
+    def __init__(self, cfg, envs: Environment | dict[str, Environment], client, *, events, wandb, metrics):
         self.cfg = cfg
-        self.env = env
+        # label -> environment (a mix's entries; one environment alone is its config's)
+        self.envs = envs if isinstance(envs, dict) else {cfg.envs[0].key: envs}
         self.client = client
         self.events = events
         self.wandb = wandb
@@ -247,7 +301,8 @@ class TrainingEval:
         self._task: asyncio.Task | None = None
         self._evaluated: set[int] = set()
         if cfg.eval.interval is not None:  # at start: a split that cannot be drawn failed every eval, logged only
-            eval_tasks(env, cfg.eval.num_examples, cfg.env.name)
+            for label, env in self.envs.items():
+                eval_tasks(env, cfg.eval.num_examples, label)
 
     def start(self, versions, *, at_start: bool, done: Iterable[int] = ()) -> None:
         """Evaluate each due version that `versions` (a `VersionWatch`) reaches; with `at_start`, version 0 first.
@@ -289,11 +344,10 @@ class TrainingEval:
         while True:
             version = await self._queue.get()
             try:
-                result = await evaluate(
-                    self.env,
+                results = await evaluate_envs(
+                    self.envs,
                     # as the newest batch version `version` may generate (its floor): behind the older batches
                     self.client.for_version(version, priority=version + 1 + cfg.max_async_level),
-                    env_name=cfg.env.name,
                     num_examples=cfg.eval.num_examples,
                     k=cfg.eval.k,
                     sampling=eval_sampling(cfg),
@@ -301,7 +355,7 @@ class TrainingEval:
                     attempts=cfg.sample_attempts,
                     min_version=version,
                 )
-                self._record(version, result)
+                self._record(version, results)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # an eval failure must not lose training progress
@@ -309,19 +363,25 @@ class TrainingEval:
             finally:
                 self._queue.task_done()
 
-    def _record(self, version: int, result: EvalResult) -> None:
-        self.events.append(result.record(step=version))
-        self.wandb.log(result.record(step=version), prefix="eval")
+    def _record(self, version: int, results: dict[str, EvalResult]) -> None:
+        record = mix_record(results, mix_shares(self.cfg), version)
+        self.events.append(record)
+        # W&B takes flat numbers: a mix's entries as eval/<label>/<key>, logged with eval/step (a curve per entry)
+        entries = {f"{label}/{k}": v for label, entry in record.get("envs", {}).items() for k, v in entry.items()}
+        self.wandb.log({**record, **entries}, prefix="eval")
         m = self.metrics
-        m.labels(m.eval_reward, env=result.env, stat="avg_at_k").set(result.avg_at_k)
-        m.labels(m.eval_reward, env=result.env, stat="pass_at_k").set(result.pass_at_k)
+        for label, result in results.items():
+            m.labels(m.eval_reward, env=label, stat="avg_at_k").set(result.avg_at_k)
+            m.labels(m.eval_reward, env=label, stat="pass_at_k").set(result.pass_at_k)
+        k = record["k"]
         log.info(
-            "eval of version %d: avg@%d %.3f, pass@%d %.3f",
+            "eval of version %d: avg@%d %.3f, pass@%d %.3f%s",
             version,
-            result.k,
-            result.avg_at_k,
-            result.k,
-            result.pass_at_k,
+            k,
+            record["avg_at_k"],
+            k,
+            record["pass_at_k"],
+            "".join(f", {label} {r.avg_at_k:.3f}" for label, r in results.items()) if len(results) > 1 else "",
         )
 
 
@@ -401,8 +461,10 @@ async def wait_for_inference(client, limit_s: float, *, poll_s: float = READY_PO
 
 
 async def _run_once(
-    cfg, progress: Callable[[int, int], None] | None = None, env=None, signals: dict | None = None
-) -> EvalResult:
+    cfg, progress: Callable[[int, int], None] | None = None, envs=None, signals: dict | None = None
+) -> dict:
+    """One evaluation of every environment of `cfg` (label -> environment in `envs`, loaded when None); returns the
+    `eval.jsonl` line it appended."""
     from gyre.envs import load_environment
     from gyre.envs.judge import add_to_rubric
     from gyre.events import EVAL, EventLog, events_dir
@@ -410,9 +472,11 @@ async def _run_once(
     from gyre_orchestrator.client import InferenceClient, close_replica_clients
     from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 
-    env = env if env is not None else load_environment(cfg.env.name, **cfg.env.args)
+    envs = envs if envs is not None else {e.key: load_environment(e.name, **e.args) for e in cfg.envs}
     if signals is None:
-        signals = add_to_rubric(env, cfg.judges, cfg.reward_models)  # scored as in training
+        signals = {}
+        for env in envs.values():  # scored as in training
+            signals = add_to_rubric(env, cfg.judges, cfg.reward_models, signals=signals or None)
     replicas = ReplicaSet(cooldown_s=cfg.inference.failure_cooldown_s)
     discovery = make_discovery(cfg.inference, replicas)
     await discovery.start()
@@ -431,10 +495,9 @@ async def _run_once(
         if cfg.inference.startup_timeout_s:  # the policy's server, then the judges'
             await wait_for_inference(client, cfg.inference.startup_timeout_s)
         await wait_all_ready(signal.endpoint for signal in signals.values())  # a judge still loading its model
-        result = await evaluate(
-            env,
+        results = await evaluate_envs(
+            envs,
             client,
-            env_name=cfg.env.name,
             num_examples=cfg.eval.num_examples,
             k=cfg.eval.k,
             sampling=eval_sampling(cfg),
@@ -442,16 +505,18 @@ async def _run_once(
             progress=progress,
         )
     finally:
-        aclose = getattr(env, "aclose", None)  # environments holding servers (verifiers) release them
-        if aclose is not None:
-            await aclose()
+        for env in envs.values():
+            aclose = getattr(env, "aclose", None)  # environments holding servers (verifiers) release them
+            if aclose is not None:
+                await aclose()
         for signal in signals.values():
             await signal.aclose()
         await discovery.stop()
         await close_replica_clients(list(replicas))
+    record = mix_record(results, mix_shares(cfg), min(r.min_version for r in results.values()))
     with EventLog(events_dir(cfg.output_dir) / EVAL) as events:
-        events.append(result.record(step=result.min_version))
-    return result
+        events.append(record)
+    return record
 
 
 def main(argv: list[str]) -> int:
@@ -474,11 +539,14 @@ def main(argv: list[str]) -> int:
 
     from gyre_orchestrator.client import InferenceError
 
-    try:  # before anything connects: an unknown name or bad env.args was a traceback (exit 1)
-        env = load_environment(cfg.env.name, **cfg.env.args)
-    except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
-        print(f"gyre eval: error: config key 'env': {e}", file=sys.stderr)
-        return 2
+    envs = {}
+    for i, entry in enumerate(cfg.envs):
+        key = f"env.{i}" if isinstance(cfg.env, list) else "env"
+        try:  # before anything connects: an unknown name or bad env.args was a traceback (exit 1)
+            envs[entry.key] = load_environment(entry.name, **entry.args)
+        except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
+            print(f"gyre eval: error: config key '{key}': {e}", file=sys.stderr)
+            return 2
     from gyre.envs.judge import add_to_rubric
 
     from gyre_orchestrator.replicas import ReplicaSet, make_discovery
@@ -489,18 +557,21 @@ def main(argv: list[str]) -> int:
         print(f"gyre eval: error: {e}", file=sys.stderr)
         return 2
     try:  # no eval tasks (an empty split, a num_eval the task space cannot hold): before anything connects
-        eval_tasks(env, cfg.eval.num_examples, cfg.env.name)
+        for label, env in envs.items():
+            eval_tasks(env, cfg.eval.num_examples, label)
     except ValueError as e:
         print(f"gyre eval: error: {e}", file=sys.stderr)
         return 2
     try:  # a judge's missing API key: one line naming the judge and the setting, as gyre orchestrator (a traceback)
-        signals = add_to_rubric(env, cfg.judges, cfg.reward_models)
+        signals: dict = {}
+        for env in envs.values():  # a mix's entries share them
+            signals = add_to_rubric(env, cfg.judges, cfg.reward_models, signals=signals or None)
     except ValueError as e:
         print(f"gyre eval: error: {e}", file=sys.stderr)
         return 2
     progress = EvalProgress()  # a long eval showed nothing until its JSON line
     try:
-        result = asyncio.run(_run_once(cfg, progress, env, signals))
+        record = asyncio.run(_run_once(cfg, progress, envs, signals))
     except EndpointError as e:  # a judge or reward model that never came up, or refused the key: one line
         progress.close()
         print(f"gyre eval: error: {e}", file=sys.stderr)
@@ -512,5 +583,5 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         progress.close()
-    print(json.dumps(result.record(step=result.min_version)))
+    print(json.dumps(record))
     return 0

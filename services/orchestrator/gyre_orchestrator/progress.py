@@ -3,7 +3,8 @@
 A checkpoint `{output_dir}/checkpoints/orchestrator/step_{s}.json` is written (atomically) after
 batch `s` is in the stream: the last pushed step, the train task sampler's position and cumulative
 counters. Tasks are addressed by index (`TaskSource[i]` is a pure function of the seed and i), so
-the sampler's state is one integer.
+the sampler's state is one integer per environment (`cursors`, by label; `task_index` is the first's, what
+checkpoints from before mixes hold) and, for a mix, the number of draws (`gyre_orchestrator.mix`).
 
 Resume rule (`resume_point`), the same for a restarted pod, a re-run of `gyre rl` and a crash:
 the orchestrator continues from what the *trainer* can consume, not from its own checkpoint.
@@ -18,7 +19,7 @@ the orchestrator continues from what the *trainer* can consume, not from its own
 
 The progress checkpoint supplies the task sampler's position and the cumulative counters. The
 sampler continues after the newest task index recorded in the checkpoint or in the newest batch's
-sample metadata (`task_index`), so tasks are not repeated (also when a lost step is regenerated);
+sample metadata (`task_index` per `env`, and `draw`), so tasks are not repeated (also when a lost step is regenerated);
 tasks drawn for groups still in flight when the orchestrator stopped are skipped.
 
 `resume_step`: unset or -1 = the rule above (a fresh start when the run has no state yet);
@@ -48,9 +49,11 @@ class ProgressError(RuntimeError):
 @dataclass
 class Progress:
     step: int  # last batch pushed
-    task_index: int  # next index of the train TaskSource
+    task_index: int  # next index of the train TaskSource (a mix: of its first entry's)
     counters: dict[str, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    cursors: dict[str, int] = field(default_factory=dict)  # label -> next index of its train split (none: older)
+    draws: int = 0  # groups drawn by the mix so far
 
 
 class ProgressStore:
@@ -86,6 +89,8 @@ class ProgressStore:
                 task_index=int(doc["task_index"]),
                 counters={str(k): int(v) for k, v in doc.get("counters", {}).items()},
                 created=float(doc.get("created", 0.0)),
+                cursors={str(k): int(v) for k, v in doc.get("cursors", {}).items()},
+                draws=int(doc.get("draws", 0)),
             )
         except FileNotFoundError:
             raise ProgressError(
@@ -101,6 +106,8 @@ class ResumePoint:
     task_index: int
     counters: dict[str, Any]
     reason: str
+    cursors: dict[str, int] = field(default_factory=dict)  # label -> next task index (empty: none recorded)
+    draws: int = 0
 
 
 def resume_point(
@@ -109,17 +116,26 @@ def resume_point(
     committed: int,
     stream_steps: list[int],
     stream_task_index: int | None = None,
+    *,
+    cursors: dict[str, int] | None = None,
+    stream_draws: int | None = None,
 ) -> ResumePoint:
-    """Where to start; see the module docstring. `stream_steps`: steps of the entries after `committed`."""
+    """Where to start; see the module docstring. `stream_steps`: steps of the entries after `committed`;
+    `cursors` and `stream_draws`: the positions the newest batch in the stream records (per entry, draws)."""
     if resume_step is not None and resume_step >= 0:
         progress = store.load(resume_step) if resume_step > 0 else Progress(step=0, task_index=0)
-        return ResumePoint(resume_step + 1, progress.task_index, dict(progress.counters), f"rewind to {resume_step}")
+        return ResumePoint(resume_step + 1, progress.task_index, dict(progress.counters), f"rewind to {resume_step}",
+                           dict(progress.cursors), progress.draws)  # fmt: skip
     saved = store.load(-1) if store.steps() else None
     pushed, have = committed, set(stream_steps)
     while pushed + 1 in have:
         pushed += 1
+    stream = cursors or {}
+    merged = {k: max((saved.cursors if saved else {}).get(k, 0), stream.get(k, 0)) for k in {
+        **(saved.cursors if saved else {}), **stream}}  # fmt: skip
+    draws = max(saved.draws if saved else 0, stream_draws or 0)
     if saved is None and pushed == 0:
-        return ResumePoint(1, stream_task_index or 0, {}, "fresh start")
+        return ResumePoint(1, stream_task_index or 0, {}, "fresh start", merged, draws)
     why = f"trainer committed step {committed}"
     if pushed > committed:
         why += f", stream holds steps {committed + 1}..{pushed}"
@@ -133,4 +149,4 @@ def resume_point(
         )
         why += f", regenerating from {pushed + 1} (checkpoint said {saved.step})"
     task_index = max(saved.task_index if saved else 0, stream_task_index or 0)
-    return ResumePoint(pushed + 1, task_index, dict(saved.counters) if saved else {}, why)
+    return ResumePoint(pushed + 1, task_index, dict(saved.counters) if saved else {}, why, merged, draws)

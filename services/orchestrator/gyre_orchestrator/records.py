@@ -39,6 +39,8 @@ class ScoredRollout:
     score: Score
     seconds: float
     teacher_logprobs: list[float] | None = None  # the teacher's log-prob of each token (distillation)
+    env: str = ""  # the environment's label (a mix's entry)
+    draw: int = 0  # the mix's draw that chose its task
 
     @property
     def reward(self) -> float:
@@ -106,6 +108,37 @@ def _added(base: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
     return {k: base.get(k, 0) + counts.get(k, 0) for k in {**base, **counts}}
 
 
+def env_figures(st: StepState, samples: list[TrainSample], labels: list[str]) -> dict[str, dict]:
+    """Per environment (label, config order) of a step: its trained samples and groups (as the step's `num_samples`
+    and `num_groups`), the groups generated for it and dropped as zero-signal, the tasks skipped as too long, and the
+    mean and std of the rewards of its admitted samples (as the step's `reward_mean`; None when it drew no group)."""
+
+    def label_of(task) -> str:
+        return getattr(task, "env", labels[0])
+
+    rewards: dict[str, list[float]] = {label: [] for label in labels}
+    figures = {label: {"num_samples": 0, "num_groups": 0, "generated_groups": 0, "dropped_zero_signal": 0,
+                       "skipped_overlong": 0} for label in labels}  # fmt: skip
+    kept = [] if st.zero_signal_batch else st.kept
+    for group in st.finished:
+        label = label_of(group.task)
+        entry = figures.setdefault(label, {k: 0 for k in figures[labels[0]]})
+        entry["generated_groups"] += 1
+        entry["dropped_zero_signal"] += not any(group is g for g in kept)
+        rewards.setdefault(label, []).extend(group.rewards)
+    for group in st.kept:
+        figures[label_of(group.task)]["num_groups"] += 1
+    for sample in samples:
+        figures[sample.meta["env"]]["num_samples"] += 1
+    for task in st.overlong:
+        figures.setdefault(label_of(task), {k: 0 for k in figures[labels[0]]})["skipped_overlong"] += 1
+    for label, entry in figures.items():
+        values = np.asarray(rewards.get(label, []), dtype=np.float64)
+        entry["reward_mean"] = float(values.mean()) if len(values) else None
+        entry["reward_std"] = float(values.std()) if len(values) else None
+    return figures
+
+
 class StepRecords:
     """A pushed step's line of orchestrator_steps.jsonl and its accounting: cumulative counters, metrics, W&B and
     the progress checkpoint."""
@@ -128,6 +161,8 @@ class StepRecords:
         self.teacher = teacher
         # cumulative over the run (`total_*` in the step lines), continued by a restarted orchestrator (`resume`)
         self.counters: dict[str, int] = {}
+        self.labels = [entry.key for entry in cfg.envs]
+        self.env_totals: dict[str, int] = {}  # label -> samples trained over the run (`envs.*.total_samples`)
         # what a restarted orchestrator continues from: the counts of the steps before it (its process counts from 0)
         self.base_scoring_failures = 0
         self.base_reward_errors: dict[str, int] = {}
@@ -148,6 +183,9 @@ class StepRecords:
         self.base_reward_errors = _counts(previous.get("reward_errors"))
         signals = previous.get("signals")
         self.base_signals = {str(k): _counts(v) for k, v in signals.items()} if isinstance(signals, dict) else {}
+        envs = previous.get("envs")
+        if isinstance(envs, dict):  # per label: an entry renamed starts from 0
+            self.env_totals = {str(k): _count(v.get("total_samples")) for k, v in envs.items() if isinstance(v, dict)}
 
     def record(
         self,
@@ -160,7 +198,6 @@ class StepRecords:
         reward_errors: dict[str, int],
     ) -> dict:
         """The step's line of orchestrator_steps.jsonl (and of W&B)."""
-        cfg = self.cfg
         generated = np.asarray(st.all_rewards, dtype=np.float64)
         lags = np.asarray([s.meta["lag"] for s in samples], dtype=np.float64)
         num_tokens = int(sum(s.length for s in samples))
@@ -185,7 +222,7 @@ class StepRecords:
             "num_tokens": num_tokens,
             "step_seconds": st.seconds,
             # extras beyond the contract
-            "env": cfg.env.name,
+            "env": ",".join(self.labels),  # a mix: its entries' labels
             "reward_mean_trained": float(np.mean([s.meta["reward"] for s in samples])),
             "num_groups": len(st.kept),
             "num_rows": packed.num_rows,
@@ -202,6 +239,8 @@ class StepRecords:
             "scoring_failures": self.base_scoring_failures + scoring_failures,
             "reward_errors": _added(self.base_reward_errors, reward_errors),
             **batch_health([s for g in st.kept for s in g.samples]),
+            # per environment (one, or a mix's entries by label): counts, rewards and cumulative samples
+            "envs": env_figures(st, samples, self.labels),
         }
         # completion tokens generated per wall second since the previous step's line (PRIME-RL's throughput; the
         # process's first step: since its generation began): what the async level and the replicas deliver
@@ -212,23 +251,42 @@ class StepRecords:
         # cumulative over the run, this step included (PRIME-RL's progress/total_*): an x-axis that a restart continues
         for key, total in TOTALS.items():
             record[total] = self.counters.get(total, 0) + int(record[key])
+        for label, entry in record["envs"].items():
+            entry["total_samples"] = self.env_totals.get(label, 0) + entry["num_samples"]
         record.update(self._signal_record(samples))
         return record
 
-    def account(self, st: StepState, record: dict, lags: list[int], task_index: int) -> None:
-        """A pushed step's counters, metrics, W&B record and (every ckpt_interval) progress checkpoint."""
+    def account(self, st: StepState, record: dict, lags: list[int], positions: tuple[dict[str, int], int]) -> None:
+        """A pushed step's counters, metrics, W&B record and (every ckpt_interval) progress checkpoint;
+        `positions`: the task mix's (cursors, draws)."""
         cfg, m = self.cfg, self.metrics
-        self.wandb.log(record)
+        # W&B takes flat numbers: each entry's figures as envs/<label>/<key>, a curve per environment
+        self.wandb.log({**record, **{f"envs/{label}/{k}": v for label, entry in record["envs"].items()
+                                     for k, v in entry.items() if v is not None}})  # fmt: skip
         self.counters = {total: int(record[total]) for total in TOTALS.values()}
+        self.env_totals.update({label: entry["total_samples"] for label, entry in record["envs"].items()})
         labels = m.labels
         labels(m.step).set(st.step)
         labels(m.batches).inc()
         labels(m.samples).inc(record["num_samples"])
-        labels(m.reward_mean, env=cfg.env.name).set(record["reward_mean"])
-        labels(m.reward_std, env=cfg.env.name).set(record["reward_std"])
         labels(m.dropped_stale).inc(st.dropped_stale)
         labels(m.dropped_zero_signal).inc(st.dropped_zero_signal)
-        labels(m.skipped_overlong, env=cfg.env.name).inc(st.skipped_overlong)
+        groups = st.kept  # a zero-signal batch's too: what it trains on
+        for env, entry in record["envs"].items():
+            # per entry of a mix (one environment: its figures are the step's); one that drew no group this step
+            # keeps its last value, as a gauge of a step without samples would
+            labels(m.skipped_overlong, env=env).inc(entry["skipped_overlong"])
+            if entry["reward_mean"] is not None:
+                labels(m.reward_mean, env=env).set(entry["reward_mean"])
+                labels(m.reward_std, env=env).set(entry["reward_std"])
+            mine = [s for g in groups if getattr(g.task, "env", self.labels[0]) == env for s in g.samples]
+            if mine:
+                health = batch_health(mine)
+                labels(m.response_length, env=env, stat="mean").set(health["response_length_mean"])
+                labels(m.response_length, env=env, stat="p95").set(health["response_length_p95"])
+                labels(m.truncated_ratio, env=env).set(health["truncated_ratio"])
+                for name, value in health["rubric_scores"].items():
+                    labels(m.rubric_score, env=env, function=name).set(value)
         labels(m.generated_groups).inc(st.generated_groups)
         labels(m.generated_tokens).inc(record["generated_tokens"])
         labels(m.wasted_tokens).inc(record["wasted_tokens"])
@@ -237,15 +295,14 @@ class StepRecords:
         labels(m.batch_seconds).set(st.seconds)
         for lag in lags:
             labels(m.lag).observe(lag)
-        env = cfg.env.name
-        labels(m.response_length, env=env, stat="mean").set(record["response_length_mean"])
-        labels(m.response_length, env=env, stat="p95").set(record["response_length_p95"])
-        labels(m.truncated_ratio, env=env).set(record["truncated_ratio"])
-        for name, value in record["rubric_scores"].items():
-            labels(m.rubric_score, env=env, function=name).set(value)
+        mix = "".join(
+            f", {env}: {entry['num_samples']} samples, reward {entry['reward_mean']:.3f}"
+            if entry["reward_mean"] is not None else f", {env}: no group"
+            for env, entry in record["envs"].items()
+        ) if len(record["envs"]) > 1 else ""  # fmt: skip
         log.info(
             "pushed step %d: %d samples, reward %.3f, versions %d..%d (off-policy lag %.1f, max %d), %.0f tokens/s, "
-            "%d stale, %d zero-signal groups (%.0f%% of generated tokens wasted)%s",
+            "%d stale, %d zero-signal groups (%.0f%% of generated tokens wasted)%s%s",
             st.step,
             record["num_samples"],
             record["reward_mean"],
@@ -258,9 +315,12 @@ class StepRecords:
             st.dropped_zero_signal,
             100 * record["waste_fraction"],
             f", {st.skipped_overlong} tasks skipped (prompt too long)" if st.skipped_overlong else "",
+            mix,
         )
         if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
-            self.progress.save(Progress(step=st.step, task_index=task_index, counters=dict(self.counters)))
+            cursors, draws = positions
+            self.progress.save(Progress(step=st.step, task_index=cursors.get(self.labels[0], 0),
+                                        counters=dict(self.counters), cursors=cursors, draws=draws))  # fmt: skip
 
     def _signal_record(self, samples: list[TrainSample]) -> dict:
         """Per reward function its mean over the batch (judges at weight 0 included: that is how they are

@@ -127,6 +127,8 @@ class StepState:
     failed_rollouts: int = 0  # generate() raised (environment error, inference failure); generated again
     skipped_overlong: int = 0  # tasks whose prompt did not fit the model's context; replaced by fresh tasks
     all_rewards: list[float] = field(default_factory=list)  # every admitted sample, dropped groups included
+    finished: list[Group] = field(default_factory=list)  # every admitted group, kept or dropped (per-env figures)
+    overlong: list[Any] = field(default_factory=list)  # the tasks skipped_overlong counts
     first_dispatch: float | None = None
     closed_at: float | None = None
     wasted: list[Any] = field(default_factory=list)  # samples generated and not trained: stale, zero-signal
@@ -315,6 +317,7 @@ class RolloutScheduler:
             self._failed = self._failed or e
         else:
             st.all_rewards.extend(group.rewards)
+            st.finished.append(group)
             if self.drop_zero_signal and is_zero_signal(group.rewards):
                 st.dropped_zero_signal += 1
                 st.wasted.extend(group.samples)
@@ -333,6 +336,7 @@ class RolloutScheduler:
         run once none of the last `overlong_window` tasks drawn fitted."""
         group.overlong = True
         st.skipped_overlong += 1
+        st.overlong.append(group.task)
         st.started_groups -= 1
         if len(self._drawn) == self._drawn.maxlen and all(g.overlong for g in self._drawn):
             self._failed = self._failed or RuntimeError(

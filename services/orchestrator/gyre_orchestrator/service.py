@@ -46,6 +46,7 @@ from gyre_orchestrator.advantages import compute_advantages
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.evaluate import TrainingEval
 from gyre_orchestrator.metrics import OrchestratorMetrics
+from gyre_orchestrator.mix import MixTask, TaskMix
 from gyre_orchestrator.packing import TrainSample, pack_batch
 from gyre_orchestrator.progress import ProgressStore, resume_point
 from gyre_orchestrator.records import ScoredRollout, StepRecords, rollout_record
@@ -81,26 +82,22 @@ class RolloutFailed(RuntimeError):
     """The environment itself failed during a rollout (not the model, not the network)."""
 
 
-class TaskSampler:
-    """The train split, read in index order from a saved position (its whole state is `index`)."""
-
-    def __init__(self, source, index: int = 0):
-        self.source = source
-        self.index = index
-
-    def next(self) -> tuple[int, Task]:
-        i = self.index
-        self.index += 1
-        return i, self.source[i]
-
-
 class OrchestratorService:
     def __init__(self, cfg: OrchestratorConfig, *, metrics: OrchestratorMetrics | None = None):
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
-        self.env = load_environment(cfg.env.name, **cfg.env.args)
-        # judges, reward models (and below the teacher): name -> object with `stats`
-        self.signals = add_to_rubric(self.env, cfg.judges, cfg.reward_models)
+        # label -> environment: one, or the entries of a mix ([[orchestrator.env]], gyre_orchestrator.mix)
+        self.envs = {}
+        for i, entry in enumerate(cfg.envs):
+            try:
+                self.envs[entry.key] = load_environment(entry.name, **entry.args)
+            except ValueError as e:  # which entry of a mix: "unknown environment" alone did not say
+                raise ValueError(f"config key 'env{f'.{i}' if isinstance(cfg.env, list) else ''}': {e}") from e
+        self.env = next(iter(self.envs.values()))  # the only one, or a mix's first
+        # judges, reward models (and below the teacher): name -> object with `stats`; a mix's entries share them
+        self.signals: dict = {}
+        for env in self.envs.values():
+            self.signals = add_to_rubric(env, cfg.judges, cfg.reward_models, signals=self.signals or None)
         self.teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
         if self.teacher is not None:
             self.signals["teacher"] = self.teacher
@@ -183,7 +180,7 @@ class OrchestratorService:
         self._eviction_warned = False  # Redis found evicting keys when full (warned once)
         self._pushed_id = (0, 0)  # stream id of our newest push
         self._untrained_ids: dict[int, tuple[int, int]] = {}  # step -> stream id, our pushes not trained yet
-        self.sampler: TaskSampler | None = None
+        self.sampler: TaskMix | None = None
         self.scheduler: RolloutScheduler | None = None
         self.step_records = StepRecords(
             cfg,
@@ -194,7 +191,7 @@ class OrchestratorService:
             teacher=self.teacher,
         )
         self.evals = TrainingEval(
-            cfg, self.env, self.client, events=self.eval_events, wandb=self.wandb, metrics=self.metrics
+            cfg, self.envs, self.client, events=self.eval_events, wandb=self.wandb, metrics=self.metrics
         )
         self._metrics_server = None
         self.metrics_port: int | None = None
@@ -353,14 +350,36 @@ class OrchestratorService:
         # the resumed run's first push, a gap in every panel and alert on it)
         self.metrics.labels(self.metrics.step).set(self.last_step)
         self.step_records.resume(self._previous_step_line(point.start_step), point.counters)
-        self.sampler = TaskSampler(self.env.tasks("train", seed=cfg.seed), point.task_index)
-        log.info("starting at step %d (%s), task index %d", point.start_step, point.reason, point.task_index)
+        self.sampler = self._task_mix(point)
+        log.info("starting at step %d (%s), %s", point.start_step, point.reason, self._positions())
         self.scheduler = self._new_scheduler(point.start_step)
         if cfg.eval.interval is not None:
             self.evals.start(
                 self.versions, at_start=cfg.eval.at_start and point.start_step == 1, done=self._evaluated_versions()
             )
         await self.server.set_serving(True)
+
+    def _task_mix(self, point) -> TaskMix:
+        """The train tasks from the resume point's positions: its per-entry cursors, or for a run from before mixes
+        (its checkpoints hold a task index alone) that index, the one environment's cursor."""
+        cfg = self.cfg
+        cursors = dict(point.cursors)
+        if len(self.envs) == 1 and not point.cursors:
+            cursors[cfg.envs[0].key] = point.task_index
+        return TaskMix(
+            {label: env.tasks("train", seed=cfg.seed) for label, env in self.envs.items()},
+            {entry.key: entry.ratio for entry in cfg.envs},
+            seed=cfg.seed,
+            cursors=cursors,
+            draws=point.draws,
+        )
+
+    def _positions(self) -> str:
+        if len(self.envs) == 1:
+            return f"task index {self.sampler.index}"
+        shares = ", ".join(f"{label} {100 * self.sampler.shares[label]:.0f}% from task {self.sampler.cursors[label]}"
+                           for label in self.sampler.labels)  # fmt: skip
+        return f"mix of {len(self.envs)} environments after {self.sampler.draws} draws: {shares}"
 
     def _previous_step_line(self, start_step: int) -> dict | None:
         """The newest line of the last step before `start_step` in orchestrator_steps.jsonl (None: none): what the
@@ -399,7 +418,7 @@ class OrchestratorService:
         """`gyre_orchestrator_rollouts_total`: a finished rollout counts once, as `stale` when admission dropped it
         (counted `ok` and then `stale` too before, so the outcomes summed to more rollouts than there were)."""
         outcome = "stale" if stale else "truncated" if sample.rollout.truncated else "ok"
-        self.metrics.labels(self.metrics.rollouts, env=self.cfg.env.name, outcome=outcome).inc()
+        self.metrics.labels(self.metrics.rollouts, env=sample.env, outcome=outcome).inc()
 
     async def _await_trainer_rewind(self, step: int, poll_s: float = 0.5, remind_s: float = 30.0) -> None:
         """A rewind to `step` abandons the weights versions after it, which the trainer deletes as it starts with the
@@ -442,8 +461,10 @@ class OrchestratorService:
                 log.warning("rewind to step %d: deleted progress checkpoints %s", cfg.resume_step, abandoned)
         committed = committed_step(self.out, self.transport.latest())
         pending = await self._redis(lambda: self.stream.steps_after(committed), "reading the stream")
-        task_index = await self._redis(self._stream_task_index, "reading the newest batch")
-        point = resume_point(cfg.resume_step, self.progress, committed, pending, task_index)
+        cursors, draws = await self._redis(self._stream_positions, "reading the newest batch")
+        # task_index: the first entry's (the only one's) cursor, as a progress checkpoint holds it
+        point = resume_point(cfg.resume_step, self.progress, committed, pending, cursors.get(cfg.envs[0].key),
+                             cursors=cursors, stream_draws=draws)  # fmt: skip
         if cfg.resume_step is not None and cfg.resume_step >= 0:
             mark_rewound(self.progress.root, cfg.resume_step)  # done: a restart with the same resume_step goes on
         if any(step >= point.start_step for step in pending):
@@ -500,9 +521,10 @@ class OrchestratorService:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.evals.stop()
-        aclose = getattr(self.env, "aclose", None)  # environments holding servers (verifiers) release them
-        if aclose is not None:
-            await aclose()
+        for env in self.envs.values():
+            aclose = getattr(env, "aclose", None)  # environments holding servers (verifiers) release them
+            if aclose is not None:
+                await aclose()
         for signal in self.signals.values():
             await signal.aclose()
         await self.relay.stop()
@@ -544,19 +566,21 @@ class OrchestratorService:
             await close_replica_clients(removed)
 
     # ---- one rollout ----------------------------------------------------------------------------
-    async def _generate(self, item: tuple[int, Task], floor: int, key: RolloutKey) -> ScoredRollout:
-        index, task = item
-        env_name = self.cfg.env.name
+    async def _generate(self, item: MixTask, floor: int, key: RolloutKey) -> ScoredRollout:
+        index, task, env_name = item.index, item.task, item.env
+        env = self.envs[env_name]
         start = time.monotonic()
-        # with sampling.seed: a seed per (step, task, rollout), so a group's rollouts differ and a rerun repeats them
-        sampling = self.sampling.for_request("train", key.step, index, key.index)
+        # with sampling.seed: a seed per (step, task, rollout), so a group's rollouts differ and a rerun repeats them;
+        # in a mix per entry too (task i of two entries in one step had the same seeds)
+        where = (index,) if len(self.envs) == 1 else (env_name, index)
+        sampling = self.sampling.for_request("train", key.step, *where, key.index)
         # priority = the batch: a backlog beyond the engines' rows never delays an older batch (client.py)
-        rollout = await self.env.rollout(self.client.for_version(floor, priority=key.step), task, sampling)
+        rollout = await env.rollout(self.client.for_version(floor, priority=key.step), task, sampling)
         if rollout.error:
             self.metrics.labels(self.metrics.rollouts, env=env_name, outcome="error").inc()
             raise RolloutFailed(f"task {task.id}: {rollout.error}")
         try:
-            score = await self.env.score(task, rollout)
+            score = await env.score(task, rollout)
             teacher = await self._teacher_logprobs(rollout)
         except (ScoringError, EndpointError) as error:  # counted, and scored again: never a silent 0
             self.scoring_failures += 1
@@ -566,7 +590,7 @@ class OrchestratorService:
         seconds = time.monotonic() - start
         self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)  # its outcome: on admission
         return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds,
-                             teacher_logprobs=teacher)  # fmt: skip
+                             teacher_logprobs=teacher, env=env_name, draw=item.draw)  # fmt: skip
 
     def _note_reward_errors(self, task: Task, errors: dict[str, str]) -> None:
         """A reward function that raised scores 0 (a reward bug must not stop training) but is never silent: its
@@ -621,9 +645,10 @@ class OrchestratorService:
                     "min_version": s.min_version,
                     "max_version": s.max_version,
                     "lag": (st.step - 1) - s.min_version,
-                    "env": cfg.env.name,
+                    "env": s.env,  # the entry's label in a mix
                     "task_id": s.task.id,
-                    "task_index": s.task_index,
+                    "task_index": s.task_index,  # in the entry's train split
+                    "draw": s.draw,  # the mix's draw number (a restart continues after the newest)
                     "group": gi,
                     "num_turns": r.num_turns,
                     "stop_reason": r.stop_reason,
@@ -653,7 +678,8 @@ class OrchestratorService:
             seq_len=cfg.batch.seq_len,
             world_size=cfg.batch.dp_world_size,
             temperature=self.sampling.temperature,
-            max_tokens=cfg.sampling.max_tokens * getattr(self.env, "max_turns", 1),  # budget: Dr.GRPO's normaliser
+            # budget: Dr.GRPO's normaliser (a mix: its longest episodes')
+            max_tokens=cfg.sampling.max_tokens * max(getattr(env, "max_turns", 1) for env in self.envs.values()),
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
         record = self.step_records.record(
@@ -679,7 +705,7 @@ class OrchestratorService:
         self.last_step = st.step
         await self._redis(self._note_redis_memory, "reading redis memory")
         await asyncio.to_thread(self._prune_spilled)
-        self.step_records.account(st, record, [s.meta["lag"] for s in samples], task_index=self.sampler.index)
+        self.step_records.account(st, record, [s.meta["lag"] for s in samples], positions=self.sampler.state())
         if records:
             self.wandb.samples(records, st.step)
 
@@ -709,15 +735,25 @@ class OrchestratorService:
         committed = committed_step(self.out, self.transport.latest())
         self.spilled.remove([s for s in self.spilled.steps() if s < committed])
 
-    def _stream_task_index(self) -> int | None:
-        """One past the highest train task index in the newest batch of the stream (None if unknown)."""
+    def _stream_positions(self) -> tuple[dict[str, int], int | None]:
+        """Per entry one past the highest train task index in the newest batch of the stream, and one past its
+        highest draw (({}, None) if unknown)."""
         newest = self.stream.newest()
         if newest is None:
-            return None
+            return {}, None
         try:
             batch = newest.decode()
         except CodecError as e:
             log.warning("cannot read the newest batch in the stream (%s); task positions from the checkpoint", e)
-            return None
-        indices = [s["task_index"] for s in batch.samples if isinstance(s.get("task_index"), int)]
-        return max(indices) + 1 if indices else None
+            return {}, None
+        cursors: dict[str, int] = {}
+        draws = None
+        for s in batch.samples:
+            index, draw = s.get("task_index"), s.get("draw")
+            if isinstance(index, int):
+                # a batch from before mixes names the one environment by its name, which is its label
+                label = str(s.get("env", self.cfg.envs[0].key))
+                cursors[label] = max(cursors.get(label, 0), index + 1)
+            if isinstance(draw, int):
+                draws = max(draws or 0, draw + 1)
+        return cursors, draws

@@ -31,7 +31,8 @@ class VersionedClient:
 def test_a_stale_rollout_counts_once_as_stale_not_also_as_ok(tmp_path):
     # audit: a rollout was counted ok (or truncated) when it finished and again as stale when admission dropped it,
     # so the outcomes of gyre_orchestrator_rollouts_total summed to more rollouts than were generated
-    from gyre_orchestrator.service import OrchestratorService, TaskSampler
+    from gyre_orchestrator.mix import TaskMix
+    from gyre_orchestrator.service import OrchestratorService
 
     server = EmbeddedRedis().start()
     cfg = load_config(
@@ -44,7 +45,7 @@ def test_a_stale_rollout_counts_once_as_stale_not_also_as_ok(tmp_path):
         try:
             orch.client = VersionedClient([0, 1, 1])  # batch 2's floor is version 1: the first answer is stale
             orch.versions.set(1)
-            orch.sampler = TaskSampler(orch.env.tasks("train", seed=0))
+            orch.sampler = TaskMix({"reverse_text": orch.env.tasks("train", seed=0)}, {"reverse_text": 1.0})
             orch.scheduler = orch._new_scheduler(start_step=2)
             st = await asyncio.wait_for(orch.scheduler.next_batch(), timeout=10)
             await orch.push(st)

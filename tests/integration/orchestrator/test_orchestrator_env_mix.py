@@ -1,0 +1,126 @@
+"""A mix of environments ([[orchestrator.env]]) trained as one policy: real replicas, Redis and stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import pytest
+from gyre.events import latest_per_step, read_events
+from gyre.streams import BatchStream
+from gyre_orchestrator.mix import TaskMix
+from gyre_orchestrator.service import OrchestratorService
+from orchestrator_testlib import orchestrator_config
+
+pytestmark = pytest.mark.timeout(300)
+
+MIX = [
+    {"name": "reverse_text", "label": "rev", "ratio": 3, "args": {"num_eval": 2}},
+    {"name": "arithmetic", "label": "math", "ratio": 1, "args": {"num_eval": 2}},
+]
+
+
+def pushed_samples(redis_url: str, run_id: str) -> list[tuple[int, dict]]:
+    stream = BatchStream(redis_url, run_id)
+    try:
+        return [
+            (e.step, s)
+            for e in (stream._entry(i, f) for i, f in stream.redis.xrange(stream.key))
+            for s in e.decode().samples
+        ]
+    finally:
+        stream.redis.close()
+
+
+def expected_draws(cfg, count: int) -> list[str]:
+    """The entries the draws 0..count-1 pick (a pure function of the seed and the ratios)."""
+    mix = TaskMix({e.key: None for e in cfg.envs}, {e.key: e.ratio for e in cfg.envs}, seed=cfg.seed)
+    return [mix.pick(n) for n in range(count)]
+
+
+def mix_config(tmp_path, redis_url, run_id, replicas, **overrides):
+    values = {"env": MIX, "batch_size": 4, "rollouts_per_example": 2, "max_async_level": 50, "ckpt_interval": 1,
+              "advantage": {"drop_zero_signal": False}, **overrides}  # fmt: skip
+    return orchestrator_config(tmp_path, redis_url, run_id, replicas, **values)
+
+
+@pytest.mark.asyncio
+async def test_each_group_comes_from_one_environment_drawn_by_ratio_and_is_reported_per_environment(
+    tmp_path, redis_url, unique_run_id, replicas
+):
+    cfg = mix_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=3,
+                     eval={"interval": 100, "num_examples": 2})  # fmt: skip
+    service = OrchestratorService(cfg)
+    assert await asyncio.wait_for(service.run(), timeout=180) == 0
+    samples = pushed_samples(redis_url, unique_run_id)
+    # a group (a task and its rollouts) is one environment's, scored by its own rubric
+    groups = defaultdict(set)
+    for step, s in samples:
+        groups[(step, s["group"])].add((s["env"], s["task_index"], s["draw"]))
+    assert all(len(members) == 1 for members in groups.values()) and len(groups) == 12
+    drawn = sorted(next(iter(m)) for m in groups.values())
+    # draw n's entry is the seeded draw's; each entry reads its own split in order, from 0, nothing repeated
+    assert [d for _, _, d in sorted(drawn, key=lambda x: x[2])] == list(range(12))
+    picks = expected_draws(cfg, 12)
+    assert all(picks[draw] == env for env, _, draw in drawn)
+    for label in ("rev", "math"):
+        assert sorted(i for env, i, _ in drawn if env == label) == list(range(picks.count(label)))
+    # the rubric of each: arithmetic's functions score its samples, reverse_text's its own
+    assert {name for _, s in samples if s["env"] == "math" for name in s["rewards"]}.isdisjoint(
+        {name for _, s in samples if s["env"] == "rev" for name in s["rewards"]}
+    )
+
+    lines = latest_per_step(read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl"))
+    totals = {"rev": 0, "math": 0}
+    for line in lines:
+        assert set(line["envs"]) == {"rev", "math"}
+        assert sum(e["num_samples"] for e in line["envs"].values()) == line["num_samples"]
+        mine = [s for step, s in samples if step == line["step"]]
+        for label, entry in line["envs"].items():
+            rewards = [s["reward"] for s in mine if s["env"] == label]
+            assert entry["num_samples"] == len(rewards) and entry["num_groups"] == len(rewards) // 2
+            if rewards:
+                assert entry["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+            totals[label] += len(rewards)
+            assert entry["total_samples"] == totals[label]
+    assert totals == {label: 2 * picks.count(label) for label in totals}
+    # Prometheus: the reward gauges carry each entry's label
+    registry = service.metrics.registry
+    for label in ("rev", "math"):
+        assert registry.get_sample_value("gyre_orchestrator_reward_mean", {"run_id": cfg.run_id, "env": label}) \
+            is not None  # fmt: skip
+
+    # each entry's held-out split evaluated and reported by its label; the top line is their ratio-weighted mean
+    (evaluation,) = latest_per_step(read_events(cfg.output_dir / "events" / "eval.jsonl"))
+    per_env = evaluation["envs"]
+    assert set(per_env) == {"rev", "math"} and all(e["num_examples"] == 2 for e in per_env.values())
+    assert per_env["rev"]["env"] == "rev"
+    assert evaluation["avg_at_k"] == pytest.approx(
+        0.75 * per_env["rev"]["avg_at_k"] + 0.25 * per_env["math"]["avg_at_k"]
+    )
+    for label in ("rev", "math"):
+        assert registry.get_sample_value(
+            "gyre_orchestrator_eval_reward", {"run_id": cfg.run_id, "env": label, "stat": "avg_at_k"}
+        ) == pytest.approx(per_env[label]["avg_at_k"])
+
+
+@pytest.mark.asyncio
+async def test_a_restart_continues_each_environment_s_cursor_and_the_draw_sequence(
+    tmp_path, redis_url, unique_run_id, replicas
+):
+    cfg = mix_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=2)
+    assert await asyncio.wait_for(OrchestratorService(cfg).run(), timeout=180) == 0
+    resumed = cfg.model_copy(update={"max_steps": 4, "resume_step": -1})
+    assert await asyncio.wait_for(OrchestratorService(resumed).run(), timeout=180) == 0
+    samples = pushed_samples(redis_url, unique_run_id)
+    assert sorted({step for step, _ in samples}) == [1, 2, 3, 4]
+    drawn = sorted({(s["draw"], s["env"], s["task_index"]) for _, s in samples})
+    # the same sequence as one uninterrupted run: draws 0..15, each picked as the seed says, no task twice
+    assert [d for d, _, _ in drawn] == list(range(16))
+    picks = expected_draws(cfg, 16)
+    assert [env for _, env, _ in drawn] == picks
+    for label in ("rev", "math"):
+        assert [i for _, env, i in drawn if env == label] == list(range(picks.count(label)))
+    # the progress checkpoint holds each entry's cursor and the draw count
+    point = OrchestratorService(resumed).progress.load(-1)
+    assert (point.cursors, point.draws) == ({label: picks.count(label) for label in ("rev", "math")}, 16)

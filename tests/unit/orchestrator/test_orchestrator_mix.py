@@ -1,0 +1,171 @@
+"""A mix of environments ([[orchestrator.env]]): its config, the draw of each group's entry, and its resume state."""
+
+from __future__ import annotations
+
+import pytest
+from gyre.config import ConfigError, load_config
+from gyre.config.orchestrator import GyreEvalConfig, OrchestratorConfig
+from gyre.envs import load_environment
+from gyre_orchestrator.mix import TaskMix
+from gyre_orchestrator.progress import Progress, ProgressStore, resume_point
+
+
+def sources(*labels: str) -> dict:
+    env = load_environment("reverse_text")
+    return {label: env.tasks("train", seed=i) for i, label in enumerate(labels)}
+
+
+def test_the_ratios_are_honoured_over_many_draws():
+    mix = TaskMix(sources("a", "b", "c"), {"a": 6, "b": 3, "c": 1}, seed=7)
+    drawn = [mix.next().env for _ in range(20000)]
+    for label, share in (("a", 0.6), ("b", 0.3), ("c", 0.1)):
+        assert drawn.count(label) / len(drawn) == pytest.approx(share, abs=0.015), label
+    # each entry reads its own split in order: its cursor is how many of its tasks were drawn
+    assert mix.cursors == {label: drawn.count(label) for label in "abc"} and mix.draws == 20000
+
+
+def test_the_draw_sequence_is_a_function_of_the_seed():
+    def labels(seed: int) -> list[str]:
+        mix = TaskMix(sources("a", "b"), {"a": 1, "b": 1}, seed=seed)
+        return [mix.next().env for _ in range(200)]
+
+    assert labels(3) == labels(3)
+    assert labels(3) != labels(4)
+
+
+def test_a_mix_rebuilt_from_its_state_continues_the_same_sequence():
+    whole = TaskMix(sources("a", "b"), {"a": 2, "b": 1}, seed=1)
+    expected = [(t.env, t.index, t.draw, t.task.id) for t in (whole.next() for _ in range(60))]
+    first = TaskMix(sources("a", "b"), {"a": 2, "b": 1}, seed=1)
+    head = [(t.env, t.index, t.draw, t.task.id) for t in (first.next() for _ in range(25))]
+    cursors, draws = first.state()
+    second = TaskMix(sources("a", "b"), {"a": 2, "b": 1}, seed=1, cursors=cursors, draws=draws)
+    tail = [(t.env, t.index, t.draw, t.task.id) for t in (second.next() for _ in range(35))]
+    assert head + tail == expected  # nothing repeated, nothing skipped
+
+
+def test_new_ratios_change_only_the_draws_to_come_and_a_removed_entry_keeps_its_cursor():
+    first = TaskMix(sources("a", "b"), {"a": 1, "b": 1}, seed=0)
+    for _ in range(40):
+        first.next()
+    cursors, draws = first.state()
+    # day two: b dropped, c added; a continues after its last task, c starts at its beginning
+    second = TaskMix(sources("a", "c"), {"a": 1, "c": 3}, seed=0, cursors=cursors, draws=draws)
+    drawn = [second.next() for _ in range(40)]
+    assert [t.index for t in drawn if t.env == "a"] == list(range(cursors["a"], second.cursors["a"]))
+    assert [t.index for t in drawn if t.env == "c"][:1] == [0]
+    assert second.state()[0]["b"] == cursors["b"]  # saved again: should b come back, it continues
+
+
+def test_one_environment_draws_in_index_order():
+    mix = TaskMix(sources("only"), {"only": 1.0}, cursors={"only": 5})
+    assert [(t.env, t.index, t.draw) for t in (mix.next() for _ in range(3))] == [("only", 5, 0), ("only", 6, 1),
+                                                                                  ("only", 7, 2)]  # fmt: skip
+    assert mix.index == 8
+
+
+def test_progress_checkpoints_keep_the_cursors_and_draws_and_the_stream_wins_when_newer(tmp_path):
+    store = ProgressStore(tmp_path)
+    store.save(Progress(step=3, task_index=4, cursors={"a": 4, "b": 2}, draws=6))
+    saved = store.load(-1)
+    assert (saved.cursors, saved.draws) == ({"a": 4, "b": 2}, 6)
+    # the newest batch in the stream drew further (its groups: after the checkpoint)
+    point = resume_point(-1, store, committed=3, stream_steps=[4], cursors={"a": 7}, stream_draws=9)
+    assert (point.start_step, point.cursors, point.draws) == (5, {"a": 7, "b": 2}, 9)
+    # a rewind takes the checkpoint's own positions
+    point = resume_point(3, store, committed=5, stream_steps=[])
+    assert (point.cursors, point.draws) == ({"a": 4, "b": 2}, 6)
+
+
+def test_a_checkpoint_from_before_mixes_reads_with_no_cursors(tmp_path):
+    (tmp_path / "step_2.json").write_text('{"step": 2, "task_index": 16}')
+    point = resume_point(-1, ProgressStore(tmp_path), committed=2, stream_steps=[])
+    assert (point.task_index, point.cursors, point.draws) == (16, {}, 0)
+
+
+# ---- config ------------------------------------------------------------------------------------------------------
+def mix_config(entries, cls=OrchestratorConfig):
+    return load_config(cls, [], env=entries)
+
+
+def test_the_single_table_form_is_unchanged():
+    cfg = load_config(OrchestratorConfig, ["--env.name", "arithmetic"])
+    assert cfg.env.name == "arithmetic" and [e.key for e in cfg.envs] == ["arithmetic"]
+
+
+def test_the_array_of_tables_form_is_a_mix(tmp_path):
+    path = tmp_path / "mix.toml"
+    path.write_text('[[env]]\nname = "reverse_text"\nratio = 3\n\n[[env]]\nname = "arithmetic"\n'
+                    'args = { max_operand = 9 }\n')  # fmt: skip
+    cfg = load_config(OrchestratorConfig, ["@", str(path)])
+    assert [(e.key, e.ratio, e.args) for e in cfg.envs] == [("reverse_text", 3.0, {}),
+                                                            ("arithmetic", 1.0, {"max_operand": 9})]  # fmt: skip
+    assert [e.key for e in load_config(GyreEvalConfig, ["@", str(path)]).envs] == ["reverse_text", "arithmetic"]
+
+
+@pytest.mark.parametrize(
+    ("entries", "key", "message"),
+    [
+        ([{"name": "reverse_text", "ratio": 0}], "env.0.ratio", "greater than 0"),
+        ([{"name": "reverse_text"}, {"name": "reverse_text", "ratio": -1}], "env.1.ratio", "greater than 0"),
+        ([{"name": "reverse_text"}, {"name": "reverse_text"}], "env", "env.1.label"),
+        ([{"name": "reverse_text", "label": "x"}, {"name": "arithmetic", "label": "x"}], "env", "distinct labels"),
+        ([{"id": "reverse_text"}], "env.0", "label = '...'"),
+        ([], "env", "at least one environment"),
+        ([{"name": "reverse_text", "weight": 2}], "env.0.weight", ""),
+    ],
+)
+def test_a_bad_mix_is_refused_naming_its_key(entries, key, message):
+    for cls in (OrchestratorConfig, GyreEvalConfig):
+        with pytest.raises(ConfigError) as error:
+            mix_config(entries, cls)
+        assert f"config key '{key}'" in str(error.value) and message in str(error.value)
+        assert "Input should be a valid dictionary" not in str(error.value)  # one form's error, not both
+
+
+def test_an_unknown_environment_of_a_mix_names_its_entry(tmp_path):
+    from gyre_orchestrator.service import OrchestratorService
+
+    cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path),
+                      env=[{"name": "reverse_text"}, {"name": "revers_text"}])  # fmt: skip
+    with pytest.raises(ValueError, match=r"config key 'env\.1': unknown environment 'revers_text'"):
+        OrchestratorService(cfg)
+
+
+def test_a_dotted_option_sets_one_entry_of_a_mix(tmp_path):
+    # day two, PRIME-RL's `--orchestrator.env.0.args.x`: `--env.1.ratio 2` replaced the whole list by {"1": ...} and
+    # was refused as "unknown key 'env.1'"
+    path = tmp_path / "mix.toml"
+    path.write_text('[[env]]\nname = "reverse_text"\nratio = 3\n\n[[env]]\nname = "arithmetic"\nlabel = "math"\n')
+    cfg = load_config(OrchestratorConfig, ["@", str(path), "--env.1.ratio", "2", "--env.0.args", '{"max_length": 5}'])
+    assert [(e.key, e.ratio, e.args) for e in cfg.envs] == [("reverse_text", 3.0, {"max_length": 5}),
+                                                            ("math", 2.0, {})]  # fmt: skip
+
+
+def test_gyre_eval_of_a_mix_scores_each_entry_and_reports_it_by_label(tmp_path, monkeypatch, capsys):
+    import json
+
+    import gyre_orchestrator.evaluate as evaluate_module
+    from gyre.events import read_events
+
+    scores = {"rev": 0.8, "math": 0.2}
+
+    async def fake_evaluate(env, client, *, env_name, **kwargs):  # each entry's own environment, by its label
+        assert type(env).__name__ == {"rev": "ReverseTextEnv", "math": "ArithmeticEnv"}[env_name]
+        return evaluate_module.EvalResult(env_name, scores[env_name], scores[env_name], 1, 2, 0, 0, 0.1)
+
+    monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
+    path = tmp_path / "mix.toml"
+    path.write_text('[[env]]\nname = "reverse_text"\nlabel = "rev"\nratio = 3\n\n'
+                    '[[env]]\nname = "arithmetic"\nlabel = "math"\n')  # fmt: skip
+    base = ["--output-dir", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]',
+            "--inference.startup-timeout-s", "0"]  # fmt: skip
+    assert evaluate_module.main(["@", str(path), *base]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert {label: e["avg_at_k"] for label, e in printed["envs"].items()} == scores
+    assert printed["avg_at_k"] == pytest.approx(0.75 * 0.8 + 0.25 * 0.2) and printed["num_examples"] == 4
+    (line,) = read_events(tmp_path / "events" / "eval.jsonl")
+    assert {key: line[key] for key in printed} == printed
+    # an unknown environment names its entry
+    assert evaluate_module.main(["@", str(path), *base, "--env.1.name", "arithmetik"]) == 2
+    assert "config key 'env.1': unknown environment 'arithmetik'" in capsys.readouterr().err
