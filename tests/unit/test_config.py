@@ -297,6 +297,10 @@ def test_every_field_is_documented_and_in_help(cls):
             union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
             if union and len(optional) == 1:  # `Section | None` (an optional section such as trainer.lora)
                 annotation = optional[0]
+            # a table or a list of them (orchestrator.env, a mix), its members tagged: listed as the table's keys
+            tables = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in optional]
+            if union and any(getattr(a, "model_fields", None) for a in tables):
+                annotation = next(a for a in tables if getattr(a, "model_fields", None))
             sub = getattr(annotation, "model_fields", None)
             if sub is not None:
                 walk(annotation, prefix + name + ".")

@@ -510,25 +510,36 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         sub = _model_type(field.annotation)
         if sub is not None:
             keys += _all_keys(sub, prefix + name + ".")
-        elif (entry := _list_entry_model(field.annotation)) is not None:
+        # a list of tables, or (orchestrator.env) a table or a list of them: `env.name` and `env.#.name`
+        if (entry := _list_entry_model(field.annotation)) is not None:
             keys += _all_keys(entry, f"{prefix}{name}.{LIST_INDEX}.")
     return keys
 
 
+def _unannotated(annotation: Any) -> Any:
+    """`annotation` without its `Annotated[...]` metadata (a tagged union's members: `Annotated[Model, Tag(...)]`)."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Annotated else annotation
+
+
 def _model_type(annotation: Any) -> type[BaseModel] | None:
+    annotation = _unannotated(annotation)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
+        for arg in map(_unannotated, typing.get_args(annotation)):
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 return arg
     return None
 
 
 def _list_entry_model(annotation: Any) -> type[BaseModel] | None:
-    """The model of a `list[Model]` option's entries (None for any other type)."""
+    """The model of a `list[Model]` option's entries, also as a union's member (None for any other type)."""
+    annotation = _unannotated(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next(filter(None, map(_list_entry_model, typing.get_args(annotation))), None)
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation) or (None,)
+        item = _unannotated(item)
         return item if isinstance(item, type) and issubclass(item, BaseModel) else None
     return None
 

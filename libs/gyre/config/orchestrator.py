@@ -46,9 +46,9 @@ class EnvConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _gyre_spelling(cls, value: Any) -> Any:
-        # PRIME-RL names the environment `id` and the entry `name`: a copied entry would load its label as the
-        # environment ("unknown environment 'math-easy'"), or be refused with a bare "did you mean 'name'"
-        if isinstance(value, dict) and "id" in value:
+        # PRIME-RL names the environment `id` and the entry `name`: a copied entry with both was refused with "did you
+        # mean 'name'" for its id, which it has (an id alone, or the same as the name, gets that suggestion)
+        if isinstance(value, dict) and "id" in value and "name" in value and value["id"] != value["name"]:
             raise ValueError(
                 "write the environment as name = '...' (PRIME-RL's id); PRIME-RL's name (the entry's own name in "
                 "logs) is label = '...' here"
