@@ -139,6 +139,9 @@ class Environment:
     - `system_prompt`: prepended to every prompt by `format_prompt` (None = no system message).
     - `num_eval`: size of the held-out eval split; `eval_seed`: which held-out set it is.
     - `max_turns`: model turns per rollout.
+    - `dataset` (a `.jsonl`/`.parquet` path or a list of row dicts), `eval_dataset`, `prompt_key`, `answer_key`,
+      `split_key`: the tasks are the rows (`gyre.envs.dataset.RowTasks`: every row's fields in `task.info`)
+      instead of `make_task` draws.
 
     Splits: "eval" is a fixed set of `num_eval` distinct tasks (independent of the `seed` argument, so eval scores
     compare across runs); "train" is endless, drawn from `seed`, and never contains an eval task (a draw that
@@ -165,6 +168,11 @@ class Environment:
         num_eval: int = 256,
         eval_seed: int = 1234,
         tool_schemas: list[dict[str, Any]] | None = None,
+        dataset: Any = None,
+        eval_dataset: Any = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        split_key: str = "split",
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -178,6 +186,18 @@ class Environment:
         self.eval_seed = eval_seed
         # OpenAI function schemas sent with every model turn (and needed to render SFT examples).
         self.tool_schemas = tool_schemas
+        # The tasks of a dataset (a verifiers user's `ToolEnv(dataset=...)`): a .jsonl/.parquet path or a list of
+        # rows, split and checked as the `dataset` environment's (gyre.envs.dataset); make_task is then not needed.
+        # Without it, a multi-turn or tool environment over a file had to draw rows in make_task with replacement,
+        # and num_eval (256) past the file's size failed as "the task space is too small".
+        self.row_tasks = None
+        if dataset is not None:
+            from gyre.envs.dataset import RowTasks  # it imports this module
+
+            self.row_tasks = RowTasks(self, dataset, eval_dataset, prompt_key=prompt_key, answer_key=answer_key,
+                                 split_key=split_key)  # fmt: skip
+        elif eval_dataset is not None:
+            raise ValueError("eval_dataset is given without dataset (the train rows)")
 
     # --- tasks -----------------------------------------------------------------------------------------------
 
@@ -186,6 +206,8 @@ class Environment:
         raise NotImplementedError(f"{type(self).__name__} must implement make_task(rng, task_id)")
 
     def tasks(self, split: Split, seed: int = 0) -> TaskSource:
+        if self.row_tasks is not None:
+            return listed_tasks(self.row_tasks.train, self.row_tasks.eval, split, seed, self.name)
         if split == "eval":
             eval_tasks = self._eval_tasks
             return TaskSource(eval_tasks.__getitem__, len(eval_tasks))

@@ -29,6 +29,10 @@ A train row whose prompt is also in the eval split (a duplicated row, an eval fi
 left out of training, with a warning, so eval stays held out. A row that cannot be used (not UTF-8, bad JSON, no
 prompt, no answer, an unknown split) fails loading with the file and line (or parquet row) named; nothing else is
 skipped. A file holding one JSON array is refused as such (the format is JSON Lines).
+
+The rows become tasks in `RowTasks`, which any environment uses when given `dataset=` (a multi-turn or tool
+environment over the user's own file: `ToolEnv(dataset="data.jsonl", tools=[...], rubric=...)`); `DatasetEnv` is the
+single-turn one with a rule-based reward.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gyre.envs.base import SingleTurnEnv, TaskSource, hold_out, listed_tasks
+from gyre.envs.base import SingleTurnEnv, hold_out
 from gyre.envs.parsers import Parser
 from gyre.envs.rubric import RewardFunc, Rubric
 from gyre.envs.scoring import math_equal
@@ -140,56 +144,41 @@ def lookup(row: dict[str, Any], key: str) -> Any:
     return value
 
 
-class DatasetEnv(SingleTurnEnv):
-    name = "dataset"
+class RowTasks:
+    """The tasks of a dataset's rows for an environment (`Environment(dataset=...)`: any kind, multi-turn and tools
+    included; `DatasetEnv` is the single-turn one): `train` and `eval` lists, split as the module docstring says.
+    `rows` is a `.jsonl`/`.parquet` path or a list of row dicts (a `datasets.Dataset` iterates as one)."""
 
-    def __init__(
-        self,
-        *,
-        path: str,
-        eval_path: str | None = None,
-        prompt_key: str = "prompt",
-        answer_key: str = "answer",
-        split_key: str = "split",
-        reward: str = "exact",
-        system_prompt: str | None = None,
-        num_eval: int = 64,
-        eval_seed: int = 1234,
-    ) -> None:
-        parser = Parser()
-        super().__init__(
-            parser=parser,
-            rubric=Rubric([resolve_reward(reward)], parser=parser),
-            system_prompt=system_prompt,
-            num_eval=num_eval,
-            eval_seed=eval_seed,
-        )
-        self.prompt_key, self.answer_key, self.split_key = prompt_key, answer_key, split_key
+    def __init__(self, env: Any, rows: Any, eval_rows: Any = None, *, prompt_key: str = "prompt",
+                 answer_key: str = "answer", split_key: str = "split") -> None:  # fmt: skip
+        self.env, self.prompt_key, self.answer_key, self.split_key = env, prompt_key, answer_key, split_key
+        source = _source(rows, "dataset")
         train, evals = [], []
-        for where, row in read_rows(Path(path)):
+        for where, row in _rows(rows, "dataset"):
             split = self._split_of(where, row)
             task = self._task(where, row, f"row-{len(train) + len(evals)}")
-            (evals if split == "eval" and eval_path is None else train).append(task)
-        if eval_path is not None:
-            evals = [self._task(where, row, f"eval-{i}") for i, (where, row) in enumerate(read_rows(Path(eval_path)))]
+            (evals if split == "eval" and eval_rows is None else train).append(task)
+        if eval_rows is not None:
+            held = _rows(eval_rows, "eval_dataset")
+            evals = [self._task(where, row, f"eval-{i}") for i, (where, row) in enumerate(held)]
         elif not evals:
-            if len(train) <= num_eval:
+            if len(train) <= env.num_eval:
                 raise DatasetError(
-                    f"{path}: {len(train)} rows and num_eval={num_eval} leave no training rows; lower num_eval, "
-                    "give eval_path, or mark rows with a 'split' column"
+                    f"{source}: {len(train)} rows and num_eval={env.num_eval} leave no training rows; lower num_eval, "
+                    "give an eval file (eval_path; eval_dataset for an Environment), or mark rows with a 'split' column"
                 )
-            train, evals = hold_out(train, num_eval, f"dataset/eval/{eval_seed}")
+            train, evals = hold_out(train, env.num_eval, f"{env.name}/eval/{env.eval_seed}")
         # A prompt in both splits (a duplicated row, or an eval file overlapping the train file) would be trained on
         # and then scored as held out: its train copies go.
         eval_keys = {task.key for task in evals}
         kept = [task for task in train if task.key not in eval_keys]
         if len(kept) < len(train):
-            log.warning("%s: %d train rows repeat an eval prompt and are left out of training", path,
+            log.warning("%s: %d train rows repeat an eval prompt and are left out of training", source,
                         len(train) - len(kept))  # fmt: skip
         train = kept
         if not train:
-            raise DatasetError(f"{path}: every row is in the eval split; nothing to train on")
-        self.train_tasks, self.eval_tasks = train, evals
+            raise DatasetError(f"{source}: every row is in the eval split; nothing to train on")
+        self.train, self.eval = train, evals
 
     def _split_of(self, where: str, row: dict[str, Any]) -> Split:
         value = row.get(self.split_key, "train")
@@ -218,7 +207,7 @@ class DatasetEnv(SingleTurnEnv):
 
     def _messages(self, where: str, prompt: Any) -> Messages:
         if isinstance(prompt, str):
-            return self.format_prompt(prompt)
+            return self.env.format_prompt(prompt)
         ok = (
             isinstance(prompt, list)
             and prompt
@@ -232,12 +221,69 @@ class DatasetEnv(SingleTurnEnv):
                 f"(roles {sorted(ROLES)}), got {json.dumps(prompt)[:200]}"
             )
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
-        if self.system_prompt and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if self.env.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.env.system_prompt})
         return messages
 
-    def tasks(self, split: Split, seed: int = 0) -> TaskSource:
-        return listed_tasks(self.train_tasks, self.eval_tasks, split, seed, "dataset")
+
+def _source(rows: Any, setting: str) -> str:
+    return str(rows) if isinstance(rows, str | Path) else f"{setting} (rows given in code)"
+
+
+def _rows(rows: Any, setting: str) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) pairs of a file (`read_rows`) or of rows given in code: a list of dicts, or a `datasets.Dataset`
+    (anything iterable of dicts); anything else is refused naming the setting."""
+    if isinstance(rows, str | Path):
+        return read_rows(Path(rows))
+    if isinstance(rows, dict) or not hasattr(rows, "__iter__"):
+        raise DatasetError(f"{setting}: a .jsonl or .parquet path, or a list of row dicts, got {type(rows).__name__}")
+    pairs = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{setting} row {i}: a row is a dict of columns, got {type(row).__name__}")
+        pairs.append((f"{setting} row {i}", row))
+    if not pairs:
+        raise DatasetError(f"{setting}: no rows")
+    return pairs
+
+
+class DatasetEnv(SingleTurnEnv):
+    name = "dataset"
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        eval_path: str | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        split_key: str = "split",
+        reward: str = "exact",
+        system_prompt: str | None = None,
+        num_eval: int = 64,
+        eval_seed: int = 1234,
+    ) -> None:
+        parser = Parser()
+        super().__init__(
+            parser=parser,
+            rubric=Rubric([resolve_reward(reward)], parser=parser),
+            system_prompt=system_prompt,
+            num_eval=num_eval,
+            eval_seed=eval_seed,
+            dataset=path,
+            eval_dataset=eval_path,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            split_key=split_key,
+        )
+
+    @property
+    def train_tasks(self) -> list[Task]:
+        return self.row_tasks.train
+
+    @property
+    def eval_tasks(self) -> list[Task]:
+        return self.row_tasks.eval
 
 
 def load_environment(

@@ -223,3 +223,76 @@ def test_tool_calls_of_reads_structured_and_text_calls():
 def test_tool_names_must_be_unique():
     with pytest.raises(ValueError, match="unique"):
         Slow(tools=[nap, Tool.from_function(shout, name="nap")], num_eval=1)
+
+
+# ---- a tool environment over the user's own dataset (a verifiers user's `ToolEnv(dataset=...)`) ----------------
+
+CAPITALS = {"france": "paris", "norway": "oslo", "peru": "lima", "egypt": "cairo", "japan": "tokyo", "kenya": "nairobi"}
+
+
+def capital(country: str) -> str:
+    """The capital of a country.
+
+    Args:
+        country: the country's name
+    """
+    return CAPITALS[country.lower()]
+
+
+def capitals_file(tmp_path, held_out: bool = True) -> str:
+    path = tmp_path / "capitals.jsonl"
+    rows = [{"question": f"Capital of {c}?", "answer": city, "country": c} for c, city in CAPITALS.items()]
+    if held_out:
+        rows[0]["split"] = "test"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.asyncio
+async def test_a_tool_env_over_a_dataset_file_plays_its_rows_with_a_weighted_rubric(tmp_path, sampling):
+    """Without `dataset`, a multi-turn or tool environment over a file had to draw its rows in make_task (with
+    replacement, and num_eval's default of 256 past a small file's size failed as a task space too small); a
+    verifiers user's `ToolEnv(dataset=..., rubric=Rubric(funcs, weights))` raised TypeError. Now the rows are the
+    tasks, split and checked as the dataset environment's, every column in `info` for the rewards."""
+    from gyre.envs import Rubric
+
+    def correct(completion, answer, parser) -> float:
+        return float(parser.parse_answer(completion) == answer)
+
+    def used_tool(state) -> float:
+        return float(any(call["ok"] for call in state["tool_calls"]))
+
+    def asked_right(state, info) -> float:
+        return float(any(call["arguments"].get("country") == info["country"] for call in state["tool_calls"]))
+
+    rubric = Rubric([correct, used_tool, asked_right], weights=[1.0, 0.2, 0.5])
+    env = ToolEnv(dataset=capitals_file(tmp_path), prompt_key="question", tools=[capital], max_turns=3, rubric=rubric,
+                  system_prompt="Be brief.")  # fmt: skip
+    evals, train = env.tasks("eval"), env.tasks("train", seed=3)
+    assert [t.answer for t in evals] == ["paris"]  # the row marked "test"
+    epoch = sorted(train[i].answer for i in range(5))
+    assert epoch == sorted(set(CAPITALS.values()) - {"paris"})  # each train row once an epoch, never the eval row
+    assert train[0] == env.tasks("train", seed=3)[0]  # a pure function of the index: a resumed run continues
+    task = next(train[i] for i in range(5) if train[i].answer == "lima")
+    assert task.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of peru?"}]
+    rollout = await env.rollout(ScriptedClient([text_call("capital", {"country": "peru"}), "lima"]), task, sampling)
+    assert rollout.stop_reason == "done" and rollout.completion[1]["content"] == "lima"
+    score = await env.score(task, rollout)
+    assert score.per_function == {"correct": 1.0, "used_tool": 1.0, "asked_right": 1.0} and score.reward == 1.7
+
+
+def test_a_dataset_given_in_code_and_its_mistakes_name_the_row_and_the_setting(tmp_path):
+    rows = [{"question": "Capital of peru?", "answer": "lima"}, {"question": "Capital of oslo?", "answer": "x"}]
+    env = ToolEnv(dataset=rows, eval_dataset=rows[:1], prompt_key="question", tools=[capital])
+    assert [t.answer for t in env.tasks("eval")] == ["lima"] and env.tasks("train", 0)[0].answer == "x"
+    with pytest.raises(ValueError, match=r"dataset row 0: no 'prompt' field \(the row has: question, answer\); set "
+                                         'prompt_key, e.g. prompt_key = "question"'):  # fmt: skip
+        ToolEnv(dataset=rows, tools=[capital], num_eval=1)
+    with pytest.raises(ValueError, match="capitals.jsonl: 6 rows and num_eval=256 leave no training rows"):
+        ToolEnv(dataset=capitals_file(tmp_path, held_out=False), prompt_key="question", tools=[capital])
+    with pytest.raises(ValueError, match="dataset: a .jsonl or .parquet path, or a list of row dicts, got dict"):
+        ToolEnv(dataset={"question": "q", "answer": "a"}, tools=[capital])
+    with pytest.raises(ValueError, match="eval_dataset row 0: a row is a dict of columns, got str"):
+        ToolEnv(dataset=rows, eval_dataset=["q"], prompt_key="question", tools=[capital])
+    with pytest.raises(ValueError, match="eval_dataset is given without dataset"):
+        ToolEnv(eval_dataset=rows, tools=[capital])
