@@ -397,8 +397,13 @@ class ChatCompletionRequest(SamplingRequest):
     @classmethod
     def _tool_choice_needs_tools(cls, value, info):
         # "none" asks for no tool calls, which holds without tools too (vLLM accepts it: clients send it on their
-        # tool-less requests); auto, required and a named tool need tools (OpenAI and vLLM refuse them otherwise)
-        if value not in (None, "none") and not info.data.get("tools"):
+        # tool-less requests), and so does "auto" over an empty list (vLLM accepts it: an agent with no tool
+        # registered sends tools: [] and tool_choice: "auto"); otherwise auto, required and a named tool need tools
+        # (OpenAI and vLLM refuse them)
+        tools = info.data.get("tools")
+        if value == "auto" and tools is not None and len(tools) == 0:
+            return value
+        if value not in (None, "none") and not tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
         if isinstance(value, NamedToolChoice):
             names = [tool.function.name for tool in info.data.get("tools") or []]

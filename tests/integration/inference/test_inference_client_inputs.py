@@ -155,6 +155,17 @@ def test_openai_fields_at_neutral_values_through_the_sdk(client, model_id):
     assert list(stream)[-1].usage is not None
 
 
+def test_tool_choice_auto_over_an_empty_tool_list_is_a_plain_answer(client, http, model_id):
+    """An agent with no tool registered sends tools: [] and tool_choice: "auto"; vLLM answers it, here it was a 400.
+    Without tools at all (OpenAI and vLLM refuse it) and with required it stays a 400."""
+    answer = client.chat.completions.create(model=model_id, messages=CHAT["messages"], max_tokens=4, tools=[],
+                                            tool_choice="auto")  # fmt: skip
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+    for body in ({"tool_choice": "auto"}, {"tools": [], "tool_choice": "required"}):
+        response = http.post("/v1/chat/completions", json={"model": model_id, **CHAT, "max_tokens": 2, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice", body
+
+
 @pytest.mark.parametrize(
     ("field", "value", "says"),
     [
