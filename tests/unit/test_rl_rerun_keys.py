@@ -349,3 +349,33 @@ def test_a_warm_ups_model_by_name_keeps_the_runs_dtype(tmp_path, monkeypatch):
         validate(tmp_path / "out", "--model.dtype", "bfloat16", "--sft.args", args)
     (sft,) = [c for c in seen if isinstance(c, SFTConfig)]
     assert (sft.model.name, sft.model.dtype) == (str(other), "bfloat16")
+
+
+def test_two_folders_with_one_run_id_on_one_redis_are_refused_and_fresh_takes_the_id_over(tmp_path):
+    # two experiments started side by side with one run_id (the default, a copied file) on a shared Redis both found
+    # its stream empty, and each trainer trained the other's batches
+    from gyre.local.launcher import Launcher
+    from gyre.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as redis:
+        url = ["--redis.url", redis.url]
+        first = Launcher(load_config(RLConfig, [*CI, *url, "--output-dir", str(tmp_path / "a")]))
+        first.validate()
+        first._claim_run_ids(redis.url)  # what its launch does under its lock
+        with redis.client() as client:
+            assert client.get("gyre:ci:owner").decode().endswith(str((tmp_path / "a").resolve()))
+        with pytest.raises(ConfigError, match=r"^config key 'run_id': run_id 'ci' on the Redis of redis.url belongs "
+                           r"to the run in .*/a \(its stream gyre:ci:batches\).*Choose another run_id"):  # fmt: skip
+            validate(tmp_path / "b", *url)
+        validate(tmp_path / "b", *url, "--run-id", "other")  # another id: its own stream
+        first.validate()  # its own re-run
+        # a launch that passed its check at the same moment as another loses the claim under its lock
+        second = Launcher(load_config(RLConfig, [*CI, *url, "--output-dir", str(tmp_path / "b")]))
+        with pytest.raises(ConfigError, match=r"^config key 'run_id'"):
+            second._claim_run_ids(redis.url)
+        # --fresh takes the id over (it deletes that run's batches, as it says); then the first is the other one
+        fresh = Launcher(load_config(RLConfig, [*CI, *url, "--output-dir", str(tmp_path / "b"), "--fresh"]))
+        fresh.validate()
+        fresh._claim_run_ids(redis.url)
+        with pytest.raises(ConfigError, match=r"belongs to the run in .*/b "):
+            first.validate()

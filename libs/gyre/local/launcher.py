@@ -236,8 +236,7 @@ class Launcher:
         self._check_resume_step()
         if cfg.redis.url:
             self._check_redis(cfg.redis.url)
-            if not cfg.fresh:
-                self._check_streams_are_ours(cfg.redis.url)
+            self._check_streams_are_ours(cfg.redis.url)
         if cfg.fresh:
             self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
 
@@ -311,6 +310,9 @@ class Launcher:
         from gyre.events import ORCHESTRATOR_STEPS, events_dir
         from gyre.streams import BatchStream
 
+        self._claim_run_ids(url, check_only=True)
+        if self.cfg.fresh:
+            return  # it deletes the stream's batches
         for run in experiment_runs(self.cfg):
             if (events_dir(run.output_dir) / ORCHESTRATOR_STEPS).exists():
                 continue
@@ -325,6 +327,36 @@ class Launcher:
                     f"that {run.output_dir} never pushed: another experiment uses run id {run.name!r} on this Redis. "
                     "Choose another run_id; if that experiment is gone, --fresh deletes its batches"
                 )
+
+    def _claim_run_ids(self, url: str, check_only: bool = False) -> None:
+        """Record on an external Redis which run folder each run id of this experiment belongs to (`gyre:{run
+        id}:owner`, host and folder), or with `check_only` just check it. Two experiments started side by side with
+        one run_id (the default, a copied file) both found the stream empty and both pushed into it: each trainer
+        trained the other's batches. ConfigError naming run_id when another folder holds one; `--fresh` takes it
+        over (and deletes its batches, as it says)."""
+        import socket
+
+        import redis
+
+        me = f"{socket.gethostname()}:{self.out.resolve()}"
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, decode_responses=True)
+        try:
+            for index, run in enumerate(experiment_runs(self.cfg)):
+                key = f"gyre:{run.name}:owner"
+                if self.cfg.fresh and not check_only:
+                    client.set(key, me)
+                    continue
+                owner = client.get(key) if check_only else (None if client.set(key, me, nx=True) else client.get(key))
+                if owner is not None and owner != me and not self.cfg.fresh:
+                    name = f"runs.{index}.name" if self.cfg.runs else "run_id"
+                    raise ConfigError(
+                        f"config key '{name}': {name} {run.name!r} on the Redis of redis.url belongs to the run in "
+                        f"{owner} (its stream gyre:{run.name}:batches): two experiments would train each other's "
+                        f"batches. Choose another {name}; if that run is gone, --fresh takes the id over (deleting "
+                        "its batches)"
+                    )
+        finally:
+            client.close()
 
     def _check_resume_step(self) -> None:
         """A rewind to a checkpoint that does not exist fails here, before the launch deletes the stream's
@@ -524,6 +556,8 @@ class Launcher:
         self.trained = True
         os.environ[SEGMENT_ENV] = new_segment_id()  # one run segment for every service of this launch
         redis_url = self._redis_url()
+        if self.cfg.redis.url:  # under the lock; atomic: of two launches checked side by side, one gets the id
+            self._claim_run_ids(redis_url)
         if self.cfg.fresh and self.cfg.redis.url:  # an embedded Redis started over with its folder; this one did not
             for run in runs:
                 self._discard_stream_after(redis_url, run.name, 0, why="--fresh")
