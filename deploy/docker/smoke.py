@@ -258,7 +258,10 @@ def check_reaping(cluster: Cluster) -> dict[str, str]:
         pid1 = next((p[3] for p in processes if p[0] == "1"), "?")
         zombies = [f"{p[3]} (pid {p[0]})" for p in processes if p[1] == "Z"]
         if zombies:
-            why = f"orphans are not reaped: zombie {', '.join(zombies)}; PID 1 is {pid1!r} (shareProcessNamespace?)"
+            why = (
+                f"orphans are not reaped: zombie {', '.join(zombies)}; PID 1 is {pid1!r} (a Gyre container's"
+                " command starts with tini; a pod of an image without an init needs shareProcessNamespace)"
+            )
             raise SmokeFailure(f"pod {pod.name}", why)
         out[pod.name] = pid1
     say(f"  orphans reaped in every pod (PID 1: {', '.join(sorted(set(out.values())))})")

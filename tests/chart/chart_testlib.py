@@ -195,10 +195,21 @@ def experiment_toml(docs: list[dict]) -> str:
     return found["data"]["experiment.toml"]
 
 
+# What every container of a Gyre image runs as PID 1 before its command (templates/_helpers.tpl, gyre.init).
+INIT = ["tini", "-s", "--"]
+
+
+def service_command(container: dict) -> list[str]:
+    """A container's `command` after the init (tini) a Gyre image's container runs first; another image's (Redis's)
+    as it is."""
+    command = container.get("command", [])
+    return command[len(INIT) :] if command[: len(INIT)] == INIT else command
+
+
 def gyre_argv(container: dict) -> tuple[str, list[str]]:
     """(service, argv after the service name) of a Gyre main container (`gyre X ...`, or the trainer's torchrun of
     `-m gyre.cli X ...`)."""
-    words = container["command"] + container["args"]
+    words = service_command(container) + container["args"]
     if words[0] != "gyre" and "gyre.cli" in words:
         words = words[words.index("gyre.cli") :]
     # another image's container (Redis's `sh -c ...`) comes back as it is: callers look up the Gyre services only

@@ -89,9 +89,15 @@ def test_trainer_container_runs_exactly_as_rendered(kind_plan, objects, tmp_path
     assert flag_values(args, "--security-opt") == ["no-new-privileges"]
     assert flag_values(args, "--memory") == [str(4 * 2**30)]  # limits.memory: 4Gi
     assert flag_values(args, "--network") == ["container:gyre-smoke-t-exp-gyre-trainer-0"]
-    # shareProcessNamespace: the sandbox's PID namespace, whose init (Docker's, as the pause container) is PID 1
-    assert flag_values(args, "--pid") == ["container:gyre-smoke-t-exp-gyre-trainer-0"]
-    assert "--init" in D.sandbox_args(kind_plan.pod(TRAINER), "img", names(tmp_path), {})
+    # its own PID namespace, whose PID 1 is the rendered command's init (tini): no shareProcessNamespace
+    assert rendered["command"][0] == "tini" and not kind_plan.pod(TRAINER).shared_pid
+    assert "--pid" not in args and "--init" not in D.sandbox_args(kind_plan.pod(TRAINER), "img", names(tmp_path), {})
+    # Redis's pod shares it (its image has no init): the sandbox's init (Docker's, as the pause container) is PID 1
+    redis = kind_plan.pod("exp-gyre-redis-0")
+    (rc,) = redis.containers
+    assert redis.shared_pid and "--init" in D.sandbox_args(redis, "img", names(tmp_path), {})
+    redis_args = D.container_args(rc, names(tmp_path), {})
+    assert flag_values(redis_args, "--pid") == ["container:gyre-smoke-t-exp-gyre-redis-0"]
     assert c.restart == "always" and "--restart" not in args  # the smoke restarts it (counting exits)
     # environment: every rendered name, Secrets resolved; values never on the command line
     assert flag_values(args, "--env") == [e["name"] for e in rendered["env"]]
@@ -379,7 +385,7 @@ def test_a_judge_server_the_chart_adds_is_planned_like_any_deployment():
     assert judge.aliases_when_ready == {"exp-gyre-server-judge": [f"exp-gyre-server-judge.{NS}.svc.cluster.local"]}
     assert [c.name for c in judge.init_containers] == ["wait-for-model"]  # the policy's model, made by trainer pod 0
     (c,) = judge.containers
-    assert c.command[0] == "gyre" and c.args[0] == "inference" and "readinessProbe" in c.probes
+    assert c.command == ["tini", "-s", "--", "gyre"] and c.args[0] == "inference" and "readinessProbe" in c.probes
     assert any(m.volume == "pvc-exp-gyre-data" for m in c.mounts)
     files = {v.name: v for v in the_plan.file_volumes}[f"{judge.name}-secrets"].files
     assert files["api-key"][0].decode() == secret(with_judge, "api-key")  # the key the orchestrator sends

@@ -79,7 +79,7 @@ def test_the_built_image_is_non_root_without_a_compiler_and_labelled(component):
     image = f"gyre-{component}:kind"
     config = json.loads(subprocess.run(["docker", "image", "inspect", image], capture_output=True, text=True,
                                        check=True).stdout)[0]["Config"]  # fmt: skip
-    assert config["User"] == "10001:10001" and config["Entrypoint"] == ["gyre"]
+    assert config["User"] == "10001:10001" and config["Entrypoint"] == ["tini", "-s", "--", "gyre"]
     labels = config["Labels"]
     assert labels["org.opencontainers.image.source"].startswith("https://")
     assert labels["org.opencontainers.image.version"]
@@ -122,13 +122,14 @@ def test_the_image_runs_without_the_chart_as_any_user_and_carries_no_package_cac
 
 
 # ---- a pod stopped and left with orphans ------------------------------------------------------------------
-# Every pod shares its process namespace (`shareProcessNamespace`): the pause container, not the service, is
-# PID 1. The kernel drops a signal sent to a PID 1 that installed no handler for it, and only PID 1 inherits
-# orphaned processes. On the kind values planned as the smoke does (the sandbox's init stands in for the
-# pause container): the inference pod's `wait-for-model` init container (`sh -c` loop, no model yet) stops at
-# SIGTERM at once (as PID 1 it ignored it and was SIGKILLed at the end of the grace period); an orphan left in
-# the orchestrator's container is reaped (`gyre orchestrator` as PID 1 left it a zombie); the orchestrator
-# still stops on SIGTERM with its documented code (143).
+# Every container of a Gyre image runs its command under tini (the images' entrypoint, and the first words of
+# the chart's `command`), PID 1 of its own PID namespace: the pods no longer share one (`shareProcessNamespace`
+# was the workaround). The kernel drops a signal sent to a PID 1 that installed no handler for it, and only
+# PID 1 inherits orphaned processes. On the kind values planned as the smoke does: the inference pod's
+# `wait-for-model` init container (`sh -c` loop, no model yet) stops at SIGTERM at once (as PID 1 it ignored it
+# and was SIGKILLed at the end of the grace period); an orphan left in the orchestrator's container is reaped
+# (`gyre orchestrator` as PID 1 left it a zombie); the orchestrator still stops on SIGTERM with its documented
+# code (143), tini passing it on. Then the same without the chart: `docker run` of each image, no `--init`.
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -169,11 +170,20 @@ def pods():
         cluster.teardown()
 
 
+def zombies_after_an_orphan(container: str) -> tuple[list[list[str]], list[str]]:
+    """An orphan in the container: the shell exits at once, its `sleep` child is re-parented to PID 1 and exits 1 s
+    later. (the zombies left, PID 1's process line)."""
+    C.docker("exec", container, "sh", "-c", "sleep 1 & exit 0")
+    time.sleep(4)
+    processes = [line.split() for line in C.docker("exec", container, "sh", "-c", S.PS).splitlines()]
+    return [p for p in processes if p[1] == "Z"], next(p for p in processes if p[0] == "1")
+
+
 def test_pods_reap_orphans_and_stop_at_sigterm(pods):
     cluster, wanted = pods
     inference = next(p for p in wanted.values() if "inference" in p.name)
     orchestrator = next(p for p in wanted.values() if "orchestrator" in p.name)
-    assert inference.shared_pid and orchestrator.shared_pid
+    assert not inference.shared_pid and not orchestrator.shared_pid  # each container its own PID 1: tini
     init = cluster.names.container(inference.name, "wait-for-model")
     main = cluster.names.container(orchestrator.name, "orchestrator")
     wait_for(lambda: C.docker("ps", "-q", "--filter", f"name=^{init}$", "--filter", "status=running", check=False)
@@ -182,14 +192,9 @@ def test_pods_reap_orphans_and_stop_at_sigterm(pods):
     wait_for(lambda: any(s in C.tail(main, 50) for s in ("redis unavailable", "starting at step")), 120,
              f"{main} running its loop")  # fmt: skip
 
-    # An orphan: the shell exits at once, its `sleep` child is re-parented to PID 1 and exits 1 s later.
-    C.docker("exec", main, "sh", "-c", "sleep 1 & exit 0")
-    time.sleep(4)
-    processes = [line.split() for line in C.docker("exec", main, "sh", "-c", S.PS).splitlines()]
-    zombies = [p for p in processes if p[1] == "Z"]
-    assert zombies == [], f"zombies in pod {orchestrator.name}: {processes}"
-    pid1 = next(p for p in processes if p[0] == "1")
-    assert pid1[3] != "gyre", f"the service is PID 1 of pod {orchestrator.name}: {processes}"
+    zombies, pid1 = zombies_after_an_orphan(main)
+    assert zombies == [], f"zombies in pod {orchestrator.name}: {zombies}"
+    assert pid1[3] == "tini", f"PID 1 of pod {orchestrator.name} is not tini: {pid1}"
 
     # SIGTERM: the init container's wait loop ends at once (killed by the signal: 128 + 15), not at SIGKILL.
     seconds, code = stop(init, 30)
@@ -198,3 +203,25 @@ def test_pods_reap_orphans_and_stop_at_sigterm(pods):
     assert seconds < 20 and code == 143, f"{main}: stopped after {seconds:.1f} s with code {code}"
     assert not state(main)["OOMKilled"]
     assert "stopped by signal" in C.tail(main, 20)
+
+
+# The image's own init (its entrypoint's words before `gyre`) with a shell loop as the command: no `gyre` command
+# waits for nothing without a config, and the loop shows the signal reaching a child that has no handler.
+@pytest.mark.parametrize("component", sorted(IMPORTS))
+def test_the_image_alone_reaps_orphans_and_stops_at_sigterm(component):
+    """`docker run` of the image without `--init` and without the chart: PID 1 is the image's tini, which reaps an
+    orphan and passes SIGTERM on (a `sh` loop as PID 1 ignored it: `docker stop` waited for the SIGKILL)."""
+    image = f"gyre-{component}:kind"
+    entrypoint = json.loads(C.docker("image", "inspect", image))[0]["Config"]["Entrypoint"]
+    assert entrypoint[:3] == ["tini", "-s", "--"], entrypoint
+    name = f"gyre-init-test-{component}"
+    subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+    C.docker("run", "-d", "--name", name, "--read-only", "--entrypoint", entrypoint[0], image, *entrypoint[1:3],
+             "sh", "-c", "while :; do sleep 1; done")  # fmt: skip
+    try:
+        zombies, pid1 = zombies_after_an_orphan(name)
+        assert zombies == [] and pid1[3] == "tini", (zombies, pid1)
+        seconds, code = stop(name, 30)
+        assert seconds < 10 and code == 143, f"{name}: stopped after {seconds:.1f} s with code {code}"
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from chart_testlib import load_values, manifests, named, render
+from chart_testlib import INIT, load_values, manifests, named, render, service_command
 
 TRAINER = "exp-gyre-trainer"
 
@@ -43,7 +43,7 @@ def option(args: list[str], name: str) -> str:
 def test_torchrun_gives_its_workers_the_pods_grace_period(values, grace):
     spec, container = trainer_container(values)
     assert spec["terminationGracePeriodSeconds"] == grace
-    assert container["command"] == ["python", "-m", "gyre_trainer.torchrun"]  # torchrun with a clean exit code
+    assert container["command"] == [*INIT, "python", "-m", "gyre_trainer.torchrun"]  # torchrun with a clean exit code
     # an option of torchrun itself (before the module it runs), not of the trainer
     args = container["args"]
     assert args.index("--shutdown-timeout") < args.index("-m")
@@ -80,7 +80,7 @@ def test_a_stopped_trainer_pod_saves_a_checkpoint_longer_than_torchruns_default(
     launcher = args[: args.index("-m")]  # torchrun's own options, as rendered
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    command = [sys.executable, *container["command"][1:]]  # the image's python is its venv's
+    command = [sys.executable, *service_command(container)[1:]]  # the image's python is its venv's
     proc = subprocess.Popen([*command, *launcher, str(script), str(tmp_path), "35"])
     try:
         deadline = time.monotonic() + 90

@@ -72,7 +72,9 @@ def test_dockerfile_rules(dockerfile):
         body = stage_steps(steps, stage)
         users = [rest for word, rest in body if word == "USER"]
         assert users and re.fullmatch(r"\d+(:\d+)?", users[-1]) and not users[-1].startswith("0"), users
-        assert [rest for word, rest in body if word == "ENTRYPOINT"] == ['["gyre"]'], "exec-form entrypoint"
+        # exec form, `gyre` under tini as PID 1 (reaps orphans, forwards SIGTERM), installed in this stage
+        assert [rest for word, rest in body if word == "ENTRYPOINT"] == ['["tini", "-s", "--", "gyre"]'], stage
+        assert any(word == "RUN" and "apt-get install -y --no-install-recommends tini" in rest for word, rest in body)
         labels = " ".join(rest for word, rest in body if word == "LABEL")
         for key in ("source", "revision", "version"):
             assert f"org.opencontainers.image.{key}=" in labels, (stage, key)

@@ -24,6 +24,7 @@ from chart_testlib import (
     objects,
     pod_templates,
     render,
+    service_command,
 )
 from gyre.config.loader import load_config
 from gyre.model_source import ModelFetchConfig
@@ -106,7 +107,7 @@ def test_a_hub_model_is_fetched_first_and_a_model_that_cannot_fit_stops_with_its
         if comp not in ("inference", "trainer"):
             continue
         (fetch,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "model-fetch"]
-        words = fetch["command"] + fetch["args"]
+        words = service_command(fetch) + fetch["args"]
         assert words[:5] == ["gyre", "model", "fetch", "--name", "Qwen/Qwen3-8B"]
         assert words[words.index("--cache-dir") + 1] == "/cache/huggingface"
         assert int(words[words.index("--max-size") + 1]) == 20 * GIB  # the emptyDir's limit, in bytes

@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from chart_testlib import ROOT, experiment_toml, gyre_argv, load_values, manifests, render
+from chart_testlib import ROOT, experiment_toml, gyre_argv, load_values, manifests, render, service_command
 from gyre.config.inference import InferenceConfig
 from gyre.config.loader import SECRET_FILE_FOR
 from gyre.config.orchestrator import OrchestratorConfig
@@ -97,7 +97,7 @@ def passed_settings(values: dict) -> list[tuple[str, str, list[str]]]:
         if doc["kind"] not in ("Deployment", "StatefulSet"):
             continue
         for container in doc["spec"]["template"]["spec"]["containers"]:
-            if container["command"][0] != "gyre" and "gyre.cli" not in container.get("args", []):
+            if service_command(container)[0] != "gyre" and "gyre.cli" not in container.get("args", []):
                 continue
             service, argv = gyre_argv(container)
             name = doc["metadata"]["name"]
@@ -155,7 +155,7 @@ def test_library_caches_are_set_only_where_that_library_runs(scenario):
             continue
         spec = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
         for container in spec.get("initContainers", []) + spec["containers"]:
-            words = container.get("command", []) + container.get("args", [])
+            words = service_command(container) + container.get("args", [])
             service = gyre_argv(container)[0] if words[0] == "gyre" or "gyre.cli" in words else None
             for var in container.get("env", []):
                 torch_ok = var["name"] in TORCH_CACHES and service in ("inference", "trainer")

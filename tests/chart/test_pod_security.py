@@ -12,7 +12,7 @@ import re
 import helm_python
 import pytest
 import yaml
-from chart_testlib import CHART, KEDA_APIS, KUBERNETES_VERSION, MONITORING_APIS, ROOT, manifests, render
+from chart_testlib import CHART, INIT, KEDA_APIS, KUBERNETES_VERSION, MONITORING_APIS, ROOT, manifests, render
 from test_render import SCENARIOS as RENDER_SCENARIOS
 
 DOC = ROOT / "docs" / "kubernetes.md"
@@ -170,12 +170,18 @@ def test_the_docs_examples_and_the_shipped_values_files_are_all_covered():
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_every_pod_shares_its_process_namespace(scenario):
-    """The pause container is every pod's PID 1 (tests/chart/test_container_smoke_docker.py runs it): it reaps
-    orphans, and a service or `sh -c` loop that is not PID 1 cannot ignore SIGTERM by having no handler."""
-    assert {where: spec.get("shareProcessNamespace") for where, spec in pods(scenario)} == {
-        where: True for where, _ in pods(scenario)
-    }
+def test_every_gyre_container_runs_under_an_init_and_only_redis_shares_its_process_namespace(scenario):
+    """Every container of a Gyre image, init containers and the `helm test` pod included, runs its command under
+    tini (the images' entrypoint: tests/chart/test_container_smoke_docker.py runs them). As PID 1 it reaps
+    orphans and forwards SIGTERM, which a service or `sh -c` loop as PID 1 ignored without a handler. So no
+    Gyre pod shares its process namespace (its containers cannot see each other's processes); the Redis pod
+    does: its image has no init, and the pause container reaps for redis-server."""
+    for where, spec in pods(scenario):
+        redis = where.endswith("-redis")
+        assert spec.get("shareProcessNamespace", False) is redis, where
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            if not redis:
+                assert c["command"][: len(INIT)] == INIT and len(c["command"]) > len(INIT), (where, c["name"])
 
 
 def test_ids_set_to_null_are_left_to_the_platform():

@@ -192,13 +192,28 @@ schedulerName: {{ . }}
 {{- end }}
 {{- end -}}
 
-{{/* Pod security context (Pod Security Standards "restricted"). Call with (dict "user" 10001 "group" 10001 "fsGroup" 10001).
-shareProcessNamespace: the pod's pause container is PID 1, not the service. It reaps orphaned grandchildren
-(tool subprocesses of an environment, compile workers), which a service as PID 1 never waits for: zombies
-would pile up to the pids limit. And the kernel delivers SIGTERM to a PID 1 only if it installed a handler:
-the init containers' `sh -c` wait loops ignored it and held a deleted pod for its whole grace period. */}}
+{{/*
+The init every container of a Gyre image runs as PID 1, before its command: `tini` (in the images, from the
+distribution's package). A process that is PID 1 of its PID namespace reaps every orphan re-parented to it
+(an environment's tool subprocesses, compile workers, a probe's children): `gyre` as PID 1 never waits for
+them, and the zombies piled up to the pids limit. The kernel also drops a signal sent to a PID 1 that has no
+handler for it: the `sh -c` wait loops of the init containers ignored SIGTERM and held a deleted pod for its
+whole grace period. tini forwards SIGTERM to the command (which stops as it documents; exit code as the
+command's, 128 + n when a signal ended it). `-s`: it still reaps as a subreaper where it is not PID 1 (a pod
+given `shareProcessNamespace`, `docker run --init`). Each container keeps its own PID namespace: the
+containers of a pod cannot see (or signal) each other's processes.
+*/}}
+{{- define "gyre.init" -}}
+tini, -s, --
+{{- end -}}
+
+{{/* Pod security context (Pod Security Standards "restricted"). Call with (dict "user" 10001 "group" 10001 "fsGroup" 10001);
+"sharePids" true for a pod whose image has no init of its own (Redis: redis-server as PID 1 reaps only the
+children it forked): the pod's pause container is then PID 1 and reaps the orphans. */}}
 {{- define "gyre.podSecurityContext" -}}
+{{- if .sharePids }}
 shareProcessNamespace: true
+{{- end }}
 securityContext:
   runAsNonRoot: true
   {{- /* a null (absent) id is left to the platform: OpenShift's restricted SCC assigns the namespace's */}}
@@ -354,7 +369,7 @@ plus "model".
 {{- $mc := .root.Values.modelCache -}}
 - name: model-fetch
   {{- include "gyre.image" (dict "root" .root "image" .component.image) | nindent 2 }}
-  command: [gyre]
+  command: [{{ include "gyre.init" . }}, gyre]
   args:
     - model
     - fetch
@@ -403,7 +418,7 @@ initContainers:
   # starting before it exists would crash the server once.
   - name: wait-for-model
     {{- include "gyre.image" (dict "root" .root "image" .component.image) | nindent 4 }}
-    command: [sh, -c]
+    command: [{{ include "gyre.init" .root }}, sh, -c]
     args:
       - until [ -f "$MODEL_DIR/config.json" ]; do echo "waiting for $MODEL_DIR (created by trainer pod 0)"; sleep 5; done
     env:
