@@ -100,6 +100,8 @@ def test_multi_node_trainer_is_replaced_as_a_whole():
     assert option(trainer_container(manifests(render(MULTI_NODE)))["args"], "--rdzv-id") == rdzv  # stable
     notes = render(MULTI_NODE)["gyre/templates/NOTES.txt"]
     assert "kubectl -n rl delete pod -l app.kubernetes.io/instance=exp,app.kubernetes.io/component=trainer" in notes
+    # a rollback updates the StatefulSet's template alone too: its pods keep the bad revision's job until deleted
+    assert "After a `helm upgrade` or `helm rollback` that changes the experiment or the trainer" in notes
     # One node: the StatefulSet stops the old pod before starting the new one; nothing to do by hand.
     single = named(manifests(render({})), "StatefulSet", "exp-gyre-trainer")
     assert single["spec"]["updateStrategy"] == {"type": "RollingUpdate"}

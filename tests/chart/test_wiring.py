@@ -388,6 +388,7 @@ def test_rendered_kind_deployment_trains_as_local_processes(cluster):
     helm_test = cluster.start(test_pod["metadata"]["name"], name)
     assert helm_test.wait(120) == 0, cluster.tail(test_pod["metadata"]["name"], name)
     assert "models: [" in cluster.tail(test_pod["metadata"]["name"], name)
+    assert re.search(r"completion of '[^']+': '.*' \(1 token\)", cluster.tail(test_pod["metadata"]["name"], name))
 
     # The services wrote where the chart pointed them: the shared volume.
     steps = [json.loads(line) for line in (cluster.shared / "events" / "trainer_steps.jsonl").read_text().splitlines()]
