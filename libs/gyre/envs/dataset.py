@@ -14,7 +14,7 @@ Rows (one JSON object per line, or one parquet row):
 layout (`prompt` = chat messages, `reward_model.ground_truth`) loads with `answer_key = "reward_model.ground_truth"`.
 A text prompt becomes one user message after `system_prompt`; a message list is used as it is (with
 `system_prompt` prepended when it has no system message). The whole row is kept as `task.info`, so a user reward
-function can read any other column.
+function can read any other column, and so are the keys of an `info` column holding an object (verifiers' layout).
 
 Splits, first that applies: `eval_path` (a second file is the eval split, `path` is all train); a `split` column
 ("train", or "eval"/"test"/"validation"); otherwise `num_eval` rows chosen with `eval_seed` are held out. The train
@@ -37,6 +37,7 @@ single-turn one with a rule-based reward.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -203,7 +204,7 @@ class RowTasks:
             answer = str(answer)
         if not isinstance(answer, str):
             raise DatasetError(f"{where}: {self.answer_key!r} must be text or a number, got {type(answer).__name__}")
-        return Task(id=task_id, prompt=self._messages(where, prompt), answer=answer, info=dict(row))
+        return Task(id=task_id, prompt=self._messages(where, prompt), answer=answer, info=_info(row))
 
     def _messages(self, where: str, prompt: Any) -> Messages:
         if isinstance(prompt, str):
@@ -224,6 +225,18 @@ class RowTasks:
         if self.env.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.env.system_prompt})
         return messages
+
+
+def _info(row: dict[str, Any]) -> dict[str, Any]:
+    """`task.info`: the row, plus the keys of its `info` column when that is an object (or its JSON text, as a
+    dataset saved to parquet holds it). A verifiers dataset keeps a task's data there (`question`, `answer`, `info`,
+    `task` columns), and its rewards read `info["key"]`: that was a KeyError, a silent 0 for every sample. The row's
+    own columns win a clash, and `info["info"]` is still the column."""
+    nested = row.get("info")
+    if isinstance(nested, str) and nested.lstrip().startswith("{"):
+        with contextlib.suppress(ValueError, RecursionError):  # not JSON after all: a text column like any other
+            nested = json.loads(nested)
+    return {**nested, **row} if isinstance(nested, dict) else dict(row)
 
 
 def _source(rows: Any, setting: str) -> str:

@@ -241,3 +241,22 @@ def test_reference_answers_are_sft_examples():
     env = load_environment("dataset", path=str(SHIPPED))
     task = env.tasks("train")[0]
     assert env.sft_example(task)[-1] == {"role": "assistant", "content": task.answer}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("as_text", [False, True])
+async def test_a_verifiers_datasets_info_column_is_read_by_its_rewards(tmp_path, monkeypatch, sampling, as_text):
+    """A verifiers dataset keeps a task's data in an `info` column ({"question", "answer", "info": {...}}), and its
+    rewards read `info["level"]`: Gyre's info was the row, so that was a KeyError, 0 for every sample (named in the
+    errors, but the run trained on nothing). Now the column's keys are in `task.info` too (the row's own win a
+    clash); a parquet file's info column saved as JSON text is read alike."""
+    info = {"level": 2, "answer": "not this"}
+    row = {"question": "Reverse: ab", "answer": "ba", "info": json.dumps(info) if as_text else info}
+    path = write_jsonl(tmp_path / "vf.jsonl", [row, {**row, "question": "Reverse: cd", "answer": "dc"}])
+    (tmp_path / "vf_rewards_i13.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = load_environment("dataset", path=str(path), prompt_key="question", reward="vf_rewards_i13:starts_like",
+                           num_eval=1)  # fmt: skip
+    task = env.tasks("eval")[0]
+    assert task.info["level"] == 2 and task.info["answer"] == task.answer and task.info["info"] == row["info"]
+    assert await reward_of(env, task, task.answer, sampling) == 1.0  # both halves: the level read from info
