@@ -71,7 +71,8 @@ def test_vllm_sampling_fields_at_their_neutral_values_and_min_tokens(server, mod
     held = generate(server, model=model_id, token_ids=TOKEN_PROMPT, sampling_params=stops | {"min_tokens": 3})
     ids = held["choices"][0]["token_ids"]
     assert len(ids) >= 3 and first not in ids[:3], ids
-    for field, value in (("top_k", 10**6), ("min_p", 1.5), ("repetition_penalty", 1.1), ("min_tokens", 7)):
+    for field, value in (("top_k", 10**6), ("min_p", 1.5), ("repetition_penalty", 0), ("presence_penalty", 3),
+                         ("min_tokens", 7)):  # fmt: skip
         error = generate(server, expect=400, model=model_id, token_ids=TOKEN_PROMPT,
                          sampling_params=params | {field: value})["error"]  # fmt: skip
         assert error["param"] in (f"sampling_params.{field}", "sampling_params"), error

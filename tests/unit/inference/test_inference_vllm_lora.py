@@ -88,9 +88,13 @@ class StandInOutputKind(enum.Enum):
 def standin_sampling_params(*, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=16, seed=None,
                             stop_token_ids=None,
                             ignore_eos=False, logprobs=None, detokenize=True, output_kind=None, min_tokens=0,
-                            logit_bias=None, prompt_logprobs=None, structured_outputs=None):  # fmt: skip
+                            logit_bias=None, prompt_logprobs=None, structured_outputs=None, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0):  # fmt: skip
     return SimpleNamespace(
-        max_tokens=max_tokens, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs
+        max_tokens=max_tokens,
+        prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs,
+        penalties=(repetition_penalty, presence_penalty, frequency_penalty),
     )
 
 
@@ -280,6 +284,10 @@ def test_a_request_priority_reaches_vllm_with_priority_scheduling_on(standin_vll
         assert engine.args.scheduling_policy == "priority"  # with "fcfs", vLLM refuses any priority but 0
         events = [e async for e in backend.generate([1, 2], SamplingParams(max_tokens=2, priority=7))]
         assert len(events) == 2 and engine.last("generate")["priority"] == 7
+        # vLLM's penalties go to vLLM as they are (it applies them, and reports processed log-probs)
+        params = SamplingParams(max_tokens=1, repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=0.7)
+        [_ async for _ in backend.generate([1, 2], params)]
+        assert engine.last("generate")["sampling_params"].penalties == (1.2, -0.5, 0.7)
         await backend.shutdown()
 
     run(scenario())
