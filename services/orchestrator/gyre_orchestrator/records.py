@@ -58,8 +58,9 @@ class ScoredRollout:
 def rollout_record(step: int, sample: ScoredRollout, meta: dict) -> dict:
     """One line of `rollouts/step_{s}.jsonl`: what was generated, how it scored, and what it trains with."""
     r = sample.rollout
-    keys = ("task_id", "reward", "rewards", "advantage", "min_version", "max_version", "stop_reason", "num_turns",
-            "num_loss_tokens", "group")  # fmt: skip
+    # env: a mix's entry (task ids repeat across environments: `train-0-0` of each)
+    keys = ("env", "task_id", "reward", "rewards", "advantage", "min_version", "max_version", "stop_reason",
+            "num_turns", "num_loss_tokens", "group")  # fmt: skip
     return {"step": step, "prompt": r.prompt, "completion": r.completion, "answer": sample.task.answer,
             **{k: meta[k] for k in keys}}  # fmt: skip
 

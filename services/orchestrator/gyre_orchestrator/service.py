@@ -366,6 +366,13 @@ class OrchestratorService:
         cursors = dict(point.cursors)
         if len(self.envs) == 1 and not point.cursors:
             cursors[cfg.envs[0].key] = point.task_index
+        new = [label for label in self.envs if label not in cursors]
+        if point.cursors and new:  # day two: an entry added, or one renamed (its label is the key), starts over
+            gone = [label for label in point.cursors if label not in self.envs]
+            renamed = (f" (the run has positions of {gone}, not in the mix now: a renamed entry starts over; its old "
+                       "label, as label = '...', continues it)") if gone else ""  # fmt: skip
+            log.warning("environments %s have no saved position in this run: they start at the beginning of their "
+                        "train split%s", new, renamed)  # fmt: skip
         return TaskMix(
             {label: env.tasks("train", seed=cfg.seed) for label, env in self.envs.items()},
             {entry.key: entry.ratio for entry in cfg.envs},

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 import pytest
 from gyre.events import latest_per_step, read_events
+from gyre.rollouts import read_dump
 from gyre.streams import BatchStream
 from gyre_orchestrator.mix import TaskMix
 from gyre_orchestrator.service import OrchestratorService
@@ -69,6 +70,10 @@ async def test_each_group_comes_from_one_environment_drawn_by_ratio_and_is_repor
     assert {name for _, s in samples if s["env"] == "math" for name in s["rewards"]}.isdisjoint(
         {name for _, s in samples if s["env"] == "rev" for name in s["rewards"]}
     )
+
+    # the rollout dump says which entry each sample is of (task ids repeat across environments)
+    dumped = sorted((r["env"], r["task_id"], r["group"]) for r in read_dump(cfg.output_dir, 1))
+    assert dumped == sorted((s["env"], s["task_id"], s["group"]) for step, s in samples if step == 1)
 
     lines = latest_per_step(read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl"))
     totals = {"rev": 0, "math": 0}

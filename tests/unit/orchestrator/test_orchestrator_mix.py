@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from gyre.config import ConfigError, load_config
 from gyre.config.orchestrator import GyreEvalConfig, OrchestratorConfig
@@ -170,3 +172,23 @@ def test_gyre_eval_of_a_mix_scores_each_entry_and_reports_it_by_label(tmp_path, 
     # an unknown environment names its entry
     assert evaluate_module.main(["@", str(path), *base, "--env.1.name", "arithmetik"]) == 2
     assert "config key 'env.1': unknown environment 'arithmetik'" in capsys.readouterr().err
+
+
+def test_an_entry_without_a_saved_position_is_named_and_a_renamed_one_is_pointed_at(tmp_path, caplog):
+    # day two: a label is an entry's key; renaming one silently restarted it at the beginning of its split
+    from gyre_orchestrator.progress import ResumePoint
+    from gyre_orchestrator.service import OrchestratorService
+
+    cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path),
+                      env=[{"name": "reverse_text"}, {"name": "arithmetic", "label": "maths"}])  # fmt: skip
+
+    async def main():  # the service is made inside an event loop, as `gyre orchestrator` makes it
+        service = OrchestratorService(cfg)
+        try:
+            return service._task_mix(ResumePoint(3, 5, {}, "resumed", {"reverse_text": 5, "math": 4}, 9))
+        finally:
+            service.redis.close()
+
+    mix = asyncio.run(main())
+    assert (mix.cursors["reverse_text"], mix.cursors["maths"], mix.draws) == (5, 0, 9)
+    assert "['maths'] have no saved position" in caplog.text and "positions of ['math']" in caplog.text
