@@ -23,7 +23,8 @@ a pure function of `i` and a resumed run continues exactly.
 
 Rewards (`reward`): "exact" (the reply, stripped and with whitespace runs collapsed, equals the answer), "math"
 (math-verify: numbers, fractions, LaTeX, `\\boxed{}`), or an import path `package.module:function` to a reward
-function that takes rubric arguments by name (`completion`, `answer`, `info`, ... see `gyre.envs.rubric`).
+function that takes rubric arguments by name (`completion`, `answer`, `info`, ... see `gyre.envs.rubric`); or a list
+of them, with `weights` (one each, default 1), summed as a `Rubric` (each reported on its own).
 
 A train row whose prompt is also in the eval split (a duplicated row, an eval file overlapping the train file) is
 left out of training, with a warning, so eval stays held out. A row that cannot be used (not UTF-8, bad JSON, no
@@ -80,6 +81,21 @@ def resolve_reward(reward: str) -> RewardFunc:
     if ":" not in reward:
         raise ValueError(f"reward {reward!r}: use one of {sorted(REWARDS)} or an import path 'package.module:func'")
     return load_callable(reward, f"reward {reward!r}")
+
+
+def rubric_of(reward: str | list[str], weights: list[float] | None, parser: Parser) -> Rubric:
+    """The rubric of `reward` (one name or import path, or a list of them: several reward functions, as a verifiers
+    rubric's `funcs`) and `weights` (one per function, default 1 each); mistakes name the setting."""
+    rewards = [reward] if isinstance(reward, str) else reward
+    if not isinstance(rewards, list) or not rewards or not all(isinstance(r, str) for r in rewards):
+        raise ValueError(f"reward: a name or import path, or a non-empty list of them, got {reward!r}")
+    if weights is not None and len(weights) != len(rewards):
+        raise ValueError(f"weights: {len(weights)} weights for {len(rewards)} rewards {rewards}: give one per reward")
+    funcs = [resolve_reward(r) for r in rewards]
+    names = [getattr(func, "__name__", r) for func, r in zip(funcs, rewards, strict=True)]
+    if len(set(names)) < len(names):
+        raise ValueError(f"reward: {rewards} names a reward function twice")
+    return Rubric(funcs, weights, parser=parser)
 
 
 def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -271,7 +287,8 @@ class DatasetEnv(SingleTurnEnv):
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         split_key: str = "split",
-        reward: str = "exact",
+        reward: str | list[str] = "exact",
+        weights: list[float] | None = None,
         system_prompt: str | None = None,
         num_eval: int = 64,
         eval_seed: int = 1234,
@@ -279,7 +296,7 @@ class DatasetEnv(SingleTurnEnv):
         parser = Parser()
         super().__init__(
             parser=parser,
-            rubric=Rubric([resolve_reward(reward)], parser=parser),
+            rubric=rubric_of(reward, weights, parser),
             system_prompt=system_prompt,
             num_eval=num_eval,
             eval_seed=eval_seed,
@@ -305,7 +322,8 @@ def load_environment(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     split_key: str = "split",
-    reward: str = "exact",
+    reward: str | list[str] = "exact",
+    weights: list[float] | None = None,
     system_prompt: str | None = None,
     num_eval: int = 64,
     eval_seed: int = 1234,
@@ -318,6 +336,7 @@ def load_environment(
         answer_key=answer_key,
         split_key=split_key,
         reward=reward,
+        weights=weights,
         system_prompt=system_prompt,
         num_eval=num_eval,
         eval_seed=eval_seed,

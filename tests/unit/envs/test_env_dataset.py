@@ -260,3 +260,30 @@ async def test_a_verifiers_datasets_info_column_is_read_by_its_rewards(tmp_path,
     task = env.tasks("eval")[0]
     assert task.info["level"] == 2 and task.info["answer"] == task.answer and task.info["info"] == row["info"]
     assert await reward_of(env, task, task.answer, sampling) == 1.0  # both halves: the level read from info
+
+
+BRIEF_MODULE = """
+def brief(completion) -> float:
+    return float(len(completion[-1]["content"]) <= 2)
+"""
+
+
+@pytest.mark.asyncio
+async def test_several_rewards_with_weights_from_the_config(tmp_path, monkeypatch, sampling):
+    """`reward` took one function: a rubric of several weighted ones (verifiers' funcs and weights) needed a Python
+    loader. Now `reward` may be a list, with `weights`, each function reported on its own."""
+    (tmp_path / "brief_rewards_i13.py").write_text(BRIEF_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = {"path": str(SHIPPED), "reward": ["exact", "brief_rewards_i13:brief"], "weights": [1.0, 0.25]}
+    env = load_environment("dataset", **args)
+    task = env.tasks("eval")[0]
+    rollout = await env.rollout(ScriptedClient([task.answer]), task, sampling)
+    score = await env.score(task, rollout)
+    assert score.per_function == {"exact_match": 1.0, "brief": float(len(task.answer) <= 2)}
+    assert score.reward == pytest.approx(1.0 + 0.25 * score.per_function["brief"])
+    with pytest.raises(ValueError, match=r"weights: 1 weights for 2 rewards \['exact', 'math'\]: give one per reward"):
+        load_environment("dataset", path=str(SHIPPED), reward=["exact", "math"], weights=[1.0])
+    with pytest.raises(ValueError, match=r"reward: \['exact', 'exact'\] names a reward function twice"):
+        load_environment("dataset", path=str(SHIPPED), reward=["exact", "exact"])
+    with pytest.raises(ValueError, match="reward: a name or import path, or a non-empty list of them, got \\[\\]"):
+        load_environment("dataset", path=str(SHIPPED), reward=[])
