@@ -8,6 +8,8 @@ from grafana_foundation_sdk.builders import timeseries
 
 from .panels import NATS, RATE, TOKENS_PER_S, base, panel, quantile, rate, sel
 
+LAST_STEP = sel("gyre_trainer_last_step_timestamp_seconds")
+
 
 def trainer() -> db.Dashboard:
     d = base(
@@ -113,8 +115,11 @@ def trainer() -> db.Dashboard:
         panel(
             "Time since last step",
             "s",
-            [(f"time() - max by (run_id) ({sel('gyre_trainer_last_step_timestamp_seconds')} > 0)", "{{run_id}}")],
-            "Seconds since the last step was published (alert: no step for 15 minutes).",
+            # the last value of the past 6 hours: a trainer that is down (no longer scraped) keeps counting up
+            # instead of leaving the panel empty when it matters most
+            [(f"time() - max by (run_id) (last_over_time({LAST_STEP}[6h]) > 0)", "{{run_id}}")],
+            "Seconds since the last step was published, counting on while the trainer is down (alerts: "
+            "GyreTrainerStalled after 15 minutes without a step, GyreTrainerAbsent when it is not scraped).",
             minimum=0,
         ),
         panel(
