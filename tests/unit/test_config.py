@@ -93,6 +93,23 @@ def test_unknown_key_is_named_with_a_suggestion():
 
 
 @pytest.mark.parametrize(
+    ("cls", "argv", "said"),
+    [
+        (OrchestratorConfig, ["--client.base-url", "http://h:8000/v1"], "'client': unknown key; PRIME-RL's client is "
+         "'inference.urls' here"),
+        (GyreEvalConfig, ["--client", '{"timeout": 5}'], "PRIME-RL's client is 'inference.urls' here"),
+        (TrainerConfig, ["--wandb.name", "exp"], "'wandb.name': unknown key; PRIME-RL's wandb.name is 'run_id' here "
+         "(one W&B run per service, named {run_id}-{service}"),
+    ],
+)  # fmt: skip
+def test_a_prime_rl_key_that_gyre_has_elsewhere_names_the_gyre_key(cls, argv, said):
+    # "wandb.name: unknown key; wandb has: enabled, project, ..." left a PRIME-RL user looking for the run's name
+    with pytest.raises(ConfigError) as e:
+        load_config(cls, argv)
+    assert said in str(e.value), e.value
+
+
+@pytest.mark.parametrize(
     "old, new",
     [("engine.max_lora_rank", "lora.max_rank"), ("engine.max_loras", "lora.max_loras"),
      ("lora.max_adapters", "lora.max_loras")],

@@ -44,8 +44,15 @@ def error_of(argv: list[str], tmp_path: Path) -> str:
          "config key 'sft.max_steps': unknown key (did you mean 'sft.args.max_steps'?)"),
         (["--inference.max-num-seqs", "4"],  # vLLM's name
          "config key 'inference.max_num_seqs': unknown key (did you mean 'inference.engine.max_batch_size'?)"),
-        (["--wandb.name", "run-1"],
-         "config key 'wandb.name': unknown key; wandb has: enabled, project, entity, group, mode, samples"),
+        (["--wandb.name", "run-1"],  # was "wandb has: enabled, project, ...": none of them the run's name
+         "config key 'wandb.name': unknown key; PRIME-RL's wandb.name is 'run_id' here (one W&B run per service, named "
+         "{run_id}-{service}; wandb.group groups them)"),
+        (["--orchestrator.client.base-url", "http://h:8000/v1"],
+         "config key 'orchestrator.client': unknown key; PRIME-RL's client is 'inference.urls' here (client.base_url; "
+         "the table's other keys are beside it: api_key_file, timeout_s)"),
+        (["--client.base-url", "http://h:8000/v1"],
+         "config key 'client': unknown key; PRIME-RL's client is 'orchestrator.inference.urls' here (client.base_url; "
+         "the table's other keys are beside it: api_key_file, timeout_s)"),
     ],
 )  # fmt: skip
 def test_a_key_named_or_placed_as_prime_rl_does_is_suggested_where_gyre_has_it(argv, said, tmp_path):

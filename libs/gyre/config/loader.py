@@ -584,6 +584,33 @@ KEY_SYNONYMS = {"id": "name", "env_id": "name", "learning_rate": "lr", "max_norm
                 "max_num_seqs": "max_batch_size"}  # fmt: skip
 
 
+# PRIME-RL keys that Gyre has in another place or shape (docs/local.md, "Coming from PRIME-RL"), by their dotted tail
+# in the config an unknown key was found in: (the key to write, found among the config's keys; what it is).
+PRIME_RL_KEYS = {
+    "wandb.name": ("run_id", "one W&B run per service, named {run_id}-{service}; wandb.group groups them"),
+    "client": ("inference.urls", "client.base_url; the table's other keys are beside it: api_key_file, timeout_s"),
+    "client.base_url": ("inference.urls", "the servers' root or /v1 URLs, a list"),
+    "client.timeout": ("inference.timeout_s", "one request's timeout"),
+}
+
+
+def _prime_rl_key(key: str, known: list[str]) -> str | None:
+    """What to write for PRIME-RL's `key` (an unknown dotted key of a config whose keys are `known`), or None."""
+    parts = key.split(".")
+    for start in range(len(parts)):
+        tail = ".".join(parts[start:])
+        if tail not in PRIME_RL_KEYS:
+            continue
+        target, what = PRIME_RL_KEYS[tail]
+        where = ".".join(parts[:start])
+        # the one in the key's own section, else the shallowest anywhere (gyre rl: orchestrator.inference.urls)
+        found = sorted((k for k in known if k == target or k.endswith(f".{target}")),
+                       key=lambda k: (k != f"{where}.{target}", k.count(".")))  # fmt: skip
+        if found:
+            return f"PRIME-RL's {tail} is '{found[0]}' here ({what})"
+    return None
+
+
 def _suggestion(key: str, known: list[str]) -> tuple[str | None, str]:
     """(the known key `key` most likely means, else None; else a listing of its section's keys, or ""), for an
     unknown `key`. In order: a near miss in its own section (or a synonym, KEY_SYNONYMS), a near miss of the whole
@@ -644,6 +671,8 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
             elif close:
                 close = None
             msg = "unknown key" + (f" (did you mean '{close}'?)" if close else listing)  # close: "a' or 'b" too
+            if not close and (prime := _prime_rl_key(generic, known + _section_keys(cls))):
+                msg = f"unknown key; {prime}"  # its listing named no key of it (wandb has: enabled, project...)
         elif not e["loc"] and e["type"] == "value_error":
             # a check across keys (a model validator) says "some.key: why": name that key as field errors do
             name, sep, why = msg.removeprefix("Value error, ").partition(": ")
