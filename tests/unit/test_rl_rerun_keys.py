@@ -91,6 +91,21 @@ def test_a_change_the_run_cannot_resume_is_refused_naming_the_key(tmp_path, befo
     assert "--fresh" in str(e.value) and "--output-dir" in str(e.value)
 
 
+MIX = ["--orchestrator.env", '[{"name": "reverse_text", "ratio": 1}, {"name": "arithmetic", "ratio": 1}]']
+
+
+def test_a_mix_of_environments_is_compared_whole_and_entry_by_entry(tmp_path):
+    launched(tmp_path / "one")
+    with pytest.raises(ConfigError, match=r"^config key 'orchestrator.env': .* was trained with orchestrator.env = "
+                       r"\{'name': 'reverse_text'.*this launch sets \[\{'name': 'reverse_text'"):  # fmt: skip
+        validate(tmp_path / "one", *MIX)
+    launched(tmp_path / "mix", *MIX)
+    validate(tmp_path / "mix", *MIX, "--max-steps", "9")  # the same mix
+    other = '[{"name": "reverse_text", "ratio": 3}, {"name": "arithmetic", "ratio": 1}]'
+    with pytest.raises(ConfigError, match=r"^config key 'orchestrator.env.0.ratio': .* = 1.0, this launch sets 3.0"):
+        validate(tmp_path / "mix", "--orchestrator.env", other)
+
+
 def test_a_runs_own_environment_is_checked_and_named_by_its_entry(tmp_path):
     two_runs = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
     out = tmp_path / "multi"
