@@ -207,19 +207,29 @@ class BareFlag(str):
     (:func:`check_bare_flags`); `--output-dir` with its value forgotten must not become a folder "true"."""
 
 
-def deep_merge(base: dict, override: dict) -> dict:
-    """Merge ``override`` into a copy of ``base``; nested tables merge, everything else replaces."""
+def deep_merge(base: dict, override: dict, _at: str = "") -> dict:
+    """Merge ``override`` into a copy of ``base``; nested tables merge, everything else replaces. A table over a list
+    of tables sets entries by index (`{"1": {...}}`), else is refused (ConfigError)."""
     out = dict(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value, f"{_at}{key}.")
         elif _indexes(value, out.get(key)):
             # `@ mix.toml --orchestrator.env.1.ratio 2` (PRIME-RL's `--orchestrator.env.0.args.x`): the dotted option
             # sets that entry's key; it replaced the whole list by {"1": {...}}, "unknown key 'env.1'"
             entries = list(out[key])
             for index, entry in value.items():
-                entries[int(index)] = deep_merge(entries[int(index)], entry)
+                entries[int(index)] = deep_merge(entries[int(index)], entry, f"{_at}{key}.{index}.")
             out[key] = entries
+        elif isinstance(value, dict) and value and _tables(out.get(key)):
+            # `--orchestrator.env.args.x 1` over a mix ([[orchestrator.env]]) replaced the whole mix by one environment
+            # (the default, reverse_text: its name was not given), silently
+            entries = out[key]
+            raise ConfigError(
+                f"config key '{_at}{key}': is a list of {len(entries)} tables ([[{_at}{key}]] entries); set one "
+                f"entry's keys by its index (--{_at}{key}.0.{next(iter(value))} ...), or give the whole list "
+                f"(--{_at}{key} '[...]', JSON), not a table"
+            )
         elif isinstance(value, BareFlag) and isinstance(out.get(key), dict):
             # `@ exp.toml --ckpt` turns the file's [ckpt] on; it replaced the table (its interval went back to 1).
             # Still a BareFlag: check_bare_flags refuses it for a section without `enabled`
@@ -227,6 +237,10 @@ def deep_merge(base: dict, override: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+def _tables(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(entry, dict) for entry in value)
 
 
 def _indexes(value: Any, entries: Any) -> bool:

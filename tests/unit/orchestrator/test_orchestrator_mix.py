@@ -192,3 +192,15 @@ def test_an_entry_without_a_saved_position_is_named_and_a_renamed_one_is_pointed
     mix = asyncio.run(main())
     assert (mix.cursors["reverse_text"], mix.cursors["maths"], mix.draws) == (5, 0, 9)
     assert "['maths'] have no saved position" in caplog.text and "positions of ['math']" in caplog.text
+
+
+def test_a_table_option_over_a_mix_is_refused_not_taken_for_one_environment(tmp_path):
+    # a single-environment habit on a mix, `--env.args.max_length 6`, replaced the whole mix by reverse_text (the
+    # default name) with that argument, silently
+    path = tmp_path / "mix.toml"
+    path.write_text('[[env]]\nname = "arithmetic"\n\n[[env]]\nname = "reverse_text"\n')
+    for option in ("--env.args.max_length", "--env.name"):
+        with pytest.raises(ConfigError, match=r"config key 'env': is a list of 2 tables .* by its index \(--env\.0\."):
+            load_config(OrchestratorConfig, ["@", str(path), option, "6"])
+    whole = load_config(OrchestratorConfig, ["@", str(path), "--env", '[{"name": "arithmetic"}]'])
+    assert [e.name for e in whole.envs] == ["arithmetic"]  # the whole list, as JSON, still replaces it
