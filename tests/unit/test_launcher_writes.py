@@ -87,3 +87,35 @@ def test_a_ctrl_c_whose_keyboard_interrupt_was_lost_still_stops_the_launch(tmp_p
     assert time.monotonic() - started < 10
     launcher.shutdown()  # stops the child it left running
     assert not launcher.children
+
+
+def test_a_ctrl_c_during_the_summary_ends_it_and_says_so(tmp_path):
+    # every service had stopped; a Ctrl-C while the summary drew report.png was answered "killing the services now
+    # (the next launch resumes the run)" and ignored: the user waited for the drawing anyway
+    import signal
+    import time
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        from gyre.local import launcher
+
+        launcher.Launcher.run = lambda self: 0  # a run that finished
+        def summarize(cfg, wall_seconds=None):
+            print("summarizing", flush=True)
+            time.sleep(60)  # report.png being drawn
+        launcher.summarize = summarize
+        sys.exit(launcher.main(["--output-dir", {str(tmp_path / "run")!r}]))
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout.readline().strip() == "summarizing"
+        time.sleep(1.5)  # past the second in which a stop's signal delivered twice is one
+        started = time.monotonic()
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=30)
+    finally:
+        run.kill()
+    assert time.monotonic() - started < 10
+    assert run.returncode == 130, err
+    assert "killing the services" not in err
+    assert f"interrupted while writing the summary (the run is done); `gyre report {tmp_path / 'run'}` draws it" in err

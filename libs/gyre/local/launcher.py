@@ -852,6 +852,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stopping[:] = stopping or [time.monotonic()]
         launcher.shutdown()
+    # every service has stopped: a Ctrl-C now (the summary draws report.png, seconds) only ends the summary; it was
+    # answered "killing the services now (the next launch resumes the run)" and ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if code == 0:  # the wall time of this launch's training: none when it found the run finished (was "0.0 min")
-        print(summarize(cfg, wall_seconds=time.monotonic() - started if launcher.trained else None))
+        try:
+            print(summarize(cfg, wall_seconds=time.monotonic() - started if launcher.trained else None))
+        except KeyboardInterrupt:
+            print(f"gyre rl: interrupted while writing the summary (the run is done); `gyre report {cfg.output_dir}` "
+                  "draws it", file=sys.stderr)  # fmt: skip
+            return 130
     return code
