@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import numbers
 from collections.abc import Awaitable, Callable
 
 from gyre.envs.parsers import Parser
@@ -72,11 +73,14 @@ class Rubric:
     ) -> Rubric:
         """Register a reward function (its name defaults to `func.__name__` and must be unique); `timeout_s` bounds
         an async one (default: the rubric's `timeout_s`; None: unbounded)."""
-        name = name or getattr(func, "__name__", type(func).__name__)
+        # a functools.partial has no __name__: it was named "partial" (two of them: "already in this rubric")
+        name = name or getattr(getattr(func, "func", func), "__name__", type(func).__name__)
         if name in self.names:
-            raise ValueError(f"reward function {name!r} is already in this rubric")
-        if not math.isfinite(weight):
-            raise ValueError(f"weight of {name!r} must be finite, got {weight}")
+            raise ValueError(f"reward function {name!r} is already in this rubric: give this one its own name, "
+                             f"rubric.add(func, weight, name=...)")  # fmt: skip
+        # a weight from a config file as text ("0.5") or a bool was a TypeError that named nothing, or a weight of 1
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ValueError(f"weight of {name!r} must be a finite number, got {weight!r}")
         params = list(inspect.signature(func).parameters.values())
         for p in params:
             if p.kind is p.VAR_KEYWORD or p.default is not p.empty:

@@ -250,3 +250,23 @@ def test_rubric_rejects_bad_declarations():
         rubric.add(lambda answer: 0.0, name="a")
     with pytest.raises(ValueError, match="finite"):
         rubric.add(lambda answer: 0.0, weight=float("inf"), name="b")
+
+
+def test_names_and_weights_a_verifiers_user_writes_are_named_in_the_errors():
+    """Two functools.partial rewards were both named "partial" ("already in this rubric", nothing else); a weight
+    written as text ("0.5", from a config) was a TypeError naming nothing, and True a weight of 1."""
+    import functools
+
+    import numpy as np
+
+    def scaled(completion, answer, scale=1.0) -> float:
+        return scale
+
+    rubric = Rubric([functools.partial(scaled, scale=2.0)], weights=[np.float32(0.5)])
+    assert rubric.names == ["scaled"] and rubric.weights == [0.5]
+    with pytest.raises(ValueError, match=r"'scaled' is already in this rubric: give this one its own name, rubric.add"):
+        rubric.add(functools.partial(scaled, scale=3.0))
+    rubric.add(functools.partial(scaled, scale=3.0), name="scaled_3")
+    for weight in ("0.5", True, None):
+        with pytest.raises(ValueError, match=f"weight of 'w' must be a finite number, got {weight!r}"):
+            rubric.add(lambda answer: 0.0, weight=weight, name="w")
