@@ -31,7 +31,8 @@ closes with its last `batch_size` dropped groups (`StepState.zero_signal_batch`:
 A task whose prompt does not fit the model's context (`ContextLengthExceeded` on its first turn) is skipped,
 counted in `skipped_overlong` and replaced by a fresh task, outside the budget (the server refuses it before
 generating anything). Only when every one of the last `overlong_window` tasks drawn was too long does the
-scheduler fail, with a message naming the settings to change.
+scheduler fail, with a message naming the settings to change; in a mix of environments (tasks with an `env`), the
+last ones drawn from each environment (one whose prompts never fit was silently left out of the mix).
 
 Steps close and are handed out strictly in order (`next_batch`), each exactly once.
 """
@@ -208,7 +209,9 @@ class RolloutScheduler:
         self._dropped: dict[int, list[Group]] = {}  # per step: its newest dropped groups, for a zero-signal batch
         self.sample_attempts = sample_attempts
         self.retry_backoff_s = retry_backoff_s
-        self._drawn: deque[Group] = deque(maxlen=overlong_window)  # the newest groups started, in draw order
+        # per environment of a mix (a task's `env`; None: one), the newest groups started, in draw order
+        self._drawn: dict[Any, deque[Group]] = {}
+        self.overlong_window = overlong_window
         self._overlong_warned = False
         self.clock = clock
         self.trained = trained  # the trainer's committed step (read only for a sample newer than its batch)
@@ -296,7 +299,7 @@ class RolloutScheduler:
         if st.first_dispatch is None:
             st.first_dispatch = self.clock()
         group = Group(step=st.step, task=self.next_task(), samples=[], dispatched_version=self.versions.value)
-        self._drawn.append(group)
+        self._drawn.setdefault(getattr(group.task, "env", None), deque(maxlen=self.overlong_window)).append(group)
         task = asyncio.create_task(self._run_group(st, group), name=f"group-step{st.step}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -338,9 +341,12 @@ class RolloutScheduler:
         st.skipped_overlong += 1
         st.overlong.append(group.task)
         st.started_groups -= 1
-        if len(self._drawn) == self._drawn.maxlen and all(g.overlong for g in self._drawn):
+        env = getattr(group.task, "env", None)
+        drawn = self._drawn.get(env, ())
+        if len(drawn) == self.overlong_window and all(g.overlong for g in drawn):
+            of = f" from environment {env!r}" if len(self._drawn) > 1 else ""  # a mix: the others fit
             self._failed = self._failed or RuntimeError(
-                f"the last {len(self._drawn)} tasks drawn were all too long for the model's context (prompt plus "
+                f"the last {len(drawn)} tasks drawn{of} were all too long for the model's context (prompt plus "
                 f"sampling.max_tokens), e.g. {error}; shorten the environment's prompts (env.args), lower "
                 "sampling.max_tokens, or serve a longer context (inference engine.max_model_len and "
                 "engine.kv_cache_gb of the torch backend, vLLM's max_model_len)"

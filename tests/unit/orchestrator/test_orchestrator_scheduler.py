@@ -432,3 +432,27 @@ async def test_a_batch_the_trainer_already_trained_takes_samples_of_its_version(
     st = await asyncio.wait_for(sched.next_batch(), timeout=5)
     assert st.dropped_stale == 0 and [smp.min_version for smp in st.samples] == [3, 3]
     await sched.stop()
+
+
+async def test_an_environment_of_a_mix_whose_tasks_never_fit_stops_the_run_naming_it():
+    # one entry of a mix whose prompts never fit: the other's tasks in the window kept the run going, so that entry
+    # was silently left out of the mix (its ratio, in effect, 0)
+    from gyre_orchestrator.mix import MixTask
+
+    numbers = iter(range(10**6))
+
+    def next_task():
+        n = next(numbers)
+        return MixTask(env="long" if n % 2 else "short", index=n // 2, draw=n, task=n)
+
+    async def generate(task, floor, key):
+        if task.env == "long":
+            raise ContextLengthExceeded(f"task {task.task}: 400 This model's maximum context length is 64 tokens")
+        return Fixed(reward=random.random())
+
+    sched = RolloutScheduler(generate, next_task, VersionWatch(0), batch_size=2, group_size=3, max_async_level=100,
+                             max_steps=100, max_inflight_groups=1, overlong_window=20)  # fmt: skip
+    with pytest.raises(RuntimeError, match="last 20 tasks drawn from environment 'long' were all too long"):
+        for _ in range(100):
+            await asyncio.wait_for(sched.next_batch(), timeout=5)
+    await sched.stop()
