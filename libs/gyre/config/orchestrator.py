@@ -11,6 +11,7 @@ from pydantic import (
     Tag,
     ValidationError,
     ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
     model_validator,
 )
@@ -56,14 +57,6 @@ class EnvConfig(Section):
         return value
 
 
-# One table, or a mix's entries: told apart by the value's shape, so an error names one form's key (`env.1.ratio`),
-# not both forms' ("Input should be a valid dictionary" beside the list entry's own error)
-EnvOrMix = Annotated[
-    Union[Annotated[EnvConfig, Tag("table")], Annotated[list[EnvConfig], Tag("entries")]],  # noqa: UP007
-    Discriminator(lambda value: "entries" if isinstance(value, list) else "table"),
-]
-
-
 def validate_env(value: Any, handler: ValidatorFunctionWrapHandler) -> EnvConfig | list[EnvConfig]:
     """`env`, its errors keyed as the user wrote it (`env.0.ratio`, without the form's tag), then `check_env_mix`."""
     try:
@@ -74,6 +67,15 @@ def validate_env(value: Any, handler: ValidatorFunctionWrapHandler) -> EnvConfig
                   for err in e.errors()]  # fmt: skip
         raise ValidationError.from_exception_data(e.title, errors) from None
     return check_env_mix(env)
+
+
+# One table, or a mix's entries: told apart by the value's shape, so an error names one form's key (`env.1.ratio`),
+# not both forms' ("Input should be a valid dictionary" beside the list entry's own error)
+EnvOrMix = Annotated[
+    Union[Annotated[EnvConfig, Tag("table")], Annotated[list[EnvConfig], Tag("entries")]],  # noqa: UP007
+    Discriminator(lambda value: "entries" if isinstance(value, list) else "table"),
+    WrapValidator(validate_env),
+]
 
 
 def env_entries(env: EnvConfig | list[EnvConfig]) -> list[EnvConfig]:
@@ -306,11 +308,6 @@ class OrchestratorConfig(ServiceConfig):
         "once: a restart with the same N resumes where the run stands.",
     )
 
-    @field_validator("env", mode="wrap")
-    @classmethod
-    def _env_mix(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> EnvConfig | list[EnvConfig]:
-        return validate_env(value, handler)
-
     @property
     def envs(self) -> list[EnvConfig]:
         """The environments: one, or the entries of a mix."""
@@ -385,11 +382,6 @@ class GyreEvalConfig(GyreSettings):
     reward_models: list[RewardModelConfig] = Field(
         default_factory=list, description="Reward models (vLLM's /classify) added to the environment's rubric."
     )
-
-    @field_validator("env", mode="wrap")
-    @classmethod
-    def _env_mix(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> EnvConfig | list[EnvConfig]:
-        return validate_env(value, handler)
 
     @property
     def envs(self) -> list[EnvConfig]:
