@@ -42,6 +42,17 @@ def launched(out: Path, *argv: str, step: int = 2, config: list[str] = CI, run: 
     (ckpt / "progress.json").write_text("{}")
 
 
+TWO_RUNS = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
+
+
+def launched_two_runs(out: Path) -> Path:
+    """`out` as a launch of two_runs.toml left it: its run 'beta' at step 2, the SFT warm-up done (reused)."""
+    launched(out, config=TWO_RUNS, run="beta")
+    (out / "sft").mkdir()
+    (out / "sft" / "config.json").write_text("{}")
+    return out
+
+
 def validate(out: Path, *argv: str, config: list[str] = CI) -> None:
     from gyre.local.launcher import Launcher
 
@@ -107,18 +118,14 @@ def test_a_mix_of_environments_is_compared_whole_and_entry_by_entry(tmp_path):
 
 
 def test_a_runs_own_environment_is_checked_and_named_by_its_entry(tmp_path):
-    two_runs = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
-    out = tmp_path / "multi"
-    launched(out, config=two_runs, run="beta")
-    (out / "sft").mkdir()  # the warm-up done (its config.json): reused
-    (out / "sft" / "config.json").write_text("{}")
-    validate(out, "--max-steps", "9", config=two_runs)  # the same experiment, further
+    out = launched_two_runs(tmp_path / "multi")
+    validate(out, "--max-steps", "9", config=TWO_RUNS)  # the same experiment, further
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.orchestrator.env.name': .*run 'beta' at step 2\).*"
                        r"'arithmetic'.*--fresh"):  # fmt: skip
         beta = '{"name": "beta", "orchestrator": {"env": {"name": "arithmetic"}}}'
-        validate(out, "--runs", f'[{{"name": "alpha"}}, {beta}]', config=two_runs)
+        validate(out, "--runs", f'[{{"name": "alpha"}}, {beta}]', config=TWO_RUNS)
     with pytest.raises(ConfigError, match=r"^config key 'run_id': "):
-        validate(out, "--run-id", "renamed", config=two_runs)
+        validate(out, "--run-id", "renamed", config=TWO_RUNS)
 
 
 def test_what_a_resume_may_change_and_a_rewind_to_the_base_are_not_refused(tmp_path):
@@ -136,17 +143,13 @@ def test_what_a_resume_may_change_and_a_rewind_to_the_base_are_not_refused(tmp_p
 
 
 def test_a_runs_own_adapter_is_checked_and_named_by_its_entry(tmp_path):
-    two_runs = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
-    out = tmp_path / "multi"
-    launched(out, config=two_runs, run="beta")
-    (out / "sft").mkdir()  # the warm-up done (its config.json): reused
-    (out / "sft" / "config.json").write_text("{}")
+    out = launched_two_runs(tmp_path / "multi")
     entries = '[{"name": "alpha"}, {"name": "beta", "trainer": {"lora": {"rank": 4}}}]'
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.trainer.lora.rank': .*run 'beta' at step 2"):
-        validate(out, "--runs", entries, config=two_runs)
+        validate(out, "--runs", entries, config=TWO_RUNS)
     # alpha has trained nothing: its adapter may change
     validate(out, "--trainer.lora.rank", "4", "--runs", '[{"name": "alpha"}, {"name": "beta", "trainer": '
-             '{"lora": {"rank": 8, "alpha": 16}}}]', config=two_runs)  # fmt: skip
+             '{"lora": {"rank": 8, "alpha": 16}}}]', config=TWO_RUNS)  # fmt: skip
 
 
 def test_what_a_run_absorbs_or_starts_over_from_is_not_refused(tmp_path):
@@ -217,10 +220,9 @@ def test_a_rewind_of_one_service_alone_is_refused(tmp_path, argv, key):
 
 def test_a_runs_own_rewind_to_a_missing_checkpoint_is_refused_before_anything_starts(tmp_path):
     # checked by the trainer alone, after Redis, the replicas and every orchestrator had started
-    two_runs = ["@", str(ROOT / "configs/multirun/two_runs.toml")]
     entries = '[{"name": "alpha"}, {"name": "beta", "trainer": {"resume_step": 3}}]'
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.trainer.resume_step': no trainer checkpoint of step 3"):
-        validate(tmp_path / "multi", "--runs", entries, config=two_runs)
+        validate(tmp_path / "multi", "--runs", entries, config=TWO_RUNS)
 
 
 def test_a_lock_holder_tells_what_it_asked_for_while_it_lives(tmp_path):
