@@ -210,7 +210,10 @@ class RunState:
                             "from %s", label, folder, plan.source())  # fmt: skip
         plan = dist.broadcast_object(plan, ctx)
         if plan.checkpoint_step is not None:
-            progress = self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
+            try:
+                progress = self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}. {self._without_checkpoint(plan.checkpoint_step)}") from None
             self.checkpointed_step = plan.checkpoint_step
             # a spike right after the resume is judged against the steps before it (absent: an older checkpoint)
             self.grad_norm_history = progress.get("grad_norm_history")
@@ -237,6 +240,18 @@ class RunState:
         self.metrics.step.set(plan.trained_step)
         log.info("%sresuming after step %d (%s)", label, plan.trained_step, plan)
         return plan
+
+    def _without_checkpoint(self, step: int) -> str:
+        """What to do about complete checkpoint `step` that does not load (damaged on the volume after its commit: a
+        crash cannot cut it short): where the run resumes once it is moved away. Not done automatically: a
+        damaged volume is worth a look, and a silent fallback would hide it."""
+        older = [s for s in self.checkpoints.steps() if s < step]
+        fallback = plan_resume(None, older, self.transport.latest())
+        hint = (f"To resume without it, move {self.checkpoints.path(step)} out of {self.checkpoints.root}: the run "
+                f"then resumes after step {fallback.trained_step} from {fallback.source()}")  # fmt: skip
+        if fallback.trained_step < step:  # unpublished, hence unacked: their batches are still pending in the stream
+            hint += f", training steps {fallback.trained_step + 1}..{step} again (their batches are still pending)"
+        return hint
 
     # ---- one step -------------------------------------------------------------------------------
     def commit(self, item: IntakeItem) -> dict[str, Any]:

@@ -195,3 +195,32 @@ def test_a_full_volume_at_a_checkpoint_stops_the_trainer_with_the_reason_and_the
     assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
     assert_exactly_once(tmp_path, stream)
     assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
+
+
+def test_a_checkpoint_damaged_on_the_volume_stops_the_restart_with_what_to_do_and_that_works(
+    tiny_model, redis_url, unique_run_id, tmp_path
+):
+    """Not a crash window (a committed checkpoint is complete), but what a crash-loop looks like to a user: checkpoint
+    2's shard cut short on the volume after its commit. The restart stops (exit 1) naming the folder and saying what
+    moving it away resumes from (published weights 2 with checkpoint 1's moments); done so, the run finishes with
+    every step trained once. It is not skipped automatically: a damaged volume is worth a look."""
+    stream = BatchStream(redis_url, unique_run_id)
+    push_batches(stream, range(1, STEPS + 1))
+    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
+    log = tmp_path / "trainer.log"
+    env = {**child_env(), "GYRE_TRAINER_CRASH_AT": "after_ack:2"}
+    assert run_to_end(argv, log, env) == -signal.SIGKILL, log.read_text()[-3000:]
+    folder = tmp_path / "checkpoints/trainer/step_2"
+    shard = next((folder / "state").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = log.stat().st_size
+    assert run_to_end(argv, log) == 1, log.read_text()[-3000:]
+    failed = log.read_text()[before:]
+    assert f"checkpoint step 2 at {folder} is unreadable" in failed
+    assert f"To resume without it, move {folder} out of {folder.parent}: the run then resumes after step 2 from " \
+           "published weights step 2 and checkpoint step 1" in failed  # fmt: skip
+    assert trained_steps(tmp_path) == [1, 2]
+
+    folder.rename(tmp_path / "damaged-step_2")
+    assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
+    assert_exactly_once(tmp_path, stream)
