@@ -7,7 +7,7 @@ trainer holds one (`gyre_trainer.service.Trainer`), a multi-run trainer N, one p
 shared base model (`gyre_trainer.multirun.MultiRunTrainer`). Both commit a step with `commit`, in this
 order (the order is what makes every step train exactly once; `gyre_trainer.checkpoint.plan_resume`
 has the crash analysis), with a crash point (`process.crash_point`) after each part (and inside the
-checkpoint and publish writes: `mid_checkpoint`, `mid_publish`):
+optimizer step and the checkpoint and publish writes: `mid_step`, `mid_checkpoint`, `mid_publish`):
 
     1. train        one optimizer step on the batch (a multi-run run: its adapter alone is trainable)
     2. checkpoint   when step % ckpt.interval == 0: model, optimizer, scheduler, RNG, progress (atomic)
