@@ -396,3 +396,27 @@ def test_two_folders_with_one_run_id_on_one_redis_are_refused_and_fresh_takes_th
         fresh._claim_run_ids(redis.url)
         with pytest.raises(ConfigError, match=r"belongs to the run in .*/b "):
             first.validate()
+
+
+def test_a_run_folder_moved_or_renamed_is_the_same_run(tmp_path):
+    # `mv outputs/a outputs/b`: its created base model (and SFT result) moved with it, and the re-run was refused as
+    # "trained from outputs/a/model, this launch would load outputs/b/model"
+    sft = ["--sft.args", '{"data": {"fake": true}}']
+    launched(tmp_path / "a", *sft)
+    (tmp_path / "a" / "sft").mkdir()
+    (tmp_path / "a" / "sft" / "config.json").write_text("{}")
+    from gyre.config.trainer import SFTConfig
+
+    a = tmp_path / "a"
+    argv = ["--model.name", str(a / "model"), "--data.fake", "--output-dir", str(a), "--save-dir", str(a / "sft")]
+    (a / "configs" / "sft.toml").write_text(to_toml(load_config(SFTConfig, argv)))
+    (tmp_path / "a").rename(tmp_path / "b")
+    validate(tmp_path / "b", *sft, "--max-steps", "9")
+    with pytest.raises(ConfigError, match=r"^config key 'model.name': the SFT warm-up in .*/b/sft was trained from "
+                       r".*/b/model, not .*configs"):  # fmt: skip
+        validate(tmp_path / "b", *sft, "--model.name", str(ROOT / "configs"))
+    launched(tmp_path / "c")
+    (tmp_path / "c").rename(tmp_path / "d")
+    validate(tmp_path / "d")
+    with pytest.raises(ConfigError, match=r"^config key 'model.name': .* trained from .*/d/model"):
+        validate(tmp_path / "d", "--model.name", str(ROOT / "configs"))

@@ -41,6 +41,18 @@ def differences(old: Any, new: Any, explicit: set[str], prefix: str = "") -> lis
     return [] if old == new else [(prefix.rstrip("."), old, new)]
 
 
+def moved_with(path: str | None, old_dir: str | None, new_dir: str | Path | None) -> str | None:
+    """`path` as recorded by a run in `old_dir`, in `new_dir` when it was inside the run's folder (its created base
+    model, its SFT result): a run folder moved or renamed (`mv outputs/a outputs/b`) is the same run, and its
+    recorded model was refused as another one. Compared as written (both were written alike: relative or not)."""
+    if path is None or old_dir is None or new_dir is None:
+        return path
+    inside = Path(path)
+    if not inside.is_relative_to(old_dir):
+        return path
+    return str(Path(new_dir) / inside.relative_to(old_dir))
+
+
 def same_model(a: str | None, b: str | None) -> bool:
     """Whether two model names are one model: equal, or two paths of one existing folder (a hub id is its name)."""
     if a == b:
@@ -53,6 +65,7 @@ def sft_changes(old: dict, new: dict, explicit: set[str], in_progress: bool) -> 
     (`model.name`, compared as a path) first, then every other key but the free ones (`SFT_FREE_KEYS`, and how far
     it goes when `in_progress`: a half-done SFT is resumed, and may be taken further)."""
     old_model, new_model = (old.get("model") or {}).get("name"), (new.get("model") or {}).get("name")
+    old_model = moved_with(old_model, old.get("output_dir"), new.get("output_dir"))
     found = [] if same_model(old_model, new_model) else [("model.name", old_model, new_model)]
     old, new = ({k: v for k, v in values.items()} for values in (old, new))
     for values in (old, new):

@@ -25,7 +25,7 @@ from gyre.config.inference import InferenceConfig, loras_for_runs
 from gyre.config.loader import deep_merge, under_section
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.packing import PackingShape
-from gyre.config.rerun import same_model
+from gyre.config.rerun import moved_with, same_model
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import TrainerConfig
 from gyre.net import free_port
@@ -387,6 +387,7 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
     trained = {name: step for name, step in started.items() if step > 0}
     where = at(next(iter(started)))
     old_model, new_model = (previous.get("model") or {}).get("name"), configs.trainer.model.name
+    old_model = moved_with(old_model, previous.get("output_dir"), cfg.output_dir)  # a moved folder is the same run
     if not same_model(old_model, new_model):
         sft_dir = str(out / "sft")
         key = "sft.enabled" if (old_model == sft_dir) != (new_model == sft_dir) else "model.name"
@@ -396,6 +397,7 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
         )
     if cfg.sft.enabled and (out / "sft" / "config.json").exists() and (sft := read("sft.toml")) is not None:
         old_base, new_base = (sft.get("model") or {}).get("name"), cfg.model.name or str(out / "model")
+        old_base = moved_with(old_base, sft.get("output_dir"), cfg.output_dir)
         if not same_model(old_base, new_base):
             raise ConfigError(
                 f"config key 'model.name': the SFT warm-up in {out / 'sft'} (which the run in {where} continues) was "
