@@ -29,9 +29,11 @@ logs the first one. Setup errors (401, 403, 404, or `gyre.endpoint.MAX_REFUSED_I
 A `RewardModel` scores whole conversations with a sequence-classification model behind vLLM's `/classify`
 (`gyre inference --runner pooling`, or `vllm serve --runner pooling`): each conversation is rendered by the
 server's own chat template (`/tokenize` with its messages), and concurrent calls are gathered into batches of up
-to `max_batch` token lists per `/classify` request (waiting at most `batch_wait_ms` for others to join). A batch
-the server refuses for what it holds (one conversation longer than its context) is scored again one conversation
-at a time, so only the refused one is `Unjudged` (the others are scored).
+to `max_batch` token lists per `/classify` request (waiting at most `batch_wait_ms` for others to join). A
+conversation longer than the model's context (the `max_model_len` its `/tokenize` answers) is cut like a judge's
+prompt, its longest texts in the middle with a marker (`cut`), before it is sent: it was refused and scored 0. A
+batch the server refuses for what it holds (a conversation no cut fits) is scored again one conversation at a time,
+so only the refused one is `Unjudged` (the others are scored).
 """
 
 from __future__ import annotations
@@ -182,18 +184,35 @@ def cut_to_fit(config: JudgeConfig, fields: dict[str, str], remove: int) -> dict
     each cut in its middle (`_cut_middle`); None when the fields the prompt uses hold too little to take that many
     and keep `MIN_KEPT` characters of each beside its marker (a marker alone is no part of the rollout to judge)."""
     used = Counter(name for _, name, _, _ in string.Formatter().parse(config.prompt) if name)
-    if not used or sum(len(fields[name]) * n for name, n in used.items()) <= remove:
+    cap = _cap([(len(fields[name]), n) for name, n in used.items()], remove)
+    if cap is None:
         return None
-    low, high = 0, max(len(fields[name]) for name in used)  # the largest cap that removes enough
+    return {name: _cut_middle(value, cap) if name in used else value for name, value in fields.items()}
+
+
+def _cap(sizes: list[tuple[int, int]], remove: int) -> int | None:
+    """The largest length that texts of these (length, times used) lose `remove` characters by being cut to; None
+    when that keeps less than `MIN_KEPT` of each beside its marker (or they hold too little)."""
+    if not sizes or sum(size * n for size, n in sizes) <= remove:
+        return None
+    low, high = 0, max(size for size, _ in sizes)
     while low < high:
         cap = (low + high + 1) // 2
-        if sum(max(0, len(fields[name]) - cap) * n for name, n in used.items()) >= remove:
+        if sum(max(0, size - cap) * n for size, n in sizes) >= remove:
             low = cap
         else:
             high = cap - 1
-    if low < len(CUT_MARKER) + 8 + MIN_KEPT:
+    return None if low < len(CUT_MARKER) + 8 + MIN_KEPT else low
+
+
+def cut_messages(messages: Messages, remove: int) -> Messages | None:
+    """`messages` with about `remove` characters fewer, the longest texts cut in the middle (`cut_to_fit`'s rule):
+    a reward model's conversation longer than its context. None when no cut keeps enough (`_cap`)."""
+    texts = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
+    cap = _cap([(len(messages[i]["content"]), 1) for i in texts], remove)
+    if cap is None:
         return None
-    return {name: _cut_middle(value, low) if name in used else value for name, value in fields.items()}
+    return [{**m, "content": _cut_middle(m["content"], cap)} if i in texts else m for i, m in enumerate(messages)]
 
 
 def _json_value(reply: str, key: str) -> Any:
@@ -406,6 +425,37 @@ class RewardModel:
         self._tasks: set[asyncio.Task] = set()
 
     async def __call__(self, messages: Messages) -> float:
+        rendered = await self._tokenize(messages)
+        tokens, context = rendered["tokens"], rendered.get("max_model_len")
+        # A conversation longer than the model's context (its /tokenize says how long that is: vLLM's and Gyre's) was
+        # refused by /classify and scored 0 (Unjudged): its longest texts are cut in the middle, marked, as a judge's
+        original = len(tokens)
+        for _ in range(MAX_CUTS):
+            if not (isinstance(context, int) and context > 0 and len(tokens) > context):
+                break
+            chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+            cut = cut_messages(messages, chars - math.floor(chars * context / len(tokens) * 0.9) + 16)
+            if cut is None:
+                break  # nothing to cut that would do: /classify refuses it (Unjudged), as before
+            messages = cut
+            tokens = (await self._tokenize(messages))["tokens"]
+        if len(tokens) < original and not (isinstance(context, int) and len(tokens) > context):
+            self.stats["cut"] += 1
+            if self.stats["cut"] == 1:
+                log.warning("reward model %r: a conversation of %d tokens is longer than its context of %s; it is "
+                            "scored with its longest texts cut in the middle, marked where: further ones are only "
+                            "counted (cut in the signals)", self.config.name, original, context)  # fmt: skip
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((tokens, future))
+        if len(self._queue) >= self.config.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.config.batch_wait_ms / 1000, self._flush)
+        return await future
+
+    async def _tokenize(self, messages: Messages) -> dict:
+        """The server's /tokenize answer for a conversation (its own chat template); one without tokens is a
+        ScoringError (the server's fault, not the rollout's: never a silent 0)."""
         try:
             body = {"model": await self.endpoint.model(), "messages": messages, "add_generation_prompt": False}
             rendered = await self.endpoint.post("/tokenize", body)
@@ -414,16 +464,10 @@ class RewardModel:
         except EndpointError as error:
             raise ScoringError(str(error)) from error
         tokens = rendered.get("tokens") if isinstance(rendered, dict) else None
-        if not (isinstance(tokens, list) and tokens):  # the server's fault, not the rollout's: never a silent 0
+        if not (isinstance(tokens, list) and tokens):
             self.stats["unparsed"] += 1
             raise ScoringError(f"reward model {self.config.name!r}: /tokenize answered no token list")
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append((tokens, future))
-        if len(self._queue) >= self.config.max_batch:
-            self._flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.config.batch_wait_ms / 1000, self._flush)
-        return await future
+        return rendered
 
     def _flush(self) -> None:
         if self._timer is not None:

@@ -5,7 +5,8 @@ context length is L tokens. However, you requested N tokens (P in the messages, 
 OpenAI word it). A long completion was refused every time it was asked, so the judge scored it 0 (`Unjudged`):
 whatever the rollout was worth, a long one never got a grade. Now the prompt is rendered again with its longest
 fields cut in the middle (a marker in their place says so to the judge), sized from the counts the refusal gives,
-and the cut prompt is judged.
+and the cut prompt is judged. A reward model's conversation longer than its context (its /tokenize says the
+context) is cut alike before /classify, which refused it (0).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import asyncio
 
 import httpx
 import pytest
-from gyre.envs.judge import CUT_MARKER, Judge, Unjudged
+from gyre.envs.judge import CUT_MARKER, Judge, RewardModel, Unjudged
+from support.models import reward_model_path
 
 CONTEXT = 256  # the judge's context, in tokens
 # json + structured: the tiny model's random weights still answer a readable score
@@ -90,3 +92,39 @@ def test_a_prompt_no_cut_can_fit_is_unjudged_saying_why(short_judge, settings, w
     with pytest.raises(Unjudged, match=why) as raised:
         judged(judge, LONG)
     assert "maximum context length is 256" in str(raised.value) and judge.stats["cut"] == 0
+
+
+@pytest.fixture(scope="module")
+def short_reward_model(start_inference, tmp_path_factory):
+    return start_inference("--runner", "pooling", "--engine.max-model-len", str(CONTEXT),
+                           model=reward_model_path(tmp_path_factory))  # fmt: skip
+
+
+def test_a_conversation_longer_than_the_reward_models_context_is_scored_with_its_middle_cut(short_reward_model):
+    model = RewardModel(url=short_reward_model.url, name="rm", batch_wait_ms=1)
+    long = [{"role": "user", "content": PROMPT[0]["content"]}, {"role": "assistant", "content": LONG}]
+    short = [{"role": "user", "content": PROMPT[0]["content"]}, {"role": "assistant", "content": "42"}]
+    classified: list[list[int]] = []
+    tokenized: list[list[dict]] = []
+    post = model.endpoint.post
+
+    async def spy(path, body, **kwargs):
+        if path == "/classify":
+            classified.extend(body["input"])
+        if path == "/tokenize":
+            tokenized.append(body["messages"])
+        return await post(path, body, **kwargs)
+
+    model.endpoint.post = spy
+
+    async def scenario():
+        try:
+            return await model(long), await model(short)
+        finally:
+            await model.aclose()
+
+    scores = asyncio.run(scenario())
+    assert all(isinstance(score, float) for score in scores) and model.stats["cut"] == 1
+    assert model.stats["refused"] == 0 and all(len(tokens) <= CONTEXT for tokens in classified)
+    cut = next(messages[-1]["content"] for messages in tokenized if "characters cut here" in messages[-1]["content"])
+    assert cut.startswith("BEGINNING sentence 0") and cut.endswith("So the answer is 42. END")

@@ -728,3 +728,15 @@ def test_a_prompt_too_long_is_cut_from_its_longest_fields_in_the_middle():
     assert cut_to_fit(config, fields, 5000) is None
     assert cut_to_fit(config, fields, len(response) - 100) is None
     assert cut_to_fit(config, fields, len(response) - 150) is not None
+    # a reward model's conversation: its longest text cut alike, content that is no text left as it is
+    from gyre.envs.judge import cut_messages
+
+    parts = [{"type": "text", "text": "t"}]
+    messages = [
+        {"role": "user", "content": "Q?"},
+        {"role": "assistant", "content": response},
+        {"role": "user", "content": parts},
+    ]
+    cut = cut_messages(messages, 1500)
+    assert cut[0] == messages[0] and cut[2] == messages[2] and abs(len(response) - len(cut[1]["content"]) - 1500) < 10
+    assert cut_messages(messages, len(response)) is None
