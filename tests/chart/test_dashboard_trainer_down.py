@@ -3,7 +3,9 @@ pending: no longer scraped), evaluated by Prometheus's own engine (`promtool tes
 the panel's query exactly as charts/gyre/dashboards/trainer.json ships it.
 
 "Time since last step" went empty the moment the trainer stopped being scraped (its series stale after 5
-minutes), the one moment the panel matters; it now counts on from the last step it saw."""
+minutes), the one moment the panel matters; it now counts on from the last step it saw. And the overview's
+experiment list came from the trainer's series alone: a run whose trainer never came up (pending on GPUs) was
+not listed, its rollouts and rewards out of reach."""
 
 from __future__ import annotations
 
@@ -27,39 +29,55 @@ def panel_query(dashboard: str, title: str) -> str:
     return target["expr"].replace("$namespace", ".*").replace("$run_id", ".*").replace("$__rate_interval", "2m")
 
 
+def run_id_selector(dashboard: str) -> str:
+    """The series the dashboard's run_id variable lists its values from (`label_values(SELECTOR, run_id)`)."""
+    model = json.loads((CHART / "dashboards" / dashboard).read_text())
+    (var,) = [v for v in model["templating"]["list"] if v["name"] == "run_id"]
+    query = var["query"] if isinstance(var["query"], str) else var["query"]["query"]
+    assert query.startswith("label_values(") and query.endswith(", run_id)"), query
+    return query.removeprefix("label_values(").removesuffix(", run_id)").replace("$namespace", ".*")
+
+
+def promtool_test(tmp_path, test: dict) -> subprocess.CompletedProcess:
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({"evaluation_interval": "1m", "tests": [test]}))
+    return subprocess.run([PROMTOOL, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_the_overview_lists_a_run_whose_trainer_never_came_up(tmp_path):
+    """label_values(SELECTOR, run_id) lists the run_id of every series SELECTOR matches in the time range: the
+    same as `count by (run_id) (SELECTOR)` while they are scraped."""
+    selector = run_id_selector("overview.json")
+    result = promtool_test(tmp_path, {
+        "interval": "1m",
+        "input_series": [
+            {"series": 'gyre_orchestrator_step{namespace="ml", run_id="pending"}', "values": "0x30"},
+            {"series": 'gyre_orchestrator_step{namespace="ml", run_id="running"}', "values": "0+1x30"},
+            {"series": 'gyre_trainer_step{namespace="ml", run_id="running"}', "values": "0+1x30"},
+        ],
+        "promql_expr_test": [{
+            "expr": f"count by (run_id) ({selector})",
+            "eval_time": "20m",
+            "exp_samples": [{"labels": '{run_id="pending"}', "value": 1}, {"labels": '{run_id="running"}', "value": 2}],
+        }],
+    })  # fmt: skip
+    assert result.returncode == 0, f"{selector}\n{result.stdout}{result.stderr}"
+
+
 def test_time_since_last_step_counts_on_while_the_trainer_is_down(tmp_path):
     query = panel_query("trainer.json", "Time since last step")
     # Steps published every minute for 10 minutes (the gauge holds the step's unix time: 60, 120, ..., 600),
     # then the trainer is no longer scraped. A healthy run beside it stays at its own last step.
-    tests = {
-        "evaluation_interval": "1m",
-        "tests": [
-            {
-                "interval": "1m",
-                "input_series": [
-                    {
-                        "series": 'gyre_trainer_last_step_timestamp_seconds{namespace="ml", run_id="down"}',
-                        "values": "0 60+60x9 _x50",
-                    },
-                    {
-                        "series": 'gyre_trainer_last_step_timestamp_seconds{namespace="ml", run_id="up"}',
-                        "values": "0 60+60x59",
-                    },
-                ],
-                "promql_expr_test": [
-                    {
-                        "expr": query,
-                        "eval_time": "40m",
-                        "exp_samples": [
-                            {"labels": '{run_id="down"}', "value": 40 * 60 - 600},
-                            {"labels": '{run_id="up"}', "value": 0},
-                        ],
-                    }
-                ],
-            }
-        ],
-    }
-    (tmp_path / "test.yaml").write_text(yaml.safe_dump(tests))
-    result = subprocess.run([PROMTOOL, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    down = 'gyre_trainer_last_step_timestamp_seconds{namespace="ml", run_id="down"}'
+    up = 'gyre_trainer_last_step_timestamp_seconds{namespace="ml", run_id="up"}'
+    result = promtool_test(tmp_path, {
+        "interval": "1m",
+        "input_series": [{"series": down, "values": "0 60+60x9 _x50"}, {"series": up, "values": "0 60+60x59"}],
+        "promql_expr_test": [{
+            "expr": query,
+            "eval_time": "40m",
+            "exp_samples": [{"labels": '{run_id="down"}', "value": 40 * 60 - 600},
+                            {"labels": '{run_id="up"}', "value": 0}],
+        }],
+    })  # fmt: skip
     assert result.returncode == 0, f"{query}\n{result.stdout}{result.stderr}"

@@ -14,7 +14,8 @@ def overview() -> db.Dashboard:
         "gyre-overview",
         "Gyre / Experiment overview",
         "One RL experiment at a glance: reward, speed, async lag, utilisation and weight sync.",
-        "gyre_trainer_step",
+        # the orchestrator's too: a run whose trainer never came up (pending on GPUs) is listed, with its rollouts
+        "gyre_trainer_step|gyre_orchestrator_step",
     )
     d = (
         d.with_panel(stat_panel("Trainer step", "none", f"max by (run_id) ({sel('gyre_trainer_step')})",

@@ -132,14 +132,19 @@ def stat_panel(title: str, unit: str, expr: str, description: str, width: int = 
 
 
 def variables(anchor_metric: str) -> list:
-    """datasource, namespace and run_id variables; `anchor_metric` is exported by every experiment."""
+    """datasource, namespace and run_id variables; `anchor_metric` is exported by every experiment (a metric name,
+    or several as `a|b`: an experiment is listed while any of them has been scraped in the time range)."""
+    if "|" in anchor_metric:
+        everywhere, in_namespace = f'{{__name__=~"{anchor_metric}"}}', f'{{__name__=~"{anchor_metric}", '
+    else:
+        everywhere, in_namespace = anchor_metric, f"{anchor_metric}{{"
     datasource = db.DatasourceVariable("datasource").id("datasource").label("Data source").type("prometheus")
     namespace = (
         db.QueryVariable("namespace")
         .id("namespace")
         .label("Namespace")
         .datasource(DATASOURCE)
-        .query(f"label_values({anchor_metric}, namespace)")
+        .query(f"label_values({everywhere}, namespace)")
         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(VariableSort.ALPHABETICAL_ASC)
     )
@@ -148,7 +153,7 @@ def variables(anchor_metric: str) -> list:
         .id("run_id")
         .label("Experiment")
         .datasource(DATASOURCE)
-        .query(f'label_values({anchor_metric}{{namespace=~"$namespace"}}, run_id)')
+        .query(f'label_values({in_namespace}namespace=~"$namespace"}}, run_id)')
         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(VariableSort.ALPHABETICAL_ASC)
         .multi(True)
