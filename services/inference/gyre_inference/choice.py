@@ -59,6 +59,8 @@ class Choice:
     min_tokens: int = 0  # stop strings count only from this many tokens on (vLLM's min_tokens)
     include_stop: bool = False  # keep the stop string that ended the choice in its text
     echo: str = ""  # text shown before the generated text (echo); not part of `text`
+    # the request's own stop_token_ids (not the end-of-turn token): the one that ends the choice is its stop_reason
+    stop_token_ids: frozenset[int] = frozenset()
     single_call: bool = False  # parallel_tool_calls false: only the first parsed call is returned (as vLLM)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -66,6 +68,9 @@ class Choice:
     text: str = ""
     released: int = 0  # characters of `text` already handed out
     finish_reason: str | None = None
+    # vLLM's stop_reason: the stop string or the request's stop token id that ended the choice; None for the
+    # end-of-turn token, the length, or a grammar that completed
+    stop_reason: str | int | None = None
     tool_calls: list = field(default_factory=list)
     version_min: int | None = None
     version_max: int | None = None
@@ -119,6 +124,8 @@ class Choice:
                 end = min(end, tag - 1 if self.text[tag - 1 : tag] == "\n" else tag)
             return Delta(position, self._release(end), event.version, None)
         self.finish_reason = finish
+        if event.finish_reason == "stop" and self.stop_reason is None and event.token_id in self.stop_token_ids:
+            self.stop_reason = event.token_id
         if self.parse_tools:
             content, calls = parse_tool_calls(self.text)
             if calls:
@@ -133,6 +140,7 @@ class Choice:
         if hits:
             start, stop = min(hits)
             self.text = self.text[: start + len(stop) if self.include_stop else start]
+            self.stop_reason = stop
         return bool(hits)
 
     def _release(self, end: int) -> str:

@@ -18,6 +18,8 @@ from fastapi.openapi.utils import get_openapi
 _ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
 _NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
 _INT_LIST = {"type": "array", "items": {"type": "integer"}}
+# vLLM's stop_reason: the stop string or stop token id that ended a choice, else null
+_STOP_REASON = {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "ErrorResponse": {
@@ -71,6 +73,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                         },
                         "logprobs": {"anyOf": [{"type": "object"}, {"type": "null"}]},
                         "finish_reason": {"enum": ["stop", "length", "tool_calls", "abort"]},
+                        "stop_reason": _STOP_REASON,
                         "policy_version": {"type": "integer"},
                         "policy_version_min": {"type": "integer"},
                         "policy_version_max": {"type": "integer"},
@@ -100,6 +103,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                         "text": {"type": "string"},
                         "logprobs": {"anyOf": [{"type": "object"}, {"type": "null"}]},
                         "finish_reason": {"enum": ["stop", "length", "abort"]},
+                        "stop_reason": _STOP_REASON,
                         "policy_version": {"type": "integer"},
                         "prompt_logprobs": {
                             "type": "array",

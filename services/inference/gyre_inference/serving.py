@@ -189,6 +189,8 @@ class Serving:
         # an id the model cannot sample never stops anything, and with min_tokens it indexes the logits (its
         # suppression bias): the engine step failed, and with it every request in the batch
         stop_ids = set(self.text.check_ids(request.stop_token_ids or [], "stop_token_ids"))
+        # vLLM's stop_reason names a stop token id the request gave, never the end-of-turn token
+        own_stop_ids = frozenset(stop_ids - set(self.text.eos_token_ids))
         stop_ids |= set() if request.ignore_eos else set(self.text.eos_token_ids)
         logit_bias = tuple((int(token), bias) for token, bias in (request.logit_bias or {}).items())
         if bad := [token for token, _ in logit_bias if token >= self.text.vocab_size]:
@@ -228,7 +230,8 @@ class Serving:
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",
-                                single_call=single_call, streamed=not final_only, echo_only=echo_only)  # fmt: skip
+                                single_call=single_call, streamed=not final_only, echo_only=echo_only,
+                                stop_token_ids=own_stop_ids)  # fmt: skip
                 choices.append((p, choice, params))
         return _Job(kind, request, prompts, choices, started)
 
@@ -384,7 +387,8 @@ class Serving:
             if choice.tool_calls:
                 message["tool_calls"] = choice.tool_calls
             entry = {"index": choice.index, "message": message, "logprobs": self._chat_logprobs(job, choice),
-                     "finish_reason": choice.finish_reason, **choice.versions()}  # fmt: skip
+                     "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                     **choice.versions()}  # fmt: skip
             if job.request.return_token_ids:
                 entry["token_ids"] = choice.token_ids
             choices.append(entry)
@@ -401,7 +405,7 @@ class Serving:
             choice.prompt_logprobs = prompt_lps.get(p)
             entry = {"index": choice.index, "text": choice.echo + choice.text,
                      "logprobs": self._legacy_logprobs(job, choice), "finish_reason": choice.finish_reason,
-                     **choice.versions()}  # fmt: skip
+                     "stop_reason": choice.stop_reason, **choice.versions()}  # fmt: skip
             if job.request.prompt_logprobs is not None:  # vLLM's per-choice field
                 token_text = lambda t: self._token(job, t)[0]  # noqa: E731
                 entry["prompt_logprobs"] = to_vllm(prompt_lps[p], job.prompts[p], token_text)
@@ -425,7 +429,7 @@ class Serving:
         if not (job.kind == "chat" and delta.finish_reason and choice.tool_calls):
             return [entry]
         finish = {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": entry["finish_reason"],
-                  **choice.versions()}  # fmt: skip
+                  "stop_reason": entry.pop("stop_reason"), **choice.versions()}  # fmt: skip
         if job.request.return_token_ids:
             finish["token_ids"] = []
         entry["finish_reason"] = None
@@ -449,7 +453,8 @@ class Serving:
             entry["token_ids"] = choice.token_ids[span]
             if job.kind == "completions" and delta.position == 0:
                 entry["prompt_token_ids"] = job.prompts[choice.prompt_index]
-        if delta.finish_reason:
+        if delta.finish_reason:  # the finishing chunk only: per-token chunks stay small
+            entry["stop_reason"] = choice.stop_reason
             entry.update(choice.versions())
         return entry
 

@@ -250,6 +250,31 @@ def test_penalties_reach_the_sampler_and_the_log_probs_are_of_the_penalised_dist
     assert generated["token_ids"] == tokens
 
 
+def test_each_choice_says_its_stop_reason_as_vllm_does(client, model_id):
+    """vLLM's stop_reason: the stop string or the request's stop token id that ended a choice, null for the length
+    or the end-of-turn token; streamed on the finishing chunk. It was missing (agent code reading it failed)."""
+    kwargs = dict(model=model_id, messages=STORY, max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+    free = client.chat.completions.create(**kwargs)
+    text, ids = free.choices[0].message.content, extra(free.choices[0])["token_ids"]
+    assert extra(free.choices[0])["stop_reason"] is None
+    stop = text[3:6].strip() or text[3:6]
+    by_string = client.chat.completions.create(**kwargs, stop=[stop, "never-seen"])
+    assert by_string.choices[0].finish_reason == "stop" and extra(by_string.choices[0])["stop_reason"] == stop
+    chunks = [c for c in client.chat.completions.create(**kwargs, stop=[stop], stream=True) if c.choices]
+    assert extra(chunks[-1].choices[0])["stop_reason"] == stop and chunks[-1].choices[0].finish_reason == "stop"
+    assert all("stop_reason" not in extra(c.choices[0]) for c in chunks[:-1])  # per-token chunks stay as they were
+    completion = client.completions.create(
+        model=model_id,
+        prompt=TOKEN_PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [ids[2]], "return_token_ids": True},
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and extra(choice)["stop_reason"] == extra(choice)["token_ids"][-1]
+    assert isinstance(extra(choice)["stop_reason"], int)
+
+
 def test_streaming_chat_equals_the_non_streaming_answer(client, model_id):
     kwargs = dict(model=model_id, messages=STORY, max_tokens=16, seed=9, logprobs=True, n=2,
                   extra_body={"return_token_ids": True})  # fmt: skip
