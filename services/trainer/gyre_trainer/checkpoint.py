@@ -7,7 +7,9 @@ A checkpoint of step `s` lives in `{output_dir}/checkpoints/trainer/step_{s}/`:
     scheduler.pt      LR scheduler state (identical on every rank; rank 0 writes it)
     rng_rank{r}.pt    torch (+ CUDA) and python RNG state of rank r
     progress.json     {"step", "world_size", "record", "created", and the trainer's "grad_norm_history" (the
-                      spike detector's window, `gyre_trainer.debug`)}: written last
+                      spike detector's window, `gyre_trainer.debug`) and "dtype" (the parameters' training
+                      dtype, which a LoRA checkpoint's float32 adapters do not tell: `gyre_trainer.export`)}:
+                      written last
 
 DCP is used also for a single process, so there is one format and any world size can resume it.
 

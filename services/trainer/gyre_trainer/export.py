@@ -50,14 +50,29 @@ def parse(argv: list[str]) -> tuple[Any, int | None, Path]:
     return cfg, known.step, known.to
 
 
+def training_dtype(configured: str, recorded: str | None, saved: set):
+    """The dtype to export in: `model.dtype` when set (not `auto`), else the one the checkpoint records (progress.json
+    `dtype`), else the model tensors' own when they agree (a checkpoint older than the record), else float32. A LoRA
+    checkpoint holds float32 adapters (peft keeps them so for a bf16 base): their dtype alone gave a bf16 run's export
+    in float32, twice the size of the weights it published."""
+    import torch
+
+    from gyre_trainer.model import resolve_dtype
+
+    if configured != "auto":
+        return resolve_dtype(configured, torch.device("cpu"))
+    if recorded is not None:
+        return resolve_dtype(recorded, torch.device("cpu"))
+    return saved.copy().pop() if len(saved) == 1 else torch.float32
+
+
 def export_checkpoint(cfg, step: int | None, to: Path) -> Path:
     """Write checkpoint `step` (None: the newest) of the run `cfg` describes as an HF folder at `to`; returns it."""
-    import torch
     from gyre.fsio import commit_dir, write_file
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
 
-    from gyre_trainer.checkpoint import CheckpointManager, load_model_state
+    from gyre_trainer.checkpoint import CheckpointManager, load_model_state, read_progress
     from gyre_trainer.dist import DistContext
     from gyre_trainer.model import load_model
     from gyre_trainer.publish import STEP_RECORD, write_hf_folder
@@ -82,7 +97,7 @@ def export_checkpoint(cfg, step: int | None, to: Path) -> Path:
     saved = FileSystemReader(str(folder / "state")).read_metadata().state_dict_metadata
     dtypes = {meta.properties.dtype for key, meta in saved.items()
               if key.startswith("model.") and hasattr(meta, "properties")}  # fmt: skip
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the training dtype (one, unless LoRA mixes)
+    dtype = training_dtype(cfg.model.dtype, read_progress(folder, step).get("dtype"), dtypes)
     model = load_model(cfg.model, "cpu", dtype)
     hf_config = model.config
     if cfg.lora is not None:

@@ -355,7 +355,8 @@ class RunState:
         start = time.perf_counter()
         history = list(self.debugger.watch.history) if self.debugger else self.grad_norm_history
         self.checkpoints.save(step, self.process.model, self.optimizer, self.scheduler, record,
-                              grad_norm_history=history)  # fmt: skip
+                              grad_norm_history=history,
+                              dtype=str(self.process.dtype).removeprefix("torch."))  # fmt: skip
         self.metrics.checkpoint_duration.observe(time.perf_counter() - start)
         self.checkpointed_step = step
 

@@ -39,6 +39,7 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads_equal_to_the_publis
     assert exported.keys() == published.keys()
     assert all(torch.equal(exported[k], published[k]) for k in published), "export != published weights step 2"
     assert json.loads((to / "gyre_step.json").read_text())["step"] == 2
+    assert json.loads((out / "checkpoints/trainer/step_2/progress.json").read_text())["dtype"] == "float32"
     model = AutoModelForCausalLM.from_pretrained(to, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(to)
     ids = torch.tensor([tokenizer("hello world")["input_ids"] or [5, 6]])
@@ -57,3 +58,13 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads_equal_to_the_publis
     assert "have [1, 2]" in missing.stderr + missing.stdout and not (tmp_path / "hf-9").exists()
     taken = export(argv, to, "--step", "1")
     assert taken.returncode == 2 and "exists: export into a new folder" in taken.stderr + taken.stdout
+
+
+def test_the_export_dtype_is_the_training_dtype_not_a_lora_adapters_float32():
+    from gyre_trainer.export import training_dtype
+
+    # a bf16 LoRA run on a GPU (model.dtype auto): its checkpoint holds float32 adapters and records bfloat16
+    assert training_dtype("auto", "bfloat16", {torch.float32}) == torch.bfloat16
+    assert training_dtype("float16", "bfloat16", {torch.float32}) == torch.float16  # model.dtype given: it wins
+    assert training_dtype("auto", None, {torch.bfloat16}) == torch.bfloat16  # a checkpoint from before the record
+    assert training_dtype("auto", None, {torch.bfloat16, torch.float32}) == torch.float32
