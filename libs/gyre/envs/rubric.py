@@ -94,6 +94,11 @@ class Rubric:
         self._wants.append(None if any(p.kind is p.VAR_KEYWORD for p in params) else [p.name for p in params])
         return self
 
+    def add_reward_func(self, func: RewardFunc, weight: float = 1.0) -> Rubric:
+        """verifiers' name for `add` (`rubric.add_reward_func(f, weight=0.5)`): a rubric ported from verifiers was an
+        AttributeError at load."""
+        return self.add(func, weight)
+
     async def score(self, task: Task, rollout: Rollout) -> Score:
         available = {
             "completion": rollout.completion,

@@ -267,6 +267,8 @@ def test_names_and_weights_a_verifiers_user_writes_are_named_in_the_errors():
     with pytest.raises(ValueError, match=r"'scaled' is already in this rubric: give this one its own name, rubric.add"):
         rubric.add(functools.partial(scaled, scale=3.0))
     rubric.add(functools.partial(scaled, scale=3.0), name="scaled_3")
+    rubric.add_reward_func(lambda completion: 1.0, weight=0.25)  # verifiers' name for add: an AttributeError
+    assert rubric.names[-1] == "<lambda>" and rubric.weights[-1] == 0.25
     for weight in ("0.5", True, None):
         with pytest.raises(ValueError, match=f"weight of 'w' must be a finite number, got {weight!r}"):
             rubric.add(lambda answer: 0.0, weight=weight, name="w")
