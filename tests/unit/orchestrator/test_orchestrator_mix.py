@@ -24,6 +24,10 @@ def test_the_ratios_are_honoured_over_many_draws():
         assert drawn.count(label) / len(drawn) == pytest.approx(share, abs=0.015), label
     # each entry reads its own split in order: its cursor is how many of its tasks were drawn
     assert mix.cursors == {label: drawn.count(label) for label in "abc"} and mix.draws == 20000
+    # and not only on average: any 8 draws in a row (a step's groups) hold each entry within 2 of its share
+    for start in range(0, len(drawn) - 8):
+        window = drawn[start : start + 8]
+        assert all(abs(window.count(label) - 8 * share) <= 2 for label, share in (("a", 0.6), ("b", 0.3), ("c", 0.1)))
 
 
 def test_the_draw_sequence_is_a_function_of_the_seed():
