@@ -525,3 +525,14 @@ def test_gyre_eval_refuses_an_inference_url_with_a_route_before_connecting():
     res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.startswith("gyre eval: error: config key 'inference.urls': entry 0 "), res.stderr
+
+
+def test_gyre_rl_help_says_how_a_run_continues_starts_over_and_rewinds():
+    # a PRIME-RL user reads --help first: it said nothing of re-runs (PRIME-RL resumes with --ckpt.resume-step)
+    from gyre.config.rl import RLConfig
+
+    text = help_text(RLConfig, "gyre rl")
+    head = text.split("Sources (highest first)")[0]
+    assert "The same command again continues the run where it stands" in head
+    assert "--fresh" in head and "--ckpt.resume-step N rewinds it" in head
+    assert not [line for line in head.splitlines() if line.startswith(" ")], head  # the docstring's indent is gone

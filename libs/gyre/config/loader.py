@@ -19,6 +19,7 @@ as argparse does for usage errors.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import os
 import re
@@ -811,7 +812,7 @@ def help_text(cls: type[BaseModel], prog: str, summary: str = "") -> str:
     """Every option with its type, default and description (what `--help` prints)."""
     out = [f"usage: {prog} [@ config.toml ...] [--key value ...]", ""]
     if summary or cls.__doc__:
-        out += [(summary or cls.__doc__ or "").strip(), ""]
+        out += [inspect.cleandoc(summary or cls.__doc__ or ""), ""]  # a docstring's further lines: not indented
     out += [
         "Sources (highest first): --options > @ TOML files (merged left to right) > env GYRE_A__B > defaults.",
         'Options accept kebab or snake case; a bare --flag means true; lists/tables as JSON ([1,2], {"a": 1});',

@@ -104,7 +104,10 @@ class RLServerConfig(Section):
 
 
 class RLConfig(GyreSettings):
-    """Run inference, orchestrator and trainer as local processes with an embedded Redis."""
+    """Run inference, orchestrator and trainer as local processes with an embedded Redis.
+
+    The same command again continues the run where it stands (Ctrl-C, a crash, a larger --max-steps); --fresh
+    starts it over; --ckpt.resume-step N rewinds it; another --output-dir is another run (docs/local.md)."""
 
     check_environment: ClassVar[bool] = True  # parse_or_exit: a misspelt GYRE_ variable names itself
     # the configs its sections are validated as (by the launcher): an unknown top-level key is suggested where it
