@@ -30,17 +30,23 @@ def short_judge(start_inference):
     return start_inference("--engine.max-model-len", str(CONTEXT))
 
 
-def judged(judge: Judge, completion: str) -> tuple[float, list[dict]]:
-    """The judge's score of one rollout, and the message lists it sent (the judge's own client, spied on)."""
-    sent: list[list[dict]] = []
-    post = judge.endpoint.post
+def posted(endpoint, *paths: str) -> dict[str, list[dict]]:
+    """The bodies a judge's or reward model's own client posts to `paths` from now on (spied on, still sent)."""
+    bodies: dict[str, list[dict]] = {path: [] for path in paths}
+    post = endpoint.post
 
     async def spy(path, body, **kwargs):
-        if path == "/v1/chat/completions":
-            sent.append(body["messages"])
+        if path in bodies:
+            bodies[path].append(body)
         return await post(path, body, **kwargs)
 
-    judge.endpoint.post = spy
+    endpoint.post = spy
+    return bodies
+
+
+def judged(judge: Judge, completion: str) -> tuple[float, list[dict]]:
+    """The judge's score of one rollout, and the message lists it sent."""
+    chats = posted(judge.endpoint, "/v1/chat/completions")["/v1/chat/completions"]
 
     async def scenario():
         try:
@@ -48,7 +54,7 @@ def judged(judge: Judge, completion: str) -> tuple[float, list[dict]]:
         finally:
             await judge.aclose()
 
-    return asyncio.run(scenario()), sent
+    return asyncio.run(scenario()), [body["messages"] for body in chats]
 
 
 def test_a_completion_longer_than_the_judges_context_is_judged_with_its_middle_cut(short_judge, caplog):
@@ -104,18 +110,7 @@ def test_a_conversation_longer_than_the_reward_models_context_is_scored_with_its
     model = RewardModel(url=short_reward_model.url, name="rm", batch_wait_ms=1)
     long = [{"role": "user", "content": PROMPT[0]["content"]}, {"role": "assistant", "content": LONG}]
     short = [{"role": "user", "content": PROMPT[0]["content"]}, {"role": "assistant", "content": "42"}]
-    classified: list[list[int]] = []
-    tokenized: list[list[dict]] = []
-    post = model.endpoint.post
-
-    async def spy(path, body, **kwargs):
-        if path == "/classify":
-            classified.extend(body["input"])
-        if path == "/tokenize":
-            tokenized.append(body["messages"])
-        return await post(path, body, **kwargs)
-
-    model.endpoint.post = spy
+    bodies = posted(model.endpoint, "/classify", "/tokenize")
 
     async def scenario():
         try:
@@ -125,6 +120,8 @@ def test_a_conversation_longer_than_the_reward_models_context_is_scored_with_its
 
     scores = asyncio.run(scenario())
     assert all(isinstance(score, float) for score in scores) and model.stats["cut"] == 1
+    classified = [tokens for body in bodies["/classify"] for tokens in body["input"]]
     assert model.stats["refused"] == 0 and all(len(tokens) <= CONTEXT for tokens in classified)
-    cut = next(messages[-1]["content"] for messages in tokenized if "characters cut here" in messages[-1]["content"])
+    tokenized = [body["messages"][-1]["content"] for body in bodies["/tokenize"]]
+    cut = next(text for text in tokenized if "characters cut here" in text)
     assert cut.startswith("BEGINNING sentence 0") and cut.endswith("So the answer is 42. END")
