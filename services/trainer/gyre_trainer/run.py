@@ -213,7 +213,8 @@ class RunState:
             try:
                 progress = self.checkpoints.load(plan.checkpoint_step, model, self.optimizer, self.scheduler)
             except CheckpointError as e:
-                raise CheckpointError(f"{e}. {self._without_checkpoint(plan.checkpoint_step)}") from None
+                hint = without_checkpoint(self.checkpoints, plan.checkpoint_step, self.transport.latest())
+                raise CheckpointError(f"{e}. {hint}") from None
             self.checkpointed_step = plan.checkpoint_step
             # a spike right after the resume is judged against the steps before it (absent: an older checkpoint)
             self.grad_norm_history = progress.get("grad_norm_history")
@@ -240,18 +241,6 @@ class RunState:
         self.metrics.step.set(plan.trained_step)
         log.info("%sresuming after step %d (%s)", label, plan.trained_step, plan)
         return plan
-
-    def _without_checkpoint(self, step: int) -> str:
-        """What to do about complete checkpoint `step` that does not load (damaged on the volume after its commit: a
-        crash cannot cut it short): where the run resumes once it is moved away. Not done automatically: a
-        damaged volume is worth a look, and a silent fallback would hide it."""
-        older = [s for s in self.checkpoints.steps() if s < step]
-        fallback = plan_resume(None, older, self.transport.latest())
-        hint = (f"To resume without it, move {self.checkpoints.path(step)} out of {self.checkpoints.root}: the run "
-                f"then resumes after step {fallback.trained_step} from {fallback.source()}")  # fmt: skip
-        if fallback.trained_step < step:  # unpublished, hence unacked: their batches are still pending in the stream
-            hint += f", training steps {fallback.trained_step + 1}..{step} again (their batches are still pending)"
-        return hint
 
     # ---- one step -------------------------------------------------------------------------------
     def commit(self, item: IntakeItem) -> dict[str, Any]:
@@ -393,6 +382,18 @@ class RunState:
         self.metrics.publish_duration.observe(time.perf_counter() - start)
         crash_point("after_publish", step, ctx)
         self.notifier.notify(published)
+
+
+def without_checkpoint(checkpoints: CheckpointManager, step: int, latest_weights: int | None) -> str:
+    """What to do about complete checkpoint `step` that does not load (damaged on the volume after its commit: a crash
+    cannot cut it short): where the run resumes once it is moved away. Not done automatically: a damaged volume is
+    worth a look, and a silent fallback would hide it."""
+    fallback = plan_resume(None, [s for s in checkpoints.steps() if s < step], latest_weights)
+    hint = (f"To resume without it, move {checkpoints.path(step)} out of {checkpoints.root}: the run then resumes "
+            f"after step {fallback.trained_step} from {fallback.source()}")  # fmt: skip
+    if fallback.trained_step < step:  # unpublished, hence unacked: their batches are still pending in the stream
+        hint += f", training steps {fallback.trained_step + 1}..{step} again (their batches are still pending)"
+    return hint
 
 
 def check_orchestrator_rewinds(out: Path, rewind: int) -> None:

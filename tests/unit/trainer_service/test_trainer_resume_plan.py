@@ -56,3 +56,27 @@ def test_explicit_step_must_exist():
 def test_explicit_zero_restarts_from_the_base_model():
     assert plan_resume(0, [2], 2) == ResumePlan(trained_step=0, discard_after=0)
     assert plan_resume(0, [], None) == ResumePlan(trained_step=0)
+
+
+@pytest.mark.parametrize(
+    "steps, weights, expected",
+    [
+        ([1, 2], 2, "resumes after step 2 from published weights step 2 and checkpoint step 1"),
+        ([1, 4], 2, "resumes after step 2 from published weights step 2 and checkpoint step 1, training steps 3..4 "
+                    "again (their batches are still pending)"),
+        ([4], None, "resumes after step 0 from the base model, training steps 1..4 again"),
+    ],
+    ids=["weights-as-new", "weights-older", "nothing-else"],
+)  # fmt: skip
+def test_a_damaged_checkpoint_says_where_the_run_resumes_without_it(tmp_path, steps, weights, expected):
+    from gyre_trainer.checkpoint import CheckpointManager
+    from gyre_trainer.dist import DistContext
+    from gyre_trainer.run import without_checkpoint
+
+    manager = CheckpointManager(tmp_path, DistContext())
+    for step in steps:  # complete checkpoints as the trainer's resume lists them
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "progress.json").write_text("{}")
+    hint = without_checkpoint(manager, steps[-1], weights)
+    assert hint.startswith(f"To resume without it, move {tmp_path / f'step_{steps[-1]}'} out of {tmp_path}: the run ")
+    assert expected in hint
