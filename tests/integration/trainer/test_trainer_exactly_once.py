@@ -75,6 +75,18 @@ def assert_exactly_once(out, stream) -> None:
     assert stream.pending().count == 0  # and every batch acked
 
 
+def crashed_at(point, tiny_model, redis_url, run_id, out):
+    """Steps 1..STEPS pushed and a trainer (`ckpt.interval = 1`) run until it SIGKILLs itself at `point`;
+    returns (stream, argv, log) to go on with."""
+    stream = BatchStream(redis_url, run_id)
+    push_batches(stream, range(1, STEPS + 1))
+    argv = trainer_args(tiny_model, out, redis_url, run_id, STEPS, **{"ckpt.interval": 1})
+    log = out / "trainer.log"
+    env = {**child_env(), "GYRE_TRAINER_CRASH_AT": point}
+    assert run_to_end(argv, log, env) == -signal.SIGKILL, log.read_text()[-3000:]
+    return stream, argv, log
+
+
 def test_sigkill_mid_run_then_restart(tiny_model, redis_url, unique_run_id, tmp_path, uninterrupted):
     stream = BatchStream(redis_url, unique_run_id)
     push_batches(stream, range(1, STEPS + 1))
@@ -177,12 +189,7 @@ def test_a_full_volume_at_a_checkpoint_stops_the_trainer_with_the_reason_and_the
     DCP BaseException: no 'trainer failed', "unexpected pos 704 vs 598"); checkpoint 1 and weights 1 are intact and
     nothing half-written is left. With room again the restart trains every step once, ending bit for bit where an
     uninterrupted run does."""
-    stream = BatchStream(redis_url, unique_run_id)
-    push_batches(stream, range(1, STEPS + 1))
-    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
-    log = tmp_path / "trainer.log"
-    env = {**child_env(), "GYRE_TRAINER_CRASH_AT": "after_ack:1"}
-    assert run_to_end(argv, log, env) == -signal.SIGKILL, log.read_text()[-3000:]
+    stream, argv, log = crashed_at("after_ack:1", tiny_model, redis_url, unique_run_id, tmp_path)
     before = log.stat().st_size
     assert run_to_end(argv, log, max_file_bytes=1 << 20) == 1, log.read_text()[-3000:]
     failed = log.read_text()[before:]
@@ -204,12 +211,7 @@ def test_a_checkpoint_damaged_on_the_volume_stops_the_restart_with_what_to_do_an
     2's shard cut short on the volume after its commit. The restart stops (exit 1) naming the folder and saying what
     moving it away resumes from (published weights 2 with checkpoint 1's moments); done so, the run finishes with
     every step trained once. It is not skipped automatically: a damaged volume is worth a look."""
-    stream = BatchStream(redis_url, unique_run_id)
-    push_batches(stream, range(1, STEPS + 1))
-    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
-    log = tmp_path / "trainer.log"
-    env = {**child_env(), "GYRE_TRAINER_CRASH_AT": "after_ack:2"}
-    assert run_to_end(argv, log, env) == -signal.SIGKILL, log.read_text()[-3000:]
+    stream, argv, log = crashed_at("after_ack:2", tiny_model, redis_url, unique_run_id, tmp_path)
     folder = tmp_path / "checkpoints/trainer/step_2"
     shard = next((folder / "state").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
