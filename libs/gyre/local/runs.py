@@ -377,7 +377,10 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
         if "env" not in recorded:
             continue
         now = configs.orchestrators[run.name].model_dump(mode="json").get("env")
-        if changed := _section_changes(_as_now(OrchestratorConfig, "env", recorded["env"]), now):
+        changes = _section_changes(_as_now(OrchestratorConfig, "env", recorded["env"]), now)
+        # a mix's ratios stay free (PRIME-RL users reweight between launches): each entry keeps its task position,
+        # only the draws to come change (docs/orchestrator.md, "Several environments")
+        if changed := [c for c in changes if not (isinstance(now, list) and c[0].endswith(".ratio"))]:
             leaf, was, new = changed[0]
             raise ConfigError(
                 f"config key '{key}{leaf}': the run in {at(run.name)} was trained with {key}{leaf} = {was!r}, this "
