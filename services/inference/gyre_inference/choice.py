@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from gyre_inference.backend import TokenEvent
 from gyre_inference.text import IncrementalDecoder, ModelText
-from gyre_inference.tools import TOOL_CALL_START, parse_tool_calls
+from gyre_inference.tools import TOOL_CALL_START, cut_call, parse_tool_calls
 
 
 def choice_seed(seed: int, choice_index: int) -> int:
@@ -61,6 +61,8 @@ class Choice:
     echo: str = ""  # text shown before the generated text (echo); not part of `text`
     # the request's own stop_token_ids (not the end-of-turn token): the one that ends the choice is its stop_reason
     stop_token_ids: frozenset[int] = frozenset()
+    # a named tool_choice's function: a call max_tokens cut short is still returned as that call (as vLLM does)
+    forced_tool: str | None = None
     single_call: bool = False  # parallel_tool_calls false: only the first parsed call is returned (as vLLM)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -128,6 +130,9 @@ class Choice:
             self.stop_reason = event.token_id
         if self.parse_tools:
             content, calls = parse_tool_calls(self.text)
+            if not calls and finish == "length" and self.forced_tool is not None:
+                cut = cut_call(self.text, self.forced_tool)
+                content, calls = None, [cut] if cut is not None else []
             if calls:
                 self.tool_calls = [call.to_openai() for call in (calls[:1] if self.single_call else calls)]
                 self.text = content or ""

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams
-from gyre_inference.chat_messages import Tool, tool_reply_error
+from gyre_inference.chat_messages import NamedToolChoice, Tool, tool_reply_error
 from gyre_inference.choice import Choice, Delta, choice_seed
 from gyre_inference.errors import APIError, error_body, unknown_model
 from gyre_inference.json_body import FastJSONResponse, dumps
@@ -191,6 +191,8 @@ class Serving:
         stop_ids = set(self.text.check_ids(request.stop_token_ids or [], "stop_token_ids"))
         # vLLM's stop_reason names a stop token id the request gave, never the end-of-turn token
         own_stop_ids = frozenset(stop_ids - set(self.text.eos_token_ids))
+        named = getattr(request, "tool_choice", None)
+        forced_tool = named.function.name if isinstance(named, NamedToolChoice) else None
         stop_ids |= set() if request.ignore_eos else set(self.text.eos_token_ids)
         logit_bias = tuple((int(token), bias) for token, bias in (request.logit_bias or {}).items())
         if bad := [token for token, _ in logit_bias if token >= self.text.vocab_size]:
@@ -231,7 +233,7 @@ class Serving:
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",
                                 single_call=single_call, streamed=not final_only, echo_only=echo_only,
-                                stop_token_ids=own_stop_ids)  # fmt: skip
+                                stop_token_ids=own_stop_ids, forced_tool=forced_tool)  # fmt: skip
                 choices.append((p, choice, params))
         return _Job(kind, request, prompts, choices, started)
 

@@ -63,6 +63,23 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     return (content or None), calls
 
 
+def cut_call(text: str, name: str) -> ParsedToolCall | None:
+    """The call of the named (forced) tool in `text` that max_tokens cut short, as vLLM returns it for a named
+    tool_choice: that name, and the arguments as far as they were written (their exact text when they were
+    complete, else the partial JSON; empty when the cut came before them). None when `text` holds no call."""
+    start = text.find(TOOL_CALL_START)
+    if start < 0:
+        return None
+    key = _ARGUMENTS_KEY.search(text, start)
+    if key is None:
+        return ParsedToolCall(name, "")
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, key.end())
+    except ValueError:
+        return ParsedToolCall(name, text[key.end() :])
+    return ParsedToolCall(name, text[key.end() : end])
+
+
 def _parse_block(block: str) -> ParsedToolCall | None:
     try:
         value = json.loads(block)

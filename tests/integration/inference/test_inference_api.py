@@ -275,6 +275,28 @@ def test_each_choice_says_its_stop_reason_as_vllm_does(client, model_id):
     assert isinstance(extra(choice)["stop_reason"], int)
 
 
+def test_a_named_tool_call_cut_by_max_tokens_is_still_that_call_as_vllm_returns_it(client, model_id):
+    """tool_choice naming a function, max_tokens reached mid-call: the call (that name, the arguments written so far),
+    finish "length", as vLLM answers; it was content holding the raw <tool_call> markup and no tool_calls, so agent
+    code reading message.tool_calls[0] failed. Streamed the same."""
+    named = {"type": "function", "function": {"name": "add"}}
+    kwargs = dict(model=model_id, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=named, temperature=0)
+    whole = client.chat.completions.create(**kwargs, max_tokens=60).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    full_arguments = whole.message.tool_calls[0].function.arguments
+    for max_tokens in (3, 14):  # before the arguments, and inside them
+        cut = client.chat.completions.create(**kwargs, max_tokens=max_tokens).choices[0]
+        assert cut.finish_reason == "length" and cut.message.content is None, cut
+        [call] = cut.message.tool_calls
+        assert call.function.name == "add" and full_arguments.startswith(call.function.arguments), call
+        chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, max_tokens=max_tokens, stream=True)
+                  if c.choices]  # fmt: skip
+        streamed = [t for c in chunks for t in c.delta.tool_calls or []]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
+        assert "".join(c.delta.content or "" for c in chunks) == "" and chunks[-1].finish_reason == "length"
+    assert client.chat.completions.create(**kwargs, max_tokens=14).choices[0].message.tool_calls[0].function.arguments
+
+
 def test_streaming_chat_equals_the_non_streaming_answer(client, model_id):
     kwargs = dict(model=model_id, messages=STORY, max_tokens=16, seed=9, logprobs=True, n=2,
                   extra_body={"return_token_ids": True})  # fmt: skip
