@@ -9,11 +9,12 @@ See docs/environments.md. The orchestrator's side of the contract:
     # train on rollout.token_ids / loss_mask / logprobs (see gyre.envs.sequence for the multi-turn rule)
 """
 
-from gyre.envs.base import Environment, MultiTurnEnv, SingleTurnEnv, TaskSource
+from gyre.envs.base import Environment, MultiTurnEnv, SingleTurnEnv
 from gyre.envs.parsers import Parser, XMLParser, parse_tool_calls
 from gyre.envs.registry import BUILTIN_ENVIRONMENTS, EnvironmentLoadError, load_environment
 from gyre.envs.rubric import Rubric
 from gyre.envs.sequence import SequenceBuilder
+from gyre.envs.splits import TaskSource
 from gyre.envs.tools import Tool, ToolEnv
 from gyre.envs.types import (
     ContextLengthExceeded,

@@ -23,10 +23,11 @@ import re
 from functools import cached_property
 from typing import Any
 
-from gyre.envs.base import MAX_REDRAWS, SingleTurnEnv, TaskSource, distinct_tasks
+from gyre.envs.base import SingleTurnEnv
 from gyre.envs.parsers import Parser
 from gyre.envs.reply_guard import reply_is_data
 from gyre.envs.rubric import Rubric
+from gyre.envs.splits import MAX_REDRAWS, TaskSource, distinct_tasks
 from gyre.envs.types import Split, Task
 
 SYSTEM_PROMPT = "Answer the question. Reply with the answer only."

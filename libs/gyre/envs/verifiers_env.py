@@ -49,7 +49,8 @@ import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from gyre.envs.base import Environment, TaskSource, hold_out, listed_tasks
+from gyre.envs.base import Environment
+from gyre.envs.splits import TaskSource, hold_out, listed_tasks
 from gyre.envs.types import (
     ContextLengthExceeded,
     Messages,
