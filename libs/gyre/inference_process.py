@@ -12,6 +12,7 @@ picked by the replica and read back from the line.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import threading
@@ -44,7 +45,14 @@ def ready_line(url: str, control: str, version: int) -> str:
 
 
 def parse_ready(line: str) -> Ready | None:
-    match = READY.match(line.strip())
+    """The ready line's contents, from the plain line or (`log.format = "json"`) a JSON record's message."""
+    line = line.strip()
+    if line.startswith("{"):
+        try:
+            line = str(json.loads(line).get("message", ""))
+        except (ValueError, AttributeError):
+            return None
+    match = READY.match(line)
     return None if match is None else Ready(match.group(1), match.group(2), int(match.group(3)))
 
 

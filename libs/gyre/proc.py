@@ -39,6 +39,14 @@ def pdeathsig_if_main_thread() -> Callable[[], None] | None:
     return set_pdeathsig if threading.current_thread() is threading.main_thread() else None
 
 
+# A warning, an error or a traceback, in the services' text or JSON log format (gyre.logging).
+_TROUBLE = re.compile(r' (ERROR|WARNING|CRITICAL) |"level": "(ERROR|WARNING|CRITICAL)"|Traceback')
+
+
+def _trouble(line: str) -> bool:
+    return _TROUBLE.search(line) is not None
+
+
 def _print(text: str) -> None:
     print(text, flush=True)
 
@@ -97,7 +105,7 @@ class Child:
                         continue
                     if self.on_line is not None:
                         self.on_line(line)
-                    if not quiet and (echo or " ERROR " in line or " WARNING " in line or "Traceback" in line):
+                    if not quiet and (echo or _trouble(line)):
                         self.console(f"[{self.name}] {line}")
 
     def poll(self) -> int | None:

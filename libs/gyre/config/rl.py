@@ -137,7 +137,10 @@ class RLConfig(GyreSettings):
         "or orchestrator.env is refused (docs/local.md).",
     )
     redis: RLRedisConfig = Field(default_factory=RLRedisConfig, description="Redis.")
-    log: LogConfig = Field(default_factory=LogConfig, description="Log level (and file) of every service.")
+    log: LogConfig = Field(
+        default_factory=LogConfig,
+        description="Log level, file and format of every service (the launcher's own lines stay text).",
+    )
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases for every service.")
     model: RLModelConfig = Field(default_factory=RLModelConfig, description="Base policy model.")
     ckpt: RLCkptConfig = Field(default_factory=RLCkptConfig, description="Checkpoints and resume.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from gyre.config.loader import GyreSettings, Section, secret_file
 
@@ -32,12 +32,20 @@ class RedisConfig(Section):
 class LogConfig(Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level (any case).")
     file: Path | None = Field(None, description="Also append logs to this file.")
+    format: Literal["text", "json"] = Field(
+        "text",
+        description="text: one readable line per record (a traceback on the lines after it); json: one JSON object "
+        "per line (time, level, severity, service, run_id, logger, message, exception, step), for Loki, "
+        'Elasticsearch or Cloud Logging (docs/kubernetes.md, "Logs"). Environment: GYRE_LOG__FORMAT=json.',
+    )
 
-    @field_validator("level", mode="before")
+    @field_validator("level", "format", mode="before")
     @classmethod
-    def _any_case(cls, value: Any) -> Any:
+    def _any_case(cls, value: Any, info: ValidationInfo) -> Any:
         # `--log.level debug` (PRIME-RL's spelling, and Python's own names in lower case) was refused
-        return value.upper() if isinstance(value, str) else value
+        if isinstance(value, str):
+            return value.upper() if info.field_name == "level" else value.lower()
+        return value
 
 
 class MetricsConfig(Section):

@@ -806,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     from gyre.logging import setup_logging
 
     # not log.file: the services append to it; the launcher writes nothing before the config is checked
-    setup_logging(cfg.log.level, None, "launcher")
+    setup_logging(cfg.log.level, None, "launcher")  # text whatever log.format: these lines are for the terminal
     launcher = Launcher(cfg)
     stopping: list[float] = []  # when the launcher began to stop (an interrupt, a failure, the end)
 

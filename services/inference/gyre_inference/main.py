@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gyre inference: error: model.name = {config.model.name!r} is a file: the {config.backend} backend "
               "loads a model folder (config.json, tokenizer, weights)", file=sys.stderr)  # fmt: skip
         return 2
-    setup_logging(config.log.level, config.log.file, service="inference")
+    setup_logging(config.log.level, config.log.file, "inference", config.log.format, config.run_id)
     from gyre_inference.service import run_service  # torch and friends load only past argument parsing
 
     return asyncio.run(run_service(config))

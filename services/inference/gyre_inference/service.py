@@ -147,7 +147,8 @@ async def run_service(config: InferenceConfig) -> int:
             await control.set_serving(True)
             url, control_address = f"http://{config.server.host}:{http_port}", f"{config.control.host}:{control_port}"
             line = ready_line(url, control_address, backend.version)  # what launchers wait for
-            print(line, flush=True)
+            if config.log.format == "text":  # in JSON mode the record below is the ready line (parse_ready reads it)
+                print(line, flush=True)
             log.info("%s", line)
             if config.engine.log_stats_interval_s > 0 and backend.engine_stats() is not None:
                 stats_task = asyncio.create_task(_log_engine_stats(backend, config.engine.log_stats_interval_s))

@@ -531,7 +531,7 @@ def main(argv: list[str]) -> int:
         "on a terminal (stderr), nothing else when the output is a log or a pipe."
     )
     cfg = parse_or_exit(GyreEvalConfig, argv, "gyre eval", summary)
-    setup_logging(cfg.log.level, cfg.log.file, service="eval")
+    setup_logging(cfg.log.level, cfg.log.file, "eval", cfg.log.format)
     if cfg.log.level != "DEBUG":  # the openai client's HTTP stack logs a line per request at INFO
         logging.getLogger("httpx2").setLevel(logging.WARNING)
     from gyre.endpoint import EndpointError

@@ -79,7 +79,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
 
 def main(argv: list[str]) -> int:
     cfg = parse_or_exit(OrchestratorConfig, argv, "gyre orchestrator", OrchestratorConfig.__doc__ or "")
-    setup_logging(cfg.log.level, cfg.log.file, service="orchestrator")
+    setup_logging(cfg.log.level, cfg.log.file, "orchestrator", cfg.log.format, cfg.run_id)
     if cfg.log.level != "DEBUG":  # the openai client's HTTP stack logs a line per request at INFO
         logging.getLogger("httpx2").setLevel(logging.WARNING)
     return asyncio.run(serve(cfg))

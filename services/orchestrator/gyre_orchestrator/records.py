@@ -317,6 +317,7 @@ class StepRecords:
             100 * record["waste_fraction"],
             f", {st.skipped_overlong} tasks skipped (prompt too long)" if st.skipped_overlong else "",
             mix,
+            extra={"step": st.step},  # a field of its own in JSON logs (log.format), for a log query by step
         )
         if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
             cursors, draws = positions

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from gyre.logging import setup_logging
 
     cfg, step, to = parse(sys.argv[1:] if argv is None else list(argv))
-    setup_logging(cfg.log.level, None, "export")
+    setup_logging(cfg.log.level, None, "export", cfg.log.format, cfg.run_id)
     from gyre_trainer.checkpoint import CheckpointError
 
     try:

@@ -38,7 +38,8 @@ def _main(argv: list[str] | None) -> int:
     if (code := check_service_model(cfg.model.name, "gyre trainer")) is not None:
         return code
     rank = int(os.environ.get("RANK", "0"))
-    setup_logging(cfg.log.level, cfg.log.file, "trainer" if rank == 0 else f"trainer-rank{rank}")
+    service = "trainer" if rank == 0 else f"trainer-rank{rank}"
+    setup_logging(cfg.log.level, cfg.log.file, service, cfg.log.format, cfg.run_id)
     from gyre.net import PortInUse
     from gyre.runlock import LockHeld
 

@@ -430,6 +430,7 @@ def log_step(label: str, record: dict[str, Any]) -> None:
         label, record["step"], num("loss"), num("entropy"), clipped, num(f"{clipped}_frac", ".3g"),
         num("mismatch_kl", ".3g"), num("grad_norm"), num("lr", ".3g"), " (update skipped)" if record.get("skipped")
         else "", tokens, seconds, tokens / seconds if seconds > 0 else 0.0, format(100 * record["mfu"], ".1f"),
+        extra={"step": record["step"]},  # a field of its own in JSON logs (log.format), for a log query by step
     )  # fmt: skip
 
 

@@ -631,7 +631,7 @@ def _main(argv: list[str] | None) -> int:
             lock.release()
         print(f"gyre sft: error: {e}", file=sys.stderr)
         return 2
-    setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}")
+    setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}", cfg.log.format, cfg.run_id)
     single = int(os.environ.get("WORLD_SIZE", "1")) == 1
 
     def _on_signal(signum, frame):
