@@ -36,6 +36,7 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "gyre.envs.arithmetic:load_environment",
     "alphabet_sort": "gyre.envs.alphabet_sort:load_environment",
     "calculator": "gyre.envs.calculator:load_environment",
+    "code": "gyre.envs.code:load_environment",
     "dataset": "gyre.envs.dataset:load_environment",
 }
 # `<prefix>:<name>` spellings: the part after the colon becomes the loader's first argument.

@@ -267,7 +267,7 @@ def test_alphabet_sort_reward_per_round():
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("name", ["reverse_text", "arithmetic", "alphabet_sort", "calculator"])
+@pytest.mark.parametrize("name", ["reverse_text", "arithmetic", "alphabet_sort", "calculator", "code"])
 async def test_reasoning_is_not_graded_as_the_answer(name):
     """Every built-in grades the reply after `<think>`: the reference inside an unfinished thought scores 0, and
     a closed thought before the reference does not cost reward."""
