@@ -168,7 +168,7 @@ def test_good_experiment_values_render_into_the_experiment_file():
     docs = manifests(render({"experiment": experiment}))
     parsed = tomllib.loads(experiment_toml(docs))
     assert parsed["run_id"] == "exp" and parsed["max_steps"] == 12 and isinstance(parsed["max_steps"], int)
-    assert parsed["log"] == {"level": "DEBUG"}
+    assert parsed["log"] == {"level": "DEBUG", "format": "json"}  # the chart's format kept beside it
     assert parsed["trainer"] == {"optim": {"lr": 3e-6, "betas": [0.9, 0.95]}, "data": {"seq_len": 512}}
     # Integers stay integers (Helm reads every number as a float; the file must say 4, not 4.0).
     assert parsed["orchestrator"]["batch_size"] == 4 and isinstance(parsed["orchestrator"]["batch_size"], int)

@@ -536,6 +536,23 @@ or with the root context alone for the common ones.
 {{- end }}
 {{- end -}}
 
+{{/*
+The experiment's shared logging settings (`experiment.log`: level, format) for a container that does not read
+the experiment file (`servers`): the services that do get them from it. `log.file` is a path on the runs'
+volume, which those pods do not mount.
+*/}}
+{{- define "gyre.logEnv" -}}
+{{- $log := .Values.experiment.log | default dict -}}
+{{- if $log.level }}
+- name: GYRE_LOG__LEVEL
+  value: {{ $log.level | quote }}
+{{- end }}
+{{- if $log.format }}
+- name: GYRE_LOG__FORMAT
+  value: {{ $log.format | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* ---------- secrets: files, never environment variables ---------- */}}
 
 {{/*
