@@ -268,7 +268,13 @@ async def test_a_retried_update_sends_the_newest_version_not_the_one_it_first_tr
     tmp_path, start_inference, tiny_model
 ):
     """Audit: `_update` read the target, then slept its backoff, then sent that target: a version published during
-    the backoff was loaded only after the outdated one (for a large model, minutes of loading for nothing)."""
+    the backoff was loaded only after the outdated one (for a large model, minutes of loading for nothing).
+
+    No step waits on a clock: version 3 is learned the moment the updater yields after recording its failed try (in
+    its backoff, where the old code had already read the target), and the only short deadline is that of the call to
+    the frozen replica, which cannot answer whatever the machine's load. It was a 1 s deadline on every call and a
+    3 s window to publish version 3 in: on a loaded CI machine loading a version took over 1 s, or publishing 3
+    missed the window, and the calls were not the ones asserted."""
     import os
     import signal
 
@@ -276,27 +282,40 @@ async def test_a_retried_update_sends_the_newest_version_not_the_one_it_first_tr
     store = WeightStore(tmp_path / "weights")
     publish_weights(store, 1, tiny_model)
     replica_set = ReplicaSet(static_endpoints([replica.url], [replica.control], 0))
-    with EventLog(tmp_path / "weight_relay.jsonl") as events:
-        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, timeout_s=1.0,
-                            retries=2, backoff_s=3.0, probe_interval_s=60.0, poll_store_s=60.0)  # fmt: skip
+    loop = asyncio.get_running_loop()
+    in_backoff = asyncio.Event()
+
+    class FailureHook(EventLog):
+        def append(self, record):
+            record = super().append(record)
+            if record["step"] == 2 and not record["ok"]:  # the first try failed; the updater goes on to its retry
+                relay.timeout_s = 60.0  # the retry must succeed, however slowly the replica loads
+                loop.call_soon(learn_version_3)  # runs once the updater yields: during its backoff
+            return record
+
+    def learn_version_3():
+        publish_weights(store, 3, tiny_model)
+        relay.poll_store()
+        in_backoff.set()
+
+    with FailureHook(tmp_path / "weight_relay.jsonl") as events:
+        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, timeout_s=60.0,
+                            retries=2, backoff_s=1.0, probe_interval_s=600.0, poll_store_s=600.0)  # fmt: skip
         try:
             await relay.start()
-            assert await relay.wait_served(1, timeout=60)
-            os.killpg(replica.proc.pid, signal.SIGSTOP)  # slow: UpdateWeights(2) runs past its deadline
+            assert await relay.wait_served(1, timeout=120)
+            relay.timeout_s = 1.0  # the frozen replica never answers: UpdateWeights(2) fails on this deadline
+            os.killpg(replica.proc.pid, signal.SIGSTOP)
             try:
                 publish_weights(store, 2, tiny_model)
                 relay.poll_store()
-                deadline = asyncio.get_running_loop().time() + 30
-                while not [e for e in read_events(events.path) if e["step"] == 2]:  # the first try failed
-                    assert asyncio.get_running_loop().time() < deadline
-                    await asyncio.sleep(0.05)
-                publish_weights(store, 3, tiny_model)  # during the backoff
-                relay.poll_store()
+                await asyncio.wait_for(in_backoff.wait(), timeout=120)
+                assert relay.target.step == 3
             finally:
                 os.killpg(replica.proc.pid, signal.SIGCONT)
-            assert await relay.wait_served(3, timeout=60) and replica.status().step == 3
+            assert await relay.wait_served(3, timeout=120) and replica.status().step == 3
             calls = [(e["step"], e["ok"]) for e in read_events(events.path)]
-            assert calls[1:] == [(2, False), (3, True)], calls  # the retry went straight to 3
+            assert calls == [(1, True), (2, False), (3, True)], calls  # the retry went straight to 3
         finally:
             await relay.stop()
             await close_replica_clients(list(replica_set))
