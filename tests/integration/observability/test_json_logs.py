@@ -6,6 +6,7 @@ object (a plain ready line, a traceback's continuation, a bare print) fails `jso
   every rank inherits; the per-step line carries `step`.
 - inference: `--log.format json`, with uvicorn's own records, the ready line launchers wait for, and a stop.
 - orchestrator: one step against that replica, its pushed-step line carrying `step`.
+- `gyre rl --log.format json`: the three services' log files, while the launcher's own lines stay text.
 """
 
 from __future__ import annotations
@@ -71,3 +72,15 @@ def test_inference_and_orchestrator_log_json(start_inference, tiny_model, redis_
     assert any(r["logger"].startswith("uvicorn") for r in served)  # uvicorn's records reach the same handler
     pushed = [r for r in json_records(orchestrator_log) if r["message"].startswith("pushed step")]
     assert [(r["service"], r["run_id"], r["step"]) for r in pushed] == [("orchestrator", unique_run_id, 1)]
+
+
+def test_gyre_rl_services_log_json_its_own_lines_stay_text(tmp_path):
+    # the launcher finds each replica's ready line inside its JSON record, and its terminal output stays text
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gyre.cli", "rl", "@", str(REPO / "configs" / "ci.toml"), "--output-dir", str(out),
+           "--max-steps", "1", "--log.format", "json"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=child_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    for service in ("inference", "orchestrator", "trainer"):
+        assert {r["service"] for r in json_records(out / "logs" / f"{service}.log")} == {service}
+    assert "steps trained" in res.stdout and not any(line.startswith("{") for line in res.stdout.splitlines())
