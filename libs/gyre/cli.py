@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model fetch": ("gyre.model_source:main", "Download a hub model into the HF cache, after checking it fits."),
     "model import": ("gyre.model_import:main", "Import a pretrained model (GGUF, HF folder, hub) as an HF folder."),
     "report": ("gyre.local.report:main", "Draw reward / eval / step-time curves of a run as a PNG."),
+    "export": ("gyre.local.export:main", "Write a run's checkpoint as a Hugging Face folder (LoRA merged + lora/)."),
     "replay": ("gyre_trainer.replay:main", "Recompute a kept step's (debug/step_N) loss and gradient norm."),
     "bench inference": ("gyre_inference.bench:main", "Benchmark the inference backend."),
     "bench trainer": ("gyre_trainer.bench:main", "Benchmark the trainer step."),

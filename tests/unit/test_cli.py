@@ -180,3 +180,38 @@ def test_help_shows_a_secret_option_type_without_its_module_path():
     from gyre.config.orchestrator import GyreEvalConfig
 
     assert "--judges list[JudgeConfig]  (default: [])" in help_text(GyreEvalConfig, "gyre eval")
+
+
+def test_export_help_explains_every_option_without_importing_torch():
+    # `gyre export` did not exist: a checkpoint was exported only by `python -m gyre_trainer.export @ <the trainer's
+    # config>`, which a `gyre rl` user had to find in the run's folder
+    code = "import sys\nfrom gyre.cli import main\nassert main(['export', '--help']) == 0\n"
+    code += "assert 'torch' not in sys.modules, 'torch imported'\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for option in ("RUN_DIR", "@ trainer.toml", "--step N", "--to DIR", "--key value", "lora/"):
+        assert option in out.stdout, option
+
+
+def test_export_names_the_run_by_its_folder_and_its_saved_trainer_config(tmp_path):
+    from gyre.local.export import export_argv
+
+    folder = tmp_path / "demo"
+    (folder / "configs").mkdir(parents=True)
+    # launched from elsewhere with a relative output_dir: the base model is the run's own folder, by that path
+    (folder / "configs/trainer.toml").write_text('output_dir = "outputs/demo"\n[model]\nname = "outputs/demo/model"\n')
+    assert export_argv([str(folder), "--step", "3", "--to", "hf"]) == [
+        "@", str(folder / "configs/trainer.toml"), "--output-dir", str(folder), "--model.name", str(folder / "model"),
+        "--step", "3", "--to", "hf"]  # fmt: skip
+    (folder / "configs/trainer.toml").write_text(f'output_dir = "{folder}"\n[model]\nname = "Qwen/Qwen3-0.6B"\n')
+    config = str(folder / "configs/trainer.toml")
+    assert export_argv([str(folder), "--to", "hf"])[:4] == ["@", config, "--output-dir", str(folder)]
+    assert export_argv(["@", "t.toml", "--to", "hf"]) == ["@", "t.toml", "--to", "hf"]  # the trainer's own form
+
+    missing = run("export", str(tmp_path / "nope"), "--to", str(tmp_path / "hf"))
+    assert missing.returncode == 2 and f"RUN_DIR {tmp_path / 'nope'} is no folder" in missing.stderr
+    (tmp_path / "sft-run/configs").mkdir(parents=True)
+    (tmp_path / "sft-run/configs/sft.toml").write_text("")
+    sft = run("export", str(tmp_path / "sft-run"), "--to", str(tmp_path / "hf"))
+    assert sft.returncode == 2 and "has no configs/trainer.toml" in sft.stderr and "SFT run" in sft.stderr
+    assert not (tmp_path / "hf").exists()
