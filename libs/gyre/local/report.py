@@ -2,7 +2,8 @@
 
 The same picture as the Grafana overview dashboard's main panels, without Grafana: reward and eval
 reward, step rate, step time, async lag, MFU, trainer and inference tokens/s, weight sync latency,
-stale and dropped samples, per step, from ``{output_dir}/events/*.jsonl``; and ``samples.md``, the newest
+stale and dropped samples, per step, from ``{output_dir}/events/*.jsonl`` (for a mix of environments, each entry's
+train and eval reward too); and ``samples.md``, the newest
 rollout dumps (``{output_dir}/rollouts/step_{s}.jsonl``) as tables of prompt, completion, reward, advantage.
 
 A resumed run appends to the same logs: per step the newest record counts (`latest_per_step`), and
@@ -63,10 +64,14 @@ def summary_numbers(output_dir: Path) -> dict[str, float]:
 
 def summarize(output_dir: Path, wall_seconds: float | None = None) -> str:
     n = summary_numbers(output_dir)
+    ev = _load(output_dir)  # a mix: each entry's rewards under the run's (the entries' weighted mean)
+    orch, evals = ev["orchestrator"], ev["eval"]
     rows = [
         ("steps trained", f"{n['steps_trained']}"),
         ("train reward (first 20% -> last 20%)", f"{n['reward_first']:.3f} -> {n['reward_last']:.3f}"),
+        *_entry_rows(orch, "reward_mean", fifths=True),
         ("eval reward (first -> last)", _eval_text(n)),
+        *_entry_rows(evals, "avg_at_k", fifths=False),
         ("mean step time", f"{n['step_seconds_mean']:.2f} s"),
         ("trainer throughput", f"{n['trainer_tokens_per_s']:.0f} tok/s"),
         ("MFU (mean)", f"{100 * n['mfu_mean']:.2f} %"),
@@ -82,6 +87,17 @@ def summarize(output_dir: Path, wall_seconds: float | None = None) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 30)
     return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line, *latest_samples(output_dir)])
+
+
+def _entry_rows(events: list[dict], key: str, fifths: bool) -> list[tuple[str, str]]:
+    """A mix's rows under the run's: each entry's `key`, 'first -> last' as the means of its first and last fifth
+    (fifths, as the train reward's row) or its first and last value (as the eval's); none for a single environment."""
+    rows = []
+    for label in mix_labels(events):
+        values = _steps(entry_events(events, label), key)[1]
+        k = max(1, len(values) // 5) if fifths else 1
+        rows.append((f"  {label}", f"{_mean(values[:k]):.3f} -> {_mean(values[-k:]):.3f}" if values else "none"))
+    return rows
 
 
 def write_samples(output_dir: Path) -> Path:
@@ -150,6 +166,31 @@ def _per_wall_second(events: list[dict], key: str | None, window: int = 3) -> tu
     return steps, rates
 
 
+def mix_labels(events: list[dict]) -> list[str]:
+    """A mix's entry labels in the records' `envs` (orchestrator step lines, eval lines; docs/orchestrator.md, "Several
+    environments: a mix"), in order of first appearance; [] for a single environment, whose one curve is the run's."""
+    labels = list(dict.fromkeys(label for e in events for label in (e.get("envs") or {})))
+    return labels if len(labels) > 1 else []
+
+
+def entry_events(events: list[dict], label: str) -> list[dict]:
+    """One mix entry's part of each record (`envs[label]`), at the record's step."""
+    return [{**e["envs"][label], "step": e["step"]} for e in events if label in (e.get("envs") or {})]
+
+
+def reward_curves(orch: list[dict], evals: list[dict]) -> list[tuple[str, list[int], list[float], dict]]:
+    """(label, steps, values, line style) of the Reward panel: the run's train and eval reward and, for a mix, each
+    entry's (its reward_mean, its avg@k): the run's curves are the mix's weighted means, which hid an entry that
+    does not learn behind one that does."""
+    curves = [("train reward", *_steps(orch, "reward_mean"), {}),
+              ("eval reward (avg@k)", *_steps(evals, "avg_at_k"), {})]  # fmt: skip
+    curves += [(f"train: {label}", *_steps(entry_events(orch, label), "reward_mean"), {"linestyle": "--"})
+               for label in mix_labels(orch)]  # fmt: skip
+    curves += [(f"eval: {label}", *_steps(entry_events(evals, label), "avg_at_k"), {"linestyle": ":"})
+               for label in mix_labels(evals)]  # fmt: skip
+    return curves
+
+
 def _line(ax, xs, ys, label: str, **kwargs) -> None:
     if xs:
         ax.plot(xs, ys, label=label, marker=".", **kwargs)
@@ -175,8 +216,8 @@ def draw(output_dir: Path, path: Path | None = None) -> Path:
     fig, axes = plt.subplots(3, 3, figsize=(15, 11), constrained_layout=True)
     (reward, rate, step_time), (lag, mfu, train_tps), (infer_tps, sync, dropped) = axes
 
-    _line(reward, *_steps(orch, "reward_mean"), "train reward")
-    _line(reward, *_steps(evals, "avg_at_k"), "eval reward (avg@k)")
+    for label, xs, ys, style in reward_curves(orch, evals):
+        _line(reward, xs, ys, label, **style)
     reward.set(title="Reward", xlabel="step", ylabel="reward")
 
     for events, label in ((trainer, "trainer"), (orch, "orchestrator")):

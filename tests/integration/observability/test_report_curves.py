@@ -81,3 +81,43 @@ def test_report_cli_on_an_empty_and_on_a_non_run_folder(tmp_path):
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert bad.returncode == 2 and "not a gyre run output" in bad.stderr
+
+
+def write_mix(out, labels: tuple[str, ...]) -> None:
+    """Orchestrator step lines and eval lines of a mix of `labels` (docs/orchestrator.md, "Several environments")."""
+    with EventLog(out / "events" / "orchestrator_steps.jsonl") as log:
+        for s in range(1, 6):
+            envs = {label: {"num_samples": 8, "reward_mean": 0.1 * s * (i + 1), "total_samples": 8 * s}
+                    for i, label in enumerate(labels)}  # fmt: skip
+            if len(labels) > 1 and s == 3:
+                envs[labels[1]]["reward_mean"] = None  # drew no group that step
+            log.append({"step": s, "reward_mean": 0.1 * s, "num_samples": 16, "num_tokens": 600, "step_seconds": 4.0,
+                        "env": ",".join(labels), "envs": envs, "time": 998.0 + 5 * s})  # fmt: skip
+    with EventLog(out / "events" / "eval.jsonl") as log:
+        for s in (0, 4):
+            envs = {label: {"env": label, "avg_at_k": 0.2 * (i + 1) + 0.1 * s} for i, label in enumerate(labels)}
+            log.append({"step": s, "env": ",".join(labels), "avg_at_k": 0.3, "k": 1, "envs": envs, "time": 999.0 + s})
+
+
+@pytest.mark.parametrize("labels", [("reverse_text", "math"), ("reverse_text",)], ids=["mix", "single"])
+def test_a_mix_has_a_reward_and_an_eval_curve_per_environment(tmp_path, monkeypatch, labels):
+    # a mix's report drew only the run's rewards (the entries' weighted mean): an entry that did not learn was hidden
+    from gyre.local import report
+
+    write_mix(tmp_path, labels)
+    drawn = {}
+    monkeypatch.setattr(report, "_line", lambda ax, xs, ys, label, **kw: drawn.setdefault(label, (xs, ys)))
+    report.draw(tmp_path)
+    rewards = {k: v for k, v in drawn.items() if "reward" in k or k.startswith(("train:", "eval:"))}
+    if len(labels) == 1:  # unchanged: the run's two curves
+        assert set(rewards) == {"train reward", "eval reward (avg@k)"}
+        assert "  reverse_text" not in report.summarize(tmp_path)
+        return
+    assert set(rewards) == {"train reward", "eval reward (avg@k)", "train: reverse_text", "train: math",
+                            "eval: reverse_text", "eval: math"}  # fmt: skip
+    assert rewards["train: math"] == ([1, 2, 4, 5], pytest.approx([0.2, 0.4, 0.8, 1.0]))  # step 3: no group of it
+    assert rewards["eval: reverse_text"] == ([0, 4], pytest.approx([0.2, 0.6]))
+    lines = report.summarize(tmp_path).splitlines()
+    assert "  reverse_text" in lines[3] and lines[3].endswith("0.100 -> 0.500")  # under the train reward
+    assert "  math" in lines[4] and lines[4].endswith("0.200 -> 1.000")
+    assert "eval reward" in lines[5] and lines[6].endswith("0.200 -> 0.600") and lines[7].endswith("0.400 -> 0.800")
