@@ -56,7 +56,7 @@ class TemplateClient:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("server_parses_calls", [True, False])
-@pytest.mark.parametrize("name", ["reverse_text", "arithmetic", "alphabet_sort", "calculator"])
+@pytest.mark.parametrize("name", ["reverse_text", "arithmetic", "alphabet_sort", "calculator", "code"])
 async def test_reference_conversations_splice_exactly(tokenizer, name, server_parses_calls):
     env = load_environment(name, **({"num_rounds": 3} if name == "alphabet_sort" else {}))
     for task in list(env.tasks("eval"))[:5]:
