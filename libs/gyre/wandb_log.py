@@ -8,13 +8,17 @@
 One wandb run per service process, grouped by `run_id` (`<run_id>-orchestrator`, `<run_id>-trainer`), written
 under `{output_dir}/wandb`. The orchestrator logs `orchestrator/*` per step, `eval/*` per evaluation, and a
 `samples` table (prompt, completion, answer, reward, advantage, versions) at every rollout dump; the trainer logs
-`trainer/*`. Needs the `wandb` extra (`pip install 'gyre[wandb]'`); disabled (the default), nothing is imported.
+`trainer/*`. A launch of the same run folder again (`gyre rl` resuming it, a restarted pod) continues the same W&B
+run: its id is kept in `{output_dir}/wandb/<service>.id` and passed with `resume="allow"` (`--fresh`, which deletes
+the run's `wandb/`, starts a new one). Needs the `wandb` extra (`pip install 'gyre[wandb]'`); disabled (the
+default), nothing is imported.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,28 @@ from gyre.rollouts import message_text
 log = logging.getLogger(__name__)
 SAMPLE_COLUMNS = ["step", "task_id", "prompt", "completion", "answer", "reward", "advantage", "min_version",
                   "max_version", "stop_reason"]  # fmt: skip
+
+
+def run_identity(output_dir: Path, service: str) -> str:
+    """The W&B run id of this service in this run folder: the one kept there, else a new one, kept for the launches to
+    come (each launch opened a new W&B run under the same name, so a resumed run's curves were split across runs)."""
+    import secrets
+
+    from gyre.fsio import write_atomic
+
+    path = Path(output_dir) / "wandb" / f"{service}.id"
+    try:
+        kept = path.read_text().strip()
+    except FileNotFoundError:
+        kept = ""
+    if re.fullmatch(r"[a-z0-9]{8,64}", kept):
+        return kept
+    if kept:  # never a W&B run of another: a file damaged by hand gets a new run, and the log says so
+        log.warning("W&B run id in %s is not one (%r): starting a new W&B run", path, kept[:80])
+    identity = secrets.token_hex(8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, identity.encode())
+    return identity
 
 
 class WandbLogger:
@@ -40,6 +66,8 @@ class WandbLogger:
         folder = Path(output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
+            id=run_identity(folder, service),
+            resume="allow",  # the id's run continued when W&B has it, created when not (the first launch)
             project=cfg.project,
             entity=cfg.entity,
             group=cfg.group or run_id,

@@ -47,3 +47,37 @@ def test_disabled_is_a_no_op(tmp_path):
     logger.samples([RECORD], step=1)
     logger.finish()
     assert logger.run is None and not (tmp_path / "wandb").exists()
+
+
+def test_a_launch_of_the_same_run_folder_continues_its_wandb_run(tmp_path, monkeypatch):
+    # each launch opened a new W&B run under the same name: a resumed run's curves were split across W&B runs
+    import shutil
+
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    def launch(folder, service="orchestrator") -> str:
+        logger = WandbLogger(WandbConfig(enabled=True), service=service, run_id="wb-resume", output_dir=folder,
+                             config={})  # fmt: skip
+        logger.log({"step": 1, "reward_mean": 0.5})
+        identity = logger.run.id
+        logger.finish()
+        return identity
+
+    run = tmp_path / "run"
+    first = launch(run)
+    assert launch(run) == first and (run / "wandb/orchestrator.id").read_text() == first
+    wandb.teardown()
+    launches = list((run / "wandb").glob("offline-run-*"))
+    assert len(launches) == 2 and all(first in p.name for p in launches)  # both launches: one W&B run (`wandb sync`)
+    trainer = launch(run, "trainer")
+    assert trainer != first and launch(run, "trainer") == trainer  # one W&B run per service, as named
+    assert launch(tmp_path / "other") != first  # another run folder: another W&B run
+    (run / "wandb/orchestrator.id").write_text("../not an id\n")  # damaged by hand: a new run, never a crash
+    renewed = launch(run)
+    assert renewed != first and (run / "wandb/orchestrator.id").read_text() == renewed
+    shutil.rmtree(run / "wandb")  # what `gyre rl --fresh` does: the run starts over, in a new W&B run
+    assert launch(run) not in (first, renewed)
+    wandb.teardown()
