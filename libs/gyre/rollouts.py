@@ -63,15 +63,24 @@ def samples_page(output_dir: Path | str, steps: int = 3, per_step: int = 8) -> s
         return "\n".join(lines + ["No rollout dumps (rollouts.interval unset, or no step finished yet).", ""])
     for step in reversed(found[-steps:]):
         records = read_dump(output_dir, step)
-        ordered = sorted(records, key=lambda r: -r["reward"])
-        chosen = (ordered[: per_step // 2] + ordered[::-1][: per_step - per_step // 2])[: len(records)]
-        unique = list({id(r): r for r in chosen}.values())
+        # a mix of environments (each line's `env`): each entry's mean and its own best and worst samples, with an env
+        # column; the step's best and worst alone were often all one entry's, and its mean hid the others'
+        labels = list(dict.fromkeys(r["env"] for r in records if r.get("env")))
+        groups = [[r for r in records if r.get("env") == label] for label in labels] if len(labels) > 1 else [records]
+        share = max(2, per_step // len(groups))
+        unique = list({id(r): r for group in groups for r in _best_and_worst(group, share)}.values())
         mean = sum(r["reward"] for r in records) / len(records)
-        lines += [f"## Step {step}: {len(records)} samples, mean reward {mean:.3f}", ""]
-        lines += ["| task | prompt | completion | answer | reward | advantage | versions | stop |", "|---" * 8 + "|"]
+        by_env = ", ".join(f"{label} {sum(r['reward'] for r in group) / len(group):.3f} over {len(group)}"
+                           for label, group in zip(labels, groups, strict=True)) if len(groups) > 1 else ""  # fmt: skip
+        header = f"## Step {step}: {len(records)} samples, mean reward {mean:.3f}"
+        lines += [f"{header} ({by_env})" if by_env else header, ""]
+        env = ["env"] if by_env else []
+        lines += ["| " + " | ".join(["task", *env, "prompt", "completion", "answer", "reward", "advantage", "versions",
+                                     "stop"]) + " |", "|---" * (8 + len(env)) + "|"]  # fmt: skip
         for r in unique:
             cells = [
                 r["task_id"],
+                *([r.get("env", "")] if env else []),
                 message_text(r["prompt"], "user"),
                 message_text(r["completion"]),
                 r.get("answer", ""),
@@ -83,6 +92,12 @@ def samples_page(output_dir: Path | str, steps: int = 3, per_step: int = 8) -> s
             lines.append("| " + " | ".join(_cell(str(c)) for c in cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _best_and_worst(records: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """Up to `count` records: the best rewards first (half), then the worst."""
+    ordered = sorted(records, key=lambda r: -r["reward"])
+    return (ordered[: count // 2] + ordered[::-1][: count - count // 2])[: len(records)]
 
 
 def _cell(text: str, limit: int = 300) -> str:

@@ -121,3 +121,26 @@ def test_a_mix_has_a_reward_and_an_eval_curve_per_environment(tmp_path, monkeypa
     assert "  reverse_text" in lines[3] and lines[3].endswith("0.100 -> 0.500")  # under the train reward
     assert "  math" in lines[4] and lines[4].endswith("0.200 -> 1.000")
     assert "eval reward" in lines[5] and lines[6].endswith("0.200 -> 0.600") and lines[7].endswith("0.400 -> 0.800")
+
+
+def test_a_mix_samples_page_has_each_entrys_mean_and_samples_with_an_env_column(tmp_path):
+    # samples.md showed the step's best and worst samples (all of one entry here) and only the mix's mean reward
+    from gyre.local.report import write_samples
+    from gyre.rollouts import write_dump
+
+    def sample(env, i, reward):
+        return {"step": 2, "task_id": f"{env}-{i}", "env": env, "prompt": [{"role": "user", "content": f"q{i}"}],
+                "completion": [{"role": "assistant", "content": f"a{i}"}], "reward": reward, "advantage": 0.0,
+                "min_version": 1, "max_version": 1, "stop_reason": "stop"}  # fmt: skip
+
+    records = [sample("reverse_text", i, 0.9 + i / 100) for i in range(8)] + [sample("math", i, 0.0) for i in range(4)]
+    write_dump(tmp_path, 2, records)
+    page = write_samples(tmp_path).read_text()
+    assert "## Step 2: 12 samples, mean reward 0.623 (reverse_text 0.935 over 8, math 0.000 over 4)" in page
+    assert "| task | env | prompt |" in page
+    rows = [line for line in page.splitlines() if line.startswith("| ") and "-" in line.split("|")[1]]
+    assert sum("| math |" in row for row in rows) == 4 and sum("| reverse_text |" in row for row in rows) == 4
+
+    write_dump(tmp_path, 2, [{**r, "env": "reverse_text"} for r in records[:8]])  # one environment: as it was
+    page = write_samples(tmp_path).read_text()
+    assert "## Step 2: 8 samples, mean reward 0.935\n" in page and "| task | prompt |" in page
