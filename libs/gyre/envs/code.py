@@ -130,28 +130,38 @@ class TestRun:
         return self.passed / self.total if self.total else 0.0
 
 
-# one bound per event loop (a semaphore belongs to the loop it first waits on; tests run several loops)
-_bounds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+class ConcurrencyBound:
+    """At most `size` runs at once, per event loop (a semaphore belongs to the loop it first waits on, and tests run
+    several loops). Each `CodeEnv` has its own, so two code environments in one run each keep their `max_concurrent`
+    (one module-wide bound had the first caller's size hold for both)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if loop not in self._per_loop:
+            self._per_loop[loop] = asyncio.Semaphore(self.size)
+        return self._per_loop[loop]
 
 
-def _bound(max_concurrent: int) -> asyncio.Semaphore:
-    loop = asyncio.get_running_loop()
-    if loop not in _bounds:
-        _bounds[loop] = asyncio.Semaphore(max_concurrent)
-    return _bounds[loop]
+DEFAULT_BOUND = ConcurrencyBound(8)  # run_tests called without one
 
 
 async def run_tests(code: str, entry: str, tests: list[dict[str, Any]], limits: Limits | None = None,
-                    max_concurrent: int = 8) -> TestRun:  # fmt: skip
+                    bound: ConcurrencyBound | None = None) -> TestRun:  # fmt: skip
     """Run `code`, then `entry(*test["args"])` for each test in a limited child process; a test passes when the
-    returned value, as JSON, equals `test["expected"]` as JSON. At most `max_concurrent` children per event loop
-    (the first caller's bound holds for the loop). ScoringError when no child could be started (the machine's
+    returned value, as JSON, equals `test["expected"]` as JSON. At most `bound.size` children at once (default
+    `DEFAULT_BOUND`: 8), the others wait. ScoringError when no child could be started (the machine's
     fault, not the code's: scored again)."""
     limits = limits or Limits()
     expected = [json.dumps(test["expected"], sort_keys=True) for test in tests]
     job = json.dumps({"code": code, "entry": entry, "calls": [test["args"] for test in tests],
                       "limits": limits.rlimits(), "uid": NOBODY}).encode()  # fmt: skip
-    async with _bound(max_concurrent):
+    async with (bound or DEFAULT_BOUND).semaphore():
         results, error = await _run_child(job, limits)
     failures: list[str] = []
     passed = 0
@@ -351,7 +361,7 @@ class CodeEnv(SingleTurnEnv):
         rubric = Rubric([tests_passed, passed_all], weights=[1.0, 0.0], parser=parser)
         super().__init__(parser=parser, rubric=rubric, **kwargs)
         self.families = [f for f in FAMILIES if families is None or f[0] in families]
-        self.num_tests, self.max_concurrent = num_tests, max_concurrent
+        self.num_tests, self.bound = num_tests, ConcurrencyBound(max_concurrent)
         self.limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb)
 
     def make_task(self, rng: random.Random, task_id: str) -> Task:
@@ -373,7 +383,7 @@ class CodeEnv(SingleTurnEnv):
         if code is None:
             run = TestRun(0, len(task.info["tests"]), "no ```python code block in the reply")
         else:
-            run = await run_tests(code, task.info["entry"], task.info["tests"], self.limits, self.max_concurrent)
+            run = await run_tests(code, task.info["entry"], task.info["tests"], self.limits, self.bound)
         rollout.state["code"] = asdict(run)
         return await self.rubric.score(task, rollout)
 

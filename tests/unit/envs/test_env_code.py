@@ -10,7 +10,7 @@ import time
 
 import pytest
 from gyre.envs import Rollout, Task, load_environment
-from gyre.envs.code import FAMILIES, HARNESS, CodeParser, Limits, run_tests
+from gyre.envs.code import FAMILIES, HARNESS, CodeParser, ConcurrencyBound, Limits, run_tests
 
 FAST = Limits(timeout_s=2.0, memory_mb=256)
 
@@ -193,12 +193,26 @@ async def test_concurrent_scoring_is_bounded_and_never_blocks_the_event_loop(no_
 
     ticking = asyncio.create_task(ticker())
     start = time.monotonic()
-    runs = await asyncio.gather(*(run_tests(sleeper, "f", tests, FAST, max_concurrent=4) for _ in range(8)))
+    bound = ConcurrencyBound(4)
+    runs = await asyncio.gather(*(run_tests(sleeper, "f", tests, FAST, bound) for _ in range(8)))
     elapsed = time.monotonic() - start
     ticking.cancel()
     assert all(run.passed == 1 for run in runs)
     assert elapsed >= 1.0  # 8 runs of 0.5 s, 4 at a time: two waves
     assert ticks >= elapsed / 0.05 * 0.5  # the loop kept running while the children worked
+
+
+@pytest.mark.asyncio
+async def test_each_code_environment_keeps_its_own_concurrency_bound(no_leaks):
+    """One bound per environment: a first environment with max_concurrent = 1 does not serialise a second one's runs."""
+    one = load_environment("code", num_eval=4, max_concurrent=1, families=["rotate_left"])
+    four = load_environment("code", num_eval=4, max_concurrent=4, families=["rotate_left"])
+    task = one.tasks("eval")[0]
+    sleeper = "```python\nimport time\ntime.sleep(0.6)\ndef rotate_left(xs, k):\n    return xs\n```"  # 0.6 s a run
+    await one.score(task, rollout_of(task, sleeper))
+    start = time.monotonic()
+    await asyncio.gather(*(four.score(task, rollout_of(task, sleeper)) for _ in range(4)))
+    assert time.monotonic() - start < 1.2  # one wave of 4, not 4 waves of 1
 
 
 def test_bad_arguments_name_the_field():
