@@ -89,10 +89,14 @@ def test_redis_restarted_empty_mid_run_the_trainer_waits_for_the_missing_step(ti
         stream = BatchStream(redis.url, RUN)
         assert stream.length() == 0
         push_batches(stream, (5, 6))
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and "waiting for step 4:" not in log.read_text():
+        # the line that says the trainer has read both 5 and 6 (it reconnects to Redis on a backoff first: seconds,
+        # more on a loaded machine, where a fixed 8 s wait ran out before it and the asserts below failed)
+        deadline = time.monotonic() + 120
+        while "waiting for step 4: steps [5, 6] are in the stream but 4 is not" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        time.sleep(2)  # the trainer has read 5 and 6 by now
+        time.sleep(2)  # a trainer that would train past the missing step has had time to
         assert proc.poll() is None, log.read_text()[-3000:]
         assert trained_steps(out) == [1, 2, 3]  # neither 5 nor 6 trained past the missing 4
         text = log.read_text()
