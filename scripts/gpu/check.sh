@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Gyre's GPU checks on an offline GPU box (see docs/gpu.md). Parts, in the order given (default: all):
 #   tests     every `gpu`-marked test                                   -> pytest_gpu.txt
-#   inference-tests  the `gpu`-marked inference tests (engine, kernels)  -> pytest_gpu_inference.txt
+#   inference-tests  the `gpu`-marked inference tests (engine, kernels, penalties) -> pytest_gpu_inference.txt
 #   trainer   `gyre bench trainer`, packed rows of 8192 (MFU, memory)   -> bench_trainer.txt
 #   weights   `gyre bench weights`, the swap of 1.19 GB to 2 replicas    -> bench_weights.txt
 #   inference `gyre bench inference`: batch 64 and 256, GRPO workload, vs transformers -> bench_inference.txt
@@ -54,7 +54,8 @@ for part in "${parts[@]}"; do
       timeout 900 python3 -m pytest -p no:cacheprovider -m gpu -v "${files[@]}" 2>&1 | tee "$out/pytest_gpu.txt"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     inference-tests)
-      # the torch engine's gpu tests: CUDA graphs vs eager, Triton kernels vs the torch path, adapters
+      # the torch engine's gpu tests: CUDA graphs vs eager, Triton kernels vs the torch path, adapters, penalised
+      # steps (eager) beside graph replays
       mapfile -t files < <(grep -rl "mark.gpu" tests/unit/inference)
       timeout -k 10 "${TESTS_TIMEOUT:-150}" python3 -m pytest -p no:cacheprovider -m gpu -v "${files[@]}" 2>&1 \
         | tee "$out/pytest_gpu_inference.txt"

@@ -190,6 +190,8 @@ class ModelRunner:
         self.steps = 0
         self.device_seconds = 0.0  # time inside the step's graphs/kernels (CUDA events on a GPU)
         self.captures, self.capture_seconds = 0, 0.0  # CUDA graphs captured, and the time it took
+        # decode steps replayed as CUDA graphs (the others ran eagerly: no graphs, or a penalised step); tests read it
+        self.replays = 0
         self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if pin else None
                         for _ in "ab"]  # fmt: skip
 
@@ -380,6 +382,7 @@ class ModelRunner:
             if sampler is None:
                 sampler = self._sampler_graphs[(rows, variant)] = self._capture(lambda: self._sample(rows, variant))
             sampler.replay()
+            self.replays += 1
         outputs = self._outputs() if variant.top_n else self._outputs()[:2]
         host = host[: len(outputs)]
         for target, source in zip(host, outputs, strict=True):
