@@ -153,12 +153,13 @@ async def test_a_fork_bomb_is_contained(task, no_leaks):
 
 
 @pytest.mark.asyncio
-async def test_the_child_sees_no_environment_writes_only_its_own_directory_and_its_output_is_capped(task, no_leaks):
+async def test_the_child_sees_no_environment_is_not_root_and_its_file_and_output_sizes_are_capped(task, no_leaks):
     os.environ["GYRE_CODE_TEST_SECRET"] = "s3cret"
     try:
-        probe = "import os\ndef rotate_left(xs, k):\n    return ['GYRE_CODE_TEST_SECRET' in os.environ, " \
+        probe = "import os\ndef rotate_left(xs, k):\n" \
+                "    return ['GYRE_CODE_TEST_SECRET' in os.environ, os.getuid() != 0, " \
                 "os.path.basename(os.getcwd())[:10]]"  # fmt: skip
-        tests = [{"args": [[], 0], "expected": [False, "gyre-code-"]}]
+        tests = [{"args": [[], 0], "expected": [False, True, "gyre-code-"]}]
         assert (await run_tests(probe, "rotate_left", tests, FAST)).passed == 1
     finally:
         del os.environ["GYRE_CODE_TEST_SECRET"]
