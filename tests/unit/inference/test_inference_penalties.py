@@ -18,18 +18,24 @@ from test_inference_engine import PROMPT, _run_params, idle, together
 pytestmark = pytest.mark.asyncio
 
 
+def _penalise(logits: torch.Tensor, prompt, output, params: SamplingParams) -> torch.Tensor:
+    """vLLM's penalties in plain torch, token by token, on one row's logits."""
+    x = logits.clone()
+    for token in set(prompt) | set(output):
+        factor = params.repetition_penalty
+        x[token] = x[token] / factor if x[token] > 0 else x[token] * factor
+    for token in set(output):
+        x[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return x
+
+
 def penalised_logprobs(model, prompt, tokens, params: SamplingParams):
     """Per generated token: log_softmax of the penalised logits at the temperature, and the penalised argmax."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
     rows, best = [], []
     for t in range(len(tokens)):
-        x, output = logits[t].clone(), tokens[:t]
-        for token in set(prompt) | set(output):
-            factor = params.repetition_penalty
-            x[token] = x[token] / factor if x[token] > 0 else x[token] * factor
-        for token in set(output):
-            x[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+        x = _penalise(logits[t], prompt, tokens[:t], params)
         scale = params.temperature if params.temperature > 0 else 1.0
         rows.append(torch.log_softmax(x / scale, -1))
         best.append(int(x.argmax()))
@@ -98,17 +104,6 @@ async def test_a_penalised_step_runs_eagerly_even_where_the_runner_captures_grap
         assert len(tokens) == 5 and events[-1].finish_reason == "length"
     finally:
         await backend.shutdown()
-
-
-def _penalise(logits: torch.Tensor, prompt, output, params: SamplingParams) -> torch.Tensor:
-    """vLLM's penalties in plain torch, token by token, on one row's logits (as `penalised_logprobs`)."""
-    x = logits.clone()
-    for token in set(prompt) | set(output):
-        factor = params.repetition_penalty
-        x[token] = x[token] / factor if x[token] > 0 else x[token] * factor
-    for token in set(output):
-        x[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
-    return x
 
 
 def _record_penalised_decode_samples(backend, monkeypatch, records: list) -> None:
