@@ -197,22 +197,24 @@ async def test_a_frozen_replica_s_probe_does_not_hold_back_the_other_replica_s_u
 ):
     """The relay's loop awaited its status probes: a replica that does not answer (frozen: SIGSTOP) held the loop for
     the probe's timeout, and a new version reached the other replicas only after it (5 s late each time a frozen
-    replica came back from its cooldown; here the timeout is 30 s). Probes now run beside the loop."""
+    replica came back from its cooldown; here the timeout is 120 s). Probes now run beside the loop. The healthy
+    replica has 60 s to load the version: far less than the frozen probe holds, however loaded the machine (it was
+    15 s against 30 s)."""
     frozen = start_replica()
     store = WeightStore(tmp_path / "weights")
     replica_set = ReplicaSet(
         static_endpoints([replicas[0].url, frozen.url], [replicas[0].control, frozen.control], 0), cooldown_s=0.5
     )
     relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), probe_interval_s=0.2,
-                        probe_timeout_s=30.0, poll_store_s=0.2)  # fmt: skip
+                        probe_timeout_s=120.0, poll_store_s=0.2)  # fmt: skip
     healthy = replica_set.replicas[replicas[0].url]
     try:
         await relay.start()
         os.kill(frozen.proc.pid, signal.SIGSTOP)
         try:
-            await asyncio.sleep(1.0)  # a probe of the frozen replica is under way, for 30 s
+            await asyncio.sleep(1.0)  # a probe of the frozen replica is under way, for 120 s
             publish_weights(store, 1, tiny_model)  # found by the store poll
-            deadline = asyncio.get_running_loop().time() + 15
+            deadline = asyncio.get_running_loop().time() + 60
             while healthy.version != 1:
                 assert asyncio.get_running_loop().time() < deadline, "the other replica waited for the frozen one"
                 await asyncio.sleep(0.05)
