@@ -171,7 +171,8 @@ async def test_a_rewinding_orchestrator_relays_nothing_until_the_trainer_deleted
         # a trainer that was never rewound: the orchestrator goes on after REWIND_WAIT_S, as it did without waiting
         store.publish(2, lambda folder: (folder / "weights.bin").write_bytes(b"2" * 64))
         monkeypatch.setattr(service_module, "REWIND_WAIT_S", 0.3)
-        await asyncio.wait_for(service._await_trainer_rewind(1, poll_s=0.05), timeout=5)
+        # 0.3 s here against 600 s unpatched: a generous ceiling (it was 5 s) still tells them apart
+        await asyncio.wait_for(service._await_trainer_rewind(1, poll_s=0.05), timeout=60)
     finally:
         start.cancel()
         with contextlib.suppress(asyncio.CancelledError):
