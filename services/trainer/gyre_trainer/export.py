@@ -92,7 +92,13 @@ def export_checkpoint(cfg, step: int | None, to: Path) -> Path:
                               f"published versions in {weights} are HF folders already)")  # fmt: skip
         step = available[-1]
     elif step not in available:
-        raise ExportError(f"--step {step}: no such checkpoint in {checkpoints.root} (have {available or 'none'})")
+        # a run without --ckpt keeps no checkpoint, but its recent versions are published as HF folders: say so
+        # (`gyre export outputs/demo --step 120` on the demo read as a failed export, not as "copy weights/step_120")
+        published = Path(cfg.output_dir) / "weights" / f"step_{step}"
+        also = (f"; {published} is that version published, a Hugging Face folder already: copy it"
+                if (published / "config.json").is_file() else "")  # fmt: skip
+        raise ExportError(f"--step {step}: no such checkpoint in {checkpoints.root} (have {available or 'none'}; "
+                          f"keep some with trainer.ckpt.interval, `gyre rl --ckpt`){also}")  # fmt: skip
     folder = checkpoints.path(step)
     saved = FileSystemReader(str(folder / "state")).read_metadata().state_dict_metadata
     dtypes = {meta.properties.dtype for key, meta in saved.items()

@@ -68,3 +68,23 @@ def test_the_export_dtype_is_the_training_dtype_not_a_lora_adapters_float32():
     assert training_dtype("float16", "bfloat16", {torch.float32}) == torch.float16  # model.dtype given: it wins
     assert training_dtype("auto", None, {torch.bfloat16}) == torch.bfloat16  # a checkpoint from before the record
     assert training_dtype("auto", None, {torch.bfloat16, torch.float32}) == torch.float32
+
+
+def test_a_step_with_no_checkpoint_but_a_published_version_names_that_folder(tiny_model, tmp_path):
+    """The demo keeps no checkpoint (no --ckpt) but publishes its versions as HF folders: `gyre export outputs/demo
+    --step 120` said only "no such checkpoint (have none)", as if the step's model were lost."""
+    from gyre.config import load_config
+    from gyre.config.trainer import TrainerConfig
+    from gyre_trainer.export import ExportError, export_checkpoint
+
+    out = tmp_path / "run"
+    (out / "weights/step_3").mkdir(parents=True)
+    (out / "weights/step_3/config.json").write_text("{}")
+    cfg = load_config(TrainerConfig, trainer_args(tiny_model, out, "redis://127.0.0.1:1/0", "r", 3))
+    with pytest.raises(ExportError) as published:
+        export_checkpoint(cfg, 3, tmp_path / "hf")
+    assert f"{out / 'weights/step_3'} is that version published, a Hugging Face folder already" in str(published.value)
+    with pytest.raises(ExportError) as gone:  # a version pruned too: no folder to point at
+        export_checkpoint(cfg, 2, tmp_path / "hf")
+    assert "have none; keep some with trainer.ckpt.interval" in str(gone.value) and "published" not in str(gone.value)
+    assert not (tmp_path / "hf").exists()
