@@ -211,7 +211,7 @@ def test_helm_test_pod_calls_v1_models_with_the_api_key():
     container = pod["spec"]["containers"][0]
     script = container["args"][0]
     assert "client.models.list()" in script
-    assert "client.completions.create(model=models[0], prompt=\"Hello\", max_tokens=1)" in script  # it generates
+    assert 'client.completions.create(model=models[0], prompt="Hello", max_tokens=1)' in script  # it generates
     env = {e["name"]: e for e in container["env"]}
     assert env["GYRE_BASE_URL"]["value"] == "http://exp-gyre-inference.rl.svc.cluster.local:8000/v1"
     assert env["GYRE_API_KEY_FILE"]["value"] == "/run/secrets/gyre/api-key"  # the Secret's key as a file
