@@ -3,7 +3,11 @@
 The orchestrator writes one every `rollouts.interval` steps (and for step 1), one line per trained sample:
 
     {"step", "task_id", "prompt": [messages], "completion": [messages], "answer", "reward", "rewards": {fn: value},
-     "advantage", "min_version", "max_version", "stop_reason", "num_turns", "num_loss_tokens", "group"}
+     "advantage", "min_version", "max_version", "stop_reason", "num_turns", "num_loss_tokens", "group", "details"}
+
+`details` (optional; older dumps lack it) is the environment's short per-sample explanation, e.g. why a reply
+scored 0: whatever dict it put in `rollout.state["details"]` (the key `DETAILS`), made JSON-safe and capped by
+`cap_details` so a huge traceback cannot bloat the dumps.
 
 Files are written atomically (readers see a whole dump or none). `gyre report` renders the newest dumps as a
 samples page; `read_dump` / `dumped_steps` are for anything else that wants them.
@@ -19,6 +23,10 @@ from typing import Any
 from gyre.fsio import write_atomic
 
 ROLLOUTS_DIR = "rollouts"
+DETAILS = "details"  # the `rollout.state` key an environment sets to explain a sample (dumped, shown in samples.md)
+DETAILS_MAX_CHARS = 2000  # one sample's details in a dump, as JSON
+_DETAILS_STR_CHARS = 500  # a string in them (a traceback keeps its start)
+_DETAILS_LIST_ITEMS = 10
 _DUMP = re.compile(r"^step_(\d+)\.jsonl$")
 
 
@@ -29,6 +37,57 @@ def dump_path(output_dir: Path | str, step: int) -> Path:
 def write_dump(output_dir: Path | str, step: int, records: list[dict[str, Any]]) -> Path:
     text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
     return write_atomic(dump_path(output_dir, step), text.encode())
+
+
+def cap_details(details: Any, limit: int = DETAILS_MAX_CHARS) -> dict[str, Any] | None:
+    """`details` as a dump carries them: JSON-safe (anything else as its `str`), strings cut to 500 characters,
+    lists to 10 items, and the whole at most `limit` characters of JSON (beyond that: the first keys that fit and
+    `"truncated": "N more keys"`). None stays None; a non-dict is kept as `{"value": ...}`. Never raises: an
+    environment's odd value must not fail the step that dumps it."""
+    if details is None:
+        return None
+    if not isinstance(details, dict):
+        details = {"value": details}
+    try:
+        safe = _shrink(json.loads(json.dumps(details, ensure_ascii=False, default=str)))
+    except (TypeError, ValueError, RecursionError) as e:  # keys that are not strings/numbers, a cycle
+        return {"unreadable": f"{type(e).__name__}: {e}"[:_DETAILS_STR_CHARS]}
+    if len(json.dumps(safe, ensure_ascii=False)) <= limit:
+        return safe
+    # too big still (many keys, deep nesting): the first keys that fit, and how many were left out
+    kept: dict[str, Any] = {}
+    size = 2 + 40  # the braces, and room for the "truncated" note
+    for key, value in safe.items():
+        size += len(json.dumps({key: value}, ensure_ascii=False))  # its `"key": value` + 2: the ", " between
+        if size > limit:
+            break
+        kept[key] = value
+    kept["truncated"] = f"{len(safe) - len(kept)} more keys"
+    return kept
+
+
+def _shrink(value: Any) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= _DETAILS_STR_CHARS else value[: _DETAILS_STR_CHARS - 1] + "…"
+    if isinstance(value, list):
+        more = len(value) - _DETAILS_LIST_ITEMS
+        return [_shrink(v) for v in value[:_DETAILS_LIST_ITEMS]] + ([f"… {more} more"] if more > 0 else [])
+    if isinstance(value, dict):
+        return {k: _shrink(v) for k, v in value.items()}
+    return value
+
+
+def details_line(details: dict[str, Any] | None, limit: int = 200) -> str:
+    """One short line of a sample's details for samples.md: `key: value; ...` (lists joined by ` / `)."""
+    if not details:
+        return ""
+    parts = []
+    for key, value in details.items():
+        if isinstance(value, list):
+            value = " / ".join(str(v) for v in value)
+        parts.append(f"{key}: {value}")
+    text = " ".join("; ".join(parts).split())  # one line: a traceback's newlines and indents folded
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def dumped_steps(output_dir: Path | str) -> list[int]:
@@ -75,8 +134,10 @@ def samples_page(output_dir: Path | str, steps: int = 3, per_step: int = 8) -> s
         header = f"## Step {step}: {len(records)} samples, mean reward {mean:.3f}"
         lines += [f"{header} ({by_env})" if by_env else header, ""]
         env = ["env"] if by_env else []
-        lines += ["| " + " | ".join(["task", *env, "prompt", "completion", "answer", "reward", "advantage", "versions",
-                                     "stop"]) + " |", "|---" * (8 + len(env)) + "|"]  # fmt: skip
+        # a details column only where the step's environment explains its samples (older dumps have none)
+        details = ["details"] if any(r.get(DETAILS) for r in unique) else []
+        columns = ["task", *env, "prompt", "completion", "answer", "reward", *details, "advantage", "versions", "stop"]
+        lines += ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
         for r in unique:
             cells = [
                 r["task_id"],
@@ -85,6 +146,7 @@ def samples_page(output_dir: Path | str, steps: int = 3, per_step: int = 8) -> s
                 message_text(r["completion"]),
                 r.get("answer", ""),
                 f"{r['reward']:.3f}",
+                *([details_line(r.get(DETAILS))] if details else []),
                 f"{r['advantage']:+.3f}",
                 f"{r['min_version']}..{r['max_version']}",
                 r["stop_reason"],

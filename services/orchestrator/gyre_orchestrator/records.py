@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.envs import Rollout, Score, Task
+from gyre.rollouts import DETAILS, cap_details
 from gyre.wandb_log import WandbLogger
 
 from gyre_orchestrator.metrics import OrchestratorMetrics
@@ -61,8 +62,13 @@ def rollout_record(step: int, sample: ScoredRollout, meta: dict) -> dict:
     # env: a mix's entry (task ids repeat across environments: `train-0-0` of each)
     keys = ("env", "task_id", "reward", "rewards", "advantage", "min_version", "max_version", "stop_reason",
             "num_turns", "num_loss_tokens", "group")  # fmt: skip
-    return {"step": step, "prompt": r.prompt, "completion": r.completion, "answer": sample.task.answer,
-            **{k: meta[k] for k in keys}}  # fmt: skip
+    record = {"step": step, "prompt": r.prompt, "completion": r.completion, "answer": sample.task.answer,
+              **{k: meta[k] for k in keys}}  # fmt: skip
+    # the environment's explanation of this sample (why it scored what it did), capped: a traceback stays small
+    details = cap_details(r.state.get(DETAILS))
+    if details is not None:
+        record[DETAILS] = details
+    return record
 
 
 def batch_health(samples: list[ScoredRollout]) -> dict:

@@ -1,0 +1,67 @@
+"""`details` in rollout dumps: capped, JSON-safe, one line in samples.md, and dumps written before it still read."""
+
+from __future__ import annotations
+
+import json
+
+from gyre.rollouts import DETAILS_MAX_CHARS, cap_details, details_line, read_dump, samples_page, write_dump
+
+
+def record(task_id: str, reward: float, **extra) -> dict:
+    """A dump line as the orchestrator wrote it before `details` existed (plus `extra`)."""
+    return {"step": 3, "task_id": task_id, "prompt": [{"role": "user", "content": f"solve {task_id}"}],
+            "completion": [{"role": "assistant", "content": "def f(): pass"}], "answer": "x", "reward": reward,
+            "rewards": {"tests_passed": reward}, "advantage": 0.0, "min_version": 1, "max_version": 2,
+            "stop_reason": "stop", "num_turns": 1, "num_loss_tokens": 4, "group": 0, **extra}  # fmt: skip
+
+
+def test_small_details_are_kept_as_they_are():
+    details = {"passed": 1, "total": 5, "error": "test 2: returned 3, expected 4", "failures": ["a", "b"]}
+    assert cap_details(details) == details
+    assert cap_details(None) is None
+
+
+def test_a_huge_traceback_or_list_is_cut_and_the_whole_stays_under_the_cap():
+    details = {"error": "Traceback\n" + "x" * 1_000_000, "failures": [f"test {i}" for i in range(10_000)]}
+    capped = cap_details(details)
+    assert len(json.dumps(capped, ensure_ascii=False)) <= DETAILS_MAX_CHARS
+    assert capped["error"].startswith("Traceback\nxxx") and len(capped["error"]) == 500
+    assert capped["failures"] == [f"test {i}" for i in range(10)] + ["… 9990 more"]
+    # many keys, each small: the whole is still capped, the first keys kept whole
+    wide = cap_details({f"key{i}": "v" * 400 for i in range(100)})
+    assert list(wide) == ["key0", "key1", "key2", "key3", "truncated"] and wide["truncated"] == "96 more keys"
+    assert wide["key3"] == "v" * 400
+    assert len(json.dumps(wide, ensure_ascii=False)) <= DETAILS_MAX_CHARS
+
+
+def test_values_json_cannot_hold_never_fail_the_dump():
+    assert cap_details({"seen": {1}, "path": object})["seen"] == "{1}"
+    assert cap_details("just a reason") == {"value": "just a reason"}
+    assert set(cap_details({(1, 2): "tuple key"})) == {"unreadable"}
+    cyclic: dict = {}
+    cyclic["self"] = cyclic
+    assert set(cap_details(cyclic)) == {"unreadable"}
+
+
+def test_details_are_one_short_line():
+    line = details_line({"passed": 0, "error": "Traceback:\n  File 'x'\n    boom", "failures": ["t1", "t2"]})
+    assert line == "passed: 0; error: Traceback: File 'x' boom; failures: t1 / t2"
+    assert len(details_line({"error": "y" * 5000})) == 200 and details_line(None) == details_line({}) == ""
+
+
+def test_old_dump_lines_render_without_a_details_column_and_mixed_ones_with_it(tmp_path):
+    write_dump(tmp_path, 3, [record("t0", 1.0), record("t1", 0.0)])  # a dump from before `details`
+    assert [r.get("details") for r in read_dump(tmp_path, 3)] == [None, None]
+    page = samples_page(tmp_path)
+    header = next(line for line in page.splitlines() if line.startswith("| task |"))
+    assert "details" not in header and header.count("|") == 9
+    assert "| t1 | solve t1 |" in page
+
+    # one sample explains itself, one (an older environment's) does not: its cell is empty
+    write_dump(tmp_path, 4, [record("t0", 1.0), record("t1", 0.0, details={"error": "no code | block\nfound"})])
+    page = samples_page(tmp_path, steps=1)
+    lines = page.splitlines()
+    header = next(line for line in lines if line.startswith("| task |"))
+    assert "| reward | details | advantage |" in header and lines[lines.index(header) + 1].count("|") == 10
+    assert "| 0.000 | error: no code \\| block found | +0.000 |" in page
+    assert "| 1.000 |  | +0.000 |" in page
