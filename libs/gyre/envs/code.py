@@ -21,7 +21,8 @@ result is streamed back, so a solution that hangs on test 4 keeps its first 3. T
 directory removed whatever happened.
 
 Rewards: `tests_passed` (weight 1): passed / total; `passed_all` (weight 0, logged only): 1 when every test passed.
-The reason a run scored less (a syntax error, no code block, a timeout, a limit) is in `rollout.state["code"]`.
+The reason a run scored less (a syntax error, no code block, a timeout, a limit) is in `rollout.state["code"]`, also
+its `details` (in the rollout dumps and samples.md).
 
 Not a security boundary: see docs/environments.md, "code: what the rlimits do and do not do".
 """
@@ -385,6 +386,8 @@ class CodeEnv(SingleTurnEnv):
         else:
             run = await run_tests(code, task.info["entry"], task.info["tests"], self.limits, self.bound)
         rollout.state["code"] = asdict(run)
+        # why it scored what it did, in the rollout dumps and samples.md (gyre.rollouts caps a long error there)
+        rollout.state["details"] = rollout.state["code"]
         return await self.rubric.score(task, rollout)
 
 

@@ -1,6 +1,7 @@
 """A sample's `details` (why it scored what it did) through the real orchestrator: rollout dump and samples.md.
 
-Before, the dumps carried only the per-function rewards: an environment's reason for a 0 was lost after the run.
+Before, the dumps carried only the per-function rewards: the code environment's reason for a 0 (no code block, a
+SyntaxError, the first failing test) stayed in `rollout.state["code"]`, lost after the run.
 """
 
 from __future__ import annotations
@@ -8,10 +9,29 @@ from __future__ import annotations
 import json
 
 import pytest
-from gyre.rollouts import DETAILS_MAX_CHARS
+from gyre.rollouts import DETAILS_MAX_CHARS, read_dump, samples_page
 from orchestrator_testlib import first_batch, orchestrator_config
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+
+
+async def test_the_code_environment_s_reason_for_a_zero_is_in_the_dump_and_samples_md(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model
+):
+    # the random tiny model writes no ```python block: every reply scores 0, and the dump says why
+    env = {"name": "code", "args": {"num_tests": 2, "num_eval": 2}}
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, env=env, max_steps=1,
+                              rollouts={"interval": 1}, advantage={"drop_zero_signal": False})  # fmt: skip
+    await first_batch(cfg, tiny_model)
+    records = read_dump(cfg.output_dir, 1)
+    assert len(records) == 8
+    for r in records:
+        assert r["reward"] == 0.0
+        assert r["details"] == {"passed": 0, "total": 2, "error": "no ```python code block in the reply",
+                                "failures": []}  # fmt: skip
+    page = samples_page(cfg.output_dir)
+    assert any(line.startswith("| task |") and "| reward | details | advantage |" in line for line in page.splitlines())
+    assert page.count("error: no ```python code block in the reply") == 8
 
 
 def traceback_reward(state) -> float:
