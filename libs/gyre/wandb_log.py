@@ -22,11 +22,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gyre.rollouts import message_text
+from gyre.rollouts import DETAILS, details_line, message_text
 
 log = logging.getLogger(__name__)
 SAMPLE_COLUMNS = ["step", "task_id", "prompt", "completion", "answer", "reward", "advantage", "min_version",
-                  "max_version", "stop_reason"]  # fmt: skip
+                  "max_version", "stop_reason", "details"]  # fmt: skip
 
 
 def run_identity(output_dir: Path, service: str) -> str:
@@ -98,7 +98,7 @@ class WandbLogger:
             return
         rows = [[r["step"], r["task_id"], message_text(r["prompt"], "user"), message_text(r["completion"]),
                  r.get("answer", ""), r["reward"], r["advantage"], r["min_version"], r["max_version"],
-                 r["stop_reason"]] for r in records[: self.cfg.samples]]  # fmt: skip
+                 r["stop_reason"], details_line(r.get(DETAILS))] for r in records[: self.cfg.samples]]  # fmt: skip
         table = self._wandb.Table(columns=SAMPLE_COLUMNS, data=rows)
         self.run.log({"samples": table, f"{self.service}/step": step})
 

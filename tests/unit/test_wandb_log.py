@@ -18,13 +18,15 @@ RECORD = {"step": 3, "prompt": [{"role": "user", "content": "Reverse: abc"}], "t
 def test_offline_run_records_metrics_and_a_samples_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = WandbLogger(WandbConfig(enabled=True, samples=1), service="orchestrator", run_id="wb-test",
+    logger = WandbLogger(WandbConfig(enabled=True, samples=2), service="orchestrator", run_id="wb-test",
                          output_dir=tmp_path, config={"batch_size": 4})  # fmt: skip
     assert logger.run.name == "wb-test-orchestrator" and logger.run.group == "wb-test"
     for step in (1, 2, 3):
         logger.log({"step": step, "reward_mean": 0.25 * step, "env": "dataset", "flag": True})
     logger.log({"step": 2, "avg_at_k": 0.75}, prefix="eval")
-    logger.samples([RECORD, {**RECORD, "task_id": "row-2"}], step=3)
+    # an environment's explanation of a sample (`details`) is its one line; a record without one (an older dump's) ""
+    explained = {**RECORD, "reward": 0.0, "details": {"passed": 0, "error": "no ```python code block"}}
+    logger.samples([explained, RECORD, {**RECORD, "task_id": "row-2"}], step=3)
     logger.finish()
     import wandb
 
@@ -38,7 +40,10 @@ def test_offline_run_records_metrics_and_a_samples_table(tmp_path, monkeypatch):
     (table,) = run_dir.glob("files/media/table/samples_*.table.json")
     content = json.loads(table.read_text())
     assert content["columns"] == SAMPLE_COLUMNS
-    assert content["data"] == [[3, "row-1", "Reverse: abc", "cba", "cba", 1.0, 0.5, 1, 2, "done"]]  # first `samples`
+    assert content["data"] == [  # the first `samples`
+        [3, "row-1", "Reverse: abc", "cba", "cba", 0.0, 0.5, 1, 2, "done", "passed: 0; error: no ```python code block"],
+        [3, "row-1", "Reverse: abc", "cba", "cba", 1.0, 0.5, 1, 2, "done", ""],
+    ]
 
 
 def test_disabled_is_a_no_op(tmp_path):
