@@ -65,7 +65,11 @@ def rollout_record(step: int, sample: ScoredRollout, meta: dict) -> dict:
     record = {"step": step, "prompt": r.prompt, "completion": r.completion, "answer": sample.task.answer,
               **{k: meta[k] for k in keys}}  # fmt: skip
     # the environment's explanation of this sample (why it scored what it did), capped: a traceback stays small
-    details = cap_details(r.state.get(DETAILS))
+    details = r.state.get(DETAILS)
+    if sample.score.errors:  # a reward function that raised scored 0: its exception is this sample's reason too
+        own = {} if details is None else details if isinstance(details, dict) else {"value": details}
+        details = {**own, "reward_errors": dict(sample.score.errors)}
+    details = cap_details(details)
     if details is not None:
         record[DETAILS] = details
     return record

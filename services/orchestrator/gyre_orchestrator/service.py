@@ -606,7 +606,8 @@ class OrchestratorService:
             self.reward_errors[name] = self.reward_errors.get(name, 0) + 1
             if self.reward_errors[name] == 1:
                 log.warning("reward function %r failed on task %s and scored 0: %s (further failures are only "
-                            "counted: reward_errors in orchestrator_steps.jsonl)", name, task.id, message)  # fmt: skip
+                            "counted: reward_errors in orchestrator_steps.jsonl; a dumped sample's details name it)",
+                            name, task.id, message)  # fmt: skip
 
     async def _teacher_logprobs(self, rollout: Rollout) -> list[float] | None:
         """The teacher's log-prob of each token the sample trains on (the sequence cut to `batch.seq_len`), 0 where

@@ -235,6 +235,10 @@ async def test_a_reward_function_that_raises_is_reported_not_silently_zero(
     assert len(warnings) == 1 and "KeyError: 'difficulty'" in warnings[0]  # once, with the exception, not per sample
     (record,) = read_events(tmp_path / "run/events/orchestrator_steps.jsonl")
     assert record["reward_errors"] == {"broken_reward": 8}
+    # and each sample's line in the rollout dump says why it scored 0 (its `details`)
+    dumped = read_dump(cfg.output_dir, 1)
+    assert len(dumped) == 8
+    assert all(r["details"] == {"reward_errors": {"broken_reward": "KeyError: 'difficulty'"}} for r in dumped)
 
 
 @pytest.mark.asyncio
