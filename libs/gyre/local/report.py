@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gyre.events import latest_per_step, read_events
 from gyre.fsio import write_atomic
-from gyre.rollouts import dumped_steps, read_dump, samples_page
+from gyre.rollouts import details_line, dumped_steps, read_dump, samples_page
 
 
 def _load(output_dir: Path) -> dict[str, list[dict]]:
@@ -106,7 +106,7 @@ def write_samples(output_dir: Path) -> Path:
 
 
 def latest_samples(output_dir: Path, count: int = 3, width: int = 60) -> list[str]:
-    """A few lines of the newest dump for the console: reward, then the completion's first line."""
+    """A few lines of the newest dump for the console: reward, the completion's first line, its details if any."""
     steps = dumped_steps(output_dir)
     if not steps:
         return []
@@ -116,6 +116,8 @@ def latest_samples(output_dir: Path, count: int = 3, width: int = 60) -> list[st
         reply = next((m.get("content") or "" for m in r["completion"] if m.get("role") == "assistant"), "")
         reply = " ".join(reply.split())
         lines.append(f"  reward {r['reward']:.2f}  {r['task_id']}: {reply[:width]!r} (answer {r['answer'][:width]!r})")
+        if r.get("details"):  # why it scored what it did (a code env's failing test), as samples.md shows it
+            lines.append(f"      {details_line(r['details'], limit=2 * width)}")
     return lines
 
 

@@ -65,3 +65,15 @@ def test_old_dump_lines_render_without_a_details_column_and_mixed_ones_with_it(t
     assert "| reward | details | advantage |" in header and lines[lines.index(header) + 1].count("|") == 10
     assert "| 0.000 | error: no code \\| block found | +0.000 |" in page
     assert "| 1.000 |  | +0.000 |" in page
+
+
+def test_the_console_samples_after_a_run_show_each_samples_details(tmp_path):
+    """`gyre rl`'s closing lines (gyre.local.report.latest_samples) showed the reward and reply only: a code
+    environment's 0 said nothing of why, though samples.md did."""
+    from gyre.local.report import latest_samples
+
+    write_dump(tmp_path, 4, [record("t0", 1.0), record("t1", 0.0, details={"error": "no python\nblock", "passed": 0})])
+    lines = latest_samples(tmp_path)
+    assert lines[0].startswith("samples of step 4")
+    assert "t0" in lines[1] and "t1" in lines[2] and lines[3].strip() == "error: no python block; passed: 0"
+    assert len(lines) == 4  # the sample without details gets no line of its own
