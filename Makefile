@@ -40,9 +40,12 @@ test: install ## Run the whole test suite (what CI runs)
 test-fast: install ## Unit tests only
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
-lint: install ## ruff check + format check
+lint: install ## ruff check + format check + unique test file names
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	@# tests/ has no __init__.py: two test files of one name stop pytest's whole collection (a targeted run passes)
+	@dups=$$(find tests -name 'test_*.py' -printf '%f\n' | sort | uniq -d); \
+	  if [ -n "$$dups" ]; then echo "test files with the same name (rename one): $$dups"; exit 1; fi
 
 format: install ## Apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .
