@@ -162,20 +162,26 @@ def test_preemptions_under_kv_block_pressure_are_counted_and_logged(start_server
 
 
 @pytest.mark.asyncio
-async def test_queued_requests_whose_clients_went_away_leave_the_waiting_count_at_once(start_server):
+async def test_queued_requests_whose_clients_went_away_leave_the_waiting_count_at_once(start_server, tmp_path):
     """Two rows, both busy with long streams; 12 more requests queue, then their clients give up (timeouts, closed
     streams). They stayed counted as waiting (gauge, GetStatus) until the engine came to them, and kept an adapter
     slot busy meanwhile; vLLM drops an aborted request from its waiting queue."""
+    from gyre.model_init import init_model
     from openai import AsyncOpenAI
 
-    server = start_server("--engine.max-batch-size", "2", "--run-id", "gone-while-queued")
+    # the rows must stay busy for the whole test: on a loaded 2-core machine 1000 tokens of the tiny model (1024
+    # positions) ended before the 12 requests had queued, and the queue drained into the freed rows. The same shape
+    # with 16384 positions: the long streams outlast the test (they are cancelled at its end)
+    model = init_model(tmp_path / "long-tiny", max_position_embeddings=16384)
+    server = start_server("--engine.max-batch-size", "2", "--engine.max-model-len", "16384",
+                          "--run-id", "gone-while-queued", model_path=model)  # fmt: skip
 
     def waiting() -> tuple[float, int]:
         scraped = samples(httpx.get(f"{server.url}/metrics").text)
         return scraped[("gyre_inference_waiting_requests", (("run_id", "gone-while-queued"),))], server.status().waiting
 
     async with AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as client:
-        long = dict(model=server.model_name, max_tokens=1000, extra_body={"ignore_eos": True})
+        long = dict(model=server.model_name, max_tokens=16000, extra_body={"ignore_eos": True})
 
         async def stream(prompt, **kwargs):
             async for _ in await client.completions.create(prompt=prompt, stream=True, **kwargs):
@@ -187,7 +193,7 @@ async def test_queued_requests_whose_clients_went_away_leave_the_waiting_count_a
         queued = [asyncio.create_task(stream([7, i], model=server.model_name, max_tokens=5)) for i in range(6)]
         queued += [asyncio.create_task(client.completions.create(prompt=[8, i], model=server.model_name, max_tokens=5))
                    for i in range(6)]  # fmt: skip
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while waiting() != (12, 12) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert waiting() == (12, 12)
