@@ -68,6 +68,16 @@ class _JsonFormatter(_Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+def json_record(
+    service: str, message: str, level: str = "ERROR", logger: str = "gyre", run_id: str | None = None
+) -> str:
+    """One line as `log.format = "json"` writes a record, for what a command prints before logging is set up (a
+    start-up error: `gyre.config.loader.parse_or_exit`), so a collector reading JSON gets a record, not bare text."""
+    record = logging.makeLogRecord({"name": logger, "levelname": level, "levelno": logging.getLevelName(level),
+                                    "msg": message})  # fmt: skip
+    return _JsonFormatter(service, run_id).format(record)
+
+
 def _log_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
     """sys.excepthook in JSON mode: a crash's traceback is one JSON record too, not lines a collector splits."""
     if issubclass(kind, KeyboardInterrupt):

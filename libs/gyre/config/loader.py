@@ -868,8 +868,48 @@ def parse_or_exit(cls: type[T], argv: list[str] | None, prog: str, summary: str 
             sys.stdout = None
         raise SystemExit(0) from None
     except ConfigError as e:
-        print(f"{prog}: error: {name_environment_variables(str(e), os.environ)}", file=sys.stderr)
+        message = name_environment_variables(str(e), os.environ)
+        json_as = None if getattr(cls, "console_errors", False) else startup_log_format(argv, cls, os.environ)
+        if json_as is not None:  # the command's logs are JSON (the chart's default): its start-up error is a record too
+            from gyre.logging import json_record
+
+            print(json_record(_service_name(prog), f"{prog}: error: {message}", logger="gyre.config", run_id=json_as),
+                  file=sys.stderr)  # fmt: skip
+        else:
+            print(f"{prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def startup_log_format(argv: list[str], cls: type[BaseModel] | None, environ: typing.Mapping[str, str]) -> str | None:
+    """The run_id ("" when unset) when the command's log.format is json, else None: what a start-up error is printed
+    as, before logging is set up. log.format as the config would have it, from the arguments (`--log.format json`,
+    an `@ file`'s [log] table) over the environment (GYRE_LOG__FORMAT, which the chart sets), read also from a
+    config that fails to validate; an argument list that cannot be read at all is scanned for `--log.format`."""
+    try:
+        given = collect(list(argv), cls)
+    except Exception:  # a missing file, a bad option: the error being printed; the options may still say json
+        given = {}
+        for i, arg in enumerate(argv):
+            name, eq, raw = arg.partition("=")
+            if name == "--log.format":
+                given = {"log": {"format": raw if eq else (argv[i + 1] if i + 1 < len(argv) else "")}}
+    env = {name.upper(): value for name, value in environ.items()}
+    log = given.get("log") if isinstance(given.get("log"), dict) else {}
+    fmt = log.get("format", env.get(ENV_PREFIX + "LOG__FORMAT", "text"))
+    if str(fmt).strip().lower() != "json":
+        return None
+    run_id = given.get("run_id", env.get(ENV_PREFIX + "RUN_ID", ""))
+    return run_id if isinstance(run_id, str) else ""
+
+
+def _service_name(prog: str) -> str:
+    """The service field of a command's records: `gyre trainer` -> trainer, `gyre bench inference` -> bench-inference,
+    `python -m gyre_trainer.export` -> export (setup_logging's names for the services)."""
+    words = prog.split()
+    if words and words[0] == "gyre":
+        command = [w for w in words[1:3] if w.isidentifier() and w.islower()]
+        return "-".join(command) or "gyre"
+    return words[-1].rsplit(".", 1)[-1] if words else "gyre"
 
 
 def to_toml(model: BaseModel) -> str:

@@ -110,6 +110,8 @@ class RLConfig(GyreSettings):
     starts it over; --ckpt.resume-step N rewinds it; another --output-dir is another run (docs/local.md)."""
 
     check_environment: ClassVar[bool] = True  # parse_or_exit: a misspelt GYRE_ variable names itself
+    # parse_or_exit: gyre rl's own lines are for a console (its services' logs follow log.format): errors stay text
+    console_errors: ClassVar[bool] = True
     # the configs its sections are validated as (by the launcher): an unknown top-level key is suggested where it
     # lives there (a top-level `seq_len`, PRIME-RL's shared key, is 'trainer.data.seq_len')
     section_models: ClassVar[dict[str, str]] = {

@@ -1,0 +1,67 @@
+"""A service's start-up error (a bad config: exit 2, before logging is set up) in the format its logs are in.
+
+The chart sets GYRE_LOG__FORMAT=json: a collector that reads one JSON object per line got the config error, the one
+line that says why the pod is crash-looping, as unparsable text. Each entry point that can fail so is run for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SERVICES = ["trainer", "orchestrator", "inference"]
+FIELDS = {"time", "level", "severity", "service", "logger", "message"}  # gyre.logging's JSON records
+
+
+def gyre(*args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if not k.upper().startswith("GYRE_")} | (env or {})
+    cmd = [sys.executable, "-m", "gyre.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=environ, cwd=cwd)
+
+
+def records(stderr: str) -> list[dict]:
+    return [json.loads(line) for line in stderr.splitlines()]  # every line is one object, or json.loads fails
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_bad_key_is_one_json_record_when_the_environment_selects_json(service):
+    res = gyre(service, "--bogus-key", "1", env={"GYRE_LOG__FORMAT": "json", "GYRE_RUN_ID": "exp1"})
+    assert res.returncode == 2
+    [record] = records(res.stderr)
+    assert record.keys() >= FIELDS
+    assert record["level"] == record["severity"] == "ERROR"
+    assert record["service"] == service and record["run_id"] == "exp1"
+    assert record["message"].startswith(f"gyre {service}: error: config key 'bogus_key'")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_bad_key_is_one_json_record_when_the_config_selects_json(service, tmp_path):
+    config = tmp_path / "service.toml"
+    config.write_text('run_id = "exp2"\n[log]\nformat = "json"\n[bogus]\nx = 1\n')
+    res = gyre(service, "@", str(config))
+    assert res.returncode == 2
+    [record] = records(res.stderr)
+    assert record["service"] == service and record["run_id"] == "exp2"
+    assert "config key 'bogus'" in record["message"]
+    # an option over the environment, as the config reads them; and a file that cannot be read still says json
+    res = gyre(service, "--log.format", "json", "@", str(tmp_path / "missing.toml"), env={"GYRE_LOG__FORMAT": "text"})
+    assert res.returncode == 2 and "config file not found" in records(res.stderr)[0]["message"]
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_bad_key_stays_text_without_json(service):
+    res = gyre(service, "--bogus-key", "1")
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"gyre {service}: error: config key 'bogus_key'")
+    res = gyre(service, "--log.format", "text", "--bogus-key", "1", env={"GYRE_LOG__FORMAT": "json"})
+    assert res.stderr.startswith(f"gyre {service}: error:")  # the option wins over the environment
+
+
+def test_gyre_rl_errors_stay_text_for_its_console():
+    # gyre rl's own lines are a person's console; log.format is its services' (their log files)
+    res = gyre("rl", "--bogus-key", "1", env={"GYRE_LOG__FORMAT": "json"})
+    assert res.returncode == 2 and res.stderr.startswith("gyre rl: error: config key 'bogus_key'")
