@@ -6,7 +6,9 @@ A reward function is a plain (sync or async) function that declares, by paramete
     prompt      the task's opening messages
     messages    prompt + completion
     answer      the task's reference answer (str)
-    task        the Task
+    task        the task's name, as verifiers passes it: the row's `task` column (`task.info["task"]`), else
+                "default"; a `str` (so `task == "math"` holds) that also reads as the Task (`task.answer`,
+                `task.info`, `task.id`, `task.prompt`, `task.key`)
     info        task.info
     state       the rollout's state dict (what the environment recorded while running)
     rollout     the Rollout itself
@@ -42,6 +44,8 @@ RewardFunc = Callable[..., float | Awaitable[float]]
 ARGUMENTS = ("completion", "prompt", "messages", "answer", "task", "info", "state", "rollout", "parser")
 # Seconds an async reward function may take (see the module docstring): far past any healthy network call.
 REWARD_TIMEOUT_S = 600.0
+# The `task` argument of a task without a `task` entry in its info: verifiers' name for a dataset without that column
+DEFAULT_TASK_NAME = "default"
 _DEFAULT: float = -1.0  # `add`'s timeout_s when not given: the rubric's own
 
 
@@ -105,7 +109,7 @@ class Rubric:
             "prompt": rollout.prompt,
             "messages": rollout.messages,
             "answer": task.answer,
-            "task": task,
+            "task": TaskName.of(task),
             "info": task.info,
             "state": rollout.state,
             "rollout": rollout,
@@ -151,6 +155,31 @@ class Rubric:
         per_function = dict(zip(self.names, values, strict=True))
         reward = sum(weight * value for weight, value in zip(self.weights, values, strict=True))
         return Score(reward=reward, per_function=per_function, errors=errors)
+
+
+class TaskName(str):
+    """The `task` argument: the task's name as verifiers gives its reward functions (a dataset's `task` column, a
+    string; "default" without one), which also reads as the Gyre `Task` it names. A verifiers reward that branches
+    on `task == "math"` got the Task object here, never equal to a string: that branch was silently never taken. A
+    Gyre reward written against the Task (`task.info`, `task.answer`) keeps working: a name `str` lacks is the
+    Task's."""
+
+    task: Task
+
+    @classmethod
+    def of(cls, task: Task) -> TaskName:
+        name = task.info.get("task")
+        self = cls(name if isinstance(name, str) and name else DEFAULT_TASK_NAME)
+        self.task = task
+        return self
+
+    def __getattr__(self, name: str):  # only names `str` does not have: the Task's fields and `key`
+        if name == "task":  # not set yet (copy/pickle): no recursion into __getattr__
+            raise AttributeError(name)
+        return getattr(self.task, name)
+
+    def __reduce__(self):  # a copy or pickle is the plain name (a str), never a half-built TaskName
+        return (str, (str(self),))
 
 
 def _checked_timeout(timeout_s: float | None) -> float | None:

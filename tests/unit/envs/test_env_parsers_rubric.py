@@ -144,7 +144,9 @@ async def test_rubric_weights_and_argument_passing():
     score = await Rubric([exact, from_state, everything], weights=[1.0, 0.5, -2.0]).score(TASK, ROLLOUT)
     assert score.per_function == {"exact": 1.0, "from_state": 3.0, "everything": 0.5}
     assert score.reward == pytest.approx(1.0 + 1.5 - 1.0) and score.errors == {}
-    assert seen["task"] is TASK and seen["rollout"] is ROLLOUT and seen["messages"] == ROLLOUT.messages
+    # `task` is verifiers' task name (a str: "default" without a `task` entry in info) that reads as the Task too
+    assert seen["task"] == "default" and seen["task"].info is TASK.info and seen["task"].id == TASK.id
+    assert seen["rollout"] is ROLLOUT and seen["messages"] == ROLLOUT.messages
     assert seen["kwargs"] == {
         "completion",
         "prompt",
