@@ -1,6 +1,7 @@
 """`gyre orchestrator @ exp.toml#orchestrator [--key value ...]`: run the orchestrator until max_steps.
 
-Exit status: 0 when done, 2 for a bad config or environment, 1 when the run fails, 143 on SIGTERM/SIGINT.
+Exit status: 0 when done and after a clean stop on SIGTERM/SIGINT (the batch being pushed completes, progress is
+saved), 2 for a bad config or environment, 1 when the run fails, 143 when a second signal stopped it at once.
 """
 
 from __future__ import annotations
@@ -38,12 +39,20 @@ async def serve(cfg: OrchestratorConfig) -> int:
     except LockHeld as e:
         log.error("%s", e)
         return 2
+    signals: list[str] = []  # received, in order
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig.name)
+        service.stop(sig.name)  # the current service: a StreamLost restart replaces it
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, on_signal, sig)
     try:
         rejections: dict[int, int] = {}  # step -> times the trainer dead-lettered its batch
         while True:
+            if signals:  # it came while the last one closed: the new one stops before it starts
+                service.stop(signals[-1])
             run = asyncio.create_task(service.run())
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                asyncio.get_running_loop().add_signal_handler(sig, run.cancel)
             try:
                 return await run
             except StreamLost as e:  # start over in this process: the resume rule regenerates the lost batches
@@ -61,8 +70,11 @@ async def serve(cfg: OrchestratorConfig) -> int:
                 log.warning("%s", e)
                 service = OrchestratorService(cfg)  # a rewind is done once: pending_rewind says it was
     except asyncio.CancelledError:
-        log.info("stopped by signal")
-        return 143
+        # exit 0 like the trainer and inference after a clean stop (a pod's or the docker smoke's SIGTERM); the
+        # shell's 128 + 15 says it was cut short: a second signal, or a push that outlasted the stop's grace
+        clean = len(signals) == 1 and not service.stop_cut_short
+        log.info("stopped by signal (%s)%s", ", ".join(signals) or "cancelled", "" if clean else ", at once")
+        return 0 if clean else 143
     except PortInUse as e:
         log.error("%s", e)
         return 2

@@ -330,9 +330,13 @@ class StepRecords:
             extra={"step": st.step},  # a field of its own in JSON logs (log.format), for a log query by step
         )
         if cfg.ckpt_interval and st.step % cfg.ckpt_interval == 0:
-            cursors, draws = positions
-            self.progress.save(Progress(step=st.step, task_index=cursors.get(self.labels[0], 0),
-                                        counters=dict(self.counters), cursors=cursors, draws=draws))  # fmt: skip
+            self.save_progress(st.step, positions)
+
+    def save_progress(self, step: int, positions: tuple[dict[str, int], int]) -> None:
+        """Progress checkpoint `step` (the last pushed) with the counters so far; `positions`: the task mix's state."""
+        cursors, draws = positions
+        self.progress.save(Progress(step=step, task_index=cursors.get(self.labels[0], 0), counters=dict(self.counters),
+                                    cursors=cursors, draws=draws))  # fmt: skip
 
     def _signal_record(self, samples: list[TrainSample]) -> dict:
         """Per reward function its mean over the batch (judges at weight 0 included: that is how they are

@@ -65,6 +65,9 @@ REWIND_WAIT_S = 600.0
 # a replica discovery dropped keeps its requests in flight this long: scaled down, its server finishes them in its
 # shutdown grace (inference server.shutdown_grace_s, 30 s) and answers the rest 503 (retried); gone, they fail at once
 RETIRE_DRAIN_S = 60.0
+# a SIGTERM during a push lets it complete this long (a push waits for a Redis in an outage up to
+# redis.retry_deadline_s, past any stop grace): well inside a pod's 30 s grace and `gyre rl`'s 15 s
+STOP_PUSH_GRACE_S = 10.0
 
 
 class StreamLost(RuntimeError):
@@ -196,11 +199,20 @@ class OrchestratorService:
         self._metrics_server = None
         self.metrics_port: int | None = None
         self._background: set[asyncio.Task] = set()
+        self._task: asyncio.Task | None = None  # the task running `run()`, cancelled by `stop()`
+        self.stop_requested: str | None = None  # why (e.g. "SIGTERM"): a clean stop, see `stop()`
+        self._pushing = False  # between a batch's event line and its progress accounting
+        self._stop_timer: asyncio.TimerHandle | None = None  # ends a push that outlasts the stop's grace
+        self._pushed_here: int | None = None  # newest step this process pushed and accounted
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> int:
-        """Start, push batches until `max_steps`, finish; `StreamLost` if Redis lost batches meanwhile."""
+        """Start, push batches until `max_steps`, finish; `StreamLost` if Redis lost batches meanwhile;
+        `asyncio.CancelledError` after `stop()` (with `stop_requested` set: a clean stop)."""
+        self._task = asyncio.current_task()
         try:
+            if self.stop_requested:  # a signal that came before this task ran (a StreamLost restart in between)
+                raise asyncio.CancelledError
             await self.start()
             work = asyncio.create_task(self._work(), name="work")
             watch = asyncio.create_task(self._watch_stream(), name="watch-stream")
@@ -214,7 +226,42 @@ class OrchestratorService:
                     task.cancel()
                 await asyncio.gather(work, watch, return_exceptions=True)
         finally:
+            if self.stop_requested:
+                self._save_stop_checkpoint()
             await self.close()
+
+    def stop(self, why: str, push_grace_s: float = STOP_PUSH_GRACE_S) -> None:
+        """A clean stop (SIGTERM, SIGINT): generation stops at once (rollouts in flight are abandoned, their tasks
+        skipped on resume), but a batch being pushed completes first, up to `push_grace_s` (its line, dump, push,
+        count and progress checkpoint: cut between them, the resume rule still copes, but the generated batch was
+        thrown away); then a progress checkpoint of the last step pushed, and `run()` raises CancelledError. A
+        second call stops at once, push or not."""
+        again, self.stop_requested = self.stop_requested is not None, why
+        if self._task is None or self._task.done():
+            return
+        if self._pushing and not again:
+            log.info("%s: stopping once batch %d is pushed (up to %.0fs)", why, self.last_step + 1, push_grace_s)
+            self._stop_timer = self._task.get_loop().call_later(push_grace_s, self._task.cancel)
+            return
+        log.info("%s: stopping%s", why, " at once" if again else "")
+        self._task.cancel()
+
+    @property
+    def stop_cut_short(self) -> bool:
+        """A batch's push was cut short (a second signal, or it outlasted the stop's grace): the resume rule
+        regenerates or keeps it by what reached the stream."""
+        return self._pushing
+
+    def _save_stop_checkpoint(self) -> None:
+        """At a clean stop, the progress of the last step this process pushed, unless `ckpt_interval` already saved
+        it: with an interval above 1 the newest checkpoint was up to interval - 1 steps behind the stream, and once
+        the trainer had trained the newest batch and Redis trimmed it (or lost it), a restart drew those steps'
+        tasks again. Not after a push cut short (its counters are not accounted), nor with checkpoints off."""
+        step = self._pushed_here
+        if self.cfg.ckpt_interval is None or step is None or self._pushing or step in self.progress.steps():
+            return
+        self.step_records.save_progress(step, self.sampler.state())
+        log.info("progress of step %d saved (checkpoints/orchestrator/step_%d.json)", step, step)
 
     async def _work(self) -> int:
         await self.loop()
@@ -493,7 +540,14 @@ class OrchestratorService:
         cfg = self.cfg
         while cfg.max_steps is None or self.last_step < cfg.max_steps:
             st = await self.scheduler.next_batch()
+            self._pushing = True  # a stop waits for it (`stop`); left True when the push is cut short
             await self.push(st)
+            self._pushing = False
+            self._pushed_here = st.step
+            if self.stop_requested:  # it came during the push
+                if self._stop_timer is not None:
+                    self._stop_timer.cancel()  # else it would cut the shutdown short
+                raise asyncio.CancelledError
 
     async def finish(self) -> None:
         cfg = self.cfg
