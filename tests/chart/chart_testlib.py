@@ -206,6 +206,15 @@ def service_command(container: dict) -> list[str]:
     return command[len(INIT) :] if command[: len(INIT)] == INIT else command
 
 
+def init_action(container: dict) -> tuple[str, list[str]]:
+    """(action, its arguments) of an init container running the chart's files/init.py (gyre.initCommand):
+    `fetch` runs `gyre model fetch` with the arguments, `init` and `wait` take none."""
+    words = service_command(container) + container.get("args", [])
+    assert words[:3] == ["python3", "-c", (CHART / "files" / "init.py").read_text()], words[:2]
+    assert words[3] == container["name"], "the records' `service` is the container's name"
+    return words[5], words[6:]
+
+
 def gyre_argv(container: dict) -> tuple[str, list[str]]:
     """(service, argv after the service name) of a Gyre main container (`gyre X ...`, or the trainer's torchrun of
     `-m gyre.cli X ...`)."""

@@ -151,7 +151,7 @@ def test_init_containers_and_the_model_wait(kind_plan):
     init = trainer.init_containers[0]
     assert init.restart == "no" and init.env["POD_NAME"] == TRAINER  # fieldRef metadata.name
     assert [c.name for c in inference.init_containers] == ["wait-for-model"]
-    assert {m.target: m.read_only for m in inference.init_containers[0].mounts} == {"/data": True}
+    assert {m.target: m.read_only for m in inference.init_containers[0].mounts} == {"/data": True, "/tmp": False}
 
 
 def test_one_claim_is_one_volume_shared_by_the_pods_that_mount_it(kind_plan):

@@ -19,12 +19,12 @@ from chart_testlib import (
     KUBERNETES_VERSION,
     component,
     containers,
+    init_action,
     manifests,
     named,
     objects,
     pod_templates,
     render,
-    service_command,
 )
 from gyre.config.loader import load_config
 from gyre.model_source import ModelFetchConfig
@@ -107,7 +107,8 @@ def test_a_hub_model_is_fetched_first_and_a_model_that_cannot_fit_stops_with_its
         if comp not in ("inference", "trainer"):
             continue
         (fetch,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "model-fetch"]
-        words = service_command(fetch) + fetch["args"]
+        action, args = init_action(fetch)
+        words = ["gyre", "model", action, *args]  # files/init.py runs `gyre model fetch` with the arguments
         assert words[:5] == ["gyre", "model", "fetch", "--name", "Qwen/Qwen3-8B"]
         assert words[words.index("--cache-dir") + 1] == "/cache/huggingface"
         assert int(words[words.index("--max-size") + 1]) == 20 * GIB  # the emptyDir's limit, in bytes

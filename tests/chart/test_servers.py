@@ -19,6 +19,7 @@ from chart_testlib import (
     container_env,
     containers,
     fullname,
+    init_action,
     manifests,
     named,
     objects,
@@ -146,7 +147,7 @@ def test_a_hub_model_server_fetches_it_first_and_one_on_the_policys_model_waits_
     teacher = server_pod(docs, "teacher")
     (fetch,) = teacher["initContainers"]
     assert fetch["name"] == "model-fetch"
-    assert fetch["args"][:4] == ["model", "fetch", "--name", "Qwen/Qwen3-8B"]  # its model, not the policy's
+    assert init_action(fetch)[0] == "fetch" and init_action(fetch)[1][:2] == ["--name", "Qwen/Qwen3-8B"]  # its own
     mounts = {m["mountPath"]: m["name"] for m in fetch["volumeMounts"]}
     assert mounts["/cache/huggingface"] == "model-cache"
     (main,) = teacher["containers"]
@@ -166,7 +167,10 @@ def test_a_hub_model_server_fetches_it_first_and_one_on_the_policys_model_waits_
         c for c in named(docs, "Deployment", f"{fullname()}-inference")["spec"]["template"]["spec"]["initContainers"]
         if c["name"] == "wait-for-model"
     )  # fmt: skip
-    assert wait == policy_wait
+    # the same container, but for the run id of its records: the server's, as its service logs it
+    assert init_action(wait) == init_action(policy_wait) == ("wait", [])
+    assert wait["args"][2] == "exp-ref" and policy_wait["args"][2] == "exp"
+    assert {**wait, "args": []} == {**policy_wait, "args": []}
     assert "initContainers" not in server_pod(docs, "judge")
 
 

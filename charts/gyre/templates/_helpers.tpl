@@ -247,6 +247,21 @@ securityContext:
 {{ include "gyre.podSecurityContext" (dict "user" $s.runAsUser "group" $s.runAsGroup "fsGroup" $s.fsGroup) }}
 {{- end -}}
 
+{{/*
+The command of the chart's init containers (`model-fetch`, `model-init`, `wait-for-model`): files/init.py under
+tini, which logs every line as the services log theirs (`experiment.log`: with `json`, one JSON object per line,
+`service` the container's name; give the container gyre.logEnv). Call with (dict "root" $ "container" "model-fetch"
+"action" "fetch" "runId" "…"), runId empty for the release's run id; the action's arguments follow in `args`.
+*/}}
+{{- define "gyre.initCommand" -}}
+command: [{{ include "gyre.init" .root }}, python3, -c]
+args:
+  - {{ .root.Files.Get "files/init.py" | toJson }}
+  - {{ .container }}
+  - {{ .runId | default (include "gyre.runId" .root) | quote }}
+  - {{ .action }}
+{{- end -}}
+
 {{/* ---------- volumes and environment shared by the Gyre containers ---------- */}}
 
 {{/*
@@ -369,10 +384,7 @@ plus "model".
 {{- $mc := .root.Values.modelCache -}}
 - name: model-fetch
   {{- include "gyre.image" (dict "root" .root "image" .component.image) | nindent 2 }}
-  command: [{{ include "gyre.init" . }}, gyre]
-  args:
-    - model
-    - fetch
+  {{- include "gyre.initCommand" (dict "root" .root "container" "model-fetch" "action" "fetch" "runId" .runId) | nindent 2 }}
     - --name
     - {{ .model | quote }}
     - --cache-dir
@@ -386,6 +398,7 @@ plus "model".
     - modelCache.size
   env:
     {{- include "gyre.cacheEnv" . | nindent 4 }}
+    {{- include "gyre.logEnv" .root | nindent 4 }}
     {{- include "gyre.hubEnv" (dict "root" .root) | nindent 4 }}
   terminationMessagePolicy: FallbackToLogsOnError
   {{- include "gyre.containerSecurityContext" . | nindent 2 }}
@@ -418,20 +431,25 @@ initContainers:
   # starting before it exists would crash the server once.
   - name: wait-for-model
     {{- include "gyre.image" (dict "root" .root "image" .component.image) | nindent 4 }}
-    command: [{{ include "gyre.init" .root }}, sh, -c]
-    args:
-      - until [ -f "$MODEL_DIR/config.json" ]; do echo "waiting for $MODEL_DIR (created by trainer pod 0)"; sleep 5; done
+    {{- include "gyre.initCommand" (dict "root" .root "container" "wait-for-model" "action" "wait" "runId" .runId) | nindent 4 }}
     env:
       - name: MODEL_DIR
         value: {{ include "gyre.modelPath" .root }}
+      # Python's and its libraries' home (they import transformers in JSON mode) on the writable /tmp
+      - name: HOME
+        value: /tmp
+      {{- include "gyre.logEnv" .root | nindent 6 }}
     {{- include "gyre.containerSecurityContext" . | nindent 4 }}
+    # Python with Gyre's logging: ~60 MiB in JSON mode (it imports transformers to route its warnings)
     resources:
-      requests: {cpu: 10m, memory: 32Mi}
-      limits: {memory: 64Mi}
+      requests: {cpu: 10m, memory: 64Mi}
+      limits: {memory: 256Mi}
     volumeMounts:
       - name: data
         mountPath: {{ .root.Values.persistence.mountPath }}
         readOnly: true
+      - name: tmp
+        mountPath: /tmp
   {{- end }}
 {{- end }}
 {{- end -}}

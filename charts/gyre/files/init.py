@@ -1,0 +1,78 @@
+# The chart's init containers (model-fetch, model-init, wait-for-model), run as
+#   python3 -c "<this file>" CONTAINER RUN_ID fetch|init|wait [gyre model fetch arguments]
+# Every line they print is a record of Gyre's own log format (gyre/logging.py, `GYRE_LOG__FORMAT` /
+# `GYRE_LOG__LEVEL` from `experiment.log`): with `json`, one JSON object per line with the fields of the
+# services' records (service = the container's name), so a collector keeps and filters them as the services'
+# lines; a `sh -c` loop's echo and `gyre model ...`'s prints were bare text in a JSON release.
+# SIGTERM keeps its default action (the process ends at once, tini exits 143): the wait loops hold no pod.
+import logging
+import os
+import sys
+import time
+
+from gyre.logging import setup_logging
+
+container, run_id, action, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+setup_logging(os.environ.get("GYRE_LOG__LEVEL") or "INFO", service=container,
+              fmt=os.environ.get("GYRE_LOG__FORMAT") or "text", run_id=run_id or None)  # fmt: skip
+log = logging.getLogger("gyre.init")
+
+
+class Lines:
+    """A stdout / stderr whose every printed line is a record: `gyre model ...` prints its result and errors."""
+
+    def __init__(self, level):
+        self.level, self.pending = level, ""
+
+    def write(self, text):
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in filter(str.strip, lines):
+            # `gyre <command>: error: ...` (its refusals, exit 1 or 2) is an error whatever the stream
+            log.log(logging.ERROR if ": error:" in line else self.level, line.rstrip())
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+def gyre(*argv):
+    """A `gyre` command in this process, its prints as records; its exit code."""
+    from gyre.cli import main
+
+    sys.stdout, sys.stderr = Lines(logging.INFO), Lines(logging.WARNING)
+    try:
+        return main(list(argv))
+    except SystemExit as stop:  # its argument parser's refusal (the message went through stderr)
+        return stop.code if isinstance(stop.code, int) else 2
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.write("\n")  # a last line printed without its newline
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+
+
+def wait_for_model(model_dir, maker):
+    """Until `model_dir` holds a model (config.json: `gyre model init` writes aside and renames, so it is whole)."""
+    config, started, said = os.path.join(model_dir, "config.json"), time.monotonic(), None
+    while not os.path.isfile(config):
+        waited = int(time.monotonic() - started)
+        if said is None or waited - said >= 60:  # a line a minute, not one per poll
+            log.info("waiting for %s (created by %s), %d s so far", model_dir, maker, waited)
+            said = waited
+        time.sleep(5)
+    log.info("model ready: %s", model_dir)
+
+
+if action == "fetch":
+    sys.exit(gyre("model", "fetch", *args))
+model_dir = os.environ["MODEL_DIR"]
+pod_zero = os.environ.get("POD_NAME", "").rsplit("-", 1)[-1] == "0"
+if action == "init" and pod_zero and not os.path.isfile(os.path.join(model_dir, "config.json")):
+    # Pod 0 creates the model once (an existing one is kept); the other pods wait for it.
+    code = gyre("model", "init", "--output-dir", model_dir, "--preset", os.environ["MODEL_PRESET"],
+                "--seed", os.environ["MODEL_SEED"])  # fmt: skip
+    if code:
+        sys.exit(code)
+wait_for_model(model_dir, "trainer pod 0")
