@@ -175,10 +175,14 @@ def test_every_gyre_container_runs_under_an_init_and_only_redis_shares_its_proce
     tini (the images' entrypoint: tests/chart/test_container_smoke_docker.py runs them). As PID 1 it reaps
     orphans and forwards SIGTERM, which a service or `sh -c` loop as PID 1 ignored without a handler. So no
     Gyre pod shares its process namespace (its containers cannot see each other's processes); the Redis pod
-    does: its image has no init, and the pause container reaps for redis-server."""
+    does: its image has no init, and the pause container reaps for redis-server (the orphans of its exec probes).
+    Its one container keeps that harmless: a sidecar or init container added to it would see redis-server's
+    processes and files (its password's config file), docs/kubernetes.md "Processes and signals"."""
     for where, spec in pods(scenario):
         redis = where.endswith("-redis")
         assert spec.get("shareProcessNamespace", False) is redis, where
+        if redis:  # why sharing is harmless there: nothing but redis-server (and the pause container) in it
+            assert [c["name"] for c in spec["containers"]] == ["redis"] and not spec.get("initContainers"), where
         for c in spec.get("initContainers", []) + spec["containers"]:
             if not redis:
                 assert c["command"][: len(INIT)] == INIT and len(c["command"]) > len(INIT), (where, c["name"])
