@@ -117,3 +117,30 @@ def test_a_rollout_waits_for_a_replica_as_long_as_its_startup_probe_does(values,
     assert named(docs, "Deployment", "exp-gyre-server-judge")["spec"]["progressDeadlineSeconds"] == deadline
     assert named(docs, "Deployment", "exp-gyre-server-big")["spec"]["progressDeadlineSeconds"] == 9000
     assert f"--timeout={deadline}s" in rendered["gyre/templates/NOTES.txt"]  # waits as long as Kubernetes does
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"servers": [{"name": "big", "model": "/data/big", "progressDeadlineSeconds": 9000}]},
+        {"servers": [{"name": "slow", "model": "/data/s", "startupProbe": {"failureThreshold": 600}}]},
+        {"trainer": {"startupProbe": {"periodSeconds": 30, "failureThreshold": 240}}},
+        {"inference": {"progressDeadlineSeconds": 5000}},
+    ],
+    ids=["default", "server-deadline", "server-probe", "trainer-probe", "inference-deadline"],
+)
+def test_notes_give_helm_wait_a_timeout_as_long_as_the_slowest_workload(values):
+    """`helm install/upgrade --wait` (and `--atomic`, Flux's HelmRelease) gives up after Helm's 5 min by default while
+    a replica may load its model for 30 min: the release failed, and `--atomic` uninstalled it or rolled it back
+    (replacing the pods it had just replaced). NOTES.txt prints the --timeout that covers every workload: the
+    longest progress deadline of a Deployment of replicas and the trainer's startup budget plus 10 min."""
+    rendered = render(values)
+    docs = manifests(rendered)
+    deadlines = [d["spec"]["progressDeadlineSeconds"] for d in docs if d["kind"] == "Deployment"
+                 and "progressDeadlineSeconds" in d["spec"]]  # fmt: skip
+    (trainer,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "exp-gyre-trainer"]
+    probe = trainer["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    longest = max(*deadlines, probe["periodSeconds"] * probe["failureThreshold"] + 600)
+    (line,) = [ln for ln in rendered["gyre/templates/NOTES.txt"].splitlines() if "helm install/upgrade --wait" in ln]
+    assert f"pass --timeout={longest}s" in line, line

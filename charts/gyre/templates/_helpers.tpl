@@ -479,6 +479,25 @@ component's values.
 {{- end -}}
 
 {{/*
+The `--timeout` (seconds) a `helm install/upgrade --wait` of the release needs: the longest a workload may take to
+turn ready without Kubernetes calling it failed. Every Deployment of replicas (the policy's, each server's:
+gyre.servingProgressDeadline) and the trainer (its startup probe's budget: rendezvous, model loading, the
+checkpoint's restore; plus 10 min for scheduling, the image pull and a hub model's download). Helm's own 5 min
+failed a release whose model still loaded, and `--atomic` then uninstalled it or rolled it back.
+*/}}
+{{- define "gyre.helmWaitTimeout" -}}
+{{- $inference := .Values.inference -}}
+{{- $longest := int (include "gyre.servingProgressDeadline" $inference) -}}
+{{- range $s := .Values.servers -}}
+{{- $probe := merge (deepCopy ($s.startupProbe | default dict)) $inference.startupProbe -}}
+{{- $own := dict "progressDeadlineSeconds" ($s.progressDeadlineSeconds | default $inference.progressDeadlineSeconds) "startupProbe" $probe -}}
+{{- $longest = max $longest (int (include "gyre.servingProgressDeadline" $own)) -}}
+{{- end -}}
+{{- $trainer := .Values.trainer.startupProbe -}}
+{{- max $longest (add (mul (int $trainer.periodSeconds) (int $trainer.failureThreshold)) 600) -}}
+{{- end -}}
+
+{{/*
 The PodDisruptionBudget of a Deployment of `gyre inference` replicas: a drain takes at most
 `maxUnavailable` of them at once. Call with (dict "root" $ "component" "inference" "maxUnavailable" 1).
 */}}
