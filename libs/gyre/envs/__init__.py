@@ -10,14 +10,22 @@ See docs/environments.md. The orchestrator's side of the contract:
 """
 
 from gyre.envs.base import Environment, MultiTurnEnv, SingleTurnEnv
-from gyre.envs.parsers import Parser, XMLParser, parse_tool_calls
+from gyre.envs.parsers import (
+    MaybeThinkParser,
+    Parser,
+    ThinkParser,
+    XMLParser,
+    extract_boxed_answer,
+    parse_tool_calls,
+)
 from gyre.envs.registry import BUILTIN_ENVIRONMENTS, EnvironmentLoadError, load_environment
-from gyre.envs.rubric import Rubric
+from gyre.envs.rubric import MathRubric, Rubric, RubricGroup
 from gyre.envs.sequence import SequenceBuilder
 from gyre.envs.splits import TaskSource
 from gyre.envs.tools import Tool, ToolEnv
 from gyre.envs.types import (
     ContextLengthExceeded,
+    Info,
     Message,
     Messages,
     ModelClient,
@@ -26,6 +34,7 @@ from gyre.envs.types import (
     Score,
     ScoringError,
     Split,
+    State,
     StopReason,
     Task,
     ToolCall,
@@ -37,6 +46,9 @@ __all__ = [
     "ContextLengthExceeded",
     "Environment",
     "EnvironmentLoadError",
+    "Info",
+    "MathRubric",
+    "MaybeThinkParser",
     "Message",
     "Messages",
     "ModelClient",
@@ -44,20 +56,24 @@ __all__ = [
     "Parser",
     "Rollout",
     "Rubric",
+    "RubricGroup",
     "SamplingParams",
     "Score",
     "ScoringError",
     "SequenceBuilder",
     "SingleTurnEnv",
     "Split",
+    "State",
     "StopReason",
     "Task",
     "TaskSource",
+    "ThinkParser",
     "Tool",
     "ToolCall",
     "ToolEnv",
     "Turn",
     "XMLParser",
+    "extract_boxed_answer",
     "load_environment",
     "parse_tool_calls",
 ]

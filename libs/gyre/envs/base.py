@@ -51,6 +51,8 @@ class Environment:
     """Base class. Constructor args shared by every environment:
 
     - `system_prompt`: prepended to every prompt by `format_prompt` (None = no system message).
+    - `few_shot`: example messages (`{"role", "content"}` dicts, e.g. a user question and the assistant's reply)
+      `format_prompt` puts between the system prompt and the question, as verifiers' `few_shot` does.
     - `num_eval`: size of the held-out eval split; `eval_seed`: which held-out set it is.
     - `max_turns`: model turns per rollout.
     - `dataset` (a `.jsonl`/`.parquet` path or a list of row dicts), `eval_dataset`, `prompt_key`, `answer_key`,
@@ -76,6 +78,7 @@ class Environment:
         self,
         *,
         system_prompt: str | None = None,
+        few_shot: list[dict[str, Any]] | None = None,
         parser: Parser | None = None,
         rubric: Rubric | None = None,
         max_turns: int = 1,
@@ -93,6 +96,7 @@ class Environment:
         if num_eval < 1:
             raise ValueError(f"num_eval must be >= 1, got {num_eval}")
         self.system_prompt = system_prompt
+        self.few_shot = _checked_few_shot(few_shot)
         self.parser = parser or Parser()
         self.rubric = rubric or Rubric(parser=self.parser)
         self.max_turns = max_turns
@@ -155,9 +159,9 @@ class Environment:
                          f"{self.num_eval}")  # fmt: skip
 
     def format_prompt(self, user: str) -> Messages:
-        """System prompt (if any) + one user message."""
+        """System prompt (if any) + the `few_shot` examples + one user message."""
         messages: Messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return messages + [{"role": "user", "content": user}]
+        return messages + copy.deepcopy(self.few_shot) + [{"role": "user", "content": user}]
 
     # --- rollouts --------------------------------------------------------------------------------------------
 
@@ -292,3 +296,17 @@ class SingleTurnEnv(Environment):
 
     async def env_response(self, messages: Messages, state: dict[str, Any]) -> tuple[Messages, bool]:
         return [], True
+
+
+def _checked_few_shot(few_shot: Any) -> list[dict[str, Any]]:
+    """`few_shot` as a list of `{"role", "content"}` messages; anything else is refused naming the setting (a
+    verifiers environment passes it as such a list)."""
+    if few_shot is None:
+        return []
+    roles = ("user", "assistant")
+    if not isinstance(few_shot, list) or not all(
+        isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str) for m in few_shot
+    ):
+        raise ValueError(f"few_shot: a list of {{'role', 'content'}} messages with roles {list(roles)}, got "
+                         f"{str(few_shot)[:200]}")  # fmt: skip
+    return [{"role": m["role"], "content": m["content"]} for m in few_shot]

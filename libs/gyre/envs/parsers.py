@@ -3,13 +3,18 @@
 `Parser` answers with the last assistant message's text after its reasoning (`<think>` blocks) and tool-call
 blocks; `XMLParser(["think", "answer"])` reads tagged fields. Parsers never raise on model output: malformed text
 gives None / empty results, which rewards score 0.
+
+The names a verifiers (0.1-0.3) environment calls work as there, so its parser code ports unchanged: `extract_fn`
+(applied to the reply, e.g. a boxed-answer extractor), `get_format_reward_func()` (a reward function),
+`XMLParser.get_format_str()` (the format for a system prompt), `XMLParser.parse(text).answer` (attribute access to
+a field), `get_assistant_messages(completion)`, and `ThinkParser` / `MaybeThinkParser`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gyre.envs.types import Message, Messages, ToolCall, decode_arguments
@@ -51,11 +56,32 @@ def strip_reasoning(text: str) -> str:
 class Parser:
     """Base parser: the answer is the last assistant message's reply text, stripped (None if there is none).
 
-    The reply text is the message without its reasoning (`strip_reasoning`) and tool-call blocks.
+    The reply text is the message without its reasoning (`strip_reasoning`) and tool-call blocks. `extract_fn`
+    (verifiers' argument) maps that text to the answer, e.g. a `\\boxed{}` extractor; it returning None or "" is no
+    answer. A verifiers parser built with it was a TypeError at load.
     """
 
-    def parse(self, text: str) -> str:
-        return text.strip()
+    extract_fn: Callable[[str], str | None] | None = None  # also for a subclass whose __init__ skips this one's
+
+    def __init__(self, extract_fn: Callable[[str], str | None] | None = None) -> None:
+        self.extract_fn = extract_fn
+
+    def parse(self, text: str) -> str | None:
+        text = text.strip()
+        return self.extract_fn(text) if self.extract_fn is not None else text
+
+    def get_assistant_messages(self, completion: Messages) -> Messages:
+        """verifiers' helper: the assistant messages of a completion."""
+        return [m for m in completion if m.get("role") == "assistant"]
+
+    def get_format_reward_func(self) -> Callable[..., float]:
+        """A reward function for the parser's format (verifiers' name; a rubric of a ported environment lists
+        `parser.get_format_reward_func()`, an AttributeError at load here). The base parser has no format: 1.0."""
+
+        def format_reward_func(completion) -> float:
+            return 1.0
+
+        return format_reward_func
 
     def parse_reply(self, text: str) -> str | None:
         """`parse` of one assistant message's reply text (None when nothing is left)."""
@@ -75,10 +101,19 @@ class XMLParser(Parser):
     partial credit rather than none.
     """
 
-    def __init__(self, fields: Sequence[str], answer_field: str | None = None) -> None:
+    def __init__(
+        self,
+        fields: Sequence[str],
+        answer_field: str | None = None,
+        extract_fn: Callable[[str], str | None] | None = None,
+    ) -> None:
+        super().__init__(extract_fn)
         if not fields:
             raise ValueError("XMLParser needs at least one field")
         for name in fields:
+            if not isinstance(name, str):  # verifiers allows a tuple of alternative tags: TypeError deep in `re`
+                raise ValueError(f"XMLParser fields are tag names (str), got {name!r}; tuples of alternative tags "
+                                 "(verifiers) are not supported")  # fmt: skip
             if not re.fullmatch(r"[A-Za-z_][\w-]*", name):
                 raise ValueError(f"invalid XML field name {name!r}")
         self.fields = list(fields)
@@ -89,16 +124,32 @@ class XMLParser(Parser):
             name: re.compile(rf"<{re.escape(name)}>(.*?)(?:</{re.escape(name)}>|$)", re.DOTALL) for name in fields
         }
 
-    def parse(self, text: str) -> dict[str, str | None]:  # type: ignore[override]
-        out: dict[str, str | None] = {}
+    def parse(self, text: str) -> Fields:  # type: ignore[override]
+        out = Fields()
         for name, pattern in self._patterns.items():
             matches = pattern.findall(text)
             out[name] = matches[-1].strip() if matches else None
         return out
 
     def parse_reply(self, text: str) -> str | None:
-        """The answer field of one assistant message (the fields are the format here, `<think>` included)."""
-        return self.parse(text)[self.answer_field]
+        """The answer field of one assistant message (the fields are the format here, `<think>` included), through
+        `extract_fn` when given."""
+        answer = self.parse(text)[self.answer_field]
+        if answer is not None and self.extract_fn is not None:
+            answer = self.extract_fn(answer) or None
+        return answer
+
+    def get_format_str(self) -> str:
+        """The format, for a system prompt (verifiers' name): each field as an empty block, in declared order."""
+        return "\n".join(f"<{name}>\n...\n</{name}>" for name in self.fields)
+
+    def get_format_reward_func(self) -> Callable[..., float]:
+        """`format_reward` as a reward function named `format_reward_func` (verifiers' name and shape)."""
+
+        def format_reward_func(completion) -> float:
+            return self.format_reward(completion)
+
+        return format_reward_func
 
     def parse_answer(self, completion: str | Messages) -> str | None:
         texts = assistant_texts(completion)
@@ -121,6 +172,60 @@ class XMLParser(Parser):
             for text in texts
         )
         return good / len(texts)
+
+
+class Fields(dict):
+    """`XMLParser.parse`'s fields: a dict (`fields["answer"]`) whose fields read as attributes too
+    (`fields.answer`), as verifiers' parse result does: a ported reward reading `parser.parse(text).answer` was an
+    AttributeError, a 0 for every sample. A field that was not declared is an AttributeError naming the fields."""
+
+    def __getattr__(self, name: str) -> str | None:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"{name!r} is not a field of this XMLParser; its fields: {list(self)}") from None
+
+
+class ThinkParser(Parser):
+    """verifiers' `ThinkParser`: for a model that always writes `<think>...</think>` itself. The answer is the text
+    after the last `</think>` (through `extract_fn`); a reply without `</think>` has none (None), as in verifiers.
+    Its format reward: the share of assistant messages that open with one `<think>` block, close it once and reply
+    after it. (Gyre's `Parser` already drops reasoning whether or not it is there: verifiers' `MaybeThinkParser`.)"""
+
+    def parse_reply(self, text: str) -> str | None:
+        if THINK_CLOSE not in text:
+            return None
+        return super().parse_reply(text)
+
+    def get_format_reward_func(self) -> Callable[..., float]:
+        def format_reward_func(completion) -> float:
+            texts = assistant_texts(completion)
+            good = sum(text.strip().startswith(THINK_OPEN) and text.count(THINK_OPEN) == 1
+                       and text.count(THINK_CLOSE) == 1 and bool(text.split(THINK_CLOSE)[-1].strip())
+                       for text in texts)  # fmt: skip
+            return good / len(texts) if texts else 0.0
+
+        return format_reward_func
+
+
+#: verifiers' `MaybeThinkParser` (reasoning dropped when present, the reply kept either way) is Gyre's `Parser`
+MaybeThinkParser = Parser
+
+BOXED = "\\boxed{"
+
+
+def extract_boxed_answer(text: str) -> str:
+    """The content of the last `\\boxed{...}` in `text` (nested braces kept); the text itself when it has none or
+    the box is never closed. verifiers' helper of that name, the usual `extract_fn` of a math environment's parser."""
+    start = text.rfind(BOXED)
+    if start < 0:
+        return text
+    depth, begin = 1, start + len(BOXED)
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return text
 
 
 def parse_tool_calls(text: str, id_prefix: str = "call") -> list[ToolCall]:

@@ -126,6 +126,26 @@ def _from_working_directory(target: str) -> bool:
     return True
 
 
+#: what to do with an environment written for verifiers 0.1-0.3 (`vf.SingleTurnEnv`, `vf.Rubric`, ...)
+VERIFIERS_PORT_HINT = (
+    "it is written for verifiers 0.1-0.3 (vf.SingleTurnEnv, vf.Rubric, ...), whose API verifiers 0.4 (the version "
+    "Gyre's verifiers extra installs) no longer has: run it through gyre.envs, which has the same names and "
+    "arguments (SingleTurnEnv, MultiTurnEnv, ToolEnv, Rubric, RubricGroup, Parser, XMLParser, ThinkParser, "
+    "MaybeThinkParser; dataset, eval_dataset, system_prompt, few_shot, parser, rubric): write `import gyre.envs as "
+    "vf` for `import verifiers as vf` (docs/environments.md, Porting a verifiers 0.1-0.3 environment)"
+)
+
+
+def _written_for_old_verifiers(exc: BaseException) -> bool:
+    """An error that says the environment needs verifiers' pre-0.4 API (or verifiers, not installed)."""
+    for error in (exc, exc.__cause__):
+        if isinstance(error, AttributeError) and getattr(getattr(error, "obj", None), "__name__", "") == "verifiers":
+            return True
+        if isinstance(error, ImportError) and (error.name or "").split(".")[0] == "verifiers":
+            return True
+    return False
+
+
 def _loader(name: str, target: str):
     try:
         return load_callable(target, f"environment {name!r}")
@@ -133,7 +153,13 @@ def _loader(name: str, target: str):
         cause = exc.__cause__
         if isinstance(cause, ModuleNotFoundError) and _from_working_directory(target):
             return _loader(name, target)
+        if _written_for_old_verifiers(exc):
+            raise EnvironmentLoadError(f"{exc}: {VERIFIERS_PORT_HINT}") from exc
         raise EnvironmentLoadError(f"{exc}{_import_hint(target, exc)}") from exc
+    except AttributeError as exc:  # at import: `def load_environment(...) -> vf.Environment` on verifiers 0.4
+        if _written_for_old_verifiers(exc):
+            raise EnvironmentLoadError(f"environment {name!r}: {exc}: {VERIFIERS_PORT_HINT}") from exc
+        raise
 
 
 def load_environment(name: str, **args: Any) -> Environment:
@@ -147,9 +173,16 @@ def load_environment(name: str, **args: Any) -> Environment:
     except TypeError as exc:
         accepted = ", ".join(p for p in inspect.signature(loader).parameters if p not in ("self", "kwargs"))
         raise EnvironmentLoadError(f"environment {name!r}: bad arguments ({exc}); it accepts: {accepted}") from exc
-    env = loader(**args)
+    try:
+        env = loader(**args)
+    except (AttributeError, ImportError) as exc:  # vf.SingleTurnEnv(...) inside the loader, on verifiers 0.4
+        if target != PREFIXED["verifiers"][0] and _written_for_old_verifiers(exc):  # not Gyre's own 0.4 adapter
+            raise EnvironmentLoadError(f"environment {name!r}: {exc}: {VERIFIERS_PORT_HINT}") from exc
+        raise
     if not isinstance(env, Environment):
-        raise EnvironmentLoadError(f"environment {name!r}: {target} returned {type(env).__name__}, not an Environment")
+        legacy = type(env).__module__.split(".")[0] == "verifiers"
+        raise EnvironmentLoadError(f"environment {name!r}: {target} returned {type(env).__name__}, not an Environment"
+                                   + (f"; {VERIFIERS_PORT_HINT}" if legacy else ""))  # fmt: skip
     return env
 
 

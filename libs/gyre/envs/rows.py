@@ -135,7 +135,12 @@ class RowTasks:
 
     def _task(self, where: str, row: dict[str, Any], task_id: str) -> Task:
         try:
-            prompt, answer = lookup(row, self.prompt_key), lookup(row, self.answer_key)
+            prompt_key = self.prompt_key
+            if prompt_key == "prompt" and "prompt" not in row and "question" in row:
+                # verifiers' rule: a row without a `prompt` is asked its `question` (after the system prompt and
+                # few_shot); a verifiers environment's dataset (question, answer, info, task) failed to load here
+                prompt_key = "question"
+            prompt, answer = lookup(row, prompt_key), lookup(row, self.answer_key)
         except KeyError as exc:
             # which setting names the column, and the row's likeliest one (a verifiers/HF dataset's "question")
             setting = "prompt_key" if exc.args[0] == self.prompt_key else "answer_key"
@@ -165,6 +170,9 @@ class RowTasks:
                 f"{where}: {self.prompt_key!r} must be text or a list of {{'role', 'content'}} messages "
                 f"(roles {sorted(ROLES)}), got {json.dumps(prompt)[:200]}"
             )
+        if self.env.few_shot:  # verifiers adds few_shot only to a question; a silent drop would surprise as much
+            raise DatasetError(f"{where}: {self.prompt_key!r} is a message list, and few_shot examples go before a "
+                               f"text prompt's question: put them in the rows' messages, or drop few_shot")  # fmt: skip
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
         if self.env.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.env.system_prompt})

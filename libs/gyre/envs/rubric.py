@@ -157,6 +157,67 @@ class Rubric:
         return Score(reward=reward, per_function=per_function, errors=errors)
 
 
+class RubricGroup(Rubric):
+    """Several rubrics scored as one (verifiers' `RubricGroup`): the reward is the sum of theirs, `per_function` and
+    `errors` hold every function of each, and each function gets its own rubric's `parser`. Function names must be
+    unique across the group (each is reported on its own). Functions added to the group itself (`add`: a judge
+    joined from the run's config) are scored with the first rubric's parser."""
+
+    def __init__(self, rubrics: list[Rubric], timeout_s: float | None = REWARD_TIMEOUT_S) -> None:
+        if not rubrics or not all(isinstance(r, Rubric) for r in rubrics):
+            raise ValueError(f"RubricGroup takes a non-empty list of Rubrics, got {rubrics!r}")
+        self.rubrics = list(rubrics)
+        super().__init__(parser=self.rubrics[0].parser, timeout_s=timeout_s)
+        seen: set[str] = set()
+        for name in (name for rubric in self.rubrics for name in rubric.names):
+            if name in seen:
+                raise ValueError(f"RubricGroup: reward function {name!r} is in two of its rubrics; give one its own "
+                                 f"name (rubric.add(func, weight, name=...))")  # fmt: skip
+            seen.add(name)
+
+    def add(self, func: RewardFunc, weight: float = 1.0, name: str | None = None,
+            timeout_s: float | None = _DEFAULT) -> Rubric:  # fmt: skip
+        taken = {n for rubric in self.rubrics for n in rubric.names}
+        resolved = name or getattr(getattr(func, "func", func), "__name__", type(func).__name__)
+        if resolved in taken:
+            raise ValueError(f"reward function {resolved!r} is already in this RubricGroup: give this one its own "
+                             f"name, rubric.add(func, weight, name=...)")  # fmt: skip
+        return super().add(func, weight, name, timeout_s)
+
+    async def score(self, task: Task, rollout: Rollout) -> Score:
+        own = [super().score(task, rollout)] if self.funcs else []
+        calls = [asyncio.ensure_future(c) for c in [*(r.score(task, rollout) for r in self.rubrics), *own]]
+        try:
+            scores = await asyncio.gather(*calls)
+        except BaseException:  # a ScoringError in one: the others' work is for a score never used
+            for call in calls:
+                call.cancel()
+            raise
+        return Score(reward=sum(s.reward for s in scores),
+                     per_function={k: v for s in scores for k, v in s.per_function.items()},
+                     errors={k: v for s in scores for k, v in s.errors.items()})  # fmt: skip
+
+
+class MathRubric(Rubric):
+    """verifiers' `MathRubric`: `correct_answer_reward_func`, 1.0 when math-verify finds the parsed reply equal to
+    the answer (`gyre.envs.scoring.math_equal`), plus any `funcs` given. Its parser defaults to reasoning dropped and
+    the last `\\boxed{}` read (`Parser(extract_fn=extract_boxed_answer)`), as there."""
+
+    def __init__(self, funcs: list[RewardFunc] | None = None, weights: list[float] | None = None,
+                 parser: Parser | None = None, timeout_s: float | None = REWARD_TIMEOUT_S) -> None:  # fmt: skip
+        from gyre.envs.parsers import extract_boxed_answer
+
+        super().__init__(funcs, weights, parser or Parser(extract_fn=extract_boxed_answer), timeout_s)
+        self.add(correct_answer_reward_func)
+
+
+def correct_answer_reward_func(completion, answer, parser) -> float:
+    """1.0 when math-verify finds the parsed reply equal to the reference answer (MathRubric's reward)."""
+    from gyre.envs.scoring import math_equal  # math-verify (sympy) is heavy: imported when a math rubric scores
+
+    return float(math_equal(parser.parse_answer(completion), answer))
+
+
 class TaskName(str):
     """The `task` argument: the task's name as verifiers gives its reward functions (a dataset's `task` column, a
     string; "default" without one), which also reads as the Gyre `Task` it names. A verifiers reward that branches

@@ -20,6 +20,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 Message = dict[str, Any]
 Messages = list[Message]
+# verifiers' names of a rollout's state and a task's info (a verifiers environment's annotations use them)
+State = dict[str, Any]
+Info = dict[str, Any]
 Split = Literal["train", "eval"]
 _TOOL_CALL_BLOCK = re.compile(r"\n?<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 # Why a rollout ended: the environment said so, the turn budget ran out, the model hit max_tokens, the

@@ -154,12 +154,12 @@ async def test_user_reward_function_by_import_path(tmp_path, monkeypatch, sampli
     [
         ('{"prompt": "a", "answer": ', "bad.jsonl:3: not valid JSON"),
         ('["prompt", "answer"]', "bad.jsonl:3: expected a JSON object, got list"),
-        ('{"question": "a", "answer": "b"}', "bad.jsonl:3: no 'prompt' field (the row has: question, answer)"),
+        ('{"problem": "a", "answer": "b"}', "bad.jsonl:3: no 'prompt' field (the row has: problem, answer)"),
         ('{"prompt": "a"}', "bad.jsonl:3: no 'answer' field (the row has: prompt); set answer_key"),
         # what to set, with the row's likeliest column
         (
-            '{"question": "a", "answer": "b"}',
-            "no 'prompt' field (the row has: question, answer); set prompt_key, e.g. prompt_key = \"question\"",
+            '{"problem": "a", "answer": "b"}',
+            "no 'prompt' field (the row has: problem, answer); set prompt_key, e.g. prompt_key = \"problem\"",
         ),
         ('{"prompt": "a", "solution": "b"}', 'set answer_key, e.g. answer_key = "solution"'),
         ('{"prompt": "a", "answer": ["b"]}', "bad.jsonl:3: 'answer' must be text or a number"),

@@ -285,9 +285,10 @@ def test_a_dataset_given_in_code_and_its_mistakes_name_the_row_and_the_setting(t
     rows = [{"question": "Capital of peru?", "answer": "lima"}, {"question": "Capital of oslo?", "answer": "x"}]
     env = ToolEnv(dataset=rows, eval_dataset=rows[:1], prompt_key="question", tools=[capital])
     assert [t.answer for t in env.tasks("eval")] == ["lima"] and env.tasks("train", 0)[0].answer == "x"
-    with pytest.raises(ValueError, match=r"dataset row 0: no 'prompt' field \(the row has: question, answer\); set "
-                                         'prompt_key, e.g. prompt_key = "question"'):  # fmt: skip
-        ToolEnv(dataset=rows, tools=[capital], num_eval=1)
+    problems = [{"problem": row["question"], "answer": row["answer"]} for row in rows]
+    with pytest.raises(ValueError, match=r"dataset row 0: no 'prompt' field \(the row has: problem, answer\); set "
+                                         'prompt_key, e.g. prompt_key = "problem"'):  # fmt: skip
+        ToolEnv(dataset=problems, tools=[capital], num_eval=1)
     with pytest.raises(ValueError, match="capitals.jsonl: 6 rows and num_eval=256 leave no training rows"):
         ToolEnv(dataset=capitals_file(tmp_path, held_out=False), prompt_key="question", tools=[capital])
     with pytest.raises(ValueError, match="dataset: a .jsonl or .parquet path, or a list of row dicts, got dict"):
