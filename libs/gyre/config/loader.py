@@ -691,7 +691,8 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
         elif not e["loc"] and e["type"] == "value_error":
             # a check across keys (a model validator) says "some.key: why": name that key as field errors do
             name, sep, why = msg.removeprefix("Value error, ").partition(": ")
-            if sep and name in known:
+            generic = ".".join(LIST_INDEX if part.isdigit() else part for part in name.split("."))
+            if sep and (name in known or generic in known):  # a list entry's key too (`env.1.rollouts_per_example`)
                 key, msg = name, why
         elif e["type"] == "value_error" and not isinstance(e.get("input"), str | int | float | bool | None):
             msg = msg.removeprefix("Value error, ")  # the reason says it; a list or table input repeated is noise

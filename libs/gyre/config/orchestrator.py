@@ -22,6 +22,17 @@ from gyre.config.packing import DEFAULT_SEQ_LEN
 from gyre.config.shared import LogConfig, RedisConfig, ServiceConfig
 
 
+class EnvEvalConfig(Section):
+    """One environment's (a mix entry's) evaluation, within the orchestrator's `eval` settings."""
+
+    enabled: bool = Field(
+        True, description="Evaluate this entry (false: trained on, never evaluated; the other entries still are)."
+    )
+    num_examples: int | None = Field(
+        None, ge=1, description="Held-out tasks of this entry per eval (default: eval.num_examples)."
+    )
+
+
 class EnvConfig(Section):
     name: str = Field("reverse_text", description="Built-in environment name or 'package.module:load_environment'.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment.")
@@ -37,6 +48,15 @@ class EnvConfig(Section):
         min_length=1,
         description="Mix: the entry's name in step records, metrics (the env label), evals and its resume cursor "
         "(default: name); two entries of the same environment need distinct labels.",
+    )
+    rollouts_per_example: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per task of this entry, its advantage group (default: the orchestrator's "
+        "rollouts_per_example); batch_size counts groups, so a step's samples vary with the entries drawn.",
+    )
+    eval: EnvEvalConfig = Field(
+        default_factory=EnvEvalConfig, description="This entry's evaluation (whether, how many tasks)."
     )
 
     @property
@@ -266,7 +286,9 @@ class OrchestratorConfig(ServiceConfig):
         "with their ratio (and a label to tell apart two of the same name).",
     )
     batch_size: int = Field(8, ge=1, description="Tasks per step.")
-    rollouts_per_example: int = Field(8, ge=1, description="Samples per task (the advantage group).")
+    rollouts_per_example: int = Field(
+        8, ge=1, description="Samples per task (the advantage group); a mix's entry may set its own."
+    )
     max_async_level: int = Field(1, ge=0, description="Batch s uses samples from versions >= s-1-k.")
     max_steps: int | None = Field(None, ge=1, description="Stop after pushing this batch.")
     seed: int = Field(0, description="Task sampler seed.")
@@ -290,7 +312,10 @@ class OrchestratorConfig(ServiceConfig):
         "(with trainer.loss.distill > 0); groups are then never dropped for equal rewards.",
     )
     max_inflight_groups: int | None = Field(
-        None, ge=1, description="Groups generated at once (default: ceil(max_concurrency / rollouts_per_example))."
+        None,
+        ge=1,
+        description="Groups generated at once (default: ceil(max_concurrency / rollouts_per_example), a mix's "
+        "largest).",
     )
     sample_attempts: int = Field(
         3, ge=1, description="Attempts per rollout (inference or environment errors) before the run fails."
@@ -327,28 +352,58 @@ class OrchestratorConfig(ServiceConfig):
             )
         return self
 
+    def group_size(self, entry: EnvConfig) -> int:
+        """Samples per task of `entry` (one of `envs`): its own rollouts_per_example, else the orchestrator's."""
+        return entry.rollouts_per_example or self.rollouts_per_example
+
+    def env_key(self, i: int) -> str:
+        """The config key of entry `i` of `envs`, as errors name it: `env` (one table) or `env.{i}` (a mix)."""
+        return f"env.{i}" if isinstance(self.env, list) else "env"
+
     @model_validator(mode="after")
     def _groups_can_carry_a_signal(self) -> OrchestratorConfig:
-        # Checked here, not when the service starts: `gyre rl` then refuses it before starting anything
-        if self.advantage.type == "rloo" and self.rollouts_per_example < 2:
-            raise ValueError(
-                f"advantage.type: 'rloo' needs rollouts_per_example >= 2 (got {self.rollouts_per_example}): the "
-                "leave-one-out baseline of a single sample is undefined"
-            )
-        if self.rollouts_per_example < 2 and self.teacher is None:
-            # every advantage is group-relative: one sample per task is its own baseline, so every advantage is 0
-            # and every group is dropped as zero-signal (each step then spends its whole oversample budget)
-            raise ValueError(
-                "rollouts_per_example: 1 sample per task gives every group advantage "
-                f"(advantage.type = {self.advantage.type!r}) the value 0, so nothing is learned: set it >= 2 "
-                "(only on-policy distillation, with [teacher], trains on groups of 1)"
-            )
+        # Checked here, not when the service starts: `gyre rl` then refuses it before starting anything. Each entry's
+        # group size, named by the key that set it (an entry's own, else the orchestrator's)
+        for i, entry in enumerate(self.envs):
+            size = self.group_size(entry)
+            key = "rollouts_per_example" if entry.rollouts_per_example is None else (
+                f"{self.env_key(i)}.rollouts_per_example")  # fmt: skip
+            if self.advantage.type == "rloo" and size < 2:
+                raise ValueError(
+                    f"advantage.type: 'rloo' needs {key} >= 2 (got {size}): the leave-one-out baseline of a single "
+                    "sample is undefined"
+                )
+            if size < 2 and self.teacher is None:
+                # every advantage is group-relative: one sample per task is its own baseline, so every advantage is
+                # 0 and every group is dropped as zero-signal (each step then spends its whole oversample budget)
+                raise ValueError(
+                    f"{key}: 1 sample per task gives every group advantage "
+                    f"(advantage.type = {self.advantage.type!r}) the value 0, so nothing is learned: set it >= 2 "
+                    "(only on-policy distillation, with [teacher], trains on groups of 1)"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _something_to_evaluate(self) -> OrchestratorConfig:
+        if self.eval.interval is not None:
+            check_evaluated(self.env, f"eval.interval = {self.eval.interval}")
         return self
 
     @model_validator(mode="after")
     def _distinct_signal_names(self) -> OrchestratorConfig:
         check_signal_names(self.judges, self.reward_models)
         return self
+
+
+def check_evaluated(env: EnvConfig | list[EnvConfig], why: str) -> None:
+    """An evaluation asked for (`why`) needs an entry with eval.enabled: with none it silently evaluated nothing."""
+    entries = env_entries(env)
+    if not any(entry.eval.enabled for entry in entries):
+        key, which = ("env", "entry of the mix") if isinstance(env, list) else ("env.eval.enabled", "environment")
+        raise ValueError(
+            f"{key}: every {which} has eval.enabled = false, so {why} would evaluate nothing: enable one"
+            + (", or leave eval.interval unset" if why.startswith("eval.interval") else "")
+        )
 
 
 def check_signal_names(judges: list[JudgeConfig], reward_models: list[RewardModelConfig]) -> None:
@@ -391,6 +446,11 @@ class GyreEvalConfig(GyreSettings):
     @model_validator(mode="after")
     def _distinct_signal_names(self) -> GyreEvalConfig:
         check_signal_names(self.judges, self.reward_models)
+        return self
+
+    @model_validator(mode="after")
+    def _something_to_evaluate(self) -> GyreEvalConfig:
+        check_evaluated(self.env, "gyre eval")
         return self
 
     @model_validator(mode="after")

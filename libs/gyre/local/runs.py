@@ -379,8 +379,10 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
         now = configs.orchestrators[run.name].model_dump(mode="json").get("env")
         changes = _section_changes(_as_now(OrchestratorConfig, "env", recorded["env"]), now)
         # a mix's ratios stay free (PRIME-RL users reweight between launches): each entry keeps its task position,
-        # only the draws to come change (docs/orchestrator.md, "Several environments")
-        if changed := [c for c in changes if not (isinstance(now, list) and c[0].endswith(".ratio"))]:
+        # only the draws to come change (docs/orchestrator.md, "Several environments"); so do an entry's group size
+        # and eval settings, free as the orchestrator's own rollouts_per_example and eval.* are
+        if changed := [c for c in changes if not (isinstance(now, list) and c[0].endswith(".ratio"))
+                       and not FREE_ENV_KEY.fullmatch(c[0])]:  # fmt: skip
             leaf, was, new = changed[0]
             raise ConfigError(
                 f"config key '{key}{leaf}': the run in {at(run.name)} was trained with {key}{leaf} = {was!r}, this "
@@ -449,6 +451,10 @@ def _started(output_dir: Path) -> bool:
 def _orchestrator_file(cfg: RLConfig, run_name: str) -> str:
     """The file under configs/ the launcher writes a run's orchestrator config to."""
     return f"orchestrator-{run_name}.toml" if cfg.runs else "orchestrator.toml"
+
+
+# leaves of orchestrator.env (one table, or a mix's entry) a started run may change between launches
+FREE_ENV_KEY = re.compile(r"(\.\d+)?\.(rollouts_per_example|eval(\.\w+)?)")
 
 
 def _section_changes(old: Any, new: Any, key: str = "") -> list[tuple[str, Any, Any]]:

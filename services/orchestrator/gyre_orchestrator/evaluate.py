@@ -111,9 +111,13 @@ def mix_record(results: dict[str, EvalResult], shares: dict[str, float], step: i
     }
 
 
-async def evaluate_envs(envs: dict[str, Environment], client: ModelClient, **kwargs) -> dict[str, EvalResult]:
-    """`evaluate` of each environment (label -> its result), side by side; the first failure fails them all."""
-    runs = {label: asyncio.ensure_future(evaluate(env, client, env_name=label, **kwargs))
+async def evaluate_envs(
+    envs: dict[str, Environment], client: ModelClient, *, num_examples: int | dict[str, int], **kwargs
+) -> dict[str, EvalResult]:
+    """`evaluate` of each environment (label -> its result), side by side; the first failure fails them all.
+    `num_examples`: for all, or per label (`eval_plan`)."""
+    counts = num_examples if isinstance(num_examples, dict) else dict.fromkeys(envs, num_examples)
+    runs = {label: asyncio.ensure_future(evaluate(env, client, env_name=label, num_examples=counts[label], **kwargs))
             for label, env in envs.items()}  # fmt: skip
     try:
         await asyncio.gather(*runs.values())
@@ -126,16 +130,32 @@ async def evaluate_envs(envs: dict[str, Environment], client: ModelClient, **kwa
 
 
 def mix_shares(cfg) -> dict[str, float]:
-    """Each entry's share of the mix: ratio / sum of the ratios."""
-    total = sum(entry.ratio for entry in cfg.envs)
-    return {entry.key: entry.ratio / total for entry in cfg.envs}
+    """Each evaluated entry's share of the mix: ratio / sum of the evaluated entries' ratios (an entry with
+    eval.enabled = false has no result, and the others' weighted mean still sums their weights to 1)."""
+    evaluated = [entry for entry in cfg.envs if entry.eval.enabled]
+    total = sum(entry.ratio for entry in evaluated)
+    return {entry.key: entry.ratio / total for entry in evaluated}
 
 
-def eval_tasks(env: Environment, num_examples: int, env_name: str) -> list[Task]:
+def eval_plan(cfg) -> dict[str, tuple[int, str]]:
+    """Label -> (held-out tasks per eval, the key that set it) of each entry evaluated (`eval.enabled`, PRIME-RL's
+    per-environment eval settings): its own `eval.num_examples`, else the orchestrator's."""
+    plan = {}
+    for i, entry in enumerate(cfg.envs):
+        if entry.eval.enabled:
+            own = entry.eval.num_examples is not None
+            key = f"{'env' if not isinstance(cfg.env, list) else f'env.{i}'}.eval.num_examples" if own else (
+                "eval.num_examples")  # fmt: skip
+            plan[entry.key] = (entry.eval.num_examples if own else cfg.eval.num_examples, key)
+    return plan
+
+
+def eval_tasks(env: Environment, num_examples: int, env_name: str, key: str = "eval.num_examples") -> list[Task]:
     """The first `num_examples` tasks of `env`'s eval split (all of them when it holds fewer). ValueError naming the
-    settings when there are none or they cannot be drawn: `gyre eval` and the orchestrator ask before they connect
-    anywhere (it was a traceback after the inference wait, or, in training, an error logged at every eval)."""
-    where = f"env {env_name!r}, eval.num_examples = {num_examples}"
+    settings (`key`: the one that set num_examples) when there are none or they cannot be drawn: `gyre eval` and
+    the orchestrator ask before they connect anywhere (it was a traceback after the inference wait, or, in
+    training, an error logged at every eval)."""
+    where = f"env {env_name!r}, {key} = {num_examples}"
     try:
         source = env.tasks("eval")
         count = min(num_examples, source.size) if source.size is not None else num_examples
@@ -292,7 +312,10 @@ class TrainingEval:
     def __init__(self, cfg, envs: Environment | dict[str, Environment], client, *, events, wandb, metrics):
         self.cfg = cfg
         # label -> environment (a mix's entries; one environment alone is its config's)
-        self.envs = envs if isinstance(envs, dict) else {cfg.envs[0].key: envs}
+        envs = envs if isinstance(envs, dict) else {cfg.envs[0].key: envs}
+        # the entries evaluated (eval.enabled), each with its number of tasks
+        self.plan = eval_plan(cfg)
+        self.envs = {label: env for label, env in envs.items() if label in self.plan}
         self.client = client
         self.events = events
         self.wandb = wandb
@@ -302,7 +325,7 @@ class TrainingEval:
         self._evaluated: set[int] = set()
         if cfg.eval.interval is not None:  # at start: a split that cannot be drawn failed every eval, logged only
             for label, env in self.envs.items():
-                eval_tasks(env, cfg.eval.num_examples, label)
+                eval_tasks(env, self.plan[label][0], label, self.plan[label][1])
 
     def start(self, versions, *, at_start: bool, done: Iterable[int] = ()) -> None:
         """Evaluate each due version that `versions` (a `VersionWatch`) reaches; with `at_start`, version 0 first.
@@ -348,7 +371,7 @@ class TrainingEval:
                     self.envs,
                     # as the newest batch version `version` may generate (its floor): behind the older batches
                     self.client.for_version(version, priority=version + 1 + cfg.max_async_level),
-                    num_examples=cfg.eval.num_examples,
+                    num_examples={label: count for label, (count, _) in self.plan.items()},
                     k=cfg.eval.k,
                     sampling=eval_sampling(cfg),
                     pass_threshold=cfg.eval.pass_threshold,
@@ -472,7 +495,9 @@ async def _run_once(
     from gyre_orchestrator.client import InferenceClient, close_replica_clients
     from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 
-    envs = envs if envs is not None else {e.key: load_environment(e.name, **e.args) for e in cfg.envs}
+    plan = eval_plan(cfg)
+    envs = envs if envs is not None else {e.key: load_environment(e.name, **e.args) for e in cfg.envs
+                                          if e.key in plan}  # fmt: skip
     if signals is None:
         signals = {}
         for env in envs.values():  # scored as in training
@@ -498,7 +523,7 @@ async def _run_once(
         results = await evaluate_envs(
             envs,
             client,
-            num_examples=cfg.eval.num_examples,
+            num_examples={label: count for label, (count, _) in plan.items()},
             k=cfg.eval.k,
             sampling=eval_sampling(cfg),
             pass_threshold=cfg.eval.pass_threshold,
@@ -540,8 +565,11 @@ def main(argv: list[str]) -> int:
     from gyre_orchestrator.client import InferenceError
 
     envs = {}
+    plan = eval_plan(cfg)
     for i, entry in enumerate(cfg.envs):
         key = f"env.{i}" if isinstance(cfg.env, list) else "env"
+        if entry.key not in plan:  # eval.enabled = false: not evaluated, not loaded
+            continue
         try:  # before anything connects: an unknown name or bad env.args was a traceback (exit 1)
             envs[entry.key] = load_environment(entry.name, **entry.args)
         except Exception as e:  # EnvironmentLoadError, or the environment's own argument checks
@@ -558,7 +586,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:  # no eval tasks (an empty split, a num_eval the task space cannot hold): before anything connects
         for label, env in envs.items():
-            eval_tasks(env, cfg.eval.num_examples, label)
+            eval_tasks(env, plan[label][0], label, plan[label][1])
     except ValueError as e:
         print(f"gyre eval: error: {e}", file=sys.stderr)
         return 2

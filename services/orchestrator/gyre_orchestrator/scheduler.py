@@ -101,7 +101,7 @@ class VersionWatch:
 
 @dataclass
 class Group:
-    """The `rollouts_per_example` samples of one task, generated for batch `step`."""
+    """The `rollouts_per_example` samples of one task (its mix entry's own, if it sets one), for batch `step`."""
 
     step: int
     task: Any
@@ -191,6 +191,7 @@ class RolloutScheduler:
         clock: Callable[[], float] = time.monotonic,
         trained: Callable[[], int] = lambda: 0,
         on_finished: Callable[[Any, bool], None] = lambda _sample, _stale: None,
+        group_sizes: dict[Any, int] | None = None,
     ):
         if batch_size < 1 or group_size < 1 or max_async_level < 0 or start_step < 1:
             raise ValueError("batch_size, group_size >= 1, max_async_level >= 0, start_step >= 1 required")
@@ -201,6 +202,10 @@ class RolloutScheduler:
         self.versions = versions
         self.batch_size = batch_size
         self.group_size = group_size
+        # a mix's entries may set their own (a task's `env` -> its group size); the others take `group_size`
+        self.group_sizes = dict(group_sizes or {})
+        if any(size < 1 for size in self.group_sizes.values()):
+            raise ValueError("every group size must be >= 1")
         self.k = max_async_level
         self.max_steps = max_steps
         self.max_inflight_groups = max_inflight_groups or batch_size * (max_async_level + 1)
@@ -305,7 +310,8 @@ class RolloutScheduler:
         task.add_done_callback(self._tasks.discard)
 
     async def _run_group(self, st: StepState, group: Group) -> None:
-        samples = [asyncio.ensure_future(self._fresh_sample(st, group.task, i)) for i in range(self.group_size)]
+        size = self.group_sizes.get(getattr(group.task, "env", None), self.group_size)
+        samples = [asyncio.ensure_future(self._fresh_sample(st, group.task, i)) for i in range(size)]
         try:
             group.samples = list(await asyncio.gather(*samples))
         except asyncio.CancelledError:

@@ -449,13 +449,15 @@ class OrchestratorService:
         return {s for s in steps if isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= latest}
 
     def _new_scheduler(self, start_step: int) -> RolloutScheduler:
-        cfg, g = self.cfg, self.cfg.rollouts_per_example
+        cfg = self.cfg
+        sizes = {entry.key: cfg.group_size(entry) for entry in cfg.envs}
+        g = max(sizes.values())  # the default bound on groups at once keeps requests within max_concurrency
         return RolloutScheduler(
             self._generate,
             self.sampler.next,
             self.versions,
             batch_size=cfg.batch_size,
-            group_size=g,
+            group_size=cfg.rollouts_per_example,
             max_async_level=cfg.max_async_level,
             start_step=start_step,
             max_steps=cfg.max_steps,
@@ -466,6 +468,7 @@ class OrchestratorService:
             sample_attempts=cfg.sample_attempts,
             trained=lambda: committed_step(self.out, self.transport.latest()),
             on_finished=self._count_rollout,
+            group_sizes=sizes,  # by label: a MixTask's `env`
         )
 
     def _count_rollout(self, sample: ScoredRollout, stale: bool) -> None:

@@ -129,3 +129,48 @@ async def test_a_restart_continues_each_environment_s_cursor_and_the_draw_sequen
     # the progress checkpoint holds each entry's cursor and the draw count
     point = OrchestratorService(resumed).progress.load(-1)
     assert (point.cursors, point.draws) == ({label: picks.count(label) for label in ("rev", "math")}, 16)
+
+
+@pytest.mark.asyncio
+async def test_an_entry_s_own_group_size_and_eval_settings(tmp_path, redis_url, unique_run_id, replicas):
+    """PRIME-RL's per-environment group size and eval settings: `rev` draws groups of 4 and is evaluated on 3 tasks,
+    `math` groups of 2 (the orchestrator's) and is not evaluated. Each group holds its entry's size, its advantages
+    are its own (Dr. GRPO: reward minus its group's mean), the step lines count samples and groups per entry, and a
+    restart continues every cursor and the draw sequence."""
+    env = [{**MIX[0], "rollouts_per_example": 4, "args": {"num_eval": 3}, "eval": {"num_examples": 3}},
+           {**MIX[1], "eval": {"enabled": False}}]  # fmt: skip
+    cfg = mix_config(tmp_path, redis_url, unique_run_id, replicas, env=env, max_steps=2,
+                     eval={"interval": 100, "num_examples": 2})  # fmt: skip
+    assert await asyncio.wait_for(OrchestratorService(cfg).run(), timeout=180) == 0
+    resumed = cfg.model_copy(update={"max_steps": 3, "resume_step": -1})
+    assert await asyncio.wait_for(OrchestratorService(resumed).run(), timeout=180) == 0
+
+    samples = pushed_samples(redis_url, unique_run_id)
+    groups = defaultdict(list)
+    for step, s in samples:
+        groups[(step, s["group"])].append(s)
+    size = {"rev": 4, "math": 2}
+    picks = expected_draws(cfg, 12)
+    assert sorted(g[0]["draw"] for g in groups.values()) == list(range(12))  # 4 groups a step, whatever their size
+    for members in groups.values():
+        label = members[0]["env"]
+        assert {s["env"] for s in members} == {label} and len(members) == size[label]
+        assert picks[members[0]["draw"]] == label
+        mean = sum(s["reward"] for s in members) / len(members)
+        assert [s["advantage"] for s in members] == pytest.approx([s["reward"] - mean for s in members], abs=1e-6)
+    for label in ("rev", "math"):  # each cursor continued across the restart: no task repeated or skipped
+        indices = sorted(g[0]["task_index"] for g in groups.values() if g[0]["env"] == label)
+        assert indices == list(range(picks.count(label)))
+
+    lines = latest_per_step(read_events(cfg.output_dir / "events" / "orchestrator_steps.jsonl"))
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        mine = [g for (step, _), g in groups.items() if step == line["step"]]
+        assert line["num_samples"] == sum(len(g) for g in mine) and line["num_groups"] == len(mine) == 4
+        for label, entry in line["envs"].items():
+            assert entry["num_groups"] == sum(g[0]["env"] == label for g in mine)
+            assert entry["num_samples"] == size[label] * entry["num_groups"]
+
+    # only rev is evaluated, on its own 3 tasks (the orchestrator's eval.num_examples is 2)
+    (evaluation,) = latest_per_step(read_events(cfg.output_dir / "events" / "eval.jsonl"))
+    assert evaluation["env"] == "rev" and evaluation["num_examples"] == 3 and "envs" not in evaluation
