@@ -33,24 +33,44 @@ character 31 still get different names.
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Labels of every object. Call with (dict "root" $ "component" "inference"). */}}
+{{/* Labels of every object. Call with (dict "root" $ "component" "inference"), plus "own" (labels the object adds
+after these, e.g. a ServiceMonitor's `monitoring.additionalLabels`: they win over `commonLabels`). */}}
 {{- define "gyre.labels" -}}
 helm.sh/chart: {{ include "gyre.chart" .root }}
 {{ include "gyre.selectorLabels" . }}
 app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: gyre
+{{- include "gyre.commonLabels" . }}
+{{- end -}}
+
+{{/* `commonLabels` but the keys in "own" (an object's or pod's own labels, written after: one key twice is a
+YAML error). */}}
+{{- define "gyre.commonLabels" -}}
+{{- $common := dict -}}
+{{- $own := .own | default dict -}}
+{{- range $key, $value := .root.Values.commonLabels | default dict -}}
+{{- if not (hasKey $own $key) }}{{ $_ := set $common $key $value }}{{ end -}}
+{{- end -}}
+{{- with $common }}
+{{ toYaml . }}
+{{- end -}}
 {{- end -}}
 
 {{/*
 Labels of a pod template: the selector labels and nothing that changes with the chart version (no
 helm.sh/chart, no app.kubernetes.io/version): a `helm upgrade` to a new chart version then replaces pods
-only when their spec changes (a new image, a changed experiment), never for a label alone.
+only when their spec changes (a new image, a changed experiment), never for a label alone. Then `commonLabels`
+and the component's `podLabels` ("own"), which win.
 */}}
 {{- define "gyre.podLabels" -}}
 {{ include "gyre.selectorLabels" . }}
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: gyre
+{{- include "gyre.commonLabels" . }}
+{{- with .own }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{/* Selector labels: instance + component (never the version, selectors are immutable). */}}
@@ -1100,6 +1120,14 @@ servers on one port make a service that cannot start).
 */}}
 {{- define "gyre.validate" -}}
 {{- include "gyre.validateImmutable" . -}}
+{{- range $key, $_ := .Values.commonLabels | default dict -}}
+{{- if regexMatch "^(app\\.kubernetes\\.io|helm\\.sh|gyre\\.dev)/" $key -}}
+{{- fail (printf "commonLabels: %q is a label of the chart's own (app.kubernetes.io/*, helm.sh/*, gyre.dev/*: its selectors and records use them); choose another key" $key) -}}
+{{- end -}}
+{{- if not (regexMatch "^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$" $key) -}}
+{{- fail (printf "commonLabels: %q is not a label key ([prefix/]name: a name of up to 63 letters, digits, '-', '_', '.', a DNS prefix)" $key) -}}
+{{- end -}}
+{{- end -}}
 {{- /* the shared volume beside the chart's own mounts: on one of them (or above it, or on /) it hides it */ -}}
 {{- $mount := clean .Values.persistence.mountPath -}}
 {{- range $own := list "/etc/gyre" (include "gyre.secretsDir" .) "/tmp" "/cache" "/dev/shm" -}}
