@@ -7,6 +7,8 @@ verifiers code as such an environment writes it (the datasets are rows in code: 
   an LCS reward and the parser's format reward, weighted; `few_shot`; an `eval_dataset`).
 - `load_math_environment`: a math environment (`MathRubric` with a `ThinkParser` reading `\\boxed{}`, grouped with
   a rubric of its own in a `RubricGroup`; a reward that branches on the `task` column).
+- `load_guess_environment`: a multi-turn game in verifiers' protocol (`setup_state`, `is_completed` asked after
+  every model turn, `env_response` returning `(messages, state)`, `max_turns_reached`).
 
 Load with `env.name = "vf_hub_ports:load_environment"` with this folder on PYTHONPATH.
 """
@@ -56,3 +58,34 @@ def load_math_environment(**kwargs) -> vf.Environment:
     style = vf.Rubric(funcs=[brief_sums, parser.get_format_reward_func()], weights=[0.1, 0.2], parser=parser)
     return vf.SingleTurnEnv(dataset=rows, system_prompt="Think, then put the answer in \\boxed{}.", parser=parser,
                             rubric=vf.RubricGroup(rubrics=[math_rubric, style]), **kwargs)  # fmt: skip
+
+
+class GuessEnv(vf.MultiTurnEnv):
+    async def setup_state(self, state: vf.State, **kwargs) -> vf.State:
+        state["guesses"] = []
+        return state
+
+    async def is_completed(self, messages: vf.Messages, state: vf.State, **kwargs) -> bool:
+        if await self.max_turns_reached(state):
+            return True
+        return self.parser.parse_answer(messages) == state["answer"]
+
+    async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs) -> tuple[vf.Messages, vf.State]:
+        guess = self.parser.parse_answer(messages) or ""
+        state["guesses"].append(guess)
+        hint = "higher" if guess.isdigit() and int(guess) < int(state["answer"]) else "lower"
+        return [{"role": "user", "content": f"No, {hint}."}], state
+
+
+def load_guess_environment(max_turns: int = 4, **kwargs) -> vf.Environment:
+    rows = [{"question": f"Guess my number, 1 to {top}. Reply with the number only.", "answer": str(top * 7 % 10 or 1)}
+            for top in range(10, 16)]  # fmt: skip
+
+    def solved(completion, answer, parser) -> float:
+        return float(parser.parse_answer(completion) == answer)
+
+    def few_guesses(state) -> float:
+        return 1.0 / (1 + len(state["guesses"]))
+
+    return GuessEnv(dataset=rows, rubric=vf.Rubric(funcs=[solved, few_guesses], weights=[1.0, 0.5]),
+                    max_turns=max_turns, **kwargs)  # fmt: skip

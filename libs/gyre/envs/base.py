@@ -40,12 +40,6 @@ from gyre.envs.types import (
 
 log = logging.getLogger(__name__)
 
-#: verifiers' MultiTurnEnv hooks that Gyre never calls, and what plays their part here
-VERIFIERS_HOOKS = {
-    "is_completed": "env_response returns (messages, done)",
-    "setup_state": "override initial_state(task) (call super() and add to its dict)",
-}
-
 
 class Environment:
     """Base class. Constructor args shared by every environment:
@@ -65,14 +59,6 @@ class Environment:
     """
 
     name = "environment"
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # a verifiers env ported as it was: its is_completed never ran, so every episode went on to max_turns
-        for hook, instead in VERIFIERS_HOOKS.items():
-            if hook in cls.__dict__:
-                log.warning("%s defines %s, a verifiers hook that Gyre never calls: %s (docs/environments.md, "
-                            "Writing an external environment)", cls.__qualname__, hook, instead)  # fmt: skip
 
     def __init__(
         self,
@@ -175,21 +161,52 @@ class Environment:
         written as a plain (sync) method too."""
         raise NotImplementedError(f"{type(self).__name__} must implement env_response(messages, state)")
 
+    # --- verifiers' multi-turn protocol (0.1-0.3): a ported environment's hooks run as they did there ---------
+
+    async def setup_state(self, state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """verifiers' hook, called with `initial_state(task)` before the first model turn; returns the state."""
+        return state
+
+    async def is_completed(self, messages: Messages, state: dict[str, Any], **kwargs: Any) -> bool:
+        """verifiers' hook: whether the episode is over, asked after every model turn before `env_response`.
+        Called only where a subclass overrides it (Gyre's own environments say so with `env_response`'s `done`);
+        this default is for an override's `super()`: the turn budget is spent."""
+        return await self.max_turns_reached(state)
+
+    async def max_turns_reached(self, state: dict[str, Any]) -> bool:
+        """verifiers' helper: `state["turn"]` (model turns so far) has reached `max_turns`."""
+        return state["turn"] >= self.max_turns
+
+    async def _setup(self, state: dict[str, Any]) -> dict[str, Any]:
+        if type(self).setup_state is Environment.setup_state:
+            return state
+        answer = await _maybe_await(self.setup_state(state))
+        if not isinstance(answer, dict):
+            raise TypeError(f"setup_state must return the state dict, got {type(answer).__name__}")
+        return answer
+
     async def _env_reply(self, messages: Messages, state: dict[str, Any]) -> tuple[Messages, bool]:
-        """`env_response`, sync or async, its answer checked: a dict or a string added to the conversation as
-        a list (its keys, its characters) and verifiers' `(messages, state)` read the state as `done`."""
-        answer = self.env_response(messages, state)
-        if inspect.isawaitable(answer):  # a plain def was awaited as a tuple: TypeError on every rollout
-            answer = await answer
+        """`is_completed` where overridden (verifiers' protocol), then `env_response`, sync or async, its answer
+        checked: a dict or a string was added to the conversation as a list (its keys, its characters). verifiers'
+        `(messages, state)` is that protocol's answer: the state returned is the state from then on and the episode
+        goes on (it ends by `is_completed` or `max_turns`, as there). A ported environment's hooks were never
+        called: every episode ran to max_turns, or ended as an error on its first reply."""
+        overridden = type(self).is_completed is not Environment.is_completed
+        if overridden and await _maybe_await(self.is_completed(messages, state)):
+            return [], True
+        answer = await _maybe_await(self.env_response(messages, state))  # a plain def was awaited: TypeError
         if not (isinstance(answer, tuple | list) and len(answer) == 2):
             raise TypeError(f"env_response must return (messages, done), got {type(answer).__name__} "
                             f"{str(answer)[:80]!r}")  # fmt: skip
         reply, done = answer
+        if isinstance(done, dict):  # verifiers: (messages, state)
+            if done is not state:  # the caller's dict is the rollout's state: keep it, with the new contents
+                state.clear()
+                state.update(done)
+            done = False
         if not isinstance(done, bool):
-            verifiers = " (verifiers returns (messages, state); here state is changed in place)" if isinstance(
-                done, dict) else ""  # fmt: skip
-            raise TypeError(f"env_response must return (messages, done) with done True or False, got done = "
-                            f"{type(done).__name__} {str(done)[:80]!r}{verifiers}")  # fmt: skip
+            raise TypeError(f"env_response must return (messages, done) with done True or False (or verifiers' "
+                            f"(messages, state)), got done = {type(done).__name__} {str(done)[:80]!r}")  # fmt: skip
         if not isinstance(reply, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in reply
         ):
@@ -209,7 +226,7 @@ class Environment:
         Errors raised by `client.chat` propagate (the caller retries or drops the rollout); errors in the
         environment's own hooks end the episode with `stop_reason == "error"` and keep what was done so far.
         """
-        state = self.initial_state(task)
+        state = await self._setup(self.initial_state(task))
         prompt = copy.deepcopy(task.prompt)
         completion: Messages = []
         answered = 0  # completion messages up to the last model turn in the training sequence
@@ -296,6 +313,10 @@ class SingleTurnEnv(Environment):
 
     async def env_response(self, messages: Messages, state: dict[str, Any]) -> tuple[Messages, bool]:
         return [], True
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
 
 
 def _checked_few_shot(few_shot: Any) -> list[dict[str, Any]]:

@@ -223,7 +223,7 @@ async def test_a_plain_env_response_runs_as_an_async_one(sampling):
     [
         (({"role": "user", "content": "no"}, False), "messages a list of dicts with a 'role'"),  # its keys were added
         (("try again", False), "messages a list of dicts"),  # its characters were added as messages
-        (([], {"turn": 1}), r"done True or False, got done = dict .*verifiers returns \(messages, state\)"),
+        (([], "yes"), r"done True or False \(or verifiers' \(messages, state\)\), got done = str 'yes'"),
         ([{"role": "user", "content": "no"}], r"must return \(messages, done\), got list"),
     ],
 )
@@ -243,22 +243,34 @@ async def test_an_env_response_of_another_shape_ends_the_episode_saying_so(sampl
     assert rollout.completion == [{"role": "assistant", "content": "3"}]
 
 
-def test_a_verifiers_hook_gyre_never_calls_is_named(caplog):
-    """A verifiers env ported as it was defines is_completed (and setup_state): Gyre never called them, so every
-    episode ran to max_turns, silently. Defining one logs what plays its part here."""
-    with caplog.at_level("WARNING", logger="gyre.envs.base"):
+@pytest.mark.asyncio
+async def test_verifiers_multi_turn_hooks_run_as_there(sampling):
+    """A verifiers env ported as it was defines is_completed and setup_state and returns (messages, state): Gyre
+    never called the hooks (every episode ran to max_turns) and refused the state as `done` (an error on the first
+    reply). setup_state runs first, is_completed after every model turn, and a returned state is the state."""
+    seen = []
 
-        class Ported(MultiTurnEnv):
-            async def is_completed(self, messages, state):
-                return True
+    class Ported(Guess):
+        def setup_state(self, state, **kwargs):  # sync or async, as verifiers' maybe_await allows
+            return {**state, "guesses": []}
 
-            async def setup_state(self, state):
-                return state
+        async def is_completed(self, messages, state, **kwargs):
+            seen.append(state["turn"])
+            return messages[-1]["content"] == state["answer"] or await super().is_completed(messages, state)
 
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2
-    assert "Ported defines is_completed, a verifiers hook that Gyre never calls: env_response returns" in lines[0]
-    assert "setup_state" in lines[1] and "initial_state(task)" in lines[1]
+        async def env_response(self, messages, state, **kwargs):
+            guesses = [*state["guesses"], messages[-1]["content"]]
+            return [{"role": "user", "content": "no"}], {**state, "guesses": guesses}
+
+    env = Ported(num_eval=1, max_turns=4)
+    rollout = await env.rollout(ScriptedClient(["3", "5", "7", "8"]), env.tasks("eval")[0], sampling)
+    assert rollout.error is None and rollout.stop_reason == "done" and seen == [1, 2, 3]
+    assert [m["content"] for m in rollout.completion] == ["3", "no", "5", "no", "7"]
+    assert rollout.state["guesses"] == ["3", "5"]
+    check_alignment(rollout, rollout.turns)
+    # the default is_completed (via super()) is the turn budget: a model that never guesses stops at max_turns
+    rollout = await env.rollout(ScriptedClient(["1", "2", "3", "4", "5"]), env.tasks("eval")[0], sampling)
+    assert rollout.stop_reason == "done" and rollout.num_turns == 4 and seen[-1] == 4
 
 
 @pytest.mark.asyncio

@@ -150,3 +150,22 @@ async def test_a_rubric_group_sums_its_rubrics_and_refuses_a_name_twice(sampling
     with pytest.raises(ScoringError, match="judge down"):
         await group.score(task, rollout)
     assert isinstance(MathRubric(), Rubric)
+
+
+@pytest.mark.asyncio
+async def test_a_hub_multi_turn_game_in_verifiers_protocol(sampling):
+    """setup_state, is_completed after every model turn, env_response's (messages, state), max_turns_reached: the
+    game as verifiers runs it (before, the hooks never ran and the state returned ended the episode as an error)."""
+    env = load_environment("vf_hub_ports:load_guess_environment", num_eval=2)
+    task = env.tasks("eval")[0]
+    secret = int(task.answer)
+    low, high = str(secret - 1 if secret > 1 else 0), str(secret + 1)
+    rollout = await env.rollout(ScriptedClient([low, high, task.answer]), task, sampling)
+    assert rollout.error is None and rollout.stop_reason == "done" and rollout.num_turns == 3
+    assert [m["content"] for m in rollout.completion] == [low, "No, higher.", high, "No, lower.", task.answer]
+    assert rollout.state["guesses"] == [low, high]
+    score = await env.score(task, rollout)
+    assert score.per_function == {"solved": 1.0, "few_guesses": pytest.approx(1 / 3)} and score.errors == {}
+    # never right: is_completed's max_turns_reached ends it after max_turns (4) model turns
+    rollout = await env.rollout(ScriptedClient([low] * 5), task, sampling)
+    assert rollout.error is None and rollout.num_turns == 4 and len(rollout.state["guesses"]) == 3
