@@ -198,6 +198,12 @@ class OptimConfig(Section):
     scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr (linear/cosine).")
+    decay_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Warmup-stable-decay (WSD): linear/cosine decay over the last N updates before max_steps only, "
+        "at the peak lr until then (unset = decay over every update after warmup).",
+    )
     master_weights: bool = Field(
         True,
         description="AdamW updates a float32 copy of bf16/fp16 parameters (kept in the optimizer state) and rounds "
@@ -218,6 +224,16 @@ class DataConfig(Section):
         DEFAULT_SEQ_LEN, ge=16, description="Tokens per packed micro-batch row (a longer row is refused)."
     )
     micro_batch_size: int = Field(1, ge=1, description="Packed rows per forward/backward.")
+
+    @model_validator(mode="after")
+    def _decay_needs_a_decay(self) -> OptimConfig:
+        # a constant schedule has nothing to decay: the key would be accepted and silently do nothing
+        if self.decay_steps is not None and self.scheduler == "constant":
+            raise ValueError(
+                f"decay_steps = {self.decay_steps} needs scheduler 'linear' or 'cosine' (the decay's shape), "
+                "got 'constant'"
+            )
+        return self
 
 
 class CkptConfig(Section):

@@ -344,8 +344,8 @@ def keep_configured_hyperparameters(
                    for key, value in wanted.items() if key != "initial_lr" and saved.get(key) != value]  # fmt: skip
         changed += [f"lr {old} -> {new}" for old, new in zip(scheduler.base_lrs, base_lrs, strict=True) if old != new]
     if not changed:
-        # the same settings, but perhaps another schedule (optim.scheduler, warmup_steps, min_lr_ratio, a longer
-        # max_steps): the groups hold the checkpoint schedule's lr, which the first resumed step used before the
+        # the same settings, but perhaps another schedule (optim.scheduler, warmup_steps, decay_steps, min_lr_ratio, a
+        # longer max_steps): the groups hold the checkpoint schedule's lr, which the first resumed step used before the
         # new schedule took over at the next one. Equal floats when nothing changed (LambdaLR's own formula).
         scheduled = [base * lr_lambda(scheduler.last_epoch) for base, lr_lambda in zip(base_lrs, scheduler.lr_lambdas,
                                                                                       strict=True)]  # fmt: skip
@@ -353,7 +353,7 @@ def keep_configured_hyperparameters(
         if scheduled == saved:
             return
         changed = [f"lr at step {step} {saved[0]:.6g} -> {scheduled[0]:.6g} (optim.scheduler, warmup_steps, "
-                   "min_lr_ratio or max_steps)"]  # fmt: skip
+                   "decay_steps, min_lr_ratio or max_steps)"]  # fmt: skip
     scheduler.base_lrs = base_lrs
     for group, wanted, base, lr_lambda in zip(optimizer.param_groups, groups, base_lrs, scheduler.lr_lambdas,
                                               strict=True):  # fmt: skip

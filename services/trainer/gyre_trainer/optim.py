@@ -3,10 +3,11 @@
 Schedule (a multiplier of `OptimConfig.lr`, for the s-th optimizer update, s = 0, 1, ...; the
 scheduler's state is the number of updates taken, so it checkpoints and resumes exactly):
 - warmup, s < W:            (s + 1) / W  (the first update already moves; none is wasted at lr 0)
-- then, p = (s − W) / max(1, S − W − 1) clipped to [0, 1], with S = max_steps:
+- then, p = (s − D₀) / max(1, S − D₀ − 1) clipped to [0, 1], with S = max_steps and D₀ the first update of
+  the decay: D₀ = W, or with `decay_steps` = D (warmup-stable-decay) D₀ = max(W, S − D), the peak held until then:
   constant: 1;  linear: 1 − (1 − m)·p;  cosine: m + (1 − m)·(1 + cos(π·p)) / 2,  m = min_lr_ratio.
-The last update (s = S − 1) runs exactly at m·lr when at least two updates follow the warm-up (S ≥ W + 2);
-a single one (S = W + 1) runs at the peak, and with S ≤ W the schedule never leaves the warm-up.
+The last update (s = S − 1) runs exactly at m·lr when at least two updates make the decay (S ≥ D₀ + 2);
+a single one (S = D₀ + 1) runs at the peak, and with S ≤ W the schedule never leaves the warm-up.
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int | None) -> float:
         return 1.0
     if max_steps is None:
         raise ValueError(f"scheduler {cfg.scheduler!r} decays to max_steps; set max_steps or use 'constant'")
-    progress = min(1.0, max(0.0, (step - warmup) / max(1, max_steps - warmup - 1)))
+    # WSD: the peak is held until the last decay_steps updates (a decay longer than what follows the warm-up
+    # starts right after it, as without decay_steps)
+    start = warmup if cfg.decay_steps is None else max(warmup, max_steps - cfg.decay_steps)
+    progress = min(1.0, max(0.0, (step - start) / max(1, max_steps - start - 1)))
     floor = cfg.min_lr_ratio
     if cfg.scheduler == "linear":
         return 1.0 - (1.0 - floor) * progress

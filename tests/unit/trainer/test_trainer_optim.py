@@ -152,3 +152,26 @@ def test_betas_outside_zero_one_are_refused_naming_the_key(betas):
 
     with pytest.raises(ConfigError, match=r"optim\.betas.*\[0, 1\)"):
         load_config(TrainerConfig, ["--optim.betas", str(list(betas)).replace("nan", "NaN")])
+
+
+def test_warmup_stable_decay_holds_the_peak_until_the_last_decay_steps():
+    got = lrs(OptimConfig(lr=1.0, scheduler="linear", warmup_steps=2, decay_steps=3, min_lr_ratio=0.1), 8, 9)
+    # warm-up (s = 0, 1), the peak while s < 8 − 3 = 5, then 1 − 0.9·p with p = (s − 5) / 2; held at m after
+    assert got == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.55, 0.1, 0.1])
+
+
+def test_warmup_stable_decay_with_a_cosine_decay():
+    got = lrs(OptimConfig(lr=2.0, scheduler="cosine", decay_steps=5, min_lr_ratio=0.0), 10, 10)
+    expected = [2.0] * 5 + [2.0 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_decay_steps_longer_than_the_run_decays_right_after_warmup():
+    """A decay that does not fit starts after the warm-up: the schedule without decay_steps."""
+    cfg = dict(lr=1.0, scheduler="linear", warmup_steps=2, min_lr_ratio=0.1)
+    assert lrs(OptimConfig(**cfg, decay_steps=100), 7, 7) == pytest.approx(lrs(OptimConfig(**cfg), 7, 7))
+
+
+def test_decay_steps_with_a_constant_schedule_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="decay_steps = 5 needs scheduler 'linear' or 'cosine'"):
+        OptimConfig(decay_steps=5)
