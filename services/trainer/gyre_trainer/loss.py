@@ -424,10 +424,16 @@ def aggregate(
     raise ValueError(f"unknown aggregation {how!r}: use one of {', '.join(AGGREGATIONS)}")
 
 
+def mismatch_log_ratio(logprobs: Tensor, inference_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """Detached per-token log r = lp_θ − lp_μ, clamped to ±LOG_RATIO_CLAMP as in the objectives; 0 off the valid
+    loss tokens (those with a possible inference log-prob)."""
+    mask = valid_inference_logprobs(inference_logprobs, loss_mask)
+    return masked_log_ratio(logprobs.detach(), inference_logprobs, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def mismatch_kl(logprobs: Tensor, inference_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
     """Per-token r − log r − 1 (k3 estimate of KL(μ‖π_θ), ≥ 0): trainer vs inference numerics.
 
     0 on tokens whose inference log-prob is invalid; log r clamped as in the objectives (finite)."""
-    mask = valid_inference_logprobs(inference_logprobs, loss_mask)
-    log_ratio = masked_log_ratio(logprobs.detach(), inference_logprobs, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = mismatch_log_ratio(logprobs, inference_logprobs, loss_mask)
     return log_ratio.exp() - log_ratio - 1.0

@@ -499,6 +499,6 @@ def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu
         if key in metrics:
             record[key] = int(metrics[key])
     # the objective's and the correction's stats (clip_frac, masked_frac, is_weight, ...; docs/algorithms.md)
-    extras = ("is_weight", "ref_kl", "teacher_kl", "skipped", "skip_reason")
+    extras = ("is_weight", "ref_kl", "teacher_kl", "ratio_mean", "ratio_min", "ratio_max", "skipped", "skip_reason")
     record.update({k: v for k, v in metrics.items() if k.endswith("_frac") or k in extras})
     return record

@@ -31,7 +31,7 @@ from gyre.config.trainer import LossConfig
 from torch import Tensor
 
 from gyre_trainer.lora import reference_model
-from gyre_trainer.loss import aggregate, get_loss, mismatch_kl, policy_loss, valid_inference_logprobs
+from gyre_trainer.loss import aggregate, get_loss, mismatch_log_ratio, policy_loss, valid_inference_logprobs
 from gyre_trainer.model import packed_logprobs
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,12 @@ def _all_reduce_sum(values: Tensor, world_size: int) -> Tensor:
     return values
 
 
+def _all_reduce_max(values: Tensor, world_size: int) -> Tensor:
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
 def max_loss_tokens_per_sample(batch: TrainBatch) -> int:
     """Most loss tokens of any sample in the whole batch (every rank): Dr.GRPO's constant for batches
     that carry no generation budget (`TrainBatch.max_tokens` 0)."""
@@ -185,6 +191,8 @@ def compute_gradients(
     groups = group_rows(rows, micro_batch_size)
 
     sums: dict[str, Tensor] = {}
+    # the largest and (negated) smallest importance ratio of the batch's valid loss tokens: reduced with MAX
+    peaks = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
 
     def add(name: str, value: Tensor) -> None:
         value = value.detach().double()
@@ -231,7 +239,15 @@ def compute_gradients(
         if packed.teacher_logprobs is not None:
             scored = valid if packed.teacher_mask is None else valid & packed.teacher_mask
             add("teacher_tokens", scored.sum())
-        add("mismatch_kl", (mismatch_kl(logprobs, packed.inference_logprobs, mask) * mask).sum())
+        # trainer vs inference on the sampled tokens (numerics and staleness): r = π_θ/μ, its k3 KL, its range
+        log_ratio = mismatch_log_ratio(logprobs, packed.inference_logprobs, mask)
+        ratio = log_ratio.exp()
+        add("mismatch_kl", ((ratio - log_ratio - 1.0) * valid).sum())
+        add("ratio_mean", (ratio * valid).sum())
+        ratio = ratio.double()  # (no .any() or indexing: either would wait for the GPU at every micro-batch)
+        highest = torch.where(valid, ratio, -math.inf).max()
+        negated_lowest = torch.where(valid, -ratio, -math.inf).max()
+        peaks = torch.maximum(peaks, torch.stack([highest, negated_lowest]))
 
     if not sums:  # a rank without micro-batches (only an empty batch has none)
         sums = {name: torch.zeros((), dtype=torch.float64, device=device)
@@ -239,6 +255,7 @@ def compute_gradients(
     names = sorted(sums)
     reduced = _all_reduce_sum(torch.stack([sums[n] for n in names]), world_size).tolist()
     totals = dict(zip(names, reduced, strict=True))
+    highest, negated_lowest = _all_reduce_max(peaks, world_size).tolist()
     loss_tokens, valid_tokens = totals.pop("loss_tokens"), totals.pop("valid_tokens")
     teacher_tokens = totals.pop("teacher_tokens", 0.0)
     metrics = {
@@ -250,6 +267,9 @@ def compute_gradients(
         # a mean over the valid loss tokens of the whole batch (an invalid token has no ratio), whatever the split
         "mismatch_kl": totals.pop("mismatch_kl", 0.0) / max(valid_tokens, 1.0),
     }
+    ratio_sum = totals.pop("ratio_mean", 0.0)
+    if valid_tokens and math.isfinite(highest):  # the ratio is defined on the valid loss tokens only
+        metrics.update(ratio_mean=ratio_sum / valid_tokens, ratio_min=-negated_lowest, ratio_max=highest)
     # Means of a quantity are over the tokens it is defined on: the KLs and the correction weight over the valid
     # loss tokens (an impossible inference log-prob has none of them: 0 there, which counted in the denominator
     # pulled the mean toward 0), the teacher's KL over the valid tokens it scored. Entropy and the 0/1 stats
@@ -333,7 +353,8 @@ def train_step(
     (`loss_cfg.ref_kl_coef`) and the `ref_kl` metric.
 
     Metrics: `loss` (the full batch loss), `entropy` (mean over loss tokens), `mismatch_kl` (mean
-    r − log r − 1 over the valid loss tokens of the batch), the objective's stats
+    r − log r − 1 over the valid loss tokens of the batch), `ratio_mean`, `ratio_min`, `ratio_max` (of the
+    importance ratio r = π_θ/μ over the same tokens; min/max absent without any), the objective's stats
     (`clip_frac` or `masked_frac`, fractions of loss tokens), `num_tokens`, `num_loss_tokens`,
     `num_valid_tokens` (loss tokens with a possible inference log-prob), `num_samples`, `grad_norm`
     (before clipping), `lr` (used by this update), `skipped` (1 = no update: `optimizer_step`; then also

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 import torch
+from gyre.events import TRAINER_STEPS, latest_per_step, read_events
 from gyre.streams import BatchStream
 from safetensors.torch import load_file
 from trainer_testlib import (
@@ -53,6 +54,14 @@ def test_fsdp2_two_ranks_match_single_process(tiny_model, redis_url, unique_run_
         torch.testing.assert_close(sharded[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
     shards = sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints" / "trainer" / "step_2" / "state").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # the step records' batch-wide stats are those of one process: sums, and the ratio's extremes (MAX over ranks)
+    records = {name: latest_per_step(read_events(tmp_path / name / "events" / TRAINER_STEPS))
+               for name in ("fsdp", "single")}  # fmt: skip
+    for sharded, single in zip(records["fsdp"], records["single"], strict=True):
+        step = single["step"]
+        assert single["ratio_max"] > single["ratio_mean"] > single["ratio_min"] > 0
+        for key in ("loss", "entropy", "mismatch_kl", "ratio_mean", "ratio_min", "ratio_max", "num_loss_tokens"):
+            assert sharded[key] == pytest.approx(single[key], rel=1e-4), (step, key)
 
 
 @pytest.mark.parametrize("publish", ["merged", "adapter"])

@@ -331,7 +331,8 @@ def test_two_gloo_ranks_match_one_process(tiny_model, tiny_llama64, samples, tmp
     tiny_llama64.zero_grad(set_to_none=True)
     single = compute_gradients(tiny_llama64, make_batch(samples, [[[0, 1, 2], [3], [4, 5], [6, 7]]]), loss_cfg=loss_cfg)
     assert_same_gradient(got["grad"], flat_grad(tiny_llama64))
-    for key in ("loss", "entropy", "clip_frac", "num_tokens", "num_loss_tokens"):
+    for key in ("loss", "entropy", "clip_frac", "num_tokens", "num_loss_tokens", "ratio_mean", "ratio_min",
+                "ratio_max"):  # fmt: skip
         assert got["metrics"][key] == pytest.approx(single[key], rel=1e-9), key
 
 
@@ -426,3 +427,30 @@ def test_a_batch_without_signal_skips_the_update_but_counts_as_a_step(tiny_llama
     assert all(torch.equal(s[k], a[k]) for s, a in zip(state, after, strict=True) for k in s)  # moments, step count
     assert scheduler.last_epoch == 2  # the schedule counts the step
     assert all(p.grad is None for p in tiny_llama64.parameters())
+
+
+def test_importance_ratio_metrics_are_over_the_valid_loss_tokens(tiny_llama64):
+    """ratio_mean, ratio_min, ratio_max of r = π_θ/μ: what PRIME-RL and verl users read next to mismatch_kl to see
+    whether trainer and inference disagree on a few tokens (a large max) or on all (the mean)."""
+    rng = np.random.default_rng(7)
+    samples = random_samples(rng, LENGTHS)
+    set_behaviour_logprobs(tiny_llama64, samples, noise=0.4, rng=rng)
+    samples[2]["inference_logprobs"][samples[2]["loss_mask"]] = -1e4  # impossible: not a ratio of e^(lp + 1e4)
+    ratios = []
+    with torch.no_grad():
+        for s in samples[:2] + samples[3:]:
+            ids = torch.as_tensor(s["input_ids"], dtype=torch.long)
+            lp, _ = packed_logprobs(tiny_llama64, ids, torch.arange(len(ids)), [len(ids)])
+            behaviour = torch.from_numpy(s["inference_logprobs"]).double()  # float32 as the batch carries it
+            ratios += (lp - behaviour).exp()[torch.from_numpy(s["loss_mask"])].tolist()
+    for layout in ("1 micro-batch", "4 micro-batches"):
+        metrics = compute_gradients(tiny_llama64, make_batch(samples, LAYOUTS[layout]), loss_cfg=LossConfig())
+        tiny_llama64.zero_grad(set_to_none=True)
+        assert metrics["ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-9), layout
+        assert metrics["ratio_min"] == pytest.approx(min(ratios), rel=1e-9), layout
+        assert metrics["ratio_max"] == pytest.approx(max(ratios), rel=1e-9), layout
+        assert metrics["ratio_max"] > 1.5 and metrics["ratio_min"] < 0.7  # noise 0.4 spreads them
+    for s in samples:  # no valid loss token at all: no ratio to report
+        s["inference_logprobs"][s["loss_mask"]] = -1e4
+    metrics = compute_gradients(tiny_llama64, make_batch(samples, LAYOUTS["1 micro-batch"]), loss_cfg=LossConfig())
+    assert not {"ratio_mean", "ratio_min", "ratio_max"} & metrics.keys()
