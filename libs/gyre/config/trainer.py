@@ -81,6 +81,12 @@ class LossConfig(Section):
         None, ge=0, description="is_correction: weights are raised to / ratios below are masked (< 1; null = none)."
     )
     kl_tau: float = Field(0.0, ge=0, description="Weight of the (log r)^2 regulariser toward the behaviour policy.")
+    entropy_coeff: float = Field(
+        0.0,
+        ge=0,
+        description="Entropy bonus (verl's actor.entropy_coeff): - entropy_coeff x the policy's entropy on every "
+        "valid loss token, aggregated like the loss (0 = off; the entropy metric is logged either way).",
+    )
     ref_kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the frozen reference (base) model.")
     ref_kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Estimator of the reference KL: k1 (log ratio), k2 (half its square), k3 (clamped to 10)."
@@ -109,7 +115,7 @@ class LossConfig(Section):
             raise ValueError("must be a number, got nan")
         return value
 
-    @field_validator("distill", "reward_weight", "kl_tau", "ref_kl_coef")
+    @field_validator("distill", "reward_weight", "kl_tau", "ref_kl_coef", "entropy_coeff")
     @classmethod
     def _finite_weight(cls, value: float) -> float:
         # a bound may be infinite (is_cap, delta, mask_high = inf: no truncation), a weight of a term may not:
@@ -218,13 +224,6 @@ class OptimConfig(Section):
             raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
         return value
 
-
-class DataConfig(Section):
-    seq_len: int = Field(
-        DEFAULT_SEQ_LEN, ge=16, description="Tokens per packed micro-batch row (a longer row is refused)."
-    )
-    micro_batch_size: int = Field(1, ge=1, description="Packed rows per forward/backward.")
-
     @model_validator(mode="after")
     def _decay_needs_a_decay(self) -> OptimConfig:
         # a constant schedule has nothing to decay: the key would be accepted and silently do nothing
@@ -234,6 +233,13 @@ class DataConfig(Section):
                 "got 'constant'"
             )
         return self
+
+
+class DataConfig(Section):
+    seq_len: int = Field(
+        DEFAULT_SEQ_LEN, ge=16, description="Tokens per packed micro-batch row (a longer row is refused)."
+    )
+    micro_batch_size: int = Field(1, ge=1, description="Packed rows per forward/backward.")
 
 
 class CkptConfig(Section):

@@ -26,7 +26,7 @@ Invariants every objective keeps (and a user objective should keep):
 (`valid_inference_logprobs`, counted as `invalid_logprob_frac`), folds the on-policy distillation signal
 into per-token advantages (`distill_advantages`: cfg.reward_weight·A + cfg.distill·(lp_teacher − sg[lp_θ])),
 applies the optional off-policy correction (`cfg.is_correction`), the objective, and the regularisers
-(`kl_tau`·(log r)² toward the behaviour policy, a k1/k2/k3 KL to a frozen reference); `aggregate`
+(`kl_tau`·(log r)² toward the behaviour policy, the entropy bonus, a k1/k2/k3 KL to a frozen reference); `aggregate`
 reduces per-token losses to one micro-batch's share of the batch loss, normalised by GLOBAL counts so
 that summing the shares of all micro-batches of all ranks gives the full-batch loss whatever the split.
 """
@@ -332,6 +332,7 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     teacher_logprobs: Tensor | None = None,
     teacher_mask: Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> LossOutput:
     """`objective` with the off-policy correction and the configured regularisers, per token.
 
@@ -345,6 +346,8 @@ def policy_loss(
       policy of TRL/verl with one update per batch), and its per-token loss is multiplied by the
       correction weight w(q) (`importance_weights`). Stats `is_weight` (mean w) and `is_corrected_frac`.
     - `cfg.kl_tau > 0`: + kl_tau·(log r)², pulling the policy toward the behaviour policy (prime-rl).
+    - `cfg.entropy_coeff > 0`: − entropy_coeff·H_t, H_t the policy's entropy at the token (`entropy`, with
+      its gradient: `packed_logprobs(entropy_grad=True)`), an entropy bonus as verl's `entropy_coeff`.
     - `ref_logprobs` given: the `cfg.ref_kl_estimator` KL to the reference is reported as `ref_kl`
       and, with `cfg.ref_kl_coef > 0`, + ref_kl_coef·KL is added.
     - `teacher_logprobs` given: the reverse KL to the teacher is reported as `teacher_kl` and, with
@@ -375,6 +378,10 @@ def policy_loss(
     stats.update(out.stats)
     if cfg.kl_tau > 0:
         loss = loss + cfg.kl_tau * log_ratio.square()
+    if cfg.entropy_coeff > 0:
+        if entropy is None:
+            raise ValueError("loss.entropy_coeff > 0 needs the policy's per-token entropy (policy_loss(entropy=...))")
+        loss = loss - cfg.entropy_coeff * torch.where(mask, entropy.to(loss.dtype), 0.0)
     if ref_logprobs is not None:
         kl = reference_kl(logprobs, ref_logprobs, mask, cfg.ref_kl_estimator)
         stats["ref_kl"] = kl.detach()

@@ -113,8 +113,10 @@ def packed_logprobs(
     sample_lengths: Tensor | Sequence[Tensor] | Sequence[int],
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Log-probs (with grad) and entropies (detached) of packed rows; shapes equal `input_ids`'s.
+    """Log-probs (with grad) and entropies (detached; with grad when `entropy_grad`, for the entropy bonus) of
+    packed rows; shapes equal `input_ids`'s.
 
     `input_ids`/`position_ids`: (T,) for one row or (B, T) for B rows of equal length (pad a short
     row with an extra padding "sample" whose positions also restart at 0), on any device (they are
@@ -151,12 +153,12 @@ def packed_logprobs(
     # Position t−1 predicts token t; at a sample's first token that "prediction" comes from the
     # previous sample and is discarded below.
     targets = ids[:, 1:]
-    with _head_returns_logprobs(model, targets, temperature, chunk_tokens) as result:
+    with _head_returns_logprobs(model, targets, temperature, chunk_tokens, entropy_grad) as result:
         logits = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits
     if result:
         next_lp, next_entropy = result
     else:  # a head this path cannot take over (bias, soft-capping): the whole row's logits
-        next_lp, next_entropy = _logprobs_from_logits(logits, targets, temperature)
+        next_lp, next_entropy = _logprobs_from_logits(logits, targets, temperature, entropy_grad)
     zero = torch.zeros_like(next_lp[:, :1])
     logprobs = torch.where(starts, 0.0, torch.cat([zero, next_lp], dim=1))
     entropy = torch.where(starts, 0.0, torch.cat([zero.detach(), next_entropy], dim=1))
@@ -207,7 +209,7 @@ def _check_head_output_is_the_logits(model, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tokens: int):
+def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tokens: int, entropy_grad: bool = False):
     """While active, the model's LM head computes next-token log-probs and entropies from its input
     hidden states (chunked) instead of the logits, and puts them in the yielded list.
 
@@ -231,9 +233,9 @@ def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tok
         return
 
     def forward(hidden: Tensor) -> Tensor:
-        lp, entropy = next_token_logprobs(
-            hidden[:, :-1], head.weight, targets, temperature, chunk_tokens, getattr(model, "gyre_compile", False)
-        )
+        compiled = getattr(model, "gyre_compile", False)
+        lp, entropy = next_token_logprobs(hidden[:, :-1], head.weight, targets, temperature, chunk_tokens, compiled,
+                                          entropy_grad)  # fmt: skip
         result.extend((lp, entropy))
         return hidden  # "logits" nobody reads
 
@@ -244,10 +246,13 @@ def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tok
         del head.forward
 
 
-def _logprobs_from_logits(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+def _logprobs_from_logits(
+    logits: Tensor, targets: Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor]:
     scaled = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     log_norm = torch.logsumexp(scaled, dim=-1)
     next_lp = scaled.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - log_norm
-    with torch.no_grad():
+    # without a gradient unless asked: autograd would keep the softmax, a [T, vocab] float buffer, for it
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         next_entropy = log_norm - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
     return next_lp, next_entropy

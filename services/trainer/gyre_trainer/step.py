@@ -3,7 +3,7 @@
     result = train_step(model, optimizer, scheduler, batch, loss_cfg=cfg.loss,
                         micro_batch_size=cfg.data.micro_batch_size, max_grad_norm=cfg.optim.max_grad_norm,
                         rank=rank, world_size=world_size)
-    result.metrics  # loss, entropy, mismatch_kl, clip_frac|masked_frac, grad_norm, lr, num_tokens, ...
+    result.metrics  # loss, entropy, mismatch_kl, ratio_*, clip_frac|masked_frac, grad_norm, lr, num_tokens, ...
 
 Gradient invariant: after `compute_gradients` on every rank, the parameters' gradient is the
 gradient of the FULL batch loss (normalised by the batch's global counts), whatever the number of
@@ -202,8 +202,9 @@ def compute_gradients(
         packed = pack_rows(group, device)
         mask = packed.loss_mask
         logprobs, entropy = packed_logprobs(
-            model, packed.input_ids, packed.position_ids, packed.row_lengths, temperature
-        )
+            model, packed.input_ids, packed.position_ids, packed.row_lengths, temperature,
+            entropy_grad=loss_cfg.entropy_coeff > 0,
+        )  # fmt: skip
         logprobs, entropy = logprobs.reshape(-1), entropy.reshape(-1)
         ref_logprobs = None
         if ref_model is not None:
@@ -222,6 +223,7 @@ def compute_gradients(
             ref_logprobs=ref_logprobs,
             teacher_logprobs=packed.teacher_logprobs,
             teacher_mask=packed.teacher_mask,
+            entropy=entropy,
         )
         share = aggregate(out.per_token_loss, mask, packed.sample_lengths, loss_cfg.aggregation, **norms)
         _sync_gradients(model, index == len(groups) - 1)

@@ -36,8 +36,9 @@ def test_fsdp2_two_ranks_match_single_process(tiny_model, redis_url, unique_run_
     sharded_run, single_run = unique_run_id + "-fsdp", unique_run_id + "-single"
     push_batches(BatchStream(redis_url, sharded_run), (1, 2), ranks=2, rows_per_rank=1, num_samples=6)
     push_batches(BatchStream(redis_url, single_run), (1, 2), ranks=1, rows_per_rank=2, num_samples=6)
-    # ckpt.interval=1 also exercises the sharded DCP checkpoint (one shard file per rank)
-    opts = {"ckpt.interval": 1, "data.micro-batch-size": 1}
+    # ckpt.interval=1 also exercises the sharded DCP checkpoint (one shard file per rank); the entropy bonus its
+    # gradient through the chunked log-prob kernel on sharded parameters
+    opts = {"ckpt.interval": 1, "data.micro-batch-size": 1, "loss.entropy-coeff": 0.01}
 
     log = tmp_path / "torchrun.log"
     rc = torchrun(trainer_args(tiny_model, tmp_path / "fsdp", redis_url, sharded_run, 2, **opts), log)

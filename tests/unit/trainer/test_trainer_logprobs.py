@@ -109,3 +109,70 @@ def test_compiled_kernels_equal_the_eager_ones_on_gpu():
         hidden.grad = weight.grad = None
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_entropy_gradient_equals_autograd_on_the_whole_logits(chunk, temperature):
+    """With entropy_grad the entropies carry dH/dlogits = −p·(log p + H)/T: a loss on both outputs has the
+    gradient autograd gives on the full logits (the entropy bonus, loss.entropy_coeff)."""
+    hidden, weight, targets = inputs()
+    gen = torch.Generator().manual_seed(2)
+    up_lp, up_h = (torch.randn(len(targets), dtype=torch.float64, generator=gen) for _ in range(2))
+    lp, entropy = next_token_logprobs(hidden, weight, targets, temperature, chunk, entropy_grad=True)
+    assert entropy.requires_grad
+    ((lp * up_lp).sum() + (entropy * up_h).sum()).backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_lp, ref_entropy = reference(hidden, weight, targets, temperature)
+    ((ref_lp * up_lp).sum() + (ref_entropy * up_h).sum()).backward()
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-10, atol=1e-12)
+
+    hidden.grad = weight.grad = None  # the entropy alone in the loss (no log-prob term)
+    _, entropy = next_token_logprobs(hidden, weight, targets, temperature, chunk, entropy_grad=True)
+    (entropy * up_h).sum().backward()
+    alone = hidden.grad.clone()
+    hidden.grad = weight.grad = None
+    (reference(hidden, weight, targets, temperature)[1] * up_h).sum().backward()
+    torch.testing.assert_close(alone, hidden.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_the_fused_kernels_entropy_gradient_equals_the_eager_one():
+    """The torch.compile'd kernel's formula (run here uncompiled, on CPU) agrees with the in-place one."""
+    from gyre_trainer.logprobs import _chunk_logit_grads, _chunk_stats, _fused_chunk_logit_grads
+
+    hidden, weight, targets = inputs(dtype=torch.float32)
+    logits = (hidden @ weight.t()).detach()
+    _, entropies, log_norm = _chunk_stats(logits, targets, 0.7)
+    gen = torch.Generator().manual_seed(3)
+    grad, grad_h = (torch.randn(len(targets), generator=gen) for _ in range(2))
+    eager = _chunk_logit_grads(logits, targets, log_norm, grad, 0.7, entropies, grad_h)
+    fused = _fused_chunk_logit_grads(logits, targets, log_norm, grad, 0.7, entropies, grad_h)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(eager, _chunk_logit_grads(logits, targets, log_norm, grad, 0.7))
+
+
+def test_packed_entropy_gradient_is_the_same_on_the_whole_logits_path(tiny_llama64):
+    """A model whose head the chunked path cannot take over (logits post-processed) gets the entropy's gradient
+    from autograd on its logits; both paths agree."""
+    from gyre_trainer.model import _LOGITS_CHANGED
+
+    rng = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 1000, (20,), generator=rng)
+    lengths = [8, 12]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    grads = []
+    for plain in (False, True):
+        setattr(tiny_llama64, _LOGITS_CHANGED, plain)
+        tiny_llama64.zero_grad(set_to_none=True)
+        _, entropy = packed_logprobs(tiny_llama64, ids, positions, lengths, 0.8, entropy_grad=True)
+        entropy.sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in tiny_llama64.parameters() if p.grad is not None]))
+    delattr(tiny_llama64, _LOGITS_CHANGED)
+    tiny_llama64.zero_grad(set_to_none=True)
+    assert grads[0].norm() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        _, detached = packed_logprobs(tiny_llama64, ids, positions, lengths)
+    assert not detached.requires_grad

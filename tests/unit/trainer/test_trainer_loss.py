@@ -179,6 +179,26 @@ def test_kl_tau_and_reference_k3_regularisers_by_hand():
         assert stats["ref_kl"][t] == pytest.approx(math.exp(d) - d - 1 if MASK[t] else 0.0)
 
 
+def test_entropy_bonus_by_hand():
+    """− entropy_coeff·H_t on every valid loss token, with the entropy's own gradient; nothing elsewhere."""
+    entropy_values = [9.0, 1.5, 0.25, 9.0, 2.0, 0.5, 3.0]
+    inference_lp = list(INFERENCE_LP)
+    inference_lp[5] = 5.0  # an impossible inference log-prob: the token is out of every term, the bonus too
+    lp = torch.tensor(trainer_lp(), dtype=torch.float64, requires_grad=True)
+    entropy = torch.tensor(entropy_values, dtype=torch.float64, requires_grad=True)
+    cfg = LossConfig(type="aipo", entropy_coeff=0.1)
+    args = (lp, torch.tensor(inference_lp, dtype=torch.float64), torch.tensor(ADV, dtype=torch.float64),
+            torch.tensor(MASK), torch.tensor(LENGTHS), cfg)  # fmt: skip
+    out = policy_loss(get_loss("aipo"), *args, entropy=entropy)
+    without = policy_loss(get_loss("aipo"), *args[:-1], LossConfig(type="aipo")).per_token_loss.detach()
+    out.per_token_loss.sum().backward()
+    bonus = (out.per_token_loss.detach() - without).tolist()
+    assert bonus == pytest.approx([0, -0.15, -0.025, 0, -0.2, 0, -0.3], abs=1e-12)
+    assert entropy.grad.tolist() == pytest.approx([0, -0.1, -0.1, 0, -0.1, 0, -0.1], abs=1e-12)
+    with pytest.raises(ValueError, match="entropy_coeff > 0 needs the policy's per-token entropy"):
+        policy_loss(get_loss("aipo"), *args)
+
+
 @pytest.mark.parametrize(("estimator", "gradient_of"), [("k1", None), ("k2", "reverse"), ("k3", "forward")])
 def test_what_each_reference_kl_estimator_pulls_toward_as_a_loss(estimator, gradient_of):
     """The trainer differentiates the estimate at the sampled token, the sampling held fixed (as verl and TRL do):

@@ -232,7 +232,8 @@ def test_a_cap_beyond_float_range_keeps_the_correction_weight_finite(correction,
 @pytest.mark.parametrize(
     ("key", "value"),
     [("delta", float("nan")), ("is_cap", float("nan")), ("eps_high", float("nan")), ("distill", float("inf")),
-     ("reward_weight", float("inf")), ("kl_tau", float("inf")), ("ref_kl_coef", float("inf"))],
+     ("reward_weight", float("inf")), ("kl_tau", float("inf")), ("ref_kl_coef", float("inf")),
+     ("entropy_coeff", float("inf")), ("entropy_coeff", float("nan")), ("entropy_coeff", -0.01)],
 )  # fmt: skip
 def test_nan_settings_and_infinite_weights_are_refused_naming_the_key(key, value):
     """NaN passes every bound check (NaN < 1 is False) and an infinite weight times a masked token's 0 is NaN: either

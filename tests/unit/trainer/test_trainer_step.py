@@ -66,6 +66,8 @@ def assert_same_gradient(got: torch.Tensor, want: torch.Tensor) -> None:
         LossConfig(type="gspo", is_correction="seq_tis", is_cap=2.0, is_cap_low=0.5),
         LossConfig(type="ppo_clip", is_correction="token_mask", is_cap=1.5, is_cap_low=0.7),
         LossConfig(type="cispo", aggregation="seq-mean-token-sum-norm", is_correction="seq_mask", is_cap=2.0),
+        # the entropy bonus: its gradient flows through the chunked log-prob kernel, aggregated like the loss
+        LossConfig(type="ppo_clip", aggregation="seq-mean-token-mean", entropy_coeff=0.05),
     ],
     ids=lambda c: f"{c.type}-{c.aggregation}-{c.is_correction}",
 )
@@ -427,6 +429,28 @@ def test_a_batch_without_signal_skips_the_update_but_counts_as_a_step(tiny_llama
     assert all(torch.equal(s[k], a[k]) for s, a in zip(state, after, strict=True) for k in s)  # moments, step count
     assert scheduler.last_epoch == 2  # the schedule counts the step
     assert all(p.grad is None for p in tiny_llama64.parameters())
+
+
+def test_entropy_bonus_adds_minus_coeff_times_the_gradient_of_the_mean_entropy(tiny_llama64, samples):
+    """loss.entropy_coeff = c adds −c·∇(Σ_t m_t·H_t / N) to the objective's gradient (token-mean: N the batch's loss
+    tokens), H_t the policy's entropy at the token, differentiated through the model."""
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    tiny_llama64.zero_grad(set_to_none=True)
+    for mb in batch.for_rank(0):
+        ids, pos = torch.from_numpy(mb.input_ids).long(), torch.from_numpy(mb.position_ids).long()
+        _, entropy = packed_logprobs(tiny_llama64, ids, pos, mb.sample_lengths, entropy_grad=True)
+        mask = torch.from_numpy(mb.loss_mask)
+        # c inside the loss, as the trainer has it: the model's RMSNorm computes in float32 even for a float64
+        # model, so c·∇f and ∇(c·f) differ by float32 rounding
+        (-0.3 * torch.where(mask, entropy, 0.0).sum() / batch.num_loss_tokens).backward()
+    bonus = flat_grad(tiny_llama64).clone()
+    plain = gradient(tiny_llama64, batch, LossConfig(type="ppo_clip"))
+    assert_same_gradient(gradient(tiny_llama64, batch, LossConfig(type="ppo_clip", entropy_coeff=0.3)), plain + bonus)
+    for sample in samples:  # no advantage: the bonus is the whole gradient
+        sample["advantages"][:] = 0.0
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    assert_same_gradient(gradient(tiny_llama64, batch, LossConfig(type="ppo_clip", entropy_coeff=0.3)), bonus)
+    tiny_llama64.zero_grad(set_to_none=True)
 
 
 def test_importance_ratio_metrics_are_over_the_valid_loss_tokens(tiny_llama64):
