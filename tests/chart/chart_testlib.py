@@ -7,6 +7,8 @@ freshly generated) and `.Capabilities` are Helm's defaults unless `api_versions`
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +215,32 @@ def init_action(container: dict) -> tuple[str, list[str]]:
     assert words[:3] == ["python3", "-c", (CHART / "files" / "init.py").read_text()], words[:2]
     assert words[3] == container["name"], "the records' `service` is the container's name"
     return words[5], words[6:]
+
+
+def init_containers(docs: list[dict]) -> dict[str, dict]:
+    """{workload/container: container} of every init container of a render."""
+    found = {}
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            for c in doc["spec"]["template"]["spec"].get("initContainers", []):
+                found[f"{doc['metadata']['name']}/{c['name']}"] = c
+    return found
+
+
+def init_process(container: dict, docs: list[dict], pod: str, tmp_path, model_dir=None, offline: bool = True):
+    """(argv, environment) of an init container's command (files/init.py) as the kubelet starts it, tini left out:
+    the model folder and caches local, nothing inherited but PATH; `offline`: the hub client never goes out."""
+    words = service_command(container) + container["args"]
+    assert words[:2] == ["python3", "-c"], words
+    words = [sys.executable, *[w.replace("/cache/huggingface", str(tmp_path / "hf")) for w in words[1:]]]
+    env = container_env(container, docs, pod)
+    env = {k: v.replace("/cache", str(tmp_path / "cache")) for k, v in env.items()}
+    env.update(PATH=os.environ["PATH"], HOME=str(tmp_path), HF_HOME=str(tmp_path / "hf"))
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    if "MODEL_DIR" in env:
+        env["MODEL_DIR"] = str(model_dir)
+    return words, env
 
 
 def gyre_argv(container: dict) -> tuple[str, list[str]]:

@@ -8,13 +8,21 @@ level set once apply to every pod, `servers` (which read no experiment file) inc
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
-from chart_testlib import container_env, experiment_toml, gyre_argv, manifests, pod_templates, render, service_command
+from chart_testlib import (
+    container_env,
+    experiment_toml,
+    gyre_argv,
+    init_containers,
+    init_process,
+    manifests,
+    pod_templates,
+    render,
+)
 from gyre.config import load_config
 from gyre.config.inference import InferenceConfig
 from gyre.config.orchestrator import OrchestratorConfig
@@ -77,32 +85,8 @@ HUB = {"experiment": {"model": {"name": "Qwen/Qwen3-0.6B"}}, "modelInit": {"enab
 FIELDS = {"time", "level", "severity", "service", "run_id", "logger", "message"}
 
 
-def init_containers(docs: list[dict]) -> dict[str, dict]:
-    """{workload/container: container} of every init container of a render."""
-    found = {}
-    for doc in docs:
-        if doc["kind"] in ("Deployment", "StatefulSet"):
-            for c in doc["spec"]["template"]["spec"].get("initContainers", []):
-                found[f"{doc['metadata']['name']}/{c['name']}"] = c
-    return found
-
-
-def init_process(container: dict, docs: list[dict], pod: str, tmp_path, model_dir=None) -> tuple[list, dict]:
-    """(argv, environment) of the container's command as the kubelet starts it (tini left out), the model folder
-    and caches local."""
-    words = service_command(container) + container["args"]
-    assert words[:2] == ["python3", "-c"], words
-    words = [sys.executable, *[w.replace("/cache/huggingface", str(tmp_path / "hf")) for w in words[1:]]]
-    env = container_env(container, docs, pod)
-    env = {k: v.replace("/cache", str(tmp_path / "cache")) for k, v in env.items()}
-    env.update(PATH=os.environ["PATH"], HOME=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
-    if "MODEL_DIR" in env:
-        env["MODEL_DIR"] = str(model_dir)
-    return words, env
-
-
 def start_init(container: dict, docs: list[dict], pod: str, tmp_path, model_dir=None) -> subprocess.Popen:
-    words, env = init_process(container, docs, pod, tmp_path, model_dir)
+    words, env = init_process(container, docs, pod, tmp_path, model_dir, offline=True)
     return subprocess.Popen(words, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -126,6 +126,73 @@ def test_a_hub_model_is_fetched_first_and_a_model_that_cannot_fit_stops_with_its
             assert "model-fetch" not in [c["name"] for c in pod["spec"].get("initContainers", [])]
 
 
+MIRROR_ENV = [
+    {"name": "HF_ENDPOINT", "value": "http://hub-mirror.internal"},
+    {"name": "HTTPS_PROXY", "valueFrom": {"secretKeyRef": {"name": "proxy", "key": "url"}}},
+    {"name": "REQUESTS_CA_BUNDLE", "value": "/etc/ca/bundle.pem"},
+]
+CA = {"extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+      "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ca", "readOnly": True}]}  # fmt: skip
+
+
+def test_model_fetch_gets_the_components_env_and_mounts_to_reach_the_hub():
+    """`model-fetch` is the one container that downloads (the services load offline), yet it got none of the
+    component's `env` nor `extraVolumeMounts`: a hub mirror (HF_ENDPOINT), a proxy and its CA bundle reached the
+    main container only, and the fetch went to huggingface.co (or failed behind the proxy)."""
+    servers = [{"name": "judge", "model": "Qwen/Qwen3-0.6B", "env": MIRROR_ENV[:1]}]
+    values = {**HUB, "inference": {"env": MIRROR_ENV, **CA}, "trainer": {"env": MIRROR_ENV, **CA}, "servers": servers}
+    docs = valid(manifests(render(values)))
+    for comp, pod in pod_templates(docs).items():
+        if comp not in ("inference", "trainer", "server-judge"):
+            continue
+        (fetch,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "model-fetch"]
+        env = {e["name"]: e for e in fetch["env"]}
+        for var in main(pod)["env"]:
+            if var["name"] in ("HF_ENDPOINT", "HTTPS_PROXY", "REQUESTS_CA_BUNDLE"):
+                assert env.get(var["name"]) == var, (comp, var)  # the same value, or the same Secret's key
+        assert "HF_ENDPOINT" in env, comp
+        if comp != "server-judge":  # its own env replaces the inference's; no extra volumes of its own
+            assert mounts(fetch)["/etc/ca"] == "ca" and mounts(main(pod))["/etc/ca"] == "ca", comp
+
+
+def test_model_fetch_downloads_from_the_mirror_its_env_names(tmp_path):
+    """The rendered `model-fetch`, run as the kubelet would (files/init.py, its environment), asks the hub mirror
+    that `inference.env` names: a local HTTP server here, which answers 404 for the model (one error, exit 1)."""
+    import http.server
+    import threading
+
+    from chart_testlib import init_process
+
+    asked = []
+
+    class Mirror(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (stdlib API)
+            asked.append(self.path)
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": "Repository not found"}')
+
+        do_HEAD = do_GET  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Mirror)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = [{"name": "HF_ENDPOINT", "value": f"http://127.0.0.1:{server.server_port}"}]
+        docs = manifests(render({**HUB, "inference": {"env": env}}))
+        (fetch,) = [c for c in pod_templates(docs)["inference"]["spec"]["initContainers"] if c["name"] == "model-fetch"]
+        words, environment = init_process(fetch, docs, "pod-0", tmp_path, offline=False)
+        done = subprocess.run(words, env=environment, capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    assert done.returncode == 1, done.stderr
+    assert any(path.startswith("/api/models/Qwen/Qwen3-8B") for path in asked), asked
+    assert "gyre model fetch: error: Qwen/Qwen3-8B" in done.stderr
+
+
 def test_gated_models_read_the_hub_token_from_a_file():
     docs = valid(manifests(render({**HUB, "modelCache": {"size": "20Gi", "tokenSecret": "hf", "tokenKey": "t"}})))
     pod = pod_templates(docs)["inference"]

@@ -420,6 +420,11 @@ plus "model".
     {{- include "gyre.cacheEnv" . | nindent 4 }}
     {{- include "gyre.logEnv" .root | nindent 4 }}
     {{- include "gyre.hubEnv" (dict "root" .root) | nindent 4 }}
+    {{- with .component.env }}
+    # The component's own, as its main container gets them: this container is the one that reaches the hub (a
+    # mirror's HF_ENDPOINT, HTTPS_PROXY / NO_PROXY, a CA bundle's REQUESTS_CA_BUNDLE); the service loads offline.
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   terminationMessagePolicy: FallbackToLogsOnError
   {{- include "gyre.containerSecurityContext" . | nindent 2 }}
   resources:
@@ -433,6 +438,9 @@ plus "model".
       mountPath: /tmp
     - name: model-cache
       mountPath: {{ include "gyre.modelCacheDir" . }}
+    {{- with .component.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end -}}
 
 {{/*
