@@ -98,7 +98,8 @@ class XMLParser(Parser):
 
     `parse(text)` maps each field to the stripped content of its LAST block, or None when absent. A block left
     open at the very end of the text (generation cut by max_tokens) still counts, so partial answers get
-    partial credit rather than none.
+    partial credit rather than none. The answer (`parse_answer`) is `answer_field`: by default the "answer" field,
+    else the last one.
     """
 
     def __init__(
@@ -117,7 +118,9 @@ class XMLParser(Parser):
             if not re.fullmatch(r"[A-Za-z_][\w-]*", name):
                 raise ValueError(f"invalid XML field name {name!r}")
         self.fields = list(fields)
-        self.answer_field = answer_field or self.fields[-1]
+        # verifiers' default is the "answer" field wherever it is declared: the last field by default read
+        # XMLParser(["answer", "explanation"]) answers as its explanation (a ported reward scored them, silently)
+        self.answer_field = answer_field or ("answer" if "answer" in self.fields else self.fields[-1])
         if self.answer_field not in self.fields:
             raise ValueError(f"answer_field {self.answer_field!r} is not one of {self.fields}")
         self._patterns = {

@@ -169,3 +169,12 @@ async def test_a_hub_multi_turn_game_in_verifiers_protocol(sampling):
     # never right: is_completed's max_turns_reached ends it after max_turns (4) model turns
     rollout = await env.rollout(ScriptedClient([low] * 5), task, sampling)
     assert rollout.error is None and rollout.num_turns == 4 and len(rollout.state["guesses"]) == 3
+
+
+def test_the_answer_field_defaults_to_answer_wherever_it_is_declared():
+    """verifiers reads the "answer" field by default; Gyre read the last field, so a ported
+    XMLParser(["answer", "explanation"]) answered with the explanation and every reward compared that."""
+    reply = [{"role": "assistant", "content": "<answer>42</answer><explanation>six sevens</explanation>"}]
+    assert XMLParser(["answer", "explanation"]).parse_answer(reply) == "42"
+    assert XMLParser(["think", "result"]).parse_answer([{"role": "assistant", "content": "<result>7</result>"}]) == "7"
+    assert XMLParser(["answer", "explanation"], answer_field="explanation").parse_answer(reply) == "six sevens"
