@@ -235,7 +235,9 @@ class TaskName(str):
         return self
 
     def __getattr__(self, name: str):  # only names `str` does not have: the Task's fields and `key`
-        if name == "task":  # not set yet (copy/pickle): no recursion into __getattr__
+        # not `task` before it is set (no recursion), nor a protocol name (`__deepcopy__`, `__dataclass_fields__`):
+        # copy, pickle and introspection see a str, never the Task's
+        if name == "task" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.task, name)
 

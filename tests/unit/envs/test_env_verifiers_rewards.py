@@ -6,7 +6,9 @@ The rewards are tests/verifiers_envs/vf_mixed_rewards.py (a mixed-task rubric, a
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,6 @@ async def test_without_a_task_column_the_task_is_default_and_still_reads_as_the_
     assert (seen.answer, seen.info, seen.id, seen.prompt, seen.key) == (task.answer, task.info, task.id, task.prompt,
                                                                         task.key)  # fmt: skip
     assert json.dumps({"task": seen}) == '{"task": "default"}'  # recorded as the name it is
+    # copies and introspection see the name, a str, never the Task's protocol
+    assert type(copy.deepcopy(seen)) is str and copy.deepcopy(seen) == "default" and pickle.loads(pickle.dumps(seen))
+    assert not hasattr(seen, "__dataclass_fields__")
