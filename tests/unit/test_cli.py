@@ -189,7 +189,7 @@ def test_export_help_explains_every_option_without_importing_torch():
     code += "assert 'torch' not in sys.modules, 'torch imported'\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for option in ("RUN_DIR", "@ trainer.toml", "--step N", "--to DIR", "--key value", "lora/"):
+    for option in ("RUN_DIR", "@ trainer.toml", "--run NAME", "--step N", "--to DIR", "--key value", "lora/"):
         assert option in out.stdout, option
 
 
@@ -214,4 +214,43 @@ def test_export_names_the_run_by_its_folder_and_its_saved_trainer_config(tmp_pat
     (tmp_path / "sft-run/configs/sft.toml").write_text("")
     sft = run("export", str(tmp_path / "sft-run"), "--to", str(tmp_path / "hf"))
     assert sft.returncode == 2 and "has no configs/trainer.toml" in sft.stderr and "SFT run" in sft.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_of_a_multi_run_experiment_needs_the_run_and_lists_the_names(tmp_path):
+    # a [[runs]] experiment's trainer config has trainer.runs: the export refused it, whatever was given
+    import json
+
+    from gyre.local.export import export_argv
+
+    folder = tmp_path / "multi"
+    (folder / "configs").mkdir(parents=True)
+    (folder / "runs/alpha").mkdir(parents=True)
+    config = folder / "configs/trainer.toml"
+    # launched from elsewhere (relative folders): each run's folder is read in the experiment's folder given
+    config.write_text(
+        'output_dir = "outputs/multi"\n'
+        '[[runs]]\nname = "alpha"\noutput_dir = "outputs/multi/runs/alpha"\n'
+        '[[runs]]\nname = "beta"\noutput_dir = "outputs/multi/runs/beta"\n[runs.lora]\nrank = 8\n'
+    )
+    argv = export_argv([str(folder), "--run", "beta", "--to", "hf"])
+    assert argv[:4] == ["@", str(config), "--output-dir", str(folder)] and argv[-4:] == ["--run", "beta", "--to", "hf"]
+    runs = json.loads(argv[argv.index("--runs") + 1])
+    assert runs == [{"name": "alpha", "output_dir": str(folder / "runs/alpha")},
+                    {"name": "beta", "output_dir": str(folder / "runs/beta"), "lora": {"rank": 8}}]  # fmt: skip
+    # the run's own folder names the run
+    own = export_argv([str(folder / "runs/alpha"), "--to", "hf"])
+    assert own[:4] == ["@", str(config), "--output-dir", str(folder)] and own[-4:] == ["--to", "hf", "--run", "alpha"]
+
+    for args, said in [
+        ([], "is a multi-run experiment: name the run to export with --run (alpha, beta)"),
+        (["--run", "gamma"], "--run gamma: " + str(folder) + " has no such run (alpha, beta)"),
+    ]:
+        res = run("export", str(folder), *args, "--to", str(tmp_path / "hf"))
+        assert res.returncode == 2 and said in res.stderr, res.stderr
+    res = run("export", str(folder / "runs/alpha"), "--run", "beta", "--to", str(tmp_path / "hf"))
+    assert res.returncode == 2 and "is the folder of run 'alpha'" in res.stderr
+    config.write_text('output_dir = "outputs/single"\n')
+    res = run("export", str(folder), "--run", "alpha", "--to", str(tmp_path / "hf"))
+    assert res.returncode == 2 and "is a single run (no [[runs]]); drop --run" in res.stderr
     assert not (tmp_path / "hf").exists()

@@ -14,8 +14,8 @@ from pathlib import Path
 PROG = "gyre export"
 SAVED_CONFIG = Path("configs") / "trainer.toml"  # what `gyre rl` writes for its trainer (gyre.local.launcher)
 
-HELP = f"""usage: {PROG} RUN_DIR [--step N] --to DIR [--key value ...]
-       {PROG} @ trainer.toml [--step N] --to DIR [--key value ...]
+HELP = f"""usage: {PROG} RUN_DIR [--run NAME] [--step N] --to DIR [--key value ...]
+       {PROG} @ trainer.toml [--run NAME] [--step N] --to DIR [--key value ...]
 
 Write a trainer checkpoint ({{output_dir}}/checkpoints/trainer/step_N) as a Hugging Face model folder that
 transformers and vLLM load: model.safetensors, config.json, the base model's tokenizer and generation files,
@@ -28,6 +28,9 @@ arguments:
                    RUN_DIR/configs/trainer.toml is read, so base model, dtype and LoRA are the run's own
   @ trainer.toml   instead of RUN_DIR: a trainer config (`@ file#table` as for `gyre trainer`), for a run
                    `gyre rl` did not launch
+  --run NAME       a multi-run experiment's ([[runs]]) run to export: its checkpoint (RUN_DIR/runs/NAME) and its
+                   own adapter, merged into the base model; required there (an error lists the names). RUN_DIR
+                   may also be the run's own folder (outputs/multirun/runs/alpha), which names it
   --step N         the checkpoint to export (default: the newest one); a step with no checkpoint is refused
                    with the list of those there are (keep some with trainer.ckpt.interval)
   --to DIR         the folder to write (required); it must not exist: nothing is overwritten
@@ -35,9 +38,8 @@ arguments:
                    export in another dtype); `gyre trainer --help` lists them
   -h, --help       this text
 
-A published version ({{output_dir}}/weights/step_N) is such a folder already; a checkpoint is what a run keeps
-for good (trainer.ckpt.keep_interval) once those are pruned. A multi-run experiment's runs ([[runs]]) are not
-exported by this command (their adapters share one trainer).
+A published version ({{output_dir}}/weights/step_N) is such a folder already (a multi-run run's: the adapter
+alone); a checkpoint is what a run keeps for good (trainer.ckpt.keep_interval) once those are pruned.
 """
 
 
@@ -55,12 +57,52 @@ def export_argv(argv: list[str]) -> list[str]:
     if not run_dir.is_dir():
         raise _fail(f"RUN_DIR {run_dir} is no folder (a `gyre rl` run's output_dir, e.g. outputs/demo)")
     config = run_dir / SAVED_CONFIG
+    experiment = run_dir.parent.parent
+    if not config.is_file() and run_dir.parent.name == "runs" and (experiment / SAVED_CONFIG).is_file():
+        # a multi-run run's own folder ({output_dir}/runs/NAME, where its checkpoints are): the experiment's run NAME
+        named = _option(rest, "--run")
+        if named is not None and named != run_dir.name:
+            raise _fail(f"--run {named}: {run_dir} is the folder of run {run_dir.name!r}; drop --run or name that run")
+        if named is None:
+            rest = [*rest, "--run", run_dir.name]
+        run_dir, config = experiment, experiment / SAVED_CONFIG
     if not config.is_file():
         is_sft = (run_dir / "configs" / "sft.toml").is_file()
         sft = " (it holds an SFT run: its result is an HF folder already, its sft/)" if is_sft else ""
         raise _fail(f"{run_dir} has no {SAVED_CONFIG}, the trainer config `gyre rl` saves in a run's folder{sft}; "
                     "for another run pass its trainer config: gyre export @ trainer.toml --to DIR")  # fmt: skip
-    return ["@", str(config), "--output-dir", str(run_dir), *_rebased_model(config, run_dir), *rest]
+    return ["@", str(config), "--output-dir", str(run_dir), *_rebased_model(config, run_dir),
+            *_runs_in(config, run_dir, _option(rest, "--run")), *rest]  # fmt: skip
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of option `name` (`--run alpha` or `--run=alpha`) in argv, else None."""
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1 :]
+    return None
+
+
+def _runs_in(config: Path, run_dir: Path, run: str | None) -> list[str]:
+    """`--runs` of a multi-run experiment's saved trainer config with each run's folder in `run_dir` (gyre rl's
+    layout, {output_dir}/runs/NAME: the saved folders are where it was launched from, maybe relative to another
+    directory or moved since); a clear error, listing the runs, when `--run` names none of them or is missing."""
+    import json
+    import tomllib
+
+    runs = tomllib.loads(config.read_text()).get("runs") or []
+    if not runs:
+        if run is not None:
+            raise _fail(f"--run {run}: {run_dir} is a single run (no [[runs]]); drop --run")
+        return []
+    names = [entry.get("name") for entry in runs]
+    if run is None or run not in names:
+        what = "is a multi-run experiment: name the run to export with --run" if run is None else "has no such run"
+        example = f"{PROG} {run_dir} --run {names[0]} --to DIR"
+        raise _fail(f"{'' if run is None else f'--run {run}: '}{run_dir} {what} ({', '.join(names)}), e.g. {example}")
+    return ["--runs", json.dumps([{**entry, "output_dir": str(run_dir / "runs" / entry["name"])} for entry in runs])]
 
 
 def _rebased_model(config: Path, run_dir: Path) -> list[str]:

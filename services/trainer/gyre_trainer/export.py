@@ -13,7 +13,8 @@ in PEFT's format). The folder appears complete or not at all; the run's folder i
 trainer is no obstacle (checkpoints are immutable once committed).
 
 Options besides the trainer's own config (the same `@ file#table` and `--key value` arguments as `gyre trainer`):
-`--to DIR` (required; must not exist) and `--step N` (default: the newest checkpoint).
+`--to DIR` (required; must not exist), `--step N` (default: the newest checkpoint) and, for a multi-run trainer
+(`runs`, `runs_dir`), `--run NAME`: the run whose checkpoint (in its own output_dir) and adapter are exported.
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ class ExportError(RuntimeError):
     """The checkpoint cannot be exported as asked (no such step, a target folder that exists, ...)."""
 
 
-def parse(argv: list[str]) -> tuple[Any, int | None, Path]:
+def parse(argv: list[str]) -> tuple[Any, int | None, Path, str | None]:
     from gyre.config import parse_or_exit
     from gyre.config.trainer import TrainerConfig
 
-    own = argparse.ArgumentParser(prog="python -m gyre_trainer.export", add_help=False)
+    # no abbreviations: `--run` must not take the trainer's own `--runs`
+    own = argparse.ArgumentParser(prog="python -m gyre_trainer.export", add_help=False, allow_abbrev=False)
     own.add_argument("--to", type=Path)
     own.add_argument("--step", type=int)
+    own.add_argument("--run")
     known, rest = own.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         print(__doc__)
@@ -47,7 +50,7 @@ def parse(argv: list[str]) -> tuple[Any, int | None, Path]:
     if known.to is None:
         print("python -m gyre_trainer.export: error: --to DIR (the folder to write) is required", file=sys.stderr)
         raise SystemExit(2)
-    return cfg, known.step, known.to
+    return cfg, known.step, known.to, known.run
 
 
 def training_dtype(configured: str, recorded: str | None, saved: set):
@@ -66,8 +69,35 @@ def training_dtype(configured: str, recorded: str | None, saved: set):
     return saved.copy().pop() if len(saved) == 1 else torch.float32
 
 
-def export_checkpoint(cfg, step: int | None, to: Path) -> Path:
-    """Write checkpoint `step` (None: the newest) of the run `cfg` describes as an HF folder at `to`; returns it."""
+def chosen_run(cfg, run: str | None) -> tuple[Path, Any, str]:
+    """(output_dir, lora config, peft adapter name) of the run to export: the trainer's own, or a multi-run trainer's
+    run `run` (its folder, its adapter shape, its adapter's name, which its checkpoint's tensors carry)."""
+    from gyre.config.loader import load_config
+    from gyre.config.trainer import RunConfig
+
+    if not (cfg.runs or cfg.runs_dir):
+        if run is not None:
+            raise ExportError(f"--run {run}: this trainer config has no runs (trainer.runs, runs_dir); drop --run")
+        return Path(cfg.output_dir), cfg.lora, "default"
+    specs = {spec.name: spec for spec in cfg.runs}
+    if cfg.runs_dir is not None and Path(cfg.runs_dir).is_dir():  # runs added as files: {runs_dir}/<name>.toml
+        import tomllib
+
+        for file in sorted(Path(cfg.runs_dir).glob("*.toml")):
+            data = tomllib.loads(file.read_text())
+            specs.setdefault(file.stem, load_config(RunConfig, [], **{"name": file.stem, **data.get("run", data)}))
+    names = ", ".join(specs) or "none"
+    if run is None:
+        raise ExportError(f"a multi-run trainer's runs have checkpoints of their own: name one with --run ({names})")
+    if run not in specs:
+        raise ExportError(f"--run {run}: no such run ({names})")
+    spec = specs[run]
+    return Path(spec.output_dir), spec.lora or cfg.lora, spec.name
+
+
+def export_checkpoint(cfg, step: int | None, to: Path, run: str | None = None) -> Path:
+    """Write checkpoint `step` (None: the newest) of the run `cfg` describes (of a multi-run trainer: of its run
+    `run`) as an HF folder at `to`; returns it."""
     from gyre.fsio import commit_dir, write_file
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
@@ -77,24 +107,22 @@ def export_checkpoint(cfg, step: int | None, to: Path) -> Path:
     from gyre_trainer.model import load_model
     from gyre_trainer.publish import STEP_RECORD, write_hf_folder
 
-    if cfg.runs or cfg.runs_dir:
-        raise ExportError("a multi-run trainer's runs have checkpoints of their own: export one with its own "
-                          "output_dir and trainer.lora (the run's folder), not trainer.runs")  # fmt: skip
+    out, lora, adapter_name = chosen_run(cfg, run)
     to = Path(to)
     if to.exists():
         raise ExportError(f"--to {to} exists: export into a new folder (nothing is overwritten)")
-    checkpoints = CheckpointManager(Path(cfg.output_dir) / "checkpoints" / "trainer", DistContext())
+    checkpoints = CheckpointManager(out / "checkpoints" / "trainer", DistContext())
     available = checkpoints.steps()
     if step is None:
         if not available:
-            weights = Path(cfg.output_dir) / "weights"
+            weights = out / "weights"
             raise ExportError(f"no checkpoint in {checkpoints.root} (set trainer.ckpt.interval to keep some; "
                               f"published versions in {weights} are HF folders already)")  # fmt: skip
         step = available[-1]
     elif step not in available:
         # a run without --ckpt keeps no checkpoint, but its recent versions are published as HF folders: say so
         # (`gyre export outputs/demo --step 120` on the demo read as a failed export, not as "copy weights/step_120")
-        published = Path(cfg.output_dir) / "weights" / f"step_{step}"
+        published = out / "weights" / f"step_{step}"
         also = (f"; {published} is that version published, a Hugging Face folder already: copy it"
                 if (published / "config.json").is_file() else "")  # fmt: skip
         raise ExportError(f"--step {step}: no such checkpoint in {checkpoints.root} (have {available or 'none'}; "
@@ -106,17 +134,17 @@ def export_checkpoint(cfg, step: int | None, to: Path) -> Path:
     dtype = training_dtype(cfg.model.dtype, read_progress(folder, step).get("dtype"), dtypes)
     model = load_model(cfg.model, "cpu", dtype)
     hf_config = model.config
-    if cfg.lora is not None:
+    if lora is not None:
         from gyre_trainer.lora import apply_lora
 
-        model = apply_lora(model, cfg.lora)
+        model = apply_lora(model, lora, adapter_name=adapter_name)
     progress = load_model_state(folder, step, model)
     state = {name: value.detach() for name, value in model.state_dict().items()}
     adapter = None
-    if cfg.lora is not None:
+    if lora is not None:
         from gyre_trainer.lora import adapter_state_dict, merged_state_dict
 
-        adapter, state = adapter_state_dict(state), merged_state_dict(state, cfg.lora)
+        adapter, state = adapter_state_dict(state), merged_state_dict(state, lora)
     tmp = to.parent / f".tmp-{to.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -127,7 +155,7 @@ def export_checkpoint(cfg, step: int | None, to: Path) -> Path:
 
             (tmp / "lora").mkdir()
             save_file(adapter, tmp / "lora" / ADAPTER_FILE, metadata={"format": "pt"})
-            config = adapter_config(cfg.lora, str(cfg.model.name))
+            config = adapter_config(lora, str(cfg.model.name))
             write_file(tmp / "lora" / ADAPTER_CONFIG, json.dumps(config, indent=1, sort_keys=True).encode())
         commit_dir(tmp, to)
     except BaseException:
@@ -142,12 +170,12 @@ def export_checkpoint(cfg, step: int | None, to: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from gyre.logging import setup_logging
 
-    cfg, step, to = parse(sys.argv[1:] if argv is None else list(argv))
+    cfg, step, to, run = parse(sys.argv[1:] if argv is None else list(argv))
     setup_logging(cfg.log.level, None, "export", cfg.log.format, cfg.run_id)
     from gyre_trainer.checkpoint import CheckpointError
 
     try:
-        export_checkpoint(cfg, step, to)
+        export_checkpoint(cfg, step, to, run)
     except (ExportError, CheckpointError, ValueError) as e:  # a wrong step, folder, model or adapter: one line
         log.error("%s", e)
         return 2
