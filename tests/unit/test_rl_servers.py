@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,25 @@ def test_a_mistake_in_a_runs_trainer_table_or_a_servers_args_names_the_key_as_wr
         resolve(tmp_path, "--servers", servers)
     assert str(e.value) == ("config key 'servers.judge.args.engine.max_batch_sise': unknown key "
                             "(did you mean 'servers.judge.args.engine.max_batch_size'?)")  # fmt: skip
+
+
+MIX = '[{"name": "reverse_text"}, {"name": "arithmetic", "label": "math"}]'
+
+
+def test_a_runs_environment_over_a_shared_mix_is_the_runs_own_and_other_tables_name_the_entry(tmp_path):
+    # [orchestrator] a mix, a [[runs]] entry `env = {name = "arithmetic"}`: refused as "config key 'env': is a list of 2
+    # tables ... (--env.0.name ...)", naming neither the entry nor a form it can write
+    runs = [{"name": "alpha"}, {"name": "beta", "orchestrator": {"env": {"name": "arithmetic"}}},
+            {"name": "gamma", "orchestrator": {"env": {"1": {"ratio": 3}}}},
+            {"name": "delta", "orchestrator": {"env": [{"name": "arithmetic", "args": {"max_value": 9}}]}}]  # fmt: skip
+    base = ["--output-dir", str(tmp_path), "--trainer.lora.rank", "4", "--orchestrator.env", MIX]
+    cfg = load_config(RLConfig, [*base, "--runs", json.dumps(runs)])
+    orchestrators = resolve_configs(cfg, "m", "redis://127.0.0.1:1/0").orchestrators
+    assert [(e.key, e.ratio) for e in orchestrators["alpha"].envs] == [("reverse_text", 1.0), ("math", 1.0)]
+    assert not isinstance(orchestrators["beta"].env, list) and orchestrators["beta"].env.name == "arithmetic"
+    assert [(e.key, e.ratio) for e in orchestrators["gamma"].envs] == [("reverse_text", 1.0), ("math", 3.0)]
+    assert [(e.name, e.args) for e in orchestrators["delta"].envs] == [("arithmetic", {"max_value": 9})]
+
+    args_only = [{"name": "alpha"}, {"name": "beta", "orchestrator": {"env": {"args": {"x": 1}}}}]
+    with pytest.raises(ConfigError, match=r"^config key 'runs.1.orchestrator.env': \[orchestrator\] trains a mix of 2"):
+        resolve_configs(load_config(RLConfig, [*base, "--runs", json.dumps(args_only)]), "m", "redis://127.0.0.1:1/0")

@@ -124,7 +124,7 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
 
     orchestrators = {}
     for index, run in enumerate(runs):
-        user = _server_urls(deep_merge(cfg.orchestrator, run.orchestrator), servers)
+        user = _server_urls(_run_orchestrator(cfg.orchestrator, run.orchestrator, index), servers)
         # a rewind needs the orchestrator's progress checkpoint of every step the trainer still has one of; it writes
         # them as it pushes, up to max_async_level + 1 steps ahead of the trainer's
         ahead = int(user.get("max_async_level", OrchestratorConfig.model_fields["max_async_level"].default)) + 1
@@ -168,6 +168,24 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
                 "docs/algorithms.md)"
             )
     return ServiceConfigs(replicas, trainer, orchestrators, servers)
+
+
+def _run_orchestrator(shared: dict[str, Any], own: dict[str, Any], index: int) -> dict[str, Any]:
+    """A [[runs]] entry's orchestrator keys over [orchestrator]. Its `env` table naming an environment (`name`) is the
+    run's own environment, also where [orchestrator] is a mix ([[orchestrator.env]]): that was refused as "config key
+    'env': is a list of 2 tables", naming neither the entry nor a form a [[runs]] entry can write."""
+    env, shared_env = own.get("env"), shared.get("env")
+    if isinstance(env, dict) and isinstance(shared_env, list):
+        if "name" in env:
+            shared = {key: value for key, value in shared.items() if key != "env"}
+        elif not all(key.isdigit() and int(key) < len(shared_env) and isinstance(v, dict) for key, v in env.items()):
+            key = f"runs.{index}.orchestrator.env"
+            raise ConfigError(
+                f"config key '{key}': [orchestrator] trains a mix of {len(shared_env)} environments; give the run its "
+                f"own environment (a table with its name), its own mix ([[runs.orchestrator.env]] entries), or set "
+                f'keys of the shared entries by index (env = {{ "1" = {{ ratio = 3 }} }}), not {sorted(env)} alone'
+            )
+    return deep_merge(shared, own)
 
 
 SERVER_URL = "server:"  # url = "server:<name>" in orchestrator settings: a [[servers]] entry of gyre rl
