@@ -101,14 +101,16 @@ def test_a_long_row_never_holds_its_whole_logits_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_kernels_equal_the_eager_ones_on_gpu():
     hidden, weight, targets = inputs(n=300, hidden_size=64, vocab=5000, dtype=torch.bfloat16, device="cuda")
-    results = []
-    for compiled in (False, True):
-        lp, entropy = next_token_logprobs(hidden, weight, targets, 0.7, chunk=128, compiled=compiled)
-        lp.sum().backward()
-        results.append((lp.detach(), entropy, hidden.grad.float(), weight.grad.float()))
-        hidden.grad = weight.grad = None
-    for eager, compiled in zip(*results, strict=True):
-        torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
+    for entropy_grad in (False, True):  # the entropy bonus's kernel variant too
+        results = []
+        for compiled in (False, True):
+            lp, entropy = next_token_logprobs(hidden, weight, targets, 0.7, chunk=128, compiled=compiled,
+                                              entropy_grad=entropy_grad)  # fmt: skip
+            (lp.sum() + (0.5 * entropy.sum() if entropy_grad else 0.0)).backward()
+            results.append((lp.detach(), entropy.detach(), hidden.grad.float(), weight.grad.float()))
+            hidden.grad = weight.grad = None
+        for eager, compiled in zip(*results, strict=True):
+            torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
