@@ -490,6 +490,9 @@ def step_record(item: IntakeItem, metrics: dict[str, float], seconds: float, mfu
         "num_tokens": int(metrics.get("num_tokens", item.batch.num_tokens)),
         "num_samples": item.batch.num_samples,
         "step_seconds": seconds,
+        # the step's training throughput, all ranks (PRIME-RL's and verl's perf/throughput): what a W&B chart wants,
+        # which cannot divide two logged series
+        "tokens_per_second": int(metrics.get("num_tokens", item.batch.num_tokens)) / seconds if seconds > 0 else 0.0,
         "mfu": mfu,
         "min_version": min(mins) if mins else None,
         "max_version": max(maxs) if maxs else None,
