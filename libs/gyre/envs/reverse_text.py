@@ -48,6 +48,11 @@ class ReverseTextEnv(SingleTurnEnv):
             raise ValueError(f"need 1 <= min_length <= max_length <= 256, got {min_length}, {max_length}")
         if not alphabet or len(set(alphabet)) != len(alphabet):
             raise ValueError("alphabet must be a non-empty string of distinct characters")
+        # The reply is read stripped (Parser): a text starting or ending with whitespace had a reversal no reply
+        # could give, so even the reference reply scored below 1 (0 with `exact`). Its ends are drawn from these.
+        self.edges = "".join(c for c in alphabet if not c.isspace())
+        if not self.edges:
+            raise ValueError(f"alphabet must have a character that is not whitespace, got {alphabet!r}")
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {reward!r}")
         parser = Parser()
@@ -55,7 +60,10 @@ class ReverseTextEnv(SingleTurnEnv):
         self.min_length, self.max_length, self.alphabet = min_length, max_length, alphabet
 
     def make_task(self, rng: random.Random, task_id: str) -> Task:
-        text = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_length, self.max_length)))
+        chars = [rng.choice(self.alphabet) for _ in range(rng.randint(self.min_length, self.max_length))]
+        if self.edges != self.alphabet:  # whitespace only inside (an alphabet without any draws as it always did)
+            chars[0], chars[-1] = rng.choice(self.edges), rng.choice(self.edges)
+        text = "".join(chars)
         return Task(id=task_id, prompt=self.format_prompt(text), answer=text[::-1], info={"text": text})
 
 

@@ -89,12 +89,32 @@ def test_task_generators_respect_their_args():
         assert task.answer == str(a * b * c) and all(10 <= x <= 99 for x in (a, b, c))
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("reward", ["exact", "lcs"])
+async def test_reverse_text_with_spaces_in_its_alphabet_rewards_the_reference_fully(reward):
+    """The reply is read stripped: a text starting or ending with a space (about half of them with alphabet " ab")
+    had a reversal no reply could give, and even the reference reply (the SFT example) scored 0 with `exact`.
+    Whitespace now stays inside the text, where it is kept."""
+    from envs_doubles import ScriptedClient
+    from gyre.envs import SamplingParams
+
+    env = load_environment("reverse_text", alphabet=" ab", reward=reward, min_length=3, max_length=5, num_eval=4)
+    tasks = [env.tasks("train", 0)[i] for i in range(40)]
+    assert any(" " in task.answer for task in tasks)
+    for task in tasks:
+        assert task.answer == task.answer.strip()
+        reference = env.sft_example(task)[-1]["content"]
+        rollout = await env.rollout(ScriptedClient([reference]), task, SamplingParams(max_tokens=16))
+        assert (await env.score(task, rollout)).reward == 1.0, task.answer
+
+
 @pytest.mark.parametrize(
     ("name", "args"),
     [
         ("reverse_text", {"min_length": 0}),
         ("reverse_text", {"min_length": 5, "max_length": 3}),
         ("reverse_text", {"alphabet": "aa"}),
+        ("reverse_text", {"alphabet": " \n"}),  # nothing a stripped reply can start or end with
         ("arithmetic", {"operations": "+^"}),
         ("arithmetic", {"num_steps": 0}),
         ("alphabet_sort", {"max_names": 100}),
