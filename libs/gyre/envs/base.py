@@ -45,6 +45,8 @@ class Environment:
     """Base class. Constructor args shared by every environment:
 
     - `system_prompt`: prepended to every prompt by `format_prompt` (None = no system message).
+    - `message_type` ("chat", the only kind) and `sampling_args` (logged as not applied: sampling is the run's
+      `[orchestrator.sampling]`): verifiers' arguments, accepted so a ported environment loads.
     - `few_shot`: example messages (`{"role", "content"}` dicts, e.g. a user question and the assistant's reply)
       `format_prompt` puts between the system prompt and the question, as verifiers' `few_shot` does.
     - `num_eval`: size of the held-out eval split; `eval_seed`: which held-out set it is.
@@ -76,7 +78,17 @@ class Environment:
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         split_key: str = "split",
+        message_type: str = "chat",
+        sampling_args: dict[str, Any] | None = None,
     ) -> None:
+        if message_type != "chat":  # verifiers' text-completion environments: prompts and replies are plain text
+            raise ValueError(
+                f"message_type={message_type!r}: Gyre environments are chat (messages in, an assistant "
+                "message out); a 'completion' (plain text) environment needs its prompt as a user message"
+            )
+        if sampling_args:  # a ported environment's own sampling (verifiers applies it per request); here the run's
+            log.warning("%s: sampling_args %s are not applied: sampling is the run's [orchestrator.sampling] "
+                        "(temperature, top_p, max_tokens, ...)", type(self).__name__, sampling_args)  # fmt: skip
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if num_eval < 1:

@@ -178,3 +178,19 @@ def test_the_answer_field_defaults_to_answer_wherever_it_is_declared():
     assert XMLParser(["answer", "explanation"]).parse_answer(reply) == "42"
     assert XMLParser(["think", "result"]).parse_answer([{"role": "assistant", "content": "<result>7</result>"}]) == "7"
     assert XMLParser(["answer", "explanation"], answer_field="explanation").parse_answer(reply) == "six sevens"
+
+
+def test_verifiers_message_type_and_sampling_args(caplog):
+    """verifiers' `message_type` and `sampling_args` were TypeErrors at load ("unexpected keyword argument"): a
+    chat environment loads, a text-completion one is refused saying why, and sampling_args are named as not applied
+    (sampling is the run's)."""
+    from gyre.envs import SingleTurnEnv
+
+    rows = [{"question": f"q{i}", "answer": "a"} for i in range(3)]
+    with caplog.at_level("WARNING", logger="gyre.envs.base"):
+        SingleTurnEnv(dataset=rows, num_eval=1, message_type="chat", sampling_args={"temperature": 0.3})
+    assert "sampling_args {'temperature': 0.3} are not applied: sampling is the run's [orchestrator.sampling]" in (
+        caplog.text
+    )
+    with pytest.raises(ValueError, match="message_type='completion': Gyre environments are chat"):
+        SingleTurnEnv(dataset=rows, num_eval=1, message_type="completion")
