@@ -178,9 +178,11 @@ imagePullPolicy: {{ .image.pullPolicy | default "IfNotPresent" }}
 {{- end -}}
 
 {{/*
-nodeSelector / tolerations / affinity of a component: its node pool's, plus its own; and its
-priorityClassName / schedulerName (gang schedulers such as Volcano or Kueue's).
-Call with (dict "root" $ "component" .Values.inference).
+nodeSelector / tolerations / affinity of a component: its node pool's, plus its own; its
+topologySpreadConstraints (with "spread", the workload's selector labels, as the labelSelector of a constraint
+that has none); and its priorityClassName / schedulerName (gang schedulers such as Volcano or Kueue's).
+Call with (dict "root" $ "component" .Values.inference "spread" (dict ...)); without "spread" (the `helm test`
+pod) no spread.
 */}}
 {{- define "gyre.placement" -}}
 {{- $pools := .root.Values.nodePools -}}
@@ -203,6 +205,19 @@ tolerations:
 {{- with $affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .component.topologySpreadConstraints }}
+{{- if $.spread }}
+topologySpreadConstraints:
+  {{- range $constraint := . }}
+  {{- $constraint = deepCopy $constraint }}
+  {{- if not $constraint.labelSelector }}
+  {{- /* no labelSelector of its own: the pods of this workload, which is what a spread is nearly always of */}}
+  {{- $_ := set $constraint "labelSelector" (dict "matchLabels" $.spread) }}
+  {{- end }}
+  - {{ $constraint | toYaml | nindent 4 | trim }}
+  {{- end }}
+{{- end }}
 {{- end }}
 {{- with .component.priorityClassName }}
 priorityClassName: {{ . }}
