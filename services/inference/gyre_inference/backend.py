@@ -84,6 +84,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # vLLM's allowed_token_ids: only these tokens may be sampled (the others' logits are -inf, before the biases, the
+    # penalties and the temperature, as vLLM; a structured output's mask applies on top). None = every token.
+    allowed_token_ids: frozenset[int] | None = None
+    # vLLM's bad_words, tokenized as vLLM does (`bad_word_ids`, each word alone and after a space): the last token of
+    # one may not be sampled right after the others (a one-token word: never). `bad_words` keeps the strings for
+    # backends that tokenize them themselves (vLLM).
+    bad_words: tuple[str, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     # vLLM's request priority: lower is scheduled earlier (admission; preemption takes the highest value first).
     # The orchestrator sends a rollout's RL step, so a backlog of requests never delays an older batch.
     priority: int = 0

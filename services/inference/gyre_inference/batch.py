@@ -39,7 +39,7 @@ from gyre_inference.kv_cache import NULL_BLOCK, BlockPool, OutOfBlocksError
 from gyre_inference.model_runner import LaunchedStep, ModelRunner, Variant
 from gyre_inference.paged_attention import PrefillLayout
 from gyre_inference.prompt_logprobs import prompt_logprobs
-from gyre_inference.sampling import TOP_LOGPROBS, bias_entries, sample, uniforms
+from gyre_inference.sampling import TOP_LOGPROBS, allowed_bitmask, bias_entries, sample, uniforms
 from gyre_inference.step_buffers import (  # the step buffers' rows
     CARRY,
     CONTEXT,
@@ -78,6 +78,8 @@ class Sequence:
     cancelled: bool = False  # set by the asyncio side; the engine drops the row before its next step
     queued: bool = False  # in the engine's waiting queue (waiting_queue.py)
     held: list = field(default_factory=list)  # a final-only sequence's events, handed over when it ends
+    allowed: np.ndarray | None = None  # its allowed_token_ids as bitmask words (made once, at its first step)
+    bias_now: list | None = None  # the sparse biases its row holds (set_bias skips an unchanged row)
 
     @property
     def constraint(self):
@@ -98,7 +100,34 @@ class Sequence:
 
     @property
     def biased(self) -> bool:
-        return bool(self.params.logit_bias) or self.suppressing_stops
+        return bool(self.params.logit_bias) or self.suppressing_stops or bool(self.params.bad_word_ids)
+
+    @property
+    def masked(self) -> bool:
+        """Its row has a token bitmask: a structured output's, or its allowed_token_ids."""
+        return self.constraint is not None or self.params.allowed_token_ids is not None
+
+    @property
+    def watches_words(self) -> bool:
+        """A bad word of several tokens: its biases follow its last tokens, which the host must know each step."""
+        return any(len(word) > 1 for word in self.params.bad_word_ids)
+
+    def bias_entries(self) -> list[tuple[int, float]]:
+        p = self.params
+        return bias_entries(p.logit_bias, p.stop_token_ids, self.suppressing_stops, p.bad_word_ids, self.tokens)
+
+    def fill_mask(self, host: torch.Tensor, words: np.ndarray, row: int, vocab: int) -> None:
+        """Write the tokens it may sample next into row `row` of a bitmask (`host`, and `words` its numpy view): its
+        grammar's, and of those only its allowed_token_ids (both are vLLM's masks, applied together)."""
+        if self.params.allowed_token_ids is not None and self.allowed is None:
+            self.allowed = allowed_bitmask(self.params.allowed_token_ids, vocab)
+        if self.constraint is None:
+            words[row] = self.allowed if self.allowed is not None else -1
+            return
+        words[row] = 0
+        self.constraint.fill_next_token_bitmask(host, row)
+        if self.allowed is not None:
+            words[row] &= self.allowed
 
 
 class Batch:
@@ -236,6 +265,7 @@ class Batch:
         floats[MIN_P, row], ints[TOP_K, row] = p.min_p, p.top_k
         self.seeds[row] = seq.seed
         self.inputs.set_table(row, seq.blocks)
+        seq.bias_now = None
         if seq.biased:
             self.set_bias(seq)
         if seq.penalised:
@@ -243,7 +273,10 @@ class Batch:
 
     def set_bias(self, seq: Sequence) -> bool:
         """Write the row's sparse biases (True: the bias buffers grew, so graphs were dropped)."""
-        entries = bias_entries(seq.params.logit_bias, seq.params.stop_token_ids, seq.suppressing_stops)
+        entries = seq.bias_entries()
+        if entries == seq.bias_now:
+            return False
+        seq.bias_now = entries
         grew = self.inputs.grow_bias(len(entries))
         if grew:
             self.runner.clear_graphs()
@@ -295,7 +328,7 @@ class Batch:
             kwargs.update(top_p=torch.tensor([p.top_p for p in params], device=device),
                           top_k=torch.tensor([p.top_k for p in params], device=device),
                           min_p=torch.tensor([p.min_p for p in params], device=device))  # fmt: skip
-        entries = [bias_entries(s.params.logit_bias, s.params.stop_token_ids, s.suppressing_stops) for s in seqs]
+        entries = [seq.bias_entries() for seq in seqs]
         width = max(map(len, entries))
         if width:
             ids, values = torch.zeros(len(seqs), width, dtype=torch.long), torch.zeros(len(seqs), width)
@@ -303,7 +336,7 @@ class Batch:
                 for column, (token, bias) in enumerate(row_entries):
                     ids[row, column], values[row, column] = token, bias
             kwargs.update(bias_ids=ids.to(device), bias_values=values.to(device))
-        if any(seq.constraint is not None for seq in seqs):
+        if any(seq.masked for seq in seqs):
             kwargs["bitmask"] = self._bitmask(seqs).to(device)
         if any(seq.penalised for seq in seqs):
             kwargs["penalties"] = self.inputs.penalty_rows().select(torch.tensor([seq.row for seq in seqs]))
@@ -312,11 +345,12 @@ class Batch:
         return tuple(t.cpu().numpy() for t in out if t is not None)
 
     def _bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
-        mask = torch.full((len(seqs), (self.runner.vocab + 31) // 32), -1, dtype=torch.int32)
+        vocab = self.runner.vocab
+        mask = torch.full((len(seqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+        words = mask.numpy()
         for row, seq in enumerate(seqs):
-            if seq.constraint is not None:
-                mask[row] = 0
-                seq.constraint.fill_next_token_bitmask(mask, row)
+            if seq.masked:
+                seq.fill_mask(mask, words, row, vocab)
         return mask
 
     # ---- decode ---------------------------------------------------------------------------------
@@ -390,7 +424,7 @@ class Batch:
     def variant(self, live: list[Sequence]) -> Variant:
         return Variant(
             filtered=any(seq.filtered for seq in live),
-            masked=any(seq.constraint is not None for seq in live),
+            masked=any(seq.masked for seq in live),
             top_n=TOP_LOGPROBS if any(seq.params.top_logprobs for seq in live) else 0,
             bias_width=self.inputs.bias_width if any(seq.biased for seq in live) else 0,
             penalised=any(seq.penalised for seq in live),
@@ -403,9 +437,8 @@ class Batch:
         if variant.masked:
             self.inputs.bitmask_np[:rows] = -1
             for seq in step:
-                if seq.constraint is not None:
-                    self.inputs.bitmask_np[seq.row] = 0
-                    seq.constraint.fill_next_token_bitmask(self.inputs.bitmask_host, seq.row)
+                if seq.masked:
+                    seq.fill_mask(self.inputs.bitmask_host, self.inputs.bitmask_np, seq.row, self.runner.vocab)
         self.inputs.floats_np[UNIFORM, :rows] = uniforms(self.seeds[:rows], self.counters[:rows])
         return rows, self.runner.width(int(self.inputs.ints_np[CONTEXT, :rows].max())), variant
 
@@ -428,5 +461,6 @@ class Batch:
             seq.computed += 1
             if seq.computed % self.block_size == 0:
                 self._register_full_blocks(seq, seq.prompt + seq.tokens, seq.computed)
-        if seq.params.min_tokens and len(seq.tokens) == seq.params.min_tokens and seq.row >= 0:
-            self.set_bias(seq)  # the stop ids may be sampled from now on
+        boundary = seq.params.min_tokens and len(seq.tokens) == seq.params.min_tokens  # stop ids allowed from now on
+        if (boundary or seq.watches_words) and seq.row >= 0:  # a bad word's last token is banned after its others
+            self.set_bias(seq)

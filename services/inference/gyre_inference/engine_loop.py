@@ -12,17 +12,17 @@ no new sequence reuses blocks cached under the old weights.
 
 The overlapped loop (`overlap`, on by default on CUDA; vLLM's async scheduling, SGLang's overlap scheduler).
 A synchronous step is host work (inputs, upload), then the device, then host work again (read the tokens,
-finish reasons, events), and the device idles while the host works. In the steady state (no admission,
-no swap, no structured-output row, no min_tokens boundary, blocks for every row's next position) the
-engine instead prepares and launches step n+1 assuming every row advances one position, and only then
-reads step n and hands its tokens over, while step n+1 runs: a row's input token for step n+1 is step
-n's sample, taken on the device (the CARRY flag, model_runner.py), so no host round trip sits between two
-steps. A row whose last token comes from step n by length is left out of step n+1; a row that stops at
-step n (stop token, cancellation) computes step n+1 for nothing, its sample discarded, and its blocks are
-released only once step n+1 has been read (nothing may reuse a block a launched step writes). Anything
-else drains first (read the step in flight, hand its tokens over) and runs the synchronous iteration
-exactly as before: admission and prefill, swaps, constraints, preemption. Sampling is a function of each
-row's seed and token index and never of the loop, so both loops give the same tokens (tested).
+finish reasons, events), and the device idles while the host works. In the steady state (no admission, no
+swap, no structured-output row, no min_tokens boundary, no bad word of several tokens, blocks for every
+row's next position) the engine instead prepares and launches step n+1 assuming every row advances one
+position, and only then reads step n and hands its tokens over, while step n+1 runs: a row's input token for
+step n+1 is step n's sample, taken on the device (the CARRY flag, model_runner.py), so no host round trip
+sits between two steps. A row whose last token comes from step n by length is left out of step n+1; a row
+that stops at step n (stop token, cancellation) computes step n+1 for nothing, its sample discarded, and its
+blocks are released only once step n+1 has been read (nothing may reuse a block a launched step writes).
+Anything else drains first (read the step in flight, hand its tokens over) and runs the synchronous
+iteration exactly as before: admission and prefill, swaps, constraints, preemption. Sampling is a function
+of each row's seed and token index and never of the loop, so both loops give the same tokens (tested).
 """
 
 from __future__ import annotations
@@ -275,6 +275,8 @@ class EngineLoop:
             if seq.constraint is not None:  # its bitmask follows its matcher, which must see every token first
                 return False
             if seq.penalised:  # its token counts are the host's: the step's sample must be counted before the next
+                return False
+            if seq.watches_words:  # a bad word's ban follows the row's last tokens, the one in flight too
                 return False
             min_tokens = seq.params.min_tokens
             if min_tokens and seq in flying and len(seq.tokens) + 1 == min_tokens:  # its biases change with it

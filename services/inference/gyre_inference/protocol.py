@@ -23,6 +23,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256  # prompts in one completions request (each gets n choices)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_BAD_WORDS = 128  # entries of bad_words (each is a sparse bias entry of its row, or two)
 
 
 # vLLM request fields this server refuses, with the reason the 400 gives (docs/inference.md, "Compatibility").
@@ -51,9 +52,7 @@ UNSUPPORTED_FIELDS = {
     # vLLM request fields whose default a client spelling out vLLM's request sends (accepted at it only)
     "length_penalty": "it weighs beams, and there is no beam search",
     "spaces_between_special_tokens": "special tokens are always left out of the text",
-    "bad_words": "the sampler has no banned words (logit_bias -100 bans a token)",
     "include_reasoning": "no reasoning parser runs: reasoning stays in the content",
-    "allowed_token_ids": "the sampler has no token allow-list (use structured_outputs or logit_bias)",
     "logits_processors": "no custom logits processors run here",
     "mm_processor_kwargs": "the served model takes text only",
     "documents": "documents are not passed to the chat template (put them in the messages)",
@@ -66,7 +65,7 @@ UNSUPPORTED_FIELDS = {
 
 
 _NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
-            "bad_words": ([],), "include_reasoning": (True,), "skip_special_tokens": (True,)}  # fmt: skip
+            "include_reasoning": (True,), "skip_special_tokens": (True,)}  # fmt: skip
 UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out of the text"
 
 
@@ -77,6 +76,13 @@ MinP = Annotated[float, Field(ge=0, le=1)]
 # vLLM's (and OpenAI's) penalty ranges: presence and frequency in [-2, 2], repetition > 0 (1 = off)
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=100)]
+# vLLM's allowed_token_ids and bad_words (ids beyond the vocabulary are a 400, checked where it is known)
+AllowedTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+ALLOWED_HELP = "vLLM extension: only these token ids may be sampled (the others' logits are -inf); never empty."
+BAD_WORDS_HELP = (
+    "vLLM extension: words the output may not contain: each word's last token cannot be sampled right after its "
+    "other tokens (tokenized alone and after a space, as vLLM)."
+)
 PRESENCE_HELP = "Subtracted from the logit of every token the output already holds (0 = off; vLLM's semantics)."
 FREQUENCY_HELP = "Times a token's count in the output so far, subtracted from its logit (0 = off)."
 REPETITION_HELP = (
@@ -257,9 +263,11 @@ class SamplingRequest(StrictModel):
     # spelling them out, were a 400 "Extra inputs are not permitted"); anything else is refused saying why.
     length_penalty: float | None = Field(None, description="vLLM extension (beam search); only 1.")
     spaces_between_special_tokens: bool | None = Field(None, description="vLLM extension; only true.")
-    bad_words: list[str] | None = Field(None, description="vLLM extension; only [].")
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description=BAD_WORDS_HELP
+    )
+    allowed_token_ids: AllowedTokenIds | None = Field(None, description=ALLOWED_HELP)
     truncate_prompt_tokens: None = Field(None, description="Only null: a prompt too long is a 400, never cut.")
-    allowed_token_ids: None = Field(None, description="Only null: no token allow-list.")
     logits_processors: None = Field(None, description="Only null: no custom logits processors.")
     mm_processor_kwargs: None = Field(None, description="Only null: text only.")
     structural_tag: None = Field(None, description="Only null: structural tags are not supported.")
@@ -281,7 +289,7 @@ class SamplingRequest(StrictModel):
     guided_whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
 
     _neutral_only = field_validator("use_beam_search", "skip_special_tokens", "length_penalty",
-                                    "spaces_between_special_tokens", "bad_words")(neutral_only)  # fmt: skip
+                                    "spaces_between_special_tokens")(neutral_only)  # fmt: skip
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

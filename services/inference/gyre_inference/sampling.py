@@ -2,8 +2,9 @@
 
 `sample` is a fixed sequence of tensor ops with no data-dependent shapes and no host synchronisation, so
 the torch engine captures it in a CUDA graph together with the model's decode step (model_runner.py).
-Per row it applies, in this order: the structured-output token bitmask (disallowed tokens at -inf), the
-sparse biases (`logit_bias`, and -inf on the stop ids before `min_tokens`), the penalties (`Penalties`:
+Per row it applies, in this order: the token bitmask (disallowed tokens at -inf: a structured output's, and
+`allowed_token_ids`), the sparse biases (`logit_bias`, -inf on the stop ids before `min_tokens` and on the last
+token of a `bad_words` entry whose other tokens the row just generated), the penalties (`Penalties`:
 vLLM's repetition, frequency and presence penalties), the temperature; the reported log-probs are
 `log_softmax` of that (T = 1 for greedy rows, those with T < 1e-5 as in vLLM). Then,
 for the draw only: top-k, top-p (nucleus) and min-p, and one inverse-CDF draw with the row's uniform. The
@@ -147,9 +148,25 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.where(picked > 0, index, weights.argmax(dim=-1, keepdim=True))[:, 0]
 
 
-def bias_entries(logit_bias, stop_ids, suppress_stops: bool) -> list[tuple[int, float]]:
-    """A row's sparse biases: its `logit_bias`, and -inf on its stop ids while `min_tokens` holds them back."""
+def bias_entries(logit_bias, stop_ids, suppress_stops: bool, bad_words=(), output=()) -> list[tuple[int, float]]:
+    """A row's sparse biases: its `logit_bias`, -inf on its stop ids while `min_tokens` holds them back, and vLLM's
+    `bad_words` (token sequences): -inf on a word's last token when the row's `output` ends with the word's other
+    tokens (a one-token word: always). A word of several tokens that does not apply keeps its entry as (0, 0.0), which
+    adds nothing: the row's width stays the same at every step, so the buffers never grow (and graphs are never
+    recaptured) as the output goes on."""
     entries = list(logit_bias)
     if suppress_stops:
         entries += [(token, float("-inf")) for token in sorted(stop_ids)]
+    for word in bad_words:
+        prefix = word[:-1]
+        ends_with = not prefix or (len(output) >= len(prefix) and tuple(output[-len(prefix) :]) == prefix)
+        entries.append((word[-1], float("-inf")) if ends_with else (0, 0.0))
     return entries
+
+
+def allowed_bitmask(token_ids, vocab: int) -> np.ndarray:
+    """`allowed_token_ids` as one row of a token bitmask: int32 words, bit j of word i = token 32 i + j allowed."""
+    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    ids = np.fromiter(token_ids, dtype=np.int64)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)

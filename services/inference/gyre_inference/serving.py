@@ -199,6 +199,10 @@ class Serving:
             raise APIError(400, f"logit_bias: token id {bad[0]} is out of vocabulary (vocabulary size "
                                 f"{self.text.vocab_size})", param="logit_bias")  # fmt: skip
         top_k = checked_top_k(request.top_k, self.text.vocab_size, "top_k")
+        allowed = request.allowed_token_ids
+        allowed = None if allowed is None else frozenset(self.text.check_ids(allowed, "allowed_token_ids"))
+        bad_words = tuple(request.bad_words or ())
+        bad_word_ids = self.text.bad_word_ids(list(bad_words))
         if isinstance(request, ChatCompletionRequest):
             top, prompt_top = ((request.top_logprobs or 0) if request.logprobs else 0), None
         else:
@@ -229,6 +233,9 @@ class Serving:
                     repetition_penalty=request.repetition_penalty or 1.0,
                     presence_penalty=request.presence_penalty or 0.0,
                     frequency_penalty=request.frequency_penalty or 0.0,
+                    allowed_token_ids=allowed,
+                    bad_words=bad_words,
+                    bad_word_ids=bad_word_ids,
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",

@@ -118,6 +118,21 @@ class ModelText:
                            param=param)  # fmt: skip
         return ids
 
+    def bad_word_ids(self, words: list[str], param: str = "bad_words") -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of `bad_words`: each word (leading spaces stripped) alone, and after a space too when
+        that spelling starts with another token and has as many (the word inside a text: " word" is one token
+        where "word" is another), so that both are banned."""
+        token_ids = []
+        for i, word in enumerate(words):
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not alone:
+                raise APIError(400, f"{param}.{i}: {word!r} has no token (only spaces)", param=param)
+            token_ids.append(tuple(alone))
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                token_ids.append(tuple(spaced))
+        return tuple(token_ids)
+
     def decode(self, ids: list[int]) -> str:
         """Generated text: special tokens left out (vLLM's skip_special_tokens default for outputs)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -41,11 +41,15 @@ from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import (
+    ALLOWED_HELP,
+    BAD_WORDS_HELP,
     FREQUENCY_HELP,
+    MAX_BAD_WORDS,
     MAX_N,
     MAX_TOP_LOGPROBS,
     PRESENCE_HELP,
     REPETITION_HELP,
+    AllowedTokenIds,
     MinP,
     Penalty,
     RepetitionPenalty,
@@ -97,6 +101,10 @@ class GenerateSamplingParams(StrictModel):
     repetition_penalty: RepetitionPenalty | None = Field(None, description=REPETITION_HELP)
     presence_penalty: Penalty = Field(0.0, description=PRESENCE_HELP)
     frequency_penalty: Penalty = Field(0.0, description=FREQUENCY_HELP)
+    allowed_token_ids: AllowedTokenIds | None = Field(None, description=ALLOWED_HELP)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description=BAD_WORDS_HELP
+    )
 
     @model_validator(mode="after")
     def _min_tokens_fit(self):
@@ -171,6 +179,11 @@ def add_generate_route(app: FastAPI, state) -> None:
         stops = set(state.text.check_ids(sp.stop_token_ids or [], "sampling_params.stop_token_ids"))
         stops |= set() if sp.ignore_eos else set(state.text.eos_token_ids)
         top_k = checked_top_k(sp.top_k, state.text.vocab_size, "sampling_params.top_k")
+        allowed = sp.allowed_token_ids
+        if allowed is not None:
+            allowed = frozenset(state.text.check_ids(allowed, "sampling_params.allowed_token_ids"))
+        bad_words = tuple(sp.bad_words or ())
+        bad_word_ids = state.text.bad_word_ids(list(bad_words), "sampling_params.bad_words")
         params = [
             SamplingParams(
                 max_tokens=max_tokens,
@@ -188,6 +201,9 @@ def add_generate_route(app: FastAPI, state) -> None:
                 repetition_penalty=sp.repetition_penalty or 1.0,
                 presence_penalty=sp.presence_penalty,
                 frequency_penalty=sp.frequency_penalty,
+                allowed_token_ids=allowed,
+                bad_words=bad_words,
+                bad_word_ids=bad_word_ids,
             )
             for i in range(sp.n)
         ]

@@ -285,6 +285,8 @@ class VLLMBackend(Backend):
             logit_bias=dict(params.logit_bias) or None, prompt_logprobs=params.prompt_logprobs,
             repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
+            allowed_token_ids=None if params.allowed_token_ids is None else sorted(params.allowed_token_ids),
+            bad_words=list(params.bad_words) or None,
             structured_outputs=None if params.guide is None else StructuredOutputsParams(
                 **structured_outputs(params.guide)),
         )  # fmt: skip

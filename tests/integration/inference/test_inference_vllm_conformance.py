@@ -140,6 +140,72 @@ def test_logit_bias_outside_the_vocabulary_is_400_naming_it(client, model_id, ht
         assert response.status_code == 400 and response.json()["error"]["param"].startswith("logit_bias")
 
 
+def test_allowed_token_ids_limit_what_is_sampled(client, http, model_id, server):
+    allowed = sorted(set(http.post("/tokenize", json={"prompt": " the cat sat on a mat"}).json()["tokens"]))
+    ask = {"max_tokens": 10, "seed": 1, "extra_body": {"allowed_token_ids": allowed, "return_token_ids": True}}
+    chat = client.chat.completions.create(model=model_id, messages=STORY, logprobs=True, **ask)
+    completion = client.completions.create(model=model_id, prompt=PROMPT, n=2, **ask)
+    generated = httpx.post(
+        f"{server.url}/inference/v1/generate",
+        timeout=60,
+        json={
+            "model": model_id,
+            "token_ids": [5, 6, 7],
+            "sampling_params": {"max_tokens": 10, "allowed_token_ids": allowed},
+        },
+    )
+    choices = [*chat.choices, *completion.choices]
+    outputs = [extra(choice)["token_ids"] for choice in choices] + [generated.json()["choices"][0]["token_ids"]]
+    for tokens in outputs:  # the end-of-turn token is not allowed either: every choice runs to its length
+        assert len(tokens) == 10 and set(tokens) <= set(allowed), tokens
+    assert len({tuple(tokens) for tokens in outputs}) > 1  # sampled, not one forced token
+
+
+def test_bad_words_are_never_written(client, http, model_id, server):
+    ask = dict(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0.0,
+               extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    plain = extra(client.completions.create(**ask).choices[0])["token_ids"]
+
+    def alone(token: int) -> str | None:  # the token's text, when that text tokenizes back to the token alone
+        text = http.post("/detokenize", json={"tokens": [token]}).json()["prompt"]
+        ok = text.strip() and http.post("/tokenize", json={"prompt": text.lstrip(), "add_special_tokens": False}
+                                        ).json()["tokens"] == [token]  # fmt: skip
+        return text if ok else None
+
+    at, word = next((i, alone(t)) for i, t in enumerate(plain) if alone(t))
+    for extra_body in ({"bad_words": [word]}, {"bad_words": ["  " + word.lstrip()]}):  # leading spaces: the same
+        banned = extra(client.completions.create(**ask | {"extra_body": ask["extra_body"] | extra_body}).choices[0])
+        assert banned["token_ids"][:at] == plain[:at] and plain[at] not in banned["token_ids"], (word, plain)
+    generated = httpx.post(
+        f"{server.url}/inference/v1/generate",
+        timeout=60,
+        json={
+            "model": model_id,
+            "token_ids": extra(client.completions.create(**ask))["prompt_token_ids"],
+            "sampling_params": {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "bad_words": [word]},
+        },
+    )
+    assert generated.json()["choices"][0]["token_ids"] == banned["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [("allowed_token_ids", [], None), ("allowed_token_ids", [3, 1025], "1025 is out of vocabulary"),
+     ("allowed_token_ids", [-1], None), ("bad_words", ["   "], "only spaces"), ("bad_words", [""], None),
+     ("bad_words", "word", None)],
+)  # fmt: skip
+def test_bad_allowed_token_ids_and_bad_words_are_400_naming_them(http, model_id, field, value, words):
+    for route, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value}),
+                        ("/v1/chat/completions", {"messages": STORY, "max_tokens": 2, field: value}),
+                        ("/inference/v1/generate", {"token_ids": [5, 6],
+                                                    "sampling_params": {"max_tokens": 2, field: value}})):  # fmt: skip
+        response = http.post(route, json={"model": model_id, **body})
+        error = response.json()["error"]
+        param = f"sampling_params.{field}" if "sampling_params" in body else field
+        assert response.status_code == 400 and error["param"].startswith(param), (route, error)
+        assert words is None or words in error["message"], (route, error)
+
+
 def test_min_tokens_above_max_tokens_is_400(http, model_id):
     response = http.post("/v1/completions", json={"model": model_id, "prompt": PROMPT, "max_tokens": 3,
                                                   "min_tokens": 4})  # fmt: skip
@@ -379,8 +445,8 @@ def test_vllm_request_defaults_spelled_out_sample_what_leaving_them_out_does(htt
         plain, spelled = (http.post(route, json=ask | body | extra) for extra in ({}, defaults))
         assert spelled.status_code == 200, spelled.text
         assert spelled.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
-    refused = {"length_penalty": 0.5, "spaces_between_special_tokens": False, "bad_words": ["x"], "cache_salt": "s",
-               "allowed_token_ids": [1], "truncate_prompt_tokens": 4, "best_of": 2, "prompt_logprobs": 1,
+    refused = {"length_penalty": 0.5, "spaces_between_special_tokens": False, "cache_salt": "s",
+               "truncate_prompt_tokens": 4, "best_of": 2, "prompt_logprobs": 1,
                "include_reasoning": False, "chat_template": "{{ x }}", "documents": []}  # fmt: skip
     for field, value in refused.items():
         response = http.post("/v1/chat/completions", json=ask | {"messages": STORY, field: value})

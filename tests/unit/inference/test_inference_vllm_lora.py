@@ -89,9 +89,12 @@ def standin_sampling_params(*, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0
                             stop_token_ids=None,
                             ignore_eos=False, logprobs=None, detokenize=True, output_kind=None, min_tokens=0,
                             logit_bias=None, prompt_logprobs=None, structured_outputs=None, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0):  # fmt: skip
+                            presence_penalty=0.0, frequency_penalty=0.0, allowed_token_ids=None,
+                            bad_words=None):  # fmt: skip
     return SimpleNamespace(
         max_tokens=max_tokens,
+        allowed_token_ids=allowed_token_ids,
+        bad_words=bad_words,
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured_outputs,
         penalties=(repetition_penalty, presence_penalty, frequency_penalty),
@@ -288,6 +291,12 @@ def test_a_request_priority_reaches_vllm_with_priority_scheduling_on(standin_vll
         params = SamplingParams(max_tokens=1, repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=0.7)
         [_ async for _ in backend.generate([1, 2], params)]
         assert engine.last("generate")["sampling_params"].penalties == (1.2, -0.5, 0.7)
+        # allowed_token_ids and bad_words too (vLLM tokenizes the words itself, as ModelText.bad_word_ids mirrors)
+        params = SamplingParams(max_tokens=1, allowed_token_ids=frozenset({9, 3}), bad_words=("a b", "c"),
+                                bad_word_ids=((1, 2), (3,)))  # fmt: skip
+        [_ async for _ in backend.generate([1, 2], params)]
+        sent = engine.last("generate")["sampling_params"]
+        assert sent.allowed_token_ids == [3, 9] and sent.bad_words == ["a b", "c"]
         await backend.shutdown()
 
     run(scenario())
