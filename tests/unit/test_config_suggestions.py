@@ -48,11 +48,19 @@ def error_of(argv: list[str], tmp_path: Path) -> str:
          "config key 'wandb.name': unknown key; PRIME-RL's wandb.name is 'run_id' here (one W&B run per service, named "
          "{run_id}-{service}; wandb.group groups them)"),
         (["--orchestrator.client.base-url", "http://h:8000/v1"],
-         "config key 'orchestrator.client': unknown key; PRIME-RL's client is 'inference.urls' here (client.base_url; "
+         "config key 'orchestrator.client': unknown key; PRIME-RL's client is 'orchestrator.inference.urls' here "
+         "(client.base_url; "
          "the table's other keys are beside it: api_key_file, timeout_s)"),
         (["--client.base-url", "http://h:8000/v1"],
          "config key 'client': unknown key; PRIME-RL's client is 'orchestrator.inference.urls' here (client.base_url; "
          "the table's other keys are beside it: api_key_file, timeout_s)"),
+        # PRIME-RL's rl.toml puts the adapter in the trainer's model table; its rl cleans the output folder
+        (["--trainer.model.lora.rank", "8"],
+         "config key 'trainer.model.lora': unknown key; PRIME-RL's model.lora is 'trainer.lora' here (the trainer's "
+         "LoRA adapter: rank, alpha, dropout, target_modules)"),
+        (["--clean"],
+         "config key 'clean': unknown key; PRIME-RL's clean is 'fresh' here (it deletes the previous run in output_dir "
+         "first; without it the same command continues that run, where PRIME-RL's rl cleaned by default)"),
     ],
 )  # fmt: skip
 def test_a_key_named_or_placed_as_prime_rl_does_is_suggested_where_gyre_has_it(argv, said, tmp_path):

@@ -200,6 +200,7 @@ def under_section(error: ConfigError, section: str) -> ConfigError:
     """`error` of a section's own config (`gyre rl`'s [trainer], sft.args) with every key it names, the
     suggested ones too, written as the larger config's key (`optim.lr` -> `trainer.optim.lr`)."""
     text = str(error).replace("config key '", f"config key '{section}.")
+    text = re.sub(r"(PRIME-RL's [\w.]+ is ')", rf"\g<1>{section}.", text)  # `_prime_rl_key`'s answer
     return ConfigError(text.replace("did you mean '", f"did you mean '{section}."))
 
 
@@ -606,6 +607,12 @@ PRIME_RL_KEYS = {
     "client": ("inference.urls", "client.base_url; the table's other keys are beside it: api_key_file, timeout_s"),
     "client.base_url": ("inference.urls", "the servers' root or /v1 URLs, a list"),
     "client.timeout": ("inference.timeout_s", "one request's timeout"),
+    "model.lora": ("lora", "the trainer's LoRA adapter: rank, alpha, dropout, target_modules"),
+    "clean": (
+        "fresh",
+        "it deletes the previous run in output_dir first; without it the same command continues "
+        "that run, where PRIME-RL's rl cleaned by default",
+    ),
 }
 
 
