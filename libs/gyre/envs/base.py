@@ -106,12 +106,12 @@ class Environment:
         # rows, split and checked as the `dataset` environment's (gyre.envs.dataset); make_task is then not needed.
         # Without it, a multi-turn or tool environment over a file had to draw rows in make_task with replacement,
         # and num_eval (256) past the file's size failed as "the task space is too small".
+        # An eval_dataset alone (a verifiers benchmark environment: AIME, GPQA) is an eval-only environment: `gyre
+        # eval` runs it; training on it is refused when the train split is asked for.
         self.row_tasks = None
-        if dataset is not None:
+        if dataset is not None or eval_dataset is not None:
             self.row_tasks = RowTasks(self, dataset, eval_dataset, prompt_key=prompt_key, answer_key=answer_key,
                                  split_key=split_key)  # fmt: skip
-        elif eval_dataset is not None:
-            raise ValueError("eval_dataset is given without dataset (the train rows)")
 
     # --- tasks -----------------------------------------------------------------------------------------------
 
@@ -121,6 +121,9 @@ class Environment:
 
     def tasks(self, split: Split, seed: int = 0) -> TaskSource:
         if self.row_tasks is not None:
+            if split == "train" and not self.row_tasks.train:
+                raise ValueError(f"{self.name}: it has an eval_dataset only, no train rows: evaluate it (gyre eval), "
+                                 "or give dataset= (the train rows) to train on it")  # fmt: skip
             return listed_tasks(self.row_tasks.train, self.row_tasks.eval, split, seed, self.name)
         if split == "eval":
             eval_tasks = self._eval_tasks

@@ -92,14 +92,15 @@ def lookup(row: dict[str, Any], key: str) -> Any:
 class RowTasks:
     """The tasks of a dataset's rows for an environment (`Environment(dataset=...)`: any kind, multi-turn and tools
     included; `DatasetEnv` is the single-turn one): `train` and `eval` lists, split as the module docstring says.
-    `rows` is a `.jsonl`/`.parquet` path or a list of row dicts (a `datasets.Dataset` iterates as one)."""
+    `rows` is a `.jsonl`/`.parquet` path or a list of row dicts (a `datasets.Dataset` iterates as one); None with
+    `eval_rows` is an eval-only dataset (`train` empty)."""
 
     def __init__(self, env: Any, rows: Any, eval_rows: Any = None, *, prompt_key: str = "prompt",
                  answer_key: str = "answer", split_key: str = "split") -> None:  # fmt: skip
         self.env, self.prompt_key, self.answer_key, self.split_key = env, prompt_key, answer_key, split_key
-        source = _source(rows, "dataset")
+        source = _source(rows, "dataset") if rows is not None else _source(eval_rows, "eval_dataset")
         train, evals = [], []
-        for where, row in _rows(rows, "dataset"):
+        for where, row in _rows(rows, "dataset") if rows is not None else []:
             split = self._split_of(where, row)
             task = self._task(where, row, f"row-{len(train) + len(evals)}")
             (evals if split == "eval" and eval_rows is None else train).append(task)
@@ -121,7 +122,7 @@ class RowTasks:
             log.warning("%s: %d train rows repeat an eval prompt and are left out of training", source,
                         len(train) - len(kept))  # fmt: skip
         train = kept
-        if not train:
+        if not train and rows is not None:
             raise DatasetError(f"{source}: every row is in the eval split; nothing to train on")
         self.train, self.eval = train, evals
 

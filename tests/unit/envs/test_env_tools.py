@@ -295,5 +295,8 @@ def test_a_dataset_given_in_code_and_its_mistakes_name_the_row_and_the_setting(t
         ToolEnv(dataset={"question": "q", "answer": "a"}, tools=[capital])
     with pytest.raises(ValueError, match="eval_dataset row 0: a row is a dict of columns, got str"):
         ToolEnv(dataset=rows, eval_dataset=["q"], prompt_key="question", tools=[capital])
-    with pytest.raises(ValueError, match="eval_dataset is given without dataset"):
-        ToolEnv(eval_dataset=rows, tools=[capital])
+    # an eval_dataset alone is an eval-only environment (a verifiers benchmark): eval runs, training says why not
+    eval_only = ToolEnv(eval_dataset=rows, prompt_key="question", tools=[capital])
+    assert [t.answer for t in eval_only.tasks("eval")] == ["lima", "x"]
+    with pytest.raises(ValueError, match="it has an eval_dataset only, no train rows: evaluate it"):
+        eval_only.tasks("train", 0)
