@@ -31,6 +31,7 @@ class EnvEvalConfig(Section):
     num_examples: int | None = Field(
         None, ge=1, description="Held-out tasks of this entry per eval (default: eval.num_examples)."
     )
+    k: int | None = Field(None, ge=1, description="Samples per task of this entry's eval, pass@k (default: eval.k).")
 
 
 class EnvConfig(Section):
@@ -56,7 +57,7 @@ class EnvConfig(Section):
         "rollouts_per_example); batch_size counts groups, so a step's samples vary with the entries drawn.",
     )
     eval: EnvEvalConfig = Field(
-        default_factory=EnvEvalConfig, description="This entry's evaluation (whether, how many tasks)."
+        default_factory=EnvEvalConfig, description="This entry's evaluation (whether, how many tasks, its k)."
     )
 
     @property
@@ -285,7 +286,12 @@ class OrchestratorConfig(ServiceConfig):
         description="Environment: one table [env], or a mix of several trained as one policy, [[env]] entries "
         "with their ratio (and a label to tell apart two of the same name).",
     )
-    batch_size: int = Field(8, ge=1, description="Tasks per step.")
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="Tasks (groups) per step, each of rollouts_per_example samples. PRIME-RL's batch_size counts "
+        "samples: its batch_size = 128 with rollouts_per_example = 16 is batch_size = 8 here.",
+    )
     rollouts_per_example: int = Field(
         8, ge=1, description="Samples per task (the advantage group); a mix's entry may set its own."
     )

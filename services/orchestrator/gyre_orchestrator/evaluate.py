@@ -97,7 +97,8 @@ def mix_record(results: dict[str, EvalResult], shares: dict[str, float], step: i
         "env": ",".join(results),
         "avg_at_k": weighted("avg_at_k"),
         "pass_at_k": weighted("pass_at_k"),
-        "k": parts[0].k,
+        # entries evaluated with different k (an entry's own eval.k): no one k for the weighted pass@k
+        "k": parts[0].k if len({r.k for r in parts}) == 1 else None,
         "num_examples": sum(r.num_examples for r in parts),
         "min_version": min(r.min_version for r in parts),
         "max_version": max(r.max_version for r in parts),
@@ -112,12 +113,12 @@ def mix_record(results: dict[str, EvalResult], shares: dict[str, float], step: i
 
 
 async def evaluate_envs(
-    envs: dict[str, Environment], client: ModelClient, *, num_examples: int | dict[str, int], **kwargs
+    envs: dict[str, Environment], client: ModelClient, plan: dict[str, EntryEval], **kwargs
 ) -> dict[str, EvalResult]:
-    """`evaluate` of each environment (label -> its result), side by side; the first failure fails them all.
-    `num_examples`: for all, or per label (`eval_plan`)."""
-    counts = num_examples if isinstance(num_examples, dict) else dict.fromkeys(envs, num_examples)
-    runs = {label: asyncio.ensure_future(evaluate(env, client, env_name=label, num_examples=counts[label], **kwargs))
+    """`evaluate` of each environment (label -> its result) as `plan` says (`eval_plan`), side by side; the first
+    failure fails them all."""
+    runs = {label: asyncio.ensure_future(evaluate(env, client, env_name=label, num_examples=plan[label].num_examples,
+                                                  k=plan[label].k, **kwargs))
             for label, env in envs.items()}  # fmt: skip
     try:
         await asyncio.gather(*runs.values())
@@ -137,16 +138,26 @@ def mix_shares(cfg) -> dict[str, float]:
     return {entry.key: entry.ratio / total for entry in evaluated}
 
 
-def eval_plan(cfg) -> dict[str, tuple[int, str]]:
-    """Label -> (held-out tasks per eval, the key that set it) of each entry evaluated (`eval.enabled`, PRIME-RL's
-    per-environment eval settings): its own `eval.num_examples`, else the orchestrator's."""
+@dataclass(frozen=True)
+class EntryEval:
+    """How one entry is evaluated: its tasks per eval (and the key that set them, for errors) and samples per task."""
+
+    num_examples: int
+    key: str
+    k: int
+
+
+def eval_plan(cfg) -> dict[str, EntryEval]:
+    """Label -> `EntryEval` of each entry evaluated (`eval.enabled`), PRIME-RL's per-environment eval settings: its
+    own `eval.num_examples` and `eval.k`, else the orchestrator's."""
     plan = {}
     for i, entry in enumerate(cfg.envs):
         if entry.eval.enabled:
             own = entry.eval.num_examples is not None
             key = f"{'env' if not isinstance(cfg.env, list) else f'env.{i}'}.eval.num_examples" if own else (
                 "eval.num_examples")  # fmt: skip
-            plan[entry.key] = (entry.eval.num_examples if own else cfg.eval.num_examples, key)
+            plan[entry.key] = EntryEval(entry.eval.num_examples if own else cfg.eval.num_examples, key,
+                                        entry.eval.k or cfg.eval.k)  # fmt: skip
     return plan
 
 
@@ -325,7 +336,7 @@ class TrainingEval:
         self._evaluated: set[int] = set()
         if cfg.eval.interval is not None:  # at start: a split that cannot be drawn failed every eval, logged only
             for label, env in self.envs.items():
-                eval_tasks(env, self.plan[label][0], label, self.plan[label][1])
+                eval_tasks(env, self.plan[label].num_examples, label, self.plan[label].key)
 
     def start(self, versions, *, at_start: bool, done: Iterable[int] = ()) -> None:
         """Evaluate each due version that `versions` (a `VersionWatch`) reaches; with `at_start`, version 0 first.
@@ -371,8 +382,7 @@ class TrainingEval:
                     self.envs,
                     # as the newest batch version `version` may generate (its floor): behind the older batches
                     self.client.for_version(version, priority=version + 1 + cfg.max_async_level),
-                    num_examples={label: count for label, (count, _) in self.plan.items()},
-                    k=cfg.eval.k,
+                    self.plan,
                     sampling=eval_sampling(cfg),
                     pass_threshold=cfg.eval.pass_threshold,
                     attempts=cfg.sample_attempts,
@@ -396,9 +406,9 @@ class TrainingEval:
         for label, result in results.items():
             m.labels(m.eval_reward, env=label, stat="avg_at_k").set(result.avg_at_k)
             m.labels(m.eval_reward, env=label, stat="pass_at_k").set(result.pass_at_k)
-        k = record["k"]
+        k = record["k"] or "k"  # None: the entries' k differ
         log.info(
-            "eval of version %d: avg@%d %.3f, pass@%d %.3f%s",
+            "eval of version %d: avg@%s %.3f, pass@%s %.3f%s",
             version,
             k,
             record["avg_at_k"],
@@ -523,8 +533,7 @@ async def _run_once(
         results = await evaluate_envs(
             envs,
             client,
-            num_examples={label: count for label, (count, _) in plan.items()},
-            k=cfg.eval.k,
+            plan,
             sampling=eval_sampling(cfg),
             pass_threshold=cfg.eval.pass_threshold,
             progress=progress,
@@ -586,7 +595,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:  # no eval tasks (an empty split, a num_eval the task space cannot hold): before anything connects
         for label, env in envs.items():
-            eval_tasks(env, plan[label][0], label, plan[label][1])
+            eval_tasks(env, plan[label].num_examples, label, plan[label].key)
     except ValueError as e:
         print(f"gyre eval: error: {e}", file=sys.stderr)
         return 2

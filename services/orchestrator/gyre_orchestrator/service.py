@@ -398,7 +398,8 @@ class OrchestratorService:
         self.metrics.labels(self.metrics.step).set(self.last_step)
         self.step_records.resume(self._previous_step_line(point.start_step), point.counters)
         self.sampler = self._task_mix(point)
-        log.info("starting at step %d (%s), %s", point.start_step, point.reason, self._positions())
+        log.info("starting at step %d (%s), %s; %s", point.start_step, point.reason, self._positions(),
+                 self._step_shape())  # fmt: skip
         self.scheduler = self._new_scheduler(point.start_step)
         if cfg.eval.interval is not None:
             self.evals.start(
@@ -427,6 +428,16 @@ class OrchestratorService:
             cursors=cursors,
             draws=point.draws,
         )
+
+    def _step_shape(self) -> str:
+        """What a step is, said at start: PRIME-RL's batch_size counts samples, Gyre's tasks (a copied batch_size
+        generated rollouts_per_example times the samples, silently)."""
+        cfg = self.cfg
+        sizes = sorted({cfg.group_size(entry) for entry in cfg.envs})
+        if len(sizes) == 1:
+            return (f"a step: {cfg.batch_size} tasks x {sizes[0]} samples = {cfg.batch_size * sizes[0]} samples "
+                    "(batch_size counts tasks)")  # fmt: skip
+        return f"a step: {cfg.batch_size} tasks x {sizes[0]}..{sizes[-1]} samples by entry (batch_size counts tasks)"
 
     def _positions(self) -> str:
         if len(self.envs) == 1:

@@ -133,11 +133,12 @@ async def test_a_restart_continues_each_environment_s_cursor_and_the_draw_sequen
 
 @pytest.mark.asyncio
 async def test_an_entry_s_own_group_size_and_eval_settings(tmp_path, redis_url, unique_run_id, replicas):
-    """PRIME-RL's per-environment group size and eval settings: `rev` draws groups of 4 and is evaluated on 3 tasks,
+    """PRIME-RL's per-environment group size and eval settings: `rev` draws groups of 4 and is evaluated on 3 tasks
+    (k = 2),
     `math` groups of 2 (the orchestrator's) and is not evaluated. Each group holds its entry's size, its advantages
     are its own (Dr. GRPO: reward minus its group's mean), the step lines count samples and groups per entry, and a
     restart continues every cursor and the draw sequence."""
-    env = [{**MIX[0], "rollouts_per_example": 4, "args": {"num_eval": 3}, "eval": {"num_examples": 3}},
+    env = [{**MIX[0], "rollouts_per_example": 4, "args": {"num_eval": 3}, "eval": {"num_examples": 3, "k": 2}},
            {**MIX[1], "eval": {"enabled": False}}]  # fmt: skip
     cfg = mix_config(tmp_path, redis_url, unique_run_id, replicas, env=env, max_steps=2,
                      eval={"interval": 100, "num_examples": 2})  # fmt: skip
@@ -171,6 +172,7 @@ async def test_an_entry_s_own_group_size_and_eval_settings(tmp_path, redis_url, 
             assert entry["num_groups"] == sum(g[0]["env"] == label for g in mine)
             assert entry["num_samples"] == size[label] * entry["num_groups"]
 
-    # only rev is evaluated, on its own 3 tasks (the orchestrator's eval.num_examples is 2)
+    # only rev is evaluated, on its own 3 tasks, 2 samples each (the orchestrator's eval: 2 tasks, k = 1)
     (evaluation,) = latest_per_step(read_events(cfg.output_dir / "events" / "eval.jsonl"))
     assert evaluation["env"] == "rev" and evaluation["num_examples"] == 3 and "envs" not in evaluation
+    assert evaluation["k"] == 2

@@ -223,6 +223,7 @@ def test_a_table_option_over_a_mix_is_refused_not_taken_for_one_environment(tmp_
          "rollouts_per_example", "1 sample per task"),  # an entry without its own: the orchestrator's key
         ({"env": [{"name": "reverse_text", "eval": {"num_examples": 0}}]}, "env.0.eval.num_examples", "greater than"),
         ({"env": [{"name": "reverse_text", "eval": {"every": 2}}]}, "env.0.eval.every", "unknown key"),
+        ({"env": [{"name": "reverse_text", "eval": {"k": 0}}]}, "env.0.eval.k", "greater than"),
         ({"env": [{"name": "reverse_text", "eval": {"enabled": False}}, {"name": "arithmetic",
           "eval": {"enabled": False}}], "eval": {"interval": 5}}, "env", "eval.interval = 5 would evaluate nothing"),
         ({"env": {"name": "reverse_text", "eval": {"enabled": False}}, "eval": {"interval": 5}}, "env.eval.enabled",
@@ -239,15 +240,15 @@ def test_an_entry_s_group_size_and_eval_default_to_the_orchestrator_s(tmp_path):
     path = tmp_path / "mix.toml"
     path.write_text(
         "rollouts_per_example = 3\n[eval]\nnum_examples = 7\n\n"
-        '[[env]]\nname = "reverse_text"\nrollouts_per_example = 6\n[env.eval]\nnum_examples = 2\n\n'
+        '[[env]]\nname = "reverse_text"\nrollouts_per_example = 6\n[env.eval]\nnum_examples = 2\nk = 4\n\n'
         '[[env]]\nname = "arithmetic"\neval = { enabled = false }\n\n[[env]]\nname = "alphabet_sort"\n'
     )
     cfg = load_config(OrchestratorConfig, ["@", str(path)])
     assert [cfg.group_size(e) for e in cfg.envs] == [6, 3, 3]
-    from gyre_orchestrator.evaluate import eval_plan, mix_shares
+    from gyre_orchestrator.evaluate import EntryEval, eval_plan, mix_shares
 
-    assert eval_plan(cfg) == {"reverse_text": (2, "env.0.eval.num_examples"),
-                              "alphabet_sort": (7, "eval.num_examples")}  # fmt: skip
+    assert eval_plan(cfg) == {"reverse_text": EntryEval(2, "env.0.eval.num_examples", 4),
+                              "alphabet_sort": EntryEval(7, "eval.num_examples", 1)}  # fmt: skip
     assert mix_shares(cfg) == {"reverse_text": 0.5, "alphabet_sort": 0.5}  # the evaluated entries' weights sum to 1
     # gyre eval reads the same entries: all of them off is refused, naming the key
     with pytest.raises(ConfigError, match=r"^config key 'env': .*gyre eval would evaluate nothing"):
@@ -261,21 +262,22 @@ def test_gyre_eval_skips_an_entry_with_eval_off_and_gives_each_its_own_num_examp
 
     asked = {}
 
-    async def fake_evaluate(env, client, *, env_name, num_examples, **kwargs):
-        asked[env_name] = num_examples
-        return evaluate_module.EvalResult(env_name, 0.5, 0.5, 1, num_examples, 0, 0, 0.1)
+    async def fake_evaluate(env, client, *, env_name, num_examples, k, **kwargs):
+        asked[env_name] = (num_examples, k)
+        return evaluate_module.EvalResult(env_name, 0.5, 0.5, k, num_examples, 0, 0, 0.1)
 
     monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
     path = tmp_path / "mix.toml"
-    path.write_text('[[env]]\nname = "reverse_text"\nlabel = "rev"\neval = { num_examples = 3 }\n\n'
+    path.write_text('[[env]]\nname = "reverse_text"\nlabel = "rev"\neval = { num_examples = 3, k = 4 }\n\n'
                     '[[env]]\nname = "arithmetic"\nlabel = "math"\neval = { enabled = false }\n\n'
                     '[[env]]\nname = "alphabet_sort"\nlabel = "sort"\n')  # fmt: skip
     base = ["--output-dir", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]',
-            "--inference.startup-timeout-s", "0", "--eval.num-examples", "5"]  # fmt: skip
+            "--inference.startup-timeout-s", "0", "--eval.num-examples", "5", "--eval.k", "2"]  # fmt: skip
     assert evaluate_module.main(["@", str(path), *base]) == 0
-    assert asked == {"rev": 3, "sort": 5}
+    assert asked == {"rev": (3, 4), "sort": (5, 2)}
     printed = json.loads(capsys.readouterr().out)
     assert set(printed["envs"]) == {"rev", "sort"} and printed["num_examples"] == 8
+    assert printed["k"] is None and {e["k"] for e in printed["envs"].values()} == {4, 2}  # no one k for the mix
     # an entry with eval off is not even loaded (a training-only environment need not load where gyre eval runs)
     assert evaluate_module.main(["@", str(path), *base, "--env.1.name", "no_such_env"]) == 0
     # an entry's eval split too small for its own num_examples is named by that entry's key
