@@ -863,3 +863,30 @@ def test_the_charts_environment_variables_are_keys_of_the_pods_that_get_them():
     }  # fmt: skip
     for cls, names in pods.items():
         check_environment_keys(cls, {**ambient, **dict.fromkeys(names, "x")})
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Processes whose command line names `text` (a run's folder: its services' configs live there)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return [pid for pid in found if alive(pid)]
+
+
+def test_inference_slower_than_inference_ready_timeout_s_names_the_key_and_where_the_logs_are(tmp_path):
+    # the wait for each inference process to load its model was a fixed 300 s, and nothing was said meanwhile: a
+    # large model under vLLM (minutes of loading, compiling, CUDA graphs) stopped every run with "not ready after
+    # 300s", and a user saw a silent console with no hint of the logs to read
+    out = tmp_path / "run"
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--max-steps", "1",
+               "--inference-ready-timeout-s", "0.5", timeout=180)  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    assert f"logs: {out / 'logs'}/{{inference,trainer,orchestrator}}.log" in res.stdout
+    assert f"waiting for inference to load {out / 'model'} (up to 0.5s: inference_ready_timeout_s)" in res.stdout
+    assert "inference not ready after 0.5s (raise inference_ready_timeout_s" in res.stderr
+    assert _processes_naming(str(out)) == []  # the replica and the trainer it started are stopped
+    assert load_config(RLConfig, []).inference_ready_timeout_s == 600

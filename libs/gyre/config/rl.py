@@ -160,6 +160,13 @@ class RLConfig(GyreSettings):
         None, description="CUDA_VISIBLE_DEVICES of every inference replica, e.g. '0' (unset = inherit)."
     )
     trainer_gpus: str | None = Field(None, description="CUDA_VISIBLE_DEVICES of the trainer, e.g. '1,2,3'.")
+    inference_ready_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long the launch waits for each inference process (a replica, a [[servers]] model) to load "
+        "its model and answer before it stops with the process's last log lines (one that exits fails at once). Raise "
+        "it for a large model: vLLM loads, compiles and captures CUDA graphs for minutes.",
+    )
     trainer_stop_timeout_s: float = Field(
         300.0,
         gt=0,

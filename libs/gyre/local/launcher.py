@@ -587,8 +587,15 @@ class Launcher:
         trainer = Child("trainer", argv, self.out / "logs" / "trainer.log", console=_console)
         self.children.append(trainer)
         trainer.start(echo, env=_thread_env(0.5) | _gpu_env(self.cfg.trainer_gpus))
+        # where to look while nothing moves: a large model loads for minutes before the first step's bar advances
+        logs = [name for name, _ in named] + ["trainer"]
+        logs += [f"orchestrator-{name}" for name in configs.orchestrators] if self.cfg.runs else ["orchestrator"]
+        _console(f"logs: {self.out / 'logs'}/{{{','.join(logs)}}}.log" + ("" if echo else " (--console all prints "
+                 "them here too)"))  # fmt: skip
+        wait = self.cfg.inference_ready_timeout_s
+        _console(f"waiting for inference to load {model} (up to {wait:g}s: inference_ready_timeout_s)")
         for child in replicas:
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + wait
             while True:
                 try:
                     child.wait_ready(timeout=1.0)
@@ -597,7 +604,8 @@ class Launcher:
                     if child.poll() is not None:
                         raise RunFailed(str(e)) from None
                     if time.monotonic() >= deadline:
-                        raise RunFailed(f"{child.name} not ready after 300s; last lines of {child.log_path}:\n"
+                        raise RunFailed(f"{child.name} not ready after {wait:g}s (raise inference_ready_timeout_s for "
+                                        f"a model that loads longer); last lines of {child.log_path}:\n"
                                         f"{child.tail()}") from None  # fmt: skip
                 self._check_interrupted()
         orchestrators = []
