@@ -31,7 +31,7 @@ _NO_PROMPT_LOGPROBS = "prompt log-probs are served on /v1/completions and /infer
 UNSUPPORTED_FIELDS = {
     "prompt_logprobs": _NO_PROMPT_LOGPROBS,
     "use_beam_search": "no beam search (ask for n choices instead)",
-    "truncate_prompt_tokens": "prompts are never truncated (a prompt too long is a 400)",
+    "truncate_prompt_tokens": "prompts are truncated on chat and completions only",
     "prompt_embeds": "prompts are text or token ids",
     # fields accepted as null only (the 400 says "only null is supported: <reason>")
     "guided_decoding_backend": "the grammar engine is fixed (llguidance)",
@@ -267,7 +267,11 @@ class SamplingRequest(StrictModel):
         None, max_length=MAX_BAD_WORDS, description=BAD_WORDS_HELP
     )
     allowed_token_ids: AllowedTokenIds | None = Field(None, description=ALLOWED_HELP)
-    truncate_prompt_tokens: None = Field(None, description="Only null: a prompt too long is a 400, never cut.")
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        description="vLLM extension: keep only the last k tokens of the (rendered) prompt; -1 = max_model_len.",
+    )
     logits_processors: None = Field(None, description="Only null: no custom logits processors.")
     mm_processor_kwargs: None = Field(None, description="Only null: text only.")
     structural_tag: None = Field(None, description="Only null: structural tags are not supported.")
@@ -290,6 +294,13 @@ class SamplingRequest(StrictModel):
 
     _neutral_only = field_validator("use_beam_search", "skip_special_tokens", "length_penalty",
                                     "spaces_between_special_tokens")(neutral_only)  # fmt: skip
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, value):
+        if value == 0:
+            raise ValueError("must be -1 (the model's context length) or at least 1 (0 leaves an empty prompt)")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -114,6 +114,7 @@ class Serving:
             continue_final_message=request.continue_final_message, template_kwargs=request.chat_template_kwargs,
             add_special_tokens=request.add_special_tokens,
         )  # fmt: skip
+        [prompt] = self._truncated(request, [prompt])
         # echo (vLLM): the content starts with the last message's when that is the assistant's being continued
         echo = _text_of(messages[-1].get("content")) if request.echo and messages[-1]["role"] == "assistant" else ""
         where = "input" if kind == "responses" else "messages"  # the request's own field in a context-length error
@@ -127,14 +128,30 @@ class Serving:
             raise APIError(400, "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1 (0 only with "
                                 "echo: the prompt alone), but got 0 instead.", param="max_tokens",
                            code="integer_below_min_value")  # fmt: skip
-        prompts = await asyncio.to_thread(self._completion_prompts, request)
+        whole = await asyncio.to_thread(self._completion_prompts, request)
+        prompts = self._truncated(request, whole)
         echoes = None
-        if request.echo:  # each prompt as text: the string sent, or the decoded ids
+        if request.echo:  # each prompt as text: the string sent, or the decoded ids (those kept, when truncated)
             sent = request.prompts()
-            echoes = [p if isinstance(p, str) else await asyncio.to_thread(self.text.decode_prompt, p) for p in sent]
+            echoes = [p if isinstance(p, str) and len(kept) == len(ids) else
+                      await asyncio.to_thread(self.text.decode_prompt, kept)
+                      for p, ids, kept in zip(sent, whole, prompts, strict=True)]  # fmt: skip
         job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started, echoes)
         await self._constrain(job, request.guide())
         return await self._respond(job, client_gone)
+
+    def _truncated(self, request, prompts: list[list[int]]) -> list[list[int]]:
+        """vLLM's truncate_prompt_tokens: each prompt's last k tokens (-1: the context length), left-truncated as
+        vLLM does, before the context check (k plus max_tokens must still fit)."""
+        keep, limit = request.truncate_prompt_tokens, self.backend.max_model_len
+        if keep is None:
+            return prompts
+        if keep == -1:
+            keep = limit
+        if keep > limit:
+            raise APIError(400, f"truncate_prompt_tokens: {keep} is greater than max_model_len ({limit})",
+                           param="truncate_prompt_tokens")  # fmt: skip
+        return [prompt[-keep:] for prompt in prompts]
 
     def _completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompts = []

@@ -206,6 +206,44 @@ def test_bad_allowed_token_ids_and_bad_words_are_400_naming_them(http, model_id,
         assert words is None or words in error["message"], (route, error)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(client, http, model_id):
+    long = " ".join(["the cat sat on the mat"] * 60)  # well over the 256-token context
+    ids = http.post("/tokenize", json={"prompt": long}).json()["tokens"]
+    assert len(ids) > 256
+    ask = {"model": model_id, "max_tokens": 6, "seed": 5, "echo": True}
+    cut = client.completions.create(prompt=long, **ask, extra_body={"truncate_prompt_tokens": 100,
+                                                                    "return_token_ids": True})  # fmt: skip
+    kept = ids[-100:]
+    assert extra(cut.choices[0])["prompt_token_ids"] == kept and cut.usage.prompt_tokens == 100
+    sent = client.completions.create(prompt=kept, **ask, extra_body={"return_token_ids": True})
+    assert extra(cut.choices[0])["token_ids"] == extra(sent.choices[0])["token_ids"]  # what the model saw: the cut
+    assert cut.choices[0].text == sent.choices[0].text  # the echo is the prompt kept, then the completion
+    with pytest.raises(openai.BadRequestError, match="context"):  # without it, as before: too long
+        client.completions.create(prompt=long, **ask)
+    # chat: the rendered prompt's last tokens; -1 = the context length (no room left for a token: too long)
+    whole = http.post("/tokenize", json={"messages": STORY}).json()["tokens"]
+    chat = client.chat.completions.create(
+        model=model_id, messages=STORY, max_tokens=2, extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True}
+    )
+    assert extra(chat)["prompt_token_ids"] == whole[-5:] and chat.usage.prompt_tokens == 5
+    short = client.completions.create(
+        prompt=PROMPT, max_tokens=2, model=model_id, extra_body={"truncate_prompt_tokens": -1, "return_token_ids": True}
+    )
+    assert (
+        extra(short.choices[0])["prompt_token_ids"] == http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    )
+
+
+@pytest.mark.parametrize(("value", "words"), [(0, "at least 1"), (-2, None), (257, "max_model_len (256)"),
+                                              ("4", None)])  # fmt: skip
+def test_truncate_prompt_tokens_out_of_range_is_400_naming_it(http, model_id, value, words):
+    for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": STORY})):
+        response = http.post(route, json={"model": model_id, "max_tokens": 2, "truncate_prompt_tokens": value, **body})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "truncate_prompt_tokens", (route, error)
+        assert words is None or words in error["message"], error
+
+
 def test_min_tokens_above_max_tokens_is_400(http, model_id):
     response = http.post("/v1/completions", json={"model": model_id, "prompt": PROMPT, "max_tokens": 3,
                                                   "min_tokens": 4})  # fmt: skip
@@ -445,9 +483,9 @@ def test_vllm_request_defaults_spelled_out_sample_what_leaving_them_out_does(htt
         plain, spelled = (http.post(route, json=ask | body | extra) for extra in ({}, defaults))
         assert spelled.status_code == 200, spelled.text
         assert spelled.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
-    refused = {"length_penalty": 0.5, "spaces_between_special_tokens": False, "cache_salt": "s",
-               "truncate_prompt_tokens": 4, "best_of": 2, "prompt_logprobs": 1,
-               "include_reasoning": False, "chat_template": "{{ x }}", "documents": []}  # fmt: skip
+    refused = {"length_penalty": 0.5, "spaces_between_special_tokens": False, "cache_salt": "s", "best_of": 2,
+               "prompt_logprobs": 1, "include_reasoning": False, "chat_template": "{{ x }}",
+               "documents": []}  # fmt: skip
     for field, value in refused.items():
         response = http.post("/v1/chat/completions", json=ask | {"messages": STORY, field: value})
         error = response.json()["error"]
@@ -486,7 +524,7 @@ def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_ot
 
 @pytest.mark.parametrize(
     ("field", "value", "reason"),
-    [("truncate_prompt_tokens", 4, "truncated"), ("guided_decoding_backend", "xgrammar", "llguidance")],
+    [("guided_decoding_backend", "xgrammar", "llguidance"), ("prompt_embeds", "x", "token ids")],
 )  # fmt: skip
 def test_unsupported_vllm_fields_say_why(http, model_id, field, value, reason):
     for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": STORY})):
