@@ -73,3 +73,31 @@ def test_a_multi_node_trainer_job_changes_identity_with_its_runs():
     assert job([{"name": "alpha", "orchestrator": {"seed": 1}}]) == job(
         [{"name": "alpha", "orchestrator": {"seed": 2}}]
     )
+
+
+# Values added in chart 0.6.0. `helm upgrade --reuse-values` renders the new chart with the previous release's
+# values in place of its values.yaml (Helm swaps the chart's defaults for the old ones), so an upgrade from 0.5.0
+# sees none of these keys: the templates must read them absent as their default.
+NEW_IN_0_6 = [("commonLabels",)] + [
+    (component, "topologySpreadConstraints") for component in ("inference", "orchestrator", "trainer", "redis")
+]
+
+
+def test_an_upgrade_with_reuse_values_from_the_previous_chart_renders_as_the_defaults(tmp_path):
+    import shutil
+
+    import yaml
+    from chart_testlib import CHART
+
+    old = tmp_path / "gyre"
+    shutil.copytree(CHART, old)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for path in NEW_IN_0_6:
+        parent = values
+        for key in path[:-1]:
+            parent = parent[key]
+        assert path[-1] in parent, path  # still a value of the chart (else this list is stale)
+        del parent[path[-1]]
+    (old / "values.yaml").write_text(yaml.safe_dump(values))
+    reused = {c: p for c, p in pod_templates(manifests(render(SEED, chart=old))).items() if c != "test"}
+    assert reused == templates({})

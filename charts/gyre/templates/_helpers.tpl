@@ -1078,11 +1078,19 @@ The trainer job's identity: 8 hex of the sha256 of everything that shapes it (wh
 from the experiment file, the trainer values, its `--runs`). It ends the torchrun rendezvous id, so
 pods of two configurations can never rendezvous into one job. `trainer.pdb` is left out: the budget is no
 part of the pod, and toggling it for a drain (docs/kubernetes.md, "Draining a trainer node") must not
-replace a running trainer.
+replace a running trainer. Empty values (`[]`, `{}`, `""`, null) are left out too, as absent: a chart version
+that adds a value whose default is empty (`topologySpreadConstraints: []`), or an upgrade with `--reuse-values`
+(the previous chart's values, without that key), is the same job.
 */}}
 {{- define "gyre.trainerJobHash" -}}
 {{- $trainer := include "gyre.experimentChecksum" (dict "root" . "service" "trainer") -}}
-{{- printf "%s\n%s\n%s" $trainer (toJson (omit .Values.trainer "pdb")) (include "gyre.trainerRuns" .) | sha256sum | trunc 8 -}}
+{{- $values := dict -}}
+{{- range $key, $value := omit .Values.trainer "pdb" -}}
+{{- if or (not (empty $value)) (kindIs "bool" $value) (kindIs "float64" $value) (kindIs "int" $value) (kindIs "int64" $value) -}}
+{{- $_ := set $values $key $value -}}
+{{- end -}}
+{{- end -}}
+{{- printf "%s\n%s\n%s" $trainer (toJson $values) (include "gyre.trainerRuns" .) | sha256sum | trunc 8 -}}
 {{- end -}}
 
 {{/* Multi-run (`runs`): the trainer's `runs` list as JSON (each run's folder, orchestrator and own keys). */}}
