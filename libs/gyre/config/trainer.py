@@ -230,7 +230,7 @@ class OptimConfig(Section):
         if self.decay_steps is not None and self.scheduler == "constant":
             raise ValueError(
                 f"decay_steps = {self.decay_steps} needs scheduler 'linear' or 'cosine' (the decay's shape), "
-                "got 'constant'"
+                "got 'constant': set one of those, or unset decay_steps (null)"
             )
         return self
 

@@ -478,3 +478,22 @@ def test_importance_ratio_metrics_are_over_the_valid_loss_tokens(tiny_llama64):
         s["inference_logprobs"][s["loss_mask"]] = -1e4
     metrics = compute_gradients(tiny_llama64, make_batch(samples, LAYOUTS["1 micro-batch"]), loss_cfg=LossConfig())
     assert not {"ratio_mean", "ratio_min", "ratio_max"} & metrics.keys()
+
+
+def test_the_entropy_bonus_raises_the_policys_entropy_step_after_step(tiny_llama, samples):
+    """Behaviour, not only the formula: with no advantage at all, updates on the entropy bonus alone make the policy's
+    entropy on the batch's tokens go up every step (and without the bonus there is no update: a zero gradient)."""
+    for sample in samples:
+        sample["advantages"][:] = 0.0
+    batch = make_batch(samples, LAYOUTS["2 micro-batches"])
+    cfg = OptimConfig(lr=1e-3)
+    optimizer = build_optimizer(tiny_llama, cfg)
+    scheduler = build_scheduler(optimizer, cfg, None)
+
+    def step(entropy_coeff: float) -> dict:
+        loss_cfg = LossConfig(type="ppo_clip", entropy_coeff=entropy_coeff)
+        return train_step(tiny_llama, optimizer, scheduler, batch, loss_cfg=loss_cfg, max_grad_norm=1.0).metrics
+
+    assert step(0.0)["skipped"] == 1  # no signal without the bonus
+    entropies = [step(0.5)["entropy"] for _ in range(4)]
+    assert all(b > a for a, b in zip(entropies, entropies[1:], strict=False)), entropies
