@@ -10,6 +10,7 @@ Rows (one JSON object per line, or one parquet row):
     {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}], "answer": 5}
     {"prompt": "...", "answer": "...", "split": "eval"}
 
+A row without a `prompt` column is asked its `question` (verifiers' layout) while `prompt_key` is left as it is.
 `prompt_key` / `answer_key` name the columns and may be dotted paths into nested objects, so verl's parquet
 layout (`prompt` = chat messages, `reward_model.ground_truth`) loads with `answer_key = "reward_model.ground_truth"`.
 A text prompt becomes one user message after `system_prompt`; a message list is used as it is (with

@@ -103,6 +103,11 @@ class Rubric:
         AttributeError at load."""
         return self.add(func, weight)
 
+    def add_metric(self, func: RewardFunc) -> Rubric:
+        """verifiers' metric: a function reported on its own (`per_function`, the dumps) that adds nothing to the
+        reward (weight 0)."""
+        return self.add(func, 0.0)
+
     async def score(self, task: Task, rollout: Rollout) -> Score:
         available = {
             "completion": rollout.completion,

@@ -194,3 +194,17 @@ def test_verifiers_message_type_and_sampling_args(caplog):
     )
     with pytest.raises(ValueError, match="message_type='completion': Gyre environments are chat"):
         SingleTurnEnv(dataset=rows, num_eval=1, message_type="completion")
+
+
+@pytest.mark.asyncio
+async def test_a_verifiers_metric_is_reported_and_adds_nothing(sampling):
+    """verifiers' `rubric.add_metric(f)` was an AttributeError at load."""
+
+    def reply_length(completion) -> float:
+        return float(len(completion[-1]["content"]))
+
+    env = load_environment("vf_hub_ports:load_environment")
+    env.rubric.add_metric(reply_length)
+    task = env.tasks("eval")[0]
+    _, score = await score_of(env, task, "<think>\nx\n</think>\n<answer>\neryg\n</answer>", sampling)
+    assert score.per_function["reply_length"] > 1 and score.reward == pytest.approx(1.3)
