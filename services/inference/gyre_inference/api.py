@@ -2,8 +2,8 @@
 
 Routes:
 - `GET /health` (liveness: the process answers), `GET /ready` (200 once the model is loaded, 503
-  before and while shutting down), `GET /version` (vLLM's route: the gyre version), `GET /metrics`
-  (when `metrics.port` is unset).
+  before and while shutting down; `GET`/`POST /ping`, vLLM's, the same), `GET /version` (vLLM's route:
+  the gyre version), `GET /metrics` (when `metrics.port` is unset).
 - `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`, `POST /v1/completions`,
   `POST /v1/responses` (`gyre_inference.responses`), `POST /tokenize`,
   `POST /detokenize`, `POST /inference/v1/generate` (`gyre_inference.tokens_in`), `POST /classify` and
@@ -220,6 +220,12 @@ def create_app(state: AppState) -> FastAPI:
         if not state.ready:
             return JSONResponse(error_body(503, "not ready", code="not_ready"), status_code=503)
         return {"status": "ready", "model": state.model_id, "policy_version": state.backend.version}
+
+    # vLLM's /ping (SageMaker's health check, GET or POST): 200 once the server can serve. vLLM's HTTP server only
+    # starts with its model loaded, so its /ping answering means ready; ours starts before the load, so /ping
+    # answers as /ready does (503 while loading and while shutting down), never 200 for a server that cannot serve.
+    app.get("/ping", summary="vLLM's (SageMaker's) health check: as /ready.")(ready)
+    app.post("/ping", summary="vLLM's (SageMaker's) health check: as /ready.")(ready)
 
     if state.serve_metrics:
 

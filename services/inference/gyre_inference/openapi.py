@@ -279,7 +279,7 @@ def _error(status: int) -> dict:
 
 
 def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
-    if path not in _API and path not in ("/health", "/ready", "/metrics", "/version"):
+    if path not in _API and path not in ("/health", "/ready", "/ping", "/metrics", "/version"):
         # A route registered by another module (e.g. the tokens-in route): keep its 200, and document the
         # errors every API route can send instead of FastAPI's 422.
         kept = {status: response for status, response in generated.items() if status != "422"}
@@ -289,7 +289,7 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
         return {"200": {"description": "The process answers.", "content": _json("Health")}}
     if path == "/version":
         return {"200": {"description": "The gyre version serving.", "content": _json("Version")}}
-    if path == "/ready":
+    if path in ("/ready", "/ping"):
         return {"200": {"description": "Ready.", "content": _json("Ready")}, "503": _error(503)}
     if path == "/metrics":
         text = {"text/plain": {"schema": {"type": "string"}}}

@@ -620,6 +620,8 @@ def test_the_openapi_document_says_what_the_server_answers(http):
         assert set(chat[status]["headers"]) >= {"x-request-id", *(("retry-after",) if status == "503" else ())}
     assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert set(document["paths"]["/ready"]["get"]["responses"]) == {"200", "503"}
+    for method in ("get", "post"):
+        assert set(document["paths"]["/ping"][method]["responses"]) == {"200", "503"}
     assert set(document["paths"]["/health"]["get"]["responses"]) == {"200"}
 
 
@@ -644,6 +646,8 @@ def test_real_responses_conform_to_the_document(server, http, model_id):
         ("POST", "/v1/responses", {"model": model_id, "input": "hi", "previous_response_id": "resp_1"}),  # a 400
         ("GET", "/metrics", None),
         ("GET", "/ready", None),
+        ("GET", "/ping", None),
+        ("POST", "/ping", None),
         ("GET", "/health", None),
     ]  # fmt: skip
     seen = set()

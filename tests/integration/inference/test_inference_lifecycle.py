@@ -58,6 +58,8 @@ async def test_probes_say_not_ready_until_the_model_is_loaded(tiny_model, monkey
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
             assert (await client.get("/health")).status_code == 200  # alive while loading
             assert (await client.get("/ready")).status_code == 503
+            # vLLM's /ping answers as /ready: a SageMaker-style router must not send traffic to a loading server
+            assert (await client.get("/ping")).status_code == 503 and (await client.post("/ping")).status_code == 503
             loading = await client.get("/v1/models")
             assert loading.status_code == 503 and loading.json()["error"]["code"] == "not_ready"
             # with a Retry-After, as the openai SDK honours it: its own backoff (about 0.5 s then 1 s) ends its
@@ -75,6 +77,7 @@ async def test_probes_say_not_ready_until_the_model_is_loaded(tiny_model, monkey
             answer = await health.Check(health_pb2.HealthCheckRequest(service="gyre.v1.InferenceControl"), timeout=10)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
             assert (await client.get("/ready")).json()["policy_version"] == 0
+            assert (await client.get("/ping")).status_code == 200 and (await client.post("/ping")).status_code == 200
             assert (await client.get("/v1/models")).status_code == 200
     finally:
         await channel.close()

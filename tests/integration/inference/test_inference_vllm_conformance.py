@@ -36,6 +36,7 @@ def end_of_turn(http) -> int:
 
 def test_version_health_and_the_model_card(http, server, tool_model):
     assert http.get("/health").status_code == 200
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200  # vLLM's (SageMaker's)
     version = http.get("/version")
     assert version.status_code == 200 and isinstance(version.json()["version"], str)
     [card] = http.get("/v1/models").json()["data"]
