@@ -330,7 +330,9 @@ class OrchestratorConfig(ServiceConfig):
         600.0, ge=0, description="After the last batch, wait this long for its weights to be relayed (0 = don't)."
     )
     ckpt_interval: int | None = Field(None, ge=1, description="Progress checkpoint every N steps (unset = off).")
-    ckpt_keep_last: int = Field(3, ge=1, description="Keep the newest N progress checkpoints.")
+    ckpt_keep_last: int = Field(
+        3, ge=1, description="Keep the newest N progress checkpoints (and those of the trainer's checkpoints' steps)."
+    )
     resume_step: int | None = Field(
         None,
         ge=-1,

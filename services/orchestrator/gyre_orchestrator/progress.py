@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,11 +58,13 @@ class Progress:
 
 
 class ProgressStore:
-    """`checkpoints/orchestrator/step_{s}.json` files (`gyre.steps`); the newest `keep_last` are kept."""
+    """`checkpoints/orchestrator/step_{s}.json` files (`gyre.steps`); the newest `keep_last` are kept, and those of
+    the steps `also_keep()` names (the trainer's checkpoints: a rewind to one needs its progress checkpoint)."""
 
-    def __init__(self, root: Path | str, keep_last: int = 3):
+    def __init__(self, root: Path | str, keep_last: int = 3, also_keep: Callable[[], Iterable[int]] | None = None):
         self.root = Path(root)
         self.keep_last = keep_last
+        self.also_keep = also_keep
         self.entries = StepEntries(self.root, suffix=".json")
 
     def path(self, step: int) -> Path:
@@ -72,7 +75,10 @@ class ProgressStore:
 
     def save(self, progress: Progress) -> Path:
         path = write_atomic(self.path(progress.step), json.dumps(asdict(progress), sort_keys=True).encode())
-        self.entries.keep_only(self.steps()[-self.keep_last :])
+        # the trainer keeps checkpoints for good (ckpt.keep_interval) that a keep_last window pruned the progress of:
+        # a rewind to one (ckpt.resume_step = N) then failed at the orchestrator, "no progress checkpoint of step N"
+        kept = set(self.also_keep()) if self.also_keep is not None else set()
+        self.entries.keep_only(kept | set(self.steps()[-self.keep_last :]))
         return path
 
     def load(self, step: int) -> Progress:

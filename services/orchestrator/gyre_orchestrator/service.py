@@ -36,7 +36,7 @@ from gyre.metrics import start_metrics_server
 from gyre.net import PortInUse, bind_or_explain
 from gyre.redis_retry import acall_with_retry
 from gyre.rollouts import write_dump
-from gyre.runstate import committed_step, mark_rewound, pending_rewind
+from gyre.runstate import committed_step, mark_rewound, pending_rewind, trainer_checkpoints
 from gyre.steps import StepEntries
 from gyre.streams import BatchStream, stream_id
 from gyre.transport import open_store
@@ -114,7 +114,8 @@ class OrchestratorService:
         self.transport = open_store(cfg.weights, self.out)
         self.wandb = WandbLogger(cfg.wandb, service="orchestrator", run_id=cfg.run_id, output_dir=self.out,
                                  config=cfg.model_dump(mode="json"))  # fmt: skip
-        self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last)
+        self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last,
+                                      also_keep=lambda: trainer_checkpoints(self.out))  # fmt: skip
         if (rewind := pending_rewind(self.progress.root, cfg.resume_step)) != cfg.resume_step:
             log.info("resume_step = %d: rewound to it before (a restarted pod); resuming where the run stands",
                      cfg.resume_step)  # fmt: skip

@@ -255,6 +255,36 @@ async def test_a_stop_during_a_push_lets_the_push_finish_within_its_grace(
         assert service.stop_cut_short and ckpts == []  # no checkpoint beside a push whose outcome is unknown
 
 
+@pytest.mark.asyncio
+async def test_a_rewind_to_a_step_the_trainer_kept_finds_its_progress_checkpoint(
+    tmp_path, redis_url, unique_run_id, replicas
+):
+    """The trainer keeps its checkpoint of step 1 (for good: ckpt.keep_interval) while the orchestrator keeps its newest
+    progress checkpoint only (ckpt_keep_last = 1): a rewind to 1 failed at the orchestrator's start ("no orchestrator
+    progress checkpoint of step 1"). Now the progress of every step the trainer holds a checkpoint of is kept."""
+    from gyre.runstate import CHECKPOINT_COMPLETE, TRAINER_CHECKPOINTS
+
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=4,
+                              ckpt_interval=1, ckpt_keep_last=1, batch_size=2, rollouts_per_example=2)  # fmt: skip
+    first = OrchestratorService(cfg)
+    real_save = first.progress.save
+
+    def save_then_trainer_checkpoints(progress):  # the trainer's checkpoint of step 1 appears once step 1 is pushed
+        path = real_save(progress)
+        if progress.step == 1:
+            folder = cfg.output_dir / TRAINER_CHECKPOINTS / "step_1"
+            folder.mkdir(parents=True)
+            (folder / CHECKPOINT_COMPLETE).write_text("{}")
+        return path
+
+    first.progress.save = save_then_trainer_checkpoints
+    assert await asyncio.wait_for(first.run(), timeout=120) == 0
+    assert first.progress.steps() == [1, 4]
+    rewound = OrchestratorService(cfg.model_copy(update={"max_steps": 2, "resume_step": 1}))
+    assert await asyncio.wait_for(rewound.run(), timeout=120) == 0
+    assert [e.step for e in stream_steps(redis_url, unique_run_id)] == [1, 2]  # steps 2..4 deleted, 2 generated anew
+
+
 class KilledAfterPush(Exception):
     """Stands in for a SIGKILL that lands right after a batch reached Redis."""
 

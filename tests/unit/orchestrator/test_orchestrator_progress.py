@@ -21,6 +21,21 @@ def test_save_load_and_retention(tmp_path):
         store.load(3)
 
 
+def test_the_progress_of_a_step_the_trainer_keeps_a_checkpoint_of_is_kept(tmp_path):
+    """The trainer keeps checkpoints for good (ckpt.keep_interval: step 2 here) beyond the window of the newest that
+    ckpt_keep_last keeps: a rewind to one (`ckpt.resume_step = 2`, the orchestrator's `resume_step = 2`) failed with
+    "no progress checkpoint of step 2". Once the trainer deletes its checkpoint, the progress goes at the next save."""
+    trainer = {2, 7}
+    store = ProgressStore(tmp_path, keep_last=2, also_keep=lambda: trainer)
+    for step in range(1, 9):
+        store.save(Progress(step=step, task_index=step))
+    assert store.steps() == [2, 7, 8]
+    assert resume_point(2, store, committed=8, stream_steps=[]).task_index == 2  # the rewind reads it
+    trainer.discard(2)
+    store.save(Progress(step=9, task_index=9))
+    assert store.steps() == [7, 8, 9]
+
+
 def test_fresh_start(tmp_path):
     point = resume_point(None, ProgressStore(tmp_path), committed=0, stream_steps=[])
     assert (point.start_step, point.task_index) == (1, 0)
