@@ -18,10 +18,11 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
-from gyre.config.loader import Section, parse_or_exit
+from gyre.config.loader import Section, parse_or_exit, print_startup_error
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 HOW_TO_CREATE = (
@@ -35,16 +36,17 @@ HOW_TO_CREATE = (
 SERVICE_HINT = "create one with `gyre model init --output-dir DIR` (or `gyre model import`) and set model.name = DIR"
 
 
-def check_service_model(name: str, prog: str, hub: bool = False) -> int | None:
+def check_service_model(name: str, prog: str, hub: bool = False, config: Any = None) -> int | None:
     """A service's start-up check of its model folder: None when it can go on, else 2 after one clear line
     (a missing folder once surfaced as a trainer traceback or a hub client's 'Repo id must be ...').
     `hub`: also fetch a hub id's config now (a local command such as `gyre sft`, which failed with the hub
-    client's traceback after preparing its data; in a cluster the chart's init container fetches it)."""
+    client's traceback after preparing its data; in a cluster the chart's init container fetches it). `config`: the
+    service's, whose log.format the line follows (a JSON record under the chart's GYRE_LOG__FORMAT=json)."""
     try:
         if check_model_source(name, hub=False, hint=SERVICE_HINT) == "hub id" and hub:
             check_model_source(name, hint=SERVICE_HINT)
     except ModelUnavailable as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print_startup_error(prog, str(e), config)
         return 2
     return None
 

@@ -65,3 +65,25 @@ def test_gyre_rl_errors_stay_text_for_its_console():
     # gyre rl's own lines are a person's console; log.format is its services' (their log files)
     res = gyre("rl", "--bogus-key", "1", env={"GYRE_LOG__FORMAT": "json"})
     assert res.returncode == 2 and res.stderr.startswith("gyre rl: error: config key 'bogus_key'")
+
+
+@pytest.mark.parametrize("service", ["trainer", "inference", "sft"])
+def test_a_missing_model_is_one_json_record_too(service, tmp_path):
+    # the model check runs after the config is read, before logging is set up: it printed text under the chart's JSON
+    missing = tmp_path / "no-model"
+    data = ["--data.fake"] if service == "sft" else []
+    res = gyre(service, "--model.name", str(missing), *data, env={"GYRE_LOG__FORMAT": "json", "GYRE_RUN_ID": "exp3"})
+    assert res.returncode == 2
+    [record] = records(res.stderr)
+    assert record["service"] == service and record["run_id"] == "exp3" and record["level"] == "ERROR"
+    assert record["message"].startswith(f"gyre {service}: error: ") and str(missing) in record["message"]
+    res = gyre(service, "--model.name", str(missing), *data)
+    assert res.returncode == 2 and res.stderr.startswith(f"gyre {service}: error: ")
+
+
+def test_a_model_file_given_to_the_torch_backend_is_one_json_record_too(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    res = gyre("inference", "--model.name", str(tmp_path / "model.gguf"), "--log.format", "json")
+    assert res.returncode == 2
+    [record] = records(res.stderr)
+    assert "is a file: the torch backend loads a model folder" in record["message"]

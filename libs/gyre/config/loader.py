@@ -878,14 +878,24 @@ def parse_or_exit(cls: type[T], argv: list[str] | None, prog: str, summary: str 
     except ConfigError as e:
         message = name_environment_variables(str(e), os.environ)
         json_as = None if getattr(cls, "console_errors", False) else startup_log_format(argv, cls, os.environ)
-        if json_as is not None:  # the command's logs are JSON (the chart's default): its start-up error is a record too
-            from gyre.logging import json_record
-
-            print(json_record(_service_name(prog), f"{prog}: error: {message}", logger="gyre.config", run_id=json_as),
-                  file=sys.stderr)  # fmt: skip
-        else:
-            print(f"{prog}: error: {message}", file=sys.stderr)
+        print_startup_error(prog, message, json_as=json_as)
         raise SystemExit(2) from None
+
+
+def print_startup_error(prog: str, message: str, config: Any = None, json_as: str | None = None) -> None:
+    """`{prog}: error: {message}` on stderr, for an error before logging is set up (a bad config, a missing model):
+    as gyre.logging's JSON record when the command's logs are JSON (the chart's default), so a collector gets a
+    record, not a line it cannot parse. JSON: `config`'s log.format (a validated config), else `json_as` (the run_id
+    `startup_log_format` found, "" unset; None = text)."""
+    if config is not None and getattr(getattr(config, "log", None), "format", "text") == "json":
+        json_as = getattr(config, "run_id", None) or ""
+    if json_as is None:
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return
+    from gyre.logging import json_record
+
+    print(json_record(_service_name(prog), f"{prog}: error: {message}", logger="gyre.config", run_id=json_as),
+          file=sys.stderr)  # fmt: skip
 
 
 def startup_log_format(argv: list[str], cls: type[BaseModel] | None, environ: typing.Mapping[str, str]) -> str | None:

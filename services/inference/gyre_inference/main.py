@@ -12,12 +12,12 @@ config key or value (a `model.name` folder that does not exist or holds no confi
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from gyre.config import parse_or_exit
 from gyre.config.inference import InferenceConfig
+from gyre.config.loader import print_startup_error
 from gyre.logging import setup_logging
 
 
@@ -25,11 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_or_exit(InferenceConfig, None if argv is None else list(argv), "gyre inference")
     from gyre.model_source import check_service_model
 
-    if (code := check_service_model(config.model.name, "gyre inference")) is not None:
+    if (code := check_service_model(config.model.name, "gyre inference", config=config)) is not None:
         return code  # before any port is bound or torch is imported
     if config.backend != "vllm" and Path(config.model.name).expanduser().is_file():  # vLLM also reads a .gguf file
-        print(f"gyre inference: error: model.name = {config.model.name!r} is a file: the {config.backend} backend "
-              "loads a model folder (config.json, tokenizer, weights)", file=sys.stderr)  # fmt: skip
+        print_startup_error("gyre inference", f"model.name = {config.model.name!r} is a file: the {config.backend} "
+                            "backend loads a model folder (config.json, tokenizer, weights)", config)  # fmt: skip
         return 2
     setup_logging(config.log.level, config.log.file, "inference", config.log.format, config.run_id)
     from gyre_inference.service import run_service  # torch and friends load only past argument parsing

@@ -35,7 +35,7 @@ def _main(argv: list[str] | None) -> int:
         return 0
     from gyre.model_source import check_service_model
 
-    if (code := check_service_model(cfg.model.name, "gyre trainer")) is not None:
+    if (code := check_service_model(cfg.model.name, "gyre trainer", config=cfg)) is not None:
         return code
     rank = int(os.environ.get("RANK", "0"))
     service = "trainer" if rank == 0 else f"trainer-rank{rank}"

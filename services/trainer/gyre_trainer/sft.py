@@ -605,7 +605,7 @@ def _main(argv: list[str] | None) -> int:
     cfg = parse_or_exit(SFTConfig, argv, "gyre sft")
     from gyre.model_source import check_service_model
 
-    if (code := check_service_model(cfg.model.name, "gyre sft", hub=True)) is not None:
+    if (code := check_service_model(cfg.model.name, "gyre sft", hub=True, config=cfg)) is not None:
         return code  # not the hub client's "Repo id must be in the form ..." traceback
     rank = int(os.environ.get("RANK", "0"))
     from gyre.runlock import LockHeld, RunLock
