@@ -105,9 +105,10 @@ def test_a_resume_uses_the_configured_optimizer_settings_with_the_checkpoints_mo
 
 @pytest.mark.parametrize(
     "update, max_steps",
-    [({}, 20), ({"scheduler": "linear"}, 10), ({"warmup_steps": 0}, 10), ({"min_lr_ratio": 0.5}, 10)],
-    ids=["longer-max-steps", "scheduler", "warmup", "min-lr-ratio"],
-)
+    [({}, 20), ({"scheduler": "linear"}, 10), ({"warmup_steps": 0}, 10), ({"min_lr_ratio": 0.5}, 10),
+     ({"decay_steps": 3}, 20)],
+    ids=["longer-max-steps", "scheduler", "warmup", "min-lr-ratio", "wsd-longer-max-steps"],
+)  # fmt: skip
 def test_a_resume_with_another_schedule_trains_its_first_step_on_the_new_schedule(
     tiny_model, ctx, tmp_path, caplog, update, max_steps
 ):
