@@ -10,7 +10,8 @@ Reward: 1.0 when the last reply contains the reference answer. `fail_first = [i,
 (a reward bug, which must score 0 and be named, not fail the sample). `judge_url = "http://host:port/v1"`: the
 reward asks that judge first (a verifiers judge's call, with the official `openai` client and no retries of its
 own). `list_models = true` (harness): the harness lists the models first, through the interception's /v1/models
-relay (into `MODELS_SEEN`).
+relay (into `MODELS_SEEN`). `sampling = {"temperature": 0.0, ...}` (harness): the harness's own sampling on every
+model call.
 
 Load it with `env.name = "verifiers:vf_gyre_tasks"` with this folder on PYTHONPATH.
 """
@@ -80,6 +81,7 @@ class ChatLoopConfig(vf.HarnessConfig):
     turns: int = 2
     tools: bool = True
     list_models: bool = False  # first GET /v1/models, as an agent reading the context window does
+    sampling: dict = {}  # the harness's own sampling arguments on every model call (temperature, max_tokens, ...)
 
 
 class ChatLoop(vf.Harness[ChatLoopConfig]):
@@ -100,7 +102,7 @@ class ChatLoop(vf.Harness[ChatLoopConfig]):
             if self.config.list_models:
                 MODELS_SEEN.append([model.id async for model in client.models.list()])
             for turn in range(self.config.turns):
-                kwargs = {"tools": tools} if tools else {}
+                kwargs = {"tools": tools, **self.config.sampling} if tools else dict(self.config.sampling)
                 response = await client.chat.completions.create(model=ctx.model, messages=messages, **kwargs)
                 choice = response.choices[0]
                 message = choice.message

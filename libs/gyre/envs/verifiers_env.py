@@ -118,9 +118,10 @@ class GyreModelCalls:
     adapter can report versions per sample and tell a Gyre inference failure from an environment bug.
     """
 
-    def __init__(self, client: ModelClient, sampling: SamplingParams) -> None:
+    def __init__(self, client: ModelClient, sampling: SamplingParams, warned: set[str] | None = None) -> None:
         self.client = client
         self.sampling = sampling
+        self.warned = set() if warned is None else warned  # sampling keys already named (one warning per env)
         self.turns: list[Turn] = []
         self.failure: BaseException | None = None
         self.context_full = False  # a turn was refused as longer than the model's context
@@ -133,6 +134,7 @@ class GyreModelCalls:
         from verifiers.v1.errors import ProviderError
         from verifiers.v1.types import AssistantMessage, Response, ToolCall, TurnTokens, Usage
 
+        self._note_ignored_sampling(body)
         if pending is not None:
             prompt, tools = pending.prompt, pending.tools
         else:
@@ -168,6 +170,24 @@ class GyreModelCalls:
         )
         response.raw = serialize_completion(response, response.model)
         return response
+
+    def _note_ignored_sampling(self, body: dict) -> None:
+        """Name (once per environment and key) a harness's own sampling that differs from the run's: every turn is
+        sampled with `[orchestrator.sampling]`, and a harness asking for temperature 0 or a short max_tokens was
+        ignored without a word."""
+        for key, ours in _SAMPLING_KEYS.items():
+            value = body.get(key)
+            if value is None or key in self.warned or value == getattr(self.sampling, ours):
+                continue
+            self.warned.add(key)
+            log.warning("a verifiers harness asked for %s=%s, which Gyre does not apply: every turn is sampled with "
+                        "the run's [orchestrator.sampling] (%s=%s); set it there", key, value, ours,
+                        getattr(self.sampling, ours))  # fmt: skip
+
+
+# A harness's request keys -> the Gyre sampling setting that is used instead
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_tokens",
+                  "max_completion_tokens": "max_tokens"}  # fmt: skip
 
 
 @functools.cache
@@ -278,6 +298,7 @@ class VerifiersEnv(Environment):
         self._serving: tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack] | None = None
         self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._models_url = ""  # set when serving starts: see _models_server
+        self._sampling_warned: set[str] = set()  # the harness sampling keys already named (GyreModelCalls)
 
     @staticmethod
     def _config(vf, env_id: str, config: Mapping[str, Any] | None):
@@ -344,7 +365,7 @@ class VerifiersEnv(Environment):
         from verifiers.v1.clients import ModelContext, TrainClientConfig
 
         await self._ensure_serving()
-        calls = GyreModelCalls(client, sampling)
+        calls = GyreModelCalls(client, sampling, self._sampling_warned)
         ctx = ModelContext(
             model=MODEL_ID, client=TrainClientConfig(base_url=self._models_url, api_key_var="GYRE_UNUSED")
         )

@@ -116,6 +116,28 @@ async def test_a_harness_listing_the_models_is_answered(sampling, caplog):
 
 
 @pytest.mark.asyncio
+async def test_a_harness_asking_for_its_own_sampling_is_told_once_per_key(sampling, caplog):
+    """A harness's temperature / max_tokens are not applied (every turn is sampled with the run's settings): that
+    was silent. Each key that differs is named once per environment; a value equal to the run's is not."""
+    harness = {"id": "vf_gyre_tasks", "turns": 1, "tools": False,
+               "sampling": {"temperature": 0.0, "max_tokens": 7, "top_p": sampling.top_p}}  # fmt: skip
+    env = load_environment(NAME, taskset={"source": "reverse_text", "num_tasks": 8}, agent={"harness": harness},
+                           num_eval=2)  # fmt: skip
+    with caplog.at_level("WARNING", logger="gyre.envs.verifiers_env"):
+        task = env.tasks("train", seed=0)[0]
+        try:
+            for _ in range(2):
+                rollout = await env.rollout(ScriptedClient([task.answer]), task, sampling)
+                assert rollout.error is None
+        finally:
+            await env.aclose()
+    lines = [r.getMessage() for r in caplog.records if "which Gyre does not apply" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "temperature=0.0" in lines[0] and f"(temperature={sampling.temperature})" in lines[0]
+    assert "max_tokens=7" in lines[1] and "[orchestrator.sampling]" in lines[1]
+
+
+@pytest.mark.asyncio
 async def test_an_episode_that_raises_is_an_error_rollout_and_the_retry_works(sampling):
     env = vf_env("reverse_text", turns=1, tools=False, fail_first=list(range(8)))
     task = env.tasks("train", seed=0)[0]
