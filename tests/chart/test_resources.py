@@ -69,3 +69,41 @@ def test_requests_equal_to_limits_in_other_units_render():
     values = {"trainer": {"resources": {"requests": {"cpu": "1000m", "memory": 1073741824},
                                         "limits": {"cpu": 1, "memory": "1Gi"}}}}  # fmt: skip
     assert manifests(render(values))
+
+
+# A namespace whose ResourceQuota covers `limits.cpu` (and has no LimitRange default) admits a pod only when every
+# container, init containers included, sets a CPU limit. The components' `resources` could; the chart's init
+# containers and the `helm test` pod had fixed resources, so such a namespace refused every pod with one.
+QUOTA = {"limits": {"cpu": "2"}}
+HUB_AND_INIT = {"experiment": {"model": {"name": "Qwen/Qwen3-0.6B"}}, "modelInit": {"enabled": False},
+                "servers": [{"name": "ref", "model": "/data/model"}]}  # fmt: skip
+
+
+@pytest.mark.parametrize("values", [{}, HUB_AND_INIT], ids=["model-init", "model-fetch"])
+def test_every_container_can_get_a_cpu_limit_for_a_quota(values):
+    components = {c: {"resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}}
+                  for c in ("inference", "orchestrator", "trainer", "redis")}  # fmt: skip
+    aux = {"initResources": {"modelFetch": QUOTA, "modelInit": QUOTA, "waitForModel": QUOTA},
+           "tests": {"enabled": True, "resources": QUOTA}}  # fmt: skip
+    docs = manifests(render({**values, **components, **aux}))
+    found = containers_of(docs)
+    assert {name.split("/")[1] for name, _ in found} >= {"models", "inference", "trainer"}
+    assert {name.split("/")[1] for name, _ in found} & {"model-fetch", "model-init", "wait-for-model"}
+    for name, container in found:
+        limits = container["resources"]["limits"]
+        assert "cpu" in limits and "memory" in limits, (name, container["resources"])  # merged over the defaults
+
+
+def test_the_init_containers_and_the_test_pod_keep_their_defaults():
+    defaults = {"model-init": ({"cpu": "500m", "memory": "1Gi"}, {"memory": "4Gi"}),
+                "wait-for-model": ({"cpu": "10m", "memory": "64Mi"}, {"memory": "256Mi"}),
+                "models": ({"cpu": "50m", "memory": "64Mi"}, {"memory": "256Mi"})}  # fmt: skip
+    for name, container in containers_of(manifests(render({}))):
+        if (short := name.split("/")[1]) in defaults:
+            assert (container["resources"]["requests"], container["resources"]["limits"]) == defaults[short], name
+
+
+def test_an_init_request_above_its_limit_is_refused_naming_the_value():
+    with pytest.raises(helm_python.HelmRenderError) as caught:
+        render({"initResources": {"modelInit": {"requests": {"memory": "8Gi"}}}})
+    assert "initResources.modelInit: requests.memory (8Gi) is above limits.memory (4Gi)" in str(caught.value)

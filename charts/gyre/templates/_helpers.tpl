@@ -297,6 +297,30 @@ args:
   - {{ .action }}
 {{- end -}}
 
+{{/*
+Resources of the chart's own short-lived containers: the init containers ("modelFetch", "modelInit",
+"waitForModel": `initResources.<name>`) and the `helm test` pod ("tests": `tests.resources`), merged key by key
+over their defaults. The defaults live here, not in values.yaml, so that `helm upgrade --reuse-values` (the
+previous chart's values, which lack these keys) still gets them. wait-for-model: Python with Gyre's logging peaks
+near 60 MiB in JSON mode (it imports transformers to route its warnings). Call with (dict "root" $ "name" "modelFetch").
+*/}}
+{{- define "gyre.auxResources" -}}
+{{- $defaults := dict
+  "modelFetch" (dict "requests" (dict "cpu" "500m" "memory" "512Mi") "limits" (dict "memory" "2Gi"))
+  "modelInit" (dict "requests" (dict "cpu" "500m" "memory" "1Gi") "limits" (dict "memory" "4Gi"))
+  "waitForModel" (dict "requests" (dict "cpu" "10m" "memory" "64Mi") "limits" (dict "memory" "256Mi"))
+  "tests" (dict "requests" (dict "cpu" "50m" "memory" "64Mi") "limits" (dict "memory" "256Mi")) -}}
+{{- $own := dict -}}
+{{- if eq .name "tests" -}}
+{{- $own = (.root.Values.tests | default dict).resources | default dict -}}
+{{- else -}}
+{{- $own = get (.root.Values.initResources | default dict) .name | default dict -}}
+{{- end -}}
+{{- $key := ternary "tests.resources" (printf "initResources.%s" .name) (eq .name "tests") -}}
+{{- /* gyre.resources: a request above its limit is refused naming the value */ -}}
+{{- include "gyre.resources" (dict "root" .root "key" $key "count" 0 "component" (dict "resources" (merge (deepCopy $own) (get $defaults .name)))) -}}
+{{- end -}}
+
 {{/* ---------- volumes and environment shared by the Gyre containers ---------- */}}
 
 {{/*
@@ -442,9 +466,7 @@ plus "model".
     {{- end }}
   terminationMessagePolicy: FallbackToLogsOnError
   {{- include "gyre.containerSecurityContext" . | nindent 2 }}
-  resources:
-    requests: {cpu: 500m, memory: 512Mi}
-    limits: {memory: 2Gi}
+  {{- include "gyre.auxResources" (dict "root" .root "name" "modelFetch") | nindent 2 }}
   volumeMounts:
     {{- if include "gyre.secretSources" (dict "root" .root "keys" .secretKeys) | trim }}
     {{- include "gyre.secretsMount" . | nindent 4 }}
@@ -483,10 +505,7 @@ initContainers:
         value: /tmp
       {{- include "gyre.logEnv" .root | nindent 6 }}
     {{- include "gyre.containerSecurityContext" . | nindent 4 }}
-    # Python with Gyre's logging: ~60 MiB in JSON mode (it imports transformers to route its warnings)
-    resources:
-      requests: {cpu: 10m, memory: 64Mi}
-      limits: {memory: 256Mi}
+    {{- include "gyre.auxResources" (dict "root" .root "name" "waitForModel") | nindent 4 }}
     volumeMounts:
       - name: data
         mountPath: {{ .root.Values.persistence.mountPath }}
