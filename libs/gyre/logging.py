@@ -102,6 +102,19 @@ def _route_library_output() -> None:
         hf_logging.enable_propagation()
 
 
+def _drop_hub_handler() -> None:
+    """huggingface_hub gives its loggers a stderr handler of its own at import, and they propagate to ours too: each
+    of its warnings (a hub request retried, 10 while a model is looked up offline) was printed twice, once as bare
+    text that a JSON collector cannot parse. Imported now (milliseconds, no torch) so the handler exists to drop."""
+    if importlib.util.find_spec("huggingface_hub") is None:
+        return
+    import huggingface_hub.utils.logging  # noqa: F401 (adds the handler)
+
+    hub = logging.getLogger("huggingface_hub")
+    for handler in [h for h in hub.handlers if not getattr(h, _MARK, False)]:
+        hub.removeHandler(handler)
+
+
 def setup_logging(
     level: str = "INFO",
     file: Path | str | None = None,
@@ -138,6 +151,7 @@ def setup_logging(
         handler.setFormatter(formatter)
         setattr(handler, _MARK, True)
         root.addHandler(handler)
+    _drop_hub_handler()
     root.setLevel(numeric)
     # chatty third-party loggers (a line per HTTP request) stay at WARNING unless we debug
     for noisy in ("httpx", "httpx2", "httpcore", "httpcore2", "urllib3", "filelock"):  # openai 3.x uses httpx2

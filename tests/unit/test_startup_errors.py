@@ -87,3 +87,20 @@ def test_a_model_file_given_to_the_torch_backend_is_one_json_record_too(tmp_path
     assert res.returncode == 2
     [record] = records(res.stderr)
     assert "is a file: the torch backend loads a model folder" in record["message"]
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_hub_warning_is_one_line_in_the_services_format(fmt):
+    # huggingface_hub's own stderr handler printed each of its warnings (a request retried while a model is looked up)
+    # a second time, as bare text: under JSON, a line a collector cannot parse; under text, every line twice
+    code = ("from gyre.logging import setup_logging\n"
+            f"setup_logging('info', None, 'inference', {fmt!r}, 'exp4')\n"
+            "from huggingface_hub.utils import logging as hub_logging\n"
+            "hub_logging.get_logger('huggingface_hub.utils._http').warning('Retrying in 1s [Retry 1/5].')\n")  # fmt: skip
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    [line] = res.stderr.splitlines()
+    if fmt == "json":
+        assert json.loads(line)["message"] == "Retrying in 1s [Retry 1/5]." and json.loads(line)["service"] == "inference"
+    else:
+        assert line.endswith("WARNING inference huggingface_hub.utils._http: Retrying in 1s [Retry 1/5].")
