@@ -55,6 +55,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "model": {"type": "string"},
             "usage": {"$ref": "#/components/schemas/Usage"},
             "prompt_token_ids": _INT_LIST,
+            "prompt_logprobs": {"type": "array", "items": {"anyOf": [{"type": "object"}, {"type": "null"}]}},
             "choices": {
                 "type": "array",
                 "items": {

@@ -27,7 +27,7 @@ MAX_BAD_WORDS = 128  # entries of bad_words (each is a sparse bias entry of its 
 
 
 # vLLM request fields this server refuses, with the reason the 400 gives (docs/inference.md, "Compatibility").
-_NO_PROMPT_LOGPROBS = "prompt log-probs are served on /v1/completions and /inference/v1/generate"
+_NO_PROMPT_LOGPROBS = "prompt log-probs are served on chat, /v1/completions and /inference/v1/generate"
 UNSUPPORTED_FIELDS = {
     "prompt_logprobs": _NO_PROMPT_LOGPROBS,
     "use_beam_search": "no beam search (ask for n choices instead)",
@@ -375,7 +375,13 @@ class ChatCompletionRequest(SamplingRequest):
     )
     # vLLM chat fields at their defaults only (see SamplingRequest)
     best_of: int | None = Field(None, ge=1, le=1, description="vLLM extension; only 1.")
-    prompt_logprobs: None = Field(None, description="Only null: prompt log-probs are served on /v1/completions.")
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="vLLM extension: top-level, the log-prob of every token of the rendered prompt given the ones "
+        "before it (T = 1) plus this many alternatives; not with stream.",
+    )
     include_reasoning: bool | None = Field(None, description="vLLM extension; only true.")
     documents: None = Field(None, description="Only null: documents are not passed to the template.")
     chat_template: None = Field(None, description="Only null: the chat template is the model's own.")
@@ -434,6 +440,8 @@ class ChatCompletionRequest(SamplingRequest):
     def _check(self):
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", "prompt_logprobs are not available when stream is true (as in vLLM)")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ParamError("max_tokens", "Setting 'max_tokens' and 'max_completion_tokens' at the same time is not "
                              "supported.", code="invalid_parameter_combination")  # OpenAI's words  # fmt: skip

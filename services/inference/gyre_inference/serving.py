@@ -221,7 +221,7 @@ class Serving:
         bad_words = tuple(request.bad_words or ())
         bad_word_ids = self.text.bad_word_ids(list(bad_words))
         if isinstance(request, ChatCompletionRequest):
-            top, prompt_top = ((request.top_logprobs or 0) if request.logprobs else 0), None
+            top, prompt_top = ((request.top_logprobs or 0) if request.logprobs else 0), request.prompt_logprobs
         else:
             top, prompt_top = request.logprobs or 0, request.prompt_logprobs_wanted
         # nothing reads a non-streaming choice without stop strings before it ends: handed over and decoded once
@@ -422,6 +422,9 @@ class Serving:
                 "model": job.request.model, "choices": choices, "usage": self._usage(job)}  # fmt: skip
         if job.request.return_token_ids:
             body["prompt_token_ids"] = job.prompts[0]
+        if job.request.prompt_logprobs is not None:  # vLLM's top-level field (one prompt), computed with choice 0
+            entries = next(choice.prompt_logprobs for _, choice, _ in job.choices if choice.prompt_logprobs)
+            body["prompt_logprobs"] = to_vllm(entries, job.prompts[0], lambda t: self._token(job, t)[0])
         return body
 
     def _completion_body(self, job: _Job) -> dict:

@@ -1,8 +1,8 @@
 """`prompt_logprobs` (vLLM's field and shape) on a real `gyre inference`, exact against a transformers forward.
 
 Routes: the tokens-in route (top-level `prompt_logprobs`), `/v1/completions` through the official `openai` client
-(per choice `prompt_logprobs`), and `echo` with `logprobs` (the prompt's tokens in the legacy lists, as lm-eval
-reads them). Chat refuses the field with the reason.
+(per choice `prompt_logprobs`), chat (top-level, over the rendered prompt, as vLLM), and `echo` with `logprobs` (the
+prompt's tokens in the legacy lists, as lm-eval reads them).
 """
 
 from __future__ import annotations
@@ -15,17 +15,21 @@ import torch
 PROMPT = [1, 705, 201, 74, 75, 2, 201, 1, 739, 201, 88, 12]
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_model):
+def reference(tiny_model, prompt: list[int]):
     """Per prompt position after the first: (log-prob, rank, top-3 ids) of a plain transformers forward."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     with torch.no_grad():
-        rows = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, :-1].float(), dim=-1)
-    chosen = rows.gather(1, torch.tensor(PROMPT[1:])[:, None])
+        rows = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    chosen = rows.gather(1, torch.tensor(prompt[1:])[:, None])
     ranks = ((rows > chosen).sum(-1) + 1).tolist()
     return chosen[:, 0].tolist(), ranks, rows.topk(3).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    return reference(tiny_model, PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +42,11 @@ def plain_id(plain) -> str:
     return httpx.get(f"{plain.url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def check(shaped: list, expected) -> None:
+def check(shaped: list, expected, prompt: list[int] = PROMPT) -> None:
     logprobs, ranks, tops = expected
-    assert len(shaped) == len(PROMPT) and shaped[0] is None
+    assert len(shaped) == len(prompt) and shaped[0] is None
     for i, position in enumerate(shaped[1:]):
-        token = str(PROMPT[i + 1])
+        token = str(prompt[i + 1])
         assert list(position)[0] == token  # the prompt token first
         assert position[token]["logprob"] == pytest.approx(logprobs[i], abs=1e-4)
         assert position[token]["rank"] == ranks[i]
@@ -69,6 +73,21 @@ def test_completions_through_the_openai_client(plain, plain_id, expected):
                                                extra_body={"prompt_logprobs": 3})  # fmt: skip
     for choice in completion.choices:  # every choice of the prompt carries them (vLLM)
         check(choice.model_extra["prompt_logprobs"], expected)
+
+
+def test_chat_through_the_openai_client(plain, plain_id, tiny_model):
+    """vLLM's chat field: top-level, over the rendered prompt (template and all), computed once whatever n (it was a
+    400 "served on /v1/completions")."""
+    from openai import OpenAI
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
+    rendered = httpx.post(f"{plain.url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    with OpenAI(base_url=plain.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        chat = client.chat.completions.create(model=plain_id, messages=messages, max_tokens=2, n=2, temperature=1.3,
+                                              extra_body={"prompt_logprobs": 3})  # fmt: skip
+        plain_chat = client.chat.completions.create(model=plain_id, messages=messages, max_tokens=2)
+    check(chat.model_extra["prompt_logprobs"], reference(tiny_model, rendered), rendered)
+    assert "prompt_logprobs" not in plain_chat.model_extra  # only when asked for
 
 
 def test_echo_with_logprobs_lists_the_prompt_tokens_first(plain, plain_id, expected):
@@ -114,8 +133,10 @@ def client_text(server, ids: list[int]) -> str:
 @pytest.mark.parametrize(
     ("route", "body", "param", "reason"),
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1},
-         "prompt_logprobs", "/v1/completions"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1,
+                                  "stream": True}, "prompt_logprobs", "stream"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21},
+         "prompt_logprobs", "20"),
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, None, "stream"),
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "20"),
         ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, None, "stream"),

@@ -485,8 +485,7 @@ def test_vllm_request_defaults_spelled_out_sample_what_leaving_them_out_does(htt
         assert spelled.status_code == 200, spelled.text
         assert spelled.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
     refused = {"length_penalty": 0.5, "spaces_between_special_tokens": False, "cache_salt": "s", "best_of": 2,
-               "prompt_logprobs": 1, "include_reasoning": False, "chat_template": "{{ x }}",
-               "documents": []}  # fmt: skip
+               "include_reasoning": False, "chat_template": "{{ x }}", "documents": []}  # fmt: skip
     for field, value in refused.items():
         response = http.post("/v1/chat/completions", json=ask | {"messages": STORY, field: value})
         error = response.json()["error"]
