@@ -96,11 +96,13 @@ def test_a_hub_warning_is_one_line_in_the_services_format(fmt):
     code = ("from gyre.logging import setup_logging\n"
             f"setup_logging('info', None, 'inference', {fmt!r}, 'exp4')\n"
             "from huggingface_hub.utils import logging as hub_logging\n"
-            "hub_logging.get_logger('huggingface_hub.utils._http').warning('Retrying in 1s [Retry 1/5].')\n")  # fmt: skip
+            "hub_logging.get_logger('huggingface_hub.utils._http').warning('Retrying in 1s [Retry 1/5].')\n"
+            )  # fmt: skip
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     [line] = res.stderr.splitlines()
     if fmt == "json":
-        assert json.loads(line)["message"] == "Retrying in 1s [Retry 1/5]." and json.loads(line)["service"] == "inference"
+        record = json.loads(line)
+        assert record["message"] == "Retrying in 1s [Retry 1/5]." and record["service"] == "inference"
     else:
         assert line.endswith("WARNING inference huggingface_hub.utils._http: Retrying in 1s [Retry 1/5].")
