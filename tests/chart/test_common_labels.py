@@ -99,3 +99,19 @@ def test_a_label_that_cannot_work_is_refused_naming_common_labels(labels):
     key = next(iter(labels))
     if "/" in key:
         assert f"commonLabels: {key!r}".replace("'", '"') + " is a label of the chart's own" in str(caught.value)
+
+
+def test_the_helm_test_pod_takes_its_own_annotations_and_labels():
+    """A service mesh's sidecar never exits, so an injected `helm test` pod never finished (`helm test` waited for its
+    timeout): the components had `podAnnotations` for the mesh's opt-out, the test pod none. Its hook annotations stay
+    the chart's."""
+    values = {
+        "commonLabels": {"team": "rl"},
+        "tests": {"podAnnotations": {"sidecar.istio.io/inject": "false", "helm.sh/hook": "pre-install"},
+                  "podLabels": {"team": "qa", "suite": "smoke"}},
+    }  # fmt: skip
+    (pod,) = [d for d in manifests(render(values)) if d["kind"] == "Pod"]
+    annotations, labels = pod["metadata"]["annotations"], pod["metadata"]["labels"]
+    assert annotations["sidecar.istio.io/inject"] == "false"
+    assert annotations["helm.sh/hook"] == "test"  # still a test hook, never run at install
+    assert (labels["team"], labels["suite"], labels["app.kubernetes.io/component"]) == ("qa", "smoke", "test")

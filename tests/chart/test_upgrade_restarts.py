@@ -78,8 +78,11 @@ def test_a_multi_node_trainer_job_changes_identity_with_its_runs():
 # Values added in chart 0.6.0. `helm upgrade --reuse-values` renders the new chart with the previous release's
 # values in place of its values.yaml (Helm swaps the chart's defaults for the old ones), so an upgrade from 0.5.0
 # sees none of these keys: the templates must read them absent as their default.
-NEW_IN_0_6 = [("commonLabels",), ("initResources",), ("tests", "resources")] + [
-    (component, "topologySpreadConstraints") for component in ("inference", "orchestrator", "trainer", "redis")
+NEW_IN_0_6 = [
+    ("commonLabels",),
+    ("initResources",),
+    *[("tests", key) for key in ("resources", "podAnnotations", "podLabels")],
+    *[(component, "topologySpreadConstraints") for component in ("inference", "orchestrator", "trainer", "redis")],
 ]
 
 
