@@ -77,3 +77,21 @@ __all__ = [
     "load_environment",
     "parse_tool_calls",
 ]
+
+#: verifiers (0.1-0.3) names a ported environment (`import gyre.envs as vf`) may use that Gyre does not have, and
+#: what plays their part here: `vf.JudgeRubric` was a bare "module has no attribute" (docs/environments.md, Porting)
+VERIFIERS_INSTEAD = {
+    "JudgeRubric": "Gyre's judges: gyre.envs.judge.Judge added to the rubric (rubric.add(Judge(url=..., prompt=...))), "
+    "or [[orchestrator.judges]] in the run's config",
+    "EnvGroup": "several [[orchestrator.env]] entries in the run's config (an orchestrator mix, docs/orchestrator.md)",
+    "ToolRubric": "a reward function reading state['tool_calls'] (each executed call: name, arguments, ok, result)",
+    "StatefulToolEnv": "ToolEnv (a tool's arguments cannot be filled from the rollout's state)",
+    "load_example_dataset": "the rows themselves: dataset=datasets.load_dataset(...) or a .jsonl/.parquet path",
+}
+
+
+def __getattr__(name: str):
+    if name in VERIFIERS_INSTEAD:
+        raise AttributeError(f"gyre.envs has no {name} (verifiers'); instead: {VERIFIERS_INSTEAD[name]} "
+                             "(docs/environments.md, Porting a verifiers 0.1-0.3 environment)")  # fmt: skip
+    raise AttributeError(f"module 'gyre.envs' has no attribute {name!r}")

@@ -208,3 +208,16 @@ async def test_a_verifiers_metric_is_reported_and_adds_nothing(sampling):
     task = env.tasks("eval")[0]
     _, score = await score_of(env, task, "<think>\nx\n</think>\n<answer>\neryg\n</answer>", sampling)
     assert score.per_function["reply_length"] > 1 and score.reward == pytest.approx(1.3)
+
+
+def test_a_verifiers_name_gyre_lacks_says_what_plays_its_part():
+    """`vf.JudgeRubric(...)` in a ported environment was "module 'gyre.envs' has no attribute 'JudgeRubric'"."""
+    import gyre.envs as vf
+
+    with pytest.raises(AttributeError, match=r"gyre.envs has no JudgeRubric \(verifiers'\); instead: Gyre's judges"):
+        vf.JudgeRubric  # noqa: B018
+    with pytest.raises(AttributeError, match=r"has no EnvGroup .*\[\[orchestrator.env\]\]"):
+        vf.EnvGroup  # noqa: B018
+    with pytest.raises(AttributeError, match="module 'gyre.envs' has no attribute 'Nonesuch'"):
+        vf.Nonesuch  # noqa: B018
+    assert not hasattr(vf, "ToolRubric")
