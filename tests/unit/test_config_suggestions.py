@@ -58,6 +58,22 @@ def error_of(argv: list[str], tmp_path: Path) -> str:
         (["--trainer.model.lora.rank", "8"],
          "config key 'trainer.model.lora': unknown key; PRIME-RL's model.lora is 'trainer.lora' here (the trainer's "
          "LoRA adapter: rank, alpha, dropout, target_modules)"),
+        # verl's actor keys: clip_ratio_low was "did you mean 'trainer.loss.clip_ratio_c'?" (the dual clip, a near
+        # miss by spelling), warmup_style 'trainer.optim.warmup_steps'; loss_agg_mode and grad_clip got no guess
+        (["--trainer.loss.clip-ratio-low", "0.2"],
+         "config key 'trainer.loss.clip_ratio_low': unknown key (did you mean 'trainer.loss.eps_low'?)"),
+        (["--trainer.loss.clip-ratio", "0.2"],
+         "config key 'trainer.loss.clip_ratio': unknown key (did you mean 'trainer.loss.eps_low' or "
+         "'trainer.loss.eps_high'?)"),
+        (["--trainer.optim.warmup-style", "cosine"],
+         "config key 'trainer.optim.warmup_style': unknown key (did you mean 'trainer.optim.scheduler'?)"),
+        (["--trainer.loss.loss-agg-mode", "token-mean"],
+         "config key 'trainer.loss.loss_agg_mode': unknown key (did you mean 'trainer.loss.aggregation'?)"),
+        (["--trainer.optim.grad-clip", "1"],
+         "config key 'trainer.optim.grad_clip': unknown key (did you mean 'trainer.optim.max_grad_norm'?)"),
+        # a key of gyre rl's [trainer] found in two places: the second was named without its section ('server.port')
+        (["--trainer.port", "1"],
+         "config key 'trainer.port': unknown key (did you mean 'trainer.metrics.port' or 'trainer.server.port'?)"),
         (["--clean"],
          "config key 'clean': unknown key; PRIME-RL's clean is 'fresh' here (it deletes the previous run in output_dir "
          "first; without it the same command continues that run, where PRIME-RL's rl cleaned by default)"),

@@ -201,7 +201,11 @@ def under_section(error: ConfigError, section: str) -> ConfigError:
     suggested ones too, written as the larger config's key (`optim.lr` -> `trainer.optim.lr`)."""
     text = str(error).replace("config key '", f"config key '{section}.")
     text = re.sub(r"(PRIME-RL's [\w.]+ is ')", rf"\g<1>{section}.", text)  # `_prime_rl_key`'s answer
-    return ConfigError(text.replace("did you mean '", f"did you mean '{section}."))
+
+    def each(meant: re.Match) -> str:  # every key of "did you mean 'a' or 'b'?" (the second was left unprefixed)
+        return "did you mean '" + "' or '".join(f"{section}.{key}" for key in meant.group(1).split("' or '")) + "'?"
+
+    return ConfigError(re.sub(r"did you mean '(.*?)'\?", each, text))
 
 
 class BareFlag(str):
@@ -593,11 +597,23 @@ def check_bare_flags(model: type[BaseModel], values: dict, prefix: str = "") -> 
             )
 
 
-# Names other frameworks (PRIME-RL, verl, TRL) give a key that Gyre names otherwise, in the same section: a near miss
-# by spelling finds the rest (async_level -> max_async_level).
-KEY_SYNONYMS = {"id": "name", "env_id": "name", "learning_rate": "lr", "max_norm": "max_grad_norm",
-                "num_steps": "max_steps", "total_steps": "max_steps", "max_new_tokens": "max_tokens",
-                "max_num_seqs": "max_batch_size"}  # fmt: skip
+# Names other frameworks (PRIME-RL, verl, TRL) give a key that Gyre names otherwise, in the same section (a tuple: the
+# keys it stands for): a near miss by spelling finds the rest (async_level -> max_async_level). A synonym goes before a
+# near miss, which can be another key: verl's clip_ratio_low was "did you mean 'loss.clip_ratio_c'?" (the dual clip).
+KEY_SYNONYMS: dict[str, str | tuple[str, ...]] = {
+    "id": "name", "env_id": "name", "learning_rate": "lr", "max_norm": "max_grad_norm", "num_steps": "max_steps",
+    "total_steps": "max_steps", "max_new_tokens": "max_tokens", "max_num_seqs": "max_batch_size",
+    # verl's actor keys (docs/trainer.md, "Coming from verl or PRIME-RL")
+    "clip_ratio_low": "eps_low", "clip_ratio_high": "eps_high", "clip_ratio": ("eps_low", "eps_high"),
+    "loss_agg_mode": "aggregation", "kl_loss_coef": "ref_kl_coef", "kl_loss_type": "ref_kl_estimator",
+    "grad_clip": "max_grad_norm", "clip_grad": "max_grad_norm", "lr_warmup_steps": "warmup_steps",
+    "warmup_style": "scheduler", "lr_scheduler_type": "scheduler",
+}  # fmt: skip
+
+
+def _synonyms(leaf: str) -> tuple[str, ...]:
+    meant = KEY_SYNONYMS.get(leaf, ())
+    return (meant,) if isinstance(meant, str) else meant
 
 
 # PRIME-RL keys that Gyre has in another place or shape (docs/local.md, "Coming from PRIME-RL"), by their dotted tail
@@ -641,9 +657,12 @@ def _suggestion(key: str, known: list[str]) -> tuple[str | None, str]:
     parent, _, leaf = key.rpartition(".")
     prefix = f"{parent}." if parent else ""
     siblings = [k[len(prefix) :] for k in known if k.startswith(prefix) and "." not in k[len(prefix) :]]
+    meant = [prefix + name for name in _synonyms(leaf) if name in siblings]
+    if meant:
+        return "' or '".join(meant), ""
     near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.7)
-    if near or KEY_SYNONYMS.get(leaf) in siblings:
-        return prefix + (near[0] if near else KEY_SYNONYMS[leaf]), ""
+    if near:
+        return prefix + near[0], ""
     # not a sibling (their common prefix made `wandb.name` "mean" 'wandb.mode'), nor a section holding the key
     close = [k for k in difflib.get_close_matches(key, known, n=3)
              if not key.startswith(k + ".") and k.rpartition(".")[0] != parent]  # fmt: skip
@@ -651,7 +670,7 @@ def _suggestion(key: str, known: list[str]) -> tuple[str | None, str]:
         return close[0], ""
     if not parent or not siblings:  # a top-level key or one under no section: maybe set in the wrong place
         leaves = {k: k.rpartition(".")[2] for k in known if LIST_INDEX not in k}
-        same = [k for k, name in leaves.items() if name in (leaf, KEY_SYNONYMS.get(leaf))]
+        same = [k for k, name in leaves.items() if name in (leaf, *_synonyms(leaf))]
         near = difflib.get_close_matches(leaf, set(leaves.values()), n=1, cutoff=0.8)
         same = same or [k for k, name in leaves.items() if near and name == near[0]]
         if same:
