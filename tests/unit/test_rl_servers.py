@@ -157,3 +157,29 @@ def test_a_runs_environment_over_a_shared_mix_is_the_runs_own_and_other_tables_n
     args_only = [{"name": "alpha"}, {"name": "beta", "orchestrator": {"env": {"args": {"x": 1}}}}]
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.orchestrator.env': \[orchestrator\] trains a mix of 2"):
         resolve_configs(load_config(RLConfig, [*base, "--runs", json.dumps(args_only)]), "m", "redis://127.0.0.1:1/0")
+
+
+def test_a_policy_port_the_user_sets_is_served_on_and_a_taken_one_is_refused_naming_the_key(tmp_path):
+    # PRIME-RL users set the policy's port to reach it (vf-eval -b http://localhost:8000/v1): gyre rl replaced it by a
+    # random one, silently
+    import socket
+
+    from gyre.net import free_port
+
+    port = free_port()
+    resolved = resolve(tmp_path, "@", str(ROOT / "configs/ci.toml"), "--inference.server.port", str(port),
+                       "--inference-replicas", "2")  # fmt: skip
+    assert [replica.server.port for replica in resolved.inference] == [port, port + 1]
+    assert len({r.control.port for r in resolved.inference} | {port, port + 1}) == 4  # control ports: free, apart
+    unset = resolve(tmp_path, "@", str(ROOT / "configs/ci.toml"), "--inference-replicas", "2")
+    assert len({replica.server.port for replica in unset.inference}) == 2
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        said = rf"^config key 'inference.server.port': port {busy} on 127.0.0.1 is in use"
+        with pytest.raises(ConfigError, match=said):
+            resolve(tmp_path, "@", str(ROOT / "configs/ci.toml"), "--inference.server.port", str(busy))
+    with pytest.raises(ConfigError, match=r"^config key 'inference.server.port': 'http' is not a port number"):
+        resolve(tmp_path, "@", str(ROOT / "configs/ci.toml"), "--inference.server.port", "http")

@@ -890,3 +890,16 @@ def test_inference_slower_than_inference_ready_timeout_s_names_the_key_and_where
     assert "inference not ready after 0.5s (raise inference_ready_timeout_s" in res.stderr
     assert _processes_naming(str(out)) == []  # the replica and the trainer it started are stopped
     assert load_config(RLConfig, []).inference_ready_timeout_s == 600
+
+
+def test_gyre_rl_says_where_the_policy_is_served_on_the_port_the_user_set(tmp_path):
+    # the console never said where the policy answers (PRIME-RL users evaluate or curl it as it trains), and a port
+    # set for it was replaced by a random one
+    from gyre.net import free_port
+
+    out, port = tmp_path / "run", free_port()
+    res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out), "--max-steps", "1", "--inference.server.port",
+               str(port), timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"inference: http://127.0.0.1:{port}/v1 (OpenAI API; model '{out / 'model'}')" in res.stdout
+    assert tomllib.loads((out / "configs/inference.toml").read_text())["server"]["port"] == port

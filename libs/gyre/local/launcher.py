@@ -608,6 +608,11 @@ class Launcher:
                                         f"a model that loads longer); last lines of {child.log_path}:\n"
                                         f"{child.tail()}") from None  # fmt: skip
                 self._check_interrupted()
+        served = ", ".join(f"{child.base_url}" for child in replicas[: len(configs.inference)])
+        policy = configs.inference[0]
+        names = ", ".join(repr(run) for run in configs.orchestrators) if self.cfg.runs else repr(
+            policy.served_model_name or policy.model.name)  # fmt: skip
+        _console(f"inference: {served} (OpenAI API; model {names})")  # to curl or evaluate the policy as it trains
         orchestrators = []
         for run_name, orch in configs.orchestrators.items():
             name = f"orchestrator-{run_name}" if self.cfg.runs else "orchestrator"

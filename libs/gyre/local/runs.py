@@ -112,8 +112,10 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
     served = served_adapters(cfg, trainer, [run.name for run in runs] if multi else [])
     serving = {key: value for key, value in shared.items() if key in InferenceConfig.model_fields}  # no Redis, W&B
     replicas = []
+    chosen = _user_port(cfg)
     for i in range(cfg.inference_replicas):
-        values = {**serving, "model": model, "server": {"port": free_port()}, "control": {"port": free_port()}}
+        port = free_port() if chosen is None else chosen + i
+        values = {**serving, "model": model, "server": {"port": port}, "control": {"port": free_port()}}
         replicas.append(_validated(InferenceConfig, f"inference.{i}", cfg.inference, values | served))
 
     servers = {}
@@ -186,6 +188,36 @@ def _run_orchestrator(shared: dict[str, Any], own: dict[str, Any], index: int) -
                 f'keys of the shared entries by index (env = {{ "1" = {{ ratio = 3 }} }}), not {sorted(env)} alone'
             )
     return deep_merge(shared, own)
+
+
+def _user_port(cfg: RLConfig) -> int | None:
+    """`inference.server.port` when the user set it (replica i serves on port + i), else None (a free port each).
+    PRIME-RL users set it to reach the policy (`vf-eval -b http://localhost:8000/v1`, curl): it was replaced by a
+    random port, silently. A port that is taken is refused now, naming the key, not a replica that fails to bind."""
+    import socket
+
+    server = cfg.inference.get("server")
+    given = server.get("port") if isinstance(server, dict) else None
+    if given is None:
+        return None
+    try:
+        port = int(given)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key 'inference.server.port': {given!r} is not a port number") from None
+    if port <= 0 or port + cfg.inference_replicas - 1 > 65535:
+        raise ConfigError(f"config key 'inference.server.port': {port} is no port for {cfg.inference_replicas} "
+                          "replica(s) (port + i for replica i); unset it for free ports")  # fmt: skip
+    host = str(server.get("host", "127.0.0.1"))
+    for taken in range(port, port + cfg.inference_replicas):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+            try:
+                sock.bind((host, taken))
+            except OSError as e:
+                raise ConfigError(f"config key 'inference.server.port': port {taken} on {host} is in use "
+                                  f"({e.strerror}: another server, or a run still going?); choose another or unset "
+                                  "it for a free port") from None  # fmt: skip
+    return port
 
 
 SERVER_URL = "server:"  # url = "server:<name>" in orchestrator settings: a [[servers]] entry of gyre rl
