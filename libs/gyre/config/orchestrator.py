@@ -222,6 +222,12 @@ class AdvantageConfig(Section):
     type: Literal["grpo", "drgrpo", "rloo", "opo"] = Field("drgrpo", description="Group advantage estimator.")
     std_norm: Literal["group", "batch", "none"] = Field("group", description="grpo: std used for scaling.")
     drop_zero_signal: bool = Field(True, description="Drop groups whose rewards are all equal.")
+    refill: Literal["mix", "entry"] = Field(
+        "mix",
+        description="A mix: a dropped zero-signal group is replaced by a fresh draw of the mix (mix: the trained mix "
+        "leans toward the entries with signal), or by its own entry's next task (entry: each entry "
+        "keeps the share it was drawn, while the step's oversample budget lasts).",
+    )
     oversample_limit: float = Field(
         2.0,
         ge=1,

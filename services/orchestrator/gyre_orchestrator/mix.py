@@ -34,7 +34,7 @@ class MixTask:
 
     env: str
     index: int
-    draw: int
+    draw: int | None  # None: a dropped group's replacement from its own entry (advantage.refill = "entry")
     task: Any
 
 
@@ -77,7 +77,14 @@ class TaskMix:
         u = (self._offset + draw * PHI) % 1.0 * self._bounds[-1]
         return self.labels[min(bisect.bisect_right(self._bounds, u), len(self.labels) - 1)]
 
-    def next(self) -> MixTask:
+    def next(self, env: str | None = None) -> MixTask:
+        """The next draw's entry and its next task; with `env`, that entry's next task outside the draw sequence (a
+        dropped group's replacement that keeps its entry's share, advantage.refill = "entry"): the draws to come
+        stay those of the sequence, and only that entry's cursor moves."""
+        if env is not None:
+            index = self.cursors[env]
+            self.cursors[env] = index + 1
+            return MixTask(env=env, index=index, draw=None, task=self.sources[env][index])
         draw = self.draws
         label = self.pick(draw)
         index = self.cursors[label]

@@ -41,7 +41,7 @@ class ScoredRollout:
     seconds: float
     teacher_logprobs: list[float] | None = None  # the teacher's log-prob of each token (distillation)
     env: str = ""  # the environment's label (a mix's entry)
-    draw: int = 0  # the mix's draw that chose its task
+    draw: int | None = 0  # the mix's draw that chose its task (None: a refill from its entry, advantage.refill)
 
     @property
     def reward(self) -> float:

@@ -22,8 +22,9 @@ waits idle except on the bound itself. At most `max_inflight_groups` groups run 
 step first.
 
 Groups whose rewards are all equal carry no signal; with `drop_zero_signal` they are dropped, counted
-in `dropped_zero_signal`, and replaced by a fresh task. The waste is bounded (documented in
-docs/orchestrator.md): a step generates at most `oversample_limit * batch_size` groups, so generating a
+in `dropped_zero_signal`, and replaced by a fresh task (a fresh draw of a mix, or with `refill_from_entry` the
+next task of the dropped group's own entry, so each entry keeps the share it was drawn). The waste is bounded
+(documented in docs/orchestrator.md): a step generates at most `oversample_limit * batch_size` groups, so generating a
 batch costs at most `oversample_limit` times an unfiltered one, however hard the task. Once that budget
 is spent the step closes with the groups it kept, even if fewer than `batch_size`; with none kept it
 closes with its last `batch_size` dropped groups (`StepState.zero_signal_batch`: every advantage is 0).
@@ -134,6 +135,7 @@ class StepState:
     closed_at: float | None = None
     wasted: list[Any] = field(default_factory=list)  # samples generated and not trained: stale, zero-signal
     zero_signal_batch: bool = False  # the budget ran out with nothing kept: `kept` holds dropped groups
+    owed: deque = field(default_factory=deque)  # refill_from_entry: the entries of dropped groups not yet replaced
 
     @property
     def generated_groups(self) -> int:
@@ -192,6 +194,7 @@ class RolloutScheduler:
         trained: Callable[[], int] = lambda: 0,
         on_finished: Callable[[Any, bool], None] = lambda _sample, _stale: None,
         group_sizes: dict[Any, int] | None = None,
+        refill_from_entry: bool = False,
     ):
         if batch_size < 1 or group_size < 1 or max_async_level < 0 or start_step < 1:
             raise ValueError("batch_size, group_size >= 1, max_async_level >= 0, start_step >= 1 required")
@@ -210,6 +213,8 @@ class RolloutScheduler:
         self.max_steps = max_steps
         self.max_inflight_groups = max_inflight_groups or batch_size * (max_async_level + 1)
         self.drop_zero_signal = drop_zero_signal
+        # a mix: a dropped group's replacement is its own entry's next task (`next_task(env)`), not a fresh draw
+        self.refill_from_entry = refill_from_entry
         self.group_budget = max(batch_size, math.ceil(oversample_limit * batch_size))
         self._dropped: dict[int, list[Group]] = {}  # per step: its newest dropped groups, for a zero-signal batch
         self.sample_attempts = sample_attempts
@@ -303,7 +308,8 @@ class RolloutScheduler:
         self.inflight += 1
         if st.first_dispatch is None:
             st.first_dispatch = self.clock()
-        group = Group(step=st.step, task=self.next_task(), samples=[], dispatched_version=self.versions.value)
+        task = self.next_task(st.owed.popleft()) if st.owed else self.next_task()
+        group = Group(step=st.step, task=task, samples=[], dispatched_version=self.versions.value)
         self._drawn.setdefault(getattr(group.task, "env", None), deque(maxlen=self.overlong_window)).append(group)
         task = asyncio.create_task(self._run_group(st, group), name=f"group-step{st.step}")
         self._tasks.add(task)
@@ -333,6 +339,8 @@ class RolloutScheduler:
                 dropped = self._dropped.setdefault(st.step, [])
                 dropped.append(group)
                 del dropped[: -self.batch_size]
+                if self.refill_from_entry and getattr(group.task, "env", None) is not None:
+                    st.owed.append(group.task.env)
             else:
                 st.kept.append(group)
         finally:

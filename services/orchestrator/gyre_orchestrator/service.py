@@ -481,6 +481,7 @@ class OrchestratorService:
             trained=lambda: committed_step(self.out, self.transport.latest()),
             on_finished=self._count_rollout,
             group_sizes=sizes,  # by label: a MixTask's `env`
+            refill_from_entry=cfg.advantage.refill == "entry" and len(self.envs) > 1,
         )
 
     def _count_rollout(self, sample: ScoredRollout, stale: bool) -> None:

@@ -176,3 +176,32 @@ async def test_an_entry_s_own_group_size_and_eval_settings(tmp_path, redis_url, 
     (evaluation,) = latest_per_step(read_events(cfg.output_dir / "events" / "eval.jsonl"))
     assert evaluation["env"] == "rev" and evaluation["num_examples"] == 3 and "envs" not in evaluation
     assert evaluation["k"] == 2
+
+
+@pytest.mark.asyncio
+async def test_refills_from_the_dropped_group_s_entry_and_a_restart_repeats_no_task(
+    tmp_path, redis_url, unique_run_id, replicas
+):
+    """advantage.refill = "entry" with zero-signal filtering on (the tiny model's arithmetic answers mostly score 0:
+    its groups are dropped): each replacement is the dropped group's own entry's next task, outside the draw
+    sequence (draw null), counted against that entry's dropped groups; a restart continues every cursor, no task
+    of an entry used twice."""
+    cfg = mix_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=2,
+                     advantage={"drop_zero_signal": True, "refill": "entry", "oversample_limit": 3})  # fmt: skip
+    assert await asyncio.wait_for(OrchestratorService(cfg).run(), timeout=180) == 0
+    resumed = cfg.model_copy(update={"max_steps": 3, "resume_step": -1})
+    assert await asyncio.wait_for(OrchestratorService(resumed).run(), timeout=180) == 0
+    samples = pushed_samples(redis_url, unique_run_id)
+    groups = {(step, s["group"]): s for step, s in samples}
+    lines = {line["step"]: line for line in latest_per_step(read_events(cfg.output_dir / "events" /
+                                                                        "orchestrator_steps.jsonl"))}  # fmt: skip
+    assert sorted(lines) == [1, 2, 3]
+    for step, line in lines.items():
+        for label, entry in line["envs"].items():
+            refills = sum(1 for (st, _), s in groups.items() if st == step and s["env"] == label and s["draw"] is None)
+            assert refills <= entry["dropped_zero_signal"]  # a refill stands in for one of its own entry's drops
+    for label in ("rev", "math"):
+        indices = [s["task_index"] for s in groups.values() if s["env"] == label]
+        assert len(indices) == len(set(indices))  # no task of an entry in two groups, across the restart
+    draws = [s["draw"] for s in groups.values() if s["draw"] is not None]
+    assert len(draws) == len(set(draws))

@@ -456,3 +456,38 @@ async def test_an_environment_of_a_mix_whose_tasks_never_fit_stops_the_run_namin
         for _ in range(100):
             await asyncio.wait_for(sched.next_batch(), timeout=5)
     await sched.stop()
+
+
+@pytest.mark.parametrize("refill", ["mix", "entry"])
+async def test_a_mix_s_dropped_groups_are_refilled_from_the_mix_or_from_their_own_entry(refill):
+    """Entry "flat" has equal rewards on its even tasks (dropped), "signal" never. Refilled by fresh draws of the mix
+    (the default) the kept groups lean toward "signal"; with refill = "entry" each dropped group is replaced by its
+    own entry's next task, outside the draw sequence (draw None), so each entry keeps the groups it was drawn."""
+    from gyre_orchestrator.mix import TaskMix
+
+    mix = TaskMix({"flat": range(10**6), "signal": range(10**6)}, {"flat": 1, "signal": 1}, seed=3)
+
+    async def generate(task, floor, key):
+        await asyncio.sleep(0)
+        return Fixed(reward=0.5 if task.env == "flat" and task.index % 2 == 0 else random.random())
+
+    sched = RolloutScheduler(generate, mix.next, VersionWatch(0), batch_size=8, group_size=2, max_async_level=100,
+                             max_steps=4, oversample_limit=4, max_inflight_groups=1,
+                             refill_from_entry=refill == "entry")  # fmt: skip
+    kept, drawn = {"flat": 0, "signal": 0}, {"flat": 0, "signal": 0}
+    for _ in range(4):
+        st = await asyncio.wait_for(sched.next_batch(), timeout=10)
+        assert len(st.kept) == 8 and st.dropped_zero_signal >= 1
+        for group in st.finished:
+            if group.task.draw is not None:
+                drawn[group.task.env] += 1
+        for group in st.kept:
+            kept[group.task.env] += 1
+    await sched.stop()
+    refills = [g.task for g in st.finished if g.task.draw is None]
+    if refill == "entry":
+        assert kept == drawn  # every entry trained on exactly the groups the ratios drew for it
+        assert refills and {t.env for t in refills} == {"flat"}
+        assert mix.draws == sum(drawn.values()) == 32  # the draw sequence: the batches' groups, no more
+    else:
+        assert not refills and kept["signal"] > kept["flat"]  # fresh draws: the kept mix leans toward signal
