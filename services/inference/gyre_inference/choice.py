@@ -83,9 +83,14 @@ class Choice:
     streamed: bool = True
     # echo with max_tokens 0 (completions): the prompt alone; the one token the engine samples is dropped
     echo_only: bool = False
+    # vLLM's skip_special_tokens: false keeps special tokens in the text; `ends` (every stop token id, the end-of-turn
+    # token included) then says which last token to leave out, as vLLM's detokenizer does
+    skip_special: bool = True
+    ends: frozenset[int] = frozenset()
 
     def __post_init__(self):
-        self._decoder = IncrementalDecoder(self.text_codec)
+        self._decoder = IncrementalDecoder(self.text_codec, self.skip_special)
+        self._decode = self.text_codec.decode if self.skip_special else self.text_codec.decode_prompt
         # A stop string (or the tool-call tag) may begin in text not yet complete: keep that much back. For
         # the tag, one character more: the newline before it is dropped from the content once calls parse,
         # so it must not be released while the tag after it is still partial.
@@ -109,12 +114,18 @@ class Choice:
         self.top_logprobs.append(event.top_logprobs)
         self.version_min = event.version if self.version_min is None else min(self.version_min, event.version)
         self.version_max = event.version if self.version_max is None else max(self.version_max, event.version)
+        # The stop token that ended the choice is not text (vLLM leaves it out unless include_stop_str_in_output):
+        # skipped as a special token anyway, except with skip_special_tokens false ("<|im_end|>" ended every text).
+        hidden = (not self.skip_special and event.finish_reason == "stop" and event.token_id in self.ends
+                  and not self.include_stop)  # fmt: skip
         if self.streamed or self.stops:
-            piece = self._decoder.push(event.token_id)
+            piece = "" if hidden else self._decoder.push(event.token_id)
             if event.finish_reason is not None:
                 piece += self._decoder.flush()
+        elif event.finish_reason is not None:
+            piece = self._decode(self.token_ids[:-1] if hidden else self.token_ids)
         else:
-            piece = self.text_codec.decode(self.token_ids) if event.finish_reason is not None else ""
+            piece = ""
         searched_from = len(self.text)
         self.text += piece
         finish = event.finish_reason

@@ -51,7 +51,7 @@ UNSUPPORTED_FIELDS = {
     "previous_response_id": "this server stores no responses: send the whole conversation in input",
     # vLLM request fields whose default a client spelling out vLLM's request sends (accepted at it only)
     "length_penalty": "it weighs beams, and there is no beam search",
-    "spaces_between_special_tokens": "special tokens are always left out of the text",
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer joins them",
     "include_reasoning": "no reasoning parser runs: reasoning stays in the content",
     "logits_processors": "no custom logits processors run here",
     "mm_processor_kwargs": "the served model takes text only",
@@ -65,8 +65,7 @@ UNSUPPORTED_FIELDS = {
 
 
 _NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
-            "include_reasoning": (True,), "skip_special_tokens": (True,)}  # fmt: skip
-UNSUPPORTED_FIELDS["skip_special_tokens"] = "special tokens are always left out of the text"
+            "include_reasoning": (True,)}  # fmt: skip
 
 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -258,7 +257,11 @@ class SamplingRequest(StrictModel):
     repetition_penalty: RepetitionPenalty | None = Field(None, description=REPETITION_HELP)
     # vLLM sampling fields clients send at their neutral value (RL frameworks often do): accepted only so.
     use_beam_search: bool = Field(False, description="vLLM extension; only false.")
-    skip_special_tokens: bool = Field(True, description="vLLM extension; only true (special tokens never shown).")
+    skip_special_tokens: bool = Field(
+        True,
+        description="vLLM extension: false keeps special tokens (<|im_start|>, ...) in the text; the stop token that "
+        "ended a choice stays out unless include_stop_str_in_output, as vLLM.",
+    )
     # vLLM's other request fields at their defaults (a dump of vLLM's request model, an RL framework's sampling dict
     # spelling them out, were a 400 "Extra inputs are not permitted"); anything else is refused saying why.
     length_penalty: float | None = Field(None, description="vLLM extension (beam search); only 1.")
@@ -292,7 +295,7 @@ class SamplingRequest(StrictModel):
     guided_decoding_backend: None = Field(None, description="Only null: the grammar engine is llguidance.")
     guided_whitespace_pattern: None = Field(None, description="Only null: JSON whitespace is fixed.")
 
-    _neutral_only = field_validator("use_beam_search", "skip_special_tokens", "length_penalty",
+    _neutral_only = field_validator("use_beam_search", "length_penalty",
                                     "spaces_between_special_tokens")(neutral_only)  # fmt: skip
 
     @field_validator("truncate_prompt_tokens")

@@ -257,7 +257,8 @@ class Serving:
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",
                                 single_call=single_call, streamed=not final_only, echo_only=echo_only,
-                                stop_token_ids=own_stop_ids, forced_tool=forced_tool)  # fmt: skip
+                                stop_token_ids=own_stop_ids, forced_tool=forced_tool,
+                                skip_special=request.skip_special_tokens, ends=frozenset(stop_ids))  # fmt: skip
                 choices.append((p, choice, params))
         return _Job(kind, request, prompts, choices, started)
 

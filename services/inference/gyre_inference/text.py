@@ -170,8 +170,8 @@ class IncrementalDecoder:
     text as decoding all ids at once (for byte-level BPE; this is the TGI/vLLM scheme).
     """
 
-    def __init__(self, text: ModelText):
-        self._decode = text.decode
+    def __init__(self, text: ModelText, skip_special: bool = True):
+        self._decode = text.decode if skip_special else text.decode_prompt
         self.ids: list[int] = []
         self._prefix = 0  # window start
         self._read = 0  # ids before this were already released

@@ -143,7 +143,10 @@ async def _sample(state, prompt: list[int], params: SamplingParams, index: int, 
             finish = event.finish_reason or finish
     finally:
         await stream.aclose()
-    text = state.text.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens) if sp.detokenize else ""
+    # the stop token that ended the choice is not text (vLLM's detokenizer leaves it out): with skip_special_tokens
+    # false, "<|im_end|>" ended every text
+    shown = ids[:-1] if finish == "stop" and ids and ids[-1] in params.stop_token_ids else ids
+    text = state.text.tokenizer.decode(shown, skip_special_tokens=sp.skip_special_tokens) if sp.detokenize else ""
     return {
         "index": index,
         "token_ids": ids,

@@ -245,6 +245,37 @@ def test_truncate_prompt_tokens_out_of_range_is_400_naming_it(http, model_id, va
         assert words is None or words in error["message"], error
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_skip_special_tokens_false_keeps_special_tokens_but_not_the_stop_token(client, http, model_id, end_of_turn,
+                                                                               stream):  # fmt: skip
+    [start] = http.post("/tokenize", json={"prompt": "<|im_start|>"}).json()["tokens"]
+
+    def text(route: str, **body) -> tuple[str, str]:
+        common = dict(model=model_id, max_tokens=3, seed=2, stream=stream, extra_body=body)
+        if route == "chat":
+            answer = client.chat.completions.create(messages=STORY, **common)
+            pieces = [c.choices[0].delta.content or "" for c in answer if c.choices] if stream else None
+            return ("".join(pieces) if stream else answer.choices[0].message.content), route
+        answer = client.completions.create(prompt=PROMPT, **common)
+        return ("".join(c.choices[0].text for c in answer if c.choices) if stream else answer.choices[0].text), route
+
+    for route in ("chat", "completions"):
+        forced = {"logit_bias": {str(start): 100.0}, "ignore_eos": True}
+        assert text(route, **forced) == ("", route)  # skipped, as by default
+        assert text(route, **forced, skip_special_tokens=False) == ("<|im_start|>" * 3, route)
+        ended = {"logit_bias": {str(end_of_turn): 100.0}, "skip_special_tokens": False}  # ends at once, by the token
+        assert text(route, **ended) == ("", route)  # the stop token is not text (vLLM)...
+        assert text(route, **ended, include_stop_str_in_output=True) == ("<|im_end|>", route)  # ... unless asked
+    # the tokens-in route: the same (its text held "<|im_end|>" with skip_special_tokens false)
+    sampling = {"max_tokens": 3, "allowed_token_ids": [start, end_of_turn], "seed": 1, "n": 4}
+    for skip in (True, False):
+        body = {"model": model_id, "token_ids": [5, 6], "sampling_params": sampling | {"skip_special_tokens": skip}}
+        for choice in http.post("/inference/v1/generate", json=body).json()["choices"]:
+            kept = [t for t in choice["token_ids"] if t != end_of_turn]  # a start token, or the end at last
+            assert choice["text"] == ("" if skip else "<|im_start|>" * len(kept)), choice
+            assert choice["finish_reason"] == ("stop" if choice["token_ids"][-1] == end_of_turn else "length")
+
+
 def test_min_tokens_above_max_tokens_is_400(http, model_id):
     response = http.post("/v1/completions", json={"model": model_id, "prompt": PROMPT, "max_tokens": 3,
                                                   "min_tokens": 4})  # fmt: skip
@@ -516,8 +547,7 @@ def test_vllm_sampling_fields_are_accepted_at_their_neutral_value_and_refused_ot
                "skip_special_tokens": True, "presence_penalty": 0.0, "frequency_penalty": 0.0, "user": "u"}  # fmt: skip
     assert http.post("/v1/completions", json=base | neutral).status_code == 200
     assert http.post("/v1/completions", json=base | {"top_k": 0}).status_code == 200
-    for field, value in (("length_penalty", 1.2), ("use_beam_search", True),
-                         ("skip_special_tokens", False), ("best_of", 2)):  # fmt: skip
+    for field, value in (("length_penalty", 1.2), ("use_beam_search", True), ("best_of", 2)):
         response = http.post("/v1/completions", json=base | {field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
 
