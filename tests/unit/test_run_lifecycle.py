@@ -903,3 +903,40 @@ def test_gyre_rl_says_where_the_policy_is_served_on_the_port_the_user_set(tmp_pa
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"inference: http://127.0.0.1:{port}/v1 (OpenAI API; model '{out / 'model'}')" in res.stdout
     assert tomllib.loads((out / "configs/inference.toml").read_text())["server"]["port"] == port
+
+
+def test_the_bar_counts_the_orchestrators_finished_rollouts_while_a_step_is_generated(tmp_path, monkeypatch):
+    # a large model's first step took minutes with the bar at 0 and nothing else moving: no sign the run was alive
+    from gyre.local import progress as progress_module
+    from gyre.local.progress import RunProgress
+    from gyre.local.runs import Run
+    from gyre.net import free_port
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    from gyre.metrics import counter
+
+    rollouts = counter("gyre_orchestrator_rollouts_total", "rollouts", ("run_id", "env", "outcome"), registry)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    clock = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
+    progress = RunProgress([Run("r", tmp_path, 4)], {"r": 0}, metrics_url=f"http://127.0.0.1:{port}/metrics")
+    try:
+        progress.update()
+        assert progress.bar.n == 0 and progress._post == {"rollouts": "0"}
+        rollouts.labels("r", "reverse_text", "ok").inc(30)
+        rollouts.labels("r", "reverse_text", "truncated").inc(7)
+        rollouts.labels("r", "reverse_text", "stale").inc(5)  # dropped, generated again: not progress
+        progress.update()
+        assert progress._post == {"rollouts": "0"}  # read every 2 s, not at each 0.5 s update
+        clock[0] += 2.0
+        progress.update()
+        assert progress._post == {"rollouts": "37"}
+        server.shutdown()  # the orchestrator restarting: the last count stays
+        clock[0] += 2.0
+        progress.update()
+        assert progress._post == {"rollouts": "37"}
+    finally:
+        progress.close()
+        server.server_close()

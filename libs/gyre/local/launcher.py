@@ -627,7 +627,8 @@ class Launcher:
 
         global _bar
         start = {run.name: self._start_step(run, committed[run.name]) for run in runs}
-        progress = RunProgress(runs, start, segment=os.environ[SEGMENT_ENV])
+        metrics = f"http://127.0.0.1:{configs.orchestrator.metrics.port}/metrics" if not self.cfg.runs else None
+        progress = RunProgress(runs, start, segment=os.environ[SEGMENT_ENV], metrics_url=metrics)
         _bar = progress.bar
         restarts = Restarts(self.cfg.inference_restarts)
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,8 +22,14 @@ class RunProgress:
     not commit or that a rewind discarded (--ckpt.resume-step 3 of a run at step 100 showed 100 steps done at once,
     with step 100's numbers, and advanced again only after step 101)."""
 
-    def __init__(self, runs: Sequence[Run], start: dict[str, int], segment: str | None = None):
+    def __init__(self, runs: Sequence[Run], start: dict[str, int], segment: str | None = None,
+                 metrics_url: str | None = None):  # fmt: skip
         self.runs = list(runs)
+        # a single run's orchestrator /metrics: its finished rollouts show that a long step is under way (a large
+        # model's first step took minutes with a bar at 0 and nothing else moving)
+        self.metrics_url = metrics_url if len(self.runs) == 1 else None
+        self._rollouts: int | None = None
+        self._polled = 0.0
         self.start = {run.name: start.get(run.name, 0) for run in self.runs}
         self.segment = segment
         self.steps = dict(self.start)
@@ -45,9 +53,32 @@ class RunProgress:
                 post[run.name] = f"{self.steps[run.name]}{reward}"
             else:
                 post = _numbers(trainer, orch, evals)
+                if (rollouts := self._finished_rollouts()) is not None:
+                    post["rollouts"] = str(rollouts)
         if post != self._post:  # redraw only on news: keeps non-TTY logs readable
             self._post = post
             self.bar.set_postfix(post, refresh=True)
+
+    def _finished_rollouts(self) -> int | None:
+        """The orchestrator's finished rollouts (gyre_orchestrator_rollouts_total, but the stale ones it dropped), read
+        every 2 s; the last count while it does not answer (starting, restarting), None before it first has."""
+        if self.metrics_url is None or time.monotonic() - self._polled < 2.0:
+            return self._rollouts
+        self._polled = time.monotonic()
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=0.5) as response:
+                text = response.read().decode()
+        except (OSError, ValueError):
+            return self._rollouts
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            if family.name == "gyre_orchestrator_rollouts":  # the parser names a counter without _total
+                total += sum(s.value for s in family.samples
+                             if s.name.endswith("_total") and s.labels.get("outcome") != "stale")  # fmt: skip
+        self._rollouts = int(total)
+        return self._rollouts
 
     def _valid(self, path: Path, start: int) -> list[dict]:
         """The records of `path` that hold for this launch: its own, and those of steps up to where it started."""
