@@ -227,6 +227,8 @@ class OrchestratorService:
                     task.cancel()
                 await asyncio.gather(work, watch, return_exceptions=True)
         finally:
+            if self._stop_timer is not None:  # a push that failed under a stop: the timer must not cut close() short
+                self._stop_timer.cancel()
             if self.stop_requested:
                 self._save_stop_checkpoint()
             await self.close()
@@ -560,9 +562,7 @@ class OrchestratorService:
             await self.push(st)
             self._pushing = False
             self._pushed_here = st.step
-            if self.stop_requested:  # it came during the push
-                if self._stop_timer is not None:
-                    self._stop_timer.cancel()  # else it would cut the shutdown short
+            if self.stop_requested:  # it came during the push (its grace timer is cancelled on the way out)
                 raise asyncio.CancelledError
 
     async def finish(self) -> None:
