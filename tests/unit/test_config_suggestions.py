@@ -74,6 +74,10 @@ def error_of(argv: list[str], tmp_path: Path) -> str:
         # a key of gyre rl's [trainer] found in two places: the second was named without its section ('server.port')
         (["--trainer.port", "1"],
          "config key 'trainer.port': unknown key (did you mean 'trainer.metrics.port' or 'trainer.server.port'?)"),
+        # PRIME-RL's env is always a list (--orchestrator.env.0.args.x); a single [orchestrator.env] table has no index
+        (["--orchestrator.env.0.args.x", "1"],
+         "config key 'orchestrator.env.0': unknown key; 'orchestrator.env' is one table here, not a list: drop the "
+         "index (e.g. 'orchestrator.env.name'), or give it as a list of tables ([[...]] entries) to index them"),
         (["--clean"],
          "config key 'clean': unknown key; PRIME-RL's clean is 'fresh' here (it deletes the previous run in output_dir "
          "first; without it the same command continues that run, where PRIME-RL's rl cleaned by default)"),

@@ -201,6 +201,11 @@ def under_section(error: ConfigError, section: str) -> ConfigError:
     suggested ones too, written as the larger config's key (`optim.lr` -> `trainer.optim.lr`)."""
     text = str(error).replace("config key '", f"config key '{section}.")
     text = re.sub(r"(PRIME-RL's [\w.]+ is ')", rf"\g<1>{section}.", text)  # `_prime_rl_key`'s answer
+    text = re.sub(
+        r"; '([\w.]+)' is one table here, not a list: drop the index \(e.g. '",
+        rf"; '{section}.\g<1>' is one table here, not a list: drop the index (e.g. '{section}.",
+        text,
+    )
 
     def each(meant: re.Match) -> str:  # every key of "did you mean 'a' or 'b'?" (the second was left unprefixed)
         return "did you mean '" + "' or '".join(f"{section}.{key}" for key in meant.group(1).split("' or '")) + "'?"
@@ -657,6 +662,11 @@ def _suggestion(key: str, known: list[str]) -> tuple[str | None, str]:
     parent, _, leaf = key.rpartition(".")
     prefix = f"{parent}." if parent else ""
     siblings = [k[len(prefix) :] for k in known if k.startswith(prefix) and "." not in k[len(prefix) :]]
+    if leaf.isdigit() and parent and siblings:
+        # PRIME-RL's `--orchestrator.env.0.args.x` (its env is always a list) on a single [orchestrator.env] table:
+        # "env has: name, args, ..." did not say that the index was the mistake
+        return None, (f"; '{parent}' is one table here, not a list: drop the index (e.g. '{parent}.{siblings[0]}'), "
+                      "or give it as a list of tables ([[...]] entries) to index them")  # fmt: skip
     meant = [prefix + name for name in _synonyms(leaf) if name in siblings]
     if meant:
         return "' or '".join(meant), ""
