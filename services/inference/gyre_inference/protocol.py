@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
 
 from gyre_inference.chat_messages import ChatMessage, NamedToolChoice, Prediction, Tool
 from gyre_inference.strict import ParamError, StrictModel
@@ -31,7 +31,7 @@ _NO_PROMPT_LOGPROBS = "prompt log-probs are served on chat, /v1/completions and 
 UNSUPPORTED_FIELDS = {
     "prompt_logprobs": _NO_PROMPT_LOGPROBS,
     "use_beam_search": "no beam search (ask for n choices instead)",
-    "truncate_prompt_tokens": "prompts are truncated on chat and completions only",
+    "truncate_prompt_tokens": "prompts are truncated on chat, completions and /inference/v1/generate only",
     "prompt_embeds": "prompts are text or token ids",
     # fields accepted as null only (the 400 says "only null is supported: <reason>")
     "guided_decoding_backend": "the grammar engine is fixed (llguidance)",
@@ -82,6 +82,19 @@ BAD_WORDS_HELP = (
     "vLLM extension: words the output may not contain: each word's last token cannot be sampled right after its "
     "other tokens (tokenized alone and after a space, as vLLM)."
 )
+
+
+def _keeps_a_token(value: int) -> int:
+    if value == 0:
+        raise ValueError("must be -1 (the model's context length) or at least 1 (0 leaves an empty prompt)")
+    return value
+
+
+# vLLM's truncate_prompt_tokens: keep the prompt's last k tokens; -1 = max_model_len (above it: a 400 where it is known)
+TruncatePromptTokens = Annotated[int, Field(ge=-1), AfterValidator(_keeps_a_token)]
+TRUNCATE_HELP = "vLLM extension: keep only the last k tokens of the (rendered) prompt; -1 = max_model_len."
+
+
 PRESENCE_HELP = "Subtracted from the logit of every token the output already holds (0 = off; vLLM's semantics)."
 FREQUENCY_HELP = "Times a token's count in the output so far, subtracted from its logit (0 = off)."
 REPETITION_HELP = (
@@ -270,11 +283,7 @@ class SamplingRequest(StrictModel):
         None, max_length=MAX_BAD_WORDS, description=BAD_WORDS_HELP
     )
     allowed_token_ids: AllowedTokenIds | None = Field(None, description=ALLOWED_HELP)
-    truncate_prompt_tokens: int | None = Field(
-        None,
-        ge=-1,
-        description="vLLM extension: keep only the last k tokens of the (rendered) prompt; -1 = max_model_len.",
-    )
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(None, description=TRUNCATE_HELP)
     logits_processors: None = Field(None, description="Only null: no custom logits processors.")
     mm_processor_kwargs: None = Field(None, description="Only null: text only.")
     structural_tag: None = Field(None, description="Only null: structural tags are not supported.")
@@ -297,13 +306,6 @@ class SamplingRequest(StrictModel):
 
     _neutral_only = field_validator("use_beam_search", "length_penalty",
                                     "spaces_between_special_tokens")(neutral_only)  # fmt: skip
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _keeps_a_token(cls, value):
-        if value == 0:
-            raise ValueError("must be -1 (the model's context length) or at least 1 (0 leaves an empty prompt)")
-        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -141,17 +141,7 @@ class Serving:
         return await self._respond(job, client_gone)
 
     def _truncated(self, request, prompts: list[list[int]]) -> list[list[int]]:
-        """vLLM's truncate_prompt_tokens: each prompt's last k tokens (-1: the context length), left-truncated as
-        vLLM does, before the context check (k plus max_tokens must still fit)."""
-        keep, limit = request.truncate_prompt_tokens, self.backend.max_model_len
-        if keep is None:
-            return prompts
-        if keep == -1:
-            keep = limit
-        if keep > limit:
-            raise APIError(400, f"truncate_prompt_tokens: {keep} is greater than max_model_len ({limit})",
-                           param="truncate_prompt_tokens")  # fmt: skip
-        return [prompt[-keep:] for prompt in prompts]
+        return truncated(prompts, request.truncate_prompt_tokens, self.backend.max_model_len, "truncate_prompt_tokens")
 
     def _completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompts = []
@@ -546,6 +536,17 @@ class Serving:
             name = f"token_id:{token_id}"
             return name, list(name.encode())
         return self.text.token(token_id)
+
+
+def truncated(prompts: list[list[int]], keep: int | None, max_model_len: int, param: str) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: max_model_len; None: as they are),
+    left-truncated as vLLM does, before the context check (keep plus max_tokens must still fit)."""
+    if keep is None:
+        return prompts
+    keep = max_model_len if keep == -1 else keep
+    if keep > max_model_len:
+        raise APIError(400, f"{param}: {keep} is greater than max_model_len ({max_model_len})", param=param)
+    return [prompt[-keep:] for prompt in prompts]
 
 
 def check_tool_replies(messages: list[dict]) -> None:

@@ -49,11 +49,13 @@ from gyre_inference.protocol import (
     MAX_TOP_LOGPROBS,
     PRESENCE_HELP,
     REPETITION_HELP,
+    TRUNCATE_HELP,
     AllowedTokenIds,
     MinP,
     Penalty,
     RepetitionPenalty,
     TopK,
+    TruncatePromptTokens,
 )
 from gyre_inference.serving import (
     VERSION_HEADER,
@@ -63,6 +65,7 @@ from gyre_inference.serving import (
     checked_top_k,
     client_gone,
     context_exceeded,
+    truncated,
     unless_client_gone,
 )
 from gyre_inference.strict import ParamError, StrictModel
@@ -102,6 +105,7 @@ class GenerateSamplingParams(StrictModel):
     presence_penalty: Penalty = Field(0.0, description=PRESENCE_HELP)
     frequency_penalty: Penalty = Field(0.0, description=FREQUENCY_HELP)
     allowed_token_ids: AllowedTokenIds | None = Field(None, description=ALLOWED_HELP)
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(None, description=TRUNCATE_HELP)
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None, max_length=MAX_BAD_WORDS, description=BAD_WORDS_HELP
     )
@@ -173,8 +177,9 @@ def add_generate_route(app: FastAPI, state) -> None:
         if body.stream:
             raise APIError(400, "stream: true is not supported on this route", param="stream")
         sp = body.sampling_params
-        prompt = state.text.check_ids(body.token_ids, "token_ids")
         limit = state.backend.max_model_len
+        prompt = state.text.check_ids(body.token_ids, "token_ids")
+        [prompt] = truncated([prompt], sp.truncate_prompt_tokens, limit, "sampling_params.truncate_prompt_tokens")
         max_tokens = sp.max_tokens if sp.max_tokens is not None else limit - len(prompt)
         if max_tokens < 1 or len(prompt) + max_tokens > limit:
             raise context_exceeded(limit, len(prompt), sp.max_tokens, "token_ids")

@@ -233,15 +233,29 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(client, http, mod
     assert (
         extra(short.choices[0])["prompt_token_ids"] == http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     )
+    # the tokens-in route (a vLLM SamplingParams field): the same cut of the ids sent
+    generated = http.post("/inference/v1/generate", json={"model": model_id, "token_ids": ids, "sampling_params": {
+        "max_tokens": 6, "seed": 5, "truncate_prompt_tokens": 100}}).json()  # fmt: skip
+    assert generated["prompt_token_ids"] == kept and generated["usage"]["prompt_tokens"] == 100
+    assert generated["choices"][0]["token_ids"] == extra(sent.choices[0])["token_ids"]
 
 
 @pytest.mark.parametrize(("value", "words"), [(0, "at least 1"), (-2, None), (257, "max_model_len (256)"),
                                               ("4", None)])  # fmt: skip
 def test_truncate_prompt_tokens_out_of_range_is_400_naming_it(http, model_id, value, words):
-    for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": STORY})):
-        response = http.post(route, json={"model": model_id, "max_tokens": 2, "truncate_prompt_tokens": value, **body})
+    field = "truncate_prompt_tokens"
+    for route, body, param in (
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value}, field),
+        ("/v1/chat/completions", {"messages": STORY, "max_tokens": 2, field: value}, field),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [5, 6], "sampling_params": {field: value}},
+            f"sampling_params.{field}",
+        ),
+    ):
+        response = http.post(route, json={"model": model_id, **body})
         error = response.json()["error"]
-        assert response.status_code == 400 and error["param"] == "truncate_prompt_tokens", (route, error)
+        assert response.status_code == 400 and error["param"] == param, (route, error)
         assert words is None or words in error["message"], error
 
 
