@@ -60,6 +60,21 @@ SERVERS = {
     "servers": [{"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 1}, {"name": "ref", "model": "/data/model"}],
     "experiment": {"orchestrator": {"teacher": {"url": "server:teacher"}}},
 }
+# A Helm operator's day two (chart 0.6.0): labels a policy requires on everything, replicas spread over zones, CPU
+# limits for a quota on every container (init containers and the test pod too), a hub mirror for model-fetch, a
+# mesh's opt-out on the test pod.
+DAY_TWO = {
+    "commonLabels": {"team": "rl", "example.com/cost-center": "4711"},
+    "experiment": {"model": {"name": "Qwen/Qwen3-8B"}},
+    "modelInit": {"enabled": False},
+    "inference": {"replicas": 4, "env": [{"name": "HF_ENDPOINT", "value": "https://hf-mirror.example.com"}],
+                  "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                                 "whenUnsatisfiable": "ScheduleAnyway"}]},
+    "initResources": {"modelFetch": {"limits": {"cpu": "1"}}, "waitForModel": {"limits": {"cpu": "100m"}}},
+    "tests": {"enabled": True, "resources": {"limits": {"cpu": "200m"}},
+              "podAnnotations": {"sidecar.istio.io/inject": "false"}},
+    "servers": [{"name": "judge", "model": "Qwen/Qwen3-0.6B"}],
+}  # fmt: skip
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 
 # name -> (values, capabilities added to the render)
@@ -75,6 +90,7 @@ SCENARIOS = {
     "admin-knobs": (ADMIN, MONITORING_APIS),
     "operations": (OPERATIONS, MONITORING_APIS),
     "servers": (SERVERS, MONITORING_APIS),
+    "day-two": (DAY_TWO, MONITORING_APIS),
 }
 
 
