@@ -5,6 +5,7 @@
 # services' records (service = the container's name), so a collector keeps and filters them as the services'
 # lines; a `sh -c` loop's echo and `gyre model ...`'s prints were bare text in a JSON release.
 # SIGTERM keeps its default action (the process ends at once, tini exits 143): the wait loops hold no pod.
+import io
 import logging
 import os
 import sys
@@ -18,31 +19,37 @@ setup_logging(os.environ.get("GYRE_LOG__LEVEL") or "INFO", service=container,
 log = logging.getLogger("gyre.init")
 
 
-class Lines:
+# A progress bar is a line per update in a log (JSON mode turns them off already): the fetch logs its result.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+class Lines(io.TextIOBase):
     """A stdout / stderr whose every printed line is a record: `gyre model ...` prints its result and errors."""
 
-    def __init__(self, level):
-        self.level, self.pending = level, ""
+    encoding = "utf-8"
+
+    def __init__(self, level, stream):
+        self.level, self.stream, self.pending = level, stream, ""
+
+    def writable(self):
+        return True
 
     def write(self, text):
-        *lines, self.pending = (self.pending + text).split("\n")
+        *lines, self.pending = (self.pending + text).replace("\r", "\n").split("\n")
         for line in filter(str.strip, lines):
             # `gyre <command>: error: ...` (its refusals, exit 1 or 2) is an error whatever the stream
             log.log(logging.ERROR if ": error:" in line else self.level, line.rstrip())
         return len(text)
 
-    def flush(self):
-        pass
-
-    def isatty(self):
-        return False
+    def fileno(self):  # a library writing to the descriptor itself bypasses the records, as it would anyway
+        return self.stream.fileno()
 
 
 def gyre(*argv):
     """A `gyre` command in this process, its prints as records; its exit code."""
     from gyre.cli import main
 
-    sys.stdout, sys.stderr = Lines(logging.INFO), Lines(logging.WARNING)
+    sys.stdout, sys.stderr = Lines(logging.INFO, sys.__stdout__), Lines(logging.WARNING, sys.__stderr__)
     try:
         return main(list(argv))
     except SystemExit as stop:  # its argument parser's refusal (the message went through stderr)
