@@ -127,9 +127,10 @@ def test_the_image_runs_without_the_chart_as_any_user_and_carries_no_package_cac
 # was the workaround). The kernel drops a signal sent to a PID 1 that installed no handler for it, and only
 # PID 1 inherits orphaned processes. On the kind values planned as the smoke does: the inference pod's
 # `wait-for-model` init container (files/init.py's wait loop, no model yet; once a `sh -c` loop) stops at SIGTERM
-# at once (as PID 1 the loop ignored it and was SIGKILLed at the end of the grace period); an orphan left in the orchestrator's container is reaped
-# (`gyre orchestrator` as PID 1 left it a zombie); the orchestrator still stops on SIGTERM with its documented
-# code (0, a clean stop), tini passing it on. Then the same without the chart: `docker run` of each image, no `--init`.
+# at once (as PID 1 the loop ignored it and was SIGKILLed at the end of the grace period); an orphan left in the
+# orchestrator's container is reaped (`gyre orchestrator` as PID 1 left it a zombie); the orchestrator still stops
+# on SIGTERM with its documented code (0, a clean stop), tini passing it on. Then the same without the chart:
+# `docker run` of each image, no `--init`.
 
 
 def wait_for(predicate, timeout: float, what: str):
