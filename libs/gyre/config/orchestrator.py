@@ -32,6 +32,9 @@ class EnvEvalConfig(Section):
         None, ge=1, description="Held-out tasks of this entry per eval (default: eval.num_examples)."
     )
     k: int | None = Field(None, ge=1, description="Samples per task of this entry's eval, pass@k (default: eval.k).")
+    interval: int | None = Field(
+        None, ge=1, description="Evaluate this entry every N steps (default: eval.interval, which turns evals on)."
+    )
 
 
 class EnvConfig(Section):
@@ -57,7 +60,7 @@ class EnvConfig(Section):
         "rollouts_per_example); batch_size counts groups, so a step's samples vary with the entries drawn.",
     )
     eval: EnvEvalConfig = Field(
-        default_factory=EnvEvalConfig, description="This entry's evaluation (whether, how many tasks, its k)."
+        default_factory=EnvEvalConfig, description="This entry's evaluation (whether, its tasks, k, interval)."
     )
 
     @property
@@ -401,6 +404,13 @@ class OrchestratorConfig(ServiceConfig):
     def _something_to_evaluate(self) -> OrchestratorConfig:
         if self.eval.interval is not None:
             check_evaluated(self.env, f"eval.interval = {self.eval.interval}")
+            return self
+        for i, entry in enumerate(self.envs):  # an entry's interval alone evaluated nothing, silently
+            if entry.eval.interval is not None:
+                raise ValueError(
+                    f"{self.env_key(i)}.eval.interval: evaluations are off (eval.interval unset): set eval.interval "
+                    "too, which every entry without its own interval follows"
+                )
         return self
 
     @model_validator(mode="after")

@@ -88,6 +88,9 @@ def mix_record(results: dict[str, EvalResult], shares: dict[str, float], step: i
     if len(results) == 1:
         return next(iter(results.values())).record(step)
     parts = list(results.values())
+    # the entries evaluated at this version (each entry's own eval.interval): their weights renormalised to sum to 1
+    total = sum(shares[label] for label in results)
+    shares = {label: shares[label] / total for label in results}
 
     def weighted(name: str) -> float:
         return sum(shares[label] * getattr(result, name) for label, result in results.items())
@@ -145,19 +148,21 @@ class EntryEval:
     num_examples: int
     key: str
     k: int
+    interval: int | None = None  # evaluated at the multiples of it (None: the orchestrator's eval.interval)
 
 
 def eval_plan(cfg) -> dict[str, EntryEval]:
     """Label -> `EntryEval` of each entry evaluated (`eval.enabled`), PRIME-RL's per-environment eval settings: its
-    own `eval.num_examples` and `eval.k`, else the orchestrator's."""
+    own `eval.num_examples`, `eval.k` and `eval.interval`, else the orchestrator's."""
     plan = {}
     for i, entry in enumerate(cfg.envs):
         if entry.eval.enabled:
             own = entry.eval.num_examples is not None
             key = f"{'env' if not isinstance(cfg.env, list) else f'env.{i}'}.eval.num_examples" if own else (
                 "eval.num_examples")  # fmt: skip
-            plan[entry.key] = EntryEval(entry.eval.num_examples if own else cfg.eval.num_examples, key,
-                                        entry.eval.k or cfg.eval.k)  # fmt: skip
+            count = entry.eval.num_examples if own else cfg.eval.num_examples
+            interval = entry.eval.interval or getattr(cfg.eval, "interval", None)  # gyre eval's has none
+            plan[entry.key] = EntryEval(count, key, entry.eval.k or cfg.eval.k, interval)
     return plan
 
 
@@ -364,14 +369,21 @@ class TrainingEval:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def maybe_queue(self, version: int) -> None:
-        interval = self.cfg.eval.interval
-        if interval is None:
+        """Queue the newest multiple of each entry's interval that `version` reached (not evaluated yet); at a
+        version queued, the entries whose interval it is a multiple of are evaluated (`due_at`)."""
+        if self.cfg.eval.interval is None:
             return
-        due = version - version % interval  # newest multiple of interval reached
-        limit = self.cfg.max_steps if self.cfg.max_steps is not None else due
-        if 0 < due <= limit and due not in self._evaluated:
-            self._evaluated.add(due)
-            self._queue.put_nowait(due)
+        for due in sorted({version - version % entry.interval for entry in self.plan.values()}):
+            limit = self.cfg.max_steps if self.cfg.max_steps is not None else due
+            if 0 < due <= limit and due not in self._evaluated:
+                self._evaluated.add(due)
+                self._queue.put_nowait(due)
+
+    def due_at(self, version: int) -> dict[str, Environment]:
+        """The entries evaluated at `version`: every one at 0 (the start), else those it is a multiple of the
+        interval of (an entry's own eval.interval, else the orchestrator's)."""
+        return {label: env for label, env in self.envs.items()
+                if version == 0 or version % self.plan[label].interval == 0}  # fmt: skip
 
     async def _loop(self) -> None:
         cfg = self.cfg
@@ -379,7 +391,7 @@ class TrainingEval:
             version = await self._queue.get()
             try:
                 results = await evaluate_envs(
-                    self.envs,
+                    self.due_at(version),
                     # as the newest batch version `version` may generate (its floor): behind the older batches
                     self.client.for_version(version, priority=version + 1 + cfg.max_async_level),
                     self.plan,

@@ -484,3 +484,53 @@ def test_gyre_eval_refuses_replicas_it_cannot_find_in_one_line_before_connecting
     monkeypatch.setattr(evaluate_module, "_run_once", lambda *args: pytest.fail("connected"))
     code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text", *argv])
     assert code == 2 and capsys.readouterr().err == f"gyre eval: error: {message}\n"
+
+
+def test_each_entry_of_a_mix_is_evaluated_at_its_own_interval(tmp_path):
+    """PRIME-RL's per-environment eval interval: "a" every 2 versions (eval.interval), "b" every 3 (its own); a
+    version due for one entry evaluates that one, the line's top figures weighted over the entries evaluated."""
+    from gyre.config import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre.events import EventLog, read_events
+    from gyre_orchestrator.evaluate import TrainingEval
+    from gyre_orchestrator.metrics import OrchestratorMetrics
+    from gyre_orchestrator.scheduler import VersionWatch
+
+    replies = {"ab": ["AB"]}
+
+    class Client(TableClient):
+        def for_version(self, version, *, priority=None):
+            return self
+
+        async def chat(self, messages, *, tools=None, sampling):
+            turn = await super().chat(messages, tools=tools, sampling=sampling)
+            return dataclasses.replace(turn, policy_version_min=100, policy_version_max=100)
+
+    class NoWandb:
+        def log(self, *args, **kwargs):
+            pass
+
+    env = dataset_env(tmp_path, replies)
+    args = {"path": str(tmp_path / "d.jsonl"), "reward": "exact"}
+    entries = [{"name": "dataset", "label": "a", "args": args, "ratio": 3},
+               {"name": "dataset", "label": "b", "args": args, "eval": {"interval": 3}}]  # fmt: skip
+    cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path), env=entries, max_steps=7,
+                      eval={"interval": 2, "num_examples": 1})  # fmt: skip
+    path = tmp_path / "eval.jsonl"
+
+    async def main():
+        versions = VersionWatch(0)
+        evals = TrainingEval(cfg, {"a": env, "b": env}, Client(replies), events=EventLog(path), wandb=NoWandb(),
+                             metrics=OrchestratorMetrics("t"))  # fmt: skip
+        evals.start(versions, at_start=True)
+        for version in range(1, 8):
+            versions.set(version)
+            await asyncio.wait_for(evals._queue.join(), timeout=10)
+        await evals.stop()
+
+    asyncio.run(main())
+    lines = read_events(path)
+    evaluated = [(line["step"], sorted(line["envs"]) if "envs" in line else [line["env"]]) for line in lines]
+    assert evaluated == [(0, ["a", "b"]), (2, ["a"]), (3, ["b"]), (4, ["a"]), (6, ["a", "b"])]
+    assert lines[0]["avg_at_k"] == pytest.approx(0.75 * lines[0]["envs"]["a"]["avg_at_k"]
+                                                 + 0.25 * lines[0]["envs"]["b"]["avg_at_k"])  # fmt: skip

@@ -224,6 +224,8 @@ def test_a_table_option_over_a_mix_is_refused_not_taken_for_one_environment(tmp_
         ({"env": [{"name": "reverse_text", "eval": {"num_examples": 0}}]}, "env.0.eval.num_examples", "greater than"),
         ({"env": [{"name": "reverse_text", "eval": {"every": 2}}]}, "env.0.eval.every", "unknown key"),
         ({"env": [{"name": "reverse_text", "eval": {"k": 0}}]}, "env.0.eval.k", "greater than"),
+        ({"env": [{"name": "reverse_text"}, {"name": "arithmetic", "eval": {"interval": 5}}]}, "env.1.eval.interval",
+         "evaluations are off (eval.interval unset)"),
         ({"env": [{"name": "reverse_text", "eval": {"enabled": False}}, {"name": "arithmetic",
           "eval": {"enabled": False}}], "eval": {"interval": 5}}, "env", "eval.interval = 5 would evaluate nothing"),
         ({"env": {"name": "reverse_text", "eval": {"enabled": False}}, "eval": {"interval": 5}}, "env.eval.enabled",
