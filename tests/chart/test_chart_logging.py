@@ -151,6 +151,16 @@ def test_a_model_fetch_that_fails_is_one_error_record_and_its_exit_code(tmp_path
         assert len(errors) == 1 and errors[0]["severity"] == "ERROR", out
         assert errors[0]["message"].startswith("gyre model fetch: error: Qwen/Qwen3-"), errors
 
+    # a setting it refuses: `gyre model fetch` prints its own JSON record then (GYRE_LOG__FORMAT=json), which stays
+    # one record with its level and message, not a record whose message is another record's JSON text
+    bad = {**inits["exp-gyre-trainer/model-fetch"]}
+    bad["args"] = [*bad["args"], "--no-such-key", "1"]
+    refused = start_init(bad, docs, "pod-0", tmp_path)
+    out, _ = refused.communicate(timeout=120)
+    assert refused.returncode == 2, out
+    (error,) = records(out, "model-fetch", "exp")
+    assert error["level"] == "ERROR" and error["message"].startswith("gyre model fetch: error: config key"), error
+
 
 def test_the_model_wait_fits_its_memory_limit_with_room(tmp_path):
     """Python, Gyre's logging and (JSON mode) transformers: the `sh` loop's 64Mi limit would have OOM-killed it."""

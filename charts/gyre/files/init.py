@@ -5,7 +5,9 @@
 # services' records (service = the container's name), so a collector keeps and filters them as the services'
 # lines; a `sh -c` loop's echo and `gyre model ...`'s prints were bare text in a JSON release.
 # SIGTERM keeps its default action (the process ends at once, tini exits 143): the wait loops hold no pod.
+import contextlib
 import io
+import json
 import logging
 import os
 import sys
@@ -38,7 +40,15 @@ class Lines(io.TextIOBase):
         *lines, self.pending = (self.pending + text).replace("\r", "\n").split("\n")
         for line in filter(str.strip, lines):
             # `gyre <command>: error: ...` (its refusals, exit 1 or 2) is an error whatever the stream
-            log.log(logging.ERROR if ": error:" in line else self.level, line.rstrip())
+            level, message = logging.ERROR if ": error:" in line else self.level, line.rstrip()
+            if line.startswith("{"):  # a record the command wrote itself (a start-up error under JSON logs)
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and "message" in record:  # its level and message, not nested
+                        named = logging.getLevelName(str(record.get("level")))  # a number for a known name
+                        level = named if isinstance(named, int) else level
+                        message = str(record["message"])
+            log.log(level, message)
         return len(text)
 
     def fileno(self):  # a library writing to the descriptor itself bypasses the records, as it would anyway
