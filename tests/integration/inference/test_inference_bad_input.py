@@ -581,7 +581,9 @@ def test_generated_requests_never_get_a_server_error(server, http, model_id):
         for result in schema.get_all_operations():
             operation = result.ok()
             post = operation.method.upper() == "POST"
-            if mode == GenerationMode.NEGATIVE and not post:
+            # negative cases are bodies that break the schema: an operation without a body (GET, POST /ping) has none
+            takes_body = "requestBody" in document["paths"][operation.path][operation.method.lower()]
+            if mode == GenerationMode.NEGATIVE and not (post and takes_body):
                 continue
             statuses = seen.setdefault((operation.label, mode.value), set())
 
