@@ -83,6 +83,7 @@ def test_each_run_trains_on_its_own_environments_and_reports_each(experiment):
     alpha_summary = res.stdout[res.stdout.index("run alpha:") : res.stdout.index("run beta:")]
     assert "  reverse_text " in beta_summary and "  math " in beta_summary
     assert "  math " not in alpha_summary
+    assert "(OpenAI API; model 'alpha', 'beta')" in res.stdout  # the replica serves each run's adapter by its name
 
 
 def test_gyre_export_writes_a_runs_checkpoint_with_its_own_adapter(experiment, tmp_path):
