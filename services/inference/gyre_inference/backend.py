@@ -92,6 +92,9 @@ class SamplingParams:
     # backends that tokenize them themselves (vLLM).
     bad_words: tuple[str, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's cache_salt: the prefix cache shares blocks only between requests of the same salt (None: the unsalted
+    # ones), so a tenant cannot learn from timing what another's prompts held.
+    cache_salt: str | None = None
     # vLLM's request priority: lower is scheduled earlier (admission; preemption takes the highest value first).
     # The orchestrator sends a rollout's RL step, so a backlog of requests never delays an older batch.
     priority: int = 0

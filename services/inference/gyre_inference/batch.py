@@ -150,8 +150,9 @@ class Batch:
     def live(self) -> list[Sequence]:
         return [seq for seq in self.rows if seq is not None]
 
-    def salt(self, adapter: int) -> object:
-        return (self.epoch, adapter, self.salts.get(adapter, 0))
+    def salt(self, adapter: int, cache_salt: str | None = None) -> object:
+        """What a block's key is salted with: the weights that computed it, and the request's cache_salt (vLLM's)."""
+        return (self.epoch, adapter, self.salts.get(adapter, 0), cache_salt)
 
     def new_weights(self, adapter: int | None = None) -> None:
         """A swap: blocks computed from now on differ from the cached ones (adapter None = the model's)."""
@@ -198,7 +199,7 @@ class Batch:
             if not free_rows:
                 return admitted, candidates[index:]
             tokens = seq.prompt + seq.tokens
-            seq.salt = self.salt(seq.adapter)
+            seq.salt = self.salt(seq.adapter, seq.params.cache_salt)
             group = (tuple(tokens), seq.salt)
             owner = owners.get(group) if self._shareable(seq) else None
             if owner is not None:  # a group's rollout: every block of the first, nothing to compute
@@ -247,7 +248,7 @@ class Batch:
 
     def _register_full_blocks(self, seq: Sequence, tokens: list[int], upto: int) -> None:
         """Key the sequence's full blocks below position `upto` (computed in this step or the one being run)."""
-        if not self.prefix_caching or seq.salt != self.salt(seq.adapter):
+        if not self.prefix_caching or seq.salt != self.salt(seq.adapter, seq.params.cache_salt):
             return
         size = self.block_size
         while (len(seq.keys) + 1) * size <= upto:

@@ -57,7 +57,6 @@ UNSUPPORTED_FIELDS = {
     "mm_processor_kwargs": "the served model takes text only",
     "documents": "documents are not passed to the chat template (put them in the messages)",
     "chat_template": "the chat template is the model's own",
-    "cache_salt": "the prefix cache is not salted per request",
     "kv_transfer_params": "no disaggregated prefill",
     "vllm_xargs": "no custom extensions read them",
     "conversation": "this server stores no conversations: send the whole conversation in input",
@@ -95,6 +94,10 @@ TruncatePromptTokens = Annotated[int, Field(ge=-1), AfterValidator(_keeps_a_toke
 TRUNCATE_HELP = "vLLM extension: keep only the last k tokens of the (rendered) prompt; -1 = max_model_len."
 
 
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
+CACHE_SALT_HELP = (
+    "vLLM extension: cached prompt blocks are shared only between requests of the same salt (a non-empty string)."
+)
 PRESENCE_HELP = "Subtracted from the logit of every token the output already holds (0 = off; vLLM's semantics)."
 FREQUENCY_HELP = "Times a token's count in the output so far, subtracted from its logit (0 = off)."
 REPETITION_HELP = (
@@ -287,7 +290,7 @@ class SamplingRequest(StrictModel):
     logits_processors: None = Field(None, description="Only null: no custom logits processors.")
     mm_processor_kwargs: None = Field(None, description="Only null: text only.")
     structural_tag: None = Field(None, description="Only null: structural tags are not supported.")
-    cache_salt: None = Field(None, description="Only null: the prefix cache is not salted per request.")
+    cache_salt: CacheSalt | None = Field(None, description=CACHE_SALT_HELP)
     kv_transfer_params: None = Field(None, description="Only null: no disaggregated prefill.")
     vllm_xargs: None = Field(None, description="Only null: no custom extensions.")
     # structured outputs (OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields)

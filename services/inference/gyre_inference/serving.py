@@ -243,6 +243,7 @@ class Serving:
                     allowed_token_ids=allowed,
                     bad_words=bad_words,
                     bad_word_ids=bad_word_ids,
+                    cache_salt=request.cache_salt,
                 )
                 choice = Choice(len(choices), self.text, stops, parse_tools, p, request.min_tokens,
                                 request.include_stop_str_in_output, echoes[p] if echoes else "",

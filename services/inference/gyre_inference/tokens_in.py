@@ -43,6 +43,7 @@ from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import (
     ALLOWED_HELP,
     BAD_WORDS_HELP,
+    CACHE_SALT_HELP,
     FREQUENCY_HELP,
     MAX_BAD_WORDS,
     MAX_N,
@@ -51,6 +52,7 @@ from gyre_inference.protocol import (
     REPETITION_HELP,
     TRUNCATE_HELP,
     AllowedTokenIds,
+    CacheSalt,
     MinP,
     Penalty,
     RepetitionPenalty,
@@ -124,7 +126,7 @@ class GenerateRequest(StrictModel):
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, description="The prompt, already tokenised.")
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = Field(False, description="Only false is supported.")
-    cache_salt: str | None = Field(None, description="Accepted for vLLM compatibility; no prefix cache here.")
+    cache_salt: CacheSalt | None = Field(None, description=CACHE_SALT_HELP)
     priority: int = Field(0, ge=-(2**31), lt=2**31, description="Scheduling priority, lower is served first.")
 
 
@@ -212,6 +214,7 @@ def add_generate_route(app: FastAPI, state) -> None:
                 allowed_token_ids=allowed,
                 bad_words=bad_words,
                 bad_word_ids=bad_word_ids,
+                cache_salt=body.cache_salt,
             )
             for i in range(sp.n)
         ]

@@ -305,13 +305,14 @@ class VLLMBackend(Backend):
                 if self._named.get(params.adapter, (None, 0))[0] is lora:
                     break
         moves = self._moves
+        salted = {"cache_salt": params.cache_salt} if params.cache_salt is not None else {}  # vLLM's, on the prompt
         done: list[int] = []  # tokens handed out
         prompt_raw: list | None = []  # vLLM's prompt log-prob entries until they are handed out
         self._running += 1
         try:
             while True:
                 stream = self._engine.generate(
-                    {"prompt_token_ids": [*prompt, *done]},
+                    {"prompt_token_ids": [*prompt, *done], **salted},
                     vllm_params,
                     uuid.uuid4().hex,
                     lora_request=lora,

@@ -290,6 +290,40 @@ def test_skip_special_tokens_false_keeps_special_tokens_but_not_the_stop_token(c
             assert choice["finish_reason"] == ("stop" if choice["token_ids"][-1] == end_of_turn else "length")
 
 
+def _cached_prompt_tokens(http) -> float:
+    lines = http.get("/metrics").text.splitlines()
+    name = "gyre_inference_engine_prompt_tokens_total{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name) and 'source="cached"' in line)
+
+
+def test_cache_salt_keeps_cached_prompts_apart(client, http, model_id):
+    """vLLM's cache_salt (extra_body; the tokens-in route's top-level field): a prompt cached under one salt is
+    computed again under another and hit under its own; the answer is the same whatever the salt."""
+    messages = [{"role": "user", "content": "Salted prompt: " + "the cat sat on the mat " * 6}]
+
+    def cached_by(salt) -> tuple[float, list[int]]:
+        before = _cached_prompt_tokens(http)
+        extra_body = {"return_token_ids": True} | ({"cache_salt": salt} if salt else {})
+        answer = client.chat.completions.create(model=model_id, messages=messages, max_tokens=3, seed=1,
+                                                extra_body=extra_body)  # fmt: skip
+        return _cached_prompt_tokens(http) - before, extra(answer.choices[0])["token_ids"]
+
+    runs = [cached_by(salt) for salt in (None, "tenant-a", "tenant-a", "tenant-b", None)]
+    hits = [cached for cached, _ in runs]
+    assert hits[1] == 0 and hits[2] > 0 and hits[3] == 0 and hits[4] > 0, hits
+    assert len({tuple(tokens) for _, tokens in runs}) == 1
+    prompt = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    before = _cached_prompt_tokens(http)
+    body = {"model": model_id, "token_ids": prompt, "sampling_params": {"max_tokens": 1}, "cache_salt": "tenant-c"}
+    assert http.post("/inference/v1/generate", json=body).status_code == 200
+    assert _cached_prompt_tokens(http) == before  # another salt: nothing shared
+    for route, bad in (("/v1/chat/completions", {"messages": STORY, "cache_salt": ""}),
+                       ("/inference/v1/generate", {"token_ids": [5], "cache_salt": ""})):  # fmt: skip
+        response = http.post(route, json={"model": model_id, "max_tokens": 2, **bad} if "messages" in bad else
+                             {"model": model_id, **bad})  # fmt: skip
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
+
+
 def test_min_tokens_above_max_tokens_is_400(http, model_id):
     response = http.post("/v1/completions", json={"model": model_id, "prompt": PROMPT, "max_tokens": 3,
                                                   "min_tokens": 4})  # fmt: skip
@@ -529,7 +563,7 @@ def test_vllm_request_defaults_spelled_out_sample_what_leaving_them_out_does(htt
         plain, spelled = (http.post(route, json=ask | body | extra) for extra in ({}, defaults))
         assert spelled.status_code == 200, spelled.text
         assert spelled.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
-    refused = {"length_penalty": 0.5, "spaces_between_special_tokens": False, "cache_salt": "s", "best_of": 2,
+    refused = {"length_penalty": 0.5, "spaces_between_special_tokens": False, "best_of": 2,
                "include_reasoning": False, "chat_template": "{{ x }}", "documents": []}  # fmt: skip
     for field, value in refused.items():
         response = http.post("/v1/chat/completions", json=ask | {"messages": STORY, field: value})

@@ -365,3 +365,17 @@ async def test_a_final_only_sequence_is_handed_over_in_one_piece_with_the_same_t
     assert torch.allclose(torch.tensor([e.logprob for e in final]), torch.tensor([e.logprob for e in streamed]))
     assert started <= final[0].sampled_at <= arrived and all(e.sampled_at is None for e in final[1:])
     assert all(e.sampled_at is None for e in streamed)
+
+
+async def test_cache_salt_shares_cached_blocks_only_within_one_salt(engine):
+    """vLLM's cache_salt: a prompt cached under one salt (or none) is computed again under another, and hit under its
+    own; the tokens are the same whatever the salt."""
+    prompt = [(5 * i + 11) % 900 + 5 for i in range(40)]  # 2 full blocks of 16: 32 positions to hit
+    runs = []
+    for salt in (None, None, "tenant-a", "tenant-a", "tenant-b", None):
+        before = engine.stats.prefilled
+        tokens, _, _ = await run(engine, prompt, max_tokens=3, seed=1, cache_salt=salt)
+        runs.append((salt, engine.stats.prefilled - before, tokens))
+    computed = [prefilled for _, prefilled, _ in runs]
+    assert computed == [40, 8, 40, 8, 40, 8]  # the unsalted blocks are still cached at the end
+    assert len({tuple(tokens) for *_, tokens in runs}) == 1

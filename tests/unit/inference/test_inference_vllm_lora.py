@@ -297,6 +297,9 @@ def test_a_request_priority_reaches_vllm_with_priority_scheduling_on(standin_vll
         [_ async for _ in backend.generate([1, 2], params)]
         sent = engine.last("generate")["sampling_params"]
         assert sent.allowed_token_ids == [3, 9] and sent.bad_words == ["a b", "c"]
+        assert "cache_salt" not in engine.last("generate")["prompt"]  # unsalted: vLLM's prompt as before
+        [_ async for _ in backend.generate([1, 2], SamplingParams(max_tokens=1, cache_salt="tenant"))]
+        assert engine.last("generate")["prompt"] == {"prompt_token_ids": [1, 2], "cache_salt": "tenant"}  # vLLM's place
         await backend.shutdown()
 
     run(scenario())
