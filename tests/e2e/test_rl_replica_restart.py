@@ -43,8 +43,9 @@ def replica_pid(launcher: int, service: bytes = b"inference") -> int | None:
     return None
 
 
-def kill_replica_mid_run(run: subprocess.Popen, out: Path, after_step: int, service: bytes = b"inference") -> int:
-    """SIGKILL the replica (or `service`) once `after_step` is trained (the run well under way); its pid."""
+def kill_replica_mid_run(run: subprocess.Popen, out: Path, after_step: int, service: bytes = b"inference",
+                         sig: int = signal.SIGKILL) -> int:  # fmt: skip
+    """SIGKILL (or `sig`) the replica (or `service`) once `after_step` is trained (the run well under way); its pid."""
     deadline = time.monotonic() + 300
     while not trained(out) or max(trained(out)) < after_step:
         assert run.poll() is None, run.communicate()[1][-3000:]
@@ -52,7 +53,7 @@ def kill_replica_mid_run(run: subprocess.Popen, out: Path, after_step: int, serv
         time.sleep(0.2)
     pid = replica_pid(run.pid, service)
     assert pid is not None
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     return pid
 
 
@@ -102,6 +103,30 @@ def test_a_killed_trainer_stops_the_run_saying_what_killed_it_and_the_same_comma
     assert run.returncode == 1, err[-3000:]
     assert "gyre rl: run failed: trainer was killed by SIGKILL (out of memory? the kernel's OOM killer sends it: " \
            "dmesg); the same command resumes the run; last lines of " in err, err[-3000:]  # fmt: skip
+    again = launch(out, "--max-steps", "6")
+    _, err = again.communicate(timeout=400)
+    assert again.returncode == 0, err[-3000:]
+    assert sorted(trained(out)) == list(range(1, 7)), trained(out)  # every step once, over two launches
+
+
+@pytest.mark.parametrize("service", ["orchestrator", "trainer"])
+def test_a_service_stopped_alone_by_sigterm_stops_the_run_and_the_same_command_resumes_it(tmp_path, service):
+    # SIGTERM is a clean stop (exit 0, as in a pod); the launcher took that exit for "finished" and waited for the
+    # others forever: the trainer for batches no one would push, the orchestrator for weights no one would train
+    out = tmp_path / "run"
+    run = launch(out, "--max-steps", "6")
+    try:
+        kill_replica_mid_run(run, out, after_step=1, service=service.encode(), sig=signal.SIGTERM)
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 1, err[-3000:]
+    said = f"gyre rl: run failed: {service} exited with status 0 before the run finished ("
+    assert said in err and "was it sent SIGTERM or SIGINT? the same command resumes the run" in err, err[-3000:]
+    short = err[err.index(said) + len(said) :].split(")")[0]
+    assert short.startswith("ci: " + ("batch" if service == "orchestrator" else "step")), short
+    if service == "trainer":
+        return  # the resume after a stop is the same for both; once is enough
     again = launch(out, "--max-steps", "6")
     _, err = again.communicate(timeout=400)
     assert again.returncode == 0, err[-3000:]

@@ -46,7 +46,7 @@ from gyre.config.loader import dump_toml, expand_shorthands, name_environment_va
 from gyre.config.rerun import SFT_RECORD, dotted_keys, sft_changes, sft_refusal
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig
-from gyre.events import SEGMENT_ENV, new_segment_id
+from gyre.events import ORCHESTRATOR_STEPS, SEGMENT_ENV, new_segment_id, read_events
 from gyre.fsio import write_atomic
 from gyre.inference_process import InferenceProcess, NotReady
 from gyre.local.runs import (
@@ -61,7 +61,7 @@ from gyre.local.runs import (
 )
 from gyre.proc import Child
 from gyre.runlock import LockHeld, RunLock
-from gyre.runstate import SFT_CHECKPOINTS, forget_rewinds, sft_checkpoints, sft_resume_problem
+from gyre.runstate import SFT_CHECKPOINTS, committed_step, forget_rewinds, sft_checkpoints, sft_resume_problem
 
 log = logging.getLogger("gyre.local.launcher")
 
@@ -631,6 +631,8 @@ class Launcher:
         progress = RunProgress(runs, start, segment=os.environ[SEGMENT_ENV], metrics_url=metrics)
         _bar = progress.bar
         restarts = Restarts(self.cfg.inference_restarts)
+        by_name = {run.name: run for run in runs}
+        run_of = {child.name: by_name[name] for child, name in zip(orchestrators, configs.orchestrators, strict=True)}
         try:
             while True:
                 self._check_interrupted()
@@ -648,6 +650,12 @@ class Launcher:
                     if code != 0:  # "status -9" said neither what killed it nor what to do next
                         raise RunFailed(f"{child.name} {_stopped(code)}; last lines of {child.log_path}:\n"
                                         f"{child.tail()}")  # fmt: skip
+                    if (short := _unfinished(child, trainer, runs, run_of)) is not None:
+                        # a service stopped on its own by a signal (`kill PID`) exits 0 as in a pod; waiting for
+                        # the others then hung: the trainer waits for batches, the orchestrator for the trainer
+                        raise RunFailed(f"{child.name} exited with status 0 before the run finished ({short}): was "
+                                        "it sent SIGTERM or SIGINT? the same command resumes the run; last lines of "
+                                        f"{child.log_path}:\n{child.tail()}")  # fmt: skip
                 if all(code == 0 for code in done.values()):
                     progress.update()
                     break
@@ -751,6 +759,24 @@ def _status(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"status {code}"
+
+
+def _unfinished(child: Child, trainer: Child, runs: list[Run], run_of: dict[str, Run]) -> str | None:
+    """What `child`, a trainer or orchestrator that exited 0, left undone of its part of the run; None if nothing.
+
+    Finished, the trainer has committed every run's `max_steps` and an orchestrator has pushed its run's last batch
+    (it exits once the final weights are relayed, or after `final_weights_timeout_s`: the trainer may still be on it).
+    """
+    if child is trainer:
+        short = [f"{run.name}: step {step} of {run.max_steps}" for run in runs
+                 if (step := committed_step(run.output_dir)) < run.max_steps]  # fmt: skip
+        return "; ".join(short) or None
+    if (run := run_of.get(child.name)) is not None:  # an orchestrator (by its name): its run's
+        # the newest record, not the highest step: after a rewind, older records of later steps remain
+        pushed = next((r["step"] for r in reversed(read_events(run.output_dir / "events" / ORCHESTRATOR_STEPS))
+                       if isinstance(r.get("step"), int)), 0)  # fmt: skip
+        return None if pushed >= run.max_steps else f"{run.name}: batch {pushed} of {run.max_steps} pushed"
+    return None
 
 
 def _stopped(code: int) -> str:
