@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from itertools import chain, zip_longest
 from pathlib import Path
 
 from gyre.events import latest_per_step, read_events
@@ -106,16 +107,26 @@ def write_samples(output_dir: Path) -> Path:
 
 
 def latest_samples(output_dir: Path, count: int = 3, width: int = 60) -> list[str]:
-    """A few lines of the newest dump for the console: reward, the completion's first line, its details if any."""
+    """A few lines of the newest dump for the console: reward, the completion's last reply, its details if any.
+
+    One sample per task (a group's samples share the prompt: three of one group said little), a mix's environments
+    in turn and named; the last reply, since `answer` is what the episode's end is graded on (a multi-turn one's
+    first reply was shown beside the final answer)."""
     steps = dumped_steps(output_dir)
     if not steps:
         return []
-    records = read_dump(output_dir, steps[-1])[:count]
+    by_env: dict[str | None, dict[str, dict]] = {}
+    for r in read_dump(output_dir, steps[-1]):
+        by_env.setdefault(r.get("env"), {}).setdefault(r["task_id"], r)
+    per_env = [list(tasks.values()) for tasks in by_env.values()]
+    records = [r for r in chain.from_iterable(zip_longest(*per_env)) if r is not None]  # environments in turn
     lines = [f"samples of step {steps[-1]} (all in samples.md):"]
-    for r in records:
-        reply = next((m.get("content") or "" for m in r["completion"] if m.get("role") == "assistant"), "")
-        reply = " ".join(reply.split())
-        lines.append(f"  reward {r['reward']:.2f}  {r['task_id']}: {reply[:width]!r} (answer {r['answer'][:width]!r})")
+    for r in records[:count]:
+        replies = [m.get("content") or "" for m in r["completion"] if m.get("role") == "assistant"]
+        reply = " ".join((replies[-1] if replies else "").split())
+        env = f"{r['env']} " if len(by_env) > 1 else ""
+        lines.append(f"  reward {r['reward']:.2f}  {env}{r['task_id']}: {reply[:width]!r} "
+                     f"(answer {r['answer'][:width]!r})")  # fmt: skip
         if r.get("details"):  # why it scored what it did (a code env's failing test), as samples.md shows it
             lines.append(f"      {details_line(r['details'], limit=2 * width)}")
     return lines

@@ -77,3 +77,23 @@ def test_the_console_samples_after_a_run_show_each_samples_details(tmp_path):
     assert lines[0].startswith("samples of step 4")
     assert "t0" in lines[1] and "t1" in lines[2] and lines[3].strip() == "error: no python block; passed: 0"
     assert len(lines) == 4  # the sample without details gets no line of its own
+
+
+def test_the_console_samples_of_a_mix_show_each_environment_and_an_episodes_last_reply(tmp_path):
+    """The closing lines showed the dump's first three records: a mix's run showed three samples of one group of
+    one environment, and a multi-turn episode's first reply beside the final answer it is graded on."""
+    from gyre.local.report import latest_samples
+
+    def turns(task_id, env, *replies):
+        completion = [m for reply in replies for m in ({"role": "assistant", "content": reply},
+                                                       {"role": "user", "content": "Add: Bo"})][:-1]  # fmt: skip
+        return record(task_id, 0.5, env=env, completion=completion)
+
+    group = [turns("s1", "sort", "Cy, Al", "Al, Bo, Cy")] * 3 + [turns("s2", "sort", "Al, Di", "Al, Bo, Di")]
+    write_dump(tmp_path, 4, [*group, record("m1", 1.0, env="math"), record("m2", 0.0, env="math")])
+    lines = latest_samples(tmp_path, count=3)
+    assert [line.split(":")[0].split()[-2:] for line in lines[1:]] == [["sort", "s1"], ["math", "m1"], ["sort", "s2"]]
+    assert "'Al, Bo, Cy'" in lines[1] and "Cy, Al" not in lines[1]  # the last reply, the one `answer` grades
+
+    write_dump(tmp_path, 5, [record("t0", 1.0), record("t0", 0.0), record("t1", 1.0)])  # one environment: unnamed
+    assert [line.split(":")[0].split()[-1] for line in latest_samples(tmp_path)[1:]] == ["t0", "t1"]
