@@ -183,3 +183,18 @@ def test_a_policy_port_the_user_sets_is_served_on_and_a_taken_one_is_refused_nam
             resolve(tmp_path, "@", str(ROOT / "configs/ci.toml"), "--inference.server.port", str(busy))
     with pytest.raises(ConfigError, match=r"^config key 'inference.server.port': 'http' is not a port number"):
         resolve(tmp_path, "@", str(ROOT / "configs/ci.toml"), "--inference.server.port", "http")
+
+
+def test_a_servers_port_the_user_sets_is_served_on_and_a_clash_is_refused_naming_its_key(tmp_path):
+    # a [[servers]] entry's own args.server.port was replaced by a free port, silently (the policy's was too)
+    from gyre.net import free_port
+
+    port = free_port()
+    judge = f'[{{"name": "judge", "model": "m", "args": {{"server": {{"port": {port}}}}}}}]'
+    resolved = resolve(tmp_path, "--servers", judge, "--orchestrator.judges", '[{"url": "server:judge"}]')
+    assert resolved.servers["judge"].server.port == port
+    assert resolved.orchestrator.judges[0].url == f"http://127.0.0.1:{port}"  # the judge is asked there
+
+    with pytest.raises(ConfigError, match=rf"^config key 'servers.judge.args.server.port': port {port} is another "
+                                          "server's of this launch"):  # fmt: skip
+        resolve(tmp_path, "--servers", judge, "--inference.server.port", str(port - 1), "--inference-replicas", "2")

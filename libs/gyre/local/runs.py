@@ -112,7 +112,8 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
     served = served_adapters(cfg, trainer, [run.name for run in runs] if multi else [])
     serving = {key: value for key, value in shared.items() if key in InferenceConfig.model_fields}  # no Redis, W&B
     replicas = []
-    chosen = _user_port(cfg)
+    taken: set[int] = set()  # ports the user chose for this launch's servers: each once
+    chosen = _user_port("inference.server.port", cfg.inference.get("server"), cfg.inference_replicas, taken)
     for i in range(cfg.inference_replicas):
         port = free_port() if chosen is None else chosen + i
         values = {**serving, "model": model, "server": {"port": port}, "control": {"port": free_port()}}
@@ -120,8 +121,10 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
 
     servers = {}
     for server in cfg.servers:
+        key = f"servers.{server.name}.args.server.port"
+        port = _user_port(key, server.args.get("server"), taken=taken) or free_port()
         values = {**serving, "run_id": f"{cfg.run_id}-{server.name}", "model": {"name": server.model},
-                  "server": {"port": free_port()}, "control": {"port": free_port()}}  # fmt: skip
+                  "server": {"port": port}, "control": {"port": free_port()}}  # fmt: skip
         servers[server.name] = _validated(InferenceConfig, f"servers.{server.name}.args", server.args, values)
 
     orchestrators = {}
@@ -190,33 +193,39 @@ def _run_orchestrator(shared: dict[str, Any], own: dict[str, Any], index: int) -
     return deep_merge(shared, own)
 
 
-def _user_port(cfg: RLConfig) -> int | None:
-    """`inference.server.port` when the user set it (replica i serves on port + i), else None (a free port each).
-    PRIME-RL users set it to reach the policy (`vf-eval -b http://localhost:8000/v1`, curl): it was replaced by a
-    random port, silently. A port that is taken is refused now, naming the key, not a replica that fails to bind."""
+def _user_port(key: str, server: Any, count: int = 1, taken: set[int] | None = None) -> int | None:
+    """The HTTP port at `key` (an `inference.server` or a `[[servers]]` entry's `args.server` table) when the user set
+    it (replica i serves on port + i), else None (a free port each). PRIME-RL users set it to reach the policy
+    (`vf-eval -b http://localhost:8000/v1`, curl): it was replaced by a random port, silently (a judge's too). A port
+    that is taken, or that another of the launch's servers was given (`taken`, updated), is refused, naming the key,
+    not a server that fails to bind."""
     import socket
 
-    server = cfg.inference.get("server")
     given = server.get("port") if isinstance(server, dict) else None
     if given is None:
         return None
     try:
         port = int(given)
     except (TypeError, ValueError):
-        raise ConfigError(f"config key 'inference.server.port': {given!r} is not a port number") from None
-    if port <= 0 or port + cfg.inference_replicas - 1 > 65535:
-        raise ConfigError(f"config key 'inference.server.port': {port} is no port for {cfg.inference_replicas} "
-                          "replica(s) (port + i for replica i); unset it for free ports")  # fmt: skip
+        raise ConfigError(f"config key '{key}': {given!r} is not a port number") from None
+    if port <= 0 or port + count - 1 > 65535:
+        raise ConfigError(f"config key '{key}': {port} is no port for {count} server(s) (port + i for replica i); "
+                          "unset it for free ports")  # fmt: skip
     host = str(server.get("host", "127.0.0.1"))
-    for taken in range(port, port + cfg.inference_replicas):
+    taken = set() if taken is None else taken
+    for one in range(port, port + count):
+        if one in taken:
+            raise ConfigError(f"config key '{key}': port {one} is another server's of this launch (replicas serve "
+                              "on inference.server.port + i); choose another or unset it for a free port")  # fmt: skip
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
             try:
-                sock.bind((host, taken))
+                sock.bind((host, one))
             except OSError as e:
-                raise ConfigError(f"config key 'inference.server.port': port {taken} on {host} is in use "
-                                  f"({e.strerror}: another server, or a run still going?); choose another or unset "
-                                  "it for a free port") from None  # fmt: skip
+                raise ConfigError(f"config key '{key}': port {one} on {host} is in use ({e.strerror}: another "
+                                  "server, or a run still going?); choose another or unset it for a free "
+                                  "port") from None  # fmt: skip
+        taken.add(one)
     return port
 
 
