@@ -1,6 +1,6 @@
-"""What the shipped trainer dashboard shows an operator once the trainer is down (its pod gone, crash-looping,
-pending: no longer scraped), evaluated by Prometheus's own engine (`promtool test rules`, promql_expr_test) on
-the panel's query exactly as charts/gyre/dashboards/trainer.json ships it.
+"""What the shipped trainer dashboard shows an operator, once the trainer is down (its pod gone, crash-looping,
+pending: no longer scraped) and from the step records' values, evaluated by Prometheus's own engine
+(`promtool test rules`, promql_expr_test) on the panel's query exactly as charts/gyre/dashboards/trainer.json ships it.
 
 "Time since last step" went empty the moment the trainer stopped being scraped (its series stale after 5
 minutes), the one moment the panel matters; it now counts on from the last step it saw. And the overview's
@@ -21,12 +21,22 @@ PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 pytestmark = pytest.mark.skipif(shutil.which(PROMTOOL) is None, reason="apt-get install prometheus")
 
 
-def panel_query(dashboard: str, title: str) -> str:
+def panel_queries(dashboard: str, title: str) -> dict[str, str]:
+    """{legend: PromQL} of a shipped panel, its template variables as "All" selects them."""
     model = json.loads((CHART / "dashboards" / dashboard).read_text())
     (found,) = [p for p in model["panels"] if p.get("title") == title]
-    (target,) = found["targets"]
-    # the template variables as "All" selects them
-    return target["expr"].replace("$namespace", ".*").replace("$run_id", ".*").replace("$__rate_interval", "2m")
+    return {
+        t["legendFormat"]: t["expr"]
+        .replace("$namespace", ".*")
+        .replace("$run_id", ".*")
+        .replace("$__rate_interval", "2m")
+        for t in found["targets"]
+    }
+
+
+def panel_query(dashboard: str, title: str) -> str:
+    (query,) = panel_queries(dashboard, title).values()
+    return query
 
 
 def run_id_selector(dashboard: str) -> str:
@@ -81,3 +91,19 @@ def test_time_since_last_step_counts_on_while_the_trainer_is_down(tmp_path):
         }],
     })  # fmt: skip
     assert result.returncode == 0, f"{query}\n{result.stdout}{result.stderr}"
+
+
+def test_probability_ratio_panel_shows_each_runs_mean_min_and_max(tmp_path):
+    """The step record's ratio_mean/min/max (r = π_θ/μ of the sampled tokens) are on the trainer dashboard, per run."""
+    queries = panel_queries("trainer.json", "Trainer/inference probability ratio")
+    assert set(queries) == {"mean {{run_id}}", "min {{run_id}}", "max {{run_id}}"}
+    values = {"mean": 0.97, "min": 0.02, "max": 40.0}
+    series = [{"series": f'gyre_trainer_ratio_{stat}{{namespace="ml", run_id="a"}}', "values": f"{v}x10"}
+              for stat, v in values.items()]  # fmt: skip
+    result = promtool_test(tmp_path, {
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [{"expr": queries[f"{stat} {{{{run_id}}}}"], "eval_time": "5m",
+                              "exp_samples": [{"labels": '{run_id="a"}', "value": v}]} for stat, v in values.items()],
+    })  # fmt: skip
+    assert result.returncode == 0, f"{queries}\n{result.stdout}{result.stderr}"

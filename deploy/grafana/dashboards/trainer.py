@@ -32,6 +32,19 @@ def trainer() -> db.Dashboard:
             NATS,
             "KL between the trainer's and the inference engine's log-probs of the sampled tokens.",
         ),
+        panel(
+            "Trainer/inference probability ratio",
+            "none",
+            [
+                (f"max by (run_id) ({sel(f'gyre_trainer_ratio_{stat}')})", f"{stat} {{{{run_id}}}}")
+                for stat in ("mean", "min", "max")
+            ],
+            "r = π_θ/μ of the sampled tokens over the last step's valid loss tokens: mean, lowest and highest. "
+            "The mean stays near 1 in a sound run (its expectation is 1 when sampling from the full distribution); "
+            "a mean off 1 means trainer and inference disagree (another temperature, dtype or model, or a very "
+            "stale policy). The min and max show the few tokens the mean KL hides.",
+            minimum=0,
+        ),
         gauge("Grad norm", "gyre_trainer_grad_norm", "none", "Gradient norm before clipping, last step."),
         gauge(
             "Clipped tokens",

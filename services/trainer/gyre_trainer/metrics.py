@@ -55,6 +55,17 @@ class TrainerMetrics:
         self.loss = gauge("gyre_trainer_loss", "Loss of the last step.")
         self.entropy = gauge("gyre_trainer_entropy", "Mean token entropy of the policy in the last step (nats).")
         self.mismatch_kl = gauge("gyre_trainer_mismatch_kl", "KL between trainer and inference log-probs, last step.")
+        # r = π_θ/μ of the sampled tokens over the last step's valid loss tokens: its mean is 1 in expectation
+        # whatever the staleness, so a mean off 1 or a wild min/max is a mismatch the mean KL alone hides
+        self.ratio_mean = gauge(
+            "gyre_trainer_ratio_mean", "Mean trainer/inference probability ratio of the sampled tokens, last step."
+        )
+        self.ratio_min = gauge(
+            "gyre_trainer_ratio_min", "Lowest trainer/inference probability ratio of a sampled token, last step."
+        )
+        self.ratio_max = gauge(
+            "gyre_trainer_ratio_max", "Highest trainer/inference probability ratio of a sampled token, last step."
+        )
         self.grad_norm = gauge("gyre_trainer_grad_norm", "Gradient norm before clipping, last step.")
         self.clip_ratio = gauge(
             "gyre_trainer_clip_ratio", "Fraction of the last step's loss tokens the objective clipped (or masked)."
@@ -95,6 +106,9 @@ class TrainerMetrics:
             (self.loss, "loss"),
             (self.entropy, "entropy"),
             (self.mismatch_kl, "mismatch_kl"),
+            (self.ratio_mean, "ratio_mean"),
+            (self.ratio_min, "ratio_min"),
+            (self.ratio_max, "ratio_max"),
             (self.grad_norm, "grad_norm"),
             (self.lr, "lr"),
         ):

@@ -51,6 +51,7 @@ def test_status_and_health(server):
 def test_metrics_exposition():
     metrics = TrainerMetrics("exp1")
     record = {"step": 3, "loss": 0.25, "entropy": 2.0, "mismatch_kl": 0.01, "grad_norm": 1.5, "lr": 1e-5,
+              "ratio_mean": 0.98, "ratio_min": 0.125, "ratio_max": 7.5,
               "num_tokens": 640, "step_seconds": 0.7, "time": 1234.0}  # fmt: skip
     metrics.observe_step(record, mfu_per_rank=[0.31, 0.29])
     metrics.observe_step({**record, "step": 4, "loss": None}, mfu_per_rank=[0.3, 0.3])  # a missing value keeps the last
@@ -72,6 +73,9 @@ def test_metrics_exposition():
     assert lines['gyre_trainer_mfu_ratio{rank="1",run_id="exp1"}'] == 0.3
     assert lines['gyre_trainer_step_duration_seconds_count{run_id="exp1"}'] == 3
     assert lines['gyre_trainer_last_step_timestamp_seconds{run_id="exp1"}'] == 1234.0
+    # the trainer/inference probability ratio of the step record, as it is there
+    ratios = {stat: lines[f'gyre_trainer_ratio_{stat}{{run_id="exp1"}}'] for stat in ("mean", "min", "max")}
+    assert ratios == {"mean": 0.98, "min": 0.125, "max": 7.5}
     for name in ("entropy", "mismatch_kl", "grad_norm", "lr"):
         assert f'gyre_trainer_{name}{{run_id="exp1"}}' in lines
     assert "# TYPE gyre_trainer_weight_publish_seconds histogram" in text
