@@ -107,3 +107,25 @@ def test_probability_ratio_panel_shows_each_runs_mean_min_and_max(tmp_path):
                               "exp_samples": [{"labels": '{run_id="a"}', "value": v}]} for stat, v in values.items()],
     })  # fmt: skip
     assert result.returncode == 0, f"{queries}\n{result.stdout}{result.stderr}"
+
+
+def test_tokens_per_second_shows_wall_and_compute_throughput(tmp_path):
+    """Wall throughput is rate(tokens); compute throughput (the step records' tokens_per_second) divides the
+    same tokens by the steps' compute seconds, so a trainer waiting half the time for batches shows twice as much."""
+    queries = panel_queries("trainer.json", "Tokens/s")
+    assert set(queries) == {"wall {{run_id}}", "compute {{run_id}}"}
+    # 600 tokens a minute, of which 30 s are the step's own compute
+    result = promtool_test(tmp_path, {
+        "interval": "1m",
+        "input_series": [
+            {"series": 'gyre_trainer_tokens_total{namespace="ml", run_id="a"}', "values": "0+600x20"},
+            {"series": 'gyre_trainer_step_duration_seconds_sum{namespace="ml", run_id="a"}', "values": "0+30x20"},
+        ],
+        "promql_expr_test": [
+            {"expr": queries["wall {{run_id}}"], "eval_time": "10m",
+             "exp_samples": [{"labels": '{run_id="a"}', "value": 10}]},
+            {"expr": queries["compute {{run_id}}"], "eval_time": "10m",
+             "exp_samples": [{"labels": '{run_id="a"}', "value": 20}]},
+        ],
+    })  # fmt: skip
+    assert result.returncode == 0, f"{queries}\n{result.stdout}{result.stderr}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import timeseries
 
-from .panels import NATS, RATE, TOKENS_PER_S, base, panel, quantile, rate, sel
+from .panels import NATS, RATE, TOKENS_PER_S, base, panel, quantile, rate, rate_ratio, sel
 
 LAST_STEP = sel("gyre_trainer_last_step_timestamp_seconds")
 
@@ -121,8 +121,16 @@ def trainer() -> db.Dashboard:
         panel(
             "Tokens/s",
             TOKENS_PER_S,
-            [(rate("gyre_trainer_tokens_total"), "{{run_id}}")],
-            "Tokens trained per second of wall time (all ranks).",
+            [
+                (rate("gyre_trainer_tokens_total"), "wall {{run_id}}"),
+                # the step records' tokens_per_second: tokens over the steps' own compute time
+                (
+                    rate_ratio("gyre_trainer_tokens_total", "gyre_trainer_step_duration_seconds_sum"),
+                    "compute {{run_id}}",
+                ),
+            ],
+            "Tokens trained per second (all ranks): of wall time, and of the steps' compute time (the step record's "
+            "`tokens_per_second`; the gap is time spent publishing, checkpointing and waiting for batches).",
             minimum=0,
         ),
         panel(
