@@ -117,6 +117,9 @@ def test_a_mix_of_environments_is_compared_whole_and_entry_by_entry(tmp_path):
     # so do an entry's group size and eval settings, as the orchestrator's own rollouts_per_example and eval.* are
     validate(tmp_path / "mix", "--orchestrator.env", '[{"name": "reverse_text", "rollouts_per_example": 4}, '
              '{"name": "arithmetic", "eval": {"enabled": false, "num_examples": 3}}]')  # fmt: skip
+    # and its sampling lengths, training and eval, as the orchestrator's own sampling.max_tokens is
+    validate(tmp_path / "mix", "--orchestrator.env", '[{"name": "reverse_text", "sampling": {"max_tokens": 512}, '
+             '"eval": {"max_tokens": 32, "temperature": 0.6}}, {"name": "arithmetic"}]')  # fmt: skip
     other = '[{"name": "reverse_text", "ratio": 3}, {"name": "alphabet_sort", "ratio": 1}]'
     with pytest.raises(ConfigError, match=r"^config key 'orchestrator.env.1.name': .* = 'arithmetic', this launch "):
         validate(tmp_path / "mix", "--orchestrator.env", other)

@@ -35,6 +35,36 @@ class EnvEvalConfig(Section):
     interval: int | None = Field(
         None, ge=1, description="Evaluate this entry every N steps (default: eval.interval, which turns evals on)."
     )
+    temperature: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="This entry's eval temperature (default: eval.temperature)."
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Completion tokens per model turn of this entry's eval (default: its sampling.max_tokens, else "
+        "the orchestrator's).",
+    )
+
+
+class EnvSamplingConfig(Section):
+    """One environment's (a mix entry's) training sampling, within the orchestrator's `sampling` settings. The
+    temperature stays the orchestrator's: a batch is scored by the trainer at one temperature."""
+
+    max_tokens: int | None = Field(
+        None, ge=1, description="Completion tokens per model turn of this entry (default: sampling.max_tokens)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_temperature(cls, value: Any) -> Any:
+        # said, not "unknown key": PRIME-RL users set sampling per environment, and the temperature cannot be
+        if isinstance(value, dict) and "temperature" in value:
+            raise ValueError(
+                "temperature: the training temperature is the orchestrator's alone (sampling.temperature), since "
+                "the trainer scores a batch at one temperature; an entry may set its own sampling.max_tokens, and "
+                "its eval.temperature"
+            )
+        return value
 
 
 class EnvConfig(Section):
@@ -59,8 +89,12 @@ class EnvConfig(Section):
         description="Samples per task of this entry, its advantage group (default: the orchestrator's "
         "rollouts_per_example); batch_size counts groups, so a step's samples vary with the entries drawn.",
     )
+    sampling: EnvSamplingConfig = Field(
+        default_factory=EnvSamplingConfig, description="This entry's training sampling (its max_tokens)."
+    )
     eval: EnvEvalConfig = Field(
-        default_factory=EnvEvalConfig, description="This entry's evaluation (whether, its tasks, k, interval)."
+        default_factory=EnvEvalConfig,
+        description="This entry's evaluation (whether, its tasks, k, interval, temperature, max_tokens).",
     )
 
     @property
@@ -372,6 +406,11 @@ class OrchestratorConfig(ServiceConfig):
     def group_size(self, entry: EnvConfig) -> int:
         """Samples per task of `entry` (one of `envs`): its own rollouts_per_example, else the orchestrator's."""
         return entry.rollouts_per_example or self.rollouts_per_example
+
+    def max_tokens(self, entry: EnvConfig) -> int:
+        """Completion tokens per model turn of `entry`'s training rollouts: its own sampling.max_tokens, else the
+        orchestrator's."""
+        return entry.sampling.max_tokens or self.sampling.max_tokens
 
     def env_key(self, i: int) -> str:
         """The config key of entry `i` of `envs`, as errors name it: `env` (one table) or `env.{i}` (a mix)."""

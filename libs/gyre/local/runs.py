@@ -439,7 +439,8 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
         changes = _section_changes(_as_now(OrchestratorConfig, "env", recorded["env"]), now)
         # a mix's ratios stay free (PRIME-RL users reweight between launches): each entry keeps its task position,
         # only the draws to come change (docs/orchestrator.md, "Several environments"); so do an entry's group size
-        # and eval settings, free as the orchestrator's own rollouts_per_example and eval.* are
+        # and eval settings and its sampling.max_tokens, free as the orchestrator's own rollouts_per_example, eval.*
+        # and sampling.max_tokens are
         if changed := [c for c in changes if not (isinstance(now, list) and c[0].endswith(".ratio"))
                        and not FREE_ENV_KEY.fullmatch(c[0])]:  # fmt: skip
             leaf, was, new = changed[0]
@@ -513,7 +514,7 @@ def _orchestrator_file(cfg: RLConfig, run_name: str) -> str:
 
 
 # leaves of orchestrator.env (one table, or a mix's entry) a started run may change between launches
-FREE_ENV_KEY = re.compile(r"(\.\d+)?\.(rollouts_per_example|eval(\.\w+)?)")
+FREE_ENV_KEY = re.compile(r"(\.\d+)?\.(rollouts_per_example|sampling\.max_tokens|eval(\.\w+)?)")
 
 
 def _section_changes(old: Any, new: Any, key: str = "") -> list[tuple[str, Any, Any]]:

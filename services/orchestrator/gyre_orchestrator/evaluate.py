@@ -121,7 +121,7 @@ async def evaluate_envs(
     """`evaluate` of each environment (label -> its result) as `plan` says (`eval_plan`), side by side; the first
     failure fails them all."""
     runs = {label: asyncio.ensure_future(evaluate(env, client, env_name=label, num_examples=plan[label].num_examples,
-                                                  k=plan[label].k, **kwargs))
+                                                  k=plan[label].k, sampling=plan[label].sampling, **kwargs))
             for label, env in envs.items()}  # fmt: skip
     try:
         await asyncio.gather(*runs.values())
@@ -143,17 +143,20 @@ def mix_shares(cfg) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class EntryEval:
-    """How one entry is evaluated: its tasks per eval (and the key that set them, for errors) and samples per task."""
+    """How one entry is evaluated: its tasks per eval (and the key that set them, for errors), samples per task and
+    their sampling settings."""
 
     num_examples: int
     key: str
     k: int
     interval: int | None = None  # evaluated at the multiples of it (None: the orchestrator's eval.interval)
+    sampling: SamplingParams = SamplingParams(temperature=0.0)
 
 
 def eval_plan(cfg) -> dict[str, EntryEval]:
     """Label -> `EntryEval` of each entry evaluated (`eval.enabled`), PRIME-RL's per-environment eval settings: its
-    own `eval.num_examples`, `eval.k` and `eval.interval`, else the orchestrator's."""
+    own `eval.num_examples`, `eval.k`, `eval.interval`, `eval.temperature` and `eval.max_tokens`, else the
+    orchestrator's."""
     plan = {}
     for i, entry in enumerate(cfg.envs):
         if entry.eval.enabled:
@@ -162,7 +165,7 @@ def eval_plan(cfg) -> dict[str, EntryEval]:
                 "eval.num_examples")  # fmt: skip
             count = entry.eval.num_examples if own else cfg.eval.num_examples
             interval = entry.eval.interval or getattr(cfg.eval, "interval", None)  # gyre eval's has none
-            plan[entry.key] = EntryEval(count, key, entry.eval.k or cfg.eval.k, interval)
+            plan[entry.key] = EntryEval(count, key, entry.eval.k or cfg.eval.k, interval, eval_sampling(cfg, entry))
     return plan
 
 
@@ -310,12 +313,16 @@ async def evaluate(
     )
 
 
-def eval_sampling(cfg) -> SamplingParams:
-    """Eval sampling: the train sampling settings with the eval temperature."""
+def eval_sampling(cfg, entry) -> SamplingParams:
+    """Eval sampling of `entry` (one of `cfg.envs`): the train sampling settings with the eval temperature, each
+    one the entry's own where it sets it (PRIME-RL's eval sources sample by their own settings: a math entry's 512
+    tokens beside a short-answer entry's 32). max_tokens: its eval.max_tokens, else its training length (its
+    sampling.max_tokens, else the orchestrator's)."""
+    temperature = entry.eval.temperature if entry.eval.temperature is not None else cfg.eval.temperature
     return SamplingParams(
-        temperature=cfg.eval.temperature,
-        top_p=cfg.sampling.top_p if cfg.eval.temperature > 0 else 1.0,
-        max_tokens=cfg.sampling.max_tokens,
+        temperature=temperature,
+        top_p=cfg.sampling.top_p if temperature > 0 else 1.0,
+        max_tokens=entry.eval.max_tokens or entry.sampling.max_tokens or cfg.sampling.max_tokens,
         seed=cfg.sampling.seed,
     )
 
@@ -395,7 +402,6 @@ class TrainingEval:
                     # as the newest batch version `version` may generate (its floor): behind the older batches
                     self.client.for_version(version, priority=version + 1 + cfg.max_async_level),
                     self.plan,
-                    sampling=eval_sampling(cfg),
                     pass_threshold=cfg.eval.pass_threshold,
                     attempts=cfg.sample_attempts,
                     min_version=version,
@@ -546,7 +552,6 @@ async def _run_once(
             envs,
             client,
             plan,
-            sampling=eval_sampling(cfg),
             pass_threshold=cfg.eval.pass_threshold,
             progress=progress,
         )

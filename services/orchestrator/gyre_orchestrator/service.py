@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -108,6 +109,10 @@ class OrchestratorService:
         self.reward_errors: dict[str, int] = {}  # reward function -> samples it raised on (scored 0 there)
         self.metrics = metrics or OrchestratorMetrics(cfg.run_id)
         self.sampling = SamplingParams(**cfg.sampling.model_dump())
+        # label -> its training sampling: the orchestrator's, with an entry's own sampling.max_tokens (a mix of a
+        # math entry's long answers beside short ones); the temperature is one for the whole batch
+        self.entry_sampling = {entry.key: dataclasses.replace(self.sampling, max_tokens=cfg.max_tokens(entry))
+                               for entry in cfg.envs}  # fmt: skip
         self.events = EventLog(events_dir(self.out) / ORCHESTRATOR_STEPS)
         self.eval_events = EventLog(events_dir(self.out) / EVAL)
         self.relay_events = EventLog(events_dir(self.out) / WEIGHT_RELAY)
@@ -650,7 +655,7 @@ class OrchestratorService:
         # with sampling.seed: a seed per (step, task, rollout), so a group's rollouts differ and a rerun repeats them;
         # in a mix per entry too (task i of two entries in one step had the same seeds)
         where = (index,) if len(self.envs) == 1 else (env_name, index)
-        sampling = self.sampling.for_request("train", key.step, *where, key.index)
+        sampling = self.entry_sampling[env_name].for_request("train", key.step, *where, key.index)
         # priority = the batch: a backlog beyond the engines' rows never delays an older batch (client.py)
         rollout = await env.rollout(self.client.for_version(floor, priority=key.step), task, sampling)
         if rollout.error:
@@ -756,8 +761,10 @@ class OrchestratorService:
             seq_len=cfg.batch.seq_len,
             world_size=cfg.batch.dp_world_size,
             temperature=self.sampling.temperature,
-            # budget: Dr.GRPO's normaliser (a mix: its longest episodes')
-            max_tokens=cfg.sampling.max_tokens * max(getattr(env, "max_turns", 1) for env in self.envs.values()),
+            # budget: Dr.GRPO's normaliser (a mix: its longest episodes', each entry's turns of its own max_tokens)
+            max_tokens=max(
+                self.entry_sampling[key].max_tokens * getattr(env, "max_turns", 1) for key, env in self.envs.items()
+            ),
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
         record = self.step_records.record(

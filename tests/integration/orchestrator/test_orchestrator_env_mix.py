@@ -6,6 +6,7 @@ import asyncio
 from collections import defaultdict
 
 import pytest
+from gyre.envs import SamplingParams
 from gyre.events import latest_per_step, read_events
 from gyre.rollouts import read_dump
 from gyre.streams import BatchStream
@@ -176,6 +177,55 @@ async def test_an_entry_s_own_group_size_and_eval_settings(tmp_path, redis_url, 
     (evaluation,) = latest_per_step(read_events(cfg.output_dir / "events" / "eval.jsonl"))
     assert evaluation["env"] == "rev" and evaluation["num_examples"] == 3 and "envs" not in evaluation
     assert evaluation["k"] == 2
+
+
+def record_rollouts(service: OrchestratorService) -> list[tuple[str, SamplingParams, int]]:
+    """(entry, sampling asked, completion tokens the replica returned) of every rollout of `service`, train and
+    eval: each entry's environment is wrapped where the scheduler and the evaluations call it."""
+    seen = []
+    for label, env in service.envs.items():
+
+        async def rollout(client, task, sampling, _label=label, _inner=env.rollout):
+            result = await _inner(client, task, sampling)
+            seen.append((_label, sampling, sum(result.loss_mask)))
+            return result
+
+        env.rollout = rollout
+    return seen
+
+
+@pytest.mark.asyncio
+async def test_an_entry_s_own_completion_length_and_eval_sampling(tmp_path, redis_url, unique_run_id, replicas):
+    """PRIME-RL's eval sources sample by their own settings: `rev` evaluates at temperature 0.8 with 3 tokens a
+    turn and trains with 12; `math` trains with 2 and evaluates greedily (the orchestrator's eval.temperature) at
+    its training length. The replicas are asked for, and return, no more than each entry's length."""
+    env = [{**MIX[0], "sampling": {"max_tokens": 12}, "eval": {"temperature": 0.8, "max_tokens": 3}},
+           {**MIX[1], "sampling": {"max_tokens": 2}}]  # fmt: skip
+    cfg = mix_config(tmp_path, redis_url, unique_run_id, replicas, env=env, max_steps=1,
+                     eval={"interval": 100, "num_examples": 2})  # fmt: skip
+    service = OrchestratorService(cfg)
+    seen = record_rollouts(service)
+    assert await asyncio.wait_for(service.run(), timeout=180) == 0
+
+    asked = {(label, sampling.temperature, sampling.max_tokens) for label, sampling, _ in seen}
+    # training at the orchestrator's temperature (1.0), each entry's own length; evals at each entry's own
+    assert asked == {("rev", 1.0, 12), ("math", 1.0, 2), ("rev", 0.8, 3), ("math", 0.0, 2)}
+    longest = {key: max(n for label, sampling, n in seen if (label, sampling.temperature, sampling.max_tokens) == key)
+               for key in asked}  # fmt: skip
+    assert all(n <= key[2] for key, n in longest.items()), longest
+    # the trained samples are the lengths generated: math's turns of 2 tokens at most
+    samples = pushed_samples(redis_url, unique_run_id)
+    assert {s["env"] for _, s in samples} == {"rev", "math"}
+    assert all(s["num_loss_tokens"] <= {"rev": 12, "math": 2}[s["env"]] for _, s in samples)
+    # Dr. GRPO's normaliser: the longest entry's budget (rev's 12 tokens x 1 turn), not the orchestrator's 16
+    stream = BatchStream(redis_url, unique_run_id)
+    try:
+        (batch,) = [stream._entry(i, f).decode() for i, f in stream.redis.xrange(stream.key)]
+    finally:
+        stream.redis.close()
+    assert batch.max_tokens == 12
+    (evaluation,) = latest_per_step(read_events(cfg.output_dir / "events" / "eval.jsonl"))
+    assert set(evaluation["envs"]) == {"rev", "math"}
 
 
 @pytest.mark.asyncio

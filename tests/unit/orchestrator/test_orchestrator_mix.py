@@ -230,6 +230,14 @@ def test_a_table_option_over_a_mix_is_refused_not_taken_for_one_environment(tmp_
           "eval": {"enabled": False}}], "eval": {"interval": 5}}, "env", "eval.interval = 5 would evaluate nothing"),
         ({"env": {"name": "reverse_text", "eval": {"enabled": False}}, "eval": {"interval": 5}}, "env.eval.enabled",
          "would evaluate nothing"),
+        ({"env": [{"name": "reverse_text"}, {"name": "arithmetic", "eval": {"temperature": -0.5}}]},
+         "env.1.eval.temperature", "greater than or equal to 0"),
+        ({"env": [{"name": "reverse_text", "eval": {"max_tokens": 0}}]}, "env.0.eval.max_tokens", "greater than"),
+        ({"env": [{"name": "reverse_text"}, {"name": "arithmetic", "sampling": {"max_tokens": 0}}]},
+         "env.1.sampling.max_tokens", "greater than"),
+        ({"env": [{"name": "reverse_text", "sampling": {"temperature": 0.7}}]}, "env.0.sampling",
+         "the training temperature is the orchestrator's alone"),
+        ({"env": [{"name": "reverse_text", "sampling": {"top_k": 5}}]}, "env.0.sampling.top_k", "unknown key"),
     ],
 )  # fmt: skip
 def test_an_entry_s_own_group_size_and_eval_settings_are_checked_naming_the_key(values, key, message):
@@ -255,6 +263,32 @@ def test_an_entry_s_group_size_and_eval_default_to_the_orchestrator_s(tmp_path):
     # gyre eval reads the same entries: all of them off is refused, naming the key
     with pytest.raises(ConfigError, match=r"^config key 'env': .*gyre eval would evaluate nothing"):
         load_config(GyreEvalConfig, [], env=[{"name": "reverse_text", "eval": {"enabled": False}}])
+
+
+def test_an_entry_s_sampling_lengths_and_eval_temperature_default_to_the_orchestrator_s(tmp_path):
+    """PRIME-RL's eval sources sample by their own settings: an entry's eval.temperature and eval.max_tokens, else
+    the orchestrator's eval.temperature and the entry's training length (its sampling.max_tokens, else the
+    orchestrator's); its training max_tokens, else sampling.max_tokens. top_p applies to a sampled eval only."""
+    from gyre.envs import SamplingParams
+    from gyre_orchestrator.evaluate import eval_plan
+
+    path = tmp_path / "mix.toml"
+    path.write_text(
+        "[sampling]\nmax_tokens = 64\ntop_p = 0.9\nseed = 5\n[eval]\ntemperature = 0.0\n\n"
+        '[[env]]\nname = "arithmetic"\nlabel = "math"\nsampling = { max_tokens = 512 }\n\n'
+        '[[env]]\nname = "reverse_text"\nlabel = "short"\neval = { temperature = 0.6, max_tokens = 32 }\n\n'
+        '[[env]]\nname = "alphabet_sort"\nlabel = "sort"\n'
+    )
+    cfg = load_config(OrchestratorConfig, ["@", str(path)])
+    assert [cfg.max_tokens(e) for e in cfg.envs] == [512, 64, 64]
+    plan = eval_plan(cfg)
+    assert plan["math"].sampling == SamplingParams(temperature=0.0, top_p=1.0, max_tokens=512, seed=5)
+    assert plan["short"].sampling == SamplingParams(temperature=0.6, top_p=0.9, max_tokens=32, seed=5)
+    assert plan["sort"].sampling == SamplingParams(temperature=0.0, top_p=1.0, max_tokens=64, seed=5)
+    # gyre eval reads the same keys of each entry
+    plan = eval_plan(load_config(GyreEvalConfig, ["@", str(path)]))
+    assert [p.sampling.max_tokens for p in plan.values()] == [512, 32, 64]
+    assert [p.sampling.temperature for p in plan.values()] == [0.0, 0.6, 0.0]
 
 
 def test_gyre_eval_skips_an_entry_with_eval_off_and_gives_each_its_own_num_examples(tmp_path, monkeypatch, capsys):
