@@ -249,7 +249,7 @@ def overview() -> db.Dashboard:
 def learning_health() -> list[timeseries.Panel]:
     """One panel per learning-health alert (deploy/prometheus/alerts.yaml, group gyre-learning), drawn
     with the alert's own terms, so a firing alert can be read off its panel."""
-    entropy, kl = sel("gyre_trainer_entropy"), sel("gyre_trainer_mismatch_kl")
+    entropy, kl, ratio = sel("gyre_trainer_entropy"), sel("gyre_trainer_mismatch_kl"), sel("gyre_trainer_ratio_mean")
     truncated = sel("gyre_orchestrator_truncated_ratio")
     return [
         panel(
@@ -275,6 +275,17 @@ def learning_health() -> list[timeseries.Panel]:
             "both that line and 0.01 for 10 minutes, GyreMismatchKLRising fires.",
             width=6,
             minimum=0,
+        ),
+        panel(
+            "Probability ratio off 1",
+            "none",
+            [
+                (f"max by (run_id) ({ratio})", "last step {{run_id}}"),
+                (f"max by (run_id) (avg_over_time({ratio}[10m]))", "10m mean {{run_id}}"),
+            ],
+            "Mean trainer/inference probability ratio π_θ/μ of the sampled tokens (last step and 10-minute mean); its "
+            "expectation is 1: a 10-minute mean below 0.9 or above 1.1 for 10 minutes fires GyreMismatchRatioOff.",
+            width=6,
         ),
         panel(
             "Response length",

@@ -5,8 +5,10 @@ used the way their type allows, covering every catalogued metric, and parsed by 
 from __future__ import annotations
 
 import pytest
+import yaml
 from gyre.local.prometheus import PROMETHEUS, LocalPrometheus, PrometheusError
 from observability_support import (
+    ALERTS,
     DASHBOARD_DIR,
     OPTIONAL_METRICS,
     PanelQuery,
@@ -119,6 +121,20 @@ def test_every_catalogued_metric_is_on_a_dashboard():
     histograms = {n for n, r in rows.items() if r.kind == "histogram"}
     used = {series_base(name, histograms) for q in panel_queries() for name in metric_names(q.expr)}
     assert not sorted(set(rows) - used), f"metrics on no dashboard: {sorted(set(rows) - used)}"
+
+
+def test_every_learning_alert_has_a_panel_in_the_overviews_learning_health_row():
+    """A firing gyre-learning alert can be read off one panel that queries every metric of its rule."""
+    flat = dashboards()["overview.json"]["panels"]
+    (start,) = [i for i, p in enumerate(flat) if p.get("type") == "row" and p["title"] == "Learning health"]
+    row = []
+    for panel in flat[start + 1 :]:
+        if panel.get("type") == "row":
+            break
+        row.append({name for t in panel["targets"] for name in metric_names(t["expr"])})
+    (group,) = [g for g in yaml.safe_load(ALERTS.read_text())["groups"] if g["name"] == "gyre-learning"]
+    for rule in group["rules"]:
+        assert any(metric_names(rule["expr"]) <= queried for queried in row), f"{rule['alert']}: no panel"
 
 
 @pytest.mark.skipif(not PROMETHEUS.exists(), reason="apt-get install prometheus")
