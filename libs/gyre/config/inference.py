@@ -122,8 +122,17 @@ class InferenceLoraConfig(Section):
         f"{', '.join(map(str, VLLM_LORA_RANKS))}.",
     )
 
+    runtime_updates: bool = Field(
+        False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; vLLM's env var "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true turns them on too). An operator action: they need the control token "
+        "when auth.control_token is set, else the API key.",
+    )
+
     @model_validator(mode="after")
     def _slots_for_the_names(self) -> InferenceLoraConfig:
+        if self.runtime_updates and not self.max_loras:
+            raise ValueError("runtime_updates = true needs max_loras >= 1 (adapter slots to load into)")
         if len(self.adapters) > self.max_loras:
             raise ValueError(f"max_loras = {self.max_loras} is fewer than the {len(self.adapters)} adapters")
         if len(set(self.adapters)) != len(self.adapters):

@@ -112,7 +112,8 @@ class AdapterBank:
         weights (nor keep it, should the load fail)."""
         if name in self.slots:
             return self.slots[name]
-        free = set(range(1, self.max_adapters + 1)) - set(self.slots.values())
+        # a slot no name holds may still be busy: the rows of an unloaded adapter (`forget`) finish on its weights
+        free = set(range(1, self.max_adapters + 1)) - set(self.slots.values()) - set(busy)
         if free:
             return min(free)
         idle = [n for n in self.slots if self.slots[n] not in busy]
@@ -130,6 +131,15 @@ class AdapterBank:
         self.versions.setdefault(name, 0)
         self.sources.setdefault(name, None)
         self.touch(name)
+
+    def forget(self, name: str) -> None:
+        """Stop serving `name` (unloaded, `POST /v1/unload_lora_adapter`); KeyError if it is not served. Its slot is
+        free once no queued or running row uses it: those rows were started on its adapter and finish on it (as vLLM
+        binds an adapter to a request for its whole life), so the slot's weights stay until then (`slot_for`)."""
+        del self.versions[name]
+        del self.sources[name]
+        if self.slots.pop(name, None) is not None:
+            del self._used[name]
 
     def touch(self, name: str) -> None:
         """`name` was just used: it is the last to be evicted."""

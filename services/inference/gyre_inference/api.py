@@ -11,6 +11,9 @@ Routes:
   `Authorization: Bearer <auth.api_key>` when a key is configured, and answer 503 until the model is
   loaded. One gate (`_Gate`) checks both, for every one of them, before the body is read. A key read from
   `auth.api_key_file` is read again when the file is rotated (`gyre_inference.api_key`).
+- With `lora.runtime_updates`: `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`
+  (`gyre_inference.lora_routes`). An operator action, like a gRPC UpdateWeights: they need the control token when
+  one is configured (the API key, which clients that only sample hold, does not do), else the API key.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from gyre_inference.api_key import ServerKey
 from gyre_inference.backend import Backend
 from gyre_inference.classify import add_classify_route
 from gyre_inference.errors import APIError, error_body, error_response, install_error_handlers, unknown_model
+from gyre_inference.lora_routes import ROUTES as LORA_ROUTES
+from gyre_inference.lora_routes import add_lora_routes
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.openapi import truthful_openapi
 from gyre_inference.protocol import (
@@ -65,10 +70,14 @@ class AppState:
     draining: bool = False
     max_request_bytes: int = 4 * 2**20
     created: int = field(default_factory=lambda: int(time.time()))
+    runtime_lora: bool = False  # lora.runtime_updates: serve /v1/load_lora_adapter and /v1/unload_lora_adapter
+    control_token: ServerKey | str | None = None  # what those two routes need when set (instead of the API key)
 
     def __post_init__(self):
         if isinstance(self.api_key, str):
             self.api_key = ServerKey(self.api_key)
+        if isinstance(self.control_token, str):
+            self.control_token = ServerKey(self.control_token, name="auth.control_token")
 
     @property
     def ready(self) -> bool:
@@ -100,12 +109,14 @@ class _Gate:
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrival"] = time.monotonic()
         failure = None
-        if self.state.api_key is not None:
+        key, what = self.state.api_key, "API key (Authorization: Bearer <key>)"
+        if self.state.runtime_lora and scope["path"] in LORA_ROUTES and self.state.control_token is not None:
+            key, what = self.state.control_token, "control token (Authorization: Bearer <auth.control_token>)"
+        if key is not None:
             headers = dict(scope.get("headers") or [])
             given = headers.get(b"authorization", b"").decode("latin-1")
-            if not self.state.api_key.accepts(given):
-                failure = APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
-                                   code="invalid_api_key")  # fmt: skip
+            if not key.accepts(given):
+                failure = APIError(401, f"Incorrect or missing {what}.", code="invalid_api_key")
         retry_after = None
         if failure is None and not self.state.ready:
             reason = "the server is shutting down" if self.state.draining else "the model is still loading"
@@ -298,6 +309,8 @@ def create_app(state: AppState) -> FastAPI:
 
     add_generate_route(app, state)  # POST /inference/v1/generate
     add_classify_route(app, state)  # POST /classify, /v1/classify (runner = pooling)
+    if state.runtime_lora:
+        add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     return app
 
 

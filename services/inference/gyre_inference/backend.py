@@ -246,6 +246,11 @@ class Backend(ABC):
         (a new name takes a free slot)."""
         raise WeightsIncompatibleError(f"the {self.name} backend serves no named adapters")
 
+    async def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (`POST /v1/unload_lora_adapter`): new requests for it are refused as for a name
+        never served; its queued and running requests finish on it. KeyError if `name` is not served."""
+        raise KeyError(name)
+
 
 async def wait_out(future: asyncio.Future) -> BaseException | None:
     """Wait for `future` to end through any cancellation of the caller, who re-raises its own afterwards; its error

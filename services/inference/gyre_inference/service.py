@@ -32,6 +32,7 @@ from gyre_inference.api_key import ServerKey
 from gyre_inference.backend import Backend
 from gyre_inference.control import ControlServer
 from gyre_inference.engine_stats import stats_line
+from gyre_inference.lora_routes import runtime_updates_from_env
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.serving import Serving
 
@@ -100,8 +101,14 @@ async def run_service(config: InferenceConfig) -> int:
     if config.auth.control_token:  # the same for the gRPC control server's token (the relay re-reads its own)
         token = ServerKey(config.auth.control_token.get_secret_value(),
                           lambda: config.auth.reread_secret("control_token"), name="auth.control_token")  # fmt: skip
+    try:  # vLLM's switch for the runtime LoRA routes, an alias of lora.runtime_updates
+        runtime_lora = config.lora.runtime_updates or runtime_updates_from_env()
+    except ValueError as error:
+        log.error("%s", error)
+        return 1
     state = AppState(model_id, config.model.name, backend, metrics, api_key, serve_metrics=config.metrics.port is None,
-                     max_request_bytes=config.server.max_request_bytes)  # fmt: skip
+                     max_request_bytes=config.server.max_request_bytes, runtime_lora=runtime_lora,
+                     control_token=token)  # fmt: skip
     control = ControlServer(backend, metrics, model_id, token, source=open_source(config.weights))
     grace = config.server.shutdown_grace_s
 

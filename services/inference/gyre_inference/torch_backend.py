@@ -187,6 +187,13 @@ class TorchBackend(EngineLoop, Backend):
             tensors = await asyncio.to_thread(self._bank.read, Path(path))
             await self._swap_in(tensors, version, adapter=name, source=Path(path))
 
+    async def remove_adapter(self, name: str) -> None:
+        if self._bank is None:
+            raise KeyError(name)
+        async with self._swap_lock:  # not while `name` is being loaded (back): the load would serve it again
+            with self._cond:  # the asyncio side queues rows on a name's slot under it (`generate`)
+                self._bank.forget(name)
+
     async def _reload(self, name: str) -> None:
         """Load evicted adapter `name` back from the folder of the version it serves (LRU eviction, see
         `gyre_inference.adapters`); KeyError for a name never served, or whose folder is gone (forgotten)."""
@@ -211,9 +218,8 @@ class TorchBackend(EngineLoop, Backend):
         `EngineLoop._give_slot`, is the one that counts: this one only paces a wait for it)."""
         with self._cond:
             busy = {seq.adapter for seq in (*self._rows, *self._waiting)}
-            return len(self._bank.slots) < self._bank.max_adapters or any(
-                slot not in busy for slot in self._bank.slots.values()
-            )
+            # every slot no row uses: held by an idle name, or by none (an unloaded name's slot once its rows end)
+            return bool(set(range(1, self._bank.max_adapters + 1)) - busy)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         if not self.ready:

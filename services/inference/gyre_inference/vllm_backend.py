@@ -407,6 +407,11 @@ class VLLMBackend(Backend):
         if previous is not None:
             await self._release(previous)
 
+    async def remove_adapter(self, name: str) -> None:
+        request, _ = self._named.pop(name)  # KeyError: not served
+        if request is not None:  # dropped from vLLM's cache once its last request ends (`_release`)
+            await self._release(request)
+
     async def update_weights(self, weights: FetchedWeights) -> None:
         await _all_or_nothing(self._update_weights(weights), weights.step)
 

@@ -11,16 +11,16 @@ from gyre_inference.backend import Backend
 
 
 @contextlib.asynccontextmanager
-async def serve_app(backend, model_dir: Path, run_id: str, prepare=None) -> AsyncIterator[str]:
-    """Load `backend` (model id "tiny"), run `await prepare(backend)` if given, serve the app; yields the
-    `/v1` base URL. On exit the server stops and the backend shuts down."""
+async def serve_app(backend, model_dir: Path, run_id: str, prepare=None, **state) -> AsyncIterator[str]:
+    """Load `backend` (model id "tiny"), run `await prepare(backend)` if given, serve the app (`state`: more
+    `AppState` fields); yields the `/v1` base URL. On exit the server stops and the backend shuts down."""
     import uvicorn
     from gyre_inference.api import AppState, create_app
     from gyre_inference.metrics import InferenceMetrics
     from gyre_inference.service import _bind, _HTTPServer, _load
     from gyre_inference.text import ModelText
 
-    state = AppState("tiny", str(model_dir), backend, InferenceMetrics(run_id, backend))
+    state = AppState("tiny", str(model_dir), backend, InferenceMetrics(run_id, backend), **state)
     await _load(state, backend, str(model_dir), ModelText)
     if prepare is not None:
         await prepare(backend)

@@ -540,6 +540,36 @@ def test_each_run_name_serves_its_own_newest_adapter(standin_vllm, tiny_model, t
     run(scenario())
 
 
+def test_an_unloaded_name_is_refused_and_leaves_vllm_s_cache_once_its_requests_end(standin_vllm, tiny_model, tmp_path):
+    """POST /v1/unload_lora_adapter on vLLM: the name is no longer served (KeyError: 404), its request in flight
+    finishes on its adapter, which is dropped from vLLM's cache only then; another name is untouched."""
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    folders = {name: adapter_folder(tmp_path, name) for name in ("a", "b")}
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, max_loras=2, max_lora_rank=8)
+        await backend.start()
+        engine = backend._engine
+        await backend.update_adapter("a", FetchedWeights.local(folders["a"], 0))
+        await backend.update_adapter("b", FetchedWeights.local(folders["b"], 0))
+        running = backend.generate([3], SamplingParams(max_tokens=2, adapter="a"))
+        engine.steps.put_nowait(None)
+        first = await running.__anext__()
+        await backend.remove_adapter("a")
+        assert backend.adapter_names == ("b",) and engine.removed() == []  # a's request still uses it
+        with pytest.raises(KeyError, match="'a'"):
+            await backend.generate([1], SamplingParams(max_tokens=1, adapter="a")).__anext__()
+        with pytest.raises(KeyError):
+            await backend.remove_adapter("a")
+        engine.steps.put_nowait(None)
+        assert len([first, *[e async for e in running]]) == 2
+        assert engine.removed() == [1] and set(engine.loras) == {2}
+        await backend.shutdown()
+
+    run(scenario())
+
+
 def test_a_name_whose_adapter_vllm_evicted_and_whose_folder_is_gone_is_forgotten(standin_vllm, tiny_model, tmp_path):
     """A run's folder removed (run ended, versions pruned): its name serves on while vLLM holds the adapter,
     an evicted adapter whose folder exists is loaded back by vLLM, and an evicted one whose folder is gone is
