@@ -234,6 +234,7 @@ _WHY = {
     400: "Invalid request (OpenAI error; `param` names the field).",
     401: "Missing or wrong API key (when one is configured).",
     404: "Unknown model (`code: model_not_found`).",
+    409: "Every adapter slot serves queued or running requests (`code: adapter_slots_busy`, lora.max_loras).",
     413: "Request body over `server.max_request_bytes`.",
     499: "The client went away before the answer (nobody reads this; nginx's convention).",
     503: "The model is loading or the server is shutting down (`code: not_ready`).",
@@ -285,7 +286,8 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
         # errors every API route can send instead of FastAPI's 422.
         kept = {status: response for status, response in generated.items() if status != "422"}
         gone = {"499": {"description": _WHY[499]}} if path == "/inference/v1/generate" else {}
-        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)} | gone
+        busy = {"409": _error(409)} if path == "/v1/load_lora_adapter" else {}  # lora.max_loras reached
+        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)} | busy | gone
     if path == "/health":
         return {"200": {"description": "The process answers.", "content": _json("Health")}}
     if path == "/version":

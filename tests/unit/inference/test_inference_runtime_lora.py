@@ -247,3 +247,16 @@ async def test_a_request_for_an_evicted_name_waits_for_an_unloaded_name_s_rows_w
         assert tokens_b == alone_b[0]  # b's request finished on b's weights
         assert (await waiting_a)[0] == alone_a[0]
         assert tries <= 3, f"a was read {tries} times while it waited for the slot"
+
+
+def test_the_openapi_document_says_what_the_routes_answer(tiny_model):
+    from gyre_inference.api import AppState, create_app
+    from gyre_inference.metrics import InferenceMetrics
+
+    backend = engine(tiny_model, slots=1)  # never started: the document only
+    document = create_app(AppState("tiny", "x", backend, InferenceMetrics("r", backend), runtime_lora=True)).openapi()
+    load, unload = (document["paths"][f"/v1/{verb}_lora_adapter"]["post"]["responses"] for verb in ("load", "unload"))
+    assert sorted(load) == ["200", "400", "401", "404", "409", "413", "503"] and "409" not in unload
+    assert set(load["200"]["content"]) == {"text/plain"} and "lora.max_loras" in load["409"]["description"]
+    off = create_app(AppState("tiny", "x", backend, InferenceMetrics("r2", backend))).openapi()
+    assert not [path for path in off["paths"] if "lora" in path]
