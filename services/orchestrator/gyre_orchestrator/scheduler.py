@@ -23,7 +23,8 @@ step first.
 
 Groups whose rewards are all equal carry no signal; with `drop_zero_signal` they are dropped, counted
 in `dropped_zero_signal`, and replaced by a fresh task (a fresh draw of a mix, or with `refill_from_entry` the
-next task of the dropped group's own entry, so each entry keeps the share it was drawn). The waste is bounded
+next task of the dropped group's own entry, once the step's own batch_size draws are started, so each entry keeps
+the share it was drawn). The waste is bounded
 (documented in docs/orchestrator.md): a step generates at most `oversample_limit * batch_size` groups, so generating a
 batch costs at most `oversample_limit` times an unfiltered one, however hard the task. Once that budget
 is spent the step closes with the groups it kept, even if fewer than `batch_size`; with none kept it
@@ -136,6 +137,7 @@ class StepState:
     wasted: list[Any] = field(default_factory=list)  # samples generated and not trained: stale, zero-signal
     zero_signal_batch: bool = False  # the budget ran out with nothing kept: `kept` holds dropped groups
     owed: deque = field(default_factory=deque)  # refill_from_entry: the entries of dropped groups not yet replaced
+    drawn: int = 0  # tasks of the draw sequence started for this step (less those skipped as too long)
 
     @property
     def generated_groups(self) -> int:
@@ -308,7 +310,14 @@ class RolloutScheduler:
         self.inflight += 1
         if st.first_dispatch is None:
             st.first_dispatch = self.clock()
-        task = self.next_task(st.owed.popleft()) if st.owed else self.next_task()
+        # a dropped group's own-entry replacement waits for the step's batch_size draws: taken at once, an entry
+        # whose groups all lack signal spent the budget on its refills before the other entries' draws were made
+        # (whenever fewer groups than a step's run at once), and the step lost the share they were drawn
+        if st.owed and st.drawn >= self.batch_size:
+            task = self.next_task(st.owed.popleft())
+        else:
+            task = self.next_task()
+            st.drawn += 1
         group = Group(step=st.step, task=task, samples=[], dispatched_version=self.versions.value)
         self._drawn.setdefault(getattr(group.task, "env", None), deque(maxlen=self.overlong_window)).append(group)
         task = asyncio.create_task(self._run_group(st, group), name=f"group-step{st.step}")
@@ -355,6 +364,8 @@ class RolloutScheduler:
         st.skipped_overlong += 1
         st.overlong.append(group.task)
         st.started_groups -= 1
+        if getattr(group.task, "draw", 0) is not None:  # a draw of the sequence (not a refill): another takes its place
+            st.drawn -= 1
         env = getattr(group.task, "env", None)
         drawn = self._drawn.get(env, ())
         if len(drawn) == self.overlong_window and all(g.overlong for g in drawn):

@@ -491,3 +491,32 @@ async def test_a_mix_s_dropped_groups_are_refilled_from_the_mix_or_from_their_ow
         assert mix.draws == sum(drawn.values()) == 32  # the draw sequence: the batches' groups, no more
     else:
         assert not refills and kept["signal"] > kept["flat"]  # fresh draws: the kept mix leans toward signal
+
+
+@pytest.mark.parametrize("inflight", [1, 2, 8])
+async def test_an_entry_without_signal_refills_only_after_the_step_s_own_draws(inflight):
+    """refill = "entry" with an entry whose groups never carry a signal: its refills spend the step's budget, but
+    only once the step's batch_size draws are started. Taken at once (fewer groups in flight than a step holds),
+    flat's refills spent the budget before signal's draws were made: the step kept none of them, a batch of
+    dropped groups."""
+    from gyre_orchestrator.mix import TaskMix
+
+    mix = TaskMix({"flat": range(10**6), "signal": range(10**6)}, {"flat": 1, "signal": 1}, seed=3)
+    picks = [mix.pick(n) for n in range(12)]
+    assert picks[0] == "flat"  # the step's first draw: its refill would be next in line
+
+    async def generate(task, floor, key):
+        await asyncio.sleep(0)
+        return Fixed(reward=0.5 if task.env == "flat" else random.random())
+
+    sched = RolloutScheduler(generate, mix.next, VersionWatch(0), batch_size=4, group_size=2, max_async_level=100,
+                             max_steps=3, oversample_limit=3, max_inflight_groups=inflight,
+                             refill_from_entry=True)  # fmt: skip
+    for step in range(3):
+        st = await asyncio.wait_for(sched.next_batch(), timeout=10)
+        own = [n for n in range(4 * step, 4 * step + 4) if picks[n] == "signal"]
+        assert not st.zero_signal_batch and sorted(g.task.draw for g in st.kept) == own
+        assert st.generated_groups == 12  # flat's refills spent the rest of the budget
+        assert {g.task.env for g in st.finished if g.task.draw is None} == {"flat"}
+    await sched.stop()
+    assert mix.draws == 12  # the sequence: the steps' own draws, no more
