@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 from collections import defaultdict
 
 import pytest
@@ -255,3 +257,63 @@ async def test_refills_from_the_dropped_group_s_entry_and_a_restart_repeats_no_t
         assert len(indices) == len(set(indices))  # no task of an entry in two groups, across the restart
     draws = [s["draw"] for s in groups.values() if s["draw"] is not None]
     assert len(draws) == len(set(draws))
+
+
+def flat_reward(completion) -> float:
+    """Every sample the same reward: each group of its entry carries no signal and is dropped, whatever the model."""
+    return 0.0
+
+
+def noisy_reward(completion) -> float:
+    """Every sample its own reward (no two equal): each group of its entry carries a signal and is kept."""
+    return random.random()
+
+
+def flat_and_noisy_mix(tmp_path) -> list[dict]:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i}", "answer": "x"}) + "\n" for i in range(64)))
+    return [{"name": "dataset", "label": label, "args": {"path": str(data), "reward": f"{__name__}:{reward}",
+                                                         "num_eval": 2}}
+            for label, reward in (("flat", "flat_reward"), ("noisy", "noisy_reward"))]  # fmt: skip
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("refill", ["entry", "mix"])
+async def test_a_forced_refill_keeps_each_entry_s_share_while_the_budget_lasts(
+    tmp_path, redis_url, unique_run_id, replicas, refill
+):
+    """One entry's groups never carry a signal (a constant reward), the other's always do (no two rewards equal). With
+    advantage.refill = "entry" every dropped `flat` group is replaced by flat's own next task, outside the draw
+    sequence, until the step's budget (oversample_limit x batch_size = 12 groups) is spent: a step keeps exactly the
+    `noisy` groups it drew (its first 4 draws), closes short of batch_size, and the draw sequence goes on unchanged
+    into the next step. With "mix" (the default) each replacement is a fresh draw, and noisy takes over flat's share."""
+    cfg = mix_config(tmp_path, redis_url, unique_run_id, replicas, env=flat_and_noisy_mix(tmp_path), max_steps=2,
+                     sampling={"max_tokens": 4}, advantage={"drop_zero_signal": True, "refill": refill,
+                                                             "oversample_limit": 3},
+                     # one group at a time: the order of the groups is the dispatch's, not the replicas' timing
+                     max_inflight_groups=1)  # fmt: skip
+    picks = expected_draws(cfg, 8)
+    drawn = {step: [d for d in range(4 * (step - 1), 4 * step) if picks[d] == "noisy"] for step in (1, 2)}
+    assert all(0 < len(noisy) < 4 for noisy in drawn.values()), picks  # each step draws both entries
+    # and a flat draw before a noisy one: its refills are due before the step's later draws are made
+    assert all("flat" in picks[4 * step : 4 * step + drawn[step + 1][-1] % 4] for step in (0, 1)), picks
+    assert await asyncio.wait_for(OrchestratorService(cfg).run(), timeout=180) == 0
+
+    groups = {(step, s["group"]): s for step, s in pushed_samples(redis_url, unique_run_id)}
+    lines = {line["step"]: line for line in latest_per_step(read_events(cfg.output_dir / "events" /
+                                                                        "orchestrator_steps.jsonl"))}  # fmt: skip
+    assert sorted(lines) == [1, 2]
+    assert all(s["env"] == "noisy" for s in groups.values())  # no flat group is ever trained
+    for step, line in lines.items():
+        kept = sorted(s["draw"] for (st, _), s in groups.items() if st == step)
+        flat, noisy = line["envs"]["flat"], line["envs"]["noisy"]
+        if refill == "mix":  # the fresh draws replacing flat's groups give noisy more than the share it drew
+            assert len(kept) == line["num_groups"] == 4 > len(drawn[step])
+            continue
+        # the step's groups are its own 4 draws: noisy's kept, flat's replaced by flat's tasks (draw null, all
+        # dropped) until 12 groups were generated; no fresh draw, so step 2's draws are the sequence's 4..7
+        assert kept == drawn[step] and line["num_groups"] == len(drawn[step])
+        assert line["generated_groups"] == 12
+        assert noisy["generated_groups"] == noisy["num_groups"] == len(drawn[step])
+        assert flat["generated_groups"] == flat["dropped_zero_signal"] == 12 - len(drawn[step])
+        assert flat["num_groups"] == 0
