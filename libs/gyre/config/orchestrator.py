@@ -412,6 +412,11 @@ class OrchestratorConfig(ServiceConfig):
         orchestrator's."""
         return entry.sampling.max_tokens or self.sampling.max_tokens
 
+    def max_tokens_key(self, i: int) -> str:
+        """The key that set entry `i`'s training max_tokens, as errors name it."""
+        own = self.envs[i].sampling.max_tokens is not None
+        return f"{self.env_key(i)}.sampling.max_tokens" if own else "sampling.max_tokens"
+
     def env_key(self, i: int) -> str:
         """The config key of entry `i` of `envs`, as errors name it: `env` (one table) or `env.{i}` (a mix)."""
         return f"env.{i}" if isinstance(self.env, list) else "env"

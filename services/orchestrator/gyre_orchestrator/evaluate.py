@@ -121,7 +121,8 @@ async def evaluate_envs(
     """`evaluate` of each environment (label -> its result) as `plan` says (`eval_plan`), side by side; the first
     failure fails them all."""
     runs = {label: asyncio.ensure_future(evaluate(env, client, env_name=label, num_examples=plan[label].num_examples,
-                                                  k=plan[label].k, sampling=plan[label].sampling, **kwargs))
+                                                  k=plan[label].k, sampling=plan[label].sampling,
+                                                  length_key=plan[label].length_key, **kwargs))
             for label, env in envs.items()}  # fmt: skip
     try:
         await asyncio.gather(*runs.values())
@@ -151,6 +152,7 @@ class EntryEval:
     k: int
     interval: int | None = None  # evaluated at the multiples of it (None: the orchestrator's eval.interval)
     sampling: SamplingParams = SamplingParams(temperature=0.0)
+    length_key: str = "sampling.max_tokens"  # the key that set sampling.max_tokens, for errors
 
 
 def eval_plan(cfg) -> dict[str, EntryEval]:
@@ -160,12 +162,17 @@ def eval_plan(cfg) -> dict[str, EntryEval]:
     plan = {}
     for i, entry in enumerate(cfg.envs):
         if entry.eval.enabled:
+            where = "env" if not isinstance(cfg.env, list) else f"env.{i}"
             own = entry.eval.num_examples is not None
-            key = f"{'env' if not isinstance(cfg.env, list) else f'env.{i}'}.eval.num_examples" if own else (
-                "eval.num_examples")  # fmt: skip
+            key = f"{where}.eval.num_examples" if own else "eval.num_examples"
             count = entry.eval.num_examples if own else cfg.eval.num_examples
             interval = entry.eval.interval or getattr(cfg.eval, "interval", None)  # gyre eval's has none
-            plan[entry.key] = EntryEval(count, key, entry.eval.k or cfg.eval.k, interval, eval_sampling(cfg, entry))
+            # the key that set its eval length, for errors: its eval.max_tokens, its training one, the orchestrator's
+            length = (f"{where}.eval.max_tokens" if entry.eval.max_tokens is not None else
+                      f"{where}.sampling.max_tokens" if entry.sampling.max_tokens is not None else
+                      "sampling.max_tokens")  # fmt: skip
+            plan[entry.key] = EntryEval(count, key, entry.eval.k or cfg.eval.k, interval, eval_sampling(cfg, entry),
+                                        length)  # fmt: skip
     return plan
 
 
@@ -195,6 +202,7 @@ async def evaluate(
     num_examples: int,
     k: int,
     sampling: SamplingParams,
+    length_key: str = "sampling.max_tokens",
     pass_threshold: float = 1.0,
     progress: Callable[[int, int], None] | None = None,
     attempts: int = 3,
@@ -283,8 +291,8 @@ async def evaluate(
     if overlong:
         if len(overlong) == count:
             raise ContextLengthExceeded(
-                f"eval: none of the {count} eval tasks fits the model's context (prompt plus sampling.max_tokens), "
-                f"e.g. {next(iter(overlong.values()))}; shorten the prompts (env.args), lower sampling.max_tokens or "
+                f"eval: none of the {count} eval tasks fits the model's context (prompt plus {length_key}), "
+                f"e.g. {next(iter(overlong.values()))}; shorten the prompts (env.args), lower {length_key} or "
                 "serve a longer context (the replicas' max_model_len)"
             )
         log.warning("eval: left out %d of %d tasks too long for the model's context, e.g. %s", len(overlong), count,

@@ -197,6 +197,7 @@ class RolloutScheduler:
         on_finished: Callable[[Any, bool], None] = lambda _sample, _stale: None,
         group_sizes: dict[Any, int] | None = None,
         refill_from_entry: bool = False,
+        length_keys: dict[Any, str] | None = None,
     ):
         if batch_size < 1 or group_size < 1 or max_async_level < 0 or start_step < 1:
             raise ValueError("batch_size, group_size >= 1, max_async_level >= 0, start_step >= 1 required")
@@ -217,6 +218,8 @@ class RolloutScheduler:
         self.drop_zero_signal = drop_zero_signal
         # a mix: a dropped group's replacement is its own entry's next task (`next_task(env)`), not a fresh draw
         self.refill_from_entry = refill_from_entry
+        # by a MixTask's `env`: the key that set its max_tokens (an entry's own, else sampling.max_tokens), for errors
+        self.length_keys = length_keys or {}
         self.group_budget = max(batch_size, math.ceil(oversample_limit * batch_size))
         self._dropped: dict[int, list[Group]] = {}  # per step: its newest dropped groups, for a zero-signal batch
         self.sample_attempts = sample_attempts
@@ -370,11 +373,12 @@ class RolloutScheduler:
         drawn = self._drawn.get(env, ())
         if len(drawn) == self.overlong_window and all(g.overlong for g in drawn):
             of = f" from environment {env!r}" if len(self._drawn) > 1 else ""  # a mix: the others fit
+            length = self.length_keys.get(env, "sampling.max_tokens")  # a mix entry's own length, if it set one
             self._failed = self._failed or RuntimeError(
                 f"the last {len(drawn)} tasks drawn{of} were all too long for the model's context (prompt plus "
-                f"sampling.max_tokens), e.g. {error}; shorten the environment's prompts (env.args), lower "
-                "sampling.max_tokens, or serve a longer context (inference engine.max_model_len and "
-                "engine.kv_cache_gb of the torch backend, vLLM's max_model_len)"
+                f"{length}), e.g. {error}; shorten the environment's prompts (env.args), lower {length}, or serve "
+                "a longer context (inference engine.max_model_len and engine.kv_cache_gb of the torch backend, "
+                "vLLM's max_model_len)"
             )
         elif not self._overlong_warned:
             self._overlong_warned = True

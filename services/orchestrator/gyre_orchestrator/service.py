@@ -489,6 +489,7 @@ class OrchestratorService:
             on_finished=self._count_rollout,
             group_sizes=sizes,  # by label: a MixTask's `env`
             refill_from_entry=cfg.advantage.refill == "entry" and len(self.envs) > 1,
+            length_keys={entry.key: cfg.max_tokens_key(i) for i, entry in enumerate(cfg.envs)},
         )
 
     def _count_rollout(self, sample: ScoredRollout, stale: bool) -> None:

@@ -76,6 +76,13 @@ async def test_a_split_that_never_fits_stops_the_run_naming_the_settings(
     assert "sampling.max_tokens" in message and "max_model_len" in message
     text = generate_latest(service.metrics.registry).decode()
     assert "gyre_orchestrator_skipped_overlong_tasks_total" in text
+    # a mix entry with its own length: that key is named (it was sampling.max_tokens, which the entry does not read)
+    entry = {**dataset(tmp_path, [LONG] * 3), "sampling": {"max_tokens": 8}}
+    (tmp_path / "mix").mkdir()
+    cfg = config(tmp_path / "mix", redis_url, f"{unique_run_id}-mix", short_context_replica, [entry])
+    with pytest.raises(RuntimeError) as caught:
+        await OrchestratorService(cfg).run()
+    assert "prompt plus env.0.sampling.max_tokens" in str(caught.value), caught.value
 
 
 async def test_an_eval_leaves_out_tasks_too_long_and_counts_them(tmp_path, short_context_replica):
@@ -103,4 +110,10 @@ async def test_gyre_eval_with_no_task_that_fits_says_so_in_one_line(tmp_path, sh
     assert await asyncio.to_thread(eval_main, argv) == 1
     err = capsys.readouterr().err
     assert "gyre eval: error:" in err and "none of the 1 eval tasks fits the model's context" in err
-    assert "Traceback" not in err
+    assert "lower sampling.max_tokens" in err and "Traceback" not in err
+    # a mix entry's own eval length is the key named (it was sampling.max_tokens, which it does not read)
+    mix = json.dumps([{**env, "eval": {"max_tokens": 8}}])
+    argv = [*argv[4:-2], "--env", mix, "--sampling.max-tokens", "4"]
+    assert await asyncio.to_thread(eval_main, argv) == 1
+    err = capsys.readouterr().err
+    assert "prompt plus env.0.eval.max_tokens" in err and "lower env.0.eval.max_tokens" in err, err

@@ -285,6 +285,10 @@ def test_an_entry_s_sampling_lengths_and_eval_temperature_default_to_the_orchest
     assert plan["math"].sampling == SamplingParams(temperature=0.0, top_p=1.0, max_tokens=512, seed=5)
     assert plan["short"].sampling == SamplingParams(temperature=0.6, top_p=0.9, max_tokens=32, seed=5)
     assert plan["sort"].sampling == SamplingParams(temperature=0.0, top_p=1.0, max_tokens=64, seed=5)
+    # the key that set each length, as an eval's "no task fits the context" names it (and a training run's)
+    assert [p.length_key for p in plan.values()] == ["env.0.sampling.max_tokens", "env.1.eval.max_tokens",
+                                                     "sampling.max_tokens"]  # fmt: skip
+    assert [cfg.max_tokens_key(i) for i in range(3)] == ["env.0.sampling.max_tokens"] + ["sampling.max_tokens"] * 2
     # gyre eval reads the same keys of each entry
     plan = eval_plan(load_config(GyreEvalConfig, ["@", str(path)]))
     assert [p.sampling.max_tokens for p in plan.values()] == [512, 32, 64]

@@ -451,11 +451,15 @@ async def test_an_environment_of_a_mix_whose_tasks_never_fit_stops_the_run_namin
         return Fixed(reward=random.random())
 
     sched = RolloutScheduler(generate, next_task, VersionWatch(0), batch_size=2, group_size=3, max_async_level=100,
-                             max_steps=100, max_inflight_groups=1, overlong_window=20)  # fmt: skip
-    with pytest.raises(RuntimeError, match="last 20 tasks drawn from environment 'long' were all too long"):
+                             max_steps=100, max_inflight_groups=1, overlong_window=20,
+                             length_keys={"long": "env.1.sampling.max_tokens"})  # fmt: skip
+    with pytest.raises(RuntimeError, match="last 20 tasks drawn from environment 'long' were all too long") as error:
         for _ in range(100):
             await asyncio.wait_for(sched.next_batch(), timeout=5)
     await sched.stop()
+    # the key that set the entry's length (its own max_tokens), not the orchestrator's it does not read
+    assert "prompt plus env.1.sampling.max_tokens" in str(error.value)
+    assert "lower env.1.sampling.max_tokens" in str(error.value)
 
 
 @pytest.mark.parametrize("refill", ["mix", "entry"])
