@@ -369,6 +369,8 @@ class RolloutScheduler:
         st.started_groups -= 1
         if getattr(group.task, "draw", 0) is not None:  # a draw of the sequence (not a refill): another takes its place
             st.drawn -= 1
+        else:  # a refill: its entry's next task takes its place (a fresh draw gave the entry's share to the mix)
+            st.owed.appendleft(group.task.env)
         env = getattr(group.task, "env", None)
         drawn = self._drawn.get(env, ())
         if len(drawn) == self.overlong_window and all(g.overlong for g in drawn):

@@ -524,3 +524,31 @@ async def test_an_entry_without_signal_refills_only_after_the_step_s_own_draws(i
         assert {g.task.env for g in st.finished if g.task.draw is None} == {"flat"}
     await sched.stop()
     assert mix.draws == 12  # the sequence: the steps' own draws, no more
+
+
+async def test_a_refill_too_long_for_the_context_is_replaced_by_its_own_entry_s_next_task():
+    """refill = "entry": flat's groups never carry a signal and its refills of odd tasks do not fit the context. One that
+    does not fit is skipped and replaced by flat's next task, as the refill it was: a fresh draw took its place (the
+    step's share went to the mix, and the draws of the steps after it moved). A skipped draw of the sequence is
+    replaced by the next draw, as before."""
+    from gyre_orchestrator.mix import TaskMix
+
+    mix = TaskMix({"flat": range(10**6), "signal": range(10**6)}, {"flat": 1, "signal": 1}, seed=3)
+    picks = [mix.pick(n) for n in range(12)]
+
+    async def generate(task, floor, key):
+        await asyncio.sleep(0)
+        if task.draw is None and task.index % 2:  # some of flat's refills (a skipped draw is another's business)
+            raise ContextLengthExceeded(f"task {task.index}: 400 This model's maximum context length is 64 tokens")
+        return Fixed(reward=0.5 if task.env == "flat" else random.random())
+
+    sched = RolloutScheduler(generate, mix.next, VersionWatch(0), batch_size=4, group_size=2, max_async_level=100,
+                             max_steps=3, oversample_limit=3, max_inflight_groups=2,
+                             refill_from_entry=True)  # fmt: skip
+    for step in range(3):
+        st = await asyncio.wait_for(sched.next_batch(), timeout=10)
+        own = [n for n in range(4 * step, 4 * step + 4) if picks[n] == "signal"]
+        assert sorted(g.task.draw for g in st.kept) == own and st.skipped_overlong > 0
+        assert {g.task.env for g in st.finished if g.task.draw is None} == {"flat"}
+    await sched.stop()
+    assert mix.draws == 12  # every skipped refill was flat's own next task, never a draw of the sequence
