@@ -527,10 +527,10 @@ async def test_an_entry_without_signal_refills_only_after_the_step_s_own_draws(i
 
 
 async def test_a_refill_too_long_for_the_context_is_replaced_by_its_own_entry_s_next_task():
-    """refill = "entry": flat's groups never carry a signal and its refills of odd tasks do not fit the context. One that
-    does not fit is skipped and replaced by flat's next task, as the refill it was: a fresh draw took its place (the
-    step's share went to the mix, and the draws of the steps after it moved). A skipped draw of the sequence is
-    replaced by the next draw, as before."""
+    """refill = "entry": flat's groups never carry a signal and its refills of odd tasks do not fit the context.
+    Such a refill is skipped and replaced by flat's next task, as the refill it was: a fresh draw took its place
+    (the step's share went to the mix, and the draws of the steps after it moved). A skipped draw of the sequence
+    is replaced by the next draw, as before."""
     from gyre_orchestrator.mix import TaskMix
 
     mix = TaskMix({"flat": range(10**6), "signal": range(10**6)}, {"flat": 1, "signal": 1}, seed=3)
