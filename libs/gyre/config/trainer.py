@@ -95,7 +95,7 @@ class LossConfig(Section):
         None,
         ge=1,
         description="seq-mean-token-sum-norm (Dr.GRPO) constant; unset = the batch's generation budget "
-        "(the orchestrator's sampling.max_tokens x turns), or the longest sample for batches without one.",
+        "(sampling.max_tokens x turns; in a mix, the longest entry's), or the longest sample for batches without one.",
     )
     distill: float = Field(
         0.0,
