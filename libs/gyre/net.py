@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 import socket
+import threading
+from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
+# The ports free_port handed out lately: the launcher picks a dozen (HTTP, gRPC, metrics of each service) before
+# any child binds one, and the kernel's pick for port 0 repeats (1 in 200 calls here): a trainer got its metrics
+# port as its gRPC port once and could not start.
+_HANDED_OUT: deque[int] = deque(maxlen=1024)
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now.
+    """A TCP port that is free on `host` right now, and not one this process handed out lately.
 
     The port is released before returning, so another process could grab it before the caller
     binds; callers that can bind port 0 themselves should prefer that. It is fine for starting a
     child server (e.g. redis-server, which cannot report a port it picked) and retrying on failure.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    with _HANDED_OUT_LOCK:
+        for _ in range(64):
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port = int(sock.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.append(port)
+                return port
+    raise OSError(f"no free port on {host} that was not handed out already (64 tries)")
 
 
 class PortInUse(OSError):
