@@ -70,7 +70,8 @@ class Tool:
         inspect.signature(self.function).bind(**arguments)
         result = self.function(**arguments)
         if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: on Python 3.11 it can lose a cancellation
+                result = await result
         # anything JSON cannot hold (a date, a Decimal, a set, a dataclass) as its str: json.dumps raised, and a
         # tool that had run was told to the model (and to state["tool_calls"]) as an error
         return result if isinstance(result, str) else json.dumps(result, default=_as_text)

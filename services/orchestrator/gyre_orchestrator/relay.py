@@ -221,8 +221,11 @@ class WeightRelay:
                     if r.url not in self._probing:
                         self._probing[r.url] = asyncio.create_task(self.probe(r), name=f"relay-probe-{r.url}")
             self.reconcile()
+            # asyncio.timeout, not wait_for: on Python 3.11 a wait_for whose event was set just as stop() cancelled
+            # this task returned normally, the cancellation was lost, and stop() waited for this loop for ever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=min(self.probe_interval_s, self.poll_store_s))
+                async with asyncio.timeout(min(self.probe_interval_s, self.poll_store_s)):
+                    await self._wake.wait()
 
     def reconcile(self) -> None:
         """Start an updater for each lagging replica; publish versions, in-use set and metrics."""

@@ -258,8 +258,9 @@ class ReplicaSet:
                 if remaining <= 0:
                     raise NoReplicaAvailable(self._why_none(min_version))
                 step = min(step, remaining)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout=max(step, 0.01))
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can lose a cancellation (relay.py)
+                async with asyncio.timeout(max(step, 0.01)):
+                    await self._changed.wait()
 
     def release(self, replica: Replica) -> None:
         replica.inflight = max(0, replica.inflight - 1)
@@ -443,7 +444,8 @@ class KubernetesDiscovery(Discovery):
         )
         self._thread.start()
         try:
-            await asyncio.wait_for(first.wait(), timeout=30)
+            async with asyncio.timeout(30):
+                await first.wait()
         except TimeoutError:
             log.warning("no EndpointSlices of service %s/%s within 30s; waiting on", self.namespace, self.service)
 
