@@ -92,17 +92,40 @@ def check_model_source(name: str, key: str = "model.name", hub: bool = True, hin
         raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} does not exist; {hint}")
     if not hub:
         return "hub id"
+    unreachable = hub_unreachable()
     try:
         from transformers import AutoConfig
 
-        AutoConfig.from_pretrained(name)
+        # an unreachable hub: the cache alone (the client's retries took 25 s to say what one request says)
+        AutoConfig.from_pretrained(name, local_files_only=unreachable is not None)
     except Exception as e:  # OSError/EnvironmentError from the hub client, ValueError for odd ids
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if unreachable is not None:
+            from huggingface_hub import constants
+
+            reason = f"{unreachable}, and it is not in the hub cache {constants.HF_HUB_CACHE}"
         raise ModelUnavailable(
             f"{key} = {name!r} is not a local folder, and as a Hugging Face hub id it cannot be fetched "
             f"({reason}); {hint}"
         ) from None
     return "hub id"
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, or None (it answered, or the client is offline by choice: `HF_HUB_OFFLINE`).
+
+    One request through the hub client's own session (its proxies, certificates and `HF_ENDPOINT`): without a
+    network the client retried each file five times, so a hub id that could not be fetched was said after 25 s
+    of "Retrying in 8s" lines instead of at once."""
+    from huggingface_hub import constants, get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as e:  # any answer, even an error status, is a reachable hub; no answer is not
+        return f"cannot reach {constants.ENDPOINT} ({str(e).strip() or type(e).__name__})"
+    return None
 
 
 # ---- `gyre model fetch`: download a hub model once, or say at once that it cannot fit -------------------
