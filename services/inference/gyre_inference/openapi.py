@@ -15,6 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from gyre_inference.lora_routes import ROUTES as LORA_ROUTES
+
 _ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
 _NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
 _INT_LIST = {"type": "array", "items": {"type": "integer"}}
@@ -240,6 +242,9 @@ _WHY = {
     503: "The model is loading or the server is shutting down (`code: not_ready`).",
 }
 
+# the runtime LoRA routes (LORA_ROUTES) change what a replica serves: they take the control token, not the API key
+_CONTROL_401 = "Missing or wrong control token (auth.control_token; the API key when no control token is set)."
+
 # path -> (200 schema name, extra statuses). Every route of the API can also answer 401 and 503.
 _API = {
     "/v1/models": ("ModelList", ()),
@@ -287,7 +292,8 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
         kept = {status: response for status, response in generated.items() if status != "422"}
         gone = {"499": {"description": _WHY[499]}} if path == "/inference/v1/generate" else {}
         busy = {"409": _error(409)} if path == "/v1/load_lora_adapter" else {}  # lora.max_loras reached
-        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)} | busy | gone
+        control = {"401": _error(401) | {"description": _CONTROL_401}} if path in LORA_ROUTES else {}
+        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)} | busy | gone | control
     if path == "/health":
         return {"200": {"description": "The process answers.", "content": _json("Health")}}
     if path == "/version":
