@@ -230,6 +230,11 @@ class TorchBackend(EngineLoop, Backend):
         reloads = 0
         while True:
             with self._cond:  # the slot is read and the row queued at once: its slot is busy from now on
+                # under the lock the engine thread takes its last look at the queue with: a row queued once it
+                # stops (the thread still alive, so `ready` said yes; an adapter loaded back meanwhile) was read
+                # by nobody, and its request waited until uvicorn cut it
+                if self._stopping:
+                    raise BackendStoppedError("the torch engine is stopping")
                 if name is None or (self._bank is not None and name in self._bank.slots):
                     if name is not None:
                         seq.adapter = self._bank.slots[name]
