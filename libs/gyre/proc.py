@@ -33,6 +33,17 @@ def set_pdeathsig(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def pdeathsig_if_main_thread() -> Callable[[], None] | None:
     """`set_pdeathsig` as a `preexec_fn` when called from the main thread, else None: a child started from a
     short-lived thread would otherwise be killed when that thread ends."""

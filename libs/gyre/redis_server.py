@@ -39,7 +39,7 @@ from pathlib import Path
 import redis
 
 from gyre.net import free_port
-from gyre.proc import set_pdeathsig
+from gyre.proc import alive, set_pdeathsig
 
 _RUNNING: weakref.WeakSet[EmbeddedRedis] = weakref.WeakSet()
 _SCRATCH_PREFIX = "gyre-redis-"
@@ -222,19 +222,9 @@ def _remove_orphaned_scratch() -> None:
             owner = int(Path(folder, _OWNER_FILE).read_text())
         except (OSError, ValueError):
             continue  # not ours, or being created right now
-        if owner == os.getpid() or _alive(owner):
+        if owner == os.getpid() or alive(owner):
             continue
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

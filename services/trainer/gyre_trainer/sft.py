@@ -593,8 +593,10 @@ def save_hf_model(save_dir: Path, state_dict, config, base_model: str, step: int
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gyre_trainer.torchrun import follow_launcher, report_exit
+
+    follow_launcher()  # under `python -m gyre_trainer.torchrun`: dies with it, even SIGKILLed (own session)
     code = _main(argv)
-    from gyre_trainer.torchrun import report_exit
 
     report_exit(code)  # under `python -m gyre_trainer.torchrun`: a clean stop on SIGTERM exits 0, not torchrun's 1
     return code

@@ -10,6 +10,10 @@ a folder this launcher made (`STATUS_ENV`; `report_exit`, called by `gyre traine
 `SignalException` after which every local worker reported 0 exits 0, logging that the stop was clean. Anything
 else is torchrun's own outcome, unchanged: a worker that failed, was killed at the end of the shutdown timeout or
 had not started yet (the signal came during the rendezvous) still exits 1 with torchrun's traceback.
+
+torchrun starts each worker in a session of its own, out of reach of a signal to torchrun's process group: a
+SIGKILLed torchrun (`gyre rl`'s second Ctrl-C, the end of its stop timeout) left its ranks running. Each worker
+of this launcher asks the kernel for a SIGKILL when torchrun dies (`follow_launcher`), as a crash would have it.
 """
 
 from __future__ import annotations
@@ -18,12 +22,27 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 #: the folder where the workers of this launcher leave their exit status (one file per local rank)
 STATUS_ENV = "GYRE_TORCHRUN_STATUS_DIR"
+#: the launcher's pid: its workers die with it (`follow_launcher`)
+LAUNCHER_ENV = "GYRE_TORCHRUN_PID"
+
+
+def follow_launcher() -> None:
+    """A worker of this launcher is SIGKILLed when the launcher dies (no-op outside `gyre_trainer.torchrun`)."""
+    launcher = os.environ.pop(LAUNCHER_ENV, None)  # popped: a process this worker starts is not torchrun's
+    if not launcher or "LOCAL_RANK" not in os.environ:
+        return
+    from gyre.proc import alive, set_pdeathsig
+
+    set_pdeathsig(signal.SIGKILL)  # torchrun forks its workers from its main thread: its death, not a thread's
+    if os.getppid() != int(launcher) and not alive(int(launcher)):  # gone before the request: nothing is sent
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def report_exit(code: int) -> None:
@@ -57,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="gyre-torchrun-"))
     os.environ[STATUS_ENV] = str(folder)  # the workers inherit the launcher's environment
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
     try:
         torchrun(sys.argv[1:] if argv is None else list(argv))
         return 0
