@@ -124,8 +124,13 @@ class RotatingKey:
 class Endpoint:
     """Calls to one OpenAI-compatible server; safe to use from many tasks at once (one event loop)."""
 
-    def __init__(self, config: EndpointConfig, *, name: str, backoff_s: float = 0.5):
+    def __init__(
+        self, config: EndpointConfig, *, name: str, backoff_s: float = 0.5, client: openai.AsyncOpenAI | None = None
+    ):
+        """`client`: an `openai.AsyncOpenAI` the caller made (a ported verifiers `JudgeRubric`'s `judge_client`): its
+        key and headers are used, with this endpoint's retries, deadline and concurrency bound; it is not closed."""
         self.config = config
+        self._given = client
         self.name = name
         self.backoff_s = backoff_s
         self.stats: Counter[str] = Counter()
@@ -145,6 +150,9 @@ class Endpoint:
         self._refused_in_a_row = 0
 
     def _openai(self) -> openai.AsyncOpenAI:
+        if self._client is None and self._given is not None:  # its key and headers; our retries and deadline
+            self._client = self._given.with_options(max_retries=0, timeout=self.config.timeout_s)
+            self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
         if self._client is None:  # created on first use: inside the event loop that will use it
             self._client = openai.AsyncOpenAI(
                 base_url=self.config.base_url,
@@ -337,7 +345,7 @@ class Endpoint:
     def _setup_hint(self, status: int) -> str:
         """Which settings a refusal of the setup points at (the server's message rarely names them)."""
         if status in (401, 403):
-            source = "no api key set"
+            source = "no api key set" if self._given is None else "the api_key of the client given"
             if self.config.api_key_env or self.config.api_key_file:
                 key = "api_key_env" if self.config.api_key_env else "api_key_file"
                 source = f"{key} = {getattr(self.config, key)!r}"
@@ -348,9 +356,9 @@ class Endpoint:
         return ""
 
     async def aclose(self) -> None:
-        if self._client is not None:
+        if self._client is not None and self._given is None:  # a given client's connections are its owner's
             await self._client.close()
-            self._client = None
+        self._client = None
 
 
 def first_model(models: Any) -> str:

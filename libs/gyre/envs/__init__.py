@@ -47,6 +47,7 @@ __all__ = [
     "Environment",
     "EnvironmentLoadError",
     "Info",
+    "JudgeRubric",
     "MathRubric",
     "MaybeThinkParser",
     "Message",
@@ -79,10 +80,9 @@ __all__ = [
 ]
 
 #: verifiers (0.1-0.3) names a ported environment (`import gyre.envs as vf`) may use that Gyre does not have, and
-#: what plays their part here: `vf.JudgeRubric` was a bare "module has no attribute" (docs/environments.md, Porting)
+#: what plays their part here: `vf.EnvGroup` was a bare "module has no attribute" (docs/environments.md, Porting).
+#: `JudgeRubric` is provided (gyre.envs.judge_rubric).
 VERIFIERS_INSTEAD = {
-    "JudgeRubric": "Gyre's judges: gyre.envs.judge.Judge added to the rubric (rubric.add(Judge(url=..., prompt=...))), "
-    "or [[orchestrator.judges]] in the run's config",
     "EnvGroup": "several [[orchestrator.env]] entries in the run's config (an orchestrator mix, docs/orchestrator.md)",
     "ToolRubric": "a reward function reading state['tool_calls'] (each executed call: name, arguments, ok, result)",
     "StatefulToolEnv": "ToolEnv (a tool's arguments cannot be filled from the rollout's state)",
@@ -91,6 +91,10 @@ VERIFIERS_INSTEAD = {
 
 
 def __getattr__(name: str):
+    if name == "JudgeRubric":  # imported when used: it brings the openai client (gyre.endpoint)
+        from gyre.envs.judge_rubric import JudgeRubric
+
+        return JudgeRubric
     if name in VERIFIERS_INSTEAD:
         raise AttributeError(f"gyre.envs has no {name} (verifiers'); instead: {VERIFIERS_INSTEAD[name]} "
                              "(docs/environments.md, Porting a verifiers 0.1-0.3 environment)")  # fmt: skip

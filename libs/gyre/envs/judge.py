@@ -48,6 +48,8 @@ import string
 from collections import Counter, OrderedDict
 from typing import Any
 
+import openai
+
 from gyre.config.endpoint import JudgeConfig, RewardModelConfig
 from gyre.endpoint import Endpoint, EndpointError, RequestRefused
 from gyre.envs.types import Messages, ScoringError
@@ -273,10 +275,21 @@ class Judge:
     """A reward function that asks an LLM judge (see the module docstring). `stats` counts requests, retries,
     timeouts, failures (from the endpoint), cache hits and unparsed replies."""
 
-    def __init__(self, config: JudgeConfig | None = None, **settings: Any):
+    def __init__(
+        self,
+        config: JudgeConfig | None = None,
+        *,
+        client: openai.AsyncOpenAI | None = None,
+        sampling: dict[str, Any] | None = None,
+        **settings: Any,
+    ):
+        """`client`: an `openai.AsyncOpenAI` to ask through (its key and headers; `Endpoint`'s retries and deadline);
+        `sampling`: more keys of each request's body (verifiers' `judge_sampling_args` beyond temperature and
+        max_tokens, e.g. `reasoning_effort`)."""
         self.config = config or JudgeConfig(**settings)
         self.__name__ = self.config.name  # the rubric's name for it
-        self.endpoint = Endpoint(self.config, name=f"judge {self.config.name!r}")
+        self.sampling = dict(sampling or {})
+        self.endpoint = Endpoint(self.config, name=f"judge {self.config.name!r}", client=client)
         self.stats: Counter[str] = self.endpoint.stats
         self._cache: OrderedDict[str, float] = OrderedDict()
         self._inflight: dict[str, asyncio.Future] = {}
@@ -286,7 +299,8 @@ class Judge:
         messages = _messages(self.config, fields)
         cfg = self.config
         key = hashlib.sha256(json.dumps([cfg.model, messages, cfg.temperature, cfg.max_tokens, cfg.score,
-                                         cfg.choices, cfg.json_key, cfg.max_score]).encode()).hexdigest()  # fmt: skip
+                                         cfg.choices, cfg.json_key, cfg.max_score, self.sampling],
+                                        default=str).encode()).hexdigest()  # fmt: skip
         if key in self._cache:
             self.stats["cache_hits"] += 1
             self._cache.move_to_end(key)
@@ -322,19 +336,8 @@ class Judge:
     async def _grade(self, fields: dict[str, str], messages: list[dict]) -> float:
         problem = ""
         for _ in range(self.config.retries + 1):
-            try:
-                body, fields, messages = await self._ask(fields, messages)  # a cut prompt is kept for retries
-            except EndpointError as error:
-                raise ScoringError(str(error)) from error
-            await self._note_model(body)
-            try:
-                reply = _text(body["choices"][0]["message"]["content"])
-                cut = body["choices"][0].get("finish_reason") == "length"
-                if not isinstance(reply, str):  # a number or an object: re.search raised TypeError, a 0 for the rollout
-                    raise TypeError
-            except (KeyError, IndexError, TypeError, AttributeError):
-                reply, problem = "", f"the answer has no text at choices[0].message.content: {str(body)[:200]!r}"
-            else:
+            reply, cut, fields, messages, problem = await self._answer(fields, messages)
+            if reply is not None:
                 if cut:  # its verdict never came: the last number of a reasoning cut short is not a score
                     problem = f"the reply was cut at max_tokens = {self.config.max_tokens} (raise it): {reply[-200:]!r}"
                     self.stats["unparsed"] += 1
@@ -346,6 +349,47 @@ class Judge:
             self.stats["unparsed"] += 1
         raise ScoringError(f"judge {self.config.name!r}: no score after {self.config.retries + 1} replies ({problem})")
 
+    async def reply(self, fields: dict[str, str]) -> str:
+        """The judge's reply, as text, to its prompt filled with `fields` (verifiers' `JudgeRubric.judge`: its reward
+        functions read the text themselves). Failures as a score's: the server failing after its retries, or
+        answering no text `retries + 1` times, is a `ScoringError`; a refusal of this one prompt (after the cuts
+        that fit a long one to the judge's context) is `Unjudged`."""
+        messages = _messages(self.config, fields)
+        problem = ""
+        for _ in range(self.config.retries + 1):
+            reply, cut, fields, messages, problem = await self._answer(fields, messages)
+            if reply is None:
+                self.stats["unparsed"] += 1
+                continue
+            if cut:  # the reward functions read what came; the cut is counted and said once
+                self.stats["length"] += 1
+                if self.stats["length"] == 1:
+                    log.warning("judge %r: a reply was cut at max_tokens = %d (raise max_tokens in "
+                                "judge_sampling_args); further ones are only counted", self.config.name,
+                                self.config.max_tokens)  # fmt: skip
+            return reply
+        raise ScoringError(f"judge {self.config.name!r}: no reply after {self.config.retries + 1} answers ({problem})")
+
+    async def _answer(
+        self, fields: dict[str, str], messages: list[dict]
+    ) -> tuple[str | None, bool, dict[str, str], list[dict], str]:
+        """One answer: its text (None when it holds none, and why), whether it was cut at max_tokens, and the fields
+        and messages it answered (a cut prompt is kept for retries). The server's failure is a `ScoringError`."""
+        try:
+            body, fields, messages = await self._ask(fields, messages)
+        except EndpointError as error:
+            raise ScoringError(str(error)) from error
+        await self._note_model(body)
+        try:
+            reply = _text(body["choices"][0]["message"]["content"])
+            cut = body["choices"][0].get("finish_reason") == "length"
+            if not isinstance(reply, str):  # a number or an object: re.search raised TypeError, a 0 for the rollout
+                raise TypeError
+        except (KeyError, IndexError, TypeError, AttributeError):
+            why = f"the answer has no text at choices[0].message.content: {str(body)[:200]!r}"
+            return None, False, fields, messages, why
+        return reply, cut, fields, messages, ""
+
     async def _ask(self, fields: dict[str, str], messages: list[dict]) -> tuple[Any, dict[str, str], list[dict]]:
         """The judge's answer to `messages`, and the fields and messages it answered. A prompt refused as longer than
         the judge's context (a long completion) is rendered again with its longest fields cut in the middle, a marker
@@ -353,7 +397,7 @@ class Judge:
         completion was refused every time and scored 0 (`Unjudged`). Any other refusal, or one still refused, is
         `Unjudged`."""
         cfg = self.config
-        extra = {"response_format": fmt} if (fmt := cfg.response_format()) else {}
+        extra = {**self.sampling, **({"response_format": fmt} if (fmt := cfg.response_format()) else {})}
         first: RequestRefused | None = None
         for attempt in range(MAX_CUTS + 1):
             body = {"model": await self.endpoint.model(), "messages": messages, "temperature": cfg.temperature,

@@ -60,6 +60,9 @@ class Rubric:
         timeout_s: float | None = REWARD_TIMEOUT_S,
     ) -> None:
         self.parser = parser or Parser()
+        #: more arguments its reward functions may take by name (verifiers' `class_objects`: a `JudgeRubric`'s
+        #: `judge`); a subclass sets them before calling this
+        self.class_objects: dict[str, object] = dict(getattr(self, "class_objects", {}))
         self.timeout_s = _checked_timeout(timeout_s)
         self._timeouts: list[float | None] = []
         self.funcs: list[RewardFunc] = []
@@ -89,8 +92,9 @@ class Rubric:
         for p in params:
             if p.kind is p.VAR_KEYWORD or p.default is not p.empty:
                 continue
-            if p.kind is p.VAR_POSITIONAL or p.name not in ARGUMENTS:
-                raise ValueError(f"reward function {name!r}: parameter {p.name!r} is not one of {ARGUMENTS}")
+            if p.kind is p.VAR_POSITIONAL or (p.name not in ARGUMENTS and p.name not in self.class_objects):
+                known = (*ARGUMENTS, *self.class_objects)
+                raise ValueError(f"reward function {name!r}: parameter {p.name!r} is not one of {known}")
         self.funcs.append(func)
         self._timeouts.append(self.timeout_s if timeout_s == _DEFAULT else _checked_timeout(timeout_s))
         self.weights.append(float(weight))
@@ -119,6 +123,7 @@ class Rubric:
             "state": rollout.state,
             "rollout": rollout,
             "parser": self.parser,
+            **{key: value for key, value in self.class_objects.items() if key not in ARGUMENTS},
         }
         errors: dict[str, str] = {}
 

@@ -1,0 +1,130 @@
+"""verifiers' `JudgeRubric` in an environment ported with `import gyre.envs as vf`
+(tests/verifiers_envs/vf_hub_judge.py): `vf.JudgeRubric` was refused with a pointer to Gyre's judges.
+
+The judge is a real HTTP server (tests/support/judge_server.py, uvicorn) asked through the official `openai` client
+the environment makes; the policy's turns come from the scripted model client (envs_doubles.py): the judge's
+verdict, not the policy, is under test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from envs_doubles import ScriptedClient
+from gyre.envs import ScoringError, load_environment
+from support.judge_server import ScriptedServer
+
+VF_ENVS = Path(__file__).resolve().parents[2] / "verifiers_envs"
+
+
+@pytest.fixture(autouse=True)
+def vf_envs_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(VF_ENVS))
+
+
+@pytest.fixture(scope="module")
+def judge_server():
+    with ScriptedServer() as server:
+        yield server
+
+
+@pytest.fixture
+def server(judge_server):
+    judge_server.script.clear()
+    judge_server.requests.clear()
+    judge_server.auth.clear()
+    return judge_server
+
+
+def judged_env(server, **args):
+    return load_environment("vf_hub_judge:load_environment", judge_base_url=f"{server.url}/v1", **args)
+
+
+async def rollout_of(env, task, reply, sampling):
+    return await env.rollout(ScriptedClient([reply]), task, sampling)
+
+
+@pytest.mark.asyncio
+async def test_a_ported_judge_rubric_scores_through_the_judge_server_once_per_rollout(server, sampling):
+    env = judged_env(server)
+    task = env.tasks("eval")[0]
+    server.script[:] = ["yes", "No."]
+    rollout = await rollout_of(env, task, "<answer>Paris</answer>", sampling)
+    score = await env.score(task, rollout)
+    assert score.errors == {}
+    assert score.per_function == {"correct_answer_reward_func": 1.0, "decisive_judge": 1.0}
+    assert score.reward == pytest.approx(1.2)
+    # two reward functions read the verdict, scored at once: one request
+    assert server.count("chat") == 1
+    _, body = server.requests[0]
+    assert body["model"] == "judge-model" and body["temperature"] == 0 and body["max_tokens"] == 16
+    prompt = body["messages"][-1]["content"]
+    assert "Question: What is the capital of France?" in prompt
+    assert "Reference answer: Paris" in prompt and "Response: Paris\n" in prompt  # the parser's answer
+    assert server.auth == ["Bearer EMPTY"]  # the judge client's key
+    assert rollout.state["judge_response"] == {prompt: "yes"}
+    # scored again (the orchestrator's retry of another function's failure): the verdict kept in the state
+    assert (await env.score(task, rollout)).per_function["correct_answer_reward_func"] == 1.0
+    assert server.count("chat") == 1
+
+    wrong = await rollout_of(env, task, "<answer>Lyon</answer>", sampling)
+    score = await env.score(task, wrong)
+    assert score.per_function == {"correct_answer_reward_func": 0.0, "decisive_judge": 1.0}
+    assert server.count("chat") == 2
+    await env.rubric.aclose()  # Gyre's judge lets go of its connections, not of the environment's client
+    assert not env.rubric.judge_client.is_closed()
+    await env.rubric.judge_client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_judge_rubric_judge_failure_is_reported_as_gyre_judges_report_it(server, sampling):
+    """A judge down after its retries is a ScoringError (counted, scored again; never a 0), a timed-out one too; a
+    refusal of one prompt is that rollout's reward error (Unjudged), as `gyre.envs.judge.Judge` reports them."""
+    env = judged_env(server)  # the client's max_retries=0: one attempt
+    task = env.tasks("eval")[0]
+    rollout = await rollout_of(env, task, "<answer>Paris</answer>", sampling)
+    server.script[:] = [("status", 500)]
+    with pytest.raises(ScoringError, match=r"judge 'judge': http://127\.0\.0\.1:\d+ failed 1 times: .*500"):
+        await env.score(task, rollout)
+    assert server.count("chat") == 1 and env.rubric.gyre_judge.stats["failures"] == 1
+    assert "judge_response" not in rollout.state  # a failure is not a verdict: asked again next time
+
+    server.script[:] = [("status", 400)]
+    score = await env.score(task, rollout)
+    assert score.per_function == {"correct_answer_reward_func": 0.0, "decisive_judge": 0.0}
+    assert set(score.errors) == {"correct_answer_reward_func", "decisive_judge"}
+    assert all(e.startswith("Unjudged: judge 'judge'") and "400" in e for e in score.errors.values())
+    assert server.count("chat") == 2
+
+    server.script[:] = [("raw", '{"choices": []}', "application/json")]  # an answer without a reply
+    with pytest.raises(ScoringError, match=r"judge 'judge': no reply after 1 answers \(the answer has no text"):
+        await env.score(task, rollout)
+
+    server.script[:] = [("length", "yes, but")]  # cut at max_tokens: read as it came, counted
+    assert (await env.score(task, rollout)).per_function["correct_answer_reward_func"] == 1.0
+    assert env.rubric.gyre_judge.stats["length"] == 1
+
+    slow = judged_env(server, judge_timeout=0.3)
+    server.script[:] = [("sleep", 1.5, "yes")]
+    with pytest.raises(ScoringError, match="judge 'judge'.*failed 1 times"):
+        await slow.score(task, await rollout_of(slow, task, "<answer>Paris</answer>", sampling))
+    assert slow.rubric.gyre_judge.stats["timeouts"] == 1
+    for made in (env, slow):  # the environment's clients, closed in this event loop
+        await made.rubric.judge_client.close()
+
+
+def test_a_judge_rubric_without_a_client_names_what_to_pass(server, monkeypatch):
+    import gyre.envs as vf
+
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    with pytest.raises(ValueError, match=r"JudgeRubric: no judge_client; pass judge_client=openai\.AsyncOpenAI"):
+        vf.JudgeRubric()
+    monkeypatch.setenv("OPENAI_BASE_URL", f"{server.url}/v1")  # verifiers' default client, pointed at a server
+    assert str(vf.JudgeRubric().judge_client.base_url) == f"{server.url}/v1/"
+    with pytest.raises(ValueError, match=r"JudgeRubric: judge_prompt: .*unknown placeholders \{reply\}"):
+        vf.JudgeRubric(judge_client=openai.AsyncOpenAI(base_url=server.url, api_key="x"), judge_prompt="{reply}")
+    with pytest.raises(ValueError, match="judge_sampling_args may not set model"):
+        vf.JudgeRubric(judge_client=openai.AsyncOpenAI(base_url=server.url, api_key="x"),
+                       judge_sampling_args={"model": "other"})  # fmt: skip
