@@ -22,7 +22,7 @@ from gyre.envs.registry import BUILTIN_ENVIRONMENTS, EnvironmentLoadError, load_
 from gyre.envs.rubric import MathRubric, Rubric, RubricGroup
 from gyre.envs.sequence import SequenceBuilder
 from gyre.envs.splits import TaskSource
-from gyre.envs.tools import Tool, ToolEnv
+from gyre.envs.tools import StatefulToolEnv, Tool, ToolEnv
 from gyre.envs.types import (
     ContextLengthExceeded,
     Info,
@@ -65,6 +65,7 @@ __all__ = [
     "SingleTurnEnv",
     "Split",
     "State",
+    "StatefulToolEnv",
     "StopReason",
     "Task",
     "TaskSource",
@@ -81,11 +82,10 @@ __all__ = [
 
 #: verifiers (0.1-0.3) names a ported environment (`import gyre.envs as vf`) may use that Gyre does not have, and
 #: what plays their part here: `vf.EnvGroup` was a bare "module has no attribute" (docs/environments.md, Porting).
-#: `JudgeRubric` is provided (gyre.envs.judge_rubric).
+#: `JudgeRubric` and `StatefulToolEnv` are provided (gyre.envs.judge_rubric, gyre.envs.tools).
 VERIFIERS_INSTEAD = {
     "EnvGroup": "several [[orchestrator.env]] entries in the run's config (an orchestrator mix, docs/orchestrator.md)",
     "ToolRubric": "a reward function reading state['tool_calls'] (each executed call: name, arguments, ok, result)",
-    "StatefulToolEnv": "ToolEnv (a tool's arguments cannot be filled from the rollout's state)",
     "load_example_dataset": "the rows themselves: dataset=datasets.load_dataset(...) or a .jsonl/.parquet path",
 }
 

@@ -20,6 +20,8 @@ answered). A tool never crashes a rollout: unknown tools, bad arguments, excepti
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import inspect
 import json
 import re
@@ -121,12 +123,17 @@ class ToolEnv(MultiTurnEnv):
             if i >= self.max_tool_calls:
                 result, ok = f"Error: at most {self.max_tool_calls} tool calls per turn", False
             else:
-                result, ok = await self.run_tool(call)
+                result, ok = await self.run_tool(await self.prepare_call(call, messages, state))
             state["tool_calls"].append(
                 {"turn": state["turn"], "name": call.name, "arguments": call.arguments, "ok": ok, "result": result}
             )
             replies.append({"role": "tool", "tool_call_id": call.id, "content": result})
         return replies, False
+
+    async def prepare_call(self, call: ToolCall, messages: Messages, state: dict[str, Any]) -> ToolCall:
+        """The call as it is run (`StatefulToolEnv` fills arguments from the rollout's state); `state["tool_calls"]`
+        records it as the model made it."""
+        return call
 
     async def run_tool(self, call: ToolCall) -> tuple[str, bool]:
         """Execute one call; returns (text for the model, whether the tool ran successfully).
@@ -152,6 +159,97 @@ class ToolEnv(MultiTurnEnv):
         except Exception as exc:  # the model sees the failure and can retry; the rollout goes on
             return f"Error: {type(exc).__name__}: {exc}", False
         return result, True
+
+
+class StatefulToolEnv(ToolEnv):
+    """verifiers' `StatefulToolEnv` (0.1-0.3): a `ToolEnv` whose tools take arguments the model never sees, filled
+    from the rollout's state (a sandbox id, a connection, a per-task secret):
+
+        class SandboxEnv(vf.StatefulToolEnv):
+            def __init__(self, **kwargs):
+                super().__init__(tools=[], **kwargs)
+                self.add_tool(run_code, args_to_skip=["sandbox_id"])   # not in the schema the model gets
+
+            def update_tool_args(self, tool_name, tool_args, messages, state, **kwargs) -> dict:
+                if tool_name == "run_code":
+                    tool_args["sandbox_id"] = state["sandbox_id"]
+                return tool_args
+
+    `add_tool(tool, args_to_skip=[...])` removes those arguments from the tool's schema (properties and required);
+    each parsed call's arguments pass through `update_tool_args` (verifiers 0.1.3-0.1.4's
+    `update_tool_args(tool_args, messages, state)` too; sync or async) before the tool runs. A value the model
+    writes for a skipped argument anyway is dropped before `update_tool_args` sees it: only the environment sets it
+    (an `update_tool_args` that fills it only when missing let the model choose another rollout's sandbox).
+    `state["tool_calls"]` records the call as the model made it, without the values filled in.
+    """
+
+    def __init__(self, *, tools: list[Callable[..., Any] | Tool] | None = None, **kwargs: Any) -> None:
+        if type(self).update_tool_args is StatefulToolEnv.update_tool_args:
+            raise TypeError(f"{type(self).__name__}: a StatefulToolEnv defines update_tool_args(self, tool_name, "
+                            "tool_args, messages, state, **kwargs) -> dict (the arguments to call the tool "
+                            "with)")  # fmt: skip
+        super().__init__(tools=list(tools or []), **kwargs)
+        self.skipped_args: dict[str, list[str]] = {name: [] for name in self.tools}
+        positional = [p for p in inspect.signature(self.update_tool_args).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+        # verifiers 0.1.3-0.1.4 called update_tool_args(tool_args, messages, state); 0.1.5 on adds tool_name first
+        self._with_name = len(positional) >= 4 or any(p.name == "tool_name" for p in positional)
+
+    def add_tool(self, tool: Callable[..., Any] | Tool, args_to_skip: list[str] | tuple[str, ...] = ()) -> None:
+        """Offer `tool` to the model, without the arguments named in `args_to_skip` (`update_tool_args` gives
+        them); ValueError for a name the tool does not take (a typo left the argument in the model's schema)."""
+        made = tool if isinstance(tool, Tool) else Tool.from_function(tool)
+        if made.name in self.tools:
+            raise ValueError(f"add_tool: a tool named {made.name!r} is already in this environment")
+        if isinstance(args_to_skip, str):  # args_to_skip="sandbox_id" skipped its letters
+            args_to_skip = [args_to_skip]
+        params = inspect.signature(made.function).parameters
+        unknown = [arg for arg in args_to_skip if arg not in params]
+        if unknown:
+            raise ValueError(f"add_tool({made.name}): args_to_skip {unknown} are not parameters of the tool "
+                             f"(it takes {list(params)})")  # fmt: skip
+        schema = copy.deepcopy(made.schema)
+        parameters = schema["function"].get("parameters") or {}
+        for arg in args_to_skip:
+            if isinstance(parameters.get("properties"), dict):
+                parameters["properties"].pop(arg, None)
+            if isinstance(parameters.get("required"), list) and arg in parameters["required"]:
+                parameters["required"].remove(arg)
+        self.tools[made.name] = Tool(name=made.name, function=made.function, schema=schema)
+        self.skipped_args[made.name] = list(args_to_skip)
+        self.tool_schemas = [t.schema for t in self.tools.values()]
+
+    def remove_tool(self, tool: Callable[..., Any] | Tool | str) -> None:
+        """Withdraw a tool (by itself or its name) from the model's schemas and from the calls it may make."""
+        name = tool if isinstance(tool, str) else getattr(tool, "name", getattr(tool, "__name__", None))
+        if name not in self.tools:
+            raise ValueError(f"remove_tool: no tool named {name!r} (tools: {', '.join(self.tools)})")
+        del self.tools[name]
+        self.skipped_args.pop(name, None)
+        self.tool_schemas = [t.schema for t in self.tools.values()]
+
+    def update_tool_args(
+        self, tool_name: str, tool_args: dict[str, Any], messages: Messages, state: dict[str, Any], **kwargs: Any
+    ) -> dict[str, Any]:
+        """The arguments to call `tool_name` with: the model's (`tool_args`, skipped ones dropped) with what the
+        rollout's state gives; a subclass defines it (checked at construction)."""
+        raise NotImplementedError
+
+    async def prepare_call(self, call: ToolCall, messages: Messages, state: dict[str, Any]) -> ToolCall:
+        if call.error:  # not parsed: the model is told why; there are no arguments to fill
+            return call
+        skipped = self.skipped_args.get(call.name, [])
+        arguments = {key: value for key, value in call.arguments.items() if key not in skipped}
+        if self._with_name:
+            updated = self.update_tool_args(call.name, arguments, messages, state)
+        else:
+            updated = self.update_tool_args(arguments, messages, state)  # type: ignore[call-arg]
+        if inspect.isawaitable(updated):
+            updated = await updated
+        if not isinstance(updated, dict):  # forgetting `return tool_args` called every tool with nothing
+            raise TypeError(f"update_tool_args must return the arguments (a dict), got {type(updated).__name__} for "
+                            f"a call of {call.name!r}")  # fmt: skip
+        return dataclasses.replace(call, arguments=updated)
 
 
 def tool_calls_of(message: Message, id_prefix: str = "call") -> list[ToolCall]:

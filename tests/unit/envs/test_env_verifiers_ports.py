@@ -212,10 +212,10 @@ async def test_a_verifiers_metric_is_reported_and_adds_nothing(sampling):
 
 def test_a_verifiers_name_gyre_lacks_says_what_plays_its_part():
     """`vf.EnvGroup(...)` in a ported environment was "module 'gyre.envs' has no attribute 'EnvGroup'"; JudgeRubric
-    is Gyre's own now (test_env_verifiers_judge_rubric.py)."""
+    and StatefulToolEnv are Gyre's own now (test_env_verifiers_judge_tools.py)."""
     import gyre.envs as vf
 
-    assert vf.JudgeRubric.__module__ == "gyre.envs.judge_rubric"
+    assert vf.JudgeRubric.__module__ == "gyre.envs.judge_rubric" and issubclass(vf.StatefulToolEnv, vf.ToolEnv)
     with pytest.raises(AttributeError, match=r"has no EnvGroup .*\[\[orchestrator.env\]\]"):
         vf.EnvGroup  # noqa: B018
     with pytest.raises(AttributeError, match="module 'gyre.envs' has no attribute 'Nonesuch'"):
