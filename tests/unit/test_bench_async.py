@@ -77,10 +77,10 @@ class FakeRl:
     def __exit__(self, *exc):
         return False
 
-    def communicate(self):
-        if self.interrupt:
+    def communicate(self, timeout=None):
+        if self.interrupt and self.returncode is None and not self.signals:
             raise KeyboardInterrupt
-        self.returncode = 0
+        self.returncode = 130 if self.signals else 0
         return "", ""
 
     def poll(self):
@@ -109,3 +109,45 @@ def test_each_run_starts_over_and_a_ctrl_c_lets_gyre_rl_stop_its_services(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         bench_async.run_level(["exp.toml"], 1, 5, tmp_path / "async1", [])
     assert FakeRl.made[1].signals == [signal.SIGINT] and not FakeRl.made[1].killed
+
+
+# A stand-in `gyre rl` that, once Ctrl-C'd, prints a lot while its services stop (their warnings, tracebacks), then
+# notes that it stopped: SIGINT is blocked and waited for, so nothing here races the signal.
+LOUD_STOP = """
+import pathlib, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+print("running", flush=True)
+signal.sigwait({signal.SIGINT})
+sys.stdout.write("o" * 300_000)
+sys.stderr.write("e" * 300_000)
+sys.stdout.flush()
+sys.stderr.flush()
+pathlib.Path(sys.argv[1]).write_text("stopped")
+"""
+
+
+def test_a_ctrl_c_lets_gyre_rl_finish_stopping_however_much_it_prints_meanwhile(tmp_path, monkeypatch):
+    # run_level waited for the stopping gyre rl without reading its pipes: once they held 64 KiB, gyre rl blocked in a
+    # write, was SIGKILLed 120 s later and its services died as in a crash, their stop checkpoint lost
+    import subprocess
+    import sys
+
+    stopped = tmp_path / "stopped"
+
+    class CtrlCdRl(subprocess.Popen):
+        interrupted = False
+
+        def __init__(self, cmd, **kw):
+            super().__init__([sys.executable, "-c", LOUD_STOP, str(stopped)], **kw)
+
+        def communicate(self, *args, **kw):
+            if not CtrlCdRl.interrupted:  # the first wait: Ctrl-C once the child runs
+                CtrlCdRl.interrupted = True
+                assert self.stdout.readline() == "running\n"
+                raise KeyboardInterrupt
+            return super().communicate(*args, **kw)
+
+    monkeypatch.setattr(bench_async.subprocess, "Popen", CtrlCdRl)
+    with pytest.raises(KeyboardInterrupt):
+        bench_async.run_level(["exp.toml"], 1, 5, tmp_path / "async1", [])
+    assert stopped.read_text() == "stopped"

@@ -84,8 +84,8 @@ def run_level(configs: list[str], level: int, max_steps: int, out: Path, extra: 
             # as subprocess.run does, its services died as in a crash while the temp folder was being deleted
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
+            try:  # reading its pipes on: a gyre rl blocked writing to a full one never stopped, and was killed
+                proc.communicate(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise
