@@ -99,7 +99,7 @@ class Child:
     def _pump(self, stream: IO[bytes], logf: IO[bytes], echo: bool, quiet: bool) -> None:
         # Progress bars end their updates with \r, not \n: split on both so a child's tqdm bar shows
         # up on the console (at most every few seconds), while the log file keeps the raw bytes.
-        pending, last_bar = b"", 0.0
+        pending, last_bar, callback_failed = b"", 0.0, False
         with logf:
             while chunk := stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536):
                 logf.write(chunk)
@@ -110,14 +110,30 @@ class Child:
                     if not line:
                         continue
                     if sep == b"\r":
-                        if echo and time.monotonic() - last_bar > 5:
+                        if echo and not quiet and time.monotonic() - last_bar > 5:
                             last_bar = time.monotonic()
-                            self.console(f"[{self.name}] {line}")
+                            quiet = not self._echo(f"[{self.name}] {line}", logf)
                         continue
                     if self.on_line is not None:
-                        self.on_line(line)
+                        try:
+                            self.on_line(line)
+                        except Exception as error:  # whatever it is, the pipe must be read on (see `_echo`)
+                            if not callback_failed:
+                                callback_failed = True
+                                logf.write(f"[gyre] {self.name}: on_line failed: {error!r}\n".encode())
                     if not quiet and (echo or _trouble(line)):
-                        self.console(f"[{self.name}] {line}")
+                        quiet = not self._echo(f"[{self.name}] {line}", logf)
+
+    def _echo(self, text: str, logf: IO[bytes]) -> bool:
+        """`text` to the console; False when the console failed (a closed pipe: `gyre rl | head`, a `| tee` that a
+        Ctrl-C ended first), which then gets nothing more. An error here ended the pump: nothing read the pipe,
+        and once it was full the child blocked in a write for ever (a service mid-stop, its checkpoint lost)."""
+        try:
+            self.console(text)
+            return True
+        except Exception as error:
+            logf.write(f"[gyre] {self.name}: no more console output ({error!r}); this log has it all\n".encode())
+            return False
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
