@@ -117,12 +117,27 @@ async def run_service(config: InferenceConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    try:
+    sock = metrics_server = None
+    option = "control.port"
+    try:  # every port before anything serves: a failed bind stops what was started, and names the option
         control_port = await control.start(config.control.host, config.control.port)
+        option = "server.port"
         sock = _bind(config.server.host, config.server.port)
+        if config.metrics.port is not None:
+            from gyre.metrics import start_metrics_server
+
+            # it was bound after uvicorn started: a busy port was a traceback, the gRPC server never stopped
+            option, host = "metrics.port", config.server.host
+            try:
+                metrics_server, metrics_port = start_metrics_server(config.metrics.port, metrics.registry, host)
+            except OSError as error:
+                raise OSError(f"cannot bind metrics server to {host}:{config.metrics.port}: {error.strerror}") from None
+            log.info("metrics: http://%s:%d/metrics", host, metrics_port)
     except OSError as error:
-        log.error("%s", error)
+        log.error("%s (--%s; 0 picks a free port)", error, option)
         await control.stop(0)
+        if sock is not None:
+            sock.close()
         return 1
     http_port = sock.getsockname()[1]
     # http="auto": uvicorn's C parser httptools (a dependency) rather than pure-Python h11, whose parsing was a
@@ -131,12 +146,6 @@ async def run_service(config: InferenceConfig) -> int:
                                       http="auto", timeout_keep_alive=config.server.keep_alive_s,
                                       timeout_graceful_shutdown=grace + CUT_S))  # fmt: skip
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
-    metrics_server = None
-    if config.metrics.port is not None:
-        from gyre.metrics import start_metrics_server
-
-        metrics_server, metrics_port = start_metrics_server(config.metrics.port, metrics.registry, config.server.host)
-        log.info("metrics: http://%s:%d/metrics", config.server.host, metrics_port)
 
     status = 0
     stats_task = None
