@@ -61,6 +61,7 @@ from gyre.transport import FetchedWeights
 from gyre_inference.backend import (
     AdapterGoneError,
     Backend,
+    BackendStoppedError,
     PromptLogprob,
     PromptLogprobs,
     SamplingParams,
@@ -238,6 +239,15 @@ class VLLMBackend(Backend):
         return self._engine is not None
 
     @property
+    def _live(self) -> Any:
+        """The running engine. Once `shutdown()` ran it is None, and a request or control call that arrived during
+        the stop got an AttributeError (a 500); it gets BackendStoppedError, as from the torch engine (a 503
+        `not_ready` with Retry-After, or UNAVAILABLE on the control)."""
+        if self._engine is None:
+            raise BackendStoppedError("the vLLM engine is not running (stopped, or not started)")
+        return self._engine
+
+    @property
     def version(self) -> int:
         return self._version
 
@@ -311,7 +321,7 @@ class VLLMBackend(Backend):
         self._running += 1
         try:
             while True:
-                stream = self._engine.generate(
+                stream = self._live.generate(
                     {"prompt_token_ids": [*prompt, *done], **salted},
                     vllm_params,
                     uuid.uuid4().hex,
@@ -384,7 +394,7 @@ class VLLMBackend(Backend):
         """`name`'s folder is gone (its run ended, or its versions were pruned): fine while vLLM still holds the
         adapter; once vLLM's cache evicted it, it cannot be loaded back, so the name is forgotten and the
         request refused by name (404, as on the torch backend) instead of failing inside vLLM."""
-        if lora.lora_int_id in await self._engine.list_loras():
+        if lora.lora_int_id in await self._live.list_loras():
             return
         if self._named.get(name, (None, 0))[0] is lora:  # not already forgotten, nor updated meanwhile
             del self._named[name]
@@ -448,13 +458,14 @@ class VLLMBackend(Backend):
         before it resumes: every output of a step on the new weights is stamped with the new version (noted after
         the resume, outputs computed meanwhile were stamped with the old one, or with the full version when the base
         came back under an adapter)."""
+        engine = self._live
         await self._pause()
         try:
-            await self._engine.collective_rpc("gyre_load_weights", args=(str(path),))
+            await engine.collective_rpc("gyre_load_weights", args=(str(path),))
             loaded()
         finally:
-            await self._engine.resume_generation()
-        if await self._engine.reset_prefix_cache() is False:
+            await engine.resume_generation()  # the engine paused, even if a stop began meanwhile
+        if await engine.reset_prefix_cache() is False:
             log.warning("vLLM kept prefix-cache blocks still in use: they were computed by the previous weights")
 
     async def _add_lora(self, path: Path, name: str) -> Any:
@@ -462,10 +473,11 @@ class VLLMBackend(Backend):
         formatted with it."""
         from vllm.lora.request import LoRARequest
 
+        engine = self._live  # a stopped engine is not an adapter vLLM refused
         lora_id = next(self._lora_ids)
         request = LoRARequest(lora_name=name.format(id=lora_id), lora_int_id=lora_id, lora_path=str(path))
         try:
-            loaded = await self._engine.add_lora(request)
+            loaded = await engine.add_lora(request)
         except Exception as error:  # vLLM's reasons (unsupported target module, bad tensors) reach us as text
             raise WeightsIncompatibleError(f"{path}: vLLM could not load the adapter ({error})") from error
         if not loaded:
@@ -482,7 +494,7 @@ class VLLMBackend(Backend):
             return
         del self._users[lora_id]
         try:
-            await self._engine.remove_lora(lora_id)
+            await self._live.remove_lora(lora_id)
         except Exception as error:  # only costs cache space: vLLM's LRU cache evicts it in time
             log.warning("vLLM could not drop adapter %s (%s): %s", lora.lora_name, lora_id, error)
 
@@ -491,7 +503,7 @@ class VLLMBackend(Backend):
 
     async def _pause(self) -> None:
         try:
-            await self._engine.pause_generation(mode="keep", clear_cache=False)
+            await self._live.pause_generation(mode="keep", clear_cache=False)
         except TypeError:  # vLLM before pause modes: utility calls still run between engine steps
             log.warning("this vLLM cannot pause with requests kept; loading between engine steps instead")
 

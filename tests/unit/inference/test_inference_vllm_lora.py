@@ -305,6 +305,30 @@ def test_a_request_priority_reaches_vllm_with_priority_scheduling_on(standin_vll
     run(scenario())
 
 
+def test_requests_and_updates_after_the_engine_stopped_are_refused_as_stopped(standin_vllm, tiny_model, tmp_path):
+    """A request or weights update that reaches the vLLM backend once `shutdown()` ran (the service's stop, while
+    uvicorn and the control server still answer) gets BackendStoppedError, as from the torch engine: a 503
+    `not_ready` with Retry-After, UNAVAILABLE on the control. It was an AttributeError on None: a 500, and an adapter
+    update said vLLM could not load the adapter."""
+    from gyre_inference.backend import BackendStoppedError
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, max_loras=1, max_lora_rank=16)
+        await backend.start()
+        await backend.shutdown()
+        with pytest.raises(BackendStoppedError):
+            [_ async for _ in backend.generate([1, 2], SamplingParams(max_tokens=1))]
+        full = tmp_path / "step_2"
+        shutil.copytree(tiny_model, full)
+        for weights in (FetchedWeights.local(full, 2), FetchedWeights.local(adapter_folder(tmp_path, "step_3"), 3)):
+            with pytest.raises(BackendStoppedError):
+                await backend.update_weights(weights)
+        assert backend.version == 0
+
+    run(scenario())
+
+
 # ---- the model's own adapter versions ---------------------------------------------------------------
 def test_adapter_versions_become_lora_requests_with_a_new_id_each(standin_vllm, tiny_model, tmp_path):
     from gyre_inference.vllm_backend import VLLMBackend
