@@ -8,7 +8,8 @@
   (corrupt, half-written or missing folder, wrong digest, tensors that do not fit the model) is
   FAILED_PRECONDITION with the reason, and the old weights keep serving. So is a step older than the
   version served (a late retry must not roll the policy back silently) unless `rollback` is set. Bad arguments are
-  INVALID_ARGUMENT; calls before the model is loaded are UNAVAILABLE. Updates are serialised.
+  INVALID_ARGUMENT; calls before the model is loaded, or overtaken by the service's stop, are UNAVAILABLE. Updates are
+  serialised.
 - `model` names which served model an UpdateWeights/GetStatus is about: empty or the replica's model
   id = the model itself (above); another name = the named LoRA adapter served under that model name
   (multi-run: one per run; the version must be a PEFT adapter folder, a new name takes a free slot,
@@ -35,7 +36,7 @@ from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightsError, WeightsVersion
 
 from gyre_inference.api_key import ServerKey
-from gyre_inference.backend import Backend, WeightsIncompatibleError
+from gyre_inference.backend import Backend, BackendStoppedError, WeightsIncompatibleError
 from gyre_inference.metrics import InferenceMetrics
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,14 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
             started = time.perf_counter()
             try:
                 await load
+            except BackendStoppedError as error:  # the service's stop overtook the load: a replica going down
+                self.metrics.weight_update_done(False, time.perf_counter() - started, adapter)
+                log.warning("refused %s: %s", what, error)
+                # UNAVAILABLE, as before the model loaded: the relay updates it once a probe finds it ready again
+                return (
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"refused {what}: {error}; still serving version {self._served(adapter)}",
+                )
             except Exception as error:
                 self.metrics.weight_update_done(False, time.perf_counter() - started, adapter)
                 expected = isinstance(error, WeightsError | WeightsIncompatibleError | OSError | OlderVersionError)
