@@ -588,3 +588,28 @@ def add_to_rubric(
         # concurrency bound behind many others
         rubric.add(signal, signal.config.weight, name=signal.config.name, timeout_s=None)
     return made
+
+
+def held_by(envs: dict[str, Any], signals: dict[str, Any]) -> dict[str, Any]:
+    """The judges and reward models the environments' rubrics hold beyond `signals` (the configured ones, the
+    teacher), by name (`Rubric.judges`: a `JudgeRubric`'s judge by its `judge_model`): the orchestrator and `gyre eval`
+    wait for them and count them as configured judges. `envs`: label -> environment. A name already taken (a
+    configured judge's, another environment's judge of the same model) is prefixed with the environment's label,
+    "<label>/<name>", so each judge's counters stay its own."""
+    from gyre.envs.rubric import Rubric
+
+    held: dict[str, Any] = {}
+    known = list(signals.values())
+    for label, env in envs.items():
+        rubric = getattr(env, "rubric", None)
+        if not isinstance(rubric, Rubric):
+            continue
+        for name, judge in rubric.judges().items():
+            if any(judge is other for other in known):  # a configured one (joined to the rubric), or shared
+                continue
+            key = name if name not in signals and name not in held else f"{label}/{name}"
+            while key in signals or key in held:
+                key += "'"
+            held[key] = judge
+            known.append(judge)
+    return held

@@ -131,6 +131,11 @@ class JudgeRubric(Rubric):
         if not task.cancelled():
             task.exception()  # retrieved: its waiters raise it; none may be left
 
+    def judges(self) -> dict[str, object]:
+        """Its judge, named by `judge_model` (the orchestrator waits for its server and counts its calls as a
+        configured judge's: `Rubric.judges`), beside any the rubric holds as reward functions."""
+        return {self.judge_model: self.gyre_judge, **super().judges()}
+
     async def aclose(self) -> None:
         await self.gyre_judge.aclose()
 
@@ -163,7 +168,7 @@ def _gyre_judge(client: openai.AsyncOpenAI, model: str, prompt: str, sampling_ar
     if refused:
         raise ValueError(f"JudgeRubric: judge_sampling_args may not set {', '.join(refused)} (Gyre sets the model and "
                          "prompt and reads one whole answer)")  # fmt: skip
-    settings: dict[str, Any] = {"url": str(client.base_url), "model": model, "prompt": prompt, "name": "judge"}
+    settings: dict[str, Any] = {"url": str(client.base_url), "model": model, "prompt": prompt, "name": model}
     if (temperature := args.pop("temperature", None)) is not None:
         settings["temperature"] = temperature
     tokens = [args.pop(key, None) for key in ("max_tokens", "max_completion_tokens")]
@@ -180,7 +185,8 @@ def _gyre_judge(client: openai.AsyncOpenAI, model: str, prompt: str, sampling_ar
     try:
         config = JudgeConfig(**settings)
     except ValidationError as error:
-        where = {"prompt": "judge_prompt", "url": "judge_client's base_url", "model": "judge_model"}
+        where = {"prompt": "judge_prompt", "url": "judge_client's base_url", "model": "judge_model",
+                 "name": "judge_model"}  # fmt: skip
         problems = "; ".join(f"{where.get(str(e['loc'][0]), 'judge_sampling_args ' + str(e['loc'][0]))}: {e['msg']}"
                              for e in error.errors() if e["loc"])  # fmt: skip
         raise ValueError(f"JudgeRubric: {problems or error}") from None

@@ -112,6 +112,17 @@ class Rubric:
         reward (weight 0)."""
         return self.add(func, 0.0)
 
+    def judges(self) -> dict[str, object]:
+        """The judges and reward models this rubric asks, by name (each has `endpoint`, `stats`, `aclose`): those
+        added as reward functions (`rubric.add(Judge(...))`, `[[orchestrator.judges]]`) and a subclass's own (a
+        `JudgeRubric`'s judge). The orchestrator and `gyre eval` wait for their servers before the first rollout and
+        report their counters (step lines' `signals`, `gyre_orchestrator_signal_calls_total`) as for
+        `[[orchestrator.judges]]`: a judge built in the environment's code was neither waited for nor counted."""
+        from gyre.envs.judge import Judge, RewardModel  # gyre.envs.judge imports this module's users
+
+        return {name: func for func, name in zip(self.funcs, self.names, strict=True)
+                if isinstance(func, Judge | RewardModel)}  # fmt: skip
+
     async def score(self, task: Task, rollout: Rollout) -> Score:
         available = {
             "completion": rollout.completion,
@@ -193,6 +204,12 @@ class RubricGroup(Rubric):
             raise ValueError(f"reward function {resolved!r} is already in this RubricGroup: give this one its own "
                              f"name, rubric.add(func, weight, name=...)")  # fmt: skip
         return super().add(func, weight, name, timeout_s)
+
+    def judges(self) -> dict[str, object]:
+        found = {}
+        for rubric in [*self.rubrics, super()]:  # each rubric's, then the group's own (a configured judge)
+            found.update({name: judge for name, judge in rubric.judges().items() if judge not in found.values()})
+        return found
 
     async def score(self, task: Task, rollout: Rollout) -> Score:
         own = [super().score(task, rollout)] if self.funcs else []

@@ -524,8 +524,9 @@ async def _run_once(
 ) -> dict:
     """One evaluation of every environment of `cfg` (label -> environment in `envs`, loaded when None); returns the
     `eval.jsonl` line it appended."""
+    from gyre.config.endpoint import EVAL_STARTUP_TIMEOUT_S
     from gyre.envs import load_environment
-    from gyre.envs.judge import add_to_rubric
+    from gyre.envs.judge import add_to_rubric, held_by
     from gyre.events import EVAL, EventLog, events_dir
 
     from gyre_orchestrator.client import InferenceClient, close_replica_clients
@@ -538,6 +539,13 @@ async def _run_once(
         signals = {}
         for env in envs.values():  # scored as in training
             signals = add_to_rubric(env, cfg.judges, cfg.reward_models, signals=signals or None)
+    # and the judges the environments' own code made (a ported verifiers JudgeRubric's): waited for alike, up to
+    # gyre eval's bound as a configured judge without its own startup_timeout_s
+    held = held_by(envs, signals)
+    for judge in held.values():
+        if "startup_timeout_s" not in judge.config.model_fields_set:
+            judge.config.startup_timeout_s = EVAL_STARTUP_TIMEOUT_S
+    signals = {**signals, **held}
     replicas = ReplicaSet(cooldown_s=cfg.inference.failure_cooldown_s)
     discovery = make_discovery(cfg.inference, replicas)
     await discovery.start()

@@ -31,7 +31,7 @@ from gyre.codec import CodecError, encode_batch
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.endpoint import EndpointError, wait_all_ready
 from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
-from gyre.envs.judge import add_to_rubric
+from gyre.envs.judge import add_to_rubric, held_by
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, latest_per_step, read_events
 from gyre.metrics import start_metrics_server
 from gyre.net import PortInUse, bind_or_explain
@@ -105,6 +105,8 @@ class OrchestratorService:
         self.teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
         if self.teacher is not None:
             self.signals["teacher"] = self.teacher
+        # and those the environments' own code made (a ported verifiers JudgeRubric's): waited for and counted alike
+        self.signals.update(held_by(self.envs, self.signals))
         self.scoring_failures = 0
         self.reward_errors: dict[str, int] = {}  # reward function -> samples it raised on (scored 0 there)
         self.metrics = metrics or OrchestratorMetrics(cfg.run_id)

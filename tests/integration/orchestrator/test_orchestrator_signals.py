@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -382,3 +383,93 @@ async def test_a_judge_too_short_for_a_rollout_scores_it_unjudged_and_the_run_go
     assert event["signals"]["judge"]["refused"] >= 1  # shared in flight / cached: one request may serve several
     warnings = [r.getMessage() for r in caplog.records if "reward function 'judge' failed" in r.getMessage()]
     assert len(warnings) == 1 and "maximum context length is 64" in warnings[0]
+
+
+VF_ENVS = Path(__file__).resolve().parents[2] / "verifiers_envs"
+
+
+def judge_rubric_env(port: int) -> dict:
+    """A ported verifiers environment graded by `vf.JudgeRubric` (tests/verifiers_envs/vf_hub_judge.py: its own
+    `AsyncOpenAI` judge client, model "judge-model") on a training split, its judge at `port`."""
+    rows = [{"question": "Reverse: abc", "answer": "cba"}, {"question": "Reverse: xyz", "answer": "zyx"}]
+    return {"name": "vf_hub_judge:load_environment",
+            "args": {"judge_base_url": f"http://127.0.0.1:{port}/v1", "dataset": rows}}  # fmt: skip
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_a_judge_rubric_judge_still_starting_is_waited_for_and_counted_as_a_configured_judge(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model, caplog, monkeypatch
+):
+    """An environment's own `vf.JudgeRubric` judge whose server listens only seconds after the start and then
+    answers 503 (a judge pod loading its model): it was not waited for, so its calls failed (retries = 0,
+    sample_attempts = 1: the run stopped), and its counters were in no step line or metric. Now it is waited for
+    like a `[[orchestrator.judges]]` one, named by its judge_model, and its calls are counted in the step line's
+    `signals` and `gyre_orchestrator_signal_calls_total`."""
+    import threading
+
+    from gyre_orchestrator.service import OrchestratorService
+    from support.judge_server import ScriptedServer
+
+    monkeypatch.syspath_prepend(str(VF_ENVS))
+    port = free_port()
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, env=judge_rubric_env(port),
+                              sample_attempts=1, advantage={"drop_zero_signal": False})  # fmt: skip
+    service = OrchestratorService(cfg)
+    stop, served = threading.Event(), []
+    loading = ('{"error": {"message": "loading"}}', "application/json", 503)
+
+    def serve_later():
+        if stop.wait(3):
+            return
+        with ScriptedServer(port=port) as server:
+            server.models_script[:] = [loading]
+            server.script[:] = ["yes"] * 8
+            served.append(server)
+            stop.wait(120)
+
+    thread = threading.Thread(target=serve_later, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level("INFO", logger="gyre.endpoint"):
+            assert await asyncio.wait_for(service.run(), timeout=120) == 0
+        requests = served[0].count("chat")
+    finally:
+        stop.set()
+        thread.join(10)
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for judge 'judge-model'")]
+    assert len(waits) == 1 and f"127.0.0.1:{port}" in waits[0]
+    event = events(cfg)[0]
+    assert event["scoring_failures"] == 0
+    # its counters, as a configured judge's: one request per rollout (two reward functions read one verdict)
+    assert event["signals"]["judge-model"]["ok"] == requests == 8
+    calls = service.metrics.registry.get_sample_value(
+        "gyre_orchestrator_signal_calls_total", {"run_id": unique_run_id, "signal": "judge-model", "outcome": "ok"}
+    )
+    assert calls == 8
+
+
+async def test_a_judge_rubric_judge_that_never_answers_stops_the_start_naming_it(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model, monkeypatch
+):
+    """Nothing ever listens at the JudgeRubric's judge: the start fails with the judge's name, its URL and the
+    wait's bound, before any rollout (its calls failed instead, as a scoring failure of the first samples)."""
+    from gyre.endpoint import EndpointError
+    from gyre_orchestrator.service import OrchestratorService
+
+    monkeypatch.syspath_prepend(str(VF_ENVS))
+    port = free_port()
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, env=judge_rubric_env(port),
+                              sample_attempts=1)  # fmt: skip
+    service = OrchestratorService(cfg)
+    service.signals["judge-model"].config.startup_timeout_s = 2  # 1800 s by default, as a configured judge's
+    with pytest.raises(EndpointError, match=rf"judge 'judge-model': .*127.0.0.1:{port}/v1/models did not answer "
+                                            r"within startup_timeout_s = 2s"):  # fmt: skip
+        await asyncio.wait_for(service.run(), timeout=60)
+    assert not (cfg.output_dir / "rollouts" / "step_1.jsonl").exists()

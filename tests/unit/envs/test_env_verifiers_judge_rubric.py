@@ -86,7 +86,7 @@ async def test_a_judge_rubric_judge_failure_is_reported_as_gyre_judges_report_it
     task = env.tasks("eval")[0]
     rollout = await rollout_of(env, task, "<answer>Paris</answer>", sampling)
     server.script[:] = [("status", 500)]
-    with pytest.raises(ScoringError, match=r"judge 'judge': http://127\.0\.0\.1:\d+ failed 1 times: .*500"):
+    with pytest.raises(ScoringError, match=r"judge 'judge-model': http://127\.0\.0\.1:\d+ failed 1 times: .*500"):
         await env.score(task, rollout)
     assert server.count("chat") == 1 and env.rubric.gyre_judge.stats["failures"] == 1
     assert "judge_response" not in rollout.state  # a failure is not a verdict: asked again next time
@@ -95,11 +95,11 @@ async def test_a_judge_rubric_judge_failure_is_reported_as_gyre_judges_report_it
     score = await env.score(task, rollout)
     assert score.per_function == {"correct_answer_reward_func": 0.0, "decisive_judge": 0.0}
     assert set(score.errors) == {"correct_answer_reward_func", "decisive_judge"}
-    assert all(e.startswith("Unjudged: judge 'judge'") and "400" in e for e in score.errors.values())
+    assert all(e.startswith("Unjudged: judge 'judge-model'") and "400" in e for e in score.errors.values())
     assert server.count("chat") == 2
 
     server.script[:] = [("raw", '{"choices": []}', "application/json")]  # an answer without a reply
-    with pytest.raises(ScoringError, match=r"judge 'judge': no reply after 1 answers \(the answer has no text"):
+    with pytest.raises(ScoringError, match=r"judge 'judge-model': no reply after 1 answers \(the answer has no text"):
         await env.score(task, rollout)
 
     server.script[:] = [("length", "yes, but")]  # cut at max_tokens: read as it came, counted
@@ -108,7 +108,7 @@ async def test_a_judge_rubric_judge_failure_is_reported_as_gyre_judges_report_it
 
     slow = judged_env(server, judge_timeout=0.3)
     server.script[:] = [("sleep", 1.5, "yes")]
-    with pytest.raises(ScoringError, match="judge 'judge'.*failed 1 times"):
+    with pytest.raises(ScoringError, match="judge 'judge-model'.*failed 1 times"):
         await slow.score(task, await rollout_of(slow, task, "<answer>Paris</answer>", sampling))
     assert slow.rubric.gyre_judge.stats["timeouts"] == 1
     for made in (env, slow):  # the environment's clients, closed in this event loop
@@ -128,3 +128,25 @@ def test_a_judge_rubric_without_a_client_names_what_to_pass(server, monkeypatch)
     with pytest.raises(ValueError, match="judge_sampling_args may not set model"):
         vf.JudgeRubric(judge_client=openai.AsyncOpenAI(base_url=server.url, api_key="x"),
                        judge_sampling_args={"model": "other"})  # fmt: skip
+
+
+def test_the_judges_an_environment_holds_are_found_by_name_for_the_orchestrator(server):
+    """`Rubric.judges` / `held_by`: a JudgeRubric's judge (named by its judge_model), a Judge added in code, one in a
+    RubricGroup's rubric; a configured judge (already a signal) is not found twice, and a name taken is prefixed
+    with the environment's label. The orchestrator waited for none of them and counted none."""
+    from gyre.envs import Rubric, RubricGroup
+    from gyre.envs.judge import Judge, held_by
+
+    env = judged_env(server)
+    own = Judge(url=server.url, name="style", prompt="Rate: {response}")
+    env.rubric.add(own, 0.0)
+    configured = Judge(url=server.url, name="judge-model", prompt="Grade: {response}")
+    env.rubric.add(configured, 1.0, name="configured")
+    assert env.rubric.judges() == {"judge-model": env.rubric.gyre_judge, "style": own, "configured": configured}
+    other = judged_env(server)
+    grouped = Judge(url=server.url, name="grouped", prompt="{response}")
+    other.rubric = RubricGroup([other.rubric, Rubric([grouped])])
+    held = held_by({"a": env, "b": other}, {"judge-model": configured})
+    assert held == {"a/judge-model": env.rubric.gyre_judge, "style": own,
+                    "b/judge-model": other.rubric.rubrics[0].gyre_judge, "grouped": grouped}  # fmt: skip
+    assert held["a/judge-model"].endpoint.name == "judge 'judge-model'"
