@@ -52,6 +52,10 @@ def _main(argv: list[str] | None) -> int:
     except (LockHeld, PortInUse) as e:  # a user mistake, not a crash: one clear line, exit 2
         logging.getLogger("gyre_trainer").error("%s", e)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (gyre_trainer.stopping)
+        print("gyre trainer: interrupted at once; the same command resumes after the newest committed step "
+              "(checkpoint or published weights) and trains the step it cut short again", file=sys.stderr)  # fmt: skip
+        return 130
     except Exception:
         logging.getLogger("gyre_trainer").exception("trainer failed")
         return 1

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -36,15 +37,24 @@ log = logging.getLogger(__name__)
 # shard written but the folder not committed, and mid_publish, the weights file written but the version
 # not committed). Unset in production; one env read per point.
 CRASH_ENV = "GYRE_TRAINER_CRASH_AT"
+# The same points in `GYRE_TRAINER_HOLD_AT` hold rank 0 there until a signal's handler raises (a step that is long
+# to finish, deterministically: the second-Ctrl-C test).
+HOLD_ENV = "GYRE_TRAINER_HOLD_AT"
 
 
 def crash_point(name: str, step: int, ctx: dist.DistContext | None) -> None:
-    """SIGKILL rank 0 here when `GYRE_TRAINER_CRASH_AT` names `name:step`. `ctx` None: code only rank 0 runs."""
-    spec = os.environ.get(CRASH_ENV)
-    if spec and (ctx is None or ctx.is_main) and f"{name}:{step}" in spec.split(","):
+    """SIGKILL rank 0 here when `GYRE_TRAINER_CRASH_AT` names `name:step`, hold it when `GYRE_TRAINER_HOLD_AT` does.
+    `ctx` None: code only rank 0 runs."""
+    if ctx is not None and not ctx.is_main:
+        return
+    if (spec := os.environ.get(CRASH_ENV)) and f"{name}:{step}" in spec.split(","):
         log.warning("fault injection: SIGKILL at %s of step %d", name, step)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+    if (spec := os.environ.get(HOLD_ENV)) and f"{name}:{step}" in spec.split(","):
+        log.warning("fault injection: holding at %s of step %d", name, step)
+        while True:
+            time.sleep(3600)  # a signal's handler runs in between; one that raises ends the hold
 
 
 @contextlib.contextmanager

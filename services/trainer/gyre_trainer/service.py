@@ -22,7 +22,6 @@ base model, one LoRA adapter each: `gyre_trainer.multirun`.
 from __future__ import annotations
 
 import logging
-import signal
 from typing import Any
 
 from gyre.config.trainer import TrainerConfig
@@ -31,6 +30,7 @@ from gyre_trainer import dist
 from gyre_trainer.checkpoint import ResumePlan
 from gyre_trainer.process import TrainerProcess
 from gyre_trainer.run import RunSpec, RunState
+from gyre_trainer.stopping import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class Trainer(TrainerProcess):
 
 
 def run(cfg: TrainerConfig, *, handle_signals: bool = True) -> int:
-    """Run the trainer until `max_steps` or SIGTERM/SIGINT (which finish the current step and checkpoint it first).
+    """Run the trainer until `max_steps` or SIGTERM/SIGINT (which finish the current step and checkpoint it first;
+    a second Ctrl-C of a single process raises KeyboardInterrupt at once).
 
     `handle_signals=False` leaves the process's signal handlers alone (a trainer embedded in a test).
     """
@@ -110,20 +111,25 @@ def run(cfg: TrainerConfig, *, handle_signals: bool = True) -> int:
     else:
         trainer = Trainer(cfg, ctx)
 
-    def request_stop(signum, _frame) -> None:
-        log.info("signal %d: finishing the current step, then stopping", signum)
-        trainer.stop_requested.set()
+    def not_ready() -> None:
         if trainer.health:
             trainer.health.ready.clear()
 
+    # A second Ctrl-C of a single process stops at once (a KeyboardInterrupt, exit 130): the unfinished step's
+    # Redis entry is not acked, so the restart trains it again, once.
+    signals = StopSignals(trainer.stop_requested, log, not_ready)
     if handle_signals:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, request_stop)
+        signals.install()
     try:
         status = trainer.run()
         # Ranks leave together, as SFT's do: a rank that tore its process group down while rank 0 was still
         # publishing aborted at exit once (gloo: "terminate called without an active exception", SIGABRT).
         dist.barrier(ctx)
         return status
+    except Exception as e:
+        if signals.forced.is_set():  # a second Ctrl-C inside a checkpoint save: torch re-raises it as its own error
+            raise KeyboardInterrupt from e
+        raise
     finally:
+        signals.restore()
         dist.shutdown(ctx)

@@ -45,7 +45,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -60,6 +59,8 @@ from gyre.chat import template_messages
 from gyre.config import parse_or_exit, to_toml
 from gyre.config.trainer import SFTConfig, SFTDataConfig
 from gyre.logging import setup_logging
+
+from gyre_trainer.stopping import StopSignals
 
 log = logging.getLogger("gyre_trainer.sft")  # also when run as `python -m gyre_trainer.sft`
 
@@ -83,10 +84,9 @@ class SFTInterrupted(Exception):  # noqa: N818 - a stop the user asked for, not 
 
 
 # Set by SIGTERM/SIGINT (main): the loop stops before its next step, never inside a checkpoint save (torch's
-# checkpoint writer turns a KeyboardInterrupt raised there into a CheckpointException). FORCED: a second Ctrl-C of a
-# single process, which stops at once.
+# checkpoint writer turns a KeyboardInterrupt raised there into a CheckpointException); a second Ctrl-C of a single
+# process stops at once (gyre_trainer.stopping).
 STOP = threading.Event()
-FORCED = threading.Event()
 
 
 @dataclass
@@ -634,26 +634,9 @@ def _main(argv: list[str] | None) -> int:
         print(f"gyre sft: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}", cfg.log.format, cfg.run_id)
-    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
-
-    def _on_signal(signum, frame):
-        # Every rank, SIGTERM too (Kubernetes, `gyre rl`, torchrun forwarding it): only SIGINT was handled, and only
-        # in a single process, so a SIGTERM killed the SFT mid-step with nothing saved since its last interval.
-        if STOP.is_set():
-            # A second Ctrl-C of a single process: stop now. Not under torchrun, which forwards the terminal's
-            # Ctrl-C to workers that got it already, and bounds their stop with its own --shutdown-timeout.
-            if single and signum == signal.SIGINT:
-                FORCED.set()
-                raise KeyboardInterrupt
-            return
-        STOP.set()
-        again = " (Ctrl-C again stops at once)" if single else ""
-        log.warning("%s: stopping after the current step%s",
-                    signal.Signals(signum).name, again)  # fmt: skip
-
-    STOP.clear()
-    FORCED.clear()
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # Every rank, SIGTERM too (Kubernetes, `gyre rl`, torchrun forwarding it): only SIGINT was handled, and only in a
+    # single process, so a SIGTERM killed the SFT mid-step with nothing saved since its last interval.
+    signals = StopSignals(STOP, log).install()
     try:
         return run(cfg)
     except SFTDataError as e:
@@ -666,13 +649,12 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C
         return _forced(cfg)
     except Exception:
-        if FORCED.is_set():  # a second Ctrl-C inside a checkpoint save: torch re-raises it as its own error
+        if signals.forced.is_set():  # a second Ctrl-C inside a checkpoint save: torch re-raises it as its own error
             return _forced(cfg)
         log.exception("sft failed")
         return 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # main() runs in-process too (tests)
+        signals.restore()  # main() runs in-process too (tests)
         if lock is not None:
             lock.release()
 

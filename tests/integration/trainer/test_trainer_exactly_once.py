@@ -7,6 +7,7 @@ the final weights must equal an uninterrupted run's bit for bit (deterministic m
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import torch
@@ -226,3 +227,43 @@ def test_a_checkpoint_damaged_on_the_volume_stops_the_restart_with_what_to_do_an
     folder.rename(tmp_path / "damaged-step_2")
     assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
     assert_exactly_once(tmp_path, stream)
+
+
+def test_a_second_ctrl_c_stops_the_trainer_mid_step_at_once_and_the_restart_trains_that_step_once(
+    tiny_model, redis_url, unique_run_id, tmp_path, uninterrupted
+):
+    """The first Ctrl-C of a single process asks for the graceful stop (finish the step, checkpoint it: long on a
+    big model) and says a second one stops at once; the second, while step 3 is held after its training
+    (`GYRE_TRAINER_HOLD_AT`), stops it there with exit 130 (it was ignored: the trainer went on). Step 3's Redis
+    entry is not acked, so the restart trains it again, once, ending bit for bit where an uninterrupted run does."""
+    stream = BatchStream(redis_url, unique_run_id)
+    push_batches(stream, range(1, STEPS + 1))
+    argv = trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, STEPS, **{"ckpt.interval": 1})
+    log = tmp_path / "trainer.log"
+    proc = start_trainer(argv, log, {**child_env(), "GYRE_TRAINER_HOLD_AT": "after_train:3"})
+    try:
+        wait_for_log(log, "fault injection: holding at after_train of step 3", proc)
+        proc.send_signal(signal.SIGINT)
+        wait_for_log(log, "SIGINT: stopping after the current step (Ctrl-C again stops at once)", proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    first_run = log.read_text()
+    assert "gyre trainer: interrupted at once; the same command resumes after the newest committed step" in first_run
+    assert "Traceback" not in first_run, first_run[-3000:]
+    assert trained_steps(tmp_path) == [1, 2]  # step 3 trained in memory only: neither checkpointed nor published
+    assert stream.pending().count == STEPS - 2  # its entry (and those read ahead with it), not acked
+
+    assert run_to_end(argv, log) == 0, log.read_text()[-3000:]
+    assert_exactly_once(tmp_path, stream)
+    assert_same_weights(load_weights(tmp_path / "weights" / f"step_{STEPS}"), uninterrupted)
+
+
+def wait_for_log(log, text: str, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in (log.read_text() if log.exists() else ""):
+        assert proc.poll() is None, f"trainer exited before {text!r}: {log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout:.0f}s: {log.read_text()[-3000:]}"
+        time.sleep(0.05)

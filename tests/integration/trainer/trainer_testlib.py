@@ -100,6 +100,7 @@ def child_env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     env.pop("GYRE_TRAINER_CRASH_AT", None)
+    env.pop("GYRE_TRAINER_HOLD_AT", None)
     return env
 
 
