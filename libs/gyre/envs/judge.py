@@ -275,6 +275,9 @@ class Judge:
     """A reward function that asks an LLM judge (see the module docstring). `stats` counts requests, retries,
     timeouts, failures (from the endpoint), cache hits and unparsed replies."""
 
+    #: what `Rubric.judges` looks for (gyre.envs.rubric cannot import this module, which imports it)
+    asks_a_served_model = True
+
     def __init__(
         self,
         config: JudgeConfig | None = None,
@@ -458,6 +461,8 @@ class Judge:
 
 class RewardModel:
     """A reward function scoring the whole conversation with a served reward model, in batches (module docstring)."""
+
+    asks_a_served_model = True  # see Judge
 
     def __init__(self, config: RewardModelConfig | None = None, **settings: Any):
         self.config = config or RewardModelConfig(**settings)

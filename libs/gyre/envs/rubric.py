@@ -118,10 +118,9 @@ class Rubric:
         `JudgeRubric`'s judge). The orchestrator and `gyre eval` wait for their servers before the first rollout and
         report their counters (step lines' `signals`, `gyre_orchestrator_signal_calls_total`) as for
         `[[orchestrator.judges]]`: a judge built in the environment's code was neither waited for nor counted."""
-        from gyre.envs.judge import Judge, RewardModel  # gyre.envs.judge imports this module's users
-
+        # by their marker: gyre.envs.judge imports this module, and modules of a package never import each other
         return {name: func for func, name in zip(self.funcs, self.names, strict=True)
-                if isinstance(func, Judge | RewardModel)}  # fmt: skip
+                if getattr(func, "asks_a_served_model", False) is True}  # fmt: skip
 
     async def score(self, task: Task, rollout: Rollout) -> Score:
         available = {
