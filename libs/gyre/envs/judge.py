@@ -52,6 +52,7 @@ import openai
 
 from gyre.config.endpoint import JudgeConfig, RewardModelConfig
 from gyre.endpoint import Endpoint, EndpointError, RequestRefused
+from gyre.envs.inflight import InFlight
 from gyre.envs.types import Messages, ScoringError
 
 log = logging.getLogger(__name__)
@@ -295,7 +296,7 @@ class Judge:
         self.endpoint = Endpoint(self.config, name=f"judge {self.config.name!r}", client=client)
         self.stats: Counter[str] = self.endpoint.stats
         self._cache: OrderedDict[str, float] = OrderedDict()
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight = InFlight()
 
     async def __call__(self, prompt: Messages, completion: Messages, answer: str) -> float:
         fields = fields_of(prompt, completion, answer)
@@ -308,31 +309,15 @@ class Judge:
             self.stats["cache_hits"] += 1
             self._cache.move_to_end(key)
             return self._cache[key]
-        while key in self._inflight:  # the same call is already on its way: share its answer
+        if key in self._inflight:  # the same call is already on its way: its answer is shared
             self.stats["cache_hits"] += 1
-            shared = self._inflight[key]
-            try:
-                return await asyncio.shield(shared)
-            except asyncio.CancelledError:
-                # the caller that asked was cancelled (its rollout dropped), not this one: ask in its place
-                if not shared.cancelled() or asyncio.current_task().cancelling():
-                    raise
-        future = self._inflight[key] = asyncio.get_running_loop().create_future()
-        try:
-            value = await self._grade(fields, messages)
-        except asyncio.CancelledError:
-            future.cancel()  # those sharing it ask again themselves (it was their CancelledError too)
-            raise
-        except BaseException as error:
-            future.set_exception(error)
-            future.exception()  # retrieved: nobody else may be waiting
-            raise
-        finally:
-            del self._inflight[key]
-        future.set_result(value)
-        if cfg.cache_size:
+        return await self._inflight.share(key, lambda: self._graded(key, fields, messages))
+
+    async def _graded(self, key: str, fields: dict[str, str], messages: list[dict]) -> float:
+        value = await self._grade(fields, messages)
+        if self.config.cache_size:
             self._cache[key] = value
-            while len(self._cache) > cfg.cache_size:
+            while len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)
         return value
 

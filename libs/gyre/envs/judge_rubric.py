@@ -18,7 +18,6 @@ docs/environments.md, "Porting a verifiers 0.1-0.3 environment", says what diffe
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
@@ -26,6 +25,7 @@ import openai
 from pydantic import ValidationError
 
 from gyre.config.endpoint import JudgeConfig
+from gyre.envs.inflight import InFlight
 from gyre.envs.judge import Judge, _text
 from gyre.envs.parsers import Parser
 from gyre.envs.rubric import REWARD_TIMEOUT_S, RewardFunc, Rubric
@@ -78,7 +78,7 @@ class JudgeRubric(Rubric):
         self.judge_sampling_args = dict(judge_sampling_args or {})
         #: the Gyre judge asked through (its `stats` count requests, retries, timeouts, failures; `aclose`)
         self.gyre_judge = _gyre_judge(self.judge_client, judge_model, judge_prompt, self.judge_sampling_args)
-        self._inflight: dict[tuple[int, str], list] = {}  # (id of a rollout's state, prompt) -> [task, waiters]
+        self._inflight = InFlight()  # by (id of a rollout's state, rendered prompt)
         self.class_objects = {"judge": self.judge, "judge_client": self.judge_client, "judge_model": judge_model,
                               "judge_prompt": judge_prompt,
                               "judge_sampling_args": self.judge_sampling_args}  # fmt: skip
@@ -106,30 +106,13 @@ class JudgeRubric(Rubric):
             return cached[rendered]
         if state is None:
             return await self.gyre_judge.reply(fields)
-        key = (id(state), rendered)
-        entry = self._inflight.get(key)
-        if entry is None:  # the first function of this rollout to ask: the others wait for its request
-            task = asyncio.ensure_future(self.gyre_judge.reply(fields))
-            entry = self._inflight[key] = [task, 0]
-            task.add_done_callback(lambda done, key=key, entry=entry: self._settled(key, entry, done))
-        entry[1] += 1
-        try:
-            reply = await asyncio.shield(entry[0])
-        finally:
-            entry[1] -= 1
-            if not entry[1] and not entry[0].done():  # nobody waits for it any more (the rollout was dropped)
-                entry[0].cancel()
+        # the first function of this rollout to ask sends the request; the others wait for its answer
+        reply = await self._inflight.share((id(state), rendered), lambda: self.gyre_judge.reply(fields))
         cached = state.get("judge_response")
         if not isinstance(cached, dict):
             cached = state["judge_response"] = {}
         cached[rendered] = reply
         return reply
-
-    def _settled(self, key: tuple[int, str], entry: list, task: asyncio.Task) -> None:
-        if self._inflight.get(key) is entry:
-            del self._inflight[key]
-        if not task.cancelled():
-            task.exception()  # retrieved: its waiters raise it; none may be left
 
     def judges(self) -> dict[str, object]:
         """Its judge, named by `judge_model` (the orchestrator waits for its server and counts its calls as a

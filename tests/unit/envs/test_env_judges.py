@@ -321,10 +321,10 @@ def test_identical_calls_are_answered_once(scripted):
     assert scripted.count("chat") == 2 and judge.stats["cache_hits"] == 3
 
 
-def test_a_shared_call_whose_first_caller_is_cancelled_is_asked_again_not_cancelled(scripted):
+def test_a_shared_call_whose_first_caller_is_cancelled_answers_the_others(scripted):
     """n rollouts with the same reply share one judge call. When the caller that asked is cancelled (its rollout
     dropped, its group skipped), the others got its CancelledError though nobody cancelled them: a rollout lost
-    for a reason it did not have. They now ask again themselves."""
+    for a reason it did not have. The call now runs on for them, and is asked once."""
     judge = Judge(url=scripted.url, prompt="{response}", model="judge-model")
     scripted.script = [("sleep", 0.5, "3"), "7"]
 
@@ -337,6 +337,24 @@ def test_a_shared_call_whose_first_caller_is_cancelled_is_asked_again_not_cancel
         with pytest.raises(asyncio.CancelledError):
             await first
         return await second
+
+    assert asyncio.run(scenario()) == pytest.approx(0.3) and scripted.count("chat") == 1
+
+
+def test_a_shared_call_nobody_waits_for_is_cancelled_and_asked_again_later(scripted):
+    """Every rollout waiting for a call dropped: the request is cancelled (not left to finish into the cache), and
+    the same call asked later is a new request."""
+    judge = Judge(url=scripted.url, prompt="{response}", model="judge-model")
+    scripted.script = [("sleep", 2.0, "3"), "7"]
+
+    async def scenario():
+        waiting = [asyncio.create_task(judge(PROMPT, completion("same"), "")) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await asyncio.sleep(0)
+        return await judge(PROMPT, completion("same"), "")
 
     assert asyncio.run(scenario()) == pytest.approx(0.7) and scripted.count("chat") == 2
 
