@@ -71,13 +71,15 @@ class JudgeRubric(Rubric):
         funcs: list[RewardFunc] | None = None,
         weights: list[float] | None = None,
         timeout_s: float | None = REWARD_TIMEOUT_S,
+        startup_timeout_s: float | None = None,  # Gyre's (not verifiers'): the wait for the judge's server at start
     ) -> None:
         self.judge_client = _async_client(judge_client)
         self.judge_model = judge_model
         self.judge_prompt = judge_prompt
         self.judge_sampling_args = dict(judge_sampling_args or {})
         #: the Gyre judge asked through (its `stats` count requests, retries, timeouts, failures; `aclose`)
-        self.gyre_judge = _gyre_judge(self.judge_client, judge_model, judge_prompt, self.judge_sampling_args)
+        self.gyre_judge = _gyre_judge(self.judge_client, judge_model, judge_prompt, self.judge_sampling_args,
+                                      startup_timeout_s)  # fmt: skip
         self._inflight = InFlight()  # by (id of a rollout's state, rendered prompt)
         self.class_objects = {"judge": self.judge, "judge_client": self.judge_client, "judge_model": judge_model,
                               "judge_prompt": judge_prompt,
@@ -141,11 +143,15 @@ def _async_client(client: openai.AsyncOpenAI | openai.OpenAI | None) -> openai.A
                      "default, api.openai.com, is not assumed)")  # fmt: skip
 
 
-def _gyre_judge(client: openai.AsyncOpenAI, model: str, prompt: str, sampling_args: dict[str, Any]) -> Judge:
+def _gyre_judge(
+    client: openai.AsyncOpenAI, model: str, prompt: str, sampling_args: dict[str, Any], startup_timeout_s: float | None
+) -> Judge:
     """A Gyre `Judge` asking `model` through `client`. verifiers' sampling args map onto its settings: temperature
     (unset: 0, Gyre's judges'), max_tokens or max_completion_tokens (unset: Gyre's judges' 256), timeout (seconds
     per request); extra_body's keys and any other key go into each request's body. The client's own timeout and
-    max_retries are kept where set (openai's defaults, 600 s and 2, give way to Gyre's judges', 60 s and 3)."""
+    max_retries are kept where set (openai's defaults, 600 s and 2, give way to Gyre's judges', 60 s and 3).
+    `startup_timeout_s` (unset: a configured judge's default) bounds the wait for its server before the first
+    rollout."""
     args = dict(sampling_args)
     refused = [key for key in _NOT_SAMPLING if key in args]
     if refused:
@@ -162,6 +168,8 @@ def _gyre_judge(client: openai.AsyncOpenAI, model: str, prompt: str, sampling_ar
         timeout = client.timeout.read if hasattr(client.timeout, "read") else client.timeout
     if timeout is not None:
         settings["timeout_s"] = timeout
+    if startup_timeout_s is not None:
+        settings["startup_timeout_s"] = startup_timeout_s
     if client.max_retries != openai.DEFAULT_MAX_RETRIES:
         settings["retries"] = client.max_retries
     sampling = {**(args.pop("extra_body", None) or {}), **args}
@@ -169,7 +177,7 @@ def _gyre_judge(client: openai.AsyncOpenAI, model: str, prompt: str, sampling_ar
         config = JudgeConfig(**settings)
     except ValidationError as error:
         where = {"prompt": "judge_prompt", "url": "judge_client's base_url", "model": "judge_model",
-                 "name": "judge_model"}  # fmt: skip
+                 "name": "judge_model", "startup_timeout_s": "startup_timeout_s"}  # fmt: skip
         problems = "; ".join(f"{where.get(str(e['loc'][0]), 'judge_sampling_args ' + str(e['loc'][0]))}: {e['msg']}"
                              for e in error.errors() if e["loc"])  # fmt: skip
         raise ValueError(f"JudgeRubric: {problems or error}") from None

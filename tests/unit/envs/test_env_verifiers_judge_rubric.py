@@ -150,3 +150,26 @@ def test_the_judges_an_environment_holds_are_found_by_name_for_the_orchestrator(
     assert held == {"a/judge-model": env.rubric.gyre_judge, "style": own,
                     "b/judge-model": other.rubric.rubrics[0].gyre_judge, "grouped": grouped}  # fmt: skip
     assert held["a/judge-model"].endpoint.name == "judge 'judge-model'"
+
+
+@pytest.mark.asyncio
+async def test_a_judge_rubric_sets_its_judges_start_up_wait(server):
+    """The start-up error names startup_timeout_s; a JudgeRubric user could not set it (verifiers has no such
+    keyword), so a judge served elsewhere waited the training default, 1800 s. Gyre's keyword sets it, gyre eval's
+    shorter default does not override it, and a bad value names it."""
+    import gyre.envs as vf
+    from gyre.endpoint import EndpointError
+    from gyre.envs.judge import held_by
+
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")  # nothing listens there
+    waited = vf.JudgeRubric(judge_client=client, judge_model="far", startup_timeout_s=0.5)
+    assert waited.gyre_judge.config.startup_timeout_s == 0.5
+    assert "startup_timeout_s" in waited.gyre_judge.config.model_fields_set  # kept by gyre eval (evaluate.py)
+    assert vf.JudgeRubric(judge_client=client).gyre_judge.config.startup_timeout_s == 1800
+    with pytest.raises(EndpointError, match=r"judge 'far': .* did not answer within startup_timeout_s = 0\.5s"):
+        await waited.gyre_judge.endpoint.wait_ready()
+    with pytest.raises(ValueError, match=r"JudgeRubric: startup_timeout_s: .*greater than or equal to 0"):
+        vf.JudgeRubric(judge_client=client, startup_timeout_s=-1)
+    env = judged_env(server)
+    assert held_by({"a": env}, {})["judge-model"].config.startup_timeout_s == 1800
+    await client.close()
