@@ -102,6 +102,18 @@ def test_an_array_of_environments_is_a_mix_and_prime_rl_s_id_is_named(tmp_path):
     assert text.startswith("config key 'orchestrator.env.0.id': unknown key (did you mean 'orchestrator.env.0.name'?)")
 
 
+def test_an_environment_name_alone_stands_for_its_table(tmp_path):
+    # `--orchestrator.env arithmetic` was refused as "Input should be a valid dictionary or instance of EnvConfig",
+    # naming neither env.name nor the table form; a name (or a list of names: a mix) is the table with defaults
+    one = load_config(OrchestratorConfig, ["--env", "arithmetic"])
+    assert [(e.name, e.args, e.ratio) for e in one.envs] == [("arithmetic", {}, 1.0)]
+    (tmp_path / "o.toml").write_text('env = ["reverse_text", "arithmetic"]\n')
+    mix = load_config(OrchestratorConfig, ["@", str(tmp_path / "o.toml")])
+    assert [(e.name, e.ratio) for e in mix.envs] == [("reverse_text", 1.0), ("arithmetic", 1.0)]
+    assert "unknown environment 'reverse_txt': did you mean 'reverse_text'?" in error_of(
+        ["--orchestrator.env", "reverse_txt"], tmp_path)  # fmt: skip
+
+
 EXPERIMENT = """output_dir = "out/exp"
 max_steps = 3
 [model]

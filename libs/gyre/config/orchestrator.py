@@ -116,7 +116,13 @@ class EnvConfig(Section):
 
 
 def validate_env(value: Any, handler: ValidatorFunctionWrapHandler) -> EnvConfig | list[EnvConfig]:
-    """`env`, its errors keyed as the user wrote it (`env.0.ratio`, without the form's tag), then `check_env_mix`."""
+    """`env`, its errors keyed as the user wrote it (`env.0.ratio`, without the form's tag), then `check_env_mix`.
+    A name alone stands for its table (`--orchestrator.env arithmetic`, `env = ["arithmetic", "reverse_text"]`): it
+    was refused as "Input should be a valid dictionary", which named neither `env.name` nor the table form."""
+    if isinstance(value, str):
+        value = {"name": value}
+    elif isinstance(value, list):
+        value = [{"name": entry} if isinstance(entry, str) else entry for entry in value]
     try:
         env = handler(value)
     except ValidationError as e:
@@ -327,7 +333,8 @@ class OrchestratorConfig(ServiceConfig):
     env: EnvOrMix = Field(
         default_factory=EnvConfig,
         description="Environment: one table [env], or a mix of several trained as one policy, [[env]] entries "
-        "with their ratio (and a label to tell apart two of the same name).",
+        "with their ratio (and a label to tell apart two of the same name); a name alone is its table with defaults "
+        "(--orchestrator.env arithmetic, or a list of names: a mix of equal ratios).",
     )
     batch_size: int = Field(
         8,
