@@ -7,6 +7,7 @@ Only a bug or an engine failure is a 5xx ("server_error").
 
 from __future__ import annotations
 
+import ast
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -66,10 +67,13 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _readable(member: str) -> str:
-    """`list[list[constrained-int]]` -> "a list of lists of integers"."""
+    """`list[list[constrained-int]]` -> "a list of lists of integers"; `literal['auto','none']` -> "one of 'auto',
+    'none'"."""
     member = member.replace("constrained-", "")
     if member in _SCALARS:
         return _SCALARS[member]
+    if member.startswith("literal[") and member.endswith("]"):
+        return "one of " + ", ".join(repr(value) for value in ast.literal_eval(member[7:]))
     if member.startswith("list[") and member.endswith("]"):
         return "a list of " + _plural(_readable(member[5:-1]))
     return f"an object ({member})"
@@ -95,14 +99,22 @@ def _union_message(errors: list[dict]) -> str | None:
     if len(members) < 2:
         return None
     # a broken constraint (an empty list inside a list of lists) before a wrong type deeper down (the same value read
-    # as a list of integers: its first item is no integer), which says less about what the client meant
-    broken = [e for e in same if not e["type"].endswith("_type")]
+    # as a list of integers: its first item is no integer), which says less about what the client meant. A value
+    # that is none of a literal member's values (tool_choice's 'auto', 'none', 'required') is of another member,
+    # as a wrong type is: an object missing its `function` was "Input should be 'auto', 'none' or 'required' (as an
+    # object (literal['auto','none','required']))", not "tool_choice.function: Field required".
+    broken = [e for e in same if not e["type"].endswith("_type") and not _literal_member(e, cut)]
     right_type = broken or [e for e in same if len(e["loc"]) > cut + 1]
     if right_type:
         error = right_type[0]
         return f"{_field_path(tuple(error['loc']))}: {_clean(error['msg'])} (as {_readable(error['loc'][cut])})"
     accepted = ", ".join(_readable(m) for m in members[:-1]) + " or " + _readable(members[-1])
     return f"{_field_path(prefix)}: must be {accepted}"
+
+
+def _literal_member(error: dict, cut: int) -> bool:
+    """`error` says that the value is none of a literal member's values (the member itself, not a field in it)."""
+    return error["type"] == "literal_error" and len(error["loc"]) == cut + 1
 
 
 def _clean(message: str) -> str:

@@ -10,6 +10,7 @@ import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from inference_testlib import TOOLS
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -309,6 +310,21 @@ def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_i
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: must be a string or a list of"),
         ({"response_format": {"type": "json_schema"}}, "json_schema is required with type 'json_schema'"),
         ({"tool_choice": "auto"}, "tool_choice is only allowed when tools are specified"),
+        # tool_choice is a string or an object: each says what is wrong with it as what it is (both were "Input
+        # should be 'auto', 'none' or 'required' (as an object (literal['auto','none','required']))")
+        (
+            {"tools": TOOLS, "tool_choice": "any"},
+            "tool_choice: must be one of 'auto', 'none', 'required' or an object (NamedToolChoice)",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function: Field required"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+            "tool_choice.function.name: Field required",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
+            "tool_choice.type: Input should be 'function'",
+        ),
     ],
 )
 def test_messages_say_what_a_multi_type_field_accepts(http, model_id, body, says):

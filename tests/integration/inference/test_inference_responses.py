@@ -194,6 +194,9 @@ def test_what_a_stateless_text_server_cannot_do_is_a_clear_400(http, model_id, f
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format",
          "text.format: the grammar engine refused it"),  # was response_format
         ({"input": []}, "input", "Invalid 'input': empty array"),  # as chat's empty messages (code empty_array)
+        # an object missing its name was "Input should be 'auto', 'none' or 'required' (as an object (literal[...]))"
+        ({"tools": [{"type": "function", "name": "add"}], "tool_choice": {"type": "function"}}, "tool_choice",
+         "tool_choice.name: Field required"),
     ],
 )  # fmt: skip
 def test_errors_name_this_requests_fields_not_the_chat_requests(http, model_id, fields, param, says):
