@@ -78,6 +78,60 @@ def selectors(expr: str) -> list[tuple[str, str]]:
     return _SELECTOR.findall(expr)
 
 
+# Labels a scrape adds to every series: Prometheus's `job` and `instance`; the Prometheus operator's `namespace`,
+# `service`, `pod`, `container`, `endpoint` (and `node`); the chart's ServiceMonitors' `gyre_release`; `gyre rl
+# --prometheus`'s `namespace` and `component`. docs/metrics.md, Conventions.
+SCRAPE_LABELS = frozenset(
+    {"job", "instance", "namespace", "service", "pod", "container", "endpoint", "node", "gyre_release", "component"}
+)
+_MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+
+
+def series_labels(name: str, rows: dict) -> set[str]:
+    """The labels a series `name` can carry: its catalogue row's, `le` on a histogram's buckets, the scrape's."""
+    histograms = {n for n, r in rows.items() if r.kind == "histogram"}
+    base = series_base(name, histograms)
+    own = set(rows[base].labels) if base in rows else set()
+    return own | SCRAPE_LABELS | ({"le"} if name.endswith("_bucket") and base in histograms else set())
+
+
+def _parenthesised(expr: str, start: int) -> str:
+    """The text inside the first balanced (...) at or after `start`."""
+    open_at = expr.index("(", start)
+    depth = 0
+    for i in range(open_at, len(expr)):
+        depth += {"(": 1, ")": -1}.get(expr[i], 0)
+        if depth == 0:
+            return expr[open_at + 1 : i]
+    raise AssertionError(f"unbalanced parentheses in {expr!r}")
+
+
+def label_problems(expr: str, rows: dict) -> list[str]:
+    """Label names in `expr` no series can carry: a selector's matcher on a label its metric lacks, an aggregation
+    `by (...)` over a label none of the metrics it aggregates has, an `on`/`ignoring`/`group_*` label of no metric
+    in the expression. Such a query is valid PromQL and silently returns nothing, or one line instead of several."""
+    problems = []
+    text = re.sub(r'"[^"]*"', '""', expr)
+    # `{__name__=~"gyre_orchestrator_.+"}` selects the metrics its regex matches (taken for the whole expression)
+    by_name = {n for regex in re.findall(r'__name__\s*=~?\s*"([^"]*)"', expr) for n in rows if re.fullmatch(regex, n)}
+    for metric, matchers in _SELECTOR.findall(text):
+        for label in _MATCHER.findall(matchers):
+            if label not in series_labels(metric, rows):
+                problems.append(f"{metric} has no label {label}")
+    for match in _GROUPING.finditer(text):
+        keyword, labels = match.group(1), [x.strip() for x in match.group(2).split(",") if x.strip()]
+        tail = text[match.end() :]
+        # `sum by (x) (...)` aggregates what follows it; a join's labels (and the rarer `sum (...) by (x)`) are
+        # looked up in the whole expression
+        scope = _parenthesised(text, match.end()) if keyword in ("by", "without") and tail.lstrip()[:1] == "(" else text
+        known = set().union(set(), *(series_labels(m, rows) for m in metric_names(scope) | by_name))
+        for label in labels:
+            if label not in known | SCRAPE_LABELS:
+                problems.append(f"{keyword} ({label}): no metric it applies to has that label")
+    return problems
+
+
 def rated_metrics(expr: str) -> set[str]:
     """Metric names that appear inside rate(...) / increase(...) / irate(...)."""
     found = set()

@@ -18,6 +18,7 @@ from observability_support import (
     PROMTOOL,
     alert_rules,
     catalogue,
+    label_problems,
     metric_names,
     series_base,
 )
@@ -77,6 +78,7 @@ def test_alerts_use_real_metric_names():
         for name in metric_names(rule["expr"]):
             base = series_base(name, histograms)
             assert base in rows or base in OPTIONAL_METRICS, f"{rule['alert']}: unknown metric {name}"
+        assert not label_problems(rule["expr"], rows), f"{rule['alert']}: {label_problems(rule['expr'], rows)}"
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert {"summary", "description"} <= set(rule["annotations"]), rule["alert"]
 

@@ -14,6 +14,7 @@ from observability_support import (
     PanelQuery,
     catalogue,
     dashboards,
+    label_problems,
     load_build_dashboards,
     metric_names,
     panel_queries,
@@ -64,7 +65,7 @@ def test_structure_variables_units_and_layout():
 
 def query_problems(q: PanelQuery, rows: dict) -> list[str]:
     """What is wrong with one panel query: unfiltered selectors, unknown metrics, rate() of a gauge,
-    buckets of a non-histogram, quantiles that aggregate `le` away."""
+    buckets of a non-histogram, quantiles that aggregate `le` away, label names no series of it carries."""
     problems = []
     histograms = {n for n, r in rows.items() if r.kind == "histogram"}
     found = selectors(q.expr)
@@ -87,7 +88,7 @@ def query_problems(q: PanelQuery, rows: dict) -> list[str]:
             problems.append(f"rate() of gauge {name}")
     if "histogram_quantile" in q.expr and "le)" not in q.expr:
         problems.append("histogram_quantile without `le` in the aggregation")
-    return problems
+    return problems + label_problems(q.expr, rows)
 
 
 def test_every_query_is_filtered_on_real_metrics_used_as_their_type_allows():
@@ -109,6 +110,16 @@ def test_every_query_is_filtered_on_real_metrics_used_as_their_type_allows():
             'run_id=~"$run_id"}[1m])))',
             "without `le`",
         ),
+        # labels the metric does not carry: valid PromQL, an empty panel or one line instead of several
+        ('gyre_trainer_loss{namespace=~"$namespace", run_id=~"$run_id", env="math"}', "has no label env"),
+        ('sum by (run_id, rank) (gyre_trainer_loss{namespace=~"$namespace", run_id=~"$run_id"})', "by (rank)"),
+        (
+            "histogram_quantile(0.9, sum by (run_id, env, le) (rate(gyre_inference_request_latency_seconds_bucket"
+            '{namespace=~"$namespace", run_id=~"$run_id"}[1m])))',
+            "by (env)",
+        ),
+        ('gyre_trainer_loss{namespace=~"$namespace", run_id=~"$run_id", le="1"}', "has no label le"),
+        ('count by (run_id, replica) ({__name__=~"gyre_trainer_.+", namespace=~"$namespace"})', "by (replica)"),
     ],
 )
 def test_query_checks_catch_broken_queries(expr, problem):
