@@ -220,7 +220,9 @@ class Serving:
         choices = []
         echo_only = getattr(request, "echo_only", False)  # completions: the prompt alone (one token sampled, dropped)
         for p, prompt in enumerate(prompts):
-            max_tokens = self._budget(len(prompt), 0 if echo_only else limit, prompt_param)
+            # one prompt of a list is named by its index (prompt.1), as an out-of-vocabulary id in it is
+            param = prompt_param if len(prompts) == 1 else f"{prompt_param}.{p}"
+            max_tokens = self._budget(len(prompt), 0 if echo_only else limit, param)
             for i in range(request.n):
                 params = SamplingParams(
                     max_tokens=max_tokens,
@@ -256,7 +258,7 @@ class Serving:
     def _budget(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.backend.max_model_len
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param=param)
+            raise APIError(400, f"{param}: the prompt is empty", param=param)
         # requested 0 (echo alone, scoring a prompt): a prompt may fill the context, as in OpenAI; the engine
         # samples one token from the last position's logits and the choice drops it (nothing is written past it)
         if prompt_len + (1 if requested is None else requested) > limit:
@@ -642,12 +644,13 @@ def context_exceeded(limit: int, prompt_len: int, requested: int | None, param: 
     """The 400 of a prompt (`param`) plus the `requested` completion tokens over the context `limit`; requested None
     (no max_tokens: the rest of the context) means the prompt alone leaves no room. "maximum context length is L
     tokens" is what clients (and the orchestrator) read."""
+    where = param if "." in param else f"the {param}"  # "prompt.1" (one of a list of prompts), "the prompt"
     if requested is None:
-        detail = f"{prompt_len} tokens in the {param}, which leaves no room for the completion. Please reduce the "
-        detail += f"length of the {param}."
+        detail = f"{prompt_len} tokens in {where}, which leaves no room for the completion. Please reduce the "
+        detail += f"length of {where}."
     else:
-        detail = f"{prompt_len + requested} tokens ({prompt_len} in the {param}, {requested} in the completion). "
-        detail += f"Please reduce the length of the {param} or completion."
+        detail = f"{prompt_len + requested} tokens ({prompt_len} in {where}, {requested} in the completion). "
+        detail += f"Please reduce the length of {where} or completion."
     return APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {detail}",
                     param=param, code="context_length_exceeded")  # fmt: skip
 

@@ -204,6 +204,22 @@ def test_prompts_too_long_for_the_context(http, model_id):
     assert_error(http.post("/detokenize", json={"tokens": [99999]}), 400, param="tokens")
 
 
+@pytest.mark.parametrize(
+    ("prompt", "says"),
+    [
+        (["hi", ""], "prompt.1: the prompt is empty"),
+        (["hi", "word " * 300], " in prompt.1, 2 in the completion). Please reduce the length of prompt.1 or"),
+        ([[5, 6], [5] * 300], "(300 in prompt.1, 2 in the completion)"),
+    ],
+)
+def test_one_prompt_of_a_list_is_named_by_its_index(http, model_id, prompt, says):
+    """As an out-of-vocabulary id in one of them is (prompt.1): an empty or too long prompt of a batch of 256 was
+    "prompt", leaving the client to find which."""
+    response = http.post("/v1/completions", json={"model": model_id, "prompt": prompt, "max_tokens": 2})
+    error = assert_error(response, 400, param="prompt.1")
+    assert says in error["message"], error
+
+
 def test_stop_token_ids_out_of_vocabulary_are_a_400_and_other_requests_run_on(http, client, model_id):
     # With min_tokens the engine suppresses the stop ids by biasing their logits: an id past the vocabulary failed
     # the engine step, a 500 for this request and for every other one in the batch
