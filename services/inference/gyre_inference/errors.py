@@ -185,6 +185,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         param = ".".join(filter(None, (param, broken.param)))
         return _clean(first["msg"]), param
 
+    if (tagged := _tag_message(first, param)) is not None:
+        return tagged
     if first.get("type") == "extra_forbidden" and param in UNSUPPORTED_FIELDS:
         return f"{param}: not supported: {UNSUPPORTED_FIELDS[param]}", param
     if first.get("type") == "none_required" and param:  # a field accepted at its neutral value (null) only
@@ -197,6 +199,21 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return message, param
+
+
+def _tag_message(error: dict, param: str | None) -> tuple[str, str] | None:
+    """(message, param) naming the key a tagged union reads (a message's `role`) when it is missing or none of the
+    tags: pydantic's "messages.0: Unable to extract tag using discriminator 'role'" named neither the field nor
+    what it takes."""
+    kind, ctx = error.get("type"), error.get("ctx") or {}
+    key = str(ctx.get("discriminator", "")).strip("'")
+    if kind not in ("union_tag_not_found", "union_tag_invalid") or not key.isidentifier():
+        return None  # a callable discriminator (the /tokenize form) reads no single key
+    param = f"{param}.{key}" if param else key
+    if kind == "union_tag_not_found":
+        return f"{param}: Field required", param
+    given = error["input"].get(key) if isinstance(error.get("input"), dict) else ctx.get("tag")
+    return f"{param}: Input should be one of {ctx.get('expected_tags')} (got {given!r})", param
 
 
 def unknown_model(requested: str, served: str) -> APIError:

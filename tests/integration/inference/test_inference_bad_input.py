@@ -74,7 +74,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}, {"content": "y"}]}, "messages.1.role"),
         ("/v1/chat/completions", {"stop": [""]}, "stop"),
         ("/v1/chat/completions", {"stop": ""}, "stop"),  # a plain empty string too (OpenAI refuses it)
         ("/v1/completions", {"stop": ""}, "stop"),
@@ -326,6 +328,13 @@ def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_i
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: must be a string or a list of"),
         ({"response_format": {"type": "json_schema"}}, "json_schema is required with type 'json_schema'"),
         ({"tool_choice": "auto"}, "tool_choice is only allowed when tools are specified"),
+        # a message's role missing or none of the roles was "messages.0: Unable to extract tag using discriminator
+        # 'role'" / "messages.0: Input tag 'function' found using 'role' does not match any of the expected tags"
+        ({"messages": [{"content": "x"}]}, "messages.0.role: Field required"),
+        (
+            {"messages": [{"role": "function", "name": "f", "content": "x"}]},
+            "messages.0.role: Input should be one of 'system', 'developer', 'user', 'assistant', 'tool' (got 'function')",
+        ),
         # tool_choice is a string or an object: each says what is wrong with it as what it is (both were "Input
         # should be 'auto', 'none' or 'required' (as an object (literal['auto','none','required']))")
         (
