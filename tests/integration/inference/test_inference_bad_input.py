@@ -333,7 +333,7 @@ def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_i
         ({"messages": [{"content": "x"}]}, "messages.0.role: Field required"),
         (
             {"messages": [{"role": "function", "name": "f", "content": "x"}]},
-            "messages.0.role: Input should be one of 'system', 'developer', 'user', 'assistant', 'tool' (got 'function"
+            "messages.0.role: Input should be one of 'system', 'developer', 'user', 'assistant', 'tool' (got 'function",
         ),
         # tool_choice is a string or an object: each says what is wrong with it as what it is (both were "Input
         # should be 'auto', 'none' or 'required' (as an object (literal['auto','none','required']))")
