@@ -56,6 +56,8 @@ def _field_path(loc: tuple[Any, ...]) -> str | None:
     # ("body", "messages", 0, "user", "content") -> "messages.0.content": drop the body prefix and the
     # names pydantic inserts for union members (tags, type names and model class names such as
     # `TokenizeChatRequest`), keep field names, indices and dict keys that are numbers (logit_bias.5).
+    # a dict key that failed its own check (logit_bias's "-1") is named by its message: the path is the dict's
+    loc = loc[:-2] if loc[-1:] == ("[key]",) else loc
     parts = [p for p in loc[1:] if isinstance(p, int) or (isinstance(p, str) and (p.isdigit() or (
         p.isidentifier() and not p[0].isupper())))]  # fmt: skip
     # a message's role tag follows its index (messages.0.user.content); elsewhere `user` is the request's field

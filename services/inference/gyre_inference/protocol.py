@@ -12,7 +12,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from gyre_inference.chat_messages import ChatMessage, NamedToolChoice, Prediction, Tool
 from gyre_inference.strict import ParamError, StrictModel
@@ -67,7 +76,17 @@ _NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "spaces_betwe
             "include_reasoning": (True,)}  # fmt: skip
 
 
-TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+def _token_id_key(value: str) -> str:
+    if not (value.isascii() and value.isdigit() and len(value) <= 10):
+        raise ValueError(f'key {value!r} is not a token id (a non-negative integer, as a string: "50256")')
+    return value
+
+
+# logit_bias's keys: the pattern stays in the OpenAPI document; the error names the key (pydantic's said "String
+# should match pattern '^[0-9]{1,10}$'", and for a key like "-1" its param did not even name the key)
+TokenIdKey = Annotated[
+    str, WithJsonSchema({"type": "string", "pattern": r"^[0-9]{1,10}$"}), AfterValidator(_token_id_key)
+]
 # vLLM's top_k (-1 and 0 = off; above the vocabulary size is a 400, checked where the vocabulary is known) and min_p
 TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 MinP = Annotated[float, Field(ge=0, le=1)]

@@ -102,7 +102,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),  # vLLM: > 0
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/completions", {"echo": True, "logprobs": 1, "stream": True}, None),  # non-streaming only
-        ("/v1/chat/completions", {"logit_bias": {"abc": 1}}, "logit_bias.abc"),
+        ("/v1/chat/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
         ("/v1/chat/completions", {"logit_bias": {"5": 100.5}}, "logit_bias.5"),
         ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
         ("/v1/chat/completions", {"seed": 2**63}, "seed"),
@@ -328,6 +329,9 @@ def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_i
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: must be a string or a list of"),
         ({"response_format": {"type": "json_schema"}}, "json_schema is required with type 'json_schema'"),
         ({"tool_choice": "auto"}, "tool_choice is only allowed when tools are specified"),
+        # was "logit_bias: String should match pattern '^[0-9]{1,10}$'", not naming the key
+        ({"logit_bias": {"5": 1, "-1": 1}}, "logit_bias: key '-1' is not a token id (a non-negative integer, as a"),
+        ({"logit_bias": {"5.0": 1}}, "logit_bias: key '5.0' is not a token id"),
         # a message's role missing or none of the roles was "messages.0: Unable to extract tag using discriminator
         # 'role'" / "messages.0: Input tag 'function' found using 'role' does not match any of the expected tags"
         ({"messages": [{"content": "x"}]}, "messages.0.role: Field required"),
