@@ -242,6 +242,30 @@ def test_dashboards_are_per_release():
     assert all(len(d["uid"]) <= 40 for d in [*a.values(), *b.values()])
 
 
+def test_a_releases_dashboards_open_on_its_namespace_and_runs():
+    """`Gyre / Experiment overview (rl/exp-a)` opened on the first namespace Grafana listed and every run of it (no
+    variable had a default): another namespace's, or another release's experiments. Each copy now chooses its own
+    namespace and the run_ids its services export (the experiment's, each run's, each server's)."""
+    values = {
+        "runs": [{"name": "math"}, {"name": "code"}],
+        "experiment": {"trainer": {"lora": {"rank": 8}}},
+        "servers": [{"name": "judge", "model": "/data/model"}],
+    }
+    cases = (("exp-a", {}, ["exp-a"]), ("exp-b", values, ["exp-b", "math", "code", "exp-b-judge"]))
+    for release, vals, run_ids in cases:
+        docs = manifests(render(vals, name=release, namespace="team-rl"))
+        maps = [c for c in objects(docs, "ConfigMap") if "-dashboard-" in c["metadata"]["name"]]
+        models = [json.loads(text) for cm in maps for text in cm["data"].values()]
+        assert len(models) == 3
+        for model in models:
+            chosen = {v["name"]: v.get("current") for v in model["templating"]["list"]}
+            assert chosen["namespace"] == {"selected": True, "text": "team-rl", "value": "team-rl"}, model["title"]
+            assert chosen["run_id"] == {"selected": True, "text": run_ids, "value": run_ids}, model["title"]
+    # what every release's copy is made from chooses nothing: the choice is the release's
+    committed = json.loads((ROOT / "charts" / "gyre" / "dashboards" / "overview.json").read_text())
+    assert all("current" not in v for v in committed["templating"]["list"])
+
+
 # 8g. Inference readiness is an HTTP GET of /ready, not a Python process every 10 s.
 def test_inference_readiness_uses_ready_endpoint():
     for comp, pod in pod_templates(manifests(render({}))).items():
