@@ -23,6 +23,7 @@ from gyre.config.loader import SECRET_FILE_FOR
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.trainer import TrainerConfig
 from pydantic import BaseModel
+from test_render import VLLM_ADAPTER, VLLM_RUNS
 
 CONFIGS = {"inference": InferenceConfig, "orchestrator": OrchestratorConfig, "trainer": TrainerConfig}
 SCENARIOS = {
@@ -37,6 +38,8 @@ SCENARIOS = {
         "runs": [{"name": "alpha", "maxSteps": 5}, {"name": "beta", "orchestrator": {"seed": 1}}],
         "servers": [{"name": "judge", "model": "Qwen/Qwen3-0.6B"}],
     },
+    "vllm-runs": VLLM_RUNS,
+    "vllm-adapter": VLLM_ADAPTER,
 }
 
 

@@ -75,6 +75,16 @@ DAY_TWO = {
               "podAnnotations": {"sidecar.istio.io/inject": "false"}},
     "servers": [{"name": "judge", "model": "Qwen/Qwen3-0.6B"}],
 }  # fmt: skip
+# The vLLM backend serving LoRA adapters: three replicas, two runs on one base model (an adapter each), and one run
+# publishing adapters rather than merged weights (the chart turns the replicas' LoRA on for it).
+VLLM_RUNS = {
+    "inference": {"replicas": 3},
+    "experiment": {"inference": {"backend": "vllm"}, "trainer": {"lora": {"rank": 8}}},
+    "runs": [{"name": "math"}, {"name": "code"}],
+}
+VLLM_ADAPTER = {
+    "experiment": {"inference": {"backend": "vllm"}, "trainer": {"lora": {"rank": 8, "publish": "adapter"}}},
+}
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 
 # name -> (values, capabilities added to the render)
@@ -91,6 +101,8 @@ SCENARIOS = {
     "operations": (OPERATIONS, MONITORING_APIS),
     "servers": (SERVERS, MONITORING_APIS),
     "day-two": (DAY_TWO, MONITORING_APIS),
+    "vllm-runs": (VLLM_RUNS, MONITORING_APIS),
+    "vllm-adapter": (VLLM_ADAPTER, ()),
 }
 
 
