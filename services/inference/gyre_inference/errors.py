@@ -74,6 +74,8 @@ def _readable(member: str) -> str:
     member = member.replace("constrained-", "")
     if member in _SCALARS:
         return _SCALARS[member]
+    if member.startswith("tagged-union["):  # the kinds of a list's items (the Responses API's input items)
+        return "an object"
     if member.startswith("literal[") and member.endswith("]"):
         return "one of " + ", ".join(repr(value) for value in ast.literal_eval(member[7:]))
     if member.startswith("list[") and member.endswith("]"):

@@ -145,15 +145,24 @@ class Reasoning(StrictModel):
     generate_summary: None = None
 
 
+# The tags of the input item kinds are not identifiers, so errors.py leaves them out of a field's path: an item's
+# bad role is input.0.role, as docs/inference.md names the Responses fields (it was input.0.message.role).
+_ITEM_TAGS = {"message": "message-item", "function_call": "function-call-item",
+              "function_call_output": "function-call-output-item"}  # fmt: skip
+
+
 def _item_kind(item) -> str | None:
     if isinstance(item, dict):
-        return item.get("type") or ("message" if "role" in item else None)
-    return getattr(item, "type", None) or "message"
+        # an item with content and no role is a message missing its role (input.0.role: Field required)
+        kind = item.get("type") or ("message" if "role" in item or "content" in item else None)
+    else:
+        kind = getattr(item, "type", None) or "message"
+    return _ITEM_TAGS.get(kind, kind) if isinstance(kind, str) else None
 
 
 InputItem = Annotated[
-    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Annotated[InputMessage, Tag("message-item")] | Annotated[FunctionCallItem, Tag("function-call-item")]
+    | Annotated[FunctionCallOutputItem, Tag("function-call-output-item")],
     Discriminator(_item_kind, custom_error_type="input_item", custom_error_message=(
         "an input item is a message, a function_call or a function_call_output (this server stores no responses, "
         "so item references, and has no built-in tools or reasoning items)")),

@@ -194,6 +194,13 @@ def test_what_a_stateless_text_server_cannot_do_is_a_clear_400(http, model_id, f
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format",
          "text.format: the grammar engine refused it"),  # was response_format
         ({"input": []}, "input", "Invalid 'input': empty array"),  # as chat's empty messages (code empty_array)
+        # an input item's role was named input.0.message.role, "(as a list of objects (tagged-union[InputMessage,
+        # FunctionCallItem,FunctionCallOutputItem]))"; without a role it was "an input item is a message, ..."
+        ({"input": [{"role": "wizard", "content": "x"}]}, "input",
+         "input.0.role: Input should be 'user', 'system', 'developer' or 'assistant' (as a list of objects)"),
+        ({"input": [{"content": "x"}]}, "input", "input.0.role: Field required (as a list of objects)"),
+        ({"input": [{"type": "message", "role": "user", "content": "x", "mood": 1}]}, "input",
+         "input.0.mood: Extra inputs are not permitted"),
         # an object missing its name was "Input should be 'auto', 'none' or 'required' (as an object (literal[...]))"
         ({"tools": [{"type": "function", "name": "add"}], "tool_choice": {"type": "function"}}, "tool_choice",
          "tool_choice.name: Field required"),
