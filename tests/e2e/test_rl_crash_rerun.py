@@ -86,7 +86,7 @@ class Watched:
             time.sleep(0.3)
         if self.proc.poll() is None:
             self.proc.kill()
-        _, err = self.proc.communicate(timeout=30)
+        self.stdout, err = self.proc.communicate(timeout=30)
         return self.proc.returncode, err
 
     def ctrl_c_when(self, ready, timeout: float, never: str, poll_s: float) -> tuple[int, str]:
@@ -339,3 +339,36 @@ def test_ctrl_c_during_the_sft_warm_up_checkpoints_it_and_the_rerun_resumes_it(t
     assert steps() == list(range(1, 61))  # each SFT step once
     assert trained_steps(out) == [1]
     assert wait_gone(second.seen) == []
+
+
+def test_the_embedded_redis_killed_mid_run_is_started_again_and_the_run_finishes(tmp_path):
+    """The launcher's own redis-server killed mid-run (OOM killer, `kill -9`): the services retried it forever (backing
+    off to 30 s) and the launcher waited for them, a hang with no word of why. Now the launcher starts it again on its
+    port and append-only file: the stream, the consumer group and its pending entries come back, and the run finishes
+    with every step trained once, on the batch the orchestrator pushed for it."""
+    out, n = tmp_path / "run", 8
+    run = Watched(out, "--max-steps", str(n))
+    deadline = time.monotonic() + 400
+    while not trained_steps(out) or max(trained_steps(out)) < 2:
+        assert run.proc.poll() is None, run.proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the launch never trained step 2"
+        run.record()
+        time.sleep(0.1)
+    run.record()
+    redis = [pid for pid, (_, name) in run.seen.items() if name.startswith("redis-server") and _stat(pid)]
+    assert len(redis) == 1, run.seen
+    os.kill(redis[0], signal.SIGKILL)
+    killed_at = max(trained_steps(out))
+    code, err = run.wait(timeout=120)  # the rest of the run takes seconds; the old launcher hung here for good
+    assert code == 0, err[-4000:]
+    assert "embedded redis was killed by SIGKILL; starting it again" in run.stdout, run.stdout[-3000:]
+    assert killed_at < n, "killed too late to test anything"
+    assert sorted(trained_steps(out)) == list(range(1, n + 1))
+    assert WeightStore(out / "weights").steps() == list(range(1, n + 1))
+    pushed = latest_per_step(read_events(out / "events" / "orchestrator_steps.jsonl"))
+    trained = {r["step"]: r for r in read_events(out / "events" / "trainer_steps.jsonl")}
+    assert [p["step"] for p in pushed] == list(range(1, n + 1))
+    # each step trained on the batch the orchestrator's newest line describes (its token count)
+    assert [trained[p["step"]]["num_tokens"] for p in pushed] == [p["num_tokens"] for p in pushed]
+    assert len([name for _, name in run.seen.values() if name.startswith("redis-server")]) == 2
+    assert wait_gone(run.seen) == []

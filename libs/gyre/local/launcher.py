@@ -19,7 +19,8 @@ append-only file, and the orchestrator continues after the batches the trainer w
 regenerating any that were lost (docs/local.md, "Re-runs, crashes and --fresh").
 
 Failure policy: an inference process (a replica, a [[servers]] model) that exits mid-run is restarted with
-backoff (`Restarts`, `inference_restarts` in a row), as its pod would be; any other child that exits while the
+backoff (`Restarts`, `inference_restarts` in a row), as its pod would be, and so is the embedded Redis, at once on
+its port and append-only file (`_keep_redis`); any other child that exits while the
 run is not finished (or exits non-zero) stops the run; the launcher names it, prints the end of its log and
 exits 1. Ctrl-C/SIGTERM terminates every
 child's process group and Redis before exiting. Children also get PDEATHSIG so a SIGKILLed
@@ -82,6 +83,7 @@ MODEL_INIT_RECORD = "configs/model-init.toml"
 ROLE_LOCK_WAIT_S = 60.0  # a previous launch's orchestrator finishes its current step on SIGTERM
 RESTART_BACKOFF_S = 2.0  # before the first restart of a crashed inference process; doubled for each next one
 RESTART_RESET_S = 300.0  # an inference process up this long has its restarts counted from 0 again
+REDIS_RESTARTS = 3  # times one launch starts its embedded Redis again after it exited mid-run
 STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL of a child that saves nothing when it stops (trainer, SFT: _stop_timeout)
 
 
@@ -154,6 +156,7 @@ class Launcher:
         self.out = cfg.output_dir
         self.children: list[Child] = []
         self.redis = None
+        self.redis_restarts = 0
         self.prometheus = None
         self.lock: RunLock | None = None
         self.trained = False  # whether this launch started the services (not: a run found already finished)
@@ -462,6 +465,34 @@ class Launcher:
         _console(f"embedded redis: {self.redis.url} (data in {self.redis.data_dir})")
         return self.redis.url
 
+    def _keep_redis(self) -> None:
+        """Start the embedded Redis again, on its port and append-only file, when it exited mid-run (the OOM killer,
+        `kill -9`): the services retried it forever (backing off to 30 s) and the launcher waited for them, a hang
+        that said nothing of why. Redis writes the file before it answers, so the stream, the consumer group and its
+        pending entries come back and the run goes on as after a Redis pod's restart (docs/local.md). RunFailed,
+        naming it and its log, when it cannot be started again or exits more than REDIS_RESTARTS times."""
+        from gyre.redis_server import EmbeddedRedis, RedisServerError
+
+        redis = self.redis
+        if redis is None or redis.proc is None or (code := redis.proc.poll()) is None:
+            return
+        port, folder = redis.port, redis.data_dir
+        redis.stop()
+        self.redis, self.redis_restarts = None, self.redis_restarts + 1
+        log = f"its log: {folder / 'redis.log'}"
+        if self.redis_restarts > REDIS_RESTARTS:
+            raise RunFailed(f"embedded redis was {_status(code)} again after {REDIS_RESTARTS} restarts; the run stops "
+                            f"(the same command resumes it); {log}")  # fmt: skip
+        _console(f"embedded redis was {_status(code)}; starting it again on port {port} from its append-only file in "
+                 f"{folder} (restart {self.redis_restarts} of {REDIS_RESTARTS}; {log})")  # fmt: skip
+        try:
+            self.redis = EmbeddedRedis(port=port, data_dir=folder).start()
+        except RedisServerError as e:
+            raise RunFailed(
+                f"embedded redis was {_status(code)} and could not be started again on port {port} "
+                f"({e}); the run stops (the same command resumes it)"
+            ) from None
+
     def _base_model(self) -> str:
         name = self.cfg.model.name or str(self.out / "model")
         if not Path(name).exists() and self.cfg.model.init_preset:
@@ -608,6 +639,7 @@ class Launcher:
                                         f"a model that loads longer); last lines of {child.log_path}:\n"
                                         f"{child.tail()}") from None  # fmt: skip
                 self._check_interrupted()
+                self._keep_redis()
         served = ", ".join(f"{child.base_url}" for child in replicas[: len(configs.inference)])
         policy = configs.inference[0]
         names = ", ".join(repr(run) for run in configs.orchestrators) if self.cfg.runs else repr(
@@ -636,6 +668,7 @@ class Launcher:
         try:
             while True:
                 self._check_interrupted()
+                self._keep_redis()
                 progress.update()
                 done = {c.name: c.poll() for c in (trainer, *orchestrators)}
                 for child in list(self.children):
