@@ -31,18 +31,17 @@ PREFIX = {"inference": "gyre_inference_", "orchestrator": "gyre_orchestrator_", 
 RELABEL_KEYS = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
 
 
-def service_monitors() -> list[dict]:
+def rendered_objects() -> list[dict]:
+    """A release with every ServiceMonitor (a server's too) and KEDA's ScaledObject."""
     values = {
         "monitoring": {"enabled": True},
-        "assumeApiVersions": ["monitoring.coreos.com/v1"],
+        "assumeApiVersions": ["monitoring.coreos.com/v1", "keda.sh/v1alpha1"],
         "servers": [{"name": "judge", "model": "/data/model"}],
+        "inference": {"autoscaling": {"enabled": True}},
     }
     with helm_python.Chart.load(CHART) as chart:
         rendered = chart.render(values, name="exp", namespace=NAMESPACE, is_install=True)
-    docs = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
-    found = [d for d in docs if d["kind"] == "ServiceMonitor"]
-    assert len(found) == 4, [d["metadata"]["name"] for d in found]
-    return found
+    return [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
 def exposition(prefix: str) -> str:
@@ -114,9 +113,16 @@ def scrape_config(monitor: dict, address: str) -> list[dict]:
     return jobs
 
 
-def test_every_exported_label_survives_the_service_monitors_scrape(tmp_path, monkeypatch):
-    monitors = service_monitors()
-    with ExitStack() as stack:
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory):
+    """(every gyre_ series, the ScaledObject's demand query's result, {Service: its metric prefix}) of a Prometheus
+    configured from the release."""
+    docs = rendered_objects()
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 4, [d["metadata"]["name"] for d in monitors]
+    (scaler,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    (trigger,) = scaler["spec"]["triggers"]
+    with ExitStack() as stack, pytest.MonkeyPatch.context() as monkeypatch:
         jobs, targets, expected = [], {}, {}
         for monitor in monitors:
             component = monitor["metadata"]["labels"]["app.kubernetes.io/component"]
@@ -128,10 +134,13 @@ def test_every_exported_label_survives_the_service_monitors_scrape(tmp_path, mon
         config = {"global": {"scrape_interval": "1s"}, "scrape_configs": jobs}
         # LocalPrometheus writes what render_config returns: here the operator's jobs instead of gyre rl's
         monkeypatch.setattr(local_prometheus, "render_config", lambda *a, **k: yaml.safe_dump(config))
-        with LocalPrometheus(tmp_path / "prom", targets, run_id="unused", rule_files=()) as prom:
+        with LocalPrometheus(tmp_path_factory.mktemp("prom"), targets, run_id="unused", rule_files=()) as prom:
             prom.wait_for_targets()
-            series = prom.query('{__name__=~"gyre_.+"}')
+            return prom.query('{__name__=~"gyre_.+"}'), prom.query(trigger["metadata"]["query"]), expected
 
+
+def test_every_exported_label_survives_the_service_monitors_scrape(scraped):
+    series, _, expected = scraped
     rows = catalogue()
     problems = []
     seen = set()
@@ -150,3 +159,10 @@ def test_every_exported_label_survives_the_service_monitors_scrape(tmp_path, mon
     assert not problems, "\n".join(problems)
     missing = {(svc, n) for svc, prefix in expected.items() for n in rows if n.startswith(prefix)} - seen
     assert not missing, f"series not stored: {sorted(missing)}"
+
+
+def test_the_autoscalers_query_reads_the_orchestrators_demand_as_scraped(scraped):
+    """KEDA's query selects the orchestrator's gyre_orchestrator_model_requests by the labels the ServiceMonitor
+    adds (`namespace`, `gyre_release`): it returns the demand (here the one sample of 1 served), never nothing."""
+    _, demand, _ = scraped
+    assert [float(s["value"][1]) for s in demand] == [1.0], demand
