@@ -89,10 +89,10 @@ def _plural(phrase: str) -> str:
     return f"{head}s {rest}".rstrip()
 
 
-def _union_message(errors: list[dict]) -> str | None:
+def _union_message(errors: list[dict]) -> tuple[str, str | None] | None:
     """One message for a value that matched no member of a multi-type field, instead of the first member's
     complaint: the complaint of a member whose type the value had (it broke a constraint there), else
-    what the field accepts."""
+    what the field accepts; with the param, the field that message names."""
     first = tuple(errors[0].get("loc", ()))
     cut = next((i for i, part in enumerate(first) if i and _is_member(part)), None)
     if cut is None:
@@ -111,9 +111,10 @@ def _union_message(errors: list[dict]) -> str | None:
     right_type = broken or [e for e in same if len(e["loc"]) > cut + 1]
     if right_type:
         error = right_type[0]
-        return f"{_field_path(tuple(error['loc']))}: {_clean(error['msg'])} (as {_readable(error['loc'][cut])})"
+        path = _field_path(tuple(error["loc"]))  # the param too: the field the message names (stop.1)
+        return f"{path}: {_clean(error['msg'])} (as {_readable(error['loc'][cut])})", path
     accepted = ", ".join(_readable(m) for m in members[:-1]) + " or " + _readable(members[-1])
-    return f"{_field_path(prefix)}: must be {accepted}"
+    return f"{_field_path(prefix)}: must be {accepted}", _field_path(prefix)
 
 
 def _literal_member(error: dict, cut: int) -> bool:
@@ -198,7 +199,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return f"{param}: only null is supported" + (f": {reason}" if reason else ""), param
     union = _union_message(errors)
     if union is not None:
-        return union, param
+        return union
     message = f"{param}: {_clean(first['msg'])}" if param else _clean(first["msg"])
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"

@@ -58,7 +58,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ("/v1/chat/completions", {"stream": "yes"}, "stream"),
         ("/v1/chat/completions", {"seed": 1.5}, "seed"),
-        ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt.1"),
         ("/v1/chat/completions", {"user": 5}, "user"),  # a top-level `user` is named (only a role tag is dropped)
         ("/v1/completions", {"user": ["u"]}, "user"),
         # values out of range
@@ -77,7 +77,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x"}, {"content": "y"}]}, "messages.1.role"),
-        ("/v1/chat/completions", {"stop": [""]}, "stop"),
+        ("/v1/chat/completions", {"stop": [""]}, "stop.0"),  # the item the message names
         ("/v1/chat/completions", {"stop": ""}, "stop"),  # a plain empty string too (OpenAI refuses it)
         ("/v1/completions", {"stop": ""}, "stop"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # without tools
@@ -359,13 +359,15 @@ def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_i
 def test_messages_say_what_a_multi_type_field_accepts(http, model_id, body, says):
     error = assert_error(http.post("/v1/chat/completions", json={"model": model_id, **CHAT, **body}), 400)
     assert says in error["message"], error
+    # param is the field the message names (tool_choice.function), as for a field of one type
+    assert error["message"].startswith(f"{error['param']}: "), error
     completion = {"model": model_id, "prompt": 3.5}
     message = assert_error(http.post("/v1/completions", json=completion), 400, param="prompt")["message"]
     assert message == "prompt: must be a string, a list of integers, a list of strings or a list of lists of integers"
     # the broken constraint is named, not the first item read as an integer ("prompt.0: Input should be a valid
     # integer (as a list of integers)")
-    completion = {"model": model_id, "prompt": [[5, 6], []]}
-    message = assert_error(http.post("/v1/completions", json=completion), 400, param="prompt")["message"]
+    completion = {"model": model_id, "prompt": [[5, 6], []]}  # param: the field the message names (was "prompt")
+    message = assert_error(http.post("/v1/completions", json=completion), 400, param="prompt.1")["message"]
     assert message.startswith("prompt.1: List should have at least 1 item") and "(as a list of lists of" in message
 
 

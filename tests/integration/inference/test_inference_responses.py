@@ -196,13 +196,13 @@ def test_what_a_stateless_text_server_cannot_do_is_a_clear_400(http, model_id, f
         ({"input": []}, "input", "Invalid 'input': empty array"),  # as chat's empty messages (code empty_array)
         # an input item's role was named input.0.message.role, "(as a list of objects (tagged-union[InputMessage,
         # FunctionCallItem,FunctionCallOutputItem]))"; without a role it was "an input item is a message, ..."
-        ({"input": [{"role": "wizard", "content": "x"}]}, "input",
+        ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role",
          "input.0.role: Input should be 'user', 'system', 'developer' or 'assistant' (as a list of objects)"),
-        ({"input": [{"content": "x"}]}, "input", "input.0.role: Field required (as a list of objects)"),
-        ({"input": [{"type": "message", "role": "user", "content": "x", "mood": 1}]}, "input",
+        ({"input": [{"content": "x"}]}, "input.0.role", "input.0.role: Field required (as a list of objects)"),
+        ({"input": [{"type": "message", "role": "user", "content": "x", "mood": 1}]}, "input.0.mood",
          "input.0.mood: Extra inputs are not permitted"),
         # an object missing its name was "Input should be 'auto', 'none' or 'required' (as an object (literal[...]))"
-        ({"tools": [{"type": "function", "name": "add"}], "tool_choice": {"type": "function"}}, "tool_choice",
+        ({"tools": [{"type": "function", "name": "add"}], "tool_choice": {"type": "function"}}, "tool_choice.name",
          "tool_choice.name: Field required"),
     ],
 )  # fmt: skip
