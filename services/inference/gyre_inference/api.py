@@ -270,15 +270,15 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.post("/v1/responses", summary="OpenAI Responses API: text and function tools, streaming or not.")
     async def responses(body: ResponsesRequest, request: Request):
-        return await respond(state.serving, body, arrival(request), client_gone(request))
+        return await respond(state.serving, _served(state, body), arrival(request), client_gone(request))
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI), streaming or not.")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await state.serving.chat(body, arrival(request), client_gone(request))
+        return await state.serving.chat(_served(state, body), arrival(request), client_gone(request))
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy); prompt may be token ids.")
     async def completions(body: CompletionRequest, request: Request):
-        return await state.serving.completions(body, arrival(request), client_gone(request))
+        return await state.serving.completions(_served(state, body), arrival(request), client_gone(request))
 
     @app.post("/tokenize", summary="vLLM-compatible: prompt text or chat messages to token ids.")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -312,6 +312,14 @@ def create_app(state: AppState) -> FastAPI:
     if state.runtime_lora:
         add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     return app
+
+
+def _served(state: AppState, body):
+    """`body` with its model filled in: a request without one is for the served model, named so in the answer (as
+    vLLM's server takes it)."""
+    if body.model is None:
+        body.model = state.model_id
+    return body
 
 
 def _check_model(state: AppState, model: str | None) -> None:

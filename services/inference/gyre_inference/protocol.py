@@ -72,6 +72,11 @@ UNSUPPORTED_FIELDS = {
 }  # fmt: skip
 
 
+# vLLM's request models take no model as the served one (its own id then in the response): a curl or script written
+# against vLLM that leaves it out was a 400 "model: Field required" here
+MODEL_HELP = "Served model id (see GET /v1/models); omitted or null: the served model itself (as vLLM)."
+
+
 _NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
             "include_reasoning": (True,)}  # fmt: skip
 
@@ -248,7 +253,7 @@ class SamplingRequest(StrictModel):
         "return_tokens_as_token_ids", "return_token_ids", "use_beam_search", "skip_special_tokens", "priority",
     })  # fmt: skip
 
-    model: str = Field(description="Served model id (see GET /v1/models).")
+    model: str | None = Field(None, description=MODEL_HELP)
     n: int = Field(1, ge=1, le=MAX_N, description="Number of choices per prompt.")
     temperature: float | None = Field(None, ge=0, le=2, description="Sampling temperature; 0 = greedy. Default 1.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass. Default 1.")

@@ -36,6 +36,7 @@ from gyre_inference.json_body import dumps
 from gyre_inference.protocol import (
     FORMAT_NAME,
     MAX_TOP_LOGPROBS,
+    MODEL_HELP,
     ChatCompletionRequest,
     JSONSchemaFormat,
     PromptCacheOptions,
@@ -177,7 +178,7 @@ class ResponsesRequest(StrictModel):
     # priority as on chat completions (a client that sends the field with its extension's null default)
     NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"stream", "parallel_tool_calls", "truncation", "priority"})
 
-    model: str = Field(description="Served model id (see GET /v1/models).")
+    model: str | None = Field(None, description=MODEL_HELP)
     input: str | list[InputItem] = Field(description="Text, or a list of messages and function call items.")
     instructions: str | None = Field(None, description="A system message put before the input.")
     max_output_tokens: int | None = Field(

@@ -10,6 +10,8 @@ Driven by the official `openai` client (vLLM's extensions through `extra_body`) 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -42,6 +44,39 @@ def test_version_health_and_the_model_card(http, server, tool_model):
     [card] = http.get("/v1/models").json()["data"]
     assert card["id"] == str(tool_model) and card["root"] == str(tool_model) and card["parent"] is None
     assert card["object"] == "model" and card["max_model_len"] == 256 and isinstance(card["created"], int)
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/chat/completions", {"messages": STORY}),
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
+    ],
+)
+@pytest.mark.parametrize("model", ["left out", None])
+def test_a_request_without_a_model_is_for_the_served_model(http, model_id, route, body, model):
+    """vLLM's request models take no model (or null) as the served one: a curl or script written against vLLM that
+    leaves it out was a 400 "model: Field required" here. The answer names the served model, streamed or not."""
+    body = {**body, "temperature": 0.0, **({} if model == "left out" else {"model": model})}
+    if route != "/v1/responses":
+        body["max_tokens"] = 4
+    answer = http.post(route, json=body)
+    assert answer.status_code == 200 and answer.json()["model"] == model_id, answer.text
+    with_model = http.post(route, json={**body, "model": model_id}).json()
+    text = {"/v1/chat/completions": lambda b: b["choices"][0]["message"]["content"],
+            "/v1/completions": lambda b: b["choices"][0]["text"],
+            "/v1/responses": lambda b: b["output"][0]["content"][0]["text"]}[route]  # fmt: skip
+    assert text(answer.json()) == text(with_model)
+    with http.stream("POST", route, json={**body, "stream": True}) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert events and all(event.get("model", event.get("response", {}).get("model")) == model_id
+                          for event in events if "model" in event or "response" in event), events  # fmt: skip
+
+
+def test_an_unknown_model_is_still_404(http):
+    answer = http.post("/v1/chat/completions", json={"model": "nope", "messages": STORY, "max_tokens": 2})
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found", answer.text
 
 
 # ---- stream_options ---------------------------------------------------------------------------------
