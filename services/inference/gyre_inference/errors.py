@@ -227,6 +227,21 @@ def unknown_model(requested: str, served: str) -> APIError:
                     param="model", code="model_not_found", type="invalid_request_error")  # fmt: skip
 
 
+def _unparsed_body(cause: BaseException | None) -> str | None:
+    """Why FastAPI could not read a body as JSON, for the failures its own message ("There was an error parsing the
+    body") does not explain: bytes that are not UTF-8, nesting deeper than the parser's recursion limit, an integer
+    of more digits than Python converts."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"it is not UTF-8 (byte 0x{cause.object[cause.start]:02x} at position {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "it is nested too deeply"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return "an integer in it has more than 4300 digits"  # Python's int() limit (sys.get_int_max_str_digits)
+    if isinstance(cause, ValueError):
+        return str(cause)
+    return None
+
+
 def install_error_handlers(app: FastAPI, on_client_error: Callable[[Request, int], None] | None = None) -> None:
     """Answer every error with OpenAI's JSON; `on_client_error(request, status)` is told about each 4xx/5xx."""
 
@@ -256,6 +271,8 @@ def install_error_handlers(app: FastAPI, on_client_error: Callable[[Request, int
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no route {request.method} {request.url.path}"}.get(error.status_code, str(error.detail))
+        if error.status_code == 400 and (reason := _unparsed_body(error.__cause__)) is not None:
+            message = f"request body is not valid JSON: {reason}"
         return JSONResponse(
             error_body(error.status_code, message, code=getattr(error, "code", None)),
             status_code=error.status_code,

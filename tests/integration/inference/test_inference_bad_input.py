@@ -171,6 +171,22 @@ def test_bodies_that_are_not_a_json_object(http, body):
     assert "JSON" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "it is not UTF-8 (byte 0xe9 at position 46)"),
+        (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "it is nested too deeply"),
+        (b'{"messages": [], "n": ' + b"9" * 5000 + b"}", "an integer in it has more than 4300 digits"),
+    ],
+)
+def test_a_body_the_json_parser_cannot_read_says_why(http, body, says):
+    """Latin-1 text, nesting past the parser's recursion limit, an integer past Python's digit limit: FastAPI's
+    400 said "There was an error parsing the body", which did not say what to fix."""
+    response = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    error = assert_error(response, 400, param=None)
+    assert error["message"] == f"request body is not valid JSON: {says}", error
+
+
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"])
 def test_a_json_object_under_another_content_type_is_told_so(http, model_id, route, content_type):
