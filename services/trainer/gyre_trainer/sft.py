@@ -199,12 +199,31 @@ def tokenize(conversation: Conversation, tokenizer, end_ids: Collection[int] = (
             return_assistant_tokens_mask=True,
         )
         ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+        mask = _through_end_of_turn(ids, mask, end_ids or _eos_of(tokenizer))
     else:
         ids, mask = assistant_mask(conversation, tokenizer, end_ids or _eos_of(tokenizer))
     if mask:
         mask[0] = False  # the first token of a sample is never in the loss (nothing predicts it)
     _check_tool_calls_are_learned(conversation, tokenizer, ids, mask)
     return ids, mask
+
+
+def _through_end_of_turn(ids: list[int], mask: list[bool], end_ids: Collection[int]) -> list[bool]:
+    """`mask` (a template's `{% generation %}` mask) with each learned run that holds no end-of-turn token extended
+    over the one right after it. A block around the reply's text alone (`<|im_end|>` written after
+    `{% endgeneration %}`) taught every reply but never where it ends: inference stops only at that token, so the
+    fine-tuned model did not learn to stop."""
+    mask = list(mask)
+    in_run = ended = False
+    for t, token in enumerate(ids):
+        if mask[t]:
+            ended = (ended if in_run else False) or token in end_ids
+            in_run = True
+            continue
+        if in_run and not ended and token in end_ids:
+            mask[t] = True
+        in_run = False
+    return mask
 
 
 def _check_tool_calls_are_learned(conversation: Conversation, tokenizer, ids: list[int], mask: list[bool]) -> None:

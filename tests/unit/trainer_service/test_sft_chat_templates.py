@@ -175,3 +175,28 @@ def test_tool_calls_a_template_does_not_render_are_refused_not_learned_as_an_emp
         tokenize(Conversation(copy.deepcopy(TOOL_CHAT), [CALC]), family_tokenizer("smollm2"), {0})
     ids, mask = tokenize(Conversation(copy.deepcopy(TOOL_CHAT), [CALC]), family_tokenizer("qwen2.5"), {0})
     assert any(mask)  # a template that renders them is unaffected
+
+
+# ChatML with `{% generation %}` around the reply's text alone: `<|im_end|>` is outside the block
+CONTENT_ONLY_GENERATION = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m.content }}{% endgeneration %}{{ '<|im_end|>\\n' }}{% else %}"
+    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_generation_marked_reply_learns_the_end_of_turn_token_its_block_leaves_out(family_tokenizer):
+    """A template's `{% generation %}` mask that stops before the end-of-turn token taught every reply but never
+    where it ends: a model fine-tuned on it never learned to stop (inference stops only at that token)."""
+    tokenizer = family_tokenizer("smollm2")
+    tokenizer.chat_template = CONTENT_ONLY_GENERATION
+    end_ids = set(tokenizer.convert_tokens_to_ids(["<|im_end|>"]))
+    ids, mask = tokenize(Conversation(copy.deepcopy(CHAT)), tokenizer, end_ids)
+    assert [tokenizer.decode(run) for run in learned_runs(ids, mask, tokenizer)] == EXPECTED["smollm2", "chat"]
+    # a block that already holds its end-of-turn token keeps the template's mask as it is
+    tokenizer.chat_template = CONTENT_ONLY_GENERATION.replace(
+        "{{ m.content }}{% endgeneration %}{{ '<|im_end|>\\n' }}", "{{ m.content + '<|im_end|>' }}{% endgeneration %}\n"
+    )
+    ids, mask = tokenize(Conversation(copy.deepcopy(CHAT)), tokenizer, end_ids)
+    assert [tokenizer.decode(run) for run in learned_runs(ids, mask, tokenizer)] == EXPECTED["smollm2", "chat"]
