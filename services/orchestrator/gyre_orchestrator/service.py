@@ -770,6 +770,9 @@ class OrchestratorService:
             ),
         )
         payload = await asyncio.to_thread(encode_batch, packed.batch)
+        if await asyncio.to_thread(self._trained_meanwhile, st.step, len(samples)):
+            self.last_step = st.step
+            return
         record = self.step_records.record(
             st, samples, packed, cut, time.monotonic() - start, self.scoring_failures, self.reward_errors
         )
@@ -796,6 +799,20 @@ class OrchestratorService:
         self.step_records.account(st, record, [s.meta["lag"] for s in samples], positions=self.sampler.state())
         if records:
             self.wandb.samples(records, st.step)
+
+    def _trained_meanwhile(self, step: int, samples: int) -> bool:
+        """Whether the trainer committed `step` while this process generated its batch again: the stream was lost
+        (Redis restarted without its data, flushed) while the trainer trained the batch it had read before, and the
+        resume rule, seeing the step not yet committed, generated it again. Pushed, this batch replaced the step's
+        event line and rollout dump while the trainer skipped it as a replay: the records described a batch nobody
+        trained (with a real model a step takes minutes, so a Redis restart lands in one). Not pushed, the step's
+        line stays the trained batch's; these samples are dropped."""
+        if step > committed_step(self.out, self.transport.latest()):
+            return False
+        log.warning("step %d was trained from the batch pushed before the stream was lost (the trainer committed it "
+                    "while this batch was generated again): not pushing it, its %d samples are dropped", step,
+                    samples)  # fmt: skip
+        return True
 
     def _note_redis_memory(self) -> None:
         """Redis's used memory and maxmemory (0 = none): past maxmemory the next push is refused (the chart sets it

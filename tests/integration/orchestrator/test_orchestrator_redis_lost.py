@@ -153,3 +153,54 @@ def test_a_stream_deleted_under_a_running_redis_is_pushed_again(tmp_path, redis_
     text = (tmp_path / "orchestrator.log").read_text()
     assert "starting over from step 1" in text, text[-3000:]
     assert set(steps) == set(range(1, n + 1)), steps
+
+
+def test_a_lost_step_the_trainer_trains_meanwhile_is_not_pushed_again(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model
+):
+    """The stream is lost (Redis restarted empty, FLUSHALL) while the trainer trains step 1 from the batch it read
+    before: the orchestrator starts over from step 1, the trainer publishes step 1 meanwhile. The batch generated
+    again for it was pushed anyway and its event line replaced the first: the trainer skipped it as a replay, so the
+    run's records described a batch nobody trained (a real model's step takes minutes: Redis restarts mid-step). Now
+    a step committed by the time its batch is ready is not pushed, and its line stays the trained batch's."""
+    import os
+    import signal
+
+    from gyre.streams import StepReader
+    from gyre.weights import WeightStore
+    from orchestrator_testlib import publish_weights
+
+    n = 3
+    cfg = orchestrator_config(  # a slower generation of the lost step than the publish below (a trainer's commit)
+        tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, max_steps=n, final_weights_timeout_s=60,
+        batch_size=4, sampling={"max_tokens": 48},
+    )  # fmt: skip
+    events = cfg.output_dir / "events" / "orchestrator_steps.jsonl"
+    log_path = tmp_path / "orchestrator.log"
+    with orchestrating(cfg, tmp_path, redis_url, unique_run_id) as (proc, stream):
+        wait_for_pushes(proc, events, n, tmp_path)
+        trained = StepReader(stream, "trainer-rank0").next(block_ms=5000).decode()  # the trainer's step 1
+        assert trained.step == 1
+        stream.redis.delete(stream.key)  # what a Redis restarted without its data leaves
+        stream.ensure_group()  # the waiting trainer's group again
+        deadline = time.monotonic() + 60
+        # the restart in the process after "starting over from step 1": its resume rule said step 1 (not committed)
+        while log_path.read_text().count("starting at step 1 (") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGSTOP)  # the trainer's commit of step 1 lands while its batch is generated again
+        try:
+            publish_weights(WeightStore(cfg.output_dir / "weights"), 1, tiny_model)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert 1 not in stream_steps(stream), "pushed before the commit: the machine was too slow to test this"
+        deadline = time.monotonic() + 120
+        while 3 not in stream_steps(stream):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        steps = stream_steps(stream)
+    text = log_path.read_text()
+    assert steps == [2, 3], steps
+    assert "step 1 was trained from the batch pushed before the stream was lost" in text, text[-3000:]
+    newest = {r["step"]: r for r in read_events(events)}
+    assert newest[1]["num_tokens"] == sum(mb.num_tokens for rank in trained.micro_batches for mb in rank)
