@@ -159,13 +159,16 @@ class EngineLoop:
                     # Admit and prefill newcomers, then one decode step for everyone: arrivals never starve the batch.
                     if candidates:
                         admitted, back = batch.plan_prefill(candidates)
+                        # the admitted hold rows now, which load_stats counts: counted as admitting too, they were
+                        # running twice for as long as their prefill took (GetStatus, the running gauge)
+                        self._admitting = len(back)
                         if back and not admitted and not self._rows:
                             # not even an empty cache holds it (the context is clamped to the cache at load)
                             self._deliver([(back.pop(0), RuntimeError("the sequence does not fit in the KV cache"))])
                         self._requeue(back)
+                        self._admitting = 0  # the others are queued again (counted as waiting)
                         if admitted:
                             self._prefill(admitted)
-                        self._admitting = 0
                     if self._rows:
                         self._decode_ahead(step) if ahead else self._decode()
                 except Exception as error:  # a failed step fails its sequences, never the engine

@@ -433,3 +433,22 @@ async def test_generation_uses_no_deprecated_transformers_argument(backend):
     # error here, the prefill would fail the request
     tokens, _, events = await _run(backend, PROMPTS[0], max_tokens=4, temperature=0.0)
     assert len(tokens) == 4 and events[-1].finish_reason == "length"
+
+
+async def test_sequences_being_prefilled_count_once_as_running(backend, monkeypatch):
+    """The rows a prefill fills were counted twice while it ran (as rows, and as still being admitted): GetStatus and
+    gyre_inference_running_requests said 4 for a request of n = 2 for as long as its prefill took."""
+    seen = []
+    prefill = backend._batch.prefill
+
+    def watched(seqs):
+        seen.append((len(seqs), backend.load_stats()))
+        return prefill(seqs)
+
+    monkeypatch.setattr(backend._batch, "prefill", watched)
+    first = backend.generate(PROMPTS[2], SamplingParams(max_tokens=400, seed=0))
+    await first.__anext__()
+    await asyncio.gather(*(_run(backend, PROMPTS[0], max_tokens=4, seed=i) for i in range(2)))
+    await first.aclose()
+    assert seen and seen[0] == (1, (1, 0)), seen  # the first alone: one row, nothing else running
+    assert all(running == seqs + 1 for seqs, (running, _) in seen[1:]), seen  # a later one beside the first
