@@ -286,7 +286,9 @@ class EvalOnceConfig(Section):
     num_examples: int = Field(32, ge=1, description="Held-out tasks per eval.")
     k: int = Field(1, ge=1, description="Samples per task (avg@k, pass@k).")
     temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
-    pass_threshold: float = Field(1.0, description="pass@k: a sample passes when its reward is >= this.")
+    pass_threshold: float = Field(
+        1.0, description="pass@k: a sample passes when its reward is >= this (within 1e-9: weighted sums round)."
+    )
 
 
 class EvalConfig(EvalOnceConfig):

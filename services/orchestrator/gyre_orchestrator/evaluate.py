@@ -4,8 +4,8 @@ For each of the first `num_examples` eval tasks, `k` rollouts are sampled and sc
 - `avg@k`  = mean reward over all `num_examples * k` samples;
 - `avg@k stderr` = standard error of that mean with tasks as the unit (sample std of the per-task means over
   sqrt(num_examples)), so two evals on the same split compare with their noise in view;
-- `pass@k` = fraction of tasks with at least one sample whose reward is >= `pass_threshold`
-  (with exactly k samples per task this is the unbiased pass@k estimator's n = k case);
+- `pass@k` = fraction of tasks with at least one sample whose reward is >= `pass_threshold` (within 1e-9: a
+  rubric's weighted sum rounds; with exactly k samples per task this is the unbiased pass@k estimator's n = k case);
 - `rewards_mean` = each reward function's mean over all samples, unweighted (a weight-0 judge, a monitor, shows
   here and nowhere else in the eval).
 
@@ -306,7 +306,7 @@ async def evaluate(
     return EvalResult(
         env=env_name,
         avg_at_k=sum(rewards) / len(rewards),
-        pass_at_k=sum(any(r >= pass_threshold for r in group) for group in per_task) / count,
+        pass_at_k=sum(any(passes(r, pass_threshold) for r in group) for group in per_task) / count,
         k=k,
         num_examples=count,
         min_version=min(v for _, v, _, _ in results),
@@ -319,6 +319,16 @@ async def evaluate(
         failed_rollouts=failed,
         dropped_stale=stale,
     )
+
+
+#: a reward this close below the threshold still passes: a rubric's weighted sum rounds (0.7 + 0.2 + 0.1 of three
+#: perfect scores is 0.9999999999999999, which failed the default threshold 1.0)
+PASS_ATOL = 1e-9
+
+
+def passes(reward: float, threshold: float) -> bool:
+    """pass@k's test of one sample: its reward reaches `threshold`, up to floating-point rounding (`PASS_ATOL`)."""
+    return reward >= threshold - PASS_ATOL
 
 
 def eval_sampling(cfg, entry) -> SamplingParams:

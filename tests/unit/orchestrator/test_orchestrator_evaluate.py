@@ -77,6 +77,26 @@ def test_each_reward_function_is_reported_weight_zero_monitors_included(tmp_path
     assert result.record(step=3)["rewards_mean"] == {"exact_match": 0.25, "monitor": 0.625}
 
 
+def test_a_full_score_that_a_weighted_sum_rounds_below_the_threshold_still_passes(tmp_path):
+    # weights 0.7 + 0.2 + 0.1 of three reward functions that all give 1 sum to 0.9999999999999999 in floating point:
+    # pass@k (threshold 1.0) counted every perfect sample of such a rubric as a failure, and reported 0
+    replies = {"ab": ["AB"], "cd": ["no"]}
+    env = dataset_env(tmp_path, replies)
+    env.rubric.weights[0] = 0.7
+
+    def well_formed() -> float:
+        return 1.0
+
+    def short() -> float:
+        return 1.0
+
+    env.rubric.add(well_formed, weight=0.2)
+    env.rubric.add(short, weight=0.1)
+    result = run_eval(tmp_path, replies, num_examples=2, k=2, env=env)
+    assert result.avg_at_k == pytest.approx(0.65)  # "ab": 0.7 + 0.2 + 0.1, "cd": 0.2 + 0.1
+    assert result.pass_at_k == 0.5  # "ab" passes, "cd" (0.3) does not
+
+
 def test_a_reward_function_that_raises_is_counted_and_logged_once(tmp_path, caplog):
     replies = {"ab": ["AB"], "cd": ["no"]}
     env = dataset_env(tmp_path, replies)
