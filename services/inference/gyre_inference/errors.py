@@ -80,13 +80,23 @@ def _readable(member: str) -> str:
         return "one of " + ", ".join(repr(value) for value in ast.literal_eval(member[7:]))
     if member.startswith("list[") and member.endswith("]"):
         return "a list of " + _plural(_readable(member[5:-1]))
-    return f"an object ({member})"
+    return _OBJECTS.get(member, f"an object ({member})")
 
 
 def _plural(phrase: str) -> str:
     noun = phrase.split(" ", 1)[1]  # drop the article
-    head, _, rest = noun.partition(" ")
+    if not any(mark in noun for mark in (" of ", "(", ",")):  # "text part" -> "text parts"
+        return f"{noun}s"
+    head, _, rest = noun.partition(" ")  # "list of integers" -> "lists of integers"
     return f"{head}s {rest}".rstrip()
+
+
+# Union members that are objects, by what a client calls them (their class names meant nothing to one)
+_OBJECTS = {
+    "TextPart": "a text part",
+    "NamedToolChoice": 'a named tool, {"type": "function", "function": {"name": ...}}',
+    "NamedFunctionChoice": 'a named tool, {"type": "function", "name": ...}',
+}
 
 
 def _union_message(errors: list[dict]) -> tuple[str, str | None] | None:

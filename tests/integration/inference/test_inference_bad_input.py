@@ -359,9 +359,18 @@ def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_i
         # should be 'auto', 'none' or 'required' (as an object (literal['auto','none','required']))")
         (
             {"tools": TOOLS, "tool_choice": "any"},
-            "tool_choice: must be one of 'auto', 'none', 'required' or an object (NamedToolChoice)",
+            "tool_choice: must be one of 'auto', 'none', 'required' or a named tool, "
+            '{"type": "function", "function": {"name": ...}}',
         ),
-        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function: Field required"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function"}},
+            "tool_choice.function: Field required (as a named tool",
+        ),
+        # a union member's class name meant nothing to a client: "(as a list of objects (TextPart))"
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content.0.text: Field required (as a list of text parts)",
+        ),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
             "tool_choice.function.name: Field required",
