@@ -155,10 +155,10 @@ class EntryEval:
     length_key: str = "sampling.max_tokens"  # the key that set sampling.max_tokens, for errors
 
 
-def eval_plan(cfg) -> dict[str, EntryEval]:
+def eval_plan(cfg, *, warn: bool = False) -> dict[str, EntryEval]:
     """Label -> `EntryEval` of each entry evaluated (`eval.enabled`), PRIME-RL's per-environment eval settings: its
     own `eval.num_examples`, `eval.k`, `eval.interval`, `eval.temperature` and `eval.max_tokens`, else the
-    orchestrator's."""
+    orchestrator's. With `warn`, an entry evaluated greedily with k > 1 is logged (the caller's start)."""
     plan = {}
     for i, entry in enumerate(cfg.envs):
         if entry.eval.enabled:
@@ -173,6 +173,14 @@ def eval_plan(cfg) -> dict[str, EntryEval]:
                       "sampling.max_tokens")  # fmt: skip
             plan[entry.key] = EntryEval(count, key, entry.eval.k or cfg.eval.k, interval, eval_sampling(cfg, entry),
                                         length)  # fmt: skip
+            k = plan[entry.key].k
+            if warn and k > 1 and plan[entry.key].sampling.temperature == 0:
+                # greedy answers to one prompt are one answer k times: pass@k is pass@1, at k times its cost
+                k_key = f"{where}.eval.k" if entry.eval.k else "eval.k"
+                t_key = f"{where}.eval.temperature" if entry.eval.temperature is not None else "eval.temperature"
+                log.warning("%s = %d at %s = 0 (greedy): the %d samples of a task are one answer, so avg@%d and pass@%d "
+                            "measure what k = 1 does, at %d times its cost; set %s > 0 for pass@k of sampled answers, "
+                            "or %s = 1", k_key, k, t_key, k, k, k, k, t_key, k_key)  # fmt: skip
     return plan
 
 
@@ -355,7 +363,7 @@ class TrainingEval:
         # label -> environment (a mix's entries; one environment alone is its config's)
         envs = envs if isinstance(envs, dict) else {cfg.envs[0].key: envs}
         # the entries evaluated (eval.enabled), each with its number of tasks
-        self.plan = eval_plan(cfg)
+        self.plan = eval_plan(cfg, warn=cfg.eval.interval is not None)  # said once, at start (evals on)
         self.envs = {label: env for label, env in envs.items() if label in self.plan}
         self.client = client
         self.events = events
@@ -617,7 +625,7 @@ def main(argv: list[str]) -> int:
     from gyre_orchestrator.client import InferenceError
 
     envs = {}
-    plan = eval_plan(cfg)
+    plan = eval_plan(cfg, warn=True)
     for i, entry in enumerate(cfg.envs):
         key = f"env.{i}" if isinstance(cfg.env, list) else "env"
         if entry.key not in plan:  # eval.enabled = false: not evaluated, not loaded

@@ -327,3 +327,42 @@ def test_gyre_eval_skips_an_entry_with_eval_off_and_gives_each_its_own_num_examp
         env = load_environment("arithmetic")
         env.tasks = lambda split, seed=0: TaskSource(lambda i: None, 0)
         evaluate_module.eval_tasks(env, 3, "rev", "env.0.eval.num_examples")
+
+
+def test_a_greedy_eval_of_several_samples_per_task_is_named_at_start(tmp_path, monkeypatch, caplog):
+    """eval.k > 1 at temperature 0 repeats one greedy answer k times: pass@k is pass@1 at k times the cost, and
+    nothing said so. gyre eval and a training run's evals warn once at start, naming the keys; a sampled entry's
+    k > 1 is what pass@k is for and is not named."""
+    import gyre_orchestrator.evaluate as evaluate_module
+
+    async def fake_evaluate(env, client, *, env_name, num_examples, k, **kwargs):
+        return evaluate_module.EvalResult(env_name, 0.5, 0.5, k, num_examples, 0, 0, 0.1)
+
+    monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
+    path = tmp_path / "mix.toml"
+    path.write_text('[[env]]\nname = "reverse_text"\nlabel = "rev"\neval = { num_examples = 3, k = 4 }\n\n'
+                    '[[env]]\nname = "alphabet_sort"\nlabel = "sort"\neval = { temperature = 0.7 }\n')  # fmt: skip
+    base = ["--output-dir", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]',
+            "--inference.startup-timeout-s", "0", "--eval.num-examples", "2", "--eval.k", "2"]  # fmt: skip
+
+    def greedy_warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "(greedy)" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="gyre_orchestrator.evaluate"):
+        assert evaluate_module.main(["@", str(path), *base]) == 0
+    assert len(greedy_warnings()) == 1, greedy_warnings()
+    assert greedy_warnings()[0].startswith("env.0.eval.k = 4 at eval.temperature = 0 (greedy)")
+    assert "set eval.temperature > 0" in greedy_warnings()[0]
+
+    caplog.clear()
+    cfg = load_config(OrchestratorConfig, ["@", str(path), "--eval.interval", "5", "--eval.k", "2"])
+    envs = {entry.key: load_environment(entry.name) for entry in cfg.envs}
+    with caplog.at_level("WARNING", logger="gyre_orchestrator.evaluate"):
+        evaluate_module.TrainingEval(cfg, envs, None, events=None, wandb=None, metrics=None)
+    assert [m.split(" (greedy)")[0] for m in greedy_warnings()] == ["env.0.eval.k = 4 at eval.temperature = 0"]
+    # evals off: nothing to say
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gyre_orchestrator.evaluate"):
+        evaluate_module.TrainingEval(load_config(OrchestratorConfig, ["@", str(path)]), envs, None, events=None,
+                                     wandb=None, metrics=None)  # fmt: skip
+    assert greedy_warnings() == []
