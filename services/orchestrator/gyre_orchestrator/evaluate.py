@@ -178,9 +178,9 @@ def eval_plan(cfg, *, warn: bool = False) -> dict[str, EntryEval]:
                 # greedy answers to one prompt are one answer k times: pass@k is pass@1, at k times its cost
                 k_key = f"{where}.eval.k" if entry.eval.k else "eval.k"
                 t_key = f"{where}.eval.temperature" if entry.eval.temperature is not None else "eval.temperature"
-                log.warning("%s = %d at %s = 0 (greedy): the %d samples of a task are one answer, so avg@%d and pass@%d "
-                            "measure what k = 1 does, at %d times its cost; set %s > 0 for pass@k of sampled answers, "
-                            "or %s = 1", k_key, k, t_key, k, k, k, k, t_key, k_key)  # fmt: skip
+                log.warning("%s = %d at %s = 0 (greedy): the %d samples of a task are one answer, so avg@%d and "
+                            "pass@%d measure what k = 1 does, at %d times its cost; set %s > 0 for pass@k of sampled "
+                            "answers, or %s = 1", k_key, k, t_key, k, k, k, k, t_key, k_key)  # fmt: skip
     return plan
 
 
