@@ -223,6 +223,12 @@ class Serving:
             # one prompt of a list is named by its index (prompt.1), as an out-of-vocabulary id in it is
             param = prompt_param if len(prompts) == 1 else f"{prompt_param}.{p}"
             max_tokens = self._budget(len(prompt), 0 if echo_only else limit, param)
+            if limit is None and request.min_tokens > max_tokens:  # a given max_tokens is checked in validation
+                # the default limit, the rest of the context, is below min_tokens: the choice would end by length
+                # before min_tokens (vLLM refuses it as well)
+                raise APIError(400, f"min_tokens ({request.min_tokens}) must be at most max_tokens, which is "
+                                    f"{max_tokens} here: the context's {self.backend.max_model_len} tokens less the "
+                                    f"{len(prompt)} of {_where(param)}", param="min_tokens")  # fmt: skip
             for i in range(request.n):
                 params = SamplingParams(
                     max_tokens=max_tokens,
@@ -644,7 +650,7 @@ def context_exceeded(limit: int, prompt_len: int, requested: int | None, param: 
     """The 400 of a prompt (`param`) plus the `requested` completion tokens over the context `limit`; requested None
     (no max_tokens: the rest of the context) means the prompt alone leaves no room. "maximum context length is L
     tokens" is what clients (and the orchestrator) read."""
-    where = param if "." in param else f"the {param}"  # "prompt.1" (one of a list of prompts), "the prompt"
+    where = _where(param)
     if requested is None:
         detail = f"{prompt_len} tokens in {where}, which leaves no room for the completion. Please reduce the "
         detail += f"length of {where}."
@@ -653,6 +659,11 @@ def context_exceeded(limit: int, prompt_len: int, requested: int | None, param: 
         detail += f"Please reduce the length of {where} or completion."
     return APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {detail}",
                     param=param, code="context_length_exceeded")  # fmt: skip
+
+
+def _where(param: str) -> str:
+    """A prompt named in a message: "prompt.1" (one of a list of prompts), else "the prompt" / "the messages"."""
+    return param if "." in param else f"the {param}"
 
 
 async def all_or_none(*aws: Awaitable) -> list:

@@ -185,6 +185,10 @@ def add_generate_route(app: FastAPI, state) -> None:
         max_tokens = sp.max_tokens if sp.max_tokens is not None else limit - len(prompt)
         if max_tokens < 1 or len(prompt) + max_tokens > limit:
             raise context_exceeded(limit, len(prompt), sp.max_tokens, "token_ids")
+        if sp.min_tokens > max_tokens:  # the default limit, the rest of the context (a given one: validation)
+            raise APIError(400, f"min_tokens ({sp.min_tokens}) must be at most max_tokens, which is {max_tokens} "
+                                f"here: the context's {limit} tokens less the {len(prompt)} of token_ids",
+                           param="sampling_params.min_tokens")  # fmt: skip
         # out of vocabulary: a 400, not a failed engine step for the whole batch (as on the OpenAI routes)
         stops = set(state.text.check_ids(sp.stop_token_ids or [], "sampling_params.stop_token_ids"))
         stops |= set() if sp.ignore_eos else set(state.text.eos_token_ids)

@@ -224,6 +224,24 @@ def test_prompts_too_long_for_the_context(http, model_id):
 
 
 @pytest.mark.parametrize(
+    ("route", "body", "says"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "the 10 of the messages"),
+        ("/v1/completions", {"prompt": [[5] * 3, [5] * 10], "max_tokens": None}, "the 10 of prompt.1"),
+        ("/v1/completions", {"prompt": [5] * 10, "max_tokens": None}, "the 10 of the prompt"),
+    ],
+)
+def test_min_tokens_over_what_the_context_leaves_is_400(http, model_id, route, body, says):
+    """Without max_tokens a choice may run to the end of the context: min_tokens past that was accepted and the choice
+    ended by length before it (vLLM refuses it, as a given max_tokens below min_tokens is refused here)."""
+    error = assert_error(http.post(route, json={"model": model_id, **body, "min_tokens": 250}), 400, "min_tokens")
+    assert error["message"] == f"min_tokens (250) must be at most max_tokens, which is 246 here: the context's 256 " \
+                               f"tokens less {says}", error  # fmt: skip
+    ok = http.post(route, json={"model": model_id, **body, "min_tokens": 246, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize(
     ("prompt", "says"),
     [
         (["hi", ""], "prompt.1: the prompt is empty"),

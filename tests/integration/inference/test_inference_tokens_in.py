@@ -87,6 +87,8 @@ def test_vllm_sampling_fields_at_their_neutral_values_and_min_tokens(server, mod
         ({"token_ids": TOKEN_PROMPT, "sampling_params": {"top_k": 10**6}}, 400, "sampling_params.top_k"),
         ({"token_ids": TOKEN_PROMPT, "stream": True}, 400, "stream"),
         ({"token_ids": TOKEN_PROMPT, "model": "other"}, 404, "model"),
+        # more than the rest of the context, the default max_tokens: it ran to that length (vLLM refuses it)
+        ({"token_ids": TOKEN_PROMPT, "sampling_params": {"min_tokens": 1000}}, 400, "sampling_params.min_tokens"),
     ],
 )
 def test_bad_requests_name_the_field(server, model_id, body, status, param):
