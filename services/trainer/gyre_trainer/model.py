@@ -6,7 +6,8 @@ path every modern decoder uses) then detects the restarts and builds a block-dia
 for sdpa/eager/flex, flash-attention uses them as varlen boundaries, and Gyre's `varlen`
 implementation gets `cu_seqlens` from the sample lengths (`attention.py` says which runs where).
 The tests `test_packed_equals_each_sample_alone*` prove on the real model that a packed row's
-log-probs equal each sample run alone; if a model class bypassed that path they would catch it.
+log-probs equal each sample run alone. A model class whose layers bypass that path (hybrid state-space layers,
+masks of its own) is found by a probe at its first forward and run one sample per row (`_packing_mixes_samples`).
 
 Log-probs come from the last hidden states through `logprobs.next_token_logprobs`, a chunk of
 tokens at a time, so a long row never holds its whole `[T, vocab]` logits (`logprobs.py`).
@@ -18,6 +19,7 @@ sample) at the given temperature, and exactly 0 at each sample's first token (no
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +30,8 @@ from torch import Tensor
 
 from gyre_trainer.attention import resolve_attn_implementation, uses_varlen, varlen_kwargs
 from gyre_trainer.logprobs import next_token_logprobs
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -140,11 +144,26 @@ def packed_logprobs(
             f"and {len(rows)} rows of sample_lengths disagree"
         )
     rows = [_as_lengths(lengths, torch.device("cpu")) for lengths in rows]
-    starts = torch.zeros(ids.shape, dtype=torch.bool)
     for row, lengths in enumerate(rows):
         if int(lengths.sum()) != ids.shape[1]:
             total = int(lengths.sum())
             raise ValueError(f"packed_logprobs: row {row} sample_lengths sum to {total}, not {ids.shape[1]}")
+    if _packing_mixes_samples(model, device):
+        logprobs, entropy = _one_sample_per_row(model, ids, rows, temperature, chunk_tokens, entropy_grad)
+    else:
+        logprobs, entropy = _packed_forward(model, ids, pos, rows, temperature, chunk_tokens, entropy_grad)
+    if single_row:
+        return logprobs.squeeze(0), entropy.squeeze(0)
+    return logprobs, entropy
+
+
+def _packed_forward(
+    model, ids: Tensor, pos: Tensor, rows: list[Tensor], temperature: float, chunk_tokens: int, entropy_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """`packed_logprobs` of (B, T) rows on the model's device, in one forward."""
+    device = ids.device
+    starts = torch.zeros(ids.shape, dtype=torch.bool)
+    for row, lengths in enumerate(rows):
         starts[row, torch.cumsum(lengths, 0) - lengths] = True
     starts = starts.to(device, non_blocking=True)
 
@@ -162,9 +181,85 @@ def packed_logprobs(
     zero = torch.zeros_like(next_lp[:, :1])
     logprobs = torch.where(starts, 0.0, torch.cat([zero, next_lp], dim=1))
     entropy = torch.where(starts, 0.0, torch.cat([zero.detach(), next_entropy], dim=1))
-    if single_row:
-        return logprobs.squeeze(0), entropy.squeeze(0)
     return logprobs, entropy
+
+
+#: Model attribute: True when a packed row's samples see each other in this model's forward (`_packing_mixes_samples`).
+_MIXES_SAMPLES = "gyre_packing_mixes_samples"
+#: Largest change of a probe sample's log-probs that its packed neighbour may cause: none at all is expected (the same
+#: computation on the same values), so this only absorbs rounding; a model that mixes samples moves them far more.
+_PROBE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5}
+
+
+def _packing_mixes_samples(model, device: torch.device) -> bool:
+    """Decide once per model whether samples packed into one row influence each other's log-probs.
+
+    Position ids without an attention mask keep packed samples apart only where transformers' mask code (or the
+    varlen kernel) runs for every layer. Hybrid models' state-space and linear-attention layers (Falcon-H1, Bailing
+    hybrid) and models with masks of their own (AFMoE, OPT) carried one sample's state into the next: its
+    log-probs and gradient depended on whatever was packed before it (0.06-0.4 nats on tiny random models), and
+    no metric showed it. The probe: two rows, [A, C] and [B, C] (A ≠ B, same lengths), in one no-grad forward with
+    the dropout layers off, the RNG left as it was; C must get the same log-probs in both. Every rank runs it.
+    """
+    mixes = getattr(model, _MIXES_SAMPLES, None)
+    if mixes is not None:
+        return mixes
+    ids = torch.tensor([[1, 2, 3, 7, 8, 9, 10], [4, 5, 6, 7, 8, 9, 10]], device=device)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * 2, device=device)
+    rows = [torch.tensor([3, 4])] * 2
+    kwargs = varlen_kwargs(rows, device) if uses_varlen(model) else {}
+    # only the dropouts that drop anything are switched off: a module's training flag is part of a compiled layer's
+    # guards, so switching every module to eval would compile each layer once more
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
+    for module in dropouts:
+        module.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False, **kwargs).logits
+    finally:
+        for module in dropouts:
+            module.train()
+    dtype = logits.dtype
+    lp = torch.log_softmax(logits[:, 3:].double(), dim=-1)
+    mixes = bool((lp[0] - lp[1]).abs().max() > _PROBE_TOLERANCE.get(dtype, 1e-3))
+    setattr(model, _MIXES_SAMPLES, mixes)
+    if mixes:
+        log.warning(
+            "%s mixes the samples of a packed row (its layers do not keep to the position ids%s): every sample is "
+            "run in a row of its own, right-padded (exact, but slower on rows of many short samples)",
+            type(model).__name__, " and cu_seq_lens" if kwargs else "",
+        )  # fmt: skip
+    return mixes
+
+
+def _one_sample_per_row(
+    model, ids: Tensor, rows: list[Tensor], temperature: float, chunk_tokens: int, entropy_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """`packed_logprobs` for a model that mixes packed samples: each sample alone at the start of a row of its own,
+    right-padded to the longest (a causal model's sample never sees the padding after it), then put back in place."""
+    where = []  # (row, start, length) of every sample
+    for row, lengths in enumerate(rows):
+        starts = (torch.cumsum(lengths, 0) - lengths).tolist()
+        where += [(row, start, n) for start, n in zip(starts, lengths.tolist(), strict=True) if n]
+    width = max(n for _, _, n in where)
+    unpacked = torch.zeros((len(where), width), dtype=ids.dtype, device=ids.device)
+    positions = torch.zeros((len(where), width), dtype=torch.long)
+    sample_rows, token_rows, token_cols, slot_rows, slot_cols = [], [], [], [], []
+    for k, (row, start, n) in enumerate(where):
+        unpacked[k, :n] = ids[row, start : start + n]
+        positions[k, :n] = torch.arange(n)
+        positions[k, n:] = torch.arange(width - n)  # the padding: a segment of its own
+        sample_rows.append(torch.tensor([n, width - n] if n < width else [n]))
+        token_rows.append(torch.full((n,), row))
+        token_cols.append(torch.arange(start, start + n))
+        slot_rows.append(torch.full((n,), k))
+        slot_cols.append(torch.arange(n))
+    positions = positions.to(ids.device, non_blocking=True)
+    lp, entropy = _packed_forward(model, unpacked, positions, sample_rows, temperature, chunk_tokens, entropy_grad)
+    dest = (torch.cat(token_rows).to(ids.device), torch.cat(token_cols).to(ids.device))
+    src = (torch.cat(slot_rows).to(ids.device), torch.cat(slot_cols).to(ids.device))
+    return (torch.zeros(ids.shape, dtype=lp.dtype, device=ids.device).index_put(dest, lp[src]),
+            torch.zeros(ids.shape, dtype=entropy.dtype, device=ids.device).index_put(dest, entropy[src]))  # fmt: skip
 
 
 #: Model attribute: True when the model's forward changes its LM head's output before returning it as logits.
