@@ -239,11 +239,14 @@ async def evaluate(
         if progress is not None:
             progress(done, count * k)
 
-    async def attempt(i: int, j: int):
-        """Sample j of task i, scored; None when it came from a version older than `min_version` (not scored)."""
+    async def attempt(i: int, j: int, retry: int):
+        """Sample j of task i, scored; None when it came from a version older than `min_version` (not scored).
+        `retry`: the failed attempts before this one."""
         # with a seed, its own one, the same at every version evaluated (common random numbers: the difference
-        # between two versions is less noisy than either score)
-        rollout = await env.rollout(client, tasks[i], sampling.for_request("eval", i, j))
+        # between two versions is less noisy than either score); a retry after a failure its own too: with the
+        # first attempt's seed a deterministic engine gave the same answer, and the environment failed on it again
+        key = ("eval", i, j) if retry == 0 else ("eval", i, j, "retry", retry)
+        rollout = await env.rollout(client, tasks[i], sampling.for_request(*key))
         if rollout.error:  # the episode stopped where the environment raised: its score is no policy's
             raise RuntimeError(f"environment error: {rollout.error}")
         if rollout.policy_version_min < min_version:  # a replica restarted on older weights, not yet known as such
@@ -256,7 +259,7 @@ async def evaluate(
         tries = olds = 0
         while True:  # left by a scored sample, an overlong task, or EvalFailed
             try:
-                scored = await attempt(i, j)
+                scored = await attempt(i, j, tries)
             except ContextLengthExceeded as e:  # the task cannot run on this model: left out, counted
                 overlong[i] = e
                 advanced()

@@ -158,11 +158,14 @@ class StepState:
 
 @dataclass(frozen=True)
 class RolloutKey:
-    """Which sample a `generate` call is for: rollout `index` (0..group_size-1) of a group of batch `step`.
-    With the task's own index it names the request's seed (`SamplingParams.for_request`)."""
+    """Which sample a `generate` call is for: rollout `index` (0..group_size-1) of a group of batch `step`, after
+    `retry` failed attempts. With the task's own index it names the request's seed (`SamplingParams.for_request`)."""
 
     step: int
     index: int
+    # a retry after a failure needs a seed of its own: with the first attempt's, a deterministic engine gave the
+    # same answer, and an environment that failed on that answer failed again until the run stopped
+    retry: int = 0
 
 
 class RolloutScheduler:
@@ -396,7 +399,7 @@ class RolloutScheduler:
         failures = 0
         while True:
             try:
-                sample = await self.generate(task, st.floor, RolloutKey(st.step, index))
+                sample = await self.generate(task, st.floor, RolloutKey(st.step, index, failures))
             except (asyncio.CancelledError, ContextLengthExceeded, SetupRefused):  # a refused key or model: at once
                 raise
             except Exception as e:

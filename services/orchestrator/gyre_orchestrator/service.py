@@ -658,7 +658,8 @@ class OrchestratorService:
         # with sampling.seed: a seed per (step, task, rollout), so a group's rollouts differ and a rerun repeats them;
         # in a mix per entry too (task i of two entries in one step had the same seeds)
         where = (index,) if len(self.envs) == 1 else (env_name, index)
-        sampling = self.entry_sampling[env_name].for_request("train", key.step, *where, key.index)
+        retry = ("retry", key.retry) if key.retry else ()  # a failed attempt's retry: a fresh seed (RolloutKey)
+        sampling = self.entry_sampling[env_name].for_request("train", key.step, *where, key.index, *retry)
         # priority = the batch: a backlog beyond the engines' rows never delays an older batch (client.py)
         rollout = await env.rollout(self.client.for_version(floor, priority=key.step), task, sampling)
         if rollout.error:

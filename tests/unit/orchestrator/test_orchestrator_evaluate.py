@@ -227,6 +227,29 @@ def test_an_eval_sample_that_fails_every_attempt_fails_the_eval_naming_it(tmp_pa
     assert sum(client.calls.values()) + len(client.calls) <= 2 * 2 * 2  # nothing ran on after it failed
 
 
+def test_a_failed_eval_sample_is_generated_again_with_a_fresh_seed(tmp_path):
+    # with sampling.seed, each sample's request had one seed for every attempt: a deterministic engine gave the same
+    # answer again, an environment that broke off on that answer broke off again, and the retries only failed the
+    # eval. A retry now has its own seed; the first attempt keeps the seed every version's eval shares.
+    replies = {"ab": ["AB"]}
+    env = FlakyEnv(dataset_env(tmp_path, replies), ["env_response failed: ValueError: unparsable answer"])
+
+    class SeedClient(TableClient):
+        seeds: list = []
+
+        async def chat(self, messages, *, tools=None, sampling):
+            self.seeds.append(sampling.seed)
+            return await super().chat(messages, tools=tools, sampling=sampling)
+
+    client = SeedClient(replies)
+    sampling = SamplingParams(temperature=1.0, max_tokens=4, seed=7)
+    result = asyncio.run(evaluate(env, client, env_name="d", num_examples=1, k=1, sampling=sampling))
+    assert result.failed_rollouts == 1 and result.avg_at_k == 1.0
+    first, retry = client.seeds
+    assert first == sampling.for_request("eval", 0, 0).seed  # unchanged: evals of two versions draw alike
+    assert retry != first
+
+
 def training_eval(tmp_path, replies, versions, *, done=()):
     """A TrainingEval of the dataset env every 2 versions, started on `versions` (a VersionWatch); returns it and its
     eval.jsonl path."""

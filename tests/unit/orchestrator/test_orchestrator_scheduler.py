@@ -394,6 +394,49 @@ async def test_request_seeds_differ_per_key_and_repeat_across_processes():
     assert SamplingParams(seed=None).for_request("train", 1, 0, 0).seed is None  # the server draws one
 
 
+async def test_a_failed_rollout_is_generated_again_with_a_fresh_seed():
+    """With sampling.seed, a retry after a failure asked for the first attempt's seed again: a deterministic engine
+    gave the same answer, an environment that broke off on it broke off again, and after sample_attempts the run
+    stopped. The scheduler names each retry (`RolloutKey.retry`) and the service derives a seed of its own from it;
+    a first attempt keeps its seed (a rerun repeats it)."""
+    from types import SimpleNamespace
+
+    from gyre_orchestrator.metrics import OrchestratorMetrics
+    from gyre_orchestrator.mix import MixTask
+    from gyre_orchestrator.service import OrchestratorService, RolloutFailed
+
+    keys = []
+
+    async def generate(task, floor, key):
+        keys.append(key)
+        if len(keys) < 3:
+            raise RuntimeError("environment error: unparsable answer")
+        return Fixed(reward=1.0)
+
+    sched = RolloutScheduler(generate, lambda: 0, VersionWatch(0), batch_size=1, group_size=1, max_async_level=0,
+                             max_steps=1, sample_attempts=3, retry_backoff_s=0.001, drop_zero_signal=False)  # fmt: skip
+    await asyncio.wait_for(sched.next_batch(), timeout=5)
+    await sched.stop()
+    assert keys == [RolloutKey(1, 0), RolloutKey(1, 0, 1), RolloutKey(1, 0, 2)]
+
+    seeds = []
+
+    class BrokenEnv:
+        async def rollout(self, client, task, sampling):
+            seeds.append(sampling.seed)
+            return SimpleNamespace(error="env_response failed: ValueError: unparsable answer")
+
+    service = SimpleNamespace(envs={"d": BrokenEnv()}, entry_sampling={"d": SamplingParams(seed=7)},
+                              client=SimpleNamespace(for_version=lambda floor, priority: None),
+                              metrics=OrchestratorMetrics("t"))  # fmt: skip
+    item = MixTask(env="d", index=3, draw=0, task=SimpleNamespace(id="t3"))
+    for key in keys:
+        with pytest.raises(RolloutFailed, match="unparsable answer"):
+            await OrchestratorService._generate(service, item, 0, key)
+    assert seeds[0] == derive_seed(7, "train", 1, 3, 0)  # as before: a rerun repeats its first attempts
+    assert len(set(seeds)) == 3
+
+
 async def test_a_sample_from_a_version_its_batch_cannot_come_from_is_dropped_and_generated_again():
     """Batch s trains version s, so while the trainer has not trained step s, a sample of version >= s is from
     weights that are no ancestor of the run's policy: a version the trainer rewound away from (the relay set it
