@@ -28,9 +28,20 @@ class OrchestratorMetrics:
         self.step = m.gauge("gyre_orchestrator_step", "Last batch step pushed to the stream.", run, r)
         self.batches = m.counter("gyre_orchestrator_batches_total", "Batches pushed to the stream.", run, r)
         self.samples = m.counter("gyre_orchestrator_samples_total", "Samples pushed in batches.", run, r)
-        self.reward_mean = m.gauge("gyre_orchestrator_reward_mean", "Mean reward of the last batch.", (*run, "env"), r)
+        # over the samples generated for the step, not the batch: with drop_zero_signal the batch's mean leaves out
+        # the all-equal groups (on a hard task, the all-zero ones) and would rise with filtering, not with learning
+        self.reward_mean = m.gauge(
+            "gyre_orchestrator_reward_mean",
+            "Mean reward of the samples generated for the last step (its dropped zero-signal groups included).",
+            (*run, "env"),
+            r,
+        )
         self.reward_std = m.gauge(
-            "gyre_orchestrator_reward_std", "Reward standard deviation of the last batch.", (*run, "env"), r
+            "gyre_orchestrator_reward_std",
+            "Reward standard deviation of the samples generated for the last step (its dropped zero-signal groups "
+            "included).",
+            (*run, "env"),
+            r,
         )
         self.eval_reward = m.gauge(
             "gyre_orchestrator_eval_reward",
