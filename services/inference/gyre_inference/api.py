@@ -247,11 +247,12 @@ def create_app(state: AppState) -> FastAPI:
     def model_cards() -> list[dict]:
         card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "gyre",
                 "root": state.model_path, "parent": None, "max_model_len": state.backend.max_model_len,
+                "permission": [_permission(state.model_id, state.created)],
                 "policy_version": state.backend.version}  # fmt: skip
         # named adapters (multi-run) in vLLM's shape: their own id, the served model as parent
         adapters = [
             {**card, "id": name, "root": name, "parent": state.model_id,
-             "policy_version": state.backend.adapter_version(name)}
+             "permission": [_permission(name, state.created)], "policy_version": state.backend.adapter_version(name)}
             for name in state.backend.adapter_names
         ]  # fmt: skip
         return [card, *adapters]
@@ -312,6 +313,16 @@ def create_app(state: AppState) -> FastAPI:
     if state.runtime_lora:
         add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     return app
+
+
+def _permission(model_id: str, created: int) -> dict:
+    """vLLM's model card's permission entry (its ModelPermission defaults), for clients that read vLLM's card whole;
+    its id is the model's (vLLM draws one per call: the same card read twice compared unequal)."""
+    return {"id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, model_id).hex}", "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+            "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None,
+            "is_blocking": False}  # fmt: skip
 
 
 def _served(state: AppState, body):

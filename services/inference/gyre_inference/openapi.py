@@ -138,6 +138,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "root": {"type": "string"},
             "parent": {"anyOf": [{"type": "string"}, {"type": "null"}]},
             "max_model_len": {"type": "integer"},
+            "permission": {"type": "array", "items": {"type": "object"}},
             "policy_version": {"type": "integer"},
         },
     },

@@ -44,6 +44,12 @@ def test_version_health_and_the_model_card(http, server, tool_model):
     [card] = http.get("/v1/models").json()["data"]
     assert card["id"] == str(tool_model) and card["root"] == str(tool_model) and card["parent"] is None
     assert card["object"] == "model" and card["max_model_len"] == 256 and isinstance(card["created"], int)
+    # vLLM's card carries a permission entry (its ModelPermission); a client reading vLLM's card whole found none
+    [permission] = card["permission"]
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]
+    assert permission["organization"] == "*" and permission["group"] is None and not permission["is_blocking"]
+    assert http.get(f"/v1/models/{card['id']}").json()["permission"][0]["object"] == "model_permission"
 
 
 @pytest.mark.parametrize(
