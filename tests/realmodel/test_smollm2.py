@@ -2,7 +2,7 @@
 
 One `gyre model import smollm2` per session (conftest.py); every step here is tiny (few prompts, few tokens), so
 the file costs a few minutes of CPU: the import and its check, SFT masks with the model's own tokenizer and
-template, the torch backend's log-probs against transformers, `gyre sft` and `gyre rl` end to end, and
+template, the torch backend's log-probs against transformers and the trainer's, `gyre sft` and `gyre rl` end to end, and
 `gyre eval` on each kind of environment against a real server (with its end-of-turn handling).
 """
 
@@ -84,6 +84,44 @@ def test_torch_backend_logprobs_equal_transformers(smollm2):
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (temperature, logprobs, expected)
         if temperature == 0:
             assert tokens == logits.argmax(-1).tolist()  # greedy = transformers' argmax, token for token
+
+
+def test_the_trainer_scores_sampled_tokens_at_the_log_probs_inference_reported(smollm2):
+    """The importance ratio's two sides on the real model: completions sampled by the torch backend at temperatures
+    other than 1, packed into one row as a batch carries them, get from the trainer the log-probs inference
+    reported for exactly those tokens (no shift, the same temperature), so r = 1 on-policy."""
+    from gyre.config.shared import ModelConfig
+    from gyre_inference.backend import SamplingParams
+    from gyre_inference.torch_backend import TorchBackend
+    from gyre_trainer.model import load_model, packed_logprobs
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+               for q in ("What is 17 + 25?", "Name a fruit.")]  # fmt: skip
+
+    async def sample(temperature: float):
+        engine = TorchBackend(smollm2, threads=2, max_batch_size=4, max_model_len=256)
+        await engine.start()
+        try:
+            return await asyncio.gather(*(_collect(engine.generate(p, SamplingParams(max_tokens=10,
+                                          temperature=temperature, seed=3))) for p in prompts))  # fmt: skip
+        finally:
+            await engine.shutdown()
+
+    model = load_model(ModelConfig(name=str(smollm2)), "cpu", torch.float32)
+    for temperature in (0.7, 1.3):
+        runs = asyncio.run(sample(temperature))
+        ids = torch.tensor([t for p, (tokens, _) in zip(prompts, runs, strict=True) for t in [*p, *tokens]])
+        lengths = torch.tensor([len(p) + len(tokens) for p, (tokens, _) in zip(prompts, runs, strict=True)])
+        positions = torch.cat([torch.arange(int(n)) for n in lengths])
+        with torch.no_grad():
+            lp, _ = packed_logprobs(model, ids, positions, lengths, temperature)
+        sampled = torch.cat([torch.cat([torch.zeros(len(p), dtype=torch.bool), torch.ones(len(t), dtype=torch.bool)])
+                             for p, (t, _) in zip(prompts, runs, strict=True)])  # fmt: skip
+        reported = torch.tensor([x for _, logprobs in runs for x in logprobs])
+        torch.testing.assert_close(lp[sampled], reported, rtol=0, atol=2e-4)
 
 
 async def _collect(events):
