@@ -236,30 +236,45 @@ def _one_sample_per_row(
     model, ids: Tensor, rows: list[Tensor], temperature: float, chunk_tokens: int, entropy_grad: bool
 ) -> tuple[Tensor, Tensor]:
     """`packed_logprobs` for a model that mixes packed samples: each sample alone at the start of a row of its own,
-    right-padded to the longest (a causal model's sample never sees the padding after it), then put back in place."""
+    right-padded (a causal model's sample never sees the padding after it), then put back in place.
+
+    Samples go longest first into forwards of at most as many tokens as the packed rows hold, each padded to its
+    own longest sample: padding to the micro-batch's longest sample (a row per sample) multiplied the activations
+    by the number of samples where rows hold many short ones next to a long one."""
     where = []  # (row, start, length) of every sample
     for row, lengths in enumerate(rows):
         starts = (torch.cumsum(lengths, 0) - lengths).tolist()
         where += [(row, start, n) for start, n in zip(starts, lengths.tolist(), strict=True) if n]
-    width = max(n for _, _, n in where)
-    unpacked = torch.zeros((len(where), width), dtype=ids.dtype, device=ids.device)
-    positions = torch.zeros((len(where), width), dtype=torch.long)
-    sample_rows, token_rows, token_cols, slot_rows, slot_cols = [], [], [], [], []
-    for k, (row, start, n) in enumerate(where):
-        unpacked[k, :n] = ids[row, start : start + n]
-        positions[k, :n] = torch.arange(n)
-        positions[k, n:] = torch.arange(width - n)  # the padding: a segment of its own
-        sample_rows.append(torch.tensor([n, width - n] if n < width else [n]))
-        token_rows.append(torch.full((n,), row))
-        token_cols.append(torch.arange(start, start + n))
-        slot_rows.append(torch.full((n,), k))
-        slot_cols.append(torch.arange(n))
-    positions = positions.to(ids.device, non_blocking=True)
-    lp, entropy = _packed_forward(model, unpacked, positions, sample_rows, temperature, chunk_tokens, entropy_grad)
-    dest = (torch.cat(token_rows).to(ids.device), torch.cat(token_cols).to(ids.device))
-    src = (torch.cat(slot_rows).to(ids.device), torch.cat(slot_cols).to(ids.device))
-    return (torch.zeros(ids.shape, dtype=lp.dtype, device=ids.device).index_put(dest, lp[src]),
-            torch.zeros(ids.shape, dtype=entropy.dtype, device=ids.device).index_put(dest, entropy[src]))  # fmt: skip
+    where.sort(key=lambda sample: -sample[2])
+    groups: list[list[tuple[int, int, int]]] = []
+    for sample in where:
+        if not groups or (len(groups[-1]) + 1) * groups[-1][0][2] > ids.numel():
+            groups.append([])
+        groups[-1].append(sample)
+    dest_rows, dest_cols, lps, entropies = [], [], [], []
+    for group in groups:
+        width = group[0][2]
+        unpacked = torch.zeros((len(group), width), dtype=ids.dtype, device=ids.device)
+        positions = torch.zeros((len(group), width), dtype=torch.long)
+        sample_rows, src_rows, src_cols = [], [], []
+        for k, (row, start, n) in enumerate(group):
+            unpacked[k, :n] = ids[row, start : start + n]
+            positions[k, :n] = torch.arange(n)
+            positions[k, n:] = torch.arange(width - n)  # the padding: a segment of its own
+            sample_rows.append(torch.tensor([n, width - n] if n < width else [n]))
+            dest_rows.append(torch.full((n,), row))
+            dest_cols.append(torch.arange(start, start + n))
+            src_rows.append(torch.full((n,), k))
+            src_cols.append(torch.arange(n))
+        positions = positions.to(ids.device, non_blocking=True)
+        lp, entropy = _packed_forward(model, unpacked, positions, sample_rows, temperature, chunk_tokens, entropy_grad)
+        src = (torch.cat(src_rows).to(ids.device), torch.cat(src_cols).to(ids.device))
+        lps.append(lp[src])
+        entropies.append(entropy[src])
+    dest = (torch.cat(dest_rows).to(ids.device), torch.cat(dest_cols).to(ids.device))
+    lp, entropy = torch.cat(lps), torch.cat(entropies)
+    return (torch.zeros(ids.shape, dtype=lp.dtype, device=ids.device).index_put(dest, lp),
+            torch.zeros(ids.shape, dtype=entropy.dtype, device=ids.device).index_put(dest, entropy))  # fmt: skip
 
 
 #: Model attribute: True when the model's forward changes its LM head's output before returning it as logits.

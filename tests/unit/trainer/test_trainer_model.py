@@ -337,9 +337,14 @@ def test_a_model_whose_layers_mix_packed_samples_gets_each_sample_alone(arch, dt
     pad = torch.zeros(5, dtype=torch.long)
     rows = [packed_row([samples[0], samples[2], pad]),
             packed_row([samples[3], samples[1], samples[0], samples[0], pad[:4]])]  # fmt: skip
+    shapes = []  # the forwards' (rows, width): samples longest first, padded to the longest of their forward
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                           with_kwargs=True)  # fmt: skip
     with torch.no_grad():
         two, _ = packed_logprobs(model, torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]),
                                  [r[2] for r in rows])  # fmt: skip
+    hook.remove()
+    assert shapes == [(4, 12), (4, 5)]  # lengths 12, 7, 7, 7 | 5, 5 (padding), 4 (padding), 1: 68 tokens, not 8 x 12
     torch.testing.assert_close(two[0, :19].double(), torch.cat([expected[0][0], expected[2][0]]), **close)
     torch.testing.assert_close(two[1, 6:20].double(), torch.cat([expected[0][0]] * 2), **close)
     assert model.training
