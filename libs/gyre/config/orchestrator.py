@@ -261,6 +261,23 @@ class RelayConfig(Section):
     poll_store_s: float = Field(5.0, gt=0, description="Also look for new versions on the volume this often.")
 
 
+class OverlongBufferConfig(Section):
+    """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer): a sample whose completion ends within
+    the last `len` tokens of its limit loses reward, linearly, up to `penalty_factor` at the limit."""
+
+    len: int = Field(
+        0,
+        ge=0,
+        description="Buffer in completion tokens (model tokens only), L_buf: a sample longer than L_max - L_buf gets "
+        "reward += -penalty_factor * min((length - (L_max - L_buf)) / L_buf, 1), L_max its entry's sampling.max_tokens "
+        "(x the environment's max_turns for a multi-turn one); the shaped reward is what groups are filtered and "
+        "advantages computed on. 0 = off. Must be < every entry's max_tokens.",
+    )
+    penalty_factor: float = Field(
+        1.0, ge=0, allow_inf_nan=False, description="The largest penalty, reached at the length limit (DAPO: 1)."
+    )
+
+
 class AdvantageConfig(Section):
     type: Literal["grpo", "drgrpo", "rloo", "opo"] = Field("drgrpo", description="Group advantage estimator.")
     std_norm: Literal["group", "batch", "none"] = Field("group", description="grpo: std used for scaling.")
@@ -277,6 +294,16 @@ class AdvantageConfig(Section):
         description="A step generates at most this many x batch_size groups (dropped ones replaced), so filtering "
         "makes a batch at most this many times slower to generate; then it closes with what it kept (with nothing "
         "kept: with its zero-signal groups, all advantages 0).",
+    )
+    overlong_buffer: OverlongBufferConfig = Field(
+        default_factory=OverlongBufferConfig,
+        description="Overlong reward shaping, DAPO's soft overlong punishment (len, penalty_factor; off by default).",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="DAPO's overlong filtering: samples cut at the length limit (stop_reason length) are left out of "
+        "the batch, so out of the loss and its normalisers; their group's advantages are still computed over all its "
+        "samples (counted: masked_truncated in the step lines).",
     )
 
 
@@ -450,6 +477,18 @@ class OrchestratorConfig(ServiceConfig):
                     f"{key}: 1 sample per task gives every group advantage "
                     f"(advantage.type = {self.advantage.type!r}) the value 0, so nothing is learned: set it >= 2 "
                     "(only on-policy distillation, with [teacher], trains on groups of 1)"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> OrchestratorConfig:
+        # refused here, not at the first sample: a buffer of the whole limit or more penalises every sample
+        buffer = self.advantage.overlong_buffer.len
+        for i, entry in enumerate(self.envs):
+            if buffer and buffer >= self.max_tokens(entry):
+                raise ValueError(
+                    f"advantage.overlong_buffer.len: {buffer} must be < {self.max_tokens_key(i)} = "
+                    f"{self.max_tokens(entry)} (the penalty starts max_tokens - len tokens into the completion)"
                 )
         return self
 

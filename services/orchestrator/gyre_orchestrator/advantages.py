@@ -37,6 +37,21 @@ def is_zero_signal(rewards: Sequence[float], atol: float = ZERO_SIGNAL_ATOL) -> 
     return r.size == 0 or float(r.max() - r.min()) <= atol
 
 
+def overlong_penalty(length: int, max_length: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment of a sample of `length` completion tokens (model tokens only) under a
+    generation limit of `max_length`: 0 up to `max_length - buffer`, then falling linearly to `-factor` at the limit
+    (and held there): -factor * min((length - (max_length - buffer)) / buffer, 1). `buffer` 0 = off (0 always).
+    Added to the sample's reward before advantages (docs/algorithms.md, "Overlong reward shaping")."""
+    if buffer <= 0 or factor == 0:
+        return 0.0
+    if buffer >= max_length or factor < 0:  # the config refuses these; a direct caller gets the same rule
+        raise ValueError(f"overlong buffer {buffer} must be < the length limit {max_length}, factor {factor} >= 0")
+    excess = length - (max_length - buffer)
+    if excess <= 0:
+        return 0.0
+    return -factor * min(excess / buffer, 1.0)
+
+
 def _std(values: np.ndarray) -> float:
     # Bessel's correction; a single value has no spread (and no signal)
     return float(values.std(ddof=1)) if values.size > 1 else 0.0

@@ -42,10 +42,12 @@ class ScoredRollout:
     teacher_logprobs: list[float] | None = None  # the teacher's log-prob of each token (distillation)
     env: str = ""  # the environment's label (a mix's entry)
     draw: int | None = 0  # the mix's draw that chose its task (None: a refill from its entry, advantage.refill)
+    overlong_penalty: float = 0.0  # advantage.overlong_buffer's shaping (<= 0), already in `reward`
 
     @property
     def reward(self) -> float:
-        return self.score.reward
+        """The shaped reward: the rubric's plus the overlong penalty (what groups are filtered and advantaged on)."""
+        return self.score.reward + self.overlong_penalty
 
     @property
     def min_version(self) -> int:
@@ -64,6 +66,8 @@ def rollout_record(step: int, sample: ScoredRollout, meta: dict) -> dict:
             "num_turns", "num_loss_tokens", "group")  # fmt: skip
     record = {"step": step, "prompt": r.prompt, "completion": r.completion, "answer": sample.task.answer,
               **{k: meta[k] for k in keys}}  # fmt: skip
+    if "overlong_penalty" in meta:  # advantage.overlong_buffer: the shaping already in `reward`
+        record["overlong_penalty"] = meta["overlong_penalty"]
     # the environment's explanation of this sample (why it scored what it did), capped: a traceback stays small
     details = r.state.get(DETAILS)
     if sample.score.errors:  # a reward function that raised scored 0: its exception is this sample's reason too
@@ -207,8 +211,10 @@ class StepRecords:
         build_seconds: float,
         scoring_failures: int,
         reward_errors: dict[str, int],
+        masked_truncated: int | None = None,
     ) -> dict:
-        """The step's line of orchestrator_steps.jsonl (and of W&B)."""
+        """The step's line of orchestrator_steps.jsonl (and of W&B). `masked_truncated`: samples left out of the batch
+        as cut at the length limit (None: advantage.mask_truncated is off, the line has no such key)."""
         generated = np.asarray(st.all_rewards, dtype=np.float64)
         lags = np.asarray([s.meta["lag"] for s in samples], dtype=np.float64)
         num_tokens = int(sum(s.length for s in samples))
@@ -253,6 +259,14 @@ class StepRecords:
             # per environment (one, or a mix's entries by label): counts, rewards and cumulative samples
             "envs": env_figures(st, samples, self.labels),
         }
+        if self.cfg.advantage.overlong_buffer.len:
+            # the shaping, over the step's admitted samples (the batch health's): reward_* hold it, the rubric's
+            # reward is reward - penalty
+            admitted = [s.overlong_penalty for g in st.kept for s in g.samples]
+            record["overlong_penalty_mean"] = float(np.mean(admitted)) if admitted else 0.0
+            record["overlong_penalized"] = sum(p < 0 for p in admitted)
+        if masked_truncated is not None:
+            record["masked_truncated"] = masked_truncated
         # completion tokens generated per wall second since the previous step's line (PRIME-RL's throughput; the
         # process's first step: since its generation began): what the async level and the replicas deliver
         now = time.monotonic()

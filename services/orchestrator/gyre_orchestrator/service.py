@@ -43,12 +43,12 @@ from gyre.streams import BatchStream, stream_id
 from gyre.transport import open_store
 from gyre.wandb_log import WandbLogger
 
-from gyre_orchestrator.advantages import compute_advantages
+from gyre_orchestrator.advantages import compute_advantages, overlong_penalty
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.evaluate import TrainingEval
 from gyre_orchestrator.metrics import OrchestratorMetrics
 from gyre_orchestrator.mix import MixTask, TaskMix
-from gyre_orchestrator.packing import TrainSample, pack_batch
+from gyre_orchestrator.packing import PackResult, TrainSample, pack_batch
 from gyre_orchestrator.progress import ProgressStore, resume_point
 from gyre_orchestrator.records import ScoredRollout, StepRecords, rollout_record
 from gyre_orchestrator.relay import WeightRelay
@@ -675,8 +675,15 @@ class OrchestratorService:
         self._note_reward_errors(task, score.errors)
         seconds = time.monotonic() - start
         self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)  # its outcome: on admission
+        # DAPO's overlong shaping: the sample's model tokens (all turns) against its generation budget, the entry's
+        # max_tokens per turn x the environment's turns (a single-turn one: max_tokens, as in DAPO)
+        buffer = self.cfg.advantage.overlong_buffer
+        penalty = overlong_penalty(rollout.num_completion_tokens,
+                                   self.entry_sampling[env_name].max_tokens * getattr(env, "max_turns", 1),
+                                   buffer.len, buffer.penalty_factor)  # fmt: skip
         return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds,
-                             teacher_logprobs=teacher, env=env_name, draw=item.draw)  # fmt: skip
+                             teacher_logprobs=teacher, env=env_name, draw=item.draw,
+                             overlong_penalty=penalty)  # fmt: skip
 
     def _note_reward_errors(self, task: Task, errors: dict[str, str]) -> None:
         """A reward function that raised scores 0 (a reward bug must not stop training) but is never silent: its
@@ -702,10 +709,13 @@ class OrchestratorService:
         return [value if sampled else 0.0 for value, sampled in zip(values, rollout.loss_mask, strict=False)]
 
     # ---- one batch ------------------------------------------------------------------------------
-    def build_samples(self, st: StepState, records: list[dict] | None = None) -> tuple[list[TrainSample], int]:
-        """Advantages + per-sample metadata; returns (samples, number cut to seq_len).
+    def build_samples(self, st: StepState, records: list[dict] | None = None) -> tuple[list[TrainSample], int, int]:
+        """Advantages + per-sample metadata; returns (samples, number cut to seq_len, number left out as truncated).
 
         With `records`, also appends each trained sample's rollout-dump line (`gyre.rollouts`) to it.
+        With `advantage.mask_truncated`, a sample cut at the length limit is left out of the batch (DAPO's overlong
+        filtering) after its group's advantages were computed over all the group's samples, as DAPO does: out of the
+        loss and of its normalisers (loss tokens, samples), which a zero advantage alone would not be.
         """
         cfg = self.cfg
         groups = st.kept
@@ -713,6 +723,7 @@ class OrchestratorService:
         lengths = [[s.rollout.num_completion_tokens for s in g.samples] for g in groups]
         advantages = compute_advantages(rewards, cfg.advantage.type, std_norm=cfg.advantage.std_norm, lengths=lengths)
         samples: list[TrainSample] = []
+        masked: list[tuple[TrainSample, ScoredRollout]] = []  # truncated samples left out (mask_truncated)
         cut = 0
         for gi, (group, adv) in enumerate(zip(groups, advantages, strict=True)):
             for s, a in zip(group.samples, adv, strict=True):
@@ -744,18 +755,37 @@ class OrchestratorService:
                     "rewards": dict(s.score.per_function),
                     "temperature": self.sampling.temperature,
                 }
-                samples.append(TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta, teacher,
-                                           scored))  # fmt: skip
+                if cfg.advantage.overlong_buffer.len:
+                    meta["overlong_penalty"] = s.overlong_penalty  # `reward` holds it: the rubric's is reward - this
+                sample = TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta, teacher,
+                                     scored)  # fmt: skip
+                if cfg.advantage.mask_truncated and r.stop_reason == "length":
+                    masked.append((sample, s))
+                    continue
+                samples.append(sample)
                 if records is not None:
                     records.append(rollout_record(st.step, s, meta))
-        return samples, cut
+        if masked and not samples:
+            # every sample was cut at the limit: the step still needs a batch (the trainer waits for it), one with no
+            # loss token, whose update the trainer skips (the step counts as trained)
+            log.warning("step %d: every sample (%d) was cut at the length limit and advantage.mask_truncated leaves "
+                        "them out of the loss: the batch has no loss token and trains nothing", st.step,
+                        len(masked))  # fmt: skip
+            for sample, s in masked:
+                sample.loss_mask[:] = False
+                sample.meta["num_loss_tokens"] = 0
+                samples.append(sample)
+                if records is not None:
+                    records.append(rollout_record(st.step, s, sample.meta))
+        return samples, cut, len(masked)
 
-    async def push(self, st: StepState) -> None:
+    def build_batch(
+        self, st: StepState, records: list[dict] | None = None
+    ) -> tuple[list[TrainSample], PackResult, int, int]:
+        """The step's samples (`build_samples`) packed into the batch the trainer gets: (samples, packed, number cut
+        to seq_len, number left out as truncated)."""
         cfg = self.cfg
-        start = time.monotonic()
-        interval = cfg.rollouts.interval
-        records = [] if interval is not None and (st.step == 1 or st.step % interval == 0) else None
-        samples, cut = self.build_samples(st, records)
+        samples, cut, masked = self.build_samples(st, records)
         if not samples:
             raise RuntimeError(f"step {st.step}: every sample was empty after truncation (no sampled token within "
                                "batch.seq_len); raise batch.seq_len")  # fmt: skip
@@ -770,12 +800,21 @@ class OrchestratorService:
                 self.entry_sampling[key].max_tokens * getattr(env, "max_turns", 1) for key, env in self.envs.items()
             ),
         )
+        return samples, packed, cut, masked
+
+    async def push(self, st: StepState) -> None:
+        cfg = self.cfg
+        start = time.monotonic()
+        interval = cfg.rollouts.interval
+        records = [] if interval is not None and (st.step == 1 or st.step % interval == 0) else None
+        samples, packed, cut, masked = self.build_batch(st, records)
         payload = await asyncio.to_thread(encode_batch, packed.batch)
         if await asyncio.to_thread(self._trained_meanwhile, st.step, len(samples)):
             self.last_step = st.step
             return
+        masked = masked if cfg.advantage.mask_truncated else None  # off: the step line has no such key
         record = self.step_records.record(
-            st, samples, packed, cut, time.monotonic() - start, self.scoring_failures, self.reward_errors
+            st, samples, packed, cut, time.monotonic() - start, self.scoring_failures, self.reward_errors, masked
         )
         # The step's line and its rollout dump go before the push: killed between them and the push, the resumed run
         # pushes this step again, and its newer line replaces this one (readers keep the newest record per step), its
