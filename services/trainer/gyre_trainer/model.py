@@ -195,10 +195,10 @@ def _packing_mixes_samples(model, device: torch.device) -> bool:
     """Decide once per model whether samples packed into one row influence each other's log-probs.
 
     Position ids without an attention mask keep packed samples apart only where transformers' mask code (or the
-    varlen kernel) runs for every layer. Hybrid models' state-space and linear-attention layers (Falcon-H1, Bailing
-    hybrid) and models with masks of their own (AFMoE, OPT) carried one sample's state into the next: its
-    log-probs and gradient depended on whatever was packed before it (0.06-0.4 nats on tiny random models), and
-    no metric showed it. The probe: two rows, [A, C] and [B, C] (A ≠ B, same lengths), in one no-grad forward with
+    varlen kernel) runs for every layer. Hybrid models' state-space and linear-attention layers (Qwen3.5, Qwen3-Next,
+    Nemotron-H, Falcon-H1, Jamba...: docs/trainer.md) and models with masks of their own (AFMoE) carried one sample's
+    state into the next: its log-probs and gradient depended on whatever was packed before it (0.01-0.4 nats on
+    tiny random models), and no metric showed it. The probe: two rows, [A, C] and [B, C] (A ≠ B, same lengths), in one no-grad forward with
     the dropout layers off, the RNG left as it was; C must get the same log-probs in both. Every rank runs it.
     """
     mixes = getattr(model, _MIXES_SAMPLES, None)

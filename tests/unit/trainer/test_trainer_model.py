@@ -313,11 +313,13 @@ def _hybrid_model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
     return model.train()
 
 
-# Mamba-2 layers; an attention mask of its own (its grouped experts' matmul takes no float64)
-@pytest.mark.parametrize("arch, dtype", [("falcon_h1", torch.float64), ("afmoe", torch.float32)])
+# Mamba-2 layers; gated delta-net layers; a mask of its own (float32 where a kernel takes or keeps no float64)
+@pytest.mark.parametrize("arch, dtype", [("falcon_h1", torch.float64), ("qwen3_5_text", torch.float32),
+                                         ("afmoe", torch.float32)])  # fmt: skip
 def test_a_model_whose_layers_mix_packed_samples_gets_each_sample_alone(arch, dtype, samples, caplog):
     """Position ids keep samples apart only where transformers' mask code runs for every layer: Falcon-H1's state-space
-    layers and AFMoE's own masks carried one sample into the next (0.06-0.4 nats on these tiny models), silently."""
+    layers, Qwen3.5's linear attention and AFMoE's own masks carried one sample into the next (0.01-0.4 nats on these
+    tiny models), silently."""
     model = _hybrid_model(arch, dtype)
     close = {"rtol": 1e-9, "atol": 1e-9} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
     ids, positions, lengths = packed_row(samples)
