@@ -198,8 +198,9 @@ def _packing_mixes_samples(model, device: torch.device) -> bool:
     varlen kernel) runs for every layer. Hybrid models' state-space and linear-attention layers (Qwen3.5, Qwen3-Next,
     Nemotron-H, Falcon-H1, Jamba...: docs/trainer.md) and models with masks of their own (AFMoE) carried one sample's
     state into the next: its log-probs and gradient depended on whatever was packed before it (0.01-0.4 nats on
-    tiny random models), and no metric showed it. The probe: two rows, [A, C] and [B, C] (A ≠ B, same lengths), in one no-grad forward with
-    the dropout layers off, the RNG left as it was; C must get the same log-probs in both. Every rank runs it.
+    tiny random models), and no metric showed it. The probe: two rows, [A, C] and [B, C] (A ≠ B, same lengths), in
+    one no-grad forward with the dropout layers off, the RNG left as it was; C must get the same log-probs in both.
+    Every rank runs it.
     """
     mixes = getattr(model, _MIXES_SAMPLES, None)
     if mixes is not None:
