@@ -178,6 +178,19 @@ class OrchestratorMetrics:
             (*run, "env"),
             r,
         )
+        self.overlong_penalty = m.gauge(
+            "gyre_orchestrator_overlong_penalty_mean",
+            "Mean overlong penalty (advantage.overlong_buffer, <= 0, already in the reward) of the last batch's "
+            "samples; set only with the shaping on.",
+            (*run, "env"),
+            r,
+        )
+        self.masked_truncated = m.counter(
+            "gyre_orchestrator_masked_truncated_samples_total",
+            "Samples cut at the length limit and left out of the loss (advantage.mask_truncated).",
+            run,
+            r,
+        )
         self.rubric_score = m.gauge(
             "gyre_orchestrator_rubric_score_mean",
             "Mean unweighted score of each rubric function (the reward's components) over the last batch.",

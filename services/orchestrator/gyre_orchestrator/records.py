@@ -310,9 +310,12 @@ class StepRecords:
                 labels(m.response_length, env=env, stat="mean").set(health["response_length_mean"])
                 labels(m.response_length, env=env, stat="p95").set(health["response_length_p95"])
                 labels(m.truncated_ratio, env=env).set(health["truncated_ratio"])
+                if cfg.advantage.overlong_buffer.len:
+                    labels(m.overlong_penalty, env=env).set(float(np.mean([s.overlong_penalty for s in mine])))
                 for name, value in health["rubric_scores"].items():
                     labels(m.rubric_score, env=env, function=name).set(value)
         labels(m.generated_groups).inc(st.generated_groups)
+        labels(m.masked_truncated).inc(record.get("masked_truncated", 0))
         labels(m.generated_tokens).inc(record["generated_tokens"])
         labels(m.wasted_tokens).inc(record["wasted_tokens"])
         labels(m.batch_tokens).inc(record["num_tokens"])

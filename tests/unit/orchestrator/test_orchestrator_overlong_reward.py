@@ -111,6 +111,10 @@ async def test_a_sample_in_the_buffer_gets_its_reward_shaped_before_the_advantag
     assert [m["overlong_penalty"] for m in packed.batch.samples] == pytest.approx([0.0, -0.25, -0.5])
     line = service.step_records.record(st, built, packed, 0, 0.0, 0, {})
     assert line["overlong_penalty_mean"] == pytest.approx(-0.25) and line["overlong_penalized"] == 2
+    service.step_records.account(st, line, [0, 0, 0], ({}, 0))
+    gauge = service.metrics.registry.get_sample_value(
+        "gyre_orchestrator_overlong_penalty_mean", {"run_id": cfg.run_id, "env": "reverse_text"})  # fmt: skip
+    assert gauge == pytest.approx(-0.25)
 
 
 def scored(completion: int, reward: float, stop_reason: str = "done") -> ScoredRollout:
@@ -151,8 +155,11 @@ async def test_a_truncated_sample_is_left_out_of_the_loss_the_trainer_gets(tmp_p
     # its tokens are in no loss mask and no normaliser (token sum, sample count)
     assert masked == 1 and PROMPT + 20 not in trained
     assert batch.num_samples == 2 and batch.num_loss_tokens == 11 and sorted(counts.values()) == [5, 6]
-    assert service.step_records.record(st, built, packed, 0, 0.0, 0, {}, masked_truncated=masked)[
-        "masked_truncated"] == 1  # fmt: skip
+    line = service.step_records.record(st, built, packed, 0, 0.0, 0, {}, masked)
+    assert line["masked_truncated"] == 1
+    service.step_records.account(st, line, [0, 0], ({}, 0))
+    total = "gyre_orchestrator_masked_truncated_samples_total"
+    assert service.metrics.registry.get_sample_value(total, {"run_id": cfg.run_id}) == 1
 
 
 @pytest.mark.asyncio
