@@ -61,8 +61,12 @@ def load_model(
     activation_checkpointing: bool = False,
     attn_implementation: str | None = None,
     compile: bool | None = None,
+    dropout: bool = True,
 ):
     """The HF causal LM in `model_cfg.name`, on `device`, in training mode, without a KV cache.
+
+    `dropout=False` builds it with every dropout of its config at 0 (`without_dropout`): RL's importance ratio
+    compares the trainer's log-probs with the sampler's, which has no dropout.
 
     `dtype` overrides `model_cfg.dtype`; `attn_implementation` overrides the config's
     `attn_implementation` (`auto` when the config has none; see `attention.py`). With
@@ -82,7 +86,15 @@ def load_model(
     # A hub id is "org/name"; anything else that does not exist is a missing local folder.
     if not path.exists() and (path.is_absolute() or model_cfg.name.startswith(".") or model_cfg.name.count("/") > 1):
         raise FileNotFoundError(f"model folder {path} does not exist (create one with `gyre model init`)")
-    model = AutoModelForCausalLM.from_pretrained(model_cfg.name, dtype=dtype, attn_implementation=attn_implementation)
+    extra = {} if dropout else {"config": without_dropout(model_cfg.name)}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_cfg.name, dtype=dtype, attn_implementation=attn_implementation, **extra
+    )
+    if not dropout:  # the modules were built without it; the config keeps the model's own values (published as is)
+        for key, value in model.config.gyre_dropout.items():
+            part = model.config.get_text_config() if key.startswith("text_config.") else model.config
+            setattr(part, key.removeprefix("text_config."), value)
+        del model.config.gyre_dropout
     model.config.use_cache = False
     model.gyre_compile = bool(getattr(model_cfg, "compile", False) if compile is None else compile)
     if activation_checkpointing:
@@ -97,6 +109,41 @@ def load_model(
     return model.to(device).train()
 
 
+def _dropout_keys(config) -> dict[str, float]:
+    """The dropout probabilities a config sets above 0 (`attention_dropout`, `hidden_dropout_prob`, GPT-2's
+    `resid_pdrop`...)."""
+    return {key: value for key, value in vars(config).items()
+            if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0}  # fmt: skip
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def without_dropout(name: str):
+    """`name`'s config with every dropout probability at 0, the values it had kept in `gyre_dropout`. A model with
+    dropout (OPT, GPT-2, Phi-2: 0.1) trained in training mode drew a new mask per forward: the trainer's log-probs
+    of the tokens the sampler drew were noisy, and so were the importance ratio and its clipping, which compare
+    them with the sampler's (no dropout there)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name)
+    found = _dropout_keys(config)
+    parts = [("", config)]
+    text = _text_config(config)
+    if text is not config:
+        parts.append(("text_config.", text))
+    for prefix, part in parts:
+        for key in _dropout_keys(part):
+            found.setdefault(prefix + key, getattr(part, key))
+            setattr(part, key, 0.0)
+    if found:
+        log.info("dropout off for RL (the sampler has none): %s set to 0 for training; the published config keeps "
+                 "them", ", ".join(f"{k} = {v:g}" for k, v in sorted(found.items())))  # fmt: skip
+    config.gyre_dropout = found
+    return config
+
+
 def load_tokenizer(model_cfg: ModelConfig):
     """The tokenizer saved next to the model (weights published by the trainer carry it along)."""
     from transformers import AutoTokenizer
@@ -105,9 +152,10 @@ def load_tokenizer(model_cfg: ModelConfig):
 
 
 def _as_lengths(lengths, device: torch.device) -> Tensor:
+    """A row's sample lengths as a 1-D tensor (a row of one sample may be given as its length alone)."""
     if isinstance(lengths, Tensor):
-        return lengths.to(device=device, dtype=torch.long)
-    return torch.as_tensor(np.asarray(lengths, dtype=np.int64), device=device)
+        return lengths.to(device=device, dtype=torch.long).reshape(-1)
+    return torch.as_tensor(np.asarray(lengths, dtype=np.int64), device=device).reshape(-1)
 
 
 def packed_logprobs(
@@ -212,6 +260,11 @@ def _packing_mixes_samples(model, device: torch.device) -> bool:
     # only the dropouts that drop anything are switched off: a module's training flag is part of a compiled layer's
     # guards, so switching every module to eval would compile each layer once more
     dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
+    config = getattr(model, "config", None)
+    if config is not None and model.training and (_dropout_keys(config) or _dropout_keys(_text_config(config))):
+        # a dropout its layers apply themselves (attention_dropout: no module to switch off) differs per row: the
+        # probe found such a Llama "mixing" its samples; these few models pay the compile of eval mode
+        dropouts = [model]
     for module in dropouts:
         module.eval()
     try:

@@ -175,7 +175,8 @@ class TrainerProcess:
         cfg, ctx = self.cfg, self.ctx
         dist.seed_everything(cfg.seed, cfg.deterministic)
         self.dtype = resolve_dtype(cfg.model.dtype, ctx.device)
-        model = load_model(cfg.model, ctx.device, self.dtype, activation_checkpointing=cfg.activation_checkpointing)
+        model = load_model(cfg.model, ctx.device, self.dtype, activation_checkpointing=cfg.activation_checkpointing,
+                           dropout=False)  # fmt: skip
         self.hf_config = model.config
         self.peak_flops = peak_flops(ctx.device, self.dtype)
         return model

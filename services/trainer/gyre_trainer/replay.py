@@ -60,7 +60,8 @@ def replay(step_dir: Path, device: str = "cpu", threads: int | None = None, mode
     dtype = getattr(torch, info["dtype"])
     model_cfg = TrainerModelConfig(**info["model"])
     base = model_cfg.model_copy(update={"name": model_name or model_cfg.name})
-    kwargs = {"activation_checkpointing": info["activation_checkpointing"]}
+    # built as the RL trainer builds it: the model's own dropout off (model.load_model)
+    kwargs = {"activation_checkpointing": info["activation_checkpointing"], "dropout": False}
     if info["lora"] is None:  # the kept folder is a whole model: config.json + the parameters
         model = load_model(model_cfg.model_copy(update={"name": str(step_dir)}), device, dtype, **kwargs)
     else:

@@ -364,3 +364,36 @@ def test_a_model_that_keeps_packed_samples_apart_is_run_packed_also_with_dropout
     assert model.gyre_packing_mixes_samples is False
     dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     assert dropouts and all(m.training for m in dropouts)
+
+
+def test_rl_training_loads_the_model_without_dropout_and_publishes_its_config_unchanged(
+    tiny_model, samples, tmp_path, caplog
+):
+    """A model with dropout in its config (OPT, GPT-2, Phi-2: 0.1) trained in training mode drew a new mask per
+    forward, so the trainer's log-probs of the sampled tokens, and the importance ratio comparing them with the
+    sampler's (no dropout there), were noisy. The RL trainer builds it with every dropout at 0; the config it
+    publishes keeps the model's values; SFT keeps dropout as the model has it."""
+    from gyre.config.trainer import TrainerConfig
+    from gyre_trainer.dist import DistContext
+    from gyre_trainer.process import TrainerProcess
+    from gyre_trainer.publish import config_bytes
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.attention_dropout = 0.5
+    AutoModelForCausalLM.from_pretrained(tiny_model, config=config).save_pretrained(tmp_path / "m")
+    runs = {}
+    for dropout in (True, False):
+        model = load_model(ModelConfig(name=str(tmp_path / "m")), "cpu", torch.float64, dropout=dropout,
+                           attn_implementation="sdpa")  # fmt: skip
+        assert model.training and model.config.attention_dropout == 0.5
+        assert b'"attention_dropout": 0.5' in config_bytes(model.config)
+        runs[dropout] = [packed_logprobs(model, *packed_row(samples))[0].detach() for _ in range(2)]
+        assert model.training and "mixes the samples" not in caplog.text  # the probe is not fooled by the dropout
+    assert not torch.equal(*runs[True])  # a mask per forward
+    assert torch.equal(*runs[False])
+    # the RL trainer's own loading
+    cfg = TrainerConfig(model={"name": str(tmp_path / "m"), "dtype": "float32"}, device="cpu")
+    model = TrainerProcess(cfg, DistContext())._load_base_model()
+    lp = [packed_logprobs(model, *packed_row(samples))[0].detach() for _ in range(2)]
+    assert model.training and torch.equal(*lp)
