@@ -111,14 +111,20 @@ class PackedRow:
 def read_jsonl(path: Path) -> list[Conversation]:
     """Every line of `path` as a conversation; the first bad line is an `SFTDataError` naming it."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise SFTDataError(f"data.path {path}: {e.strerror or e}") from None
     conversations = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # split the bytes on \n, then decode each line: a file that is not UTF-8 was a UnicodeDecodeError traceback naming
+    # no line, and str.splitlines() also split a JSON line at an unescaped U+2028 or \x1c inside a string
+    for lineno, line_bytes in enumerate(raw.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):  # a BOM: Windows
+        where = f"{path}:{lineno}"
+        try:
+            line = line_bytes.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SFTDataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
         if not line.strip():
             continue
-        where = f"{path}:{lineno}"
         try:
             doc = json.loads(line)
         except ValueError as e:

@@ -100,6 +100,19 @@ def test_bad_jsonl_names_the_line(tmp_path):
     assert read_jsonl(path) == [Conversation(good["messages"])]
 
 
+def test_a_line_that_is_not_utf8_is_named_and_a_bom_or_u2028_in_a_string_is_fine(tmp_path):
+    # a Latin-1 line was a UnicodeDecodeError traceback naming no line (exit 1, after the lock and the re-run checks)
+    path = tmp_path / "chats.jsonl"
+    good = {"messages": [{"role": "user", "content": "a\u2028b\x1cc"}, {"role": "assistant", "content": "é"}]}
+    line = json.dumps(good, ensure_ascii=False).encode()
+    path.write_bytes(line + b"\n" + "caf\u00e9".encode("latin-1") + b"\n")
+    with pytest.raises(SFTDataError, match=r"chats.jsonl:2: not UTF-8 text \(unexpected end of data at byte 3"):
+        read_jsonl(path)
+    # str.splitlines() cut this valid JSON line at U+2028 and \x1c ("not JSON"); an editor's BOM read as not JSON too
+    path.write_bytes(b"\xef\xbb\xbf" + line + b"\r\n")
+    assert read_jsonl(path) == [Conversation(good["messages"])]
+
+
 def test_too_little_data_is_a_clear_error(tokenizer, tmp_path):
     cfg = load_config(SFTConfig, ["--data.fake", "--data.num-examples", "3", "--data.batch-size", "16"])
     with pytest.raises(SFTDataError, match="fewer than data.batch_size=16"):
