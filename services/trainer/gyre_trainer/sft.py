@@ -22,8 +22,9 @@ is appended to `{output_dir}/events/sft_steps.jsonl` (and logged to W&B as `sft/
 
 Re-runs (as `gyre rl`): the same command again continues where the SFT stands. A finished one (its result in
 `save_dir` records its step in `gyre_sft.json`) says so and exits 0 without training; a larger `max_steps`
-continues it from its newest checkpoint, and without checkpoints is refused (it would start over from
-`model.name` and replace the result); a `save_dir` holding anything else is never replaced.
+continues it after its last step (an SFT that keeps checkpoints checkpoints its last step too), and without
+checkpoints is refused (it would start over from `model.name` and replace the result); a `save_dir` holding anything
+else is never replaced.
 `ckpt.resume_step = N` rewinds and trains again from checkpoint N (0: from `model.name`). A checkpoint N that does not
 exist, or a `max_steps` below the checkpoint training would resume from, is refused before the model loads. Training
 records its settings in `{output_dir}/configs/sft.toml` (what `gyre rl` writes for its warm-up); a re-run that would go
@@ -438,7 +439,12 @@ def run(cfg: SFTConfig) -> int:
             from gyre.fsio import write_atomic
 
             write_atomic(output_dir / SFT_RECORD, to_toml(cfg).encode(), mode=0o600)
-        log.info("%d steps per epoch; training %d steps", steps_per_epoch, total)
+        if (newest := max(checkpoints.steps(), default=0)) and not rewind:  # what a re-run does, before it loads
+            log.info(
+                "%d steps per epoch; continuing from checkpoint step %d to step %d", steps_per_epoch, newest, total
+            )
+        else:
+            log.info("%d steps per epoch; training %d steps", steps_per_epoch, total)
 
         dtype = resolve_dtype(cfg.model.dtype, ctx.device)
         model = dist.shard_model(load_model(cfg.model, ctx.device, dtype), ctx)
@@ -487,6 +493,11 @@ def run(cfg: SFTConfig) -> int:
                 checkpoints.save(step, model, optimizer, scheduler, record)
                 checkpointed = step
         bar.close()
+        if last is not None and checkpointed != total and (cfg.ckpt.interval or checkpointed is not None):
+            # the last step too, when this SFT keeps checkpoints: a re-run with a larger max_steps continues from the
+            # newest one, and steps after the last interval checkpoint (5 of max_steps 5, interval 2) were trained
+            # again there and logged twice
+            checkpoints.save(total, model, optimizer, scheduler, last[1])
         state_dict = dist.full_state_dict(model, ctx)
         if ctx.is_main:
             save_hf_model(save_dir, state_dict, model.config, cfg.model.name, step=total)

@@ -106,3 +106,14 @@ def test_a_resume_from_a_missing_checkpoint_or_one_past_max_steps_is_refused(tin
     # back to step 2 is a rewind to its checkpoint: the result is step 2's
     assert sft.main(sft_args(tiny_model, tmp_path, **common, **{"max-steps": 2, "ckpt.resume-step": 2})) == 0
     assert (tmp_path / "sft" / sft.RESULT_MARKER).read_text().strip() == '{"step": 2}'
+
+
+def test_a_larger_max_steps_continues_after_the_last_step_trained(tiny_model, tmp_path, capsys):
+    # the last step had no checkpoint (max_steps 3, interval 2): a re-run to 5 resumed from step 2 and trained step 3
+    # a second time, logging it twice
+    common = {"data.fake": "true", "data.num-examples": 40, "ckpt.interval": 2}
+    assert sft.main(sft_args(tiny_model, tmp_path, **common, **{"max-steps": 3})) == 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "sft").iterdir()) == ["step_2", "step_3"]
+    assert sft.main(sft_args(tiny_model, tmp_path, **common, **{"max-steps": 5})) == 0
+    assert [r["step"] for r in read_events(tmp_path / "events" / sft.SFT_STEPS)] == [1, 2, 3, 4, 5]
+    assert "continuing from checkpoint step 3 to step 5" in capsys.readouterr().err
