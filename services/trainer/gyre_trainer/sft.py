@@ -30,7 +30,9 @@ exist, or a `max_steps` below the checkpoint training would resume from, is refu
 records its settings in `{output_dir}/configs/sft.toml` (what `gyre rl` writes for its warm-up); a re-run that would go
 on from (or find finished) an SFT of other settings (`model.name`, `data.*`, `optim.*`, `seed`...; how far it goes,
 `max_steps` / `epochs`, is free) is refused before anything loads, naming every changed key: the steps of two
-configs were mixed into one result, recorded as the second. `--ckpt.resume-step 0` trains again from `model.name`.
+configs were mixed into one result, recorded as the second. So is one whose data changed under the same settings (an
+edited `data.path` file): checkpoints and the result record the SHA-256 of the packed rows (`check_same_data`).
+`--ckpt.resume-step 0` trains again from `model.name`.
 
 Stopping (as the RL trainer, docs/trainer.md "Stopping"): SIGTERM or SIGINT (Kubernetes, `gyre rl`, Ctrl-C, torchrun
 forwarding either to its workers) finishes the step in flight on every rank, checkpoints it (`ckpt.on_stop`, unless it
@@ -404,7 +406,7 @@ def run(cfg: SFTConfig) -> int:
     from tqdm import tqdm
 
     from gyre_trainer import dist
-    from gyre_trainer.checkpoint import CheckpointManager, plan_resume
+    from gyre_trainer.checkpoint import PROGRESS, CheckpointManager, plan_resume
     from gyre_trainer.model import load_model, load_tokenizer, resolve_dtype
     from gyre_trainer.optim import build_optimizer, build_scheduler
     from gyre_trainer.step import sft_step
@@ -425,7 +427,9 @@ def run(cfg: SFTConfig) -> int:
         )
         have_checkpoints = bool(checkpoints.steps())
         rewind = cfg.ckpt.resume_step is not None and cfg.ckpt.resume_step >= 0  # asked for: trains again from there
+        digest = rows_digest(rows)
         if not rewind and (done := finished_step(save_dir, total, have_checkpoints)) is not None:
+            check_same_data(cfg, digest, _json_of(save_dir / RESULT_MARKER), f"the SFT in {save_dir}")
             if ctx.is_main:
                 print(
                     f"gyre sft: already finished: {save_dir} holds the result of step {done} (max_steps {total}); "
@@ -434,6 +438,10 @@ def run(cfg: SFTConfig) -> int:
                 )
             return 0
         check_resume(cfg, checkpoints.steps(), total, output_dir / "checkpoints" / "sft")
+        plan = plan_resume(cfg.ckpt.resume_step, checkpoints.steps(), None)
+        if plan.checkpoint_step:  # before anything loads: its rows are the ones it goes on with
+            check_same_data(cfg, digest, _json_of(checkpoints.path(plan.checkpoint_step) / PROGRESS),
+                            f"checkpoint step {plan.checkpoint_step} in {checkpoints.root}")  # fmt: skip
         if ctx.is_main:  # what the re-run compares with (check_rerun); atomic: a kill mid-write leaves the old one
             from gyre.config.rerun import SFT_RECORD
             from gyre.fsio import write_atomic
@@ -450,7 +458,6 @@ def run(cfg: SFTConfig) -> int:
         model = dist.shard_model(load_model(cfg.model, ctx.device, dtype), ctx)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, total)
-        plan = plan_resume(cfg.ckpt.resume_step, checkpoints.steps(), None)
         if ctx.is_main and plan.discard_after is not None:
             checkpoints.discard_after(plan.discard_after)
         dist.barrier(ctx)
@@ -467,7 +474,9 @@ def run(cfg: SFTConfig) -> int:
         for step in range(start + 1, total + 1):
             if stop_requested(ctx):
                 bar.close()
-                saved = checkpoint_on_stop(cfg, checkpoints, last, checkpointed, model, optimizer, scheduler)
+                saved = checkpoint_on_stop(
+                    cfg, checkpoints, last, checkpointed, model, optimizer, scheduler, data_sha256=digest
+                )
                 if events:
                     events.close()
                 dist.barrier(ctx)  # ranks leave together (the save is collective; so is the process group's end)
@@ -490,17 +499,17 @@ def run(cfg: SFTConfig) -> int:
             bar.update(1)
             last = (step, record)
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
-                checkpoints.save(step, model, optimizer, scheduler, record)
+                checkpoints.save(step, model, optimizer, scheduler, record, data_sha256=digest)
                 checkpointed = step
         bar.close()
         if last is not None and checkpointed != total and (cfg.ckpt.interval or checkpointed is not None):
             # the last step too, when this SFT keeps checkpoints: a re-run with a larger max_steps continues from the
             # newest one, and steps after the last interval checkpoint (5 of max_steps 5, interval 2) were trained
             # again there and logged twice
-            checkpoints.save(total, model, optimizer, scheduler, last[1])
+            checkpoints.save(total, model, optimizer, scheduler, last[1], data_sha256=digest)
         state_dict = dist.full_state_dict(model, ctx)
         if ctx.is_main:
-            save_hf_model(save_dir, state_dict, model.config, cfg.model.name, step=total)
+            save_hf_model(save_dir, state_dict, model.config, cfg.model.name, step=total, data_sha256=digest)
             log.info("SFT done after %d steps: %s (use it as model.name)", total, save_dir)
             events.close()
         dist.barrier(ctx)
@@ -540,6 +549,47 @@ def check_rerun(cfg: SFTConfig, explicit: set[str]) -> None:
                                        "--output-dir"))  # fmt: skip
 
 
+def rows_digest(rows: list[PackedRow]) -> str:
+    """SHA-256 of the packed rows (tokens, loss mask, conversation lengths) in order: what every step trains on."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for row in rows:
+        for part in (row.input_ids, row.loss_mask, row.sample_lengths):
+            digest.update(np.ascontiguousarray(part).tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
+
+
+def _json_of(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def check_same_data(cfg: SFTConfig, digest: str, recorded: dict[str, Any], what: str) -> None:
+    """SFTDataError naming the data key when `what` (a checkpoint's progress.json or the result's RESULT_MARKER,
+    `recorded`) was trained on other rows than `digest`. `check_rerun` compares the settings only: an edited
+    `data.path` file (or another tokenizer or chat template in model.name's folder, another version of `data.env`)
+    gave the same settings other rows, and the re-run went on from the old steps (or found them finished) with the
+    new data, silently mixing the two. Nothing to compare when the record predates the digest."""
+    old = recorded.get("data_sha256")
+    if not old or old == digest:
+        return
+    data = cfg.data
+    key, source = (("data.path", f"{data.path} changed since") if data.path is not None
+                   else ("data.env", f"environment {data.env}'s tasks changed since") if data.env
+                   else ("data.fake", "the generated data changed since"))  # fmt: skip
+    raise SFTDataError(
+        f"config key '{key}': the data is not what {what} was trained on (the same settings give other rows: "
+        f"{source}, or model.name's tokenizer or chat template did); a re-run continues it, it does not start over: "
+        "put the data back, or use --ckpt.resume-step 0 (trains again from model.name, replacing it) or another "
+        "--output-dir"
+    )
+
+
 def _save_dir(cfg: SFTConfig) -> Path:
     return Path(cfg.save_dir) if cfg.save_dir else Path(cfg.output_dir) / "sft"
 
@@ -563,11 +613,11 @@ def stop_requested(ctx) -> bool:
     return any(flags[0] for flags in dist.gather_floats([float(STOP.is_set())], ctx))
 
 
-def checkpoint_on_stop(cfg: SFTConfig, checkpoints, last, checkpointed, model, optimizer, scheduler) -> bool:
+def checkpoint_on_stop(cfg: SFTConfig, checkpoints, last, checkpointed, model, optimizer, scheduler, **extra) -> bool:
     """A graceful stop: checkpoint the last trained step (`ckpt.on_stop`) unless it has its checkpoint already, as the
     RL trainer's `RunState.checkpoint_on_stop` does, with the same `CheckpointManager.save` (every rank, atomic), so
     the same command resumes after it (`plan_resume`). Nothing when nothing was trained since the resume.
-    True when it saved."""
+    `extra`: kept in the checkpoint's progress.json (`data_sha256`). True when it saved."""
     if last is None:
         return False
     step, record = last
@@ -578,7 +628,7 @@ def checkpoint_on_stop(cfg: SFTConfig, checkpoints, last, checkpointed, model, o
         log.info("stopping without a checkpoint of step %d (ckpt.on_stop = false)", step)
         return False
     log.info("stopping: checkpointing step %d first (ckpt.on_stop)", step)
-    checkpoints.save(step, model, optimizer, scheduler, record)
+    checkpoints.save(step, model, optimizer, scheduler, record, **extra)
     return True
 
 
@@ -607,9 +657,11 @@ def finished_step(save_dir: Path, total: int, have_checkpoints: bool) -> int | N
     return None  # continued from the newest checkpoint
 
 
-def save_hf_model(save_dir: Path, state_dict, config, base_model: str, step: int | None = None) -> Path:
+def save_hf_model(
+    save_dir: Path, state_dict, config, base_model: str, step: int | None = None, data_sha256: str | None = None
+) -> Path:
     """Write the HF folder next to `save_dir` and swap it in with renames: never half a model there.
-    `step`: the SFT step it holds, recorded in RESULT_MARKER (`finished_step`)."""
+    `step`: the SFT step it holds, recorded in RESULT_MARKER (`finished_step`) with `data_sha256` (`rows_digest`)."""
     from gyre.fsio import commit_dir
 
     from gyre_trainer.publish import write_hf_folder
@@ -620,7 +672,7 @@ def save_hf_model(save_dir: Path, state_dict, config, base_model: str, step: int
     try:
         write_hf_folder(tmp, state_dict, config, base_model)
         if step is not None:
-            (tmp / RESULT_MARKER).write_text(json.dumps({"step": step}) + "\n")
+            (tmp / RESULT_MARKER).write_text(json.dumps({"step": step, "data_sha256": data_sha256}) + "\n")
         commit_dir(tmp, save_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,6 +3,8 @@ and a run resumed from its checkpoint ends with exactly the weights of a straigh
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from gyre.config import load_config
@@ -105,7 +107,7 @@ def test_a_resume_from_a_missing_checkpoint_or_one_past_max_steps_is_refused(tin
         assert not (tmp_path / "sft").exists() and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 3
     # back to step 2 is a rewind to its checkpoint: the result is step 2's
     assert sft.main(sft_args(tiny_model, tmp_path, **common, **{"max-steps": 2, "ckpt.resume-step": 2})) == 0
-    assert (tmp_path / "sft" / sft.RESULT_MARKER).read_text().strip() == '{"step": 2}'
+    assert json.loads((tmp_path / "sft" / sft.RESULT_MARKER).read_text())["step"] == 2
 
 
 def test_a_larger_max_steps_continues_after_the_last_step_trained(tiny_model, tmp_path, capsys):
@@ -117,3 +119,29 @@ def test_a_larger_max_steps_continues_after_the_last_step_trained(tiny_model, tm
     assert sft.main(sft_args(tiny_model, tmp_path, **common, **{"max-steps": 5})) == 0
     assert [r["step"] for r in read_events(tmp_path / "events" / sft.SFT_STEPS)] == [1, 2, 3, 4, 5]
     assert "continuing from checkpoint step 3 to step 5" in capsys.readouterr().err
+
+
+def test_a_rerun_on_edited_data_is_refused_naming_the_file(tiny_model, tmp_path, capsys):
+    # same settings, other rows: the file was edited in place. The re-run went on from the old checkpoint with the new
+    # data (or said "already finished"), two datasets mixed into one result
+    chats = tmp_path / "chats.jsonl"
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"say {i}"},
+                                      {"role": "assistant", "content": f"number {i} " * (1 + i % 4)}]})
+             for i in range(40)]  # fmt: skip
+    chats.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    common = {"data.path": chats, "ckpt.interval": 1}
+    assert sft.main(sft_args(tiny_model, out, **common, **{"max-steps": 2})) == 0
+    marker = (out / "sft" / sft.RESULT_MARKER).read_text()
+    chats.write_text("\n".join(lines).replace("number", "digit") + "\n")
+    capsys.readouterr()
+    for max_steps, what in [(2, f"the SFT in {out / 'sft'}"), (3, "checkpoint step 2 in")]:
+        assert sft.main(sft_args(tiny_model, out, **common, **{"max-steps": max_steps})) == 2
+        err = capsys.readouterr().err
+        assert "gyre sft: error: config key 'data.path': the data is not what " in err and what in err, err
+        assert f"{chats} changed since" in err and "--ckpt.resume-step 0" in err
+        assert (out / "sft" / sft.RESULT_MARKER).read_text() == marker
+        assert len(read_events(out / "events" / sft.SFT_STEPS)) == 2
+    chats.write_text("\n".join(lines) + "\n")  # put back: it goes on
+    assert sft.main(sft_args(tiny_model, out, **common, **{"max-steps": 3})) == 0
+    assert [r["step"] for r in read_events(out / "events" / sft.SFT_STEPS)] == [1, 2, 3]
