@@ -145,3 +145,23 @@ def test_a_rerun_on_edited_data_is_refused_naming_the_file(tiny_model, tmp_path,
     chats.write_text("\n".join(lines) + "\n")  # put back: it goes on
     assert sft.main(sft_args(tiny_model, out, **common, **{"max-steps": 3})) == 0
     assert [r["step"] for r in read_events(out / "events" / sft.SFT_STEPS)] == [1, 2, 3]
+
+
+def test_an_output_dir_holding_a_trained_rl_run_is_refused(tiny_model, tmp_path, capsys):
+    # gyre sft and gyre rl share the default outputs/run: a stand-alone SFT in an RL run's folder went on as if it were
+    # its own, and a larger max_steps or --ckpt.resume-step 0 replaced the SFT result the run's steps were trained from
+    args = sft_args(tiny_model, tmp_path, **{"data.fake": "true", "data.num-examples": 40, "max-steps": 2,
+                                             "ckpt.interval": 1})  # fmt: skip
+    assert sft.main(args) == 0  # the run's SFT warm-up
+    result = _files(tmp_path / "sft")
+    trained = tmp_path / "checkpoints" / "trainer" / "step_3"  # the RL trainer's checkpoint (complete: progress.json)
+    trained.mkdir(parents=True)
+    (trained / "progress.json").write_text('{"step": 3}')
+    capsys.readouterr()
+    assert sft.main(args) == 0 and "already finished" in capsys.readouterr().out  # trains nothing: fine
+    for extra in ({"max-steps": 4}, {"ckpt.resume-step": 0}, {"ckpt.resume-step": 0, "data.num-examples": 60}):
+        assert sft.main([*args, *[x for k, v in extra.items() for x in (f"--{k}", str(v))]]) == 2
+        err = capsys.readouterr().err
+        assert f"gyre sft: error: config key 'output_dir': {tmp_path} holds a gyre rl run" in err, err
+        assert "committed step 3" in err and "its own --output-dir" in err
+    assert _files(tmp_path / "sft") == result and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 2
