@@ -12,7 +12,11 @@ from typing import Any
 
 SFT_RECORD = Path("configs") / "sft.toml"  # in output_dir: the config of the SFT trained (or being trained) there
 # `gyre sft` keys that do not shape its result (or are the run's, checked elsewhere): free on a re-run.
-SFT_FREE_KEYS = ("run_id", "output_dir", "save_dir", "log", "wandb", "ckpt")
+SFT_FREE_KEYS = ("run_id", "output_dir", "save_dir", "log", "wandb", "ckpt", "device")
+# ... and nested keys of how a step is computed, not what it computes: the loss is the mean over the whole batch's loss
+# tokens, however many rows each forward takes. A run stopped by an out-of-memory error was refused its checkpoint
+# when re-run with a smaller `data.micro_batch_size`, the one fix for it (or another attention kernel, compile off).
+SFT_FREE_NESTED = {"data": ("micro_batch_size",), "model": ("name", "compile", "attn_implementation")}
 # ... and of an SFT stopped half way, which the re-run resumes from its checkpoint: how far it goes.
 SFT_FREE_KEYS_IN_PROGRESS = ("max_steps", "epochs")
 
@@ -62,8 +66,8 @@ def same_model(a: str | None, b: str | None) -> bool:
 
 def sft_changes(old: dict, new: dict, explicit: set[str], in_progress: bool) -> list[tuple[str, Any, Any]]:
     """The keys in which SFT config `new` differs from the recorded `old` that shape the result: the base model
-    (`model.name`, compared as a path) first, then every other key but the free ones (`SFT_FREE_KEYS`, and how far
-    it goes when `in_progress`: a half-done SFT is resumed, and may be taken further)."""
+    (`model.name`, compared as a path) first, then every other key but the free ones (`SFT_FREE_KEYS`,
+    `SFT_FREE_NESTED`, and how far it goes when `in_progress`: a half-done SFT is resumed, and may be taken further)."""
     old_model, new_model = (old.get("model") or {}).get("name"), (new.get("model") or {}).get("name")
     old_model = moved_with(old_model, old.get("output_dir"), new.get("output_dir"))
     found = [] if same_model(old_model, new_model) else [("model.name", old_model, new_model)]
@@ -71,8 +75,9 @@ def sft_changes(old: dict, new: dict, explicit: set[str], in_progress: bool) -> 
     for values in (old, new):
         for key in SFT_FREE_KEYS + (SFT_FREE_KEYS_IN_PROGRESS if in_progress else ()):
             values.pop(key, None)
-        if isinstance(values.get("model"), dict):
-            values["model"] = {k: v for k, v in values["model"].items() if k != "name"}
+        for section, keys in SFT_FREE_NESTED.items():  # model.name: compared above, as a path
+            if isinstance(values.get(section), dict):
+                values[section] = {k: v for k, v in values[section].items() if k not in keys}
     return found + differences(old, new, explicit)
 
 
