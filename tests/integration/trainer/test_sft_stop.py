@@ -113,3 +113,25 @@ def test_torchrun_sft_stops_on_sigterm_on_every_rank_and_resumes(tiny_model, tmp
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert steps_of(out) == list(range(1, STEPS + 1))
     assert (out / "sft" / sft.RESULT_MARKER).exists()
+
+
+def test_sft_killed_inside_a_checkpoint_save_resumes_from_the_one_before_exactly(tiny_model, tmp_path):
+    # SIGKILL (OOM killer, a node lost) while checkpoint step 4 is half written: the re-run must resume from step 2's,
+    # not a partial step 4, train 3..6 with their own rows, and end with exactly the weights of a straight run
+    extra = {"ckpt.interval": 2, "max-steps": 6}
+    straight, out = tmp_path / "straight", tmp_path / "killed"
+    assert sft.run(load_config(SFTConfig, sft_args(tiny_model, straight, **extra))) == 0
+    cmd = [PYTHON, "-m", "gyre.cli", "sft", *sft_args(tiny_model, out, **extra)]
+    killed = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**child_env(), "GYRE_TRAINER_CRASH_AT": "mid_checkpoint:4"})  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert checkpoints(out) == [".tmp-step_4", "step_2"] and not (out / "sft").exists()
+
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "continuing from checkpoint step 2 to step 6" in rerun.stderr
+    assert steps_of(out) == [1, 2, 3, 4, 3, 4, 5, 6]  # 3 and 4 were lost with the kill: trained again, logged again
+    assert checkpoints(out) == ["step_4", "step_6"]  # the partial folder is gone
+    a, b = load_weights(straight / "sft"), load_weights(out / "sft")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
