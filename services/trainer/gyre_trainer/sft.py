@@ -33,7 +33,8 @@ on from (or find finished) an SFT of other settings (`model.name`, `data.*`, `op
 configs were mixed into one result, recorded as the second. So is one whose data changed under the same settings (an
 edited `data.path` file): checkpoints and the result record the SHA-256 of the packed rows (`check_same_data`).
 `--ckpt.resume-step 0` trains again from `model.name`. Training in the folder of a `gyre rl` run that has trained is
-refused naming `output_dir` (`check_not_an_rl_run`): the SFT result there is the base of the run's steps.
+refused naming `output_dir` (`check_not_an_rl_run`): the SFT result there is the base of the run's steps; a
+`save_dir` holding the result of another output folder's SFT, naming `save_dir` (`check_save_dir_is_ours`).
 
 Stopping (as the RL trainer, docs/trainer.md "Stopping"): SIGTERM or SIGINT (Kubernetes, `gyre rl`, Ctrl-C, torchrun
 forwarding either to its workers) finishes the step in flight on every rank, checkpoints it (`ckpt.on_stop`, unless it
@@ -511,7 +512,8 @@ def run(cfg: SFTConfig) -> int:
             checkpoints.save(total, model, optimizer, scheduler, last[1], data_sha256=digest)
         state_dict = dist.full_state_dict(model, ctx)
         if ctx.is_main:
-            save_hf_model(save_dir, state_dict, model.config, cfg.model.name, step=total, data_sha256=digest)
+            save_hf_model(save_dir, state_dict, model.config, cfg.model.name, step=total, data_sha256=digest,
+                          output_dir=output_dir)  # fmt: skip
             log.info("SFT done after %d steps: %s (use it as model.name)", total, save_dir)
             events.close()
         dist.barrier(ctx)
@@ -542,6 +544,25 @@ def check_not_an_rl_run(cfg: SFTConfig) -> None:
         )
 
 
+def check_save_dir_is_ours(cfg: SFTConfig) -> None:
+    """SFTDataError naming `save_dir` when it holds the result of an SFT trained in another output folder that still
+    exists (its RESULT_MARKER's `output_dir`): two experiments sharing one `--save-dir` took each other's result for
+    their own: the second said "already finished" (settings and data unchecked: they are the first folder's), went on
+    from its own checkpoints over the first's result, or replaced it with `--ckpt.resume-step 0`. A folder moved as a
+    whole (`mv outputs/a outputs/b`) is the same SFT: its old path no longer exists; a save_dir inside output_dir (the
+    default) goes with its folder, copies (`cp -r`) included."""
+    output_dir, save_dir = Path(cfg.output_dir), _save_dir(cfg)
+    if save_dir.resolve().is_relative_to(output_dir.resolve()):
+        return
+    made_in = _json_of(save_dir / RESULT_MARKER).get("output_dir")
+    if not isinstance(made_in, str) or not Path(made_in).is_dir() or Path(made_in) == output_dir.resolve():
+        return
+    raise SFTDataError(
+        f"config key 'save_dir': {save_dir} holds the result of the SFT trained in {made_in}, not in {output_dir}; "
+        "this SFT would take it for its own (find it finished, or continue over it): choose another --save-dir"
+    )
+
+
 def check_rerun(cfg: SFTConfig, explicit: set[str]) -> None:
     """SFTDataError naming every changed key when this run would go on from, or find finished, an SFT trained with
     other settings than `cfg` (its record, `SFT_RECORD`): a re-run with another dataset resumed the old checkpoint (or
@@ -553,6 +574,7 @@ def check_rerun(cfg: SFTConfig, explicit: set[str]) -> None:
     from gyre.config.rerun import SFT_RECORD, sft_changes, sft_refusal
     from gyre.runstate import SFT_CHECKPOINTS, sft_checkpoints
 
+    check_save_dir_is_ours(cfg)
     if cfg.ckpt.resume_step == 0:
         return  # trains again from model.name: nothing of the old one is kept
     output_dir, save_dir = Path(cfg.output_dir), _save_dir(cfg)
@@ -680,10 +702,17 @@ def finished_step(save_dir: Path, total: int, have_checkpoints: bool) -> int | N
 
 
 def save_hf_model(
-    save_dir: Path, state_dict, config, base_model: str, step: int | None = None, data_sha256: str | None = None
+    save_dir: Path,
+    state_dict,
+    config,
+    base_model: str,
+    step: int | None = None,
+    data_sha256: str | None = None,
+    output_dir: Path | None = None,
 ) -> Path:
     """Write the HF folder next to `save_dir` and swap it in with renames: never half a model there.
-    `step`: the SFT step it holds, recorded in RESULT_MARKER (`finished_step`) with `data_sha256` (`rows_digest`)."""
+    `step`: the SFT step it holds, recorded in RESULT_MARKER (`finished_step`) with `data_sha256` (`rows_digest`)
+    and `output_dir`, the SFT's folder (`check_save_dir_is_ours`)."""
     from gyre.fsio import commit_dir
 
     from gyre_trainer.publish import write_hf_folder
@@ -694,7 +723,9 @@ def save_hf_model(
     try:
         write_hf_folder(tmp, state_dict, config, base_model)
         if step is not None:
-            (tmp / RESULT_MARKER).write_text(json.dumps({"step": step, "data_sha256": data_sha256}) + "\n")
+            made_in = str(Path(output_dir).resolve()) if output_dir is not None else None
+            marker = {"step": step, "data_sha256": data_sha256, "output_dir": made_in}
+            (tmp / RESULT_MARKER).write_text(json.dumps(marker) + "\n")
         commit_dir(tmp, save_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -165,3 +165,24 @@ def test_an_output_dir_holding_a_trained_rl_run_is_refused(tiny_model, tmp_path,
         assert f"gyre sft: error: config key 'output_dir': {tmp_path} holds a gyre rl run" in err, err
         assert "committed step 3" in err and "its own --output-dir" in err
     assert _files(tmp_path / "sft") == result and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 2
+
+
+def test_a_save_dir_holding_the_result_of_another_output_dir_is_refused(tiny_model, tmp_path, capsys):
+    # two experiments sharing one --save-dir: the second said "already finished" to settings it never trained (they
+    # were the first folder's), or continued its own checkpoints over the first's result
+    shared = tmp_path / "shared-sft"
+    common = {"data.fake": "true", "data.num-examples": 40, "max-steps": 2, "save-dir": shared, "ckpt.interval": 1}
+    assert sft.main(sft_args(tiny_model, tmp_path / "a", **common)) == 0
+    result = _files(shared)
+    capsys.readouterr()
+    for extra in ({"optim.lr": 0.5}, {"max-steps": 3}, {"ckpt.resume-step": 0}):
+        assert sft.main(sft_args(tiny_model, tmp_path / "b", **{**common, **extra})) == 2
+        err = capsys.readouterr().err
+        assert (f"gyre sft: error: config key 'save_dir': {shared} holds the result of the SFT trained in "
+                f"{(tmp_path / 'a').resolve()}, not in {tmp_path / 'b'}") in err, err  # fmt: skip
+    assert _files(shared) == result and not (tmp_path / "b" / "events").exists()
+    # its own folder goes on; one moved as a whole is the same SFT
+    assert sft.main(sft_args(tiny_model, tmp_path / "a", **{**common, "max-steps": 3})) == 0
+    (tmp_path / "a").rename(tmp_path / "moved")
+    assert sft.main(sft_args(tiny_model, tmp_path / "moved", **{**common, "max-steps": 3})) == 0
+    assert "already finished" in capsys.readouterr().out
