@@ -314,6 +314,27 @@ def learning_health() -> list[timeseries.Panel]:
             minimum=0,
         ),
         panel(
+            "Overlong shaping and filtering",
+            "none",
+            [
+                # `or ... * 0`: both are off by default, and a run without them shows 0 rather than no data
+                (
+                    f"max by (run_id, env) ({sel('gyre_orchestrator_overlong_penalty_mean')})"
+                    f" or max by (run_id) ({sel('gyre_orchestrator_step')}) * 0",
+                    "mean penalty {{run_id}} {{env}}",
+                ),
+                (
+                    f"{rate('gyre_orchestrator_masked_truncated_samples_total')}"
+                    f" or max by (run_id) ({sel('gyre_orchestrator_step')}) * 0",
+                    "left out of the loss /s {{run_id}}",
+                ),
+            ],  # fmt: skip
+            "DAPO's length treatments (docs/orchestrator.md): the mean overlong penalty already in each batch's "
+            "reward (advantage.overlong_buffer, <= 0), and samples cut at the length limit left out of the loss per "
+            "second (advantage.mask_truncated).",
+            width=6,
+        ),
+        panel(
             "Reward vs eval",
             "none",
             [
