@@ -420,6 +420,21 @@ def test_groups_that_cannot_carry_a_signal_are_refused_naming_the_key():
     assert load_config(OrchestratorConfig, ["--advantage.type", "rloo", "--rollouts-per-example", "2"])
 
 
+def test_a_teacher_at_another_sampling_temperature_is_refused_naming_the_key():
+    """The teacher's log-probs are at T = 1 and the trainer's at the sampling temperature: a distillation run at
+    T = 0.7 started and trained the tempered student toward the teacher (a reverse KL to another distribution than
+    the teacher's), silently; docs/algorithms.md said to distil at T = 1, nothing enforced it."""
+    teacher = {"url": "http://127.0.0.1:9", "model": "teacher"}
+    with pytest.raises(
+        ConfigError,
+        match=r"^config key 'sampling.temperature': 0.7 with \[teacher\].* set "
+        r"sampling.temperature = 1",
+    ):
+        load_config(OrchestratorConfig, ["--sampling.temperature", "0.7"], teacher=teacher)
+    assert load_config(OrchestratorConfig, [], teacher=teacher).sampling.temperature == 1
+    assert load_config(OrchestratorConfig, ["--sampling.temperature", "0.7"]).teacher is None  # no teacher: free
+
+
 def test_help_says_what_a_sections_shorthand_sets():
     # `--model Qwen/Qwen3-0.6B` (2621fd3) was said nowhere in --help
     assert "\n[model] Model to fine-tune (--model X sets model.name).\n" in help_text(SFTConfig, "gyre sft")

@@ -481,6 +481,21 @@ class OrchestratorConfig(ServiceConfig):
         return self
 
     @model_validator(mode="after")
+    def _teacher_at_temperature_one(self) -> OrchestratorConfig:
+        # The teacher's log-probs are untempered (prompt_logprobs: T = 1, vLLM's rule) and the trainer's lp_theta is
+        # at the sampling temperature: at any other T the "reverse KL" compared a tempered student with the plain
+        # teacher, and silently distilled toward another distribution than the teacher's
+        if self.teacher is not None and self.sampling.temperature != 1:
+            raise ValueError(
+                f"sampling.temperature: {self.sampling.temperature:g} with [teacher]: on-policy distillation "
+                "compares the student's log-probs at the sampling temperature with the teacher's at 1 (its "
+                "prompt_logprobs are untempered), so the reverse-KL term would pull the student at this "
+                "temperature toward the teacher at 1; set sampling.temperature = 1 (docs/algorithms.md, on-policy "
+                "distillation)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> OrchestratorConfig:
         # refused here, not at the first sample: a buffer of the whole limit or more penalises every sample
         buffer = self.advantage.overlong_buffer.len
