@@ -19,7 +19,8 @@ An outage (connection errors, timeouts, 5xx after the retries) or a configuratio
 `MAX_REFUSED_IN_A_ROW` refusals in a row) still raises `EndpointError`, which stops the run with the reason.
 
 The teacher must share the student's tokenizer (the token ids are sent as they are): `check_tokenizer` compares
-the two servers' tokenization of a probe text before the run starts.
+the two servers' tokenization of a probe text, and their reading of the policy's chat-template ids (special tokens),
+before the run starts.
 """
 
 from __future__ import annotations
@@ -161,29 +162,61 @@ class Teacher:
 
     async def check_tokenizer(self, policy_url: str, api_key: str | None = None) -> None:
         """Refuse (ValueError) a teacher whose tokenizer is not the policy's: both servers' `/tokenize` of `PROBE`
-        must give the same ids. A server without `/tokenize` (a hosted API) cannot be checked: logged, not refused."""
+        must give the same ids, and the ids of the policy's chat template around it (its role markers, special
+        tokens a plain text never holds) must read as the same text on both (`/detokenize`). A server without
+        these routes (a hosted API), or a policy without a chat template, cannot be checked: logged, not refused."""
         body = {"prompt": PROBE, "add_special_tokens": False}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        try:
-            async with httpx.AsyncClient(timeout=30, headers=headers) as http:
-                answer = await http.post(f"{policy_url.rstrip('/')}/tokenize", json=body)
+        async with httpx.AsyncClient(timeout=30, headers=headers, base_url=policy_url.rstrip("/")) as http:
+
+            async def policy_post(path: str, request: dict) -> dict:
+                answer = await http.post(path, json=request)
                 answer.raise_for_status()
-                policy = answer.json()["tokens"]
-            teacher = (await self.endpoint.post_once("/tokenize", body))["tokens"]
-        except (httpx.HTTPError, EndpointError, KeyError, TypeError, ValueError) as error:
-            log.warning("teacher: cannot compare its tokenizer with the policy's (%s); it must be the same (the "
-                        "student's token ids are sent as they are)", error)  # fmt: skip
-            return
-        if teacher != policy:
+                return answer.json()
+
+            try:
+                policy = (await policy_post("/tokenize", body))["tokens"]
+                teacher = (await self.endpoint.post_once("/tokenize", body))["tokens"]
+            except _UNCHECKED as error:
+                log.warning("teacher: cannot compare its tokenizer with the policy's (%s); it must be the same (the "
+                            "student's token ids are sent as they are)", error)  # fmt: skip
+                return
+            if teacher != policy:
+                raise ValueError(
+                    f"orchestrator.teacher: the teacher at {self.config.root} tokenizes differently from the policy "
+                    f"({len(teacher)} vs {len(policy)} tokens for the same probe text, first difference at token "
+                    f"{_first_difference(teacher, policy)}); on-policy distillation sends the student's token ids as "
+                    "they are, so the teacher must use the policy's tokenizer (e.g. a larger model of the same family)"
+                )
+            # The same text tokenizes the same, yet the special tokens of the student's chat template may mean other
+            # things to the teacher (DeepSeek-R1-Distill-Qwen reads Qwen's <|im_start|> id as <｜User｜>): every
+            # prompt's role markers were then other tokens to it, and its log-probs of the student's replies were
+            # those of another conversation, silently
+            chat = {"messages": [{"role": "user", "content": PROBE}], "add_generation_prompt": True}
+            try:
+                ids = (await policy_post("/tokenize", chat))["tokens"]
+                said = (await policy_post("/detokenize", {"tokens": ids}))["prompt"]
+                heard = (await self.endpoint.post_once("/detokenize", {"tokens": ids}))["prompt"]
+            except _UNCHECKED as error:
+                log.warning("teacher: cannot compare the special tokens of the policy's chat template with the "
+                            "teacher's (%s); they must be the same ids", error)  # fmt: skip
+                return
+        if heard != said:
+            at = _first_difference(heard, said)
             raise ValueError(
-                f"orchestrator.teacher: the teacher at {self.config.root} tokenizes differently from the policy "
-                f"({len(teacher)} vs {len(policy)} tokens for the same probe text, first difference at token "
-                f"{_first_difference(teacher, policy)}); on-policy distillation sends the student's token ids as "
-                "they are, so the teacher must use the policy's tokenizer (e.g. a larger model of the same family)"
+                f"orchestrator.teacher: the teacher at {self.config.root} reads the token ids of the policy's chat "
+                f"template as other text ({said[max(0, at - 10) : at + 30]!r} to the policy, "
+                f"{heard[max(0, at - 10) : at + 30]!r} to the teacher): the same plain text tokenizes the same, but "
+                "their special tokens differ; on-policy distillation sends the student's token ids as they are, so "
+                "the teacher must use the policy's tokenizer, special tokens included"
             )
 
     async def aclose(self) -> None:
         await self.endpoint.aclose()
+
+
+#: what a server without the route (or an answer without the field) raises: that check is skipped, logged
+_UNCHECKED = (httpx.HTTPError, EndpointError, KeyError, TypeError, ValueError)
 
 
 def _choice_entries(body):
@@ -193,5 +226,5 @@ def _choice_entries(body):
         return None
 
 
-def _first_difference(a: list, b: list) -> int:
+def _first_difference(a: list | str, b: list | str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -343,6 +343,48 @@ async def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts
         assert other.count("chat") == 0 and not [r for r in other.requests if r[0] != "tokenize"]
 
 
+def other_special_tokens(tiny_model: Path, tmp_path_factory) -> Path:
+    """The tiny model with its special tokens renamed, ids kept (as DeepSeek-R1-Distill-Qwen names Qwen's
+    <|im_start|> / <|im_end|> ids <｜User｜> / <｜Assistant｜>): plain text tokenizes exactly as the policy's."""
+    import shutil
+
+    path = tmp_path_factory.getbasetemp() / "tiny-model-other-special-tokens"
+    if (path / "config.json").exists():
+        return path
+    staging = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(tiny_model, staging)
+    renamed = {"<|im_start|>": "<|User|>", "<|im_end|>": "<|Assistant|>"}
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        text = (staging / name).read_text()
+        for old, new in renamed.items():
+            text = text.replace(old, new)
+        (staging / name).write_text(text)
+    staging.rename(path)
+    return path
+
+
+async def test_a_teacher_reading_the_chat_templates_special_tokens_as_others_is_refused(
+    replicas, start_replica, tiny_model, tmp_path_factory
+):
+    """A teacher whose plain text tokenizes as the policy's but whose special tokens are others under the same ids
+    passed the check: every prompt's role markers were other tokens to it, and its log-probs of the student's
+    replies were those of another conversation. Now it is refused, naming both readings."""
+    from gyre.config.endpoint import TeacherConfig
+    from gyre_orchestrator.teacher import PROBE, Teacher
+
+    other = start_replica(model=other_special_tokens(tiny_model, tmp_path_factory))
+    probe = {"prompt": PROBE, "add_special_tokens": False}
+    same_text = [httpx.post(f"{server.url}/tokenize", json=probe, timeout=30).json()["tokens"]
+                 for server in (replicas[0], other)]  # fmt: skip
+    assert same_text[0] == same_text[1]  # what the check compared before
+    teacher = Teacher(TeacherConfig(url=other.url))
+    with pytest.raises(ValueError, match=r"reads the token ids of the policy's chat template as other text "
+                                         r"\('<\|im_start\|>user.* to the policy, '<\|User\|>user"):  # fmt: skip
+        await teacher.check_tokenizer_once(replicas[0].url)
+    await teacher.aclose()
+
+
 async def test_the_tokenizer_check_runs_once_and_its_refusal_stays(replicas):
     """Where no replica is known at start (a fleet still starting) the check runs at the first sample: once, and
     every later sample gets the same refusal without asking again; the same tokenizer passes."""
