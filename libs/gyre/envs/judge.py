@@ -53,6 +53,7 @@ import openai
 from gyre.config.endpoint import JudgeConfig, RewardModelConfig
 from gyre.endpoint import Endpoint, EndpointError, RequestRefused
 from gyre.envs.inflight import InFlight
+from gyre.envs.parsers import strip_reasoning
 from gyre.envs.types import Messages, ScoringError
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,11 @@ def _json_value(reply: str, key: str) -> Any:
 
 
 def parse_score(config: JudgeConfig, reply: str) -> float:
-    """The reward a judge's reply gives; ValueError saying why when it holds none."""
+    """The reward a judge's reply gives; ValueError saying why when it holds none. A reasoning judge's thinking is no
+    part of its verdict (`strip_reasoning`: the text after its last `</think>`): served without a reasoning parser
+    (Gyre's server, vLLM without `--reasoning-parser`) its reply holds the whole `<think>` block, and a choice
+    considered there ("yes? no: ...") or a labelled number ("a score of 9 at first") was read as the grade."""
+    reply = strip_reasoning(reply)
     if config.score == "choice":
         found = []
         for word, reward in config.choices.items():

@@ -229,6 +229,29 @@ def test_a_judge_asks_the_server_and_reads_its_score(scripted, monkeypatch):
     assert scripted.auth == ["Bearer sk-from-env"]
 
 
+def test_a_reasoning_judges_thinking_is_not_its_verdict(scripted):
+    """A reasoning judge served without a reasoning parser (Gyre's server, vLLM without --reasoning-parser) replies
+    with its <think> block in the content: the first choice it named while thinking, or a labelled number it only
+    considered, was read as the grade (a wrong answer rewarded 1). Only the text after the thinking is read; the
+    opening tag may be in the judge's prompt (Qwen3's template), and a reply that is all thinking is no score."""
+    choice = Judge(url=scripted.url, model="judge-model", prompt="{response}", score="choice",
+                   choices={"yes": 1.0, "no": 0.0}, retries=0, cache_size=0)  # fmt: skip
+    number = Judge(url=scripted.url, model="judge-model", prompt="{response}", retries=0, cache_size=0)
+    scripted.script = ["<think>Is it correct? At first glance yes, but 'abc' is not reversed.</think>\n\nno",
+                       "The letters are reversed: yes.</think>\nyes",
+                       "<think>I'd give it a score of 9 at first, but it misses the last step.</think>\n2/10",
+                       "<think>It is right, a score of 10 then"]  # fmt: skip
+
+    async def grades():
+        graded = [await choice(PROMPT, completion("abc"), "cba"), await choice(PROMPT, completion("cba"), "cba"),
+                  await number(PROMPT, completion("cba"), "cba")]  # fmt: skip
+        with pytest.raises(ScoringError, match="no number in the reply"):
+            await number(PROMPT, completion("cba"), "cba")
+        return graded
+
+    assert asyncio.run(grades()) == [0.0, 1.0, pytest.approx(0.2)]
+
+
 def test_the_key_comes_from_a_file_or_the_start_fails(tmp_path, scripted):
     key = tmp_path / "key"
     key.write_text("sk-from-file\n")
