@@ -87,6 +87,9 @@ def validate(out: Path, *argv: str, config: list[str] = CI) -> None:
             "orchestrator.env.args.max_length",
             "= 4, this launch sets 5",
         ),
+        # task i is a function of (seed, i) and the saved task position an index: a new seed at the same index
+        # repeated or skipped tasks (a dataset's epoch saw rows twice or never)
+        ([], ["--orchestrator.seed", "3"], "orchestrator.seed", "orchestrator.seed = 0, this launch sets 3"),
     ],
 )
 @pytest.mark.parametrize("step", [2, 0])
@@ -134,13 +137,19 @@ def test_a_runs_own_environment_is_checked_and_named_by_its_entry(tmp_path):
         validate(out, "--runs", f'[{{"name": "alpha"}}, {beta}]', config=TWO_RUNS)
     with pytest.raises(ConfigError, match=r"^config key 'run_id': "):
         validate(out, "--run-id", "renamed", config=TWO_RUNS)
+    beta = '{"name": "beta", "trainer": {"lora": {"rank": 8}}, "orchestrator": {"seed": %d}}'
+    with pytest.raises(ConfigError, match=r"^config key 'runs.1.orchestrator.seed': .*run 'beta' at step 2\).* = 1, "
+                       r"this launch sets 5"):  # fmt: skip
+        validate(out, "--runs", f'[{{"name": "alpha"}}, {beta % 5}]', config=TWO_RUNS)
+    # alpha has pushed nothing: its seed may change
+    validate(out, "--runs", f'[{{"name": "alpha", "orchestrator": {{"seed": 5}}}}, {beta % 1}]', config=TWO_RUNS)
 
 
 def test_what_a_resume_may_change_and_a_rewind_to_the_base_are_not_refused(tmp_path):
     out = tmp_path / "run"
     launched(out)
     validate(out, "--max-steps", "9", "--trainer.optim.lr", "1e-4", "--orchestrator.eval.interval", "2",
-             "--orchestrator.sampling.temperature", "0.7", "--orchestrator.seed", "3")  # fmt: skip
+             "--orchestrator.sampling.temperature", "0.7", "--orchestrator.sampling.seed", "3")  # fmt: skip
     (out / "checkpoints" / "trainer" / "step_2" / "progress.json").unlink()  # not a checkpoint: nothing started
     validate(out, "--run-id", "other", "--orchestrator.env.name", "arithmetic")
     launched(tmp_path / "again")
@@ -152,12 +161,12 @@ def test_what_a_resume_may_change_and_a_rewind_to_the_base_are_not_refused(tmp_p
 
 def test_a_runs_own_adapter_is_checked_and_named_by_its_entry(tmp_path):
     out = launched_two_runs(tmp_path / "multi")
-    entries = '[{"name": "alpha"}, {"name": "beta", "trainer": {"lora": {"rank": 4}}}]'
+    entries = '[{"name": "alpha"}, {"name": "beta", "orchestrator": {"seed": 1}, "trainer": {"lora": {"rank": 4}}}]'
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.trainer.lora.rank': .*run 'beta' at step 2"):
         validate(out, "--runs", entries, config=TWO_RUNS)
     # alpha has trained nothing: its adapter may change
-    validate(out, "--trainer.lora.rank", "4", "--runs", '[{"name": "alpha"}, {"name": "beta", "trainer": '
-             '{"lora": {"rank": 8, "alpha": 16}}}]', config=TWO_RUNS)  # fmt: skip
+    validate(out, "--trainer.lora.rank", "4", "--runs", '[{"name": "alpha"}, {"name": "beta", "orchestrator": '
+             '{"seed": 1}, "trainer": {"lora": {"rank": 8, "alpha": 16}}}]', config=TWO_RUNS)  # fmt: skip
 
 
 def test_what_a_run_absorbs_or_starts_over_from_is_not_refused(tmp_path):

@@ -376,7 +376,11 @@ class OrchestratorConfig(ServiceConfig):
     )
     max_async_level: int = Field(1, ge=0, description="Batch s uses samples from versions >= s-1-k.")
     max_steps: int | None = Field(None, ge=1, description="Stop after pushing this batch.")
-    seed: int = Field(0, description="Task sampler seed.")
+    seed: int = Field(
+        0,
+        description="Task sampler seed: task i of the train split (a dataset's epoch order, a mix's draws) is a "
+        "function of (seed, i). Fixed for a run: a re-run of a started run with another is refused (--fresh).",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
     inference: InferenceClientConfig = Field(default_factory=InferenceClientConfig, description="Inference replicas.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages and filters.")

@@ -382,9 +382,9 @@ def _adapter_shape(lora: dict[str, Any] | None) -> dict[str, Any] | None:
 def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
     """ConfigError naming the key when a re-run of an existing run (no --fresh) changes what the run is: its run_id
     (its stream, W&B runs and metrics), its environment (orchestrator.env, the whole dumped section: one environment
-    or several), the policy model (model.name, the SFT warm-up on or off, or its base) or the LoRA adapter (on or
-    off, rank, target modules). A run has started once a step is trained or a batch pushed (its samples wait in the
-    stream). Its checkpoints and published weights cannot be loaded into another shape (the
+    or several) and its task sampler's seed, the policy model (model.name, the SFT warm-up on or off, or its base) or
+    the LoRA adapter (on or off, rank, target modules). A run has started once a step is trained or a batch pushed
+    (its samples wait in the stream). Its checkpoints and published weights cannot be loaded into another shape (the
     trainer failed only after every service had started) or, for another model of the same shape, would silently
     replace it. Read from the configs the previous launch wrote; a run rewound to 0 starts again from the base.
     Keys whose change a run absorbs (data.seq_len, trainer_nproc: batches of the old shape are rejected by the
@@ -448,6 +448,18 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
                 f"config key '{key}{leaf}': the run in {at(run.name)} was trained with {key}{leaf} = {was!r}, this "
                 f"launch sets {new!r}; its checkpoints, task position and stream batches belong to the first "
                 f"environment: {fresh_start}"
+            )
+        # the task sampler's seed: task i (a dataset's epoch order) is a function of (seed, i), and the saved task
+        # position is an index into that sequence: a new seed went on at the same index of another sequence (an epoch's
+        # rows seen twice or never, a mix's draws shifted), unlike sampling.seed (only the rollouts to come)
+        own = bool(cfg.runs) and "seed" in run.orchestrator
+        key = f"runs.{index}.orchestrator.seed" if own else "orchestrator.seed"
+        was, new = recorded.get("seed"), configs.orchestrators[run.name].seed
+        if was is not None and was != new:
+            raise ConfigError(
+                f"config key '{key}': the run in {at(run.name)} was trained with {key} = {was!r}, this launch sets "
+                f"{new!r}; its task position is an index into the tasks of the first seed (a new one repeats or "
+                f"skips tasks): {fresh_start}"
             )
     trained = {name: step for name, step in started.items() if step > 0}
     where = at(next(iter(started)))
