@@ -160,7 +160,8 @@ class JudgeConfig(EndpointConfig):
     prompt: str = Field(
         DEFAULT_JUDGE_PROMPT,
         description="User message template: {question} (the task's last user message), {response} (the rollout's "
-        "last assistant message), {answer} (the reference), {conversation} (the whole rollout as text).",
+        "last assistant message, after its reasoning: the text after its last </think>), {answer} (the reference), "
+        "{conversation} (the whole rollout as text).",
     )
     system: str | None = Field(None, description="System message sent before the prompt.")
     score: Literal["number", "choice", "json"] = Field(

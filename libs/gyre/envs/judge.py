@@ -118,15 +118,22 @@ def _text(content: Any) -> Any:
 
 
 def fields_of(prompt: Messages, completion: Messages, answer: str) -> dict[str, str]:
-    """The values of the prompt's placeholders for one rollout."""
+    """The values of the prompt's placeholders for one rollout. `response` is the last assistant message's reply
+    after its reasoning (`strip_reasoning`, as a `Parser` and verifiers' JudgeRubric read it): a reasoning policy's
+    <think> block went to the judge as its response, which graded a right answer it only considered while thinking
+    (and read whatever the policy wrote there to it); `conversation` keeps every message whole."""
     users = [m for m in prompt if m.get("role") == "user"]
     replies = [m for m in completion if m.get("role") == "assistant"]
     return {
         "question": _text(users[-1].get("content")) if users else "",
-        "response": _text(replies[-1].get("content")) if replies else "",
+        "response": _reply(_text(replies[-1].get("content"))) if replies else "",
         "answer": answer,
         "conversation": "\n".join(f"{m.get('role')}: {_text(m.get('content'))}" for m in prompt + completion),
     }
+
+
+def _reply(text: Any) -> Any:
+    return strip_reasoning(text) if isinstance(text, str) else text
 
 
 def render(config: JudgeConfig, prompt: Messages, completion: Messages, answer: str) -> list[dict]:

@@ -252,6 +252,24 @@ def test_a_reasoning_judges_thinking_is_not_its_verdict(scripted):
     assert asyncio.run(grades()) == [0.0, 1.0, pytest.approx(0.2)]
 
 
+def test_the_judge_gets_a_reasoning_policys_reply_without_its_thinking(scripted):
+    """{response} was the last assistant message whole: a reasoning policy's <think> block reached the judge as its
+    response, which graded a right answer the policy only considered while thinking (here 42, its reply 41). It is
+    the reply after the reasoning now (a Qwen3 template opens <think> in the prompt: only the close is in the reply);
+    {conversation} keeps the whole message."""
+    judge = Judge(url=scripted.url, model="judge-model", prompt="R={response}|C={conversation}", cache_size=0)
+    scripted.script = ["7", "7"]
+
+    async def grade():
+        await judge(PROMPT, completion("<think>It could be 42, the reference.</think>\n\n41"), "42")
+        await judge(PROMPT, completion("It is 42 surely... or not.</think>41"), "42")
+
+    asyncio.run(grade())
+    sent = [body["messages"][-1]["content"] for kind, body in scripted.requests if kind == "chat"]
+    assert [text.split("|C=")[0] for text in sent] == ["R=\n\n41", "R=41"]
+    assert "<think>It could be 42, the reference.</think>" in sent[0].split("|C=")[1]
+
+
 def test_the_key_comes_from_a_file_or_the_start_fails(tmp_path, scripted):
     key = tmp_path / "key"
     key.write_text("sk-from-file\n")
