@@ -11,8 +11,9 @@ Reconciliation, not fire-and-forget: a loop compares each replica's served versi
 and runs one updater task per lagging replica (`UpdateWeights(version)` with a deadline,
 retried with backoff). A slow or dead replica therefore never holds back the others, and a replica
 that restarted on the base model (seen by the periodic `GetStatus` probe) is brought back up. Every
-call is logged to `weight_relay.jsonl`. Versions replicas still serve (plus the target) are declared
-with the transport's `hold`, so the trainer's pruning never deletes weights in use.
+call is logged to `weight_relay.jsonl`. Versions replicas still serve, the target and the versions replicas are
+being sent (an update under way while a newer version came) are declared with the transport's `hold`, so the
+trainer's pruning never deletes weights in use or being loaded.
 
 Versions only move forward, except when the trainer rewinds (`ckpt.resume_step`): it deletes the
 versions newer than the step it rewinds to, so a target or a replica version newer than every version
@@ -97,6 +98,9 @@ class WeightRelay:
         self._task: asyncio.Task | None = None
         self._probing: dict[str, asyncio.Task] = {}  # url -> its status probe under way (the loop does not wait)
         self._in_use: set[int] | None = None
+        # replica url -> the version an UpdateWeights now under way asks it to load: held like a served one, so that
+        # a newer target does not leave it to the trainer's pruning while the replica still reads its files
+        self._sending: dict[str, int] = {}
         self._last_probe = float("-inf")
         self._last_poll = float("-inf")
         replicas.add_listener(self._on_replicas_changed)
@@ -256,6 +260,7 @@ class WeightRelay:
 
     def _declare_in_use(self) -> None:
         in_use = self.replicas.served_versions() | ({self.target.step} if self.target else set())
+        in_use |= set(self._sending.values())
         in_use = {s for s in in_use if s >= 1}  # version 0 is the base model, not in the store
         if in_use != self._in_use:
             try:
@@ -352,6 +357,9 @@ class WeightRelay:
             start = time.monotonic()
             error, unavailable = None, False
             sent = self.token.value
+            if target is not None:  # declared before the call: the trainer prunes what no holder declared
+                self._sending[replica.url] = step
+                self._declare_in_use()
             try:
                 if target is None:  # rewound to the base model
                     call = self._stub(replica).ReloadWeights(
@@ -366,6 +374,8 @@ class WeightRelay:
             except grpc.aio.AioRpcError as e:
                 error = self._control_error(replica, e, sent)
                 unavailable = e.code() == grpc.StatusCode.UNAVAILABLE
+            finally:
+                self._sending.pop(replica.url, None)
             seconds = time.monotonic() - start
             self._record(step, replica, error is None, seconds, error, attempt)
             if error is not None and unavailable:

@@ -337,3 +337,58 @@ async def test_spilled_batches_are_deleted_once_trained(tmp_path, redis_url, uni
     # pushing step s waits for weights s-1-k, so by the last push the trainer had committed steps-1-k or more;
     # the files of the steps before that are gone, the rest (what a restarted trainer may still need) stay
     assert left and min(left) >= steps - 1 - k and max(left) == steps, left
+
+
+async def test_a_version_a_replica_is_being_sent_is_not_pruned_when_a_newer_one_comes(
+    tmp_path, start_inference, tiny_model
+):
+    """Audit: the relay held the versions replicas serve and its target, not one an UpdateWeights under way asks a
+    replica to load. A version published while a replica loaded the one before moved the target on, and the trainer's
+    pruning (`weights_keep_last = 1`) deleted the folder the replica was reading: its update failed and it served the
+    old weights for one more round. The replica is frozen (SIGSTOP) while its update is under way, so the call is still
+    in flight when the trainer publishes and prunes, however loaded the machine."""
+    replica = start_inference()
+    store = WeightStore(tmp_path / "weights")
+    replica_set = ReplicaSet(static_endpoints([replica.url], [replica.control], 0))
+    sent: list[int] = []
+    sending = asyncio.Event()
+
+    class Relay(WeightRelay):
+        def _stub(self, r):  # notes each UpdateWeights as it goes out
+            stub = super()._stub(r)
+            call = stub.UpdateWeights
+
+            def update(request, **kwargs):
+                sent.append(request.version.step)
+                sending.set()
+                return call(request, **kwargs)
+
+            stub.UpdateWeights = update
+            return stub
+
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay = Relay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, timeout_s=120.0,
+                      retries=0, probe_interval_s=600.0, poll_store_s=600.0)  # fmt: skip
+        try:
+            await relay.start()
+            os.killpg(replica.proc.pid, signal.SIGSTOP)
+            try:
+                relay.notify(publish_weights(store, 1, tiny_model))
+                await asyncio.wait_for(sending.wait(), timeout=60)
+                relay.notify(publish_weights(store, 2, tiny_model))  # the trainer's next step, while 1 is loaded
+                deadline = asyncio.get_running_loop().time() + 30
+                while 2 not in store.in_use():  # the relay's loop has declared what it holds now
+                    assert asyncio.get_running_loop().time() < deadline, store.in_use()
+                    await asyncio.sleep(0.05)
+                store.prune(keep_last=1)  # what the trainer does after committing step 2
+                assert store.steps() == [1, 2], "the version the replica is loading was pruned"
+            finally:
+                os.killpg(replica.proc.pid, signal.SIGCONT)
+            assert await relay.wait_served(2, timeout=120) and replica.status().step == 2
+            calls = [(e["step"], e["ok"]) for e in read_events(events.path)]
+            assert sent == [1, 2] and calls == [(1, True), (2, True)], calls
+            store.prune(keep_last=1)  # once served by none and sent to none, 1 goes
+            assert store.steps() == [2]
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
