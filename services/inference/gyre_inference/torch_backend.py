@@ -424,6 +424,14 @@ class TorchBackend(EngineLoop, Backend):
             # raw bytes) would be cast into garbage weights that serve without an error
             if tensor.is_floating_point() != state[name].is_floating_point():
                 raise WeightsIncompatibleError(f"{path}: {name} is {tensor.dtype}, the model's is {state[name].dtype}")
+        # Names of one tied tensor given with different values (weights trained untied): the copy would keep the
+        # last one and serve the other silently changed. Compared only when a folder holds several (HF saves one).
+        for given in ([n for n in names if n in tensors] for names in self._tied.values()):
+            if any(not torch.equal(tensors[given[0]], tensors[n].to(tensors[given[0]].dtype)) for n in given[1:]):
+                raise WeightsIncompatibleError(
+                    f"{path}: {' and '.join(given)} are one tensor in the served model (tied embeddings, "
+                    "tie_word_embeddings) but differ in the folder: weights trained untied cannot be served tied"
+                )
         return {name: tensor.to(self.device, self.dtype) for name, tensor in tensors.items()}
 
     async def _swap_in(self, tensors: dict, version: int, adapter: str | None = None, source: Path | None = None,

@@ -452,3 +452,31 @@ async def test_sequences_being_prefilled_count_once_as_running(backend, monkeypa
     await first.aclose()
     assert seen and seen[0] == (1, (1, 0)), seen  # the first alone: one row, nothing else running
     assert all(running == seqs + 1 for seqs, (running, _) in seen[1:]), seen  # a later one beside the first
+
+
+async def test_tied_embeddings_given_twice_with_different_values_are_refused(tmp_path):
+    """Audit: a model that ties lm_head to the input embeddings holds one tensor under both names. A folder that
+    gives both with different values (weights trained untied) was copied name by name into that one tensor: the last
+    copy won and the served head (or embedding) was silently not the trained one. Equal copies still load."""
+    from safetensors.torch import save_file
+
+    reference = _tiny_family("llama", tmp_path / "base")
+    engine = TorchBackend(tmp_path / "base", threads=1, max_batch_size=2, device="cpu")
+    await engine.start()
+    try:
+        embed = reference.model.embed_tokens.weight.detach().clone()
+        tensors = {k: v.detach().clone().contiguous() for k, v in reference.state_dict().items()}
+        tensors["lm_head.weight"] = embed.clone()
+        (tmp_path / "equal").mkdir()
+        save_file(tensors, str(tmp_path / "equal" / "model.safetensors"))
+        await engine.update_weights(FetchedWeights.local(tmp_path / "equal", 1))
+        assert engine.version == 1
+        tensors["lm_head.weight"] = embed + 1.0
+        (tmp_path / "untied").mkdir()
+        save_file(tensors, str(tmp_path / "untied" / "model.safetensors"))
+        with pytest.raises(WeightsIncompatibleError, match="lm_head.weight .*one tensor in the served model"):
+            await engine.update_weights(FetchedWeights.local(tmp_path / "untied", 2))
+        assert engine.version == 1
+        assert torch.equal(engine._weights["model.embed_tokens.weight"], embed)
+    finally:
+        await engine.shutdown()
