@@ -58,7 +58,7 @@ OPERATIONS = {
 # Judges, a reward model and a teacher beside the policy: a hub model fetched, one on the generated model.
 SERVERS = {
     "servers": [{"name": "teacher", "model": "Qwen/Qwen3-8B", "gpus": 1}, {"name": "ref", "model": "/data/model"}],
-    "experiment": {"orchestrator": {"teacher": {"url": "server:teacher"}}},
+    "experiment": {"orchestrator": {"teacher": {"url": "server:teacher"}}, "trainer": {"loss": {"distill": 1.0}}},
 }
 # A Helm operator's day two (chart 0.6.0): labels a policy requires on everything, replicas spread over zones, CPU
 # limits for a quota on every container (init containers and the test pod too), a hub mirror for model-fetch, a

@@ -101,6 +101,11 @@ def test_without_servers_nothing_changes():
         ({"experiment": {**EXPERIMENT, "orchestrator": {"teacher": {"url": "server:nobody"}}}},
          'no entry of `servers` is named "nobody"'),
         ({"experiment": {**EXPERIMENT, "orchestrator": {}}}, "distill > 0 needs experiment.orchestrator.teacher"),
+        # a teacher without distill trained nothing from it and kept every group of equal rewards (gyre rl refuses)
+        ({"experiment": {**EXPERIMENT, "trainer": {}}}, r"distill is 0 but a teacher is set \(experiment\)"),
+        ({"experiment": {**EXPERIMENT, "trainer": {}, "orchestrator": {}},
+          "runs": [{"name": "a"}, {"name": "b", "orchestrator": {"teacher": {"url": "server:teacher"}}}]},
+         r"distill is 0 but a teacher is set \(runs b\)"),
         ({"servers": [{"name": "Bad_Name", "model": "m"}]}, "servers"),
         ({"servers": [{"name": "x"}]}, "model"),
     ],

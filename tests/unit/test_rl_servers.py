@@ -47,6 +47,11 @@ def test_a_reward_model_server_runs_the_pooling_runner(tmp_path):
     [
         (["--orchestrator.teacher", '{"url": "server:nobody"}'], "'orchestrator.teacher.url': no [[servers]] entry"),
         (["--trainer.loss.distill", "0.5"], "'trainer.loss.distill': 0.5 needs a teacher"),
+        # a teacher without distill trained nothing from it, and kept every group of equal rewards for it
+        (
+            ["--servers", '[{"name": "teacher", "model": "m"}]', "--orchestrator.teacher", '{"url": "server:teacher"}'],
+            "'trainer.loss.distill': 0 with [orchestrator.teacher] set",
+        ),
         (["--servers", '[{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]'], "server names must differ"),
         (["--orchestrator.judges", '[{"url": "http://x", "api_key": "sk-1"}]'], "never go in config files"),
     ],

@@ -978,6 +978,14 @@ ckpt.*); fails on inconsistent values. gyre.experimentToml writes it as TOML.
 {{- fail (printf "experiment.trainer.loss.distill > 0 needs experiment.orchestrator.teacher%s (e.g. url = \"server:teacher\" with a `servers` entry named teacher)" (ternary (printf ", or runs[].orchestrator.teacher for runs %s" (join ", " $without)) "" (not (empty $without)))) -}}
 {{- end -}}
 {{- end -}}
+{{- if not (gt (float64 (((($exp.trainer | default dict).loss) | default dict).distill | default 0)) 0.0) -}}
+{{- /* a teacher without distill trains nothing from it, yet keeps every group of equal rewards (gyre rl refuses it) */ -}}
+{{- $with := ternary (list "experiment") (list) (not (not $orch.teacher)) -}}
+{{- range .Values.runs -}}{{- if ((.orchestrator | default dict).teacher) -}}{{- $with = append $with (printf "runs %s" .name) -}}{{- end -}}{{- end -}}
+{{- if $with -}}
+{{- fail (printf "experiment.trainer.loss.distill is 0 but a teacher is set (%s): its log-probs would train nothing, and groups of equal rewards would still be kept for it; set experiment.trainer.loss.distill > 0 (e.g. 1) or remove the teacher" (join ", " $with)) -}}
+{{- end -}}
+{{- end -}}
 {{- /* Requests in flight: enough to fill every replica's batch, as `gyre rl` derives it (the orchestrator's own
 default, 64, would leave a larger fleet's batches part-empty); with autoscaling, the largest fleet's, so the
 demand KEDA reads can grow the pool. A value the user sets (here or in a run's flags) wins. */ -}}

@@ -172,6 +172,15 @@ def resolve_configs(cfg: RLConfig, model_name: str, redis_url: str) -> ServiceCo
                 "[orchestrator.teacher] (e.g. url = 'server:teacher' with a [[servers]] entry named teacher; "
                 "docs/algorithms.md)"
             )
+    elif any(orch.teacher is not None for orch in orchestrators.values()):
+        # the teacher's log-probs then train nothing, yet a teacher keeps every group of equal rewards (their zero
+        # advantages count in the loss's token normaliser and shrink every other token's weight): an RL run that
+        # looked like distillation, silently
+        raise ConfigError(
+            "config key 'trainer.loss.distill': 0 with [orchestrator.teacher] set: the teacher's log-probs would "
+            "train nothing, and groups of equal rewards would still be kept for them; set trainer.loss.distill > 0 "
+            "(e.g. 1; docs/algorithms.md, on-policy distillation) or remove [orchestrator.teacher]"
+        )
     return ServiceConfigs(replicas, trainer, orchestrators, servers)
 
 
