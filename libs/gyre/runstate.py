@@ -9,6 +9,7 @@ orchestrator use to agree with it on the next step; all three read the same file
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from gyre.fsio import write_atomic
@@ -20,6 +21,7 @@ CHECKPOINT_COMPLETE = "progress.json"  # written last into a trainer checkpoint:
 ORCHESTRATOR_PROGRESS = Path("checkpoints") / "orchestrator"
 SFT_CHECKPOINTS = Path("checkpoints") / "sft"  # `gyre sft`'s, complete ones holding CHECKPOINT_COMPLETE too
 REWOUND = "rewound"  # in a service's checkpoint folder: the step of the rewind it has done
+RL_WARM_UP_ENV = "GYRE_RL_WARM_UP_OF"  # set by `gyre rl` for its SFT warm-up: the run folder (resolved) it trains in
 
 
 def trainer_checkpoints(output_dir: Path | str) -> list[int]:
@@ -62,6 +64,36 @@ def committed_step(output_dir: Path | str, weights_latest: int | None = None) ->
     if weights_latest is None:
         weights_latest = WeightStore(Path(output_dir) / "weights").latest()
     return max(ckpts[-1] if ckpts else 0, weights_latest or 0)
+
+
+def run_started(output_dir: Path | str) -> bool:
+    """Whether a run folder holds a run: a step trained (weights, a checkpoint) or a batch pushed (the orchestrator's
+    step record, written before each push)."""
+    from gyre.events import ORCHESTRATOR_STEPS, events_dir
+
+    return bool(committed_step(output_dir) or trainer_checkpoints(output_dir)
+                or (events_dir(output_dir) / ORCHESTRATOR_STEPS).exists())  # fmt: skip
+
+
+def rl_run_in(output_dir: Path | str) -> str | None:
+    """Why `output_dir` is a `gyre rl` run's folder, said for an error; None when it is not one. A launch running
+    there (its pid), a committed trainer step, a batch pushed (generated from the run's base model), or the trainer
+    config a launch writes once its base model and SFT warm-up are ready. The `gyre sft` a launch runs as its warm-up
+    (`RL_WARM_UP_ENV` naming this folder) is the run's own."""
+    from gyre.runlock import running_holder
+
+    out = Path(output_dir)
+    if os.environ.get(RL_WARM_UP_ENV) == str(out.resolve()):
+        return None
+    if (holder := running_holder(out, "rl")) is not None:
+        return f"gyre rl pid {holder['pid']} is running in it"
+    if step := committed_step(out):
+        return f"its trainer has committed step {step}"
+    if run_started(out):
+        return "its orchestrator has pushed batches, no step trained yet"
+    if (out / "configs" / "trainer.toml").is_file():
+        return "a launch wrote its configs/trainer.toml, no step trained yet"
+    return None
 
 
 def orchestrator_progress(output_dir: Path | str) -> list[int] | None:

@@ -62,7 +62,14 @@ from gyre.local.runs import (
 )
 from gyre.proc import Child
 from gyre.runlock import LockHeld, RunLock
-from gyre.runstate import SFT_CHECKPOINTS, committed_step, forget_rewinds, sft_checkpoints, sft_resume_problem
+from gyre.runstate import (
+    RL_WARM_UP_ENV,
+    SFT_CHECKPOINTS,
+    committed_step,
+    forget_rewinds,
+    sft_checkpoints,
+    sft_resume_problem,
+)
 
 log = logging.getLogger("gyre.local.launcher")
 
@@ -534,7 +541,9 @@ class Launcher:
         sft = load_config(SFTConfig, [], **deep_merge(values, _sft_args(self.cfg)))
         path = _write_config(self.out / SFT_RECORD, sft)
         _console(f"SFT warm-up: {sft.max_steps} steps -> {sft_dir}")
-        child = self._run_once("sft", _gyre("sft", "@", str(path)), echo=True)
+        # the run's own warm-up: `gyre sft` refuses another SFT in a gyre rl run's folder (gyre.runstate.rl_run_in)
+        warm_up = {RL_WARM_UP_ENV: str(self.out.resolve())}
+        child = self._run_once("sft", _gyre("sft", "@", str(path)), echo=True, env=warm_up)
         if not (sft_dir / "config.json").exists():  # a SIGTERM of its own: `gyre sft` checkpoints and exits 0
             raise RunFailed(f"sft stopped before it finished (no result in {sft_dir}); the same command resumes it; "
                             f"last lines of {child.log_path}:\n{child.tail()}")  # fmt: skip
@@ -545,12 +554,12 @@ class Launcher:
         if self.interrupted:
             raise KeyboardInterrupt
 
-    def _run_once(self, name: str, argv: list[str], echo: bool = False) -> Child:
+    def _run_once(self, name: str, argv: list[str], echo: bool = False, env: dict[str, str] | None = None) -> Child:
         import subprocess
 
         child = Child(name, argv, self.out / "logs" / f"{name}.log", console=_console)
         self.children.append(child)
-        child.start(echo=echo or self.cfg.console == "all")
+        child.start(echo=echo or self.cfg.console == "all", env=env)
         while True:
             try:
                 code = child.wait(timeout=0.5)

@@ -400,7 +400,7 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
     trainer and generated again; rollouts_per_example, lora.alpha, lr...) are left free."""
     import tomllib
 
-    from gyre.runstate import trainer_checkpoints
+    from gyre.runstate import run_started, trainer_checkpoints
 
     out = Path(cfg.output_dir)
     fresh_start = "use --fresh (starts the run over) or another --output-dir"
@@ -416,7 +416,7 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
     runs = experiment_runs(cfg)
     # started: a step trained, or a batch pushed (its samples, of the old model and environment, wait in the stream)
     started = {run.name: max(committed_step(run.output_dir), *trainer_checkpoints(run.output_dir), 0)
-               for run in runs if _started(run.output_dir)}  # fmt: skip
+               for run in runs if run_started(run.output_dir)}  # fmt: skip
     if not started:
         return
 
@@ -517,16 +517,6 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
             what = f"the run in {where} trained an adapter of {field} {old[field]}, not {now[field]}"
         raise ConfigError(f"config key '{key}': {what}; its checkpoints and weights cannot be resumed so: "
                           f"{fresh_start}")  # fmt: skip
-
-
-def _started(output_dir: Path) -> bool:
-    """Whether a run folder holds a run: a step trained (weights, a checkpoint) or a batch pushed (the orchestrator's
-    step record, written before each push)."""
-    from gyre.events import ORCHESTRATOR_STEPS, events_dir
-    from gyre.runstate import trainer_checkpoints
-
-    return bool(committed_step(output_dir) or trainer_checkpoints(output_dir)
-                or (events_dir(output_dir) / ORCHESTRATOR_STEPS).exists())  # fmt: skip
 
 
 def _orchestrator_file(cfg: RLConfig, run_name: str) -> str:

@@ -32,9 +32,10 @@ on from (or find finished) an SFT of other settings (`model.name`, `data.*`, `op
 `max_steps` / `epochs`, is free) is refused before anything loads, naming every changed key: the steps of two
 configs were mixed into one result, recorded as the second. So is one whose data changed under the same settings (an
 edited `data.path` file): checkpoints and the result record the SHA-256 of the packed rows (`check_same_data`).
-`--ckpt.resume-step 0` trains again from `model.name`. Training in the folder of a `gyre rl` run that has trained is
-refused naming `output_dir` (`check_not_an_rl_run`): the SFT result there is the base of the run's steps; a
-`save_dir` holding the result of another output folder's SFT, naming `save_dir` (`check_save_dir_is_ours`).
+`--ckpt.resume-step 0` trains again from `model.name`. Training in the folder of a `gyre rl` run (running, or one
+that has trained, pushed a batch or written its trainer config) is refused naming `output_dir`
+(`check_not_an_rl_run`): the SFT result there is the base of the run's steps; a `save_dir` holding the result of
+another output folder's SFT, naming `save_dir` (`check_save_dir_is_ours`).
 
 Stopping (as the RL trainer, docs/trainer.md "Stopping"): SIGTERM or SIGINT (Kubernetes, `gyre rl`, Ctrl-C, torchrun
 forwarding either to its workers) finishes the step in flight on every rank, checkpoints it (`ckpt.on_stop`, unless it
@@ -525,22 +526,23 @@ def run(cfg: SFTConfig) -> int:
 
 
 def check_not_an_rl_run(cfg: SFTConfig) -> None:
-    """SFTDataError naming `output_dir` when this SFT would train in a folder holding a `gyre rl` run that has trained
-    (a committed trainer step): the SFT result there (`{output_dir}/sft`, its warm-up's or one `gyre rl --model.name
-    outputs/run/sft` started from) is the base model of that run's steps. `gyre sft` and `gyre rl` share the default
-    `outputs/run`, so a larger `max_steps`, or `--ckpt.resume-step 0` (what `check_rerun`'s refusal offers), replaced
-    the base under the run's checkpoints and LoRA adapters; without one it put an SFT result where a re-run with
-    `sft.enabled` would take it for its own. A finished SFT found again trains nothing and is not refused. The launcher
-    never runs its warm-up once the run has trained (it refuses `sft.enabled` changed), so this refuses no warm-up."""
-    from gyre.runstate import committed_step
+    """SFTDataError naming `output_dir` when this SFT would train in a `gyre rl` run's folder (`rl_run_in`: a launch
+    running there, a step trained, a batch pushed, or its trainer config written): the SFT result there
+    (`{output_dir}/sft`, its warm-up's or one `gyre rl --model.name outputs/run/sft` started from) is the base model of
+    that run's steps, and of the batches it has pushed. `gyre sft` and `gyre rl` share the default `outputs/run`, so a
+    larger `max_steps`, or `--ckpt.resume-step 0` (what `check_rerun`'s refusal offers), replaced the base under the
+    run's checkpoints and LoRA adapters (before its first step too: the stream's batches were generated from the old
+    one); without one it put an SFT result where a re-run with `sft.enabled` would take it for its own. A finished SFT
+    found again trains nothing and is not refused; neither is the launch's own warm-up."""
+    from gyre.runstate import rl_run_in
 
     output_dir = Path(cfg.output_dir)
-    if (step := committed_step(output_dir)) > 0:
+    if why := rl_run_in(output_dir):
         raise SFTDataError(
-            f"config key 'output_dir': {output_dir} holds a gyre rl run (its trainer has committed step {step}); the "
-            f"SFT result there ({output_dir / 'sft'}), if any, is the base model of its steps, and training would "
-            "replace it or put another SFT into the run's folder: give gyre sft its own --output-dir (gyre sft and "
-            "gyre rl both default to outputs/run)"
+            f"config key 'output_dir': {output_dir} holds a gyre rl run ({why}); the SFT result there "
+            f"({output_dir / 'sft'}), if any, is the base model of its steps, and training would replace it or put "
+            "another SFT into the run's folder: give gyre sft its own --output-dir (gyre sft and gyre rl both default "
+            "to outputs/run)"
         )
 
 

@@ -167,6 +167,57 @@ def test_an_output_dir_holding_a_trained_rl_run_is_refused(tiny_model, tmp_path,
     assert _files(tmp_path / "sft") == result and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 2
 
 
+def _hold_rl_lock(folder):
+    """A process holding `folder`'s gyre rl lock as a running launch does (gyre.runlock), until killed."""
+    import subprocess
+    import sys
+
+    code = "import sys; from gyre.runlock import RunLock; RunLock(sys.argv[1], 'rl').acquire(); print('held', " \
+           "flush=True); input()"  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+@pytest.mark.parametrize("state", ["running", "batches pushed", "launched"])
+def test_an_output_dir_of_an_rl_run_before_its_first_step_is_refused(tiny_model, tmp_path, capsys, monkeypatch, state):
+    # refused only once the run's trainer had committed a step: before it, a larger max_steps or --ckpt.resume-step 0
+    # replaced the SFT result the run's pushed batches were generated from (and the trainer then trained them on
+    # another model), or raced the launch's own warm-up for the folder
+    from gyre.runstate import RL_WARM_UP_ENV
+
+    args = sft_args(tiny_model, tmp_path, **{"data.fake": "true", "data.num-examples": 40, "max-steps": 2,
+                                             "ckpt.interval": 1})  # fmt: skip
+    assert sft.main(args) == 0  # the run's SFT warm-up
+    result, holder = _files(tmp_path / "sft"), None
+    if state == "running":
+        holder = _hold_rl_lock(tmp_path)
+    elif state == "batches pushed":
+        (tmp_path / "events" / "orchestrator_steps.jsonl").write_text('{"step": 1}\n')
+    else:
+        (tmp_path / "configs" / "trainer.toml").write_text('run_id = "run"\n')
+    said = {"running": f"gyre rl pid {holder.pid if holder else 0} is running in it",
+            "batches pushed": "its orchestrator has pushed batches, no step trained yet",
+            "launched": "a launch wrote its configs/trainer.toml"}[state]  # fmt: skip
+    capsys.readouterr()
+    try:
+        assert sft.main(args) == 0 and "already finished" in capsys.readouterr().out  # trains nothing: fine
+        for extra in ({"max-steps": 4}, {"ckpt.resume-step": 0}):
+            assert sft.main([*args, *[x for k, v in extra.items() for x in (f"--{k}", str(v))]]) == 2
+            err = capsys.readouterr().err
+            assert f"gyre sft: error: config key 'output_dir': {tmp_path} holds a gyre rl run ({said}" in err, err
+        assert _files(tmp_path / "sft") == result and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 2
+        # the launch's own warm-up (gyre rl names its folder to it) goes on
+        monkeypatch.setenv(RL_WARM_UP_ENV, str(tmp_path.resolve()))
+        assert sft.main([*args, "--max-steps", "3"]) == 0
+        assert [r["step"] for r in read_events(tmp_path / "events" / sft.SFT_STEPS)] == [1, 2, 3]
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+
+
 def test_a_save_dir_holding_the_result_of_another_output_dir_is_refused(tiny_model, tmp_path, capsys):
     # two experiments sharing one --save-dir: the second said "already finished" to settings it never trained (they
     # were the first folder's), or continued its own checkpoints over the first's result
