@@ -351,7 +351,9 @@ class Judge:
 
     async def reply(self, fields: dict[str, str]) -> str:
         """The judge's reply, as text, to its prompt filled with `fields` (verifiers' `JudgeRubric.judge`: its reward
-        functions read the text themselves). Failures as a score's: the server failing after its retries, or
+        functions read the text themselves), after its reasoning (`strip_reasoning`: what a server with a reasoning
+        parser answers as the content; a `"yes" in reply` read the thinking's "yes?"). Failures as a score's: the
+        server failing after its retries, or
         answering no text `retries + 1` times, is a `ScoringError`; a refusal of this one prompt (after the cuts
         that fit a long one to the judge's context) is `Unjudged`."""
         messages = _messages(self.config, fields)
@@ -367,7 +369,7 @@ class Judge:
                     log.warning("judge %r: a reply was cut at max_tokens = %d (raise max_tokens in "
                                 "judge_sampling_args); further ones are only counted", self.config.name,
                                 self.config.max_tokens)  # fmt: skip
-            return reply
+            return strip_reasoning(reply)
         raise ScoringError(f"judge {self.config.name!r}: no reply after {self.config.retries + 1} answers ({problem})")
 
     async def _answer(

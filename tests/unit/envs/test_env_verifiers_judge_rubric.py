@@ -47,6 +47,22 @@ async def rollout_of(env, task, reply, sampling):
 
 
 @pytest.mark.asyncio
+async def test_a_reasoning_judges_thinking_is_not_in_the_reply_the_functions_read(server, sampling):
+    """A reasoning judge served without a reasoning parser (Gyre's server) answers with its <think> block in the
+    content: the environment's `"yes" in judge_response` read the "yes" it only considered, and a wrong answer
+    scored 1. The reply the functions read is the text after the thinking, as a server with a reasoning parser
+    answers it."""
+    env = judged_env(server)
+    task = env.tasks("eval")[0]
+    server.script[:] = ["<think>Is Lyon right? If it said Paris, yes; it does not.</think>\n\nno"]
+    wrong = await rollout_of(env, task, "<answer>Lyon</answer>", sampling)
+    score = await env.score(task, wrong)
+    assert score.per_function == {"correct_answer_reward_func": 0.0, "decisive_judge": 1.0}
+    await env.rubric.aclose()
+    await env.rubric.judge_client.close()
+
+
+@pytest.mark.asyncio
 async def test_a_ported_judge_rubric_scores_through_the_judge_server_once_per_rollout(server, sampling):
     env = judged_env(server)
     task = env.tasks("eval")[0]
