@@ -374,6 +374,9 @@ class WeightRelay:
             except grpc.aio.AioRpcError as e:
                 error = self._control_error(replica, e, sent)
                 unavailable = e.code() == grpc.StatusCode.UNAVAILABLE
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # a load slower than the deadline fails every retry
+                    error += (f" (not loaded within relay.timeout_s = {self.timeout_s:g} s: raise it if loading a "
+                              "version takes this replica longer)")  # fmt: skip
             finally:
                 self._sending.pop(replica.url, None)
             seconds = time.monotonic() - start

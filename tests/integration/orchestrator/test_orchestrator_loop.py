@@ -318,6 +318,9 @@ async def test_a_retried_update_sends_the_newest_version_not_the_one_it_first_tr
             assert await relay.wait_served(3, timeout=120) and replica.status().step == 3
             calls = [(e["step"], e["ok"]) for e in read_events(events.path)]
             assert calls == [(1, True), (2, False), (3, True)], calls  # the retry went straight to 3
+            # the failure names the setting: a replica slower to load than the deadline fails every retry alike
+            (failed,) = [e for e in read_events(events.path) if not e["ok"]]
+            assert "DEADLINE_EXCEEDED" in failed["error"] and "relay.timeout_s = 1 s" in failed["error"], failed
         finally:
             await relay.stop()
             await close_replica_clients(list(replica_set))
