@@ -228,6 +228,15 @@ class JudgeConfig(EndpointConfig):
     def _choices_for_choice(self) -> JudgeConfig:
         if self.score == "choice" and not self.choices:
             raise ValueError("score = 'choice' needs choices (word -> reward), e.g. {yes = 1.0, no = 0.0}")
+        # a key of another mode was ignored: choices without score = 'choice' read the judge's "yes" as a number
+        # (none: every reply unparsed, the run stopped after its rollouts were made), a json_key as no key. By value,
+        # not by the keys set: a config written back whole (`gyre rl`'s children, the chart) holds every default
+        if self.choices and self.score != "choice":
+            raise ValueError(f"choices are read by score = 'choice' only, but score = '{self.score}': set "
+                             "score = 'choice', or leave choices out")  # fmt: skip
+        if self.json_key != "score" and self.score != "json":
+            raise ValueError(f"json_key is read by score = 'json' only, but score = '{self.score}': set "
+                             "score = 'json', or leave json_key out")  # fmt: skip
         if self.structured and self.score != "json":
             raise ValueError("structured = true constrains a JSON reply: it needs score = 'json'")
         return self

@@ -164,6 +164,9 @@ def test_the_prompt_is_rendered_from_the_task_and_the_rollout():
         ({"prompt": "{response} scores {}"}, "unknown placeholders {}"),
         ({"prompt": 'Reply with {"score": n}'}, "write a literal brace twice"),
         ({"score": "choice"}, "needs choices"),
+        # ignored before: the judge's "yes" was read as a number (none), every reply unparsed, the run stopped
+        ({"choices": {"yes": 1.0, "no": 0.0}}, "choices are read by score = 'choice' only, but score = 'number'"),
+        ({"score": "choice", "choices": {"yes": 1}, "json_key": "verdict"}, "json_key is read by score = 'json'"),
         # "" matched at the start of every reply (every rollout got its reward); inf became the reward
         ({"score": "choice", "choices": {"": 1.0, "no": 0.0}}, "choice '' is empty"),
         ({"score": "choice", "choices": {"yes": float("inf")}}, "choice 'yes': its reward must be a finite"),
