@@ -7,9 +7,10 @@
   weights in between two decode steps. Any refusal
   (corrupt, half-written or missing folder, wrong digest, tensors that do not fit the model) is
   FAILED_PRECONDITION with the reason, and the old weights keep serving. So is a step older than the
-  version served (a late retry must not roll the policy back silently) unless `rollback` is set. Bad arguments are
-  INVALID_ARGUMENT; calls before the model is loaded, or overtaken by the service's stop, are UNAVAILABLE. Updates are
-  serialised.
+  version served (a late retry must not roll the policy back silently) unless `rollback` is set. The version
+  served (same step and digest) is answered at once, not loaded again (a retry of a call that timed out).
+  Bad arguments are INVALID_ARGUMENT; calls before the model is loaded, or overtaken by the service's stop, are
+  UNAVAILABLE. Updates are serialised.
 - `model` names which served model an UpdateWeights/GetStatus is about: empty or the replica's model
   id = the model itself (above); another name = the named LoRA adapter served under that model name
   (multi-run: one per run; the version must be a PEFT adapter folder, a new name takes a free slot,
@@ -53,6 +54,10 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
         self.backend, self.metrics, self.model_id, self.source = backend, metrics, model_id, source
         self._lock = asyncio.Lock()
         self._last_seconds = 0.0
+        # the digest of the version each served model (None: the model itself, else an adapter name) was updated to:
+        # an UpdateWeights of that very version is answered at once (the relay's retry of a call that timed out
+        # while the backend loaded it; the backends finish a load they began, so it was loaded all the same)
+        self._digests: dict[str | None, str] = {}
 
     async def UpdateWeights(self, request, context):  # noqa: N802 (gRPC method name)
         if not self.backend.ready:
@@ -76,6 +81,7 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
     async def ReloadWeights(self, request, context):  # noqa: N802
         if not self.backend.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        self._digests.pop(None, None)
         refusal = await self._swap("the base weights", self.backend.reload_base())
         if refusal is not None:
             await context.abort(*refusal)
@@ -96,13 +102,26 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
 
     async def _load(self, version: WeightsVersion, rollback: bool, adapter: str | None = None) -> None:
         # Checked under the update lock: of two calls racing, the older step is refused after the newer one.
-        if version.step < self._served(adapter) and not rollback:
+        before = self._served(adapter)
+        if version.step < before and not rollback:
             raise OlderVersionError(f"step {version.step} is older than the version served; set rollback to go back")
-        weights = await asyncio.to_thread(self.source.fetch, version)
-        if adapter is None:
-            await self.backend.update_weights(weights)
-        else:
-            await self.backend.update_adapter(adapter, weights)
+        if version.step == before and version.digest and self._digests.get(adapter) == version.digest:
+            return  # served already: loading it again cost a full load (and, on vLLM, a pause of generation)
+        applied = False
+        try:
+            weights = await asyncio.to_thread(self.source.fetch, version)
+            if adapter is None:
+                await self.backend.update_weights(weights)
+            else:
+                await self.backend.update_adapter(adapter, weights)
+            applied = True
+        finally:
+            # a caller that gave up (its deadline) is told after the backend finished a load it began: the version is
+            # served if the step moved to it; a load of the step served (a republish) may have applied or not
+            if version.digest and (applied or before != version.step == self._served(adapter)):
+                self._digests[adapter] = version.digest
+            elif version.step == before:
+                self._digests.pop(adapter, None)
 
     async def _swap(self, what: str, load, adapter: str | None = None) -> tuple[grpc.StatusCode, str] | None:
         """Run one load under the lock; None on success, else the (code, message) to refuse the call with."""
