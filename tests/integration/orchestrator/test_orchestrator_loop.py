@@ -158,7 +158,10 @@ async def test_notify_weights_makes_both_replicas_serve_it(tmp_path, redis_url, 
         assert status.latest_weights_step == 1 and list(status.in_use_steps) == [1]
         assert {(r.address, r.step, r.healthy) for r in status.replicas} == {(r.url, 1, True) for r in replicas}
         # step 2 (k=0) needs version 1: it is generated only once a replica serves it; the run then waits for
-        # the final version 2, relayed like the first
+        # the final version 2, relayed like the first. Published once batch 2 is pushed, as a trainer does: weights 2
+        # before that say the trainer trained step 2 from a batch pushed before, and batch 2 is not pushed (e817d57)
+        while service.last_step < 2:
+            await asyncio.sleep(0.05)
         final = publish_weights(store, 2, tiny_model)
         reply = await stub.NotifyWeights(orchestrator_pb2.NotifyWeightsRequest(version=final.to_proto()), timeout=10,
                                          metadata=auth)  # fmt: skip
