@@ -6,7 +6,8 @@ holder (`pid`, host, command) inside. A second process asking for a held role fa
 however it dies (SIGKILL included), so a lock left by a dead process is simply taken over; the file's
 old contents are only used to say whose lock that was.
 
-Roles: `rl` (the launcher), `trainer` (rank 0 only), `orchestrator`. Inference replicas take no lock:
+Roles: `rl` (the launcher), `trainer` (rank 0 only), `orchestrator`, `sft` (`gyre sft`, rank 0, which also locks
+its save_dir as role `save-{name}` of the folder above it). Inference replicas take no lock:
 a run has many. `flock` is advisory and per host: on a shared network volume (Kubernetes) it guards
 against two launches on one node only; the chart runs one trainer and one orchestrator per release.
 """

@@ -757,6 +757,7 @@ def _main(argv: list[str] | None) -> int:
 
     # one SFT per output folder: two at once interleaved their step records and deleted each other's checkpoints
     lock = RunLock(cfg.output_dir, "sft") if rank == 0 else None
+    save_lock = save_dir_lock(cfg) if rank == 0 else None
     try:
         if lock is not None:
             lock.acquire()
@@ -767,13 +768,21 @@ def _main(argv: list[str] | None) -> int:
         print(f"gyre sft: error: config key 'output_dir': cannot use {cfg.output_dir}: {e}", file=sys.stderr)
         return 2
     try:
+        if save_lock is not None:  # one SFT per save_dir too: two output folders given one --save-dir
+            save_lock.acquire()
+    except (LockHeld, OSError) as e:
+        lock.release()
+        print(f"gyre sft: error: {_save_lock_error(cfg, e)}", file=sys.stderr)
+        return 2
+    try:
         from gyre.config.loader import collect
         from gyre.config.rerun import dotted_keys
 
         check_rerun(cfg, dotted_keys(collect(argv, SFTConfig)))
     except SFTDataError as e:
-        if lock is not None:
-            lock.release()
+        for held in (save_lock, lock):
+            if held is not None:
+                held.release()
         print(f"gyre sft: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}", cfg.log.format, cfg.run_id)
@@ -798,8 +807,31 @@ def _main(argv: list[str] | None) -> int:
         return 1
     finally:
         signals.restore()  # main() runs in-process too (tests)
-        if lock is not None:
-            lock.release()
+        for held in (save_lock, lock):
+            if held is not None:
+                held.release()
+
+
+def save_dir_lock(cfg: SFTConfig):
+    """The lock on `save_dir`, `{its parent}/locks/save-{its name}.lock` (`gyre.runlock`): two SFTs of other output
+    folders given one `--save-dir` at once both trained and wrote the result, the last one's kept, and neither
+    `output_dir`'s lock nor `check_save_dir_is_ours` (which reads a finished result) saw the other."""
+    from gyre.runlock import RunLock
+
+    save_dir = _save_dir(cfg).resolve()
+    return RunLock(save_dir.parent, f"save-{save_dir.name}")
+
+
+def _save_lock_error(cfg: SFTConfig, e: Exception) -> str:
+    """The error of a `save_dir_lock` held by another SFT (naming its pid), or that cannot be taken."""
+    from gyre.runlock import LockHeld
+
+    if isinstance(e, LockHeld):
+        who = e.holder
+        return (f"config key 'save_dir': {_save_dir(cfg)} is being written by another gyre sft: pid "
+                f"{who.get('pid', '?')} on {who.get('host', '?')} ({who.get('command', 'unknown command')}); wait "
+                "for it to finish or choose another --save-dir")  # fmt: skip
+    return f"config key 'save_dir': cannot use {_save_dir(cfg)}: {e}"
 
 
 def _resume_hint(cfg: SFTConfig, e: SFTInterrupted) -> str:

@@ -237,3 +237,37 @@ def test_a_save_dir_holding_the_result_of_another_output_dir_is_refused(tiny_mod
     (tmp_path / "a").rename(tmp_path / "moved")
     assert sft.main(sft_args(tiny_model, tmp_path / "moved", **{**common, "max-steps": 3})) == 0
     assert "already finished" in capsys.readouterr().out
+
+
+def test_two_sfts_of_other_output_dirs_with_one_save_dir_at_once_are_refused_naming_the_pid(tiny_model, tmp_path,
+                                                                                            capsys):  # fmt: skip
+    # each output folder has its lock, the save_dir none: both trained at once and wrote one --save-dir, the last
+    # result kept under the other's record; the refusal of another folder's result reads a finished one only
+    import subprocess
+    import sys
+    import time
+
+    from gyre.runlock import read_holder
+
+    shared = tmp_path / "shared-sft"
+    common = {"data.fake": "true", "data.num-examples": 40, "save-dir": shared}
+    first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "sft",
+                              *sft_args(tiny_model, tmp_path / "a", **common, **{"max-steps": 100000})],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        steps, deadline = tmp_path / "a" / "events" / sft.SFT_STEPS, time.monotonic() + 300
+        while not (steps.exists() and read_events(steps)):  # it trains
+            assert first.poll() is None and time.monotonic() < deadline, "the first gyre sft trained no step"
+            time.sleep(0.2)
+        assert sft.main(sft_args(tiny_model, tmp_path / "b", **common, **{"max-steps": 2})) == 2
+        err = capsys.readouterr().err
+        assert (f"gyre sft: error: config key 'save_dir': {shared} is being written by another gyre sft: pid "
+                f"{first.pid} on ") in err and "choose another --save-dir" in err, err  # fmt: skip
+        assert not (tmp_path / "b" / "events").exists() and not (tmp_path / "b" / "locks" / "sft.lock").read_text()
+        assert read_holder(tmp_path / "locks" / "save-shared-sft.lock")["pid"] == first.pid  # beside save_dir
+    finally:
+        first.kill()
+        first.wait()
+    # its holder gone (however it died), the save_dir is free
+    assert sft.main(sft_args(tiny_model, tmp_path / "b", **common, **{"max-steps": 2})) == 0
+    assert (shared / sft.RESULT_MARKER).is_file()
