@@ -135,8 +135,8 @@ class RLConfig(GyreSettings):
     fresh: bool = Field(
         False,
         description="Start over: delete the previous run in output_dir (weights, checkpoints, events, stream, logs, "
-        "created model, SFT result) first. Without it a re-run continues the run, and a changed run_id, model.name "
-        "or orchestrator.env is refused (docs/local.md).",
+        "created model, SFT result) first. Without it a re-run continues the run, and a changed run_id, model.name, "
+        "orchestrator.env, orchestrator.seed or LoRA shape is refused (docs/local.md).",
     )
     redis: RLRedisConfig = Field(default_factory=RLRedisConfig, description="Redis.")
     log: LogConfig = Field(
