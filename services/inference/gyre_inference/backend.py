@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -260,3 +261,17 @@ async def wait_out(future: asyncio.Future) -> BaseException | None:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(future)
     return None if future.cancelled() else future.exception()
+
+
+async def run_to_end(update: Coroutine, version: int) -> None:
+    """Run a weight update to its end even when its caller gives up (an UpdateWeights past its deadline), then re-raise
+    the cancellation: vLLM loads what it was sent whatever our side does, and a load cut short was started again by
+    the relay's retry, from scratch (a version slower to load than the deadline never got served, and every try left a
+    read of the whole version running in a thread). The version and adapter noted match what is served."""
+    task = asyncio.ensure_future(update)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if await wait_out(task) is None and not task.cancelled():
+            logging.getLogger(__name__).warning("weights version %d was applied after its caller gave up", version)
+        raise

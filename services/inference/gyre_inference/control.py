@@ -37,7 +37,7 @@ from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightsError, WeightsVersion
 
 from gyre_inference.api_key import ServerKey
-from gyre_inference.backend import Backend, BackendStoppedError, WeightsIncompatibleError
+from gyre_inference.backend import Backend, BackendStoppedError, WeightsIncompatibleError, run_to_end
 from gyre_inference.metrics import InferenceMetrics
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,9 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         adapter = self._adapter(request.model)
         what = f"weights step {version.step} from {version.locator}" + (f" for {adapter!r}" if adapter else "")
-        refusal = await self._swap(what, self._load(version, request.rollback, adapter), adapter)
+        # run to its end when the caller gives up (`run_to_end`): its retry then finds the version served
+        load = run_to_end(self._load(version, request.rollback, adapter), version.step)
+        refusal = await self._swap(what, load, adapter)
         if refusal is not None:
             await context.abort(*refusal)
         return inference_pb2.UpdateWeightsResponse(step=self._served(adapter), load_seconds=self._last_seconds)

@@ -50,7 +50,7 @@ import logging
 import os
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ from gyre_inference.backend import (
     SamplingParams,
     TokenEvent,
     WeightsIncompatibleError,
-    wait_out,
+    run_to_end,
 )
 from gyre_inference.structured import Guide
 
@@ -404,7 +404,7 @@ class VLLMBackend(Backend):
         )
 
     async def update_adapter(self, name: str, weights: FetchedWeights) -> None:
-        await _all_or_nothing(self._update_adapter(name, weights), weights.step)
+        await run_to_end(self._update_adapter(name, weights), weights.step)
 
     async def _update_adapter(self, name: str, weights: FetchedWeights) -> None:
         path, version = weights.folder, weights.step
@@ -423,7 +423,7 @@ class VLLMBackend(Backend):
             await self._release(request)
 
     async def update_weights(self, weights: FetchedWeights) -> None:
-        await _all_or_nothing(self._update_weights(weights), weights.step)
+        await run_to_end(self._update_weights(weights), weights.step)
 
     async def _update_weights(self, weights: FetchedWeights) -> None:
         from gyre.lora import ADAPTER_CONFIG
@@ -516,15 +516,3 @@ def _with(vllm_params: Any, changes: dict[str, Any]) -> Any:
     for key, value in changes.items():
         setattr(clone, key, value)
     return clone
-
-
-async def _all_or_nothing(update: Coroutine, version: int) -> None:
-    """Run a weight update to its end even when its caller gives up (an UpdateWeights past its deadline): vLLM loads
-    what it was sent whatever our side does, and the version and adapter noted must match what it serves."""
-    task = asyncio.ensure_future(update)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        if await wait_out(task) is None and not task.cancelled():
-            log.warning("weights version %d was applied after its caller gave up", version)
-        raise

@@ -72,3 +72,44 @@ async def test_a_retry_of_an_update_applied_after_its_deadline_does_not_load_it_
         release.set()
         await server.stop(0)
         await backend.shutdown()
+
+
+async def test_a_load_slower_than_the_deadline_is_finished_not_started_again(tiny_model, tmp_path):
+    """Audit: a version whose reading took longer than the caller's deadline was cut short (the torch backend reads it
+    in a thread, which went on reading for nothing), and the relay's retry started it again from scratch: a replica
+    that loads a version more slowly than `relay.timeout_s` never served it, and each try left one more read of the
+    whole version running (on a GPU, one more copy of the weights on the device). The load now runs to its end, and
+    the retry finds the version served. The read is held until the first call's deadline has passed."""
+    store = WeightStore(tmp_path / "weights")
+    published = store.publish(1, lambda folder: [shutil.copy(f, folder / f.name) for f in tiny_model.iterdir()])
+    backend = TorchBackend(tiny_model, threads=1)
+    await backend.start()
+    reading, release, reads = threading.Event(), threading.Event(), []
+    read_weights = backend._read_weights
+
+    def held_read(path):  # the engine reads the version's files: held until the test lets it go
+        reads.append(path.name)
+        reading.set()
+        release.wait(60)
+        return read_weights(path)
+
+    backend._read_weights = held_read
+    server = ControlServer(backend, InferenceMetrics("control-slow-load", backend), "tiny", source=FolderSource())
+    port = await server.start("127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = inference_pb2_grpc.InferenceControlStub(channel)
+            request = inference_pb2.UpdateWeightsRequest(version=published.to_proto())
+            first = asyncio.ensure_future(stub.UpdateWeights(request, timeout=1.0))
+            await asyncio.to_thread(reading.wait, 60)
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await first
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            release.set()
+            retry = await stub.UpdateWeights(request, timeout=60)  # the relay's retry: waits for the load under way
+            assert retry.step == 1 and backend.version == 1
+            assert reads == ["step_1"], "the retry read the version again"
+    finally:
+        release.set()
+        await server.stop(0)
+        await backend.shutdown()
