@@ -10,6 +10,7 @@ passes while the version is being copied in, however loaded the machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
 
@@ -25,53 +26,72 @@ from gyre_inference.torch_backend import TorchBackend
 pytestmark = pytest.mark.asyncio
 
 
-async def test_a_retry_of_an_update_applied_after_its_deadline_does_not_load_it_again(tiny_model, tmp_path):
-    store = WeightStore(tmp_path / "weights")
+class Held:
+    """Replaces `backend.<method>` (run by the engine, off the event loop) with one that notes its argument and waits
+    until the test lets it go."""
 
-    def write(folder, extra: bytes = b""):
-        for file in tiny_model.iterdir():
-            shutil.copy(file, folder / file.name)
-        if extra:
-            (folder / "notes.txt").write_bytes(extra)
+    def __init__(self, backend: TorchBackend, method: str, note):
+        self.calls, self.entered, self.release = [], threading.Event(), threading.Event()
+        original = getattr(backend, method)
 
-    published = store.publish(1, write)
-    backend = TorchBackend(tiny_model, threads=1)
-    await backend.start()
-    copying, release, copies = threading.Event(), threading.Event(), []
-    copy_in = backend._copy_in
+        def held(arg):
+            self.calls.append(note(arg))
+            self.entered.set()
+            self.release.wait(60)
+            return original(arg)
 
-    def held_copy(swap):  # the engine thread copies a version in: held until the test lets it go
-        copies.append(swap.version)
-        copying.set()
-        release.wait(60)
-        copy_in(swap)
+        setattr(backend, method, held)
 
-    backend._copy_in = held_copy
-    server = ControlServer(backend, InferenceMetrics("control-retry", backend), "tiny", source=FolderSource())
+
+@contextlib.asynccontextmanager
+async def timed_out_update(backend: TorchBackend, held: Held, published):
+    """A control server over `backend`; an UpdateWeights of `published` whose caller gave up (its deadline passed
+    while `held` held the load) has been made. Yields the stub and the request, for the retry."""
+    server = ControlServer(backend, InferenceMetrics(f"control-retry-{id(held)}", backend), "tiny",
+                           source=FolderSource())  # fmt: skip
     port = await server.start("127.0.0.1", 0)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = inference_pb2_grpc.InferenceControlStub(channel)
             request = inference_pb2.UpdateWeightsRequest(version=published.to_proto())
             first = asyncio.ensure_future(stub.UpdateWeights(request, timeout=1.0))
-            await asyncio.to_thread(copying.wait, 60)
+            await asyncio.to_thread(held.entered.wait, 60)
             with pytest.raises(grpc.aio.AioRpcError) as late:
-                await first  # the copy is held: the caller gives up while the engine copies the version in
+                await first  # the load is held: the caller gives up while the engine loads the version
             assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            release.set()
-            retry = await stub.UpdateWeights(request, timeout=60)  # the relay's retry, same version
-            assert retry.step == 1 and backend.version == 1
-            assert copies == [1], "the retry loaded the version served again"
-            # the same step published again with other files (a rewound trainer) is loaded again
-            republished = store.publish(1, lambda folder: write(folder, b"other files"))
-            assert republished.digest != published.digest
-            request = inference_pb2.UpdateWeightsRequest(version=republished.to_proto())
-            assert (await stub.UpdateWeights(request, timeout=60)).step == 1
-            assert copies == [1, 1]
+            held.release.set()
+            yield stub, request
     finally:
-        release.set()
+        held.release.set()
         await server.stop(0)
         await backend.shutdown()
+
+
+def _copy_model(model):
+    return lambda folder: [shutil.copy(f, folder / f.name) for f in model.iterdir()]
+
+
+async def test_a_retry_of_an_update_applied_after_its_deadline_does_not_load_it_again(tiny_model, tmp_path):
+    store = WeightStore(tmp_path / "weights")
+    published = store.publish(1, _copy_model(tiny_model))
+    backend = TorchBackend(tiny_model, threads=1)
+    await backend.start()
+    copies = Held(backend, "_copy_in", lambda swap: swap.version)  # the engine thread copies a version in
+    async with timed_out_update(backend, copies, published) as (stub, request):
+        retry = await stub.UpdateWeights(request, timeout=60)  # the relay's retry, same version
+        assert retry.step == 1 and backend.version == 1
+        assert copies.calls == [1], "the retry loaded the version served again"
+
+        # the same step published again with other files (a rewound trainer) is loaded again
+        def other_files(folder):
+            _copy_model(tiny_model)(folder)
+            (folder / "notes.txt").write_bytes(b"other files")
+
+        republished = store.publish(1, other_files)
+        assert republished.digest != published.digest
+        request = inference_pb2.UpdateWeightsRequest(version=republished.to_proto())
+        assert (await stub.UpdateWeights(request, timeout=60)).step == 1
+        assert copies.calls == [1, 1]
 
 
 async def test_a_load_slower_than_the_deadline_is_finished_not_started_again(tiny_model, tmp_path):
@@ -80,36 +100,11 @@ async def test_a_load_slower_than_the_deadline_is_finished_not_started_again(tin
     that loads a version more slowly than `relay.timeout_s` never served it, and each try left one more read of the
     whole version running (on a GPU, one more copy of the weights on the device). The load now runs to its end, and
     the retry finds the version served. The read is held until the first call's deadline has passed."""
-    store = WeightStore(tmp_path / "weights")
-    published = store.publish(1, lambda folder: [shutil.copy(f, folder / f.name) for f in tiny_model.iterdir()])
+    published = WeightStore(tmp_path / "weights").publish(1, _copy_model(tiny_model))
     backend = TorchBackend(tiny_model, threads=1)
     await backend.start()
-    reading, release, reads = threading.Event(), threading.Event(), []
-    read_weights = backend._read_weights
-
-    def held_read(path):  # the engine reads the version's files: held until the test lets it go
-        reads.append(path.name)
-        reading.set()
-        release.wait(60)
-        return read_weights(path)
-
-    backend._read_weights = held_read
-    server = ControlServer(backend, InferenceMetrics("control-slow-load", backend), "tiny", source=FolderSource())
-    port = await server.start("127.0.0.1", 0)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = inference_pb2_grpc.InferenceControlStub(channel)
-            request = inference_pb2.UpdateWeightsRequest(version=published.to_proto())
-            first = asyncio.ensure_future(stub.UpdateWeights(request, timeout=1.0))
-            await asyncio.to_thread(reading.wait, 60)
-            with pytest.raises(grpc.aio.AioRpcError) as late:
-                await first
-            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            release.set()
-            retry = await stub.UpdateWeights(request, timeout=60)  # the relay's retry: waits for the load under way
-            assert retry.step == 1 and backend.version == 1
-            assert reads == ["step_1"], "the retry read the version again"
-    finally:
-        release.set()
-        await server.stop(0)
-        await backend.shutdown()
+    reads = Held(backend, "_read_weights", lambda path: path.name)  # the engine reads the version's files
+    async with timed_out_update(backend, reads, published) as (stub, request):
+        retry = await stub.UpdateWeights(request, timeout=60)  # the relay's retry: waits for the load under way
+        assert retry.step == 1 and backend.version == 1
+        assert reads.calls == ["step_1"], "the retry read the version again"
