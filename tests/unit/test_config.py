@@ -551,3 +551,41 @@ def test_gyre_rl_help_says_how_a_run_continues_starts_over_and_rewinds():
     assert "The same command again continues the run where it stands" in head
     assert "--fresh" in head and "--ckpt.resume-step N rewinds it" in head
     assert not [line for line in head.splitlines() if line.startswith(" ")], head  # the docstring's indent is gone
+
+
+# keys where inf is a setting (no bound): the loss's bounds
+INFINITE_OK = {"loss.eps_high", "loss.clip_ratio_c", "loss.delta", "loss.mask_high", "loss.is_cap"}
+
+
+def _float_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a float (or optional float) leaf of `cls`, through its nested sections (not lists)."""
+    from pydantic import BaseModel
+
+    keys = []
+    for name, field in cls.model_fields.items():
+        if typing.get_origin(field.annotation) in (list, dict, tuple):
+            continue
+        kinds = typing.get_args(field.annotation) or (field.annotation,)
+        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if nested:
+            keys += _float_keys(nested[0], f"{prefix}{name}.")
+        elif float in kinds:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+@pytest.mark.parametrize(
+    "cls", [OrchestratorConfig, TrainerConfig, SFTConfig, InferenceConfig, GyreEvalConfig], ids=lambda c: c.__name__
+)
+def test_inf_and_nan_in_a_number_key_are_refused_naming_the_key(cls):
+    # `--orchestrator.sampling.temperature inf` sampled uniform noise, `--optim.lr inf` trained NaN weights, an
+    # infinite timeout waited for ever: all were accepted; the loss's bounds keep inf (no truncation)
+    keys = _float_keys(cls)
+    assert len(keys) > 3, keys
+    for key in keys:
+        for bad in ("inf", "nan", "-inf"):
+            if bad == "inf" and key in INFINITE_OK:
+                assert getattr(load_config(cls, [f"--{key}", bad]).loss, key.split(".")[1]) == float("inf")
+                continue
+            with pytest.raises(ConfigError, match=rf"(^|\n)config key '{key}': "):
+                load_config(cls, [f"--{key}", bad])

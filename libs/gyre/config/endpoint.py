@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -175,7 +175,9 @@ class JudgeConfig(EndpointConfig):
     max_score: float = Field(
         10.0, gt=0, allow_inf_nan=False, description="number/json: the top of the judge's scale (reward = n / max)."
     )
-    choices: dict[str, float] = Field(default_factory=dict, description="choice: word -> reward, e.g. yes = 1.")
+    choices: dict[str, Annotated[float, Field(allow_inf_nan=True)]] = Field(  # refused by _choices_readable, by word
+        default_factory=dict, description="choice: word -> reward, e.g. yes = 1."
+    )
     json_key: str = Field("score", description="json: the key holding the score.")
     structured: bool = Field(
         False,

@@ -74,7 +74,9 @@ class Section(BaseModel):
     """A nested config section: unknown keys are errors, defaults are validated, `<key>_file` fields
     (:func:`secret_file`) read their secret from a file."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # allow_inf_nan=False: `inf`/`nan` in a float key (a temperature, lr, timeout, LoRA alpha) was accepted and the
+    # run sampled uniform noise, trained NaN weights or waited for ever; a key where inf means "no bound" says so
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
     # {key: the file it was read from}: kept (not dumped) so that a service can read a Secret rotated in place again
     _secret_files: dict[str, Path] = PrivateAttr(default_factory=dict)
 
@@ -112,7 +114,12 @@ class GyreSettings(BaseSettings):
     """Root of a service config: CLI/TOML values arrive as init kwargs, then env, then defaults."""
 
     model_config = SettingsConfigDict(
-        env_prefix="GYRE_", env_nested_delimiter="__", extra="forbid", validate_default=True, case_sensitive=False
+        env_prefix="GYRE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        case_sensitive=False,
+        allow_inf_nan=False,  # as Section's
     )
     # parse_or_exit refuses a GYRE_ variable that looks like a key of this command but is none (check_environment_keys).
     # On for `gyre rl` and the processes (trainer, orchestrator, inference, sft: as the chart runs them, configured by

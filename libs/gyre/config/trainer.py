@@ -62,21 +62,30 @@ class LossConfig(Section):
         "(0.2; gspo 3e-4; cispo 1 = no lower bound).",
     )
     eps_high: float | None = Field(
-        None, ge=0, description="Upper clip range; unset = the objective's (0.28, DAPO clip-higher; gspo 4e-4)."
+        None,
+        ge=0,
+        allow_inf_nan=True,
+        description="Upper clip range; unset = the objective's (0.28, DAPO clip-higher; gspo 4e-4).",
     )
     clip_ratio_c: float | None = Field(
-        3.0, description="ppo_clip dual-clip: for A < 0 the loss is capped at -c*A (> 1; null = off)."
+        3.0,
+        allow_inf_nan=True,
+        description="ppo_clip dual-clip: for A < 0 the loss is capped at -c*A (> 1; null = off).",
     )
-    delta: float = Field(8.0, description="aipo: truncation of the importance ratio (>= 1).")
+    delta: float = Field(8.0, allow_inf_nan=True, description="aipo: truncation of the importance ratio (>= 1).")
     mask_low: float = Field(0.125, ge=0, description="masked_is: tokens with ratio below are masked (<= 1).")
-    mask_high: float = Field(8.0, description="masked_is: tokens with ratio above are masked (>= 1).")
+    mask_high: float = Field(
+        8.0, allow_inf_nan=True, description="masked_is: tokens with ratio above are masked (>= 1)."
+    )
     sequence_mask: bool = Field(False, description="masked_is: mask whole sequences on the geometric-mean ratio.")
     is_correction: ISCorrection = Field(
         "none",
         description="Trainer/inference mismatch correction with any objective: token_tis | seq_tis (truncated "
         "importance weights) | token_mask | seq_mask (masked importance weights) | none.",
     )
-    is_cap: float = Field(3.0, description="is_correction: weights are truncated at / ratios above are masked (> 1).")
+    is_cap: float = Field(
+        3.0, allow_inf_nan=True, description="is_correction: weights are truncated at / ratios above are masked (> 1)."
+    )
     is_cap_low: float | None = Field(
         None, ge=0, description="is_correction: weights are raised to / ratios below are masked (< 1; null = none)."
     )
