@@ -30,6 +30,26 @@ def test_example_resolves(path, tmp_path):
     assert len(resolved.inference) == cfg.inference_replicas
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_example_passes_the_launchers_whole_check(path, tmp_path, monkeypatch):
+    """What `gyre rl @ example` checks before it starts anything (`Launcher.validate`), beyond the service sections:
+    [sft.args] (a typo there passed test_example_resolves and stopped the run after Redis had started), environment
+    and extension names, [[servers]], a model.init_preset outside output_dir (configs/gpu/one-gpu-torch.toml was
+    refused on a fresh checkout). Run from a folder of its own (its outputs/ there, its data files linked); the model
+    source alone is not checked: a hub id would be fetched."""
+    import gyre.local.launcher as launcher
+
+    monkeypatch.chdir(tmp_path)
+    for shipped in ("configs", "tests"):  # data files: configs/dataset/data, tests/unit/envs/data
+        (tmp_path / shipped).symlink_to(ROOT / shipped)
+    monkeypatch.setattr(launcher, "_check_model", lambda *args, **how: None)
+    files = ["@", str(path)]
+    if path.name.startswith("async"):  # overlays of the demo
+        files = ["@", str(ROOT / "configs/reverse_text/demo.toml"), *files]
+    launcher.Launcher(load_config(RLConfig, files)).validate()
+    assert not (tmp_path / "outputs").exists()  # it creates nothing
+
+
 def test_multirun_replicas_get_one_adapter_per_run_or_two_on_vllm(tmp_path):
     """gyre rl [[runs]]: lora.max_loras = runs (torch: swaps in place), 2 x runs on vLLM (a request keeps its
     adapter version, so a run's two versions overlap after a swap); lora.max_rank = the largest run rank."""
