@@ -9,7 +9,8 @@ transport is fetched by each replica on its own, so the relay runs one updater p
 
 Reconciliation, not fire-and-forget: a loop compares each replica's served version with the target
 and runs one updater task per lagging replica (`UpdateWeights(version)` with a deadline,
-retried with backoff). A slow or dead replica therefore never holds back the others, and a replica
+retried with backoff; a replica that refused the version, FAILED_PRECONDITION, keeps serving its own in rotation
+and is sent it again after a pause). A slow or dead replica therefore never holds back the others, and a replica
 that restarted on the base model (seen by the periodic `GetStatus` probe) is brought back up. Every
 call is logged to `weight_relay.jsonl`. Versions replicas still serve, the target and the versions replicas are
 being sent (an update under way while a newer version came) are declared with the transport's `hold`, so the
@@ -101,6 +102,9 @@ class WeightRelay:
         # replica url -> the version an UpdateWeights now under way asks it to load: held like a served one, so that
         # a newer target does not leave it to the trainer's pruning while the replica still reads its files
         self._sending: dict[str, int] = {}
+        # replica url -> (step, until): the replica refused version `step` (FAILED_PRECONDITION: it answered, checked
+        # the version and kept serving its own): not asked for that step again before `until` (monotonic)
+        self._refused: dict[str, tuple[int, float]] = {}
         self._last_probe = float("-inf")
         self._last_poll = float("-inf")
         replicas.add_listener(self._on_replicas_changed)
@@ -243,6 +247,8 @@ class WeightRelay:
             # with no target only a rewind to the base model moves replicas; a run's adapter has no base version
             lagging = behind or (abandoned and (target is not None or not self.model))
             busy = r.url in self._updaters and not self._updaters[r.url].done()
+            refused, until = self._refused.get(r.url, (None, 0.0))
+            busy |= refused == target_step and time.monotonic() < until
             if lagging and not busy and self.replicas.in_rotation(r):
                 self._updaters[r.url] = asyncio.create_task(self._update(r), name=f"relay-{r.url}")
         best = self.replicas.max_healthy_version()
@@ -341,7 +347,8 @@ class WeightRelay:
         return list(self.replicas)
 
     async def _update(self, replica: Replica) -> None:
-        """Bring one replica to the target version (retries with backoff, then out of rotation)."""
+        """Bring one replica to the target version (retries with backoff, then out of rotation, or for a refusal a
+        pause before the same version is sent again)."""
         for attempt in range(self.retries + 1):
             if attempt:  # before deciding: a newer version may have come, or the replica left, meanwhile
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
@@ -355,7 +362,7 @@ class WeightRelay:
             if target is None and (self.model or not rollback):
                 return
             start = time.monotonic()
-            error, unavailable = None, False
+            error, unavailable, refused = None, False, False
             sent = self.token.value
             if target is not None:  # declared before the call: the trainer prunes what no holder declared
                 self._sending[replica.url] = step
@@ -374,6 +381,7 @@ class WeightRelay:
             except grpc.aio.AioRpcError as e:
                 error = self._control_error(replica, e, sent)
                 unavailable = e.code() == grpc.StatusCode.UNAVAILABLE
+                refused = e.code() == grpc.StatusCode.FAILED_PRECONDITION
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # a load slower than the deadline fails every retry
                     error += (f" (not loaded within relay.timeout_s = {self.timeout_s:g} s: raise it if loading a "
                               "version takes this replica longer)")  # fmt: skip
@@ -394,6 +402,16 @@ class WeightRelay:
                 self.reconcile()
                 return
             log.warning("UpdateWeights(%d) on %s failed: %s", step, replica.url, error)
+        if refused:
+            # the replica is healthy and serves its version, which the async bound routes by: out of rotation it
+            # generated nothing for the batches that version may serve (e.g. a volume that shows the replica a new
+            # version late); a newer version is sent at once, this one again after a pause
+            pause = self.backoff_s * 2**self.retries
+            self._refused[replica.url] = (step, time.monotonic() + pause)
+            log.warning("replica %s refused weights version %d %d times; it serves version %s meanwhile, and is "
+                        "sent that version again in %.0fs", replica.url, step, self.retries + 1, replica.version,
+                        pause)  # fmt: skip
+            return
         self.replicas.mark_failed(replica, f"UpdateWeights failed {self.retries + 1} times: {error}")
 
     def _record(self, step: int, replica: Replica, ok: bool, seconds: float, error: str | None, attempt: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 from dataclasses import replace
 
@@ -395,6 +396,46 @@ async def test_a_version_a_replica_is_being_sent_is_not_pruned_when_a_newer_one_
             assert sent == [1, 2] and calls == [(1, True), (2, True)], calls
             store.prune(keep_last=1)  # once served by none and sent to none, 1 goes
             assert store.steps() == [2]
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+
+
+async def test_a_replica_that_refuses_a_version_stays_in_rotation_on_its_own(tmp_path, start_inference, tiny_model):
+    """Audit: a replica that answered UpdateWeights with FAILED_PRECONDITION (it checked the version and kept serving
+    its own: tensors that do not fit, or a volume that shows it the new folder late) was taken out of rotation like a
+    dead one, so it generated nothing, not even for the batches its version may serve, until its cooldown ended. It
+    now stays in rotation on its version, is sent the refused version again after a pause, and a newer version at
+    once. The cooldown is long: the old code's replica would still be out when the test looks."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    replica = start_inference()
+    store = WeightStore(tmp_path / "weights")
+
+    def unfit(folder):  # a version the replica refuses: the model's files plus a tensor the model does not have
+        for file in tiny_model.iterdir():
+            shutil.copy(file, folder / file.name)
+        save_file({"not.a.weight": np.zeros(2, dtype=np.float32)}, str(folder / "extra.safetensors"))
+
+    replica_set = ReplicaSet(static_endpoints([replica.url], [replica.control], 0), cooldown_s=600.0)
+    (known,) = list(replica_set)
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=1,
+                            backoff_s=0.5, probe_interval_s=600.0, poll_store_s=600.0)  # fmt: skip
+        try:
+            await relay.start()
+            relay.notify(store.publish(1, unfit))
+            deadline = asyncio.get_running_loop().time() + 60
+            while (updater := relay._updaters.get(known.url)) is None:  # started by the relay's loop
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
+            await asyncio.wait_for(asyncio.shield(updater), timeout=60)  # its two tries, refused
+            assert [e["ok"] for e in read_events(events.path)] == [False, False]
+            assert "FAILED_PRECONDITION" in read_events(events.path)[0]["error"]
+            assert replica_set.in_rotation(known) and replica_set.eligible(0) == [known] and known.version == 0
+            relay.notify(publish_weights(store, 2, tiny_model))  # the next version fits: sent at once
+            assert await relay.wait_served(2, timeout=60) and replica.status().step == 2
         finally:
             await relay.stop()
             await close_replica_clients(list(replica_set))
