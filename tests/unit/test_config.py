@@ -13,6 +13,7 @@ from gyre.config import ConfigError, load_config, to_toml
 from gyre.config.inference import InferenceConfig
 from gyre.config.loader import collect, help_text
 from gyre.config.orchestrator import GyreEvalConfig, OrchestratorConfig
+from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig, TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +91,17 @@ def test_unknown_key_is_named_with_a_suggestion():
     with pytest.raises(ConfigError) as e:
         load_config(TrainerConfig, ["--optim.lrr", "0.1"])
     assert "optim.lrr" in str(e.value) and "optim.lr" in str(e.value)
+
+
+@pytest.mark.parametrize("argv", [["--config", "exp.toml"], ["--config-file", "exp.toml"]])
+@pytest.mark.parametrize("cls", [RLConfig, SFTConfig, TrainerConfig], ids=lambda c: c.__name__)
+def test_a_config_file_given_as_an_option_says_how_a_file_is_read(cls, argv):
+    # `gyre rl --config exp.toml` (other tools' form) was "unknown key" alone, or "did you mean 'log.file'?"
+    with pytest.raises(ConfigError) as e:
+        load_config(cls, argv)
+    key = argv[0][2:].replace("-", "_")
+    assert str(e.value) == f"config key '{key}': unknown key; a config file is read with '@': @ x.toml (several " \
+        "merge left to right)"  # fmt: skip
 
 
 @pytest.mark.parametrize(

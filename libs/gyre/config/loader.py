@@ -644,6 +644,10 @@ PRIME_RL_KEYS = {
 }
 
 
+# what other tools call their config file option: `--config x.toml` was "unknown key" alone
+CONFIG_FILE_KEYS = ("config", "config_file", "config_path", "configs")
+
+
 def _prime_rl_key(key: str, known: list[str]) -> str | None:
     """What to write for PRIME-RL's `key` (an unknown dotted key of a config whose keys are `known`), or None."""
     parts = key.split(".")
@@ -731,6 +735,8 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
             msg = "unknown key" + (f" (did you mean '{close}'?)" if close else listing)  # close: "a' or 'b" too
             if not close and (prime := _prime_rl_key(generic, known + _section_keys(cls))):
                 msg = f"unknown key; {prime}"  # its listing named no key of it (wandb has: enabled, project...)
+            if generic in CONFIG_FILE_KEYS:  # `--config x.toml` (other tools' habit) said no more, or 'log.file'
+                msg = "unknown key; a config file is read with '@': @ x.toml (several merge left to right)"
         elif not e["loc"] and e["type"] == "value_error":
             # a check across keys (a model validator) says "some.key: why": name that key as field errors do
             name, sep, why = msg.removeprefix("Value error, ").partition(": ")
