@@ -238,6 +238,23 @@ def test_missing_file_and_bad_toml(tmp_path):
         load_config(TrainerConfig, ["@", bad])
 
 
+def test_a_folder_or_a_binary_file_given_as_a_config_file_is_named_not_a_traceback(tmp_path):
+    # `gyre rl @ configs` (tab completion stopped at the folder), `@ model.safetensors`: IsADirectoryError and
+    # UnicodeDecodeError tracebacks
+    (tmp_path / "weights.safetensors").write_bytes(b"\x80\x00\xff" * 10)
+    for argv, said in [(["@", str(tmp_path)], f"config file {tmp_path}: cannot read it: Is a directory"),
+                       (["--optim", "@", str(tmp_path)], f"config file {tmp_path}: cannot read it: Is a directory"),
+                       (["@", str(tmp_path / "weights.safetensors")], "weights.safetensors: not a TOML file (not "
+                        "UTF-8 text")]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config(TrainerConfig, argv)
+        assert said in str(e.value), e.value
+    res = subprocess.run([sys.executable, "-m", "gyre.cli", "sft", "@", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode == 2 and res.stderr == f"gyre sft: error: config file {tmp_path}: cannot read it: Is a " \
+        "directory\n", res.stderr  # fmt: skip
+
+
 def test_experiment_table_inherits_shared_keys(tmp_path):
     exp = write(
         tmp_path,

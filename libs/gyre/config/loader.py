@@ -313,6 +313,10 @@ def read_toml(path: str | Path) -> dict:
         return tomllib.loads(path.read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
+    except OSError as e:  # `@ configs` (a folder), a file not readable: a traceback
+        raise ConfigError(f"config file {path}: cannot read it: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:  # `@ model.safetensors`: a traceback
+        raise ConfigError(f"config file {path}: not a TOML file (not UTF-8 text: {e.reason} at byte {e.start})") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from e
 
