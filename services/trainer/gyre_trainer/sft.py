@@ -748,6 +748,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_or_exit(SFTConfig, argv, "gyre sft")
+    # a gyre rl run's folder without an SFT result to find finished (run() checks that case, once the data is read):
+    # refused now, not after fetching the model and tokenizing the data, nor holding the sft lock its warm-up needs
+    if not (_save_dir(cfg) / RESULT_MARKER).is_file():
+        try:
+            check_not_an_rl_run(cfg)
+        except SFTDataError as e:
+            print(f"gyre sft: error: {e}", file=sys.stderr)
+            return 2
     from gyre.model_source import check_service_model
 
     if (code := check_service_model(cfg.model.name, "gyre sft", hub=True, config=cfg)) is not None:

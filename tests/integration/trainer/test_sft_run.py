@@ -218,6 +218,22 @@ def test_an_output_dir_of_an_rl_run_before_its_first_step_is_refused(tiny_model,
             holder.wait()
 
 
+def test_an_rl_runs_folder_without_an_sft_result_is_refused_before_the_model_or_data_is_read(tmp_path, capsys):
+    # refused only after the model was fetched (a hub id: downloaded) and the data tokenized, holding the sft lock
+    # that the running launch's warm-up then found taken
+    holder = _hold_rl_lock(tmp_path)
+    try:
+        args = sft_args(tmp_path / "no-model", tmp_path, **{"data.path": tmp_path / "no-data.jsonl"})
+        assert sft.main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"gyre sft: error: config key 'output_dir': {tmp_path} holds a gyre rl run (gyre rl pid "
+                              f"{holder.pid} is running in it)"), err  # fmt: skip
+        assert not (tmp_path / "locks" / "sft.lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_save_dir_holding_the_result_of_another_output_dir_is_refused(tiny_model, tmp_path, capsys):
     # two experiments sharing one --save-dir: the second said "already finished" to settings it never trained (they
     # were the first folder's), or continued its own checkpoints over the first's result
