@@ -245,15 +245,10 @@ def test_a_runs_own_rewind_to_a_missing_checkpoint_is_refused_before_anything_st
 def test_a_lock_holder_tells_what_it_asked_for_while_it_lives(tmp_path):
     # what a trainer rewinding by hand reads of the orchestrator beside it (gyre_trainer.run.check_orchestrator_rewinds)
     from gyre.runlock import running_holder
+    from support.locks import hold_run_lock
 
-    code = (
-        "import sys; from gyre.runlock import RunLock; "
-        "RunLock(sys.argv[1], 'orchestrator').acquire(info={'resume_step': 2}); print('held', flush=True); input()"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = hold_run_lock(tmp_path, "orchestrator", info={"resume_step": 2})
     try:
-        assert holder.stdout.readline().strip() == "held"
         found = running_holder(tmp_path, "orchestrator")
         assert found is not None and found["pid"] == holder.pid and found["resume_step"] == 2
     finally:

@@ -25,6 +25,7 @@ from gyre.config.rl import RLConfig
 from gyre.config.trainer import TrainerConfig
 from gyre.events import EventLog, read_events
 from gyre.local.runs import resolve_configs
+from support.locks import hold_run_lock
 
 # New modules are imported inside the tests, so that on the old code each test fails on its own
 # defect rather than the whole file failing to import.
@@ -55,27 +56,10 @@ def alive(pid: int) -> bool:
 # ---- 3: one launch per output folder ------------------------------------------------------------
 
 
-def hold_lock(out: Path, role: str) -> subprocess.Popen:
-    """Another process holding `role`'s lock on `out` until killed (an flock, as gyre.runlock takes it)."""
-    path = out / "locks" / f"{role}.lock"
-    code = (
-        "import fcntl, json, os, pathlib, sys; p = pathlib.Path(sys.argv[1]); "
-        "p.parent.mkdir(parents=True, exist_ok=True); "
-        "f = open(p, 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.truncate(0); "
-        "f.write(json.dumps({'pid': os.getpid(), 'host': 'h', 'command': 'holder'})); f.flush(); "
-        "print('held', flush=True); input()"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline().strip() == "held"
-    return proc
-
-
 def test_lock_names_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
     from gyre.runlock import LockHeld, RunLock
 
-    holder = hold_lock(tmp_path, "trainer")
+    holder = hold_run_lock(tmp_path, "trainer")
     try:
         with pytest.raises(LockHeld, match=f"pid {holder.pid}"):
             RunLock(tmp_path, "trainer").acquire()
@@ -92,7 +76,7 @@ def test_lock_names_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
 
 def test_defect_3_second_gyre_rl_on_one_folder_fails_at_once_naming_the_pid(tmp_path):
     out = tmp_path / "run"
-    holder = hold_lock(out, "rl")
+    holder = hold_run_lock(out, "rl")
     try:
         started = time.monotonic()
         res = gyre("rl", "@", str(CI_CONFIG), "--output-dir", str(out))
@@ -106,7 +90,7 @@ def test_defect_3_second_gyre_rl_on_one_folder_fails_at_once_naming_the_pid(tmp_
 
 
 def test_standalone_orchestrator_refuses_a_held_role(tmp_path):
-    holder = hold_lock(tmp_path, "orchestrator")
+    holder = hold_run_lock(tmp_path, "orchestrator")
     try:
         res = gyre("orchestrator", "--output-dir", str(tmp_path), "--redis.url", "redis://127.0.0.1:1/0")
         assert res.returncode == 2

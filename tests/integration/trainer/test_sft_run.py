@@ -11,6 +11,7 @@ from gyre.config import load_config
 from gyre.config.trainer import SFTConfig
 from gyre.events import read_events
 from gyre_trainer import sft
+from support.locks import hold_run_lock
 from trainer_testlib import load_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
@@ -167,19 +168,6 @@ def test_an_output_dir_holding_a_trained_rl_run_is_refused(tiny_model, tmp_path,
     assert _files(tmp_path / "sft") == result and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 2
 
 
-def _hold_rl_lock(folder):
-    """A process holding `folder`'s gyre rl lock as a running launch does (gyre.runlock), until killed."""
-    import subprocess
-    import sys
-
-    code = "import sys; from gyre.runlock import RunLock; RunLock(sys.argv[1], 'rl').acquire(); print('held', " \
-           "flush=True); input()"  # fmt: skip
-    holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
-    assert holder.stdout.readline().strip() == "held"
-    return holder
-
-
 @pytest.mark.parametrize("state", ["running", "batches pushed", "launched"])
 def test_an_output_dir_of_an_rl_run_before_its_first_step_is_refused(tiny_model, tmp_path, capsys, monkeypatch, state):
     # refused only once the run's trainer had committed a step: before it, a larger max_steps or --ckpt.resume-step 0
@@ -192,7 +180,7 @@ def test_an_output_dir_of_an_rl_run_before_its_first_step_is_refused(tiny_model,
     assert sft.main(args) == 0  # the run's SFT warm-up
     result, holder = _files(tmp_path / "sft"), None
     if state == "running":
-        holder = _hold_rl_lock(tmp_path)
+        holder = hold_run_lock(tmp_path, "rl")
     elif state == "batches pushed":
         (tmp_path / "events" / "orchestrator_steps.jsonl").write_text('{"step": 1}\n')
     else:
@@ -221,7 +209,7 @@ def test_an_output_dir_of_an_rl_run_before_its_first_step_is_refused(tiny_model,
 def test_an_rl_runs_folder_without_an_sft_result_is_refused_before_the_model_or_data_is_read(tmp_path, capsys):
     # refused only after the model was fetched (a hub id: downloaded) and the data tokenized, holding the sft lock
     # that the running launch's warm-up then found taken
-    holder = _hold_rl_lock(tmp_path)
+    holder = hold_run_lock(tmp_path, "rl")
     try:
         args = sft_args(tmp_path / "no-model", tmp_path, **{"data.path": tmp_path / "no-data.jsonl"})
         assert sft.main(args) == 2
