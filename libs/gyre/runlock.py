@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+# roles said as the command that holds them ("another rl is using this output folder" read as a typo)
+COMMANDS = {"rl": "gyre rl", "sft": "gyre sft"}
+
 
 class LockHeld(RuntimeError):
     """The role's lock is held by another live process (its pid is in the message and `holder`)."""
@@ -63,8 +66,8 @@ class RunLock:
                     os.close(fd)
                     raise LockHeld(
                         f"{self.path} is held by pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
-                        f"({holder.get('command', 'unknown command')}): another {self.role} is using this "
-                        "output folder; stop it or choose another --output-dir",
+                        f"({holder.get('command', 'unknown command')}): another {COMMANDS.get(self.role, self.role)} "
+                        "is using this output folder; stop it or choose another --output-dir",
                         holder,
                     ) from None
                 time.sleep(0.2)
