@@ -2,11 +2,14 @@
 
 Shared by `gyre rl` (its SFT warm-up, checked before anything starts) and a stand-alone `gyre sft`: both record
 the resolved SFT config as ``{output_dir}/configs/sft.toml`` (`SFT_RECORD`) and refuse a re-run that would go on
-from (or skip as finished) a result of other settings, naming every changed key.
+from (or skip as finished) a result of other settings, naming every changed key. `env_changes` is the rule for an
+RL run's environment, shared by `gyre rl` (against the config its previous launch wrote) and the orchestrator
+itself (against its progress checkpoint: a `helm upgrade` of a running experiment passes no launcher).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +97,45 @@ def sft_refusal(changes: list[tuple[str, Any, Any]], what: str, way_out: str, pr
             f"not {now!r}")  # fmt: skip
     also = "; ".join(f"{key_of(k)} = {w!r}, not {n!r}" for k, w, n in more)
     return f"config key '{key_of(key)}': {what} {said}" + (f" (also changed: {also})" if also else "") + f"; {way_out}"
+
+
+# leaves of orchestrator.env (one table, or a mix's entry) a started run may change: an entry's group size, its eval
+# settings and sampling.max_tokens, free as the orchestrator's own rollouts_per_example, eval.* and sampling.max_tokens
+# are; and a mix's ratios (`env_changes`)
+FREE_ENV_KEY = re.compile(r"(\.\d+)?\.(rollouts_per_example|sampling\.max_tokens|eval(\.\w+)?)")
+
+
+def env_changes(recorded: Any, now: Any) -> list[tuple[str, Any, Any]]:
+    """(".dotted.leaf", old, new) of every change between a started run's dumped `orchestrator.env` (`recorded`: one
+    table or a mix's list) and the current one (`now`, dumped) that the run cannot absorb: its task position and the
+    batches in its stream belong to the first environment. A mix's ratios stay free (PRIME-RL users reweight between
+    launches): each entry keeps its task position, only the draws to come change (docs/orchestrator.md)."""
+    from gyre.config.orchestrator import OrchestratorConfig
+
+    changes = _section_changes(_as_now(OrchestratorConfig, "env", recorded), now)
+    return [c for c in changes if not (isinstance(now, list) and c[0].endswith(".ratio"))
+            and not FREE_ENV_KEY.fullmatch(c[0])]  # fmt: skip
+
+
+def _section_changes(old: Any, new: Any, key: str = "") -> list[tuple[str, Any, Any]]:
+    """(".dotted.key", old, new) of every leaf in which two dumped config sections differ (a table, or a list of
+    tables: one environment or several). Tables of other keys differ as a whole: `old` is read through the current
+    schema first (`_as_now`), so a setting added to gyre since holds its default there, and what remains is a
+    free-form table (`args`) given other keys."""
+    if isinstance(old, dict) and isinstance(new, dict) and set(old) == set(new):  # else: the whole table, as set
+        return [c for k in sorted(old) for c in _section_changes(old[k], new[k], f"{key}.{k}")]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [c for i, (a, b) in enumerate(zip(old, new, strict=True)) for c in _section_changes(a, b, f"{key}.{i}")]
+    return [] if old == new else [(key, old, new)]
+
+
+def _as_now(cls: type, field: str, recorded: Any) -> Any:
+    """A section an earlier launch dumped (`recorded`), validated and dumped again by the current schema of `field` of
+    `cls`: the keys added since get their defaults. As recorded when it no longer validates (its form changed)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    adapter = TypeAdapter(cls.model_fields[field].annotation)
+    try:
+        return adapter.dump_python(adapter.validate_python(recorded), mode="json")
+    except ValidationError:
+        return recorded

@@ -25,7 +25,7 @@ from gyre.config.inference import InferenceConfig, loras_for_runs
 from gyre.config.loader import deep_merge, under_section
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.packing import PackingShape
-from gyre.config.rerun import moved_with, same_model
+from gyre.config.rerun import env_changes, moved_with, same_model
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import TrainerConfig
 from gyre.net import free_port
@@ -445,13 +445,7 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
         if "env" not in recorded:
             continue
         now = configs.orchestrators[run.name].model_dump(mode="json").get("env")
-        changes = _section_changes(_as_now(OrchestratorConfig, "env", recorded["env"]), now)
-        # a mix's ratios stay free (PRIME-RL users reweight between launches): each entry keeps its task position,
-        # only the draws to come change (docs/orchestrator.md, "Several environments"); so do an entry's group size
-        # and eval settings and its sampling.max_tokens, free as the orchestrator's own rollouts_per_example, eval.*
-        # and sampling.max_tokens are
-        if changed := [c for c in changes if not (isinstance(now, list) and c[0].endswith(".ratio"))
-                       and not FREE_ENV_KEY.fullmatch(c[0])]:  # fmt: skip
+        if changed := env_changes(recorded["env"], now):
             leaf, was, new = changed[0]
             raise ConfigError(
                 f"config key '{key}{leaf}': the run in {at(run.name)} was trained with {key}{leaf} = {was!r}, this "
@@ -522,34 +516,6 @@ def refuse_changed_run_keys(cfg: RLConfig, configs: ServiceConfigs) -> None:
 def _orchestrator_file(cfg: RLConfig, run_name: str) -> str:
     """The file under configs/ the launcher writes a run's orchestrator config to."""
     return f"orchestrator-{run_name}.toml" if cfg.runs else "orchestrator.toml"
-
-
-# leaves of orchestrator.env (one table, or a mix's entry) a started run may change between launches
-FREE_ENV_KEY = re.compile(r"(\.\d+)?\.(rollouts_per_example|sampling\.max_tokens|eval(\.\w+)?)")
-
-
-def _section_changes(old: Any, new: Any, key: str = "") -> list[tuple[str, Any, Any]]:
-    """(".dotted.key", old, new) of every leaf in which two dumped config sections differ (a table, or a list of
-    tables: one environment or several). Tables of other keys differ as a whole: `old` is read through the current
-    schema first (`_as_now`), so a setting added to gyre since holds its default there, and what remains is a
-    free-form table (`args`) given other keys."""
-    if isinstance(old, dict) and isinstance(new, dict) and set(old) == set(new):  # else: the whole table, as set
-        return [c for k in sorted(old) for c in _section_changes(old[k], new[k], f"{key}.{k}")]
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [c for i, (a, b) in enumerate(zip(old, new, strict=True)) for c in _section_changes(a, b, f"{key}.{i}")]
-    return [] if old == new else [(key, old, new)]
-
-
-def _as_now(cls: type, field: str, recorded: Any) -> Any:
-    """A section an earlier launch dumped (`recorded`), validated and dumped again by the current schema of `field` of
-    `cls`: the keys added since get their defaults. As recorded when it no longer validates (its form changed)."""
-    from pydantic import TypeAdapter, ValidationError
-
-    adapter = TypeAdapter(cls.model_fields[field].annotation)
-    try:
-        return adapter.dump_python(adapter.validate_python(recorded), mode="json")
-    except ValidationError:
-        return recorded
 
 
 def committed_steps(cfg: RLConfig) -> dict[str, int]:

@@ -55,6 +55,9 @@ class Progress:
     created: float = field(default_factory=time.time)
     cursors: dict[str, int] = field(default_factory=dict)  # label -> next index of its train split (none: older)
     draws: int = 0  # groups drawn by the mix so far
+    # what the task positions index into: the task sampler's seed and the dumped orchestrator.env (None: older)
+    seed: int | None = None
+    env: Any = None
 
 
 class ProgressStore:
@@ -97,6 +100,8 @@ class ProgressStore:
                 created=float(doc.get("created", 0.0)),
                 cursors={str(k): int(v) for k, v in doc.get("cursors", {}).items()},
                 draws=int(doc.get("draws", 0)),
+                seed=None if doc.get("seed") is None else int(doc["seed"]),
+                env=doc.get("env"),
             )
         except FileNotFoundError:
             raise ProgressError(

@@ -353,7 +353,8 @@ class StepRecords:
         """Progress checkpoint `step` (the last pushed) with the counters so far; `positions`: the task mix's state."""
         cursors, draws = positions
         self.progress.save(Progress(step=step, task_index=cursors.get(self.labels[0], 0), counters=dict(self.counters),
-                                    cursors=cursors, draws=draws))  # fmt: skip
+                                    cursors=cursors, draws=draws, seed=self.cfg.seed,
+                                    env=self.cfg.model_dump(mode="json")["env"]))  # fmt: skip
 
     def _signal_record(self, samples: list[TrainSample]) -> dict:
         """Per reward function its mean over the batch (judges at weight 0 included: that is how they are

@@ -29,6 +29,7 @@ import numpy as np
 import redis
 from gyre.codec import CodecError, encode_batch
 from gyre.config.orchestrator import OrchestratorConfig
+from gyre.config.rerun import env_changes
 from gyre.endpoint import EndpointError, wait_all_ready
 from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
 from gyre.envs.judge import add_to_rubric, held_by
@@ -49,7 +50,7 @@ from gyre_orchestrator.evaluate import TrainingEval
 from gyre_orchestrator.metrics import OrchestratorMetrics
 from gyre_orchestrator.mix import MixTask, TaskMix
 from gyre_orchestrator.packing import PackResult, TrainSample, pack_batch
-from gyre_orchestrator.progress import ProgressStore, resume_point
+from gyre_orchestrator.progress import ProgressError, ProgressStore, resume_point
 from gyre_orchestrator.records import ScoredRollout, StepRecords, rollout_record
 from gyre_orchestrator.relay import WeightRelay
 from gyre_orchestrator.replicas import ReplicaSet, make_discovery
@@ -133,6 +134,7 @@ class OrchestratorService:
                 f"resume_step: no orchestrator progress checkpoint of step {cfg.resume_step} in {self.progress.root} "
                 f"(have {self.progress.steps()}; ckpt_interval writes them)"
             )
+        self._refuse_other_tasks(cfg)
         self.spilled = StepEntries(self.out / "batches", suffix=".bin")  # payloads above batch.inline_max_bytes
         inf = cfg.inference
         self.replicas = ReplicaSet(cooldown_s=inf.failure_cooldown_s)
@@ -525,6 +527,34 @@ class OrchestratorService:
                             step, step + 1, latest)  # fmt: skip
             await asyncio.sleep(poll_s)
         log.info("rewind to step %d: the trainer deleted the abandoned weights versions; relaying", step)
+
+    def _refuse_other_tasks(self, cfg: OrchestratorConfig) -> None:
+        """ValueError naming the key when the progress checkpoint this orchestrator would resume from was made with
+        another task sampler `seed` or environment (`env`, the leaves a started run cannot absorb:
+        `gyre.config.rerun.env_changes`). Its task positions index into the first seed's and environment's tasks: a
+        `helm upgrade` that changed them went on at the same index of other tasks (rows repeated or skipped mid-run),
+        and the stream's batches were of the first environment. `gyre rl` refuses such a re-run before starting;
+        this is the check for a restarted pod, which no launcher sees. A rewind to 0 starts the run over: free."""
+        if cfg.resume_step == 0 or not self.progress.steps():
+            return
+        try:
+            saved = self.progress.load(cfg.resume_step if cfg.resume_step is not None and cfg.resume_step > 0 else -1)
+        except ProgressError:
+            return  # an unreadable checkpoint: the resume rule says so
+        where = f"the run's progress checkpoint {self.progress.path(saved.step)} (step {saved.step})"
+        way_out = ("keep it, rewind to step 0 together with the trainer (resume_step = 0, trainer ckpt.resume_step = "
+                   "0), or start a new run (another run_id and output folder)")  # fmt: skip
+        if saved.seed is not None and saved.seed != cfg.seed:
+            raise ValueError(
+                f"seed: {where} was made with seed = {saved.seed}, this orchestrator has seed = {cfg.seed}; its task "
+                f"position is an index into the first seed's tasks (a new seed repeats or skips tasks): {way_out}"
+            )
+        if saved.env is not None and (changed := env_changes(saved.env, cfg.model_dump(mode="json")["env"])):
+            leaf, was, new = changed[0]
+            raise ValueError(
+                f"env{leaf}: {where} was made with env{leaf} = {was!r}, this orchestrator has {new!r}; its task "
+                f"position and the stream's batches belong to the first environment: {way_out}"
+            )
 
     async def _resume_point(self):
         cfg = self.cfg

@@ -153,6 +153,15 @@ def test_resume_continues_at_the_right_step(tmp_path, redis_url, unique_run_id, 
     assert f"starting at step {last + 1}" in second.stderr
     progress = json.loads((cfg.output_dir / "checkpoints" / "orchestrator" / f"step_{last + 2}.json").read_text())
     assert progress["step"] == last + 2 and progress["counters"]["total_samples"] > 0
+    # what the positions index into is recorded, and a restart with another task seed (a `helm upgrade` that changed
+    # it) is refused before anything is pushed, naming the key: it went on at the same index of other tasks
+    assert (progress["seed"], progress["env"]) == (cfg.seed, cfg.model_dump(mode="json")["env"])
+    third = subprocess.run(
+        orchestrator_cmd(cfg_path, "--seed", str(cfg.seed + 1), "--max-steps", str(last + 4)),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert third.returncode == 2 and "seed: the run's progress checkpoint" in third.stderr, third.stderr[-3000:]
+    assert [e.step for e in stream_steps(redis_url, unique_run_id)] == list(range(1, last + 3))
 
 
 def wait_for_pushes(redis_url: str, run_id: str, n: int, proc, log_path) -> None:

@@ -104,3 +104,44 @@ async def test_a_rewind_to_a_step_without_a_progress_checkpoint_is_refused_befor
         OrchestratorService(cfg)
     for step in (-1, 0):  # the automatic resume, and a rewind to the base model, need none
         OrchestratorService(cfg.model_copy(update={"resume_step": step})).redis.close()
+
+
+@pytest.mark.asyncio  # the service is built inside the event loop that runs it
+async def test_a_restart_with_another_seed_or_environment_is_refused_naming_the_key(tmp_path):
+    """A `helm upgrade` that changed the orchestrator's task `seed` or its environment mid-run restarted the pod, which
+    went on at the saved task position: an index into the first seed's (environment's) tasks, so rows were repeated
+    or skipped, and the stream's batches were of the first environment. Only `gyre rl` refused it (from the configs its
+    previous launch wrote; no launcher sees a restarted pod). A progress checkpoint now records both, and the service
+    refuses a resume from one made with others, naming the key; what a started run may change stays free."""
+    from gyre.config import load_config
+    from gyre.config.orchestrator import OrchestratorConfig
+    from gyre_orchestrator.service import OrchestratorService
+
+    out = tmp_path / "run"
+    redis = {"url": "redis://127.0.0.1:9"}
+    first = load_config(OrchestratorConfig, [], output_dir=str(out), seed=7, redis=redis,
+                        env={"name": "reverse_text"})  # fmt: skip
+    env = first.model_dump(mode="json")["env"]
+    ProgressStore(out / "checkpoints" / "orchestrator").save(Progress(step=2, task_index=16, seed=7, env=env))
+    with pytest.raises(ValueError, match=r"^seed: the run's progress checkpoint .*step_2.json \(step 2\) was made with "
+                                         r"seed = 7, this orchestrator has seed = 8"):  # fmt: skip
+        OrchestratorService(first.model_copy(update={"seed": 8}))
+    other = load_config(OrchestratorConfig, [], output_dir=str(out), seed=7, redis=redis, env={"name": "arithmetic"})
+    with pytest.raises(ValueError, match=r"^env\.name: .* was made with env\.name = 'reverse_text', this orchestrator "
+                                         r"has 'arithmetic'"):  # fmt: skip
+        OrchestratorService(other)
+    free = load_config(OrchestratorConfig, [], output_dir=str(out), seed=7, redis=redis,
+                       env={"name": "reverse_text", "rollouts_per_example": 4})  # fmt: skip
+    for cfg in (first, free, other.model_copy(update={"resume_step": 0})):  # the same run; a group size; a new start
+        OrchestratorService(cfg).redis.close()
+
+
+def test_a_progress_checkpoint_records_the_seed_and_environment_it_indexes(tmp_path):
+    """What the restart check compares against: written by `save` and read back by `load` (a checkpoint from before has
+    neither, and is not checked)."""
+    store = ProgressStore(tmp_path)
+    store.save(Progress(step=1, task_index=8, seed=3, env={"name": "arithmetic", "args": {"max_n": 9}}))
+    saved = store.load(-1)
+    assert (saved.seed, saved.env) == (3, {"name": "arithmetic", "args": {"max_n": 9}})
+    (tmp_path / "step_2.json").write_text('{"step": 2, "task_index": 16}')
+    assert (store.load(2).seed, store.load(2).env) == (None, None)
