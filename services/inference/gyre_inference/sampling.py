@@ -6,11 +6,11 @@ Per row it applies, in this order: the token bitmask (disallowed tokens at -inf:
 `allowed_token_ids`), the sparse biases (`logit_bias`, -inf on the stop ids before `min_tokens` and on the last
 token of a `bad_words` entry whose other tokens the row just generated), the penalties (`Penalties`:
 vLLM's repetition, frequency and presence penalties), the temperature; the reported log-probs are
-`log_softmax` of that (T = 1 for greedy rows, those with T < 1e-5 as in vLLM). Then,
-for the draw only: top-k, top-p (nucleus) and min-p, and one inverse-CDF draw with the row's uniform. The
-filters decide which tokens may be drawn but are NOT renormalised into the reported log-prob: with no bias,
-mask or penalty it is exactly `log_softmax(logits / T)`, what the trainer recomputes (importance ratio 1 on the
-same weights).
+`log_softmax` of that (T = 1 for greedy rows, those with T < 1e-5 as in vLLM). Then, for the draw only:
+min-p and top-k, then top-p (nucleus) of what those two kept, renormalised (vLLM's order), and one inverse-CDF
+draw with the row's uniform. The filters decide which tokens may be drawn but are NOT renormalised into the
+reported log-prob: with no bias, mask or penalty it is exactly `log_softmax(logits / T)`, what the trainer
+recomputes (importance ratio 1 on the same weights).
 
 Randomness: row r's uniform is a pure function of (its sequence's seed, how many tokens that sequence
 has generated) — SplitMix64, computed on the host in numpy for the whole batch at once (a handful of
@@ -116,12 +116,15 @@ def sample(
         tokens = _inverse_cdf(probs, uniform)
     else:
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # Keep a token while the mass strictly before it is below top_p: the most likely token always stays.
-        keep = mass_before < top_p[:, None]
         rank = torch.arange(vocab, device=x.device)[None, :]
-        keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
+        keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
         keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+        # top-p comes last, over what top-k and min-p left, renormalised (vLLM: min-p, top-k, then top-p of the
+        # renormalised rest). Those two keep a prefix of the sorted row, so its cumsum is the kept cumsum; keep a
+        # token while the mass strictly before it is below top_p of the kept mass: the most likely token stays.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        kept_mass = (sorted_probs * keep).sum(dim=-1, keepdim=True)
+        keep &= mass_before < top_p[:, None] * kept_mass
         tokens = order.gather(1, _inverse_cdf(sorted_probs * keep, uniform)[:, None])[:, 0]
         # A row that filters nothing draws in vocabulary order, as in the unfiltered variant: its token must not
         # depend on whether a batch mate asked for top-k/top-p/min-p (the same uniform walks another CDF here).

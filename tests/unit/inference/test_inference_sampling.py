@@ -99,6 +99,16 @@ def test_top_k_and_min_p_only_draw_the_kept_tokens_in_proportion(top_k, min_p):
     assert 1 < int(keep.sum()) < vocab  # the filters really cut something
 
 
+@pytest.mark.parametrize(("top_k", "min_p"), [(2, 0.0), (0, 0.5)])
+def test_top_p_applies_to_what_top_k_and_min_p_kept_renormalised(top_k, min_p):
+    # vLLM: min-p / top-k first, then top-p over the renormalised rest. Probabilities 0.5, 0.3, 0.2: either filter keeps
+    # the first two (mass 0.8), of which the first alone is 0.625 >= top_p 0.6, so only it may be drawn. top-p over the
+    # unfiltered row (mass before the second 0.5 < 0.6) kept the second too: every high draw took it.
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(100, 3)
+    tokens, *_ = sample(logits, torch.ones(100), _even(100), **_filters(100, top_p=0.6, top_k=top_k, min_p=min_p))
+    assert set(tokens.tolist()) == {0}
+
+
 def test_biases_and_the_bitmask_change_the_distribution_sampled_and_reported():
     vocab, draws = 40, 2000
     logits = (_logits(rows=1, vocab=vocab, seed=4) / 3).expand(draws, vocab)
