@@ -38,11 +38,40 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class PortInUse(OSError):
-    """A service could not bind a configured port; the message names the option to change."""
+    """A service could not bind a configured address; the message names the option to change."""
 
 
-def bind_or_explain(start: Callable[[], T], service: str, option: str, port: int | None) -> T:
-    """`start()` (which binds `port`), turning a bind failure into `PortInUse` naming `option`.
+def _host_bindable(host: str) -> OSError | None:
+    """None when `host` is an address of this machine (a free port on it binds), else why not."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+    except OSError as e:  # EADDRNOTAVAIL: another machine's address; gaierror: a name that does not resolve
+        return e
+    return None
+
+
+def bind_failure(service: str, host: str, host_option: str, port: int | None, option: str, error: object) -> PortInUse:
+    """`PortInUse` for a failed bind of `host`:`port`, naming the option to change.
+
+    A busy port and a `host` that is no address of this machine (a pod's IP copied into the config, a typo)
+    fail alike: gRPC says only "Failed to bind", and the message blamed the port. The host is tried on its own
+    (a free port on it) to tell them apart.
+    """
+    if (bad_host := _host_bindable(host)) is not None:
+        return PortInUse(
+            f"{service}: cannot listen on {host!r} ({bad_host.strerror or bad_host}): it is not an address of this "
+            f"machine: set --{host_option} to one of its addresses (0.0.0.0: all of them, 127.0.0.1: this machine only)"
+        )
+    return PortInUse(
+        f"{service}: cannot listen on port {port} ({error}); another process is using it: "
+        f"set --{option} to a free port (0 = pick one)"
+    )
+
+
+def bind_or_explain(start: Callable[[], T], service: str, option: str, port: int | None, host: str,
+                    host_option: str = "server.host") -> T:  # fmt: skip
+    """`start()` (which binds `host`:`port`), turning a bind failure into `PortInUse` naming the option to change.
 
     gRPC reports a busy port as RuntimeError("Failed to bind ...") or a 0 port, the HTTP servers as
     OSError(EADDRINUSE): either way the user learns which option to change, not a traceback.
@@ -50,7 +79,4 @@ def bind_or_explain(start: Callable[[], T], service: str, option: str, port: int
     try:
         return start()
     except (OSError, RuntimeError) as e:
-        raise PortInUse(
-            f"{service}: cannot listen on port {port} ({e}); another process is using it: "
-            f"set --{option} to a free port (0 = pick one)"
-        ) from None
+        raise bind_failure(service, host, host_option, port, option, e) from None

@@ -54,3 +54,23 @@ def test_the_ports_are_really_free():
     assert len(set(ports)) == 300
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports[-1]))  # nobody holds it
+
+
+def test_a_failed_bind_names_the_port_when_it_is_busy_and_the_host_when_it_is_not_this_machines():
+    """The trainer's and the orchestrator's gRPC and /metrics servers: gRPC says only "Failed to bind" for both a busy
+    port and a foreign address, and the message blamed the port for both (a pod IP in server.host: "set --server.port
+    to a free port", which no port fixes)."""
+
+    from gyre.grpc_server import ThreadedGrpcServer
+    from gyre.net import PortInUse, bind_or_explain
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = ThreadedGrpcServer("test")
+        with pytest.raises(PortInUse, match=rf"cannot listen on port {port} .*set --server.port to a free port"):
+            bind_or_explain(lambda: server.start("127.0.0.1", port), "trainer", "server.port", port, "127.0.0.1")
+    server = ThreadedGrpcServer("test")
+    with pytest.raises(PortInUse, match=r"cannot listen on '192.0.2.1' .*set --server.host to one of its addresses"):
+        bind_or_explain(lambda: server.start("192.0.2.1", 0), "trainer", "server.port", 0, "192.0.2.1")

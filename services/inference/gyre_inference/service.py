@@ -26,6 +26,7 @@ from pathlib import Path
 import uvicorn
 from gyre.config.inference import InferenceConfig
 from gyre.inference_process import ready_line
+from gyre.net import bind_failure
 
 from gyre_inference.api import AppState, create_app
 from gyre_inference.api_key import ServerKey
@@ -77,9 +78,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as error:
+    except OSError:
         sock.close()
-        raise OSError(f"cannot bind HTTP server to {host}:{port}: {error.strerror}") from None
+        raise
     sock.listen(2048)
     sock.setblocking(False)
     return sock
@@ -118,23 +119,22 @@ async def run_service(config: InferenceConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     sock = metrics_server = None
-    option = "control.port"
+    # what is being bound: (host, its option, port, its option), for the error naming the one to change
+    binding = (config.control.host, "control.host", config.control.port, "control.port")
     try:  # every port before anything serves: a failed bind stops what was started, and names the option
         control_port = await control.start(config.control.host, config.control.port)
-        option = "server.port"
+        binding = (config.server.host, "server.host", config.server.port, "server.port")
         sock = _bind(config.server.host, config.server.port)
         if config.metrics.port is not None:
             from gyre.metrics import start_metrics_server
 
             # it was bound after uvicorn started: a busy port was a traceback, the gRPC server never stopped
-            option, host = "metrics.port", config.server.host
-            try:
-                metrics_server, metrics_port = start_metrics_server(config.metrics.port, metrics.registry, host)
-            except OSError as error:
-                raise OSError(f"cannot bind metrics server to {host}:{config.metrics.port}: {error.strerror}") from None
-            log.info("metrics: http://%s:%d/metrics", host, metrics_port)
+            binding = (config.server.host, "server.host", config.metrics.port, "metrics.port")
+            metrics_server, metrics_port = start_metrics_server(config.metrics.port, metrics.registry, binding[0])
+            log.info("metrics: http://%s:%d/metrics", binding[0], metrics_port)
     except OSError as error:
-        log.error("%s (--%s; 0 picks a free port)", error, option)
+        host, host_option, port, option = binding
+        log.error("%s", bind_failure("inference", host, host_option, port, option, error.strerror or error))
         await control.stop(0)
         if sock is not None:
             sock.close()

@@ -35,7 +35,7 @@ from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environm
 from gyre.envs.judge import add_to_rubric, held_by
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, latest_per_step, read_events
 from gyre.metrics import start_metrics_server
-from gyre.net import PortInUse, bind_or_explain
+from gyre.net import bind_failure, bind_or_explain
 from gyre.redis_retry import acall_with_retry
 from gyre.rollouts import write_dump
 from gyre.runstate import committed_step, mark_rewound, pending_rewind, trainer_checkpoints
@@ -378,15 +378,14 @@ class OrchestratorService:
             "orchestrator",
             "metrics.port",
             port,
+            cfg.server.host,
         )
         self.metrics.labels(self.metrics.max_async_level).set(cfg.max_async_level)
         try:
             await self.server.start()
         except (OSError, RuntimeError) as e:
-            raise PortInUse(
-                f"orchestrator: cannot listen on port {cfg.server.port} ({e}); another process is using it: "
-                "set --server.port to a free port (0 = pick one)"
-            ) from None
+            host, port = cfg.server.host, cfg.server.port
+            raise bind_failure("orchestrator", host, "server.host", port, "server.port", e) from None
         await self.discovery.start()
         if cfg.resume_step is not None and cfg.resume_step >= 0:
             await self._await_trainer_rewind(cfg.resume_step)

@@ -156,10 +156,14 @@ class TrainerProcess:
         if not self.ctx.is_main:
             return
         self.metrics_server, self.metrics_port = bind_or_explain(
-            lambda: serve(self.registry, cfg.metrics.port, cfg.server.host), "trainer", "metrics.port", cfg.metrics.port
+            lambda: serve(self.registry, cfg.metrics.port, cfg.server.host),
+            "trainer",
+            "metrics.port",
+            cfg.metrics.port,
+            cfg.server.host,
         )
         self.server = TrainerServer(self.status, cfg.server.host, cfg.server.port)
-        self.grpc_port = bind_or_explain(self.server.start, "trainer", "server.port", cfg.server.port)
+        self.grpc_port = bind_or_explain(self.server.start, "trainer", "server.port", cfg.server.port, cfg.server.host)
 
     def redis(self):
         """The process's Redis client (rank 0 reads every run's stream), from the config: `redis.password` too."""

@@ -247,3 +247,22 @@ def test_a_model_that_cannot_be_loaded_exits_1_with_a_clear_message(tmp_path, ti
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     result = run_cli("--model.name", str(broken), "--server.port", "0", "--control.port", "0")
     assert result.returncode == 1 and "cannot load model" in result.stderr and "broken" in result.stderr
+
+
+def test_a_bind_failure_names_the_option_to_change(tiny_model):
+    """A busy port names its port option; a host that is no address of this machine (192.0.2.1, TEST-NET-1) names
+    its host option (it was "--server.port; 0 picks a free port" for both). Exit 1, one error line, no traceback."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli("--model.name", str(tiny_model), "--server.port", str(port), "--control.port", "0")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert str(port) in result.stderr and "--server.port" in result.stderr
+    for option in ("server", "control"):
+        result = run_cli("--model.name", str(tiny_model), f"--{option}.host", "192.0.2.1", "--server.port", "0",
+                         "--control.port", "0")  # fmt: skip
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert f"set --{option}.host to one of its addresses" in result.stderr and "--server.port" not in result.stderr
