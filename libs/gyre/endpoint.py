@@ -23,8 +23,9 @@ One small client for all three, over the official `openai` client (auth, timeout
   answers, up to `startup_timeout_s`: a judge pod still loading its model (the Helm chart starts it beside the
   orchestrator) failed the first rollouts' scoring, and after `retries` and `sample_attempts` stopped the run.
 
-The server is given by `EndpointConfig.url` (its root or its /v1 base); `post(path, body)` takes a path from the
-root (`/v1/chat/completions`, `/classify`, `/inference/v1/generate`).
+The server is given by `EndpointConfig.url` (its root, or its OpenAI base URL: /v1 or another API's); `post(path,
+body)` takes a path from the root (`/v1/chat/completions`, sent under the OpenAI base; `/classify`,
+`/inference/v1/generate`).
 """
 
 from __future__ import annotations
@@ -254,19 +255,26 @@ class Endpoint:
             await asyncio.sleep(min(poll_s, limit - elapsed))
 
     async def post(self, path: str, body: dict[str, Any], *, again: bool = False) -> Any:
-        """POST `body` (JSON) to `path` under the server's root; the decoded JSON answer. `again`: another form of a
-        request just refused (the teacher's fallbacks): its refusal is counted, but not again toward
-        `MAX_REFUSED_IN_A_ROW`, which counts refused samples, not forms of one."""
-        url = f"{self.config.root}{path}"
+        """POST `body` (JSON) to `path` from the server's root (an OpenAI route, /v1/..., under its OpenAI base URL);
+        the decoded JSON answer. `again`: another form of a request just refused (the teacher's fallbacks): its refusal
+        is counted, but not again toward `MAX_REFUSED_IN_A_ROW`, which counts refused samples, not forms of one."""
+        url = self.url(path)
         return await self._call(lambda client: client.post(url, cast_to=object, body=body), again=again)
 
     async def post_once(self, path: str, body: dict[str, Any]) -> Any:
         """One attempt, not counted in `stats` (a check before the run, not one of its calls); EndpointError."""
         try:
             async with asyncio.timeout(self.config.timeout_s):  # the whole answer, as in `_call`
-                return await self._openai().post(f"{self.config.root}{path}", cast_to=object, body=body)
+                return await self._openai().post(self.url(path), cast_to=object, body=body)
         except (openai.APIError, json.JSONDecodeError, TimeoutError) as error:
-            raise EndpointError(f"{self.name}: {self.config.root}{path}: {describe(error)}") from error
+            raise EndpointError(f"{self.name}: {self.url(path)}: {describe(error)}") from error
+
+    def url(self, path: str) -> str:
+        """The URL of `path` from the server's root: an OpenAI route (/v1/...) under the configured OpenAI base URL
+        (`EndpointConfig.base_url`, which need not end in /v1), any other (/classify, /tokenize) under the root."""
+        if path.startswith("/v1/"):
+            return f"{self.config.base_url}{path[len('/v1') :]}"
+        return f"{self.config.root}{path}"
 
     async def chat(self, messages: list[dict], **params: Any) -> dict:
         """One chat completion (a plain JSON body: no typed transform); the decoded answer."""

@@ -23,9 +23,10 @@ class ScriptedServer:
     headers]), ("raw", body, content type) (a body as given, e.g. broken JSON) or ("trickle", seconds, text) (a space
     every 0.1 s for `seconds`, then the answer: each read is quick, the whole answer slow)), /tokenize (one token per
     character), /classify (score = number of tokens / 10; a 400 for an input longer than `max_len`; first the
-    bodies of `classify_script`). Records every request."""
+    bodies of `classify_script`). Records every request. `base`: where the OpenAI routes are (/v1beta/openai: as
+    Gemini serves them)."""
 
-    def __init__(self, port: int = 0):
+    def __init__(self, port: int = 0, base: str = "/v1"):
         self.script: list = []
         self.requests: list[tuple[str, dict]] = []
         self.auth: list[str | None] = []
@@ -34,14 +35,14 @@ class ScriptedServer:
         self.models_script: list[tuple] = []  # (body, content type[, status]) /v1/models answers first
         app = FastAPI()
 
-        @app.get("/v1/models")
+        @app.get(f"{base}/models")
         async def models():
             if self.models_script:  # (body, content type[, status]): a 503 of a model still loading
                 body, media_type, *status = self.models_script.pop(0)
                 return Response(body, media_type=media_type, status_code=status[0] if status else 200)
             return {"object": "list", "data": [{"id": "judge-model", "object": "model", "created": 0, "owned_by": "x"}]}
 
-        @app.post("/v1/chat/completions")
+        @app.post(f"{base}/chat/completions")
         async def chat(request: Request):
             body = await request.json()
             self.requests.append(("chat", body))

@@ -56,7 +56,9 @@ class EndpointConfig(Section):
     """An OpenAI-compatible server: where it is, which model, how to authenticate, how patiently to call it."""
 
     url: str = Field(
-        description="The server: its root (http://judge:8000) or its OpenAI base (https://api.openai.com/v1)."
+        description="The server: its root (http://judge:8000, no path: the OpenAI routes are under /v1) or its OpenAI "
+        "base URL as the openai client takes it (https://api.openai.com/v1, "
+        "https://generativelanguage.googleapis.com/v1beta/openai)."
     )
     model: str | None = Field(None, description="Model id sent in requests (default: the first of /v1/models).")
     api_key_env: str | None = Field(None, description="Environment variable holding the API key (never the key).")
@@ -127,8 +129,12 @@ class EndpointConfig(Section):
 
     @property
     def base_url(self) -> str:
-        """The OpenAI base URL (…/v1)."""
-        return f"{self.root}/v1"
+        """The OpenAI base URL: the URL as given when it has a path (…/v1, or another API's base: Gemini's
+        …/v1beta/openai got /v1 appended, a 404 at the first call), else the root's /v1."""
+        from urllib.parse import urlsplit
+
+        url = self.url.rstrip("/")
+        return url if urlsplit(url).path else f"{url}/v1"
 
     def api_key(self) -> str | None:
         """The key from the environment variable or the file; ValueError naming the setting when it is missing."""

@@ -802,3 +802,21 @@ def test_a_prompt_too_long_is_cut_from_its_longest_fields_in_the_middle():
     cut = cut_messages(messages, 1500)
     assert cut[0] == messages[0] and cut[2] == messages[2] and abs(len(response) - len(cut[1]["content"]) - 1500) < 10
     assert cut_messages(messages, len(response)) is None
+
+
+def test_a_judge_at_an_openai_base_url_not_ending_in_v1_is_asked_there():
+    """An OpenAI-compatible API whose base URL has another path (Gemini's .../v1beta/openai, as its docs give it to
+    the openai client) got /v1 appended to it: every call, and the wait for /models at start, was a 404. A URL with
+    a path is now the OpenAI base as given; a bare root still has its OpenAI routes under /v1."""
+    with ScriptedServer(base="/v1beta/openai") as gemini:
+        judge = Judge(url=f"{gemini.url}/v1beta/openai/", prompt="{response}", retries=0, startup_timeout_s=5)
+        gemini.script = ["Score: 8"]
+
+        async def ask():
+            await judge.endpoint.wait_ready()
+            return await judge(PROMPT, completion("cba"), "cba")
+
+        assert asyncio.run(ask()) == pytest.approx(0.8)
+        assert [kind for kind, _ in gemini.requests] == ["chat"]
+    assert JudgeConfig(url="http://judge:8000", prompt="{response}").base_url == "http://judge:8000/v1"
+    assert JudgeConfig(url="https://api.openai.com/v1/", prompt="{response}").base_url == "https://api.openai.com/v1"
