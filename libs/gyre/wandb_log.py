@@ -22,6 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from gyre.config.loader import public_dump
 from gyre.rollouts import DETAILS, details_line, message_text
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,9 @@ def run_identity(output_dir: Path, service: str) -> str:
 class WandbLogger:
     """No-op unless `cfg.enabled`; then a wandb run for this service (see the module docstring)."""
 
-    def __init__(self, cfg, *, service: str, run_id: str, output_dir: Path | str, config: dict[str, Any]):
+    def __init__(self, cfg, *, service: str, run_id: str, output_dir: Path | str, config: BaseModel | dict[str, Any]):
+        """`config`: the service's config, shown as the W&B run's config with its secrets masked (an API key or
+        control token in clear went to W&B's servers, readable by everyone on the project)."""
         self.service, self.cfg, self.run = service, cfg, None
         if not cfg.enabled:
             return
@@ -75,7 +80,7 @@ class WandbLogger:
             job_type=service,
             mode=cfg.mode,
             dir=str(folder),
-            config=config,
+            config=public_dump(config) if isinstance(config, BaseModel) else config,
             reinit="create_new",
         )
         # Each kind of record has its own x axis (eval versions lag training steps; wandb's own step must grow).

@@ -86,3 +86,29 @@ def test_a_launch_of_the_same_run_folder_continues_its_wandb_run(tmp_path, monke
     shutil.rmtree(run / "wandb")  # what `gyre rl --fresh` does: the run starts over, in a new W&B run
     assert launch(run) not in (first, renewed)
     wandb.teardown()
+
+
+def test_the_run_config_masks_every_secret(tmp_path, monkeypatch):
+    """The W&B run's config is the service's config with its secrets masked: the orchestrator's inference API key and
+    control tokens are plain strings (their clients send the text), and went to W&B in clear (every project member
+    reads a run's config)."""
+    from gyre.config.orchestrator import OrchestratorConfig
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = OrchestratorConfig(inference={"api_key": "sk-policy-s3cret", "control_token": "ctl-s3cret"},
+                             server={"control_token": "srv-s3cret"}, redis={"password": "redis-s3cret"},
+                             batch_size=7)  # fmt: skip
+    logger = WandbLogger(WandbConfig(enabled=True), service="orchestrator", run_id="wb-secret", output_dir=tmp_path,
+                         config=cfg)  # fmt: skip
+    assert logger.run.config["inference"]["api_key"] == "**********"
+    assert logger.run.config["server"]["control_token"] == "**********" and logger.run.config["batch_size"] == 7
+    logger.finish()
+    import wandb
+
+    wandb.teardown()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    written = next(run_dir.glob("run-*.wandb")).read_bytes()  # the config as the sync uploads it
+    assert b"batch_size" in written
+    for secret in (b"sk-policy-s3cret", b"ctl-s3cret", b"srv-s3cret", b"redis-s3cret"):
+        assert secret not in written, secret

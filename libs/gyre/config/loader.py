@@ -976,6 +976,33 @@ def _service_name(prog: str) -> str:
     return words[-1].rsplit(".", 1)[-1] if words else "gyre"
 
 
+MASKED = "**********"  # as pydantic's SecretStr dumps itself
+
+
+def public_dump(model: BaseModel) -> dict[str, Any]:
+    """`model.model_dump(mode="json")` with every secret masked, for what leaves the process (the W&B run's config).
+
+    SecretStr masks itself; a secret held as a plain string (the orchestrator's `inference.api_key` and the
+    `control_token`s, whose clients need the text) is known by its `<key>_file` companion (`secret_file`).
+    """
+    return _mask(model, model.model_dump(mode="json"))
+
+
+def _mask(model: Any, dumped: Any) -> Any:
+    if isinstance(model, BaseModel) and isinstance(dumped, dict):
+        for name, field in type(model).model_fields.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            if (target := extra.get(SECRET_FILE_FOR)) and dumped.get(target) not in (None, ""):
+                dumped[target] = MASKED
+            if name in dumped:
+                dumped[name] = _mask(getattr(model, name), dumped[name])
+    elif isinstance(model, list | tuple) and isinstance(dumped, list):
+        return [_mask(m, d) for m, d in zip(model, dumped, strict=False)]
+    elif isinstance(model, dict) and isinstance(dumped, dict):
+        return {k: _mask(model.get(k), v) for k, v in dumped.items()}
+    return dumped
+
+
 def to_toml(model: BaseModel) -> str:
     """Serialise a resolved config back to TOML so a child process can reload it with ``@ file``.
 

@@ -121,7 +121,7 @@ class OrchestratorService:
         self.relay_events = EventLog(events_dir(self.out) / WEIGHT_RELAY)
         self.transport = open_store(cfg.weights, self.out)
         self.wandb = WandbLogger(cfg.wandb, service="orchestrator", run_id=cfg.run_id, output_dir=self.out,
-                                 config=cfg.model_dump(mode="json"))  # fmt: skip
+                                 config=cfg)  # fmt: skip
         self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last,
                                       also_keep=lambda: trainer_checkpoints(self.out))  # fmt: skip
         if (rewind := pending_rewind(self.progress.root, cfg.resume_step)) != cfg.resume_step:

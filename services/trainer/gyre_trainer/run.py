@@ -119,7 +119,7 @@ class RunState:
         try:
             self.events = EventLog(events_dir(self.out) / TRAINER_STEPS)
             self.wandb = WandbLogger(cfg.wandb, service="trainer", run_id=self.name, output_dir=self.out,
-                                     config=cfg.model_dump(mode="json"))  # fmt: skip
+                                     config=cfg)  # fmt: skip
             self.notifier = weights_notifier(self.spec.orchestrator, self.spec.control_token)
         except BaseException:
             self.close()

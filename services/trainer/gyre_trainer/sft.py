@@ -472,7 +472,7 @@ def run(cfg: SFTConfig) -> int:
         events = EventLog(events_dir(output_dir) / SFT_STEPS) if ctx.is_main else None
         if ctx.is_main:  # `sft/*` per step, like the trainer's `trainer/*` (a no-op unless wandb.enabled)
             wandb = WandbLogger(cfg.wandb, service="sft", run_id=cfg.run_id, output_dir=output_dir,
-                                config=cfg.model_dump(mode="json"))  # fmt: skip
+                                config=cfg)  # fmt: skip
         bar = tqdm(total=total, initial=start, desc="sft", unit="step", disable=not ctx.is_main, file=sys.stderr)
         checkpointed, last = start or None, None  # the newest step saved or loaded; (step, record) trained last
         for step in range(start + 1, total + 1):
