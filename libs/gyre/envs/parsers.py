@@ -170,10 +170,12 @@ class XMLParser(Parser):
         texts = assistant_texts(completion)
         if not texts:
             return 0.0
+        # the close after the open: "</answer>7<answer>" has one of each, and no answer (parse reads "")
         good = sum(
-            all(text.count(f"<{name}>") == 1 and text.count(f"</{name}>") == 1 for name in self.fields)
+            all(text.count(f"<{name}>") == 1 and text.count(f"</{name}>") == 1
+                and text.index(f"<{name}>") < text.index(f"</{name}>") for name in self.fields)
             for text in texts
-        )
+        )  # fmt: skip
         return good / len(texts)
 
 

@@ -61,6 +61,10 @@ def test_xml_format_reward():
     assert parser.format_reward([good, missing]) == 0.5
     assert parser.format_reward([doubled]) == 0.0
     assert parser.format_reward([]) == 0.0
+    # one of each tag, the close before the open: no block at all (parse reads an empty answer), so no format credit
+    backwards = {"role": "assistant", "content": "<think>a</think></answer>b<answer>"}
+    assert parser.parse_answer([backwards]) == ""
+    assert parser.format_reward([backwards]) == 0.0
 
 
 def test_xml_parser_rejects_bad_declarations():
