@@ -135,9 +135,12 @@ class XMLParser(Parser):
         return out
 
     def parse_reply(self, text: str) -> str | None:
-        """The answer field of one assistant message (the fields are the format here, `<think>` included), through
-        `extract_fn` when given."""
-        answer = self.parse(text)[self.answer_field]
+        """The answer field of one assistant message, through `extract_fn` when given. It is read from the reply
+        after its reasoning (`strip_reasoning`), as `Parser` reads it: an `<answer>` block the model only wrote
+        while thinking (inside `<think>`, or before a `</think>` whose `<think>` is in the prompt, or in a `<think>`
+        cut off by max_tokens) is no answer. A `think` answer field is read from the whole text."""
+        reply = text if self.answer_field == "think" else strip_reasoning(text)
+        answer = self.parse(reply)[self.answer_field]
         if answer is not None and self.extract_fn is not None:
             answer = self.extract_fn(answer) or None
         return answer

@@ -52,6 +52,19 @@ def test_xml_parser_fields():
         parser.format(reason="x")
 
 
+@pytest.mark.parametrize("fields", [["think", "answer"], ["answer"]])
+def test_xml_parser_answer_only_after_reasoning(fields):
+    """An <answer> block the model wrote while thinking is not its answer: the right number considered inside
+    <think> must not score (Parser's rule)."""
+    parser = XMLParser(fields)
+    assert parser.parse_answer("<think>maybe <answer>42</answer></think>") is None
+    assert parser.parse_answer("<think>cut off <answer>42</answer> wait") is None  # max_tokens mid-thought
+    assert parser.parse_answer("prompt-opened <answer>42</answer> hmm</think>") is None  # Qwen3: <think> in prompt
+    assert parser.parse_answer("<think>a <answer>4</answer></think><answer>7</answer>") == "7"
+    assert parser.parse_answer("<answer>7</answer>") == "7"
+    assert XMLParser(["think", "answer"], answer_field="think").parse_answer("<think>r</think>x") == "r"
+
+
 def test_xml_format_reward():
     parser = XMLParser(["think", "answer"])
     good = {"role": "assistant", "content": "<think>a</think><answer>b</answer>"}
