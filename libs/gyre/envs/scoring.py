@@ -45,13 +45,13 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     """True iff math-verify finds the prediction's final answer equal to the reference.
 
     Accepts plain numbers ("7", "7.0", "-3"), sentences ("The answer is 7."), delimited LaTeX (`$\\frac{1}{2}$`),
-    `\\boxed{7}`, and a reply that is a bare LaTeX expression (`\\sqrt{2}`); with several numbers the last one
-    counts. The reference is an answer, not a sentence: it is read as if boxed (verifiers' math rubric does the
-    same), because math-verify finds no LaTeX outside delimiters and reads a bare `2\\sqrt{2}` as 2, `\\sqrt{2}`
-    as nothing. When the reference is a number, the final answer must be one too (`number_form`): math-verify
-    evaluates an expression such as `3+4*5`, so a reply echoing the question's expression would score as its
-    value. math-verify bounds its work with SIGALRM, which only the main thread may use, so off the main thread it
-    runs without that timeout (the input is already length-capped).
+    `\\boxed{7}`, and a reply that is a bare expression (`\\sqrt{2}`, `x+1`, `C`: what MathRubric's parser hands over
+    from `\\boxed{}`); with several numbers the last one counts. The reference is an answer, not a sentence: it
+    is read as if boxed (verifiers' math rubric does the same), because math-verify finds no LaTeX outside
+    delimiters and reads a bare `2\\sqrt{2}` as 2, `\\sqrt{2}` as nothing. When the reference is a number, the final
+    answer must be one too (`number_form`): math-verify evaluates an expression such as `3+4*5`, so a reply echoing
+    the question's expression would score as its value. math-verify bounds its work with SIGALRM, which only the
+    main thread may use, so off the main thread it runs without that timeout (the input is already length-capped).
     """
     if not prediction:
         return False
@@ -64,7 +64,7 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     in_latex = _latex_mask(tail)  # E notation inside LaTeX needs no delimiters of its own
     tail = _E_NOTATION.sub(lambda m: _scientific(m, delimit=not in_latex[m.start()]), tail)
     predicted = parse(tail, parsing_timeout=timeout)
-    if not predicted and "\\" in tail:  # a bare LaTeX reply ("\\sqrt{2}"): math-verify needs delimiters
+    if not predicted:  # a bare LaTeX reply ("\\sqrt{2}", "x+1", "A"): math-verify needs delimiters
         predicted = parse(f"\\boxed{{{tail}}}", parsing_timeout=timeout)
     if predicted and too_large(predicted[0]):
         return False

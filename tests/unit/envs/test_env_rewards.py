@@ -119,6 +119,11 @@ def test_math_equal_handles_nothing_and_negatives():
         ("\\boxed{(1,2)}", "(1,2)", True),
         ("3.14", "\\pi", False),
         ("\\sqrt{2}", "\\sqrt{2}", True),  # a reply that is the bare expression
+        ("x+1", "x+1", True),  # ... without a backslash too: math-verify read nothing, a right answer scored 0
+        ("(1,2)", "(1,2)", True),
+        ("A", "A", True),
+        ("x+1", "x+2", False),
+        ("A or B", "A", False),  # a hedge is no answer
         ("twelve", "12", False),
         ("7", "\\boxed{7}", True),  # a reference that is already delimited
         ("7", "$7$", True),
@@ -381,3 +386,17 @@ def test_rewards_are_finite_and_in_range_for_any_output(name):
         assert not score.errors, (texts, score)
 
     check()
+
+
+@pytest.mark.parametrize(
+    ("reply", "reference"), [("\\boxed{x+1}", "x+1"), ("\\boxed{(1,2)}", "(1,2)"), ("\\boxed{C}", "C")]
+)
+def test_math_rubric_grades_a_boxed_answer_without_latex_commands(reply, reference):
+    """MathRubric's parser hands math_equal the box's content (`x+1`), not `\\boxed{x+1}`: math-verify found no answer
+    in it, so every right symbolic answer without a backslash scored 0 (verifiers boxes the parsed reply)."""
+    from gyre.envs.rubric import MathRubric, correct_answer_reward_func
+
+    parser = MathRubric().parser
+    completion = [{"role": "assistant", "content": f"<think>x+2?</think>So {reply}"}]
+    assert correct_answer_reward_func(completion, reference, parser) == 1.0
+    assert correct_answer_reward_func(completion, reference + "+1", parser) == 0.0
