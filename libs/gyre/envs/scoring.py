@@ -64,6 +64,12 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     in_latex = _latex_mask(tail)  # E notation inside LaTeX needs no delimiters of its own
     tail = _E_NOTATION.sub(lambda m: _scientific(m, delimit=not in_latex[m.start()]), tail)
     predicted = parse(tail, parsing_timeout=timeout)
+    # A bare expression (no words, no delimiters: what MathRubric's parser hands over from `\boxed{2x+3}`) that the
+    # plain reading does not take whole is read as boxed: that reading stops at the first number, so `2x+3` was 2
+    # (0 against `2x+3`, 1 against 2). `1 000`, `42.` are read whole already.
+    if predicted and not _PROSE.search(tail) and _plain(_answer_text(predicted) or "") != _plain(tail.rstrip(".")):
+        boxed = parse(f"\\boxed{{{tail.rstrip('.')}}}", parsing_timeout=timeout)
+        predicted = boxed if len(boxed) == 2 else predicted
     if not predicted:  # a bare LaTeX reply ("\\sqrt{2}", "x+1", "A"): math-verify needs delimiters
         predicted = parse(f"\\boxed{{{tail}}}", parsing_timeout=timeout)
     if predicted and too_large(predicted[0]):
@@ -91,6 +97,8 @@ def _scientific(match: re.Match[str], *, delimit: bool) -> str:
 
 
 _BOXED = re.compile(r"\\boxed\s*\{")
+# a word (two letters or more, not a LaTeX command's name) or a LaTeX delimiter: a reply math-verify reads as text
+_PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}|\$|\\[(\[]|\\boxed")
 
 
 def _latex_mask(text: str) -> bytearray:

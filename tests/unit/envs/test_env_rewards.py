@@ -400,3 +400,19 @@ def test_math_rubric_grades_a_boxed_answer_without_latex_commands(reply, referen
     completion = [{"role": "assistant", "content": f"<think>x+2?</think>So {reply}"}]
     assert correct_answer_reward_func(completion, reference, parser) == 1.0
     assert correct_answer_reward_func(completion, reference + "+1", parser) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("reply", "right", "wrong"),
+    [("\\boxed{2x+3}", "2x+3", "2"), ("\\boxed{2x + 3}", "2x+3", "2"), ("\\boxed{3x^2}", "3x^{2}", "3")],
+)
+def test_math_rubric_reads_a_boxed_expression_whole(reply, right, wrong):
+    """The box's content `2x+3` was read by math-verify as its first number, 2: the right answer scored 0 and the
+    wrong one 1. A bare expression is now read whole; numbers written with spaces (`1 000`) still read as one."""
+    from gyre.envs.rubric import MathRubric, correct_answer_reward_func
+
+    parser = MathRubric().parser
+    completion = [{"role": "assistant", "content": f"So {reply}"}]
+    assert correct_answer_reward_func(completion, right, parser) == 1.0
+    assert correct_answer_reward_func(completion, wrong, parser) == 0.0
+    assert math_equal("1 000", "1000") and math_equal("42.", "42") and math_equal("12 345", "12345")
