@@ -24,7 +24,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gyre.config.loader import public_dump
 from gyre.rollouts import DETAILS, details_line, message_text
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ class WandbLogger:
             job_type=service,
             mode=cfg.mode,
             dir=str(folder),
-            config=public_dump(config) if isinstance(config, BaseModel) else config,
+            config=config.model_dump(mode="json") if isinstance(config, BaseModel) else config,  # secrets masked
             reinit="create_new",
         )
         # Each kind of record has its own x axis (eval versions lag training steps; wandb's own step must grow).

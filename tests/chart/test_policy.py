@@ -492,10 +492,11 @@ def test_service_configs_accept_the_rendered_commands_and_environment(scenario, 
             assert cfg.auth.api_key.get_secret_value() == secrets["api-key"]
             assert cfg.auth.control_token.get_secret_value() == secrets["control-token"]
         elif comp == "orchestrator":
-            assert cfg.inference.api_key == secrets["api-key"]
-            assert cfg.inference.control_token == cfg.server.control_token == secrets["control-token"]
+            assert cfg.inference.api_key.get_secret_value() == secrets["api-key"]
+            assert cfg.inference.control_token.get_secret_value() == secrets["control-token"]
+            assert cfg.server.control_token.get_secret_value() == secrets["control-token"]
         else:
-            assert cfg.orchestrator.control_token == secrets["control-token"]
+            assert cfg.orchestrator.control_token.get_secret_value() == secrets["control-token"]
         if SCENARIOS[scenario].get("modelInit", {}).get("enabled", True) and comp != "orchestrator":
             assert cfg.model.name == f"{mount}/model"
         for key in ("max_steps",):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from gyre.config import ConfigError, load_config, to_toml
 from gyre.config.inference import InferenceConfig
-from gyre.config.loader import collect, help_text
+from gyre.config.loader import SECRET_FILE_FOR, collect, help_text, reveal
 from gyre.config.orchestrator import GyreEvalConfig, OrchestratorConfig
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig, TrainerConfig
@@ -304,10 +304,11 @@ def test_secrets_are_read_from_files_given_on_the_command_line_or_in_the_environ
     orch = load_config(OrchestratorConfig, ["--inference.api-key-file", str(key),
                                             "--inference.control-token-file", str(token),
                                             "--server.control-token-file", str(token)])  # fmt: skip
-    assert (orch.inference.api_key, orch.inference.control_token) == ("k3y", "t0ken")
-    assert orch.server.control_token == "t0ken"
+    assert (reveal(orch.inference.api_key), reveal(orch.inference.control_token)) == ("k3y", "t0ken")
+    assert reveal(orch.server.control_token) == "t0ken"
     trainer = load_config(TrainerConfig, ["--orchestrator.control-token-file", str(token)])
-    assert trainer.orchestrator.control_token == "t0ken" and trainer.redis.password.get_secret_value() == "p@ss w/rd%"
+    assert reveal(trainer.orchestrator.control_token) == "t0ken"
+    assert trainer.redis.password.get_secret_value() == "p@ss w/rd%"
     # `<key>` and `<key>_file` are one setting for precedence: the child's TOML (what `gyre rl` writes) and
     # a CLI option beat the environment's file, as they beat an environment variable
     again = load_config(InferenceConfig, ["@", write(tmp_path, "child.toml", to_toml(inf))])
@@ -316,6 +317,54 @@ def test_secrets_are_read_from_files_given_on_the_command_line_or_in_the_environ
     assert again.redis.password.get_secret_value() == "p@ss w/rd%"
     override = load_config(TrainerConfig, ["--redis.password", "given"])
     assert override.redis.password.get_secret_value() == "given"
+
+
+def _sections(cls, seen=None):
+    """Every config class reachable from `cls` through its fields (lists, unions and dicts of sections too)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    seen = set() if seen is None else seen
+    if cls in seen:
+        return seen
+    seen.add(cls)
+    for field in cls.model_fields.values():
+        todo = [field.annotation]
+        while todo:
+            kind = todo.pop()
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                _sections(kind, seen)
+            todo += [a for a in typing.get_args(kind) if a is not type(None)]
+    return seen
+
+
+@pytest.mark.parametrize("root", [InferenceConfig, OrchestratorConfig, TrainerConfig, SFTConfig, RLConfig,
+                                  GyreEvalConfig])  # fmt: skip
+def test_every_secret_of_every_config_is_a_secret_str_so_no_repr_dump_or_log_shows_it(root):
+    """A secret held as a plain str (the orchestrator's `inference.api_key`, the control tokens were) is printed by
+    every repr, `model_dump` and traceback of its config; SecretStr masks itself everywhere but `to_toml`."""
+    from pydantic import SecretStr
+
+    secrets = [(cls.__name__, f.json_schema_extra[SECRET_FILE_FOR]) for cls in _sections(root)
+               for f in cls.model_fields.values()
+               if isinstance(f.json_schema_extra, dict) and SECRET_FILE_FOR in f.json_schema_extra]  # fmt: skip
+    assert secrets or root in (SFTConfig, RLConfig)  # a service has the Redis password at least (gyre rl: its own)
+    for owner, key in secrets:
+        cls = next(c for c in _sections(root) if c.__name__ == owner)
+        assert cls.model_fields[key].annotation == SecretStr | None, f"{owner}.{key} is not a SecretStr"
+
+
+def test_the_orchestrators_and_trainers_secrets_are_masked_in_repr_and_dumps(tmp_path):
+    orch = OrchestratorConfig(inference={"api_key": "sk-pol1cy", "control_token": "ctl-t0ken"},
+                              server={"control_token": "srv-t0ken"})  # fmt: skip
+    trainer = TrainerConfig(orchestrator={"control_token": "trn-t0ken"})
+    for shown in (repr(orch), str(orch.model_dump()), orch.model_dump_json(), repr(trainer), trainer.model_dump_json()):
+        assert not any(s in shown for s in ("sk-pol1cy", "ctl-t0ken", "srv-t0ken", "trn-t0ken")), shown
+    assert reveal(orch.inference.api_key) == "sk-pol1cy" and reveal(None) is None
+    # what `gyre rl` hands a child: the text itself
+    child = load_config(OrchestratorConfig, ["@", write(tmp_path, "child.toml", to_toml(orch))])
+    assert reveal(child.server.control_token) == "srv-t0ken"
 
 
 def test_a_secret_file_that_cannot_be_read_or_a_secret_set_twice_is_an_error_naming_the_key(tmp_path):

@@ -90,8 +90,7 @@ def test_a_launch_of_the_same_run_folder_continues_its_wandb_run(tmp_path, monke
 
 def test_the_run_config_masks_every_secret(tmp_path, monkeypatch):
     """The W&B run's config is the service's config with its secrets masked: the orchestrator's inference API key and
-    control tokens are plain strings (their clients send the text), and went to W&B in clear (every project member
-    reads a run's config)."""
+    control tokens went to W&B in clear once (every project member reads a run's config)."""
     from gyre.config.orchestrator import OrchestratorConfig
 
     monkeypatch.setenv("WANDB_MODE", "offline")

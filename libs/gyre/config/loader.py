@@ -51,6 +51,11 @@ def secret_file(of: str) -> Any:
     )
 
 
+def reveal(secret: SecretStr | None) -> str | None:
+    """A secret's text, for the one client that sends it (SecretStr keeps it out of every repr, dump and log)."""
+    return None if secret is None else secret.get_secret_value()
+
+
 def read_secret_files(cls: type[BaseModel], data: Any) -> Any:
     """Replace each set `<key>_file` of `data` (a section's raw values) by the file's text under `<key>`."""
     if not isinstance(data, dict):
@@ -974,33 +979,6 @@ def _service_name(prog: str) -> str:
         command = [w for w in words[1:3] if w.isidentifier() and w.islower()]
         return "-".join(command) or "gyre"
     return words[-1].rsplit(".", 1)[-1] if words else "gyre"
-
-
-MASKED = "**********"  # as pydantic's SecretStr dumps itself
-
-
-def public_dump(model: BaseModel) -> dict[str, Any]:
-    """`model.model_dump(mode="json")` with every secret masked, for what leaves the process (the W&B run's config).
-
-    SecretStr masks itself; a secret held as a plain string (the orchestrator's `inference.api_key` and the
-    `control_token`s, whose clients need the text) is known by its `<key>_file` companion (`secret_file`).
-    """
-    return _mask(model, model.model_dump(mode="json"))
-
-
-def _mask(model: Any, dumped: Any) -> Any:
-    if isinstance(model, BaseModel) and isinstance(dumped, dict):
-        for name, field in type(model).model_fields.items():
-            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-            if (target := extra.get(SECRET_FILE_FOR)) and dumped.get(target) not in (None, ""):
-                dumped[target] = MASKED
-            if name in dumped:
-                dumped[name] = _mask(getattr(model, name), dumped[name])
-    elif isinstance(model, list | tuple) and isinstance(dumped, list):
-        return [_mask(m, d) for m, d in zip(model, dumped, strict=False)]
-    elif isinstance(model, dict) and isinstance(dumped, dict):
-        return {k: _mask(model.get(k), v) for k, v in dumped.items()}
-    return dumped
 
 
 def to_toml(model: BaseModel) -> str:

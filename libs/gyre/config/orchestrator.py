@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import (
     Discriminator,
     Field,
+    SecretStr,
     Tag,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -204,7 +205,7 @@ class InferenceEndpointsConfig(Section):
     control_port: int = Field(50051, description="gRPC InferenceControl port of each replica (static: same host).")
     control_urls: list[str] | None = Field(None, description="static: explicit host:port of each replica's control.")
     refresh_s: float = Field(10.0, gt=0, description="Re-resolve replicas this often.")
-    api_key: str | None = Field(None, description="Bearer key for the HTTP API.")
+    api_key: SecretStr | None = Field(None, description="Bearer key for the HTTP API.")
     api_key_file: Path | None = secret_file("api_key")
     max_concurrency: int = Field(
         64,
@@ -250,7 +251,7 @@ class EvalInferenceConfig(InferenceEndpointsConfig):
 class InferenceClientConfig(InferenceEndpointsConfig):
     """The orchestrator's: also the replicas' control (weight updates, status probes)."""
 
-    control_token: str | None = Field(None, description="Shared secret for InferenceControl calls.")
+    control_token: SecretStr | None = Field(None, description="Shared secret for InferenceControl calls.")
     control_token_file: Path | None = secret_file("control_token")
     health_interval_s: float = Field(2.0, gt=0, description="Probe every replica's GetStatus this often.")
 
@@ -343,7 +344,7 @@ class BatchConfig(Section):
 class OrchestratorServerConfig(Section):
     host: str = Field("127.0.0.1", description="gRPC bind address of gyre.v1.Orchestrator.")
     port: int = Field(50061, ge=0, le=65535, description="gRPC port of gyre.v1.Orchestrator.")
-    control_token: str | None = Field(None, description="Shared secret required from the trainer when set.")
+    control_token: SecretStr | None = Field(None, description="Shared secret required from the trainer when set.")
     control_token_file: Path | None = secret_file("control_token")
 
 

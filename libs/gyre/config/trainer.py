@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from gyre.config.loader import Section, secret_file
 from gyre.config.packing import DEFAULT_SEQ_LEN
@@ -277,7 +277,7 @@ class TrainerCkptConfig(CkptConfig):
 class OrchestratorClientConfig(Section):
     address: str = Field("127.0.0.1:50061", description="gRPC address of the orchestrator (NotifyWeights).")
     timeout_s: float = Field(10.0, gt=0, description="Deadline of one NotifyWeights call.")
-    control_token: str | None = Field(None, description="Shared secret sent as gRPC metadata.")
+    control_token: SecretStr | None = Field(None, description="Shared secret sent as gRPC metadata.")
     control_token_file: Path | None = secret_file("control_token")
     retry_initial_s: float = Field(0.5, gt=0, description="First NotifyWeights retry delay (doubles per failure).")
     retry_max_s: float = Field(30.0, gt=0, description="Longest delay between NotifyWeights retries.")

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
+from gyre.config.loader import reveal
 from gyre.endpoint import READY_LOG_S, READY_POLL_S
 from gyre.envs import ContextLengthExceeded, Environment, SamplingParams, Task
 from gyre.envs.types import ModelClient
@@ -573,7 +574,7 @@ async def _run_once(
     client = InferenceClient(
         replicas,
         model=cfg.inference.model,
-        api_key=cfg.inference.api_key,
+        api_key=reveal(cfg.inference.api_key),
         reread_key=lambda: cfg.inference.reread_secret("api_key"),  # a Secret rotated in place
         max_concurrency=cfg.inference.max_concurrency,
         timeout_s=cfg.inference.timeout_s,

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import redis
 from gyre.codec import CodecError, encode_batch
+from gyre.config.loader import reveal
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rerun import env_changes
 from gyre.endpoint import EndpointError, wait_all_ready
@@ -142,7 +143,7 @@ class OrchestratorService:
         self.client = InferenceClient(
             self.replicas,
             model=inf.model,
-            api_key=inf.api_key,
+            api_key=reveal(inf.api_key),
             reread_key=lambda: inf.reread_secret("api_key"),  # a Secret rotated in place
             max_concurrency=inf.max_concurrency,
             timeout_s=inf.timeout_s,
@@ -164,7 +165,7 @@ class OrchestratorService:
             retries=cfg.relay.retries,
             probe_interval_s=inf.health_interval_s,
             poll_store_s=cfg.relay.poll_store_s,
-            control_token=inf.control_token,
+            control_token=reveal(inf.control_token),
             reread_token=lambda: inf.reread_secret("control_token"),  # a Secret rotated in place
             model=inf.model or "",
         )
@@ -173,7 +174,7 @@ class OrchestratorService:
             lambda: self.last_step,
             host=cfg.server.host,
             port=cfg.server.port,
-            control_token=cfg.server.control_token,
+            control_token=reveal(cfg.server.control_token),
         )
         self.redis = cfg.redis.client(socket_timeout=30, socket_connect_timeout=5)
         self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)

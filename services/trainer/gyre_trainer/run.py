@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from gyre.config.loader import reveal
 from gyre.config.trainer import LoraConfig, OptimConfig, RunConfig, TrainerConfig
 from gyre.events import TRAINER_STEPS, EventLog, events_dir, read_events
 from gyre.runlock import RunLock
@@ -70,13 +71,14 @@ class RunSpec:
     @classmethod
     def of_trainer(cls, cfg: TrainerConfig) -> RunSpec:
         """A single-run trainer's one run: the trainer's own keys."""
-        return cls(cfg.run_id, Path(cfg.output_dir), cfg.max_steps, cfg.orchestrator, cfg.orchestrator.control_token,
-                   cfg.optim, cfg.lora, cfg.ckpt.resume_step)  # fmt: skip
+        token = reveal(cfg.orchestrator.control_token)
+        return cls(cfg.run_id, Path(cfg.output_dir), cfg.max_steps, cfg.orchestrator, token, cfg.optim, cfg.lora,
+                   cfg.ckpt.resume_step)  # fmt: skip
 
     @classmethod
     def of_run(cls, run: RunConfig, cfg: TrainerConfig, file: Path | None = None) -> RunSpec:
         """A multi-run run: its own keys, the trainer's where it has none."""
-        token = run.orchestrator.control_token or cfg.orchestrator.control_token  # the trainer's unless its own
+        token = reveal(run.orchestrator.control_token or cfg.orchestrator.control_token)  # the trainer's unless its own
         resume_step = run.resume_step if run.resume_step is not None else cfg.ckpt.resume_step
         return cls(run.name, Path(run.output_dir), run.max_steps, run.orchestrator, token, run.optim or cfg.optim,
                    run.lora or cfg.lora, resume_step, adapter=run.name, file=file)  # fmt: skip

@@ -13,6 +13,7 @@ import asyncio
 import json
 
 import pytest
+from gyre.config.loader import reveal
 from gyre.config.orchestrator import GyreEvalConfig, OrchestratorConfig
 from gyre.envs import SamplingParams
 from gyre.net import free_port
@@ -48,7 +49,7 @@ def client_for(cfg, port: int) -> InferenceClient:
     """The client as the orchestrator's service and `gyre eval` build it."""
     inf = cfg.inference
     replicas = ReplicaSet([Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1:1")])
-    return InferenceClient(replicas, model="m", api_key=inf.api_key, retries=3, backoff_s=0.01,
+    return InferenceClient(replicas, model="m", api_key=reveal(inf.api_key), retries=3, backoff_s=0.01,
                            reread_key=lambda: inf.reread_secret("api_key"))  # fmt: skip
 
 

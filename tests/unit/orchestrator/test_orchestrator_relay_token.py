@@ -14,6 +14,7 @@ import socket
 
 import grpc
 import pytest
+from gyre.config.loader import reveal
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.transport import FolderStore
 from gyre.v1 import inference_pb2, inference_pb2_grpc
@@ -37,7 +38,8 @@ class Control(inference_pb2_grpc.InferenceControlServicer):
 def relay_for(cfg, replicas: ReplicaSet, tmp_path) -> WeightRelay:
     """The relay as the orchestrator's service builds it."""
     inf = cfg.inference
-    return WeightRelay(replicas, FolderStore(tmp_path / "store"), VersionWatch(0), control_token=inf.control_token,
+    token = reveal(inf.control_token)
+    return WeightRelay(replicas, FolderStore(tmp_path / "store"), VersionWatch(0), control_token=token,
                        reread_token=lambda: inf.reread_secret("control_token"))  # fmt: skip
 
 
