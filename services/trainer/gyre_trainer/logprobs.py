@@ -112,6 +112,9 @@ class ChunkedNextTokenLogprobs(torch.autograd.Function):
             stats(hidden[start : start + chunk] @ weight.t(), targets[start : start + chunk], temperature)
             for start in range(0, hidden.shape[0], chunk)
         ]
+        if not parts:  # no token to predict: rows of one token (a rank holding only the packer's padding rows)
+            empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+            parts = [(empty, empty, empty)]
         logprobs, entropies, log_norms = (torch.cat(column) for column in zip(*parts, strict=True))
         ctx.save_for_backward(hidden, weight, targets, log_norms, entropies if entropy_grad else None)
         ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled

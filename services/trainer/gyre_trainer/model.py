@@ -226,7 +226,7 @@ def _packed_forward(
         next_lp, next_entropy = result
     else:  # a head this path cannot take over (bias, soft-capping): the whole row's logits
         next_lp, next_entropy = _logprobs_from_logits(logits, targets, temperature, entropy_grad)
-    zero = torch.zeros_like(next_lp[:, :1])
+    zero = next_lp.new_zeros((next_lp.shape[0], 1))  # (not zeros_like(next_lp[:, :1]): a 1-token row has no column)
     logprobs = torch.where(starts, 0.0, torch.cat([zero, next_lp], dim=1))
     entropy = torch.where(starts, 0.0, torch.cat([zero.detach(), next_entropy], dim=1))
     return logprobs, entropy

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from gyre.config.trainer import LossConfig, OptimConfig
+from gyre_orchestrator.packing import TrainSample, pack_batch
 from gyre_trainer.model import packed_logprobs
 from gyre_trainer.optim import build_optimizer, build_scheduler
 from gyre_trainer.step import (
@@ -336,6 +337,27 @@ def test_two_gloo_ranks_match_one_process(tiny_model, tiny_llama64, samples, tmp
     for key in ("loss", "entropy", "clip_frac", "num_tokens", "num_loss_tokens", "ratio_mean", "ratio_min",
                 "ratio_max"):  # fmt: skip
         assert got["metrics"][key] == pytest.approx(single[key], rel=1e-9), key
+
+
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.05])
+def test_a_rank_holding_only_padding_rows_runs_its_backward_with_a_zero_gradient(tiny_llama64, entropy_coeff):
+    """Fewer samples than ranks: the packer gives the empty rank a one-token padding row. Its forward has no token
+    to predict, and the chunked log-prob kernel crashed on it (the step died on that rank, and FSDP2's others
+    waited for it); it must run its backward (FSDP2's gradient reduction needs every rank) with a gradient of 0,
+    so the ranks' average is the one-process gradient."""
+    samples = [TrainSample(np.arange(3, 13), np.arange(10) >= 4, np.full(10, -1.5, np.float32), 0.7)]
+    cfg = LossConfig(entropy_coeff=entropy_coeff)
+    batch = pack_batch(1, samples, seq_len=64, world_size=2).batch
+    assert [[len(row.input_ids) for row in rank] for rank in batch.micro_batches] == [[10], [1]]
+    shares = []
+    for rank in (0, 1):
+        tiny_llama64.zero_grad(set_to_none=True)
+        metrics = compute_gradients(tiny_llama64, batch, loss_cfg=cfg, rank=rank, world_size=2)
+        assert all(p.grad is not None for p in tiny_llama64.parameters()), rank  # the backward ran
+        shares.append((flat_grad(tiny_llama64).clone(), metrics["loss"]))
+    assert shares[1][0].abs().max() == 0 and shares[1][1] == 0
+    single = gradient(tiny_llama64, pack_batch(1, samples, seq_len=64).batch, cfg)
+    assert_same_gradient((shares[0][0] + shares[1][0]) / 2, single)
 
 
 def test_a_lora_models_reference_is_its_base_with_the_adapters_off(tiny_model, samples):
