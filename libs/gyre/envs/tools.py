@@ -13,7 +13,8 @@ The JSON schema of a tool's arguments is derived from its signature (type hints)
 = description, Google-style `Args:` = argument descriptions), or declared with `Tool(name, function, schema)`.
 Calls are read from the assistant message's structured `tool_calls`, or from `<tool_call>{json}</tool_call>`
 blocks in its text when the server returned raw text. A turn without tool calls ends the episode (the model
-answered). A tool never crashes a rollout: unknown tools, bad arguments, exceptions and timeouts all become an
+answered); calls on the last turn the budget allows are not run (nothing would read their results). A tool never
+crashes a rollout: unknown tools, bad arguments, exceptions and timeouts all become an
 `Error: ...` tool message the model can react to.
 """
 
@@ -118,6 +119,11 @@ class ToolEnv(MultiTurnEnv):
         calls = tool_calls_of(messages[-1], id_prefix=f"call_{state['turn']}")
         if not calls:
             return [], True
+        if state["turn"] >= self.max_turns:
+            # The turn budget is spent: no model turn would read the results, so the calls are not run (nor put in
+            # state["tool_calls"]), as in verifiers, which asks `is_completed` (max_turns) before `env_response`.
+            # Run, they were credited (calculator's used_calculator) for a call whose answer never came.
+            return [], False
         replies: Messages = []
         for i, call in enumerate(calls):
             if i >= self.max_tool_calls:

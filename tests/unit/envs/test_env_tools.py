@@ -96,6 +96,33 @@ async def test_calculator_rollout_end_to_end(sampling, server_parses_calls):
 
 
 @pytest.mark.asyncio
+async def test_a_call_on_the_last_turn_is_not_run_nor_credited(sampling):
+    """The budget is spent after the call: no turn reads its result, so (as verifiers, which checks max_turns before
+    env_response) the tool does not run and calculator's used_calculator gives no credit for it."""
+    ran = []
+
+    def calculator(expression: str) -> str:
+        """Evaluate."""
+        ran.append(expression)
+        return "7"
+
+    env = load_environment("calculator", max_turns=2)
+    env.tools["calculator"] = Tool.from_function(calculator)
+    task = env.tasks("train", 0)[0]
+    replies = [text_call("calculator", {"expression": "3+4"}), text_call("calculator", {"expression": "1+1"})]
+    rollout = await env.rollout(ScriptedClient(replies), task, sampling)
+    assert rollout.stop_reason == "max_turns" and rollout.sequence_turns == 2
+    assert ran == ["3+4"]  # the first turn's call ran; the last turn's did not
+    assert [c["arguments"] for c in rollout.state["tool_calls"]] == [{"expression": "3+4"}]
+    assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant"]
+
+    one_turn = load_environment("calculator", max_turns=1)
+    rollout = await one_turn.rollout(ScriptedClient([replies[0]]), task, sampling)
+    assert rollout.stop_reason == "max_turns" and rollout.state["tool_calls"] == []
+    assert (await one_turn.score(task, rollout)).per_function["used_calculator"] == 0.0
+
+
+@pytest.mark.asyncio
 async def test_answer_without_tool_ends_the_episode(sampling):
     env = load_environment("calculator")
     task = env.tasks("train", 0)[1]
