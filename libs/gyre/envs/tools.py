@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyre.envs.base import MultiTurnEnv
-from gyre.envs.parsers import message_text, parse_tool_calls
+from gyre.envs.parsers import message_text, parse_tool_calls, strip_reasoning
 from gyre.envs.types import Message, Messages, ToolCall
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object"}
@@ -259,7 +259,9 @@ class StatefulToolEnv(ToolEnv):
 
 
 def tool_calls_of(message: Message, id_prefix: str = "call") -> list[ToolCall]:
-    """Tool calls of an assistant message: its structured `tool_calls`, else `<tool_call>` blocks in its text."""
+    """Tool calls of an assistant message: its structured `tool_calls`, else `<tool_call>` blocks in its reply text
+    (reasoning left out: a call the model only considered inside `<think>` is no call, as with vLLM's reasoning
+    parser, which parses calls from the content after the reasoning)."""
     if message.get("role") != "assistant":
         return []
     if message.get("tool_calls"):
@@ -270,7 +272,7 @@ def tool_calls_of(message: Message, id_prefix: str = "call") -> list[ToolCall]:
             except (ValueError, AttributeError, TypeError) as exc:
                 calls.append(ToolCall(id=f"{id_prefix}_{i}", name="", error=f"malformed tool call: {exc}"))
         return calls
-    return parse_tool_calls(message_text(message), id_prefix=id_prefix)
+    return parse_tool_calls(strip_reasoning(message_text(message)), id_prefix=id_prefix)
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:

@@ -247,6 +247,25 @@ def test_tool_calls_of_reads_structured_and_text_calls():
     assert tool_calls_of({"role": "assistant", "content": "no calls"}) == []
 
 
+@pytest.mark.asyncio
+async def test_a_call_written_only_while_thinking_is_no_call(sampling):
+    """A `<tool_call>` inside the reasoning is one the model considered, not made (vLLM parses calls from the
+    content after the reasoning): the episode ends on the reply after `</think>`, and a real call after it is the
+    only one run."""
+    env = load_environment("calculator")
+    task = env.tasks("train", 0)[0]
+    considered = "<think>I could write " + text_call("calculator", {"expression": "2+2"}) + " but no.</think>4"
+    rollout = await env.rollout(ScriptedClient([considered]), task, sampling)
+    assert rollout.stop_reason == "done" and rollout.num_turns == 1 and rollout.state["tool_calls"] == []
+
+    real = "<think>use <tool_call> for it</think>\n" + text_call("calculator", {"expression": "3*3"})
+    assert [(c.name, c.arguments, c.error) for c in tool_calls_of({"role": "assistant", "content": real})] == [
+        ("calculator", {"expression": "3*3"}, None)
+    ]
+    # Qwen3-style: `<think>` is in the generation prompt, so the reply holds only its close
+    assert tool_calls_of({"role": "assistant", "content": "hmm " + text_call("f", {}) + "</think>4"}) == []
+
+
 def test_tool_names_must_be_unique():
     with pytest.raises(ValueError, match="unique"):
         Slow(tools=[nap, Tool.from_function(shout, name="nap")], num_eval=1)
