@@ -360,6 +360,57 @@ def test_a_rank_holding_only_padding_rows_runs_its_backward_with_a_zero_gradient
     assert_same_gradient((shares[0][0] + shares[1][0]) / 2, single)
 
 
+@pytest.mark.parametrize(
+    "loss_cfg",
+    [
+        LossConfig(type="ppo_clip", clip_ratio_c=1.2, kl_tau=0.05),
+        LossConfig(type="gspo", eps_low=0.02, eps_high=0.03, is_correction="token_mask", is_cap=1.4, is_cap_low=0.7),
+        LossConfig(type="cispo", aggregation="seq-mean-token-sum-norm", is_correction="seq_tis", is_cap=1.5),
+        LossConfig(type="aipo", delta=1.3, aggregation="seq-mean-token-sum"),
+        LossConfig(type="masked_is", mask_low=0.9, mask_high=1.1, sequence_mask=True, aggregation="token-sum"),
+    ],
+    ids=lambda c: f"{c.type}-{c.aggregation}-{c.is_correction}",
+)
+def test_the_packers_batches_train_the_documented_per_sample_gradient(tiny_llama64, loss_cfg):
+    """End to end from the orchestrator's packer: whatever `seq_len` (samples per row), data-parallel ranks (padding
+    rows where samples are fewer than rank slots) and micro-batch size, the ranks' averaged gradient is that of the
+    docs' batch loss written sample by sample (`test_trainer_loss_reference`), each sample run through the model
+    alone: every token's gradient weight is independent of how it was packed."""
+    from test_trainer_loss_reference import reference_batch_loss
+
+    rng, temperature = np.random.default_rng(1), 0.7
+    samples, reference = [], []
+    for _ in range(9):
+        length = int(rng.integers(3, 20))
+        ids = rng.integers(3, 1000, length)
+        mask = (np.arange(length) >= rng.integers(1, length)) & (rng.random(length) > 0.15)
+        with torch.no_grad():
+            lp = packed_logprobs(tiny_llama64, torch.as_tensor(ids), torch.arange(length), [length], temperature)[0]
+        mu = np.where(mask, lp.numpy() + rng.normal(0, 0.3, length), 0.0).astype(np.float32)
+        samples.append(TrainSample(ids, mask, mu, float(np.float32(rng.normal()))))  # the batch's float32 value
+        reference.append({"mu": torch.as_tensor(mu, dtype=torch.float64), "mask": mask.tolist(),
+                          "adv": samples[-1].advantage})  # fmt: skip
+    tiny_llama64.zero_grad(set_to_none=True)
+    for s, r in zip(samples, reference, strict=True):
+        r["lp"] = packed_logprobs(tiny_llama64, torch.as_tensor(s.input_ids), torch.arange(s.length), [s.length],
+                                  temperature)[0]  # fmt: skip
+    norms = {"global_tokens": sum(s.num_loss_tokens for s in samples), "global_samples": len(samples), "max_tokens": 32}
+    want = reference_batch_loss(loss_cfg.model_copy(update={"max_tokens": 32}), reference, norms)
+    want.backward()
+    want_grad = flat_grad(tiny_llama64).clone()
+    cfg = loss_cfg.model_copy(update={"max_tokens": 32})
+    for seq_len, world_size, micro_batch_size in ((200, 1, 1), (40, 1, 2), (20, 2, 1), (25, 3, 2), (19, 12, 1)):
+        batch = pack_batch(1, samples, seq_len=seq_len, world_size=world_size, temperature=temperature).batch
+        shares, loss = [], 0.0
+        for rank in range(world_size):
+            tiny_llama64.zero_grad(set_to_none=True)
+            loss += compute_gradients(tiny_llama64, batch, loss_cfg=cfg, rank=rank, world_size=world_size,
+                                      micro_batch_size=micro_batch_size)["loss"]  # fmt: skip
+            shares.append(flat_grad(tiny_llama64).clone())
+        assert_same_gradient(sum(shares) / world_size, want_grad)
+        assert loss == pytest.approx(want.item(), rel=1e-7), (seq_len, world_size)  # float32 advantages in the batch
+
+
 def test_a_lora_models_reference_is_its_base_with_the_adapters_off(tiny_model, samples):
     """`lora.AdaptersOff(model)` as the KL reference gives the gradient a separate frozen copy of the base
     gives (no second copy of the weights), and leaves the adapters on and trainable afterwards."""
