@@ -5,9 +5,12 @@
   a `.../step_{step}` folder whose MANIFEST.json matches `digest` (when given) and whose files have the
   recorded sizes (every file re-hashed with `weights.full_verify`) — then the backend swaps the
   weights in between two decode steps. Any refusal
-  (corrupt, half-written or missing folder, wrong digest, tensors that do not fit the model) is
+  (corrupt, half-written or missing folder, wrong digest, every adapter slot busy) is
   FAILED_PRECONDITION with the reason, and the old weights keep serving. So is a step older than the
-  version served (a late retry must not roll the policy back silently) unless `rollback` is set. The version
+  version served (a late retry must not roll the policy back silently) unless `rollback` is set.
+  Weights that do not fit the served model (tensors it lacks, another shape or dtype, an adapter rank
+  over `lora.max_rank`: `WeightsIncompatibleError`) are INVALID_ARGUMENT: no retry can load them, and
+  the relay stops the run when every replica refuses a version so. The version
   served (same step and digest) is answered at once, not loaded again (a retry of a call that timed out).
   Bad arguments are INVALID_ARGUMENT; calls before the model is loaded, or overtaken by the service's stop, are
   UNAVAILABLE. Updates are serialised.
@@ -37,7 +40,13 @@ from gyre.v1 import inference_pb2, inference_pb2_grpc
 from gyre.weights import WeightsError, WeightsVersion
 
 from gyre_inference.api_key import ServerKey
-from gyre_inference.backend import Backend, BackendStoppedError, WeightsIncompatibleError, run_to_end
+from gyre_inference.backend import (
+    AdapterSlotsBusyError,
+    Backend,
+    BackendStoppedError,
+    WeightsIncompatibleError,
+    run_to_end,
+)
 from gyre_inference.metrics import InferenceMetrics
 
 log = logging.getLogger(__name__)
@@ -145,7 +154,12 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
                 log.log(
                     logging.WARNING if expected else logging.ERROR, "refused %s: %s", what, error, exc_info=not expected
                 )
-                code = grpc.StatusCode.FAILED_PRECONDITION if expected else grpc.StatusCode.INTERNAL
+                # weights that do not fit the model served (another architecture, tensors it lacks) are refused for
+                # good: INVALID_ARGUMENT, and a relay every replica tells so stops the run. Busy adapter slots, a
+                # folder the volume shows late, an older step: FAILED_PRECONDITION, worth sending again
+                permanent = isinstance(error, WeightsIncompatibleError) and not isinstance(error, AdapterSlotsBusyError)
+                code = (grpc.StatusCode.INVALID_ARGUMENT if permanent
+                        else grpc.StatusCode.FAILED_PRECONDITION if expected else grpc.StatusCode.INTERNAL)  # fmt: skip
                 return code, f"refused {what}: {error}; still serving version {self._served(adapter)}"
             self._last_seconds = time.perf_counter() - started
             self.metrics.weight_update_done(True, self._last_seconds, adapter)

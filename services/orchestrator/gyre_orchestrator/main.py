@@ -26,6 +26,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
     from gyre.runlock import LockHeld, RunLock
 
     from gyre_orchestrator.client import SetupRefused
+    from gyre_orchestrator.relay import WeightsRefused
     from gyre_orchestrator.service import OrchestratorService, StreamLost  # imported after logging is set up
 
     try:
@@ -78,8 +79,9 @@ async def serve(cfg: OrchestratorConfig) -> int:
     except PortInUse as e:
         log.error("%s", e)
         return 2
-    except (EndpointError, SetupRefused) as e:  # a judge, reward model, teacher or the policy's server that never
-        # came up, or refused the key or the model: one line naming the setting, no traceback
+    except (EndpointError, SetupRefused, WeightsRefused) as e:  # a judge, reward model, teacher or the policy's
+        # server that never came up, or refused the key or the model (or every version of it): one line naming the
+        # setting, no traceback
         log.error("%s", e)
         return 1
     except Exception:

@@ -11,7 +11,10 @@ Reconciliation, not fire-and-forget: a loop compares each replica's served versi
 and runs one updater task per lagging replica (`UpdateWeights(version)` with a deadline,
 retried with backoff; a replica that refused the version, FAILED_PRECONDITION, keeps serving its own in rotation
 and is sent it again after a pause). A slow or dead replica therefore never holds back the others, and a replica
-that restarted on the base model (seen by the periodic `GetStatus` probe) is brought back up. Every
+that restarted on the base model (seen by the periodic `GetStatus` probe) is brought back up. A refusal for good,
+INVALID_ARGUMENT (weights that do not fit the model the replica serves: the trainer trains another model), is not
+retried at once; once every replica refused the target so, no version of this run can ever be served, and
+`failed()` raises `WeightsRefused`, which stops the run. Every
 call is logged to `weight_relay.jsonl`. Versions replicas still serve, the target and the versions replicas are
 being sent (an update under way while a newer version came) are declared with the transport's `hold`, so the
 trainer's pruning never deletes weights in use or being loaded.
@@ -49,6 +52,10 @@ from gyre_orchestrator.scheduler import VersionWatch
 log = logging.getLogger(__name__)
 
 HOLDER = "orchestrator"
+
+
+class WeightsRefused(RuntimeError):
+    """Every replica refused the run's weights version for good: it does not fit the model they serve."""
 
 
 class WeightRelay:
@@ -105,6 +112,11 @@ class WeightRelay:
         # replica url -> (step, until): the replica refused version `step` (FAILED_PRECONDITION: it answered, checked
         # the version and kept serving its own): not asked for that step again before `until` (monotonic)
         self._refused: dict[str, tuple[int, float]] = {}
+        # replica url -> (step, reason): its refusal of `step` for good (INVALID_ARGUMENT); every replica's for the
+        # target is the run's end (`failed`), where the run otherwise waited for that version for ever
+        self._incompatible: dict[str, tuple[int, str]] = {}
+        self.failure: WeightsRefused | None = None
+        self._failed = asyncio.Event()
         self._last_probe = float("-inf")
         self._last_poll = float("-inf")
         replicas.add_listener(self._on_replicas_changed)
@@ -206,6 +218,28 @@ class WeightRelay:
         # confirmed: a replica whose cooldown ended is back in rotation before a probe says what it serves now
         return bool(live) and all(r.confirmed and r.version is not None and r.version >= step for r in live)
 
+    async def failed(self) -> None:
+        """Returns never; raises `WeightsRefused` once every replica refused the target version for good."""
+        await self._failed.wait()
+        raise self.failure
+
+    def _check_refused(self) -> None:
+        step = self.latest_step
+        refusals = [self._incompatible.get(r.url) for r in self.replicas]
+        if self.failure is not None or not refusals or any(x is None or x[0] != step for x in refusals):
+            return
+        url = next(r.url for r in self.replicas)
+        what = f"adapter {self.model!r}" if self.model else "the model they serve"
+        hint = ("The trainer's [trainer.lora] must fit the replicas' [inference.lora] (max_rank) and model"
+                if self.model else "The trainer must train the model inference serves (trainer model.name = "
+                "inference model.name)")  # fmt: skip
+        self.failure = WeightsRefused(
+            f"every inference replica ({len(refusals)}) refused weights version {step} for good: it does not fit "
+            f"{what} ({url}: {self._incompatible[url][1]}). {hint}; stopping the run, which resumes once they do"
+        )
+        log.error("%s", self.failure)
+        self._failed.set()
+
     # ---- the loop -------------------------------------------------------------------------------
     def _on_replicas_changed(self) -> None:
         self._wake.set()
@@ -237,6 +271,7 @@ class WeightRelay:
 
     def reconcile(self) -> None:
         """Start an updater for each lagging replica; publish versions, in-use set and metrics."""
+        self._check_refused()  # a replica that took versions went away: those left may all have refused the target
         target = self.target
         target_step = target.step if target is not None else 0  # no target: the base model, version 0
         ahead = [r.version for r in self.replicas if r.version is not None and r.version > target_step]
@@ -362,7 +397,7 @@ class WeightRelay:
             if target is None and (self.model or not rollback):
                 return
             start = time.monotonic()
-            error, unavailable, refused = None, False, False
+            error, unavailable, refused, incompatible = None, False, False, False
             sent = self.token.value
             if target is not None:  # declared before the call: the trainer prunes what no holder declared
                 self._sending[replica.url] = step
@@ -382,6 +417,8 @@ class WeightRelay:
                 error = self._control_error(replica, e, sent)
                 unavailable = e.code() == grpc.StatusCode.UNAVAILABLE
                 refused = e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                # INVALID_ARGUMENT: no retry can load it (weights that do not fit, a malformed announcement)
+                incompatible = e.code() == grpc.StatusCode.INVALID_ARGUMENT
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # a load slower than the deadline fails every retry
                     error += (f" (not loaded within relay.timeout_s = {self.timeout_s:g} s: raise it if loading a "
                               "version takes this replica longer)")  # fmt: skip
@@ -397,11 +434,22 @@ class WeightRelay:
                 self.replicas.mark_failed(replica, f"UpdateWeights: {error}", probe=True)
                 return
             if error is None:
+                self._incompatible.pop(replica.url, None)
                 self.replicas.mark_ok(replica, int(reply.step))
                 log.info("replica %s now serves version %d (%.2fs)", replica.url, reply.step, seconds)
                 self.reconcile()
                 return
             log.warning("UpdateWeights(%d) on %s failed: %s", step, replica.url, error)
+            if incompatible:
+                break
+        if incompatible:
+            # stays in rotation on its version, as a refusal below; sent the version again after the pause (a replica
+            # restarted on the right model takes it), a newer one at once. Every replica refusing it: the run ends
+            self._incompatible[replica.url] = (step, error)
+            self._refused[replica.url] = (step, time.monotonic() + self.backoff_s * 2**self.retries)
+            log.error("replica %s refused weights version %d for good: %s", replica.url, step, error)
+            self._check_refused()
+            return
         if refused:
             # the replica is healthy and serves its version, which the async bound routes by: out of rotation it
             # generated nothing for the batches that version may serve (e.g. a volume that shows the replica a new

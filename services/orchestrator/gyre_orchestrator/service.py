@@ -227,15 +227,18 @@ class OrchestratorService:
             await self.start()
             work = asyncio.create_task(self._work(), name="work")
             watch = asyncio.create_task(self._watch_stream(), name="watch-stream")
+            refused = asyncio.create_task(self.relay.failed(), name="weights-refused")
             try:
-                await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({work, watch, refused}, return_when=asyncio.FIRST_COMPLETED)
                 if watch.done():
                     watch.result()  # raises StreamLost (or a Redis error past its deadline)
+                if refused.done():
+                    refused.result()  # raises WeightsRefused: no replica can ever serve this run's weights
                 return await work
             finally:
-                for task in (work, watch):
+                for task in (work, watch, refused):
                     task.cancel()
-                await asyncio.gather(work, watch, return_exceptions=True)
+                await asyncio.gather(work, watch, refused, return_exceptions=True)
         finally:
             if self._stop_timer is not None:  # a push that failed under a stop: the timer must not cut close() short
                 self._stop_timer.cancel()

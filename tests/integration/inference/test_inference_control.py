@@ -222,7 +222,7 @@ def test_corrupt_half_written_or_mismatched_weights_are_refused(secure, stub, st
         (3, "", grpc.StatusCode.FAILED_PRECONDITION, "incomplete"),
         (9, "", grpc.StatusCode.FAILED_PRECONDITION, "missing"),
         (1, "0" * 64, grpc.StatusCode.FAILED_PRECONDITION, "digest"),
-        (4, None, grpc.StatusCode.FAILED_PRECONDITION, "refused"),
+        (4, None, grpc.StatusCode.INVALID_ARGUMENT, "refused"),  # for good: no retry loads it (the relay's cue)
     ]
     for step, digest, code, reason in cases:
         with pytest.raises(grpc.RpcError) as error:

@@ -17,11 +17,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gyre.events import EventLog, read_events
+from gyre.net import free_port
 from gyre.transport import FolderStore
 from gyre.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from gyre.weights import WeightStore
 from gyre_orchestrator.client import close_replica_clients
-from gyre_orchestrator.relay import WeightRelay
+from gyre_orchestrator.relay import WeightRelay, WeightsRefused
 from gyre_orchestrator.replicas import ReplicaSet, static_endpoints
 from gyre_orchestrator.scheduler import VersionWatch
 from gyre_orchestrator.service import OrchestratorService
@@ -403,29 +404,22 @@ async def test_a_version_a_replica_is_being_sent_is_not_pruned_when_a_newer_one_
 
 async def test_a_replica_that_refuses_a_version_stays_in_rotation_on_its_own(tmp_path, start_inference, tiny_model):
     """Audit: a replica that answered UpdateWeights with FAILED_PRECONDITION (it checked the version and kept serving
-    its own: tensors that do not fit, or a volume that shows it the new folder late) was taken out of rotation like a
-    dead one, so it generated nothing, not even for the batches its version may serve, until its cooldown ended. It
-    now stays in rotation on its version, is sent the refused version again after a pause, and a newer version at
-    once. The cooldown is long: the old code's replica would still be out when the test looks."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
+    its own: here a volume that shows it the new folder late) was taken out of rotation like a dead one, so it
+    generated nothing, not even for the batches its version may serve, until its cooldown ended. It now stays in
+    rotation on its version and is sent the refused version again after a pause, which it then takes. The cooldown
+    is long: the old code's replica would still be out when the test looks."""
     replica = start_inference()
     store = WeightStore(tmp_path / "weights")
-
-    def unfit(folder):  # a version the replica refuses: the model's files plus a tensor the model does not have
-        for file in tiny_model.iterdir():
-            shutil.copy(file, folder / file.name)
-        save_file({"not.a.weight": np.zeros(2, dtype=np.float32)}, str(folder / "extra.safetensors"))
-
+    late = tmp_path / "late" / "step_1"  # where the replica's mount shows version 1, once it does
     replica_set = ReplicaSet(static_endpoints([replica.url], [replica.control], 0), cooldown_s=600.0)
     (known,) = list(replica_set)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        # the loop wakes each probe_interval_s: the refused version is sent again at the first wake after the pause
         relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=1,
-                            backoff_s=0.5, probe_interval_s=600.0, poll_store_s=600.0)  # fmt: skip
+                            backoff_s=0.5, probe_interval_s=1.0, poll_store_s=600.0)  # fmt: skip
         try:
             await relay.start()
-            relay.notify(store.publish(1, unfit))
+            relay.notify(replace(publish_weights(store, 1, tiny_model), locator=str(late)))
             deadline = asyncio.get_running_loop().time() + 60
             while (updater := relay._updaters.get(known.url)) is None:  # started by the relay's loop
                 assert asyncio.get_running_loop().time() < deadline
@@ -434,8 +428,83 @@ async def test_a_replica_that_refuses_a_version_stays_in_rotation_on_its_own(tmp
             assert [e["ok"] for e in read_events(events.path)] == [False, False]
             assert "FAILED_PRECONDITION" in read_events(events.path)[0]["error"]
             assert replica_set.in_rotation(known) and replica_set.eligible(0) == [known] and known.version == 0
-            relay.notify(publish_weights(store, 2, tiny_model))  # the next version fits: sent at once
-            assert await relay.wait_served(2, timeout=60) and replica.status().step == 2
+            shutil.copytree(store.path(1), late)  # the volume shows it now: the next send, after the pause, loads it
+            assert await relay.wait_served(1, timeout=60) and replica.status().step == 1
+            assert relay.failure is None  # a refusal worth retrying never ends the run
         finally:
             await relay.stop()
             await close_replica_clients(list(replica_set))
+
+
+def unfit(tiny_model):
+    """A version no replica of `tiny_model` can load: its files plus a tensor the model does not have."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    def write(folder):
+        for file in tiny_model.iterdir():
+            shutil.copy(file, folder / file.name)
+        save_file({"not.a.weight": np.zeros(2, dtype=np.float32)}, str(folder / "extra.safetensors"))
+
+    return write
+
+
+async def test_weights_every_replica_refuses_for_good_end_the_run_once_no_replica_can_take_them(
+    tmp_path, start_inference, tiny_model
+):
+    """Weights that do not fit the served model (the trainer trains another model) are refused for good
+    (INVALID_ARGUMENT): sent once, not retried. The refusing replica stays in rotation on its version, a newer
+    version is still sent to it at once, and the relay fails (`failed()`, which ends the run) once every replica
+    refused the target so: not while a replica that might take it (here one that is down) is in the set, but as
+    soon as it leaves. The old relay sent the version again and again for ever, and the run waited for it."""
+    replica = start_inference()
+    down = free_port()
+    store = WeightStore(tmp_path / "weights")
+    endpoints = static_endpoints([replica.url, f"http://127.0.0.1:{down}"], [replica.control, f"127.0.0.1:{down}"], 0)
+    replica_set = ReplicaSet(endpoints, cooldown_s=600.0)
+    known = replica_set.replicas[replica.url]
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=2,
+                            backoff_s=0.5, probe_interval_s=600.0, poll_store_s=600.0)  # fmt: skip
+        failed = asyncio.create_task(relay.failed())
+        try:
+            await relay.start()
+            relay.notify(store.publish(1, unfit(tiny_model)))
+            deadline = asyncio.get_running_loop().time() + 60
+            while (updater := relay._updaters.get(known.url)) is None:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
+            await asyncio.wait_for(asyncio.shield(updater), timeout=60)
+            (record,) = read_events(events.path)  # one try: no retry can load it
+            assert not record["ok"] and "INVALID_ARGUMENT" in record["error"]
+            assert replica_set.in_rotation(known) and known.version == 0
+            await asyncio.sleep(0.5)
+            assert not failed.done()  # the replica that is down may serve the model the trainer trains
+            replica_set.set_endpoints([known.endpoint])  # it leaves: every replica left refused version 1
+            with pytest.raises(WeightsRefused) as refused:
+                await asyncio.wait_for(failed, timeout=30)
+            message = str(refused.value)
+            assert "version 1" in message and "not.a.weight" in message and "model.name" in message
+            relay.notify(publish_weights(store, 2, tiny_model))  # a newer version that fits is still sent at once
+            assert await relay.wait_served(2, timeout=60) and replica.status().step == 2
+        finally:
+            failed.cancel()
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+
+
+async def test_a_run_whose_weights_every_replica_refuses_stops_with_the_reason(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model
+):
+    """End to end in the orchestrator: the run raises WeightsRefused (`gyre orchestrator` exits 1 with its one-line
+    message) instead of waiting for ever for replicas to serve version 1."""
+    cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=3, max_async_level=0)
+    service = OrchestratorService(cfg)
+    run = asyncio.create_task(service.run())
+    while service.last_step < 1:  # batch 1 is pushed; batch 2 (k=0) needs version 1
+        assert not run.done(), run
+        await asyncio.sleep(0.05)
+    service.relay.notify(WeightStore(cfg.output_dir / "weights").publish(1, unfit(tiny_model)))
+    with pytest.raises(WeightsRefused, match="every inference replica \\(2\\) refused weights version 1"):
+        await asyncio.wait_for(run, timeout=120)
+    assert service.last_step == 1
