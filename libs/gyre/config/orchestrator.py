@@ -271,7 +271,8 @@ class OverlongBufferConfig(Section):
         ge=0,
         description="Buffer in completion tokens (model tokens only), L_buf: a sample longer than L_max - L_buf gets "
         "reward += -penalty_factor * min((length - (L_max - L_buf)) / L_buf, 1), L_max its entry's sampling.max_tokens "
-        "(x the environment's max_turns for a multi-turn one); the shaped reward is what groups are filtered and "
+        "(x the environment's max_turns for a multi-turn one, or x the turns the episode took where more: a verifiers "
+        "harness without agent.max_turns); the shaped reward is what groups are filtered and "
         "advantages computed on. 0 = off. Must be < every entry's max_tokens.",
     )
     penalty_factor: float = Field(

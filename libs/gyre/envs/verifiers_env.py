@@ -294,7 +294,11 @@ class VerifiersEnv(Environment):
                         len(every_train) - len(self.train_tasks))  # fmt: skip
         if not self.train_tasks:
             raise ValueError(f"{self.name}: every train task is also in the eval split; nothing to train on")
-        self.max_turns = 1  # verifiers harnesses decide their own turns; this only sizes Dr.GRPO's budget
+        # The turn budget sizes the generation budget (Dr.GRPO's normaliser, DAPO's overlong shaping): the agent's
+        # max_turns where the config sets one; else the harness decides its turns and 1 stands in (the shaping then
+        # takes the turns each episode took)
+        agent_turns = getattr(getattr(self.vf_env.config, "agent", None), "max_turns", None)
+        self.max_turns = agent_turns if isinstance(agent_turns, int) and agent_turns >= 1 else 1
         self._serving: tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack] | None = None
         self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._models_url = ""  # set when serving starts: see _models_server

@@ -709,10 +709,12 @@ class OrchestratorService:
         seconds = time.monotonic() - start
         self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)  # its outcome: on admission
         # DAPO's overlong shaping: the sample's model tokens (all turns) against its generation budget, the entry's
-        # max_tokens per turn x the environment's turns (a single-turn one: max_tokens, as in DAPO)
+        # max_tokens per turn x the environment's turns (a single-turn one: max_tokens, as in DAPO), or x the turns
+        # the episode took where more: a verifiers harness without agent.max_turns decides its own (the environment
+        # says 1), and its every multi-turn episode was shaped as overlong against a single turn's budget
         buffer = self.cfg.advantage.overlong_buffer
-        penalty = overlong_penalty(rollout.num_completion_tokens,
-                                   self.entry_sampling[env_name].max_tokens * getattr(env, "max_turns", 1),
+        turns = max(getattr(env, "max_turns", 1), rollout.sequence_turns)
+        penalty = overlong_penalty(rollout.num_completion_tokens, self.entry_sampling[env_name].max_tokens * turns,
                                    buffer.len, buffer.penalty_factor)  # fmt: skip
         return ScoredRollout(task=task, task_index=index, rollout=rollout, score=score, seconds=seconds,
                              teacher_logprobs=teacher, env=env_name, draw=item.draw,

@@ -304,3 +304,13 @@ async def test_a_turn_past_the_context_ends_the_episode_as_a_length_stop(samplin
     # the task's own prompt does not fit: nothing to train, the caller is told
     with pytest.raises(ContextLengthExceeded):
         await rollout_of(vf_env("reverse_text", tools=False), ContextFull([]), sampling)
+
+
+def test_the_agents_max_turns_is_the_environments_turn_budget():
+    """It sizes the generation budget (Dr.GRPO's normaliser, overlong shaping): it was 1 whatever the agent allowed,
+    so a 3-turn agent's episodes were measured against one turn's max_tokens."""
+    harness = {"id": "vf_gyre_tasks", "turns": 3, "tools": False}
+    env = load_environment(NAME, taskset={"source": "reverse_text", "num_tasks": 8},
+                           agent={"harness": harness, "max_turns": 3}, num_eval=2)  # fmt: skip
+    assert env.max_turns == 3
+    assert vf_env("reverse_text", turns=3, tools=False).max_turns == 1  # unset: the harness decides, 1 stands in

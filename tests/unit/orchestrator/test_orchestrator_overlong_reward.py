@@ -183,3 +183,22 @@ async def test_the_defaults_leave_the_records_and_rewards_as_they_were(tmp_path)
     line = service.step_records.record(st, built, packed, 0, 0.0, 0, {})
     assert not {"overlong_penalty_mean", "overlong_penalized", "masked_truncated"} & set(line)
     assert "overlong_penalty" not in packed.batch.samples[0]
+
+
+@pytest.mark.asyncio
+async def test_a_multi_turn_episode_past_its_environments_turn_budget_is_shaped_per_turn_taken(tmp_path):
+    """A verifiers harness without agent.max_turns decides its turns (the environment says 1): a 3-turn episode of 10
+    tokens a turn (max_tokens 20) was shaped as overlong against one turn's 20 and lost the whole factor."""
+
+    class ThreeTurns(LengthEnv):
+        async def rollout(self, client, task, sampling):
+            sample = rollout(self.lengths.pop(0))
+            sample.sequence_turns = 3
+            return sample
+
+    cfg = cfg_of(tmp_path, overlong_buffer={"len": 8, "penalty_factor": 0.5})
+    service = service_of(cfg, ThreeTurns([30, 56]))
+    item = MixTask(env=cfg.envs[0].key, index=0, draw=0, task=type("T", (), {"id": "t", "answer": ""})())
+    samples = [await service._generate(item, 0, RolloutKey(1, i)) for i in range(2)]
+    # budget 3 x 20 = 60, the penalty past 52: 30 tokens none; 56: -0.5 * 4/8
+    assert [s.overlong_penalty for s in samples] == pytest.approx([0.0, -0.25])
