@@ -219,16 +219,20 @@ class ThinkParser(Parser):
 #: verifiers' `MaybeThinkParser` (reasoning dropped when present, the reply kept either way) is Gyre's `Parser`
 MaybeThinkParser = Parser
 
-BOXED = "\\boxed{"
+#: a `\boxed{` as TeX reads it: spaces between a control word and its argument are skipped, so `\boxed {7}` is a
+#: box (verifiers' helper and math-verify look for `\boxed{` only: a final `\boxed {7}` was missed, and an earlier
+#: `\boxed{5}` read as the answer)
+BOXED = re.compile(r"\\boxed\s*\{")
 
 
 def extract_boxed_answer(text: str) -> str:
-    """The content of the last `\\boxed{...}` in `text` (nested braces kept); the text itself when it has none or
-    the box is never closed. verifiers' helper of that name, the usual `extract_fn` of a math environment's parser."""
-    start = text.rfind(BOXED)
-    if start < 0:
+    """The content of the last `\\boxed{...}` in `text` (nested braces kept; `\\boxed {...}` too, `BOXED`); the text
+    itself when it has none or the box is never closed. verifiers' helper of that name, the usual `extract_fn` of a
+    math environment's parser."""
+    boxes = list(BOXED.finditer(text))
+    if not boxes:
         return text
-    depth, begin = 1, start + len(BOXED)
+    depth, begin = 1, boxes[-1].end()
     for i in range(begin, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from gyre.envs.parsers import BOXED
+
 # Longer predictions are cut before grading: the model's budget is ~128 tokens, and it bounds the work
 # (LCS is quadratic, sympy parsing can be slow) no matter what text arrives.
 MAX_GRADED_CHARS = 2000
@@ -60,7 +62,8 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     reference = _E_NOTATION.sub(lambda m: _scientific(m, delimit=False), reference.replace("\u2212", "-"))
     gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout) or parse(reference, parsing_timeout=timeout)
-    tail = graded_tail(prediction).replace("\u2212", "-")  # a Unicode minus sign: math-verify read no number
+    # a Unicode minus sign: math-verify read no number; `\boxed {7}` is a box to TeX (`BOXED`), not to math-verify
+    tail = BOXED.sub(r"\\boxed{", graded_tail(prediction).replace("\u2212", "-"))
     in_latex = _latex_mask(tail)  # E notation inside LaTeX needs no delimiters of its own
     tail = _E_NOTATION.sub(lambda m: _scientific(m, delimit=not in_latex[m.start()]), tail)
     predicted = parse(tail, parsing_timeout=timeout)
@@ -96,7 +99,6 @@ def _scientific(match: re.Match[str], *, delimit: bool) -> str:
     return f"\\({latex}\\)" if delimit else latex
 
 
-_BOXED = re.compile(r"\\boxed\s*\{")
 # a word (two letters or more, not a LaTeX command's name) or a LaTeX delimiter: a reply math-verify reads as text
 _PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}|\$|\\[(\[]|\\boxed")
 
@@ -110,7 +112,7 @@ def _latex_mask(text: str) -> bytearray:
     while i < len(text):
         inside = dollar or paren > 0 or bracket > 0 or bool(boxes)
         if text[i] == "\\":
-            if box := _BOXED.match(text, i):
+            if box := BOXED.match(text, i):
                 boxes.append(depth)
                 depth += 1
                 i = box.end()

@@ -416,3 +416,21 @@ def test_math_rubric_reads_a_boxed_expression_whole(reply, right, wrong):
     assert correct_answer_reward_func(completion, right, parser) == 1.0
     assert correct_answer_reward_func(completion, wrong, parser) == 0.0
     assert math_equal("1 000", "1000") and math_equal("42.", "42") and math_equal("12 345", "12345")
+
+
+@pytest.mark.parametrize("box", ["\\boxed {7}", "\\boxed  {7}", "\\boxed\n{7}"])
+def test_a_box_with_a_space_before_its_brace_is_a_box(box):
+    """TeX skips spaces between a control word and its argument, so `\\boxed {7}` is a box. Looking for `\\boxed{` only
+    (verifiers' extract_boxed_answer, math-verify), the reply's final box was missed: MathRubric graded an earlier
+    `\\boxed{5}`, and math_equal read the number after the box (8 below)."""
+    from gyre.envs.parsers import extract_boxed_answer
+    from gyre.envs.rubric import MathRubric, correct_answer_reward_func
+
+    assert extract_boxed_answer(f"At first \\boxed{{5}}. No: {box}.") == "7"
+    assert extract_boxed_answer("\\boxed {\\frac{1}{2}} at last") == "\\frac{1}{2}"
+    parser = MathRubric().parser
+    completion = [{"role": "assistant", "content": f"At first \\boxed{{5}}. No, the answer is {box}."}]
+    assert correct_answer_reward_func(completion, "7", parser) == 1.0
+    assert correct_answer_reward_func(completion, "5", parser) == 0.0
+    assert math_equal(f"The answer is {box}, so 8 apples remain.", "7")
+    assert not math_equal(f"The answer is {box}, so 8 apples remain.", "8")
