@@ -240,6 +240,44 @@ def _json_value(reply: str, key: str) -> Any:
     return value
 
 
+# The choice mode's verdict rule (docs/environments.md, "Reading a judge's choice"). A choice right after a verdict
+# label ("Verdict: incorrect", "the final answer is yes") is the verdict, the last such one; else the first choice
+# the reply names (judges lead with it: "Incorrect. The correct answer is 5"). A negated choice ("not correct",
+# "isn't entirely correct") is no vote for it: with two choices it is the other one, with more no verdict. It read as
+# the choice it negates: "The response is not correct." rewarded 1.
+_NEGATED = re.compile(r"(?:\b(?:not|never)|n't)[\s*_`\"']+(?:(?:quite|\w+ly)[\s*_`\"']+)?$", re.IGNORECASE)
+_VERDICT = re.compile(r"\b(?:verdict|judge?ment|decision|conclusion|answer|grade|label|assessment)\b[^\w\n]*"
+                      r"(?:\bis\b[^\w\n]*)?$", re.IGNORECASE)  # fmt: skip
+
+
+def _choice(choices: dict[str, float], reply: str) -> float:
+    """The reward of the verdict a reply gives among `choices` (word -> reward), by the rule above; ValueError when
+    it gives none. Whole words by lookaround, not \\b: a choice ending in a non-word character ("yes!", "A+") never
+    matched \\b before a space. Where two choices overlap the longer is the one named ("A+" over "A")."""
+    spans = sorted(((m.start(), m.end(), word) for word in choices
+                    for m in re.finditer(rf"(?<!\w){re.escape(word)}(?!\w)", reply, re.IGNORECASE)),
+                   key=lambda span: (span[0], -span[1]))  # fmt: skip
+    named: list[tuple[str, bool, bool]] = []  # (choice, negated, after a verdict label), in reply order
+    end = -1
+    for start, stop, word in spans:
+        if start < end:  # inside a longer choice named here
+            continue
+        end = stop
+        negated = _NEGATED.search(reply, 0, start)
+        before = reply[: negated.start() if negated else start]
+        named.append((word, negated is not None, _VERDICT.search(before) is not None))
+    if not named:
+        raise ValueError(f"none of {sorted(choices)} in the reply")
+    labelled = [one for one in named if one[2]]
+    word, negated, _ = labelled[-1] if labelled else named[0]
+    if not negated:
+        return float(choices[word])
+    others = [other for other in choices if other != word]
+    if len(others) != 1:
+        raise ValueError(f"the reply says not {word!r}, which names none of the other {len(others)} choices")
+    return float(choices[others[0]])
+
+
 def parse_score(config: JudgeConfig, reply: str) -> float:
     """The reward a judge's reply gives; ValueError saying why when it holds none. A reasoning judge's thinking is no
     part of its verdict (`strip_reasoning`: the text after its last `</think>`): served without a reasoning parser
@@ -247,16 +285,7 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
     considered there ("yes? no: ...") or a labelled number ("a score of 9 at first") was read as the grade."""
     reply = strip_reasoning(reply)
     if config.score == "choice":
-        found = []
-        for word, reward in config.choices.items():
-            # whole words by lookaround, not \b: a choice ending in a non-word character ("yes!", "A+") never
-            # matched \b before a space, so every reply was unreadable and the run stopped
-            match = re.search(rf"(?<!\w){re.escape(word)}(?!\w)", reply, re.IGNORECASE)
-            if match:
-                found.append((match.start(), -len(word), reward))  # at one place, the longest: "A+" over "A"
-        if not found:
-            raise ValueError(f"none of {sorted(config.choices)} in the reply")
-        return float(min(found)[2])
+        return _choice(config.choices, reply)
     if config.score == "json":
         value = _json_value(reply, config.json_key)
         if isinstance(value, str) and re.fullmatch(rf"\s*{_NUM}\s*", value):

@@ -52,6 +52,8 @@ def rollout(text: str) -> Rollout:
 
 # ---- reading a score ---------------------------------------------------------------------------------
 
+CORRECT = {"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}
+
 
 @pytest.mark.parametrize(
     ("settings", "reply", "score"),
@@ -109,6 +111,15 @@ def rollout(text: str) -> Rollout:
         ({"score": "choice", "choices": {"yes!": 1.0, "no": 0.0}}, "Verdict: yes! It is right", 1.0),
         ({"score": "choice", "choices": {"A+": 1.0, "A": 0.5}}, "Grade: A+ overall", 1.0),
         ({"score": "choice", "choices": {"A+": 1.0, "A": 0.5}}, "Grade: A, almost", 0.5),
+        # a negated choice is no vote for it: with two choices, the other one ("not correct" read as correct: 1)
+        ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "The response is not correct.", 0.0),
+        ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It isn't entirely correct", 0.0),
+        ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "Not correct. The correct one is 5", 0.0),
+        ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is **not** incorrect.", 1.0),
+        ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "The answer is not yes.", 0.0),
+        # a labelled verdict over the first choice named (the reference's "correct answer" was read as the verdict)
+        (CORRECT, "It says 7 but the correct answer is 5. Verdict: **incorrect**", 0.0),
+        (CORRECT, "Incorrect at first sight? The steps check out, so the final answer is: correct", 1.0),
         ({"score": "json", "max_score": 5}, 'Reasoning... ```json\n{"score": 4, "why": "close"}\n```', 0.8),
         ({"score": "json", "json_key": "grade", "max_score": 1}, '{"grade": 0.25}', 0.25),
         # braces in the text around the object (LaTeX, sets) hid it: the judge never scored, the run stopped
@@ -139,6 +150,7 @@ def test_scores_are_read_from_replies(settings, reply, score):
         ({}, "Score: 7,500", "outside 0..10"),  # thousands (the decimal comma is "7,5"): no score, never a guess
         ({}, "seven", "no number"),
         ({"score": "choice", "choices": {"yes": 1.0}}, "yesterday", "none of"),
+        ({"score": "choice", "choices": {"A": 1.0, "B": 0.5, "C": 0.0}}, "Not A.", "says not 'A'"),
         ({"score": "json"}, '{"score": "high"}', "no JSON object"),
         ({"score": "json"}, "{not json}", "no JSON object"),
     ],
@@ -820,3 +832,16 @@ def test_a_judge_at_an_openai_base_url_not_ending_in_v1_is_asked_there():
         assert [kind for kind, _ in gemini.requests] == ["chat"]
     assert JudgeConfig(url="http://judge:8000", prompt="{response}").base_url == "http://judge:8000/v1"
     assert JudgeConfig(url="https://api.openai.com/v1/", prompt="{response}").base_url == "https://api.openai.com/v1"
+
+
+def test_a_judge_saying_not_correct_grades_the_reply_wrong(scripted):
+    """A judge's "The response is not correct." was read as its choice `correct` (the first choice named): a wrong
+    reply rewarded 1. Over HTTP, as the orchestrator asks."""
+    judge = Judge(url=scripted.url, model="judge-model", prompt="{response}", score="choice", cache_size=0,
+                  choices={"correct": 1.0, "incorrect": 0.0})  # fmt: skip
+    scripted.script = ["The response is not correct: the correct answer is cba.", "Correct."]
+
+    async def grades():
+        return [await judge(PROMPT, completion("abc"), "cba"), await judge(PROMPT, completion("cba"), "cba")]
+
+    assert asyncio.run(grades()) == [0.0, 1.0]
