@@ -17,7 +17,7 @@ from gyre.config.trainer import SFTConfig
 from gyre.safetensors_io import read_header
 from gyre.transport import FolderStore
 from gyre.weights import WeightStore
-from realmodel_testlib import gyre
+from realmodel_testlib import gyre, hub_cache_layout
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,6 +51,37 @@ def test_weights_publish_from_a_hub_cache_snapshot(tiny_snapshot, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(published.path)
     assert tokenizer.chat_template == AutoTokenizer.from_pretrained(tiny_snapshot).chat_template
     torch.testing.assert_close(logits(published.path), logits(tiny_snapshot), rtol=0, atol=0)
+
+
+def test_weights_published_from_a_hub_id_keep_the_generation_config(tiny_model, tmp_path, monkeypatch):
+    # `model.name` a hub id: its files were saved through `AutoTokenizer.save_pretrained`, which leaves
+    # generation_config.json out, so the published and exported models lost the end-of-turn ids only it lists
+    # (Gemma's <end_of_turn>: a server of them never stopped at the end of a turn)
+    import shutil
+
+    from gyre.eos import end_of_turn_ids
+    from gyre_trainer.publish import WeightPublisher
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    generation = json.loads((base / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generation["eos_token_id"], 1]  # an id neither config.json nor the tokenizer has
+    (base / "generation_config.json").write_text(json.dumps(generation))
+    hub_cache_layout(base, tmp_path / "hub", "org/model")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    store = WeightStore(tmp_path / "weights")
+    published = WeightPublisher(FolderStore(store.root), "org/model", keep_last=2).publish(
+        1, model.state_dict(), model.config, {"step": 1}
+    )
+    store.verify(1, published.digest)
+    assert (published.path / "generation_config.json").read_bytes() == (base / "generation_config.json").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(published.path)
+    assert 1 in end_of_turn_ids(published.path, tokenizer) == end_of_turn_ids(base, tokenizer)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(base).chat_template
 
 
 def test_sft_saves_its_result_when_the_base_model_is_a_hub_cache_snapshot(tiny_snapshot, tmp_path):

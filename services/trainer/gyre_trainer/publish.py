@@ -87,8 +87,8 @@ def write_hf_folder(
     write_file(folder / "config.json", config_json)
     hashed["config.json"] = hashlib.sha256(config_json).hexdigest()
     copied = copy_tokenizer_files(base_model, folder)
-    if Path(base_model).is_dir():  # the base model's files never change: hashed once, not every step
-        hashed.update({name: _base_file_sha256(Path(base_model) / name) for name in copied})
+    if (base := base_folder(base_model)) is not None:  # the base model's files never change: hashed once
+        hashed.update({name: _base_file_sha256(base / name) for name in copied})
     return hashed
 
 
@@ -109,22 +109,41 @@ def config_bytes(config) -> bytes:
 
 
 def copy_tokenizer_files(base_model: Path | str, folder: Path) -> list[str]:
-    """Put tokenizer/generation files of `base_model` into `folder`; a hub id is resolved by transformers.
+    """Put tokenizer/generation files of `base_model` (a folder, or a hub id: its snapshot in the hub cache,
+    `base_folder`) into `folder`.
 
     Files are hard-linked when they can be (same filesystem, readable by group and others): they never
     change, and a link is durable with its folder's fsync, so a step publishes only its new bytes."""
-    base = Path(base_model)
-    if base.is_dir():
+    base = base_folder(base_model)
+    if base is not None:
         copied = [name for name in _COPIED_FILES if (base / name).is_file()]
         for name in copied:
             _link_or_copy(base / name, folder / name)
         if "tokenizer_config.json" not in copied and "tokenizer.json" not in copied:
             raise FileNotFoundError(f"{base} has no tokenizer files; published weights would not be servable")
         return copied
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     AutoTokenizer.from_pretrained(str(base_model)).save_pretrained(folder)
+    with contextlib.suppress(OSError):  # the model has none
+        GenerationConfig.from_pretrained(str(base_model)).save_pretrained(folder)
     return sorted(p.name for p in folder.iterdir())
+
+
+def base_folder(base_model: Path | str) -> Path | None:
+    """The folder `base_model`'s files are read from: itself, or a hub id's snapshot in the hub cache (where the
+    trainer loaded it from; no request to the hub), or None when the cache has no snapshot of it. A hub id's
+    tokenizer once went through `AutoTokenizer.save_pretrained`, which leaves `generation_config.json` out: the
+    published and exported models lost the end-of-turn ids it lists (Gemma's `<end_of_turn>`), so a server of
+    them never stopped at the end of a turn."""
+    if Path(base_model).is_dir():
+        return Path(base_model)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(base_model), local_files_only=True))
+    except Exception:  # not in the cache (or not a hub id): transformers resolves it
+        return None
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
