@@ -80,7 +80,10 @@ class ScriptedServer:
         async def tokenize(request: Request):
             body = await request.json()
             self.requests.append(("tokenize", body))
-            text = body["prompt"] if "prompt" in body else "".join(m["content"] for m in body["messages"])
+            def text_of(content):  # a string, or a list of text parts
+                return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+            text = body["prompt"] if "prompt" in body else "".join(text_of(m["content"]) for m in body["messages"])
             return {"tokens": [ord(c) for c in text], "count": len(text), "max_model_len": 1000, "token_strs": None}
 
         @app.post("/classify")

@@ -26,7 +26,8 @@ in `Score.errors`, and the orchestrator counts it (`reward_errors`, plus `refuse
 logs the first one. Setup errors (401, 403, 404, or `gyre.endpoint.MAX_REFUSED_IN_A_ROW` refusals in a row) stay
 `ScoringError`s that stop the run.
 
-A `RewardModel` scores whole conversations with a sequence-classification model behind vLLM's `/classify`
+A `RewardModel` scores whole conversations (each assistant message after its reasoning, as a judge's {response})
+with a sequence-classification model behind vLLM's `/classify`
 (`gyre inference --runner pooling`, or `vllm serve --runner pooling`): each conversation is rendered by the
 server's own chat template (`/tokenize` with its messages), and concurrent calls are gathered into batches of up
 to `max_batch` token lists per `/classify` request (waiting at most `batch_wait_ms` for others to join). A
@@ -130,6 +131,24 @@ def fields_of(prompt: Messages, completion: Messages, answer: str) -> dict[str, 
         "answer": answer,
         "conversation": "\n".join(f"{m.get('role')}: {_text(m.get('content'))}" for m in prompt + completion),
     }
+
+
+def without_reasoning(messages: Messages) -> Messages:
+    """The conversation a reward model scores: each assistant message's text after its reasoning (`strip_reasoning`,
+    the rule of a judge's {response}). A policy's <think> block was scored with its reply: a right answer it only
+    considered while thinking, or whatever it wrote there for the reward model to read, moved its reward, and a long
+    thinking filled the model's context (cut). Text parts of a list content are stripped alike."""
+    stripped = []
+    for message in messages:
+        content = message.get("content")
+        if message.get("role") == "assistant" and isinstance(content, str):
+            message = {**message, "content": strip_reasoning(content)}
+        elif message.get("role") == "assistant" and isinstance(content, list):
+            parts = [{**part, "text": strip_reasoning(part["text"])}
+                     if isinstance(part, dict) and isinstance(part.get("text"), str) else part for part in content]  # fmt: skip
+            message = {**message, "content": parts}
+        stripped.append(message)
+    return stripped
 
 
 def _reply(text: Any) -> Any:
@@ -502,6 +521,7 @@ class RewardModel:
         self._tasks: set[asyncio.Task] = set()
 
     async def __call__(self, messages: Messages) -> float:
+        messages = without_reasoning(messages)
         rendered = await self._tokenize(messages)
         tokens, context = rendered["tokens"], rendered.get("max_model_len")
         # A conversation longer than the model's context (its /tokenize says how long that is: vLLM's and Gyre's) was

@@ -713,6 +713,26 @@ def test_a_reward_model_scores_concurrent_calls_in_batches(scripted):
     assert len(tokenized) == 5 and all(b["add_generation_prompt"] is False for b in tokenized)
 
 
+def test_a_reward_model_scores_a_reasoning_policys_reply_without_its_thinking(scripted):
+    """A reward model was sent the policy's <think> block with its reply (judges see the reply after it: {response}),
+    so the thinking's length and content moved the reward: here the scripted model's score is the conversation's
+    length. Each assistant message is sent after its reasoning (a Qwen3 template opens <think> in the prompt: only
+    the close is in the reply), text parts too; the rollout's own messages are left whole."""
+    model = RewardModel(url=scripted.url, batch_wait_ms=0)
+    thinking = PROMPT + completion("<think>" + "Maybe cba, the reference? " * 20 + "</think>\n\ncba")
+    qwen = PROMPT + [{"role": "assistant", "content": [{"type": "text", "text": "Hmm, cba.</think>cba"}]}]
+    plain = PROMPT + completion("\n\ncba")
+
+    async def scores():
+        return [await model(messages) for messages in (thinking, qwen, plain)]
+
+    first, second, third = asyncio.run(scores())
+    assert first == third and second == pytest.approx((len("Reverse the text.abc") + 3) / 10)
+    sent = [body["messages"][-1]["content"] for kind, body in scripted.requests if kind == "tokenize"]
+    assert sent[0] == "\n\ncba" and sent[1] == [{"type": "text", "text": "cba"}]
+    assert thinking[-1]["content"].startswith("<think>")
+
+
 def test_gyre_eval_with_a_judge_whose_key_is_missing_says_so_in_one_line(capsys, monkeypatch):
     """`gyre eval` let the judge's missing-key ValueError out as a traceback (gyre orchestrator logs it and exits 2);
     it is one line naming the judge and the setting, before anything connects."""
