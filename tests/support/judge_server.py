@@ -80,6 +80,7 @@ class ScriptedServer:
         async def tokenize(request: Request):
             body = await request.json()
             self.requests.append(("tokenize", body))
+
             def text_of(content):  # a string, or a list of text parts
                 return content if isinstance(content, str) else "".join(part["text"] for part in content)
 

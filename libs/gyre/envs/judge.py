@@ -144,8 +144,9 @@ def without_reasoning(messages: Messages) -> Messages:
         if message.get("role") == "assistant" and isinstance(content, str):
             message = {**message, "content": strip_reasoning(content)}
         elif message.get("role") == "assistant" and isinstance(content, list):
-            parts = [{**part, "text": strip_reasoning(part["text"])}
-                     if isinstance(part, dict) and isinstance(part.get("text"), str) else part for part in content]  # fmt: skip
+            texts = [isinstance(part, dict) and isinstance(part.get("text"), str) for part in content]
+            parts = [{**part, "text": strip_reasoning(part["text"])} if text else part
+                     for part, text in zip(content, texts, strict=True)]  # fmt: skip
             message = {**message, "content": parts}
         stripped.append(message)
     return stripped
