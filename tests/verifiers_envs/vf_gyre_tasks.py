@@ -11,7 +11,7 @@ Reward: 1.0 when the last reply contains the reference answer. `fail_first = [i,
 reward asks that judge first (a verifiers judge's call, with the official `openai` client and no retries of its
 own). `list_models = true` (harness): the harness lists the models first, through the interception's /v1/models
 relay (into `MODELS_SEEN`). `sampling = {"temperature": 0.0, ...}` (harness): the harness's own sampling on every
-model call.
+model call. `stream = true` (harness): every model call is streamed (server-sent events, read with the `openai` client).
 
 Load it with `env.name = "verifiers:vf_gyre_tasks"` with this folder on PYTHONPATH.
 """
@@ -81,6 +81,7 @@ class ChatLoopConfig(vf.HarnessConfig):
     turns: int = 2
     tools: bool = True
     list_models: bool = False  # first GET /v1/models, as an agent reading the context window does
+    stream: bool = False  # stream every model call, as agents that print as they go do
     sampling: dict = {}  # the harness's own sampling arguments on every model call (temperature, max_tokens, ...)
 
 
@@ -103,9 +104,11 @@ class ChatLoop(vf.Harness[ChatLoopConfig]):
                 MODELS_SEEN.append([model.id async for model in client.models.list()])
             for turn in range(self.config.turns):
                 kwargs = {"tools": tools, **self.config.sampling} if tools else dict(self.config.sampling)
-                response = await client.chat.completions.create(model=ctx.model, messages=messages, **kwargs)
-                choice = response.choices[0]
-                message = choice.message
+                if self.config.stream:
+                    message, finish_reason = await _streamed(client, ctx.model, messages, kwargs)
+                else:
+                    response = await client.chat.completions.create(model=ctx.model, messages=messages, **kwargs)
+                    message, finish_reason = response.choices[0].message, response.choices[0].finish_reason
                 assistant = {"role": "assistant", "content": message.content or ""}
                 if message.tool_calls:
                     assistant["tool_calls"] = [call.model_dump() for call in message.tool_calls]
@@ -115,8 +118,26 @@ class ChatLoop(vf.Harness[ChatLoopConfig]):
                     for call in message.tool_calls:
                         arguments = json.loads(call.function.arguments or "{}")
                         messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(**arguments)})
-                elif choice.finish_reason == "length" or turn + 1 == self.config.turns:
+                elif finish_reason == "length" or turn + 1 == self.config.turns:
                     break
                 else:
                     messages.append({"role": "user", "content": RETRY_PROMPT})
         return ProgramResult(exit_code=0, stdout=reply, stderr="")
+
+
+async def _streamed(client: AsyncOpenAI, model: str, messages: list, kwargs: dict):
+    """One streamed model call, its deltas put together: (the assistant message, the finish reason)."""
+    from openai.types.chat import ChatCompletionMessage
+
+    text, calls, finish_reason = "", {}, None
+    async for chunk in await client.chat.completions.create(model=model, messages=messages, stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": delta.id, "type": "function",
+                                                      "function": {"name": "", "arguments": ""}})  # fmt: skip
+                call["function"]["name"] += (delta.function and delta.function.name) or ""
+                call["function"]["arguments"] += (delta.function and delta.function.arguments) or ""
+            finish_reason = choice.finish_reason or finish_reason
+    message = ChatCompletionMessage(role="assistant", content=text, tool_calls=list(calls.values()) or None)
+    return message, finish_reason

@@ -87,6 +87,43 @@ async def test_tool_and_user_turns_are_masked_and_versions_span_the_episode(samp
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_concurrent_episodes_each_get_their_own_model_calls(sampling, stream):
+    """Episodes running at once on one environment share verifiers' interception server: each harness's calls (streamed
+    or not) reach its own episode's client, and each sample holds exactly its own turns' tokens and log-probs."""
+    import asyncio
+
+    harness = {"id": "vf_gyre_tasks", "turns": 2, "tools": True, "stream": stream}
+    env = load_environment(NAME, taskset={"source": "calculator", "num_tasks": 8}, agent={"harness": harness},
+                           num_eval=2)  # fmt: skip
+    tasks = [env.tasks("train", seed=0)[i] for i in range(4)]
+    clients = []
+    for i, task in enumerate(tasks):
+        expression = task.prompt[-1]["content"].removeprefix("What is ").removesuffix("?")
+        call = ToolCall(id=f"call_{i}", name="calculator", arguments={"expression": expression},
+                        raw_arguments=json.dumps({"expression": expression}))  # fmt: skip
+        # episode i: a tool call (odd ones) or a first try, then its answer; replies tell the episodes apart
+        first = Reply("", tool_calls=[call], finish_reason="tool_calls") if i % 2 else Reply(f"try {i}")
+        clients.append(ScriptedClient([first, Reply(task.answer, versions=(i, i))]))
+    try:
+        rollouts = await asyncio.gather(*(env.rollout(c, t, sampling) for c, t in zip(clients, tasks, strict=True)))
+        scores = [await env.score(t, r) for t, r in zip(tasks, rollouts, strict=True)]
+    finally:
+        await env.aclose()
+    for i, (task, client, rollout, score) in enumerate(zip(tasks, clients, rollouts, scores, strict=True)):
+        assert rollout.error is None and rollout.stop_reason == "done" and len(client.calls) == 2
+        assert [m["role"] for m in rollout.completion] == ["assistant", "tool" if i % 2 else "user", "assistant"]
+        assert rollout.completion[-1]["content"] == task.answer and score.reward == 1.0
+        assert client.calls[0]["messages"][-1]["content"] == task.prompt[-1]["content"]
+        assert sampled(rollout) == [t for turn in rollout.turns for t in turn.completion_token_ids]
+        assert [lp for lp, m in zip(rollout.logprobs, rollout.loss_mask, strict=True) if m] == [
+            lp for turn in rollout.turns for lp in turn.completion_logprobs
+        ]
+        assert rollout.token_ids == rollout.turns[-1].prompt_token_ids + rollout.turns[-1].completion_token_ids
+        assert rollout.policy_version_max == i
+
+
+@pytest.mark.asyncio
 async def test_a_turn_that_no_longer_extends_the_tokens_keeps_the_first_branch(sampling):
     env = vf_env("reverse_text", tools=False)
     drift = lambda i, ids: ids if i == 0 else [7] + ids[1:]  # noqa: E731 (a re-tokenised prompt on turn 2)
