@@ -48,7 +48,7 @@ from typing import Literal
 from pydantic import Field
 
 from gyre.config.loader import Section, parse_or_exit
-from gyre.model_source import looks_like_hub_id
+from gyre.model_source import TOKENIZER_FILES, looks_like_hub_id
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # The chat the verification renders (with the chat template when the model has one).
@@ -154,6 +154,10 @@ def resolve_source(name: str, say: Callable[[str], None] = lambda _: None) -> So
 def _folder_source(path: Path) -> Source:
     if (path / "config.json").is_file():
         kind = "hub cache snapshot" if any(p.is_symlink() for p in path.iterdir()) else "model folder"
+        # without one, transformers' error was "Couldn't instantiate the backend tokenizer from one of: ..."
+        if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+            raise ModelImportError(f"the {kind} {path} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): "
+                                   "copy the model's tokenizer files into it")  # fmt: skip
         return Source("folder", path, f"{kind} {path}")
     if (path / "snapshots").is_dir():  # the cache's models--org--name folder: its refs/main snapshot
         ref = path / "refs" / "main"

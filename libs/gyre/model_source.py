@@ -53,6 +53,8 @@ def check_service_model(name: str, prog: str, hub: bool = False, config: Any = N
 
 # The weight files a model folder is loaded from (transformers, vLLM; sharded ones too).
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+# The files a tokenizer's vocabulary is loaded from: fast (tokenizer.json), SentencePiece, BPE, WordPiece, tiktoken.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "tiktoken.model")
 
 
 class ModelUnavailable(ValueError):
@@ -81,6 +83,11 @@ def check_model_source(name: str, key: str = "model.name", hub: bool = True, hin
         if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
             raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} holds no weights "
                                    f"({', '.join(WEIGHT_FILES)}); {hint}")  # fmt: skip
+        # every service tokenizes (the trainer publishes the tokenizer with its weights): without one, inference
+        # failed after start with transformers' "install sentencepiece or tiktoken", and a trainer after its first step
+        if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+            raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} holds no tokenizer "
+                                   f"({', '.join(TOKENIZER_FILES)}); {hint}")  # fmt: skip
         return "local folder"
     if path.exists() and not hub:
         return "local path"  # a file (vLLM reads a .gguf); loading it reports what is wrong

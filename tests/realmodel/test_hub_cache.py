@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -57,8 +58,6 @@ def test_weights_published_from_a_hub_id_keep_the_generation_config(tiny_model, 
     # `model.name` a hub id: its files were saved through `AutoTokenizer.save_pretrained`, which leaves
     # generation_config.json out, so the published and exported models lost the end-of-turn ids only it lists
     # (Gemma's <end_of_turn>: a server of them never stopped at the end of a turn)
-    import shutil
-
     from gyre.eos import end_of_turn_ids
     from gyre_trainer.publish import WeightPublisher
     from huggingface_hub import constants
@@ -126,6 +125,12 @@ def test_model_import_refuses_before_writing_anything(tiny_model, tmp_path):
     (tmp_path / "b" / "keep.txt").write_text("mine")
     run = gyre("model", "import", str(tiny_model), "--output-dir", str(tmp_path / "b"))
     assert run.returncode == 2 and "not empty" in run.stderr and os.listdir(tmp_path / "b") == ["keep.txt"]
+    # a model folder without its tokenizer: said before loading (transformers' "Couldn't instantiate the backend
+    # tokenizer from one of: ... install sentencepiece or tiktoken" before)
+    shutil.copytree(tiny_model, tmp_path / "no-tokenizer", ignore=shutil.ignore_patterns("tokenizer*"))
+    run = gyre("model", "import", str(tmp_path / "no-tokenizer"), "--output-dir", str(tmp_path / "e"))
+    assert run.returncode == 2 and "holds no tokenizer (tokenizer.json, tokenizer.model" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "e").exists()
     # neither a GGUF nor a model folder
     run = gyre("model", "import", str(tiny_model / "config.json"), "--output-dir", str(tmp_path / "c"))
     assert run.returncode == 2 and "not a .gguf file" in run.stderr

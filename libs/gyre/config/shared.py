@@ -60,9 +60,10 @@ class ModelConfig(Section):
         "outputs/run/model",
         description="Model folder (HF format: config.json, tokenizer, *.safetensors or *.bin weights) or hub id "
         "(org/name). Unset: {output_dir}/model, the folder `gyre rl` creates its model in (outputs/run/model with "
-        "the default output_dir). A folder that does not exist or lacks config.json or weights stops the service "
-        "at start (exit 2, naming the path): create one with `gyre model init --output-dir DIR` (a small random "
-        "model) or `gyre model import SOURCE --output-dir DIR` (a pretrained one) and set model.name = DIR.",
+        "the default output_dir). A folder that does not exist or lacks config.json, weights or a tokenizer stops "
+        "the service at start (exit 2, naming the path): create one with `gyre model init --output-dir DIR` (a "
+        "small random model) or `gyre model import SOURCE --output-dir DIR` (a pretrained one) and set "
+        "model.name = DIR.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Parameter dtype: auto = float32 on CPU, bfloat16 on GPU."

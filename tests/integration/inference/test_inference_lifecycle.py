@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,10 +195,13 @@ def test_a_model_folder_that_is_not_there_exits_2_before_serving(tmp_path, tiny_
     (tmp_path / "empty").mkdir()
     (tmp_path / "no-weights").mkdir()
     (tmp_path / "no-weights" / "config.json").write_text((tiny_model / "config.json").read_text())
+    # config and weights without a tokenizer: it was transformers' "install sentencepiece or tiktoken", exit 1
+    shutil.copytree(tiny_model, tmp_path / "no-tokenizer", ignore=shutil.ignore_patterns("tokenizer*"))
     cases = {
         tmp_path / "no-model": "does not exist",
         tmp_path / "empty": "no config.json",
         tmp_path / "no-weights": "holds no weights",
+        tmp_path / "no-tokenizer": "holds no tokenizer (tokenizer.json, tokenizer.model",
         tiny_model / "config.json": "is a file",
     }
     for path, says in cases.items():
@@ -207,7 +211,7 @@ def test_a_model_folder_that_is_not_there_exits_2_before_serving(tmp_path, tiny_
         assert len(lines) == 1 and lines[0].startswith(f"gyre inference: error: model.name = '{path}'"), lines
         assert says in lines[0]
     help_text = run_cli("--help").stdout
-    assert "lacks config.json or weights stops the service at start" in " ".join(help_text.split())
+    assert "lacks config.json, weights or a tokenizer stops the service at start" in " ".join(help_text.split())
 
 
 def test_a_relative_folder_that_reads_as_a_hub_id_says_it_is_no_local_folder_either(tmp_path):
