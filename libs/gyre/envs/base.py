@@ -204,8 +204,12 @@ class Environment:
         """`is_completed` where overridden (verifiers' protocol), then `env_response`, sync or async, its answer
         checked: a dict or a string was added to the conversation as a list (its keys, its characters). verifiers'
         `(messages, state)` is that protocol's answer: the state returned is the state from then on and the episode
-        goes on (it ends by `is_completed` or `max_turns`, as there). A ported environment's hooks were never
-        called: every episode ran to max_turns, or ended as an error on its first reply."""
+        goes on (it ends by `is_completed` or `max_turns`, as there). As there, `is_completed` is asked again after
+        `env_response` (verifiers asks it before every model turn): an `env_response` that ends the game (a win it
+        announces, a flag it sets) ends the episode with its reply. Asked only before it, the model was sampled once
+        more after the game was over, and that extra reply was trained and scored as the last. A ported
+        environment's hooks were never called: every episode ran to max_turns, or ended as an error on its first
+        reply."""
         overridden = type(self).is_completed is not Environment.is_completed
         if overridden and await _maybe_await(self.is_completed(messages, state)):
             return [], True
@@ -227,6 +231,8 @@ class Environment:
         ):
             raise TypeError(f"env_response must return (messages, done) with messages a list of dicts with a "
                             f"'role', e.g. [{{'role': 'user', 'content': ...}}], got {str(reply)[:80]!r}")  # fmt: skip
+        if overridden and not done:
+            done = bool(await _maybe_await(self.is_completed(messages + reply, state)))
         return reply, done
 
     async def rollout(self, client: ModelClient, task: Task, sampling: SamplingParams) -> Rollout:

@@ -247,7 +247,8 @@ async def test_an_env_response_of_another_shape_ends_the_episode_saying_so(sampl
 async def test_verifiers_multi_turn_hooks_run_as_there(sampling):
     """A verifiers env ported as it was defines is_completed and setup_state and returns (messages, state): Gyre
     never called the hooks (every episode ran to max_turns) and refused the state as `done` (an error on the first
-    reply). setup_state runs first, is_completed after every model turn, and a returned state is the state."""
+    reply). setup_state runs first, is_completed after every model turn and again after env_response (before the
+    next model turn, as verifiers' loop asks it), and a returned state is the state."""
     seen = []
 
     class Ported(Guess):
@@ -264,13 +265,35 @@ async def test_verifiers_multi_turn_hooks_run_as_there(sampling):
 
     env = Ported(num_eval=1, max_turns=4)
     rollout = await env.rollout(ScriptedClient(["3", "5", "7", "8"]), env.tasks("eval")[0], sampling)
-    assert rollout.error is None and rollout.stop_reason == "done" and seen == [1, 2, 3]
+    assert rollout.error is None and rollout.stop_reason == "done" and seen == [1, 1, 2, 2, 3]
     assert [m["content"] for m in rollout.completion] == ["3", "no", "5", "no", "7"]
     assert rollout.state["guesses"] == ["3", "5"]
     check_alignment(rollout, rollout.turns)
     # the default is_completed (via super()) is the turn budget: a model that never guesses stops at max_turns
     rollout = await env.rollout(ScriptedClient(["1", "2", "3", "4", "5"]), env.tasks("eval")[0], sampling)
     assert rollout.stop_reason == "done" and rollout.num_turns == 4 and seen[-1] == 4
+
+
+@pytest.mark.asyncio
+async def test_a_verifiers_env_response_that_ends_the_game_ends_the_episode(sampling):
+    """verifiers asks is_completed before every model turn, so a game its env_response ends (a text-arena game that
+    sets state["is_finished"] on the winning move and announces it) stops there. Asked only after model turns, the
+    model was sampled once more after the win: that reply was trained, and the rubric read it as the final answer."""
+
+    class Arena(Guess):
+        async def is_completed(self, messages, state, **kwargs):
+            return state.get("is_finished", False) or await self.max_turns_reached(state)
+
+        async def env_response(self, messages, state, **kwargs):
+            won = messages[-1]["content"] == state["answer"]
+            return [{"role": "user", "content": "You won!" if won else "no"}], {**state, "is_finished": won}
+
+    env = Arena(num_eval=1, max_turns=4)
+    rollout = await env.rollout(ScriptedClient(["3", "7", "after the game"]), env.tasks("eval")[0], sampling)
+    assert rollout.error is None and rollout.stop_reason == "done" and rollout.num_turns == 2
+    assert [m["content"] for m in rollout.completion] == ["3", "no", "7", "You won!"]
+    assert rollout.state["is_finished"] is True
+    check_alignment(rollout, rollout.turns)
 
 
 @pytest.mark.asyncio
