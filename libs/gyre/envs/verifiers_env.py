@@ -433,6 +433,10 @@ _JUDGE_SERVER_FAILED = re.compile(
 )
 
 
+# verifiers' stop conditions that are limits on tokens, not on turns
+_LENGTH_LIMITS = frozenset({"max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed"})
+
+
 def _errors(episode) -> list[str]:
     found = [f"{e.type}: {e.message}" for e in episode.errors]
     for trace in episode.traces:
@@ -484,7 +488,11 @@ def to_rollout(task: Task, episode, turns: list[Turn], context_full: bool = Fals
         stop = "length"
     elif trace.is_truncated:
         last = next((c for c in reversed(trace.calls) if c.error is None), None)
-        stop = "length" if last is not None and last.finish_reason == "length" else "max_turns"
+        cut = last is not None and last.finish_reason == "length"
+        # a token budget of the agent's spent (its output: the episode's max_tokens; its input or total: its context)
+        # is a length stop as in Gyre's own environments, which advantage.mask_truncated leaves out; as "max_turns"
+        # it was trained on (a failed compaction too: the context was full)
+        stop = "length" if cut or trace.stop_condition in _LENGTH_LIMITS else "max_turns"
     else:
         stop = "done"
     return Rollout(

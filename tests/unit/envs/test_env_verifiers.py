@@ -136,6 +136,25 @@ async def test_a_turn_that_no_longer_extends_the_tokens_keeps_the_first_branch(s
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("limit", "stop"),
+    [({"max_output_tokens": 3}, "length"), ({"max_total_tokens": 40}, "length"), ({"max_input_tokens": 30}, "length"),
+     ({"max_turns": 1}, "max_turns")],
+)  # fmt: skip
+async def test_an_agent_out_of_its_token_budget_is_a_length_stop(sampling, limit, stop):
+    """The agent's token budgets are length limits (its output tokens, its context): the episode was a "max_turns"
+    stop, trained on with advantage.mask_truncated, which leaves out Gyre's own environments' length stops."""
+    harness = {"id": "vf_gyre_tasks", "turns": 3, "tools": False}
+    env = load_environment(NAME, taskset={"source": "reverse_text", "num_tasks": 8},
+                           agent={"harness": harness, **limit}, num_eval=2)  # fmt: skip
+    client = ScriptedClient(["first", "second", "third"])
+    _, rollout, _ = await rollout_of(env, client, sampling)
+    assert rollout.state["trace"].stop_condition == next(iter(limit))  # verifiers stopped the episode on it
+    assert rollout.error is None and rollout.stop_reason == stop and rollout.num_turns == 1
+    assert sampled(rollout) == encode("first") + [2]
+
+
+@pytest.mark.asyncio
 async def test_a_harness_listing_the_models_is_answered(sampling, caplog):
     """verifiers relays a harness's GET /v1/models to the client config's URL, an unused port here: it failed as a
     502 with a WARNING 'models call failed: All connection attempts failed' each time (an agent asks three times an
