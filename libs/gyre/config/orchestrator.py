@@ -409,7 +409,11 @@ class OrchestratorConfig(ServiceConfig):
         "largest).",
     )
     sample_attempts: int = Field(
-        3, ge=1, description="Attempts per rollout (inference or environment errors) before the run fails."
+        3,
+        ge=1,
+        description="Attempts per rollout (inference or environment errors: generated again) and per scoring of one "
+        "completion (a judge, reward model or teacher failing: the same completion scored again) before the run "
+        "fails.",
     )
     final_weights_timeout_s: float = Field(
         600.0, ge=0, description="After the last batch, wait this long for its weights to be relayed (0 = don't)."

@@ -285,7 +285,7 @@ class ContextLengthExceeded(RuntimeError):
 class ScoringError(RuntimeError):
     """A reward function could not score, through no fault of the rollout: a judge or reward model failed after
     its retries, or its answer held no score. Rubrics let it through (it is never a silent 0): the orchestrator
-    counts it and scores the sample again (`sample_attempts`)."""
+    counts it and scores the same completion again (`sample_attempts`, then the run stops)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,9 +12,11 @@ For each of the first `num_examples` eval tasks, `k` rollouts are sampled and sc
 A task whose prompt does not fit the model's context is left out of every figure and counted (`skipped_overlong`;
 `num_examples` counts the tasks evaluated); only an eval with no task that fits fails.
 
-A sample whose episode failed (the environment raised: `Rollout.error`; inference failed after the client's retries;
-a judge or reward model failed) is generated again, up to `attempts` times, as in training; the failed attempts are
-counted (`failed_rollouts`). Then the eval fails (`EvalFailed`) rather than score half an episode into avg@k.
+A sample whose episode failed (the environment raised: `Rollout.error`; inference failed after the client's retries)
+is generated again, up to `attempts` times, as in training; the failed attempts are counted (`failed_rollouts`).
+Then the eval fails (`EvalFailed`) rather than score half an episode into avg@k. A sample whose judge or reward
+model failed is scored again, the same completion (`gyre_orchestrator.rescoring`), up to `attempts` times; then the
+eval fails (`ScoringFailed`): a completion a judge failed on left out of avg@k would bias it.
 A sample older than the version evaluated (`min_version`: a replica restarted on older weights answered before the
 relay knew) is generated again, like a stale training sample, and counted (`dropped_stale`).
 
@@ -75,7 +77,7 @@ class EvalResult:
     rewards_mean: dict[str, float] = field(default_factory=dict)
     reward_errors: dict[str, int] = field(default_factory=dict)  # samples each reward function raised on (scored 0)
     skipped_overlong: int = 0  # tasks left out: their prompt does not fit the model's context
-    failed_rollouts: int = 0  # attempts that failed (environment, inference or scoring error) and were generated again
+    failed_rollouts: int = 0  # attempts that failed (environment or inference error) and were generated again
     dropped_stale: int = 0  # samples from a version older than the one evaluated, generated again
 
     def record(self, step: int) -> dict:
@@ -223,6 +225,7 @@ async def evaluate(
 
     `progress(done, total)` is called once before the first sample and after each one (`gyre eval`'s bar)."""
     from gyre_orchestrator.client import SetupRefused
+    from gyre_orchestrator.rescoring import scored_again
 
     if num_examples < 1 or k < 1 or attempts < 1:
         raise ValueError("num_examples, k and attempts must be >= 1")
@@ -241,7 +244,7 @@ async def evaluate(
             progress(done, count * k)
 
     async def attempt(i: int, j: int, retry: int):
-        """Sample j of task i, scored; None when it came from a version older than `min_version` (not scored).
+        """Sample j of task i (not yet scored); None when it came from a version older than `min_version`.
         `retry`: the failed attempts before this one."""
         # with a seed, its own one, the same at every version evaluated (common random numbers: the difference
         # between two versions is less noisy than either score); a retry after a failure its own too: with the
@@ -253,7 +256,7 @@ async def evaluate(
         if rollout.policy_version_min < min_version:  # a replica restarted on older weights, not yet known as such
             log.debug("eval of version %d: dropped a sample of version %d", min_version, rollout.policy_version_min)
             return None
-        return rollout, await env.score(tasks[i], rollout)
+        return rollout
 
     async def one(i: int, j: int):
         nonlocal failed, stale
@@ -275,13 +278,17 @@ async def evaluate(
                 log.warning("eval: sample %d of task %s failed (%s); generating it again", j, tasks[i].id, e)
                 continue
             if scored is not None:
-                rollout, score = scored
+                rollout = scored
                 break
             stale += 1  # generated again, as a stale training sample is: no failure
             olds += 1
             if olds == STALE_LIMIT:  # not a restart the relay corrects within seconds: replicas that misreport
                 raise EvalFailed(f"eval of version {min_version}: sample {j} of task {tasks[i].id} came from an "
                                  f"older version {olds} times in a row")  # fmt: skip
+        # a failed judge or reward model: this completion is scored again, as in training (ScoringFailed ends the
+        # eval); generating another left the samples a judge failed on out of the score
+        score = await scored_again(lambda: env.score(tasks[i], rollout), attempts=attempts,
+                                   what=f"eval: sample {j} of task {tasks[i].id}")  # fmt: skip
         advanced()
         for name, message in score.errors.items():  # scored 0, never silently (as in training)
             if name not in reward_errors:

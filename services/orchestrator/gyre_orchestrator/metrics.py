@@ -157,8 +157,8 @@ class OrchestratorMetrics:
         )
         self.scoring_failures = m.counter(
             "gyre_orchestrator_scoring_failures_total",
-            "Samples whose scoring failed (a judge, reward model or the teacher failed after its retries); the "
-            "sample is generated and scored again, never counted as reward 0.",
+            "Scorings that failed (a judge, reward model or the teacher failed after its retries); the same "
+            "completion is scored again (sample_attempts in all, then the run stops), never counted as reward 0.",
             (*run, "env"),
             r,
         )

@@ -54,6 +54,7 @@ from gyre.envs import ContextLengthExceeded
 
 from gyre_orchestrator.advantages import is_zero_signal
 from gyre_orchestrator.client import SetupRefused
+from gyre_orchestrator.rescoring import ScoringFailed
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +401,9 @@ class RolloutScheduler:
         while True:
             try:
                 sample = await self.generate(task, st.floor, RolloutKey(st.step, index, failures))
-            except (asyncio.CancelledError, ContextLengthExceeded, SetupRefused):  # a refused key or model: at once
+            # at once: a refused key or model; a completion whose scoring failed on every attempt (generating
+            # another would leave it out of training)
+            except (asyncio.CancelledError, ContextLengthExceeded, SetupRefused, ScoringFailed):
                 raise
             except Exception as e:
                 failures += 1

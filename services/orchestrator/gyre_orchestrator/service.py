@@ -31,8 +31,8 @@ from gyre.codec import CodecError, encode_batch
 from gyre.config.loader import reveal
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rerun import env_changes
-from gyre.endpoint import EndpointError, wait_all_ready
-from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
+from gyre.endpoint import wait_all_ready
+from gyre.envs import Rollout, SamplingParams, Task, load_environment
 from gyre.envs.judge import add_to_rubric, held_by
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, latest_per_step, read_events
 from gyre.metrics import start_metrics_server
@@ -55,6 +55,7 @@ from gyre_orchestrator.progress import ProgressError, ProgressStore, resume_poin
 from gyre_orchestrator.records import ScoredRollout, StepRecords, rollout_record
 from gyre_orchestrator.relay import WeightRelay
 from gyre_orchestrator.replicas import ReplicaSet, make_discovery
+from gyre_orchestrator.rescoring import RESCORE_BACKOFF_S, scored_again
 from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, StepState, VersionWatch
 from gyre_orchestrator.server import OrchestratorServer
 from gyre_orchestrator.teacher import Teacher, teacher_arrays
@@ -89,6 +90,9 @@ class RolloutFailed(RuntimeError):
 
 
 class OrchestratorService:
+    #: the wait before a failed scoring's second attempt (doubling after), `gyre_orchestrator.rescoring`
+    rescore_backoff_s = RESCORE_BACKOFF_S
+
     def __init__(self, cfg: OrchestratorConfig, *, metrics: OrchestratorMetrics | None = None):
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
@@ -698,13 +702,17 @@ class OrchestratorService:
         if rollout.error:
             self.metrics.labels(self.metrics.rollouts, env=env_name, outcome="error").inc()
             raise RolloutFailed(f"task {task.id}: {rollout.error}")
-        try:
-            score = await env.score(task, rollout)
-            teacher = await self._teacher_logprobs(rollout)
-        except (ScoringError, EndpointError) as error:  # counted, and scored again: never a silent 0
+
+        def failed(_error: BaseException) -> None:
             self.scoring_failures += 1
             self.metrics.labels(self.metrics.scoring_failures, env=env_name).inc()
-            raise RolloutFailed(f"task {task.id}: scoring failed: {error}") from error
+
+        # a failed judge, reward model or teacher: this completion is scored again, never generated again (which
+        # left out of training the completions a signal failed on) nor a silent 0; ScoringFailed stops the run
+        again = {"attempts": self.cfg.sample_attempts, "what": f"task {task.id}", "on_failure": failed,
+                 "backoff_s": self.rescore_backoff_s}  # fmt: skip
+        score = await scored_again(lambda: env.score(task, rollout), **again)
+        teacher = await scored_again(lambda: self._teacher_logprobs(rollout), **again)  # the score is kept
         self._note_reward_errors(task, score.errors)
         seconds = time.monotonic() - start
         self.metrics.labels(self.metrics.rollout_latency, env=env_name).observe(seconds)  # its outcome: on admission

@@ -20,7 +20,9 @@ import pytest
 from gyre.config.endpoint import JudgeConfig
 from gyre.envs import load_environment
 from gyre.envs.judge import Judge
+from gyre_orchestrator.rescoring import ScoringFailed
 from orchestrator_testlib import first_batch, orchestrator_config
+from support.judge_server import ScriptedServer
 from support.models import reward_model_path
 
 pytestmark = pytest.mark.asyncio
@@ -129,8 +131,8 @@ async def test_a_judge_that_times_out_is_counted_and_retried(
 
 
 async def test_a_judge_that_fails_fails_the_scoring_loudly(tmp_path, redis_url, unique_run_id, replicas, tiny_model):
-    """A judge that cannot answer at all: every sample's scoring fails, is counted and retried, and the run stops
-    with the reason (never a reward of 0)."""
+    """A judge that cannot answer at all: every sample's scoring fails, is counted and scored again, and the run
+    stops with the reason (never a reward of 0)."""
     from gyre_orchestrator.service import OrchestratorService
 
     # nothing listens; startup_timeout_s = 0: no wait for it to come up, so its calls fail
@@ -138,12 +140,42 @@ async def test_a_judge_that_fails_fails_the_scoring_loudly(tmp_path, redis_url, 
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
                               sample_attempts=2)  # fmt: skip
     service = OrchestratorService(cfg)
-    with pytest.raises(RuntimeError, match="failed 2 times: task .*: scoring failed: judge 'judge'"):
+    service.rescore_backoff_s = 0.05
+    with pytest.raises(ScoringFailed, match="task .*: scoring failed 2 times on the same completion .*judge 'judge'"):
         await asyncio.wait_for(service.run(), timeout=120)
     failures = service.metrics.registry.get_sample_value(
         "gyre_orchestrator_scoring_failures_total", {"run_id": unique_run_id, "env": "reverse_text"}
     )
     assert failures >= 2
+
+
+async def test_a_completion_whose_judge_failed_is_scored_again_not_generated_again(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model
+):
+    """A judge failing past its retries (here a 503, retries = 0) made the sample be generated again: the completion
+    it failed on never reached training (those a judge struggles with left every batch unseen). The same completion
+    is scored again now: the judge is asked twice about it, it is in the batch with the judge's grade, no rollout
+    is generated again, and the failure is counted."""
+    from gyre_orchestrator.service import OrchestratorService
+
+    with ScriptedServer() as judge:
+        judge.script = [("status", 503)]  # the first call fails; every other answers "5"
+        judges = [{"name": "judge", "url": judge.url, "model": "judge-model", "prompt": "{response}", "retries": 0,
+                   "startup_timeout_s": 0, "cache_size": 0}]  # fmt: skip
+        cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
+                                  advantage={"drop_zero_signal": False}, sampling={"seed": 3})  # fmt: skip
+        service = OrchestratorService(cfg)
+        service.rescore_backoff_s = 0.05
+        assert await asyncio.wait_for(service.run(), timeout=120) == 0
+        asked = [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
+    failed_on = asked[0]
+    assert asked.count(failed_on) >= 2  # asked again about the same completion
+    records = dump(cfg)
+    assert len(records) == 8 and all(record["rewards"]["judge"] == 0.5 for record in records)
+    assert any(record["completion"][-1]["content"] == failed_on for record in records)
+    event = events(cfg)[0]
+    assert event["scoring_failures"] == 1 and event["failed_rollouts"] == 0
+    assert len(asked) == 9  # 8 samples, one asked twice: nothing generated again
 
 
 async def test_a_judge_still_starting_is_waited_for_before_the_first_rollout(

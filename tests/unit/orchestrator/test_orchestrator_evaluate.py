@@ -577,3 +577,34 @@ def test_each_entry_of_a_mix_is_evaluated_at_its_own_interval(tmp_path):
     assert evaluated == [(0, ["a", "b"]), (2, ["a"]), (3, ["b"]), (4, ["a"]), (6, ["a", "b"])]
     assert lines[0]["avg_at_k"] == pytest.approx(0.75 * lines[0]["envs"]["a"]["avg_at_k"]
                                                  + 0.25 * lines[0]["envs"]["b"]["avg_at_k"])  # fmt: skip
+
+
+def test_an_eval_sample_whose_judge_failed_is_scored_again_not_generated_again(tmp_path):
+    """A judge failing past its retries (a 503, retries = 0) made the eval generate the sample again: here the policy
+    answers right only at its first try, so avg@k read 0 where the completion it failed on was worth 1 (the samples a
+    judge struggles with left the score). The same completion is scored again now. The judge is a real HTTP server
+    (the scripted one of the judge tests), asked by the rubric's Judge."""
+    from gyre.config.endpoint import JudgeConfig
+    from gyre.envs.judge import add_to_rubric
+    from support.judge_server import ScriptedServer
+
+    replies = {"ab": ["AB", "no"]}
+    env = dataset_env(tmp_path, replies)
+    with ScriptedServer() as judge:
+        judge.script = [("status", 503), "Score: 10"]
+        config = JudgeConfig(url=judge.url, model="judge-model", prompt="{response}", retries=0, weight=0.0,
+                             startup_timeout_s=0, cache_size=0)  # fmt: skip
+        signals = add_to_rubric(env, [config], [])
+        client = TableClient(replies)
+        sampling = SamplingParams(temperature=1.0, max_tokens=4)
+
+        async def scenario():  # one event loop: the judge's client belongs to it
+            try:
+                return await evaluate(env, client, env_name="d", num_examples=1, k=1, sampling=sampling)
+            finally:
+                await signals["judge"].aclose()
+
+        result = asyncio.run(scenario())
+        asked = [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
+    assert asked == ["AB", "AB"] and client.calls == {"ab": 0}
+    assert (result.avg_at_k, result.failed_rollouts, result.rewards_mean["judge"]) == (1.0, 0, 1.0)
