@@ -235,6 +235,21 @@ class Environment:
             done = bool(await _maybe_await(self.is_completed(messages + reply, state)))
         return reply, done
 
+    def _say_drift(self, turn: Turn, sequence: SequenceBuilder) -> None:
+        """Log the first drift of this environment: outside the log it only counted as `truncated`, and a chat template
+        that always re-renders earlier turns differently (Qwen3's drops their <think> block, and the empty one its
+        generation prompt adds) silently trained every multi-turn sample on its first turn alone."""
+        if getattr(self, "_drift_said", False):
+            return
+        self._drift_said = True
+        log.warning(
+            "%s: turn %d's prompt does not extend the tokens of the turns before it (they differ at token %d of %d): "
+            "the chat template renders earlier turns differently once more follow, or a reply re-tokenises "
+            "differently; such a sample is cut after turn %d (stop_reason drift; docs/environments.md, \"The training "
+            "sequence\"). Logged once per environment.",
+            self.name, sequence.num_turns + 1, sequence.divergence(turn), len(sequence.token_ids), sequence.num_turns,
+        )  # fmt: skip
+
     async def rollout(self, client: ModelClient, task: Task, sampling: SamplingParams) -> Rollout:
         """Run one episode: model turn, environment reply, ... until done, `max_turns`, a length stop or drift.
 
@@ -269,6 +284,7 @@ class Environment:
                 # Score what is trained: drop the environment messages the rejected turn answered.
                 del completion[answered:]
                 stop = "drift"
+                self._say_drift(turn, sequence)
                 break
             completion.append(turn.assistant_message())
             answered = len(completion)

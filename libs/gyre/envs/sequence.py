@@ -40,6 +40,11 @@ class SequenceBuilder:
         n = len(self.token_ids)
         return self.num_turns == 0 or (len(turn.prompt_token_ids) >= n and turn.prompt_token_ids[:n] == self.token_ids)
 
+    def divergence(self, turn: Turn) -> int:
+        """Where `turn`'s prompt first differs from the sequence so far (its length when it is a shorter prefix)."""
+        prompt, n = turn.prompt_token_ids, min(len(turn.prompt_token_ids), len(self.token_ids))
+        return next((i for i in range(n) if prompt[i] != self.token_ids[i]), n)
+
     def add(self, turn: Turn) -> bool:
         if not self.extends(turn):
             return False

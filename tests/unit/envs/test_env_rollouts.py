@@ -74,20 +74,27 @@ async def test_multi_turn_interleaves_env_tokens_unmasked(sampling):
 
 
 @pytest.mark.asyncio
-async def test_drift_cuts_the_sample_at_the_last_consistent_turn(sampling):
+async def test_drift_cuts_the_sample_at_the_last_consistent_turn(sampling, caplog):
     env = load_environment("alphabet_sort", num_rounds=3)
     task = env.tasks("train", 1)[0]
     replies = [m["content"] for m in env.sft_example(task) if m["role"] == "assistant"]
+    start = len(encode(render(task.prompt, None)))
 
     def retokenise_differently(call: int, ids: list[int]) -> list[int]:
         # On the third call the server re-tokenises the first assistant reply differently (a BPE merge).
         if call == 2:
-            start = len(encode(render(task.prompt, None)))
             return ids[:start] + [9999] + ids[start + 2 :]
         return ids
 
     client = ScriptedClient(replies, mutate_prompt=retokenise_differently)
-    rollout = await env.rollout(client, task, sampling)
+    with caplog.at_level("WARNING", logger="gyre.envs.base"):
+        rollout = await env.rollout(client, task, sampling)
+        # logged, once per environment: it was only counted as truncated, and a template that always re-renders
+        # earlier turns differently (Qwen3's <think> blocks) trained every multi-turn sample on one turn, silently
+        await env.rollout(ScriptedClient(replies, mutate_prompt=retokenise_differently), task, sampling)
+    said = [r.getMessage() for r in caplog.records if "does not extend" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("alphabet_sort: turn 3's prompt"), said
+    assert f"differ at token {start} of {len(rollout.token_ids)}" in said[0] and "cut after turn 2" in said[0]
     assert rollout.stop_reason == "drift" and rollout.truncated
     assert rollout.num_turns == 3 and rollout.sequence_turns == 2
     check_alignment(rollout, rollout.turns)
