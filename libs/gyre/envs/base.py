@@ -237,8 +237,8 @@ class Environment:
 
     def _say_drift(self, turn: Turn, sequence: SequenceBuilder) -> None:
         """Log the first drift of this environment: outside the log it only counted as `truncated`, and a chat template
-        that always re-renders earlier turns differently (Qwen3's drops their <think> block, and the empty one its
-        generation prompt adds) silently trained every multi-turn sample on its first turn alone."""
+        that re-renders earlier turns differently once a user turn follows (Qwen3's drops their <think> block, and
+        the empty one its generation prompt adds) silently trained every such sample on its first turn alone."""
         if getattr(self, "_drift_said", False):
             return
         self._drift_said = True
