@@ -11,7 +11,8 @@ Reward: 1.0 when the last reply contains the reference answer. `fail_first = [i,
 reward asks that judge first (a verifiers judge's call, with the official `openai` client and no retries of its
 own). `list_models = true` (harness): the harness lists the models first, through the interception's /v1/models
 relay (into `MODELS_SEEN`). `sampling = {"temperature": 0.0, ...}` (harness): the harness's own sampling on every
-model call. `stream = true` (harness): every model call is streamed (server-sent events, read with the `openai` client).
+model call. `sdk_retries = n` (harness): the harness's `openai` client retries a failed call n times (its default is 2;
+0 here). `stream = true` (harness): every model call is streamed (server-sent events, read with the `openai` client).
 
 Load it with `env.name = "verifiers:vf_gyre_tasks"` with this folder on PYTHONPATH.
 """
@@ -81,6 +82,7 @@ class ChatLoopConfig(vf.HarnessConfig):
     turns: int = 2
     tools: bool = True
     list_models: bool = False  # first GET /v1/models, as an agent reading the context window does
+    sdk_retries: int = 0  # the openai client's max_retries (a 5xx answer is asked again)
     stream: bool = False  # stream every model call, as agents that print as they go do
     sampling: dict = {}  # the harness's own sampling arguments on every model call (temperature, max_tokens, ...)
 
@@ -99,7 +101,7 @@ class ChatLoop(vf.Harness[ChatLoopConfig]):
         messages += [{"role": "user", "content": m.content} for m in prompt]
         tools = load_gyre_environment("calculator").tool_schemas if self.config.tools else None
         reply = ""
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=self.config.sdk_retries) as client:
             if self.config.list_models:
                 MODELS_SEEN.append([model.id async for model in client.models.list()])
             for turn in range(self.config.turns):

@@ -114,8 +114,10 @@ def wire_messages(messages) -> Messages:
 class GyreModelCalls:
     """One episode's model calls: a verifiers `Client` whose turns go through a Gyre `ModelClient`.
 
-    Records every Gyre `Turn` (with the policy versions that produced it) and the first transport failure, so the
-    adapter can report versions per sample and tell a Gyre inference failure from an environment bug.
+    Records every Gyre `Turn` (with the policy versions that produced it) and a transport failure the harness did not
+    recover from (a later call that is answered clears it, as verifiers clears its session's error), so the adapter
+    can report versions per sample and tell a Gyre inference failure from an environment bug. A failure the harness's
+    SDK retried past discarded the whole episode, every turn of it sound, to be generated again.
     """
 
     def __init__(self, client: ModelClient, sampling: SamplingParams, warned: set[str] | None = None) -> None:
@@ -148,8 +150,9 @@ class GyreModelCalls:
             self.context_full = True
             raise ProviderError(f"{CONTEXT_FULL}: {exc}", status_code=400) from exc
         except Exception as exc:  # the harness sees an HTTP error; the adapter re-raises the original
-            self.failure = self.failure or exc
+            self.failure = exc
             raise ProviderError(f"gyre inference failed: {exc}", status_code=502) from exc
+        self.failure = None
         self.turns.append(turn)
         message = turn.assistant_message()
         calls = [ToolCall(id=c["id"] or f"call_{i}", name=c["function"]["name"], arguments=c["function"]["arguments"])

@@ -245,6 +245,29 @@ async def test_an_inference_failure_is_raised_not_hidden(sampling):
 
 
 @pytest.mark.asyncio
+async def test_an_inference_failure_the_harness_retried_past_keeps_the_episode(sampling):
+    """The harness's SDK asks a 502 again; answered, the episode goes on and is sound (verifiers clears the session's
+    error on the next exchange). It was raised all the same: the whole episode generated again. Unrecovered, it is
+    raised (the test above)."""
+
+    class Blip(ScriptedClient):
+        async def chat(self, messages, *, tools=None, sampling):
+            if not self.failed:
+                self.failed = True
+                raise ConnectionError("replica blipped")
+            return await super().chat(messages, tools=tools, sampling=sampling)
+
+    harness = {"id": "vf_gyre_tasks", "turns": 1, "tools": False, "sdk_retries": 1}
+    env = load_environment(NAME, taskset={"source": "reverse_text", "num_tasks": 8}, agent={"harness": harness},
+                           num_eval=2)  # fmt: skip
+    client = Blip(["olleh"])
+    client.failed = False
+    _, rollout, _ = await rollout_of(env, client, sampling)
+    assert client.failed and rollout.error is None and rollout.stop_reason == "done" and rollout.num_turns == 1
+    assert sampled(rollout) == encode("olleh") + [2] and rollout.state["branches"] == 1
+
+
+@pytest.mark.asyncio
 async def test_a_non_finite_verifiers_reward_scores_zero_and_is_named(sampling):
     """verifiers keeps any float a reward returns; a NaN reached Score.reward (and the advantages) unchecked."""
     from verifiers.v1.trace import Reward
