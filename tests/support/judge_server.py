@@ -11,6 +11,8 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -21,10 +23,10 @@ class ScriptedServer:
     """On `port` (default: a free one): /v1/models (first the answers of `models_script`), /v1/chat/completions
     (replies from `script`: text, ("sleep", s, text), ("length", text) (cut at max_tokens), ("status", code[,
     headers]), ("raw", body, content type) (a body as given, e.g. broken JSON) or ("trickle", seconds, text) (a space
-    every 0.1 s for `seconds`, then the answer: each read is quick, the whole answer slow)), /tokenize (one token per
-    character), /classify (score = number of tokens / 10; a 400 for an input longer than `max_len`; first the
-    bodies of `classify_script`). Records every request. `base`: where the OpenAI routes are (/v1beta/openai: as
-    Gemini serves them)."""
+    every 0.1 s for `seconds`, then the answer: each read is quick, the whole answer slow); first `reply_for`'s reply
+    to what is asked, when it gives one), /tokenize (one token per character), /classify (score = number of tokens /
+    10; a 400 for an input longer than `max_len`; first the bodies of `classify_script`). Records every request.
+    `base`: where the OpenAI routes are (/v1beta/openai: as Gemini serves them)."""
 
     def __init__(self, port: int = 0, base: str = "/v1"):
         self.script: list = []
@@ -33,6 +35,8 @@ class ScriptedServer:
         self.max_len: int | None = None  # /classify refuses a longer input (400), as a real server's context
         self.classify_script: list[str] = []  # raw JSON bodies /classify answers first (a misbehaving server)
         self.models_script: list[tuple] = []  # (body, content type[, status]) /v1/models answers first
+        #: the last message's content -> the chat reply (an action as in `script`), or None for the script's next
+        self.reply_for: Callable[[str], Any] | None = None
         app = FastAPI()
 
         @app.get(f"{base}/models")
@@ -47,7 +51,9 @@ class ScriptedServer:
             body = await request.json()
             self.requests.append(("chat", body))
             self.auth.append(request.headers.get("authorization"))
-            action = self.script.pop(0) if self.script else "5"
+            # a reply chosen by what is asked (concurrent calls take the script's replies in no set order)
+            chosen = self.reply_for(body["messages"][-1]["content"]) if self.reply_for else None
+            action = chosen if chosen is not None else self.script.pop(0) if self.script else "5"
             if isinstance(action, tuple) and action[0] == "sleep":
                 await asyncio.sleep(action[1])
                 action = action[2]

@@ -216,7 +216,7 @@ def overview() -> db.Dashboard:
                 ),
             ],  # fmt: skip
             "Calls per second to the models a run takes signals from, by outcome, and samples whose scoring "
-            "failed after every retry (generated and scored again).",
+            "failed after every retry (the same completion scored again).",
             width=6,
             minimum=0,
         ),

@@ -10,9 +10,11 @@ A `Judge` renders its prompt from the task and the rollout, asks an OpenAI-compa
 timeouts, retries, bounded concurrency, counted) and reads a score from the reply: a number (divided by
 `max_score`), a choice (word -> reward) or a JSON object's key. Identical calls (same messages, model and
 sampling) are answered once: from an LRU cache, and shared while in flight. A reply without a readable score, or
-cut at `max_tokens` (finish_reason "length": its verdict never came), is asked again (counted as `unparsed`);
-when every attempt fails the judge raises `ScoringError`, which the rubric lets through and the orchestrator
-counts and retries: a failed judge is never a silent 0.
+cut at `max_tokens` (finish_reason "length": its verdict never came), is asked again (counted as `unparsed`).
+When every attempt fails for the server (no answer, no text) the judge raises `ScoringError`, which the rubric lets
+through and the orchestrator counts and scores again: a failed judge is never a silent 0. When every reply came and
+none held a verdict, that completion is `Unjudged` (counted as `unreadable`, below), and `MAX_UNREADABLE_IN_A_ROW`
+such completions in a row are a `ScoringError` (a judge whose `score` or `choices` are not what it writes).
 
 A rendered prompt longer than the judge's context (a long completion) is refused (400 `context_length_exceeded`,
 413): the prompt is rendered again with its longest fields cut in the middle, a marker in their place saying so to
@@ -52,7 +54,7 @@ from typing import Any
 import openai
 
 from gyre.config.endpoint import JudgeConfig, RewardModelConfig
-from gyre.endpoint import Endpoint, EndpointError, RequestRefused
+from gyre.endpoint import MAX_REFUSED_IN_A_ROW, Endpoint, EndpointError, RequestRefused
 from gyre.envs.inflight import InFlight
 from gyre.envs.parsers import strip_reasoning
 from gyre.envs.types import Messages, ScoringError
@@ -175,6 +177,9 @@ _PROMPT_TOKENS = [re.compile(r"(\d+) (?:tokens )?in the messages", re.IGNORECASE
                   re.compile(r"prompt \(length (\d+)\)", re.IGNORECASE)]  # fmt: skip
 _REQUESTED = re.compile(r"requested (\d+) tokens", re.IGNORECASE)
 _TOO_LONG = re.compile(r"context.length|too long|too many tokens|maximum (?:context|model) length", re.IGNORECASE)
+#: completions in a row whose every reply held no readable verdict before the judge is taken as misconfigured (its
+#: `score`, `choices` or prompt not what it writes) and the run stops: as many as refusals in a row
+MAX_UNREADABLE_IN_A_ROW = MAX_REFUSED_IN_A_ROW
 #: how often a prompt is cut again when the judge still refuses it (each cut from its new count of tokens)
 MAX_CUTS = 3
 #: the fewest characters of a cut field kept (beside its marker): less is no cut but a loss of the field
@@ -358,6 +363,7 @@ class Judge:
         self.stats: Counter[str] = self.endpoint.stats
         self._cache: OrderedDict[str, float] = OrderedDict()
         self._inflight = InFlight()
+        self._unreadable_in_a_row = 0  # completions with no readable verdict since the last readable one
 
     async def __call__(self, prompt: Messages, completion: Messages, answer: str) -> float:
         fields = fields_of(prompt, completion, answer)
@@ -383,20 +389,38 @@ class Judge:
         return value
 
     async def _grade(self, fields: dict[str, str], messages: list[dict]) -> float:
-        problem = ""
+        problem, readable = "", False  # readable: the judge answered text, which held no verdict
         for _ in range(self.config.retries + 1):
             reply, cut, fields, messages, problem = await self._answer(fields, messages)
             if reply is not None:
+                readable = readable or bool(reply.strip())  # an empty answer is the server's, as no answer
                 if cut:  # its verdict never came: the last number of a reasoning cut short is not a score
                     problem = f"the reply was cut at max_tokens = {self.config.max_tokens} (raise it): {reply[-200:]!r}"
                     self.stats["unparsed"] += 1
                     continue
                 try:
-                    return parse_score(self.config, reply)
+                    score = parse_score(self.config, reply)
                 except ValueError as error:
                     problem = f"{error}: {reply[:200]!r}"
+                else:
+                    self._unreadable_in_a_row = 0
+                    return score
             self.stats["unparsed"] += 1
-        raise ScoringError(f"judge {self.config.name!r}: no score after {self.config.retries + 1} replies ({problem})")
+        message = f"judge {self.config.name!r}: no score after {self.config.retries + 1} replies ({problem})"
+        if not readable:  # no text at all: the server's fault, scored again by the orchestrator
+            raise ScoringError(message)
+        # The judge read this completion and gave no verdict (a refusal, a ramble, a verdict it never finished): this
+        # completion's, as a refused request is. It was a ScoringError, so the sample was generated again and the
+        # completions that confuse a judge never reached training; scored again, a judge at temperature 0 answers
+        # alike. It is Unjudged: 0 for this function, named in Score.errors, counted (unreadable, reward_errors).
+        # A judge no reply of which is readable (score or choices not what it writes) stops the run instead.
+        self.stats["unreadable"] += 1
+        self._unreadable_in_a_row += 1
+        if self._unreadable_in_a_row >= MAX_UNREADABLE_IN_A_ROW:
+            raise ScoringError(f"{message}; {self._unreadable_in_a_row} completions in a row had no readable verdict: "
+                               "check the judge's score, choices, max_score and prompt (docs/environments.md, "
+                               "Reading a judge's number)")  # fmt: skip
+        raise Unjudged(f"{message} (scored 0 for this sample: its verdict was unreadable)")
 
     async def reply(self, fields: dict[str, str]) -> str:
         """The judge's reply, as text, to its prompt filled with `fields` (verifiers' `JudgeRubric.judge`: its reward

@@ -150,8 +150,9 @@ class OrchestratorMetrics:
             "gyre_orchestrator_signal_calls_total",
             "Calls to the models a run takes signals from (judges, reward models, the teacher) by signal name and "
             "outcome: requests, ok, retries, timeouts, errors, failures (after every retry), refused (400/413/422: "
-            "that request's content), cache_hits, unparsed, skipped / cut (teacher: samples trained without a "
-            "distillation term / without one on their last token).",
+            "that request's content), cache_hits, unparsed, unreadable (samples with no readable verdict: "
+            "unjudged, 0), skipped / cut (teacher: samples trained without a distillation term / without one on "
+            "their last token).",
             (*run, "signal", "outcome"),
             r,
         )

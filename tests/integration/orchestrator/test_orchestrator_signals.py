@@ -178,6 +178,42 @@ async def test_a_completion_whose_judge_failed_is_scored_again_not_generated_aga
     assert len(asked) == 9  # 8 samples, one asked twice: nothing generated again
 
 
+async def test_a_completion_the_judge_gives_no_verdict_on_is_trained_on_scored_0_and_counted(
+    tmp_path, redis_url, unique_run_id, replicas, tiny_model
+):
+    """A judge that answers one completion with no readable verdict (here it declines, twice: retries = 1) failed
+    its scoring, and the sample was generated again: a completion that confuses the judge was never trained on. It
+    is trained on now, the judge's 0 named in its dumped details, counted in reward_errors and in the judge's
+    `unreadable`, and nothing is generated or scored again."""
+    from gyre_orchestrator.service import OrchestratorService
+
+    first: list[str] = []
+
+    def decline_the_first(response: str) -> str | None:  # the first completion asked about, every time; else "5"
+        first[:] = first or [response]
+        return "I cannot grade this." if response == first[0] else None
+
+    with ScriptedServer() as judge:
+        judge.reply_for = decline_the_first
+        judges = [{"name": "judge", "url": judge.url, "model": "judge-model", "prompt": "{response}", "retries": 1,
+                   "startup_timeout_s": 0, "cache_size": 0}]  # fmt: skip
+        cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
+                                  advantage={"drop_zero_signal": False}, sampling={"seed": 3})  # fmt: skip
+        service = OrchestratorService(cfg)
+        service.rescore_backoff_s = 0.05
+        assert await asyncio.wait_for(service.run(), timeout=120) == 0
+        asked = [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
+    records = dump(cfg)
+    declined = [r for r in records if r["rewards"]["judge"] == 0.0]
+    assert len(records) == 8 and len(declined) == 1 and len(asked) == 9  # 8 samples, the declined one asked twice
+    assert declined[0]["completion"][-1]["content"] == first[0] and asked.count(first[0]) == 2
+    assert "verdict was unreadable" in declined[0]["details"]["reward_errors"]["judge"]
+    assert all(r["rewards"]["judge"] == 0.5 for r in records if r is not declined[0])
+    event = events(cfg)[0]
+    assert event["reward_errors"] == {"judge": 1} and event["signals"]["judge"]["unreadable"] == 1
+    assert event["scoring_failures"] == 0 and event["failed_rollouts"] == 0
+
+
 async def test_a_judge_still_starting_is_waited_for_before_the_first_rollout(
     tmp_path, redis_url, unique_run_id, replicas, tiny_model, caplog
 ):
