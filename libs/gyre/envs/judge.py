@@ -268,9 +268,10 @@ def _json_value(reply: str, key: str) -> Any:
 # The choice mode's verdict rule (docs/environments.md, "Reading a judge's choice"). A choice right after a verdict
 # label ("Verdict: incorrect", "the final answer is yes") is the verdict, the last such one; else the first choice
 # the reply names (judges lead with it: "Incorrect. The correct answer is 5"). A negated choice ("not correct",
-# "isn't entirely correct") is no vote for it: with two choices it is the other one, with more no verdict. It read as
-# the choice it negates: "The response is not correct." rewarded 1.
-_NEGATED = re.compile(r"(?:\b(?:not|never)|n't)[\s*_`\"']+(?:(?:quite|\w+ly)[\s*_`\"']+)?$", re.IGNORECASE)
+# "isn't entirely correct", "cannot be correct") is no vote for it: with two choices it is the other one, with more
+# no verdict. It read as the choice it negates: "The response is not correct." rewarded 1.
+_NEGATED = re.compile(r"(?:\b(?:not|never|cannot)|n't)[\s*_`\"']+(?:be[\s*_`\"']+)?(?:(?:quite|\w+ly)[\s*_`\"']+)?$",
+                      re.IGNORECASE)  # fmt: skip
 _VERDICT = re.compile(r"\b(?:verdict|judge?ment|decision|conclusion|answer|grade|label|assessment)\b[^\w\n]*"
                       r"(?:\bis\b[^\w\n]*)?$", re.IGNORECASE)  # fmt: skip
 

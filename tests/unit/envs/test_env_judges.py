@@ -117,6 +117,8 @@ CORRECT = {"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}
         ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "Not correct. The correct one is 5", 0.0),
         ({"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}, "It is **not** incorrect.", 1.0),
         ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "The answer is not yes.", 0.0),
+        (CORRECT, "The response cannot be correct: it is abc.", 0.0),
+        (CORRECT, "It can't be entirely correct", 0.0),
         # a labelled verdict over the first choice named (the reference's "correct answer" was read as the verdict)
         (CORRECT, "It says 7 but the correct answer is 5. Verdict: **incorrect**", 0.0),
         (CORRECT, "Incorrect at first sight? The steps check out, so the final answer is: correct", 1.0),
