@@ -132,18 +132,20 @@ def copy_tokenizer_files(base_model: Path | str, folder: Path) -> list[str]:
 
 def base_folder(base_model: Path | str) -> Path | None:
     """The folder `base_model`'s files are read from: itself, or a hub id's snapshot in the hub cache (where the
-    trainer loaded it from; no request to the hub), or None when the cache has no snapshot of it. A hub id's
-    tokenizer once went through `AutoTokenizer.save_pretrained`, which leaves `generation_config.json` out: the
-    published and exported models lost the end-of-turn ids it lists (Gemma's `<end_of_turn>`), so a server of
-    them never stopped at the end of a turn."""
+    trainer loaded it from; no request to the hub), or None when the cache holds no snapshot of it with its
+    tokenizer (transformers then fetches it). A hub id's tokenizer once went through `AutoTokenizer.save_pretrained`,
+    which leaves `generation_config.json` out: the published and exported models lost the end-of-turn ids it lists
+    (Gemma's `<end_of_turn>`), so a server of them never stopped at the end of a turn."""
     if Path(base_model).is_dir():
         return Path(base_model)
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(base_model), local_files_only=True))
+        snapshot = Path(snapshot_download(str(base_model), local_files_only=True))
     except Exception:  # not in the cache (or not a hub id): transformers resolves it
         return None
+    has_tokenizer = any((snapshot / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    return snapshot if has_tokenizer else None
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
