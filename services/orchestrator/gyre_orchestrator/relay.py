@@ -112,9 +112,10 @@ class WeightRelay:
         # replica url -> (step, until): the replica refused version `step` (FAILED_PRECONDITION: it answered, checked
         # the version and kept serving its own): not asked for that step again before `until` (monotonic)
         self._refused: dict[str, tuple[int, float]] = {}
-        # replica url -> (step, reason): its refusal of `step` for good (INVALID_ARGUMENT); every replica's for the
-        # target is the run's end (`failed`), where the run otherwise waited for that version for ever
-        self._incompatible: dict[str, tuple[int, str]] = {}
+        # replica url -> ((step, digest), reason): its refusal of that version for good (INVALID_ARGUMENT); every
+        # replica's for the target is the run's end (`failed`), where the run otherwise waited for it for ever. The
+        # digest too: a step republished with other files (a rewind) is another version, not refused yet
+        self._incompatible: dict[str, tuple[tuple[int, str], str]] = {}
         self.failure: WeightsRefused | None = None
         self._failed = asyncio.Event()
         self._last_probe = float("-inf")
@@ -224,9 +225,11 @@ class WeightRelay:
         raise self.failure
 
     def _check_refused(self) -> None:
-        step = self.latest_step
+        if self.target is None:
+            return
+        step, version = self.target.step, (self.target.step, self.target.digest)
         refusals = [self._incompatible.get(r.url) for r in self.replicas]
-        if self.failure is not None or not refusals or any(x is None or x[0] != step for x in refusals):
+        if self.failure is not None or not refusals or any(x is None or x[0] != version for x in refusals):
             return
         url = next(r.url for r in self.replicas)
         what = f"adapter {self.model!r}" if self.model else "the model they serve"
@@ -442,10 +445,10 @@ class WeightRelay:
             log.warning("UpdateWeights(%d) on %s failed: %s", step, replica.url, error)
             if incompatible:
                 break
-        if incompatible:
+        if incompatible and target is not None:
             # stays in rotation on its version, as a refusal below; sent the version again after the pause (a replica
             # restarted on the right model takes it), a newer one at once. Every replica refusing it: the run ends
-            self._incompatible[replica.url] = (step, error)
+            self._incompatible[replica.url] = ((step, target.digest), error)
             self._refused[replica.url] = (step, time.monotonic() + self.backoff_s * 2**self.retries)
             log.error("replica %s refused weights version %d for good: %s", replica.url, step, error)
             self._check_refused()

@@ -493,6 +493,37 @@ async def test_weights_every_replica_refuses_for_good_end_the_run_once_no_replic
             await close_replica_clients(list(replica_set))
 
 
+async def test_a_refusal_for_good_is_of_the_files_refused_not_of_their_step(tmp_path, start_inference, tiny_model):
+    """A step republished with other files (a rewinding trainer) is another version: the replica's refusal of the old
+    files is no refusal of it. The relay compared steps alone and stopped the run once the replica that was down
+    left, although the replica had not been sent the new files yet (it takes them after its pause)."""
+    replica = start_inference()
+    down = free_port()
+    store = WeightStore(tmp_path / "weights")
+    endpoints = static_endpoints([replica.url, f"http://127.0.0.1:{down}"], [replica.control, f"127.0.0.1:{down}"], 0)
+    replica_set = ReplicaSet(endpoints, cooldown_s=600.0)
+    known = replica_set.replicas[replica.url]
+    relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), retries=2, backoff_s=0.5,
+                        probe_interval_s=1.0, poll_store_s=600.0)  # fmt: skip
+    failed = asyncio.create_task(relay.failed())
+    try:
+        await relay.start()
+        relay.notify(store.publish(1, unfit(tiny_model)))
+        deadline = asyncio.get_running_loop().time() + 60
+        while (updater := relay._updaters.get(known.url)) is None:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(asyncio.shield(updater), timeout=60)
+        assert relay.notify(publish_weights(store, 1, tiny_model))  # step 1 again, files that fit
+        replica_set.set_endpoints([known.endpoint])  # the replica that was down leaves
+        assert await relay.wait_served(1, timeout=60) and replica.status().step == 1
+        assert not failed.done()
+    finally:
+        failed.cancel()
+        await relay.stop()
+        await close_replica_clients(list(replica_set))
+
+
 async def test_a_run_whose_weights_every_replica_refuses_stops_with_the_reason(
     tmp_path, redis_url, unique_run_id, replicas, tiny_model
 ):
