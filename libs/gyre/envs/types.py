@@ -287,6 +287,10 @@ class ScoringError(RuntimeError):
     its retries, or its answer held no score. Rubrics let it through (it is never a silent 0): the orchestrator
     counts it and scores the same completion again (`sample_attempts`, then the run stops)."""
 
+    #: False where this completion cannot be scored again on its own (verifiers scores inside its episode, and the
+    #: failure is recorded with the trace): the orchestrator generates the sample again instead
+    rescorable: bool = True
+
 
 @dataclass(frozen=True, kw_only=True)
 class Score:

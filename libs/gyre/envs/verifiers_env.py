@@ -23,7 +23,8 @@ template tokens between turns are masked out) and `logprobs`; the policy version
 the reward is the trace's weighted reward (`Score.per_function` holds each named reward; a NaN or inf one counts 0
 and is named in `Score.errors`, and so does a reward that raised: verifiers records it as a TaskError "scoring: ...",
 which here is no rollout error; but a judge's client whose server failed, "scoring: APIConnectionError" (a timeout,
-a 5xx, a 429), is a `ScoringError`, scored again as a Gyre judge's failure), plus the weighted scores of the judges
+a 5xx, a 429), is a `ScoringError`, counted as a Gyre judge's failure; not `rescorable`, verifiers having scored
+inside the episode, so the sample is generated again), plus the weighted scores of the judges
 and reward models the run joins to the environment's Gyre rubric (`[[orchestrator.judges]]`; a name verifiers uses
 too is reported as `gyre:<name>`). A second branch (a turn whose prompt no longer extended the recorded tokens, or
 compaction) is dropped and the rollout marked "drift". An episode that raised (task, harness or env code) comes back
@@ -395,8 +396,11 @@ class VerifiersEnv(Environment):
         if trace is None:
             return Score(reward=0.0, per_function={})
         served = [e for e in rollout.state.get("scoring_errors") or [] if _JUDGE_SERVER_FAILED.search(e)]
-        if served:  # the judge's server, not the reward: scored again, as a Gyre judge's failure (never a 0)
-            raise ScoringError(f"a verifiers judge's server failed: {served[0]}")
+        if served:  # the judge's server, not the reward: never a 0. verifiers scored inside the episode, so asking
+            # score() again reads the same failure (re-scoring stopped the run): the sample is generated again
+            failure = ScoringError(f"a verifiers judge's server failed: {served[0]}")
+            failure.rescorable = False
+            raise failure
         own = await self.rubric.score(task, rollout) if self.rubric.funcs else None
         # verifiers keeps whatever float a reward returned: a NaN or inf one counts 0 and is named, as in a Gyre
         # Rubric, so it never reaches the advantages (a NaN there poisons the whole batch's loss).

@@ -225,7 +225,7 @@ async def evaluate(
 
     `progress(done, total)` is called once before the first sample and after each one (`gyre eval`'s bar)."""
     from gyre_orchestrator.client import SetupRefused
-    from gyre_orchestrator.rescoring import scored_again
+    from gyre_orchestrator.rescoring import ScoringFailed, scored_again
 
     if num_examples < 1 or k < 1 or attempts < 1:
         raise ValueError("num_examples, k and attempts must be >= 1")
@@ -244,7 +244,7 @@ async def evaluate(
             progress(done, count * k)
 
     async def attempt(i: int, j: int, retry: int):
-        """Sample j of task i (not yet scored); None when it came from a version older than `min_version`.
+        """Sample j of task i, scored; None when it came from a version older than `min_version` (not scored).
         `retry`: the failed attempts before this one."""
         # with a seed, its own one, the same at every version evaluated (common random numbers: the difference
         # between two versions is less noisy than either score); a retry after a failure its own too: with the
@@ -256,7 +256,12 @@ async def evaluate(
         if rollout.policy_version_min < min_version:  # a replica restarted on older weights, not yet known as such
             log.debug("eval of version %d: dropped a sample of version %d", min_version, rollout.policy_version_min)
             return None
-        return rollout
+        # a failed judge or reward model: this completion is scored again, as in training (ScoringFailed ends the
+        # eval); generating another left the samples a judge failed on out of the score. One scored inside its
+        # episode (verifiers: not `rescorable`) raises at once and is generated again below.
+        score = await scored_again(lambda: env.score(tasks[i], rollout), attempts=attempts,
+                                   what=f"eval: sample {j} of task {tasks[i].id}")  # fmt: skip
+        return rollout, score
 
     async def one(i: int, j: int):
         nonlocal failed, stale
@@ -268,7 +273,9 @@ async def evaluate(
                 overlong[i] = e
                 advanced()
                 return None
-            except SetupRefused:  # a refused key or model: every sample would be, not generated again
+            # a refused key or model: every sample would be, not generated again; a completion whose scoring failed
+            # on every attempt: generating another would leave it out
+            except (SetupRefused, ScoringFailed):
                 raise
             except Exception as e:  # as in training: generated again, never scored as half an episode
                 failed += 1
@@ -278,17 +285,13 @@ async def evaluate(
                 log.warning("eval: sample %d of task %s failed (%s); generating it again", j, tasks[i].id, e)
                 continue
             if scored is not None:
-                rollout = scored
+                rollout, score = scored
                 break
             stale += 1  # generated again, as a stale training sample is: no failure
             olds += 1
             if olds == STALE_LIMIT:  # not a restart the relay corrects within seconds: replicas that misreport
                 raise EvalFailed(f"eval of version {min_version}: sample {j} of task {tasks[i].id} came from an "
                                  f"older version {olds} times in a row")  # fmt: skip
-        # a failed judge or reward model: this completion is scored again, as in training (ScoringFailed ends the
-        # eval); generating another left the samples a judge failed on out of the score
-        score = await scored_again(lambda: env.score(tasks[i], rollout), attempts=attempts,
-                                   what=f"eval: sample {j} of task {tasks[i].id}")  # fmt: skip
         advanced()
         for name, message in score.errors.items():  # scored 0, never silently (as in training)
             if name not in reward_errors:

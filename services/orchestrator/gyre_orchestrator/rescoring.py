@@ -49,6 +49,8 @@ async def scored_again(
             return await score()
         except (ScoringError, EndpointError) as error:
             on_failure(error)
+            if not getattr(error, "rescorable", True):  # scored inside its episode (verifiers): the caller generates
+                raise  # the sample again
             if attempt == attempts:
                 raise ScoringFailed(f"{what}: scoring failed {attempts} times on the same completion "
                                     f"(sample_attempts = {attempts}): {error}") from error  # fmt: skip

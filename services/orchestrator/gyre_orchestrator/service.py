@@ -32,7 +32,7 @@ from gyre.config.loader import reveal
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.rerun import env_changes
 from gyre.endpoint import wait_all_ready
-from gyre.envs import Rollout, SamplingParams, Task, load_environment
+from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
 from gyre.envs.judge import add_to_rubric, held_by
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, latest_per_step, read_events
 from gyre.metrics import start_metrics_server
@@ -711,7 +711,10 @@ class OrchestratorService:
         # left out of training the completions a signal failed on) nor a silent 0; ScoringFailed stops the run
         again = {"attempts": self.cfg.sample_attempts, "what": f"task {task.id}", "on_failure": failed,
                  "backoff_s": self.rescore_backoff_s}  # fmt: skip
-        score = await scored_again(lambda: env.score(task, rollout), **again)
+        try:
+            score = await scored_again(lambda: env.score(task, rollout), **again)
+        except ScoringError as error:  # not `rescorable` (scored inside a verifiers episode): generated again
+            raise RolloutFailed(f"task {task.id}: scoring failed: {error}") from error
         teacher = await scored_again(lambda: self._teacher_logprobs(rollout), **again)  # the score is kept
         self._note_reward_errors(task, score.errors)
         seconds = time.monotonic() - start

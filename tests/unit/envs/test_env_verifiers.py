@@ -227,8 +227,9 @@ async def test_a_verifiers_judge_whose_server_fails_is_a_scoring_error_not_a_zer
     try:
         rollout = await env.rollout(ScriptedClient(["olleh"]), task, sampling)
         assert rollout.error is None
-        with pytest.raises(ScoringError, match="a verifiers judge's server failed: .*APIConnectionError"):
+        with pytest.raises(ScoringError, match="a verifiers judge's server failed: .*APIConnectionError") as raised:
             await env.score(task, rollout)
+        assert raised.value.rescorable is False  # scored inside the episode: generated again, not scored again
     finally:
         await env.aclose()
 

@@ -608,3 +608,25 @@ def test_an_eval_sample_whose_judge_failed_is_scored_again_not_generated_again(t
         asked = [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
     assert asked == ["AB", "AB"] and client.calls == {"ab": 0}
     assert (result.avg_at_k, result.failed_rollouts, result.rewards_mean["judge"]) == (1.0, 0, 1.0)
+
+
+def test_an_eval_sample_scored_inside_its_episode_is_generated_again_when_its_judge_failed(tmp_path):
+    """verifiers scores inside its episode: a judge server's failure is recorded with the trace, and `score` reads it
+    again however often it is asked (a ScoringError that is not `rescorable`). Scored again like a Gyre judge's, it
+    failed every attempt and the eval; it is generated again, as before."""
+    from gyre.envs import ScoringError
+
+    replies = {"ab": ["no", "AB"]}
+
+    class EpisodeScored(FlakyEnv):
+        async def score(self, task, rollout):
+            if rollout.completion[-1]["content"] == "no":  # the episode whose judge failed: the same failure each time
+                failure = ScoringError("a verifiers judge's server failed: scoring: APIConnectionError")
+                failure.rescorable = False
+                raise failure
+            return await self.env.score(task, rollout)
+
+    env = EpisodeScored(dataset_env(tmp_path, replies), [])
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    result = asyncio.run(evaluate(env, TableClient(replies), env_name="d", num_examples=1, k=1, sampling=sampling))
+    assert (result.avg_at_k, result.failed_rollouts) == (1.0, 1)
