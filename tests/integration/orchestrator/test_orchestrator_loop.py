@@ -420,11 +420,7 @@ async def test_a_replica_that_refuses_a_version_stays_in_rotation_on_its_own(tmp
         try:
             await relay.start()
             relay.notify(replace(publish_weights(store, 1, tiny_model), locator=str(late)))
-            deadline = asyncio.get_running_loop().time() + 60
-            while (updater := relay._updaters.get(known.url)) is None:  # started by the relay's loop
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.05)
-            await asyncio.wait_for(asyncio.shield(updater), timeout=60)  # its two tries, refused
+            await updated(relay, known)  # its two tries, refused
             assert [e["ok"] for e in read_events(events.path)] == [False, False]
             assert "FAILED_PRECONDITION" in read_events(events.path)[0]["error"]
             assert replica_set.in_rotation(known) and replica_set.eligible(0) == [known] and known.version == 0
@@ -449,6 +445,24 @@ def unfit(tiny_model):
     return write
 
 
+def beside_one_down(replica):
+    """A replica set of `replica` and one that does not answer (down: it may serve any model once up); returns the
+    set and `replica`'s entry."""
+    down = free_port()
+    endpoints = static_endpoints([replica.url, f"http://127.0.0.1:{down}"], [replica.control, f"127.0.0.1:{down}"], 0)
+    replica_set = ReplicaSet(endpoints, cooldown_s=600.0)
+    return replica_set, replica_set.replicas[replica.url]
+
+
+async def updated(relay, replica) -> None:
+    """Wait for the relay's loop to start an update of `replica`, then for that update to end."""
+    deadline = asyncio.get_running_loop().time() + 60
+    while (updater := relay._updaters.get(replica.url)) is None:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    await asyncio.wait_for(asyncio.shield(updater), timeout=60)
+
+
 async def test_weights_every_replica_refuses_for_good_end_the_run_once_no_replica_can_take_them(
     tmp_path, start_inference, tiny_model
 ):
@@ -458,11 +472,8 @@ async def test_weights_every_replica_refuses_for_good_end_the_run_once_no_replic
     refused the target so: not while a replica that might take it (here one that is down) is in the set, but as
     soon as it leaves. The old relay sent the version again and again for ever, and the run waited for it."""
     replica = start_inference()
-    down = free_port()
     store = WeightStore(tmp_path / "weights")
-    endpoints = static_endpoints([replica.url, f"http://127.0.0.1:{down}"], [replica.control, f"127.0.0.1:{down}"], 0)
-    replica_set = ReplicaSet(endpoints, cooldown_s=600.0)
-    known = replica_set.replicas[replica.url]
+    replica_set, known = beside_one_down(replica)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
         relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=2,
                             backoff_s=0.5, probe_interval_s=600.0, poll_store_s=600.0)  # fmt: skip
@@ -470,11 +481,7 @@ async def test_weights_every_replica_refuses_for_good_end_the_run_once_no_replic
         try:
             await relay.start()
             relay.notify(store.publish(1, unfit(tiny_model)))
-            deadline = asyncio.get_running_loop().time() + 60
-            while (updater := relay._updaters.get(known.url)) is None:
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.05)
-            await asyncio.wait_for(asyncio.shield(updater), timeout=60)
+            await updated(relay, known)
             (record,) = read_events(events.path)  # one try: no retry can load it
             assert not record["ok"] and "INVALID_ARGUMENT" in record["error"]
             assert replica_set.in_rotation(known) and known.version == 0
@@ -498,22 +505,15 @@ async def test_a_refusal_for_good_is_of_the_files_refused_not_of_their_step(tmp_
     files is no refusal of it. The relay compared steps alone and stopped the run once the replica that was down
     left, although the replica had not been sent the new files yet (it takes them after its pause)."""
     replica = start_inference()
-    down = free_port()
     store = WeightStore(tmp_path / "weights")
-    endpoints = static_endpoints([replica.url, f"http://127.0.0.1:{down}"], [replica.control, f"127.0.0.1:{down}"], 0)
-    replica_set = ReplicaSet(endpoints, cooldown_s=600.0)
-    known = replica_set.replicas[replica.url]
+    replica_set, known = beside_one_down(replica)
     relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), retries=2, backoff_s=0.5,
                         probe_interval_s=1.0, poll_store_s=600.0)  # fmt: skip
     failed = asyncio.create_task(relay.failed())
     try:
         await relay.start()
         relay.notify(store.publish(1, unfit(tiny_model)))
-        deadline = asyncio.get_running_loop().time() + 60
-        while (updater := relay._updaters.get(known.url)) is None:
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.05)
-        await asyncio.wait_for(asyncio.shield(updater), timeout=60)
+        await updated(relay, known)
         assert relay.notify(publish_weights(store, 1, tiny_model))  # step 1 again, files that fit
         replica_set.set_endpoints([known.endpoint])  # the replica that was down leaves
         assert await relay.wait_served(1, timeout=60) and replica.status().step == 1
