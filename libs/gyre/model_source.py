@@ -90,7 +90,10 @@ def check_model_source(name: str, key: str = "model.name", hub: bool = True, hin
                                    f"({', '.join(TOKENIZER_FILES)}); {hint}")  # fmt: skip
         return "local folder"
     if path.exists() and not hub:
-        return "local path"  # a file (vLLM reads a .gguf); loading it reports what is wrong
+        # every backend reads the tokenizer and configs from a folder (gyre_inference.text): a .gguf passed to vLLM
+        # failed after start with "the config file at ... is not a valid JSON file"
+        how = " (`gyre model import FILE --output-dir DIR` makes one of a .gguf file)" if path.suffix == ".gguf" else ""
+        raise ModelUnavailable(f"{key} = {name!r} is a file, not a model folder{how}; {hint}")
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelUnavailable(f"{key} = {name!r}: {path} is not a model folder (no config.json); {hint}")

@@ -86,7 +86,7 @@ def test_a_model_file_given_to_the_torch_backend_is_one_json_record_too(tmp_path
     res = gyre("inference", "--model.name", str(tmp_path / "model.gguf"), "--log.format", "json")
     assert res.returncode == 2
     [record] = records(res.stderr)
-    assert "is a file: the torch backend loads a model folder" in record["message"]
+    assert "is a file, not a model folder (`gyre model import FILE --output-dir DIR`" in record["message"]
 
 
 @pytest.mark.parametrize("fmt", ["json", "text"])

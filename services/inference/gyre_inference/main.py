@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from pathlib import Path
 
 from gyre.config import parse_or_exit
 from gyre.config.inference import InferenceConfig
-from gyre.config.loader import print_startup_error
 from gyre.logging import setup_logging
 
 
@@ -27,10 +25,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if (code := check_service_model(config.model.name, "gyre inference", config=config)) is not None:
         return code  # before any port is bound or torch is imported
-    if config.backend != "vllm" and Path(config.model.name).expanduser().is_file():  # vLLM also reads a .gguf file
-        print_startup_error("gyre inference", f"model.name = {config.model.name!r} is a file: the {config.backend} "
-                            "backend loads a model folder (config.json, tokenizer, weights)", config)  # fmt: skip
-        return 2
     setup_logging(config.log.level, config.log.file, "inference", config.log.format, config.run_id)
     from gyre_inference.service import run_service  # torch and friends load only past argument parsing
 

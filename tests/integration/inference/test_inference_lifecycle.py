@@ -210,6 +210,12 @@ def test_a_model_folder_that_is_not_there_exits_2_before_serving(tmp_path, tiny_
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"gyre inference: error: model.name = '{path}'"), lines
         assert says in lines[0]
+    # a .gguf file with the vLLM backend passed the check ("vLLM reads a .gguf"), then failed after start: the
+    # tokenizer and configs are read from a folder ("the config file at ... is not a valid JSON file", exit 1)
+    (tmp_path / "m.Q4_1.gguf").write_bytes(b"GGUF")
+    result = run_cli("--backend", "vllm", "--model.name", str(tmp_path / "m.Q4_1.gguf"), "--server.port", "0",
+                     "--control.port", "0")  # fmt: skip
+    assert result.returncode == 2 and "is a file, not a model folder (`gyre model import FILE" in result.stderr
     help_text = run_cli("--help").stdout
     assert "lacks config.json, weights or a tokenizer stops the service at start" in " ".join(help_text.split())
 
