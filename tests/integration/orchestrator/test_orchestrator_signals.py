@@ -149,6 +149,21 @@ async def test_a_judge_that_fails_fails_the_scoring_loudly(tmp_path, redis_url, 
     assert failures >= 2
 
 
+async def run_judged_by(judge: ScriptedServer, retries: int, tmp_path, redis_url, run_id, replicas):
+    """One step graded by the scripted `judge` (its reply to `{response}`, no cache, `retries`), a failed scoring
+    scored again at once: the run's config, and the response of each request the judge had, in order."""
+    from gyre_orchestrator.service import OrchestratorService
+
+    judges = [{"name": "judge", "url": judge.url, "model": "judge-model", "prompt": "{response}", "retries": retries,
+               "startup_timeout_s": 0, "cache_size": 0}]  # fmt: skip
+    cfg = orchestrator_config(tmp_path, redis_url, run_id, replicas, max_steps=1, judges=judges,
+                              advantage={"drop_zero_signal": False}, sampling={"seed": 3})  # fmt: skip
+    service = OrchestratorService(cfg)
+    service.rescore_backoff_s = 0.05
+    assert await asyncio.wait_for(service.run(), timeout=120) == 0
+    return cfg, [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
+
+
 async def test_a_completion_whose_judge_failed_is_scored_again_not_generated_again(
     tmp_path, redis_url, unique_run_id, replicas, tiny_model
 ):
@@ -156,18 +171,9 @@ async def test_a_completion_whose_judge_failed_is_scored_again_not_generated_aga
     it failed on never reached training (those a judge struggles with left every batch unseen). The same completion
     is scored again now: the judge is asked twice about it, it is in the batch with the judge's grade, no rollout
     is generated again, and the failure is counted."""
-    from gyre_orchestrator.service import OrchestratorService
-
     with ScriptedServer() as judge:
         judge.script = [("status", 503)]  # the first call fails; every other answers "5"
-        judges = [{"name": "judge", "url": judge.url, "model": "judge-model", "prompt": "{response}", "retries": 0,
-                   "startup_timeout_s": 0, "cache_size": 0}]  # fmt: skip
-        cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
-                                  advantage={"drop_zero_signal": False}, sampling={"seed": 3})  # fmt: skip
-        service = OrchestratorService(cfg)
-        service.rescore_backoff_s = 0.05
-        assert await asyncio.wait_for(service.run(), timeout=120) == 0
-        asked = [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
+        cfg, asked = await run_judged_by(judge, 0, tmp_path, redis_url, unique_run_id, replicas)
     failed_on = asked[0]
     assert asked.count(failed_on) >= 2  # asked again about the same completion
     records = dump(cfg)
@@ -185,8 +191,6 @@ async def test_a_completion_the_judge_gives_no_verdict_on_is_trained_on_scored_0
     its scoring, and the sample was generated again: a completion that confuses the judge was never trained on. It
     is trained on now, the judge's 0 named in its dumped details, counted in reward_errors and in the judge's
     `unreadable`, and nothing is generated or scored again."""
-    from gyre_orchestrator.service import OrchestratorService
-
     first: list[str] = []
 
     def decline_the_first(response: str) -> str | None:  # the first completion asked about, every time; else "5"
@@ -195,14 +199,7 @@ async def test_a_completion_the_judge_gives_no_verdict_on_is_trained_on_scored_0
 
     with ScriptedServer() as judge:
         judge.reply_for = decline_the_first
-        judges = [{"name": "judge", "url": judge.url, "model": "judge-model", "prompt": "{response}", "retries": 1,
-                   "startup_timeout_s": 0, "cache_size": 0}]  # fmt: skip
-        cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_steps=1, judges=judges,
-                                  advantage={"drop_zero_signal": False}, sampling={"seed": 3})  # fmt: skip
-        service = OrchestratorService(cfg)
-        service.rescore_backoff_s = 0.05
-        assert await asyncio.wait_for(service.run(), timeout=120) == 0
-        asked = [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
+        cfg, asked = await run_judged_by(judge, 1, tmp_path, redis_url, unique_run_id, replicas)
     records = dump(cfg)
     declined = [r for r in records if r["rewards"]["judge"] == 0.0]
     assert len(records) == 8 and len(declined) == 1 and len(asked) == 9  # 8 samples, the declined one asked twice
