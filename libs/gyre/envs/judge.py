@@ -429,13 +429,19 @@ class Judge:
         parser answers as the content; a `"yes" in reply` read the thinking's "yes?"). Failures as a score's: the
         server failing after its retries, or
         answering no text `retries + 1` times, is a `ScoringError`; a refusal of this one prompt (after the cuts
-        that fit a long one to the judge's context) is `Unjudged`."""
+        that fit a long one to the judge's context), or replies that hold nothing after their reasoning (all
+        thinking, an unclosed <think>) `retries + 1` times, is `Unjudged` (`unreadable`): that text went to the
+        reward functions as "", which read it as a silent "no"."""
         messages = _messages(self.config, fields)
-        problem = ""
+        problem, thinking = "", False
         for _ in range(self.config.retries + 1):
             reply, cut, fields, messages, problem = await self._answer(fields, messages)
             if reply is None:
                 self.stats["unparsed"] += 1
+                continue
+            if reply.strip() and not strip_reasoning(reply).strip():
+                self.stats["unparsed"] += 1
+                problem, thinking = f"the reply holds nothing after its reasoning: {reply[-200:]!r}", True
                 continue
             if cut:  # the reward functions read what came; the cut is counted and said once
                 self.stats["length"] += 1
@@ -444,7 +450,11 @@ class Judge:
                                 "judge_sampling_args); further ones are only counted", self.config.name,
                                 self.config.max_tokens)  # fmt: skip
             return strip_reasoning(reply)
-        raise ScoringError(f"judge {self.config.name!r}: no reply after {self.config.retries + 1} answers ({problem})")
+        message = f"judge {self.config.name!r}: no reply after {self.config.retries + 1} answers ({problem})"
+        if thinking:  # the judge answered this prompt and gave no reply: this completion's, as in `_grade`
+            self.stats["unreadable"] += 1
+            raise Unjudged(f"{message} (scored 0 for this sample: its verdict was unreadable)")
+        raise ScoringError(message)
 
     async def _answer(
         self, fields: dict[str, str], messages: list[dict]

@@ -118,6 +118,14 @@ async def test_a_judge_rubric_judge_failure_is_reported_as_gyre_judges_report_it
     with pytest.raises(ScoringError, match=r"judge 'judge-model': no reply after 1 answers \(the answer has no text"):
         await env.score(task, rollout)
 
+    # a reply that is all thinking (an unclosed <think>) reached the functions as "": a silent "no". Asked again,
+    # then that rollout's reward error (Unjudged, counted as unreadable), as a Gyre judge's unreadable verdict
+    server.script[:] = ["<think>Paris? Then yes, it may well be"]
+    score = await env.score(task, rollout)
+    assert score.per_function == {"correct_answer_reward_func": 0.0, "decisive_judge": 0.0}
+    assert all("holds nothing after its reasoning" in error for error in score.errors.values()) and score.errors
+    assert env.rubric.gyre_judge.stats["unreadable"] == 1
+
     server.script[:] = [("length", "yes, but")]  # cut at max_tokens: read as it came, counted
     assert (await env.score(task, rollout)).per_function["correct_answer_reward_func"] == 1.0
     assert env.rubric.gyre_judge.stats["length"] == 1
