@@ -175,7 +175,9 @@ class RolloutScheduler:
     `generate(task, floor, key)` returns one scored sample (a `ScoredSample`) from a policy version that
     should be >= floor, for the `RolloutKey` key; it may raise, in which case it is retried `sample_attempts`
     times with backoff before the whole scheduler fails (the caller sees the error from `next_batch`). A
-    `ContextLengthExceeded` is not retried: the task is skipped (see the module's docstring).
+    `ContextLengthExceeded` is not retried: the task is skipped (see the module's docstring). Nor are `SetupRefused`
+    (a refused key or model) and `ScoringFailed` (`generate` scored its completion `sample_attempts` times already,
+    `gyre_orchestrator.rescoring`): the scheduler fails at once.
     `on_finished(sample, stale)` hears of every sample `generate` returned, once, with the admission's verdict.
     """
 
