@@ -303,9 +303,10 @@ class AdvantageConfig(Section):
     )
     mask_truncated: bool = Field(
         False,
-        description="DAPO's overlong filtering: samples cut at the length limit (stop_reason length) are left out of "
-        "the batch, so out of the loss and its normalisers; their group's advantages are still computed over all its "
-        "samples (counted: masked_truncated in the step lines).",
+        description="DAPO's overlong filtering: samples cut at the length limit (stop_reason length) or to "
+        "batch.seq_len (their reward covers tokens the trainer never sees) are left out of the batch, so out of the "
+        "loss and its normalisers; their group's advantages are still computed over all its samples (counted: "
+        "masked_truncated in the step lines).",
     )
 
 

@@ -114,6 +114,7 @@ class OrchestratorService:
         # and those the environments' own code made (a ported verifiers JudgeRubric's): waited for and counted alike
         self.signals.update(held_by(self.envs, self.signals))
         self.scoring_failures = 0
+        self._cut_warned = False  # the first sample of a run cut to batch.seq_len without mask_truncated
         self.reward_errors: dict[str, int] = {}  # reward function -> samples it raised on (scored 0 there)
         self.metrics = metrics or OrchestratorMetrics(cfg.run_id)
         self.sampling = SamplingParams(**cfg.sampling.model_dump())
@@ -760,8 +761,9 @@ class OrchestratorService:
 
         With `records`, also appends each trained sample's rollout-dump line (`gyre.rollouts`) to it.
         With `advantage.mask_truncated`, a sample cut at the length limit is left out of the batch (DAPO's overlong
-        filtering) after its group's advantages were computed over all the group's samples, as DAPO does: out of the
-        loss and of its normalisers (loss tokens, samples), which a zero advantage alone would not be.
+        filtering), and so is one cut to `batch.seq_len` (its reward covers tokens the trainer never sees), after its
+        group's advantages were computed over all the group's samples, as DAPO does: out of the loss and of its
+        normalisers (loss tokens, samples), which a zero advantage alone would not be.
         """
         cfg = self.cfg
         groups = st.kept
@@ -775,7 +777,8 @@ class OrchestratorService:
             for s, a in zip(group.samples, adv, strict=True):
                 r = s.rollout
                 ids, mask, lps = r.token_ids, r.loss_mask, r.logprobs
-                if len(ids) > cfg.batch.seq_len:
+                was_cut = len(ids) > cfg.batch.seq_len
+                if was_cut:
                     # the trainer cannot take it whole: keep the prefix, say so (counted in the event)
                     cut += 1
                     ids, mask, lps = ids[: cfg.batch.seq_len], mask[: cfg.batch.seq_len], lps[: cfg.batch.seq_len]
@@ -805,12 +808,18 @@ class OrchestratorService:
                     meta["overlong_penalty"] = s.overlong_penalty  # `reward` holds it: the rubric's is reward - this
                 sample = TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta, teacher,
                                      scored)  # fmt: skip
-                if cfg.advantage.mask_truncated and r.stop_reason == "length":
+                if cfg.advantage.mask_truncated and (r.stop_reason == "length" or was_cut):
                     masked.append((sample, s))
                     continue
                 samples.append(sample)
                 if records is not None:
                     records.append(rollout_record(st.step, s, meta))
+        if cut and not cfg.advantage.mask_truncated and not self._cut_warned:
+            self._cut_warned = True
+            log.warning("step %d: %d sample(s) longer than batch.seq_len = %d were cut to it and train on their prefix "
+                        "with the whole reply's reward; raise trainer.data.seq_len, lower sampling.max_tokens or set "
+                        "advantage.mask_truncated (counted: truncated_to_seq_len; logged once)", st.step, cut,
+                        cfg.batch.seq_len)  # fmt: skip
         if masked and not samples:
             # every sample was cut at the limit: the step still needs a batch (the trainer waits for it), one with no
             # loss token, whose update the trainer skips (the step counts as trained)

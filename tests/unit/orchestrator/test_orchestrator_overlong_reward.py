@@ -163,6 +163,28 @@ async def test_a_truncated_sample_is_left_out_of_the_loss_the_trainer_gets(tmp_p
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("mask", [False, True])
+async def test_a_sample_cut_to_seq_len_counts_as_truncated(tmp_path, mask, caplog):
+    """A finished reply longer than `batch.seq_len` is cut to it: its reward is the whole reply's, its loss the
+    prefix's. mask_truncated left it in (only `stop_reason` length counted as cut); without it, one warning a run."""
+    cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path), redis={"url": "redis://127.0.0.1:9"},
+                      sampling={"max_tokens": 20}, batch={"seq_len": 16},
+                      advantage={"mask_truncated": mask})  # fmt: skip
+    service = service_of(cfg)
+    for _ in range(2):  # two steps: one warning
+        st = step_of([scored(5, 1.0), scored(6, 0.0), scored(18, 1.0)])  # 3 + 18 tokens: past 16, stop "done"
+        built, packed, cut, masked = service.build_batch(st)
+        counts = loss_tokens_per_sample(decode_batch(encode_batch(packed.batch)))
+        assert cut == 1
+        if mask:
+            assert masked == 1 and sorted(counts.values()) == [5, 6]
+        else:
+            assert masked == 0 and sorted(counts.values()) == [5, 6, 16 - PROMPT]
+    warnings = [r for r in caplog.records if "longer than batch.seq_len = 16" in r.getMessage()]
+    assert len(warnings) == (0 if mask else 1)
+
+
+@pytest.mark.asyncio
 async def test_a_step_whose_samples_were_all_truncated_pushes_a_batch_without_loss_tokens(tmp_path):
     cfg = cfg_of(tmp_path, mask_truncated=True)
     group = [scored(20, 1.0, "length"), scored(20, 0.0, "length")]
