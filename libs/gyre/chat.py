@@ -5,6 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+# apply_chat_template's own arguments: chat_template_kwargs (a request's, the orchestrator's sampling setting) must
+# not override what the request's fields decide (the server refuses them, the orchestrator's config too)
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` as chat templates know them: OpenAI's `developer` role is what templates call `system` (a

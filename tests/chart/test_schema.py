@@ -41,6 +41,9 @@ def walk(node, path="#"):
 # ephemeral volume claim templates) is open in the Kubernetes schema itself.
 OPEN_BY_DESIGN = {
     "#/definitions/gyre.EnvConfig/properties/args",
+    # a chat template's own variables (enable_thinking, ...): whatever the model's template reads
+    "#/definitions/gyre.SamplingConfig/properties/chat_template_kwargs",
+    "#/definitions/gyre.EnvSamplingConfig/properties/chat_template_kwargs/anyOf/0",
     "#/definitions/io.k8s.apimachinery.pkg.apis.meta.v1.FieldsV1",
 }
 

@@ -17,10 +17,29 @@ from pydantic import (
     model_validator,
 )
 
+from gyre.chat import TEMPLATE_ARGUMENTS
 from gyre.config.endpoint import EVAL_STARTUP_TIMEOUT_S, JudgeConfig, RewardModelConfig, TeacherConfig, route_problem
 from gyre.config.loader import GyreSettings, Section, secret_file
 from gyre.config.packing import DEFAULT_SEQ_LEN
 from gyre.config.shared import LogConfig, RedisConfig, ServiceConfig
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs: refused at load when it sets one of apply_chat_template's own arguments (the server
+    refuses each request that does, so every rollout of the run would fail)."""
+    if value and (reserved := sorted(TEMPLATE_ARGUMENTS & set(value))):
+        raise ValueError(
+            f"may not set {', '.join(reserved)}: an argument of apply_chat_template itself, which the request "
+            "decides (chat_template_kwargs holds the template's own variables, e.g. enable_thinking)"
+        )
+    return value
+
+
+def template_kwargs(sampling: EvalSamplingConfig, entry: EnvConfig) -> dict[str, Any]:
+    """The chat_template_kwargs of `entry`'s requests (training and eval): its own sampling.chat_template_kwargs
+    where it sets them (the whole table, not merged), else the orchestrator's `sampling`'s."""
+    own = entry.sampling.chat_template_kwargs
+    return own if own is not None else sampling.chat_template_kwargs
 
 
 class EnvEvalConfig(Section):
@@ -54,6 +73,12 @@ class EnvSamplingConfig(Section):
     max_tokens: int | None = Field(
         None, ge=1, description="Completion tokens per model turn of this entry (default: sampling.max_tokens)."
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="This entry's chat template variables, for its rollouts and evals: replaces (is not merged "
+        "with) sampling.chat_template_kwargs (default: that).",
+    )
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @model_validator(mode="before")
     @classmethod
@@ -62,8 +87,8 @@ class EnvSamplingConfig(Section):
         if isinstance(value, dict) and "temperature" in value:
             raise ValueError(
                 "temperature: the training temperature is the orchestrator's alone (sampling.temperature), since "
-                "the trainer scores a batch at one temperature; an entry may set its own sampling.max_tokens, and "
-                "its eval.temperature"
+                "the trainer scores a batch at one temperature; an entry may set its own sampling.max_tokens and "
+                "sampling.chat_template_kwargs, and its eval.temperature"
             )
         return value
 
@@ -91,7 +116,8 @@ class EnvConfig(Section):
         "rollouts_per_example); batch_size counts groups, so a step's samples vary with the entries drawn.",
     )
     sampling: EnvSamplingConfig = Field(
-        default_factory=EnvSamplingConfig, description="This entry's training sampling (its max_tokens)."
+        default_factory=EnvSamplingConfig,
+        description="This entry's sampling (its max_tokens, its chat_template_kwargs).",
     )
     eval: EnvEvalConfig = Field(
         default_factory=EnvEvalConfig,
@@ -172,6 +198,14 @@ class EvalSamplingConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_tokens: int = Field(128, ge=1, description="Completion tokens per model turn.")
     seed: int | None = Field(None, description="Base seed for requests (None = random).")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the model's chat template, sent with every chat request of rollouts and "
+        "evals (vLLM's chat_template_kwargs), e.g. {enable_thinking = false} for Qwen3; apply_chat_template's own "
+        "arguments (add_generation_prompt, tools, ...) are refused. An entry's sampling.chat_template_kwargs "
+        "replaces it.",
+    )
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
 
 class SamplingConfig(EvalSamplingConfig):

@@ -47,6 +47,8 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 128
     seed: int | None = None
+    # the chat template's own variables (vLLM's chat_template_kwargs, e.g. enable_thinking): they change the prompt
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def for_request(self, *key: int | str) -> SamplingParams:
         """These settings with the seed of one request named by `key` (e.g. step, task index, rollout index).

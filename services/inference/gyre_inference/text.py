@@ -13,7 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from gyre.chat import template_messages
+from gyre.chat import TEMPLATE_ARGUMENTS, template_messages
 from gyre.eos import end_of_turn_ids
 
 from gyre_inference.errors import APIError
@@ -68,7 +68,7 @@ class ModelText:
 
         messages = template_messages(messages)  # developer -> system, text parts -> text, as `gyre sft` renders
         template_kwargs = template_kwargs or {}
-        if reserved := sorted(_TEMPLATE_ARGUMENTS & set(template_kwargs)):
+        if reserved := sorted(TEMPLATE_ARGUMENTS & set(template_kwargs)):
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (request fields do)",
                            param="chat_template_kwargs")  # fmt: skip
         if continue_final_message and messages[-1].get("role") != "assistant":
@@ -242,11 +242,3 @@ def refuse_surrogates(value, param: str) -> None:
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
             refuse_surrogates(item, f"{param}.{i}")
-
-
-# apply_chat_template's own arguments: chat_template_kwargs must not override what request fields decide
-_TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})  # fmt: skip

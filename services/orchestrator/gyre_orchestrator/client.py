@@ -198,6 +198,8 @@ class InferenceClient:
             request["seed"] = derive_seed(sampling.seed, "turn", len(messages))
         if tools:
             request["tools"] = tools
+        if sampling.chat_template_kwargs:
+            request["chat_template_kwargs"] = sampling.chat_template_kwargs
         if self.priority is not None:
             request["priority"] = self.priority
         self.demand["queued"] += 1

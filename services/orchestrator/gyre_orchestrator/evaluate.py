@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
 from gyre.config.loader import reveal
+from gyre.config.orchestrator import template_kwargs
 from gyre.endpoint import READY_LOG_S, READY_POLL_S
 from gyre.envs import ContextLengthExceeded, Environment, SamplingParams, Task
 from gyre.envs.types import ModelClient
@@ -357,13 +358,14 @@ def eval_sampling(cfg, entry) -> SamplingParams:
     """Eval sampling of `entry` (one of `cfg.envs`): the train sampling settings with the eval temperature, each
     one the entry's own where it sets it (PRIME-RL's eval sources sample by their own settings: a math entry's 512
     tokens beside a short-answer entry's 32). max_tokens: its eval.max_tokens, else its training length (its
-    sampling.max_tokens, else the orchestrator's)."""
+    sampling.max_tokens, else the orchestrator's); chat_template_kwargs: as its training rollouts'."""
     temperature = entry.eval.temperature if entry.eval.temperature is not None else cfg.eval.temperature
     return SamplingParams(
         temperature=temperature,
         top_p=cfg.sampling.top_p if temperature > 0 else 1.0,
         max_tokens=entry.eval.max_tokens or entry.sampling.max_tokens or cfg.sampling.max_tokens,
         seed=cfg.sampling.seed,
+        chat_template_kwargs=template_kwargs(cfg.sampling, entry),
     )
 
 

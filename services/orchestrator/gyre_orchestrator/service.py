@@ -29,7 +29,7 @@ import numpy as np
 import redis
 from gyre.codec import CodecError, encode_batch
 from gyre.config.loader import reveal
-from gyre.config.orchestrator import OrchestratorConfig
+from gyre.config.orchestrator import OrchestratorConfig, template_kwargs
 from gyre.config.rerun import env_changes
 from gyre.endpoint import wait_all_ready
 from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
@@ -119,9 +119,12 @@ class OrchestratorService:
         self.metrics = metrics or OrchestratorMetrics(cfg.run_id)
         self.sampling = SamplingParams(**cfg.sampling.model_dump())
         # label -> its training sampling: the orchestrator's, with an entry's own sampling.max_tokens (a mix of a
-        # math entry's long answers beside short ones); the temperature is one for the whole batch
-        self.entry_sampling = {entry.key: dataclasses.replace(self.sampling, max_tokens=cfg.max_tokens(entry))
-                               for entry in cfg.envs}  # fmt: skip
+        # math entry's long answers beside short ones) and chat_template_kwargs; the temperature is one for the batch
+        self.entry_sampling = {
+            entry.key: dataclasses.replace(self.sampling, max_tokens=cfg.max_tokens(entry),
+                                           chat_template_kwargs=template_kwargs(cfg.sampling, entry))
+            for entry in cfg.envs
+        }  # fmt: skip
         self.events = EventLog(events_dir(self.out) / ORCHESTRATOR_STEPS)
         self.eval_events = EventLog(events_dir(self.out) / EVAL)
         self.relay_events = EventLog(events_dir(self.out) / WEIGHT_RELAY)

@@ -238,6 +238,11 @@ def test_a_table_option_over_a_mix_is_refused_not_taken_for_one_environment(tmp_
         ({"env": [{"name": "reverse_text", "sampling": {"temperature": 0.7}}]}, "env.0.sampling",
          "the training temperature is the orchestrator's alone"),
         ({"env": [{"name": "reverse_text", "sampling": {"top_k": 5}}]}, "env.0.sampling.top_k", "unknown key"),
+        # apply_chat_template's own arguments: the server refuses each request setting one (every rollout failed)
+        ({"sampling": {"chat_template_kwargs": {"enable_thinking": False, "add_generation_prompt": False}}},
+         "sampling.chat_template_kwargs", "may not set add_generation_prompt"),
+        ({"env": [{"name": "reverse_text", "sampling": {"chat_template_kwargs": {"tools": [], "tokenize": True}}}]},
+         "env.0.sampling.chat_template_kwargs", "may not set tokenize, tools"),
     ],
 )  # fmt: skip
 def test_an_entry_s_own_group_size_and_eval_settings_are_checked_naming_the_key(values, key, message):
@@ -293,6 +298,35 @@ def test_an_entry_s_sampling_lengths_and_eval_temperature_default_to_the_orchest
     plan = eval_plan(load_config(GyreEvalConfig, ["@", str(path)]))
     assert [p.sampling.max_tokens for p in plan.values()] == [512, 32, 64]
     assert [p.sampling.temperature for p in plan.values()] == [0.0, 0.6, 0.0]
+
+
+def test_an_entry_s_chat_template_kwargs_replace_the_orchestrator_s_in_its_rollouts_and_evals(tmp_path):
+    """sampling.chat_template_kwargs go with every request of an entry, training and eval; an entry's own table
+    replaces them (not merged: an entry can drop a variable), as its max_tokens does."""
+    from gyre_orchestrator.evaluate import eval_plan
+    from gyre_orchestrator.service import OrchestratorService
+
+    path = tmp_path / "mix.toml"
+    path.write_text(
+        f'output_dir = "{tmp_path / "run"}"\n'
+        "[sampling.chat_template_kwargs]\nenable_thinking = false\nreasoning = 'low'\n\n"
+        '[[env]]\nname = "arithmetic"\nlabel = "math"\nsampling = { chat_template_kwargs = { reasoning = "high" } }\n\n'
+        '[[env]]\nname = "reverse_text"\nlabel = "short"\n'
+    )
+    cfg = load_config(OrchestratorConfig, ["@", str(path)])
+    expected = {"math": {"reasoning": "high"}, "short": {"enable_thinking": False, "reasoning": "low"}}
+
+    async def main():  # the service is made inside an event loop, as `gyre orchestrator` makes it
+        service = OrchestratorService(cfg)
+        service.redis.close()
+        return service.entry_sampling
+
+    assert {key: s.chat_template_kwargs for key, s in asyncio.run(main()).items()} == expected
+    assert {key: p.sampling.chat_template_kwargs for key, p in eval_plan(cfg).items()} == expected
+    # gyre eval reads the same keys; by default none are sent
+    plan = eval_plan(load_config(GyreEvalConfig, ["@", str(path)]))
+    assert {key: p.sampling.chat_template_kwargs for key, p in plan.items()} == expected
+    assert load_config(OrchestratorConfig, []).sampling.chat_template_kwargs == {}
 
 
 def test_gyre_eval_skips_an_entry_with_eval_off_and_gives_each_its_own_num_examples(tmp_path, monkeypatch, capsys):
