@@ -112,7 +112,10 @@ class Limits:
 
     def rlimits(self) -> dict[str, int]:
         mb = 1024 * 1024
-        return {"RLIMIT_CPU": math.ceil(self.timeout_s), "RLIMIT_AS": int(self.memory_mb * mb),
+        # CPU seconds a second past the wall deadline: a one-thread child (no threads: RLIMIT_NPROC 0) spends at most
+        # wall time in CPU, so a spinning one is stopped by the deadline and reported as timed out; at ceil(timeout_s)
+        # the two raced, and a loop was reported as "killed: a limit" or "timed out" by chance
+        return {"RLIMIT_CPU": math.ceil(self.timeout_s) + 1, "RLIMIT_AS": int(self.memory_mb * mb),
                 "RLIMIT_FSIZE": int(self.file_mb * mb), "RLIMIT_NOFILE": 16, "RLIMIT_NPROC": 0,
                 "RLIMIT_CORE": 0}  # fmt: skip
 

@@ -142,6 +142,13 @@ async def test_a_memory_bomb_is_stopped_by_the_address_space_limit(task, no_leak
     assert run.passed == 0 and all("MemoryError" in failure for failure in run.failures)
 
 
+@pytest.mark.parametrize("timeout_s", [2.0, 2.5, 10])
+def test_the_cpu_limit_stands_behind_the_deadline(timeout_s):
+    """A spinning one-thread child spends its wall time in CPU: with RLIMIT_CPU = the deadline the two raced, and the
+    same infinite loop read "timed out after 2s" or "killed: a limit" by chance (CI saw both)."""
+    assert Limits(timeout_s=timeout_s).rlimits()["RLIMIT_CPU"] >= timeout_s + 1
+
+
 @pytest.mark.asyncio
 async def test_a_fork_bomb_is_contained(task, no_leaks):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
