@@ -47,8 +47,10 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 128
     seed: int | None = None
-    # the chat template's own variables (vLLM's chat_template_kwargs, e.g. enable_thinking): they change the prompt
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the chat template's own variables (vLLM's chat_template_kwargs, e.g. enable_thinking): they change the prompt.
+    # Left out of the hash (a dict has none; equal params still hash equal) and copied at creation, so an environment
+    # that edits its copy changes neither the run's config nor any other rollout's requests.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def for_request(self, *key: int | str) -> SamplingParams:
         """These settings with the seed of one request named by `key` (e.g. step, task index, rollout index).
@@ -58,6 +60,7 @@ class SamplingParams:
         return self if self.seed is None else dataclasses.replace(self, seed=derive_seed(self.seed, *key))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "chat_template_kwargs", dict(self.chat_template_kwargs))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
