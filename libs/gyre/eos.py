@@ -2,13 +2,22 @@
 
 A model folder names them in up to three places, all honoured (the union): `generation_config.json`'s
 `eos_token_id` (an int or a list: Llama 3 instruct lists `<|end_of_text|>`, `<|eom_id|>` and `<|eot_id|>`),
-`config.json`'s, and the tokenizer's `eos_token`. transformers is imported inside the function.
+`config.json`'s, and the tokenizer's `eos_token`. A fourth is the chat template itself: the special token it
+writes right after an assistant's reply (`<|im_end|>` in ChatML) ends the turn too, even where no config names
+it. A base model's ChatML template (Qwen2.5 base: eos and the generation config's only id `<|endoftext|>`) never
+stopped at `<|im_end|>`: every reply ran on into made-up turns up to `max_tokens`, and SFT learned the next user
+turn as part of the reply. vLLM's own server stops only at the first three (its `update_from_generation_config`);
+both of Gyre's backends stop at this set (the vLLM one with `ignore_eos` and these ids as its stop ids).
+transformers is imported inside the function.
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+
+# A reply no template rewrites (no whitespace to strip, no markup to escape): what follows it is the turn's end.
+_PROBE_REPLY = "gyreprobereply"
 
 
 def _as_ids(value) -> list[int]:
@@ -19,11 +28,36 @@ def _as_ids(value) -> list[int]:
     return [int(v) for v in value]
 
 
+def template_end_of_turn_id(tokenizer) -> int | None:
+    """The special token `tokenizer`'s chat template writes right after an assistant's reply, if any.
+
+    A user turn and an assistant reply are rendered; the first token after the reply (leading whitespace skipped:
+    Llama 2 writes ` </s>`) counts only when it is one of the tokenizer's special tokens, so a template that ends
+    a turn with plain text (`\\n\\n`) adds nothing. A template that cannot render the probe adds nothing either."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_REPLY}]
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template's raise_exception (needs a system turn, ...) or a Jinja error
+        return None
+    at = text.rfind(_PROBE_REPLY) if isinstance(text, str) else -1
+    if at < 0:
+        return None
+    after = tokenizer.encode(text[at + len(_PROBE_REPLY) :].lstrip(), add_special_tokens=False)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    return after[0] if after and after[0] in special else None
+
+
 def end_of_turn_ids(model_path: str | Path | None, tokenizer, config=None) -> frozenset[int]:
-    """The union of the end-of-sequence ids of `model_path`'s generation config and config and of `tokenizer`.
+    """The union of the end-of-sequence ids of `model_path`'s generation config and config, of `tokenizer` and
+    of its chat template's end of an assistant turn.
 
     `config`: the model config when the caller already loaded it; `model_path` None: the tokenizer's only."""
     ids: set[int] = set(_as_ids(getattr(tokenizer, "eos_token_id", None)))
+    if (template_end := template_end_of_turn_id(tokenizer)) is not None:
+        ids.add(template_end)
     if model_path is None:
         return frozenset(ids)
     from transformers import AutoConfig, GenerationConfig

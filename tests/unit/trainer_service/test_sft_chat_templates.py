@@ -200,3 +200,18 @@ def test_a_generation_marked_reply_learns_the_end_of_turn_token_its_block_leaves
     )
     ids, mask = tokenize(Conversation(copy.deepcopy(CHAT)), tokenizer, end_ids)
     assert [tokenizer.decode(run) for run in learned_runs(ids, mask, tokenizer)] == EXPECTED["smollm2", "chat"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_end_of_turn_ids_hold_the_token_each_template_ends_a_reply_with(family_tokenizer, family):
+    """The ids SFT learns through and inference stops at (`gyre.eos`) come from the configs and the tokenizer's eos
+    (here `<|endoftext|>` alone, as in a base model's) and from the chat template: a ChatML or Llama 3 reply ended
+    with a token none of them named, and SFT learned the turns after it as part of the reply."""
+    from gyre.eos import end_of_turn_ids
+
+    tokenizer = family_tokenizer(family)
+    assert tokenizer.eos_token == "<|endoftext|>"
+    ends = end_of_turn_ids(None, tokenizer)
+    assert ends == {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(FAMILIES[family][2][0])}
+    ids, mask = tokenize(Conversation(copy.deepcopy(CHAT)), tokenizer, ends)
+    assert [tokenizer.decode(run) for run in learned_runs(ids, mask, tokenizer)] == EXPECTED[family, "chat"]
