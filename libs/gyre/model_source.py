@@ -74,20 +74,13 @@ def looks_like_hub_id(name: str) -> bool:
 def check_model_source(name: str, key: str = "model.name", hub: bool = True, hint: str = HOW_TO_CREATE) -> str:
     """Return how `name` will be loaded ("local folder" or "hub id") or raise `ModelUnavailable`.
 
-    `hub=False` only checks that a path exists, and takes a hub id on trust (a service in a cluster: the
-    chart's `model-fetch` init container fetched it, and the service's own load reports a hub failure)."""
+    A folder, and a hub id loaded from the hub cache alone (`HF_HUB_OFFLINE`, as the chart's services run, or a hub
+    that cannot be reached), must hold a config, weights and a tokenizer (`check_model_folder`; for a hub id, its
+    cached snapshot). `hub=False` takes a hub id the hub may still supply on trust (the service's own load reports a
+    hub failure); `hub=True` fetches its config."""
     path = Path(name).expanduser()
     if path.is_dir() and not hub:  # a service is about to load it: say now what it lacks, naming the key
-        if not (path / "config.json").is_file():
-            raise ModelUnavailable(f"{key} = {name!r}: {path} is not a model folder (no config.json); {hint}")
-        if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
-            raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} holds no weights "
-                                   f"({', '.join(WEIGHT_FILES)}); {hint}")  # fmt: skip
-        # every service tokenizes (the trainer publishes the tokenizer with its weights): without one, inference
-        # failed after start with transformers' "install sentencepiece or tiktoken", and a trainer after its first step
-        if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
-            raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} holds no tokenizer "
-                                   f"({', '.join(TOKENIZER_FILES)}); {hint}")  # fmt: skip
+        check_model_folder(path, name, key, hint)
         return "local folder"
     if path.exists() and not hub:
         # every backend reads the tokenizer and configs from a folder (gyre_inference.text): a .gguf passed to vLLM
@@ -100,25 +93,64 @@ def check_model_source(name: str, key: str = "model.name", hub: bool = True, hin
         return "local folder"
     if not looks_like_hub_id(name):
         raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} does not exist; {hint}")
-    if not hub:
+    from huggingface_hub import constants
+
+    if not hub and not constants.HF_HUB_OFFLINE:
         return "hub id"
-    unreachable = hub_unreachable()
+    unreachable = None if constants.HF_HUB_OFFLINE else hub_unreachable()
+    if constants.HF_HUB_OFFLINE or unreachable is not None:
+        # loaded from the hub cache alone (the chart's services run offline): its snapshot is the model folder, and
+        # gets a plain folder's checks; a hub id passed on the config alone, and a service without a tokenizer
+        # failed after start
+        snapshot = cached_snapshot(name)
+        if snapshot is None:
+            reason = unreachable or "HF_HUB_OFFLINE is set"
+            raise ModelUnavailable(
+                f"{key} = {name!r} is not a local folder, and as a Hugging Face hub id it cannot be fetched "
+                f"({reason}, and it is not in the hub cache {constants.HF_HUB_CACHE}); {hint}"
+            )
+        check_model_folder(snapshot, name, key, hint)
+        return "hub id"
     try:
         from transformers import AutoConfig
 
-        # an unreachable hub: the cache alone (the client's retries took 25 s to say what one request says)
-        AutoConfig.from_pretrained(name, local_files_only=unreachable is not None)
+        AutoConfig.from_pretrained(name)
     except Exception as e:  # OSError/EnvironmentError from the hub client, ValueError for odd ids
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if unreachable is not None:
-            from huggingface_hub import constants
-
-            reason = f"{unreachable}, and it is not in the hub cache {constants.HF_HUB_CACHE}"
         raise ModelUnavailable(
             f"{key} = {name!r} is not a local folder, and as a Hugging Face hub id it cannot be fetched "
             f"({reason}); {hint}"
         ) from None
     return "hub id"
+
+
+def check_model_folder(path: Path, name: str, key: str, hint: str) -> None:
+    """Raise `ModelUnavailable` naming `key` when the folder `path` (`name`'s) lacks a config, weights or a tokenizer.
+    A hub cache snapshot's files are symlinks into its blobs: one whose blob is missing counts as missing."""
+    if not (path / "config.json").is_file():
+        raise ModelUnavailable(f"{key} = {name!r}: {path} is not a model folder (no config.json); {hint}")
+    if not _holds(path, WEIGHT_FILES):
+        raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} holds no weights "
+                               f"({', '.join(WEIGHT_FILES)}); {hint}")  # fmt: skip
+    # every service tokenizes (the trainer publishes the tokenizer with its weights): without one, inference
+    # failed after start with transformers' "install sentencepiece or tiktoken", and a trainer after its first step
+    if not _holds(path, TOKENIZER_FILES):
+        raise ModelUnavailable(f"{key} = {name!r}: the model folder {path} holds no tokenizer "
+                               f"({', '.join(TOKENIZER_FILES)}); {hint}")  # fmt: skip
+
+
+def _holds(folder: Path, patterns: tuple[str, ...]) -> bool:
+    """Whether `folder` has a file matching one of `patterns` (a symlink counts only when its target is a file)."""
+    return any(p.is_file() for pattern in patterns for p in folder.glob(pattern))
+
+
+def cached_snapshot(name: str) -> Path | None:
+    """The hub cache's snapshot folder of hub id `name` (its `refs/main`), or None when the cache has no config.json
+    of it. Reads only the cache (HF_HOME / HF_HUB_CACHE), never the network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def hub_unreachable() -> str | None:

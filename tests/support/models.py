@@ -6,9 +6,11 @@ shape fine-tune it (seconds on one core) until greedy decoding reproduces the ta
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
+REVISION = "0123456789abcdef0123456789abcdef01234567"  # a hub cache snapshot's name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -83,3 +85,21 @@ def save_beside(model, base: Path, path: Path) -> Path:
             shutil.copy(base / name, staging / name)
     staging.rename(path)
     return path
+
+
+def hub_cache_layout(folder: Path, cache: Path, repo: str = "org/model") -> Path:
+    """Lay `folder` out as the Hugging Face hub cache does; return the snapshot folder.
+
+    `models--org--model/blobs/<sha256>` hold the bytes, `snapshots/<revision>/<file>` are relative symlinks
+    to them (`../../blobs/<sha256>`) and `refs/main` names the revision."""
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / REVISION
+    (repo_dir / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(folder.iterdir()):
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, repo_dir / "blobs" / digest)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / digest)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(REVISION)
+    return snapshot

@@ -57,6 +57,9 @@ def test_a_model_in_the_hub_cache_is_found_there_without_retrying_the_hub(tmp_pa
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "vocab_size": 300}')
+    # a model, not a config alone: the snapshot gets a model folder's checks (test_model_source_hub_cache.py)
+    (snapshot / "model.safetensors").write_bytes(b"")
+    (snapshot / "tokenizer.json").write_text("{}")
     done = check(tmp_path / "hf", f"http://127.0.0.1:{closed_port()}")
     assert done.returncode == 0 and done.stdout.strip() == "loaded as hub id", (done.stdout, done.stderr)
     assert "Retrying" not in done.stderr, done.stderr
