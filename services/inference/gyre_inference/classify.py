@@ -33,7 +33,7 @@ from gyre_inference.chat_messages import ChatMessage
 from gyre_inference.cpus import default_engine_threads
 from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.strict import ParamError, StrictModel
-from gyre_inference.torch_backend import resolve_device, resolve_dtype
+from gyre_inference.torch_backend import resolve_device, resolve_dtype, served_context
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ClassifierBackend(Backend):
         if not hasattr(model, "score") or not hasattr(model, "base_model"):
             raise ValueError(f"{type(model).__name__}: runner pooling serves decoder classifiers with a `score` "
                              "head (Llama, Mistral, Qwen2, Qwen3 *ForSequenceClassification)")  # fmt: skip
-        self._max_model_len = self._requested_max_len or model.config.max_position_embeddings
+        self._max_model_len = served_context(model.config, self._requested_max_len)
         self._model = model.to(self.device).eval().requires_grad_(False)
         log.info("loaded %s (%s, %d labels)", self.model_path, type(model).__name__, model.config.num_labels)
 

@@ -72,6 +72,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def served_context(config, requested: int | None) -> int:
+    """The context a model is served with: `engine.max_model_len` (`requested`) or else the model config's
+    `max_position_embeddings` (the positions it was trained for), never more. Never the tokenizer's
+    `model_max_length`: a tokenizer without a limit (a GGUF's, most hub ones) says 1e30, transformers'
+    VERY_LARGE_INTEGER."""
+    limit = getattr(config, "max_position_embeddings", None) or requested
+    if limit is None:
+        raise ValueError("the model config has no max_position_embeddings: set engine.max_model_len")
+    if requested is not None and requested > limit:
+        raise ValueError(f"engine.max_model_len {requested} exceeds the model's context {limit} "
+                         "(its config's max_position_embeddings)")  # fmt: skip
+    return requested or limit
+
+
 class TorchBackend(EngineLoop, Backend):
     name = "torch"
     uses_constraints = True  # structured outputs: per-sequence matchers (SamplingParams.constraint)
@@ -291,12 +305,7 @@ class TorchBackend(EngineLoop, Backend):
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.to(self.device).eval().requires_grad_(False)
-        limit = getattr(model.config, "max_position_embeddings", None) or self._requested_max_len
-        if limit is None:
-            raise ValueError("the model config has no max_position_embeddings: set engine.max_model_len")
-        if self._requested_max_len is not None and self._requested_max_len > limit:
-            raise ValueError(f"engine.max_model_len {self._requested_max_len} exceeds the model's context {limit}")
-        self._max_model_len = self._requested_max_len or limit
+        self._max_model_len = served_context(model.config, self._requested_max_len)
         check_supported(model.config)
         num_blocks = self._kv_cache_blocks(model.config)
         fits = (num_blocks - 1) * BLOCK_SIZE
