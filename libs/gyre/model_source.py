@@ -127,6 +127,10 @@ def check_model_source(name: str, key: str = "model.name", hub: bool = True, hin
 def check_model_folder(path: Path, name: str, key: str, hint: str) -> None:
     """Raise `ModelUnavailable` naming `key` when the folder `path` (`name`'s) lacks a config, weights or a tokenizer.
     A hub cache snapshot's files are symlinks into its blobs: one whose blob is missing counts as missing."""
+    if not (path / "config.json").is_file() and (path / "snapshots").is_dir():  # the hub cache's models--org--name
+        raise ModelUnavailable(f"{key} = {name!r}: {path} is a hub cache folder, not a model folder: give one of its "
+                               f"snapshots ({path / 'snapshots'}/<revision>), or its hub id with the cache as HF_HOME, "
+                               f"or `gyre model import` it; {hint}")  # fmt: skip
     if not (path / "config.json").is_file():
         raise ModelUnavailable(f"{key} = {name!r}: {path} is not a model folder (no config.json); {hint}")
     if not _holds(path, WEIGHT_FILES):

@@ -57,3 +57,14 @@ def test_a_complete_cached_model_passes_and_one_not_cached_is_said_at_start(tiny
     said = capsys.readouterr().err
     assert "model.name = 'org/missing' is not a local folder" in said
     assert f"HF_HUB_OFFLINE is set, and it is not in the hub cache {offline_cache}" in said
+
+
+def test_the_hub_caches_repo_folder_is_refused_naming_its_snapshots(tiny_model, tmp_path, offline_cache, capsys):
+    # `gyre model import` takes `models--org--name` (its refs/main snapshot); a service loads folders with a
+    # config.json, and said only "not a model folder"
+    snapshot = cached(tiny_model, tmp_path, offline_cache, "org/repo")
+    repo_folder = snapshot.parent.parent
+    assert check_service_model(str(repo_folder), "gyre trainer") == 2
+    said = capsys.readouterr().err
+    assert f"{repo_folder} is a hub cache folder, not a model folder: give one of its snapshots" in said
+    assert check_service_model(str(snapshot), "gyre trainer") is None
