@@ -80,7 +80,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
         log.error("%s", e)
         return 2
     except (EndpointError, SetupRefused, WeightsRefused) as e:  # a judge, reward model, teacher or the policy's
-        # server that never came up, or refused the key or the model (or every version of it): one line naming the
+        # server that never came up, or refused the key or the model (or a version of it): one line naming the
         # setting, no traceback
         log.error("%s", e)
         return 1

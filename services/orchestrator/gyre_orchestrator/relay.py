@@ -12,9 +12,12 @@ and runs one updater task per lagging replica (`UpdateWeights(version)` with a d
 retried with backoff; a replica that refused the version, FAILED_PRECONDITION, keeps serving its own in rotation
 and is sent it again after a pause). A slow or dead replica therefore never holds back the others, and a replica
 that restarted on the base model (seen by the periodic `GetStatus` probe) is brought back up. A refusal for good,
-INVALID_ARGUMENT (weights that do not fit the model the replica serves: the trainer trains another model), is not
-retried at once; once every replica refused the target so, no version of this run can ever be served, and
-`failed()` raises `WeightsRefused`, which stops the run. Every
+INVALID_ARGUMENT (weights that do not fit the model the replica serves: the trainer trains another model, or a
+replica's [inference.lora] is smaller than the trainer's adapter), by ANY replica is the run's end: `failed()` raises
+`WeightsRefused` naming the replica, the version and its reason, which stops the run, and nothing is sent again. The
+replicas are one deployment serving one policy: going on without that replica left it in rotation on its old version
+(resent the refused one after every pause, for ever), so the run silently served two policies, or stalled at the async
+bound waiting for it. Every
 call is logged to `weight_relay.jsonl`. Versions replicas still serve, the target and the versions replicas are
 being sent (an update under way while a newer version came) are declared with the transport's `hold`, so the
 trainer's pruning never deletes weights in use or being loaded.
@@ -55,7 +58,7 @@ HOLDER = "orchestrator"
 
 
 class WeightsRefused(RuntimeError):
-    """Every replica refused the run's weights version for good: it does not fit the model they serve."""
+    """A replica refused the run's weights version for good: it does not fit the model it serves."""
 
 
 class WeightRelay:
@@ -112,10 +115,6 @@ class WeightRelay:
         # replica url -> (step, until): the replica refused version `step` (FAILED_PRECONDITION: it answered, checked
         # the version and kept serving its own): not asked for that step again before `until` (monotonic)
         self._refused: dict[str, tuple[int, float]] = {}
-        # replica url -> ((step, digest), reason): its refusal of that version for good (INVALID_ARGUMENT); every
-        # replica's for the target is the run's end (`failed`), where the run otherwise waited for it for ever. The
-        # digest too: a step republished with other files (a rewind) is another version, not refused yet
-        self._incompatible: dict[str, tuple[tuple[int, str], str]] = {}
         self.failure: WeightsRefused | None = None
         self._failed = asyncio.Event()
         self._last_probe = float("-inf")
@@ -220,25 +219,25 @@ class WeightRelay:
         return bool(live) and all(r.confirmed and r.version is not None and r.version >= step for r in live)
 
     async def failed(self) -> None:
-        """Returns never; raises `WeightsRefused` once every replica refused the target version for good."""
+        """Returns never; raises `WeightsRefused` once a replica refused a version for good."""
         await self._failed.wait()
         raise self.failure
 
-    def _check_refused(self) -> None:
-        if self.target is None:
+    def _refused_for_good(self, replica: Replica, step: int, reason: str) -> None:
+        """A replica refused version `step` for good (INVALID_ARGUMENT): the run ends (`failed`), nothing is sent again.
+        One replica is enough: the others serve the version it cannot, so going on mixed the policies it generates
+        with (or waited for it at the async bound for ever)."""
+        if self.failure is not None:
             return
-        step, version = self.target.step, (self.target.step, self.target.digest)
-        refusals = [self._incompatible.get(r.url) for r in self.replicas]
-        if self.failure is not None or not refusals or any(x is None or x[0] != version for x in refusals):
-            return
-        url = next(r.url for r in self.replicas)
-        what = f"adapter {self.model!r}" if self.model else "the model they serve"
-        hint = ("The trainer's [trainer.lora] must fit the replicas' [inference.lora] (max_rank) and model"
-                if self.model else "The trainer must train the model inference serves (trainer model.name = "
+        what = f"adapter {self.model!r}" if self.model else "the model it serves"
+        hint = ("The trainer's [trainer.lora] must fit every replica's [inference.lora] (max_rank) and model"
+                if self.model else "The trainer must train the model every replica serves (trainer model.name = "
                 "inference model.name)")  # fmt: skip
+        others = sum(1 for r in self.replicas if r.url != replica.url and r.version == step)
         self.failure = WeightsRefused(
-            f"every inference replica ({len(refusals)}) refused weights version {step} for good: it does not fit "
-            f"{what} ({url}: {self._incompatible[url][1]}). {hint}; stopping the run, which resumes once they do"
+            f"inference replica {replica.url} refused weights version {step} for good: it does not fit {what} "
+            f"({reason}); {others} other replica(s) serve it. {hint}; stopping the run, which resumes once every "
+            "replica can load it"
         )
         log.error("%s", self.failure)
         self._failed.set()
@@ -274,7 +273,6 @@ class WeightRelay:
 
     def reconcile(self) -> None:
         """Start an updater for each lagging replica; publish versions, in-use set and metrics."""
-        self._check_refused()  # a replica that took versions went away: those left may all have refused the target
         target = self.target
         target_step = target.step if target is not None else 0  # no target: the base model, version 0
         ahead = [r.version for r in self.replicas if r.version is not None and r.version > target_step]
@@ -287,6 +285,7 @@ class WeightRelay:
             busy = r.url in self._updaters and not self._updaters[r.url].done()
             refused, until = self._refused.get(r.url, (None, 0.0))
             busy |= refused == target_step and time.monotonic() < until
+            busy |= self.failure is not None  # a refusal for good ended the run: nothing is sent again
             if lagging and not busy and self.replicas.in_rotation(r):
                 self._updaters[r.url] = asyncio.create_task(self._update(r), name=f"relay-{r.url}")
         best = self.replicas.max_healthy_version()
@@ -437,7 +436,6 @@ class WeightRelay:
                 self.replicas.mark_failed(replica, f"UpdateWeights: {error}", probe=True)
                 return
             if error is None:
-                self._incompatible.pop(replica.url, None)
                 self.replicas.mark_ok(replica, int(reply.step))
                 log.info("replica %s now serves version %d (%.2fs)", replica.url, reply.step, seconds)
                 self.reconcile()
@@ -445,13 +443,8 @@ class WeightRelay:
             log.warning("UpdateWeights(%d) on %s failed: %s", step, replica.url, error)
             if incompatible:
                 break
-        if incompatible and target is not None:
-            # stays in rotation on its version, as a refusal below; sent the version again after the pause (a replica
-            # restarted on the right model takes it), a newer one at once. Every replica refusing it: the run ends
-            self._incompatible[replica.url] = ((step, target.digest), error)
-            self._refused[replica.url] = (step, time.monotonic() + self.backoff_s * 2**self.retries)
-            log.error("replica %s refused weights version %d for good: %s", replica.url, step, error)
-            self._check_refused()
+        if incompatible:
+            self._refused_for_good(replica, step, error)
             return
         if refused:
             # the replica is healthy and serves its version, which the async bound routes by: out of rotation it

@@ -241,7 +241,7 @@ class OrchestratorService:
                 if watch.done():
                     watch.result()  # raises StreamLost (or a Redis error past its deadline)
                 if refused.done():
-                    refused.result()  # raises WeightsRefused: no replica can ever serve this run's weights
+                    refused.result()  # raises WeightsRefused: a replica can never serve this run's weights
                 return await work
             finally:
                 for task in (work, watch, refused):

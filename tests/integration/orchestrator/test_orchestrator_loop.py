@@ -463,65 +463,75 @@ async def updated(relay, replica) -> None:
     await asyncio.wait_for(asyncio.shield(updater), timeout=60)
 
 
-async def test_weights_every_replica_refuses_for_good_end_the_run_once_no_replica_can_take_them(
-    tmp_path, start_inference, tiny_model
-):
+async def test_weights_a_replica_refuses_for_good_end_the_run_at_once(tmp_path, start_inference, tiny_model):
     """Weights that do not fit the served model (the trainer trains another model) are refused for good
-    (INVALID_ARGUMENT): sent once, not retried. The refusing replica stays in rotation on its version, a newer
-    version is still sent to it at once, and the relay fails (`failed()`, which ends the run) once every replica
-    refused the target so: not while a replica that might take it (here one that is down) is in the set, but as
-    soon as it leaves. The old relay sent the version again and again for ever, and the run waited for it."""
+    (INVALID_ARGUMENT): sent once, not retried, and the relay fails (`failed()`, which ends the run) at once, although
+    another replica (here one that is down) might take them: replicas serve one policy, so one that can never load it
+    ends the run. The relay sends nothing more, not even a newer version."""
     replica = start_inference()
     store = WeightStore(tmp_path / "weights")
     replica_set, known = beside_one_down(replica)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
         relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=2,
-                            backoff_s=0.5, probe_interval_s=600.0, poll_store_s=600.0)  # fmt: skip
+                            backoff_s=0.2, probe_interval_s=0.2, poll_store_s=600.0)  # fmt: skip
         failed = asyncio.create_task(relay.failed())
         try:
             await relay.start()
             relay.notify(store.publish(1, unfit(tiny_model)))
-            await updated(relay, known)
-            (record,) = read_events(events.path)  # one try: no retry can load it
-            assert not record["ok"] and "INVALID_ARGUMENT" in record["error"]
-            assert replica_set.in_rotation(known) and known.version == 0
-            await asyncio.sleep(0.5)
-            assert not failed.done()  # the replica that is down may serve the model the trainer trains
-            replica_set.set_endpoints([known.endpoint])  # it leaves: every replica left refused version 1
             with pytest.raises(WeightsRefused) as refused:
-                await asyncio.wait_for(failed, timeout=30)
+                await asyncio.wait_for(failed, timeout=60)
             message = str(refused.value)
-            assert "version 1" in message and "not.a.weight" in message and "model.name" in message
-            relay.notify(publish_weights(store, 2, tiny_model))  # a newer version that fits is still sent at once
-            assert await relay.wait_served(2, timeout=60) and replica.status().step == 2
+            assert replica.url in message and "version 1" in message and "not.a.weight" in message
+            assert "model.name" in message
+            relay.notify(publish_weights(store, 2, tiny_model))  # the run ended: not sent
+            await asyncio.sleep(1.5)  # the relay's loop wakes every 0.2 s; the refusal's pause (0.8 s) is over too
+            (record,) = read_events(events.path)  # one try, never again
+            assert not record["ok"] and "INVALID_ARGUMENT" in record["error"] and replica.status().step == 0
         finally:
             failed.cancel()
             await relay.stop()
             await close_replica_clients(list(replica_set))
 
 
-async def test_a_refusal_for_good_is_of_the_files_refused_not_of_their_step(tmp_path, start_inference, tiny_model):
-    """A step republished with other files (a rewinding trainer) is another version: the replica's refusal of the old
-    files is no refusal of it. The relay compared steps alone and stopped the run once the replica that was down
-    left, although the replica had not been sent the new files yet (it takes them after its pause)."""
-    replica = start_inference()
+def other_shape_model(tmp_path_factory):
+    """The tiny preset with another vocabulary: a model whose replicas cannot load the tiny model's weights."""
+    from gyre.model_init import init_model
+
+    path = tmp_path_factory.getbasetemp() / "tiny-model-vocab-384"
+    if not (path / "config.json").exists():
+        init_model(path, preset="tiny", seed=0, vocab_size=384)
+    return path
+
+
+async def test_one_replica_s_refusal_for_good_stops_the_run_though_another_took_the_version(
+    tmp_path, tmp_path_factory, start_inference, tiny_model
+):
+    """Two replicas, one of which serves another model (a deployment that pins the wrong model.name): it refuses
+    version 1 for good while the other loads it. The old relay stopped the run only when EVERY replica refused; here
+    it kept the refusing replica in rotation on version 0 and sent it version 1 again after every pause, for ever, so
+    the run served two policies (or waited for it at the async bound). The run now stops, naming the replica and why."""
+    good, bad = start_inference(), start_inference(model=other_shape_model(tmp_path_factory))
     store = WeightStore(tmp_path / "weights")
-    replica_set, known = beside_one_down(replica)
-    relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), retries=2, backoff_s=0.5,
-                        probe_interval_s=1.0, poll_store_s=600.0)  # fmt: skip
-    failed = asyncio.create_task(relay.failed())
-    try:
-        await relay.start()
-        relay.notify(store.publish(1, unfit(tiny_model)))
-        await updated(relay, known)
-        assert relay.notify(publish_weights(store, 1, tiny_model))  # step 1 again, files that fit
-        replica_set.set_endpoints([known.endpoint])  # the replica that was down leaves
-        assert await relay.wait_served(1, timeout=60) and replica.status().step == 1
-        assert not failed.done()
-    finally:
-        failed.cancel()
-        await relay.stop()
-        await close_replica_clients(list(replica_set))
+    replica_set = ReplicaSet(static_endpoints([good.url, bad.url], [good.control, bad.control], 0), cooldown_s=600.0)
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=2,
+                            backoff_s=0.2, probe_interval_s=0.2, poll_store_s=600.0)  # fmt: skip
+        failed = asyncio.create_task(relay.failed())
+        try:
+            await relay.start()
+            relay.notify(publish_weights(store, 1, tiny_model))
+            with pytest.raises(WeightsRefused) as refused:
+                await asyncio.wait_for(failed, timeout=60)
+            message = str(refused.value)
+            assert f"inference replica {bad.url} refused weights version 1 for good" in message
+            assert "has shape" in message and "model.name" in message and good.url not in message
+            await asyncio.sleep(1.5)  # past the refusal's pause (0.8 s): the old relay sent version 1 again by now
+            to_bad = [e for e in read_events(events.path) if e["replica"] == bad.url]
+            assert len(to_bad) == 1 and "INVALID_ARGUMENT" in to_bad[0]["error"] and bad.status().step == 0
+        finally:
+            failed.cancel()
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
 
 
 async def test_a_run_whose_weights_every_replica_refuses_stops_with_the_reason(
@@ -536,6 +546,6 @@ async def test_a_run_whose_weights_every_replica_refuses_stops_with_the_reason(
         assert not run.done(), run
         await asyncio.sleep(0.05)
     service.relay.notify(WeightStore(cfg.output_dir / "weights").publish(1, unfit(tiny_model)))
-    with pytest.raises(WeightsRefused, match="every inference replica \\(2\\) refused weights version 1"):
+    with pytest.raises(WeightsRefused, match="inference replica http://\\S+ refused weights version 1 for good"):
         await asyncio.wait_for(run, timeout=120)
     assert service.last_step == 1
