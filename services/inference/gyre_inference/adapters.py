@@ -40,8 +40,9 @@ BASE = 0  # the slot of the base model (no adapter)
 
 
 def read_adapter_folder(path: Path) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
-    """A PEFT adapter folder as (alpha / r, {module: {"A": ..., "B": ...}}); what cannot be read raises
-    WeightsIncompatibleError naming the file. Shared by the bank and the torch backend's merge."""
+    """A PEFT adapter folder as (alpha / r, {module: {"A": ..., "B": ...}}); what cannot be used raises
+    WeightsIncompatibleError naming the file, an I/O error its OSError (worth another try). Shared by the bank and
+    the torch backend's merge."""
     from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, config_scale, split_lora
     from safetensors.torch import load_file
 
@@ -54,7 +55,9 @@ def read_adapter_folder(path: Path) -> tuple[float, dict[str, dict[str, torch.Te
         others, adapters = split_lora(load_file(path / ADAPTER_FILE))
         if others:  # modules_to_save copies, LoRA biases
             raise ValueError(f"{ADAPTER_FILE} holds tensors besides lora_A/lora_B, not supported: {sorted(others)[:3]}")
-    except (ValueError, OSError) as error:
+    except OSError:  # an I/O error on the volume says nothing of fit: may pass (FAILED_PRECONDITION, sent again)
+        raise
+    except ValueError as error:
         raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
     except Exception as error:  # safetensors' own error type for a malformed file
         raise WeightsIncompatibleError(f"{path / ADAPTER_FILE}: not a readable safetensors file ({error})") from None

@@ -156,6 +156,12 @@ class WeightsIncompatibleError(ValueError):
     """A weights folder cannot be loaded into the served model (missing/unknown tensors, wrong shapes)."""
 
 
+class WeightsLoadError(RuntimeError):
+    """A weights folder could not be loaded now for a reason that may pass (an I/O error on the shared volume, a
+    timeout, memory another load still held, a folder the volume shows late): the old weights keep serving and the
+    update is worth sending again, unlike `WeightsIncompatibleError`."""
+
+
 class AdapterSlotsBusyError(WeightsIncompatibleError):
     """Every named-adapter slot serves queued or running requests: a new name cannot be loaded now (an
     UpdateWeights is refused; a request for an evicted name waits for a slot, as vLLM's scheduler does)."""

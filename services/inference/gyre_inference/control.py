@@ -10,8 +10,9 @@
   version served (a late retry must not roll the policy back silently) unless `rollback` is set.
   Weights that do not fit the served model (tensors it lacks, another shape or dtype, an adapter rank
   over `lora.max_rank`: `WeightsIncompatibleError`) are INVALID_ARGUMENT: no retry can load them, and
-  the relay stops the run when every replica refuses a version so. The version
-  served (same step and digest) is answered at once, not loaded again (a retry of a call that timed out).
+  the relay stops the run when any replica refuses a version so. A load that failed for a reason that may pass (an
+  I/O error on the volume, a timeout, out of memory: `WeightsLoadError`, or any OSError) is FAILED_PRECONDITION.
+  The version served (same step and digest) is answered at once, not loaded again (a retry of a call that timed out).
   Bad arguments are INVALID_ARGUMENT; calls before the model is loaded, or overtaken by the service's stop, are
   UNAVAILABLE. Updates are serialised.
 - `model` names which served model an UpdateWeights/GetStatus is about: empty or the replica's model
@@ -45,6 +46,7 @@ from gyre_inference.backend import (
     Backend,
     BackendStoppedError,
     WeightsIncompatibleError,
+    WeightsLoadError,
     run_to_end,
 )
 from gyre_inference.metrics import InferenceMetrics
@@ -150,13 +152,16 @@ class InferenceControl(inference_pb2_grpc.InferenceControlServicer):
                 )
             except Exception as error:
                 self.metrics.weight_update_done(False, time.perf_counter() - started, adapter)
-                expected = isinstance(error, WeightsError | WeightsIncompatibleError | OSError | OlderVersionError)
+                expected = isinstance(
+                    error, WeightsError | WeightsIncompatibleError | WeightsLoadError | OSError | OlderVersionError
+                )
                 log.log(
                     logging.WARNING if expected else logging.ERROR, "refused %s: %s", what, error, exc_info=not expected
                 )
                 # weights that do not fit the model served (another architecture, tensors it lacks) are refused for
-                # good: INVALID_ARGUMENT, and a relay every replica tells so stops the run. Busy adapter slots, a
-                # folder the volume shows late, an older step: FAILED_PRECONDITION, worth sending again
+                # good: INVALID_ARGUMENT, and a relay any replica tells so stops the run. Busy adapter slots, a
+                # folder the volume shows late, a load that may pass (I/O, a timeout, memory: WeightsLoadError), an
+                # older step: FAILED_PRECONDITION, worth sending again
                 permanent = isinstance(error, WeightsIncompatibleError) and not isinstance(error, AdapterSlotsBusyError)
                 code = (grpc.StatusCode.INVALID_ARGUMENT if permanent
                         else grpc.StatusCode.FAILED_PRECONDITION if expected else grpc.StatusCode.INTERNAL)  # fmt: skip

@@ -67,6 +67,7 @@ from gyre_inference.backend import (
     SamplingParams,
     TokenEvent,
     WeightsIncompatibleError,
+    WeightsLoadError,
     run_to_end,
 )
 from gyre_inference.structured import Guide
@@ -86,7 +87,9 @@ def safetensors_layout(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         try:
             for name, entry in read_header(file).items():
                 layout[name] = (entry["dtype"], tuple(entry["shape"]))
-        except (OSError, ValueError, KeyError, TypeError) as error:  # SafetensorsError is a ValueError
+        except OSError:  # an I/O error on the volume: may pass (FAILED_PRECONDITION, sent again), says nothing of fit
+            raise
+        except (ValueError, KeyError, TypeError) as error:  # SafetensorsError is a ValueError
             raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
     return layout
 
@@ -169,11 +172,47 @@ def adapter_rank(folder: Path, max_rank: int | None) -> int:
     try:
         config = json.loads((Path(folder) / ADAPTER_CONFIG).read_bytes())
         config_scale(config)  # r and lora_alpha usable, no rsLoRA/DoRA (the trainer never writes those)
-    except (OSError, ValueError) as error:
+    except OSError:  # an I/O error on the volume may pass: refused as worth sending again, not for good
+        raise
+    except ValueError as error:
         raise WeightsIncompatibleError(f"{folder}: not a usable LoRA adapter ({error})") from None
     if config["r"] > max_rank:
         raise WeightsIncompatibleError(f"{folder}: adapter rank {config['r']} exceeds lora.max_rank {max_rank}")
     return int(config["r"])
+
+
+# What marks a failed vLLM adapter load as one that may pass, in its text. AsyncLLM's engine core runs in a process of
+# its own and its client re-raises a failed call as a plain `Exception(f"Call to add_lora method failed: {error}")`
+# (vllm/v1/engine/core_client.py `_process_utility_output`, core.py): the type is lost, the text is what reaches us.
+# An OSError's "[Errno 5] Input/output error", torch's "CUDA out of memory", vLLM's "No adapter found" (its ValueError
+# for a FileNotFoundError: a folder the volume does not show yet, or pruned under it) and a timeout's "timed out".
+TRANSIENT_LOAD_TEXT = ("[errno", "out of memory", "no adapter found", "timed out")
+
+
+def adapter_load_failure(path: Path, error: BaseException) -> Exception:
+    """What vLLM's failure to load the adapter in `path` tells the relay.
+
+    - BackendStoppedError: the engine died (vLLM's EngineDeadError): the replica is going down, UNAVAILABLE.
+    - WeightsLoadError (FAILED_PRECONDITION, sent again): a reason that may pass, by type where the exception (or one
+      it was raised from) still has it (OSError, TimeoutError, MemoryError, torch's OutOfMemoryError), else by its
+      text (`TRANSIENT_LOAD_TEXT`, the engine core's relayed message).
+    - WeightsIncompatibleError (INVALID_ARGUMENT, the run stops): anything else, i.e. vLLM's ValueError for an adapter
+      that does not fit the model (target modules it cannot adapt, a rank over max_lora_rank, a bad config).
+    Every one of them was wrapped as WeightsIncompatibleError, so a volume's I/O error mid-run stopped the run."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and cause not in chain:  # the exception and those it was raised from
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    names = {type(e).__name__ for e in chain}
+    if "EngineDeadError" in names:
+        return BackendStoppedError(f"the vLLM engine died while loading the adapter in {path} ({error})")
+    text = " ".join(str(e) for e in chain).lower()
+    transient = (any(isinstance(e, OSError | MemoryError) for e in chain) or "OutOfMemoryError" in names
+                 or any(marker in text for marker in TRANSIENT_LOAD_TEXT))  # fmt: skip
+    if transient:
+        return WeightsLoadError(f"{path}: vLLM could not load the adapter now ({error}); it may next time")
+    return WeightsIncompatibleError(f"{path}: vLLM could not load the adapter ({error})")
 
 
 class GyreWorkerExtension:
@@ -478,8 +517,8 @@ class VLLMBackend(Backend):
         request = LoRARequest(lora_name=name.format(id=lora_id), lora_int_id=lora_id, lora_path=str(path))
         try:
             loaded = await engine.add_lora(request)
-        except Exception as error:  # vLLM's reasons (unsupported target module, bad tensors) reach us as text
-            raise WeightsIncompatibleError(f"{path}: vLLM could not load the adapter ({error})") from error
+        except Exception as error:
+            raise adapter_load_failure(path, error) from error
         if not loaded:
             raise WeightsIncompatibleError(f"{path}: vLLM did not load the adapter")
         return request

@@ -1,6 +1,6 @@
 """UpdateWeights tells a refusal worth retrying from one for good, which is what the weight relay acts on: busy
 adapter slots (every slot runs requests) are FAILED_PRECONDITION, the relay sends the version again after a pause;
-an adapter that does not fit the model is INVALID_ARGUMENT, and a relay every replica answers so stops the run
+an adapter that does not fit the model is INVALID_ARGUMENT, and a relay any replica answers so stops the run
 (services/orchestrator/gyre_orchestrator/relay.py). Real gRPC, the real torch engine and PEFT adapter folders."""
 
 from __future__ import annotations
@@ -61,3 +61,22 @@ async def test_busy_adapter_slots_are_worth_a_retry_and_an_adapter_that_does_not
     finally:
         await server.stop(0)
         await backend.shutdown()
+
+
+async def test_an_io_error_reading_an_adapter_is_no_refusal_for_good(tiny_model, tmp_path):
+    """The torch backend read an adapter folder and wrapped an OSError as WeightsIncompatibleError, INVALID_ARGUMENT,
+    which stops the run: an I/O error on the shared volume says nothing of whether the adapter fits. It is now the
+    OSError, FAILED_PRECONDITION (the relay sends the version again). A real OSError: the config path is a folder."""
+    from gyre.lora import ADAPTER_CONFIG
+    from gyre_inference.adapters import read_adapter_folder
+    from gyre_inference.backend import WeightsIncompatibleError
+    from test_inference_lora_adapter import write_adapter
+
+    folder = tmp_path / "adapter"
+    write_adapter(tiny_model, folder, seed=1)
+    read_adapter_folder(folder)  # readable as written
+    (folder / ADAPTER_CONFIG).unlink()
+    (folder / ADAPTER_CONFIG).mkdir()
+    with pytest.raises(OSError) as error:
+        read_adapter_folder(folder)
+    assert not isinstance(error.value, WeightsIncompatibleError)

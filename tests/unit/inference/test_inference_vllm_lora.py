@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import errno
 import inspect
 import json
+import os
 import shutil
 import sys
 import types
@@ -929,3 +931,115 @@ def test_a_request_whose_name_gets_a_new_version_while_its_adapter_is_looked_up_
         await backend.shutdown()
 
     run(scenario())
+
+
+def relayed(error: BaseException) -> Exception:
+    """`error` raised in vLLM's engine core as AsyncLLM hands it to us: the core runs in a process of its own and
+    answers a failed utility call with its text, which the client raises as a plain Exception
+    (vllm/v1/engine/core.py: f"Call to {method} method failed: {str(e)}"; core_client.py `_process_utility_output`)."""
+    return Exception(f"Call to add_lora method failed: {error}")
+
+
+def vllm_no_adapter_found(path: Path) -> ValueError:
+    """vLLM's WorkerLoRAManager._load_adapter: a FileNotFoundError (no folder at lora_path) becomes this ValueError."""
+    try:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path / ADAPTER_CONFIG))
+    except FileNotFoundError as missing:
+        try:
+            raise ValueError(f"Loading lora run-a failed: No adapter found for {path}") from missing
+        except ValueError as error:
+            return error
+
+
+class EngineDeadError(Exception):
+    """vllm.v1.engine.exceptions.EngineDeadError (vLLM cannot be imported here): its name and message."""
+
+    def __init__(self):
+        super().__init__("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+
+def test_an_adapter_load_vllm_fails_for_a_reason_that_may_pass_is_sent_again_not_refused_for_good(
+    standin_vllm, tiny_model, tmp_path
+):
+    """Every failure of vLLM's add_lora was wrapped as WeightsIncompatibleError, i.e. INVALID_ARGUMENT, which stops
+    the run: an I/O error on the shared volume mid-write, a timeout or an out-of-memory that clears stopped a run that
+    the next try would have continued. UpdateWeights over real gRPC now answers FAILED_PRECONDITION (the relay sends
+    the version again, the replica keeps serving its own) for those, INVALID_ARGUMENT only for an adapter that does
+    not fit (vLLM's ValueError), and UNAVAILABLE for an engine that died. vLLM cannot be installed on this machine: the
+    failures are real exceptions of the types vLLM raises (OSError, TimeoutError, torch.OutOfMemoryError, ValueError,
+    its FileNotFoundError turned ValueError), each also in the form AsyncLLM's client hands it over (`relayed`)."""
+    import grpc
+    import torch
+    from gyre.v1 import inference_pb2, inference_pb2_grpc
+    from gyre.weights import WeightStore
+    from gyre_inference.control import ControlServer
+    from gyre_inference.metrics import InferenceMetrics
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    store = WeightStore(tmp_path / "weights")
+    source = adapter_folder(tmp_path, "adapter", rank=4)
+    version = store.publish(1, lambda folder: [shutil.copy(f, folder / f.name) for f in source.iterdir()])
+    file = str(store.path(1) / ADAPTER_FILE)
+    io_error = OSError(errno.EIO, os.strerror(errno.EIO), file)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has 12.00 MiB free.")
+    unfit = ValueError(
+        f"While loading {store.path(1)}, expected target modules in ['qkv_proj'] but received ['lm_head']"
+    )
+    rank = ValueError("LoRA rank 64 is greater than max_lora_rank 16.")
+    may_pass, refused, down = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                               grpc.StatusCode.UNAVAILABLE)  # fmt: skip
+    cases = [
+        (io_error, may_pass), (relayed(io_error), may_pass), (TimeoutError(), may_pass),
+        (relayed(TimeoutError("timed out waiting for the volume")), may_pass), (oom, may_pass),
+        (relayed(oom), may_pass),
+        (vllm_no_adapter_found(store.path(1)), may_pass), (relayed(vllm_no_adapter_found(store.path(1))), may_pass),
+        (unfit, refused), (relayed(unfit), refused), (rank, refused), (relayed(rank), refused),
+        (EngineDeadError(), down),
+    ]  # fmt: skip
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model, max_loras=1, max_lora_rank=8)
+        await backend.start()
+        add_lora = backend._engine.add_lora
+        server = ControlServer(backend, InferenceMetrics("vllm-load-failures", backend), "tiny")
+        port = await server.start("127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = inference_pb2_grpc.InferenceControlStub(channel)
+                request = inference_pb2.UpdateWeightsRequest(version=version.to_proto(), model="run-a")
+                for error, code in cases:
+
+                    async def fail(lora_request, error=error):
+                        raise error
+
+                    backend._engine.add_lora = fail
+                    with pytest.raises(grpc.aio.AioRpcError) as answer:
+                        await stub.UpdateWeights(request, timeout=30)
+                    assert answer.value.code() == code, (repr(error), answer.value.details())
+                    assert "still serving version 0" in answer.value.details()
+                backend._engine.add_lora = add_lora  # the cause passed: the same version now loads
+                assert (await stub.UpdateWeights(request, timeout=30)).step == 1
+        finally:
+            await server.stop(0)
+            await backend.shutdown()
+
+    run(scenario())
+
+
+def test_an_io_error_reading_a_version_is_worth_another_try(standin_vllm, tiny_model, tmp_path):
+    """`adapter_rank` (adapter_config.json) and `safetensors_layout` (the full weights' headers) wrapped an OSError as
+    WeightsIncompatibleError (refused for good, the run stops): an I/O error on the volume says nothing of whether
+    the version fits. Real OSErrors here: the path read is a folder (IsADirectoryError)."""
+    from gyre_inference.vllm_backend import adapter_rank, check_same_layout
+
+    folder = adapter_folder(tmp_path, "a")
+    (folder / ADAPTER_CONFIG).unlink()
+    (folder / ADAPTER_CONFIG).mkdir()
+    with pytest.raises(OSError) as error:
+        adapter_rank(folder, 8)
+    assert not isinstance(error.value, WeightsIncompatibleError)
+    full = tmp_path / "full"
+    (full / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(OSError) as error:
+        check_same_layout(tiny_model, full)
+    assert not isinstance(error.value, WeightsIncompatibleError)
