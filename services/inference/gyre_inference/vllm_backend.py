@@ -250,6 +250,9 @@ class VLLMBackend(Backend):
         if adapters and not max_loras:
             raise ValueError("named adapters need max_loras >= 1 (LoRA is off with 0)")
         self.model_path = Path(model_path)
+        # Gyre's "auto" is bfloat16 on a GPU, what the trainer and the torch backend use; vLLM's own "auto" keeps a
+        # float16 checkpoint in float16, so rollouts came from another dtype than the policy the trainer steps
+        dtype = "bfloat16" if dtype == "auto" else dtype
         self._engine_kwargs = dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,

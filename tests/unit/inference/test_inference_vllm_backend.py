@@ -184,3 +184,14 @@ def test_vllm_structured_outputs_on_a_gpu(tiny_model):
             await backend.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_model_dtype_auto_starts_vllm_in_bfloat16_the_dtype_the_trainer_steps_in(tiny_model):
+    # vLLM's own "auto" keeps a float16 checkpoint in float16: rollouts were sampled in another dtype than the
+    # trainer's (and the torch backend's) bfloat16
+    from gyre_inference.vllm_backend import VLLMBackend
+    from gyre_trainer.model import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert VLLMBackend(tiny_model)._engine_kwargs["dtype"] == "bfloat16"
+    assert VLLMBackend(tiny_model, dtype="float16")._engine_kwargs["dtype"] == "float16"
