@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -24,7 +23,7 @@ Messages = list[Message]
 State = dict[str, Any]
 Info = dict[str, Any]
 Split = Literal["train", "eval"]
-_TOOL_CALL_BLOCK = re.compile(r"\n?<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
+_TOOL_CALL_START = "<tool_call>"
 # Why a rollout ended: the environment said so, the turn budget ran out, the model hit max_tokens, the
 # prompt of a later turn no longer extended the training sequence, or environment code raised.
 StopReason = Literal["done", "max_turns", "length", "drift", "error"]
@@ -133,7 +132,10 @@ class Turn:
     - `prompt_token_ids` is the full prompt the server fed the model (chat template applied).
     - `text` is the completion decoded without special tokens. `tool_calls` are the calls the server parsed out
       of it (then `text` may or may not still contain the `<tool_call>` blocks); when the server does not parse
-      calls, they stay in `text` and `ToolEnv` parses them itself.
+      calls, they stay in `text` and `ToolEnv` parses them itself. With parsed calls and no blocks left, `text` is
+      the content as the chat template takes it back: the text before the first call less the one newline the
+      template writes between content and calls (Gyre's server returns it so; the orchestrator's client makes
+      vLLM's answer so from the sampled tokens).
     - `policy_version_min <= policy_version_max`: the weight versions that produced the completion (they differ
       when weights were swapped mid-generation).
     """
@@ -162,17 +164,24 @@ class Turn:
             raise ValueError(f"policy_version_min {self.policy_version_min} > max {self.policy_version_max}")
 
     def assistant_message(self) -> Message:
-        """The assistant message to append to the conversation for the next turn.
+        """The assistant message to append to the conversation for the next turn: what the chat template renders
+        back to the tokens the model sampled.
 
         Without structured tool calls the content is the server's text verbatim (any `<tool_call>` blocks in it
         re-render as they were sampled). With them, the calls go in OpenAI shape with their raw argument text and
-        the content is the text minus any call blocks a server left in it (and the newline before them, which the
-        template adds back), so the chat template re-renders what the model produced instead of doubling it.
+        the content is the text as returned, or, when a server left the call blocks in it, the text before the
+        first block less one newline (the one the template writes back before the calls), so the template renders
+        the calls once. Nothing more is stripped: a reply ending in a blank line before its call keeps it (all
+        trailing newlines were stripped, so the next prompt rendered one newline where two were sampled: drift).
         """
-        if not self.tool_calls:
-            return {"role": "assistant", "content": self.text}
-        content = _TOOL_CALL_BLOCK.sub("", self.text).rstrip("\n")
-        return {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in self.tool_calls]}
+        message: Message = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            start = self.text.find(_TOOL_CALL_START)
+            if start >= 0:
+                before = self.text[:start]
+                message["content"] = before[:-1] if before.endswith("\n") else before
+            message["tool_calls"] = [call.to_openai() for call in self.tool_calls]
+        return message
 
 
 @runtime_checkable

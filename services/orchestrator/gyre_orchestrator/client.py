@@ -113,18 +113,52 @@ def parse_turn(body: dict[str, Any], fallback_version: int | None, sent_version:
         vmax = fallback_version if vmax is None else vmax
     message = choice.get("message") or {}
     try:
+        text, calls = message.get("content") or "", message.get("tool_calls") or []
+        if calls:
+            text = _content_before_calls(text, _sampled_text(content))
         return Turn(
             prompt_token_ids=[int(t) for t in prompt_ids],
             completion_token_ids=[int(t) for t in token_ids],
             completion_logprobs=logprobs,
-            text=message.get("content") or "",
-            tool_calls=[ToolCall.from_openai(call) for call in (message.get("tool_calls") or [])],
+            text=text,
+            tool_calls=[ToolCall.from_openai(call) for call in calls],
             finish_reason=choice.get("finish_reason") or "stop",
             policy_version_min=int(vmin),
             policy_version_max=int(vmax),
         )
     except (ValueError, TypeError, AttributeError) as e:
         raise BadResponse(str(e)) from None
+
+
+def _sampled_text(logprobs: list[Any]) -> str | None:
+    """The completion as sampled: the bytes of its tokens' log-prob entries (OpenAI's `bytes`, else `token`)
+    joined; None when an entry has neither. Asked only of a reply with tool calls."""
+    parts = []
+    for item in logprobs:
+        data = item.get("bytes") if isinstance(item, dict) else None
+        if isinstance(data, list):
+            parts.append(bytes(data))  # ValueError/TypeError for non-bytes: a BadResponse
+        elif isinstance(item, dict) and isinstance(item.get("token"), str):
+            parts.append(item["token"].encode())
+        else:
+            return None
+    return b"".join(parts).decode("utf-8", "replace")
+
+
+def _content_before_calls(content: str, sampled: str | None) -> str:
+    """A tool-call reply's content as the chat template must get it back to render the sampled tokens (`Turn.text`).
+
+    The template writes the content, one newline, then the `<tool_call>` blocks, so the content must end in one
+    newline fewer than the sampled text before its first block. Servers differ: Gyre's returns it so, vLLM's hermes
+    parser returns the text before the first block verbatim (one newline more). The sampled tokens decide; without
+    them (or without a hermes block in them, or with nothing to adjust) the content stays as the server sent it."""
+    start = -1 if sampled is None or "<tool_call>" in content else sampled.find("<tool_call>")
+    body = content.rstrip("\n")
+    if start < 0 or not body:
+        return content
+    before = sampled[:start]
+    newlines = len(before) - len(before.rstrip("\n"))
+    return body + "\n" * (newlines - 1) if newlines else content
 
 
 class InferenceClient:

@@ -73,3 +73,21 @@ async def test_reference_conversations_splice_exactly(tokenizer, name, server_pa
         assert full["input_ids"][:n] == rollout.token_ids and len(full["input_ids"]) == n + 1
         assert [bool(m) for m in full["assistant_masks"][:n]] == rollout.loss_mask
         assert (await env.score(task, rollout)).reward == pytest.approx(sum(env.rubric.weights))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("content", ["Let me compute.\n", "Let me compute.\n\n", "Let me compute."])
+async def test_a_reply_ending_in_blank_lines_before_its_call_splices_exactly(tokenizer, content):
+    """The template renders content, a newline, the call: a reply that sampled a blank line (or two) before its call
+    gets its content back with those newlines (Gyre's server returns it less the template's one), and the next turn's
+    prompt extends the sampled tokens. Old code stripped every trailing newline: such a sample drifted."""
+    env = load_environment("calculator")
+    task = env.tasks("eval")[0]
+    reference = env.sft_example(task)
+    reference[2]["content"] = content  # the call turn, with prose before its call
+    replies = [m for m in reference if m["role"] == "assistant"]
+    rollout = await env.rollout(TemplateClient(tokenizer, replies, server_parses_calls=True), task, SamplingParams())
+    assert rollout.stop_reason == "done" and rollout.sequence_turns == 2
+    full = tokenizer.apply_chat_template(reference, tools=env.tool_schemas, return_dict=True)
+    assert full["input_ids"][: len(rollout.token_ids)] == rollout.token_ids
+    assert rollout.completion[0]["content"] == content

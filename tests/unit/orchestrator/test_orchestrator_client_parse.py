@@ -63,3 +63,45 @@ def test_responses_that_cannot_be_trained_on_are_rejected():
         parse_turn({"choices": []}, 0)
     with pytest.raises(BadResponse, match="log-probabilities"):
         parse_turn(completion(logprobs={"content": [{"logprob": 0.5}, {"logprob": -1}, {"logprob": -1}]}), 0)
+
+
+def sampled(tokens: list[str], message: dict) -> dict:
+    """A completion whose sampled tokens are `tokens` (log-prob entries with their bytes, as vLLM and Gyre send)."""
+    body = completion(policy_version_min=0, policy_version_max=0, token_ids=list(range(len(tokens))))
+    body["choices"][0]["message"] = {"role": "assistant", **message}
+    body["choices"][0]["logprobs"] = {"content": [
+        {"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": []} for t in tokens]}  # fmt: skip
+    return body
+
+
+CALL = {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+2"}'}}
+# a reply with a blank line before its call: the chat template writes content + "\n" + the call block
+BLANK_LINE_CALL = ["Let me", " compute.", "\n\n", "<tool_call>", '\n{"name": "calculator", "arguments": '
+                   '{"expression": "1+2"}}\n', "</tool_call>", "<|im_end|>"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "server_content",
+    [
+        "Let me compute.\n\n",  # vLLM's hermes parser (recorded shape): the text before the first block, verbatim
+        "Let me compute.\n",  # Gyre's server: less the newline the template writes back
+    ],
+)
+def test_a_tool_call_replys_content_re_renders_the_sampled_newlines(server_content):
+    """Both servers' answers give the content the template turns back into the sampled text: one newline before
+    the call (old code stripped every trailing newline: the next prompt had one newline where two were sampled)."""
+    turn = parse_turn(sampled(BLANK_LINE_CALL, {"content": server_content, "tool_calls": [CALL]}), None)
+    message = turn.assistant_message()
+    assert message["content"] == "Let me compute.\n"
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"expression": "1+2"}'
+
+
+def test_content_stays_as_sent_where_the_sampled_tokens_say_nothing():
+    """No log-prob bytes or tokens, or a call format without hermes blocks: the server's content, verbatim."""
+    body = sampled(BLANK_LINE_CALL, {"content": "Let me compute.\n", "tool_calls": [CALL]})
+    body["choices"][0]["logprobs"]["content"] = [{"logprob": -0.5} for _ in BLANK_LINE_CALL]
+    assert parse_turn(body, None).assistant_message()["content"] == "Let me compute.\n"
+    mistral = ["Sure.", "\n", "[TOOL_CALLS]", '[{"name": "calculator"}]', "</s>"]
+    turn = parse_turn(sampled(mistral, {"content": "Sure.\n", "tool_calls": [CALL]}), None)
+    assert turn.assistant_message()["content"] == "Sure.\n"
+

@@ -1,0 +1,57 @@
+"""A tool-call reply that ends in a blank line before its call, end to end: real `gyre inference` replica, real
+chat template, the orchestrator's `InferenceClient` and `ToolEnv`.
+
+The tiny model is taught (a few seconds) to answer the calculator task with "Let me compute." then a blank line,
+then the call. The server returns the content less the newline the chat template writes back before the call;
+the assistant message sent with the next turn must keep the other one, or the next prompt no longer extends the
+sampled tokens and the sample is cut after its first turn (stop_reason drift).
+"""
+
+from __future__ import annotations
+
+import pytest
+from gyre.envs import SamplingParams, load_environment
+from gyre_orchestrator.client import InferenceClient, close_replica_clients
+from gyre_orchestrator.replicas import Endpoint, ReplicaSet
+from support.models import teach
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300), pytest.mark.slow]
+
+PROSE = "Let me compute.\n"  # the content the template renders as "Let me compute.\n\n<tool_call>..."
+
+
+@pytest.fixture(scope="module")
+def blank_line_model(tiny_model, tmp_path_factory):
+    import torch
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.getbasetemp() / "orchestrator-blank-line-model"
+    env = load_environment("calculator")
+    messages = env.sft_example(env.tasks("train", seed=0)[0])
+    messages[2]["content"] = PROSE
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    enc = tokenizer.apply_chat_template(
+        messages, tools=env.tool_schemas, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids = torch.tensor([enc["input_ids"]])
+    labels = torch.where(torch.tensor([enc["assistant_masks"]], dtype=torch.bool), ids, -100)
+    return teach(tiny_model, path, ids, labels, max_steps=600)
+
+
+async def test_a_blank_line_before_a_call_keeps_the_sequence_whole(start_replica, blank_line_model):
+    replica = start_replica(model=blank_line_model)
+    env = load_environment("calculator")
+    task = env.tasks("train", seed=0)[0]
+    replicas = ReplicaSet([Endpoint(replica.url, replica.control)])
+    client = InferenceClient(replicas, timeout_s=60)
+    try:
+        rollout = await env.rollout(client, task, SamplingParams(temperature=0, max_tokens=48))
+    finally:
+        await close_replica_clients(list(replicas))
+    first = rollout.turns[0]
+    assert first.tool_calls and first.text == PROSE  # the server dropped the template's newline, kept the other
+    assert rollout.stop_reason == "done" and rollout.sequence_turns == rollout.num_turns == 2
+    assert rollout.completion[0]["content"] == PROSE
+    # the second prompt extends the first turn's tokens, so the training sequence is both turns, whole
+    sequence = first.prompt_token_ids + first.completion_token_ids
+    assert rollout.turns[1].prompt_token_ids[: len(sequence)] == sequence
