@@ -136,6 +136,9 @@ class Turn:
       the content as the chat template takes it back: the text before the first call less the one newline the
       template writes between content and calls (Gyre's server returns it so; the orchestrator's client makes
       vLLM's answer so from the sampled tokens).
+    - `reasoning` is reasoning the server returned apart from the content (vLLM's `--reasoning-parser`) that
+      `text` does not hold; it goes back as the assistant message's `reasoning_content`. None normally: the
+      orchestrator's client puts a `<think>` block back into `text`, as it was sampled.
     - `policy_version_min <= policy_version_max`: the weight versions that produced the completion (they differ
       when weights were swapped mid-generation).
     """
@@ -145,6 +148,7 @@ class Turn:
     completion_logprobs: list[float]
     text: str
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
     finish_reason: str = "stop"
     policy_version_min: int = 0
     policy_version_max: int = 0
@@ -181,6 +185,8 @@ class Turn:
                 before = self.text[:start]
                 message["content"] = before[:-1] if before.endswith("\n") else before
             message["tool_calls"] = [call.to_openai() for call in self.tool_calls]
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
         return message
 
 

@@ -114,14 +114,20 @@ def parse_turn(body: dict[str, Any], fallback_version: int | None, sent_version:
     message = choice.get("message") or {}
     try:
         text, calls = message.get("content") or "", message.get("tool_calls") or []
+        # newer vLLM names it `reasoning`, older `reasoning_content`
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        sampled = _sampled_text(content) if calls or reasoning else None
         if calls:
-            text = _content_before_calls(text, _sampled_text(content))
+            text = _content_before_calls(text, sampled)
+        if reasoning:
+            text, reasoning = _with_reasoning(text, reasoning, sampled)
         return Turn(
             prompt_token_ids=[int(t) for t in prompt_ids],
             completion_token_ids=[int(t) for t in token_ids],
             completion_logprobs=logprobs,
             text=text,
             tool_calls=[ToolCall.from_openai(call) for call in calls],
+            reasoning=reasoning,
             finish_reason=choice.get("finish_reason") or "stop",
             policy_version_min=int(vmin),
             policy_version_max=int(vmax),
@@ -132,7 +138,7 @@ def parse_turn(body: dict[str, Any], fallback_version: int | None, sent_version:
 
 def _sampled_text(logprobs: list[Any]) -> str | None:
     """The completion as sampled: the bytes of its tokens' log-prob entries (OpenAI's `bytes`, else `token`)
-    joined; None when an entry has neither. Asked only of a reply with tool calls."""
+    joined; None when an entry has neither. Asked only of a reply with tool calls or reasoning."""
     parts = []
     for item in logprobs:
         data = item.get("bytes") if isinstance(item, dict) else None
@@ -159,6 +165,18 @@ def _content_before_calls(content: str, sampled: str | None) -> str:
     before = sampled[:start]
     newlines = len(before) - len(before.rstrip("\n"))
     return body + "\n" * (newlines - 1) if newlines else content
+
+
+def _with_reasoning(content: str, reasoning: str, sampled: str | None) -> tuple[str, str | None]:
+    """`(text, reasoning)` of a reply whose reasoning the server returned apart (vLLM's `--reasoning-parser`): where
+    it was sampled as a `<think>` block, the block goes back in front of the content as it was sampled (the text
+    a server without the parser returns: rubrics, parsers and the chat template then see the reply as sampled, and
+    the next turn's prompt renders it); otherwise the text is the content and the reasoning stays apart (sent
+    back as `reasoning_content`, the field chat templates read)."""
+    if sampled is None or "</think>" not in sampled:
+        return content, reasoning
+    opened = "<think>" if "<think>" in sampled.split("</think>", 1)[0] else ""  # a template may open the block
+    return f"{opened}{reasoning}</think>{content}", None
 
 
 class InferenceClient:

@@ -105,3 +105,36 @@ def test_content_stays_as_sent_where_the_sampled_tokens_say_nothing():
     turn = parse_turn(sampled(mistral, {"content": "Sure.\n", "tool_calls": [CALL]}), None)
     assert turn.assistant_message()["content"] == "Sure.\n"
 
+
+# vLLM with --reasoning-parser qwen3 (recorded shapes): the <think> block's inside apart, the rest as content;
+# vLLM < 0.11 names the field reasoning_content, later versions reasoning
+THINK = ["<think>", "\n", "1+2 is 3", "\n", "</think>", "\n\n", "It is 3.", "<|im_end|>"]
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_reasoning_returned_apart_goes_back_into_the_reply_as_sampled(field):
+    """The thinking the model sampled stays in the reply: in `text` (rubrics and parsers see it as without the
+    parser) and in the message the next turn's prompt renders (old code dropped it: the history lacked it)."""
+    turn = parse_turn(sampled(THINK, {"content": "\n\nIt is 3.", field: "\n1+2 is 3\n"}), None)
+    assert turn.text == "<think>\n1+2 is 3\n</think>\n\nIt is 3."
+    assert turn.reasoning is None
+    assert turn.assistant_message() == {"role": "assistant", "content": "<think>\n1+2 is 3\n</think>\n\nIt is 3."}
+
+
+def test_reasoning_after_a_think_the_template_opened_and_with_a_tool_call():
+    """A generation prompt that opens the block (the model samples no <think>) is not given one; a tool call
+    after the thinking keeps the content rule."""
+    tokens = THINK[1:6] + ["Calling.", "\n", *BLANK_LINE_CALL[3:]]
+    body = sampled(tokens, {"content": "\n\nCalling.\n", "reasoning_content": "\n1+2 is 3\n", "tool_calls": [CALL]})
+    turn = parse_turn(body, None)
+    assert turn.text == "\n1+2 is 3\n</think>\n\nCalling."
+    assert turn.assistant_message()["content"] == "\n1+2 is 3\n</think>\n\nCalling."
+
+
+def test_reasoning_not_in_think_tags_is_sent_back_as_reasoning_content():
+    """Another parser's format (no </think> sampled): the content as text, the reasoning kept apart and sent back in
+    the field chat templates read."""
+    tokens = ["analysis", " hmm", "final", " It is 3.", "<|im_end|>"]
+    turn = parse_turn(sampled(tokens, {"content": "It is 3.", "reasoning": "hmm"}), None)
+    assert (turn.text, turn.reasoning) == ("It is 3.", "hmm")
+    assert turn.assistant_message() == {"role": "assistant", "content": "It is 3.", "reasoning_content": "hmm"}
