@@ -307,9 +307,11 @@ def learning_health() -> list[timeseries.Panel]:
             [
                 (f"max by (run_id, env) ({truncated})", "last batch {{run_id}} {{env}}"),
                 (f"max by (run_id, env) (avg_over_time({truncated}[15m]))", "15m mean {{run_id}} {{env}}"),
+                (f"max by (run_id, env) ({sel('gyre_orchestrator_drift_ratio')})", "drift {{run_id}} {{env}}"),
             ],
             "Share of each batch's samples cut at the length limit: a 15-minute mean above 20% and twice the "
-            "6 hours before fires GyreTruncationSpike.",
+            "6 hours before fires GyreTruncationSpike. Drift: the share cut where a later turn's prompt no longer "
+            "extended the sampled tokens (the chat template re-renders earlier turns; docs/environments.md).",
             width=6,
             minimum=0,
         ),

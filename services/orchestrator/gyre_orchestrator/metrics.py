@@ -179,6 +179,13 @@ class OrchestratorMetrics:
             (*run, "env"),
             r,
         )
+        self.drift_ratio = m.gauge(
+            "gyre_orchestrator_drift_ratio",
+            "Fraction of the last batch's samples cut at a turn whose prompt did not extend the sampled tokens "
+            "(stop_reason drift).",
+            (*run, "env"),
+            r,
+        )
         self.overlong_penalty = m.gauge(
             "gyre_orchestrator_overlong_penalty_mean",
             "Mean overlong penalty (advantage.overlong_buffer, <= 0, already in the reward) of the last batch's "

@@ -92,6 +92,9 @@ def batch_health(samples: list[ScoredRollout]) -> dict:
         "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
         "response_length_p95": float(np.percentile(lengths, 95)) if len(lengths) else 0.0,
         "truncated_ratio": float(np.mean([s.rollout.stop_reason == "length" for s in samples])) if samples else 0.0,
+        # cut short because a later turn's prompt did not extend the sampled tokens (gyre.envs.sequence): only a
+        # warning in the log said so, and a template that always drifts trained every multi-turn sample on its first
+        "drift_ratio": float(np.mean([s.rollout.stop_reason == "drift" for s in samples])) if samples else 0.0,
         "rubric_scores": {name: float(np.mean(values)) for name, values in sorted(scores.items())},
     }
 
@@ -310,6 +313,7 @@ class StepRecords:
                 labels(m.response_length, env=env, stat="mean").set(health["response_length_mean"])
                 labels(m.response_length, env=env, stat="p95").set(health["response_length_p95"])
                 labels(m.truncated_ratio, env=env).set(health["truncated_ratio"])
+                labels(m.drift_ratio, env=env).set(health["drift_ratio"])
                 if cfg.advantage.overlong_buffer.len:
                     labels(m.overlong_penalty, env=env).set(float(np.mean([s.overlong_penalty for s in mine])))
                 for name, value in health["rubric_scores"].items():

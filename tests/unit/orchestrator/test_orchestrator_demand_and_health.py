@@ -76,12 +76,13 @@ def test_batch_health_of_a_batch():
         return SimpleNamespace(rollout=SimpleNamespace(num_completion_tokens=tokens, stop_reason=stop),
                                score=SimpleNamespace(per_function=scores))  # fmt: skip
 
-    samples = [sample(10 * (i + 1), "length" if i >= 16 else "done", correct=float(i % 2), format=1.0)
-               for i in range(20)]  # fmt: skip
+    stops = ["drift"] * 2 + ["done"] * 14 + ["length"] * 4
+    samples = [sample(10 * (i + 1), stops[i], correct=float(i % 2), format=1.0) for i in range(20)]
     health = batch_health(samples)
     assert health["response_length_mean"] == 105.0
     assert health["response_length_p95"] == pytest.approx(190.5)  # numpy's linear interpolation
     assert health["truncated_ratio"] == 0.2  # 4 of 20 hit the length limit (not turn budgets or drift)
+    assert health["drift_ratio"] == 0.1  # 2 of 20 cut where a later turn's prompt did not extend the sequence
     assert health["rubric_scores"] == {"correct": 0.5, "format": 1.0}
     assert batch_health([]) == {"response_length_mean": 0.0, "response_length_p95": 0.0, "truncated_ratio": 0.0,
-                                "rubric_scores": {}}  # fmt: skip
+                                "drift_ratio": 0.0, "rubric_scores": {}}  # fmt: skip
