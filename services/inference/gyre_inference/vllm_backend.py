@@ -17,7 +17,9 @@ How it maps onto vLLM:
 - weights: pause the scheduler keeping requests (`pause_generation(mode="keep")`), load the folder's
   safetensors in every worker through our worker extension (`model.load_weights`, which also
   re-shards for tensor parallelism), resume, then reset the prefix cache so no new prompt reuses KV
-  blocks the old weights computed. Requests in flight keep their KV cache, as with the torch backend.
+  blocks the old weights computed. `load_weights` copies tensor by tensor: a load that fails part way loads the
+  weights served before back while still paused (`_load_back`), or stops the engine when that fails too. Requests
+  in flight keep their KV cache, as with the torch backend.
 - versions: a token is stamped with the version current when its output reaches us. Tokens cannot
   be computed while paused, and the new version is noted while paused (before the resume), so the stamp
   is exact up to outputs already in transit at pause time (vLLM flushes those during pause_generation).
@@ -272,6 +274,7 @@ class VLLMBackend(Backend):
         self._users: Counter[int] = Counter()  # lora_int_id -> our requests in flight with it
         self._lora_ids = itertools.count(1)  # vLLM wants ids > 0, one per adapter it should (re)load
         self._base_loaded = True  # the engine holds the base model's weights (what adapters apply to)
+        self._full_path = self.model_path  # the folder of the full weights the engine holds (loaded back on a failure)
         self._moves = 0  # full-weights loads other than the base: requests on the model's own adapter move off it
         self._max_model_len = 0
         self._running = 0
@@ -502,13 +505,42 @@ class VLLMBackend(Backend):
         came back under an adapter)."""
         engine = self._live
         await self._pause()
+        mixed = False  # the workers hold weights of no version: never resumed, the engine is stopped
         try:
-            await engine.collective_rpc("gyre_load_weights", args=(str(path),))
+            try:
+                await engine.collective_rpc("gyre_load_weights", args=(str(path),))
+            except Exception as error:
+                mixed = not await self._load_back(engine, error)
+                if mixed:
+                    raise BackendStoppedError(
+                        f"vLLM failed loading {path} ({error}) and then loading back {self._full_path}: its weights "
+                        "are a mix of two versions, so the engine is stopped; restart this replica"
+                    ) from error
+                raise WeightsLoadError(f"{path}: vLLM could not load the weights ({error}); the weights served before "
+                                       "were loaded back, and the version may load next time") from error  # fmt: skip
             loaded()
+            self._full_path = path
         finally:
-            await engine.resume_generation()  # the engine paused, even if a stop began meanwhile
+            if mixed:
+                await self.shutdown()
+            else:
+                await engine.resume_generation()  # the engine paused, even if a stop began meanwhile
         if await engine.reset_prefix_cache() is False:
             log.warning("vLLM kept prefix-cache blocks still in use: they were computed by the previous weights")
+
+    async def _load_back(self, engine: Any, error: BaseException) -> bool:
+        """After a failed `gyre_load_weights`: load the weights served before back in every worker (still paused);
+        True once they are. `load_weights` copies tensor by tensor, so a load that failed part way (an I/O error on
+        the volume mid-read, memory) left the workers holding a mix of the two versions, which went on serving under
+        the old version's number: samples of no policy, tagged as one."""
+        log.error("vLLM failed loading weights (%s): loading back %s, the weights served before", error,
+                  self._full_path)  # fmt: skip
+        try:
+            await engine.collective_rpc("gyre_load_weights", args=(str(self._full_path),))
+        except Exception as again:
+            log.error("vLLM failed loading back %s too: %s", self._full_path, again)
+            return False
+        return True
 
     async def _add_lora(self, path: Path, name: str) -> Any:
         """A new LoRARequest for the (checked) adapter in `path`, loaded by vLLM: a fresh id, and `name`

@@ -1043,3 +1043,51 @@ def test_an_io_error_reading_a_version_is_worth_another_try(standin_vllm, tiny_m
     with pytest.raises(OSError) as error:
         check_same_layout(tiny_model, full)
     assert not isinstance(error.value, WeightsIncompatibleError)
+
+
+def test_a_full_load_that_fails_part_way_loads_the_served_weights_back(standin_vllm, tiny_model, tmp_path):
+    """vLLM's `load_weights` copies tensor by tensor, so a load that failed part way (here an I/O error on the volume
+    while a worker read the folder, in the text MultiprocExecutor relays) left the workers holding a mix of two
+    versions, and they went on serving it under the old version's number: samples of no policy, tagged as one. The
+    weights served before are now loaded back while the scheduler is still paused (the base, then the last full
+    version), the failure is one worth another try (WeightsLoadError); when even that fails the engine is stopped, not
+    resumed on mixed weights."""
+    from gyre_inference.backend import BackendStoppedError, WeightsLoadError
+    from gyre_inference.vllm_backend import VLLMBackend
+
+    step_2, step_3 = tmp_path / "step_2", tmp_path / "step_3"
+    shutil.copytree(tiny_model, step_2)
+    shutil.copytree(tiny_model, step_3)
+
+    async def scenario():
+        backend = VLLMBackend(tiny_model)
+        await backend.start()
+        engine = backend._engine
+        rpc, failing = engine.collective_rpc, set()
+
+        async def read(method, timeout=None, args=(), kwargs=None):
+            await rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+            if args[0] in failing:
+                raise Exception(f"Worker failed with error '[Errno 5] Input/output error: {args[0]}', please check "
+                                "the stack trace above for the root cause")  # fmt: skip
+
+        def loads():
+            return [c["args"][0] for name, c in engine.calls if name == "collective_rpc"]
+
+        engine.collective_rpc = read
+        failing.add(str(step_3))
+        with pytest.raises(WeightsLoadError, match="loaded back"):
+            await backend.update_weights(FetchedWeights.local(step_3, 3))
+        assert loads() == [str(step_3), str(tiny_model)] and backend.version == 0  # the base, back
+        assert engine.names()[-1] == "resume_generation" and backend.ready
+        await backend.update_weights(FetchedWeights.local(step_2, 2))
+        with pytest.raises(WeightsLoadError):
+            await backend.update_weights(FetchedWeights.local(step_3, 3))
+        assert loads()[-2:] == [str(step_3), str(step_2)] and backend.version == 2  # the version served, back
+
+        failing.add(str(step_2))  # loading back fails too: the workers' weights are of no version
+        with pytest.raises(BackendStoppedError, match="restart this replica"):
+            await backend.update_weights(FetchedWeights.local(step_3, 3))
+        assert not backend.ready and engine.names()[-1] == "collective_rpc"  # stopped, never resumed
+
+    run(scenario())
