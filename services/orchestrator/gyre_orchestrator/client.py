@@ -241,6 +241,12 @@ class InferenceClient:
             "messages": messages,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
+            # vLLM's server fills what a request leaves out from the model's generation_config.json (Qwen3: top_k 20,
+            # Qwen2.5 instruct: repetition_penalty 1.05); the trainer recomputes log_softmax(logits / T) alone, so a
+            # rollout sampled through those was off-policy without a word. Neutral here, on any server.
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
             "max_tokens": sampling.max_tokens,
             "logprobs": True,
             "return_token_ids": True,  # gyre / vLLM extension: prompt and completion token ids

@@ -49,3 +49,20 @@ def test_a_view_for_a_batch_sends_its_priority_and_shares_the_client():
     with serving(recording_app(bodies), port):
         asyncio.run(scenario())
     assert [body.get("priority") for body in bodies] == [7, None, None]
+
+
+@pytest.mark.timeout(60)
+def test_every_chat_request_pins_the_filters_and_penalty_a_server_would_fill_from_the_generation_config():
+    # vLLM's server applies generation_config.json's top_k / min_p / repetition_penalty to a request that leaves them
+    # out: a sample drawn through them is not the policy the trainer recomputes (log_softmax(logits / T))
+    port, bodies = free_port(), []
+
+    async def scenario():
+        client = InferenceClient(ReplicaSet([Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1:1")]), model="m")
+        await client.chat([{"role": "user", "content": "hi"}], sampling=SamplingParams(temperature=0.7, max_tokens=4))
+
+    with serving(recording_app(bodies), port):
+        asyncio.run(scenario())
+    assert {key: bodies[0].get(key) for key in ("temperature", "top_k", "min_p", "repetition_penalty")} == {
+        "temperature": 0.7, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+    }  # fmt: skip
