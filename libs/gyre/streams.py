@@ -53,6 +53,41 @@ def dead_trimmed_key(run_id: str) -> str:
     return f"gyre:{run_id}:batches:dead:trimmed"
 
 
+def owner_key(run_id: str) -> str:
+    return f"gyre:{run_id}:owner"
+
+
+class RunIdTaken(RuntimeError):
+    """Another experiment holds this run id on the Redis (`gyre:{run}:owner`); `holder` is what it recorded."""
+
+    def __init__(self, run_id: str, holder: str, owner: str):
+        key = owner_key(run_id)
+        super().__init__(
+            f"redis.owner: run id {run_id!r} on this Redis belongs to {holder} (key {key}), not to {owner}: two "
+            f"experiments with one run id would train each other's batches. Give this one another run_id (a Helm "
+            f"release: experiment.run_id); if that experiment is gone, delete its keys: redis-cli DEL {key} "
+            f"{batches_key(run_id)} {dead_key(run_id)}"
+        )
+        self.run_id, self.holder = run_id, holder
+
+
+def claim_run_id(client: redis.Redis, run_id: str, owner: str, *, check_only: bool = False,
+                 take_over: bool = False) -> None:  # fmt: skip
+    """Record that `run_id`'s keys on this Redis (its stream, dead letters, push count) belong to `owner` (SET NX
+    on `gyre:{run}:owner`), or with `check_only` just read it. Two experiments with one run_id on one Redis (the
+    default id, a copied values file, two releases of one name in two namespaces) both found the stream empty and
+    both pushed into it: each trainer trained the other's batches. RunIdTaken when another owner holds the id;
+    `take_over` records `owner` whatever was there (`gyre rl --fresh`, which deletes the old run's batches)."""
+    key = owner_key(run_id)
+    if take_over:
+        client.set(key, owner)
+        return
+    held = client.get(key) if check_only else (None if client.set(key, owner, nx=True) else client.get(key))
+    holder = held.decode() if isinstance(held, bytes) else held
+    if holder is not None and holder != owner:
+        raise RunIdTaken(run_id, holder, owner)
+
+
 # Move one entry to the dead stream, atomically: add it (fields as ARGV[4..]), trim the dead stream to its newest
 # ARGV[1] entries and count what that trimmed, ack and delete the original (ARGV[3], group ARGV[2]).
 _DEAD_LETTER_LUA = """

@@ -18,13 +18,17 @@ from chart_testlib import (
     KEDA_APIS,
     KUBERNETES_VERSION,
     component,
+    container_env,
     containers,
+    fullname,
     init_action,
     manifests,
     named,
     objects,
+    pod_name,
     pod_templates,
     render,
+    service_config,
 )
 from gyre.config.loader import load_config
 from gyre.model_source import ModelFetchConfig
@@ -383,3 +387,32 @@ def test_inference_autoscaling_is_a_keda_scaled_object_on_the_orchestrators_dema
     with pytest.raises(helm_python.HelmError, match="minReplicas .* is above maxReplicas"):
         inverted = {"inference": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}
         render(inverted, api_versions=KEDA_APIS)
+
+
+def test_releases_of_one_name_on_one_external_redis_claim_their_run_id_apart(tmp_path, monkeypatch):
+    # two releases named `exp` in two namespaces on one shared Redis have one run id (the release name): their
+    # orchestrators pushed into one stream and their trainers, in one consumer group, trained each other's batches.
+    # Every pod that reads or writes the stream names its release as the run id's owner, which the service claims
+    external = {"redis": {"external": {"url": "redis://redis.infra:6379/0", "existingSecret": "infra"}}}
+    owners = {}
+    for namespace in ("team-a", "team-b"):
+        docs = manifests(render(external, namespace=namespace))
+        for workload, container in (
+            (f"{fullname()}-orchestrator", "orchestrator"),
+            (f"{fullname()}-trainer", "trainer"),
+        ):
+            pod = next(
+                d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == workload
+            )
+            pod = pod["spec"]["template"]["spec"]
+            spec = next(c for c in pod["containers"] if c["name"] == container)
+            env = container_env(spec, docs, pod_name(docs, container))
+            with monkeypatch.context() as m:
+                for name, value in env.items():
+                    if name.startswith("GYRE_REDIS__") and not name.endswith("_FILE"):
+                        m.setenv(name, value)
+                cfg = service_config(docs, tmp_path, container, workload)
+            assert cfg.redis.url == "redis://redis.infra:6379/0"
+            owners[(namespace, container)] = cfg.redis.owner
+    assert owners == {("team-a", "orchestrator"): "team-a/exp", ("team-a", "trainer"): "team-a/exp",
+                      ("team-b", "orchestrator"): "team-b/exp", ("team-b", "trainer"): "team-b/exp"}  # fmt: skip

@@ -822,6 +822,11 @@ a URL it was spliced into).
 {{- else }}
   value: {{ printf "redis://%s:%d/0" (include "gyre.serviceHost" (dict "root" . "service" "redis")) (int .Values.redis.port) | quote }}
 {{- end }}
+# The run ids' keys on the Redis are this release's: on a Redis several releases share (redis.external.url), one of
+# the same run_id (a release of the same name in another namespace, a copied experiment.run_id) is refused at start
+# instead of training this one's batches.
+- name: GYRE_REDIS__OWNER
+  value: {{ printf "%s/%s" .Release.Namespace .Release.Name | quote }}
 {{- end -}}
 
 {{/*

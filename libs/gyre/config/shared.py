@@ -18,6 +18,13 @@ class RedisConfig(Section):
         "escaping). Keep it out of config files: set password_file, or GYRE_REDIS__PASSWORD.",
     )
     password_file: Path | None = secret_file("password")
+    owner: str | None = Field(
+        None,
+        description="Who this run's keys on the Redis belong to (the Helm chart sets `<namespace>/<release>`). Set: "
+        "the trainer and the orchestrator record it at start (`gyre:{run_id}:owner`) and refuse, exit 2, a run id "
+        "another owner holds: two experiments with one run_id on one Redis trained each other's batches. Unset: no "
+        "claim (`gyre rl` claims for its services, with its output folder).",
+    )
 
     def client(self, **kwargs):
         """A redis-py client for this config (bytes replies: stream payloads are binary)."""

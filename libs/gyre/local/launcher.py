@@ -348,23 +348,24 @@ class Launcher:
 
         import redis
 
+        from gyre.streams import RunIdTaken, claim_run_id
+
         me = f"{socket.gethostname()}:{self.out.resolve()}"
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, decode_responses=True)
         try:
             for index, run in enumerate(experiment_runs(self.cfg)):
-                key = f"gyre:{run.name}:owner"
-                if self.cfg.fresh and not check_only:
-                    client.set(key, me)
-                    continue
-                owner = client.get(key) if check_only else (None if client.set(key, me, nx=True) else client.get(key))
-                if owner is not None and owner != me and not self.cfg.fresh:
+                if self.cfg.fresh and check_only:
+                    continue  # --fresh takes the id over at the launch
+                try:
+                    claim_run_id(client, run.name, me, check_only=check_only, take_over=self.cfg.fresh)
+                except RunIdTaken as e:
                     name = f"runs.{index}.name" if self.cfg.runs else "run_id"
                     raise ConfigError(
                         f"config key '{name}': {name} {run.name!r} on the Redis of redis.url belongs to the run in "
-                        f"{owner} (its stream gyre:{run.name}:batches): two experiments would train each other's "
+                        f"{e.holder} (its stream gyre:{run.name}:batches): two experiments would train each other's "
                         f"batches. Choose another {name}; if that run is gone, --fresh takes the id over (deleting "
                         "its batches)"
-                    )
+                    ) from None
         finally:
             client.close()
 

@@ -24,6 +24,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
     from gyre.endpoint import EndpointError
     from gyre.net import PortInUse
     from gyre.runlock import LockHeld, RunLock
+    from gyre.streams import RunIdTaken
 
     from gyre_orchestrator.client import SetupRefused
     from gyre_orchestrator.relay import WeightsRefused
@@ -76,7 +77,7 @@ async def serve(cfg: OrchestratorConfig) -> int:
         clean = len(signals) == 1 and not service.stop_cut_short
         log.info("stopped by signal (%s)%s", ", ".join(signals) or "cancelled", "" if clean else ", at once")
         return 0 if clean else 143
-    except PortInUse as e:
+    except (PortInUse, RunIdTaken) as e:  # RunIdTaken: another experiment's run id on a shared Redis
         log.error("%s", e)
         return 2
     except (EndpointError, SetupRefused, WeightsRefused) as e:  # a judge, reward model, teacher or the policy's

@@ -41,7 +41,7 @@ from gyre.redis_retry import acall_with_retry
 from gyre.rollouts import write_dump
 from gyre.runstate import committed_step, mark_rewound, pending_rewind, trainer_checkpoints
 from gyre.steps import StepEntries
-from gyre.streams import BatchStream, stream_id
+from gyre.streams import BatchStream, claim_run_id, stream_id
 from gyre.transport import open_store
 from gyre.wandb_log import WandbLogger
 
@@ -398,6 +398,8 @@ class OrchestratorService:
         except (OSError, RuntimeError) as e:
             host, port = cfg.server.host, cfg.server.port
             raise bind_failure("orchestrator", host, "server.host", port, "server.port", e) from None
+        if cfg.redis.owner:  # before the stream is read or changed (a rewind): another experiment's is not ours
+            await self._redis(lambda: claim_run_id(self.redis, cfg.run_id, cfg.redis.owner), "claiming the run id")
         await self.discovery.start()
         if cfg.resume_step is not None and cfg.resume_step >= 0:
             await self._await_trainer_rewind(cfg.resume_step)

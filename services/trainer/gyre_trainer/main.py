@@ -44,12 +44,13 @@ def _main(argv: list[str] | None) -> int:
     setup_logging(cfg.log.level, cfg.log.file, service, cfg.log.format, cfg.run_id)
     from gyre.net import PortInUse
     from gyre.runlock import LockHeld
+    from gyre.streams import RunIdTaken
 
     from gyre_trainer.service import run  # torch is imported only now, after the config is known to be valid
 
     try:
         return run(cfg)
-    except (LockHeld, PortInUse) as e:  # a user mistake, not a crash: one clear line, exit 2
+    except (LockHeld, PortInUse, RunIdTaken) as e:  # a user mistake, not a crash: one clear line, exit 2
         logging.getLogger("gyre_trainer").error("%s", e)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (gyre_trainer.stopping)

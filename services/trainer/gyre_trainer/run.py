@@ -24,6 +24,7 @@ A graceful stop checkpoints the last committed step unless it has its checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -138,9 +139,16 @@ class RunState:
 
     def open_intake(self, trained_step: int, poll_ms: int) -> BatchIntake:
         """The run's batches after `trained_step` (rank 0 reads the stream with the process's Redis client)."""
-        from gyre.streams import BatchStream
+        from gyre.redis_retry import Stopped, call_with_retry
+        from gyre.streams import BatchStream, claim_run_id
 
         process = self.process
+        owner = process.cfg.redis.owner
+        if owner and process.ctx.is_main:  # before reading: in the consumer group, another experiment's trainer and
+            # this one would each take (and train, and ack) part of the other's batches
+            with contextlib.suppress(Stopped):  # a stop during a Redis outage: the loop ends before any read
+                call_with_retry(lambda: claim_run_id(process.redis(), self.name, owner), what="claiming the run id",
+                                should_stop=process.stop_requested.is_set)  # fmt: skip
         stream = (BatchStream(process.redis(), self.name, dead_maxlen=process.cfg.intake.dead_letter_maxlen)
                   if process.ctx.is_main else None)  # fmt: skip
         self.intake = BatchIntake(process.ctx, stream, trained_step, vocab_size=process.hf_config.vocab_size,
