@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import helm_python
 import pytest
 from chart_testlib import INIT, load_values, manifests, named, render, service_command
 
@@ -101,23 +102,48 @@ def test_a_stopped_trainer_pod_saves_a_checkpoint_longer_than_torchruns_default(
 
 
 @pytest.mark.parametrize(
-    ("values", "grace", "shutdown"),
+    ("values", "grace", "wait", "shutdown"),
     [
-        ({}, 60, "50"),
-        ({"inference": {"terminationGracePeriodSeconds": 600}}, 600, "590"),
-        ({"inference": {"terminationGracePeriodSeconds": 10}}, 10, "5"),
+        ({}, 60, 5, "45"),
+        ({"inference": {"terminationGracePeriodSeconds": 600}}, 600, 5, "585"),
+        ({"inference": {"terminationGracePeriodSeconds": 10}}, 10, 5, "2"),
+        ({"inference": {"preStopSeconds": 0}}, 60, 0, "50"),
     ],
-    ids=["default", "long-generations", "short"],
+    ids=["default", "long-generations", "short", "no-wait"],
 )
-def test_inference_lets_requests_in_flight_finish_within_the_pods_grace_period(values, grace, shutdown):
+def test_inference_lets_requests_in_flight_finish_within_the_pods_grace_period(values, grace, wait, shutdown):
     """`gyre inference` cut requests in flight after its own server.shutdown_grace_s (30 s) in a pod given 60 s,
-    and outlived a grace period under 30 s (SIGKILL mid-shutdown). A server takes the inference's, or its own."""
+    and outlived a grace period under 30 s (SIGKILL mid-shutdown). A server takes the inference's, or its own.
+    The preStop wait comes out of the same grace period (the kubelet counts it), before SIGTERM."""
     servers = [{"name": "judge", "model": "/data/judge"}, {"name": "rm", "model": "/data/rm",
                                                             "terminationGracePeriodSeconds": 120}]  # fmt: skip
     docs = manifests(render({**values, "servers": servers}))
+    rm = str(120 - wait - 10)
     for name, pod_grace, want in [("exp-gyre-inference", grace, shutdown), ("exp-gyre-server-judge", grace, shutdown),
-                                  ("exp-gyre-server-rm", 120, "110")]:  # fmt: skip
+                                  ("exp-gyre-server-rm", 120, rm)]:  # fmt: skip
         spec = named(docs, "Deployment", name)["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
         assert spec["terminationGracePeriodSeconds"] == pod_grace
-        assert option(spec["containers"][0]["args"], "--server.shutdown-grace-s") == want, name
-        assert float(want) < pod_grace
+        assert option(container["args"], "--server.shutdown-grace-s") == want, name
+        pre_stop = container.get("lifecycle", {}).get("preStop")
+        assert pre_stop == ({"exec": {"command": ["sleep", str(wait)]}} if wait else None), name
+        assert wait + float(want) < pod_grace
+
+
+def test_a_deleted_replica_serves_until_its_endpoint_is_gone_then_stops_admitting(tmp_path):
+    """On a pod's deletion the kubelet's SIGTERM and the endpoints' removal race; `gyre inference` closes its port at
+    SIGTERM, so for the seconds kube-proxy took to drop the pod, new connections through the Service (a rolling
+    update, a scale-down) were refused. The rendered preStop runs (the image's `sleep`) before SIGTERM; a wait the
+    grace period cannot hold is refused naming the key."""
+    values = {"inference": {"preStopSeconds": 1}, "servers": [{"name": "judge", "model": "/data/judge"}]}
+    docs = manifests(render(values))
+    for name in ("exp-gyre-inference", "exp-gyre-server-judge"):
+        (container,) = named(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert subprocess.run(command, capture_output=True, timeout=30).returncode == 0, command
+    for bad, key in [({"inference": {"preStopSeconds": 60}}, "inference"),
+                     ({"servers": [{"name": "rm", "model": "/data/rm", "terminationGracePeriodSeconds": 5}]},
+                      "servers.rm")]:  # fmt: skip
+        with pytest.raises(helm_python.HelmError, match=rf"{key}\.preStopSeconds \(\d+\) must be below its "
+                           r"terminationGracePeriodSeconds"):  # fmt: skip
+            render(bad)

@@ -518,13 +518,33 @@ initContainers:
 
 {{/*
 How long a stopping `gyre inference` lets requests in flight finish (`server.shutdown_grace_s`), from its
-pod's terminationGracePeriodSeconds: all of it but 10 s (a half, under 20 s) for unloading the engine and
-closing the servers before the kubelet's SIGKILL. The server's own 30 s cut long generations short in the
-chart's 60 s, and outlived a shorter grace period.
+pod's terminationGracePeriodSeconds less its preStop wait (the kubelet counts both in the grace): all of it but
+10 s (a half, under 20 s) for unloading the engine and closing the servers before the kubelet's SIGKILL. The
+server's own 30 s cut long generations short in the chart's 60 s, and outlived a shorter grace period. Call with
+the component's values.
 */}}
 {{- define "gyre.servingShutdownGrace" -}}
-{{- $grace := int . -}}
+{{- $grace := sub (int .terminationGracePeriodSeconds) (int (.preStopSeconds | default 0)) -}}
 {{- if ge $grace 20 }}{{ sub $grace 10 }}{{ else }}{{ div $grace 2 }}{{ end -}}
+{{- end -}}
+
+{{/*
+The preStop wait of a `gyre inference` container: on a pod's deletion the kubelet's SIGTERM and the endpoints'
+removal race, and the server closes its port at SIGTERM, so for the seconds kube-proxy and the Service's other
+clients take to drop the pod, new connections through the Service were refused (a rolling update or a scale-down
+failed API calls). Sleeping first keeps it serving until they have. Call with (dict "v" $v "key" "inference").
+*/}}
+{{- define "gyre.servingLifecycle" -}}
+{{- $wait := int (.v.preStopSeconds | default 0) -}}
+{{- if ge $wait (int .v.terminationGracePeriodSeconds) -}}
+{{- fail (printf "%s.preStopSeconds (%d) must be below its terminationGracePeriodSeconds (%d): the kubelet counts the wait in the grace period, and the requests in flight need the rest" .key $wait (int .v.terminationGracePeriodSeconds)) -}}
+{{- end -}}
+{{- if gt $wait 0 }}
+lifecycle:
+  preStop:
+    exec:
+      command: [sleep, {{ $wait | toString | quote }}]
+{{- end -}}
 {{- end -}}
 
 {{/*
