@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from gyre_inference.backend import AdapterSlotsBusyError, WeightsIncompatibleError
+from gyre_inference.backend import NOT_A_VERSION, AdapterSlotsBusyError, WeightsIncompatibleError
 
 BASE = 0  # the slot of the base model (no adapter)
 
@@ -55,8 +55,10 @@ def read_adapter_folder(path: Path) -> tuple[float, dict[str, dict[str, torch.Te
         others, adapters = split_lora(load_file(path / ADAPTER_FILE))
         if others:  # modules_to_save copies, LoRA biases
             raise ValueError(f"{ADAPTER_FILE} holds tensors besides lora_A/lora_B, not supported: {sorted(others)[:3]}")
-    except OSError:  # an I/O error on the volume says nothing of fit: may pass (FAILED_PRECONDITION, sent again)
-        raise
+    except OSError as error:
+        if not isinstance(error, NOT_A_VERSION):  # an I/O error on the volume: may pass (FAILED_PRECONDITION)
+            raise
+        raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
     except ValueError as error:
         raise WeightsIncompatibleError(f"{path}: not a usable LoRA adapter ({error})") from None
     except Exception as error:  # safetensors' own error type for a malformed file

@@ -156,6 +156,12 @@ class WeightsIncompatibleError(ValueError):
     """A weights folder cannot be loaded into the served model (missing/unknown tensors, wrong shapes)."""
 
 
+# OSErrors that say a folder does not hold what a version should (a file missing, a folder where a file should be): not
+# a usable version, like a malformed file (WeightsIncompatibleError). Any other OSError (an I/O error on the volume, a
+# timeout) says nothing of the version and may pass.
+NOT_A_VERSION = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
 class WeightsLoadError(RuntimeError):
     """A weights folder could not be loaded now for a reason that may pass (an I/O error on the shared volume, a
     timeout, memory another load still held, a folder the volume shows late): the old weights keep serving and the

@@ -219,7 +219,9 @@ class TorchBackend(EngineLoop, Backend):
             source, version = self._bank.sources[name], self._bank.versions[name]
             try:
                 tensors = {} if source is None else await asyncio.to_thread(self._bank.read, source)
-            except WeightsIncompatibleError as error:
+            # its folder gone (pruned: FileNotFoundError) or unreadable: forgotten; a relay probing the name (version 0
+            # now) sends it again
+            except (WeightsIncompatibleError, OSError) as error:
                 del self._bank.versions[name], self._bank.sources[name]
                 raise AdapterGoneError(f"adapter {name!r} was evicted and cannot be loaded back: {error}") from None
             await self._swap_in(tensors, version, adapter=name, source=source)

@@ -61,6 +61,7 @@ from gyre.safetensors_io import read_header
 from gyre.transport import FetchedWeights
 
 from gyre_inference.backend import (
+    NOT_A_VERSION,
     AdapterGoneError,
     Backend,
     BackendStoppedError,
@@ -89,8 +90,10 @@ def safetensors_layout(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         try:
             for name, entry in read_header(file).items():
                 layout[name] = (entry["dtype"], tuple(entry["shape"]))
-        except OSError:  # an I/O error on the volume: may pass (FAILED_PRECONDITION, sent again), says nothing of fit
-            raise
+        except OSError as error:
+            if not isinstance(error, NOT_A_VERSION):  # an I/O error on the volume: may pass (FAILED_PRECONDITION)
+                raise
+            raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
         except (ValueError, KeyError, TypeError) as error:  # SafetensorsError is a ValueError
             raise WeightsIncompatibleError(f"{file}: not a readable safetensors file ({error})") from None
     return layout
@@ -174,8 +177,10 @@ def adapter_rank(folder: Path, max_rank: int | None) -> int:
     try:
         config = json.loads((Path(folder) / ADAPTER_CONFIG).read_bytes())
         config_scale(config)  # r and lora_alpha usable, no rsLoRA/DoRA (the trainer never writes those)
-    except OSError:  # an I/O error on the volume may pass: refused as worth sending again, not for good
-        raise
+    except OSError as error:
+        if not isinstance(error, NOT_A_VERSION):  # an I/O error on the volume: may pass (FAILED_PRECONDITION)
+            raise
+        raise WeightsIncompatibleError(f"{folder}: not a usable LoRA adapter ({error})") from None
     except ValueError as error:
         raise WeightsIncompatibleError(f"{folder}: not a usable LoRA adapter ({error})") from None
     if config["r"] > max_rank:

@@ -5,6 +5,7 @@ an adapter that does not fit the model is INVALID_ARGUMENT, and a relay any repl
 
 from __future__ import annotations
 
+import errno
 import shutil
 
 import grpc
@@ -66,7 +67,8 @@ async def test_busy_adapter_slots_are_worth_a_retry_and_an_adapter_that_does_not
 async def test_an_io_error_reading_an_adapter_is_no_refusal_for_good(tiny_model, tmp_path):
     """The torch backend read an adapter folder and wrapped an OSError as WeightsIncompatibleError, INVALID_ARGUMENT,
     which stops the run: an I/O error on the shared volume says nothing of whether the adapter fits. It is now the
-    OSError, FAILED_PRECONDITION (the relay sends the version again). A real OSError: the config path is a folder."""
+    OSError, FAILED_PRECONDITION (the relay sends the version again). A real I/O error: the config is a link to
+    /proc/self/mem, whose read fails with EIO. A missing config is still no adapter (WeightsIncompatibleError)."""
     from gyre.lora import ADAPTER_CONFIG
     from gyre_inference.adapters import read_adapter_folder
     from gyre_inference.backend import WeightsIncompatibleError
@@ -76,7 +78,9 @@ async def test_an_io_error_reading_an_adapter_is_no_refusal_for_good(tiny_model,
     write_adapter(tiny_model, folder, seed=1)
     read_adapter_folder(folder)  # readable as written
     (folder / ADAPTER_CONFIG).unlink()
-    (folder / ADAPTER_CONFIG).mkdir()
+    with pytest.raises(WeightsIncompatibleError, match="not a usable LoRA adapter"):
+        read_adapter_folder(folder)
+    (folder / ADAPTER_CONFIG).symlink_to("/proc/self/mem")
     with pytest.raises(OSError) as error:
         read_adapter_folder(folder)
-    assert not isinstance(error.value, WeightsIncompatibleError)
+    assert error.value.errno == errno.EIO and not isinstance(error.value, WeightsIncompatibleError)

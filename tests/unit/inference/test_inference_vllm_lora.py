@@ -1026,23 +1026,32 @@ def test_an_adapter_load_vllm_fails_for_a_reason_that_may_pass_is_sent_again_not
     run(scenario())
 
 
-def test_an_io_error_reading_a_version_is_worth_another_try(standin_vllm, tiny_model, tmp_path):
+def test_an_io_error_reading_a_version_is_worth_another_try(standin_vllm, tiny_model, tmp_path, monkeypatch):
     """`adapter_rank` (adapter_config.json) and `safetensors_layout` (the full weights' headers) wrapped an OSError as
     WeightsIncompatibleError (refused for good, the run stops): an I/O error on the volume says nothing of whether
-    the version fits. Real OSErrors here: the path read is a folder (IsADirectoryError)."""
+    the version fits. Real EIO: the config is a link to /proc/self/mem, whose read fails so; a header read, whose
+    file size must be real, is given one by `read_header`. A folder where a file should be is still no version."""
+    from gyre_inference import vllm_backend
     from gyre_inference.vllm_backend import adapter_rank, check_same_layout
 
     folder = adapter_folder(tmp_path, "a")
     (folder / ADAPTER_CONFIG).unlink()
-    (folder / ADAPTER_CONFIG).mkdir()
+    (folder / ADAPTER_CONFIG).symlink_to("/proc/self/mem")
     with pytest.raises(OSError) as error:
         adapter_rank(folder, 8)
-    assert not isinstance(error.value, WeightsIncompatibleError)
+    assert error.value.errno == errno.EIO and not isinstance(error.value, WeightsIncompatibleError)
     full = tmp_path / "full"
     (full / "model.safetensors").mkdir(parents=True)
-    with pytest.raises(OSError) as error:
+    with pytest.raises(WeightsIncompatibleError, match="not a readable safetensors file"):
         check_same_layout(tiny_model, full)
-    assert not isinstance(error.value, WeightsIncompatibleError)
+
+    def io_error(path):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+    monkeypatch.setattr(vllm_backend, "read_header", io_error)
+    with pytest.raises(OSError) as error:
+        check_same_layout(tiny_model, tiny_model)
+    assert error.value.errno == errno.EIO and not isinstance(error.value, WeightsIncompatibleError)
 
 
 def test_a_full_load_that_fails_part_way_loads_the_served_weights_back(standin_vllm, tiny_model, tmp_path):
