@@ -138,7 +138,8 @@ def test_a_release_of_an_older_chart_upgrades_and_records_its_run(tmp_path):
     del live["ConfigMap/exp-gyre-experiment"]["metadata"]["annotations"]
     live["PersistentVolumeClaim/exp-gyre-data"]["metadata"]["annotations"] = {"helm.sh/resource-policy": "keep"}
     docs = manifests(render_live({**SEED, "modelInit": {"preset": "small"}}, live, tmp_path))
-    record = {"gyre.dev/run-id": "exp", "gyre.dev/model": "gyre model init --preset small --seed 0"}
+    record = {"gyre.dev/run-id": "exp", "gyre.dev/model": "gyre model init --preset small --seed 0",
+              "gyre.dev/claim": "exp-gyre-data"}  # fmt: skip
     assert named(docs, "ConfigMap", "exp-gyre-experiment")["metadata"]["annotations"] == record
     assert named(docs, "PersistentVolumeClaim", "exp-gyre-data")["metadata"]["annotations"] == {
         "helm.sh/resource-policy": "keep", **record}  # fmt: skip
@@ -155,3 +156,23 @@ def test_a_new_install_on_the_kept_volume_of_another_model_is_refused(tmp_path):
     assert 'but this release\'s run trains "Qwen/Qwen3-0.6B" (PersistentVolumeClaim exp-gyre-data)' in str(caught.value)
     assert manifests(render_live({**SEED, **HUB}, kept, tmp_path))
     assert manifests(render_live({**SEED, **other}, kept, tmp_path, name="exp2"))
+
+
+def test_a_second_release_on_a_claim_another_release_uses_is_refused(tmp_path):
+    """`persistence.existingClaim` (a team volume) is mounted at its root as every service's output_dir: a second
+    release on it published weights and checkpoints over the first's step by step, and each resumed the other's run.
+    The experiment ConfigMaps of the namespace (the claim's) say which claim each release writes to."""
+    first = manifests(render({**SEED, "persistence": {"existingClaim": "team-vol"}}, name="alpha"))
+    alpha = named(first, "ConfigMap", "alpha-gyre-experiment")
+    assert alpha["metadata"]["annotations"]["gyre.dev/claim"] == "team-vol"
+    created = named(manifests(render(SEED, name="beta")), "ConfigMap", "beta-gyre-experiment")
+    live = {"ConfigMap/": {"items": [alpha, created]}, "ConfigMap/alpha-gyre-experiment": alpha}
+    with pytest.raises(helm_python.HelmError) as caught:
+        render_live({**SEED, "persistence": {"existingClaim": "team-vol"}}, live, tmp_path, name="gamma")
+    assert ('persistence.existingClaim: "team-vol" is already the shared volume of release "alpha" (ConfigMap '
+            'alpha-gyre-experiment, run "alpha")') in str(caught.value)  # fmt: skip
+    with pytest.raises(helm_python.HelmError, match='shared volume of release "beta"'):  # a claim the chart made
+        render_live({**SEED, "persistence": {"existingClaim": "beta-gyre-data"}}, live, tmp_path, name="gamma")
+    # the release itself upgrades on its claim; another claim is free
+    assert manifests(render_live({**SEED, "persistence": {"existingClaim": "team-vol"}}, live, tmp_path, name="alpha"))
+    assert manifests(render_live({**SEED, "persistence": {"existingClaim": "other-vol"}}, live, tmp_path, name="gamma"))

@@ -132,6 +132,7 @@ gyre model init --preset {{ .Values.modelInit.preset }} --seed {{ .Values.modelI
 {{- define "gyre.runRecord" -}}
 gyre.dev/run-id: {{ include "gyre.runId" . | quote }}
 gyre.dev/model: {{ include "gyre.modelIdentity" . | quote }}
+gyre.dev/claim: {{ include "gyre.claimName" . | quote }}
 {{- end -}}
 
 {{- define "gyre.secretName" -}}
@@ -1292,6 +1293,21 @@ the old run's volume is checked too; an older chart's objects have none: nothing
 {{- with get $recorded "gyre.dev/model" -}}
 {{- if ne . (include "gyre.modelIdentity" $) -}}
 {{- fail (printf "%s: these values train %q, but this release's run trains %q (%s %s), and its checkpoints and published weights are that model's; %s" (ternary "modelInit" "experiment.model.name" $.Values.modelInit.enabled) (include "gyre.modelIdentity" $) . $o.kind $o.name $fresh) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- with .Values.persistence.existingClaim -}}
+{{- /*
+A claim is one release's: every service writes its run's weights, checkpoints, batches and progress at the claim's
+root (output_dir), so two releases on one claim overwrote each other's steps and each resumed the other's run. A
+claim and its releases share one namespace, so the experiment ConfigMaps there (gyre.dev/claim) name every user.
+*/ -}}
+{{- $claim := . -}}
+{{- $own := printf "%s-experiment" (include "gyre.fullname" $) -}}
+{{- range $cm := (include "gyre.live" (dict "root" $ "apiVersion" "v1" "kind" "ConfigMap" "name" "") | fromJson).items | default list -}}
+{{- $record := $cm.metadata.annotations | default dict -}}
+{{- if and (eq (get $record "gyre.dev/claim" | default "") $claim) (ne $cm.metadata.name $own) -}}
+{{- fail (printf "persistence.existingClaim: %q is already the shared volume of release %q (ConfigMap %s, run %q): both releases would write their weights, checkpoints and batches at its root, each training on and resuming from the other's; give this release a claim of its own" $claim (get ($cm.metadata.labels | default dict) "app.kubernetes.io/instance" | default "?") $cm.metadata.name (get $record "gyre.dev/run-id" | default "?")) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
