@@ -144,8 +144,9 @@ def check_model_folder(path: Path, name: str, key: str, hint: str) -> None:
 
 
 def _holds(folder: Path, patterns: tuple[str, ...]) -> bool:
-    """Whether `folder` has a file matching one of `patterns` (a symlink counts only when its target is a file)."""
-    return any(p.is_file() for pattern in patterns for p in folder.glob(pattern))
+    """Whether `folder` has a non-folder entry matching one of `patterns` (a symlink counts only when its target
+    exists: a hub snapshot whose blob is gone). Presence only, as before the cache check: a named pipe counts."""
+    return any(p.exists() and not p.is_dir() for pattern in patterns for p in folder.glob(pattern))
 
 
 def cached_snapshot(name: str) -> Path | None:
