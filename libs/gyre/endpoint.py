@@ -148,6 +148,7 @@ class Endpoint:
         self._client: openai.AsyncOpenAI | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._model: asyncio.Future | None = None
+        self._model_waiting = 0  # callers awaiting `_model` now
         self._refused_in_a_row = 0
 
     def _openai(self) -> openai.AsyncOpenAI:
@@ -171,7 +172,21 @@ class Endpoint:
             return self.config.model
         if self._model is None or (self._model.done() and self._model.exception() is not None):
             self._model = asyncio.ensure_future(self._list_model())
-        return await asyncio.shield(self._model)
+            self._model.add_done_callback(self._model_listed)
+        self._model_waiting += 1
+        try:
+            return await asyncio.shield(self._model)
+        finally:
+            self._model_waiting -= 1
+
+    def _model_listed(self, lookup: asyncio.Future) -> None:
+        """A failed lookup is read here: when every caller was cancelled before it failed (a rollout dropped while
+        the server is down), shield() had unhooked them, and asyncio logged "Task exception was never retrieved" with
+        a traceback. Its callers raise it; with none left, it is logged here, once."""
+        if lookup.cancelled() or (error := lookup.exception()) is None:
+            return
+        if not self._model_waiting:  # runs before the callers' shields hand it on: they are still counted
+            log.warning("%s (listing its models; no request was waiting for them)", error)
 
     async def _list_model(self) -> str:
         # a plain JSON body, read here: the typed models.list() raised AttributeError on an HTML page (a proxy's

@@ -398,3 +398,33 @@ def test_a_host_that_does_not_exist_is_not_waited_for():
                                             r"exist \(.*\): check url"):  # fmt: skip
         asyncio.run(asyncio.wait_for(client.wait_ready(poll_s=0.1), timeout=20))
     assert time.monotonic() - begin < 15
+
+
+def test_a_model_lookup_failing_after_its_callers_left_is_logged_once(caplog):
+    """The server is down and the only caller of model() is cancelled (its rollout dropped) before the lookup
+    fails: asyncio logged "Task exception was never retrieved" with a traceback; now one warning says what failed.
+    A caller still waiting gets the error itself, and nothing is logged for it."""
+    import gc
+
+    client = Endpoint(EndpointConfig(url=f"http://127.0.0.1:{free_port()}", retries=1), name="judge 'j'",
+                      backoff_s=0.05)  # fmt: skip
+
+    async def scenario():
+        caller = asyncio.ensure_future(client.model())
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        while not client._model.done():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # its callbacks
+        with pytest.raises(EndpointError, match="failed 2 times"):
+            await client.model()  # asked again, the error raised to this caller
+        await client.aclose()
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(scenario())
+        gc.collect()  # an unread exception is logged when its task is collected
+    assert "never retrieved" not in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gyre.endpoint"]
+    assert len(warnings) == 1 and "judge 'j'" in warnings[0] and "failed 2 times" in warnings[0], warnings
