@@ -173,11 +173,12 @@ class JudgeConfig(EndpointConfig):
     score: Literal["number", "choice", "json"] = Field(
         "number",
         description="How the reply becomes a reward: number (its score divided by max_score: the last number after "
-        "'score', 'rating' or 'grade', else the last on the scale (7/10), else the last number; '7,5' is 7.5, '8/10' "
+        "'score', 'rating' or 'grade', else the last on the scale (7/10), else a bare number ending the reply; a judge "
+        "declining to grade gives none; '7,5' is 7.5, '8/10' "
         "and '8 out of 10' are 8 on a scale that must be max_score: docs/environments.md, Reading a judge's number), "
         "choice (the verdict among `choices`, whole word, case-insensitive: the last one after a label such as "
-        "'Verdict:', else the first named; 'not X' is the other of two choices: docs/environments.md, Reading a "
-        "judge's choice), json (a JSON object's json_key).",
+        "'Verdict:', else one opening the reply, else the last named; 'not X' is the other of two choices: "
+        "docs/environments.md, Reading a judge's choice), json (a JSON object's json_key).",
     )
     max_score: float = Field(
         10.0, gt=0, allow_inf_nan=False, description="number/json: the top of the judge's scale (reward = n / max)."

@@ -76,6 +76,12 @@ _NUM = rf"(?:(?<![\w.,])[-\u2212])?{_DIGITS}(?:[eE][+-]?\d+)?"
 _MARKUP = re.compile(r"[*_`]")
 #: what the reply may say before its score; the last number after one of these is the score
 _LABEL = re.compile(r"\b(?:score|rating|grade)\b[^\w\n]*(?:\b(?:is|of|was|would\s+be|=)\b[^\w\n]*)?$", re.IGNORECASE)
+#: a judge declining to grade ("I can't rate this", "I am unable to assign a score"): its numbers are no verdict
+_DECLINES = re.compile(r"(?:\b(?:cannot|unable\s+to|not\s+able\s+to|will\s+not|refuse\s+to|decline\s+to|"
+                       r"impossible\s+to)|n['\u2019]t)\s+(?:\w+\s+){0,2}?(?:rate|score|grade|evaluate|assess|judge|assign|give|provide)\b",
+                       re.IGNORECASE)  # fmt: skip
+#: what may follow a bare number that ends the reply: words of a mention of the scale ("7 on a scale of 0-10")
+_SCALE_WORDS = re.compile(r"\b(?:on|in|a|the|scale|range|of|from|out|to|points?)\b", re.IGNORECASE)
 
 
 def _number(text: str) -> float:
@@ -86,14 +92,18 @@ def _number(text: str) -> float:
     return float(text.replace(",", "."))
 
 
-def _terms(reply: str, max_score: float) -> list[tuple[float, float | None, bool]]:
-    """The numbers of a reply, each as (value, its scale or None, labelled): "8/10", "8 out of 10" and "8 of 10" give
-    8 on a scale of 10, "80%" 80 on a scale of 100. Mentions of the judge's own scale are not numbers: a bare "/10",
-    "out of 10", "of 10" and ranges "0-10", "1 to 10" (their lower end too: "7 on a scale of 0-10" is 7)."""
+def _terms(reply: str, max_score: float) -> list[tuple[float, float | None, bool, bool]]:
+    """The numbers of a reply, each as (value, its scale or None, labelled, last): "8/10", "8 out of 10" and "8 of 10"
+    give 8 on a scale of 10, "80%" 80 on a scale of 100; `last`: nothing but punctuation and a mention of the scale
+    follows it (it ends the reply: "so: 7."). Mentions of the judge's own scale are not numbers: a bare "/10",
+    "out of 10", "of 10", ranges "0-10", "1 to 10" (their lower end too: "7 on a scale of 0-10" is 7) and "a
+    10-point scale"."""
     text = _MARKUP.sub("", reply)
     # the top of the scale as the judge may write it: "1000" or "1,000"
     top = rf"(?:{re.escape(f'{max_score:g}')}|{re.escape(f'{max_score:,g}')})(?:\.0+)?(?![.,]?\d)"
     text = re.sub(rf"(?<![\w.])[01](?:\.0+)?\s*(?:-|\u2013|\u2014|\bto\b)\s*{top}", " ", text, flags=re.IGNORECASE)
+    # "a 10-point scale": "I can't rate this on a 10-point scale" read as 10, the full reward
+    text = re.sub(rf"(?<![\w.]){top}[-\s]?points?\b", " ", text, flags=re.IGNORECASE)
     of = r"(?:/|\bout\s+of\b|\bof\b)"
     pattern = re.compile(rf"(?P<value>{_NUM})(?:\s*{of}\s*(?P<scale>{_NUM})|(?P<percent>\s*%))?|{of}\s*{top}",
                          re.IGNORECASE)  # fmt: skip
@@ -104,7 +114,8 @@ def _terms(reply: str, max_score: float) -> list[tuple[float, float | None, bool
         value = _number(match.group("value"))
         scale = match.group("scale")
         scale = _number(scale) if scale else (100.0 if match.group("percent") else None)
-        terms.append((value, scale, bool(_LABEL.search(text[: match.start()]))))
+        tail = _SCALE_WORDS.sub(" ", re.sub(rf"{of}\s*{top}", " ", text[match.end() :], flags=re.IGNORECASE))
+        terms.append((value, scale, bool(_LABEL.search(text[: match.start()])), not re.search(r"\w", tail)))
     return terms
 
 
@@ -266,12 +277,19 @@ def _json_value(reply: str, key: str) -> Any:
 
 
 # The choice mode's verdict rule (docs/environments.md, "Reading a judge's choice"). A choice right after a verdict
-# label ("Verdict: incorrect", "the final answer is yes") is the verdict, the last such one; else the first choice
-# the reply names (judges lead with it: "Incorrect. The correct answer is 5"). A negated choice ("not correct",
+# label ("Verdict: incorrect", "the final answer is yes") is the verdict, the last such one; else a choice that opens
+# the reply ("Incorrect. The correct answer is 5": a judge leading with its verdict); else the last choice named (a
+# judge reasoning first concludes last: "a correct answer would be 5, so it is incorrect" read the first, "correct",
+# and rewarded a wrong reply 1). A negated choice ("not correct",
 # "isn't entirely correct", "cannot be correct") is no vote for it: with two choices it is the other one, with more
 # no verdict. It read as the choice it negates: "The response is not correct." rewarded 1.
 _NEGATED = re.compile(r"(?:\b(?:not|never|cannot)|n't)[\s*_`\"']+(?:be[\s*_`\"']+)?(?:(?:quite|\w+ly)[\s*_`\"']+)?$",
                       re.IGNORECASE)  # fmt: skip
+#: what may come before a choice that opens the reply: markdown, punctuation and a negation ("**Not correct.**")
+_LEADS = re.compile(r"[^\w]*(?:(?:not|never)[^\w]+)?$", re.IGNORECASE)
+#: a choice before one of these nouns is an adjective ("the correct answer"), not a verdict
+_DESCRIBES = re.compile(r"[\s*_`]+(?:answers?|responses?|replies|reply|ones?|solutions?|results?|values?)\b",
+                        re.IGNORECASE)  # fmt: skip
 _VERDICT = re.compile(r"\b(?:verdict|judge?ment|decision|conclusion|answer|grade|label|assessment)\b[^\w\n]*"
                       r"(?:\bis\b[^\w\n]*)?$", re.IGNORECASE)  # fmt: skip
 
@@ -283,7 +301,7 @@ def _choice(choices: dict[str, float], reply: str) -> float:
     spans = sorted(((m.start(), m.end(), word) for word in choices
                     for m in re.finditer(rf"(?<!\w){re.escape(word)}(?!\w)", reply, re.IGNORECASE)),
                    key=lambda span: (span[0], -span[1]))  # fmt: skip
-    named: list[tuple[str, bool, bool]] = []  # (choice, negated, after a verdict label), in reply order
+    named: list[tuple[str, bool, bool, int, int]] = []  # (choice, negated, labelled, start, end), in reply order
     end = -1
     for start, stop, word in spans:
         if start < end:  # inside a longer choice named here
@@ -291,11 +309,14 @@ def _choice(choices: dict[str, float], reply: str) -> float:
         end = stop
         negated = _NEGATED.search(reply, 0, start)
         before = reply[: negated.start() if negated else start]
-        named.append((word, negated is not None, _VERDICT.search(before) is not None))
+        named.append((word, negated is not None, _VERDICT.search(before) is not None, start, stop))
     if not named:
         raise ValueError(f"none of {sorted(choices)} in the reply")
     labelled = [one for one in named if one[2]]
-    word, negated, _ = labelled[-1] if labelled else named[0]
+    # a choice naming a noun ("the correct answer is cba") describes the reference, not the reply: no conclusion
+    verdicts = [one for one in named if not _DESCRIBES.match(reply, one[4])] or named
+    leads = _LEADS.match(reply, 0, named[0][3]) is not None
+    word, negated, *_ = labelled[-1] if labelled else named[0] if leads else verdicts[-1]
     if not negated:
         return float(choices[word])
     others = [other for other in choices if other != word]
@@ -324,10 +345,18 @@ def parse_score(config: JudgeConfig, reply: str) -> float:
         if not terms:
             raise ValueError("no number in the reply")
         # the last labelled number ("Score: 7"), else the last one on the judge's scale ("7/10 - misses 2 steps"
-        # read 2), else the last number
+        # read 2), else a bare number that ends the reply ("so I'd say 7."), where a judge concludes. Any other
+        # number is no verdict: a count in its reasoning, or a judge declining to grade ("I can't score this: it has
+        # 2 answers" read 2, "I can't rate this on a 10-point scale" 10, the full reward)
         labelled = [term for term in terms if term[2]]
         on_scale = [term for term in terms if term[1] == config.max_score]
-        value, scale, _ = (labelled or on_scale or terms)[-1]
+        if not (labelled or on_scale):
+            if _DECLINES.search(reply):
+                raise ValueError("the judge declined to grade: its numbers are no score")
+            if not terms[-1][3]:
+                raise ValueError("no score: no number after 'score', 'rating' or 'grade', none on the scale, and "
+                                 "more than the scale follows the last number")  # fmt: skip
+        value, scale, *_ = (labelled or on_scale or terms)[-1]
         if scale is not None and scale != config.max_score:  # another scale than the judge was asked for
             raise ValueError(f"score {value:g} is on a scale of {scale:g}, not of max_score = {config.max_score:g}")
     try:

@@ -122,6 +122,15 @@ CORRECT = {"score": "choice", "choices": {"correct": 1.0, "incorrect": 0.0}}
         # a labelled verdict over the first choice named (the reference's "correct answer" was read as the verdict)
         (CORRECT, "It says 7 but the correct answer is 5. Verdict: **incorrect**", 0.0),
         (CORRECT, "Incorrect at first sight? The steps check out, so the final answer is: correct", 1.0),
+        # choices named with no label: one that opens the reply leads, else the last named (the judge's conclusion
+        # after its reasoning: the first, the reference's "correct" answer, was read as the verdict)
+        (CORRECT, "The response says 7; a correct answer would be 5, so it is incorrect.", 0.0),
+        (CORRECT, "It looked incorrect, but rechecking the steps it is correct.", 1.0),
+        ({"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}, "Reversing abc gives cba, which matches: yes", 1.0),
+        (CORRECT, "**Incorrect.** A correct reply reverses it.", 0.0),
+        (CORRECT, "Not correct: a correct reply reverses it.", 0.0),
+        # a bare number ending the reply, where a judge concludes
+        ({}, "It reverses all 3 letters. I'd give it a 9.", 0.9),
         ({"score": "json", "max_score": 5}, 'Reasoning... ```json\n{"score": 4, "why": "close"}\n```', 0.8),
         ({"score": "json", "json_key": "grade", "max_score": 1}, '{"grade": 0.25}', 0.25),
         # braces in the text around the object (LaTeX, sets) hid it: the judge never scored, the run stopped
@@ -153,6 +162,13 @@ def test_scores_are_read_from_replies(settings, reply, score):
         ({}, "seven", "no number"),
         ({"score": "choice", "choices": {"yes": 1.0}}, "yesterday", "none of"),
         ({"score": "choice", "choices": {"A": 1.0, "B": 0.5, "C": 0.0}}, "Not A.", "says not 'A'"),
+        # a judge declining to grade, or a number that is no verdict (a count in its reasoning), is no score: the
+        # refusal's numbers were read (its 2, its 10-point scale's 10: the full reward)
+        ({}, "I'm sorry, I can't score this: it has 2 answers.", "declined to grade"),
+        ({}, "I cannot rate this response; step 2 is missing", "declined to grade"),
+        ({}, "I am unable to assign a grade to 3 answers", "declined to grade"),
+        ({}, "I can\u2019t rate this on a 10-point scale.", "no number"),
+        ({}, "The response reverses 2 of the 3 letters.", "more than the scale follows the last number"),
         ({"score": "json"}, '{"score": "high"}', "no JSON object"),
         ({"score": "json"}, "{not json}", "no JSON object"),
     ],
@@ -608,6 +624,31 @@ def test_a_completion_the_judge_gives_no_readable_verdict_on_is_unjudged_and_cou
     assert "Unjudged" in declined.errors["style"] and "verdict was unreadable" in declined.errors["style"]
     assert graded.per_function == {"style": pytest.approx(0.8)} and not graded.errors
     assert judge.stats["unreadable"] == MAX_UNREADABLE_IN_A_ROW + 1 and judge.stats["unparsed"] >= 2
+
+
+def test_a_judge_declining_to_grade_or_concluding_last_is_read_as_it_meant(scripted):
+    """Over HTTP: a number-mode judge declining with numbers in its words ("it has 2 answers", "a 10-point scale")
+    had them read as its score (0.2, and 1.0: the full reward for a completion it never graded); it is unjudged now.
+    A choice-mode judge reasoning first and concluding last had the first choice it named, the reference's
+    "correct" answer, read as its verdict: a wrong reply rewarded 1."""
+    number = Judge(url=scripted.url, prompt="{response}", name="grade", model="judge-model", retries=1, cache_size=0)
+    choice = Judge(url=scripted.url, prompt="{response}", name="verdict", model="judge-model", cache_size=0, **CORRECT)
+    task = Task(id="t", prompt=PROMPT, answer="cba")
+
+    async def scenario():
+        rubric = Rubric().add(number, weight=1.0, name="grade", timeout_s=None)
+        scripted.script[:] = ["I'm sorry, I can't score this: it has 2 answers.",
+                              "I can't rate this on a 10-point scale"]  # fmt: skip
+        declined = await rubric.score(task, rollout("cba cab"))
+        rubric = Rubric().add(choice, weight=1.0, name="verdict", timeout_s=None)
+        scripted.script[:] = ["The response is abc; the correct answer is cba, so the response is incorrect."]
+        concluded = await rubric.score(task, rollout("abc"))
+        return declined, concluded
+
+    declined, concluded = asyncio.run(scenario())
+    assert declined.per_function == {"grade": 0.0} and "Unjudged" in declined.errors["grade"]
+    assert number.stats["unreadable"] == 1 and number.stats["unparsed"] == 2
+    assert concluded.per_function == {"verdict": 0.0} and not concluded.errors
 
 
 def test_a_judge_refusing_a_rollout_scores_it_as_unjudged_and_the_run_goes_on(scripted):
