@@ -214,9 +214,14 @@ def overview() -> db.Dashboard:
                     f" or max by (run_id) ({sel('gyre_orchestrator_step')}) * 0",
                     "scoring failures {{run_id}}",
                 ),
+                (
+                    f"{rate('gyre_orchestrator_eval_scoring_failures_total')}"
+                    f" or max by (run_id) ({sel('gyre_orchestrator_step')}) * 0",
+                    "eval scoring failures {{run_id}}",
+                ),
             ],  # fmt: skip
             "Calls per second to the models a run takes signals from, by outcome, and samples whose scoring "
-            "failed after every retry (the same completion scored again).",
+            "failed after every retry (the same completion scored again), in training and in evals.",
             width=6,
             minimum=0,
         ),

@@ -16,7 +16,9 @@ A sample whose episode failed (the environment raised: `Rollout.error`; inferenc
 is generated again, up to `attempts` times, as in training; the failed attempts are counted (`failed_rollouts`).
 Then the eval fails (`EvalFailed`) rather than score half an episode into avg@k. A sample whose judge or reward
 model failed is scored again, the same completion (`gyre_orchestrator.rescoring`), up to `attempts` times; then the
-eval fails (`ScoringFailed`): a completion a judge failed on left out of avg@k would bias it.
+eval fails (`ScoringFailed`): a completion a judge failed on left out of avg@k would bias it. Each failed scoring is
+counted (`scoring_failures`, and `on_scoring_failure` hears of it: in training
+`gyre_orchestrator_eval_scoring_failures_total`), as training's are.
 A sample older than the version evaluated (`min_version`: a replica restarted on older weights answered before the
 relay knew) is generated again, like a stale training sample, and counted (`dropped_stale`).
 
@@ -80,6 +82,7 @@ class EvalResult:
     skipped_overlong: int = 0  # tasks left out: their prompt does not fit the model's context
     failed_rollouts: int = 0  # attempts that failed (environment or inference error) and were generated again
     dropped_stale: int = 0  # samples from a version older than the one evaluated, generated again
+    scoring_failures: int = 0  # scorings that failed (a judge or reward model after its retries), scored again
 
     def record(self, step: int) -> dict:
         """The `eval.jsonl` line (docs/architecture.md, "Event logs") plus version/timing extras."""
@@ -115,6 +118,7 @@ def mix_record(results: dict[str, EvalResult], shares: dict[str, float], step: i
         "skipped_overlong": sum(r.skipped_overlong for r in parts),
         "failed_rollouts": sum(r.failed_rollouts for r in parts),
         "dropped_stale": sum(r.dropped_stale for r in parts),
+        "scoring_failures": sum(r.scoring_failures for r in parts),
         "envs": {label: asdict(result) for label, result in results.items()},
     }
 
@@ -219,10 +223,12 @@ async def evaluate(
     progress: Callable[[int, int], None] | None = None,
     attempts: int = 3,
     min_version: int = 0,
+    on_scoring_failure: Callable[[str], None] = lambda _env: None,
 ) -> EvalResult:
     """Evaluate `client`'s policy on the first `num_examples` eval tasks (fewer if the split is smaller); a sample
     that fails is generated again up to `attempts` times, then `EvalFailed`; one from a version below `min_version`
-    (the version evaluated) is generated again.
+    (the version evaluated) is generated again. `on_scoring_failure(env_name)` hears of each failed scoring (the
+    training eval's metric), as it happens: an eval that then fails counts them too.
 
     `progress(done, total)` is called once before the first sample and after each one (`gyre eval`'s bar)."""
     from gyre_orchestrator.client import SetupRefused
@@ -260,9 +266,14 @@ async def evaluate(
         # a failed judge or reward model: this completion is scored again, as in training (ScoringFailed ends the
         # eval); generating another left the samples a judge failed on out of the score. One scored inside its
         # episode (verifiers: not `rescorable`) raises at once and is generated again below.
-        score = await scored_again(lambda: env.score(tasks[i], rollout), attempts=attempts,
+        score = await scored_again(lambda: env.score(tasks[i], rollout), attempts=attempts, on_failure=scoring_failed,
                                    what=f"eval: sample {j} of task {tasks[i].id}")  # fmt: skip
         return rollout, score
+
+    def scoring_failed(_error: BaseException) -> None:  # counted as training's are (they were not counted at all)
+        nonlocal scoring_failures
+        scoring_failures += 1
+        on_scoring_failure(env_name)
 
     async def one(i: int, j: int):
         nonlocal failed, stale
@@ -301,7 +312,7 @@ async def evaluate(
         return score.reward, rollout.policy_version_min, rollout.policy_version_max, score.per_function
 
     reward_errors: dict[str, int] = {}
-    failed = stale = 0
+    failed = stale = scoring_failures = 0
 
     samples = [asyncio.ensure_future(one(i, j)) for i in range(count) for j in range(k)]
     try:
@@ -341,6 +352,7 @@ async def evaluate(
         skipped_overlong=skipped,
         failed_rollouts=failed,
         dropped_stale=stale,
+        scoring_failures=scoring_failures,
     )
 
 
@@ -447,6 +459,7 @@ class TrainingEval:
                     pass_threshold=cfg.eval.pass_threshold,
                     attempts=cfg.sample_attempts,
                     min_version=version,
+                    on_scoring_failure=self._scoring_failed,
                 )
                 self._record(version, results)
             except asyncio.CancelledError:
@@ -455,6 +468,9 @@ class TrainingEval:
                 log.error("evaluation of version %d failed: %s", version, e)
             finally:
                 self._queue.task_done()
+
+    def _scoring_failed(self, label: str) -> None:
+        self.metrics.labels(self.metrics.eval_scoring_failures, env=label).inc()
 
     def _record(self, version: int, results: dict[str, EvalResult]) -> None:
         record = mix_record(results, mix_shares(self.cfg), version)

@@ -163,6 +163,13 @@ class OrchestratorMetrics:
             (*run, "env"),
             r,
         )
+        self.eval_scoring_failures = m.counter(
+            "gyre_orchestrator_eval_scoring_failures_total",
+            "Scorings of eval samples that failed (a judge or reward model failed after its retries); the same "
+            "completion is scored again (sample_attempts in all, then the eval fails).",
+            (*run, "env"),
+            r,
+        )
         self.latest_weights = m.gauge(
             "gyre_orchestrator_latest_weights_step", "Newest weights version the orchestrator knows of.", run, r
         )

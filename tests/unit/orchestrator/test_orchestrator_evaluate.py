@@ -250,9 +250,9 @@ def test_a_failed_eval_sample_is_generated_again_with_a_fresh_seed(tmp_path):
     assert retry != first
 
 
-def training_eval(tmp_path, replies, versions, *, done=()):
-    """A TrainingEval of the dataset env every 2 versions, started on `versions` (a VersionWatch); returns it and its
-    eval.jsonl path."""
+def training_eval(tmp_path, replies, versions, *, done=(), env=None):
+    """A TrainingEval of `env` (the dataset env) every 2 versions, started on `versions` (a VersionWatch); returns it
+    and its eval.jsonl path."""
     from gyre.config import load_config
     from gyre.config.orchestrator import OrchestratorConfig
     from gyre.events import EventLog
@@ -273,8 +273,8 @@ def training_eval(tmp_path, replies, versions, *, done=()):
 
     cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path), eval={"interval": 2, "num_examples": 1})
     path = tmp_path / "eval.jsonl"
-    evals = TrainingEval(cfg, dataset_env(tmp_path, replies), Client(replies), events=EventLog(path), wandb=NoWandb(),
-                         metrics=OrchestratorMetrics("t"))  # fmt: skip
+    evals = TrainingEval(cfg, env or dataset_env(tmp_path, replies), Client(replies), events=EventLog(path),
+                         wandb=NoWandb(), metrics=OrchestratorMetrics("t"))  # fmt: skip
     evals.start(versions, at_start=False, done=done)
     return evals, path
 
@@ -608,6 +608,41 @@ def test_an_eval_sample_whose_judge_failed_is_scored_again_not_generated_again(t
         asked = [body["messages"][-1]["content"] for kind, body in judge.requests if kind == "chat"]
     assert asked == ["AB", "AB"] and client.calls == {"ab": 0}
     assert (result.avg_at_k, result.failed_rollouts, result.rewards_mean["judge"]) == (1.0, 0, 1.0)
+    assert result.scoring_failures == 1 and result.record(step=0)["scoring_failures"] == 1
+
+
+def test_the_training_evals_failed_scorings_are_counted_as_trainings_are(tmp_path):
+    """A judge failing in an eval (a 503 past its retries) was scored again without a count: training counts its
+    failed scorings (gyre_orchestrator_scoring_failures_total, scoring_failures), an eval's were nowhere, so a judge
+    failing only on eval samples went unseen. They are in eval.jsonl and gyre_orchestrator_eval_scoring_failures_total
+    now, counted as they happen (an eval that then fails counts them too). A real HTTP judge, as above."""
+    from gyre.config.endpoint import JudgeConfig
+    from gyre.envs.judge import add_to_rubric
+    from gyre.events import read_events
+    from gyre_orchestrator.scheduler import VersionWatch
+    from support.judge_server import ScriptedServer
+
+    replies = {"ab": ["AB"]}
+    env = dataset_env(tmp_path, replies)
+    with ScriptedServer() as judge:
+        judge.script = [("status", 503), ("status", 503), "Score: 10"]
+        config = JudgeConfig(url=judge.url, model="judge-model", prompt="{response}", retries=0, weight=0.0,
+                             startup_timeout_s=0, cache_size=0)  # fmt: skip
+        signals = add_to_rubric(env, [config], [])
+
+        async def main():
+            versions = VersionWatch(2)
+            evals, path = training_eval(tmp_path, replies, versions, env=env)
+            await asyncio.wait_for(evals._queue.join(), timeout=30)
+            await evals.stop()
+            await signals["judge"].aclose()
+            return evals.metrics, path
+
+        metrics, path = asyncio.run(main())
+    [line] = read_events(path)
+    assert line["scoring_failures"] == 2 and line["avg_at_k"] == 1.0
+    total = "gyre_orchestrator_eval_scoring_failures_total"
+    assert metrics.registry.get_sample_value(total, {"run_id": "t", "env": line["env"]}) == 2
 
 
 def test_an_eval_sample_scored_inside_its_episode_is_generated_again_when_its_judge_failed(tmp_path):
