@@ -392,12 +392,27 @@ def _tokenize_or_explain(conversation: Conversation, tokenizer, end_ids: Collect
         raise SFTDataError(f"{where}: the model's chat template cannot render this conversation ({e})") from None
 
 
-def rows_for_step(rows: list[PackedRow], step: int, batch_size: int, seed: int) -> tuple[int, list[PackedRow]]:
-    """(epoch, rows) of optimizer step `step` (1-based): a pure function, so resumes continue exactly."""
+def rows_for_step(
+    rows: list[PackedRow], step: int, batch_size: int, seed: int, world_size: int = 1
+) -> tuple[int, list[PackedRow]]:
+    """(epoch, rows) of optimizer step `step` (1-based): a pure function, so resumes continue exactly.
+
+    The last step of an epoch also takes the rows that do not fill a batch (as many as split evenly over the
+    ranks: FSDP needs the same number of micro-batches on each), so every row is trained once per epoch instead
+    of a different `len(rows) % batch_size` of them being skipped each epoch; `unseen_per_epoch` counts the rest.
+    """
     steps_per_epoch = len(rows) // batch_size
     epoch, index = divmod(step - 1, steps_per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(len(rows))
-    return epoch, [rows[i] for i in order[index * batch_size : (index + 1) * batch_size]]
+    end = (index + 1) * batch_size
+    if index == steps_per_epoch - 1:
+        end = len(rows) - unseen_per_epoch(len(rows), batch_size, world_size)
+    return epoch, [rows[i] for i in order[index * batch_size : end]]
+
+
+def unseen_per_epoch(num_rows: int, batch_size: int, world_size: int) -> int:
+    """Rows an epoch leaves out: those beyond the last full batch that do not split evenly over the ranks."""
+    return num_rows % batch_size % world_size
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -424,6 +439,9 @@ def run(cfg: SFTConfig) -> int:
         rows = prepare_rows(cfg, load_tokenizer(cfg.model))
         steps_per_epoch = len(rows) // data.batch_size
         total = min(cfg.max_steps, cfg.epochs * steps_per_epoch) if cfg.epochs else cfg.max_steps
+        if unseen := unseen_per_epoch(len(rows), data.batch_size, ctx.world_size):
+            log.warning("%d of %d rows per epoch are not trained (fewer than the %d ranks; a different few each "
+                        "epoch)", unseen, len(rows), ctx.world_size)  # fmt: skip
         save_dir, output_dir = _save_dir(cfg), Path(cfg.output_dir)
         checkpoints = CheckpointManager(
             output_dir / "checkpoints" / "sft", ctx, cfg.ckpt.keep_last, cfg.ckpt.keep_interval
@@ -485,7 +503,7 @@ def run(cfg: SFTConfig) -> int:
                     events.close()
                 dist.barrier(ctx)  # ranks leave together (the save is collective; so is the process group's end)
                 raise SFTInterrupted(step - 1, max(checkpoints.steps(), default=None), saved)
-            epoch, batch = rows_for_step(rows, step, data.batch_size, cfg.seed)
+            epoch, batch = rows_for_step(rows, step, data.batch_size, cfg.seed, ctx.world_size)
             began = time.perf_counter()
             metrics = sft_step(
                 model,
@@ -496,7 +514,10 @@ def run(cfg: SFTConfig) -> int:
                 micro_batch_size=data.micro_batch_size,
                 world_size=ctx.world_size,
             ).metrics
-            record = {"step": step, "epoch": epoch, **metrics, "step_seconds": time.perf_counter() - began}
+            seconds = time.perf_counter() - began
+            record = {"step": step, "epoch": epoch, **metrics, "step_seconds": seconds,
+                      # the step's tokens, all ranks, over its wall time: the RL trainer's `tokens_per_second`
+                      "tokens_per_second": metrics["num_tokens"] / seconds if seconds > 0 else 0.0}  # fmt: skip
             if events:
                 wandb.log(events.append(record))
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch)

@@ -30,8 +30,12 @@ def test_sft_on_generated_data_learns_and_loads_in_transformers(tiny_model, tmp_
 
     args = sft_args(tiny_model, tmp_path, **{"data.fake": "true", "data.num-examples": 200, "max-steps": 16})
     assert sft.run(load_config(SFTConfig, args)) == 0
-    losses = [r["loss"] for r in read_events(tmp_path / "events" / sft.SFT_STEPS)]
+    records = read_events(tmp_path / "events" / sft.SFT_STEPS)
+    losses = [r["loss"] for r in records]
     assert len(losses) == 16
+    for r in records:  # throughput, as the RL trainer logs it: the step's real (unpadded) tokens over its time
+        assert 0 < r["num_loss_tokens"] < r["num_tokens"] <= 4 * 64
+        assert r["tokens_per_second"] == pytest.approx(r["num_tokens"] / r["step_seconds"])
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")

@@ -19,6 +19,7 @@ from gyre_trainer.sft import (
     read_jsonl,
     rows_for_step,
     tokenize,
+    unseen_per_epoch,
 )
 
 
@@ -82,9 +83,23 @@ def test_each_step_has_fixed_rows_and_epochs_reshuffle():
     epoch0 = [rows_for_step(rows, s, 3, seed=0) for s in (1, 2, 3)]
     assert all(e == 0 for e, _ in epoch0)
     seen = [id(r) for _, batch in epoch0 for r in batch]
-    assert len(set(seen)) == 9  # no row twice within an epoch
+    assert len(seen) == len(set(seen)) == 10  # every row once per epoch: the last step takes the 10th too
     assert rows_for_step(rows, 4, 3, seed=0)[0] == 1
     assert rows_for_step(rows, 2, 3, seed=0) == rows_for_step(rows, 2, 3, seed=0)
+
+
+def test_an_epoch_trains_the_rows_beyond_its_last_full_batch():
+    # 11 rows, batch 4: 2 steps per epoch; the 3 rows that do not fill a third batch used to be skipped (a different
+    # 3 each epoch). On 2 ranks the last step takes 2 of them (an even split), 1 row is left out and counted.
+    rows = [object() for _ in range(11)]
+    for world_size, trained in ((1, 11), (2, 10)):
+        for epoch in (0, 1):
+            batches = [rows_for_step(rows, epoch * 2 + s, 4, seed=3, world_size=world_size) for s in (1, 2)]
+            assert [e for e, _ in batches] == [epoch, epoch]
+            seen = [id(r) for _, batch in batches for r in batch]
+            assert len(seen) == len(set(seen)) == trained
+            assert len(batches[1][1]) % world_size == 0  # each rank the same number of rows
+        assert unseen_per_epoch(len(rows), 4, world_size) == 11 - trained
 
 
 def test_bad_jsonl_names_the_line(tmp_path):
