@@ -511,7 +511,7 @@ def test_defect_8_port_in_use_names_the_option(tmp_path):
     assert "Traceback" not in res.stderr
 
 
-def test_trainer_port_in_use_names_the_option(tmp_path):
+def test_trainer_port_in_use_names_the_option(tmp_path, tiny_model):
     pytest.importorskip("torch")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -521,8 +521,8 @@ def test_trainer_port_in_use_names_the_option(tmp_path):
             "trainer",
             "--output-dir",
             str(tmp_path),
-            "--model.name",  # a hub id passes the start-up model check (a missing folder would stop it first)
-            "org/model",
+            "--model.name",  # a real folder passes the start-up model check (offline, a hub id would stop it first)
+            str(tiny_model),
             "--redis.url",
             "redis://127.0.0.1:1/0",
             "--metrics.port",
