@@ -463,6 +463,13 @@ async def updated(relay, replica) -> None:
     await asyncio.wait_for(asyncio.shield(updater), timeout=60)
 
 
+def refusal_relay(replica_set, store, events) -> tuple[WeightRelay, asyncio.Task]:
+    """A relay that retries quickly, with the task of its `failed()` (which raises when the run must end)."""
+    relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=2,
+                        backoff_s=0.2, probe_interval_s=0.2, poll_store_s=600.0)  # fmt: skip
+    return relay, asyncio.create_task(relay.failed())
+
+
 async def test_weights_a_replica_refuses_for_good_end_the_run_at_once(tmp_path, start_inference, tiny_model):
     """Weights that do not fit the served model (the trainer trains another model) are refused for good
     (INVALID_ARGUMENT): sent once, not retried, and the relay fails (`failed()`, which ends the run) at once, although
@@ -472,9 +479,7 @@ async def test_weights_a_replica_refuses_for_good_end_the_run_at_once(tmp_path, 
     store = WeightStore(tmp_path / "weights")
     replica_set, known = beside_one_down(replica)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
-        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=2,
-                            backoff_s=0.2, probe_interval_s=0.2, poll_store_s=600.0)  # fmt: skip
-        failed = asyncio.create_task(relay.failed())
+        relay, failed = refusal_relay(replica_set, store, events)
         try:
             await relay.start()
             relay.notify(store.publish(1, unfit(tiny_model)))
@@ -514,9 +519,7 @@ async def test_one_replica_s_refusal_for_good_stops_the_run_though_another_took_
     store = WeightStore(tmp_path / "weights")
     replica_set = ReplicaSet(static_endpoints([good.url, bad.url], [good.control, bad.control], 0), cooldown_s=600.0)
     with EventLog(tmp_path / "weight_relay.jsonl") as events:
-        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=2,
-                            backoff_s=0.2, probe_interval_s=0.2, poll_store_s=600.0)  # fmt: skip
-        failed = asyncio.create_task(relay.failed())
+        relay, failed = refusal_relay(replica_set, store, events)
         try:
             await relay.start()
             relay.notify(publish_weights(store, 1, tiny_model))
