@@ -33,6 +33,7 @@ import csv
 import hashlib
 import importlib.util
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -315,8 +316,32 @@ def write_folder(model, tokenizer, folder: Path) -> None:
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     make_tokenizer_config_portable(folder / "tokenizer_config.json")
+    _write_model_facts(folder / "tokenizer_config.json", model.config)
     if getattr(model, "generation_config", None) is not None and not (folder / "generation_config.json").exists():
         model.generation_config.save_pretrained(folder)
+
+
+# Arguments of the `from_pretrained` call that loaded the source, which transformers 5 saves as if they were the
+# tokenizer's own settings: facts about the importing machine, not the model.
+_LOAD_ARGUMENTS = ("is_local", "local_files_only")
+
+
+def _write_model_facts(path: Path, config) -> None:
+    """The tokenizer config with the model's context as `model_max_length`, without `_LOAD_ARGUMENTS`.
+
+    A GGUF tokenizer (and a hub one that sets no limit) loads with transformers' VERY_LARGE_INTEGER, 1e30, and
+    was written so: every tool reading the folder (vLLM, a truncating data pipeline) took the model for one of
+    unbounded context. The model's is `max_position_embeddings` (a GGUF's `context_length`); a limit the source
+    sets itself is kept."""
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+
+    tokenizer_config = json.loads(path.read_text())
+    for key in _LOAD_ARGUMENTS:
+        tokenizer_config.pop(key, None)
+    context = getattr(config, "max_position_embeddings", None)
+    if context and int(tokenizer_config.get("model_max_length", VERY_LARGE_INTEGER)) >= VERY_LARGE_INTEGER:
+        tokenizer_config["model_max_length"] = int(context)
+    path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass

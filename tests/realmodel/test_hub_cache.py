@@ -115,6 +115,27 @@ def test_model_import_converts_the_dtype(tiny_model, tmp_path):
     torch.testing.assert_close(logits(tmp_path / "bf16"), logits(tiny_model), rtol=0, atol=0.05)
 
 
+def test_model_import_writes_the_models_context_as_the_tokenizers_limit(tiny_model, tmp_path):
+    # a tokenizer that sets no limit (a GGUF's, many hub ones) loads with transformers' 1e30: it was written so, and
+    # so were the arguments of the load (is_local, local_files_only), facts of the importing machine
+    shutil.copytree(tiny_model, tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "tokenizer_config.json").read_text())
+    del config["model_max_length"]
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps(config))
+    run = gyre("model", "import", str(tmp_path / "src"), "--output-dir", str(tmp_path / "out"))
+    assert run.returncode == 0, run.stderr
+    written = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    context = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    assert written["model_max_length"] == context == 1024
+    assert "is_local" not in written and "local_files_only" not in written
+    # a limit the source sets itself is kept
+    config["model_max_length"] = 512
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps(config))
+    run = gyre("model", "import", str(tmp_path / "src"), "--output-dir", str(tmp_path / "own"))
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "own" / "tokenizer_config.json").read_text())["model_max_length"] == 512
+
+
 def test_model_import_refuses_before_writing_anything(tiny_model, tmp_path):
     # a hub id without a reachable hub: one line saying so and what works offline, exit 2, nothing written
     run = gyre("model", "import", "org/not-cached", "--output-dir", str(tmp_path / "a"), env={"HF_HUB_OFFLINE": "1"})

@@ -33,7 +33,11 @@ def test_the_packaged_gguf_imports_as_a_plain_verified_folder(smollm2_import):
     assert (config["num_hidden_layers"], config["vocab_size"], config["eos_token_id"]) == (30, 49152, IM_END)
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == IM_END
     assert (folder / "chat_template.jinja").read_text() == (TEMPLATES / "smollm2.jinja").read_text()
-    assert json.loads((folder / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == "<|im_end|>"
+    # the GGUF's context length, not transformers' 1e30 for a tokenizer that sets no limit
+    assert tokenizer_config["model_max_length"] == config["max_position_embeddings"] == 8192
+    assert "is_local" not in tokenizer_config and "local_files_only" not in tokenizer_config
 
 
 def test_sft_learns_only_the_replies_with_smollm2s_own_tokenizer_and_template(smollm2):
