@@ -33,6 +33,14 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, codes, strict=True)}
 
 
+# `verbose` of the tokenizer's encode for prompts: False, because the server checks their length itself, against the
+# context it serves (`context_length_exceeded`, a 400). Verbose, transformers logged "Token indices sequence length is
+# longer than the specified maximum sequence length for this model ... will result in indexing errors" for a prompt the
+# server then refused (nothing is indexed): noise that read like a bug. It is the only thing verbose changes here (its
+# other warnings are about truncation and padding arguments, which these calls do not pass).
+LENGTH_IS_CHECKED = False
+
+
 class ModelText:
     """The served model's tokenizer plus the facts the API needs from its configs."""
 
@@ -86,7 +94,7 @@ class ModelText:
     def encode(self, text: str, add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
         """Token ids of `text`; a 400 naming `param` for text that is not Unicode (a lone surrogate)."""
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=LENGTH_IS_CHECKED)
         except TypeError:  # the tokenizer's only word for a str it cannot take as UTF-8
             refuse_surrogates(text, param)
             raise
@@ -98,7 +106,7 @@ class ModelText:
         add_special_tokens = options.pop("add_special_tokens", False)
         rendered = self.render_chat(messages, tools, add_generation_prompt, **options)
         try:
-            return self.tokenizer.encode(rendered, add_special_tokens=add_special_tokens)
+            return self.tokenizer.encode(rendered, add_special_tokens=add_special_tokens, verbose=LENGTH_IS_CHECKED)
         except TypeError:  # name the message (or tool) that holds the bad text, not a place in the rendered prompt
             refuse_surrogates(messages, "messages")
             refuse_surrogates(tools, "tools")

@@ -202,3 +202,53 @@ def test_text_parts_and_content_less_tool_calls_render_with_a_template_that_read
     call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
     loop = [*plain, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "4"}]
     assert text.chat_prompt(loop) == text.chat_prompt([*plain, {**loop[1], "content": ""}, loop[2]])
+
+
+def test_a_prompt_refused_as_too_long_logs_no_transformers_length_warning(tiny_model):
+    # the server refuses it itself (context_length_exceeded); transformers also logged "Token indices sequence length
+    # is longer than the specified maximum sequence length for this model ... will result in indexing errors", which
+    # read like a bug in the server
+    import asyncio
+    import logging
+
+    import openai
+    import pytest
+    from http_app import StandInBackend, serve_app
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    class NeverGenerates(StandInBackend):
+        async def generate(self, prompt, params):
+            raise AssertionError("a refused prompt was generated")
+            yield
+
+    long_text = "word " * 1200  # > 1024 tokens: over the tokenizer's model_max_length and the served context
+
+    async def scenario():
+        async with (
+            serve_app(NeverGenerates(), tiny_model, "too-long") as url,
+            openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client,
+        ):
+            refused = []
+            for request in (
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_text}]),
+                client.completions.create(model="tiny", prompt=long_text, max_tokens=2),
+            ):
+                with pytest.raises(openai.BadRequestError) as error:
+                    await request
+                refused.append(error.value.body["code"])
+            return refused
+
+    transformers_log, records = logging.getLogger("transformers"), Records()
+    transformers_log.addHandler(records)  # transformers' own handler may write to a stream pytest does not capture
+    try:
+        assert asyncio.run(scenario()) == ["context_length_exceeded"] * 2
+    finally:
+        transformers_log.removeHandler(records)
+    assert not [line for line in records.lines if "Token indices sequence length" in line], records.lines
