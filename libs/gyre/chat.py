@@ -14,6 +14,52 @@ TEMPLATE_ARGUMENTS = frozenset({
 })  # fmt: skip
 
 
+# Content parts OpenAI defines that a text-only model cannot take, by what they need: the server refuses them in a
+# request (gyre_inference.chat_messages) and `gyre sft` in its data (`content_problem`).
+NOT_TEXT_PARTS = {
+    "image_url": "image input (image_url parts)",
+    "input_image": "image input (input_image parts)",
+    "input_audio": "audio input (input_audio parts)",
+    "file": "file input (file parts)",
+    "input_file": "file input (input_file parts)",
+}
+
+
+def content_problem(message: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, what is wrong) when `message` holds what OpenAI's chat format does not give a text model, else None.
+
+    Accepted, as the server accepts them: content a string or a list of text parts (`{"type": "text", "text": ...}`,
+    joined by `template_messages`), and null or absent content on an assistant message with `tool_calls`, each an
+    object with a `function` that has a `name`. A template renders anything else its own way, without a word: None as
+    "None" or nothing, an image part dropped, a dict as nothing, and an assistant turn of null content without tool
+    calls as an empty reply (SFT taught the model to answer nothing)."""
+    role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls")
+    if role == "assistant" and calls is not None:
+        if not isinstance(calls, list):
+            return "tool_calls", f"a {type(calls).__name__}, not a list of tool calls"
+        for k, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                return f"tool_calls[{k}]", 'expected {"type": "function", "function": {"name": ..., "arguments": ...}}'
+    if content is None:
+        if role == "assistant" and calls:
+            return None
+        what = "an assistant message needs content unless it has tool_calls" if role == "assistant" else \
+            f"a {role} message needs content"  # fmt: skip
+        return "content", f"{'null' if 'content' in message else 'missing'}: {what}"
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return "content", f"expected a string or a list of text parts, not {type(content).__name__}"
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in NOT_TEXT_PARTS:
+            return f"content[{j}]", f"{NOT_TEXT_PARTS[kind]} is not supported: Gyre trains and serves text models"
+        if kind != "text" or not isinstance(part.get("text"), str):
+            return f"content[{j}]", 'expected a text part, {"type": "text", "text": "..."}'
+    return None
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` as chat templates know them: OpenAI's `developer` role is what templates call `system` (a
     template that does not know the role renders it as a turn of its own, or refuses it), and a content given

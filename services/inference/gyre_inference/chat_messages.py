@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from gyre.chat import NOT_TEXT_PARTS
 from pydantic import BeforeValidator, Field, model_validator
 
 from gyre_inference.strict import StrictModel
@@ -21,22 +22,14 @@ class TextPart(StrictModel):
     text: str
 
 
-# Content parts OpenAI defines that a text-only model cannot take: refused by what they need, not by their tag.
-_NOT_TEXT = {
-    "image_url": "image input (image_url parts)",
-    "input_image": "image input (input_image parts)",
-    "input_audio": "audio input (input_audio parts)",
-    "file": "file input (file parts)",
-    "input_file": "file input (input_file parts)",
-}
-
-
 def _text_parts_only(value):
+    """Content parts OpenAI defines that a text-only model cannot take (`NOT_TEXT_PARTS`, shared with `gyre sft`):
+    refused by what they need, not by their tag."""
     if isinstance(value, list):
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _NOT_TEXT:
-                raise ValueError(f"part {i}: {_NOT_TEXT[kind]} is not supported: the served model takes text only")
+            if kind in NOT_TEXT_PARTS:
+                raise ValueError(f"part {i}: {NOT_TEXT_PARTS[kind]} is not supported: the served model takes text only")
     return value
 
 

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gyre.chat import template_messages
+from gyre.chat import content_problem, template_messages
 from gyre.config import parse_or_exit, to_toml
 from gyre.config.trainer import SFTConfig, SFTDataConfig
 from gyre.logging import setup_logging
@@ -141,6 +141,8 @@ def read_jsonl(path: Path) -> list[Conversation]:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise SFTDataError(f"{where}: messages[{i}] must be an object with a role")
+            if problem := content_problem(message):  # before the template renders it its own way, silently
+                raise SFTDataError(f"{where}: messages[{i}].{problem[0]}: {problem[1]}")
         if not any(m["role"] == "assistant" for m in messages):
             raise SFTDataError(f"{where}: no assistant message, nothing to learn")
         tools = doc.get("tools")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -115,6 +116,52 @@ def test_bad_jsonl_names_the_line(tmp_path):
     assert read_jsonl(path) == [Conversation(good["messages"])]
 
 
+CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+
+
+def test_openai_content_parts_and_content_less_tool_calls_are_learned_as_the_server_renders_them(tokenizer, tmp_path):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}]  # fmt: skip
+    calls = [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+             {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "3"}]},
+             {"role": "assistant", "content": "3"}]  # fmt: skip
+    no_content = [calls[0], {"role": "assistant", "tool_calls": [CALL]}, *calls[2:]]  # model_dump() drops the null
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (parts, calls, no_content)))
+    first, second, third = read_jsonl(path)
+    assert learned_text(tokenizer, first) == "hi<|im_end|>"
+    text = learned_text(tokenizer, second)
+    assert text.startswith('<tool_call>\n{"name": "add"') and text.endswith("</tool_call><|im_end|>3<|im_end|>")
+    assert learned_text(tokenizer, third) == text
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize(
+    ("message", "said"),
+    [({"role": "user", "content": [{"type": "text", "text": "Look:"}, IMAGE]},
+      "content[1]: image input (image_url parts) is not supported"),
+     ({"role": "user", "content": None}, "content: null: a user message needs content"),
+     ({"role": "user"}, "content: missing: a user message needs content"),
+     ({"role": "user", "content": {"text": "hi"}}, "content: expected a string or a list of text parts, not dict"),
+     ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}, "content[0]: expected a text part"),
+     ({"role": "assistant", "content": None}, "content: null: an assistant message needs content unless it has tool_"),
+     ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}, "tool_calls[0]: expected")],
+)  # fmt: skip
+def test_content_the_openai_format_does_not_give_a_text_model_is_refused_naming_file_row_and_field(
+    tmp_path, message, said
+):
+    # a template renders these its own way, without a word: an image part dropped, None as "None" or nothing, a dict
+    # as nothing, an assistant turn of null content as an empty reply (the model learned to answer nothing)
+    path = tmp_path / "chats.jsonl"
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = {"messages": [message, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(SFTDataError, match=re.escape(f"chats.jsonl:2: messages[0].{said}")):
+        read_jsonl(path)
+
+
 def test_a_line_that_is_not_utf8_is_named_and_a_bom_or_u2028_in_a_string_is_fine(tmp_path):
     # a Latin-1 line was a UnicodeDecodeError traceback naming no line (exit 1, after the lock and the re-run checks)
     path = tmp_path / "chats.jsonl"
@@ -152,25 +199,30 @@ def test_cli_reports_data_errors_with_status_2(tmp_path, tiny_model, capsys):
 
 
 def test_a_conversation_the_chat_template_cannot_render_is_named_not_a_traceback(tmp_path, tiny_model, capsys):
-    # SmolLM2's template reads every message's content: a message without one (a "contents" typo) fails in Jinja;
-    # `gyre sft` crashed with that traceback instead of naming the line (as a bad JSON line is named)
+    # a template that refuses a conversation (raise_exception: here, any system message) failed in Jinja; `gyre sft`
+    # crashed with that traceback instead of naming the line (as a bad JSON line is named)
     import shutil
-    from pathlib import Path
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
-    templates = Path(__file__).parent / "data" / "chat_templates"
-    (model / "chat_template.jinja").write_text((templates / "smollm2.jinja").read_text())
+    template = (model / "chat_template.jinja").read_text()
+    refuses = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}"
+    (model / "chat_template.jinja").write_text(refuses + template)
     good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    system = {"messages": [{"role": "system", "content": "Be brief."}, *good["messages"]]}
     typo = {"messages": [{"role": "user", "contents": "2+2?"}, {"role": "assistant", "content": "4"}]}
     data = tmp_path / "chats.jsonl"
-    data.write_text(json.dumps(good) + "\n" + json.dumps(typo) + "\n")
     argv = ["--model.name", str(model), "--data.path", str(data), "--output-dir", str(tmp_path / "out"),
             "--data.batch-size", "1", "--max-steps", "1", "--device", "cpu"]  # fmt: skip
+    data.write_text(json.dumps(good) + "\n" + json.dumps(system) + "\n")
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "chats.jsonl:2: the model's chat template cannot render this conversation" in err
+    assert "chats.jsonl:2: the model's chat template cannot render this conversation (no system messages)" in err
     assert "Traceback" not in err and not (tmp_path / "out" / "sft").exists()
+    # a message without content (a "contents" typo) is named with its field before the template reads it
+    data.write_text(json.dumps(good) + "\n" + json.dumps(typo) + "\n")
+    assert main(argv) == 2
+    assert "chats.jsonl:2: messages[0].content: missing: a user message needs content" in capsys.readouterr().err
 
 
 def test_exactly_one_data_source_is_required():
