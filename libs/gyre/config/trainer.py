@@ -451,7 +451,11 @@ class SFTDataConfig(Section):
     env: str | None = Field(None, description="Generate SFT data from this environment's reference answers.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Arguments of the environment (data.env).")
     num_examples: int = Field(2000, ge=1, description="Examples to generate (fake/env modes).")
-    seq_len: int = Field(512, ge=16, description="Tokens per packed row.")
+    seq_len: int = Field(
+        512,
+        ge=16,
+        description="Tokens per packed row; a longer conversation is cut to it (or to the model's context if shorter).",
+    )
     batch_size: int = Field(16, ge=1, description="Packed rows per optimiser step.")
     micro_batch_size: int = Field(4, ge=1, description="Packed rows per forward/backward.")
 

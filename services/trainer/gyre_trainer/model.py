@@ -151,6 +151,15 @@ def load_tokenizer(model_cfg: ModelConfig):
     return AutoTokenizer.from_pretrained(model_cfg.name)
 
 
+def model_context(model_cfg: ModelConfig) -> int | None:
+    """The positions the model was trained for (its config's `max_position_embeddings`, GPT-2's `n_positions`), None
+    when its config names none. Never the tokenizer's `model_max_length`: 1e30 for a tokenizer that sets no limit."""
+    from transformers import AutoConfig
+
+    context = getattr(_text_config(AutoConfig.from_pretrained(model_cfg.name)), "max_position_embeddings", None)
+    return int(context) if isinstance(context, int) and context > 0 else None
+
+
 def _as_lengths(lengths, device: torch.device) -> Tensor:
     """A row's sample lengths as a 1-D tensor (a row of one sample may be given as its length alone)."""
     if isinstance(lengths, Tensor):

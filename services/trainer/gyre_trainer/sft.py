@@ -12,7 +12,8 @@ template and only what the model generates is learned: each assistant turn (text
 reasoning block the template adds) and its end-of-turn token, never prompts, tool outputs or the
 template's text between turns (`assistant_mask`). Conversations are
 packed back to back into rows of `data.seq_len` tokens (position ids restart per conversation, so
-attention never crosses them); one that does not fit is truncated, and said so.
+attention never crosses them); one that does not fit (or is longer than the model's context) is truncated, and said
+so.
 
 Step `s` always trains the same rows (epoch and offset follow from `s`; each epoch is a seeded
 shuffle), so resuming from a checkpoint continues the exact data order. The result is a
@@ -197,6 +198,10 @@ def load_conversations(data: SFTDataConfig, seed: int) -> list[Conversation]:
 # ---- tokenisation and packing -----------------------------------------------------------------------
 
 
+# `verbose` of the tokenizer on a conversation: False, because `prepare_rows` cuts one that is too long itself (and
+# says so); verbose, transformers logged "Token indices sequence length is longer than the specified maximum sequence
+# length for this model ... will result in indexing errors", for tokens that are never indexed past the context.
+LENGTH_IS_CHECKED = False
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -211,6 +216,7 @@ def tokenize(conversation: Conversation, tokenizer, end_ids: Collection[int] = (
             tokenize=True,
             return_dict=True,
             return_assistant_tokens_mask=True,
+            tokenizer_kwargs={"verbose": LENGTH_IS_CHECKED},
         )
         ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
         mask = _through_end_of_turn(ids, mask, end_ids or _eos_of(tokenizer))
@@ -284,7 +290,7 @@ def assistant_mask(conversation: Conversation, tokenizer, end_ids: Collection[in
         return tokenizer.apply_chat_template(part, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
     text = render(messages, False)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=LENGTH_IS_CHECKED)
     ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
     mask = [False] * len(ids)
     for i, message in enumerate(messages):
@@ -325,18 +331,22 @@ def _first_turn_prefix(turn: str, render) -> str:
     return turn[: start + len(header)]
 
 
-def pack(samples: Iterable[tuple[list[int], list[bool]]], seq_len: int) -> tuple[list[PackedRow], int, int]:
+def pack(
+    samples: Iterable[tuple[list[int], list[bool]]], seq_len: int, max_sample_len: int | None = None
+) -> tuple[list[PackedRow], int, int]:
     """Greedy in-order packing into rows of at most `seq_len` tokens; returns (rows, truncated, dropped).
 
-    A sample longer than `seq_len` is cut to `seq_len`; a sample with no loss token (left) is dropped.
+    A sample longer than `max_sample_len` (default `seq_len`) is cut to it; a sample with no loss token (left) is
+    dropped.
     """
+    cut = min(seq_len, max_sample_len or seq_len)
     rows: list[PackedRow] = []
     row: list[tuple[list[int], list[bool]]] = []
     used = truncated = dropped = 0
     for ids, mask in samples:
-        if len(ids) > seq_len:
+        if len(ids) > cut:
             truncated += 1
-            ids, mask = ids[:seq_len], mask[:seq_len]
+            ids, mask = ids[:cut], mask[:cut]
         if not any(mask):
             dropped += 1
             continue
@@ -358,19 +368,27 @@ def _packed_row(samples: list[tuple[list[int], list[bool]]]) -> PackedRow:
     )
 
 
-def prepare_rows(cfg: SFTConfig, tokenizer) -> list[PackedRow]:
-    """Load, render, mask and pack the dataset; `SFTDataError` when it cannot fill one batch."""
+def prepare_rows(cfg: SFTConfig, tokenizer, context: int | None = None) -> list[PackedRow]:
+    """Load, render, mask and pack the dataset; `SFTDataError` when it cannot fill one batch.
+
+    `context`: the model's (`max_position_embeddings`). A conversation is cut to it when `data.seq_len` is longer
+    (position ids restart per conversation, so a row of `data.seq_len` may hold several shorter ones): a conversation
+    of 2,700 tokens trained a 1,024-token model at positions it was never trained for and is never served at (a model
+    with learned position embeddings, GPT-2's, has none past its context)."""
     data = cfg.data
     from gyre.eos import end_of_turn_ids
 
     conversations = load_conversations(data, cfg.seed)
     end_ids = end_of_turn_ids(cfg.model.name, tokenizer)
-    rows, truncated, dropped = pack((_tokenize_or_explain(c, tokenizer, end_ids) for c in conversations), data.seq_len)
+    limit = min(data.seq_len, context or data.seq_len)
+    where = f"data.seq_len={data.seq_len}" if limit == data.seq_len else f"the model's context, {limit} tokens"
+    samples = (_tokenize_or_explain(c, tokenizer, end_ids) for c in conversations)
+    rows, truncated, dropped = pack(samples, data.seq_len, limit)
     if dropped == len(conversations):
-        raise SFTDataError(f"no conversation has an assistant token to learn within data.seq_len={data.seq_len}")
+        raise SFTDataError(f"no conversation has an assistant token to learn within {where}")
     if truncated or dropped:
-        log.warning("%d of %d conversations were cut to data.seq_len=%d; %d had nothing to learn and were dropped",
-                    truncated, len(conversations), data.seq_len, dropped)  # fmt: skip
+        log.warning("%d of %d conversations were cut to %s; %d had nothing to learn and were dropped",
+                    truncated, len(conversations), where, dropped)  # fmt: skip
     if len(rows) < data.batch_size:
         raise SFTDataError(
             f"{len(conversations)} conversations pack into {len(rows)} rows of {data.seq_len} tokens, fewer "
@@ -427,7 +445,7 @@ def run(cfg: SFTConfig) -> int:
 
     from gyre_trainer import dist
     from gyre_trainer.checkpoint import PROGRESS, CheckpointManager, plan_resume
-    from gyre_trainer.model import load_model, load_tokenizer, resolve_dtype
+    from gyre_trainer.model import load_model, load_tokenizer, model_context, resolve_dtype
     from gyre_trainer.optim import build_optimizer, build_scheduler
     from gyre_trainer.step import sft_step
 
@@ -438,7 +456,7 @@ def run(cfg: SFTConfig) -> int:
         if data.batch_size % ctx.world_size or (data.batch_size // ctx.world_size) < 1:
             raise SFTDataError(f"data.batch_size={data.batch_size} must be a multiple of the {ctx.world_size} ranks")
         dist.seed_everything(cfg.seed, cfg.deterministic)
-        rows = prepare_rows(cfg, load_tokenizer(cfg.model))
+        rows = prepare_rows(cfg, load_tokenizer(cfg.model), model_context(cfg.model))
         steps_per_epoch = len(rows) // data.batch_size
         total = min(cfg.max_steps, cfg.epochs * steps_per_epoch) if cfg.epochs else cfg.max_steps
         if unseen := unseen_per_epoch(len(rows), data.batch_size, ctx.world_size):
