@@ -209,19 +209,11 @@ def test_a_prompt_refused_as_too_long_logs_no_transformers_length_warning(tiny_m
     # is longer than the specified maximum sequence length for this model ... will result in indexing errors", which
     # read like a bug in the server
     import asyncio
-    import logging
 
     import openai
     import pytest
     from http_app import StandInBackend, serve_app
-
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.DEBUG)
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
+    from support.logs import logged
 
     class NeverGenerates(StandInBackend):
         async def generate(self, prompt, params):
@@ -245,10 +237,6 @@ def test_a_prompt_refused_as_too_long_logs_no_transformers_length_warning(tiny_m
                 refused.append(error.value.body["code"])
             return refused
 
-    transformers_log, records = logging.getLogger("transformers"), Records()
-    transformers_log.addHandler(records)  # transformers' own handler may write to a stream pytest does not capture
-    try:
+    with logged("transformers") as lines:
         assert asyncio.run(scenario()) == ["context_length_exceeded"] * 2
-    finally:
-        transformers_log.removeHandler(records)
-    assert not [line for line in records.lines if "Token indices sequence length" in line], records.lines
+    assert not [line for line in lines if "Token indices sequence length" in line], lines

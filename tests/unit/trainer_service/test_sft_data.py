@@ -228,17 +228,8 @@ def test_a_conversation_the_chat_template_cannot_render_is_named_not_a_traceback
 def test_a_conversation_longer_than_the_models_context_is_cut_to_it_when_rows_are_longer(tiny_model, tmp_path):
     # data.seq_len 4096 on the tiny model (context 1024): a 2,700-token conversation trained at positions the model
     # was never trained for and is never served at, while transformers warned of "indexing errors"
-    import logging
-
     from gyre.events import read_events
-
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.DEBUG)
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
+    from support.logs import logged
 
     reply = " ".join(str(n) for n in range(700))
     data = tmp_path / "long.jsonl"
@@ -246,18 +237,12 @@ def test_a_conversation_longer_than_the_models_context_is_cut_to_it_when_rows_ar
     data.write_text(json.dumps(chat) + "\n" + json.dumps(chat) + "\n")
     argv = ["--model.name", str(tiny_model), "--data.path", str(data), "--output-dir", str(tmp_path / "out"),
             "--data.seq-len", "4096", "--data.batch-size", "1", "--max-steps", "1", "--device", "cpu"]  # fmt: skip
-    records = Records()
-    for name in ("transformers", "gyre_trainer"):
-        logging.getLogger(name).addHandler(records)
-    try:
+    with logged("transformers", "gyre_trainer") as lines:
         assert main(argv) == 0
-    finally:
-        for name in ("transformers", "gyre_trainer"):
-            logging.getLogger(name).removeHandler(records)
     (step,) = read_events(tmp_path / "out" / "events" / "sft_steps.jsonl")
     assert step["num_tokens"] == 2 * 1024  # both cut to the context, packed into one row of 4096
-    assert "2 of 2 conversations were cut to the model's context, 1024 tokens" in "\n".join(records.lines)
-    assert not [line for line in records.lines if "Token indices sequence length" in line]
+    assert "2 of 2 conversations were cut to the model's context, 1024 tokens" in "\n".join(lines)
+    assert not [line for line in lines if "Token indices sequence length" in line]
 
 
 def test_exactly_one_data_source_is_required():
