@@ -158,12 +158,15 @@ def read_jsonl(path: Path) -> list[Conversation]:
 def environment_conversations(name: str, args: dict[str, Any], num: int, seed: int) -> list[Conversation]:
     """The first `num` train tasks of environment `name` with their reference replies."""
     from gyre.envs import EnvironmentLoadError, load_environment
+    from gyre.envs.rows import DatasetError
 
     try:
         env = load_environment(name, **args)
+        source = env.tasks("train", seed=seed)
     except EnvironmentLoadError as e:  # a mistyped name or argument: the message lists what would work
         raise SFTDataError(f"config key 'data.env': {e}") from None
-    source = env.tasks("train", seed=seed)
+    except DatasetError as e:  # the dataset its arguments name is unusable (empty, eval rows only, a bad row)
+        raise SFTDataError(f"config key 'data.env_args': {e}") from None
     return [Conversation(env.sft_example(source[i]), env.tool_schemas, f"environment {name}, train task {i}")
             for i in range(num)]  # fmt: skip
 

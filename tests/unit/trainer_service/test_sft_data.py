@@ -327,12 +327,20 @@ def test_ctrl_c_says_what_a_rerun_does_instead_of_a_traceback(tmp_path, tiny_mod
 @pytest.mark.parametrize(
     ("env", "args", "said"),
     [("reverse_txt", "{}", "unknown environment 'reverse_txt'"),
-     ("reverse_text", '{"num_exampels": 5}', "bad arguments (got an unexpected keyword argument 'num_exampels')")],
+     ("reverse_text", '{"num_exampels": 5}', "bad arguments (got an unexpected keyword argument 'num_exampels')"),
+     ("dataset", '{"path": "ROWS"}', "_args': ROWS: 3 rows and num_eval=64 leave no training rows"),
+     ("dataset", '{"path": "ROWS", "num_eval": 3}', "_args': ROWS: 3 rows and num_eval=3 leave no training rows"),
+     ("dataset", '{"path": "EMPTY"}', "_args': EMPTY: the file has no rows")],
 )  # fmt: skip
 def test_a_mistyped_environment_or_argument_is_an_error_naming_the_key(tmp_path, tiny_model, capsys, env, args, said):
-    # `gyre sft --data.env-args '{"num_exampels": 5}'` died in an EnvironmentLoadError traceback
-    argv = ["--model.name", str(tiny_model), "--data.env", env, "--data.env-args", args, "--output-dir", str(tmp_path),
-            "--device", "cpu"]  # fmt: skip
+    # `gyre sft --data.env-args '{"num_exampels": 5}'` died in an EnvironmentLoadError traceback; a dataset with no
+    # training rows (too few for its held-out eval rows, or none at all) in a DatasetError traceback (exit 1)
+    rows, empty = tmp_path / "rows.jsonl", tmp_path / "empty.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{n} + 1?", "answer": str(n + 1)}) + "\n" for n in range(3)))
+    empty.write_text("")
+    args, said = (text.replace("ROWS", str(rows)).replace("EMPTY", str(empty)) for text in (args, said))
+    argv = ["--model.name", str(tiny_model), "--data.env", env, "--data.env-args", args, "--output-dir",
+            str(tmp_path / "out"), "--device", "cpu"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "gyre sft: error: config key 'data.env': " in err and said in err and "Traceback" not in err
+    assert "gyre sft: error: config key 'data.env" in err and said in err and "Traceback" not in err, err
