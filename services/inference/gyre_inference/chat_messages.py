@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from gyre.chat import NOT_TEXT_PARTS
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from gyre_inference.strict import StrictModel
 
@@ -34,6 +34,38 @@ def _text_parts_only(value):
 
 
 Content = Annotated[str | list[TextPart], BeforeValidator(_text_parts_only)]
+
+
+class RefusalPart(StrictModel):
+    """A refusal an assistant wrote, as OpenAI's SDK types an assistant message's content part (a conversation
+    replayed from another server); its text is rendered as a text part's, as vLLM renders it."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+def _refusals_as_text(value):
+    if isinstance(value, list):
+        return [TextPart(type="text", text=p.refusal) if isinstance(p, RefusalPart) else p for p in value]
+    return value
+
+
+def _part_kind(part) -> str | None:
+    return {"text": "text-part", "refusal": "refusal-part"}.get(part.get("type")) if isinstance(part, dict) else None
+
+
+# An assistant's content part, chosen by its type (an error names the broken field of that kind, not the other's);
+# the tags are not identifiers, so errors.py leaves them out of the field's path
+AssistantPart = Annotated[
+    Annotated[TextPart, Tag("text-part")] | Annotated[RefusalPart, Tag("refusal-part")],
+    Discriminator(_part_kind, custom_error_type="part_type",
+                  custom_error_message="an assistant's content part has type 'text' or 'refusal'"),
+]  # fmt: skip
+# An assistant's content: text, or text and refusal parts (OpenAI's ChatCompletionAssistantMessageParam), the
+# refusals made text parts once validated, so the template, the echo and the tokenizer routes see text only
+AssistantContent = Annotated[
+    str | list[AssistantPart], BeforeValidator(_text_parts_only), AfterValidator(_refusals_as_text)
+]
 
 
 # The openai SDK's own additions to a message it returned (parse() / stream() helpers): sent back verbatim when
@@ -79,7 +111,7 @@ class AssistantMessage(StrictModel):
     (refusal, audio, annotations, the deprecated function_call) are accepted as null only."""
 
     role: Literal["assistant"]
-    content: Content | None = None
+    content: AssistantContent | None = None
     tool_calls: list[ToolCall] | None = None
     name: str | None = None
     refusal: None = Field(None, description="Only null (this server never refuses).")

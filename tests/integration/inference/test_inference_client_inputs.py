@@ -202,6 +202,39 @@ def test_non_text_content_parts_name_the_missing_feature(http, model_id, part, f
     assert "text only" in error["message"] and "tag" not in error["message"]
 
 
+def test_an_assistant_s_refusal_parts_are_rendered_as_its_text(client, http, model_id):
+    """OpenAI's SDK types an assistant message's content parts as text or refusal parts (a conversation replayed from
+    another server); the refusal part was a 400 "Input should be 'text'". Its text renders as a text part's (vLLM)."""
+    import openai
+
+    def prompt_ids(assistant_part):
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": [{"type": "text", "text": "Sorry,"}, assistant_part]},
+                    {"role": "user", "content": "why?"}]  # fmt: skip
+        response = client.chat.completions.create(model=model_id, messages=messages, max_tokens=1,
+                                                  extra_body={"return_token_ids": True})  # fmt: skip
+        return response.model_extra["prompt_token_ids"]
+
+    refused = prompt_ids({"type": "refusal", "refusal": "I can't help with that."})
+    assert refused == prompt_ids({"type": "text", "text": "I can't help with that."})
+    rendered = http.post("/detokenize", json={"tokens": refused}).json()["prompt"]
+    assert "Sorry,\nI can't help with that." in rendered, rendered
+
+    for part, param, says in [
+        ({"type": "refusal"}, "messages.0.content.0.refusal", "Field required"),
+        ({"type": "weird", "text": "x"}, "messages.0.content.0", "type 'text' or 'refusal'"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=model_id, max_tokens=1,
+                                           messages=[{"role": "assistant", "content": [part]}])  # fmt: skip
+        assert error.value.body["param"] == param and says in error.value.body["message"], error.value.body
+    with pytest.raises(openai.BadRequestError) as error:  # OpenAI's types allow refusal parts on assistants only
+        client.chat.completions.create(
+            model=model_id, max_tokens=1, messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]
+        )
+    assert error.value.body["param"].startswith("messages.0.content"), error.value.body
+
+
 # ---- request ids -----------------------------------------------------------------------------------------
 def test_every_response_carries_the_client_s_request_id_or_a_new_one(client, http, model_id):
     """The openai SDK reads X-Request-Id into `.request_id` (responses and errors) for tracing, and proxies set it
