@@ -1,8 +1,10 @@
 """Hermes-style tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in model output.
 
-Parsing is all-or-nothing, like vLLM's hermes parser: when every block is a JSON object with a string
-`name` and an object `arguments`, and only whitespace sits between and after the blocks, the output
-becomes `content` (the text before the first block) + `tool_calls`; otherwise it stays plain content.
+Parsing is all-or-nothing: when every block is a JSON object with a string `name` and an object `arguments`,
+and only whitespace sits between and after the blocks, the output becomes `content` (the text before the first
+block) + `tool_calls`; otherwise it stays plain content. Stricter than vLLM's hermes parser, which also drops text
+after the calls and parses a last block whose `</tool_call>` never came: either would make a message that does
+not re-render the sampled tokens (the round-trip rule below).
 
 `tool_choice` "required" or a named function constrains the output to such blocks with a grammar
 (`forced_call_grammar`): only well-formed calls of the allowed tools, their arguments following each
