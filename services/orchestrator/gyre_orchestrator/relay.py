@@ -19,8 +19,9 @@ replicas are one deployment serving one policy: going on without that replica le
 (resent the refused one after every pause, for ever), so the run silently served two policies, or stalled at the async
 bound waiting for it. Every
 call is logged to `weight_relay.jsonl`. Versions replicas still serve, the target and the versions replicas are
-being sent (an update under way while a newer version came) are declared with the transport's `hold`, so the
-trainer's pruning never deletes weights in use or being loaded.
+being sent (an update under way while a newer version came, or one past its deadline that the replica may still be
+loading, until the replica answers a later update or reports that version or a newer one) are declared with the
+transport's `hold`, so the trainer's pruning never deletes weights in use or being loaded.
 
 Versions only move forward, except when the trainer rewinds (`ckpt.resume_step`): it deletes the
 versions newer than the step it rewinds to, so a target or a replica version newer than every version
@@ -55,6 +56,8 @@ from gyre_orchestrator.scheduler import VersionWatch
 log = logging.getLogger(__name__)
 
 HOLDER = "orchestrator"
+# the codes of an UpdateWeights that may have reached a replica still loading the version when the call ended
+NO_ANSWER = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class WeightsRefused(RuntimeError):
@@ -109,9 +112,12 @@ class WeightRelay:
         self._task: asyncio.Task | None = None
         self._probing: dict[str, asyncio.Task] = {}  # url -> its status probe under way (the loop does not wait)
         self._in_use: set[int] | None = None
-        # replica url -> the version an UpdateWeights now under way asks it to load: held like a served one, so that
-        # a newer target does not leave it to the trainer's pruning while the replica still reads its files
-        self._sending: dict[str, int] = {}
+        # replica url -> versions it was sent whose outcome is not known yet: an UpdateWeights under way, or one that
+        # got no answer (past its deadline, a broken connection) while the replica goes on loading it (it finishes a
+        # load its caller gave up on). Held like served ones, so that a newer target does not leave them to the
+        # trainer's pruning while the replica still reads their files; a version leaves once the replica answers a
+        # later update (it serialises them: the earlier load ended) or reports serving it or a newer one
+        self._sending: dict[str, set[int]] = {}
         # replica url -> (step, until): the replica refused version `step` (FAILED_PRECONDITION: it answered, checked
         # the version and kept serving its own): not asked for that step again before `until` (monotonic)
         self._refused: dict[str, tuple[int, float]] = {}
@@ -303,7 +309,9 @@ class WeightRelay:
 
     def _declare_in_use(self) -> None:
         in_use = self.replicas.served_versions() | ({self.target.step} if self.target else set())
-        in_use |= set(self._sending.values())
+        for url in self._sending.keys() - self.replicas.replicas.keys():  # discovery dropped it: it reads nothing more
+            del self._sending[url]
+        in_use |= {s for sent in self._sending.values() for s in sent}
         in_use = {s for s in in_use if s >= 1}  # version 0 is the base model, not in the store
         if in_use != self._in_use:
             try:
@@ -368,8 +376,16 @@ class WeightRelay:
             return
         if not self.replicas.in_rotation(replica) and not replica.probe_failed:
             return  # out for failed requests while it answers its probes: its cooldown stands (the circuit breaker)
+        self._settle(replica, int(status.step))
         # in rotation, or back from being down (no answer, or loading): it rejoins now, not when its cooldown ends
         self.replicas.mark_ok(replica, int(status.step))
+
+    def _settle(self, replica: Replica, served: int) -> None:
+        """The replica reports serving version `served`: a version it was sent up to that one is loaded (or passed
+        over for a newer one), so no longer held for its sake."""
+        sent = self._sending.get(replica.url)
+        if sent:
+            sent.difference_update({s for s in sent if s <= served})
 
     async def probe_all(self) -> None:
         self._last_probe = time.monotonic()
@@ -402,8 +418,9 @@ class WeightRelay:
             error, unavailable, refused, incompatible = None, False, False, False
             sent = self.token.value
             if target is not None:  # declared before the call: the trainer prunes what no holder declared
-                self._sending[replica.url] = step
+                self._sending.setdefault(replica.url, set()).add(step)
                 self._declare_in_use()
+            answered = True
             try:
                 if target is None:  # rewound to the base model
                     call = self._stub(replica).ReloadWeights(
@@ -424,7 +441,9 @@ class WeightRelay:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # a load slower than the deadline fails every retry
                     error += (f" (not loaded within relay.timeout_s = {self.timeout_s:g} s: raise it if loading a "
                               "version takes this replica longer)")  # fmt: skip
-            finally:
+                # no answer from the replica itself: it may be loading the version still (or never got the call)
+                answered = e.code() not in NO_ANSWER
+            if answered:  # updates are serialised on the replica: every version sent before this call has loaded or not
                 self._sending.pop(replica.url, None)
             seconds = time.monotonic() - start
             self._record(step, replica, error is None, seconds, error, attempt)

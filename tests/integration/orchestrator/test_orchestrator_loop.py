@@ -402,6 +402,49 @@ async def test_a_version_a_replica_is_being_sent_is_not_pruned_when_a_newer_one_
             await close_replica_clients(list(replica_set))
 
 
+async def test_a_version_whose_update_passed_its_deadline_stays_held_until_the_replica_reports(
+    tmp_path, start_inference, tiny_model
+):
+    """Audit: the relay dropped its hold on a version once its UpdateWeights passed the deadline, while the replica
+    (which finishes a load its caller gave up on) may still be reading it: a newer version moved the target on and the
+    trainer's pruning deleted the folder under the replica. The replica is frozen (SIGSTOP) so the call cannot end
+    before its deadline; the version stays held until the replica reports what it serves, then it goes."""
+    replica = start_inference()
+    store = WeightStore(tmp_path / "weights")
+    replica_set = ReplicaSet(static_endpoints([replica.url], [replica.control], 0), cooldown_s=0.5)
+    (known,) = list(replica_set)
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, timeout_s=1.0,
+                            retries=0, probe_interval_s=0.5, probe_timeout_s=0.5, poll_store_s=600.0)  # fmt: skip
+        try:
+            await relay.start()
+            os.killpg(replica.proc.pid, signal.SIGSTOP)
+            try:
+                relay.notify(publish_weights(store, 1, tiny_model))
+                await updated(relay, known)  # past its deadline: no answer
+                (record,) = read_events(events.path)
+                assert record["step"] == 1 and "DEADLINE_EXCEEDED" in record["error"], record
+                relay.notify(publish_weights(store, 2, tiny_model))  # the trainer's next step
+                deadline = asyncio.get_running_loop().time() + 30
+                while 2 not in store.in_use():  # the relay's loop has declared what it holds now
+                    assert asyncio.get_running_loop().time() < deadline, store.in_use()
+                    await asyncio.sleep(0.05)
+                store.prune(keep_last=1)  # what the trainer does after committing step 2
+                assert store.steps() == [1, 2], "the version the replica may still be loading was pruned"
+            finally:
+                os.killpg(replica.proc.pid, signal.SIGCONT)
+            assert await relay.wait_served(2, timeout=120) and replica.status().step == 2
+            deadline = asyncio.get_running_loop().time() + 30
+            while 1 in store.in_use():  # the replica's answer settled version 1: no longer held
+                assert asyncio.get_running_loop().time() < deadline, store.in_use()
+                await asyncio.sleep(0.05)
+            store.prune(keep_last=1)
+            assert store.steps() == [2]
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+
+
 async def test_a_replica_that_refuses_a_version_stays_in_rotation_on_its_own(tmp_path, start_inference, tiny_model):
     """Audit: a replica that answered UpdateWeights with FAILED_PRECONDITION (it checked the version and kept serving
     its own: here a volume that shows it the new folder late) was taken out of rotation like a dead one, so it
