@@ -241,7 +241,20 @@ class EngineLoop:
     # ---- weight swaps, between two steps ---------------------------------------------------------
     def _apply_swap(self, swap: _Swap) -> None:
         started = time.perf_counter()
-        self._copy_in(swap)
+        try:
+            self._copy_in(swap)
+        except Exception as error:
+            if swap.adapter is not None:
+                raise  # an adapter's slot serves no request until its load completes (`AdapterBank.load`)
+            # the copy is tensor by tensor: failed part way, the model holds a mix of two versions and the weights
+            # served before are gone (vLLM loads them back first, `_load_back`). Serving on stamped the samples of no
+            # policy with the old version: the engine stops, and the service exits so that the replica restarts
+            with self._cond:
+                self._stopping = True
+            raise BackendStoppedError(
+                f"copying in weights version {swap.version} failed part way ({error}): the weights are a mix of two "
+                "versions, so the engine is stopped; the replica exits to be restarted"
+            ) from error
         self.stats.swaps += 1
         self.stats.swap_seconds += time.perf_counter() - started
         swap.done.set_result(None)

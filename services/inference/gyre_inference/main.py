@@ -5,7 +5,8 @@
     gyre inference --help                          # every option with its default
 
 Prints `ready: http://HOST:PORT control: HOST:PORT version: N` once the model is loaded; exits 0
-after a graceful SIGTERM, 1 when the model cannot be loaded or a port cannot be bound, 2 on a bad
+after a graceful SIGTERM, 1 when the model cannot be loaded, a port cannot be bound or the engine stopped on its own
+(a weights load failed part way with no weights to go back to: the replica must be restarted), 2 on a bad
 config key or value (a `model.name` folder that does not exist or holds no config.json or weights).
 """
 

@@ -10,6 +10,11 @@ gRPC stops with the same grace, then the backend stops. Requests still generatin
 end as on an engine that stopped: the backend is stopped then, so a request answers 503 `not_ready`
 (which clients retry) and a stream ends with an error event; uvicorn's own deadline, CUT_S later, only
 cancels what still runs after that. A second signal does not force anything beyond the grace.
+
+An engine that stops on its own once ready (a weights load failed part way and loading the weights served before
+back failed too, or the torch engine thread ended) makes the process exit 1 after the same shutdown: a replica up
+but never ready again served nothing and was waited for for ever, while its pod, restarted, comes back on the base
+model and gets the newest version from the relay.
 """
 
 from __future__ import annotations
@@ -168,7 +173,15 @@ async def run_service(config: InferenceConfig) -> int:
             log.info("%s", line)
             if config.engine.log_stats_interval_s > 0 and backend.engine_stats() is not None:
                 stats_task = asyncio.create_task(_log_engine_stats(backend, config.engine.log_stats_interval_s))
-            await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
+            engine_down = asyncio.create_task(_engine_stopped(backend))
+            await asyncio.wait({stopped, http_task, engine_down}, return_when=asyncio.FIRST_COMPLETED)
+            engine_down.cancel()
+            if engine_down.done() and not engine_down.cancelled() and not stop.is_set():
+                # up and never ready again, the replica served nothing and the relay waited for it for ever; exiting,
+                # its pod is restarted on the base model and the relay sends it the newest version
+                log.error("the %s engine stopped on its own (see the error above): exiting so that this replica is "
+                          "restarted", backend.name)  # fmt: skip
+                status = 1
         elif loading.done() and loading.exception() is not None:
             name = config.model.name
             # a relative folder that is not there reads as a hub id ("models/qwen"): say it was not found as either
@@ -219,6 +232,17 @@ async def _stop_generation_after(grace: float, http_task: asyncio.Task, backend:
         log.warning("shutdown grace of %gs over with %d sequences running and %d waiting: stopping the engine, "
                     "their requests get 503 not_ready", grace, running, waiting)  # fmt: skip
         await backend.shutdown()
+
+
+ENGINE_CHECK_S = 1.0  # how often a ready replica checks that its engine still runs
+
+
+async def _engine_stopped(backend: Backend) -> None:
+    """Returns once the backend is no longer ready: its engine stopped without being asked (the torch engine thread
+    ended; either backend stops itself when a weights load failed part way and left weights of no version). Polled:
+    the torch engine thread ends off the event loop."""
+    while backend.ready:
+        await asyncio.sleep(ENGINE_CHECK_S)
 
 
 async def _log_engine_stats(backend: Backend, interval: float) -> None:

@@ -18,7 +18,8 @@ How it maps onto vLLM:
   safetensors in every worker through our worker extension (`model.load_weights`, which also
   re-shards for tensor parallelism), resume, then reset the prefix cache so no new prompt reuses KV
   blocks the old weights computed. `load_weights` copies tensor by tensor: a load that fails part way loads the
-  weights served before back while still paused (`_load_back`), or stops the engine when that fails too. Requests
+  weights served before back while still paused (`_load_back`), or stops the engine when that fails too (the service
+  then exits 1, so that the replica is restarted and loads the newest version, see service.py). Requests
   in flight keep their KV cache, as with the torch backend.
 - versions: a token is stamped with the version current when its output reaches us. Tokens cannot
   be computed while paused, and the new version is noted while paused (before the resume), so the stamp
@@ -519,7 +520,7 @@ class VLLMBackend(Backend):
                 if mixed:
                     raise BackendStoppedError(
                         f"vLLM failed loading {path} ({error}) and then loading back {self._full_path}: its weights "
-                        "are a mix of two versions, so the engine is stopped; restart this replica"
+                        "are a mix of two versions, so the engine is stopped; the replica exits to be restarted"
                     ) from error
                 raise WeightsLoadError(f"{path}: vLLM could not load the weights ({error}); the weights served before "
                                        "were loaded back, and the version may load next time") from error  # fmt: skip
