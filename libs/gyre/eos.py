@@ -9,11 +9,16 @@ stopped at `<|im_end|>`: every reply ran on into made-up turns up to `max_tokens
 turn as part of the reply. vLLM's own server stops only at the first three (its `update_from_generation_config`);
 both of Gyre's backends stop at this set (the vLLM one with `ignore_eos` and these ids as its stop ids).
 transformers is imported inside the function.
+
+A client of a server it cannot load the tokenizer of (the orchestrator against `vllm serve`) asks the server for the
+template's end of turn instead (`served_end_of_turn_id`, over vLLM's `/tokenize` and `/detokenize`) and sends it as
+the request's `stop_token_ids`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 # A reply no template rewrites (no whitespace to strip, no markup to escape): what follows it is the turn's end.
@@ -48,6 +53,30 @@ def template_end_of_turn_id(tokenizer) -> int | None:
     special = set(getattr(tokenizer, "all_special_ids", ()))
     special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
     return after[0] if after and after[0] in special else None
+
+
+async def served_end_of_turn_id(post: Callable[[str, dict], Awaitable[dict]]) -> int | None:
+    """The token a server's chat template writes right after an assistant's reply, asked of the server itself.
+
+    `post(path, body)`: the JSON answer of the server's `path` (vLLM's and Gyre's `/tokenize`, `/detokenize`). The
+    probe chat is rendered twice, with the reply ended (the template's end of turn after it) and left open
+    (`continue_final_message`); the first token of the difference that is not whitespace counts when it is the whole
+    first word of that end, so a marker of several tokens (`<end>` as `<`, `end`, `>`) or none (`\\n\\n`) adds
+    nothing. Without the tokenizer the special flag cannot be read: a one-token plain-text end would count."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_REPLY}]
+    ended = (await post("/tokenize", {"messages": chat, "add_generation_prompt": False}))["tokens"]
+    open_ = await post("/tokenize", {"messages": chat, "add_generation_prompt": False, "continue_final_message": True})
+    head = open_["tokens"]
+    if ended[: len(head)] != head:
+        return None  # the reply's last token merged with the end: no token of its own
+    tail = ended[len(head) :]
+    end = (await post("/detokenize", {"tokens": tail}))["prompt"] if tail else ""
+    words = end.split()
+    for token in tail:
+        text = (await post("/detokenize", {"tokens": [token]}))["prompt"]
+        if text.strip():
+            return token if words and text.strip() == words[0] else None
+    return None
 
 
 def end_of_turn_ids(model_path: str | Path | None, tokenizer, config=None) -> frozenset[int]:

@@ -86,13 +86,16 @@ async def _echo_app(scope, receive, send):  # a bare ASGI app: the cheapest serv
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
+    status = 200
     if scope["path"] == "/v1/models":
         reply = {"object": "list", "data": [{"id": "echo", "object": "model", "created": 0, "owned_by": "gyre"}]}
+    elif not scope["path"].endswith("/completions"):  # no tokenizer: /tokenize, /detokenize
+        status, reply = 404, {"error": {"message": f"no route {scope['path']}", "type": "not_found"}}
     else:
         reply = _echo_reply(json.loads(body or b"{}"))
     data = json.dumps(reply).encode()
     headers = [(b"content-type", b"application/json"), (b"x-gyre-policy-version", b"0")]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
 

@@ -36,6 +36,7 @@ import openai
 from gyre.endpoint import RotatingKey, describe, first_model
 from gyre.envs import ContextLengthExceeded, Messages, SamplingParams, ToolCall, Turn
 from gyre.envs.types import derive_seed
+from gyre.eos import served_end_of_turn_id
 
 from gyre_orchestrator.replicas import NoReplicaAvailable, Replica, ReplicaSet
 
@@ -347,7 +348,11 @@ class InferenceClient:
         # `post` with a plain JSON body: the official client still does auth, timeouts and maps HTTP
         # errors to openai exceptions, but skips the typed-parameter transform and the pydantic response
         # model, which cost more CPU than the rest of a rollout (see docs/benchmarks.md).
-        body = await client.post("/chat/completions", cast_to=object, body={"model": model, **request})
+        # vLLM's server stops only at the configs' eos ids: a base model's ChatML reply ran past its <|im_end|> into
+        # made-up turns up to max_tokens. Gyre's server stops there anyway; the ids are the same there.
+        stops = await self._end_of_turn(replica, client)
+        body = {"model": model, **request, **({"stop_token_ids": stops} if stops else {})}
+        body = await client.post("/chat/completions", cast_to=object, body=body)
         turn = parse_turn(body, replica.version, sent)
         choices = body.get("choices") if isinstance(body, dict) else None  # a dict with choices: parse_turn checked
         return turn, "policy_version_max" in choices[0]
@@ -374,6 +379,37 @@ class InferenceClient:
                 )
             ),
         )
+
+    async def _end_of_turn(self, replica: Replica, client: openai.AsyncOpenAI) -> list[int]:
+        # one probe per replica, however many requests start at once; one that could not reach it is made again
+        lookup = replica.clients.get("end_of_turn")
+        if lookup is None or (lookup.done() and lookup.exception() is not None):
+            lookup = replica.clients["end_of_turn"] = asyncio.ensure_future(self._probe_end_of_turn(replica, client))
+            lookup.add_done_callback(lambda f: f.cancelled() or f.exception())  # as in _model_name
+        try:
+            return await asyncio.shield(lookup)
+        except (openai.AuthenticationError, openai.PermissionDeniedError):
+            return []  # the request itself meets the refused key (`rekey`); the next one asks again
+
+    @staticmethod
+    async def _probe_end_of_turn(replica: Replica, client: openai.AsyncOpenAI) -> list[int]:
+        """`[id]` of the token `replica`'s chat template ends a reply with (`gyre.eos.served_end_of_turn_id`), sent
+        as every request's `stop_token_ids`; `[]` when the server cannot say (no /tokenize: a hosted API)."""
+
+        async def post(path: str, body: dict) -> dict:
+            return await client.post(f"{replica.url}{path}", cast_to=object, body=body)  # the root, not /v1
+
+        try:
+            end = await served_end_of_turn_id(post)
+        except _RETRYABLE:
+            raise  # the replica is unreachable: the request moves on, the next one asks again
+        except (openai.AuthenticationError, openai.PermissionDeniedError):
+            raise  # a key rotated in place: asked again with the new key
+        except (openai.APIStatusError, KeyError, TypeError, ValueError) as error:
+            log.warning("%s: cannot read its chat template's end-of-turn token from /tokenize (%s): replies stop "
+                        "only where the server stops them", replica.url, describe(error))  # fmt: skip
+            return []
+        return [] if end is None else [end]
 
     async def served_model(self, replica: Replica) -> str:
         """The first model of `replica`'s `/v1/models`, asked once and kept (what a request names when

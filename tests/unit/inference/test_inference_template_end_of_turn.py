@@ -69,3 +69,141 @@ def test_the_server_stops_a_reply_at_the_templates_end_of_turn_token(base_style_
     choice = reply.choices[0]
     assert (choice.finish_reason, reply.usage.completion_tokens) == ("stop", 1)
     assert choice.token_ids == [2] and choice.message.content == ""  # the stop token is sampled, not text
+
+
+# ---- a server that stops only at the configs' ids (`vllm serve`), asked by the orchestrator ----------------------
+
+REPLY = "ok"  # what the taught model replies, then it runs on into a made-up user turn as a base model does
+
+
+@pytest.fixture(scope="module")
+def run_on_model(base_style_model, tmp_path_factory):
+    """The base-style model taught to reply `REPLY`, end the turn with `<|im_end|>` and go on with another turn."""
+    import torch
+    from support.models import teach
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_style_model)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    reply = tokenizer.encode(f"{REPLY}<|im_end|>\n<|im_start|>user\nmore and more", add_special_tokens=False)
+    ids = torch.tensor([prompt + reply])
+    labels = torch.tensor([[-100] * len(prompt) + reply])
+    path = teach(base_style_model, tmp_path_factory.mktemp("run-on") / "model", ids, labels, max_steps=600)
+    for name in ("generation_config.json", "config.json"):  # as the base-style model's: <|endoftext|> alone
+        config = json.loads((path / name).read_text())
+        config["eos_token_id"] = 0
+        (path / name).write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def like_vllm_serve(monkeypatch):
+    """The server's own stops are the configs' and the tokenizer's eos alone, as vLLM's server's."""
+    import gyre.eos
+
+    monkeypatch.setattr(gyre.eos, "template_end_of_turn_id", lambda tokenizer: None)
+
+
+def test_the_orchestrator_stops_a_reply_at_the_templates_end_where_the_server_would_not(run_on_model, like_vllm_serve):
+    from gyre.envs import SamplingParams
+    from gyre_inference.torch_backend import TorchBackend
+    from gyre_orchestrator.client import InferenceClient, close_replica_clients
+    from gyre_orchestrator.replicas import Endpoint, ReplicaSet
+    from openai import OpenAI
+
+    hi = [{"role": "user", "content": "hi"}]
+
+    async def scenario():
+        backend = TorchBackend(run_on_model, threads=1, max_batch_size=2)
+        async with serve_app(backend, run_on_model, "orchestrator-stop-ids") as base_url:
+
+            def plain_chat():  # a client that sends no stop ids: the server alone decides
+                with OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+                    return client.chat.completions.create(
+                        model="tiny", messages=hi, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+                    )
+
+            plain = await asyncio.to_thread(plain_chat)
+            replicas = ReplicaSet([Endpoint(base_url.removesuffix("/v1"), control="127.0.0.1:1")])
+            client = InferenceClient(replicas, timeout_s=60)
+            try:
+                turn = await client.chat(hi, sampling=SamplingParams(temperature=0, max_tokens=12))
+            finally:
+                await close_replica_clients(list(replicas))
+            return plain, turn
+
+    plain, turn = asyncio.run(scenario())
+    # the server alone runs on past the end of the turn, as `vllm serve` does
+    assert plain.choices[0].finish_reason == "length" and 2 in plain.choices[0].token_ids[:-1]
+    # the orchestrator's request names <|im_end|> (2): the reply ends there, its stop token sampled, not text
+    assert (turn.finish_reason, turn.text) == ("stop", REPLY)
+    assert turn.completion_token_ids[-1] == 2 and 2 not in turn.completion_token_ids[:-1]
+
+
+def test_a_request_stop_token_id_ends_a_choice_as_vllm_does(run_on_model, like_vllm_serve):
+    """vLLM's `stop_token_ids` over HTTP with the `openai` client: the choice ends at the id (finish "stop",
+    `stop_reason` the id), which stays in its token ids and, being special, out of its text."""
+    from gyre_inference.torch_backend import TorchBackend
+    from openai import OpenAI
+
+    async def scenario():
+        backend = TorchBackend(run_on_model, threads=1, max_batch_size=2)
+        async with serve_app(backend, run_on_model, "request-stop-ids") as base_url:
+
+            def chat():
+                with OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+                    return client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0,
+                        extra_body={"return_token_ids": True, "stop_token_ids": [2]},
+                    )  # fmt: skip
+
+            return await asyncio.to_thread(chat)
+
+    choice = asyncio.run(scenario()).choices[0]
+    assert (choice.finish_reason, choice.stop_reason, choice.message.content) == ("stop", 2, REPLY)
+    assert choice.token_ids[-1] == 2 and 2 not in choice.token_ids[:-1]
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}", 2),  # ChatML
+        ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}", None),  # plain text
+        ("{% for m in messages %}{{ m.role }}: {{ m.content }} <end>\n{% endfor %}", None),  # text of several tokens
+    ],
+    ids=["chatml", "blank-line", "several-tokens"],
+)
+def test_the_served_end_of_turn_probe_reads_the_templates_end_token(base_style_model, tmp_path, template, expected):
+    """`gyre.eos.served_end_of_turn_id` over a real server's /tokenize and /detokenize agrees with the local probe."""
+    import httpx
+    from gyre.eos import served_end_of_turn_id
+    from gyre_inference.torch_backend import TorchBackend
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "model"
+    shutil.copytree(base_style_model, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+
+    async def scenario():
+        backend = TorchBackend(path, threads=1, max_batch_size=1)
+        async with (
+            serve_app(backend, path, "served-probe") as base_url,
+            httpx.AsyncClient(base_url=base_url.removesuffix("/v1")) as http,
+        ):
+
+            async def post(route, body):
+                answer = await http.post(route, json=body)
+                answer.raise_for_status()
+                return answer.json()
+
+            return await served_end_of_turn_id(post)
+
+    assert asyncio.run(scenario()) == expected
+    from gyre.eos import template_end_of_turn_id
+
+    assert template_end_of_turn_id(AutoTokenizer.from_pretrained(path)) == expected

@@ -28,13 +28,15 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 def keyed_app(server: dict):
-    """The bench's echo server behind a bearer key (`server["key"]`), recording the key of each request."""
+    """The bench's echo server behind a bearer key (`server["key"]`), recording the key of each request
+    but the end-of-turn probe's."""
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return await _echo_app(scope, receive, send)
         sent = dict(scope["headers"]).get(b"authorization", b"").decode().removeprefix("Bearer ")
-        server["seen"].append(sent)
+        if not scope["path"].endswith("tokenize"):  # not the client's end-of-turn probe (/tokenize, /detokenize)
+            server["seen"].append(sent)
         if sent != server["key"]:
             body = json.dumps({"error": {"message": "invalid api key", "type": "invalid_request_error"}}).encode()
             await send({"type": "http.response.start", "status": 401,

@@ -33,6 +33,9 @@ def held_app(gate: threading.Event, arrived: list):
             return
         while (await receive()).get("more_body"):
             pass
+        if scope["path"] == "/tokenize":  # no tokenizer here: the client's end-of-turn probe is refused at once
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            return await send({"type": "http.response.body", "body": b""})
         arrived.append(scope["path"])
         await asyncio.to_thread(gate.wait)
         body = json.dumps(CHAT).encode()
