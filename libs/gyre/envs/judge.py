@@ -280,16 +280,19 @@ def _json_value(reply: str, key: str) -> Any:
 # label ("Verdict: incorrect", "the final answer is yes") is the verdict, the last such one; else a choice that opens
 # the reply ("Incorrect. The correct answer is 5": a judge leading with its verdict); else the last choice named (a
 # judge reasoning first concludes last: "a correct answer would be 5, so it is incorrect" read the first, "correct",
-# and rewarded a wrong reply 1). A negated choice ("not correct",
-# "isn't entirely correct", "cannot be correct") is no vote for it: with two choices it is the other one, with more
-# no verdict. It read as the choice it negates: "The response is not correct." rewarded 1.
-_NEGATED = re.compile(r"(?:\b(?:not|never|cannot)|n't)[\s*_`\"']+(?:be[\s*_`\"']+)?(?:(?:quite|\w+ly)[\s*_`\"']+)?$",
-                      re.IGNORECASE)  # fmt: skip
+# and rewarded a wrong reply 1). A negated choice ("not correct", "isn't entirely correct", "cannot be correct",
+# "nothing incorrect", "no incorrect step") is no vote for it: with two choices it is the other one, with more no
+# verdict. It read as the choice it negates: "The response is not correct." rewarded 1, and "The response is correct;
+# nothing incorrect in it." 0 (its last choice, "incorrect", under a negation the rule did not know).
+_NEGATORS = r"not|never|cannot|no|nothing|none|without"
+_NEGATED = re.compile(rf"(?:\b(?:{_NEGATORS})|n't)[\s*_`\"']+(?:(?:be|is|was|are|were)[\s*_`\"']+)?"
+                      r"(?:(?:quite|\w+ly)[\s*_`\"']+)?$", re.IGNORECASE)  # fmt: skip
 #: what may come before a choice that opens the reply: markdown, punctuation and a negation ("**Not correct.**")
-_LEADS = re.compile(r"[^\w]*(?:(?:not|never)[^\w]+)?$", re.IGNORECASE)
-#: a choice before one of these nouns is an adjective ("the correct answer"), not a verdict
-_DESCRIBES = re.compile(r"[\s*_`]+(?:answers?|responses?|replies|reply|ones?|solutions?|results?|values?)\b",
-                        re.IGNORECASE)  # fmt: skip
+_LEADS = re.compile(rf"[^\w]*(?:(?:{_NEGATORS})[^\w]+)?$", re.IGNORECASE)
+#: a choice before one of these nouns is an adjective ("the correct answer") or a determiner ("no errors": a yes/no
+#: judge's "It has no errors." read its "no"), not a verdict
+_DESCRIBES = re.compile(r"[\s*_`]+(?:answers?|responses?|replies|reply|ones?|solutions?|results?|values?|steps?|"
+                        r"errors?|mistakes?|issues?|problems?|flaws?|typos?)\b", re.IGNORECASE)  # fmt: skip
 _VERDICT = re.compile(r"\b(?:verdict|judge?ment|decision|conclusion|answer|grade|label|assessment)\b[^\w\n]*"
                       r"(?:\bis\b[^\w\n]*)?$", re.IGNORECASE)  # fmt: skip
 
@@ -314,8 +317,11 @@ def _choice(choices: dict[str, float], reply: str) -> float:
         raise ValueError(f"none of {sorted(choices)} in the reply")
     labelled = [one for one in named if one[2]]
     # a choice naming a noun ("the correct answer is cba") describes the reference, not the reply: no conclusion
-    verdicts = [one for one in named if not _DESCRIBES.match(reply, one[4])] or named
-    leads = _LEADS.match(reply, 0, named[0][3]) is not None
+    verdicts = [one for one in named if not _DESCRIBES.match(reply, one[4])]
+    # an opening choice describing a noun ("No errors found, so yes") opens no verdict either
+    leads = named[0] in verdicts and _LEADS.match(reply, 0, named[0][3]) is not None
+    if not (labelled or leads or verdicts):
+        raise ValueError(f"the reply names {sorted({one[0] for one in named})} only before a noun, as no verdict")
     word, negated, *_ = labelled[-1] if labelled else named[0] if leads else verdicts[-1]
     if not negated:
         return float(choices[word])

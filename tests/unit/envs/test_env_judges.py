@@ -178,6 +178,42 @@ def test_replies_without_a_score_say_why(settings, reply, why):
         parse_score(JudgeConfig(url="http://x", **settings), reply)
 
 
+YES_NO = {"score": "choice", "choices": {"yes": 1.0, "no": 0.0}}
+
+
+@pytest.mark.parametrize(
+    ("settings", "reply", "score"),
+    [
+        # a negation the rule did not know: "nothing incorrect" restating a verdict was its last choice, "incorrect"
+        (CORRECT, "The response is correct; nothing incorrect in it.", 1.0),
+        (CORRECT, "The response is incorrect; nothing correct in it.", 0.0),
+        (CORRECT, "The response is correct, with no incorrect step.", 1.0),
+        (CORRECT, "Every step checks out and nothing is incorrect.", 1.0),
+        (CORRECT, "Nothing incorrect here.", 1.0),
+        (CORRECT, "It reverses the text; not incorrect.", 1.0),
+        (CORRECT, "It reverses only two letters, so it isn't correct.", 0.0),
+        (CORRECT, "It is never correct to drop a letter.", 0.0),
+        (CORRECT, "Looks correct at first, but on checking it is not correct.", 0.0),  # a judge changing its mind
+        (CORRECT, "Looks incorrect at first, but there is nothing incorrect: it matches.", 1.0),
+        # "no" before a noun is a determiner, not the choice "no": "It has no errors" read a yes/no judge's "no"
+        (YES_NO, "It has no errors, so yes.", 1.0),
+        (YES_NO, "No errors found: yes.", 1.0),
+        (YES_NO, "No mistakes at all. Is it right? Yes", 1.0),
+        (YES_NO, "It has a typo, so no.", 0.0),
+        (YES_NO, "No. It has two errors.", 0.0),
+        (YES_NO, "No, yes-men aside: it drops a letter.", 0.0),
+    ],
+)
+def test_a_negated_choice_votes_for_the_other_in_many_phrasings(settings, reply, score):
+    assert parse_score(JudgeConfig(url="http://x", **settings), reply) == score
+
+
+@pytest.mark.parametrize("reply", ["It has no errors.", "No mistakes, no issues."])
+def test_a_choice_named_only_as_a_determiner_is_no_verdict(reply):
+    with pytest.raises(ValueError, match="only before a noun"):
+        parse_score(JudgeConfig(url="http://x", **YES_NO), reply)
+
+
 def test_the_prompt_is_rendered_from_the_task_and_the_rollout():
     config = JudgeConfig(url="http://x", system="Be strict.", prompt="Q={question} R={response} A={answer}")
     messages = render(config, PROMPT, completion("cba"), "cba")
