@@ -22,10 +22,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 class ScriptedServer:
     """On `port` (default: a free one): /v1/models (first the answers of `models_script`), /v1/chat/completions
     (replies from `script`: text, ("sleep", s, text), ("length", text) (cut at max_tokens), ("status", code[,
-    headers]), ("raw", body, content type) (a body as given, e.g. broken JSON) or ("trickle", seconds, text) (a space
-    every 0.1 s for `seconds`, then the answer: each read is quick, the whole answer slow); first `reply_for`'s reply
-    to what is asked, when it gives one), /tokenize (one token per character), /classify (score = number of tokens /
-    10; a 400 for an input longer than `max_len`; first the bodies of `classify_script`). Records every request.
+    headers[, message]]), ("raw", body, content type) (a body as given, e.g. broken JSON) or ("trickle", seconds,
+    text) (a space every 0.1 s for `seconds`, then the answer: each read is quick, the whole answer slow); first
+    `reply_for`'s reply to what is asked, when it gives one), /tokenize (one token per character), /classify (score =
+    number of tokens / 10; a 400 for an input longer than `max_len`; first the bodies of `classify_script`). Records
+    every request.
     `base`: where the OpenAI routes are (/v1beta/openai: as Gemini serves them)."""
 
     def __init__(self, port: int = 0, base: str = "/v1"):
@@ -74,9 +75,10 @@ class ScriptedServer:
             finish = "stop"
             if isinstance(action, tuple) and action[0] == "length":  # ("length", text): cut at max_tokens
                 finish, action = "length", action[1]
-            if isinstance(action, tuple) and action[0] == "status":  # ("status", code[, headers])
+            if isinstance(action, tuple) and action[0] == "status":  # ("status", code[, headers[, message]])
                 headers = action[2] if len(action) > 2 else None
-                return JSONResponse({"error": {"message": "scripted", "type": "x"}}, status_code=action[1],
+                message = action[3] if len(action) > 3 else "scripted"
+                return JSONResponse({"error": {"message": message, "type": "x"}}, status_code=action[1],
                                     headers=headers)  # fmt: skip
             return {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": action},

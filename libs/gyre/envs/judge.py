@@ -57,7 +57,7 @@ from gyre.config.endpoint import JudgeConfig, RewardModelConfig
 from gyre.endpoint import MAX_REFUSED_IN_A_ROW, Endpoint, EndpointError, RequestRefused
 from gyre.envs.inflight import InFlight
 from gyre.envs.parsers import strip_reasoning
-from gyre.envs.types import Messages, ScoringError
+from gyre.envs.types import NEUTRAL_SAMPLING, Messages, ScoringError
 
 log = logging.getLogger(__name__)
 
@@ -395,6 +395,9 @@ class Judge:
         self.config = config or JudgeConfig(**settings)
         self.__name__ = self.config.name  # the rubric's name for it
         self.sampling = dict(sampling or {})
+        # not the judge model's generation_config.json's (vLLM's server fills them from it, Gyre's does not): the same
+        # judge gave other verdicts by server; `sampling` sets its own; dropped for a server refusing them (OpenAI's)
+        self._pinned = dict(NEUTRAL_SAMPLING)
         self.endpoint = Endpoint(self.config, name=f"judge {self.config.name!r}", client=client)
         self.stats: Counter[str] = self.endpoint.stats
         self._cache: OrderedDict[str, float] = OrderedDict()
@@ -525,7 +528,7 @@ class Judge:
                     "max_tokens": cfg.max_tokens, **extra}  # fmt: skip
             try:
                 # a cut prompt is another form of the refused one: not counted again toward the refusals in a row
-                answer = await self.endpoint.post("/v1/chat/completions", body, again=attempt > 0)
+                answer = await self._post(body, again=attempt > 0)
             except RequestRefused as error:  # the same request is refused every time: this rollout's, not the run's
                 first = first or error
                 overflow = _overflow(error, cfg.max_tokens)
@@ -558,6 +561,23 @@ class Judge:
                                 "whole completions", cfg.name, first)  # fmt: skip
             return answer, fields, messages
         raise AssertionError("unreachable")
+
+    async def _post(self, body: dict[str, Any], *, again: bool) -> Any:
+        """The answer to `body` with the neutral sampling fields (`NEUTRAL_SAMPLING`) it does not set itself. A hosted
+        API that refuses one by name ("Unrecognized request argument supplied: top_k") is asked again without them,
+        as are all later requests: it applies no generation config of its own."""
+        pinned = self._pinned
+        try:
+            return await self.endpoint.post("/v1/chat/completions", {**pinned, **body}, again=again)
+        except RequestRefused as error:
+            named = [key for key in pinned if key not in body and key in str(error)]
+            if not named:
+                raise
+            if self._pinned:
+                log.warning("judge %r: its server refuses %s (%s); its requests leave them out", self.config.name,
+                            ", ".join(named), error)  # fmt: skip
+            self._pinned = {}
+            return await self.endpoint.post("/v1/chat/completions", body, again=True)
 
     async def _note_model(self, body: Any) -> None:
         """Count (`other_model`) and log once an answer from another model than the one asked for: a proxy's

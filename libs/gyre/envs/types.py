@@ -35,6 +35,14 @@ def derive_seed(seed: int, *key: int | str) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
+#: Sampling fields every chat request Gyre sends (the orchestrator's rollouts and evals, judges) pins to their neutral
+#: values. vLLM's server fills what a request leaves out from the model's generation_config.json (Qwen3: top_k 20;
+#: Qwen2.5 instruct: repetition_penalty 1.05), Gyre's server does not: without them the same request sampled
+#: differently by server, off the policy the trainer recomputes (log_softmax(logits / T) alone) for a rollout, another
+#: verdict for a judge (greedy decoding too, under the penalty).
+NEUTRAL_SAMPLING: dict[str, float] = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Per-request sampling settings; field names match `gyre.config.orchestrator.SamplingConfig`.

@@ -35,7 +35,7 @@ import httpx
 import openai
 from gyre.endpoint import RotatingKey, describe, first_model
 from gyre.envs import ContextLengthExceeded, Messages, SamplingParams, ToolCall, Turn
-from gyre.envs.types import derive_seed
+from gyre.envs.types import NEUTRAL_SAMPLING, derive_seed
 from gyre.eos import served_end_of_turn_id
 
 from gyre_orchestrator.replicas import NoReplicaAvailable, Replica, ReplicaSet
@@ -242,12 +242,8 @@ class InferenceClient:
             "messages": messages,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
-            # vLLM's server fills what a request leaves out from the model's generation_config.json (Qwen3: top_k 20,
-            # Qwen2.5 instruct: repetition_penalty 1.05); the trainer recomputes log_softmax(logits / T) alone, so a
-            # rollout sampled through those was off-policy without a word. Neutral here, on any server.
-            "top_k": -1,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
+            # not the model's generation_config.json's (vLLM's server fills them from it): off-policy without a word
+            **NEUTRAL_SAMPLING,
             "max_tokens": sampling.max_tokens,
             "logprobs": True,
             "return_token_ids": True,  # gyre / vLLM extension: prompt and completion token ids

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 
@@ -296,6 +297,35 @@ def test_a_judge_asks_the_server_and_reads_its_score(scripted, monkeypatch):
     assert body["model"] == "judge-model" and body["messages"] == [{"role": "user", "content": "cba"}]
     assert body["temperature"] == 0.0 and body["max_tokens"] == 256
     assert scripted.auth == ["Bearer sk-from-env"]
+    # pinned, as the orchestrator's requests: vLLM's server filled them from the judge's generation_config.json
+    assert (body["top_k"], body["min_p"], body["repetition_penalty"]) == (-1, 0.0, 1.0)
+
+
+def test_a_judges_own_sampling_fields_win_over_the_pinned_ones(scripted):
+    judge = Judge(url=scripted.url, prompt="{response}", cache_size=0, sampling={"top_k": 5, "repetition_penalty": 1.1})
+    scripted.script = ["Score: 9"]
+    assert asyncio.run(judge(PROMPT, completion("cba"), "cba")) == pytest.approx(0.9)
+    (_, body), = [r for r in scripted.requests if r[0] == "chat"]  # fmt: skip
+    assert (body["top_k"], body["min_p"], body["repetition_penalty"]) == (5, 0.0, 1.1)
+
+
+def test_a_server_refusing_the_pinned_fields_is_asked_without_them(scripted, caplog):
+    """A hosted API (OpenAI's) refuses fields it does not know by name: asked again without the pinned ones, and every
+    later request leaves them out (it applies no generation config anyway); told once."""
+    judge = Judge(url=scripted.url, prompt="{response}", cache_size=0)
+    refusal = "Unrecognized request argument supplied: top_k"
+    scripted.script = [("status", 400, None, refusal), "Score: 9", "Score: 3"]
+
+    async def grade():
+        return [await judge(PROMPT, completion(text), "cba") for text in ("cba", "abc")]
+
+    with caplog.at_level(logging.WARNING, logger="gyre.envs.judge"):
+        scores = asyncio.run(grade())
+    assert scores == [pytest.approx(0.9), pytest.approx(0.3)]
+    bodies = [body for kind, body in scripted.requests if kind == "chat"]
+    assert ["top_k" in body for body in bodies] == [True, False, False]
+    assert not any("min_p" in body or "repetition_penalty" in body for body in bodies[1:])
+    assert sum("leave them out" in record.getMessage() for record in caplog.records) == 1
 
 
 def test_a_reasoning_judges_thinking_is_not_its_verdict(scripted):
