@@ -34,11 +34,14 @@ def _as_ids(value) -> list[int]:
 
 
 def template_end_of_turn_id(tokenizer) -> int | None:
-    """The special token `tokenizer`'s chat template writes right after an assistant's reply, if any.
+    """The special or added token `tokenizer`'s chat template writes right after an assistant's reply, if any.
 
     A user turn and an assistant reply are rendered; the first token after the reply (leading whitespace skipped:
-    Llama 2 writes ` </s>`) counts only when it is one of the tokenizer's special tokens, so a template that ends
-    a turn with plain text (`\\n\\n`) adds nothing. A template that cannot render the probe adds nothing either."""
+    Llama 2 writes ` </s>`) counts only when it is one of the tokenizer's special tokens or a token added to its
+    vocabulary (`add_tokens`, special or not: a fine-tune that gave a base tokenizer ChatML's `<|im_end|>` as a plain
+    added token never stopped there), so a template that ends a turn with plain text (`\\n\\n`) adds nothing, nor
+    does a marker the tokenizer splits into several tokens (`<end>`: no one id ends it, and its first, `<`, would end
+    every reply that writes one). A template that cannot render the probe adds nothing either."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_REPLY}]
@@ -51,7 +54,7 @@ def template_end_of_turn_id(tokenizer) -> int | None:
         return None
     after = tokenizer.encode(text[at + len(_PROBE_REPLY) :].lstrip(), add_special_tokens=False)
     special = set(getattr(tokenizer, "all_special_ids", ()))
-    special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    special |= set(getattr(tokenizer, "added_tokens_decoder", {}))  # added tokens, special or not
     return after[0] if after and after[0] in special else None
 
 

@@ -47,6 +47,23 @@ def test_a_template_that_ends_turns_with_plain_text_adds_no_stop_token(base_styl
     assert end_of_turn_ids(base_style_model, tokenizer) == {tokenizer.eos_token_id}
 
 
+def test_an_added_token_that_is_not_special_ends_a_turn_too(base_style_model):
+    """A fine-tune that gave a base tokenizer ChatML's end as a plain added token (`add_tokens`, special false) ends
+    each reply with that one id, which no config names: it was not counted (only special tokens were), and every
+    reply ran on. A marker the tokenizer splits into several tokens stays no stop token (its first, `<`, is text)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_style_model)
+    tokenizer.add_tokens(["<|end_turn|>"])  # special=False
+    end = tokenizer.convert_tokens_to_ids("<|end_turn|>")
+    assert end not in tokenizer.all_special_ids and not tokenizer.added_tokens_decoder[end].special
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|end_turn|>\n{% endfor %}"
+    assert end_of_turn_ids(base_style_model, tokenizer) == {tokenizer.eos_token_id, end}
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|end_of_it|>\n{% endfor %}"
+    assert len(tokenizer.encode("<|end_of_it|>", add_special_tokens=False)) > 1
+    assert end_of_turn_ids(base_style_model, tokenizer) == {tokenizer.eos_token_id}
+
+
 def test_the_server_stops_a_reply_at_the_templates_end_of_turn_token(base_style_model):
     from gyre_inference.torch_backend import TorchBackend
     from openai import OpenAI
