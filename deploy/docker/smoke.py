@@ -269,10 +269,11 @@ def check_reaping(cluster: Cluster) -> dict[str, str]:
 
 
 def stopped_cleanly(result: dict, container: Container) -> bool:
-    """Not killed, and the exit code a service documents for SIGTERM: 0 or 143 (128 + SIGTERM). The trainer's
+    """Not killed, and the exit code every service documents for a SIGTERM: 0, a clean stop. The trainer's
     torchrun (`python -m gyre_trainer.torchrun`) exits 0 once every worker stopped cleanly; torchrun's own 1 with
-    a SignalException, whatever the workers did, is no longer taken for a clean stop."""
-    return not result["killed"] and result["code"] in (0, 143)
+    a SignalException, whatever the workers did, is no longer taken for a clean stop; nor the orchestrator's 143
+    (a push cut short: it once waited out its stop grace for the Redis stopped beside it, then exited 143)."""
+    return not result["killed"] and result["code"] == 0
 
 
 def stop_all(cluster: Cluster) -> list[dict]:

@@ -16,6 +16,9 @@ XADD of a batch (a duplicate entry of a step is acked and skipped by the trainer
   too: a call blocked on a Redis that does not answer (frozen, cut off by the network) is left to its
   thread. In `asyncio.to_thread`'s executor, `asyncio.run` waited for it on the way out, up to the
   client's `socket_timeout` (30 s for the orchestrator's), beyond a pod's or `gyre rl`'s stop grace.
+  A call its caller lets run on through a stop (the orchestrator's push) raises `Stopped` once
+  `should_stop()` is true while Redis is unavailable: a Redis stopped with the release (`helm uninstall` stops
+  every pod at once) does not come back within the stop's grace.
 """
 
 from __future__ import annotations
@@ -122,11 +125,13 @@ async def acall_with_retry(
     op: Callable[[], T],
     *,
     what: str = "a redis call",
+    should_stop: Callable[[], bool] | None = None,
     deadline_s: float | None = None,
     initial_s: float = 0.5,
     max_s: float = 30.0,
 ) -> T:
-    """`op()` in a daemon thread until Redis answers; cancellable; `RedisUnavailable` after `deadline_s`."""
+    """`op()` in a daemon thread until Redis answers; cancellable; `Stopped` when `should_stop()` while Redis is
+    unavailable (checked at each failure and while waiting to retry); `RedisUnavailable` after `deadline_s`."""
     start, delay = time.monotonic(), initial_s
     while True:
         try:
@@ -138,6 +143,12 @@ async def acall_with_retry(
             if deadline_s is not None and elapsed >= deadline_s:
                 raise _give_up(what, deadline_s, e) from e
             log.warning("redis %s during %s (%s); retrying in %.1fs", _state(e), what, e, delay)
-            pause = delay if deadline_s is None else min(delay, deadline_s - elapsed)
-            await asyncio.sleep(max(0.0, pause))
+            wake = time.monotonic() + (delay if deadline_s is None else min(delay, deadline_s - elapsed))
+            while True:
+                if should_stop is not None and should_stop():
+                    raise Stopped from e
+                left = wake - time.monotonic()
+                if left <= 0:
+                    break
+                await asyncio.sleep(min(0.1, left))
             delay = min(delay * 2, max_s)

@@ -226,3 +226,33 @@ def test_the_image_alone_reaps_orphans_and_stops_at_sigterm(component):
         assert seconds < 10 and code == 143, f"{name}: stopped after {seconds:.1f} s with code {code}"
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def test_the_orchestrator_exits_0_when_sigterm_finds_redis_gone_mid_push():
+    """`helm uninstall` SIGTERMs every pod at once and Redis exits first: the container smoke's orchestrator, caught
+    pushing a batch, retried the push until its stop grace ran out and exited 143 about 10.7 s after SIGTERM (trainer
+    and inference: 0). The kind release with `max_async_level` 50, so the orchestrator keeps generating ahead of the
+    trainer and its next push meets the stopped Redis; then `docker stop` of the orchestrator: exit 0, well before
+    the grace (the push left to the resume rule)."""
+    values = load_values("values-kind.yaml")
+    values["experiment"]["orchestrator"]["max_async_level"] = 50
+    objects = K.render_chart(CHART, values, release="exp", namespace="rl", api_versions=MONITORING_APIS)
+    the_plan = plan(objects, namespace="rl", release="exp")
+    images, _ = S.resolve_images(the_plan, S.Options().fallbacks)
+    cluster = C.Cluster(the_plan, images)
+    orchestrator = next(p for p in the_plan.workload_pods if "orchestrator" in p.name)
+    redis = next(p for p in the_plan.workload_pods if "redis" in p.name)
+    main = cluster.names.container(orchestrator.name, "orchestrator")
+    try:
+        cluster.create_shared()
+        cluster.start(the_plan.workload_pods)
+        cluster.wait_ready(the_plan.workload_pods, time.monotonic() + 600)
+        wait_for(lambda: "pushed step 2:" in C.tail(main, 200), 300, f"{main} pushing")
+        stop(cluster.names.container(redis.name, "redis"), 30)
+        outage = re.compile(r"unavailable during (pushing batch|counting the push|reading redis memory)")
+        wait_for(lambda: outage.search(C.tail(main, 50)), 120, f"{main} pushing into the outage")
+        seconds, code = stop(main, orchestrator.grace_s)
+        assert code == 0, f"{main}: stopped after {seconds:.1f} s with code {code}\n{C.tail(main)}"
+        assert "stopped by signal (SIGTERM)" in C.tail(main, 20)
+    finally:
+        cluster.teardown()

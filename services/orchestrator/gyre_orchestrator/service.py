@@ -37,7 +37,7 @@ from gyre.envs.judge import add_to_rubric, held_by
 from gyre.events import EVAL, ORCHESTRATOR_STEPS, WEIGHT_RELAY, EventLog, events_dir, latest_per_step, read_events
 from gyre.metrics import start_metrics_server
 from gyre.net import bind_failure, bind_or_explain
-from gyre.redis_retry import acall_with_retry
+from gyre.redis_retry import Stopped, acall_with_retry
 from gyre.rollouts import write_dump
 from gyre.runstate import committed_step, mark_rewound, pending_rewind, trainer_checkpoints
 from gyre.steps import StepEntries
@@ -221,6 +221,7 @@ class OrchestratorService:
         self._task: asyncio.Task | None = None  # the task running `run()`, cancelled by `stop()`
         self.stop_requested: str | None = None  # why (e.g. "SIGTERM"): a clean stop, see `stop()`
         self._pushing = False  # between a batch's event line and its progress accounting
+        self._push_abandoned = False  # a push left under a stop because Redis was unavailable (`loop`)
         self._stop_timer: asyncio.TimerHandle | None = None  # ends a push that outlasts the stop's grace
         self._pushed_here: int | None = None  # newest step this process pushed and accounted
 
@@ -273,8 +274,9 @@ class OrchestratorService:
     @property
     def stop_cut_short(self) -> bool:
         """A batch's push was cut short (a second signal, or it outlasted the stop's grace): the resume rule
-        regenerates or keeps it by what reached the stream."""
-        return self._pushing
+        regenerates or keeps it by what reached the stream. Not one left because Redis was unavailable then (`loop`):
+        nothing else could be done, a clean stop."""
+        return self._pushing and not self._push_abandoned
 
     def _save_stop_checkpoint(self) -> None:
         """At a clean stop, the progress of the last step this process pushed, unless `ckpt_interval` already saved
@@ -601,16 +603,27 @@ class OrchestratorService:
                         dropped, point.start_step)  # fmt: skip
         return point
 
-    async def _redis(self, op, what: str):
-        """A Redis call that survives an outage of up to `redis.retry_deadline_s` (and stops on SIGTERM)."""
-        return await acall_with_retry(op, what=what, deadline_s=self.cfg.redis.retry_deadline_s)
+    async def _redis(self, op, what: str, *, during_push: bool = False):
+        """A Redis call that survives an outage of up to `redis.retry_deadline_s` (and stops on SIGTERM). A push's
+        calls run on through a stop (`stop`), but not through an outage then: `Stopped` (see `loop`)."""
+        should_stop = (lambda: self.stop_requested is not None) if during_push else None
+        return await acall_with_retry(op, what=what, should_stop=should_stop,
+                                      deadline_s=self.cfg.redis.retry_deadline_s)  # fmt: skip
 
     async def loop(self) -> None:
         cfg = self.cfg
         while cfg.max_steps is None or self.last_step < cfg.max_steps:
             st = await self.scheduler.next_batch()
             self._pushing = True  # a stop waits for it (`stop`); left True when the push is cut short
-            await self.push(st)
+            try:
+                await self.push(st)
+            except Stopped:
+                # Redis unavailable under a stop (`helm uninstall` stops it with us): waiting out the grace would
+                # only end in a cut (exit 143). Nothing acknowledged is lost: the step's progress is not saved, so
+                # a restart generates it again, or keeps it if its XADD reached the stream (the resume rule).
+                log.info("redis unavailable while stopping: batch %d left to the resume rule", st.step)
+                self._push_abandoned = True
+                raise asyncio.CancelledError from None
             self._pushing = False
             self._pushed_here = st.step
             if self.stop_requested:  # it came during the push (its grace timer is cancelled on the way out)
@@ -888,13 +901,14 @@ class OrchestratorService:
                 st.step, payload, path_threshold=cfg.batch.inline_max_bytes, spill_dir=self.spilled.root
             ),
             f"pushing batch {st.step}",
+            during_push=True,
         )
         self._pushed_id = self._untrained_ids[st.step] = stream_id(entry_id)
-        pushes = await self._redis(lambda: self.redis.incr(self._pushes_key), "counting the push")
+        pushes = await self._redis(lambda: self.redis.incr(self._pushes_key), "counting the push", during_push=True)
         self._pushes_reset |= pushes != self._pushes + 1  # (a retried push may count twice: a harmless check)
         self._pushes = pushes
         self.last_step = st.step
-        await self._redis(self._note_redis_memory, "reading redis memory")
+        await self._redis(self._note_redis_memory, "reading redis memory", during_push=True)
         await asyncio.to_thread(self._prune_spilled)
         self.step_records.account(st, record, [s.meta["lag"] for s in samples], positions=self.sampler.state())
         if records:

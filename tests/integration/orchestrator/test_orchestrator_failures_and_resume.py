@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -216,6 +217,58 @@ def test_a_signalled_orchestrator_stops_cleanly_saves_its_progress_and_a_restart
     assert [e.step for e in entries] == list(range(1, last + 3))  # nothing repeated, nothing skipped
     tasks = [s["task_id"] for e in entries for s in e.decode().samples]
     assert len(tasks) == 2 * len(set(tasks))  # 2 samples per task, no task used in two groups
+
+
+def test_sigterm_while_redis_is_gone_mid_push_exits_0_and_a_restart_replays_the_batch(tmp_path, unique_run_id,
+                                                                                       replicas):  # fmt: skip
+    """`helm uninstall` SIGTERMs every pod at once: Redis exits at once, and an orchestrator caught pushing a batch
+    then retried the push until the stop's grace ran out, and exited 143 some 10 s later (the container smoke's
+    orchestrator, while trainer and inference exited 0). Now a push that finds Redis unavailable under a stop is
+    left to the resume rule: the process exits 0, and a restart against the same Redis (its append-only file)
+    generates that batch again, nothing skipped, nothing repeated."""
+    from gyre.config import to_toml
+    from gyre.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
+    port = server.port
+    try:
+        cfg = orchestrator_config(tmp_path, server.url, unique_run_id, replicas, max_async_level=50, ckpt_interval=1,
+                                  max_steps=1000, batch_size=2, rollouts_per_example=2)  # fmt: skip
+        cfg_path = tmp_path / "orchestrator.toml"
+        cfg_path.write_text(to_toml(cfg))
+        log_path = tmp_path / "run1.log"
+        with open(log_path, "w") as log1:
+            first = subprocess.Popen(orchestrator_cmd(cfg_path), stdout=log1, stderr=subprocess.STDOUT)
+            try:
+                wait_for_pushes(server.url, unique_run_id, 2, first, log_path)
+                server.stop()  # Redis goes first (it stops in 0.2 s); the next batch's push finds it gone
+                deadline = time.monotonic() + 120
+                # the push's calls: XADD, counting it, reading Redis's memory (whichever the outage caught)
+                while not re.search(r"unavailable during (pushing batch|counting the push|reading redis memory)",
+                                    log_path.read_text()):  # fmt: skip
+                    assert first.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                    time.sleep(0.05)
+                first.send_signal(signal.SIGTERM)
+                assert first.wait(60) == 0, log_path.read_text()[-3000:]
+            finally:
+                if first.poll() is None:
+                    first.kill()
+        log = log_path.read_text()
+        assert "stopped by signal (SIGTERM)" in log and "at once" not in log, log[-3000:]
+        server = EmbeddedRedis(port=port, data_dir=tmp_path / "redis").start()  # back with what it had
+        pushed = [e.step for e in stream_steps(server.url, unique_run_id)]
+        assert pushed == list(range(1, len(pushed) + 1)) and len(pushed) >= 2
+        last = pushed[-1]
+        second = subprocess.run(orchestrator_cmd(cfg_path, "--max-steps", str(last + 2)), capture_output=True,
+                                text=True, timeout=180)  # fmt: skip
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert f"starting at step {last + 1}" in second.stderr
+        entries = stream_steps(server.url, unique_run_id)
+        assert [e.step for e in entries] == list(range(1, last + 3))  # the abandoned batch generated again
+        tasks = [s["task_id"] for e in entries for s in e.decode().samples]
+        assert len(tasks) == 2 * len(set(tasks))  # no task used in two groups
+    finally:
+        server.stop()
 
 
 @pytest.mark.asyncio
