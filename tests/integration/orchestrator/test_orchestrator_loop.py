@@ -347,6 +347,14 @@ async def test_spilled_batches_are_deleted_once_trained(tmp_path, redis_url, uni
     assert left and min(left) >= steps - 1 - k and max(left) == steps, left
 
 
+async def held(store: WeightStore, step: int, is_held: bool = True) -> None:
+    """Wait until the relay declared version `step` held (`is_held`), or no longer held."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while (step in store.in_use()) != is_held:
+        assert asyncio.get_running_loop().time() < deadline, store.in_use()
+        await asyncio.sleep(0.05)
+
+
 async def test_a_version_a_replica_is_being_sent_is_not_pruned_when_a_newer_one_comes(
     tmp_path, start_inference, tiny_model
 ):
@@ -384,10 +392,7 @@ async def test_a_version_a_replica_is_being_sent_is_not_pruned_when_a_newer_one_
                 relay.notify(publish_weights(store, 1, tiny_model))
                 await asyncio.wait_for(sending.wait(), timeout=60)
                 relay.notify(publish_weights(store, 2, tiny_model))  # the trainer's next step, while 1 is loaded
-                deadline = asyncio.get_running_loop().time() + 30
-                while 2 not in store.in_use():  # the relay's loop has declared what it holds now
-                    assert asyncio.get_running_loop().time() < deadline, store.in_use()
-                    await asyncio.sleep(0.05)
+                await held(store, 2)  # the relay's loop has declared what it holds now
                 store.prune(keep_last=1)  # what the trainer does after committing step 2
                 assert store.steps() == [1, 2], "the version the replica is loading was pruned"
             finally:
@@ -425,19 +430,13 @@ async def test_a_version_whose_update_passed_its_deadline_stays_held_until_the_r
                 (record,) = read_events(events.path)
                 assert record["step"] == 1 and "DEADLINE_EXCEEDED" in record["error"], record
                 relay.notify(publish_weights(store, 2, tiny_model))  # the trainer's next step
-                deadline = asyncio.get_running_loop().time() + 30
-                while 2 not in store.in_use():  # the relay's loop has declared what it holds now
-                    assert asyncio.get_running_loop().time() < deadline, store.in_use()
-                    await asyncio.sleep(0.05)
+                await held(store, 2)  # the relay's loop has declared what it holds now
                 store.prune(keep_last=1)  # what the trainer does after committing step 2
                 assert store.steps() == [1, 2], "the version the replica may still be loading was pruned"
             finally:
                 os.killpg(replica.proc.pid, signal.SIGCONT)
             assert await relay.wait_served(2, timeout=120) and replica.status().step == 2
-            deadline = asyncio.get_running_loop().time() + 30
-            while 1 in store.in_use():  # the replica's answer settled version 1: no longer held
-                assert asyncio.get_running_loop().time() < deadline, store.in_use()
-                await asyncio.sleep(0.05)
+            await held(store, 1, False)  # the replica's answer settled version 1: no longer held
             store.prune(keep_last=1)
             assert store.steps() == [2]
         finally:
