@@ -29,6 +29,28 @@ def base_style_model(tiny_model, tmp_path_factory):
     return path
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+def served_chat(model, run_id: str, **request):
+    """`model` served in-process (torch backend) and asked `HI` once with the `openai` client (`request`: more
+    keys of `chat.completions.create`, greedy; the server's token ids asked for)."""
+    from gyre_inference.torch_backend import TorchBackend
+    from openai import OpenAI
+
+    async def scenario():
+        backend = TorchBackend(model, threads=1, max_batch_size=2)
+        async with serve_app(backend, model, run_id) as base_url:
+
+            def chat():
+                with OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+                    return client.chat.completions.create(model="tiny", messages=HI, temperature=0, **request)
+
+            return await asyncio.to_thread(chat)
+
+    return asyncio.run(scenario())
+
+
 def test_the_templates_end_of_turn_token_ends_a_turn_where_no_config_names_it(base_style_model):
     from transformers import AutoTokenizer
 
@@ -65,24 +87,8 @@ def test_an_added_token_that_is_not_special_ends_a_turn_too(base_style_model):
 
 
 def test_the_server_stops_a_reply_at_the_templates_end_of_turn_token(base_style_model):
-    from gyre_inference.torch_backend import TorchBackend
-    from openai import OpenAI
-
-    async def scenario():
-        backend = TorchBackend(base_style_model, threads=1, max_batch_size=2)
-        async with serve_app(backend, base_style_model, "template-end-of-turn") as base_url:
-
-            def chat():
-                with OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-                    return client.chat.completions.create(
-                        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
-                        logit_bias={"2": 100},  # <|im_end|> first: the reply ends its turn at once
-                        extra_body={"return_token_ids": True},
-                    )  # fmt: skip
-
-            return await asyncio.to_thread(chat)
-
-    reply = asyncio.run(scenario())
+    reply = served_chat(base_style_model, "template-end-of-turn", max_tokens=8, extra_body={"return_token_ids": True},
+                        logit_bias={"2": 100})  # <|im_end|> first: the reply ends its turn at once  # fmt: skip
     choice = reply.choices[0]
     assert (choice.finish_reason, reply.usage.completion_tokens) == ("stop", 1)
     assert choice.token_ids == [2] and choice.message.content == ""  # the stop token is sampled, not text
@@ -129,30 +135,20 @@ def test_the_orchestrator_stops_a_reply_at_the_templates_end_where_the_server_wo
     from gyre_inference.torch_backend import TorchBackend
     from gyre_orchestrator.client import InferenceClient, close_replica_clients
     from gyre_orchestrator.replicas import Endpoint, ReplicaSet
-    from openai import OpenAI
-
-    hi = [{"role": "user", "content": "hi"}]
 
     async def scenario():
         backend = TorchBackend(run_on_model, threads=1, max_batch_size=2)
         async with serve_app(backend, run_on_model, "orchestrator-stop-ids") as base_url:
-
-            def plain_chat():  # a client that sends no stop ids: the server alone decides
-                with OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-                    return client.chat.completions.create(
-                        model="tiny", messages=hi, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
-                    )
-
-            plain = await asyncio.to_thread(plain_chat)
             replicas = ReplicaSet([Endpoint(base_url.removesuffix("/v1"), control="127.0.0.1:1")])
             client = InferenceClient(replicas, timeout_s=60)
             try:
-                turn = await client.chat(hi, sampling=SamplingParams(temperature=0, max_tokens=12))
+                return await client.chat(HI, sampling=SamplingParams(temperature=0, max_tokens=12))
             finally:
                 await close_replica_clients(list(replicas))
-            return plain, turn
 
-    plain, turn = asyncio.run(scenario())
+    # a client that sends no stop ids: the server alone decides
+    plain = served_chat(run_on_model, "no-stop-ids", max_tokens=12, extra_body={"return_token_ids": True})
+    turn = asyncio.run(scenario())
     # the server alone runs on past the end of the turn, as `vllm serve` does
     assert plain.choices[0].finish_reason == "length" and 2 in plain.choices[0].token_ids[:-1]
     # the orchestrator's request names <|im_end|> (2): the reply ends there, its stop token sampled, not text
@@ -163,23 +159,8 @@ def test_the_orchestrator_stops_a_reply_at_the_templates_end_where_the_server_wo
 def test_a_request_stop_token_id_ends_a_choice_as_vllm_does(run_on_model, like_vllm_serve):
     """vLLM's `stop_token_ids` over HTTP with the `openai` client: the choice ends at the id (finish "stop",
     `stop_reason` the id), which stays in its token ids and, being special, out of its text."""
-    from gyre_inference.torch_backend import TorchBackend
-    from openai import OpenAI
-
-    async def scenario():
-        backend = TorchBackend(run_on_model, threads=1, max_batch_size=2)
-        async with serve_app(backend, run_on_model, "request-stop-ids") as base_url:
-
-            def chat():
-                with OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-                    return client.chat.completions.create(
-                        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0,
-                        extra_body={"return_token_ids": True, "stop_token_ids": [2]},
-                    )  # fmt: skip
-
-            return await asyncio.to_thread(chat)
-
-    choice = asyncio.run(scenario()).choices[0]
+    extra = {"return_token_ids": True, "stop_token_ids": [2]}
+    choice = served_chat(run_on_model, "request-stop-ids", max_tokens=12, extra_body=extra).choices[0]
     assert (choice.finish_reason, choice.stop_reason, choice.message.content) == ("stop", 2, REPLY)
     assert choice.token_ids[-1] == 2 and 2 not in choice.token_ids[:-1]
 
