@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from gyre.chat import NOT_TEXT_PARTS
 from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from gyre_inference.strict import StrictModel
+from gyre_inference.strict import ParamError, StrictModel
 
 
 class TextPart(StrictModel):
@@ -119,11 +119,22 @@ class AssistantMessage(StrictModel):
     annotations: None = Field(None, description="Only null (no web search).")
     function_call: None = Field(None, description="Only null (deprecated; use tool_calls).")
     parsed: Any = Field(None, exclude=True, description=_SDK_ADDED)
+    # vLLM's fields for the reasoning of an earlier reply (what its `--reasoning-parser` returned apart): clients
+    # (verifiers, agent loops) send the assistant message back with it. As vLLM, the template gets it under both
+    # names; Qwen3-style templates render `reasoning_content` in a <think> block, others leave it out.
+    reasoning_content: str | None = Field(None, description="The reply's reasoning (vLLM's field), for the template.")
+    reasoning: str | None = Field(None, description="Newer vLLM's name for reasoning_content.")
 
     @model_validator(mode="after")
     def _content_or_calls(self):
         if self.content is None and not self.tool_calls:  # OpenAI: content is required unless tool_calls is given
             raise ValueError("an assistant message needs content unless it has tool_calls (content is null)")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ParamError(
+                "reasoning", "reasoning and reasoning_content are two names for one field and differ; send one"
+            )
+        both = self.reasoning if self.reasoning is not None else self.reasoning_content  # vLLM reads `reasoning` first
+        self.reasoning = self.reasoning_content = both
         return self
 
 
