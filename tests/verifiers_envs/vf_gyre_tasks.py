@@ -112,6 +112,8 @@ class ChatLoop(vf.Harness[ChatLoopConfig]):
                     response = await client.chat.completions.create(model=ctx.model, messages=messages, **kwargs)
                     message, finish_reason = response.choices[0].message, response.choices[0].finish_reason
                 assistant = {"role": "assistant", "content": message.content or ""}
+                if reasoning := (message.model_extra or {}).get("reasoning_content"):  # sent back, as vLLM clients do
+                    assistant["reasoning_content"] = reasoning
                 if message.tool_calls:
                     assistant["tool_calls"] = [call.model_dump() for call in message.tool_calls]
                 messages.append(assistant)
@@ -131,15 +133,18 @@ async def _streamed(client: AsyncOpenAI, model: str, messages: list, kwargs: dic
     """One streamed model call, its deltas put together: (the assistant message, the finish reason)."""
     from openai.types.chat import ChatCompletionMessage
 
-    text, calls, finish_reason = "", {}, None
+    text, reasoning, calls, finish_reason = "", "", {}, None
     async for chunk in await client.chat.completions.create(model=model, messages=messages, stream=True, **kwargs):
         for choice in chunk.choices:
             text += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, {"id": delta.id, "type": "function",
                                                       "function": {"name": "", "arguments": ""}})  # fmt: skip
                 call["function"]["name"] += (delta.function and delta.function.name) or ""
                 call["function"]["arguments"] += (delta.function and delta.function.arguments) or ""
             finish_reason = choice.finish_reason or finish_reason
-    message = ChatCompletionMessage(role="assistant", content=text, tool_calls=list(calls.values()) or None)
+    message = ChatCompletionMessage(
+        role="assistant", content=text, tool_calls=list(calls.values()) or None, reasoning_content=reasoning or None
+    )
     return message, finish_reason

@@ -53,6 +53,21 @@ def strip_reasoning(text: str) -> str:
     return reply.split(THINK_OPEN, 1)[0]
 
 
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """`(reasoning, reply)` of a reply whose reasoning is in its text, as a server's reasoning parser returns them
+    apart (vLLM's `reasoning_content`; verifiers' renderers): the reply is `strip_reasoning(text)` and the reasoning
+    the rest without its `<think>` tags, both stripped. `(None, text)` for a text without reasoning."""
+    if THINK_CLOSE not in text and THINK_OPEN not in text:
+        return None, text
+    reply = strip_reasoning(text)
+    _, closed, after = text.rpartition(THINK_CLOSE)
+    thought = text[: len(text) - len(after) - len(closed)]
+    if THINK_OPEN in after:  # a block opened again and never closed (generation cut mid-thought)
+        thought += after.split(THINK_OPEN, 1)[1]
+    thought = thought.strip()
+    return thought.removeprefix(THINK_OPEN).strip(), reply.strip()
+
+
 class Parser:
     """Base parser: the answer is the last assistant message's reply text, stripped (None if there is none).
 

@@ -51,6 +51,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from gyre.envs.base import Environment
+from gyre.envs.parsers import split_reasoning
 from gyre.envs.splits import TaskSource, hold_out, listed_tasks
 from gyre.envs.types import (
     ContextLengthExceeded,
@@ -128,6 +129,9 @@ class GyreModelCalls:
         self.turns: list[Turn] = []
         self.failure: BaseException | None = None
         self.context_full = False  # a turn was refused as longer than the model's context
+        # (content, reasoning_content) of each reply handed to verifiers with its reasoning apart -> the content as
+        # sampled (`_as_sampled`)
+        self.sampled: dict[tuple[str, str], str] = {}
 
     def as_verifiers_client(self):
         return _gyre_client_class()(self)
@@ -145,7 +149,9 @@ class GyreModelCalls:
             prompt, tools = request.messages, request.tools
         try:
             turn = await self.client.chat(
-                wire_messages(prompt), tools=[tool_to_wire(t) for t in tools] or None, sampling=self.sampling
+                [self._as_sampled(m) for m in wire_messages(prompt)],
+                tools=[tool_to_wire(t) for t in tools] or None,
+                sampling=self.sampling,
             )
         except ContextLengthExceeded as exc:  # the conversation outgrew the context: a 400 no SDK retries
             self.context_full = True
@@ -156,6 +162,11 @@ class GyreModelCalls:
         self.failure = None
         self.turns.append(turn)
         message = turn.assistant_message()
+        reasoning, content = message.get("reasoning_content"), message["content"]
+        if reasoning is None:  # reasoning in the text (a <think> block) goes apart, as verifiers' own client has it
+            reasoning, content = split_reasoning(content)
+            if reasoning is not None:
+                self.sampled[(content, reasoning)] = message["content"]
         calls = [ToolCall(id=c["id"] or f"call_{i}", name=c["function"]["name"], arguments=c["function"]["arguments"])
                  for i, c in enumerate(message.get("tool_calls") or [])]  # fmt: skip
         finish = turn.finish_reason if turn.finish_reason in ("stop", "length", "tool_calls") else None
@@ -163,7 +174,7 @@ class GyreModelCalls:
             id=f"gyre-{len(self.turns)}",
             created=0,
             model=str(body.get("model") or "gyre"),
-            message=AssistantMessage(content=message["content"], tool_calls=calls or None),
+            message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
             finish_reason=finish,
             usage=Usage(prompt_tokens=len(turn.prompt_token_ids), completion_tokens=len(turn.completion_token_ids)),
             tokens=TurnTokens(
@@ -174,6 +185,17 @@ class GyreModelCalls:
         )
         response.raw = serialize_completion(response, response.model)
         return response
+
+    def _as_sampled(self, message: dict) -> dict:
+        """An assistant message of the history as Gyre's client sends it: a reply verifiers got with its reasoning
+        apart goes back as the text that was sampled (the <think> block in its content), so the prompt holds exactly
+        the sampled tokens whatever the chat template does with `reasoning_content` (most drop it, or render it
+        with other whitespace: the turn would drift). Other messages are sent as they are."""
+        key = (message.get("content") or "", message.get("reasoning_content"))
+        if message.get("role") != "assistant" or key not in self.sampled:
+            return message
+        sent = {k: v for k, v in message.items() if k != "reasoning_content"}
+        return {**sent, "content": self.sampled[key]}
 
     def _note_ignored_sampling(self, body: dict) -> None:
         """Name (once per environment and key) a harness's own sampling that differs from the run's: every turn is

@@ -291,3 +291,20 @@ def test_names_and_weights_a_verifiers_user_writes_are_named_in_the_errors():
     for weight in ("0.5", True, None):
         with pytest.raises(ValueError, match=f"weight of 'w' must be a finite number, got {weight!r}"):
             rubric.add(lambda answer: 0.0, weight=weight, name="w")
+
+
+@pytest.mark.parametrize(
+    ("text", "split"),
+    [
+        ("42", (None, "42")),  # no reasoning: the text untouched
+        ("<think>\nadd them\n</think>\n\n42", ("add them", "42")),
+        ("add them\n</think>\n\n42", ("add them", "42")),  # the template opened the block
+        ("<think>\nadd th", ("add th", "")),  # cut mid-thought: all reasoning, no reply
+        ("<think>a</think>42<think>b", ("ab", "42")),  # opened again and never closed: reasoning too
+    ],
+)
+def test_split_reasoning_is_what_a_reasoning_parser_returns_apart(text, split):
+    from gyre.envs.parsers import split_reasoning, strip_reasoning
+
+    assert split_reasoning(text) == split
+    assert split[0] is None or split[1] == strip_reasoning(text).strip()

@@ -124,6 +124,44 @@ async def test_concurrent_episodes_each_get_their_own_model_calls(sampling, stre
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_reasoning_reaches_verifiers_apart_and_goes_back_as_it_was_sampled(sampling, stream):
+    """verifiers' own client hands a reply's reasoning apart (`reasoning_content`, the content after it): the adapter
+    gave the whole text as content, so a reward or parser reading the reply (`trace.last_reply`) read the thinking.
+    The harness sends the reasoning back (as vLLM clients do) and the next prompt holds each reply as it was sampled
+    (this template, like most, does not render `reasoning_content`): the tokens extend, one branch, no drift."""
+    harness = {"id": "vf_gyre_tasks", "turns": 3, "tools": True, "stream": stream}
+    env = load_environment(NAME, taskset={"source": "calculator", "num_tasks": 8}, agent={"harness": harness},
+                           num_eval=2)  # fmt: skip
+    task = env.tasks("train", seed=0)[0]
+    expression = task.prompt[-1]["content"].removeprefix("What is ").removesuffix("?")
+    call = ToolCall(id="call_0", name="calculator", arguments={"expression": expression},
+                    raw_arguments=json.dumps({"expression": expression}))  # fmt: skip
+    opened, thought = "<think>\nuse the tool\n</think>\n\n", "maybe 7?\n</think>\n\n"  # the template may open it
+    texts = [opened, thought + "wrong", thought + task.answer]
+    client = ScriptedClient([Reply(texts[0], tool_calls=[call], finish_reason="tool_calls"), Reply(texts[1]),
+                             Reply(texts[2])])  # fmt: skip
+    task, rollout, score = await rollout_of(env, client, sampling, task)
+
+    trace = rollout.state["trace"]
+    replies = [(m.reasoning_content, m.content or "") for m in trace.assistant_messages]
+    assert replies == [("use the tool", ""), ("maybe 7?", "wrong"), ("maybe 7?", task.answer)]
+    assert trace.last_reply == task.answer and score.reward == 1.0
+    assert [m.get("reasoning_content") for m in rollout.completion if m["role"] == "assistant"] == [
+        "use the tool",
+        "maybe 7?",
+        "maybe 7?",
+    ]
+    # the last turn's history: every earlier reply as sampled, its reasoning in the content, no reasoning_content
+    history = [m for m in client.calls[2]["messages"] if m["role"] == "assistant"]
+    assert [m["content"] for m in history] == texts[:2] and not any("reasoning_content" in m for m in history)
+    assert history[0]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert rollout.error is None and rollout.stop_reason == "done" and rollout.state["branches"] == 1
+    assert sampled(rollout) == [t for turn in rollout.turns for t in turn.completion_token_ids]
+    assert rollout.token_ids == rollout.turns[-1].prompt_token_ids + rollout.turns[-1].completion_token_ids
+
+
+@pytest.mark.asyncio
 async def test_a_turn_that_no_longer_extends_the_tokens_keeps_the_first_branch(sampling):
     env = vf_env("reverse_text", tools=False)
     drift = lambda i, ids: ids if i == 0 else [7] + ids[1:]  # noqa: E731 (a re-tokenised prompt on turn 2)
