@@ -371,8 +371,12 @@ def _packed_row(samples: list[tuple[list[int], list[bool]]]) -> PackedRow:
     )
 
 
-def prepare_rows(cfg: SFTConfig, tokenizer, context: int | None = None) -> list[PackedRow]:
-    """Load, render, mask and pack the dataset; `SFTDataError` when it cannot fill one batch.
+def prepare_rows(
+    cfg: SFTConfig, tokenizer, context: int | None = None, stop: threading.Event | None = None
+) -> list[PackedRow]:
+    """Load, render, mask and pack the dataset; `SFTDataError` when it cannot fill one batch, `SFTInterrupted` when
+    `stop` is set meanwhile (tokenizing a large dataset takes minutes: a Ctrl-C waited for all of it, then for the
+    model to load, to stop before the first step).
 
     `context`: the model's (`max_position_embeddings`). A conversation is cut to it when `data.seq_len` is longer
     (position ids restart per conversation, so a row of `data.seq_len` may hold several shorter ones): a conversation
@@ -385,7 +389,7 @@ def prepare_rows(cfg: SFTConfig, tokenizer, context: int | None = None) -> list[
     end_ids = end_of_turn_ids(cfg.model.name, tokenizer)
     limit = min(data.seq_len, context or data.seq_len)
     where = f"data.seq_len={data.seq_len}" if limit == data.seq_len else f"the model's context, {limit} tokens"
-    samples = (_tokenize_or_explain(c, tokenizer, end_ids) for c in conversations)
+    samples = (_tokenize_or_explain(c, tokenizer, end_ids) for c in _until(stop, conversations))
     rows, truncated, dropped = pack(samples, data.seq_len, limit)
     if dropped == len(conversations):
         raise SFTDataError(f"no conversation has an assistant token to learn within {where}")
@@ -399,6 +403,22 @@ def prepare_rows(cfg: SFTConfig, tokenizer, context: int | None = None) -> list[
         )
     log.info("%d conversations -> %d rows of <= %d tokens", len(conversations), len(rows), data.seq_len)
     return rows
+
+
+def _until(stop: threading.Event | None, conversations: list[Conversation]) -> Iterable[Conversation]:
+    for conversation in conversations:
+        if stop is not None and stop.is_set():
+            raise SFTInterrupted(0, None)
+        yield conversation
+
+
+def _stopped_before_training(cfg: SFTConfig) -> SFTInterrupted:
+    """A stop before the first step: what the same command does next, from the checkpoint it resumes from, if any."""
+    from gyre.runstate import sft_checkpoints
+
+    resume = cfg.ckpt.resume_step
+    at = resume if resume is not None and resume >= 0 else max(sft_checkpoints(cfg.output_dir), default=0)
+    return SFTInterrupted(at, at or None)
 
 
 def _tokenize_or_explain(conversation: Conversation, tokenizer, end_ids: Collection[int]):
@@ -459,7 +479,13 @@ def run(cfg: SFTConfig) -> int:
         if data.batch_size % ctx.world_size or (data.batch_size // ctx.world_size) < 1:
             raise SFTDataError(f"data.batch_size={data.batch_size} must be a multiple of the {ctx.world_size} ranks")
         dist.seed_everything(cfg.seed, cfg.deterministic)
-        rows = prepare_rows(cfg, load_tokenizer(cfg.model), model_context(cfg.model))
+        # one process stops while tokenizing; torchrun's ranks (signalled at different instants) agree before the
+        # model loads (stop_requested below), so that none waits in a collective for one that left
+        try:
+            rows = prepare_rows(cfg, load_tokenizer(cfg.model), model_context(cfg.model),
+                                None if ctx.distributed else STOP)  # fmt: skip
+        except SFTInterrupted:
+            raise _stopped_before_training(cfg) from None
         steps_per_epoch = len(rows) // data.batch_size
         total = min(cfg.max_steps, cfg.epochs * steps_per_epoch) if cfg.epochs else cfg.max_steps
         if unseen := unseen_per_epoch(len(rows), data.batch_size, ctx.world_size):
@@ -499,6 +525,8 @@ def run(cfg: SFTConfig) -> int:
         else:
             log.info("%d steps per epoch; training %d steps", steps_per_epoch, total)
 
+        if stop_requested(ctx):  # while the data was prepared: stopped now, not after the model has loaded
+            raise _stopped_before_training(cfg)
         dtype = resolve_dtype(cfg.model.dtype, ctx.device)
         model = dist.shard_model(load_model(cfg.model, ctx.device, dtype), ctx)
         optimizer = build_optimizer(model, cfg.optim)

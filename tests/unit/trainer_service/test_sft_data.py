@@ -324,6 +324,36 @@ def test_ctrl_c_says_what_a_rerun_does_instead_of_a_traceback(tmp_path, tiny_mod
     assert f"step_{stopped[2]}" in os.listdir(stopped[3])
 
 
+def test_ctrl_c_while_the_data_is_prepared_stops_there_without_loading_the_model(tmp_path, tiny_model, monkeypatch,
+                                                                                 capsys):  # fmt: skip
+    # tokenizing a large dataset takes minutes: a Ctrl-C then waited for all of it, and for the model to load, to stop
+    # before the first step ("stopping after the current step", with no step running)
+    import os
+    import signal
+
+    from gyre_trainer import model, sft
+
+    loaded, load_conversations = [], sft.load_conversations
+
+    def ctrl_c_while_loading(*args):
+        os.kill(os.getpid(), signal.SIGINT)  # a real SIGINT, to the handler gyre sft installs
+        return load_conversations(*args)
+
+    def load_model(*args, **kwargs):
+        loaded.append(args)
+        return real_load_model(*args, **kwargs)
+
+    real_load_model = model.load_model
+    monkeypatch.setattr(sft, "load_conversations", ctrl_c_while_loading)
+    monkeypatch.setattr(model, "load_model", load_model)
+    argv = ["--model.name", str(tiny_model), "--data.fake", "--data.num-examples", "64", "--data.seq-len", "64",
+            "--data.batch-size", "2", "--max-steps", "3", "--output-dir", str(tmp_path), "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "gyre sft: stopped after step 0; no checkpoint (nothing trained yet): the same command starts over" in err
+    assert loaded == [] and not (tmp_path / "sft").exists()
+
+
 @pytest.mark.parametrize(
     ("env", "args", "said"),
     [("reverse_txt", "{}", "unknown environment 'reverse_txt'"),
