@@ -122,6 +122,9 @@ def schema_error(values: dict) -> str:
         ({"trainer": {"resources": {"requests": {"memroy": "8Gi"}}}}, ["/trainer/resources/requests", "memroy"]),
         ({"inference": {"resources": {"limits": {"gpu": 1}}}}, ["/inference/resources/limits", "gpu"]),
         ({"redis": {"resources": {"limits": {"Memory": "1Gi"}}}}, ["/redis/resources/limits", "Memory"]),
+        # a quantity the API server cannot parse, on a request without a limit (no requests-vs-limits check reads it)
+        ({"orchestrator": {"resources": {"requests": {"cpu": "2cores"}}}}, ["/orchestrator/resources/requests/cpu"]),
+        ({"trainer": {"resources": {"requests": {"memory": "16GB"}}}}, ["/trainer/resources/requests/memory", "16GB"]),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(values, names):

@@ -38,6 +38,10 @@ EXTENDED_RESOURCE_NAMES = (
     r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
 )
 
+# apimachinery's resource.Quantity grammar: a signed decimal, then a binary (Ki..Ei) or decimal (n u m k M G T P E)
+# suffix or a decimal exponent
+QUANTITY = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+
 # Keys of each service's table that the chart passes on the command line (dotted paths). The chart
 # decides them from its own values: bind addresses and ports (they must match the Services and probes),
 # the shared volume, Redis (URL + password from a Secret), replica discovery, secrets, and the
@@ -208,6 +212,15 @@ def kubernetes_definitions(names: list[str]) -> dict[str, Any]:
         node["properties"] = {name: quantity for name in ("cpu", "memory", "ephemeral-storage")}
         node["patternProperties"] = {pattern: quantity for pattern in EXTENDED_RESOURCE_NAMES}
         node["additionalProperties"] = False
+    # Quantities: Kubernetes' schema takes any string, so `cpu: 2cores` or `memory: 16GB` (a limit-less request the
+    # chart's requests-vs-limits check never reads, an emptyDir sizeLimit) reached the API server, which refuses
+    # the pod after the objects before it were applied. Here the render fails naming the key (a pattern applies to
+    # strings only: numbers stay numbers).
+    defs["io.k8s.apimachinery.pkg.api.resource.Quantity"] = {
+        "description": "A Kubernetes quantity: 500m, 2, 1.5, 16Gi, 1G, 1e3 (not 16GB, 2cores or 48 Gi).",
+        "type": ["string", "number", "null"],
+        "pattern": QUANTITY,
+    }
     return _reachable(defs, names)
 
 
