@@ -56,8 +56,10 @@ from gyre_orchestrator.scheduler import VersionWatch
 log = logging.getLogger(__name__)
 
 HOLDER = "orchestrator"
-# the codes of an UpdateWeights that may have reached a replica still loading the version when the call ended
-NO_ANSWER = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# the codes of an UpdateWeights that may have reached a replica still loading the version when the call ended. Not
+# UNAVAILABLE: no process answers there (down, restarted) or it said it is not loaded yet, so nothing loads there, and
+# a replica down for long was sent, and held, every version published meanwhile (pruning stopped for the whole run)
+NO_ANSWER = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class WeightsRefused(RuntimeError):
@@ -365,6 +367,8 @@ class WeightRelay:
                 metadata=self.metadata,
             )
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # no process there: it loads none of what it was sent
+                self._sending.pop(replica.url, None)
             was_in_rotation = self.replicas.in_rotation(replica)
             # during its cooldown this only marks it down (no longer cooldown): it rejoins when a probe answers
             self.replicas.mark_failed(replica, f"GetStatus: {self._control_error(replica, e, sent)}", probe=True)
@@ -372,6 +376,7 @@ class WeightRelay:
                 self.replicas.abandon(replica)
             return
         if not status.ready:  # still loading its model (restarted, or new): no request, no update before it is
+            self._sending.pop(replica.url, None)  # restarted (or stopping): it loads none of what it was sent before
             self.replicas.mark_failed(replica, "GetStatus: not ready", probe=True)
             return
         if not self.replicas.in_rotation(replica) and not replica.probe_failed:
@@ -441,7 +446,7 @@ class WeightRelay:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # a load slower than the deadline fails every retry
                     error += (f" (not loaded within relay.timeout_s = {self.timeout_s:g} s: raise it if loading a "
                               "version takes this replica longer)")  # fmt: skip
-                # no answer from the replica itself: it may be loading the version still (or never got the call)
+                # no answer in time: the replica may be loading the version still (or never got the call)
                 answered = e.code() not in NO_ANSWER
             if answered:  # updates are serialised on the replica: every version sent before this call has loaded or not
                 self._sending.pop(replica.url, None)

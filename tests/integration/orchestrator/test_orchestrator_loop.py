@@ -444,6 +444,36 @@ async def test_a_version_whose_update_passed_its_deadline_stays_held_until_the_r
             await close_replica_clients(list(replica_set))
 
 
+async def test_versions_sent_to_a_replica_that_is_down_are_not_held(tmp_path, start_inference, tiny_model):
+    """A replica that is down (no process answers: UNAVAILABLE) loads nothing it is sent. Held like one past its
+    deadline, every version published while it was down stayed held, and the trainer's pruning kept them all."""
+    replica = start_inference()
+    store = WeightStore(tmp_path / "weights")
+    replica_set, known = beside_one_down(replica, cooldown_s=0.1)
+    (down,) = [r for r in replica_set if r is not known]
+    with EventLog(tmp_path / "weight_relay.jsonl") as events:
+        relay = WeightRelay(replica_set, FolderStore(store.root), VersionWatch(0), events=events, retries=0,
+                            probe_interval_s=0.2, poll_store_s=600.0)  # fmt: skip
+        try:
+            await relay.start()
+            for step in (1, 2):
+                relay.notify(publish_weights(store, step, tiny_model))
+                deadline = asyncio.get_running_loop().time() + 60
+                while not any(e["replica"] == down.url and e["step"] == step for e in read_events(events.path)):
+                    assert asyncio.get_running_loop().time() < deadline, read_events(events.path)
+                    await asyncio.sleep(0.05)
+            deadline = asyncio.get_running_loop().time() + 60
+            while known.version != 2:  # the replica that is up serves 2: nothing holds 1 for its sake
+                assert asyncio.get_running_loop().time() < deadline, known.version
+                await asyncio.sleep(0.05)
+            await held(store, 1, False)
+            store.prune(keep_last=1)
+            assert store.steps() == [2]
+        finally:
+            await relay.stop()
+            await close_replica_clients(list(replica_set))
+
+
 async def test_a_replica_that_refuses_a_version_stays_in_rotation_on_its_own(tmp_path, start_inference, tiny_model):
     """Audit: a replica that answered UpdateWeights with FAILED_PRECONDITION (it checked the version and kept serving
     its own: here a volume that shows it the new folder late) was taken out of rotation like a dead one, so it
@@ -487,12 +517,12 @@ def unfit(tiny_model):
     return write
 
 
-def beside_one_down(replica):
+def beside_one_down(replica, cooldown_s: float = 600.0):
     """A replica set of `replica` and one that does not answer (down: it may serve any model once up); returns the
     set and `replica`'s entry."""
     down = free_port()
     endpoints = static_endpoints([replica.url, f"http://127.0.0.1:{down}"], [replica.control, f"127.0.0.1:{down}"], 0)
-    replica_set = ReplicaSet(endpoints, cooldown_s=600.0)
+    replica_set = ReplicaSet(endpoints, cooldown_s=cooldown_s, max_cooldown_s=cooldown_s)
     return replica_set, replica_set.replicas[replica.url]
 
 
