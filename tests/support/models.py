@@ -24,6 +24,18 @@ def tiny_model_path(tmp_path_factory) -> Path:
     return path
 
 
+# Qwen3's own chat template (renders reasoning_content in a <think> block; enable_thinking), as llama.cpp ships it
+QWEN3_TEMPLATE = Path(__file__).parents[1] / "unit" / "trainer_service" / "data" / "chat_templates" / "qwen3.jinja"
+
+
+def qwen3_templated(tmp_path_factory, tiny_model: Path) -> Path:
+    """The tiny model with Qwen3's chat template (its <|im_start|> / <|im_end|> are the tiny tokenizer's too)."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-template")
+    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
+    shutil.copy(QWEN3_TEMPLATE, path / "chat_template.jinja")
+    return path
+
+
 def teach(base: Path, path: Path, input_ids, labels, attention_mask=None, *, margin: float = 0.0,
           max_steps: int = 600, lr: float = 1e-2) -> Path:  # fmt: skip
     """Fine-tune `base` on rows `input_ids` until greedy decoding reproduces every labelled token (labels

@@ -8,15 +8,14 @@ Gyre's own client builds (the sampled text as content) is still exactly what was
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import openai
 import pytest
 from gyre_orchestrator.client import parse_turn
+from support.models import qwen3_templated
 from transformers import AutoTokenizer
 
-QWEN3_TEMPLATE = Path(__file__).parents[2] / "unit" / "trainer_service" / "data" / "chat_templates" / "qwen3.jinja"
 REASONING = "one and two make three"
 # a tool turn: Qwen3's template renders an assistant message's reasoning only after the last user message
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
@@ -26,11 +25,7 @@ RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "3"}
 
 @pytest.fixture(scope="module")
 def qwen3_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model with Qwen3's chat template (its <|im_start|> / <|im_end|> are the tiny tokenizer's too)."""
-    path = tmp_path_factory.mktemp("tiny-qwen3-template")
-    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
-    shutil.copy(QWEN3_TEMPLATE, path / "chat_template.jinja")
-    return path
+    return qwen3_templated(tmp_path_factory, tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ policy was trained on prompts its template rendered for thinking.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,22 +12,17 @@ from gyre.envs import SamplingParams, load_environment
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from orchestrator_testlib import first_batch, orchestrator_config
+from support import models as support_models
 from transformers import AutoTokenizer
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
 
-# Qwen3's own chat template: with enable_thinking false it ends the generation prompt with an empty think block
-QWEN3_TEMPLATE = Path(__file__).parents[2] / "unit" / "trainer_service" / "data" / "chat_templates" / "qwen3.jinja"
-EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's generation prompt, enable_thinking false
 
 
 @pytest.fixture(scope="module")
 def qwen3_templated(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model with Qwen3's chat template (its <|im_start|> / <|im_end|> are the tiny tokenizer's too)."""
-    path = tmp_path_factory.mktemp("tiny-qwen3-template")
-    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
-    shutil.copy(QWEN3_TEMPLATE, path / "chat_template.jinja")
-    return path
+    return support_models.qwen3_templated(tmp_path_factory, tiny_model)
 
 
 @pytest.fixture(scope="module")
