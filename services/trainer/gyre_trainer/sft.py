@@ -167,6 +167,11 @@ def environment_conversations(name: str, args: dict[str, Any], num: int, seed: i
         raise SFTDataError(f"config key 'data.env': {e}") from None
     except DatasetError as e:  # the dataset its arguments name is unusable (empty, eval rows only, a bad row)
         raise SFTDataError(f"config key 'data.env_args': {e}") from None
+    rows = env.row_tasks.train if env.row_tasks is not None else None
+    if rows is not None and num != len(rows):  # a dataset's train split is endless: its rows again, or a part of them
+        what = f"trains each {num / len(rows):.1f} times" if num > len(rows) else f"trains {num} of them"
+        log.warning("environment %s has %d train rows: data.num_examples=%d %s (%d trains each once)",
+                    name, len(rows), num, what, len(rows))  # fmt: skip
     return [Conversation(env.sft_example(source[i]), env.tool_schemas, f"environment {name}, train task {i}")
             for i in range(num)]  # fmt: skip
 

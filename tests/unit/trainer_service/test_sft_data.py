@@ -63,6 +63,24 @@ def test_environment_reference_answers_including_tool_calls(tokenizer):
     assert question not in text and "<|im_start|>tool" not in text  # prompt and tool output are not learned
 
 
+def test_a_dataset_environment_whose_rows_num_examples_repeats_or_leaves_out_says_so(tmp_path):
+    # its train split is endless: the default data.num_examples=2000 trained 5 rows 400 times each, or 2000 of 100,000
+    # rows, without a word
+    from support.logs import logged
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{n} + 1?", "answer": str(n + 1)}) + "\n" for n in range(8)))
+    args = {"path": str(rows), "num_eval": 3}
+    with logged("gyre_trainer") as lines:
+        assert len(environment_conversations("dataset", args, 20, seed=0)) == 20
+        assert len(environment_conversations("dataset", args, 2, seed=0)) == 2
+        environment_conversations("dataset", args, 5, seed=0)
+    assert lines == [
+        "environment dataset has 5 train rows: data.num_examples=20 trains each 4.0 times (5 trains each once)",
+        "environment dataset has 5 train rows: data.num_examples=2 trains 2 of them (5 trains each once)",
+    ]
+
+
 def test_fake_data_is_deterministic_and_varied():
     a, b = fake_conversations(50, seed=3), fake_conversations(50, seed=3)
     assert a == b and a != fake_conversations(50, seed=4)
