@@ -125,6 +125,9 @@ def schema_error(values: dict) -> str:
         # a quantity the API server cannot parse, on a request without a limit (no requests-vs-limits check reads it)
         ({"orchestrator": {"resources": {"requests": {"cpu": "2cores"}}}}, ["/orchestrator/resources/requests/cpu"]),
         ({"trainer": {"resources": {"requests": {"memory": "16GB"}}}}, ["/trainer/resources/requests/memory", "16GB"]),
+        # one pod at a time: the other pods sharing the claim (inference, orchestrator, trainer) stay Pending for good
+        ({"persistence": {"accessMode": "ReadWriteOncePod"}}, ["/persistence/accessMode", "ReadWriteOnce'"]),
+        ({"modelCache": {"type": "pvc", "accessMode": "ReadWriteOncePod"}}, ["/modelCache/accessMode"]),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(values, names):
