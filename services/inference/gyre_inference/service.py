@@ -13,7 +13,8 @@ cancels what still runs after that. A second signal does not force anything beyo
 
 An engine that stops on its own once ready (a weights load failed part way and loading the weights served before
 back failed too, or the torch engine thread ended) makes the process exit 1 after the same shutdown: a replica up
-but never ready again served nothing and was waited for for ever, while its pod, restarted, comes back on the base
+but never ready again served nothing and was waited for for ever, while restarted (its pod; under `gyre rl`, by
+`inference_restarts`) it comes back on the base
 model and gets the newest version from the relay.
 """
 
@@ -178,7 +179,7 @@ async def run_service(config: InferenceConfig) -> int:
             engine_down.cancel()
             if engine_down.done() and not engine_down.cancelled() and not stop.is_set():
                 # up and never ready again, the replica served nothing and the relay waited for it for ever; exiting,
-                # its pod is restarted on the base model and the relay sends it the newest version
+                # it is restarted (its pod; `gyre rl`: inference_restarts) on the base model and gets the newest version
                 log.error("the %s engine stopped on its own (see the error above): exiting so that this replica is "
                           "restarted", backend.name)  # fmt: skip
                 status = 1
