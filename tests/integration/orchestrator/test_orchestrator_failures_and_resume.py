@@ -173,6 +173,26 @@ def wait_for_pushes(redis_url: str, run_id: str, n: int, proc, log_path) -> None
         time.sleep(0.05)
 
 
+def signalled(cfg, sig, before) -> tuple:
+    """`gyre orchestrator` on `cfg` as a process, `before(proc, log_path)`, then `sig`: it must exit 0.
+    (the config file, the process's log)."""
+    from gyre.config import to_toml
+
+    cfg_path = cfg.output_dir.parent / "orchestrator.toml"
+    cfg_path.write_text(to_toml(cfg))
+    log_path = cfg.output_dir.parent / "run1.log"
+    with open(log_path, "w") as log1:
+        proc = subprocess.Popen(orchestrator_cmd(cfg_path), stdout=log1, stderr=subprocess.STDOUT)
+        try:
+            before(proc, log_path)
+            proc.send_signal(sig)
+            assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return cfg_path, log_path.read_text()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signalled_orchestrator_stops_cleanly_saves_its_progress_and_a_restart_goes_on(
     tmp_path, redis_url, unique_run_id, replicas, sig
@@ -183,21 +203,9 @@ def test_a_signalled_orchestrator_stops_cleanly_saves_its_progress_and_a_restart
     pushed, and a restart continues at the next step, no step or task repeated."""
     cfg = orchestrator_config(tmp_path, redis_url, unique_run_id, replicas, max_async_level=50, ckpt_interval=5,
                               max_steps=1000, batch_size=2, rollouts_per_example=2)  # fmt: skip
-    cfg_path = tmp_path / "orchestrator.toml"
-    from gyre.config import to_toml
-
-    cfg_path.write_text(to_toml(cfg))
-    log_path = tmp_path / "run1.log"
-    with open(log_path, "w") as log1:
-        first = subprocess.Popen(orchestrator_cmd(cfg_path), stdout=log1, stderr=subprocess.STDOUT)
-        try:
-            wait_for_pushes(redis_url, unique_run_id, 3, first, log_path)
-            first.send_signal(sig)
-            assert first.wait(60) == 0, log_path.read_text()[-3000:]
-        finally:
-            if first.poll() is None:
-                first.kill()
-    assert f"stopped by signal ({sig.name})" in log_path.read_text()
+    cfg_path, log = signalled(cfg, sig, lambda proc, log_path: wait_for_pushes(redis_url, unique_run_id, 3, proc,
+                                                                                log_path))  # fmt: skip
+    assert f"stopped by signal ({sig.name})" in log
     pushed = [e.step for e in stream_steps(redis_url, unique_run_id)]
     assert pushed == list(range(1, len(pushed) + 1)) and len(pushed) >= 3
     last = pushed[-1]
@@ -226,7 +234,6 @@ def test_sigterm_while_redis_is_gone_mid_push_exits_0_and_a_restart_replays_the_
     orchestrator, while trainer and inference exited 0). Now a push that finds Redis unavailable under a stop is
     left to the resume rule: the process exits 0, and a restart against the same Redis (its append-only file)
     generates that batch again, nothing skipped, nothing repeated."""
-    from gyre.config import to_toml
     from gyre.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
@@ -234,26 +241,18 @@ def test_sigterm_while_redis_is_gone_mid_push_exits_0_and_a_restart_replays_the_
     try:
         cfg = orchestrator_config(tmp_path, server.url, unique_run_id, replicas, max_async_level=50, ckpt_interval=1,
                                   max_steps=1000, batch_size=2, rollouts_per_example=2)  # fmt: skip
-        cfg_path = tmp_path / "orchestrator.toml"
-        cfg_path.write_text(to_toml(cfg))
-        log_path = tmp_path / "run1.log"
-        with open(log_path, "w") as log1:
-            first = subprocess.Popen(orchestrator_cmd(cfg_path), stdout=log1, stderr=subprocess.STDOUT)
-            try:
-                wait_for_pushes(server.url, unique_run_id, 2, first, log_path)
-                server.stop()  # Redis goes first (it stops in 0.2 s); the next batch's push finds it gone
-                deadline = time.monotonic() + 120
-                # the push's calls: XADD, counting it, reading Redis's memory (whichever the outage caught)
-                while not re.search(r"unavailable during (pushing batch|counting the push|reading redis memory)",
-                                    log_path.read_text()):  # fmt: skip
-                    assert first.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-                    time.sleep(0.05)
-                first.send_signal(signal.SIGTERM)
-                assert first.wait(60) == 0, log_path.read_text()[-3000:]
-            finally:
-                if first.poll() is None:
-                    first.kill()
-        log = log_path.read_text()
+
+        def redis_gone_mid_push(proc, log_path):
+            wait_for_pushes(server.url, unique_run_id, 2, proc, log_path)
+            server.stop()  # Redis goes first (it stops in 0.2 s); the next batch's push finds it gone
+            deadline = time.monotonic() + 120
+            # the push's calls: XADD, counting it, reading Redis's memory (whichever the outage caught)
+            while not re.search(r"unavailable during (pushing batch|counting the push|reading redis memory)",
+                                log_path.read_text()):  # fmt: skip
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.05)
+
+        cfg_path, log = signalled(cfg, signal.SIGTERM, redis_gone_mid_push)
         assert "stopped by signal (SIGTERM)" in log and "at once" not in log, log[-3000:]
         server = EmbeddedRedis(port=port, data_dir=tmp_path / "redis").start()  # back with what it had
         pushed = [e.step for e in stream_steps(server.url, unique_run_id)]
