@@ -667,3 +667,48 @@ def test_inf_and_nan_in_a_number_key_are_refused_naming_the_key(cls):
                 continue
             with pytest.raises(ConfigError, match=rf"(^|\n)config key '{key}': "):
                 load_config(cls, [f"--{key}", bad])
+
+
+def _number_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of an int or float (or optional one) leaf of `cls`, not a bool, through its sections."""
+    from pydantic import BaseModel
+
+    keys = []
+    for name, field in cls.model_fields.items():
+        if typing.get_origin(field.annotation) in (list, dict, tuple):
+            continue
+        kinds = [k for k in typing.get_args(field.annotation) or (field.annotation,) if k is not type(None)]
+        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if nested:
+            keys += _number_keys(nested[0], f"{prefix}{name}.")
+        elif kinds and all(k in (int, float) for k in kinds):
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+@pytest.mark.parametrize(
+    "cls", [OrchestratorConfig, TrainerConfig, SFTConfig, InferenceConfig, GyreEvalConfig], ids=lambda c: c.__name__
+)
+def test_true_or_false_in_a_number_key_is_refused_naming_the_key(cls, tmp_path):
+    # pydantic's lax mode read a TOML `lr = true` as a learning rate of 1.0 and `max_steps = true` as one step
+    keys = _number_keys(cls)
+    assert len(keys) > 5, keys
+    for key in keys:
+        for bad in ("true", "false"):
+            f = write(tmp_path, "bad.toml", f"{key} = {bad}\n")
+            with pytest.raises(ConfigError, match=rf"(^|\n)config key '{key}': Input should be a number, not {bad}"):
+                load_config(cls, ["@", f])
+
+
+def test_gyre_rl_refuses_true_in_a_number_key_of_the_experiment_or_a_section(tmp_path):
+    from gyre.local.runs import resolve_configs
+
+    ci = ["@", str(ROOT / "configs/ci.toml"), "--output-dir", str(tmp_path)]
+    with pytest.raises(ConfigError, match=r"config key 'max_steps': Input should be a number, not true"):
+        load_config(RLConfig, [*ci, "@", write(tmp_path, "a.toml", "max_steps = true\n")])
+    cfg = load_config(RLConfig, [*ci, "@", write(tmp_path, "b.toml", "[trainer.optim]\nlr = true\n")])
+    with pytest.raises(ConfigError, match=r"config key 'trainer\.optim\.lr': Input should be a number, not true"):
+        resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
+    # a bool key still takes true, and a number key its number
+    cfg = load_config(RLConfig, [*ci, "@", write(tmp_path, "c.toml", "[trainer]\ndeterministic = true\n")])
+    assert resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0").trainer.deterministic is True

@@ -30,7 +30,17 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
@@ -75,6 +85,26 @@ def read_secret_files(cls: type[BaseModel], data: Any) -> Any:
     return data
 
 
+def _number_only(annotation: Any) -> bool:
+    """An int or float key (also optional, or one of several number types), never a bool one."""
+    annotation = _unannotated(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = [arg for arg in map(_unannotated, typing.get_args(annotation)) if arg is not type(None)]
+    else:
+        kinds = [annotation]
+    return bool(kinds) and all(kind in (int, float) for kind in kinds)
+
+
+def _no_bool_in_number_key(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A TOML `true`/`false` in a number key is an error: pydantic's lax mode took it as 1 or 0, so `lr = true`
+    trained at a learning rate of 1.0 and `max_steps = true` ran one step (options and GYRE_ variables are text,
+    already refused)."""
+    field = cls.model_fields.get(info.field_name or "")
+    if isinstance(value, bool) and field is not None and _number_only(field.annotation):
+        raise ValueError(f"Input should be a number, not {str(value).lower()}")
+    return value
+
+
 class Section(BaseModel):
     """A nested config section: unknown keys are errors, defaults are validated, `<key>_file` fields
     (:func:`secret_file`) read their secret from a file."""
@@ -84,6 +114,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
     # {key: the file it was read from}: kept (not dumped) so that a service can read a Secret rotated in place again
     _secret_files: dict[str, Path] = PrivateAttr(default_factory=dict)
+    _refuse_bool_as_number = field_validator("*", mode="before")(classmethod(_no_bool_in_number_key))
 
     @model_validator(mode="wrap")
     @classmethod
@@ -130,6 +161,7 @@ class GyreSettings(BaseSettings):
     # On for `gyre rl` and the processes (trainer, orchestrator, inference, sft: as the chart runs them, configured by
     # GYRE_ variables), where an ignored variable trains or serves with a default; not for the benches and `gyre eval`.
     check_environment: ClassVar[bool] = False
+    _refuse_bool_as_number = field_validator("*", mode="before")(classmethod(_no_bool_in_number_key))
 
     @classmethod
     def settings_customise_sources(
