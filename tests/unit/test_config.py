@@ -712,3 +712,29 @@ def test_gyre_rl_refuses_true_in_a_number_key_of_the_experiment_or_a_section(tmp
     # a bool key still takes true, and a number key its number
     cfg = load_config(RLConfig, [*ci, "@", write(tmp_path, "c.toml", "[trainer]\ndeterministic = true\n")])
     assert resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0").trainer.deterministic is True
+
+
+@pytest.mark.parametrize(
+    ("cls", "argv", "key"),
+    [
+        (RLConfig, ["--max-steps", ""], "max_steps"),  # `--max-steps "$STEPS"` with STEPS unset
+        (TrainerConfig, ["--optim.lr", ""], "optim.lr"),
+    ],
+)
+def test_an_empty_option_value_is_a_config_error_not_a_crash(cls, argv, key):
+    # "" is in every string: `raw[:1] in "[{"` read an empty value as JSON and the error path crashed (IndexError)
+    with pytest.raises(ConfigError, match=rf"^config key '{key}': "):
+        load_config(cls, argv)
+
+
+@pytest.mark.parametrize("cls", [RLConfig, TrainerConfig, OrchestratorConfig])
+def test_an_empty_output_dir_is_refused_not_the_current_folder(cls, tmp_path, monkeypatch):
+    # Path("") is ".": `--output-dir "$DIR"` with DIR unset wrote the run into the folder gyre was started in
+    said = r"config key 'output_dir': an empty path \(it would be the current folder\)"
+    for argv in (["--output-dir", ""], ["@", write(tmp_path, "a.toml", 'output_dir = ""\n')]):
+        with pytest.raises(ConfigError, match=said):
+            load_config(cls, argv)
+    monkeypatch.setenv("GYRE_OUTPUT_DIR", " ")
+    with pytest.raises(ConfigError, match=said):
+        load_config(cls, [])
+    assert load_config(cls, ["--output-dir", "."]).output_dir == Path(".")  # asked for by name: taken

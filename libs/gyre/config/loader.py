@@ -95,13 +95,16 @@ def _number_only(annotation: Any) -> bool:
     return bool(kinds) and all(kind in (int, float) for kind in kinds)
 
 
-def _no_bool_in_number_key(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
-    """A TOML `true`/`false` in a number key is an error: pydantic's lax mode took it as 1 or 0, so `lr = true`
-    trained at a learning rate of 1.0 and `max_steps = true` ran one step (options and GYRE_ variables are text,
-    already refused)."""
+def _no_lax_value(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """Values pydantic read as something else, refused naming the key. A TOML `true`/`false` in a number key: lax
+    mode took it as 1 or 0, so `lr = true` trained at a learning rate of 1.0 and `max_steps = true` ran one step
+    (options and GYRE_ variables are text, already refused). An empty path key (`--output-dir "$DIR"` with DIR
+    unset): Path("") is ".", and the run wrote its weights, checkpoints and logs into the current folder."""
     field = cls.model_fields.get(info.field_name or "")
     if isinstance(value, bool) and field is not None and _number_only(field.annotation):
         raise ValueError(f"Input should be a number, not {str(value).lower()}")
+    if field is not None and _unannotated(field.annotation) is Path and isinstance(value, str) and not value.strip():
+        raise ValueError("an empty path (it would be the current folder); give a folder")
     return value
 
 
@@ -114,7 +117,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
     # {key: the file it was read from}: kept (not dumped) so that a service can read a Secret rotated in place again
     _secret_files: dict[str, Path] = PrivateAttr(default_factory=dict)
-    _refuse_bool_as_number = field_validator("*", mode="before")(classmethod(_no_bool_in_number_key))
+    _refuse_lax_values = field_validator("*", mode="before")(classmethod(_no_lax_value))
 
     @model_validator(mode="wrap")
     @classmethod
@@ -161,7 +164,7 @@ class GyreSettings(BaseSettings):
     # On for `gyre rl` and the processes (trainer, orchestrator, inference, sft: as the chart runs them, configured by
     # GYRE_ variables), where an ignored variable trains or serves with a default; not for the benches and `gyre eval`.
     check_environment: ClassVar[bool] = False
-    _refuse_bool_as_number = field_validator("*", mode="before")(classmethod(_no_bool_in_number_key))
+    _refuse_lax_values = field_validator("*", mode="before")(classmethod(_no_lax_value))
 
     @classmethod
     def settings_customise_sources(
@@ -310,7 +313,7 @@ def _cli_value(raw: str, name: str) -> Any:
     # only structured literals are parsed here.
     if raw.lower() in ("none", "null"):
         return None
-    if raw[:1] in "[{":
+    if raw.startswith(("[", "{")):  # not raw[:1] in "[{": "" is in every string, and an empty value crashed below
         try:
             return json.loads(raw)
         except json.JSONDecodeError as json_error:
