@@ -120,8 +120,9 @@ class AssistantMessage(StrictModel):
     function_call: None = Field(None, description="Only null (deprecated; use tool_calls).")
     parsed: Any = Field(None, exclude=True, description=_SDK_ADDED)
     # vLLM's fields for the reasoning of an earlier reply (what its `--reasoning-parser` returned apart): clients
-    # (verifiers, agent loops) send the assistant message back with it. As vLLM, the template gets it under both
-    # names; Qwen3-style templates render `reasoning_content` in a <think> block, others leave it out.
+    # (verifiers, agent loops) send the assistant message back with it. As with vLLM, the template gets it under
+    # every name templates read (transformers' apply_chat_template fills `reasoning_content` and `thinking` from
+    # either): Qwen3-style templates render it in a <think> block, others leave it out.
     reasoning_content: str | None = Field(None, description="The reply's reasoning (vLLM's field), for the template.")
     reasoning: str | None = Field(None, description="Newer vLLM's name for reasoning_content.")
 
@@ -133,8 +134,6 @@ class AssistantMessage(StrictModel):
             raise ParamError(
                 "reasoning", "reasoning and reasoning_content are two names for one field and differ; send one"
             )
-        both = self.reasoning if self.reasoning is not None else self.reasoning_content  # vLLM reads `reasoning` first
-        self.reasoning = self.reasoning_content = both
         return self
 
 
