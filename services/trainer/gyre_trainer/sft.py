@@ -233,6 +233,7 @@ def tokenize(conversation: Conversation, tokenizer, end_ids: Collection[int] = (
     if mask:
         mask[0] = False  # the first token of a sample is never in the loss (nothing predicts it)
     _check_tool_calls_are_learned(conversation, tokenizer, ids, mask)
+    _check_reasoning_is_learned(conversation, tokenizer, ids, mask)
     return ids, mask
 
 
@@ -268,6 +269,25 @@ def _check_tool_calls_are_learned(conversation: Conversation, tokenizer, ids: li
             f"the chat template does not render the assistant's tool calls ({', '.join(missing)}), so they "
             "cannot be learned (the turn would teach an empty reply); use a model whose template renders "
             "tool_calls, or data without them"
+        )
+
+
+def _check_reasoning_is_learned(conversation: Conversation, tokenizer, ids: list[int], mask: list[bool]) -> None:
+    """Reasoning given apart (`reasoning_content`, vLLM's field; newer vLLM's `reasoning`) is rendered only by a
+    template that reads it (Qwen3's); any other trained the replies without their reasoning, silently. Refuse a
+    conversation none of whose reasoning is learned. (Qwen3's template renders it only after the last user message:
+    earlier turns' reasoning is that template's rule, not a loss.)"""
+    given = [m.get("reasoning_content") or m.get("reasoning") for m in conversation.messages
+             if m.get("role") == "assistant"]  # fmt: skip
+    thoughts = [thought.strip() for thought in given if isinstance(thought, str) and thought.strip()]
+    if not thoughts:
+        return
+    learned = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    if not any(thought in learned for thought in thoughts):
+        raise SFTDataError(
+            "the chat template does not render the assistant's reasoning_content, so it cannot be learned (the "
+            "replies would be taught without their reasoning); put the reasoning in the content (a <think> block "
+            "before the reply) or use a model whose template renders reasoning_content"
         )
 
 

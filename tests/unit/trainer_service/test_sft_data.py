@@ -392,3 +392,32 @@ def test_a_mistyped_environment_or_argument_is_an_error_naming_the_key(tmp_path,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "gyre sft: error: config key 'data.env" in err and said in err and "Traceback" not in err, err
+
+
+REASONED = [{"role": "user", "content": "What is 1 plus 2?"},
+            {"role": "assistant", "content": "3", "reasoning_content": "one and two make three"}]  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_reasoning_a_template_does_not_render_is_refused_not_dropped(tokenizer, field):
+    """The tiny model's template (gyre model init's) does not read reasoning_content: the reply was learned without
+    its reasoning, silently."""
+    reply = {"role": "assistant", "content": "3", field: "one and two make three"}
+    with pytest.raises(SFTDataError, match="does not render the assistant's reasoning_content"):
+        tokenize(Conversation([REASONED[0], reply]), tokenizer)
+    # the same reasoning in the content, as a <think> block, is learned
+    inline = [REASONED[0], {"role": "assistant", "content": "<think>one and two make three</think>3"}]
+    assert learned_text(tokenizer, Conversation(inline)) == "<think>one and two make three</think>3<|im_end|>"
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_reasoning_is_learned_where_the_template_renders_it_under_either_name(tiny_model, tmp_path_factory, field):
+    """Where the template renders it the check lets it through: Qwen3's, under vLLM's either name (transformers gives
+    newer vLLM's `reasoning` to the template as `reasoning_content` too)."""
+    from support.models import qwen3_templated
+    from transformers import AutoTokenizer
+
+    qwen3 = AutoTokenizer.from_pretrained(qwen3_templated(tmp_path_factory, tiny_model))
+    reply = {"role": "assistant", "content": "3", field: "one and two make three"}
+    learned = learned_text(qwen3, Conversation([REASONED[0], reply]))
+    assert "<think>\none and two make three\n</think>\n\n3<|im_end|>" in learned
