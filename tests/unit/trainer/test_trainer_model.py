@@ -397,3 +397,22 @@ def test_rl_training_loads_the_model_without_dropout_and_publishes_its_config_un
     model = TrainerProcess(cfg, DistContext())._load_base_model()
     lp = [packed_logprobs(model, *packed_row(samples))[0].detach() for _ in range(2)]
     assert model.training and torch.equal(*lp)
+
+
+def test_a_lora_target_that_names_no_layer_is_refused_naming_it(tiny_model):
+    """peft refuses only target_modules of which nothing matches: ["q_proj", "v_prj"] trained adapters on q_proj
+    alone, the typo unseen; each entry must match a layer (also for a multi-run's added adapter)."""
+    from types import SimpleNamespace
+
+    from gyre_trainer.lora import add_adapter, apply_lora
+
+    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_prj"])
+    fresh = load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"target_modules: 'v_prj' names no layer of the model \(did you mean "
+                                         r"'v_proj'\?\); its linear layers: .*q_proj"):  # fmt: skip
+        apply_lora(fresh, lora)
+    peft = apply_lora(fresh, SimpleNamespace(**{**vars(lora), "target_modules": ["q_proj", "v_proj"]}))
+    assert {n.split(".lora_A")[0].rpartition(".")[2] for n, _ in peft.named_parameters() if "lora_A" in n} == {
+        "q_proj", "v_proj"}  # fmt: skip
+    with pytest.raises(ValueError, match=r"'v_prj' names no layer"):
+        add_adapter(peft, "beta", lora)
