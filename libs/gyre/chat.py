@@ -29,10 +29,11 @@ def content_problem(message: dict[str, Any]) -> tuple[str, str] | None:
     """(field, what is wrong) when `message` holds what OpenAI's chat format does not give a text model, else None.
 
     Accepted, as the server accepts them: content a string or a list of text parts (`{"type": "text", "text": ...}`,
-    joined by `template_messages`), and null or absent content on an assistant message with `tool_calls`, each an
-    object with a `function` that has a `name`. A template renders anything else its own way, without a word: None as
-    "None" or nothing, an image part dropped, a dict as nothing, and an assistant turn of null content without tool
-    calls as an empty reply (SFT taught the model to answer nothing)."""
+    joined by `template_messages`; an assistant's may also hold refusal parts, `{"type": "refusal", "refusal": ...}`,
+    as OpenAI's SDK types them, rendered as their text), and null or absent content on an assistant message with
+    `tool_calls`, each an object with a `function` that has a `name`. A template renders anything else its own way,
+    without a word: None as "None" or nothing, an image part dropped, a dict as nothing, and an assistant turn of null
+    content without tool calls as an empty reply (SFT taught the model to answer nothing)."""
     role, content, calls = message.get("role"), message.get("content"), message.get("tool_calls")
     if role == "assistant" and calls is not None:
         if not isinstance(calls, list):
@@ -55,6 +56,10 @@ def content_problem(message: dict[str, Any]) -> tuple[str, str] | None:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in NOT_TEXT_PARTS:
             return f"content[{j}]", f"{NOT_TEXT_PARTS[kind]} is not supported: Gyre trains and serves text models"
+        if role == "assistant" and kind == "refusal":
+            if not isinstance(part.get("refusal"), str):
+                return f"content[{j}].refusal", "a refusal part needs its text as a string"
+            continue
         if kind != "text" or not isinstance(part.get("text"), str):
             return f"content[{j}]", 'expected a text part, {"type": "text", "text": "..."}'
     return None
@@ -72,13 +77,19 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {**m, "role": "system"}
         if m.get("role") == "assistant" and m.get("content") is None:
             m = {**m, "content": ""}
-        if _text_parts(m.get("content")):
-            m = {**m, "content": "\n".join(part["text"] for part in m["content"])}
+        if _text_parts(m.get("content"), refusals=m.get("role") == "assistant"):
+            m = {**m, "content": "\n".join(part.get("text", part.get("refusal")) for part in m["content"])}
         out.append(m)
     return out
 
 
-def _text_parts(content: Any) -> bool:
+def _text_parts(content: Any, refusals: bool = False) -> bool:
+    """Whether `content` is parts that are all text (or, for an assistant, refusals: the server makes them text)."""
     return isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        isinstance(p, dict)
+        and (
+            (p.get("type") == "text" and isinstance(p.get("text"), str))
+            or (refusals and p.get("type") == "refusal" and isinstance(p.get("refusal"), str))
+        )
+        for p in content
     )

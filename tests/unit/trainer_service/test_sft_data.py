@@ -153,6 +153,21 @@ def test_openai_content_parts_and_content_less_tool_calls_are_learned_as_the_ser
     assert learned_text(tokenizer, third) == text
 
 
+def test_an_assistant_s_refusal_parts_are_learned_as_their_text_as_the_server_renders_them(tokenizer, tmp_path):
+    # OpenAI's SDK types an assistant's content as text and refusal parts, and the server renders a refusal part as
+    # its text (chat_messages): SFT refused the same conversation ("expected a text part")
+    parts = [{"type": "text", "text": "Sorry,"}, {"type": "refusal", "refusal": "no."}]
+    said = [{"role": "user", "content": "Help?"}, {"role": "assistant", "content": parts}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": said}) + "\n")
+    (conversation,) = read_jsonl(path)
+    assert learned_text(tokenizer, conversation) == "Sorry,\nno.<|im_end|>"
+    said[1]["content"][1] = {"type": "refusal"}
+    path.write_text(json.dumps({"messages": said}) + "\n")
+    with pytest.raises(SFTDataError, match=re.escape("chats.jsonl:1: messages[1].content[1].refusal: a refusal part")):
+        read_jsonl(path)
+
+
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 
