@@ -1095,7 +1095,7 @@ def test_a_full_load_that_fails_part_way_loads_the_served_weights_back(standin_v
         assert loads()[-2:] == [str(step_3), str(step_2)] and backend.version == 2  # the version served, back
 
         failing.add(str(step_2))  # loading back fails too: the workers' weights are of no version
-        with pytest.raises(BackendStoppedError, match="restart this replica"):
+        with pytest.raises(BackendStoppedError, match="the replica exits to be restarted"):
             await backend.update_weights(FetchedWeights.local(step_3, 3))
         assert not backend.ready and engine.names()[-1] == "collective_rpc"  # stopped, never resumed
 
