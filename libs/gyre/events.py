@@ -2,7 +2,8 @@
 
 Each record is one JSON object on one line, written with a single `write` on an O_APPEND descriptor,
 so concurrent writers never interleave inside a line and a crash can at worst truncate the last line
-(which `read_events` tolerates). No fsync: these are observability artifacts, not state.
+(which `read_events` tolerates; a writer that opens the file while another's line is half written ends that line
+after it, a blank line that readers skip). No fsync: these are observability artifacts, not state.
 
 Run segments: every record carries `segment`, the id of the launch that wrote it (`gyre rl` gives
 all its services one id through `GYRE_RUN_SEGMENT`; a service started alone makes its own). A

@@ -83,7 +83,9 @@ def test_concurrent_writers_never_interleave_lines(tmp_path):
         p.join(timeout=60)
         assert p.exitcode == 0
     records = read_events(path)
-    assert len(records) == 300 == len(path.read_bytes().splitlines())
+    # a writer opened while another's line is half on disk ends that line (EventLog.__init__), after it: a blank
+    # line, which readers skip; what must never happen is two records in one line or one record in two
+    assert len(records) == 300 == len([line for line in path.read_bytes().splitlines() if line])
     for worker in (0, 1, "t"):
         assert [r["i"] for r in records if r["worker"] == worker] == list(range(100))
 
