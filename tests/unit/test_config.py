@@ -738,3 +738,68 @@ def test_an_empty_output_dir_is_refused_not_the_current_folder(cls, tmp_path, mo
     with pytest.raises(ConfigError, match=said):
         load_config(cls, [])
     assert load_config(cls, ["--output-dir", "."]).output_dir == Path(".")  # asked for by name: taken
+
+
+def _text_keys(cls: type, prefix: str = "") -> list[tuple[str, bool]]:
+    """Every dotted key of a `str` (not optional) or `list[str]` leaf of `cls` (and whether it is the list), through
+    its sections (not through a list of tables)."""
+    from pydantic import BaseModel
+
+    keys = []
+    for name, field in cls.model_fields.items():
+        if field.annotation == list[str]:
+            keys.append((f"{prefix}{name}", True))
+            continue
+        if typing.get_origin(field.annotation) in (list, dict, tuple):
+            continue
+        kinds = [k for k in typing.get_args(field.annotation) or (field.annotation,) if k is not type(None)]
+        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if nested:
+            keys += _text_keys(nested[0], f"{prefix}{name}.")
+        elif field.annotation is str:
+            keys.append((f"{prefix}{name}", False))
+    return keys
+
+
+@pytest.mark.parametrize(
+    "cls", [OrchestratorConfig, TrainerConfig, SFTConfig, InferenceConfig, GyreEvalConfig], ids=lambda c: c.__name__
+)
+def test_an_empty_text_or_list_entry_is_refused_naming_the_key(cls, tmp_path, monkeypatch):
+    # GYRE_LORA__TARGET_MODULES= was the list [""] and the trainer died in peft with a traceback naming no key; an
+    # empty --model.name "$M" failed in transformers the same way
+    keys = _text_keys(cls)
+    assert keys, keys
+    for key, is_list in keys:
+        said = rf"(^|\n)config key '{key}(\.0)?': (an empty value|entry 0 of)"
+        for bad in ("", " "):
+            with pytest.raises(ConfigError, match=said):
+                load_config(cls, [f"--{key}", bad])
+        toml_value = '[""]' if is_list else '""'
+        section, _, leaf = key.rpartition(".")
+        text = (f"[{section}]\n" if section else "") + f"{leaf} = {toml_value}\n"
+        with pytest.raises(ConfigError, match=said):
+            load_config(cls, ["@", write(tmp_path, "bad.toml", text)])
+        env = "GYRE_" + key.upper().replace(".", "__")
+        monkeypatch.setenv(env, "")
+        with pytest.raises(ConfigError, match=said):
+            load_config(cls, [])
+        monkeypatch.delenv(env)
+
+
+def test_gyre_rl_refuses_an_empty_target_modules_variable_before_starting(tmp_path, monkeypatch):
+    from gyre.local.runs import resolve_configs
+
+    monkeypatch.setenv("GYRE_TRAINER__LORA__TARGET_MODULES", "")
+    cfg = load_config(RLConfig, ["@", str(ROOT / "configs/ci.toml"), "--output-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"config key 'trainer\.lora\.target_modules': entry 0 of \[''\] is empty"):
+        resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
+    # one real entry among them is still refused; real entries are taken
+    monkeypatch.setenv("GYRE_TRAINER__LORA__TARGET_MODULES", '["q_proj", " "]')
+    cfg = load_config(RLConfig, ["@", str(ROOT / "configs/ci.toml"), "--output-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"'trainer\.lora\.target_modules': entry 1 of"):
+        resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("GYRE_TRAINER__LORA__TARGET_MODULES", '["q_proj", "v_proj"]')
+    cfg = load_config(RLConfig, ["@", str(ROOT / "configs/ci.toml"), "--output-dir", str(tmp_path)])
+    assert resolve_configs(cfg, str(tmp_path / "model"), "redis://127.0.0.1:1/0").trainer.lora.target_modules == [
+        "q_proj", "v_proj"
+    ]  # fmt: skip

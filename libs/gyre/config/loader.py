@@ -105,6 +105,19 @@ def _no_lax_value(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any
         raise ValueError(f"Input should be a number, not {str(value).lower()}")
     if field is not None and _unannotated(field.annotation) is Path and isinstance(value, str) and not value.strip():
         raise ValueError("an empty path (it would be the current folder); give a folder")
+    # An empty text key or list entry (`GYRE_TRAINER__LORA__TARGET_MODULES=` is the list [""], `--model.name "$M"`
+    # with M unset): it passed validation and the run failed later with a library's traceback (peft, transformers)
+    # that named no key. Optional keys are left alone: None is their "unset", and a chart may render one as "".
+    annotation = _unannotated(field.annotation) if field is not None else None
+    if annotation is str and isinstance(value, str) and not value.strip():
+        raise ValueError(f"an empty value {value!r}; give one or leave the key out for its default")
+    if typing.get_origin(annotation) is list and typing.get_args(annotation) == (str,) and isinstance(value, list):
+        blank = [i for i, entry in enumerate(value) if isinstance(entry, str) and not entry.strip()]
+        if blank:
+            raise ValueError(
+                f'entry {blank[0]} of {value!r} is empty (an empty variable or option gives [""]); '
+                "give the entries, or leave the key out for its default"
+            )
     return value
 
 
