@@ -492,6 +492,9 @@ class StepReader:
         self.reclaim_idle_ms = reclaim_idle_ms
         self.reclaim_every_s = reclaim_every_s
         self._buffer: dict[str, StreamEntry] = {}  # entry id -> entry with step > trained
+        # entries this reader moved to the dead stream, whoever judged them (this reader: step or schema; the
+        # caller: the payload, through `reject`): the trainer's gyre_trainer_rejected_batches_total counts them all
+        self.dead_lettered = 0
         self._last_reclaim = float("-inf")
         self._group_resets = stream.group_resets
         stream.ensure_group()
@@ -536,6 +539,7 @@ class StepReader:
         """Dead-letter an entry whose payload is unusable; its step will be waited for again."""
         self._buffer.pop(entry.id, None)
         self.stream.dead_letter(entry, reason)
+        self.dead_lettered += 1
 
     def _forget_lost(self, entries: list[StreamEntry]) -> list[StreamEntry]:
         """`entries`, after dropping what was read ahead from a stream that has since lost its group (deleted,
@@ -551,13 +555,10 @@ class StepReader:
     def _admit(self, entries: Iterable[StreamEntry]) -> None:
         for entry in entries:
             if entry.step is None:
-                self._buffer.pop(entry.id, None)
-                self.stream.dead_letter(entry, f"unparsable step {_show(entry.fields.get('step'))}")
+                self.reject(entry, f"unparsable step {_show(entry.fields.get('step'))}")
             elif entry.schema != SCHEMA_VERSION:
-                self._buffer.pop(entry.id, None)
-                self.stream.dead_letter(
-                    entry, f"unsupported schema {_show(entry.fields.get('schema'))} (expected {SCHEMA_VERSION})"
-                )
+                schema = _show(entry.fields.get("schema"))
+                self.reject(entry, f"unsupported schema {schema} (expected {SCHEMA_VERSION})")
             elif entry.step <= self.trained:
                 self._buffer.pop(entry.id, None)
                 self.stream.ack(entry.id)

@@ -118,7 +118,6 @@ class BatchIntake:
         self.poll_ms = poll_ms
         self.redis_retry_s = redis_retry_s
         self.trained_step = trained_step
-        self.rejected = 0
         self.reader: StepReader | None = None
         self.group_resets = 0  # the stream's consumer-group losses already explained in the log
         self.gap_reported = 0  # the step whose absence behind later steps was last explained
@@ -166,7 +165,6 @@ class BatchIntake:
                     raise BatchRejected(f"entry says step {entry.step}, its batch says step {batch.step}")
                 check_trainable(batch, self.ctx.world_size, self.vocab_size, self.seq_len)
             except (CodecError, BatchRejected) as e:
-                self.rejected += 1
                 try:
                     self._retry(lambda entry=entry, reason=str(e): self.reader.reject(entry, reason), should_stop)
                 except Stopped:  # not dead-lettered: still pending, judged again after a restart
@@ -178,6 +176,12 @@ class BatchIntake:
                 continue
             broadcast_bytes(payload, self.ctx, (_BATCH, batch.step))
             return IntakeItem(step=batch.step, batch=batch, num_bytes=len(payload), entry=entry)
+
+    @property
+    def rejected(self) -> int:
+        """Entries moved to the dead-letter stream: a bad payload judged here, or a step or schema the reader could
+        not understand (those never reach this loop; counted here they were missing from the metric)."""
+        return self.reader.dead_lettered if self.reader is not None else 0
 
     def commit(self, item: IntakeItem) -> None:
         """Step `item.step` is durably published: ack its entry (rank 0) and move on to the next step."""

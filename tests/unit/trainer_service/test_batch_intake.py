@@ -64,6 +64,7 @@ def test_steps_come_in_order_and_are_acked_only_on_commit(ctx, stream):
 def test_malformed_entries_are_dead_lettered_and_training_continues(ctx, stream, tmp_path):
     stream.redis.xadd(stream.key, {"step": "1", "schema": "1", "payload": b"\x93garbage"})
     stream.redis.xadd(stream.key, {"step": "x", "schema": "1", "payload": b""})
+    stream.push(1, encode_batch(batch(1)), schema=9)  # a schema this trainer does not know
     stream.push(1, encode_batch(batch(2)))  # entry says 1, batch says 2
     stream.push(1, encode_batch(batch(1, ranks=2)))  # split for 2 ranks, trainer has 1
     stream.push(1, encode_batch(batch(1, token=5000)))  # token outside the vocabulary
@@ -73,8 +74,11 @@ def test_malformed_entries_are_dead_lettered_and_training_continues(ctx, stream,
     item = next_with_deadline(reader)
     assert item.step == 1 and item.batch.micro_batches[0][0].input_ids.tolist() == [3, 4, 7, 7]
     reasons = [d.fields["reason"].decode() for d in stream.dead_letters()]
-    assert len(reasons) == 6 and reader.rejected == 5  # the unparsable step is rejected by the StepReader itself
-    for expected in ("not a msgpack document", "unparsable step", "batch says step 2", "2 ranks", "vocabulary", "NaN"):
+    # every dead letter is counted (gyre_trainer_rejected_batches_total), also those the StepReader judged itself
+    # (step, schema): it counted 5 of 7, and a stream of unknown schema looked clean on the dashboard
+    assert len(reasons) == 7 and reader.rejected == 7
+    for expected in ("not a msgpack document", "unparsable step", "unsupported schema '9'", "batch says step 2",
+                     "2 ranks", "vocabulary", "NaN"):  # fmt: skip
         assert any(expected in r for r in reasons), (expected, reasons)
 
 
