@@ -118,7 +118,7 @@ def _show(value: bytes | None) -> str:
 
 @dataclass
 class StreamEntry:
-    """One stream entry. `step` is None when the `step` field is missing or not a decimal int."""
+    """One stream entry. `step` is None when the `step` field is missing or not plain decimal digits."""
 
     id: str
     fields: dict[str, bytes]
@@ -126,9 +126,11 @@ class StreamEntry:
 
     def __post_init__(self) -> None:
         try:
-            self.step = int(self.fields["step"].decode("ascii"))
-        except (KeyError, ValueError, UnicodeDecodeError):
-            self.step = None
+            text = self.fields["step"].decode("ascii")
+        except (KeyError, UnicodeDecodeError):
+            text = ""
+        # digits only, as `push` writes them: int() also read "-3" (a replay, acked and gone), " 2", "+2", "2_0" (20)
+        self.step = int(text) if text.isdigit() else None
 
     @property
     def schema(self) -> int | None:

@@ -357,6 +357,20 @@ def test_step_reader_dead_letters_unparsable_entries(stream):
     assert stream.pending().count == 0
 
 
+def test_a_step_that_is_not_plain_decimal_digits_is_dead_lettered_not_taken_for_another(stream):
+    # int() read "-3" and "0" as replays of trained steps (acked: gone with no trace nor count), " 2" and "+2" as
+    # step 2, "2_0" as step 20; the producer writes str(step) of a non-negative int, so anything else is malformed
+    for text in ("-3", " 2", "+2", "2_0"):
+        stream.redis.xadd(stream.key, {"step": text, "schema": str(SCHEMA_VERSION), "payload": batch_bytes(2)})
+    stream.push(1, batch_bytes(1))
+    stream.push(2, batch_bytes(2))
+    reader = StepReader(stream, "c1")
+    assert drain(reader, 2) == [1, 2]
+    reasons = [e.fields["reason"].decode() for e in stream.dead_letters()]
+    assert reasons == ["unparsable step '-3'", "unparsable step ' 2'", "unparsable step '+2'", "unparsable step '2_0'"]
+    assert reader.dead_lettered == 4 and stream.pending().count == 0
+
+
 def test_step_reader_reject_then_wait_for_a_repush(stream):
     stream.push(1, b"corrupt payload")
     reader = StepReader(stream, "c1")
