@@ -61,7 +61,7 @@ class Choice:
     echo: str = ""  # text shown before the generated text (echo); not part of `text`
     # the request's own stop_token_ids (not the end-of-turn token): the one that ends the choice is its stop_reason
     stop_token_ids: frozenset[int] = frozenset()
-    # a named tool_choice's function: a call max_tokens cut short is still returned as that call (as vLLM does)
+    # a named tool_choice's function: a call max_tokens or a stop string cut short is still returned as that call
     forced_tool: str | None = None
     single_call: bool = False  # parallel_tool_calls false: only the first parsed call is returned (as vLLM)
     token_ids: list[int] = field(default_factory=list)
@@ -141,14 +141,19 @@ class Choice:
             self.stop_reason = event.token_id
         if self.parse_tools:
             content, calls = parse_tool_calls(self.text)
-            if not calls and finish == "length" and self.forced_tool is not None:
+            # a named call that max_tokens or a stop string cut short is still that call (vLLM returns a named
+            # choice's whole output as the call's arguments), not its raw markup as content
+            cut_short = finish == "length" or isinstance(self.stop_reason, str)
+            if not calls and cut_short and self.forced_tool is not None:
                 cut = cut_call(self.text, self.forced_tool)
                 content, calls = None, [cut] if cut is not None else []
             if calls:
                 self.tool_calls = [call.to_openai() for call in (calls[:1] if self.single_call else calls)]
                 self.text = content or ""
                 self.released = min(self.released, len(self.text))
-                self.finish_reason = "tool_calls" if finish == "stop" else finish
+                # A named tool_choice's call ends "stop", as on OpenAI and vLLM (vllm#25054): the client asked for that
+                # call, so clients read message.tool_calls, not the finish; auto and required end "tool_calls".
+                self.finish_reason = "tool_calls" if finish == "stop" and self.forced_tool is None else finish
         return Delta(position, self._release(len(self.text)), event.version, self.finish_reason)
 
     def _cut_at_stop(self, searched_from: int) -> bool:

@@ -282,7 +282,7 @@ def test_a_named_tool_call_cut_by_max_tokens_is_still_that_call_as_vllm_returns_
     named = {"type": "function", "function": {"name": "add"}}
     kwargs = dict(model=model_id, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=named, temperature=0)
     whole = client.chat.completions.create(**kwargs, max_tokens=60).choices[0]
-    assert whole.finish_reason == "tool_calls"
+    assert whole.finish_reason == "stop"  # a named call ends "stop", as on OpenAI and vLLM
     full_arguments = whole.message.tool_calls[0].function.arguments
     for max_tokens in (3, 14):  # before the arguments, and inside them
         cut = client.chat.completions.create(**kwargs, max_tokens=max_tokens).choices[0]
@@ -295,6 +295,22 @@ def test_a_named_tool_call_cut_by_max_tokens_is_still_that_call_as_vllm_returns_
         assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
         assert "".join(c.delta.content or "" for c in chunks) == "" and chunks[-1].finish_reason == "length"
     assert client.chat.completions.create(**kwargs, max_tokens=14).choices[0].message.tool_calls[0].function.arguments
+
+
+def test_a_named_tool_call_cut_by_a_stop_string_is_still_that_call(client, model_id):
+    """tool_choice naming a function, a stop string matched inside the forced call: the call as far as it was
+    written (as for max_tokens, and as vLLM, which returns a named choice's whole output as that call's arguments);
+    it was content holding the raw <tool_call> markup and no tool_calls. Streamed the same."""
+    named = {"type": "function", "function": {"name": "add"}}
+    kwargs = dict(model=model_id, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=named, temperature=0,
+                  max_tokens=60, stop=['"arguments"'])  # fmt: skip
+    cut = client.chat.completions.create(**kwargs).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content is None, cut
+    assert [(t.function.name, t.function.arguments) for t in cut.message.tool_calls] == [("add", "")]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", "")]
+    assert "".join(c.delta.content or "" for c in chunks) == "" and chunks[-1].finish_reason == "stop"
 
 
 def test_streaming_chat_equals_the_non_streaming_answer(client, model_id):
