@@ -669,21 +669,32 @@ def test_inf_and_nan_in_a_number_key_are_refused_naming_the_key(cls):
                 load_config(cls, [f"--{key}", bad])
 
 
-def _number_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every dotted key of an int or float (or optional one) leaf of `cls`, not a bool, through its sections."""
+def _leaf_keys(cls: type, wanted: typing.Callable[[typing.Any], bool], prefix: str = "") -> list[tuple[str, type]]:
+    """Every dotted key of `cls` whose annotation is `wanted`, with that annotation, through its sections (not
+    through a list or table of them)."""
     from pydantic import BaseModel
 
     keys = []
     for name, field in cls.model_fields.items():
-        if typing.get_origin(field.annotation) in (list, dict, tuple):
-            continue
-        kinds = [k for k in typing.get_args(field.annotation) or (field.annotation,) if k is not type(None)]
-        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
-        if nested:
-            keys += _number_keys(nested[0], f"{prefix}{name}.")
-        elif kinds and all(k in (int, float) for k in kinds):
-            keys.append(f"{prefix}{name}")
+        if wanted(field.annotation):
+            keys.append((f"{prefix}{name}", field.annotation))
+        elif typing.get_origin(field.annotation) not in (list, dict, tuple):
+            kinds = typing.get_args(field.annotation) or (field.annotation,)
+            nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+            if nested:
+                keys += _leaf_keys(nested[0], wanted, f"{prefix}{name}.")
     return keys
+
+
+def _number_keys(cls: type) -> list[str]:
+    """Every dotted key of an int or float (or optional one) leaf of `cls`, not a bool, through its sections."""
+
+    def number(annotation: typing.Any) -> bool:
+        kinds = [k for k in typing.get_args(annotation) or (annotation,) if k is not type(None)]
+        container = typing.get_origin(annotation) in (list, dict, tuple)
+        return not container and bool(kinds) and all(k in (int, float) for k in kinds)
+
+    return [key for key, _ in _leaf_keys(cls, number)]
 
 
 @pytest.mark.parametrize(
@@ -740,36 +751,16 @@ def test_an_empty_output_dir_is_refused_not_the_current_folder(cls, tmp_path, mo
     assert load_config(cls, ["--output-dir", "."]).output_dir == Path(".")  # asked for by name: taken
 
 
-def _text_keys(cls: type, prefix: str = "") -> list[tuple[str, bool]]:
-    """Every dotted key of a `str` (not optional) or `list[str]` leaf of `cls` (and whether it is the list), through
-    its sections (not through a list of tables)."""
-    from pydantic import BaseModel
-
-    keys = []
-    for name, field in cls.model_fields.items():
-        if field.annotation == list[str]:
-            keys.append((f"{prefix}{name}", True))
-            continue
-        if typing.get_origin(field.annotation) in (list, dict, tuple):
-            continue
-        kinds = [k for k in typing.get_args(field.annotation) or (field.annotation,) if k is not type(None)]
-        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
-        if nested:
-            keys += _text_keys(nested[0], f"{prefix}{name}.")
-        elif field.annotation is str:
-            keys.append((f"{prefix}{name}", False))
-    return keys
-
-
 @pytest.mark.parametrize(
     "cls", [OrchestratorConfig, TrainerConfig, SFTConfig, InferenceConfig, GyreEvalConfig], ids=lambda c: c.__name__
 )
 def test_an_empty_text_or_list_entry_is_refused_naming_the_key(cls, tmp_path, monkeypatch):
     # GYRE_LORA__TARGET_MODULES= was the list [""] and the trainer died in peft with a traceback naming no key; an
     # empty --model.name "$M" failed in transformers the same way
-    keys = _text_keys(cls)
+    keys = _leaf_keys(cls, lambda annotation: annotation in (str, list[str]))  # not optional: None is their unset
     assert keys, keys
-    for key, is_list in keys:
+    for key, annotation in keys:
+        is_list = annotation == list[str]
         said = rf"(^|\n)config key '{key}(\.0)?': (an empty value|entry 0 of)"
         for bad in ("", " "):
             with pytest.raises(ConfigError, match=said):
