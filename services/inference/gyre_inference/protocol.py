@@ -450,6 +450,23 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("only false is supported: this server keeps no completions (nothing to retrieve)")
         return value
 
+    @field_validator("tools", "tool_choice", mode="before")
+    @classmethod
+    def _function_tools_only(cls, value, info):
+        # OpenAI's newer shapes (`custom` tools; tool_choice `allowed_tools`, `custom`, ...) failed every member of
+        # the union ("Input should be 'function' (and 2 more errors)"): one 400 saying what this server takes
+        if info.field_name == "tools" and isinstance(value, list):
+            for i, tool in enumerate(value):
+                if isinstance(tool, dict) and isinstance(tool.get("type"), str) and tool["type"] != "function":
+                    raise ParamError(f"{i}.type", f"tools.{i}.type: {tool['type']!r} tools are not supported: "
+                                     "only {type: function} tools")  # fmt: skip
+        if info.field_name == "tool_choice" and isinstance(value, dict):
+            kind = value.get("type")
+            if isinstance(kind, str) and kind != "function":
+                raise ParamError("type", f"tool_choice.type: {kind!r} is not supported: tool_choice is 'auto', "
+                                 "'none', 'required' or {type: function, function: {name}}")  # fmt: skip
+        return value
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_needs_tools(cls, value, info):

@@ -15,6 +15,7 @@ from typing import Literal
 
 import httpx
 import jsonschema
+import openai
 import pytest
 from inference_testlib import TOOL_MESSAGES, TOOLS
 from pydantic import BaseModel, Field
@@ -331,3 +332,23 @@ def test_bad_constraints_are_400_naming_the_field(http, model_id, fields, param,
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert says in error["message"] and (param is None or error["param"] == param), error
+
+
+@pytest.mark.parametrize(
+    "fields, param, says",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+            {"type": "function", "function": {"name": "add"}}]}}}, "tool_choice.type", "'allowed_tools' is not"),
+        ({"tools": TOOLS, "tool_choice": {"type": "custom", "custom": {"name": "x"}}}, "tool_choice.type",
+         "'custom' is not supported"),
+        ({"tools": [*TOOLS, {"type": "custom", "custom": {"name": "x"}}]}, "tools.1.type",
+         "'custom' tools are not supported: only {type: function} tools"),
+    ],
+)  # fmt: skip
+def test_openai_s_newer_tool_shapes_are_one_400_naming_the_param(client, model_id, fields, param, says):
+    """OpenAI's allowed_tools / custom tool_choice and custom tools: one 400 naming the param and what is taken;
+    they were pydantic's union errors ("Input should be 'function' (and 2 more errors)")."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model_id, messages=QUESTION, **fields)
+    body = error.value.body
+    assert body["param"] == param and says in body["message"] and "more errors" not in body["message"], body
