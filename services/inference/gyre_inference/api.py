@@ -105,6 +105,12 @@ class _Gate:
         if length.isdigit() and int(length) > limit:
             return await self._refuse(scope, receive, send, _too_large(limit))
         receive = _limited(receive, limit)
+        encoding = dict(scope.get("headers") or []).get(b"content-encoding", b"identity").decode("latin-1")
+        if encoding.strip().lower() not in ("", "identity"):
+            # the body would be read as plain JSON and fail as garbage; decoding it would let a few compressed KB
+            # inflate past max_request_bytes. 415 is HTTP's answer to a content coding the server does not take.
+            refused = APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
+            return await self._refuse(scope, receive, send, refused)
         if not scope["path"].startswith(_PROTECTED):
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrival"] = time.monotonic()

@@ -239,6 +239,7 @@ _WHY = {
     404: "Unknown model (`code: model_not_found`).",
     409: "Every adapter slot serves queued or running requests (`code: adapter_slots_busy`, lora.max_loras).",
     413: "Request body over `server.max_request_bytes`.",
+    415: "A compressed request body (`Content-Encoding` other than identity): send it uncompressed.",
     499: "The client went away before the answer (nobody reads this; nginx's convention).",
     503: "The model is loading or the server is shutting down (`code: not_ready`).",
 }
@@ -250,11 +251,11 @@ _CONTROL_401 = "Missing or wrong control token (auth.control_token; the API key 
 _API = {
     "/v1/models": ("ModelList", ()),
     "/v1/models/{model_id}": ("Model", (404,)),
-    "/v1/responses": ("Response", (400, 404, 413, 499)),
-    "/v1/chat/completions": ("ChatCompletion", (400, 404, 413, 499)),
-    "/v1/completions": ("Completion", (400, 404, 413, 499)),
-    "/tokenize": ("TokenizeResponse", (400, 404, 413)),
-    "/detokenize": ("DetokenizeResponse", (400, 404, 413)),
+    "/v1/responses": ("Response", (400, 404, 413, 415, 499)),
+    "/v1/chat/completions": ("ChatCompletion", (400, 404, 413, 415, 499)),
+    "/v1/completions": ("Completion", (400, 404, 413, 415, 499)),
+    "/tokenize": ("TokenizeResponse", (400, 404, 413, 415)),
+    "/detokenize": ("DetokenizeResponse", (400, 404, 413, 415)),
 }
 
 
@@ -294,7 +295,7 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
         gone = {"499": {"description": _WHY[499]}} if path == "/inference/v1/generate" else {}
         busy = {"409": _error(409)} if path == "/v1/load_lora_adapter" else {}  # lora.max_loras reached
         control = {"401": _error(401) | {"description": _CONTROL_401}} if path in LORA_ROUTES else {}
-        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 503)} | busy | gone | control
+        return kept | {str(status): _error(status) for status in (400, 401, 404, 413, 415, 503)} | busy | gone | control
     if path == "/health":
         return {"200": {"description": "The process answers.", "content": _json("Health")}}
     if path == "/version":

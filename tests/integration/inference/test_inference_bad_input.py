@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 
 import httpx
@@ -703,10 +704,10 @@ def test_the_openapi_document_says_what_the_server_answers(http):
     assert '"422"' not in json.dumps(document) and "HTTPValidationError" not in json.dumps(document)
     error = {"$ref": "#/components/schemas/ErrorResponse"}
     chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert set(chat) == {"200", "400", "401", "404", "413", "499", "503"}
+    assert set(chat) == {"200", "400", "401", "404", "413", "415", "499", "503"}
     assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
     assert "x-gyre-policy-version" in chat["200"]["headers"]
-    for status in ("400", "401", "404", "413", "503"):
+    for status in ("400", "401", "404", "413", "415", "503"):
         assert chat[status]["content"]["application/json"]["schema"] == error
     for status in ("200", "400", "401", "404", "413", "503"):  # every response says its id, a 503 when to retry
         assert set(chat[status]["headers"]) >= {"x-request-id", *(("retry-after",) if status == "503" else ())}
@@ -755,3 +756,15 @@ def test_real_responses_conform_to_the_document(server, http, model_id):
         seen.add(response.status_code)
         case.validate_response(response, checks=CONFORMANCE)
     assert {200, 400, 404} <= seen
+
+
+def test_a_compressed_request_body_is_415_naming_the_encoding(http, client, model_id):
+    """Content-Encoding was ignored: gzip bytes were read as JSON (400 "not valid JSON"), and a body declared gzip
+    was served as plain JSON. Refused with 415 naming the coding, as HTTP says for one the server does not take."""
+    body = gzip.compress(json.dumps({"model": model_id, **CHAT}).encode())
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    error = assert_error(http.post("/v1/chat/completions", content=body, headers=headers), 415, param=None)
+    assert "Content-Encoding 'gzip' is not supported" in error["message"], error
+    with pytest.raises(openai.APIStatusError) as refused:  # the official client, the header set by its user
+        client.chat.completions.create(model=model_id, **CHAT, extra_headers={"Content-Encoding": "gzip"})
+    assert refused.value.status_code == 415 and "uncompressed" in refused.value.body["message"], refused.value.body
