@@ -2,7 +2,9 @@
 
 Parsing is all-or-nothing: when every block is a JSON object with a string `name` and an object `arguments`,
 and only whitespace sits between and after the blocks, the output becomes `content` (the text before the first
-block) + `tool_calls`; otherwise it stays plain content. Stricter than vLLM's hermes parser, which also drops text
+block) + `tool_calls`; otherwise it stays plain content. Text before the first block must end in a newline: the
+template always writes one between content and calls, so "text<tool_call>" as content + calls would re-render
+"text\n<tool_call>" (drift); it stays plain content too. Stricter than vLLM's hermes parser, which also drops text
 after the calls and parses a last block whose `</tool_call>` never came: either would make a message that does
 not re-render the sampled tokens (the round-trip rule below).
 
@@ -61,6 +63,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     if not calls or text[position:].strip():
         return text, []  # an unterminated block, or prose after the calls
     content = text[:start]
+    if content and not content.endswith("\n"):
+        # "text<tool_call>": the template writes a newline between content and calls, so the message would
+        # re-render "text\n<tool_call>", not the sampled tokens; the blocks stay text (environments parse them)
+        return text, []
     content = content[:-1] if content.endswith("\n") else content
     return (content or None), calls
 

@@ -55,3 +55,50 @@ async def test_a_blank_line_before_a_call_keeps_the_sequence_whole(start_replica
     # the second prompt extends the first turn's tokens, so the training sequence is both turns, whole
     sequence = first.prompt_token_ids + first.completion_token_ids
     assert rollout.turns[1].prompt_token_ids[: len(sequence)] == sequence
+
+
+GLUED = "Let me compute."  # sampled right before "<tool_call>", no newline between
+
+
+@pytest.fixture(scope="module")
+def glued_call_model(tiny_model, tmp_path_factory):
+    """Taught to reply "Let me compute.<tool_call>...": a text the template cannot write (it puts a newline
+    between content and calls), so the sample is the template's rendering with that newline taken out."""
+    import torch
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.getbasetemp() / "orchestrator-glued-call-model"
+    env = load_environment("calculator")
+    messages = env.sft_example(env.tasks("train", seed=0)[0])
+    messages[2]["content"] = GLUED
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    schemas = env.tool_schemas
+    prompt_text = tokenizer.apply_chat_template(messages[:2], tools=schemas, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    text = tokenizer.apply_chat_template(messages[:3], tools=env.tool_schemas, tokenize=False)
+    assert GLUED + "\n<tool_call>" in text
+    text = text.replace(GLUED + "\n<tool_call>", GLUED + "<tool_call>")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[: len(prompt)] == prompt
+    labels = [-100] * len(prompt) + ids[len(prompt) :]
+    return teach(tiny_model, path, torch.tensor([ids]), torch.tensor([labels]), max_steps=600)
+
+
+async def test_a_call_glued_to_its_prose_keeps_the_sequence_whole(start_replica, glued_call_model):
+    replica = start_replica(model=glued_call_model)
+    env = load_environment("calculator")
+    task = env.tasks("train", seed=0)[0]
+    replicas = ReplicaSet([Endpoint(replica.url, replica.control)])
+    client = InferenceClient(replicas, timeout_s=60)
+    try:
+        rollout = await env.rollout(client, task, SamplingParams(temperature=0, max_tokens=48))
+    finally:
+        await close_replica_clients(list(replicas))
+    first = rollout.turns[0]
+    # the environment ran the call it read from the text (the untaught second turn may run to max_tokens), and
+    # the second prompt extends the first turn's tokens: no drift, both turns trained
+    assert [m["role"] for m in rollout.completion][:2] == ["assistant", "tool"]
+    assert rollout.stop_reason != "drift" and rollout.sequence_turns == rollout.num_turns == 2
+    assert first.text.startswith(GLUED + "<tool_call>") and not first.tool_calls  # sampled as taught, left as text
+    sequence = first.prompt_token_ids + first.completion_token_ids
+    assert rollout.turns[1].prompt_token_ids[: len(sequence)] == sequence

@@ -57,3 +57,14 @@ def test_parsed_calls_re_render_to_the_same_text_through_the_chat_template(model
     message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
     rendered = model_text.render_chat([{"role": "user", "content": "hi"}, message], None, add_generation_prompt=False)
     assert generated + "<|im_end|>" in rendered
+
+
+def test_a_call_right_after_prose_stays_text_so_the_message_re_renders_as_sampled(model_text):
+    """A reply "Sure.<tool_call>" (no newline): as content "Sure." + calls the template renders "Sure.\\n<tool_call>",
+    not the sampled text, so the next turn's prompt would not extend it (drift); as plain text it renders back."""
+    generated = "Sure." + '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    content, calls = parse_tool_calls(generated)
+    assert (content, calls) == (generated, [])
+    message = {"role": "assistant", "content": content}
+    rendered = model_text.render_chat([{"role": "user", "content": "hi"}, message], None, add_generation_prompt=False)
+    assert generated + "<|im_end|>" in rendered
