@@ -40,14 +40,7 @@ def blank_line_model(tiny_model, tmp_path_factory):
 
 async def test_a_blank_line_before_a_call_keeps_the_sequence_whole(start_replica, blank_line_model):
     replica = start_replica(model=blank_line_model)
-    env = load_environment("calculator")
-    task = env.tasks("train", seed=0)[0]
-    replicas = ReplicaSet([Endpoint(replica.url, replica.control)])
-    client = InferenceClient(replicas, timeout_s=60)
-    try:
-        rollout = await env.rollout(client, task, SamplingParams(temperature=0, max_tokens=48))
-    finally:
-        await close_replica_clients(list(replicas))
+    rollout = await _calculator_rollout(replica)
     first = rollout.turns[0]
     assert first.tool_calls and first.text == PROSE  # the server dropped the template's newline, kept the other
     assert rollout.stop_reason == "done" and rollout.sequence_turns == rollout.num_turns == 2
@@ -86,14 +79,7 @@ def glued_call_model(tiny_model, tmp_path_factory):
 
 async def test_a_call_glued_to_its_prose_keeps_the_sequence_whole(start_replica, glued_call_model):
     replica = start_replica(model=glued_call_model)
-    env = load_environment("calculator")
-    task = env.tasks("train", seed=0)[0]
-    replicas = ReplicaSet([Endpoint(replica.url, replica.control)])
-    client = InferenceClient(replicas, timeout_s=60)
-    try:
-        rollout = await env.rollout(client, task, SamplingParams(temperature=0, max_tokens=48))
-    finally:
-        await close_replica_clients(list(replicas))
+    rollout = await _calculator_rollout(replica)
     first = rollout.turns[0]
     # the environment ran the call it read from the text (the untaught second turn may run to max_tokens), and
     # the second prompt extends the first turn's tokens: no drift, both turns trained
@@ -102,3 +88,15 @@ async def test_a_call_glued_to_its_prose_keeps_the_sequence_whole(start_replica,
     assert first.text.startswith(GLUED + "<tool_call>") and not first.tool_calls  # sampled as taught, left as text
     sequence = first.prompt_token_ids + first.completion_token_ids
     assert rollout.turns[1].prompt_token_ids[: len(sequence)] == sequence
+
+
+async def _calculator_rollout(replica):
+    """The calculator task a model was taught, rolled out greedily through the orchestrator's client."""
+    env = load_environment("calculator")
+    task = env.tasks("train", seed=0)[0]
+    replicas = ReplicaSet([Endpoint(replica.url, replica.control)])
+    client = InferenceClient(replicas, timeout_s=60)
+    try:
+        return await env.rollout(client, task, SamplingParams(temperature=0, max_tokens=48))
+    finally:
+        await close_replica_clients(list(replicas))
