@@ -396,7 +396,7 @@ def test_values_out_of_range_get_openai_s_error_code_and_message(client, model_i
         ),
         (
             {"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
-            "tool_choice.type: Input should be 'function'",
+            "tool_choice.type: 'allowed_tools' is not supported",
         ),
     ],
 )

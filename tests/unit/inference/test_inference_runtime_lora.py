@@ -256,7 +256,7 @@ def test_the_openapi_document_says_what_the_routes_answer(tiny_model):
     backend = engine(tiny_model, slots=1)  # never started: the document only
     document = create_app(AppState("tiny", "x", backend, InferenceMetrics("r", backend), runtime_lora=True)).openapi()
     load, unload = (document["paths"][f"/v1/{verb}_lora_adapter"]["post"]["responses"] for verb in ("load", "unload"))
-    assert sorted(load) == ["200", "400", "401", "404", "409", "413", "503"] and "409" not in unload
+    assert sorted(load) == ["200", "400", "401", "404", "409", "413", "415", "503"] and "409" not in unload
     assert set(load["200"]["content"]) == {"text/plain"} and "lora.max_loras" in load["409"]["description"]
     # they take the control token, not the API key, when one is set (the 401 said "API key")
     assert all("control token" in route["401"]["description"] for route in (load, unload))
