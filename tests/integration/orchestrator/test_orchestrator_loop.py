@@ -186,10 +186,10 @@ async def test_relay_brings_back_a_replica_that_fell_back_to_the_base_model(tmp_
             await relay.start()  # finds version 1 on the volume by itself
             assert await relay.wait_served(1, timeout=60) and versions.value == 1
             replicas[0].reload_base()  # what a restarted replica looks like: the base model, version 0
-            deadline = asyncio.get_running_loop().time() + 30
-            while [e["replica"] for e in read_events(events.path) if e["ok"]].count(replicas[0].url) < 2:
-                assert asyncio.get_running_loop().time() < deadline, "the relay did not notice the regression"
-                await asyncio.sleep(0.1)
+            await until(
+                lambda: [e["replica"] for e in read_events(events.path) if e["ok"]].count(replicas[0].url) >= 2,
+                "the relay did not notice the regression",
+            )
             assert [r.status().step for r in replicas] == [1, 1]
             assert store.in_use() == {1}
         finally:
@@ -219,10 +219,7 @@ async def test_a_frozen_replica_s_probe_does_not_hold_back_the_other_replica_s_u
         try:
             await asyncio.sleep(1.0)  # a probe of the frozen replica is under way, for 120 s
             publish_weights(store, 1, tiny_model)  # found by the store poll
-            deadline = asyncio.get_running_loop().time() + 60
-            while healthy.version != 1:
-                assert asyncio.get_running_loop().time() < deadline, "the other replica waited for the frozen one"
-                await asyncio.sleep(0.05)
+            await until(lambda: healthy.version == 1, "the other replica waited for the frozen one", timeout=60)
             assert replicas[0].status().step == 1
         finally:
             os.kill(frozen.proc.pid, signal.SIGCONT)
@@ -253,10 +250,7 @@ async def test_a_replica_restarted_on_the_base_model_is_not_taken_for_the_versio
         assert await relay.wait_served(1, timeout=60) and known.version == 1
         port, control = replica.url.rsplit(":", 1)[1], replica.control.rsplit(":", 1)[1]
         replica.kill()
-        deadline = asyncio.get_running_loop().time() + 30
-        while not known.failures:  # the next probe finds it gone
-            assert asyncio.get_running_loop().time() < deadline, "the relay did not notice the replica died"
-            await asyncio.sleep(0.05)
+        await until(lambda: known.failures, "the relay did not notice the replica died")  # the next probe finds it gone
         restarted = await asyncio.to_thread(
             InferenceServer, tiny_model, "--server.port", port, "--control.port", control, log_dir=tmp_path
         )
@@ -347,12 +341,17 @@ async def test_spilled_batches_are_deleted_once_trained(tmp_path, redis_url, uni
     assert left and min(left) >= steps - 1 - k and max(left) == steps, left
 
 
+async def until(condition, what, timeout: float = 30) -> None:
+    """Wait until `condition()` holds; past `timeout` seconds fail saying `what` (a text, or a function giving one)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, what() if callable(what) else what
+        await asyncio.sleep(0.05)
+
+
 async def held(store: WeightStore, step: int, is_held: bool = True) -> None:
     """Wait until the relay declared version `step` held (`is_held`), or no longer held."""
-    deadline = asyncio.get_running_loop().time() + 30
-    while (step in store.in_use()) != is_held:
-        assert asyncio.get_running_loop().time() < deadline, store.in_use()
-        await asyncio.sleep(0.05)
+    await until(lambda: (step in store.in_use()) == is_held, lambda: store.in_use())
 
 
 async def test_a_version_a_replica_is_being_sent_is_not_pruned_when_a_newer_one_comes(
@@ -458,14 +457,11 @@ async def test_versions_sent_to_a_replica_that_is_down_are_not_held(tmp_path, st
             await relay.start()
             for step in (1, 2):
                 relay.notify(publish_weights(store, step, tiny_model))
-                deadline = asyncio.get_running_loop().time() + 60
-                while not any(e["replica"] == down.url and e["step"] == step for e in read_events(events.path)):
-                    assert asyncio.get_running_loop().time() < deadline, read_events(events.path)
-                    await asyncio.sleep(0.05)
-            deadline = asyncio.get_running_loop().time() + 60
-            while known.version != 2:  # the replica that is up serves 2: nothing holds 1 for its sake
-                assert asyncio.get_running_loop().time() < deadline, known.version
-                await asyncio.sleep(0.05)
+                await until(lambda step=step: any(e["replica"] == down.url and e["step"] == step
+                                                  for e in read_events(events.path)),
+                            lambda: read_events(events.path), timeout=60)  # fmt: skip
+            # the replica that is up serves 2: nothing holds 1 for its sake
+            await until(lambda: known.version == 2, lambda: known.version, timeout=60)
             await held(store, 1, False)
             store.prune(keep_last=1)
             assert store.steps() == [2]
@@ -528,11 +524,8 @@ def beside_one_down(replica, cooldown_s: float = 600.0):
 
 async def updated(relay, replica) -> None:
     """Wait for the relay's loop to start an update of `replica`, then for that update to end."""
-    deadline = asyncio.get_running_loop().time() + 60
-    while (updater := relay._updaters.get(replica.url)) is None:
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.05)
-    await asyncio.wait_for(asyncio.shield(updater), timeout=60)
+    await until(lambda: relay._updaters.get(replica.url) is not None, "no update of the replica started", timeout=60)
+    await asyncio.wait_for(asyncio.shield(relay._updaters[replica.url]), timeout=60)
 
 
 def refusal_relay(replica_set, store, events) -> tuple[WeightRelay, asyncio.Task]:
