@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from gyre.config.shared import ModelConfig
 from gyre.config.trainer import LossConfig, OptimConfig, TrainerConfig
 from gyre.model_init import PresetName
 from gyre.packing import first_fit_decreasing
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gyre_trainer.attention import uses_varlen, varlen_kwargs
 from gyre_trainer.model import load_model, packed_logprobs, resolve_device
@@ -60,11 +60,16 @@ from gyre_trainer.perf import (
 from gyre_trainer.step import group_rows, pack_rows, train_step
 
 
+class BenchModelConfig(ModelConfig):
+    # An empty text key is refused (575eb07), so "no model" is None: the bench then builds a fresh one.
+    name: str | None = Field(None, description="Model folder or hub id; unset = a fresh model of --preset.")
+
+
 class TrainerBenchConfig(GyreSettings):
     """Benchmark the trainer step on fake packed batches (bare step vs full RL step, packing, MFU)."""
 
-    model: ModelConfig = Field(
-        default_factory=lambda: ModelConfig(name=""), description="Model folder; empty = a fresh tiny model."
+    model: BenchModelConfig = Field(
+        default_factory=BenchModelConfig, description="Model to time; unset = a fresh model of --preset."
     )
     preset: PresetName = Field("tiny", description="Preset of the fresh model (`gyre model init`'s presets).")
     seq_len: int = Field(1024, ge=16, description="Tokens per packed row.")
@@ -89,6 +94,12 @@ class TrainerBenchConfig(GyreSettings):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device.")
     threads: int = Field(2, ge=1, description="CPU threads (torch.set_num_threads).")
     seed: int = Field(0, description="Seed of the fake data.")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _any_model_section(cls, value: Any) -> Any:
+        # A trainer's or test's ModelConfig is taken as it is (pydantic wants this subclass's instance).
+        return value.model_dump() if isinstance(value, ModelConfig) else value
 
     @model_validator(mode="after")
     def _lengths_fit(self) -> TrainerBenchConfig:
