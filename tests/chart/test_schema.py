@@ -128,12 +128,56 @@ def schema_error(values: dict) -> str:
         # one pod at a time: the other pods sharing the claim (inference, orchestrator, trainer) stay Pending for good
         ({"persistence": {"accessMode": "ReadWriteOncePod"}}, ["/persistence/accessMode", "ReadWriteOnce'"]),
         ({"modelCache": {"type": "pvc", "accessMode": "ReadWriteOncePod"}}, ["/modelCache/accessMode"]),
+        # empty or blank text the services' loader refuses: helm install refused nothing and the pod crash-looped
+        ({"experiment": {"trainer": {"lora": {"target_modules": ["q_proj", ""]}}}}, ["/experiment/trainer/lora"]),
+        ({"experiment": {"model": {"name": " "}}}, ["/experiment/model/name"]),
+        ({"experiment": {"trainer": {"wandb": {"project": ""}}}}, ["/experiment/trainer/wandb/project"]),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(values, names):
     message = schema_error(values)
     for name in names:
         assert name in message, message
+
+
+def test_every_text_key_the_loader_refuses_blank_the_schema_refuses_blank():
+    """Each `str` / `list[str]` key of the services' config models (what `gyre.config.loader` refuses empty or
+    blank) has the not-blank pattern in its schema definition, so no such key is forgotten by hand."""
+    import typing
+
+    from gyre.config.loader import _unannotated
+    from pydantic import BaseModel
+
+    generator = load_generator()
+    definitions = json.loads((CHART / "values.schema.json").read_text())["definitions"]
+    seen: set[type] = set()
+    checked = 0
+
+    def visit(model: type[BaseModel]) -> None:
+        nonlocal checked
+        if model in seen:
+            return
+        seen.add(model)
+        properties = definitions.get(f"gyre.{model.__name__}", {}).get("properties", {})
+        for name, field in model.model_fields.items():
+            annotation = _unannotated(field.annotation)
+            for arg in (annotation, *typing.get_args(annotation)):
+                arg = _unannotated(arg)
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    visit(arg)
+            if name not in properties or "const" in properties[name]:  # chart-owned or moved keys
+                continue
+            prop = properties[name]
+            if annotation is str:  # the not-blank rule, or a stricter pattern or choice of its own
+                assert {"pattern", "enum"} & set(prop), f"{model.__name__}.{name} takes blank text: {prop}"
+                checked += 1
+            elif typing.get_origin(annotation) is list and typing.get_args(annotation) == (str,):
+                assert prop["items"].get("pattern") == generator.NOT_BLANK, (model, name, prop)
+                checked += 1
+
+    for model in generator.service_models().values():
+        visit(model)
+    assert checked >= 10
 
 
 def test_every_container_resource_name_kubernetes_takes_passes_the_schema():

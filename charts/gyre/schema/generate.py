@@ -100,6 +100,24 @@ def _to_draft7(node: dict) -> dict:
     return node
 
 
+# Text that is empty or blank: the services' loader refuses it in a key typed `str` or `list[str]` (None is an
+# optional key's "unset"), so `helm install` refuses it too, instead of a pod that crash-loops naming the key.
+NOT_BLANK = r"\S"
+
+
+def _plain_text(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("type") == "string" and not {"enum", "const", "pattern"} & set(node)
+
+
+def _refuse_blank_text(definition: dict) -> None:
+    """Give every `str` and `list[str]` property of a definition the loader's not-blank rule."""
+    for prop in definition.get("properties", {}).values():
+        if _plain_text(prop):
+            prop["pattern"] = NOT_BLANK
+        elif prop.get("type") == "array" and _plain_text(prop.get("items")):
+            prop["items"]["pattern"] = NOT_BLANK
+
+
 def _refs(node: Any) -> list[str]:
     return re.findall(r'"\$ref": "#/definitions/([^"]+)"', json.dumps(node))
 
@@ -111,6 +129,8 @@ def experiment_definitions() -> dict[str, Any]:
     models = service_models()
     _, schema = models_json_schema([(m, "validation") for m in models.values()], ref_template="#/$defs/{model}")
     defs = {f"gyre.{name}": _walk(body, _to_draft7) for name, body in schema["$defs"].items()}
+    for definition in defs.values():
+        _refuse_blank_text(definition)
 
     # Remove the chart-owned keys. A definition is edited in place only if no other one refers to it,
     # so removing e.g. `server` from the inference table cannot change another service's table.
