@@ -422,7 +422,7 @@ def import_model(
     Raises `ModelImportError` (nothing written) for a source that cannot be found, fetched or verified and
     `FileExistsError` for a non-empty `output_dir` without `overwrite`.
     """
-    from gyre.model_init import check_output_dir, publish_model_folder
+    from gyre.model_init import check_output_dir, publish_model_folder, staging_path
 
     output_dir = Path(output_dir).resolve()
     check_output_dir(output_dir, overwrite)
@@ -454,8 +454,9 @@ def import_model(
     reference = logits_of(model, ids) if verify else None
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{output_dir.name}-", dir=output_dir.parent))
+    staging = staging_path(output_dir)
     try:
+        staging.mkdir(mode=0o700)
         began = time.monotonic()
         write_folder(model, tokenizer, staging)
         size = sum(p.stat().st_size for p in staging.iterdir())

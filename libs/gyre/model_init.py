@@ -44,8 +44,8 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,8 +219,9 @@ def init_model(
     output_dir = Path(output_dir).resolve()
     check_output_dir(output_dir, overwrite, "pass overwrite=True (--overwrite)")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{output_dir.name}-", dir=output_dir.parent))
+    staging = staging_path(output_dir)
     try:
+        staging.mkdir(mode=0o700)
         if hf_config is not None:
             tokenizer_vocab, context = min(hf_config.vocab_size, 4096), hf_config.max_position_embeddings
         else:
@@ -580,6 +581,13 @@ def make_tokenizer_config_portable(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def staging_path(output_dir: Path) -> Path:
+    """A fresh `.tmp-*` name beside `output_dir`, chosen before the folder is made: the caller makes it inside its
+    cleanup's try, so a Ctrl-C or SIGTERM at any instant leaves no folder behind (with mkdtemp one arriving between
+    the folder's creation and the assignment left it, unnamed, for good)."""
+    return output_dir.parent / f".tmp-{output_dir.name}-{uuid.uuid4().hex[:8]}"
+
+
 def check_output_dir(output_dir: Path, overwrite: bool, how: str = "pass --overwrite to replace it") -> None:
     """FileExistsError unless a model may be written to `output_dir`: absent, empty, or (with `overwrite`) a model
     folder. `--overwrite` replaces the whole folder: on a run folder (`--output-dir outputs/demo`) or a project
@@ -633,7 +641,7 @@ def publish_model_folder(staging: Path, output_dir: Path) -> None:
         file.chmod(0o644)  # save_pretrained may leave 0600; other services' users read these
         with file.open("rb") as f:
             os.fsync(f.fileno())
-    staging.chmod(0o755)  # mkdtemp creates 0700
+    staging.chmod(0o755)  # staging is made 0700
     retired = None
     if output_dir.exists():
         retired = output_dir.with_name(f".old-{output_dir.name}-{os.getpid()}")
