@@ -8,6 +8,7 @@ for the frozen weight and `<module>.lora_{A,B}.<adapter>.weight` for the adapter
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any
 
@@ -77,3 +78,29 @@ def config_scale(config: dict) -> float:
     if config.get("use_rslora") or config.get("use_dora"):
         raise ValueError(f"{ADAPTER_CONFIG}: rsLoRA/DoRA adapters are not supported")
     return config["lora_alpha"] / config["r"]
+
+
+def target_modules_problem(model: Any, target_modules: list[str]) -> str | None:
+    """What is wrong with LoRA's `target_modules` for `model` (an `nn.Module`; on the meta device will do), or
+    None when every entry names layers of the model (as peft matches them: the module's name or its last parts)
+    and none is an output layer tied to the input embeddings. peft refuses only a list of which nothing matches:
+    ["q_proj", "v_prj"] trained q_proj alone. An adapter on a tied `lm_head` would change one of two copies of a
+    single tensor: the merged weights could not say which one to keep."""
+    import torch
+
+    names = [name for name, _ in model.named_modules() if name]
+    for target in target_modules:
+        if not any(name == target or name.endswith(f".{target}") for name in names):
+            layers = sorted({name.rpartition(".")[2] for name, module in model.named_modules()
+                             if isinstance(module, torch.nn.Linear)})  # fmt: skip
+            close = difflib.get_close_matches(target, layers, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"{target!r} names no layer of the model{hint}; its linear layers: {', '.join(layers)}"
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is None or not getattr(model.config, "tie_word_embeddings", False):
+        return None
+    for name, module in model.named_modules():
+        if module is out and any(name == t or name.endswith(f".{t}") for t in target_modules):
+            return (f"{name!r} is tied to the input embeddings (tie_word_embeddings): an adapter on it "
+                    "cannot be merged into one tensor; drop it from target_modules")  # fmt: skip
+    return None

@@ -522,14 +522,14 @@ def _load_hf_config(path: Path | str, vocab_size: int | None, max_position_embed
     return config
 
 
-def _preset_config(shape: ModelPreset, tokenizer):
+def _preset_config(shape: ModelPreset, tokenizer=None):
+    """The HF config of a preset; without a tokenizer its special token ids are unset (`model_skeleton`)."""
     from transformers import LlamaConfig, Qwen3Config
 
-    ids = {
-        "bos_token_id": None,
-        "eos_token_id": tokenizer.convert_tokens_to_ids(IM_END),
-        "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-    }
+    ids = {"bos_token_id": None}
+    if tokenizer is not None:
+        ids.update(eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+                   pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT))  # fmt: skip
     common = {
         "vocab_size": shape.vocab_size,
         "hidden_size": shape.hidden_size,
@@ -564,6 +564,18 @@ def _build_model(config, seed: int, tokenizer):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=im_end_id, pad_token_id=pad_id)
     return model
+
+
+def model_skeleton(name: str | None = None, preset: str | None = None):
+    """The modules of model `name` (a folder or hub id), or of a preset's model, on the meta device: no weights
+    are read and no memory is taken, so a launch checks the names settings give (LoRA's target_modules) in a
+    second, before anything starts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = _preset_config(_resolve_shape(preset, None, None)) if preset else AutoConfig.from_pretrained(name)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def make_tokenizer_config_portable(path: Path) -> None:

@@ -46,7 +46,7 @@ from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
 from gyre.config.loader import dump_toml, expand_shorthands, name_environment_variables, under_section
 from gyre.config.rerun import SFT_RECORD, dotted_keys, sft_changes, sft_refusal
 from gyre.config.rl import RLConfig
-from gyre.config.trainer import SFTConfig
+from gyre.config.trainer import SFTConfig, TrainerConfig
 from gyre.events import ORCHESTRATOR_STEPS, SEGMENT_ENV, new_segment_id, read_events
 from gyre.fsio import write_atomic
 from gyre.inference_process import InferenceProcess, NotReady
@@ -243,12 +243,38 @@ class Launcher:
                 _check_model(server.model, key=f"servers.{server.name}.model", hint=hint)
             except ModelUnavailable as e:
                 raise ConfigError(str(e)) from None
+        self._check_lora_targets(configs.trainer, base)
         self._check_resume_step()
         if cfg.redis.url:
             self._check_redis(cfg.redis.url)
             self._check_streams_are_ours(cfg.redis.url)
         if cfg.fresh:
             self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
+
+    def _check_lora_targets(self, trainer: TrainerConfig, base: str) -> None:
+        """ConfigError naming the key when a LoRA target_modules entry names no layer of the model (or its tied
+        output layer): the trainer refused it only when it loaded the model, after Redis, inference and the
+        orchestrator had started. Checked on the model's skeleton (no weights: a second); a model whose skeleton
+        cannot be built here (a custom architecture) is left to the trainer's own check."""
+        from gyre.lora import target_modules_problem
+        from gyre.model_init import model_skeleton
+
+        wanted = [("trainer.lora.target_modules", trainer.lora)] + [
+            (f"runs.{i}.trainer.lora.target_modules" if run.lora else "trainer.lora.target_modules", run.lora)
+            for i, run in enumerate(trainer.runs)
+        ]
+        wanted = [(key, lora.target_modules) for key, lora in wanted if lora is not None]
+        if not wanted:
+            return
+        preset = self.cfg.model.init_preset if not Path(base).exists() else None
+        try:
+            model = model_skeleton(base, preset)
+        except Exception as e:  # noqa: BLE001 - the trainer checks the same when it loads the model
+            log.debug("LoRA targets not checked at launch: %s", e)
+            return
+        for key, targets in wanted:
+            if problem := target_modules_problem(model, targets):
+                raise ConfigError(f"config key '{key}': {problem}")
 
     def _refuse_ignored_settings(self, sft: SFTConfig | None) -> None:
         """ConfigError naming the key when a re-run asks for a base model or SFT warm-up unlike the one the folder

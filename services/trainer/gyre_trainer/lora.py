@@ -15,13 +15,12 @@ under FSDP2), with plain tensor math, so it never changes the live model:
 from __future__ import annotations
 
 import contextlib
-import difflib
 import re
 import warnings
 from typing import Any
 
 import torch
-from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_tensors, merge, split_lora
+from gyre.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_tensors, merge, split_lora, target_modules_problem
 from gyre.lora import adapter_config as _adapter_config
 
 __all__ = [
@@ -39,42 +38,12 @@ def _peft_config(cfg: Any):
     )  # fmt: skip
 
 
-def _refuse_tied_output(model: torch.nn.Module, cfg: Any) -> None:
-    """An adapter on the output layer (`lm_head`) of a model that ties it to the input embeddings would
-    change one of two copies of a single tensor: the merged weights could not say which one to keep."""
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if out is None or not getattr(model.config, "tie_word_embeddings", False):
-        return
-    for name, module in model.named_modules():
-        if module is out and any(name == t or name.endswith(f".{t}") for t in cfg.target_modules):
-            raise ValueError(
-                f"trainer.lora.target_modules: {name!r} is tied to the input embeddings (tie_word_embeddings): "
-                "an adapter on it cannot be merged into one tensor; drop it from target_modules"
-            )
-
-
-def _refuse_unmatched_targets(model: torch.nn.Module, cfg: Any) -> None:
-    """Every target_modules entry must name layers of the model (as peft matches them: the module's name or its
-    last parts). peft refuses only a list of which nothing matches: ["q_proj", "v_prj"] trained q_proj alone."""
-    names = [name for name, _ in model.named_modules() if name]
-    for target in cfg.target_modules:
-        if not any(name == target or name.endswith(f".{target}") for name in names):
-            layers = sorted({name.rpartition(".")[2] for name, module in model.named_modules()
-                             if isinstance(module, torch.nn.Linear)})  # fmt: skip
-            close = difflib.get_close_matches(target, layers, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"trainer.lora.target_modules: {target!r} names no layer of the model{hint}; its linear layers: "
-                + ", ".join(layers)
-            )
-
-
 def apply_lora(model: torch.nn.Module, cfg: Any, adapter_name: str = "default") -> torch.nn.Module:
     """`model` wrapped in a peft LoRA model (cfg: rank, alpha, dropout, target_modules); base frozen."""
     from peft import get_peft_model
 
-    _refuse_unmatched_targets(model, cfg)
-    _refuse_tied_output(model, cfg)
+    if problem := target_modules_problem(model, cfg.target_modules):
+        raise ValueError(f"trainer.lora.target_modules: {problem}")
     with warnings.catch_warnings():
         # peft asks transformers' deprecated `is_gradient_checkpointing`: a FutureWarning in every LoRA run's log
         # that names neither Gyre nor anything its user can change
@@ -88,7 +57,8 @@ def add_adapter(model: torch.nn.Module, name: str, cfg: Any) -> torch.nn.Module:
 
     if not isinstance(model, PeftModel):
         return apply_lora(model, cfg, adapter_name=name)
-    _refuse_unmatched_targets(model, cfg)
+    if problem := target_modules_problem(model, cfg.target_modules):
+        raise ValueError(f"trainer.lora.target_modules: {problem}")
     model.add_adapter(name, _peft_config(cfg))
     return model
 
