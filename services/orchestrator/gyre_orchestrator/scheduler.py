@@ -32,9 +32,11 @@ closes with its last `batch_size` dropped groups (`StepState.zero_signal_batch`:
 
 A task whose prompt does not fit the model's context (`ContextLengthExceeded` on its first turn) is skipped,
 counted in `skipped_overlong` and replaced by a fresh task, outside the budget (the server refuses it before
-generating anything). Only when every one of the last `overlong_window` tasks drawn was too long does the
-scheduler fail, with a message naming the settings to change; in a mix of environments (tasks with an `env`), the
-last ones drawn from each environment (one whose prompts never fit was silently left out of the mix).
+generating anything). Only when every one of the last `overlong_window` tasks drawn whose outcome is known was too
+long does the scheduler fail, with a message naming the settings to change; in a mix of environments (tasks with an
+`env`), the last ones drawn from each environment (one whose prompts never fit was silently left out of the mix).
+Groups still generating are not counted: the newest draws are always in flight, and counted as fitting they kept
+the window from ever filling, so a run whose tasks never fit skipped them for ever.
 
 Steps close and are handed out strictly in order (`next_batch`), each exactly once.
 """
@@ -111,6 +113,7 @@ class Group:
     samples: list[Any]
     dispatched_version: int  # version VersionWatch reported when the group started
     overlong: bool = False  # the task's prompt did not fit the model's context: skipped
+    settled: bool = False  # generated, skipped or failed: no longer in flight
 
     @property
     def rewards(self) -> list[float]:
@@ -328,7 +331,7 @@ class RolloutScheduler:
             task = self.next_task()
             st.drawn += 1
         group = Group(step=st.step, task=task, samples=[], dispatched_version=self.versions.value)
-        self._drawn.setdefault(getattr(group.task, "env", None), deque(maxlen=self.overlong_window)).append(group)
+        self._drawn.setdefault(getattr(group.task, "env", None), deque()).append(group)
         task = asyncio.create_task(self._run_group(st, group), name=f"group-step{st.step}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -343,12 +346,15 @@ class RolloutScheduler:
         except ContextLengthExceeded as e:
             for sample in samples:  # the same prompt: its other rollouts cannot fit either
                 sample.cancel()
+            group.settled = True
             self._skip_overlong(st, group, e)
         except BaseException as e:
             for sample in samples:  # the run fails: the group's other rollouts would go on retrying for nothing
                 sample.cancel()
             self._failed = self._failed or e
         else:
+            group.settled = True
+            self._settled_draws(getattr(group.task, "env", None))  # trims the draws kept for the overlong check
             st.all_rewards.extend(group.rewards)
             st.finished.append(group)
             if self.drop_zero_signal and is_zero_signal(group.rewards):
@@ -378,7 +384,7 @@ class RolloutScheduler:
         else:  # a refill: its entry's next task takes its place (a fresh draw gave the entry's share to the mix)
             st.owed.appendleft(group.task.env)
         env = getattr(group.task, "env", None)
-        drawn = self._drawn.get(env, ())
+        drawn = self._settled_draws(env)
         if len(drawn) == self.overlong_window and all(g.overlong for g in drawn):
             of = f" from environment {env!r}" if len(self._drawn) > 1 else ""  # a mix: the others fit
             length = self.length_keys.get(env, "sampling.max_tokens")  # a mix entry's own length, if it set one
@@ -396,6 +402,19 @@ class RolloutScheduler:
                 "total)",
                 error,
             )
+
+    def _settled_draws(self, env: Any) -> list[Group]:
+        """The last `overlong_window` groups drawn (from `env`) before the oldest one still in flight, in draw order;
+        older ones are forgotten."""
+        drawn = self._drawn.get(env, deque())
+        settled = 0
+        for group in drawn:
+            if not group.settled:
+                break
+            settled += 1
+        for _ in range(settled - self.overlong_window):
+            drawn.popleft()
+        return list(drawn)[: min(settled, self.overlong_window)]
 
     async def _fresh_sample(self, st: StepState, task: Any, index: int) -> Any:
         """Sample `index` of `task`'s group from a version >= the step's floor: stale ones are redone."""

@@ -280,13 +280,14 @@ async def test_a_failed_group_stops_its_other_rollouts():
     await sched.stop()
 
 
-def overlong_scheduler(fits, calls: list, **kwargs) -> RolloutScheduler:
+def overlong_scheduler(fits, calls: list, delay=lambda task: 0.0, **kwargs) -> RolloutScheduler:
     """batch 2, groups of 3, oversample_limit 2; tasks for which `fits(task)` is false are refused by the model
-    client as longer than its context (what the client raises on the server's 400 context_length_exceeded)."""
+    client as longer than its context (what the client raises on the server's 400 context_length_exceeded), each
+    rollout after `delay(task)` seconds."""
 
     async def generate(task, floor, key):
         calls.append(task)
-        await asyncio.sleep(0)
+        await asyncio.sleep(delay(task))
         if not fits(task):
             raise ContextLengthExceeded(f"task {task}: 400 This model's maximum context length is 64 tokens")
         return Fixed(reward=random.random())
@@ -327,6 +328,30 @@ async def test_a_split_whose_tasks_never_fit_stops_the_run_naming_what_to_change
     for key in ("sampling.max_tokens", "max_model_len", "env.args"):
         assert key in message
     assert len(set(calls)) <= 20 + 4  # it stops at the window (plus the groups in flight), not after retries
+
+
+async def test_a_split_that_never_fits_stops_the_run_while_the_newest_draws_are_in_flight():
+    # the server's refusals come one by one, each group's after its own time (HTTP), and every refusal starts a
+    # fresh draw: the newest groups are always in flight. They counted as fitting, so the window never held only
+    # refusals, and a run whose tasks never fit skipped them for ever (10,000 refusals in 20 s, no step)
+    calls: list[int] = []
+    sched = overlong_scheduler(lambda task: False, calls, delay=lambda task: 0.001 * (1 + task % 4),
+                               max_inflight_groups=8, overlong_window=20)  # fmt: skip
+    with pytest.raises(RuntimeError, match="last 20 tasks drawn were all too long"):
+        await asyncio.wait_for(sched.next_batch(), timeout=5)
+    await sched.stop()
+    assert len(set(calls)) <= 20 + 8
+
+
+async def test_a_task_that_fits_while_it_generates_keeps_the_run_going():
+    # 9 of every 10 tasks are refused at once while the ones that fit generate for long: the refusals that finish
+    # meanwhile are newer draws than a group still generating, so they do not fill the window before it
+    calls: list[int] = []
+    sched = overlong_scheduler(lambda task: task % 10 == 9, calls, delay=lambda task: 0.2 if task % 10 == 9 else 0.0,
+                               max_inflight_groups=4, overlong_window=20)  # fmt: skip
+    steps = [await asyncio.wait_for(sched.next_batch(), timeout=10) for _ in range(2)]
+    await sched.stop()
+    assert all(len(st.kept) == 2 for st in steps)
 
 
 async def test_a_task_that_fits_among_the_window_keeps_the_run_going():
