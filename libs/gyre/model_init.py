@@ -523,7 +523,7 @@ def _load_hf_config(path: Path | str, vocab_size: int | None, max_position_embed
 
 
 def _preset_config(shape: ModelPreset, tokenizer=None):
-    """The HF config of a preset; without a tokenizer its special token ids are unset (`model_skeleton`)."""
+    """The HF config of a preset; without a tokenizer its special token ids are unset (`preset_config`)."""
     from transformers import LlamaConfig, Qwen3Config
 
     ids = {"bos_token_id": None}
@@ -566,16 +566,9 @@ def _build_model(config, seed: int, tokenizer):
     return model
 
 
-def model_skeleton(name: str | None = None, preset: str | None = None):
-    """The modules of model `name` (a folder or hub id), or of a preset's model, on the meta device: no weights
-    are read and no memory is taken, so a launch checks the names settings give (LoRA's target_modules) in a
-    second, before anything starts."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = _preset_config(_resolve_shape(preset, None, None)) if preset else AutoConfig.from_pretrained(name)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+def preset_config(preset: str):
+    """The HF config of the model `gyre model init` makes of `preset` (its special token ids unset)."""
+    return _preset_config(_resolve_shape(preset, None, None))
 
 
 def make_tokenizer_config_portable(path: Path) -> None:

@@ -243,7 +243,7 @@ class Launcher:
                 _check_model(server.model, key=f"servers.{server.name}.model", hint=hint)
             except ModelUnavailable as e:
                 raise ConfigError(str(e)) from None
-        self._check_lora_targets(configs.trainer, base)
+        self._check_against_the_model(configs, base)
         self._check_resume_step()
         if cfg.redis.url:
             self._check_redis(cfg.redis.url)
@@ -251,13 +251,49 @@ class Launcher:
         if cfg.fresh:
             self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
 
-    def _check_lora_targets(self, trainer: TrainerConfig, base: str) -> None:
-        """ConfigError naming the key when a LoRA target_modules entry names no layer of the model (or its tied
-        output layer): the trainer refused it only when it loaded the model, after Redis, inference and the
-        orchestrator had started. Checked on the model's skeleton (no weights: a second); a model whose skeleton
-        cannot be built here (a custom architecture) is left to the trainer's own check."""
+    def _check_against_the_model(self, configs: ServiceConfigs, base: str) -> None:
+        """ConfigError naming the key for a setting the model cannot take, read from its config (no weights: a
+        second): a LoRA target that names no layer of it (the trainer refused it only when it loaded the model, after
+        Redis, inference and the orchestrator had started), or a completion budget that leaves no room for a prompt
+        in its context (every task was refused as too long, and the run stopped after 200 of them). A model whose
+        config cannot be read here (a custom architecture) is left to the services' own checks."""
+        from gyre.model_shape import model_config
+
+        preset = self.cfg.model.init_preset if not Path(base).exists() else None
+        try:
+            config = model_config(base, preset)
+        except Exception as e:  # noqa: BLE001 - the services check the same when they load the model
+            log.debug("settings not checked against the model at launch: %s", e)
+            return
+        self._check_completion_budget(configs, config)
+        self._check_lora_targets(configs.trainer, config)
+
+    def _check_completion_budget(self, configs: ServiceConfigs, config: Any) -> None:
+        from gyre.model_shape import served_context
+
+        try:
+            context = served_context(config, configs.inference[0].engine.max_model_len)
+        except ValueError:
+            return  # the replica says what is wrong when it starts
+        runs = {run.name: (index, run) for index, run in enumerate(self.cfg.runs)}
+        for name, orch in configs.orchestrators.items():
+            index, run = runs.get(name, (None, None))
+            for i, entry in enumerate(orch.envs):
+                if orch.max_tokens(entry) < context:
+                    continue
+                key = orch.max_tokens_key(i)
+                own = run is not None and key.split(".")[0] in run.orchestrator  # the run's own table set it
+                key = f"runs.{index}.orchestrator.{key}" if own else f"orchestrator.{key}"
+                raise ConfigError(
+                    f"config key '{key}': {orch.max_tokens(entry)} completion tokens leave no room for a prompt in the "
+                    f"model's context of {context} tokens (inference.engine.max_model_len, else the model's "
+                    "max_position_embeddings): lower it, or serve a model with a longer context"
+                )
+
+    @staticmethod
+    def _check_lora_targets(trainer: TrainerConfig, config: Any) -> None:
         from gyre.lora import target_modules_problem
-        from gyre.model_init import model_skeleton
+        from gyre.model_shape import model_skeleton
 
         wanted = [("trainer.lora.target_modules", trainer.lora)] + [
             (f"runs.{i}.trainer.lora.target_modules" if run.lora else "trainer.lora.target_modules", run.lora)
@@ -266,12 +302,7 @@ class Launcher:
         wanted = [(key, lora.target_modules) for key, lora in wanted if lora is not None]
         if not wanted:
             return
-        preset = self.cfg.model.init_preset if not Path(base).exists() else None
-        try:
-            model = model_skeleton(base, preset)
-        except Exception as e:  # noqa: BLE001 - the trainer checks the same when it loads the model
-            log.debug("LoRA targets not checked at launch: %s", e)
-            return
+        model = model_skeleton(config)
         for key, targets in wanted:
             if problem := target_modules_problem(model, targets):
                 raise ConfigError(f"config key '{key}': {problem}")

@@ -25,6 +25,7 @@ from typing import Annotated
 
 import torch
 from fastapi import FastAPI
+from gyre.model_shape import served_context
 from gyre.transport import FetchedWeights
 from pydantic import Field, model_validator
 
@@ -33,7 +34,7 @@ from gyre_inference.chat_messages import ChatMessage
 from gyre_inference.cpus import default_engine_threads
 from gyre_inference.errors import APIError, unknown_model
 from gyre_inference.strict import ParamError, StrictModel
-from gyre_inference.torch_backend import resolve_device, resolve_dtype, served_context
+from gyre_inference.torch_backend import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 

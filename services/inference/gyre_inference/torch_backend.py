@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
+from gyre.model_shape import served_context
 from gyre.transport import FetchedWeights
 
 from gyre_inference.backend import (
@@ -70,20 +71,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
-
-
-def served_context(config, requested: int | None) -> int:
-    """The context a model is served with: `engine.max_model_len` (`requested`) or else the model config's
-    `max_position_embeddings` (the positions it was trained for), never more. Never the tokenizer's
-    `model_max_length`: a tokenizer without a limit (a GGUF's, most hub ones) says 1e30, transformers'
-    VERY_LARGE_INTEGER."""
-    limit = getattr(config, "max_position_embeddings", None) or requested
-    if limit is None:
-        raise ValueError("the model config has no max_position_embeddings: set engine.max_model_len")
-    if requested is not None and requested > limit:
-        raise ValueError(f"engine.max_model_len {requested} exceeds the model's context {limit} "
-                         "(its config's max_position_embeddings)")  # fmt: skip
-    return requested or limit
 
 
 class TorchBackend(EngineLoop, Backend):

@@ -1,7 +1,9 @@
-"""`gyre rl` checks LoRA's target_modules against the model before anything starts: a typo ("v_prj") or an
-adapter on a tied output layer was refused only by the trainer, when it loaded the model after Redis, inference
-and the orchestrator had started. The check builds the model's skeleton (no weights), from a model folder or from
-the preset a launch will create."""
+"""`gyre rl` checks settings against the model's config before anything starts (no weights are read: the model
+folder's config, or that of the preset the launch will create):
+- LoRA's target_modules: a typo ("v_prj") or an adapter on a tied output layer was refused only by the trainer, when
+  it loaded the model after Redis, inference and the orchestrator had started (checked on the model's skeleton);
+- the completion budget: a sampling.max_tokens the served context cannot hold with any prompt had every task refused
+  as too long (and, until the scheduler's fix, skipped for ever)."""
 
 from __future__ import annotations
 
@@ -65,4 +67,38 @@ def test_a_runs_own_targets_name_that_runs_key(tmp_path):
         + 'trainer = { lora = { rank = 4, target_modules = ["q_proj", "gate_prj"] } }\n'
     )
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.trainer.lora.target_modules': 'gate_prj' names no"):
+        validate(tmp_path / "run", config=["@", str(recipe)])
+
+
+def test_a_completion_budget_the_context_cannot_hold_is_refused_naming_the_key(tmp_path):
+    # the tiny preset's context is 1024 tokens: 1024 completion tokens leave none for the prompt
+    with pytest.raises(ConfigError) as refused:
+        validate(tmp_path / "run", "--orchestrator.sampling.max-tokens", "1024")
+    message = str(refused.value)
+    assert message.startswith("config key 'orchestrator.sampling.max_tokens': 1024 completion tokens leave no room")
+    assert "context of 1024 tokens" in message
+    assert not (tmp_path / "run").exists()
+    validate(tmp_path / "fits", "--orchestrator.sampling.max-tokens", "1000")
+
+
+def test_the_served_context_is_inferences_max_model_len_when_set(tmp_path):
+    argv = ["--inference.engine.max-model-len", "512"]
+    with pytest.raises(ConfigError, match=r"'orchestrator.sampling.max_tokens': 600 .* context of 512 tokens"):
+        validate(tmp_path / "run", *argv, "--orchestrator.sampling.max-tokens", "600")
+    validate(tmp_path / "ok", *argv, "--orchestrator.sampling.max-tokens", "500")
+
+
+def test_a_mix_entrys_own_budget_and_a_runs_own_table_are_named(tmp_path):
+    mix = json.dumps(
+        [{"name": "reverse_text"}, {"name": "reverse_text", "label": "long", "sampling": {"max_tokens": 2048}}]
+    )
+    with pytest.raises(ConfigError, match=r"^config key 'orchestrator.env.1.sampling.max_tokens': 2048 completion"):
+        validate(tmp_path / "mix", "--orchestrator.env", mix)
+    recipe = tmp_path / "two.toml"
+    recipe.write_text(
+        (ROOT / "configs/ci.toml").read_text()
+        + '\n[trainer.lora]\nrank = 8\n\n[[runs]]\nname = "alpha"\n\n[[runs]]\nname = "beta"\n'
+        + "orchestrator = { sampling = { max_tokens = 4096 } }\n"
+    )
+    with pytest.raises(ConfigError, match=r"^config key 'runs.1.orchestrator.sampling.max_tokens': 4096 completion"):
         validate(tmp_path / "run", config=["@", str(recipe)])
