@@ -38,6 +38,12 @@ def test_a_misspelt_target_of_the_preset_model_is_named_with_the_layer_it_resemb
     assert not (tmp_path / "run").exists()  # nothing was created
 
 
+def test_the_sft_warm_ups_adapter_is_checked_too(tmp_path):
+    sft = json.dumps({"max_steps": 2, "data": {"env": "reverse_text"}, "lora": {"target_modules": ["o_prj"]}})
+    with pytest.raises(ConfigError, match=r"^config key 'sft.args.lora.target_modules': 'o_prj' names no layer"):
+        validate(tmp_path / "run", "--sft.args", sft)
+
+
 def test_targets_that_name_layers_pass_as_do_the_defaults(tmp_path):
     validate(tmp_path / "a", *lora("q_proj", "v_proj"))
     validate(tmp_path / "b", "--trainer.lora", '{"rank": 8}')

@@ -327,8 +327,8 @@ class TrainerServerConfig(Section):
     )
 
 
-class LoraConfig(Section):
-    """Train low-rank adapters (peft) instead of every weight; the base stays frozen."""
+class LoraAdapterConfig(Section):
+    """Train low-rank adapters (peft) instead of every weight; the base stays frozen (`gyre sft`'s `lora`)."""
 
     rank: int = Field(16, ge=1, description="Adapter rank r.")
     alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is alpha / r * B @ A.")
@@ -344,6 +344,11 @@ class LoraConfig(Section):
         description="LoRA+ (Hayou et al. 2024): lora_B's learning rate is optim.lr times this; lora_A keeps "
         "optim.lr (1 = plain LoRA).",
     )
+
+
+class LoraConfig(LoraAdapterConfig):
+    """Train low-rank adapters (peft) instead of every weight; the base stays frozen."""
+
     publish: Literal["merged", "adapter"] = Field(
         "merged",
         description="Publish merged full weights (every backend) or the adapter alone (PEFT files; the torch "
@@ -476,6 +481,11 @@ class SFTConfig(JobConfig):
     seed: int = Field(0, description="Random seed (model init order, data shuffling, generated data).")
     deterministic: bool = Field(False, description="Deterministic torch algorithms (tests).")
     save_dir: Path | None = Field(None, description="Where the final HF model goes (default: {output_dir}/sft).")
+    lora: LoraAdapterConfig | None = Field(
+        None,
+        description="Train LoRA adapters only (unset = full fine-tuning); the result is the merged model, with the "
+        "adapter alone in its lora/ folder (PEFT's files).",
+    )
 
     @model_validator(mode="after")
     def _one_data_source(self) -> SFTConfig:

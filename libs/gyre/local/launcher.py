@@ -243,7 +243,7 @@ class Launcher:
                 _check_model(server.model, key=f"servers.{server.name}.model", hint=hint)
             except ModelUnavailable as e:
                 raise ConfigError(str(e)) from None
-        self._check_against_the_model(configs, base)
+        self._check_against_the_model(configs, base, sft if cfg.sft.enabled else None)
         self._check_resume_step()
         if cfg.redis.url:
             self._check_redis(cfg.redis.url)
@@ -251,7 +251,7 @@ class Launcher:
         if cfg.fresh:
             self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
 
-    def _check_against_the_model(self, configs: ServiceConfigs, base: str) -> None:
+    def _check_against_the_model(self, configs: ServiceConfigs, base: str, sft: SFTConfig | None) -> None:
         """ConfigError naming the key for a setting the model cannot take, read from its config (no weights: a
         second): a LoRA target that names no layer of it (the trainer refused it only when it loaded the model, after
         Redis, inference and the orchestrator had started), or a completion budget that leaves no room for a prompt
@@ -266,7 +266,7 @@ class Launcher:
             log.debug("settings not checked against the model at launch: %s", e)
             return
         self._check_completion_budget(configs, config)
-        self._check_lora_targets(configs.trainer, config)
+        self._check_lora_targets(configs.trainer, sft, config)
 
     def _check_completion_budget(self, configs: ServiceConfigs, config: Any) -> None:
         from gyre.model_shape import served_context
@@ -291,11 +291,12 @@ class Launcher:
                 )
 
     @staticmethod
-    def _check_lora_targets(trainer: TrainerConfig, config: Any) -> None:
+    def _check_lora_targets(trainer: TrainerConfig, sft: SFTConfig | None, config: Any) -> None:
         from gyre.lora import target_modules_problem
         from gyre.model_shape import model_skeleton
 
-        wanted = [("trainer.lora.target_modules", trainer.lora)] + [
+        wanted = [("sft.args.lora.target_modules", sft.lora if sft else None)]  # the warm-up trains the same model
+        wanted += [("trainer.lora.target_modules", trainer.lora)] + [
             (f"runs.{i}.trainer.lora.target_modules" if run.lora else "trainer.lora.target_modules", run.lora)
             for i, run in enumerate(trainer.runs)
         ]

@@ -99,7 +99,6 @@ def export_checkpoint(cfg, step: int | None, to: Path, run: str | None = None) -
     """Write checkpoint `step` (None: the newest) of the run `cfg` describes (of a multi-run trainer: of its run
     `run`) as an HF folder at `to`; returns it."""
     from gyre.fsio import commit_dir, write_file
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
 
     from gyre_trainer.checkpoint import CheckpointManager, load_model_state, read_progress
@@ -151,12 +150,9 @@ def export_checkpoint(cfg, step: int | None, to: Path, run: str | None = None) -
         write_hf_folder(tmp, state, hf_config, cfg.model.name)
         write_file(tmp / STEP_RECORD, json.dumps(progress.get("record") or {"step": step}, sort_keys=True).encode())
         if adapter is not None:
-            from gyre_trainer.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config
+            from gyre_trainer.lora import write_adapter_folder
 
-            (tmp / "lora").mkdir()
-            save_file(adapter, tmp / "lora" / ADAPTER_FILE, metadata={"format": "pt"})
-            config = adapter_config(lora, str(cfg.model.name))
-            write_file(tmp / "lora" / ADAPTER_CONFIG, json.dumps(config, indent=1, sort_keys=True).encode())
+            write_adapter_folder(tmp / "lora", adapter, lora, str(cfg.model.name))
         commit_dir(tmp, to)
     except BaseException:
         import shutil

@@ -15,8 +15,10 @@ under FSDP2), with plain tensor math, so it never changes the live model:
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from gyre.lora import adapter_config as _adapter_config
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_FILE", "AdaptersOff", "activate_adapter", "add_adapter", "adapter_config",
     "adapter_from_file", "adapter_state_dict", "apply_lora", "merged_state_dict", "named_adapter_state",
+    "write_adapter_folder",
 ]  # fmt: skip
 
 
@@ -94,6 +97,17 @@ def adapter_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
 def adapter_config(cfg: Any, base_model: str) -> dict[str, Any]:
     """`adapter_config.json` for the adapter."""
     return _adapter_config(cfg.rank, cfg.alpha, cfg.dropout, list(cfg.target_modules), base_model)
+
+
+def write_adapter_folder(folder: Path, adapter: dict[str, torch.Tensor], cfg: Any, base_model: str) -> None:
+    """`folder` as a PEFT adapter folder (the adapter's tensors and `adapter_config.json`), which peft and vLLM's
+    `--lora-modules` load; `adapter` under PEFT's file names (`adapter_state_dict`)."""
+    from gyre.fsio import write_file
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file(adapter, folder / ADAPTER_FILE, metadata={"format": "pt"})
+    write_file(folder / ADAPTER_CONFIG, json.dumps(adapter_config(cfg, base_model), indent=1, sort_keys=True).encode())
 
 
 def adapter_from_file(model: torch.nn.Module, tensors: dict[str, torch.Tensor], adapter_name: str = "default"):

@@ -553,8 +553,14 @@ def run(cfg: SFTConfig) -> int:
         if stop_requested(ctx):  # while the data was prepared: stopped now, not after the model has loaded
             raise _stopped_before_training(cfg)
         dtype = resolve_dtype(cfg.model.dtype, ctx.device)
-        model = dist.shard_model(load_model(cfg.model, ctx.device, dtype), ctx)
-        optimizer = build_optimizer(model, cfg.optim)
+        model = load_model(cfg.model, ctx.device, dtype)
+        hf_config = model.config  # the base model's: the result is the base with the adapter merged in
+        if cfg.lora is not None:
+            from gyre_trainer.lora import apply_lora
+
+            model = apply_lora(model, cfg.lora)  # the base frozen: the optimizer and checkpoints hold the adapter
+        model = dist.shard_model(model, ctx)
+        optimizer = build_optimizer(model, cfg.optim, cfg.lora.lr_ratio_b if cfg.lora else 1.0)
         scheduler = build_scheduler(optimizer, cfg.optim, total)
         if ctx.is_main and plan.discard_after is not None:
             checkpoints.discard_after(plan.discard_after)
@@ -610,8 +616,13 @@ def run(cfg: SFTConfig) -> int:
             checkpoints.save(total, model, optimizer, scheduler, last[1], data_sha256=digest)
         state_dict = dist.full_state_dict(model, ctx)
         if ctx.is_main:
-            save_hf_model(save_dir, state_dict, model.config, cfg.model.name, step=total, data_sha256=digest,
-                          output_dir=output_dir)  # fmt: skip
+            adapter = None
+            if cfg.lora is not None:  # merged: what RL, inference and from_pretrained load; the adapter kept beside
+                from gyre_trainer.lora import adapter_state_dict, merged_state_dict
+
+                adapter, state_dict = adapter_state_dict(state_dict), merged_state_dict(state_dict, cfg.lora)
+            save_hf_model(save_dir, state_dict, hf_config, cfg.model.name, step=total, data_sha256=digest,
+                          output_dir=output_dir, adapter=adapter, lora=cfg.lora)  # fmt: skip
             log.info("SFT done after %d steps: %s (use it as model.name)", total, save_dir)
             events.close()
         dist.barrier(ctx)
@@ -808,10 +819,13 @@ def save_hf_model(
     step: int | None = None,
     data_sha256: str | None = None,
     output_dir: Path | None = None,
+    adapter: dict | None = None,
+    lora=None,
 ) -> Path:
     """Write the HF folder next to `save_dir` and swap it in with renames: never half a model there.
     `step`: the SFT step it holds, recorded in RESULT_MARKER (`finished_step`) with `data_sha256` (`rows_digest`)
-    and `output_dir`, the SFT's folder (`check_save_dir_is_ours`)."""
+    and `output_dir`, the SFT's folder (`check_save_dir_is_ours`). `adapter` (a LoRA SFT's, merged into
+    `state_dict`): also written alone as the PEFT folder `lora/` (its `lora` config)."""
     from gyre.fsio import commit_dir
 
     from gyre_trainer.publish import write_hf_folder
@@ -821,6 +835,10 @@ def save_hf_model(
     tmp = save_dir.parent / f".tmp-{save_dir.name}-{uuid.uuid4().hex}"
     try:
         write_hf_folder(tmp, state_dict, config, base_model)
+        if adapter is not None:
+            from gyre_trainer.lora import write_adapter_folder
+
+            write_adapter_folder(tmp / "lora", adapter, lora, str(base_model))
         if step is not None:
             made_in = str(Path(output_dir).resolve()) if output_dir is not None else None
             marker = {"step": step, "data_sha256": data_sha256, "output_dir": made_in}

@@ -12,17 +12,9 @@ from gyre.config.trainer import SFTConfig
 from gyre.events import read_events
 from gyre_trainer import sft
 from support.locks import hold_run_lock
-from trainer_testlib import load_weights
+from trainer_testlib import load_weights, sft_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
-
-
-def sft_args(model, out, **extra) -> list[str]:
-    opts = {
-        "model.name": model, "output-dir": out, "device": "cpu", "deterministic": "true",
-        "data.seq-len": 64, "data.batch-size": 4, "data.micro-batch-size": 2, "optim.lr": 3e-3, **extra,
-    }  # fmt: skip
-    return [x for key, value in opts.items() for x in (f"--{key}", str(value))]
 
 
 def test_sft_on_generated_data_learns_and_loads_in_transformers(tiny_model, tmp_path):

@@ -250,3 +250,12 @@ def torchrun(argv: list[str], log_path: Path, nproc: int = 2, timeout: float = 3
         finally:
             if proc.poll() is None:
                 kill_group(proc)
+
+
+def sft_args(model, out, **extra) -> list[str]:
+    """`gyre sft` arguments of a small CPU run of `model` into `out` (`extra`: more keys, without the dashes)."""
+    opts = {
+        "model.name": model, "output-dir": out, "device": "cpu", "deterministic": "true",
+        "data.seq-len": 64, "data.batch-size": 4, "data.micro-batch-size": 2, "optim.lr": 3e-3, **extra,
+    }  # fmt: skip
+    return [x for key, value in opts.items() for x in (f"--{key}", str(value))]

@@ -1,0 +1,78 @@
+"""`gyre sft --lora`: adapters only, the base frozen. The result is the merged model (what `gyre rl`, inference and
+`from_pretrained` load) with the adapter alone in `lora/` (PEFT's files); checkpoints hold the adapter and its
+optimizer state, and a resumed LoRA SFT ends with exactly the weights of a straight one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gyre.config import ConfigError, load_config
+from gyre.config.trainer import SFTConfig
+from gyre.events import read_events
+from gyre_trainer import sft
+from trainer_testlib import load_weights, sft_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
+
+LORA = json.dumps({"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+
+
+def test_a_lora_sft_learns_changes_only_its_targets_and_its_adapter_loads_in_peft(tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    args = sft_args(tiny_model, tmp_path, **{"data.env": "reverse_text", "data.num-examples": 64, "max-steps": 8,
+                                             "optim.lr": 2e-2, "lora": LORA})  # fmt: skip
+    assert sft.run(load_config(SFTConfig, args)) == 0
+    losses = [r["loss"] for r in read_events(tmp_path / "events" / sft.SFT_STEPS)]
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.5, losses
+
+    base, merged = load_weights(tiny_model), load_weights(tmp_path / "sft")
+    assert merged.keys() == base.keys()  # the base model's own names: no peft prefixes, no adapter tensors
+    targets = ("q_proj", "v_proj", "down_proj")
+    for name, weight in base.items():
+        changed = not torch.equal(merged[name], weight)
+        assert changed == name.endswith(tuple(f"{t}.weight" for t in targets)), name
+
+    # the adapter alone: peft on the base model computes what the merged model does
+    ids = torch.tensor([[5, 17, 29, 41, 53, 65]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")(ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), tmp_path / "sft" / "lora")
+        got = adapted(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    config = json.loads((tmp_path / "sft" / "lora" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and sorted(config["target_modules"]) == sorted(targets)
+
+
+def test_a_resumed_lora_sft_matches_a_straight_one_and_its_checkpoints_hold_the_adapter(tiny_model, tmp_path):
+    common = {"data.env": "reverse_text", "data.num-examples": 60, "ckpt.interval": 2, "optim.warmup-steps": 3,
+              "lora": LORA}  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert sft.run(load_config(SFTConfig, sft_args(tiny_model, straight, **common, **{"max-steps": 4}))) == 0
+    assert sft.run(load_config(SFTConfig, sft_args(tiny_model, resumed, **common, **{"max-steps": 2}))) == 0
+    assert sft.run(load_config(SFTConfig, sft_args(tiny_model, resumed, **common, **{"max-steps": 4}))) == 0
+    a, b = load_weights(straight / "sft"), load_weights(resumed / "sft")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    state = resumed / "checkpoints" / "sft" / "step_2" / "state"
+    saved = sum(f.stat().st_size for f in state.iterdir())
+    assert saved < sum(t.numel() * t.element_size() for t in a.values()) / 4  # the adapter and its moments only
+
+
+def test_a_rerun_with_another_adapter_is_refused_naming_the_key(tiny_model, tmp_path, capsys):
+    common = {"data.env": "reverse_text", "data.num-examples": 40, "ckpt.interval": 1, "max-steps": 2}
+    assert sft.main(sft_args(tiny_model, tmp_path, **common, lora=LORA)) == 0
+    other = json.dumps({**json.loads(LORA), "rank": 8})
+    capsys.readouterr()
+    assert sft.main(sft_args(tiny_model, tmp_path, **{**common, "max-steps": 3}, lora=other)) == 2
+    err = capsys.readouterr().err
+    assert "config key 'lora.rank'" in err and "4" in err and "8" in err
+
+
+def test_publish_is_no_sft_setting():
+    # an SFT publishes nothing: its result is the merged model with the adapter beside it
+    with pytest.raises(ConfigError, match=r"^config key 'lora.publish': unknown key"):
+        load_config(SFTConfig, ["--data.fake", "true", "--lora.publish", "adapter"])
