@@ -25,6 +25,14 @@ def validate(out: Path, *argv: str, config: list[str] = CI) -> None:
     Launcher(load_config(RLConfig, [*config, *argv, "--output-dir", str(out)])).validate()
 
 
+def two_runs(tmp_path: Path, beta: str) -> list[str]:
+    """ci.toml as a multi-run experiment: runs alpha and beta (with `beta`, a line of its own keys) on one adapter."""
+    recipe = tmp_path / "two.toml"
+    runs = '\n[trainer.lora]\nrank = 8\n\n[[runs]]\nname = "alpha"\n\n[[runs]]\nname = "beta"\n'
+    recipe.write_text((ROOT / "configs/ci.toml").read_text() + runs + beta + "\n")
+    return ["@", str(recipe)]
+
+
 def lora(*targets: str) -> list[str]:
     return ["--trainer.lora", json.dumps({"rank": 8, "target_modules": list(targets)})]
 
@@ -66,14 +74,9 @@ def test_an_adapter_on_a_tied_output_layer_is_refused_at_launch(tmp_path):
 
 
 def test_a_runs_own_targets_name_that_runs_key(tmp_path):
-    recipe = tmp_path / "two.toml"
-    recipe.write_text(
-        (ROOT / "configs/ci.toml").read_text()
-        + '\n[trainer.lora]\nrank = 8\n\n[[runs]]\nname = "alpha"\n\n[[runs]]\nname = "beta"\n'
-        + 'trainer = { lora = { rank = 4, target_modules = ["q_proj", "gate_prj"] } }\n'
-    )
+    beta = 'trainer = { lora = { rank = 4, target_modules = ["q_proj", "gate_prj"] } }'
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.trainer.lora.target_modules': 'gate_prj' names no"):
-        validate(tmp_path / "run", config=["@", str(recipe)])
+        validate(tmp_path / "run", config=two_runs(tmp_path, beta))
 
 
 def test_a_completion_budget_the_context_cannot_hold_is_refused_naming_the_key(tmp_path):
@@ -100,11 +103,6 @@ def test_a_mix_entrys_own_budget_and_a_runs_own_table_are_named(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"^config key 'orchestrator.env.1.sampling.max_tokens': 2048 completion"):
         validate(tmp_path / "mix", "--orchestrator.env", mix)
-    recipe = tmp_path / "two.toml"
-    recipe.write_text(
-        (ROOT / "configs/ci.toml").read_text()
-        + '\n[trainer.lora]\nrank = 8\n\n[[runs]]\nname = "alpha"\n\n[[runs]]\nname = "beta"\n'
-        + "orchestrator = { sampling = { max_tokens = 4096 } }\n"
-    )
+    beta = "orchestrator = { sampling = { max_tokens = 4096 } }"
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.orchestrator.sampling.max_tokens': 4096 completion"):
-        validate(tmp_path / "run", config=["@", str(recipe)])
+        validate(tmp_path / "run", config=two_runs(tmp_path, beta))

@@ -12,7 +12,7 @@ from gyre.config.trainer import SFTConfig
 from gyre.events import read_events
 from gyre_trainer import sft
 from support.locks import hold_run_lock
-from trainer_testlib import load_weights, sft_args
+from trainer_testlib import LORA, load_weights, sft_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
 
@@ -42,9 +42,12 @@ def test_sft_on_generated_data_learns_and_loads_in_transformers(tiny_model, tmp_
     assert out.shape[1] > ids.shape[1]
 
 
-def test_sft_resume_from_checkpoint_matches_a_straight_run(tiny_model, tmp_path):
-    # warmup: the LR differs per step, so a scheduler restored at the wrong step would show
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_sft_resume_from_checkpoint_matches_a_straight_run(tiny_model, tmp_path, lora):
+    # warmup: the LR differs per step, so a scheduler restored at the wrong step would show; with lora, the
+    # checkpoint holds the adapter and its optimizer state alone (test_sft_lora.py)
     common = {"data.env": "reverse_text", "data.num-examples": 60, "ckpt.interval": 2, "optim.warmup-steps": 3}
+    common |= {"lora": lora} if lora else {}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert sft.run(load_config(SFTConfig, sft_args(tiny_model, straight, **common, **{"max-steps": 4}))) == 0
     assert sft.run(load_config(SFTConfig, sft_args(tiny_model, resumed, **common, **{"max-steps": 2}))) == 0

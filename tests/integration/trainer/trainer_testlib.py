@@ -7,6 +7,7 @@ and a completion part inside it) and pushed with the real `BatchStream`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -250,6 +251,10 @@ def torchrun(argv: list[str], log_path: Path, nproc: int = 2, timeout: float = 3
         finally:
             if proc.poll() is None:
                 kill_group(proc)
+
+
+#: `gyre sft --lora`: a small adapter on three of the tiny model's layers
+LORA = json.dumps({"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
 
 
 def sft_args(model, out, **extra) -> list[str]:
