@@ -103,6 +103,9 @@ def test_a_mix_entrys_own_budget_and_a_runs_own_table_are_named(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"^config key 'orchestrator.env.1.sampling.max_tokens': 2048 completion"):
         validate(tmp_path / "mix", "--orchestrator.env", mix)
+    evaluated = json.dumps({"name": "reverse_text", "eval": {"interval": 2, "max_tokens": 1500}})
+    with pytest.raises(ConfigError, match=r"^config key 'orchestrator.env.eval.max_tokens': 1500 completion"):
+        validate(tmp_path / "eval", "--orchestrator.env", evaluated, "--orchestrator.eval.interval", "2")
     beta = "orchestrator = { sampling = { max_tokens = 4096 } }"
     with pytest.raises(ConfigError, match=r"^config key 'runs.1.orchestrator.sampling.max_tokens': 4096 completion"):
         validate(tmp_path / "run", config=two_runs(tmp_path, beta))

@@ -279,16 +279,19 @@ class Launcher:
         for name, orch in configs.orchestrators.items():
             index, run = runs.get(name, (None, None))
             for i, entry in enumerate(orch.envs):
-                if orch.max_tokens(entry) < context:
-                    continue
-                key = orch.max_tokens_key(i)
-                own = run is not None and key.split(".")[0] in run.orchestrator  # the run's own table set it
-                key = f"runs.{index}.orchestrator.{key}" if own else f"orchestrator.{key}"
-                raise ConfigError(
-                    f"config key '{key}': {orch.max_tokens(entry)} completion tokens leave no room for a prompt in the "
-                    f"model's context of {context} tokens (inference.engine.max_model_len, else the model's "
-                    "max_position_embeddings): lower it, or serve a model with a longer context"
-                )
+                budgets = [(orch.max_tokens(entry), orch.max_tokens_key(i))]
+                if entry.eval.enabled and entry.eval.max_tokens is not None:  # its evals' own (the run failed there)
+                    budgets.append((entry.eval.max_tokens, f"{orch.env_key(i)}.eval.max_tokens"))
+                for tokens, key in budgets:
+                    if tokens < context:
+                        continue
+                    own = run is not None and key.split(".")[0] in run.orchestrator  # the run's own table set it
+                    key = f"runs.{index}.orchestrator.{key}" if own else f"orchestrator.{key}"
+                    raise ConfigError(
+                        f"config key '{key}': {tokens} completion tokens leave no room for a prompt in the model's "
+                        f"context of {context} tokens (inference.engine.max_model_len, else the model's "
+                        "max_position_embeddings): lower it, or serve a model with a longer context"
+                    )
 
     @staticmethod
     def _check_lora_targets(trainer: TrainerConfig, sft: SFTConfig | None, config: Any) -> None:
