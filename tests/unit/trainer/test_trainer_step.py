@@ -90,6 +90,39 @@ def test_splitting_the_batch_does_not_change_the_gradient(tiny_llama64, samples,
     assert_same_gradient((shares[0] + shares[1]) / 2, reference)
 
 
+@pytest.mark.parametrize("how", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_splitting_the_batch_does_not_change_the_reference_kl_gradient(tiny_model, tiny_llama64, samples, how,
+                                                                       estimator):  # fmt: skip
+    """The KL to a frozen reference is aggregated with the objective, by the batch's global counts: its gradient and
+    its `ref_kl` metric are the same whatever the micro-batches, padding and ranks."""
+    from gyre.config.trainer import ModelConfig
+    from gyre_trainer.model import load_model
+
+    reference = load_model(ModelConfig(name=str(tiny_model)), "cpu", torch.float64).requires_grad_(False)
+    with torch.no_grad():  # another policy than the trained one: the KL and its gradient are not 0
+        for param in reference.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel()),
+                                   dtype=param.dtype), alpha=0.02)  # fmt: skip
+    cfg = LossConfig(type="cispo", aggregation=how, ref_kl_coef=0.5, ref_kl_estimator=estimator)
+
+    def grad_and_kl(layout, **kwargs):
+        tiny_llama64.zero_grad(set_to_none=True)
+        metrics = compute_gradients(tiny_llama64, make_batch(samples, layout), loss_cfg=cfg, ref_model=reference,
+                                    **kwargs)  # fmt: skip
+        return flat_grad(tiny_llama64).clone(), metrics["ref_kl"]
+
+    want, kl = grad_and_kl(LAYOUTS["1 micro-batch"])
+    assert abs(kl) > 1e-4
+    for name, micro_batch_size in (("4 micro-batches", 1), ("8 single-sample rows", 3)):
+        got, got_kl = grad_and_kl(LAYOUTS[name], micro_batch_size=micro_batch_size)
+        assert_same_gradient(got, want)
+        assert got_kl == pytest.approx(kl, rel=1e-9)
+    two_ranks = [[[0, 1, 2], [3]], [[4, 5], [6, 7]]]
+    shares = [grad_and_kl(two_ranks, rank=r, world_size=2)[0] for r in (0, 1)]
+    assert_same_gradient((shares[0] + shares[1]) / 2, want)
+
+
 def test_splitting_the_batch_does_not_change_the_metrics(tiny_llama64, samples):
     """What a user compares across runs is independent of data.micro_batch_size too: mismatch_kl was measured on
     the first micro-batch alone, so its value changed with the split (and covered 1/8 of the batch at 8 rows)."""
