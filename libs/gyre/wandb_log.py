@@ -11,13 +11,16 @@ under `{output_dir}/wandb`. The orchestrator logs `orchestrator/*` per step, `ev
 `trainer/*`. A launch of the same run folder again (`gyre rl` resuming it, a restarted pod) continues the same W&B
 run: its id is kept in `{output_dir}/wandb/<service>.id` and passed with `resume="allow"` (`--fresh`, which deletes
 the run's `wandb/`, starts a new one). Needs the `wandb` extra (`pip install 'gyre[wandb]'`); disabled (the
-default), nothing is imported.
+default), nothing is imported. Online, W&B needs an API key (`wandb login`, WANDB_API_KEY): `check_wandb` says so
+before a service starts (`gyre rl` before anything starts, where an interactive `wandb login` prompt may ask for it),
+as each service does when it opens its run; a trainer crashed with wandb's traceback after the run had started.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,44 @@ def run_identity(output_dir: Path, service: str) -> str:
     return identity
 
 
+#: WANDB_MODE values that log nothing online (no API key needed)
+OFFLINE_MODES = ("offline", "dryrun", "disabled")
+
+
+class WandbUnavailable(ValueError):
+    """wandb.enabled, but no W&B run can start: the package is missing, or online and no API key is configured."""
+
+
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise WandbUnavailable("wandb.enabled = true needs the wandb package: pip install 'gyre[wandb]'") from None
+    return wandb
+
+
+def _no_key(error: Exception) -> WandbUnavailable:
+    return WandbUnavailable(
+        f"wandb.enabled = true logs online and W&B has no API key here ({error}): run `wandb login` or set "
+        "WANDB_API_KEY, or set wandb.mode = 'offline' (then `wandb sync` the run's wandb/ folder)"
+    )
+
+
+def check_wandb(cfg) -> None:
+    """WandbUnavailable naming what to do when `cfg.enabled` but a W&B run could not start: the package missing,
+    or online (`cfg.mode`, else WANDB_MODE, else online) with no API key (WANDB_API_KEY, `wandb login`'s netrc).
+    `wandb.login` reads the key as `wandb.init` does; on a terminal it asks for one, as wandb does."""
+    if not cfg.enabled:
+        return
+    wandb = _import_wandb()
+    if (cfg.mode or os.environ.get("WANDB_MODE") or "online") in OFFLINE_MODES or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        wandb.login(verify=False)
+    except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
+        raise _no_key(e) from None
+
+
 class WandbLogger:
     """No-op unless `cfg.enabled`; then a wandb run for this service (see the module docstring)."""
 
@@ -62,26 +103,25 @@ class WandbLogger:
         self.service, self.cfg, self.run = service, cfg, None
         if not cfg.enabled:
             return
-        try:
-            import wandb
-        except ImportError as exc:
-            raise RuntimeError("wandb.enabled = true needs the wandb package: pip install 'gyre[wandb]'") from exc
-        self._wandb = wandb
+        self._wandb = wandb = _import_wandb()
         folder = Path(output_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            id=run_identity(folder, service),
-            resume="allow",  # the id's run continued when W&B has it, created when not (the first launch)
-            project=cfg.project,
-            entity=cfg.entity,
-            group=cfg.group or run_id,
-            name=f"{run_id}-{service}",
-            job_type=service,
-            mode=cfg.mode,
-            dir=str(folder),
-            config=config.model_dump(mode="json") if isinstance(config, BaseModel) else config,  # secrets masked
-            reinit="create_new",
-        )
+        try:
+            self.run = wandb.init(
+                id=run_identity(folder, service),
+                resume="allow",  # the id's run continued when W&B has it, created when not (the first launch)
+                project=cfg.project,
+                entity=cfg.entity,
+                group=cfg.group or run_id,
+                name=f"{run_id}-{service}",
+                job_type=service,
+                mode=cfg.mode,
+                dir=str(folder),
+                config=config.model_dump(mode="json") if isinstance(config, BaseModel) else config,  # secrets masked
+                reinit="create_new",
+            )
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:  # no API key (not a crash)
+            raise _no_key(e) from None
         # Each kind of record has its own x axis (eval versions lag training steps; wandb's own step must grow).
         for prefix in (service, "eval"):
             self.run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/step")

@@ -111,3 +111,50 @@ def test_the_run_config_masks_every_secret(tmp_path, monkeypatch):
     assert b"batch_size" in written
     for secret in (b"sk-policy-s3cret", b"ctl-s3cret", b"srv-s3cret", b"redis-s3cret"):
         assert secret not in written, secret
+
+
+@pytest.fixture
+def no_wandb_key(tmp_path, monkeypatch):
+    """A machine where nobody ran `wandb login`: no WANDB_API_KEY, no netrc, no W&B settings; not a terminal."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config" / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_online_without_an_api_key_is_one_clear_error_before_and_at_start(tmp_path, no_wandb_key):
+    # the trainer crashed with wandb's UsageError traceback once every service of the run had started
+    from gyre.wandb_log import WandbUnavailable, check_wandb
+
+    cfg = WandbConfig(enabled=True)
+    with pytest.raises(WandbUnavailable, match=r"no API key here .*`wandb login`.*WANDB_API_KEY.*mode = 'offline'"):
+        check_wandb(cfg)
+    with pytest.raises(WandbUnavailable, match=r"no API key"):  # a service given the config alone says the same
+        WandbLogger(cfg, service="trainer", run_id="x", output_dir=tmp_path / "run", config={})
+
+
+def test_offline_a_key_or_disabled_need_nothing_more(no_wandb_key, monkeypatch):
+    from gyre.wandb_log import check_wandb
+
+    check_wandb(WandbConfig())  # disabled
+    check_wandb(WandbConfig(enabled=True, mode="offline"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_wandb(WandbConfig(enabled=True))
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)  # checked by wandb.init, not here: no request leaves the machine
+    check_wandb(WandbConfig(enabled=True))
+
+
+def test_gyre_rl_refuses_online_wandb_without_a_key_before_anything_starts(tmp_path, no_wandb_key):
+    from pathlib import Path
+
+    from gyre.config import ConfigError, load_config
+    from gyre.config.rl import RLConfig
+    from gyre.local.launcher import Launcher
+
+    ci = Path(__file__).resolve().parents[2] / "configs" / "ci.toml"
+    cfg = load_config(RLConfig, ["@", str(ci), "--output-dir", str(tmp_path / "run"), "--wandb.enabled", "true"])
+    with pytest.raises(ConfigError, match=r"^config key 'wandb.enabled': wandb.enabled = true logs online"):
+        Launcher(cfg).validate()
+    assert not (tmp_path / "run").exists()

@@ -183,6 +183,7 @@ class Launcher:
         """Every config, the model source and extension names; raises ConfigError, creates nothing."""
         from gyre.config.loader import deep_merge
         from gyre.model_source import ModelUnavailable
+        from gyre.wandb_log import WandbUnavailable, check_wandb
 
         cfg = self.cfg
         base = cfg.model.name or str(self.out / "model")
@@ -245,6 +246,10 @@ class Launcher:
                 raise ConfigError(str(e)) from None
         self._check_against_the_model(configs, base, sft if cfg.sft.enabled else None)
         self._check_resume_step()
+        try:  # the trainer crashed with wandb's traceback once every service had started
+            check_wandb(cfg.wandb)
+        except WandbUnavailable as e:
+            raise ConfigError(f"config key 'wandb.enabled': {e}") from None
         if cfg.redis.url:
             self._check_redis(cfg.redis.url)
             self._check_streams_are_ours(cfg.redis.url)

@@ -45,12 +45,13 @@ def _main(argv: list[str] | None) -> int:
     from gyre.net import PortInUse
     from gyre.runlock import LockHeld
     from gyre.streams import RunIdTaken
+    from gyre.wandb_log import WandbUnavailable
 
     from gyre_trainer.service import run  # torch is imported only now, after the config is known to be valid
 
     try:
         return run(cfg)
-    except (LockHeld, PortInUse, RunIdTaken) as e:  # a user mistake, not a crash: one clear line, exit 2
+    except (LockHeld, PortInUse, RunIdTaken, WandbUnavailable) as e:  # a user mistake, not a crash: one line, exit 2
         logging.getLogger("gyre_trainer").error("%s", e)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (gyre_trainer.stopping)

@@ -900,9 +900,11 @@ def _main(argv: list[str] | None) -> int:
     try:
         from gyre.config.loader import collect
         from gyre.config.rerun import dotted_keys
+        from gyre.wandb_log import WandbUnavailable, check_wandb
 
         check_rerun(cfg, dotted_keys(collect(argv, SFTConfig)))
-    except SFTDataError as e:
+        check_wandb(cfg.wandb)  # before the data and the model load (minutes), not at the first step
+    except (SFTDataError, WandbUnavailable) as e:
         for held in (save_lock, lock):
             if held is not None:
                 held.release()
