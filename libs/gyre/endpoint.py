@@ -264,9 +264,11 @@ class Endpoint:
                 log.info("waiting for %s at %s (%s); up to startup_timeout_s = %gs", self.name, self.config.root,
                          reason, limit)  # fmt: skip
             elif elapsed - logged >= log_s:  # every log_s, not every poll: a loading model answers the same for minutes
+                # a warning: nothing is scored meanwhile, and `gyre rl`'s console shows the services' warnings only (a
+                # judge at a wrong port left its progress bar at rollouts=0 for startup_timeout_s, saying nothing)
                 logged = elapsed
-                log.info("still waiting for %s at %s (%s): %.0fs of startup_timeout_s = %gs", self.name,
-                         self.config.root, reason, elapsed, limit)  # fmt: skip
+                log.warning("still waiting for %s at %s (%s): %.0fs of startup_timeout_s = %gs", self.name,
+                            self.config.root, reason, elapsed, limit)  # fmt: skip
             await asyncio.sleep(min(poll_s, limit - elapsed))
 
     async def post(self, path: str, body: dict[str, Any], *, again: bool = False) -> Any:

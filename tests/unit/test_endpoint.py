@@ -271,6 +271,8 @@ def test_a_long_wait_says_every_so_often_what_it_waits_for(scripted, caplog):
         asyncio.run(scenario())
     still = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still waiting")]
     assert 1 <= len(still) <= 4, still
+    # warnings: `gyre rl`'s console shows a service's warnings, not its info lines
+    assert all(r.levelname == "WARNING" for r in caplog.records if r.getMessage().startswith("still waiting"))
     assert still[0].startswith(f"still waiting for teacher at {scripted.url} (") and "503" in still[0]
     assert "of startup_timeout_s = 1800s" in still[0]
 
