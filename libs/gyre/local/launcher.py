@@ -46,10 +46,11 @@ from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
 from gyre.config.loader import dump_toml, expand_shorthands, name_environment_variables, under_section
 from gyre.config.rerun import SFT_RECORD, dotted_keys, sft_changes, sft_refusal
 from gyre.config.rl import RLConfig
-from gyre.config.trainer import SFTConfig, TrainerConfig
+from gyre.config.trainer import SFTConfig
 from gyre.events import ORCHESTRATOR_STEPS, SEGMENT_ENV, new_segment_id, read_events
 from gyre.fsio import write_atomic
 from gyre.inference_process import InferenceProcess, NotReady
+from gyre.local.model_checks import check_against_the_model
 from gyre.local.runs import (
     Run,
     ServiceConfigs,
@@ -244,7 +245,7 @@ class Launcher:
                 _check_model(server.model, key=f"servers.{server.name}.model", hint=hint)
             except ModelUnavailable as e:
                 raise ConfigError(str(e)) from None
-        self._check_against_the_model(configs, base, sft if cfg.sft.enabled else None)
+        check_against_the_model(cfg, configs, base, sft if cfg.sft.enabled else None)
         self._check_resume_step()
         try:  # the trainer crashed with wandb's traceback once every service had started
             check_wandb(cfg.wandb)
@@ -255,66 +256,6 @@ class Launcher:
             self._check_streams_are_ours(cfg.redis.url)
         if cfg.fresh:
             self.check_fresh()  # again under the lock, in start_fresh; here before locks/ is created
-
-    def _check_against_the_model(self, configs: ServiceConfigs, base: str, sft: SFTConfig | None) -> None:
-        """ConfigError naming the key for a setting the model cannot take, read from its config (no weights: a
-        second): a LoRA target that names no layer of it (the trainer refused it only when it loaded the model, after
-        Redis, inference and the orchestrator had started), or a completion budget that leaves no room for a prompt
-        in its context (every task was refused as too long, and the run stopped after 200 of them). A model whose
-        config cannot be read here (a custom architecture) is left to the services' own checks."""
-        from gyre.model_shape import model_config
-
-        preset = self.cfg.model.init_preset if not Path(base).exists() else None
-        try:
-            config = model_config(base, preset)
-        except Exception as e:  # noqa: BLE001 - the services check the same when they load the model
-            log.debug("settings not checked against the model at launch: %s", e)
-            return
-        self._check_completion_budget(configs, config)
-        self._check_lora_targets(configs.trainer, sft, config)
-
-    def _check_completion_budget(self, configs: ServiceConfigs, config: Any) -> None:
-        from gyre.model_shape import served_context
-
-        try:
-            context = served_context(config, configs.inference[0].engine.max_model_len)
-        except ValueError:
-            return  # the replica says what is wrong when it starts
-        runs = {run.name: (index, run) for index, run in enumerate(self.cfg.runs)}
-        for name, orch in configs.orchestrators.items():
-            index, run = runs.get(name, (None, None))
-            for i, entry in enumerate(orch.envs):
-                budgets = [(orch.max_tokens(entry), orch.max_tokens_key(i))]
-                if entry.eval.enabled and entry.eval.max_tokens is not None:  # its evals' own (the run failed there)
-                    budgets.append((entry.eval.max_tokens, f"{orch.env_key(i)}.eval.max_tokens"))
-                for tokens, key in budgets:
-                    if tokens < context:
-                        continue
-                    own = run is not None and key.split(".")[0] in run.orchestrator  # the run's own table set it
-                    key = f"runs.{index}.orchestrator.{key}" if own else f"orchestrator.{key}"
-                    raise ConfigError(
-                        f"config key '{key}': {tokens} completion tokens leave no room for a prompt in the model's "
-                        f"context of {context} tokens (inference.engine.max_model_len, else the model's "
-                        "max_position_embeddings): lower it, or serve a model with a longer context"
-                    )
-
-    @staticmethod
-    def _check_lora_targets(trainer: TrainerConfig, sft: SFTConfig | None, config: Any) -> None:
-        from gyre.lora import target_modules_problem
-        from gyre.model_shape import model_skeleton
-
-        wanted = [("sft.args.lora.target_modules", sft.lora if sft else None)]  # the warm-up trains the same model
-        wanted += [("trainer.lora.target_modules", trainer.lora)] + [
-            (f"runs.{i}.trainer.lora.target_modules" if run.lora else "trainer.lora.target_modules", run.lora)
-            for i, run in enumerate(trainer.runs)
-        ]
-        wanted = [(key, lora.target_modules) for key, lora in wanted if lora is not None]
-        if not wanted:
-            return
-        model = model_skeleton(config)
-        for key, targets in wanted:
-            if problem := target_modules_problem(model, targets):
-                raise ConfigError(f"config key '{key}': {problem}")
 
     def _refuse_ignored_settings(self, sft: SFTConfig | None) -> None:
         """ConfigError naming the key when a re-run asks for a base model or SFT warm-up unlike the one the folder
