@@ -97,6 +97,14 @@ def test_the_served_context_is_inferences_max_model_len_when_set(tmp_path):
     validate(tmp_path / "ok", *argv, "--orchestrator.sampling.max-tokens", "500")
 
 
+def test_a_max_model_len_beyond_the_models_context_is_refused_and_vllm_derives_its_own(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config key 'inference.engine.max_model_len': engine.max_model_len 2048 "
+                                          r"exceeds the model's context 1024"):  # fmt: skip
+        validate(tmp_path / "run", "--inference.engine.max-model-len", "2048")
+    # vLLM may serve more than max_position_embeddings (rope scaling): its own rule, not checked here
+    validate(tmp_path / "vllm", "--inference.backend", "vllm", "--orchestrator.sampling.max-tokens", "1024")
+
+
 def test_a_mix_entrys_own_budget_and_a_runs_own_table_are_named(tmp_path):
     mix = json.dumps(
         [{"name": "reverse_text"}, {"name": "reverse_text", "label": "long", "sampling": {"max_tokens": 2048}}]

@@ -2,7 +2,8 @@
 a second), from the model folder or the preset the launch will create (`gyre.model_shape`).
 
 - a completion budget (`sampling.max_tokens`, an entry's own, its `eval.max_tokens`) that leaves no room for a prompt
-  in the served context: every task was refused as too long, and the run stopped after 200 of them;
+  in the torch backend's context: every task was refused as too long, and the run stopped after 200 of them; an
+  `engine.max_model_len` beyond the model's context (the replica refused it at load);
 - a LoRA `target_modules` entry (the trainer's, a run's, the SFT warm-up's) that names no layer of the model, or its
   tied output layer: the trainer refused it only when it loaded the model, after Redis, inference and the
   orchestrator had started.
@@ -40,13 +41,18 @@ def check_against_the_model(cfg: RLConfig, configs: ServiceConfigs, base: str, s
 
 
 def check_completion_budget(cfg: RLConfig, configs: ServiceConfigs, config: Any) -> None:
-    """Every run's training and eval completion budgets fit the served context with some prompt."""
+    """Every run's training and eval completion budgets fit the served context with some prompt. The torch backend's
+    context is `served_context`'s, and a `max_model_len` beyond the model's is refused here as the replica refused it
+    at load; vLLM derives its own (rope scaling may extend it), so a vLLM run is left to the orchestrator's check."""
     from gyre.model_shape import served_context
 
+    inference = configs.inference[0]
+    if inference.backend != "torch":
+        return
     try:
-        context = served_context(config, configs.inference[0].engine.max_model_len)
-    except ValueError:
-        return  # the replica says what is wrong when it starts
+        context = served_context(config, inference.engine.max_model_len)
+    except ValueError as e:
+        raise ConfigError(f"config key 'inference.engine.max_model_len': {e}") from None
     runs = {run.name: (index, run) for index, run in enumerate(cfg.runs)}
     for name, orch in configs.orchestrators.items():
         index, run = runs.get(name, (None, None))
