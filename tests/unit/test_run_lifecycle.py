@@ -233,7 +233,7 @@ def test_eval_with_nothing_serving_is_one_error_line(tmp_path):
                "--inference.startup-timeout-s", "1", "--eval.num-examples", "1",
                "--output-dir", str(tmp_path))  # fmt: skip
     assert res.returncode == 1, res.stderr[-2000:]
-    assert f"gyre eval: error: ['{url}']: no replica answered /v1/models within 1s (last: {url}: " in res.stderr
+    assert f"gyre eval: error: no replica answered /v1/models within 1s (last: {url}: " in res.stderr
     assert "Traceback" not in res.stderr
 
 

@@ -697,9 +697,10 @@ def main(argv: list[str]) -> int:
         print(f"gyre eval: error: {e}", file=sys.stderr)
         return 1
     except (InferenceError, ContextLengthExceeded, EvalFailed) as e:  # nothing serves, no task fits, a sample
-        # failed every attempt: one line, no traceback
+        # failed every attempt: one line, no traceback; it names the replica (the Python list of inference.urls in
+        # front of it said nothing more, and named the default URL under dns or kubernetes discovery)
         progress.close()
-        print(f"gyre eval: error: {cfg.inference.urls}: {e}", file=sys.stderr)
+        print(f"gyre eval: error: {e}", file=sys.stderr)
         return 1
     finally:
         progress.close()
