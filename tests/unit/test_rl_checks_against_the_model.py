@@ -67,6 +67,16 @@ def test_a_model_folder_is_checked_on_its_own_layers(tmp_path, tiny_model):
         validate(tmp_path / "run", *argv, *lora("up_prj"))
 
 
+def test_a_model_transformers_cannot_build_alone_is_left_to_the_trainer(tmp_path, tiny_model):
+    # a custom architecture (here a config AutoModelForCausalLM has no class for): the launch goes on, no traceback
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 1, "max_position_embeddings": 1024})
+    )
+    validate(tmp_path / "run", "--model.name", str(model), *lora("v_prj"))
+
+
 def test_an_adapter_on_a_tied_output_layer_is_refused_at_launch(tmp_path):
     # the Qwen3 shape ties lm_head to the embeddings; its skeleton takes no memory (meta device)
     with pytest.raises(ConfigError, match=r"'trainer.lora.target_modules': 'lm_head' is tied to the input embeddings"):
