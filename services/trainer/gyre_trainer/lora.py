@@ -41,12 +41,15 @@ def _peft_config(cfg: Any):
     )  # fmt: skip
 
 
-def apply_lora(model: torch.nn.Module, cfg: Any, adapter_name: str = "default") -> torch.nn.Module:
-    """`model` wrapped in a peft LoRA model (cfg: rank, alpha, dropout, target_modules); base frozen."""
+def apply_lora(
+    model: torch.nn.Module, cfg: Any, adapter_name: str = "default", key: str = "trainer.lora"
+) -> torch.nn.Module:
+    """`model` wrapped in a peft LoRA model (cfg: rank, alpha, dropout, target_modules); base frozen. ValueError
+    naming `key` (the config's lora section) when a target names no layer of the model."""
     from peft import get_peft_model
 
     if problem := target_modules_problem(model, cfg.target_modules):
-        raise ValueError(f"trainer.lora.target_modules: {problem}")
+        raise ValueError(f"{key}.target_modules: {problem}")
     with warnings.catch_warnings():
         # peft asks transformers' deprecated `is_gradient_checkpointing`: a FutureWarning in every LoRA run's log
         # that names neither Gyre nor anything its user can change

@@ -558,7 +558,7 @@ def run(cfg: SFTConfig) -> int:
         if cfg.lora is not None:
             from gyre_trainer.lora import apply_lora
 
-            model = apply_lora(model, cfg.lora)  # the base frozen: the optimizer and checkpoints hold the adapter
+            model = apply_lora(model, cfg.lora, key="lora")  # the base frozen: the optimizer and checkpoints hold it
         model = dist.shard_model(model, ctx)
         optimizer = build_optimizer(model, cfg.optim, cfg.lora.lr_ratio_b if cfg.lora else 1.0)
         scheduler = build_scheduler(optimizer, cfg.optim, total)
@@ -701,6 +701,24 @@ def check_rerun(cfg: SFTConfig, explicit: set[str]) -> None:
         raise SFTDataError(sft_refusal(changes, what, "a re-run continues it, it does not start over: use "
                                        "--ckpt.resume-step 0 (trains again from model.name, replacing it) or another "
                                        "--output-dir"))  # fmt: skip
+
+
+def check_lora_targets(cfg: SFTConfig) -> None:
+    """SFTDataError naming `lora.target_modules` when an entry names no layer of the model, checked on its skeleton
+    (its config alone, on the meta device) before the data and the model load: it was a traceback once they had.
+    A model whose skeleton cannot be built here is left to `apply_lora`'s own check."""
+    if cfg.lora is None:
+        return
+    from gyre.lora import target_modules_problem
+    from gyre.model_shape import model_config, model_skeleton
+
+    try:
+        model = model_skeleton(model_config(cfg.model.name))
+    except Exception as e:  # noqa: BLE001 - checked again where the model loads
+        log.debug("LoRA targets not checked before loading: %s", e)
+        return
+    if problem := target_modules_problem(model, cfg.lora.target_modules):
+        raise SFTDataError(f"config key 'lora.target_modules': {problem}")
 
 
 def rows_digest(rows: list[PackedRow]) -> str:
@@ -904,6 +922,7 @@ def _main(argv: list[str] | None) -> int:
 
         check_rerun(cfg, dotted_keys(collect(argv, SFTConfig)))
         check_wandb(cfg.wandb)  # before the data and the model load (minutes), not at the first step
+        check_lora_targets(cfg)
     except (SFTDataError, WandbUnavailable) as e:
         for held in (save_lock, lock):
             if held is not None:

@@ -62,3 +62,15 @@ def test_publish_is_no_sft_setting():
     # an SFT publishes nothing: its result is the merged model with the adapter beside it
     with pytest.raises(ConfigError, match=r"^config key 'lora.publish': unknown key"):
         load_config(SFTConfig, ["--data.fake", "true", "--lora.publish", "adapter"])
+
+
+def test_a_target_that_names_no_layer_is_one_error_line_before_the_data_loads(tiny_model, tmp_path, capsys,
+                                                                              monkeypatch):  # fmt: skip
+    # it was a traceback once the data had been tokenized and the model loaded
+    monkeypatch.setattr(sft, "load_conversations", lambda *a: pytest.fail("the data was read"))
+    args = sft_args(tiny_model, tmp_path, **{"data.fake": "true", "max-steps": 1})
+    assert sft.main([*args, "--lora.target-modules", '["q_proj", "v_prj"]']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gyre sft: error: config key 'lora.target_modules': 'v_prj' names no layer of the model "
+                          "(did you mean 'v_proj'?)"), err  # fmt: skip
+    assert "Traceback" not in err
