@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from os import PathLike
 from typing import Any
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -103,4 +104,24 @@ def target_modules_problem(model: Any, target_modules: list[str]) -> str | None:
         if module is out and any(name == t or name.endswith(f".{t}") for t in target_modules):
             return (f"{name!r} is tied to the input embeddings (tie_word_embeddings): an adapter on it "
                     "cannot be merged into one tensor; drop it from target_modules")  # fmt: skip
+    return None
+
+
+def lora_targets_problem(model: Any, wanted: list[tuple[str, list[str]]]) -> str | None:
+    """`config key 'KEY': ...` for the first `(KEY, target_modules)` of `wanted` that `target_modules_problem` finds
+    on the skeleton of `model` (an HF config, or a model folder or hub id whose config is read), built on the meta
+    device (no weights, a second): what a launch or a service checks before anything loads. None when every entry
+    names layers, or when the config cannot be read or the skeleton built here (a custom architecture: left to
+    `apply_lora`'s check on the loaded model)."""
+    from gyre.model_shape import model_config, model_skeleton
+
+    if not wanted:
+        return None
+    try:
+        skeleton = model_skeleton(model_config(str(model)) if isinstance(model, str | PathLike) else model)
+    except Exception:  # noqa: BLE001 - checked again where the model loads
+        return None
+    for key, targets in wanted:
+        if problem := target_modules_problem(skeleton, targets):
+            return f"config key '{key}': {problem}"
     return None

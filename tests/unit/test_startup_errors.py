@@ -106,3 +106,15 @@ def test_a_hub_warning_is_one_line_in_the_services_format(fmt):
         assert record["message"] == "Retrying in 1s [Retry 1/5]." and record["service"] == "inference"
     else:
         assert line.endswith("WARNING inference huggingface_hub.utils._http: Retrying in 1s [Retry 1/5].")
+
+
+def test_a_lora_target_that_names_no_layer_is_one_json_record_before_redis(tiny_model):
+    # a trainer pod crash-looped with a traceback once it had loaded the model; now one record, before it connects
+    # anywhere (the Redis URL here leads nowhere)
+    env = {"GYRE_LOG__FORMAT": "json", "GYRE_RUN_ID": "exp4"}
+    res = gyre("trainer", "--model.name", str(tiny_model), "--lora.target-modules", '["q_proj", "v_prj"]',
+               "--redis.url", "redis://127.0.0.1:1/0", env=env)  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    [record] = records(res.stderr)
+    assert record["message"].startswith("gyre trainer: error: config key 'lora.target_modules': 'v_prj' names no "
+                                        "layer of the model (did you mean 'v_proj'?)"), record  # fmt: skip

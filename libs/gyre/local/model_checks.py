@@ -73,23 +73,13 @@ def check_completion_budget(cfg: RLConfig, configs: ServiceConfigs, config: Any)
 
 
 def check_lora_targets(trainer: TrainerConfig, sft: SFTConfig | None, config: Any) -> None:
-    """Every adapter's target_modules name layers of the model (on its skeleton: the meta device, no memory)."""
-    from gyre.lora import target_modules_problem
-    from gyre.model_shape import model_skeleton
+    """Every adapter's target_modules name layers of the model (the trainer's, each run's, the SFT warm-up's)."""
+    from gyre.lora import lora_targets_problem
 
     wanted = [("sft.args.lora.target_modules", sft.lora if sft else None)]  # the warm-up trains the same model
     wanted += [("trainer.lora.target_modules", trainer.lora)] + [
         (f"runs.{i}.trainer.lora.target_modules" if run.lora else "trainer.lora.target_modules", run.lora)
         for i, run in enumerate(trainer.runs)
     ]
-    wanted = [(key, lora.target_modules) for key, lora in wanted if lora is not None]
-    if not wanted:
-        return
-    try:
-        model = model_skeleton(config)
-    except Exception as e:  # noqa: BLE001 - an architecture transformers cannot build alone: the trainer checks
-        log.debug("LoRA targets not checked at launch: %s", e)
-        return
-    for key, targets in wanted:
-        if problem := target_modules_problem(model, targets):
-            raise ConfigError(f"config key '{key}': {problem}")
+    if problem := lora_targets_problem(config, [(key, lora.target_modules) for key, lora in wanted if lora]):
+        raise ConfigError(problem)

@@ -39,6 +39,11 @@ def _main(argv: list[str] | None) -> int:
 
     if (code := check_service_model(cfg.model.name, "gyre trainer", config=cfg)) is not None:
         return code
+    if (problem := _lora_targets_problem(cfg)) is not None:  # a traceback once the model had loaded (a pod's loop)
+        from gyre.config.loader import print_startup_error
+
+        print_startup_error("gyre trainer", problem, config=cfg)
+        return 2
     rank = int(os.environ.get("RANK", "0"))
     service = "trainer" if rank == 0 else f"trainer-rank{rank}"
     setup_logging(cfg.log.level, cfg.log.file, service, cfg.log.format, cfg.run_id)
@@ -61,6 +66,16 @@ def _main(argv: list[str] | None) -> int:
     except Exception:
         logging.getLogger("gyre_trainer").exception("trainer failed")
         return 1
+
+
+def _lora_targets_problem(cfg: TrainerConfig) -> str | None:
+    """The first LoRA target_modules entry (the trainer's, a run's) that names no layer of the model, on its skeleton
+    (`gyre.lora.lora_targets_problem`)."""
+    from gyre.lora import lora_targets_problem
+
+    wanted = [("lora.target_modules", cfg.lora)] + [(f"runs.{i}.lora.target_modules", run.lora)
+                                                     for i, run in enumerate(cfg.runs)]  # fmt: skip
+    return lora_targets_problem(cfg.model.name, [(key, lora.target_modules) for key, lora in wanted if lora])
 
 
 if __name__ == "__main__":

@@ -705,20 +705,13 @@ def check_rerun(cfg: SFTConfig, explicit: set[str]) -> None:
 
 def check_lora_targets(cfg: SFTConfig) -> None:
     """SFTDataError naming `lora.target_modules` when an entry names no layer of the model, checked on its skeleton
-    (its config alone, on the meta device) before the data and the model load: it was a traceback once they had.
-    A model whose skeleton cannot be built here is left to `apply_lora`'s own check."""
-    if cfg.lora is None:
-        return
-    from gyre.lora import target_modules_problem
-    from gyre.model_shape import model_config, model_skeleton
+    before the data and the model load: it was a traceback once they had."""
+    from gyre.lora import lora_targets_problem
 
-    try:
-        model = model_skeleton(model_config(cfg.model.name))
-    except Exception as e:  # noqa: BLE001 - checked again where the model loads
-        log.debug("LoRA targets not checked before loading: %s", e)
-        return
-    if problem := target_modules_problem(model, cfg.lora.target_modules):
-        raise SFTDataError(f"config key 'lora.target_modules': {problem}")
+    if cfg.lora and (
+        problem := lora_targets_problem(cfg.model.name, [("lora.target_modules", cfg.lora.target_modules)])
+    ):
+        raise SFTDataError(problem)
 
 
 def rows_digest(rows: list[PackedRow]) -> str:
