@@ -121,6 +121,12 @@ def no_wandb_key(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config" / "wandb"))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+    import wandb
+
+    # wandb.login sets up wandb's process-wide settings from this environment (online): a later wandb.init in the
+    # same process kept them, ignoring its own WANDB_MODE=offline
+    wandb.teardown()
 
 
 def test_online_without_an_api_key_is_one_clear_error_before_and_at_start(tmp_path, no_wandb_key):
