@@ -114,6 +114,7 @@ class TrainerProcess:
     def __init__(self, cfg: TrainerConfig, ctx: dist.DistContext):
         self.cfg, self.ctx = cfg, ctx
         self.stop_requested = threading.Event()
+        self.step_running = threading.Event()  # set by `RunState.commit`: what a stop signal waits for
         self.status = TrainerStatus(world_size=ctx.world_size)
         self.registry = CollectorRegistry()  # every run's metrics (label run_id), served on /metrics
         self.model: torch.nn.Module | None = None

@@ -254,7 +254,15 @@ class RunState:
 
     # ---- one step -------------------------------------------------------------------------------
     def commit(self, item: IntakeItem) -> dict[str, Any]:
-        """Train batch `item.step` and commit it: the ordered steps of the module docstring; returns its record."""
+        """Train batch `item.step` and commit it: the ordered steps of the module docstring; returns its record.
+        Meanwhile `process.step_running` is set: a stop signal then says it waits for this step."""
+        self.process.step_running.set()
+        try:
+            return self._commit(item)
+        finally:
+            self.process.step_running.clear()
+
+    def _commit(self, item: IntakeItem) -> dict[str, Any]:
         ctx, step = self.process.ctx, item.step
         record, mfu_per_rank = self.train(item)
         crash_point("after_train", step, ctx)

@@ -117,7 +117,7 @@ def run(cfg: TrainerConfig, *, handle_signals: bool = True) -> int:
 
     # A second Ctrl-C of a single process stops at once (a KeyboardInterrupt, exit 130): the unfinished step's
     # Redis entry is not acked, so the restart trains it again, once.
-    signals = StopSignals(trainer.stop_requested, log, not_ready)
+    signals = StopSignals(trainer.stop_requested, log, not_ready, trainer.step_running.is_set)
     if handle_signals:
         signals.install()
     try:

@@ -28,10 +28,13 @@ class StopSignals:
 
     `stop`: set by the first signal; `on_stop`: called then too; `forced`: set by the second Ctrl-C, for the
     callers to tell a KeyboardInterrupt that torch re-raised as its own error (a checkpoint save) from a failure.
+    `step_running` says whether a step is under way, so the first signal's line says what the stop waits for: a
+    trainer waiting for its next batch, or loading its model, has no "current step" to finish.
     """
 
-    def __init__(self, stop: threading.Event, log: logging.Logger, on_stop: Callable[[], None] | None = None):
-        self.stop, self.log, self.on_stop = stop, log, on_stop
+    def __init__(self, stop: threading.Event, log: logging.Logger, on_stop: Callable[[], None] | None = None,
+                 step_running: Callable[[], bool] = lambda: True):  # fmt: skip
+        self.stop, self.log, self.on_stop, self.step_running = stop, log, on_stop, step_running
         self.forced = threading.Event()
         self.single = single_process()
         self._previous: dict[int, object] = {}
@@ -46,7 +49,8 @@ class StopSignals:
         if self.on_stop is not None:
             self.on_stop()
         again = " (Ctrl-C again stops at once)" if self.single else ""
-        self.log.warning("%s: stopping after the current step%s", signal.Signals(signum).name, again)
+        when = "after the current step" if self.step_running() else "before the next step (none is running)"
+        self.log.warning("%s: stopping %s%s", signal.Signals(signum).name, when, again)
 
     def install(self) -> StopSignals:
         self.stop.clear()

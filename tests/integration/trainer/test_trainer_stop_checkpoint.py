@@ -105,3 +105,39 @@ def test_each_multirun_run_is_checkpointed_on_stop_and_a_removed_runs_file_too(
     assert trainer.run() == 0
     assert trained_steps(tmp_path / "a") == [1, 2] and trained_steps(tmp_path / "b") == [1]
     assert checkpoints(tmp_path / "a") == ["step_2"] and checkpoints(tmp_path / "b") == ["step_1"]
+
+
+def test_a_stop_while_waiting_for_the_next_batch_does_not_promise_a_step(
+    tiny_model, redis_url, unique_run_id, tmp_path, caplog
+):
+    """Most of an async run, the trainer waits for its next batch: a SIGTERM there said "stopping after the current
+    step" with no step to finish. The real handler (`StopSignals`, as `gyre trainer` installs it) gets a real signal."""
+    import os
+    import signal
+    import time
+
+    from gyre_trainer import dist
+    from gyre_trainer.service import Trainer
+    from gyre_trainer.stopping import StopSignals
+
+    push_batches(BatchStream(redis_url, unique_run_id), (1,))  # then it waits for batch 2
+    cfg = load_config(TrainerConfig, trainer_args(tiny_model, tmp_path, redis_url, unique_run_id, 6))
+    trainer = Trainer(cfg, dist.init_distributed("cpu"))
+    signals = StopSignals(trainer.stop_requested, logging.getLogger("gyre_trainer"), None, trainer.step_running.is_set)
+
+    def sigterm_while_waiting() -> None:
+        wait_for_steps(tmp_path, 1, timeout=120)
+        while trainer.step_running.is_set():  # step 1's commit ends (ack, prune) just after its record is logged
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=sigterm_while_waiting, daemon=True).start()
+    signals.install()
+    try:
+        with caplog.at_level(logging.INFO, logger="gyre_trainer"):
+            assert trainer.run() == 0
+    finally:
+        signals.restore()
+    assert trained_steps(tmp_path) == [1]
+    assert "SIGTERM: stopping before the next step (none is running)" in caplog.text
+    assert "after the current step" not in caplog.text

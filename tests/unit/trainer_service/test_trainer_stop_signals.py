@@ -21,8 +21,8 @@ def signals(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     made = []
 
-    def make(on_stop=None) -> StopSignals:
-        made.append(StopSignals(threading.Event(), log, on_stop).install())
+    def make(on_stop=None, **kwargs) -> StopSignals:
+        made.append(StopSignals(threading.Event(), log, on_stop, **kwargs).install())
         return made[-1]
 
     yield make
@@ -40,6 +40,17 @@ def test_a_second_ctrl_c_of_a_single_process_stops_at_once(signals, caplog):
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
     assert s.forced.is_set() and stopped == [True]
+
+
+def test_with_no_step_running_the_stop_does_not_promise_to_finish_one(signals, caplog):
+    """A trainer waiting for its next batch (most of an async run) or loading its model has no current step: the line
+    said "stopping after the current step" there too."""
+    running = threading.Event()
+    signals(step_running=running.is_set)
+    with caplog.at_level(logging.WARNING, logger="gyre_trainer.test"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert "SIGTERM: stopping before the next step (none is running)" in caplog.text
+    assert "after the current step" not in caplog.text
 
 
 def test_sigterm_stays_graceful_however_often(signals):
