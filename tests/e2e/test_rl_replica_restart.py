@@ -137,14 +137,14 @@ def test_restarts_back_off_and_stop_the_run_once_spent_in_a_row(tmp_path, monkey
     # the restart policy alone, on a clock of its own: 2 s, then 4 s; a third exit in a row stops the run
     from types import SimpleNamespace
 
-    from gyre.local import launcher
+    from gyre.local import supervision
 
     now = [100.0]
-    monkeypatch.setattr(launcher.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(supervision.time, "monotonic", lambda: now[0])
     log = tmp_path / "inference-1.log"
     log.write_text("boom\n")
     child = SimpleNamespace(name="inference-1", config=tmp_path / "inference-1.toml", log_path=log, tail=lambda: "boom")
-    restarts = launcher.Restarts(2)
+    restarts = supervision.Restarts(2)
     assert restarts.due(child, -9) is None  # logged, backing off
     assert restarts.due(child, -9) is None  # still the same crash: not logged again
     now[0] += 2
@@ -160,12 +160,12 @@ def test_restarts_back_off_and_stop_the_run_once_spent_in_a_row(tmp_path, monkey
         f"inference-1 exited with status 1; restarting it in 4s (restart 2 of 2, inference_restarts; its log: {log})",
     ]
     stopped = r"^inference-1 exited with status 1 after 2 restarts \(inference_restarts = 2\); the run stops"
-    with pytest.raises(launcher.RunFailed, match=stopped):
+    with pytest.raises(supervision.RunFailed, match=stopped):
         restarts.due(child, 1)
     # up RESTART_RESET_S since its last restart: counted from 0 again
-    restarts = launcher.Restarts(1)
+    restarts = supervision.Restarts(1)
     assert restarts.due(child, 1) is None
     now[0] += 2
     assert restarts.due(child, 1) == child.config
-    now[0] += launcher.RESTART_RESET_S
+    now[0] += supervision.RESTART_RESET_S
     assert restarts.due(child, -9) is None  # restart 1 of 1 again, not the run's end

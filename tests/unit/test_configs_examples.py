@@ -38,11 +38,12 @@ def test_example_passes_the_launchers_whole_check(path, tmp_path, monkeypatch):
     refused on a fresh checkout). Run from a folder of its own (its outputs/ there, its data files linked); the model
     source alone is not checked: a hub id would be fetched."""
     import gyre.local.launcher as launcher
+    from gyre.local import preflight
 
     monkeypatch.chdir(tmp_path)
     for shipped in ("configs", "tests"):  # data files: configs/dataset/data, tests/unit/envs/data
         (tmp_path / shipped).symlink_to(ROOT / shipped)
-    monkeypatch.setattr(launcher, "_check_model", lambda *args, **how: None)
+    monkeypatch.setattr(preflight, "check_model", lambda *args, **how: None)
     files = ["@", str(path)]
     if path.name.startswith("async"):  # overlays of the demo
         files = ["@", str(ROOT / "configs/reverse_text/demo.toml"), *files]

@@ -265,7 +265,8 @@ def made(out: Path, *argv: str) -> None:
     (and the record of how) and its finished SFT warm-up with the config it was trained with."""
     from gyre.config.loader import deep_merge
     from gyre.config.trainer import SFTConfig
-    from gyre.local.launcher import MODEL_INIT_RECORD, Launcher
+    from gyre.local.launcher import Launcher
+    from gyre.local.preflight import MODEL_INIT_RECORD
 
     cfg = load_config(RLConfig, [*CI, *argv, "--output-dir", str(out)])
     for folder in ("model", "sft"):
@@ -364,11 +365,11 @@ def test_a_warm_up_that_cannot_resume_as_asked_is_refused_before_anything_starts
 def test_a_warm_ups_model_by_name_keeps_the_runs_dtype(tmp_path, monkeypatch):
     # `[sft.args] model = "x"` replaced the model table gyre rl gives the warm-up ({name, dtype}): it trained at dtype
     # auto, not the run's model.dtype, silently
-    import gyre.local.launcher as launcher
     from gyre.config.trainer import SFTConfig
+    from gyre.local import preflight
 
-    seen, load = [], launcher.load_config
-    monkeypatch.setattr(launcher, "load_config", lambda cls, *a, **kw: seen.append(load(cls, *a, **kw)) or seen[-1])
+    seen, load = [], preflight.load_config
+    monkeypatch.setattr(preflight, "load_config", lambda cls, *a, **kw: seen.append(load(cls, *a, **kw)) or seen[-1])
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text("{}")
@@ -384,13 +385,14 @@ def test_two_folders_with_one_run_id_on_one_redis_are_refused_and_fresh_takes_th
     # two experiments started side by side with one run_id (the default, a copied file) on a shared Redis both found
     # its stream empty, and each trainer trained the other's batches
     from gyre.local.launcher import Launcher
+    from gyre.local.preflight import claim_run_ids
     from gyre.redis_server import EmbeddedRedis
 
     with EmbeddedRedis() as redis:
         url = ["--redis.url", redis.url]
         first = Launcher(load_config(RLConfig, [*CI, *url, "--output-dir", str(tmp_path / "a")]))
         first.validate()
-        first._claim_run_ids(redis.url)  # what its launch does under its lock
+        claim_run_ids(first.cfg, redis.url)  # what its launch does under its lock
         with redis.client() as client:
             assert client.get("gyre:ci:owner").decode().endswith(str((tmp_path / "a").resolve()))
         with pytest.raises(ConfigError, match=r"^config key 'run_id': run_id 'ci' on the Redis of redis.url belongs "
@@ -401,11 +403,11 @@ def test_two_folders_with_one_run_id_on_one_redis_are_refused_and_fresh_takes_th
         # a launch that passed its check at the same moment as another loses the claim under its lock
         second = Launcher(load_config(RLConfig, [*CI, *url, "--output-dir", str(tmp_path / "b")]))
         with pytest.raises(ConfigError, match=r"^config key 'run_id'"):
-            second._claim_run_ids(redis.url)
+            claim_run_ids(second.cfg, redis.url)
         # --fresh takes the id over (it deletes that run's batches, as it says); then the first is the other one
         fresh = Launcher(load_config(RLConfig, [*CI, *url, "--output-dir", str(tmp_path / "b"), "--fresh"]))
         fresh.validate()
-        fresh._claim_run_ids(redis.url)
+        claim_run_ids(fresh.cfg, redis.url)
         with pytest.raises(ConfigError, match=r"belongs to the run in .*/b "):
             first.validate()
 

@@ -660,35 +660,33 @@ def test_fresh_on_a_project_folder_refuses_before_writing_anything(tmp_path):
 
 def test_fresh_refuses_a_folder_that_is_not_a_gyre_run(tmp_path):
     from gyre.config import ConfigError
-    from gyre.local.launcher import Launcher
+    from gyre.local.output_folder import start_fresh
 
     (tmp_path / "thesis.tex").write_text("years of work")
-    launcher = Launcher(load_config(RLConfig, ["--output-dir", str(tmp_path), "--fresh"]))
     with pytest.raises(ConfigError, match="thesis.tex"):
-        launcher.start_fresh()
+        start_fresh(tmp_path)
     assert (tmp_path / "thesis.tex").exists()
     (tmp_path / "configs").mkdir()  # a project's own configs/ (no run's file in it) is no gyre run
     (tmp_path / "configs" / "mine.toml").write_text("x")
     with pytest.raises(ConfigError, match="thesis.tex"):
-        launcher.start_fresh()
+        start_fresh(tmp_path)
     assert (tmp_path / "configs" / "mine.toml").exists()
     (tmp_path / "events").mkdir()  # a gyre run (with a file of the user's in it): emptied
     (tmp_path / "events" / "trainer_steps.jsonl").write_text("")
-    launcher.start_fresh()
+    start_fresh(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_fresh_takes_what_a_launch_stopped_during_start_up_left_half_written(tmp_path):
     # Ctrl-C while `gyre model init` wrote the base model left `.tmp-model-*` beside locks/ and redis/, and
     # `--fresh` refused the folder: "holds files gyre did not write (.tmp-model-...)"
-    from gyre.local.launcher import Launcher
+    from gyre.local.output_folder import check_fresh, start_fresh
 
     for name in (".tmp-model-x1/config.json", ".tmp-sft-y2/model.safetensors", "locks/rl.lock", "redis/a.aof"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
-    launcher = Launcher(load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--fresh"]))
-    launcher.check_fresh()
-    launcher.start_fresh()
+    check_fresh(tmp_path)
+    start_fresh(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
 
 
@@ -698,14 +696,14 @@ def test_an_interrupted_fresh_leaves_no_part_of_the_old_run_and_the_next_launch_
     # not write (rollouts, samples.md)")
     import shutil
 
-    from gyre.local.launcher import Launcher
+    from gyre.local.output_folder import check_fresh, remove_staging, start_fresh
 
     for name in ("configs/trainer.toml", "events/trainer_steps.jsonl", "weights/step_1/model.safetensors",
                  "checkpoints/trainer/step_1/progress.json", "rollouts/step_1.jsonl", "samples.md", "debug/step_1/x",
                  "locks/rl.lock"):  # fmt: skip
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("old run")
-    launcher = Launcher(load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--fresh"]))
+    cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path), "--fresh"])
 
     def interrupted(path, *args, **kwargs):  # Ctrl-C while the old run's weights are being deleted
         raise KeyboardInterrupt
@@ -713,14 +711,14 @@ def test_an_interrupted_fresh_leaves_no_part_of_the_old_run_and_the_next_launch_
     with monkeypatch.context() as patch:
         patch.setattr(shutil, "rmtree", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            launcher.start_fresh()
+            start_fresh(tmp_path)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left[0].startswith(".tmp-fresh-") and left[1:] == ["locks"]  # nothing of the old run to resume from
-    launcher.remove_staging()  # what the interrupted launch's shutdown, or the next launch, does
+    remove_staging(cfg)  # what the interrupted launch's shutdown, or the next launch, does
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
     (tmp_path / "rollouts").mkdir()  # what the old code left in place: a run's entries, not the user's files
     (tmp_path / "samples.md").write_text("")
-    launcher.check_fresh()
+    check_fresh(tmp_path)
 
 
 def test_a_ctrl_c_just_after_a_service_started_still_stops_it(tmp_path, monkeypatch, tiny_model):
@@ -802,12 +800,13 @@ def test_an_sft_warm_up_that_exits_0_without_its_result_fails_the_launch(tmp_pat
     # `gyre sft` stopped by a SIGTERM of its own checkpoints and exits 0: the launch went on to start the services on
     # a model folder that did not exist
     from gyre.local import launcher as launcher_module
+    from gyre.local.supervision import RunFailed
 
     monkeypatch.setattr(launcher_module, "_gyre", lambda *args: [sys.executable, "-c", "print('stopped after step 3')"])
     cfg = load_config(RLConfig, ["@", str(CI_CONFIG), "--output-dir", str(tmp_path)],
                       sft={"enabled": True, "args": {"data": {"fake": True}}})  # fmt: skip
     launcher = launcher_module.Launcher(cfg)
-    with pytest.raises(launcher_module.RunFailed, match=r"(?s)sft stopped before it finished .*stopped after step 3"):
+    with pytest.raises(RunFailed, match=r"(?s)sft stopped before it finished .*stopped after step 3"):
         launcher._sft(str(tmp_path / "model"))
 
 

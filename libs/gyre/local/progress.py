@@ -1,7 +1,9 @@
-"""Console progress of a local run, read from the event logs the services append to."""
+"""Console progress of a local run, read from the event logs the services append to, and `console`, the launcher's
+one way to print a line to the terminal (above the bar while there is one)."""
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -11,6 +13,18 @@ from tqdm import tqdm
 
 from gyre.events import read_events
 from gyre.local.runs import Run
+
+_console_lock = threading.Lock()
+_active: RunProgress | None = None  # the bar on the terminal now: a line printed past it would tear it
+
+
+def console(text: str) -> None:
+    """Print a line of the launcher's (its children's echoed log lines too): above the progress bar while it runs."""
+    with _console_lock:
+        if _active is not None:
+            _active.bar.write(text)
+        else:
+            print(text, flush=True)
 
 
 class RunProgress:
@@ -36,6 +50,8 @@ class RunProgress:
         total, initial = sum(run.max_steps for run in self.runs), sum(self.steps.values())
         self.bar = tqdm(total=total, initial=initial, desc="rl", unit="step", dynamic_ncols=True)
         self._post: dict = {}
+        global _active
+        _active = self
 
     def update(self) -> None:
         post = {}
@@ -85,6 +101,9 @@ class RunProgress:
         return [r for r in read_events(path) if r.get("segment") == self.segment or r.get("step", 0) <= start]
 
     def close(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
         self.bar.close()
 
 
