@@ -42,7 +42,7 @@ def test_the_packaged_gguf_imports_as_a_plain_verified_folder(smollm2_import):
 
 def test_sft_learns_only_the_replies_with_smollm2s_own_tokenizer_and_template(smollm2):
     from gyre.eos import end_of_turn_ids
-    from gyre_trainer.sft import Conversation, tokenize
+    from gyre_trainer.sft_data import Conversation, tokenize
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)

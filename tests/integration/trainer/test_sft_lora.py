@@ -11,7 +11,7 @@ import torch
 from gyre.config import ConfigError, load_config
 from gyre.config.trainer import SFTConfig
 from gyre.events import read_events
-from gyre_trainer import sft
+from gyre_trainer import sft, sft_data
 from trainer_testlib import LORA, load_weights, sft_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
@@ -67,7 +67,7 @@ def test_publish_is_no_sft_setting():
 def test_a_target_that_names_no_layer_is_one_error_line_before_the_data_loads(tiny_model, tmp_path, capsys,
                                                                               monkeypatch):  # fmt: skip
     # it was a traceback once the data had been tokenized and the model loaded
-    monkeypatch.setattr(sft, "load_conversations", lambda *a: pytest.fail("the data was read"))
+    monkeypatch.setattr(sft_data, "load_conversations", lambda *a: pytest.fail("the data was read"))
     args = sft_args(tiny_model, tmp_path, **{"data.fake": "true", "max-steps": 1})
     assert sft.main([*args, "--lora.target-modules", '["q_proj", "v_prj"]']) == 2
     err = capsys.readouterr().err

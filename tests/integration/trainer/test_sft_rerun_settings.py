@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from gyre.events import read_events
 from gyre_trainer import sft
+from gyre_trainer.sft_checks import RESULT_MARKER
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
 
@@ -26,7 +27,7 @@ def steps(out) -> int:
 
 def test_a_rerun_with_other_settings_is_refused_naming_the_keys(tiny_model, tmp_path, capsys):
     assert sft.main(args(tiny_model, tmp_path, **{"max-steps": 2})) == 0
-    marker = (tmp_path / "sft" / sft.RESULT_MARKER).read_text()
+    marker = (tmp_path / "sft" / RESULT_MARKER).read_text()
     capsys.readouterr()
     other_data = {"data.env": "arithmetic", "data.seq-len": 128}
     for extra in ({"max-steps": 2}, {"max-steps": 3}):  # found finished; continued from its checkpoint
@@ -38,7 +39,7 @@ def test_a_rerun_with_other_settings_is_refused_naming_the_keys(tiny_model, tmp_
             and "data.seq_len = 64, not 128" in err
         ), err
         assert "--ckpt.resume-step 0" in err and "--output-dir" in err and "Traceback" not in err
-        assert steps(tmp_path) == 2 and (tmp_path / "sft" / sft.RESULT_MARKER).read_text() == marker
+        assert steps(tmp_path) == 2 and (tmp_path / "sft" / RESULT_MARKER).read_text() == marker
 
     # stopped half way (no result yet, its checkpoints): resumed, so the same holds, but for how far it goes
     (tmp_path / "sft").rename(tmp_path / "first")

@@ -11,6 +11,7 @@ from gyre.config import load_config
 from gyre.config.trainer import SFTConfig
 from gyre.events import read_events
 from gyre_trainer import sft
+from gyre_trainer.sft_checks import RESULT_MARKER
 from support.locks import hold_run_lock
 from trainer_testlib import LORA, load_weights, sft_args
 
@@ -107,7 +108,7 @@ def test_a_resume_from_a_missing_checkpoint_or_one_past_max_steps_is_refused(tin
         assert not (tmp_path / "sft").exists() and len(read_events(tmp_path / "events" / sft.SFT_STEPS)) == 3
     # back to step 2 is a rewind to its checkpoint: the result is step 2's
     assert sft.main(sft_args(tiny_model, tmp_path, **common, **{"max-steps": 2, "ckpt.resume-step": 2})) == 0
-    assert json.loads((tmp_path / "sft" / sft.RESULT_MARKER).read_text())["step"] == 2
+    assert json.loads((tmp_path / "sft" / RESULT_MARKER).read_text())["step"] == 2
 
 
 def test_a_larger_max_steps_continues_after_the_last_step_trained(tiny_model, tmp_path, capsys):
@@ -132,7 +133,7 @@ def test_a_rerun_on_edited_data_is_refused_naming_the_file(tiny_model, tmp_path,
     out = tmp_path / "out"
     common = {"data.path": chats, "ckpt.interval": 1}
     assert sft.main(sft_args(tiny_model, out, **common, **{"max-steps": 2})) == 0
-    marker = (out / "sft" / sft.RESULT_MARKER).read_text()
+    marker = (out / "sft" / RESULT_MARKER).read_text()
     chats.write_text("\n".join(lines).replace("number", "digit") + "\n")
     capsys.readouterr()
     for max_steps, what in [(2, f"the SFT in {out / 'sft'}"), (3, "checkpoint step 2 in")]:
@@ -140,7 +141,7 @@ def test_a_rerun_on_edited_data_is_refused_naming_the_file(tiny_model, tmp_path,
         err = capsys.readouterr().err
         assert "gyre sft: error: config key 'data.path': the data is not what " in err and what in err, err
         assert f"{chats} changed since" in err and "--ckpt.resume-step 0" in err
-        assert (out / "sft" / sft.RESULT_MARKER).read_text() == marker
+        assert (out / "sft" / RESULT_MARKER).read_text() == marker
         assert len(read_events(out / "events" / sft.SFT_STEPS)) == 2
     chats.write_text("\n".join(lines) + "\n")  # put back: it goes on
     assert sft.main(sft_args(tiny_model, out, **common, **{"max-steps": 3})) == 0
@@ -273,4 +274,4 @@ def test_two_sfts_of_other_output_dirs_with_one_save_dir_at_once_are_refused_nam
         first.wait()
     # its holder gone (however it died), the save_dir is free
     assert sft.main(sft_args(tiny_model, tmp_path / "b", **common, **{"max-steps": 2})) == 0
-    assert (shared / sft.RESULT_MARKER).is_file()
+    assert (shared / RESULT_MARKER).is_file()

@@ -14,6 +14,7 @@ from gyre.config import load_config
 from gyre.config.trainer import SFTConfig
 from gyre.events import read_events
 from gyre_trainer import sft
+from gyre_trainer.sft_checks import RESULT_MARKER
 from trainer_testlib import PYTHON, REPO, child_env, kill_group, load_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
@@ -112,7 +113,7 @@ def test_torchrun_sft_stops_on_sigterm_on_every_rank_and_resumes(tiny_model, tmp
     rerun = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert steps_of(out) == list(range(1, STEPS + 1))
-    assert (out / "sft" / sft.RESULT_MARKER).exists()
+    assert (out / "sft" / RESULT_MARKER).exists()
 
 
 def test_sft_killed_inside_a_checkpoint_save_resumes_from_the_one_before_exactly(tiny_model, tmp_path):

@@ -12,7 +12,7 @@ import copy
 from pathlib import Path
 
 import pytest
-from gyre_trainer.sft import Conversation, SFTDataError, tokenize
+from gyre_trainer.sft_data import Conversation, SFTDataError, tokenize
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from gyre.config import load_config
 from gyre.config.trainer import SFTConfig
-from gyre_trainer.sft import (
+from gyre_trainer.sft import main
+from gyre_trainer.sft_data import (
     Conversation,
     SFTDataError,
     environment_conversations,
     fake_conversations,
-    main,
     pack,
     prepare_rows,
     read_jsonl,
@@ -364,9 +364,9 @@ def test_ctrl_c_while_the_data_is_prepared_stops_there_without_loading_the_model
     import os
     import signal
 
-    from gyre_trainer import model, sft
+    from gyre_trainer import model, sft_data
 
-    loaded, load_conversations = [], sft.load_conversations
+    loaded, load_conversations = [], sft_data.load_conversations
 
     def ctrl_c_while_loading(*args):
         os.kill(os.getpid(), signal.SIGINT)  # a real SIGINT, to the handler gyre sft installs
@@ -377,7 +377,7 @@ def test_ctrl_c_while_the_data_is_prepared_stops_there_without_loading_the_model
         return real_load_model(*args, **kwargs)
 
     real_load_model = model.load_model
-    monkeypatch.setattr(sft, "load_conversations", ctrl_c_while_loading)
+    monkeypatch.setattr(sft_data, "load_conversations", ctrl_c_while_loading)  # prepare_rows reads it there
     monkeypatch.setattr(model, "load_model", load_model)
     argv = ["--model.name", str(tiny_model), "--data.fake", "--data.num-examples", "64", "--data.seq-len", "64",
             "--data.batch-size", "2", "--max-steps", "3", "--output-dir", str(tmp_path), "--device", "cpu"]  # fmt: skip
