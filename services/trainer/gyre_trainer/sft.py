@@ -91,6 +91,9 @@ SFT_STEPS = "sft_steps.jsonl"
 # checkpoint writer turns a KeyboardInterrupt raised there into a CheckpointException); a second Ctrl-C of a single
 # process stops at once (gyre_trainer.stopping).
 STOP = threading.Event()
+# Set while the steps are trained (and the result saved): before, a stop has no step to finish (the data is being
+# prepared, the model loaded), and its line says so.
+TRAINING = threading.Event()
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -185,6 +188,7 @@ def run(cfg: SFTConfig) -> int:
                                 config=cfg)  # fmt: skip
         bar = tqdm(total=total, initial=start, desc="sft", unit="step", disable=not ctx.is_main, file=sys.stderr)
         checkpointed, last = start or None, None  # the newest step saved or loaded; (step, record) trained last
+        TRAINING.set()
         for step in range(start + 1, total + 1):
             if stop_requested(ctx):
                 bar.close()
@@ -238,6 +242,7 @@ def run(cfg: SFTConfig) -> int:
         dist.barrier(ctx)
         return 0
     finally:
+        TRAINING.clear()
         if wandb is not None:
             wandb.finish()
         dist.shutdown(ctx)
@@ -384,7 +389,7 @@ def _main(argv: list[str] | None) -> int:
     setup_logging(cfg.log.level, cfg.log.file, "sft" if rank == 0 else f"sft-rank{rank}", cfg.log.format, cfg.run_id)
     # Every rank, SIGTERM too (Kubernetes, `gyre rl`, torchrun forwarding it): only SIGINT was handled, and only in a
     # single process, so a SIGTERM killed the SFT mid-step with nothing saved since its last interval.
-    signals = StopSignals(STOP, log).install()
+    signals = StopSignals(STOP, log, step_running=TRAINING.is_set).install()
     try:
         return run(cfg)
     except SFTDataError as e:

@@ -350,7 +350,7 @@ def test_ctrl_c_says_what_a_rerun_does_instead_of_a_traceback(tmp_path, tiny_mod
     proc.send_signal(signal.SIGINT)  # with a checkpoint every step: often inside a checkpoint save
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "SIGINT: stopping after the current step (Ctrl-C again stops at once)" in err
     stopped = re.search(r"gyre sft: stopped after step (\d+); the same command resumes from checkpoint step "
                         r"(\d+) in (\S+)\n", err)  # fmt: skip
     assert stopped and stopped[1] == stopped[2] and stopped[3] == str(tmp_path / "checkpoints" / "sft"), err[-2000:]
@@ -360,7 +360,7 @@ def test_ctrl_c_says_what_a_rerun_does_instead_of_a_traceback(tmp_path, tiny_mod
 def test_ctrl_c_while_the_data_is_prepared_stops_there_without_loading_the_model(tmp_path, tiny_model, monkeypatch,
                                                                                  capsys):  # fmt: skip
     # tokenizing a large dataset takes minutes: a Ctrl-C then waited for all of it, and for the model to load, to stop
-    # before the first step ("stopping after the current step", with no step running)
+    # before the first step; and it said "stopping after the current step", with no step running
     import os
     import signal
 
@@ -384,6 +384,7 @@ def test_ctrl_c_while_the_data_is_prepared_stops_there_without_loading_the_model
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "gyre sft: stopped after step 0; no checkpoint (nothing trained yet): the same command starts over" in err
+    assert "SIGINT: stopping before the next step (none is running)" in err and "current step" not in err
     assert loaded == [] and not (tmp_path / "sft").exists()
 
 
