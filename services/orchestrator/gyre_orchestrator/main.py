@@ -28,7 +28,8 @@ async def serve(cfg: OrchestratorConfig) -> int:
 
     from gyre_orchestrator.client import SetupRefused
     from gyre_orchestrator.relay import WeightsRefused
-    from gyre_orchestrator.service import OrchestratorService, StreamLost  # imported after logging is set up
+    from gyre_orchestrator.service import OrchestratorService  # imported after logging is set up
+    from gyre_orchestrator.stream_guard import StreamLost
 
     try:
         service = OrchestratorService(cfg)

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import redis
 from gyre.codec import CodecError, encode_batch
 from gyre.config.loader import reveal
 from gyre.config.orchestrator import OrchestratorConfig, template_kwargs
@@ -41,7 +40,7 @@ from gyre.redis_retry import Stopped, acall_with_retry
 from gyre.rollouts import write_dump
 from gyre.runstate import committed_step, mark_rewound, pending_rewind, trainer_checkpoints
 from gyre.steps import StepEntries
-from gyre.streams import BatchStream, claim_run_id, stream_id
+from gyre.streams import BatchStream, claim_run_id
 from gyre.transport import open_store
 from gyre.wandb_log import WandbLogger
 
@@ -58,6 +57,7 @@ from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 from gyre_orchestrator.rescoring import RESCORE_BACKOFF_S, scored_again
 from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, StepState, VersionWatch
 from gyre_orchestrator.server import OrchestratorServer
+from gyre_orchestrator.stream_guard import StreamGuard
 from gyre_orchestrator.teacher import Teacher, teacher_arrays
 
 log = logging.getLogger(__name__)
@@ -72,17 +72,6 @@ RETIRE_DRAIN_S = 60.0
 # a SIGTERM during a push lets it complete this long (a push waits for a Redis in an outage up to
 # redis.retry_deadline_s, past any stop grace): well inside a pod's 30 s grace and `gyre rl`'s 15 s
 STOP_PUSH_GRACE_S = 10.0
-
-
-class StreamLost(RuntimeError):
-    """Batches the trainer still needs left the stream; the orchestrator must start over from `step`.
-
-    `rejected`: the trainer's reason when it dead-lettered them (None: Redis restarted without them)."""
-
-    def __init__(self, message: str, step: int, rejected: str | None = None):
-        super().__init__(message)
-        self.step = step
-        self.rejected = rejected
 
 
 class RolloutFailed(RuntimeError):
@@ -186,22 +175,9 @@ class OrchestratorService:
         )
         self.redis = cfg.redis.client(socket_timeout=30, socket_connect_timeout=5)
         self.stream = BatchStream(self.redis, cfg.run_id, maxlen=cfg.batch.stream_maxlen)
-        self._pushes_key = f"{self.stream.key}:pushed"
+        self.guard = StreamGuard(self.redis, self.stream, self.metrics, self._redis,
+                                 lambda: committed_step(self.out, self.transport.latest()))  # fmt: skip
         self.last_step = 0
-        self._stream_seen: tuple[str, tuple[int, int] | None, bool, bool] = (
-            "",
-            None,
-            False,
-            False,
-        )  # `_stream_marks` when last checked
-        # pushes counted in Redis too (`gyre:{run}:batches:pushed`): a count that falls behind ours, or an INCR
-        # that skips, means the keys were flushed under a running server (the next push recreates the stream,
-        # so its ids alone cannot tell)
-        self._pushes = 0
-        self._pushes_reset = False
-        self._eviction_warned = False  # Redis found evicting keys when full (warned once)
-        self._pushed_id = (0, 0)  # stream id of our newest push
-        self._untrained_ids: dict[int, tuple[int, int]] = {}  # step -> stream id, our pushes not trained yet
         self.sampler: TaskMix | None = None
         self.scheduler: RolloutScheduler | None = None
         self.step_records = StepRecords(
@@ -235,7 +211,7 @@ class OrchestratorService:
                 raise asyncio.CancelledError
             await self.start()
             work = asyncio.create_task(self._work(), name="work")
-            watch = asyncio.create_task(self._watch_stream(), name="watch-stream")
+            watch = asyncio.create_task(self.guard.watch(lambda: self.last_step), name="watch-stream")
             refused = asyncio.create_task(self.relay.failed(), name="weights-refused")
             try:
                 await asyncio.wait({work, watch, refused}, return_when=asyncio.FIRST_COMPLETED)
@@ -294,96 +270,6 @@ class OrchestratorService:
         await self.finish()
         return 0
 
-    async def _watch_stream(self, interval_s: float = 5.0) -> None:
-        """Notice batches the trainer still needs that left the stream while we run: a Redis server that
-        came back empty (restarted without persistence), a stream deleted under a running server (FLUSHALL,
-        FLUSHDB, DEL, eviction by a `maxmemory-policy allkeys-*`), or a batch the trainer dead-lettered
-        (e.g. its spill file was lost), which the trainer then waits for again.
-
-        The trainer would wait forever for a batch that is gone, and the async bound would stall
-        generation behind it. Redis's `run_id` changes on every restart, the dead-letter stream's last id
-        on every dead letter, and the push count kept in Redis falls behind ours when keys are deleted; then
-        the stream is checked for the batches after the trainer's committed step, and if any is gone
-        `StreamLost` makes `gyre orchestrator` start over from the resume rule, which regenerates them.
-        """
-        while True:
-            await asyncio.sleep(interval_s)
-            await self._check_stream()
-
-    def _stream_marks(self) -> tuple[str, tuple[int, int] | None, bool, bool]:
-        """Redis's `run_id` (new on every restart), the last id of the dead-letter stream (None: none yet),
-        whether the batches stream was emptied since our newest push (deleted, flushed or evicted), and whether
-        it starts after the oldest of our pushes not trained yet (deleted, then pushed to again before this
-        check; or that entry dead-lettered, which the dead letters' id tells apart)."""
-        run_id = self.redis.info("server")["run_id"]
-        first, last = self._stream_ids(self._stream_info(self.stream.key))
-        dead_info = self._stream_info(self.stream.dead_key)
-        _, dead = self._stream_ids(dead_info)
-        self._note_dead_letters(dead_info)
-        emptied = (
-            self._pushes_reset  # FLUSHALL / FLUSHDB, then a push
-            or int(self.redis.get(self._pushes_key) or 0) < self._pushes  # FLUSHALL / FLUSHDB
-            or (last or (0, 0)) < self._pushed_id  # the stream alone deleted or evicted
-        )
-        committed = committed_step(self.out, self.transport.latest())
-        self._untrained_ids = {step: id_ for step, id_ in self._untrained_ids.items() if step > committed}
-        oldest = min(self._untrained_ids.values(), default=None)
-        return run_id, dead, emptied, oldest is not None and (first is None or first > oldest)
-
-    def _stream_info(self, key: str) -> dict | None:
-        """XINFO STREAM of `key` (None: no such key)."""
-        try:
-            return self.redis.xinfo_stream(key)
-        except redis.ResponseError:
-            return None
-
-    @staticmethod
-    def _stream_ids(info: dict | None) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        """The ids (`ms-seq` as Redis orders them) of a stream's first entry (None: empty) and the last one ever
-        added (None: no such key), from its XINFO STREAM `info`."""
-        if info is None:
-            return None, None
-        first = info["first-entry"][0].decode() if info.get("first-entry") else None
-        return stream_id(first) if first else None, stream_id(info["last-generated-id"].decode())
-
-    def _note_dead_letters(self, info: dict | None) -> None:
-        """`gyre_orchestrator_dead_letters`: the dead letters held, and those trimmed (the trainer keeps the newest
-        `intake.dead_letter_maxlen`, and counts the others in `gyre:{run}:batches:dead:trimmed`)."""
-        self.metrics.labels(self.metrics.dead_letters, state="held").set(int(info["length"]) if info else 0)
-        self.metrics.labels(self.metrics.dead_letters, state="trimmed").set(self.stream.dead_trimmed())
-
-    def _last_dead_reason(self) -> str:
-        newest = self.redis.xrevrange(self.stream.dead_key, count=1)
-        reason = newest[0][1].get(b"reason", b"no reason given") if newest else b"no reason given"
-        return reason.decode(errors="replace")
-
-    async def _check_stream(self) -> None:
-        marks = await self._redis(self._stream_marks, "checking the Redis server")
-        if marks == self._stream_seen:
-            return
-        restarted = marks[0] != self._stream_seen[0]
-        emptied = marks[2] or (marks[3] and marks[1] == self._stream_seen[1])  # not dead-lettered meanwhile
-        self._stream_seen = marks
-        self._pushes_reset = False
-        committed = committed_step(self.out, self.transport.latest())
-        have = set(await self._redis(lambda: self.stream.steps_after(committed), "reading the stream"))
-        missing = [s for s in range(committed + 1, self.last_step + 1) if s not in have]
-        if missing:
-            lost = restarted or emptied
-            rejected = None if lost else await self._redis(self._last_dead_reason, "reading the dead letters")
-            why = (
-                "Redis restarted without" if restarted
-                else "the stream was emptied (flushed, deleted or evicted) of" if emptied
-                else f"the trainer dead-lettered ({rejected})"
-            )  # fmt: skip
-            raise StreamLost(
-                f"{why} the batches of steps {missing} (pushed, not yet trained): starting over from step {missing[0]}",
-                missing[0],
-                rejected,
-            )
-        if restarted:
-            log.info("Redis restarted; the stream still holds every batch the trainer needs")
-
     async def start(self) -> None:
         cfg = self.cfg
         port = DEFAULT_METRICS_PORT if cfg.metrics.port is None else cfg.metrics.port
@@ -416,8 +302,7 @@ class OrchestratorService:
             log.info("published weights up to version %d: making replicas serve it", step)
             if not await self.relay.wait_served(step, timeout=cfg.relay.timeout_s):
                 log.warning("not every replica serves version %d yet; continuing (the relay keeps trying)", step)
-        self._pushes = int(await self._redis(lambda: self.redis.get(self._pushes_key) or 0, "reading the push count"))
-        self._stream_seen = await self._redis(self._stream_marks, "checking the Redis server")
+        await self.guard.start()
         point = await self._resume_point()
         self.last_step = point.start_step - 1
         # from the start: a restarted orchestrator's series continues at the last step pushed (it was absent until
@@ -903,12 +788,9 @@ class OrchestratorService:
             f"pushing batch {st.step}",
             during_push=True,
         )
-        self._pushed_id = self._untrained_ids[st.step] = stream_id(entry_id)
-        pushes = await self._redis(lambda: self.redis.incr(self._pushes_key), "counting the push", during_push=True)
-        self._pushes_reset |= pushes != self._pushes + 1  # (a retried push may count twice: a harmless check)
-        self._pushes = pushes
+        await self.guard.pushed(st.step, entry_id)
         self.last_step = st.step
-        await self._redis(self._note_redis_memory, "reading redis memory", during_push=True)
+        await self._redis(self.guard.note_redis_memory, "reading redis memory", during_push=True)
         await asyncio.to_thread(self._prune_spilled)
         self.step_records.account(st, record, [s.meta["lag"] for s in samples], positions=self.sampler.state())
         if records:
@@ -927,25 +809,6 @@ class OrchestratorService:
                     "while this batch was generated again): not pushing it, its %d samples are dropped", step,
                     samples)  # fmt: skip
         return True
-
-    def _note_redis_memory(self) -> None:
-        """Redis's used memory and maxmemory (0 = none): past maxmemory the next push is refused (the chart sets it
-        with noeviction), so `GyreRedisMemoryHigh` warns before. A Redis that refuses INFO is left unmeasured."""
-        try:
-            info = self.redis.info("memory")
-        except redis.ResponseError:
-            return
-        for state, key in (("used", "used_memory"), ("max", "maxmemory")):
-            self.metrics.labels(self.metrics.redis_memory, state=state).set(float(info.get(key, 0)))
-        policy = info.get("maxmemory_policy", "noeviction")
-        if info.get("maxmemory", 0) and policy != "noeviction" and not self._eviction_warned:
-            self._eviction_warned = True
-            log.warning(
-                "redis evicts keys when it reaches maxmemory (maxmemory-policy %s): full, it would delete batch "
-                "streams (their steps generated again, the work lost); set maxmemory-policy noeviction "
-                "(docs/kubernetes.md, 'Redis memory')",
-                policy,
-            )
 
     def _prune_spilled(self) -> None:
         """Delete the spilled payloads of steps before the trainer's committed one: trained, never read again (a

@@ -91,7 +91,7 @@ def test_a_cancel_stops_the_retries_at_once(tmp_path):
 def test_redis_back_without_the_pending_batches_is_noticed(tmp_path):
     # Redis restarted without persistence while the orchestrator ran: batches 1..3 were pushed and not
     # trained yet. The trainer would wait for batch 1 forever; the orchestrator must start over.
-    from gyre_orchestrator.service import StreamLost
+    from gyre_orchestrator.stream_guard import StreamLost
 
     first = EmbeddedRedis().start()
     port = first.port
@@ -100,14 +100,14 @@ def test_redis_back_without_the_pending_batches_is_noticed(tmp_path):
         orch = service(tmp_path, first.url)
         for step in (1, 2, 3):
             orch.stream.push(step, b"batch")
-        orch._stream_seen = orch._stream_marks()  # what start() records
+        orch.guard.seen = orch.guard.marks()  # what start() records
         orch.last_step = 3
-        await orch._check_stream()  # same server: nothing to do
+        await orch.guard.check(orch.last_step)  # same server: nothing to do
         first.stop()
         second = EmbeddedRedis(port=port).start()  # same address, empty
         try:
             with pytest.raises(StreamLost, match=r"steps \[1, 2, 3\].*from step 1"):
-                await orch._check_stream()
+                await orch.guard.check(orch.last_step)
         finally:
             orch.redis.close()
             second.stop()
@@ -124,13 +124,13 @@ def test_redis_back_with_its_data_is_fine(tmp_path):
         orch = service(tmp_path, first.url)
         for step in (1, 2):
             orch.stream.push(step, b"batch")
-        orch._stream_seen = orch._stream_marks()  # what start() records
+        orch.guard.seen = orch.guard.marks()  # what start() records
         orch.last_step = 2
         first.stop()
         second = EmbeddedRedis(port=port, data_dir=data).start()
         try:
-            await orch._check_stream()  # restarted (new run id), but every batch is still there
-            assert orch._stream_seen[0] == orch.redis.info("server")["run_id"]  # the new server, taken as seen
+            await orch.guard.check(orch.last_step)  # restarted (new run id), but every batch is still there
+            assert orch.guard.seen[0] == orch.redis.info("server")["run_id"]  # the new server, taken as seen
         finally:
             orch.redis.close()
             second.stop()
@@ -142,7 +142,7 @@ def pushed(orch, step: int) -> None:
     """Push batch `step` and record it as the orchestrator's push path does."""
     from gyre.streams import stream_id
 
-    orch._pushed_id = orch._untrained_ids[step] = stream_id(orch.stream.push(step, b"batch"))
+    orch.guard.pushed_id = orch.guard.untrained_ids[step] = stream_id(orch.stream.push(step, b"batch"))
     orch.last_step = step
 
 
@@ -156,7 +156,7 @@ def after_pushes(tmp_path, steps, then) -> None:
         try:
             for step in steps:
                 pushed(orch, step)
-            orch._stream_seen = orch._stream_marks()
+            orch.guard.seen = orch.guard.marks()
             await then(orch)
         finally:
             orch.redis.close()
@@ -171,27 +171,27 @@ def test_a_stream_deleted_and_pushed_to_again_between_two_checks_is_noticed(tmp_
     # audit: DEL of the stream key, then our next push (which recreates the stream) before the 5 s watch looked:
     # the newest id was ours and the push count intact, so batches 1..3 were gone unnoticed and the trainer,
     # whose group was recreated on the new stream, waited for batch 1 forever
-    from gyre_orchestrator.service import StreamLost
+    from gyre_orchestrator.stream_guard import StreamLost
 
     async def then(orch):
-        await orch._check_stream()  # nothing lost yet
+        await orch.guard.check(orch.last_step)  # nothing lost yet
         orch.redis.delete(orch.stream.key)
         pushed(orch, 4)
         with pytest.raises(StreamLost, match=r"emptied .* steps \[1, 2, 3\].*from step 1"):
-            await orch._check_stream()
+            await orch.guard.check(orch.last_step)
 
     after_pushes(tmp_path, (1, 2, 3), then)
 
 
 def test_the_oldest_batch_dead_lettered_is_still_told_as_a_dead_letter(tmp_path):
     from gyre.streams import StepReader
-    from gyre_orchestrator.service import StreamLost
+    from gyre_orchestrator.stream_guard import StreamLost
 
     async def then(orch):
         reader = StepReader(orch.stream, "trainer-rank0")
         reader.reject(reader.next(block_ms=1000), "cannot read spilled payload")
         with pytest.raises(StreamLost, match=r"dead-lettered \(cannot read spilled payload\)") as e:
-            await orch._check_stream()
+            await orch.guard.check(orch.last_step)
         assert e.value.rejected == "cannot read spilled payload"
 
     after_pushes(tmp_path, (1, 2), then)
@@ -207,7 +207,7 @@ def test_a_redis_that_evicts_when_full_is_reported_once_with_its_memory(tmp_path
         orch.redis.config_set("maxmemory", str(64 << 20))
         orch.redis.config_set("maxmemory-policy", "allkeys-lru")
         for _ in range(2):
-            await orch._redis(orch._note_redis_memory, "reading redis memory")
+            await orch._redis(orch.guard.note_redis_memory, "reading redis memory")
         text = generate_latest(orch.metrics.registry).decode()
         orch.redis.config_set("maxmemory-policy", "noeviction")
         orch.redis.close()
@@ -228,7 +228,7 @@ def test_the_dead_letters_held_and_trimmed_are_exported(tmp_path):
     """The trainer keeps only the newest dead letters (gyre.streams.DEAD_MAXLEN; 1000 whole batches were up to
     8 GiB of a Redis that stops the run when full): the stream watch exports how many it holds and trimmed."""
     from gyre.streams import BatchStream, StepReader
-    from gyre_orchestrator.service import StreamLost
+    from gyre_orchestrator.stream_guard import StreamLost
 
     def dead_letters(orch) -> dict[str, float]:
         text = generate_latest(orch.metrics.registry).decode()
@@ -242,7 +242,7 @@ def test_the_dead_letters_held_and_trimmed_are_exported(tmp_path):
         for _ in range(5):
             reader.reject(reader.next(block_ms=1000), "cannot read spilled payload")
             with pytest.raises(StreamLost):
-                await orch._check_stream()
+                await orch.guard.check(orch.last_step)
             pushed(orch, 1)  # generated again
         assert dead_letters(orch) == {"held": 2, "trimmed": 3}
 
