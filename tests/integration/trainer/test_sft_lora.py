@@ -5,6 +5,7 @@ optimizer state, and a resumed LoRA SFT ends with exactly the weights of a strai
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from gyre.config import ConfigError, load_config
 from gyre.config.trainer import SFTConfig
 from gyre.events import read_events
 from gyre_trainer import sft, sft_data
-from trainer_testlib import LORA, load_weights, sft_args
+from trainer_testlib import LORA, PYTHON, REPO, child_env, load_weights, sft_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_torch_state")]
 
@@ -43,6 +44,28 @@ def test_a_lora_sft_learns_changes_only_its_targets_and_its_adapter_loads_in_pef
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     config = json.loads((tmp_path / "sft" / "lora" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and sorted(config["target_modules"]) == sorted(targets)
+
+
+def test_a_lora_sft_under_torchrun_trains_what_one_process_trains(tiny_model, tmp_path):
+    """Two FSDP2 ranks (gloo) of a LoRA SFT: the same losses, gradient norms and adapter as one process, the shards'
+    adapters gathered into one PEFT folder and one merged model."""
+    from safetensors.torch import load_file
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = {"data.fake": "true", "data.num-examples": 32, "max-steps": 3, "lora": LORA}
+    assert sft.run(load_config(SFTConfig, sft_args(tiny_model, one, **extra))) == 0
+    cmd = [PYTHON, "-m", "gyre_trainer.torchrun", "--standalone", "--nproc-per-node=2", "-m", "gyre_trainer.sft",
+           *sft_args(tiny_model, two, **extra)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    alone, sharded = ([v for r in read_events(out / "events" / sft.SFT_STEPS) for v in (r["loss"], r["grad_norm"])]
+                      for out in (one, two))  # fmt: skip
+    assert len(alone) == 6 and sharded == pytest.approx(alone, rel=1e-5)
+    for file in ("sft/lora/adapter_model.safetensors", "sft/model.safetensors"):
+        alone, sharded = load_file(one / file), load_file(two / file)
+        assert alone.keys() == sharded.keys()
+        for name, weight in alone.items():
+            torch.testing.assert_close(sharded[name], weight, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_rerun_with_another_adapter_is_refused_naming_the_key(tiny_model, tmp_path, capsys):
