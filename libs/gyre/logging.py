@@ -72,7 +72,8 @@ def json_record(
     service: str, message: str, level: str = "ERROR", logger: str = "gyre", run_id: str | None = None
 ) -> str:
     """One line as `log.format = "json"` writes a record, for what a command prints before logging is set up (a
-    start-up error: `gyre.config.loader.parse_or_exit`), so a collector reading JSON gets a record, not bare text."""
+    start-up error: `gyre.config.command_line.parse_or_exit`), so a collector reading JSON gets a record, not bare
+    text."""
     record = logging.makeLogRecord({"name": logger, "levelname": level, "levelno": logging.getLevelName(level),
                                     "msg": message})  # fmt: skip
     return _JsonFormatter(service, run_id).format(record)

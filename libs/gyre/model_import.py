@@ -50,7 +50,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from gyre.config.loader import Section, parse_or_exit
+from gyre.config import Section, parse_or_exit
 from gyre.model_source import TOKENIZER_FILES, looks_like_hub_id
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

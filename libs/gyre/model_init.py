@@ -53,7 +53,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from gyre.config.loader import Section, parse_or_exit
+from gyre.config import Section, parse_or_exit
 from gyre.runlock import running_holder
 from gyre.safetensors_io import read_header
 

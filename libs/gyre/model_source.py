@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import Field
 
-from gyre.config.loader import Section, parse_or_exit, print_startup_error
+from gyre.config import Section, parse_or_exit
+from gyre.config.command_line import print_startup_error
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 HOW_TO_CREATE = (

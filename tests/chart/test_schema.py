@@ -145,7 +145,7 @@ def test_every_text_key_the_loader_refuses_blank_the_schema_refuses_blank():
     blank) has the not-blank pattern in its schema definition, so no such key is forgotten by hand."""
     import typing
 
-    from gyre.config.loader import _unannotated
+    from gyre.config.fields import unannotated
     from pydantic import BaseModel
 
     generator = load_generator()
@@ -160,9 +160,9 @@ def test_every_text_key_the_loader_refuses_blank_the_schema_refuses_blank():
         seen.add(model)
         properties = definitions.get(f"gyre.{model.__name__}", {}).get("properties", {})
         for name, field in model.model_fields.items():
-            annotation = _unannotated(field.annotation)
+            annotation = unannotated(field.annotation)
             for arg in (annotation, *typing.get_args(annotation)):
-                arg = _unannotated(arg)
+                arg = unannotated(arg)
                 if isinstance(arg, type) and issubclass(arg, BaseModel):
                     visit(arg)
             if name not in properties or "const" in properties[name]:  # chart-owned or moved keys

@@ -172,8 +172,8 @@ def test_model_fetch_help_marks_name_required_and_a_bad_one_names_the_key():
 
 
 def test_help_shows_a_secret_option_type_without_its_module_path():
+    from gyre.config import help_text
     from gyre.config.inference import InferenceConfig
-    from gyre.config.loader import help_text
 
     text = help_text(InferenceConfig, "gyre inference")
     assert "--auth.api_key SecretStr | None  (default: null)" in text and "pydantic.types" not in text

@@ -9,9 +9,9 @@ import typing
 from pathlib import Path
 
 import pytest
-from gyre.config import ConfigError, load_config, to_toml
+from gyre.config import ConfigError, help_text, load_config, to_toml
 from gyre.config.inference import InferenceConfig
-from gyre.config.loader import SECRET_FILE_FOR, collect, help_text, reveal
+from gyre.config.loader import SECRET_FILE_FOR, collect, reveal
 from gyre.config.orchestrator import GyreEvalConfig, OrchestratorConfig
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig, TrainerConfig

@@ -172,7 +172,7 @@ def test_gyre_eval_reads_a_runs_orchestrator_table_less_its_training_keys(tmp_pa
 )
 def test_a_section_key_set_by_a_top_level_variable_is_refused_naming_where_it_lives(variable, meant, monkeypatch):
     # GYRE_SEQ_LEN=512 (PRIME-RL's shared seq_len) was no key of gyre rl's, so not looked at: the run went on at 256
-    from gyre.config.loader import check_environment_keys
+    from gyre.config.mistakes import check_environment_keys
 
     with pytest.raises(ConfigError) as e:
         check_environment_keys(RLConfig, {variable: "512"})

@@ -393,7 +393,7 @@ def test_a_key_misspelt_below_a_section_by_an_environment_variable_names_the_var
 
 
 def test_gyre_variables_that_are_no_config_key_are_left_alone():
-    from gyre.config.loader import check_environment_keys
+    from gyre.config.mistakes import check_environment_keys
 
     others = {"GYRE_CACHE_DIR": "/c", "GYRE_API_KEY": "k", "GYRE_TRAINER_CRASH_AT": "x", "GYRE_RUN_SEGMENT": "s",
               "GYRE_INFERENCE__ENGINE__SEED": "7", "GYRE_MAX_STEPS": "3", "PATH": "/bin"}  # fmt: skip
@@ -835,7 +835,7 @@ def test_the_charts_environment_variables_are_keys_of_the_pods_that_get_them():
     # what charts/gyre sets on each pod (docs/kubernetes.md, "Secrets are files"), and variables gyre reads itself:
     # none may stop a service now that services check their GYRE_ variables
     from gyre.config.inference import InferenceConfig
-    from gyre.config.loader import check_environment_keys
+    from gyre.config.mistakes import check_environment_keys
 
     ambient = {"GYRE_CACHE_DIR": "/c", "GYRE_RUN_SEGMENT": "s", "GYRE_TRAINER_CRASH_AT": "x", "GYRE_API_KEY": "k"}
     pods = {

@@ -501,8 +501,7 @@ def test_the_trainer_keeps_as_many_dead_letters_as_intake_dead_letter_maxlen(str
     trims its dead letters to it."""
     from types import SimpleNamespace
 
-    from gyre.config import ConfigError, load_config
-    from gyre.config.loader import help_text
+    from gyre.config import ConfigError, help_text, load_config
     from gyre.config.trainer import TrainerConfig
     from gyre.streams import DEAD_MAXLEN
     from gyre_trainer.run import RunState

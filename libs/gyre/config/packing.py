@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gyre.config.loader import ConfigError
+from gyre.config.mistakes import ConfigError
 
 DEFAULT_SEQ_LEN = 2048  # the default of both trainer.data.seq_len and orchestrator.batch.seq_len
 # The orchestrator keys the packing shape fills (dotted, as in the orchestrator's config): never set by hand.

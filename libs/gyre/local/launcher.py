@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, load_config, parse_or_exit, to_toml
-from gyre.config.loader import dump_toml, name_environment_variables
+from gyre.config.mistakes import name_environment_variables
 from gyre.config.rerun import SFT_RECORD
 from gyre.config.rl import RLConfig
+from gyre.config.toml_io import dump_toml
 from gyre.config.trainer import SFTConfig
 from gyre.events import SEGMENT_ENV, new_segment_id
 from gyre.fsio import write_atomic

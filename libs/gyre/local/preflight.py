@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, load_config, to_toml
-from gyre.config.loader import expand_shorthands, under_section
+from gyre.config.loader import expand_shorthands
+from gyre.config.mistakes import under_section
 from gyre.config.rerun import SFT_RECORD, dotted_keys, sft_changes, sft_refusal
 from gyre.config.rl import RLConfig
 from gyre.config.trainer import SFTConfig

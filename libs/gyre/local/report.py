@@ -288,8 +288,8 @@ def _experiment_files(argv: list[str], parser: argparse.ArgumentParser) -> tuple
     """(the output_dir of the `@ experiment.toml` files in argv, as `gyre rl` reads them (later files win; unset:
     gyre rl's default), the rest of argv)."""
     from gyre.config import ConfigError
-    from gyre.config.loader import read_toml
     from gyre.config.rl import RLConfig
+    from gyre.config.toml_io import read_toml
 
     files, rest, i = [], [], 0
     while i < len(argv):

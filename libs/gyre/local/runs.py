@@ -22,7 +22,8 @@ from typing import Any
 
 from gyre.config import ConfigError, load_config
 from gyre.config.inference import InferenceConfig, loras_for_runs
-from gyre.config.loader import deep_merge, under_section
+from gyre.config.loader import deep_merge
+from gyre.config.mistakes import under_section
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.config.packing import PackingShape
 from gyre.config.rerun import env_changes, moved_with, same_model

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gyre.config.loader import GyreSettings, load_config, parse_or_exit
+from gyre.config import GyreSettings, load_config, parse_or_exit
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.events import ORCHESTRATOR_STEPS, events_dir, read_events
 from gyre.inference_process import InferenceProcess, ready_line, start_inference

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from gyre.batch import MicroBatch, TrainBatch
-from gyre.config.loader import GyreSettings, parse_or_exit
+from gyre.config import GyreSettings, parse_or_exit
 from gyre.config.shared import ModelConfig
 from gyre.config.trainer import LossConfig, OptimConfig, TrainerConfig
 from gyre.model_init import PresetName

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
-from gyre.config.loader import GyreSettings, parse_or_exit
+from gyre.config import GyreSettings, parse_or_exit
 from gyre.inference_process import InferenceProcess, start_inference
 from gyre.transport import FolderStore
 from gyre.weights import WeightsVersion

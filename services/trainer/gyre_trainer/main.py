@@ -40,7 +40,7 @@ def _main(argv: list[str] | None) -> int:
     if (code := check_service_model(cfg.model.name, "gyre trainer", config=cfg)) is not None:
         return code
     if (problem := _lora_targets_problem(cfg)) is not None:  # a traceback once the model had loaded (a pod's loop)
-        from gyre.config.loader import print_startup_error
+        from gyre.config.command_line import print_startup_error
 
         print_startup_error("gyre trainer", problem, config=cfg)
         return 2

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gyre.config.loader import ConfigError, load_config
+from gyre.config import ConfigError, load_config
 from gyre.config.trainer import RunConfig, TrainerConfig
 from gyre.runlock import LockHeld
 from pydantic import ValidationError

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from gyre.config.loader import Section, parse_or_exit
+from gyre.config import Section, parse_or_exit
 from pydantic import Field
 
 SUMMARY = "Compute a kept step's (debug/step_N) loss and gradient norm again and compare them with the recorded ones."

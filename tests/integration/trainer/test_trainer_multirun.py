@@ -14,8 +14,7 @@ import time
 
 import pytest
 import torch
-from gyre.config import load_config
-from gyre.config.loader import ConfigError
+from gyre.config import ConfigError, load_config
 from gyre.config.trainer import TrainerConfig
 from gyre.streams import BatchStream
 from safetensors.torch import load_file

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gyre.codec import decode_batch, encode_batch
-from gyre.config import load_config
-from gyre.config.loader import ConfigError
+from gyre.config import ConfigError, load_config
 from gyre.config.orchestrator import OrchestratorConfig
 from gyre.envs import Rollout, Score
 from gyre_orchestrator.advantages import overlong_penalty

@@ -146,8 +146,7 @@ def test_bf16_master_weights_with_the_fused_kernel_on_gpu():
 @pytest.mark.parametrize("betas", [(1.0, 0.999), (0.9, float("nan")), (-0.1, 0.9)])
 def test_betas_outside_zero_one_are_refused_naming_the_key(betas):
     """torch refused them only when the optimizer was built, after the model loaded, naming no config key."""
-    from gyre.config import load_config
-    from gyre.config.loader import ConfigError
+    from gyre.config import ConfigError, load_config
     from gyre.config.trainer import TrainerConfig
 
     # NaN: refused with every non-finite number (a config-wide rule), still naming the key
