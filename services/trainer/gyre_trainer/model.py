@@ -410,7 +410,10 @@ def _head_returns_logprobs(model, targets: Tensor, temperature: float, chunk_tok
         lp, entropy = next_token_logprobs(hidden[:, :-1], head.weight, targets, temperature, chunk_tokens, compiled,
                                           entropy_grad)  # fmt: skip
         result.extend((lp, entropy))
-        return hidden  # "logits" nobody reads
+        # "logits" nobody reads, outside the graph: the loss flows through `result`. A tensor with a gradient (a view
+        # of `hidden`: transformers slices it) had FSDP2 warn at every forward of every rank that an in-place op on
+        # the root's view output "can produce wrong gradients"; its backward hook there never ran anyway.
+        return hidden.detach()
 
     head.forward = forward
     try:
