@@ -25,7 +25,6 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
 from gyre.codec import CodecError, encode_batch
 from gyre.config.loader import reveal
 from gyre.config.orchestrator import OrchestratorConfig, template_kwargs
@@ -44,21 +43,22 @@ from gyre.streams import BatchStream, claim_run_id
 from gyre.transport import open_store
 from gyre.wandb_log import WandbLogger
 
-from gyre_orchestrator.advantages import compute_advantages, overlong_penalty
+from gyre_orchestrator.advantages import overlong_penalty
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.evaluate import TrainingEval
 from gyre_orchestrator.metrics import OrchestratorMetrics
 from gyre_orchestrator.mix import MixTask, TaskMix
 from gyre_orchestrator.packing import PackResult, TrainSample, pack_batch
 from gyre_orchestrator.progress import ProgressError, ProgressStore, resume_point
-from gyre_orchestrator.records import ScoredRollout, StepRecords, rollout_record
+from gyre_orchestrator.records import ScoredRollout, StepRecords
 from gyre_orchestrator.relay import WeightRelay
 from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 from gyre_orchestrator.rescoring import RESCORE_BACKOFF_S, scored_again
 from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, StepState, VersionWatch
 from gyre_orchestrator.server import OrchestratorServer
+from gyre_orchestrator.step_samples import step_samples
 from gyre_orchestrator.stream_guard import StreamGuard
-from gyre_orchestrator.teacher import Teacher, teacher_arrays
+from gyre_orchestrator.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -659,91 +659,20 @@ class OrchestratorService:
         return [value if sampled else 0.0 for value, sampled in zip(values, rollout.loss_mask, strict=False)]
 
     # ---- one batch ------------------------------------------------------------------------------
-    def build_samples(self, st: StepState, records: list[dict] | None = None) -> tuple[list[TrainSample], int, int]:
-        """Advantages + per-sample metadata; returns (samples, number cut to seq_len, number left out as truncated).
-
-        With `records`, also appends each trained sample's rollout-dump line (`gyre.rollouts`) to it.
-        With `advantage.mask_truncated`, a sample cut at the length limit is left out of the batch (DAPO's overlong
-        filtering), and so is one cut to `batch.seq_len` (its reward covers tokens the trainer never sees), after its
-        group's advantages were computed over all the group's samples, as DAPO does: out of the loss and of its
-        normalisers (loss tokens, samples), which a zero advantage alone would not be.
-        """
+    def build_batch(
+        self, st: StepState, records: list[dict] | None = None
+    ) -> tuple[list[TrainSample], PackResult, int, int]:
+        """The step's samples (`step_samples`) packed into the batch the trainer gets: (samples, packed, number cut
+        to seq_len, number left out as truncated)."""
         cfg = self.cfg
-        groups = st.kept
-        rewards = [[s.reward for s in g.samples] for g in groups]
-        lengths = [[s.rollout.num_completion_tokens for s in g.samples] for g in groups]
-        advantages = compute_advantages(rewards, cfg.advantage.type, std_norm=cfg.advantage.std_norm, lengths=lengths)
-        samples: list[TrainSample] = []
-        masked: list[tuple[TrainSample, ScoredRollout]] = []  # truncated samples left out (mask_truncated)
-        cut = 0
-        for gi, (group, adv) in enumerate(zip(groups, advantages, strict=True)):
-            for s, a in zip(group.samples, adv, strict=True):
-                r = s.rollout
-                ids, mask, lps = r.token_ids, r.loss_mask, r.logprobs
-                was_cut = len(ids) > cfg.batch.seq_len
-                if was_cut:
-                    # the trainer cannot take it whole: keep the prefix, say so (counted in the event)
-                    cut += 1
-                    ids, mask, lps = ids[: cfg.batch.seq_len], mask[: cfg.batch.seq_len], lps[: cfg.batch.seq_len]
-                # a sample the teacher refused (or scored but its last token) keeps its reward term: teacher_mask
-                teacher, scored = (None, None) if self.teacher is None else teacher_arrays(s.teacher_logprobs, len(ids))
-                if not any(mask):
-                    continue  # nothing the model sampled survives: no loss tokens, nothing to learn
-                meta = {
-                    "reward": s.reward,
-                    "advantage": float(a),
-                    "min_version": s.min_version,
-                    "max_version": s.max_version,
-                    "lag": (st.step - 1) - s.min_version,
-                    "env": s.env,  # the entry's label in a mix
-                    "task_id": s.task.id,
-                    "task_index": s.task_index,  # in the entry's train split
-                    "draw": s.draw,  # the mix's draw number (a restart continues after the newest)
-                    "group": gi,
-                    "num_turns": r.num_turns,
-                    "stop_reason": r.stop_reason,
-                    "num_tokens": len(ids),
-                    "num_loss_tokens": int(sum(mask)),
-                    "rewards": dict(s.score.per_function),
-                    "temperature": self.sampling.temperature,
-                }
-                if cfg.advantage.overlong_buffer.len:
-                    meta["overlong_penalty"] = s.overlong_penalty  # `reward` holds it: the rubric's is reward - this
-                sample = TrainSample(np.asarray(ids), np.asarray(mask), np.asarray(lps), float(a), meta, teacher,
-                                     scored)  # fmt: skip
-                if cfg.advantage.mask_truncated and (r.stop_reason == "length" or was_cut):
-                    masked.append((sample, s))
-                    continue
-                samples.append(sample)
-                if records is not None:
-                    records.append(rollout_record(st.step, s, meta))
+        built = step_samples(st, cfg, self.sampling.temperature, self.teacher is not None, records)
+        samples, cut, masked = built.samples, built.cut, built.masked
         if cut and not cfg.advantage.mask_truncated and not self._cut_warned:
             self._cut_warned = True
             log.warning("step %d: %d sample(s) longer than batch.seq_len = %d were cut to it and train on their prefix "
                         "with the whole reply's reward; raise trainer.data.seq_len, lower sampling.max_tokens or set "
                         "advantage.mask_truncated (counted: truncated_to_seq_len; logged once)", st.step, cut,
                         cfg.batch.seq_len)  # fmt: skip
-        if masked and not samples:
-            # every sample was cut at the limit: the step still needs a batch (the trainer waits for it), one with no
-            # loss token, whose update the trainer skips (the step counts as trained)
-            log.warning("step %d: every sample (%d) was cut at the length limit and advantage.mask_truncated leaves "
-                        "them out of the loss: the batch has no loss token and trains nothing", st.step,
-                        len(masked))  # fmt: skip
-            for sample, s in masked:
-                sample.loss_mask[:] = False
-                sample.meta["num_loss_tokens"] = 0
-                samples.append(sample)
-                if records is not None:
-                    records.append(rollout_record(st.step, s, sample.meta))
-        return samples, cut, len(masked)
-
-    def build_batch(
-        self, st: StepState, records: list[dict] | None = None
-    ) -> tuple[list[TrainSample], PackResult, int, int]:
-        """The step's samples (`build_samples`) packed into the batch the trainer gets: (samples, packed, number cut
-        to seq_len, number left out as truncated)."""
-        cfg = self.cfg
-        samples, cut, masked = self.build_samples(st, records)
         if not samples:
             raise RuntimeError(f"step {st.step}: every sample was empty after truncation (no sampled token within "
                                "batch.seq_len); raise batch.seq_len")  # fmt: skip
