@@ -26,7 +26,8 @@ from pydantic import ValidationError
 
 from gyre.config.endpoint import JudgeConfig
 from gyre.envs.inflight import InFlight
-from gyre.envs.judge import Judge, _text
+from gyre.envs.judge import Judge
+from gyre.envs.judge_prompt import text_of
 from gyre.envs.parsers import Parser
 from gyre.envs.rubric import REWARD_TIMEOUT_S, RewardFunc, Rubric
 from gyre.envs.types import Messages
@@ -94,13 +95,13 @@ class JudgeRubric(Rubric):
         is a `ScoringError` (scored again, never a 0) and a refusal of this prompt `Unjudged` (0 for the function
         that asked, named in `Score.errors`), as every Gyre judge."""
         if isinstance(prompt, list):
-            question = _text(prompt[-1].get("content")) if prompt and isinstance(prompt[-1], dict) else ""
+            question = text_of(prompt[-1].get("content")) if prompt and isinstance(prompt[-1], dict) else ""
         else:
             question = str(prompt)
         response = self.parser.parse_answer(completion)
         conversation = prompt + completion if isinstance(prompt, list) and isinstance(completion, list) else []
         fields = {"question": str(question), "answer": str(answer), "response": "" if response is None else response,
-                  "conversation": "\n".join(f"{m.get('role')}: {_text(m.get('content'))}"
+                  "conversation": "\n".join(f"{m.get('role')}: {text_of(m.get('content'))}"
                                             for m in conversation)}  # fmt: skip
         rendered = self.judge_prompt.format(**fields)
         cached = state.get("judge_response") if state is not None else None

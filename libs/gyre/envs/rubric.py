@@ -20,7 +20,7 @@ async and offload). A function that raises or returns something non-finite score
 `Score.errors`; scoring itself never raises on model output. The exception is `ScoringError`: a function that
 could not score for a reason outside the rollout (a judge or reward model that failed after its retries,
 `gyre.envs.judge`) raises it, and it goes through to the caller, which scores again; a failed judge is never a 0.
-(A judge that refuses this one rollout, e.g. longer than its context, raises `gyre.envs.judge.Unjudged` instead:
+(A judge that refuses this one rollout, e.g. longer than its context, raises `gyre.envs.judge_prompt.Unjudged` instead:
 an ordinary error, 0 for that function, named in `Score.errors`; asking again would be refused again.)
 Functions run concurrently (a judge and a reward model wait on the network together). An async function that has
 not finished after `timeout_s` (default `REWARD_TIMEOUT_S`, per function with `add(..., timeout_s=)`; None = no

@@ -9,7 +9,7 @@ As vLLM's (`vllm serve --runner pooling`, its `classify` task): the model's scor
 each input's LAST token (no padding token is ever looked for, so a conversation ending in the pad token still
 scores at its end), then an activation unless `use_activation: false` (`activation` is vLLM's older name):
 softmax over the classes, or sigmoid for a one-label model. A reward model's score is its raw logit:
-`use_activation: false` with one label (what `gyre.envs.judge.RewardModel` sends). Inputs of one request run as
+`use_activation: false` with one label (what `gyre.envs.reward_model.RewardModel` sends). Inputs of one request run as
 one right-padded batch. Generation routes on such a server answer 400 (and /classify on a generative one).
 """
 

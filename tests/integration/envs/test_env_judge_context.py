@@ -15,7 +15,9 @@ import asyncio
 
 import httpx
 import pytest
-from gyre.envs.judge import CUT_MARKER, Judge, RewardModel, Unjudged
+from gyre.envs.judge import Judge
+from gyre.envs.judge_prompt import CUT_MARKER, Unjudged
+from gyre.envs.reward_model import RewardModel
 from support.models import reward_model_path
 
 CONTEXT = 256  # the judge's context, in tokens

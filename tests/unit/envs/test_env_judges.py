@@ -17,7 +17,10 @@ import time
 import pytest
 from gyre.config.endpoint import JudgeConfig
 from gyre.envs import Rollout, Rubric, ScoringError, Task
-from gyre.envs.judge import Judge, RewardModel, Unjudged, parse_score, render
+from gyre.envs.judge import Judge
+from gyre.envs.judge_prompt import Unjudged, render
+from gyre.envs.judge_scores import parse_score
+from gyre.envs.reward_model import RewardModel
 from pydantic import ValidationError
 from support.judge_server import ScriptedServer
 
@@ -934,14 +937,14 @@ def test_gyre_eval_with_a_judge_whose_key_is_missing_says_so_in_one_line(capsys,
 )
 def test_a_refusal_for_length_is_told_from_others_with_its_counts(status, message, found):
     from gyre.endpoint import RequestRefused
-    from gyre.envs.judge import _overflow
+    from gyre.envs.judge_prompt import length_overflow
 
     refused = RequestRefused(f"judge 'j': http://x refused the request: {status} {message}", status)
-    assert _overflow(refused, 16) == found
+    assert length_overflow(refused, 16) == found
 
 
 def test_a_prompt_too_long_is_cut_from_its_longest_fields_in_the_middle():
-    from gyre.envs.judge import cut_to_fit
+    from gyre.envs.judge_prompt import cut_to_fit
 
     config = JudgeConfig(url="http://x", prompt="Q: {question}\nA: {response}\nRef: {answer}")
     response = "START " + "x" * 2000 + " the answer is 42"
@@ -962,7 +965,7 @@ def test_a_prompt_too_long_is_cut_from_its_longest_fields_in_the_middle():
     assert cut_to_fit(config, fields, len(response) - 100) is None
     assert cut_to_fit(config, fields, len(response) - 150) is not None
     # a reward model's conversation: its longest text cut alike, content that is no text left as it is
-    from gyre.envs.judge import cut_messages
+    from gyre.envs.judge_prompt import cut_messages
 
     parts = [{"type": "text", "text": "t"}]
     messages = [
