@@ -326,13 +326,9 @@ def save_hf_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gyre_trainer.torchrun import follow_launcher, report_exit
+    from gyre_trainer.torchrun import run_worker
 
-    follow_launcher()  # under `python -m gyre_trainer.torchrun`: dies with it, even SIGKILLed (own session)
-    code = _main(argv)
-
-    report_exit(code)  # under `python -m gyre_trainer.torchrun`: a clean stop on SIGTERM exits 0, not torchrun's 1
-    return code
+    return run_worker(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 #: the folder where the workers of this launcher leave their exit status (one file per local rank)
@@ -54,6 +55,16 @@ def report_exit(code: int) -> None:
     # OSError: the launcher is gone or its folder with it: nobody reads it, torchrun's own status stands
     with contextlib.suppress(OSError):
         (Path(folder) / f"local_rank_{int(os.environ['LOCAL_RANK'])}.json").write_text(json.dumps(status))
+
+
+def run_worker(main: Callable[[list[str] | None], int], argv: list[str] | None) -> int:
+    """`main(argv)` as a worker of this launcher (`gyre trainer`, `gyre sft`): it dies with the launcher, even
+    SIGKILLed (torchrun puts it in a session of its own), and leaves its exit status, so a clean stop on SIGTERM
+    exits 0, not torchrun's 1. Outside `python -m gyre_trainer.torchrun` it is `main(argv)`."""
+    follow_launcher()
+    code = main(argv)
+    report_exit(code)
+    return code
 
 
 def clean_stop(folder: Path) -> bool:
