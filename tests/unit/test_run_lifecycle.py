@@ -677,6 +677,24 @@ def test_fresh_refuses_a_folder_that_is_not_a_gyre_run(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_fresh_says_it_deleted_a_run_only_when_there_was_one(tmp_path, monkeypatch):
+    # `make demo` on a fresh machine said "--fresh: deleted the previous run" before its first run: the folder held
+    # only the lock the launch had just taken
+    from gyre.local import output_folder
+
+    said = []
+    monkeypatch.setattr(output_folder, "console", said.append)
+    (tmp_path / "locks").mkdir()
+    (tmp_path / "locks" / "rl.lock").write_text("")
+    output_folder.start_fresh(tmp_path)
+    assert said == [] and sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "trainer_steps.jsonl").write_text("")
+    output_folder.start_fresh(tmp_path)
+    assert said == [f"--fresh: deleted the previous run in {tmp_path}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
+
+
 def test_fresh_takes_what_a_launch_stopped_during_start_up_left_half_written(tmp_path):
     # Ctrl-C while `gyre model init` wrote the base model left `.tmp-model-*` beside locks/ and redis/, and
     # `--fresh` refused the folder: "holds files gyre did not write (.tmp-model-...)"

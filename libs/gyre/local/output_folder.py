@@ -52,11 +52,13 @@ def start_fresh(out: Path) -> None:
     if not out.is_dir():
         return
     check_fresh(out)
+    previous = [entry for entry in out.iterdir() if entry.name != "locks"]  # locks: ours, held right now
+    if not previous:  # a first launch (the folder holds only the lock just taken): nothing to delete or to say
+        return
     doomed = out / f"{STAGING_PREFIX}fresh-{uuid.uuid4().hex}"
     doomed.mkdir()
-    for entry in list(out.iterdir()):
-        if entry.name != "locks" and entry != doomed:  # locks: ours, held right now
-            os.rename(entry, doomed / entry.name)
+    for entry in previous:
+        os.rename(entry, doomed / entry.name)
     shutil.rmtree(doomed)
     console(f"--fresh: deleted the previous run in {out}")
 
