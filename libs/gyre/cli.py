@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("gyre_trainer.main:main", "Train on batches from Redis; publish weights; notify the orchestrator."),
     "sft": ("gyre_trainer.sft:main", "Supervised fine-tuning on chat data (or generated data)."),
     "orchestrator": ("gyre_orchestrator.main:main", "Run environments, score, compute advantages, stream batches."),
-    "eval": ("gyre_orchestrator.evaluate:main", "Evaluate a served model on an environment's held-out split."),
+    "eval": ("gyre_orchestrator.eval_command:main", "Evaluate a served model on an environment's held-out split."),
     "envs": ("gyre.envs.registry:main", "List the environments loadable by name (built-ins, installed packages)."),
     "model init": ("gyre.model_init:main", "Create a tiny Llama model and BPE tokenizer (HF format)."),
     "model fetch": ("gyre.model_source:main", "Download a hub model into the HF cache, after checking it fits."),

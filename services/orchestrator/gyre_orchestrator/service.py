@@ -45,7 +45,6 @@ from gyre.wandb_log import WandbLogger
 
 from gyre_orchestrator.advantages import overlong_penalty
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
-from gyre_orchestrator.evaluate import TrainingEval
 from gyre_orchestrator.metrics import OrchestratorMetrics
 from gyre_orchestrator.mix import MixTask, TaskMix
 from gyre_orchestrator.packing import PackResult, TrainSample, pack_batch
@@ -59,6 +58,7 @@ from gyre_orchestrator.server import OrchestratorServer
 from gyre_orchestrator.step_samples import step_samples
 from gyre_orchestrator.stream_guard import StreamGuard
 from gyre_orchestrator.teacher import Teacher
+from gyre_orchestrator.training_eval import TrainingEval
 
 log = logging.getLogger(__name__)
 

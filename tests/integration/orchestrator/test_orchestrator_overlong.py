@@ -16,8 +16,8 @@ import pytest
 from gyre.envs import SamplingParams, load_environment
 from gyre.events import read_events
 from gyre_orchestrator.client import InferenceClient, close_replica_clients
+from gyre_orchestrator.eval_command import main as eval_main
 from gyre_orchestrator.evaluate import evaluate
-from gyre_orchestrator.evaluate import main as eval_main
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from gyre_orchestrator.service import OrchestratorService
 from orchestrator_testlib import first_batch, orchestrator_config

@@ -878,7 +878,7 @@ def test_a_reward_model_scores_a_reasoning_policys_reply_without_its_thinking(sc
 def test_gyre_eval_with_a_judge_whose_key_is_missing_says_so_in_one_line(capsys, monkeypatch):
     """`gyre eval` let the judge's missing-key ValueError out as a traceback (gyre orchestrator logs it and exits 2);
     it is one line naming the judge and the setting, before anything connects."""
-    from gyre_orchestrator.evaluate import main
+    from gyre_orchestrator.eval_command import main
 
     monkeypatch.delenv("GYRE_TEST_NO_SUCH_KEY", raising=False)
     judges = '[{"name": "style", "url": "http://127.0.0.1:9", "api_key_env": "GYRE_TEST_NO_SUCH_KEY"}]'

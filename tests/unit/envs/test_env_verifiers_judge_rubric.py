@@ -188,7 +188,7 @@ async def test_a_judge_rubric_sets_its_judges_start_up_wait(server):
     client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")  # nothing listens there
     waited = vf.JudgeRubric(judge_client=client, judge_model="far", startup_timeout_s=0.5)
     assert waited.gyre_judge.config.startup_timeout_s == 0.5
-    assert "startup_timeout_s" in waited.gyre_judge.config.model_fields_set  # kept by gyre eval (evaluate.py)
+    assert "startup_timeout_s" in waited.gyre_judge.config.model_fields_set  # kept by gyre eval (eval_command.py)
     assert vf.JudgeRubric(judge_client=client).gyre_judge.config.startup_timeout_s == 1800
     with pytest.raises(EndpointError, match=r"judge 'far': .* did not answer within startup_timeout_s = 0\.5s"):
         await waited.gyre_judge.endpoint.wait_ready()

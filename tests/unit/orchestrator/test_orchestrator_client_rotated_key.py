@@ -19,7 +19,7 @@ from gyre.envs import SamplingParams
 from gyre.net import free_port
 from gyre_orchestrator.bench import _echo_app
 from gyre_orchestrator.client import InferenceClient, InferenceError
-from gyre_orchestrator.evaluate import wait_for_inference
+from gyre_orchestrator.eval_command import wait_for_inference
 from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from support.asgi import serving
 

@@ -133,7 +133,7 @@ class _Stream(io.StringIO):
 
 
 def test_gyre_eval_draws_a_bar_on_a_terminal_and_nothing_in_a_log():
-    from gyre_orchestrator.evaluate import EvalProgress
+    from gyre_orchestrator.eval_command import EvalProgress
 
     for tty in (True, False):
         stream = _Stream(tty)
@@ -145,6 +145,7 @@ def test_gyre_eval_draws_a_bar_on_a_terminal_and_nothing_in_a_log():
 
 
 def test_gyre_eval_passes_its_bar_to_the_evaluation(tmp_path, monkeypatch):
+    import gyre_orchestrator.eval_command as eval_command
     import gyre_orchestrator.evaluate as evaluate_module
 
     seen = {}
@@ -155,18 +156,18 @@ def test_gyre_eval_passes_its_bar_to_the_evaluation(tmp_path, monkeypatch):
         return evaluate_module.EvalResult("reverse_text", 1.0, 1.0, 1, 1, 0, 0, 0.1)
 
     monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
-    code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text", "--inference.urls",
-                                 '["http://127.0.0.1:9"]', "--inference.startup-timeout-s", "0"])  # fmt: skip
-    assert code == 0 and isinstance(seen.get("progress"), evaluate_module.EvalProgress)
+    code = eval_command.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text", "--inference.urls",
+                              '["http://127.0.0.1:9"]', "--inference.startup-timeout-s", "0"])  # fmt: skip
+    assert code == 0 and isinstance(seen.get("progress"), eval_command.EvalProgress)
 
 
 def test_gyre_eval_names_the_env_key_for_an_unknown_environment_or_bad_arguments(tmp_path, capsys):
     # it was a traceback from inside the event loop (exit 1), after connecting to the replicas
-    import gyre_orchestrator.evaluate as evaluate_module
+    import gyre_orchestrator.eval_command as eval_command
 
     base = ["--output-dir", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]']
     for argv in (["--env.name", "reverse_txt"], ["--env.name", "dataset", "--env.args", "{}"]):
-        assert evaluate_module.main([*base, *argv]) == 2
+        assert eval_command.main([*base, *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("gyre eval: error: config key 'env': ") and err.count("\n") == 1, err
     assert not (tmp_path / "events").exists()
@@ -256,8 +257,8 @@ def training_eval(tmp_path, replies, versions, *, done=(), env=None):
     from gyre.config import load_config
     from gyre.config.orchestrator import OrchestratorConfig
     from gyre.events import EventLog
-    from gyre_orchestrator.evaluate import TrainingEval
     from gyre_orchestrator.metrics import OrchestratorMetrics
+    from gyre_orchestrator.training_eval import TrainingEval
 
     class Client(TableClient):
         def for_version(self, version, *, priority=None):
@@ -383,7 +384,7 @@ def inference_client(url: str):
 
 async def waited(client, limit_s: float, **kwargs):
     from gyre_orchestrator.client import close_replica_clients
-    from gyre_orchestrator.evaluate import wait_for_inference
+    from gyre_orchestrator.eval_command import wait_for_inference
 
     try:
         await wait_for_inference(client, limit_s, **kwargs)
@@ -396,11 +397,11 @@ def test_gyre_eval_waits_for_a_replica_still_loading_and_says_so(caplog):
     at once and every log_s, and that inference is up."""
     from support.judge_server import ScriptedServer
 
-    with ScriptedServer() as server, caplog.at_level("INFO", logger="gyre_orchestrator.evaluate"):
+    with ScriptedServer() as server, caplog.at_level("INFO", logger="gyre_orchestrator.eval_command"):
         server.models_script[:] = [('{"error": "loading"}', "application/json", 503)] * 6
         asyncio.run(waited(inference_client(server.url), 30, poll_s=0.05, log_s=0.1))
         assert server.models_script == []
-    lines = [r.getMessage() for r in caplog.records if r.name == "gyre_orchestrator.evaluate"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gyre_orchestrator.eval_command"]
     assert lines[0].startswith(f"waiting for inference ({server.url}: 503") and "of 30s" in lines[0], lines
     assert any(line.startswith("still waiting for inference") for line in lines), lines
     assert lines[-1] == f"inference is up: {server.url}"
@@ -456,12 +457,12 @@ def undrawable_envs():
 def test_gyre_eval_without_eval_tasks_is_one_line_naming_the_keys_before_connecting(tmp_path, capsys, monkeypatch, why):
     # it was a traceback after the wait for inference, however clear the last line; an empty split a ZeroDivisionError
     import gyre.envs
-    import gyre_orchestrator.evaluate as evaluate_module
+    import gyre_orchestrator.eval_command as eval_command
 
     monkeypatch.setattr(gyre.envs, "load_environment", lambda name, **args: undrawable_envs()[why])
-    monkeypatch.setattr(evaluate_module, "_run_once", lambda *args: pytest.fail("connected"))
-    code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "arithmetic", "--eval.num-examples",
-                                 "5", "--inference.urls", '["http://127.0.0.1:9"]'])  # fmt: skip
+    monkeypatch.setattr(eval_command, "_run_once", lambda *args: pytest.fail("connected"))
+    code = eval_command.main(["--output-dir", str(tmp_path), "--env.name", "arithmetic", "--eval.num-examples",
+                              "5", "--inference.urls", '["http://127.0.0.1:9"]'])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert re.match(rf"gyre eval: error: env 'arithmetic', eval.num_examples = 5: {why}", err), err
@@ -472,7 +473,7 @@ def test_an_orchestrator_evaluating_during_training_refuses_an_eval_split_it_can
     # each eval failed with an error in the log, and training ran on without one eval
     from gyre.config import load_config
     from gyre.config.orchestrator import OrchestratorConfig
-    from gyre_orchestrator.evaluate import TrainingEval
+    from gyre_orchestrator.training_eval import TrainingEval
 
     cfg = load_config(OrchestratorConfig, [], output_dir=str(tmp_path), eval={"interval": 2})
     with pytest.raises(ValueError, match=rf"env '{cfg.env.name}', eval.num_examples = \d+: {why}"):
@@ -522,10 +523,10 @@ def test_an_eval_sample_refused_for_the_key_or_model_fails_the_eval_at_once(tmp_
 def test_gyre_eval_refuses_replicas_it_cannot_find_in_one_line_before_connecting(tmp_path, capsys, monkeypatch,
                                                                                   argv, message):  # fmt: skip
     # a host:port without a scheme (as vLLM's --host/--port read) was a traceback from inside the event loop
-    import gyre_orchestrator.evaluate as evaluate_module
+    import gyre_orchestrator.eval_command as eval_command
 
-    monkeypatch.setattr(evaluate_module, "_run_once", lambda *args: pytest.fail("connected"))
-    code = evaluate_module.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text", *argv])
+    monkeypatch.setattr(eval_command, "_run_once", lambda *args: pytest.fail("connected"))
+    code = eval_command.main(["--output-dir", str(tmp_path), "--env.name", "reverse_text", *argv])
     assert code == 2 and capsys.readouterr().err == f"gyre eval: error: {message}\n"
 
 
@@ -535,9 +536,9 @@ def test_each_entry_of_a_mix_is_evaluated_at_its_own_interval(tmp_path):
     from gyre.config import load_config
     from gyre.config.orchestrator import OrchestratorConfig
     from gyre.events import EventLog, read_events
-    from gyre_orchestrator.evaluate import TrainingEval
     from gyre_orchestrator.metrics import OrchestratorMetrics
     from gyre_orchestrator.scheduler import VersionWatch
+    from gyre_orchestrator.training_eval import TrainingEval
 
     replies = {"ab": ["AB"]}
 

@@ -152,6 +152,7 @@ def test_a_dotted_option_sets_one_entry_of_a_mix(tmp_path):
 def test_gyre_eval_of_a_mix_scores_each_entry_and_reports_it_by_label(tmp_path, monkeypatch, capsys):
     import json
 
+    import gyre_orchestrator.eval_command as eval_command
     import gyre_orchestrator.evaluate as evaluate_module
     from gyre.events import read_events
 
@@ -167,14 +168,14 @@ def test_gyre_eval_of_a_mix_scores_each_entry_and_reports_it_by_label(tmp_path, 
                     '[[env]]\nname = "arithmetic"\nlabel = "math"\n')  # fmt: skip
     base = ["--output-dir", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]',
             "--inference.startup-timeout-s", "0"]  # fmt: skip
-    assert evaluate_module.main(["@", str(path), *base]) == 0
+    assert eval_command.main(["@", str(path), *base]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert {label: e["avg_at_k"] for label, e in printed["envs"].items()} == scores
     assert printed["avg_at_k"] == pytest.approx(0.75 * 0.8 + 0.25 * 0.2) and printed["num_examples"] == 4
     (line,) = read_events(tmp_path / "events" / "eval.jsonl")
     assert {key: line[key] for key in printed} == printed
     # an unknown environment names its entry
-    assert evaluate_module.main(["@", str(path), *base, "--env.1.name", "arithmetik"]) == 2
+    assert eval_command.main(["@", str(path), *base, "--env.1.name", "arithmetik"]) == 2
     assert "config key 'env.1': unknown environment 'arithmetik'" in capsys.readouterr().err
 
 
@@ -332,6 +333,7 @@ def test_an_entry_s_chat_template_kwargs_replace_the_orchestrator_s_in_its_rollo
 def test_gyre_eval_skips_an_entry_with_eval_off_and_gives_each_its_own_num_examples(tmp_path, monkeypatch, capsys):
     import json
 
+    import gyre_orchestrator.eval_command as eval_command
     import gyre_orchestrator.evaluate as evaluate_module
 
     asked = {}
@@ -347,13 +349,13 @@ def test_gyre_eval_skips_an_entry_with_eval_off_and_gives_each_its_own_num_examp
                     '[[env]]\nname = "alphabet_sort"\nlabel = "sort"\n')  # fmt: skip
     base = ["--output-dir", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]',
             "--inference.startup-timeout-s", "0", "--eval.num-examples", "5", "--eval.k", "2"]  # fmt: skip
-    assert evaluate_module.main(["@", str(path), *base]) == 0
+    assert eval_command.main(["@", str(path), *base]) == 0
     assert asked == {"rev": (3, 4), "sort": (5, 2)}
     printed = json.loads(capsys.readouterr().out)
     assert set(printed["envs"]) == {"rev", "sort"} and printed["num_examples"] == 8
     assert printed["k"] is None and {e["k"] for e in printed["envs"].values()} == {4, 2}  # no one k for the mix
     # an entry with eval off is not even loaded (a training-only environment need not load where gyre eval runs)
-    assert evaluate_module.main(["@", str(path), *base, "--env.1.name", "no_such_env"]) == 0
+    assert eval_command.main(["@", str(path), *base, "--env.1.name", "no_such_env"]) == 0
     # an entry's eval split too small for its own num_examples is named by that entry's key
     from gyre.envs import TaskSource
 
@@ -367,7 +369,9 @@ def test_a_greedy_eval_of_several_samples_per_task_is_named_at_start(tmp_path, m
     """eval.k > 1 at temperature 0 repeats one greedy answer k times: pass@k is pass@1 at k times the cost, and
     nothing said so. gyre eval and a training run's evals warn once at start, naming the keys; a sampled entry's
     k > 1 is what pass@k is for and is not named."""
+    import gyre_orchestrator.eval_command as eval_command
     import gyre_orchestrator.evaluate as evaluate_module
+    import gyre_orchestrator.training_eval as training_eval
 
     async def fake_evaluate(env, client, *, env_name, num_examples, k, **kwargs):
         return evaluate_module.EvalResult(env_name, 0.5, 0.5, k, num_examples, 0, 0, 0.1)
@@ -383,7 +387,7 @@ def test_a_greedy_eval_of_several_samples_per_task_is_named_at_start(tmp_path, m
         return [r.getMessage() for r in caplog.records if "(greedy)" in r.getMessage()]
 
     with caplog.at_level("WARNING", logger="gyre_orchestrator.evaluate"):
-        assert evaluate_module.main(["@", str(path), *base]) == 0
+        assert eval_command.main(["@", str(path), *base]) == 0
     assert len(greedy_warnings()) == 1, greedy_warnings()
     assert greedy_warnings()[0].startswith("env.0.eval.k = 4 at eval.temperature = 0 (greedy)")
     assert "set eval.temperature > 0" in greedy_warnings()[0]
@@ -392,11 +396,11 @@ def test_a_greedy_eval_of_several_samples_per_task_is_named_at_start(tmp_path, m
     cfg = load_config(OrchestratorConfig, ["@", str(path), "--eval.interval", "5", "--eval.k", "2"])
     envs = {entry.key: load_environment(entry.name) for entry in cfg.envs}
     with caplog.at_level("WARNING", logger="gyre_orchestrator.evaluate"):
-        evaluate_module.TrainingEval(cfg, envs, None, events=None, wandb=None, metrics=None)
+        training_eval.TrainingEval(cfg, envs, None, events=None, wandb=None, metrics=None)
     assert [m.split(" (greedy)")[0] for m in greedy_warnings()] == ["env.0.eval.k = 4 at eval.temperature = 0"]
     # evals off: nothing to say
     caplog.clear()
     with caplog.at_level("WARNING", logger="gyre_orchestrator.evaluate"):
-        evaluate_module.TrainingEval(load_config(OrchestratorConfig, ["@", str(path)]), envs, None, events=None,
-                                     wandb=None, metrics=None)  # fmt: skip
+        training_eval.TrainingEval(load_config(OrchestratorConfig, ["@", str(path)]), envs, None, events=None,
+                                   wandb=None, metrics=None)  # fmt: skip
     assert greedy_warnings() == []

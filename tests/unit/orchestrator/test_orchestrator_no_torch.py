@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-MODULES = ["advantages", "bench", "client", "evaluate", "main", "metrics", "packing", "progress", "relay",
-           "replicas", "scheduler", "server", "service"]  # fmt: skip
+MODULES = ["advantages", "bench", "client", "eval_command", "evaluate", "main", "metrics", "packing", "progress",
+           "relay", "replicas", "scheduler", "server", "service", "training_eval"]  # fmt: skip
 
 
 def test_orchestrator_modules_never_import_torch():
