@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gyre.cli import COMMANDS, resolve
@@ -124,7 +125,12 @@ def test_ctrl_c_is_one_line_and_exit_130_not_a_traceback(tmp_path, tiny_model):
     proc = subprocess.Popen([sys.executable, "-m", "gyre.cli", "model", "import", str(tiny_model), "--output-dir",
                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
-    time.sleep(1.0)  # it is importing torch
+    # once it is importing torch (inside the command, under gyre's handler): a fixed second was sometimes still the
+    # interpreter's start-up on a loaded machine, where a Ctrl-C is Python's own KeyboardInterrupt traceback
+    deadline = time.monotonic() + 60
+    while "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     # exit 130, or death by SIGINT (a shell reports both as 130, what an interrupted command's caller looks for).
