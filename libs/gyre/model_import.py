@@ -319,7 +319,7 @@ def logits_of(model, ids: list[int]):
 def write_folder(model, tokenizer, folder: Path) -> None:
     """`save_pretrained` of both (safetensors, the chat template as chat_template.jinja), readable by transformers
     4.56+ too (vLLM images may pin one)."""
-    from gyre.model_init import make_tokenizer_config_portable
+    from gyre.model_folder import make_tokenizer_config_portable
 
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
@@ -422,7 +422,7 @@ def import_model(
     Raises `ModelImportError` (nothing written) for a source that cannot be found, fetched or verified and
     `FileExistsError` for a non-empty `output_dir` without `overwrite`.
     """
-    from gyre.model_init import check_output_dir, publish_model_folder, staging_path
+    from gyre.model_folder import check_output_dir, publish_model_folder, staging_path
 
     output_dir = Path(output_dir).resolve()
     check_output_dir(output_dir, overwrite)
@@ -490,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(line: str) -> None:
         print(f"gyre model import: {line}", file=sys.stderr, flush=True)
 
-    from gyre.model_init import sigterm_as_interrupt
+    from gyre.model_folder import sigterm_as_interrupt
 
     try:
         with sigterm_as_interrupt():  # a SIGTERM leaves no `.tmp-*` folder (nor a partial `.download-*`) behind

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from gyre import model_init
-from gyre.model_init import ENDOFTEXT, IM_END, IM_START, PRESETS, init_model, parameter_count
+from gyre.model_init import PRESETS, init_model, parameter_count
+from gyre.tiny_tokenizer import ENDOFTEXT, IM_END, IM_START
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -436,10 +437,12 @@ def test_main_exits_2_naming_the_bad_key(tmp_path, capsys):
 
 
 def test_corpus_is_a_function_of_the_seed():
-    first = list(model_init.training_corpus(0, 200))
-    assert first == list(model_init.training_corpus(0, 200))
-    assert first != list(model_init.training_corpus(1, 200))
-    text = "\n".join(model_init.training_corpus(0, 2000))
+    from gyre.tiny_tokenizer import training_corpus
+
+    first = list(training_corpus(0, 200))
+    assert first == list(training_corpus(0, 200))
+    assert first != list(training_corpus(1, 200))
+    text = "\n".join(training_corpus(0, 2000))
     for needle in ("<tool_call>", '"arguments"', "Reverse the text", "alphabetically", " = ", "\\boxed{"):
         assert needle in text
 

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from gyre.model_init import build_tokenizer
+    from gyre.tiny_tokenizer import build_tokenizer
 
     return build_tokenizer(1024)
 
