@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gyre_inference.api_key import ServerKey
 from gyre_inference.backend import Backend
 from gyre_inference.classify import add_classify_route
+from gyre_inference.disconnects import client_gone
 from gyre_inference.errors import APIError, error_body, error_response, install_error_handlers, unknown_model
 from gyre_inference.lora_routes import ROUTES as LORA_ROUTES
 from gyre_inference.lora_routes import add_lora_routes
@@ -42,8 +43,9 @@ from gyre_inference.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
+from gyre_inference.request_checks import check_tool_replies, check_tool_schemas
 from gyre_inference.responses import ResponsesRequest, respond
-from gyre_inference.serving import Serving, check_tool_replies, check_tool_schemas, client_gone
+from gyre_inference.serving import Serving
 from gyre_inference.text import ModelText
 from gyre_inference.tokens_in import ROUTE as GENERATE_ROUTE
 from gyre_inference.tokens_in import add_generate_route

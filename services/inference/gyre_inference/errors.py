@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gyre_inference.backend import AdapterGoneError, BackendStoppedError
+
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "unavailable"}
@@ -235,6 +237,15 @@ def unknown_model(requested: str, served: str) -> APIError:
     # OpenAI answers 404 with type invalid_request_error (not not_found_error) and code model_not_found.
     return APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
                     param="model", code="model_not_found", type="invalid_request_error")  # fmt: skip
+
+
+def backend_failure(error: BackendStoppedError | AdapterGoneError, model: str, served: str) -> APIError:
+    """What a backend's failure to generate means for the client: the engine is not running (shutting down, or
+    stopped) is a 503 to retry; a named adapter found gone only when generating is the same 404 as for a name
+    never served."""
+    if isinstance(error, BackendStoppedError):
+        return APIError(503, "the inference engine is not running (shutting down); retry", code="not_ready")
+    return unknown_model(model, served)
 
 
 def _unparsed_body(cause: BaseException | None) -> str | None:

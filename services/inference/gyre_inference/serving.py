@@ -1,7 +1,9 @@
 """Chat and text completions on top of a Backend: prompts in, OpenAI-shaped responses and SSE chunks out.
 
 Per choice, tokens from the backend go through one `Choice` (choice.py: detokenizing, stop strings, tool-call
-text, and the rules clients rely on: alignment of tokens and log-probs, policy versions, seeds).
+text, and the rules clients rely on: alignment of tokens and log-probs, policy versions, seeds). The checks that
+refuse a request with a 400 are in request_checks.py, the handling of a client that goes away in disconnects.py
+(both shared with tokens_in.py's `/inference/v1/generate`).
 """
 
 from __future__ import annotations
@@ -10,21 +12,29 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Collection
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gyre_inference.backend import AdapterGoneError, Backend, BackendStoppedError, SamplingParams
-from gyre_inference.chat_messages import NamedToolChoice, Tool, tool_reply_error
+from gyre_inference.chat_messages import NamedToolChoice
 from gyre_inference.choice import Choice, Delta, choice_seed
-from gyre_inference.errors import APIError, error_body, unknown_model
+from gyre_inference.disconnects import ClientGone, all_or_none, unless_client_gone
+from gyre_inference.errors import APIError, backend_failure, error_body, unknown_model
 from gyre_inference.json_body import FastJSONResponse, dumps
 from gyre_inference.metrics import InferenceMetrics
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from gyre_inference.structured import Guide, GuideError, check_schema
+from gyre_inference.request_checks import (
+    check_tool_replies,
+    check_tool_schemas,
+    checked_top_k,
+    context_exceeded,
+    named_prompt,
+    truncated,
+)
+from gyre_inference.structured import Guide, GuideError
 from gyre_inference.text import ModelText
 from gyre_inference.tools import TOOL_CALL_END, TOOL_CALL_START, forced_call_grammar
 
@@ -228,7 +238,7 @@ class Serving:
                 # before min_tokens (vLLM refuses it as well)
                 raise APIError(400, f"min_tokens ({request.min_tokens}) must be at most max_tokens, which is "
                                     f"{max_tokens} here: the context's {self.backend.max_model_len} tokens less the "
-                                    f"{len(prompt)} of {_where(param)}", param="min_tokens")  # fmt: skip
+                                    f"{len(prompt)} of {named_prompt(param)}", param="min_tokens")  # fmt: skip
             for i in range(request.n):
                 params = SamplingParams(
                     max_tokens=max_tokens,
@@ -545,143 +555,6 @@ class Serving:
             name = f"token_id:{token_id}"
             return name, list(name.encode())
         return self.text.token(token_id)
-
-
-def truncated(prompts: list[list[int]], keep: int | None, max_model_len: int, param: str) -> list[list[int]]:
-    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: max_model_len; None: as they are),
-    left-truncated as vLLM does, before the context check (keep plus max_tokens must still fit)."""
-    if keep is None:
-        return prompts
-    keep = max_model_len if keep == -1 else keep
-    if keep > max_model_len:
-        raise APIError(400, f"{param}: {keep} is greater than max_model_len ({max_model_len})", param=param)
-    return [prompt[-keep:] for prompt in prompts]
-
-
-def check_tool_replies(messages: list[dict]) -> None:
-    """400 naming the first tool message that answers no tool call of the assistant turn before it (as OpenAI)."""
-    if (wrong := tool_reply_error(messages)) is not None:
-        i, field, reason = wrong
-        raise APIError(400, f"messages.{i}.{field}: {reason}", param=f"messages.{i}.{field}")
-
-
-def check_tool_schemas(tools: list[Tool], forced: Collection[str] = ()) -> None:
-    """400 naming the tool whose `parameters` is not a valid JSON schema, whatever `tool_choice` says (as
-    OpenAI); the tools a call is forced to (`forced`: their names) must also be schemas the grammar engine can
-    enforce."""
-    for i, tool in enumerate(tools):
-        function = tool.function
-        if function.parameters is None:
-            continue
-        param = f"tools.{i}.function.parameters"
-        try:
-            check_schema(function.parameters, enforced=False)
-        except GuideError as error:
-            raise APIError(400, f"{param}: invalid JSON schema for function {function.name!r}: {error}",
-                           param=param) from None  # fmt: skip
-        if function.name in forced:
-            try:
-                check_schema(function.parameters, enforced=True)
-            except GuideError as error:
-                raise APIError(400, f"{param}: tool_choice forces a call of {function.name!r}, and the grammar "
-                                    f"engine cannot enforce its schema: {error}", param=param) from None  # fmt: skip
-
-
-def checked_top_k(top_k: int | None, vocab_size: int, param: str) -> int:
-    """vLLM's top_k as the engine takes it (0 = off, for vLLM's -1 too); above the vocabulary size a 400, as vLLM."""
-    if top_k is not None and top_k > vocab_size:
-        raise APIError(400, f"{param}: {top_k} is greater than the vocabulary size ({vocab_size})", param=param)
-    return max(top_k or 0, 0)
-
-
-def backend_failure(error: BackendStoppedError | AdapterGoneError, model: str, served: str) -> APIError:
-    """What a backend's failure to generate means for the client: the engine is not running (shutting down, or
-    stopped) is a 503 to retry; a named adapter found gone only when generating is the same 404 as for a name
-    never served."""
-    if isinstance(error, BackendStoppedError):
-        return APIError(503, "the inference engine is not running (shutting down); retry", code="not_ready")
-    return unknown_model(model, served)
-
-
-class ClientGone(Exception):
-    """The client of a non-streaming request disconnected before its answer was ready."""
-
-
-def client_gone(request: Request):
-    """async () -> None that returns once the client of `request` has disconnected. Once the route has read
-    the body, the server's `receive()` blocks until the connection closes and then says `http.disconnect`
-    (vLLM's listen_for_disconnect): one waiting task per request instead of polling the connection."""
-
-    async def wait() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return wait
-
-
-async def unless_client_gone(work: Awaitable, client_gone):
-    """The result of `work`, unless the client goes away first: then `work` is cancelled (its sequences leave the
-    batch at the next step, instead of generating for nobody) and ClientGone is raised. `client_gone`: async () ->
-    None that returns when the client disconnects (nothing polls: at 256 requests in flight, polling each one's
-    connection cost a fifth of the event loop), or None."""
-    work = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(client_gone()) if client_gone is not None else None
-    try:
-        await asyncio.wait({work} if gone is None else {work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done() and gone.exception() is not None:  # cannot tell: the request runs to its end
-            await work
-    except BaseException:
-        work.cancel()
-        # a cancelled gather() ends with CancelledError as its exception, which asyncio logs ("_GatheringFuture
-        # exception was never retrieved", with a traceback) unless someone reads it
-        work.add_done_callback(_read_outcome)
-        raise
-    finally:
-        if gone is not None:
-            gone.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    await asyncio.gather(work, return_exceptions=True)
-    raise ClientGone
-
-
-def context_exceeded(limit: int, prompt_len: int, requested: int | None, param: str) -> APIError:
-    """The 400 of a prompt (`param`) plus the `requested` completion tokens over the context `limit`; requested None
-    (no max_tokens: the rest of the context) means the prompt alone leaves no room. "maximum context length is L
-    tokens" is what clients (and the orchestrator) read."""
-    where = _where(param)
-    if requested is None:
-        detail = f"{prompt_len} tokens in {where}, which leaves no room for the completion. Please reduce the "
-        detail += f"length of {where}."
-    else:
-        detail = f"{prompt_len + requested} tokens ({prompt_len} in {where}, {requested} in the completion). "
-        detail += f"Please reduce the length of {where} or completion."
-    return APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {detail}",
-                    param=param, code="context_length_exceeded")  # fmt: skip
-
-
-def _where(param: str) -> str:
-    """A prompt named in a message: "prompt.1" (one of a list of prompts), else "the prompt" / "the messages"."""
-    return param if "." in param else f"the {param}"
-
-
-async def all_or_none(*aws: Awaitable) -> list:
-    """The results of `aws` run together (a request's choices), in order; when one fails, the others are cancelled
-    before its error is raised. asyncio.gather leaves them running: the other choices of a request that had already
-    answered its error kept generating for nobody."""
-    tasks = [asyncio.ensure_future(aw) for aw in aws]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()  # each closes its backend stream, which aborts its sequence
-        raise
-
-
-def _read_outcome(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _text_of(content) -> str:

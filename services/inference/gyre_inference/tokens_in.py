@@ -37,7 +37,8 @@ from pydantic import Field, model_validator
 
 from gyre_inference.backend import AdapterGoneError, BackendStoppedError, SamplingParams
 from gyre_inference.choice import choice_seed
-from gyre_inference.errors import APIError, unknown_model
+from gyre_inference.disconnects import ClientGone, all_or_none, client_gone, unless_client_gone
+from gyre_inference.errors import APIError, backend_failure, unknown_model
 from gyre_inference.json_body import FastJSONResponse
 from gyre_inference.prompt_logprobs import to_vllm
 from gyre_inference.protocol import (
@@ -59,17 +60,8 @@ from gyre_inference.protocol import (
     TopK,
     TruncatePromptTokens,
 )
-from gyre_inference.serving import (
-    VERSION_HEADER,
-    ClientGone,
-    all_or_none,
-    backend_failure,
-    checked_top_k,
-    client_gone,
-    context_exceeded,
-    truncated,
-    unless_client_gone,
-)
+from gyre_inference.request_checks import checked_top_k, context_exceeded, truncated
+from gyre_inference.serving import VERSION_HEADER
 from gyre_inference.strict import ParamError, StrictModel
 
 ROUTE = "/inference/v1/generate"

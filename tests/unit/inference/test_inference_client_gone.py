@@ -1,4 +1,4 @@
-"""`serving.unless_client_gone`, the wrapper every generation route runs its choices in."""
+"""`disconnects.unless_client_gone`, the wrapper every generation route runs its choices in."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 
-from gyre_inference.serving import unless_client_gone
+from gyre_inference.disconnects import unless_client_gone
 
 
 def test_a_cancelled_request_leaves_no_unretrieved_exception_behind(caplog):
