@@ -34,16 +34,14 @@ from gyre_inference.chat_messages import Content, tool_reply_error
 from gyre_inference.errors import APIError
 from gyre_inference.json_body import dumps
 from gyre_inference.protocol import (
-    FORMAT_NAME,
     MAX_TOP_LOGPROBS,
     MODEL_HELP,
     ChatCompletionRequest,
-    JSONSchemaFormat,
     PromptCacheOptions,
-    SchemaObject,
     StreamOptions,
 )
 from gyre_inference.strict import ParamError, StrictModel
+from gyre_inference.structured_requests import FORMAT_NAME, JSONSchemaFormat, SchemaObject
 
 # ---- request models ----------------------------------------------------------------------------------
 MIN_OUTPUT_TOKENS = 16  # OpenAI refuses less (integer_below_min_value)
