@@ -25,10 +25,9 @@ import math
 import time
 from pathlib import Path
 
-from gyre.codec import CodecError, encode_batch
+from gyre.codec import encode_batch
 from gyre.config.loader import reveal
 from gyre.config.orchestrator import OrchestratorConfig, template_kwargs
-from gyre.config.rerun import env_changes
 from gyre.endpoint import wait_all_ready
 from gyre.envs import Rollout, SamplingParams, ScoringError, Task, load_environment
 from gyre.envs.judge import add_to_rubric, held_by
@@ -37,7 +36,7 @@ from gyre.metrics import start_metrics_server
 from gyre.net import bind_failure, bind_or_explain
 from gyre.redis_retry import Stopped, acall_with_retry
 from gyre.rollouts import write_dump
-from gyre.runstate import committed_step, mark_rewound, pending_rewind, trainer_checkpoints
+from gyre.runstate import committed_step, trainer_checkpoints
 from gyre.steps import StepEntries
 from gyre.streams import BatchStream, claim_run_id
 from gyre.transport import open_store
@@ -48,11 +47,12 @@ from gyre_orchestrator.client import InferenceClient, close_replica_clients
 from gyre_orchestrator.metrics import OrchestratorMetrics
 from gyre_orchestrator.mix import MixTask, TaskMix
 from gyre_orchestrator.packing import PackResult, TrainSample, pack_batch
-from gyre_orchestrator.progress import ProgressError, ProgressStore, resume_point
+from gyre_orchestrator.progress import ProgressStore
 from gyre_orchestrator.records import ScoredRollout, StepRecords
 from gyre_orchestrator.relay import WeightRelay
 from gyre_orchestrator.replicas import ReplicaSet, make_discovery
 from gyre_orchestrator.rescoring import RESCORE_BACKOFF_S, scored_again
+from gyre_orchestrator.resume import await_trainer_rewind, find_resume_point, settled_resume_step
 from gyre_orchestrator.scheduler import RolloutKey, RolloutScheduler, StepState, VersionWatch
 from gyre_orchestrator.server import OrchestratorServer
 from gyre_orchestrator.step_samples import step_samples
@@ -63,9 +63,6 @@ from gyre_orchestrator.training_eval import TrainingEval
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9102
-# a rewinding orchestrator waits this long for the trainer to delete the abandoned weights versions (it does so when
-# it starts, after loading the model): long enough for a large model, short enough for a trainer that never will
-REWIND_WAIT_S = 600.0
 # a replica discovery dropped keeps its requests in flight this long: scaled down, its server finishes them in its
 # shutdown grace (inference server.shutdown_grace_s, 30 s) and answers the rest 503 (retried); gone, they fail at once
 RETIRE_DRAIN_S = 60.0
@@ -122,17 +119,7 @@ class OrchestratorService:
                                  config=cfg)  # fmt: skip
         self.progress = ProgressStore(self.out / "checkpoints" / "orchestrator", keep_last=cfg.ckpt_keep_last,
                                       also_keep=lambda: trainer_checkpoints(self.out))  # fmt: skip
-        if (rewind := pending_rewind(self.progress.root, cfg.resume_step)) != cfg.resume_step:
-            log.info("resume_step = %d: rewound to it before (a restarted pod); resuming where the run stands",
-                     cfg.resume_step)  # fmt: skip
-            self.cfg = cfg = cfg.model_copy(update={"resume_step": rewind})
-        if cfg.resume_step is not None and cfg.resume_step > 0 and cfg.resume_step not in self.progress.steps():
-            # before anything changes: a rewind deletes the stream's batches after the step and waits for the trainer
-            raise ValueError(
-                f"resume_step: no orchestrator progress checkpoint of step {cfg.resume_step} in {self.progress.root} "
-                f"(have {self.progress.steps()}; ckpt_interval writes them)"
-            )
-        self._refuse_other_tasks(cfg)
+        self.cfg = cfg = settled_resume_step(cfg, self.progress)  # before anything changes (gyre_orchestrator.resume)
         self.spilled = StepEntries(self.out / "batches", suffix=".bin")  # payloads above batch.inline_max_bytes
         inf = cfg.inference
         self.replicas = ReplicaSet(cooldown_s=inf.failure_cooldown_s)
@@ -290,7 +277,7 @@ class OrchestratorService:
             await self._redis(lambda: claim_run_id(self.redis, cfg.run_id, cfg.redis.owner), "claiming the run id")
         await self.discovery.start()
         if cfg.resume_step is not None and cfg.resume_step >= 0:
-            await self._await_trainer_rewind(cfg.resume_step)
+            await await_trainer_rewind(self.transport, cfg.resume_step)
         await self.relay.start()
         # health stays NOT_SERVING meanwhile: a judge, reward model or teacher still loading its model (its own pod
         # under the Helm chart) failed the first rollouts' scoring, and after sample_attempts stopped the run
@@ -402,91 +389,8 @@ class OrchestratorService:
         outcome = "stale" if stale else "truncated" if sample.rollout.truncated else "ok"
         self.metrics.labels(self.metrics.rollouts, env=sample.env, outcome=outcome).inc()
 
-    async def _await_trainer_rewind(self, step: int, poll_s: float = 0.5, remind_s: float = 30.0) -> None:
-        """A rewind to `step` abandons the weights versions after it, which the trainer deletes as it starts with the
-        same `ckpt.resume_step`. Until then they look published: the relay would put the newest on the replicas, and
-        its rollouts, the abandoned policy's, would fill the rewound run's first batches (a trainer loading a large
-        model deletes them long after an orchestrator has started). So the relay starts once the trainer has deleted
-        them, or after `REWIND_WAIT_S` (a trainer that was not rewound: the run goes on as without this wait)."""
-        abandoned = self.transport.latest()
-        if abandoned is None or abandoned <= step:
-            return
-        start = last_note = time.monotonic()
-        log.warning("rewind to step %d: waiting for the trainer (ckpt.resume_step = %d) to delete the abandoned "
-                    "weights versions %d..%d before relaying any", step, step, step + 1, abandoned)  # fmt: skip
-        while (latest := self.transport.latest()) is not None and latest >= abandoned:
-            now = time.monotonic()
-            if now - start >= REWIND_WAIT_S:
-                log.warning("rewind to step %d: the trainer still publishes weights versions up to %d after %.0fs "
-                            "(was it started with ckpt.resume_step = %d?); going on", step, latest, now - start,
-                            step)  # fmt: skip
-                return
-            if now - last_note >= remind_s:
-                last_note = now
-                log.warning("rewind to step %d: still waiting for the trainer to delete weights versions %d..%d",
-                            step, step + 1, latest)  # fmt: skip
-            await asyncio.sleep(poll_s)
-        log.info("rewind to step %d: the trainer deleted the abandoned weights versions; relaying", step)
-
-    def _refuse_other_tasks(self, cfg: OrchestratorConfig) -> None:
-        """ValueError naming the key when the progress checkpoint this orchestrator would resume from was made with
-        another task sampler `seed` or environment (`env`, the leaves a started run cannot absorb:
-        `gyre.config.rerun.env_changes`). Its task positions index into the first seed's and environment's tasks: a
-        `helm upgrade` that changed them went on at the same index of other tasks (rows repeated or skipped mid-run),
-        and the stream's batches were of the first environment. `gyre rl` refuses such a re-run before starting;
-        this is the check for a restarted pod, which no launcher sees. A rewind to 0 starts the run over: free."""
-        if cfg.resume_step == 0 or not self.progress.steps():
-            return
-        try:
-            saved = self.progress.load(cfg.resume_step if cfg.resume_step is not None and cfg.resume_step > 0 else -1)
-        except ProgressError:
-            return  # an unreadable checkpoint: the resume rule says so
-        where = f"the run's progress checkpoint {self.progress.path(saved.step)} (step {saved.step})"
-        way_out = ("keep it, rewind to step 0 together with the trainer (resume_step = 0, trainer ckpt.resume_step = "
-                   "0), or start a new run (another run_id and output folder)")  # fmt: skip
-        if saved.seed is not None and saved.seed != cfg.seed:
-            raise ValueError(
-                f"seed: {where} was made with seed = {saved.seed}, this orchestrator has seed = {cfg.seed}; its task "
-                f"position is an index into the first seed's tasks (a new seed repeats or skips tasks): {way_out}"
-            )
-        if saved.env is not None and (changed := env_changes(saved.env, cfg.model_dump(mode="json")["env"])):
-            leaf, was, new = changed[0]
-            raise ValueError(
-                f"env{leaf}: {where} was made with env{leaf} = {was!r}, this orchestrator has {new!r}; its task "
-                f"position and the stream's batches belong to the first environment: {way_out}"
-            )
-
     async def _resume_point(self):
-        cfg = self.cfg
-        if cfg.resume_step is not None and cfg.resume_step >= 0:
-            dropped = await self._redis(
-                lambda: self.stream.discard_after(cfg.resume_step), "discarding rewound batches"
-            )
-            if dropped:
-                log.warning("rewind to step %d: deleted stream entries of steps %s", cfg.resume_step, dropped)
-            # the abandoned future's progress checkpoints: left, they were the newest, so retention deleted the
-            # rewound run's own as it wrote them, and a restart resumed from the abandoned task position
-            abandoned = self.progress.entries.discard_after(cfg.resume_step)
-            if abandoned:
-                log.warning("rewind to step %d: deleted progress checkpoints %s", cfg.resume_step, abandoned)
-        committed = committed_step(self.out, self.transport.latest())
-        pending = await self._redis(lambda: self.stream.steps_after(committed), "reading the stream")
-        cursors, draws = await self._redis(self._stream_positions, "reading the newest batch")
-        # task_index: the first entry's (the only one's) cursor, as a progress checkpoint holds it
-        point = resume_point(cfg.resume_step, self.progress, committed, pending, cursors.get(cfg.envs[0].key),
-                             cursors=cursors, stream_draws=draws)  # fmt: skip
-        if cfg.resume_step is not None and cfg.resume_step >= 0:
-            mark_rewound(self.progress.root, cfg.resume_step)  # done: a restart with the same resume_step goes on
-        if any(step >= point.start_step for step in pending):
-            # batches after a gap (a step the trainer dead-lettered, or that Redis lost): their steps are generated
-            # and pushed again, so they go now. Left in place, the trainer trained them (the oldest entry of a step
-            # wins) while this run's event log and rollout dumps describe the batches pushed again.
-            dropped = await self._redis(
-                lambda: self.stream.discard_after(point.start_step - 1), "discarding batches after a gap"
-            )
-            log.warning("deleted the stream entries of steps %s after the missing step %d: they are generated again",
-                        dropped, point.start_step)  # fmt: skip
-        return point
+        return await find_resume_point(self.cfg, self.out, self.progress, self.transport, self.stream, self._redis)
 
     async def _redis(self, op, what: str, *, during_push: bool = False):
         """A Redis call that survives an outage of up to `redis.retry_deadline_s` (and stops on SIGTERM). A push's
@@ -745,26 +649,3 @@ class OrchestratorService:
         entry's task positions are read from it on a restart."""
         committed = committed_step(self.out, self.transport.latest())
         self.spilled.remove([s for s in self.spilled.steps() if s < committed])
-
-    def _stream_positions(self) -> tuple[dict[str, int], int | None]:
-        """Per entry one past the highest train task index in the newest batch of the stream, and one past its
-        highest draw (({}, None) if unknown)."""
-        newest = self.stream.newest()
-        if newest is None:
-            return {}, None
-        try:
-            batch = newest.decode()
-        except CodecError as e:
-            log.warning("cannot read the newest batch in the stream (%s); task positions from the checkpoint", e)
-            return {}, None
-        cursors: dict[str, int] = {}
-        draws = None
-        for s in batch.samples:
-            index, draw = s.get("task_index"), s.get("draw")
-            if isinstance(index, int):
-                # a batch from before mixes names the one environment by its name, which is its label
-                label = str(s.get("env", self.cfg.envs[0].key))
-                cursors[label] = max(cursors.get(label, 0), index + 1)
-            if isinstance(draw, int):
-                draws = max(draws or 0, draw + 1)
-        return cursors, draws

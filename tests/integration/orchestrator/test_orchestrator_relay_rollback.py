@@ -149,6 +149,7 @@ async def test_a_rewinding_orchestrator_relays_nothing_until_the_trainer_deleted
     the deletion (no replica is needed to see what it would relay)."""
     from gyre.config import load_config
     from gyre.config.orchestrator import OrchestratorConfig
+    from gyre_orchestrator import resume as resume_module
     from gyre_orchestrator import service as service_module
     from gyre_orchestrator.progress import Progress, ProgressStore
 
@@ -170,9 +171,9 @@ async def test_a_rewinding_orchestrator_relays_nothing_until_the_trainer_deleted
         assert service.relay.target.step == 1 and service.scheduler.next_close == 2
         # a trainer that was never rewound: the orchestrator goes on after REWIND_WAIT_S, as it did without waiting
         store.publish(2, lambda folder: (folder / "weights.bin").write_bytes(b"2" * 64))
-        monkeypatch.setattr(service_module, "REWIND_WAIT_S", 0.3)
+        monkeypatch.setattr(resume_module, "REWIND_WAIT_S", 0.3)
         # 0.3 s here against 600 s unpatched: a generous ceiling (it was 5 s) still tells them apart
-        await asyncio.wait_for(service._await_trainer_rewind(1, poll_s=0.05), timeout=60)
+        await asyncio.wait_for(resume_module.await_trainer_rewind(service.transport, 1, poll_s=0.05), timeout=60)
     finally:
         start.cancel()
         with contextlib.suppress(asyncio.CancelledError):
