@@ -60,21 +60,21 @@ def test_every_command_target_is_importable_as_a_module_path():
         assert module and func.isidentifier()
 
 
-def test_importing_gyre_and_its_torch_free_modules_does_not_import_torch():
+def test_importing_any_module_of_gyre_does_not_import_torch():
+    # libs/gyre is the torch-free library (the orchestrator image has no torch): every module of it, found by
+    # walking the package (a hand-kept list of five had let the others go unchecked), imports torch lazily if at all
     code = (
-        "import sys, gyre, gyre.cli, gyre.config, gyre.config.inference, gyre.config.trainer, "
-        "gyre.config.orchestrator\n"
-        "import importlib\n"
-        "for m in ['gyre.model_init', 'gyre.codec', 'gyre.streams', 'gyre.weights', 'gyre.envs']:\n"
-        "    try:\n"
-        "        importlib.import_module(m)\n"
-        "    except ModuleNotFoundError:\n"
-        "        pass\n"
+        "import importlib, pkgutil, sys, gyre\n"
+        "names = [m.name for m in pkgutil.walk_packages(gyre.__path__, 'gyre.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"
+        "print(len(names))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 90  # the walk found the package's modules (97 when written)
 
 
 def test_gyre_eval_help_describes_evaluation_not_the_orchestrator():
