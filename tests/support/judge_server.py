@@ -21,9 +21,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 class ScriptedServer:
     """On `port` (default: a free one): /v1/models (first the answers of `models_script`), /v1/chat/completions
-    (replies from `script`: text, ("sleep", s, text), ("length", text) (cut at max_tokens), ("status", code[,
-    headers[, message]]), ("raw", body, content type) (a body as given, e.g. broken JSON) or ("trickle", seconds,
-    text) (a space every 0.1 s for `seconds`, then the answer: each read is quick, the whole answer slow); first
+    (replies from `script`: text, ("sleep", s, text), ("hold", threading.Event, text) (answered once the event
+    is set, at most 60 s later: a request held in flight as long as a test needs), ("length", text) (cut at
+    max_tokens), ("status", code[, headers[, message]]), ("raw", body, content type) (a body as given, e.g. broken
+    JSON) or ("trickle", seconds, text) (a space every 0.1 s for `seconds`, then the answer: each read is quick,
+    the whole answer slow); first
     `reply_for`'s reply to what is asked, when it gives one), /tokenize (one token per character), /classify (score =
     number of tokens / 10; a 400 for an input longer than `max_len`; first the bodies of `classify_script`). Records
     every request.
@@ -57,6 +59,9 @@ class ScriptedServer:
             action = chosen if chosen is not None else self.script.pop(0) if self.script else "5"
             if isinstance(action, tuple) and action[0] == "sleep":
                 await asyncio.sleep(action[1])
+                action = action[2]
+            if isinstance(action, tuple) and action[0] == "hold":
+                await asyncio.to_thread(action[1].wait, 60)
                 action = action[2]
             if isinstance(action, tuple) and action[0] == "raw":
                 return Response(action[1], media_type=action[2])

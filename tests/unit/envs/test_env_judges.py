@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import re
+import threading
 import time
 
 import pytest
@@ -29,6 +30,14 @@ from support.judge_server import ScriptedServer
 def scripted():
     with ScriptedServer() as server:
         yield server
+
+
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Wait for `condition()` (the scripted server's requests, recorded on its own thread) for up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(autouse=True)
@@ -469,37 +478,49 @@ def test_a_shared_call_whose_first_caller_is_cancelled_answers_the_others(script
     dropped, its group skipped), the others got its CancelledError though nobody cancelled them: a rollout lost
     for a reason it did not have. The call now runs on for them, and is asked once."""
     judge = Judge(url=scripted.url, prompt="{response}", model="judge-model")
-    scripted.script = [("sleep", 0.5, "3"), "7"]
+    # the answer is held until first is cancelled: a fixed 0.5 s could end before a loaded machine's cancel
+    release = threading.Event()
+    scripted.script = [("hold", release, "3"), "7"]
 
     async def scenario():
         first = asyncio.create_task(judge(PROMPT, completion("same"), ""))
-        await asyncio.sleep(0.1)  # first is asking
+        await until(lambda: scripted.count("chat") == 1)  # first is asking
         second = asyncio.create_task(judge(PROMPT, completion("same"), ""))
         await asyncio.sleep(0.1)  # second shares it
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
+        release.set()
         return await second
 
-    assert asyncio.run(scenario()) == pytest.approx(0.3) and scripted.count("chat") == 1
+    try:
+        assert asyncio.run(scenario()) == pytest.approx(0.3) and scripted.count("chat") == 1
+    finally:
+        release.set()
 
 
 def test_a_shared_call_nobody_waits_for_is_cancelled_and_asked_again_later(scripted):
     """Every rollout waiting for a call dropped: the request is cancelled (not left to finish into the cache), and
     the same call asked later is a new request."""
     judge = Judge(url=scripted.url, prompt="{response}", model="judge-model")
-    scripted.script = [("sleep", 2.0, "3"), "7"]
+    # held until the end: a fixed 2 s answer could come before a loaded machine's cancel, and a fixed 0.2 s wait
+    # could cancel a request that had not reached the server yet (counted once, not twice)
+    release = threading.Event()
+    scripted.script = [("hold", release, "3"), "7"]
 
     async def scenario():
         waiting = [asyncio.create_task(judge(PROMPT, completion("same"), "")) for _ in range(2)]
-        await asyncio.sleep(0.2)
+        await until(lambda: scripted.count("chat") == 1)  # the shared request is at the server
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
         await asyncio.sleep(0)
         return await judge(PROMPT, completion("same"), "")
 
-    assert asyncio.run(scenario()) == pytest.approx(0.7) and scripted.count("chat") == 2
+    try:
+        assert asyncio.run(scenario()) == pytest.approx(0.7) and scripted.count("chat") == 2
+    finally:
+        release.set()
 
 
 def test_a_reply_cut_at_max_tokens_is_no_score(scripted):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 from gyre.envs import SamplingParams
@@ -16,14 +17,16 @@ from gyre_orchestrator.replicas import Endpoint, ReplicaSet
 from support.asgi import serving
 
 
-def answering(version: int | None, delay_s: float = 0.0):
-    """The bench's echo server, its answers from policy `version` (None: no versions in them, as vLLM's), each after
-    `delay_s`."""
+def answering(version: int | None, arrived: threading.Event | None = None, release: threading.Event | None = None):
+    """The bench's echo server, its answers from policy `version` (None: no versions in them, as vLLM's). With
+    `arrived` and `release`, a chat answer sets `arrived` and is held until `release` is set."""
 
     async def app(scope, receive, send):
         async def rewriting(message):
-            if message["type"] == "http.response.start":
-                await asyncio.sleep(delay_s)
+            chat = scope["path"].endswith("/chat/completions")
+            if message["type"] == "http.response.start" and release is not None and chat:
+                arrived.set()
+                await asyncio.to_thread(release.wait, 60)
             if message["type"] == "http.response.body" and scope["path"].endswith("/chat/completions"):
                 body = json.loads(message["body"])
                 for choice in body["choices"]:
@@ -66,7 +69,7 @@ def test_an_answer_confirms_a_failed_replicas_version_only_when_it_reports_it(ve
 def test_an_answer_without_versions_is_as_old_as_the_version_its_request_was_sent_to():
     # audit: an answer without versions (vLLM) was tagged with the replica's version known when it came back, so a
     # completion the relay's swap from 3 to 4 interrupted was taken for version 4's alone and passed the floor 4
-    port = free_port()
+    port, arrived, release = free_port(), threading.Event(), threading.Event()
 
     async def scenario():
         replicas = ReplicaSet([Endpoint(f"http://127.0.0.1:{port}", "127.0.0.1:1")])
@@ -75,10 +78,16 @@ def test_an_answer_without_versions_is_as_old_as_the_version_its_request_was_sen
         client = InferenceClient(replicas, model="m")
         sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4)
         chat = asyncio.create_task(client.for_version(3).chat([{"role": "user", "content": "hi"}], sampling=sampling))
-        await asyncio.sleep(0.5)
+        # the swap lands once the request is at the replica, whose answer waits for it: a fixed 0.5 s (against an
+        # answer 1.5 s late) could be the client still setting up on a loaded machine, the request then sent to 4
+        assert await asyncio.to_thread(arrived.wait, 30), "the request never reached the replica"
         replicas.mark_ok(replica, version=4)  # the relay's UpdateWeights(4) returned while the request generated
+        release.set()
         turn = await chat
         return turn.policy_version_min, turn.policy_version_max
 
-    with serving(answering(None, delay_s=1.5), port):
-        assert asyncio.run(scenario()) == (3, 4)
+    try:
+        with serving(answering(None, arrived, release), port):
+            assert asyncio.run(scenario()) == (3, 4)
+    finally:
+        release.set()  # a failed scenario does not leave the server's answer held
