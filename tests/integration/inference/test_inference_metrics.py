@@ -113,6 +113,19 @@ def test_the_engine_series_say_where_prompts_and_time_went(server, client, model
     assert 0 <= value(after, "gyre_inference_kv_cache_usage_ratio") < 1
 
 
+def wait_for_log(server, condition, timeout_s: float = 60.0) -> None:
+    """Wait until `condition(the server's log text)` holds: an engine line is written at the first interval tick
+    after what it counts, later on a loaded machine than any fixed wait after the work."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(server.log_path.read_text()):
+        assert server.proc.poll() is None and time.monotonic() < deadline, server.tail()
+        time.sleep(0.05)
+
+
+def decode_steps_logged(log: str) -> int:
+    return sum(int(m[1]) for m in re.finditer(r"engine: .*\| decode (\d+) steps of", log))
+
+
 def test_the_engine_logs_a_line_of_statistics_while_it_works(start_server):
     server = start_server("--engine.log-stats-interval-s", "0.2", "--log.level", "INFO", "--run-id", "stats-line")
     try:
@@ -121,7 +134,8 @@ def test_the_engine_logs_a_line_of_statistics_while_it_works(start_server):
         with OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as c:
             c.completions.create(model=server.model_name, prompt=[5, 6, 7, 8] * 10, max_tokens=64, n=4,
                                  extra_body={"ignore_eos": True})  # fmt: skip
-        time.sleep(1.0)  # at least one interval after the work, and idle ones after it
+        wait_for_log(server, lambda log: decode_steps_logged(log) >= 63)  # every step of the work is on a line
+        time.sleep(1.0)  # idle intervals after it (5), in which nothing more may be logged
     finally:
         assert server.stop() == 0
     log = server.log_path.read_text().splitlines()
@@ -155,7 +169,8 @@ def test_preemptions_under_kv_block_pressure_are_counted_and_logged(start_server
         assert [choice.finish_reason for choice in done.choices] == ["length"] * 4
         metrics = httpx.get(f"{server.url}/metrics").text
         assert samples(metrics)[("gyre_inference_engine_preemptions_total", (("run_id", "preemptions"),))] > 0
-        time.sleep(0.5)  # an interval's line after the work
+        # the interval's line that counts them (its tick comes after the work, late on a loaded machine)
+        wait_for_log(server, lambda log: re.search(r"\| preempted \d+ rows? \(KV cache full\)", log))
     finally:
         assert server.stop() == 0
     assert re.search(r"\| preempted \d+ rows? \(KV cache full\)", server.log_path.read_text()), server.tail()
