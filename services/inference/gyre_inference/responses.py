@@ -360,7 +360,7 @@ async def respond(serving, request: ResponsesRequest, started: float, client_gon
     except APIError as error:  # named as the chat request calls its fields: named as this one does
         raise names.error(error) from None
     shaper = ResponseShaper(request, serving, job)
-    return await serving._respond(job, client_gone, body=shaper.body, stream=shaper.stream)
+    return await serving.respond(job, client_gone, body=shaper.body, stream=shaper.stream)
 
 
 # ---- response shapes ---------------------------------------------------------------------------------
@@ -416,7 +416,7 @@ class ResponseShaper:
                 "content": [part] if status != "in_progress" else []}  # fmt: skip
 
     def logprobs(self, span: slice = slice(None)) -> list[dict]:
-        chat = self.serving._chat_logprobs(self.job, self.choice, span)
+        chat = self.serving.chat_logprobs(self.job, self.choice, span)
         return chat["content"] if chat else []
 
     def calls(self) -> list[dict]:
@@ -444,9 +444,9 @@ class ResponseShaper:
         return f"event: {kind}\ndata: {dumps(payload)}\n\n"
 
     async def stream(self, _job=None) -> AsyncIterator[str]:
-        from gyre_inference.serving import _Run
+        from gyre_inference.serving import JobStream
 
-        run = _Run(self.serving, self.job)
+        run = JobStream(self.serving, self.job)
         text_started = False
         logged = 0  # tokens whose log-probs a delta carried: a delta carries those of every token since the last
         message = {"item_id": self.message_id, "output_index": 0, "content_index": 0}

@@ -42,7 +42,7 @@ VERSION_HEADER = "x-gyre-policy-version"
 
 
 @dataclass
-class _Job:
+class Job:
     """The choices of one request, each with its prompt (ids) and sampling params."""
 
     kind: str  # "chat" | "completions"
@@ -53,7 +53,7 @@ class _Job:
     first_token_at: float | None = None
 
 
-class _Run:
+class JobStream:
     """The choices of a streaming job running as tasks, their tokens in arrival order (`next()`).
 
     `close()` cancels what still runs (each cancelled task closes its backend stream, which aborts its
@@ -61,7 +61,7 @@ class _Run:
     Starlette cancels the generator's scope, and an await would be cancelled again before the bookkeeping.
     """
 
-    def __init__(self, serving: Serving, job: _Job):
+    def __init__(self, serving: Serving, job: Job):
         self.serving, self.job = serving, job
         self.outcome = "aborted"  # unless the stream gets to its end: the client went away (or the server stops)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -106,9 +106,9 @@ class Serving:
     async def chat(self, request: ChatCompletionRequest, started: float, client_gone=None):
         """`started`: arrival time (time.monotonic); `client_gone`: async () -> None, returns when the client
         disconnects (a non-streaming request is then cancelled)."""
-        return await self._respond(await self.chat_job(request, started), client_gone)
+        return await self.respond(await self.chat_job(request, started), client_gone)
 
-    async def chat_job(self, request: ChatCompletionRequest, started: float, kind: str = "chat") -> _Job:
+    async def chat_job(self, request: ChatCompletionRequest, started: float, kind: str = "chat") -> Job:
         """The choices of a chat request, ready to run (`kind` names the endpoint in metrics)."""
         self._check_model(request.model)
         if request.tools:
@@ -148,7 +148,7 @@ class Serving:
                       for p, ids, kept in zip(sent, whole, prompts, strict=True)]  # fmt: skip
         job = self._job("completions", request, prompts, request.max_tokens, "prompt", False, started, echoes)
         await self._constrain(job, request.guide())
-        return await self._respond(job, client_gone)
+        return await self.respond(job, client_gone)
 
     def _truncated(self, request, prompts: list[list[int]]) -> list[list[int]]:
         return truncated(prompts, request.truncate_prompt_tokens, self.backend.max_model_len, "truncate_prompt_tokens")
@@ -174,7 +174,7 @@ class Serving:
         )
         return Guide("grammar", grammar, "tool_choice")
 
-    async def _constrain(self, job: _Job, guide: Guide | None) -> None:
+    async def _constrain(self, job: Job, guide: Guide | None) -> None:
         """Attach `guide` to every choice (compiled once, in a worker thread: a large schema takes a while),
         with a fresh grammar matcher per choice when the backend drives them itself (the torch engine)."""
         if guide is None:
@@ -201,7 +201,7 @@ class Serving:
         except KeyError:
             raise unknown_model(model, self.model_id) from None
 
-    def _job(self, kind, request, prompts, limit, prompt_param, parse_tools, started, echoes=None) -> _Job:
+    def _job(self, kind, request, prompts, limit, prompt_param, parse_tools, started, echoes=None) -> Job:
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         # an id the model cannot sample never stops anything, and with min_tokens it indexes the logits (its
         # suppression bias): the engine step failed, and with it every request in the batch
@@ -269,7 +269,7 @@ class Serving:
                                 stop_token_ids=own_stop_ids, forced_tool=forced_tool,
                                 skip_special=request.skip_special_tokens, ends=frozenset(stop_ids))  # fmt: skip
                 choices.append((p, choice, params))
-        return _Job(kind, request, prompts, choices, started)
+        return Job(kind, request, prompts, choices, started)
 
     def _budget(self, prompt_len: int, requested: int | None, param: str) -> int:
         limit = self.backend.max_model_len
@@ -284,7 +284,7 @@ class Serving:
         return requested if requested is not None else limit - prompt_len
 
     # ---- running ----------------------------------------------------------------------------------
-    async def _run_choice(self, job: _Job, prompt_index: int, choice: Choice, params: SamplingParams, sink) -> None:
+    async def _run_choice(self, job: Job, prompt_index: int, choice: Choice, params: SamplingParams, sink) -> None:
         """Feed the backend's tokens into `choice`, handing each Delta to `sink`; stops the backend early
         (closing its stream aborts the sequence) when a stop string ends the choice."""
         stream = self.backend.generate(job.prompts[prompt_index], params)
@@ -302,9 +302,10 @@ class Serving:
         finally:
             await stream.aclose()
 
-    async def _respond(self, job: _Job, client_gone, body=None, stream=None):
+    async def respond(self, job: Job, client_gone, body=None, stream=None):
         """Run `job`: a JSON body (`body(job)`, default the chat/completions one) or an SSE stream
-        (`stream(job)`, an async iterator of SSE text; default chat/completions chunks)."""
+        (`stream(job)`, an async iterator of SSE text; default chat/completions chunks). The seam other API shapes
+        (responses.py) answer through, with `chat_logprobs` and `JobStream`."""
         self.metrics.prompt_tokens.labels(self._run_label(job)).inc(sum(len(p) for p in job.prompts))
         if job.request.stream:
             return StreamingResponse(
@@ -329,7 +330,7 @@ class Serving:
         newest = max(choice.version_max for _, choice, _ in job.choices)
         return FastJSONResponse(body(job), headers={VERSION_HEADER: str(newest)})
 
-    def _served_version(self, job: _Job) -> int:
+    def _served_version(self, job: Job) -> int:
         """The version the job's model name serves now: a named adapter's own, not the base model's."""
         adapter = job.choices[0][2].adapter
         if adapter is None:
@@ -339,7 +340,7 @@ class Serving:
         except KeyError:  # forgotten since the request was checked: its stream ends with the 404
             return 0
 
-    async def _run_all(self, job: _Job, client_gone) -> str:
+    async def _run_all(self, job: Job, client_gone) -> str:
         """Run every choice to its end: "success", or "aborted" when the client went away first."""
         try:
             await unless_client_gone(
@@ -350,16 +351,16 @@ class Serving:
             return "aborted"
         return "success"
 
-    def _finish_metrics(self, job: _Job, outcome: str) -> None:
+    def _finish_metrics(self, job: Job, outcome: str) -> None:
         run = self._run_label(job)
         self.metrics.generation_tokens.labels(run).inc(sum(len(choice.token_ids) for _, choice, _ in job.choices))
         self.metrics.request_done(job.kind, outcome, time.monotonic() - job.started, run)
 
-    def _run_label(self, job: _Job) -> str:
+    def _run_label(self, job: Job) -> str:
         """The run whose series count `job`: its named adapter's (multi-run), else the replica's."""
         return self.metrics.run_of(job.choices[0][2].adapter)
 
-    async def _stream(self, job: _Job) -> AsyncIterator[str]:
+    async def _stream(self, job: Job) -> AsyncIterator[str]:
         """SSE: per choice a role chunk (chat), then one chunk per token that releases text or carries
         token ids / log-probs, the finishing chunk, an optional usage chunk, then [DONE]."""
         head = {"id": _request_id(job.kind), "object": _chunk_object(job), "created": int(time.time()),
@@ -382,7 +383,7 @@ class Serving:
                 chunk["usage"] = _usage(prompt_of[index], covered.get(index, 0))
             return _sse(chunk)
 
-        run = _Run(self, job)
+        run = JobStream(self, job)
         try:
             if job.kind == "chat":
                 for _, choice, _ in job.choices:
@@ -411,18 +412,18 @@ class Serving:
             run.close()
 
     # ---- response bodies --------------------------------------------------------------------------
-    def _usage(self, job: _Job) -> dict:
+    def _usage(self, job: Job) -> dict:
         """Usage of the request: its prompts' tokens (each once, whatever `n`) and every choice's tokens."""
         return _usage(sum(len(p) for p in job.prompts), sum(len(choice.token_ids) for _, choice, _ in job.choices))
 
-    def _chat_body(self, job: _Job) -> dict:
+    def _chat_body(self, job: Job) -> dict:
         choices = []
         for _, choice, _ in job.choices:
             text = choice.echo + choice.text
             message = {"role": "assistant", "content": text if (text or not choice.tool_calls) else None}
             if choice.tool_calls:
                 message["tool_calls"] = choice.tool_calls
-            entry = {"index": choice.index, "message": message, "logprobs": self._chat_logprobs(job, choice),
+            entry = {"index": choice.index, "message": message, "logprobs": self.chat_logprobs(job, choice),
                      "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
                      **choice.versions()}  # fmt: skip
             if job.request.return_token_ids:
@@ -437,7 +438,7 @@ class Serving:
             body["prompt_logprobs"] = to_vllm(entries, job.prompts[0], lambda t: self._token(job, t)[0])
         return body
 
-    def _completion_body(self, job: _Job) -> dict:
+    def _completion_body(self, job: Job) -> dict:
         choices = []
         prompt_lps = {p: choice.prompt_logprobs for p, choice, _ in job.choices if choice.prompt_logprobs}
         for p, choice, _ in job.choices:
@@ -458,7 +459,7 @@ class Serving:
             body["prompt_token_ids"] = job.prompts[0]
         return body
 
-    def _chunk_choices(self, job: _Job, choice: Choice, delta: Delta) -> list[dict]:
+    def _chunk_choices(self, job: Job, choice: Choice, delta: Delta) -> list[dict]:
         """The choice entries of the chunks for one token: one, or for the last token of a choice that made tool
         calls two, the calls (with the token's data) and then the finish. The openai SDK's stream helper fires a
         call's `tool_calls.function.arguments.done` (with `parsed_arguments`) once a later chunk ends it, and
@@ -476,7 +477,7 @@ class Serving:
             del entry[key]
         return [entry, finish]
 
-    def _chunk_choice(self, job: _Job, choice: Choice, delta: Delta) -> dict:
+    def _chunk_choice(self, job: Job, choice: Choice, delta: Delta) -> dict:
         """The choice entry of the chunk for one token (the token at `delta.position`)."""
         span = slice(delta.position, delta.position + 1)
         entry = {"index": choice.index, "finish_reason": delta.finish_reason, "policy_version": delta.version}
@@ -484,7 +485,7 @@ class Serving:
             entry["delta"] = {"content": delta.text} if delta.text or not delta.finish_reason else {}
             if delta.finish_reason and choice.tool_calls:
                 entry["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice.tool_calls)]
-            entry["logprobs"] = self._chat_logprobs(job, choice, span)
+            entry["logprobs"] = self.chat_logprobs(job, choice, span)
         else:
             entry["text"] = delta.text
             entry["logprobs"] = self._legacy_logprobs(job, choice, span)
@@ -497,7 +498,8 @@ class Serving:
             entry.update(choice.versions())
         return entry
 
-    def _chat_logprobs(self, job: _Job, choice: Choice, span: slice = slice(None)) -> dict | None:
+    def chat_logprobs(self, job: Job, choice: Choice, span: slice = slice(None)) -> dict | None:
+        """The chat `logprobs` object of `choice`'s tokens in `span` (None when the request asked for none)."""
         if not (isinstance(job.request, ChatCompletionRequest) and job.request.logprobs):
             return None
         content = []
@@ -512,7 +514,7 @@ class Serving:
             content.append({"token": token, "logprob": logprob, "bytes": data, "top_logprobs": alternatives})
         return {"content": content}
 
-    def _legacy_logprobs(self, job: _Job, choice: Choice, span: slice = slice(None)) -> dict | None:
+    def _legacy_logprobs(self, job: Job, choice: Choice, span: slice = slice(None)) -> dict | None:
         """OpenAI's legacy completions format; top_logprobs holds the alternatives plus the sampled token."""
         if not (isinstance(job.request, CompletionRequest) and job.request.logprobs is not None):
             return None
@@ -533,7 +535,7 @@ class Serving:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
 
-    def _echo_logprobs(self, job: _Job, choice: Choice) -> tuple[list, list, list, list]:
+    def _echo_logprobs(self, job: Job, choice: Choice) -> tuple[list, list, list, list]:
         """The legacy log-prob lists of the echoed prompt: its first token has none (null), as in vLLM."""
         tokens, offsets, tops, logprobs = [], [], [], []
         offset = 0
@@ -549,7 +551,7 @@ class Serving:
             tops.append(top)
         return tokens, offsets, tops, logprobs
 
-    def _token(self, job: _Job, token_id: int) -> tuple[str, list[int]]:
+    def _token(self, job: Job, token_id: int) -> tuple[str, list[int]]:
         """(text, bytes) of a token in log-prob entries; "token_id:{id}" with return_tokens_as_token_ids (vLLM)."""
         if job.request.return_tokens_as_token_ids:
             name = f"token_id:{token_id}"
@@ -574,12 +576,12 @@ def _ignore(*_) -> None:
     return None
 
 
-def _wants_logprobs(job: _Job) -> bool:
+def _wants_logprobs(job: Job) -> bool:
     request = job.request
     return bool(request.logprobs) if isinstance(request, ChatCompletionRequest) else request.logprobs is not None
 
 
-def _chunk_object(job: _Job) -> str:
+def _chunk_object(job: Job) -> str:
     return "chat.completion.chunk" if job.kind == "chat" else "text_completion"
 
 
