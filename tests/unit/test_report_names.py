@@ -35,3 +35,22 @@ def test_no_run_or_two_are_usage_errors(argv, said, capsys, tmp_path, monkeypatc
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_drawing_on_a_fresh_machine_logs_nothing_of_matplotlibs_font_cache(tmp_path):
+    # matplotlib's first import on a machine builds its font cache and logs it at INFO: `make demo` on a fresh
+    # machine printed "INFO launcher matplotlib.font_manager: generated new fontManager" under its progress bar
+    import os
+    import subprocess
+    import sys
+
+    run = a_run(tmp_path / "run")
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom gyre.logging import setup_logging\n"
+        "setup_logging('INFO', None, 'launcher')\nfrom gyre.local.report import draw\ndraw(Path(sys.argv[1]))\n"
+    )
+    fresh = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}  # no font cache yet, as on a fresh machine
+    out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, env=fresh, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert (run / "report.png").is_file() and (tmp_path / "mpl").is_dir()  # the cache was built: it had to be
+    assert "matplotlib" not in out.stderr, out.stderr

@@ -218,8 +218,13 @@ def draw(output_dir: Path, path: Path | None = None) -> Path:
     approximated by the orchestrator's batch tokens (prompt + completion of kept samples) per second of
     batch generation, since the event logs do not record the inference servers' own counters.
     """
+    import logging
+
     import matplotlib
 
+    # its first import on a machine builds a font cache and says so at INFO ("generated new fontManager"), which
+    # landed between `gyre rl`'s progress bar and its summary on a fresh machine: its warnings are enough
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
