@@ -25,10 +25,9 @@ class ScriptedServer:
     is set, at most 60 s later: a request held in flight as long as a test needs), ("length", text) (cut at
     max_tokens), ("status", code[, headers[, message]]), ("raw", body, content type) (a body as given, e.g. broken
     JSON) or ("trickle", seconds, text) (a space every 0.1 s for `seconds`, then the answer: each read is quick,
-    the whole answer slow); first
-    `reply_for`'s reply to what is asked, when it gives one), /tokenize (one token per character), /classify (score =
-    number of tokens / 10; a 400 for an input longer than `max_len`; first the bodies of `classify_script`). Records
-    every request.
+    the whole answer slow); first `reply_for`'s reply to what is asked, when it gives one), /tokenize (one token per
+    character), /classify (score = number of tokens / 10; a 400 for an input longer than `max_len`; first the bodies
+    of `classify_script`). Records every request.
     `base`: where the OpenAI routes are (/v1beta/openai: as Gemini serves them)."""
 
     def __init__(self, port: int = 0, base: str = "/v1"):

@@ -27,7 +27,7 @@ def answering(version: int | None, arrived: threading.Event | None = None, relea
             if message["type"] == "http.response.start" and release is not None and chat:
                 arrived.set()
                 await asyncio.to_thread(release.wait, 60)
-            if message["type"] == "http.response.body" and scope["path"].endswith("/chat/completions"):
+            if message["type"] == "http.response.body" and chat:
                 body = json.loads(message["body"])
                 for choice in body["choices"]:
                     for key in ("policy_version_min", "policy_version_max"):
